@@ -1,0 +1,258 @@
+/*
+ * entmaxkv — long-context decoding with alpha-entmax attention.
+ *
+ * The only public header. Conventions:
+ *   - every symbol is prefixed ekv_; objects are opaque handles;
+ *   - functions return ekv_status (0 = OK, negative = error) and, when a context is
+ *     given, leave a message saying what was wrong in ekv_last_error(ctx);
+ *   - on error, outputs are left untouched; the library never aborts or exits;
+ *   - sizes and offsets are int64_t; page ids are int32_t;
+ *   - every params struct has a *_default_params() function.
+ *
+ * entmax convention (SPEC 0): for scores s, z = (alpha - 1) * s and
+ *   p_j = [z_j - tau]_+ ^ (1 / (alpha - 1)),  sum_j p_j = 1.
+ * tau is reported in z-space. For alpha = 1 (softmax) tau is log(sum_j exp(s_j)), so
+ * that p_j = exp(s_j - tau) holds with the same reading.
+ */
+#ifndef ENTMAXKV_H
+#define ENTMAXKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(EKV_SHARED_BUILD)
+#define EKV_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define EKV_API __attribute__((visibility("default")))
+#else
+#define EKV_API
+#endif
+
+#define EKV_VERSION_MAJOR 0
+#define EKV_VERSION_MINOR 1
+#define EKV_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------------------- */
+/* Status codes                                                                        */
+/* ---------------------------------------------------------------------------------- */
+typedef enum ekv_status {
+    EKV_OK = 0,
+    EKV_ERR_NULL_POINTER = -1,     /* a required pointer argument was NULL            */
+    EKV_ERR_INVALID_SIZE = -2,     /* a size was zero, negative or out of range        */
+    EKV_ERR_HEAD_MISMATCH = -3,    /* heads not divisible by KV heads, or bad head id  */
+    EKV_ERR_INVALID_ALPHA = -4,    /* alpha outside [1, 4] or NaN                      */
+    EKV_ERR_INVALID_PAGE_SIZE = -5,/* page size outside [1, 256]                       */
+    EKV_ERR_INVALID_DTYPE = -6,    /* unknown dtype                                    */
+    EKV_ERR_SIZE_OVERFLOW = -7,    /* a byte count would overflow int64/size_t          */
+    EKV_ERR_OUT_OF_MEMORY = -8,    /* allocation failed                                */
+    EKV_ERR_NAN_INPUT = -9,        /* NaN (or +inf) in an input that must be finite     */
+    EKV_ERR_EMPTY_INPUT = -10,     /* every entry masked (-inf), or an empty sequence   */
+    EKV_ERR_INVALID_SEQUENCE = -11,/* unknown or freed sequence id                      */
+    EKV_ERR_CACHE_FULL = -12,      /* no free page left in the pool                     */
+    EKV_ERR_INVALID_ARGUMENT = -13,/* any other invalid argument (message says which)   */
+    EKV_ERR_UNSUPPORTED = -14,     /* valid request this build/backend cannot serve     */
+    EKV_ERR_INTERNAL = -15         /* a bug: please report                              */
+} ekv_status;
+
+/* A static English description of a status code ("invalid page size", ...). */
+EKV_API const char *ekv_status_string(ekv_status status);
+
+/* ---------------------------------------------------------------------------------- */
+/* Element types                                                                       */
+/* ---------------------------------------------------------------------------------- */
+typedef enum ekv_dtype {
+    EKV_DTYPE_F32 = 0,
+    EKV_DTYPE_F16 = 1,  /* IEEE binary16 */
+    EKV_DTYPE_BF16 = 2  /* bfloat16      */
+} ekv_dtype;
+
+EKV_API const char *ekv_dtype_name(ekv_dtype dtype);          /* "f32", "f16", "bf16", NULL if unknown */
+EKV_API int64_t ekv_dtype_size(ekv_dtype dtype);              /* bytes per element, 0 if unknown */
+/* Parses "f32"/"fp32"/"float32", "f16"/"fp16"/"float16", "bf16"/"bfloat16". */
+EKV_API ekv_status ekv_dtype_from_name(const char *name, ekv_dtype *out);
+
+/* ---------------------------------------------------------------------------------- */
+/* Context: threads, SIMD level, last error                                            */
+/* ---------------------------------------------------------------------------------- */
+typedef struct ekv_context ekv_context;
+
+typedef enum ekv_isa {
+    EKV_ISA_AUTO = 0,   /* best the CPU supports (runtime detection) */
+    EKV_ISA_SCALAR = 1,
+    EKV_ISA_AVX2 = 2,   /* AVX2 + FMA + F16C */
+    EKV_ISA_AVX512 = 3  /* AVX-512 F/BW/VL   */
+} ekv_isa;
+
+typedef struct ekv_context_params {
+    int32_t n_threads; /* worker threads for CPU stages; 0 = number of online CPUs */
+    ekv_isa isa;       /* SIMD level; AUTO picks the best available                */
+} ekv_context_params;
+
+EKV_API ekv_context_params ekv_context_default_params(void);
+/* Fails with EKV_ERR_UNSUPPORTED if the requested ISA is not available on this CPU. */
+EKV_API ekv_status ekv_context_create(const ekv_context_params *params, ekv_context **out);
+EKV_API void ekv_context_free(ekv_context *ctx);
+/* Message of the last failed call made with this context ("" if none). */
+EKV_API const char *ekv_last_error(const ekv_context *ctx);
+EKV_API ekv_isa ekv_context_isa(const ekv_context *ctx);
+EKV_API int32_t ekv_context_threads(const ekv_context *ctx);
+EKV_API const char *ekv_isa_name(ekv_isa isa);
+/* Best ISA this CPU supports. */
+EKV_API ekv_isa ekv_cpu_best_isa(void);
+
+/* ---------------------------------------------------------------------------------- */
+/* Exact alpha-entmax on one row (SPEC 0, 8, 9.8)                                      */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * p = alpha-entmax(x). alpha = 1 softmax, 1.5 (closed form), 2 sparsemax (closed form),
+ * any other alpha in (1, 4]: safeguarded Halley + bisection in double precision, then
+ * renormalised. Entries equal to -inf are masked (p = 0). NaN or +inf in x is an error.
+ * ctx may be NULL (then no message is kept). tau and support may be NULL.
+ */
+EKV_API ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha,
+                              float *p, double *tau, int64_t *support);
+/* Same in double precision (used by the reference backend and the tests). */
+EKV_API ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double alpha,
+                                  double *p, double *tau, int64_t *support);
+
+/* ---------------------------------------------------------------------------------- */
+/* Layer 1: views over caller-owned paged KV memory (FlashInfer-style CSR)            */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * K and V of page `pg`, KV head `h`, slot `t` (0 <= t < page_size), dim `d` live at
+ *   base + pg*stride_page + h*stride_head + t*stride_token + d      (in elements)
+ * The dimension stride is 1. The cache uses stride_token = head_dim,
+ * stride_head = page_size*head_dim, stride_page = num_kv_heads*page_size*head_dim.
+ */
+typedef struct ekv_paged_kv {
+    const void *k;
+    const void *v;
+    ekv_dtype dtype;
+    int32_t page_size;
+    int32_t num_kv_heads;
+    int32_t head_dim;
+    int64_t num_pages; /* physical pages addressable through k/v */
+    int64_t stride_page, stride_head, stride_token;
+} ekv_paged_kv;
+
+/*
+ * Per physical page and KV head statistics of the keys (fp32), indexed
+ * [(page*num_kv_heads + head)*head_dim + d] (radius: [page*num_kv_heads + head]).
+ * std is derived: sqrt(m2 / count), clamped below at 1e-6 (SPEC 1.2).
+ * radius: max_j ||k_j - kmean||_2 over the tokens of the page, rounded up (SPEC 9.5).
+ */
+typedef struct ekv_page_stats {
+    const float *kmin;
+    const float *kmax;
+    const float *kmean;
+    const float *km2;    /* Welford sum of squared deviations from the mean */
+    const float *radius;
+    const int32_t *count;/* tokens currently in each physical page */
+} ekv_page_stats;
+
+/*
+ * CSR page table of a batch: sequence b owns pages indices[indptr[b] .. indptr[b+1]) in
+ * order; its last page holds last_page_len[b] tokens (1..page_size); its length is
+ * (npages-1)*page_size + last_page_len[b].
+ */
+typedef struct ekv_page_table {
+    int32_t batch;
+    const int64_t *indptr;        /* [batch + 1] */
+    const int32_t *indices;       /* [indptr[batch]] physical page ids */
+    const int32_t *last_page_len; /* [batch] */
+} ekv_page_table;
+
+/* ---------------------------------------------------------------------------------- */
+/* Layer 2: the paged KV cache (page pool, sequences, append, summaries)               */
+/* ---------------------------------------------------------------------------------- */
+typedef struct ekv_cache ekv_cache;
+
+typedef struct ekv_cache_params {
+    int64_t num_pages;    /* pages in the pool (capacity = num_pages * page_size tokens) */
+    int32_t page_size;    /* tokens per page, 1..256 (default 16)                       */
+    int32_t num_kv_heads; /* default 8                                                  */
+    int32_t head_dim;     /* default 128                                                */
+    ekv_dtype dtype;      /* storage dtype of K and V (default f16)                      */
+    int32_t max_seqs;     /* sequences alive at once (default 64)                       */
+} ekv_cache_params;
+
+EKV_API ekv_cache_params ekv_cache_default_params(void);
+/* Pages needed to hold `tokens` tokens in each of `seqs` sequences. */
+EKV_API int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size);
+/* Bytes the pool would allocate for these params (K, V and summaries), or -1 if invalid. */
+EKV_API int64_t ekv_cache_bytes_needed(const ekv_cache_params *params);
+EKV_API ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params,
+                                    ekv_cache **out);
+EKV_API void ekv_cache_free(ekv_cache *cache);
+
+EKV_API ekv_status ekv_cache_seq_new(ekv_cache *cache, int32_t *seq_out);
+/* Frees a sequence and returns its pages to the pool. */
+EKV_API ekv_status ekv_cache_seq_free(ekv_cache *cache, int32_t seq);
+EKV_API ekv_status ekv_cache_seq_length(const ekv_cache *cache, int32_t seq, int64_t *len_out);
+EKV_API int64_t ekv_cache_free_pages(const ekv_cache *cache);
+
+/*
+ * Appends n_tokens tokens (a prefill chunk or one decode token) to a sequence.
+ * k and v are [n_tokens][num_kv_heads][head_dim] contiguous in src_dtype; they are
+ * converted to the storage dtype. Page summaries are updated incrementally. Fails
+ * without changing anything if the pool has too few free pages or the input has NaN/inf.
+ */
+EKV_API ekv_status ekv_cache_append(ekv_cache *cache, int32_t seq, int64_t n_tokens,
+                                    const void *k, const void *v, ekv_dtype src_dtype);
+
+/* Views of the pool and of its statistics (valid until the cache is freed). */
+EKV_API ekv_status ekv_cache_kv_view(const ekv_cache *cache, ekv_paged_kv *kv_out,
+                                     ekv_page_stats *stats_out);
+/*
+ * Builds the CSR page table of the given sequences into caller arrays:
+ * indptr[n_seqs+1], indices[capacity], last_page_len[n_seqs]. Pass indices = NULL to only
+ * learn the number of page ids needed (written to *needed).
+ */
+EKV_API ekv_status ekv_cache_page_table(const ekv_cache *cache, const int32_t *seqs,
+                                        int32_t n_seqs, int64_t *indptr, int32_t *indices,
+                                        int64_t indices_capacity, int32_t *last_page_len,
+                                        int64_t *needed);
+
+/* ---------------------------------------------------------------------------------- */
+/* Decode attention                                                                    */
+/* ---------------------------------------------------------------------------------- */
+typedef struct ekv_decode_params {
+    int32_t num_heads;          /* query heads H; must be a multiple of num_kv_heads     */
+    double alpha;               /* 1 = softmax, (1, 4] = entmax (default 1.5)            */
+    float scale;                /* score scale; 0 = 1/sqrt(head_dim)                     */
+    const float *alibi_slopes;  /* [num_heads] slopes m_h >= 0, or NULL for none         */
+} ekv_decode_params;
+
+EKV_API ekv_decode_params ekv_decode_default_params(void);
+
+/* Optional per-step outputs. Any pointer may be NULL. */
+typedef struct ekv_decode_info {
+    double *tau;      /* [batch*num_heads] threshold in z-space (softmax: log-sum-exp)  */
+    int64_t *support; /* [batch*num_heads] tokens with p > 0                            */
+    int64_t bytes_k;  /* bytes of K read                                                */
+    int64_t bytes_v;  /* bytes of V read (entmax: support rows only, union per KV head) */
+} ekv_decode_info;
+
+/*
+ * Dense decode: for every sequence b and query head h, attends q[b][h] over all tokens of
+ * the sequence. q and out are [batch][num_heads][head_dim] fp32. The query position is the
+ * last token (ALiBi bias m_h * (j - (len-1))). Entmax reads K once, keeps the scores,
+ * solves tau exactly and reads V only for support rows (SPEC 9.7).
+ */
+EKV_API ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *params,
+                                    const ekv_paged_kv *kv, const ekv_page_table *table,
+                                    const float *q, float *out, ekv_decode_info *info);
+
+/* The same computation in long double, scalar, single-threaded (backend `ref`). */
+EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *params,
+                                        const ekv_paged_kv *kv, const ekv_page_table *table,
+                                        const float *q, float *out, ekv_decode_info *info);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ENTMAXKV_H */

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Makes sure the build tools are present (Debian): gcc, make, cmake. Installs them with
+# apt-get when running as root, otherwise says what to install. Sourced by the scripts.
+ekv_need_tools() {
+  local missing=()
+  command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)
+  command -v make >/dev/null 2>&1 || missing+=(make)
+  command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing build tools: ${missing[*]}" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2 || {
+      echo "error: apt-get could not install ${missing[*]}" >&2; return 1; }
+  else
+    echo "error: missing build tools: ${missing[*]}. On Debian: sudo apt-get install ${missing[*]}" >&2
+    return 1
+  fi
+}

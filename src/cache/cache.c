@@ -1,0 +1,230 @@
+/*
+ * ekv_cache: a pool of physical pages, sequences that own lists of pages, append, and the
+ * CSR page-table view (DESIGN 2, layer 2). Page layout, per physical page:
+ * [num_kv_heads][page_size][head_dim] (token-major inside a head, as FlashInfer's HND).
+ * Summaries are kept per physical page and KV head (src/cache/summaries.c).
+ */
+#include "cache_internal.h"
+#include <stdlib.h>
+
+ekv_cache_params ekv_cache_default_params(void) {
+    ekv_cache_params p;
+    p.num_pages = 0;
+    p.page_size = 16;
+    p.num_kv_heads = 8;
+    p.head_dim = 128;
+    p.dtype = EKV_DTYPE_F16;
+    p.max_seqs = 64;
+    return p;
+}
+
+int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size) {
+    if (tokens < 0 || seqs < 0 || page_size < 1) return -1;
+    int64_t per = tokens / page_size + (tokens % page_size != 0), total;
+    if (ekv_mul_i64(per, seqs, &total)) return -1;
+    return total;
+}
+
+/* Computes every byte count of the pool, with overflow checks. */
+static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_t *elems_per_page,
+                             int64_t *kv_bytes, int64_t *stat_floats, int64_t *total) {
+    if (p->num_pages <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be >= 1", (long long)p->num_pages);
+    if (p->num_pages > INT32_MAX)
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages=%lld exceeds the int32 page-id range",
+                        (long long)p->num_pages);
+    if (p->page_size < 1 || p->page_size > 256)
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", p->page_size);
+    if (p->num_kv_heads <= 0 || p->num_kv_heads > 4096)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]", p->num_kv_heads);
+    if (p->head_dim <= 0 || p->head_dim > 65536)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]", p->head_dim);
+    if (!ekv_dtype_valid(p->dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->dtype);
+    if (p->max_seqs <= 0 || p->max_seqs > (1 << 24))
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]", p->max_seqs);
+    int64_t epp = (int64_t)p->num_kv_heads * p->page_size * p->head_dim, kvb, sf, sb, t;
+    if (ekv_mul_i64(epp, p->num_pages, &kvb) || ekv_mul_i64(kvb, 2 * ekv_dtype_size(p->dtype), &kvb) ||
+        ekv_mul_i64((int64_t)p->num_kv_heads * p->head_dim, p->num_pages, &sf) ||
+        ekv_mul_i64(sf, 4 * (int64_t)sizeof(float), &sb) || ekv_add_i64(kvb, sb, &t) ||
+        (uint64_t)t > (uint64_t)SIZE_MAX / 2)
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
+                        "pool of %lld pages x %d heads x %d tokens x %d dims overflows the address space",
+                        (long long)p->num_pages, p->num_kv_heads, p->page_size, p->head_dim);
+    *elems_per_page = epp;
+    *kv_bytes = kvb / 2;
+    *stat_floats = sf;
+    *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
+    return EKV_OK;
+}
+
+int64_t ekv_cache_bytes_needed(const ekv_cache_params *params) {
+    if (!params) return -1;
+    int64_t epp = 0, kvb = 0, sf = 0, total = 0;
+    if (pool_sizes(NULL, params, &epp, &kvb, &sf, &total)) return -1;
+    return total;
+}
+
+void ekv_cache_free(ekv_cache *c) {
+    if (!c) return;
+    free(c->k);
+    free(c->v);
+    free(c->kmin);
+    free(c->kmax);
+    free(c->kmean);
+    free(c->km2);
+    free(c->radius);
+    free(c->count);
+    free(c->free_pages);
+    if (c->seqs)
+        for (int32_t i = 0; i < c->p.max_seqs; i++) free(c->seqs[i].pages);
+    free(c->seqs);
+    free(c);
+}
+
+ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ekv_cache **out) {
+    if (!ctx || !params || !out)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !ctx ? "ctx" : !params ? "params" : "out");
+    int64_t epp = 0, kvb = 0, sf = 0, total = 0;
+    ekv_status st = pool_sizes(ctx, params, &epp, &kvb, &sf, &total);
+    if (st) return st;
+    ekv_cache *c = calloc(1, sizeof *c);
+    if (!c) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for the cache header");
+    c->ctx = ctx;
+    c->p = *params;
+    c->elems_per_page = epp;
+    /* Large blocks come from mmap and are committed lazily by the OS: a big pool costs
+     * memory only as pages are written. */
+    c->k = malloc((size_t)kvb);
+    c->v = malloc((size_t)kvb);
+    c->kmin = malloc((size_t)sf * sizeof(float));
+    c->kmax = malloc((size_t)sf * sizeof(float));
+    c->kmean = malloc((size_t)sf * sizeof(float));
+    c->km2 = malloc((size_t)sf * sizeof(float));
+    c->radius = calloc((size_t)params->num_pages * params->num_kv_heads, sizeof(float));
+    c->count = calloc((size_t)params->num_pages, sizeof(int32_t));
+    c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
+    c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
+    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius ||
+        !c->count || !c->free_pages || !c->seqs) {
+        ekv_cache_free(c);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
+                        "cannot allocate %.2f GiB for %lld pages (K, V and summaries)",
+                        (double)total / (1 << 30), (long long)params->num_pages);
+    }
+    /* Free list as a stack, lowest page id on top. */
+    for (int64_t i = 0; i < params->num_pages; i++)
+        c->free_pages[i] = (int32_t)(params->num_pages - 1 - i);
+    c->n_free = params->num_pages;
+    *out = c;
+    ekv_clear_error(ctx);
+    return EKV_OK;
+}
+
+int64_t ekv_cache_free_pages(const ekv_cache *c) { return c ? c->n_free : 0; }
+
+ekv_status ekv_cache_seq_new(ekv_cache *c, int32_t *seq_out) {
+    if (!c || !seq_out) return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL", !c ? "cache" : "seq_out");
+    for (int32_t i = 0; i < c->p.max_seqs; i++) {
+        if (!c->seqs[i].alive) {
+            c->seqs[i].alive = 1;
+            c->seqs[i].len = 0;
+            c->seqs[i].npages = 0;
+            *seq_out = i;
+            return EKV_OK;
+        }
+    }
+    return ekv_fail(c->ctx, EKV_ERR_INVALID_SEQUENCE, "all %d sequence slots are in use (max_seqs)",
+                    c->p.max_seqs);
+}
+
+ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq **out) {
+    if (seq < 0 || seq >= c->p.max_seqs || !c->seqs[seq].alive)
+        return ekv_fail(c->ctx, EKV_ERR_INVALID_SEQUENCE, "sequence %d does not exist", seq);
+    *out = &c->seqs[seq];
+    return EKV_OK;
+}
+
+ekv_status ekv_cache_seq_free(ekv_cache *c, int32_t seq) {
+    if (!c) return EKV_ERR_NULL_POINTER;
+    const ekv_seq *cs;
+    ekv_status st = ekv_cache_lookup_seq(c, seq, &cs);
+    if (st) return st;
+    ekv_seq *s = &c->seqs[seq];
+    for (int64_t i = s->npages - 1; i >= 0; i--) {
+        c->count[s->pages[i]] = 0;
+        c->free_pages[c->n_free++] = s->pages[i];
+    }
+    s->npages = 0;
+    s->len = 0;
+    s->alive = 0;
+    return EKV_OK;
+}
+
+ekv_status ekv_cache_seq_length(const ekv_cache *c, int32_t seq, int64_t *len_out) {
+    if (!c || !len_out) return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL", !c ? "cache" : "len_out");
+    const ekv_seq *s = NULL;
+    ekv_status st = ekv_cache_lookup_seq(c, seq, &s);
+    if (st) return st;
+    *len_out = s->len;
+    return EKV_OK;
+}
+
+ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
+    if (!c || (!kv && !stats))
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s", !c ? "cache is NULL" : "kv_out and stats_out are both NULL");
+    if (kv) {
+        kv->k = c->k;
+        kv->v = c->v;
+        kv->dtype = c->p.dtype;
+        kv->page_size = c->p.page_size;
+        kv->num_kv_heads = c->p.num_kv_heads;
+        kv->head_dim = c->p.head_dim;
+        kv->num_pages = c->p.num_pages;
+        kv->stride_token = c->p.head_dim;
+        kv->stride_head = (int64_t)c->p.page_size * c->p.head_dim;
+        kv->stride_page = c->elems_per_page;
+    }
+    if (stats) {
+        stats->kmin = c->kmin;
+        stats->kmax = c->kmax;
+        stats->kmean = c->kmean;
+        stats->km2 = c->km2;
+        stats->radius = c->radius;
+        stats->count = c->count;
+    }
+    return EKV_OK;
+}
+
+ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t n_seqs,
+                                int64_t *indptr, int32_t *indices, int64_t indices_capacity,
+                                int32_t *last_page_len, int64_t *needed) {
+    if (!c || !seqs || (indices && (!indptr || !last_page_len)))
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "cache, seqs, indptr and last_page_len must not be NULL");
+    if (!indices && !needed)
+        return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER, "indices and needed are both NULL: nothing to return");
+    if (n_seqs <= 0)
+        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be >= 1", n_seqs);
+    int64_t total = 0;
+    for (int32_t b = 0; b < n_seqs; b++) {
+        const ekv_seq *s = NULL;
+        ekv_status st = ekv_cache_lookup_seq(c, seqs[b], &s);
+        if (st) return st;
+        total += s->npages;
+    }
+    if (indices_capacity < total && indices)
+        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "indices has room for %lld page ids, %lld needed",
+                        (long long)indices_capacity, (long long)total);
+    if (needed) *needed = total; /* after the checks: outputs are untouched on error */
+    if (!indices) return EKV_OK;
+    int64_t off = 0;
+    indptr[0] = 0;
+    for (int32_t b = 0; b < n_seqs; b++) {
+        const ekv_seq *s = &c->seqs[seqs[b]];
+        if (s->npages) memcpy(indices + off, s->pages, (size_t)s->npages * sizeof(int32_t)); /* pages may be NULL */
+        off += s->npages;
+        indptr[b + 1] = off;
+        last_page_len[b] = s->npages ? (int32_t)(s->len - (s->npages - 1) * c->p.page_size) : 0;
+    }
+    return EKV_OK;
+}

@@ -1,0 +1,35 @@
+/* Internal layout of ekv_cache, shared by cache.c (pool) and summaries.c (statistics). */
+#ifndef EKV_CACHE_INTERNAL_H
+#define EKV_CACHE_INTERNAL_H
+#include "../core/internal.h"
+
+typedef struct ekv_seq {
+    int alive;
+    int64_t len;
+    int32_t *pages;
+    int64_t npages, cap;
+} ekv_seq;
+
+struct ekv_cache {
+    ekv_context *ctx;
+    ekv_cache_params p;
+    int64_t elems_per_page; /* num_kv_heads * page_size * head_dim */
+    void *k, *v;
+    float *kmin, *kmax, *kmean, *km2; /* [page][head][dim] */
+    float *radius;                    /* [page][head] */
+    int32_t *count;                   /* [page] tokens in the page */
+    int32_t *free_pages;              /* stack of free page ids */
+    int64_t n_free;
+    ekv_seq *seqs;                    /* [max_seqs] */
+};
+
+ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq **out);
+
+/* summaries.c */
+void ekv_summary_reset_page(ekv_cache *c, int32_t page);
+/* Adds one stored key row (already in storage precision, as floats) to the running
+ * statistics of (page, head); `n` is the token count after adding it. */
+void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n);
+/* Recomputes the exact radius of (page, head) from the stored keys and stored mean. */
+void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head);
+#endif

@@ -1,0 +1,61 @@
+/*
+ * Per-page key summaries (SPEC 1.2, 9.5): min, max, Welford mean/M2 and the exact ball
+ * radius, per physical page and KV head, all in fp32 and computed from the keys as
+ * stored (after rounding to the storage dtype), so bounds hold for what decode reads.
+ *
+ * min/max/mean/M2 are updated in O(D) per appended token. The radius max_j ||k_j - mean||
+ * depends on the mean, which moves with every token, so it is recomputed over the page's
+ * tokens once per append call (O(n_page * D) per touched page): for a decode step that is
+ * one page per KV head, for a prefill chunk it amortises to O(D) per token.
+ */
+#include "cache_internal.h"
+
+void ekv_summary_reset_page(ekv_cache *c, int32_t page) {
+    int64_t D = c->p.head_dim, H = c->p.num_kv_heads;
+    float *mn = c->kmin + (int64_t)page * H * D, *mx = c->kmax + (int64_t)page * H * D;
+    float *me = c->kmean + (int64_t)page * H * D, *m2 = c->km2 + (int64_t)page * H * D;
+    for (int64_t i = 0; i < H * D; i++) {
+        mn[i] = INFINITY;
+        mx[i] = -INFINITY;
+        me[i] = 0.f;
+        m2[i] = 0.f;
+    }
+    for (int64_t h = 0; h < H; h++) c->radius[(int64_t)page * H + h] = 0.f;
+    c->count[page] = 0;
+}
+
+void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n) {
+    int64_t D = c->p.head_dim;
+    int64_t off = ((int64_t)page * c->p.num_kv_heads + head) * D;
+    float *mn = c->kmin + off, *mx = c->kmax + off, *me = c->kmean + off, *m2 = c->km2 + off;
+    double inv_n = 1.0 / n;
+    for (int64_t d = 0; d < D; d++) {
+        float x = row[d];
+        if (x < mn[d]) mn[d] = x;
+        if (x > mx[d]) mx[d] = x;
+        double old = me[d];
+        double mean = old + (x - old) * inv_n;
+        me[d] = (float)mean;
+        m2[d] = (float)((double)m2[d] + (x - old) * (x - mean));
+    }
+}
+
+void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head) {
+    int64_t D = c->p.head_dim;
+    int64_t soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
+    const float *me = c->kmean + soff;
+    int64_t base = (int64_t)page * c->elems_per_page + (int64_t)head * c->p.page_size * D;
+    double best = 0;
+    for (int32_t t = 0; t < c->count[page]; t++) {
+        double s = 0;
+        for (int64_t d = 0; d < D; d++) {
+            double diff = (double)ekv_load_f32(c->k, c->p.dtype, base + t * D + d) - me[d];
+            s += diff * diff;
+        }
+        if (s > best) best = s;
+    }
+    double r = sqrt(best);
+    float rf = (float)r;
+    if ((double)rf < r) rf = nextafterf(rf, INFINITY); /* round up: a bound must not shrink */
+    c->radius[(int64_t)page * c->p.num_kv_heads + head] = rf;
+}

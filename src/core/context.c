@@ -1,0 +1,98 @@
+/* Context: thread pool, SIMD level, per-context error message, reusable workspace. */
+#include "internal.h"
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+ekv_status ekv_fail(ekv_context *ctx, ekv_status status, const char *fmt, ...) {
+    if (ctx) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(ctx->last_error, sizeof ctx->last_error, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+void ekv_clear_error(ekv_context *ctx) {
+    if (ctx) ctx->last_error[0] = '\0';
+}
+
+const char *ekv_last_error(const ekv_context *ctx) { return ctx ? ctx->last_error : ""; }
+
+ekv_isa ekv_cpu_best_isa(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return EKV_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return EKV_ISA_AVX2; /* every AVX2 CPU we target has F16C */
+#endif
+    return EKV_ISA_SCALAR;
+}
+
+const char *ekv_isa_name(ekv_isa isa) {
+    switch (isa) {
+    case EKV_ISA_AUTO: return "auto";
+    case EKV_ISA_SCALAR: return "scalar";
+    case EKV_ISA_AVX2: return "avx2";
+    case EKV_ISA_AVX512: return "avx512";
+    }
+    return "unknown";
+}
+
+ekv_context_params ekv_context_default_params(void) {
+    ekv_context_params p;
+    p.n_threads = 0;
+    p.isa = EKV_ISA_AUTO;
+    return p;
+}
+
+ekv_status ekv_context_create(const ekv_context_params *params, ekv_context **out) {
+    if (!out) return EKV_ERR_NULL_POINTER;
+    ekv_context_params p = params ? *params : ekv_context_default_params();
+    if (p.n_threads < 0 || p.n_threads > 1024) return EKV_ERR_INVALID_SIZE;
+    if (p.isa < EKV_ISA_AUTO || p.isa > EKV_ISA_AVX512) return EKV_ERR_INVALID_ARGUMENT;
+    ekv_isa best = ekv_cpu_best_isa();
+    if (p.isa == EKV_ISA_AUTO) p.isa = best;
+    if (p.isa > best) return EKV_ERR_UNSUPPORTED;
+    if (p.n_threads == 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        p.n_threads = n > 0 ? (int32_t)(n > 256 ? 256 : n) : 1;
+    }
+    ekv_context *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return EKV_ERR_OUT_OF_MEMORY;
+    ctx->isa = p.isa;
+    ctx->n_threads = p.n_threads;
+    ctx->pool = ekv_pool_create(p.n_threads);
+    if (!ctx->pool) {
+        free(ctx);
+        return EKV_ERR_OUT_OF_MEMORY;
+    }
+    *out = ctx;
+    return EKV_OK;
+}
+
+void ekv_context_free(ekv_context *ctx) {
+    if (!ctx) return;
+    ekv_pool_free(ctx->pool);
+    free(ctx->workspace);
+    free(ctx);
+}
+
+ekv_isa ekv_context_isa(const ekv_context *ctx) { return ctx ? ctx->isa : EKV_ISA_SCALAR; }
+int32_t ekv_context_threads(const ekv_context *ctx) { return ctx ? ctx->n_threads : 0; }
+
+void *ekv_context_workspace(ekv_context *ctx, size_t bytes) {
+    if (bytes <= ctx->workspace_bytes) return ctx->workspace;
+    size_t want = bytes + bytes / 4 + 64;
+    want = (want + 63) & ~(size_t)63;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, want) != 0) return NULL;
+    free(ctx->workspace);
+    ctx->workspace = p;
+    ctx->workspace_bytes = want;
+    return p;
+}

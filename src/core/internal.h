@@ -1,0 +1,171 @@
+/* Internal declarations shared by the library's stages. Not installed. */
+#ifndef EKV_INTERNAL_H
+#define EKV_INTERNAL_H
+
+#include "entmaxkv.h"
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __GNUC__
+#define EKV_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define EKV_PRINTF(a, b)
+#endif
+
+/* ---- thread pool (src/core/threadpool.c) ---- */
+typedef struct ekv_pool ekv_pool;
+/* fn(arg, task, worker) is called once for every task in [0, n_tasks); worker is in
+ * [0, n_workers) and identifies a per-thread scratch slot. Blocks until all are done. */
+typedef void (*ekv_task_fn)(void *arg, int64_t task, int worker);
+ekv_pool *ekv_pool_create(int n_threads);
+void ekv_pool_free(ekv_pool *pool);
+void ekv_pool_run(ekv_pool *pool, int64_t n_tasks, ekv_task_fn fn, void *arg);
+int ekv_pool_threads(const ekv_pool *pool);
+
+/* ---- context (src/core/context.c) ---- */
+struct ekv_context {
+    ekv_isa isa;
+    int32_t n_threads;
+    ekv_pool *pool;
+    void *workspace;       /* grows on demand; reused across steps */
+    size_t workspace_bytes;
+    char last_error[512];
+};
+
+/* Records a formatted message in ctx (if not NULL) and returns status. */
+ekv_status ekv_fail(ekv_context *ctx, ekv_status status, const char *fmt, ...) EKV_PRINTF(3, 4);
+void ekv_clear_error(ekv_context *ctx);
+/* Returns a workspace of at least `bytes` (64-byte aligned), or NULL on OOM. */
+void *ekv_context_workspace(ekv_context *ctx, size_t bytes);
+
+/* Checked int64 arithmetic: returns 0 and sets *out, or -1 on overflow. */
+static inline int ekv_mul_i64(int64_t a, int64_t b, int64_t *out) {
+    return __builtin_mul_overflow(a, b, out) ? -1 : 0;
+}
+static inline int ekv_add_i64(int64_t a, int64_t b, int64_t *out) {
+    return __builtin_add_overflow(a, b, out) ? -1 : 0;
+}
+
+/* ---- dtype conversion (scalar; SIMD versions live in src/cpu) ---- */
+static inline float ekv_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while ((man & 0x400u) == 0);
+            man &= 0x3ffu;
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | (man << 13);
+        }
+    } else if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to nearest even. */
+static inline uint16_t ekv_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) /* inf or nan */
+        return (uint16_t)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0));
+    if (absx >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (absx < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        if (absx < 0x33000000u) return (uint16_t)sign; /* < 2^-25 rounds to 0 */
+        uint32_t e = absx >> 23;
+        uint32_t m = (absx & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126 - e; /* 14..24 */
+        uint32_t half = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1);
+        uint32_t mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t r = absx - 0x38000000u; /* rebias exponent by 112 */
+    uint32_t half = r >> 13;
+    uint32_t rem = r & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1))) half++;
+    return (uint16_t)(sign | half);
+}
+
+static inline float ekv_bf16_to_f32(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t ekv_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    uint32_t lsb = (x >> 16) & 1u;
+    x += 0x7fffu + lsb;
+    return (uint16_t)(x >> 16);
+}
+
+/* Reads element i of a typed buffer as float. */
+static inline float ekv_load_f32(const void *base, ekv_dtype dt, int64_t i) {
+    switch (dt) {
+    case EKV_DTYPE_F16: return ekv_f16_to_f32(((const uint16_t *)base)[i]);
+    case EKV_DTYPE_BF16: return ekv_bf16_to_f32(((const uint16_t *)base)[i]);
+    default: return ((const float *)base)[i];
+    }
+}
+
+static inline void ekv_store_f32(void *base, ekv_dtype dt, int64_t i, float v) {
+    switch (dt) {
+    case EKV_DTYPE_F16: ((uint16_t *)base)[i] = ekv_f32_to_f16(v); break;
+    case EKV_DTYPE_BF16: ((uint16_t *)base)[i] = ekv_f32_to_bf16(v); break;
+    default: ((float *)base)[i] = v; break;
+    }
+}
+
+static inline int ekv_dtype_valid(ekv_dtype dt) {
+    return dt == EKV_DTYPE_F32 || dt == EKV_DTYPE_F16 || dt == EKV_DTYPE_BF16;
+}
+
+/* ---- exact thresholds on kept scores (src/math/entmax_tau.c) ---- */
+/*
+ * Solves tau for z-space scores z[0..n) (masked entries are -INFINITY) and alpha.
+ * scratch must hold 2*n doubles (candidate values) — see ekv_tau_scratch_doubles.
+ * Returns EKV_OK, EKV_ERR_NAN_INPUT or EKV_ERR_EMPTY_INPUT.
+ * For alpha == 1, tau is log-sum-exp and support counts finite entries.
+ */
+int64_t ekv_tau_scratch_doubles(int64_t n);
+ekv_status ekv_tau_exact_f32(const float *z, int64_t n, double alpha, double *scratch,
+                             double *tau_out, int64_t *support_out);
+ekv_status ekv_tau_exact_f64(const double *z, int64_t n, double alpha, double *scratch,
+                             double *tau_out, int64_t *support_out);
+/* tau relative to the maximum, from the candidates y = z - max(z) with y > -1 (the
+ * maximum itself included, y = 0). Reorders/overwrites y. alpha > 1. */
+double ekv_tau_candidates(double *y, int64_t k, double alpha);
+/* Probability of one entry given tau (z-space). alpha == 1: exp(z - tau). */
+static inline double ekv_entmax_weight(double z, double tau, double alpha) {
+    if (alpha == 1.0) return exp(z - tau);
+    double d = z - tau;
+    if (!(d > 0)) return 0.0;
+    if (alpha == 2.0) return d;
+    if (alpha == 1.5) return d * d;
+    return pow(d, 1.0 / (alpha - 1.0));
+}
+
+/* ---- validation shared by decode backends (src/core/validate.c) ---- */
+ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
+                               const ekv_paged_kv *kv, const ekv_page_table *table,
+                               const float *q, const float *out);
+ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha);
+
+#endif

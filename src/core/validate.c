@@ -1,0 +1,77 @@
+/* Argument validation shared by every decode backend: each precondition has its own
+ * status and message, and nothing is written before all of them pass. */
+#include "internal.h"
+
+ekv_decode_params ekv_decode_default_params(void) {
+    ekv_decode_params p;
+    p.num_heads = 32;
+    p.alpha = 1.5;
+    p.scale = 0.f;
+    p.alibi_slopes = NULL;
+    return p;
+}
+
+ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
+                               const ekv_paged_kv *kv, const ekv_page_table *t,
+                               const float *q, const float *out) {
+    if (!params || !kv || !t || !q || !out)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !params ? "params" : !kv ? "kv" : !t ? "table" : !q ? "q" : "out");
+    if (!kv->k || !kv->v) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "kv->%s is NULL", !kv->k ? "k" : "v");
+    if (!t->indptr || !t->indices || !t->last_page_len)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "table->%s is NULL",
+                        !t->indptr ? "indptr" : !t->indices ? "indices" : "last_page_len");
+    ekv_status st = ekv_validate_alpha(ctx, params->alpha);
+    if (st) return st;
+    if (!ekv_dtype_valid(kv->dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv->dtype=%d is not f32, f16 or bf16", (int)kv->dtype);
+    if (kv->page_size < 1 || kv->page_size > 256)
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", kv->page_size);
+    if (kv->head_dim <= 0 || kv->head_dim > 65536)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]", kv->head_dim);
+    if (kv->num_kv_heads <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be >= 1", kv->num_kv_heads);
+    if (params->num_heads <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_heads=%d must be >= 1", params->num_heads);
+    if (params->num_heads % kv->num_kv_heads != 0)
+        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH,
+                        "num_heads=%d is not a multiple of num_kv_heads=%d (GQA groups must be equal)",
+                        params->num_heads, kv->num_kv_heads);
+    if (kv->num_pages <= 0 || kv->num_pages > INT32_MAX)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be in [1, 2^31-1]", (long long)kv->num_pages);
+    if (kv->stride_token < kv->head_dim || kv->stride_head <= 0 || kv->stride_page <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "strides (page %lld, head %lld, token %lld) must be positive and token >= head_dim",
+                        (long long)kv->stride_page, (long long)kv->stride_head, (long long)kv->stride_token);
+    int64_t span, tmp;
+    if (ekv_mul_i64(kv->num_pages, kv->stride_page, &span) ||
+        ekv_mul_i64(span, ekv_dtype_size(kv->dtype), &tmp))
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages * stride_page overflows int64");
+    if (!(params->scale >= 0.f) || !isfinite(params->scale))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "scale=%g must be finite and >= 0 (0 = 1/sqrt(D))",
+                        (double)params->scale);
+    if (params->alibi_slopes)
+        for (int32_t h = 0; h < params->num_heads; h++)
+            if (!(params->alibi_slopes[h] >= 0.f) || !isfinite(params->alibi_slopes[h]))
+                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "alibi_slopes[%d]=%g must be finite and >= 0",
+                                h, (double)params->alibi_slopes[h]);
+    if (t->batch <= 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be >= 1", t->batch);
+    if (t->indptr[0] != 0) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indptr[0]=%lld must be 0", (long long)t->indptr[0]);
+    for (int32_t b = 0; b < t->batch; b++) {
+        int64_t np = t->indptr[b + 1] - t->indptr[b];
+        if (np < 0)
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indptr decreases at sequence %d", b);
+        if (np == 0) return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT, "sequence %d has no tokens", b);
+        if (t->last_page_len[b] < 1 || t->last_page_len[b] > kv->page_size)
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "last_page_len[%d]=%d must be in [1, page_size=%d]",
+                            b, t->last_page_len[b], kv->page_size);
+        for (int64_t i = t->indptr[b]; i < t->indptr[b + 1]; i++)
+            if (t->indices[i] < 0 || t->indices[i] >= kv->num_pages)
+                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indices[%lld]=%d is outside [0, num_pages=%lld)",
+                                (long long)i, t->indices[i], (long long)kv->num_pages);
+    }
+    int64_t nq = (int64_t)t->batch * params->num_heads * kv->head_dim;
+    for (int64_t i = 0; i < nq; i++)
+        if (!isfinite(q[i])) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "q[%lld] is NaN or infinite", (long long)i);
+    return EKV_OK;
+}

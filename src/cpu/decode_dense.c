@@ -1,0 +1,285 @@
+/*
+ * Dense decode on the CPU (SPEC 9.7): every query head attends over every token of its
+ * sequence.
+ *
+ *   phase 1  scores: one pass over K. Tasks are (sequence, KV head, chunk of pages); each
+ *            key row is converted once and dotted with the G query heads of its group. The
+ *            fp32 scores z = a*s (a = alpha - 1; softmax a = 1) and per-task maxima are kept.
+ *   phase 2  per (sequence, KV head): for each of its G query heads, solve tau exactly on
+ *            the kept scores (entmax: only the candidates z > max - 1 can be in the support),
+ *            then read V for the support rows only. Softmax turns the scores into weights in
+ *            place and reads all of V once for the whole group.
+ *
+ * Workspace lives in the context and is reused across steps.
+ */
+#include "../core/internal.h"
+#include "kernels.h"
+#include <stdlib.h>
+
+enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 4 };
+
+typedef struct {
+    const ekv_cpu_kernels *kern;
+    const ekv_decode_params *prm;
+    const ekv_paged_kv *kv;
+    const ekv_page_table *tab;
+    int64_t B, H, Hk, G, D, ps, esize;
+    double alpha, a; /* a = alpha - 1 (1 for softmax: z = s) */
+    const float *qs; /* scaled queries [B][H][D] */
+    float *z;        /* scores: sequence b at z + H*tok_off[b], [H][N_b] */
+    int64_t *tok_off, *len, *chunks, *task_off; /* per sequence */
+    float *cmax;     /* [task][G] */
+    int64_t ntasks;
+    /* per worker scratch */
+    int64_t nmax;
+    int64_t *w_idx;
+    double *w_y, *w_y2;
+    uint8_t *w_mark;
+    int64_t *w_union;
+    float *out;
+    double *tau;
+    int64_t *support;
+    int64_t *bytes_v; /* [B*Hk] */
+} dense_job;
+
+static const char *page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page, int64_t head,
+                            int64_t esize) {
+    return (const char *)base + ((int64_t)page * kv->stride_page + head * kv->stride_head) * esize;
+}
+
+/* Phase 1 task = (sequence, chunk of pages). All KV heads of a page are scored together so
+ * that K is streamed in address order (page-major layout): walking one head across pages
+ * would jump by a page stride every few KB and defeat the hardware prefetchers. */
+static int64_t find_seq(const dense_job *j, int64_t task) {
+    int64_t lo = 0, hi = j->B - 1;
+    while (lo < hi) { /* last b with task_off[b] <= task */
+        int64_t mid = (lo + hi + 1) / 2;
+        if (j->task_off[mid] <= task) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+static void phase_scores(void *vp, int64_t task, int worker) {
+    (void)worker;
+    dense_job *j = vp;
+    const int64_t b = find_seq(j, task), chunk = task - j->task_off[b];
+    const int64_t N = j->len[b], ps = j->ps, G = j->G, H = j->H;
+    const int64_t pages_per_chunk = (CHUNK_TOKENS + ps - 1) / ps;
+    const int64_t p0 = chunk * pages_per_chunk;
+    const int64_t npages = j->tab->indptr[b + 1] - j->tab->indptr[b];
+    const int64_t p1 = p0 + pages_per_chunk < npages ? p0 + pages_per_chunk : npages;
+    float *zb = j->z + H * j->tok_off[b];
+    float *mx = j->cmax + task * H;
+    float b0[256], bs[256];
+    const float *slopes = j->prm->alibi_slopes;
+    for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
+    for (int64_t p = p0; p < p1; p++) {
+        int32_t page = j->tab->indices[j->tab->indptr[b] + p];
+        int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : ps;
+        /* Prefetch (into L2) the same head of a page PREFETCH_PAGES ahead, spread across the
+         * loop: single-threaded, the core does not overlap scoring with DRAM latency by itself. */
+        const int32_t ahead = p + PREFETCH_PAGES < npages ? j->tab->indices[j->tab->indptr[b] + p + PREFETCH_PAGES] : -1;
+        for (int64_t kvh = 0; kvh < j->Hk; kvh++) {
+            const char *k = page_ptr(j->kv, j->kv->k, page, kvh, j->esize);
+            if (ahead >= 0) {
+                const char *pk = page_ptr(j->kv, j->kv->k, ahead, kvh, j->esize);
+                for (int64_t off = 0; off < ntok * j->kv->stride_token * j->esize; off += 64)
+                    __builtin_prefetch(pk + off, 0, 2);
+            }
+            const float *bias0 = NULL, *bstep = NULL;
+            if (slopes) {
+                for (int64_t g = 0; g < G; g++) {
+                    double m = j->a * slopes[kvh * G + g];
+                    b0[g] = (float)(m * (double)(p * ps - (N - 1)));
+                    bs[g] = (float)m;
+                }
+                bias0 = b0;
+                bstep = bs;
+            }
+            j->kern->score(k, j->kv->stride_token, ntok, j->kv->dtype, j->D,
+                           j->qs + (b * H + kvh * G) * j->D, j->D, (int)G, bias0, bstep,
+                           zb + kvh * G * N + p * ps, N, mx + kvh * G);
+        }
+    }
+}
+
+/* Row pointer of token `tok` of sequence b, KV head kvh, in K or V. */
+static const char *kv_row(const dense_job *j, const void *base, int64_t b, int64_t kvh, int64_t tok) {
+    int32_t page = j->tab->indices[j->tab->indptr[b] + tok / j->ps];
+    return page_ptr(j->kv, base, page, kvh, j->esize) + (tok % j->ps) * j->kv->stride_token * j->esize;
+}
+
+static void phase_attend(void *vp, int64_t task, int worker) {
+    dense_job *j = vp;
+    const int64_t b = task / j->Hk, kvh = task % j->Hk, G = j->G, D = j->D, N = j->len[b];
+    float *zb = j->z + j->H * j->tok_off[b] + kvh * G * N;
+    float *ob = j->out + (b * j->H + kvh * G) * D;
+    memset(ob, 0, sizeof(float) * (size_t)(G * D));
+    /* group maxima from the per-task maxima of phase 1 */
+    float M[256];
+    for (int64_t g = 0; g < G; g++) M[g] = -INFINITY;
+    for (int64_t c = 0; c < j->chunks[b]; c++) {
+        const float *cm = j->cmax + (j->task_off[b] + c) * j->H + kvh * G;
+        for (int64_t g = 0; g < G; g++) if (cm[g] > M[g]) M[g] = cm[g];
+    }
+    if (j->alpha == 1.0) {
+        for (int64_t g = 0; g < G; g++) {
+            double s = j->kern->exp_shift(zb + g * N, N, M[g], zb + g * N);
+            float inv = (float)(1.0 / s);
+            for (int64_t t = 0; t < N; t++) zb[g * N + t] *= inv;
+            int64_t bh = b * j->H + kvh * G + g;
+            if (j->tau) j->tau[bh] = (double)M[g] + log(s);
+            if (j->support) j->support[bh] = N;
+        }
+        const int64_t npages = j->tab->indptr[b + 1] - j->tab->indptr[b];
+        for (int64_t p = 0; p < npages; p++) {
+            int32_t page = j->tab->indices[j->tab->indptr[b] + p];
+            int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : j->ps;
+            j->kern->accum(page_ptr(j->kv, j->kv->v, page, kvh, j->esize), j->kv->stride_token, ntok,
+                           j->kv->dtype, D, zb + p * j->ps, N, (int)G, ob, D);
+        }
+        j->bytes_v[task] = N * D * j->esize;
+        return;
+    }
+    int64_t *idx = j->w_idx + worker * j->nmax;
+    double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
+    uint8_t *mark = j->w_mark + worker * j->nmax;
+    int64_t *uni = j->w_union + worker * j->nmax;
+    const double beta = 1.0 / j->a;
+    int64_t rows_read = 0;
+    for (int64_t g = 0; g < G; g++) {
+        /* M - 1 rounded down, so that the float filter keeps every y > -1 */
+        float thr = M[g] - 1.0f;
+        if ((double)thr > (double)M[g] - 1.0) thr = nextafterf(thr, -INFINITY);
+        int64_t k = j->kern->compact_gt(zb + g * N, N, thr, (double)M[g], 0, idx, y);
+        memcpy(y2, y, sizeof(double) * (size_t)k);
+        double ty = ekv_tau_candidates(y2, k, j->alpha);
+        double wsum = 0;
+        int64_t sup = 0;
+        for (int64_t i = 0; i < k; i++) {
+            double d = y[i] - ty;
+            if (d > 0) {
+                double w = j->alpha == 2.0 ? d : j->alpha == 1.5 ? d * d : pow(d, beta);
+                y[sup] = w;
+                idx[sup] = idx[i];
+                wsum += w;
+                sup++;
+            }
+        }
+        float *og = ob + g * D;
+        for (int64_t i = 0; i < sup; i++) {
+            float w = (float)(y[i] / wsum);
+            j->kern->accum(kv_row(j, j->kv->v, b, kvh, idx[i]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
+            if (!mark[idx[i]]) { mark[idx[i]] = 1; uni[rows_read++] = idx[i]; }
+        }
+        int64_t bh = b * j->H + kvh * G + g;
+        if (j->tau) j->tau[bh] = (double)M[g] + ty;
+        if (j->support) j->support[bh] = sup;
+    }
+    /* V rows read = the union of the group's supports; leave the marks clear */
+    for (int64_t i = 0; i < rows_read; i++) mark[uni[i]] = 0;
+    j->bytes_v[task] = rows_read * D * j->esize;
+}
+
+ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                            const ekv_page_table *tab, const float *q, float *out,
+                            ekv_decode_info *info) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    ekv_status st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
+    if (st) return st;
+    dense_job j;
+    memset(&j, 0, sizeof j);
+    j.kern = ekv_cpu_kernels_for(ctx->isa);
+    j.prm = prm;
+    j.kv = kv;
+    j.tab = tab;
+    j.B = tab->batch;
+    j.H = prm->num_heads;
+    j.Hk = kv->num_kv_heads;
+    j.G = j.H / j.Hk;
+    j.D = kv->head_dim;
+    j.ps = kv->page_size;
+    j.esize = ekv_dtype_size(kv->dtype);
+    j.alpha = prm->alpha;
+    j.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    if (j.G > 256)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.G);
+    /* sizes */
+    int64_t total_tok = 0, nmax = 0, ntasks = 0;
+    const int64_t pages_per_chunk = (CHUNK_TOKENS + j.ps - 1) / j.ps;
+    for (int64_t b = 0; b < j.B; b++) {
+        int64_t np = tab->indptr[b + 1] - tab->indptr[b];
+        int64_t n = (np - 1) * j.ps + tab->last_page_len[b];
+        total_tok += n;
+        if (n > nmax) nmax = n;
+        ntasks += (np + pages_per_chunk - 1) / pages_per_chunk;
+    }
+    const int64_t W = ctx->n_threads;
+    int64_t bytes = 0, off_qs, off_z, off_seq, off_cmax, off_idx, off_y, off_y2, off_mark, off_bv, off_uni, t1;
+#define RESERVE(off, n)                                                                       \
+    do {                                                                                      \
+        off = bytes;                                                                          \
+        if (ekv_add_i64(bytes, ((int64_t)(n) + 63) & ~(int64_t)63, &bytes))                   \
+            return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "decode workspace overflows");         \
+    } while (0)
+    if (ekv_mul_i64(total_tok, j.H * 4, &t1))
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "score buffer overflows");
+    RESERVE(off_qs, j.B * j.H * j.D * 4);
+    RESERVE(off_z, t1);
+    RESERVE(off_seq, j.B * 4 * 8);
+    RESERVE(off_cmax, ntasks * j.H * 4);
+    RESERVE(off_idx, W * nmax * 8);
+    RESERVE(off_y, W * nmax * 8);
+    RESERVE(off_y2, W * nmax * 8);
+    RESERVE(off_mark, W * nmax);
+    RESERVE(off_uni, W * nmax * 8);
+    RESERVE(off_bv, j.B * j.Hk * 8);
+#undef RESERVE
+    char *ws = ekv_context_workspace(ctx, (size_t)bytes);
+    if (!ws)
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MiB of decode workspace",
+                        (double)bytes / (1 << 20));
+    float *qs = (float *)(ws + off_qs);
+    j.z = (float *)(ws + off_z);
+    j.tok_off = (int64_t *)(ws + off_seq);
+    j.len = j.tok_off + j.B;
+    j.chunks = j.len + j.B;
+    j.task_off = j.chunks + j.B;
+    j.cmax = (float *)(ws + off_cmax);
+    j.nmax = nmax;
+    j.w_idx = (int64_t *)(ws + off_idx);
+    j.w_y = (double *)(ws + off_y);
+    j.w_y2 = (double *)(ws + off_y2);
+    j.w_mark = (uint8_t *)(ws + off_mark);
+    j.w_union = (int64_t *)(ws + off_uni);
+    j.bytes_v = (int64_t *)(ws + off_bv);
+    memset(j.w_mark, 0, (size_t)(W * nmax));
+    int64_t tok = 0, toff = 0;
+    for (int64_t b = 0; b < j.B; b++) {
+        int64_t np = tab->indptr[b + 1] - tab->indptr[b];
+        j.len[b] = (np - 1) * j.ps + tab->last_page_len[b];
+        j.tok_off[b] = tok;
+        j.chunks[b] = (np + pages_per_chunk - 1) / pages_per_chunk;
+        j.task_off[b] = toff;
+        tok += j.len[b];
+        toff += j.chunks[b];
+    }
+    j.ntasks = ntasks;
+    /* q' = (a * scale) * q, so that the kernels produce z directly */
+    float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.D));
+    float qscale = (float)(j.a * scale);
+    for (int64_t i = 0; i < j.B * j.H * j.D; i++) qs[i] = q[i] * qscale;
+    j.qs = qs;
+    j.out = out;
+    j.tau = info ? info->tau : NULL;
+    j.support = info ? info->support : NULL;
+    ekv_pool_run(ctx->pool, ntasks, phase_scores, &j);
+    ekv_pool_run(ctx->pool, j.B * j.Hk, phase_attend, &j);
+    if (info) {
+        info->bytes_k = total_tok * j.Hk * j.D * j.esize;
+        info->bytes_v = 0;
+        for (int64_t t = 0; t < j.B * j.Hk; t++) info->bytes_v += j.bytes_v[t];
+    }
+    ekv_clear_error(ctx);
+    return EKV_OK;
+}

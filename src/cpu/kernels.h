@@ -1,0 +1,42 @@
+/*
+ * The CPU's inner loops, one implementation per ISA (kernels_scalar.c, kernels_avx2.c,
+ * kernels_avx512.c), chosen at run time by ekv_cpu_kernels_for(). Every kernel has the
+ * same contract, so the tests can check each ISA against the scalar one and the ref.
+ */
+#ifndef EKV_CPU_KERNELS_H
+#define EKV_CPU_KERNELS_H
+#include "../core/internal.h"
+
+typedef struct ekv_cpu_kernels {
+    /*
+     * Scores of G query heads over ntok consecutive key rows (row t at k + t*stride_tok,
+     * head_dim D contiguous elements of dtype dt):
+     *   z[g*ldz + t] = <q[g*ldq ..], k_t> + bias0[g] + bias_step[g]*t
+     * and zmax[g] = max(zmax[g], every z written for head g). bias0/bias_step may be NULL.
+     */
+    void (*score)(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
+                  const float *q, int64_t ldq, int G, const float *bias0, const float *bias_step,
+                  float *z, int64_t ldz, float *zmax);
+    /*
+     * out[g*ldo + d] += sum_t w[g*ldw + t] * v_t[d] for G heads over ntok consecutive value
+     * rows (row t at v + t*stride_tok).
+     */
+    void (*accum)(const void *v, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
+                  const float *w, int64_t ldw, int G, float *out, int64_t ldo);
+    /*
+     * Appends every i in [0, n) with z[i] > thr to idx (as base + i) and y (z[i] - m, in
+     * double); returns how many were appended.
+     */
+    int64_t (*compact_gt)(const float *z, int64_t n, float thr, double m, int64_t base,
+                          int64_t *idx, double *y);
+    /* w[i] = exp(z[i] - m) for i in [0, n) (w may equal z); returns the sum of w. */
+    double (*exp_shift)(const float *z, int64_t n, float m, float *w);
+} ekv_cpu_kernels;
+
+const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa);
+extern const ekv_cpu_kernels ekv_cpu_kernels_scalar;
+#if defined(__x86_64__)
+extern const ekv_cpu_kernels ekv_cpu_kernels_avx2;
+extern const ekv_cpu_kernels ekv_cpu_kernels_avx512;
+#endif
+#endif

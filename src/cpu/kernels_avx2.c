@@ -1,0 +1,99 @@
+/*
+ * AVX2 + FMA + F16C kernels (compiled with -mavx2 -mfma -mf16c; only called when the CPU
+ * reports AVX2 and FMA). Simpler than the AVX-512 tiles: one token at a time, each key
+ * chunk converted once and shared by up to 4 heads, then horizontal sums.
+ */
+#include "kernels.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Loads 8 elements (or the first r < 8 with zeros after them) as floats. */
+INLINE __m256 load8(const void *base, ekv_dtype dt, int64_t off, int r) {
+    if (r >= 8) {
+        if (dt == EKV_DTYPE_F32) return _mm256_loadu_ps((const float *)base + off);
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+        if (dt == EKV_DTYPE_F16) return _mm256_cvtph_ps(h);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    float tmp[8] = {0};
+    for (int i = 0; i < r; i++) tmp[i] = ekv_load_f32(base, dt, off + i);
+    return _mm256_loadu_ps(tmp);
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE void score_impl(const void *k, int64_t st, int64_t ntok, ekv_dtype dt, int64_t D,
+                       const float *q, int64_t ldq, int G, const float *b0, const float *bs,
+                       float *z, int64_t ldz, float *zmax) {
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        int gn = G - g0 < 4 ? G - g0 : 4;
+        for (int64_t t = 0; t < ntok; t++) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int64_t d = 0; d < D; d += 8) {
+                int r = (int)(D - d < 8 ? D - d : 8);
+                __m256 kv = load8(k, dt, t * st + d, r);
+                for (int g = 0; g < 4; g++) {
+                    if (g >= gn) break;
+                    __m256 qv = load8(q + (g0 + g) * ldq, EKV_DTYPE_F32, d, r);
+                    acc[g] = _mm256_fmadd_ps(kv, qv, acc[g]);
+                }
+            }
+            for (int g = 0; g < gn; g++) {
+                int gg = g0 + g;
+                float s = hsum8(acc[g]);
+                if (b0) s += b0[gg] + bs[gg] * (float)t;
+                z[gg * ldz + t] = s;
+                if (s > zmax[gg]) zmax[gg] = s;
+            }
+        }
+    }
+}
+
+static void score_avx2(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
+                       const float *q, int64_t ldq, int G, const float *b0, const float *bs,
+                       float *z, int64_t ldz, float *zmax) {
+    switch (dt) {
+    case EKV_DTYPE_F16: score_impl(k, st, n, EKV_DTYPE_F16, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
+    case EKV_DTYPE_BF16: score_impl(k, st, n, EKV_DTYPE_BF16, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
+    default: score_impl(k, st, n, EKV_DTYPE_F32, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
+    }
+}
+
+static void accum_avx2(const void *v, int64_t st, int64_t ntok, ekv_dtype dt, int64_t D,
+                       const float *w, int64_t ldw, int G, float *out, int64_t ldo) {
+    for (int64_t d = 0; d < D; d += 8) {
+        int r = (int)(D - d < 8 ? D - d : 8);
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            int gn = G - g0 < 4 ? G - g0 : 4;
+            __m256 acc[4];
+            for (int g = 0; g < gn; g++) acc[g] = load8(out + (g0 + g) * ldo, EKV_DTYPE_F32, d, r);
+            for (int64_t t = 0; t < ntok; t++) {
+                __m256 x = load8(v, dt, t * st + d, r);
+                for (int g = 0; g < gn; g++)
+                    acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(w[(g0 + g) * ldw + t]), x, acc[g]);
+            }
+            for (int g = 0; g < gn; g++) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, acc[g]);
+                memcpy(out + (g0 + g) * ldo + d, tmp, sizeof(float) * (size_t)r);
+            }
+        }
+    }
+}
+
+int64_t ekv_compact_gt_scalar(const float *z, int64_t n, float thr, double m, int64_t base,
+                              int64_t *idx, double *y);
+
+double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w);
+
+const ekv_cpu_kernels ekv_cpu_kernels_avx2 = {score_avx2, accum_avx2, ekv_compact_gt_scalar,
+                                              ekv_exp_shift_scalar};
+#endif

@@ -1,0 +1,65 @@
+/* Portable scalar kernels (the fallback, and the baseline the SIMD kernels are tested
+ * against). Contracts in kernels.h. */
+#include "kernels.h"
+
+static void score_scalar(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
+                         const float *q, int64_t ldq, int G, const float *bias0,
+                         const float *bias_step, float *z, int64_t ldz, float *zmax) {
+    for (int64_t t = 0; t < ntok; t++) {
+        for (int g = 0; g < G; g++) {
+            float s = 0.f;
+            const float *qg = q + g * ldq;
+            for (int64_t d = 0; d < D; d++) s += qg[d] * ekv_load_f32(k, dt, t * stride_tok + d);
+            if (bias0) s += bias0[g] + bias_step[g] * (float)t;
+            z[g * ldz + t] = s;
+            if (s > zmax[g]) zmax[g] = s;
+        }
+    }
+}
+
+static void accum_scalar(const void *v, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
+                         const float *w, int64_t ldw, int G, float *out, int64_t ldo) {
+    for (int64_t t = 0; t < ntok; t++) {
+        for (int64_t d = 0; d < D; d++) {
+            float x = ekv_load_f32(v, dt, t * stride_tok + d);
+            for (int g = 0; g < G; g++) out[g * ldo + d] += w[g * ldw + t] * x;
+        }
+    }
+}
+
+int64_t ekv_compact_gt_scalar(const float *z, int64_t n, float thr, double m, int64_t base,
+                              int64_t *idx, double *y);
+int64_t ekv_compact_gt_scalar(const float *z, int64_t n, float thr, double m, int64_t base,
+                              int64_t *idx, double *y) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (z[i] > thr) {
+            idx[c] = base + i;
+            y[c] = (double)z[i] - m;
+            c++;
+        }
+    }
+    return c;
+}
+
+double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w);
+double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) {
+        w[i] = expf(z[i] - m);
+        s += w[i];
+    }
+    return s;
+}
+
+const ekv_cpu_kernels ekv_cpu_kernels_scalar = {score_scalar, accum_scalar, ekv_compact_gt_scalar,
+                                                ekv_exp_shift_scalar};
+
+const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa) {
+#if defined(__x86_64__)
+    if (isa == EKV_ISA_AVX512) return &ekv_cpu_kernels_avx512;
+    if (isa == EKV_ISA_AVX2) return &ekv_cpu_kernels_avx2;
+#endif
+    (void)isa;
+    return &ekv_cpu_kernels_scalar;
+}

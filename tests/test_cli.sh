@@ -1,0 +1,333 @@
+#!/usr/bin/env bash
+# CLI contract checks (DESIGN 4).  Usage: test_cli.sh PATH/TO/entmaxkv
+# Exit 0 = every check passed, 1 = a check failed (each failure is printed).
+#   - --help of the tool and of each subcommand: exit 0, usage on stdout;
+#   - bad usage (unknown subcommand/option, bad values): exit 2 and a one-line reason
+#     on stderr, nothing on stdout;
+#   - entmax: %.9g probabilities from stdin lines, -inf masking, --json objects with
+#     p, tau, support; a bad number exits 1 naming the line;
+#   - bench: a tiny workload writes a JSON array whose rows carry the contract fields.
+# Uses python3 for JSON checks when it is available, grep otherwise. Takes a few seconds.
+set -u
+
+BIN=${1:-}
+if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
+    echo "usage: $0 PATH/TO/entmaxkv  (got '${BIN}', not an executable)" >&2
+    exit 1
+fi
+
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_cli.XXXXXX") || exit 1
+trap 'rm -rf "$TMP"' EXIT
+
+FAILS=0
+CHECKS=0
+fail() { echo "FAIL: $*" >&2; FAILS=$((FAILS + 1)); }
+check() { # check DESCRIPTION CONDITION-STATUS
+    CHECKS=$((CHECKS + 1))
+    if [ "$2" -ne 0 ]; then fail "$1"; fi
+}
+
+PY=""
+if command -v python3 >/dev/null 2>&1 && python3 -c 'import json, math' >/dev/null 2>&1; then PY=python3; fi
+TIMEOUT=""
+if command -v timeout >/dev/null 2>&1; then TIMEOUT="timeout 120"; fi
+
+# run INPUT ARGS... : runs the tool with INPUT on stdin; sets RC, OUT, ERR (file paths).
+OUT="$TMP/out"
+ERR="$TMP/err"
+run() {
+    local input=$1
+    shift
+    printf '%s' "$input" | $TIMEOUT "$BIN" "$@" >"$OUT" 2>"$ERR"
+    RC=$?
+}
+nlines() { awk 'END { print NR }' "$1"; }
+show() { echo "    stdout: $(head -c 300 "$OUT" | tr '\n' '|')" >&2; echo "    stderr: $(head -c 300 "$ERR" | tr '\n' '|')" >&2; }
+
+# ---------------------------------------------------------------------------------- help
+expect_help() { # ARGS...
+    run "" "$@"
+    local ok=0
+    [ "$RC" -eq 0 ] || ok=1
+    grep -qi 'usage' "$OUT" || ok=1
+    [ ! -s "$ERR" ] || ok=1
+    check "'$*' should exit 0 and print usage on stdout (rc=$RC)" $ok
+    [ $ok -eq 0 ] || show
+}
+expect_help --help
+expect_help -h
+expect_help help
+expect_help entmax --help
+expect_help entmax -h
+expect_help bench --help
+expect_help bench -h
+
+# the main help names the subcommands
+run "" --help
+grep -q 'entmax' "$OUT" && grep -q 'bench' "$OUT"
+check "main --help should list the entmax and bench subcommands" $?
+
+# no subcommand at all is bad usage
+run ""
+[ "$RC" -eq 2 ] && [ -s "$ERR" ]
+check "no arguments should exit 2 with usage on stderr (rc=$RC)" $?
+
+# ---------------------------------------------------------------------------- bad usage
+expect_usage_error() { # ARGS...
+    run "1 2 3"$'\n' "$@"
+    local ok=0 n
+    n=$(nlines "$ERR")
+    [ "$RC" -eq 2 ] || ok=1
+    [ "$n" -eq 1 ] || ok=1
+    grep -q '[^[:space:]]' "$ERR" || ok=1
+    [ ! -s "$OUT" ] || ok=1
+    check "'$*' should exit 2 with a one-line reason on stderr (rc=$RC, $n stderr lines)" $ok
+    [ $ok -eq 0 ] || show
+}
+expect_usage_error frob
+expect_usage_error --frob
+expect_usage_error entmax --frob
+expect_usage_error entmax --alpha x
+expect_usage_error entmax --alpha 9
+expect_usage_error entmax --alpha 0.5
+expect_usage_error entmax --alpha 0
+expect_usage_error entmax --alpha -1
+expect_usage_error entmax --alpha nan
+expect_usage_error entmax --alpha 1.5x
+expect_usage_error entmax --alpha
+expect_usage_error bench --frob
+expect_usage_error bench --alpha x
+expect_usage_error bench --alpha 9
+expect_usage_error bench --alpha 0.99
+expect_usage_error bench --heads 6 --kv-heads 4
+expect_usage_error bench --kv-heads 4 --heads 6
+expect_usage_error bench --heads 0
+expect_usage_error bench --heads x
+expect_usage_error bench --kv-heads 0
+expect_usage_error bench --dim 0
+expect_usage_error bench --dim 64x
+expect_usage_error bench --dtype f8
+expect_usage_error bench --dtype ''
+expect_usage_error bench --method foo
+expect_usage_error bench --page 0
+expect_usage_error bench --page 257
+expect_usage_error bench --page -1
+expect_usage_error bench --len 0
+expect_usage_error bench --len abc
+expect_usage_error bench --len 256,x
+expect_usage_error bench --len
+expect_usage_error bench --batch 0
+expect_usage_error bench --threads -1
+expect_usage_error bench --iters 0
+expect_usage_error bench --backend foo
+expect_usage_error bench --workload foo
+expect_usage_error bench --isa foo
+
+# Subcommands of later issues: until they exist they must refuse cleanly (exit 2, one
+# line); once they exist, their --help must work.
+for sub in eval run ppl trace; do
+    run "" "$sub" --help
+    if [ "$RC" -eq 0 ]; then
+        grep -qi 'usage' "$OUT"
+        check "'$sub --help' exited 0 but printed no usage" $?
+    else
+        [ "$RC" -eq 2 ] && [ "$(nlines "$ERR")" -eq 1 ]
+        check "'$sub --help' should exit 0 (implemented) or 2 with one line (not yet; rc=$RC)" $?
+    fi
+done
+
+# --------------------------------------------------------------------------------- entmax
+# expect_line INPUT EXPECTED ARGS... : exact text of a single output line
+expect_line() {
+    local input=$1 want=$2
+    shift 2
+    run "$input" "$@"
+    [ "$RC" -eq 0 ] && [ "$(cat "$OUT")" = "$want" ] && [ "$(nlines "$OUT")" -eq 1 ]
+    check "'$*' on '${input%$'\n'}' should print '$want' (rc=$RC, got '$(head -c 200 "$OUT")')" $?
+}
+# expect_close INPUT "P1 P2 ..." TOL ARGS... : numeric comparison field by field
+expect_close() {
+    local input=$1 want=$2 tol=$3
+    shift 3
+    run "$input" "$@"
+    local got
+    got=$(cat "$OUT")
+    [ "$RC" -eq 0 ] && awk -v got="$got" -v want="$want" -v tol="$tol" 'BEGIN {
+        n = split(got, g, " "); m = split(want, w, " ");
+        if (n != m) exit 1;
+        for (i = 1; i <= n; i++) { d = g[i] - w[i]; if (d < 0) d = -d; if (d > tol) exit 1; }
+        exit 0 }'
+    check "'$*' on '${input%$'\n'}' should be within $tol of '$want' (rc=$RC, got '$got')" $?
+}
+
+expect_line $'1 2 3\n' "0 0 1" entmax --alpha 2
+expect_line $'0 0\n' "0.5 0.5" entmax --alpha 1
+expect_line $'0 0\n' "0.5 0.5" entmax --alpha 1.5
+expect_line $'5\n' "1" entmax --alpha 3
+expect_line $'1 -inf 3\n' "0 0 1" entmax --alpha 2
+expect_line $'0 -inf 0\n' "0.5 0 0.5" entmax --alpha 1
+expect_line $'  1\t2   3  \n' "0 0 1" entmax --alpha 2
+expect_close $'1 2 3\n' "0 0.1692811 0.8307189" 1e-6 entmax --alpha 1.5
+expect_close $'1 2 3\n' "0 0.1692811 0.8307189" 1e-6 entmax
+expect_close $'1 2 3\n' "0.09003057 0.24472847 0.66524096" 1e-6 entmax --alpha 1
+expect_close $'1 -inf 2 3\n' "0 0 0.1692811 0.8307189" 1e-6 entmax --alpha 1.5
+expect_close $'-inf 1 2 3\n' "0 0 0.1692811 0.8307189" 1e-6 entmax
+expect_close $'1 2 -inf\n' "0.26894142 0.73105858 0" 1e-6 entmax --alpha 1
+
+# %.9g: at most 9 significant digits per number
+run $'0.1 0.2 0.3 0.7 1.1\n' entmax --alpha 1
+[ "$RC" -eq 0 ] && awk '{ for (i = 1; i <= NF; i++) { s = $i; sub(/^-/, "", s); sub(/[eE].*/, "", s);
+    gsub(/\./, "", s); sub(/^0+/, "", s); if (length(s) > 9) exit 1 } } END { exit NR == 1 ? 0 : 1 }' "$OUT"
+check "entmax output should use %.9g (got '$(head -c 200 "$OUT")')" $?
+
+# several lines in, one line out per vector; blank lines are skipped
+run $'1 2 3\n0 0\n\n4\n' entmax --alpha 2
+[ "$RC" -eq 0 ] && [ "$(nlines "$OUT")" -eq 3 ] && [ "$(sed -n 2p "$OUT")" = "0.5 0.5" ] && [ "$(sed -n 3p "$OUT")" = "1" ]
+check "entmax should print one line per input vector (rc=$RC, got '$(tr '\n' '|' <"$OUT")')" $?
+
+# --json
+JSON_IN=$'1 2 3\n0 0\n1 -inf 3\n0.5 -1 2 0.25 7\n'
+for a in 1 1.5 2 3; do
+    run "$JSON_IN" entmax --alpha "$a" --json
+    if [ "$RC" -ne 0 ]; then
+        check "entmax --json --alpha $a exited $RC" 1
+        show
+        continue
+    fi
+    if [ -n "$PY" ]; then
+        $PY - "$OUT" "$a" <<'EOF'
+import json, math, sys
+path, alpha = sys.argv[1], float(sys.argv[2])
+inputs = [[1, 2, 3], [0, 0], [1, -math.inf, 3], [0.5, -1, 2, 0.25, 7]]
+lines = [l for l in open(path).read().splitlines()]
+assert len(lines) == len(inputs), "%d json lines for %d inputs" % (len(lines), len(inputs))
+for line, x in zip(lines, inputs):
+    o = json.loads(line)
+    assert isinstance(o, dict), line
+    for k in ("p", "tau", "support"):
+        assert k in o, "key %s missing in %s" % (k, line)
+    p, tau, sup = o["p"], o["tau"], o["support"]
+    assert len(p) == len(x), line
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in p), line
+    assert abs(sum(p) - 1) < 1e-6, "sum p = %r in %s" % (sum(p), line)
+    assert isinstance(sup, int) and sup == sum(1 for v in p if v > 0), "support %r vs p in %s" % (sup, line)
+    for xi, pi in zip(x, p):
+        if xi == -math.inf:
+            assert pi == 0, line
+    # tau in z-space: p_j = [(a-1) x_j - tau]_+^(1/(a-1)); softmax: p_j = exp(x_j - tau)
+    for xi, pi in zip(x, p):
+        if xi == -math.inf:
+            continue
+        if alpha == 1:
+            want = math.exp(xi - tau)
+        else:
+            d = (alpha - 1) * xi - tau
+            want = d ** (1 / (alpha - 1)) if d > 0 else 0.0
+        assert abs(want - pi) < 1e-5, "p=%r but tau gives %r in %s" % (pi, want, line)
+EOF
+        check "entmax --json --alpha $a: JSON lines with p, tau, support consistent with SPEC 0" $?
+    else
+        [ "$(nlines "$OUT")" -eq 4 ] && [ "$(grep -c '^{"p":\[.*\],"tau":[-0-9.eE+]*,"support":[0-9]*}$' "$OUT")" -eq 4 ]
+        check "entmax --json --alpha $a: 4 lines of {\"p\":[...],\"tau\":t,\"support\":k}" $?
+    fi
+done
+run $'0 0\n' entmax --alpha 1 --json
+if [ -n "$PY" ]; then
+    $PY -c 'import json, math, sys; o = json.loads(open(sys.argv[1]).read()); assert abs(o["tau"] - math.log(2)) < 1e-9 and o["support"] == 2 and o["p"] == [0.5, 0.5], o' "$OUT"
+else
+    grep -q '"tau":0.6931471805' "$OUT" && grep -q '"support":2' "$OUT"
+fi
+check "softmax --json of '0 0': tau = log 2, support 2 (got '$(head -c 200 "$OUT")')" $?
+
+# runtime errors in the input: exit 1, message naming the line
+expect_input_error() { # INPUT LINE-NUMBER ARGS...
+    local input=$1 ln=$2
+    shift 2
+    run "$input" entmax "$@"
+    [ "$RC" -eq 1 ] && grep -q "line $ln\b" "$ERR"
+    check "entmax $* on '$(printf '%s' "$input" | tr '\n' '|')' should exit 1 naming line $ln (rc=$RC, stderr '$(head -c 200 "$ERR")')" $?
+}
+expect_input_error $'1 2 3\n4 x 5\n' 2
+expect_input_error $'abc\n' 1
+expect_input_error $'1 2\n\n3 4,5\n' 3
+expect_input_error $'1 2 3\n1 nan 3\n' 2 --alpha 1.5
+expect_input_error $'1 inf 3\n' 1 --alpha 2
+expect_input_error $'-inf -inf\n' 1 --alpha 1
+
+# ---------------------------------------------------------------------------------- bench
+# check_bench_json FILE ROWS EXPECTED-JSON-OBJECT : field presence, types, values
+check_bench_json() {
+    local file=$1 rows=$2 expect=$3
+    if [ ! -s "$file" ]; then
+        check "bench did not write $file" 1
+        return
+    fi
+    if [ -n "$PY" ]; then
+        $PY - "$file" "$rows" "$expect" <<'EOF'
+import json, math, sys
+path, nrows, expect = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+data = json.load(open(path))
+assert isinstance(data, list), "not a JSON array"
+assert len(data) == nrows, "%d rows, want %d" % (len(data), nrows)
+required = ["backend", "method", "alpha", "len", "batch", "heads", "kv_heads", "dim", "page", "dtype",
+            "ms_median", "ms_min", "bytes_read", "gbps", "kv_fraction", "bw_probe_gbps", "bw_ratio"]
+strings = {"backend", "method", "dtype"}
+for i, row in enumerate(data):
+    assert isinstance(row, dict), "row %d is not an object" % i
+    for k in required:
+        assert k in row, "row %d lacks %s" % (i, k)
+        v = row[k]
+        if k in strings:
+            assert isinstance(v, str) and v, "row %d: %s = %r" % (i, k, v)
+        else:
+            assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), \
+                "row %d: %s = %r" % (i, k, v)
+    for k, v in expect.items():
+        if k == "len":
+            assert row["len"] == v[i], "row %d: len %r, want %r" % (i, row["len"], v[i])
+        else:
+            assert row[k] == v, "row %d: %s = %r, want %r" % (i, k, row[k], v)
+    assert 0 < row["ms_min"] <= row["ms_median"], row
+    assert row["bytes_read"] > 0 and row["gbps"] > 0 and row["bw_probe_gbps"] > 0, row
+    assert 0 < row["kv_fraction"] <= 1 + 1e-9, row
+    if row["alpha"] == 1:
+        assert abs(row["kv_fraction"] - 1) < 1e-6, "softmax reads all of K and V: %r" % row
+    kv_total = 2 * row["len"] * row["batch"] * row["kv_heads"] * row["dim"] * {"f32": 4, "f16": 2, "bf16": 2}[row["dtype"]]
+    assert abs(row["bytes_read"] / kv_total - row["kv_fraction"]) < 1e-4, "kv_fraction vs bytes_read: %r" % row
+    assert abs(row["gbps"] / row["bw_probe_gbps"] - row["bw_ratio"]) <= 1e-3 + 1e-2 * row["bw_ratio"], \
+        "bw_ratio != gbps / bw_probe_gbps: %r" % row
+EOF
+        check "bench JSON $file: array of $rows rows with the contract fields and values" $?
+    else
+        local ok=0 k
+        head -c 1 "$file" | grep -q '\[' || ok=1
+        tail -c 3 "$file" | grep -q '\]' || ok=1
+        for k in backend method alpha len batch heads kv_heads dim page dtype ms_median ms_min bytes_read \
+            gbps kv_fraction bw_probe_gbps bw_ratio; do
+            [ "$(grep -o "\"$k\":" "$file" | wc -l)" -eq "$rows" ] || { ok=1; echo "  field $k: not in every row" >&2; }
+        done
+        check "bench JSON $file: array of $rows rows with the contract fields (grep)" $ok
+    fi
+}
+
+J1="$TMP/bench1.json"
+run "" bench --len 256,512 --heads 4 --kv-heads 2 --dim 64 --iters 3 --warmup 1 --threads 1 --json "$J1"
+check "bench (tiny, cpu, entmax15) should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+check_bench_json "$J1" 2 '{"backend":"cpu","method":"dense","alpha":1.5,"len":[256,512],"batch":1,"heads":4,"kv_heads":2,"dim":64,"page":16,"dtype":"f16"}'
+grep -q '^ *256 ' "$OUT" && grep -q '^ *512 ' "$OUT"
+check "bench should print a table row per length" $?
+
+# --len repeatable, reference backend, softmax, f32, batch 2, page 8
+J2="$TMP/bench2.json"
+run "" bench --backend ref --alpha 1 --dtype f32 --batch 2 --page 8 --len 40 --len 64 --heads 4 --kv-heads 4 \
+    --dim 16 --iters 1 --warmup 0 --threads 1 --json "$J2"
+check "bench (tiny, ref, softmax) should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+check_bench_json "$J2" 2 '{"backend":"ref","method":"dense","alpha":1,"len":[40,64],"batch":2,"heads":4,"kv_heads":4,"dim":16,"page":8,"dtype":"f32"}'
+
+# an unwritable JSON path is a runtime failure
+run "" bench --len 64 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1 --json "$TMP/no/such/dir/x.json"
+[ "$RC" -eq 1 ] && [ -s "$ERR" ]
+check "bench --json into a missing directory should exit 1 with a message (rc=$RC)" $?
+
+echo "test_cli: $CHECKS checks, $FAILS failures"
+[ "$FAILS" -eq 0 ]

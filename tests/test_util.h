@@ -1,0 +1,45 @@
+/* Minimal test helpers: CHECK records a failure with file:line and continues, so one run
+ * reports every broken case; test_finish() turns the count into the exit status. */
+#ifndef EKV_TEST_UTIL_H
+#define EKV_TEST_UTIL_H
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int g_failures = 0, g_checks = 0;
+
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        g_checks++;                                                                           \
+        if (!(cond)) {                                                                        \
+            if (g_failures < 50) {                                                            \
+                fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);      \
+                fprintf(stderr, __VA_ARGS__);                                                 \
+                fprintf(stderr, "\n");                                                        \
+            }                                                                                 \
+            g_failures++;                                                                     \
+        }                                                                                     \
+    } while (0)
+
+static inline int test_finish(const char *name) {
+    printf("%s: %d checks, %d failures\n", name, g_checks, g_failures);
+    return g_failures ? 1 : 0;
+}
+
+/* Deterministic xorshift random numbers for tests. */
+typedef struct { uint64_t s; } test_rng;
+static inline uint64_t test_next(test_rng *r) {
+    uint64_t x = r->s;
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    return r->s = x;
+}
+static inline double test_uniform(test_rng *r) { return (double)(test_next(r) >> 11) / 9007199254740992.0; }
+static inline double test_normal(test_rng *r) {
+    double u = test_uniform(r) + 1e-300, v = test_uniform(r);
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+static inline int64_t test_range(test_rng *r, int64_t lo, int64_t hi) { /* [lo, hi] */
+    return lo + (int64_t)(test_next(r) % (uint64_t)(hi - lo + 1));
+}
+#endif

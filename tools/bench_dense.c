@@ -1,0 +1,286 @@
+/*
+ * entmaxkv bench: times the decode step on a synthetic workload and reports bytes read,
+ * GB/s, and the ratio to a read-bandwidth probe run in the same process (BENCH.md).
+ */
+#include "cli.h"
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void bench_help(FILE *f) {
+    fprintf(f,
+            "usage: entmaxkv bench [options]\n"
+            "\n"
+            "Times one decode step (B sequences x H query heads) over a paged KV cache filled\n"
+            "with a synthetic workload, and compares the achieved read bandwidth with a probe\n"
+            "run in the same process.\n"
+            "\n"
+            "  --backend cpu|ref     backend (default cpu; ref = long-double reference, slow)\n"
+            "  --len N[,N...]        tokens per sequence (repeatable; k/M suffixes; default 131072)\n"
+            "  --batch B             sequences (default 1)\n"
+            "  --heads H             query heads (default 32)\n"
+            "  --kv-heads HK         KV heads, must divide H (default 8)\n"
+            "  --dim D               head dim (default 128)\n"
+            "  --page P              page size, 1..256 (default 16)\n"
+            "  --dtype f32|f16|bf16  K/V storage (default f16)\n"
+            "  --alpha A             1 = softmax, (1, 4] entmax (default 1.5)\n"
+            "  --method dense        selection method (only dense exists in this version)\n"
+            "  --workload random     iid N(0,1) keys, values and queries (default)\n"
+            "  --threads T           worker threads (default: all CPUs)\n"
+            "  --iters N             timed steps (default 30; median reported)\n"
+            "  --warmup N            untimed steps first (default 3)\n"
+            "  --isa auto|scalar|avx2|avx512  SIMD level (default auto)\n"
+            "  --seed S              random seed (default 1)\n"
+            "  --json FILE           write one JSON object per length (a JSON array)\n"
+            "  --help                this text\n"
+            "\n"
+            "bytes_read = K bytes + V bytes actually read (entmax: support rows only);\n"
+            "kv_fraction = bytes_read / (K + V bytes of the sequences).\n");
+}
+
+typedef struct {
+    const char *backend, *method, *workload, *json;
+    int64_t lens[64];
+    int nlens;
+    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed;
+    ekv_dtype dtype;
+    ekv_isa isa;
+    double alpha;
+} bench_opts;
+
+static const char *need(int argc, char **argv, int *i) {
+    if (*i + 1 >= argc) cli_usage_error("bench", "%s needs a value", argv[*i]);
+    return argv[++*i];
+}
+
+static int64_t need_int(int argc, char **argv, int *i, int64_t lo, int64_t hi) {
+    const char *opt = argv[*i], *v = need(argc, argv, i);
+    int64_t x;
+    if (cli_parse_i64(v, &x) || x < lo || x > hi)
+        cli_usage_error("bench", "%s %s: expected an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
+    return x;
+}
+
+static void parse(int argc, char **argv, bench_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->backend = "cpu"; o->method = "dense"; o->workload = "random";
+    o->batch = 1; o->heads = 32; o->kv_heads = 8; o->dim = 128; o->page = 16;
+    o->threads = 0; o->iters = 30; o->warmup = 3; o->seed = 1;
+    o->dtype = EKV_DTYPE_F16; o->alpha = 1.5; o->isa = EKV_ISA_AUTO;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { bench_help(stdout); exit(0); }
+        else if (!strcmp(a, "--backend")) o->backend = need(argc, argv, &i);
+        else if (!strcmp(a, "--len")) {
+            const char *v = need(argc, argv, &i);
+            int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);
+            if (n <= 0) cli_usage_error("bench", "--len %s: expected a comma list of positive integers", v);
+            for (int k = 0; k < n; k++)
+                if (o->lens[o->nlens + k] < 1) cli_usage_error("bench", "--len must be >= 1");
+            o->nlens += n;
+        }
+        else if (!strcmp(a, "--batch")) o->batch = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--heads")) o->heads = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--kv-heads")) o->kv_heads = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--dim")) o->dim = need_int(argc, argv, &i, 1, 65536);
+        else if (!strcmp(a, "--page")) o->page = need_int(argc, argv, &i, 1, 256);
+        else if (!strcmp(a, "--threads")) o->threads = need_int(argc, argv, &i, 0, 1024);
+        else if (!strcmp(a, "--iters")) o->iters = need_int(argc, argv, &i, 1, 1000000);
+        else if (!strcmp(a, "--warmup")) o->warmup = need_int(argc, argv, &i, 0, 1000000);
+        else if (!strcmp(a, "--seed")) o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--json")) o->json = need(argc, argv, &i);
+        else if (!strcmp(a, "--method")) o->method = need(argc, argv, &i);
+        else if (!strcmp(a, "--workload")) o->workload = need(argc, argv, &i);
+        else if (!strcmp(a, "--dtype")) {
+            const char *v = need(argc, argv, &i);
+            if (ekv_dtype_from_name(v, &o->dtype)) cli_usage_error("bench", "--dtype %s: expected f32, f16 or bf16", v);
+        } else if (!strcmp(a, "--alpha")) {
+            const char *v = need(argc, argv, &i);
+            if (cli_parse_double(v, &o->alpha) || !(o->alpha >= 1.0 && o->alpha <= 4.0))
+                cli_usage_error("bench", "--alpha %s: expected a number in [1, 4]", v);
+        } else if (!strcmp(a, "--isa")) {
+            const char *v = need(argc, argv, &i);
+            if (!strcmp(v, "auto")) o->isa = EKV_ISA_AUTO;
+            else if (!strcmp(v, "scalar")) o->isa = EKV_ISA_SCALAR;
+            else if (!strcmp(v, "avx2")) o->isa = EKV_ISA_AVX2;
+            else if (!strcmp(v, "avx512")) o->isa = EKV_ISA_AVX512;
+            else cli_usage_error("bench", "--isa %s: expected auto, scalar, avx2 or avx512", v);
+        } else cli_usage_error("bench", "unknown option '%s'", a);
+    }
+    if (!o->nlens) { o->lens[0] = 131072; o->nlens = 1; }
+    if (strcmp(o->backend, "cpu") && strcmp(o->backend, "ref")) {
+        if (!strcmp(o->backend, "cuda"))
+            cli_usage_error("bench", "--backend cuda: this build has no CUDA backend (not written yet)");
+        cli_usage_error("bench", "--backend %s: expected cpu or ref", o->backend);
+    }
+    if (strcmp(o->method, "dense")) {
+        if (!strcmp(o->method, "topk") || !strcmp(o->method, "gaussian") || !strcmp(o->method, "certified"))
+            cli_usage_error("bench", "--method %s is not implemented yet in this version (only dense)", o->method);
+        cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified", o->method);
+    }
+    if (strcmp(o->workload, "random")) {
+        if (!strcmp(o->workload, "planted") || !strncmp(o->workload, "trace:", 6))
+            cli_usage_error("bench", "--workload %s is not implemented yet in this version (only random)", o->workload);
+        cli_usage_error("bench", "--workload %s: expected random|planted|trace:FILE", o->workload);
+    }
+    if (o->heads % o->kv_heads)
+        cli_usage_error("bench", "--heads %lld is not a multiple of --kv-heads %lld", (long long)o->heads, (long long)o->kv_heads);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Fills `batch` sequences of `len` tokens with iid N(0,1) K and V, in chunks. */
+static int fill_random(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, const bench_opts *o,
+                       int64_t len, cli_rng *rng) {
+    const int64_t chunk = 2048, row = o->kv_heads * o->dim;
+    float *k = malloc(sizeof(float) * (size_t)(chunk * row)), *v = malloc(sizeof(float) * (size_t)(chunk * row));
+    if (!k || !v) { free(k); free(v); fprintf(stderr, "entmaxkv bench: out of memory\n"); return 1; }
+    double t0 = cli_now_seconds(), last = t0;
+    int64_t total = len * o->batch, done = 0;
+    for (int64_t b = 0; b < o->batch; b++) {
+        for (int64_t pos = 0; pos < len; pos += chunk) {
+            int64_t n = len - pos < chunk ? len - pos : chunk;
+            cli_fill_normal(rng, k, n * row);
+            cli_fill_normal(rng, v, n * row);
+            ekv_status st = ekv_cache_append(cache, seqs[b], n, k, v, EKV_DTYPE_F32);
+            if (st) {
+                fprintf(stderr, "entmaxkv bench: append failed: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
+                free(k); free(v);
+                return 1;
+            }
+            done += n;
+            double now = cli_now_seconds();
+            if (now - last > 2.0) {
+                fprintf(stderr, "  filling the cache: %lld / %lld tokens (%.0f%%)\n", (long long)done,
+                        (long long)total, 100.0 * (double)done / (double)total);
+                last = now;
+            }
+        }
+    }
+    free(k);
+    free(v);
+    return 0;
+}
+
+int cmd_bench(int argc, char **argv) {
+    bench_opts o;
+    parse(argc, argv, &o);
+    ekv_context_params cp = ekv_context_default_params();
+    cp.n_threads = (int32_t)o.threads;
+    cp.isa = o.isa;
+    ekv_context *ctx;
+    ekv_status st = ekv_context_create(&cp, &ctx);
+    if (st == EKV_ERR_UNSUPPORTED) {
+        fprintf(stderr, "entmaxkv bench: --isa %s is not supported by this CPU\n", ekv_isa_name(o.isa));
+        return CLI_USAGE;
+    }
+    if (st) { fprintf(stderr, "entmaxkv bench: cannot create a context: %s\n", ekv_status_string(st)); return 1; }
+    const int threads = ekv_context_threads(ctx);
+    FILE *jf = NULL;
+    if (o.json) {
+        jf = fopen(o.json, "w");
+        if (!jf) { fprintf(stderr, "entmaxkv bench: cannot write %s\n", o.json); ekv_context_free(ctx); return 1; }
+        fprintf(jf, "[\n");
+    }
+    printf("# backend=%s isa=%s threads=%d method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s\n",
+           o.backend, ekv_isa_name(ekv_context_isa(ctx)), threads, o.method, o.alpha, ekv_dtype_name(o.dtype),
+           (long long)o.batch, (long long)o.heads, (long long)o.kv_heads, (long long)o.dim, (long long)o.page, o.workload);
+    printf("%10s %10s %10s %12s %9s %10s %9s %11s %9s\n", "len", "ms_median", "ms_min", "bytes_read",
+           "GB/s", "probe_GB/s", "bw_ratio", "kv_fraction", "support");
+    int rc = 0;
+    for (int li = 0; li < o.nlens && !rc; li++) {
+        const int64_t len = o.lens[li];
+        ekv_cache_params pp = ekv_cache_default_params();
+        pp.page_size = (int32_t)o.page;
+        pp.num_kv_heads = (int32_t)o.kv_heads;
+        pp.head_dim = (int32_t)o.dim;
+        pp.dtype = o.dtype;
+        pp.max_seqs = (int32_t)o.batch;
+        pp.num_pages = ekv_cache_pages_for(len, o.batch, pp.page_size);
+        ekv_cache *cache;
+        st = ekv_cache_create(ctx, &pp, &cache);
+        if (st) { fprintf(stderr, "entmaxkv bench: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx)); rc = 1; break; }
+        int32_t *seqs = malloc(sizeof(int32_t) * (size_t)o.batch);
+        for (int64_t b = 0; b < o.batch; b++) ekv_cache_seq_new(cache, &seqs[b]);
+        cli_rng rng;
+        cli_rng_seed(&rng, (uint64_t)o.seed * 7919 + (uint64_t)len);
+        if (fill_random(ctx, cache, seqs, &o, len, &rng)) { rc = 1; goto next; }
+        {
+            ekv_paged_kv kv;
+            ekv_cache_kv_view(cache, &kv, NULL);
+            int64_t needed;
+            ekv_cache_page_table(cache, seqs, (int32_t)o.batch, NULL, NULL, 0, NULL, &needed);
+            int64_t *indptr = malloc(sizeof(int64_t) * (size_t)(o.batch + 1));
+            int32_t *indices = malloc(sizeof(int32_t) * (size_t)needed), *lpl = malloc(sizeof(int32_t) * (size_t)o.batch);
+            ekv_cache_page_table(cache, seqs, (int32_t)o.batch, indptr, indices, needed, lpl, NULL);
+            ekv_page_table tab = {(int32_t)o.batch, indptr, indices, lpl};
+            enum { NQ = 8 }; /* rotate queries so no step repeats the previous one */
+            const int64_t qn = o.batch * o.heads * o.dim;
+            float *q = malloc(sizeof(float) * (size_t)(qn * NQ)), *out = malloc(sizeof(float) * (size_t)qn);
+            int64_t *sup = malloc(sizeof(int64_t) * (size_t)(o.batch * o.heads));
+            double *times = malloc(sizeof(double) * (size_t)o.iters);
+            cli_fill_normal(&rng, q, qn * NQ);
+            ekv_decode_params dp = ekv_decode_default_params();
+            dp.num_heads = (int32_t)o.heads;
+            dp.alpha = o.alpha;
+            ekv_decode_info info = {NULL, sup, 0, 0};
+            double bytes_sum = 0, sup_sum = 0;
+            int is_ref = !strcmp(o.backend, "ref");
+            for (int64_t it = 0; it < o.warmup + o.iters; it++) {
+                const float *qi = q + (it % NQ) * qn;
+                double t0 = cli_now_seconds();
+                st = is_ref ? ekv_decode_dense_ref(ctx, &dp, &kv, &tab, qi, out, &info)
+                            : ekv_decode_dense(ctx, &dp, &kv, &tab, qi, out, &info);
+                double dt = cli_now_seconds() - t0;
+                if (st) {
+                    fprintf(stderr, "entmaxkv bench: decode failed: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
+                    rc = 1;
+                    break;
+                }
+                if (it >= o.warmup) {
+                    times[it - o.warmup] = dt;
+                    bytes_sum += (double)(info.bytes_k + info.bytes_v);
+                    for (int64_t i = 0; i < o.batch * o.heads; i++) sup_sum += (double)sup[i];
+                }
+            }
+            if (!rc) {
+                qsort(times, (size_t)o.iters, sizeof(double), cmp_double);
+                double med = times[o.iters / 2], mn = times[0];
+                if (o.iters % 2 == 0) med = 0.5 * (times[o.iters / 2 - 1] + times[o.iters / 2]);
+                double bytes = bytes_sum / (double)o.iters;
+                double kv_total = 2.0 * (double)(len * o.batch * o.kv_heads * o.dim * ekv_dtype_size(o.dtype));
+                double gbps = bytes / med / 1e9;
+                /* probe over at least 256 MiB (beyond the last-level cache) */
+                int64_t probe_bytes = (int64_t)(bytes > 268435456.0 ? bytes : 268435456.0);
+                double probe = cli_read_bandwidth_probe(threads, probe_bytes);
+                double ratio = probe > 0 ? gbps / probe : 0;
+                double sup_mean = sup_sum / (double)(o.iters * o.batch * o.heads);
+                printf("%10lld %10.3f %10.3f %12.0f %9.2f %10.2f %9.3f %11.4f %9.1f\n", (long long)len, med * 1e3,
+                       mn * 1e3, bytes, gbps, probe, ratio, bytes / kv_total, sup_mean);
+                fflush(stdout);
+                if (jf)
+                    fprintf(jf,
+                            "%s  {\"backend\":\"%s\",\"method\":\"%s\",\"alpha\":%g,\"len\":%lld,\"batch\":%lld,"
+                            "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\","
+                            "\"ms_median\":%.6f,\"ms_min\":%.6f,\"bytes_read\":%.0f,\"gbps\":%.4f,"
+                            "\"kv_fraction\":%.6f,\"bw_probe_gbps\":%.4f,\"bw_ratio\":%.4f,\"threads\":%d,"
+                            "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld}",
+                            li ? ",\n" : "", o.backend, o.method, o.alpha, (long long)len, (long long)o.batch,
+                            (long long)o.heads, (long long)o.kv_heads, (long long)o.dim, (long long)o.page,
+                            ekv_dtype_name(o.dtype), med * 1e3, mn * 1e3, bytes, gbps, bytes / kv_total, probe,
+                            ratio, threads, ekv_isa_name(ekv_context_isa(ctx)), o.workload, sup_mean,
+                            (long long)o.iters);
+            }
+            free(indptr); free(indices); free(lpl); free(q); free(out); free(sup); free(times);
+        }
+    next:
+        free(seqs);
+        ekv_cache_free(cache);
+    }
+    if (jf) { fprintf(jf, "\n]\n"); fclose(jf); }
+    ekv_context_free(ctx);
+    return rc;
+}

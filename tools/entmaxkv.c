@@ -1,0 +1,125 @@
+/*
+ * entmaxkv — the command-line tool (DESIGN 4). Subcommands:
+ *   entmax   exact alpha-entmax of vectors read from stdin
+ *   bench    time the decode step (tools/bench_dense.c)
+ * Exit codes: 0 ok, 1 runtime failure, 2 bad usage.
+ */
+#include "cli.h"
+#include <stdlib.h>
+#include <string.h>
+
+static void main_help(FILE *f) {
+    fprintf(f,
+            "usage: entmaxkv SUBCOMMAND [options]\n"
+            "\n"
+            "subcommands:\n"
+            "  entmax   exact alpha-entmax of vectors read from stdin, one per line\n"
+            "  bench    time one decode step over a paged KV cache\n"
+            "\n"
+            "'entmaxkv SUBCOMMAND --help' describes each one.\n"
+            "Not yet available: eval, run, ppl, trace (later issues).\n");
+}
+
+static void entmax_help(FILE *f) {
+    fprintf(f,
+            "usage: entmaxkv entmax [--alpha A] [--json]\n"
+            "\n"
+            "Reads vectors from stdin, one per line, as whitespace-separated numbers ('-inf'\n"
+            "masks an entry). For each line prints the alpha-entmax probabilities (%%.9g).\n"
+            "\n"
+            "  --alpha A   1 = softmax, 1.5 = entmax15 (default), 2 = sparsemax, any A in [1, 4]\n"
+            "  --json      print {\"p\":[...],\"tau\":t,\"support\":k} per line; tau is in z-space:\n"
+            "              p_j = [(A-1)*x_j - tau]_+^(1/(A-1)); for A = 1, tau = log-sum-exp\n"
+            "  --help      this text\n");
+}
+
+static int cmd_entmax(int argc, char **argv) {
+    double alpha = 1.5;
+    int json = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { entmax_help(stdout); return 0; }
+        else if (!strcmp(argv[i], "--json")) json = 1;
+        else if (!strcmp(argv[i], "--alpha")) {
+            if (i + 1 >= argc || cli_parse_double(argv[++i], &alpha))
+                cli_usage_error("entmax", "--alpha needs a number");
+            if (!(alpha >= 1.0 && alpha <= 4.0))
+                cli_usage_error("entmax", "--alpha %s is outside [1, 4]", argv[i]);
+        } else cli_usage_error("entmax", "unknown option '%s'", argv[i]);
+    }
+    ekv_context *ctx;
+    ekv_context_params cp = ekv_context_default_params();
+    cp.n_threads = 1;
+    if (ekv_context_create(&cp, &ctx)) { fprintf(stderr, "entmaxkv entmax: cannot create a context\n"); return 1; }
+    size_t cap = 0;
+    char *line = NULL;
+    ssize_t got;
+    int64_t lineno = 0, xcap = 0;
+    float *x = NULL, *p = NULL;
+    int rc = 0;
+    while ((got = getline(&line, &cap, stdin)) >= 0) {
+        lineno++;
+        int64_t n = 0;
+        char *s = line, *end;
+        for (;;) {
+            while (*s == ' ' || *s == '\t' || *s == '\r' || *s == '\n') s++;
+            if (!*s) break;
+            double v = strtod(s, &end);
+            if (end == s) {
+                char tok[32];
+                size_t k = strcspn(s, " \t\r\n");
+                snprintf(tok, sizeof tok, "%.*s", (int)(k < 31 ? k : 31), s);
+                fprintf(stderr, "entmaxkv entmax: line %lld: '%s' is not a number\n", (long long)lineno, tok);
+                rc = 1;
+                goto done;
+            }
+            if (n == xcap) {
+                xcap = xcap ? 2 * xcap : 64;
+                float *nx = realloc(x, (size_t)xcap * sizeof *x), *np = realloc(p, (size_t)xcap * sizeof *p);
+                if (nx) x = nx;
+                if (np) p = np;
+                if (!nx || !np) { fprintf(stderr, "entmaxkv entmax: out of memory\n"); rc = 1; goto done; }
+            }
+            x[n++] = (float)v;
+            s = end;
+        }
+        if (n == 0) continue; /* blank line */
+        double tau;
+        int64_t sup;
+        ekv_status st = ekv_entmax(ctx, x, n, alpha, p, &tau, &sup);
+        if (st) {
+            fprintf(stderr, "entmaxkv entmax: line %lld: %s: %s\n", (long long)lineno,
+                    ekv_status_string(st), ekv_last_error(ctx));
+            rc = 1;
+            goto done;
+        }
+        if (json) {
+            printf("{\"p\":[");
+            for (int64_t i = 0; i < n; i++) printf("%s%.9g", i ? "," : "", (double)p[i]);
+            printf("],\"tau\":%.17g,\"support\":%lld}\n", tau, (long long)sup);
+        } else {
+            for (int64_t i = 0; i < n; i++) printf("%s%.9g", i ? " " : "", (double)p[i]);
+            printf("\n");
+        }
+    }
+done:
+    free(line);
+    free(x);
+    free(p);
+    ekv_context_free(ctx);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) { main_help(stderr); return CLI_USAGE; }
+    const char *sub = argv[1];
+    if (!strcmp(sub, "--help") || !strcmp(sub, "-h") || !strcmp(sub, "help")) { main_help(stdout); return 0; }
+    if (!strcmp(sub, "--version")) { printf("entmaxkv %d.%d.%d\n", EKV_VERSION_MAJOR, EKV_VERSION_MINOR, EKV_VERSION_PATCH); return 0; }
+    if (!strcmp(sub, "entmax")) return cmd_entmax(argc - 1, argv + 1);
+    if (!strcmp(sub, "bench")) return cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(sub, "eval") || !strcmp(sub, "run") || !strcmp(sub, "ppl") || !strcmp(sub, "trace")) {
+        fprintf(stderr, "entmaxkv: '%s' is not implemented yet in this version\n", sub);
+        return CLI_USAGE;
+    }
+    fprintf(stderr, "entmaxkv: unknown subcommand '%s' (see 'entmaxkv --help')\n", sub);
+    return CLI_USAGE;
+}
