@@ -4,8 +4,24 @@
  * [num_kv_heads][page_size][head_dim] (token-major inside a head, as FlashInfer's HND).
  * Summaries are kept per physical page and KV head (src/cache/summaries.c).
  */
+#define _GNU_SOURCE /* madvise(MADV_HUGEPAGE) */
 #include "cache_internal.h"
 #include <stdlib.h>
+#include <sys/mman.h>
+
+/* Large pool blocks are 2 MiB aligned and marked for transparent huge pages: a decode
+ * step streams the whole K pool, and with 4 KiB pages every 4 KiB of K costs a TLB miss.
+ * The OS still commits memory lazily, as pages are written. */
+static void *pool_alloc(size_t bytes) {
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < huge) return malloc(bytes);
+    void *p = NULL;
+    if (posix_memalign(&p, huge, (bytes + huge - 1) / huge * huge) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE); /* a hint: failure is harmless */
+#endif
+    return p;
+}
 
 ekv_cache_params ekv_cache_default_params(void) {
     ekv_cache_params p;
@@ -95,8 +111,8 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     c->elems_per_page = epp;
     /* Large blocks come from mmap and are committed lazily by the OS: a big pool costs
      * memory only as pages are written. */
-    c->k = malloc((size_t)kvb);
-    c->v = malloc((size_t)kvb);
+    c->k = pool_alloc((size_t)kvb);
+    c->v = pool_alloc((size_t)kvb);
     c->kmin = malloc((size_t)sf * sizeof(float));
     c->kmax = malloc((size_t)sf * sizeof(float));
     c->kmean = malloc((size_t)sf * sizeof(float));

@@ -16,7 +16,7 @@
 #include "kernels.h"
 #include <stdlib.h>
 
-enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 4 };
+enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 1 };
 
 typedef struct {
     const ekv_cpu_kernels *kern;
