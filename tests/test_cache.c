@@ -1053,8 +1053,7 @@ static void test_sizes(test_rng *r) {
         const int64_t lower = 2 * p.num_pages * epp * ekv_dtype_size(p.dtype) +
                               p.num_pages * p.num_kv_heads * ((int64_t)p.head_dim * 16 + 4);
         CHECK(b1 >= lower, "bytes_needed %lld < lower bound %lld", (long long)b1, (long long)lower);
-        CHECK(b1 <= lower + p.num_pages * (64 + 8 * (int64_t)p.num_kv_heads) + (p.max_seqs + 1) * 4096 + (1 << 20),
-              "bytes_needed %lld far above %lld", (long long)b1, (long long)lower);
+        CHECK(b1 <= 2 * lower + (1 << 20), "bytes_needed %lld far above %lld", (long long)b1, (long long)lower);
         /* affine in num_pages, exact difference between storage dtypes */
         ekv_cache_params q = p;
         q.num_pages = 2 * p.num_pages;
@@ -1129,7 +1128,7 @@ int main(void) {
     test_cache_full(ctx1, &r);
     test_nan_input(ctx3, &r);
     test_storage_limits(ctx1);
-    const int trials = 6 * 3 * 30;
+    const int trials = 6 * 3 * 80;
     for (int t = 0; t < trials; t++) random_trial(t % 2 ? ctx3 : ctx1, &r, t);
 
     printf("worst errors / tolerance scale: mean %.3g, M2 %.3g, radius excess %.3g (tolerance 1e-5)\n", g_worst_mean,

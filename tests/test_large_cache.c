@@ -59,7 +59,7 @@ static int64_t mem_available(void) {
 static float *g_pool;
 static float g_q[NH * DIM];
 static const int64_t g_needles[4] = {5, (1 << 19) + 1, NTOK - 40, NTOK - 1};
-static const double g_needle_s[4] = {3.9, 3.6, 3.8, 3.7}; /* target scores scale*<q,k> */
+static const double g_needle_s[4] = {3.0, 2.9, 3.1, 2.95}; /* target scores scale*<q,k> */
 
 static uint64_t mix(uint64_t x) {
     x ^= x >> 33;
@@ -248,12 +248,14 @@ int main(void) {
 
     /* ---- append 1M tokens ---- */
     float *kb = malloc(sizeof(float) * CHUNK * HK * DIM), *vb = malloc(sizeof(float) * CHUNK * HK * DIM);
-    double last_print = now_s(), ta = now_s();
+    double last_print = now_s(), ta = now_s(), t_lib = 0;
     for (int64_t t0c = 0; t0c < NTOK && !st; t0c += CHUNK) {
         for (int64_t t = 0; t < CHUNK; t++)
             for (int64_t h = 0; h < HK; h++)
                 make_row(t0c + t, h, kb + (t * HK + h) * DIM, vb + (t * HK + h) * DIM);
+        double tl = now_s();
         st = ekv_cache_append(c, seq, CHUNK, kb, vb, EKV_DTYPE_F32);
+        t_lib += now_s() - tl;
         CHECK(st == EKV_OK, "append at %lld: %s (%s)", (long long)t0c, ekv_status_string(st), ekv_last_error(ctx));
         if (now_s() - last_print > 5) {
             last_print = now_s();
@@ -262,7 +264,7 @@ int main(void) {
     }
     free(kb);
     free(vb);
-    fprintf(stderr, "append: %.1f s\n", now_s() - ta);
+    fprintf(stderr, "append: %.1f s (%.1f s in ekv_cache_append)\n", now_s() - ta, t_lib);
     if (st) return test_finish("test_large_cache");
     int64_t len = -1;
     CHECK(ekv_cache_seq_length(c, seq, &len) == EKV_OK && len == NTOK, "length %lld", (long long)len);
@@ -366,6 +368,8 @@ int main(void) {
         const double tol = 1e-4 * fmax(rmax, 0.1);
         CHECK(fabs(psum - 1) < 1e-9, "head %lld: reference probabilities sum to %.12g", (long long)h, psum);
         CHECK(needles_in == 4, "head %lld: %d of 4 planted tokens in the reference support", (long long)h, needles_in);
+        CHECK(rsup > 8, "head %lld: reference support %lld: too few random tokens to test the V gather", (long long)h,
+              (long long)rsup);
         CHECK(err <= tol, "head %lld: max |out - ref| = %.3g > %.3g (max |ref| %.3g)", (long long)h, err, tol, rmax);
         CHECK(fabs(tau[h] - rtau) <= 1e-5 * (1 + fabs(rtau)), "head %lld: tau %.9g, reference %.9g", (long long)h,
               tau[h], rtau);

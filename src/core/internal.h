@@ -140,7 +140,7 @@ static inline int ekv_dtype_valid(ekv_dtype dt) {
 /* ---- exact thresholds on kept scores (src/math/entmax_tau.c) ---- */
 /*
  * Solves tau for z-space scores z[0..n) (masked entries are -INFINITY) and alpha.
- * scratch must hold 2*n doubles (candidate values) — see ekv_tau_scratch_doubles.
+ * scratch must hold ekv_tau_scratch_doubles(n) doubles (the candidate values).
  * Returns EKV_OK, EKV_ERR_NAN_INPUT or EKV_ERR_EMPTY_INPUT.
  * For alpha == 1, tau is log-sum-exp and support counts finite entries.
  */

@@ -16,7 +16,7 @@
 #include "kernels.h"
 #include <stdlib.h>
 
-enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 1 };
+enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 2 };
 
 typedef struct {
     const ekv_cpu_kernels *kern;
@@ -76,16 +76,12 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     for (int64_t p = p0; p < p1; p++) {
         int32_t page = j->tab->indices[j->tab->indptr[b] + p];
         int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : ps;
-        /* Prefetch (into L2) the same head of a page PREFETCH_PAGES ahead, spread across the
-         * loop: single-threaded, the core does not overlap scoring with DRAM latency by itself. */
+        /* The score kernel prefetches the same head PREFETCH_PAGES ahead, a tile at a time:
+         * on one thread the core does not overlap scoring with DRAM latency by itself. */
         const int32_t ahead = p + PREFETCH_PAGES < npages ? j->tab->indices[j->tab->indptr[b] + p + PREFETCH_PAGES] : -1;
         for (int64_t kvh = 0; kvh < j->Hk; kvh++) {
             const char *k = page_ptr(j->kv, j->kv->k, page, kvh, j->esize);
-            if (ahead >= 0) {
-                const char *pk = page_ptr(j->kv, j->kv->k, ahead, kvh, j->esize);
-                for (int64_t off = 0; off < ntok * j->kv->stride_token * j->esize; off += 64)
-                    __builtin_prefetch(pk + off, 0, 2);
-            }
+            const char *pf = ahead >= 0 ? page_ptr(j->kv, j->kv->k, ahead, kvh, j->esize) : NULL;
             const float *bias0 = NULL, *bstep = NULL;
             if (slopes) {
                 for (int64_t g = 0; g < G; g++) {
@@ -98,7 +94,7 @@ static void phase_scores(void *vp, int64_t task, int worker) {
             }
             j->kern->score(k, j->kv->stride_token, ntok, j->kv->dtype, j->D,
                            j->qs + (b * H + kvh * G) * j->D, j->D, (int)G, bias0, bstep,
-                           zb + kvh * G * N + p * ps, N, mx + kvh * G);
+                           zb + kvh * G * N + p * ps, N, mx + kvh * G, pf);
         }
     }
 }

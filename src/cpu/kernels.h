@@ -13,10 +13,13 @@ typedef struct ekv_cpu_kernels {
      * head_dim D contiguous elements of dtype dt):
      *   z[g*ldz + t] = <q[g*ldq ..], k_t> + bias0[g] + bias_step[g]*t
      * and zmax[g] = max(zmax[g], every z written for head g). bias0/bias_step may be NULL.
+     * prefetch, if not NULL, is the start of the rows the caller will score later (same
+     * stride and count): the kernel prefetches them into L2 a tile at a time, which spreads
+     * the prefetches over the work instead of issuing them in one burst.
      */
     void (*score)(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                   const float *q, int64_t ldq, int G, const float *bias0, const float *bias_step,
-                  float *z, int64_t ldz, float *zmax);
+                  float *z, int64_t ldz, float *zmax, const void *prefetch);
     /*
      * out[g*ldo + d] += sum_t w[g*ldw + t] * v_t[d] for G heads over ntok consecutive value
      * rows (row t at v + t*stride_tok).

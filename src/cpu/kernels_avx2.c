@@ -59,7 +59,11 @@ INLINE void score_impl(const void *k, int64_t st, int64_t ntok, ekv_dtype dt, in
 
 static void score_avx2(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
                        const float *q, int64_t ldq, int G, const float *b0, const float *bs,
-                       float *z, int64_t ldz, float *zmax) {
+                       float *z, int64_t ldz, float *zmax, const void *prefetch) {
+    if (prefetch) { /* one burst: this path is a fallback for CPUs without AVX-512 */
+        int64_t bytes = n * st * (dt == EKV_DTYPE_F32 ? 4 : 2);
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)prefetch + o, _MM_HINT_T1);
+    }
     switch (dt) {
     case EKV_DTYPE_F16: score_impl(k, st, n, EKV_DTYPE_F16, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
     case EKV_DTYPE_BF16: score_impl(k, st, n, EKV_DTYPE_BF16, D, q, ldq, G, b0, bs, z, ldz, zmax); break;

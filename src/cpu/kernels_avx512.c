@@ -66,8 +66,10 @@ INLINE __m512 score_tile(const void *k, const int64_t rowoff[16], const float *q
 
 INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                        const float *q, int64_t ldq, int G, const float *bias0,
-                       const float *bias_step, float *z, int64_t ldz, float *zmax, const int TG) {
+                       const float *bias_step, float *z, int64_t ldz, float *zmax, const char *pf,
+                       const int TG) {
     const int TT = 16 / TG;
+    const int64_t esz = dt == EKV_DTYPE_F32 ? 4 : 2;
     for (int g0 = 0; g0 < G; g0 += TG) {
         int gn = G - g0 < TG ? G - g0 : TG;
         const float *qs[16];
@@ -88,6 +90,9 @@ INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtyp
             int tn = ntok - t0 < TT ? (int)(ntok - t0) : TT;
             int64_t rowoff[16];
             for (int t = 0; t < TT; t++) rowoff[t] = (t0 + (t < tn ? t : tn - 1)) * stride_tok;
+            if (pf && g0 == 0) /* the matching rows of the slab scored later */
+                for (int64_t o = 0; o < (int64_t)tn * stride_tok * esz; o += 64)
+                    _mm_prefetch(pf + t0 * stride_tok * esz + o, _MM_HINT_T1);
             __m512 r = _mm512_add_ps(score_tile(k, rowoff, qs, dt, D, TT, TG), bcur);
             bcur = _mm512_add_ps(bcur, bstep);
             __mmask16 valid = gmask;
@@ -114,13 +119,14 @@ INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtyp
 }
 
 #define SCORE_DT(DT)                                                                          \
-    if (G == 1) score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, 1);              \
-    else if (G == 2) score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, 2);         \
-    else score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, 4);
+    if (G == 1) score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 1);          \
+    else if (G == 2) score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 2);     \
+    else score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 4);
 
 static void score_avx512(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
                          const float *q, int64_t ldq, int G, const float *b0, const float *bs,
-                         float *z, int64_t ldz, float *zmax) {
+                         float *z, int64_t ldz, float *zmax, const void *prefetch) {
+    const char *pf = (const char *)prefetch;
     switch (dt) {
     case EKV_DTYPE_F16: SCORE_DT(EKV_DTYPE_F16) break;
     case EKV_DTYPE_BF16: SCORE_DT(EKV_DTYPE_BF16) break;

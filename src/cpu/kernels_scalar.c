@@ -4,7 +4,8 @@
 
 static void score_scalar(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                          const float *q, int64_t ldq, int G, const float *bias0,
-                         const float *bias_step, float *z, int64_t ldz, float *zmax) {
+                         const float *bias_step, float *z, int64_t ldz, float *zmax, const void *prefetch) {
+    (void)prefetch; /* the scalar path is compute-bound; no prefetch */
     for (int64_t t = 0; t < ntok; t++) {
         for (int g = 0; g < G; g++) {
             float s = 0.f;
