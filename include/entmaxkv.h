@@ -252,6 +252,73 @@ EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_param
                                         const ekv_paged_kv *kv, const ekv_page_table *table,
                                         const float *q, float *out, ekv_decode_info *info);
 
+/* ---------------------------------------------------------------------------------- */
+/* Page selection and attention over selected pages (SPEC 2, 3)                         */
+/* ---------------------------------------------------------------------------------- */
+typedef enum ekv_select_method {
+    EKV_SELECT_DENSE = 0,  /* every page                                                   */
+    EKV_SELECT_TOPK = 1,   /* the pages with the largest box bound within a token budget    */
+    EKV_SELECT_ORACLE = 2  /* the pages holding the dense entmax support (evaluation only)  */
+} ekv_select_method;
+
+typedef struct ekv_select_params {
+    ekv_select_method method;
+    /* topk: tokens read besides the always-read last page; floor(budget/page_size) scored
+     * pages are taken (at least one when budget >= 1 and P > 1). */
+    int64_t budget_tokens;
+    /* 0 (default): one page list per KV head, ranking pages by the max bound over the GQA
+     * group's query heads. 1: one list per query head. */
+    int32_t per_query_head;
+} ekv_select_params;
+
+EKV_API ekv_select_params ekv_select_default_params(void);
+
+/*
+ * Selected pages, as a CSR over (sequence, list head): list l = b*heads + h holds logical
+ * page numbers (0 = the sequence's first page) pages[indptr[l] .. indptr[l+1]), the scored
+ * pages in descending bound order and the last page at the end. heads = num_kv_heads, or
+ * num_heads when per_query_head. The caller allocates indptr[batch*heads + 1] and
+ * pages[capacity]; ekv_page_list_capacity() says how many page numbers can be written.
+ */
+typedef struct ekv_page_list {
+    int32_t heads;          /* lists per sequence (set by ekv_select_pages)          */
+    int64_t *indptr;
+    int32_t *pages;
+    int64_t capacity;
+    int64_t bytes_summary;  /* output: bytes of page statistics the bound stage read  */
+} ekv_page_list;
+
+/* Page numbers needed for `heads` lists per sequence of this table (the dense total). */
+EKV_API int64_t ekv_page_list_capacity(const ekv_page_table *table, int32_t heads);
+
+/*
+ * Bound + select: scores every page but the last with the Quest box bound on the query's
+ * z-space scores (scale and ALiBi consistent with decode, SPEC 2.3 without bug 6.1-7) and
+ * writes the page lists. stats are the cache's per-page key statistics (ekv_cache_kv_view).
+ */
+EKV_API ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *params,
+                                    const ekv_select_params *select, const ekv_paged_kv *kv,
+                                    const ekv_page_stats *stats, const ekv_page_table *table,
+                                    const float *q, ekv_page_list *list);
+
+/*
+ * Attention over page lists (mode `exact`): for every query head, the exact alpha-entmax
+ * (or softmax) over the tokens of its list, V read for support rows only. Softmax over a
+ * top-k list is the softmax top-k baseline. info->bytes_k counts the listed tokens.
+ */
+EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *params,
+                                    const ekv_paged_kv *kv, const ekv_page_table *table,
+                                    const ekv_page_list *list, const float *q, float *out,
+                                    ekv_decode_info *info);
+
+/*
+ * Dense reference distribution for evaluation: p[(b*num_heads + h)*stride + j] for every
+ * token j of sequence b (stride = the longest sequence's length), and tau per head.
+ */
+EKV_API ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *params,
+                                   const ekv_paged_kv *kv, const ekv_page_table *table,
+                                   const float *q, int64_t stride, float *p, double *tau);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,282 @@
+/*
+ * attend (SPEC 3, mode `exact`) over page lists, on the CPU: for each list (one KV head and
+ * its G query heads, or one query head), score the listed pages' keys once, solve tau
+ * exactly on the kept scores (entmax: candidates z > max - 1 only), then read V for the
+ * support rows only. alpha = 1 is softmax over the listed tokens (the softmax top-k
+ * baseline). Also ekv_dense_probs, the dense reference distribution for evaluation.
+ */
+#include "../core/internal.h"
+#include "kernels.h"
+#include <stdlib.h>
+
+typedef struct {
+    const ekv_cpu_kernels *kern;
+    const ekv_decode_params *prm;
+    const ekv_paged_kv *kv;
+    const ekv_page_table *tab;
+    const ekv_page_list *list;
+    int64_t B, H, Hk, G, D, ps, esize, heads, Gl; /* Gl: query heads per list */
+    double alpha, a;
+    const float *qs;
+    int64_t nmax;
+    float *w_z;       /* per worker [Gl][nmax] */
+    int64_t *w_tok;   /* per worker [nmax] absolute token of each kept score */
+    int64_t *w_idx;
+    double *w_y, *w_y2;
+    uint8_t *w_mark;
+    int64_t *w_union;
+    float *out;
+    double *tau;
+    int64_t *support;
+    int64_t *bytes_k, *bytes_v; /* per list */
+    /* dense_probs mode */
+    float *probs;
+    int64_t pstride;
+} pages_job;
+
+static const char *page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page, int64_t head, int64_t es) {
+    return (const char *)base + ((int64_t)page * kv->stride_page + head * kv->stride_head) * es;
+}
+
+/* Scores the list's pages for its Gl query heads into z[g*nmax + c]; returns the count. */
+static int64_t score_list(const pages_job *j, int64_t b, int64_t l, int64_t kvh, int64_t h0, float *z,
+                          int64_t *tok, float *M) {
+    const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->ps + j->tab->last_page_len[b];
+    const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
+    const int32_t *pages = j->tab->indices + j->tab->indptr[b];
+    const int64_t lo = j->list->indptr[b * j->heads + l], hi = j->list->indptr[b * j->heads + l + 1];
+    float b0[256], bs[256];
+    int64_t c = 0;
+    for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
+    for (int64_t r = lo; r < hi; r++) {
+        const int64_t p = j->list->pages[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->ps;
+        const char *pf = r + 2 < hi ? page_ptr(j->kv, j->kv->k, pages[j->list->pages[r + 2]], kvh, j->esize) : NULL;
+        const float *pb0 = NULL, *pbs = NULL;
+        if (j->prm->alibi_slopes) {
+            for (int64_t g = 0; g < j->Gl; g++) {
+                double m = j->a * j->prm->alibi_slopes[h0 + g];
+                b0[g] = (float)(m * (double)(p * j->ps - (N - 1)));
+                bs[g] = (float)m;
+            }
+            pb0 = b0;
+            pbs = bs;
+        }
+        j->kern->score(page_ptr(j->kv, j->kv->k, pages[p], kvh, j->esize), j->kv->stride_token, ntok, j->kv->dtype,
+                       j->D, j->qs + (b * j->H + h0) * j->D, j->D, (int)j->Gl, pb0, pbs, z + c, j->nmax, M, pf);
+        for (int64_t t = 0; t < ntok; t++) tok[c + t] = p * j->ps + t;
+        c += ntok;
+    }
+    return c;
+}
+
+static const char *v_row(const pages_job *j, int64_t b, int64_t kvh, int64_t t) {
+    int32_t page = j->tab->indices[j->tab->indptr[b] + t / j->ps];
+    return page_ptr(j->kv, j->kv->v, page, kvh, j->esize) + (t % j->ps) * j->kv->stride_token * j->esize;
+}
+
+static void attend_list(void *vp, int64_t task, int worker) {
+    pages_job *j = vp;
+    const int64_t b = task / j->heads, l = task % j->heads;
+    const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G, D = j->D;
+    float *z = j->w_z + worker * j->Gl * j->nmax;
+    int64_t *tok = j->w_tok + worker * j->nmax, *idx = j->w_idx + worker * j->nmax;
+    double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
+    uint8_t *mark = j->w_mark + worker * j->nmax;
+    int64_t *uni = j->w_union + worker * j->nmax;
+    float M[256];
+    const int64_t L = score_list(j, b, l, kvh, h0, z, tok, M);
+    const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->ps + j->tab->last_page_len[b];
+    int64_t rows = 0;
+    for (int64_t g = 0; g < j->Gl; g++) {
+        const int64_t h = h0 + g;
+        float *zg = z + g * j->nmax;
+        float *og = j->out ? j->out + (b * j->H + h) * D : NULL;
+        if (og) memset(og, 0, sizeof(float) * (size_t)D);
+        if (j->alpha == 1.0) {
+            double s = j->kern->exp_shift(zg, L, M[g], zg);
+            if (j->probs) {
+                float *pr = j->probs + (b * j->H + h) * j->pstride;
+                memset(pr, 0, sizeof(float) * (size_t)N);
+                for (int64_t c = 0; c < L; c++) pr[tok[c]] = (float)(zg[c] / s);
+            } else {
+                for (int64_t c = 0; c < L; c++) {
+                    float w = (float)(zg[c] / s);
+                    j->kern->accum(v_row(j, b, kvh, tok[c]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
+                    if (!mark[tok[c]]) { mark[tok[c]] = 1; uni[rows++] = tok[c]; }
+                }
+            }
+            if (j->tau) j->tau[b * j->H + h] = (double)M[g] + log(s);
+            if (j->support) j->support[b * j->H + h] = L;
+            continue;
+        }
+        float thr = M[g] - 1.0f;
+        if ((double)thr > (double)M[g] - 1.0) thr = nextafterf(thr, -INFINITY);
+        int64_t k = j->kern->compact_gt(zg, L, thr, (double)M[g], 0, idx, y);
+        memcpy(y2, y, sizeof(double) * (size_t)k);
+        double ty = ekv_tau_candidates(y2, k, j->alpha), wsum = 0;
+        int64_t sup = 0;
+        for (int64_t i = 0; i < k; i++) {
+            double d = y[i] - ty;
+            if (d > 0) {
+                y[sup] = j->alpha == 2.0 ? d : j->alpha == 1.5 ? d * d : pow(d, 1.0 / j->a);
+                idx[sup] = tok[idx[i]];
+                wsum += y[sup];
+                sup++;
+            }
+        }
+        if (j->probs) {
+            float *pr = j->probs + (b * j->H + h) * j->pstride;
+            memset(pr, 0, sizeof(float) * (size_t)N);
+            for (int64_t i = 0; i < sup; i++) pr[idx[i]] = (float)(y[i] / wsum);
+        } else {
+            for (int64_t i = 0; i < sup; i++) {
+                float w = (float)(y[i] / wsum);
+                j->kern->accum(v_row(j, b, kvh, idx[i]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
+                if (!mark[idx[i]]) { mark[idx[i]] = 1; uni[rows++] = idx[i]; }
+            }
+        }
+        if (j->tau) j->tau[b * j->H + h] = (double)M[g] + ty;
+        if (j->support) j->support[b * j->H + h] = sup;
+    }
+    for (int64_t i = 0; i < rows; i++) mark[uni[i]] = 0;
+    j->bytes_k[task] = L * D * j->esize;
+    j->bytes_v[task] = rows * D * j->esize;
+}
+
+static ekv_status validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list, int64_t H,
+                                int64_t Hk) {
+    if (!list || !list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list or its arrays are NULL");
+    if (list->heads != H && list->heads != Hk)
+        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH, "list->heads=%d is neither num_heads=%lld nor num_kv_heads=%lld",
+                        list->heads, (long long)H, (long long)Hk);
+    if (list->indptr[0] != 0) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list->indptr[0] must be 0");
+    for (int64_t b = 0; b < t->batch; b++) {
+        const int64_t P = t->indptr[b + 1] - t->indptr[b];
+        for (int64_t l = 0; l < list->heads; l++) {
+            int64_t i0 = list->indptr[b * list->heads + l], i1 = list->indptr[b * list->heads + l + 1];
+            if (i1 <= i0)
+                return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT, "list %lld of sequence %lld is empty", (long long)l, (long long)b);
+            if (i1 - i0 > P)
+                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list %lld of sequence %lld has %lld pages, more than %lld",
+                                (long long)l, (long long)b, (long long)(i1 - i0), (long long)P);
+            for (int64_t i = i0; i < i1; i++)
+                if (list->pages[i] < 0 || list->pages[i] >= P)
+                    return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list page %d outside [0, %lld) in sequence %lld",
+                                    list->pages[i], (long long)P, (long long)b);
+        }
+    }
+    return EKV_OK;
+}
+
+static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                            const ekv_page_table *tab, const ekv_page_list *list, const float *q, float *out,
+                            ekv_decode_info *info, float *probs, int64_t pstride, double *tau_out) {
+    pages_job j;
+    memset(&j, 0, sizeof j);
+    j.kern = ekv_cpu_kernels_for(ctx->isa);
+    j.prm = prm;
+    j.kv = kv;
+    j.tab = tab;
+    j.list = list;
+    j.B = tab->batch;
+    j.H = prm->num_heads;
+    j.Hk = kv->num_kv_heads;
+    j.G = j.H / j.Hk;
+    j.D = kv->head_dim;
+    j.ps = kv->page_size;
+    j.esize = ekv_dtype_size(kv->dtype);
+    j.heads = list->heads;
+    j.Gl = list->heads == j.H ? 1 : j.G;
+    j.alpha = prm->alpha;
+    j.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    if (j.Gl > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.Gl);
+    int64_t nmax = 1;
+    for (int64_t b = 0; b < j.B; b++) {
+        int64_t n = (tab->indptr[b + 1] - tab->indptr[b] - 1) * j.ps + tab->last_page_len[b];
+        if (n > nmax) nmax = n;
+    }
+    if (probs && pstride < nmax)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "stride=%lld is below the longest sequence (%lld)", (long long)pstride,
+                        (long long)nmax);
+    const int64_t W = ctx->n_threads, ntask = j.B * j.heads;
+    int64_t sz[10] = {j.B * j.H * j.D * 4, W * j.Gl * nmax * 4, W * nmax * 8, W * nmax * 8, W * nmax * 8,
+                      W * nmax * 8, W * nmax, W * nmax * 8, ntask * 8, ntask * 8};
+    int64_t off[10], total = 0;
+    for (int i = 0; i < 10; i++) {
+        off[i] = total;
+        if (sz[i] < 0 || ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
+            return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "attention workspace overflows");
+    }
+    char *ws = ekv_context_workspace(ctx, (size_t)total);
+    if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MiB of workspace", (double)total / (1 << 20));
+    float *qs = (float *)(ws + off[0]);
+    j.w_z = (float *)(ws + off[1]);
+    j.w_tok = (int64_t *)(ws + off[2]);
+    j.w_idx = (int64_t *)(ws + off[3]);
+    j.w_y = (double *)(ws + off[4]);
+    j.w_y2 = (double *)(ws + off[5]);
+    j.w_mark = (uint8_t *)(ws + off[6]);
+    j.w_union = (int64_t *)(ws + off[7]);
+    j.bytes_k = (int64_t *)(ws + off[8]);
+    j.bytes_v = (int64_t *)(ws + off[9]);
+    memset(j.w_mark, 0, (size_t)(W * nmax));
+    j.nmax = nmax;
+    const float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.D));
+    const float qscale = (float)(j.a * scale);
+    for (int64_t i = 0; i < j.B * j.H * j.D; i++) qs[i] = q[i] * qscale;
+    j.qs = qs;
+    j.out = out;
+    j.tau = tau_out ? tau_out : info ? info->tau : NULL;
+    j.support = info ? info->support : NULL;
+    j.probs = probs;
+    j.pstride = pstride;
+    ekv_pool_run(ctx->pool, ntask, attend_list, &j);
+    if (info) {
+        info->bytes_k = info->bytes_v = 0;
+        for (int64_t t = 0; t < ntask; t++) {
+            info->bytes_k += j.bytes_k[t];
+            info->bytes_v += j.bytes_v[t];
+        }
+    }
+    ekv_clear_error(ctx);
+    return EKV_OK;
+}
+
+ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                            const ekv_page_table *tab, const ekv_page_list *list, const float *q, float *out,
+                            ekv_decode_info *info) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    ekv_status st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
+    if (st) return st;
+    st = validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
+    if (st) return st;
+    return run_lists(ctx, prm, kv, tab, list, q, out, info, NULL, 0, NULL);
+}
+
+ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                           const ekv_page_table *tab, const float *q, int64_t stride, float *p, double *tau) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    ekv_status st = ekv_validate_decode(ctx, prm, kv, tab, q, p);
+    if (st) return st;
+    /* a dense list per query head: every page, in order */
+    const int64_t H = prm->num_heads, total = tab->indptr[tab->batch];
+    int64_t *indptr = malloc(sizeof(int64_t) * (size_t)(tab->batch * H + 1));
+    int32_t *pages = malloc(sizeof(int32_t) * (size_t)(total * H + 1));
+    if (!indptr || !pages) {
+        free(indptr);
+        free(pages);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for the dense list");
+    }
+    int64_t w = 0;
+    indptr[0] = 0;
+    for (int64_t b = 0; b < tab->batch; b++)
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t pg = 0; pg < tab->indptr[b + 1] - tab->indptr[b]; pg++) pages[w++] = (int32_t)pg;
+            indptr[b * H + h + 1] = w;
+        }
+    ekv_page_list list = {(int32_t)H, indptr, pages, w, 0};
+    st = run_lists(ctx, prm, kv, tab, &list, q, NULL, NULL, p, stride, tau);
+    free(indptr);
+    free(pages);
+    return st;
+}
