@@ -122,6 +122,17 @@ expect_usage_error bench --iters 0
 expect_usage_error bench --backend foo
 expect_usage_error bench --workload foo
 expect_usage_error bench --isa foo
+expect_usage_error bench --method topk --budget 0
+expect_usage_error bench --method topk --budget 1.5
+expect_usage_error bench --method topk --budget 1/0
+expect_usage_error bench --method topk --budget-tokens 0
+expect_usage_error eval --methods foo
+expect_usage_error eval --budgets 0
+expect_usage_error eval --budgets 2
+expect_usage_error eval --alpha 1
+expect_usage_error eval --workload nope
+expect_usage_error eval --heads 6 --kv-heads 4
+expect_usage_error eval --bogus
 
 # Subcommands of later issues: until they exist they must refuse cleanly (exit 2, one
 # line); once they exist, their --help must work.
@@ -290,8 +301,10 @@ for i, row in enumerate(data):
     assert 0 < row["ms_min"] <= row["ms_median"], row
     assert row["bytes_read"] > 0 and row["gbps"] > 0 and row["bw_probe_gbps"] > 0, row
     assert 0 < row["kv_fraction"] <= 1 + 1e-9, row
-    if row["alpha"] == 1:
+    if row["alpha"] == 1 and row["method"] == "dense":
         assert abs(row["kv_fraction"] - 1) < 1e-6, "softmax reads all of K and V: %r" % row
+    if row["method"] == "topk":
+        assert row["kv_fraction"] < 0.6, "top-k at a small budget reads a small fraction: %r" % row
     kv_total = 2 * row["len"] * row["batch"] * row["kv_heads"] * row["dim"] * {"f32": 4, "f16": 2, "bf16": 2}[row["dtype"]]
     assert abs(row["bytes_read"] / kv_total - row["kv_fraction"]) < 1e-4, "kv_fraction vs bytes_read: %r" % row
     assert abs(row["gbps"] / row["bw_probe_gbps"] - row["bw_ratio"]) <= 1e-3 + 1e-2 * row["bw_ratio"], \
@@ -323,6 +336,49 @@ run "" bench --backend ref --alpha 1 --dtype f32 --batch 2 --page 8 --len 40 --l
     --dim 16 --iters 1 --warmup 0 --threads 1 --json "$J2"
 check "bench (tiny, ref, softmax) should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
 check_bench_json "$J2" 2 '{"backend":"ref","method":"dense","alpha":1,"len":[40,64],"batch":2,"heads":4,"kv_heads":4,"dim":16,"page":8,"dtype":"f32"}'
+
+# top-k on every synthetic workload: JSON contract, a small kv_fraction
+for wl in random planted heavy alibi; do
+    J3="$TMP/bench_topk_$wl.json"
+    run "" bench --method topk --budget 1/8 --workload $wl --len 512 --heads 4 --kv-heads 2 --dim 32 --iters 2 \
+        --warmup 1 --threads 1 --json "$J3"
+    check "bench --method topk --workload $wl should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+    check_bench_json "$J3" 1 '{"backend":"cpu","method":"topk","alpha":1.5,"len":[512],"heads":4,"kv_heads":2,"dim":32}'
+done
+
+# eval: the JSON rows of DESIGN 4, oracle exact, entmax-topk exact at a full budget
+J4="$TMP/eval.json"
+run "" eval --workload planted --len 512 --heads 4 --kv-heads 2 --dim 32 --steps 2 --threads 1 \
+    --budgets 1/16,1 --json "$J4"
+check "eval (tiny) should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+if [ -n "$PY" ] && [ -s "$J4" ]; then
+    $PY - "$J4" <<'EOF'
+import json, math, sys
+rows = json.load(open(sys.argv[1]))
+need = ["method", "budget", "kv_fraction", "delta_mean", "delta_max", "recall_mean", "recall_min",
+        "rel_err_mean", "rel_err_max", "cosine_min"]
+for r in rows:
+    for k in need:
+        assert k in r, "eval row lacks %s: %r" % (k, r)
+by = {(r["method"], r["budget"]): r for r in rows}
+assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "oracle"}, by.keys()
+o = [r for r in rows if r["method"] == "oracle"]
+assert len(o) == 1 and o[0]["delta_max"] == 0 and o[0]["recall_min"] == 1 and o[0]["rel_err_max"] < 1e-5, o
+full = by[("entmax-topk", 1)]
+assert full["delta_max"] == 0 and full["recall_min"] == 1 and full["kv_fraction"] == 1, full
+for r in rows:
+    assert 0 <= r["delta_mean"] <= r["delta_max"] <= 1 + 1e-6 and 0 <= r["recall_min"] <= r["recall_mean"] <= 1 + 1e-9, r
+EOF
+    check "eval JSON: contract fields and sane values" $?
+fi
+grep -q 'entmax-topk' "$OUT" && grep -q 'softmax-topk' "$OUT"
+check "eval should print a table with every method" $?
+# --plot writes a real PNG when matplotlib is there (skipped otherwise)
+if [ -n "$PY" ] && $PY -c 'import matplotlib' 2>/dev/null; then
+    run "" eval --len 256 --heads 2 --kv-heads 1 --dim 16 --steps 1 --threads 1 --json "$TMP/e2.json" --plot "$TMP/e2.png"
+    [ "$RC" -eq 0 ] && [ "$(head -c 4 "$TMP/e2.png" | tail -c 3)" = "PNG" ]
+    check "eval --plot should write a PNG (rc=$RC, stderr '$(head -c 300 "$ERR")')" $?
+fi
 
 # an unwritable JSON path is a runtime failure
 run "" bench --len 64 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1 --json "$TMP/no/such/dir/x.json"

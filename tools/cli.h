@@ -13,6 +13,8 @@ void cli_usage_error(const char *sub, const char *fmt, ...) __attribute__((forma
 /* Parses a non-negative integer with optional k/K (1024) or M (1048576) suffix. */
 int cli_parse_i64(const char *s, int64_t *out);
 int cli_parse_double(const char *s, double *out);
+/* A number or a ratio "a/b". */
+int cli_parse_fraction(const char *s, double *out);
 /* Parses a comma-separated list of integers into out[max]; returns count or -1. */
 int cli_parse_i64_list(const char *s, int64_t *out, int max);
 double cli_now_seconds(void);
@@ -21,10 +23,32 @@ double cli_now_seconds(void);
 typedef struct { uint64_t s[4]; int has_spare; double spare; } cli_rng;
 void cli_rng_seed(cli_rng *r, uint64_t seed);
 double cli_rng_normal(cli_rng *r);
+double cli_rng_uniform(cli_rng *r); /* in (0, 1) */
 void cli_fill_normal(cli_rng *r, float *x, int64_t n);
 
 /* Read bandwidth of this machine with `threads` threads over a buffer of `bytes`. GB/s. */
 double cli_read_bandwidth_probe(int threads, int64_t bytes);
 
+/* Synthetic workloads (tools/workload.c). */
+typedef enum { WL_RANDOM = 0, WL_PLANTED = 1, WL_HEAVY = 2, WL_ALIBI = 3 } wl_kind;
+typedef struct {
+    wl_kind kind;
+    int64_t heads, kv_heads, dim;
+    float *dirs;     /* [kv_heads][dim] unit directions (planted, alibi) */
+    float *slopes;   /* [heads] NAPE slopes (alibi) */
+    int32_t *outlier;/* [kv_heads][4] outlier channels (heavy) */
+} wl_state;
+int wl_parse(const char *name, wl_kind *out);
+const char *wl_name(wl_kind k);
+int wl_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed);
+void wl_free(wl_state *w);
+const float *wl_slopes(const wl_state *w);
+/* Appends len tokens of the workload to each sequence (progress on stderr). 0 = ok. */
+int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
+            cli_rng *r, const char *who);
+/* Queries [batch][heads][dim] of the workload. */
+void wl_queries(const wl_state *w, cli_rng *r, float *q, int64_t batch);
+
 int cmd_bench(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
 #endif

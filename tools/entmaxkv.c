@@ -1,7 +1,8 @@
 /*
  * entmaxkv — the command-line tool (DESIGN 4). Subcommands:
  *   entmax   exact alpha-entmax of vectors read from stdin
- *   bench    time the decode step (tools/bench_dense.c)
+ *   bench    time the decode step (tools/bench.c)
+ *   eval     quality at matched budgets (tools/eval.c)
  * Exit codes: 0 ok, 1 runtime failure, 2 bad usage.
  */
 #include "cli.h"
@@ -15,9 +16,10 @@ static void main_help(FILE *f) {
             "subcommands:\n"
             "  entmax   exact alpha-entmax of vectors read from stdin, one per line\n"
             "  bench    time one decode step over a paged KV cache\n"
+            "  eval     quality of sparse decoding (dropped mass, support recall) at matched budgets\n"
             "\n"
             "'entmaxkv SUBCOMMAND --help' describes each one.\n"
-            "Not yet available: eval, run, ppl, trace (later issues).\n");
+            "Not yet available: run, ppl, trace (later issues).\n");
 }
 
 static void entmax_help(FILE *f) {
@@ -116,7 +118,8 @@ int main(int argc, char **argv) {
     if (!strcmp(sub, "--version")) { printf("entmaxkv %d.%d.%d\n", EKV_VERSION_MAJOR, EKV_VERSION_MINOR, EKV_VERSION_PATCH); return 0; }
     if (!strcmp(sub, "entmax")) return cmd_entmax(argc - 1, argv + 1);
     if (!strcmp(sub, "bench")) return cmd_bench(argc - 1, argv + 1);
-    if (!strcmp(sub, "eval") || !strcmp(sub, "run") || !strcmp(sub, "ppl") || !strcmp(sub, "trace")) {
+    if (!strcmp(sub, "eval")) return cmd_eval(argc - 1, argv + 1);
+    if (!strcmp(sub, "run") || !strcmp(sub, "ppl") || !strcmp(sub, "trace")) {
         fprintf(stderr, "entmaxkv: '%s' is not implemented yet in this version\n", sub);
         return CLI_USAGE;
     }

@@ -1,161 +1,138 @@
-/* CLI support: argument parsing, timing, random numbers, the read-bandwidth probe. */
-#define _GNU_SOURCE /* madvise */
+/*
+ * Synthetic workloads for `bench` and `eval` (DESIGN 4):
+ *   random   iid N(0,1) keys, values and queries;
+ *   planted  noise keys plus, per sequence and KV head, 16 keys aligned with a direction the
+ *            queries share, at uniform random positions (old pages included): a retrieval
+ *            pattern with a small support far from the end;
+ *   heavy    heavy-tailed keys (Student t, 3 degrees of freedom) with 4 outlier channels per
+ *            KV head (x8 scale, +4 offset), the shape of real attention keys;
+ *   alibi    the planted data with NAPE slopes (SPEC 1.6): half the query heads ALiBi with
+ *            m_h = 2^(-8(h+1)/(H/2)), half without position.
+ */
 #include "cli.h"
-#include <sys/mman.h>
-#include <errno.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-void cli_usage_error(const char *sub, const char *fmt, ...) {
-    va_list ap;
-    fprintf(stderr, "entmaxkv %s: ", sub);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, " (see 'entmaxkv %s --help')\n", sub);
-    exit(CLI_USAGE);
+enum { PLANTED_PER_HEAD = 16, OUTLIER_CHANNELS = 4 };
+
+int wl_parse(const char *name, wl_kind *out) {
+    static const char *names[] = {"random", "planted", "heavy", "alibi"};
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(name, names[i])) { *out = (wl_kind)i; return 0; }
+    return -1;
 }
 
-int cli_parse_i64(const char *s, int64_t *out) {
-    if (!s || !*s) return -1;
-    errno = 0;
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || v < 0) return -1;
-    int64_t mul = 1;
-    if (*end == 'k' || *end == 'K') { mul = 1024; end++; }
-    else if (*end == 'm' || *end == 'M') { mul = 1048576; end++; }
-    if (*end) return -1;
-    if (v > INT64_MAX / mul) return -1;
-    *out = (int64_t)v * mul;
+const char *wl_name(wl_kind k) {
+    static const char *names[] = {"random", "planted", "heavy", "alibi"};
+    return names[k];
+}
+
+int wl_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed) {
+    memset(w, 0, sizeof *w);
+    w->kind = kind;
+    w->heads = heads;
+    w->kv_heads = kv_heads;
+    w->dim = dim;
+    cli_rng r;
+    cli_rng_seed(&r, seed ^ 0xabcdef12345ull);
+    w->dirs = malloc(sizeof(float) * (size_t)(kv_heads * dim));
+    w->slopes = malloc(sizeof(float) * (size_t)heads);
+    w->outlier = malloc(sizeof(int32_t) * (size_t)(kv_heads * OUTLIER_CHANNELS));
+    if (!w->dirs || !w->slopes || !w->outlier) return -1;
+    for (int64_t h = 0; h < kv_heads; h++) { /* unit directions shared by keys and queries */
+        double n = 0;
+        float *u = w->dirs + h * dim;
+        for (int64_t d = 0; d < dim; d++) { u[d] = (float)cli_rng_normal(&r); n += (double)u[d] * u[d]; }
+        for (int64_t d = 0; d < dim; d++) u[d] = (float)(u[d] / sqrt(n));
+        for (int c = 0; c < OUTLIER_CHANNELS; c++)
+            w->outlier[h * OUTLIER_CHANNELS + c] = (int32_t)((uint64_t)(cli_rng_normal(&r) * 1e6 + 1e9) % (uint64_t)dim);
+    }
+    int64_t h0 = heads / 2 > 0 ? heads / 2 : 1;
+    for (int64_t h = 0; h < heads; h++)
+        w->slopes[h] = h < heads / 2 ? (float)pow(2.0, -8.0 * (double)(h + 1) / (double)h0) : 0.f;
     return 0;
 }
 
-int cli_parse_double(const char *s, double *out) {
-    if (!s || !*s) return -1;
-    errno = 0;
-    char *end;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end) return -1;
-    *out = v;
+void wl_free(wl_state *w) {
+    free(w->dirs);
+    free(w->slopes);
+    free(w->outlier);
+}
+
+const float *wl_slopes(const wl_state *w) { return w->kind == WL_ALIBI ? w->slopes : NULL; }
+
+static double student_t3(cli_rng *r) { /* t with 3 dof, scaled to unit variance */
+    double z = cli_rng_normal(r), c = 0;
+    for (int i = 0; i < 3; i++) { double x = cli_rng_normal(r); c += x * x; }
+    return z / sqrt(c / 3.0) / sqrt(3.0);
+}
+
+/* One chunk of rows [n][Hk][D] of keys for positions pos0.. of a sequence. */
+static void key_rows(const wl_state *w, cli_rng *r, float *k, int64_t n) {
+    const int64_t row = w->kv_heads * w->dim;
+    if (w->kind == WL_HEAVY) {
+        for (int64_t i = 0; i < n * row; i++) k[i] = (float)student_t3(r);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t h = 0; h < w->kv_heads; h++)
+                for (int c = 0; c < OUTLIER_CHANNELS; c++) {
+                    float *x = k + t * row + h * w->dim + w->outlier[h * OUTLIER_CHANNELS + c];
+                    *x = 8.0f * *x + 4.0f;
+                }
+    } else {
+        cli_fill_normal(r, k, n * row);
+    }
+}
+
+int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
+            cli_rng *r, const char *who) {
+    const int64_t chunk = 2048, row = w->kv_heads * w->dim, D = w->dim;
+    float *k = malloc(sizeof(float) * (size_t)(chunk * row)), *v = malloc(sizeof(float) * (size_t)(chunk * row));
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(w->kv_heads * PLANTED_PER_HEAD));
+    if (!k || !v || !pos) { free(k); free(v); free(pos); fprintf(stderr, "entmaxkv %s: out of memory\n", who); return 1; }
+    const int planted = w->kind == WL_PLANTED || w->kind == WL_ALIBI;
+    double t0 = cli_now_seconds(), last = t0;
+    int64_t total = len * batch, done = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t i = 0; i < w->kv_heads * PLANTED_PER_HEAD; i++) /* uniform over the sequence */
+            pos[i] = (int64_t)(cli_rng_uniform(r) * (double)len) % len;
+        for (int64_t p0 = 0; p0 < len; p0 += chunk) {
+            int64_t n = len - p0 < chunk ? len - p0 : chunk;
+            key_rows(w, r, k, n);
+            cli_fill_normal(r, v, n * row);
+            if (planted)
+                for (int64_t i = 0; i < w->kv_heads * PLANTED_PER_HEAD; i++) {
+                    int64_t p = pos[i], h = i / PLANTED_PER_HEAD;
+                    if (p < p0 || p >= p0 + n) continue;
+                    /* aligned key: strength c in [6, 12] along u_h, plus unit noise */
+                    double c = 6.0 + 6.0 * (double)(i % PLANTED_PER_HEAD) / (PLANTED_PER_HEAD - 1);
+                    float *kr = k + (p - p0) * row + h * D;
+                    for (int64_t d = 0; d < D; d++) kr[d] = (float)(c * w->dirs[h * D + d] + cli_rng_normal(r));
+                }
+            ekv_status st = ekv_cache_append(cache, seqs[b], n, k, v, EKV_DTYPE_F32);
+            if (st) {
+                fprintf(stderr, "entmaxkv %s: append failed: %s: %s\n", who, ekv_status_string(st), ekv_last_error(ctx));
+                free(k); free(v); free(pos);
+                return 1;
+            }
+            done += n;
+            double now = cli_now_seconds();
+            if (now - last > 2.0) {
+                fprintf(stderr, "  filling the cache (%s): %lld / %lld tokens (%.0f%%)\n", wl_name(w->kind),
+                        (long long)done, (long long)total, 100.0 * (double)done / (double)total);
+                last = now;
+            }
+        }
+    }
+    free(k); free(v); free(pos);
     return 0;
 }
 
-int cli_parse_i64_list(const char *s, int64_t *out, int max) {
-    int n = 0;
-    char buf[1024];
-    if (strlen(s) >= sizeof buf) return -1;
-    strcpy(buf, s);
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (n >= max || cli_parse_i64(tok, &out[n])) return -1;
-        n++;
-    }
-    return n;
-}
-
-double cli_now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-void cli_rng_seed(cli_rng *r, uint64_t seed) {
-    uint64_t z = seed;
-    for (int i = 0; i < 4; i++) { /* splitmix64 */
-        z += 0x9e3779b97f4a7c15ull;
-        uint64_t x = z;
-        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-        r->s[i] = x ^ (x >> 31);
-    }
-    r->has_spare = 0;
-}
-
-static uint64_t rng_next(cli_rng *r) {
-    uint64_t *s = r->s, res = s[0] + s[3], t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return res;
-}
-
-static double rng_uniform(cli_rng *r) { return ((rng_next(r) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-
-double cli_rng_normal(cli_rng *r) {
-    if (r->has_spare) { r->has_spare = 0; return r->spare; }
-    double u = rng_uniform(r), v = rng_uniform(r);
-    double rad = sqrt(-2.0 * log(u)), th = 6.283185307179586 * v;
-    r->spare = rad * sin(th);
-    r->has_spare = 1;
-    return rad * cos(th);
-}
-
-void cli_fill_normal(cli_rng *r, float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = (float)cli_rng_normal(r);
-}
-
-/* ---- read-bandwidth probe: each thread sums its slice with 8 independent integer
- * accumulators (which the compiler vectorises), the same access pattern as a K pass. */
-typedef struct { const uint64_t *p; int64_t n; uint64_t sum; } probe_arg;
-
-static void *probe_thread(void *vp) {
-    probe_arg *a = vp;
-    uint64_t acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= a->n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a->p[i + j];
-    for (; i < a->n; i++) acc[0] += a->p[i];
-    uint64_t s = 0;
-    for (int j = 0; j < 8; j++) s += acc[j];
-    a->sum = s;
-    return NULL;
-}
-
-double cli_read_bandwidth_probe(int threads, int64_t bytes) {
-    if (threads < 1) threads = 1;
-    int64_t n = bytes / 8;
-    /* same allocation policy as the cache pool (2 MiB aligned, transparent huge pages) */
-    const size_t huge = (size_t)2 << 20, sz = ((size_t)n * 8 + huge - 1) / huge * huge;
-    uint64_t *buf = NULL;
-    if (posix_memalign((void **)&buf, huge, sz) != 0) return 0;
-#ifdef MADV_HUGEPAGE
-    madvise(buf, sz, MADV_HUGEPAGE);
-#endif
-    for (int64_t i = 0; i < n; i++) buf[i] = (uint64_t)i * 0x9e3779b97f4a7c15ull; /* not zeros */
-    double rates[7];
-    volatile uint64_t sink = 0;
-    for (int rep = 0; rep < 7; rep++) {
-        pthread_t th[256];
-        probe_arg args[256];
-        int nt = threads > 256 ? 256 : threads;
-        double t0 = cli_now_seconds();
-        for (int t = 0; t < nt; t++) {
-            int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
-            args[t].p = buf + lo;
-            args[t].n = hi - lo;
-            if (t > 0) pthread_create(&th[t], NULL, probe_thread, &args[t]);
-        }
-        probe_thread(&args[0]);
-        for (int t = 1; t < nt; t++) pthread_join(th[t], NULL);
-        double dt = cli_now_seconds() - t0;
-        for (int t = 0; t < nt; t++) sink += args[t].sum;
-        rates[rep] = (double)n * 8 / dt / 1e9;
-    }
-    (void)sink;
-    free(buf);
-    /* median of 7, the same statistic the bench reports for the decode step */
-    for (int i = 1; i < 7; i++)
-        for (int k = i; k > 0 && rates[k] < rates[k - 1]; k--) {
-            double t = rates[k]; rates[k] = rates[k - 1]; rates[k - 1] = t;
-        }
-    return rates[3];
+void wl_queries(const wl_state *w, cli_rng *r, float *q, int64_t batch) {
+    const int64_t D = w->dim, G = w->heads / w->kv_heads;
+    cli_fill_normal(r, q, batch * w->heads * D);
+    if (w->kind == WL_PLANTED || w->kind == WL_ALIBI)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t h = 0; h < w->heads; h++) /* share the KV head's direction: g = 8 */
+                for (int64_t d = 0; d < D; d++) q[(b * w->heads + h) * D + d] += 8.0f * w->dirs[(h / G) * D + d];
 }

@@ -1,6 +1,7 @@
 /*
- * entmaxkv bench: times the decode step on a synthetic workload and reports bytes read,
- * GB/s, and the ratio to a read-bandwidth probe run in the same process (BENCH.md).
+ * entmaxkv bench: times the decode step (dense, or top-k selection + attention over the
+ * selected pages) on a synthetic workload and reports bytes read, GB/s, and the ratio to a
+ * read-bandwidth probe run in the same process (BENCH.md).
  */
 #include "cli.h"
 #include <math.h>
@@ -24,8 +25,11 @@ static void bench_help(FILE *f) {
             "  --page P              page size, 1..256 (default 16)\n"
             "  --dtype f32|f16|bf16  K/V storage (default f16)\n"
             "  --alpha A             1 = softmax, (1, 4] entmax (default 1.5)\n"
-            "  --method dense        selection method (only dense exists in this version)\n"
-            "  --workload random     iid N(0,1) keys, values and queries (default)\n"
+            "  --method dense|topk   dense attention, or top-k page selection + attention over\n"
+            "                        the selected pages (default dense)\n"
+            "  --budget F            top-k: fraction of the tokens to read (default 1/16)\n"
+            "  --budget-tokens T     top-k: token budget (overrides --budget)\n"
+            "  --workload W          random | planted | heavy | alibi (default random)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --iters N             timed steps (default 30; median reported)\n"
             "  --warmup N            untimed steps first (default 3)\n"
@@ -34,12 +38,16 @@ static void bench_help(FILE *f) {
             "  --json FILE           write one JSON object per length (a JSON array)\n"
             "  --help                this text\n"
             "\n"
-            "bytes_read = K bytes + V bytes actually read (entmax: support rows only);\n"
+            "bytes_read = page statistics read by the bound (top-k) + K bytes of the attended\n"
+            "tokens + V bytes actually read (entmax: support rows only);\n"
             "kv_fraction = bytes_read / (K + V bytes of the sequences).\n");
 }
 
 typedef struct {
     const char *backend, *method, *workload, *json;
+    wl_kind wl;
+    double budget;
+    int64_t budget_tokens;
     int64_t lens[64];
     int nlens;
     int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed;
@@ -67,6 +75,7 @@ static void parse(int argc, char **argv, bench_opts *o) {
     o->batch = 1; o->heads = 32; o->kv_heads = 8; o->dim = 128; o->page = 16;
     o->threads = 0; o->iters = 30; o->warmup = 3; o->seed = 1;
     o->dtype = EKV_DTYPE_F16; o->alpha = 1.5; o->isa = EKV_ISA_AUTO;
+    o->budget = 1.0 / 16; o->budget_tokens = 0; o->wl = WL_RANDOM;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { bench_help(stdout); exit(0); }
@@ -90,6 +99,11 @@ static void parse(int argc, char **argv, bench_opts *o) {
         else if (!strcmp(a, "--seed")) o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
         else if (!strcmp(a, "--json")) o->json = need(argc, argv, &i);
         else if (!strcmp(a, "--method")) o->method = need(argc, argv, &i);
+        else if (!strcmp(a, "--budget")) {
+            const char *v = need(argc, argv, &i);
+            if (cli_parse_fraction(v, &o->budget) || !(o->budget > 0 && o->budget <= 1))
+                cli_usage_error("bench", "--budget %s: expected a fraction in (0, 1], e.g. 0.0625 or 1/16", v);
+        } else if (!strcmp(a, "--budget-tokens")) o->budget_tokens = need_int(argc, argv, &i, 1, INT64_MAX);
         else if (!strcmp(a, "--workload")) o->workload = need(argc, argv, &i);
         else if (!strcmp(a, "--dtype")) {
             const char *v = need(argc, argv, &i);
@@ -113,15 +127,15 @@ static void parse(int argc, char **argv, bench_opts *o) {
             cli_usage_error("bench", "--backend cuda: this build has no CUDA backend (not written yet)");
         cli_usage_error("bench", "--backend %s: expected cpu or ref", o->backend);
     }
-    if (strcmp(o->method, "dense")) {
-        if (!strcmp(o->method, "topk") || !strcmp(o->method, "gaussian") || !strcmp(o->method, "certified"))
-            cli_usage_error("bench", "--method %s is not implemented yet in this version (only dense)", o->method);
+    if (strcmp(o->method, "dense") && strcmp(o->method, "topk")) {
+        if (!strcmp(o->method, "gaussian") || !strcmp(o->method, "certified"))
+            cli_usage_error("bench", "--method %s is not implemented yet in this version (dense, topk)", o->method);
         cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified", o->method);
     }
-    if (strcmp(o->workload, "random")) {
-        if (!strcmp(o->workload, "planted") || !strncmp(o->workload, "trace:", 6))
-            cli_usage_error("bench", "--workload %s is not implemented yet in this version (only random)", o->workload);
-        cli_usage_error("bench", "--workload %s: expected random|planted|trace:FILE", o->workload);
+    if (wl_parse(o->workload, &o->wl)) {
+        if (!strncmp(o->workload, "trace:", 6))
+            cli_usage_error("bench", "--workload %s: traces are not implemented yet in this version", o->workload);
+        cli_usage_error("bench", "--workload %s: expected random|planted|heavy|alibi", o->workload);
     }
     if (o->heads % o->kv_heads)
         cli_usage_error("bench", "--heads %lld is not a multiple of --kv-heads %lld", (long long)o->heads, (long long)o->kv_heads);
@@ -130,39 +144,6 @@ static void parse(int argc, char **argv, bench_opts *o) {
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
-}
-
-/* Fills `batch` sequences of `len` tokens with iid N(0,1) K and V, in chunks. */
-static int fill_random(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, const bench_opts *o,
-                       int64_t len, cli_rng *rng) {
-    const int64_t chunk = 2048, row = o->kv_heads * o->dim;
-    float *k = malloc(sizeof(float) * (size_t)(chunk * row)), *v = malloc(sizeof(float) * (size_t)(chunk * row));
-    if (!k || !v) { free(k); free(v); fprintf(stderr, "entmaxkv bench: out of memory\n"); return 1; }
-    double t0 = cli_now_seconds(), last = t0;
-    int64_t total = len * o->batch, done = 0;
-    for (int64_t b = 0; b < o->batch; b++) {
-        for (int64_t pos = 0; pos < len; pos += chunk) {
-            int64_t n = len - pos < chunk ? len - pos : chunk;
-            cli_fill_normal(rng, k, n * row);
-            cli_fill_normal(rng, v, n * row);
-            ekv_status st = ekv_cache_append(cache, seqs[b], n, k, v, EKV_DTYPE_F32);
-            if (st) {
-                fprintf(stderr, "entmaxkv bench: append failed: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
-                free(k); free(v);
-                return 1;
-            }
-            done += n;
-            double now = cli_now_seconds();
-            if (now - last > 2.0) {
-                fprintf(stderr, "  filling the cache: %lld / %lld tokens (%.0f%%)\n", (long long)done,
-                        (long long)total, 100.0 * (double)done / (double)total);
-                last = now;
-            }
-        }
-    }
-    free(k);
-    free(v);
-    return 0;
 }
 
 int cmd_bench(int argc, char **argv) {
@@ -207,7 +188,9 @@ int cmd_bench(int argc, char **argv) {
         for (int64_t b = 0; b < o.batch; b++) ekv_cache_seq_new(cache, &seqs[b]);
         cli_rng rng;
         cli_rng_seed(&rng, (uint64_t)o.seed * 7919 + (uint64_t)len);
-        if (fill_random(ctx, cache, seqs, &o, len, &rng)) { rc = 1; goto next; }
+        wl_state wl;
+        if (wl_init(&wl, o.wl, o.heads, o.kv_heads, o.dim, (uint64_t)o.seed)) { rc = 1; wl_free(&wl); goto next; }
+        if (wl_fill(ctx, cache, seqs, o.batch, len, &wl, &rng, "bench")) { rc = 1; wl_free(&wl); goto next; }
         {
             ekv_paged_kv kv;
             ekv_cache_kv_view(cache, &kv, NULL);
@@ -222,18 +205,39 @@ int cmd_bench(int argc, char **argv) {
             float *q = malloc(sizeof(float) * (size_t)(qn * NQ)), *out = malloc(sizeof(float) * (size_t)qn);
             int64_t *sup = malloc(sizeof(int64_t) * (size_t)(o.batch * o.heads));
             double *times = malloc(sizeof(double) * (size_t)o.iters);
-            cli_fill_normal(&rng, q, qn * NQ);
+            for (int i = 0; i < NQ; i++) wl_queries(&wl, &rng, q + i * qn, o.batch);
             ekv_decode_params dp = ekv_decode_default_params();
             dp.num_heads = (int32_t)o.heads;
             dp.alpha = o.alpha;
+            dp.alibi_slopes = wl_slopes(&wl);
             ekv_decode_info info = {NULL, sup, 0, 0};
             double bytes_sum = 0, sup_sum = 0;
-            int is_ref = !strcmp(o.backend, "ref");
-            for (int64_t it = 0; it < o.warmup + o.iters; it++) {
+            int is_ref = !strcmp(o.backend, "ref"), topk = !strcmp(o.method, "topk");
+            ekv_page_stats pst;
+            ekv_cache_kv_view(cache, NULL, &pst);
+            ekv_select_params sp = ekv_select_default_params();
+            sp.method = EKV_SELECT_TOPK;
+            sp.budget_tokens = o.budget_tokens ? o.budget_tokens : (int64_t)(o.budget * (double)len);
+            if (sp.budget_tokens < 1) sp.budget_tokens = 1;
+            int64_t lcap = ekv_page_list_capacity(&tab, (int32_t)o.kv_heads);
+            int64_t *lip = malloc(sizeof(int64_t) * (size_t)(o.batch * o.kv_heads + 1));
+            int32_t *lpg = malloc(sizeof(int32_t) * (size_t)lcap);
+            ekv_page_list list = {0, lip, lpg, lcap, 0};
+            if (topk && is_ref) {
+                fprintf(stderr, "entmaxkv bench: --backend ref times dense decode only\n");
+                rc = CLI_USAGE;
+            }
+            for (int64_t it = 0; !rc && it < o.warmup + o.iters; it++) {
                 const float *qi = q + (it % NQ) * qn;
                 double t0 = cli_now_seconds();
-                st = is_ref ? ekv_decode_dense_ref(ctx, &dp, &kv, &tab, qi, out, &info)
-                            : ekv_decode_dense(ctx, &dp, &kv, &tab, qi, out, &info);
+                if (topk) {
+                    st = ekv_select_pages(ctx, &dp, &sp, &kv, &pst, &tab, qi, &list);
+                    if (!st) st = ekv_decode_pages(ctx, &dp, &kv, &tab, &list, qi, out, &info);
+                } else {
+                    list.bytes_summary = 0;
+                    st = is_ref ? ekv_decode_dense_ref(ctx, &dp, &kv, &tab, qi, out, &info)
+                                : ekv_decode_dense(ctx, &dp, &kv, &tab, qi, out, &info);
+                }
                 double dt = cli_now_seconds() - t0;
                 if (st) {
                     fprintf(stderr, "entmaxkv bench: decode failed: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
@@ -242,7 +246,7 @@ int cmd_bench(int argc, char **argv) {
                 }
                 if (it >= o.warmup) {
                     times[it - o.warmup] = dt;
-                    bytes_sum += (double)(info.bytes_k + info.bytes_v);
+                    bytes_sum += (double)(info.bytes_k + info.bytes_v + list.bytes_summary);
                     for (int64_t i = 0; i < o.batch * o.heads; i++) sup_sum += (double)sup[i];
                 }
             }
@@ -267,15 +271,17 @@ int cmd_bench(int argc, char **argv) {
                             "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\","
                             "\"ms_median\":%.6f,\"ms_min\":%.6f,\"bytes_read\":%.0f,\"gbps\":%.4f,"
                             "\"kv_fraction\":%.6f,\"bw_probe_gbps\":%.4f,\"bw_ratio\":%.4f,\"threads\":%d,"
-                            "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld}",
+                            "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld,"
+                            "\"budget_tokens\":%lld}",
                             li ? ",\n" : "", o.backend, o.method, o.alpha, (long long)len, (long long)o.batch,
                             (long long)o.heads, (long long)o.kv_heads, (long long)o.dim, (long long)o.page,
                             ekv_dtype_name(o.dtype), med * 1e3, mn * 1e3, bytes, gbps, bytes / kv_total, probe,
                             ratio, threads, ekv_isa_name(ekv_context_isa(ctx)), o.workload, sup_mean,
-                            (long long)o.iters);
+                            (long long)o.iters, (long long)(topk ? sp.budget_tokens : len));
             }
-            free(indptr); free(indices); free(lpl); free(q); free(out); free(sup); free(times);
+            free(indptr); free(indices); free(lpl); free(q); free(out); free(sup); free(times); free(lip); free(lpg);
         }
+        wl_free(&wl);
     next:
         free(seqs);
         ekv_cache_free(cache);
