@@ -211,7 +211,8 @@ int cmd_bench(int argc, char **argv) {
             dp.alpha = o.alpha;
             dp.alibi_slopes = wl_slopes(&wl);
             ekv_decode_info info = {NULL, sup, 0, 0};
-            double bytes_sum = 0, sup_sum = 0;
+            double bytes_sum = 0, sup_sum = 0, summary_bytes = 0;
+            double *tsel = malloc(sizeof(double) * (size_t)o.iters);
             int is_ref = !strcmp(o.backend, "ref"), topk = !strcmp(o.method, "topk");
             ekv_page_stats pst;
             ekv_cache_kv_view(cache, NULL, &pst);
@@ -230,8 +231,10 @@ int cmd_bench(int argc, char **argv) {
             for (int64_t it = 0; !rc && it < o.warmup + o.iters; it++) {
                 const float *qi = q + (it % NQ) * qn;
                 double t0 = cli_now_seconds();
+                double ts = 0;
                 if (topk) {
                     st = ekv_select_pages(ctx, &dp, &sp, &kv, &pst, &tab, qi, &list);
+                    ts = cli_now_seconds() - t0;
                     if (!st) st = ekv_decode_pages(ctx, &dp, &kv, &tab, &list, qi, out, &info);
                 } else {
                     list.bytes_summary = 0;
@@ -246,6 +249,8 @@ int cmd_bench(int argc, char **argv) {
                 }
                 if (it >= o.warmup) {
                     times[it - o.warmup] = dt;
+                    tsel[it - o.warmup] = ts;
+                    summary_bytes = (double)list.bytes_summary;
                     bytes_sum += (double)(info.bytes_k + info.bytes_v + list.bytes_summary);
                     for (int64_t i = 0; i < o.batch * o.heads; i++) sup_sum += (double)sup[i];
                 }
@@ -261,6 +266,10 @@ int cmd_bench(int argc, char **argv) {
                 int64_t probe_bytes = (int64_t)(bytes > 268435456.0 ? bytes : 268435456.0);
                 double probe = cli_read_bandwidth_probe(threads, probe_bytes);
                 double ratio = probe > 0 ? gbps / probe : 0;
+                /* the bound stage against its byte roofline: summary bytes / probe bandwidth */
+                qsort(tsel, (size_t)o.iters, sizeof(double), cmp_double);
+                double sel_med = tsel[o.iters / 2];
+                double sel_roof = probe > 0 && summary_bytes > 0 ? sel_med / (summary_bytes / (probe * 1e9)) : 0;
                 double sup_mean = sup_sum / (double)(o.iters * o.batch * o.heads);
                 printf("%10lld %10.3f %10.3f %12.0f %9.2f %10.2f %9.3f %11.4f %9.1f\n", (long long)len, med * 1e3,
                        mn * 1e3, bytes, gbps, probe, ratio, bytes / kv_total, sup_mean);
@@ -272,14 +281,19 @@ int cmd_bench(int argc, char **argv) {
                             "\"ms_median\":%.6f,\"ms_min\":%.6f,\"bytes_read\":%.0f,\"gbps\":%.4f,"
                             "\"kv_fraction\":%.6f,\"bw_probe_gbps\":%.4f,\"bw_ratio\":%.4f,\"threads\":%d,"
                             "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld,"
-                            "\"budget_tokens\":%lld}",
+                            "\"budget_tokens\":%lld,\"ms_select_median\":%.6f,\"bytes_summary\":%.0f,"
+                            "\"select_roofline_ratio\":%.4f}",
                             li ? ",\n" : "", o.backend, o.method, o.alpha, (long long)len, (long long)o.batch,
                             (long long)o.heads, (long long)o.kv_heads, (long long)o.dim, (long long)o.page,
                             ekv_dtype_name(o.dtype), med * 1e3, mn * 1e3, bytes, gbps, bytes / kv_total, probe,
                             ratio, threads, ekv_isa_name(ekv_context_isa(ctx)), o.workload, sup_mean,
-                            (long long)o.iters, (long long)(topk ? sp.budget_tokens : len));
+                            (long long)o.iters, (long long)(topk ? sp.budget_tokens : len), sel_med * 1e3,
+                            summary_bytes, sel_roof);
+                if (topk)
+                    printf("%10s select (bound + top-k): %.3f ms median, %.0f summary bytes, %.2fx its byte roofline\n",
+                           "", sel_med * 1e3, summary_bytes, sel_roof);
             }
-            free(indptr); free(indices); free(lpl); free(q); free(out); free(sup); free(times); free(lip); free(lpg);
+            free(indptr); free(indices); free(lpl); free(q); free(out); free(sup); free(times); free(lip); free(lpg); free(tsel);
         }
         wl_free(&wl);
     next:

@@ -32,6 +32,14 @@ typedef struct ekv_cpu_kernels {
      */
     int64_t (*compact_gt)(const float *z, int64_t n, float thr, double m, int64_t base,
                           int64_t *idx, double *y);
+    /*
+     * Quest box bounds of np pages for G query heads sharing their KV head:
+     * u[g*ldu + i] = sum_d qpos[g*ldq + d] * kmax[i][d] + qneg[g*ldq + d] * kmin[i][d], where
+     * qpos/qneg are the positive/negative parts of the (scaled) query, so each term is
+     * max(q_d kmin_d, q_d kmax_d). Each page summary is read once for the whole group.
+     */
+    void (*bound_box)(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
+                      const float *const *kmax, int np, int64_t D, float *u, int64_t ldu);
     /* w[i] = exp(z[i] - m) for i in [0, n) (w may equal z); returns the sum of w. */
     double (*exp_shift)(const float *z, int64_t n, float m, float *w);
 } ekv_cpu_kernels;

@@ -222,7 +222,48 @@ static double exp_shift_avx512(const float *z, int64_t n, float m, float *w) {
     return total + _mm512_reduce_add_ps(acc);
 }
 
-const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512, accum_avx512, compact_avx512,
+/* 4 pages x TG heads per register tile (like the score tiles): the query chunks are loaded
+ * once for 4 pages and each summary chunk once for TG heads; one transpose-add tree reduces
+ * the 16 sums (lane g*4 + i). */
+INLINE void bound_impl(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
+                       const float *const *kmax, int np, int64_t D, float *u, int64_t ldu, const int TG) {
+    for (int g0 = 0; g0 < G; g0 += TG) {
+        const int gn = G - g0 < TG ? G - g0 : TG;
+        for (int i0 = 0; i0 < np; i0 += 4) {
+            const int in = np - i0 < 4 ? np - i0 : 4;
+            __m512 acc[16];
+            for (int a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
+                __m512 qp[4], qn[4];
+                for (int g = 0; g < TG; g++) {
+                    const int64_t o = (int64_t)(g0 + (g < gn ? g : gn - 1)) * ldq + d;
+                    qp[g] = _mm512_maskz_loadu_ps(m, qpos + o);
+                    qn[g] = _mm512_maskz_loadu_ps(m, qneg + o);
+                }
+                for (int i = 0; i < 4; i++) {
+                    const int ii = i0 + (i < in ? i : in - 1);
+                    __m512 mx = _mm512_maskz_loadu_ps(m, kmax[ii] + d), mn = _mm512_maskz_loadu_ps(m, kmin[ii] + d);
+                    for (int g = 0; g < TG; g++)
+                        acc[g * 4 + i] = _mm512_fmadd_ps(qn[g], mn, _mm512_fmadd_ps(qp[g], mx, acc[g * 4 + i]));
+                }
+            }
+            float r[16];
+            _mm512_storeu_ps(r, reduce16(acc));
+            for (int g = 0; g < gn; g++)
+                for (int i = 0; i < in; i++) u[(int64_t)(g0 + g) * ldu + i0 + i] = r[g * 4 + i];
+        }
+    }
+}
+
+static void bound_box_avx512(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
+                             const float *const *kmax, int np, int64_t D, float *u, int64_t ldu) {
+    if (G == 1) bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 1);
+    else if (G == 2) bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 2);
+    else bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 4);
+}
+
+const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512, accum_avx512, compact_avx512, bound_box_avx512,
                                                 exp_shift_avx512};
 
 #endif

@@ -43,6 +43,18 @@ int64_t ekv_compact_gt_scalar(const float *z, int64_t n, float thr, double m, in
     return c;
 }
 
+void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
+                          const float *const *kmax, int np, int64_t D, float *u, int64_t ldu);
+void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
+                          const float *const *kmax, int np, int64_t D, float *u, int64_t ldu) {
+    for (int i = 0; i < np; i++)
+        for (int g = 0; g < G; g++) {
+            float s = 0.f;
+            for (int64_t d = 0; d < D; d++) s += qpos[g * ldq + d] * kmax[i][d] + qneg[g * ldq + d] * kmin[i][d];
+            u[g * ldu + i] = s;
+        }
+}
+
 double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w);
 double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
     double s = 0;
@@ -54,7 +66,7 @@ double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
 }
 
 const ekv_cpu_kernels ekv_cpu_kernels_scalar = {score_scalar, accum_scalar, ekv_compact_gt_scalar,
-                                                ekv_exp_shift_scalar};
+                                                ekv_bound_box_scalar, ekv_exp_shift_scalar};
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa) {
 #if defined(__x86_64__)

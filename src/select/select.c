@@ -10,6 +10,7 @@
  * max of U over the group's query heads.
  */
 #include "../core/internal.h"
+#include "../cpu/bound.h"
 #include <stdlib.h>
 
 ekv_select_params ekv_select_default_params(void) {
@@ -60,18 +61,36 @@ static void select_best(scored_page *v, int64_t n, int64_t k) {
     }
 }
 
-/* Box bounds of pages [0, P-1) of sequence b for query head h, z-space, into u[]. */
-static void box_bounds(const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t, int64_t b,
-                       int64_t h, int64_t G, const float *qz, double am, int64_t N, float *u) {
-    const int64_t D = kv->head_dim, kvh = h / G, P = t->indptr[b + 1] - t->indptr[b], ps = kv->page_size;
-    for (int64_t p = 0; p + 1 < P; p++) {
-        int64_t off = ((int64_t)t->indices[t->indptr[b] + p] * kv->num_kv_heads + kvh) * D;
-        const float *mn = st->kmin + off, *mx = st->kmax + off;
-        float s = 0.f;
-        for (int64_t d = 0; d < D; d++) s += qz[d] > 0 ? qz[d] * mx[d] : qz[d] * mn[d];
-        int64_t last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
-        u[p] = s + (float)(am * (double)(last - (N - 1)));
+typedef struct {
+    const ekv_select_params *sel;
+    const ekv_page_table *t;
+    ekv_page_list *list;
+    const float *u;          /* [B][H][ustride] */
+    int64_t ustride, H, G, heads, ps;
+    float *w_ug;             /* per worker [ustride] */
+    scored_page *w_pairs;    /* per worker [ustride] */
+} topk_job;
+
+/* One list: the group's bounds (max over its query heads), the n best pages in descending
+ * order, then the last page. Its slots in the CSR were reserved by the caller. */
+static void topk_list(void *vp, int64_t task, int worker) {
+    topk_job *j = vp;
+    const int64_t b = task / j->heads, l = task % j->heads;
+    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b];
+    const int64_t h0 = j->sel->per_query_head ? l : l * j->G, hn = j->sel->per_query_head ? 1 : j->G;
+    float *ug = j->w_ug + worker * j->ustride;
+    scored_page *pairs = j->w_pairs + worker * j->ustride;
+    for (int64_t p = 0; p + 1 < P; p++) ug[p] = -INFINITY;
+    for (int64_t h = h0; h < h0 + hn; h++) {
+        const float *uh = j->u + (b * j->H + h) * j->ustride;
+        for (int64_t p = 0; p + 1 < P; p++) ug[p] = uh[p] > ug[p] ? uh[p] : ug[p];
     }
+    const int64_t w0 = j->list->indptr[task], nsel = j->list->indptr[task + 1] - w0 - 1;
+    for (int64_t p = 0; p + 1 < P; p++) pairs[p] = (scored_page){ug[p], (int32_t)p};
+    if (nsel > 0 && nsel < P - 1) select_best(pairs, P - 1, nsel);
+    qsort(pairs, (size_t)nsel, sizeof *pairs, cmp_scored);
+    for (int64_t i = 0; i < nsel; i++) j->list->pages[w0 + i] = pairs[i].p;
+    j->list->pages[w0 + nsel] = (int32_t)(P - 1);
 }
 
 ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
@@ -98,81 +117,69 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
                             (long long)sel->budget_tokens, (long long)N, (long long)b);
     }
     int64_t cap = ekv_page_list_capacity(t, (int32_t)heads);
-    if (list->capacity < cap && sel->method == EKV_SELECT_DENSE)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld page numbers", (long long)list->capacity,
-                        (long long)cap);
     if (list->capacity < cap)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld (ekv_page_list_capacity)",
                         (long long)list->capacity, (long long)cap);
-    /* workspace: bounds of one list, its page pairs, scaled queries, oracle probabilities */
-    int64_t nmax = maxP * ps;
-    size_t need = (size_t)(maxP * (int64_t)(sizeof(float) + sizeof(scored_page)) + G * kv->head_dim * 4 +
-                           (sel->method == EKV_SELECT_ORACLE ? B * H * nmax * 4 + B * H * 8 : 0) + 256);
-    char *ws = ekv_context_workspace(ctx, need);
-    if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for page selection");
-    float *u = (float *)ws, *ug = u; /* per-list bounds (max over the group) */
-    scored_page *pairs = (scored_page *)(ws + maxP * sizeof(float));
-    float *qz = (float *)(ws + maxP * (sizeof(float) + sizeof(scored_page)));
-    float *ptmp = NULL;
-    const double a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
-    if (sel->method == EKV_SELECT_ORACLE) {
-        /* ekv_dense_probs uses the workspace itself: run it first into a private buffer */
-        ptmp = malloc(sizeof(float) * (size_t)(B * H * nmax));
-        double *taus = malloc(sizeof(double) * (size_t)(B * H));
-        if (!ptmp || !taus) { free(ptmp); free(taus); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "oracle: no memory"); }
-        s = ekv_dense_probs(ctx, prm, kv, t, q, nmax, ptmp, taus);
-        free(taus);
-        if (s) { free(ptmp); return s; }
-        ws = ekv_context_workspace(ctx, need); /* may have moved */
-        u = ug = (float *)ws;
-        pairs = (scored_page *)(ws + maxP * sizeof(float));
-        qz = (float *)(ws + maxP * (sizeof(float) + sizeof(scored_page)));
-    }
     int64_t w = 0, bytes_summary = 0;
-    float *ubuf = malloc(sizeof(float) * (size_t)(maxP > 0 ? maxP : 1));
-    if (!ubuf) { free(ptmp); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for page bounds"); }
     list->indptr[0] = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t P = t->indptr[b + 1] - t->indptr[b], N = (P - 1) * ps + t->last_page_len[b];
-        for (int64_t l = 0; l < heads; l++) {
-            const int64_t h0 = sel->per_query_head ? l : l * G, hn = sel->per_query_head ? 1 : G;
-            if (sel->method == EKV_SELECT_DENSE) {
-                for (int64_t p = 0; p < P; p++) list->pages[w++] = (int32_t)p;
-            } else if (sel->method == EKV_SELECT_ORACLE) {
-                /* every page with a token of positive dense probability for some listed head */
+    if (sel->method == EKV_SELECT_DENSE) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t l = 0; l < heads; l++) {
+                for (int64_t p = 0; p < t->indptr[b + 1] - t->indptr[b]; p++) list->pages[w++] = (int32_t)p;
+                list->indptr[b * heads + l + 1] = w;
+            }
+    } else if (sel->method == EKV_SELECT_ORACLE) {
+        /* every page holding a token of positive dense probability for a query head of the list */
+        const int64_t nmax = maxP * ps;
+        float *pr = malloc(sizeof(float) * (size_t)(B * H * nmax));
+        if (!pr) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "oracle: no memory for the dense distribution");
+        s = ekv_dense_probs(ctx, prm, kv, t, q, nmax, pr, NULL);
+        if (s) { free(pr); return s; }
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t P = t->indptr[b + 1] - t->indptr[b];
+            for (int64_t l = 0; l < heads; l++) {
+                const int64_t h0 = sel->per_query_head ? l : l * G, hn = sel->per_query_head ? 1 : G;
                 for (int64_t p = 0; p + 1 < P; p++) {
                     int hit = 0;
                     for (int64_t h = h0; h < h0 + hn && !hit; h++)
-                        for (int64_t j = p * ps; j < (p + 1) * ps && !hit; j++)
-                            hit = ptmp[(b * H + h) * nmax + j] > 0;
+                        for (int64_t jt = p * ps; jt < (p + 1) * ps && !hit; jt++) hit = pr[(b * H + h) * nmax + jt] > 0;
                     if (hit) list->pages[w++] = (int32_t)p;
                 }
                 list->pages[w++] = (int32_t)(P - 1);
-            } else { /* top-k */
-                for (int64_t p = 0; p + 1 < P; p++) ug[p] = -INFINITY;
-                for (int64_t h = h0; h < h0 + hn; h++) {
-                    const float *qh = q + (b * H + h) * kv->head_dim;
-                    for (int64_t d = 0; d < kv->head_dim; d++) qz[d] = (float)(a * scale * qh[d]);
-                    double am = prm->alibi_slopes ? a * prm->alibi_slopes[h] : 0.0;
-                    box_bounds(kv, st, t, b, h, G, qz, am, N, ubuf);
-                    for (int64_t p = 0; p + 1 < P; p++) ug[p] = ubuf[p] > ug[p] ? ubuf[p] : ug[p];
-                }
-                bytes_summary += (P - 1) * kv->head_dim * 2 * (int64_t)sizeof(float); /* kmin + kmax */
-                int64_t nsel = sel->budget_tokens / ps;
-                if (nsel < 1) nsel = 1;
-                if (nsel > P - 1) nsel = P - 1;
-                for (int64_t p = 0; p + 1 < P; p++) pairs[p] = (scored_page){ug[p], (int32_t)p};
-                if (nsel > 0 && nsel < P - 1) select_best(pairs, P - 1, nsel);
-                qsort(pairs, (size_t)nsel, sizeof *pairs, cmp_scored);
-                for (int64_t i = 0; i < nsel; i++) list->pages[w++] = pairs[i].p;
-                list->pages[w++] = (int32_t)(P - 1);
+                list->indptr[b * heads + l + 1] = w;
             }
-            list->indptr[b * heads + l + 1] = w;
         }
+        free(pr);
+    } else { /* top-k: bound every page, then select per list in parallel */
+        const int64_t W = ctx->n_threads, ustride = maxP > 1 ? maxP : 1, nq = B * H * kv->head_dim;
+        int64_t sz[5] = {B * H * ustride * 4, 2 * nq * 4, (B + 1) * 8, W * ustride * 4,
+                         W * ustride * (int64_t)sizeof(scored_page)};
+        int64_t off[5], total = 0;
+        for (int i = 0; i < 5; i++) {
+            off[i] = total;
+            if (ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
+                return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "selection workspace overflows");
+        }
+        char *ws = ekv_context_workspace(ctx, (size_t)total);
+        if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for page selection");
+        s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, (float *)(ws + off[0]), ustride, (float *)(ws + off[1]),
+                                (int64_t *)(ws + off[2]));
+        if (s) return s;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t P = t->indptr[b + 1] - t->indptr[b];
+            int64_t nsel = sel->budget_tokens / ps;
+            if (nsel < 1) nsel = 1;
+            if (nsel > P - 1) nsel = P - 1;
+            for (int64_t l = 0; l < heads; l++) {
+                w += nsel + 1;
+                list->indptr[b * heads + l + 1] = w;
+            }
+            bytes_summary += (P - 1) * Hk * kv->head_dim * 2 * (int64_t)sizeof(float); /* kmin + kmax */
+        }
+        topk_job j = {sel, t, list, (const float *)(ws + off[0]), ustride, H, G, heads, ps,
+                      (float *)(ws + off[3]), (scored_page *)(ws + off[4])};
+        ekv_pool_run(ctx->pool, B * heads, topk_list, &j);
     }
-    free(ubuf);
-    free(ptmp);
     list->heads = (int32_t)heads;
     list->bytes_summary = bytes_summary;
     ekv_clear_error(ctx);

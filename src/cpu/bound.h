@@ -1,0 +1,14 @@
+/* The CPU bound stage (bound.c), used by the selection policies (src/select). */
+#ifndef EKV_CPU_BOUND_H
+#define EKV_CPU_BOUND_H
+#include "../core/internal.h"
+
+/*
+ * Box bounds u[(b*H + h)*ustride + p] for pages p in [0, P_b - 1) of every sequence and
+ * query head (z-space, ALiBi bonus included). Scratch: qsplit holds 2*B*H*D floats,
+ * task_off B+1 int64. Arguments must already be validated.
+ */
+ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
+                               int64_t ustride, float *qsplit, int64_t *task_off);
+#endif
