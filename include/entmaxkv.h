@@ -256,10 +256,18 @@ EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_param
 /* Page selection and attention over selected pages (SPEC 2, 3)                         */
 /* ---------------------------------------------------------------------------------- */
 typedef enum ekv_select_method {
-    EKV_SELECT_DENSE = 0,  /* every page                                                   */
-    EKV_SELECT_TOPK = 1,   /* the pages with the largest box bound within a token budget    */
-    EKV_SELECT_ORACLE = 2  /* the pages holding the dense entmax support (evaluation only)  */
+    EKV_SELECT_DENSE = 0,   /* every page                                                   */
+    EKV_SELECT_TOPK = 1,    /* the pages with the largest box bound within a token budget    */
+    EKV_SELECT_ORACLE = 2,  /* the pages holding the dense entmax support (evaluation only)  */
+    EKV_SELECT_GAUSSIAN = 3 /* the Gaussian-aware selector of SPEC 4 (alpha 2, 1.5 or 4/3)   */
 } ekv_select_method;
+
+/* How attention over a list sets tau (SPEC 4.11). */
+typedef enum ekv_tau_mode {
+    EKV_TAU_EXACT = 0,    /* solve tau exactly on the listed tokens (default)                */
+    EKV_TAU_FIXED = 1,    /* use the selector's (clamped) tau-hat as is                      */
+    EKV_TAU_CORRECTED = 2 /* tau-hat plus unbounded Halley corrections on the listed tokens  */
+} ekv_tau_mode;
 
 typedef struct ekv_select_params {
     ekv_select_method method;
@@ -267,8 +275,19 @@ typedef struct ekv_select_params {
      * pages are taken (at least one when budget >= 1 and P > 1). */
     int64_t budget_tokens;
     /* 0 (default): one page list per KV head, ranking pages by the max bound over the GQA
-     * group's query heads. 1: one list per query head. */
+     * group's query heads (gaussian: the union of the group's pages). 1: one list per query head. */
     int32_t per_query_head;
+    /* gaussian (SPEC 4), defaults as in the paper's API; the user's margin and quantile take
+     * effect unless auto_margin asks for the rule of SPEC 4.5 (which the reference always uses) */
+    double margin_z;          /* safety margin, in units of sigma_g (default 0)              */
+    double max_quantile;      /* q_max of the page rule, in (0, 1) (default 0.995)           */
+    int32_t auto_margin;      /* 1: SPEC 4.5 picks margin_z and q_max from sigma-bar         */
+    int32_t reference_m3;     /* 1: the reference's (wrong) alpha = 4/3 moment (SPEC 6.1-1)  */
+    double excess_fraction;   /* rho of SPEC 4.9 (default 0.2)                               */
+    int32_t clamp_tau;        /* clamp tau-hat to the selected pages, SPEC 4.10 (default 1)  */
+    double clamp_quantile;    /* q_c of SPEC 4.10, in (0, 1) (default 0.5)                   */
+    ekv_tau_mode tau_mode;    /* how ekv_decode_pages sets tau for this list (default exact) */
+    int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (SPEC 4.11)    */
 } ekv_select_params;
 
 EKV_API ekv_select_params ekv_select_default_params(void);
@@ -286,6 +305,11 @@ typedef struct ekv_page_list {
     int32_t *pages;
     int64_t capacity;
     int64_t bytes_summary;  /* output: bytes of page statistics the bound stage read  */
+    /* tau for the fixed/corrected modes: tau[b*num_heads + h] (z-space), written by the
+     * gaussian selector when the caller provides the array ([batch*num_heads]). */
+    double *tau;
+    int32_t tau_mode;       /* ekv_tau_mode, set by ekv_select_pages                  */
+    int32_t correction_iters;
 } ekv_page_list;
 
 /* Page numbers needed for `heads` lists per sequence of this table (the dense total). */
@@ -302,9 +326,12 @@ EKV_API ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *p
                                     const float *q, ekv_page_list *list);
 
 /*
- * Attention over page lists (mode `exact`): for every query head, the exact alpha-entmax
- * (or softmax) over the tokens of its list, V read for support rows only. Softmax over a
- * top-k list is the softmax top-k baseline. info->bytes_k counts the listed tokens.
+ * Attention over page lists. Mode exact: for every query head, the exact alpha-entmax (or
+ * softmax) over the tokens of its list, V read for support rows only; softmax over a top-k
+ * list is the softmax top-k baseline. Modes fixed/corrected (list->tau_mode, from the
+ * gaussian selector): p_j = [z_j - tau]_+^beta with tau = list->tau (after
+ * list->correction_iters unbounded Halley steps), not renormalised, as in SPEC 3.10.
+ * info->bytes_k counts the listed tokens; info->tau reports the tau used.
  */
 EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *params,
                                     const ekv_paged_kv *kv, const ekv_page_table *table,

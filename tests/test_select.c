@@ -79,7 +79,7 @@ static void test_handmade(ekv_context *ctx) {
     float q[2] = {1.0f, -1.0f};
     int64_t lip[2];
     int32_t pages[P];
-    ekv_page_list list = {0, lip, pages, P, 0};
+    ekv_page_list list = {.indptr = lip, .pages = pages, .capacity = P};
     ekv_select_params sp = ekv_select_default_params();
     sp.method = EKV_SELECT_TOPK;
     const int64_t budgets[] = {1, 4, 8, 12, 16, 20, 24};
@@ -166,7 +166,7 @@ int main(void) {
         int64_t cap = ekv_page_list_capacity(&f.tab, heads);
         int64_t *lip = malloc(sizeof(int64_t) * (size_t)(B * heads + 1));
         int32_t *lpg = malloc(sizeof(int32_t) * (size_t)cap);
-        ekv_page_list list = {0, lip, lpg, cap, 0};
+        ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = cap};
         ekv_select_params sp = ekv_select_default_params();
         sp.per_query_head = per_q;
         /* dense list == dense decode */

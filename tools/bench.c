@@ -223,7 +223,7 @@ int cmd_bench(int argc, char **argv) {
             int64_t lcap = ekv_page_list_capacity(&tab, (int32_t)o.kv_heads);
             int64_t *lip = malloc(sizeof(int64_t) * (size_t)(o.batch * o.kv_heads + 1));
             int32_t *lpg = malloc(sizeof(int32_t) * (size_t)lcap);
-            ekv_page_list list = {0, lip, lpg, lcap, 0};
+            ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap};
             if (topk && is_ref) {
                 fprintf(stderr, "entmaxkv bench: --backend ref times dense decode only\n");
                 rc = CLI_USAGE;

@@ -210,7 +210,7 @@ int cmd_eval(int argc, char **argv) {
                     sp.method = m == M_ORACLE ? EKV_SELECT_ORACLE : EKV_SELECT_TOPK;
                     sp.budget_tokens = (int64_t)(budgets[bi] * (double)len);
                     if (sp.budget_tokens < 1) sp.budget_tokens = 1;
-                    ekv_page_list list = {0, lip, lpg, lcap, 0};
+                    ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap};
                     if ((st = ekv_select_pages(ctx, &dp[s], &sp, &kv, &pst, &tab, q, &list)) ||
                         (st = ekv_decode_pages(ctx, &dp[s], &kv, &tab, &list, q, o, NULL))) {
                         fprintf(stderr, "entmaxkv eval: %s: %s: %s\n", method_names[m], ekv_status_string(st),

@@ -109,11 +109,43 @@ static void attend_list(void *vp, int64_t task, int worker) {
             if (j->support) j->support[b * j->H + h] = L;
             continue;
         }
-        float thr = M[g] - 1.0f;
-        if ((double)thr > (double)M[g] - 1.0) thr = nextafterf(thr, -INFINITY);
-        int64_t k = j->kern->compact_gt(zg, L, thr, (double)M[g], 0, idx, y);
-        memcpy(y2, y, sizeof(double) * (size_t)k);
-        double ty = ekv_tau_candidates(y2, k, j->alpha), wsum = 0;
+        int64_t k;
+        double ty, wsum = 0;
+        const int given = j->list->tau_mode != EKV_TAU_EXACT && j->list->tau;
+        if (given) {
+            /* fixed / corrected (SPEC 3.10): the selector's tau, then unbounded Halley steps on
+             * the listed tokens; weights are not renormalised */
+            double tau = j->list->tau[b * j->H + h];
+            const double beta = 1.0 / j->a;
+            for (int it = 0; j->list->tau_mode == EKV_TAU_CORRECTED && it < j->list->correction_iters; it++) {
+                double S0 = 0, S1 = 0, S2 = 0;
+                for (int64_t c = 0; c < L; c++) {
+                    double d = (double)zg[c] - tau;
+                    if (d <= 0) continue;
+                    double pb = j->alpha == 2.0 ? d : j->alpha == 1.5 ? d * d : pow(d, beta);
+                    S0 += pb;
+                    S1 += pb / d;
+                    S2 += pb / (d * d);
+                }
+                double F = S0 - 1, F1 = -beta * S1, F2 = beta * (beta - 1) * S2, den = 2 * F1 * F1 - F * F2, nt = tau;
+                if (fabs(den) > 1e-12) nt = tau - 2 * F * F1 / den;
+                else if (fabs(F1) > 1e-12) nt = tau - F / F1;
+                if (!isfinite(nt) || fabs(nt) >= 1e20) nt = tau;
+                tau = nt;
+            }
+            ty = tau - (double)M[g];
+            k = 0;
+            for (int64_t c = 0; c < L; c++) {
+                double yc = (double)zg[c] - (double)M[g];
+                if (yc > ty) { idx[k] = c; y[k] = yc; k++; }
+            }
+        } else {
+            float thr = M[g] - 1.0f;
+            if ((double)thr > (double)M[g] - 1.0) thr = nextafterf(thr, -INFINITY);
+            k = j->kern->compact_gt(zg, L, thr, (double)M[g], 0, idx, y);
+            memcpy(y2, y, sizeof(double) * (size_t)k);
+            ty = ekv_tau_candidates(y2, k, j->alpha);
+        }
         int64_t sup = 0;
         for (int64_t i = 0; i < k; i++) {
             double d = y[i] - ty;
@@ -124,13 +156,14 @@ static void attend_list(void *vp, int64_t task, int worker) {
                 sup++;
             }
         }
+        const double norm = given ? 1.0 : wsum; /* fixed/corrected: no renormalisation */
         if (j->probs) {
             float *pr = j->probs + (b * j->H + h) * j->pstride;
             memset(pr, 0, sizeof(float) * (size_t)N);
-            for (int64_t i = 0; i < sup; i++) pr[idx[i]] = (float)(y[i] / wsum);
+            for (int64_t i = 0; i < sup; i++) pr[idx[i]] = (float)(y[i] / norm);
         } else {
             for (int64_t i = 0; i < sup; i++) {
-                float w = (float)(y[i] / wsum);
+                float w = (float)(y[i] / norm);
                 j->kern->accum(v_row(j, b, kvh, idx[i]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
                 if (!mark[idx[i]]) { mark[idx[i]] = 1; uni[rows++] = idx[i]; }
             }
@@ -274,7 +307,7 @@ ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const
             for (int64_t pg = 0; pg < tab->indptr[b + 1] - tab->indptr[b]; pg++) pages[w++] = (int32_t)pg;
             indptr[b * H + h + 1] = w;
         }
-    ekv_page_list list = {(int32_t)H, indptr, pages, w, 0};
+    ekv_page_list list = {.heads = (int32_t)H, .indptr = indptr, .pages = pages, .capacity = w};
     st = run_lists(ctx, prm, kv, tab, &list, q, NULL, NULL, p, stride, tau);
     free(indptr);
     free(pages);

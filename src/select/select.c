@@ -11,6 +11,7 @@
  */
 #include "../core/internal.h"
 #include "../cpu/bound.h"
+#include "gaussian_select.h"
 #include <stdlib.h>
 
 ekv_select_params ekv_select_default_params(void) {
@@ -18,6 +19,15 @@ ekv_select_params ekv_select_default_params(void) {
     p.method = EKV_SELECT_TOPK;
     p.budget_tokens = 2048;
     p.per_query_head = 0;
+    p.margin_z = 0.0;
+    p.max_quantile = 0.995;
+    p.auto_margin = 0;
+    p.reference_m3 = 0;
+    p.excess_fraction = 0.2;
+    p.clamp_tau = 1;
+    p.clamp_quantile = 0.5;
+    p.tau_mode = EKV_TAU_EXACT;
+    p.correction_iters = -1;
     return p;
 }
 
@@ -102,9 +112,10 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
     if (s) return s;
     if (!st->kmin || !st->kmax) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmin/kmax is NULL");
     if (!list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
-    if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK && sel->method != EKV_SELECT_ORACLE)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "select method %d is not dense (0), topk (1) or oracle (2)",
-                        (int)sel->method);
+    if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK && sel->method != EKV_SELECT_ORACLE &&
+        sel->method != EKV_SELECT_GAUSSIAN)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "select method %d is not dense (0), topk (1), oracle (2) or gaussian (3)", (int)sel->method);
     const int64_t B = t->batch, H = prm->num_heads, Hk = kv->num_kv_heads, G = H / Hk, ps = kv->page_size;
     const int64_t heads = sel->per_query_head ? H : Hk;
     int64_t maxP = 0;
@@ -121,6 +132,15 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld (ekv_page_list_capacity)",
                         (long long)list->capacity, (long long)cap);
     int64_t w = 0, bytes_summary = 0;
+    list->tau_mode = EKV_TAU_EXACT;
+    list->correction_iters = 0;
+    if (sel->method == EKV_SELECT_GAUSSIAN) {
+        s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
+        if (s) return s;
+        list->heads = (int32_t)heads;
+        ekv_clear_error(ctx);
+        return EKV_OK;
+    }
     list->indptr[0] = 0;
     if (sel->method == EKV_SELECT_DENSE) {
         for (int64_t b = 0; b < B; b++)

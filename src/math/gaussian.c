@@ -1,0 +1,137 @@
+/*
+ * The Gaussian model of the scores (SPEC 4.6-4.8): truncated moments of a normal variable,
+ * the single-Gaussian and mixture solvers for the threshold estimate tau-hat, and the
+ * inverse normal CDF used by the page rule. All in double precision.
+ *
+ * With Y = a*S - tau ~ N(mu_Y, sigma_Y^2) and t = mu_Y / sigma_Y, the moments
+ * m_k = E[Y_+^k] are
+ *   m0 = Phi(t), m1 = mu Phi + s phi, m2 = (mu^2 + s^2) Phi + mu s phi,
+ *   m3 = (mu^3 + 3 mu s^2) Phi + (mu^2 s + 2 s^3) phi           (correct),
+ *   m3_ref = (mu^3 + 3 mu s^2) Phi + (s^3 + 2 mu^2 s) phi       (the reference's, SPEC 6.1-1),
+ * and F(tau) = w * E[(aS - tau)_+^beta] - 1 with beta = 1/(alpha-1) in {1, 2, 3}.
+ */
+#include "../core/internal.h"
+#include "gaussian.h"
+
+static double phi_pdf(double t) { return 0.3989422804014327 * exp(-0.5 * t * t); }
+static double phi_cdf(double t) { return 0.5 * erfc(-t * 0.7071067811865476); }
+
+double ekv_normal_quantile(double p) {
+    if (!(p > 0 && p < 1)) return p == 0 ? -INFINITY : p == 1 ? INFINITY : NAN;
+    /* Acklam's rational approximation (|rel err| < 1.2e-9), then two Newton steps on erfc */
+    static const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+                               1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00};
+    static const double b[] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                               6.680131188771972e+01, -1.328068155288572e+01};
+    static const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                               -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00};
+    static const double d[] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                               3.754408661907416e+00};
+    double x;
+    if (p < 0.02425) {
+        double q = sqrt(-2 * log(p));
+        x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+    } else if (p <= 1 - 0.02425) {
+        double q = p - 0.5, r = q * q;
+        x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+            (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
+    } else {
+        double q = sqrt(-2 * log(1 - p));
+        x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+    }
+    for (int i = 0; i < 2; i++) x -= (phi_cdf(x) - p) / phi_pdf(x);
+    return x;
+}
+
+int ekv_gauss_supported(double alpha) { return alpha == 2.0 || alpha == 1.5 || alpha == 4.0 / 3.0; }
+
+/* E[(aS - tau)_+^beta] and its first two tau-derivatives for S ~ N(mu, sigma^2). */
+void ekv_gauss_term(double alpha, double mu, double sigma, double tau, int reference_m3, double *f, double *f1,
+                    double *f2) {
+    const double a = alpha - 1.0;
+    const double my = a * mu - tau, sy = fmax(a * sigma, 1e-10), t = my / sy;
+    const double P = phi_cdf(t), p = phi_pdf(t);
+    const double m0 = P, m1 = my * P + sy * p, m2 = (my * my + sy * sy) * P + my * sy * p;
+    if (alpha == 2.0) {
+        *f = m1; *f1 = -m0; *f2 = p / sy;
+    } else if (alpha == 1.5) {
+        *f = m2; *f1 = -2 * m1; *f2 = 2 * m0;
+    } else {
+        double m3 = reference_m3 ? (my * my * my + 3 * my * sy * sy) * P + (sy * sy * sy + 2 * my * my * sy) * p
+                                 : (my * my * my + 3 * my * sy * sy) * P + (my * my * sy + 2 * sy * sy * sy) * p;
+        *f = m3; *f1 = -3 * m2; *f2 = 6 * m1;
+    }
+}
+
+/* One safeguarded Halley/Newton update inside (lo, hi), as SPEC 4.7. */
+static double halley_step(double tau, double F, double F1, double F2, double lo, double hi) {
+    double den = 2 * F1 * F1 - F * F2;
+    double step = fabs(den) > 1e-18 ? 2 * F * F1 / den : F / fmin(F1, -1e-12);
+    double cand = tau - step;
+    if (!(cand > lo && cand < hi) || !isfinite(cand) || fabs(cand) >= 1e20) cand = 0.5 * (lo + hi);
+    return cand;
+}
+
+double ekv_gauss_tau_single(double alpha, double mu, double sigma, double n, int reference_m3) {
+    const double a = alpha - 1.0, s = fmax(sigma, 1e-6), tol = 1e-13; /* converged, not the reference 1e-6 */
+    const double R = a * s * (sqrt(2 * log(n + 1)) + 8);
+    double lo = a * mu - R, hi = a * mu + R, tau = 0.5 * (lo + hi);
+    for (int it = 0; it < 120; it++) {
+        double f, f1, f2;
+        ekv_gauss_term(alpha, mu, s, tau, reference_m3, &f, &f1, &f2);
+        double F = n * f - 1, F1 = n * f1, F2 = n * f2;
+        double cand = halley_step(tau, F, F1, F2, lo, hi);
+        ekv_gauss_term(alpha, mu, s, cand, reference_m3, &f, &f1, &f2);
+        double Fc = n * f - 1;
+        if (Fc > 0) lo = cand; else hi = cand;
+        tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
+        if (hi - lo < 1e-13 * (1 + fabs(tau))) break; /* converged to double precision */
+    }
+    return tau;
+}
+
+static double mixture_F(double alpha, const double *mu, const double *sigma, const double *w, int64_t n, double tau,
+                        int reference_m3, double *F1, double *F2) {
+    double F = -1, d1 = 0, d2 = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double f, f1, f2;
+        ekv_gauss_term(alpha, mu[i], fmax(sigma[i], 1e-6), tau, reference_m3, &f, &f1, &f2);
+        F += w[i] * f;
+        d1 += w[i] * f1;
+        d2 += w[i] * f2;
+    }
+    if (F1) *F1 = d1;
+    if (F2) *F2 = d2;
+    return F;
+}
+
+double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma, const double *w, int64_t n,
+                             int reference_m3) {
+    const double a = alpha - 1.0, tol = 1e-13;
+    double W = 0, ymax = -INFINITY, smax = 1e-6;
+    for (int64_t i = 0; i < n; i++) {
+        if (w[i] > 0) W += w[i];
+        ymax = fmax(ymax, a * mu[i]);
+        smax = fmax(smax, a * fmax(sigma[i], 1e-6));
+    }
+    if (!(W > 0)) return 0.0;
+    W = fmax(W, 1);
+    double R = smax * (sqrt(2 * log(W + 1)) + 8), lo = ymax - R, hi = ymax + R;
+    for (int e = 0; e < 8; e++) { /* bracket expansion */
+        if (mixture_F(alpha, mu, sigma, w, n, lo, reference_m3, NULL, NULL) <= 0) lo -= R;
+        if (mixture_F(alpha, mu, sigma, w, n, hi, reference_m3, NULL, NULL) > 0) hi += R;
+        R *= 2;
+    }
+    double tau = 0.5 * (lo + hi);
+    for (int it = 0; it < 200; it++) {
+        double F1, F2, F = mixture_F(alpha, mu, sigma, w, n, tau, reference_m3, &F1, &F2);
+        double cand = halley_step(tau, F, F1, F2, lo, hi);
+        double Fc = mixture_F(alpha, mu, sigma, w, n, cand, reference_m3, NULL, NULL);
+        if (Fc > 0) lo = cand; else hi = cand;
+        tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
+        if (hi - lo < 1e-13 * (1 + fabs(tau))) break;
+    }
+    return tau;
+}

@@ -1,0 +1,225 @@
+/*
+ * The Gaussian-aware selector (SPEC 4.1-4.12), paper-faithful except where SPEC 6 marks a
+ * bug: the user's margin and quantile take effect unless auto_margin asks for the rule of
+ * 4.5 (6.1-2), the alpha = 4/3 moment is the correct one unless reference_m3 (6.1-1), GQA
+ * works (6.1-3: one list per KV head is the union of its query heads' pages), and a single
+ * page (P = 1) is simply the last page (6.1-5).
+ *
+ * Per sequence b and query head h, with the pages p < Ps (the last page excluded when
+ * P > 1) and q' = scale * q:
+ *   mu_p = <q', kmean_p>, sigma_p^2 = sum_d q'_d^2 kstd_pd^2, the global moments mu_g,
+ *   sigma_g of the equal-weight mixture, tau-hat from the single Gaussian (no ALiBi) or the
+ *   mixture of page Gaussians with ALiBi-shifted means, then the page rule
+ *   a (mu_p + z_page sigma_p) > tau_floor and, for the fixed/corrected modes, the clamp.
+ */
+#include "../core/internal.h"
+#include "../math/gaussian.h"
+#include "gaussian_select.h"
+#include <stdlib.h>
+
+typedef struct {
+    const ekv_decode_params *prm;
+    const ekv_select_params *sel;
+    const ekv_paged_kv *kv;
+    const ekv_page_stats *st;
+    const ekv_page_table *t;
+    const float *q;
+    int64_t B, H, G, D, ps, pstride;
+    double a, scale;
+    double *mu, *sig;    /* [B*H][pstride] page moments (mu ALiBi-shifted later) */
+    double *mug, *sigg;  /* [B*H] global moments */
+    double margin_z, q_max;
+    int32_t *sel_pages;  /* [B*heads][pstride] selected stats pages per list, ascending */
+    int64_t *sel_count;  /* [B*heads] */
+    int64_t heads;
+    double *w_buf;       /* per worker [pstride] mixture weights */
+    double *tau_out;     /* [B*H] tau-hat (clamped in the fixed/corrected modes), or NULL */
+} gauss_job;
+
+static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
+
+/* Pass 1, task (b, h): page moments and the global moments of the mixture. */
+static void moments_task(void *vp, int64_t task, int worker) {
+    (void)worker;
+    gauss_job *j = vp;
+    const int64_t b = task / j->H, h = task % j->H, kvh = h / j->G, D = j->D;
+    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P);
+    const float *qh = j->q + (b * j->H + h) * D;
+    double *mu = j->mu + task * j->pstride, *sg = j->sig + task * j->pstride;
+    double s_mu = 0, s_var = 0, s_mu2 = 0;
+    for (int64_t p = 0; p < Ps; p++) {
+        const int32_t page = j->t->indices[j->t->indptr[b] + p];
+        const int64_t off = ((int64_t)page * j->kv->num_kv_heads + kvh) * D;
+        const float *mean = j->st->kmean + off, *m2 = j->st->km2 + off;
+        const int32_t cnt = j->st->count[page];
+        const double inv = cnt > 0 ? 1.0 / cnt : 0.0;
+        double m = 0, v = 0;
+        for (int64_t d = 0; d < D; d++) {
+            double qd = j->scale * qh[d];
+            double sd = sqrt(fmax((double)m2[d] * inv, 0.0));
+            if (sd < 1e-6) sd = 1e-6; /* population std clamped at 1e-6, SPEC 1.2 */
+            m += qd * mean[d];
+            v += qd * qd * sd * sd;
+        }
+        mu[p] = m;
+        sg[p] = sqrt(v);
+        s_mu += m;
+        s_var += v;
+        s_mu2 += m * m;
+    }
+    double mug = s_mu / (double)Ps, vin = s_var / (double)Ps, vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
+    double sgg = fmax(sqrt(vin + vbtw), 1e-6);
+    if (!isfinite(mug)) mug = 0;
+    if (sgg != sgg) sgg = 1e-6;
+    if (sgg == INFINITY) sgg = 1e6;
+    j->mug[task] = mug;
+    j->sigg[task] = sgg;
+}
+
+/* Pass 2, task (b, list): tau-hat and the page rule for each query head of the list; the
+ * list is the union of its heads' pages. */
+static void rule_task(void *vp, int64_t task, int worker) {
+    gauss_job *j = vp;
+    const int64_t b = task / j->heads, l = task % j->heads;
+    const int64_t h0 = j->sel->per_query_head ? l : l * j->G, hn = j->sel->per_query_head ? 1 : j->G;
+    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P), ps = j->ps;
+    const int64_t N = (P - 1) * ps + j->t->last_page_len[b], n = P > 1 ? Ps * ps : N;
+    const double zpage = ekv_normal_quantile(pow(j->q_max, 1.0 / (double)ps));
+    const double zc = ekv_normal_quantile(pow(j->sel->clamp_quantile, 1.0 / (double)ps));
+    int32_t *out = j->sel_pages + task * j->pstride;
+    double *w = j->w_buf + worker * j->pstride;
+    int64_t cnt = 0;
+    /* out[] first holds a flag per stats page (the union over the list's heads) */
+    for (int64_t p = 0; p < Ps; p++) out[p] = 0;
+    for (int64_t h = h0; h < h0 + hn; h++) {
+        const int64_t bh = b * j->H + h;
+        double *mu = j->mu + bh * j->pstride;
+        const double *sg = j->sig + bh * j->pstride;
+        const double m_h = j->prm->alibi_slopes ? j->prm->alibi_slopes[h] : 0.0;
+        double tau;
+        if (j->prm->alibi_slopes) { /* ALiBi: shift the page means to their centres (4.4) */
+            for (int64_t p = 0; p < Ps; p++) {
+                double c = (double)(p * ps) + (double)(ps - 1) / 2.0;
+                if (c > (double)(n - 1)) c = (double)(n - 1);
+                mu[p] += m_h * (c - (double)(N - 1));
+                w[p] = (double)ps;
+            }
+            tau = ekv_gauss_tau_mixture(j->prm->alpha, mu, sg, w, Ps, j->sel->reference_m3);
+        } else {
+            tau = ekv_gauss_tau_single(j->prm->alpha, j->mug[bh], j->sigg[bh], (double)n, j->sel->reference_m3);
+        }
+        /* page rule (4.9) */
+        double uavg = 0;
+        for (int64_t p = 0; p < Ps; p++) uavg += mu[p] + 1.5 * sg[p];
+        uavg /= (double)Ps;
+        const double theta = tau / j->a;
+        const double dsig = j->margin_z * j->sigg[bh], dexc = j->sel->excess_fraction * fmax(theta - uavg, 0.0);
+        const double tfloor = tau - j->a * fmax(dsig, dexc);
+        double capmax = -INFINITY;
+        int any = 0;
+        for (int64_t p = 0; p < Ps; p++) {
+            if (P > 1 && j->a * (mu[p] + zpage * sg[p]) > tfloor) {
+                out[p] = 1;
+                any = 1;
+                capmax = fmax(capmax, mu[p] + zc * sg[p] / 3.0);
+            }
+        }
+        /* clamp (4.10) for the fixed/corrected modes */
+        if (j->sel->tau_mode != EKV_TAU_EXACT && j->sel->clamp_tau && any) {
+            double upper = fmax(j->a * capmax - 1e-4, tfloor);
+            tau = fmin(tau, upper);
+        }
+        if (j->tau_out) j->tau_out[bh] = tau;
+    }
+    for (int64_t p = 0; p < Ps; p++)
+        if (out[p]) out[cnt++] = (int32_t)p; /* in place: cnt <= p */
+    if (P > 1 || cnt == 0) out[cnt++] = (int32_t)(P - 1); /* the last page, always */
+    j->sel_count[task] = cnt;
+}
+
+ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                               const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                               const float *q, ekv_page_list *list) {
+    if (!ekv_gauss_supported(prm->alpha))
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "the gaussian selector has closed forms for alpha = 2, 1.5 and 4/3 only (alpha=%.17g)",
+                        prm->alpha);
+    if (!st->kmean || !st->km2 || !st->count)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmean/km2/count is NULL (needed by the gaussian selector)");
+    if (!(sel->max_quantile > 0 && sel->max_quantile < 1) || !(sel->clamp_quantile > 0 && sel->clamp_quantile < 1))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "max_quantile=%g and clamp_quantile=%g must be in (0, 1)",
+                        sel->max_quantile, sel->clamp_quantile);
+    if (!(sel->margin_z >= 0) || !isfinite(sel->margin_z) || !(sel->excess_fraction >= 0) || !isfinite(sel->excess_fraction))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "margin_z=%g and excess_fraction=%g must be finite and >= 0",
+                        sel->margin_z, sel->excess_fraction);
+    if (sel->tau_mode != EKV_TAU_EXACT && sel->tau_mode != EKV_TAU_FIXED && sel->tau_mode != EKV_TAU_CORRECTED)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tau_mode=%d is not exact (0), fixed (1) or corrected (2)",
+                        (int)sel->tau_mode);
+    if (sel->tau_mode != EKV_TAU_EXACT && !list->tau)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->tau must hold batch*num_heads values for the %s mode",
+                        sel->tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
+    if (sel->correction_iters < -1 || sel->correction_iters > 100)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "correction_iters=%d must be -1 (auto) or in [0, 100]",
+                        sel->correction_iters);
+    gauss_job j;
+    memset(&j, 0, sizeof j);
+    j.prm = prm;
+    j.sel = sel;
+    j.kv = kv;
+    j.st = st;
+    j.t = t;
+    j.q = q;
+    j.B = t->batch;
+    j.H = prm->num_heads;
+    j.G = j.H / kv->num_kv_heads;
+    j.D = kv->head_dim;
+    j.ps = kv->page_size;
+    j.a = prm->alpha - 1.0;
+    j.scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.D);
+    j.heads = sel->per_query_head ? j.H : kv->num_kv_heads;
+    int64_t maxP = 1;
+    for (int64_t b = 0; b < j.B; b++) maxP = t->indptr[b + 1] - t->indptr[b] > maxP ? t->indptr[b + 1] - t->indptr[b] : maxP;
+    j.pstride = maxP;
+    const int64_t BH = j.B * j.H, W = ctx->n_threads;
+    int64_t sz[7] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.B * j.heads * maxP * 4, j.B * j.heads * 8, W * maxP * 8};
+    int64_t off[7], total = 0;
+    for (int i = 0; i < 7; i++) {
+        off[i] = total;
+        if (ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
+            return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "gaussian selector workspace overflows");
+    }
+    char *ws = ekv_context_workspace(ctx, (size_t)total);
+    if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for the gaussian selector");
+    j.mu = (double *)(ws + off[0]);
+    j.sig = (double *)(ws + off[1]);
+    j.mug = (double *)(ws + off[2]);
+    j.sigg = (double *)(ws + off[3]);
+    j.sel_pages = (int32_t *)(ws + off[4]);
+    j.sel_count = (int64_t *)(ws + off[5]);
+    j.w_buf = (double *)(ws + off[6]);
+    j.tau_out = list->tau;
+    ekv_pool_run(ctx->pool, BH, moments_task, &j);
+    j.margin_z = sel->margin_z;
+    j.q_max = sel->max_quantile;
+    if (sel->auto_margin) { /* SPEC 4.5: one sigma-bar for the whole batch */
+        double sbar = 0;
+        for (int64_t i = 0; i < BH; i++) sbar += j.sigg[i];
+        sbar /= (double)BH;
+        j.margin_z = sbar < 1.5 ? 0.01 * sbar : 0.05 * sbar;
+        j.q_max = sbar < 1.5 ? 0.99 : 0.995;
+    }
+    ekv_pool_run(ctx->pool, j.B * j.heads, rule_task, &j);
+    int64_t w = 0, bytes = 0;
+    list->indptr[0] = 0;
+    for (int64_t l = 0; l < j.B * j.heads; l++) {
+        memcpy(list->pages + w, j.sel_pages + l * maxP, sizeof(int32_t) * (size_t)j.sel_count[l]);
+        w += j.sel_count[l];
+        list->indptr[l + 1] = w;
+    }
+    for (int64_t b = 0; b < j.B; b++) /* kmean + km2 per (stats page, KV head) */
+        bytes += stats_pages(t->indptr[b + 1] - t->indptr[b]) * kv->num_kv_heads * j.D * 2 * (int64_t)sizeof(float);
+    list->bytes_summary = bytes;
+    list->tau_mode = sel->tau_mode;
+    list->correction_iters = sel->correction_iters >= 0 ? sel->correction_iters : prm->alibi_slopes ? 2 : 1;
+    return EKV_OK;
+}
