@@ -20,8 +20,10 @@
 #define EKV_SOURCE_DIR "."
 #endif
 
-enum { M_SOFTMAX_TOPK, M_ENTMAX_TOPK, M_ORACLE, M_COUNT };
-static const char *method_names[M_COUNT] = {"softmax-topk", "entmax-topk", "oracle"};
+enum { M_SOFTMAX_TOPK, M_ENTMAX_TOPK, M_GAUSSIAN, M_ORACLE, M_COUNT };
+static const char *method_names[M_COUNT] = {"softmax-topk", "entmax-topk", "gaussian", "oracle"};
+/* methods that choose their own number of pages: one row, no budget */
+static int budget_free(int m) { return m == M_GAUSSIAN || m == M_ORACLE; }
 
 static void eval_help(FILE *f) {
     fprintf(f,
@@ -34,8 +36,10 @@ static void eval_help(FILE *f) {
             "  --batch B --heads H --kv-heads HK --dim D --page P --dtype f32|f16|bf16\n"
             "                        shapes (defaults 1, 32, 8, 128, 16, f16)\n"
             "  --alpha A             entmax alpha (default 1.5)\n"
-            "  --methods LIST        comma list of softmax-topk, entmax-topk, oracle\n"
-            "                        (default all three; gaussian and certified: later issues)\n"
+            "  --methods LIST        comma list of softmax-topk, entmax-topk, gaussian, oracle\n"
+            "                        (default all four; certified: a later issue)\n"
+            "  --tau-mode M          gaussian: exact | fixed | corrected (default exact)\n"
+            "  --auto-margin         gaussian: the reference's automatic margin rule (SPEC 4.5)\n"
             "  --budgets LIST        comma list of fractions of the tokens, e.g. 1/64,1/16,1/4\n"
             "                        (default 1/64,1/16,1/4)\n"
             "  --steps N             query sets to average over (default 4)\n"
@@ -48,6 +52,7 @@ static void eval_help(FILE *f) {
 
 typedef struct {
     double delta_sum, delta_max, recall_sum, recall_min, err_sum, err_max, cos_min, kvf_sum;
+    double tau_err_sum, tau_err_absmax; /* gaussian: tau-hat - tau* (z-space) */
     int64_t n;
 } agg;
 
@@ -81,7 +86,8 @@ int cmd_eval(int argc, char **argv) {
     const char *workload = "planted", *json = NULL, *plot = NULL;
     int64_t len = 32768, batch = 1, heads = 32, kv_heads = 8, dim = 128, page = 16, steps = 4, threads = 0, seed = 1;
     double alpha = 1.5, budgets[32] = {1.0 / 64, 1.0 / 16, 1.0 / 4};
-    int nbudgets = 3, use[M_COUNT] = {1, 1, 1};
+    int nbudgets = 3, use[M_COUNT] = {1, 1, 1, 1}, auto_margin = 0;
+    ekv_tau_mode tau_mode = EKV_TAU_EXACT;
     ekv_dtype dtype = EKV_DTYPE_F16;
     wl_kind wk = WL_PLANTED;
     for (int i = 1; i < argc; i++) {
@@ -99,6 +105,14 @@ int cmd_eval(int argc, char **argv) {
         else if (!strcmp(a, "--seed")) seed = need_int(argc, argv, &i, 0, INT64_MAX);
         else if (!strcmp(a, "--json")) json = need(argc, argv, &i);
         else if (!strcmp(a, "--plot")) plot = need(argc, argv, &i);
+        else if (!strcmp(a, "--auto-margin")) auto_margin = 1;
+        else if (!strcmp(a, "--tau-mode")) {
+            const char *v = need(argc, argv, &i);
+            if (!strcmp(v, "exact")) tau_mode = EKV_TAU_EXACT;
+            else if (!strcmp(v, "fixed")) tau_mode = EKV_TAU_FIXED;
+            else if (!strcmp(v, "corrected")) tau_mode = EKV_TAU_CORRECTED;
+            else cli_usage_error("eval", "--tau-mode %s: expected exact, fixed or corrected", v);
+        }
         else if (!strcmp(a, "--dtype")) {
             const char *v = need(argc, argv, &i);
             if (ekv_dtype_from_name(v, &dtype)) cli_usage_error("eval", "--dtype %s: expected f32, f16 or bf16", v);
@@ -116,9 +130,9 @@ int cmd_eval(int argc, char **argv) {
                 int found = 0;
                 for (int m = 0; m < M_COUNT; m++)
                     if (!strcmp(t, method_names[m])) { use[m] = 1; found = 1; }
-                if (!found && (!strcmp(t, "gaussian") || !strcmp(t, "certified")))
+                if (!found && !strcmp(t, "certified"))
                     cli_usage_error("eval", "method '%s' is not implemented yet in this version", t);
-                if (!found) cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, oracle)", t);
+                if (!found) cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, gaussian, oracle)", t);
             }
         } else if (!strcmp(a, "--budgets")) {
             char buf[512];
@@ -177,6 +191,7 @@ int cmd_eval(int argc, char **argv) {
         float *q = malloc(sizeof(float) * (size_t)qn), *o = malloc(sizeof(float) * (size_t)qn);
         float *oref[2] = {malloc(sizeof(float) * (size_t)qn), malloc(sizeof(float) * (size_t)qn)};
         float *pref[2] = {malloc(sizeof(float) * (size_t)(nh * len)), malloc(sizeof(float) * (size_t)(nh * len))};
+        double *tau_star = malloc(sizeof(double) * (size_t)nh), *tau_hat = malloc(sizeof(double) * (size_t)nh);
         int64_t lcap = ekv_page_list_capacity(&tab, (int32_t)kv_heads);
         int64_t *lip = malloc(sizeof(int64_t) * (size_t)(batch * kv_heads + 1));
         int32_t *lpg = malloc(sizeof(int32_t) * (size_t)lcap);
@@ -194,7 +209,8 @@ int cmd_eval(int argc, char **argv) {
         for (int64_t step = 0; step < steps && !rc; step++) {
             wl_queries(&wl, &rng, q, batch);
             for (int s = 0; s < 2; s++) {
-                if ((st = ekv_decode_dense(ctx, &dp[s], &kv, &tab, q, oref[s], NULL)) ||
+                ekv_decode_info di = {s == 1 ? tau_star : NULL, NULL, 0, 0};
+                if ((st = ekv_decode_dense(ctx, &dp[s], &kv, &tab, q, oref[s], &di)) ||
                     (st = ekv_dense_probs(ctx, &dp[s], &kv, &tab, q, len, pref[s], NULL))) {
                     fprintf(stderr, "entmaxkv eval: dense reference: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
                     rc = 1;
@@ -205,12 +221,14 @@ int cmd_eval(int argc, char **argv) {
                 if (!use[m]) continue;
                 const int s = m == M_SOFTMAX_TOPK ? 0 : 1;
                 for (int bi = 0; bi < nbudgets && !rc; bi++) {
-                    if (m == M_ORACLE && bi > 0) break; /* the oracle has no budget: one row */
+                    if (budget_free(m) && bi > 0) break; /* no budget: one row */
                     ekv_select_params sp = ekv_select_default_params();
-                    sp.method = m == M_ORACLE ? EKV_SELECT_ORACLE : EKV_SELECT_TOPK;
+                    sp.method = m == M_ORACLE ? EKV_SELECT_ORACLE : m == M_GAUSSIAN ? EKV_SELECT_GAUSSIAN : EKV_SELECT_TOPK;
+                    sp.tau_mode = tau_mode;
+                    sp.auto_margin = auto_margin;
                     sp.budget_tokens = (int64_t)(budgets[bi] * (double)len);
                     if (sp.budget_tokens < 1) sp.budget_tokens = 1;
-                    ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap};
+                    ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap, .tau = tau_hat};
                     if ((st = ekv_select_pages(ctx, &dp[s], &sp, &kv, &pst, &tab, q, &list)) ||
                         (st = ekv_decode_pages(ctx, &dp[s], &kv, &tab, &list, q, o, NULL))) {
                         fprintf(stderr, "entmaxkv eval: %s: %s: %s\n", method_names[m], ekv_status_string(st),
@@ -246,6 +264,11 @@ int cmd_eval(int argc, char **argv) {
                                 double recall = s == 0 ? (double)kept / (double)N : sup > 0 ? sup_in / sup : 1.0;
                                 double err = sqrt(e2 / (r2 > 0 ? r2 : 1)), cosv = dot / sqrt((o2 > 0 ? o2 : 1) * (r2 > 0 ? r2 : 1));
                                 agg_add(&res[m][bi], dropped, recall, err, cosv, (double)kept / (double)N);
+                                if (m == M_GAUSSIAN) {
+                                    double te = tau_hat[bh] - tau_star[bh];
+                                    res[m][bi].tau_err_sum += te;
+                                    if (fabs(te) > res[m][bi].tau_err_absmax) res[m][bi].tau_err_absmax = fabs(te);
+                                }
                             }
                         }
                     }
@@ -269,14 +292,14 @@ int cmd_eval(int argc, char **argv) {
             int first = 1;
             for (int m = 0; m < M_COUNT; m++) {
                 if (!use[m]) continue;
-                for (int bi = 0; bi < (m == M_ORACLE ? 1 : nbudgets); bi++) {
+                for (int bi = 0; bi < (budget_free(m) ? 1 : nbudgets); bi++) {
                     agg *a = &res[m][bi];
                     double n = (double)a->n;
                     char bud[32];
-                    if (m == M_ORACLE) snprintf(bud, sizeof bud, "null");
+                    if (budget_free(m)) snprintf(bud, sizeof bud, "null");
                     else snprintf(bud, sizeof bud, "%.8g", budgets[bi]);
                     printf("%-13s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n", method_names[m],
-                           m == M_ORACLE ? "-" : bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max, a->recall_sum / n, a->recall_min,
+                           budget_free(m) ? "-" : bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max, a->recall_sum / n, a->recall_min,
                            a->err_sum / n, a->err_max, a->cos_min);
                     if (jf)
                         fprintf(jf,
@@ -284,11 +307,16 @@ int cmd_eval(int argc, char **argv) {
                                 "\"delta_max\":%.8g,\"recall_mean\":%.8g,\"recall_min\":%.8g,\"rel_err_mean\":%.8g,"
                                 "\"rel_err_max\":%.8g,\"cosine_min\":%.8g,\"workload\":\"%s\",\"len\":%lld,\"alpha\":%g,"
                                 "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\",\"steps\":%lld,"
-                                "\"samples\":%lld}",
+                                "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\"}",
                                 first ? "" : ",\n", method_names[m], bud, a->kvf_sum / n, a->delta_sum / n,
                                 a->delta_max, a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
                                 wl_name(wk), (long long)len, alpha, (long long)heads, (long long)kv_heads, (long long)dim,
-                                (long long)page, ekv_dtype_name(dtype), (long long)steps, (long long)a->n);
+                                (long long)page, ekv_dtype_name(dtype), (long long)steps, (long long)a->n,
+                                m == M_GAUSSIAN ? a->tau_err_sum / n : 0.0, m == M_GAUSSIAN ? a->tau_err_absmax : 0.0,
+                                m == M_GAUSSIAN ? (tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected") : "exact");
+                    if (m == M_GAUSSIAN)
+                        printf("%-13s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "", a->tau_err_sum / n,
+                               a->tau_err_absmax, tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
                     first = 0;
                 }
             }
@@ -307,7 +335,7 @@ int cmd_eval(int argc, char **argv) {
             }
         }
         free(indices); free(q); free(o); free(oref[0]); free(oref[1]); free(pref[0]); free(pref[1]);
-        free(lip); free(lpg); free(inlist);
+        free(lip); free(lpg); free(inlist); free(tau_star); free(tau_hat);
     }
 out:
     wl_free(&wl);

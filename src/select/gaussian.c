@@ -34,46 +34,67 @@ typedef struct {
     int64_t heads;
     double *w_buf;       /* per worker [pstride] mixture weights */
     double *tau_out;     /* [B*H] tau-hat (clamped in the fixed/corrected modes), or NULL */
+    float *w_q;          /* per worker [G][D] scaled queries */
 } gauss_job;
 
 static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
 
-/* Pass 1, task (b, h): page moments and the global moments of the mixture. */
+/* Pass 1, task (b, KV head): page moments for the G query heads of the group (each page's
+ * statistics are read once for the group), then the global moments of the mixture per head. */
 static void moments_task(void *vp, int64_t task, int worker) {
-    (void)worker;
     gauss_job *j = vp;
-    const int64_t b = task / j->H, h = task % j->H, kvh = h / j->G, D = j->D;
+    const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->D, G = j->G;
     const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P);
-    const float *qh = j->q + (b * j->H + h) * D;
-    double *mu = j->mu + task * j->pstride, *sg = j->sig + task * j->pstride;
-    double s_mu = 0, s_var = 0, s_mu2 = 0;
+    float *qs = j->w_q + (int64_t)worker * G * D; /* q' = scale * q for the group */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) qs[g * D + d] = (float)(j->scale * j->q[(b * j->H + kvh * G + g) * D + d]);
     for (int64_t p = 0; p < Ps; p++) {
         const int32_t page = j->t->indices[j->t->indptr[b] + p];
         const int64_t off = ((int64_t)page * j->kv->num_kv_heads + kvh) * D;
         const float *mean = j->st->kmean + off, *m2 = j->st->km2 + off;
         const int32_t cnt = j->st->count[page];
-        const double inv = cnt > 0 ? 1.0 / cnt : 0.0;
-        double m = 0, v = 0;
-        for (int64_t d = 0; d < D; d++) {
-            double qd = j->scale * qh[d];
-            double sd = sqrt(fmax((double)m2[d] * inv, 0.0));
-            if (sd < 1e-6) sd = 1e-6; /* population std clamped at 1e-6, SPEC 1.2 */
-            m += qd * mean[d];
-            v += qd * qd * sd * sd;
+        const float finv = cnt > 0 ? 1.0f / (float)cnt : 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            float mf[8] = {0}, vf[8] = {0}; /* fp32 like the reference, 8 lanes so it vectorises */
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8)
+                for (int l = 0; l < 8; l++) {
+                    float var = m2[d + l] * finv;
+                    var = var > 1e-12f ? var : 1e-12f; /* population std clamped at 1e-6, SPEC 1.2 */
+                    mf[l] += qg[d + l] * mean[d + l];
+                    vf[l] += qg[d + l] * qg[d + l] * var;
+                }
+            for (; d < D; d++) {
+                float var = m2[d] * finv;
+                var = var > 1e-12f ? var : 1e-12f;
+                mf[0] += qg[d] * mean[d];
+                vf[0] += qg[d] * qg[d] * var;
+            }
+            double m = 0, v = 0;
+            for (int l = 0; l < 8; l++) { m += mf[l]; v += vf[l]; }
+            const int64_t bh = b * j->H + kvh * G + g;
+            j->mu[bh * j->pstride + p] = m;
+            j->sig[bh * j->pstride + p] = sqrt(v);
         }
-        mu[p] = m;
-        sg[p] = sqrt(v);
-        s_mu += m;
-        s_var += v;
-        s_mu2 += m * m;
     }
-    double mug = s_mu / (double)Ps, vin = s_var / (double)Ps, vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
-    double sgg = fmax(sqrt(vin + vbtw), 1e-6);
-    if (!isfinite(mug)) mug = 0;
-    if (sgg != sgg) sgg = 1e-6;
-    if (sgg == INFINITY) sgg = 1e6;
-    j->mug[task] = mug;
-    j->sigg[task] = sgg;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t bh = b * j->H + kvh * G + g;
+        const double *mu = j->mu + bh * j->pstride, *sg = j->sig + bh * j->pstride;
+        double s_mu = 0, s_var = 0, s_mu2 = 0;
+        for (int64_t p = 0; p < Ps; p++) {
+            s_mu += mu[p];
+            s_var += sg[p] * sg[p];
+            s_mu2 += mu[p] * mu[p];
+        }
+        double mug = s_mu / (double)Ps, vin = s_var / (double)Ps, vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
+        double sgg = fmax(sqrt(vin + vbtw), 1e-6);
+        if (!isfinite(mug)) mug = 0;
+        if (sgg != sgg) sgg = 1e-6;
+        if (sgg == INFINITY) sgg = 1e6;
+        j->mug[bh] = mug;
+        j->sigg[bh] = sgg;
+    }
 }
 
 /* Pass 2, task (b, list): tau-hat and the page rule for each query head of the list; the
@@ -181,9 +202,10 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     for (int64_t b = 0; b < j.B; b++) maxP = t->indptr[b + 1] - t->indptr[b] > maxP ? t->indptr[b + 1] - t->indptr[b] : maxP;
     j.pstride = maxP;
     const int64_t BH = j.B * j.H, W = ctx->n_threads;
-    int64_t sz[7] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.B * j.heads * maxP * 4, j.B * j.heads * 8, W * maxP * 8};
-    int64_t off[7], total = 0;
-    for (int i = 0; i < 7; i++) {
+    int64_t sz[8] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.B * j.heads * maxP * 4, j.B * j.heads * 8,
+                     W * maxP * 8, W * j.G * j.D * 4};
+    int64_t off[8], total = 0;
+    for (int i = 0; i < 8; i++) {
         off[i] = total;
         if (ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
             return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "gaussian selector workspace overflows");
@@ -197,8 +219,9 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     j.sel_pages = (int32_t *)(ws + off[4]);
     j.sel_count = (int64_t *)(ws + off[5]);
     j.w_buf = (double *)(ws + off[6]);
+    j.w_q = (float *)(ws + off[7]);
     j.tau_out = list->tau;
-    ekv_pool_run(ctx->pool, BH, moments_task, &j);
+    ekv_pool_run(ctx->pool, j.B * kv->num_kv_heads, moments_task, &j);
     j.margin_z = sel->margin_z;
     j.q_max = sel->max_quantile;
     if (sel->auto_margin) { /* SPEC 4.5: one sigma-bar for the whole batch */
