@@ -361,7 +361,11 @@ for r in rows:
     for k in need:
         assert k in r, "eval row lacks %s: %r" % (k, r)
 by = {(r["method"], r["budget"]): r for r in rows}
-assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "oracle"}, by.keys()
+assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "oracle"}, by.keys()
+g = [r for r in rows if r["method"] == "gaussian"]
+assert len(g) == 1 and g[0]["budget"] is None and "tau_err_mean" in g[0] and g[0]["tau_mode"] == "exact", g
+# exact mode: whatever the gaussian selector lists, decode is exact on it, so no error when nothing is dropped
+assert g[0]["delta_max"] > 0 or g[0]["rel_err_max"] < 1e-5, g
 o = [r for r in rows if r["method"] == "oracle"]
 assert len(o) == 1 and o[0]["delta_max"] == 0 and o[0]["recall_min"] == 1 and o[0]["rel_err_max"] < 1e-5, o
 full = by[("entmax-topk", 1)]
