@@ -98,12 +98,9 @@ static void attend_list(void *vp, int64_t task, int worker) {
                 float *pr = j->probs + (b * j->H + h) * j->pstride;
                 memset(pr, 0, sizeof(float) * (size_t)N);
                 for (int64_t c = 0; c < L; c++) pr[tok[c]] = (float)(zg[c] / s);
-            } else {
-                for (int64_t c = 0; c < L; c++) {
-                    float w = (float)(zg[c] / s);
-                    j->kern->accum(v_row(j, b, kvh, tok[c]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
-                    if (!mark[tok[c]]) { mark[tok[c]] = 1; uni[rows++] = tok[c]; }
-                }
+            } else { /* weights now; V once for the whole group after the loop */
+                const float inv = (float)(1.0 / s);
+                for (int64_t c = 0; c < L; c++) zg[c] *= inv;
             }
             if (j->tau) j->tau[b * j->H + h] = (double)M[g] + log(s);
             if (j->support) j->support[b * j->H + h] = L;
@@ -171,7 +168,20 @@ static void attend_list(void *vp, int64_t task, int worker) {
         if (j->tau) j->tau[b * j->H + h] = (double)M[g] + ty;
         if (j->support) j->support[b * j->H + h] = sup;
     }
-    for (int64_t i = 0; i < rows; i++) mark[uni[i]] = 0;
+    if (j->alpha == 1.0 && !j->probs) {
+        /* softmax reads every listed V row once, page run by page run, for the whole group */
+        const int32_t *pages = j->tab->indices + j->tab->indptr[b];
+        const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
+        int64_t c = 0;
+        for (int64_t r = j->list->indptr[b * j->heads + l]; r < j->list->indptr[b * j->heads + l + 1]; r++) {
+            const int64_t p = j->list->pages[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->ps;
+            j->kern->accum(page_ptr(j->kv, j->kv->v, pages[p], kvh, j->esize), j->kv->stride_token, ntok,
+                           j->kv->dtype, D, z + c, j->nmax, (int)j->Gl, j->out + (b * j->H + h0) * D, D);
+            c += ntok;
+        }
+        rows = L;
+    }
+    for (int64_t i = 0; i < rows && j->alpha != 1.0; i++) mark[uni[i]] = 0;
     j->bytes_k[task] = L * D * j->esize;
     j->bytes_v[task] = rows * D * j->esize;
 }
