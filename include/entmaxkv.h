@@ -346,6 +346,39 @@ EKV_API ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *pa
                                    const ekv_paged_kv *kv, const ekv_page_table *table,
                                    const float *q, int64_t stride, float *p, double *tau);
 
+/* ---------------------------------------------------------------------------------- */
+/* safetensors files (traces, model weights)                                            */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * A strict reader of the safetensors format: an 8-byte little-endian header length, a JSON
+ * header {"name": {"dtype": "F16", "shape": [...], "data_offsets": [begin, end]}, ...,
+ * "__metadata__": {...}}, then the data. Every field is validated (JSON syntax, known dtypes,
+ * shape products against byte ranges, ranges inside the file and not overlapping, unique
+ * names); a bad or truncated file gives EKV_ERR_INVALID_ARGUMENT with a message and never
+ * crashes. The whole file is held in memory.
+ */
+typedef struct ekv_safetensors ekv_safetensors;
+
+typedef struct ekv_tensor_info {
+    const char *name;
+    const char *dtype_name;  /* as in the file: "F32", "F16", "BF16", "I64", ...           */
+    int32_t dtype;           /* the ekv_dtype, or -1 for dtypes the library does not compute */
+    int32_t ndim;            /* 0..8                                                        */
+    int64_t shape[8];
+    int64_t numel;
+    const void *data;        /* little-endian elements, valid until ekv_safetensors_free    */
+    int64_t nbytes;
+} ekv_tensor_info;
+
+EKV_API ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetensors **out);
+/* Parses a copy of buf[0..len). */
+EKV_API ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out);
+EKV_API int64_t ekv_safetensors_count(const ekv_safetensors *st);
+EKV_API ekv_status ekv_safetensors_at(const ekv_safetensors *st, int64_t index, ekv_tensor_info *out);
+/* EKV_ERR_INVALID_ARGUMENT if there is no tensor of that name. */
+EKV_API ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name, ekv_tensor_info *out);
+EKV_API void ekv_safetensors_free(ekv_safetensors *st);
+
 #ifdef __cplusplus
 }
 #endif

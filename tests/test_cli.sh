@@ -384,6 +384,30 @@ if [ -n "$PY" ] && $PY -c 'import matplotlib' 2>/dev/null; then
     check "eval --plot should write a PNG (rc=$RC, stderr '$(head -c 300 "$ERR")')" $?
 fi
 
+# trace:FILE workloads (the synthetic trace writer needs only python3's standard library)
+if [ -n "$PY" ]; then
+    TR="$TMP/trace.safetensors"
+    $PY "$(dirname "$0")/../bench/make_trace.py" "$TR" 600 3 4 2 32 f16 7
+    J5="$TMP/eval_trace.json"
+    run "" eval --workload "trace:$TR" --steps 3 --threads 1 --budgets 1/8,1 --json "$J5"
+    check "eval on a trace should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+    $PY - "$J5" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+assert all(r["workload"] == "trace" and r["len"] == 600 and r["heads"] == 4 and r["kv_heads"] == 2 and r["dim"] == 32 for r in rows), rows
+full = [r for r in rows if r["method"] == "entmax-topk" and r["budget"] == 1][0]
+assert full["delta_max"] == 0 and full["rel_err_max"] < 1e-5, full
+EOF
+    check "eval trace JSON: shapes from the trace, exact at a full budget" $?
+    run "" bench --workload "trace:$TR" --method topk --budget 1/4 --iters 2 --warmup 1 --threads 1 --json "$TMP/bt.json"
+    check "bench on a trace should exit 0 (rc=$RC)" $([ "$RC" -eq 0 ]; echo $?)
+    check_bench_json "$TMP/bt.json" 1 '{"method":"topk","len":[600],"heads":4,"kv_heads":2,"dim":32}'
+    head -c 100 "$TR" > "$TMP/bad.safetensors"
+    run "" eval --workload "trace:$TMP/bad.safetensors" --steps 1
+    [ "$RC" -eq 1 ] && grep -q safetensors "$ERR"
+    check "eval on a truncated trace should exit 1 naming the problem (rc=$RC, '$(head -c 200 "$ERR")')" $?
+fi
+
 # an unwritable JSON path is a runtime failure
 run "" bench --len 64 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1 --json "$TMP/no/such/dir/x.json"
 [ "$RC" -eq 1 ] && [ -s "$ERR" ]

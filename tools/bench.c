@@ -30,7 +30,8 @@ static void bench_help(FILE *f) {
             "                        exact tau mode) + attention over the pages (default dense)\n"
             "  --budget F            top-k: fraction of the tokens to read (default 1/16)\n"
             "  --budget-tokens T     top-k: token budget (overrides --budget)\n"
-            "  --workload W          random | planted | heavy | alibi (default random)\n"
+            "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
+            "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --iters N             timed steps (default 30; median reported)\n"
             "  --warmup N            untimed steps first (default 3)\n"
@@ -133,10 +134,11 @@ static void parse(int argc, char **argv, bench_opts *o) {
             cli_usage_error("bench", "--method %s is not implemented yet in this version (dense, topk, gaussian)", o->method);
         cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified", o->method);
     }
-    if (wl_parse(o->workload, &o->wl)) {
-        if (!strncmp(o->workload, "trace:", 6))
-            cli_usage_error("bench", "--workload %s: traces are not implemented yet in this version", o->workload);
-        cli_usage_error("bench", "--workload %s: expected random|planted|heavy|alibi", o->workload);
+    if (!strncmp(o->workload, "trace:", 6)) {
+        o->wl = WL_TRACE;
+        if (o->batch != 1) cli_usage_error("bench", "traces hold one sequence: --batch must be 1");
+    } else if (wl_parse(o->workload, &o->wl)) {
+        cli_usage_error("bench", "--workload %s: expected random|planted|heavy|alibi|trace:FILE", o->workload);
     }
     if (o->heads % o->kv_heads)
         cli_usage_error("bench", "--heads %lld is not a multiple of --kv-heads %lld", (long long)o->heads, (long long)o->kv_heads);
@@ -160,6 +162,20 @@ int cmd_bench(int argc, char **argv) {
         return CLI_USAGE;
     }
     if (st) { fprintf(stderr, "entmaxkv bench: cannot create a context: %s\n", ekv_status_string(st)); return 1; }
+    wl_state trace_wl; /* a trace is opened once: it fixes the shapes and the length */
+    memset(&trace_wl, 0, sizeof trace_wl);
+    if (o.wl == WL_TRACE) {
+        char err[512];
+        if (wl_trace_open(&trace_wl, ctx, o.workload + 6, err, sizeof err)) {
+            fprintf(stderr, "entmaxkv bench: %s\n", err);
+            wl_free(&trace_wl);
+            ekv_context_free(ctx);
+            return 1;
+        }
+        o.heads = trace_wl.heads; o.kv_heads = trace_wl.kv_heads; o.dim = trace_wl.dim;
+        o.lens[0] = trace_wl.trace_len;
+        o.nlens = 1;
+    }
     const int threads = ekv_context_threads(ctx);
     FILE *jf = NULL;
     if (o.json) {
@@ -190,7 +206,11 @@ int cmd_bench(int argc, char **argv) {
         cli_rng rng;
         cli_rng_seed(&rng, (uint64_t)o.seed * 7919 + (uint64_t)len);
         wl_state wl;
-        if (wl_init(&wl, o.wl, o.heads, o.kv_heads, o.dim, (uint64_t)o.seed)) { rc = 1; wl_free(&wl); goto next; }
+        if (o.wl == WL_TRACE) {
+            wl = trace_wl;
+            trace_wl.trace = NULL; /* ownership moves to wl (freed with it) */
+            trace_wl.slopes = NULL;
+        } else if (wl_init(&wl, o.wl, o.heads, o.kv_heads, o.dim, (uint64_t)o.seed)) { rc = 1; wl_free(&wl); goto next; }
         if (wl_fill(ctx, cache, seqs, o.batch, len, &wl, &rng, "bench")) { rc = 1; wl_free(&wl); goto next; }
         {
             ekv_paged_kv kv;
@@ -302,6 +322,7 @@ int cmd_bench(int argc, char **argv) {
         ekv_cache_free(cache);
     }
     if (jf) { fprintf(jf, "\n]\n"); fclose(jf); }
+    wl_free(&trace_wl);
     ekv_context_free(ctx);
     return rc;
 }

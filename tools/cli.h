@@ -30,14 +30,22 @@ void cli_fill_normal(cli_rng *r, float *x, int64_t n);
 double cli_read_bandwidth_probe(int threads, int64_t bytes);
 
 /* Synthetic workloads (tools/workload.c). */
-typedef enum { WL_RANDOM = 0, WL_PLANTED = 1, WL_HEAVY = 2, WL_ALIBI = 3 } wl_kind;
+typedef enum { WL_RANDOM = 0, WL_PLANTED = 1, WL_HEAVY = 2, WL_ALIBI = 3, WL_TRACE = 4 } wl_kind;
 typedef struct {
     wl_kind kind;
     int64_t heads, kv_heads, dim;
     float *dirs;     /* [kv_heads][dim] unit directions (planted, alibi) */
-    float *slopes;   /* [heads] NAPE slopes (alibi) */
+    float *slopes;   /* [heads] NAPE slopes (alibi), or the trace's alibi_slopes */
     int32_t *outlier;/* [kv_heads][4] outlier channels (heavy) */
+    /* trace:FILE */
+    ekv_safetensors *trace;
+    ekv_tensor_info tq, tk, tv;
+    int64_t trace_len, trace_steps, next_step;
+    int has_slopes;
 } wl_state;
+/* Opens trace:FILE[@prefix] (see tools/workload.c for the layout) into w, setting its shapes.
+ * Returns 0, or -1 with a message in err. */
+int wl_trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, size_t errlen);
 int wl_parse(const char *name, wl_kind *out);
 const char *wl_name(wl_kind k);
 int wl_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed);
@@ -47,7 +55,7 @@ const float *wl_slopes(const wl_state *w);
 int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
             cli_rng *r, const char *who);
 /* Queries [batch][heads][dim] of the workload. */
-void wl_queries(const wl_state *w, cli_rng *r, float *q, int64_t batch);
+void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch);
 
 int cmd_bench(int argc, char **argv);
 int cmd_eval(int argc, char **argv);

@@ -31,7 +31,9 @@ static void eval_help(FILE *f) {
             "\n"
             "Quality of sparse decoding against dense attention at matched KV budgets.\n"
             "\n"
-            "  --workload W          random | planted | heavy | alibi (default planted)\n"
+            "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
+            "                        (default planted; a trace sets the shapes and the length,\n"
+            "                        layout in tools/workload.c)\n"
             "  --len N               tokens (default 32768)\n"
             "  --batch B --heads H --kv-heads HK --dim D --page P --dtype f32|f16|bf16\n"
             "                        shapes (defaults 1, 32, 8, 128, 16, f16)\n"
@@ -149,31 +151,43 @@ int cmd_eval(int argc, char **argv) {
             if (!nbudgets) cli_usage_error("eval", "--budgets is empty");
         } else cli_usage_error("eval", "unknown option '%s'", a);
     }
-    if (wl_parse(workload, &wk)) {
-        if (!strncmp(workload, "trace:", 6))
-            cli_usage_error("eval", "--workload %s: traces are not implemented yet in this version", workload);
-        cli_usage_error("eval", "--workload %s: expected random|planted|heavy|alibi", workload);
-    }
+    const int is_trace = !strncmp(workload, "trace:", 6);
+    if (!is_trace && wl_parse(workload, &wk))
+        cli_usage_error("eval", "--workload %s: expected random|planted|heavy|alibi|trace:FILE", workload);
     if (heads % kv_heads) cli_usage_error("eval", "--heads %lld is not a multiple of --kv-heads %lld", (long long)heads, (long long)kv_heads);
 
     ekv_context_params cp = ekv_context_default_params();
     cp.n_threads = (int32_t)threads;
     ekv_context *ctx;
     if (ekv_context_create(&cp, &ctx)) { fprintf(stderr, "entmaxkv eval: cannot create a context\n"); return 1; }
+    wl_state wl;
+    memset(&wl, 0, sizeof wl);
+    if (is_trace) { /* the trace fixes the shapes */
+        char err[512];
+        if (wl_trace_open(&wl, ctx, workload + 6, err, sizeof err)) {
+            fprintf(stderr, "entmaxkv eval: %s\n", err);
+            wl_free(&wl);
+            ekv_context_free(ctx);
+            return 1;
+        }
+        if (batch != 1) cli_usage_error("eval", "traces hold one sequence: --batch must be 1");
+        wk = WL_TRACE;
+        heads = wl.heads; kv_heads = wl.kv_heads; dim = wl.dim; len = wl.trace_len;
+        if (len < 2) cli_usage_error("eval", "the trace has fewer than 2 tokens");
+    }
     ekv_cache_params pp = ekv_cache_default_params();
     pp.page_size = (int32_t)page; pp.num_kv_heads = (int32_t)kv_heads; pp.head_dim = (int32_t)dim;
     pp.dtype = dtype; pp.max_seqs = (int32_t)batch;
     pp.num_pages = ekv_cache_pages_for(len, batch, pp.page_size);
     ekv_cache *cache;
     ekv_status st = ekv_cache_create(ctx, &pp, &cache);
-    if (st) { fprintf(stderr, "entmaxkv eval: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx)); ekv_context_free(ctx); return 1; }
+    if (st) { fprintf(stderr, "entmaxkv eval: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx)); wl_free(&wl); ekv_context_free(ctx); return 1; }
     int32_t seqs[64];
     for (int64_t b = 0; b < batch; b++) ekv_cache_seq_new(cache, &seqs[b]);
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed * 104729 + (uint64_t)len);
-    wl_state wl;
     int rc = 0;
-    if (wl_init(&wl, wk, heads, kv_heads, dim, (uint64_t)seed) || wl_fill(ctx, cache, seqs, batch, len, &wl, &rng, "eval")) {
+    if ((!is_trace && wl_init(&wl, wk, heads, kv_heads, dim, (uint64_t)seed)) || wl_fill(ctx, cache, seqs, batch, len, &wl, &rng, "eval")) {
         rc = 1;
         goto out;
     }

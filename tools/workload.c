@@ -8,6 +8,10 @@
  *            KV head (x8 scale, +4 offset), the shape of real attention keys;
  *   alibi    the planted data with NAPE slopes (SPEC 1.6): half the query heads ALiBi with
  *            m_h = 2^(-8(h+1)/(H/2)), half without position.
+ *   trace:FILE[@PREFIX]  real attention from a safetensors file holding (names PREFIX + ...)
+ *            k [N, Hk, D] and v [N, Hk, D] (F32, F16 or BF16), q [S, H, D] (S decode queries,
+ *            each attending over all N keys as the newest position) and optionally
+ *            alibi_slopes [H] (F32). Step s of eval/bench uses query row s mod S.
  */
 #include "cli.h"
 #include <math.h>
@@ -15,6 +19,68 @@
 #include <string.h>
 
 enum { PLANTED_PER_HEAD = 16, OUTLIER_CHANNELS = 4 };
+
+static float f16_to_f32(uint16_t h) { /* IEEE half to float (the CLI does not use library internals) */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
+        return sign ? -f : f;
+    }
+    bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+int wl_trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, size_t errlen) {
+    memset(w, 0, sizeof *w);
+    w->kind = WL_TRACE;
+    char path[1024], prefix[256] = "";
+    const char *at = strrchr(spec, '@');
+    size_t plen = at ? (size_t)(at - spec) : strlen(spec);
+    if (plen >= sizeof path || (at && strlen(at + 1) >= sizeof prefix)) { snprintf(err, errlen, "trace path too long"); return -1; }
+    memcpy(path, spec, plen);
+    path[plen] = 0;
+    if (at) strcpy(prefix, at + 1);
+    ekv_status st = ekv_safetensors_open(ctx, path, &w->trace);
+    if (st) { snprintf(err, errlen, "%s", ekv_last_error(ctx)); return -1; }
+    const char *names[3] = {"q", "k", "v"};
+    ekv_tensor_info *ts[3] = {&w->tq, &w->tk, &w->tv};
+    for (int i = 0; i < 3; i++) {
+        char nm[300];
+        snprintf(nm, sizeof nm, "%s%s", prefix, names[i]);
+        if (ekv_safetensors_find(w->trace, nm, ts[i])) { snprintf(err, errlen, "%s: no tensor '%s'", path, nm); return -1; }
+        if (ts[i]->dtype < 0 || ts[i]->ndim != 3) {
+            snprintf(err, errlen, "%s: '%s' must be a 3-d F32/F16/BF16 tensor (it is %s with %d dims)", path, nm,
+                     ts[i]->dtype_name, ts[i]->ndim);
+            return -1;
+        }
+    }
+    if (memcmp(w->tk.shape, w->tv.shape, sizeof w->tk.shape) || w->tk.dtype != w->tv.dtype || w->tq.shape[2] != w->tk.shape[2] ||
+        w->tk.shape[0] < 1 || w->tq.shape[0] < 1 || w->tk.shape[1] < 1 || w->tq.shape[1] % w->tk.shape[1] != 0) {
+        snprintf(err, errlen, "%s: need k, v [N, Hk, D] of one dtype and q [S, H, D] with Hk dividing H", path);
+        return -1;
+    }
+    w->trace_len = w->tk.shape[0];
+    w->kv_heads = w->tk.shape[1];
+    w->dim = w->tk.shape[2];
+    w->trace_steps = w->tq.shape[0];
+    w->heads = w->tq.shape[1];
+    ekv_tensor_info ts_s;
+    char nm[300];
+    snprintf(nm, sizeof nm, "%salibi_slopes", prefix);
+    if (!ekv_safetensors_find(w->trace, nm, &ts_s)) {
+        if (ts_s.dtype != EKV_DTYPE_F32 || ts_s.ndim != 1 || ts_s.shape[0] != w->heads) {
+            snprintf(err, errlen, "%s: '%s' must be F32 [H]", path, nm);
+            return -1;
+        }
+        w->slopes = malloc(sizeof(float) * (size_t)w->heads);
+        if (!w->slopes) { snprintf(err, errlen, "out of memory"); return -1; }
+        memcpy(w->slopes, ts_s.data, sizeof(float) * (size_t)w->heads);
+        w->has_slopes = 1;
+    }
+    return 0;
+}
 
 int wl_parse(const char *name, wl_kind *out) {
     static const char *names[] = {"random", "planted", "heavy", "alibi"};
@@ -24,7 +90,7 @@ int wl_parse(const char *name, wl_kind *out) {
 }
 
 const char *wl_name(wl_kind k) {
-    static const char *names[] = {"random", "planted", "heavy", "alibi"};
+    static const char *names[] = {"random", "planted", "heavy", "alibi", "trace"};
     return names[k];
 }
 
@@ -55,12 +121,15 @@ int wl_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t 
 }
 
 void wl_free(wl_state *w) {
+    ekv_safetensors_free(w->trace);
     free(w->dirs);
     free(w->slopes);
     free(w->outlier);
 }
 
-const float *wl_slopes(const wl_state *w) { return w->kind == WL_ALIBI ? w->slopes : NULL; }
+const float *wl_slopes(const wl_state *w) {
+    return w->kind == WL_ALIBI || (w->kind == WL_TRACE && w->has_slopes) ? w->slopes : NULL;
+}
 
 static double student_t3(cli_rng *r) { /* t with 3 dof, scaled to unit variance */
     double z = cli_rng_normal(r), c = 0;
@@ -86,6 +155,20 @@ static void key_rows(const wl_state *w, cli_rng *r, float *k, int64_t n) {
 
 int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
             cli_rng *r, const char *who) {
+    if (w->kind == WL_TRACE) { /* the trace's keys and values, as stored (the cache converts) */
+        const int64_t row = w->kv_heads * w->dim, es = ekv_dtype_size((ekv_dtype)w->tk.dtype), chunk = 4096;
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t p0 = 0; p0 < len; p0 += chunk) {
+                int64_t n = len - p0 < chunk ? len - p0 : chunk;
+                ekv_status st = ekv_cache_append(cache, seqs[b], n, (const char *)w->tk.data + p0 * row * es,
+                                                 (const char *)w->tv.data + p0 * row * es, (ekv_dtype)w->tk.dtype);
+                if (st) {
+                    fprintf(stderr, "entmaxkv %s: append failed: %s: %s\n", who, ekv_status_string(st), ekv_last_error(ctx));
+                    return 1;
+                }
+            }
+        return 0;
+    }
     const int64_t chunk = 2048, row = w->kv_heads * w->dim, D = w->dim;
     float *k = malloc(sizeof(float) * (size_t)(chunk * row)), *v = malloc(sizeof(float) * (size_t)(chunk * row));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(w->kv_heads * PLANTED_PER_HEAD));
@@ -128,8 +211,30 @@ int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t bat
     return 0;
 }
 
-void wl_queries(const wl_state *w, cli_rng *r, float *q, int64_t batch) {
+void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch) {
     const int64_t D = w->dim, G = w->heads / w->kv_heads;
+    if (w->kind == WL_TRACE) { /* query row s mod S, for every sequence */
+        const int64_t n = w->heads * D, s = w->next_step++ % w->trace_steps;
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t e = s * n + i;
+                switch (w->tq.dtype) {
+                case EKV_DTYPE_F16: {
+                    uint16_t h; memcpy(&h, (const char *)w->tq.data + 2 * e, 2);
+                    q[b * n + i] = f16_to_f32(h);
+                    break;
+                }
+                case EKV_DTYPE_BF16: {
+                    uint16_t h; memcpy(&h, (const char *)w->tq.data + 2 * e, 2);
+                    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4);
+                    q[b * n + i] = f;
+                    break;
+                }
+                default: memcpy(&q[b * n + i], (const char *)w->tq.data + 4 * e, 4);
+                }
+            }
+        return;
+    }
     cli_fill_normal(r, q, batch * w->heads * D);
     if (w->kind == WL_PLANTED || w->kind == WL_ALIBI)
         for (int64_t b = 0; b < batch; b++)

@@ -1,0 +1,401 @@
+/*
+ * safetensors reader (see entmaxkv.h). Untrusted input: every length, offset and nesting
+ * level is checked before it is used; nothing is read outside the buffer.
+ */
+#include "../core/internal.h"
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { MAX_DEPTH = 32, MAX_DIMS = 8 };
+static const int64_t MAX_HEADER = (int64_t)100 << 20;
+
+struct ekv_safetensors {
+    unsigned char *buf; /* the whole file */
+    int64_t len;
+    int64_t ntensors;
+    ekv_tensor_info *t;
+    char *strings; /* names and dtype names, NUL-terminated */
+};
+
+/* ---- a small strict JSON reader over the header ---- */
+typedef struct {
+    const char *s, *end, *start;
+    char err[200];
+} jp;
+
+/* Keeps the first error (the innermost, most precise one). */
+static int jfail(jp *p, const char *msg) {
+    if (!p->err[0]) snprintf(p->err, sizeof p->err, "%s at header byte %lld", msg, (long long)(p->s - p->start));
+    return -1;
+}
+
+static void ws(jp *p) {
+    while (p->s < p->end && (*p->s == ' ' || *p->s == '\t' || *p->s == '\n' || *p->s == '\r')) p->s++;
+}
+
+/* Reads a JSON string into out (capacity cap, NUL-terminated). Decodes escapes, \u to UTF-8. */
+static int jstring(jp *p, char *out, size_t cap, size_t *outlen) {
+    ws(p);
+    if (p->s >= p->end || *p->s != '"') return jfail(p, "expected a string");
+    p->s++;
+    size_t n = 0;
+    while (p->s < p->end && *p->s != '"') {
+        unsigned c = (unsigned char)*p->s++;
+        if (c < 0x20) return jfail(p, "control character in a string");
+        if (c == '\\') {
+            if (p->s >= p->end) return jfail(p, "truncated escape");
+            char e = *p->s++;
+            unsigned cp;
+            switch (e) {
+            case '"': cp = '"'; break;
+            case '\\': cp = '\\'; break;
+            case '/': cp = '/'; break;
+            case 'b': cp = '\b'; break;
+            case 'f': cp = '\f'; break;
+            case 'n': cp = '\n'; break;
+            case 'r': cp = '\r'; break;
+            case 't': cp = '\t'; break;
+            case 'u': {
+                if (p->end - p->s < 4) return jfail(p, "truncated \\u escape");
+                cp = 0;
+                for (int i = 0; i < 4; i++) {
+                    char h = *p->s++;
+                    cp <<= 4;
+                    if (h >= '0' && h <= '9') cp |= (unsigned)(h - '0');
+                    else if (h >= 'a' && h <= 'f') cp |= (unsigned)(h - 'a' + 10);
+                    else if (h >= 'A' && h <= 'F') cp |= (unsigned)(h - 'A' + 10);
+                    else return jfail(p, "bad \\u escape");
+                }
+                break;
+            }
+            default: return jfail(p, "bad escape");
+            }
+            /* encode as UTF-8 (surrogates are kept as-is, 3 bytes: names only need to match) */
+            unsigned char u[3];
+            size_t k = 0;
+            if (cp < 0x80) u[k++] = (unsigned char)cp;
+            else if (cp < 0x800) { u[k++] = (unsigned char)(0xC0 | (cp >> 6)); u[k++] = (unsigned char)(0x80 | (cp & 0x3F)); }
+            else { u[k++] = (unsigned char)(0xE0 | (cp >> 12)); u[k++] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F)); u[k++] = (unsigned char)(0x80 | (cp & 0x3F)); }
+            for (size_t i = 0; i < k; i++) {
+                if (out && n + 1 < cap) out[n] = (char)u[i];
+                n++;
+            }
+        } else {
+            if (out && n + 1 < cap) out[n] = (char)c;
+            n++;
+        }
+    }
+    if (p->s >= p->end) return jfail(p, "unterminated string");
+    p->s++;
+    if (out) {
+        if (n + 1 > cap) return jfail(p, "string too long");
+        out[n] = 0;
+    }
+    if (outlen) *outlen = n;
+    return 0;
+}
+
+/* A non-negative integer that fits int64 (shapes and offsets). */
+static int jint(jp *p, int64_t *v) {
+    ws(p);
+    if (p->s >= p->end || *p->s < '0' || *p->s > '9') return jfail(p, "expected a non-negative integer");
+    int64_t x = 0;
+    if (*p->s == '0' && p->s + 1 < p->end && p->s[1] >= '0' && p->s[1] <= '9') return jfail(p, "leading zero");
+    while (p->s < p->end && *p->s >= '0' && *p->s <= '9') {
+        if (x > (INT64_MAX - 9) / 10) return jfail(p, "integer overflows int64");
+        x = x * 10 + (*p->s++ - '0');
+    }
+    if (p->s < p->end && (*p->s == '.' || *p->s == 'e' || *p->s == 'E')) return jfail(p, "expected an integer");
+    *v = x;
+    return 0;
+}
+
+static int jskip(jp *p, int depth);
+
+static int jexpect(jp *p, char c, const char *what) {
+    ws(p);
+    if (p->s >= p->end || *p->s != c) return jfail(p, what);
+    p->s++;
+    return 0;
+}
+
+/* Skips any JSON value (for __metadata__ and unknown fields). */
+static int jskip(jp *p, int depth) {
+    if (depth > MAX_DEPTH) return jfail(p, "JSON nested too deeply");
+    ws(p);
+    if (p->s >= p->end) return jfail(p, "truncated JSON");
+    char c = *p->s;
+    if (c == '"') return jstring(p, NULL, 0, NULL);
+    if (c == '{' || c == '[') {
+        char close = c == '{' ? '}' : ']';
+        p->s++;
+        ws(p);
+        if (p->s < p->end && *p->s == close) { p->s++; return 0; }
+        for (;;) {
+            if (c == '{') {
+                if (jstring(p, NULL, 0, NULL) || jexpect(p, ':', "expected ':'")) return -1;
+            }
+            if (jskip(p, depth + 1)) return -1;
+            ws(p);
+            if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+            return jexpect(p, close, "expected ',' or a closing bracket");
+        }
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        const char *st = p->s;
+        if (*p->s == '-') p->s++;
+        while (p->s < p->end && ((*p->s >= '0' && *p->s <= '9') || *p->s == '.' || *p->s == 'e' || *p->s == 'E' ||
+                                 *p->s == '+' || *p->s == '-'))
+            p->s++;
+        return p->s > st ? 0 : jfail(p, "bad number");
+    }
+    static const char *lits[] = {"true", "false", "null"};
+    for (int i = 0; i < 3; i++) {
+        size_t n = strlen(lits[i]);
+        if ((size_t)(p->end - p->s) >= n && !memcmp(p->s, lits[i], n)) { p->s += n; return 0; }
+    }
+    return jfail(p, "unexpected character");
+}
+
+static int dtype_info(const char *name, int64_t *size, int32_t *edt) {
+    static const struct { const char *n; int64_t sz; int32_t dt; } t[] = {
+        {"F64", 8, -1}, {"F32", 4, EKV_DTYPE_F32}, {"F16", 2, EKV_DTYPE_F16}, {"BF16", 2, EKV_DTYPE_BF16},
+        {"I64", 8, -1}, {"I32", 4, -1}, {"I16", 2, -1}, {"I8", 1, -1}, {"U64", 8, -1}, {"U32", 4, -1},
+        {"U16", 2, -1}, {"U8", 1, -1}, {"BOOL", 1, -1}, {"F8_E4M3", 1, -1}, {"F8_E5M2", 1, -1}};
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(name, t[i].n)) { *size = t[i].sz; *edt = t[i].dt; return 0; }
+    return -1;
+}
+
+static int cmp_range(const void *a, const void *b) {
+    const ekv_tensor_info *x = *(ekv_tensor_info *const *)a, *y = *(ekv_tensor_info *const *)b;
+    const char *xd = (const char *)x->data, *yd = (const char *)y->data;
+    return (xd > yd) - (xd < yd);
+}
+
+void ekv_safetensors_free(ekv_safetensors *st) {
+    if (!st) return;
+    free(st->buf);
+    free(st->t);
+    free(st->strings);
+    free(st);
+}
+
+/* Parses the header of st->buf; on error returns -1 with a message in p->err. */
+static int parse_header(ekv_safetensors *st, jp *p) {
+    if (st->len < 8) { snprintf(p->err, sizeof p->err, "file of %lld bytes is shorter than the 8-byte header length", (long long)st->len); return -1; }
+    uint64_t hl = 0;
+    for (int i = 7; i >= 0; i--) hl = (hl << 8) | st->buf[i];
+    if (hl < 2 || hl > (uint64_t)MAX_HEADER || (int64_t)hl > st->len - 8) {
+        snprintf(p->err, sizeof p->err, "header length %llu does not fit the file (%lld bytes) or exceeds %lld",
+                 (unsigned long long)hl, (long long)st->len, (long long)MAX_HEADER);
+        return -1;
+    }
+    const int64_t data0 = 8 + (int64_t)hl, datalen = st->len - data0;
+    p->s = p->start = (const char *)st->buf + 8;
+    p->end = p->s + hl;
+    /* first pass: count entries and the string space */
+    size_t cap_t = 16, strcap = 4096, strused = 0;
+    st->t = calloc(cap_t, sizeof *st->t);
+    st->strings = malloc(strcap);
+    if (!st->t || !st->strings) { snprintf(p->err, sizeof p->err, "out of memory"); return -1; }
+    /* names are stored as offsets into strings until the end (realloc may move it) */
+    int64_t *name_off = NULL, *dt_off = NULL;
+    size_t off_cap = 0;
+    if (jexpect(p, '{', "the header is not a JSON object")) return -1;
+    ws(p);
+    int empty = p->s < p->end && *p->s == '}';
+    if (empty) p->s++;
+    while (!empty) {
+        char key[1024];
+        size_t klen;
+        if (jstring(p, key, sizeof key, &klen) || jexpect(p, ':', "expected ':' after a name")) goto fail;
+        if (strlen(key) != klen) { jfail(p, "NUL byte in a tensor name"); goto fail; }
+        if (!strcmp(key, "__metadata__")) {
+            if (jskip(p, 1)) goto fail;
+        } else {
+            if (st->ntensors == INT32_MAX) { jfail(p, "too many tensors"); goto fail; }
+            if ((size_t)st->ntensors == cap_t) {
+                cap_t *= 2;
+                ekv_tensor_info *nt = realloc(st->t, cap_t * sizeof *nt);
+                if (!nt) { jfail(p, "out of memory"); goto fail; }
+                st->t = nt;
+            }
+            if ((size_t)st->ntensors >= off_cap) {
+                off_cap = off_cap ? off_cap * 2 : 16;
+                int64_t *a = realloc(name_off, off_cap * sizeof *a), *b = a ? realloc(dt_off, off_cap * sizeof *b) : NULL;
+                if (a) name_off = a;
+                if (b) dt_off = b;
+                if (!a || !b) { jfail(p, "out of memory"); goto fail; }
+            }
+            ekv_tensor_info *t = &st->t[st->ntensors];
+            memset(t, 0, sizeof *t);
+            char dtn[32] = "";
+            int have_dt = 0, have_shape = 0, have_off = 0;
+            int64_t b0 = 0, b1 = 0;
+            if (jexpect(p, '{', "a tensor entry must be an object")) goto fail;
+            ws(p);
+            if (p->s < p->end && *p->s == '}') { jfail(p, "empty tensor entry"); goto fail; }
+            for (;;) {
+                char f[32];
+                if (jstring(p, f, sizeof f, NULL) || jexpect(p, ':', "expected ':'")) goto fail;
+                if (!strcmp(f, "dtype")) {
+                    if (have_dt++ || jstring(p, dtn, sizeof dtn, NULL)) { jfail(p, "bad or repeated dtype"); goto fail; }
+                } else if (!strcmp(f, "shape")) {
+                    if (have_shape++ || jexpect(p, '[', "shape must be an array")) { jfail(p, "bad or repeated shape"); goto fail; }
+                    ws(p);
+                    if (p->s < p->end && *p->s == ']') p->s++;
+                    else
+                        for (;;) {
+                            if (t->ndim == MAX_DIMS) { jfail(p, "more than 8 dimensions"); goto fail; }
+                            if (jint(p, &t->shape[t->ndim])) goto fail;
+                            t->ndim++;
+                            ws(p);
+                            if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+                            if (jexpect(p, ']', "expected ',' or ']' in shape")) goto fail;
+                            break;
+                        }
+                } else if (!strcmp(f, "data_offsets")) {
+                    if (have_off++ || jexpect(p, '[', "data_offsets must be an array") || jint(p, &b0) ||
+                        jexpect(p, ',', "data_offsets needs two values") || jint(p, &b1) ||
+                        jexpect(p, ']', "data_offsets needs exactly two values")) {
+                        jfail(p, "bad data_offsets");
+                        goto fail;
+                    }
+                } else if (jskip(p, 2)) goto fail;
+                ws(p);
+                if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+                if (jexpect(p, '}', "expected ',' or '}' in a tensor entry")) goto fail;
+                break;
+            }
+            if (!have_dt || !have_shape || !have_off) {
+                snprintf(p->err, sizeof p->err, "tensor '%.64s' lacks %s", key, !have_dt ? "dtype" : !have_shape ? "shape" : "data_offsets");
+                goto fail;
+            }
+            int64_t esz;
+            if (dtype_info(dtn, &esz, &t->dtype)) {
+                snprintf(p->err, sizeof p->err, "tensor '%.64s' has unknown dtype '%.16s'", key, dtn);
+                goto fail;
+            }
+            int64_t numel = 1;
+            for (int d = 0; d < t->ndim; d++)
+                if (ekv_mul_i64(numel, t->shape[d], &numel)) {
+                    snprintf(p->err, sizeof p->err, "tensor '%.64s': shape overflows", key);
+                    goto fail;
+                }
+            int64_t nbytes;
+            if (ekv_mul_i64(numel, esz, &nbytes) || b1 < b0 || b1 - b0 != nbytes || b1 > datalen) {
+                snprintf(p->err, sizeof p->err, "tensor '%.64s': data_offsets [%lld, %lld] do not match %lld elements of %s in %lld data bytes",
+                         key, (long long)b0, (long long)b1, (long long)numel, dtn, (long long)datalen);
+                goto fail;
+            }
+            t->numel = numel;
+            t->nbytes = nbytes;
+            t->data = st->buf + data0 + b0;
+            size_t need = klen + 1 + strlen(dtn) + 1;
+            if (strused + need > strcap) {
+                while (strused + need > strcap) strcap *= 2;
+                char *ns = realloc(st->strings, strcap);
+                if (!ns) { jfail(p, "out of memory"); goto fail; }
+                st->strings = ns;
+            }
+            name_off[st->ntensors] = (int64_t)strused;
+            memcpy(st->strings + strused, key, klen + 1);
+            strused += klen + 1;
+            dt_off[st->ntensors] = (int64_t)strused;
+            memcpy(st->strings + strused, dtn, strlen(dtn) + 1);
+            strused += strlen(dtn) + 1;
+            st->ntensors++;
+        }
+        ws(p);
+        if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+        if (jexpect(p, '}', "expected ',' or '}' after a header entry")) goto fail;
+        break;
+    }
+    ws(p);
+    if (p->s != p->end) { jfail(p, "trailing bytes after the JSON header"); goto fail; }
+    for (int64_t i = 0; i < st->ntensors; i++) {
+        st->t[i].name = st->strings + name_off[i];
+        st->t[i].dtype_name = st->strings + dt_off[i];
+    }
+    free(name_off);
+    free(dt_off);
+    /* unique names, non-overlapping ranges */
+    if (st->ntensors > 1) {
+        ekv_tensor_info **v = malloc(sizeof *v * (size_t)st->ntensors);
+        if (!v) { snprintf(p->err, sizeof p->err, "out of memory"); return -1; }
+        for (int64_t i = 0; i < st->ntensors; i++) v[i] = &st->t[i];
+        qsort(v, (size_t)st->ntensors, sizeof *v, cmp_range);
+        for (int64_t i = 1; i < st->ntensors; i++)
+            if ((const char *)v[i - 1]->data + v[i - 1]->nbytes > (const char *)v[i]->data) {
+                snprintf(p->err, sizeof p->err, "tensors '%.48s' and '%.48s' overlap", v[i - 1]->name, v[i]->name);
+                free(v);
+                return -1;
+            }
+        free(v);
+        for (int64_t i = 0; i < st->ntensors; i++) /* O(n^2) is fine for headers of a few hundred names */
+            for (int64_t k = i + 1; k < st->ntensors && st->ntensors <= 100000; k++)
+                if (!strcmp(st->t[i].name, st->t[k].name)) {
+                    snprintf(p->err, sizeof p->err, "tensor name '%.64s' appears twice", st->t[i].name);
+                    return -1;
+                }
+    }
+    return 0;
+fail:
+    free(name_off);
+    free(dt_off);
+    if (!p->err[0]) snprintf(p->err, sizeof p->err, "malformed header");
+    return -1;
+}
+
+ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out) {
+    if (!buf || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !buf ? "buf" : "out");
+    if (len < 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "len=%lld must be >= 0", (long long)len);
+    ekv_safetensors *st = calloc(1, sizeof *st);
+    if (!st) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    st->buf = malloc((size_t)(len > 0 ? len : 1));
+    if (!st->buf) { free(st); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold %lld bytes", (long long)len); }
+    memcpy(st->buf, buf, (size_t)len);
+    st->len = len;
+    jp p;
+    memset(&p, 0, sizeof p);
+    if (parse_header(st, &p)) {
+        ekv_safetensors_free(st);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "safetensors: %s", p.err);
+    }
+    *out = st;
+    return EKV_OK;
+}
+
+ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetensors **out) {
+    if (!path || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !path ? "path" : "out");
+    FILE *f = fopen(path, "rb");
+    if (!f) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot open '%s'", path);
+    if (fseek(f, 0, SEEK_END) != 0) { fclose(f); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot seek '%s'", path); }
+    long n = ftell(f);
+    if (n < 0 || fseek(f, 0, SEEK_SET) != 0) { fclose(f); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot size '%s'", path); }
+    unsigned char *b = malloc((size_t)(n > 0 ? n : 1));
+    if (!b) { fclose(f); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold '%s' (%ld bytes)", path, n); }
+    size_t got = fread(b, 1, (size_t)n, f);
+    fclose(f);
+    if ((long)got != n) { free(b); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "short read of '%s'", path); }
+    ekv_status s = ekv_safetensors_parse(ctx, b, n, out); /* copies; simple over fast here */
+    free(b);
+    return s;
+}
+
+int64_t ekv_safetensors_count(const ekv_safetensors *st) { return st ? st->ntensors : 0; }
+
+ekv_status ekv_safetensors_at(const ekv_safetensors *st, int64_t i, ekv_tensor_info *out) {
+    if (!st || !out) return EKV_ERR_NULL_POINTER;
+    if (i < 0 || i >= st->ntensors) return EKV_ERR_INVALID_ARGUMENT;
+    *out = st->t[i];
+    return EKV_OK;
+}
+
+ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name, ekv_tensor_info *out) {
+    if (!st || !name || !out) return EKV_ERR_NULL_POINTER;
+    for (int64_t i = 0; i < st->ntensors; i++)
+        if (!strcmp(st->t[i].name, name)) { *out = st->t[i]; return EKV_OK; }
+    return EKV_ERR_INVALID_ARGUMENT;
+}
