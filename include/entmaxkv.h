@@ -288,6 +288,11 @@ typedef struct ekv_select_params {
     double clamp_quantile;    /* q_c of SPEC 4.10, in (0, 1) (default 0.5)                   */
     ekv_tau_mode tau_mode;    /* how ekv_decode_pages sets tau for this list (default exact) */
     int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (SPEC 4.11)    */
+    /* top-k / certified: rank by min(box, ball) + rounding slack (SPEC 9.5), a bound on the
+     * computed scores, instead of the box alone (default 0 for top-k: paper-faithful) */
+    int32_t use_ball;
+    /* certified round 1 also reads the first sink_pages and the last recent_pages pages */
+    int32_t sink_pages, recent_pages;
 } ekv_select_params;
 
 EKV_API ekv_select_params ekv_select_default_params(void);
@@ -310,6 +315,14 @@ typedef struct ekv_page_list {
     double *tau;
     int32_t tau_mode;       /* ekv_tau_mode, set by ekv_select_pages                  */
     int32_t correction_iters;
+    /* optional output of top-k selection: the certified page bounds (min(box, ball) + slack,
+     * z-space) bounds[(b*num_heads + h)*bounds_stride + p] for p < P_b - 1; asking for them
+     * makes top-k rank by these bounds. bounds_stride >= the most pages of a sequence. */
+    float *bounds;
+    int64_t bounds_stride;
+    /* optional input of ekv_decode_pages: only lists l with active[l] != 0 are attended
+     * (the others' outputs are left untouched) */
+    const uint8_t *active;
 } ekv_page_list;
 
 /* Page numbers needed for `heads` lists per sequence of this table (the dense total). */
@@ -337,6 +350,40 @@ EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *p
                                     const ekv_paged_kv *kv, const ekv_page_table *table,
                                     const ekv_page_list *list, const float *q, float *out,
                                     ekv_decode_info *info);
+
+/*
+ * The certified bound on the dropped mass of a budgeted step (SPEC 9.4): for every query
+ * head, delta_bar = sum over the pages p outside its list of n_p * [U_p - tau]_+^beta, with U
+ * the list's certified bounds (list->bounds) and tau the exact tau of the step (info->tau of
+ * ekv_decode_pages in exact mode). delta <= delta_bar, and delta_bar = 0 proves the step exact.
+ * alpha > 1 only. No memory traffic beyond the bounds already computed.
+ */
+EKV_API ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *params,
+                                   const ekv_paged_kv *kv, const ekv_page_table *table,
+                                   const ekv_page_list *list, const double *tau,
+                                   double *delta_bar);
+
+/* Per-step report of certified decode. Arrays may be NULL; they hold one value per list. */
+typedef struct ekv_certified_info {
+    int32_t *pages_round1;  /* pages read in round 1                                     */
+    int32_t *pages_round2;  /* pages added in round 2 (0 when round 1 was already proven) */
+    int64_t lists_round2;   /* output: how many lists needed round 2                      */
+    int64_t bytes_summary;  /* output: page statistics read by the bound stage            */
+    int32_t certified;      /* output: 1 when every list is proven exact                  */
+} ekv_certified_info;
+
+/*
+ * Certified decode (SPEC 9.3): bound every page (min(box, ball) + slack), read a candidate
+ * set (the top pages by bound within select->budget_tokens, the last page, and the optional
+ * sink/recent pages), solve tau_C exactly, then read every page whose bound still exceeds
+ * tau_C and re-solve. The output equals dense entmax over all tokens (alpha > 1). info as in
+ * ekv_decode_pages (bytes of both rounds).
+ */
+EKV_API ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *params,
+                                        const ekv_select_params *select, const ekv_paged_kv *kv,
+                                        const ekv_page_stats *stats, const ekv_page_table *table,
+                                        const float *q, float *out, ekv_decode_info *info,
+                                        ekv_certified_info *cinfo);
 
 /*
  * Dense reference distribution for evaluation: p[(b*num_heads + h)*stride + j] for every

@@ -76,6 +76,10 @@ static const char *v_row(const pages_job *j, int64_t b, int64_t kvh, int64_t t) 
 
 static void attend_list(void *vp, int64_t task, int worker) {
     pages_job *j = vp;
+    if (j->list->active && !j->list->active[task]) { /* not asked for: leave its outputs */
+        j->bytes_k[task] = j->bytes_v[task] = 0;
+        return;
+    }
     const int64_t b = task / j->heads, l = task % j->heads;
     const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G, D = j->D;
     float *z = j->w_z + worker * j->Gl * j->nmax;
@@ -322,4 +326,42 @@ ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const
     free(indptr);
     free(pages);
     return st;
+}
+
+ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                           const ekv_page_table *tab, const ekv_page_list *list, const double *tau, double *delta_bar) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    if (!prm || !kv || !tab || !list || !tau || !delta_bar)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params, kv, table, list, tau and delta_bar must not be NULL");
+    if (!list->bounds) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->bounds is NULL (ask ekv_select_pages for them)");
+    if (!(prm->alpha > 1.0)) return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "delta_bar needs entmax (alpha > 1)");
+    ekv_status st = validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
+    if (st) return st;
+    const int64_t H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
+    const double beta = 1.0 / (prm->alpha - 1.0);
+    for (int64_t b = 0; b < tab->batch; b++) {
+        const int64_t P = tab->indptr[b + 1] - tab->indptr[b];
+        uint8_t *in = calloc((size_t)P, 1);
+        if (!in) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory");
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t l = list->heads == H ? h : h / G;
+            if (list->heads == H || h % G == 0) {
+                memset(in, 0, (size_t)P);
+                for (int64_t i = list->indptr[b * list->heads + l]; i < list->indptr[b * list->heads + l + 1]; i++)
+                    in[list->pages[i]] = 1;
+            }
+            const float *u = list->bounds + (b * H + h) * list->bounds_stride;
+            const double t = tau[b * H + h];
+            double s = 0;
+            for (int64_t p = 0; p + 1 < P; p++) {
+                if (in[p]) continue;
+                double d = (double)u[p] - t;
+                if (d > 0) s += (double)ps * (prm->alpha == 2.0 ? d : prm->alpha == 1.5 ? d * d : pow(d, beta));
+            }
+            delta_bar[b * H + h] = s;
+        }
+        free(in);
+    }
+    ekv_clear_error(ctx);
+    return EKV_OK;
 }

@@ -1,7 +1,14 @@
 /*
- * bound stage on the CPU (SPEC 2.3, 9.5 later): the Quest box bound of every page but the
- * last, for every query head, in z-space:
- *   U[b][h][p] = a*scale*sum_d max(q_d kmin_pd, q_d kmax_pd) + a*m_h*(last token of p - (N-1)).
+ * bound stage on the CPU (SPEC 2.3, 9.5): an upper bound of every page's scores but the last,
+ * for every query head, in z-space (q' = a*scale*q, bonus = a*m_h*(last token of p - (N-1))):
+ *   box  = sum_d max(q'_d kmin_pd, q'_d kmax_pd)                      (Quest)
+ *   ball = <q', c_p> + ||q'|| r_p        (c_p = kmean, r_p = the exact radius around it)
+ *   U    = min(box, ball) + bonus + slack      (with the ball; box + bonus without it)
+ * The slack makes U a bound on the *computed* fp32 scores, not just the exact ones: it covers
+ * the rounding of this pass and of the attention kernel's dot products,
+ *   4 (D + 4) 2^-24 ||q'|| (||c_p|| + r_p) >= both errors, since |<q', k>| <= ||q'|| ||k||
+ *   and ||k|| <= ||c_p|| + r_p for every key of the page,
+ * plus the rounding of the ALiBi terms. Certified decode (SPEC 9.3) relies on it.
  * Tasks are (sequence, chunk of pages), and within a page every KV head is bounded in turn, so
  * the page statistics stream in address order; each page summary is read once for the G
  * query heads that share it.
@@ -9,6 +16,7 @@
 #include "../core/internal.h"
 #include "bound.h"
 #include "kernels.h"
+#include <stdlib.h>
 
 enum { BOUND_CHUNK_PAGES = 256 };
 
@@ -19,6 +27,9 @@ typedef struct {
     const ekv_page_stats *st;
     const ekv_page_table *tab;
     const float *qpos, *qneg; /* [B][H][D] */
+    const float *qfull, *zeros; /* [B][H][D] q', [G*D] zeros (ball dot through bound_box) */
+    const double *qnorm;      /* [B][H] ||q'|| rounded up */
+    int with_ball;
     float *u;                 /* [B][H][ustride] */
     int64_t ustride, H, G, D, B;
     double a;
@@ -58,22 +69,49 @@ static void bound_task(void *vp, int64_t task, int worker) {
             const int64_t qo = (b * H + kvh * G) * D;
             float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
             j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, np, D, uo, j->ustride);
-            if (j->prm->alibi_slopes)
-                for (int64_t g = 0; g < G; g++) {
-                    const double am = j->a * j->prm->alibi_slopes[kvh * G + g];
-                    for (int i = 0; i < np; i++) {
-                        const int64_t p = pb + i, last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
-                        uo[g * j->ustride + i] += (float)(am * (double)(last - (N - 1)));
-                    }
+            float ball[8 * 256];
+            double cn[8], rr[8];
+            if (j->with_ball) {
+                const float *mean[STEP];
+                for (int i = 0; i < np; i++) {
+                    const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i];
+                    const int64_t so = (page * Hk + kvh) * D;
+                    mean[i] = j->st->kmean + so;
+                    double s2 = 0;
+                    for (int64_t d = 0; d < D; d++) s2 += (double)mean[i][d] * mean[i][d];
+                    cn[i] = sqrt(s2);
+                    rr[i] = j->st->radius[page * Hk + kvh];
                 }
+                /* <q', c_p> through the box kernel: qpos = q', qneg = 0 */
+                j->kern->bound_box(j->qfull + qo, j->zeros, D, (int)G, mean, mean, np, D, ball, STEP);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const double am = j->prm->alibi_slopes ? j->a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+                const double qn = j->qnorm ? j->qnorm[b * H + kvh * G + g] : 0.0;
+                for (int i = 0; i < np; i++) {
+                    const int64_t p = pb + i, last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
+                    double u = uo[g * j->ustride + i];
+                    if (j->with_ball) {
+                        double ub = (double)ball[g * STEP + i] + qn * rr[i];
+                        u = u < ub ? u : ub;
+                        u += 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * qn * (cn[i] + rr[i]) + 1e-30;
+                        u += 8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+                    }
+                    u += am * (double)(last - (N - 1));
+                    float uf = (float)u;
+                    if (j->with_ball && (double)uf < u) uf = nextafterf(uf, INFINITY); /* keep it a bound */
+                    uo[g * j->ustride + i] = uf;
+                }
+            }
         }
     }
 }
 
 ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
-                               int64_t ustride, float *qsplit, int64_t *task_off) {
+                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball) {
     bound_job j;
+    memset(&j, 0, sizeof j);
     j.kern = ekv_cpu_kernels_for(ctx->isa);
     j.prm = prm;
     j.kv = kv;
@@ -89,14 +127,26 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     if (j.G > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.G);
     const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.D);
     const int64_t nq = j.B * j.H * j.D;
-    float *qp = qsplit, *qn = qsplit + nq;
+    float *qp = qsplit, *qn = qsplit + nq, *qf = qsplit + 2 * nq, *zeros = qsplit + 3 * nq;
+    double *qnorm = (double *)(qsplit + ((3 * nq + j.G * j.D + 1) & ~(int64_t)1)); /* 8-byte aligned */
     for (int64_t i = 0; i < nq; i++) {
         float x = (float)(j.a * scale * q[i]);
         qp[i] = x > 0 ? x : 0.f;
         qn[i] = x < 0 ? x : 0.f;
+        qf[i] = x;
+    }
+    for (int64_t i = 0; i < j.G * j.D; i++) zeros[i] = 0.f;
+    for (int64_t bh = 0; bh < j.B * j.H; bh++) {
+        double s2 = 0;
+        for (int64_t d = 0; d < j.D; d++) s2 += (double)qf[bh * j.D + d] * qf[bh * j.D + d];
+        qnorm[bh] = sqrt(s2) * (1 + 1e-12);
     }
     j.qpos = qp;
     j.qneg = qn;
+    j.qfull = qf;
+    j.zeros = zeros;
+    j.qnorm = qnorm;
+    j.with_ball = with_ball && st->kmean && st->radius;
     task_off[0] = 0;
     for (int64_t b = 0; b < j.B; b++) {
         int64_t P = tab->indptr[b + 1] - tab->indptr[b];

@@ -4,11 +4,16 @@
 #include "../core/internal.h"
 
 /*
- * Box bounds u[(b*H + h)*ustride + p] for pages p in [0, P_b - 1) of every sequence and
- * query head (z-space, ALiBi bonus included). Scratch: qsplit holds 2*B*H*D floats,
- * task_off B+1 int64. Arguments must already be validated.
+ * Page bounds u[(b*H + h)*ustride + p] for pages p in [0, P_b - 1) of every sequence and
+ * query head (z-space, ALiBi bonus included): the box bound, or with with_ball the certified
+ * min(box, ball) + rounding slack (bound.c). Scratch: qsplit holds
+ * ekv_cpu_bound_scratch_floats(B, H, G, D) floats, task_off B+1 int64. Arguments must
+ * already be validated.
  */
+static inline int64_t ekv_cpu_bound_scratch_floats(int64_t B, int64_t H, int64_t G, int64_t D) {
+    return 3 * B * H * D + G * D + 2 * B * H + 16;
+}
 ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
-                               int64_t ustride, float *qsplit, int64_t *task_off);
+                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball);
 #endif

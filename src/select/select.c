@@ -28,6 +28,9 @@ ekv_select_params ekv_select_default_params(void) {
     p.clamp_quantile = 0.5;
     p.tau_mode = EKV_TAU_EXACT;
     p.correction_iters = -1;
+    p.use_ball = 0;
+    p.sink_pages = 0;
+    p.recent_pages = 0;
     return p;
 }
 
@@ -171,8 +174,9 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
         }
         free(pr);
     } else { /* top-k: bound every page, then select per list in parallel */
-        const int64_t W = ctx->n_threads, ustride = maxP > 1 ? maxP : 1, nq = B * H * kv->head_dim;
-        int64_t sz[5] = {B * H * ustride * 4, 2 * nq * 4, (B + 1) * 8, W * ustride * 4,
+        const int64_t W = ctx->n_threads, ustride = maxP > 1 ? maxP : 1;
+        int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4, (B + 1) * 8,
+                         W * ustride * 4,
                          W * ustride * (int64_t)sizeof(scored_page)};
         int64_t off[5], total = 0;
         for (int i = 0; i < 5; i++) {
@@ -182,9 +186,19 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
         }
         char *ws = ekv_context_workspace(ctx, (size_t)total);
         if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for page selection");
+        if (list->bounds && list->bounds_stride < maxP)
+            return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below the most pages (%lld)",
+                            (long long)list->bounds_stride, (long long)maxP);
+        const int with_ball = sel->use_ball || list->bounds != NULL;
+        if (with_ball && (!st->kmean || !st->radius))
+            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmean/radius are needed for the ball bound");
         s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, (float *)(ws + off[0]), ustride, (float *)(ws + off[1]),
-                                (int64_t *)(ws + off[2]));
+                                (int64_t *)(ws + off[2]), with_ball);
         if (s) return s;
+        if (list->bounds)
+            for (int64_t bh = 0; bh < B * H; bh++)
+                memcpy(list->bounds + bh * list->bounds_stride, (float *)(ws + off[0]) + bh * ustride,
+                       sizeof(float) * (size_t)ustride);
         for (int64_t b = 0; b < B; b++) {
             const int64_t P = t->indptr[b + 1] - t->indptr[b];
             int64_t nsel = sel->budget_tokens / ps;
@@ -194,7 +208,8 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
                 w += nsel + 1;
                 list->indptr[b * heads + l + 1] = w;
             }
-            bytes_summary += (P - 1) * Hk * kv->head_dim * 2 * (int64_t)sizeof(float); /* kmin + kmax */
+            bytes_summary += (P - 1) * Hk * (kv->head_dim * (with_ball ? 3 : 2) + (with_ball ? 1 : 0)) *
+                             (int64_t)sizeof(float); /* kmin + kmax (+ kmean and the radius) */
         }
         topk_job j = {sel, t, list, (const float *)(ws + off[0]), ustride, H, G, heads, ps,
                       (float *)(ws + off[3]), (scored_page *)(ws + off[4])};
