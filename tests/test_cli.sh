@@ -361,7 +361,13 @@ for r in rows:
     for k in need:
         assert k in r, "eval row lacks %s: %r" % (k, r)
 by = {(r["method"], r["budget"]): r for r in rows}
-assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "oracle"}, by.keys()
+assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "certified", "oracle"}, by.keys()
+for r in rows:
+    if r["method"] == "certified":
+        assert r["delta_max"] == 0 and r["rel_err_max"] < 1e-5 and r["certified_fraction"] == 1, r
+        assert 0 <= r["round2_fraction"] <= 1 and 0 <= r["pages_bound_above_tau"] <= 1, r
+    if r["method"] == "entmax-topk":
+        assert r["delta_bound_max"] is not None and r["delta_bound_max"] + 1e-9 >= r["delta_max"], r
 g = [r for r in rows if r["method"] == "gaussian"]
 assert len(g) == 1 and g[0]["budget"] is None and "tau_err_mean" in g[0] and g[0]["tau_mode"] == "exact", g
 # exact mode: whatever the gaussian selector lists, decode is exact on it, so no error when nothing is dropped

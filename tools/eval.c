@@ -20,10 +20,15 @@
 #define EKV_SOURCE_DIR "."
 #endif
 
-enum { M_SOFTMAX_TOPK, M_ENTMAX_TOPK, M_GAUSSIAN, M_ORACLE, M_COUNT };
-static const char *method_names[M_COUNT] = {"softmax-topk", "entmax-topk", "gaussian", "oracle"};
+enum { M_SOFTMAX_TOPK, M_ENTMAX_TOPK, M_GAUSSIAN, M_CERTIFIED, M_ORACLE, M_COUNT };
+static const char *method_names[M_COUNT] = {"softmax-topk", "entmax-topk", "gaussian", "certified", "oracle"};
 /* methods that choose their own number of pages: one row, no budget */
 static int budget_free(int m) { return m == M_GAUSSIAN || m == M_ORACLE; }
+
+static void json_num(char *buf, size_t n, double v, int valid) {
+    if (valid) snprintf(buf, n, "%.8g", v);
+    else snprintf(buf, n, "null");
+}
 
 static void eval_help(FILE *f) {
     fprintf(f,
@@ -38,8 +43,8 @@ static void eval_help(FILE *f) {
             "  --batch B --heads H --kv-heads HK --dim D --page P --dtype f32|f16|bf16\n"
             "                        shapes (defaults 1, 32, 8, 128, 16, f16)\n"
             "  --alpha A             entmax alpha (default 1.5)\n"
-            "  --methods LIST        comma list of softmax-topk, entmax-topk, gaussian, oracle\n"
-            "                        (default all four; certified: a later issue)\n"
+            "  --methods LIST        comma list of softmax-topk, entmax-topk, gaussian, certified,\n"
+            "                        oracle (default all five; certified's budget is its round 1)\n"
             "  --tau-mode M          gaussian: exact | fixed | corrected (default exact)\n"
             "  --auto-margin         gaussian: the reference's automatic margin rule (SPEC 4.5)\n"
             "  --budgets LIST        comma list of fractions of the tokens, e.g. 1/64,1/16,1/4\n"
@@ -55,6 +60,11 @@ static void eval_help(FILE *f) {
 typedef struct {
     double delta_sum, delta_max, recall_sum, recall_min, err_sum, err_max, cos_min, kvf_sum;
     double tau_err_sum, tau_err_absmax; /* gaussian: tau-hat - tau* (z-space) */
+    double bar_max;                     /* entmax methods, exact tau: the certified delta_bar */
+    int64_t bar_zero, bar_n;            /* samples with delta_bar = 0, samples with a delta_bar */
+    double bytes_ratio_sum;             /* bytes read / bytes of dense entmax, per step */
+    int64_t bytes_n, round2_lists, lists;
+    double loose_sum;                   /* certified: share of pages whose bound exceeds tau* */
     int64_t n;
 } agg;
 
@@ -88,7 +98,7 @@ int cmd_eval(int argc, char **argv) {
     const char *workload = "planted", *json = NULL, *plot = NULL;
     int64_t len = 32768, batch = 1, heads = 32, kv_heads = 8, dim = 128, page = 16, steps = 4, threads = 0, seed = 1;
     double alpha = 1.5, budgets[32] = {1.0 / 64, 1.0 / 16, 1.0 / 4};
-    int nbudgets = 3, use[M_COUNT] = {1, 1, 1, 1}, auto_margin = 0;
+    int nbudgets = 3, use[M_COUNT] = {1, 1, 1, 1, 1}, auto_margin = 0;
     ekv_tau_mode tau_mode = EKV_TAU_EXACT;
     ekv_dtype dtype = EKV_DTYPE_F16;
     wl_kind wk = WL_PLANTED;
@@ -132,9 +142,8 @@ int cmd_eval(int argc, char **argv) {
                 int found = 0;
                 for (int m = 0; m < M_COUNT; m++)
                     if (!strcmp(t, method_names[m])) { use[m] = 1; found = 1; }
-                if (!found && !strcmp(t, "certified"))
-                    cli_usage_error("eval", "method '%s' is not implemented yet in this version", t);
-                if (!found) cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, gaussian, oracle)", t);
+                if (!found)
+                    cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, gaussian, certified, oracle)", t);
             }
         } else if (!strcmp(a, "--budgets")) {
             char buf[512];
@@ -206,6 +215,11 @@ int cmd_eval(int argc, char **argv) {
         float *oref[2] = {malloc(sizeof(float) * (size_t)qn), malloc(sizeof(float) * (size_t)qn)};
         float *pref[2] = {malloc(sizeof(float) * (size_t)(nh * len)), malloc(sizeof(float) * (size_t)(nh * len))};
         double *tau_star = malloc(sizeof(double) * (size_t)nh), *tau_hat = malloc(sizeof(double) * (size_t)nh);
+        double *tau_c = malloc(sizeof(double) * (size_t)nh), *dbar = malloc(sizeof(double) * (size_t)nh);
+        const int64_t maxP = (len + page - 1) / page;
+        float *bnd = malloc(sizeof(float) * (size_t)(nh * maxP));
+        int32_t *r1 = malloc(sizeof(int32_t) * (size_t)(batch * heads)), *r2 = malloc(sizeof(int32_t) * (size_t)(batch * heads));
+        int64_t dense_bytes = 0;
         int64_t lcap = ekv_page_list_capacity(&tab, (int32_t)kv_heads);
         int64_t *lip = malloc(sizeof(int64_t) * (size_t)(batch * kv_heads + 1));
         int32_t *lpg = malloc(sizeof(int32_t) * (size_t)lcap);
@@ -222,14 +236,26 @@ int cmd_eval(int argc, char **argv) {
         double t0 = cli_now_seconds(), last = t0;
         for (int64_t step = 0; step < steps && !rc; step++) {
             wl_queries(&wl, &rng, q, batch);
+            {   /* the certified page bounds of this step (for delta_bar of every list) */
+                ekv_select_params bs = ekv_select_default_params();
+                bs.budget_tokens = 1;
+                ekv_page_list bl = {.indptr = lip, .pages = lpg, .capacity = lcap, .bounds = bnd, .bounds_stride = maxP};
+                if ((st = ekv_select_pages(ctx, &dp[1], &bs, &kv, &pst, &tab, q, &bl))) {
+                    fprintf(stderr, "entmaxkv eval: bounds: %s\n", ekv_last_error(ctx));
+                    rc = 1;
+                    break;
+                }
+            }
             for (int s = 0; s < 2; s++) {
                 ekv_decode_info di = {s == 1 ? tau_star : NULL, NULL, 0, 0};
+                if (s == 1) di.bytes_k = 0;
                 if ((st = ekv_decode_dense(ctx, &dp[s], &kv, &tab, q, oref[s], &di)) ||
                     (st = ekv_dense_probs(ctx, &dp[s], &kv, &tab, q, len, pref[s], NULL))) {
                     fprintf(stderr, "entmaxkv eval: dense reference: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
                     rc = 1;
                     break;
                 }
+                if (s == 1) dense_bytes = di.bytes_k + di.bytes_v;
             }
             for (int m = 0; m < M_COUNT && !rc; m++) {
                 if (!use[m]) continue;
@@ -243,12 +269,45 @@ int cmd_eval(int argc, char **argv) {
                     sp.budget_tokens = (int64_t)(budgets[bi] * (double)len);
                     if (sp.budget_tokens < 1) sp.budget_tokens = 1;
                     ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap, .tau = tau_hat};
-                    if ((st = ekv_select_pages(ctx, &dp[s], &sp, &kv, &pst, &tab, q, &list)) ||
-                        (st = ekv_decode_pages(ctx, &dp[s], &kv, &tab, &list, q, o, NULL))) {
+                    ekv_decode_info oi = {tau_c, NULL, 0, 0};
+                    ekv_certified_info ci = {r1, r2, 0, 0, 0};
+                    if (m == M_CERTIFIED) {
+                        /* its pages: the final list is round 1 + round 2 per KV head */
+                        st = ekv_decode_certified(ctx, &dp[s], &sp, &kv, &pst, &tab, q, o, &oi, &ci);
+                        if (!st) { /* rebuild the lists read, for the per-token metrics */
+                            sp.method = EKV_SELECT_DENSE; /* certified equals dense: every metric is vs dense */
+                            st = ekv_select_pages(ctx, &dp[s], &sp, &kv, &pst, &tab, q, &list);
+                        }
+                    } else {
+                        st = ekv_select_pages(ctx, &dp[s], &sp, &kv, &pst, &tab, q, &list);
+                        if (!st) st = ekv_decode_pages(ctx, &dp[s], &kv, &tab, &list, q, o, &oi);
+                    }
+                    if (st) {
                         fprintf(stderr, "entmaxkv eval: %s: %s: %s\n", method_names[m], ekv_status_string(st),
                                 ekv_last_error(ctx));
                         rc = 1;
                         break;
+                    }
+                    agg *ag = &res[m][bi];
+                    if (m != M_SOFTMAX_TOPK) { /* bytes read against dense entmax's */
+                        double bytes = (double)(oi.bytes_k + oi.bytes_v + (m == M_CERTIFIED ? ci.bytes_summary : list.bytes_summary));
+                        ag->bytes_ratio_sum += bytes / (double)dense_bytes;
+                        ag->bytes_n++;
+                    }
+                    if (m == M_CERTIFIED) {
+                        ag->round2_lists += ci.lists_round2;
+                        ag->lists += batch * kv_heads;
+                    }
+                    /* delta_bar needs the exact tau over the list: entmax methods in exact mode */
+                    const int has_bar = m == M_ENTMAX_TOPK || (m == M_GAUSSIAN && tau_mode == EKV_TAU_EXACT);
+                    if (has_bar) {
+                        list.bounds = bnd;
+                        list.bounds_stride = maxP;
+                        if ((st = ekv_delta_bound(ctx, &dp[s], &kv, &tab, &list, tau_c, dbar))) {
+                            fprintf(stderr, "entmaxkv eval: delta_bar: %s\n", ekv_last_error(ctx));
+                            rc = 1;
+                            break;
+                        }
                     }
                     for (int64_t b = 0; b < batch; b++) {
                         const int64_t N = (indptr[b + 1] - indptr[b] - 1) * page + lpl[b];
@@ -260,6 +319,10 @@ int cmd_eval(int argc, char **argv) {
                                     inlist[t] = 1;
                                     kept++;
                                 }
+                            if (m == M_CERTIFIED) { /* tokens of its two rounds (the last page is partial) */
+                                const int64_t l = b * kv_heads + kh;
+                                kept = (int64_t)(r1[l] + r2[l]) * page - (page - lpl[b]);
+                            }
                             for (int64_t g = 0; g < heads / kv_heads; g++) {
                                 const int64_t h = kh * (heads / kv_heads) + g, bh = b * heads + h;
                                 const float *p = pref[s] + bh * len;
@@ -278,6 +341,19 @@ int cmd_eval(int argc, char **argv) {
                                 double recall = s == 0 ? (double)kept / (double)N : sup > 0 ? sup_in / sup : 1.0;
                                 double err = sqrt(e2 / (r2 > 0 ? r2 : 1)), cosv = dot / sqrt((o2 > 0 ? o2 : 1) * (r2 > 0 ? r2 : 1));
                                 agg_add(&res[m][bi], dropped, recall, err, cosv, (double)kept / (double)N);
+                                if (has_bar) {
+                                    res[m][bi].bar_max = fmax(res[m][bi].bar_max, dbar[bh]);
+                                    res[m][bi].bar_zero += dbar[bh] == 0;
+                                    res[m][bi].bar_n++;
+                                }
+                                if (m == M_CERTIFIED) {
+                                    res[m][bi].bar_zero++; /* proven exact */
+                                    res[m][bi].bar_n++;
+                                    /* bound tightness: pages no bound can rule out, at the true tau* */
+                                    int64_t loose = 0, Pb = indptr[b + 1] - indptr[b];
+                                    for (int64_t p = 0; p + 1 < Pb; p++) loose += (double)bnd[bh * maxP + p] > tau_star[bh];
+                                    res[m][bi].loose_sum += Pb > 1 ? (double)loose / (double)(Pb - 1) : 0.0;
+                                }
                                 if (m == M_GAUSSIAN) {
                                     double te = tau_hat[bh] - tau_star[bh];
                                     res[m][bi].tau_err_sum += te;
@@ -309,7 +385,12 @@ int cmd_eval(int argc, char **argv) {
                 for (int bi = 0; bi < (budget_free(m) ? 1 : nbudgets); bi++) {
                     agg *a = &res[m][bi];
                     double n = (double)a->n;
-                    char bud[32];
+                    char bud[32], jb[5][32];
+                    json_num(jb[4], 32, a->loose_sum / n, m == M_CERTIFIED);
+                    json_num(jb[0], 32, m == M_CERTIFIED ? 0.0 : a->bar_max, a->bar_n > 0);
+                    json_num(jb[1], 32, a->bar_n ? (double)a->bar_zero / (double)a->bar_n : 0, a->bar_n > 0);
+                    json_num(jb[2], 32, a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, a->bytes_n > 0);
+                    json_num(jb[3], 32, a->lists ? (double)a->round2_lists / (double)a->lists : 0, m == M_CERTIFIED);
                     if (budget_free(m)) snprintf(bud, sizeof bud, "null");
                     else snprintf(bud, sizeof bud, "%.8g", budgets[bi]);
                     printf("%-13s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n", method_names[m],
@@ -321,13 +402,25 @@ int cmd_eval(int argc, char **argv) {
                                 "\"delta_max\":%.8g,\"recall_mean\":%.8g,\"recall_min\":%.8g,\"rel_err_mean\":%.8g,"
                                 "\"rel_err_max\":%.8g,\"cosine_min\":%.8g,\"workload\":\"%s\",\"len\":%lld,\"alpha\":%g,"
                                 "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\",\"steps\":%lld,"
-                                "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\"}",
+                                "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\","
+                                "\"delta_bound_max\":%s,\"certified_fraction\":%s,\"bytes_vs_dense_entmax\":%s,"
+                                "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s}",
                                 first ? "" : ",\n", method_names[m], bud, a->kvf_sum / n, a->delta_sum / n,
                                 a->delta_max, a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
                                 wl_name(wk), (long long)len, alpha, (long long)heads, (long long)kv_heads, (long long)dim,
                                 (long long)page, ekv_dtype_name(dtype), (long long)steps, (long long)a->n,
                                 m == M_GAUSSIAN ? a->tau_err_sum / n : 0.0, m == M_GAUSSIAN ? a->tau_err_absmax : 0.0,
-                                m == M_GAUSSIAN ? (tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected") : "exact");
+                                m == M_GAUSSIAN ? (tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected") : "exact",
+                                jb[0], jb[1], jb[2], jb[3], jb[4]);
+                    if (a->bar_n && m != M_CERTIFIED)
+                        printf("%-13s delta_bar: max %.3e, proven exact (delta_bar = 0) in %.1f%% of head-steps; bytes %.3f of dense entmax\n",
+                               "", a->bar_max, 100.0 * (double)a->bar_zero / (double)a->bar_n,
+                               a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0);
+                    if (m == M_CERTIFIED)
+                        printf("%-13s proven exact in every step; round 2 needed by %.1f%% of lists; bytes %.3f of dense entmax;\n"
+                               "%-13s %.1f%% of pages have a bound above tau* (no bound-based method can skip them)\n",
+                               "", a->lists ? 100.0 * (double)a->round2_lists / (double)a->lists : 0,
+                               a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, "", 100.0 * a->loose_sum / n);
                     if (m == M_GAUSSIAN)
                         printf("%-13s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "", a->tau_err_sum / n,
                                a->tau_err_absmax, tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
@@ -349,7 +442,8 @@ int cmd_eval(int argc, char **argv) {
             }
         }
         free(indices); free(q); free(o); free(oref[0]); free(oref[1]); free(pref[0]); free(pref[1]);
-        free(lip); free(lpg); free(inlist); free(tau_star); free(tau_hat);
+        free(lip); free(lpg); free(inlist); free(tau_star); free(tau_hat); free(tau_c); free(dbar); free(bnd); free(r1);
+        free(r2);
     }
 out:
     wl_free(&wl);
