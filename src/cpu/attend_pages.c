@@ -7,6 +7,7 @@
  */
 #include "../core/internal.h"
 #include "kernels.h"
+#include "support.h"
 #include <stdlib.h>
 
 typedef struct {
@@ -110,7 +111,7 @@ static void attend_list(void *vp, int64_t task, int worker) {
             if (j->support) j->support[b * j->H + h] = L;
             continue;
         }
-        int64_t k;
+        int64_t sup;
         double ty, wsum = 0;
         const int given = j->list->tau_mode != EKV_TAU_EXACT && j->list->tau;
         if (given) {
@@ -135,28 +136,16 @@ static void attend_list(void *vp, int64_t task, int worker) {
                 tau = nt;
             }
             ty = tau - (double)M[g];
-            k = 0;
+            int64_t k = 0;
             for (int64_t c = 0; c < L; c++) {
                 double yc = (double)zg[c] - (double)M[g];
                 if (yc > ty) { idx[k] = c; y[k] = yc; k++; }
             }
+            sup = ekv_cpu_support_weights(idx, y, k, ty, j->alpha, &wsum);
         } else {
-            float thr = M[g] - 1.0f;
-            if ((double)thr > (double)M[g] - 1.0) thr = nextafterf(thr, -INFINITY);
-            k = j->kern->compact_gt(zg, L, thr, (double)M[g], 0, idx, y);
-            memcpy(y2, y, sizeof(double) * (size_t)k);
-            ty = ekv_tau_candidates(y2, k, j->alpha);
+            sup = ekv_cpu_entmax_support(j->kern, zg, L, M[g], j->alpha, idx, y, y2, &ty, &wsum);
         }
-        int64_t sup = 0;
-        for (int64_t i = 0; i < k; i++) {
-            double d = y[i] - ty;
-            if (d > 0) {
-                y[sup] = j->alpha == 2.0 ? d : j->alpha == 1.5 ? d * d : pow(d, 1.0 / j->a);
-                idx[sup] = tok[idx[i]];
-                wsum += y[sup];
-                sup++;
-            }
-        }
+        for (int64_t i = 0; i < sup; i++) idx[i] = tok[idx[i]]; /* positions in the list -> tokens */
         const double norm = given ? 1.0 : wsum; /* fixed/corrected: no renormalisation */
         if (j->probs) {
             float *pr = j->probs + (b * j->H + h) * j->pstride;

@@ -14,6 +14,7 @@
  */
 #include "../core/internal.h"
 #include "kernels.h"
+#include "support.h"
 #include <stdlib.h>
 
 enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 2 };
@@ -141,27 +142,10 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
     uint8_t *mark = j->w_mark + worker * j->nmax;
     int64_t *uni = j->w_union + worker * j->nmax;
-    const double beta = 1.0 / j->a;
     int64_t rows_read = 0;
     for (int64_t g = 0; g < G; g++) {
-        /* M - 1 rounded down, so that the float filter keeps every y > -1 */
-        float thr = M[g] - 1.0f;
-        if ((double)thr > (double)M[g] - 1.0) thr = nextafterf(thr, -INFINITY);
-        int64_t k = j->kern->compact_gt(zb + g * N, N, thr, (double)M[g], 0, idx, y);
-        memcpy(y2, y, sizeof(double) * (size_t)k);
-        double ty = ekv_tau_candidates(y2, k, j->alpha);
-        double wsum = 0;
-        int64_t sup = 0;
-        for (int64_t i = 0; i < k; i++) {
-            double d = y[i] - ty;
-            if (d > 0) {
-                double w = j->alpha == 2.0 ? d : j->alpha == 1.5 ? d * d : pow(d, beta);
-                y[sup] = w;
-                idx[sup] = idx[i];
-                wsum += w;
-                sup++;
-            }
-        }
+        double ty, wsum;
+        const int64_t sup = ekv_cpu_entmax_support(j->kern, zb + g * N, N, M[g], j->alpha, idx, y, y2, &ty, &wsum);
         float *og = ob + g * D;
         for (int64_t i = 0; i < sup; i++) {
             float w = (float)(y[i] / wsum);
