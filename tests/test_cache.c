@@ -1108,9 +1108,13 @@ int main(void) {
     test_rng r = {0x9e3779b97f4a7c15ull};
     ekv_context *ctx1 = NULL, *ctx3 = NULL;
     ekv_context_params cp = ekv_context_default_params();
+    /* ctx1: one thread, scalar conversions; ctx3: three threads, the best SIMD conversions.
+     * The random trials alternate, so both append paths meet the independent dtype model. */
     cp.n_threads = 1;
+    cp.isa = EKV_ISA_SCALAR;
     if (ekv_context_create(&cp, &ctx1) != EKV_OK) { fprintf(stderr, "context_create failed\n"); return 1; }
     cp.n_threads = 3;
+    cp.isa = EKV_ISA_AUTO;
     if (ekv_context_create(&cp, &ctx3) != EKV_OK) { fprintf(stderr, "context_create failed\n"); return 1; }
 
     /* the model of the storage dtypes itself */

@@ -1,6 +1,7 @@
 /* ekv_cache_append: validate, reserve pages, write K/V in the storage dtype, update the
  * summaries. Either everything is appended or nothing changes. */
 #include "cache_internal.h"
+#include "../cpu/kernels.h"
 #include <stdlib.h>
 
 typedef struct {
@@ -18,6 +19,8 @@ static void append_head(void *vp, int64_t head, int worker) {
     ekv_cache *c = j->c;
     const int64_t D = c->p.head_dim, Hk = c->p.num_kv_heads, ps = c->p.page_size;
     float *krow = j->rows + (int64_t)worker * D;
+    const ekv_cpu_kernels *kern = ekv_cpu_kernels_for(c->ctx->isa);
+    const int64_t es = ekv_dtype_size(c->p.dtype), ses = ekv_dtype_size(j->src);
     int32_t last_page = -1;
     for (int64_t t = 0; t < j->n_tokens; t++) {
         int64_t pos = j->first_token + t;
@@ -25,12 +28,9 @@ static void append_head(void *vp, int64_t head, int worker) {
         int64_t slot = pos % ps;
         int64_t dst = (int64_t)page * c->elems_per_page + (head * ps + slot) * D;
         int64_t src = (t * Hk + head) * D;
-        for (int64_t d = 0; d < D; d++) {
-            float kv = ekv_load_f32(j->k, j->src, src + d);
-            ekv_store_f32(c->k, c->p.dtype, dst + d, kv);
-            krow[d] = ekv_load_f32(c->k, c->p.dtype, dst + d); /* as stored */
-            ekv_store_f32(c->v, c->p.dtype, dst + d, ekv_load_f32(j->v, j->src, src + d));
-        }
+        /* K and V in the storage dtype; krow = K as stored, for the summaries */
+        kern->convert((const char *)j->k + src * ses, j->src, (char *)c->k + dst * es, c->p.dtype, D, krow);
+        kern->convert((const char *)j->v + src * ses, j->src, (char *)c->v + dst * es, c->p.dtype, D, NULL);
         ekv_summary_add_row(c, page, (int32_t)head, krow, (int32_t)slot + 1);
         if (page != last_page && last_page >= 0) ekv_summary_update_radius(c, last_page, (int32_t)head);
         last_page = page;

@@ -100,6 +100,8 @@ double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w);
 void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
                           const float *const *kmax, int np, int64_t D, float *u, int64_t ldu);
 
+void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32);
+
 const ekv_cpu_kernels ekv_cpu_kernels_avx2 = {score_avx2, accum_avx2, ekv_compact_gt_scalar,
-                                              ekv_bound_box_scalar, ekv_exp_shift_scalar};
+                                              ekv_bound_box_scalar, ekv_convert_scalar, ekv_exp_shift_scalar};
 #endif

@@ -263,7 +263,30 @@ static void bound_box_avx512(const float *qpos, const float *qneg, int64_t ldq, 
     else bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 4);
 }
 
+/* Conversions for the cache's append: f32/f16/bf16 -> f32/f16/bf16, round to nearest even. */
+static void convert_avx512(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 x = load16(src, sdt, i, m), back = x;
+        if (ddt == EKV_DTYPE_F32) {
+            _mm512_mask_storeu_ps((float *)dst + i, m, x);
+        } else if (ddt == EKV_DTYPE_F16) {
+            __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_mask_storeu_epi16((uint16_t *)dst + i, m, h);
+            back = _mm512_cvtph_ps(h);
+        } else { /* bf16: add 0x7fff + lsb, keep the high half (finite inputs) */
+            __m512i b = _mm512_castps_si512(x);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+            b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+            __m512i hi = _mm512_srli_epi32(b, 16);
+            _mm256_mask_storeu_epi16((uint16_t *)dst + i, m, _mm512_cvtepi32_epi16(hi));
+            back = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+        }
+        if (f32) _mm512_mask_storeu_ps(f32 + i, m, back);
+    }
+}
+
 const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512, accum_avx512, compact_avx512, bound_box_avx512,
-                                                exp_shift_avx512};
+                                                convert_avx512, exp_shift_avx512};
 
 #endif

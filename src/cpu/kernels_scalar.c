@@ -55,6 +55,14 @@ void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int
         }
 }
 
+void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32);
+void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32) {
+    for (int64_t i = 0; i < n; i++) {
+        ekv_store_f32(dst, ddt, i, ekv_load_f32(src, sdt, i));
+        if (f32) f32[i] = ekv_load_f32(dst, ddt, i);
+    }
+}
+
 double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w);
 double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
     double s = 0;
@@ -66,7 +74,7 @@ double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
 }
 
 const ekv_cpu_kernels ekv_cpu_kernels_scalar = {score_scalar, accum_scalar, ekv_compact_gt_scalar,
-                                                ekv_bound_box_scalar, ekv_exp_shift_scalar};
+                                                ekv_bound_box_scalar, ekv_convert_scalar, ekv_exp_shift_scalar};
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa) {
 #if defined(__x86_64__)
