@@ -77,9 +77,15 @@ static void bound_task(void *vp, int64_t task, int worker) {
                     const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i];
                     const int64_t so = (page * Hk + kvh) * D;
                     mean[i] = j->st->kmean + so;
+                    /* ||c_p||, only used inside the slack: fp32 partial sums (vectorised), rounded up */
+                    float s8[8] = {0};
+                    int64_t d = 0;
+                    for (; d + 8 <= D; d += 8)
+                        for (int l = 0; l < 8; l++) s8[l] += mean[i][d + l] * mean[i][d + l];
+                    for (; d < D; d++) s8[0] += mean[i][d] * mean[i][d];
                     double s2 = 0;
-                    for (int64_t d = 0; d < D; d++) s2 += (double)mean[i][d] * mean[i][d];
-                    cn[i] = sqrt(s2);
+                    for (int l = 0; l < 8; l++) s2 += s8[l];
+                    cn[i] = sqrt(s2) * (1 + 1e-5);
                     rr[i] = j->st->radius[page * Hk + kvh];
                 }
                 /* <q', c_p> through the box kernel: qpos = q', qneg = 0 */
