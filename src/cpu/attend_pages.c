@@ -33,25 +33,28 @@ typedef struct {
     /* dense_probs mode */
     float *probs;
     int64_t pstride;
+    /* certified mode: bounds [B*H][bstride]; pages added in round 2 per list */
+    const float *bounds;
+    int64_t bstride;
+    int64_t *round2;
+    int32_t *w_rp;    /* per worker [nmax] round-2 page numbers */
 } pages_job;
 
 static const char *page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page, int64_t head, int64_t es) {
     return (const char *)base + ((int64_t)page * kv->stride_page + head * kv->stride_head) * es;
 }
 
-/* Scores the list's pages for its Gl query heads into z[g*nmax + c]; returns the count. */
-static int64_t score_list(const pages_job *j, int64_t b, int64_t l, int64_t kvh, int64_t h0, float *z,
-                          int64_t *tok, float *M) {
+/* Scores pages plist[0..np) (logical page numbers) for the Gl query heads into
+ * z[g*nmax + c ...] from slot c on, raising M; returns the new slot count. */
+static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h0, const int32_t *plist, int64_t np,
+                           float *z, int64_t *tok, int64_t c, float *M) {
     const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->ps + j->tab->last_page_len[b];
     const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
     const int32_t *pages = j->tab->indices + j->tab->indptr[b];
-    const int64_t lo = j->list->indptr[b * j->heads + l], hi = j->list->indptr[b * j->heads + l + 1];
     float b0[256], bs[256];
-    int64_t c = 0;
-    for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
-    for (int64_t r = lo; r < hi; r++) {
-        const int64_t p = j->list->pages[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->ps;
-        const char *pf = r + 2 < hi ? page_ptr(j->kv, j->kv->k, pages[j->list->pages[r + 2]], kvh, j->esize) : NULL;
+    for (int64_t r = 0; r < np; r++) {
+        const int64_t p = plist[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->ps;
+        const char *pf = r + 2 < np ? page_ptr(j->kv, j->kv->k, pages[plist[r + 2]], kvh, j->esize) : NULL;
         const float *pb0 = NULL, *pbs = NULL;
         if (j->prm->alibi_slopes) {
             for (int64_t g = 0; g < j->Gl; g++) {
@@ -68,6 +71,46 @@ static int64_t score_list(const pages_job *j, int64_t b, int64_t l, int64_t kvh,
         c += ntok;
     }
     return c;
+}
+
+/* Scores the list's pages for its Gl query heads into z[g*nmax + c]; returns the count. */
+static int64_t score_list(const pages_job *j, int64_t b, int64_t l, float *z, int64_t *tok, float *M) {
+    const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G;
+    const int64_t lo = j->list->indptr[b * j->heads + l], hi = j->list->indptr[b * j->heads + l + 1];
+    for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
+    return score_pages(j, b, kvh, h0, j->list->pages + lo, hi - lo, z, tok, 0, M);
+}
+
+/* Certified round 2 (SPEC 9.3) for one list whose round-1 scores are in z: tau_C per head on
+ * them, then the pages outside the list whose certified bound exceeds tau_C for a head of the
+ * list are scored too, appended to the kept scores (round-1 K is not read again). Returns the
+ * new slot count; *added = the round-2 pages. */
+static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float *z, int64_t *tok, float *M,
+                            int worker, int64_t *added) {
+    const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G;
+    const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
+    int64_t *idx = j->w_idx + worker * j->nmax;
+    double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
+    uint8_t *in = j->w_mark + worker * j->nmax; /* page flags; the token marks are clear here */
+    int32_t *rpages = j->w_rp + worker * j->nmax;
+    double tauc[256];
+    for (int64_t g = 0; g < j->Gl; g++) {
+        double tr, ws;
+        ekv_cpu_entmax_support(j->kern, z + g * j->nmax, L, M[g], j->alpha, idx, y, y2, &tr, &ws);
+        tauc[g] = (double)M[g] + tr;
+    }
+    for (int64_t i = j->list->indptr[b * j->heads + l]; i < j->list->indptr[b * j->heads + l + 1]; i++)
+        in[j->list->pages[i]] = 1;
+    int64_t nr = 0;
+    for (int64_t p = 0; p + 1 < P; p++) {
+        if (in[p]) continue;
+        for (int64_t g = 0; g < j->Gl; g++)
+            if ((double)j->bounds[(b * j->H + h0 + g) * j->bstride + p] > tauc[g]) { rpages[nr++] = (int32_t)p; break; }
+    }
+    for (int64_t i = j->list->indptr[b * j->heads + l]; i < j->list->indptr[b * j->heads + l + 1]; i++)
+        in[j->list->pages[i]] = 0;
+    *added = nr;
+    return nr ? score_pages(j, b, kvh, h0, rpages, nr, z, tok, L, M) : L;
 }
 
 static const char *v_row(const pages_job *j, int64_t b, int64_t kvh, int64_t t) {
@@ -89,7 +132,12 @@ static void attend_list(void *vp, int64_t task, int worker) {
     uint8_t *mark = j->w_mark + worker * j->nmax;
     int64_t *uni = j->w_union + worker * j->nmax;
     float M[256];
-    const int64_t L = score_list(j, b, l, kvh, h0, z, tok, M);
+    int64_t L = score_list(j, b, l, z, tok, M);
+    if (j->bounds) { /* certified: round 2 on the kept scores */
+        int64_t added = 0;
+        L = certify_list(j, b, l, L, z, tok, M, worker, &added);
+        j->round2[task] = added;
+    }
     const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->ps + j->tab->last_page_len[b];
     int64_t rows = 0;
     for (int64_t g = 0; g < j->Gl; g++) {
@@ -206,7 +254,8 @@ static ekv_status validate_list(ekv_context *ctx, const ekv_page_table *t, const
 
 static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                             const ekv_page_table *tab, const ekv_page_list *list, const float *q, float *out,
-                            ekv_decode_info *info, float *probs, int64_t pstride, double *tau_out) {
+                            ekv_decode_info *info, float *probs, int64_t pstride, double *tau_out, const float *bounds,
+                            int64_t bstride, int64_t *round2) {
     pages_job j;
     memset(&j, 0, sizeof j);
     j.kern = ekv_cpu_kernels_for(ctx->isa);
@@ -235,10 +284,10 @@ static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, cons
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "stride=%lld is below the longest sequence (%lld)", (long long)pstride,
                         (long long)nmax);
     const int64_t W = ctx->n_threads, ntask = j.B * j.heads;
-    int64_t sz[10] = {j.B * j.H * j.D * 4, W * j.Gl * nmax * 4, W * nmax * 8, W * nmax * 8, W * nmax * 8,
-                      W * nmax * 8, W * nmax, W * nmax * 8, ntask * 8, ntask * 8};
-    int64_t off[10], total = 0;
-    for (int i = 0; i < 10; i++) {
+    int64_t sz[11] = {j.B * j.H * j.D * 4, W * j.Gl * nmax * 4, W * nmax * 8, W * nmax * 8, W * nmax * 8,
+                      W * nmax * 8, W * nmax, W * nmax * 8, ntask * 8, ntask * 8, bounds ? W * nmax * 4 : 0};
+    int64_t off[11], total = 0;
+    for (int i = 0; i < 11; i++) {
         off[i] = total;
         if (sz[i] < 0 || ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
             return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "attention workspace overflows");
@@ -255,6 +304,10 @@ static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, cons
     j.w_union = (int64_t *)(ws + off[7]);
     j.bytes_k = (int64_t *)(ws + off[8]);
     j.bytes_v = (int64_t *)(ws + off[9]);
+    j.w_rp = (int32_t *)(ws + off[10]);
+    j.bounds = bounds;
+    j.bstride = bstride;
+    j.round2 = round2;
     memset(j.w_mark, 0, (size_t)(W * nmax));
     j.nmax = nmax;
     const float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.D));
@@ -286,7 +339,7 @@ ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
     if (st) return st;
     st = validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
     if (st) return st;
-    return run_lists(ctx, prm, kv, tab, list, q, out, info, NULL, 0, NULL);
+    return run_lists(ctx, prm, kv, tab, list, q, out, info, NULL, 0, NULL, NULL, 0, NULL);
 }
 
 ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
@@ -311,7 +364,7 @@ ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const
             indptr[b * H + h + 1] = w;
         }
     ekv_page_list list = {.heads = (int32_t)H, .indptr = indptr, .pages = pages, .capacity = w};
-    st = run_lists(ctx, prm, kv, tab, &list, q, NULL, NULL, p, stride, tau);
+    st = run_lists(ctx, prm, kv, tab, &list, q, NULL, NULL, p, stride, tau, NULL, 0, NULL);
     free(indptr);
     free(pages);
     return st;
@@ -353,4 +406,13 @@ ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const
     }
     ekv_clear_error(ctx);
     return EKV_OK;
+}
+
+ekv_status ekv_cpu_attend_certified(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                    const ekv_page_table *tab, const ekv_page_list *list, const float *bounds,
+                                    int64_t bstride, const float *q, float *out, ekv_decode_info *info,
+                                    int64_t *round2) {
+    ekv_status st = validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
+    if (st) return st;
+    return run_lists(ctx, prm, kv, tab, list, q, out, info, NULL, 0, NULL, bounds, bstride, round2);
 }
