@@ -293,6 +293,11 @@ typedef struct ekv_select_params {
     int32_t use_ball;
     /* certified round 1 also reads the first sink_pages and the last recent_pages pages */
     int32_t sink_pages, recent_pages;
+    /* certified, adaptive round 1: when not NULL, round 1 is every page whose certified bound
+     * exceeds tau_hint[b*num_heads + h] (z-space) for a head of the list, instead of a token
+     * budget. A hint at or below the true tau (the previous step's tau, the gaussian tau-hat)
+     * leaves round 2 empty; any hint keeps the result exact. */
+    const double *tau_hint;
 } ekv_select_params;
 
 EKV_API ekv_select_params ekv_select_default_params(void);

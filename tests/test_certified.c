@@ -33,7 +33,7 @@ int main(void) {
     test_rng r = {0xc0ffee};
     const ekv_dtype dts[3] = {EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_BF16};
     const double alphas[4] = {1.5, 2.0, 1.25, 3.0};
-    int steps = 0, round2 = 0, bar_zero = 0, exact_when_zero = 0;
+    int steps = 0, round2 = 0, bar_zero = 0, exact_when_zero = 0, hinted = 0;
     double worst_rel = 0, worst_bound_gap = 1e300;
     for (int c = 0; c < 240; c++) {
         const int Hk = 1 + c % 2, G = 1 << (c % 3), H = Hk * G, D = c % 5 == 0 ? 24 : 32;
@@ -90,11 +90,24 @@ int main(void) {
             sp.per_query_head = per_q;
             sp.sink_pages = rep % 3 == 0 ? 1 : 0;
             sp.recent_pages = rep % 4 == 0 ? 2 : 0;
+            /* adaptive round 1 from a hint of tau: sometimes the true tau (round 2 must then be
+             * empty), sometimes far off in either direction (must stay exact) */
+            double hint[8];
+            const int hint_kind = rep % 5; /* 0: none, 1: tau*, 2: below, 3: above, 4: +-inf */
+            for (int h = 0; h < H; h++)
+                hint[h] = hint_kind == 1 ? taud[h] - 1e-9 * (1 + fabs(taud[h])) : hint_kind == 2 ? taud[h] - 2.0 : hint_kind == 3 ? taud[h] + 5.0
+                          : (h % 2 ? INFINITY : -INFINITY);
+            sp.tau_hint = hint_kind ? hint : NULL;
             int32_t r1[8], r2[8];
             ekv_certified_info ci = {r1, r2, 0, 0, 0};
             ekv_status s = ekv_decode_certified(ctx, &dp, &sp, &kv, &st, &tab, q, oc, &ic, &ci);
             CHECK(s == EKV_OK, "case %d: certified: %s", c, ekv_last_error(ctx));
             CHECK(ci.certified == 1, "case %d: not certified", c);
+            if (hint_kind == 1 || hint_kind == 2) { /* a hint at or below tau*: round 2 never needed */
+                hinted++;
+                CHECK(ci.lists_round2 == 0, "case %d: a hint at/below tau* still needed round 2 (%lld lists)", c,
+                      (long long)ci.lists_round2);
+            }
             steps++;
             round2 += ci.lists_round2 > 0;
             for (int h = 0; h < H; h++) {
@@ -115,6 +128,7 @@ int main(void) {
             int32_t *lpg = malloc(sizeof(int32_t) * (size_t)(P * H + 1));
             ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = P * H, .bounds = bnd, .bounds_stride = P};
             sp.method = EKV_SELECT_TOPK;
+            sp.tau_hint = NULL;
             CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_OK, "topk: %s", ekv_last_error(ctx));
             double taus[8];
             ekv_decode_info is = {taus, NULL, 0, 0};
@@ -168,6 +182,7 @@ int main(void) {
     printf("top-k heads with delta_bar = 0: %d (all exact: %d); smallest bound - score gap %.3g\n", bar_zero, exact_when_zero,
            worst_bound_gap);
     CHECK(bar_zero == exact_when_zero, "delta_bar = 0 but the output was not exact");
+    CHECK(hinted > 500, "too few hinted steps (%d)", hinted);
     CHECK(steps >= 2000 && round2 > 50 && round2 < steps, "the step mix did not exercise both rounds (%d of %d)", round2, steps);
     ekv_context_free(ctx);
     return test_finish("test_certified");

@@ -361,9 +361,9 @@ for r in rows:
     for k in need:
         assert k in r, "eval row lacks %s: %r" % (k, r)
 by = {(r["method"], r["budget"]): r for r in rows}
-assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "certified", "oracle"}, by.keys()
+assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "certified", "certified-gauss", "oracle"}, by.keys()
 for r in rows:
-    if r["method"] == "certified":
+    if r["method"] in ("certified", "certified-gauss"):
         assert r["delta_max"] == 0 and r["rel_err_max"] < 1e-5 and r["certified_fraction"] == 1, r
         assert 0 <= r["round2_fraction"] <= 1 and 0 <= r["pages_bound_above_tau"] <= 1, r
     if r["method"] == "entmax-topk":

@@ -20,10 +20,12 @@
 #define EKV_SOURCE_DIR "."
 #endif
 
-enum { M_SOFTMAX_TOPK, M_ENTMAX_TOPK, M_GAUSSIAN, M_CERTIFIED, M_ORACLE, M_COUNT };
-static const char *method_names[M_COUNT] = {"softmax-topk", "entmax-topk", "gaussian", "certified", "oracle"};
+enum { M_SOFTMAX_TOPK, M_ENTMAX_TOPK, M_GAUSSIAN, M_CERTIFIED, M_CERTIFIED_G, M_ORACLE, M_COUNT };
+static const char *method_names[M_COUNT] = {"softmax-topk", "entmax-topk", "gaussian", "certified", "certified-gauss",
+                                            "oracle"};
 /* methods that choose their own number of pages: one row, no budget */
-static int budget_free(int m) { return m == M_GAUSSIAN || m == M_ORACLE; }
+static int budget_free(int m) { return m == M_GAUSSIAN || m == M_ORACLE || m == M_CERTIFIED_G; }
+static int is_certified(int m) { return m == M_CERTIFIED || m == M_CERTIFIED_G; }
 
 static void json_num(char *buf, size_t n, double v, int valid) {
     if (valid) snprintf(buf, n, "%.8g", v);
@@ -44,7 +46,9 @@ static void eval_help(FILE *f) {
             "                        shapes (defaults 1, 32, 8, 128, 16, f16)\n"
             "  --alpha A             entmax alpha (default 1.5)\n"
             "  --methods LIST        comma list of softmax-topk, entmax-topk, gaussian, certified,\n"
-            "                        oracle (default all five; certified's budget is its round 1)\n"
+            "                        certified-gauss, oracle (default all; certified's budget is\n"
+            "                        its round 1; certified-gauss sizes round 1 from the gaussian\n"
+            "                        tau-hat instead)\n"
             "  --tau-mode M          gaussian: exact | fixed | corrected (default exact)\n"
             "  --auto-margin         gaussian: the reference's automatic margin rule (SPEC 4.5)\n"
             "  --budgets LIST        comma list of fractions of the tokens, e.g. 1/64,1/16,1/4\n"
@@ -98,7 +102,7 @@ int cmd_eval(int argc, char **argv) {
     const char *workload = "planted", *json = NULL, *plot = NULL;
     int64_t len = 32768, batch = 1, heads = 32, kv_heads = 8, dim = 128, page = 16, steps = 4, threads = 0, seed = 1;
     double alpha = 1.5, budgets[32] = {1.0 / 64, 1.0 / 16, 1.0 / 4};
-    int nbudgets = 3, use[M_COUNT] = {1, 1, 1, 1, 1}, auto_margin = 0;
+    int nbudgets = 3, use[M_COUNT] = {1, 1, 1, 1, 1, 1}, auto_margin = 0;
     ekv_tau_mode tau_mode = EKV_TAU_EXACT;
     ekv_dtype dtype = EKV_DTYPE_F16;
     wl_kind wk = WL_PLANTED;
@@ -143,7 +147,7 @@ int cmd_eval(int argc, char **argv) {
                 for (int m = 0; m < M_COUNT; m++)
                     if (!strcmp(t, method_names[m])) { use[m] = 1; found = 1; }
                 if (!found)
-                    cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, gaussian, certified, oracle)", t);
+                    cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, gaussian, certified, certified-gauss, oracle)", t);
             }
         } else if (!strcmp(a, "--budgets")) {
             char buf[512];
@@ -271,9 +275,17 @@ int cmd_eval(int argc, char **argv) {
                     ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap, .tau = tau_hat};
                     ekv_decode_info oi = {tau_c, NULL, 0, 0};
                     ekv_certified_info ci = {r1, r2, 0, 0, 0};
-                    if (m == M_CERTIFIED) {
-                        /* its pages: the final list is round 1 + round 2 per KV head */
-                        st = ekv_decode_certified(ctx, &dp[s], &sp, &kv, &pst, &tab, q, o, &oi, &ci);
+                    if (is_certified(m)) {
+                        int64_t extra_summary = 0;
+                        if (m == M_CERTIFIED_G) { /* round 1 from the gaussian tau-hat */
+                            ekv_select_params gs = ekv_select_default_params();
+                            gs.method = EKV_SELECT_GAUSSIAN;
+                            st = ekv_select_pages(ctx, &dp[s], &gs, &kv, &pst, &tab, q, &list);
+                            extra_summary = list.bytes_summary;
+                            sp.tau_hint = tau_hat;
+                        }
+                        if (!st) st = ekv_decode_certified(ctx, &dp[s], &sp, &kv, &pst, &tab, q, o, &oi, &ci);
+                        ci.bytes_summary += extra_summary;
                         if (!st) { /* rebuild the lists read, for the per-token metrics */
                             sp.method = EKV_SELECT_DENSE; /* certified equals dense: every metric is vs dense */
                             st = ekv_select_pages(ctx, &dp[s], &sp, &kv, &pst, &tab, q, &list);
@@ -290,11 +302,11 @@ int cmd_eval(int argc, char **argv) {
                     }
                     agg *ag = &res[m][bi];
                     if (m != M_SOFTMAX_TOPK) { /* bytes read against dense entmax's */
-                        double bytes = (double)(oi.bytes_k + oi.bytes_v + (m == M_CERTIFIED ? ci.bytes_summary : list.bytes_summary));
+                        double bytes = (double)(oi.bytes_k + oi.bytes_v + (is_certified(m) ? ci.bytes_summary : list.bytes_summary));
                         ag->bytes_ratio_sum += bytes / (double)dense_bytes;
                         ag->bytes_n++;
                     }
-                    if (m == M_CERTIFIED) {
+                    if (is_certified(m)) {
                         ag->round2_lists += ci.lists_round2;
                         ag->lists += batch * kv_heads;
                     }
@@ -319,7 +331,7 @@ int cmd_eval(int argc, char **argv) {
                                     inlist[t] = 1;
                                     kept++;
                                 }
-                            if (m == M_CERTIFIED) { /* tokens of its two rounds (the last page is partial) */
+                            if (is_certified(m)) { /* tokens of its two rounds (the last page is partial) */
                                 const int64_t l = b * kv_heads + kh;
                                 kept = (int64_t)(r1[l] + r2[l]) * page - (page - lpl[b]);
                             }
@@ -346,7 +358,7 @@ int cmd_eval(int argc, char **argv) {
                                     res[m][bi].bar_zero += dbar[bh] == 0;
                                     res[m][bi].bar_n++;
                                 }
-                                if (m == M_CERTIFIED) {
+                                if (is_certified(m)) {
                                     res[m][bi].bar_zero++; /* proven exact */
                                     res[m][bi].bar_n++;
                                     /* bound tightness: pages no bound can rule out, at the true tau* */
@@ -374,7 +386,7 @@ int cmd_eval(int argc, char **argv) {
             printf("# eval workload=%s len=%lld B=%lld H=%lld Hk=%lld D=%lld page=%lld dtype=%s alpha=%g steps=%lld\n",
                    wl_name(wk), (long long)len, (long long)batch, (long long)heads, (long long)kv_heads, (long long)dim,
                    (long long)page, ekv_dtype_name(dtype), alpha, (long long)steps);
-            printf("%-13s %8s %11s %11s %10s %11s %10s %12s %11s %10s\n", "method", "budget", "kv_fraction", "delta_mean",
+            printf("%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s\n", "method", "budget", "kv_fraction", "delta_mean",
                    "delta_max", "recall_mean", "recall_min", "rel_err_mean", "rel_err_max", "cosine_min");
             FILE *jf = json ? fopen(json, "w") : NULL;
             if (json && !jf) { fprintf(stderr, "entmaxkv eval: cannot write %s\n", json); rc = 1; }
@@ -386,14 +398,14 @@ int cmd_eval(int argc, char **argv) {
                     agg *a = &res[m][bi];
                     double n = (double)a->n;
                     char bud[32], jb[5][32];
-                    json_num(jb[4], 32, a->loose_sum / n, m == M_CERTIFIED);
-                    json_num(jb[0], 32, m == M_CERTIFIED ? 0.0 : a->bar_max, a->bar_n > 0);
+                    json_num(jb[4], 32, a->loose_sum / n, is_certified(m));
+                    json_num(jb[0], 32, is_certified(m) ? 0.0 : a->bar_max, a->bar_n > 0);
                     json_num(jb[1], 32, a->bar_n ? (double)a->bar_zero / (double)a->bar_n : 0, a->bar_n > 0);
                     json_num(jb[2], 32, a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, a->bytes_n > 0);
-                    json_num(jb[3], 32, a->lists ? (double)a->round2_lists / (double)a->lists : 0, m == M_CERTIFIED);
+                    json_num(jb[3], 32, a->lists ? (double)a->round2_lists / (double)a->lists : 0, is_certified(m));
                     if (budget_free(m)) snprintf(bud, sizeof bud, "null");
                     else snprintf(bud, sizeof bud, "%.8g", budgets[bi]);
-                    printf("%-13s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n", method_names[m],
+                    printf("%-15s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n", method_names[m],
                            budget_free(m) ? "-" : bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max, a->recall_sum / n, a->recall_min,
                            a->err_sum / n, a->err_max, a->cos_min);
                     if (jf)
@@ -412,17 +424,17 @@ int cmd_eval(int argc, char **argv) {
                                 m == M_GAUSSIAN ? a->tau_err_sum / n : 0.0, m == M_GAUSSIAN ? a->tau_err_absmax : 0.0,
                                 m == M_GAUSSIAN ? (tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected") : "exact",
                                 jb[0], jb[1], jb[2], jb[3], jb[4]);
-                    if (a->bar_n && m != M_CERTIFIED)
-                        printf("%-13s delta_bar: max %.3e, proven exact (delta_bar = 0) in %.1f%% of head-steps; bytes %.3f of dense entmax\n",
+                    if (a->bar_n && !is_certified(m))
+                        printf("%-15s delta_bar: max %.3e, proven exact (delta_bar = 0) in %.1f%% of head-steps; bytes %.3f of dense entmax\n",
                                "", a->bar_max, 100.0 * (double)a->bar_zero / (double)a->bar_n,
                                a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0);
-                    if (m == M_CERTIFIED)
-                        printf("%-13s proven exact in every step; round 2 needed by %.1f%% of lists; bytes %.3f of dense entmax;\n"
-                               "%-13s %.1f%% of pages have a bound above tau* (no bound-based method can skip them)\n",
+                    if (is_certified(m))
+                        printf("%-15s proven exact in every step; round 2 needed by %.1f%% of lists; bytes %.3f of dense entmax;\n"
+                               "%-15s %.1f%% of pages have a bound above tau* (no bound-based method can skip them)\n",
                                "", a->lists ? 100.0 * (double)a->round2_lists / (double)a->lists : 0,
                                a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, "", 100.0 * a->loose_sum / n);
                     if (m == M_GAUSSIAN)
-                        printf("%-13s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "", a->tau_err_sum / n,
+                        printf("%-15s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "", a->tau_err_sum / n,
                                a->tau_err_absmax, tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
                     first = 0;
                 }

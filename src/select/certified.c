@@ -54,11 +54,30 @@ ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm, 
             minN = N < minN ? N : minN;
         }
         if (ts.budget_tokens > minN) ts.budget_tokens = minN;
-        if (ts.budget_tokens < 1) ts.budget_tokens = 1;
+        if (ts.budget_tokens < 1 || sel->tau_hint) ts.budget_tokens = 1; /* a hint: only the bounds are needed */
         ekv_page_list sl = {.indptr = l2.indptr, .pages = l2.pages, .capacity = cap, .bounds = bounds, .bounds_stride = maxP};
         s = ekv_select_pages(ctx, prm, &ts, kv, st, t, q, &sl);
         if (s) goto done;
         if (ci) ci->bytes_summary = sl.bytes_summary;
+        /* adaptive round 1: the pages a hint of tau cannot rule out (replaces the top-k pages) */
+        if (sel->tau_hint) {
+            const int64_t G = H / Hk;
+            int64_t w2 = 0;
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t P = t->indptr[b + 1] - t->indptr[b];
+                for (int64_t l = 0; l < heads; l++) {
+                    const int64_t li = b * heads + l, h0 = sel->per_query_head ? l : l * G, hn = sel->per_query_head ? 1 : G;
+                    for (int64_t p = 0; p + 1 < P; p++)
+                        for (int64_t h = h0; h < h0 + hn; h++)
+                            if ((double)bounds[(b * H + h) * maxP + p] > sel->tau_hint[b * H + h]) {
+                                l2.pages[w2++] = (int32_t)p;
+                                break;
+                            }
+                    l2.pages[w2++] = (int32_t)(P - 1);
+                    l2.indptr[li + 1] = w2;
+                }
+            }
+        }
         /* add sink and recent pages (deduplicated; the last page stays last) */
         int64_t w = 0;
         l1.indptr[0] = 0;

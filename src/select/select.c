@@ -31,6 +31,7 @@ ekv_select_params ekv_select_default_params(void) {
     p.use_ball = 0;
     p.sink_pages = 0;
     p.recent_pages = 0;
+    p.tau_hint = NULL;
     return p;
 }
 
