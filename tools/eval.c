@@ -69,6 +69,8 @@ typedef struct {
     double bytes_ratio_sum;             /* bytes read / bytes of dense entmax, per step */
     int64_t bytes_n, round2_lists, lists;
     double loose_sum;                   /* certified: share of pages whose bound exceeds tau* */
+    double super_sum;                   /* certified: share of 16-page superpages whose every page
+                                           bound is <= tau* (an upper limit on what superpages skip) */
     int64_t n;
 } agg;
 
@@ -365,6 +367,14 @@ int cmd_eval(int argc, char **argv) {
                                     int64_t loose = 0, Pb = indptr[b + 1] - indptr[b];
                                     for (int64_t p = 0; p + 1 < Pb; p++) loose += (double)bnd[bh * maxP + p] > tau_star[bh];
                                     res[m][bi].loose_sum += Pb > 1 ? (double)loose / (double)(Pb - 1) : 0.0;
+                                    int64_t sp_all = 0, sp_skip = 0;
+                                    for (int64_t s0 = 0; s0 + 16 <= Pb - 1; s0 += 16) {
+                                        int skip = 1;
+                                        for (int64_t p = s0; p < s0 + 16 && skip; p++) skip = (double)bnd[bh * maxP + p] <= tau_star[bh];
+                                        sp_all++;
+                                        sp_skip += skip;
+                                    }
+                                    res[m][bi].super_sum += sp_all ? (double)sp_skip / (double)sp_all : 0.0;
                                 }
                                 if (m == M_GAUSSIAN) {
                                     double te = tau_hat[bh] - tau_star[bh];
@@ -397,8 +407,9 @@ int cmd_eval(int argc, char **argv) {
                 for (int bi = 0; bi < (budget_free(m) ? 1 : nbudgets); bi++) {
                     agg *a = &res[m][bi];
                     double n = (double)a->n;
-                    char bud[32], jb[5][32];
+                    char bud[32], jb[6][32];
                     json_num(jb[4], 32, a->loose_sum / n, is_certified(m));
+                    json_num(jb[5], 32, a->super_sum / n, is_certified(m));
                     json_num(jb[0], 32, is_certified(m) ? 0.0 : a->bar_max, a->bar_n > 0);
                     json_num(jb[1], 32, a->bar_n ? (double)a->bar_zero / (double)a->bar_n : 0, a->bar_n > 0);
                     json_num(jb[2], 32, a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, a->bytes_n > 0);
@@ -416,23 +427,25 @@ int cmd_eval(int argc, char **argv) {
                                 "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\",\"steps\":%lld,"
                                 "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\","
                                 "\"delta_bound_max\":%s,\"certified_fraction\":%s,\"bytes_vs_dense_entmax\":%s,"
-                                "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s}",
+                                "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s,\"superpages_skippable_max\":%s}",
                                 first ? "" : ",\n", method_names[m], bud, a->kvf_sum / n, a->delta_sum / n,
                                 a->delta_max, a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
                                 wl_name(wk), (long long)len, alpha, (long long)heads, (long long)kv_heads, (long long)dim,
                                 (long long)page, ekv_dtype_name(dtype), (long long)steps, (long long)a->n,
                                 m == M_GAUSSIAN ? a->tau_err_sum / n : 0.0, m == M_GAUSSIAN ? a->tau_err_absmax : 0.0,
                                 m == M_GAUSSIAN ? (tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected") : "exact",
-                                jb[0], jb[1], jb[2], jb[3], jb[4]);
+                                jb[0], jb[1], jb[2], jb[3], jb[4], jb[5]);
                     if (a->bar_n && !is_certified(m))
                         printf("%-15s delta_bar: max %.3e, proven exact (delta_bar = 0) in %.1f%% of head-steps; bytes %.3f of dense entmax\n",
                                "", a->bar_max, 100.0 * (double)a->bar_zero / (double)a->bar_n,
                                a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0);
                     if (is_certified(m))
                         printf("%-15s proven exact in every step; round 2 needed by %.1f%% of lists; bytes %.3f of dense entmax;\n"
-                               "%-15s %.1f%% of pages have a bound above tau* (no bound-based method can skip them)\n",
+                               "%-15s %.1f%% of pages have a bound above tau* (no bound-based method can skip them);\n"
+                               "%-15s at most %.1f%% of 16-page superpages could be skipped (every page bound <= tau*)\n",
                                "", a->lists ? 100.0 * (double)a->round2_lists / (double)a->lists : 0,
-                               a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, "", 100.0 * a->loose_sum / n);
+                               a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, "", 100.0 * a->loose_sum / n, "",
+                               100.0 * a->super_sum / n);
                     if (m == M_GAUSSIAN)
                         printf("%-15s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "", a->tau_err_sum / n,
                                a->tau_err_absmax, tau_mode == EKV_TAU_EXACT ? "exact" : tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
