@@ -96,3 +96,23 @@ void *ekv_context_workspace(ekv_context *ctx, size_t bytes) {
     ctx->workspace_bytes = want;
     return p;
 }
+
+char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
+                           ekv_status *status) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        offsets[i] = total;
+        if (sizes[i] < 0 || ekv_add_i64(total, (sizes[i] + 63) & ~(int64_t)63, &total)) {
+            *status = ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "%s: workspace size overflows", what);
+            return NULL;
+        }
+    }
+    char *ws = ekv_context_workspace(ctx, (size_t)(total > 0 ? total : 64));
+    if (!ws) {
+        *status = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "%s: cannot allocate %.1f MiB of workspace", what,
+                           (double)total / (1 << 20));
+        return NULL;
+    }
+    *status = EKV_OK;
+    return ws;
+}

@@ -38,6 +38,11 @@ ekv_status ekv_fail(ekv_context *ctx, ekv_status status, const char *fmt, ...) E
 void ekv_clear_error(ekv_context *ctx);
 /* Returns a workspace of at least `bytes` (64-byte aligned), or NULL on OOM. */
 void *ekv_context_workspace(ekv_context *ctx, size_t bytes);
+/* Lays out n blocks of sizes[i] bytes, each 64-byte aligned, in the context workspace:
+ * block i starts at base + offsets[i]. Returns base, or NULL with *status set (overflow or
+ * out of memory, the message naming `what`). */
+char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
+                           ekv_status *status);
 
 /* Checked int64 arithmetic: returns 0 and sets *out, or -1 on overflow. */
 static inline int ekv_mul_i64(int64_t a, int64_t b, int64_t *out) {

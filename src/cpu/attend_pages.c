@@ -286,14 +286,10 @@ static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, cons
     const int64_t W = ctx->n_threads, ntask = j.B * j.heads;
     int64_t sz[11] = {j.B * j.H * j.D * 4, W * j.Gl * nmax * 4, W * nmax * 8, W * nmax * 8, W * nmax * 8,
                       W * nmax * 8, W * nmax, W * nmax * 8, ntask * 8, ntask * 8, bounds ? W * nmax * 4 : 0};
-    int64_t off[11], total = 0;
-    for (int i = 0; i < 11; i++) {
-        off[i] = total;
-        if (sz[i] < 0 || ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
-            return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "attention workspace overflows");
-    }
-    char *ws = ekv_context_workspace(ctx, (size_t)total);
-    if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MiB of workspace", (double)total / (1 << 20));
+    int64_t off[11];
+    ekv_status wst;
+    char *ws = ekv_workspace_blocks(ctx, sz, 11, off, "attention over pages", &wst);
+    if (!ws) return wst;
     float *qs = (float *)(ws + off[0]);
     j.w_z = (float *)(ws + off[1]);
     j.w_tok = (int64_t *)(ws + off[2]);

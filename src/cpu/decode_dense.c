@@ -195,44 +195,29 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
         ntasks += (np + pages_per_chunk - 1) / pages_per_chunk;
     }
     const int64_t W = ctx->n_threads;
-    int64_t bytes = 0, off_qs, off_z, off_seq, off_cmax, off_idx, off_y, off_y2, off_mark, off_bv, off_uni, t1;
-#define RESERVE(off, n)                                                                       \
-    do {                                                                                      \
-        off = bytes;                                                                          \
-        if (ekv_add_i64(bytes, ((int64_t)(n) + 63) & ~(int64_t)63, &bytes))                   \
-            return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "decode workspace overflows");         \
-    } while (0)
+    int64_t t1;
     if (ekv_mul_i64(total_tok, j.H * 4, &t1))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "score buffer overflows");
-    RESERVE(off_qs, j.B * j.H * j.D * 4);
-    RESERVE(off_z, t1);
-    RESERVE(off_seq, j.B * 4 * 8);
-    RESERVE(off_cmax, ntasks * j.H * 4);
-    RESERVE(off_idx, W * nmax * 8);
-    RESERVE(off_y, W * nmax * 8);
-    RESERVE(off_y2, W * nmax * 8);
-    RESERVE(off_mark, W * nmax);
-    RESERVE(off_uni, W * nmax * 8);
-    RESERVE(off_bv, j.B * j.Hk * 8);
-#undef RESERVE
-    char *ws = ekv_context_workspace(ctx, (size_t)bytes);
-    if (!ws)
-        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MiB of decode workspace",
-                        (double)bytes / (1 << 20));
-    float *qs = (float *)(ws + off_qs);
-    j.z = (float *)(ws + off_z);
-    j.tok_off = (int64_t *)(ws + off_seq);
+    enum { QS, Z, SEQ, CMAX, IDX, Y, Y2, MARK, UNI, BV, NBLOCKS };
+    const int64_t sz[NBLOCKS] = {j.B * j.H * j.D * 4, t1, j.B * 4 * 8, ntasks * j.H * 4, W * nmax * 8, W * nmax * 8,
+                                 W * nmax * 8, W * nmax, W * nmax * 8, j.B * j.Hk * 8};
+    int64_t off[NBLOCKS];
+    char *ws = ekv_workspace_blocks(ctx, sz, NBLOCKS, off, "dense decode", &st);
+    if (!ws) return st;
+    float *qs = (float *)(ws + off[QS]);
+    j.z = (float *)(ws + off[Z]);
+    j.tok_off = (int64_t *)(ws + off[SEQ]);
     j.len = j.tok_off + j.B;
     j.chunks = j.len + j.B;
     j.task_off = j.chunks + j.B;
-    j.cmax = (float *)(ws + off_cmax);
+    j.cmax = (float *)(ws + off[CMAX]);
     j.nmax = nmax;
-    j.w_idx = (int64_t *)(ws + off_idx);
-    j.w_y = (double *)(ws + off_y);
-    j.w_y2 = (double *)(ws + off_y2);
-    j.w_mark = (uint8_t *)(ws + off_mark);
-    j.w_union = (int64_t *)(ws + off_uni);
-    j.bytes_v = (int64_t *)(ws + off_bv);
+    j.w_idx = (int64_t *)(ws + off[IDX]);
+    j.w_y = (double *)(ws + off[Y]);
+    j.w_y2 = (double *)(ws + off[Y2]);
+    j.w_mark = (uint8_t *)(ws + off[MARK]);
+    j.w_union = (int64_t *)(ws + off[UNI]);
+    j.bytes_v = (int64_t *)(ws + off[BV]);
     memset(j.w_mark, 0, (size_t)(W * nmax));
     int64_t tok = 0, toff = 0;
     for (int64_t b = 0; b < j.B; b++) {

@@ -204,14 +204,10 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     const int64_t BH = j.B * j.H, W = ctx->n_threads;
     int64_t sz[8] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.B * j.heads * maxP * 4, j.B * j.heads * 8,
                      W * maxP * 8, W * j.G * j.D * 4};
-    int64_t off[8], total = 0;
-    for (int i = 0; i < 8; i++) {
-        off[i] = total;
-        if (ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
-            return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "gaussian selector workspace overflows");
-    }
-    char *ws = ekv_context_workspace(ctx, (size_t)total);
-    if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for the gaussian selector");
+    int64_t off[8];
+    ekv_status s;
+    char *ws = ekv_workspace_blocks(ctx, sz, 8, off, "gaussian selector", &s);
+    if (!ws) return s;
     j.mu = (double *)(ws + off[0]);
     j.sig = (double *)(ws + off[1]);
     j.mug = (double *)(ws + off[2]);

@@ -179,14 +179,9 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
         int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4, (B + 1) * 8,
                          W * ustride * 4,
                          W * ustride * (int64_t)sizeof(scored_page)};
-        int64_t off[5], total = 0;
-        for (int i = 0; i < 5; i++) {
-            off[i] = total;
-            if (ekv_add_i64(total, (sz[i] + 63) & ~(int64_t)63, &total))
-                return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "selection workspace overflows");
-        }
-        char *ws = ekv_context_workspace(ctx, (size_t)total);
-        if (!ws) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for page selection");
+        int64_t off[5];
+        char *ws = ekv_workspace_blocks(ctx, sz, 5, off, "page selection", &s);
+        if (!ws) return s;
         if (list->bounds && list->bounds_stride < maxP)
             return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below the most pages (%lld)",
                             (long long)list->bounds_stride, (long long)maxP);
