@@ -152,6 +152,12 @@ typedef struct ekv_page_stats {
     const float *km2;    /* Welford sum of squared deviations from the mean */
     const float *radius;
     const int32_t *count;/* tokens currently in each physical page */
+    /* Superpages (SPEC 9.6, optional): physical pages [s*superpage_pages, (s+1)*superpage_pages)
+     * form superpage s; smin/smax [(s*num_kv_heads + head)*head_dim + d] bound every key of
+     * those pages (possibly loosely: freed pages may still count). 0 = none. */
+    int32_t superpage_pages;
+    const float *smin;
+    const float *smax;
 } ekv_page_stats;
 
 /*
@@ -178,6 +184,7 @@ typedef struct ekv_cache_params {
     int32_t head_dim;     /* default 128                                                */
     ekv_dtype dtype;      /* storage dtype of K and V (default f16)                      */
     int32_t max_seqs;     /* sequences alive at once (default 64)                       */
+    int32_t superpage_pages; /* physical pages per superpage summary, 0 = none (default 16) */
 } ekv_cache_params;
 
 EKV_API ekv_cache_params ekv_cache_default_params(void);
@@ -293,6 +300,11 @@ typedef struct ekv_select_params {
     int32_t use_ball;
     /* certified round 1 also reads the first sink_pages and the last recent_pages pages */
     int32_t sink_pages, recent_pages;
+    /* certified bounds (use_ball): with a lower bound tau_lb[b*num_heads + h] of each head's tau
+     * (z-space), the bound stage skips the page summaries of every superpage whose bound is
+     * already <= tau_lb, giving its pages the superpage bound instead (SPEC 9.6). Certified
+     * decode computes it from the recent pages when the cache has superpages. */
+    const double *tau_lb;
     /* certified, adaptive round 1: when not NULL, round 1 is every page whose certified bound
      * exceeds tau_hint[b*num_heads + h] (z-space) for a head of the list, instead of a token
      * budget. A hint at or below the true tau (the previous step's tau, the gaussian tau-hat)

@@ -1048,6 +1048,15 @@ static void test_sizes(test_rng *r) {
         p.dtype = (ekv_dtype)test_range(r, 0, 2);
         p.num_pages = test_range(r, 1, 100000);
         const int64_t epp = (int64_t)p.page_size * p.num_kv_heads * p.head_dim;
+        /* superpage summaries: two fp32 arrays per (superpage, head, dim), ceil(pages / S) of them */
+        {
+            ekv_cache_params s0 = p;
+            s0.superpage_pages = 0;
+            const int64_t nsp = (p.num_pages + p.superpage_pages - 1) / p.superpage_pages;
+            CHECK(ekv_cache_bytes_needed(&p) - ekv_cache_bytes_needed(&s0) == nsp * p.num_kv_heads * p.head_dim * 8,
+                  "superpage bytes are not 2 floats per (superpage, head, dim)");
+            p.superpage_pages = 0; /* the exact size relations below are for the flat pool */
+        }
         const int64_t b1 = ekv_cache_bytes_needed(&p);
         /* at least K + V + the four [page][head][dim] fp32 summary arrays + radius */
         const int64_t lower = 2 * p.num_pages * epp * ekv_dtype_size(p.dtype) +

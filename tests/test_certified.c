@@ -33,7 +33,7 @@ int main(void) {
     test_rng r = {0xc0ffee};
     const ekv_dtype dts[3] = {EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_BF16};
     const double alphas[4] = {1.5, 2.0, 1.25, 3.0};
-    int steps = 0, round2 = 0, bar_zero = 0, exact_when_zero = 0, hinted = 0;
+    int steps = 0, round2 = 0, bar_zero = 0, exact_when_zero = 0, hinted = 0, superpage_steps = 0, superpage_saved = 0;
     double worst_rel = 0, worst_bound_gap = 1e300;
     for (int c = 0; c < 240; c++) {
         const int Hk = 1 + c % 2, G = 1 << (c % 3), H = Hk * G, D = c % 5 == 0 ? 24 : 32;
@@ -129,7 +129,21 @@ int main(void) {
             ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = P * H, .bounds = bnd, .bounds_stride = P};
             sp.method = EKV_SELECT_TOPK;
             sp.tau_hint = NULL;
+            /* half the steps let the bound stage skip superpages below tau* (a valid lower
+             * bound): the bound fuzz below then covers the superpage bounds too */
+            sp.tau_lb = rep % 2 ? taud : NULL;
+            int64_t flat_bytes = 0;
+            if (sp.tau_lb) {
+                ekv_select_params fl = sp;
+                fl.tau_lb = NULL;
+                CHECK(ekv_select_pages(ctx, &dp, &fl, &kv, &st, &tab, q, &list) == EKV_OK, "flat topk");
+                flat_bytes = list.bytes_summary;
+            }
             CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_OK, "topk: %s", ekv_last_error(ctx));
+            if (sp.tau_lb) {
+                superpage_steps++;
+                superpage_saved += list.bytes_summary < flat_bytes;
+            }
             double taus[8];
             ekv_decode_info is = {taus, NULL, 0, 0};
             CHECK(ekv_decode_pages(ctx, &dp, &kv, &tab, &list, q, oc, &is) == EKV_OK, "topk pages");
@@ -183,6 +197,8 @@ int main(void) {
            worst_bound_gap);
     CHECK(bar_zero == exact_when_zero, "delta_bar = 0 but the output was not exact");
     CHECK(hinted > 500, "too few hinted steps (%d)", hinted);
+    printf("superpage skipping read fewer summary bytes in %d of %d steps\n", superpage_saved, superpage_steps);
+    CHECK(superpage_saved > 50, "superpages never skipped anything (%d of %d)", superpage_saved, superpage_steps);
     CHECK(steps >= 2000 && round2 > 50 && round2 < steps, "the step mix did not exercise both rounds (%d of %d)", round2, steps);
     ekv_context_free(ctx);
     return test_finish("test_certified");

@@ -79,7 +79,7 @@ static void test_rule(ekv_context *ctx) {
         kmin[p] = kmax[p] = rad[p] = 0;
     }
     ekv_paged_kv kv = {dummy, dummy, EKV_DTYPE_F32, PS, 1, 1, P, PS, PS, 1};
-    ekv_page_stats st = {kmin, kmax, kmean, km2, rad, count};
+    ekv_page_stats st = {.kmin = kmin, .kmax = kmax, .kmean = kmean, .km2 = km2, .radius = rad, .count = count};
     int64_t indptr[2] = {0, P};
     int32_t idx[P], lpl[1] = {3};
     for (int p = 0; p < P; p++) idx[p] = p;

@@ -94,6 +94,7 @@ ekv_status ekv_cache_append(ekv_cache *c, int32_t seq, int64_t n_tokens, const v
     for (int64_t i = 0; i < new_pages; i++) {
         int32_t page = c->free_pages[--c->n_free];
         ekv_summary_reset_page(c, page);
+        ekv_summary_rebuild_superpage(c, page); /* drop the reused page's old keys from it */
         s->pages[s->npages++] = page;
     }
     /* Token counts are per page (shared by heads); the radius pass reads them. */

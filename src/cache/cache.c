@@ -31,6 +31,7 @@ ekv_cache_params ekv_cache_default_params(void) {
     p.head_dim = 128;
     p.dtype = EKV_DTYPE_F16;
     p.max_seqs = 64;
+    p.superpage_pages = 16;
     return p;
 }
 
@@ -57,6 +58,8 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]", p->head_dim);
     if (!ekv_dtype_valid(p->dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->dtype);
+    if (p->superpage_pages < 0 || p->superpage_pages > 4096)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
     if (p->max_seqs <= 0 || p->max_seqs > (1 << 24))
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]", p->max_seqs);
     int64_t epp = (int64_t)p->num_kv_heads * p->page_size * p->head_dim, kvb, sf, sb, t;
@@ -71,6 +74,8 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     *kv_bytes = kvb / 2;
     *stat_floats = sf;
     *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
+    if (p->superpage_pages > 0) /* two fp32 arrays per (superpage, head, dim) */
+        *total += ((p->num_pages + p->superpage_pages - 1) / p->superpage_pages) * p->num_kv_heads * p->head_dim * 8;
     return EKV_OK;
 }
 
@@ -90,6 +95,8 @@ void ekv_cache_free(ekv_cache *c) {
     free(c->kmean);
     free(c->km2);
     free(c->radius);
+    free(c->smin);
+    free(c->smax);
     free(c->count);
     free(c->free_pages);
     if (c->seqs)
@@ -119,14 +126,23 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     c->km2 = malloc((size_t)sf * sizeof(float));
     c->radius = calloc((size_t)params->num_pages * params->num_kv_heads, sizeof(float));
     c->count = calloc((size_t)params->num_pages, sizeof(int32_t));
+    const int64_t nsp = params->superpage_pages > 0 ? (params->num_pages + params->superpage_pages - 1) / params->superpage_pages : 0;
+    if (nsp) {
+        c->smin = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
+        c->smax = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
+    }
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
-    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius ||
+    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax)) ||
         !c->count || !c->free_pages || !c->seqs) {
         ekv_cache_free(c);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
                         "cannot allocate %.2f GiB for %lld pages (K, V and summaries)",
                         (double)total / (1 << 30), (long long)params->num_pages);
+    }
+    for (int64_t i = 0; i < nsp * params->num_kv_heads * params->head_dim; i++) { /* empty: neutral */
+        c->smin[i] = INFINITY;
+        c->smax[i] = -INFINITY;
     }
     /* Free list as a stack, lowest page id on top. */
     for (int64_t i = 0; i < params->num_pages; i++)
@@ -208,6 +224,9 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->km2 = c->km2;
         stats->radius = c->radius;
         stats->count = c->count;
+        stats->superpage_pages = c->smin ? c->p.superpage_pages : 0;
+        stats->smin = c->smin;
+        stats->smax = c->smax;
     }
     return EKV_OK;
 }

@@ -17,6 +17,7 @@ struct ekv_cache {
     void *k, *v;
     float *kmin, *kmax, *kmean, *km2; /* [page][head][dim] */
     float *radius;                    /* [page][head] */
+    float *smin, *smax;               /* [superpage][head][dim], NULL without superpages */
     int32_t *count;                   /* [page] tokens in the page */
     int32_t *free_pages;              /* stack of free page ids */
     int64_t n_free;
@@ -30,6 +31,8 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page);
 /* Adds one stored key row (already in storage precision, as floats) to the running
  * statistics of (page, head); `n` is the token count after adding it. */
 void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n);
+/* Recomputes the superpage box of the superpage holding `page` from its pages (all heads). */
+void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page);
 /* Recomputes the exact radius of (page, head) from the stored keys and stored mean. */
 void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head);
 #endif

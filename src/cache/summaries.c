@@ -24,15 +24,43 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page) {
     c->count[page] = 0;
 }
 
+void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page) {
+    if (!c->smin) return;
+    const int64_t D = c->p.head_dim, H = c->p.num_kv_heads, S = c->p.superpage_pages, sid = page / S;
+    float *smn = c->smin + sid * H * D, *smx = c->smax + sid * H * D;
+    for (int64_t i = 0; i < H * D; i++) {
+        smn[i] = INFINITY;
+        smx[i] = -INFINITY;
+    }
+    for (int64_t pg = sid * S; pg < (sid + 1) * S && pg < c->p.num_pages; pg++) {
+        if (c->count[pg] <= 0) continue; /* free, never used, or being reset: no live keys */
+        const float *mn = c->kmin + pg * H * D, *mx = c->kmax + pg * H * D;
+        for (int64_t i = 0; i < H * D; i++) {
+            if (mn[i] < smn[i]) smn[i] = mn[i];
+            if (mx[i] > smx[i]) smx[i] = mx[i];
+        }
+    }
+}
+
 void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n) {
     int64_t D = c->p.head_dim;
     int64_t off = ((int64_t)page * c->p.num_kv_heads + head) * D;
     float *mn = c->kmin + off, *mx = c->kmax + off, *me = c->kmean + off, *m2 = c->km2 + off;
+    float *smn = NULL, *smx = NULL; /* the superpage box only grows between resets */
+    if (c->smin) {
+        const int64_t soff = ((int64_t)(page / c->p.superpage_pages) * c->p.num_kv_heads + head) * D;
+        smn = c->smin + soff;
+        smx = c->smax + soff;
+    }
     double inv_n = 1.0 / n;
     for (int64_t d = 0; d < D; d++) {
         float x = row[d];
         if (x < mn[d]) mn[d] = x;
         if (x > mx[d]) mx[d] = x;
+        if (smn) {
+            if (x < smn[d]) smn[d] = x;
+            if (x > smx[d]) smx[d] = x;
+        }
         double old = me[d];
         double mean = old + (x - old) * inv_n;
         me[d] = (float)mean;

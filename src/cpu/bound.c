@@ -30,6 +30,8 @@ typedef struct {
     const float *qfull, *zeros; /* [B][H][D] q', [G*D] zeros (ball dot through bound_box) */
     const double *qnorm;      /* [B][H] ||q'|| rounded up */
     int with_ball;
+    const double *tau_lb;     /* [B*H] lower bounds of tau (superpage skipping), or NULL */
+    int64_t *bytes;           /* [task] summary bytes read */
     float *u;                 /* [B][H][ustride] */
     int64_t ustride, H, G, D, B;
     double a;
@@ -50,11 +52,52 @@ static void bound_task(void *vp, int64_t task, int worker) {
     for (int64_t pb = p0; pb < p1; pb += STEP) {
         const int np = (int)(p1 - pb < STEP ? p1 - pb : STEP);
         for (int64_t kvh = 0; kvh < Hk; kvh++) {
+            const int64_t qo = (b * H + kvh * G) * D;
+            float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
+            /* superpages (SPEC 9.6): a page whose superpage bound is already <= tau_lb for every
+             * head of the group takes that bound and its own summaries are not read */
+            int skip[STEP] = {0}, keep[STEP], nk = 0;
+            float spu[STEP][8 * 32]; /* superpage bound (+ slack) per page and head, G <= 256 */
+            if (j->tau_lb && j->st->smin && G <= 256) {
+                int64_t last_sid = -1;
+                float cur[256];
+                for (int i = 0; i < np; i++) {
+                    const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i], sid = page / j->st->superpage_pages;
+                    if (sid != last_sid) {
+                        const int64_t so = (sid * Hk + kvh) * D;
+                        const float *smn = j->st->smin + so, *smx = j->st->smax + so;
+                        j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, &smn, &smx, 1, D, cur, 1);
+                        for (int64_t g = 0; g < G; g++) { /* rounding slack: 4(D+4)u sum |q'_d| max|k_d| */
+                            double sa = 0;
+                            for (int64_t d = 0; d < D; d++) {
+                                double amax = fmax(fabs((double)j->st->smin[so + d]), fabs((double)j->st->smax[so + d]));
+                                sa += ((double)j->qpos[qo + g * D + d] - (double)j->qneg[qo + g * D + d]) * amax;
+                            }
+                            cur[g] = (float)((double)cur[g] + 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * sa + 1e-30);
+                        }
+                        j->bytes[task] += 2 * D * (int64_t)sizeof(float);
+                        last_sid = sid;
+                    }
+                    int all = 1;
+                    for (int64_t g = 0; g < G && all; g++) {
+                        const double am = j->prm->alibi_slopes ? j->a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+                        const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
+                        double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
+                                   8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+                        spu[i][g % 256] = (float)u;
+                        if ((double)(float)u < u) spu[i][g % 256] = nextafterf((float)u, INFINITY);
+                        all = (double)spu[i][g % 256] <= j->tau_lb[b * H + kvh * G + g];
+                    }
+                    skip[i] = all && G <= 256;
+                }
+            }
+            for (int i = 0; i < np; i++)
+                if (!skip[i]) keep[nk++] = i;
             const float *mn[STEP], *mx[STEP];
-            for (int i = 0; i < np; i++) {
-                const int64_t so = ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + i] * Hk + kvh) * D;
-                mn[i] = j->st->kmin + so;
-                mx[i] = j->st->kmax + so;
+            for (int k = 0; k < nk; k++) {
+                const int64_t so = ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + keep[k]] * Hk + kvh) * D;
+                mn[k] = j->st->kmin + so;
+                mx[k] = j->st->kmax + so;
             }
             /* prefetch the same head's summaries PF_BLOCKS calls ahead (the pass is short on
              * compute per byte, so memory latency is the thing to hide) */
@@ -66,15 +109,15 @@ static void bound_task(void *vp, int64_t task, int worker) {
                         __builtin_prefetch(j->st->kmax + so + d, 0, 2);
                     }
                 }
-            const int64_t qo = (b * H + kvh * G) * D;
-            float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
-            j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, np, D, uo, j->ustride);
+            float box[STEP * 256];
+            if (nk) j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
+            j->bytes[task] += nk * (D * (j->with_ball ? 3 : 2) * (int64_t)sizeof(float) + (j->with_ball ? 4 : 0));
             float ball[8 * 256];
             double cn[8], rr[8];
-            if (j->with_ball) {
+            if (j->with_ball && nk) {
                 const float *mean[STEP];
-                for (int i = 0; i < np; i++) {
-                    const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i];
+                for (int i = 0; i < nk; i++) {
+                    const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + keep[i]];
                     const int64_t so = (page * Hk + kvh) * D;
                     mean[i] = j->st->kmean + so;
                     /* ||c_p||, only used inside the slack: fp32 partial sums (vectorised), rounded up */
@@ -89,18 +132,21 @@ static void bound_task(void *vp, int64_t task, int worker) {
                     rr[i] = j->st->radius[page * Hk + kvh];
                 }
                 /* <q', c_p> through the box kernel: qpos = q', qneg = 0 */
-                j->kern->bound_box(j->qfull + qo, j->zeros, D, (int)G, mean, mean, np, D, ball, STEP);
+                j->kern->bound_box(j->qfull + qo, j->zeros, D, (int)G, mean, mean, nk, D, ball, STEP);
             }
             for (int64_t g = 0; g < G; g++) {
                 const double am = j->prm->alibi_slopes ? j->a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
                 const double qn = j->qnorm ? j->qnorm[b * H + kvh * G + g] : 0.0;
-                for (int i = 0; i < np; i++) {
+                for (int i = 0; i < np; i++)
+                    if (skip[i]) uo[g * j->ustride + i] = spu[i][g];
+                for (int k = 0; k < nk; k++) {
+                    const int i = keep[k];
                     const int64_t p = pb + i, last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
-                    double u = uo[g * j->ustride + i];
+                    double u = box[g * STEP + k];
                     if (j->with_ball) {
-                        double ub = (double)ball[g * STEP + i] + qn * rr[i];
+                        double ub = (double)ball[g * STEP + k] + qn * rr[k];
                         u = u < ub ? u : ub;
-                        u += 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * qn * (cn[i] + rr[i]) + 1e-30;
+                        u += 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * qn * (cn[k] + rr[k]) + 1e-30;
                         u += 8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
                     }
                     u += am * (double)(last - (N - 1));
@@ -115,7 +161,8 @@ static void bound_task(void *vp, int64_t task, int worker) {
 
 ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
-                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball) {
+                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball, const double *tau_lb,
+                               int64_t *bytes_read) {
     bound_job j;
     memset(&j, 0, sizeof j);
     j.kern = ekv_cpu_kernels_for(ctx->isa);
@@ -159,6 +206,14 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
         task_off[b + 1] = task_off[b] + (P - 1 + BOUND_CHUNK_PAGES - 1) / BOUND_CHUNK_PAGES;
     }
     j.task_off = task_off;
+    j.tau_lb = j.with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;
+    int64_t *bytes = calloc((size_t)(task_off[j.B] > 0 ? task_off[j.B] : 1), sizeof(int64_t));
+    if (!bytes) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "bound: out of memory");
+    j.bytes = bytes;
     ekv_pool_run(ctx->pool, task_off[j.B], bound_task, &j);
+    int64_t total = 0;
+    for (int64_t t = 0; t < task_off[j.B]; t++) total += bytes[t];
+    free(bytes);
+    if (bytes_read) *bytes_read = total;
     return EKV_OK;
 }

@@ -6,7 +6,9 @@
 /*
  * Page bounds u[(b*H + h)*ustride + p] for pages p in [0, P_b - 1) of every sequence and
  * query head (z-space, ALiBi bonus included): the box bound, or with with_ball the certified
- * min(box, ball) + rounding slack (bound.c). Scratch: qsplit holds
+ * min(box, ball) + rounding slack (bound.c); with tau_lb (certified bounds and a cache with
+ * superpages) pages of superpages already below tau_lb get the superpage bound and their
+ * summaries are not read. *bytes_read = summary bytes read. Scratch: qsplit holds
  * ekv_cpu_bound_scratch_floats(B, H, G, D) floats, task_off B+1 int64. Arguments must
  * already be validated.
  */
@@ -15,5 +17,6 @@ static inline int64_t ekv_cpu_bound_scratch_floats(int64_t B, int64_t H, int64_t
 }
 ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
-                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball);
+                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball, const double *tau_lb,
+                               int64_t *bytes_read);
 #endif

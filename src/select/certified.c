@@ -55,8 +55,34 @@ ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm, 
         }
         if (ts.budget_tokens > minN) ts.budget_tokens = minN;
         if (ts.budget_tokens < 1 || sel->tau_hint) ts.budget_tokens = 1; /* a hint: only the bounds are needed */
+        /* round 0 (superpages, SPEC 9.6): tau over the last pages is a lower bound of tau*, so
+         * the bound stage can skip the summaries of every superpage already below it */
+        double *tau0 = NULL;
+        if (st->smin && st->superpage_pages > 0 && !ts.tau_lb) {
+            const int64_t R0 = sel->recent_pages > 0 ? sel->recent_pages + 1 : 4;
+            tau0 = malloc(sizeof(double) * (size_t)(B * H));
+            if (!tau0) { s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "certified: out of memory"); goto done; }
+            int64_t w0 = 0;
+            l1.indptr[0] = 0;
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t P = t->indptr[b + 1] - t->indptr[b];
+                for (int64_t l = 0; l < heads; l++) {
+                    for (int64_t p = P - R0 > 0 ? P - R0 : 0; p < P; p++) l1.pages[w0++] = (int32_t)p;
+                    l1.indptr[b * heads + l + 1] = w0;
+                }
+            }
+            ekv_page_list list0 = {.heads = (int32_t)heads, .indptr = l1.indptr, .pages = l1.pages, .capacity = cap};
+            ekv_decode_info i0 = {tau0, NULL, 0, 0};
+            float *o0 = malloc(sizeof(float) * (size_t)(B * H * kv->head_dim));
+            if (!o0) { free(tau0); s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "certified: out of memory"); goto done; }
+            s = ekv_decode_pages(ctx, prm, kv, t, &list0, q, o0, &i0);
+            free(o0);
+            if (s) { free(tau0); goto done; }
+            ts.tau_lb = tau0;
+        }
         ekv_page_list sl = {.indptr = l2.indptr, .pages = l2.pages, .capacity = cap, .bounds = bounds, .bounds_stride = maxP};
         s = ekv_select_pages(ctx, prm, &ts, kv, st, t, q, &sl);
+        free(tau0);
         if (s) goto done;
         if (ci) ci->bytes_summary = sl.bytes_summary;
         /* adaptive round 1: the pages a hint of tau cannot rule out (replaces the top-k pages) */

@@ -32,6 +32,7 @@ ekv_select_params ekv_select_default_params(void) {
     p.sink_pages = 0;
     p.recent_pages = 0;
     p.tau_hint = NULL;
+    p.tau_lb = NULL;
     return p;
 }
 
@@ -188,8 +189,9 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
         const int with_ball = sel->use_ball || list->bounds != NULL;
         if (with_ball && (!st->kmean || !st->radius))
             return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmean/radius are needed for the ball bound");
+        int64_t read_bytes = 0;
         s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, (float *)(ws + off[0]), ustride, (float *)(ws + off[1]),
-                                (int64_t *)(ws + off[2]), with_ball);
+                                (int64_t *)(ws + off[2]), with_ball, sel->tau_lb, &read_bytes);
         if (s) return s;
         if (list->bounds)
             for (int64_t bh = 0; bh < B * H; bh++)
@@ -204,9 +206,8 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
                 w += nsel + 1;
                 list->indptr[b * heads + l + 1] = w;
             }
-            bytes_summary += (P - 1) * Hk * (kv->head_dim * (with_ball ? 3 : 2) + (with_ball ? 1 : 0)) *
-                             (int64_t)sizeof(float); /* kmin + kmax (+ kmean and the radius) */
         }
+        bytes_summary = read_bytes; /* kmin + kmax (+ kmean and the radius), superpages skipped */
         topk_job j = {sel, t, list, (const float *)(ws + off[0]), ustride, H, G, heads, ps,
                       (float *)(ws + off[3]), (scored_page *)(ws + off[4])};
         ekv_pool_run(ctx->pool, B * heads, topk_list, &j);
