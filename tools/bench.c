@@ -23,6 +23,8 @@ static void bench_help(FILE *f) {
             "  --kv-heads HK         KV heads, must divide H (default 8)\n"
             "  --dim D               head dim (default 128)\n"
             "  --page P              page size, 1..256 (default 16)\n"
+            "  --superpage S         pages per superpage summary, 0 = none (default 16; used by\n"
+            "                        certified decode)\n"
             "  --dtype f32|f16|bf16  K/V storage (default f16)\n"
             "  --alpha A             1 = softmax, (1, 4] entmax (default 1.5)\n"
             "  --method M            dense | topk | gaussian | certified: dense attention, page\n"
@@ -53,7 +55,7 @@ typedef struct {
     int64_t budget_tokens;
     int64_t lens[64];
     int nlens;
-    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed;
+    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed, superpage;
     ekv_dtype dtype;
     ekv_isa isa;
     double alpha;
@@ -76,7 +78,7 @@ static void parse(int argc, char **argv, bench_opts *o) {
     memset(o, 0, sizeof *o);
     o->backend = "cpu"; o->method = "dense"; o->workload = "random";
     o->batch = 1; o->heads = 32; o->kv_heads = 8; o->dim = 128; o->page = 16;
-    o->threads = 0; o->iters = 30; o->warmup = 3; o->seed = 1;
+    o->threads = 0; o->iters = 30; o->warmup = 3; o->seed = 1; o->superpage = 16;
     o->dtype = EKV_DTYPE_F16; o->alpha = 1.5; o->isa = EKV_ISA_AUTO;
     o->budget = 1.0 / 16; o->budget_tokens = 0; o->wl = WL_RANDOM;
     for (int i = 1; i < argc; i++) {
@@ -96,6 +98,7 @@ static void parse(int argc, char **argv, bench_opts *o) {
         else if (!strcmp(a, "--kv-heads")) o->kv_heads = need_int(argc, argv, &i, 1, 4096);
         else if (!strcmp(a, "--dim")) o->dim = need_int(argc, argv, &i, 1, 65536);
         else if (!strcmp(a, "--page")) o->page = need_int(argc, argv, &i, 1, 256);
+        else if (!strcmp(a, "--superpage")) o->superpage = need_int(argc, argv, &i, 0, 4096);
         else if (!strcmp(a, "--threads")) o->threads = need_int(argc, argv, &i, 0, 1024);
         else if (!strcmp(a, "--iters")) o->iters = need_int(argc, argv, &i, 1, 1000000);
         else if (!strcmp(a, "--warmup")) o->warmup = need_int(argc, argv, &i, 0, 1000000);
@@ -197,6 +200,7 @@ int cmd_bench(int argc, char **argv) {
         pp.head_dim = (int32_t)o.dim;
         pp.dtype = o.dtype;
         pp.max_seqs = (int32_t)o.batch;
+        pp.superpage_pages = (int32_t)o.superpage;
         pp.num_pages = ekv_cache_pages_for(len, o.batch, pp.page_size);
         ekv_cache *cache;
         st = ekv_cache_create(ctx, &pp, &cache);

@@ -31,6 +31,9 @@ typedef struct {
     const double *qnorm;      /* [B][H] ||q'|| rounded up */
     int with_ball;
     const double *tau_lb;     /* [B*H] lower bounds of tau (superpage skipping), or NULL */
+    const double *qnorm1;     /* [B*H] ||q'||_1 */
+    int64_t *sp_sid;          /* per worker [Hk] superpage cached per KV head */
+    float *sp_u;              /* per worker [H] its bound per query head */
     int64_t *bytes;           /* [task] summary bytes read */
     float *u;                 /* [B][H][ustride] */
     int64_t ustride, H, G, D, B;
@@ -39,7 +42,6 @@ typedef struct {
 } bound_job;
 
 static void bound_task(void *vp, int64_t task, int worker) {
-    (void)worker;
     bound_job *j = vp;
     int64_t b = 0;
     while (j->task_off[b + 1] <= task) b++;
@@ -49,6 +51,8 @@ static void bound_task(void *vp, int64_t task, int worker) {
     const int64_t p1 = p0 + BOUND_CHUNK_PAGES < P - 1 ? p0 + BOUND_CHUNK_PAGES : P - 1;
     const int64_t Hk = j->kv->num_kv_heads, G = j->G, D = j->D, H = j->H;
     enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in calls */
+    if (j->sp_sid)
+        for (int64_t k = 0; k < Hk; k++) j->sp_sid[(int64_t)worker * Hk + k] = -1;
     for (int64_t pb = p0; pb < p1; pb += STEP) {
         const int np = (int)(p1 - pb < STEP ? p1 - pb : STEP);
         for (int64_t kvh = 0; kvh < Hk; kvh++) {
@@ -57,26 +61,27 @@ static void bound_task(void *vp, int64_t task, int worker) {
             /* superpages (SPEC 9.6): a page whose superpage bound is already <= tau_lb for every
              * head of the group takes that bound and its own summaries are not read */
             int skip[STEP] = {0}, keep[STEP], nk = 0;
-            float spu[STEP][8 * 32]; /* superpage bound (+ slack) per page and head, G <= 256 */
+            float spu[STEP][256]; /* superpage bound (+ slack) per page and head, G <= 256 */
             if (j->tau_lb && j->st->smin && G <= 256) {
-                int64_t last_sid = -1;
-                float cur[256];
+                int64_t *last_sid = j->sp_sid + (int64_t)worker * Hk;
+                float *cur = j->sp_u + (int64_t)worker * H + kvh * G; /* cached per KV head */
                 for (int i = 0; i < np; i++) {
                     const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i], sid = page / j->st->superpage_pages;
-                    if (sid != last_sid) {
+                    if (sid != last_sid[kvh]) { /* a new superpage: its box bound, once */
                         const int64_t so = (sid * Hk + kvh) * D;
                         const float *smn = j->st->smin + so, *smx = j->st->smax + so;
                         j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, &smn, &smx, 1, D, cur, 1);
-                        for (int64_t g = 0; g < G; g++) { /* rounding slack: 4(D+4)u sum |q'_d| max|k_d| */
-                            double sa = 0;
-                            for (int64_t d = 0; d < D; d++) {
-                                double amax = fmax(fabs((double)j->st->smin[so + d]), fabs((double)j->st->smax[so + d]));
-                                sa += ((double)j->qpos[qo + g * D + d] - (double)j->qneg[qo + g * D + d]) * amax;
-                            }
-                            cur[g] = (float)((double)cur[g] + 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * sa + 1e-30);
+                        /* rounding slack 4(D+4)u ||q'||_1 max_d |k_d| >= 4(D+4)u sum |q'_d||k_d| */
+                        float amax = 0.f;
+                        for (int64_t d = 0; d < D; d++) {
+                            float x = fabsf(smn[d]) > fabsf(smx[d]) ? fabsf(smn[d]) : fabsf(smx[d]);
+                            amax = x > amax ? x : amax;
                         }
+                        for (int64_t g = 0; g < G; g++)
+                            cur[g] = (float)((double)cur[g] + 4.0 * (double)(D + 4) * 5.9604644775390625e-8 *
+                                                                    j->qnorm1[b * H + kvh * G + g] * amax + 1e-30);
                         j->bytes[task] += 2 * D * (int64_t)sizeof(float);
-                        last_sid = sid;
+                        last_sid[kvh] = sid;
                     }
                     int all = 1;
                     for (int64_t g = 0; g < G && all; g++) {
@@ -84,11 +89,12 @@ static void bound_task(void *vp, int64_t task, int worker) {
                         const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
                         double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
                                    8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
-                        spu[i][g % 256] = (float)u;
-                        if ((double)(float)u < u) spu[i][g % 256] = nextafterf((float)u, INFINITY);
-                        all = (double)spu[i][g % 256] <= j->tau_lb[b * H + kvh * G + g];
+                        float uf = (float)u;
+                        if ((double)uf < u) uf = nextafterf(uf, INFINITY);
+                        spu[i][g] = uf;
+                        all = (double)uf <= j->tau_lb[b * H + kvh * G + g];
                     }
-                    skip[i] = all && G <= 256;
+                    skip[i] = all;
                 }
             }
             for (int i = 0; i < np; i++)
@@ -208,9 +214,25 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.task_off = task_off;
     j.tau_lb = j.with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;
     int64_t *bytes = calloc((size_t)(task_off[j.B] > 0 ? task_off[j.B] : 1), sizeof(int64_t));
-    if (!bytes) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "bound: out of memory");
+    const int64_t W = ctx->n_threads, Hk = kv->num_kv_heads;
+    double *qn1 = malloc(sizeof(double) * (size_t)(j.B * j.H));
+    int64_t *spsid = malloc(sizeof(int64_t) * (size_t)(W * Hk));
+    float *spu = malloc(sizeof(float) * (size_t)(W * j.H));
+    if (!bytes || !qn1 || !spsid || !spu) {
+        free(bytes); free(qn1); free(spsid); free(spu);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "bound: out of memory");
+    }
+    for (int64_t bh = 0; bh < j.B * j.H; bh++) {
+        double s1 = 0;
+        for (int64_t d = 0; d < j.D; d++) s1 += fabs((double)qf[bh * j.D + d]);
+        qn1[bh] = s1 * (1 + 1e-12);
+    }
     j.bytes = bytes;
+    j.qnorm1 = qn1;
+    j.sp_sid = spsid;
+    j.sp_u = spu;
     ekv_pool_run(ctx->pool, task_off[j.B], bound_task, &j);
+    free(qn1); free(spsid); free(spu);
     int64_t total = 0;
     for (int64_t t = 0; t < task_off[j.B]; t++) total += bytes[t];
     free(bytes);
