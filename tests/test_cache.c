@@ -294,6 +294,15 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                   "[%s] seq %d page #%lld h %lld n %lld: radius %.9g, exact around stored mean %.9g", g_cfg, s->id,
                   (long long)i, (long long)h, (long long)n, sr, r);
             if (r > 0) g_worst_radius = fmax(g_worst_radius, (sr - r) / r);
+            /* the superpage box holds every live key of its pages (after reuse too) */
+            if (st->smin) {
+                const int64_t sso = ((page / st->superpage_pages) * Hk + h) * D;
+                for (int64_t d = 0; d < D; d++)
+                    CHECK(st->smin[sso + d] <= st->kmin[so + d] && st->smax[sso + d] >= st->kmax[so + d],
+                          "[%s] page #%lld h %lld d %lld: superpage box [%g, %g] misses the page's [%g, %g]", g_cfg,
+                          (long long)i, (long long)h, (long long)d, (double)st->smin[sso + d], (double)st->smax[sso + d],
+                          (double)st->kmin[so + d], (double)st->kmax[so + d]);
+            }
         }
     }
     free(col);

@@ -94,11 +94,14 @@ ekv_status ekv_cache_append(ekv_cache *c, int32_t seq, int64_t n_tokens, const v
     for (int64_t i = 0; i < new_pages; i++) {
         int32_t page = c->free_pages[--c->n_free];
         ekv_summary_reset_page(c, page);
-        ekv_summary_rebuild_superpage(c, page); /* drop the reused page's old keys from it */
+        if (c->in_super && c->in_super[page]) /* a reused page: drop its old keys from the box */
+            ekv_summary_rebuild_superpage(c, page);
         s->pages[s->npages++] = page;
     }
     /* Token counts are per page (shared by heads); the radius pass reads them. */
     for (int64_t pos = s->len; pos < new_len; pos++) c->count[s->pages[pos / ps]] = (int32_t)(pos % ps) + 1;
+    if (c->in_super)
+        for (int64_t pi = s->len / ps; pi <= (new_len - 1) / ps; pi++) c->in_super[s->pages[pi]] = 1;
     append_job job = {c, s, n_tokens, s->len, k, v, src_dtype, rows};
     ekv_pool_run(ctx->pool, Hk, append_head, &job);
     free(rows);

@@ -97,6 +97,7 @@ void ekv_cache_free(ekv_cache *c) {
     free(c->radius);
     free(c->smin);
     free(c->smax);
+    free(c->in_super);
     free(c->count);
     free(c->free_pages);
     if (c->seqs)
@@ -130,10 +131,11 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     if (nsp) {
         c->smin = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
         c->smax = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
+        c->in_super = calloc((size_t)params->num_pages, 1);
     }
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
-    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax)) ||
+    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax || !c->in_super)) ||
         !c->count || !c->free_pages || !c->seqs) {
         ekv_cache_free(c);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,

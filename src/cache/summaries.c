@@ -33,6 +33,7 @@ void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page) {
         smx[i] = -INFINITY;
     }
     for (int64_t pg = sid * S; pg < (sid + 1) * S && pg < c->p.num_pages; pg++) {
+        c->in_super[pg] = c->count[pg] > 0;
         if (c->count[pg] <= 0) continue; /* free, never used, or being reset: no live keys */
         const float *mn = c->kmin + pg * H * D, *mx = c->kmax + pg * H * D;
         for (int64_t i = 0; i < H * D; i++) {
