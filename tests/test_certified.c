@@ -45,6 +45,7 @@ int main(void) {
         const int kind = c % 6; /* 0 random, 1 planted, 2 heavy, 3 flat, 4 zero query, 5 duplicates */
         ekv_cache_params cp = ekv_cache_default_params();
         cp.page_size = ps; cp.num_kv_heads = Hk; cp.head_dim = D; cp.dtype = dt; cp.max_seqs = 1;
+        cp.superpage_pages = c % 4 == 3 ? 0 : (c % 4 == 1 ? 4 : 16); /* flat, small and default superpages */
         cp.num_pages = ekv_cache_pages_for(N, 1, ps);
         ekv_cache *cache;
         CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache");
