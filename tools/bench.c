@@ -61,17 +61,10 @@ typedef struct {
     double alpha;
 } bench_opts;
 
-static const char *need(int argc, char **argv, int *i) {
-    if (*i + 1 >= argc) cli_usage_error("bench", "%s needs a value", argv[*i]);
-    return argv[++*i];
-}
+static const char *need(int argc, char **argv, int *i) { return cli_need("bench", argc, argv, i); }
 
 static int64_t need_int(int argc, char **argv, int *i, int64_t lo, int64_t hi) {
-    const char *opt = argv[*i], *v = need(argc, argv, i);
-    int64_t x;
-    if (cli_parse_i64(v, &x) || x < lo || x > hi)
-        cli_usage_error("bench", "%s %s: expected an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
-    return x;
+    return cli_need_int("bench", argc, argv, i, lo, hi);
 }
 
 static void parse(int argc, char **argv, bench_opts *o) {

@@ -10,6 +10,10 @@
 
 /* Prints "entmaxkv SUB: message" to stderr and exits with code 2. */
 void cli_usage_error(const char *sub, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
+/* The value of option argv[*i] (advancing *i), or a usage error for subcommand sub. */
+const char *cli_need(const char *sub, int argc, char **argv, int *i);
+/* The same, parsed as an integer in [lo, hi]. */
+int64_t cli_need_int(const char *sub, int argc, char **argv, int *i, int64_t lo, int64_t hi);
 /* Parses a non-negative integer with optional k/K (1024) or M (1048576) suffix. */
 int cli_parse_i64(const char *s, int64_t *out);
 int cli_parse_double(const char *s, double *out);

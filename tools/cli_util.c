@@ -20,6 +20,19 @@ void cli_usage_error(const char *sub, const char *fmt, ...) {
     exit(CLI_USAGE);
 }
 
+const char *cli_need(const char *sub, int argc, char **argv, int *i) {
+    if (*i + 1 >= argc) cli_usage_error(sub, "%s needs a value", argv[*i]);
+    return argv[++*i];
+}
+
+int64_t cli_need_int(const char *sub, int argc, char **argv, int *i, int64_t lo, int64_t hi) {
+    const char *opt = argv[*i], *v = cli_need(sub, argc, argv, i);
+    int64_t x;
+    if (cli_parse_i64(v, &x) || x < lo || x > hi)
+        cli_usage_error(sub, "%s %s: expected an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
+    return x;
+}
+
 int cli_parse_i64(const char *s, int64_t *out) {
     if (!s || !*s) return -1;
     errno = 0;
