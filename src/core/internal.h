@@ -172,5 +172,10 @@ ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params
                                const ekv_paged_kv *kv, const ekv_page_table *table,
                                const float *q, const float *out);
 ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha);
+/* Everything ekv_validate_decode checks but the output pointer, for stages that write no
+ * attention output (selection, bounds, reference probabilities). q may be NULL when the
+ * stage takes no query; then it is not checked. */
+ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
+                             const ekv_page_table *t, const float *q);
 
 #endif

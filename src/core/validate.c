@@ -17,6 +17,13 @@ ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params
     if (!params || !kv || !t || !q || !out)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL",
                         !params ? "params" : !kv ? "kv" : !t ? "table" : !q ? "q" : "out");
+    return ekv_validate_step(ctx, params, kv, t, q);
+}
+
+ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
+                             const ekv_page_table *t, const float *q) {
+    if (!params || !kv || !t)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !params ? "params" : !kv ? "kv" : "table");
     if (!kv->k || !kv->v) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "kv->%s is NULL", !kv->k ? "k" : "v");
     if (!t->indptr || !t->indices || !t->last_page_len)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "table->%s is NULL",
@@ -70,7 +77,7 @@ ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params
                 return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indices[%lld]=%d is outside [0, num_pages=%lld)",
                                 (long long)i, t->indices[i], (long long)kv->num_pages);
     }
-    int64_t nq = (int64_t)t->batch * params->num_heads * kv->head_dim;
+    int64_t nq = q ? (int64_t)t->batch * params->num_heads * kv->head_dim : 0;
     for (int64_t i = 0; i < nq; i++)
         if (!isfinite(q[i])) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "q[%lld] is NaN or infinite", (long long)i);
     return EKV_OK;

@@ -341,7 +341,8 @@ ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
 ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                            const ekv_page_table *tab, const float *q, int64_t stride, float *p, double *tau) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
-    ekv_status st = ekv_validate_decode(ctx, prm, kv, tab, q, p);
+    if (!q || !p) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !q ? "q" : "p");
+    ekv_status st = ekv_validate_step(ctx, prm, kv, tab, q);
     if (st) return st;
     /* a dense list per query head: every page, in order */
     const int64_t H = prm->num_heads, total = tab->indptr[tab->batch];
@@ -372,9 +373,15 @@ ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const
     if (!prm || !kv || !tab || !list || !tau || !delta_bar)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params, kv, table, list, tau and delta_bar must not be NULL");
     if (!list->bounds) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->bounds is NULL (ask ekv_select_pages for them)");
-    if (!(prm->alpha > 1.0)) return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "delta_bar needs entmax (alpha > 1)");
-    ekv_status st = validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
+    ekv_status st = ekv_validate_step(ctx, prm, kv, tab, NULL);
     if (st) return st;
+    if (!(prm->alpha > 1.0)) return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "delta_bar needs entmax (alpha > 1)");
+    st = validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
+    if (st) return st;
+    for (int64_t b = 0; b < tab->batch; b++)
+        if (tab->indptr[b + 1] - tab->indptr[b] - 1 > list->bounds_stride)
+            return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below sequence %lld's %lld scored pages",
+                            (long long)list->bounds_stride, (long long)b, (long long)(tab->indptr[b + 1] - tab->indptr[b] - 1));
     const int64_t H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     const double beta = 1.0 / (prm->alpha - 1.0);
     for (int64_t b = 0; b < tab->batch; b++) {

@@ -113,7 +113,8 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
                             const float *q, ekv_page_list *list) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     if (!sel || !st || !list) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !sel ? "select" : !st ? "stats" : "list");
-    ekv_status s = ekv_validate_decode(ctx, prm, kv, t, q, q);
+    if (!q) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "q is NULL");
+    ekv_status s = ekv_validate_step(ctx, prm, kv, t, q);
     if (s) return s;
     if (!st->kmin || !st->kmax) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmin/kmax is NULL");
     if (!list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
