@@ -337,9 +337,6 @@ typedef struct ekv_page_list {
      * makes top-k rank by these bounds. bounds_stride >= the most pages of a sequence. */
     float *bounds;
     int64_t bounds_stride;
-    /* optional input of ekv_decode_pages: only lists l with active[l] != 0 are attended
-     * (the others' outputs are left untouched) */
-    const uint8_t *active;
 } ekv_page_list;
 
 /* Page numbers needed for `heads` lists per sequence of this table (the dense total). */

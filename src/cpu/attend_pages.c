@@ -120,10 +120,6 @@ static const char *v_row(const pages_job *j, int64_t b, int64_t kvh, int64_t t) 
 
 static void attend_list(void *vp, int64_t task, int worker) {
     pages_job *j = vp;
-    if (j->list->active && !j->list->active[task]) { /* not asked for: leave its outputs */
-        j->bytes_k[task] = j->bytes_v[task] = 0;
-        return;
-    }
     const int64_t b = task / j->heads, l = task % j->heads;
     const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G, D = j->D;
     float *z = j->w_z + worker * j->Gl * j->nmax;

@@ -39,7 +39,8 @@ ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm, 
     csr l2 = {malloc(sizeof(int64_t) * (size_t)(nl + 1)), malloc(sizeof(int32_t) * (size_t)cap)};
     float *bounds = malloc(sizeof(float) * (size_t)(B * H * maxP));
     uint8_t *in = malloc((size_t)maxP);
-    if (!l1.indptr || !l1.pages || !l2.indptr || !l2.pages || !bounds || !in) {
+    int64_t *added = malloc(sizeof(int64_t) * (size_t)nl); /* round-2 pages per list */
+    if (!l1.indptr || !l1.pages || !l2.indptr || !l2.pages || !bounds || !in || !added) {
         s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "certified decode: out of memory");
         goto done;
     }
@@ -121,7 +122,6 @@ ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm, 
             }
         }
         ekv_page_list list1 = {.heads = (int32_t)heads, .indptr = l1.indptr, .pages = l1.pages, .capacity = cap};
-        int64_t *added = (int64_t *)l2.indptr; /* nl + 1 int64: reuse the second CSR's row array */
         s = ekv_cpu_attend_certified(ctx, prm, kv, t, &list1, bounds, maxP, q, out, info, added);
         if (s) goto done;
         int64_t need = 0;
@@ -137,6 +137,6 @@ ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm, 
     }
 done:
     free(l1.indptr); free(l1.pages); free(l2.indptr); free(l2.pages);
-    free(bounds); free(in);
+    free(bounds); free(in); free(added);
     return s;
 }
