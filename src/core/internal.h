@@ -167,6 +167,27 @@ static inline double ekv_entmax_weight(double z, double tau, double alpha) {
     return pow(d, 1.0 / (alpha - 1.0));
 }
 
+/* ---- the sizes every decode stage derives from its (validated) arguments ---- */
+typedef struct ekv_step_shape {
+    int64_t B, H, Hk, G, D, ps, esize; /* batch, heads, KV heads, group, dim, page, element bytes */
+    double alpha, a;                   /* a = alpha - 1, or 1 for softmax (z = s) */
+} ekv_step_shape;
+
+static inline ekv_step_shape ekv_step_shape_of(const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                               const ekv_page_table *t) {
+    ekv_step_shape s;
+    s.B = t->batch;
+    s.H = prm->num_heads;
+    s.Hk = kv->num_kv_heads;
+    s.G = s.H / s.Hk;
+    s.D = kv->head_dim;
+    s.ps = kv->page_size;
+    s.esize = ekv_dtype_size(kv->dtype);
+    s.alpha = prm->alpha;
+    s.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    return s;
+}
+
 /* ---- validation shared by decode backends (src/core/validate.c) ---- */
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *table,

@@ -16,8 +16,8 @@ typedef struct {
     const ekv_paged_kv *kv;
     const ekv_page_table *tab;
     const ekv_page_list *list;
-    int64_t B, H, Hk, G, D, ps, esize, heads, Gl; /* Gl: query heads per list */
-    double alpha, a;
+    ekv_step_shape sh;
+    int64_t heads, Gl; /* lists per sequence; query heads per list */
     const float *qs;
     int64_t nmax;
     float *w_z;       /* per worker [Gl][nmax] */
@@ -48,26 +48,26 @@ static const char *page_ptr(const ekv_paged_kv *kv, const void *base, int32_t pa
  * z[g*nmax + c ...] from slot c on, raising M; returns the new slot count. */
 static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h0, const int32_t *plist, int64_t np,
                            float *z, int64_t *tok, int64_t c, float *M) {
-    const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->ps + j->tab->last_page_len[b];
+    const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->sh.ps + j->tab->last_page_len[b];
     const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
     const int32_t *pages = j->tab->indices + j->tab->indptr[b];
     float b0[256], bs[256];
     for (int64_t r = 0; r < np; r++) {
-        const int64_t p = plist[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->ps;
-        const char *pf = r + 2 < np ? page_ptr(j->kv, j->kv->k, pages[plist[r + 2]], kvh, j->esize) : NULL;
+        const int64_t p = plist[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->sh.ps;
+        const char *pf = r + 2 < np ? page_ptr(j->kv, j->kv->k, pages[plist[r + 2]], kvh, j->sh.esize) : NULL;
         const float *pb0 = NULL, *pbs = NULL;
         if (j->prm->alibi_slopes) {
             for (int64_t g = 0; g < j->Gl; g++) {
-                double m = j->a * j->prm->alibi_slopes[h0 + g];
-                b0[g] = (float)(m * (double)(p * j->ps - (N - 1)));
+                double m = j->sh.a * j->prm->alibi_slopes[h0 + g];
+                b0[g] = (float)(m * (double)(p * j->sh.ps - (N - 1)));
                 bs[g] = (float)m;
             }
             pb0 = b0;
             pbs = bs;
         }
-        j->kern->score(page_ptr(j->kv, j->kv->k, pages[p], kvh, j->esize), j->kv->stride_token, ntok, j->kv->dtype,
-                       j->D, j->qs + (b * j->H + h0) * j->D, j->D, (int)j->Gl, pb0, pbs, z + c, j->nmax, M, pf);
-        for (int64_t t = 0; t < ntok; t++) tok[c + t] = p * j->ps + t;
+        j->kern->score(page_ptr(j->kv, j->kv->k, pages[p], kvh, j->sh.esize), j->kv->stride_token, ntok, j->kv->dtype,
+                       j->sh.D, j->qs + (b * j->sh.H + h0) * j->sh.D, j->sh.D, (int)j->Gl, pb0, pbs, z + c, j->nmax, M, pf);
+        for (int64_t t = 0; t < ntok; t++) tok[c + t] = p * j->sh.ps + t;
         c += ntok;
     }
     return c;
@@ -75,7 +75,7 @@ static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h
 
 /* Scores the list's pages for its Gl query heads into z[g*nmax + c]; returns the count. */
 static int64_t score_list(const pages_job *j, int64_t b, int64_t l, float *z, int64_t *tok, float *M) {
-    const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G;
+    const int64_t h0 = j->Gl == 1 && j->heads == j->sh.H ? l : l * j->sh.G, kvh = h0 / j->sh.G;
     const int64_t lo = j->list->indptr[b * j->heads + l], hi = j->list->indptr[b * j->heads + l + 1];
     for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
     return score_pages(j, b, kvh, h0, j->list->pages + lo, hi - lo, z, tok, 0, M);
@@ -87,7 +87,7 @@ static int64_t score_list(const pages_job *j, int64_t b, int64_t l, float *z, in
  * new slot count; *added = the round-2 pages. */
 static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float *z, int64_t *tok, float *M,
                             int worker, int64_t *added) {
-    const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G;
+    const int64_t h0 = j->Gl == 1 && j->heads == j->sh.H ? l : l * j->sh.G, kvh = h0 / j->sh.G;
     const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
     int64_t *idx = j->w_idx + worker * j->nmax;
     double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
@@ -96,7 +96,7 @@ static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float
     double tauc[256];
     for (int64_t g = 0; g < j->Gl; g++) {
         double tr, ws;
-        ekv_cpu_entmax_support(j->kern, z + g * j->nmax, L, M[g], j->alpha, idx, y, y2, &tr, &ws);
+        ekv_cpu_entmax_support(j->kern, z + g * j->nmax, L, M[g], j->sh.alpha, idx, y, y2, &tr, &ws);
         tauc[g] = (double)M[g] + tr;
     }
     for (int64_t i = j->list->indptr[b * j->heads + l]; i < j->list->indptr[b * j->heads + l + 1]; i++)
@@ -105,7 +105,7 @@ static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float
     for (int64_t p = 0; p + 1 < P; p++) {
         if (in[p]) continue;
         for (int64_t g = 0; g < j->Gl; g++)
-            if ((double)j->bounds[(b * j->H + h0 + g) * j->bstride + p] > tauc[g]) { rpages[nr++] = (int32_t)p; break; }
+            if ((double)j->bounds[(b * j->sh.H + h0 + g) * j->bstride + p] > tauc[g]) { rpages[nr++] = (int32_t)p; break; }
     }
     for (int64_t i = j->list->indptr[b * j->heads + l]; i < j->list->indptr[b * j->heads + l + 1]; i++)
         in[j->list->pages[i]] = 0;
@@ -114,14 +114,14 @@ static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float
 }
 
 static const char *v_row(const pages_job *j, int64_t b, int64_t kvh, int64_t t) {
-    int32_t page = j->tab->indices[j->tab->indptr[b] + t / j->ps];
-    return page_ptr(j->kv, j->kv->v, page, kvh, j->esize) + (t % j->ps) * j->kv->stride_token * j->esize;
+    int32_t page = j->tab->indices[j->tab->indptr[b] + t / j->sh.ps];
+    return page_ptr(j->kv, j->kv->v, page, kvh, j->sh.esize) + (t % j->sh.ps) * j->kv->stride_token * j->sh.esize;
 }
 
 static void attend_list(void *vp, int64_t task, int worker) {
     pages_job *j = vp;
     const int64_t b = task / j->heads, l = task % j->heads;
-    const int64_t h0 = j->Gl == 1 && j->heads == j->H ? l : l * j->G, kvh = h0 / j->G, D = j->D;
+    const int64_t h0 = j->Gl == 1 && j->heads == j->sh.H ? l : l * j->sh.G, kvh = h0 / j->sh.G, D = j->sh.D;
     float *z = j->w_z + worker * j->Gl * j->nmax;
     int64_t *tok = j->w_tok + worker * j->nmax, *idx = j->w_idx + worker * j->nmax;
     double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
@@ -134,25 +134,25 @@ static void attend_list(void *vp, int64_t task, int worker) {
         L = certify_list(j, b, l, L, z, tok, M, worker, &added);
         j->round2[task] = added;
     }
-    const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->ps + j->tab->last_page_len[b];
+    const int64_t N = (j->tab->indptr[b + 1] - j->tab->indptr[b] - 1) * j->sh.ps + j->tab->last_page_len[b];
     int64_t rows = 0;
     for (int64_t g = 0; g < j->Gl; g++) {
         const int64_t h = h0 + g;
         float *zg = z + g * j->nmax;
-        float *og = j->out ? j->out + (b * j->H + h) * D : NULL;
+        float *og = j->out ? j->out + (b * j->sh.H + h) * D : NULL;
         if (og) memset(og, 0, sizeof(float) * (size_t)D);
-        if (j->alpha == 1.0) {
+        if (j->sh.alpha == 1.0) {
             double s = j->kern->exp_shift(zg, L, M[g], zg);
             if (j->probs) {
-                float *pr = j->probs + (b * j->H + h) * j->pstride;
+                float *pr = j->probs + (b * j->sh.H + h) * j->pstride;
                 memset(pr, 0, sizeof(float) * (size_t)N);
                 for (int64_t c = 0; c < L; c++) pr[tok[c]] = (float)(zg[c] / s);
             } else { /* weights now; V once for the whole group after the loop */
                 const float inv = (float)(1.0 / s);
                 for (int64_t c = 0; c < L; c++) zg[c] *= inv;
             }
-            if (j->tau) j->tau[b * j->H + h] = (double)M[g] + log(s);
-            if (j->support) j->support[b * j->H + h] = L;
+            if (j->tau) j->tau[b * j->sh.H + h] = (double)M[g] + log(s);
+            if (j->support) j->support[b * j->sh.H + h] = L;
             continue;
         }
         int64_t sup;
@@ -161,14 +161,14 @@ static void attend_list(void *vp, int64_t task, int worker) {
         if (given) {
             /* fixed / corrected (SPEC 3.10): the selector's tau, then unbounded Halley steps on
              * the listed tokens; weights are not renormalised */
-            double tau = j->list->tau[b * j->H + h];
-            const double beta = 1.0 / j->a;
+            double tau = j->list->tau[b * j->sh.H + h];
+            const double beta = 1.0 / j->sh.a;
             for (int it = 0; j->list->tau_mode == EKV_TAU_CORRECTED && it < j->list->correction_iters; it++) {
                 double S0 = 0, S1 = 0, S2 = 0;
                 for (int64_t c = 0; c < L; c++) {
                     double d = (double)zg[c] - tau;
                     if (d <= 0) continue;
-                    double pb = j->alpha == 2.0 ? d : j->alpha == 1.5 ? d * d : pow(d, beta);
+                    double pb = j->sh.alpha == 2.0 ? d : j->sh.alpha == 1.5 ? d * d : pow(d, beta);
                     S0 += pb;
                     S1 += pb / d;
                     S2 += pb / (d * d);
@@ -185,14 +185,14 @@ static void attend_list(void *vp, int64_t task, int worker) {
                 double yc = (double)zg[c] - (double)M[g];
                 if (yc > ty) { idx[k] = c; y[k] = yc; k++; }
             }
-            sup = ekv_cpu_support_weights(idx, y, k, ty, j->alpha, &wsum);
+            sup = ekv_cpu_support_weights(idx, y, k, ty, j->sh.alpha, &wsum);
         } else {
-            sup = ekv_cpu_entmax_support(j->kern, zg, L, M[g], j->alpha, idx, y, y2, &ty, &wsum);
+            sup = ekv_cpu_entmax_support(j->kern, zg, L, M[g], j->sh.alpha, idx, y, y2, &ty, &wsum);
         }
         for (int64_t i = 0; i < sup; i++) idx[i] = tok[idx[i]]; /* positions in the list -> tokens */
         const double norm = given ? 1.0 : wsum; /* fixed/corrected: no renormalisation */
         if (j->probs) {
-            float *pr = j->probs + (b * j->H + h) * j->pstride;
+            float *pr = j->probs + (b * j->sh.H + h) * j->pstride;
             memset(pr, 0, sizeof(float) * (size_t)N);
             for (int64_t i = 0; i < sup; i++) pr[idx[i]] = (float)(y[i] / norm);
         } else {
@@ -202,25 +202,25 @@ static void attend_list(void *vp, int64_t task, int worker) {
                 if (!mark[idx[i]]) { mark[idx[i]] = 1; uni[rows++] = idx[i]; }
             }
         }
-        if (j->tau) j->tau[b * j->H + h] = (double)M[g] + ty;
-        if (j->support) j->support[b * j->H + h] = sup;
+        if (j->tau) j->tau[b * j->sh.H + h] = (double)M[g] + ty;
+        if (j->support) j->support[b * j->sh.H + h] = sup;
     }
-    if (j->alpha == 1.0 && !j->probs) {
+    if (j->sh.alpha == 1.0 && !j->probs) {
         /* softmax reads every listed V row once, page run by page run, for the whole group */
         const int32_t *pages = j->tab->indices + j->tab->indptr[b];
         const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b];
         int64_t c = 0;
         for (int64_t r = j->list->indptr[b * j->heads + l]; r < j->list->indptr[b * j->heads + l + 1]; r++) {
-            const int64_t p = j->list->pages[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->ps;
-            j->kern->accum(page_ptr(j->kv, j->kv->v, pages[p], kvh, j->esize), j->kv->stride_token, ntok,
-                           j->kv->dtype, D, z + c, j->nmax, (int)j->Gl, j->out + (b * j->H + h0) * D, D);
+            const int64_t p = j->list->pages[r], ntok = p == P - 1 ? j->tab->last_page_len[b] : j->sh.ps;
+            j->kern->accum(page_ptr(j->kv, j->kv->v, pages[p], kvh, j->sh.esize), j->kv->stride_token, ntok,
+                           j->kv->dtype, D, z + c, j->nmax, (int)j->Gl, j->out + (b * j->sh.H + h0) * D, D);
             c += ntok;
         }
         rows = L;
     }
-    for (int64_t i = 0; i < rows && j->alpha != 1.0; i++) mark[uni[i]] = 0;
-    j->bytes_k[task] = L * D * j->esize;
-    j->bytes_v[task] = rows * D * j->esize;
+    for (int64_t i = 0; i < rows && j->sh.alpha != 1.0; i++) mark[uni[i]] = 0;
+    j->bytes_k[task] = L * D * j->sh.esize;
+    j->bytes_v[task] = rows * D * j->sh.esize;
 }
 
 static ekv_status validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list, int64_t H,
@@ -259,28 +259,20 @@ static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, cons
     j.kv = kv;
     j.tab = tab;
     j.list = list;
-    j.B = tab->batch;
-    j.H = prm->num_heads;
-    j.Hk = kv->num_kv_heads;
-    j.G = j.H / j.Hk;
-    j.D = kv->head_dim;
-    j.ps = kv->page_size;
-    j.esize = ekv_dtype_size(kv->dtype);
+    j.sh = ekv_step_shape_of(prm, kv, tab);
     j.heads = list->heads;
-    j.Gl = list->heads == j.H ? 1 : j.G;
-    j.alpha = prm->alpha;
-    j.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    j.Gl = list->heads == j.sh.H ? 1 : j.sh.G;
     if (j.Gl > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.Gl);
     int64_t nmax = 1;
-    for (int64_t b = 0; b < j.B; b++) {
-        int64_t n = (tab->indptr[b + 1] - tab->indptr[b] - 1) * j.ps + tab->last_page_len[b];
+    for (int64_t b = 0; b < j.sh.B; b++) {
+        int64_t n = (tab->indptr[b + 1] - tab->indptr[b] - 1) * j.sh.ps + tab->last_page_len[b];
         if (n > nmax) nmax = n;
     }
     if (probs && pstride < nmax)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "stride=%lld is below the longest sequence (%lld)", (long long)pstride,
                         (long long)nmax);
-    const int64_t W = ctx->n_threads, ntask = j.B * j.heads;
-    int64_t sz[11] = {j.B * j.H * j.D * 4, W * j.Gl * nmax * 4, W * nmax * 8, W * nmax * 8, W * nmax * 8,
+    const int64_t W = ctx->n_threads, ntask = j.sh.B * j.heads;
+    int64_t sz[11] = {j.sh.B * j.sh.H * j.sh.D * 4, W * j.Gl * nmax * 4, W * nmax * 8, W * nmax * 8, W * nmax * 8,
                       W * nmax * 8, W * nmax, W * nmax * 8, ntask * 8, ntask * 8, bounds ? W * nmax * 4 : 0};
     int64_t off[11];
     ekv_status wst;
@@ -302,9 +294,9 @@ static ekv_status run_lists(ekv_context *ctx, const ekv_decode_params *prm, cons
     j.round2 = round2;
     memset(j.w_mark, 0, (size_t)(W * nmax));
     j.nmax = nmax;
-    const float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.D));
-    const float qscale = (float)(j.a * scale);
-    for (int64_t i = 0; i < j.B * j.H * j.D; i++) qs[i] = q[i] * qscale;
+    const float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.sh.D));
+    const float qscale = (float)(j.sh.a * scale);
+    for (int64_t i = 0; i < j.sh.B * j.sh.H * j.sh.D; i++) qs[i] = q[i] * qscale;
     j.qs = qs;
     j.out = out;
     j.tau = tau_out ? tau_out : info ? info->tau : NULL;

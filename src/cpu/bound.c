@@ -36,8 +36,8 @@ typedef struct {
     float *sp_u;              /* per worker [H] its bound per query head */
     int64_t *bytes;           /* [task] summary bytes read */
     float *u;                 /* [B][H][ustride] */
-    int64_t ustride, H, G, D, B;
-    double a;
+    ekv_step_shape sh;
+    int64_t ustride;
     int64_t *task_off;        /* [B+1] */
 } bound_job;
 
@@ -49,7 +49,7 @@ static void bound_task(void *vp, int64_t task, int worker) {
     const int64_t N = (P - 1) * ps + j->tab->last_page_len[b];
     const int64_t p0 = (task - j->task_off[b]) * BOUND_CHUNK_PAGES;
     const int64_t p1 = p0 + BOUND_CHUNK_PAGES < P - 1 ? p0 + BOUND_CHUNK_PAGES : P - 1;
-    const int64_t Hk = j->kv->num_kv_heads, G = j->G, D = j->D, H = j->H;
+    const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H;
     enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in calls */
     if (j->sp_sid)
         for (int64_t k = 0; k < Hk; k++) j->sp_sid[(int64_t)worker * Hk + k] = -1;
@@ -85,7 +85,7 @@ static void bound_task(void *vp, int64_t task, int worker) {
                     }
                     int all = 1;
                     for (int64_t g = 0; g < G && all; g++) {
-                        const double am = j->prm->alibi_slopes ? j->a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+                        const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
                         const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
                         double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
                                    8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
@@ -141,7 +141,7 @@ static void bound_task(void *vp, int64_t task, int worker) {
                 j->kern->bound_box(j->qfull + qo, j->zeros, D, (int)G, mean, mean, nk, D, ball, STEP);
             }
             for (int64_t g = 0; g < G; g++) {
-                const double am = j->prm->alibi_slopes ? j->a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+                const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
                 const double qn = j->qnorm ? j->qnorm[b * H + kvh * G + g] : 0.0;
                 for (int i = 0; i < np; i++)
                     if (skip[i]) uo[g * j->ustride + i] = spu[i][g];
@@ -176,28 +176,24 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.kv = kv;
     j.st = st;
     j.tab = tab;
-    j.B = tab->batch;
-    j.H = prm->num_heads;
-    j.G = j.H / kv->num_kv_heads;
-    j.D = kv->head_dim;
+    j.sh = ekv_step_shape_of(prm, kv, tab);
     j.u = u;
     j.ustride = ustride;
-    j.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    if (j.G > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.G);
-    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.D);
-    const int64_t nq = j.B * j.H * j.D;
+    if (j.sh.G > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.sh.G);
+    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.sh.D);
+    const int64_t nq = j.sh.B * j.sh.H * j.sh.D;
     float *qp = qsplit, *qn = qsplit + nq, *qf = qsplit + 2 * nq, *zeros = qsplit + 3 * nq;
-    double *qnorm = (double *)(qsplit + ((3 * nq + j.G * j.D + 1) & ~(int64_t)1)); /* 8-byte aligned */
+    double *qnorm = (double *)(qsplit + ((3 * nq + j.sh.G * j.sh.D + 1) & ~(int64_t)1)); /* 8-byte aligned */
     for (int64_t i = 0; i < nq; i++) {
-        float x = (float)(j.a * scale * q[i]);
+        float x = (float)(j.sh.a * scale * q[i]);
         qp[i] = x > 0 ? x : 0.f;
         qn[i] = x < 0 ? x : 0.f;
         qf[i] = x;
     }
-    for (int64_t i = 0; i < j.G * j.D; i++) zeros[i] = 0.f;
-    for (int64_t bh = 0; bh < j.B * j.H; bh++) {
+    for (int64_t i = 0; i < j.sh.G * j.sh.D; i++) zeros[i] = 0.f;
+    for (int64_t bh = 0; bh < j.sh.B * j.sh.H; bh++) {
         double s2 = 0;
-        for (int64_t d = 0; d < j.D; d++) s2 += (double)qf[bh * j.D + d] * qf[bh * j.D + d];
+        for (int64_t d = 0; d < j.sh.D; d++) s2 += (double)qf[bh * j.sh.D + d] * qf[bh * j.sh.D + d];
         qnorm[bh] = sqrt(s2) * (1 + 1e-12);
     }
     j.qpos = qp;
@@ -207,34 +203,34 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.qnorm = qnorm;
     j.with_ball = with_ball && st->kmean && st->radius;
     task_off[0] = 0;
-    for (int64_t b = 0; b < j.B; b++) {
+    for (int64_t b = 0; b < j.sh.B; b++) {
         int64_t P = tab->indptr[b + 1] - tab->indptr[b];
         task_off[b + 1] = task_off[b] + (P - 1 + BOUND_CHUNK_PAGES - 1) / BOUND_CHUNK_PAGES;
     }
     j.task_off = task_off;
     j.tau_lb = j.with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;
-    int64_t *bytes = calloc((size_t)(task_off[j.B] > 0 ? task_off[j.B] : 1), sizeof(int64_t));
+    int64_t *bytes = calloc((size_t)(task_off[j.sh.B] > 0 ? task_off[j.sh.B] : 1), sizeof(int64_t));
     const int64_t W = ctx->n_threads, Hk = kv->num_kv_heads;
-    double *qn1 = malloc(sizeof(double) * (size_t)(j.B * j.H));
+    double *qn1 = malloc(sizeof(double) * (size_t)(j.sh.B * j.sh.H));
     int64_t *spsid = malloc(sizeof(int64_t) * (size_t)(W * Hk));
-    float *spu = malloc(sizeof(float) * (size_t)(W * j.H));
+    float *spu = malloc(sizeof(float) * (size_t)(W * j.sh.H));
     if (!bytes || !qn1 || !spsid || !spu) {
         free(bytes); free(qn1); free(spsid); free(spu);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "bound: out of memory");
     }
-    for (int64_t bh = 0; bh < j.B * j.H; bh++) {
+    for (int64_t bh = 0; bh < j.sh.B * j.sh.H; bh++) {
         double s1 = 0;
-        for (int64_t d = 0; d < j.D; d++) s1 += fabs((double)qf[bh * j.D + d]);
+        for (int64_t d = 0; d < j.sh.D; d++) s1 += fabs((double)qf[bh * j.sh.D + d]);
         qn1[bh] = s1 * (1 + 1e-12);
     }
     j.bytes = bytes;
     j.qnorm1 = qn1;
     j.sp_sid = spsid;
     j.sp_u = spu;
-    ekv_pool_run(ctx->pool, task_off[j.B], bound_task, &j);
+    ekv_pool_run(ctx->pool, task_off[j.sh.B], bound_task, &j);
     free(qn1); free(spsid); free(spu);
     int64_t total = 0;
-    for (int64_t t = 0; t < task_off[j.B]; t++) total += bytes[t];
+    for (int64_t t = 0; t < task_off[j.sh.B]; t++) total += bytes[t];
     free(bytes);
     if (bytes_read) *bytes_read = total;
     return EKV_OK;

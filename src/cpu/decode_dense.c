@@ -24,8 +24,7 @@ typedef struct {
     const ekv_decode_params *prm;
     const ekv_paged_kv *kv;
     const ekv_page_table *tab;
-    int64_t B, H, Hk, G, D, ps, esize;
-    double alpha, a; /* a = alpha - 1 (1 for softmax: z = s) */
+    ekv_step_shape sh;
     const float *qs; /* scaled queries [B][H][D] */
     float *z;        /* scores: sequence b at z + H*tok_off[b], [H][N_b] */
     int64_t *tok_off, *len, *chunks, *task_off; /* per sequence */
@@ -52,7 +51,7 @@ static const char *page_ptr(const ekv_paged_kv *kv, const void *base, int32_t pa
  * that K is streamed in address order (page-major layout): walking one head across pages
  * would jump by a page stride every few KB and defeat the hardware prefetchers. */
 static int64_t find_seq(const dense_job *j, int64_t task) {
-    int64_t lo = 0, hi = j->B - 1;
+    int64_t lo = 0, hi = j->sh.B - 1;
     while (lo < hi) { /* last b with task_off[b] <= task */
         int64_t mid = (lo + hi + 1) / 2;
         if (j->task_off[mid] <= task) lo = mid; else hi = mid - 1;
@@ -64,7 +63,7 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     (void)worker;
     dense_job *j = vp;
     const int64_t b = find_seq(j, task), chunk = task - j->task_off[b];
-    const int64_t N = j->len[b], ps = j->ps, G = j->G, H = j->H;
+    const int64_t N = j->len[b], ps = j->sh.ps, G = j->sh.G, H = j->sh.H;
     const int64_t pages_per_chunk = (CHUNK_TOKENS + ps - 1) / ps;
     const int64_t p0 = chunk * pages_per_chunk;
     const int64_t npages = j->tab->indptr[b + 1] - j->tab->indptr[b];
@@ -80,21 +79,21 @@ static void phase_scores(void *vp, int64_t task, int worker) {
         /* The score kernel prefetches the same head PREFETCH_PAGES ahead, a tile at a time:
          * on one thread the core does not overlap scoring with DRAM latency by itself. */
         const int32_t ahead = p + PREFETCH_PAGES < npages ? j->tab->indices[j->tab->indptr[b] + p + PREFETCH_PAGES] : -1;
-        for (int64_t kvh = 0; kvh < j->Hk; kvh++) {
-            const char *k = page_ptr(j->kv, j->kv->k, page, kvh, j->esize);
-            const char *pf = ahead >= 0 ? page_ptr(j->kv, j->kv->k, ahead, kvh, j->esize) : NULL;
+        for (int64_t kvh = 0; kvh < j->sh.Hk; kvh++) {
+            const char *k = page_ptr(j->kv, j->kv->k, page, kvh, j->sh.esize);
+            const char *pf = ahead >= 0 ? page_ptr(j->kv, j->kv->k, ahead, kvh, j->sh.esize) : NULL;
             const float *bias0 = NULL, *bstep = NULL;
             if (slopes) {
                 for (int64_t g = 0; g < G; g++) {
-                    double m = j->a * slopes[kvh * G + g];
+                    double m = j->sh.a * slopes[kvh * G + g];
                     b0[g] = (float)(m * (double)(p * ps - (N - 1)));
                     bs[g] = (float)m;
                 }
                 bias0 = b0;
                 bstep = bs;
             }
-            j->kern->score(k, j->kv->stride_token, ntok, j->kv->dtype, j->D,
-                           j->qs + (b * H + kvh * G) * j->D, j->D, (int)G, bias0, bstep,
+            j->kern->score(k, j->kv->stride_token, ntok, j->kv->dtype, j->sh.D,
+                           j->qs + (b * H + kvh * G) * j->sh.D, j->sh.D, (int)G, bias0, bstep,
                            zb + kvh * G * N + p * ps, N, mx + kvh * G, pf);
         }
     }
@@ -102,40 +101,40 @@ static void phase_scores(void *vp, int64_t task, int worker) {
 
 /* Row pointer of token `tok` of sequence b, KV head kvh, in K or V. */
 static const char *kv_row(const dense_job *j, const void *base, int64_t b, int64_t kvh, int64_t tok) {
-    int32_t page = j->tab->indices[j->tab->indptr[b] + tok / j->ps];
-    return page_ptr(j->kv, base, page, kvh, j->esize) + (tok % j->ps) * j->kv->stride_token * j->esize;
+    int32_t page = j->tab->indices[j->tab->indptr[b] + tok / j->sh.ps];
+    return page_ptr(j->kv, base, page, kvh, j->sh.esize) + (tok % j->sh.ps) * j->kv->stride_token * j->sh.esize;
 }
 
 static void phase_attend(void *vp, int64_t task, int worker) {
     dense_job *j = vp;
-    const int64_t b = task / j->Hk, kvh = task % j->Hk, G = j->G, D = j->D, N = j->len[b];
-    float *zb = j->z + j->H * j->tok_off[b] + kvh * G * N;
-    float *ob = j->out + (b * j->H + kvh * G) * D;
+    const int64_t b = task / j->sh.Hk, kvh = task % j->sh.Hk, G = j->sh.G, D = j->sh.D, N = j->len[b];
+    float *zb = j->z + j->sh.H * j->tok_off[b] + kvh * G * N;
+    float *ob = j->out + (b * j->sh.H + kvh * G) * D;
     memset(ob, 0, sizeof(float) * (size_t)(G * D));
     /* group maxima from the per-task maxima of phase 1 */
     float M[256];
     for (int64_t g = 0; g < G; g++) M[g] = -INFINITY;
     for (int64_t c = 0; c < j->chunks[b]; c++) {
-        const float *cm = j->cmax + (j->task_off[b] + c) * j->H + kvh * G;
+        const float *cm = j->cmax + (j->task_off[b] + c) * j->sh.H + kvh * G;
         for (int64_t g = 0; g < G; g++) if (cm[g] > M[g]) M[g] = cm[g];
     }
-    if (j->alpha == 1.0) {
+    if (j->sh.alpha == 1.0) {
         for (int64_t g = 0; g < G; g++) {
             double s = j->kern->exp_shift(zb + g * N, N, M[g], zb + g * N);
             float inv = (float)(1.0 / s);
             for (int64_t t = 0; t < N; t++) zb[g * N + t] *= inv;
-            int64_t bh = b * j->H + kvh * G + g;
+            int64_t bh = b * j->sh.H + kvh * G + g;
             if (j->tau) j->tau[bh] = (double)M[g] + log(s);
             if (j->support) j->support[bh] = N;
         }
         const int64_t npages = j->tab->indptr[b + 1] - j->tab->indptr[b];
         for (int64_t p = 0; p < npages; p++) {
             int32_t page = j->tab->indices[j->tab->indptr[b] + p];
-            int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : j->ps;
-            j->kern->accum(page_ptr(j->kv, j->kv->v, page, kvh, j->esize), j->kv->stride_token, ntok,
-                           j->kv->dtype, D, zb + p * j->ps, N, (int)G, ob, D);
+            int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : j->sh.ps;
+            j->kern->accum(page_ptr(j->kv, j->kv->v, page, kvh, j->sh.esize), j->kv->stride_token, ntok,
+                           j->kv->dtype, D, zb + p * j->sh.ps, N, (int)G, ob, D);
         }
-        j->bytes_v[task] = N * D * j->esize;
+        j->bytes_v[task] = N * D * j->sh.esize;
         return;
     }
     int64_t *idx = j->w_idx + worker * j->nmax;
@@ -145,20 +144,20 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     int64_t rows_read = 0;
     for (int64_t g = 0; g < G; g++) {
         double ty, wsum;
-        const int64_t sup = ekv_cpu_entmax_support(j->kern, zb + g * N, N, M[g], j->alpha, idx, y, y2, &ty, &wsum);
+        const int64_t sup = ekv_cpu_entmax_support(j->kern, zb + g * N, N, M[g], j->sh.alpha, idx, y, y2, &ty, &wsum);
         float *og = ob + g * D;
         for (int64_t i = 0; i < sup; i++) {
             float w = (float)(y[i] / wsum);
             j->kern->accum(kv_row(j, j->kv->v, b, kvh, idx[i]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
             if (!mark[idx[i]]) { mark[idx[i]] = 1; uni[rows_read++] = idx[i]; }
         }
-        int64_t bh = b * j->H + kvh * G + g;
+        int64_t bh = b * j->sh.H + kvh * G + g;
         if (j->tau) j->tau[bh] = (double)M[g] + ty;
         if (j->support) j->support[bh] = sup;
     }
     /* V rows read = the union of the group's supports; leave the marks clear */
     for (int64_t i = 0; i < rows_read; i++) mark[uni[i]] = 0;
-    j->bytes_v[task] = rows_read * D * j->esize;
+    j->bytes_v[task] = rows_read * D * j->sh.esize;
 }
 
 ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
@@ -173,43 +172,35 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     j.prm = prm;
     j.kv = kv;
     j.tab = tab;
-    j.B = tab->batch;
-    j.H = prm->num_heads;
-    j.Hk = kv->num_kv_heads;
-    j.G = j.H / j.Hk;
-    j.D = kv->head_dim;
-    j.ps = kv->page_size;
-    j.esize = ekv_dtype_size(kv->dtype);
-    j.alpha = prm->alpha;
-    j.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    if (j.G > 256)
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.G);
+    j.sh = ekv_step_shape_of(prm, kv, tab);
+    if (j.sh.G > 256)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.sh.G);
     /* sizes */
     int64_t total_tok = 0, nmax = 0, ntasks = 0;
-    const int64_t pages_per_chunk = (CHUNK_TOKENS + j.ps - 1) / j.ps;
-    for (int64_t b = 0; b < j.B; b++) {
+    const int64_t pages_per_chunk = (CHUNK_TOKENS + j.sh.ps - 1) / j.sh.ps;
+    for (int64_t b = 0; b < j.sh.B; b++) {
         int64_t np = tab->indptr[b + 1] - tab->indptr[b];
-        int64_t n = (np - 1) * j.ps + tab->last_page_len[b];
+        int64_t n = (np - 1) * j.sh.ps + tab->last_page_len[b];
         total_tok += n;
         if (n > nmax) nmax = n;
         ntasks += (np + pages_per_chunk - 1) / pages_per_chunk;
     }
     const int64_t W = ctx->n_threads;
     int64_t t1;
-    if (ekv_mul_i64(total_tok, j.H * 4, &t1))
+    if (ekv_mul_i64(total_tok, j.sh.H * 4, &t1))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "score buffer overflows");
     enum { QS, Z, SEQ, CMAX, IDX, Y, Y2, MARK, UNI, BV, NBLOCKS };
-    const int64_t sz[NBLOCKS] = {j.B * j.H * j.D * 4, t1, j.B * 4 * 8, ntasks * j.H * 4, W * nmax * 8, W * nmax * 8,
-                                 W * nmax * 8, W * nmax, W * nmax * 8, j.B * j.Hk * 8};
+    const int64_t sz[NBLOCKS] = {j.sh.B * j.sh.H * j.sh.D * 4, t1, j.sh.B * 4 * 8, ntasks * j.sh.H * 4, W * nmax * 8, W * nmax * 8,
+                                 W * nmax * 8, W * nmax, W * nmax * 8, j.sh.B * j.sh.Hk * 8};
     int64_t off[NBLOCKS];
     char *ws = ekv_workspace_blocks(ctx, sz, NBLOCKS, off, "dense decode", &st);
     if (!ws) return st;
     float *qs = (float *)(ws + off[QS]);
     j.z = (float *)(ws + off[Z]);
     j.tok_off = (int64_t *)(ws + off[SEQ]);
-    j.len = j.tok_off + j.B;
-    j.chunks = j.len + j.B;
-    j.task_off = j.chunks + j.B;
+    j.len = j.tok_off + j.sh.B;
+    j.chunks = j.len + j.sh.B;
+    j.task_off = j.chunks + j.sh.B;
     j.cmax = (float *)(ws + off[CMAX]);
     j.nmax = nmax;
     j.w_idx = (int64_t *)(ws + off[IDX]);
@@ -220,9 +211,9 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     j.bytes_v = (int64_t *)(ws + off[BV]);
     memset(j.w_mark, 0, (size_t)(W * nmax));
     int64_t tok = 0, toff = 0;
-    for (int64_t b = 0; b < j.B; b++) {
+    for (int64_t b = 0; b < j.sh.B; b++) {
         int64_t np = tab->indptr[b + 1] - tab->indptr[b];
-        j.len[b] = (np - 1) * j.ps + tab->last_page_len[b];
+        j.len[b] = (np - 1) * j.sh.ps + tab->last_page_len[b];
         j.tok_off[b] = tok;
         j.chunks[b] = (np + pages_per_chunk - 1) / pages_per_chunk;
         j.task_off[b] = toff;
@@ -231,19 +222,19 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     }
     j.ntasks = ntasks;
     /* q' = (a * scale) * q, so that the kernels produce z directly */
-    float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.D));
-    float qscale = (float)(j.a * scale);
-    for (int64_t i = 0; i < j.B * j.H * j.D; i++) qs[i] = q[i] * qscale;
+    float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.sh.D));
+    float qscale = (float)(j.sh.a * scale);
+    for (int64_t i = 0; i < j.sh.B * j.sh.H * j.sh.D; i++) qs[i] = q[i] * qscale;
     j.qs = qs;
     j.out = out;
     j.tau = info ? info->tau : NULL;
     j.support = info ? info->support : NULL;
     ekv_pool_run(ctx->pool, ntasks, phase_scores, &j);
-    ekv_pool_run(ctx->pool, j.B * j.Hk, phase_attend, &j);
+    ekv_pool_run(ctx->pool, j.sh.B * j.sh.Hk, phase_attend, &j);
     if (info) {
-        info->bytes_k = total_tok * j.Hk * j.D * j.esize;
+        info->bytes_k = total_tok * j.sh.Hk * j.sh.D * j.sh.esize;
         info->bytes_v = 0;
-        for (int64_t t = 0; t < j.B * j.Hk; t++) info->bytes_v += j.bytes_v[t];
+        for (int64_t t = 0; t < j.sh.B * j.sh.Hk; t++) info->bytes_v += j.bytes_v[t];
     }
     ekv_clear_error(ctx);
     return EKV_OK;

@@ -24,8 +24,9 @@ typedef struct {
     const ekv_page_stats *st;
     const ekv_page_table *t;
     const float *q;
-    int64_t B, H, G, D, ps, pstride;
-    double a, scale;
+    ekv_step_shape sh;
+    int64_t pstride;
+    double scale;
     double *mu, *sig;    /* [B*H][pstride] page moments (mu ALiBi-shifted later) */
     double *mug, *sigg;  /* [B*H] global moments */
     double margin_z, q_max;
@@ -43,11 +44,11 @@ static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
  * statistics are read once for the group), then the global moments of the mixture per head. */
 static void moments_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
-    const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->D, G = j->G;
+    const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->sh.D, G = j->sh.G;
     const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P);
     float *qs = j->w_q + (int64_t)worker * G * D; /* q' = scale * q for the group */
     for (int64_t g = 0; g < G; g++)
-        for (int64_t d = 0; d < D; d++) qs[g * D + d] = (float)(j->scale * j->q[(b * j->H + kvh * G + g) * D + d]);
+        for (int64_t d = 0; d < D; d++) qs[g * D + d] = (float)(j->scale * j->q[(b * j->sh.H + kvh * G + g) * D + d]);
     for (int64_t p = 0; p < Ps; p++) {
         const int32_t page = j->t->indices[j->t->indptr[b] + p];
         const int64_t off = ((int64_t)page * j->kv->num_kv_heads + kvh) * D;
@@ -73,13 +74,13 @@ static void moments_task(void *vp, int64_t task, int worker) {
             }
             double m = 0, v = 0;
             for (int l = 0; l < 8; l++) { m += mf[l]; v += vf[l]; }
-            const int64_t bh = b * j->H + kvh * G + g;
+            const int64_t bh = b * j->sh.H + kvh * G + g;
             j->mu[bh * j->pstride + p] = m;
             j->sig[bh * j->pstride + p] = sqrt(v);
         }
     }
     for (int64_t g = 0; g < G; g++) {
-        const int64_t bh = b * j->H + kvh * G + g;
+        const int64_t bh = b * j->sh.H + kvh * G + g;
         const double *mu = j->mu + bh * j->pstride, *sg = j->sig + bh * j->pstride;
         double s_mu = 0, s_var = 0, s_mu2 = 0;
         for (int64_t p = 0; p < Ps; p++) {
@@ -102,8 +103,8 @@ static void moments_task(void *vp, int64_t task, int worker) {
 static void rule_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
     const int64_t b = task / j->heads, l = task % j->heads;
-    const int64_t h0 = j->sel->per_query_head ? l : l * j->G, hn = j->sel->per_query_head ? 1 : j->G;
-    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P), ps = j->ps;
+    const int64_t h0 = j->sel->per_query_head ? l : l * j->sh.G, hn = j->sel->per_query_head ? 1 : j->sh.G;
+    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P), ps = j->sh.ps;
     const int64_t N = (P - 1) * ps + j->t->last_page_len[b], n = P > 1 ? Ps * ps : N;
     const double zpage = ekv_normal_quantile(pow(j->q_max, 1.0 / (double)ps));
     const double zc = ekv_normal_quantile(pow(j->sel->clamp_quantile, 1.0 / (double)ps));
@@ -113,7 +114,7 @@ static void rule_task(void *vp, int64_t task, int worker) {
     /* out[] first holds a flag per stats page (the union over the list's heads) */
     for (int64_t p = 0; p < Ps; p++) out[p] = 0;
     for (int64_t h = h0; h < h0 + hn; h++) {
-        const int64_t bh = b * j->H + h;
+        const int64_t bh = b * j->sh.H + h;
         double *mu = j->mu + bh * j->pstride;
         const double *sg = j->sig + bh * j->pstride;
         const double m_h = j->prm->alibi_slopes ? j->prm->alibi_slopes[h] : 0.0;
@@ -133,13 +134,13 @@ static void rule_task(void *vp, int64_t task, int worker) {
         double uavg = 0;
         for (int64_t p = 0; p < Ps; p++) uavg += mu[p] + 1.5 * sg[p];
         uavg /= (double)Ps;
-        const double theta = tau / j->a;
+        const double theta = tau / j->sh.a;
         const double dsig = j->margin_z * j->sigg[bh], dexc = j->sel->excess_fraction * fmax(theta - uavg, 0.0);
-        const double tfloor = tau - j->a * fmax(dsig, dexc);
+        const double tfloor = tau - j->sh.a * fmax(dsig, dexc);
         double capmax = -INFINITY;
         int any = 0;
         for (int64_t p = 0; p < Ps; p++) {
-            if (P > 1 && j->a * (mu[p] + zpage * sg[p]) > tfloor) {
+            if (P > 1 && j->sh.a * (mu[p] + zpage * sg[p]) > tfloor) {
                 out[p] = 1;
                 any = 1;
                 capmax = fmax(capmax, mu[p] + zc * sg[p] / 3.0);
@@ -147,7 +148,7 @@ static void rule_task(void *vp, int64_t task, int worker) {
         }
         /* clamp (4.10) for the fixed/corrected modes */
         if (j->sel->tau_mode != EKV_TAU_EXACT && j->sel->clamp_tau && any) {
-            double upper = fmax(j->a * capmax - 1e-4, tfloor);
+            double upper = fmax(j->sh.a * capmax - 1e-4, tfloor);
             tau = fmin(tau, upper);
         }
         if (j->tau_out) j->tau_out[bh] = tau;
@@ -189,21 +190,16 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     j.kv = kv;
     j.st = st;
     j.t = t;
+    j.sh = ekv_step_shape_of(prm, kv, t); /* alpha > 1 here: a = alpha - 1 */
     j.q = q;
-    j.B = t->batch;
-    j.H = prm->num_heads;
-    j.G = j.H / kv->num_kv_heads;
-    j.D = kv->head_dim;
-    j.ps = kv->page_size;
-    j.a = prm->alpha - 1.0;
-    j.scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.D);
-    j.heads = sel->per_query_head ? j.H : kv->num_kv_heads;
+    j.scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.sh.D);
+    j.heads = sel->per_query_head ? j.sh.H : kv->num_kv_heads;
     int64_t maxP = 1;
-    for (int64_t b = 0; b < j.B; b++) maxP = t->indptr[b + 1] - t->indptr[b] > maxP ? t->indptr[b + 1] - t->indptr[b] : maxP;
+    for (int64_t b = 0; b < j.sh.B; b++) maxP = t->indptr[b + 1] - t->indptr[b] > maxP ? t->indptr[b + 1] - t->indptr[b] : maxP;
     j.pstride = maxP;
-    const int64_t BH = j.B * j.H, W = ctx->n_threads;
-    int64_t sz[8] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.B * j.heads * maxP * 4, j.B * j.heads * 8,
-                     W * maxP * 8, W * j.G * j.D * 4};
+    const int64_t BH = j.sh.B * j.sh.H, W = ctx->n_threads;
+    int64_t sz[8] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.sh.B * j.heads * maxP * 4, j.sh.B * j.heads * 8,
+                     W * maxP * 8, W * j.sh.G * j.sh.D * 4};
     int64_t off[8];
     ekv_status s;
     char *ws = ekv_workspace_blocks(ctx, sz, 8, off, "gaussian selector", &s);
@@ -217,7 +213,7 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     j.w_buf = (double *)(ws + off[6]);
     j.w_q = (float *)(ws + off[7]);
     j.tau_out = list->tau;
-    ekv_pool_run(ctx->pool, j.B * kv->num_kv_heads, moments_task, &j);
+    ekv_pool_run(ctx->pool, j.sh.B * kv->num_kv_heads, moments_task, &j);
     j.margin_z = sel->margin_z;
     j.q_max = sel->max_quantile;
     if (sel->auto_margin) { /* SPEC 4.5: one sigma-bar for the whole batch */
@@ -227,16 +223,16 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
         j.margin_z = sbar < 1.5 ? 0.01 * sbar : 0.05 * sbar;
         j.q_max = sbar < 1.5 ? 0.99 : 0.995;
     }
-    ekv_pool_run(ctx->pool, j.B * j.heads, rule_task, &j);
+    ekv_pool_run(ctx->pool, j.sh.B * j.heads, rule_task, &j);
     int64_t w = 0, bytes = 0;
     list->indptr[0] = 0;
-    for (int64_t l = 0; l < j.B * j.heads; l++) {
+    for (int64_t l = 0; l < j.sh.B * j.heads; l++) {
         memcpy(list->pages + w, j.sel_pages + l * maxP, sizeof(int32_t) * (size_t)j.sel_count[l]);
         w += j.sel_count[l];
         list->indptr[l + 1] = w;
     }
-    for (int64_t b = 0; b < j.B; b++) /* kmean + km2 per (stats page, KV head) */
-        bytes += stats_pages(t->indptr[b + 1] - t->indptr[b]) * kv->num_kv_heads * j.D * 2 * (int64_t)sizeof(float);
+    for (int64_t b = 0; b < j.sh.B; b++) /* kmean + km2 per (stats page, KV head) */
+        bytes += stats_pages(t->indptr[b + 1] - t->indptr[b]) * kv->num_kv_heads * j.sh.D * 2 * (int64_t)sizeof(float);
     list->bytes_summary = bytes;
     list->tau_mode = sel->tau_mode;
     list->correction_iters = sel->correction_iters >= 0 ? sel->correction_iters : prm->alibi_slopes ? 2 : 1;
