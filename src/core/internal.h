@@ -157,14 +157,18 @@ ekv_status ekv_tau_exact_f64(const double *z, int64_t n, double alpha, double *s
 /* tau relative to the maximum, from the candidates y = z - max(z) with y > -1 (the
  * maximum itself included, y = 0). Reorders/overwrites y. alpha > 1. */
 double ekv_tau_candidates(double *y, int64_t k, double alpha);
+/* d^(1/(alpha-1)) for d > 0, alpha > 1: the unnormalised entmax weight of a token d above
+ * tau (exact products for sparsemax and 1.5-entmax, pow otherwise). */
+static inline double ekv_entmax_pow(double d, double alpha) {
+    if (alpha == 2.0) return d;
+    if (alpha == 1.5) return d * d;
+    return pow(d, 1.0 / (alpha - 1.0));
+}
 /* Probability of one entry given tau (z-space). alpha == 1: exp(z - tau). */
 static inline double ekv_entmax_weight(double z, double tau, double alpha) {
     if (alpha == 1.0) return exp(z - tau);
     double d = z - tau;
-    if (!(d > 0)) return 0.0;
-    if (alpha == 2.0) return d;
-    if (alpha == 1.5) return d * d;
-    return pow(d, 1.0 / (alpha - 1.0));
+    return d > 0 ? ekv_entmax_pow(d, alpha) : 0.0;
 }
 
 /* ---- the sizes every decode stage derives from its (validated) arguments ---- */

@@ -168,7 +168,7 @@ static void attend_list(void *vp, int64_t task, int worker) {
                 for (int64_t c = 0; c < L; c++) {
                     double d = (double)zg[c] - tau;
                     if (d <= 0) continue;
-                    double pb = j->sh.alpha == 2.0 ? d : j->sh.alpha == 1.5 ? d * d : pow(d, beta);
+                    double pb = ekv_entmax_pow(d, j->sh.alpha);
                     S0 += pb;
                     S1 += pb / d;
                     S2 += pb / (d * d);
@@ -371,7 +371,6 @@ ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const
             return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below sequence %lld's %lld scored pages",
                             (long long)list->bounds_stride, (long long)b, (long long)(tab->indptr[b + 1] - tab->indptr[b] - 1));
     const int64_t H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
-    const double beta = 1.0 / (prm->alpha - 1.0);
     for (int64_t b = 0; b < tab->batch; b++) {
         const int64_t P = tab->indptr[b + 1] - tab->indptr[b];
         uint8_t *in = calloc((size_t)P, 1);
@@ -389,7 +388,7 @@ ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const
             for (int64_t p = 0; p + 1 < P; p++) {
                 if (in[p]) continue;
                 double d = (double)u[p] - t;
-                if (d > 0) s += (double)ps * (prm->alpha == 2.0 ? d : prm->alpha == 1.5 ? d * d : pow(d, beta));
+                if (d > 0) s += (double)ps * ekv_entmax_pow(d, prm->alpha);
             }
             delta_bar[b * H + h] = s;
         }

@@ -7,13 +7,12 @@
 #include "support.h"
 
 int64_t ekv_cpu_support_weights(int64_t *idx, double *y, int64_t k, double tau_rel, double alpha, double *wsum) {
-    const double beta = 1.0 / (alpha - 1.0);
     double s = 0;
     int64_t sup = 0;
     for (int64_t i = 0; i < k; i++) {
         const double d = y[i] - tau_rel;
         if (d > 0) {
-            y[sup] = alpha == 2.0 ? d : alpha == 1.5 ? d * d : pow(d, beta);
+            y[sup] = ekv_entmax_pow(d, alpha);
             idx[sup] = idx[i];
             s += y[sup];
             sup++;
