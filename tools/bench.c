@@ -232,7 +232,7 @@ int cmd_bench(int argc, char **argv) {
             double bytes_sum = 0, sup_sum = 0, summary_bytes = 0;
             int64_t round2 = 0;
             double *tsel = malloc(sizeof(double) * (size_t)o.iters);
-            int is_ref = !strcmp(o.backend, "ref"), topk = strcmp(o.method, "dense") != 0;
+            int is_ref = !strcmp(o.backend, "ref"), sparse = strcmp(o.method, "dense") != 0; /* topk, gaussian or certified */
             ekv_page_stats pst;
             ekv_cache_kv_view(cache, NULL, &pst);
             ekv_select_params sp = ekv_select_default_params();
@@ -243,7 +243,7 @@ int cmd_bench(int argc, char **argv) {
             int64_t *lip = malloc(sizeof(int64_t) * (size_t)(o.batch * o.kv_heads + 1));
             int32_t *lpg = malloc(sizeof(int32_t) * (size_t)lcap);
             ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = lcap};
-            if (topk && is_ref) {
+            if (sparse && is_ref) {
                 fprintf(stderr, "entmaxkv bench: --backend ref times dense decode only\n");
                 rc = CLI_USAGE;
             }
@@ -256,7 +256,7 @@ int cmd_bench(int argc, char **argv) {
                     st = ekv_decode_certified(ctx, &dp, &sp, &kv, &pst, &tab, qi, out, &info, &ci);
                     list.bytes_summary = ci.bytes_summary;
                     round2 += ci.lists_round2;
-                } else if (topk) {
+                } else if (sparse) {
                     st = ekv_select_pages(ctx, &dp, &sp, &kv, &pst, &tab, qi, &list);
                     ts = cli_now_seconds() - t0;
                     if (!st) st = ekv_decode_pages(ctx, &dp, &kv, &tab, &list, qi, out, &info);
@@ -311,13 +311,13 @@ int cmd_bench(int argc, char **argv) {
                             (long long)o.heads, (long long)o.kv_heads, (long long)o.dim, (long long)o.page,
                             ekv_dtype_name(o.dtype), med * 1e3, mn * 1e3, bytes, gbps, bytes / kv_total, probe,
                             ratio, threads, ekv_isa_name(ekv_context_isa(ctx)), o.workload, sup_mean,
-                            (long long)o.iters, (long long)(topk ? sp.budget_tokens : len), sel_med * 1e3,
+                            (long long)o.iters, (long long)(sparse ? sp.budget_tokens : len), sel_med * 1e3,
                             summary_bytes, sel_roof);
                 if (!strcmp(o.method, "certified"))
                     printf("%10s certified: round 2 needed by %.1f%% of lists (%lld of %lld, warm-up included)\n", "",
                            100.0 * (double)round2 / (double)((o.warmup + o.iters) * o.batch * o.kv_heads), (long long)round2,
                            (long long)((o.warmup + o.iters) * o.batch * o.kv_heads));
-                else if (topk)
+                else if (sparse)
                     printf("%10s select (bound + selection): %.3f ms median, %.0f summary bytes, %.2fx its byte roofline\n",
                            "", sel_med * 1e3, summary_bytes, sel_roof);
             }
