@@ -30,6 +30,12 @@ static ekv_status parse(ekv_context *ctx, const unsigned char *b, int64_t n) {
             (void)acc;
             (void)strlen(t.name);
         }
+        for (int64_t i = 0; i < ekv_safetensors_metadata_count(st); i++) {
+            const char *k, *v;
+            ekv_safetensors_metadata_at(st, i, &k, &v);
+            if (ekv_safetensors_metadata(st, k) != v) g_failures++; /* keys are unique: the lookup finds this pair */
+            (void)strlen(v);
+        }
         ekv_safetensors_free(st);
     }
     return s;
@@ -60,7 +66,31 @@ int main(void) {
     CHECK(ekv_safetensors_find(st, "s", &t) == EKV_OK && t.dtype == -1 && t.ndim == 0 && t.numel == 1, "scalar I64");
     CHECK(ekv_safetensors_find(st, "e", &t) == EKV_OK && t.numel == 0 && t.nbytes == 0, "empty tensor");
     CHECK(ekv_safetensors_find(st, "nope", &t) == EKV_ERR_INVALID_ARGUMENT, "missing name");
+    /* metadata: string pairs, escapes decoded, absent keys NULL */
+    CHECK(ekv_safetensors_metadata_count(st) == 2, "metadata count %lld", (long long)ekv_safetensors_metadata_count(st));
+    const char *mv = ekv_safetensors_metadata(st, "format");
+    CHECK(mv && !strcmp(mv, "pt"), "metadata format = %s", mv ? mv : "(null)");
+    mv = ekv_safetensors_metadata(st, "note");
+    CHECK(mv && !strcmp(mv, "a\"b\xc3\xa9"), "metadata note = %s", mv ? mv : "(null)");
+    CHECK(ekv_safetensors_metadata(st, "absent") == NULL && ekv_safetensors_metadata(st, NULL) == NULL, "absent key");
+    const char *mk, *mval;
+    CHECK(ekv_safetensors_metadata_at(st, 1, &mk, &mval) == EKV_OK && !strcmp(mk, "note"), "metadata_at 1");
+    CHECK(ekv_safetensors_metadata_at(st, 2, &mk, &mval) == EKV_ERR_INVALID_ARGUMENT, "metadata_at past the end");
     ekv_safetensors_free(st);
+    {   /* a long value (past any fixed buffer), an empty object, and no metadata at all */
+        static char hdr[12000];
+        int k = snprintf(hdr, sizeof hdr, "{\"__metadata__\":{\"long\":\"");
+        for (int i = 0; i < 9000; i++) hdr[k++] = (char)('a' + i % 26);
+        snprintf(hdr + k, sizeof hdr - (size_t)k, "\"},\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}");
+        n = make_file(buf, hdr, data, 4);
+        CHECK(ekv_safetensors_parse(ctx, buf, n, &st) == EKV_OK, "long metadata: %s", ekv_last_error(ctx));
+        mv = ekv_safetensors_metadata(st, "long");
+        CHECK(mv && strlen(mv) == 9000 && mv[8999] == 'a' + 8999 % 26, "long metadata value");
+        ekv_safetensors_free(st);
+        n = make_file(buf, "{\"__metadata__\":{},\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", data, 4);
+        CHECK(ekv_safetensors_parse(ctx, buf, n, &st) == EKV_OK && ekv_safetensors_metadata_count(st) == 0, "empty metadata");
+        ekv_safetensors_free(st);
+    }
 
     /* every truncation of the valid file is an error, never a crash */
     int bad_trunc = 0;
@@ -92,6 +122,19 @@ int main(void) {
         "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},}",
         "{\"a\" {\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
         "{\"a\":{\"dtype\":F32,\"shape\":[1],\"data_offsets\":[0,4]}}",
+        /* __metadata__ is an object of strings, keys unique, once */
+        "{\"__metadata__\":{\"n\":1}}",
+        "{\"__metadata__\":{\"n\":[\"a\"]}}",
+        "{\"__metadata__\":{\"n\":null}}",
+        "{\"__metadata__\":{\"n\":{}}}",
+        "{\"__metadata__\":\"x\"}",
+        "{\"__metadata__\":[]}",
+        "{\"__metadata__\":{\"n\":\"1\",\"n\":\"2\"}}",
+        "{\"__metadata__\":{},\"__metadata__\":{}}",
+        "{\"__metadata__\":{\"n\":\"a\\u0000b\"}}",
+        "{\"__metadata__\":{\"n\":\"1\",}}",
+        "{\"__metadata__\":{\"n\" \"1\"}}",
+        "{\"__metadata__\":{\"n\":\"1\"",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int64_t m = make_file(buf, bad[i], data, 64);

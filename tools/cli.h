@@ -63,4 +63,29 @@ void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch);
 
 int cmd_bench(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+
+/* The model subcommands (tools/run.c, tools/ppl.c, tools/trace.c) and what they share
+ * (tools/model_cli.c). */
+typedef struct {
+    const char *model; /* NULL = the shipped model */
+    ekv_attn_method method;
+    double budget;
+    int64_t threads;
+    int32_t page;
+    ekv_dtype kv_dtype;
+} model_opts;
+void model_opts_init(model_opts *o);
+void model_opts_help(FILE *f);
+/* Parses argv[*i] if it is a common model option (advancing *i); returns 1 if it was. */
+int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o);
+/* Creates the context and loads the model for max_tokens tokens; prints why not and returns 1. */
+int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m);
+/* Runs n tokens through the model in chunks (logits [n][vocab] if not NULL), with progress. */
+int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, const int32_t *tokens, int64_t n,
+               float *logits);
+/* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
+char *cli_read_file(const char *path, int64_t *len);
+int cmd_run(int argc, char **argv);
+int cmd_ppl(int argc, char **argv);
+int cmd_trace(int argc, char **argv);
 #endif

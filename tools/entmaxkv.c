@@ -3,6 +3,9 @@
  *   entmax   exact alpha-entmax of vectors read from stdin
  *   bench    time the decode step (tools/bench.c)
  *   eval     quality at matched budgets (tools/eval.c)
+ *   run      generate text with the model (tools/run.c)
+ *   ppl      perplexity of the model with a decode method (tools/ppl.c)
+ *   trace    dump a model run's per-layer Q/K/V for eval (tools/trace.c)
  * Exit codes: 0 ok, 1 runtime failure, 2 bad usage.
  */
 #include "cli.h"
@@ -17,9 +20,11 @@ static void main_help(FILE *f) {
             "  entmax   exact alpha-entmax of vectors read from stdin, one per line\n"
             "  bench    time one decode step over a paged KV cache\n"
             "  eval     quality of sparse decoding (dropped mass, support recall) at matched budgets\n"
+            "  run      generate text with the entmaxkv language model, any decode method\n"
+            "  ppl      perplexity of the model on a text, any decode method\n"
+            "  trace    dump the per-layer queries, keys and values of a model run (for eval)\n"
             "\n"
-            "'entmaxkv SUBCOMMAND --help' describes each one.\n"
-            "Not yet available: run, ppl, trace (later issues).\n");
+            "'entmaxkv SUBCOMMAND --help' describes each one.\n");
 }
 
 static void entmax_help(FILE *f) {
@@ -119,10 +124,9 @@ int main(int argc, char **argv) {
     if (!strcmp(sub, "entmax")) return cmd_entmax(argc - 1, argv + 1);
     if (!strcmp(sub, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(sub, "eval")) return cmd_eval(argc - 1, argv + 1);
-    if (!strcmp(sub, "run") || !strcmp(sub, "ppl") || !strcmp(sub, "trace")) {
-        fprintf(stderr, "entmaxkv: '%s' is not implemented yet in this version\n", sub);
-        return CLI_USAGE;
-    }
+    if (!strcmp(sub, "run")) return cmd_run(argc - 1, argv + 1);
+    if (!strcmp(sub, "ppl")) return cmd_ppl(argc - 1, argv + 1);
+    if (!strcmp(sub, "trace")) return cmd_trace(argc - 1, argv + 1);
     fprintf(stderr, "entmaxkv: unknown subcommand '%s' (see 'entmaxkv --help')\n", sub);
     return CLI_USAGE;
 }

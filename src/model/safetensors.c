@@ -14,7 +14,9 @@ struct ekv_safetensors {
     int64_t len;
     int64_t ntensors;
     ekv_tensor_info *t;
-    char *strings; /* names and dtype names, NUL-terminated */
+    char *strings; /* names, dtype names, metadata keys and values, NUL-terminated */
+    int64_t nmeta;
+    const char **meta; /* [2*nmeta]: key, value, key, value, ... (pointers into strings) */
 };
 
 /* ---- a small strict JSON reader over the header ---- */
@@ -178,7 +180,64 @@ void ekv_safetensors_free(ekv_safetensors *st) {
     free(st->buf);
     free(st->t);
     free(st->strings);
+    free(st->meta);
     free(st);
+}
+
+/* Room for `need` more bytes in the string arena. */
+static int strings_reserve(ekv_safetensors *st, size_t *cap, size_t used, size_t need) {
+    if (used + need <= *cap) return 0;
+    size_t c = *cap;
+    while (used + need > c) c *= 2;
+    char *ns = realloc(st->strings, c);
+    if (!ns) return -1;
+    st->strings = ns;
+    *cap = c;
+    return 0;
+}
+
+/* Reads a JSON string of any length into the arena; *off = its offset. NUL bytes are refused
+ * (a C string could not hold them). */
+static int jstring_arena(jp *p, ekv_safetensors *st, size_t *cap, size_t *used, int64_t *off) {
+    ws(p);
+    const char *s0 = p->s;
+    size_t n;
+    if (jstring(p, NULL, 0, &n)) return -1;
+    if (strings_reserve(st, cap, *used, n + 1)) return jfail(p, "out of memory");
+    p->s = s0;
+    if (jstring(p, st->strings + *used, n + 1, NULL)) return -1;
+    if (strlen(st->strings + *used) != n) return jfail(p, "NUL byte in a metadata string");
+    *off = (int64_t)*used;
+    *used += n + 1;
+    return 0;
+}
+
+/* __metadata__: an object of string keys and string values (the safetensors format), keys
+ * unique. Offsets of key i and value i go to (*offs)[2i], (*offs)[2i+1]. */
+static int parse_metadata(jp *p, ekv_safetensors *st, size_t *strcap, size_t *strused, int64_t **offs) {
+    size_t cap = 0;
+    if (jexpect(p, '{', "__metadata__ must be an object of strings")) return -1;
+    ws(p);
+    if (p->s < p->end && *p->s == '}') { p->s++; return 0; }
+    for (;;) {
+        if ((size_t)st->nmeta == cap) {
+            cap = cap ? 2 * cap : 8;
+            int64_t *no = realloc(*offs, 2 * cap * sizeof *no);
+            if (!no) return jfail(p, "out of memory");
+            *offs = no;
+        }
+        int64_t *o = *offs + 2 * st->nmeta;
+        if (jstring_arena(p, st, strcap, strused, &o[0]) || jexpect(p, ':', "expected ':' in __metadata__")) return -1;
+        ws(p);
+        if (p->s >= p->end || *p->s != '"') return jfail(p, "__metadata__ values must be strings");
+        if (jstring_arena(p, st, strcap, strused, &o[1])) return -1;
+        for (int64_t i = 0; i < st->nmeta; i++)
+            if (!strcmp(st->strings + (*offs)[2 * i], st->strings + o[0])) return jfail(p, "repeated key in __metadata__");
+        st->nmeta++;
+        ws(p);
+        if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+        return jexpect(p, '}', "expected ',' or '}' in __metadata__");
+    }
 }
 
 /* Parses the header of st->buf; on error returns -1 with a message in p->err. */
@@ -200,8 +259,9 @@ static int parse_header(ekv_safetensors *st, jp *p) {
     st->strings = malloc(strcap);
     if (!st->t || !st->strings) { snprintf(p->err, sizeof p->err, "out of memory"); return -1; }
     /* names are stored as offsets into strings until the end (realloc may move it) */
-    int64_t *name_off = NULL, *dt_off = NULL;
+    int64_t *name_off = NULL, *dt_off = NULL, *meta_off = NULL;
     size_t off_cap = 0;
+    int have_meta = 0;
     if (jexpect(p, '{', "the header is not a JSON object")) return -1;
     ws(p);
     int empty = p->s < p->end && *p->s == '}';
@@ -212,7 +272,8 @@ static int parse_header(ekv_safetensors *st, jp *p) {
         if (jstring(p, key, sizeof key, &klen) || jexpect(p, ':', "expected ':' after a name")) goto fail;
         if (strlen(key) != klen) { jfail(p, "NUL byte in a tensor name"); goto fail; }
         if (!strcmp(key, "__metadata__")) {
-            if (jskip(p, 1)) goto fail;
+            if (have_meta++) { jfail(p, "repeated __metadata__"); goto fail; }
+            if (parse_metadata(p, st, &strcap, &strused, &meta_off)) goto fail;
         } else {
             if (st->ntensors == INT32_MAX) { jfail(p, "too many tensors"); goto fail; }
             if ((size_t)st->ntensors == cap_t) {
@@ -293,12 +354,7 @@ static int parse_header(ekv_safetensors *st, jp *p) {
             t->nbytes = nbytes;
             t->data = st->buf + data0 + b0;
             size_t need = klen + 1 + strlen(dtn) + 1;
-            if (strused + need > strcap) {
-                while (strused + need > strcap) strcap *= 2;
-                char *ns = realloc(st->strings, strcap);
-                if (!ns) { jfail(p, "out of memory"); goto fail; }
-                st->strings = ns;
-            }
+            if (strings_reserve(st, &strcap, strused, need)) { jfail(p, "out of memory"); goto fail; }
             name_off[st->ntensors] = (int64_t)strused;
             memcpy(st->strings + strused, key, klen + 1);
             strused += klen + 1;
@@ -318,8 +374,14 @@ static int parse_header(ekv_safetensors *st, jp *p) {
         st->t[i].name = st->strings + name_off[i];
         st->t[i].dtype_name = st->strings + dt_off[i];
     }
+    if (st->nmeta > 0) {
+        st->meta = malloc(sizeof *st->meta * (size_t)(2 * st->nmeta));
+        if (!st->meta) { snprintf(p->err, sizeof p->err, "out of memory"); goto fail; }
+        for (int64_t i = 0; i < 2 * st->nmeta; i++) st->meta[i] = st->strings + meta_off[i];
+    }
     free(name_off);
     free(dt_off);
+    free(meta_off);
     /* unique names, non-overlapping ranges */
     if (st->ntensors > 1) {
         ekv_tensor_info **v = malloc(sizeof *v * (size_t)st->ntensors);
@@ -344,6 +406,7 @@ static int parse_header(ekv_safetensors *st, jp *p) {
 fail:
     free(name_off);
     free(dt_off);
+    free(meta_off);
     if (!p->err[0]) snprintf(p->err, sizeof p->err, "malformed header");
     return -1;
 }
@@ -398,4 +461,21 @@ ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name, ekv
     for (int64_t i = 0; i < st->ntensors; i++)
         if (!strcmp(st->t[i].name, name)) { *out = st->t[i]; return EKV_OK; }
     return EKV_ERR_INVALID_ARGUMENT;
+}
+
+const char *ekv_safetensors_metadata(const ekv_safetensors *st, const char *key) {
+    if (!st || !key) return NULL;
+    for (int64_t i = 0; i < st->nmeta; i++)
+        if (!strcmp(st->meta[2 * i], key)) return st->meta[2 * i + 1];
+    return NULL;
+}
+
+int64_t ekv_safetensors_metadata_count(const ekv_safetensors *st) { return st ? st->nmeta : 0; }
+
+ekv_status ekv_safetensors_metadata_at(const ekv_safetensors *st, int64_t i, const char **key, const char **value) {
+    if (!st || !key || !value) return EKV_ERR_NULL_POINTER;
+    if (i < 0 || i >= st->nmeta) return EKV_ERR_INVALID_ARGUMENT;
+    *key = st->meta[2 * i];
+    *value = st->meta[2 * i + 1];
+    return EKV_OK;
 }

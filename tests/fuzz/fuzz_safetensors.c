@@ -3,6 +3,7 @@
 #include "entmaxkv.h"
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -14,6 +15,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             volatile uint8_t acc = 0;
             for (int64_t k = 0; k < t.nbytes; k++) acc ^= ((const uint8_t *)t.data)[k];
             (void)acc;
+        }
+        for (int64_t i = 0; i < ekv_safetensors_metadata_count(st); i++) {
+            const char *k, *v;
+            ekv_safetensors_metadata_at(st, i, &k, &v);
+            /* keys are unique, so a lookup finds this very pair */
+            if (ekv_safetensors_metadata(st, k) != v) __builtin_trap();
+            volatile size_t n = strlen(k) + strlen(v);
+            (void)n;
         }
         ekv_safetensors_free(st);
     }

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# CLI checks of the model subcommands (DESIGN 4) on the tiny test model:
+#   - run, ppl, trace: --help exits 0 with usage; bad options exit 2 with one line on stderr;
+#   - run greedy is deterministic, prints the prompt and ends with the stats lines;
+#   - ppl writes the JSON fields of the contract; certified gives the dense perplexity and
+#     top-k with budget 1 too; a missing or broken model file exits 1 with a message;
+#   - trace writes a file that eval reads (per-layer prefix), with the model's shapes.
+# Usage: test_model_cli.sh PATH/TO/entmaxkv DATA_DIR
+set -u
+BIN=${1:-}
+DATA=${2:-}
+if [ -z "$BIN" ] || [ ! -x "$BIN" ] || [ ! -d "$DATA" ]; then
+    echo "usage: $0 PATH/TO/entmaxkv DATA_DIR" >&2
+    exit 1
+fi
+MODEL="$DATA/tiny_model.safetensors"
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_mcli.XXXXXX") || exit 1
+trap 'rm -rf "$TMP"' EXIT
+FAILS=0
+CHECKS=0
+check() { CHECKS=$((CHECKS + 1)); if [ "$2" -ne 0 ]; then echo "FAIL: $1" >&2; FAILS=$((FAILS + 1)); fi; }
+OUT="$TMP/out"
+ERR="$TMP/err"
+run() { "$BIN" "$@" >"$OUT" 2>"$ERR"; RC=$?; }
+nlines() { awk 'END { print NR }' "$1"; }
+
+for sub in run ppl trace; do
+    run "$sub" --help
+    [ "$RC" -eq 0 ] && grep -qi usage "$OUT" && [ ! -s "$ERR" ]
+    check "$sub --help should exit 0 with usage on stdout (rc=$RC)" $?
+done
+
+# a text to read: the golden script (ASCII, a few KB), twice
+cat "$DATA/../golden/make_tiny_model.py" "$DATA/../golden/make_tiny_model.py" >"$TMP/text.txt"
+
+usage() {
+    run "$@"
+    [ "$RC" -eq 2 ] && [ "$(nlines "$ERR")" -eq 1 ] && [ ! -s "$OUT" ]
+    check "'$*' should exit 2 with one line on stderr (rc=$RC: $(head -c 200 "$ERR"))" $?
+}
+usage run --bogus
+usage run --model "$MODEL" --method fast
+usage run --model "$MODEL" --budget 0
+usage run --model "$MODEL" --budget 2
+usage run --model "$MODEL" -n -3
+usage run --model "$MODEL" --temp x
+usage run --model "$MODEL" --prompt a --prompt-file b
+usage run --model "$MODEL" --compare dense,nope
+usage run --model "$MODEL" --kv-dtype f8
+usage run --model "$MODEL" --page 0
+usage ppl --model "$MODEL"
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 1
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 64 --score-last 64
+usage ppl --text "$TMP/text.txt" --method
+usage trace --model "$MODEL" --text "$TMP/text.txt"
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --queries 0
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers 7
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers x
+
+# runtime failures: exit 1 with a message
+run run --model "$TMP/none.safetensors" -n 1
+[ "$RC" -eq 1 ] && grep -q "none.safetensors" "$ERR"
+check "a missing model should exit 1 naming the file (rc=$RC)" $?
+head -c 3000 "$MODEL" >"$TMP/cut.safetensors"
+run run --model "$TMP/cut.safetensors" -n 1
+[ "$RC" -eq 1 ] && [ -s "$ERR" ]
+check "a truncated model should exit 1 with a message (rc=$RC)" $?
+run ppl --model "$MODEL" --text "$TMP/none.txt"
+[ "$RC" -eq 1 ] && [ -s "$ERR" ]
+check "a missing text should exit 1 (rc=$RC)" $?
+
+# run: deterministic greedy output, the prompt echoed, stats at the end
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1
+[ "$RC" -eq 0 ] && head -c 5 "$OUT" | grep -q Hello && grep -q "^\[decode @5 dense\] 20 tokens" "$OUT" && grep -q "KV read" "$OUT"
+check "run should echo the prompt and end with the stats lines (rc=$RC)" $?
+cp "$OUT" "$TMP/run1"
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 2
+[ "$RC" -eq 0 ] && [ "$(head -c 25 "$OUT")" = "$(head -c 25 "$TMP/run1")" ]
+check "greedy run should not depend on the thread count" $?
+run run --model "$MODEL" --prompt "Hello" -n 8 --method topk --compare certified,gaussian,dense --quiet
+[ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode' "$OUT")" -eq 4 ] && grep -q "round 2" "$OUT"
+check "run --compare should print one decode line per method (rc=$RC)" $?
+
+# ppl: the JSON contract; certified and top-k with every token equal dense
+ppl_field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
+run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 3 --json "$TMP/dense.json"
+[ "$RC" -eq 0 ] && grep -q "^ppl " "$OUT"
+check "ppl dense should succeed (rc=$RC: $(head -c 200 "$ERR"))" $?
+if command -v python3 >/dev/null 2>&1; then
+    python3 - "$TMP/dense.json" <<'EOF'
+import json, math, sys
+j = json.load(open(sys.argv[1]))
+for k in ("ppl", "tokens", "method", "kv_fraction", "bits_per_byte"):
+    assert k in j, k
+assert j["method"] == "dense" and j["tokens"] == 3 * 299 and j["ppl"] > 1
+assert abs(j["bits_per_byte"] - math.log2(j["ppl"])) < 1e-6
+assert 0 < j["kv_fraction"] <= 1
+EOF
+    check "ppl JSON should carry ppl, tokens, method, kv_fraction, bits_per_byte" $?
+    for m in "certified --budget 1/16" "topk --budget 1"; do
+        run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 3 --method $m --json "$TMP/m.json"
+        python3 -c "
+import json,sys
+a=json.load(open('$TMP/dense.json')); b=json.load(open('$TMP/m.json'))
+sys.exit(0 if abs(a['ppl']-b['ppl']) <= 1e-5*a['ppl'] else 1)"
+        check "ppl --method $m should equal dense ($(cat "$TMP/m.json" | head -c 100))" $?
+    done
+    run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 2 --score-last 50 --json "$TMP/s.json"
+    [ "$RC" -eq 0 ] && [ "$(ppl_field "$TMP/s.json" tokens)" = 100 ]
+    check "ppl --score-last 50 over 2 windows should score 100 tokens" $?
+fi
+
+# trace -> eval
+run trace --model "$MODEL" --text "$TMP/text.txt" --ctx 400 --queries 4 --out "$TMP/t.safetensors"
+[ "$RC" -eq 0 ] && [ -s "$TMP/t.safetensors" ]
+check "trace should write its file (rc=$RC: $(head -c 200 "$ERR"))" $?
+run eval --workload "trace:$TMP/t.safetensors@l1." --budgets 1/4 --steps 4 --threads 1
+[ "$RC" -eq 0 ] && grep -q "len=400 B=1 H=4 Hk=2 D=8" "$OUT" && grep -q "^certified" "$OUT"
+check "eval should read the trace of layer 1 with the model's shapes (rc=$RC: $(head -c 300 "$ERR"))" $?
+
+echo "test_model_cli: $CHECKS checks, $FAILS failures"
+[ "$FAILS" -eq 0 ]

@@ -1,0 +1,193 @@
+/*
+ * entmaxkv run: generates text with the model (DESIGN 4). The prompt is prefilled in blocks,
+ * then tokens are generated one decode step at a time (greedy, or sampled with --temp), and a
+ * stats line reports tokens/s of prefill and decode and the fraction of the KV bytes that
+ * attention read. --compare decodes further tokens with other methods after the same prefill,
+ * one stats line each: sparse against dense decode speed at one context length in one run.
+ */
+#include "cli.h"
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char DEFAULT_PROMPT[] =
+    "The Python Tutorial\n\nPython is an easy to learn, powerful programming language. It has efficient "
+    "high-level data structures and a simple but effective approach to object-oriented programming.";
+
+static void run_help(FILE *f) {
+    fprintf(f,
+            "usage: entmaxkv run [--model FILE] [--prompt TEXT | --prompt-file F] [-n TOKENS] [options]\n"
+            "\n"
+            "Generates text with the entmaxkv language model (a byte-level, 1.5-entmax transformer)\n"
+            "and ends with a line of stats: prefill and decode tokens/s and the share of the KV\n"
+            "cache bytes attention read.\n"
+            "\n"
+            "  --prompt TEXT         the prompt (default: a built-in one)\n"
+            "  --prompt-file F       read the prompt from a file\n"
+            "  -n TOKENS             tokens to generate (default 200)\n");
+    model_opts_help(f);
+    fprintf(f,
+            "  --temp T              sampling temperature; 0 = greedy (default 0)\n"
+            "  --seed S              random seed for sampling (default 1)\n"
+            "  --compare LIST        after decoding, decode -n more tokens with each method of the\n"
+            "                        comma list in turn (same sequence; one stats line each)\n"
+            "  --quiet               do not print the prompt and the text (stats only)\n"
+            "  --help                this text\n"
+            "\n"
+            "The prompt is echoed when it is under 4 KiB. Progress goes to stderr.\n");
+}
+
+static int32_t sample(const float *logits, int64_t V, double temp, cli_rng *r) {
+    int32_t best = 0;
+    for (int64_t i = 1; i < V; i++)
+        if (logits[i] > logits[best]) best = (int32_t)i;
+    if (temp <= 0) return best;
+    double sum = 0, *p = malloc(sizeof(double) * (size_t)V);
+    if (!p) return best;
+    for (int64_t i = 0; i < V; i++) sum += p[i] = exp(((double)logits[i] - logits[best]) / temp);
+    double u = cli_rng_uniform(r) * sum;
+    int32_t pick = (int32_t)(V - 1);
+    for (int64_t i = 0; i < V; i++) {
+        u -= p[i];
+        if (u <= 0) { pick = (int32_t)i; break; }
+    }
+    free(p);
+    return pick;
+}
+
+typedef struct { double seconds; int64_t tokens; ekv_model_stats st; } phase;
+
+static void method_label(char *buf, size_t n, ekv_attn_method m, double budget) {
+    if (m == EKV_ATTN_TOPK || m == EKV_ATTN_CERTIFIED)
+        snprintf(buf, n, "%s %g", ekv_attn_method_name(m), budget);
+    else snprintf(buf, n, "%s", ekv_attn_method_name(m));
+}
+
+static void print_phase(const char *what, const char *label, const phase *p) {
+    printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s; KV read %.4f of the K+V bytes", what, label,
+           (long long)p->tokens, p->seconds, p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0,
+           p->st.bytes_kv ? (double)p->st.bytes_read / (double)p->st.bytes_kv : 0.0);
+    if (p->st.lists) printf("; round 2 in %.1f%% of lists", 100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
+    printf("\n");
+}
+
+int cmd_run(int argc, char **argv) {
+    model_opts mo;
+    model_opts_init(&mo);
+    const char *prompt = NULL, *prompt_file = NULL, *compare = NULL;
+    int64_t n = 200, seed = 1;
+    double temp = 0;
+    int quiet = 0;
+    ekv_attn_method cmp[8];
+    int ncmp = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { run_help(stdout); return 0; }
+        else if (model_opt("run", argc, argv, &i, &mo)) continue;
+        else if (!strcmp(a, "--prompt")) prompt = cli_need("run", argc, argv, &i);
+        else if (!strcmp(a, "--prompt-file")) prompt_file = cli_need("run", argc, argv, &i);
+        else if (!strcmp(a, "-n")) n = cli_need_int("run", argc, argv, &i, 0, (int64_t)1 << 30);
+        else if (!strcmp(a, "--seed")) seed = cli_need_int("run", argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--quiet")) quiet = 1;
+        else if (!strcmp(a, "--temp")) {
+            const char *v = cli_need("run", argc, argv, &i);
+            if (cli_parse_double(v, &temp) || !(temp >= 0 && temp <= 100))
+                cli_usage_error("run", "--temp %s: expected a number in [0, 100]", v);
+        } else if (!strcmp(a, "--compare")) {
+            compare = cli_need("run", argc, argv, &i);
+            char buf[256];
+            if (strlen(compare) >= sizeof buf) cli_usage_error("run", "--compare is too long");
+            strcpy(buf, compare);
+            for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+                if (ncmp == 8) cli_usage_error("run", "--compare takes at most 8 methods");
+                if (ekv_attn_method_from_name(t, &cmp[ncmp++]))
+                    cli_usage_error("run", "--compare: unknown method '%s' (dense, topk, gaussian, certified)", t);
+            }
+        } else cli_usage_error("run", "unknown option '%s'", a);
+    }
+    if (prompt && prompt_file) cli_usage_error("run", "give --prompt or --prompt-file, not both");
+    char *text = NULL;
+    int64_t plen;
+    if (prompt_file) {
+        text = cli_read_file(prompt_file, &plen);
+        if (!text) { fprintf(stderr, "entmaxkv run: cannot read '%s'\n", prompt_file); return 1; }
+    } else {
+        text = strdup(prompt ? prompt : DEFAULT_PROMPT);
+        plen = (int64_t)strlen(text);
+    }
+    if (plen == 0) { free(text); cli_usage_error("run", "the prompt is empty"); }
+    ekv_context *ctx;
+    ekv_model *m;
+    if (model_open("run", &mo, plen + n * (1 + ncmp), &ctx, &m)) { free(text); return 1; }
+    const int64_t V = ekv_model_get_config(m)->vocab;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)plen);
+    float *logits = malloc(sizeof(float) * (size_t)(256 * V));
+    int rc = 0;
+    ekv_model_tokenize(text, plen, tok);
+    if (!quiet && plen < 4096) { fwrite(text, 1, (size_t)plen, stdout); fflush(stdout); }
+    else if (!quiet) fprintf(stderr, "  [a %lld-byte prompt]\n", (long long)plen);
+    /* prefill: logits of the last token only (the chunk holding it) */
+    phase pre = {0};
+    double t0 = cli_now_seconds();
+    const int64_t head = plen > 256 ? plen - (plen - 1) % 256 - 1 : 0; /* prefill all but the last chunk first */
+    if (head > 0 && model_feed("run", "prefill", ctx, m, tok, head, NULL)) rc = 1;
+    if (!rc && model_feed("run", "prefill", ctx, m, tok + head, plen - head, logits)) rc = 1;
+    pre.seconds = cli_now_seconds() - t0;
+    pre.tokens = plen;
+    ekv_model_get_stats(m, -1, &pre.st);
+    const float *last = logits + (plen - head - 1) * V;
+    memmove(logits, last, sizeof(float) * (size_t)V);
+    cli_rng rng;
+    cli_rng_seed(&rng, (uint64_t)seed);
+    phase dec[9];
+    ekv_attn_method methods[9];
+    methods[0] = mo.method;
+    for (int c = 0; c < ncmp; c++) methods[c + 1] = cmp[c];
+    int ran = 0;
+    for (int ph = 0; ph <= ncmp && !rc; ph++) {
+        if (ekv_model_set_method(m, methods[ph], mo.budget)) {
+            fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
+            rc = 1;
+            break;
+        }
+        if (ph > 0 && !quiet) {
+            char lab[64];
+            method_label(lab, sizeof lab, methods[ph], mo.budget);
+            printf("\n--- continuing with %s ---\n", lab);
+        }
+        ekv_model_reset_stats(m);
+        memset(&dec[ph], 0, sizeof dec[ph]);
+        double t1 = cli_now_seconds();
+        for (int64_t i = 0; i < n; i++) {
+            int32_t next = sample(logits, V, temp, &rng);
+            if (!quiet) { putchar(next); fflush(stdout); }
+            ekv_status st = ekv_model_step(m, &next, 1, logits);
+            if (st) {
+                fprintf(stderr, "\nentmaxkv run: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
+                rc = 1;
+                break;
+            }
+            dec[ph].tokens++;
+        }
+        dec[ph].seconds = cli_now_seconds() - t1;
+        ekv_model_get_stats(m, -1, &dec[ph].st);
+        ran = ph + 1;
+    }
+    if (!quiet) printf("\n");
+    char lab[64];
+    method_label(lab, sizeof lab, mo.method, mo.budget);
+    printf("\n");
+    print_phase("prefill", lab, &pre);
+    for (int ph = 0; ph < ran; ph++) {
+        method_label(lab, sizeof lab, methods[ph], mo.budget);
+        char what[64];
+        snprintf(what, sizeof what, "decode @%lld", (long long)(plen + ph * n));
+        print_phase(what, lab, &dec[ph]);
+    }
+    free(tok);
+    free(logits);
+    free(text);
+    ekv_model_free(m);
+    ekv_context_free(ctx);
+    return rc;
+}
