@@ -16,7 +16,11 @@ static void bench_help(FILE *f) {
             "with a synthetic workload, and compares the achieved read bandwidth with a probe\n"
             "run in the same process.\n"
             "\n"
-            "  --backend cpu|ref     backend (default cpu; ref = long-double reference, slow)\n"
+            "  --backend cpu|ref|cuda  backend (default cpu; ref = long-double reference, slow;\n"
+            "                        cuda = the GPU backend: methods dense, topk, certified,\n"
+            "                        workloads random and planted, K/V filled on the device)\n"
+            "  --ragged MIN          cuda: sequence b of the batch gets a length spread evenly\n"
+            "                        from MIN to --len (a ragged batch)\n"
             "  --len N[,N...]        tokens per sequence (repeatable; k/M suffixes; default 131072)\n"
             "  --batch B             sequences (default 1)\n"
             "  --heads H             query heads (default 32)\n"
@@ -36,7 +40,7 @@ static void bench_help(FILE *f) {
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
-            "  --iters N             timed steps (default 30; median reported)\n"
+            "  --iters N             timed steps (default 30, cuda at least 50; median reported)\n"
             "  --warmup N            untimed steps first (default 3)\n"
             "  --isa auto|scalar|avx2|avx512  SIMD level (default auto)\n"
             "  --seed S              random seed (default 1)\n"
@@ -55,7 +59,7 @@ typedef struct {
     int64_t budget_tokens;
     int64_t lens[64];
     int nlens;
-    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed, superpage;
+    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed, superpage, ragged_min;
     ekv_dtype dtype;
     ekv_isa isa;
     double alpha;
@@ -86,6 +90,7 @@ static void parse(int argc, char **argv, bench_opts *o) {
                 if (o->lens[o->nlens + k] < 1) cli_usage_error("bench", "--len must be >= 1");
             o->nlens += n;
         }
+        else if (!strcmp(a, "--ragged")) o->ragged_min = need_int(argc, argv, &i, 1, INT64_MAX);
         else if (!strcmp(a, "--batch")) o->batch = need_int(argc, argv, &i, 1, 4096);
         else if (!strcmp(a, "--heads")) o->heads = need_int(argc, argv, &i, 1, 4096);
         else if (!strcmp(a, "--kv-heads")) o->kv_heads = need_int(argc, argv, &i, 1, 4096);
@@ -121,11 +126,15 @@ static void parse(int argc, char **argv, bench_opts *o) {
         } else cli_usage_error("bench", "unknown option '%s'", a);
     }
     if (!o->nlens) { o->lens[0] = 131072; o->nlens = 1; }
-    if (strcmp(o->backend, "cpu") && strcmp(o->backend, "ref")) {
-        if (!strcmp(o->backend, "cuda"))
-            cli_usage_error("bench", "--backend cuda: this build has no CUDA backend (not written yet)");
-        cli_usage_error("bench", "--backend %s: expected cpu or ref", o->backend);
-    }
+    if (strcmp(o->backend, "cpu") && strcmp(o->backend, "ref") && strcmp(o->backend, "cuda"))
+        cli_usage_error("bench", "--backend %s: expected cpu, ref or cuda", o->backend);
+    if (!strcmp(o->backend, "cuda")) {
+        if (!strcmp(o->method, "gaussian"))
+            cli_usage_error("bench", "--backend cuda: method gaussian is not on the CUDA backend (dense, topk, certified are)");
+        if (strcmp(o->workload, "random") && strcmp(o->workload, "planted"))
+            cli_usage_error("bench", "--backend cuda: --workload %s: expected random or planted", o->workload);
+    } else if (o->ragged_min)
+        cli_usage_error("bench", "--ragged is for --backend cuda");
     if (strcmp(o->method, "dense") && strcmp(o->method, "topk") && strcmp(o->method, "gaussian") &&
         strcmp(o->method, "certified")) {
         cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified", o->method);
@@ -148,6 +157,19 @@ static int cmp_double(const void *a, const void *b) {
 int cmd_bench(int argc, char **argv) {
     bench_opts o;
     parse(argc, argv, &o);
+    if (!strcmp(o.backend, "cuda")) {
+        cuda_bench_opts co;
+        memset(&co, 0, sizeof co);
+        co.method = o.method; co.json = o.json; co.workload = o.workload;
+        memcpy(co.lens, o.lens, sizeof co.lens);
+        co.nlens = o.nlens;
+        co.batch = o.batch; co.heads = o.heads; co.kv_heads = o.kv_heads; co.dim = o.dim; co.page = o.page;
+        co.iters = o.iters < 50 ? 50 : o.iters; /* GPU protocol: median of >= 50 steps */
+        co.warmup = o.warmup < 5 ? 5 : o.warmup;
+        co.seed = o.seed; co.budget_tokens = o.budget_tokens; co.ragged_min = o.ragged_min;
+        co.budget = o.budget; co.alpha = o.alpha; co.dtype = o.dtype;
+        return cli_bench_cuda(&co);
+    }
     ekv_context_params cp = ekv_context_default_params();
     cp.n_threads = (int32_t)o.threads;
     cp.isa = o.isa;

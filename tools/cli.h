@@ -62,6 +62,17 @@ int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t bat
 void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch);
 
 int cmd_bench(int argc, char **argv);
+
+/* bench --backend cuda (tools/bench_cuda.cu; tools/bench_cuda_stub.c without -DEKV_CUDA=ON) */
+typedef struct {
+    const char *method, *json, *workload;
+    int64_t lens[64];
+    int nlens;
+    int64_t batch, heads, kv_heads, dim, page, iters, warmup, seed, budget_tokens, ragged_min;
+    double budget, alpha;
+    ekv_dtype dtype;
+} cuda_bench_opts;
+int cli_bench_cuda(const cuda_bench_opts *o);
 int cmd_eval(int argc, char **argv);
 
 /* The model subcommands (tools/run.c, tools/ppl.c, tools/trace.c) and what they share

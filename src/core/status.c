@@ -20,6 +20,7 @@ const char *ekv_status_string(ekv_status s) {
     case EKV_ERR_INVALID_ARGUMENT: return "invalid argument";
     case EKV_ERR_UNSUPPORTED: return "unsupported";
     case EKV_ERR_INTERNAL: return "internal error";
+    case EKV_ERR_DEVICE: return "CUDA device error";
     }
     return "unknown status";
 }

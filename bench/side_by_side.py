@@ -1,0 +1,54 @@
+"""Prints one side-by-side table from the JSON written by bench/gpu_side_by_side.sh: our
+CUDA bench rows (ours_*.json), the peers (peer_h32.json, peer_h8.json from
+../shared/bench/peer_gpu.py) and the ragged SDPA run (sdpa_ragged.py).
+Usage: side_by_side.py OUTDIR [RAGGED_JSON]"""
+import json, os, sys
+
+d = sys.argv[1]
+def load(name):
+    p = os.path.join(d, name)
+    if not os.path.exists(p): return None
+    with open(p) as f: return json.load(f)
+def ours(name):
+    rows = load(f"ours_{name}.json") or []
+    return {r["len"]: r for r in rows}
+def best(r):  # eager or graph replay, whichever is faster
+    if not r: return None
+    g = r.get("ms_graph_median") or 0
+    return min(r["ms_median"], g) if g > 0 else r["ms_median"]
+def f(x, w=7, p=3): return f"{x:{w}.{p}f}" if x is not None else " " * (w - 4) + "  --"
+def ratio(a, b): return a / b if a is not None and b else None
+
+for H, D, tag in ((32, 128, "h32"), (8, 64, "h8")):
+    peer = load(f"peer_h{H}.json")
+    prow = {r["N"]: r for r in (peer or {}).get("rows", [])}
+    dense, topk16, cert = ours(f"{tag}_dense"), ours(f"{tag}_topk16"), ours(f"{tag}_cert")
+    topk64, soft = ours(f"{tag}_topk64"), ours(f"{tag}_softmax")
+    if not dense: continue
+    print(f"\nH={H} KV heads={H} D={D} fp16 page 16 alpha 1.5, B=1, ms (best of eager / graph replay); "
+          f"copy bw {dense[min(dense)]['copy_bw_gbps']:.0f} GB/s")
+    print(f"{'N':>8} {'sdpa':>7} {'softmx':>7} {'dense':>7} {'d/sdpa':>7} {'top16':>7} {'sdpa/t':>7} {'top64':>7} "
+          f"{'cert':>7} {'ref_full':>8} {'ref_t16':>7} {'ref_t64':>7} {'roof_d':>6} {'roof_t':>6}")
+    for N in sorted(dense):
+        p = prow.get(N, {})
+        sd = p.get("sdpa_softmax_ms")
+        dm, tm = best(dense.get(N)), best(topk16.get(N))
+        print(f"{N:>8} {f(sd)} {f(best(soft.get(N)))} {f(dm)} {f(ratio(dm, sd), 7, 2)} {f(tm)} {f(ratio(sd, tm), 7, 2)} "
+              f"{f(best(topk64.get(N)))} {f(best(cert.get(N)))} {f(p.get('ref_entmax_full_ms'), 8)} "
+              f"{f(p.get('ref_entmax_topk16_ms'))} {f(p.get('ref_entmax_topk64_ms'))} "
+              f"{f(dense[N]['roofline_ratio'], 6, 2)} {f(topk16[N]['roofline_ratio'] if N in topk16 else None, 6, 2)}")
+g4d, g4t = ours("h32g4_dense"), ours("h32g4_topk16")
+if g4d:
+    print("\nH=32 KV heads=8 (GQA 4) D=128: ms, roofline ratio")
+    for N in sorted(g4d):
+        print(f"{N:>8} dense {f(best(g4d[N]))} ({g4d[N]['roofline_ratio']:.2f})  topk16 {f(best(g4t.get(N)))} "
+              f"({g4t[N]['roofline_ratio']:.2f})" if N in g4t else "")
+rag = load(sys.argv[2]) if len(sys.argv) > 2 and os.path.exists(sys.argv[2]) else None
+rd, rs, rt = ours("ragged_dense"), ours("ragged_softmax"), ours("ragged_topk16")
+if rd:
+    r = next(iter(rd.values()))
+    sd = rag["sdpa_best_ms"] if rag else None
+    print(f"\nragged B={r['batch']} lengths {r['ragged_min']}..{r['len']} ({r['total_tokens']} tokens), H=32 D=128:")
+    print(f"  sdpa {f(sd)} (loop {f(rag and rag['sdpa_loop_ms'])}, padded {f(rag and rag['sdpa_padded_ms'])})  "
+          f"ours dense entmax {f(best(r))} -> {f(ratio(sd, best(r)), 5, 2)}x SDPA throughput; "
+          f"softmax {f(best(next(iter(rs.values()), None)))}; topk16 {f(best(next(iter(rt.values()), None)))}")

@@ -1,0 +1,125 @@
+/*
+ * append + summarize on the GPU (mirrors src/cache/append.c and summaries.c): one block per
+ * (touched page, KV head) writes the new tokens in the storage dtype, then recomputes that
+ * page's key statistics from the stored (rounded) keys, so the summaries describe exactly
+ * what the attend kernels will read: min, max, mean (fp64 sums), M2 and the ball radius
+ * max_j ||k_j - mean|| around the *stored* fp32 mean, rounded up (SPEC 1.2, 9.5). A page
+ * holds at most 256 tokens, so recomputing it costs O(page_size * D) per touched page; a
+ * prefill build passes every page as an item.
+ */
+#include "cuda_internal.cuh"
+
+namespace {
+
+struct append_args {
+    ekv_paged_kv kv;
+    float *kmin, *kmax, *kmean, *km2, *radius;
+    int32_t *count;
+    const ekv_cuda_append_item *items;
+    const float *k_new, *v_new;
+    int Hk, D, ps;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A) {
+    __shared__ double scratch[32];
+    const ekv_cuda_append_item it = A.items[blockIdx.x];
+    const int kvh = blockIdx.y, D = A.D;
+    if (it.page < 0 || it.page >= A.kv.num_pages || it.first_slot < 0 || it.n_new < 0 ||
+        it.first_slot + it.n_new > A.ps)
+        return; /* validated on the host for host-built items; a bad device item is skipped */
+    T *K = static_cast<T *>(const_cast<void *>(A.kv.k));
+    T *V = static_cast<T *>(const_cast<void *>(A.kv.v));
+    const int64_t pbase = (int64_t)it.page * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
+    for (int64_t i = threadIdx.x; i < (int64_t)it.n_new * D; i += blockDim.x) {
+        const int64_t t = i / D, d = i % D;
+        const int64_t src = ((it.src_token + t) * A.Hk + kvh) * D + d;
+        const int64_t dst = pbase + (it.first_slot + t) * A.kv.stride_token + d;
+        K[dst] = ekv_elem<T>::from(A.k_new[src]);
+        V[dst] = ekv_elem<T>::from(A.v_new[src]);
+    }
+    __syncthreads();
+    const int n = it.first_slot + it.n_new;
+    const int64_t so = ((int64_t)it.page * A.Hk + kvh) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float mn = INFINITY, mx = -INFINITY;
+        double s = 0;
+        for (int t = 0; t < n; t++) {
+            const float x = ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]);
+            mn = fminf(mn, x);
+            mx = fmaxf(mx, x);
+            s += x;
+        }
+        const double mean = n ? s / n : 0.0;
+        double m2 = 0;
+        for (int t = 0; t < n; t++) {
+            const double x = (double)ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]) - mean;
+            m2 += x * x;
+        }
+        A.kmin[so + d] = mn;
+        A.kmax[so + d] = mx;
+        A.kmean[so + d] = (float)mean;
+        A.km2[so + d] = (float)m2;
+    }
+    __syncthreads();
+    /* radius around the stored fp32 mean: one warp per token, max over tokens */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    double best = 0;
+    for (int t = warp; t < n; t += nw) {
+        double s = 0;
+        for (int d = lane; d < D; d += 32) {
+            const double x = (double)ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]) - (double)A.kmean[so + d];
+            s += x * x;
+        }
+        s = ekv_warp_sum(s);
+        best = s > best ? s : best;
+    }
+    best = ekv_block_max(best, scratch, 0.0);
+    if (threadIdx.x == 0) {
+        const double r = sqrt(best) * (1 + 1e-12);
+        float rf = (float)r;
+        if ((double)rf < r) rf = nextafterf(rf, INFINITY);
+        A.radius[(int64_t)it.page * A.Hk + kvh] = rf;
+        if (kvh == 0) A.count[it.page] = n;
+    }
+}
+
+} // namespace
+
+extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                      const ekv_cuda_append_item *items, int32_t n_items, const float *k_new,
+                                      const float *v_new) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!kv || !st || !items || !k_new || !v_new || !kv->k || !kv->v || !st->kmin || !st->kmax || !st->kmean ||
+        !st->km2 || !st->radius || !st->count)
+        return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "ekv_cuda_append: kv, stats (all arrays), items, k_new and v_new must not be NULL");
+    if (n_items < 0) return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "ekv_cuda_append: n_items=%d < 0", n_items);
+    if (kv->num_kv_heads != pl->p.num_kv_heads || kv->head_dim != pl->p.head_dim || kv->page_size != pl->p.page_size)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "ekv_cuda_append: kv shape (heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d)",
+                        kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_kv_heads, pl->p.head_dim, pl->p.page_size);
+    if (n_items == 0) return EKV_OK;
+    append_args A;
+    A.kv = *kv;
+    A.kmin = const_cast<float *>(st->kmin);
+    A.kmax = const_cast<float *>(st->kmax);
+    A.kmean = const_cast<float *>(st->kmean);
+    A.km2 = const_cast<float *>(st->km2);
+    A.radius = const_cast<float *>(st->radius);
+    A.count = const_cast<int32_t *>(st->count);
+    A.items = items;
+    A.k_new = k_new;
+    A.v_new = v_new;
+    A.Hk = kv->num_kv_heads;
+    A.D = kv->head_dim;
+    A.ps = kv->page_size;
+    dim3 grid(n_items, A.Hk);
+    switch (kv->dtype) {
+    case EKV_DTYPE_F16: append_kernel<__half><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
+    case EKV_DTYPE_BF16: append_kernel<__nv_bfloat16><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
+    case EKV_DTYPE_F32: append_kernel<float><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
+    default: return ekv_fail(pl->ctx, EKV_ERR_INVALID_DTYPE, "ekv_cuda_append: unknown dtype %d", (int)kv->dtype);
+    }
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "append kernel: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}

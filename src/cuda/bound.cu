@@ -1,0 +1,138 @@
+/*
+ * bound stage on the GPU (mirrors src/cpu/bound.c; SPEC 2.3, 9.5): an upper bound of every
+ * page's z-space scores but the last, per query head, and its max over the GQA group (the
+ * key that ranks pages for a KV-head list). One warp per (page, KV head); the page's
+ * summaries (kmin, kmax and, with the ball, kmean and the radius) are read once for the G
+ * query heads of the group.
+ *   box  = sum_d max(q'_d kmin_d, q'_d kmax_d),   q' = a scale q
+ *   ball = <q', c> + ||q'|| r
+ *   U    = min(box, ball) + slack + bonus  (with the ball; box + bonus without it)
+ * The slack is the CPU's: 4 (D + 4) 2^-24 ||q'|| (||c|| + r) + 8 2^-24 |a m_h| (|p ps - i| + ps),
+ * which covers the rounding of this pass and of the score kernel in any summation order,
+ * so U bounds the *computed* scores and certified decode stays exact.
+ */
+#include "cuda_internal.cuh"
+#include <math_constants.h>
+
+namespace {
+
+struct bound_args {
+    ekv_page_stats st;
+    ekv_page_table t;
+    const float *q, *slopes;
+    double qscale, a;
+    int H, Hk, G, D, ps, with_ball;
+    int64_t cap_pages;
+    float *bounds, *list_bounds;
+};
+
+enum { BOUND_WARPS = EKV_CUDA_THREADS / 32 };
+
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
+    extern __shared__ float qs[]; /* [G][D] q' */
+    __shared__ double qn[EKV_CUDA_MAX_GROUP];
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G + g) * D + d]);
+    }
+    __syncthreads();
+    if (warp < G) { /* ||q'|| in double, rounded up */
+        double s = 0;
+        for (int d = lane; d < D; d += 32) s += (double)qs[warp * D + d] * qs[warp * D + d];
+        s = ekv_warp_sum(s);
+        if (lane == 0) qn[warp] = sqrt(s) * (1 + 1e-12);
+    }
+    __syncthreads();
+    const int64_t p = (int64_t)blockIdx.x * BOUND_WARPS + warp;
+    if (p >= A.cap_pages) return;
+    if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
+        if (lane < G) A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
+        if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
+        return;
+    }
+    const int64_t phys = A.t.indices[sg.first + p];
+    const int64_t so = (phys * A.Hk + kvh) * D;
+    float box[EKV_CUDA_MAX_GROUP], dot[EKV_CUDA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) box[g] = dot[g] = 0.f;
+    float c2 = 0.f;
+    for (int d = lane * 4; d < D; d += 128) {
+        const float4 mn = *reinterpret_cast<const float4 *>(A.st.kmin + so + d);
+        const float4 mx = *reinterpret_cast<const float4 *>(A.st.kmax + so + d);
+        float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (A.with_ball) {
+            c = *reinterpret_cast<const float4 *>(A.st.kmean + so + d);
+            c2 += c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+        }
+#pragma unroll
+        for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+            if (g < G) {
+                const float4 qq = *reinterpret_cast<const float4 *>(qs + g * D + d);
+                box[g] += fmaxf(qq.x * mn.x, qq.x * mx.x) + fmaxf(qq.y * mn.y, qq.y * mx.y) +
+                          fmaxf(qq.z * mn.z, qq.z * mx.z) + fmaxf(qq.w * mn.w, qq.w * mx.w);
+                dot[g] += qq.x * c.x + qq.y * c.y + qq.z * c.z + qq.w * c.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+        if (g < G) { box[g] = ekv_warp_sum(box[g]); dot[g] = ekv_warp_sum(dot[g]); }
+    }
+    c2 = ekv_warp_sum(c2);
+    if (lane != 0) return;
+    const double u24 = 5.9604644775390625e-8;
+    const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
+    /* the box sums above are fp32: widen them by their own rounding (the CPU's box is fp32 too,
+     * and the slack term below covers both passes) */
+    const double cn = sqrt((double)c2) * (1 + 1e-5);
+    const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
+    float best = -CUDART_INF_F;
+    for (int g = 0; g < G; g++) {
+        const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
+        double u = box[g];
+        if (A.with_ball) {
+            const double ub = (double)dot[g] + qn[g] * rr;
+            u = u < ub ? u : ub;
+            u += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
+            u += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
+        }
+        u += am * (double)(last - (sg.N - 1));
+        float uf = (float)u;
+        if (A.with_ball && (double)uf < u) uf = nextafterf(uf, CUDART_INF_F);
+        A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
+        best = fmaxf(best, uf);
+    }
+    A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q, int with_ball,
+                                 int batch) {
+    bound_args A;
+    A.st = *st;
+    A.t = *t;
+    A.q = q;
+    A.slopes = prm->alibi_slopes;
+    A.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
+    A.qscale = A.a * scale;
+    A.H = prm->num_heads;
+    A.Hk = kv->num_kv_heads;
+    A.G = A.H / A.Hk;
+    A.D = kv->head_dim;
+    A.ps = kv->page_size;
+    A.with_ball = with_ball;
+    A.cap_pages = pl->cap_pages;
+    A.bounds = pl->bounds;
+    A.list_bounds = pl->list_bounds;
+    dim3 grid((unsigned)((pl->cap_pages + BOUND_WARPS - 1) / BOUND_WARPS), batch * A.Hk);
+    const size_t sm = (size_t)A.G * A.D * sizeof(float);
+    bound_kernel<<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}

@@ -1,0 +1,172 @@
+/*
+ * Shared pieces of the CUDA backend: the plan (every scratch buffer, sized once at plan
+ * time so a step never allocates or synchronises), element loads, warp/block reductions.
+ * The stages live one per file, mirroring src/cpu: append.cu (append + summarize),
+ * bound.cu, select.cu (top-k radix select, certified round-2 marking), attend.cu (scores,
+ * tau, support-only V), decode.cu (the step orchestration).
+ */
+#pragma once
+#include "entmaxkv.h"
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+extern "C" {
+/* from src/core (C) */
+ekv_status ekv_fail(ekv_context *ctx, ekv_status status, const char *fmt, ...);
+void ekv_clear_error(ekv_context *ctx);
+}
+
+enum {
+    EKV_CUDA_THREADS = 256,       /* threads of the attend/bound/select blocks              */
+    EKV_CUDA_CAND_CAP = 8192,     /* tau candidates kept in shared memory (32 KB)           */
+    EKV_CUDA_MAX_GROUP = 16,      /* GQA group sizes the register tiles hold               */
+    EKV_CUDA_MAX_DIM = 512
+};
+
+struct ekv_cuda_plan {
+    ekv_context *ctx;
+    ekv_cuda_plan_params p;
+    cudaStream_t stream;
+    int own_stream;
+    int32_t nsplit;         /* CTAs per list for the attend kernels                       */
+    int64_t cap_pages;      /* max_pages_per_seq                                           */
+    int64_t cap_tokens;     /* cap_pages * page_size: score row length                     */
+    /* scratch (device) */
+    float *scores;          /* [B*H][cap_tokens] z-space scores of the listed tokens       */
+    float *split_max;       /* [B*H][nsplit]                                               */
+    float *bounds;          /* [B*H][cap_pages] per query head page bounds                 */
+    float *list_bounds;     /* [B*Hk][cap_pages] max over the group (ranking key)          */
+    int32_t *list_pages;    /* [B*Hk][cap_pages] logical pages, round 1 then round 2      */
+    int32_t *list_count;    /* [B*Hk][2] entries of round 1, round 1 + round 2            */
+    uint8_t *in_list;       /* [B*Hk][cap_pages] membership of round 1                     */
+    double *tau;            /* [B*H]                                                       */
+    int64_t *support;       /* [B*H]                                                       */
+    int64_t *v_rows;        /* [B*Hk]                                                      */
+    int32_t *flags;         /* [B*H] candidate overflow and the like (diagnostics)         */
+    int64_t bytes;
+    int32_t launches;       /* of the last step                                            */
+    int32_t last_batch;
+};
+
+#define EKV_CUDA_TRY(plan, call)                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        if (e_ != cudaSuccess)                                                                    \
+            return ekv_fail((plan)->ctx, EKV_ERR_DEVICE, "%s: %s (%s:%d)", #call,                \
+                            cudaGetErrorString(e_), __FILE__, __LINE__);                          \
+    } while (0)
+
+#define EKV_CUDA_LAUNCHED(plan)                                                                   \
+    do {                                                                                          \
+        cudaError_t e_ = cudaGetLastError();                                                      \
+        if (e_ != cudaSuccess)                                                                    \
+            return ekv_fail((plan)->ctx, EKV_ERR_DEVICE, "kernel launch: %s (%s:%d)",             \
+                            cudaGetErrorString(e_), __FILE__, __LINE__);                          \
+        (plan)->launches++;                                                                       \
+    } while (0)
+
+/* ---- element loads: 8 consecutive elements as fp32 (16-byte aligned for 16-bit types) ---- */
+template <typename T> struct ekv_elem;
+template <> struct ekv_elem<__half> {
+    static __device__ __forceinline__ void load8(const __half *p, float *o) {
+        uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+        const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+        for (int i = 0; i < 4; i++) { float2 f = __half22float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+    }
+    static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ float to(__half x) { return __half2float(x); }
+};
+template <> struct ekv_elem<__nv_bfloat16> {
+    static __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
+        uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
+#pragma unroll
+        for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+    }
+    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
+};
+template <> struct ekv_elem<float> {
+    static __device__ __forceinline__ void load8(const float *p, float *o) {
+        float4 a = __ldg(reinterpret_cast<const float4 *>(p)), b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    }
+    static __device__ __forceinline__ float from(float x) { return x; }
+    static __device__ __forceinline__ float to(float x) { return x; }
+};
+
+/* ---- reductions ---- */
+template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename T> __device__ __forceinline__ T ekv_warp_max(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { T w = __shfl_xor_sync(0xffffffffu, v, o); v = w > v ? w : v; }
+    return v;
+}
+template <typename T> __device__ __forceinline__ T ekv_warp_min(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { T w = __shfl_xor_sync(0xffffffffu, v, o); v = w < v ? w : v; }
+    return v;
+}
+/* Block-wide sum; every thread gets the result. scratch: >= 32 elements of shared memory. */
+template <typename T> __device__ __forceinline__ T ekv_block_sum(T v, T *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = ekv_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    T r = lane < nw ? scratch[lane] : T(0);
+    return ekv_warp_sum(r);
+}
+template <typename T> __device__ __forceinline__ T ekv_block_max(T v, T *scratch, T lowest) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = ekv_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    T r = lane < nw ? scratch[lane] : lowest;
+    return ekv_warp_max(r);
+}
+template <typename T> __device__ __forceinline__ T ekv_block_min(T v, T *scratch, T highest) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = ekv_warp_min(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    T r = lane < nw ? scratch[lane] : highest;
+    return ekv_warp_min(r);
+}
+
+/* Sequence geometry read from the device page table (lengths live in device memory). */
+struct ekv_seq_geom {
+    int64_t first; /* indptr[b] */
+    int64_t P;     /* pages */
+    int64_t N;     /* tokens */
+};
+__device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, int ps) {
+    ekv_seq_geom g;
+    g.first = t.indptr[b];
+    g.P = t.indptr[b + 1] - g.first;
+    g.N = g.P > 0 ? (g.P - 1) * (int64_t)ps + t.last_page_len[b] : 0;
+    return g;
+}
+
+/* host-side launchers (one per stage file) */
+ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q, int with_ball,
+                                 int batch);
+ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int64_t budget_tokens,
+                                int32_t sink_pages, int32_t recent_pages);
+ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G);
+ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                  const ekv_page_table *t, const float *q, int batch, int use_list, int round);
+ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_page_table *t,
+                               int batch, int use_list, int round, float *out_zero, int64_t out_elems);
+ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                  const ekv_page_table *t, int batch, int use_list, float *out);

@@ -1,0 +1,257 @@
+/*
+ * The CUDA decode step (mirrors src/select/select.c + src/cpu/attend_pages.c +
+ * src/select/certified.c): plan creation (every buffer, once), validation on the host from
+ * static shapes only, and the launch sequence of each policy:
+ *   dense:     scores -> tau -> values                                   (3 launches)
+ *   topk:      bound -> topk -> scores -> tau -> values                  (5 launches)
+ *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (8)
+ * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
+ */
+#include "cuda_internal.cuh"
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) {
+    ekv_cuda_plan_params p;
+    memset(&p, 0, sizeof p);
+    p.device = 0;
+    p.stream = NULL;
+    p.max_batch = 1;
+    p.num_heads = 32;
+    p.num_kv_heads = 8;
+    p.head_dim = 128;
+    p.page_size = 16;
+    p.max_pages_per_seq = 0;
+    return p;
+}
+
+extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
+    if (!count) return ctx ? ekv_fail(ctx, EKV_ERR_NULL_POINTER, "count must not be NULL") : EKV_ERR_NULL_POINTER;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) { cudaGetLastError(); n = 0; }
+    *count = n;
+    return EKV_OK;
+}
+
+extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
+    if (!pl) return;
+    void *bufs[] = {pl->scores, pl->split_max, pl->bounds, pl->list_bounds, pl->list_pages, pl->list_count,
+                    pl->in_list, pl->tau, pl->support, pl->v_rows, pl->flags};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) cudaFree(bufs[i]);
+    if (pl->own_stream && pl->stream) cudaStreamDestroy(pl->stream);
+    free(pl);
+}
+
+extern "C" int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *pl) { return pl ? pl->bytes : 0; }
+
+extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p, ekv_cuda_plan **out) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    if (!p || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params and out must not be NULL");
+    *out = NULL;
+    if (p->max_batch < 1) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_batch=%d must be >= 1", p->max_batch);
+    if (p->num_kv_heads < 1 || p->num_heads < 1 || p->num_heads % p->num_kv_heads)
+        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH, "num_heads=%d must be a positive multiple of num_kv_heads=%d",
+                        p->num_heads, p->num_kv_heads);
+    if (p->num_heads / p->num_kv_heads > EKV_CUDA_MAX_GROUP)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group %d > %d is not supported by the CUDA backend",
+                        p->num_heads / p->num_kv_heads, (int)EKV_CUDA_MAX_GROUP);
+    if (p->head_dim < 8 || p->head_dim % 8 || p->head_dim > EKV_CUDA_MAX_DIM)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be a multiple of 8 in [8, %d] on the CUDA backend",
+                        p->head_dim, (int)EKV_CUDA_MAX_DIM);
+    if (p->page_size < 1 || p->page_size > 256)
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", p->page_size);
+    if (p->max_pages_per_seq < 1 || p->max_pages_per_seq > INT32_MAX / 2)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_pages_per_seq=%lld must be in [1, 2^30)", (long long)p->max_pages_per_seq);
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        cudaGetLastError();
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "no CUDA device is available");
+    }
+    if (p->device < 0 || p->device >= ndev)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "device=%d: only %d CUDA device(s)", p->device, ndev);
+    ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
+    if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    pl->ctx = ctx;
+    pl->p = *p;
+    cudaError_t e = cudaSetDevice(p->device);
+    if (e != cudaSuccess) { free(pl); return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaSetDevice: %s", cudaGetErrorString(e)); }
+    if (p->stream) pl->stream = (cudaStream_t)p->stream;
+    else {
+        e = cudaStreamCreateWithFlags(&pl->stream, cudaStreamNonBlocking);
+        if (e != cudaSuccess) { free(pl); return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaStreamCreate: %s", cudaGetErrorString(e)); }
+        pl->own_stream = 1;
+    }
+    int sms = 132;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
+    const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
+    /* about 8 blocks per SM over all lists, never more splits than pages */
+    int64_t ns = (8 * (int64_t)sms + B * Hk - 1) / (B * Hk);
+    if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
+    if (ns < 1) ns = 1;
+    pl->nsplit = (int32_t)ns;
+    pl->cap_pages = p->max_pages_per_seq;
+    pl->cap_tokens = pl->cap_pages * p->page_size;
+    struct { void **ptr; int64_t bytes; } want[] = {
+        {(void **)&pl->scores, B * H * pl->cap_tokens * (int64_t)sizeof(float)},
+        {(void **)&pl->split_max, B * H * 2 * ns * (int64_t)sizeof(float)},
+        {(void **)&pl->bounds, B * H * pl->cap_pages * (int64_t)sizeof(float)},
+        {(void **)&pl->list_bounds, B * Hk * pl->cap_pages * (int64_t)sizeof(float)},
+        {(void **)&pl->list_pages, B * Hk * pl->cap_pages * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->list_count, B * Hk * 2 * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->in_list, B * Hk * pl->cap_pages},
+        {(void **)&pl->tau, B * H * (int64_t)sizeof(double)},
+        {(void **)&pl->support, B * H * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->v_rows, B * Hk * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->flags, B * H * (int64_t)sizeof(int32_t)},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        e = cudaMalloc(want[i].ptr, (size_t)want[i].bytes);
+        if (e != cudaSuccess) {
+            ekv_cuda_plan_free(pl);
+            return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cudaMalloc(%lld bytes) for the plan: %s", (long long)want[i].bytes,
+                            cudaGetErrorString(e));
+        }
+        pl->bytes += want[i].bytes;
+    }
+    e = cudaMemset(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t));
+    if (e == cudaSuccess) e = cudaMemset(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t));
+    if (e != cudaSuccess) { ekv_cuda_plan_free(pl); return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaMemset: %s", cudaGetErrorString(e)); }
+    *out = pl;
+    return EKV_OK;
+}
+
+/* Host-side checks from static shapes only (no device reads: graph capture stays possible). */
+static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                             const ekv_page_table *t, const float *q, const float *out) {
+    ekv_context *ctx = pl->ctx;
+    if (!prm || !kv || !t || !q || !out || !kv->k || !kv->v || !t->indptr || !t->indices || !t->last_page_len)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params, kv (k, v), table (indptr, indices, last_page_len), q and out must not be NULL");
+    if (!(prm->alpha >= 1.0 && prm->alpha <= 4.0))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "alpha=%g must be in [1, 4]", prm->alpha);
+    if (!(prm->scale >= 0.f) || prm->scale != prm->scale)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "scale=%g must be >= 0 (0 = 1/sqrt(head_dim))", prm->scale);
+    if (prm->num_heads != pl->p.num_heads || kv->num_kv_heads != pl->p.num_kv_heads || kv->head_dim != pl->p.head_dim ||
+        kv->page_size != pl->p.page_size)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "step shape (heads %d, kv heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d, %d)",
+                        prm->num_heads, kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_heads,
+                        pl->p.num_kv_heads, pl->p.head_dim, pl->p.page_size);
+    if (t->batch < 1 || t->batch > pl->p.max_batch)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, max_batch=%d]", t->batch, pl->p.max_batch);
+    if (kv->dtype != EKV_DTYPE_F16 && kv->dtype != EKV_DTYPE_BF16 && kv->dtype != EKV_DTYPE_F32)
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "unknown K/V dtype %d", (int)kv->dtype);
+    if (kv->stride_token % 8 || kv->stride_head % 8 || kv->stride_page % 8)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K/V strides must be multiples of 8 elements (16-byte loads)");
+    if (((uintptr_t)kv->k | (uintptr_t)kv->v) % 16)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K and V must be 16-byte aligned");
+    return EKV_OK;
+}
+
+static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
+                           const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                           float *out, int certified) {
+    ekv_status s;
+    const int B = t->batch;
+    const int64_t outn = (int64_t)B * prm->num_heads * kv->head_dim;
+    pl->launches = 0;
+    pl->last_batch = B;
+    const int method = certified ? -1 : sel ? (int)sel->method : (int)EKV_SELECT_DENSE;
+    if (method == EKV_SELECT_DENSE) {
+        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 0, 1))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 0, 1, out, outn))) return s;
+        return ekv_cuda_launch_values(pl, prm, kv, t, B, 0, out);
+    }
+    if (!st || !st->kmin || !st->kmax || ((certified || sel->use_ball) && (!st->kmean || !st->radius)))
+        return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmin, kmax; kmean and radius for the ball) must not be NULL");
+    const int with_ball = certified || sel->use_ball;
+    if ((s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B))) return s;
+    if ((s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, certified ? sel->sink_pages : 0,
+                                  certified ? sel->recent_pages : 0)))
+        return s;
+    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
+    if (!certified) {
+        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out, outn))) return s;
+        return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
+    }
+    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, NULL, 0))) return s;
+    if ((s = ekv_cuda_launch_round2(pl, t, B, prm->num_heads / kv->num_kv_heads))) return s;
+    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 2, out, outn))) return s;
+    return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
+}
+
+extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
+                                      const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                                      const float *q, float *out) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_step(pl, prm, kv, t, q, out);
+    if (s) return s;
+    if (sel) {
+        if (sel->method == EKV_SELECT_GAUSSIAN || sel->method == EKV_SELECT_ORACLE)
+            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "select method %s is not on the CUDA backend (dense, topk, certified are)",
+                            sel->method == EKV_SELECT_GAUSSIAN ? "gaussian" : "oracle");
+        if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK)
+            return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "unknown select method %d", (int)sel->method);
+        if (sel->per_query_head)
+            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "per_query_head lists are not on the CUDA backend");
+        if (sel->method == EKV_SELECT_TOPK && sel->budget_tokens < 0)
+            return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "budget_tokens=%lld must be >= 0", (long long)sel->budget_tokens);
+        if (sel->tau_mode != EKV_TAU_EXACT)
+            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "tau modes fixed/corrected are not on the CUDA backend");
+    }
+    s = run_step(pl, prm, sel, kv, st, t, q, out, 0);
+    if (!s) ekv_clear_error(pl->ctx);
+    return s;
+}
+
+extern "C" ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                                float *out) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!sel) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "select params must not be NULL");
+    ekv_status s = check_step(pl, prm, kv, t, q, out);
+    if (s) return s;
+    if (!(prm->alpha > 1.0))
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ALPHA, "certified decode is for entmax (alpha > 1): softmax has no zeros");
+    if (sel->sink_pages < 0 || sel->recent_pages < 0 || sel->budget_tokens < 0)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "budget_tokens, sink_pages and recent_pages must be >= 0");
+    if (sel->per_query_head)
+        return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "per_query_head lists are not on the CUDA backend");
+    if (sel->tau_hint || sel->tau_lb)
+        return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "tau_hint / tau_lb are not on the CUDA backend yet");
+    s = run_step(pl, prm, sel, kv, st, t, q, out, 1);
+    if (!s) ekv_clear_error(pl->ctx);
+    return s;
+}
+
+extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv_cuda_report *r) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!r) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "report must not be NULL");
+    if (batch < 1 || batch > pl->p.max_batch)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch, pl->p.max_batch);
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    const int64_t nh = (int64_t)batch * pl->p.num_heads, nl = (int64_t)batch * pl->p.num_kv_heads;
+    if (r->tau) EKV_CUDA_TRY(pl, cudaMemcpy(r->tau, pl->tau, (size_t)nh * sizeof(double), cudaMemcpyDeviceToHost));
+    if (r->support) EKV_CUDA_TRY(pl, cudaMemcpy(r->support, pl->support, (size_t)nh * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    if (r->v_rows) EKV_CUDA_TRY(pl, cudaMemcpy(r->v_rows, pl->v_rows, (size_t)nl * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    int32_t *cnt = (int32_t *)malloc((size_t)nl * 2 * sizeof(int32_t));
+    if (!cnt) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    cudaError_t e = cudaMemcpy(cnt, pl->list_count, (size_t)nl * 2 * sizeof(int32_t), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+    if (r->list_pages) {
+        e = cudaMemcpy(r->list_pages, pl->list_pages, (size_t)(nl * pl->cap_pages) * sizeof(int32_t), cudaMemcpyDeviceToHost);
+        if (e != cudaSuccess) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+    }
+    r->lists_round2 = 0;
+    for (int64_t l = 0; l < nl; l++) {
+        if (r->pages_round1) r->pages_round1[l] = cnt[2 * l];
+        if (r->pages_round2) r->pages_round2[l] = cnt[2 * l + 1] - cnt[2 * l];
+        r->lists_round2 += cnt[2 * l + 1] > cnt[2 * l];
+    }
+    free(cnt);
+    r->launches = pl->launches;
+    return EKV_OK;
+}

@@ -1,0 +1,221 @@
+/*
+ * select stage on the GPU (mirrors src/select/select.c and certified.c): page lists are
+ * written on the device, with no host round trip, into buffers sized at plan time.
+ *   topk:   one block per (sequence, KV head). The k-th largest bound is found by a radix
+ *           select over the fp32 bit patterns (4 passes of 8 bits, histograms in shared
+ *           memory), then one ordered compaction writes the pages above it (ties at the k-th
+ *           value: the lowest page numbers), the sink/recent pages and the last page. The
+ *           list is in ascending page order (the CPU lists are in bound order: same sets).
+ *   round2: certified decode, SPEC 9.3: appends every page outside round 1 whose bound
+ *           exceeds round 1's tau for some query head of the group.
+ */
+#include "cuda_internal.cuh"
+
+namespace {
+
+enum { SEL_THREADS = 512 };
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+    const uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
+ * block's sum. wsum: 32 ints of shared memory. */
+__device__ __forceinline__ int block_scan(int v, int *wsum, int *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    __syncthreads();
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; w++) {
+        const int c = wsum[w];
+        before += w < warp ? c : 0;
+        all += c;
+    }
+    *total = all;
+    return before + incl - v;
+}
+
+struct topk_args {
+    ekv_page_table t;
+    int Hk, ps;
+    int64_t cap_pages, budget_tokens;
+    int sink, recent;
+    const float *keys;        /* [B*Hk][cap_pages] */
+    int32_t *list_pages, *list_count;
+    uint8_t *in_list;
+};
+
+__global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
+    __shared__ int hist[256];
+    __shared__ int wsum[32];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_remaining;
+    const int row = blockIdx.x, b = row / A.Hk;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t n = sg.P - 1; /* scored pages */
+    int64_t k = A.budget_tokens / A.ps;
+    if (k < 1 && A.budget_tokens >= 1 && n >= 1) k = 1;
+    if (k > n) k = n;
+    const float *key = A.keys + (int64_t)row * A.cap_pages;
+    uint32_t prefix = 0, mask = 0;
+    int remaining = (int)k;
+    if (k > 0 && k < n) {
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+            __syncthreads();
+            for (int64_t p = threadIdx.x; p < n; p += blockDim.x) {
+                const uint32_t kk = order_key(key[p]);
+                if ((kk & mask) == prefix) atomicAdd(&hist[(kk >> shift) & 0xFF], 1);
+            }
+            __syncthreads();
+            if (threadIdx.x < 32) { /* warp 0: lane l sums bins 255-8l .. 248-8l, then a scan */
+                const int lane = threadIdx.x;
+                int sum = 0;
+                for (int i = 0; i < 8; i++) sum += hist[255 - 8 * lane - i];
+                int incl = sum;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                const int excl = incl - sum;
+                const unsigned hit = __ballot_sync(0xffffffffu, excl < remaining && incl >= remaining);
+                if (lane == __ffs(hit) - 1) {
+                    int cum = excl, d = 255 - 8 * lane;
+                    for (int i = 0; i < 7; i++, d--) {
+                        if (cum + hist[d] >= remaining) break;
+                        cum += hist[d];
+                    }
+                    s_prefix = prefix | ((uint32_t)d << shift);
+                    s_remaining = remaining - cum;
+                }
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            remaining = s_remaining;
+            mask |= 0xFFu << shift;
+            __syncthreads();
+        }
+    }
+    /* ordered compaction: key > T, the first `remaining` keys == T, sink and recent pages.
+     * Each thread owns a contiguous chunk of pages, so two block scans order everything. */
+    const bool take_all = k >= n;
+    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
+    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
+    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    int nties = 0;
+    if (!take_all && k > 0)
+        for (int64_t p = lo; p < hi; p++) nties += order_key(key[p]) == prefix;
+    int tie_total;
+    const int ties_before = block_scan(nties, wsum, &tie_total);
+    int ntake = 0, tie_i = ties_before;
+    for (int64_t p = lo; p < hi; p++) {
+        bool take = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
+        if (!take_all && k > 0) {
+            const uint32_t kk = order_key(key[p]);
+            take |= kk > prefix || (kk == prefix && tie_i++ < remaining);
+        }
+        ntake += take;
+    }
+    int written;
+    int pos = block_scan(ntake, wsum, &written);
+    tie_i = ties_before;
+    for (int64_t p = lo; p < hi; p++) {
+        bool take = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
+        if (!take_all && k > 0) {
+            const uint32_t kk = order_key(key[p]);
+            take |= kk > prefix || (kk == prefix && tie_i++ < remaining);
+        }
+        if (take) out[pos++] = (int32_t)p;
+        in[p] = take;
+    }
+    if (threadIdx.x == 0) {
+        out[written] = (int32_t)(sg.P - 1); /* the last page is always read, always last */
+        if (sg.P >= 1) in[sg.P - 1] = 1;
+        A.list_count[2 * row] = written + 1;
+        A.list_count[2 * row + 1] = written + 1;
+    }
+}
+
+struct round2_args {
+    ekv_page_table t;
+    int H, Hk, G, ps;
+    int64_t cap_pages;
+    const float *bounds;      /* [B*H][cap_pages] */
+    const double *tau;        /* [B*H] round 1 */
+    int32_t *list_pages, *list_count;
+    const uint8_t *in_list;
+};
+
+__global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
+    __shared__ int wsum[32];
+    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t n = sg.P - 1;
+    const int64_t c1 = A.list_count[2 * row];
+    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages + c1;
+    const uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
+    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    auto wanted = [&](int64_t p) {
+        if (in[p]) return false;
+        for (int g = 0; g < A.G; g++) {
+            const int64_t h = (int64_t)b * A.H + kvh * A.G + g;
+            if ((double)A.bounds[h * A.cap_pages + p] > A.tau[h]) return true;
+        }
+        return false;
+    };
+    int cnt = 0;
+    for (int64_t p = lo; p < hi; p++) cnt += wanted(p);
+    int written;
+    int pos = block_scan(cnt, wsum, &written);
+    for (int64_t p = lo; p < hi; p++)
+        if (wanted(p)) out[pos++] = (int32_t)p;
+    if (threadIdx.x == 0) A.list_count[2 * row + 1] = (int32_t)(c1 + written);
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int64_t budget_tokens,
+                                int32_t sink_pages, int32_t recent_pages) {
+    topk_args A;
+    A.t = *t;
+    A.Hk = pl->p.num_kv_heads;
+    A.ps = pl->p.page_size;
+    A.cap_pages = pl->cap_pages;
+    A.budget_tokens = budget_tokens;
+    A.sink = sink_pages;
+    A.recent = recent_pages;
+    A.keys = pl->list_bounds;
+    A.list_pages = pl->list_pages;
+    A.list_count = pl->list_count;
+    A.in_list = pl->in_list;
+    topk_kernel<<<batch * A.Hk, SEL_THREADS, 0, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
+ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G) {
+    round2_args A;
+    A.t = *t;
+    A.Hk = pl->p.num_kv_heads;
+    A.G = G;
+    A.H = A.Hk * G;
+    A.ps = pl->p.page_size;
+    A.cap_pages = pl->cap_pages;
+    A.bounds = pl->bounds;
+    A.tau = pl->tau;
+    A.list_pages = pl->list_pages;
+    A.list_count = pl->list_count;
+    A.in_list = pl->in_list;
+    round2_kernel<<<batch * A.Hk, SEL_THREADS, 0, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
