@@ -18,6 +18,7 @@ run h32_dense     --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method dens
 run h32_softmax   --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method dense --alpha 1
 run h32_topk16    --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method topk --budget 1/16
 run h32_topk64    --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method topk --budget 1/64
+run h32_gauss     --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method gaussian
 run h32_cert      --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method certified --budget 1/16
 run h32_cert_pl   --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method certified --budget 1/16 --workload planted
 run h32g4_dense   --heads 32 --kv-heads 8 --dim 128 --len "$LENS" --method dense
@@ -30,6 +31,7 @@ run ragged_topk16  --heads 32 --kv-heads 32 --dim 128 --batch 16 --len 65536 --r
 run h8_dense      --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method dense
 run h8_topk16     --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method topk --budget 1/16
 run h8_topk64     --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method topk --budget 1/64
+run h8_gauss      --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method gaussian
 run h8_cert       --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method certified --budget 1/16
 if [ "${PEERS:-1}" = 1 ]; then
   for cfg in "32 128" "8 64"; do

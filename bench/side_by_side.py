@@ -23,19 +23,19 @@ for H, D, tag in ((32, 128, "h32"), (8, 64, "h8")):
     peer = load(f"peer_h{H}.json")
     prow = {r["N"]: r for r in (peer or {}).get("rows", [])}
     dense, topk16, cert = ours(f"{tag}_dense"), ours(f"{tag}_topk16"), ours(f"{tag}_cert")
-    topk64, soft = ours(f"{tag}_topk64"), ours(f"{tag}_softmax")
+    topk64, soft, gauss = ours(f"{tag}_topk64"), ours(f"{tag}_softmax"), ours(f"{tag}_gauss")
     if not dense: continue
     print(f"\nH={H} KV heads={H} D={D} fp16 page 16 alpha 1.5, B=1, ms (best of eager / graph replay); "
           f"copy bw {dense[min(dense)]['copy_bw_gbps']:.0f} GB/s")
     print(f"{'N':>8} {'sdpa':>7} {'softmx':>7} {'dense':>7} {'d/sdpa':>7} {'top16':>7} {'sdpa/t':>7} {'top64':>7} "
-          f"{'cert':>7} {'ref_full':>8} {'ref_t16':>7} {'ref_t64':>7} {'roof_d':>6} {'roof_t':>6}")
+          f"{'gauss':>7} {'cert':>7} {'ref_full':>8} {'ref_t16':>7} {'ref_t64':>7} {'ref_gs':>7} {'roof_d':>6} {'roof_t':>6}")
     for N in sorted(dense):
         p = prow.get(N, {})
         sd = p.get("sdpa_softmax_ms")
         dm, tm = best(dense.get(N)), best(topk16.get(N))
         print(f"{N:>8} {f(sd)} {f(best(soft.get(N)))} {f(dm)} {f(ratio(dm, sd), 7, 2)} {f(tm)} {f(ratio(sd, tm), 7, 2)} "
-              f"{f(best(topk64.get(N)))} {f(best(cert.get(N)))} {f(p.get('ref_entmax_full_ms'), 8)} "
-              f"{f(p.get('ref_entmax_topk16_ms'))} {f(p.get('ref_entmax_topk64_ms'))} "
+              f"{f(best(topk64.get(N)))} {f(best(gauss.get(N)))} {f(best(cert.get(N)))} {f(p.get('ref_entmax_full_ms'), 8)} "
+              f"{f(p.get('ref_entmax_topk16_ms'))} {f(p.get('ref_entmax_topk64_ms'))} {f(p.get('ref_entmax_gaussian_ms'))} "
               f"{f(dense[N]['roofline_ratio'], 6, 2)} {f(topk16[N]['roofline_ratio'] if N in topk16 else None, 6, 2)}")
 g4d, g4t = ours("h32g4_dense"), ours("h32g4_topk16")
 if g4d:

@@ -447,7 +447,8 @@ EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
 
 /*
  * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
- * with use_ball; budget_tokens as on the CPU) or certified (ekv_cuda_decode_certified below),
+ * with use_ball; budget_tokens as on the CPU), GAUSSIAN (SPEC 4, exact tau mode; no ALiBi or
+ * auto_margin on the GPU) or certified (ekv_cuda_decode_certified below),
  * then exact entmax (alpha > 1) or softmax (alpha = 1) over the listed pages with K read
  * once, tau solved globally from the kept scores and V read for support rows only.
  * q, out: [batch][num_heads][head_dim] fp32 (device). Launches are asynchronous on the

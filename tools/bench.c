@@ -17,7 +17,8 @@ static void bench_help(FILE *f) {
             "run in the same process.\n"
             "\n"
             "  --backend cpu|ref|cuda  backend (default cpu; ref = long-double reference, slow;\n"
-            "                        cuda = the GPU backend: methods dense, topk, certified,\n"
+            "                        cuda = the GPU backend: methods dense, topk, gaussian,\n"
+            "                        certified,\n"
             "                        workloads random and planted, K/V filled on the device)\n"
             "  --ragged MIN          cuda: sequence b of the batch gets a length spread evenly\n"
             "                        from MIN to --len (a ragged batch)\n"
@@ -129,8 +130,6 @@ static void parse(int argc, char **argv, bench_opts *o) {
     if (strcmp(o->backend, "cpu") && strcmp(o->backend, "ref") && strcmp(o->backend, "cuda"))
         cli_usage_error("bench", "--backend %s: expected cpu, ref or cuda", o->backend);
     if (!strcmp(o->backend, "cuda")) {
-        if (!strcmp(o->method, "gaussian"))
-            cli_usage_error("bench", "--backend cuda: method gaussian is not on the CUDA backend (dense, topk, certified are)");
         if (strcmp(o->workload, "random") && strcmp(o->workload, "planted"))
             cli_usage_error("bench", "--backend cuda: --workload %s: expected random or planted", o->workload);
     } else if (o->ragged_min)

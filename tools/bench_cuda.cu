@@ -106,7 +106,8 @@ extern "C" int cli_bench_cuda(const cuda_bench_opts *o) {
     cudaGetDeviceProperties(&prop, 0);
     const double bw = copy_bandwidth();
     const int planted = !strcmp(o->workload, "planted");
-    const int certified = !strcmp(o->method, "certified"), topk = !strcmp(o->method, "topk");
+    const int certified = !strcmp(o->method, "certified"), gauss = !strcmp(o->method, "gaussian");
+    const int topk = !strcmp(o->method, "topk") || gauss; /* a page list, one round */
     const int64_t B = o->batch, H = o->heads, Hk = o->kv_heads, D = o->dim, ps = o->page;
     const int64_t es = ekv_dtype_size(o->dtype);
     printf("# backend=cuda device=\"%s\" copy_bw=%.0f GB/s (read+write) method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s%s\n",
@@ -214,7 +215,7 @@ extern "C" int cli_bench_cuda(const cuda_bench_opts *o) {
             prm.num_heads = (int32_t)H;
             prm.alpha = o->alpha;
             ekv_select_params sp = ekv_select_default_params();
-            sp.method = topk || certified ? EKV_SELECT_TOPK : EKV_SELECT_DENSE;
+            sp.method = gauss ? EKV_SELECT_GAUSSIAN : topk || certified ? EKV_SELECT_TOPK : EKV_SELECT_DENSE;
             const int64_t budget = o->budget_tokens ? o->budget_tokens : (int64_t)floor(o->budget * (double)len);
             sp.budget_tokens = budget;
             auto step = [&]() -> ekv_status {
@@ -294,7 +295,7 @@ extern "C" int cli_bench_cuda(const cuda_bench_opts *o) {
             int64_t summary = 0;
             if (topk || certified)
                 for (int64_t b = 0; b < B; b++)
-                    summary += (indptr[b + 1] - indptr[b] - 1) * Hk * (D * 4 * ((certified) ? 3 : 2) + (certified ? 4 : 0));
+                    summary += (indptr[b + 1] - indptr[b] - 1) * Hk * (D * 4 * (certified ? 3 : 2) + (certified ? 4 : gauss ? 4 : 0));
             const int64_t kbytes = ktok * D * es, vbytes = vrow * D * es;
             const int64_t scores = 3 * (ktok * (H / Hk)) * 4;
             const int64_t bytes = kbytes + vbytes + summary + scores;

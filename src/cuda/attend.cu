@@ -46,8 +46,9 @@ __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P
 }
 
 /* LPR lanes per key row (D = 8*LPR); LPR = 0: generic (32 lanes, loop over 8-element chunks) */
-template <typename T, int LPR>
-__global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_kernel(score_args A) {
+/* GM: compile-time bound of the group size (register tiles); G <= GM at run time */
+template <typename T, int LPR, int GM>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args A) {
     extern __shared__ float smem[];             /* q' [G][D], then red [nwarps][G] */
     float *qs = smem;
     float *red = smem + A.G * A.D;
@@ -64,58 +65,60 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_kernel(score_args A) 
         qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G + g) * D + d]); /* as bound.cu */
     }
     __syncthreads();
-    float runmax[EKV_CUDA_MAX_GROUP];
+    float runmax[GM];
 #pragma unroll
-    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) runmax[g] = -CUDART_INF_F;
+    for (int g = 0; g < GM; g++) runmax[g] = -CUDART_INF_F;
     const T *K = static_cast<const T *>(A.kv.k);
     const int64_t ntok = e1 > e0 ? (e1 - e0) * ps : 0;
     constexpr int RPW = LPR ? 32 / LPR : 1;      /* rows per warp pass */
     constexpr int L = LPR ? LPR : 32;
     const int sub = lane / L, sl = lane % L;
-    float slope[EKV_CUDA_MAX_GROUP];
+    float slope[GM];
 #pragma unroll
-    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
+    for (int g = 0; g < GM; g++) slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
     /* LPR > 0: every lane holds one 8-element chunk of a row; U row groups are loaded before
      * any is reduced, so each warp keeps U loads in flight (decode is latency x bandwidth bound) */
-    constexpr int U = LPR ? 4 : 1;
+    constexpr int U = LPR ? (GM <= 2 ? 8 : 4) : 1;
     const int64_t stride_rows = (int64_t)nw * RPW;
+    float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
     for (int64_t u0 = (int64_t)warp * RPW; u0 < ntok; u0 += stride_rows * U) {
         float k8[U][8];
-        int64_t jpos[U];
-        bool live[U], valid[U];
-        int64_t eidx[U], slots[U];
+        const T *kp[U];
+        int sidx[U];    /* score slot e * ps + slot (< cap_tokens < 2^31), -1: past the CTA's range */
+        float jd[U];    /* j - (N - 1), or NaN for a padding slot past the sequence */
 #pragma unroll
         for (int r = 0; r < U; r++) {
-            const int64_t u = u0 + r * stride_rows + sub;
-            valid[r] = u < ntok;
-            live[r] = false;
-            jpos[r] = 0;
-            eidx[r] = 0;
-            slots[r] = 0;
-            int64_t phys = 0;
-            if (valid[r]) {
-                eidx[r] = e0 + u / ps;
-                slots[r] = u % ps;
-                const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + eidx[r]] : eidx[r];
-                phys = A.t.indices[sg.first + lp];
-                jpos[r] = lp * ps + slots[r];
-                live[r] = jpos[r] < sg.N;
+            const int u = (int)(u0 + r * stride_rows + sub); /* < ntok <= 2^31: 32-bit division */
+            sidx[r] = -1;
+            kp[r] = nullptr;
+            jd[r] = CUDART_NAN_F;
+            if (u < ntok) {
+                const int eo = u / ps, slot = u - eo * ps;
+                const int64_t e = e0 + eo;
+                const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+                const int64_t j = lp * ps + slot;
+                sidx[r] = (int)(e * ps + slot);
+                if (j < sg.N) {
+                    jd[r] = (float)(j - (sg.N - 1));
+                    kp[r] = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head +
+                            (int64_t)slot * A.kv.stride_token;
+                }
             }
-#pragma unroll
-            for (int i = 0; i < 8; i++) k8[r][i] = 0.f;
-            if (LPR && live[r])
-                ekv_elem<T>::load8(K + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head +
-                                       slots[r] * A.kv.stride_token + sl * 8,
-                                   k8[r]);
         }
 #pragma unroll
         for (int r = 0; r < U; r++) {
-            float acc[EKV_CUDA_MAX_GROUP];
 #pragma unroll
-            for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) acc[g] = 0.f;
+            for (int i = 0; i < 8; i++) k8[r][i] = 0.f;
+            if (LPR && kp[r]) ekv_elem<T>::load8(kp[r] + sl * 8, k8[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            float acc[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) acc[g] = 0.f;
             if (LPR) {
 #pragma unroll
-                for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+                for (int g = 0; g < GM; g++) {
                     if (g < G) {
                         const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8);
                         const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
@@ -123,15 +126,12 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_kernel(score_args A) 
                                  qb.x * k8[r][4] + qb.y * k8[r][5] + qb.z * k8[r][6] + qb.w * k8[r][7];
                     }
                 }
-            } else if (live[r]) { /* generic head dim: the lanes stride over the row's chunks */
-                int64_t lp = jpos[r] / ps;
-                const int64_t phys = A.t.indices[sg.first + lp];
-                const T *krow = K + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head + slots[r] * A.kv.stride_token;
+            } else if (kp[r]) { /* generic head dim: the lanes stride over the row's chunks */
                 for (int c = sl; c < D / 8; c += L) {
                     float kk[8];
-                    ekv_elem<T>::load8(krow + c * 8, kk);
+                    ekv_elem<T>::load8(kp[r] + c * 8, kk);
 #pragma unroll
-                    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+                    for (int g = 0; g < GM; g++) {
                         if (g < G) {
                             const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + c * 8);
                             const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
@@ -142,19 +142,18 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_kernel(score_args A) 
                 }
             }
 #pragma unroll
-            for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+            for (int g = 0; g < GM; g++) {
                 if (g < G) {
 #pragma unroll
                     for (int o = L / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
                 }
             }
-            if (valid[r] && sl == 0) {
+            if (sidx[r] >= 0 && sl == 0) {
 #pragma unroll
-                for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+                for (int g = 0; g < GM; g++) {
                     if (g < G) {
-                        float z = -CUDART_INF_F;
-                        if (live[r]) z = acc[g] + slope[g] * (float)(jpos[r] - (sg.N - 1));
-                        A.scores[((int64_t)b * A.H + kvh * G + g) * A.cap_tokens + eidx[r] * ps + slots[r]] = z;
+                        const float z = kp[r] ? acc[g] + slope[g] * jd[r] : -CUDART_INF_F;
+                        srow[(int64_t)g * A.cap_tokens + sidx[r]] = z;
                         runmax[g] = fmaxf(runmax[g], z);
                     }
                 }
@@ -162,9 +161,12 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_kernel(score_args A) 
         }
     }
     /* split maxima per query head */
-    for (int g = 0; g < G; g++) {
-        float m = ekv_warp_max(runmax[g]);
-        if (lane == 0) red[warp * G + g] = m;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g < G) {
+            float m = ekv_warp_max(runmax[g]);
+            if (lane == 0) red[warp * G + g] = m;
+        }
     }
     __syncthreads();
     if (threadIdx.x < G) {
@@ -222,7 +224,25 @@ __device__ void cand_newton(const float *v, int64_t n, float M, double t, double
     *Fp = -beta * ekv_block_sum(fp, scratch);
 }
 
-__global__ void __launch_bounds__(EKV_CUDA_THREADS) tau_kernel(tau_args A) {
+enum { TAU_THREADS = 1024, TAU_UNROLL = 8 };
+
+/* Visits z[i] for i < n, TAU_UNROLL loads in flight per thread (the scan is latency-bound
+ * with one block per head otherwise). */
+template <typename F> __device__ __forceinline__ void scan_row(const float *z, int64_t n, F f) {
+    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
+    for (int64_t base = threadIdx.x; base < n; base += step) {
+        float x[TAU_UNROLL];
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + (int64_t)k * blockDim.x;
+            x[k] = i < n ? z[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) f(x[k]);
+    }
+}
+
+__global__ void __launch_bounds__(TAU_THREADS) tau_kernel(tau_args A) {
     __shared__ float cand[EKV_CUDA_CAND_CAP];
     __shared__ double scratch[32];
     __shared__ float fscratch[32];
@@ -244,8 +264,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) tau_kernel(tau_args A) {
     if (A.alpha == 1.0) { /* softmax: tau = log-sum-exp */
         double s = 0;
         int64_t cnt = 0;
-        for (int64_t i = threadIdx.x; i < ntok; i += blockDim.x)
-            if (z[i] > -CUDART_INF_F) { s += exp((double)z[i] - (double)M); cnt++; }
+        scan_row(z, ntok, [&](float x) {
+            if (x > -CUDART_INF_F) { s += exp((double)x - (double)M); cnt++; }
+        });
         s = ekv_block_sum(s, scratch);
         const double c = ekv_block_sum((double)cnt, scratch);
         if (threadIdx.x == 0) { A.tau[row] = (double)M + log(s); A.support[row] = (int64_t)c; }
@@ -254,13 +275,13 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) tau_kernel(tau_args A) {
     /* gather the candidates z > M - 1 */
     if (threadIdx.x == 0) ncand = 0;
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < ntok; i += blockDim.x) {
-        const float x = z[i];
-        if ((double)x >= (double)M - 1.0) {
+    const double lo_z = (double)M - 1.0;
+    scan_row(z, ntok, [&](float x) {
+        if ((double)x >= lo_z) {
             const int k = atomicAdd(&ncand, 1);
             if (k < EKV_CUDA_CAND_CAP) cand[k] = x;
         }
-    }
+    });
     __syncthreads();
     const float *v = cand;
     int64_t nv = ncand;
@@ -348,7 +369,8 @@ template <> __device__ __forceinline__ void load4<float>(const float *p, float *
 
 enum { VCH = 4, VDIM = EKV_CUDA_MAX_DIM / 128 }; /* heads per block, 4-element chunks per lane */
 
-template <typename T>
+/* VD: 4-element chunks per lane (D <= 128 VD); the accumulators are VCH x VD x 4 registers */
+template <typename T, int VD>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) {
     const int y = blockIdx.y, gc = y % A.gchunks, row = y / A.gchunks, b = row / A.Hk, kvh = row % A.Hk;
     const int D = A.D, ps = A.ps, g0 = gc * VCH, ng = A.G - g0 < VCH ? A.G - g0 : VCH;
@@ -368,18 +390,31 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
     }
     const bool softmax = A.alpha == 1.0;
     const double beta = softmax ? 1.0 : 1.0 / (A.alpha - 1.0);
-    float acc[VCH][VDIM][4];
+    float acc[VCH][VD][4];
 #pragma unroll
     for (int g = 0; g < VCH; g++)
 #pragma unroll
-        for (int c = 0; c < VDIM; c++)
+        for (int c = 0; c < VD; c++)
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[g][c][i] = 0.f;
     const T *V = static_cast<const T *>(A.kv.v);
     int64_t rows = 0;
     bool any_w = false;
     const int64_t t0 = e0 * ps, t1 = e1 * ps;
-    for (int64_t base = t0 + (int64_t)warp * 32; base < t1; base += (int64_t)nw * 32) {
+    constexpr int VU = 4; /* warp-rows of scores loaded ahead */
+    for (int64_t base0 = t0 + (int64_t)warp * 32; base0 < t1; base0 += (int64_t)nw * 32 * VU) {
+    float zpre[VU][VCH];
+#pragma unroll
+    for (int v = 0; v < VU; v++)
+#pragma unroll
+        for (int g = 0; g < VCH; g++) {
+            const int64_t u = base0 + (int64_t)v * nw * 32 + lane;
+            zpre[v][g] = (g < ng && u < t1) ? zr[g][u] : -CUDART_INF_F;
+        }
+#pragma unroll
+    for (int v = 0; v < VU; v++) {
+        const int64_t base = base0 + (int64_t)v * nw * 32;
+        if (base >= t1) break;
         const int64_t u = base + lane;
         float p[VCH];
         bool any = false;
@@ -387,7 +422,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
         for (int g = 0; g < VCH; g++) {
             p[g] = 0.f;
             if (g < ng && u < t1) {
-                const float zz = zr[g][u];
+                const float zz = zpre[v][g];
                 const double x = (double)zz - tau[g];
                 if (softmax) p[g] = zz > -CUDART_INF_F ? (float)exp(x) : 0.f;
                 else if (x > 0) p[g] = beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : (float)pow(x, beta);
@@ -400,7 +435,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
         while (mask) {
             const int src = __ffs(mask) - 1;
             mask &= mask - 1;
-            const int64_t us = base + src, e = us / ps, slot = us % ps;
+            const int rel = (int)(base + src - t0); /* 32-bit division: a split holds < 2^31 tokens */
+            const int64_t e = e0 + rel / ps, slot = rel % ps;
             const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
             const int64_t phys = A.t.indices[sg.first + lp];
             const T *vrow = V + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head + slot * A.kv.stride_token;
@@ -408,7 +444,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
 #pragma unroll
             for (int g = 0; g < VCH; g++) pg[g] = __shfl_sync(0xffffffffu, p[g], src);
 #pragma unroll
-            for (int c = 0; c < VDIM; c++) {
+            for (int c = 0; c < VD; c++) {
                 const int d = c * 128 + lane * 4;
                 if (d < D) {
                     float v4[4];
@@ -421,6 +457,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
             }
         }
     }
+    }
     if (lane == 0 && rows) atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
     if (!any_w) return;
 #pragma unroll
@@ -428,7 +465,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
         if (g < ng) {
             float *o = A.out + ((int64_t)b * A.H + kvh * A.G + g0 + g) * D;
 #pragma unroll
-            for (int c = 0; c < VDIM; c++) {
+            for (int c = 0; c < VD; c++) {
                 const int d = c * 128 + lane * 4;
                 if (d < D)
 #pragma unroll
@@ -438,16 +475,32 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_kernel(value_args A) 
     }
 }
 
+template <typename T, int LPR>
+void launch_scores_g(const score_args &A, dim3 grid, size_t sm, cudaStream_t st) {
+    if (A.G == 1) scores_kernel<T, LPR, 1><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else if (A.G == 2) scores_kernel<T, LPR, 2><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else if (A.G <= 4) scores_kernel<T, LPR, 4><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else if (A.G <= 8) scores_kernel<T, LPR, 8><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+}
+
 template <typename T>
 cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
     const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
     switch (A.D) {
-    case 64: scores_kernel<T, 8><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); break;
-    case 128: scores_kernel<T, 16><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); break;
-    case 256: scores_kernel<T, 32><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); break;
-    default: scores_kernel<T, 0><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); break;
+    case 64: launch_scores_g<T, 8>(A, grid, sm, st); break;
+    case 128: launch_scores_g<T, 16>(A, grid, sm, st); break;
+    case 256: launch_scores_g<T, 32>(A, grid, sm, st); break;
+    default: scores_kernel<T, 0, EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); break;
     }
     return cudaGetLastError();
+}
+
+template <typename T>
+void launch_values_t(const value_args &A, dim3 grid, cudaStream_t st) {
+    if (A.D <= 128) values_kernel<T, 1><<<grid, EKV_CUDA_THREADS, 0, st>>>(A);
+    else if (A.D <= 256) values_kernel<T, 2><<<grid, EKV_CUDA_THREADS, 0, st>>>(A);
+    else values_kernel<T, VDIM><<<grid, EKV_CUDA_THREADS, 0, st>>>(A);
 }
 
 } // namespace
@@ -510,7 +563,7 @@ ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, 
     A.v_rows = pl->v_rows;
     A.flags = pl->flags;
     A.out_zero = out_zero;
-    tau_kernel<<<batch * A.H, EKV_CUDA_THREADS, 0, pl->stream>>>(A);
+    tau_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
@@ -538,9 +591,9 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.out = out;
     dim3 grid(pl->nsplit, batch * A.Hk * A.gchunks);
     switch (kv->dtype) {
-    case EKV_DTYPE_F16: values_kernel<__half><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
-    case EKV_DTYPE_BF16: values_kernel<__nv_bfloat16><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
-    default: values_kernel<float><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
+    case EKV_DTYPE_F16: launch_values_t<__half>(A, grid, pl->stream); break;
+    case EKV_DTYPE_BF16: launch_values_t<__nv_bfloat16>(A, grid, pl->stream); break;
+    default: launch_values_t<float>(A, grid, pl->stream); break;
     }
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

@@ -26,11 +26,12 @@ struct bound_args {
     float *bounds, *list_bounds;
 };
 
-enum { BOUND_WARPS = EKV_CUDA_THREADS / 32 };
+enum { BOUND_WARPS = EKV_CUDA_THREADS / 32, BOUND_PAGES = 128 }; /* pages per block: the q setup is amortised */
 
+template <int GM> /* compile-time bound of the group size */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     extern __shared__ float qs[]; /* [G][D] q' */
-    __shared__ double qn[EKV_CUDA_MAX_GROUP];
+    __shared__ double qn[GM];
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
@@ -39,25 +40,36 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G + g) * D + d]);
     }
     __syncthreads();
-    if (warp < G) { /* ||q'|| in double, rounded up */
+    for (int g = warp; g < G; g += BOUND_WARPS) { /* ||q'|| in double, rounded up */
         double s = 0;
-        for (int d = lane; d < D; d += 32) s += (double)qs[warp * D + d] * qs[warp * D + d];
+        for (int d = lane; d < D; d += 32) s += (double)qs[g * D + d] * qs[g * D + d];
         s = ekv_warp_sum(s);
-        if (lane == 0) qn[warp] = sqrt(s) * (1 + 1e-12);
+        if (lane == 0) qn[g] = sqrt(s) * (1 + 1e-12);
     }
     __syncthreads();
-    const int64_t p = (int64_t)blockIdx.x * BOUND_WARPS + warp;
-    if (p >= A.cap_pages) return;
+    const int64_t pend = ((int64_t)blockIdx.x + 1) * BOUND_PAGES < A.cap_pages ? ((int64_t)blockIdx.x + 1) * BOUND_PAGES : A.cap_pages;
+    for (int64_t p = (int64_t)blockIdx.x * BOUND_PAGES + warp; p < pend; p += BOUND_WARPS) {
     if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
         if (lane < G) A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
         if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
-        return;
+        continue;
     }
     const int64_t phys = A.t.indices[sg.first + p];
     const int64_t so = (phys * A.Hk + kvh) * D;
-    float box[EKV_CUDA_MAX_GROUP], dot[EKV_CUDA_MAX_GROUP];
+    { /* prefetch the warp's next page into L2: two pages of summaries in flight per warp */
+        const int64_t pn = p + BOUND_WARPS;
+        if (pn < pend && pn < sg.P - 1) {
+            const int64_t sn = ((int64_t)A.t.indices[sg.first + pn] * A.Hk + kvh) * D;
+            for (int d = lane * 4; d < D; d += 128) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
+                if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
+            }
+        }
+    }
+    float box[GM], dot[GM];
 #pragma unroll
-    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) box[g] = dot[g] = 0.f;
+    for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
     float c2 = 0.f;
     for (int d = lane * 4; d < D; d += 128) {
         const float4 mn = *reinterpret_cast<const float4 *>(A.st.kmin + so + d);
@@ -68,7 +80,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
             c2 += c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
         }
 #pragma unroll
-        for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+        for (int g = 0; g < GM; g++) {
             if (g < G) {
                 const float4 qq = *reinterpret_cast<const float4 *>(qs + g * D + d);
                 box[g] += fmaxf(qq.x * mn.x, qq.x * mx.x) + fmaxf(qq.y * mn.y, qq.y * mx.y) +
@@ -78,11 +90,11 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
     }
 #pragma unroll
-    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) {
+    for (int g = 0; g < GM; g++) {
         if (g < G) { box[g] = ekv_warp_sum(box[g]); dot[g] = ekv_warp_sum(dot[g]); }
     }
     c2 = ekv_warp_sum(c2);
-    if (lane != 0) return;
+    if (lane != 0) continue;
     const double u24 = 5.9604644775390625e-8;
     const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
     /* the box sums above are fp32: widen them by their own rounding (the CPU's box is fp32 too,
@@ -90,7 +102,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const double cn = sqrt((double)c2) * (1 + 1e-5);
     const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
     float best = -CUDART_INF_F;
-    for (int g = 0; g < G; g++) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
         const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
         double u = box[g];
         if (A.with_ball) {
@@ -106,6 +120,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         best = fmaxf(best, uf);
     }
     A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+    }
 }
 
 } // namespace
@@ -130,9 +145,13 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     A.cap_pages = pl->cap_pages;
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
-    dim3 grid((unsigned)((pl->cap_pages + BOUND_WARPS - 1) / BOUND_WARPS), batch * A.Hk);
+    dim3 grid((unsigned)((pl->cap_pages + BOUND_PAGES - 1) / BOUND_PAGES), batch * A.Hk);
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
-    bound_kernel<<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    if (A.G == 1) bound_kernel<1><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else if (A.G == 2) bound_kernel<2><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else if (A.G <= 4) bound_kernel<4><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else if (A.G <= 8) bound_kernel<8><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else bound_kernel<EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

@@ -13,9 +13,10 @@
 #include <stdint.h>
 
 extern "C" {
-/* from src/core (C) */
+/* from src/core and src/math (C) */
 ekv_status ekv_fail(ekv_context *ctx, ekv_status status, const char *fmt, ...);
 void ekv_clear_error(ekv_context *ctx);
+double ekv_normal_quantile(double p);
 }
 
 enum {
@@ -45,6 +46,7 @@ struct ekv_cuda_plan {
     int64_t *support;       /* [B*H]                                                       */
     int64_t *v_rows;        /* [B*Hk]                                                      */
     int32_t *flags;         /* [B*H] candidate overflow and the like (diagnostics)         */
+    double *gmu, *gsig;     /* [B*H][cap_pages] gaussian selector page moments             */
     int64_t bytes;
     int32_t launches;       /* of the last step                                            */
     int32_t last_batch;
@@ -163,6 +165,9 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
                                  int batch);
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int64_t budget_tokens,
                                 int32_t sink_pages, int32_t recent_pages);
+ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
+                                    const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                                    const float *q, int batch);
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                   const ekv_page_table *t, const float *q, int batch, int use_list, int round);

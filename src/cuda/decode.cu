@@ -4,12 +4,14 @@
  * static shapes only, and the launch sequence of each policy:
  *   dense:     scores -> tau -> values                                   (3 launches)
  *   topk:      bound -> topk -> scores -> tau -> values                  (5 launches)
+ *   gaussian:  moments -> rule -> scores -> tau -> values                (5 launches)
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (8)
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
 #include "cuda_internal.cuh"
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) {
     ekv_cuda_plan_params p;
@@ -37,7 +39,7 @@ extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
 extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
     if (!pl) return;
     void *bufs[] = {pl->scores, pl->split_max, pl->bounds, pl->list_bounds, pl->list_pages, pl->list_count,
-                    pl->in_list, pl->tau, pl->support, pl->v_rows, pl->flags};
+                    pl->in_list, pl->tau, pl->support, pl->v_rows, pl->flags, pl->gmu, pl->gsig};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) cudaFree(bufs[i]);
     if (pl->own_stream && pl->stream) cudaStreamDestroy(pl->stream);
@@ -62,8 +64,9 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
                         p->head_dim, (int)EKV_CUDA_MAX_DIM);
     if (p->page_size < 1 || p->page_size > 256)
         return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", p->page_size);
-    if (p->max_pages_per_seq < 1 || p->max_pages_per_seq > INT32_MAX / 2)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_pages_per_seq=%lld must be in [1, 2^30)", (long long)p->max_pages_per_seq);
+    if (p->max_pages_per_seq < 1 || p->max_pages_per_seq * p->page_size >= INT32_MAX)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_pages_per_seq=%lld must be >= 1 with max_pages_per_seq * page_size < 2^31 tokens",
+                        (long long)p->max_pages_per_seq);
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
         cudaGetLastError();
@@ -105,6 +108,8 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         {(void **)&pl->support, B * H * (int64_t)sizeof(int64_t)},
         {(void **)&pl->v_rows, B * Hk * (int64_t)sizeof(int64_t)},
         {(void **)&pl->flags, B * H * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->gmu, B * H * pl->cap_pages * (int64_t)sizeof(double)},
+        {(void **)&pl->gsig, B * H * pl->cap_pages * (int64_t)sizeof(double)},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         e = cudaMalloc(want[i].ptr, (size_t)want[i].bytes);
@@ -163,6 +168,14 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
         if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 0, 1, out, outn))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 0, out);
     }
+    if (method == EKV_SELECT_GAUSSIAN) {
+        if (!st || !st->kmean || !st->km2 || !st->count)
+            return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmean, km2, count) must not be NULL for the gaussian selector");
+        if ((s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B))) return s;
+        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out, outn))) return s;
+        return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
+    }
     if (!st || !st->kmin || !st->kmax || ((certified || sel->use_ball) && (!st->kmean || !st->radius)))
         return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmin, kmax; kmean and radius for the ball) must not be NULL");
     const int with_ball = certified || sel->use_ball;
@@ -189,10 +202,19 @@ extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params
     ekv_status s = check_step(pl, prm, kv, t, q, out);
     if (s) return s;
     if (sel) {
-        if (sel->method == EKV_SELECT_GAUSSIAN || sel->method == EKV_SELECT_ORACLE)
-            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "select method %s is not on the CUDA backend (dense, topk, certified are)",
-                            sel->method == EKV_SELECT_GAUSSIAN ? "gaussian" : "oracle");
-        if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK)
+        if (sel->method == EKV_SELECT_ORACLE)
+            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "select method oracle (evaluation only) is not on the CUDA backend");
+        if (sel->method == EKV_SELECT_GAUSSIAN) {
+            if (!(prm->alpha == 2.0 || prm->alpha == 1.5 || prm->alpha == 4.0 / 3.0))
+                return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "the gaussian selector has closed forms for alpha = 2, 1.5 and 4/3 only (alpha=%.17g)", prm->alpha);
+            if (prm->alibi_slopes || sel->auto_margin)
+                return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "gaussian on the CUDA backend: ALiBi (the mixture solver) and auto_margin are CPU-only");
+            if (!(sel->max_quantile > 0 && sel->max_quantile < 1) || !(sel->margin_z >= 0) || !isfinite(sel->margin_z) ||
+                !(sel->excess_fraction >= 0) || !isfinite(sel->excess_fraction))
+                return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "gaussian: max_quantile=%g must be in (0, 1); margin_z=%g, excess_fraction=%g finite and >= 0",
+                                sel->max_quantile, sel->margin_z, sel->excess_fraction);
+        }
+        if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK && sel->method != EKV_SELECT_GAUSSIAN)
             return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "unknown select method %d", (int)sel->method);
         if (sel->per_query_head)
             return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "per_query_head lists are not on the CUDA backend");

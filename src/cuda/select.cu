@@ -13,7 +13,7 @@
 
 namespace {
 
-enum { SEL_THREADS = 512 };
+enum { SEL_THREADS = 512, SEL_WARPS = SEL_THREADS / 32 };
 
 __device__ __forceinline__ uint32_t order_key(float f) {
     const uint32_t u = __float_as_uint(f);
@@ -54,6 +54,7 @@ struct topk_args {
 
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     __shared__ int hist[256];
+    __shared__ int whist[256 * SEL_WARPS];
     __shared__ int wsum[32];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
@@ -68,11 +69,20 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     int remaining = (int)k;
     if (k > 0 && k < n) {
         for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+            /* one sub-histogram per warp: the top digits of most keys are equal, and a single
+             * shared histogram would serialise on a few bins */
+            for (int i = threadIdx.x; i < 256 * SEL_WARPS; i += blockDim.x) whist[i] = 0;
             __syncthreads();
+            int *mine = whist + (threadIdx.x >> 5) * 256;
             for (int64_t p = threadIdx.x; p < n; p += blockDim.x) {
                 const uint32_t kk = order_key(key[p]);
-                if ((kk & mask) == prefix) atomicAdd(&hist[(kk >> shift) & 0xFF], 1);
+                if ((kk & mask) == prefix) atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
+            }
+            __syncthreads();
+            for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+                int c = 0;
+                for (int w = 0; w < SEL_WARPS; w++) c += whist[w * 256 + i];
+                hist[i] = c;
             }
             __syncthreads();
             if (threadIdx.x < 32) { /* warp 0: lane l sums bins 255-8l .. 248-8l, then a scan */

@@ -12,9 +12,7 @@
  */
 #include "../core/internal.h"
 #include "gaussian.h"
-
-static double phi_pdf(double t) { return 0.3989422804014327 * exp(-0.5 * t * t); }
-static double phi_cdf(double t) { return 0.5 * erfc(-t * 0.7071067811865476); }
+#include "gaussian_core.h"
 
 double ekv_normal_quantile(double p) {
     if (!(p > 0 && p < 1)) return p == 0 ? -INFINITY : p == 1 ? INFINITY : NAN;
@@ -41,55 +39,19 @@ double ekv_normal_quantile(double p) {
         x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
             ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
     }
-    for (int i = 0; i < 2; i++) x -= (phi_cdf(x) - p) / phi_pdf(x);
+    for (int i = 0; i < 2; i++) x -= (ekv_phi_cdf(x) - p) / ekv_phi_pdf(x);
     return x;
 }
 
 int ekv_gauss_supported(double alpha) { return alpha == 2.0 || alpha == 1.5 || alpha == 4.0 / 3.0; }
 
-/* E[(aS - tau)_+^beta] and its first two tau-derivatives for S ~ N(mu, sigma^2). */
 void ekv_gauss_term(double alpha, double mu, double sigma, double tau, int reference_m3, double *f, double *f1,
                     double *f2) {
-    const double a = alpha - 1.0;
-    const double my = a * mu - tau, sy = fmax(a * sigma, 1e-10), t = my / sy;
-    const double P = phi_cdf(t), p = phi_pdf(t);
-    const double m0 = P, m1 = my * P + sy * p, m2 = (my * my + sy * sy) * P + my * sy * p;
-    if (alpha == 2.0) {
-        *f = m1; *f1 = -m0; *f2 = p / sy;
-    } else if (alpha == 1.5) {
-        *f = m2; *f1 = -2 * m1; *f2 = 2 * m0;
-    } else {
-        double m3 = reference_m3 ? (my * my * my + 3 * my * sy * sy) * P + (sy * sy * sy + 2 * my * my * sy) * p
-                                 : (my * my * my + 3 * my * sy * sy) * P + (my * my * sy + 2 * sy * sy * sy) * p;
-        *f = m3; *f1 = -3 * m2; *f2 = 6 * m1;
-    }
-}
-
-/* One safeguarded Halley/Newton update inside (lo, hi), as SPEC 4.7. */
-static double halley_step(double tau, double F, double F1, double F2, double lo, double hi) {
-    double den = 2 * F1 * F1 - F * F2;
-    double step = fabs(den) > 1e-18 ? 2 * F * F1 / den : F / fmin(F1, -1e-12);
-    double cand = tau - step;
-    if (!(cand > lo && cand < hi) || !isfinite(cand) || fabs(cand) >= 1e20) cand = 0.5 * (lo + hi);
-    return cand;
+    ekv_gauss_term_core(alpha, mu, sigma, tau, reference_m3, f, f1, f2);
 }
 
 double ekv_gauss_tau_single(double alpha, double mu, double sigma, double n, int reference_m3) {
-    const double a = alpha - 1.0, s = fmax(sigma, 1e-6), tol = 1e-13; /* converged, not the reference 1e-6 */
-    const double R = a * s * (sqrt(2 * log(n + 1)) + 8);
-    double lo = a * mu - R, hi = a * mu + R, tau = 0.5 * (lo + hi);
-    for (int it = 0; it < 120; it++) {
-        double f, f1, f2;
-        ekv_gauss_term(alpha, mu, s, tau, reference_m3, &f, &f1, &f2);
-        double F = n * f - 1, F1 = n * f1, F2 = n * f2;
-        double cand = halley_step(tau, F, F1, F2, lo, hi);
-        ekv_gauss_term(alpha, mu, s, cand, reference_m3, &f, &f1, &f2);
-        double Fc = n * f - 1;
-        if (Fc > 0) lo = cand; else hi = cand;
-        tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
-        if (hi - lo < 1e-13 * (1 + fabs(tau))) break; /* converged to double precision */
-    }
-    return tau;
+    return ekv_gauss_tau_single_core(alpha, mu, sigma, n, reference_m3);
 }
 
 static double mixture_F(double alpha, const double *mu, const double *sigma, const double *w, int64_t n, double tau,
@@ -97,7 +59,7 @@ static double mixture_F(double alpha, const double *mu, const double *sigma, con
     double F = -1, d1 = 0, d2 = 0;
     for (int64_t i = 0; i < n; i++) {
         double f, f1, f2;
-        ekv_gauss_term(alpha, mu[i], fmax(sigma[i], 1e-6), tau, reference_m3, &f, &f1, &f2);
+        ekv_gauss_term_core(alpha, mu[i], fmax(sigma[i], 1e-6), tau, reference_m3, &f, &f1, &f2);
         F += w[i] * f;
         d1 += w[i] * f1;
         d2 += w[i] * f2;
@@ -127,7 +89,7 @@ double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma
     double tau = 0.5 * (lo + hi);
     for (int it = 0; it < 200; it++) {
         double F1, F2, F = mixture_F(alpha, mu, sigma, w, n, tau, reference_m3, &F1, &F2);
-        double cand = halley_step(tau, F, F1, F2, lo, hi);
+        double cand = ekv_halley_step(tau, F, F1, F2, lo, hi);
         double Fc = mixture_F(alpha, mu, sigma, w, n, cand, reference_m3, NULL, NULL);
         if (Fc > 0) lo = cand; else hi = cand;
         tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);

@@ -1,0 +1,207 @@
+/*
+ * The Gaussian-aware selector on the GPU (mirrors src/select/gaussian.c; SPEC 4.2-4.9, exact
+ * tau mode): pages whose upper score quantile a (mu_p + z_page sigma_p) clears the floor
+ * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for some query head of the group.
+ *   moments: one warp per (page, KV head): mu_p = <q', kmean_p>, sigma_p^2 =
+ *            sum_d q'_d^2 max(M2_pd / n_p, 1e-12), in fp32 like the CPU, per group head;
+ *   rule:    one block per (sequence, KV head): the mixture's global moments by block
+ *            reductions, tau-hat from the single-Gaussian solver (src/math/gaussian_core.h,
+ *            the CPU's own code), then a threshold and an ordered compaction.
+ * Not on the GPU: ALiBi (its mixture solver), auto_margin (a batch-wide sigma-bar) and the
+ * fixed/corrected tau modes; those return EKV_ERR_UNSUPPORTED.
+ */
+#include "cuda_internal.cuh"
+#include "../math/gaussian_core.h"
+#include <math_constants.h>
+
+namespace {
+
+struct gm_args {
+    ekv_page_stats st;
+    ekv_page_table t;
+    const float *q;
+    double scale;
+    int H, Hk, G, D, ps;
+    int64_t cap_pages;
+    double *mu, *sig;
+};
+
+enum { GM_WARPS = EKV_CUDA_THREADS / 32, GM_PAGES = 128, GR_THREADS = 512 };
+
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args A) {
+    extern __shared__ float qs[];
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+        qs[i] = (float)(A.scale * A.q[((int64_t)b * A.H + kvh * G + i / D) * D + i % D]);
+    __syncthreads();
+    const int64_t Ps = sg.P > 1 ? sg.P - 1 : 1;
+    const int64_t pend = ((int64_t)blockIdx.x + 1) * GM_PAGES < Ps ? ((int64_t)blockIdx.x + 1) * GM_PAGES : Ps;
+    for (int64_t p = (int64_t)blockIdx.x * GM_PAGES + warp; p < pend; p += GM_WARPS) {
+    const int64_t page = A.t.indices[sg.first + p], so = (page * A.Hk + kvh) * D;
+    const int32_t cnt = A.st.count[page];
+    const float finv = cnt > 0 ? 1.0f / (float)cnt : 0.0f;
+    float m[EKV_CUDA_MAX_GROUP], v[EKV_CUDA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) m[g] = v[g] = 0.f;
+    for (int d = lane; d < D; d += 32) {
+        const float mean = A.st.kmean[so + d];
+        float var = A.st.km2[so + d] * finv;
+        var = var > 1e-12f ? var : 1e-12f;
+#pragma unroll
+        for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++)
+            if (g < G) {
+                const float qd = qs[g * D + d];
+                m[g] += qd * mean;
+                v[g] += qd * qd * var;
+            }
+    }
+#pragma unroll
+    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++)
+        if (g < G) {
+            const float mm = ekv_warp_sum(m[g]), vv = ekv_warp_sum(v[g]);
+            if (lane == 0) {
+                const int64_t bh = (int64_t)b * A.H + kvh * G + g;
+                A.mu[bh * A.cap_pages + p] = mm;
+                A.sig[bh * A.cap_pages + p] = sqrt((double)vv);
+            }
+        }
+    }
+}
+
+struct gr_args {
+    ekv_page_table t;
+    int H, Hk, G, ps, reference_m3;
+    int64_t cap_pages;
+    double alpha, a, zpage, margin_z, excess;
+    const double *mu, *sig;
+    int32_t *list_pages, *list_count;
+    uint8_t *in_list;
+};
+
+__device__ __forceinline__ int gr_block_scan(int v, int *wsum, int *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    __syncthreads();
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; w++) {
+        before += w < warp ? wsum[w] : 0;
+        all += wsum[w];
+    }
+    *total = all;
+    return before + incl - v;
+}
+
+__global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
+    __shared__ double scratch[32];
+    __shared__ double tfloor[EKV_CUDA_MAX_GROUP];
+    __shared__ int wsum[32];
+    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t P = sg.P, Ps = P > 1 ? P - 1 : 1, n = P > 1 ? Ps * A.ps : sg.N;
+    for (int g = 0; g < A.G; g++) {
+        const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
+        const double *mu = A.mu + bh * A.cap_pages, *sgm = A.sig + bh * A.cap_pages;
+        double s_mu = 0, s_var = 0, s_mu2 = 0, s_u = 0;
+        for (int64_t p = threadIdx.x; p < Ps; p += blockDim.x) {
+            s_mu += mu[p];
+            s_var += sgm[p] * sgm[p];
+            s_mu2 += mu[p] * mu[p];
+            s_u += mu[p] + 1.5 * sgm[p];
+        }
+        s_mu = ekv_block_sum(s_mu, scratch);
+        s_var = ekv_block_sum(s_var, scratch);
+        s_mu2 = ekv_block_sum(s_mu2, scratch);
+        s_u = ekv_block_sum(s_u, scratch);
+        if (threadIdx.x == 0) {
+            double mug = s_mu / (double)Ps, vin = s_var / (double)Ps, vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
+            double sgg = fmax(sqrt(vin + vbtw), 1e-6);
+            if (!isfinite(mug)) mug = 0;
+            if (sgg != sgg) sgg = 1e-6;
+            if (sgg == CUDART_INF) sgg = 1e6;
+            const double tau = ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n, A.reference_m3);
+            const double uavg = s_u / (double)Ps, theta = tau / A.a;
+            const double dsig = A.margin_z * sgg, dexc = A.excess * fmax(theta - uavg, 0.0);
+            tfloor[g] = tau - A.a * fmax(dsig, dexc);
+        }
+    }
+    __syncthreads();
+    const int64_t nsc = P > 1 ? Ps : 0; /* pages the rule may take */
+    const int64_t chunk = (nsc + blockDim.x - 1) / blockDim.x;
+    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < nsc ? lo + chunk : nsc;
+    auto take = [&](int64_t p) {
+        for (int g = 0; g < A.G; g++) {
+            const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
+            if (A.a * (A.mu[bh * A.cap_pages + p] + A.zpage * A.sig[bh * A.cap_pages + p]) > tfloor[g]) return true;
+        }
+        return false;
+    };
+    int cnt = 0;
+    for (int64_t p = lo; p < hi; p++) cnt += take(p);
+    int written;
+    int pos = gr_block_scan(cnt, wsum, &written);
+    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
+    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    for (int64_t p = lo; p < hi; p++) {
+        const bool t = take(p);
+        if (t) out[pos++] = (int32_t)p;
+        in[p] = t;
+    }
+    if (threadIdx.x == 0) {
+        out[written] = (int32_t)(P - 1);
+        in[P - 1] = 1;
+        A.list_count[2 * row] = written + 1;
+        A.list_count[2 * row + 1] = written + 1;
+    }
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
+                                    const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                                    const float *q, int batch) {
+    gm_args M;
+    M.st = *st;
+    M.t = *t;
+    M.q = q;
+    M.scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
+    M.H = prm->num_heads;
+    M.Hk = kv->num_kv_heads;
+    M.G = M.H / M.Hk;
+    M.D = kv->head_dim;
+    M.ps = kv->page_size;
+    M.cap_pages = pl->cap_pages;
+    M.mu = pl->gmu;
+    M.sig = pl->gsig;
+    dim3 grid((unsigned)((pl->cap_pages + GM_PAGES - 1) / GM_PAGES), batch * M.Hk);
+    gauss_moments_kernel<<<grid, EKV_CUDA_THREADS, (size_t)M.G * M.D * sizeof(float), pl->stream>>>(M);
+    EKV_CUDA_LAUNCHED(pl);
+    gr_args R;
+    R.t = *t;
+    R.H = M.H;
+    R.Hk = M.Hk;
+    R.G = M.G;
+    R.ps = M.ps;
+    R.reference_m3 = sel->reference_m3;
+    R.cap_pages = pl->cap_pages;
+    R.alpha = prm->alpha;
+    R.a = prm->alpha - 1.0;
+    R.zpage = ekv_normal_quantile(pow(sel->max_quantile, 1.0 / (double)M.ps));
+    R.margin_z = sel->margin_z;
+    R.excess = sel->excess_fraction;
+    R.mu = pl->gmu;
+    R.sig = pl->gsig;
+    R.list_pages = pl->list_pages;
+    R.list_count = pl->list_count;
+    R.in_list = pl->in_list;
+    gauss_rule_kernel<<<batch * M.Hk, GR_THREADS, 0, pl->stream>>>(R);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}

@@ -1,0 +1,65 @@
+/*
+ * The scalar core of the Gaussian score model (SPEC 4.6-4.7), shared by the CPU selector
+ * (src/math/gaussian.c) and the CUDA one (src/cuda/gaussian.cu): the normal pdf/cdf, the
+ * truncated moments E[(aS - tau)_+^beta] and the single-Gaussian tau-hat solver. Functions
+ * are static inline, and __host__ __device__ under nvcc.
+ */
+#ifndef EKV_MATH_GAUSSIAN_CORE_H
+#define EKV_MATH_GAUSSIAN_CORE_H
+#include <math.h>
+
+#ifdef __CUDACC__
+#define EKV_HD static inline __host__ __device__
+#else
+#define EKV_HD static inline
+#endif
+
+EKV_HD double ekv_phi_pdf(double t) { return 0.3989422804014327 * exp(-0.5 * t * t); }
+EKV_HD double ekv_phi_cdf(double t) { return 0.5 * erfc(-t * 0.7071067811865476); }
+
+/* E[(aS - tau)_+^beta] and its first two tau-derivatives for S ~ N(mu, sigma^2). */
+EKV_HD void ekv_gauss_term_core(double alpha, double mu, double sigma, double tau, int reference_m3, double *f, double *f1,
+                    double *f2) {
+    const double a = alpha - 1.0;
+    const double my = a * mu - tau, sy = fmax(a * sigma, 1e-10), t = my / sy;
+    const double P = ekv_phi_cdf(t), p = ekv_phi_pdf(t);
+    const double m0 = P, m1 = my * P + sy * p, m2 = (my * my + sy * sy) * P + my * sy * p;
+    if (alpha == 2.0) {
+        *f = m1; *f1 = -m0; *f2 = p / sy;
+    } else if (alpha == 1.5) {
+        *f = m2; *f1 = -2 * m1; *f2 = 2 * m0;
+    } else {
+        double m3 = reference_m3 ? (my * my * my + 3 * my * sy * sy) * P + (sy * sy * sy + 2 * my * my * sy) * p
+                                 : (my * my * my + 3 * my * sy * sy) * P + (my * my * sy + 2 * sy * sy * sy) * p;
+        *f = m3; *f1 = -3 * m2; *f2 = 6 * m1;
+    }
+}
+
+/* One safeguarded Halley/Newton update inside (lo, hi), as SPEC 4.7. */
+EKV_HD double ekv_halley_step(double tau, double F, double F1, double F2, double lo, double hi) {
+    double den = 2 * F1 * F1 - F * F2;
+    double step = fabs(den) > 1e-18 ? 2 * F * F1 / den : F / fmin(F1, -1e-12);
+    double cand = tau - step;
+    if (!(cand > lo && cand < hi) || !isfinite(cand) || fabs(cand) >= 1e20) cand = 0.5 * (lo + hi);
+    return cand;
+}
+
+EKV_HD double ekv_gauss_tau_single_core(double alpha, double mu, double sigma, double n, int reference_m3) {
+    const double a = alpha - 1.0, s = fmax(sigma, 1e-6), tol = 1e-13; /* converged, not the reference 1e-6 */
+    const double R = a * s * (sqrt(2 * log(n + 1)) + 8);
+    double lo = a * mu - R, hi = a * mu + R, tau = 0.5 * (lo + hi);
+    for (int it = 0; it < 120; it++) {
+        double f, f1, f2;
+        ekv_gauss_term_core(alpha, mu, s, tau, reference_m3, &f, &f1, &f2);
+        double F = n * f - 1, F1 = n * f1, F2 = n * f2;
+        double cand = ekv_halley_step(tau, F, F1, F2, lo, hi);
+        ekv_gauss_term_core(alpha, mu, s, cand, reference_m3, &f, &f1, &f2);
+        double Fc = n * f - 1;
+        if (Fc > 0) lo = cand; else hi = cand;
+        tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
+        if (hi - lo < 1e-13 * (1 + fabs(tau))) break; /* converged to double precision */
+    }
+    return tau;
+}
+
+#endif
