@@ -69,92 +69,80 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
 #pragma unroll
     for (int g = 0; g < GM; g++) runmax[g] = -CUDART_INF_F;
     const T *K = static_cast<const T *>(A.kv.k);
-    const int64_t ntok = e1 > e0 ? (e1 - e0) * ps : 0;
     constexpr int RPW = LPR ? 32 / LPR : 1;      /* rows per warp pass */
     constexpr int L = LPR ? LPR : 32;
     const int sub = lane / L, sl = lane % L;
     float slope[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
-    /* LPR > 0: every lane holds one 8-element chunk of a row; U row groups are loaded before
-     * any is reduced, so each warp keeps U loads in flight (decode is latency x bandwidth bound) */
+    /* A warp takes whole pages (entries): one page-table lookup per page, then its rows, RPW
+     * rows per warp pass and U passes loaded before any is reduced (LPR > 0: every lane holds
+     * one 8-element chunk of a row), so a page of 16 x 128 fp16 keys is 8 loads in flight per
+     * lane with no per-row index arithmetic. */
     constexpr int U = LPR ? (GM <= 2 ? 8 : 4) : 1;
-    const int64_t stride_rows = (int64_t)nw * RPW;
     float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
-    for (int64_t u0 = (int64_t)warp * RPW; u0 < ntok; u0 += stride_rows * U) {
-        float k8[U][8];
-        const T *kp[U];
-        int sidx[U];    /* score slot e * ps + slot (< cap_tokens < 2^31), -1: past the CTA's range */
-        float jd[U];    /* j - (N - 1), or NaN for a padding slot past the sequence */
+    for (int64_t e = e0 + warp; e < e1; e += nw) {
+        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps; /* tokens in the page */
+        const T *pbase = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
+        const float jbase = (float)(lp * ps - (sg.N - 1));
+        float *sbase = srow + e * ps;
+        for (int t0 = 0; t0 < ps; t0 += RPW * U) {
+            float k8[U][8];
 #pragma unroll
-        for (int r = 0; r < U; r++) {
-            const int u = (int)(u0 + r * stride_rows + sub); /* < ntok <= 2^31: 32-bit division */
-            sidx[r] = -1;
-            kp[r] = nullptr;
-            jd[r] = CUDART_NAN_F;
-            if (u < ntok) {
-                const int eo = u / ps, slot = u - eo * ps;
-                const int64_t e = e0 + eo;
-                const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-                const int64_t j = lp * ps + slot;
-                sidx[r] = (int)(e * ps + slot);
-                if (j < sg.N) {
-                    jd[r] = (float)(j - (sg.N - 1));
-                    kp[r] = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head +
-                            (int64_t)slot * A.kv.stride_token;
-                }
+            for (int r = 0; r < U; r++) {
+                const int t = t0 + r * RPW + sub;
+#pragma unroll
+                for (int i = 0; i < 8; i++) k8[r][i] = 0.f;
+                if (LPR && t < valid) ekv_elem<T>::load8(pbase + (int64_t)t * A.kv.stride_token + sl * 8, k8[r]);
             }
-        }
 #pragma unroll
-        for (int r = 0; r < U; r++) {
+            for (int r = 0; r < U; r++) {
+                const int t = t0 + r * RPW + sub;
+                float acc[GM];
 #pragma unroll
-            for (int i = 0; i < 8; i++) k8[r][i] = 0.f;
-            if (LPR && kp[r]) ekv_elem<T>::load8(kp[r] + sl * 8, k8[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < U; r++) {
-            float acc[GM];
-#pragma unroll
-            for (int g = 0; g < GM; g++) acc[g] = 0.f;
-            if (LPR) {
-#pragma unroll
-                for (int g = 0; g < GM; g++) {
-                    if (g < G) {
-                        const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8);
-                        const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
-                        acc[g] = qa.x * k8[r][0] + qa.y * k8[r][1] + qa.z * k8[r][2] + qa.w * k8[r][3] +
-                                 qb.x * k8[r][4] + qb.y * k8[r][5] + qb.z * k8[r][6] + qb.w * k8[r][7];
-                    }
-                }
-            } else if (kp[r]) { /* generic head dim: the lanes stride over the row's chunks */
-                for (int c = sl; c < D / 8; c += L) {
-                    float kk[8];
-                    ekv_elem<T>::load8(kp[r] + c * 8, kk);
+                for (int g = 0; g < GM; g++) acc[g] = 0.f;
+                if (LPR) {
 #pragma unroll
                     for (int g = 0; g < GM; g++) {
                         if (g < G) {
-                            const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + c * 8);
-                            const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
-                            acc[g] += qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] + qb.x * kk[4] +
-                                      qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
+                            const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8);
+                            const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
+                            acc[g] = qa.x * k8[r][0] + qa.y * k8[r][1] + qa.z * k8[r][2] + qa.w * k8[r][3] +
+                                     qb.x * k8[r][4] + qb.y * k8[r][5] + qb.z * k8[r][6] + qb.w * k8[r][7];
+                        }
+                    }
+                } else if (t < valid) { /* generic head dim: the lanes stride over the row's chunks */
+                    const T *krow = pbase + (int64_t)t * A.kv.stride_token;
+                    for (int c = sl; c < D / 8; c += L) {
+                        float kk[8];
+                        ekv_elem<T>::load8(krow + c * 8, kk);
+#pragma unroll
+                        for (int g = 0; g < GM; g++) {
+                            if (g < G) {
+                                const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + c * 8);
+                                const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
+                                acc[g] += qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] + qb.x * kk[4] +
+                                          qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
+                            }
                         }
                     }
                 }
-            }
-#pragma unroll
-            for (int g = 0; g < GM; g++) {
-                if (g < G) {
-#pragma unroll
-                    for (int o = L / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
-                }
-            }
-            if (sidx[r] >= 0 && sl == 0) {
 #pragma unroll
                 for (int g = 0; g < GM; g++) {
                     if (g < G) {
-                        const float z = kp[r] ? acc[g] + slope[g] * jd[r] : -CUDART_INF_F;
-                        srow[(int64_t)g * A.cap_tokens + sidx[r]] = z;
-                        runmax[g] = fmaxf(runmax[g], z);
+#pragma unroll
+                        for (int o = L / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+                    }
+                }
+                if (t < ps && sl == 0) {
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+                            sbase[(int64_t)g * A.cap_tokens + t] = z;
+                            runmax[g] = fmaxf(runmax[g], z);
+                        }
                     }
                 }
             }
