@@ -490,6 +490,8 @@ EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch, ekv_
  * (min, max, mean, M2, radius, count) over its first first_slot + n_new tokens, as the CPU
  * cache does. A prefill build is the same call with every page as an item. The stats
  * pointers must be writable device memory (superpage boxes are not kept on the device).
+ * The items live in device memory, so they cannot be checked on the host without a
+ * synchronisation: an item whose page or slots are out of range is skipped by the kernel.
  */
 typedef struct ekv_cuda_append_item {
     int32_t page;       /* physical page                                     */
