@@ -80,25 +80,6 @@ struct gr_args {
     uint8_t *in_list;
 };
 
-__device__ __forceinline__ int gr_block_scan(int v, int *wsum, int *total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int incl = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += x;
-    }
-    __syncthreads();
-    if (lane == 31) wsum[warp] = incl;
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < nw; w++) {
-        before += w < warp ? wsum[w] : 0;
-        all += wsum[w];
-    }
-    *total = all;
-    return before + incl - v;
-}
-
 __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     __shared__ double scratch[32];
     __shared__ double tfloor[EKV_CUDA_MAX_GROUP];
@@ -146,7 +127,7 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     int cnt = 0;
     for (int64_t p = lo; p < hi; p++) cnt += take(p);
     int written;
-    int pos = gr_block_scan(cnt, wsum, &written);
+    int pos = ekv_block_exclusive_scan(cnt, wsum, &written);
     int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
     for (int64_t p = lo; p < hi; p++) {

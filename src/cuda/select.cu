@@ -20,28 +20,6 @@ __device__ __forceinline__ uint32_t order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
- * block's sum. wsum: 32 ints of shared memory. */
-__device__ __forceinline__ int block_scan(int v, int *wsum, int *total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int incl = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += x;
-    }
-    __syncthreads();
-    if (lane == 31) wsum[warp] = incl;
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < nw; w++) {
-        const int c = wsum[w];
-        before += w < warp ? c : 0;
-        all += c;
-    }
-    *total = all;
-    return before + incl - v;
-}
-
 struct topk_args {
     ekv_page_table t;
     int Hk, ps;
@@ -124,7 +102,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     if (!take_all && k > 0)
         for (int64_t p = lo; p < hi; p++) nties += order_key(key[p]) == prefix;
     int tie_total;
-    const int ties_before = block_scan(nties, wsum, &tie_total);
+    const int ties_before = ekv_block_exclusive_scan(nties, wsum, &tie_total);
     int ntake = 0, tie_i = ties_before;
     for (int64_t p = lo; p < hi; p++) {
         bool take = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
@@ -135,7 +113,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
         ntake += take;
     }
     int written;
-    int pos = block_scan(ntake, wsum, &written);
+    int pos = ekv_block_exclusive_scan(ntake, wsum, &written);
     tie_i = ties_before;
     for (int64_t p = lo; p < hi; p++) {
         bool take = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
@@ -185,7 +163,7 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     int cnt = 0;
     for (int64_t p = lo; p < hi; p++) cnt += wanted(p);
     int written;
-    int pos = block_scan(cnt, wsum, &written);
+    int pos = ekv_block_exclusive_scan(cnt, wsum, &written);
     for (int64_t p = lo; p < hi; p++)
         if (wanted(p)) out[pos++] = (int32_t)p;
     if (threadIdx.x == 0) A.list_count[2 * row + 1] = (int32_t)(c1 + written);
