@@ -91,9 +91,11 @@ void model_opts_help(FILE *f);
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o);
 /* Creates the context and loads the model for max_tokens tokens; prints why not and returns 1. */
 int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m);
-/* Runs n tokens through the model in chunks (logits [n][vocab] if not NULL), with progress. */
+/* Runs n tokens through the model in chunks, with progress; fn (if not NULL) gets the logits
+ * [c][vocab] of every chunk that reaches position logits_from (first position: start). */
+typedef void (*model_logits_fn)(void *arg, int64_t start, int64_t c, const float *logits);
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, const int32_t *tokens, int64_t n,
-               float *logits);
+               int64_t logits_from, model_logits_fn fn, void *arg);
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);

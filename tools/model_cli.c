@@ -108,19 +108,27 @@ char *cli_read_file(const char *path, int64_t *len) {
     return b;
 }
 
-/* Runs tokens[0..n) through the model in chunks, logits [n][vocab] if not NULL; progress on
- * stderr when it takes more than 2 s. 0 = ok. */
+/* Runs tokens[0..n) through the model in chunks of 256, with progress on stderr when it takes
+ * more than 2 s. For every chunk that reaches position logits_from, fn receives the chunk's
+ * logits [c][vocab] (positions start .. start+c-1), so no caller holds n x vocab floats. */
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, const int32_t *tokens, int64_t n,
-               float *logits) {
-    const int64_t chunk = 256, V = ekv_model_get_config(m)->vocab;
+               int64_t logits_from, model_logits_fn fn, void *arg) {
+    enum { CHUNK = 256 };
+    const int64_t V = ekv_model_get_config(m)->vocab;
+    float *logits = fn ? malloc(sizeof(float) * (size_t)(CHUNK * V)) : NULL;
+    if (fn && !logits) { fprintf(stderr, "entmaxkv %s: out of memory\n", sub); return 1; }
     double t0 = cli_now_seconds(), last = t0;
-    for (int64_t i = 0; i < n; i += chunk) {
-        const int64_t c = n - i < chunk ? n - i : chunk;
-        ekv_status st = ekv_model_step(m, tokens + i, c, logits ? logits + i * V : NULL);
+    int rc = 0;
+    for (int64_t i = 0; i < n && !rc; i += CHUNK) {
+        const int64_t c = n - i < CHUNK ? n - i : CHUNK;
+        const int want = fn && i + c > logits_from;
+        ekv_status st = ekv_model_step(m, tokens + i, c, want ? logits : NULL);
         if (st) {
             fprintf(stderr, "entmaxkv %s: %s: %s\n", sub, ekv_status_string(st), ekv_last_error(ctx));
-            return 1;
+            rc = 1;
+            break;
         }
+        if (want) fn(arg, i, c, logits);
         double now = cli_now_seconds();
         if (now - last > 2.0) {
             fprintf(stderr, "  %s: %lld / %lld tokens (%.0f%%), %.0f tokens/s\n", what, (long long)(i + c), (long long)n,
@@ -128,5 +136,6 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
             last = now;
         }
     }
-    return 0;
+    free(logits);
+    return rc;
 }

@@ -31,6 +31,21 @@ static void ppl_help(FILE *f) {
             "attended tokens, over every token and layer.\n");
 }
 
+/* model_feed callback: log-loss of the next token at the scored positions [first, end) of a chunk
+ * (the logits after token i predict token i + 1). */
+typedef struct { const int32_t *tok; int64_t V, first, end; double nll; int64_t scored; } nll_acc;
+static void add_nll(void *arg, int64_t start, int64_t c, const float *logits) {
+    nll_acc *a = arg;
+    for (int64_t i = start > a->first ? start : a->first; i < start + c && i < a->end; i++) {
+        const float *z = logits + (i - start) * a->V;
+        double mx = z[0], s = 0;
+        for (int64_t v = 1; v < a->V; v++) mx = z[v] > mx ? z[v] : mx;
+        for (int64_t v = 0; v < a->V; v++) s += exp((double)z[v] - mx);
+        a->nll += mx + log(s) - (double)z[a->tok[i + 1]];
+        a->scored++;
+    }
+}
+
 int cmd_ppl(int argc, char **argv) {
     model_opts mo;
     model_opts_init(&mo);
@@ -67,27 +82,20 @@ int cmd_ppl(int argc, char **argv) {
     int64_t nwin = (len - offset) / ctxlen;
     if (nwin > windows) nwin = windows;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctxlen);
-    float *logits = malloc(sizeof(float) * (size_t)(ctxlen * V));
     ekv_model_stats *lay = calloc((size_t)L, sizeof *lay);
     double nll = 0, t0 = cli_now_seconds();
     int64_t scored = 0, fed = 0;
     int rc = 0;
-    if (!tok || !logits || !lay) { fprintf(stderr, "entmaxkv ppl: out of memory\n"); rc = 1; }
+    if (!tok || !lay) { fprintf(stderr, "entmaxkv ppl: out of memory\n"); rc = 1; }
     for (int64_t w = 0; w < nwin && !rc; w++) {
         ekv_model_tokenize(text + offset + w * ctxlen, ctxlen, tok);
         ekv_model_reset(m);
         char what[64];
         snprintf(what, sizeof what, "window %lld/%lld", (long long)(w + 1), (long long)nwin);
-        if (model_feed("ppl", what, ctx, m, tok, ctxlen, logits)) { rc = 1; break; }
-        const int64_t first = score_last ? ctxlen - 1 - score_last : 0;
-        for (int64_t i = first; i < ctxlen - 1; i++) { /* logits after token i predict token i+1 */
-            const float *z = logits + i * V;
-            double mx = z[0], s = 0;
-            for (int64_t v = 1; v < V; v++) mx = z[v] > mx ? z[v] : mx;
-            for (int64_t v = 0; v < V; v++) s += exp((double)z[v] - mx);
-            nll += mx + log(s) - (double)z[tok[i + 1]];
-            scored++;
-        }
+        nll_acc acc = {tok, V, score_last ? ctxlen - 1 - score_last : 0, ctxlen - 1, 0, 0};
+        if (model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc)) { rc = 1; break; }
+        nll += acc.nll;
+        scored += acc.scored;
         fed += ctxlen;
         for (int64_t l = 0; l < L; l++) {
             ekv_model_stats s;
@@ -143,7 +151,7 @@ int cmd_ppl(int argc, char **argv) {
             }
         }
     }
-    free(tok); free(logits); free(lay); free(text);
+    free(tok); free(lay); free(text);
     ekv_model_free(m);
     ekv_context_free(ctx);
     return rc;

@@ -57,6 +57,13 @@ static int32_t sample(const float *logits, int64_t V, double temp, cli_rng *r) {
 
 typedef struct { double seconds; int64_t tokens; ekv_model_stats st; } phase;
 
+/* model_feed callback: copies the logits of position `pos` out of its chunk. */
+typedef struct { float *out; int64_t pos, V; } last_row;
+static void keep_last_row(void *arg, int64_t start, int64_t c, const float *logits) {
+    last_row *r = arg;
+    if (r->pos >= start && r->pos < start + c) memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
+}
+
 static void method_label(char *buf, size_t n, ekv_attn_method m, double budget) {
     if (m == EKV_ATTN_TOPK || m == EKV_ATTN_CERTIFIED)
         snprintf(buf, n, "%s %g", ekv_attn_method_name(m), budget);
@@ -121,22 +128,19 @@ int cmd_run(int argc, char **argv) {
     if (model_open("run", &mo, plen + n * (1 + ncmp), &ctx, &m)) { free(text); return 1; }
     const int64_t V = ekv_model_get_config(m)->vocab;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)plen);
-    float *logits = malloc(sizeof(float) * (size_t)(256 * V));
+    float *logits = malloc(sizeof(float) * (size_t)V);
     int rc = 0;
     ekv_model_tokenize(text, plen, tok);
     if (!quiet && plen < 4096) { fwrite(text, 1, (size_t)plen, stdout); fflush(stdout); }
     else if (!quiet) fprintf(stderr, "  [a %lld-byte prompt]\n", (long long)plen);
-    /* prefill: logits of the last token only (the chunk holding it) */
+    /* prefill: only the last token's logits are kept */
     phase pre = {0};
     double t0 = cli_now_seconds();
-    const int64_t head = plen > 256 ? plen - (plen - 1) % 256 - 1 : 0; /* prefill all but the last chunk first */
-    if (head > 0 && model_feed("run", "prefill", ctx, m, tok, head, NULL)) rc = 1;
-    if (!rc && model_feed("run", "prefill", ctx, m, tok + head, plen - head, logits)) rc = 1;
+    last_row lr = {logits, plen - 1, V};
+    if (model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, keep_last_row, &lr)) rc = 1;
     pre.seconds = cli_now_seconds() - t0;
     pre.tokens = plen;
     ekv_model_get_stats(m, -1, &pre.st);
-    const float *last = logits + (plen - head - 1) * V;
-    memmove(logits, last, sizeof(float) * (size_t)V);
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed);
     phase dec[9];

@@ -105,7 +105,7 @@ int cmd_trace(int argc, char **argv) {
     FILE *f = NULL;
     ekv_model_tokenize(text + offset, N, tok);
     ekv_model_alibi_slopes(m, slopes);
-    if (model_feed("trace", "prefill", ctx, m, tok, N - S, NULL)) rc = 1;
+    if (model_feed("trace", "prefill", ctx, m, tok, N - S, 0, NULL, NULL)) rc = 1;
     for (int64_t s = 0; s < S && !rc; s++) {
         ekv_status st = ekv_model_step(m, tok + N - S + s, 1, NULL);
         if (st) { fprintf(stderr, "entmaxkv trace: %s\n", ekv_last_error(ctx)); rc = 1; break; }
