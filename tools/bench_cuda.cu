@@ -172,7 +172,7 @@ extern "C" int cli_bench_cuda(const cuda_bench_opts *o) {
         if (fill(dk, o->dtype, pool, (uint64_t)o->seed * 3 + 1, planted ? (const float *)ddir : NULL, (int)D)) { rc = 1; break; }
         if (fill(dv, o->dtype, pool, (uint64_t)o->seed * 3 + 2, NULL, (int)D)) { rc = 1; break; }
         fill_f32<<<256, 256>>>((float *)dq, B * H * D, (uint64_t)o->seed * 3 + 3);
-        if (planted) { /* q += 2 dir / |dir| * sqrt(D)... keep it simple: add dir to every head's query */
+        if (planted) { /* every head's query leans towards the planted keys: q += dir */
             std::vector<float> hq(B * H * D);
             BC(cudaMemcpy(hq.data(), dq, hq.size() * sizeof(float), cudaMemcpyDeviceToHost));
             for (size_t i = 0; i < hq.size(); i++) hq[i] += dir[i % D];

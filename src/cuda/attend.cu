@@ -530,8 +530,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
 }
 
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_page_table *t, int batch,
-                               int use_list, int round, float *out_zero, int64_t out_elems) {
-    (void)out_elems;
+                               int use_list, int round, float *out_zero) {
     tau_args A;
     A.t = *t;
     A.H = prm->num_heads;

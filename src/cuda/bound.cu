@@ -49,77 +49,77 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     __syncthreads();
     const int64_t pend = ((int64_t)blockIdx.x + 1) * BOUND_PAGES < A.cap_pages ? ((int64_t)blockIdx.x + 1) * BOUND_PAGES : A.cap_pages;
     for (int64_t p = (int64_t)blockIdx.x * BOUND_PAGES + warp; p < pend; p += BOUND_WARPS) {
-    if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
-        if (lane < G) A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
-        if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
-        continue;
-    }
-    const int64_t phys = A.t.indices[sg.first + p];
-    const int64_t so = (phys * A.Hk + kvh) * D;
-    { /* prefetch the warp's next page into L2: two pages of summaries in flight per warp */
-        const int64_t pn = p + BOUND_WARPS;
-        if (pn < pend && pn < sg.P - 1) {
-            const int64_t sn = ((int64_t)A.t.indices[sg.first + pn] * A.Hk + kvh) * D;
-            for (int d = lane * 4; d < D; d += 128) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
-                if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
+        if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
+            if (lane < G) A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
+            if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
+            continue;
+        }
+        const int64_t phys = A.t.indices[sg.first + p];
+        const int64_t so = (phys * A.Hk + kvh) * D;
+        { /* prefetch the warp's next page into L2: two pages of summaries in flight per warp */
+            const int64_t pn = p + BOUND_WARPS;
+            if (pn < pend && pn < sg.P - 1) {
+                const int64_t sn = ((int64_t)A.t.indices[sg.first + pn] * A.Hk + kvh) * D;
+                for (int d = lane * 4; d < D; d += 128) {
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
+                    if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
+                }
             }
         }
-    }
-    float box[GM], dot[GM];
+        float box[GM], dot[GM];
 #pragma unroll
-    for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
-    float c2 = 0.f;
-    for (int d = lane * 4; d < D; d += 128) {
-        const float4 mn = *reinterpret_cast<const float4 *>(A.st.kmin + so + d);
-        const float4 mx = *reinterpret_cast<const float4 *>(A.st.kmax + so + d);
-        float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (A.with_ball) {
-            c = *reinterpret_cast<const float4 *>(A.st.kmean + so + d);
-            c2 += c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+        for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
+        float c2 = 0.f;
+        for (int d = lane * 4; d < D; d += 128) {
+            const float4 mn = *reinterpret_cast<const float4 *>(A.st.kmin + so + d);
+            const float4 mx = *reinterpret_cast<const float4 *>(A.st.kmax + so + d);
+            float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (A.with_ball) {
+                c = *reinterpret_cast<const float4 *>(A.st.kmean + so + d);
+                c2 += c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+            }
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    const float4 qq = *reinterpret_cast<const float4 *>(qs + g * D + d);
+                    box[g] += fmaxf(qq.x * mn.x, qq.x * mx.x) + fmaxf(qq.y * mn.y, qq.y * mx.y) +
+                              fmaxf(qq.z * mn.z, qq.z * mx.z) + fmaxf(qq.w * mn.w, qq.w * mx.w);
+                    dot[g] += qq.x * c.x + qq.y * c.y + qq.z * c.z + qq.w * c.w;
+                }
+            }
         }
 #pragma unroll
         for (int g = 0; g < GM; g++) {
-            if (g < G) {
-                const float4 qq = *reinterpret_cast<const float4 *>(qs + g * D + d);
-                box[g] += fmaxf(qq.x * mn.x, qq.x * mx.x) + fmaxf(qq.y * mn.y, qq.y * mx.y) +
-                          fmaxf(qq.z * mn.z, qq.z * mx.z) + fmaxf(qq.w * mn.w, qq.w * mx.w);
-                dot[g] += qq.x * c.x + qq.y * c.y + qq.z * c.z + qq.w * c.w;
+            if (g < G) { box[g] = ekv_warp_sum(box[g]); dot[g] = ekv_warp_sum(dot[g]); }
+        }
+        c2 = ekv_warp_sum(c2);
+        if (lane != 0) continue;
+        const double u24 = 5.9604644775390625e-8;
+        const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
+        /* with the ball, the slack below covers the fp32 rounding of these sums and of the score
+         * kernel's; the box alone (paper-faithful top-k) is a ranking key and gets none, as on the CPU */
+        const double cn = sqrt((double)c2) * (1 + 1e-5);
+        const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
+        float best = -CUDART_INF_F;
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            if (g >= G) break;
+            const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
+            double u = box[g];
+            if (A.with_ball) {
+                const double ub = (double)dot[g] + qn[g] * rr;
+                u = u < ub ? u : ub;
+                u += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
+                u += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
             }
+            u += am * (double)(last - (sg.N - 1));
+            float uf = (float)u;
+            if (A.with_ball && (double)uf < u) uf = nextafterf(uf, CUDART_INF_F);
+            A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
+            best = fmaxf(best, uf);
         }
-    }
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        if (g < G) { box[g] = ekv_warp_sum(box[g]); dot[g] = ekv_warp_sum(dot[g]); }
-    }
-    c2 = ekv_warp_sum(c2);
-    if (lane != 0) continue;
-    const double u24 = 5.9604644775390625e-8;
-    const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
-    /* the box sums above are fp32: widen them by their own rounding (the CPU's box is fp32 too,
-     * and the slack term below covers both passes) */
-    const double cn = sqrt((double)c2) * (1 + 1e-5);
-    const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
-    float best = -CUDART_INF_F;
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        if (g >= G) break;
-        const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
-        double u = box[g];
-        if (A.with_ball) {
-            const double ub = (double)dot[g] + qn[g] * rr;
-            u = u < ub ? u : ub;
-            u += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
-            u += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
-        }
-        u += am * (double)(last - (sg.N - 1));
-        float uf = (float)u;
-        if (A.with_ball && (double)uf < u) uf = nextafterf(uf, CUDART_INF_F);
-        A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
-        best = fmaxf(best, uf);
-    }
-    A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+        A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
     }
 }
 

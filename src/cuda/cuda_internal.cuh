@@ -194,6 +194,6 @@ ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, in
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                   const ekv_page_table *t, const float *q, int batch, int use_list, int round);
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_page_table *t,
-                               int batch, int use_list, int round, float *out_zero, int64_t out_elems);
+                               int batch, int use_list, int round, float *out_zero);
 ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                   const ekv_page_table *t, int batch, int use_list, float *out);

@@ -1,18 +1,10 @@
 /* The CUDA entry points of a build without -DEKV_CUDA=ON: each says so and changes nothing. */
 #include "../core/internal.h"
+#include "plan_defaults.h"
 
 #define NO_CUDA(ctx) ekv_fail((ctx), EKV_ERR_UNSUPPORTED, "this build has no CUDA backend (configure with -DEKV_CUDA=ON)")
 
-ekv_cuda_plan_params ekv_cuda_plan_default_params(void) {
-    ekv_cuda_plan_params p;
-    memset(&p, 0, sizeof p);
-    p.max_batch = 1;
-    p.num_heads = 32;
-    p.num_kv_heads = 8;
-    p.head_dim = 128;
-    p.page_size = 16;
-    return p;
-}
+ekv_cuda_plan_params ekv_cuda_plan_default_params(void) { return ekv_cuda_plan_defaults(); }
 ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
     (void)ctx;
     if (!count) return EKV_ERR_NULL_POINTER;

@@ -9,23 +9,12 @@
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
 #include "cuda_internal.cuh"
+#include "plan_defaults.h"
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
-extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) {
-    ekv_cuda_plan_params p;
-    memset(&p, 0, sizeof p);
-    p.device = 0;
-    p.stream = NULL;
-    p.max_batch = 1;
-    p.num_heads = 32;
-    p.num_kv_heads = 8;
-    p.head_dim = 128;
-    p.page_size = 16;
-    p.max_pages_per_seq = 0;
-    return p;
-}
+extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) { return ekv_cuda_plan_defaults(); }
 
 extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
     if (!count) return ctx ? ekv_fail(ctx, EKV_ERR_NULL_POINTER, "count must not be NULL") : EKV_ERR_NULL_POINTER;
@@ -159,13 +148,12 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
                            float *out, int certified) {
     ekv_status s;
     const int B = t->batch;
-    const int64_t outn = (int64_t)B * prm->num_heads * kv->head_dim;
     pl->launches = 0;
     pl->last_batch = B;
     const int method = certified ? -1 : sel ? (int)sel->method : (int)EKV_SELECT_DENSE;
     if (method == EKV_SELECT_DENSE) {
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 0, 1))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 0, 1, out, outn))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 0, 1, out))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 0, out);
     }
     if (method == EKV_SELECT_GAUSSIAN) {
@@ -173,7 +161,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
             return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmean, km2, count) must not be NULL for the gaussian selector");
         if ((s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B))) return s;
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out, outn))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
     }
     if (!st || !st->kmin || !st->kmax || ((certified || sel->use_ball) && (!st->kmean || !st->radius)))
@@ -185,13 +173,13 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
         return s;
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
     if (!certified) {
-        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out, outn))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
     }
-    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, NULL, 0))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, NULL))) return s;
     if ((s = ekv_cuda_launch_round2(pl, t, B, prm->num_heads / kv->num_kv_heads))) return s;
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
-    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 2, out, outn))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 2, out))) return s;
     return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
 }
 

@@ -39,34 +39,34 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args
     const int64_t Ps = sg.P > 1 ? sg.P - 1 : 1;
     const int64_t pend = ((int64_t)blockIdx.x + 1) * GM_PAGES < Ps ? ((int64_t)blockIdx.x + 1) * GM_PAGES : Ps;
     for (int64_t p = (int64_t)blockIdx.x * GM_PAGES + warp; p < pend; p += GM_WARPS) {
-    const int64_t page = A.t.indices[sg.first + p], so = (page * A.Hk + kvh) * D;
-    const int32_t cnt = A.st.count[page];
-    const float finv = cnt > 0 ? 1.0f / (float)cnt : 0.0f;
-    float m[EKV_CUDA_MAX_GROUP], v[EKV_CUDA_MAX_GROUP];
+        const int64_t page = A.t.indices[sg.first + p], so = (page * A.Hk + kvh) * D;
+        const int32_t cnt = A.st.count[page];
+        const float finv = cnt > 0 ? 1.0f / (float)cnt : 0.0f;
+        float m[EKV_CUDA_MAX_GROUP], v[EKV_CUDA_MAX_GROUP];
 #pragma unroll
-    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) m[g] = v[g] = 0.f;
-    for (int d = lane; d < D; d += 32) {
-        const float mean = A.st.kmean[so + d];
-        float var = A.st.km2[so + d] * finv;
-        var = var > 1e-12f ? var : 1e-12f;
+        for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++) m[g] = v[g] = 0.f;
+        for (int d = lane; d < D; d += 32) {
+            const float mean = A.st.kmean[so + d];
+            float var = A.st.km2[so + d] * finv;
+            var = var > 1e-12f ? var : 1e-12f;
+#pragma unroll
+            for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++)
+                if (g < G) {
+                    const float qd = qs[g * D + d];
+                    m[g] += qd * mean;
+                    v[g] += qd * qd * var;
+                }
+        }
 #pragma unroll
         for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++)
             if (g < G) {
-                const float qd = qs[g * D + d];
-                m[g] += qd * mean;
-                v[g] += qd * qd * var;
+                const float mm = ekv_warp_sum(m[g]), vv = ekv_warp_sum(v[g]);
+                if (lane == 0) {
+                    const int64_t bh = (int64_t)b * A.H + kvh * G + g;
+                    A.mu[bh * A.cap_pages + p] = mm;
+                    A.sig[bh * A.cap_pages + p] = sqrt((double)vv);
+                }
             }
-    }
-#pragma unroll
-    for (int g = 0; g < EKV_CUDA_MAX_GROUP; g++)
-        if (g < G) {
-            const float mm = ekv_warp_sum(m[g]), vv = ekv_warp_sum(v[g]);
-            if (lane == 0) {
-                const int64_t bh = (int64_t)b * A.H + kvh * G + g;
-                A.mu[bh * A.cap_pages + p] = mm;
-                A.sig[bh * A.cap_pages + p] = sqrt((double)vv);
-            }
-        }
     }
 }
 

@@ -103,26 +103,24 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
         for (int64_t p = lo; p < hi; p++) nties += order_key(key[p]) == prefix;
     int tie_total;
     const int ties_before = ekv_block_exclusive_scan(nties, wsum, &tie_total);
-    int ntake = 0, tie_i = ties_before;
-    for (int64_t p = lo; p < hi; p++) {
-        bool take = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
+    /* the page rule; tie_i counts the ties at T met so far in page order */
+    auto take = [&](int64_t p, int &tie_i) {
+        bool t = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
         if (!take_all && k > 0) {
             const uint32_t kk = order_key(key[p]);
-            take |= kk > prefix || (kk == prefix && tie_i++ < remaining);
+            t |= kk > prefix || (kk == prefix && tie_i++ < remaining);
         }
-        ntake += take;
-    }
+        return t;
+    };
+    int ntake = 0, tie_i = ties_before;
+    for (int64_t p = lo; p < hi; p++) ntake += take(p, tie_i);
     int written;
     int pos = ekv_block_exclusive_scan(ntake, wsum, &written);
     tie_i = ties_before;
     for (int64_t p = lo; p < hi; p++) {
-        bool take = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
-        if (!take_all && k > 0) {
-            const uint32_t kk = order_key(key[p]);
-            take |= kk > prefix || (kk == prefix && tie_i++ < remaining);
-        }
-        if (take) out[pos++] = (int32_t)p;
-        in[p] = take;
+        const bool t = take(p, tie_i);
+        if (t) out[pos++] = (int32_t)p;
+        in[p] = t;
     }
     if (threadIdx.x == 0) {
         out[written] = (int32_t)(sg.P - 1); /* the last page is always read, always last */

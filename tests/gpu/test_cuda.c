@@ -136,6 +136,27 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
 
 static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0;
 
+/* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
+ * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
+ * printing the first few. Returns 1 when all lists are equal. */
+static int lists_equal(const int64_t *lip, const int32_t *lpg, const int32_t *gpu, const int32_t *r1, int nl,
+                       int64_t maxP, const char *what) {
+    int all_same = 1;
+    for (int l = 0; l < nl; l++) {
+        const int64_t n = lip[l + 1] - lip[l];
+        int32_t *a = malloc(sizeof(int32_t) * (n + 1));
+        memcpy(a, lpg + lip[l], sizeof(int32_t) * n);
+        qsort(a, n, sizeof(int32_t), cmp_i32);
+        const int same = n == r1[l] && !memcmp(a, gpu + (int64_t)l * maxP, sizeof(int32_t) * n);
+        free(a);
+        g_lists_cmp++;
+        if (!same && ++g_lists_tie <= 12)
+            fprintf(stderr, "note: %s list %d differs: %lld vs %d pages\n", what, l, (long long)n, r1[l]);
+        all_same &= same;
+    }
+    return all_same;
+}
+
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     test_rng r = {seed * 2654435761u + 17};
     const int H = c->G * c->Hk, D = c->D, Hk = c->Hk, B = c->B, ps = c->ps;
@@ -314,23 +335,10 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
                 CHECK(rep.launches == 5, "topk: %d launches", rep.launches);
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-                int all_same = cpu_ok;
-                for (int l = 0; l < B * Hk && cpu_ok; l++) {
-                    const int64_t n = lip[l + 1] - lip[l];
-                    int32_t *a = malloc(sizeof(int32_t) * (n + 1));
-                    memcpy(a, lpg + lip[l], sizeof(int32_t) * n);
-                    qsort(a, n, sizeof(int32_t), cmp_i32);
-                    int same = n == r1[l] && !memcmp(a, lists + (int64_t)l * maxP, sizeof(int32_t) * n);
-                    g_lists_cmp++;
-                    if (!same) {
-                        g_lists_tie++;
-                        if (g_lists_tie <= 12)
-                            fprintf(stderr, "note: topk list %d differs (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld): %lld vs %d pages\n",
-                                    l, D, c->G, ps, c->dt, c->alpha, c->alibi, ball, (long long)budgets[bi], (long long)n, r1[l]);
-                    }
-                    all_same &= same;
-                    free(a);
-                }
+                char what[160];
+                snprintf(what, sizeof what, "topk (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld)", D, c->G, ps,
+                         c->dt, c->alpha, c->alibi, ball, (long long)budgets[bi]);
+                const int all_same = cpu_ok && lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
                 if (all_same) {
                     e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
                     CHECK(e < tol, "topk: rel err %.3g vs the CPU on the same lists (budget %lld ball %d)", e, (long long)budgets[bi], ball);
@@ -359,19 +367,9 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
             CHECK(rep.launches == 5, "gaussian: %d launches", rep.launches);
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-            int all_same = 1;
-            for (int l = 0; l < B * Hk; l++) {
-                const int64_t n = lip[l + 1] - lip[l];
-                int same = n == r1[l] && !memcmp(lpg + lip[l], lists + (int64_t)l * maxP, sizeof(int32_t) * n);
-                g_lists_cmp++;
-                if (!same) {
-                    g_lists_tie++;
-                    if (g_lists_tie <= 12)
-                        fprintf(stderr, "note: gaussian list %d differs (D=%d G=%d ps=%d dt=%d alpha=%g): %lld vs %d pages\n",
-                                l, D, c->G, ps, c->dt, c->alpha, (long long)n, r1[l]);
-                }
-                all_same &= same;
-            }
+            char what[96];
+            snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g)", D, c->G, ps, c->dt, c->alpha);
+            const int all_same = lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
             if (all_same) {
                 e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
                 CHECK(e < tol, "gaussian: rel err %.3g vs the CPU on the same lists", e);

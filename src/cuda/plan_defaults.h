@@ -1,0 +1,21 @@
+/* ekv_cuda_plan_default_params, shared by the CUDA build (decode.cu) and the stubs of a build
+ * without CUDA (cuda_stub.c), so both report the same defaults. */
+#ifndef EKV_CUDA_PLAN_DEFAULTS_H
+#define EKV_CUDA_PLAN_DEFAULTS_H
+#include "entmaxkv.h"
+#include <string.h>
+
+static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
+    ekv_cuda_plan_params p;
+    memset(&p, 0, sizeof p);
+    p.device = 0;
+    p.stream = NULL;
+    p.max_batch = 1;
+    p.num_heads = 32;
+    p.num_kv_heads = 8;
+    p.head_dim = 128;
+    p.page_size = 16;
+    p.max_pages_per_seq = 0; /* required: the caller sets it */
+    return p;
+}
+#endif
