@@ -434,6 +434,9 @@ typedef struct ekv_cuda_plan_params {
     int32_t head_dim;          /* default 128                                               */
     int32_t page_size;         /* default 16                                                */
     int64_t max_pages_per_seq; /* the longest sequence the plan serves, in pages (required) */
+    int64_t max_candidates;    /* entmax tau candidates (z >= max - 1) listed per query     */
+                               /* head; 0 = 16384. A head with more (flat attention) takes   */
+                               /* the slower whole-row path (ekv_cuda_report.slow_rows)      */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);
@@ -473,11 +476,15 @@ typedef struct ekv_cuda_report {
     int64_t *support;      /* tokens with p > 0                                            */
     int32_t *pages_round1; /* pages read in round 1 (or the only round)                    */
     int32_t *pages_round2; /* certified: pages added in round 2                            */
-    int64_t *v_rows;       /* V rows read (per 4-head chunk of the group: what was loaded) */
+    int64_t *v_rows;       /* V rows read per KV-head list: entmax, the support rows summed */
+                           /* over the group's heads; softmax, per 4-head chunk            */
     int32_t *list_pages;   /* [batch*num_kv_heads][max_pages_per_seq]: the page lists'     */
                            /* logical pages, round 1 then round 2 (first pages_round1 +    */
                            /* pages_round2 of each row are valid)                          */
     int64_t lists_round2;  /* output: lists that needed round 2                            */
+    int64_t slow_rows;     /* output: query heads whose tau candidates (z >= max - 1)      */
+                           /* overflowed the plan's list since the last report, so tau was */
+                           /* solved over the whole score row (exact, slower)              */
     int32_t launches;      /* output: kernel launches of the last step                     */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch, ekv_cuda_report *report);

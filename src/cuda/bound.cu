@@ -21,7 +21,7 @@ struct bound_args {
     ekv_page_table t;
     const float *q, *slopes;
     double qscale, a;
-    int H, Hk, G, D, ps, with_ball;
+    int H, Hk, G, D, ps, with_ball, rows;
     int64_t cap_pages;
     float *bounds, *list_bounds;
 };
@@ -32,7 +32,10 @@ template <int GM> /* compile-time bound of the group size */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     extern __shared__ float qs[]; /* [G][D] q' */
     __shared__ double qn[GM];
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    /* one-dimensional grid, the list row fastest: the blocks in flight together read the same
+     * pages for every KV head, which are adjacent in the summary arrays ([page][kv head][D]) */
+    const int nrows = A.rows, row = (int)(blockIdx.x % nrows), b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    const int64_t chunk = blockIdx.x / nrows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
@@ -47,8 +50,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         if (lane == 0) qn[g] = sqrt(s) * (1 + 1e-12);
     }
     __syncthreads();
-    const int64_t pend = ((int64_t)blockIdx.x + 1) * BOUND_PAGES < A.cap_pages ? ((int64_t)blockIdx.x + 1) * BOUND_PAGES : A.cap_pages;
-    for (int64_t p = (int64_t)blockIdx.x * BOUND_PAGES + warp; p < pend; p += BOUND_WARPS) {
+    const int64_t pend = (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
+    for (int64_t p = chunk * BOUND_PAGES + warp; p < pend; p += BOUND_WARPS) {
         if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
             if (lane < G) A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
             if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
@@ -145,7 +148,11 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     A.cap_pages = pl->cap_pages;
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
-    dim3 grid((unsigned)((pl->cap_pages + BOUND_PAGES - 1) / BOUND_PAGES), batch * A.Hk);
+    A.rows = batch * A.Hk;
+    const int64_t nblocks = (pl->cap_pages + BOUND_PAGES - 1) / BOUND_PAGES * A.rows;
+    if (nblocks > INT32_MAX)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "bound: %lld blocks exceed the grid limit", (long long)nblocks);
+    const dim3 grid((unsigned)nblocks);
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
     if (A.G == 1) bound_kernel<1><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
     else if (A.G == 2) bound_kernel<2><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);

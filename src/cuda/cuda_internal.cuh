@@ -2,7 +2,7 @@
  * Shared pieces of the CUDA backend: the plan (every scratch buffer, sized once at plan
  * time so a step never allocates or synchronises), element loads, warp/block reductions.
  * The stages live one per file, mirroring src/cpu: append.cu (append + summarize),
- * bound.cu, select.cu (top-k radix select, certified round-2 marking), attend.cu (scores,
+ * bound.cu, select.cu (top-k radix select, certified round-2 marking), attend_*.cu (scores,
  * tau, support-only V), decode.cu (the step orchestration).
  */
 #pragma once
@@ -21,7 +21,7 @@ double ekv_normal_quantile(double p);
 
 enum {
     EKV_CUDA_THREADS = 256,       /* threads of the attend/bound/select blocks              */
-    EKV_CUDA_CAND_CAP = 8192,     /* tau candidates kept in shared memory (32 KB)           */
+    EKV_CUDA_CAND_CAP = 16384,    /* tau candidates (and support rows) listed per query head */
     EKV_CUDA_MAX_GROUP = 16,      /* GQA group sizes the register tiles hold               */
     EKV_CUDA_MAX_DIM = 512
 };
@@ -45,7 +45,15 @@ struct ekv_cuda_plan {
     double *tau;            /* [B*H]                                                       */
     int64_t *support;       /* [B*H]                                                       */
     int64_t *v_rows;        /* [B*Hk]                                                      */
-    int32_t *flags;         /* [B*H] candidate overflow and the like (diagnostics)         */
+    int32_t *flags;         /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
+    int64_t cand_cap;       /* entries of a candidate / support list (per query head)      */
+    int32_t vsplit;         /* CTAs per query head for the support values kernel           */
+    float *cand_z;          /* [B*H][cand_cap] scores z >= M - 1                           */
+    int64_t *cand_off;      /* [B*H][cand_cap] their V row offsets (elements)              */
+    int32_t *cand_count;    /* [B*H] candidates found (may exceed cand_cap: overflow)      */
+    float *sup_p;           /* [B*H][cand_cap] support list of the final round: p          */
+    int64_t *sup_off;       /* [B*H][cand_cap] and V row offset                            */
+    int64_t *sup_count;     /* [B*H] support size (> cand_cap: values scan the row)        */
     double *gmu, *gsig;     /* [B*H][cap_pages] gaussian selector page moments             */
     int64_t bytes;
     int32_t launches;       /* of the last step                                            */
@@ -193,7 +201,8 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                   const ekv_page_table *t, const float *q, int batch, int use_list, int round);
-ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_page_table *t,
-                               int batch, int use_list, int round, float *out_zero);
+/* entmax: candidates + tau (2 launches); softmax: log-sum-exp (1 launch) */
+ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                               const ekv_page_table *t, int batch, int use_list, int round, float *out_zero);
 ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                                   const ekv_page_table *t, int batch, int use_list, float *out);

@@ -2,10 +2,11 @@
  * The CUDA decode step (mirrors src/select/select.c + src/cpu/attend_pages.c +
  * src/select/certified.c): plan creation (every buffer, once), validation on the host from
  * static shapes only, and the launch sequence of each policy:
- *   dense:     scores -> tau -> values                                   (3 launches)
- *   topk:      bound -> topk -> scores -> tau -> values                  (5 launches)
- *   gaussian:  moments -> rule -> scores -> tau -> values                (5 launches)
- *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (8)
+ *   dense:     scores -> tau -> values                                   (4 launches)
+ *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
+ *   gaussian:  moments -> rule -> scores -> tau -> values                (6 launches)
+ *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
+ * where tau is two launches for entmax (candidates, then the solve) and one for softmax.
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
 #include "cuda_internal.cuh"
@@ -28,7 +29,8 @@ extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
 extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
     if (!pl) return;
     void *bufs[] = {pl->scores, pl->split_max, pl->bounds, pl->list_bounds, pl->list_pages, pl->list_count,
-                    pl->in_list, pl->tau, pl->support, pl->v_rows, pl->flags, pl->gmu, pl->gsig};
+                    pl->in_list, pl->tau, pl->support, pl->v_rows, pl->flags, pl->gmu, pl->gsig,
+                    pl->cand_z, pl->cand_off, pl->cand_count, pl->sup_p, pl->sup_off, pl->sup_count};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) cudaFree(bufs[i]);
     if (pl->own_stream && pl->stream) cudaStreamDestroy(pl->stream);
@@ -56,6 +58,8 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     if (p->max_pages_per_seq < 1 || p->max_pages_per_seq * p->page_size >= INT32_MAX)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_pages_per_seq=%lld must be >= 1 with max_pages_per_seq * page_size < 2^31 tokens",
                         (long long)p->max_pages_per_seq);
+    if (p->max_candidates < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_candidates=%lld must be >= 0 (0 = the default)", (long long)p->max_candidates);
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
         cudaGetLastError();
@@ -85,6 +89,11 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     pl->nsplit = (int32_t)ns;
     pl->cap_pages = p->max_pages_per_seq;
     pl->cap_tokens = pl->cap_pages * p->page_size;
+    pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
+    if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
+    /* the support values kernel: about 2 blocks per SM over all query heads */
+    int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
+    pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
     struct { void **ptr; int64_t bytes; } want[] = {
         {(void **)&pl->scores, B * H * pl->cap_tokens * (int64_t)sizeof(float)},
         {(void **)&pl->split_max, B * H * 2 * ns * (int64_t)sizeof(float)},
@@ -99,6 +108,12 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         {(void **)&pl->flags, B * H * (int64_t)sizeof(int32_t)},
         {(void **)&pl->gmu, B * H * pl->cap_pages * (int64_t)sizeof(double)},
         {(void **)&pl->gsig, B * H * pl->cap_pages * (int64_t)sizeof(double)},
+        {(void **)&pl->cand_z, B * H * pl->cand_cap * (int64_t)sizeof(float)},
+        {(void **)&pl->cand_off, B * H * pl->cand_cap * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->cand_count, B * H * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->sup_p, B * H * pl->cand_cap * (int64_t)sizeof(float)},
+        {(void **)&pl->sup_off, B * H * pl->cand_cap * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->sup_count, B * H * (int64_t)sizeof(int64_t)},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         e = cudaMalloc(want[i].ptr, (size_t)want[i].bytes);
@@ -153,7 +168,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
     const int method = certified ? -1 : sel ? (int)sel->method : (int)EKV_SELECT_DENSE;
     if (method == EKV_SELECT_DENSE) {
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 0, 1))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 0, 1, out))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 0, 1, out))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 0, out);
     }
     if (method == EKV_SELECT_GAUSSIAN) {
@@ -161,7 +176,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
             return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmean, km2, count) must not be NULL for the gaussian selector");
         if ((s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B))) return s;
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, out))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
     }
     if (!st || !st->kmin || !st->kmax || ((certified || sel->use_ball) && (!st->kmean || !st->radius)))
@@ -173,13 +188,13 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
         return s;
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
     if (!certified) {
-        if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, out))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, out))) return s;
         return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
     }
-    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 1, NULL))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, NULL))) return s;
     if ((s = ekv_cuda_launch_round2(pl, t, B, prm->num_heads / kv->num_kv_heads))) return s;
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
-    if ((s = ekv_cuda_launch_tau(pl, prm, t, B, 1, 2, out))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
     return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
 }
 
@@ -254,6 +269,16 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
     if (r->list_pages) {
         e = cudaMemcpy(r->list_pages, pl->list_pages, (size_t)(nl * pl->cap_pages) * sizeof(int32_t), cudaMemcpyDeviceToHost);
         if (e != cudaSuccess) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+    }
+    r->slow_rows = 0;
+    {
+        int32_t *fl = (int32_t *)malloc((size_t)nh * sizeof(int32_t));
+        if (!fl) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory"); }
+        e = cudaMemcpy(fl, pl->flags, (size_t)nh * sizeof(int32_t), cudaMemcpyDeviceToHost);
+        if (e == cudaSuccess) e = cudaMemset(pl->flags, 0, (size_t)nh * sizeof(int32_t));
+        if (e != cudaSuccess) { free(fl); free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+        for (int64_t i = 0; i < nh; i++) r->slow_rows += (fl[i] & 1) != 0;
+        free(fl);
     }
     r->lists_round2 = 0;
     for (int64_t l = 0; l < nl; l++) {

@@ -13,7 +13,7 @@
 
 namespace {
 
-enum { SEL_THREADS = 512, SEL_WARPS = SEL_THREADS / 32 };
+enum { SEL_THREADS = 1024, SEL_WARPS = SEL_THREADS / 32, SEL_UNROLL = 8 };
 
 __device__ __forceinline__ uint32_t order_key(float f) {
     const uint32_t u = __float_as_uint(f);
@@ -52,9 +52,19 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
             for (int i = threadIdx.x; i < 256 * SEL_WARPS; i += blockDim.x) whist[i] = 0;
             __syncthreads();
             int *mine = whist + (threadIdx.x >> 5) * 256;
-            for (int64_t p = threadIdx.x; p < n; p += blockDim.x) {
-                const uint32_t kk = order_key(key[p]);
-                if ((kk & mask) == prefix) atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
+            /* SEL_UNROLL loads in flight per thread: one block per list is latency-bound */
+            for (int64_t p0 = threadIdx.x; p0 < n; p0 += (int64_t)blockDim.x * SEL_UNROLL) {
+                float kf[SEL_UNROLL];
+#pragma unroll
+                for (int u = 0; u < SEL_UNROLL; u++) {
+                    const int64_t p = p0 + (int64_t)u * blockDim.x;
+                    kf[u] = p < n ? key[p] : 0.f;
+                }
+#pragma unroll
+                for (int u = 0; u < SEL_UNROLL; u++) {
+                    const uint32_t kk = order_key(kf[u]);
+                    if (p0 + (int64_t)u * blockDim.x < n && (kk & mask) == prefix) atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
+                }
             }
             __syncthreads();
             for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -91,36 +101,47 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
             __syncthreads();
         }
     }
-    /* ordered compaction: key > T, the first `remaining` keys == T, sink and recent pages.
-     * Each thread owns a contiguous chunk of pages, so two block scans order everything. */
+    /* ordered compaction: key > T, the first `remaining` keys == T (in page order), sink and
+     * recent pages. Tiles of SEL_THREADS x SEL_UNROLL pages, each thread SEL_UNROLL consecutive
+     * ones, two block scans per tile (ties, then pages taken) keep the page order. */
     const bool take_all = k >= n;
+    const bool ranked = !take_all && k > 0;
     int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
-    const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
-    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
-    int nties = 0;
-    if (!take_all && k > 0)
-        for (int64_t p = lo; p < hi; p++) nties += order_key(key[p]) == prefix;
-    int tie_total;
-    const int ties_before = ekv_block_exclusive_scan(nties, wsum, &tie_total);
-    /* the page rule; tie_i counts the ties at T met so far in page order */
-    auto take = [&](int64_t p, int &tie_i) {
-        bool t = take_all || p < A.sink || p >= sg.P - 1 - A.recent;
-        if (!take_all && k > 0) {
-            const uint32_t kk = order_key(key[p]);
-            t |= kk > prefix || (kk == prefix && tie_i++ < remaining);
+    int written = 0, ties_seen = 0;
+    for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
+        uint32_t kk[SEL_UNROLL];
+        int nties = 0;
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) {
+            kk[u] = lo + u < n && ranked ? order_key(key[lo + u]) : 0u;
+            nties += lo + u < n && ranked && kk[u] == prefix;
         }
-        return t;
-    };
-    int ntake = 0, tie_i = ties_before;
-    for (int64_t p = lo; p < hi; p++) ntake += take(p, tie_i);
-    int written;
-    int pos = ekv_block_exclusive_scan(ntake, wsum, &written);
-    tie_i = ties_before;
-    for (int64_t p = lo; p < hi; p++) {
-        const bool t = take(p, tie_i);
-        if (t) out[pos++] = (int32_t)p;
-        in[p] = t;
+        int tile_ties;
+        int tie_i = ties_seen + ekv_block_exclusive_scan(nties, wsum, &tile_ties);
+        bool take[SEL_UNROLL];
+        int ntake = 0;
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) {
+            const int64_t p = lo + u;
+            bool t = p < n && (take_all || p < A.sink || p >= sg.P - 1 - A.recent);
+            if (p < n && ranked) t |= kk[u] > prefix || (kk[u] == prefix && tie_i++ < remaining);
+            take[u] = t;
+            ntake += t;
+        }
+        int tile_taken;
+        int pos = written + ekv_block_exclusive_scan(ntake, wsum, &tile_taken);
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) {
+            const int64_t p = lo + u;
+            if (p < n) {
+                if (take[u]) out[pos++] = (int32_t)p;
+                in[p] = take[u];
+            }
+        }
+        written += tile_taken;
+        ties_seen += tile_ties;
     }
     if (threadIdx.x == 0) {
         out[written] = (int32_t)(sg.P - 1); /* the last page is always read, always last */

@@ -134,7 +134,7 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
     }
 }
 
-static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0;
+static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0, g_slow_rows = 0;
 
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
@@ -304,7 +304,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
         CHECK(e < tol, "dense: rel err %.3g (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d)", e, D, c->G, ps, c->dt, c->alpha, c->alibi);
-        CHECK(rep.launches == 3, "dense: %d launches", rep.launches);
+        CHECK(rep.launches == (c->alpha > 1 ? 4 : 3), "dense: %d launches", rep.launches);
         for (int64_t i = 0; i < (int64_t)B * H; i++) {
             CHECK(fabs(tau_g[i] - tau_ref[i]) <= 2e-5 * (1 + fabs(tau_ref[i])), "dense tau %.9g vs %.9g", tau_g[i], tau_ref[i]);
             if (c->alpha > 1) CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "dense support %lld vs %lld", (long long)sup_g[i], (long long)sup_ref[i]);
@@ -333,7 +333,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 memset(&rep, 0, sizeof rep);
                 rep.list_pages = lists; rep.pages_round1 = r1;
                 CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-                CHECK(rep.launches == 5, "topk: %d launches", rep.launches);
+                CHECK(rep.launches == (c->alpha > 1 ? 6 : 5), "topk: %d launches", rep.launches);
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
                 char what[160];
                 snprintf(what, sizeof what, "topk (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld)", D, c->G, ps,
@@ -365,7 +365,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             memset(&rep, 0, sizeof rep);
             rep.list_pages = lists; rep.pages_round1 = r1;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            CHECK(rep.launches == 5, "gaussian: %d launches", rep.launches);
+            CHECK(rep.launches == 6, "gaussian: %d launches", rep.launches);
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             char what[96];
             snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g)", D, c->G, ps, c->dt, c->alpha);
@@ -384,13 +384,50 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             memset(&rep, 0, sizeof rep);
             rep.support = sup_g; rep.pages_round1 = r1; rep.pages_round2 = r2;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            CHECK(rep.launches == 8, "certified: %d launches", rep.launches);
+            CHECK(rep.launches == 10, "certified: %d launches", rep.launches);
             g_cert_round2 += rep.lists_round2 > 0;
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
             CHECK(e < tol, "certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g)", e, D, c->G, ps, c->dt, c->alpha);
             for (int64_t i = 0; i < (int64_t)B * H; i++)
                 CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "certified support %lld vs %lld", (long long)sup_g[i], (long long)sup_ref[i]);
+        }
+        /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
+         * than the list holds take the whole-row paths, which must give the same answer */
+        if (c->alpha > 1) {
+            ekv_cuda_plan_params sp2 = pp;
+            sp2.max_candidates = 8 + (int64_t)(seed % 3) * 8;
+            ekv_cuda_plan *small = NULL;
+            CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "small plan: %s", ekv_last_error(ctx));
+            if (small) {
+                CHECK(ekv_cuda_decode(small, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "small dense: %s", ekv_last_error(ctx));
+                memset(&rep, 0, sizeof rep);
+                rep.tau = tau_g; rep.support = sup_g;
+                CHECK(ekv_cuda_read_report(small, B, &rep) == EKV_OK, "report");
+                g_slow_rows += (int)rep.slow_rows;
+                CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+                e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+                CHECK(e < tol, "small lists dense: rel err %.3g (cap %lld, slow rows %lld)", e, (long long)sp2.max_candidates, (long long)rep.slow_rows);
+                for (int64_t i = 0; i < (int64_t)B * H; i++) {
+                    CHECK(fabs(tau_g[i] - tau_ref[i]) <= 2e-5 * (1 + fabs(tau_ref[i])), "small lists tau %.9g vs %.9g", tau_g[i], tau_ref[i]);
+                    CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "small lists support %lld vs %lld", (long long)sup_g[i], (long long)sup_ref[i]);
+                }
+                ekv_select_params cp = ekv_select_default_params();
+                cp.budget_tokens = maxN / 16; cp.sink_pages = 1; cp.recent_pages = 1;
+                CHECK(ekv_cuda_decode_certified(small, &dprm, &cp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "small certified: %s", ekv_last_error(ctx));
+                memset(&rep, 0, sizeof rep);
+                rep.support = sup_g; rep.pages_round1 = r1; rep.pages_round2 = r2;
+                /* the report synchronises the plan's own (non-blocking) stream before the copy */
+                CHECK(ekv_cuda_read_report(small, B, &rep) == EKV_OK, "report");
+                CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+                e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+                CHECK(e < tol, "small lists certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d B=%d cap %lld, slow rows %lld, round 2 lists %lld)",
+                      e, D, c->G, ps, c->dt, c->alpha, c->alibi, B, (long long)sp2.max_candidates, (long long)rep.slow_rows,
+                      (long long)rep.lists_round2);
+                for (int64_t i = 0; i < (int64_t)B * H; i++)
+                    CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "small lists certified support %lld vs %lld (head %lld)", (long long)sup_g[i], (long long)sup_ref[i], (long long)i);
+                ekv_cuda_plan_free(small);
+            }
         }
         cudaFree(dq); cudaFree(dslopes); cudaFree(dout);
         free(q); free(slopes); free(out); free(ref); free(cpu); free(tau_ref); free(tau_g); free(sup_ref); free(sup_g);
@@ -492,7 +529,9 @@ static void invalid_test(ekv_context *ctx) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
     pp.max_pages_per_seq = 0;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan, "max_pages 0");
-    pp.max_pages_per_seq = 64; pp.head_dim = 12;
+    pp.max_pages_per_seq = 64; pp.max_candidates = -1;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan, "max_candidates -1");
+    pp.max_candidates = 0; pp.head_dim = 12;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE, "head_dim 12");
     pp.head_dim = 128; pp.num_heads = 6; pp.num_kv_heads = 4;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_HEAD_MISMATCH, "heads 6/4");
@@ -597,6 +636,8 @@ int main(void) {
     if (n < max_cases) { graph_test(ctx, 0); graph_test(ctx, 1); }
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);
+    printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
+    CHECK(n < 8 || g_slow_rows > 0, "the small-list plans never overflowed: the whole-row paths went untested");
     CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)", g_lists_tie, g_lists_cmp);
     ekv_context_free(ctx);
     return test_finish("test_cuda");

@@ -1,0 +1,361 @@
+/*
+ * attend, step 1 on the GPU: the scores kernels (see attend_common.cuh for the pipeline).
+ */
+#include "attend_common.cuh"
+
+namespace {
+
+struct score_args {
+    ekv_paged_kv kv;
+    ekv_page_table t;
+    const float *q;
+    const float *slopes;   /* device, [H] or NULL */
+    double qscale;         /* a * scale */
+    float a;
+    int H, Hk, G, D, ps;
+    int64_t cap_pages, cap_tokens;
+    int nsplit;
+    const int32_t *list_pages, *list_count; /* NULL: dense */
+    int round;             /* 1 or 2 */
+    float *scores, *split_max;
+    int32_t *cand_count;   /* [B*H], zeroed here for the candidates kernel */
+    int64_t *v_rows;       /* [B*Hk], zeroed here */
+};
+
+/* The per-step counters the later kernels add into (block (0, row) of the scores kernel). */
+__device__ __forceinline__ void zero_step_counters(const score_args &A, int row, int b, int kvh) {
+    if (blockIdx.x != 0) return;
+    if (threadIdx.x < A.G) A.cand_count[(int64_t)b * A.H + kvh * A.G + threadIdx.x] = 0;
+    if (threadIdx.x == 0) A.v_rows[row] = 0;
+}
+
+/* q' = a scale q of the group's heads into shared memory ([G][D]) */
+__device__ __forceinline__ void load_group_q(const score_args &A, int b, int kvh, float *qs) {
+    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x) {
+        const int g = i / A.D, d = i % A.D;
+        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * A.G + g) * A.D + d]); /* as bound.cu */
+    }
+}
+
+/* Block max of every warp's running maxima, written as this split's max per query head. */
+template <int GM>
+__device__ __forceinline__ void write_split_max(const score_args &A, const float *runmax, float *red, int b, int kvh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int half = A.round == 2 ? A.nsplit : 0;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g < A.G) {
+            float m = ekv_warp_max(runmax[g]);
+            if (lane == 0) red[warp * A.G + g] = m;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < A.G) {
+        float m = -CUDART_INF_F;
+        for (int w = 0; w < nw; w++) m = fmaxf(m, red[w * A.G + threadIdx.x]);
+        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.nsplit + half + blockIdx.x] = m;
+    }
+}
+
+/* ---- cp.async (sm_80+): global -> shared without registers ---- */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* 8 elements of a key row held in shared memory (16 or 32 bytes) as fp32 */
+template <typename T> __device__ __forceinline__ void smem8(const unsigned char *p, float *o);
+template <> __device__ __forceinline__ void smem8<__half>(const unsigned char *p, float *o) {
+    const uint4 r = *reinterpret_cast<const uint4 *>(p);
+    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+}
+template <> __device__ __forceinline__ void smem8<__nv_bfloat16>(const unsigned char *p, float *o) {
+    const uint4 r = *reinterpret_cast<const uint4 *>(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { const float2 f = __bfloat1622float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+}
+template <> __device__ __forceinline__ void smem8<float>(const unsigned char *p, float *o) {
+    const float4 a = *reinterpret_cast<const float4 *>(p), c = *reinterpret_cast<const float4 *>(p + 16);
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = c.x; o[5] = c.y; o[6] = c.z; o[7] = c.w;
+}
+
+/* Pipeline shape of the scores kernel: each warp streams tiles of TR rows of one page (4 KB:
+ * every lane copies 8 elements of U rows) through SCORE_STAGES shared-memory stages, so two
+ * tiles are in flight while the third is reduced. A lane reads back only the bytes it copied,
+ * so no barrier is needed between the copy and the use. */
+enum { SCORE_STAGES = 3, SCORE_TILE_BYTES = 4096 };
+
+template <typename T> constexpr size_t score_smem_bytes(int G, int D) {
+    return (size_t)(EKV_CUDA_THREADS / 32) * SCORE_STAGES * SCORE_TILE_BYTES +
+           (size_t)(G * D + (EKV_CUDA_THREADS / 32) * G) * sizeof(float);
+}
+
+/* LPR lanes per key row (D = 8 LPR: 64, 128, 256); GM: compile-time bound of the group size
+ * (register tiles), G <= GM at run time. */
+template <typename T, int LPR, int GM>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args A) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int NW = EKV_CUDA_THREADS / 32;
+    constexpr int RPW = 32 / LPR;                      /* rows per warp pass           */
+    constexpr int EB = 8 * (int)sizeof(T);             /* bytes a lane copies per row  */
+    constexpr int U = SCORE_TILE_BYTES / (32 * EB);    /* passes per tile              */
+    constexpr int TR = RPW * U;                        /* rows per tile                */
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned char *stage = smem_raw + (size_t)warp * SCORE_STAGES * SCORE_TILE_BYTES;
+    float *qs = reinterpret_cast<float *>(smem_raw + (size_t)NW * SCORE_STAGES * SCORE_TILE_BYTES);
+    float *red = qs + G * D;
+    zero_step_counters(A, row, b, kvh);
+    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
+    const int64_t n = end - begin, per = (n + A.nsplit - 1) / A.nsplit;
+    const int64_t e0 = begin + (int64_t)blockIdx.x * per, e1 = e0 + per < end ? e0 + per : end;
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    const int sub = lane / LPR, sl = lane % LPR;
+    float runmax[GM], slope[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        runmax[g] = -CUDART_INF_F;
+        slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
+    }
+    /* small groups keep their q' chunk in registers */
+    constexpr int QR = GM <= 2 ? GM : 0;
+    float qr[QR > 0 ? QR : 1][8];
+#pragma unroll
+    for (int g = 0; g < QR; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) qr[g][i] = g < G ? qs[g * D + sl * 8 + i] : 0.f;
+    const unsigned char *K = static_cast<const unsigned char *>(A.kv.k);
+    const int tpp = (ps + TR - 1) / TR; /* tiles per page */
+    const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + NW - 1) / NW : 0;
+    const int64_t ntiles = mine * tpp;
+    float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
+    /* tile j of this warp: entry e0 + warp + (j / tpp) NW, rows from (j % tpp) TR */
+    auto issue = [&](int64_t j) {
+        const int64_t e = e0 + warp + (j / tpp) * NW;
+        const int r0 = (int)(j % tpp) * TR;
+        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+        const unsigned char *pbase =
+            K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head) * (int64_t)sizeof(T);
+        unsigned char *dst = stage + (size_t)(j % SCORE_STAGES) * SCORE_TILE_BYTES;
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const int t = r0 + r * RPW + sub;
+            if (t < valid) {
+                const unsigned char *src = pbase + ((int64_t)t * A.kv.stride_token + sl * 8) * (int64_t)sizeof(T);
+#pragma unroll
+                for (int c = 0; c < EB / 16; c++) cp_async16(dst + (r * 32 + lane) * EB + c * 16, src + c * 16);
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < SCORE_STAGES - 1; s++) {
+        if (s < ntiles) issue(s);
+        cp_async_commit();
+    }
+    for (int64_t j = 0; j < ntiles; j++) {
+        if (j + SCORE_STAGES - 1 < ntiles) issue(j + SCORE_STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<SCORE_STAGES - 1>(); /* tile j has landed (groups complete in order) */
+        const int64_t e = e0 + warp + (j / tpp) * NW;
+        const int r0 = (int)(j % tpp) * TR;
+        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+        const float jbase = (float)(lp * ps - (sg.N - 1));
+        float *sbase = srow + e * ps;
+        const unsigned char *src = stage + (size_t)(j % SCORE_STAGES) * SCORE_TILE_BYTES;
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const int t = r0 + r * RPW + sub;
+            float k8[8];
+            if (t < valid) smem8<T>(src + (r * 32 + lane) * EB, k8);
+            else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) k8[i] = 0.f;
+            }
+            float acc[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                acc[g] = 0.f;
+                if (g < G) {
+                    if constexpr (QR > 0) {
+#pragma unroll
+                        for (int i = 0; i < 8; i++) acc[g] += qr[g][i] * k8[i];
+                    } else {
+                        const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8);
+                        const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
+                        acc[g] = qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] + qb.x * k8[4] +
+                                 qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
+                    }
+#pragma unroll
+                    for (int o = LPR / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+                }
+            }
+            if (t < ps && sl == 0) {
+#pragma unroll
+                for (int g = 0; g < GM; g++) {
+                    if (g < G) {
+                        const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+                        sbase[(int64_t)g * A.cap_tokens + t] = z;
+                        runmax[g] = fmaxf(runmax[g], z);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    write_split_max<GM>(A, runmax, red, b, kvh);
+}
+
+/* Generic head dims (multiples of 8 other than 64/128/256): one row per warp pass, the lanes
+ * stride over its 8-element chunks, loads straight into registers. */
+template <typename T>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_args A) {
+    extern __shared__ float smem[]; /* q' [G][D], then red [nwarps][G] */
+    constexpr int GM = EKV_CUDA_MAX_GROUP;
+    float *qs = smem;
+    float *red = smem + A.G * A.D;
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    zero_step_counters(A, row, b, kvh);
+    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
+    const int64_t n = end - begin, per = (n + A.nsplit - 1) / A.nsplit;
+    const int64_t e0 = begin + (int64_t)blockIdx.x * per, e1 = e0 + per < end ? e0 + per : end;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    float runmax[GM], slope[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        runmax[g] = -CUDART_INF_F;
+        slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
+    }
+    const T *K = static_cast<const T *>(A.kv.k);
+    float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens;
+    for (int64_t e = e0 + warp; e < e1; e += nw) {
+        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+        const T *pbase = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
+        const float jbase = (float)(lp * ps - (sg.N - 1));
+        float *sbase = srow + e * ps;
+        for (int t = 0; t < ps; t++) {
+            float acc[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) acc[g] = 0.f;
+            if (t < valid) {
+                const T *krow = pbase + (int64_t)t * A.kv.stride_token;
+                for (int c = lane; c < D / 8; c += 32) {
+                    float kk[8];
+                    ekv_elem<T>::load8(krow + c * 8, kk);
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + c * 8);
+                            const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
+                            acc[g] += qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] + qb.x * kk[4] +
+                                      qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < G) acc[g] = ekv_warp_sum(acc[g]);
+            if (lane == 0) {
+#pragma unroll
+                for (int g = 0; g < GM; g++) {
+                    if (g < G) {
+                        const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+                        sbase[(int64_t)g * A.cap_tokens + t] = z;
+                        runmax[g] = fmaxf(runmax[g], z);
+                    }
+                }
+            }
+        }
+    }
+    write_split_max<GM>(A, runmax, red, b, kvh);
+}
+template <typename T, int LPR>
+void launch_scores_g(const score_args &A, dim3 grid, cudaStream_t st) {
+    const size_t sm = score_smem_bytes<T>(A.G, A.D);
+    auto go = [&](auto kernel) {
+        /* above 48 KB of dynamic shared memory needs the opt-in (once per instance) */
+        static bool opted = false;
+        if (!opted) {
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)score_smem_bytes<T>(EKV_CUDA_MAX_GROUP, 8 * LPR));
+            opted = true;
+        }
+        kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    };
+    if (A.G == 1) go(scores_kernel<T, LPR, 1>);
+    else if (A.G == 2) go(scores_kernel<T, LPR, 2>);
+    else if (A.G <= 4) go(scores_kernel<T, LPR, 4>);
+    else if (A.G <= 8) go(scores_kernel<T, LPR, 8>);
+    else go(scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP>);
+}
+
+template <typename T>
+cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
+    switch (A.D) {
+    case 64: launch_scores_g<T, 8>(A, grid, st); break;
+    case 128: launch_scores_g<T, 16>(A, grid, st); break;
+    case 256: launch_scores_g<T, 32>(A, grid, st); break;
+    default: {
+        const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
+        scores_generic_kernel<T><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+        break;
+    }
+    }
+    return cudaGetLastError();
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                  const ekv_page_table *t, const float *q, int batch, int use_list, int round) {
+    score_args A;
+    A.kv = *kv;
+    A.t = *t;
+    A.q = q;
+    A.slopes = prm->alibi_slopes;
+    const double a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
+    A.qscale = a * scale;
+    A.a = (float)a;
+    A.H = prm->num_heads;
+    A.Hk = kv->num_kv_heads;
+    A.G = A.H / A.Hk;
+    A.D = kv->head_dim;
+    A.ps = kv->page_size;
+    A.cap_pages = pl->cap_pages;
+    A.cap_tokens = pl->cap_tokens;
+    A.nsplit = pl->nsplit;
+    A.list_pages = use_list ? pl->list_pages : NULL;
+    A.list_count = use_list ? pl->list_count : NULL;
+    A.round = round;
+    A.scores = pl->scores;
+    A.split_max = pl->split_max;
+    A.cand_count = pl->cand_count;
+    A.v_rows = pl->v_rows;
+    dim3 grid(pl->nsplit, batch * A.Hk); /* (the row fastest measured 3% slower at 128K) */
+    cudaError_t e;
+    switch (kv->dtype) {
+    case EKV_DTYPE_F16: e = launch_scores_t<__half>(A, grid, pl->stream); break;
+    case EKV_DTYPE_BF16: e = launch_scores_t<__nv_bfloat16>(A, grid, pl->stream); break;
+    default: e = launch_scores_t<float>(A, grid, pl->stream); break;
+    }
+    if (e != cudaSuccess) return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "scores kernel: %s", cudaGetErrorString(e));
+    pl->launches++;
+    return EKV_OK;
+}
+

@@ -1,0 +1,340 @@
+/*
+ * attend, step 2 on the GPU: the candidates and tau kernels (see attend_common.cuh).
+ */
+#include "attend_common.cuh"
+
+namespace {
+
+
+/* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ---- */
+struct cand_args {
+    ekv_page_table t;
+    ekv_paged_kv kv;
+    int H, Hk, G, ps, nsplit, round; /* round 1: round 1's entries; 3: everything listed */
+    int64_t cap_pages, cap_tokens, ccap;
+    const int32_t *list_pages, *list_count;
+    const float *scores, *split_max;
+    float *cand_z;
+    int64_t *cand_off;     /* element offset of the token's V row (= its K row) */
+    int32_t *cand_count;
+};
+
+enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 loads in flight per thread: a block covers its split in one pass at 128K */
+
+__global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
+    __shared__ float fscratch[32];
+    const int64_t row = blockIdx.y;
+    const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, lrow, A.round, &begin, &end);
+    const int64_t ntok = end * A.ps;
+    const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
+    const double lo_z = (double)M - 1.0;
+    const int64_t per = ((ntok + gridDim.x - 1) / gridDim.x + 31) / 32 * 32;
+    const int64_t c0 = (int64_t)blockIdx.x * per, c1 = c0 + per < ntok ? c0 + per : ntok;
+    const float *z = A.scores + row * A.cap_tokens;
+    const int lane = threadIdx.x & 31;
+    /* warp-uniform trip count: every lane takes part in the ballots */
+    for (int64_t base = c0 + (threadIdx.x & ~31) * CAND_UNROLL; base < c1; base += (int64_t)blockDim.x * CAND_UNROLL) {
+        float x[CAND_UNROLL];
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const int64_t i = base + k * 32 + lane;
+            x[k] = i < c1 ? z[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const bool pass = x[k] > -CUDART_INF_F && (double)x[k] >= lo_z;
+            const unsigned m = __ballot_sync(0xffffffffu, pass);
+            if (!m) continue;
+            int at = 0;
+            if (lane == __ffs(m) - 1) at = atomicAdd(&A.cand_count[row], __popc(m));
+            at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
+            if (pass && at < A.ccap) {
+                const int64_t i = base + k * 32 + lane;
+                A.cand_z[row * A.ccap + at] = x[k];
+                A.cand_off[row * A.ccap + at] = slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps, i);
+            }
+        }
+    }
+}
+
+struct tau_args {
+    ekv_page_table t;
+    ekv_paged_kv kv;
+    int H, Hk, G, D, ps;
+    int64_t cap_pages, cap_tokens, ccap;
+    int nsplit, round;
+    const int32_t *list_pages, *list_count;
+    double alpha;
+    const float *scores, *split_max;
+    const float *cand_z;
+    const int64_t *cand_off;
+    const int32_t *cand_count;
+    double *tau;
+    int64_t *support;
+    int64_t *v_rows;
+    int32_t *flags;
+    float *sup_p;          /* support list of the final round: p, V row offset */
+    int64_t *sup_off;
+    int64_t *sup_count;
+    float *out_zero; /* the final round: zero the output row (the values kernel adds into it) */
+};
+
+/* Sums over the candidates y = z - M > tau' (tau' relative to M), one block reduction */
+struct tau_sums { double n, s1, s2, mn; };
+
+__device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, double *scratch) {
+    double c = 0, s1 = 0, s2 = 0, mn = 1e300;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double y = (double)v[i] - (double)M;
+        if (y > t) { c += 1; s1 += y; s2 += y * y; mn = y < mn ? y : mn; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    c = ekv_warp_sum(c); s1 = ekv_warp_sum(s1); s2 = ekv_warp_sum(s2); mn = ekv_warp_min(mn);
+    __syncthreads(); /* scratch is reused by the caller's previous reduction */
+    if (lane == 0) { scratch[warp] = c; scratch[32 + warp] = s1; scratch[64 + warp] = s2; scratch[96 + warp] = mn; }
+    __syncthreads();
+    tau_sums r;
+    r.n = ekv_warp_sum(lane < nw ? scratch[lane] : 0.0);
+    r.s1 = ekv_warp_sum(lane < nw ? scratch[32 + lane] : 0.0);
+    r.s2 = ekv_warp_sum(lane < nw ? scratch[64 + lane] : 0.0);
+    r.mn = ekv_warp_min(lane < nw ? scratch[96 + lane] : 1e300);
+    return r;
+}
+
+/* F = sum [y - t]_+^beta - 1 and its derivative */
+__device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta, double *scratch, double *F,
+                            double *Fp) {
+    double f = 0, fp = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double y = (double)v[i] - (double)M - t;
+        if (y > 0) {
+            const double pb1 = pow(y, beta - 1.0);
+            f += pb1 * y;
+            fp += pb1;
+        }
+    }
+    *F = ekv_block_sum(f, scratch) - 1.0;
+    *Fp = -beta * ekv_block_sum(fp, scratch);
+}
+
+/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1 */
+__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch) {
+    const double beta = 1.0 / (alpha - 1.0);
+    double t = -1.0; /* F(-1) >= 0 because the max alone gives 1 */
+    if (alpha == 2.0) {
+        /* Michelot: the closed form over a superset of the support is a lower bound of tau */
+        double prev_n = -1;
+        for (int it = 0; it < 200; it++) {
+            const tau_sums s = cand_sums(v, n, M, t, scratch);
+            const double tn = (s.s1 - 1.0) / s.n;
+            if (s.n == prev_n || !(tn > t)) { t = tn > t ? tn : t; break; }
+            prev_n = s.n;
+            t = tn;
+        }
+    } else if (alpha == 1.5) {
+        /* Newton from the left (monotone, F convex) on F = sum (y-t)^2 - 1; the closed form on
+         * the current support is exact as soon as it keeps that support */
+        for (int it = 0; it < 100; it++) {
+            const tau_sums s = cand_sums(v, n, M, t, scratch);
+            const double disc = s.s1 * s.s1 - s.n * (s.s2 - 1.0);
+            const double tc = (s.s1 - sqrt(disc > 0 ? disc : 0.0)) / s.n;
+            if (tc >= t && s.mn > tc) { t = tc; break; }
+            const double F = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0, Fp = -2.0 * (s.s1 - s.n * t);
+            const double tn = t - F / Fp;
+            if (!(tn > t)) break;
+            t = tn;
+        }
+    } else {
+        /* safeguarded Newton inside the bracket [lo, hi] */
+        double lo = -1.0, hi = 0.0;
+        for (int it = 0; it < 200; it++) {
+            double F, Fp;
+            cand_newton(v, n, M, t, beta, scratch, &F, &Fp);
+            if (F > 0) lo = t; else hi = t;
+            if (F == 0 || hi - lo <= 1e-15 * (1.0 + fabs(t))) break;
+            double tn = Fp < 0 ? t - F / Fp : 0.5 * (lo + hi);
+            if (!(tn > lo && tn < hi)) tn = 0.5 * (lo + hi);
+            t = tn;
+        }
+    }
+    return t;
+}
+
+enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
+
+/* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
+ * list. A head whose candidates overflowed the list takes the whole score row instead. */
+__global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
+    __shared__ float cand[TAU_SMEM_CAND];
+    __shared__ double scratch[128];
+    __shared__ float fscratch[32];
+    __shared__ int s_nsup;
+    const int64_t row = blockIdx.x;
+    const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
+    const int64_t ntok = end * A.ps;
+    const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
+    const bool final_round = A.out_zero != NULL;
+    if (final_round)
+        for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+    const int64_t nc = A.cand_count[row];
+    const bool overflow = nc > A.ccap;
+    const float *v;
+    int64_t nv;
+    if (!overflow) {
+        const float *cz = A.cand_z + row * A.ccap;
+        if (nc <= TAU_SMEM_CAND) {
+            for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
+            __syncthreads();
+            v = cand;
+        } else v = cz;
+        nv = nc;
+    } else { /* flat attention: more candidates than the list holds */
+        v = A.scores + row * A.cap_tokens;
+        nv = ntok;
+        if (threadIdx.x == 0) atomicOr(&A.flags[row], 1);
+    }
+    const double t = solve_tau(v, nv, M, A.alpha, scratch);
+    const double tau = (double)M + t;
+    /* support: count, and on the final round the list (p, V row offset) for the values kernel */
+    if (threadIdx.x == 0) s_nsup = 0;
+    __syncthreads();
+    const double beta = 1.0 / (A.alpha - 1.0);
+    const int lane = threadIdx.x & 31;
+    double c = 0;
+    for (int64_t base = threadIdx.x & ~31; base < nv; base += blockDim.x) {
+        const int64_t i = base + lane;
+        const bool in = i < nv && (double)v[i] - (double)M > t;
+        c += in;
+        if (!final_round) continue;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        if (!m) continue;
+        int at = 0;
+        if (lane == __ffs(m) - 1) at = atomicAdd(&s_nsup, __popc(m));
+        at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
+        if (in && at < A.ccap) {
+            A.sup_p[row * A.ccap + at] = entmax_p(v[i], tau, beta);
+            A.sup_off[row * A.ccap + at] =
+                overflow ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps, i)
+                         : A.cand_off[row * A.ccap + i];
+        }
+    }
+    c = ekv_block_sum(c, scratch);
+    if (threadIdx.x == 0) {
+        A.tau[row] = tau;
+        A.support[row] = (int64_t)c;
+        if (final_round) {
+            A.sup_count[row] = (int64_t)c;
+            atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]), (unsigned long long)c);
+        }
+    }
+}
+
+/* Visits z[i] for i < n, TAU_UNROLL loads in flight per thread (the scan is latency-bound
+ * with one block per head otherwise). */
+template <typename F> __device__ __forceinline__ void scan_row(const float *z, int64_t n, F f) {
+    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
+    for (int64_t base = threadIdx.x; base < n; base += step) {
+        float x[TAU_UNROLL];
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + (int64_t)k * blockDim.x;
+            x[k] = i < n ? z[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) f(x[k]);
+    }
+}
+
+/* Softmax: tau = log-sum-exp over the whole row; every token is in the support. */
+__global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
+    __shared__ double scratch[32];
+    __shared__ float fscratch[32];
+    const int64_t row = blockIdx.x;
+    const int b = (int)(row / A.H), h = (int)(row % A.H), lrow = b * A.Hk + h / A.G;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
+    const int64_t ntok = end * A.ps;
+    const float *z = A.scores + row * A.cap_tokens;
+    const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
+    if (A.out_zero)
+        for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+    double s = 0;
+    int64_t cnt = 0;
+    scan_row(z, ntok, [&](float x) {
+        if (x > -CUDART_INF_F) { s += exp((double)x - (double)M); cnt++; }
+    });
+    s = ekv_block_sum(s, scratch);
+    const double c = ekv_block_sum((double)cnt, scratch);
+    if (threadIdx.x == 0) { A.tau[row] = (double)M + log(s); A.support[row] = (int64_t)c; }
+}
+} // namespace
+
+ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                               const ekv_page_table *t, int batch, int use_list, int round, float *out_zero) {
+    tau_args A;
+    A.t = *t;
+    A.kv = *kv;
+    A.H = prm->num_heads;
+    A.Hk = pl->p.num_kv_heads;
+    A.G = A.H / A.Hk;
+    A.D = pl->p.head_dim;
+    A.ps = pl->p.page_size;
+    A.cap_pages = pl->cap_pages;
+    A.cap_tokens = pl->cap_tokens;
+    A.ccap = pl->cand_cap;
+    A.nsplit = pl->nsplit;
+    A.round = round;
+    A.list_pages = use_list ? pl->list_pages : NULL;
+    A.list_count = use_list ? pl->list_count : NULL;
+    A.alpha = prm->alpha;
+    A.scores = pl->scores;
+    A.split_max = pl->split_max;
+    A.cand_z = pl->cand_z;
+    A.cand_off = pl->cand_off;
+    A.cand_count = pl->cand_count;
+    A.tau = pl->tau;
+    A.support = pl->support;
+    A.v_rows = pl->v_rows;
+    A.flags = pl->flags;
+    A.sup_p = pl->sup_p;
+    A.sup_off = pl->sup_off;
+    A.sup_count = pl->sup_count;
+    A.out_zero = out_zero;
+    if (prm->alpha == 1.0) {
+        tau_softmax_kernel<<<batch * A.H, 1024, 0, pl->stream>>>(A);
+        EKV_CUDA_LAUNCHED(pl);
+        return EKV_OK;
+    }
+    cand_args C;
+    C.t = *t;
+    C.kv = *kv;
+    C.H = A.H;
+    C.Hk = A.Hk;
+    C.G = A.G;
+    C.ps = A.ps;
+    C.nsplit = pl->nsplit;
+    C.round = round == 1 ? 1 : 3;
+    C.cap_pages = pl->cap_pages;
+    C.cap_tokens = pl->cap_tokens;
+    C.ccap = pl->cand_cap;
+    C.list_pages = A.list_pages;
+    C.list_count = A.list_count;
+    C.scores = pl->scores;
+    C.split_max = pl->split_max;
+    C.cand_z = pl->cand_z;
+    C.cand_off = pl->cand_off;
+    C.cand_count = pl->cand_count;
+    cand_kernel<<<dim3(pl->nsplit, batch * A.H), CAND_THREADS, 0, pl->stream>>>(C);
+    EKV_CUDA_LAUNCHED(pl);
+    tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+

@@ -1,0 +1,300 @@
+/*
+ * attend, step 3 on the GPU: the values kernels (see attend_common.cuh).
+ */
+#include "attend_common.cuh"
+
+namespace {
+
+
+struct value_args {
+    ekv_paged_kv kv;
+    ekv_page_table t;
+    int H, Hk, G, D, ps, gchunks;
+    int64_t cap_pages, cap_tokens, ccap;
+    int nsplit;
+    const int32_t *list_pages, *list_count;
+    double alpha;
+    const float *scores;
+    const double *tau;
+    const float *sup_p;
+    const int64_t *sup_off;
+    const int64_t *sup_count;
+    int64_t *v_rows;
+    float *out;
+};
+
+/* 8 elements of a V row (16-byte aligned for 16-bit types) as fp32, with the load predicated */
+template <typename T> __device__ __forceinline__ void load8_if(bool on, const T *p, float *o) {
+    if (on) ekv_elem<T>::load8(p, o);
+    else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = 0.f;
+    }
+}
+
+enum { VAL_THREADS = 256, VAL_WARPS = VAL_THREADS / 32, VAL_U = 4 };
+
+/* Entmax values: out[row] += sum over the head's support of p V[row]. Items are the support
+ * list's entries, or (support over the list's cap) every token of the score row with p from
+ * z and tau. LPR lanes per V row (8-element chunks), VC chunks per lane (D <= 8 LPR VC);
+ * RPW = 32 / LPR rows per warp pass, VAL_U passes in flight. */
+template <typename T, int LPR, int VC>
+__global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args A) {
+    __shared__ float red[VAL_WARPS][EKV_CUDA_MAX_DIM];
+    constexpr int RPW = 32 / LPR, STEP = RPW * VAL_U;
+    const int64_t row = blockIdx.y;
+    const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR, D = A.D;
+    const int64_t nsup = A.sup_count[row];
+    const bool from_list = nsup <= A.ccap;
+    const double tau = A.tau[row], beta = 1.0 / (A.alpha - 1.0);
+    int64_t nitems = nsup;
+    ekv_seq_geom sg = {0, 0, 0};
+    if (!from_list) {
+        sg = ekv_seq(A.t, b, A.ps);
+        int64_t begin, end;
+        entry_range(A.list_count, sg.P, lrow, 3, &begin, &end);
+        nitems = end * A.ps;
+    }
+    const float *z = A.scores + row * A.cap_tokens;
+    const T *V = static_cast<const T *>(A.kv.v);
+    float acc[VC][8];
+#pragma unroll
+    for (int c = 0; c < VC; c++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[c][i] = 0.f;
+    const int64_t wstride = (int64_t)gridDim.x * VAL_WARPS * STEP;
+    bool any = false;
+    for (int64_t base = ((int64_t)blockIdx.x * VAL_WARPS + warp) * STEP; base < nitems; base += wstride) {
+        float p[VAL_U];
+        int64_t off[VAL_U];
+#pragma unroll
+        for (int r = 0; r < VAL_U; r++) {
+            const int64_t i = base + r * RPW + sub;
+            p[r] = 0.f;
+            off[r] = 0;
+            if (i < nitems) {
+                if (from_list) { p[r] = A.sup_p[row * A.ccap + i]; off[r] = A.sup_off[row * A.ccap + i]; }
+                else {
+                    p[r] = entmax_p(z[i], tau, beta);
+                    if (p[r] > 0.f) off[r] = slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps, i);
+                }
+            }
+        }
+        float v8[VAL_U][VC][8];
+#pragma unroll
+        for (int r = 0; r < VAL_U; r++)
+#pragma unroll
+            for (int c = 0; c < VC; c++) {
+                const int ch = sl + c * LPR;
+                load8_if<T>(p[r] > 0.f && ch * 8 < D, V + off[r] + ch * 8, v8[r][c]);
+            }
+#pragma unroll
+        for (int r = 0; r < VAL_U; r++) {
+            any |= p[r] > 0.f;
+#pragma unroll
+            for (int c = 0; c < VC; c++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[c][i] += p[r] * v8[r][c][i];
+        }
+    }
+    if (!__syncthreads_or(any)) return;
+    /* the RPW rows of a pass went to different lane groups: sum them, then over the warps */
+#pragma unroll
+    for (int c = 0; c < VC; c++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int o = LPR; o < 32; o <<= 1) acc[c][i] += __shfl_xor_sync(0xffffffffu, acc[c][i], o);
+    if (sub == 0)
+#pragma unroll
+        for (int c = 0; c < VC; c++) {
+            const int ch = sl + c * LPR;
+            if (ch * 8 < D)
+#pragma unroll
+                for (int i = 0; i < 8; i++) red[warp][ch * 8 + i] = acc[c][i];
+        }
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float s = 0.f;
+        for (int w = 0; w < VAL_WARPS; w++) s += red[w][d];
+        atomicAdd(A.out + row * D + d, s);
+    }
+}
+
+template <typename T> __device__ __forceinline__ void load4(const T *p, float *o);
+template <> __device__ __forceinline__ void load4<__half>(const __half *p, float *o) {
+    uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
+    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+    float2 a = __half22float2(h[0]), c = __half22float2(h[1]);
+    o[0] = a.x; o[1] = a.y; o[2] = c.x; o[3] = c.y;
+}
+template <> __device__ __forceinline__ void load4<__nv_bfloat16>(const __nv_bfloat16 *p, float *o) {
+    uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
+    float2 a = __bfloat1622float2(h[0]), c = __bfloat1622float2(h[1]);
+    o[0] = a.x; o[1] = a.y; o[2] = c.x; o[3] = c.y;
+}
+template <> __device__ __forceinline__ void load4<float>(const float *p, float *o) {
+    float4 a = __ldg(reinterpret_cast<const float4 *>(p));
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+}
+
+enum { VCH = 4, VDIM = EKV_CUDA_MAX_DIM / 128 }; /* heads per block, 4-element chunks per lane */
+
+/* Softmax values (every token has p > 0): grid (split, sequence x KV head x chunk of VCH
+ * group heads); a V row is read once for the chunk's heads. VD: 4-element chunks per lane
+ * (D <= 128 VD); the accumulators are VCH x VD x 4 registers. */
+template <typename T, int VD>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_args A) {
+    const int y = blockIdx.y, gc = y % A.gchunks, row = y / A.gchunks, b = row / A.Hk, kvh = row % A.Hk;
+    const int D = A.D, ps = A.ps, g0 = gc * VCH, ng = A.G - g0 < VCH ? A.G - g0 : VCH;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, row, 3, &begin, &end);
+    const int64_t n = end - begin, per = (n + A.nsplit - 1) / A.nsplit;
+    const int64_t e0 = begin + (int64_t)blockIdx.x * per, e1 = e0 + per < end ? e0 + per : end;
+    if (e1 <= e0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    double tau[VCH];
+    const float *zr[VCH];
+    for (int g = 0; g < VCH; g++) {
+        const int64_t hrow = (int64_t)b * A.H + kvh * A.G + g0 + (g < ng ? g : 0);
+        tau[g] = A.tau[hrow];
+        zr[g] = A.scores + hrow * A.cap_tokens;
+    }
+    float acc[VCH][VD][4];
+#pragma unroll
+    for (int g = 0; g < VCH; g++)
+#pragma unroll
+        for (int c = 0; c < VD; c++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[g][c][i] = 0.f;
+    const T *V = static_cast<const T *>(A.kv.v);
+    int64_t rows = 0;
+    bool any_w = false;
+    const int64_t t0 = e0 * ps, t1 = e1 * ps;
+    constexpr int VU = 4; /* warp-rows of scores loaded ahead */
+    for (int64_t base0 = t0 + (int64_t)warp * 32; base0 < t1; base0 += (int64_t)nw * 32 * VU) {
+        float zpre[VU][VCH];
+#pragma unroll
+        for (int v = 0; v < VU; v++)
+#pragma unroll
+            for (int g = 0; g < VCH; g++) {
+                const int64_t u = base0 + (int64_t)v * nw * 32 + lane;
+                zpre[v][g] = (g < ng && u < t1) ? zr[g][u] : -CUDART_INF_F;
+            }
+#pragma unroll
+        for (int v = 0; v < VU; v++) {
+            const int64_t base = base0 + (int64_t)v * nw * 32;
+            if (base >= t1) break;
+            const int64_t u = base + lane;
+            float p[VCH];
+            bool any = false;
+#pragma unroll
+            for (int g = 0; g < VCH; g++) {
+                p[g] = 0.f;
+                if (g < ng && u < t1) {
+                    const float zz = zpre[v][g];
+                    p[g] = zz > -CUDART_INF_F ? (float)exp((double)zz - tau[g]) : 0.f;
+                    any |= p[g] > 0.f;
+                }
+            }
+            unsigned mask = __ballot_sync(0xffffffffu, any);
+            if (mask) any_w = true;
+            if (lane == 0) rows += __popc(mask);
+            while (mask) {
+                const int src = __ffs(mask) - 1;
+                mask &= mask - 1;
+                const int rel = (int)(base + src - t0); /* 32-bit division: a split holds < 2^31 tokens */
+                const int64_t e = e0 + rel / ps, slot = rel % ps;
+                const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+                const int64_t phys = A.t.indices[sg.first + lp];
+                const T *vrow = V + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head + slot * A.kv.stride_token;
+                float pg[VCH];
+#pragma unroll
+                for (int g = 0; g < VCH; g++) pg[g] = __shfl_sync(0xffffffffu, p[g], src);
+#pragma unroll
+                for (int c = 0; c < VD; c++) {
+                    const int d = c * 128 + lane * 4;
+                    if (d < D) {
+                        float v4[4];
+                        load4<T>(vrow + d, v4);
+#pragma unroll
+                        for (int g = 0; g < VCH; g++)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) acc[g][c][i] += pg[g] * v4[i];
+                    }
+                }
+            }
+        }
+    }
+    if (lane == 0 && rows) atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
+    if (!any_w) return;
+#pragma unroll
+    for (int g = 0; g < VCH; g++) {
+        if (g < ng) {
+            float *o = A.out + ((int64_t)b * A.H + kvh * A.G + g0 + g) * D;
+#pragma unroll
+            for (int c = 0; c < VD; c++) {
+                const int d = c * 128 + lane * 4;
+                if (d < D)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) atomicAdd(o + d + i, acc[g][c][i]);
+            }
+        }
+    }
+}
+template <typename T>
+void launch_values_t(const value_args &A, int softmax, dim3 grid_dense, dim3 grid_support, cudaStream_t st) {
+    if (softmax) {
+        if (A.D <= 128) values_dense_kernel<T, 1><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+        else if (A.D <= 256) values_dense_kernel<T, 2><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+        else values_dense_kernel<T, VDIM><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+        return;
+    }
+    switch (A.D) {
+    case 64: values_support_kernel<T, 8, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
+    case 128: values_support_kernel<T, 16, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
+    case 256: values_support_kernel<T, 32, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
+    default: values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
+    }
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                  const ekv_page_table *t, int batch, int use_list, float *out) {
+    value_args A;
+    A.kv = *kv;
+    A.t = *t;
+    A.H = prm->num_heads;
+    A.Hk = kv->num_kv_heads;
+    A.G = A.H / A.Hk;
+    A.D = kv->head_dim;
+    A.ps = kv->page_size;
+    A.gchunks = (A.G + VCH - 1) / VCH;
+    A.cap_pages = pl->cap_pages;
+    A.cap_tokens = pl->cap_tokens;
+    A.ccap = pl->cand_cap;
+    A.nsplit = pl->nsplit;
+    A.list_pages = use_list ? pl->list_pages : NULL;
+    A.list_count = use_list ? pl->list_count : NULL;
+    A.alpha = prm->alpha;
+    A.scores = pl->scores;
+    A.tau = pl->tau;
+    A.sup_p = pl->sup_p;
+    A.sup_off = pl->sup_off;
+    A.sup_count = pl->sup_count;
+    A.v_rows = pl->v_rows;
+    A.out = out;
+    const int softmax = prm->alpha == 1.0;
+    const dim3 grid_dense(pl->nsplit, batch * A.Hk * A.gchunks), grid_support(pl->vsplit, batch * A.H);
+    switch (kv->dtype) {
+    case EKV_DTYPE_F16: launch_values_t<__half>(A, softmax, grid_dense, grid_support, pl->stream); break;
+    case EKV_DTYPE_BF16: launch_values_t<__nv_bfloat16>(A, softmax, grid_dense, grid_support, pl->stream); break;
+    default: launch_values_t<float>(A, softmax, grid_dense, grid_support, pl->stream); break;
+    }
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
