@@ -43,19 +43,33 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             const int64_t i = base + k * 32 + lane;
             x[k] = i < c1 ? z[i] : -CUDART_INF_F;
         }
+        /* one atomic per warp and batch, and the page lookups of every candidate in flight at
+         * once: a round trip per 32-token group made this kernel latency-bound */
+        unsigned m[CAND_UNROLL];
+        int tot = 0;
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++) {
-            const bool pass = x[k] > -CUDART_INF_F && (double)x[k] >= lo_z;
-            const unsigned m = __ballot_sync(0xffffffffu, pass);
-            if (!m) continue;
-            int at = 0;
-            if (lane == __ffs(m) - 1) at = atomicAdd(&A.cand_count[row], __popc(m));
-            at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
-            if (pass && at < A.ccap) {
-                const int64_t i = base + k * 32 + lane;
-                A.cand_z[row * A.ccap + at] = x[k];
-                A.cand_off[row * A.ccap + at] = slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps, i);
+            m[k] = __ballot_sync(0xffffffffu, x[k] > -CUDART_INF_F && (double)x[k] >= lo_z);
+            tot += __popc(m[k]);
+        }
+        if (!tot) continue;
+        int64_t off[CAND_UNROLL];
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++)
+            off[k] = (m[k] >> lane) & 1u ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps,
+                                                         base + k * 32 + lane)
+                                          : 0;
+        int at = 0;
+        if (lane == 0) at = atomicAdd(&A.cand_count[row], tot);
+        at = __shfl_sync(0xffffffffu, at, 0);
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const int pos = at + __popc(m[k] & ((1u << lane) - 1));
+            if (((m[k] >> lane) & 1u) && pos < A.ccap) {
+                A.cand_z[row * A.ccap + pos] = x[k];
+                A.cand_off[row * A.ccap + pos] = off[k];
             }
+            at += __popc(m[k]);
         }
     }
 }

@@ -277,7 +277,7 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.cap_pages = pl->cap_pages;
     A.cap_tokens = pl->cap_tokens;
     A.ccap = pl->cand_cap;
-    A.nsplit = pl->nsplit;
+    A.nsplit = pl->nsplit_dense_values;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
     A.alpha = prm->alpha;
@@ -289,7 +289,7 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.v_rows = pl->v_rows;
     A.out = out;
     const int softmax = prm->alpha == 1.0;
-    const dim3 grid_dense(pl->nsplit, batch * A.Hk * A.gchunks), grid_support(pl->vsplit, batch * A.H);
+    const dim3 grid_dense(pl->nsplit_dense_values, batch * A.Hk * A.gchunks), grid_support(pl->vsplit, batch * A.H);
     switch (kv->dtype) {
     case EKV_DTYPE_F16: launch_values_t<__half>(A, softmax, grid_dense, grid_support, pl->stream); break;
     case EKV_DTYPE_BF16: launch_values_t<__nv_bfloat16>(A, softmax, grid_dense, grid_support, pl->stream); break;

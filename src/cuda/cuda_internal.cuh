@@ -31,7 +31,8 @@ struct ekv_cuda_plan {
     ekv_cuda_plan_params p;
     cudaStream_t stream;
     int own_stream;
-    int32_t nsplit;         /* CTAs per list for the attend kernels                       */
+    int32_t nsplit;         /* CTAs per list for the scores and candidates kernels        */
+    int32_t nsplit_dense_values; /* CTAs per list for the softmax values kernel           */
     int64_t cap_pages;      /* max_pages_per_seq                                           */
     int64_t cap_tokens;     /* cap_pages * page_size: score row length                     */
     /* scratch (device) */

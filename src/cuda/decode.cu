@@ -82,11 +82,17 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     int sms = 132;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
     const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
-    /* about 8 blocks per SM over all lists, never more splits than pages */
-    int64_t ns = (8 * (int64_t)sms + B * Hk - 1) / (B * Hk);
+    /* The scores kernel (2 blocks per SM) streams K best in one wave of long-lived blocks:
+     * ramping a block's pipeline up and down costs more than the tail of a single wave. The
+     * softmax values kernel, latency-bound over every row, wants about 8 blocks per SM. Never
+     * more splits than pages. */
+    int64_t ns = 2 * (int64_t)sms / (B * Hk), nsd = (8 * (int64_t)sms + B * Hk - 1) / (B * Hk);
     if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
+    if (nsd > p->max_pages_per_seq) nsd = p->max_pages_per_seq;
     if (ns < 1) ns = 1;
+    if (nsd < 1) nsd = 1;
     pl->nsplit = (int32_t)ns;
+    pl->nsplit_dense_values = (int32_t)nsd;
     pl->cap_pages = p->max_pages_per_seq;
     pl->cap_tokens = pl->cap_pages * p->page_size;
     pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
