@@ -137,10 +137,21 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
     const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + NW - 1) / NW : 0;
     const int64_t ntiles = mine * tpp;
     float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
-    /* tile j of this warp: entry e0 + warp + (j / tpp) NW, rows from (j % tpp) TR */
+    /* tile j of this warp: entry e0 + warp + (j / tpp) NW, rows from (j % tpp) TR; two cursors
+     * (the tile being issued, the tile being reduced) walk them without 64-bit divisions */
+    struct cursor {
+        int64_t e;
+        int r0;
+    };
+    auto advance = [&](cursor &c) {
+        c.r0 += TR;
+        if (c.r0 >= ps) { c.r0 = 0; c.e += NW; }
+    };
+    cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
     auto issue = [&](int64_t j) {
-        const int64_t e = e0 + warp + (j / tpp) * NW;
-        const int r0 = (int)(j % tpp) * TR;
+        const int64_t e = ci.e;
+        const int r0 = ci.r0;
+        advance(ci);
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
         const unsigned char *pbase =
@@ -165,8 +176,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         if (j + SCORE_STAGES - 1 < ntiles) issue(j + SCORE_STAGES - 1);
         cp_async_commit();
         cp_async_wait<SCORE_STAGES - 1>(); /* tile j has landed (groups complete in order) */
-        const int64_t e = e0 + warp + (j / tpp) * NW;
-        const int r0 = (int)(j % tpp) * TR;
+        const int64_t e = cc.e;
+        const int r0 = cc.r0;
+        advance(cc);
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
         const float jbase = (float)(lp * ps - (sg.N - 1));
