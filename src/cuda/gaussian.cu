@@ -26,7 +26,7 @@ struct gm_args {
     double *mu, *sig;
 };
 
-enum { GM_WARPS = EKV_CUDA_THREADS / 32, GM_PAGES = 128, GR_THREADS = 512 };
+enum { GM_WARPS = EKV_CUDA_THREADS / 32, GM_PAGES = 128, GR_THREADS = 1024, GR_UNROLL = 8 };
 
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args A) {
     extern __shared__ float qs[];
@@ -91,11 +91,24 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
         const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
         const double *mu = A.mu + bh * A.cap_pages, *sgm = A.sig + bh * A.cap_pages;
         double s_mu = 0, s_var = 0, s_mu2 = 0, s_u = 0;
-        for (int64_t p = threadIdx.x; p < Ps; p += blockDim.x) {
-            s_mu += mu[p];
-            s_var += sgm[p] * sgm[p];
-            s_mu2 += mu[p] * mu[p];
-            s_u += mu[p] + 1.5 * sgm[p];
+        /* GR_UNROLL pages in flight per thread: one block per list is latency-bound */
+        for (int64_t p0 = threadIdx.x; p0 < Ps; p0 += (int64_t)blockDim.x * GR_UNROLL) {
+            double m[GR_UNROLL], sd[GR_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GR_UNROLL; u++) {
+                const int64_t p = p0 + (int64_t)u * blockDim.x;
+                m[u] = p < Ps ? mu[p] : 0.0;
+                sd[u] = p < Ps ? sgm[p] : 0.0;
+            }
+#pragma unroll
+            for (int u = 0; u < GR_UNROLL; u++) {
+                if (p0 + (int64_t)u * blockDim.x < Ps) {
+                    s_mu += m[u];
+                    s_var += sd[u] * sd[u];
+                    s_mu2 += m[u] * m[u];
+                    s_u += m[u] + 1.5 * sd[u];
+                }
+            }
         }
         s_mu = ekv_block_sum(s_mu, scratch);
         s_var = ekv_block_sum(s_var, scratch);
@@ -115,8 +128,6 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     }
     __syncthreads();
     const int64_t nsc = P > 1 ? Ps : 0; /* pages the rule may take */
-    const int64_t chunk = (nsc + blockDim.x - 1) / blockDim.x;
-    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < nsc ? lo + chunk : nsc;
     auto take = [&](int64_t p) {
         for (int g = 0; g < A.G; g++) {
             const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
@@ -124,16 +135,30 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
         }
         return false;
     };
-    int cnt = 0;
-    for (int64_t p = lo; p < hi; p++) cnt += take(p);
-    int written;
-    int pos = ekv_block_exclusive_scan(cnt, wsum, &written);
+    /* ordered compaction in tiles of GR_THREADS x GR_UNROLL pages, each thread GR_UNROLL
+     * consecutive ones and one block scan per tile (as the top-k select) */
     int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
-    for (int64_t p = lo; p < hi; p++) {
-        const bool t = take(p);
-        if (t) out[pos++] = (int32_t)p;
-        in[p] = t;
+    int written = 0;
+    for (int64_t t0 = 0; t0 < nsc; t0 += (int64_t)blockDim.x * GR_UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * GR_UNROLL;
+        bool tk[GR_UNROLL];
+        int cnt = 0;
+#pragma unroll
+        for (int u = 0; u < GR_UNROLL; u++) {
+            tk[u] = lo + u < nsc && take(lo + u);
+            cnt += tk[u];
+        }
+        int tile_taken;
+        int pos = written + ekv_block_exclusive_scan(cnt, wsum, &tile_taken);
+#pragma unroll
+        for (int u = 0; u < GR_UNROLL; u++) {
+            if (lo + u < nsc) {
+                if (tk[u]) out[pos++] = (int32_t)(lo + u);
+                in[lo + u] = tk[u];
+            }
+        }
+        written += tile_taken;
     }
     if (threadIdx.x == 0) {
         out[written] = (int32_t)(P - 1);
