@@ -29,6 +29,15 @@ __device__ __forceinline__ void zero_step_counters(const score_args &A, int row,
     if (threadIdx.x == 0) A.v_rows[row] = 0;
 }
 
+/* The entries [e0, e1) of this block's split (blockIdx.x) of the list row's round. */
+__device__ __forceinline__ void split_entries(const score_args &A, const ekv_seq_geom &sg, int row, int64_t *e0, int64_t *e1) {
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
+    const int64_t per = (end - begin + A.nsplit - 1) / A.nsplit;
+    *e0 = begin + (int64_t)blockIdx.x * per;
+    *e1 = *e0 + per < end ? *e0 + per : end;
+}
+
 /* q' = a scale q of the group's heads into shared memory ([G][D]) */
 __device__ __forceinline__ void load_group_q(const score_args &A, int b, int kvh, float *qs) {
     for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x) {
@@ -112,10 +121,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
     float *red = qs + G * D;
     zero_step_counters(A, row, b, kvh);
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    int64_t begin, end;
-    entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
-    const int64_t n = end - begin, per = (n + A.nsplit - 1) / A.nsplit;
-    const int64_t e0 = begin + (int64_t)blockIdx.x * per, e1 = e0 + per < end ? e0 + per : end;
+    int64_t e0, e1;
+    split_entries(A, sg, row, &e0, &e1);
     load_group_q(A, b, kvh, qs);
     __syncthreads();
     const int sub = lane / LPR, sl = lane % LPR;
@@ -238,10 +245,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
     zero_step_counters(A, row, b, kvh);
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    int64_t begin, end;
-    entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
-    const int64_t n = end - begin, per = (n + A.nsplit - 1) / A.nsplit;
-    const int64_t e0 = begin + (int64_t)blockIdx.x * per, e1 = e0 + per < end ? e0 + per : end;
+    int64_t e0, e1;
+    split_entries(A, sg, row, &e0, &e1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     load_group_q(A, b, kvh, qs);
     __syncthreads();
