@@ -19,7 +19,7 @@ struct cand_args {
     int32_t *cand_count;
 };
 
-enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 loads in flight per thread: a block covers its split in one pass at 128K */
+enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 loads in flight per thread */
 
 __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     __shared__ float fscratch[32];

@@ -610,7 +610,7 @@ int main(void) {
     /* the case table: every value of every axis appears, in rotating combinations */
     const int dims[] = {64, 128, 256, 72, 40};
     const int groups[] = {1, 4, 8, 16, 2, 3};
-    const int pages[] = {16, 1, 8, 64};
+    const int pages[] = {16, 1, 8, 64, 32};
     const ekv_dtype dts[] = {EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F32};
     const double alphas[] = {1.5, 1.0, 1.25, 2.0, 3.0};
     int n = 0;
@@ -620,7 +620,7 @@ int main(void) {
         c.D = dims[i % 5];
         c.G = groups[(i / 5 + i) % 6];
         c.Hk = 1 + i % 3;
-        c.ps = pages[(i / 2) % 4];
+        c.ps = pages[(i / 2) % 5];
         c.dt = dts[i % 3];
         c.alpha = alphas[(i / 3) % 5];
         c.alibi = i % 4 == 1;
