@@ -281,7 +281,8 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
         int32_t *fl = (int32_t *)malloc((size_t)nh * sizeof(int32_t));
         if (!fl) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory"); }
         e = cudaMemcpy(fl, pl->flags, (size_t)nh * sizeof(int32_t), cudaMemcpyDeviceToHost);
-        if (e == cudaSuccess) e = cudaMemset(pl->flags, 0, (size_t)nh * sizeof(int32_t));
+        /* on the plan's stream: the next step's kernels (which may set flags) come after it */
+        if (e == cudaSuccess) e = cudaMemsetAsync(pl->flags, 0, (size_t)nh * sizeof(int32_t), pl->stream);
         if (e != cudaSuccess) { free(fl); free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
         for (int64_t i = 0; i < nh; i++) r->slow_rows += (fl[i] & 1) != 0;
         free(fl);
