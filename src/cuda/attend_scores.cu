@@ -74,25 +74,6 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-/* 8 elements of a key row held in shared memory (16 or 32 bytes) as fp32 */
-template <typename T> __device__ __forceinline__ void smem8(const unsigned char *p, float *o);
-template <> __device__ __forceinline__ void smem8<__half>(const unsigned char *p, float *o) {
-    const uint4 r = *reinterpret_cast<const uint4 *>(p);
-    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
-#pragma unroll
-    for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
-}
-template <> __device__ __forceinline__ void smem8<__nv_bfloat16>(const unsigned char *p, float *o) {
-    const uint4 r = *reinterpret_cast<const uint4 *>(p);
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
-#pragma unroll
-    for (int i = 0; i < 4; i++) { const float2 f = __bfloat1622float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
-}
-template <> __device__ __forceinline__ void smem8<float>(const unsigned char *p, float *o) {
-    const float4 a = *reinterpret_cast<const float4 *>(p), c = *reinterpret_cast<const float4 *>(p + 16);
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = c.x; o[5] = c.y; o[6] = c.z; o[7] = c.w;
-}
-
 /* Pipeline shape of the scores kernel: each warp streams tiles of TR rows of one page (4 KB:
  * every lane copies 8 elements of U rows) through SCORE_STAGES shared-memory stages, so two
  * tiles are in flight while the third is reduced. A lane reads back only the bytes it copied,
@@ -195,7 +176,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         for (int r = 0; r < U; r++) {
             const int t = r0 + r * RPW + sub;
             float k8[8];
-            if (t < valid) smem8<T>(src + (r * 32 + lane) * EB, k8);
+            if (t < valid) ekv_elem<T>::unpack8(reinterpret_cast<const T *>(src + (r * 32 + lane) * EB), k8);
             else {
 #pragma unroll
                 for (int i = 0; i < 8; i++) k8[i] = 0.f;

@@ -78,29 +78,43 @@ struct ekv_cuda_plan {
         (plan)->launches++;                                                                       \
     } while (0)
 
-/* ---- element loads: 8 consecutive elements as fp32 (16-byte aligned for 16-bit types) ---- */
+/* ---- element loads: 8 consecutive elements as fp32 (16-byte aligned for 16-bit types).
+ * load8 reads global memory through the read-only path; unpack8 converts 8 elements already
+ * loaded (e.g. staged in shared memory by cp.async). ---- */
 template <typename T> struct ekv_elem;
 template <> struct ekv_elem<__half> {
-    static __device__ __forceinline__ void load8(const __half *p, float *o) {
-        uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+    static __device__ __forceinline__ void unpack8(const __half *p, float *o) {
+        const uint4 r = *reinterpret_cast<const uint4 *>(p);
         const __half2 *h = reinterpret_cast<const __half2 *>(&r);
 #pragma unroll
         for (int i = 0; i < 4; i++) { float2 f = __half22float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+    }
+    static __device__ __forceinline__ void load8(const __half *p, float *o) {
+        const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+        unpack8(reinterpret_cast<const __half *>(&r), o);
     }
     static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
     static __device__ __forceinline__ float to(__half x) { return __half2float(x); }
 };
 template <> struct ekv_elem<__nv_bfloat16> {
-    static __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
-        uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+    static __device__ __forceinline__ void unpack8(const __nv_bfloat16 *p, float *o) {
+        const uint4 r = *reinterpret_cast<const uint4 *>(p);
         const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
 #pragma unroll
         for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+    }
+    static __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
+        const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+        unpack8(reinterpret_cast<const __nv_bfloat16 *>(&r), o);
     }
     static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
     static __device__ __forceinline__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 template <> struct ekv_elem<float> {
+    static __device__ __forceinline__ void unpack8(const float *p, float *o) {
+        const float4 a = *reinterpret_cast<const float4 *>(p), b = *(reinterpret_cast<const float4 *>(p) + 1);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    }
     static __device__ __forceinline__ void load8(const float *p, float *o) {
         float4 a = __ldg(reinterpret_cast<const float4 *>(p)), b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
         o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
@@ -174,6 +188,38 @@ __device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *t
     }
     *total = all;
     return before + incl - v;
+}
+
+/* Ordered compaction of one tile of a page list (top-k select, gaussian rule): each thread
+ * holds UNROLL consecutive pages from lo, take[u] says whether page lo + u (< n) is kept. The
+ * kept pages go to out[*written ...] in page order, in[] records membership, and *written
+ * advances by the tile's total (the same in every thread). One block scan per tile. */
+template <int UNROLL>
+__device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, int64_t n, int32_t *out, uint8_t *in,
+                                                 int *written, int *wsum) {
+    int cnt = 0;
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) cnt += lo + u < n && take[u];
+    int tile_taken;
+    int pos = *written + ekv_block_exclusive_scan(cnt, wsum, &tile_taken);
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        if (lo + u < n) {
+            if (take[u]) out[pos++] = (int32_t)(lo + u);
+            in[lo + u] = take[u];
+        }
+    }
+    *written += tile_taken;
+}
+
+/* Closes a round-1 page list of `written` pages: the last page (P - 1) is always read and
+ * always last. One thread. */
+__device__ __forceinline__ void ekv_close_list(int32_t *out, uint8_t *in, int written, int64_t P, int32_t *list_count,
+                                               int row) {
+    out[written] = (int32_t)(P - 1);
+    if (P >= 1) in[P - 1] = 1;
+    list_count[2 * row] = written + 1;
+    list_count[2 * row + 1] = written + 1;
 }
 
 /* Sequence geometry read from the device page table (lengths live in device memory). */

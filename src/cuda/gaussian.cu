@@ -143,29 +143,11 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     for (int64_t t0 = 0; t0 < nsc; t0 += (int64_t)blockDim.x * GR_UNROLL) {
         const int64_t lo = t0 + (int64_t)threadIdx.x * GR_UNROLL;
         bool tk[GR_UNROLL];
-        int cnt = 0;
 #pragma unroll
-        for (int u = 0; u < GR_UNROLL; u++) {
-            tk[u] = lo + u < nsc && take(lo + u);
-            cnt += tk[u];
-        }
-        int tile_taken;
-        int pos = written + ekv_block_exclusive_scan(cnt, wsum, &tile_taken);
-#pragma unroll
-        for (int u = 0; u < GR_UNROLL; u++) {
-            if (lo + u < nsc) {
-                if (tk[u]) out[pos++] = (int32_t)(lo + u);
-                in[lo + u] = tk[u];
-            }
-        }
-        written += tile_taken;
+        for (int u = 0; u < GR_UNROLL; u++) tk[u] = lo + u < nsc && take(lo + u);
+        ekv_compact_tile<GR_UNROLL>(tk, lo, nsc, out, in, &written, wsum);
     }
-    if (threadIdx.x == 0) {
-        out[written] = (int32_t)(P - 1);
-        in[P - 1] = 1;
-        A.list_count[2 * row] = written + 1;
-        A.list_count[2 * row + 1] = written + 1;
-    }
+    if (threadIdx.x == 0) ekv_close_list(out, in, written, P, A.list_count, row);
 }
 
 } // namespace

@@ -121,34 +121,17 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
         int tile_ties;
         int tie_i = ties_seen + ekv_block_exclusive_scan(nties, wsum, &tile_ties);
         bool take[SEL_UNROLL];
-        int ntake = 0;
 #pragma unroll
         for (int u = 0; u < SEL_UNROLL; u++) {
             const int64_t p = lo + u;
             bool t = p < n && (take_all || p < A.sink || p >= sg.P - 1 - A.recent);
             if (p < n && ranked) t |= kk[u] > prefix || (kk[u] == prefix && tie_i++ < remaining);
             take[u] = t;
-            ntake += t;
         }
-        int tile_taken;
-        int pos = written + ekv_block_exclusive_scan(ntake, wsum, &tile_taken);
-#pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++) {
-            const int64_t p = lo + u;
-            if (p < n) {
-                if (take[u]) out[pos++] = (int32_t)p;
-                in[p] = take[u];
-            }
-        }
-        written += tile_taken;
+        ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, in, &written, wsum);
         ties_seen += tile_ties;
     }
-    if (threadIdx.x == 0) {
-        out[written] = (int32_t)(sg.P - 1); /* the last page is always read, always last */
-        if (sg.P >= 1) in[sg.P - 1] = 1;
-        A.list_count[2 * row] = written + 1;
-        A.list_count[2 * row + 1] = written + 1;
-    }
+    if (threadIdx.x == 0) ekv_close_list(out, in, written, sg.P, A.list_count, row);
 }
 
 struct round2_args {
