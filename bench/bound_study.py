@@ -3,10 +3,19 @@ upper bound exceeds the exact alpha = 1.5 tau* of the last query, for the box, t
 "cylinder" (mean + the top principal direction of the page + the residual radius), their min,
 and the exact page max (the floor of any page-level method). Exact arithmetic in float64; the
 rounding slack of the C bounds is left out. Usage: bound_study.py TRACE.safetensors [LAYERS]"""
-import sys, numpy as np
-import os; sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'train'))
-import st_io
-_r = st_io.read(sys.argv[1]); t = _r[0] if isinstance(_r, tuple) else _r
+import argparse
+import os
+import sys
+
+_ap = argparse.ArgumentParser(description=__doc__.split(" Usage:")[0])
+_ap.add_argument("trace", metavar="TRACE.safetensors", help="a trace written by `entmaxkv trace`")
+_ap.add_argument("layers", nargs="?", default="0,3,7", help="comma list of layers (default 0,3,7)")
+ARGS = _ap.parse_args()  # before the numpy import: --help works without numpy
+
+import numpy as np  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'train'))
+import st_io  # noqa: E402
+_r = st_io.read(ARGS.trace); t = _r[0] if isinstance(_r, tuple) else _r
 ps = 16; a = 0.5
 def entmax15_tau(z):
     # exact tau for alpha=1.5 in z-space: p = [z - tau]_+^2
@@ -19,7 +28,7 @@ def entmax15_tau(z):
     ok = zs >= tau
     kk = np.max(np.where(ok)[0]) + 1
     return tau[kk-1]
-for L in [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else '0,3,7').split(',')]:
+for L in [int(x) for x in ARGS.layers.split(',')]:
     K = t[f'l{L}.k'].astype(np.float64); Q = t[f'l{L}.q'].astype(np.float64); sl = t[f'l{L}.alibi_slopes']
     N, Hk, D = K.shape; S, H, _ = Q.shape; G = H // Hk
     P = (N + ps - 1) // ps

@@ -5,6 +5,8 @@
 # same process. Writes bench/out/cpu_dense_*.json and prints a markdown table.
 # Usage: bench/cpu_dense.sh [extra bench options]   (run from the repository root, after
 # ./scripts/build_and_run.sh or cmake --build build)
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=build/entmaxkv

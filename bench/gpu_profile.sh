@@ -7,6 +7,8 @@
 # Each configuration runs H = 32, 32 KV heads, D = 128, fp16, page 16, alpha 1.5 unless its
 # arguments say otherwise (later arguments win). ncu replays each kernel, so the numbers are
 # per kernel, not the step's wall time (which `entmaxkv bench` measures).
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One invocation on the GPU machine: our CUDA bench and the peers (torch SDPA softmax and the
-# paper's reference, through ../shared/bench/peer_gpu.py) over the same shapes, then one
-# side-by-side table (bench/side_by_side.py). Needs a build with -DEKV_CUDA=ON in $BUILD,
+# paper's reference, through peer_gpu.py, a peer script kept outside this repository) over
+# the same shapes, then one side-by-side table (bench/side_by_side.py). Needs a build with -DEKV_CUDA=ON in $BUILD,
 # torch + triton, the reference checkout in .peers/ref and peer_gpu.py in .peers/ (both
-# git-ignored: copy ../shared/bench/peer_gpu.py there before the run).
+# git-ignored: copy the peer script there before the run).
 # Env: LENS (default 32768,131072,524288,1048576), OUT (where JSON goes, default bench/out).
+# Usage: [BUILD=build-gpu] [LENS=...] [OUT=DIR] bench/gpu_side_by_side.sh
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}

@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
 """Plot `entmaxkv eval --json` rows: dropped mass (delta) and support recall against the KV
 fraction read, one line per method. Usage: plot_eval.py EVAL.json OUT.png (needs matplotlib)."""
+import argparse
 import json
-import sys
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main():
-    if len(sys.argv) != 3:
-        sys.exit("usage: plot_eval.py EVAL.json OUT.png")
-    rows = json.load(open(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.split(" Usage:")[0])
+    ap.add_argument("eval_json", metavar="EVAL.json", help="rows of `entmaxkv eval --json`")
+    ap.add_argument("out", metavar="OUT.png", help="the plot to write")
+    args = ap.parse_args()
+    import matplotlib  # here, so that --help works without matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.load(open(args.eval_json))
     methods = sorted({r["method"] for r in rows})
     fig, (ax_d, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
     for m in methods:
@@ -30,7 +32,7 @@ def main():
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(sys.argv[2], dpi=120)
+    fig.savefig(args.out, dpi=120)
 
 
 if __name__ == "__main__":

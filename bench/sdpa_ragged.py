@@ -2,10 +2,18 @@
 sequences with lengths spread evenly from LO to HI (as `entmaxkv bench --batch B --len HI
 --ragged LO`), H heads, D dims, fp16, one query token each. Timed two ways, the better one
 is the peer's number: a loop of per-sequence SDPA calls, and one padded batch with a mask.
-Writes JSON to argv[1]."""
-import json, os, sys
-import torch
-import torch.nn.functional as F
+Writes JSON to OUT. Shapes from the environment: B, H, D, LO, HI (defaults 16, 32, 128, 8192,
+65536). Usage: sdpa_ragged.py OUT.json (needs torch with CUDA)."""
+import argparse
+import json
+import os
+
+_ap = argparse.ArgumentParser(description=__doc__.split(" Usage:")[0])
+_ap.add_argument("out", metavar="OUT.json", help="where the timings go")
+ARGS = _ap.parse_args()  # before the torch import: --help works without torch
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 B = int(os.environ.get("B", 16)); H = int(os.environ.get("H", 32)); D = int(os.environ.get("D", 128))
 LO = int(os.environ.get("LO", 8192)); HI = int(os.environ.get("HI", 65536))
@@ -35,4 +43,4 @@ pad_ms = bench(lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask
 r = {"B": B, "H": H, "D": D, "lens": lens, "sdpa_loop_ms": loop_ms, "sdpa_padded_ms": pad_ms,
      "sdpa_best_ms": min(loop_ms, pad_ms), "device": torch.cuda.get_device_name(0)}
 print(json.dumps(r))
-json.dump(r, open(sys.argv[1], "w"), indent=1)
+json.dump(r, open(ARGS.out, "w"), indent=1)

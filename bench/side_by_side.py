@@ -1,10 +1,17 @@
 """Prints one side-by-side table from the JSON written by bench/gpu_side_by_side.sh: our
-CUDA bench rows (ours_*.json), the peers (peer_h32.json, peer_h8.json from
-../shared/bench/peer_gpu.py) and the ragged SDPA run (sdpa_ragged.py).
+CUDA bench rows (ours_*.json), the peers (peer_h32.json, peer_h8.json from the peer script,
+peer_gpu.py, which is not part of this repository: see bench/gpu_side_by_side.sh) and the
+ragged SDPA run (sdpa_ragged.py).
 Usage: side_by_side.py OUTDIR [RAGGED_JSON]"""
-import json, os, sys
+import argparse
+import json
+import os
 
-d = sys.argv[1]
+_ap = argparse.ArgumentParser(description=__doc__.split("\nUsage:")[0])
+_ap.add_argument("outdir", metavar="OUTDIR", help="the directory bench/gpu_side_by_side.sh wrote")
+_ap.add_argument("ragged", metavar="RAGGED_JSON", nargs="?", help="the JSON of bench/sdpa_ragged.py")
+ARGS = _ap.parse_args()
+d = ARGS.outdir
 def load(name):
     p = os.path.join(d, name)
     if not os.path.exists(p): return None
@@ -43,7 +50,7 @@ if g4d:
     for N in sorted(g4d):
         print(f"{N:>8} dense {f(best(g4d[N]))} ({g4d[N]['roofline_ratio']:.2f})  topk16 {f(best(g4t.get(N)))} "
               f"({g4t[N]['roofline_ratio']:.2f})" if N in g4t else "")
-rag = load(sys.argv[2]) if len(sys.argv) > 2 and os.path.exists(sys.argv[2]) else None
+rag = load(ARGS.ragged) if ARGS.ragged and os.path.exists(ARGS.ragged) else None
 rd, rs, rt = ours("ragged_dense"), ours("ragged_softmax"), ours("ragged_topk16")
 if rd:
     r = next(iter(rd.values()))

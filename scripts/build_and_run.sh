@@ -4,6 +4,9 @@
 # prompt, ending with tokens/s and the fraction of the KV cache each step read.
 # Extra arguments are passed to `entmaxkv run` (see build/entmaxkv run --help), e.g.
 #   ./scripts/build_and_run.sh --method certified --prompt "The LORD said"
+# Usage: ./scripts/build_and_run.sh [entmaxkv run options]
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh

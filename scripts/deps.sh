@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Makes sure the build tools are present (Debian): gcc, make, cmake. Installs them with
 # apt-get when running as root, otherwise says what to install. Sourced by the scripts.
+# Extra arguments name further tools whose Debian package has the same name (pkg-config).
+# Usage: . scripts/deps.sh; ekv_need_tools [TOOL...]   (a library of the other scripts)
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then # run, not sourced: only --help means something
+  case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;; esac
+fi
 ekv_need_tools() {
-  local missing=()
+  local missing=() tool
   command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)
   command -v make >/dev/null 2>&1 || missing+=(make)
   command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  for tool in "$@"; do command -v "$tool" >/dev/null 2>&1 || missing+=("$tool"); done
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing build tools: ${missing[*]}" >&2

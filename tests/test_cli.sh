@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CLI contract checks (DESIGN 4).  Usage: test_cli.sh PATH/TO/entmaxkv
+# CLI contract checks (docs/cli.md).  Usage: test_cli.sh PATH/TO/entmaxkv
 # Exit 0 = every check passed, 1 = a check failed (each failure is printed).
 #   - --help of the tool and of each subcommand: exit 0, usage on stdout;
 #   - bad usage (unknown subcommand/option, bad values): exit 2 and a one-line reason
@@ -15,6 +15,7 @@ if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
     echo "usage: $0 PATH/TO/entmaxkv  (got '${BIN}', not an executable)" >&2
     exit 1
 fi
+BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")" # absolute: some checks run elsewhere
 
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_cli.XXXXXX") || exit 1
 trap 'rm -rf "$TMP"' EXIT
@@ -236,7 +237,7 @@ for line, x in zip(lines, inputs):
             want = d ** (1 / (alpha - 1)) if d > 0 else 0.0
         assert abs(want - pi) < 1e-5, "p=%r but tau gives %r in %s" % (pi, want, line)
 EOF
-        check "entmax --json --alpha $a: JSON lines with p, tau, support consistent with SPEC 0" $?
+        check "entmax --json --alpha $a: JSON lines with p, tau, support consistent with docs/math.md §0" $?
     else
         [ "$(nlines "$OUT")" -eq 4 ] && [ "$(grep -c '^{"p":\[.*\],"tau":[-0-9.eE+]*,"support":[0-9]*}$' "$OUT")" -eq 4 ]
         check "entmax --json --alpha $a: 4 lines of {\"p\":[...],\"tau\":t,\"support\":k}" $?
@@ -346,7 +347,7 @@ for wl in random planted heavy alibi; do
     check_bench_json "$J3" 1 '{"backend":"cpu","method":"topk","alpha":1.5,"len":[512],"heads":4,"kv_heads":2,"dim":32}'
 done
 
-# eval: the JSON rows of DESIGN 4, oracle exact, entmax-topk exact at a full budget
+# eval: the JSON rows of docs/cli.md, oracle exact, entmax-topk exact at a full budget
 J4="$TMP/eval.json"
 run "" eval --workload planted --len 512 --heads 4 --kv-heads 2 --dim 32 --steps 2 --threads 1 \
     --budgets 1/16,1 --json "$J4"
@@ -418,6 +419,61 @@ fi
 run "" bench --len 64 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1 --json "$TMP/no/such/dir/x.json"
 [ "$RC" -eq 1 ] && [ -s "$ERR" ]
 check "bench --json into a missing directory should exit 1 with a message (rc=$RC)" $?
+
+# --json -: the JSON alone on stdout (parseable), the human table on stderr; no file named '-'
+JDIR="$TMP/jsondash"
+mkdir -p "$JDIR"
+for sub in bench eval; do
+    if [ "$sub" = bench ]; then args=(bench --len 64,128 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1)
+    else args=(eval --len 256 --heads 2 --kv-heads 1 --dim 16 --steps 1 --threads 1 --budgets 1/4); fi
+    (cd "$JDIR" && printf '' | $TIMEOUT "$BIN" "${args[@]}" --json - >"$OUT" 2>"$ERR")
+    RC=$?
+    ok=0
+    [ "$RC" -eq 0 ] || ok=1
+    [ ! -e "$JDIR/-" ] || ok=1
+    grep -q 'kv_fraction' "$ERR" || ok=1 # the table's header went to stderr
+    if [ -n "$PY" ]; then
+        $PY -c 'import json, sys; rows = json.load(open(sys.argv[1])); assert isinstance(rows, list) and rows' "$OUT" || ok=1
+    else
+        head -c 1 "$OUT" | grep -q '\[' || ok=1
+    fi
+    check "$sub --json - should write only JSON to stdout and the table to stderr (rc=$RC)" $ok
+    [ $ok -eq 0 ] || show
+done
+
+# trace:FILE@PREFIX with a prefix the file lacks: exit 1, naming the prefixes it has
+if [ -n "$PY" ]; then
+    TL="$TMP/layers.safetensors"
+    $PY "$(dirname "$0")/../bench/make_trace.py" "$TL" 64 2 4 2 16 --prefixes l0.,l3.
+    run "" eval --workload "trace:$TL@layer3." --steps 1 --threads 1
+    [ "$RC" -eq 1 ] && grep -q "layer3\.q" "$ERR" && grep -q '"l0\.", "l3\."' "$ERR"
+    check "eval on a trace with a missing prefix should exit 1 listing l0. and l3. (rc=$RC, '$(head -c 300 "$ERR")')" $?
+    run "" eval --workload "trace:$TL@l3." --steps 1 --threads 1 --budgets 1
+    check "eval on the trace's prefix l3. should exit 0 (rc=$RC, '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+fi
+
+# every script of bench/, scripts/, train/ and tests/golden/ answers --help: usage on stdout,
+# exit 0, and nothing written (run from an empty directory, which must stay empty)
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+HDIR="$TMP/help_cwd"
+mkdir -p "$HDIR"
+for f in "$ROOT"/bench/*.py "$ROOT"/bench/*.sh "$ROOT"/scripts/*.py "$ROOT"/scripts/*.sh "$ROOT"/train/*.py \
+    "$ROOT"/train/*.sh "$ROOT"/tests/golden/*.py "$ROOT"/tests/golden/*.sh; do
+    [ -f "$f" ] || continue
+    case "$f" in
+        *.py) [ -n "$PY" ] || continue; runner=$PY ;;
+        *) runner=bash ;;
+    esac
+    (cd "$HDIR" && PYTHONDONTWRITEBYTECODE=1 $TIMEOUT $runner "$f" --help >"$OUT" 2>"$ERR" </dev/null)
+    RC=$?
+    ok=0
+    [ "$RC" -eq 0 ] || ok=1
+    grep -qi 'usage' "$OUT" || ok=1
+    [ -z "$(ls -A "$HDIR")" ] || ok=1
+    check "${f#"$ROOT"/} --help should print usage and exit 0 without writing files (rc=$RC, left: $(ls -A "$HDIR" | head -3 | tr '\n' ' '))" $ok
+    [ $ok -eq 0 ] || show
+    rm -rf "${HDIR:?}"/* "${HDIR:?}"/.[!.]* 2>/dev/null
+done
 
 echo "test_cli: $CHECKS checks, $FAILS failures"
 [ "$FAILS" -eq 0 ]

@@ -26,7 +26,7 @@ static double rel_diff(const float *a, const float *b, int64_t n) {
     return num / (den > 0 ? den : 1);
 }
 
-static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_attn_method method, double budget) {
+static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_select_method method, double budget) {
     ekv_model_params p = ekv_model_default_params();
     p.max_tokens = 200;
     p.page_size = page;
@@ -69,7 +69,7 @@ int main(void) {
     memcpy(want, tl.data, sizeof(float) * (size_t)(n * V));
 
     /* the config as the file says */
-    ekv_model *m = load(ctx, 16, EKV_DTYPE_F32, EKV_ATTN_DENSE, 1.0 / 16);
+    ekv_model *m = load(ctx, 16, EKV_DTYPE_F32, EKV_SELECT_DENSE, 1.0 / 16);
     if (!m) return test_finish("test_model");
     const ekv_model_config *c = ekv_model_get_config(m);
     CHECK(c->vocab == 256 && c->d_model == 32 && c->n_layers == 2 && c->n_heads == 4 && c->n_kv_heads == 2 &&
@@ -83,7 +83,7 @@ int main(void) {
     /* against numpy, dense, page sizes that put page ends and block ends everywhere */
     const int32_t pages[] = {1, 5, 16, 64};
     for (int i = 0; i < 4; i++) {
-        ekv_model *mp = i == 2 ? m : load(ctx, pages[i], EKV_DTYPE_F32, EKV_ATTN_DENSE, 1.0);
+        ekv_model *mp = i == 2 ? m : load(ctx, pages[i], EKV_DTYPE_F32, EKV_SELECT_DENSE, 1.0);
         CHECK(run(mp, tok, n, 0, got) == 0, "run page %d: %s", pages[i], ekv_last_error(ctx));
         double e = rel_diff(got, want, n * V);
         printf("dense, page %2d: max |logit - numpy| / max |numpy| = %.3g\n", pages[i], e);
@@ -110,7 +110,7 @@ int main(void) {
     /* certified = dense at every step; top-k with every token = dense */
     for (int pass = 0; pass < 2; pass++) {
         for (int one = 0; one < 2; one++) {
-            ekv_model_set_method(m, pass == 0 ? EKV_ATTN_CERTIFIED : EKV_ATTN_TOPK, pass == 0 ? 1.0 / 16 : 1.0);
+            ekv_model_set_method(m, pass == 0 ? EKV_SELECT_CERTIFIED : EKV_SELECT_TOPK, pass == 0 ? 1.0 / 16 : 1.0);
             CHECK(run(m, tok, n, one, got) == 0, "%s run: %s", pass ? "topk" : "certified", ekv_last_error(ctx));
             double e = rel_diff(got, dense, n * V);
             printf("%s%s vs dense: %.3g\n", pass ? "topk budget 1" : "certified 1/16", one ? " (one by one)" : "", e);
@@ -118,7 +118,7 @@ int main(void) {
         }
     }
     ekv_model_stats sc;
-    ekv_model_set_method(m, EKV_ATTN_CERTIFIED, 1.0 / 16);
+    ekv_model_set_method(m, EKV_SELECT_CERTIFIED, 1.0 / 16);
     run(m, tok, n, 0, got);
     ekv_model_get_stats(m, -1, &sc);
     CHECK(sc.lists == n * 2 * 2 && sc.lists_round2 >= 0 && sc.lists_round2 <= sc.lists, "certified lists %lld, round 2 %lld",
@@ -127,21 +127,21 @@ int main(void) {
            (long long)sc.lists, (long long)sc.bytes_read, (long long)sd.bytes_read);
 
     /* top-k at a small budget and gaussian: different from dense, still sane, fewer K bytes */
-    const ekv_attn_method sparse[2] = {EKV_ATTN_TOPK, EKV_ATTN_GAUSSIAN};
+    const ekv_select_method sparse[2] = {EKV_SELECT_TOPK, EKV_SELECT_GAUSSIAN};
     for (int i = 0; i < 2; i++) {
         ekv_model_set_method(m, sparse[i], 1.0 / 8);
-        CHECK(run(m, tok, n, 0, got) == 0, "%s run: %s", ekv_attn_method_name(sparse[i]), ekv_last_error(ctx));
+        CHECK(run(m, tok, n, 0, got) == 0, "%s run: %s", ekv_method_name(sparse[i]), ekv_last_error(ctx));
         ekv_model_stats ss;
         ekv_model_get_stats(m, -1, &ss);
         double e = rel_diff(got, dense, n * V);
         int finite = 1;
         for (int64_t k = 0; k < n * V; k++) finite &= isfinite(got[k]) != 0;
-        printf("%s: vs dense %.3g, kv fraction %.3f (dense %.3f)\n", ekv_attn_method_name(sparse[i]), e,
+        printf("%s: vs dense %.3g, kv fraction %.3f (dense %.3f)\n", ekv_method_name(sparse[i]), e,
                (double)ss.bytes_read / (double)ss.bytes_kv, (double)sd.bytes_read / (double)sd.bytes_kv);
-        CHECK(finite, "%s: logits not finite", ekv_attn_method_name(sparse[i]));
-        CHECK(ss.bytes_read > 0 && ss.bytes_read < ss.bytes_kv, "%s: read %lld of %lld bytes", ekv_attn_method_name(sparse[i]),
+        CHECK(finite, "%s: logits not finite", ekv_method_name(sparse[i]));
+        CHECK(ss.bytes_read > 0 && ss.bytes_read < ss.bytes_kv, "%s: read %lld of %lld bytes", ekv_method_name(sparse[i]),
               (long long)ss.bytes_read, (long long)ss.bytes_kv);
-        if (sparse[i] == EKV_ATTN_TOPK) {
+        if (sparse[i] == EKV_SELECT_TOPK) {
             CHECK(e > 0, "top-k 1/8 equals dense exactly: the test cannot see the method");
             /* blocks and one by one agree for the sparse path too (per-view budgets) */
             float *one = malloc(sizeof(float) * (size_t)(n * V));
@@ -153,7 +153,7 @@ int main(void) {
     }
 
     /* reset gives a fresh sequence: the same logits again */
-    ekv_model_set_method(m, EKV_ATTN_DENSE, 1.0);
+    ekv_model_set_method(m, EKV_SELECT_DENSE, 1.0);
     CHECK(run(m, tok, n, 0, got) == 0 && memcmp(got, dense, sizeof(float) * (size_t)(n * V)) == 0, "rerun after reset");
     CHECK(ekv_model_last_query(m, 1, q2) == EKV_OK && memcmp(q, q2, sizeof q) == 0, "last query after rerun");
     /* the layer's cache holds the sequence */
@@ -165,7 +165,7 @@ int main(void) {
     ekv_model_free(m);
 
     /* f16 KV cache: close to the reference */
-    m = load(ctx, 16, EKV_DTYPE_F16, EKV_ATTN_DENSE, 1.0);
+    m = load(ctx, 16, EKV_DTYPE_F16, EKV_SELECT_DENSE, 1.0);
     if (m) {
         CHECK(run(m, tok, n, 0, got) == 0, "f16 run");
         double e = rel_diff(got, want, n * V);

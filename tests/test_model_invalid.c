@@ -152,9 +152,9 @@ int main(void) {
     p.budget = 0;
     CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_INVALID_ARGUMENT, "budget 0");
     p.budget = 0.5;
-    p.method = (ekv_attn_method)9;
+    p.method = (ekv_select_method)9;
     CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_INVALID_ARGUMENT, "method 9");
-    p.method = EKV_ATTN_DENSE;
+    p.method = EKV_SELECT_DENSE;
     CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_OK, "load: %s", ekv_last_error(ctx));
     if (m) {
         int32_t tok[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, bad = 256, neg = -1;
@@ -167,8 +167,8 @@ int main(void) {
         CHECK(ekv_model_step(m, tok, 11, lg) == EKV_ERR_CACHE_FULL, "past max_tokens");
         CHECK(ekv_model_step(m, tok, 10, lg) == EKV_OK, "up to max_tokens: %s", ekv_last_error(ctx));
         CHECK(ekv_model_step(m, tok, 1, NULL) == EKV_ERR_CACHE_FULL, "full");
-        CHECK(ekv_model_set_method(m, EKV_ATTN_TOPK, 1.5) == EKV_ERR_INVALID_ARGUMENT, "budget 1.5");
-        CHECK(ekv_model_set_method(m, EKV_ATTN_TOPK, NAN) == EKV_ERR_INVALID_ARGUMENT, "budget NaN");
+        CHECK(ekv_model_set_method(m, EKV_SELECT_TOPK, 1.5) == EKV_ERR_INVALID_ARGUMENT, "budget 1.5");
+        CHECK(ekv_model_set_method(m, EKV_SELECT_TOPK, NAN) == EKV_ERR_INVALID_ARGUMENT, "budget NaN");
         ekv_model_stats s;
         CHECK(ekv_model_get_stats(m, 2, &s) == EKV_ERR_INVALID_ARGUMENT && ekv_model_get_stats(m, -2, &s) == EKV_ERR_INVALID_ARGUMENT,
               "stats of a layer that does not exist");
@@ -181,10 +181,10 @@ int main(void) {
         CHECK(ekv_model_step(m, tok, 10, lg) == EKV_OK, "after reset");
         ekv_model_free(m);
     }
-    ekv_attn_method am;
-    CHECK(ekv_attn_method_from_name("certified", &am) == EKV_OK && am == EKV_ATTN_CERTIFIED, "method name");
-    CHECK(ekv_attn_method_from_name("fast", &am) == EKV_ERR_INVALID_ARGUMENT, "unknown method name");
-    CHECK(ekv_attn_method_name((ekv_attn_method)7) == NULL, "name of method 7");
+    ekv_select_method am;
+    CHECK(ekv_method_from_name("certified", &am) == EKV_OK && am == EKV_SELECT_CERTIFIED, "method name");
+    CHECK(ekv_method_from_name("fast", &am) == EKV_ERR_INVALID_ARGUMENT, "unknown method name");
+    CHECK(ekv_method_name((ekv_select_method)7) == NULL, "name of method 7");
     ekv_model_free(NULL);
     free(file);
     ekv_context_free(ctx);

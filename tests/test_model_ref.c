@@ -86,15 +86,15 @@ int main(void) {
         printf("  argmax agrees at %lld of %lld positions\n", (long long)agree, (long long)n);
         if (di == 0) {
             CHECK(agree >= n - 2, "argmax differs at %lld positions", (long long)(n - agree));
-            const ekv_attn_method ms[2] = {EKV_ATTN_CERTIFIED, EKV_ATTN_TOPK};
+            const ekv_select_method ms[2] = {EKV_SELECT_CERTIFIED, EKV_SELECT_TOPK};
             const double bud[2] = {1.0 / 16, 1.0};
             for (int k = 0; k < 2; k++) {
                 ekv_model_set_method(m, ms[k], bud[k]);
                 ekv_model_reset(m);
-                CHECK(ekv_model_step(m, tok, n, got) == EKV_OK, "%s: %s", ekv_attn_method_name(ms[k]), ekv_last_error(ctx));
+                CHECK(ekv_model_step(m, tok, n, got) == EKV_OK, "%s: %s", ekv_method_name(ms[k]), ekv_last_error(ctx));
                 double d = rel_diff(got, dense, n * V);
-                printf("  %s (budget %g) vs dense: %.3g\n", ekv_attn_method_name(ms[k]), bud[k], d);
-                CHECK(d <= 1e-5, "%s differs from dense by %.3g", ekv_attn_method_name(ms[k]), d);
+                printf("  %s (budget %g) vs dense: %.3g\n", ekv_method_name(ms[k]), bud[k], d);
+                CHECK(d <= 1e-5, "%s differs from dense by %.3g", ekv_method_name(ms[k]), d);
             }
         }
         ekv_model_free(m);

@@ -2,9 +2,10 @@
  * entmaxkv bench --backend cuda: times the CUDA decode step on device-resident K/V filled
  * with N(0,1) values (workload random; planted adds a few keys aligned with the query), and
  * reports bytes read, the achieved bandwidth, the device-to-device copy bandwidth measured in
- * the same process (read + write, as bench/peer_gpu.py measures it) and the byte-roofline
- * ratio ms / (bytes_read / copy bandwidth). Steps are timed eagerly with CUDA events and
- * also as a replayed CUDA graph.
+ * the same process (read + write: 2 x bytes copied / time) and the byte-roofline ratio
+ * ms / (bytes_read / copy bandwidth). Steps are timed eagerly with CUDA events and also as a
+ * replayed CUDA graph. The device holds the pages itself (no ekv_cache, which is host
+ * memory), so the K/V layout and page table are built here, not by wl_setup_create.
  */
 extern "C" {
 #include "cli.h"
@@ -94,245 +95,361 @@ static double copy_bandwidth(void) {
     return 2.0 * (double)n / (median(ts) * 1e-3) / 1e9; /* GB/s, read + write */
 }
 
-extern "C" int cli_bench_cuda(const cuda_bench_opts *o) {
-    ekv_context_params cpar = ekv_context_default_params();
-    cpar.n_threads = 1;
+/* Device memory of one length: K/V pages, their statistics, the page table, q and out. */
+struct cuda_len {
+    int64_t len = 0, total_pages = 0, maxP = 0, total_tokens = 0;
+    std::vector<int64_t> lens, indptr;
+    std::vector<int32_t> lpl;
+    std::vector<float> dir; /* planted: the direction shared by the query and 1 in 500 keys */
+    void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *ddir = NULL;
+    float *st_buf = NULL;
+    int32_t *dcount = NULL, *dindices = NULL, *dlpl = NULL;
+    int64_t *dindptr = NULL;
+    ekv_cuda_append_item *ditems = NULL;
+    ekv_paged_kv kv;
+    ekv_page_stats st;
+    ekv_page_table tab;
+};
+
+static void cuda_len_free(cuda_len *c) {
+    cudaFree(c->dk); cudaFree(c->dv); cudaFree(c->st_buf); cudaFree(c->dcount); cudaFree(c->dindptr);
+    cudaFree(c->dindices); cudaFree(c->dlpl); cudaFree(c->dq); cudaFree(c->dout); cudaFree(c->ddir);
+    cudaFree(c->ditems);
+}
+
+/* The host CSR page table: sequence b gets len tokens, or (ragged) a length spread evenly
+ * from --ragged to len; physical pages in order. */
+static int cuda_len_geometry(cuda_len *c, const bench_opts *o, int64_t len) {
+    const int64_t B = o->batch, ps = o->page;
+    c->len = len;
+    c->lens.resize(B); c->indptr.resize(B + 1); c->lpl.resize(B);
+    for (int64_t b = 0; b < B; b++) {
+        c->lens[b] = o->ragged_min && B > 1 ? o->ragged_min + (len - o->ragged_min) * b / (B - 1) : len;
+        const int64_t P = (c->lens[b] + ps - 1) / ps;
+        c->indptr[b] = c->total_pages;
+        c->total_pages += P;
+        c->maxP = std::max(c->maxP, P);
+        c->total_tokens += c->lens[b];
+        c->lpl[b] = (int32_t)(c->lens[b] - (P - 1) * ps);
+    }
+    c->indptr[B] = c->total_pages;
+    if (c->total_pages > INT32_MAX) { fprintf(stderr, "entmaxkv bench: too many pages\n"); return 1; }
+    return 0;
+}
+
+static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
+    const int64_t B = o->batch, H = o->heads, Hk = o->kv_heads, D = o->dim, ps = o->page;
+    const int64_t es = ekv_dtype_size(o->dtype), stride_page = Hk * ps * D, pool = c->total_pages * stride_page;
+    const int64_t stat_n = c->total_pages * Hk * D;
+    fprintf(stderr, "entmaxkv bench: len %lld: filling %.2f GB of K/V on the device\n", (long long)c->len,
+            2.0 * pool * es / 1e9);
+    BC(cudaMalloc(&c->dk, pool * es));
+    BC(cudaMalloc(&c->dv, pool * es));
+    BC(cudaMalloc((void **)&c->st_buf, (4 * stat_n + c->total_pages * Hk) * sizeof(float)));
+    BC(cudaMalloc((void **)&c->dcount, c->total_pages * sizeof(int32_t)));
+    BC(cudaMalloc((void **)&c->dindptr, (B + 1) * sizeof(int64_t)));
+    BC(cudaMalloc((void **)&c->dindices, c->total_pages * sizeof(int32_t)));
+    BC(cudaMalloc((void **)&c->dlpl, B * sizeof(int32_t)));
+    BC(cudaMalloc(&c->dq, B * H * D * sizeof(float)));
+    BC(cudaMalloc(&c->dout, B * H * D * sizeof(float)));
+    BC(cudaMalloc(&c->ddir, D * sizeof(float)));
+    BC(cudaMalloc((void **)&c->ditems, c->total_pages * sizeof(ekv_cuda_append_item)));
+    std::vector<int32_t> indices(c->total_pages);
+    for (int64_t i = 0; i < c->total_pages; i++) indices[i] = (int32_t)i;
+    BC(cudaMemcpy(c->dindptr, c->indptr.data(), (B + 1) * sizeof(int64_t), cudaMemcpyHostToDevice));
+    BC(cudaMemcpy(c->dindices, indices.data(), c->total_pages * sizeof(int32_t), cudaMemcpyHostToDevice));
+    BC(cudaMemcpy(c->dlpl, c->lpl.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+    c->kv = ekv_paged_kv{c->dk, c->dv, o->dtype, (int32_t)ps, (int32_t)Hk, (int32_t)D, c->total_pages, stride_page, ps * D, D};
+    memset(&c->st, 0, sizeof c->st);
+    c->st.kmin = c->st_buf; c->st.kmax = c->st_buf + stat_n; c->st.kmean = c->st_buf + 2 * stat_n;
+    c->st.km2 = c->st_buf + 3 * stat_n; c->st.radius = c->st_buf + 4 * stat_n; c->st.count = c->dcount;
+    c->tab = ekv_page_table{(int32_t)B, c->dindptr, c->dindices, c->dlpl};
+    return 0;
+}
+
+/* K, V and q: N(0, 1); planted adds the shared direction to 1 in 500 keys and to every query. */
+static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
+    const int64_t D = o->dim, qn = o->batch * o->heads * D;
+    const int64_t pool = c->total_pages * o->kv_heads * o->page * D;
+    const int planted = !strcmp(o->workload, "planted");
+    cli_rng rng;
+    cli_rng_seed(&rng, (uint64_t)o->seed);
+    double nrm = 0;
+    c->dir.resize(D);
+    for (int64_t d = 0; d < D; d++) { c->dir[d] = (float)cli_rng_normal(&rng); nrm += c->dir[d] * c->dir[d]; }
+    for (int64_t d = 0; d < D; d++) c->dir[d] = (float)(c->dir[d] / sqrt(nrm) * sqrt((double)D) * 0.5);
+    BC(cudaMemcpy(c->ddir, c->dir.data(), D * sizeof(float), cudaMemcpyHostToDevice));
+    if (fill(c->dk, o->dtype, pool, (uint64_t)o->seed * 3 + 1, planted ? (const float *)c->ddir : NULL, (int)D)) return 1;
+    if (fill(c->dv, o->dtype, pool, (uint64_t)o->seed * 3 + 2, NULL, (int)D)) return 1;
+    fill_f32<<<256, 256>>>((float *)c->dq, qn, (uint64_t)o->seed * 3 + 3);
+    if (planted) { /* every head's query leans towards the planted keys: q += dir */
+        std::vector<float> hq(qn);
+        BC(cudaMemcpy(hq.data(), c->dq, hq.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < hq.size(); i++) hq[i] += c->dir[i % D];
+        BC(cudaMemcpy(c->dq, hq.data(), hq.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    return 0;
+}
+
+/* Summaries of the filled pages: the prefill build (append with no new tokens); its time. */
+static int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, const bench_opts *o, float *build_ms) {
+    std::vector<ekv_cuda_append_item> items(c->total_pages);
+    for (int64_t b = 0; b < o->batch; b++)
+        for (int64_t p = c->indptr[b]; p < c->indptr[b + 1]; p++)
+            items[p] = ekv_cuda_append_item{(int32_t)p, p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->page, 0, 0, 0};
+    BC(cudaMemcpy(c->ditems, items.data(), c->total_pages * sizeof(ekv_cuda_append_item), cudaMemcpyHostToDevice));
+    cudaEvent_t a0, a1;
+    cudaEventCreate(&a0); cudaEventCreate(&a1);
+    cudaEventRecord(a0, 0);
+    ekv_status st = ekv_cuda_append(plan, &c->kv, &c->st, c->ditems, (int32_t)c->total_pages, (const float *)c->dq,
+                                    (const float *)c->dq);
+    if (st) fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+    cudaDeviceSynchronize();
+    cudaEventRecord(a1, 0);
+    cudaEventSynchronize(a1);
+    cudaEventElapsedTime(build_ms, a0, a1);
+    cudaEventDestroy(a0); cudaEventDestroy(a1);
+    BC(cudaGetLastError());
+    return st ? 1 : 0;
+}
+
+/* The step of every method: ekv_cuda_decode picks its stages (certified included). */
+struct cuda_step {
+    ekv_decode_params prm;
+    ekv_select_params sp;
+    const cuda_len *c;
+    ekv_status run(ekv_cuda_plan *plan) const {
+        return ekv_cuda_decode(plan, &prm, &sp, &c->kv, &c->st, &c->tab, (const float *)c->dq, (float *)c->dout);
+    }
+};
+
+/* Eager steps: wall clock from a drained device to the step's end, launches included (ms). */
+static int time_eager(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step, int64_t iters, std::vector<double> &ts) {
+    for (int64_t i = 0; i < iters; i++) {
+        BC(cudaDeviceSynchronize());
+        const double t0 = cli_now_seconds();
+        if (step.run(plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); return 1; }
+        BC(cudaDeviceSynchronize());
+        ts.push_back((cli_now_seconds() - t0) * 1e3);
+    }
+    return 0;
+}
+
+/* The step captured as a CUDA graph on a stream and plan of its own, replayed: median ms
+ * (0 when capture is not possible). */
+static int time_graph(ekv_context *ctx, const ekv_cuda_plan_params &pp, const cuda_step &step, int64_t iters,
+                      double *g_ms) {
+    std::vector<double> tg;
+    cudaStream_t gs;
+    BC(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+    ekv_cuda_plan_params gp = pp;
+    gp.stream = gs;
+    ekv_cuda_plan *gplan = NULL;
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0); cudaEventCreate(&e1);
+    if (ekv_cuda_plan_create(ctx, &gp, &gplan) == EKV_OK) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        BC(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+        ekv_status ss = step.run(gplan);
+        BC(cudaStreamEndCapture(gs, &g));
+        if (!ss && cudaGraphInstantiate(&ge, g, 0) == cudaSuccess) {
+            for (int i = 0; i < 5; i++) cudaGraphLaunch(ge, gs);
+            BC(cudaStreamSynchronize(gs));
+            for (int64_t i = 0; i < iters; i++) {
+                BC(cudaEventRecord(e0, gs));
+                BC(cudaGraphLaunch(ge, gs));
+                BC(cudaEventRecord(e1, gs));
+                BC(cudaEventSynchronize(e1));
+                float ms = 0;
+                cudaEventElapsedTime(&ms, e0, e1);
+                tg.push_back(ms);
+            }
+            cudaGraphExecDestroy(ge);
+        }
+        cudaGraphDestroy(g);
+        ekv_cuda_plan_free(gplan);
+    }
+    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    cudaStreamDestroy(gs);
+    *g_ms = median(tg);
+    return 0;
+}
+
+/* What one length measured, for the table and the JSON. */
+struct cuda_result {
+    double ms, msmin, g_ms, sup_mean;
+    float build_ms;
+    int64_t kbytes, vbytes, summary, scores, round2, budget, iters;
+    ekv_cuda_report rep;
+};
+
+/* Bytes: K of the listed tokens, V rows read, summaries read by the bound, and the score
+ * traffic (written once; entmax reads it once for the candidates, softmax twice: log-sum-exp
+ * and values). The summary bytes per page follow the kernels of each stage (src/cuda). */
+static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector<int32_t> &r1,
+                       const std::vector<int32_t> &r2, const std::vector<int64_t> &vrows, cuda_result *r) {
+    const int64_t Hk = o->kv_heads, D = o->dim, es = ekv_dtype_size(o->dtype);
+    const int listed = o->method != EKV_SELECT_DENSE, cert = o->method == EKV_SELECT_CERTIFIED;
+    const int64_t per_page = D * 4 * (cert ? 3 : 2) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
+    int64_t ktok = 0, vrow = 0;
+    r->round2 = 0;
+    for (int64_t l = 0; l < o->batch * Hk; l++) {
+        const int64_t b = l / Hk, P = c->indptr[b + 1] - c->indptr[b];
+        const int64_t pages = listed ? r1[l] + r2[l] : P;
+        ktok += std::min(pages * o->page, c->lens[b]);
+        vrow += vrows[l];
+        r->round2 += r2[l];
+    }
+    r->summary = 0;
+    if (listed)
+        for (int64_t b = 0; b < o->batch; b++) r->summary += (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
+    r->kbytes = ktok * D * es;
+    r->vbytes = vrow * D * es;
+    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->heads / Hk)) * 4;
+}
+
+/* One more step, then its report: support, V rows and the pages of each round. */
+static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step, const bench_opts *o,
+                        const cuda_len *c, cuda_result *r) {
+    const int64_t BH = o->batch * o->heads, BHk = o->batch * o->kv_heads;
+    std::vector<double> tau(BH);
+    std::vector<int64_t> sup(BH), vrows(BHk);
+    std::vector<int32_t> r1(BHk), r2(BHk);
+    memset(&r->rep, 0, sizeof r->rep);
+    r->rep.tau = tau.data(); r->rep.support = sup.data(); r->rep.v_rows = vrows.data();
+    r->rep.pages_round1 = r1.data(); r->rep.pages_round2 = r2.data();
+    if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->batch, &r->rep)) {
+        fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+        return 1;
+    }
+    r->rep.tau = NULL; r->rep.support = NULL; r->rep.v_rows = NULL; /* the vectors die here */
+    r->rep.pages_round1 = r->rep.pages_round2 = NULL;
+    r->sup_mean = 0;
+    for (int64_t i = 0; i < BH; i++) r->sup_mean += (double)sup[i] / (double)BH;
+    cuda_bytes(o, c, r1, r2, vrows, r);
+    return 0;
+}
+
+static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, double bw, int li, const cuda_len *c,
+                            const cuda_result *r, const cli_out *out) {
+    const int64_t Hk = o->kv_heads, D = o->dim, es = ekv_dtype_size(o->dtype);
+    const int64_t bytes = r->kbytes + r->vbytes + r->summary + r->scores;
+    const double best = r->g_ms > 0 ? std::min(r->ms, r->g_ms) : r->ms;
+    const double gbps = bytes / (best * 1e-3) / 1e9;
+    const double roof = best / (bytes / (bw * 1e9) * 1e3);
+    const double kvfrac = (double)bytes / (double)(2 * c->total_tokens * Hk * D * es);
+    if (r->rep.slow_rows)
+        fprintf(stderr, "entmaxkv bench: %lld query heads overflowed the tau candidate lists (whole-row path)\n",
+                (long long)r->rep.slow_rows);
+    fprintf(out->text, "%9lld %9.4f %9.4f %9.4f %13lld %8.0f %9.2f %9.4f %8d %9.1f\n", (long long)c->len, r->ms, r->msmin,
+            r->g_ms, (long long)bytes, gbps, roof, kvfrac, r->rep.launches, r->sup_mean);
+    fflush(out->text);
+    if (!out->json) return;
+    fprintf(out->json,
+            "%s  {\"backend\":\"cuda\",\"device\":\"%s\",\"method\":\"%s\",\"alpha\":%g,\"len\":%lld,\"batch\":%lld,"
+            "\"ragged_min\":%lld,\"total_tokens\":%lld,\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,"
+            "\"dtype\":\"%s\",\"workload\":\"%s\",\"budget_tokens\":%lld,\"ms_median\":%.5f,\"ms_min\":%.5f,"
+            "\"ms_graph_median\":%.5f,\"bytes_read\":%lld,\"bytes_k\":%lld,\"bytes_v\":%lld,"
+            "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
+            "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
+            "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld}",
+            li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len, (long long)o->batch,
+            (long long)o->ragged_min, (long long)c->total_tokens, (long long)o->heads, (long long)Hk, (long long)D,
+            (long long)o->page, ekv_dtype_name(o->dtype), o->workload, (long long)r->budget, r->ms, r->msmin, r->g_ms,
+            (long long)bytes, (long long)r->kbytes, (long long)r->vbytes, (long long)r->summary, (long long)r->scores,
+            gbps, bw, roof, kvfrac, r->rep.launches, r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
+            (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters);
+}
+
+/* The decode parameters of a run (the budget is set per length). */
+static void cuda_params(const bench_opts *o, ekv_decode_params *prm, ekv_select_params *sp) {
+    *prm = ekv_decode_default_params();
+    prm->num_heads = (int32_t)o->heads;
+    prm->alpha = o->alpha;
+    *sp = ekv_select_default_params();
+    sp->method = o->method;
+    sp->budget_tokens = 1;
+}
+
+/* The timed steps of one length on a filled device cache. */
+static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_result *r) {
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_batch = (int32_t)o->batch; pp.num_heads = (int32_t)o->heads; pp.num_kv_heads = (int32_t)o->kv_heads;
+    pp.head_dim = (int32_t)o->dim; pp.page_size = (int32_t)o->page; pp.max_pages_per_seq = c->maxP;
+    ekv_cuda_plan *plan = NULL;
+    if (ekv_cuda_plan_create(ctx, &pp, &plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); return 1; }
+    cuda_step step;
+    cuda_params(o, &step.prm, &step.sp);
+    step.c = c;
+    r->budget = o->budget_tokens ? o->budget_tokens : (int64_t)floor(o->budget * (double)c->len);
+    step.sp.budget_tokens = r->budget;
+    if (o->method == EKV_SELECT_DENSE) r->budget = 0; /* the JSON's "no budget" */
+    /* the GPU protocol: the median of at least 50 steps after at least 5 */
+    const int64_t iters = std::max<int64_t>(o->iters, 50), warmup = std::max<int64_t>(o->warmup, 5);
+    r->iters = iters;
+    std::vector<double> ts;
+    ekv_cuda_report clear;
+    memset(&clear, 0, sizeof clear);
+    int rc = cuda_summaries(ctx, plan, c, o, &r->build_ms);
+    for (int64_t i = 0; !rc && i < warmup; i++)
+        if (step.run(plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); rc = 1; }
+    if (!rc) rc = ekv_cuda_read_report(plan, (int32_t)o->batch, &clear) ? 1 : 0; /* counters from here */
+    if (!rc) rc = time_eager(ctx, plan, step, iters, ts);
+    if (!rc) rc = time_graph(ctx, pp, step, iters, &r->g_ms);
+    if (!rc) rc = cuda_measure(ctx, plan, step, o, c, r);
+    if (!rc) {
+        r->ms = median(ts);
+        r->msmin = *std::min_element(ts.begin(), ts.end());
+    }
+    ekv_cuda_plan_free(plan);
+    return rc;
+}
+
+/* Whether the CUDA backend runs this method: the library's own check (exit 2 if not). */
+static int cuda_supported(ekv_context *ctx, const bench_opts *o) {
+    ekv_decode_params prm;
+    ekv_select_params sp;
+    cuda_params(o, &prm, &sp);
+    if (ekv_decode_supported(ctx, EKV_BACKEND_CUDA, &prm, &sp) == EKV_OK) return 0;
+    fprintf(stderr, "entmaxkv bench: --backend cuda --method %s: %s\n", ekv_method_name(o->method), ekv_last_error(ctx));
+    return CLI_USAGE;
+}
+
+extern "C" int cli_bench_cuda(const bench_opts *o) {
     ekv_context *ctx = NULL;
-    if (ekv_context_create(&cpar, &ctx)) { fprintf(stderr, "entmaxkv bench: cannot create a context\n"); return 1; }
+    int rc = cli_context("bench", 1, EKV_ISA_AUTO, &ctx);
+    if (rc) return rc;
     int32_t ndev = 0;
     ekv_cuda_device_count(ctx, &ndev);
     if (!ndev) { fprintf(stderr, "entmaxkv bench: --backend cuda: no CUDA device found\n"); ekv_context_free(ctx); return 1; }
+    rc = cuda_supported(ctx, o);
+    cli_out out;
+    if (!rc) rc = cli_out_open(&out, "bench", o->json);
+    if (rc) { ekv_context_free(ctx); return rc; }
     cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
     const double bw = copy_bandwidth();
-    const int planted = !strcmp(o->workload, "planted");
-    const int certified = !strcmp(o->method, "certified"), gauss = !strcmp(o->method, "gaussian");
-    const int topk = !strcmp(o->method, "topk") || gauss; /* a page list, one round */
-    const int64_t B = o->batch, H = o->heads, Hk = o->kv_heads, D = o->dim, ps = o->page;
-    const int64_t es = ekv_dtype_size(o->dtype);
-    printf("# backend=cuda device=\"%s\" copy_bw=%.0f GB/s (read+write) method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s%s\n",
-           prop.name, bw, o->method, o->alpha, ekv_dtype_name(o->dtype), (long long)B, (long long)H, (long long)Hk,
-           (long long)D, (long long)ps, o->workload, o->ragged_min ? " ragged" : "");
-    printf("%9s %9s %9s %9s %13s %8s %9s %9s %8s %9s\n", "len", "ms_median", "ms_min", "ms_graph", "bytes_read", "GB/s",
-           "roofline", "kv_frac", "launches", "support");
-    FILE *jf = NULL;
-    if (o->json) {
-        jf = fopen(o->json, "w");
-        if (!jf) { fprintf(stderr, "entmaxkv bench: cannot write %s\n", o->json); ekv_context_free(ctx); return 1; }
-        fprintf(jf, "[\n");
-    }
-    int rc = 0;
+    fprintf(out.text, "# backend=cuda device=\"%s\" copy_bw=%.0f GB/s (read+write) method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s%s\n",
+            prop.name, bw, ekv_method_name(o->method), o->alpha, ekv_dtype_name(o->dtype), (long long)o->batch,
+            (long long)o->heads, (long long)o->kv_heads, (long long)o->dim, (long long)o->page, o->workload,
+            o->ragged_min ? " ragged" : "");
+    fprintf(out.text, "%9s %9s %9s %9s %13s %8s %9s %9s %8s %9s\n", "len", "ms_median", "ms_min", "ms_graph", "bytes_read",
+            "GB/s", "roofline", "kv_frac", "launches", "support");
+    if (out.json) fprintf(out.json, "[\n");
     for (int li = 0; li < o->nlens && !rc; li++) {
-        const int64_t len = o->lens[li];
-        std::vector<int64_t> lens(B), indptr(B + 1);
-        std::vector<int32_t> lpl(B);
-        int64_t total_pages = 0, maxP = 0, total_tokens = 0;
-        for (int64_t b = 0; b < B; b++) {
-            lens[b] = o->ragged_min && B > 1 ? o->ragged_min + (len - o->ragged_min) * b / (B - 1) : len;
-            const int64_t P = (lens[b] + ps - 1) / ps;
-            indptr[b] = total_pages;
-            total_pages += P;
-            maxP = std::max(maxP, P);
-            total_tokens += lens[b];
-            lpl[b] = (int32_t)(lens[b] - (P - 1) * ps);
-        }
-        indptr[B] = total_pages;
-        if (total_pages > INT32_MAX) { fprintf(stderr, "entmaxkv bench: too many pages\n"); rc = 1; break; }
-        std::vector<int32_t> indices(total_pages);
-        for (int64_t i = 0; i < total_pages; i++) indices[i] = (int32_t)i;
-        const int64_t stride_page = Hk * ps * D, pool = total_pages * stride_page;
-        void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *ddir = NULL;
-        float *st_buf = NULL;
-        int32_t *dcount = NULL;
-        int64_t *dindptr = NULL;
-        int32_t *dindices = NULL, *dlpl = NULL;
-        ekv_cuda_append_item *ditems = NULL;
-        fprintf(stderr, "entmaxkv bench: len %lld: filling %.2f GB of K/V on the device\n", (long long)len,
-                2.0 * pool * es / 1e9);
-        BC(cudaMalloc(&dk, pool * es));
-        BC(cudaMalloc(&dv, pool * es));
-        const int64_t stat_n = total_pages * Hk * D;
-        BC(cudaMalloc((void **)&st_buf, (4 * stat_n + total_pages * Hk) * sizeof(float)));
-        BC(cudaMalloc((void **)&dcount, total_pages * sizeof(int32_t)));
-        BC(cudaMalloc((void **)&dindptr, (B + 1) * sizeof(int64_t)));
-        BC(cudaMalloc((void **)&dindices, total_pages * sizeof(int32_t)));
-        BC(cudaMalloc((void **)&dlpl, B * sizeof(int32_t)));
-        BC(cudaMalloc(&dq, B * H * D * sizeof(float)));
-        BC(cudaMalloc(&dout, B * H * D * sizeof(float)));
-        BC(cudaMalloc(&ddir, D * sizeof(float)));
-        BC(cudaMalloc((void **)&ditems, total_pages * sizeof(ekv_cuda_append_item)));
-        /* planted: a direction shared by the query and 1 in 500 keys */
-        std::vector<float> dir(D);
-        cli_rng rng;
-        cli_rng_seed(&rng, (uint64_t)o->seed);
-        double nrm = 0;
-        for (int64_t d = 0; d < D; d++) { dir[d] = (float)cli_rng_normal(&rng); nrm += dir[d] * dir[d]; }
-        for (int64_t d = 0; d < D; d++) dir[d] = (float)(dir[d] / sqrt(nrm) * sqrt((double)D) * 0.5);
-        BC(cudaMemcpy(ddir, dir.data(), D * sizeof(float), cudaMemcpyHostToDevice));
-        if (fill(dk, o->dtype, pool, (uint64_t)o->seed * 3 + 1, planted ? (const float *)ddir : NULL, (int)D)) { rc = 1; break; }
-        if (fill(dv, o->dtype, pool, (uint64_t)o->seed * 3 + 2, NULL, (int)D)) { rc = 1; break; }
-        fill_f32<<<256, 256>>>((float *)dq, B * H * D, (uint64_t)o->seed * 3 + 3);
-        if (planted) { /* every head's query leans towards the planted keys: q += dir */
-            std::vector<float> hq(B * H * D);
-            BC(cudaMemcpy(hq.data(), dq, hq.size() * sizeof(float), cudaMemcpyDeviceToHost));
-            for (size_t i = 0; i < hq.size(); i++) hq[i] += dir[i % D];
-            BC(cudaMemcpy(dq, hq.data(), hq.size() * sizeof(float), cudaMemcpyHostToDevice));
-        }
-        BC(cudaMemcpy(dindptr, indptr.data(), (B + 1) * sizeof(int64_t), cudaMemcpyHostToDevice));
-        BC(cudaMemcpy(dindices, indices.data(), total_pages * sizeof(int32_t), cudaMemcpyHostToDevice));
-        BC(cudaMemcpy(dlpl, lpl.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
-        ekv_paged_kv kv = {dk, dv, o->dtype, (int32_t)ps, (int32_t)Hk, (int32_t)D, total_pages, stride_page, ps * D, D};
-        ekv_page_stats st;
-        memset(&st, 0, sizeof st);
-        st.kmin = st_buf; st.kmax = st_buf + stat_n; st.kmean = st_buf + 2 * stat_n; st.km2 = st_buf + 3 * stat_n;
-        st.radius = st_buf + 4 * stat_n; st.count = dcount;
-        ekv_page_table tab = {(int32_t)B, dindptr, dindices, dlpl};
-        ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-        pp.max_batch = (int32_t)B; pp.num_heads = (int32_t)H; pp.num_kv_heads = (int32_t)Hk; pp.head_dim = (int32_t)D;
-        pp.page_size = (int32_t)ps; pp.max_pages_per_seq = maxP;
-        ekv_cuda_plan *plan = NULL;
-        if (ekv_cuda_plan_create(ctx, &pp, &plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); rc = 1; goto next; }
-        {
-            /* summaries of the filled pages: the prefill build (append with no new tokens) */
-            std::vector<ekv_cuda_append_item> items(total_pages);
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t p = indptr[b]; p < indptr[b + 1]; p++)
-                    items[p] = ekv_cuda_append_item{(int32_t)p, p + 1 == indptr[b + 1] ? lpl[b] : (int32_t)ps, 0, 0, 0};
-            BC(cudaMemcpy(ditems, items.data(), total_pages * sizeof(ekv_cuda_append_item), cudaMemcpyHostToDevice));
-            cudaEvent_t a0, a1;
-            cudaEventCreate(&a0); cudaEventCreate(&a1);
-            cudaEventRecord(a0, 0);
-            if (ekv_cuda_append(plan, &kv, &st, ditems, (int32_t)total_pages, (const float *)dq, (const float *)dq)) {
-                fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); rc = 1; goto next;
-            }
-            BC(cudaDeviceSynchronize());
-            cudaEventRecord(a1, 0);
-            cudaEventSynchronize(a1);
-            float build_ms = 0;
-            cudaEventElapsedTime(&build_ms, a0, a1);
-            cudaEventDestroy(a0); cudaEventDestroy(a1);
-            ekv_decode_params prm = ekv_decode_default_params();
-            prm.num_heads = (int32_t)H;
-            prm.alpha = o->alpha;
-            ekv_select_params sp = ekv_select_default_params();
-            sp.method = gauss ? EKV_SELECT_GAUSSIAN : topk || certified ? EKV_SELECT_TOPK : EKV_SELECT_DENSE;
-            const int64_t budget = o->budget_tokens ? o->budget_tokens : (int64_t)floor(o->budget * (double)len);
-            sp.budget_tokens = budget;
-            auto step = [&]() -> ekv_status {
-                return certified ? ekv_cuda_decode_certified(plan, &prm, &sp, &kv, &st, &tab, (const float *)dq, (float *)dout)
-                                 : ekv_cuda_decode(plan, &prm, &sp, &kv, &st, &tab, (const float *)dq, (float *)dout);
-            };
-            cudaEvent_t e0, e1;
-            cudaEventCreate(&e0); cudaEventCreate(&e1);
-            for (int64_t i = 0; i < o->warmup; i++)
-                if (step()) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); rc = 1; goto next; }
-            std::vector<double> ts, tg;
-            ekv_cuda_report rep;
-            memset(&rep, 0, sizeof rep);
-            if (ekv_cuda_read_report(plan, (int32_t)B, &rep)) { rc = 1; goto next; }
-            /* eager: wall clock from a drained device to the step's end, launches included */
-            for (int64_t i = 0; i < o->iters; i++) {
-                BC(cudaDeviceSynchronize());
-                const double t0 = cli_now_seconds();
-                if (step()) { rc = 1; goto next; }
-                BC(cudaDeviceSynchronize());
-                ts.push_back((cli_now_seconds() - t0) * 1e3);
-            }
-            /* graph: capture the step on a stream of our own (a second plan shares nothing) */
-            double g_ms = 0;
-            {
-                cudaStream_t gs;
-                BC(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
-                ekv_cuda_plan_params gp = pp;
-                gp.stream = gs;
-                ekv_cuda_plan *gplan = NULL;
-                if (ekv_cuda_plan_create(ctx, &gp, &gplan) == EKV_OK) {
-                    cudaGraph_t g;
-                    cudaGraphExec_t ge;
-                    BC(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
-                    ekv_status ss = certified ? ekv_cuda_decode_certified(gplan, &prm, &sp, &kv, &st, &tab, (const float *)dq, (float *)dout)
-                                              : ekv_cuda_decode(gplan, &prm, &sp, &kv, &st, &tab, (const float *)dq, (float *)dout);
-                    BC(cudaStreamEndCapture(gs, &g));
-                    if (!ss && cudaGraphInstantiate(&ge, g, 0) == cudaSuccess) {
-                        for (int i = 0; i < 5; i++) cudaGraphLaunch(ge, gs);
-                        BC(cudaStreamSynchronize(gs));
-                        for (int64_t i = 0; i < o->iters; i++) {
-                            BC(cudaEventRecord(e0, gs));
-                            BC(cudaGraphLaunch(ge, gs));
-                            BC(cudaEventRecord(e1, gs));
-                            BC(cudaEventSynchronize(e1));
-                            float ms = 0;
-                            cudaEventElapsedTime(&ms, e0, e1);
-                            tg.push_back(ms);
-                        }
-                        cudaGraphExecDestroy(ge);
-                    }
-                    cudaGraphDestroy(g);
-                    ekv_cuda_plan_free(gplan);
-                }
-                cudaStreamDestroy(gs);
-                g_ms = median(tg);
-            }
-            cudaEventDestroy(e0); cudaEventDestroy(e1);
-            std::vector<double> tau(B * H);
-            std::vector<int64_t> sup(B * H), vrows(B * Hk);
-            std::vector<int32_t> r1(B * Hk), r2(B * Hk);
-            rep.tau = tau.data(); rep.support = sup.data(); rep.v_rows = vrows.data();
-            rep.pages_round1 = r1.data(); rep.pages_round2 = r2.data();
-            if (step() || ekv_cuda_read_report(plan, (int32_t)B, &rep)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); rc = 1; goto next; }
-            /* bytes: K of the listed tokens, V rows read, summaries read by the bound, and the
-             * score traffic (written once; entmax reads it once for the candidates, softmax twice:
-             * log-sum-exp and values) */
-            int64_t ktok = 0, vrow = 0, round2 = 0;
-            double sup_mean = 0;
-            for (int64_t l = 0; l < B * Hk; l++) {
-                const int64_t b = l / Hk, P = indptr[b + 1] - indptr[b];
-                const int64_t pages = (topk || certified) ? r1[l] + r2[l] : P;
-                ktok += std::min(pages * ps, lens[b]);
-                vrow += vrows[l];
-                round2 += r2[l];
-            }
-            for (int64_t i = 0; i < B * H; i++) sup_mean += (double)sup[i] / (double)(B * H);
-            int64_t summary = 0;
-            if (topk || certified)
-                for (int64_t b = 0; b < B; b++)
-                    summary += (indptr[b + 1] - indptr[b] - 1) * Hk * (D * 4 * (certified ? 3 : 2) + (certified ? 4 : gauss ? 4 : 0));
-            const int64_t kbytes = ktok * D * es, vbytes = vrow * D * es;
-            const int64_t scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (H / Hk)) * 4;
-            if (rep.slow_rows)
-                fprintf(stderr, "entmaxkv bench: %lld query heads overflowed the tau candidate lists (whole-row path)\n",
-                        (long long)rep.slow_rows);
-            const int64_t bytes = kbytes + vbytes + summary + scores;
-            const double ms = median(ts), msmin = *std::min_element(ts.begin(), ts.end());
-            const double best = g_ms > 0 ? std::min(ms, g_ms) : ms;
-            const double gbps = bytes / (best * 1e-3) / 1e9;
-            const double roof = best / (bytes / (bw * 1e9) * 1e3);
-            const double kvfrac = (double)bytes / (double)(2 * total_tokens * Hk * D * es);
-            printf("%9lld %9.4f %9.4f %9.4f %13lld %8.0f %9.2f %9.4f %8d %9.1f\n", (long long)len, ms, msmin, g_ms,
-                   (long long)bytes, gbps, roof, kvfrac, rep.launches, sup_mean);
-            if (jf)
-                fprintf(jf,
-                        "%s  {\"backend\":\"cuda\",\"device\":\"%s\",\"method\":\"%s\",\"alpha\":%g,\"len\":%lld,\"batch\":%lld,"
-                        "\"ragged_min\":%lld,\"total_tokens\":%lld,\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,"
-                        "\"dtype\":\"%s\",\"workload\":\"%s\",\"budget_tokens\":%lld,\"ms_median\":%.5f,\"ms_min\":%.5f,"
-                        "\"ms_graph_median\":%.5f,\"bytes_read\":%lld,\"bytes_k\":%lld,\"bytes_v\":%lld,"
-                        "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
-                        "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
-                        "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld}",
-                        li ? ",\n" : "", prop.name, o->method, o->alpha, (long long)len, (long long)B, (long long)o->ragged_min,
-                        (long long)total_tokens, (long long)H, (long long)Hk, (long long)D, (long long)ps,
-                        ekv_dtype_name(o->dtype), o->workload, (long long)((topk || certified) ? budget : 0), ms, msmin,
-                        g_ms, (long long)bytes, (long long)kbytes, (long long)vbytes, (long long)summary,
-                        (long long)scores, gbps, bw, roof, kvfrac, rep.launches, sup_mean, (long long)round2,
-                        (long long)rep.lists_round2, (long long)rep.slow_rows, build_ms, (long long)o->iters);
-            fflush(stdout);
-        }
-    next:
-        ekv_cuda_plan_free(plan);
-        cudaFree(dk); cudaFree(dv); cudaFree(st_buf); cudaFree(dcount); cudaFree(dindptr); cudaFree(dindices);
-        cudaFree(dlpl); cudaFree(dq); cudaFree(dout); cudaFree(ddir); cudaFree(ditems);
+        cuda_len c;
+        cuda_result r;
+        memset(&r, 0, sizeof r);
+        rc = cuda_len_geometry(&c, o, o->lens[li]);
+        if (!rc) rc = cuda_len_alloc(&c, o);
+        if (!rc) rc = cuda_len_fill(&c, o);
+        if (!rc) rc = cuda_time(ctx, o, &c, &r);
+        if (!rc) cuda_report_row(o, prop, bw, li, &c, &r, &out);
+        cuda_len_free(&c);
     }
-    if (jf) { fprintf(jf, "\n]\n"); fclose(jf); }
+    if (out.json) fprintf(out.json, "\n]\n");
+    if (cli_out_close(&out, "bench") && !rc) rc = 1;
     ekv_context_free(ctx);
     return rc;
 }

@@ -33,6 +33,14 @@ void cli_fill_normal(cli_rng *r, float *x, int64_t n);
 /* Read bandwidth of this machine with `threads` threads over a buffer of `bytes`. GB/s. */
 double cli_read_bandwidth_probe(int threads, int64_t bytes);
 
+/* --json FILE: the JSON goes to FILE, or to stdout when FILE is "-"; the human-readable
+ * table goes to stdout, or to stderr when the JSON has stdout (so `--json - | jq` works). */
+typedef struct { FILE *json, *text; } cli_out;
+/* path NULL = no JSON (json stays NULL). Prints why not and returns 1 on failure. */
+int cli_out_open(cli_out *o, const char *sub, const char *path);
+/* Closes the JSON file (never stdout); prints why and returns 1 if writing it failed. */
+int cli_out_close(cli_out *o, const char *sub);
+
 /* Synthetic workloads (tools/workload.c). */
 typedef enum { WL_RANDOM = 0, WL_PLANTED = 1, WL_HEAVY = 2, WL_ALIBI = 3, WL_TRACE = 4 } wl_kind;
 typedef struct {
@@ -47,39 +55,79 @@ typedef struct {
     int64_t trace_len, trace_steps, next_step;
     int has_slopes;
 } wl_state;
-/* Opens trace:FILE[@prefix] (see tools/workload.c for the layout) into w, setting its shapes.
- * Returns 0, or -1 with a message in err. */
-int wl_trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, size_t errlen);
-int wl_parse(const char *name, wl_kind *out);
+/* The kind of a --workload value: a synthetic name, or WL_TRACE for "trace:FILE[@PREFIX]".
+ * Returns -1 for anything else. */
+int wl_parse(const char *spec, wl_kind *out);
 const char *wl_name(wl_kind k);
-int wl_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed);
+/* Opens the workload of --workload spec: a trace (which fixes the shapes: read them from w)
+ * or a synthetic one of the given shapes. Returns 0, or 1 with a message on stderr. */
+int wl_open(wl_state *w, ekv_context *ctx, const char *spec, int64_t heads, int64_t kv_heads, int64_t dim,
+            uint64_t seed, const char *who);
 void wl_free(wl_state *w);
 const float *wl_slopes(const wl_state *w);
-/* Appends len tokens of the workload to each sequence (progress on stderr). 0 = ok. */
-int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
-            cli_rng *r, const char *who);
 /* Queries [batch][heads][dim] of the workload. */
 void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch);
 
-int cmd_bench(int argc, char **argv);
+/* The context of bench and eval: threads (0 = all CPUs) and SIMD level. Returns 0, 1, or
+ * CLI_USAGE when the ISA is not supported here (message on stderr). */
+int cli_context(const char *who, int64_t threads, ekv_isa isa, ekv_context **ctx);
 
-/* bench --backend cuda (tools/bench_cuda.cu; tools/bench_cuda_stub.c without -DEKV_CUDA=ON) */
+/* What bench and eval decode over (tools/workload.c): a cache of `batch` sequences of `len`
+ * tokens filled with the workload, its CSR page table and views, and a buffer of page lists
+ * (one list per sequence and KV head). */
 typedef struct {
-    const char *method, *json, *workload;
+    int64_t batch, len, page, superpage; /* superpage < 0: the library's default */
+    ekv_dtype dtype;
+} wl_geometry;
+typedef struct {
+    ekv_cache *cache;
+    int32_t *seqs;
+    int64_t batch, len;
+    int64_t *indptr;
+    int32_t *indices, *last_page_len;
+    ekv_page_table table;
+    ekv_paged_kv kv;
+    ekv_page_stats stats;
+    int64_t *list_indptr;
+    int32_t *list_pages;
+    int64_t list_capacity;
+} wl_setup;
+/* Creates the cache for g and w's shapes and fills it (progress on stderr, random numbers
+ * from r). Returns 0, or 1 with a message on stderr; wl_setup_free is safe either way. */
+int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_geometry *g, cli_rng *r,
+                    const char *who);
+void wl_setup_free(wl_setup *s);
+/* An empty page list over the setup's buffer. */
+ekv_page_list wl_setup_list(const wl_setup *s);
+/* Tokens of sequence b. */
+int64_t wl_setup_seq_len(const wl_setup *s, int64_t b);
+
+/* bench: the options of every backend (tools/bench.c; --backend cuda runs cli_bench_cuda,
+ * tools/bench_cuda.cu, or tools/bench_cuda_stub.c without -DEKV_CUDA=ON). */
+typedef struct {
+    const char *workload, *json;
+    ekv_backend backend;
+    ekv_select_method method;
+    wl_kind wl;
+    double budget, alpha;
+    int64_t budget_tokens;
     int64_t lens[64];
     int nlens;
-    int64_t batch, heads, kv_heads, dim, page, iters, warmup, seed, budget_tokens, ragged_min;
-    double budget, alpha;
+    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed, superpage, ragged_min;
     ekv_dtype dtype;
-} cuda_bench_opts;
-int cli_bench_cuda(const cuda_bench_opts *o);
+    ekv_isa isa;
+} bench_opts;
+/* The token budget of a step over len tokens: --budget-tokens, else --budget x len (>= 1). */
+int64_t bench_budget_tokens(const bench_opts *o, int64_t len);
+int cmd_bench(int argc, char **argv);
+int cli_bench_cuda(const bench_opts *o);
 int cmd_eval(int argc, char **argv);
 
 /* The model subcommands (tools/run.c, tools/ppl.c, tools/trace.c) and what they share
  * (tools/model_cli.c). */
 typedef struct {
     const char *model; /* NULL = the shipped model */
-    ekv_attn_method method;
+    ekv_select_method method;
     double budget;
     int64_t threads;
     int32_t page;
@@ -89,6 +137,10 @@ void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);
 /* Parses argv[*i] if it is a common model option (advancing *i); returns 1 if it was. */
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o);
+/* Whether the method reads --budget (topk: its token share; certified: its round 1). */
+int model_uses_budget(ekv_select_method m);
+/* "topk 0.0625", "dense": the method as the reports name it. */
+void model_method_label(char *buf, size_t n, ekv_select_method m, double budget);
 /* Creates the context and loads the model for max_tokens tokens; prints why not and returns 1. */
 int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m);
 /* Runs n tokens through the model in chunks, with progress; fn (if not NULL) gets the logits

@@ -186,3 +186,30 @@ double cli_read_bandwidth_probe(int threads, int64_t bytes) {
         }
     return rates[3];
 }
+
+int cli_out_open(cli_out *o, const char *sub, const char *path) {
+    o->json = NULL;
+    o->text = stdout;
+    if (!path) return 0;
+    if (!strcmp(path, "-")) { /* stdout carries the JSON alone */
+        o->json = stdout;
+        o->text = stderr;
+        return 0;
+    }
+    o->json = fopen(path, "w");
+    if (!o->json) {
+        fprintf(stderr, "entmaxkv %s: cannot write %s: %s\n", sub, path, strerror(errno));
+        return 1;
+    }
+    return 0;
+}
+
+int cli_out_close(cli_out *o, const char *sub) {
+    if (!o->json) return 0;
+    int bad = ferror(o->json) != 0;
+    if (o->json == stdout) bad = fflush(stdout) != 0 || bad;
+    else bad = fclose(o->json) != 0 || bad;
+    o->json = NULL;
+    if (bad) fprintf(stderr, "entmaxkv %s: writing the JSON failed\n", sub);
+    return bad;
+}

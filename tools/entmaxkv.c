@@ -1,5 +1,5 @@
 /*
- * entmaxkv — the command-line tool (DESIGN 4). Subcommands:
+ * entmaxkv — the command-line tool (docs/cli.md). Subcommands:
  *   entmax   exact alpha-entmax of vectors read from stdin
  *   bench    time the decode step (tools/bench.c)
  *   eval     quality at matched budgets (tools/eval.c)

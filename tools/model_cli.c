@@ -4,15 +4,25 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #ifndef EKV_SOURCE_DIR
 #define EKV_SOURCE_DIR "."
 #endif
+/* Set by CMakeLists.txt: the installed data directory, and the same relative to the bindir. */
+#ifndef EKV_DATA_DIR
+#define EKV_DATA_DIR "/usr/local/share/entmaxkv"
+#endif
+#ifndef EKV_BIN_TO_DATA
+#define EKV_BIN_TO_DATA "../share/entmaxkv"
+#endif
+#define EKV_MODEL_FILE "entmaxkv-lm.safetensors"
+#define EKV_MODEL_ENV "ENTMAXKV_MODEL"
 
 void model_opts_init(model_opts *o) {
     memset(o, 0, sizeof *o);
     o->model = NULL;
-    o->method = EKV_ATTN_DENSE;
+    o->method = EKV_SELECT_DENSE;
     o->budget = 1.0 / 16;
     o->threads = 0;
     o->page = 16;
@@ -21,8 +31,10 @@ void model_opts_init(model_opts *o) {
 
 void model_opts_help(FILE *f) {
     fprintf(f,
-            "  --model FILE          model weights (default models/entmaxkv-lm.safetensors, looked up\n"
-            "                        in the current directory, then in the source tree)\n"
+            "  --model FILE          model weights (default: $" EKV_MODEL_ENV ", else " EKV_MODEL_FILE "\n"
+            "                        from ./models/, then BIN/" EKV_BIN_TO_DATA "/ with BIN the\n"
+            "                        directory of this program, then " EKV_DATA_DIR "/,\n"
+            "                        then the source tree's models/)\n"
             "  --method M            dense | topk | gaussian | certified (default dense): how each\n"
             "                        attention step reads the KV cache\n"
             "  --budget F            topk: fraction of the tokens each step reads; certified: sizes\n"
@@ -37,7 +49,7 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
     if (!strcmp(a, "--model")) o->model = cli_need(sub, argc, argv, i);
     else if (!strcmp(a, "--method")) {
         const char *v = cli_need(sub, argc, argv, i);
-        if (ekv_attn_method_from_name(v, &o->method))
+        if (ekv_method_from_name(v, &o->method))
             cli_usage_error(sub, "--method %s: expected dense, topk, gaussian or certified", v);
     } else if (!strcmp(a, "--budget")) {
         const char *v = cli_need(sub, argc, argv, i);
@@ -57,17 +69,56 @@ static int file_exists(const char *p) {
     return stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m) {
-    static char fallback[4096];
-    const char *path = o->model;
-    if (!path) { /* the shipped model: from here, else from the source tree */
-        path = "models/entmaxkv-lm.safetensors";
-        snprintf(fallback, sizeof fallback, "%s/models/entmaxkv-lm.safetensors", EKV_SOURCE_DIR);
-        if (!file_exists(path) && file_exists(fallback)) path = fallback;
+enum { MODEL_PLACES = 4, MODEL_PATH_MAX = 4096 };
+
+/* Where the shipped model is looked for when neither --model nor $ENTMAXKV_MODEL names one, in
+ * order: the working directory (a source checkout), the install prefix this executable runs
+ * from (so a prefix installed or moved anywhere works), the configured install prefix, the
+ * source tree this binary was built from. Returns the number of places written. */
+static int model_places(char places[MODEL_PLACES][MODEL_PATH_MAX]) {
+    int n = 0;
+    snprintf(places[n++], MODEL_PATH_MAX, "models/%s", EKV_MODEL_FILE);
+    char exe[MODEL_PATH_MAX];
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    char *slash = NULL;
+    if (len > 0) {
+        exe[len] = 0;
+        slash = strrchr(exe, '/');
     }
+    if (slash) {
+        *slash = 0;
+        int w = snprintf(places[n], MODEL_PATH_MAX, "%s/%s/%s", exe, EKV_BIN_TO_DATA, EKV_MODEL_FILE);
+        if (w > 0 && w < MODEL_PATH_MAX) n++;
+    }
+    snprintf(places[n++], MODEL_PATH_MAX, "%s/%s", EKV_DATA_DIR, EKV_MODEL_FILE);
+    snprintf(places[n++], MODEL_PATH_MAX, "%s/models/%s", EKV_SOURCE_DIR, EKV_MODEL_FILE);
+    return n;
+}
+
+/* The model file to load: --model, else $ENTMAXKV_MODEL (both used as given, so a wrong one
+ * fails loudly), else the first of model_places that exists. NULL, after saying where it
+ * looked, when there is none. */
+static const char *model_path(const char *sub, const model_opts *o) {
+    static char places[MODEL_PLACES][MODEL_PATH_MAX];
+    if (o->model) return o->model;
+    const char *env = getenv(EKV_MODEL_ENV);
+    if (env && *env) return env;
+    const int n = model_places(places);
+    for (int i = 0; i < n; i++)
+        if (file_exists(places[i])) return places[i];
+    fprintf(stderr, "entmaxkv %s: no model: give --model FILE or set %s; looked for the shipped model at:\n", sub,
+            EKV_MODEL_ENV);
+    for (int i = 0; i < n; i++) fprintf(stderr, "  %s\n", places[i]);
+    return NULL;
+}
+
+int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m) {
+    const char *path = model_path(sub, o);
+    *m = NULL;
+    *ctx = NULL;
+    if (!path) return 1;
     ekv_context_params cp = ekv_context_default_params();
     cp.n_threads = (int32_t)o->threads;
-    *m = NULL;
     if (ekv_context_create(&cp, ctx)) { fprintf(stderr, "entmaxkv %s: cannot create a context\n", sub); return 1; }
     ekv_model_params mp = ekv_model_default_params();
     mp.max_tokens = max_tokens > 0 ? max_tokens : 1;
@@ -138,4 +189,11 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
     }
     free(logits);
     return rc;
+}
+
+int model_uses_budget(ekv_select_method m) { return m == EKV_SELECT_TOPK || m == EKV_SELECT_CERTIFIED; }
+
+void model_method_label(char *buf, size_t n, ekv_select_method m, double budget) {
+    if (model_uses_budget(m)) snprintf(buf, n, "%s %g", ekv_method_name(m), budget);
+    else snprintf(buf, n, "%s", ekv_method_name(m));
 }

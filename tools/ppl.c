@@ -1,5 +1,5 @@
 /*
- * entmaxkv ppl: perplexity of the model on a text with a given decode method (DESIGN 4).
+ * entmaxkv ppl: perplexity of the model on a text with a given decode method (docs/cli.md).
  * The text is cut into consecutive windows of --ctx tokens; each window starts from an empty
  * cache, every token attends with the method, and the log-loss of predicting each next token
  * is summed (only over the last --score-last positions of a window when asked: long-context
@@ -24,7 +24,8 @@ static void ppl_help(FILE *f) {
             "  --score-last K        score only the last K predictions of each window (default: all)\n");
     model_opts_help(f);
     fprintf(f,
-            "  --json FILE           write {ppl, bits_per_byte, tokens, method, budget, kv_fraction, ...}\n"
+            "  --json FILE           write {ppl, bits_per_byte, tokens, method, budget, kv_fraction, ...};\n"
+            "                        FILE '-' = stdout, the report then goes to stderr\n"
             "  --help                this text\n"
             "\n"
             "kv_fraction = bytes attention read (K, V rows and page statistics) / K+V bytes of the\n"
@@ -46,112 +47,134 @@ static void add_nll(void *arg, int64_t start, int64_t c, const float *logits) {
     }
 }
 
-int cmd_ppl(int argc, char **argv) {
+typedef struct {
     model_opts mo;
-    model_opts_init(&mo);
-    const char *text_path = NULL, *json = NULL;
-    int64_t ctxlen = 2048, windows = INT64_MAX, offset = 0, score_last = 0;
+    const char *text_path, *json;
+    int64_t ctxlen, windows, offset, score_last;
+} ppl_opts;
+
+static void parse(int argc, char **argv, ppl_opts *o) {
+    model_opts_init(&o->mo);
+    o->text_path = o->json = NULL;
+    o->ctxlen = 2048; o->windows = INT64_MAX; o->offset = 0; o->score_last = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { ppl_help(stdout); return 0; }
-        else if (model_opt("ppl", argc, argv, &i, &mo)) continue;
-        else if (!strcmp(a, "--text")) text_path = cli_need("ppl", argc, argv, &i);
-        else if (!strcmp(a, "--json")) json = cli_need("ppl", argc, argv, &i);
-        else if (!strcmp(a, "--ctx")) ctxlen = cli_need_int("ppl", argc, argv, &i, 2, (int64_t)1 << 30);
-        else if (!strcmp(a, "--windows")) windows = cli_need_int("ppl", argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--offset")) offset = cli_need_int("ppl", argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--score-last")) score_last = cli_need_int("ppl", argc, argv, &i, 1, (int64_t)1 << 30);
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { ppl_help(stdout); exit(0); }
+        else if (model_opt("ppl", argc, argv, &i, &o->mo)) continue;
+        else if (!strcmp(a, "--text")) o->text_path = cli_need("ppl", argc, argv, &i);
+        else if (!strcmp(a, "--json")) o->json = cli_need("ppl", argc, argv, &i);
+        else if (!strcmp(a, "--ctx")) o->ctxlen = cli_need_int("ppl", argc, argv, &i, 2, (int64_t)1 << 30);
+        else if (!strcmp(a, "--windows")) o->windows = cli_need_int("ppl", argc, argv, &i, 1, INT64_MAX);
+        else if (!strcmp(a, "--offset")) o->offset = cli_need_int("ppl", argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--score-last")) o->score_last = cli_need_int("ppl", argc, argv, &i, 1, (int64_t)1 << 30);
         else cli_usage_error("ppl", "unknown option '%s'", a);
     }
-    if (!text_path) cli_usage_error("ppl", "--text FILE is required");
-    if (score_last >= ctxlen) cli_usage_error("ppl", "--score-last must be below --ctx");
+    if (!o->text_path) cli_usage_error("ppl", "--text FILE is required");
+    if (o->score_last >= o->ctxlen) cli_usage_error("ppl", "--score-last must be below --ctx");
+}
+
+/* What the windows measured: the summed log-loss and the per-layer bytes. */
+typedef struct {
+    double nll, secs;
+    int64_t scored, fed, nwin, layers;
+    ekv_model_stats *lay;
+} ppl_result;
+
+static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ekv_model *m, ppl_result *r) {
+    const int64_t V = ekv_model_get_config(m)->vocab, ctxlen = o->ctxlen;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctxlen);
+    int rc = 0;
+    if (!tok) { fprintf(stderr, "entmaxkv ppl: out of memory\n"); rc = 1; }
+    const double t0 = cli_now_seconds();
+    for (int64_t w = 0; w < r->nwin && !rc; w++) {
+        ekv_model_tokenize(text + o->offset + w * ctxlen, ctxlen, tok);
+        ekv_model_reset(m);
+        char what[64];
+        snprintf(what, sizeof what, "window %lld/%lld", (long long)(w + 1), (long long)r->nwin);
+        nll_acc acc = {tok, V, o->score_last ? ctxlen - 1 - o->score_last : 0, ctxlen - 1, 0, 0};
+        if (model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc)) { rc = 1; break; }
+        r->nll += acc.nll;
+        r->scored += acc.scored;
+        r->fed += ctxlen;
+        for (int64_t l = 0; l < r->layers; l++) {
+            ekv_model_stats s;
+            ekv_model_get_stats(m, (int32_t)l, &s);
+            r->lay[l].bytes_read += s.bytes_read;
+            r->lay[l].bytes_kv += s.bytes_kv;
+            r->lay[l].lists += s.lists;
+            r->lay[l].lists_round2 += s.lists_round2;
+        }
+    }
+    r->secs = cli_now_seconds() - t0;
+    free(tok);
+    return rc;
+}
+
+static double layer_kvf(const ekv_model_stats *s) {
+    return s->bytes_kv ? (double)s->bytes_read / (double)s->bytes_kv : 0.0;
+}
+
+static int ppl_report(const ppl_opts *o, const ppl_result *r) {
+    const model_opts *mo = &o->mo;
+    double rd = 0, kv = 0, r2 = 0, nl = 0;
+    for (int64_t l = 0; l < r->layers; l++) {
+        rd += (double)r->lay[l].bytes_read;
+        kv += (double)r->lay[l].bytes_kv;
+        r2 += (double)r->lay[l].lists_round2;
+        nl += (double)r->lay[l].lists;
+    }
+    const double mean = r->nll / (double)r->scored, ppl = exp(mean), bpb = mean / log(2.0), kvf = kv > 0 ? rd / kv : 0;
+    cli_out out;
+    if (cli_out_open(&out, "ppl", o->json)) return 1;
+    char lab[64], r2s[32] = "null";
+    model_method_label(lab, sizeof lab, mo->method, mo->budget);
+    fprintf(out.text, "ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %.4f  %.1f tokens/s\n",
+            ppl, bpb, (long long)r->scored, (long long)r->nwin, (long long)o->ctxlen, lab, kvf, (double)r->fed / r->secs);
+    fprintf(out.text, "kv_fraction per layer:");
+    for (int64_t l = 0; l < r->layers; l++) fprintf(out.text, " %.4f", layer_kvf(&r->lay[l]));
+    fprintf(out.text, "\n");
+    if (nl > 0) fprintf(out.text, "certified: round 2 in %.2f%% of page lists\n", 100.0 * r2 / nl);
+    if (!out.json) return 0;
+    if (nl > 0) snprintf(r2s, sizeof r2s, "%.9g", r2 / nl);
+    fprintf(out.json,
+            "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
+            "\"kv_fraction\":%.9g,\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
+            "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
+            "\"kv_fraction_layers\":[",
+            ppl, bpb, r->nll, (long long)r->scored, ekv_method_name(mo->method),
+            model_uses_budget(mo->method) ? mo->budget : 1.0, kvf, (long long)o->ctxlen, (long long)r->nwin,
+            (long long)o->offset, (long long)o->score_last, ekv_dtype_name(mo->kv_dtype), mo->page, r->secs,
+            (double)r->fed / r->secs, r2s);
+    for (int64_t l = 0; l < r->layers; l++) fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
+    fprintf(out.json, "]}\n");
+    return cli_out_close(&out, "ppl");
+}
+
+int cmd_ppl(int argc, char **argv) {
+    ppl_opts o;
+    parse(argc, argv, &o);
     int64_t len;
-    char *text = cli_read_file(text_path, &len);
-    if (!text) { fprintf(stderr, "entmaxkv ppl: cannot read '%s'\n", text_path); return 1; }
-    if (offset >= len || len - offset < ctxlen) {
-        fprintf(stderr, "entmaxkv ppl: '%s' has %lld bytes after offset %lld, fewer than --ctx %lld\n", text_path,
-                (long long)(len - offset < 0 ? 0 : len - offset), (long long)offset, (long long)ctxlen);
+    char *text = cli_read_file(o.text_path, &len);
+    if (!text) { fprintf(stderr, "entmaxkv ppl: cannot read '%s'\n", o.text_path); return 1; }
+    if (o.offset >= len || len - o.offset < o.ctxlen) {
+        fprintf(stderr, "entmaxkv ppl: '%s' has %lld bytes after offset %lld, fewer than --ctx %lld\n", o.text_path,
+                (long long)(len - o.offset < 0 ? 0 : len - o.offset), (long long)o.offset, (long long)o.ctxlen);
         free(text);
         return 1;
     }
     ekv_context *ctx;
     ekv_model *m;
-    if (model_open("ppl", &mo, ctxlen, &ctx, &m)) { free(text); return 1; }
-    const ekv_model_config *cfg = ekv_model_get_config(m);
-    const int64_t V = cfg->vocab, L = cfg->n_layers;
-    int64_t nwin = (len - offset) / ctxlen;
-    if (nwin > windows) nwin = windows;
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctxlen);
-    ekv_model_stats *lay = calloc((size_t)L, sizeof *lay);
-    double nll = 0, t0 = cli_now_seconds();
-    int64_t scored = 0, fed = 0;
-    int rc = 0;
-    if (!tok || !lay) { fprintf(stderr, "entmaxkv ppl: out of memory\n"); rc = 1; }
-    for (int64_t w = 0; w < nwin && !rc; w++) {
-        ekv_model_tokenize(text + offset + w * ctxlen, ctxlen, tok);
-        ekv_model_reset(m);
-        char what[64];
-        snprintf(what, sizeof what, "window %lld/%lld", (long long)(w + 1), (long long)nwin);
-        nll_acc acc = {tok, V, score_last ? ctxlen - 1 - score_last : 0, ctxlen - 1, 0, 0};
-        if (model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc)) { rc = 1; break; }
-        nll += acc.nll;
-        scored += acc.scored;
-        fed += ctxlen;
-        for (int64_t l = 0; l < L; l++) {
-            ekv_model_stats s;
-            ekv_model_get_stats(m, (int32_t)l, &s);
-            lay[l].bytes_read += s.bytes_read;
-            lay[l].bytes_kv += s.bytes_kv;
-            lay[l].lists += s.lists;
-            lay[l].lists_round2 += s.lists_round2;
-        }
-    }
-    const double secs = cli_now_seconds() - t0;
-    if (!rc) {
-        double rd = 0, kv = 0, r2 = 0, nl = 0;
-        for (int64_t l = 0; l < L; l++) {
-            rd += (double)lay[l].bytes_read;
-            kv += (double)lay[l].bytes_kv;
-            r2 += (double)lay[l].lists_round2;
-            nl += (double)lay[l].lists;
-        }
-        const double mean = nll / (double)scored, ppl = exp(mean), bpb = mean / log(2.0), kvf = kv > 0 ? rd / kv : 0;
-        char lab[64];
-        if (mo.method == EKV_ATTN_TOPK || mo.method == EKV_ATTN_CERTIFIED)
-            snprintf(lab, sizeof lab, "%s %g", ekv_attn_method_name(mo.method), mo.budget);
-        else snprintf(lab, sizeof lab, "%s", ekv_attn_method_name(mo.method));
-        printf("ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %.4f  %.1f tokens/s\n",
-               ppl, bpb, (long long)scored, (long long)nwin, (long long)ctxlen, lab, kvf, (double)fed / secs);
-        printf("kv_fraction per layer:");
-        for (int64_t l = 0; l < L; l++)
-            printf(" %.4f", lay[l].bytes_kv ? (double)lay[l].bytes_read / (double)lay[l].bytes_kv : 0.0);
-        printf("\n");
-        if (nl > 0) printf("certified: round 2 in %.2f%% of page lists\n", 100.0 * r2 / nl);
-        if (json) {
-            FILE *jf = fopen(json, "w");
-            char r2s[32];
-            if (nl > 0) snprintf(r2s, sizeof r2s, "%.9g", r2 / nl);
-            else snprintf(r2s, sizeof r2s, "null");
-            if (!jf) { fprintf(stderr, "entmaxkv ppl: cannot write %s\n", json); rc = 1; }
-            else {
-                fprintf(jf,
-                        "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
-                        "\"kv_fraction\":%.9g,\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
-                        "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
-                        "\"kv_fraction_layers\":[",
-                        ppl, bpb, nll, (long long)scored, ekv_attn_method_name(mo.method),
-                        mo.method == EKV_ATTN_TOPK || mo.method == EKV_ATTN_CERTIFIED ? mo.budget : 1.0, kvf,
-                        (long long)ctxlen, (long long)nwin, (long long)offset, (long long)score_last,
-                        ekv_dtype_name(mo.kv_dtype), mo.page, secs, (double)fed / secs, r2s);
-                for (int64_t l = 0; l < L; l++)
-                    fprintf(jf, "%s%.9g", l ? "," : "",
-                            lay[l].bytes_kv ? (double)lay[l].bytes_read / (double)lay[l].bytes_kv : 0.0);
-                fprintf(jf, "]}\n");
-                fclose(jf);
-            }
-        }
-    }
-    free(tok); free(lay); free(text);
+    if (model_open("ppl", &o.mo, o.ctxlen, &ctx, &m)) { free(text); return 1; }
+    ppl_result r;
+    memset(&r, 0, sizeof r);
+    r.layers = ekv_model_get_config(m)->n_layers;
+    r.nwin = (len - o.offset) / o.ctxlen;
+    if (r.nwin > o.windows) r.nwin = o.windows;
+    r.lay = calloc((size_t)r.layers, sizeof *r.lay);
+    int rc = r.lay ? ppl_windows(&o, text, ctx, m, &r) : 1;
+    if (!r.lay) fprintf(stderr, "entmaxkv ppl: out of memory\n");
+    if (!rc) rc = ppl_report(&o, &r);
+    free(r.lay); free(text);
     ekv_model_free(m);
     ekv_context_free(ctx);
     return rc;

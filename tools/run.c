@@ -1,5 +1,5 @@
 /*
- * entmaxkv run: generates text with the model (DESIGN 4). The prompt is prefilled in blocks,
+ * entmaxkv run: generates text with the model (docs/cli.md). The prompt is prefilled in blocks,
  * then tokens are generated one decode step at a time (greedy, or sampled with --temp), and a
  * stats line reports tokens/s of prefill and decode and the fraction of the KV bytes that
  * attention read. --compare decodes further tokens with other methods after the same prefill,
@@ -64,12 +64,6 @@ static void keep_last_row(void *arg, int64_t start, int64_t c, const float *logi
     if (r->pos >= start && r->pos < start + c) memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
 }
 
-static void method_label(char *buf, size_t n, ekv_attn_method m, double budget) {
-    if (m == EKV_ATTN_TOPK || m == EKV_ATTN_CERTIFIED)
-        snprintf(buf, n, "%s %g", ekv_attn_method_name(m), budget);
-    else snprintf(buf, n, "%s", ekv_attn_method_name(m));
-}
-
 static void print_phase(const char *what, const char *label, const phase *p) {
     printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s; KV read %.4f of the K+V bytes", what, label,
            (long long)p->tokens, p->seconds, p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0,
@@ -85,7 +79,7 @@ int cmd_run(int argc, char **argv) {
     int64_t n = 200, seed = 1;
     double temp = 0;
     int quiet = 0;
-    ekv_attn_method cmp[8];
+    ekv_select_method cmp[8];
     int ncmp = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -107,7 +101,7 @@ int cmd_run(int argc, char **argv) {
             strcpy(buf, compare);
             for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
                 if (ncmp == 8) cli_usage_error("run", "--compare takes at most 8 methods");
-                if (ekv_attn_method_from_name(t, &cmp[ncmp++]))
+                if (ekv_method_from_name(t, &cmp[ncmp++]))
                     cli_usage_error("run", "--compare: unknown method '%s' (dense, topk, gaussian, certified)", t);
             }
         } else cli_usage_error("run", "unknown option '%s'", a);
@@ -144,7 +138,7 @@ int cmd_run(int argc, char **argv) {
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)seed);
     phase dec[9];
-    ekv_attn_method methods[9];
+    ekv_select_method methods[9];
     methods[0] = mo.method;
     for (int c = 0; c < ncmp; c++) methods[c + 1] = cmp[c];
     int ran = 0;
@@ -156,7 +150,7 @@ int cmd_run(int argc, char **argv) {
         }
         if (ph > 0 && !quiet) {
             char lab[64];
-            method_label(lab, sizeof lab, methods[ph], mo.budget);
+            model_method_label(lab, sizeof lab, methods[ph], mo.budget);
             printf("\n--- continuing with %s ---\n", lab);
         }
         ekv_model_reset_stats(m);
@@ -179,11 +173,11 @@ int cmd_run(int argc, char **argv) {
     }
     if (!quiet) printf("\n");
     char lab[64];
-    method_label(lab, sizeof lab, mo.method, mo.budget);
+    model_method_label(lab, sizeof lab, mo.method, mo.budget);
     printf("\n");
     print_phase("prefill", lab, &pre);
     for (int ph = 0; ph < ran; ph++) {
-        method_label(lab, sizeof lab, methods[ph], mo.budget);
+        model_method_label(lab, sizeof lab, methods[ph], mo.budget);
         char what[64];
         snprintf(what, sizeof what, "decode @%lld", (long long)(plen + ph * n));
         print_phase(what, lab, &dec[ph]);

@@ -118,7 +118,7 @@ int cmd_trace(int argc, char **argv) {
         hl += (size_t)snprintf(hdr + hl, cap - hl,
                                "{\"__metadata__\":{\"format\":\"entmaxkv-trace\",\"ctx\":\"%lld\",\"queries\":\"%lld\","
                                "\"method\":\"%s\",\"offset\":\"%lld\"}",
-                               (long long)N, (long long)S, ekv_attn_method_name(mo.method), (long long)offset);
+                               (long long)N, (long long)S, ekv_method_name(mo.method), (long long)offset);
         int64_t o = 0;
         for (int l = 0; l < nlayers; l++) {
             const long long L = (long long)layer_ids[l];

@@ -1,12 +1,12 @@
 /*
- * Synthetic workloads for `bench` and `eval` (DESIGN 4):
+ * Synthetic workloads for `bench` and `eval` (docs/cli.md):
  *   random   iid N(0,1) keys, values and queries;
  *   planted  noise keys plus, per sequence and KV head, 16 keys aligned with a direction the
  *            queries share, at uniform random positions (old pages included): a retrieval
  *            pattern with a small support far from the end;
  *   heavy    heavy-tailed keys (Student t, 3 degrees of freedom) with 4 outlier channels per
  *            KV head (x8 scale, +4 offset), the shape of real attention keys;
- *   alibi    the planted data with NAPE slopes (SPEC 1.6): half the query heads ALiBi with
+ *   alibi    the planted data with NAPE slopes (docs/math.md §1.6): half the query heads ALiBi with
  *            m_h = 2^(-8(h+1)/(H/2)), half without position.
  *   trace:FILE[@PREFIX]  real attention from a safetensors file holding (names PREFIX + ...)
  *            k [N, Hk, D] and v [N, Hk, D] (F32, F16 or BF16), q [S, H, D] (S decode queries,
@@ -32,7 +32,31 @@ static float f16_to_f32(uint16_t h) { /* IEEE half to float (the CLI does not us
     return f;
 }
 
-int wl_trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, size_t errlen) {
+/* Appends to buf the prefixes P of the file for which Pq, Pk and Pv all exist ("l0.", "l3."
+ * for a file of `entmaxkv trace`), so a wrong @PREFIX says what to write instead. */
+static void trace_prefixes(const ekv_safetensors *st, char *buf, size_t cap) {
+    size_t n = (size_t)snprintf(buf, cap, "trace prefixes in the file:");
+    int found = 0;
+    for (int64_t i = 0; i < ekv_safetensors_count(st) && n < cap; i++) {
+        ekv_tensor_info t;
+        char nm[300];
+        if (ekv_safetensors_at(st, i, &t)) continue;
+        const size_t len = strlen(t.name);
+        if (len == 0 || len >= sizeof nm || t.name[len - 1] != 'q') continue;
+        memcpy(nm, t.name, len + 1);
+        nm[len - 1] = 'k';
+        ekv_tensor_info o;
+        int ok = !ekv_safetensors_find(st, nm, &o);
+        nm[len - 1] = 'v';
+        ok = ok && !ekv_safetensors_find(st, nm, &o);
+        if (!ok) continue;
+        n += (size_t)snprintf(buf + n, cap - n, "%s \"%.*s\"", found ? "," : "", (int)(len - 1), t.name);
+        found = 1;
+    }
+    if (!found && n < cap) snprintf(buf + n, cap - n, " none (no q, k and v tensors of one prefix)");
+}
+
+static int trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, size_t errlen) {
     memset(w, 0, sizeof *w);
     w->kind = WL_TRACE;
     char path[1024], prefix[256] = "";
@@ -49,7 +73,11 @@ int wl_trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, si
     for (int i = 0; i < 3; i++) {
         char nm[300];
         snprintf(nm, sizeof nm, "%s%s", prefix, names[i]);
-        if (ekv_safetensors_find(w->trace, nm, ts[i])) { snprintf(err, errlen, "%s: no tensor '%s'", path, nm); return -1; }
+        if (ekv_safetensors_find(w->trace, nm, ts[i])) {
+            int n = snprintf(err, errlen, "%s: no tensor '%s'; ", path, nm);
+            trace_prefixes(w->trace, err + n, errlen - (size_t)n);
+            return -1;
+        }
         if (ts[i]->dtype < 0 || ts[i]->ndim != 3) {
             snprintf(err, errlen, "%s: '%s' must be a 3-d F32/F16/BF16 tensor (it is %s with %d dims)", path, nm,
                      ts[i]->dtype_name, ts[i]->ndim);
@@ -82,10 +110,11 @@ int wl_trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, si
     return 0;
 }
 
-int wl_parse(const char *name, wl_kind *out) {
+int wl_parse(const char *spec, wl_kind *out) {
     static const char *names[] = {"random", "planted", "heavy", "alibi"};
+    if (!strncmp(spec, "trace:", 6)) { *out = WL_TRACE; return 0; }
     for (int i = 0; i < 4; i++)
-        if (!strcmp(name, names[i])) { *out = (wl_kind)i; return 0; }
+        if (!strcmp(spec, names[i])) { *out = (wl_kind)i; return 0; }
     return -1;
 }
 
@@ -94,7 +123,7 @@ const char *wl_name(wl_kind k) {
     return names[k];
 }
 
-int wl_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed) {
+static int synthetic_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed) {
     memset(w, 0, sizeof *w);
     w->kind = kind;
     w->heads = heads;
@@ -153,8 +182,8 @@ static void key_rows(const wl_state *w, cli_rng *r, float *k, int64_t n) {
     }
 }
 
-int wl_fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
-            cli_rng *r, const char *who) {
+static int fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
+                cli_rng *r, const char *who) {
     if (w->kind == WL_TRACE) { /* the trace's keys and values, as stored (the cache converts) */
         const int64_t row = w->kv_heads * w->dim, es = ekv_dtype_size((ekv_dtype)w->tk.dtype), chunk = 4096;
         for (int64_t b = 0; b < batch; b++)
@@ -240,4 +269,109 @@ void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch) {
         for (int64_t b = 0; b < batch; b++)
             for (int64_t h = 0; h < w->heads; h++) /* share the KV head's direction: g = 8 */
                 for (int64_t d = 0; d < D; d++) q[(b * w->heads + h) * D + d] += 8.0f * w->dirs[(h / G) * D + d];
+}
+
+int wl_open(wl_state *w, ekv_context *ctx, const char *spec, int64_t heads, int64_t kv_heads, int64_t dim,
+            uint64_t seed, const char *who) {
+    wl_kind k;
+    memset(w, 0, sizeof *w);
+    if (wl_parse(spec, &k)) {
+        fprintf(stderr, "entmaxkv %s: unknown workload '%s'\n", who, spec);
+        return 1;
+    }
+    char err[2048] = "out of memory"; /* a path, a tensor name and the prefixes of the file */
+    int bad = k == WL_TRACE ? trace_open(w, ctx, spec + 6, err, sizeof err)
+                            : synthetic_init(w, k, heads, kv_heads, dim, seed);
+    if (!bad) return 0;
+    fprintf(stderr, "entmaxkv %s: %s\n", who, err);
+    wl_free(w);
+    memset(w, 0, sizeof *w);
+    return 1;
+}
+
+int cli_context(const char *who, int64_t threads, ekv_isa isa, ekv_context **ctx) {
+    ekv_context_params cp = ekv_context_default_params();
+    cp.n_threads = (int32_t)threads;
+    cp.isa = isa;
+    ekv_status st = ekv_context_create(&cp, ctx);
+    if (st == EKV_ERR_UNSUPPORTED) {
+        fprintf(stderr, "entmaxkv %s: --isa %s is not supported by this CPU\n", who, ekv_isa_name(isa));
+        return CLI_USAGE;
+    }
+    if (st) {
+        fprintf(stderr, "entmaxkv %s: cannot create a context: %s\n", who, ekv_status_string(st));
+        return 1;
+    }
+    return 0;
+}
+
+/* The CSR page table of the filled sequences, the views and the page-list buffer. */
+static int setup_tables(wl_setup *s, const char *who) {
+    int64_t needed = 0;
+    ekv_cache_kv_view(s->cache, &s->kv, &s->stats);
+    ekv_cache_page_table(s->cache, s->seqs, (int32_t)s->batch, NULL, NULL, 0, NULL, &needed);
+    s->indptr = malloc(sizeof(int64_t) * (size_t)(s->batch + 1));
+    s->indices = malloc(sizeof(int32_t) * (size_t)(needed > 0 ? needed : 1));
+    s->last_page_len = malloc(sizeof(int32_t) * (size_t)s->batch);
+    if (!s->indptr || !s->indices || !s->last_page_len) {
+        fprintf(stderr, "entmaxkv %s: out of memory\n", who);
+        return 1;
+    }
+    ekv_cache_page_table(s->cache, s->seqs, (int32_t)s->batch, s->indptr, s->indices, needed, s->last_page_len, NULL);
+    s->table = (ekv_page_table){(int32_t)s->batch, s->indptr, s->indices, s->last_page_len};
+    s->list_capacity = ekv_page_list_capacity(&s->table, s->kv.num_kv_heads);
+    s->list_indptr = malloc(sizeof(int64_t) * (size_t)(s->batch * s->kv.num_kv_heads + 1));
+    s->list_pages = malloc(sizeof(int32_t) * (size_t)(s->list_capacity > 0 ? s->list_capacity : 1));
+    if (!s->list_indptr || !s->list_pages) {
+        fprintf(stderr, "entmaxkv %s: out of memory\n", who);
+        return 1;
+    }
+    return 0;
+}
+
+int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_geometry *g, cli_rng *r,
+                    const char *who) {
+    memset(s, 0, sizeof *s);
+    s->batch = g->batch;
+    s->len = g->len;
+    ekv_cache_params pp = ekv_cache_default_params();
+    pp.page_size = (int32_t)g->page;
+    pp.num_kv_heads = (int32_t)w->kv_heads;
+    pp.head_dim = (int32_t)w->dim;
+    pp.dtype = g->dtype;
+    pp.max_seqs = (int32_t)g->batch;
+    if (g->superpage >= 0) pp.superpage_pages = (int32_t)g->superpage;
+    pp.num_pages = ekv_cache_pages_for(g->len, g->batch, pp.page_size);
+    ekv_status st = ekv_cache_create(ctx, &pp, &s->cache);
+    s->seqs = st ? NULL : malloc(sizeof(int32_t) * (size_t)g->batch);
+    for (int64_t b = 0; !st && s->seqs && b < g->batch; b++) st = ekv_cache_seq_new(s->cache, &s->seqs[b]);
+    if (st) {
+        fprintf(stderr, "entmaxkv %s: %s: %s\n", who, ekv_status_string(st), ekv_last_error(ctx));
+        return 1;
+    }
+    if (!s->seqs) {
+        fprintf(stderr, "entmaxkv %s: out of memory\n", who);
+        return 1;
+    }
+    if (fill(ctx, s->cache, s->seqs, g->batch, g->len, w, r, who)) return 1;
+    return setup_tables(s, who);
+}
+
+void wl_setup_free(wl_setup *s) {
+    free(s->seqs);
+    free(s->indptr);
+    free(s->indices);
+    free(s->last_page_len);
+    free(s->list_indptr);
+    free(s->list_pages);
+    ekv_cache_free(s->cache);
+    memset(s, 0, sizeof *s);
+}
+
+ekv_page_list wl_setup_list(const wl_setup *s) {
+    return (ekv_page_list){.indptr = s->list_indptr, .pages = s->list_pages, .capacity = s->list_capacity};
+}
+
+int64_t wl_setup_seq_len(const wl_setup *s, int64_t b) {
+    return (s->indptr[b + 1] - s->indptr[b] - 1) * s->kv.page_size + s->last_page_len[b];
 }

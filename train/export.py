@@ -7,10 +7,23 @@ safetensors file with the tensor names of MODEL.md. Output: every tensor as F16,
 
 Usage: python3 train/export.py ckpt/model_fp32.safetensors models/entmaxkv-lm.safetensors
 """
+import argparse
 import os
 import sys
 
-import numpy as np
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\nUsage:")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", help="fp32 weights (safetensors, the tensor names of MODEL.md)")
+    ap.add_argument("dst", help="the fp16 safetensors file to write")
+    return ap.parse_args()
+
+
+# --help answers here, before the imports that need numpy or torch
+ARGS = parse_args() if __name__ == "__main__" else None
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_io  # noqa: E402
@@ -37,9 +50,7 @@ def expected_shapes(md):
 
 
 def main():
-    if len(sys.argv) != 3:
-        raise SystemExit(__doc__)
-    src, dst = sys.argv[1], sys.argv[2]
+    src, dst = ARGS.src, ARGS.dst
     w, md = st_io.read(src)
     want = expected_shapes(md)
     if set(w) != set(want):

@@ -2,6 +2,9 @@
 # Installs the Debian packages that hold the training text and builds data/train.txt and
 # data/val.txt (plus .gz copies that travel to the GPU machine, stats.json and the document
 # lists). Run from the repository root, as root or with sudo available. Debian 12 (bookworm).
+# Usage: train/get_data.sh [train/prepare_data.py options]
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -eu
 cd "$(dirname "$0")/.."
 PKGS="python3.11-doc bible-kjv-text bible-kjv"

@@ -19,6 +19,19 @@ import argparse
 import os
 import sys
 
+def parse_args():
+    ap = argparse.ArgumentParser(description="passkey evaluation prompts")
+    ap.add_argument("--lengths", default="8192,32768,65536")
+    ap.add_argument("--count", type=int, default=20)
+    ap.add_argument("--val", default="data/val.txt")
+    ap.add_argument("--out", default="data/passkey")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
+
+
+# --help answers here, before the imports that need numpy or torch
+ARGS = parse_args() if __name__ == "__main__" else None
+
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -26,13 +39,7 @@ import passkey  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description="passkey evaluation prompts")
-    ap.add_argument("--lengths", default="8192,32768,65536")
-    ap.add_argument("--count", type=int, default=20)
-    ap.add_argument("--val", default="data/val.txt")
-    ap.add_argument("--out", default="data/passkey")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+    a = ARGS
     with open(a.val, "rb") as f:
         src = np.frombuffer(f.read(), dtype=np.uint8)
     os.makedirs(a.out, exist_ok=True)

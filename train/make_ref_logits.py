@@ -18,6 +18,18 @@ import argparse
 import os
 import sys
 
+def parse_args():
+    ap = argparse.ArgumentParser(description="reference logits for the C forward test")
+    ap.add_argument("--model", default="models/entmaxkv-lm.safetensors")
+    ap.add_argument("--prompt", default="tests/data/model_ref_prompt.txt")
+    ap.add_argument("--out", default="tests/data/model_ref_logits.bin")
+    ap.add_argument("--device", default="cpu")
+    return ap.parse_args()
+
+
+# --help answers here, before the imports that need numpy or torch
+ARGS = parse_args() if __name__ == "__main__" else None
+
 import numpy as np
 import torch
 
@@ -27,7 +39,7 @@ import st_io  # noqa: E402
 
 
 def entmax15_exact(z):
-    """1.5-entmax over the last dim (SPEC 0 convention), exact by sorting; -inf entries get 0."""
+    """1.5-entmax over the last dim (the convention of docs/math.md §0), exact by sorting; -inf entries get 0."""
     x = (z - z.max(dim=-1, keepdim=True).values) / 2
     xs, _ = torch.sort(x, dim=-1, descending=True)
     finite = torch.isfinite(xs)
@@ -57,12 +69,7 @@ def load_model(path, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="reference logits for the C forward test")
-    ap.add_argument("--model", default="models/entmaxkv-lm.safetensors")
-    ap.add_argument("--prompt", default="tests/data/model_ref_prompt.txt")
-    ap.add_argument("--out", default="tests/data/model_ref_logits.bin")
-    ap.add_argument("--device", default="cpu")
-    a = ap.parse_args()
+    a = ARGS
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")

@@ -3,6 +3,12 @@
 Module and parameter names are the tensor names of MODEL.md, so `model.state_dict()` is the
 exported file (less `output.weight`, which is tied).
 """
+if __name__ == "__main__":  # a module, not a command: --help says what it is
+    import argparse
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="A module imported by the scripts of train/; running it does nothing.").parse_args()
+    raise SystemExit(0)
+
 import math
 from dataclasses import dataclass, asdict
 
@@ -55,7 +61,7 @@ class Config:
 
 
 def nape_slopes(n_heads):
-    """SPEC 1.6: m_h = 2^(-8 (h+1) / h0) for h < h0 = n_heads / 2, else 0."""
+    """NAPE slopes (docs/math.md §1.6): m_h = 2^(-8 (h+1) / h0) for h < h0 = n_heads / 2, else 0."""
     h0 = n_heads // 2
     return [2.0 ** (-8.0 * (h + 1) / h0) if h < h0 else 0.0 for h in range(n_heads)]
 

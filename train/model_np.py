@@ -7,10 +7,23 @@ file and the reference logits without torch:
 
 prints the largest relative difference max|a - b| / max|b| per position against the file.
 """
+import argparse
 import os
 import sys
 
-import numpy as np
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="the exported model (safetensors)")
+    ap.add_argument("prompt", help="the prompt file of the reference logits")
+    ap.add_argument("logits", help="the reference logits (T x 256 float32)")
+    return ap.parse_args()
+
+
+# --help answers here, before the imports that need numpy or torch
+ARGS = parse_args() if __name__ == "__main__" else None
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_io  # noqa: E402
@@ -70,11 +83,9 @@ def forward(w, md, tokens):
 
 
 def main():
-    if len(sys.argv) != 4:
-        raise SystemExit(__doc__)
-    w, md = st_io.read(sys.argv[1])
-    prompt = open(sys.argv[2], "rb").read()
-    ref = np.fromfile(sys.argv[3], dtype="<f4").reshape(len(prompt), -1).astype(np.float64)
+    w, md = st_io.read(ARGS.model)
+    prompt = open(ARGS.prompt, "rb").read()
+    ref = np.fromfile(ARGS.logits, dtype="<f4").reshape(len(prompt), -1).astype(np.float64)
     got = forward(w, md, np.frombuffer(prompt, dtype=np.uint8).astype(np.int64))
     rel = np.abs(got - ref).max(-1) / np.abs(ref).max(-1)
     print("positions %d, max relative difference %.3e (at %d), mean %.3e"

@@ -10,6 +10,12 @@ offset; len(F1) = round(depth * (L - len(NEEDLE) - len(QUESTION))), len(F2) the 
 the prompt is exactly L bytes (= L tokens). In training, a passkey sequence is the prompt
 followed by K + ".\\n".
 """
+if __name__ == "__main__":  # a module, not a command: --help says what it is
+    import argparse
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="A module imported by the scripts of train/; running it does nothing.").parse_args()
+    raise SystemExit(0)
+
 import numpy as np
 
 QUESTION = b"\nWhat is the pass key? The pass key is "

@@ -3,6 +3,9 @@
 # installed on PYTHONPATH, data/train.txt.gz and data/val.txt.gz carried, and $OUT set.
 #   SECS: training seconds of the main run (default 360)
 #   SELFTEST=1: first a few seconds of tiny training + resume + export + reference logits
+# Usage: OUT=DIR [SECS=N] [SELFTEST=0|1] train/run_gpu.sh
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 SECS=${SECS:-360}

@@ -5,6 +5,12 @@ Layout (the standard one): 8-byte little-endian header length N, N bytes of JSON
 each tensor at its [begin, end) offsets relative to the end of the header. Tensors are
 written in name order, contiguous, with no gaps.
 """
+if __name__ == "__main__":  # a module, not a command: --help says what it is
+    import argparse
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="A module imported by the scripts of train/; running it does nothing.").parse_args()
+    raise SystemExit(0)
+
 import json
 import struct
 

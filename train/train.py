@@ -19,6 +19,37 @@ import os
 import sys
 import time
 
+def parse_args():
+    ap = argparse.ArgumentParser(description="train the entmaxkv LM")
+    ap.add_argument("--data", default="data")
+    ap.add_argument("--out", default="ckpt")
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--seconds", type=float, default=420.0, help="training time budget (s)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--passkey-frac", type=float, default=0.15)
+    ap.add_argument("--answer-weight", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds of training between evals")
+    ap.add_argument("--eval-seqs", type=int, default=64)
+    ap.add_argument("--ckpt-every", type=float, default=120.0)
+    ap.add_argument("--final-passkey", default="1024:32,2048:32,4096:16,8192:8",
+                    help="LENGTH:COUNT list evaluated at the end")
+    ap.add_argument("--init", default=None, help="start from these weights (safetensors), fresh optimizer")
+    ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--wall-limit", type=float, default=0.0,
+                    help="also stop training this many seconds after the script started (0: off)")
+    return ap.parse_args()
+
+
+# --help answers here, before the imports that need numpy or torch
+ARGS = parse_args() if __name__ == "__main__" else None
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -148,31 +179,7 @@ def save_weights_fp32(model, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="train the entmaxkv LM")
-    ap.add_argument("--data", default="data")
-    ap.add_argument("--out", default="ckpt")
-    ap.add_argument("--log", default=None)
-    ap.add_argument("--seconds", type=float, default=420.0, help="training time budget (s)")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--wd", type=float, default=0.1)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--passkey-frac", type=float, default=0.15)
-    ap.add_argument("--answer-weight", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds of training between evals")
-    ap.add_argument("--eval-seqs", type=int, default=64)
-    ap.add_argument("--ckpt-every", type=float, default=120.0)
-    ap.add_argument("--final-passkey", default="1024:32,2048:32,4096:16,8192:8",
-                    help="LENGTH:COUNT list evaluated at the end")
-    ap.add_argument("--init", default=None, help="start from these weights (safetensors), fresh optimizer")
-    ap.add_argument("--max-steps", type=int, default=0)
-    ap.add_argument("--wall-limit", type=float, default=0.0,
-                    help="also stop training this many seconds after the script started (0: off)")
-    a = ap.parse_args()
+    a = ARGS
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -49,9 +49,8 @@ static int all_finite(const void *x, ekv_dtype dt, ekv_dtype store, int64_t n, i
     return 1;
 }
 
-ekv_status ekv_cache_append(ekv_cache *c, int32_t seq, int64_t n_tokens, const void *k,
-                            const void *v, ekv_dtype src_dtype) {
-    if (!c) return EKV_ERR_NULL_POINTER;
+static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const void *k, const void *v,
+                             ekv_dtype src_dtype) {
     ekv_context *ctx = c->ctx;
     if (!k || !v) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !k ? "k" : "v");
     const ekv_seq *cs;
@@ -108,4 +107,15 @@ ekv_status ekv_cache_append(ekv_cache *c, int32_t seq, int64_t n_tokens, const v
     s->len = new_len;
     ekv_clear_error(ctx);
     return EKV_OK;
+}
+
+/* The append runs on the context's thread pool: one thread at a time (ekv_ctx_enter). */
+ekv_status ekv_cache_append(ekv_cache *c, int32_t seq, int64_t n_tokens, const void *k,
+                            const void *v, ekv_dtype src_dtype) {
+    if (!c) return EKV_ERR_NULL_POINTER;
+    ekv_status st = ekv_ctx_enter(c->ctx);
+    if (st) return st;
+    st = append_run(c, seq, n_tokens, k, v, src_dtype);
+    ekv_ctx_leave(c->ctx);
+    return st;
 }

@@ -112,6 +112,15 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     int64_t epp = 0, kvb = 0, sf = 0, total = 0;
     ekv_status st = pool_sizes(ctx, params, &epp, &kvb, &sf, &total);
     if (st) return st;
+    /* Under overcommit a pool larger than RAM is granted and only fails when its pages are
+     * touched, by the OOM killer, long into the work: refuse it here instead. */
+    const int64_t phys = ekv_phys_mem_bytes();
+    if (total > phys)
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
+                        "the cache needs %lld bytes (%.2f GiB) for %lld pages, more than the physical memory "
+                        "(%lld bytes, %.2f GiB)",
+                        (long long)total, (double)total / (1 << 30), (long long)params->num_pages, (long long)phys,
+                        (double)phys / (1 << 30));
     ekv_cache *c = calloc(1, sizeof *c);
     if (!c) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for the cache header");
     c->ctx = ctx;
@@ -229,6 +238,7 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->superpage_pages = c->smin ? c->p.superpage_pages : 0;
         stats->smin = c->smin;
         stats->smax = c->smax;
+        stats->num_superpages = c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
     }
     return EKV_OK;
 }

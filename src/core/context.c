@@ -79,26 +79,62 @@ void ekv_context_free(ekv_context *ctx) {
     if (!ctx) return;
     ekv_pool_free(ctx->pool);
     free(ctx->workspace);
+    free(ctx->step_buf);
     free(ctx);
+}
+
+/* One distinct address per thread identifies the owner (pthread_t is not an integer). */
+static _Thread_local char thread_token;
+
+ekv_status ekv_ctx_enter(ekv_context *ctx) {
+    if (!ctx) return EKV_OK;
+    uintptr_t self = (uintptr_t)&thread_token, free_ = 0;
+    if (__atomic_load_n(&ctx->owner, __ATOMIC_ACQUIRE) == self) { /* a nested call */
+        ctx->depth++;
+        return EKV_OK;
+    }
+    if (!__atomic_compare_exchange_n(&ctx->owner, &free_, self, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "context used from two threads at once; use one context per thread");
+    ctx->depth = 1;
+    return EKV_OK;
+}
+
+void ekv_ctx_leave(ekv_context *ctx) {
+    if (!ctx || --ctx->depth > 0) return;
+    __atomic_store_n(&ctx->owner, (uintptr_t)0, __ATOMIC_RELEASE);
+}
+
+int64_t ekv_phys_mem_bytes(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    int64_t bytes;
+    if (pages <= 0 || size <= 0 || ekv_mul_i64(pages, size, &bytes)) return INT64_MAX;
+    return bytes;
 }
 
 ekv_isa ekv_context_isa(const ekv_context *ctx) { return ctx ? ctx->isa : EKV_ISA_SCALAR; }
 int32_t ekv_context_threads(const ekv_context *ctx) { return ctx ? ctx->n_threads : 0; }
 
-void *ekv_context_workspace(ekv_context *ctx, size_t bytes) {
-    if (bytes <= ctx->workspace_bytes) return ctx->workspace;
+/* Grows a context buffer to at least `bytes` (64-byte aligned, with headroom so that slowly
+ * growing steps do not reallocate every time). The old contents are not kept. */
+static void *arena_grow(void **buf, size_t *have, size_t bytes) {
+    if (bytes <= *have) return *buf;
     size_t want = bytes + bytes / 4 + 64;
     want = (want + 63) & ~(size_t)63;
     void *p = NULL;
     if (posix_memalign(&p, 64, want) != 0) return NULL;
-    free(ctx->workspace);
-    ctx->workspace = p;
-    ctx->workspace_bytes = want;
+    free(*buf);
+    *buf = p;
+    *have = want;
     return p;
 }
 
-char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
-                           ekv_status *status) {
+void *ekv_context_workspace(ekv_context *ctx, size_t bytes) {
+    return arena_grow(&ctx->workspace, &ctx->workspace_bytes, bytes);
+}
+
+static char *arena_blocks(ekv_context *ctx, void **buf, size_t *have, const int64_t *sizes, int n, int64_t *offsets,
+                          const char *what, ekv_status *status) {
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         offsets[i] = total;
@@ -107,7 +143,7 @@ char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_
             return NULL;
         }
     }
-    char *ws = ekv_context_workspace(ctx, (size_t)(total > 0 ? total : 64));
+    char *ws = arena_grow(buf, have, (size_t)(total > 0 ? total : 64));
     if (!ws) {
         *status = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "%s: cannot allocate %.1f MiB of workspace", what,
                            (double)total / (1 << 20));
@@ -115,4 +151,14 @@ char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_
     }
     *status = EKV_OK;
     return ws;
+}
+
+char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
+                           ekv_status *status) {
+    return arena_blocks(ctx, &ctx->workspace, &ctx->workspace_bytes, sizes, n, offsets, what, status);
+}
+
+char *ekv_step_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
+                      ekv_status *status) {
+    return arena_blocks(ctx, &ctx->step_buf, &ctx->step_bytes, sizes, n, offsets, what, status);
 }

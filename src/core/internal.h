@@ -3,6 +3,7 @@
 #define EKV_INTERNAL_H
 
 #include "entmaxkv.h"
+#include "geometry.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,14 +29,34 @@ struct ekv_context {
     ekv_isa isa;
     int32_t n_threads;
     ekv_pool *pool;
-    void *workspace;       /* grows on demand; reused across steps */
+    /* Two scratch arenas, grown on demand and reused across calls (docs/architecture.md,
+     * "Scratch memory"): the workspace belongs to the stage running now, so any nested
+     * library call invalidates it; the step arena belongs to the public entry point of the
+     * step (ekv_decode, ekv_decode_certified, ekv_dense_probs) and holds what must survive
+     * from one stage to the next (page lists, bounds). Stages never touch the step arena. */
+    void *workspace;
     size_t workspace_bytes;
+    void *step_buf;
+    size_t step_bytes;
     char last_error[512];
+    /* A context is single-threaded (its pool runs one job, its arenas hold one call's
+     * scratch). ekv_ctx_enter/leave detect a second thread: owner is the entering thread's
+     * token (0 = free), depth counts nested library calls of that thread. */
+    uintptr_t owner; /* accessed with __atomic builtins only */
+    int32_t depth;
 };
 
 /* Records a formatted message in ctx (if not NULL) and returns status. */
 ekv_status ekv_fail(ekv_context *ctx, ekv_status status, const char *fmt, ...) EKV_PRINTF(3, 4);
 void ekv_clear_error(ekv_context *ctx);
+/* Brackets every public call that uses the context's thread pool or arenas. enter returns
+ * EKV_ERR_INVALID_ARGUMENT (with a message) when another thread is inside a call on ctx; the
+ * caller then returns that status without calling leave. Nested calls from the owning thread
+ * are fine. ctx may be NULL (nothing is checked). */
+ekv_status ekv_ctx_enter(ekv_context *ctx);
+void ekv_ctx_leave(ekv_context *ctx);
+/* Physical memory of this machine in bytes (sysconf), or INT64_MAX when unknown. */
+int64_t ekv_phys_mem_bytes(void);
 /* Returns a workspace of at least `bytes` (64-byte aligned), or NULL on OOM. */
 void *ekv_context_workspace(ekv_context *ctx, size_t bytes);
 /* Lays out n blocks of sizes[i] bytes, each 64-byte aligned, in the context workspace:
@@ -43,6 +64,9 @@ void *ekv_context_workspace(ekv_context *ctx, size_t bytes);
  * out of memory, the message naming `what`). */
 char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
                            ekv_status *status);
+/* The same in the step arena (entry points only, see struct ekv_context). */
+char *ekv_step_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
+                      ekv_status *status);
 
 /* Checked int64 arithmetic: returns 0 and sets *out, or -1 on overflow. */
 static inline int ekv_mul_i64(int64_t a, int64_t b, int64_t *out) {
@@ -121,20 +145,27 @@ static inline uint16_t ekv_f32_to_bf16(float f) {
     return (uint16_t)(x >> 16);
 }
 
-/* Reads element i of a typed buffer as float. */
+/* Reads element i of a typed buffer as float. The buffer may be unaligned (a safetensors
+ * file's data starts wherever its header ends, and user buffers carry no promise), so each
+ * element is copied out with memcpy: the same single load on x86, and defined behaviour. */
 static inline float ekv_load_f32(const void *base, ekv_dtype dt, int64_t i) {
+    const char *b = (const char *)base;
+    uint16_t h;
+    float f;
     switch (dt) {
-    case EKV_DTYPE_F16: return ekv_f16_to_f32(((const uint16_t *)base)[i]);
-    case EKV_DTYPE_BF16: return ekv_bf16_to_f32(((const uint16_t *)base)[i]);
-    default: return ((const float *)base)[i];
+    case EKV_DTYPE_F16: memcpy(&h, b + 2 * i, 2); return ekv_f16_to_f32(h);
+    case EKV_DTYPE_BF16: memcpy(&h, b + 2 * i, 2); return ekv_bf16_to_f32(h);
+    default: memcpy(&f, b + 4 * i, 4); return f;
     }
 }
 
 static inline void ekv_store_f32(void *base, ekv_dtype dt, int64_t i, float v) {
+    char *b = (char *)base;
+    uint16_t h;
     switch (dt) {
-    case EKV_DTYPE_F16: ((uint16_t *)base)[i] = ekv_f32_to_f16(v); break;
-    case EKV_DTYPE_BF16: ((uint16_t *)base)[i] = ekv_f32_to_bf16(v); break;
-    default: ((float *)base)[i] = v; break;
+    case EKV_DTYPE_F16: h = ekv_f32_to_f16(v); memcpy(b + 2 * i, &h, 2); break;
+    case EKV_DTYPE_BF16: h = ekv_f32_to_bf16(v); memcpy(b + 2 * i, &h, 2); break;
+    default: memcpy(b + 4 * i, &v, 4); break;
     }
 }
 
@@ -192,15 +223,24 @@ static inline ekv_step_shape ekv_step_shape_of(const ekv_decode_params *prm, con
     return s;
 }
 
-/* ---- validation shared by decode backends (src/core/validate.c) ---- */
+/* ---- validation shared by decode backends (src/core/validate.c) ----
+ * Every public decode call runs ekv_decode_supported (the parameters and the method, for its
+ * backend) and then ekv_validate_decode or ekv_validate_step (the memory it is given: views,
+ * table, queries); the runners behind them only assume. */
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *table,
                                const float *q, const float *out);
-ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha);
 /* Everything ekv_validate_decode checks but the output pointer, for stages that write no
  * attention output (selection, bounds, reference probabilities). q may be NULL when the
  * stage takes no query; then it is not checked. */
 ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
                              const ekv_page_table *t, const float *q);
-
+ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha);
+/* The one definition of each rule (validate.c): alpha, num_heads and scale of the decode
+ * parameters (host fields only: the slopes are checked where they are host memory); heads
+ * divisibility; page size. */
+#define EKV_MAX_PAGE_SIZE 256
+ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params);
+ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads);
+ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size);
 #endif

@@ -11,6 +11,36 @@ ekv_decode_params ekv_decode_default_params(void) {
     return p;
 }
 
+/* The one definition of each rule on the decode parameters (every backend calls this). */
+ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params) {
+    ekv_status st = ekv_validate_alpha(ctx, params->alpha);
+    if (st) return st;
+    if (params->num_heads <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_heads=%d must be >= 1", params->num_heads);
+    if (!(params->scale >= 0.f) || !isfinite(params->scale))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "scale=%g must be finite and >= 0 (0 = 1/sqrt(D))",
+                        (double)params->scale);
+    return EKV_OK;
+}
+
+ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads) {
+    if (num_kv_heads <= 0 || num_heads <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_heads=%lld and num_kv_heads=%lld must be >= 1",
+                        (long long)num_heads, (long long)num_kv_heads);
+    if (num_heads % num_kv_heads != 0)
+        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH,
+                        "num_heads=%lld is not a multiple of num_kv_heads=%lld (GQA groups must be equal)",
+                        (long long)num_heads, (long long)num_kv_heads);
+    return EKV_OK;
+}
+
+ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
+    if (page_size < 1 || page_size > EKV_MAX_PAGE_SIZE)
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%lld must be in [1, %d]", (long long)page_size,
+                        EKV_MAX_PAGE_SIZE);
+    return EKV_OK;
+}
+
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *t,
                                const float *q, const float *out) {
@@ -28,22 +58,15 @@ ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, 
     if (!t->indptr || !t->indices || !t->last_page_len)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "table->%s is NULL",
                         !t->indptr ? "indptr" : !t->indices ? "indices" : "last_page_len");
-    ekv_status st = ekv_validate_alpha(ctx, params->alpha);
-    if (st) return st;
+    ekv_status st;
     if (!ekv_dtype_valid(kv->dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv->dtype=%d is not f32, f16 or bf16", (int)kv->dtype);
-    if (kv->page_size < 1 || kv->page_size > 256)
-        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", kv->page_size);
+    st = ekv_check_page_size(ctx, kv->page_size);
+    if (st) return st;
     if (kv->head_dim <= 0 || kv->head_dim > 65536)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]", kv->head_dim);
-    if (kv->num_kv_heads <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be >= 1", kv->num_kv_heads);
-    if (params->num_heads <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_heads=%d must be >= 1", params->num_heads);
-    if (params->num_heads % kv->num_kv_heads != 0)
-        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH,
-                        "num_heads=%d is not a multiple of num_kv_heads=%d (GQA groups must be equal)",
-                        params->num_heads, kv->num_kv_heads);
+    st = ekv_check_heads(ctx, params->num_heads, kv->num_kv_heads);
+    if (st) return st;
     if (kv->num_pages <= 0 || kv->num_pages > INT32_MAX)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be in [1, 2^31-1]", (long long)kv->num_pages);
     if (kv->stride_token < kv->head_dim || kv->stride_head <= 0 || kv->stride_page <= 0)
@@ -54,9 +77,6 @@ ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, 
     if (ekv_mul_i64(kv->num_pages, kv->stride_page, &span) ||
         ekv_mul_i64(span, ekv_dtype_size(kv->dtype), &tmp))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages * stride_page overflows int64");
-    if (!(params->scale >= 0.f) || !isfinite(params->scale))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "scale=%g must be finite and >= 0 (0 = 1/sqrt(D))",
-                        (double)params->scale);
     if (params->alibi_slopes)
         for (int32_t h = 0; h < params->num_heads; h++)
             if (!(params->alibi_slopes[h] >= 0.f) || !isfinite(params->alibi_slopes[h]))

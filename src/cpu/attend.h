@@ -1,17 +1,52 @@
-/* Attention over page lists, internal entry points (attend_pages.c). */
+/* Attention over page lists and the validated-step runners of the CPU backend. The public
+ * entry points validate their arguments once and then call these, which only assume. */
 #ifndef EKV_CPU_ATTEND_H
 #define EKV_CPU_ATTEND_H
 #include "../core/internal.h"
 
-/*
- * Certified attention (SPEC 9.3) over round-1 lists: per list, score the listed pages, solve
- * tau_C per head, add every page outside the list whose certified bound (bounds[(b*H +
- * h)*bstride + p]) exceeds tau_C for a head of the list, score only those, and solve exactly
- * over all kept scores; V is read once, for the final support. round2[l] = pages added.
- * Arguments (other than the list) must already be validated; alpha > 1.
- */
-ekv_status ekv_cpu_attend_certified(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                    const ekv_page_table *tab, const ekv_page_list *list, const float *bounds,
-                                    int64_t bstride, const float *q, float *out, ekv_decode_info *info,
-                                    int64_t *round2);
+/* What attention over lists produces (attend_pages.c). */
+typedef enum ekv_lists_mode {
+    EKV_LISTS_OUTPUT = 0, /* the attention output (ekv_decode_pages)                            */
+    EKV_LISTS_PROBS = 1,  /* the probabilities of every token (evaluation; list NULL = dense)   */
+    EKV_LISTS_CERTIFY = 2 /* certified round 2 on the kept scores, then the output (§9.3)        */
+} ekv_lists_mode;
+
+typedef struct ekv_lists_args {
+    ekv_lists_mode mode;
+    const ekv_page_list *list; /* PROBS: NULL = every page, one list per query head          */
+    float *out;                /* OUTPUT, CERTIFY: [B][H][D]                                 */
+    ekv_decode_info *info;     /* OUTPUT, CERTIFY (may be NULL)                              */
+    float *probs;              /* PROBS: [B*H][pstride]                                      */
+    int64_t pstride;
+    double *tau;               /* PROBS: tau per head (may be NULL)                          */
+    const float *bounds;       /* CERTIFY: certified page bounds [B*H][bstride]              */
+    int64_t bstride;
+    int64_t *round2;           /* CERTIFY: pages added per list                              */
+} ekv_lists_args;
+
+/* Validates a page list against a validated table (heads, CSR, page numbers, tau mode). */
+ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list, int64_t num_heads,
+                             int64_t num_kv_heads);
+
+/* Runners: arguments already validated (ekv_validate_decode, ekv_decode_supported). */
+ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                             const ekv_page_table *tab, const float *q, float *out, ekv_decode_info *info);
+ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                                const ekv_page_table *tab, const float *q, const ekv_lists_args *args);
+/* Page selection (select.c): writes list for sel->method's list stages. */
+ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                              const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                              const float *q, ekv_page_list *list);
+/* The checks ekv_select_pages makes beyond the step's (select.c): stats, budgets, list. */
+ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                               const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                               const ekv_page_list *list);
+/* Certified decode (certified.c); its lists and bounds live in the step arena. */
+ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                                 const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                                 const float *q, float *out, ekv_decode_info *info, ekv_certified_info *ci);
+/* The oracle policy (src/eval/oracle.c): the pages of the dense support, evaluation only. */
+ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                                 const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                                 ekv_page_list *list);
 #endif

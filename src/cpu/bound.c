@@ -180,7 +180,7 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.u = u;
     j.ustride = ustride;
     if (j.sh.G > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.sh.G);
-    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.sh.D);
+    const double scale = ekv_effective_scale(prm->scale, j.sh.D);
     const int64_t nq = j.sh.B * j.sh.H * j.sh.D;
     float *qp = qsplit, *qn = qsplit + nq, *qf = qsplit + 2 * nq, *zeros = qsplit + 3 * nq;
     double *qnorm = (double *)(qsplit + ((3 * nq + j.sh.G * j.sh.D + 1) & ~(int64_t)1)); /* 8-byte aligned */

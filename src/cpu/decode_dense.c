@@ -15,6 +15,7 @@
 #include "../core/internal.h"
 #include "kernels.h"
 #include "support.h"
+#include "attend_tail.h"
 #include <stdlib.h>
 
 enum { CHUNK_TOKENS = 2048, PREFETCH_PAGES = 2 };
@@ -42,10 +43,6 @@ typedef struct {
     int64_t *bytes_v; /* [B*Hk] */
 } dense_job;
 
-static const char *page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page, int64_t head,
-                            int64_t esize) {
-    return (const char *)base + ((int64_t)page * kv->stride_page + head * kv->stride_head) * esize;
-}
 
 /* Phase 1 task = (sequence, chunk of pages). All KV heads of a page are scored together so
  * that K is streamed in address order (page-major layout): walking one head across pages
@@ -66,7 +63,7 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     const int64_t N = j->len[b], ps = j->sh.ps, G = j->sh.G, H = j->sh.H;
     const int64_t pages_per_chunk = (CHUNK_TOKENS + ps - 1) / ps;
     const int64_t p0 = chunk * pages_per_chunk;
-    const int64_t npages = j->tab->indptr[b + 1] - j->tab->indptr[b];
+    const int64_t npages = ekv_seq_pages(j->tab->indptr, b);
     const int64_t p1 = p0 + pages_per_chunk < npages ? p0 + pages_per_chunk : npages;
     float *zb = j->z + H * j->tok_off[b];
     float *mx = j->cmax + task * H;
@@ -75,23 +72,15 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
     for (int64_t p = p0; p < p1; p++) {
         int32_t page = j->tab->indices[j->tab->indptr[b] + p];
-        int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : ps;
+        const int64_t ntok = ekv_page_tokens(p, npages, j->tab->last_page_len[b], ps);
         /* The score kernel prefetches the same head PREFETCH_PAGES ahead, a tile at a time:
          * on one thread the core does not overlap scoring with DRAM latency by itself. */
         const int32_t ahead = p + PREFETCH_PAGES < npages ? j->tab->indices[j->tab->indptr[b] + p + PREFETCH_PAGES] : -1;
         for (int64_t kvh = 0; kvh < j->sh.Hk; kvh++) {
-            const char *k = page_ptr(j->kv, j->kv->k, page, kvh, j->sh.esize);
-            const char *pf = ahead >= 0 ? page_ptr(j->kv, j->kv->k, ahead, kvh, j->sh.esize) : NULL;
-            const float *bias0 = NULL, *bstep = NULL;
-            if (slopes) {
-                for (int64_t g = 0; g < G; g++) {
-                    double m = j->sh.a * slopes[kvh * G + g];
-                    b0[g] = (float)(m * (double)(p * ps - (N - 1)));
-                    bs[g] = (float)m;
-                }
-                bias0 = b0;
-                bstep = bs;
-            }
+            const char *k = ekv_cpu_page_ptr(j->kv, j->kv->k, page, kvh);
+            const char *pf = ahead >= 0 ? ekv_cpu_page_ptr(j->kv, j->kv->k, ahead, kvh) : NULL;
+            const int bias = ekv_cpu_alibi_page(slopes, j->sh.a, kvh * G, G, p * ps, N, b0, bs);
+            const float *bias0 = bias ? b0 : NULL, *bstep = bias ? bs : NULL;
             j->kern->score(k, j->kv->stride_token, ntok, j->kv->dtype, j->sh.D,
                            j->qs + (b * H + kvh * G) * j->sh.D, j->sh.D, (int)G, bias0, bstep,
                            zb + kvh * G * N + p * ps, N, mx + kvh * G, pf);
@@ -99,11 +88,6 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     }
 }
 
-/* Row pointer of token `tok` of sequence b, KV head kvh, in K or V. */
-static const char *kv_row(const dense_job *j, const void *base, int64_t b, int64_t kvh, int64_t tok) {
-    int32_t page = j->tab->indices[j->tab->indptr[b] + tok / j->sh.ps];
-    return page_ptr(j->kv, base, page, kvh, j->sh.esize) + (tok % j->sh.ps) * j->kv->stride_token * j->sh.esize;
-}
 
 static void phase_attend(void *vp, int64_t task, int worker) {
     dense_job *j = vp;
@@ -120,52 +104,39 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     }
     if (j->sh.alpha == 1.0) {
         for (int64_t g = 0; g < G; g++) {
-            double s = j->kern->exp_shift(zb + g * N, N, M[g], zb + g * N);
-            float inv = (float)(1.0 / s);
-            for (int64_t t = 0; t < N; t++) zb[g * N + t] *= inv;
-            int64_t bh = b * j->sh.H + kvh * G + g;
-            if (j->tau) j->tau[bh] = (double)M[g] + log(s);
+            const double tau = ekv_cpu_softmax_weights(j->kern, zb + g * N, N, M[g]);
+            const int64_t bh = b * j->sh.H + kvh * G + g;
+            if (j->tau) j->tau[bh] = tau;
             if (j->support) j->support[bh] = N;
         }
-        const int64_t npages = j->tab->indptr[b + 1] - j->tab->indptr[b];
+        const int64_t npages = ekv_seq_pages(j->tab->indptr, b);
         for (int64_t p = 0; p < npages; p++) {
-            int32_t page = j->tab->indices[j->tab->indptr[b] + p];
-            int64_t ntok = p == npages - 1 ? j->tab->last_page_len[b] : j->sh.ps;
-            j->kern->accum(page_ptr(j->kv, j->kv->v, page, kvh, j->sh.esize), j->kv->stride_token, ntok,
-                           j->kv->dtype, D, zb + p * j->sh.ps, N, (int)G, ob, D);
+            const int32_t page = j->tab->indices[j->tab->indptr[b] + p];
+            const int64_t ntok = ekv_page_tokens(p, npages, j->tab->last_page_len[b], j->sh.ps);
+            j->kern->accum(ekv_cpu_page_ptr(j->kv, j->kv->v, page, kvh), j->kv->stride_token, ntok, j->kv->dtype, D,
+                           zb + p * j->sh.ps, N, (int)G, ob, D);
         }
         j->bytes_v[task] = N * D * j->sh.esize;
         return;
     }
     int64_t *idx = j->w_idx + worker * j->nmax;
     double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
-    uint8_t *mark = j->w_mark + worker * j->nmax;
-    int64_t *uni = j->w_union + worker * j->nmax;
-    int64_t rows_read = 0;
+    ekv_cpu_rows rows = {j->w_mark + worker * j->nmax, j->w_union + worker * j->nmax, 0};
     for (int64_t g = 0; g < G; g++) {
         double ty, wsum;
         const int64_t sup = ekv_cpu_entmax_support(j->kern, zb + g * N, N, M[g], j->sh.alpha, idx, y, y2, &ty, &wsum);
-        float *og = ob + g * D;
-        for (int64_t i = 0; i < sup; i++) {
-            float w = (float)(y[i] / wsum);
-            j->kern->accum(kv_row(j, j->kv->v, b, kvh, idx[i]), j->kv->stride_token, 1, j->kv->dtype, D, &w, 1, 1, og, D);
-            if (!mark[idx[i]]) { mark[idx[i]] = 1; uni[rows_read++] = idx[i]; }
-        }
-        int64_t bh = b * j->sh.H + kvh * G + g;
+        ekv_cpu_accum_support(j->kern, j->kv, j->tab, b, kvh, idx, y, sup, wsum, ob + g * D, &rows);
+        const int64_t bh = b * j->sh.H + kvh * G + g;
         if (j->tau) j->tau[bh] = (double)M[g] + ty;
         if (j->support) j->support[bh] = sup;
     }
-    /* V rows read = the union of the group's supports; leave the marks clear */
-    for (int64_t i = 0; i < rows_read; i++) mark[uni[i]] = 0;
-    j->bytes_v[task] = rows_read * D * j->sh.esize;
+    /* V rows read = the union of the group's supports */
+    j->bytes_v[task] = ekv_cpu_rows_clear(&rows) * D * j->sh.esize;
 }
 
-ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                            const ekv_page_table *tab, const float *q, float *out,
-                            ekv_decode_info *info) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    ekv_status st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
-    if (st) return st;
+ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                             const ekv_page_table *tab, const float *q, float *out, ekv_decode_info *info) {
+    ekv_status st;
     dense_job j;
     memset(&j, 0, sizeof j);
     j.kern = ekv_cpu_kernels_for(ctx->isa);
@@ -179,8 +150,7 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     int64_t total_tok = 0, nmax = 0, ntasks = 0;
     const int64_t pages_per_chunk = (CHUNK_TOKENS + j.sh.ps - 1) / j.sh.ps;
     for (int64_t b = 0; b < j.sh.B; b++) {
-        int64_t np = tab->indptr[b + 1] - tab->indptr[b];
-        int64_t n = (np - 1) * j.sh.ps + tab->last_page_len[b];
+        const int64_t np = ekv_seq_pages(tab->indptr, b), n = ekv_seq_len(tab->indptr, tab->last_page_len, b, j.sh.ps);
         total_tok += n;
         if (n > nmax) nmax = n;
         ntasks += (np + pages_per_chunk - 1) / pages_per_chunk;
@@ -212,8 +182,8 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     memset(j.w_mark, 0, (size_t)(W * nmax));
     int64_t tok = 0, toff = 0;
     for (int64_t b = 0; b < j.sh.B; b++) {
-        int64_t np = tab->indptr[b + 1] - tab->indptr[b];
-        j.len[b] = (np - 1) * j.sh.ps + tab->last_page_len[b];
+        const int64_t np = ekv_seq_pages(tab->indptr, b);
+        j.len[b] = ekv_seq_len(tab->indptr, tab->last_page_len, b, j.sh.ps);
         j.tok_off[b] = tok;
         j.chunks[b] = (np + pages_per_chunk - 1) / pages_per_chunk;
         j.task_off[b] = toff;
@@ -222,8 +192,7 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     }
     j.ntasks = ntasks;
     /* q' = (a * scale) * q, so that the kernels produce z directly */
-    float scale = prm->scale > 0 ? prm->scale : (float)(1.0 / sqrt((double)j.sh.D));
-    float qscale = (float)(j.sh.a * scale);
+    const float qscale = (float)(j.sh.a * (float)ekv_effective_scale(prm->scale, j.sh.D));
     for (int64_t i = 0; i < j.sh.B * j.sh.H * j.sh.D; i++) qs[i] = q[i] * qscale;
     j.qs = qs;
     j.out = out;
@@ -238,4 +207,12 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     }
     ekv_clear_error(ctx);
     return EKV_OK;
+}
+
+ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                            const ekv_page_table *tab, const float *q, float *out, ekv_decode_info *info) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
+    if (!st) st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
+    return st ? st : ekv_cpu_dense_run(ctx, prm, kv, tab, q, out, info);
 }

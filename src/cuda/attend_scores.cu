@@ -327,7 +327,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.q = q;
     A.slopes = prm->alibi_slopes;
     const double a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
+    const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
     A.qscale = a * scale;
     A.a = (float)a;
     A.H = prm->num_heads;

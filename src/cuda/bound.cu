@@ -137,7 +137,7 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     A.q = q;
     A.slopes = prm->alibi_slopes;
     A.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    const double scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
+    const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
     A.qscale = A.a * scale;
     A.H = prm->num_heads;
     A.Hk = kv->num_kv_heads;

@@ -159,7 +159,7 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
     M.st = *st;
     M.t = *t;
     M.q = q;
-    M.scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)kv->head_dim);
+    M.scale = ekv_effective_scale(prm->scale, kv->head_dim);
     M.H = prm->num_heads;
     M.Hk = kv->num_kv_heads;
     M.G = M.H / M.Hk;

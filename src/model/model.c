@@ -26,32 +26,20 @@ ekv_model_params ekv_model_default_params(void) {
     p.page_size = 16;
     p.kv_dtype = EKV_DTYPE_F16;
     p.superpage_pages = 16;
-    p.method = EKV_ATTN_DENSE;
+    p.method = EKV_SELECT_DENSE;
     p.budget = 1.0 / 16;
     return p;
 }
 
-static const char *const method_names[] = {"dense", "topk", "gaussian", "certified"};
-
-const char *ekv_attn_method_name(ekv_attn_method m) {
-    return m >= EKV_ATTN_DENSE && m <= EKV_ATTN_CERTIFIED ? method_names[m] : NULL;
-}
-
-ekv_status ekv_attn_method_from_name(const char *name, ekv_attn_method *out) {
-    if (!name || !out) return EKV_ERR_NULL_POINTER;
-    for (int i = 0; i < 4; i++)
-        if (!strcmp(name, method_names[i])) { *out = (ekv_attn_method)i; return EKV_OK; }
-    return EKV_ERR_INVALID_ARGUMENT;
-}
-
-static ekv_status check_method(ekv_context *ctx, ekv_attn_method method, double budget, double alpha) {
-    if (!ekv_attn_method_name(method))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "method=%d is not dense, topk, gaussian or certified", (int)method);
+/* The method and budget of the model's attention, checked by the decode stack's own support
+ * check on the select params the attention will use (model_attention.c). */
+static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg, ekv_select_method method,
+                               double budget) {
     if (!(budget > 0.0 && budget <= 1.0))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]", budget);
-    if (method == EKV_ATTN_GAUSSIAN && !(alpha == 2.0 || alpha == 1.5 || fabs(alpha - 4.0 / 3.0) < 1e-12))
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "the gaussian selector needs alpha 2, 1.5 or 4/3 (model alpha %g)", alpha);
-    return EKV_OK;
+    const ekv_decode_params dp = ekv_model_decode_params(cfg, NULL);
+    const ekv_select_params sp = ekv_model_select_params(method, budget, 1);
+    return ekv_decode_supported(ctx, EKV_BACKEND_CPU, &dp, &sp);
 }
 
 /* ---------------------------------------------------------------------------------- */
@@ -162,8 +150,7 @@ void ekv_model_free(ekv_model *m) {
     free(m->x); free(m->xn); free(m->q); free(m->k); free(m->v); free(m->att); free(m->h1); free(m->h3); free(m->proj);
     free(m->zmax);
     attn_scratch *a = &m->as;
-    free(a->indptr); free(a->indices); free(a->last_len); free(a->full); free(a->list_indptr); free(a->list_pages);
-    free(a->round1); free(a->round2);
+    free(a->indptr); free(a->indices); free(a->last_len); free(a->full);
     free(m);
 }
 
@@ -325,7 +312,7 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     ekv_model_config cfg;
     ekv_status s = read_config(ctx, st, &cfg);
     if (s) return s;
-    if ((s = check_method(ctx, p.method, p.budget, cfg.alpha))) return s;
+    if ((s = check_method(ctx, &cfg, p.method, p.budget))) return s;
     ekv_model *m = calloc(1, sizeof *m);
     if (!m) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
@@ -358,9 +345,9 @@ ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_pa
 const ekv_model_config *ekv_model_get_config(const ekv_model *m) { return m ? &m->cfg : NULL; }
 int64_t ekv_model_position(const ekv_model *m) { return m ? m->pos : 0; }
 
-ekv_status ekv_model_set_method(ekv_model *m, ekv_attn_method method, double budget) {
+ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double budget) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    ekv_status s = check_method(m->ctx, method, budget, m->cfg.alpha);
+    ekv_status s = check_method(m->ctx, &m->cfg, method, budget);
     if (s) return s;
     m->prm.method = method;
     m->prm.budget = budget;
@@ -516,18 +503,22 @@ ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float 
     if (!m) return EKV_ERR_NULL_POINTER;
     if (!tokens) return ekv_fail(m->ctx, EKV_ERR_NULL_POINTER, "tokens is NULL");
     if (n < 1) return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n=%lld must be >= 1", (long long)n);
+    /* the count before the data it counts: tokens[] may be shorter than n */
+    if (n > m->prm.max_tokens - m->pos)
+        return ekv_fail(m->ctx, EKV_ERR_CACHE_FULL, "%lld more tokens after %lld pass max_tokens=%lld", (long long)n,
+                        (long long)m->pos, (long long)m->prm.max_tokens);
     for (int64_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab)
             return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "tokens[%lld]=%d is outside [0, vocab=%d)", (long long)i,
                             tokens[i], m->cfg.vocab);
-    if (n > m->prm.max_tokens - m->pos)
-        return ekv_fail(m->ctx, EKV_ERR_CACHE_FULL, "%lld more tokens after %lld pass max_tokens=%lld", (long long)n,
-                        (long long)m->pos, (long long)m->prm.max_tokens);
-    for (int64_t i = 0; i < n; i += EKV_MODEL_BLOCK) {
+    ekv_status s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
+    if (s) return s;
+    for (int64_t i = 0; i < n && !s; i += EKV_MODEL_BLOCK) {
         const int64_t T = n - i < EKV_MODEL_BLOCK ? n - i : EKV_MODEL_BLOCK;
-        ekv_status s = forward_block(m, tokens + i, T, logits ? logits + i * m->cfg.vocab : NULL);
-        if (s) return s;
+        s = forward_block(m, tokens + i, T, logits ? logits + i * m->cfg.vocab : NULL);
     }
+    ekv_ctx_leave(m->ctx);
+    if (s) return s;
     ekv_clear_error(m->ctx);
     return EKV_OK;
 }

@@ -23,8 +23,8 @@ typedef struct {
     ekv_model_stats stats;
 } model_layer;
 
-/* Scratch of one attention call over a block: the CSR of T prefix views of the sequence
- * and the page lists of the sparse methods. Grown on demand. */
+/* Scratch of one attention call over a block: the CSR of T prefix views of the sequence.
+ * Grown on demand (the page lists live in the context, inside ekv_decode). */
 typedef struct {
     int64_t *indptr;      /* [T + 1] */
     int32_t *indices;     /* prefix views: T * pages */
@@ -32,10 +32,6 @@ typedef struct {
     int64_t indices_cap;
     int32_t *full;        /* the sequence's own page list */
     int64_t full_cap;
-    int64_t *list_indptr; /* [T * heads + 1] */
-    int32_t *list_pages;
-    int64_t list_cap;
-    int32_t *round1, *round2; /* certified, [T * heads] */
 } attn_scratch;
 
 struct ekv_model {
@@ -58,6 +54,11 @@ struct ekv_model {
 /* Attention of a block of T tokens at positions pos0.. at layer l: appends k, v [T][Hk][D]
  * to the layer's cache, then out[T][H][D] = attention of q[T][H][D] with the model's method,
  * each token over the prefix that ends at itself. */
+/* The decode parameters of the model's attention (slopes may be NULL for checks). */
+ekv_decode_params ekv_model_decode_params(const ekv_model_config *cfg, const float *slopes);
+/* The select params of a method for a block whose shortest prefix view has view_len tokens:
+ * topk reads a fraction of each view; certified sizes its round 1 by the shortest view. */
+ekv_select_params ekv_model_select_params(ekv_select_method method, double budget, int64_t view_len);
 ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64_t T, const float *q,
                                const float *k, const float *v, float *out);
 #endif

@@ -5,6 +5,7 @@
 #include "../core/internal.h"
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 enum { MAX_DEPTH = 32, MAX_DIMS = 8 };
 static const int64_t MAX_HEADER = (int64_t)100 << 20;
@@ -411,14 +412,11 @@ fail:
     return -1;
 }
 
-ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out) {
-    if (!buf || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !buf ? "buf" : "out");
-    if (len < 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "len=%lld must be >= 0", (long long)len);
+/* Parses buf[0..len), which becomes the reader's (freed on failure too). */
+static ekv_status parse_owned(ekv_context *ctx, unsigned char *buf, int64_t len, ekv_safetensors **out) {
     ekv_safetensors *st = calloc(1, sizeof *st);
-    if (!st) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
-    st->buf = malloc((size_t)(len > 0 ? len : 1));
-    if (!st->buf) { free(st); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold %lld bytes", (long long)len); }
-    memcpy(st->buf, buf, (size_t)len);
+    if (!st) { free(buf); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory"); }
+    st->buf = buf;
     st->len = len;
     jp p;
     memset(&p, 0, sizeof p);
@@ -430,21 +428,39 @@ ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len,
     return EKV_OK;
 }
 
+ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out) {
+    if (!buf || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !buf ? "buf" : "out");
+    if (len < 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "len=%lld must be >= 0", (long long)len);
+    if ((uint64_t)len >= SIZE_MAX) return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "len=%lld is too large", (long long)len);
+    unsigned char *copy = malloc((size_t)(len > 0 ? len : 1));
+    if (!copy) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold %lld bytes", (long long)len);
+    memcpy(copy, buf, (size_t)len);
+    return parse_owned(ctx, copy, len, out);
+}
+
+/* The file must be a regular file (a directory or a device has no meaningful size: ftell on
+ * a directory gives 2^63-1) that fits in physical memory, since it is read whole. */
 ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetensors **out) {
     if (!path || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !path ? "path" : "out");
     FILE *f = fopen(path, "rb");
     if (!f) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot open '%s'", path);
-    if (fseek(f, 0, SEEK_END) != 0) { fclose(f); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot seek '%s'", path); }
-    long n = ftell(f);
-    if (n < 0 || fseek(f, 0, SEEK_SET) != 0) { fclose(f); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot size '%s'", path); }
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "'%s' is not a regular file", path);
+    }
+    const int64_t n = (int64_t)sb.st_size, phys = ekv_phys_mem_bytes();
+    if (n > phys) {
+        fclose(f);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "'%s' is %lld bytes, more than the physical memory (%lld bytes)",
+                        path, (long long)n, (long long)phys);
+    }
     unsigned char *b = malloc((size_t)(n > 0 ? n : 1));
-    if (!b) { fclose(f); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold '%s' (%ld bytes)", path, n); }
+    if (!b) { fclose(f); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold '%s' (%lld bytes)", path, (long long)n); }
     size_t got = fread(b, 1, (size_t)n, f);
     fclose(f);
-    if ((long)got != n) { free(b); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "short read of '%s'", path); }
-    ekv_status s = ekv_safetensors_parse(ctx, b, n, out); /* copies; simple over fast here */
-    free(b);
-    return s;
+    if ((int64_t)got != n) { free(b); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "short read of '%s'", path); }
+    return parse_owned(ctx, b, n, out);
 }
 
 int64_t ekv_safetensors_count(const ekv_safetensors *st) { return st ? st->ntensors : 0; }

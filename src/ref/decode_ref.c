@@ -54,7 +54,8 @@ static real ref_tau(const real *z, int64_t n, double alpha, real *tmp) {
 ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_table *tab,
                                 const float *q, float *out, ekv_decode_info *info) {
-    ekv_status st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
+    ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_REF, prm, NULL);
+    if (!st) st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
     if (st) return st;
     const int64_t H = prm->num_heads, Hk = kv->num_kv_heads, G = H / Hk, D = kv->head_dim;
     const int64_t ps = kv->page_size, es = ekv_dtype_size(kv->dtype);

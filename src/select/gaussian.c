@@ -162,27 +162,6 @@ static void rule_task(void *vp, int64_t task, int worker) {
 ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
                                const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
                                const float *q, ekv_page_list *list) {
-    if (!ekv_gauss_supported(prm->alpha))
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
-                        "the gaussian selector has closed forms for alpha = 2, 1.5 and 4/3 only (alpha=%.17g)",
-                        prm->alpha);
-    if (!st->kmean || !st->km2 || !st->count)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmean/km2/count is NULL (needed by the gaussian selector)");
-    if (!(sel->max_quantile > 0 && sel->max_quantile < 1) || !(sel->clamp_quantile > 0 && sel->clamp_quantile < 1))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "max_quantile=%g and clamp_quantile=%g must be in (0, 1)",
-                        sel->max_quantile, sel->clamp_quantile);
-    if (!(sel->margin_z >= 0) || !isfinite(sel->margin_z) || !(sel->excess_fraction >= 0) || !isfinite(sel->excess_fraction))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "margin_z=%g and excess_fraction=%g must be finite and >= 0",
-                        sel->margin_z, sel->excess_fraction);
-    if (sel->tau_mode != EKV_TAU_EXACT && sel->tau_mode != EKV_TAU_FIXED && sel->tau_mode != EKV_TAU_CORRECTED)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tau_mode=%d is not exact (0), fixed (1) or corrected (2)",
-                        (int)sel->tau_mode);
-    if (sel->tau_mode != EKV_TAU_EXACT && !list->tau)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->tau must hold batch*num_heads values for the %s mode",
-                        sel->tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
-    if (sel->correction_iters < -1 || sel->correction_iters > 100)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "correction_iters=%d must be -1 (auto) or in [0, 100]",
-                        sel->correction_iters);
     gauss_job j;
     memset(&j, 0, sizeof j);
     j.prm = prm;
@@ -192,7 +171,7 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     j.t = t;
     j.sh = ekv_step_shape_of(prm, kv, t); /* alpha > 1 here: a = alpha - 1 */
     j.q = q;
-    j.scale = prm->scale > 0 ? prm->scale : 1.0 / sqrt((double)j.sh.D);
+    j.scale = ekv_effective_scale(prm->scale, j.sh.D);
     j.heads = sel->per_query_head ? j.sh.H : kv->num_kv_heads;
     int64_t maxP = 1;
     for (int64_t b = 0; b < j.sh.B; b++) maxP = t->indptr[b + 1] - t->indptr[b] > maxP ? t->indptr[b + 1] - t->indptr[b] : maxP;

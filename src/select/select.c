@@ -9,7 +9,8 @@
  * (m_h >= 0; a = alpha - 1, or 1 for softmax). With GQA the per-KV-head ranking uses the
  * max of U over the group's query heads.
  */
-#include "../core/internal.h"
+#include "../core/method.h"
+#include "../cpu/attend.h"
 #include "../cpu/bound.h"
 #include "gaussian_select.h"
 #include <stdlib.h>
@@ -18,6 +19,7 @@ ekv_select_params ekv_select_default_params(void) {
     ekv_select_params p;
     p.method = EKV_SELECT_TOPK;
     p.budget_tokens = 2048;
+    p.budget_fraction = 0.0;
     p.per_query_head = 0;
     p.margin_z = 0.0;
     p.max_quantile = 0.995;
@@ -91,8 +93,8 @@ typedef struct {
 static void topk_list(void *vp, int64_t task, int worker) {
     topk_job *j = vp;
     const int64_t b = task / j->heads, l = task % j->heads;
-    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b];
-    const int64_t h0 = j->sel->per_query_head ? l : l * j->G, hn = j->sel->per_query_head ? 1 : j->G;
+    const int64_t P = ekv_seq_pages(j->t->indptr, b);
+    const int64_t h0 = ekv_list_head0(l, j->heads, j->H, j->G), hn = ekv_list_nheads(j->heads, j->H, j->G);
     float *ug = j->w_ug + worker * j->ustride;
     scored_page *pairs = j->w_pairs + worker * j->ustride;
     for (int64_t p = 0; p + 1 < P; p++) ug[p] = -INFINITY;
@@ -108,113 +110,125 @@ static void topk_list(void *vp, int64_t task, int worker) {
     j->list->pages[w0 + nsel] = (int32_t)(P - 1);
 }
 
+/* Each sequence's token budget is within its length (budget_fraction is clamped instead). */
+static ekv_status check_lengths(ekv_context *ctx, const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_table *t) {
+    if (sel->budget_fraction > 0.0) return EKV_OK;
+    for (int64_t b = 0; b < t->batch; b++) {
+        const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, kv->page_size);
+        if (sel->budget_tokens > N)
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget_tokens=%lld must be in [1, length=%lld] (sequence %lld)",
+                            (long long)sel->budget_tokens, (long long)N, (long long)b);
+    }
+    return EKV_OK;
+}
+
+ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                               const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                               const ekv_page_list *list) {
+    const ekv_method_info *mi = ekv_method_info_of(sel->method);
+    if (!list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
+    const int with_ball = (mi->stages & EKV_STAGE_BOUND) && (sel->use_ball || list->bounds);
+    ekv_status s = ekv_check_stats(ctx, mi, with_ball, kv, st);
+    if (!s && (mi->stages & EKV_STAGE_TOPK)) s = check_lengths(ctx, sel, kv, t);
+    if (s) return s;
+    const int64_t cap = ekv_page_list_capacity(t, sel->per_query_head ? prm->num_heads : kv->num_kv_heads);
+    if (list->capacity < cap)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld (ekv_page_list_capacity)",
+                        (long long)list->capacity, (long long)cap);
+    int64_t maxP = 1;
+    for (int64_t b = 0; b < t->batch; b++) maxP = ekv_seq_pages(t->indptr, b) > maxP ? ekv_seq_pages(t->indptr, b) : maxP;
+    if (list->bounds && list->bounds_stride < maxP)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below the most pages (%lld)",
+                        (long long)list->bounds_stride, (long long)maxP);
+    if ((mi->stages & EKV_STAGE_GAUSS) && sel->tau_mode != EKV_TAU_EXACT && !list->tau)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->tau must hold batch*num_heads values for the %s mode",
+                        sel->tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
+    return EKV_OK;
+}
+
+/* Dense lists: every page, in order. */
+static void select_dense(const ekv_page_table *t, int64_t heads, ekv_page_list *list) {
+    int64_t w = 0;
+    list->indptr[0] = 0;
+    for (int64_t b = 0; b < t->batch; b++)
+        for (int64_t l = 0; l < heads; l++) {
+            for (int64_t p = 0; p < ekv_seq_pages(t->indptr, b); p++) list->pages[w++] = (int32_t)p;
+            list->indptr[b * heads + l + 1] = w;
+        }
+    list->bytes_summary = 0;
+}
+
+/* Top-k: bound every page, reserve each list's slots (budget / page size scored pages, at
+ * least one, at most all but the last), then select per list in parallel. */
+static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                              const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                              const float *q, ekv_page_list *list) {
+    const int64_t B = t->batch, H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
+    const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads, W = ctx->n_threads;
+    int64_t maxP = 1;
+    for (int64_t b = 0; b < B; b++) maxP = ekv_seq_pages(t->indptr, b) > maxP ? ekv_seq_pages(t->indptr, b) : maxP;
+    const int64_t ustride = maxP;
+    int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4, (B + 1) * 8,
+                     W * ustride * 4, W * ustride * (int64_t)sizeof(scored_page)};
+    int64_t off[5], read_bytes = 0, w = 0;
+    ekv_status s;
+    char *ws = ekv_workspace_blocks(ctx, sz, 5, off, "page selection", &s);
+    if (!ws) return s;
+    const int with_ball = sel->use_ball || list->bounds != NULL;
+    float *u = (float *)(ws + off[0]);
+    s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, (float *)(ws + off[1]), (int64_t *)(ws + off[2]),
+                            with_ball, sel->tau_lb, &read_bytes);
+    if (s) return s;
+    if (list->bounds)
+        for (int64_t bh = 0; bh < B * H; bh++)
+            memcpy(list->bounds + bh * list->bounds_stride, u + bh * ustride, sizeof(float) * (size_t)ustride);
+    list->indptr[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t P = ekv_seq_pages(t->indptr, b);
+        int64_t nsel = ekv_seq_budget(sel, ekv_seq_len(t->indptr, t->last_page_len, b, ps)) / ps;
+        nsel = nsel < 1 ? 1 : nsel;
+        nsel = nsel > P - 1 ? P - 1 : nsel; /* a one-page sequence lists its last page only */
+        for (int64_t l = 0; l < heads; l++) {
+            w += nsel + 1;
+            list->indptr[b * heads + l + 1] = w;
+        }
+    }
+    list->bytes_summary = read_bytes; /* kmin + kmax (+ kmean and the radius), superpages skipped */
+    topk_job j = {sel, t, list, u, ustride, H, G, heads, ps, (float *)(ws + off[3]), (scored_page *)(ws + off[4])};
+    ekv_pool_run(ctx->pool, B * heads, topk_list, &j);
+    return EKV_OK;
+}
+
+ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
+                              const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+                              const float *q, ekv_page_list *list) {
+    const unsigned stages = ekv_method_info_of(sel->method)->stages;
+    const int64_t heads = sel->per_query_head ? prm->num_heads : kv->num_kv_heads;
+    ekv_status s = EKV_OK;
+    list->tau_mode = EKV_TAU_EXACT;
+    list->correction_iters = 0;
+    if (stages & EKV_STAGE_GAUSS) s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
+    else if (stages & EKV_STAGE_ORACLE) s = ekv_select_oracle_run(ctx, prm, sel, kv, t, q, list);
+    else if (stages & EKV_STAGE_TOPK) s = select_topk(ctx, prm, sel, kv, st, t, q, list);
+    else select_dense(t, heads, list);
+    list->heads = (int32_t)heads;
+    return s;
+}
+
 ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
                             const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
                             const float *q, ekv_page_list *list) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
-    if (!sel || !st || !list) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !sel ? "select" : !st ? "stats" : "list");
+    if (!sel || !list) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !sel ? "select" : "list");
     if (!q) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "q is NULL");
-    ekv_status s = ekv_validate_step(ctx, prm, kv, t, q);
-    if (s) return s;
-    if (!st->kmin || !st->kmax) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmin/kmax is NULL");
-    if (!list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
-    if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK && sel->method != EKV_SELECT_ORACLE &&
-        sel->method != EKV_SELECT_GAUSSIAN)
+    if (sel->method == EKV_SELECT_CERTIFIED)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "select method %d is not dense (0), topk (1), oracle (2) or gaussian (3)", (int)sel->method);
-    const int64_t B = t->batch, H = prm->num_heads, Hk = kv->num_kv_heads, G = H / Hk, ps = kv->page_size;
-    const int64_t heads = sel->per_query_head ? H : Hk;
-    int64_t maxP = 0;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t P = t->indptr[b + 1] - t->indptr[b], N = (P - 1) * ps + t->last_page_len[b];
-        if (P > maxP) maxP = P;
-        if (sel->method == EKV_SELECT_TOPK && (sel->budget_tokens <= 0 || sel->budget_tokens > N))
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                            "budget_tokens=%lld must be in [1, length=%lld] (sequence %lld)",
-                            (long long)sel->budget_tokens, (long long)N, (long long)b);
-    }
-    int64_t cap = ekv_page_list_capacity(t, (int32_t)heads);
-    if (list->capacity < cap)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld (ekv_page_list_capacity)",
-                        (long long)list->capacity, (long long)cap);
-    int64_t w = 0, bytes_summary = 0;
-    list->tau_mode = EKV_TAU_EXACT;
-    list->correction_iters = 0;
-    if (sel->method == EKV_SELECT_GAUSSIAN) {
-        s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
-        if (s) return s;
-        list->heads = (int32_t)heads;
-        ekv_clear_error(ctx);
-        return EKV_OK;
-    }
-    list->indptr[0] = 0;
-    if (sel->method == EKV_SELECT_DENSE) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t l = 0; l < heads; l++) {
-                for (int64_t p = 0; p < t->indptr[b + 1] - t->indptr[b]; p++) list->pages[w++] = (int32_t)p;
-                list->indptr[b * heads + l + 1] = w;
-            }
-    } else if (sel->method == EKV_SELECT_ORACLE) {
-        /* every page holding a token of positive dense probability for a query head of the list */
-        const int64_t nmax = maxP * ps;
-        float *pr = malloc(sizeof(float) * (size_t)(B * H * nmax));
-        if (!pr) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "oracle: no memory for the dense distribution");
-        s = ekv_dense_probs(ctx, prm, kv, t, q, nmax, pr, NULL);
-        if (s) { free(pr); return s; }
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t P = t->indptr[b + 1] - t->indptr[b];
-            for (int64_t l = 0; l < heads; l++) {
-                const int64_t h0 = sel->per_query_head ? l : l * G, hn = sel->per_query_head ? 1 : G;
-                for (int64_t p = 0; p + 1 < P; p++) {
-                    int hit = 0;
-                    for (int64_t h = h0; h < h0 + hn && !hit; h++)
-                        for (int64_t jt = p * ps; jt < (p + 1) * ps && !hit; jt++) hit = pr[(b * H + h) * nmax + jt] > 0;
-                    if (hit) list->pages[w++] = (int32_t)p;
-                }
-                list->pages[w++] = (int32_t)(P - 1);
-                list->indptr[b * heads + l + 1] = w;
-            }
-        }
-        free(pr);
-    } else { /* top-k: bound every page, then select per list in parallel */
-        const int64_t W = ctx->n_threads, ustride = maxP > 1 ? maxP : 1;
-        int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4, (B + 1) * 8,
-                         W * ustride * 4,
-                         W * ustride * (int64_t)sizeof(scored_page)};
-        int64_t off[5];
-        char *ws = ekv_workspace_blocks(ctx, sz, 5, off, "page selection", &s);
-        if (!ws) return s;
-        if (list->bounds && list->bounds_stride < maxP)
-            return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below the most pages (%lld)",
-                            (long long)list->bounds_stride, (long long)maxP);
-        const int with_ball = sel->use_ball || list->bounds != NULL;
-        if (with_ball && (!st->kmean || !st->radius))
-            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmean/radius are needed for the ball bound");
-        int64_t read_bytes = 0;
-        s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, (float *)(ws + off[0]), ustride, (float *)(ws + off[1]),
-                                (int64_t *)(ws + off[2]), with_ball, sel->tau_lb, &read_bytes);
-        if (s) return s;
-        if (list->bounds)
-            for (int64_t bh = 0; bh < B * H; bh++)
-                memcpy(list->bounds + bh * list->bounds_stride, (float *)(ws + off[0]) + bh * ustride,
-                       sizeof(float) * (size_t)ustride);
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t P = t->indptr[b + 1] - t->indptr[b];
-            int64_t nsel = sel->budget_tokens / ps;
-            if (nsel < 1) nsel = 1;
-            if (nsel > P - 1) nsel = P - 1;
-            for (int64_t l = 0; l < heads; l++) {
-                w += nsel + 1;
-                list->indptr[b * heads + l + 1] = w;
-            }
-        }
-        bytes_summary = read_bytes; /* kmin + kmax (+ kmean and the radius), superpages skipped */
-        topk_job j = {sel, t, list, (const float *)(ws + off[0]), ustride, H, G, heads, ps,
-                      (float *)(ws + off[3]), (scored_page *)(ws + off[4])};
-        ekv_pool_run(ctx->pool, B * heads, topk_list, &j);
-    }
-    list->heads = (int32_t)heads;
-    list->bytes_summary = bytes_summary;
-    ekv_clear_error(ctx);
-    return EKV_OK;
+                        "certified is a decode method, not a page list: use ekv_decode or ekv_decode_certified");
+    ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, sel);
+    if (!s) s = ekv_validate_step(ctx, prm, kv, t, q);
+    if (!s) s = ekv_validate_select(ctx, prm, sel, kv, st, t, list);
+    if (!s) s = ekv_cpu_select_run(ctx, prm, sel, kv, st, t, q, list);
+    if (!s) ekv_clear_error(ctx);
+    return s;
 }

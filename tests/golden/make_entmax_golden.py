@@ -41,13 +41,25 @@ output, exact 0 at the -inf positions); otherwise p is computed on the finite
 entries only with 0 placed at the -inf positions, and the header says so.
 """
 
+import argparse
 import math
 import sys
 
-import numpy as np
-import torch
 
-import entmax
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="tests/data/entmax_golden.txt",
+                    help="the file to write (default tests/data/entmax_golden.txt)")
+    return ap.parse_args()
+
+
+# --help answers here, before the imports that need numpy or torch
+ARGS = parse_args() if __name__ == "__main__" else None
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import entmax  # noqa: E402
 
 SEED = 20240607
 N_ITER = 200          # bisection iterations (float64 converges after ~60)
@@ -145,7 +157,7 @@ def kkt_residual(alpha, x, p):
 
 
 def main():
-    out_path = sys.argv[1] if len(sys.argv) > 1 else "tests/data/entmax_golden.txt"
+    out_path = ARGS.out
     torch.manual_seed(SEED)  # not used for data; set for good measure
     rng = np.random.default_rng(SEED)
 

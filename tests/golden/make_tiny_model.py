@@ -10,11 +10,16 @@ NAPE (2 ALiBi heads, 2 without position), causal entmax and two prefill blocks (
 
     python3 tests/golden/make_tiny_model.py      # needs numpy only
 """
+import argparse
 import json
 import os
 import struct
 
-import numpy as np
+# --help answers here, before the imports that need numpy or torch
+if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+
+import numpy as np  # noqa: E402
 
 CFG = dict(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
            alpha=1.5, norm_eps=1e-5, train_ctx=64, tied_embeddings=1)

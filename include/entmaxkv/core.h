@@ -1,0 +1,471 @@
+/*
+ * entmaxkv core API: status codes, dtypes, the context, exact alpha-entmax, views over paged
+ * KV memory, the paged KV cache, and decode on the CPU (one entry point, ekv_decode, plus
+ * each stage on its own). Included by <entmaxkv.h>; the CUDA API is in entmaxkv/cuda.h, the
+ * model and safetensors API in entmaxkv/model.h.
+ *
+ * Conventions:
+ *   - every symbol is prefixed ekv_; objects are opaque handles;
+ *   - functions return ekv_status (0 = OK, negative = error) and, when a context is
+ *     given, leave a message saying what was wrong in ekv_last_error(ctx);
+ *   - on error, outputs are left untouched; the library never aborts or exits;
+ *   - sizes and offsets are int64_t; page ids are int32_t;
+ *   - every params struct has a *_default_params() function;
+ *   - a context is single-threaded: use one context per thread (docs/architecture.md).
+ *
+ * entmax convention (docs/math.md §0): for scores s, z = (alpha - 1) * s and
+ *   p_j = [z_j - tau]_+ ^ (1 / (alpha - 1)),  sum_j p_j = 1.
+ * tau is reported in z-space. For alpha = 1 (softmax) tau is log(sum_j exp(s_j)), so
+ * that p_j = exp(s_j - tau) holds with the same reading.
+ */
+#ifndef ENTMAXKV_CORE_H
+#define ENTMAXKV_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(EKV_SHARED_BUILD)
+#define EKV_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define EKV_API __attribute__((visibility("default")))
+#else
+#define EKV_API
+#endif
+
+#define EKV_VERSION_MAJOR 0
+#define EKV_VERSION_MINOR 1
+#define EKV_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------------------- */
+/* Status codes                                                                        */
+/* ---------------------------------------------------------------------------------- */
+typedef enum ekv_status {
+    EKV_OK = 0,
+    EKV_ERR_NULL_POINTER = -1,     /* a required pointer argument was NULL            */
+    EKV_ERR_INVALID_SIZE = -2,     /* a size was zero, negative or out of range        */
+    EKV_ERR_HEAD_MISMATCH = -3,    /* heads not divisible by KV heads, or bad head id  */
+    EKV_ERR_INVALID_ALPHA = -4,    /* alpha outside [1, 4] or NaN                      */
+    EKV_ERR_INVALID_PAGE_SIZE = -5,/* page size outside [1, 256]                       */
+    EKV_ERR_INVALID_DTYPE = -6,    /* unknown dtype                                    */
+    EKV_ERR_SIZE_OVERFLOW = -7,    /* a byte count would overflow int64/size_t          */
+    EKV_ERR_OUT_OF_MEMORY = -8,    /* allocation failed                                */
+    EKV_ERR_NAN_INPUT = -9,        /* NaN (or +inf) in an input that must be finite     */
+    EKV_ERR_EMPTY_INPUT = -10,     /* every entry masked (-inf), or an empty sequence   */
+    EKV_ERR_INVALID_SEQUENCE = -11,/* unknown or freed sequence id                      */
+    EKV_ERR_CACHE_FULL = -12,      /* no free page left in the pool                     */
+    EKV_ERR_INVALID_ARGUMENT = -13,/* any other invalid argument (message says which)   */
+    EKV_ERR_UNSUPPORTED = -14,     /* valid request this build/backend cannot serve     */
+    EKV_ERR_INTERNAL = -15,        /* a bug: please report                              */
+    EKV_ERR_DEVICE = -16           /* the CUDA runtime failed (the message has its text) */
+} ekv_status;
+
+/* A static English description of a status code ("invalid page size", ...). */
+EKV_API const char *ekv_status_string(ekv_status status);
+
+/* ---------------------------------------------------------------------------------- */
+/* Element types                                                                       */
+/* ---------------------------------------------------------------------------------- */
+typedef enum ekv_dtype {
+    EKV_DTYPE_F32 = 0,
+    EKV_DTYPE_F16 = 1,  /* IEEE binary16 */
+    EKV_DTYPE_BF16 = 2  /* bfloat16      */
+} ekv_dtype;
+
+EKV_API const char *ekv_dtype_name(ekv_dtype dtype);          /* "f32", "f16", "bf16", NULL if unknown */
+EKV_API int64_t ekv_dtype_size(ekv_dtype dtype);              /* bytes per element, 0 if unknown */
+/* Parses "f32"/"fp32"/"float32", "f16"/"fp16"/"float16", "bf16"/"bfloat16". */
+EKV_API ekv_status ekv_dtype_from_name(const char *name, ekv_dtype *out);
+
+/* ---------------------------------------------------------------------------------- */
+/* Context: threads, SIMD level, last error                                            */
+/* ---------------------------------------------------------------------------------- */
+typedef struct ekv_context ekv_context;
+
+typedef enum ekv_isa {
+    EKV_ISA_AUTO = 0,   /* best the CPU supports (runtime detection) */
+    EKV_ISA_SCALAR = 1,
+    EKV_ISA_AVX2 = 2,   /* AVX2 + FMA + F16C */
+    EKV_ISA_AVX512 = 3  /* AVX-512 F/BW/VL   */
+} ekv_isa;
+
+typedef struct ekv_context_params {
+    int32_t n_threads; /* worker threads for CPU stages; 0 = number of online CPUs */
+    ekv_isa isa;       /* SIMD level; AUTO picks the best available                */
+} ekv_context_params;
+
+EKV_API ekv_context_params ekv_context_default_params(void);
+/* Fails with EKV_ERR_UNSUPPORTED if the requested ISA is not available on this CPU. */
+EKV_API ekv_status ekv_context_create(const ekv_context_params *params, ekv_context **out);
+EKV_API void ekv_context_free(ekv_context *ctx);
+/* Message of the last failed call made with this context ("" if none). */
+EKV_API const char *ekv_last_error(const ekv_context *ctx);
+EKV_API ekv_isa ekv_context_isa(const ekv_context *ctx);
+EKV_API int32_t ekv_context_threads(const ekv_context *ctx);
+EKV_API const char *ekv_isa_name(ekv_isa isa);
+/* Best ISA this CPU supports. */
+EKV_API ekv_isa ekv_cpu_best_isa(void);
+
+/* ---------------------------------------------------------------------------------- */
+/* Exact alpha-entmax on one row (SPEC 0, 8, 9.8)                                      */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * p = alpha-entmax(x). alpha = 1 softmax, 1.5 (closed form), 2 sparsemax (closed form),
+ * any other alpha in (1, 4]: safeguarded Halley + bisection in double precision, then
+ * renormalised. Entries equal to -inf are masked (p = 0). NaN or +inf in x is an error.
+ * ctx may be NULL (then no message is kept). tau and support may be NULL.
+ */
+EKV_API ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha,
+                              float *p, double *tau, int64_t *support);
+/* Same in double precision (used by the reference backend and the tests). */
+EKV_API ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double alpha,
+                                  double *p, double *tau, int64_t *support);
+
+/* ---------------------------------------------------------------------------------- */
+/* Layer 1: views over caller-owned paged KV memory (FlashInfer-style CSR)            */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * K and V of page `pg`, KV head `h`, slot `t` (0 <= t < page_size), dim `d` live at
+ *   base + pg*stride_page + h*stride_head + t*stride_token + d      (in elements)
+ * The dimension stride is 1. The cache uses stride_token = head_dim,
+ * stride_head = page_size*head_dim, stride_page = num_kv_heads*page_size*head_dim.
+ */
+typedef struct ekv_paged_kv {
+    const void *k;
+    const void *v;
+    ekv_dtype dtype;
+    int32_t page_size;
+    int32_t num_kv_heads;
+    int32_t head_dim;
+    int64_t num_pages; /* physical pages addressable through k/v */
+    int64_t stride_page, stride_head, stride_token;
+} ekv_paged_kv;
+
+/*
+ * Per physical page and KV head statistics of the keys (fp32), indexed
+ * [(page*num_kv_heads + head)*head_dim + d] (radius: [page*num_kv_heads + head]).
+ * std is derived: sqrt(m2 / count), clamped below at 1e-6 (SPEC 1.2).
+ * radius: max_j ||k_j - kmean||_2 over the tokens of the page, rounded up (SPEC 9.5).
+ */
+typedef struct ekv_page_stats {
+    const float *kmin;
+    const float *kmax;
+    const float *kmean;
+    const float *km2;    /* Welford sum of squared deviations from the mean */
+    const float *radius;
+    const int32_t *count;/* tokens currently in each physical page */
+    /* Superpages (SPEC 9.6, optional): physical pages [s*superpage_pages, (s+1)*superpage_pages)
+     * form superpage s; smin/smax [(s*num_kv_heads + head)*head_dim + d] bound every key of
+     * those pages (possibly loosely: freed pages may still count). 0 = none. */
+    int32_t superpage_pages;
+    const float *smin;
+    const float *smax;
+    int64_t num_superpages; /* superpages smin/smax hold (ekv_cache_kv_view sets it); the bound
+                             * stage checks it covers every physical page */
+} ekv_page_stats;
+
+/*
+ * CSR page table of a batch: sequence b owns pages indices[indptr[b] .. indptr[b+1]) in
+ * order; its last page holds last_page_len[b] tokens (1..page_size); its length is
+ * (npages-1)*page_size + last_page_len[b].
+ */
+typedef struct ekv_page_table {
+    int32_t batch;
+    const int64_t *indptr;        /* [batch + 1] */
+    const int32_t *indices;       /* [indptr[batch]] physical page ids */
+    const int32_t *last_page_len; /* [batch] */
+} ekv_page_table;
+
+/* ---------------------------------------------------------------------------------- */
+/* Layer 2: the paged KV cache (page pool, sequences, append, summaries)               */
+/* ---------------------------------------------------------------------------------- */
+typedef struct ekv_cache ekv_cache;
+
+typedef struct ekv_cache_params {
+    int64_t num_pages;    /* pages in the pool (capacity = num_pages * page_size tokens) */
+    int32_t page_size;    /* tokens per page, 1..256 (default 16)                       */
+    int32_t num_kv_heads; /* default 8                                                  */
+    int32_t head_dim;     /* default 128                                                */
+    ekv_dtype dtype;      /* storage dtype of K and V (default f16)                      */
+    int32_t max_seqs;     /* sequences alive at once (default 64)                       */
+    int32_t superpage_pages; /* physical pages per superpage summary, 0 = none (default 16) */
+} ekv_cache_params;
+
+EKV_API ekv_cache_params ekv_cache_default_params(void);
+/* Pages needed to hold `tokens` tokens in each of `seqs` sequences. */
+EKV_API int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size);
+/* Bytes the pool would allocate for these params (K, V and summaries), or -1 if invalid. */
+EKV_API int64_t ekv_cache_bytes_needed(const ekv_cache_params *params);
+EKV_API ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params,
+                                    ekv_cache **out);
+EKV_API void ekv_cache_free(ekv_cache *cache);
+
+EKV_API ekv_status ekv_cache_seq_new(ekv_cache *cache, int32_t *seq_out);
+/* Frees a sequence and returns its pages to the pool. */
+EKV_API ekv_status ekv_cache_seq_free(ekv_cache *cache, int32_t seq);
+EKV_API ekv_status ekv_cache_seq_length(const ekv_cache *cache, int32_t seq, int64_t *len_out);
+EKV_API int64_t ekv_cache_free_pages(const ekv_cache *cache);
+
+/*
+ * Appends n_tokens tokens (a prefill chunk or one decode token) to a sequence.
+ * k and v are [n_tokens][num_kv_heads][head_dim] contiguous in src_dtype; they are
+ * converted to the storage dtype. Page summaries are updated incrementally. Fails
+ * without changing anything if the pool has too few free pages or the input has NaN/inf.
+ */
+EKV_API ekv_status ekv_cache_append(ekv_cache *cache, int32_t seq, int64_t n_tokens,
+                                    const void *k, const void *v, ekv_dtype src_dtype);
+
+/* Views of the pool and of its statistics (valid until the cache is freed). */
+EKV_API ekv_status ekv_cache_kv_view(const ekv_cache *cache, ekv_paged_kv *kv_out,
+                                     ekv_page_stats *stats_out);
+/*
+ * Builds the CSR page table of the given sequences into caller arrays:
+ * indptr[n_seqs+1], indices[capacity], last_page_len[n_seqs]. Pass indices = NULL to only
+ * learn the number of page ids needed (written to *needed).
+ */
+EKV_API ekv_status ekv_cache_page_table(const ekv_cache *cache, const int32_t *seqs,
+                                        int32_t n_seqs, int64_t *indptr, int32_t *indices,
+                                        int64_t indices_capacity, int32_t *last_page_len,
+                                        int64_t *needed);
+
+/* ---------------------------------------------------------------------------------- */
+/* Decode attention                                                                    */
+/* ---------------------------------------------------------------------------------- */
+typedef struct ekv_decode_params {
+    int32_t num_heads;          /* query heads H; must be a multiple of num_kv_heads     */
+    double alpha;               /* 1 = softmax, (1, 4] = entmax (default 1.5)            */
+    float scale;                /* score scale; 0 = 1/sqrt(head_dim)                     */
+    const float *alibi_slopes;  /* [num_heads] slopes m_h >= 0, or NULL for none         */
+} ekv_decode_params;
+
+EKV_API ekv_decode_params ekv_decode_default_params(void);
+
+/* Optional per-step outputs. Any pointer may be NULL. */
+typedef struct ekv_decode_info {
+    double *tau;      /* [batch*num_heads] threshold in z-space (softmax: log-sum-exp)  */
+    int64_t *support; /* [batch*num_heads] tokens with p > 0                            */
+    int64_t bytes_k;  /* bytes of K read                                                */
+    int64_t bytes_v;  /* bytes of V read (entmax: support rows only, union per KV head) */
+    /* ekv_decode only (the other calls leave these as they are): */
+    int64_t bytes_summary; /* output: page statistics read by the bound stage           */
+    int64_t lists_round2;  /* output, certified: page lists that needed round 2         */
+    int32_t *pages_round1; /* certified, [one per page list]: pages read in round 1     */
+    int32_t *pages_round2; /* certified, [one per page list]: pages added in round 2    */
+} ekv_decode_info;
+
+/*
+ * Dense decode: for every sequence b and query head h, attends q[b][h] over all tokens of
+ * the sequence. q and out are [batch][num_heads][head_dim] fp32. The query position is the
+ * last token (ALiBi bias m_h * (j - (len-1))). Entmax reads K once, keeps the scores,
+ * solves tau exactly and reads V only for support rows (SPEC 9.7).
+ */
+EKV_API ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *params,
+                                    const ekv_paged_kv *kv, const ekv_page_table *table,
+                                    const float *q, float *out, ekv_decode_info *info);
+
+/* The same computation in long double, scalar, single-threaded (backend `ref`). */
+EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *params,
+                                        const ekv_paged_kv *kv, const ekv_page_table *table,
+                                        const float *q, float *out, ekv_decode_info *info);
+
+/* ---------------------------------------------------------------------------------- */
+/* Page selection and attention over selected pages (SPEC 2, 3)                         */
+/* ---------------------------------------------------------------------------------- */
+typedef enum ekv_select_method {
+    EKV_SELECT_DENSE = 0,    /* every page                                                   */
+    EKV_SELECT_TOPK = 1,     /* the pages with the largest box bound within a token budget    */
+    EKV_SELECT_ORACLE = 2,   /* the pages holding the dense entmax support (evaluation only)  */
+    EKV_SELECT_GAUSSIAN = 3, /* the Gaussian-aware selector of SPEC 4 (alpha 2, 1.5 or 4/3)   */
+    EKV_SELECT_CERTIFIED = 4 /* certified decode (SPEC 9.3): top-k by certified bounds, then  */
+                             /* every page the bounds cannot rule out; equals dense entmax    */
+} ekv_select_method;
+#define EKV_SELECT_METHOD_COUNT 5
+
+/* "dense", "topk", "oracle", "gaussian", "certified"; NULL if unknown. */
+EKV_API const char *ekv_method_name(ekv_select_method method);
+EKV_API ekv_status ekv_method_from_name(const char *name, ekv_select_method *out);
+
+/* Where a decode step runs: the CPU (SIMD + threads), the long-double reference (dense
+ * only), or the CUDA backend (entmaxkv/cuda.h). */
+typedef enum ekv_backend { EKV_BACKEND_CPU = 0, EKV_BACKEND_REF = 1, EKV_BACKEND_CUDA = 2 } ekv_backend;
+EKV_API const char *ekv_backend_name(ekv_backend backend); /* "cpu", "ref", "cuda"; NULL if unknown */
+EKV_API ekv_status ekv_backend_from_name(const char *name, ekv_backend *out);
+
+/* How attention over a list sets tau (SPEC 4.11). */
+typedef enum ekv_tau_mode {
+    EKV_TAU_EXACT = 0,    /* solve tau exactly on the listed tokens (default)                */
+    EKV_TAU_FIXED = 1,    /* use the selector's (clamped) tau-hat as is                      */
+    EKV_TAU_CORRECTED = 2 /* tau-hat plus unbounded Halley corrections on the listed tokens  */
+} ekv_tau_mode;
+
+typedef struct ekv_select_params {
+    ekv_select_method method;
+    /* topk: tokens read besides the always-read last page; floor(budget/page_size) scored
+     * pages are taken (at least one when budget >= 1 and P > 1). */
+    int64_t budget_tokens;
+    /* topk / certified: when > 0, sequence b's budget is max(1, floor(budget_fraction * its
+     * length)) instead of budget_tokens (a batch of prefix views each reads the same share) */
+    double budget_fraction;
+    /* 0 (default): one page list per KV head, ranking pages by the max bound over the GQA
+     * group's query heads (gaussian: the union of the group's pages). 1: one list per query head. */
+    int32_t per_query_head;
+    /* gaussian (SPEC 4), defaults as in the paper's API; the user's margin and quantile take
+     * effect unless auto_margin asks for the rule of SPEC 4.5 (which the reference always uses) */
+    double margin_z;          /* safety margin, in units of sigma_g (default 0)              */
+    double max_quantile;      /* q_max of the page rule, in (0, 1) (default 0.995)           */
+    int32_t auto_margin;      /* 1: SPEC 4.5 picks margin_z and q_max from sigma-bar         */
+    int32_t reference_m3;     /* 1: the reference's (wrong) alpha = 4/3 moment (SPEC 6.1-1)  */
+    double excess_fraction;   /* rho of SPEC 4.9 (default 0.2)                               */
+    int32_t clamp_tau;        /* clamp tau-hat to the selected pages, SPEC 4.10 (default 1)  */
+    double clamp_quantile;    /* q_c of SPEC 4.10, in (0, 1) (default 0.5)                   */
+    ekv_tau_mode tau_mode;    /* how ekv_decode_pages sets tau for this list (default exact) */
+    int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (SPEC 4.11)    */
+    /* top-k / certified: rank by min(box, ball) + rounding slack (SPEC 9.5), a bound on the
+     * computed scores, instead of the box alone (default 0 for top-k: paper-faithful) */
+    int32_t use_ball;
+    /* certified round 1 also reads the first sink_pages and the last recent_pages pages */
+    int32_t sink_pages, recent_pages;
+    /* certified bounds (use_ball): with a lower bound tau_lb[b*num_heads + h] of each head's tau
+     * (z-space), the bound stage skips the page summaries of every superpage whose bound is
+     * already <= tau_lb, giving its pages the superpage bound instead (SPEC 9.6). Certified
+     * decode computes it from the recent pages when the cache has superpages. */
+    const double *tau_lb;
+    /* certified, adaptive round 1: when not NULL, round 1 is every page whose certified bound
+     * exceeds tau_hint[b*num_heads + h] (z-space) for a head of the list, instead of a token
+     * budget. A hint at or below the true tau (the previous step's tau, the gaussian tau-hat)
+     * leaves round 2 empty; any hint keeps the result exact. */
+    const double *tau_hint;
+} ekv_select_params;
+
+EKV_API ekv_select_params ekv_select_default_params(void);
+
+/*
+ * Selected pages, as a CSR over (sequence, list head): list l = b*heads + h holds logical
+ * page numbers (0 = the sequence's first page) pages[indptr[l] .. indptr[l+1]), the scored
+ * pages in descending bound order and the last page at the end. heads = num_kv_heads, or
+ * num_heads when per_query_head. The caller allocates indptr[batch*heads + 1] and
+ * pages[capacity]; ekv_page_list_capacity() says how many page numbers can be written.
+ */
+typedef struct ekv_page_list {
+    int32_t heads;          /* lists per sequence (set by ekv_select_pages)          */
+    int64_t *indptr;
+    int32_t *pages;
+    int64_t capacity;
+    int64_t bytes_summary;  /* output: bytes of page statistics the bound stage read  */
+    /* tau for the fixed/corrected modes: tau[b*num_heads + h] (z-space), written by the
+     * gaussian selector when the caller provides the array ([batch*num_heads]). */
+    double *tau;
+    int32_t tau_mode;       /* ekv_tau_mode, set by ekv_select_pages                  */
+    int32_t correction_iters;
+    /* optional output of top-k selection: the certified page bounds (min(box, ball) + slack,
+     * z-space) bounds[(b*num_heads + h)*bounds_stride + p] for p < P_b - 1; asking for them
+     * makes top-k rank by these bounds. bounds_stride >= the most pages of a sequence. */
+    float *bounds;
+    int64_t bounds_stride;
+} ekv_page_list;
+
+/* Page numbers needed for `heads` lists per sequence of this table (the dense total). */
+EKV_API int64_t ekv_page_list_capacity(const ekv_page_table *table, int32_t heads);
+
+/*
+ * Bound + select: scores every page but the last with the Quest box bound on the query's
+ * z-space scores (scale and ALiBi consistent with decode, SPEC 2.3 without bug 6.1-7) and
+ * writes the page lists. stats are the cache's per-page key statistics (ekv_cache_kv_view).
+ */
+EKV_API ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *params,
+                                    const ekv_select_params *select, const ekv_paged_kv *kv,
+                                    const ekv_page_stats *stats, const ekv_page_table *table,
+                                    const float *q, ekv_page_list *list);
+
+/*
+ * Attention over page lists. Mode exact: for every query head, the exact alpha-entmax (or
+ * softmax) over the tokens of its list, V read for support rows only; softmax over a top-k
+ * list is the softmax top-k baseline. Modes fixed/corrected (list->tau_mode, from the
+ * gaussian selector): p_j = [z_j - tau]_+^beta with tau = list->tau (after
+ * list->correction_iters unbounded Halley steps), not renormalised, as in SPEC 3.10.
+ * info->bytes_k counts the listed tokens; info->tau reports the tau used.
+ */
+EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *params,
+                                    const ekv_paged_kv *kv, const ekv_page_table *table,
+                                    const ekv_page_list *list, const float *q, float *out,
+                                    ekv_decode_info *info);
+
+/*
+ * The certified bound on the dropped mass of a budgeted step (SPEC 9.4): for every query
+ * head, delta_bar = sum over the pages p outside its list of n_p * [U_p - tau]_+^beta, with U
+ * the list's certified bounds (list->bounds) and tau the exact tau of the step (info->tau of
+ * ekv_decode_pages in exact mode). delta <= delta_bar, and delta_bar = 0 proves the step exact.
+ * alpha > 1 only. No memory traffic beyond the bounds already computed.
+ */
+EKV_API ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *params,
+                                   const ekv_paged_kv *kv, const ekv_page_table *table,
+                                   const ekv_page_list *list, const double *tau,
+                                   double *delta_bar);
+
+/* Per-step report of certified decode. Arrays may be NULL; they hold one value per list. */
+typedef struct ekv_certified_info {
+    int32_t *pages_round1;  /* pages read in round 1                                     */
+    int32_t *pages_round2;  /* pages added in round 2 (0 when round 1 was already proven) */
+    int64_t lists_round2;   /* output: how many lists needed round 2                      */
+    int64_t bytes_summary;  /* output: page statistics read by the bound stage            */
+    int32_t certified;      /* output: 1 when every list is proven exact                  */
+} ekv_certified_info;
+
+/*
+ * Certified decode (SPEC 9.3): bound every page (min(box, ball) + slack), read a candidate
+ * set (the top pages by bound within select->budget_tokens, the last page, and the optional
+ * sink/recent pages), solve tau_C exactly, then read every page whose bound still exceeds
+ * tau_C and re-solve. The output equals dense entmax over all tokens (alpha > 1). info as in
+ * ekv_decode_pages (bytes of both rounds).
+ */
+EKV_API ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *params,
+                                        const ekv_select_params *select, const ekv_paged_kv *kv,
+                                        const ekv_page_stats *stats, const ekv_page_table *table,
+                                        const float *q, float *out, ekv_decode_info *info,
+                                        ekv_certified_info *cinfo);
+
+/* ---------------------------------------------------------------------------------- */
+/* One decode step: the select method chooses the stages (docs/architecture.md)         */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * EKV_OK when `backend` can run this step, else EKV_ERR_UNSUPPORTED (a valid request the
+ * backend cannot serve) or EKV_ERR_INVALID_ARGUMENT / EKV_ERR_INVALID_ALPHA (a request no
+ * backend can serve), with the reason in ekv_last_error(ctx). select NULL means dense. It
+ * is the very check ekv_decode, ekv_decode_dense_ref and ekv_cuda_decode run first, so its
+ * answer is the dispatchers' answer. Only host-side fields are read (never a pointer's data).
+ */
+EKV_API ekv_status ekv_decode_supported(ekv_context *ctx, ekv_backend backend,
+                                        const ekv_decode_params *params,
+                                        const ekv_select_params *select);
+
+/*
+ * One decode step on the CPU with select->method choosing the stages (select NULL = dense):
+ *   dense      attend over every token                     (ekv_decode_dense)
+ *   topk       bound + top-k select + attend over the list (ekv_select_pages + ekv_decode_pages)
+ *   gaussian   Gaussian-aware select + attend over the list
+ *   oracle     the dense support's pages + attend (evaluation)
+ *   certified  bound + top-k + attend + round 2            (ekv_decode_certified)
+ * Page lists, bounds and scratch come from the context (nothing is allocated per step once
+ * the context has grown to the shape). info as in ekv_decode_dense, plus bytes_summary and
+ * the certified fields.
+ */
+EKV_API ekv_status ekv_decode(ekv_context *ctx, const ekv_decode_params *params,
+                              const ekv_select_params *select, const ekv_paged_kv *kv,
+                              const ekv_page_stats *stats, const ekv_page_table *table,
+                              const float *q, float *out, ekv_decode_info *info);
+
+/*
+ * Dense reference distribution for evaluation: p[(b*num_heads + h)*stride + j] for every
+ * token j of sequence b (stride = the longest sequence's length), and tau per head.
+ */
+EKV_API ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *params,
+                                   const ekv_paged_kv *kv, const ekv_page_table *table,
+                                   const float *q, int64_t stride, float *p, double *tau);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ENTMAXKV_CORE_H */

@@ -1,0 +1,117 @@
+/* entmaxkv CUDA API (built with -DEKV_CUDA=ON; otherwise every call returns
+ * EKV_ERR_UNSUPPORTED). Included by <entmaxkv.h>. */
+#ifndef ENTMAXKV_CUDA_H
+#define ENTMAXKV_CUDA_H
+
+#include "core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------- */
+/* CUDA backend (built with -DEKV_CUDA=ON; otherwise every call returns EKV_ERR_UNSUPPORTED) */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * The same stages as the CPU backend (append+summarize, bound, select, attend) on device
+ * memory. Plan/run split: ekv_cuda_plan_create allocates every scratch buffer from static
+ * shapes and capacities; ekv_cuda_decode then reads all lengths and page ids from device
+ * memory, never synchronises with the host, allocates nothing, and can be captured in a
+ * CUDA graph (replays with changed lengths give the eager results).
+ *
+ * In every ekv_cuda_* call, the pointers inside ekv_paged_kv, ekv_page_stats and
+ * ekv_page_table, and q, out and ekv_decode_params.alibi_slopes are DEVICE pointers.
+ * K/V dtypes: f16, bf16, f32. head_dim: any multiple of 8 up to 512 (64, 128 and 256 have
+ * specialised kernels). Page lists are per KV head (per_query_head is not supported here).
+ */
+typedef struct ekv_cuda_plan ekv_cuda_plan;
+
+typedef struct ekv_cuda_plan_params {
+    int32_t device;            /* CUDA device ordinal (default 0)                           */
+    void *stream;              /* cudaStream_t for every launch; NULL = the plan's own      */
+    int32_t max_batch;         /* sequences per step (default 1)                            */
+    int32_t num_heads;         /* query heads (default 32)                                  */
+    int32_t num_kv_heads;      /* default 8                                                 */
+    int32_t head_dim;          /* default 128                                               */
+    int32_t page_size;         /* default 16                                                */
+    int64_t max_pages_per_seq; /* the longest sequence the plan serves, in pages (required) */
+    int64_t max_candidates;    /* entmax tau candidates (z >= max - 1) listed per query     */
+                               /* head; 0 = 16384. A head with more (flat attention) takes   */
+                               /* the slower whole-row path (ekv_cuda_report.slow_rows)      */
+} ekv_cuda_plan_params;
+
+EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);
+/* Number of CUDA devices (0 when the build has no CUDA or the driver finds none). */
+EKV_API ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count);
+EKV_API ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *params,
+                                        ekv_cuda_plan **out);
+EKV_API void ekv_cuda_plan_free(ekv_cuda_plan *plan);
+/* Device bytes the plan holds (scratch: scores, bounds, lists). */
+EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
+
+/*
+ * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
+ * with use_ball; budget_tokens as on the CPU), GAUSSIAN (SPEC 4, exact tau mode; no ALiBi or
+ * auto_margin on the GPU) or certified (ekv_cuda_decode_certified below),
+ * then exact entmax (alpha > 1) or softmax (alpha = 1) over the listed pages with K read
+ * once, tau solved globally from the kept scores and V read for support rows only.
+ * q, out: [batch][num_heads][head_dim] fp32 (device). Launches are asynchronous on the
+ * plan's stream.
+ */
+EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params *params,
+                                   const ekv_select_params *select, const ekv_paged_kv *kv,
+                                   const ekv_page_stats *stats, const ekv_page_table *table,
+                                   const float *q, float *out);
+/* Certified decode (SPEC 9.3) on the device: round 1 = the top pages by certified bound within
+ * select->budget_tokens plus the last, sink and recent pages; round 2 = every other page whose
+ * bound exceeds round 1's tau; K and V each read once. Output equals dense entmax. */
+EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,
+                                             const ekv_select_params *select, const ekv_paged_kv *kv,
+                                             const ekv_page_stats *stats, const ekv_page_table *table,
+                                             const float *q, float *out);
+
+/* What the last step did, copied to the host (synchronises the plan's stream). Arrays may
+ * be NULL; per head: [batch*num_heads], per list: [batch*num_kv_heads]. */
+typedef struct ekv_cuda_report {
+    double *tau;           /* threshold in z-space (softmax: log-sum-exp)                  */
+    int64_t *support;      /* tokens with p > 0                                            */
+    int32_t *pages_round1; /* pages read in round 1 (or the only round)                    */
+    int32_t *pages_round2; /* certified: pages added in round 2                            */
+    int64_t *v_rows;       /* V rows read per KV-head list: entmax, the support rows summed */
+                           /* over the group's heads; softmax, per 4-head chunk            */
+    int32_t *list_pages;   /* [batch*num_kv_heads][max_pages_per_seq]: the page lists'     */
+                           /* logical pages, round 1 then round 2 (first pages_round1 +    */
+                           /* pages_round2 of each row are valid)                          */
+    int64_t lists_round2;  /* output: lists that needed round 2                            */
+    int64_t slow_rows;     /* output: query heads whose tau candidates (z >= max - 1)      */
+                           /* overflowed the plan's list since the last report, so tau was */
+                           /* solved over the whole score row (exact, slower)              */
+    int32_t launches;      /* output: kernel launches of the last step                     */
+} ekv_cuda_report;
+EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch, ekv_cuda_report *report);
+
+/*
+ * Append + summarize in one kernel. items[n_items] (device) say, for each touched physical
+ * page, where the new tokens go: slots [first_slot, first_slot + n_new) take tokens
+ * [src_token, src_token + n_new) of k_new/v_new ([tokens][num_kv_heads][head_dim] fp32,
+ * device). The kernel writes K/V in the storage dtype and recomputes that page's statistics
+ * (min, max, mean, M2, radius, count) over its first first_slot + n_new tokens, as the CPU
+ * cache does. A prefill build is the same call with every page as an item. The stats
+ * pointers must be writable device memory (superpage boxes are not kept on the device).
+ * The items live in device memory, so they cannot be checked on the host without a
+ * synchronisation: an item whose page or slots are out of range is skipped by the kernel.
+ */
+typedef struct ekv_cuda_append_item {
+    int32_t page;       /* physical page                                     */
+    int32_t first_slot; /* tokens already in the page                         */
+    int32_t n_new;      /* tokens added, first_slot + n_new <= page_size      */
+    int32_t reserved;
+    int64_t src_token;  /* row of k_new / v_new holding the first new token   */
+} ekv_cuda_append_item;
+EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv, const ekv_page_stats *stats,
+                                   const ekv_cuda_append_item *items, int32_t n_items,
+                                   const float *k_new, const float *v_new);
+#ifdef __cplusplus
+}
+#endif
+#endif /* ENTMAXKV_CUDA_H */

@@ -1,0 +1,139 @@
+/* entmaxkv safetensors reader and model engine API. Included by <entmaxkv.h>. */
+#ifndef ENTMAXKV_MODEL_H
+#define ENTMAXKV_MODEL_H
+
+#include "core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------- */
+/* safetensors files (traces, model weights)                                            */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * A strict reader of the safetensors format: an 8-byte little-endian header length, a JSON
+ * header {"name": {"dtype": "F16", "shape": [...], "data_offsets": [begin, end]}, ...,
+ * "__metadata__": {...}}, then the data. Every field is validated (JSON syntax, known dtypes,
+ * shape products against byte ranges, ranges inside the file and not overlapping, unique
+ * names); a bad or truncated file gives EKV_ERR_INVALID_ARGUMENT with a message and never
+ * crashes. The whole file is held in memory.
+ */
+typedef struct ekv_safetensors ekv_safetensors;
+
+typedef struct ekv_tensor_info {
+    const char *name;
+    const char *dtype_name;  /* as in the file: "F32", "F16", "BF16", "I64", ...           */
+    int32_t dtype;           /* the ekv_dtype, or -1 for dtypes the library does not compute */
+    int32_t ndim;            /* 0..8                                                        */
+    int64_t shape[8];
+    int64_t numel;
+    const void *data;        /* little-endian elements, valid until ekv_safetensors_free    */
+    int64_t nbytes;
+} ekv_tensor_info;
+
+EKV_API ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetensors **out);
+/* Parses a copy of buf[0..len). */
+EKV_API ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out);
+EKV_API int64_t ekv_safetensors_count(const ekv_safetensors *st);
+EKV_API ekv_status ekv_safetensors_at(const ekv_safetensors *st, int64_t index, ekv_tensor_info *out);
+/* EKV_ERR_INVALID_ARGUMENT if there is no tensor of that name. */
+EKV_API ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name, ekv_tensor_info *out);
+/*
+ * The file's "__metadata__": an object of string keys and string values (the format allows
+ * nothing else: any other value, a repeated key or a NUL byte makes the file invalid).
+ * ekv_safetensors_metadata returns the value of key, or NULL when the key is absent;
+ * strings stay valid until ekv_safetensors_free.
+ */
+EKV_API const char *ekv_safetensors_metadata(const ekv_safetensors *st, const char *key);
+EKV_API int64_t ekv_safetensors_metadata_count(const ekv_safetensors *st);
+EKV_API ekv_status ekv_safetensors_metadata_at(const ekv_safetensors *st, int64_t index, const char **key,
+                                               const char **value);
+EKV_API void ekv_safetensors_free(ekv_safetensors *st);
+
+/* ---- model engine ---- */
+/*
+ * The entmaxkv language model (train/MODEL.md): a decoder-only, pre-norm transformer with
+ * RMSNorm, SwiGLU, GQA, NAPE positions (half the query heads ALiBi, half none) and alpha-entmax
+ * attention, over a byte-level vocabulary. Weights come from safetensors (F16, BF16 or F32;
+ * the hyper-parameters from its __metadata__, arch tag "entmaxkv-lm-v1"); the forward pass is
+ * fp32 on the CPU, and attention runs through one ekv_cache per layer with any decode method.
+ * The model holds one sequence: every ekv_model_step appends tokens at the next positions.
+ */
+typedef struct ekv_model ekv_model;
+
+/* Attention methods are the select methods of entmaxkv/core.h (dense, topk, gaussian,
+ * certified; oracle is for evaluation and not a model method). */
+
+/* Hyper-parameters, as read from the file's metadata. */
+typedef struct ekv_model_config {
+    int32_t vocab, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim;
+    int32_t train_ctx;       /* 0 when the file does not say */
+    int32_t tied_embeddings; /* 1: the output projection is tok_embeddings.weight */
+    double alpha, norm_eps;
+} ekv_model_config;
+
+typedef struct ekv_model_params {
+    int64_t max_tokens;      /* KV cache capacity of the sequence, in tokens (default 4096)      */
+    int32_t page_size;       /* KV cache page size (default 16)                                  */
+    ekv_dtype kv_dtype;      /* KV cache storage (default f16)                                   */
+    int32_t superpage_pages; /* superpage summaries for certified decode, 0 = none (default 16) */
+    ekv_select_method method; /* default dense                                                  */
+    double budget;           /* topk: fraction of each step's tokens to read; certified: sizes its
+                                round 1 (default 1/16)                                           */
+} ekv_model_params;
+
+/* What attention read, summed over steps since the last reset. */
+typedef struct ekv_model_stats {
+    int64_t steps;        /* (token, layer) attention steps                                      */
+    int64_t bytes_read;   /* K and V bytes read plus the page statistics read by selection       */
+    int64_t bytes_kv;     /* K + V bytes of the attended tokens: what reading everything costs    */
+    int64_t lists_round2; /* certified: page lists that needed round 2                           */
+    int64_t lists;        /* certified: page lists (one per KV head and step)                    */
+} ekv_model_stats;
+
+EKV_API ekv_model_params ekv_model_default_params(void);
+/*
+ * Loads and validates a model: the arch tag and every hyper-parameter, then every tensor's
+ * presence, dtype, shape and finiteness (no unknown tensors). A bad file gives
+ * EKV_ERR_INVALID_ARGUMENT (EKV_ERR_UNSUPPORTED for another arch tag) with a message in
+ * ekv_last_error(ctx). The model keeps ctx (its threads) until ekv_model_free.
+ */
+EKV_API ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_params *params,
+                                  ekv_model **out);
+/* The same from an opened file; the weights are copied, st may be freed afterwards. */
+EKV_API ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *st,
+                                              const ekv_model_params *params, ekv_model **out);
+EKV_API void ekv_model_free(ekv_model *model);
+EKV_API const ekv_model_config *ekv_model_get_config(const ekv_model *model);
+/* Changes the decode method for the next steps (budget as in ekv_model_params). */
+EKV_API ekv_status ekv_model_set_method(ekv_model *model, ekv_select_method method, double budget);
+/* Empties the sequence (position 0) and zeroes the statistics. */
+EKV_API ekv_status ekv_model_reset(ekv_model *model);
+/* Tokens in the sequence (the position of the next token). */
+EKV_API int64_t ekv_model_position(const ekv_model *model);
+/*
+ * Runs n tokens at the next positions: a prefill block or (n = 1) one decode step. Each token
+ * attends over itself and every earlier token with the model's method; prefilling in blocks
+ * gives the same result as one token at a time. logits, if not NULL, receives [n][vocab]
+ * (the prediction after each token). Tokens must be in [0, vocab); EKV_ERR_CACHE_FULL when
+ * the sequence would pass params.max_tokens. On error the model should be reset.
+ */
+EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64_t n, float *logits);
+/* Statistics of one layer, or of all layers summed (layer = -1). */
+EKV_API ekv_status ekv_model_get_stats(const ekv_model *model, int32_t layer, ekv_model_stats *out);
+EKV_API void ekv_model_reset_stats(ekv_model *model);
+/* Byte-level tokenizer: tokens[i] = (unsigned char)text[i]; returns len. */
+EKV_API int64_t ekv_model_tokenize(const char *text, int64_t len, int32_t *tokens);
+/* The cache of a layer (one sequence, *seq) and the queries [n_heads][head_dim] (before the
+ * 1/sqrt(head_dim) scale) of the last token run at that layer: for traces and evaluation. */
+EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer, const ekv_cache **cache,
+                                         int32_t *seq);
+EKV_API ekv_status ekv_model_last_query(const ekv_model *model, int32_t layer, float *q);
+/* NAPE slopes [n_heads] (SPEC 1.6), as the model's attention uses them. */
+EKV_API ekv_status ekv_model_alibi_slopes(const ekv_model *model, float *slopes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ENTMAXKV_MODEL_H */
