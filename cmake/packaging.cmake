@@ -5,14 +5,15 @@
 # `pkg-config --cflags --libs entmaxkv` (without --static) only prints Libs, so for the static
 # library libm, threads (and the CUDA runtime) go into Libs. The shared library records them
 # itself (DT_NEEDED), so there they are only Libs.private.
-set(EKV_PC_DEPS "-lm ${CMAKE_THREAD_LIBS_INIT}")
+# (CMAKE_THREAD_LIBS_INIT is empty where libc has the threads, else -lpthread or -pthread)
+set(EKV_PC_DEPS -lm ${CMAKE_THREAD_LIBS_INIT})
 set(EKV_PC_CFLAGS "")
 if(EKV_CUDA)
   # nvcc objects call the CUDA runtime and the C++ runtime of the host compiler
-  set(EKV_PC_DEPS "${EKV_PC_DEPS} -L${CUDAToolkit_LIBRARY_DIR} -lcudart -lstdc++")
+  list(APPEND EKV_PC_DEPS -L${CUDAToolkit_LIBRARY_DIR} -lcudart -lstdc++)
   set(EKV_PC_CFLAGS " -DEKV_HAVE_CUDA=1")
 endif()
-string(STRIP "${EKV_PC_DEPS}" EKV_PC_DEPS)
+list(JOIN EKV_PC_DEPS " " EKV_PC_DEPS)
 if(BUILD_SHARED_LIBS)
   set(EKV_PC_LIBS "-lentmaxkv")
   set(EKV_PC_LIBS_PRIVATE "${EKV_PC_DEPS}")

@@ -84,7 +84,7 @@ int main(void) {
             for (int i = 0; i < H * D; i++) q[i] = kind == 4 ? 0.f : (float)(qs * test_normal(&r));
             double taud[8], tauc[8], bar[8];
             int64_t supd[8], supc[8];
-            ekv_decode_info idd = {taud, supd, 0, 0}, ic = {tauc, supc, 0, 0};
+            ekv_decode_info idd = {.tau = taud, .support = supd}, ic = {.tau = tauc, .support = supc};
             CHECK(ekv_decode_dense(ctx, &dp, &kv, &tab, q, od, &idd) == EKV_OK, "dense");
             ekv_select_params sp = ekv_select_default_params();
             sp.budget_tokens = 1 + (int64_t)(test_next(&r) % (uint64_t)N);
@@ -146,7 +146,7 @@ int main(void) {
                 superpage_saved += list.bytes_summary < flat_bytes;
             }
             double taus[8];
-            ekv_decode_info is = {taus, NULL, 0, 0};
+            ekv_decode_info is = {.tau = taus, .support = NULL};
             CHECK(ekv_decode_pages(ctx, &dp, &kv, &tab, &list, q, oc, &is) == EKV_OK, "topk pages");
             CHECK(ekv_delta_bound(ctx, &dp, &kv, &tab, &list, taus, bar) == EKV_OK, "delta_bound: %s", ekv_last_error(ctx));
             CHECK(ekv_dense_probs(ctx, &dp, &kv, &tab, q, N, pr, NULL) == EKV_OK, "probs");

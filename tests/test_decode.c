@@ -124,7 +124,7 @@ int main(void) {
                 dp.alibi_slopes = alibi ? slopes : NULL;
                 double *tau = malloc(sizeof(double) * (size_t)(batch * H)), *taur = malloc(sizeof(double) * (size_t)(batch * H));
                 int64_t *sup = malloc(sizeof(int64_t) * (size_t)(batch * H)), *supr = malloc(sizeof(int64_t) * (size_t)(batch * H));
-                ekv_decode_info info = {tau, sup, 0, 0}, infor = {taur, supr, 0, 0};
+                ekv_decode_info info = {.tau = tau, .support = sup}, infor = {.tau = taur, .support = supr};
                 ekv_status st = ekv_decode_dense(ctx, &dp, &bc.kv, &bc.tab, q, o, &info);
                 ekv_status st2 = ekv_decode_dense_ref(rctx, &dp, &bc.kv, &bc.tab, q, or_, &infor);
                 CHECK(st == EKV_OK && st2 == EKV_OK, "case %d: status %d/%d: %s", c, st, st2, ekv_last_error(ctx));

@@ -192,7 +192,7 @@ static void test_modes(ekv_context *ctx) {
         ekv_decode_params dp = ekv_decode_default_params();
         dp.num_heads = H; dp.alpha = alphas[ai];
         double taud[H], taus[H];
-        ekv_decode_info info = {taud, NULL, 0, 0};
+        ekv_decode_info info = {.tau = taud, .support = NULL};
         CHECK(ekv_decode_dense(ctx, &dp, &kv, &tab, q, od, &info) == EKV_OK, "dense");
         int64_t lip[H + 1];
         int32_t lpg[64 * H];
@@ -212,7 +212,7 @@ static void test_modes(ekv_context *ctx) {
         for (int h = 0; h < H; h++) start[h] = taus[h] = taud[h] - 0.05;
         list.tau_mode = EKV_TAU_CORRECTED;
         list.correction_iters = 2;
-        ekv_decode_info ic = {after, NULL, 0, 0};
+        ekv_decode_info ic = {.tau = after, .support = NULL};
         CHECK(ekv_decode_pages(ctx, &dp, &kv, &tab, &list, q, of, &ic) == EKV_OK, "corrected");
         for (int h = 0; h < H; h++)
             CHECK(fabs(after[h] - taud[h]) < 0.1 * fabs(start[h] - taud[h]), "alpha=%g head %d: corrected tau %.6f, tau* %.6f",

@@ -9,6 +9,7 @@
  * Exit codes: 0 ok, 1 runtime failure, 2 bad usage.
  */
 #include "cli.h"
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -40,6 +41,18 @@ static void entmax_help(FILE *f) {
             "  --help      this text\n");
 }
 
+/* The first token of s (at most 24 bytes) with bytes outside printable ASCII written as \xNN,
+ * so an error message never echoes raw input bytes to the terminal. */
+static void escape_token(const char *s, char *out, size_t cap) {
+    size_t k = strcspn(s, " \t\r\n"), o = 0;
+    for (size_t i = 0; i < k && i < 24 && o + 5 < cap; i++) {
+        unsigned char c = (unsigned char)s[i];
+        o += (size_t)(c >= 0x20 && c < 0x7f && c != '\\' ? snprintf(out + o, cap - o, "%c", c)
+                                                          : snprintf(out + o, cap - o, "\\x%02x", c));
+    }
+    out[o] = 0;
+}
+
 static int cmd_entmax(int argc, char **argv) {
     double alpha = 1.5;
     int json = 0;
@@ -65,6 +78,11 @@ static int cmd_entmax(int argc, char **argv) {
     int rc = 0;
     while ((got = getline(&line, &cap, stdin)) >= 0) {
         lineno++;
+        if ((size_t)got != strlen(line)) { /* strtod would stop at the NUL and drop the rest */
+            fprintf(stderr, "entmaxkv entmax: line %lld: contains a NUL byte\n", (long long)lineno);
+            rc = 1;
+            goto done;
+        }
         int64_t n = 0;
         char *s = line, *end;
         for (;;) {
@@ -72,9 +90,8 @@ static int cmd_entmax(int argc, char **argv) {
             if (!*s) break;
             double v = strtod(s, &end);
             if (end == s) {
-                char tok[32];
-                size_t k = strcspn(s, " \t\r\n");
-                snprintf(tok, sizeof tok, "%.*s", (int)(k < 31 ? k : 31), s);
+                char tok[128];
+                escape_token(s, tok, sizeof tok);
                 fprintf(stderr, "entmaxkv entmax: line %lld: '%s' is not a number\n", (long long)lineno, tok);
                 rc = 1;
                 goto done;
@@ -107,6 +124,10 @@ static int cmd_entmax(int argc, char **argv) {
             for (int64_t i = 0; i < n; i++) printf("%s%.9g", i ? " " : "", (double)p[i]);
             printf("\n");
         }
+    }
+    if (ferror(stdin)) { /* e.g. a directory on stdin (EISDIR): not an empty input */
+        fprintf(stderr, "entmaxkv entmax: cannot read stdin: %s\n", strerror(errno));
+        rc = 1;
     }
 done:
     free(line);

@@ -136,9 +136,19 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     return 0;
 }
 
+/* Texts are read whole, and a device such as /dev/zero never ends: reading stops (with a
+ * message) at 1 GiB, already 2^30 tokens, the most any subcommand's --ctx takes. */
+enum { CLI_MAX_FILE_LOG2 = 30 };
+
 char *cli_read_file(const char *path, int64_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
+    struct stat sb;
+    if (fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        fprintf(stderr, "entmaxkv: '%s' is a directory, not a file\n", path);
+        fclose(f);
+        return NULL;
+    }
     size_t cap = 1 << 16, n = 0;
     char *b = malloc(cap + 1);
     for (;;) {
@@ -146,6 +156,13 @@ char *cli_read_file(const char *path, int64_t *len) {
         size_t got = fread(b + n, 1, cap - n, f);
         n += got;
         if (n < cap) break;
+        if (cap >= (size_t)1 << CLI_MAX_FILE_LOG2) {
+            fprintf(stderr, "entmaxkv: '%s' is larger than %d MiB, the limit for a text\n", path,
+                    1 << (CLI_MAX_FILE_LOG2 - 20));
+            free(b);
+            b = NULL;
+            break;
+        }
         char *nb = realloc(b, 2 * cap + 1);
         if (!nb) { free(b); b = NULL; break; }
         b = nb;

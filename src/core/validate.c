@@ -41,6 +41,28 @@ ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
     return EKV_OK;
 }
 
+/* ALiBi slopes are finite, >= 0, and small enough that the bias over the longest sequence
+ * (at most 3 * m * N in z-space) cannot overflow fp32 (docs/math.md §6.2). */
+static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
+                               const ekv_page_table *t) {
+    if (!params->alibi_slopes) return EKV_OK;
+    int64_t maxN = 1;
+    for (int32_t b = 0; b < t->batch; b++) {
+        const int64_t n = ekv_seq_len(t->indptr, t->last_page_len, b, kv->page_size);
+        maxN = n > maxN ? n : maxN;
+    }
+    for (int32_t h = 0; h < params->num_heads; h++) {
+        const float m = params->alibi_slopes[h];
+        if (!(m >= 0.f) || !isfinite(m))
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "alibi_slopes[%d]=%g must be finite and >= 0", h, (double)m);
+        if (3.0 * (double)m * (double)maxN > 1e37)
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "alibi_slopes[%d]=%g is too large: the bias over %lld tokens overflows fp32", h, (double)m,
+                            (long long)maxN);
+    }
+    return EKV_OK;
+}
+
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *t,
                                const float *q, const float *out) {
@@ -77,11 +99,6 @@ ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, 
     if (ekv_mul_i64(kv->num_pages, kv->stride_page, &span) ||
         ekv_mul_i64(span, ekv_dtype_size(kv->dtype), &tmp))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages * stride_page overflows int64");
-    if (params->alibi_slopes)
-        for (int32_t h = 0; h < params->num_heads; h++)
-            if (!(params->alibi_slopes[h] >= 0.f) || !isfinite(params->alibi_slopes[h]))
-                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "alibi_slopes[%d]=%g must be finite and >= 0",
-                                h, (double)params->alibi_slopes[h]);
     if (t->batch <= 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be >= 1", t->batch);
     if (t->indptr[0] != 0) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indptr[0]=%lld must be 0", (long long)t->indptr[0]);
     for (int32_t b = 0; b < t->batch; b++) {
@@ -97,6 +114,8 @@ ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, 
                 return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indices[%lld]=%d is outside [0, num_pages=%lld)",
                                 (long long)i, t->indices[i], (long long)kv->num_pages);
     }
+    st = check_slopes(ctx, params, kv, t);
+    if (st) return st;
     int64_t nq = q ? (int64_t)t->batch * params->num_heads * kv->head_dim : 0;
     for (int64_t i = 0; i < nq; i++)
         if (!isfinite(q[i])) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "q[%lld] is NaN or infinite", (long long)i);

@@ -30,6 +30,7 @@ typedef struct {
     int64_t *w_union;
     int32_t *w_rp;    /* per worker [nmax] round-2 page numbers */
     int64_t *bytes_k, *bytes_v; /* per list */
+    volatile int overflow; /* set by any list whose scores overflowed */
 } pages_job;
 
 /* The pages of list l of sequence b: plist[0..*np). */
@@ -197,6 +198,10 @@ static void attend_list(void *vp, int64_t task, int worker) {
     for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
     const int32_t *plist = list_pages(j, b, l, &np);
     int64_t L = score_pages(j, b, kvh, h0, plist, np, z, tok, 0, M);
+    if (!ekv_cpu_scores_ok(M, j->Gl)) {
+        j->overflow = 1;
+        return;
+    }
     if (j->a->mode == EKV_LISTS_CERTIFY) { /* round 2 on the kept scores */
         int64_t added = 0;
         L = certify_list(j, b, l, L, z, tok, M, worker, &added);
@@ -302,6 +307,7 @@ ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, 
     if (st) return st;
     const int64_t ntask = j.sh.B * j.heads;
     ekv_pool_run(ctx->pool, ntask, attend_list, &j);
+    if (j.overflow) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "attention over pages: " EKV_SCORES_OVERFLOW_MSG);
     if (a->info) {
         a->info->bytes_k = a->info->bytes_v = 0;
         for (int64_t t = 0; t < ntask; t++) {

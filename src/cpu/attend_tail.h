@@ -37,6 +37,17 @@ static inline int ekv_cpu_alibi_page(const float *slopes, double a, int64_t h0, 
     return 1;
 }
 
+/* The kept scores of a group are usable: their maxima are finite. A maximum of +inf (or NaN)
+ * means |scale * q.k| overflowed fp32; the step then fails with a status instead of giving
+ * NaN or zeros (docs/math.md §6.2). */
+static inline int ekv_cpu_scores_ok(const float *M, int64_t n) {
+    for (int64_t g = 0; g < n; g++)
+        if (!(M[g] < INFINITY)) return 0;
+    return 1;
+}
+
+#define EKV_SCORES_OVERFLOW_MSG "the scores overflow fp32 (|scale * q.k| > 3.4e38): q or K is too large"
+
 /* Softmax: turns the scores z[0..n) (maximum M) into weights in place; returns tau, the
  * log-sum-exp in z-space. */
 static inline double ekv_cpu_softmax_weights(const ekv_cpu_kernels *kern, float *z, int64_t n, float M) {

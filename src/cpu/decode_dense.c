@@ -41,6 +41,7 @@ typedef struct {
     double *tau;
     int64_t *support;
     int64_t *bytes_v; /* [B*Hk] */
+    volatile int overflow; /* set by any task whose scores overflowed */
 } dense_job;
 
 
@@ -101,6 +102,10 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     for (int64_t c = 0; c < j->chunks[b]; c++) {
         const float *cm = j->cmax + (j->task_off[b] + c) * j->sh.H + kvh * G;
         for (int64_t g = 0; g < G; g++) if (cm[g] > M[g]) M[g] = cm[g];
+    }
+    if (!ekv_cpu_scores_ok(M, G)) {
+        j->overflow = 1;
+        return;
     }
     if (j->sh.alpha == 1.0) {
         for (int64_t g = 0; g < G; g++) {
@@ -200,6 +205,7 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
     j.support = info ? info->support : NULL;
     ekv_pool_run(ctx->pool, ntasks, phase_scores, &j);
     ekv_pool_run(ctx->pool, j.sh.B * j.sh.Hk, phase_attend, &j);
+    if (j.overflow) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "dense decode: " EKV_SCORES_OVERFLOW_MSG);
     if (info) {
         info->bytes_k = total_tok * j.sh.Hk * j.sh.D * j.sh.esize;
         info->bytes_v = 0;

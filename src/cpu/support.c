@@ -24,9 +24,11 @@ int64_t ekv_cpu_support_weights(int64_t *idx, double *y, int64_t k, double tau_r
 
 int64_t ekv_cpu_entmax_support(const ekv_cpu_kernels *kern, const float *z, int64_t n, float M, double alpha,
                                int64_t *idx, double *y, double *y2, double *tau_rel, double *wsum) {
-    /* M - 1 rounded down, so that the float filter keeps every y > -1 */
+    /* M - 1 rounded down, so that the float filter keeps every y > -1; at |M| >= 2^24 it
+     * rounds to M itself, and then the filter is z >= M (no float lies between) */
     float thr = M - 1.0f;
     if ((double)thr > (double)M - 1.0) thr = nextafterf(thr, -INFINITY);
+    if (thr >= M) thr = nextafterf(M, -INFINITY);
     const int64_t k = kern->compact_gt(z, n, thr, (double)M, 0, idx, y);
     memcpy(y2, y, sizeof(double) * (size_t)k); /* the solver reorders its input */
     *tau_rel = ekv_tau_candidates(y2, k, alpha);

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include "../core/geometry.h"
 
 extern "C" {
 /* from src/core and src/math (C) */

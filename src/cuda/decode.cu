@@ -1,7 +1,8 @@
 /*
- * The CUDA decode step (mirrors src/select/select.c + src/cpu/attend_pages.c +
- * src/select/certified.c): plan creation (every buffer, once), validation on the host from
- * static shapes only, and the launch sequence of each policy:
+ * The CUDA decode step (mirrors src/cpu/decode.c): plan creation (every buffer, once, from
+ * one table), validation on the host from static shapes only (ekv_decode_supported, the
+ * check every backend runs, then the plan's shapes), and the launches of the stages the
+ * method table (src/core/method.c) lists for the select method:
  *   dense:     scores -> tau -> values                                   (4 launches)
  *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
  *   gaussian:  moments -> rule -> scores -> tau -> values                (6 launches)
@@ -10,6 +11,11 @@
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
 #include "cuda_internal.cuh"
+#include <math.h>
+#include <string.h>
+extern "C" {
+#include "../core/method.h" /* the method table and the checks every backend shares (C) */
+}
 #include "plan_defaults.h"
 #include <stdlib.h>
 #include <string.h>
@@ -26,13 +32,48 @@ extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
     return EKV_OK;
 }
 
+/* Every device buffer of a plan with its size: the one list that plan creation allocates,
+ * ekv_cuda_plan_bytes counts and ekv_cuda_plan_free frees. */
+typedef struct {
+    void **ptr;
+    int64_t bytes;
+} plan_buffer;
+
+enum { PLAN_BUFFERS = 19 };
+
+static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
+    const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads, ns = pl->nsplit;
+    const int64_t BH = B * H, BHk = B * Hk, P = pl->cap_pages, C = pl->cand_cap;
+    const plan_buffer t[PLAN_BUFFERS] = {
+        {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
+        {(void **)&pl->split_max, BH * 2 * ns * (int64_t)sizeof(float)},
+        {(void **)&pl->bounds, BH * P * (int64_t)sizeof(float)},
+        {(void **)&pl->list_bounds, BHk * P * (int64_t)sizeof(float)},
+        {(void **)&pl->list_pages, BHk * P * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->in_list, BHk * P},
+        {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
+        {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->v_rows, BHk * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->gmu, BH * P * (int64_t)sizeof(double)},
+        {(void **)&pl->gsig, BH * P * (int64_t)sizeof(double)},
+        {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
+        {(void **)&pl->cand_off, BH * C * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
+        {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
+        {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
+        {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
+    };
+    memcpy(b, t, sizeof t);
+}
+
 extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
     if (!pl) return;
-    void *bufs[] = {pl->scores, pl->split_max, pl->bounds, pl->list_bounds, pl->list_pages, pl->list_count,
-                    pl->in_list, pl->tau, pl->support, pl->v_rows, pl->flags, pl->gmu, pl->gsig,
-                    pl->cand_z, pl->cand_off, pl->cand_count, pl->sup_p, pl->sup_off, pl->sup_count};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        if (bufs[i]) cudaFree(bufs[i]);
+    plan_buffer bufs[PLAN_BUFFERS];
+    plan_buffers(pl, bufs);
+    for (int i = 0; i < PLAN_BUFFERS; i++)
+        if (*bufs[i].ptr) cudaFree(*bufs[i].ptr);
     if (pl->own_stream && pl->stream) cudaStreamDestroy(pl->stream);
     free(pl);
 }
@@ -44,17 +85,15 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     if (!p || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params and out must not be NULL");
     *out = NULL;
     if (p->max_batch < 1) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_batch=%d must be >= 1", p->max_batch);
-    if (p->num_kv_heads < 1 || p->num_heads < 1 || p->num_heads % p->num_kv_heads)
-        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH, "num_heads=%d must be a positive multiple of num_kv_heads=%d",
-                        p->num_heads, p->num_kv_heads);
+    ekv_status st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
+    if (!st) st = ekv_check_page_size(ctx, p->page_size);
+    if (st) return st;
     if (p->num_heads / p->num_kv_heads > EKV_CUDA_MAX_GROUP)
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group %d > %d is not supported by the CUDA backend",
                         p->num_heads / p->num_kv_heads, (int)EKV_CUDA_MAX_GROUP);
     if (p->head_dim < 8 || p->head_dim % 8 || p->head_dim > EKV_CUDA_MAX_DIM)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be a multiple of 8 in [8, %d] on the CUDA backend",
                         p->head_dim, (int)EKV_CUDA_MAX_DIM);
-    if (p->page_size < 1 || p->page_size > 256)
-        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", p->page_size);
     if (p->max_pages_per_seq < 1 || p->max_pages_per_seq * p->page_size >= INT32_MAX)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_pages_per_seq=%lld must be >= 1 with max_pages_per_seq * page_size < 2^31 tokens",
                         (long long)p->max_pages_per_seq);
@@ -100,28 +139,9 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     /* the support values kernel: about 2 blocks per SM over all query heads */
     int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
     pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
-    struct { void **ptr; int64_t bytes; } want[] = {
-        {(void **)&pl->scores, B * H * pl->cap_tokens * (int64_t)sizeof(float)},
-        {(void **)&pl->split_max, B * H * 2 * ns * (int64_t)sizeof(float)},
-        {(void **)&pl->bounds, B * H * pl->cap_pages * (int64_t)sizeof(float)},
-        {(void **)&pl->list_bounds, B * Hk * pl->cap_pages * (int64_t)sizeof(float)},
-        {(void **)&pl->list_pages, B * Hk * pl->cap_pages * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->list_count, B * Hk * 2 * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->in_list, B * Hk * pl->cap_pages},
-        {(void **)&pl->tau, B * H * (int64_t)sizeof(double)},
-        {(void **)&pl->support, B * H * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->v_rows, B * Hk * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->flags, B * H * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->gmu, B * H * pl->cap_pages * (int64_t)sizeof(double)},
-        {(void **)&pl->gsig, B * H * pl->cap_pages * (int64_t)sizeof(double)},
-        {(void **)&pl->cand_z, B * H * pl->cand_cap * (int64_t)sizeof(float)},
-        {(void **)&pl->cand_off, B * H * pl->cand_cap * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->cand_count, B * H * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->sup_p, B * H * pl->cand_cap * (int64_t)sizeof(float)},
-        {(void **)&pl->sup_off, B * H * pl->cand_cap * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->sup_count, B * H * (int64_t)sizeof(int64_t)},
-    };
-    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    plan_buffer want[PLAN_BUFFERS];
+    plan_buffers(pl, want);
+    for (int i = 0; i < PLAN_BUFFERS; i++) {
         e = cudaMalloc(want[i].ptr, (size_t)want[i].bytes);
         if (e != cudaSuccess) {
             ekv_cuda_plan_free(pl);
@@ -143,10 +163,6 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, co
     ekv_context *ctx = pl->ctx;
     if (!prm || !kv || !t || !q || !out || !kv->k || !kv->v || !t->indptr || !t->indices || !t->last_page_len)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params, kv (k, v), table (indptr, indices, last_page_len), q and out must not be NULL");
-    if (!(prm->alpha >= 1.0 && prm->alpha <= 4.0))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "alpha=%g must be in [1, 4]", prm->alpha);
-    if (!(prm->scale >= 0.f) || prm->scale != prm->scale)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "scale=%g must be >= 0 (0 = 1/sqrt(head_dim))", prm->scale);
     if (prm->num_heads != pl->p.num_heads || kv->num_kv_heads != pl->p.num_kv_heads || kv->head_dim != pl->p.head_dim ||
         kv->page_size != pl->p.page_size)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
@@ -155,7 +171,7 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, co
                         pl->p.num_kv_heads, pl->p.head_dim, pl->p.page_size);
     if (t->batch < 1 || t->batch > pl->p.max_batch)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, max_batch=%d]", t->batch, pl->p.max_batch);
-    if (kv->dtype != EKV_DTYPE_F16 && kv->dtype != EKV_DTYPE_BF16 && kv->dtype != EKV_DTYPE_F32)
+    if (!ekv_dtype_valid(kv->dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "unknown K/V dtype %d", (int)kv->dtype);
     if (kv->stride_token % 8 || kv->stride_head % 8 || kv->stride_page % 8)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K/V strides must be multiples of 8 elements (16-byte loads)");
@@ -164,75 +180,41 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, co
     return EKV_OK;
 }
 
+/* The launches of one step, in the order the method table's stages give them. */
 static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
                            const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t, const float *q,
-                           float *out, int certified) {
-    ekv_status s;
+                           float *out) {
+    const ekv_method_info *mi = ekv_method_info_of(ekv_step_method(sel));
+    const unsigned stg = mi->stages;
+    const int listed = (stg & EKV_STAGES_LIST) != 0, certified = (stg & EKV_STAGE_ROUND2) != 0;
+    const int with_ball = certified || (sel && sel->use_ball);
+    ekv_status s = ekv_check_stats(pl->ctx, mi, with_ball, kv, st);
+    if (s) return s;
     const int B = t->batch;
     pl->launches = 0;
     pl->last_batch = B;
-    const int method = certified ? -1 : sel ? (int)sel->method : (int)EKV_SELECT_DENSE;
-    if (method == EKV_SELECT_DENSE) {
-        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 0, 1))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 0, 1, out))) return s;
-        return ekv_cuda_launch_values(pl, prm, kv, t, B, 0, out);
-    }
-    if (method == EKV_SELECT_GAUSSIAN) {
-        if (!st || !st->kmean || !st->km2 || !st->count)
-            return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmean, km2, count) must not be NULL for the gaussian selector");
-        if ((s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B))) return s;
-        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, out))) return s;
-        return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
-    }
-    if (!st || !st->kmin || !st->kmax || ((certified || sel->use_ball) && (!st->kmean || !st->radius)))
-        return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "page statistics (kmin, kmax; kmean and radius for the ball) must not be NULL");
-    const int with_ball = certified || sel->use_ball;
-    if ((s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B))) return s;
-    if ((s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, certified ? sel->sink_pages : 0,
-                                  certified ? sel->recent_pages : 0)))
+    if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B))) return s;
+    if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B))) return s;
+    if ((stg & EKV_STAGE_TOPK) && (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, certified ? sel->sink_pages : 0,
+                                                            certified ? sel->recent_pages : 0)))
         return s;
-    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1))) return s;
-    if (!certified) {
-        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, out))) return s;
-        return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
+    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
+    if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
+        if ((s = ekv_cuda_launch_round2(pl, t, B, prm->num_heads / kv->num_kv_heads))) return s;
+        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
     }
-    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, NULL))) return s;
-    if ((s = ekv_cuda_launch_round2(pl, t, B, prm->num_heads / kv->num_kv_heads))) return s;
-    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
-    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
-    return ekv_cuda_launch_values(pl, prm, kv, t, B, 1, out);
+    return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
 }
 
 extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
                                       const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
                                       const float *q, float *out) {
     if (!pl) return EKV_ERR_NULL_POINTER;
-    ekv_status s = check_step(pl, prm, kv, t, q, out);
-    if (s) return s;
-    if (sel) {
-        if (sel->method == EKV_SELECT_ORACLE)
-            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "select method oracle (evaluation only) is not on the CUDA backend");
-        if (sel->method == EKV_SELECT_GAUSSIAN) {
-            if (!(prm->alpha == 2.0 || prm->alpha == 1.5 || prm->alpha == 4.0 / 3.0))
-                return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "the gaussian selector has closed forms for alpha = 2, 1.5 and 4/3 only (alpha=%.17g)", prm->alpha);
-            if (prm->alibi_slopes || sel->auto_margin)
-                return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "gaussian on the CUDA backend: ALiBi (the mixture solver) and auto_margin are CPU-only");
-            if (!(sel->max_quantile > 0 && sel->max_quantile < 1) || !(sel->margin_z >= 0) || !isfinite(sel->margin_z) ||
-                !(sel->excess_fraction >= 0) || !isfinite(sel->excess_fraction))
-                return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "gaussian: max_quantile=%g must be in (0, 1); margin_z=%g, excess_fraction=%g finite and >= 0",
-                                sel->max_quantile, sel->margin_z, sel->excess_fraction);
-        }
-        if (sel->method != EKV_SELECT_DENSE && sel->method != EKV_SELECT_TOPK && sel->method != EKV_SELECT_GAUSSIAN)
-            return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "unknown select method %d", (int)sel->method);
-        if (sel->per_query_head)
-            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "per_query_head lists are not on the CUDA backend");
-        if (sel->method == EKV_SELECT_TOPK && sel->budget_tokens < 0)
-            return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "budget_tokens=%lld must be >= 0", (long long)sel->budget_tokens);
-        if (sel->tau_mode != EKV_TAU_EXACT)
-            return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "tau modes fixed/corrected are not on the CUDA backend");
-    }
-    s = run_step(pl, prm, sel, kv, st, t, q, out, 0);
+    ekv_status s = ekv_decode_supported(pl->ctx, EKV_BACKEND_CUDA, prm, sel);
+    if (!s) s = check_step(pl, prm, kv, t, q, out);
+    if (!s) s = run_step(pl, prm, sel, kv, st, t, q, out);
     if (!s) ekv_clear_error(pl->ctx);
     return s;
 }
@@ -243,19 +225,9 @@ extern "C" ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *pl, const ekv_dec
                                                 float *out) {
     if (!pl) return EKV_ERR_NULL_POINTER;
     if (!sel) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "select params must not be NULL");
-    ekv_status s = check_step(pl, prm, kv, t, q, out);
-    if (s) return s;
-    if (!(prm->alpha > 1.0))
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ALPHA, "certified decode is for entmax (alpha > 1): softmax has no zeros");
-    if (sel->sink_pages < 0 || sel->recent_pages < 0 || sel->budget_tokens < 0)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "budget_tokens, sink_pages and recent_pages must be >= 0");
-    if (sel->per_query_head)
-        return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "per_query_head lists are not on the CUDA backend");
-    if (sel->tau_hint || sel->tau_lb)
-        return ekv_fail(pl->ctx, EKV_ERR_UNSUPPORTED, "tau_hint / tau_lb are not on the CUDA backend yet");
-    s = run_step(pl, prm, sel, kv, st, t, q, out, 1);
-    if (!s) ekv_clear_error(pl->ctx);
-    return s;
+    ekv_select_params cs = *sel;
+    cs.method = EKV_SELECT_CERTIFIED;
+    return ekv_cuda_decode(pl, prm, &cs, kv, st, t, q, out);
 }
 
 extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv_cuda_report *r) {

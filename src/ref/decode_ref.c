@@ -90,6 +90,11 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
                 if (prm->alibi_slopes) s += (real)prm->alibi_slopes[h] * (real)(j - (N - 1));
                 z[j] = a * s;
             }
+            /* shifted coordinates (docs/math.md §6.2): z - max, so that a huge score scale
+             * cannot swallow the -1 of the bracket or cancel in the closed forms */
+            real zmax = z[0];
+            for (int64_t j = 1; j < N; j++) zmax = z[j] > zmax ? z[j] : zmax;
+            for (int64_t j = 0; j < N; j++) z[j] -= zmax;
             real tau = ref_tau(z, N, prm->alpha, tmp), psum = 0;
             int64_t sup = 0;
             for (int64_t d = 0; d < D; d++) o[d] = 0;
@@ -106,7 +111,7 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
             }
             /* bisection leaves sum p = 1 +- 1e-18; renormalise like SPEC 9.8 */
             for (int64_t d = 0; d < D; d++) res[((int64_t)b * H + h) * D + d] = (float)(o[d] / psum);
-            if (info && info->tau) info->tau[(int64_t)b * H + h] = (double)tau;
+            if (info && info->tau) info->tau[(int64_t)b * H + h] = (double)(tau + zmax);
             if (info && info->support) info->support[(int64_t)b * H + h] = sup;
             bytes_v += sup * D * es; /* per query head (the ref does not share rows) */
         }

@@ -292,7 +292,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         prm.num_heads = H; prm.alpha = c->alpha; prm.alibi_slopes = c->alibi ? slopes : NULL;
         ekv_decode_params dprm = prm;
         dprm.alibi_slopes = c->alibi ? dslopes : NULL;
-        ekv_decode_info ri = {tau_ref, sup_ref, 0, 0};
+        ekv_decode_info ri = {.tau = tau_ref, .support = sup_ref};
         CHECK(ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, &ri) == EKV_OK, "ref: %s", ekv_last_error(ctx));
         const double tol = 3e-5;
         /* dense */
@@ -559,8 +559,11 @@ static void invalid_test(ekv_context *ctx) {
     struct { const char *what; ekv_status want; } cases[] = {
         {"alpha 5", EKV_ERR_INVALID_ALPHA}, {"batch 2", EKV_ERR_INVALID_SIZE}, {"heads 16", EKV_ERR_INVALID_ARGUMENT},
         {"oracle", EKV_ERR_UNSUPPORTED}, {"per query head", EKV_ERR_UNSUPPORTED}, {"null q", EKV_ERR_NULL_POINTER},
-        {"dtype 9", EKV_ERR_INVALID_DTYPE}, {"certified softmax", EKV_ERR_INVALID_ALPHA}, {"negative budget", EKV_ERR_INVALID_SIZE},
+        {"dtype 9", EKV_ERR_INVALID_DTYPE}, {"certified softmax", EKV_ERR_INVALID_ALPHA}, {"negative budget", EKV_ERR_INVALID_ARGUMENT},
+        {"scale +inf", EKV_ERR_INVALID_ARGUMENT}, {"scale -inf", EKV_ERR_INVALID_ARGUMENT}, {"scale NaN", EKV_ERR_INVALID_ARGUMENT},
+        {"budget_fraction", EKV_ERR_UNSUPPORTED}, {"certified tau_hint", EKV_ERR_UNSUPPORTED}, {"method 9", EKV_ERR_INVALID_ARGUMENT},
     };
+    const double hint[8] = {0};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         ekv_decode_params p2 = prm;
         ekv_select_params s2 = sp;
@@ -578,11 +581,30 @@ static void invalid_test(ekv_context *ctx) {
         case 6: kv2.dtype = (ekv_dtype)9; break;
         case 7: p2.alpha = 1.0; cert = 1; break;
         case 8: s2.method = EKV_SELECT_TOPK; s2.budget_tokens = -1; break;
+        case 9: p2.scale = INFINITY; break;
+        case 10: p2.scale = -INFINITY; break;
+        case 11: p2.scale = NAN; break;
+        case 12: s2.method = EKV_SELECT_TOPK; s2.budget_fraction = 0.5; break;
+        case 13: s2.tau_hint = hint; cert = 1; break;
+        case 14: s2.method = (ekv_select_method)9; break;
         }
         ekv_status st = cert ? ekv_cuda_decode_certified(plan, &p2, &s2, &kv2, NULL, &t2, q2, dout)
                              : ekv_cuda_decode(plan, &p2, &s2, &kv2, NULL, &t2, q2, dout);
         CHECK(st == cases[i].want, "%s: status %d (%s), want %d", cases[i].what, st, ekv_last_error(ctx), cases[i].want);
         CHECK(strlen(ekv_last_error(ctx)) > 0, "%s: no message", cases[i].what);
+    }
+    /* dispatch coverage: for every method, ekv_cuda_decode answers exactly what
+     * ekv_decode_supported answers for the CUDA backend (it is the same check); a supported
+     * method then fails only for the missing page statistics (dense needs none and runs) */
+    for (int mth = 0; mth < EKV_SELECT_METHOD_COUNT; mth++) {
+        ekv_select_params s2 = sp;
+        s2.method = (ekv_select_method)mth;
+        s2.budget_tokens = 16;
+        const ekv_status sup = ekv_decode_supported(ctx, EKV_BACKEND_CUDA, &prm, &s2);
+        ekv_status st = ekv_cuda_decode(plan, &prm, &s2, &kv, NULL, &tab, dq, sup == EKV_OK && mth == 0 ? dq : dout);
+        const ekv_status want = sup != EKV_OK ? sup : mth == EKV_SELECT_DENSE ? EKV_OK : EKV_ERR_NULL_POINTER;
+        CHECK(st == want, "method %s on cuda: status %d, ekv_decode_supported %d", ekv_method_name(s2.method), st, sup);
+        CHECK((sup == EKV_OK) == (mth != EKV_SELECT_ORACLE), "method %s: cuda support %d", ekv_method_name(s2.method), sup);
     }
     float back[8 * 128];
     CU(cudaDeviceSynchronize());
