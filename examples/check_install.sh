@@ -13,16 +13,22 @@ src=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d /tmp/ekv-check-install.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "check_install: $*" >&2; exit 1; }
+# lib, lib64 or lib/<multiarch>, as GNUInstallDirs chose: where entmaxkv.pc was installed
+pc=$(find "$prefix" -name entmaxkv.pc -path '*/pkgconfig/*' | head -n 1)
+[ -n "$pc" ] || fail "no entmaxkv.pc under $prefix"
+export PKG_CONFIG_PATH; PKG_CONFIG_PATH=$(dirname "$pc")
 # the shared library is found through the loader path, as a user without an rpath would
-export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH; LD_LIBRARY_PATH="$(dirname "$PKG_CONFIG_PATH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-echo "-- pkg-config: $(PKG_CONFIG_PATH="$prefix/lib/pkgconfig" pkg-config --cflags --libs entmaxkv)"
+echo "-- pkg-config: $(pkg-config --cflags --libs entmaxkv)"
 for ex in quickstart topk_delta certified; do
-  # -lm: topk_delta and certified call sqrt themselves (pkg-config lists only what the
-  # library needs, and a shared libentmaxkv brings its own libm)
+  # quickstart calls nothing from libm, so it links with pkg-config's flags alone: a static
+  # libentmaxkv whose dependencies entmaxkv.pc leaves out fails here. topk_delta and
+  # certified call sqrt themselves, so they add -lm as any such program must.
+  extra=(); [ "$ex" = quickstart ] || extra=(-lm)
   # shellcheck disable=SC2046 # pkg-config's output is a list of flags
   cc -std=c11 -O2 -Wall -Wextra -Werror "$src/$ex.c" \
-    $(PKG_CONFIG_PATH="$prefix/lib/pkgconfig" pkg-config --cflags --libs entmaxkv) -lm -o "$work/$ex"
+    $(pkg-config --cflags --libs entmaxkv) "${extra[@]}" -o "$work/$ex"
   "$work/$ex" >"$work/$ex.out" || fail "$ex (pkg-config build) failed: $(cat "$work/$ex.out")"
 done
 echo "-- pkg-config builds of quickstart, topk_delta, certified ran"

@@ -6,6 +6,7 @@
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then # run, not sourced: only --help means something
   case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;; esac
 fi
+# shellcheck disable=SC2120 # the extra tools are optional
 ekv_need_tools() {
   local missing=() tool
   command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)

@@ -23,7 +23,8 @@ trap 'rm -rf "$TMP"' EXIT
 FAILS=0
 CHECKS=0
 fail() { echo "FAIL: $*" >&2; FAILS=$((FAILS + 1)); }
-check() { # check DESCRIPTION CONDITION-STATUS
+check() { # check DESCRIPTION CONDITION-STATUS (capture $? first when DESCRIPTION runs a $(...):
+          # a command substitution in the arguments would reset $? to its own status)
     CHECKS=$((CHECKS + 1))
     if [ "$2" -ne 0 ]; then fail "$1"; fi
 }
@@ -155,7 +156,7 @@ expect_line() {
     shift 2
     run "$input" "$@"
     [ "$RC" -eq 0 ] && [ "$(cat "$OUT")" = "$want" ] && [ "$(nlines "$OUT")" -eq 1 ]
-    check "'$*' on '${input%$'\n'}' should print '$want' (rc=$RC, got '$(head -c 200 "$OUT")')" $?
+    st=$?; check "'$*' on '${input%$'\n'}' should print '$want' (rc=$RC, got '$(head -c 200 "$OUT")')" $st
 }
 # expect_close INPUT "P1 P2 ..." TOL ARGS... : numeric comparison field by field
 expect_close() {
@@ -190,12 +191,12 @@ expect_close $'1 2 -inf\n' "0.26894142 0.73105858 0" 1e-6 entmax --alpha 1
 run $'0.1 0.2 0.3 0.7 1.1\n' entmax --alpha 1
 [ "$RC" -eq 0 ] && awk '{ for (i = 1; i <= NF; i++) { s = $i; sub(/^-/, "", s); sub(/[eE].*/, "", s);
     gsub(/\./, "", s); sub(/^0+/, "", s); if (length(s) > 9) exit 1 } } END { exit NR == 1 ? 0 : 1 }' "$OUT"
-check "entmax output should use %.9g (got '$(head -c 200 "$OUT")')" $?
+st=$?; check "entmax output should use %.9g (got '$(head -c 200 "$OUT")')" $st
 
 # several lines in, one line out per vector; blank lines are skipped
 run $'1 2 3\n0 0\n\n4\n' entmax --alpha 2
 [ "$RC" -eq 0 ] && [ "$(nlines "$OUT")" -eq 3 ] && [ "$(sed -n 2p "$OUT")" = "0.5 0.5" ] && [ "$(sed -n 3p "$OUT")" = "1" ]
-check "entmax should print one line per input vector (rc=$RC, got '$(tr '\n' '|' <"$OUT")')" $?
+st=$?; check "entmax should print one line per input vector (rc=$RC, got '$(tr '\n' '|' <"$OUT")')" $st
 
 # --json
 JSON_IN=$'1 2 3\n0 0\n1 -inf 3\n0.5 -1 2 0.25 7\n'
@@ -249,7 +250,7 @@ if [ -n "$PY" ]; then
 else
     grep -q '"tau":0.6931471805' "$OUT" && grep -q '"support":2' "$OUT"
 fi
-check "softmax --json of '0 0': tau = log 2, support 2 (got '$(head -c 200 "$OUT")')" $?
+st=$?; check "softmax --json of '0 0': tau = log 2, support 2 (got '$(head -c 200 "$OUT")')" $st
 
 # runtime errors in the input: exit 1, message naming the line
 expect_input_error() { # INPUT LINE-NUMBER ARGS...
@@ -257,7 +258,7 @@ expect_input_error() { # INPUT LINE-NUMBER ARGS...
     shift 2
     run "$input" entmax "$@"
     [ "$RC" -eq 1 ] && grep -q "line $ln\b" "$ERR"
-    check "entmax $* on '$(printf '%s' "$input" | tr '\n' '|')' should exit 1 naming line $ln (rc=$RC, stderr '$(head -c 200 "$ERR")')" $?
+    st=$?; check "entmax $* on '$(printf '%s' "$input" | tr '\n' '|')' should exit 1 naming line $ln (rc=$RC, stderr '$(head -c 200 "$ERR")')" $st
 }
 expect_input_error $'1 2 3\n4 x 5\n' 2
 expect_input_error $'abc\n' 1
@@ -388,7 +389,7 @@ check "eval should print a table with every method" $?
 if [ -n "$PY" ] && $PY -c 'import matplotlib' 2>/dev/null; then
     run "" eval --len 256 --heads 2 --kv-heads 1 --dim 16 --steps 1 --threads 1 --json "$TMP/e2.json" --plot "$TMP/e2.png"
     [ "$RC" -eq 0 ] && [ "$(head -c 4 "$TMP/e2.png" | tail -c 3)" = "PNG" ]
-    check "eval --plot should write a PNG (rc=$RC, stderr '$(head -c 300 "$ERR")')" $?
+    st=$?; check "eval --plot should write a PNG (rc=$RC, stderr '$(head -c 300 "$ERR")')" $st
 fi
 
 # trace:FILE workloads (the synthetic trace writer needs only python3's standard library)
@@ -412,7 +413,7 @@ EOF
     head -c 100 "$TR" > "$TMP/bad.safetensors"
     run "" eval --workload "trace:$TMP/bad.safetensors" --steps 1
     [ "$RC" -eq 1 ] && grep -q safetensors "$ERR"
-    check "eval on a truncated trace should exit 1 naming the problem (rc=$RC, '$(head -c 200 "$ERR")')" $?
+    st=$?; check "eval on a truncated trace should exit 1 naming the problem (rc=$RC, '$(head -c 200 "$ERR")')" $st
 fi
 
 # an unwritable JSON path is a runtime failure
@@ -441,20 +442,36 @@ for sub in bench eval; do
     [ $ok -eq 0 ] || show
 done
 
+# ppl --json - (when the shipped model is in the source tree): one JSON object on stdout
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+MODEL="$ROOT/models/entmaxkv-lm.safetensors"
+if [ -f "$MODEL" ]; then
+    head -c 600 "$ROOT/README.md" >"$TMP/ppl.txt"
+    (cd "$JDIR" && $TIMEOUT "$BIN" ppl --model "$MODEL" --text "$TMP/ppl.txt" --ctx 128 --windows 1 \
+        --threads 1 --json - >"$OUT" 2>"$ERR" </dev/null)
+    RC=$?
+    ok=0
+    [ "$RC" -eq 0 ] && [ ! -e "$JDIR/-" ] && grep -q '^ppl ' "$ERR" || ok=1
+    if [ -n "$PY" ]; then
+        $PY -c 'import json, sys; o = json.load(open(sys.argv[1])); assert o["ppl"] > 0' "$OUT" || ok=1
+    fi
+    check "ppl --json - should write only JSON to stdout and the report to stderr (rc=$RC)" $ok
+    [ $ok -eq 0 ] || show
+fi
+
 # trace:FILE@PREFIX with a prefix the file lacks: exit 1, naming the prefixes it has
 if [ -n "$PY" ]; then
     TL="$TMP/layers.safetensors"
     $PY "$(dirname "$0")/../bench/make_trace.py" "$TL" 64 2 4 2 16 --prefixes l0.,l3.
     run "" eval --workload "trace:$TL@layer3." --steps 1 --threads 1
     [ "$RC" -eq 1 ] && grep -q "layer3\.q" "$ERR" && grep -q '"l0\.", "l3\."' "$ERR"
-    check "eval on a trace with a missing prefix should exit 1 listing l0. and l3. (rc=$RC, '$(head -c 300 "$ERR")')" $?
+    st=$?; check "eval on a trace with a missing prefix should exit 1 listing l0. and l3. (rc=$RC, '$(head -c 300 "$ERR")')" $st
     run "" eval --workload "trace:$TL@l3." --steps 1 --threads 1 --budgets 1
     check "eval on the trace's prefix l3. should exit 0 (rc=$RC, '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
 fi
 
 # every script of bench/, scripts/, train/ and tests/golden/ answers --help: usage on stdout,
 # exit 0, and nothing written (run from an empty directory, which must stay empty)
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 HDIR="$TMP/help_cwd"
 mkdir -p "$HDIR"
 for f in "$ROOT"/bench/*.py "$ROOT"/bench/*.sh "$ROOT"/scripts/*.py "$ROOT"/scripts/*.sh "$ROOT"/train/*.py \

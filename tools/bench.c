@@ -62,11 +62,25 @@ static int64_t need_int(int argc, char **argv, int *i, int64_t lo, int64_t hi) {
 
 static void parse_defaults(bench_opts *o) {
     memset(o, 0, sizeof *o);
-    o->backend = EKV_BACKEND_CPU; o->method = EKV_SELECT_DENSE; o->workload = "random";
-    o->batch = 1; o->heads = 32; o->kv_heads = 8; o->dim = 128; o->page = 16;
-    o->threads = 0; o->iters = 30; o->warmup = 3; o->seed = 1; o->superpage = 16;
-    o->dtype = EKV_DTYPE_F16; o->alpha = 1.5; o->isa = EKV_ISA_AUTO;
-    o->budget = 1.0 / 16; o->budget_tokens = 0; o->wl = WL_RANDOM;
+    o->backend = EKV_BACKEND_CPU;
+    o->method = EKV_SELECT_DENSE;
+    o->workload = "random";
+    o->batch = 1;
+    o->heads = 32;
+    o->kv_heads = 8;
+    o->dim = 128;
+    o->page = 16;
+    o->threads = 0;
+    o->iters = 30;
+    o->warmup = 3;
+    o->seed = 1;
+    o->superpage = 16;
+    o->dtype = EKV_DTYPE_F16;
+    o->alpha = 1.5;
+    o->isa = EKV_ISA_AUTO;
+    o->budget = 1.0 / 16;
+    o->budget_tokens = 0;
+    o->wl = WL_RANDOM;
 }
 
 /* Options whose value is a name or a number with its own range; 0 if a is none of them. */
@@ -74,7 +88,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
     const char *a = argv[*i];
     if (!strcmp(a, "--backend")) {
         const char *v = need(argc, argv, i);
-        if (ekv_backend_from_name(v, &o->backend)) cli_usage_error("bench", "--backend %s: expected cpu, ref or cuda", v);
+        if (ekv_backend_from_name(v, &o->backend))
+            cli_usage_error("bench", "--backend %s: expected cpu, ref or cuda", v);
     } else if (!strcmp(a, "--method")) {
         const char *v = need(argc, argv, i);
         if (ekv_method_from_name(v, &o->method))
@@ -82,17 +97,20 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
     } else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);
-        if (n <= 0) cli_usage_error("bench", "--len %s: expected a comma list of positive integers", v);
+        if (n <= 0)
+            cli_usage_error("bench", "--len %s: expected a comma list of positive integers", v);
         for (int k = 0; k < n; k++)
             if (o->lens[o->nlens + k] < 1) cli_usage_error("bench", "--len must be >= 1");
         o->nlens += n;
     } else if (!strcmp(a, "--budget")) {
         const char *v = need(argc, argv, i);
         if (cli_parse_fraction(v, &o->budget) || !(o->budget > 0 && o->budget <= 1))
-            cli_usage_error("bench", "--budget %s: expected a fraction in (0, 1], e.g. 0.0625 or 1/16", v);
+            cli_usage_error("bench",
+                            "--budget %s: expected a fraction in (0, 1], e.g. 0.0625 or 1/16", v);
     } else if (!strcmp(a, "--dtype")) {
         const char *v = need(argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->dtype)) cli_usage_error("bench", "--dtype %s: expected f32, f16 or bf16", v);
+        if (ekv_dtype_from_name(v, &o->dtype))
+            cli_usage_error("bench", "--dtype %s: expected f32, f16 or bf16", v);
     } else if (!strcmp(a, "--alpha")) {
         const char *v = need(argc, argv, i);
         if (cli_parse_double(v, &o->alpha) || !(o->alpha >= 1.0 && o->alpha <= 4.0))
@@ -104,46 +122,72 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         while (k < 4 && strcmp(v, isas[k])) k++;
         if (k == 4) cli_usage_error("bench", "--isa %s: expected auto, scalar, avx2 or avx512", v);
         o->isa = (ekv_isa)k; /* the order of ekv_isa */
-    } else return 0;
+    } else
+        return 0;
     return 1;
 }
 
 /* Checks between options; what a backend can run is the library's answer (bench_supported). */
 static void parse_check(bench_opts *o) {
-    if (!o->nlens) { o->lens[0] = 131072; o->nlens = 1; }
+    if (!o->nlens) {
+        o->lens[0] = 131072;
+        o->nlens = 1;
+    }
     if (o->backend == EKV_BACKEND_CUDA) {
         if (strcmp(o->workload, "random") && strcmp(o->workload, "planted"))
-            cli_usage_error("bench", "--backend cuda: --workload %s: expected random or planted", o->workload);
+            cli_usage_error("bench", "--backend cuda: --workload %s: expected random or planted",
+                            o->workload);
     } else if (o->ragged_min)
         cli_usage_error("bench", "--ragged is for --backend cuda");
     if (wl_parse(o->workload, &o->wl))
-        cli_usage_error("bench", "--workload %s: expected random|planted|heavy|alibi|trace:FILE", o->workload);
-    if (o->wl == WL_TRACE && o->batch != 1) cli_usage_error("bench", "traces hold one sequence: --batch must be 1");
+        cli_usage_error("bench", "--workload %s: expected random|planted|heavy|alibi|trace:FILE",
+                        o->workload);
+    if (o->wl == WL_TRACE && o->batch != 1)
+        cli_usage_error("bench", "traces hold one sequence: --batch must be 1");
     if (o->heads % o->kv_heads)
-        cli_usage_error("bench", "--heads %lld is not a multiple of --kv-heads %lld", (long long)o->heads, (long long)o->kv_heads);
+        cli_usage_error("bench", "--heads %lld is not a multiple of --kv-heads %lld",
+                        (long long)o->heads, (long long)o->kv_heads);
 }
 
 static void parse(int argc, char **argv, bench_opts *o) {
     parse_defaults(o);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { bench_help(stdout); exit(0); }
-        else if (parse_named(argc, argv, &i, o)) continue;
-        else if (!strcmp(a, "--ragged")) o->ragged_min = need_int(argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--batch")) o->batch = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--heads")) o->heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--kv-heads")) o->kv_heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--dim")) o->dim = need_int(argc, argv, &i, 1, 65536);
-        else if (!strcmp(a, "--page")) o->page = need_int(argc, argv, &i, 1, 256);
-        else if (!strcmp(a, "--superpage")) o->superpage = need_int(argc, argv, &i, 0, 4096);
-        else if (!strcmp(a, "--threads")) o->threads = need_int(argc, argv, &i, 0, 1024);
-        else if (!strcmp(a, "--iters")) o->iters = need_int(argc, argv, &i, 1, 1000000);
-        else if (!strcmp(a, "--warmup")) o->warmup = need_int(argc, argv, &i, 0, 1000000);
-        else if (!strcmp(a, "--seed")) o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--json")) o->json = need(argc, argv, &i);
-        else if (!strcmp(a, "--budget-tokens")) o->budget_tokens = need_int(argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--workload")) o->workload = need(argc, argv, &i);
-        else cli_usage_error("bench", "unknown option '%s'", a);
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            bench_help(stdout);
+            exit(0);
+        } else if (parse_named(argc, argv, &i, o))
+            continue;
+        else if (!strcmp(a, "--ragged"))
+            o->ragged_min = need_int(argc, argv, &i, 1, INT64_MAX);
+        else if (!strcmp(a, "--batch"))
+            o->batch = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--heads"))
+            o->heads = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--kv-heads"))
+            o->kv_heads = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--dim"))
+            o->dim = need_int(argc, argv, &i, 1, 65536);
+        else if (!strcmp(a, "--page"))
+            o->page = need_int(argc, argv, &i, 1, 256);
+        else if (!strcmp(a, "--superpage"))
+            o->superpage = need_int(argc, argv, &i, 0, 4096);
+        else if (!strcmp(a, "--threads"))
+            o->threads = need_int(argc, argv, &i, 0, 1024);
+        else if (!strcmp(a, "--iters"))
+            o->iters = need_int(argc, argv, &i, 1, 1000000);
+        else if (!strcmp(a, "--warmup"))
+            o->warmup = need_int(argc, argv, &i, 0, 1000000);
+        else if (!strcmp(a, "--seed"))
+            o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--json"))
+            o->json = need(argc, argv, &i);
+        else if (!strcmp(a, "--budget-tokens"))
+            o->budget_tokens = need_int(argc, argv, &i, 1, INT64_MAX);
+        else if (!strcmp(a, "--workload"))
+            o->workload = need(argc, argv, &i);
+        else
+            cli_usage_error("bench", "unknown option '%s'", a);
     }
     parse_check(o);
 }
@@ -185,8 +229,8 @@ enum { NQ = 8 }; /* queries rotate so that no step repeats the previous one */
 
 /* One decode step on the CPU backends: the library picks the method's stages (ekv_decode);
  * ref is the long-double dense reference (bench_supported admits dense only there). */
-static ekv_status bench_step(ekv_context *ctx, const bench_opts *o, const bench_bufs *bb, const wl_setup *s,
-                             const float *q, ekv_decode_info *info) {
+static ekv_status bench_step(ekv_context *ctx, const bench_opts *o, const bench_bufs *bb,
+                             const wl_setup *s, const float *q, ekv_decode_info *info) {
     info->bytes_summary = 0;
     info->lists_round2 = 0;
     if (o->backend == EKV_BACKEND_REF)
@@ -195,7 +239,8 @@ static ekv_status bench_step(ekv_context *ctx, const bench_opts *o, const bench_
 }
 
 /* The decode and select parameters of the run (the budget is set per length). */
-static void bench_params(const bench_opts *o, const wl_state *wl, ekv_decode_params *dp, ekv_select_params *sp) {
+static void bench_params(const bench_opts *o, const wl_state *wl, ekv_decode_params *dp,
+                         ekv_select_params *sp) {
     *dp = ekv_decode_default_params();
     dp->num_heads = (int32_t)o->heads;
     dp->alpha = o->alpha;
@@ -219,9 +264,11 @@ static int bench_supported(ekv_context *ctx, const bench_opts *o, const wl_state
 
 /* The bound + select stage alone, when the method has one that reads page statistics
  * (ekv_select_pages answers which): its median time, against its byte roofline. */
-static int bench_select(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, const wl_setup *s, bench_result *r) {
+static int bench_select(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, const wl_setup *s,
+                        bench_result *r) {
     ekv_page_list list = wl_setup_list(s);
-    if (ekv_select_pages(ctx, &bb->dp, &bb->sp, &s->kv, &s->stats, &s->table, bb->q, &list) || !list.bytes_summary)
+    if (ekv_select_pages(ctx, &bb->dp, &bb->sp, &s->kv, &s->stats, &s->table, bb->q, &list) ||
+        !list.bytes_summary)
         return 0;
     for (int64_t it = 0; it < o->iters; it++) {
         const double t0 = cli_now_seconds();
@@ -229,7 +276,8 @@ static int bench_select(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, c
                                          bb->q + (it % NQ) * s->batch * o->heads * o->dim, &list);
         bb->times[it] = cli_now_seconds() - t0;
         if (st) {
-            fprintf(stderr, "entmaxkv bench: select failed: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
+            fprintf(stderr, "entmaxkv bench: select failed: %s: %s\n", ekv_status_string(st),
+                    ekv_last_error(ctx));
             return 1;
         }
     }
@@ -238,7 +286,8 @@ static int bench_select(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, c
 }
 
 /* Warm-up and timed steps of one length. */
-static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, const wl_setup *s, bench_result *r) {
+static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, const wl_setup *s,
+                      bench_result *r) {
     const int64_t nh = s->batch * o->heads, qn = nh * o->dim;
     ekv_decode_info info = {NULL, bb->sup, 0, 0, 0, 0, NULL, NULL};
     double bytes_sum = 0, sup_sum = 0;
@@ -248,7 +297,8 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
         ekv_status st = bench_step(ctx, o, bb, s, bb->q + (it % NQ) * qn, &info);
         const double dt = cli_now_seconds() - t0;
         if (st) {
-            fprintf(stderr, "entmaxkv bench: decode failed: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
+            fprintf(stderr, "entmaxkv bench: decode failed: %s: %s\n", ekv_status_string(st),
+                    ekv_last_error(ctx));
             return 1;
         }
         r->round2 += info.lists_round2;
@@ -268,25 +318,32 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
 }
 
 /* The table row (and the JSON object) of one length; the probe runs here, after the steps. */
-static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t len, const bench_result *r,
-                         const cli_out *out) {
+static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t len,
+                         const bench_result *r, const cli_out *out) {
     const int threads = ekv_context_threads(ctx);
-    const double kv_total = 2.0 * (double)(len * o->batch * o->kv_heads * o->dim * ekv_dtype_size(o->dtype));
+    const double kv_total =
+            2.0 * (double)(len * o->batch * o->kv_heads * o->dim * ekv_dtype_size(o->dtype));
     const double gbps = r->bytes / r->med / 1e9;
     /* probe over at least 256 MiB (beyond the last-level cache) */
-    const double probe = cli_read_bandwidth_probe(threads, (int64_t)(r->bytes > 268435456.0 ? r->bytes : 268435456.0));
+    const double probe = cli_read_bandwidth_probe(
+            threads, (int64_t)(r->bytes > 268435456.0 ? r->bytes : 268435456.0));
     const double ratio = probe > 0 ? gbps / probe : 0;
     /* the bound stage against its byte roofline: summary bytes / probe bandwidth */
     const double sel_roof = probe > 0 && r->summary_bytes > 0 && r->sel_med > 0
-                                ? r->sel_med / (r->summary_bytes / (probe * 1e9)) : 0;
-    fprintf(out->text, "%10lld %10.3f %10.3f %12.0f %9.2f %10.2f %9.3f %11.4f %9.1f\n", (long long)len, r->med * 1e3,
-            r->mn * 1e3, r->bytes, gbps, probe, ratio, r->bytes / kv_total, r->sup_mean);
+                                    ? r->sel_med / (r->summary_bytes / (probe * 1e9))
+                                    : 0;
+    fprintf(out->text, "%10lld %10.3f %10.3f %12.0f %9.2f %10.2f %9.3f %11.4f %9.1f\n",
+            (long long)len, r->med * 1e3, r->mn * 1e3, r->bytes, gbps, probe, ratio,
+            r->bytes / kv_total, r->sup_mean);
     if (o->method == EKV_SELECT_CERTIFIED) {
         const int64_t lists = r->steps * o->batch * o->kv_heads;
-        fprintf(out->text, "%10s certified: round 2 needed by %.1f%% of lists (%lld of %lld, warm-up included)\n", "",
-                100.0 * (double)r->round2 / (double)lists, (long long)r->round2, (long long)lists);
+        fprintf(out->text,
+                "%10s certified: round 2 needed by %.1f%% of lists (%lld of %lld, warm-up included)\n",
+                "", 100.0 * (double)r->round2 / (double)lists, (long long)r->round2,
+                (long long)lists);
     } else if (r->sel_med > 0)
-        fprintf(out->text, "%10s select (bound + selection): %.3f ms median, %.0f summary bytes, %.2fx its byte roofline\n",
+        fprintf(out->text,
+                "%10s select (bound + selection): %.3f ms median, %.0f summary bytes, %.2fx its byte roofline\n",
                 "", r->sel_med * 1e3, r->summary_bytes, sel_roof);
     fflush(out->text);
     if (!out->json) return;
@@ -298,16 +355,18 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
             "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld,"
             "\"budget_tokens\":%lld,\"ms_select_median\":%.6f,\"bytes_summary\":%.0f,"
             "\"select_roofline_ratio\":%.4f}",
-            li ? ",\n" : "", ekv_backend_name(o->backend), ekv_method_name(o->method), o->alpha, (long long)len,
-            (long long)o->batch, (long long)o->heads, (long long)o->kv_heads, (long long)o->dim, (long long)o->page,
-            ekv_dtype_name(o->dtype), r->med * 1e3, r->mn * 1e3, r->bytes, gbps, r->bytes / kv_total, probe, ratio,
-            threads, ekv_isa_name(ekv_context_isa(ctx)), o->workload, r->sup_mean, (long long)o->iters,
-            (long long)(o->method == EKV_SELECT_DENSE ? len : bench_budget_tokens(o, len)), r->sel_med * 1e3,
-            r->summary_bytes, sel_roof);
+            li ? ",\n" : "", ekv_backend_name(o->backend), ekv_method_name(o->method), o->alpha,
+            (long long)len, (long long)o->batch, (long long)o->heads, (long long)o->kv_heads,
+            (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype), r->med * 1e3,
+            r->mn * 1e3, r->bytes, gbps, r->bytes / kv_total, probe, ratio, threads,
+            ekv_isa_name(ekv_context_isa(ctx)), o->workload, r->sup_mean, (long long)o->iters,
+            (long long)(o->method == EKV_SELECT_DENSE ? len : bench_budget_tokens(o, len)),
+            r->sel_med * 1e3, r->summary_bytes, sel_roof);
 }
 
 /* One length: a fresh cache filled with the workload, the timed steps, the report. */
-static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int li, const cli_out *out) {
+static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int li,
+                        const cli_out *out) {
     const int64_t len = o->lens[li], qn = o->batch * o->heads * o->dim;
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->seed * 7919 + (uint64_t)len);
@@ -331,7 +390,10 @@ static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int
         rc = bench_time(ctx, o, &bb, &s, &r);
     }
     if (!rc) bench_report(ctx, o, li, len, &r, out);
-    free(bb.q); free(bb.out); free(bb.sup); free(bb.times);
+    free(bb.q);
+    free(bb.out);
+    free(bb.sup);
+    free(bb.times);
     wl_setup_free(&s);
     return rc;
 }
@@ -341,9 +403,13 @@ static int bench_cpu(bench_opts *o) {
     wl_state wl;
     memset(&wl, 0, sizeof wl);
     int rc = cli_context("bench", o->threads, o->isa, &ctx);
-    if (!rc) rc = wl_open(&wl, ctx, o->workload, o->heads, o->kv_heads, o->dim, (uint64_t)o->seed, "bench");
+    if (!rc)
+        rc = wl_open(&wl, ctx, o->workload, o->heads, o->kv_heads, o->dim, (uint64_t)o->seed,
+                     "bench");
     if (!rc && wl.kind == WL_TRACE) { /* the trace fixes the shapes and the length */
-        o->heads = wl.heads; o->kv_heads = wl.kv_heads; o->dim = wl.dim;
+        o->heads = wl.heads;
+        o->kv_heads = wl.kv_heads;
+        o->dim = wl.dim;
         o->lens[0] = wl.trace_len;
         o->nlens = 1;
     }
@@ -353,11 +419,12 @@ static int bench_cpu(bench_opts *o) {
     if (!rc) {
         fprintf(out.text,
                 "# backend=%s isa=%s threads=%d method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s\n",
-                ekv_backend_name(o->backend), ekv_isa_name(ekv_context_isa(ctx)), ekv_context_threads(ctx),
-                ekv_method_name(o->method), o->alpha, ekv_dtype_name(o->dtype), (long long)o->batch, (long long)o->heads,
+                ekv_backend_name(o->backend), ekv_isa_name(ekv_context_isa(ctx)),
+                ekv_context_threads(ctx), ekv_method_name(o->method), o->alpha,
+                ekv_dtype_name(o->dtype), (long long)o->batch, (long long)o->heads,
                 (long long)o->kv_heads, (long long)o->dim, (long long)o->page, o->workload);
-        fprintf(out.text, "%10s %10s %10s %12s %9s %10s %9s %11s %9s\n", "len", "ms_median", "ms_min", "bytes_read",
-                "GB/s", "probe_GB/s", "bw_ratio", "kv_fraction", "support");
+        fprintf(out.text, "%10s %10s %10s %12s %9s %10s %9s %11s %9s\n", "len", "ms_median",
+                "ms_min", "bytes_read", "GB/s", "probe_GB/s", "bw_ratio", "kv_fraction", "support");
         if (out.json) fprintf(out.json, "[\n");
         for (int li = 0; li < o->nlens && !rc; li++) rc = bench_length(ctx, o, &wl, li, &out);
         if (out.json) fprintf(out.json, "\n]\n");

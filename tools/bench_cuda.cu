@@ -23,27 +23,36 @@ extern "C" {
     do {                                                                                           \
         cudaError_t e_ = (x);                                                                      \
         if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "entmaxkv bench: %s: %s\n", #x, cudaGetErrorString(e_));              \
+            fprintf(stderr, "entmaxkv bench: %s: %s\n", #x, cudaGetErrorString(e_));               \
             return 1;                                                                              \
         }                                                                                          \
     } while (0)
 
 static __device__ __forceinline__ float hash_normal(uint64_t i, uint64_t seed) {
     uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xD1B54A32D192ED03ull;
-    x ^= x >> 31; x *= 0xBF58476D1CE4E5B9ull; x ^= x >> 27; x *= 0x94D049BB133111EBull; x ^= x >> 31;
-    const float u1 = ((x >> 40) + 1) * (1.0f / 16777217.0f), u2 = ((x >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    const float u1 = ((x >> 40) + 1) * (1.0f / 16777217.0f),
+                u2 = ((x >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
     return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
 }
 
 template <typename T> __device__ T from_f(float x);
 template <> __device__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
 template <> __device__ float from_f<float>(float x) { return x; }
 
 /* x[i] = N(0,1) (+ 3 dir[d] on planted tokens: 1 in 500, K only) */
 template <typename T>
-__global__ void fill_kernel(T *x, int64_t n, uint64_t seed, const float *dir, int D, int64_t row_elems) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+__global__ void fill_kernel(T *x, int64_t n, uint64_t seed, const float *dir, int D,
+                            int64_t row_elems) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
         float v = hash_normal((uint64_t)i, seed);
         if (dir) {
             const int64_t row = i / row_elems; /* one token of one KV head */
@@ -53,15 +62,20 @@ __global__ void fill_kernel(T *x, int64_t n, uint64_t seed, const float *dir, in
     }
 }
 __global__ void fill_f32(float *x, int64_t n, uint64_t seed) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
         x[i] = hash_normal((uint64_t)i, seed);
 }
 
 static int fill(void *p, ekv_dtype dt, int64_t n, uint64_t seed, const float *dir, int D) {
     const int64_t row = D;
     switch (dt) {
-    case EKV_DTYPE_F16: fill_kernel<__half><<<4096, 256>>>((__half *)p, n, seed, dir, D, row); break;
-    case EKV_DTYPE_BF16: fill_kernel<__nv_bfloat16><<<4096, 256>>>((__nv_bfloat16 *)p, n, seed, dir, D, row); break;
+    case EKV_DTYPE_F16:
+        fill_kernel<__half><<<4096, 256>>>((__half *)p, n, seed, dir, D, row);
+        break;
+    case EKV_DTYPE_BF16:
+        fill_kernel<__nv_bfloat16><<<4096, 256>>>((__nv_bfloat16 *)p, n, seed, dir, D, row);
+        break;
     default: fill_kernel<float><<<4096, 256>>>((float *)p, n, seed, dir, D, row); break;
     }
     BC(cudaGetLastError());
@@ -76,10 +90,14 @@ static double median(std::vector<double> v) {
 static double copy_bandwidth(void) {
     const size_t n = (size_t)1 << 30;
     void *a = NULL, *b = NULL;
-    if (cudaMalloc(&a, n) != cudaSuccess || cudaMalloc(&b, n) != cudaSuccess) { cudaFree(a); return 0; }
+    if (cudaMalloc(&a, n) != cudaSuccess || cudaMalloc(&b, n) != cudaSuccess) {
+        cudaFree(a);
+        return 0;
+    }
     cudaMemset(a, 1, n);
     cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
     std::vector<double> ts;
     for (int i = 0; i < 13; i++) {
         cudaEventRecord(e0);
@@ -90,8 +108,10 @@ static double copy_bandwidth(void) {
         cudaEventElapsedTime(&ms, e0, e1);
         if (i >= 3) ts.push_back(ms);
     }
-    cudaEventDestroy(e0); cudaEventDestroy(e1);
-    cudaFree(a); cudaFree(b);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
     return 2.0 * (double)n / (median(ts) * 1e-3) / 1e9; /* GB/s, read + write */
 }
 
@@ -112,8 +132,16 @@ struct cuda_len {
 };
 
 static void cuda_len_free(cuda_len *c) {
-    cudaFree(c->dk); cudaFree(c->dv); cudaFree(c->st_buf); cudaFree(c->dcount); cudaFree(c->dindptr);
-    cudaFree(c->dindices); cudaFree(c->dlpl); cudaFree(c->dq); cudaFree(c->dout); cudaFree(c->ddir);
+    cudaFree(c->dk);
+    cudaFree(c->dv);
+    cudaFree(c->st_buf);
+    cudaFree(c->dcount);
+    cudaFree(c->dindptr);
+    cudaFree(c->dindices);
+    cudaFree(c->dlpl);
+    cudaFree(c->dq);
+    cudaFree(c->dout);
+    cudaFree(c->ddir);
     cudaFree(c->ditems);
 }
 
@@ -122,9 +150,12 @@ static void cuda_len_free(cuda_len *c) {
 static int cuda_len_geometry(cuda_len *c, const bench_opts *o, int64_t len) {
     const int64_t B = o->batch, ps = o->page;
     c->len = len;
-    c->lens.resize(B); c->indptr.resize(B + 1); c->lpl.resize(B);
+    c->lens.resize(B);
+    c->indptr.resize(B + 1);
+    c->lpl.resize(B);
     for (int64_t b = 0; b < B; b++) {
-        c->lens[b] = o->ragged_min && B > 1 ? o->ragged_min + (len - o->ragged_min) * b / (B - 1) : len;
+        c->lens[b] =
+                o->ragged_min && B > 1 ? o->ragged_min + (len - o->ragged_min) * b / (B - 1) : len;
         const int64_t P = (c->lens[b] + ps - 1) / ps;
         c->indptr[b] = c->total_pages;
         c->total_pages += P;
@@ -133,16 +164,20 @@ static int cuda_len_geometry(cuda_len *c, const bench_opts *o, int64_t len) {
         c->lpl[b] = (int32_t)(c->lens[b] - (P - 1) * ps);
     }
     c->indptr[B] = c->total_pages;
-    if (c->total_pages > INT32_MAX) { fprintf(stderr, "entmaxkv bench: too many pages\n"); return 1; }
+    if (c->total_pages > INT32_MAX) {
+        fprintf(stderr, "entmaxkv bench: too many pages\n");
+        return 1;
+    }
     return 0;
 }
 
 static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     const int64_t B = o->batch, H = o->heads, Hk = o->kv_heads, D = o->dim, ps = o->page;
-    const int64_t es = ekv_dtype_size(o->dtype), stride_page = Hk * ps * D, pool = c->total_pages * stride_page;
+    const int64_t es = ekv_dtype_size(o->dtype), stride_page = Hk * ps * D,
+                  pool = c->total_pages * stride_page;
     const int64_t stat_n = c->total_pages * Hk * D;
-    fprintf(stderr, "entmaxkv bench: len %lld: filling %.2f GB of K/V on the device\n", (long long)c->len,
-            2.0 * pool * es / 1e9);
+    fprintf(stderr, "entmaxkv bench: len %lld: filling %.2f GB of K/V on the device\n",
+            (long long)c->len, 2.0 * pool * es / 1e9);
     BC(cudaMalloc(&c->dk, pool * es));
     BC(cudaMalloc(&c->dv, pool * es));
     BC(cudaMalloc((void **)&c->st_buf, (4 * stat_n + c->total_pages * Hk) * sizeof(float)));
@@ -157,12 +192,18 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     std::vector<int32_t> indices(c->total_pages);
     for (int64_t i = 0; i < c->total_pages; i++) indices[i] = (int32_t)i;
     BC(cudaMemcpy(c->dindptr, c->indptr.data(), (B + 1) * sizeof(int64_t), cudaMemcpyHostToDevice));
-    BC(cudaMemcpy(c->dindices, indices.data(), c->total_pages * sizeof(int32_t), cudaMemcpyHostToDevice));
+    BC(cudaMemcpy(c->dindices, indices.data(), c->total_pages * sizeof(int32_t),
+                  cudaMemcpyHostToDevice));
     BC(cudaMemcpy(c->dlpl, c->lpl.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
-    c->kv = ekv_paged_kv{c->dk, c->dv, o->dtype, (int32_t)ps, (int32_t)Hk, (int32_t)D, c->total_pages, stride_page, ps * D, D};
+    c->kv = ekv_paged_kv{c->dk,      c->dv,          o->dtype,    (int32_t)ps, (int32_t)Hk,
+                         (int32_t)D, c->total_pages, stride_page, ps * D,      D};
     memset(&c->st, 0, sizeof c->st);
-    c->st.kmin = c->st_buf; c->st.kmax = c->st_buf + stat_n; c->st.kmean = c->st_buf + 2 * stat_n;
-    c->st.km2 = c->st_buf + 3 * stat_n; c->st.radius = c->st_buf + 4 * stat_n; c->st.count = c->dcount;
+    c->st.kmin = c->st_buf;
+    c->st.kmax = c->st_buf + stat_n;
+    c->st.kmean = c->st_buf + 2 * stat_n;
+    c->st.km2 = c->st_buf + 3 * stat_n;
+    c->st.radius = c->st_buf + 4 * stat_n;
+    c->st.count = c->dcount;
     c->tab = ekv_page_table{(int32_t)B, c->dindptr, c->dindices, c->dlpl};
     return 0;
 }
@@ -176,10 +217,16 @@ static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
     cli_rng_seed(&rng, (uint64_t)o->seed);
     double nrm = 0;
     c->dir.resize(D);
-    for (int64_t d = 0; d < D; d++) { c->dir[d] = (float)cli_rng_normal(&rng); nrm += c->dir[d] * c->dir[d]; }
-    for (int64_t d = 0; d < D; d++) c->dir[d] = (float)(c->dir[d] / sqrt(nrm) * sqrt((double)D) * 0.5);
+    for (int64_t d = 0; d < D; d++) {
+        c->dir[d] = (float)cli_rng_normal(&rng);
+        nrm += c->dir[d] * c->dir[d];
+    }
+    for (int64_t d = 0; d < D; d++)
+        c->dir[d] = (float)(c->dir[d] / sqrt(nrm) * sqrt((double)D) * 0.5);
     BC(cudaMemcpy(c->ddir, c->dir.data(), D * sizeof(float), cudaMemcpyHostToDevice));
-    if (fill(c->dk, o->dtype, pool, (uint64_t)o->seed * 3 + 1, planted ? (const float *)c->ddir : NULL, (int)D)) return 1;
+    if (fill(c->dk, o->dtype, pool, (uint64_t)o->seed * 3 + 1,
+             planted ? (const float *)c->ddir : NULL, (int)D))
+        return 1;
     if (fill(c->dv, o->dtype, pool, (uint64_t)o->seed * 3 + 2, NULL, (int)D)) return 1;
     fill_f32<<<256, 256>>>((float *)c->dq, qn, (uint64_t)o->seed * 3 + 3);
     if (planted) { /* every head's query leans towards the planted keys: q += dir */
@@ -192,23 +239,28 @@ static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
 }
 
 /* Summaries of the filled pages: the prefill build (append with no new tokens); its time. */
-static int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, const bench_opts *o, float *build_ms) {
+static int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, const bench_opts *o,
+                          float *build_ms) {
     std::vector<ekv_cuda_append_item> items(c->total_pages);
     for (int64_t b = 0; b < o->batch; b++)
         for (int64_t p = c->indptr[b]; p < c->indptr[b + 1]; p++)
-            items[p] = ekv_cuda_append_item{(int32_t)p, p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->page, 0, 0, 0};
-    BC(cudaMemcpy(c->ditems, items.data(), c->total_pages * sizeof(ekv_cuda_append_item), cudaMemcpyHostToDevice));
+            items[p] = ekv_cuda_append_item{
+                    (int32_t)p, p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->page, 0, 0, 0};
+    BC(cudaMemcpy(c->ditems, items.data(), c->total_pages * sizeof(ekv_cuda_append_item),
+                  cudaMemcpyHostToDevice));
     cudaEvent_t a0, a1;
-    cudaEventCreate(&a0); cudaEventCreate(&a1);
+    cudaEventCreate(&a0);
+    cudaEventCreate(&a1);
     cudaEventRecord(a0, 0);
-    ekv_status st = ekv_cuda_append(plan, &c->kv, &c->st, c->ditems, (int32_t)c->total_pages, (const float *)c->dq,
-                                    (const float *)c->dq);
+    ekv_status st = ekv_cuda_append(plan, &c->kv, &c->st, c->ditems, (int32_t)c->total_pages,
+                                    (const float *)c->dq, (const float *)c->dq);
     if (st) fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
     cudaDeviceSynchronize();
     cudaEventRecord(a1, 0);
     cudaEventSynchronize(a1);
     cudaEventElapsedTime(build_ms, a0, a1);
-    cudaEventDestroy(a0); cudaEventDestroy(a1);
+    cudaEventDestroy(a0);
+    cudaEventDestroy(a1);
     BC(cudaGetLastError());
     return st ? 1 : 0;
 }
@@ -219,16 +271,21 @@ struct cuda_step {
     ekv_select_params sp;
     const cuda_len *c;
     ekv_status run(ekv_cuda_plan *plan) const {
-        return ekv_cuda_decode(plan, &prm, &sp, &c->kv, &c->st, &c->tab, (const float *)c->dq, (float *)c->dout);
+        return ekv_cuda_decode(plan, &prm, &sp, &c->kv, &c->st, &c->tab, (const float *)c->dq,
+                               (float *)c->dout);
     }
 };
 
 /* Eager steps: wall clock from a drained device to the step's end, launches included (ms). */
-static int time_eager(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step, int64_t iters, std::vector<double> &ts) {
+static int time_eager(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step, int64_t iters,
+                      std::vector<double> &ts) {
     for (int64_t i = 0; i < iters; i++) {
         BC(cudaDeviceSynchronize());
         const double t0 = cli_now_seconds();
-        if (step.run(plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); return 1; }
+        if (step.run(plan)) {
+            fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+            return 1;
+        }
         BC(cudaDeviceSynchronize());
         ts.push_back((cli_now_seconds() - t0) * 1e3);
     }
@@ -237,8 +294,8 @@ static int time_eager(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &st
 
 /* The step captured as a CUDA graph on a stream and plan of its own, replayed: median ms
  * (0 when capture is not possible). */
-static int time_graph(ekv_context *ctx, const ekv_cuda_plan_params &pp, const cuda_step &step, int64_t iters,
-                      double *g_ms) {
+static int time_graph(ekv_context *ctx, const ekv_cuda_plan_params &pp, const cuda_step &step,
+                      int64_t iters, double *g_ms) {
     std::vector<double> tg;
     cudaStream_t gs;
     BC(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
@@ -246,7 +303,8 @@ static int time_graph(ekv_context *ctx, const ekv_cuda_plan_params &pp, const cu
     gp.stream = gs;
     ekv_cuda_plan *gplan = NULL;
     cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
     if (ekv_cuda_plan_create(ctx, &gp, &gplan) == EKV_OK) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
@@ -270,7 +328,8 @@ static int time_graph(ekv_context *ctx, const ekv_cuda_plan_params &pp, const cu
         cudaGraphDestroy(g);
         ekv_cuda_plan_free(gplan);
     }
-    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
     cudaStreamDestroy(gs);
     *g_ms = median(tg);
     return 0;
@@ -288,10 +347,12 @@ struct cuda_result {
  * traffic (written once; entmax reads it once for the candidates, softmax twice: log-sum-exp
  * and values). The summary bytes per page follow the kernels of each stage (src/cuda). */
 static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector<int32_t> &r1,
-                       const std::vector<int32_t> &r2, const std::vector<int64_t> &vrows, cuda_result *r) {
+                       const std::vector<int32_t> &r2, const std::vector<int64_t> &vrows,
+                       cuda_result *r) {
     const int64_t Hk = o->kv_heads, D = o->dim, es = ekv_dtype_size(o->dtype);
     const int listed = o->method != EKV_SELECT_DENSE, cert = o->method == EKV_SELECT_CERTIFIED;
-    const int64_t per_page = D * 4 * (cert ? 3 : 2) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
+    const int64_t per_page =
+            D * 4 * (cert ? 3 : 2) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
     int64_t ktok = 0, vrow = 0;
     r->round2 = 0;
     for (int64_t l = 0; l < o->batch * Hk; l++) {
@@ -303,27 +364,33 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
     }
     r->summary = 0;
     if (listed)
-        for (int64_t b = 0; b < o->batch; b++) r->summary += (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
+        for (int64_t b = 0; b < o->batch; b++)
+            r->summary += (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
     r->kbytes = ktok * D * es;
     r->vbytes = vrow * D * es;
     r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->heads / Hk)) * 4;
 }
 
 /* One more step, then its report: support, V rows and the pages of each round. */
-static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step, const bench_opts *o,
-                        const cuda_len *c, cuda_result *r) {
+static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step,
+                        const bench_opts *o, const cuda_len *c, cuda_result *r) {
     const int64_t BH = o->batch * o->heads, BHk = o->batch * o->kv_heads;
     std::vector<double> tau(BH);
     std::vector<int64_t> sup(BH), vrows(BHk);
     std::vector<int32_t> r1(BHk), r2(BHk);
     memset(&r->rep, 0, sizeof r->rep);
-    r->rep.tau = tau.data(); r->rep.support = sup.data(); r->rep.v_rows = vrows.data();
-    r->rep.pages_round1 = r1.data(); r->rep.pages_round2 = r2.data();
+    r->rep.tau = tau.data();
+    r->rep.support = sup.data();
+    r->rep.v_rows = vrows.data();
+    r->rep.pages_round1 = r1.data();
+    r->rep.pages_round2 = r2.data();
     if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->batch, &r->rep)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         return 1;
     }
-    r->rep.tau = NULL; r->rep.support = NULL; r->rep.v_rows = NULL; /* the vectors die here */
+    r->rep.tau = NULL;
+    r->rep.support = NULL;
+    r->rep.v_rows = NULL; /* the vectors die here */
     r->rep.pages_round1 = r->rep.pages_round2 = NULL;
     r->sup_mean = 0;
     for (int64_t i = 0; i < BH; i++) r->sup_mean += (double)sup[i] / (double)BH;
@@ -331,8 +398,8 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
     return 0;
 }
 
-static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, double bw, int li, const cuda_len *c,
-                            const cuda_result *r, const cli_out *out) {
+static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, double bw, int li,
+                            const cuda_len *c, const cuda_result *r, const cli_out *out) {
     const int64_t Hk = o->kv_heads, D = o->dim, es = ekv_dtype_size(o->dtype);
     const int64_t bytes = r->kbytes + r->vbytes + r->summary + r->scores;
     const double best = r->g_ms > 0 ? std::min(r->ms, r->g_ms) : r->ms;
@@ -340,10 +407,12 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
     const double roof = best / (bytes / (bw * 1e9) * 1e3);
     const double kvfrac = (double)bytes / (double)(2 * c->total_tokens * Hk * D * es);
     if (r->rep.slow_rows)
-        fprintf(stderr, "entmaxkv bench: %lld query heads overflowed the tau candidate lists (whole-row path)\n",
+        fprintf(stderr,
+                "entmaxkv bench: %lld query heads overflowed the tau candidate lists (whole-row path)\n",
                 (long long)r->rep.slow_rows);
-    fprintf(out->text, "%9lld %9.4f %9.4f %9.4f %13lld %8.0f %9.2f %9.4f %8d %9.1f\n", (long long)c->len, r->ms, r->msmin,
-            r->g_ms, (long long)bytes, gbps, roof, kvfrac, r->rep.launches, r->sup_mean);
+    fprintf(out->text, "%9lld %9.4f %9.4f %9.4f %13lld %8.0f %9.2f %9.4f %8d %9.1f\n",
+            (long long)c->len, r->ms, r->msmin, r->g_ms, (long long)bytes, gbps, roof, kvfrac,
+            r->rep.launches, r->sup_mean);
     fflush(out->text);
     if (!out->json) return;
     fprintf(out->json,
@@ -354,12 +423,14 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
             "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
             "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld}",
-            li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len, (long long)o->batch,
-            (long long)o->ragged_min, (long long)c->total_tokens, (long long)o->heads, (long long)Hk, (long long)D,
-            (long long)o->page, ekv_dtype_name(o->dtype), o->workload, (long long)r->budget, r->ms, r->msmin, r->g_ms,
-            (long long)bytes, (long long)r->kbytes, (long long)r->vbytes, (long long)r->summary, (long long)r->scores,
-            gbps, bw, roof, kvfrac, r->rep.launches, r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
-            (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters);
+            li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len,
+            (long long)o->batch, (long long)o->ragged_min, (long long)c->total_tokens,
+            (long long)o->heads, (long long)Hk, (long long)D, (long long)o->page,
+            ekv_dtype_name(o->dtype), o->workload, (long long)r->budget, r->ms, r->msmin, r->g_ms,
+            (long long)bytes, (long long)r->kbytes, (long long)r->vbytes, (long long)r->summary,
+            (long long)r->scores, gbps, bw, roof, kvfrac, r->rep.launches, r->sup_mean,
+            (long long)r->round2, (long long)r->rep.lists_round2, (long long)r->rep.slow_rows,
+            r->build_ms, (long long)r->iters);
 }
 
 /* The decode parameters of a run (the budget is set per length). */
@@ -375,10 +446,17 @@ static void cuda_params(const bench_opts *o, ekv_decode_params *prm, ekv_select_
 /* The timed steps of one length on a filled device cache. */
 static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_result *r) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = (int32_t)o->batch; pp.num_heads = (int32_t)o->heads; pp.num_kv_heads = (int32_t)o->kv_heads;
-    pp.head_dim = (int32_t)o->dim; pp.page_size = (int32_t)o->page; pp.max_pages_per_seq = c->maxP;
+    pp.max_batch = (int32_t)o->batch;
+    pp.num_heads = (int32_t)o->heads;
+    pp.num_kv_heads = (int32_t)o->kv_heads;
+    pp.head_dim = (int32_t)o->dim;
+    pp.page_size = (int32_t)o->page;
+    pp.max_pages_per_seq = c->maxP;
     ekv_cuda_plan *plan = NULL;
-    if (ekv_cuda_plan_create(ctx, &pp, &plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); return 1; }
+    if (ekv_cuda_plan_create(ctx, &pp, &plan)) {
+        fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+        return 1;
+    }
     cuda_step step;
     cuda_params(o, &step.prm, &step.sp);
     step.c = c;
@@ -393,8 +471,12 @@ static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_re
     memset(&clear, 0, sizeof clear);
     int rc = cuda_summaries(ctx, plan, c, o, &r->build_ms);
     for (int64_t i = 0; !rc && i < warmup; i++)
-        if (step.run(plan)) { fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx)); rc = 1; }
-    if (!rc) rc = ekv_cuda_read_report(plan, (int32_t)o->batch, &clear) ? 1 : 0; /* counters from here */
+        if (step.run(plan)) {
+            fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+            rc = 1;
+        }
+    if (!rc)
+        rc = ekv_cuda_read_report(plan, (int32_t)o->batch, &clear) ? 1 : 0; /* counters from here */
     if (!rc) rc = time_eager(ctx, plan, step, iters, ts);
     if (!rc) rc = time_graph(ctx, pp, step, iters, &r->g_ms);
     if (!rc) rc = cuda_measure(ctx, plan, step, o, c, r);
@@ -412,7 +494,8 @@ static int cuda_supported(ekv_context *ctx, const bench_opts *o) {
     ekv_select_params sp;
     cuda_params(o, &prm, &sp);
     if (ekv_decode_supported(ctx, EKV_BACKEND_CUDA, &prm, &sp) == EKV_OK) return 0;
-    fprintf(stderr, "entmaxkv bench: --backend cuda --method %s: %s\n", ekv_method_name(o->method), ekv_last_error(ctx));
+    fprintf(stderr, "entmaxkv bench: --backend cuda --method %s: %s\n", ekv_method_name(o->method),
+            ekv_last_error(ctx));
     return CLI_USAGE;
 }
 
@@ -422,20 +505,28 @@ extern "C" int cli_bench_cuda(const bench_opts *o) {
     if (rc) return rc;
     int32_t ndev = 0;
     ekv_cuda_device_count(ctx, &ndev);
-    if (!ndev) { fprintf(stderr, "entmaxkv bench: --backend cuda: no CUDA device found\n"); ekv_context_free(ctx); return 1; }
+    if (!ndev) {
+        fprintf(stderr, "entmaxkv bench: --backend cuda: no CUDA device found\n");
+        ekv_context_free(ctx);
+        return 1;
+    }
     rc = cuda_supported(ctx, o);
     cli_out out;
     if (!rc) rc = cli_out_open(&out, "bench", o->json);
-    if (rc) { ekv_context_free(ctx); return rc; }
+    if (rc) {
+        ekv_context_free(ctx);
+        return rc;
+    }
     cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
     const double bw = copy_bandwidth();
-    fprintf(out.text, "# backend=cuda device=\"%s\" copy_bw=%.0f GB/s (read+write) method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s%s\n",
-            prop.name, bw, ekv_method_name(o->method), o->alpha, ekv_dtype_name(o->dtype), (long long)o->batch,
-            (long long)o->heads, (long long)o->kv_heads, (long long)o->dim, (long long)o->page, o->workload,
-            o->ragged_min ? " ragged" : "");
-    fprintf(out.text, "%9s %9s %9s %9s %13s %8s %9s %9s %8s %9s\n", "len", "ms_median", "ms_min", "ms_graph", "bytes_read",
-            "GB/s", "roofline", "kv_frac", "launches", "support");
+    fprintf(out.text,
+            "# backend=cuda device=\"%s\" copy_bw=%.0f GB/s (read+write) method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s%s\n",
+            prop.name, bw, ekv_method_name(o->method), o->alpha, ekv_dtype_name(o->dtype),
+            (long long)o->batch, (long long)o->heads, (long long)o->kv_heads, (long long)o->dim,
+            (long long)o->page, o->workload, o->ragged_min ? " ragged" : "");
+    fprintf(out.text, "%9s %9s %9s %9s %13s %8s %9s %9s %8s %9s\n", "len", "ms_median", "ms_min",
+            "ms_graph", "bytes_read", "GB/s", "roofline", "kv_frac", "launches", "support");
     if (out.json) fprintf(out.json, "[\n");
     for (int li = 0; li < o->nlens && !rc; li++) {
         cuda_len c;

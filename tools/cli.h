@@ -9,7 +9,8 @@
 #define CLI_USAGE 2
 
 /* Prints "entmaxkv SUB: message" to stderr and exits with code 2. */
-void cli_usage_error(const char *sub, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
+void cli_usage_error(const char *sub, const char *fmt, ...)
+        __attribute__((format(printf, 2, 3), noreturn));
 /* The value of option argv[*i] (advancing *i), or a usage error for subcommand sub. */
 const char *cli_need(const char *sub, int argc, char **argv, int *i);
 /* The same, parsed as an integer in [lo, hi]. */
@@ -24,7 +25,11 @@ int cli_parse_i64_list(const char *s, int64_t *out, int max);
 double cli_now_seconds(void);
 
 /* xoshiro256+ stream with Gaussian samples (fast fill of synthetic workloads). */
-typedef struct { uint64_t s[4]; int has_spare; double spare; } cli_rng;
+typedef struct {
+    uint64_t s[4];
+    int has_spare;
+    double spare;
+} cli_rng;
 void cli_rng_seed(cli_rng *r, uint64_t seed);
 double cli_rng_normal(cli_rng *r);
 double cli_rng_uniform(cli_rng *r); /* in (0, 1) */
@@ -35,7 +40,9 @@ double cli_read_bandwidth_probe(int threads, int64_t bytes);
 
 /* --json FILE: the JSON goes to FILE, or to stdout when FILE is "-"; the human-readable
  * table goes to stdout, or to stderr when the JSON has stdout (so `--json - | jq` works). */
-typedef struct { FILE *json, *text; } cli_out;
+typedef struct {
+    FILE *json, *text;
+} cli_out;
 /* path NULL = no JSON (json stays NULL). Prints why not and returns 1 on failure. */
 int cli_out_open(cli_out *o, const char *sub, const char *path);
 /* Closes the JSON file (never stdout); prints why and returns 1 if writing it failed. */
@@ -46,9 +53,9 @@ typedef enum { WL_RANDOM = 0, WL_PLANTED = 1, WL_HEAVY = 2, WL_ALIBI = 3, WL_TRA
 typedef struct {
     wl_kind kind;
     int64_t heads, kv_heads, dim;
-    float *dirs;     /* [kv_heads][dim] unit directions (planted, alibi) */
-    float *slopes;   /* [heads] NAPE slopes (alibi), or the trace's alibi_slopes */
-    int32_t *outlier;/* [kv_heads][4] outlier channels (heavy) */
+    float *dirs;      /* [kv_heads][dim] unit directions (planted, alibi) */
+    float *slopes;    /* [heads] NAPE slopes (alibi), or the trace's alibi_slopes */
+    int32_t *outlier; /* [kv_heads][4] outlier channels (heavy) */
     /* trace:FILE */
     ekv_safetensors *trace;
     ekv_tensor_info tq, tk, tv;
@@ -61,8 +68,8 @@ int wl_parse(const char *spec, wl_kind *out);
 const char *wl_name(wl_kind k);
 /* Opens the workload of --workload spec: a trace (which fixes the shapes: read them from w)
  * or a synthetic one of the given shapes. Returns 0, or 1 with a message on stderr. */
-int wl_open(wl_state *w, ekv_context *ctx, const char *spec, int64_t heads, int64_t kv_heads, int64_t dim,
-            uint64_t seed, const char *who);
+int wl_open(wl_state *w, ekv_context *ctx, const char *spec, int64_t heads, int64_t kv_heads,
+            int64_t dim, uint64_t seed, const char *who);
 void wl_free(wl_state *w);
 const float *wl_slopes(const wl_state *w);
 /* Queries [batch][heads][dim] of the workload. */
@@ -94,8 +101,8 @@ typedef struct {
 } wl_setup;
 /* Creates the cache for g and w's shapes and fills it (progress on stderr, random numbers
  * from r). Returns 0, or 1 with a message on stderr; wl_setup_free is safe either way. */
-int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_geometry *g, cli_rng *r,
-                    const char *who);
+int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_geometry *g,
+                    cli_rng *r, const char *who);
 void wl_setup_free(wl_setup *s);
 /* An empty page list over the setup's buffer. */
 ekv_page_list wl_setup_list(const wl_setup *s);
@@ -142,12 +149,14 @@ int model_uses_budget(ekv_select_method m);
 /* "topk 0.0625", "dense": the method as the reports name it. */
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget);
 /* Creates the context and loads the model for max_tokens tokens; prints why not and returns 1. */
-int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m);
+int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx,
+               ekv_model **m);
 /* Runs n tokens through the model in chunks, with progress; fn (if not NULL) gets the logits
  * [c][vocab] of every chunk that reaches position logits_from (first position: start). */
 typedef void (*model_logits_fn)(void *arg, int64_t start, int64_t c, const float *logits);
-int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, const int32_t *tokens, int64_t n,
-               int64_t logits_from, model_logits_fn fn, void *arg);
+int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
+               const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
+               void *arg);
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);

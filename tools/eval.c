@@ -1,5 +1,6 @@
 /*
- * entmaxkv eval: quality of sparse decoding at matched budgets (docs/math.md §5.6; contract in docs/cli.md).
+ * entmaxkv eval: quality of sparse decoding at matched budgets (docs/math.md §5.6; contract in
+ * docs/cli.md).
  *
  * For every step (a fresh set of queries over the same cache) and every query head it
  * computes the dense reference of the method's own distribution (entmax for entmax
@@ -29,7 +30,8 @@ typedef struct {
     ekv_decode_info info;
     int64_t bytes_summary;
 } eval_run;
-typedef int (*eval_stages)(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r);
+typedef int (*eval_stages)(eval_state *e, const eval_variant *v, ekv_select_params *sp,
+                           eval_run *r);
 
 /* The stages of a variant: list methods select pages and attend over them (eval needs the
  * lists); certified decodes through ekv_decode, which reports the pages of its two rounds. */
@@ -49,18 +51,20 @@ struct eval_variant {
 };
 enum { V_COUNT = 6, MAX_BUDGETS = 32 };
 static const eval_variant variants[V_COUNT] = {
-    {"softmax-topk", EKV_SELECT_TOPK, run_list, 1, 1, 0, 0},
-    {"entmax-topk", EKV_SELECT_TOPK, run_list, 0, 1, 0, 1},
-    {"gaussian", EKV_SELECT_GAUSSIAN, run_list, 0, 0, 0, 1},
-    {"certified", EKV_SELECT_CERTIFIED, run_certified, 0, 1, 0, 0},
-    {"certified-gauss", EKV_SELECT_CERTIFIED, run_certified, 0, 0, 1, 0},
-    {"oracle", EKV_SELECT_ORACLE, run_list, 0, 0, 0, 0},
+        {"softmax-topk", EKV_SELECT_TOPK, run_list, 1, 1, 0, 0},
+        {"entmax-topk", EKV_SELECT_TOPK, run_list, 0, 1, 0, 1},
+        {"gaussian", EKV_SELECT_GAUSSIAN, run_list, 0, 0, 0, 1},
+        {"certified", EKV_SELECT_CERTIFIED, run_certified, 0, 1, 0, 0},
+        {"certified-gauss", EKV_SELECT_CERTIFIED, run_certified, 0, 0, 1, 0},
+        {"oracle", EKV_SELECT_ORACLE, run_list, 0, 0, 0, 0},
 };
 static const char *tau_mode_names[] = {"exact", "fixed", "corrected"}; /* by ekv_tau_mode */
 
 static void json_num(char *buf, size_t n, double v, int valid) {
-    if (valid) snprintf(buf, n, "%.8g", v);
-    else snprintf(buf, n, "null");
+    if (valid)
+        snprintf(buf, n, "%.8g", v);
+    else
+        snprintf(buf, n, "null");
 }
 
 static void eval_help(FILE *f) {
@@ -100,14 +104,19 @@ typedef struct {
     int64_t bar_zero, bar_n;            /* samples with delta_bar = 0, samples with a delta_bar */
     double bytes_ratio_sum;             /* bytes read / bytes of dense entmax, per step */
     int64_t bytes_n, round2_lists, lists;
-    double loose_sum;                   /* certified: share of pages whose bound exceeds tau* */
-    double super_sum;                   /* certified: share of 16-page superpages whose every page
-                                           bound is <= tau* (an upper limit on what superpages skip) */
+    double loose_sum; /* certified: share of pages whose bound exceeds tau* */
+    double super_sum; /* certified: share of 16-page superpages whose every page
+                         bound is <= tau* (an upper limit on what superpages skip) */
     int64_t n;
 } agg;
 
 static void agg_add(agg *a, double delta, double recall, double err, double cosv, double kvf) {
-    if (a->n == 0) { a->delta_max = delta; a->recall_min = recall; a->err_max = err; a->cos_min = cosv; }
+    if (a->n == 0) {
+        a->delta_max = delta;
+        a->recall_min = recall;
+        a->err_max = err;
+        a->cos_min = cosv;
+    }
     a->delta_sum += delta;
     a->recall_sum += recall;
     a->err_sum += err;
@@ -143,9 +152,15 @@ static void parse_methods(const char *v, eval_opts *o) {
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
         int found = 0;
         for (int m = 0; m < V_COUNT; m++)
-            if (!strcmp(t, variants[m].name)) { o->use[m] = 1; found = 1; }
+            if (!strcmp(t, variants[m].name)) {
+                o->use[m] = 1;
+                found = 1;
+            }
         if (!found)
-            cli_usage_error("eval", "unknown method '%s' (softmax-topk, entmax-topk, gaussian, certified, certified-gauss, oracle)", t);
+            cli_usage_error(
+                    "eval",
+                    "unknown method '%s' (softmax-topk, entmax-topk, gaussian, certified, certified-gauss, oracle)",
+                    t);
     }
 }
 
@@ -167,8 +182,10 @@ static void parse_budgets(const char *v, eval_opts *o) {
 /* Options whose value is a name or a list; 0 if a is none of them. */
 static int parse_named(int argc, char **argv, int *i, eval_opts *o) {
     const char *a = argv[*i];
-    if (!strcmp(a, "--methods")) parse_methods(need(argc, argv, i), o);
-    else if (!strcmp(a, "--budgets")) parse_budgets(need(argc, argv, i), o);
+    if (!strcmp(a, "--methods"))
+        parse_methods(need(argc, argv, i), o);
+    else if (!strcmp(a, "--budgets"))
+        parse_budgets(need(argc, argv, i), o);
     else if (!strcmp(a, "--tau-mode")) {
         const char *v = need(argc, argv, i);
         int k = 0;
@@ -177,49 +194,86 @@ static int parse_named(int argc, char **argv, int *i, eval_opts *o) {
         o->tau_mode = (ekv_tau_mode)k;
     } else if (!strcmp(a, "--dtype")) {
         const char *v = need(argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->dtype)) cli_usage_error("eval", "--dtype %s: expected f32, f16 or bf16", v);
+        if (ekv_dtype_from_name(v, &o->dtype))
+            cli_usage_error("eval", "--dtype %s: expected f32, f16 or bf16", v);
     } else if (!strcmp(a, "--alpha")) {
         const char *v = need(argc, argv, i);
         if (cli_parse_double(v, &o->alpha) || !(o->alpha > 1.0 && o->alpha <= 4.0))
-            cli_usage_error("eval", "--alpha %s: expected a number in (1, 4] (softmax-topk is a method)", v);
-    } else return 0;
+            cli_usage_error("eval",
+                            "--alpha %s: expected a number in (1, 4] (softmax-topk is a method)",
+                            v);
+    } else
+        return 0;
     return 1;
 }
 
 static void parse(int argc, char **argv, eval_opts *o) {
     memset(o, 0, sizeof *o);
     o->workload = "planted";
-    o->len = 32768; o->batch = 1; o->heads = 32; o->kv_heads = 8; o->dim = 128; o->page = 16; o->steps = 4;
-    o->seed = 1; o->alpha = 1.5; o->nbudgets = 3;
-    o->budgets[0] = 1.0 / 64; o->budgets[1] = 1.0 / 16; o->budgets[2] = 1.0 / 4;
+    o->len = 32768;
+    o->batch = 1;
+    o->heads = 32;
+    o->kv_heads = 8;
+    o->dim = 128;
+    o->page = 16;
+    o->steps = 4;
+    o->seed = 1;
+    o->alpha = 1.5;
+    o->nbudgets = 3;
+    o->budgets[0] = 1.0 / 64;
+    o->budgets[1] = 1.0 / 16;
+    o->budgets[2] = 1.0 / 4;
     for (int m = 0; m < V_COUNT; m++) o->use[m] = 1;
-    o->tau_mode = EKV_TAU_EXACT; o->dtype = EKV_DTYPE_F16;
+    o->tau_mode = EKV_TAU_EXACT;
+    o->dtype = EKV_DTYPE_F16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { eval_help(stdout); exit(0); }
-        else if (parse_named(argc, argv, &i, o)) continue;
-        else if (!strcmp(a, "--workload")) o->workload = need(argc, argv, &i);
-        else if (!strcmp(a, "--len")) o->len = need_int(argc, argv, &i, 2, INT32_MAX);
-        else if (!strcmp(a, "--batch")) o->batch = need_int(argc, argv, &i, 1, 64);
-        else if (!strcmp(a, "--heads")) o->heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--kv-heads")) o->kv_heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--dim")) o->dim = need_int(argc, argv, &i, 1, 65536);
-        else if (!strcmp(a, "--page")) o->page = need_int(argc, argv, &i, 1, 256);
-        else if (!strcmp(a, "--steps")) o->steps = need_int(argc, argv, &i, 1, 100000);
-        else if (!strcmp(a, "--threads")) o->threads = need_int(argc, argv, &i, 0, 1024);
-        else if (!strcmp(a, "--seed")) o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--json")) o->json = need(argc, argv, &i);
-        else if (!strcmp(a, "--plot")) o->plot = need(argc, argv, &i);
-        else if (!strcmp(a, "--auto-margin")) o->auto_margin = 1;
-        else cli_usage_error("eval", "unknown option '%s'", a);
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            eval_help(stdout);
+            exit(0);
+        } else if (parse_named(argc, argv, &i, o))
+            continue;
+        else if (!strcmp(a, "--workload"))
+            o->workload = need(argc, argv, &i);
+        else if (!strcmp(a, "--len"))
+            o->len = need_int(argc, argv, &i, 2, INT32_MAX);
+        else if (!strcmp(a, "--batch"))
+            o->batch = need_int(argc, argv, &i, 1, 64);
+        else if (!strcmp(a, "--heads"))
+            o->heads = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--kv-heads"))
+            o->kv_heads = need_int(argc, argv, &i, 1, 4096);
+        else if (!strcmp(a, "--dim"))
+            o->dim = need_int(argc, argv, &i, 1, 65536);
+        else if (!strcmp(a, "--page"))
+            o->page = need_int(argc, argv, &i, 1, 256);
+        else if (!strcmp(a, "--steps"))
+            o->steps = need_int(argc, argv, &i, 1, 100000);
+        else if (!strcmp(a, "--threads"))
+            o->threads = need_int(argc, argv, &i, 0, 1024);
+        else if (!strcmp(a, "--seed"))
+            o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--json"))
+            o->json = need(argc, argv, &i);
+        else if (!strcmp(a, "--plot"))
+            o->plot = need(argc, argv, &i);
+        else if (!strcmp(a, "--auto-margin"))
+            o->auto_margin = 1;
+        else
+            cli_usage_error("eval", "unknown option '%s'", a);
     }
     if (wl_parse(o->workload, &o->wk))
-        cli_usage_error("eval", "--workload %s: expected random|planted|heavy|alibi|trace:FILE", o->workload);
-    if (o->wk == WL_TRACE && o->batch != 1) cli_usage_error("eval", "traces hold one sequence: --batch must be 1");
+        cli_usage_error("eval", "--workload %s: expected random|planted|heavy|alibi|trace:FILE",
+                        o->workload);
+    if (o->wk == WL_TRACE && o->batch != 1)
+        cli_usage_error("eval", "traces hold one sequence: --batch must be 1");
     if (o->heads % o->kv_heads)
-        cli_usage_error("eval", "--heads %lld is not a multiple of --kv-heads %lld", (long long)o->heads, (long long)o->kv_heads);
-    if (o->plot && !o->json) cli_usage_error("eval", "--plot needs --json FILE (the plot reads it)");
-    if (o->plot && !strcmp(o->json, "-")) cli_usage_error("eval", "--plot needs --json FILE, not stdout");
+        cli_usage_error("eval", "--heads %lld is not a multiple of --kv-heads %lld",
+                        (long long)o->heads, (long long)o->kv_heads);
+    if (o->plot && !o->json)
+        cli_usage_error("eval", "--plot needs --json FILE (the plot reads it)");
+    if (o->plot && !strcmp(o->json, "-"))
+        cli_usage_error("eval", "--plot needs --json FILE, not stdout");
 }
 
 /* Everything a run of eval holds: the cache, the dense references of the step, buffers. */
@@ -239,14 +293,17 @@ struct eval_state {
 };
 
 static int fail(eval_state *e, const char *what, ekv_status st) {
-    fprintf(stderr, "entmaxkv eval: %s: %s: %s\n", what, ekv_status_string(st), ekv_last_error(e->ctx));
+    fprintf(stderr, "entmaxkv eval: %s: %s: %s\n", what, ekv_status_string(st),
+            ekv_last_error(e->ctx));
     return 1;
 }
 
 static int run_list(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r) {
     const ekv_decode_params *dp = &e->dp[!v->softmax];
-    ekv_status st = ekv_select_pages(e->ctx, dp, sp, &e->s.kv, &e->s.stats, &e->s.table, e->q, &r->list);
-    if (!st) st = ekv_decode_pages(e->ctx, dp, &e->s.kv, &e->s.table, &r->list, e->q, e->out, &r->info);
+    ekv_status st =
+            ekv_select_pages(e->ctx, dp, sp, &e->s.kv, &e->s.stats, &e->s.table, e->q, &r->list);
+    if (!st)
+        st = ekv_decode_pages(e->ctx, dp, &e->s.kv, &e->s.table, &r->list, e->q, e->out, &r->info);
     r->bytes_summary = r->list.bytes_summary;
     return st ? fail(e, v->name, st) : 0;
 }
@@ -276,13 +333,18 @@ static int run_certified(eval_state *e, const eval_variant *v, ekv_select_params
 }
 
 /* The metrics of query head bh of a run, into a. */
-static void eval_head(eval_state *e, const eval_variant *v, agg *a, int64_t bh, int64_t N, int64_t kept) {
+static void eval_head(eval_state *e, const eval_variant *v, agg *a, int64_t bh, int64_t N,
+                      int64_t kept) {
     const int64_t D = e->o->dim, len = e->s.len;
-    const float *p = e->pref[!v->softmax] + bh * len, *y = e->oref[!v->softmax] + bh * D, *x = e->out + bh * D;
+    const float *p = e->pref[!v->softmax] + bh * len, *y = e->oref[!v->softmax] + bh * D,
+                *x = e->out + bh * D;
     double dropped = 0, sup = 0, sup_in = 0, e2 = 0, r2 = 0, dot = 0, o2 = 0;
     for (int64_t t = 0; t < N; t++) {
         if (!e->inlist[t]) dropped += p[t];
-        if (p[t] > 0) { sup++; sup_in += e->inlist[t]; }
+        if (p[t] > 0) {
+            sup++;
+            sup_in += e->inlist[t];
+        }
     }
     for (int64_t d = 0; d < D; d++) {
         e2 += ((double)x[d] - y[d]) * ((double)x[d] - y[d]);
@@ -292,7 +354,8 @@ static void eval_head(eval_state *e, const eval_variant *v, agg *a, int64_t bh, 
     }
     /* softmax: the whole sequence is its support, so recall = the fraction of tokens kept */
     double recall = v->softmax ? (double)kept / (double)N : sup > 0 ? sup_in / sup : 1.0;
-    double err = sqrt(e2 / (r2 > 0 ? r2 : 1)), cosv = dot / sqrt((o2 > 0 ? o2 : 1) * (r2 > 0 ? r2 : 1));
+    double err = sqrt(e2 / (r2 > 0 ? r2 : 1)),
+           cosv = dot / sqrt((o2 > 0 ? o2 : 1) * (r2 > 0 ? r2 : 1));
     agg_add(a, dropped, recall, err, cosv, (double)kept / (double)N);
     if (v->method == EKV_SELECT_GAUSSIAN) {
         double te = e->tau_hat[bh] - e->tau_star[bh];
@@ -321,7 +384,8 @@ static void eval_bounds(eval_state *e, agg *a, int64_t b, int64_t bh) {
 }
 
 /* The per-token metrics of a run: every list (sequence, KV head) and its query heads. */
-static void eval_lists(eval_state *e, const eval_variant *v, agg *a, const eval_run *r, int has_bar) {
+static void eval_lists(eval_state *e, const eval_variant *v, agg *a, const eval_run *r,
+                       int has_bar) {
     const wl_setup *s = &e->s;
     const int64_t Hk = e->o->kv_heads, G = e->o->heads / Hk, page = e->o->page;
     for (int64_t b = 0; b < s->batch; b++) {
@@ -331,11 +395,13 @@ static void eval_lists(eval_state *e, const eval_variant *v, agg *a, const eval_
             int64_t kept = 0;
             memset(e->inlist, 0, (size_t)N);
             for (int64_t i = r->list.indptr[l]; i < r->list.indptr[l + 1]; i++)
-                for (int64_t t = r->list.pages[i] * page; t < (r->list.pages[i] + 1) * page && t < N; t++) {
+                for (int64_t t = r->list.pages[i] * page;
+                     t < (r->list.pages[i] + 1) * page && t < N; t++) {
                     e->inlist[t] = 1;
                     kept++;
                 }
-            if (v->method == EKV_SELECT_CERTIFIED) /* tokens of its two rounds (the last page is partial) */
+            if (v->method ==
+                EKV_SELECT_CERTIFIED) /* tokens of its two rounds (the last page is partial) */
                 kept = (int64_t)(e->r1[l] + e->r2[l]) * page - (page - s->last_page_len[b]);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t bh = b * e->o->heads + kh * G + g;
@@ -369,7 +435,8 @@ static int eval_variant_run(eval_state *e, int m, int bi) {
     if (v->run(e, v, &sp, &r)) return 1;
     agg *a = &e->res[m][bi];
     if (!v->softmax) { /* bytes read against dense entmax's */
-        a->bytes_ratio_sum += (double)(r.info.bytes_k + r.info.bytes_v + r.bytes_summary) / (double)e->dense_bytes;
+        a->bytes_ratio_sum += (double)(r.info.bytes_k + r.info.bytes_v + r.bytes_summary) /
+                              (double)e->dense_bytes;
         a->bytes_n++;
     }
     if (v->method == EKV_SELECT_CERTIFIED) {
@@ -381,7 +448,8 @@ static int eval_variant_run(eval_state *e, int m, int bi) {
     if (has_bar) {
         r.list.bounds = e->bnd;
         r.list.bounds_stride = e->maxP;
-        ekv_status st = ekv_delta_bound(e->ctx, &e->dp[!v->softmax], &e->s.kv, &e->s.table, &r.list, e->tau_c, e->dbar);
+        ekv_status st = ekv_delta_bound(e->ctx, &e->dp[!v->softmax], &e->s.kv, &e->s.table, &r.list,
+                                        e->tau_c, e->dbar);
         if (st) return fail(e, "delta_bar", st);
     }
     eval_lists(e, v, a, &r, has_bar);
@@ -397,12 +465,14 @@ static int eval_references(eval_state *e) {
     ekv_page_list bl = wl_setup_list(s);
     bl.bounds = e->bnd;
     bl.bounds_stride = e->maxP;
-    ekv_status st = ekv_select_pages(e->ctx, &e->dp[1], &bs, &s->kv, &s->stats, &s->table, e->q, &bl);
+    ekv_status st =
+            ekv_select_pages(e->ctx, &e->dp[1], &bs, &s->kv, &s->stats, &s->table, e->q, &bl);
     if (st) return fail(e, "bounds", st);
     for (int k = 0; k < 2; k++) {
         ekv_decode_info di = {k == 1 ? e->tau_star : NULL, NULL, 0, 0, 0, 0, NULL, NULL};
         if ((st = ekv_decode_dense(e->ctx, &e->dp[k], &s->kv, &s->table, e->q, e->oref[k], &di)) ||
-            (st = ekv_dense_probs(e->ctx, &e->dp[k], &s->kv, &s->table, e->q, s->len, e->pref[k], NULL)))
+            (st = ekv_dense_probs(e->ctx, &e->dp[k], &s->kv, &s->table, e->q, s->len, e->pref[k],
+                                  NULL)))
             return fail(e, "dense reference", st);
         if (k == 1) e->dense_bytes = di.bytes_k + di.bytes_v;
     }
@@ -420,7 +490,8 @@ static int eval_steps(eval_state *e) {
                 if (eval_variant_run(e, m, bi)) return 1;
         double now = cli_now_seconds();
         if (now - last > 2.0) {
-            fprintf(stderr, "  eval: step %lld / %lld\n", (long long)(step + 1), (long long)o->steps);
+            fprintf(stderr, "  eval: step %lld / %lld\n", (long long)(step + 1),
+                    (long long)o->steps);
             last = now;
         }
     }
@@ -438,14 +509,16 @@ static void report_notes(const eval_state *e, const eval_variant *v, const agg *
                 "", a->lists ? 100.0 * (double)a->round2_lists / (double)a->lists : 0, bytes, "",
                 100.0 * a->loose_sum / n, "", 100.0 * a->super_sum / n);
     else if (a->bar_n)
-        fprintf(f, "%-15s delta_bar: max %.3e, proven exact (delta_bar = 0) in %.1f%% of head-steps; bytes %.3f of dense entmax\n",
+        fprintf(f,
+                "%-15s delta_bar: max %.3e, proven exact (delta_bar = 0) in %.1f%% of head-steps; bytes %.3f of dense entmax\n",
                 "", a->bar_max, 100.0 * (double)a->bar_zero / (double)a->bar_n, bytes);
     if (v->method == EKV_SELECT_GAUSSIAN)
-        fprintf(f, "%-15s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "", a->tau_err_sum / n,
-                a->tau_err_absmax, tau_mode_names[e->o->tau_mode]);
+        fprintf(f, "%-15s tau-hat - tau*: mean %.4f, max |.| %.4f (z-space; tau mode %s)\n", "",
+                a->tau_err_sum / n, a->tau_err_absmax, tau_mode_names[e->o->tau_mode]);
 }
 
-static void report_json(const eval_state *e, const eval_variant *v, const agg *a, const char *bud, int first, FILE *f) {
+static void report_json(const eval_state *e, const eval_variant *v, const agg *a, const char *bud,
+                        int first, FILE *f) {
     const eval_opts *o = e->o;
     const double n = (double)a->n;
     const int cert = v->method == EKV_SELECT_CERTIFIED, gauss = v->method == EKV_SELECT_GAUSSIAN;
@@ -464,22 +537,27 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
             "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\","
             "\"delta_bound_max\":%s,\"certified_fraction\":%s,\"bytes_vs_dense_entmax\":%s,"
             "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s,\"superpages_skippable_max\":%s}",
-            first ? "" : ",\n", v->name, bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max, a->recall_sum / n,
-            a->recall_min, a->err_sum / n, a->err_max, a->cos_min, wl_name(o->wk), (long long)e->s.len, o->alpha,
-            (long long)o->heads, (long long)o->kv_heads, (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype),
-            (long long)o->steps, (long long)a->n, gauss ? a->tau_err_sum / n : 0.0, gauss ? a->tau_err_absmax : 0.0,
-            tau_mode_names[gauss ? o->tau_mode : EKV_TAU_EXACT], jb[0], jb[1], jb[2], jb[3], jb[4], jb[5]);
+            first ? "" : ",\n", v->name, bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max,
+            a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
+            wl_name(o->wk), (long long)e->s.len, o->alpha, (long long)o->heads,
+            (long long)o->kv_heads, (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype),
+            (long long)o->steps, (long long)a->n, gauss ? a->tau_err_sum / n : 0.0,
+            gauss ? a->tau_err_absmax : 0.0, tau_mode_names[gauss ? o->tau_mode : EKV_TAU_EXACT],
+            jb[0], jb[1], jb[2], jb[3], jb[4], jb[5]);
 }
 
 static int eval_report(const eval_state *e) {
     const eval_opts *o = e->o;
     cli_out out;
     if (cli_out_open(&out, "eval", o->json)) return 1;
-    fprintf(out.text, "# eval workload=%s len=%lld B=%lld H=%lld Hk=%lld D=%lld page=%lld dtype=%s alpha=%g steps=%lld\n",
-            wl_name(o->wk), (long long)e->s.len, (long long)e->s.batch, (long long)o->heads, (long long)o->kv_heads,
-            (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype), o->alpha, (long long)o->steps);
-    fprintf(out.text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s\n", "method", "budget", "kv_fraction",
-            "delta_mean", "delta_max", "recall_mean", "recall_min", "rel_err_mean", "rel_err_max", "cosine_min");
+    fprintf(out.text,
+            "# eval workload=%s len=%lld B=%lld H=%lld Hk=%lld D=%lld page=%lld dtype=%s alpha=%g steps=%lld\n",
+            wl_name(o->wk), (long long)e->s.len, (long long)e->s.batch, (long long)o->heads,
+            (long long)o->kv_heads, (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype),
+            o->alpha, (long long)o->steps);
+    fprintf(out.text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s\n", "method", "budget",
+            "kv_fraction", "delta_mean", "delta_max", "recall_mean", "recall_min", "rel_err_mean",
+            "rel_err_max", "cosine_min");
     if (out.json) fprintf(out.json, "[\n");
     int first = 1;
     for (int m = 0; m < V_COUNT; m++) {
@@ -489,9 +567,10 @@ static int eval_report(const eval_state *e) {
             const double n = (double)a->n;
             char bud[32] = "null";
             if (v->budgeted) snprintf(bud, sizeof bud, "%.8g", o->budgets[bi]);
-            fprintf(out.text, "%-15s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n", v->name,
-                    v->budgeted ? bud : "-", a->kvf_sum / n, a->delta_sum / n, a->delta_max, a->recall_sum / n,
-                    a->recall_min, a->err_sum / n, a->err_max, a->cos_min);
+            fprintf(out.text, "%-15s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n",
+                    v->name, v->budgeted ? bud : "-", a->kvf_sum / n, a->delta_sum / n,
+                    a->delta_max, a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max,
+                    a->cos_min);
             if (out.json) report_json(e, v, a, bud, first, out.json);
             report_notes(e, v, a, out.text);
             first = 0;
@@ -503,9 +582,11 @@ static int eval_report(const eval_state *e) {
 
 static int eval_plot(const eval_opts *o) {
     char cmd[4096];
-    snprintf(cmd, sizeof cmd, "python3 '%s/bench/plot_eval.py' '%s' '%s'", EKV_SOURCE_DIR, o->json, o->plot);
+    snprintf(cmd, sizeof cmd, "python3 '%s/bench/plot_eval.py' '%s' '%s'", EKV_SOURCE_DIR, o->json,
+             o->plot);
     if (system(cmd) == 0) return 0;
-    fprintf(stderr, "entmaxkv eval: plotting failed (needs python3 with matplotlib: pip install matplotlib)\n");
+    fprintf(stderr,
+            "entmaxkv eval: plotting failed (needs python3 with matplotlib: pip install matplotlib)\n");
     return 1;
 }
 
@@ -513,11 +594,19 @@ static int eval_plot(const eval_opts *o) {
 static int eval_open(eval_state *e) {
     eval_opts *o = e->o;
     int rc = cli_context("eval", o->threads, EKV_ISA_AUTO, &e->ctx);
-    if (!rc) rc = wl_open(&e->wl, e->ctx, o->workload, o->heads, o->kv_heads, o->dim, (uint64_t)o->seed, "eval");
+    if (!rc)
+        rc = wl_open(&e->wl, e->ctx, o->workload, o->heads, o->kv_heads, o->dim, (uint64_t)o->seed,
+                     "eval");
     if (rc) return rc;
     if (o->wk == WL_TRACE) { /* the trace fixes the shapes */
-        o->heads = e->wl.heads; o->kv_heads = e->wl.kv_heads; o->dim = e->wl.dim; o->len = e->wl.trace_len;
-        if (o->len < 2) { fprintf(stderr, "entmaxkv eval: the trace has fewer than 2 tokens\n"); return CLI_USAGE; }
+        o->heads = e->wl.heads;
+        o->kv_heads = e->wl.kv_heads;
+        o->dim = e->wl.dim;
+        o->len = e->wl.trace_len;
+        if (o->len < 2) {
+            fprintf(stderr, "entmaxkv eval: the trace has fewer than 2 tokens\n");
+            return CLI_USAGE;
+        }
     }
     cli_rng_seed(&e->rng, (uint64_t)o->seed * 104729 + (uint64_t)o->len);
     const wl_geometry g = {o->batch, o->len, o->page, -1, o->dtype};
@@ -530,24 +619,41 @@ static int eval_open(eval_state *e) {
     }
     const size_t nh = (size_t)(o->batch * o->heads), qn = nh * (size_t)o->dim;
     e->maxP = (o->len + o->page - 1) / o->page;
-    e->q = malloc(sizeof(float) * qn); e->out = malloc(sizeof(float) * qn);
-    e->oref[0] = malloc(sizeof(float) * qn); e->oref[1] = malloc(sizeof(float) * qn);
-    e->pref[0] = malloc(sizeof(float) * nh * (size_t)o->len); e->pref[1] = malloc(sizeof(float) * nh * (size_t)o->len);
-    e->tau_star = malloc(sizeof(double) * nh); e->tau_hat = malloc(sizeof(double) * nh);
-    e->tau_c = malloc(sizeof(double) * nh); e->dbar = malloc(sizeof(double) * nh);
+    e->q = malloc(sizeof(float) * qn);
+    e->out = malloc(sizeof(float) * qn);
+    e->oref[0] = malloc(sizeof(float) * qn);
+    e->oref[1] = malloc(sizeof(float) * qn);
+    e->pref[0] = malloc(sizeof(float) * nh * (size_t)o->len);
+    e->pref[1] = malloc(sizeof(float) * nh * (size_t)o->len);
+    e->tau_star = malloc(sizeof(double) * nh);
+    e->tau_hat = malloc(sizeof(double) * nh);
+    e->tau_c = malloc(sizeof(double) * nh);
+    e->dbar = malloc(sizeof(double) * nh);
     e->bnd = malloc(sizeof(float) * nh * (size_t)e->maxP);
-    e->r1 = malloc(sizeof(int32_t) * nh); e->r2 = malloc(sizeof(int32_t) * nh);
+    e->r1 = malloc(sizeof(int32_t) * nh);
+    e->r2 = malloc(sizeof(int32_t) * nh);
     e->inlist = malloc((size_t)o->len);
-    if (e->q && e->out && e->oref[0] && e->oref[1] && e->pref[0] && e->pref[1] && e->tau_star && e->tau_hat &&
-        e->tau_c && e->dbar && e->bnd && e->r1 && e->r2 && e->inlist)
+    if (e->q && e->out && e->oref[0] && e->oref[1] && e->pref[0] && e->pref[1] && e->tau_star &&
+        e->tau_hat && e->tau_c && e->dbar && e->bnd && e->r1 && e->r2 && e->inlist)
         return 0;
     fprintf(stderr, "entmaxkv eval: out of memory\n");
     return 1;
 }
 
 static void eval_close(eval_state *e) {
-    free(e->q); free(e->out); free(e->oref[0]); free(e->oref[1]); free(e->pref[0]); free(e->pref[1]);
-    free(e->tau_star); free(e->tau_hat); free(e->tau_c); free(e->dbar); free(e->bnd); free(e->r1); free(e->r2);
+    free(e->q);
+    free(e->out);
+    free(e->oref[0]);
+    free(e->oref[1]);
+    free(e->pref[0]);
+    free(e->pref[1]);
+    free(e->tau_star);
+    free(e->tau_hat);
+    free(e->tau_c);
+    free(e->dbar);
+    free(e->bnd);
+    free(e->r1);
+    free(e->r2);
     free(e->inlist);
     wl_setup_free(&e->s);
     wl_free(&e->wl);
@@ -558,7 +664,10 @@ int cmd_eval(int argc, char **argv) {
     eval_opts o;
     parse(argc, argv, &o);
     eval_state *e = calloc(1, sizeof *e); /* zeroed: the aggregates start empty */
-    if (!e) { fprintf(stderr, "entmaxkv eval: out of memory\n"); return 1; }
+    if (!e) {
+        fprintf(stderr, "entmaxkv eval: out of memory\n");
+        return 1;
+    }
     e->o = &o;
     int rc = eval_open(e);
     if (!rc) rc = eval_steps(e);

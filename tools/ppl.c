@@ -34,7 +34,12 @@ static void ppl_help(FILE *f) {
 
 /* model_feed callback: log-loss of the next token at the scored positions [first, end) of a chunk
  * (the logits after token i predict token i + 1). */
-typedef struct { const int32_t *tok; int64_t V, first, end; double nll; int64_t scored; } nll_acc;
+typedef struct {
+    const int32_t *tok;
+    int64_t V, first, end;
+    double nll;
+    int64_t scored;
+} nll_acc;
 static void add_nll(void *arg, int64_t start, int64_t c, const float *logits) {
     nll_acc *a = arg;
     for (int64_t i = start > a->first ? start : a->first; i < start + c && i < a->end; i++) {
@@ -56,18 +61,31 @@ typedef struct {
 static void parse(int argc, char **argv, ppl_opts *o) {
     model_opts_init(&o->mo);
     o->text_path = o->json = NULL;
-    o->ctxlen = 2048; o->windows = INT64_MAX; o->offset = 0; o->score_last = 0;
+    o->ctxlen = 2048;
+    o->windows = INT64_MAX;
+    o->offset = 0;
+    o->score_last = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { ppl_help(stdout); exit(0); }
-        else if (model_opt("ppl", argc, argv, &i, &o->mo)) continue;
-        else if (!strcmp(a, "--text")) o->text_path = cli_need("ppl", argc, argv, &i);
-        else if (!strcmp(a, "--json")) o->json = cli_need("ppl", argc, argv, &i);
-        else if (!strcmp(a, "--ctx")) o->ctxlen = cli_need_int("ppl", argc, argv, &i, 2, (int64_t)1 << 30);
-        else if (!strcmp(a, "--windows")) o->windows = cli_need_int("ppl", argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--offset")) o->offset = cli_need_int("ppl", argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--score-last")) o->score_last = cli_need_int("ppl", argc, argv, &i, 1, (int64_t)1 << 30);
-        else cli_usage_error("ppl", "unknown option '%s'", a);
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            ppl_help(stdout);
+            exit(0);
+        } else if (model_opt("ppl", argc, argv, &i, &o->mo))
+            continue;
+        else if (!strcmp(a, "--text"))
+            o->text_path = cli_need("ppl", argc, argv, &i);
+        else if (!strcmp(a, "--json"))
+            o->json = cli_need("ppl", argc, argv, &i);
+        else if (!strcmp(a, "--ctx"))
+            o->ctxlen = cli_need_int("ppl", argc, argv, &i, 2, (int64_t)1 << 30);
+        else if (!strcmp(a, "--windows"))
+            o->windows = cli_need_int("ppl", argc, argv, &i, 1, INT64_MAX);
+        else if (!strcmp(a, "--offset"))
+            o->offset = cli_need_int("ppl", argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--score-last"))
+            o->score_last = cli_need_int("ppl", argc, argv, &i, 1, (int64_t)1 << 30);
+        else
+            cli_usage_error("ppl", "unknown option '%s'", a);
     }
     if (!o->text_path) cli_usage_error("ppl", "--text FILE is required");
     if (o->score_last >= o->ctxlen) cli_usage_error("ppl", "--score-last must be below --ctx");
@@ -80,11 +98,15 @@ typedef struct {
     ekv_model_stats *lay;
 } ppl_result;
 
-static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ekv_model *m, ppl_result *r) {
+static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ekv_model *m,
+                       ppl_result *r) {
     const int64_t V = ekv_model_get_config(m)->vocab, ctxlen = o->ctxlen;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctxlen);
     int rc = 0;
-    if (!tok) { fprintf(stderr, "entmaxkv ppl: out of memory\n"); rc = 1; }
+    if (!tok) {
+        fprintf(stderr, "entmaxkv ppl: out of memory\n");
+        rc = 1;
+    }
     const double t0 = cli_now_seconds();
     for (int64_t w = 0; w < r->nwin && !rc; w++) {
         ekv_model_tokenize(text + o->offset + w * ctxlen, ctxlen, tok);
@@ -92,7 +114,10 @@ static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ek
         char what[64];
         snprintf(what, sizeof what, "window %lld/%lld", (long long)(w + 1), (long long)r->nwin);
         nll_acc acc = {tok, V, o->score_last ? ctxlen - 1 - o->score_last : 0, ctxlen - 1, 0, 0};
-        if (model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc)) { rc = 1; break; }
+        if (model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc)) {
+            rc = 1;
+            break;
+        }
         r->nll += acc.nll;
         r->scored += acc.scored;
         r->fed += ctxlen;
@@ -123,13 +148,16 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
         r2 += (double)r->lay[l].lists_round2;
         nl += (double)r->lay[l].lists;
     }
-    const double mean = r->nll / (double)r->scored, ppl = exp(mean), bpb = mean / log(2.0), kvf = kv > 0 ? rd / kv : 0;
+    const double mean = r->nll / (double)r->scored, ppl = exp(mean), bpb = mean / log(2.0),
+                 kvf = kv > 0 ? rd / kv : 0;
     cli_out out;
     if (cli_out_open(&out, "ppl", o->json)) return 1;
     char lab[64], r2s[32] = "null";
     model_method_label(lab, sizeof lab, mo->method, mo->budget);
-    fprintf(out.text, "ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %.4f  %.1f tokens/s\n",
-            ppl, bpb, (long long)r->scored, (long long)r->nwin, (long long)o->ctxlen, lab, kvf, (double)r->fed / r->secs);
+    fprintf(out.text,
+            "ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %.4f  %.1f tokens/s\n",
+            ppl, bpb, (long long)r->scored, (long long)r->nwin, (long long)o->ctxlen, lab, kvf,
+            (double)r->fed / r->secs);
     fprintf(out.text, "kv_fraction per layer:");
     for (int64_t l = 0; l < r->layers; l++) fprintf(out.text, " %.4f", layer_kvf(&r->lay[l]));
     fprintf(out.text, "\n");
@@ -142,10 +170,11 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
             "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
             "\"kv_fraction_layers\":[",
             ppl, bpb, r->nll, (long long)r->scored, ekv_method_name(mo->method),
-            model_uses_budget(mo->method) ? mo->budget : 1.0, kvf, (long long)o->ctxlen, (long long)r->nwin,
-            (long long)o->offset, (long long)o->score_last, ekv_dtype_name(mo->kv_dtype), mo->page, r->secs,
-            (double)r->fed / r->secs, r2s);
-    for (int64_t l = 0; l < r->layers; l++) fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
+            model_uses_budget(mo->method) ? mo->budget : 1.0, kvf, (long long)o->ctxlen,
+            (long long)r->nwin, (long long)o->offset, (long long)o->score_last,
+            ekv_dtype_name(mo->kv_dtype), mo->page, r->secs, (double)r->fed / r->secs, r2s);
+    for (int64_t l = 0; l < r->layers; l++)
+        fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
     fprintf(out.json, "]}\n");
     return cli_out_close(&out, "ppl");
 }
@@ -155,16 +184,24 @@ int cmd_ppl(int argc, char **argv) {
     parse(argc, argv, &o);
     int64_t len;
     char *text = cli_read_file(o.text_path, &len);
-    if (!text) { fprintf(stderr, "entmaxkv ppl: cannot read '%s'\n", o.text_path); return 1; }
+    if (!text) {
+        fprintf(stderr, "entmaxkv ppl: cannot read '%s'\n", o.text_path);
+        return 1;
+    }
     if (o.offset >= len || len - o.offset < o.ctxlen) {
-        fprintf(stderr, "entmaxkv ppl: '%s' has %lld bytes after offset %lld, fewer than --ctx %lld\n", o.text_path,
-                (long long)(len - o.offset < 0 ? 0 : len - o.offset), (long long)o.offset, (long long)o.ctxlen);
+        fprintf(stderr,
+                "entmaxkv ppl: '%s' has %lld bytes after offset %lld, fewer than --ctx %lld\n",
+                o.text_path, (long long)(len - o.offset < 0 ? 0 : len - o.offset),
+                (long long)o.offset, (long long)o.ctxlen);
         free(text);
         return 1;
     }
     ekv_context *ctx;
     ekv_model *m;
-    if (model_open("ppl", &o.mo, o.ctxlen, &ctx, &m)) { free(text); return 1; }
+    if (model_open("ppl", &o.mo, o.ctxlen, &ctx, &m)) {
+        free(text);
+        return 1;
+    }
     ppl_result r;
     memset(&r, 0, sizeof r);
     r.layers = ekv_model_get_config(m)->n_layers;
@@ -174,7 +211,8 @@ int cmd_ppl(int argc, char **argv) {
     int rc = r.lay ? ppl_windows(&o, text, ctx, m, &r) : 1;
     if (!r.lay) fprintf(stderr, "entmaxkv ppl: out of memory\n");
     if (!rc) rc = ppl_report(&o, &r);
-    free(r.lay); free(text);
+    free(r.lay);
+    free(text);
     ekv_model_free(m);
     ekv_context_free(ctx);
     return rc;

@@ -11,8 +11,8 @@
 #include <string.h>
 
 static const char DEFAULT_PROMPT[] =
-    "The Python Tutorial\n\nPython is an easy to learn, powerful programming language. It has efficient "
-    "high-level data structures and a simple but effective approach to object-oriented programming.";
+        "The Python Tutorial\n\nPython is an easy to learn, powerful programming language. It has efficient "
+        "high-level data structures and a simple but effective approach to object-oriented programming.";
 
 static void run_help(FILE *f) {
     fprintf(f,
@@ -49,141 +49,211 @@ static int32_t sample(const float *logits, int64_t V, double temp, cli_rng *r) {
     int32_t pick = (int32_t)(V - 1);
     for (int64_t i = 0; i < V; i++) {
         u -= p[i];
-        if (u <= 0) { pick = (int32_t)i; break; }
+        if (u <= 0) {
+            pick = (int32_t)i;
+            break;
+        }
     }
     free(p);
     return pick;
 }
 
-typedef struct { double seconds; int64_t tokens; ekv_model_stats st; } phase;
+typedef struct {
+    double seconds;
+    int64_t tokens;
+    ekv_model_stats st;
+} phase;
 
 /* model_feed callback: copies the logits of position `pos` out of its chunk. */
-typedef struct { float *out; int64_t pos, V; } last_row;
+typedef struct {
+    float *out;
+    int64_t pos, V;
+} last_row;
 static void keep_last_row(void *arg, int64_t start, int64_t c, const float *logits) {
     last_row *r = arg;
-    if (r->pos >= start && r->pos < start + c) memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
+    if (r->pos >= start && r->pos < start + c)
+        memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
 }
 
 static void print_phase(const char *what, const char *label, const phase *p) {
-    printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s; KV read %.4f of the K+V bytes", what, label,
-           (long long)p->tokens, p->seconds, p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0,
+    printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s; KV read %.4f of the K+V bytes", what,
+           label, (long long)p->tokens, p->seconds,
+           p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0,
            p->st.bytes_kv ? (double)p->st.bytes_read / (double)p->st.bytes_kv : 0.0);
-    if (p->st.lists) printf("; round 2 in %.1f%% of lists", 100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
+    if (p->st.lists)
+        printf("; round 2 in %.1f%% of lists",
+               100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
     printf("\n");
 }
 
-int cmd_run(int argc, char **argv) {
+typedef struct {
     model_opts mo;
-    model_opts_init(&mo);
-    const char *prompt = NULL, *prompt_file = NULL, *compare = NULL;
-    int64_t n = 200, seed = 1;
-    double temp = 0;
-    int quiet = 0;
-    ekv_select_method cmp[8];
-    int ncmp = 0;
+    const char *prompt, *prompt_file;
+    int64_t n, seed;
+    double temp;
+    int quiet, nmethods;
+    ekv_select_method methods[9]; /* --method, then the --compare list */
+} run_opts;
+
+static void parse_compare(const char *v, run_opts *o) {
+    char buf[256];
+    if (strlen(v) >= sizeof buf) cli_usage_error("run", "--compare is too long");
+    strcpy(buf, v);
+    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+        if (o->nmethods == 9) cli_usage_error("run", "--compare takes at most 8 methods");
+        if (ekv_method_from_name(t, &o->methods[o->nmethods++]))
+            cli_usage_error("run",
+                            "--compare: unknown method '%s' (dense, topk, gaussian, certified)", t);
+    }
+}
+
+static void parse(int argc, char **argv, run_opts *o) {
+    memset(o, 0, sizeof *o);
+    model_opts_init(&o->mo);
+    o->n = 200;
+    o->seed = 1;
+    o->nmethods = 1; /* methods[0] is --method, set after the loop */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { run_help(stdout); return 0; }
-        else if (model_opt("run", argc, argv, &i, &mo)) continue;
-        else if (!strcmp(a, "--prompt")) prompt = cli_need("run", argc, argv, &i);
-        else if (!strcmp(a, "--prompt-file")) prompt_file = cli_need("run", argc, argv, &i);
-        else if (!strcmp(a, "-n")) n = cli_need_int("run", argc, argv, &i, 0, (int64_t)1 << 30);
-        else if (!strcmp(a, "--seed")) seed = cli_need_int("run", argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--quiet")) quiet = 1;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            run_help(stdout);
+            exit(0);
+        } else if (model_opt("run", argc, argv, &i, &o->mo))
+            continue;
+        else if (!strcmp(a, "--prompt"))
+            o->prompt = cli_need("run", argc, argv, &i);
+        else if (!strcmp(a, "--prompt-file"))
+            o->prompt_file = cli_need("run", argc, argv, &i);
+        else if (!strcmp(a, "-n"))
+            o->n = cli_need_int("run", argc, argv, &i, 0, (int64_t)1 << 30);
+        else if (!strcmp(a, "--seed"))
+            o->seed = cli_need_int("run", argc, argv, &i, 0, INT64_MAX);
+        else if (!strcmp(a, "--quiet"))
+            o->quiet = 1;
         else if (!strcmp(a, "--temp")) {
             const char *v = cli_need("run", argc, argv, &i);
-            if (cli_parse_double(v, &temp) || !(temp >= 0 && temp <= 100))
+            if (cli_parse_double(v, &o->temp) || !(o->temp >= 0 && o->temp <= 100))
                 cli_usage_error("run", "--temp %s: expected a number in [0, 100]", v);
-        } else if (!strcmp(a, "--compare")) {
-            compare = cli_need("run", argc, argv, &i);
-            char buf[256];
-            if (strlen(compare) >= sizeof buf) cli_usage_error("run", "--compare is too long");
-            strcpy(buf, compare);
-            for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-                if (ncmp == 8) cli_usage_error("run", "--compare takes at most 8 methods");
-                if (ekv_method_from_name(t, &cmp[ncmp++]))
-                    cli_usage_error("run", "--compare: unknown method '%s' (dense, topk, gaussian, certified)", t);
-            }
-        } else cli_usage_error("run", "unknown option '%s'", a);
+        } else if (!strcmp(a, "--compare"))
+            parse_compare(cli_need("run", argc, argv, &i), o);
+        else
+            cli_usage_error("run", "unknown option '%s'", a);
     }
-    if (prompt && prompt_file) cli_usage_error("run", "give --prompt or --prompt-file, not both");
-    char *text = NULL;
-    int64_t plen;
-    if (prompt_file) {
-        text = cli_read_file(prompt_file, &plen);
-        if (!text) { fprintf(stderr, "entmaxkv run: cannot read '%s'\n", prompt_file); return 1; }
-    } else {
-        text = strdup(prompt ? prompt : DEFAULT_PROMPT);
-        plen = (int64_t)strlen(text);
+    o->methods[0] = o->mo.method;
+    if (o->prompt && o->prompt_file)
+        cli_usage_error("run", "give --prompt or --prompt-file, not both");
+}
+
+/* The prompt's bytes (NUL-terminated), or NULL with a message. */
+static char *read_prompt(const run_opts *o, int64_t *plen) {
+    char *text;
+    if (o->prompt_file) {
+        text = cli_read_file(o->prompt_file, plen);
+        if (!text) fprintf(stderr, "entmaxkv run: cannot read '%s'\n", o->prompt_file);
+        return text;
     }
-    if (plen == 0) { free(text); cli_usage_error("run", "the prompt is empty"); }
-    ekv_context *ctx;
-    ekv_model *m;
-    if (model_open("run", &mo, plen + n * (1 + ncmp), &ctx, &m)) { free(text); return 1; }
+    text = strdup(o->prompt ? o->prompt : DEFAULT_PROMPT);
+    if (!text) fprintf(stderr, "entmaxkv run: out of memory\n");
+    *plen = text ? (int64_t)strlen(text) : 0;
+    return text;
+}
+
+/* Decodes o->n tokens with method ph, from the logits of the previous token. */
+static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *m, float *logits,
+                        cli_rng *rng, phase *p) {
+    const int64_t V = ekv_model_get_config(m)->vocab;
+    if (ekv_model_set_method(m, o->methods[ph], o->mo.budget)) {
+        fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
+        return 1;
+    }
+    if (ph > 0 && !o->quiet) {
+        char lab[64];
+        model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
+        printf("\n--- continuing with %s ---\n", lab);
+    }
+    ekv_model_reset_stats(m);
+    memset(p, 0, sizeof *p);
+    const double t1 = cli_now_seconds();
+    int rc = 0;
+    for (int64_t i = 0; i < o->n && !rc; i++) {
+        int32_t next = sample(logits, V, o->temp, rng);
+        if (!o->quiet) {
+            putchar(next);
+            fflush(stdout);
+        }
+        ekv_status st = ekv_model_step(m, &next, 1, logits);
+        if (st) {
+            fprintf(stderr, "\nentmaxkv run: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
+            rc = 1;
+        } else
+            p->tokens++;
+    }
+    p->seconds = cli_now_seconds() - t1;
+    ekv_model_get_stats(m, -1, &p->st);
+    return rc;
+}
+
+/* Prefill (only the last token's logits are kept), then a decode phase per method. */
+static int generate(const run_opts *o, const char *text, int64_t plen, ekv_context *ctx,
+                    ekv_model *m) {
     const int64_t V = ekv_model_get_config(m)->vocab;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)plen);
     float *logits = malloc(sizeof(float) * (size_t)V);
-    int rc = 0;
-    ekv_model_tokenize(text, plen, tok);
-    if (!quiet && plen < 4096) { fwrite(text, 1, (size_t)plen, stdout); fflush(stdout); }
-    else if (!quiet) fprintf(stderr, "  [a %lld-byte prompt]\n", (long long)plen);
-    /* prefill: only the last token's logits are kept */
-    phase pre = {0};
-    double t0 = cli_now_seconds();
-    last_row lr = {logits, plen - 1, V};
-    if (model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, keep_last_row, &lr)) rc = 1;
-    pre.seconds = cli_now_seconds() - t0;
-    pre.tokens = plen;
-    ekv_model_get_stats(m, -1, &pre.st);
+    phase pre = {0}, dec[9];
+    int rc = tok && logits ? 0 : 1, ran = 0;
+    if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
+    if (!rc) {
+        ekv_model_tokenize(text, plen, tok);
+        if (!o->quiet && plen < 4096) {
+            fwrite(text, 1, (size_t)plen, stdout);
+            fflush(stdout);
+        } else if (!o->quiet)
+            fprintf(stderr, "  [a %lld-byte prompt]\n", (long long)plen);
+        const double t0 = cli_now_seconds();
+        last_row lr = {logits, plen - 1, V};
+        rc = model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, keep_last_row, &lr);
+        pre.seconds = cli_now_seconds() - t0;
+        pre.tokens = plen;
+        ekv_model_get_stats(m, -1, &pre.st);
+    }
     cli_rng rng;
-    cli_rng_seed(&rng, (uint64_t)seed);
-    phase dec[9];
-    ekv_select_method methods[9];
-    methods[0] = mo.method;
-    for (int c = 0; c < ncmp; c++) methods[c + 1] = cmp[c];
-    int ran = 0;
-    for (int ph = 0; ph <= ncmp && !rc; ph++) {
-        if (ekv_model_set_method(m, methods[ph], mo.budget)) {
-            fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
-            rc = 1;
-            break;
-        }
-        if (ph > 0 && !quiet) {
-            char lab[64];
-            model_method_label(lab, sizeof lab, methods[ph], mo.budget);
-            printf("\n--- continuing with %s ---\n", lab);
-        }
-        ekv_model_reset_stats(m);
-        memset(&dec[ph], 0, sizeof dec[ph]);
-        double t1 = cli_now_seconds();
-        for (int64_t i = 0; i < n; i++) {
-            int32_t next = sample(logits, V, temp, &rng);
-            if (!quiet) { putchar(next); fflush(stdout); }
-            ekv_status st = ekv_model_step(m, &next, 1, logits);
-            if (st) {
-                fprintf(stderr, "\nentmaxkv run: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
-                rc = 1;
-                break;
-            }
-            dec[ph].tokens++;
-        }
-        dec[ph].seconds = cli_now_seconds() - t1;
-        ekv_model_get_stats(m, -1, &dec[ph].st);
+    cli_rng_seed(&rng, (uint64_t)o->seed);
+    for (int ph = 0; ph < o->nmethods && !rc; ph++) {
+        rc = decode_phase(o, ph, ctx, m, logits, &rng, &dec[ph]);
         ran = ph + 1;
     }
-    if (!quiet) printf("\n");
-    char lab[64];
-    model_method_label(lab, sizeof lab, mo.method, mo.budget);
+    if (!o->quiet) printf("\n");
+    char lab[64], what[64];
+    model_method_label(lab, sizeof lab, o->mo.method, o->mo.budget);
     printf("\n");
     print_phase("prefill", lab, &pre);
     for (int ph = 0; ph < ran; ph++) {
-        model_method_label(lab, sizeof lab, methods[ph], mo.budget);
-        char what[64];
-        snprintf(what, sizeof what, "decode @%lld", (long long)(plen + ph * n));
+        model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
+        snprintf(what, sizeof what, "decode @%lld", (long long)(plen + ph * o->n));
         print_phase(what, lab, &dec[ph]);
     }
     free(tok);
     free(logits);
+    return rc;
+}
+
+int cmd_run(int argc, char **argv) {
+    run_opts o;
+    parse(argc, argv, &o);
+    int64_t plen = 0;
+    char *text = read_prompt(&o, &plen);
+    if (!text) return 1;
+    if (plen == 0) {
+        free(text);
+        cli_usage_error("run", "the prompt is empty");
+    }
+    ekv_context *ctx;
+    ekv_model *m;
+    if (model_open("run", &o.mo, plen + o.n * o.nmethods, &ctx, &m)) {
+        free(text);
+        return 1;
+    }
+    int rc = generate(&o, text, plen, ctx, m);
     free(text);
     ekv_model_free(m);
     ekv_context_free(ctx);

@@ -72,6 +72,10 @@ int cmd_trace(int argc, char **argv) {
     int nlayers = -1;
     if (layers_arg && (nlayers = cli_parse_i64_list(layers_arg, layer_ids, 256)) <= 0)
         cli_usage_error("trace", "--layers %s: expected a comma list of layer numbers", layers_arg);
+    for (int l = 1; l < nlayers; l++) /* one tensor name per layer: a repeat would write it twice */
+        for (int k = 0; k < l; k++)
+            if (layer_ids[k] == layer_ids[l])
+                cli_usage_error("trace", "--layers %s: layer %lld is listed twice", layers_arg, (long long)layer_ids[l]);
     int64_t len;
     char *text = cli_read_file(text_path, &len);
     if (!text) { fprintf(stderr, "entmaxkv trace: cannot read '%s'\n", text_path); return 1; }

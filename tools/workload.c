@@ -20,7 +20,8 @@
 
 enum { PLANTED_PER_HEAD = 16, OUTLIER_CHANNELS = 4 };
 
-static float f16_to_f32(uint16_t h) { /* IEEE half to float (the CLI does not use library internals) */
+static float
+f16_to_f32(uint16_t h) { /* IEEE half to float (the CLI does not use library internals) */
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
     if (e == 0) {
         float f = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
@@ -50,10 +51,12 @@ static void trace_prefixes(const ekv_safetensors *st, char *buf, size_t cap) {
         nm[len - 1] = 'v';
         ok = ok && !ekv_safetensors_find(st, nm, &o);
         if (!ok) continue;
-        n += (size_t)snprintf(buf + n, cap - n, "%s \"%.*s\"", found ? "," : "", (int)(len - 1), t.name);
+        n += (size_t)snprintf(buf + n, cap - n, "%s \"%.*s\"", found ? "," : "", (int)(len - 1),
+                              t.name);
         found = 1;
     }
-    if (!found && n < cap) snprintf(buf + n, cap - n, " none (no q, k and v tensors of one prefix)");
+    if (!found && n < cap)
+        snprintf(buf + n, cap - n, " none (no q, k and v tensors of one prefix)");
 }
 
 static int trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err, size_t errlen) {
@@ -62,12 +65,18 @@ static int trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err
     char path[1024], prefix[256] = "";
     const char *at = strrchr(spec, '@');
     size_t plen = at ? (size_t)(at - spec) : strlen(spec);
-    if (plen >= sizeof path || (at && strlen(at + 1) >= sizeof prefix)) { snprintf(err, errlen, "trace path too long"); return -1; }
+    if (plen >= sizeof path || (at && strlen(at + 1) >= sizeof prefix)) {
+        snprintf(err, errlen, "trace path too long");
+        return -1;
+    }
     memcpy(path, spec, plen);
     path[plen] = 0;
     if (at) strcpy(prefix, at + 1);
     ekv_status st = ekv_safetensors_open(ctx, path, &w->trace);
-    if (st) { snprintf(err, errlen, "%s", ekv_last_error(ctx)); return -1; }
+    if (st) {
+        snprintf(err, errlen, "%s", ekv_last_error(ctx));
+        return -1;
+    }
     const char *names[3] = {"q", "k", "v"};
     ekv_tensor_info *ts[3] = {&w->tq, &w->tk, &w->tv};
     for (int i = 0; i < 3; i++) {
@@ -79,14 +88,17 @@ static int trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err
             return -1;
         }
         if (ts[i]->dtype < 0 || ts[i]->ndim != 3) {
-            snprintf(err, errlen, "%s: '%s' must be a 3-d F32/F16/BF16 tensor (it is %s with %d dims)", path, nm,
+            snprintf(err, errlen,
+                     "%s: '%s' must be a 3-d F32/F16/BF16 tensor (it is %s with %d dims)", path, nm,
                      ts[i]->dtype_name, ts[i]->ndim);
             return -1;
         }
     }
-    if (memcmp(w->tk.shape, w->tv.shape, sizeof w->tk.shape) || w->tk.dtype != w->tv.dtype || w->tq.shape[2] != w->tk.shape[2] ||
-        w->tk.shape[0] < 1 || w->tq.shape[0] < 1 || w->tk.shape[1] < 1 || w->tq.shape[1] % w->tk.shape[1] != 0) {
-        snprintf(err, errlen, "%s: need k, v [N, Hk, D] of one dtype and q [S, H, D] with Hk dividing H", path);
+    if (memcmp(w->tk.shape, w->tv.shape, sizeof w->tk.shape) || w->tk.dtype != w->tv.dtype ||
+        w->tq.shape[2] != w->tk.shape[2] || w->tk.shape[0] < 1 || w->tq.shape[0] < 1 ||
+        w->tk.shape[1] < 1 || w->tq.shape[1] % w->tk.shape[1] != 0) {
+        snprintf(err, errlen,
+                 "%s: need k, v [N, Hk, D] of one dtype and q [S, H, D] with Hk dividing H", path);
         return -1;
     }
     w->trace_len = w->tk.shape[0];
@@ -103,7 +115,10 @@ static int trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err
             return -1;
         }
         w->slopes = malloc(sizeof(float) * (size_t)w->heads);
-        if (!w->slopes) { snprintf(err, errlen, "out of memory"); return -1; }
+        if (!w->slopes) {
+            snprintf(err, errlen, "out of memory");
+            return -1;
+        }
         memcpy(w->slopes, ts_s.data, sizeof(float) * (size_t)w->heads);
         w->has_slopes = 1;
     }
@@ -112,9 +127,15 @@ static int trace_open(wl_state *w, ekv_context *ctx, const char *spec, char *err
 
 int wl_parse(const char *spec, wl_kind *out) {
     static const char *names[] = {"random", "planted", "heavy", "alibi"};
-    if (!strncmp(spec, "trace:", 6)) { *out = WL_TRACE; return 0; }
+    if (!strncmp(spec, "trace:", 6)) {
+        *out = WL_TRACE;
+        return 0;
+    }
     for (int i = 0; i < 4; i++)
-        if (!strcmp(spec, names[i])) { *out = (wl_kind)i; return 0; }
+        if (!strcmp(spec, names[i])) {
+            *out = (wl_kind)i;
+            return 0;
+        }
     return -1;
 }
 
@@ -123,7 +144,8 @@ const char *wl_name(wl_kind k) {
     return names[k];
 }
 
-static int synthetic_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim, uint64_t seed) {
+static int synthetic_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_heads, int64_t dim,
+                          uint64_t seed) {
     memset(w, 0, sizeof *w);
     w->kind = kind;
     w->heads = heads;
@@ -138,10 +160,14 @@ static int synthetic_init(wl_state *w, wl_kind kind, int64_t heads, int64_t kv_h
     for (int64_t h = 0; h < kv_heads; h++) { /* unit directions shared by keys and queries */
         double n = 0;
         float *u = w->dirs + h * dim;
-        for (int64_t d = 0; d < dim; d++) { u[d] = (float)cli_rng_normal(&r); n += (double)u[d] * u[d]; }
+        for (int64_t d = 0; d < dim; d++) {
+            u[d] = (float)cli_rng_normal(&r);
+            n += (double)u[d] * u[d];
+        }
         for (int64_t d = 0; d < dim; d++) u[d] = (float)(u[d] / sqrt(n));
         for (int c = 0; c < OUTLIER_CHANNELS; c++)
-            w->outlier[h * OUTLIER_CHANNELS + c] = (int32_t)((uint64_t)(cli_rng_normal(&r) * 1e6 + 1e9) % (uint64_t)dim);
+            w->outlier[h * OUTLIER_CHANNELS + c] =
+                    (int32_t)((uint64_t)(cli_rng_normal(&r) * 1e6 + 1e9) % (uint64_t)dim);
     }
     int64_t h0 = heads / 2 > 0 ? heads / 2 : 1;
     for (int64_t h = 0; h < heads; h++)
@@ -162,7 +188,10 @@ const float *wl_slopes(const wl_state *w) {
 
 static double student_t3(cli_rng *r) { /* t with 3 dof, scaled to unit variance */
     double z = cli_rng_normal(r), c = 0;
-    for (int i = 0; i < 3; i++) { double x = cli_rng_normal(r); c += x * x; }
+    for (int i = 0; i < 3; i++) {
+        double x = cli_rng_normal(r);
+        c += x * x;
+    }
     return z / sqrt(c / 3.0) / sqrt(3.0);
 }
 
@@ -182,26 +211,36 @@ static void key_rows(const wl_state *w, cli_rng *r, float *k, int64_t n) {
     }
 }
 
-static int fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len, const wl_state *w,
-                cli_rng *r, const char *who) {
+static int fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t batch, int64_t len,
+                const wl_state *w, cli_rng *r, const char *who) {
     if (w->kind == WL_TRACE) { /* the trace's keys and values, as stored (the cache converts) */
-        const int64_t row = w->kv_heads * w->dim, es = ekv_dtype_size((ekv_dtype)w->tk.dtype), chunk = 4096;
+        const int64_t row = w->kv_heads * w->dim, es = ekv_dtype_size((ekv_dtype)w->tk.dtype),
+                      chunk = 4096;
         for (int64_t b = 0; b < batch; b++)
             for (int64_t p0 = 0; p0 < len; p0 += chunk) {
                 int64_t n = len - p0 < chunk ? len - p0 : chunk;
-                ekv_status st = ekv_cache_append(cache, seqs[b], n, (const char *)w->tk.data + p0 * row * es,
-                                                 (const char *)w->tv.data + p0 * row * es, (ekv_dtype)w->tk.dtype);
+                ekv_status st = ekv_cache_append(
+                        cache, seqs[b], n, (const char *)w->tk.data + p0 * row * es,
+                        (const char *)w->tv.data + p0 * row * es, (ekv_dtype)w->tk.dtype);
                 if (st) {
-                    fprintf(stderr, "entmaxkv %s: append failed: %s: %s\n", who, ekv_status_string(st), ekv_last_error(ctx));
+                    fprintf(stderr, "entmaxkv %s: append failed: %s: %s\n", who,
+                            ekv_status_string(st), ekv_last_error(ctx));
                     return 1;
                 }
             }
         return 0;
     }
     const int64_t chunk = 2048, row = w->kv_heads * w->dim, D = w->dim;
-    float *k = malloc(sizeof(float) * (size_t)(chunk * row)), *v = malloc(sizeof(float) * (size_t)(chunk * row));
+    float *k = malloc(sizeof(float) * (size_t)(chunk * row)),
+          *v = malloc(sizeof(float) * (size_t)(chunk * row));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(w->kv_heads * PLANTED_PER_HEAD));
-    if (!k || !v || !pos) { free(k); free(v); free(pos); fprintf(stderr, "entmaxkv %s: out of memory\n", who); return 1; }
+    if (!k || !v || !pos) {
+        free(k);
+        free(v);
+        free(pos);
+        fprintf(stderr, "entmaxkv %s: out of memory\n", who);
+        return 1;
+    }
     const int planted = w->kind == WL_PLANTED || w->kind == WL_ALIBI;
     double t0 = cli_now_seconds(), last = t0;
     int64_t total = len * batch, done = 0;
@@ -219,24 +258,31 @@ static int fill(ekv_context *ctx, ekv_cache *cache, const int32_t *seqs, int64_t
                     /* aligned key: strength c in [6, 12] along u_h, plus unit noise */
                     double c = 6.0 + 6.0 * (double)(i % PLANTED_PER_HEAD) / (PLANTED_PER_HEAD - 1);
                     float *kr = k + (p - p0) * row + h * D;
-                    for (int64_t d = 0; d < D; d++) kr[d] = (float)(c * w->dirs[h * D + d] + cli_rng_normal(r));
+                    for (int64_t d = 0; d < D; d++)
+                        kr[d] = (float)(c * w->dirs[h * D + d] + cli_rng_normal(r));
                 }
             ekv_status st = ekv_cache_append(cache, seqs[b], n, k, v, EKV_DTYPE_F32);
             if (st) {
-                fprintf(stderr, "entmaxkv %s: append failed: %s: %s\n", who, ekv_status_string(st), ekv_last_error(ctx));
-                free(k); free(v); free(pos);
+                fprintf(stderr, "entmaxkv %s: append failed: %s: %s\n", who, ekv_status_string(st),
+                        ekv_last_error(ctx));
+                free(k);
+                free(v);
+                free(pos);
                 return 1;
             }
             done += n;
             double now = cli_now_seconds();
             if (now - last > 2.0) {
-                fprintf(stderr, "  filling the cache (%s): %lld / %lld tokens (%.0f%%)\n", wl_name(w->kind),
-                        (long long)done, (long long)total, 100.0 * (double)done / (double)total);
+                fprintf(stderr, "  filling the cache (%s): %lld / %lld tokens (%.0f%%)\n",
+                        wl_name(w->kind), (long long)done, (long long)total,
+                        100.0 * (double)done / (double)total);
                 last = now;
             }
         }
     }
-    free(k); free(v); free(pos);
+    free(k);
+    free(v);
+    free(pos);
     return 0;
 }
 
@@ -249,13 +295,17 @@ void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch) {
                 const int64_t e = s * n + i;
                 switch (w->tq.dtype) {
                 case EKV_DTYPE_F16: {
-                    uint16_t h; memcpy(&h, (const char *)w->tq.data + 2 * e, 2);
+                    uint16_t h;
+                    memcpy(&h, (const char *)w->tq.data + 2 * e, 2);
                     q[b * n + i] = f16_to_f32(h);
                     break;
                 }
                 case EKV_DTYPE_BF16: {
-                    uint16_t h; memcpy(&h, (const char *)w->tq.data + 2 * e, 2);
-                    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4);
+                    uint16_t h;
+                    memcpy(&h, (const char *)w->tq.data + 2 * e, 2);
+                    uint32_t u = (uint32_t)h << 16;
+                    float f;
+                    memcpy(&f, &u, 4);
                     q[b * n + i] = f;
                     break;
                 }
@@ -268,11 +318,12 @@ void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch) {
     if (w->kind == WL_PLANTED || w->kind == WL_ALIBI)
         for (int64_t b = 0; b < batch; b++)
             for (int64_t h = 0; h < w->heads; h++) /* share the KV head's direction: g = 8 */
-                for (int64_t d = 0; d < D; d++) q[(b * w->heads + h) * D + d] += 8.0f * w->dirs[(h / G) * D + d];
+                for (int64_t d = 0; d < D; d++)
+                    q[(b * w->heads + h) * D + d] += 8.0f * w->dirs[(h / G) * D + d];
 }
 
-int wl_open(wl_state *w, ekv_context *ctx, const char *spec, int64_t heads, int64_t kv_heads, int64_t dim,
-            uint64_t seed, const char *who) {
+int wl_open(wl_state *w, ekv_context *ctx, const char *spec, int64_t heads, int64_t kv_heads,
+            int64_t dim, uint64_t seed, const char *who) {
     wl_kind k;
     memset(w, 0, sizeof *w);
     if (wl_parse(spec, &k)) {
@@ -295,7 +346,8 @@ int cli_context(const char *who, int64_t threads, ekv_isa isa, ekv_context **ctx
     cp.isa = isa;
     ekv_status st = ekv_context_create(&cp, ctx);
     if (st == EKV_ERR_UNSUPPORTED) {
-        fprintf(stderr, "entmaxkv %s: --isa %s is not supported by this CPU\n", who, ekv_isa_name(isa));
+        fprintf(stderr, "entmaxkv %s: --isa %s is not supported by this CPU\n", who,
+                ekv_isa_name(isa));
         return CLI_USAGE;
     }
     if (st) {
@@ -317,7 +369,8 @@ static int setup_tables(wl_setup *s, const char *who) {
         fprintf(stderr, "entmaxkv %s: out of memory\n", who);
         return 1;
     }
-    ekv_cache_page_table(s->cache, s->seqs, (int32_t)s->batch, s->indptr, s->indices, needed, s->last_page_len, NULL);
+    ekv_cache_page_table(s->cache, s->seqs, (int32_t)s->batch, s->indptr, s->indices, needed,
+                         s->last_page_len, NULL);
     s->table = (ekv_page_table){(int32_t)s->batch, s->indptr, s->indices, s->last_page_len};
     s->list_capacity = ekv_page_list_capacity(&s->table, s->kv.num_kv_heads);
     s->list_indptr = malloc(sizeof(int64_t) * (size_t)(s->batch * s->kv.num_kv_heads + 1));
@@ -329,8 +382,8 @@ static int setup_tables(wl_setup *s, const char *who) {
     return 0;
 }
 
-int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_geometry *g, cli_rng *r,
-                    const char *who) {
+int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_geometry *g,
+                    cli_rng *r, const char *who) {
     memset(s, 0, sizeof *s);
     s->batch = g->batch;
     s->len = g->len;
@@ -344,7 +397,8 @@ int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_g
     pp.num_pages = ekv_cache_pages_for(g->len, g->batch, pp.page_size);
     ekv_status st = ekv_cache_create(ctx, &pp, &s->cache);
     s->seqs = st ? NULL : malloc(sizeof(int32_t) * (size_t)g->batch);
-    for (int64_t b = 0; !st && s->seqs && b < g->batch; b++) st = ekv_cache_seq_new(s->cache, &s->seqs[b]);
+    for (int64_t b = 0; !st && s->seqs && b < g->batch; b++)
+        st = ekv_cache_seq_new(s->cache, &s->seqs[b]);
     if (st) {
         fprintf(stderr, "entmaxkv %s: %s: %s\n", who, ekv_status_string(st), ekv_last_error(ctx));
         return 1;
@@ -369,7 +423,8 @@ void wl_setup_free(wl_setup *s) {
 }
 
 ekv_page_list wl_setup_list(const wl_setup *s) {
-    return (ekv_page_list){.indptr = s->list_indptr, .pages = s->list_pages, .capacity = s->list_capacity};
+    return (ekv_page_list){
+            .indptr = s->list_indptr, .pages = s->list_pages, .capacity = s->list_capacity};
 }
 
 int64_t wl_setup_seq_len(const wl_setup *s, int64_t b) {

@@ -83,6 +83,14 @@ EKV_API ekv_status ekv_dtype_from_name(const char *name, ekv_dtype *out);
 /* ---------------------------------------------------------------------------------- */
 /* Context: threads, SIMD level, last error                                            */
 /* ---------------------------------------------------------------------------------- */
+/*
+ * A context is single-threaded: its thread pool runs one call at a time and its scratch
+ * memory belongs to the call in progress. Use one context per thread (contexts are
+ * independent; caches and models created with a context share it). A call that finds
+ * another thread inside a call on the same context (directly, or through a cache or model
+ * created with it) returns EKV_ERR_INVALID_ARGUMENT, "context used from two threads at
+ * once", and changes nothing.
+ */
 typedef struct ekv_context ekv_context;
 
 typedef enum ekv_isa {
@@ -116,6 +124,10 @@ EKV_API ekv_isa ekv_cpu_best_isa(void);
  * p = alpha-entmax(x). alpha = 1 softmax, 1.5 (closed form), 2 sparsemax (closed form),
  * any other alpha in (1, 4]: safeguarded Halley + bisection in double precision, then
  * renormalised. Entries equal to -inf are masked (p = 0). NaN or +inf in x is an error.
+ * Any finite x works: the row is shifted by its maximum before it is scaled, so p is finite
+ * and exact for every magnitude. tau (z-space, (alpha-1)*x scale) is (alpha-1)*max(x) plus a
+ * small offset; when that overflows a double the call fails with EKV_ERR_INVALID_ARGUMENT
+ * (only possible for ekv_entmax_f64 with |x| > DBL_MAX/3; pass tau = NULL there).
  * ctx may be NULL (then no message is kept). tau and support may be NULL.
  */
 EKV_API ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha,
@@ -197,7 +209,8 @@ typedef struct ekv_cache_params {
 EKV_API ekv_cache_params ekv_cache_default_params(void);
 /* Pages needed to hold `tokens` tokens in each of `seqs` sequences. */
 EKV_API int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size);
-/* Bytes the pool would allocate for these params (K, V and summaries), or -1 if invalid. */
+/* Bytes the pool would allocate for these params (K, V and summaries), or -1 if invalid.
+ * ekv_cache_create refuses (EKV_ERR_OUT_OF_MEMORY) a pool larger than physical memory. */
 EKV_API int64_t ekv_cache_bytes_needed(const ekv_cache_params *params);
 EKV_API ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params,
                                     ekv_cache **out);

@@ -37,12 +37,12 @@ static inline int ekv_cpu_alibi_page(const float *slopes, double a, int64_t h0, 
     return 1;
 }
 
-/* The kept scores of a group are usable: their maxima are finite. A maximum of +inf (or NaN)
+/* The kept scores of a group are usable: their maxima are finite. A maximum of +inf (or none)
  * means |scale * q.k| overflowed fp32; the step then fails with a status instead of giving
  * NaN or zeros (docs/math.md §6.2). */
 static inline int ekv_cpu_scores_ok(const float *M, int64_t n) {
     for (int64_t g = 0; g < n; g++)
-        if (!(M[g] < INFINITY)) return 0;
+        if (!isfinite(M[g])) return 0; /* +inf, or -inf when every score is NaN */
     return 1;
 }
 

@@ -1,0 +1,324 @@
+/*
+ * Hostile and extreme inputs (issue 11, item 9): every case here failed, crashed or hung
+ * before its fix.
+ *   1. entmax of huge finite rows: finite, exact probabilities (was NaN with OK);
+ *   2. one context from two threads: a clear status, not a crash or a deadlock; two
+ *      contexts in two threads still give single-thread results;
+ *   3. a cache pool larger than physical memory fails fast (was granted under overcommit);
+ *   4. a directory or a device as a safetensors file: "not a regular file" (was malloc(2^63-1));
+ *   5. ekv_model_step checks the count before reading the tokens;
+ *   6. a model whose safetensors header has an odd length loads and runs (misaligned data;
+ *      the sanitizer build caught the misaligned load), with the same logits as an aligned copy.
+ */
+#include "core/internal.h"
+#include "test_util.h"
+#include <float.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static const double ALPHAS[] = {1.0, 1.25, 1.5, 2.0, 4.0};
+enum { NALPHA = 5 };
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* p must be exactly `want` (one-hot or an even split): the obvious answer for huge gaps. */
+static void check_row_f32(const char *what, const float *x, int n, const double *want) {
+    for (int a = 0; a < NALPHA; a++) {
+        float p[8];
+        double tau = NAN;
+        int64_t sup = -1;
+        ekv_status st = ekv_entmax(NULL, x, n, ALPHAS[a], p, &tau, &sup);
+        CHECK(st == EKV_OK, "%s alpha %g: %s", what, ALPHAS[a], ekv_status_string(st));
+        CHECK(isfinite(tau), "%s alpha %g: tau %g", what, ALPHAS[a], tau);
+        int64_t want_sup = 0;
+        for (int i = 0; i < n; i++) {
+            want_sup += want[i] > 0;
+            CHECK(fabs((double)p[i] - want[i]) <= 1e-7, "%s alpha %g: p[%d] = %g, want %g", what, ALPHAS[a], i,
+                  (double)p[i], want[i]);
+        }
+        CHECK(sup == want_sup, "%s alpha %g: support %lld, want %lld", what, ALPHAS[a], (long long)sup,
+              (long long)want_sup);
+    }
+}
+
+static void test_entmax_scale(void) {
+    const float big[2] = {2e16f, 0.f}; /* the CLI's `echo "2e16 0" | entmaxkv entmax` */
+    check_row_f32("2e16 0", big, 2, (const double[]){1, 0});
+    const float neg[3] = {-3e38f, -3.1e38f, -INFINITY};
+    check_row_f32("-3e38 -3.1e38 -inf", neg, 3, (const double[]){1, 0, 0});
+    const float mixed[4] = {-INFINITY, 3e38f, -INFINITY, -3e38f};
+    check_row_f32("mixed -inf, +-3e38", mixed, 4, (const double[]){0, 1, 0, 0});
+    const float tie[3] = {1e30f, 1e30f, -INFINITY}; /* exact tie at a huge magnitude */
+    check_row_f32("1e30 tie", tie, 3, (const double[]){0.5, 0.5, 0});
+    /* near tie: 1e30*(1+1e-7) is one float ulp (7.6e22) above 1e30, a huge gap in p terms */
+    const float near[2] = {1e30f, 1e30f * (1.0f + 1e-7f)};
+    CHECK(near[1] > near[0], "near tie collapsed in float");
+    check_row_f32("1e30 near tie", near, 2, (const double[]){0, 1});
+
+    /* double precision: the same answers as the unshifted small row, at any offset */
+    for (int a = 0; a < NALPHA; a++) {
+        const double small[3] = {0.5, 0.0, -0.25};
+        double ps[3], pb[3], x[3], tau;
+        CHECK(ekv_entmax_f64(NULL, small, 3, ALPHAS[a], ps, NULL, NULL) == EKV_OK, "small row");
+        for (int i = 0; i < 3; i++) x[i] = 1e300 + small[i]; /* the offset swallows the row: a tie */
+        CHECK(ekv_entmax_f64(NULL, x, 3, ALPHAS[a], pb, &tau, NULL) == EKV_OK, "1e300 row");
+        for (int i = 0; i < 3; i++)
+            CHECK(fabs(pb[i] - 1.0 / 3) < 1e-12 && isfinite(tau), "alpha %g: 1e300 tie p[%d] = %g", ALPHAS[a], i, pb[i]);
+        for (int i = 0; i < 3; i++) x[i] = 1e9 + small[i]; /* exactly representable: p of the small row */
+        CHECK(ekv_entmax_f64(NULL, x, 3, ALPHAS[a], pb, NULL, NULL) == EKV_OK, "1e9 row");
+        for (int i = 0; i < 3; i++)
+            CHECK(fabs(pb[i] - ps[i]) < 1e-12, "alpha %g: 1e9 + x: p[%d] = %.17g, want %.17g", ALPHAS[a], i, pb[i], ps[i]);
+        const double extreme[2] = {DBL_MAX, -DBL_MAX}; /* x - max overflows to -inf: weight 0 */
+        CHECK(ekv_entmax_f64(NULL, extreme, 2, ALPHAS[a], pb, NULL, NULL) == EKV_OK && pb[0] == 1 && pb[1] == 0,
+              "alpha %g: +-DBL_MAX gives %g %g", ALPHAS[a], pb[0], pb[1]);
+    }
+    /* tau = 3 * DBL_MAX is not a double: a clear status, never inf or NaN with OK */
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    const double extreme[2] = {DBL_MAX, 0};
+    double p[2], tau = 0;
+    ekv_status st = ekv_entmax_f64(ctx, extreme, 2, 4.0, p, &tau, NULL);
+    CHECK(st == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "overflows"), "tau overflow: %s: %s",
+          ekv_status_string(st), ekv_last_error(ctx));
+    ekv_context_free(ctx);
+}
+
+/* ---- 2. one context, two threads ---- */
+typedef struct {
+    ekv_model *m;
+    int steps, ok, busy, other;
+    pthread_barrier_t *start;
+} hammer_arg;
+
+static void *hammer(void *vp) {
+    hammer_arg *h = vp;
+    pthread_barrier_wait(h->start);
+    int32_t tok[4] = {1, 2, 3, 4};
+    for (int i = 0; i < h->steps; i++) {
+        if (ekv_model_position(h->m) + 4 > 64) ekv_model_reset(h->m);
+        ekv_status st = ekv_model_step(h->m, tok, 4, NULL);
+        if (st == EKV_OK) h->ok++;
+        else if (st == EKV_ERR_INVALID_ARGUMENT) h->busy++;
+        else h->other++;
+    }
+    return NULL;
+}
+
+static ekv_model *load_model(ekv_context *ctx, const char *name) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", EKV_TEST_DATA_DIR, name);
+    ekv_model_params mp = ekv_model_default_params();
+    mp.max_tokens = 64;
+    ekv_model *m = NULL;
+    ekv_status st = ekv_model_load(ctx, path, &mp, &m);
+    CHECK(st == EKV_OK, "load %s: %s: %s", name, ekv_status_string(st), ekv_last_error(ctx));
+    return st == EKV_OK ? m : NULL;
+}
+
+/* The held context refuses every entry from another thread, deterministically. */
+typedef struct { ekv_model *m; ekv_context *ctx; ekv_status st; char msg[512]; } probe_arg;
+static void *probe(void *vp) {
+    probe_arg *pa = vp;
+    const int32_t tok = 7;
+    pa->st = ekv_model_step(pa->m, &tok, 1, NULL);
+    snprintf(pa->msg, sizeof pa->msg, "%s", ekv_last_error(pa->ctx));
+    return NULL;
+}
+
+static void test_threads(void) {
+    ekv_context_params cp = ekv_context_default_params();
+    cp.n_threads = 2;
+    ekv_context *ctx;
+    CHECK(ekv_context_create(&cp, &ctx) == EKV_OK, "context");
+    ekv_model *a = load_model(ctx, "tiny_model.safetensors"), *b = load_model(ctx, "tiny_model.safetensors");
+    if (!a || !b) { ekv_model_free(a); ekv_model_free(b); ekv_context_free(ctx); return; }
+    /* deterministic: this thread holds the context, another thread's step is refused */
+    CHECK(ekv_ctx_enter(ctx) == EKV_OK && ekv_ctx_enter(ctx) == EKV_OK, "enter (nested) from the owner");
+    probe_arg pa = {b, ctx, EKV_OK, ""};
+    pthread_t t;
+    pthread_create(&t, NULL, probe, &pa);
+    pthread_join(t, NULL);
+    CHECK(pa.st == EKV_ERR_INVALID_ARGUMENT && strstr(pa.msg, "two threads"), "held context: %s: %s",
+          ekv_status_string(pa.st), pa.msg);
+    CHECK(ekv_model_position(b) == 0, "a refused step must not run");
+    ekv_ctx_leave(ctx);
+    pthread_create(&t, NULL, probe, &pa); /* still held once (nested enter) */
+    pthread_join(t, NULL);
+    CHECK(pa.st == EKV_ERR_INVALID_ARGUMENT, "after one of two leaves: %s", ekv_status_string(pa.st));
+    ekv_ctx_leave(ctx);
+    pthread_create(&t, NULL, probe, &pa);
+    pthread_join(t, NULL);
+    CHECK(pa.st == EKV_OK, "released context: %s: %s", ekv_status_string(pa.st), pa.msg);
+
+    /* hammering: every call either runs or is refused; no crash, no hang */
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    hammer_arg h[2] = {{a, 300, 0, 0, 0, &bar}, {b, 300, 0, 0, 0, &bar}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, hammer, &h[i]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&bar);
+    for (int i = 0; i < 2; i++)
+        CHECK(h[i].ok + h[i].busy == h[i].steps && h[i].other == 0, "thread %d: %d ok, %d refused, %d other", i,
+              h[i].ok, h[i].busy, h[i].other);
+    fprintf(stderr, "  one context, two threads: %d + %d steps ran, %d + %d refused\n", h[0].ok, h[1].ok, h[0].busy,
+            h[1].busy);
+    ekv_model_free(a);
+    ekv_model_free(b);
+    ekv_context_free(ctx);
+}
+
+/* Two contexts in two threads: bitwise the logits of one thread. */
+typedef struct { float logits[4 * 256]; ekv_status st; } own_arg;
+static void *own_ctx_run(void *vp) {
+    own_arg *o = vp;
+    ekv_context_params cp = ekv_context_default_params();
+    cp.n_threads = 2;
+    ekv_context *ctx;
+    o->st = ekv_context_create(&cp, &ctx);
+    if (o->st) return NULL;
+    ekv_model *m = load_model(ctx, "tiny_model.safetensors");
+    const int32_t tok[4] = {72, 101, 108, 108};
+    o->st = m ? EKV_OK : EKV_ERR_INVALID_ARGUMENT;
+    for (int r = 0; r < 50 && !o->st; r++) {
+        ekv_model_reset(m);
+        o->st = ekv_model_step(m, tok, 4, o->logits);
+    }
+    ekv_model_free(m);
+    ekv_context_free(ctx);
+    return NULL;
+}
+
+static void test_two_contexts(void) {
+    static own_arg ref, x[2];
+    own_ctx_run(&ref);
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, own_ctx_run, &x[i]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++)
+        CHECK(ref.st == EKV_OK && x[i].st == EKV_OK && !memcmp(ref.logits, x[i].logits, sizeof ref.logits),
+              "two contexts: thread %d differs from one thread (%s)", i, ekv_status_string(x[i].st));
+}
+
+/* ---- 3. memory ---- */
+static void test_cache_larger_than_ram(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    ekv_cache_params p = ekv_cache_default_params();
+    p.num_kv_heads = 8;
+    p.head_dim = 128;
+    p.page_size = 16;
+    p.dtype = EKV_DTYPE_F16;
+    p.max_seqs = 1;
+    const int64_t phys = ekv_phys_mem_bytes(), per_page = 2 * 16 * 8 * 128 * 2;
+    p.num_pages = phys / per_page + phys / per_page / 4 + 1; /* 1.25x RAM: granted under overcommit */
+    if (p.num_pages > INT32_MAX) p.num_pages = INT32_MAX;
+    ekv_cache *c = (ekv_cache *)&p;
+    const double t0 = now_s();
+    ekv_status st = ekv_cache_create(ctx, &p, &c);
+    const double dt = now_s() - t0;
+    CHECK(st == EKV_ERR_OUT_OF_MEMORY, "cache of %.1f GiB on %.1f GiB RAM: %s", (double)ekv_cache_bytes_needed(&p) / (1 << 30),
+          (double)phys / (1 << 30), ekv_status_string(st));
+    CHECK(strstr(ekv_last_error(ctx), "physical memory") != NULL, "message: %s", ekv_last_error(ctx));
+    CHECK(dt < 1.0, "the refusal took %.2f s", dt);
+    if (st == EKV_OK) ekv_cache_free(c);
+    else CHECK(c == (ekv_cache *)&p, "out written on error");
+    ekv_context_free(ctx);
+}
+
+/* ---- 4. files ---- */
+static void test_not_regular_files(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    const char *paths[] = {EKV_TEST_DATA_DIR, "/dev/zero", "/dev/null"};
+    for (int i = 0; i < 3; i++) {
+        if (access(paths[i], R_OK)) continue;
+        ekv_safetensors *st = NULL;
+        const double t0 = now_s();
+        ekv_status s = ekv_safetensors_open(ctx, paths[i], &st);
+        CHECK(s == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "not a regular file") && now_s() - t0 < 1.0,
+              "open %s: %s: %s", paths[i], ekv_status_string(s), ekv_last_error(ctx));
+        if (!s) ekv_safetensors_free(st);
+        ekv_model *m = NULL;
+        s = ekv_model_load(ctx, paths[i], NULL, &m);
+        CHECK(s == EKV_ERR_INVALID_ARGUMENT, "model_load %s: %s", paths[i], ekv_status_string(s));
+        if (!s) ekv_model_free(m);
+    }
+    ekv_context_free(ctx);
+}
+
+/* ---- 5 and 6: the model's counts, misaligned data ---- */
+static int read_file(const char *path, unsigned char **buf, int64_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    fseek(f, 0, SEEK_END);
+    *len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    *buf = malloc((size_t)*len + 1);
+    int ok = *buf && fread(*buf, 1, (size_t)*len, f) == (size_t)*len;
+    fclose(f);
+    return ok ? 0 : -1;
+}
+
+static void test_model_counts_and_alignment(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    unsigned char *odd = NULL;
+    int64_t len = 0;
+    CHECK(read_file(EKV_TEST_DATA_DIR "/min_model_odd_header.safetensors", &odd, &len) == 0, "read the odd-header model");
+    if (!odd) { ekv_context_free(ctx); return; }
+    uint64_t hl;
+    memcpy(&hl, odd, 8);
+    CHECK(hl % 2 == 1, "the header length %llu must be odd", (unsigned long long)hl);
+    /* the aligned twin: one more trailing space in the header */
+    unsigned char *even = malloc((size_t)len + 1);
+    const uint64_t hl2 = hl + 1;
+    memcpy(even, &hl2, 8);
+    memcpy(even + 8, odd + 8, (size_t)hl);
+    even[8 + hl] = ' ';
+    memcpy(even + 9 + hl, odd + 8 + hl, (size_t)(len - 8 - (int64_t)hl));
+    float logits[2][3 * 256];
+    const int32_t tok[3] = {0, 97, 255};
+    for (int v = 0; v < 2; v++) {
+        ekv_safetensors *st = NULL;
+        ekv_model *m = NULL;
+        ekv_model_params mp = ekv_model_default_params();
+        mp.max_tokens = 3;
+        ekv_status s = ekv_safetensors_parse(ctx, v ? even : odd, v ? len + 1 : len, &st);
+        if (!s) s = ekv_model_from_safetensors(ctx, st, &mp, &m);
+        if (!s) s = ekv_model_step(m, tok, 3, logits[v]);
+        CHECK(s == EKV_OK, "%s header: %s: %s", v ? "even" : "odd", ekv_status_string(s), ekv_last_error(ctx));
+        if (m && v == 0) {
+            /* 5: n past max_tokens with a one-token array: the count is refused before the
+             * tokens are read (ASan: a heap overflow before the fix) */
+            int32_t *one = malloc(sizeof *one);
+            *one = 5;
+            ekv_model_reset(m);
+            s = ekv_model_step(m, one, 1000, NULL);
+            CHECK(s == EKV_ERR_CACHE_FULL, "n = 1000 > max_tokens = 3: %s", ekv_status_string(s));
+            free(one);
+        }
+        ekv_model_free(m);
+        ekv_safetensors_free(st);
+    }
+    CHECK(!memcmp(logits[0], logits[1], sizeof logits[0]), "odd and even headers give different logits");
+    free(odd);
+    free(even);
+    ekv_context_free(ctx);
+}
+
+int main(void) {
+    test_entmax_scale();
+    test_threads();
+    test_two_contexts();
+    test_cache_larger_than_ram();
+    test_not_regular_files();
+    test_model_counts_and_alignment();
+    return test_finish("test_hardening");
+}
