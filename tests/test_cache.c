@@ -3,7 +3,7 @@
  *   - random interleaved appends (decode steps, prefill chunks crossing pages) over page
  *     sizes, storage/source dtypes, KV heads and head dims; after every append the touched
  *     pages, and at the end every page, are checked against a from-scratch recomputation
- *     in double of the stored values and of the page summaries (SPEC 1.2, 9.5);
+ *     in double of the stored values and of the page summaries (docs/math.md §1.2, 9.5);
  *   - page tables (CSR consistency, "needed" query mode, too-small capacity);
  *   - freeing sequences, page reuse with fresh statistics;
  *   - cache full and NaN/inf (and storage-overflow) inputs: error, nothing changed;
@@ -273,7 +273,7 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                       "[%s] seq %d page #%lld h %lld d %lld n %lld: M2 %.9g, want %.9g (tol %.3g)", g_cfg, s->id,
                       (long long)i, (long long)h, (long long)d, (long long)n, sm2, m2, tol_m2);
                 if (scale_m2 > 0) g_worst_m2 = fmax(g_worst_m2, fabs(sm2 - m2) / scale_m2);
-                /* derived std (SPEC 1.2) against the exact population std */
+                /* derived std (docs/math.md §1.2) against the exact population std */
                 const double sstd = fmax(sqrt(sm2 / n), 1e-6), estd = fmax(sqrt(m2 / n), 1e-6);
                 CHECK(fabs(sstd - estd) <= sqrt(tol_m2 / n) + 1e-6 * estd,
                       "[%s] seq %d page #%lld h %lld d %lld: std %.9g, want %.9g", g_cfg, s->id, (long long)i,

@@ -1,5 +1,5 @@
 /*
- * Certified decode and the dropped-mass bound (SPEC 9):
+ * Certified decode and the dropped-mass bound (docs/math.md §9):
  *  - the page bound (min(box, ball) + slack) is never below any token's score, checked in
  *    double precision against every key as stored, in f32/f16/bf16, with and without ALiBi;
  *  - certified decode equals dense entmax (<= 1e-5 relative, identical support) over
@@ -7,7 +7,7 @@
  *    near-flat scores (a support spread over many pages), duplicated keys (ties at tau),
  *    one-token pages, heavy outlier channels, GQA and per-query-head lists;
  *  - for top-k steps: delta <= delta_bar, delta_bar = 0 implies an exact output, and
- *    ||o - o*||_2 <= 2 delta max ||v||_2 (SPEC 9.4).
+ *    ||o - o*||_2 <= 2 delta max ||v||_2 (docs/math.md §9.4).
  */
 #include "entmaxkv.h"
 #include "test_util.h"

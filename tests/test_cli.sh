@@ -267,6 +267,33 @@ expect_input_error $'1 2 3\n1 nan 3\n' 2 --alpha 1.5
 expect_input_error $'1 inf 3\n' 1 --alpha 2
 expect_input_error $'-inf -inf\n' 1 --alpha 1
 
+# huge finite inputs: exact, finite probabilities and valid JSON (printed -nan before)
+for a in 1 1.25 1.5 2 4; do
+    expect_line $'2e16 0\n' "1 0" entmax --alpha "$a"
+    expect_line $'-inf 3e38 -3e38\n' "0 1 0" entmax --alpha "$a"
+    expect_line $'1e30 1e30\n' "0.5 0.5" entmax --alpha "$a"
+    run $'2e16 0\n' entmax --alpha "$a" --json
+    if [ -n "$PY" ]; then
+        $PY -c 'import json, math, sys; o = json.loads(open(sys.argv[1]).read()); assert o["p"] == [1, 0] and o["support"] == 1 and math.isfinite(o["tau"]), o' "$OUT" 2>/dev/null
+    else
+        grep -q '^{"p":\[1,0\],"tau":[0-9.eE+]*,"support":1}$' "$OUT"
+    fi
+    st=$?; check "entmax --alpha $a --json of '2e16 0': valid JSON, p [1, 0] (got '$(head -c 200 "$OUT")')" $st
+done
+# unreadable stdin, NUL bytes and raw bytes: exit 1 with a message; no raw byte echoed
+$TIMEOUT "$BIN" entmax <"$TMP" >"$OUT" 2>"$ERR"
+RC=$?
+[ "$RC" -eq 1 ] && grep -q 'cannot read stdin' "$ERR"
+st=$?; check "entmax with a directory on stdin should exit 1 (rc=$RC, stderr '$(head -c 200 "$ERR")')" $st
+printf '1 2\0 3\n' | $TIMEOUT "$BIN" entmax >"$OUT" 2>"$ERR"
+RC=$?
+[ "$RC" -eq 1 ] && grep -q 'line 1: contains a NUL byte' "$ERR" && [ ! -s "$OUT" ]
+st=$?; check "entmax on a line with a NUL byte should exit 1 (rc=$RC, stderr '$(head -c 200 "$ERR")')" $st
+printf '1 \377\033[31m 3\n' | $TIMEOUT "$BIN" entmax >"$OUT" 2>"$ERR"
+RC=$?
+[ "$RC" -eq 1 ] && grep -qF "'\xff\x1b[31m' is not a number" "$ERR" && ! LC_ALL=C grep -q "$(printf '[\033\377]')" "$ERR"
+st=$?; check "entmax should escape invalid bytes in its error (rc=$RC, stderr '$(head -c 200 "$ERR" | od -c | head -2 | tr '\n' ' ')')" $st
+
 # ---------------------------------------------------------------------------------- bench
 # check_bench_json FILE ROWS EXPECTED-JSON-OBJECT : field presence, types, values
 check_bench_json() {

@@ -1,5 +1,5 @@
 /*
- * Properties of the exact entmax solvers (SPEC 0, 8, 9.1, 9.8), on random rows and the
+ * Properties of the exact entmax solvers (docs/math.md §0, 8, 9.1, 9.8), on random rows and the
  * known hard inputs, against an independent long-double bisection:
  *   sum p = 1, p >= 0, order preserved, invariance to adding a constant, tau of a subset
  *   <= tau of the whole, the one-hot row shifted by -1000, alpha = 3 with 1000*randn,
@@ -133,7 +133,7 @@ int main(void) {
     }
 
     /* invariance to adding a constant (exactly representable shifts) and tau shifting by
-     * (alpha-1)*c; tau of a subset <= tau of the whole (SPEC 9.1) */
+     * (alpha-1)*c; tau of a subset <= tau of the whole (docs/math.md §9.1) */
     for (int ai = 0; ai < NALPHA; ai++) {
         double a = alphas[ai], am1 = a == 1.0 ? 1.0 : a - 1.0;
         for (int trial = 0; trial < 50; trial++) {

@@ -1,6 +1,6 @@
 /*
- * The Gaussian-aware selector (SPEC 4):
- *  - the solvers against SPEC 5.8's [computed] vectors (alpha 1.5, 2, the correct 4/3 and the
+ * The Gaussian-aware selector (docs/math.md §4):
+ *  - the solvers against docs/math.md §5.8's [computed] vectors (alpha 1.5, 2, the correct 4/3 and the
  *    reference's 4/3), the mixture example, and the z_page / z_c constants;
  *  - the page rule assembled by ekv_select_pages against an independent evaluation of SPEC
  *    4.2-4.9 on hand-made page statistics (D = 1, so mu_p and sigma_p are the stats), with and
@@ -15,7 +15,7 @@
 #include <string.h>
 
 static void test_vectors(void) {
-    /* n, alpha 1.5, alpha 2, alpha 4/3 correct, alpha 4/3 reference (SPEC 5.8) */
+    /* n, alpha 1.5, alpha 2, alpha 4/3 correct, alpha 4/3 reference (docs/math.md §5.8) */
     static const double tab[5][5] = {{1024, 1.065097, 2.725017, 0.490510, 1.042801},
                                      {2048, 1.175701, 2.930012, 0.570710, 1.132026},
                                      {8192, 1.380275, 3.310966, 0.718339, 1.284583},
@@ -46,7 +46,7 @@ static void test_vectors(void) {
     CHECK(fabs(ekv_normal_quantile(1e-10) + 6.361340902404056) < 1e-9, "Phi^-1(1e-10)");
 }
 
-/* SPEC 4.3-4.9 evaluated independently: tau-hat and tau_floor for D = 1 page statistics. */
+/* docs/math.md §4.3-4.9 evaluated independently: tau-hat and tau_floor for D = 1 page statistics. */
 static double rule_floor(const double *mus, const double *sds, int Ps, int ps, double alpha, double mz, double qmax,
                          int auto_m, double rho, double *tau_out, double *zp_out, double *sgg_out) {
     const double a = alpha - 1;
@@ -65,7 +65,7 @@ static double rule_floor(const double *mus, const double *sds, int Ps, int ps, d
 }
 
 /* Hand-made statistics, D = 1, q = 1, scale = 1, count = 1 per page's token set: mu_p =
- * kmean_p, sigma_p = sqrt(km2_p / count_p). Checked against SPEC 4.3-4.9 evaluated here. */
+ * kmean_p, sigma_p = sqrt(km2_p / count_p). Checked against docs/math.md §4.3-4.9 evaluated here. */
 static void test_rule(ekv_context *ctx) {
     enum { P = 9, PS = 4 };
     float kmean[P], km2[P], kmin[P], kmax[P], rad[P], dummy[P * PS] = {0};

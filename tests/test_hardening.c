@@ -7,8 +7,9 @@
  *   3. a cache pool larger than physical memory fails fast (was granted under overcommit);
  *   4. a directory or a device as a safetensors file: "not a regular file" (was malloc(2^63-1));
  *   5. ekv_model_step checks the count before reading the tokens;
- *   6. a model whose safetensors header has an odd length loads and runs (misaligned data;
- *      the sanitizer build caught the misaligned load), with the same logits as an aligned copy.
+ *   6. misaligned data: a model whose safetensors header has an odd length gives the logits of
+ *      an aligned copy, and ekv_cache_append from misaligned K/V (a trace file's data) stores
+ *      what an aligned append stores (the sanitizer build caught the misaligned load).
  */
 #include "core/internal.h"
 #include "test_util.h"
@@ -313,6 +314,49 @@ static void test_model_counts_and_alignment(void) {
     ekv_context_free(ctx);
 }
 
+/* 6b. ekv_cache_append from misaligned user buffers (a trace's K/V come straight from a
+ * file whose data may start at an odd offset): stored exactly as from aligned ones. The
+ * sanitizer build reported the misaligned uint16_t/float load before the fix. */
+static void test_misaligned_append(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    enum { HK = 2, D = 8, N = 5 };
+    const ekv_dtype src[2] = {EKV_DTYPE_F16, EKV_DTYPE_F32};
+    for (int s = 0; s < 2; s++) {
+        const int64_t es = ekv_dtype_size(src[s]), bytes = N * HK * D * es;
+        unsigned char *al = malloc((size_t)bytes), *mis = malloc((size_t)bytes + 1);
+        for (int64_t i = 0; i < N * HK * D; i++) ekv_store_f32(al, src[s], i, (float)(i % 13) * 0.25f - 1.0f);
+        memcpy(mis + 1, al, (size_t)bytes);
+        ekv_paged_kv kv[2];
+        ekv_cache *c[2] = {NULL, NULL};
+        for (int v = 0; v < 2; v++) {
+            ekv_cache_params p = ekv_cache_default_params();
+            p.num_kv_heads = HK;
+            p.head_dim = D;
+            p.page_size = 4;
+            p.num_pages = 4;
+            p.max_seqs = 1;
+            p.dtype = EKV_DTYPE_F32;
+            int32_t seq;
+            const void *x = v ? (const void *)(mis + 1) : (const void *)al;
+            ekv_status st = ekv_cache_create(ctx, &p, &c[v]);
+            if (!st) st = ekv_cache_seq_new(c[v], &seq);
+            if (!st) st = ekv_cache_append(c[v], seq, N, x, x, src[s]);
+            if (!st) st = ekv_cache_kv_view(c[v], &kv[v], NULL);
+            CHECK(st == EKV_OK, "%s append (%s): %s", v ? "misaligned" : "aligned", ekv_dtype_name(src[s]),
+                  ekv_status_string(st));
+        }
+        if (c[0] && c[1])
+            CHECK(!memcmp(kv[0].k, kv[1].k, 4 * HK * D * sizeof(float)), "%s: misaligned append stored other keys (page 0)",
+                  ekv_dtype_name(src[s]));
+        ekv_cache_free(c[0]);
+        ekv_cache_free(c[1]);
+        free(al);
+        free(mis);
+    }
+    ekv_context_free(ctx);
+}
+
 int main(void) {
     test_entmax_scale();
     test_threads();
@@ -320,5 +364,6 @@ int main(void) {
     test_cache_larger_than_ram();
     test_not_regular_files();
     test_model_counts_and_alignment();
+    test_misaligned_append();
     return test_finish("test_hardening");
 }

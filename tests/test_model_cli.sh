@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CLI checks of the model subcommands (DESIGN 4) on the tiny test model:
+# CLI checks of the model subcommands (docs/cli.md) on the tiny test model:
 #   - run, ppl, trace: --help exits 0 with usage; bad options exit 2 with one line on stderr;
 #   - run greedy is deterministic, prints the prompt and ends with the stats lines;
 #   - ppl writes the JSON fields of the contract; certified gives the dense perplexity and
@@ -36,7 +36,7 @@ cat "$DATA/../golden/make_tiny_model.py" "$DATA/../golden/make_tiny_model.py" >"
 usage() {
     run "$@"
     [ "$RC" -eq 2 ] && [ "$(nlines "$ERR")" -eq 1 ] && [ ! -s "$OUT" ]
-    check "'$*' should exit 2 with one line on stderr (rc=$RC: $(head -c 200 "$ERR"))" $?
+    st=$?; check "'$*' should exit 2 with one line on stderr (rc=$RC: $(head -c 200 "$ERR"))" $st
 }
 usage run --bogus
 usage run --model "$MODEL" --method fast
@@ -85,7 +85,7 @@ check "run --compare should print one decode line per method (rc=$RC)" $?
 ppl_field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 3 --json "$TMP/dense.json"
 [ "$RC" -eq 0 ] && grep -q "^ppl " "$OUT"
-check "ppl dense should succeed (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "ppl dense should succeed (rc=$RC: $(head -c 200 "$ERR"))" $st
 if command -v python3 >/dev/null 2>&1; then
     python3 - "$TMP/dense.json" <<'EOF'
 import json, math, sys
@@ -103,7 +103,7 @@ EOF
 import json,sys
 a=json.load(open('$TMP/dense.json')); b=json.load(open('$TMP/m.json'))
 sys.exit(0 if abs(a['ppl']-b['ppl']) <= 1e-5*a['ppl'] else 1)"
-        check "ppl --method $m should equal dense ($(cat "$TMP/m.json" | head -c 100))" $?
+        st=$?; check "ppl --method $m should equal dense ($(cat "$TMP/m.json" | head -c 100))" $st
     done
     run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 2 --score-last 50 --json "$TMP/s.json"
     [ "$RC" -eq 0 ] && [ "$(ppl_field "$TMP/s.json" tokens)" = 100 ]
@@ -113,10 +113,10 @@ fi
 # trace -> eval
 run trace --model "$MODEL" --text "$TMP/text.txt" --ctx 400 --queries 4 --out "$TMP/t.safetensors"
 [ "$RC" -eq 0 ] && [ -s "$TMP/t.safetensors" ]
-check "trace should write its file (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "trace should write its file (rc=$RC: $(head -c 200 "$ERR"))" $st
 run eval --workload "trace:$TMP/t.safetensors@l1." --budgets 1/4 --steps 4 --threads 1
 [ "$RC" -eq 0 ] && grep -q "len=400 B=1 H=4 Hk=2 D=8" "$OUT" && grep -q "^certified" "$OUT"
-check "eval should read the trace of layer 1 with the model's shapes (rc=$RC: $(head -c 300 "$ERR"))" $?
+st=$?; check "eval should read the trace of layer 1 with the model's shapes (rc=$RC: $(head -c 300 "$ERR"))" $st
 
 echo "test_model_cli: $CHECKS checks, $FAILS failures"
 [ "$FAILS" -eq 0 ]

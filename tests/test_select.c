@@ -1,5 +1,5 @@
 /*
- * Page selection and attention over page lists (SPEC 2, 3):
+ * Page selection and attention over page lists (docs/math.md §2, 3):
  *  - top-k on hand-made page statistics: the right pages, in descending bound order, ties
  *    to the lower page, the last page always last, budget clamping, ALiBi bonus in z-space;
  *  - attention over a dense list equals dense decode; whenever a selection contains the

@@ -62,25 +62,15 @@ static int64_t need_int(int argc, char **argv, int *i, int64_t lo, int64_t hi) {
 
 static void parse_defaults(bench_opts *o) {
     memset(o, 0, sizeof *o);
+    wl_opts_init(&o->w, "random");
     o->backend = EKV_BACKEND_CPU;
     o->method = EKV_SELECT_DENSE;
-    o->workload = "random";
-    o->batch = 1;
-    o->heads = 32;
-    o->kv_heads = 8;
-    o->dim = 128;
-    o->page = 16;
-    o->threads = 0;
     o->iters = 30;
     o->warmup = 3;
-    o->seed = 1;
     o->superpage = 16;
-    o->dtype = EKV_DTYPE_F16;
     o->alpha = 1.5;
     o->isa = EKV_ISA_AUTO;
     o->budget = 1.0 / 16;
-    o->budget_tokens = 0;
-    o->wl = WL_RANDOM;
 }
 
 /* Options whose value is a name or a number with its own range; 0 if a is none of them. */
@@ -107,10 +97,6 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         if (cli_parse_fraction(v, &o->budget) || !(o->budget > 0 && o->budget <= 1))
             cli_usage_error("bench",
                             "--budget %s: expected a fraction in (0, 1], e.g. 0.0625 or 1/16", v);
-    } else if (!strcmp(a, "--dtype")) {
-        const char *v = need(argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->dtype))
-            cli_usage_error("bench", "--dtype %s: expected f32, f16 or bf16", v);
     } else if (!strcmp(a, "--alpha")) {
         const char *v = need(argc, argv, i);
         if (cli_parse_double(v, &o->alpha) || !(o->alpha >= 1.0 && o->alpha <= 4.0))
@@ -134,19 +120,12 @@ static void parse_check(bench_opts *o) {
         o->nlens = 1;
     }
     if (o->backend == EKV_BACKEND_CUDA) {
-        if (strcmp(o->workload, "random") && strcmp(o->workload, "planted"))
+        if (strcmp(o->w.workload, "random") && strcmp(o->w.workload, "planted"))
             cli_usage_error("bench", "--backend cuda: --workload %s: expected random or planted",
-                            o->workload);
+                            o->w.workload);
     } else if (o->ragged_min)
         cli_usage_error("bench", "--ragged is for --backend cuda");
-    if (wl_parse(o->workload, &o->wl))
-        cli_usage_error("bench", "--workload %s: expected random|planted|heavy|alibi|trace:FILE",
-                        o->workload);
-    if (o->wl == WL_TRACE && o->batch != 1)
-        cli_usage_error("bench", "traces hold one sequence: --batch must be 1");
-    if (o->heads % o->kv_heads)
-        cli_usage_error("bench", "--heads %lld is not a multiple of --kv-heads %lld",
-                        (long long)o->heads, (long long)o->kv_heads);
+    wl_opts_check("bench", &o->w);
 }
 
 static void parse(int argc, char **argv, bench_opts *o) {
@@ -156,36 +135,18 @@ static void parse(int argc, char **argv, bench_opts *o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             bench_help(stdout);
             exit(0);
-        } else if (parse_named(argc, argv, &i, o))
+        } else if (parse_named(argc, argv, &i, o) || wl_opt("bench", argc, argv, &i, &o->w, 4096))
             continue;
         else if (!strcmp(a, "--ragged"))
             o->ragged_min = need_int(argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--batch"))
-            o->batch = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--heads"))
-            o->heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--kv-heads"))
-            o->kv_heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--dim"))
-            o->dim = need_int(argc, argv, &i, 1, 65536);
-        else if (!strcmp(a, "--page"))
-            o->page = need_int(argc, argv, &i, 1, 256);
         else if (!strcmp(a, "--superpage"))
             o->superpage = need_int(argc, argv, &i, 0, 4096);
-        else if (!strcmp(a, "--threads"))
-            o->threads = need_int(argc, argv, &i, 0, 1024);
         else if (!strcmp(a, "--iters"))
             o->iters = need_int(argc, argv, &i, 1, 1000000);
         else if (!strcmp(a, "--warmup"))
             o->warmup = need_int(argc, argv, &i, 0, 1000000);
-        else if (!strcmp(a, "--seed"))
-            o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--json"))
-            o->json = need(argc, argv, &i);
         else if (!strcmp(a, "--budget-tokens"))
             o->budget_tokens = need_int(argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--workload"))
-            o->workload = need(argc, argv, &i);
         else
             cli_usage_error("bench", "unknown option '%s'", a);
     }
@@ -242,7 +203,7 @@ static ekv_status bench_step(ekv_context *ctx, const bench_opts *o, const bench_
 static void bench_params(const bench_opts *o, const wl_state *wl, ekv_decode_params *dp,
                          ekv_select_params *sp) {
     *dp = ekv_decode_default_params();
-    dp->num_heads = (int32_t)o->heads;
+    dp->num_heads = (int32_t)o->w.heads;
     dp->alpha = o->alpha;
     dp->alibi_slopes = wl_slopes(wl);
     *sp = ekv_select_default_params();
@@ -272,8 +233,9 @@ static int bench_select(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, c
         return 0;
     for (int64_t it = 0; it < o->iters; it++) {
         const double t0 = cli_now_seconds();
-        ekv_status st = ekv_select_pages(ctx, &bb->dp, &bb->sp, &s->kv, &s->stats, &s->table,
-                                         bb->q + (it % NQ) * s->batch * o->heads * o->dim, &list);
+        ekv_status st =
+                ekv_select_pages(ctx, &bb->dp, &bb->sp, &s->kv, &s->stats, &s->table,
+                                 bb->q + (it % NQ) * s->batch * o->w.heads * o->w.dim, &list);
         bb->times[it] = cli_now_seconds() - t0;
         if (st) {
             fprintf(stderr, "entmaxkv bench: select failed: %s: %s\n", ekv_status_string(st),
@@ -288,8 +250,8 @@ static int bench_select(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, c
 /* Warm-up and timed steps of one length. */
 static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, const wl_setup *s,
                       bench_result *r) {
-    const int64_t nh = s->batch * o->heads, qn = nh * o->dim;
-    ekv_decode_info info = {NULL, bb->sup, 0, 0, 0, 0, NULL, NULL};
+    const int64_t nh = s->batch * o->w.heads, qn = nh * o->w.dim;
+    ekv_decode_info info = {.support = bb->sup};
     double bytes_sum = 0, sup_sum = 0;
     memset(r, 0, sizeof *r);
     for (int64_t it = 0; it < o->warmup + o->iters; it++) {
@@ -321,8 +283,8 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
 static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t len,
                          const bench_result *r, const cli_out *out) {
     const int threads = ekv_context_threads(ctx);
-    const double kv_total =
-            2.0 * (double)(len * o->batch * o->kv_heads * o->dim * ekv_dtype_size(o->dtype));
+    const double kv_total = 2.0 * (double)(len * o->w.batch * o->w.kv_heads * o->w.dim *
+                                           ekv_dtype_size(o->w.dtype));
     const double gbps = r->bytes / r->med / 1e9;
     /* probe over at least 256 MiB (beyond the last-level cache) */
     const double probe = cli_read_bandwidth_probe(
@@ -336,7 +298,7 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
             (long long)len, r->med * 1e3, r->mn * 1e3, r->bytes, gbps, probe, ratio,
             r->bytes / kv_total, r->sup_mean);
     if (o->method == EKV_SELECT_CERTIFIED) {
-        const int64_t lists = r->steps * o->batch * o->kv_heads;
+        const int64_t lists = r->steps * o->w.batch * o->w.kv_heads;
         fprintf(out->text,
                 "%10s certified: round 2 needed by %.1f%% of lists (%lld of %lld, warm-up included)\n",
                 "", 100.0 * (double)r->round2 / (double)lists, (long long)r->round2,
@@ -356,10 +318,10 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
             "\"budget_tokens\":%lld,\"ms_select_median\":%.6f,\"bytes_summary\":%.0f,"
             "\"select_roofline_ratio\":%.4f}",
             li ? ",\n" : "", ekv_backend_name(o->backend), ekv_method_name(o->method), o->alpha,
-            (long long)len, (long long)o->batch, (long long)o->heads, (long long)o->kv_heads,
-            (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype), r->med * 1e3,
+            (long long)len, (long long)o->w.batch, (long long)o->w.heads, (long long)o->w.kv_heads,
+            (long long)o->w.dim, (long long)o->w.page, ekv_dtype_name(o->w.dtype), r->med * 1e3,
             r->mn * 1e3, r->bytes, gbps, r->bytes / kv_total, probe, ratio, threads,
-            ekv_isa_name(ekv_context_isa(ctx)), o->workload, r->sup_mean, (long long)o->iters,
+            ekv_isa_name(ekv_context_isa(ctx)), o->w.workload, r->sup_mean, (long long)o->iters,
             (long long)(o->method == EKV_SELECT_DENSE ? len : bench_budget_tokens(o, len)),
             r->sel_med * 1e3, r->summary_bytes, sel_roof);
 }
@@ -367,10 +329,10 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
 /* One length: a fresh cache filled with the workload, the timed steps, the report. */
 static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int li,
                         const cli_out *out) {
-    const int64_t len = o->lens[li], qn = o->batch * o->heads * o->dim;
+    const int64_t len = o->lens[li], qn = o->w.batch * o->w.heads * o->w.dim;
     cli_rng rng;
-    cli_rng_seed(&rng, (uint64_t)o->seed * 7919 + (uint64_t)len);
-    const wl_geometry g = {o->batch, len, o->page, o->superpage, o->dtype};
+    cli_rng_seed(&rng, (uint64_t)o->w.seed * 7919 + (uint64_t)len);
+    const wl_geometry g = {o->w.batch, len, o->w.page, o->superpage, o->w.dtype};
     wl_setup s;
     int rc = wl_setup_create(&s, ctx, wl, &g, &rng, "bench");
     bench_bufs bb;
@@ -378,7 +340,7 @@ static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int
     bb.sp.budget_tokens = bench_budget_tokens(o, len);
     bb.q = malloc(sizeof(float) * (size_t)(qn * NQ));
     bb.out = malloc(sizeof(float) * (size_t)qn);
-    bb.sup = malloc(sizeof(int64_t) * (size_t)(o->batch * o->heads));
+    bb.sup = malloc(sizeof(int64_t) * (size_t)(o->w.batch * o->w.heads));
     bb.times = malloc(sizeof(double) * (size_t)o->iters);
     if (!rc && (!bb.q || !bb.out || !bb.sup || !bb.times)) {
         fprintf(stderr, "entmaxkv bench: out of memory\n");
@@ -386,7 +348,7 @@ static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int
     }
     bench_result r;
     if (!rc) {
-        for (int i = 0; i < NQ; i++) wl_queries(wl, &rng, bb.q + i * qn, o->batch);
+        for (int i = 0; i < NQ; i++) wl_queries(wl, &rng, bb.q + i * qn, o->w.batch);
         rc = bench_time(ctx, o, &bb, &s, &r);
     }
     if (!rc) bench_report(ctx, o, li, len, &r, out);
@@ -402,27 +364,27 @@ static int bench_cpu(bench_opts *o) {
     ekv_context *ctx = NULL;
     wl_state wl;
     memset(&wl, 0, sizeof wl);
-    int rc = cli_context("bench", o->threads, o->isa, &ctx);
+    int rc = cli_context("bench", o->w.threads, o->isa, &ctx);
     if (!rc)
-        rc = wl_open(&wl, ctx, o->workload, o->heads, o->kv_heads, o->dim, (uint64_t)o->seed,
-                     "bench");
+        rc = wl_open(&wl, ctx, o->w.workload, o->w.heads, o->w.kv_heads, o->w.dim,
+                     (uint64_t)o->w.seed, "bench");
     if (!rc && wl.kind == WL_TRACE) { /* the trace fixes the shapes and the length */
-        o->heads = wl.heads;
-        o->kv_heads = wl.kv_heads;
-        o->dim = wl.dim;
+        o->w.heads = wl.heads;
+        o->w.kv_heads = wl.kv_heads;
+        o->w.dim = wl.dim;
         o->lens[0] = wl.trace_len;
         o->nlens = 1;
     }
     if (!rc) rc = bench_supported(ctx, o, &wl);
     cli_out out;
-    if (!rc) rc = cli_out_open(&out, "bench", o->json);
+    if (!rc) rc = cli_out_open(&out, "bench", o->w.json);
     if (!rc) {
         fprintf(out.text,
                 "# backend=%s isa=%s threads=%d method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s\n",
                 ekv_backend_name(o->backend), ekv_isa_name(ekv_context_isa(ctx)),
                 ekv_context_threads(ctx), ekv_method_name(o->method), o->alpha,
-                ekv_dtype_name(o->dtype), (long long)o->batch, (long long)o->heads,
-                (long long)o->kv_heads, (long long)o->dim, (long long)o->page, o->workload);
+                ekv_dtype_name(o->w.dtype), (long long)o->w.batch, (long long)o->w.heads,
+                (long long)o->w.kv_heads, (long long)o->w.dim, (long long)o->w.page, o->w.workload);
         fprintf(out.text, "%10s %10s %10s %12s %9s %10s %9s %11s %9s\n", "len", "ms_median",
                 "ms_min", "bytes_read", "GB/s", "probe_GB/s", "bw_ratio", "kv_fraction", "support");
         if (out.json) fprintf(out.json, "[\n");

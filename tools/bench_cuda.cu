@@ -148,7 +148,7 @@ static void cuda_len_free(cuda_len *c) {
 /* The host CSR page table: sequence b gets len tokens, or (ragged) a length spread evenly
  * from --ragged to len; physical pages in order. */
 static int cuda_len_geometry(cuda_len *c, const bench_opts *o, int64_t len) {
-    const int64_t B = o->batch, ps = o->page;
+    const int64_t B = o->w.batch, ps = o->w.page;
     c->len = len;
     c->lens.resize(B);
     c->indptr.resize(B + 1);
@@ -172,8 +172,8 @@ static int cuda_len_geometry(cuda_len *c, const bench_opts *o, int64_t len) {
 }
 
 static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
-    const int64_t B = o->batch, H = o->heads, Hk = o->kv_heads, D = o->dim, ps = o->page;
-    const int64_t es = ekv_dtype_size(o->dtype), stride_page = Hk * ps * D,
+    const int64_t B = o->w.batch, H = o->w.heads, Hk = o->w.kv_heads, D = o->w.dim, ps = o->w.page;
+    const int64_t es = ekv_dtype_size(o->w.dtype), stride_page = Hk * ps * D,
                   pool = c->total_pages * stride_page;
     const int64_t stat_n = c->total_pages * Hk * D;
     fprintf(stderr, "entmaxkv bench: len %lld: filling %.2f GB of K/V on the device\n",
@@ -195,7 +195,7 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     BC(cudaMemcpy(c->dindices, indices.data(), c->total_pages * sizeof(int32_t),
                   cudaMemcpyHostToDevice));
     BC(cudaMemcpy(c->dlpl, c->lpl.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
-    c->kv = ekv_paged_kv{c->dk,      c->dv,          o->dtype,    (int32_t)ps, (int32_t)Hk,
+    c->kv = ekv_paged_kv{c->dk,      c->dv,          o->w.dtype,  (int32_t)ps, (int32_t)Hk,
                          (int32_t)D, c->total_pages, stride_page, ps * D,      D};
     memset(&c->st, 0, sizeof c->st);
     c->st.kmin = c->st_buf;
@@ -210,11 +210,11 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
 
 /* K, V and q: N(0, 1); planted adds the shared direction to 1 in 500 keys and to every query. */
 static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
-    const int64_t D = o->dim, qn = o->batch * o->heads * D;
-    const int64_t pool = c->total_pages * o->kv_heads * o->page * D;
-    const int planted = !strcmp(o->workload, "planted");
+    const int64_t D = o->w.dim, qn = o->w.batch * o->w.heads * D;
+    const int64_t pool = c->total_pages * o->w.kv_heads * o->w.page * D;
+    const int planted = !strcmp(o->w.workload, "planted");
     cli_rng rng;
-    cli_rng_seed(&rng, (uint64_t)o->seed);
+    cli_rng_seed(&rng, (uint64_t)o->w.seed);
     double nrm = 0;
     c->dir.resize(D);
     for (int64_t d = 0; d < D; d++) {
@@ -224,11 +224,11 @@ static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
     for (int64_t d = 0; d < D; d++)
         c->dir[d] = (float)(c->dir[d] / sqrt(nrm) * sqrt((double)D) * 0.5);
     BC(cudaMemcpy(c->ddir, c->dir.data(), D * sizeof(float), cudaMemcpyHostToDevice));
-    if (fill(c->dk, o->dtype, pool, (uint64_t)o->seed * 3 + 1,
+    if (fill(c->dk, o->w.dtype, pool, (uint64_t)o->w.seed * 3 + 1,
              planted ? (const float *)c->ddir : NULL, (int)D))
         return 1;
-    if (fill(c->dv, o->dtype, pool, (uint64_t)o->seed * 3 + 2, NULL, (int)D)) return 1;
-    fill_f32<<<256, 256>>>((float *)c->dq, qn, (uint64_t)o->seed * 3 + 3);
+    if (fill(c->dv, o->w.dtype, pool, (uint64_t)o->w.seed * 3 + 2, NULL, (int)D)) return 1;
+    fill_f32<<<256, 256>>>((float *)c->dq, qn, (uint64_t)o->w.seed * 3 + 3);
     if (planted) { /* every head's query leans towards the planted keys: q += dir */
         std::vector<float> hq(qn);
         BC(cudaMemcpy(hq.data(), c->dq, hq.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -242,10 +242,11 @@ static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
 static int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, const bench_opts *o,
                           float *build_ms) {
     std::vector<ekv_cuda_append_item> items(c->total_pages);
-    for (int64_t b = 0; b < o->batch; b++)
+    for (int64_t b = 0; b < o->w.batch; b++)
         for (int64_t p = c->indptr[b]; p < c->indptr[b + 1]; p++)
             items[p] = ekv_cuda_append_item{
-                    (int32_t)p, p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->page, 0, 0, 0};
+                    (int32_t)p, p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->w.page, 0, 0,
+                    0};
     BC(cudaMemcpy(c->ditems, items.data(), c->total_pages * sizeof(ekv_cuda_append_item),
                   cudaMemcpyHostToDevice));
     cudaEvent_t a0, a1;
@@ -349,32 +350,32 @@ struct cuda_result {
 static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector<int32_t> &r1,
                        const std::vector<int32_t> &r2, const std::vector<int64_t> &vrows,
                        cuda_result *r) {
-    const int64_t Hk = o->kv_heads, D = o->dim, es = ekv_dtype_size(o->dtype);
+    const int64_t Hk = o->w.kv_heads, D = o->w.dim, es = ekv_dtype_size(o->w.dtype);
     const int listed = o->method != EKV_SELECT_DENSE, cert = o->method == EKV_SELECT_CERTIFIED;
     const int64_t per_page =
             D * 4 * (cert ? 3 : 2) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
     int64_t ktok = 0, vrow = 0;
     r->round2 = 0;
-    for (int64_t l = 0; l < o->batch * Hk; l++) {
+    for (int64_t l = 0; l < o->w.batch * Hk; l++) {
         const int64_t b = l / Hk, P = c->indptr[b + 1] - c->indptr[b];
         const int64_t pages = listed ? r1[l] + r2[l] : P;
-        ktok += std::min(pages * o->page, c->lens[b]);
+        ktok += std::min(pages * o->w.page, c->lens[b]);
         vrow += vrows[l];
         r->round2 += r2[l];
     }
     r->summary = 0;
     if (listed)
-        for (int64_t b = 0; b < o->batch; b++)
+        for (int64_t b = 0; b < o->w.batch; b++)
             r->summary += (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
     r->kbytes = ktok * D * es;
     r->vbytes = vrow * D * es;
-    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->heads / Hk)) * 4;
+    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4;
 }
 
 /* One more step, then its report: support, V rows and the pages of each round. */
 static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &step,
                         const bench_opts *o, const cuda_len *c, cuda_result *r) {
-    const int64_t BH = o->batch * o->heads, BHk = o->batch * o->kv_heads;
+    const int64_t BH = o->w.batch * o->w.heads, BHk = o->w.batch * o->w.kv_heads;
     std::vector<double> tau(BH);
     std::vector<int64_t> sup(BH), vrows(BHk);
     std::vector<int32_t> r1(BHk), r2(BHk);
@@ -384,7 +385,7 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
     r->rep.v_rows = vrows.data();
     r->rep.pages_round1 = r1.data();
     r->rep.pages_round2 = r2.data();
-    if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->batch, &r->rep)) {
+    if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->w.batch, &r->rep)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         return 1;
     }
@@ -400,7 +401,7 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
 
 static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, double bw, int li,
                             const cuda_len *c, const cuda_result *r, const cli_out *out) {
-    const int64_t Hk = o->kv_heads, D = o->dim, es = ekv_dtype_size(o->dtype);
+    const int64_t Hk = o->w.kv_heads, D = o->w.dim, es = ekv_dtype_size(o->w.dtype);
     const int64_t bytes = r->kbytes + r->vbytes + r->summary + r->scores;
     const double best = r->g_ms > 0 ? std::min(r->ms, r->g_ms) : r->ms;
     const double gbps = bytes / (best * 1e-3) / 1e9;
@@ -424,19 +425,19 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
             "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld}",
             li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len,
-            (long long)o->batch, (long long)o->ragged_min, (long long)c->total_tokens,
-            (long long)o->heads, (long long)Hk, (long long)D, (long long)o->page,
-            ekv_dtype_name(o->dtype), o->workload, (long long)r->budget, r->ms, r->msmin, r->g_ms,
-            (long long)bytes, (long long)r->kbytes, (long long)r->vbytes, (long long)r->summary,
-            (long long)r->scores, gbps, bw, roof, kvfrac, r->rep.launches, r->sup_mean,
-            (long long)r->round2, (long long)r->rep.lists_round2, (long long)r->rep.slow_rows,
-            r->build_ms, (long long)r->iters);
+            (long long)o->w.batch, (long long)o->ragged_min, (long long)c->total_tokens,
+            (long long)o->w.heads, (long long)Hk, (long long)D, (long long)o->w.page,
+            ekv_dtype_name(o->w.dtype), o->w.workload, (long long)r->budget, r->ms, r->msmin,
+            r->g_ms, (long long)bytes, (long long)r->kbytes, (long long)r->vbytes,
+            (long long)r->summary, (long long)r->scores, gbps, bw, roof, kvfrac, r->rep.launches,
+            r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
+            (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters);
 }
 
 /* The decode parameters of a run (the budget is set per length). */
 static void cuda_params(const bench_opts *o, ekv_decode_params *prm, ekv_select_params *sp) {
     *prm = ekv_decode_default_params();
-    prm->num_heads = (int32_t)o->heads;
+    prm->num_heads = (int32_t)o->w.heads;
     prm->alpha = o->alpha;
     *sp = ekv_select_default_params();
     sp->method = o->method;
@@ -446,11 +447,11 @@ static void cuda_params(const bench_opts *o, ekv_decode_params *prm, ekv_select_
 /* The timed steps of one length on a filled device cache. */
 static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_result *r) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = (int32_t)o->batch;
-    pp.num_heads = (int32_t)o->heads;
-    pp.num_kv_heads = (int32_t)o->kv_heads;
-    pp.head_dim = (int32_t)o->dim;
-    pp.page_size = (int32_t)o->page;
+    pp.max_batch = (int32_t)o->w.batch;
+    pp.num_heads = (int32_t)o->w.heads;
+    pp.num_kv_heads = (int32_t)o->w.kv_heads;
+    pp.head_dim = (int32_t)o->w.dim;
+    pp.page_size = (int32_t)o->w.page;
     pp.max_pages_per_seq = c->maxP;
     ekv_cuda_plan *plan = NULL;
     if (ekv_cuda_plan_create(ctx, &pp, &plan)) {
@@ -476,7 +477,8 @@ static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_re
             rc = 1;
         }
     if (!rc)
-        rc = ekv_cuda_read_report(plan, (int32_t)o->batch, &clear) ? 1 : 0; /* counters from here */
+        rc = ekv_cuda_read_report(plan, (int32_t)o->w.batch, &clear) ? 1
+                                                                     : 0; /* counters from here */
     if (!rc) rc = time_eager(ctx, plan, step, iters, ts);
     if (!rc) rc = time_graph(ctx, pp, step, iters, &r->g_ms);
     if (!rc) rc = cuda_measure(ctx, plan, step, o, c, r);
@@ -512,7 +514,7 @@ extern "C" int cli_bench_cuda(const bench_opts *o) {
     }
     rc = cuda_supported(ctx, o);
     cli_out out;
-    if (!rc) rc = cli_out_open(&out, "bench", o->json);
+    if (!rc) rc = cli_out_open(&out, "bench", o->w.json);
     if (rc) {
         ekv_context_free(ctx);
         return rc;
@@ -522,9 +524,10 @@ extern "C" int cli_bench_cuda(const bench_opts *o) {
     const double bw = copy_bandwidth();
     fprintf(out.text,
             "# backend=cuda device=\"%s\" copy_bw=%.0f GB/s (read+write) method=%s alpha=%g dtype=%s B=%lld H=%lld Hk=%lld D=%lld page=%lld workload=%s%s\n",
-            prop.name, bw, ekv_method_name(o->method), o->alpha, ekv_dtype_name(o->dtype),
-            (long long)o->batch, (long long)o->heads, (long long)o->kv_heads, (long long)o->dim,
-            (long long)o->page, o->workload, o->ragged_min ? " ragged" : "");
+            prop.name, bw, ekv_method_name(o->method), o->alpha, ekv_dtype_name(o->w.dtype),
+            (long long)o->w.batch, (long long)o->w.heads, (long long)o->w.kv_heads,
+            (long long)o->w.dim, (long long)o->w.page, o->w.workload,
+            o->ragged_min ? " ragged" : "");
     fprintf(out.text, "%9s %9s %9s %9s %13s %8s %9s %9s %8s %9s\n", "len", "ms_median", "ms_min",
             "ms_graph", "bytes_read", "GB/s", "roofline", "kv_frac", "launches", "support");
     if (out.json) fprintf(out.json, "[\n");

@@ -75,6 +75,21 @@ const float *wl_slopes(const wl_state *w);
 /* Queries [batch][heads][dim] of the workload. */
 void wl_queries(wl_state *w, cli_rng *r, float *q, int64_t batch);
 
+/* The options bench and eval share (same names, same ranges): the workload, the cache
+ * shape, threads, seed and the JSON file. */
+typedef struct {
+    const char *workload, *json;
+    wl_kind wl;
+    int64_t batch, heads, kv_heads, dim, page, threads, seed;
+    ekv_dtype dtype;
+} wl_opts;
+void wl_opts_init(wl_opts *o, const char *workload);
+/* Parses argv[*i] if it is one of them (advancing *i); 1 if it was. max_batch: the largest
+ * --batch of subcommand sub. */
+int wl_opt(const char *sub, int argc, char **argv, int *i, wl_opts *o, int64_t max_batch);
+/* The checks between them, after parsing (usage errors). */
+void wl_opts_check(const char *sub, wl_opts *o);
+
 /* The context of bench and eval: threads (0 = all CPUs) and SIMD level. Returns 0, 1, or
  * CLI_USAGE when the ISA is not supported here (message on stderr). */
 int cli_context(const char *who, int64_t threads, ekv_isa isa, ekv_context **ctx);
@@ -112,16 +127,14 @@ int64_t wl_setup_seq_len(const wl_setup *s, int64_t b);
 /* bench: the options of every backend (tools/bench.c; --backend cuda runs cli_bench_cuda,
  * tools/bench_cuda.cu, or tools/bench_cuda_stub.c without -DEKV_CUDA=ON). */
 typedef struct {
-    const char *workload, *json;
+    wl_opts w;
     ekv_backend backend;
     ekv_select_method method;
-    wl_kind wl;
     double budget, alpha;
     int64_t budget_tokens;
     int64_t lens[64];
     int nlens;
-    int64_t batch, heads, kv_heads, dim, page, threads, iters, warmup, seed, superpage, ragged_min;
-    ekv_dtype dtype;
+    int64_t iters, warmup, superpage, ragged_min;
     ekv_isa isa;
 } bench_opts;
 /* The token budget of a step over len tokens: --budget-tokens, else --budget x len (>= 1). */

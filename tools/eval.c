@@ -129,13 +129,12 @@ static void agg_add(agg *a, double delta, double recall, double err, double cosv
 }
 
 typedef struct {
-    const char *workload, *json, *plot;
-    int64_t len, batch, heads, kv_heads, dim, page, steps, threads, seed;
+    wl_opts w;
+    const char *plot;
+    int64_t len, steps;
     double alpha, budgets[MAX_BUDGETS];
     int nbudgets, use[V_COUNT], auto_margin;
     ekv_tau_mode tau_mode;
-    ekv_dtype dtype;
-    wl_kind wk;
 } eval_opts;
 
 static const char *need(int argc, char **argv, int *i) { return cli_need("eval", argc, argv, i); }
@@ -192,10 +191,6 @@ static int parse_named(int argc, char **argv, int *i, eval_opts *o) {
         while (k < 3 && strcmp(v, tau_mode_names[k])) k++;
         if (k == 3) cli_usage_error("eval", "--tau-mode %s: expected exact, fixed or corrected", v);
         o->tau_mode = (ekv_tau_mode)k;
-    } else if (!strcmp(a, "--dtype")) {
-        const char *v = need(argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->dtype))
-            cli_usage_error("eval", "--dtype %s: expected f32, f16 or bf16", v);
     } else if (!strcmp(a, "--alpha")) {
         const char *v = need(argc, argv, i);
         if (cli_parse_double(v, &o->alpha) || !(o->alpha > 1.0 && o->alpha <= 4.0))
@@ -209,15 +204,9 @@ static int parse_named(int argc, char **argv, int *i, eval_opts *o) {
 
 static void parse(int argc, char **argv, eval_opts *o) {
     memset(o, 0, sizeof *o);
-    o->workload = "planted";
+    wl_opts_init(&o->w, "planted");
     o->len = 32768;
-    o->batch = 1;
-    o->heads = 32;
-    o->kv_heads = 8;
-    o->dim = 128;
-    o->page = 16;
     o->steps = 4;
-    o->seed = 1;
     o->alpha = 1.5;
     o->nbudgets = 3;
     o->budgets[0] = 1.0 / 64;
@@ -225,36 +214,17 @@ static void parse(int argc, char **argv, eval_opts *o) {
     o->budgets[2] = 1.0 / 4;
     for (int m = 0; m < V_COUNT; m++) o->use[m] = 1;
     o->tau_mode = EKV_TAU_EXACT;
-    o->dtype = EKV_DTYPE_F16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             eval_help(stdout);
             exit(0);
-        } else if (parse_named(argc, argv, &i, o))
+        } else if (parse_named(argc, argv, &i, o) || wl_opt("eval", argc, argv, &i, &o->w, 64))
             continue;
-        else if (!strcmp(a, "--workload"))
-            o->workload = need(argc, argv, &i);
         else if (!strcmp(a, "--len"))
             o->len = need_int(argc, argv, &i, 2, INT32_MAX);
-        else if (!strcmp(a, "--batch"))
-            o->batch = need_int(argc, argv, &i, 1, 64);
-        else if (!strcmp(a, "--heads"))
-            o->heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--kv-heads"))
-            o->kv_heads = need_int(argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--dim"))
-            o->dim = need_int(argc, argv, &i, 1, 65536);
-        else if (!strcmp(a, "--page"))
-            o->page = need_int(argc, argv, &i, 1, 256);
         else if (!strcmp(a, "--steps"))
             o->steps = need_int(argc, argv, &i, 1, 100000);
-        else if (!strcmp(a, "--threads"))
-            o->threads = need_int(argc, argv, &i, 0, 1024);
-        else if (!strcmp(a, "--seed"))
-            o->seed = need_int(argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--json"))
-            o->json = need(argc, argv, &i);
         else if (!strcmp(a, "--plot"))
             o->plot = need(argc, argv, &i);
         else if (!strcmp(a, "--auto-margin"))
@@ -262,17 +232,10 @@ static void parse(int argc, char **argv, eval_opts *o) {
         else
             cli_usage_error("eval", "unknown option '%s'", a);
     }
-    if (wl_parse(o->workload, &o->wk))
-        cli_usage_error("eval", "--workload %s: expected random|planted|heavy|alibi|trace:FILE",
-                        o->workload);
-    if (o->wk == WL_TRACE && o->batch != 1)
-        cli_usage_error("eval", "traces hold one sequence: --batch must be 1");
-    if (o->heads % o->kv_heads)
-        cli_usage_error("eval", "--heads %lld is not a multiple of --kv-heads %lld",
-                        (long long)o->heads, (long long)o->kv_heads);
-    if (o->plot && !o->json)
+    wl_opts_check("eval", &o->w);
+    if (o->plot && !o->w.json)
         cli_usage_error("eval", "--plot needs --json FILE (the plot reads it)");
-    if (o->plot && !strcmp(o->json, "-"))
+    if (o->plot && !strcmp(o->w.json, "-"))
         cli_usage_error("eval", "--plot needs --json FILE, not stdout");
 }
 
@@ -335,7 +298,7 @@ static int run_certified(eval_state *e, const eval_variant *v, ekv_select_params
 /* The metrics of query head bh of a run, into a. */
 static void eval_head(eval_state *e, const eval_variant *v, agg *a, int64_t bh, int64_t N,
                       int64_t kept) {
-    const int64_t D = e->o->dim, len = e->s.len;
+    const int64_t D = e->o->w.dim, len = e->s.len;
     const float *p = e->pref[!v->softmax] + bh * len, *y = e->oref[!v->softmax] + bh * D,
                 *x = e->out + bh * D;
     double dropped = 0, sup = 0, sup_in = 0, e2 = 0, r2 = 0, dot = 0, o2 = 0;
@@ -387,7 +350,7 @@ static void eval_bounds(eval_state *e, agg *a, int64_t b, int64_t bh) {
 static void eval_lists(eval_state *e, const eval_variant *v, agg *a, const eval_run *r,
                        int has_bar) {
     const wl_setup *s = &e->s;
-    const int64_t Hk = e->o->kv_heads, G = e->o->heads / Hk, page = e->o->page;
+    const int64_t Hk = e->o->w.kv_heads, G = e->o->w.heads / Hk, page = e->o->w.page;
     for (int64_t b = 0; b < s->batch; b++) {
         const int64_t N = wl_setup_seq_len(s, b);
         for (int64_t kh = 0; kh < Hk; kh++) {
@@ -404,7 +367,7 @@ static void eval_lists(eval_state *e, const eval_variant *v, agg *a, const eval_
                 EKV_SELECT_CERTIFIED) /* tokens of its two rounds (the last page is partial) */
                 kept = (int64_t)(e->r1[l] + e->r2[l]) * page - (page - s->last_page_len[b]);
             for (int64_t g = 0; g < G; g++) {
-                const int64_t bh = b * e->o->heads + kh * G + g;
+                const int64_t bh = b * e->o->w.heads + kh * G + g;
                 eval_head(e, v, a, bh, N, kept);
                 if (has_bar) {
                     a->bar_max = fmax(a->bar_max, e->dbar[bh]);
@@ -441,7 +404,7 @@ static int eval_variant_run(eval_state *e, int m, int bi) {
     }
     if (v->method == EKV_SELECT_CERTIFIED) {
         a->round2_lists += r.info.lists_round2;
-        a->lists += e->s.batch * o->kv_heads;
+        a->lists += e->s.batch * o->w.kv_heads;
     }
     /* delta_bar needs the exact tau over the list (the selector says which tau the list used) */
     const int has_bar = v->delta_bar && r.list.tau_mode == EKV_TAU_EXACT;
@@ -469,7 +432,7 @@ static int eval_references(eval_state *e) {
             ekv_select_pages(e->ctx, &e->dp[1], &bs, &s->kv, &s->stats, &s->table, e->q, &bl);
     if (st) return fail(e, "bounds", st);
     for (int k = 0; k < 2; k++) {
-        ekv_decode_info di = {k == 1 ? e->tau_star : NULL, NULL, 0, 0, 0, 0, NULL, NULL};
+        ekv_decode_info di = {.tau = k == 1 ? e->tau_star : NULL};
         if ((st = ekv_decode_dense(e->ctx, &e->dp[k], &s->kv, &s->table, e->q, e->oref[k], &di)) ||
             (st = ekv_dense_probs(e->ctx, &e->dp[k], &s->kv, &s->table, e->q, s->len, e->pref[k],
                                   NULL)))
@@ -539,22 +502,23 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
             "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s,\"superpages_skippable_max\":%s}",
             first ? "" : ",\n", v->name, bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max,
             a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
-            wl_name(o->wk), (long long)e->s.len, o->alpha, (long long)o->heads,
-            (long long)o->kv_heads, (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype),
-            (long long)o->steps, (long long)a->n, gauss ? a->tau_err_sum / n : 0.0,
-            gauss ? a->tau_err_absmax : 0.0, tau_mode_names[gauss ? o->tau_mode : EKV_TAU_EXACT],
-            jb[0], jb[1], jb[2], jb[3], jb[4], jb[5]);
+            wl_name(o->w.wl), (long long)e->s.len, o->alpha, (long long)o->w.heads,
+            (long long)o->w.kv_heads, (long long)o->w.dim, (long long)o->w.page,
+            ekv_dtype_name(o->w.dtype), (long long)o->steps, (long long)a->n,
+            gauss ? a->tau_err_sum / n : 0.0, gauss ? a->tau_err_absmax : 0.0,
+            tau_mode_names[gauss ? o->tau_mode : EKV_TAU_EXACT], jb[0], jb[1], jb[2], jb[3], jb[4],
+            jb[5]);
 }
 
 static int eval_report(const eval_state *e) {
     const eval_opts *o = e->o;
     cli_out out;
-    if (cli_out_open(&out, "eval", o->json)) return 1;
+    if (cli_out_open(&out, "eval", o->w.json)) return 1;
     fprintf(out.text,
             "# eval workload=%s len=%lld B=%lld H=%lld Hk=%lld D=%lld page=%lld dtype=%s alpha=%g steps=%lld\n",
-            wl_name(o->wk), (long long)e->s.len, (long long)e->s.batch, (long long)o->heads,
-            (long long)o->kv_heads, (long long)o->dim, (long long)o->page, ekv_dtype_name(o->dtype),
-            o->alpha, (long long)o->steps);
+            wl_name(o->w.wl), (long long)e->s.len, (long long)e->s.batch, (long long)o->w.heads,
+            (long long)o->w.kv_heads, (long long)o->w.dim, (long long)o->w.page,
+            ekv_dtype_name(o->w.dtype), o->alpha, (long long)o->steps);
     fprintf(out.text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s\n", "method", "budget",
             "kv_fraction", "delta_mean", "delta_max", "recall_mean", "recall_min", "rel_err_mean",
             "rel_err_max", "cosine_min");
@@ -582,8 +546,8 @@ static int eval_report(const eval_state *e) {
 
 static int eval_plot(const eval_opts *o) {
     char cmd[4096];
-    snprintf(cmd, sizeof cmd, "python3 '%s/bench/plot_eval.py' '%s' '%s'", EKV_SOURCE_DIR, o->json,
-             o->plot);
+    snprintf(cmd, sizeof cmd, "python3 '%s/bench/plot_eval.py' '%s' '%s'", EKV_SOURCE_DIR,
+             o->w.json, o->plot);
     if (system(cmd) == 0) return 0;
     fprintf(stderr,
             "entmaxkv eval: plotting failed (needs python3 with matplotlib: pip install matplotlib)\n");
@@ -593,32 +557,32 @@ static int eval_plot(const eval_opts *o) {
 /* The cache filled with the workload, the decode parameters and the buffers of a run. */
 static int eval_open(eval_state *e) {
     eval_opts *o = e->o;
-    int rc = cli_context("eval", o->threads, EKV_ISA_AUTO, &e->ctx);
+    int rc = cli_context("eval", o->w.threads, EKV_ISA_AUTO, &e->ctx);
     if (!rc)
-        rc = wl_open(&e->wl, e->ctx, o->workload, o->heads, o->kv_heads, o->dim, (uint64_t)o->seed,
-                     "eval");
+        rc = wl_open(&e->wl, e->ctx, o->w.workload, o->w.heads, o->w.kv_heads, o->w.dim,
+                     (uint64_t)o->w.seed, "eval");
     if (rc) return rc;
-    if (o->wk == WL_TRACE) { /* the trace fixes the shapes */
-        o->heads = e->wl.heads;
-        o->kv_heads = e->wl.kv_heads;
-        o->dim = e->wl.dim;
+    if (o->w.wl == WL_TRACE) { /* the trace fixes the shapes */
+        o->w.heads = e->wl.heads;
+        o->w.kv_heads = e->wl.kv_heads;
+        o->w.dim = e->wl.dim;
         o->len = e->wl.trace_len;
         if (o->len < 2) {
             fprintf(stderr, "entmaxkv eval: the trace has fewer than 2 tokens\n");
             return CLI_USAGE;
         }
     }
-    cli_rng_seed(&e->rng, (uint64_t)o->seed * 104729 + (uint64_t)o->len);
-    const wl_geometry g = {o->batch, o->len, o->page, -1, o->dtype};
+    cli_rng_seed(&e->rng, (uint64_t)o->w.seed * 104729 + (uint64_t)o->len);
+    const wl_geometry g = {o->w.batch, o->len, o->w.page, -1, o->w.dtype};
     if (wl_setup_create(&e->s, e->ctx, &e->wl, &g, &e->rng, "eval")) return 1;
     for (int k = 0; k < 2; k++) {
         e->dp[k] = ekv_decode_default_params();
-        e->dp[k].num_heads = (int32_t)o->heads;
+        e->dp[k].num_heads = (int32_t)o->w.heads;
         e->dp[k].alpha = k == 0 ? 1.0 : o->alpha;
         e->dp[k].alibi_slopes = wl_slopes(&e->wl);
     }
-    const size_t nh = (size_t)(o->batch * o->heads), qn = nh * (size_t)o->dim;
-    e->maxP = (o->len + o->page - 1) / o->page;
+    const size_t nh = (size_t)(o->w.batch * o->w.heads), qn = nh * (size_t)o->w.dim;
+    e->maxP = (o->len + o->w.page - 1) / o->w.page;
     e->q = malloc(sizeof(float) * qn);
     e->out = malloc(sizeof(float) * qn);
     e->oref[0] = malloc(sizeof(float) * qn);

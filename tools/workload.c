@@ -430,3 +430,55 @@ ekv_page_list wl_setup_list(const wl_setup *s) {
 int64_t wl_setup_seq_len(const wl_setup *s, int64_t b) {
     return (s->indptr[b + 1] - s->indptr[b] - 1) * s->kv.page_size + s->last_page_len[b];
 }
+
+void wl_opts_init(wl_opts *o, const char *workload) {
+    memset(o, 0, sizeof *o);
+    o->workload = workload;
+    o->batch = 1;
+    o->heads = 32;
+    o->kv_heads = 8;
+    o->dim = 128;
+    o->page = 16;
+    o->seed = 1;
+    o->dtype = EKV_DTYPE_F16;
+}
+
+int wl_opt(const char *sub, int argc, char **argv, int *i, wl_opts *o, int64_t max_batch) {
+    const char *a = argv[*i];
+    if (!strcmp(a, "--workload"))
+        o->workload = cli_need(sub, argc, argv, i);
+    else if (!strcmp(a, "--json"))
+        o->json = cli_need(sub, argc, argv, i);
+    else if (!strcmp(a, "--batch"))
+        o->batch = cli_need_int(sub, argc, argv, i, 1, max_batch);
+    else if (!strcmp(a, "--heads"))
+        o->heads = cli_need_int(sub, argc, argv, i, 1, 4096);
+    else if (!strcmp(a, "--kv-heads"))
+        o->kv_heads = cli_need_int(sub, argc, argv, i, 1, 4096);
+    else if (!strcmp(a, "--dim"))
+        o->dim = cli_need_int(sub, argc, argv, i, 1, 65536);
+    else if (!strcmp(a, "--page"))
+        o->page = cli_need_int(sub, argc, argv, i, 1, 256);
+    else if (!strcmp(a, "--threads"))
+        o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
+    else if (!strcmp(a, "--seed"))
+        o->seed = cli_need_int(sub, argc, argv, i, 0, INT64_MAX);
+    else if (!strcmp(a, "--dtype")) {
+        const char *v = cli_need(sub, argc, argv, i);
+        if (ekv_dtype_from_name(v, &o->dtype))
+            cli_usage_error(sub, "--dtype %s: expected f32, f16 or bf16", v);
+    } else
+        return 0;
+    return 1;
+}
+
+void wl_opts_check(const char *sub, wl_opts *o) {
+    if (wl_parse(o->workload, &o->wl))
+        cli_usage_error(sub, "--workload %s: expected random|planted|heavy|alibi|trace:FILE",
+                        o->workload);
+    if (o->wl == WL_TRACE && o->batch != 1)
+        cli_usage_error(sub, "traces hold one sequence: --batch must be 1");
+    if (o->heads % o->kv_heads)
+        cli_usage_error(sub, "--heads %lld is not a multiple of --kv-heads %lld",
+                        (long long)o->heads, (long long)o->kv_heads);
+}

@@ -118,7 +118,7 @@ EKV_API const char *ekv_isa_name(ekv_isa isa);
 EKV_API ekv_isa ekv_cpu_best_isa(void);
 
 /* ---------------------------------------------------------------------------------- */
-/* Exact alpha-entmax on one row (SPEC 0, 8, 9.8)                                      */
+/* Exact alpha-entmax on one row (docs/math.md §0, 8, 9.8)                                      */
 /* ---------------------------------------------------------------------------------- */
 /*
  * p = alpha-entmax(x). alpha = 1 softmax, 1.5 (closed form), 2 sparsemax (closed form),
@@ -159,8 +159,8 @@ typedef struct ekv_paged_kv {
 /*
  * Per physical page and KV head statistics of the keys (fp32), indexed
  * [(page*num_kv_heads + head)*head_dim + d] (radius: [page*num_kv_heads + head]).
- * std is derived: sqrt(m2 / count), clamped below at 1e-6 (SPEC 1.2).
- * radius: max_j ||k_j - kmean||_2 over the tokens of the page, rounded up (SPEC 9.5).
+ * std is derived: sqrt(m2 / count), clamped below at 1e-6 (docs/math.md §1.2).
+ * radius: max_j ||k_j - kmean||_2 over the tokens of the page, rounded up (docs/math.md §9.5).
  */
 typedef struct ekv_page_stats {
     const float *kmin;
@@ -169,7 +169,7 @@ typedef struct ekv_page_stats {
     const float *km2;    /* Welford sum of squared deviations from the mean */
     const float *radius;
     const int32_t *count;/* tokens currently in each physical page */
-    /* Superpages (SPEC 9.6, optional): physical pages [s*superpage_pages, (s+1)*superpage_pages)
+    /* Superpages (docs/math.md §9.6, optional): physical pages [s*superpage_pages, (s+1)*superpage_pages)
      * form superpage s; smin/smax [(s*num_kv_heads + head)*head_dim + d] bound every key of
      * those pages (possibly loosely: freed pages may still count). 0 = none. */
     int32_t superpage_pages;
@@ -273,7 +273,7 @@ typedef struct ekv_decode_info {
  * Dense decode: for every sequence b and query head h, attends q[b][h] over all tokens of
  * the sequence. q and out are [batch][num_heads][head_dim] fp32. The query position is the
  * last token (ALiBi bias m_h * (j - (len-1))). Entmax reads K once, keeps the scores,
- * solves tau exactly and reads V only for support rows (SPEC 9.7).
+ * solves tau exactly and reads V only for support rows (docs/math.md §9.7).
  */
 EKV_API ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *params,
                                     const ekv_paged_kv *kv, const ekv_page_table *table,
@@ -285,14 +285,14 @@ EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_param
                                         const float *q, float *out, ekv_decode_info *info);
 
 /* ---------------------------------------------------------------------------------- */
-/* Page selection and attention over selected pages (SPEC 2, 3)                         */
+/* Page selection and attention over selected pages (docs/math.md §2, 3)                         */
 /* ---------------------------------------------------------------------------------- */
 typedef enum ekv_select_method {
     EKV_SELECT_DENSE = 0,    /* every page                                                   */
     EKV_SELECT_TOPK = 1,     /* the pages with the largest box bound within a token budget    */
     EKV_SELECT_ORACLE = 2,   /* the pages holding the dense entmax support (evaluation only)  */
-    EKV_SELECT_GAUSSIAN = 3, /* the Gaussian-aware selector of SPEC 4 (alpha 2, 1.5 or 4/3)   */
-    EKV_SELECT_CERTIFIED = 4 /* certified decode (SPEC 9.3): top-k by certified bounds, then  */
+    EKV_SELECT_GAUSSIAN = 3, /* the Gaussian-aware selector of docs/math.md §4 (alpha 2, 1.5 or 4/3)   */
+    EKV_SELECT_CERTIFIED = 4 /* certified decode (docs/math.md §9.3): top-k by certified bounds, then  */
                              /* every page the bounds cannot rule out; equals dense entmax    */
 } ekv_select_method;
 #define EKV_SELECT_METHOD_COUNT 5
@@ -307,7 +307,7 @@ typedef enum ekv_backend { EKV_BACKEND_CPU = 0, EKV_BACKEND_REF = 1, EKV_BACKEND
 EKV_API const char *ekv_backend_name(ekv_backend backend); /* "cpu", "ref", "cuda"; NULL if unknown */
 EKV_API ekv_status ekv_backend_from_name(const char *name, ekv_backend *out);
 
-/* How attention over a list sets tau (SPEC 4.11). */
+/* How attention over a list sets tau (docs/math.md §4.11). */
 typedef enum ekv_tau_mode {
     EKV_TAU_EXACT = 0,    /* solve tau exactly on the listed tokens (default)                */
     EKV_TAU_FIXED = 1,    /* use the selector's (clamped) tau-hat as is                      */
@@ -325,25 +325,25 @@ typedef struct ekv_select_params {
     /* 0 (default): one page list per KV head, ranking pages by the max bound over the GQA
      * group's query heads (gaussian: the union of the group's pages). 1: one list per query head. */
     int32_t per_query_head;
-    /* gaussian (SPEC 4), defaults as in the paper's API; the user's margin and quantile take
-     * effect unless auto_margin asks for the rule of SPEC 4.5 (which the reference always uses) */
+    /* gaussian (docs/math.md §4), defaults as in the paper's API; the user's margin and quantile take
+     * effect unless auto_margin asks for the rule of docs/math.md §4.5 (which the reference always uses) */
     double margin_z;          /* safety margin, in units of sigma_g (default 0)              */
     double max_quantile;      /* q_max of the page rule, in (0, 1) (default 0.995)           */
-    int32_t auto_margin;      /* 1: SPEC 4.5 picks margin_z and q_max from sigma-bar         */
-    int32_t reference_m3;     /* 1: the reference's (wrong) alpha = 4/3 moment (SPEC 6.1-1)  */
-    double excess_fraction;   /* rho of SPEC 4.9 (default 0.2)                               */
-    int32_t clamp_tau;        /* clamp tau-hat to the selected pages, SPEC 4.10 (default 1)  */
-    double clamp_quantile;    /* q_c of SPEC 4.10, in (0, 1) (default 0.5)                   */
+    int32_t auto_margin;      /* 1: docs/math.md §4.5 picks margin_z and q_max from sigma-bar         */
+    int32_t reference_m3;     /* 1: the reference's (wrong) alpha = 4/3 moment (docs/math.md §6.1-1)  */
+    double excess_fraction;   /* rho of docs/math.md §4.9 (default 0.2)                               */
+    int32_t clamp_tau;        /* clamp tau-hat to the selected pages, docs/math.md §4.10 (default 1)  */
+    double clamp_quantile;    /* q_c of docs/math.md §4.10, in (0, 1) (default 0.5)                   */
     ekv_tau_mode tau_mode;    /* how ekv_decode_pages sets tau for this list (default exact) */
-    int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (SPEC 4.11)    */
-    /* top-k / certified: rank by min(box, ball) + rounding slack (SPEC 9.5), a bound on the
+    int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (docs/math.md §4.11)    */
+    /* top-k / certified: rank by min(box, ball) + rounding slack (docs/math.md §9.5), a bound on the
      * computed scores, instead of the box alone (default 0 for top-k: paper-faithful) */
     int32_t use_ball;
     /* certified round 1 also reads the first sink_pages and the last recent_pages pages */
     int32_t sink_pages, recent_pages;
     /* certified bounds (use_ball): with a lower bound tau_lb[b*num_heads + h] of each head's tau
      * (z-space), the bound stage skips the page summaries of every superpage whose bound is
-     * already <= tau_lb, giving its pages the superpage bound instead (SPEC 9.6). Certified
+     * already <= tau_lb, giving its pages the superpage bound instead (docs/math.md §9.6). Certified
      * decode computes it from the recent pages when the cache has superpages. */
     const double *tau_lb;
     /* certified, adaptive round 1: when not NULL, round 1 is every page whose certified bound
@@ -385,7 +385,7 @@ EKV_API int64_t ekv_page_list_capacity(const ekv_page_table *table, int32_t head
 
 /*
  * Bound + select: scores every page but the last with the Quest box bound on the query's
- * z-space scores (scale and ALiBi consistent with decode, SPEC 2.3 without bug 6.1-7) and
+ * z-space scores (scale and ALiBi consistent with decode, docs/math.md §2.3 without bug 6.1-7) and
  * writes the page lists. stats are the cache's per-page key statistics (ekv_cache_kv_view).
  */
 EKV_API ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *params,
@@ -398,7 +398,7 @@ EKV_API ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *p
  * softmax) over the tokens of its list, V read for support rows only; softmax over a top-k
  * list is the softmax top-k baseline. Modes fixed/corrected (list->tau_mode, from the
  * gaussian selector): p_j = [z_j - tau]_+^beta with tau = list->tau (after
- * list->correction_iters unbounded Halley steps), not renormalised, as in SPEC 3.10.
+ * list->correction_iters unbounded Halley steps), not renormalised, as in docs/math.md §3.10.
  * info->bytes_k counts the listed tokens; info->tau reports the tau used.
  */
 EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *params,
@@ -407,7 +407,7 @@ EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *p
                                     ekv_decode_info *info);
 
 /*
- * The certified bound on the dropped mass of a budgeted step (SPEC 9.4): for every query
+ * The certified bound on the dropped mass of a budgeted step (docs/math.md §9.4): for every query
  * head, delta_bar = sum over the pages p outside its list of n_p * [U_p - tau]_+^beta, with U
  * the list's certified bounds (list->bounds) and tau the exact tau of the step (info->tau of
  * ekv_decode_pages in exact mode). delta <= delta_bar, and delta_bar = 0 proves the step exact.
@@ -428,7 +428,7 @@ typedef struct ekv_certified_info {
 } ekv_certified_info;
 
 /*
- * Certified decode (SPEC 9.3): bound every page (min(box, ball) + slack), read a candidate
+ * Certified decode (docs/math.md §9.3): bound every page (min(box, ball) + slack), read a candidate
  * set (the top pages by bound within select->budget_tokens, the last page, and the optional
  * sink/recent pages), solve tau_C exactly, then read every page whose bound still exceeds
  * tau_C and re-solve. The output equals dense entmax over all tokens (alpha > 1). info as in

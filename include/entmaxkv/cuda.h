@@ -51,7 +51,7 @@ EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
 
 /*
  * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
- * with use_ball; budget_tokens as on the CPU), GAUSSIAN (SPEC 4, exact tau mode; no ALiBi or
+ * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode; no ALiBi or
  * auto_margin on the GPU) or certified (ekv_cuda_decode_certified below),
  * then exact entmax (alpha > 1) or softmax (alpha = 1) over the listed pages with K read
  * once, tau solved globally from the kept scores and V read for support rows only.
@@ -62,7 +62,7 @@ EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params 
                                    const ekv_select_params *select, const ekv_paged_kv *kv,
                                    const ekv_page_stats *stats, const ekv_page_table *table,
                                    const float *q, float *out);
-/* Certified decode (SPEC 9.3) on the device: round 1 = the top pages by certified bound within
+/* Certified decode (docs/math.md §9.3) on the device: round 1 = the top pages by certified bound within
  * select->budget_tokens plus the last, sink and recent pages; round 2 = every other page whose
  * bound exceeds round 1's tau; K and V each read once. Output equals dense entmax. */
 EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,

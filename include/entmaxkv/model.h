@@ -130,7 +130,7 @@ EKV_API int64_t ekv_model_tokenize(const char *text, int64_t len, int32_t *token
 EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer, const ekv_cache **cache,
                                          int32_t *seq);
 EKV_API ekv_status ekv_model_last_query(const ekv_model *model, int32_t layer, float *q);
-/* NAPE slopes [n_heads] (SPEC 1.6), as the model's attention uses them. */
+/* NAPE slopes [n_heads] (docs/math.md §1.6), as the model's attention uses them. */
 EKV_API ekv_status ekv_model_alibi_slopes(const ekv_model *model, float *slopes);
 
 #ifdef __cplusplus

@@ -293,12 +293,8 @@ ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, 
     j.heads = a->list ? a->list->heads : j.sh.H;
     j.Gl = ekv_list_nheads(j.heads, j.sh.H, j.sh.G);
     if (j.Gl > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.Gl);
-    int64_t nmax = 1, maxP = 1;
-    for (int64_t b = 0; b < j.sh.B; b++) {
-        const int64_t n = ekv_seq_len(tab->indptr, tab->last_page_len, b, j.sh.ps), P = ekv_seq_pages(tab->indptr, b);
-        nmax = n > nmax ? n : nmax;
-        maxP = P > maxP ? P : maxP;
-    }
+    const int64_t nmax = ekv_table_max_len(tab->indptr, tab->last_page_len, j.sh.B, j.sh.ps);
+    const int64_t maxP = ekv_table_max_pages(tab->indptr, j.sh.B);
     if (a->mode == EKV_LISTS_PROBS && a->pstride < nmax)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "stride=%lld is below the longest sequence (%lld)",
                         (long long)a->pstride, (long long)nmax);

@@ -1,5 +1,5 @@
 /*
- * bound stage on the CPU (SPEC 2.3, 9.5): an upper bound of every page's scores but the last,
+ * bound stage on the CPU (docs/math.md §2.3, 9.5): an upper bound of every page's scores but the last,
  * for every query head, in z-space (q' = a*scale*q, bonus = a*m_h*(last token of p - (N-1))):
  *   box  = sum_d max(q'_d kmin_pd, q'_d kmax_pd)                      (Quest)
  *   ball = <q', c_p> + ||q'|| r_p        (c_p = kmean, r_p = the exact radius around it)
@@ -8,7 +8,7 @@
  * the rounding of this pass and of the attention kernel's dot products,
  *   4 (D + 4) 2^-24 ||q'|| (||c_p|| + r_p) >= both errors, since |<q', k>| <= ||q'|| ||k||
  *   and ||k|| <= ||c_p|| + r_p for every key of the page,
- * plus the rounding of the ALiBi terms. Certified decode (SPEC 9.3) relies on it.
+ * plus the rounding of the ALiBi terms. Certified decode (docs/math.md §9.3) relies on it.
  * Tasks are (sequence, chunk of pages), and within a page every KV head is bounded in turn, so
  * the page statistics stream in address order; each page summary is read once for the G
  * query heads that share it.
@@ -41,62 +41,119 @@ typedef struct {
     int64_t *task_off;        /* [B+1] */
 } bound_job;
 
+enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in calls */
+
+/* Superpages (docs/math.md §9.6): a page whose superpage bound is already <= tau_lb for every
+ * head of the group takes that bound (spu) and its own summaries are not read (skip). */
+static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, int64_t kvh, int64_t pb, int np,
+                           int64_t N, int *skip, float (*spu)[256]) {
+    const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H, ps = j->kv->page_size;
+    const int64_t qo = (b * H + kvh * G) * D;
+    int64_t *last_sid = j->sp_sid + (int64_t)worker * Hk;
+    float *cur = j->sp_u + (int64_t)worker * H + kvh * G; /* cached per KV head */
+    for (int i = 0; i < np; i++) {
+        const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i], sid = page / j->st->superpage_pages;
+        if (sid != last_sid[kvh]) { /* a new superpage: its box bound, once */
+            const int64_t so = (sid * Hk + kvh) * D;
+            const float *smn = j->st->smin + so, *smx = j->st->smax + so;
+            j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, &smn, &smx, 1, D, cur, 1);
+            /* rounding slack 4(D+4)u ||q'||_1 max_d |k_d| >= 4(D+4)u sum |q'_d||k_d| */
+            float amax = 0.f;
+            for (int64_t d = 0; d < D; d++) {
+                float x = fabsf(smn[d]) > fabsf(smx[d]) ? fabsf(smn[d]) : fabsf(smx[d]);
+                amax = x > amax ? x : amax;
+            }
+            for (int64_t g = 0; g < G; g++)
+                cur[g] = (float)((double)cur[g] + 4.0 * (double)(D + 4) * 5.9604644775390625e-8 *
+                                                        j->qnorm1[b * H + kvh * G + g] * amax + 1e-30);
+            j->bytes[task] += 2 * D * (int64_t)sizeof(float);
+            last_sid[kvh] = sid;
+        }
+        int all = 1;
+        for (int64_t g = 0; g < G && all; g++) {
+            const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+            const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
+            double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
+                       8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+            float uf = (float)u;
+            if ((double)uf < u) uf = nextafterf(uf, INFINITY);
+            spu[i][g] = uf;
+            all = (double)uf <= j->tau_lb[b * H + kvh * G + g];
+        }
+        skip[i] = all;
+    }
+}
+
+/* The ball terms of the kept pages: <q', c_p> (through the box kernel with qpos = q', qneg =
+ * 0) into ball, ||c_p|| (rounded up, only used inside the slack) and the radius. */
+static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const int *keep, int nk, float *ball,
+                       double *cn, double *rr) {
+    const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D;
+    const float *mean[STEP];
+    for (int i = 0; i < nk; i++) {
+        const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + keep[i]];
+        mean[i] = j->st->kmean + (page * Hk + kvh) * D;
+        float s8[8] = {0}; /* fp32 partial sums (vectorised) */
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+            for (int l = 0; l < 8; l++) s8[l] += mean[i][d + l] * mean[i][d + l];
+        for (; d < D; d++) s8[0] += mean[i][d] * mean[i][d];
+        double s2 = 0;
+        for (int l = 0; l < 8; l++) s2 += s8[l];
+        cn[i] = sqrt(s2) * (1 + 1e-5);
+        rr[i] = j->st->radius[page * Hk + kvh];
+    }
+    j->kern->bound_box(j->qfull + (b * j->sh.H + kvh * G) * D, j->zeros, D, (int)G, mean, mean, nk, D, ball, STEP);
+}
+
+/* The page bounds of one step of pages for the group of kvh: min(box, ball) + slack, or the
+ * superpage bound of a skipped page, plus the ALiBi term; rounded up to stay a bound. */
+static void write_bounds(bound_job *j, int64_t b, int64_t kvh, int64_t pb, int np, int64_t N, const int *skip,
+                         float (*spu)[256], const int *keep, int nk, const float *box, const float *ball,
+                         const double *cn, const double *rr) {
+    const int64_t G = j->sh.G, D = j->sh.D, H = j->sh.H, ps = j->kv->page_size;
+    float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
+    for (int64_t g = 0; g < G; g++) {
+        const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+        const double qn = j->qnorm ? j->qnorm[b * H + kvh * G + g] : 0.0;
+        for (int i = 0; i < np; i++)
+            if (skip[i]) uo[g * j->ustride + i] = spu[i][g];
+        for (int k = 0; k < nk; k++) {
+            const int i = keep[k];
+            const int64_t p = pb + i, last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
+            double u = box[g * STEP + k];
+            if (j->with_ball) {
+                double ub = (double)ball[g * STEP + k] + qn * rr[k];
+                u = u < ub ? u : ub;
+                u += 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * qn * (cn[k] + rr[k]) + 1e-30;
+                u += 8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+            }
+            u += am * (double)(last - (N - 1));
+            float uf = (float)u;
+            if (j->with_ball && (double)uf < u) uf = nextafterf(uf, INFINITY); /* keep it a bound */
+            uo[g * j->ustride + i] = uf;
+        }
+    }
+}
+
 static void bound_task(void *vp, int64_t task, int worker) {
     bound_job *j = vp;
     int64_t b = 0;
     while (j->task_off[b + 1] <= task) b++;
-    const int64_t P = j->tab->indptr[b + 1] - j->tab->indptr[b], ps = j->kv->page_size;
-    const int64_t N = (P - 1) * ps + j->tab->last_page_len[b];
+    const int64_t P = ekv_seq_pages(j->tab->indptr, b), ps = j->kv->page_size;
+    const int64_t N = ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, ps);
     const int64_t p0 = (task - j->task_off[b]) * BOUND_CHUNK_PAGES;
     const int64_t p1 = p0 + BOUND_CHUNK_PAGES < P - 1 ? p0 + BOUND_CHUNK_PAGES : P - 1;
     const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H;
-    enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in calls */
     if (j->sp_sid)
         for (int64_t k = 0; k < Hk; k++) j->sp_sid[(int64_t)worker * Hk + k] = -1;
     for (int64_t pb = p0; pb < p1; pb += STEP) {
         const int np = (int)(p1 - pb < STEP ? p1 - pb : STEP);
         for (int64_t kvh = 0; kvh < Hk; kvh++) {
             const int64_t qo = (b * H + kvh * G) * D;
-            float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
-            /* superpages (SPEC 9.6): a page whose superpage bound is already <= tau_lb for every
-             * head of the group takes that bound and its own summaries are not read */
             int skip[STEP] = {0}, keep[STEP], nk = 0;
             float spu[STEP][256]; /* superpage bound (+ slack) per page and head, G <= 256 */
-            if (j->tau_lb && j->st->smin && G <= 256) {
-                int64_t *last_sid = j->sp_sid + (int64_t)worker * Hk;
-                float *cur = j->sp_u + (int64_t)worker * H + kvh * G; /* cached per KV head */
-                for (int i = 0; i < np; i++) {
-                    const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i], sid = page / j->st->superpage_pages;
-                    if (sid != last_sid[kvh]) { /* a new superpage: its box bound, once */
-                        const int64_t so = (sid * Hk + kvh) * D;
-                        const float *smn = j->st->smin + so, *smx = j->st->smax + so;
-                        j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, &smn, &smx, 1, D, cur, 1);
-                        /* rounding slack 4(D+4)u ||q'||_1 max_d |k_d| >= 4(D+4)u sum |q'_d||k_d| */
-                        float amax = 0.f;
-                        for (int64_t d = 0; d < D; d++) {
-                            float x = fabsf(smn[d]) > fabsf(smx[d]) ? fabsf(smn[d]) : fabsf(smx[d]);
-                            amax = x > amax ? x : amax;
-                        }
-                        for (int64_t g = 0; g < G; g++)
-                            cur[g] = (float)((double)cur[g] + 4.0 * (double)(D + 4) * 5.9604644775390625e-8 *
-                                                                    j->qnorm1[b * H + kvh * G + g] * amax + 1e-30);
-                        j->bytes[task] += 2 * D * (int64_t)sizeof(float);
-                        last_sid[kvh] = sid;
-                    }
-                    int all = 1;
-                    for (int64_t g = 0; g < G && all; g++) {
-                        const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
-                        const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
-                        double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
-                                   8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
-                        float uf = (float)u;
-                        if ((double)uf < u) uf = nextafterf(uf, INFINITY);
-                        spu[i][g] = uf;
-                        all = (double)uf <= j->tau_lb[b * H + kvh * G + g];
-                    }
-                    skip[i] = all;
-                }
-            }
+            if (j->tau_lb && j->st->smin && G <= 256) superpage_skip(j, task, worker, b, kvh, pb, np, N, skip, spu);
             for (int i = 0; i < np; i++)
                 if (!skip[i]) keep[nk++] = i;
             const float *mn[STEP], *mx[STEP];
@@ -115,52 +172,12 @@ static void bound_task(void *vp, int64_t task, int worker) {
                         __builtin_prefetch(j->st->kmax + so + d, 0, 2);
                     }
                 }
-            float box[STEP * 256];
+            float box[STEP * 256], ball[STEP * 256];
+            double cn[STEP], rr[STEP];
             if (nk) j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
             j->bytes[task] += nk * (D * (j->with_ball ? 3 : 2) * (int64_t)sizeof(float) + (j->with_ball ? 4 : 0));
-            float ball[8 * 256];
-            double cn[8], rr[8];
-            if (j->with_ball && nk) {
-                const float *mean[STEP];
-                for (int i = 0; i < nk; i++) {
-                    const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + keep[i]];
-                    const int64_t so = (page * Hk + kvh) * D;
-                    mean[i] = j->st->kmean + so;
-                    /* ||c_p||, only used inside the slack: fp32 partial sums (vectorised), rounded up */
-                    float s8[8] = {0};
-                    int64_t d = 0;
-                    for (; d + 8 <= D; d += 8)
-                        for (int l = 0; l < 8; l++) s8[l] += mean[i][d + l] * mean[i][d + l];
-                    for (; d < D; d++) s8[0] += mean[i][d] * mean[i][d];
-                    double s2 = 0;
-                    for (int l = 0; l < 8; l++) s2 += s8[l];
-                    cn[i] = sqrt(s2) * (1 + 1e-5);
-                    rr[i] = j->st->radius[page * Hk + kvh];
-                }
-                /* <q', c_p> through the box kernel: qpos = q', qneg = 0 */
-                j->kern->bound_box(j->qfull + qo, j->zeros, D, (int)G, mean, mean, nk, D, ball, STEP);
-            }
-            for (int64_t g = 0; g < G; g++) {
-                const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
-                const double qn = j->qnorm ? j->qnorm[b * H + kvh * G + g] : 0.0;
-                for (int i = 0; i < np; i++)
-                    if (skip[i]) uo[g * j->ustride + i] = spu[i][g];
-                for (int k = 0; k < nk; k++) {
-                    const int i = keep[k];
-                    const int64_t p = pb + i, last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
-                    double u = box[g * STEP + k];
-                    if (j->with_ball) {
-                        double ub = (double)ball[g * STEP + k] + qn * rr[k];
-                        u = u < ub ? u : ub;
-                        u += 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * qn * (cn[k] + rr[k]) + 1e-30;
-                        u += 8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
-                    }
-                    u += am * (double)(last - (N - 1));
-                    float uf = (float)u;
-                    if (j->with_ball && (double)uf < u) uf = nextafterf(uf, INFINITY); /* keep it a bound */
-                    uo[g * j->ustride + i] = uf;
-                }
-            }
+            if (j->with_ball && nk) ball_terms(j, b, kvh, pb, keep, nk, ball, cn, rr);
+            write_bounds(j, b, kvh, pb, np, N, skip, spu, keep, nk, box, ball, cn, rr);
         }
     }
 }
@@ -204,7 +221,7 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.with_ball = with_ball && st->kmean && st->radius;
     task_off[0] = 0;
     for (int64_t b = 0; b < j.sh.B; b++) {
-        int64_t P = tab->indptr[b + 1] - tab->indptr[b];
+        int64_t P = ekv_seq_pages(tab->indptr, b);
         task_off[b + 1] = task_off[b] + (P - 1 + BOUND_CHUNK_PAGES - 1) / BOUND_CHUNK_PAGES;
     }
     j.task_off = task_off;

@@ -1,5 +1,5 @@
 /*
- * Dense decode on the CPU (SPEC 9.7): every query head attends over every token of its
+ * Dense decode on the CPU (docs/math.md §9.7): every query head attends over every token of its
  * sequence.
  *
  *   phase 1  scores: one pass over K. Tasks are (sequence, KV head, chunk of pages); each

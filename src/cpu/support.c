@@ -1,6 +1,6 @@
 /*
  * The exact entmax support of one query head from its kept fp32 scores, shared by dense
- * decode and attention over page lists (SPEC 9.7, phase 2): the candidates z > max - 1 (the
+ * decode and attention over page lists (docs/math.md §9.7, phase 2): the candidates z > max - 1 (the
  * only tokens that can be in the support, since tau >= max - 1), tau solved exactly on them,
  * and the weights (z - tau)_+^beta of the support.
  */

@@ -3,7 +3,7 @@
  * (touched page, KV head) writes the new tokens in the storage dtype, then recomputes that
  * page's key statistics from the stored (rounded) keys, so the summaries describe exactly
  * what the attend kernels will read: min, max, mean (fp64 sums), M2 and the ball radius
- * max_j ||k_j - mean|| around the *stored* fp32 mean, rounded up (SPEC 1.2, 9.5). A page
+ * max_j ||k_j - mean|| around the *stored* fp32 mean, rounded up (docs/math.md §1.2, 9.5). A page
  * holds at most 256 tokens, so recomputing it costs O(page_size * D) per touched page; a
  * prefill build passes every page as an item.
  */

@@ -1,6 +1,6 @@
 /*
- * attend stage on the GPU, shared pieces (mirrors src/cpu/attend_pages.c and decode_dense.c; SPEC 9.7,
- * DESIGN 5). Per step, entmax (alpha > 1) runs four kernels:
+ * attend stage on the GPU, shared pieces (mirrors src/cpu/attend_pages.c and decode_dense.c; docs/math.md §9.7,
+ * docs/architecture.md, "Backends"). Per step, entmax (alpha > 1) runs four kernels:
  *   scores:     grid (split, sequence x KV head). Reads K of the listed pages once for the
  *               whole GQA group (a cp.async pipeline of 3 tiles per warp for head dims
  *               64/128/256), writes z = a (scale <q,k> + m_h (j - i)) of every listed token

@@ -1,5 +1,5 @@
 /*
- * bound stage on the GPU (mirrors src/cpu/bound.c; SPEC 2.3, 9.5): an upper bound of every
+ * bound stage on the GPU (mirrors src/cpu/bound.c; docs/math.md §2.3, 9.5): an upper bound of every
  * page's z-space scores but the last, per query head, and its max over the GQA group (the
  * key that ranks pages for a KV-head list). One warp per (page, KV head); the page's
  * summaries (kmin, kmax and, with the ball, kmean and the radius) are read once for the G

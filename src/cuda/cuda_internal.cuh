@@ -232,8 +232,8 @@ struct ekv_seq_geom {
 __device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, int ps) {
     ekv_seq_geom g;
     g.first = t.indptr[b];
-    g.P = t.indptr[b + 1] - g.first;
-    g.N = g.P > 0 ? (g.P - 1) * (int64_t)ps + t.last_page_len[b] : 0;
+    g.P = ekv_seq_pages(t.indptr, b);
+    g.N = g.P > 0 ? ekv_seq_len(t.indptr, t.last_page_len, b, ps) : 0;
     return g;
 }
 

@@ -1,5 +1,5 @@
 /*
- * The Gaussian-aware selector on the GPU (mirrors src/select/gaussian.c; SPEC 4.2-4.9, exact
+ * The Gaussian-aware selector on the GPU (mirrors src/select/gaussian.c; docs/math.md §4.2-4.9, exact
  * tau mode): pages whose upper score quantile a (mu_p + z_page sigma_p) clears the floor
  * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for some query head of the group.
  *   moments: one warp per (page, KV head): mu_p = <q', kmean_p>, sigma_p^2 =

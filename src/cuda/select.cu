@@ -6,7 +6,7 @@
  *           memory), then one ordered compaction writes the pages above it (ties at the k-th
  *           value: the lowest page numbers), the sink/recent pages and the last page. The
  *           list is in ascending page order (the CPU lists are in bound order: same sets).
- *   round2: certified decode, SPEC 9.3: appends every page outside round 1 whose bound
+ *   round2: certified decode, docs/math.md §9.3: appends every page outside round 1 whose bound
  *           exceeds round 1's tau for some query head of the group.
  */
 #include "cuda_internal.cuh"

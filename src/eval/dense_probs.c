@@ -51,8 +51,7 @@ ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const
     ekv_status st = validate_delta(ctx, prm, kv, tab, list, tau, delta_bar);
     if (st) return st;
     const int64_t H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
-    int64_t maxP = 1, off;
-    for (int64_t b = 0; b < tab->batch; b++) maxP = ekv_seq_pages(tab->indptr, b) > maxP ? ekv_seq_pages(tab->indptr, b) : maxP;
+    int64_t maxP = ekv_table_max_pages(tab->indptr, tab->batch), off;
     uint8_t *in = (uint8_t *)ekv_workspace_blocks(ctx, &maxP, 1, &off, "delta bound", &st);
     if (!in) return st;
     for (int64_t b = 0; b < tab->batch; b++) {

@@ -24,8 +24,7 @@ ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm,
                                  ekv_page_list *list) {
     const int64_t B = t->batch, H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads;
-    int64_t maxP = 1;
-    for (int64_t b = 0; b < B; b++) maxP = ekv_seq_pages(t->indptr, b) > maxP ? ekv_seq_pages(t->indptr, b) : maxP;
+    const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t nmax = maxP * ps;
     float *pr = malloc(sizeof(float) * (size_t)(B * H * nmax));
     if (!pr) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "oracle: no memory for the dense distribution");

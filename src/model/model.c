@@ -277,7 +277,7 @@ static ekv_status alloc_state(ekv_model *m) {
     m->slopes = malloc(sizeof(float) * (size_t)c->n_heads);
     if (!m->x || !m->xn || !m->q || !m->k || !m->v || !m->att || !m->h1 || !m->h3 || !m->proj || !m->zmax || !m->slopes)
         return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
-    /* NAPE (SPEC 1.6): h0 = H/2 ALiBi heads with m_h = 2^(-8(h+1)/h0), the rest without position */
+    /* NAPE (docs/math.md §1.6): h0 = H/2 ALiBi heads with m_h = 2^(-8(h+1)/h0), the rest without position */
     const int32_t h0 = c->n_heads / 2;
     for (int32_t h = 0; h < c->n_heads; h++) m->slopes[h] = h < h0 ? (float)pow(2.0, -8.0 * (h + 1) / h0) : 0.f;
     for (int32_t l = 0; l < c->n_layers; l++) {

@@ -13,7 +13,7 @@ static int cmp_desc_ld(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Exact tau (z-space) by sorting (alpha 1.5, 2: SPEC 8) or bisection (other alpha). */
+/* Exact tau (z-space) by sorting (alpha 1.5, 2: docs/math.md §8) or bisection (other alpha). */
 static real ref_tau(const real *z, int64_t n, double alpha, real *tmp) {
     real m = z[0];
     for (int64_t i = 1; i < n; i++) if (z[i] > m) m = z[i];
@@ -61,11 +61,7 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
     const int64_t ps = kv->page_size, es = ekv_dtype_size(kv->dtype);
     const real a = prm->alpha == 1.0 ? 1.0L : (real)prm->alpha - 1.0L;
     const real scale = prm->scale > 0 ? (real)prm->scale : 1.0L / sqrtl((real)D);
-    int64_t nmax = 0;
-    for (int32_t b = 0; b < tab->batch; b++) {
-        int64_t n = (tab->indptr[b + 1] - tab->indptr[b] - 1) * ps + tab->last_page_len[b];
-        if (n > nmax) nmax = n;
-    }
+    const int64_t nmax = ekv_table_max_len(tab->indptr, tab->last_page_len, tab->batch, ps);
     real *z = malloc(sizeof(real) * (size_t)nmax), *tmp = malloc(sizeof(real) * (size_t)nmax);
     real *o = malloc(sizeof(real) * (size_t)D);
     float *res = malloc(sizeof(float) * (size_t)(tab->batch * H * D));
@@ -75,8 +71,7 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
     }
     int64_t bytes_k = 0, bytes_v = 0;
     for (int32_t b = 0; b < tab->batch; b++) {
-        const int64_t np = tab->indptr[b + 1] - tab->indptr[b];
-        const int64_t N = (np - 1) * ps + tab->last_page_len[b];
+        const int64_t N = ekv_seq_len(tab->indptr, tab->last_page_len, b, ps);
         bytes_k += N * Hk * D * es;
         for (int64_t h = 0; h < H; h++) {
             const int64_t kvh = h / G;
@@ -109,7 +104,7 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
                 int64_t off = (int64_t)page * kv->stride_page + kvh * kv->stride_head + (j % ps) * kv->stride_token;
                 for (int64_t d = 0; d < D; d++) o[d] += p * (real)ekv_load_f32(kv->v, kv->dtype, off + d);
             }
-            /* bisection leaves sum p = 1 +- 1e-18; renormalise like SPEC 9.8 */
+            /* bisection leaves sum p = 1 +- 1e-18; renormalise like docs/math.md §9.8 */
             for (int64_t d = 0; d < D; d++) res[((int64_t)b * H + h) * D + d] = (float)(o[d] / psum);
             if (info && info->tau) info->tau[(int64_t)b * H + h] = (double)(tau + zmax);
             if (info && info->support) info->support[(int64_t)b * H + h] = sup;

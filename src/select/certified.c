@@ -31,8 +31,7 @@ static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel, con
     c->B = t->batch;
     c->H = prm->num_heads;
     c->heads = sel->per_query_head ? c->H : kv->num_kv_heads;
-    c->maxP = 1;
-    for (int64_t b = 0; b < c->B; b++) c->maxP = ekv_seq_pages(t->indptr, b) > c->maxP ? ekv_seq_pages(t->indptr, b) : c->maxP;
+    c->maxP = ekv_table_max_pages(t->indptr, c->B);
     c->cap = ekv_page_list_capacity(t, (int32_t)c->heads);
     const int64_t nl = c->B * c->heads, BH = c->B * c->H;
     enum { IP1, IP2, PG1, PG2, BND, IN, ADD, TAU0, O0, NB };

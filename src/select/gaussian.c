@@ -1,5 +1,5 @@
 /*
- * The Gaussian-aware selector (SPEC 4.1-4.12), paper-faithful except where SPEC 6 marks a
+ * The Gaussian-aware selector (docs/math.md §4.1-4.12), paper-faithful except where docs/math.md §6 marks a
  * bug: the user's margin and quantile take effect unless auto_margin asks for the rule of
  * 4.5 (6.1-2), the alpha = 4/3 moment is the correct one unless reference_m3 (6.1-1), GQA
  * works (6.1-3: one list per KV head is the union of its query heads' pages), and a single
@@ -45,7 +45,7 @@ static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
 static void moments_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
     const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->sh.D, G = j->sh.G;
-    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P);
+    const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = stats_pages(P);
     float *qs = j->w_q + (int64_t)worker * G * D; /* q' = scale * q for the group */
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) qs[g * D + d] = (float)(j->scale * j->q[(b * j->sh.H + kvh * G + g) * D + d]);
@@ -62,7 +62,7 @@ static void moments_task(void *vp, int64_t task, int worker) {
             for (; d + 8 <= D; d += 8)
                 for (int l = 0; l < 8; l++) {
                     float var = m2[d + l] * finv;
-                    var = var > 1e-12f ? var : 1e-12f; /* population std clamped at 1e-6, SPEC 1.2 */
+                    var = var > 1e-12f ? var : 1e-12f; /* population std clamped at 1e-6, docs/math.md §1.2 */
                     mf[l] += qg[d + l] * mean[d + l];
                     vf[l] += qg[d + l] * qg[d + l] * var;
                 }
@@ -104,8 +104,8 @@ static void rule_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
     const int64_t b = task / j->heads, l = task % j->heads;
     const int64_t h0 = j->sel->per_query_head ? l : l * j->sh.G, hn = j->sel->per_query_head ? 1 : j->sh.G;
-    const int64_t P = j->t->indptr[b + 1] - j->t->indptr[b], Ps = stats_pages(P), ps = j->sh.ps;
-    const int64_t N = (P - 1) * ps + j->t->last_page_len[b], n = P > 1 ? Ps * ps : N;
+    const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = stats_pages(P), ps = j->sh.ps;
+    const int64_t N = ekv_seq_len(j->t->indptr, j->t->last_page_len, b, ps), n = P > 1 ? Ps * ps : N;
     const double zpage = ekv_normal_quantile(pow(j->q_max, 1.0 / (double)ps));
     const double zc = ekv_normal_quantile(pow(j->sel->clamp_quantile, 1.0 / (double)ps));
     int32_t *out = j->sel_pages + task * j->pstride;
@@ -173,8 +173,7 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     j.q = q;
     j.scale = ekv_effective_scale(prm->scale, j.sh.D);
     j.heads = sel->per_query_head ? j.sh.H : kv->num_kv_heads;
-    int64_t maxP = 1;
-    for (int64_t b = 0; b < j.sh.B; b++) maxP = t->indptr[b + 1] - t->indptr[b] > maxP ? t->indptr[b + 1] - t->indptr[b] : maxP;
+    const int64_t maxP = ekv_table_max_pages(t->indptr, j.sh.B);
     j.pstride = maxP;
     const int64_t BH = j.sh.B * j.sh.H, W = ctx->n_threads;
     int64_t sz[8] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.sh.B * j.heads * maxP * 4, j.sh.B * j.heads * 8,
@@ -195,7 +194,7 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     ekv_pool_run(ctx->pool, j.sh.B * kv->num_kv_heads, moments_task, &j);
     j.margin_z = sel->margin_z;
     j.q_max = sel->max_quantile;
-    if (sel->auto_margin) { /* SPEC 4.5: one sigma-bar for the whole batch */
+    if (sel->auto_margin) { /* docs/math.md §4.5: one sigma-bar for the whole batch */
         double sbar = 0;
         for (int64_t i = 0; i < BH; i++) sbar += j.sigg[i];
         sbar /= (double)BH;
@@ -211,7 +210,7 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
         list->indptr[l + 1] = w;
     }
     for (int64_t b = 0; b < j.sh.B; b++) /* kmean + km2 per (stats page, KV head) */
-        bytes += stats_pages(t->indptr[b + 1] - t->indptr[b]) * kv->num_kv_heads * j.sh.D * 2 * (int64_t)sizeof(float);
+        bytes += stats_pages(ekv_seq_pages(t->indptr, b)) * kv->num_kv_heads * j.sh.D * 2 * (int64_t)sizeof(float);
     list->bytes_summary = bytes;
     list->tau_mode = sel->tau_mode;
     list->correction_iters = sel->correction_iters >= 0 ? sel->correction_iters : prm->alibi_slopes ? 2 : 1;

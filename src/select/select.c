@@ -1,9 +1,9 @@
 /*
- * bound + select (SPEC 2): the Quest box bound of every page, then a page list per KV head
+ * bound + select (docs/math.md §2): the Quest box bound of every page, then a page list per KV head
  * (or per query head) for the chosen policy. A policy only writes page numbers; it never
  * touches K or V. The last page of a sequence is always listed, last.
  *
- * The bound is in z-space, consistent with the attention scores (SPEC 6.1 item 7 fixed):
+ * The bound is in z-space, consistent with the attention scores (docs/math.md §6.1 item 7 fixed):
  *   U_p = a*scale*sum_d max(q_d kmin_pd, q_d kmax_pd) + a*m_h*(last token of p - (N-1)),
  * an upper bound on z_j = a*(scale*<q,k_j> + m_h (j - (N-1))) for every token j of page p
  * (m_h >= 0; a = alpha - 1, or 1 for softmax). With GQA the per-KV-head ranking uses the
@@ -136,8 +136,7 @@ ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm, c
     if (list->capacity < cap)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld (ekv_page_list_capacity)",
                         (long long)list->capacity, (long long)cap);
-    int64_t maxP = 1;
-    for (int64_t b = 0; b < t->batch; b++) maxP = ekv_seq_pages(t->indptr, b) > maxP ? ekv_seq_pages(t->indptr, b) : maxP;
+    const int64_t maxP = ekv_table_max_pages(t->indptr, t->batch);
     if (list->bounds && list->bounds_stride < maxP)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below the most pages (%lld)",
                         (long long)list->bounds_stride, (long long)maxP);
@@ -166,8 +165,7 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm, co
                               const float *q, ekv_page_list *list) {
     const int64_t B = t->batch, H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads, W = ctx->n_threads;
-    int64_t maxP = 1;
-    for (int64_t b = 0; b < B; b++) maxP = ekv_seq_pages(t->indptr, b) > maxP ? ekv_seq_pages(t->indptr, b) : maxP;
+    const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t ustride = maxP;
     int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4, (B + 1) * 8,
                      W * ustride * 4, W * ustride * (int64_t)sizeof(scored_page)};

@@ -1,5 +1,5 @@
 /*
- * The CUDA backend against the CPU and long-double reference backends (DESIGN 7), over a
+ * The CUDA backend against the CPU and long-double reference backends (docs/architecture.md, "Tests and measurement"), over a
  * case table that covers every dispatch branch: head dims 64/128/256 and the generic path
  * (72, 40), GQA groups 1..16, page sizes 1/8/16/64, ragged batches with last_page_len ==
  * page_size, f16/bf16/f32, alpha in {1, 1.25, 1.5, 2, 3}, ALiBi, budgets below, at and above
