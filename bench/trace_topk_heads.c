@@ -17,12 +17,18 @@
 static int find(ekv_safetensors *st, int layer, const char *what, ekv_tensor_info *t) {
     char name[64];
     snprintf(name, sizeof name, "l%d.%s", layer, what);
-    if (ekv_safetensors_find(st, name, t)) { fprintf(stderr, "no tensor %s\n", name); return -1; }
+    if (ekv_safetensors_find(st, name, t)) {
+        fprintf(stderr, "no tensor %s\n", name);
+        return -1;
+    }
     return 0;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 5) { fprintf(stderr, "usage: %s TRACE LAYER PAGE_SIZE BUDGET_FRACTION\n", argv[0]); return 2; }
+    if (argc != 5) {
+        fprintf(stderr, "usage: %s TRACE LAYER PAGE_SIZE BUDGET_FRACTION\n", argv[0]);
+        return 2;
+    }
     const int layer = atoi(argv[2]), page = atoi(argv[3]);
     const double frac = atof(argv[4]);
     ekv_context *ctx;
@@ -30,12 +36,17 @@ int main(int argc, char **argv) {
     cp.n_threads = 1;
     if (ekv_context_create(&cp, &ctx)) return 1;
     ekv_safetensors *st;
-    if (ekv_safetensors_open(ctx, argv[1], &st)) { fprintf(stderr, "%s\n", ekv_last_error(ctx)); return 1; }
+    if (ekv_safetensors_open(ctx, argv[1], &st)) {
+        fprintf(stderr, "%s\n", ekv_last_error(ctx));
+        return 1;
+    }
     ekv_tensor_info tk, tv, tq, ts;
     if (find(st, layer, "k", &tk) || find(st, layer, "v", &tv) || find(st, layer, "q", &tq) ||
-        find(st, layer, "alibi_slopes", &ts) || tk.dtype != EKV_DTYPE_F16 || tq.dtype != EKV_DTYPE_F32)
+        find(st, layer, "alibi_slopes", &ts) || tk.dtype != EKV_DTYPE_F16 ||
+        tq.dtype != EKV_DTYPE_F32)
         return 1;
-    const int64_t N = tk.shape[0], Hk = tk.shape[1], D = tk.shape[2], S = tq.shape[0], H = tq.shape[1];
+    const int64_t N = tk.shape[0], Hk = tk.shape[1], D = tk.shape[2], S = tq.shape[0],
+                  H = tq.shape[1];
     ekv_cache_params pp = ekv_cache_default_params();
     pp.page_size = page;
     pp.num_kv_heads = (int32_t)Hk;
@@ -61,7 +72,8 @@ int main(int argc, char **argv) {
     dp.alpha = 1.5;
     dp.alibi_slopes = (const float *)ts.data;
     const int64_t P = ip[1], cap = ekv_page_list_capacity(&tab, (int32_t)H);
-    float *q = malloc(sizeof(float) * (size_t)(H * D)), *p = malloc(sizeof(float) * (size_t)(H * N));
+    float *q = malloc(sizeof(float) * (size_t)(H * D)),
+          *p = malloc(sizeof(float) * (size_t)(H * N));
     int64_t *lip = malloc(sizeof(int64_t) * (size_t)(H + 1));
     int32_t *lpg = malloc(sizeof(int32_t) * (size_t)cap);
     char *in = malloc((size_t)P);
@@ -76,7 +88,8 @@ int main(int argc, char **argv) {
             sp.use_ball = ball;
             sp.per_query_head = per_head;
             ekv_page_list l = {.indptr = lip, .pages = lpg, .capacity = cap};
-            if (ekv_dense_probs(ctx, &dp, &kv, &tab, q, N, p, NULL) || ekv_select_pages(ctx, &dp, &sp, &kv, &ps, &tab, q, &l)) {
+            if (ekv_dense_probs(ctx, &dp, &kv, &tab, q, N, p, NULL) ||
+                ekv_select_pages(ctx, &dp, &sp, &kv, &ps, &tab, q, &l)) {
                 fprintf(stderr, "%s\n", ekv_last_error(ctx));
                 return 1;
             }
@@ -93,7 +106,13 @@ int main(int argc, char **argv) {
         for (int64_t h = 0; h < H; h++) printf(" %.3f", delta[h]);
         printf("\n");
     }
-    free(q); free(p); free(lip); free(lpg); free(in); free(delta); free(idx);
+    free(q);
+    free(p);
+    free(lip);
+    free(lpg);
+    free(in);
+    free(delta);
+    free(idx);
     ekv_cache_free(c);
     ekv_safetensors_free(st);
     ekv_context_free(ctx);

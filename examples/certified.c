@@ -22,7 +22,8 @@ int main(void) {
     ekv_decode_info di = {.support = sup_dense}, ci = {.support = sup_cert};
     ekv_certified_info cinfo = {.pages_round1 = round1, .pages_round2 = round2};
     if (!st) st = ekv_decode_dense(ctx, &dp, &s.kv, &s.table, s.q, dense, &di);
-    if (!st) st = ekv_decode_certified(ctx, &dp, &sp, &s.kv, &s.stats, &s.table, s.q, out, &ci, &cinfo);
+    if (!st)
+        st = ekv_decode_certified(ctx, &dp, &sp, &s.kv, &s.stats, &s.table, s.q, out, &ci, &cinfo);
     int bad = 0;
     if (!st) {
         const double err = ex_rel_error(out, dense);
@@ -30,8 +31,9 @@ int main(void) {
         bad |= !(err <= 1e-5) || !cinfo.certified;
         printf("certified decode over %d tokens (%lld pages): list 0 read %d + %d pages, %lld lists needed round 2;\n"
                "K bytes %lld of dense %lld; certified %d; error vs dense %.3g, supports %s\n",
-               EX_N, (long long)s.indptr[1], round1[0], round2[0], (long long)cinfo.lists_round2, (long long)ci.bytes_k,
-               (long long)di.bytes_k, cinfo.certified, err, bad ? "DIFFER" : "equal");
+               EX_N, (long long)s.indptr[1], round1[0], round2[0], (long long)cinfo.lists_round2,
+               (long long)ci.bytes_k, (long long)di.bytes_k, cinfo.certified, err,
+               bad ? "DIFFER" : "equal");
     } else {
         fprintf(stderr, "certified: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
     }

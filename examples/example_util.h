@@ -38,23 +38,27 @@ static void ex_make_data(float *k, float *v, float *q) {
     for (int g = 0; g < EX_HK; g++)
         for (int d = 0; d < EX_D; d++) u[g][d] = ex_rand();
     for (int h = 0; h < EX_H; h++)
-        for (int d = 0; d < EX_D; d++) q[h * EX_D + d] = u[h / (EX_H / EX_HK)][d] + 0.3f * ex_rand();
+        for (int d = 0; d < EX_D; d++)
+            q[h * EX_D + d] = u[h / (EX_H / EX_HK)][d] + 0.3f * ex_rand();
     for (int64_t i = 0; i < (int64_t)EX_N * EX_HK * EX_D; i++) {
         k[i] = ex_rand();
         v[i] = ex_rand();
     }
     static const int64_t planted[] = {100, 1000, 2500, 4000, 5100, 6000, 7100, 8000};
     for (size_t i = 0; i < sizeof planted / sizeof planted[0]; i++)
-        for (int64_t t = planted[i]; t < planted[i] + 6; t++) /* strength rises with i, falls along a group */
+        for (int64_t t = planted[i]; t < planted[i] + 6;
+             t++) /* strength rises with i, falls along a group */
             for (int g = 0; g < EX_HK; g++)
                 for (int d = 0; d < EX_D; d++)
-                    k[(t * EX_HK + g) * EX_D + d] = (1.6f + 0.15f * (float)i - 0.1f * (float)(t - planted[i])) * u[g][d];
+                    k[(t * EX_HK + g) * EX_D + d] =
+                            (1.6f + 0.15f * (float)i - 0.1f * (float)(t - planted[i])) * u[g][d];
 }
 
 /* Fills s: a cache with one sequence of EX_N tokens, its view, statistics and page table. */
 static ekv_status ex_setup_create(ekv_context *ctx, ex_setup *s) {
     memset(s, 0, sizeof *s);
-    float *k = malloc(sizeof(float) * EX_N * EX_HK * EX_D), *v = malloc(sizeof(float) * EX_N * EX_HK * EX_D);
+    float *k = malloc(sizeof(float) * EX_N * EX_HK * EX_D),
+          *v = malloc(sizeof(float) * EX_N * EX_HK * EX_D);
     ekv_status st = k && v ? EKV_OK : EKV_ERR_OUT_OF_MEMORY;
     int32_t seq = -1;
     int64_t needed = 0;
@@ -66,11 +70,16 @@ static ekv_status ex_setup_create(ekv_context *ctx, ex_setup *s) {
     }
     if (!st) st = ekv_cache_seq_new(s->cache, &seq);
     if (!st) st = ekv_cache_append(s->cache, seq, EX_N, k, v, EKV_DTYPE_F32);
-    if (!st) st = ekv_cache_page_table(s->cache, &seq, 1, s->indptr, NULL, 0, s->last_page_len, &needed);
+    if (!st)
+        st = ekv_cache_page_table(s->cache, &seq, 1, s->indptr, NULL, 0, s->last_page_len, &needed);
     if (!st && !(s->indices = malloc(sizeof(int32_t) * (size_t)needed))) st = EKV_ERR_OUT_OF_MEMORY;
-    if (!st) st = ekv_cache_page_table(s->cache, &seq, 1, s->indptr, s->indices, needed, s->last_page_len, NULL);
+    if (!st)
+        st = ekv_cache_page_table(s->cache, &seq, 1, s->indptr, s->indices, needed,
+                                  s->last_page_len, NULL);
     if (!st) st = ekv_cache_kv_view(s->cache, &s->kv, &s->stats);
-    s->table = (ekv_page_table){.batch = 1, .indptr = s->indptr, .indices = s->indices,
+    s->table = (ekv_page_table){.batch = 1,
+                                .indptr = s->indptr,
+                                .indices = s->indices,
                                 .last_page_len = s->last_page_len};
     free(k);
     free(v);

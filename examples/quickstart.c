@@ -19,8 +19,8 @@ static void fill_random(float *x, int64_t n, uint32_t seed) {
 
 /* One decode step for the query q over a sequence of the cache: the page table (asking how
  * many page ids it needs first), the view of the cache's memory, then dense entmax. */
-static ekv_status decode_step(ekv_context *ctx, const ekv_cache *cache, int32_t seq, const float *q, float *out,
-                              int64_t *support) {
+static ekv_status decode_step(ekv_context *ctx, const ekv_cache *cache, int32_t seq, const float *q,
+                              float *out, int64_t *support) {
     int64_t indptr[2], needed = 0;
     int32_t last_page_len[1];
     ekv_status st = ekv_cache_page_table(cache, &seq, 1, indptr, NULL, 0, last_page_len, &needed);
@@ -28,7 +28,8 @@ static ekv_status decode_step(ekv_context *ctx, const ekv_cache *cache, int32_t 
     int32_t *indices = malloc(sizeof(int32_t) * (size_t)needed);
     if (!indices) return EKV_ERR_OUT_OF_MEMORY;
     st = ekv_cache_page_table(cache, &seq, 1, indptr, indices, needed, last_page_len, NULL);
-    ekv_page_table table = {.batch = 1, .indptr = indptr, .indices = indices, .last_page_len = last_page_len};
+    ekv_page_table table = {
+            .batch = 1, .indptr = indptr, .indices = indices, .last_page_len = last_page_len};
     ekv_paged_kv kv;
     if (!st) st = ekv_cache_kv_view(cache, &kv, NULL);
     ekv_decode_params dp = ekv_decode_default_params(); /* 32 query heads, alpha 1.5 */
@@ -62,8 +63,8 @@ int main(void) {
     if (st) /* every call returns a status (negative = error); the context says what was wrong */
         fprintf(stderr, "quickstart: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
     else
-        printf("decoded %d heads over %d tokens: head 0 attends %lld tokens, out[0][0..2] = %.5f %.5f %.5f\n", H, N,
-               (long long)support[0], out[0], out[1], out[2]);
+        printf("decoded %d heads over %d tokens: head 0 attends %lld tokens, out[0][0..2] = %.5f %.5f %.5f\n",
+               H, N, (long long)support[0], out[0], out[1], out[2]);
     ekv_cache_free(cache);
     ekv_context_free(ctx);
     return st ? 1 : 0;

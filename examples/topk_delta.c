@@ -5,8 +5,8 @@
 #include "example_util.h"
 
 /* One top-k step at a budget of `budget` tokens: out, and the largest delta_bar over heads. */
-static ekv_status topk_step(ekv_context *ctx, const ex_setup *s, int64_t budget, ekv_page_list *list, float *out,
-                            double *worst_bar) {
+static ekv_status topk_step(ekv_context *ctx, const ex_setup *s, int64_t budget,
+                            ekv_page_list *list, float *out, double *worst_bar) {
     ekv_decode_params dp = ekv_decode_default_params(); /* 32 query heads, alpha 1.5 */
     ekv_select_params sp = ekv_select_default_params();
     sp.method = EKV_SELECT_TOPK;
@@ -44,7 +44,10 @@ int main(void) {
     int bad = 0;
     static const int64_t budgets[] = {16, 32, 48, EX_N / 16};
     for (int i = 0; i < 4 && !st; i++) {
-        ekv_page_list list = {.indptr = list_indptr, .pages = pages, .capacity = cap, .bounds = bounds,
+        ekv_page_list list = {.indptr = list_indptr,
+                              .pages = pages,
+                              .capacity = cap,
+                              .bounds = bounds,
                               .bounds_stride = P};
         double bar = 0;
         st = topk_step(ctx, &s, budgets[i], &list, out, &bar);

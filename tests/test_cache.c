@@ -64,9 +64,12 @@ static uint16_t enc_f16(double v) { /* v representable in f16 */
 static double dec_f16(uint16_t h) {
     int ex = (h >> 10) & 31, man = h & 1023;
     double v;
-    if (ex == 0) v = ldexp(man, -24);
-    else if (ex == 31) v = man ? NAN : INFINITY;
-    else v = ldexp(1024 + man, ex - 25);
+    if (ex == 0)
+        v = ldexp(man, -24);
+    else if (ex == 31)
+        v = man ? NAN : INFINITY;
+    else
+        v = ldexp(1024 + man, ex - 25);
     return (h & 0x8000u) ? -v : v;
 }
 
@@ -132,21 +135,24 @@ static int world_init(world *w, ekv_context *ctx, const ekv_cache_params *p) {
     w->ctx = ctx;
     w->p = *p;
     ekv_status st = ekv_cache_create(ctx, p, &w->c);
-    CHECK(st == EKV_OK, "[%s] ekv_cache_create: %s (%s)", g_cfg, ekv_status_string(st), ekv_last_error(ctx));
+    CHECK(st == EKV_OK, "[%s] ekv_cache_create: %s (%s)", g_cfg, ekv_status_string(st),
+          ekv_last_error(ctx));
     if (st) return 0;
-    CHECK(ekv_cache_free_pages(w->c) == p->num_pages, "[%s] fresh cache has %lld free pages, want %lld", g_cfg,
+    CHECK(ekv_cache_free_pages(w->c) == p->num_pages,
+          "[%s] fresh cache has %lld free pages, want %lld", g_cfg,
           (long long)ekv_cache_free_pages(w->c), (long long)p->num_pages);
     st = ekv_cache_kv_view(w->c, &w->kv, &w->st);
     CHECK(st == EKV_OK, "[%s] kv_view: %s", g_cfg, ekv_status_string(st));
     const ekv_paged_kv *kv = &w->kv;
-    CHECK(kv->dtype == p->dtype && kv->page_size == p->page_size && kv->num_kv_heads == p->num_kv_heads &&
-              kv->head_dim == p->head_dim && kv->num_pages == p->num_pages,
+    CHECK(kv->dtype == p->dtype && kv->page_size == p->page_size &&
+                  kv->num_kv_heads == p->num_kv_heads && kv->head_dim == p->head_dim &&
+                  kv->num_pages == p->num_pages,
           "[%s] view geometry differs from params", g_cfg);
     /* strides: any layout the view describes is accepted, but slots must not overlap */
     CHECK(kv->stride_token >= p->head_dim && kv->stride_head >= kv->stride_token * p->page_size &&
-              kv->stride_page >= kv->stride_head * p->num_kv_heads,
-          "[%s] view strides overlap: page %lld head %lld token %lld", g_cfg, (long long)kv->stride_page,
-          (long long)kv->stride_head, (long long)kv->stride_token);
+                  kv->stride_page >= kv->stride_head * p->num_kv_heads,
+          "[%s] view strides overlap: page %lld head %lld token %lld", g_cfg,
+          (long long)kv->stride_page, (long long)kv->stride_head, (long long)kv->stride_token);
     return 1;
 }
 
@@ -162,21 +168,26 @@ static void world_free(world *w) {
 static shadow *world_new_seq(world *w, int mode, int64_t target) {
     shadow *s = NULL;
     for (int i = 0; i < w->nsh; i++)
-        if (!w->sh[i].alive) { s = &w->sh[i]; break; }
+        if (!w->sh[i].alive) {
+            s = &w->sh[i];
+            break;
+        }
     if (!s) s = &w->sh[w->nsh++];
     int32_t id = -1;
     ekv_status st = ekv_cache_seq_new(w->c, &id);
     CHECK(st == EKV_OK, "[%s] seq_new: %s", g_cfg, ekv_status_string(st));
     if (st) return NULL;
     for (int i = 0; i < w->nsh; i++)
-        CHECK(!(w->sh[i].alive && w->sh[i].id == id), "[%s] seq_new returned live id %d", g_cfg, id);
+        CHECK(!(w->sh[i].alive && w->sh[i].id == id), "[%s] seq_new returned live id %d", g_cfg,
+              id);
     s->alive = 1;
     s->id = id;
     s->len = 0;
     s->mode = mode;
     s->target = target;
     int64_t len = -1;
-    CHECK(ekv_cache_seq_length(w->c, id, &len) == EKV_OK && len == 0, "[%s] new seq length %lld", g_cfg, (long long)len);
+    CHECK(ekv_cache_seq_length(w->c, id, &len) == EKV_OK && len == 0, "[%s] new seq length %lld",
+          g_cfg, (long long)len);
     return s;
 }
 
@@ -203,7 +214,8 @@ static int32_t *seq_pages(world *w, const shadow *s, int64_t *np_out, int32_t *l
  * Checks pages [i0, i1] of sequence s: stored K/V against the shadow, token counts, and
  * the summaries against a from-scratch recomputation in double.
  */
-static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_t np, int64_t i0, int64_t i1) {
+static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_t np, int64_t i0,
+                         int64_t i1) {
     const int64_t ps = w->p.page_size, Hk = w->p.num_kv_heads, D = w->p.head_dim;
     const ekv_paged_kv *kv = &w->kv;
     const ekv_page_stats *st = &w->st;
@@ -211,8 +223,8 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
     for (int64_t i = i0; i <= i1 && i < np; i++) {
         const int32_t page = pages[i];
         const int64_t n = i < np - 1 ? ps : s->len - (np - 1) * ps;
-        CHECK(st->count[page] == n, "[%s] seq %d page #%lld (id %d): count %d, want %lld", g_cfg, s->id,
-              (long long)i, page, st->count[page], (long long)n);
+        CHECK(st->count[page] == n, "[%s] seq %d page #%lld (id %d): count %d, want %lld", g_cfg,
+              s->id, (long long)i, page, st->count[page], (long long)n);
         for (int64_t h = 0; h < Hk; h++) {
             const int64_t base = page * kv->stride_page + h * kv->stride_head;
             int bad_k = 0, bad_v = 0;
@@ -220,23 +232,24 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                 const int64_t tok = i * ps + t;
                 for (int64_t d = 0; d < D; d++) {
                     const int64_t off = base + t * kv->stride_token + d;
-                    const double ek = s->k[(tok * Hk + h) * D + d], ev = s->v[(tok * Hk + h) * D + d];
+                    const double ek = s->k[(tok * Hk + h) * D + d],
+                                 ev = s->v[(tok * Hk + h) * D + d];
                     double gk = load(kv->k, kv->dtype, off), gv = load(kv->v, kv->dtype, off);
                     if (kv->dtype == EKV_DTYPE_F32) { /* bit-exact */
                         float fk = (float)ek, fv = (float)ev;
                         if (memcmp(&fk, (const float *)kv->k + off, 4) && bad_k++ < 3)
-                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: K %.9g, want %.9g (bits)", g_cfg, s->id,
-                                  (long long)tok, (long long)h, (long long)d, gk, ek);
+                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: K %.9g, want %.9g (bits)",
+                                  g_cfg, s->id, (long long)tok, (long long)h, (long long)d, gk, ek);
                         if (memcmp(&fv, (const float *)kv->v + off, 4) && bad_v++ < 3)
-                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: V %.9g, want %.9g (bits)", g_cfg, s->id,
-                                  (long long)tok, (long long)h, (long long)d, gv, ev);
+                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: V %.9g, want %.9g (bits)",
+                                  g_cfg, s->id, (long long)tok, (long long)h, (long long)d, gv, ev);
                     } else {
                         if (!same_value(gk, ek) && bad_k++ < 3)
-                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: K %.9g, want %.9g", g_cfg, s->id,
-                                  (long long)tok, (long long)h, (long long)d, gk, ek);
+                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: K %.9g, want %.9g", g_cfg,
+                                  s->id, (long long)tok, (long long)h, (long long)d, gk, ek);
                         if (!same_value(gv, ev) && bad_v++ < 3)
-                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: V %.9g, want %.9g", g_cfg, s->id,
-                                  (long long)tok, (long long)h, (long long)d, gv, ev);
+                            CHECK(0, "[%s] seq %d tok %lld h %lld d %lld: V %.9g, want %.9g", g_cfg,
+                                  s->id, (long long)tok, (long long)h, (long long)d, gv, ev);
                     }
                     col[d * ps + t] = gk;
                 }
@@ -259,25 +272,28 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                 const double mag = fmax(fabs(mn), fabs(mx));
                 const double smin = st->kmin[so + d], smax = st->kmax[so + d];
                 const double smean = st->kmean[so + d], sm2 = st->km2[so + d];
-                CHECK(smin == mn && smax == mx, "[%s] seq %d page #%lld h %lld d %lld: min/max %.9g/%.9g, want %.9g/%.9g",
+                CHECK(smin == mn && smax == mx,
+                      "[%s] seq %d page #%lld h %lld d %lld: min/max %.9g/%.9g, want %.9g/%.9g",
                       g_cfg, s->id, (long long)i, (long long)h, (long long)d, smin, smax, mn, mx);
                 /* mean: float Welford drifts by a few ulps of the magnitude */
                 const double tol_mean = 1e-5 * mag + 1e-30;
-                CHECK(fabs(smean - mean) <= tol_mean, "[%s] seq %d page #%lld h %lld d %lld n %lld: mean %.9g, want %.9g",
-                      g_cfg, s->id, (long long)i, (long long)h, (long long)d, (long long)n, smean, mean);
+                CHECK(fabs(smean - mean) <= tol_mean,
+                      "[%s] seq %d page #%lld h %lld d %lld n %lld: mean %.9g, want %.9g", g_cfg,
+                      s->id, (long long)i, (long long)h, (long long)d, (long long)n, smean, mean);
                 if (mag > 0) g_worst_mean = fmax(g_worst_mean, fabs(smean - mean) / mag);
                 /* M2: relative 1e-5, plus cancellation against the squared magnitude */
                 const double scale_m2 = m2 + 1e-2 * (double)n * mag * mag;
                 const double tol_m2 = 1e-5 * scale_m2 + 1e-37;
                 CHECK(sm2 >= 0 && fabs(sm2 - m2) <= tol_m2,
-                      "[%s] seq %d page #%lld h %lld d %lld n %lld: M2 %.9g, want %.9g (tol %.3g)", g_cfg, s->id,
-                      (long long)i, (long long)h, (long long)d, (long long)n, sm2, m2, tol_m2);
+                      "[%s] seq %d page #%lld h %lld d %lld n %lld: M2 %.9g, want %.9g (tol %.3g)",
+                      g_cfg, s->id, (long long)i, (long long)h, (long long)d, (long long)n, sm2, m2,
+                      tol_m2);
                 if (scale_m2 > 0) g_worst_m2 = fmax(g_worst_m2, fabs(sm2 - m2) / scale_m2);
                 /* derived std (docs/math.md §1.2) against the exact population std */
                 const double sstd = fmax(sqrt(sm2 / n), 1e-6), estd = fmax(sqrt(m2 / n), 1e-6);
                 CHECK(fabs(sstd - estd) <= sqrt(tol_m2 / n) + 1e-6 * estd,
-                      "[%s] seq %d page #%lld h %lld d %lld: std %.9g, want %.9g", g_cfg, s->id, (long long)i,
-                      (long long)h, (long long)d, sstd, estd);
+                      "[%s] seq %d page #%lld h %lld d %lld: std %.9g, want %.9g", g_cfg, s->id,
+                      (long long)i, (long long)h, (long long)d, sstd, estd);
             }
             /* radius: exact ball around the stored mean, never smaller than exact */
             double best = 0;
@@ -291,16 +307,18 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
             }
             const double r = sqrt(best), sr = st->radius[page * Hk + h];
             CHECK(sr >= r && sr <= r * (1 + 1e-5) + 1e-37,
-                  "[%s] seq %d page #%lld h %lld n %lld: radius %.9g, exact around stored mean %.9g", g_cfg, s->id,
-                  (long long)i, (long long)h, (long long)n, sr, r);
+                  "[%s] seq %d page #%lld h %lld n %lld: radius %.9g, exact around stored mean %.9g",
+                  g_cfg, s->id, (long long)i, (long long)h, (long long)n, sr, r);
             if (r > 0) g_worst_radius = fmax(g_worst_radius, (sr - r) / r);
             /* the superpage box holds every live key of its pages (after reuse too) */
             if (st->smin) {
                 const int64_t sso = ((page / st->superpage_pages) * Hk + h) * D;
                 for (int64_t d = 0; d < D; d++)
-                    CHECK(st->smin[sso + d] <= st->kmin[so + d] && st->smax[sso + d] >= st->kmax[so + d],
-                          "[%s] page #%lld h %lld d %lld: superpage box [%g, %g] misses the page's [%g, %g]", g_cfg,
-                          (long long)i, (long long)h, (long long)d, (double)st->smin[sso + d], (double)st->smax[sso + d],
+                    CHECK(st->smin[sso + d] <= st->kmin[so + d] &&
+                                  st->smax[sso + d] >= st->kmax[so + d],
+                          "[%s] page #%lld h %lld d %lld: superpage box [%g, %g] misses the page's [%g, %g]",
+                          g_cfg, (long long)i, (long long)h, (long long)d,
+                          (double)st->smin[sso + d], (double)st->smax[sso + d],
                           (double)st->kmin[so + d], (double)st->kmax[so + d]);
             }
         }
@@ -316,7 +334,10 @@ static void check_all(world *w) {
     const shadow *shs[8];
     int32_t n = 0;
     for (int i = 0; i < w->nsh; i++)
-        if (w->sh[i].alive) { ids[n] = w->sh[i].id; shs[n++] = &w->sh[i]; }
+        if (w->sh[i].alive) {
+            ids[n] = w->sh[i].id;
+            shs[n++] = &w->sh[i];
+        }
     uint8_t *owned = calloc((size_t)P, 1);
     int64_t total = 0;
     if (n > 0) {
@@ -325,33 +346,39 @@ static void check_all(world *w) {
         CHECK(st == EKV_OK, "[%s] page_table(needed): %s", g_cfg, ekv_status_string(st));
         int64_t expect = 0;
         for (int32_t b = 0; b < n; b++) expect += ceil_div(shs[b]->len, ps);
-        CHECK(needed == expect, "[%s] page_table needed %lld, want %lld", g_cfg, (long long)needed, (long long)expect);
-        if (st || needed != expect) { free(owned); return; }
+        CHECK(needed == expect, "[%s] page_table needed %lld, want %lld", g_cfg, (long long)needed,
+              (long long)expect);
+        if (st || needed != expect) {
+            free(owned);
+            return;
+        }
         int64_t indptr[9];
         int32_t lpl[8];
         int32_t *idx = malloc((size_t)(needed + 1) * sizeof(int32_t));
         st = ekv_cache_page_table(w->c, ids, n, indptr, idx, needed, lpl, NULL);
         CHECK(st == EKV_OK, "[%s] page_table: %s", g_cfg, ekv_status_string(st));
-        CHECK(indptr[0] == 0 && indptr[n] == needed, "[%s] indptr ends %lld..%lld", g_cfg, (long long)indptr[0],
-              (long long)indptr[n]);
+        CHECK(indptr[0] == 0 && indptr[n] == needed, "[%s] indptr ends %lld..%lld", g_cfg,
+              (long long)indptr[0], (long long)indptr[n]);
         for (int32_t b = 0; b < n && !st; b++) {
             const shadow *s = shs[b];
             const int64_t np = indptr[b + 1] - indptr[b];
-            CHECK(np == ceil_div(s->len, ps), "[%s] seq %d: %lld pages for %lld tokens", g_cfg, s->id, (long long)np,
-                  (long long)s->len);
+            CHECK(np == ceil_div(s->len, ps), "[%s] seq %d: %lld pages for %lld tokens", g_cfg,
+                  s->id, (long long)np, (long long)s->len);
             if (s->len > 0) {
                 CHECK(lpl[b] >= 1 && lpl[b] <= ps && (np - 1) * ps + lpl[b] == s->len,
-                      "[%s] seq %d: last_page_len %d with %lld pages, length %lld", g_cfg, s->id, lpl[b], (long long)np,
-                      (long long)s->len);
+                      "[%s] seq %d: last_page_len %d with %lld pages, length %lld", g_cfg, s->id,
+                      lpl[b], (long long)np, (long long)s->len);
             }
             int64_t len = -1;
-            CHECK(ekv_cache_seq_length(w->c, s->id, &len) == EKV_OK && len == s->len, "[%s] seq %d length %lld, want %lld",
-                  g_cfg, s->id, (long long)len, (long long)s->len);
+            CHECK(ekv_cache_seq_length(w->c, s->id, &len) == EKV_OK && len == s->len,
+                  "[%s] seq %d length %lld, want %lld", g_cfg, s->id, (long long)len,
+                  (long long)s->len);
             int ok = np == ceil_div(s->len, ps);
             for (int64_t i = indptr[b]; i < indptr[b + 1]; i++) {
                 int32_t pg = idx[i];
                 if (pg < 0 || pg >= P) {
-                    CHECK(0, "[%s] seq %d: page id %d out of [0, %lld)", g_cfg, s->id, pg, (long long)P);
+                    CHECK(0, "[%s] seq %d: page id %d out of [0, %lld)", g_cfg, s->id, pg,
+                          (long long)P);
                     ok = 0;
                     continue;
                 }
@@ -379,22 +406,37 @@ static void check_all(world *w) {
 static double gen_value(test_rng *r, int mode, int64_t h, int64_t d) {
     /* small set: ties for min/max, signed zeros, and exact rounding ties of f16 / bf16
      * (round to nearest even), normal and subnormal */
-    static const double quant[] = {-2, -1, -0.5, -0.0, 0, 0.5, 1, 3,
-                                   1 + 0x1p-11, 1 + 0x1.8p-10, -(1 + 0x1p-8), 1 + 0x1.8p-7, 2049, -2051,
-                                   0x1p-25, -0x1.8p-24, 0x1p-26 + 0x1p-35};
+    static const double quant[] = {-2,
+                                   -1,
+                                   -0.5,
+                                   -0.0,
+                                   0,
+                                   0.5,
+                                   1,
+                                   3,
+                                   1 + 0x1p-11,
+                                   1 + 0x1.8p-10,
+                                   -(1 + 0x1p-8),
+                                   1 + 0x1.8p-7,
+                                   2049,
+                                   -2051,
+                                   0x1p-25,
+                                   -0x1.8p-24,
+                                   0x1p-26 + 0x1p-35};
     switch (mode) {
     case 0: return test_normal(r);
-    case 1: return 10.0 * (double)((d % 5) - 2) + 0.5 * (double)h + 0.3 * test_normal(r); /* offsets */
-    case 2: return 3e-5 * test_normal(r);          /* f16 subnormals, tiny spread */
+    case 1:
+        return 10.0 * (double)((d % 5) - 2) + 0.5 * (double)h + 0.3 * test_normal(r); /* offsets */
+    case 2: return 3e-5 * test_normal(r); /* f16 subnormals, tiny spread */
     case 3: return quant[test_range(r, 0, (int64_t)(sizeof quant / sizeof quant[0]) - 1)];
-    case 4: return 200.0 * test_normal(r);         /* large magnitudes */
+    case 4: return 200.0 * test_normal(r);                      /* large magnitudes */
     default: return 0.25 * (double)(h + 1) - 0.125 * (double)d; /* every token identical */
     }
 }
 
 /* Builds a chunk of n tokens in src dtype; expected stored values go to ek/ev. */
-static void make_chunk(world *w, test_rng *r, int mode, int64_t n, ekv_dtype src, void *k, void *v, double *ek,
-                       double *ev) {
+static void make_chunk(world *w, test_rng *r, int mode, int64_t n, ekv_dtype src, void *k, void *v,
+                       double *ek, double *ev) {
     const int64_t Hk = w->p.num_kv_heads, D = w->p.head_dim;
     for (int64_t t = 0; t < n; t++)
         for (int64_t h = 0; h < Hk; h++)
@@ -424,24 +466,27 @@ static void do_append(world *w, shadow *s, test_rng *r, int64_t n, ekv_dtype src
     const int64_t free0 = ekv_cache_free_pages(w->c);
     const int64_t np0 = ceil_div(s->len, ps), np1 = ceil_div(s->len + n, ps);
     ekv_status st = ekv_cache_append(w->c, s->id, n, k, v, src);
-    CHECK(st == EKV_OK, "[%s] append %lld tokens (src %s) to seq %d at %lld: %s (%s)", g_cfg, (long long)n,
-          ekv_dtype_name(src), s->id, (long long)s->len, ekv_status_string(st), ekv_last_error(w->ctx));
+    CHECK(st == EKV_OK, "[%s] append %lld tokens (src %s) to seq %d at %lld: %s (%s)", g_cfg,
+          (long long)n, ekv_dtype_name(src), s->id, (long long)s->len, ekv_status_string(st),
+          ekv_last_error(w->ctx));
     free(k);
     free(v);
     if (st) return;
     const int64_t first_page = s->len / ps;
     s->len += n;
-    CHECK(ekv_cache_free_pages(w->c) == free0 - (np1 - np0), "[%s] free pages %lld after append, want %lld", g_cfg,
+    CHECK(ekv_cache_free_pages(w->c) == free0 - (np1 - np0),
+          "[%s] free pages %lld after append, want %lld", g_cfg,
           (long long)ekv_cache_free_pages(w->c), (long long)(free0 - (np1 - np0)));
     int64_t len = -1;
-    CHECK(ekv_cache_seq_length(w->c, s->id, &len) == EKV_OK && len == s->len, "[%s] length %lld, want %lld", g_cfg,
-          (long long)len, (long long)s->len);
+    CHECK(ekv_cache_seq_length(w->c, s->id, &len) == EKV_OK && len == s->len,
+          "[%s] length %lld, want %lld", g_cfg, (long long)len, (long long)s->len);
     int64_t np = 0;
     int32_t lpl = 0;
     int32_t *pages = seq_pages(w, s, &np, &lpl);
     if (!pages) return;
-    CHECK(np == np1 && (np - 1) * ps + lpl == s->len, "[%s] seq %d: %lld pages, last %d, length %lld", g_cfg, s->id,
-          (long long)np, lpl, (long long)s->len);
+    CHECK(np == np1 && (np - 1) * ps + lpl == s->len,
+          "[%s] seq %d: %lld pages, last %d, length %lld", g_cfg, s->id, (long long)np, lpl,
+          (long long)s->len);
     if (np == np1) verify_pages(w, s, pages, np, first_page, np - 1);
     free(pages);
 }
@@ -452,13 +497,16 @@ static void expect_dead(world *w, int32_t id) {
     int64_t len = -7, needed = -7, indptr[2] = {-7, -7};
     int32_t idx[4] = {-7, -7, -7, -7}, lpl = -7;
     ekv_status st = ekv_cache_seq_length(w->c, id, &len);
-    CHECK(st == EKV_ERR_INVALID_SEQUENCE && len == -7, "[%s] seq_length(dead %d): %s", g_cfg, id, ekv_status_string(st));
+    CHECK(st == EKV_ERR_INVALID_SEQUENCE && len == -7, "[%s] seq_length(dead %d): %s", g_cfg, id,
+          ekv_status_string(st));
     const int64_t free0 = ekv_cache_free_pages(w->c);
     st = ekv_cache_append(w->c, id, 1, buf, buf, EKV_DTYPE_F32);
-    CHECK(st == EKV_ERR_INVALID_SEQUENCE, "[%s] append(dead %d): %s", g_cfg, id, ekv_status_string(st));
+    CHECK(st == EKV_ERR_INVALID_SEQUENCE, "[%s] append(dead %d): %s", g_cfg, id,
+          ekv_status_string(st));
     CHECK(ekv_cache_free_pages(w->c) == free0, "[%s] append to a dead seq took pages", g_cfg);
     st = ekv_cache_seq_free(w->c, id);
-    CHECK(st == EKV_ERR_INVALID_SEQUENCE, "[%s] seq_free(dead %d): %s", g_cfg, id, ekv_status_string(st));
+    CHECK(st == EKV_ERR_INVALID_SEQUENCE, "[%s] seq_free(dead %d): %s", g_cfg, id,
+          ekv_status_string(st));
     CHECK(ekv_cache_free_pages(w->c) == free0, "[%s] double free changed free pages", g_cfg);
     st = ekv_cache_page_table(w->c, &id, 1, indptr, idx, 4, &lpl, &needed);
     CHECK(st == EKV_ERR_INVALID_SEQUENCE && indptr[0] == -7 && idx[0] == -7 && lpl == -7,
@@ -471,7 +519,8 @@ static void free_seq(world *w, shadow *s) {
     const int64_t free0 = ekv_cache_free_pages(w->c), np = ceil_div(s->len, w->p.page_size);
     ekv_status st = ekv_cache_seq_free(w->c, s->id);
     CHECK(st == EKV_OK, "[%s] seq_free(%d): %s", g_cfg, s->id, ekv_status_string(st));
-    CHECK(ekv_cache_free_pages(w->c) == free0 + np, "[%s] free pages %lld after freeing %lld pages (was %lld)", g_cfg,
+    CHECK(ekv_cache_free_pages(w->c) == free0 + np,
+          "[%s] free pages %lld after freeing %lld pages (was %lld)", g_cfg,
           (long long)ekv_cache_free_pages(w->c), (long long)np, (long long)free0);
     s->alive = 0;
     expect_dead(w, s->id);
@@ -493,15 +542,21 @@ static void random_trial(ekv_context *ctx, test_rng *r, int trial) {
     const int nseq = (int)test_range(r, 1, 4);
     p.max_seqs = nseq + 2;
     const int64_t ps = p.page_size;
-    int64_t maxlen = ps == 1 ? test_range(r, 1, 40) : ps * test_range(r, 1, ps >= 64 ? 3 : 6) + test_range(r, 0, ps);
+    int64_t maxlen = ps == 1 ? test_range(r, 1, 40)
+                             : ps * test_range(r, 1, ps >= 64 ? 3 : 6) + test_range(r, 0, ps);
     if (maxlen > 1200) maxlen = 1200;
     p.num_pages = nseq * ceil_div(maxlen, ps) + test_range(r, 0, 3);
-    snprintf(g_cfg, sizeof g_cfg, "trial %d: ps %d %s Hk %d D %d src %s nseq %d maxlen %lld pages %lld thr %d", trial,
-             p.page_size, ekv_dtype_name(p.dtype), p.num_kv_heads, p.head_dim, ekv_dtype_name(src), nseq,
-             (long long)maxlen, (long long)p.num_pages, ekv_context_threads(ctx));
+    snprintf(g_cfg, sizeof g_cfg,
+             "trial %d: ps %d %s Hk %d D %d src %s nseq %d maxlen %lld pages %lld thr %d", trial,
+             p.page_size, ekv_dtype_name(p.dtype), p.num_kv_heads, p.head_dim, ekv_dtype_name(src),
+             nseq, (long long)maxlen, (long long)p.num_pages, ekv_context_threads(ctx));
     world w;
-    if (!world_init(&w, ctx, &p)) { world_free(&w); return; }
-    for (int i = 0; i < nseq; i++) world_new_seq(&w, (int)test_range(r, 0, 5), test_range(r, 1, maxlen));
+    if (!world_init(&w, ctx, &p)) {
+        world_free(&w);
+        return;
+    }
+    for (int i = 0; i < nseq; i++)
+        world_new_seq(&w, (int)test_range(r, 0, 5), test_range(r, 1, maxlen));
     int respawns = 0;
     for (int steps = 0; steps < 100000; steps++) {
         shadow *cand[8];
@@ -513,10 +568,14 @@ static void random_trial(ekv_context *ctx, test_rng *r, int trial) {
         const int64_t rem = s->target - s->len;
         int64_t n;
         double u = test_uniform(r);
-        if (u < 0.45) n = 1;                                            /* decode step */
-        else if (u < 0.70) n = test_range(r, 2, ps + 1);                /* small chunk */
-        else if (u < 0.90) n = test_range(r, ps, 3 * ps + 5);           /* crosses pages */
-        else n = rem;                                                   /* rest in one go */
+        if (u < 0.45)
+            n = 1; /* decode step */
+        else if (u < 0.70)
+            n = test_range(r, 2, ps + 1); /* small chunk */
+        else if (u < 0.90)
+            n = test_range(r, ps, 3 * ps + 5); /* crosses pages */
+        else
+            n = rem; /* rest in one go */
         if (n > rem) n = rem;
         /* sometimes a different source dtype for this chunk */
         ekv_dtype csrc = test_uniform(r) < 0.8 ? src : (ekv_dtype)test_range(r, 0, 2);
@@ -547,11 +606,17 @@ static void test_page_table(ekv_context *ctx, test_rng *r) {
     p.max_seqs = 8;
     snprintf(g_cfg, sizeof g_cfg, "page_table");
     world w;
-    if (!world_init(&w, ctx, &p)) { world_free(&w); return; }
+    if (!world_init(&w, ctx, &p)) {
+        world_free(&w);
+        return;
+    }
     static const int64_t lens[5] = {0, 1, 7, 8, 50};
     for (int i = 0; i < 5; i++) {
         shadow *s = world_new_seq(&w, 0, lens[i]);
-        if (!s) { world_free(&w); return; }
+        if (!s) {
+            world_free(&w);
+            return;
+        }
         /* interleave: build in two chunks */
         if (lens[i] > 0) do_append(&w, s, r, (lens[i] + 1) / 2, EKV_DTYPE_F32);
     }
@@ -569,8 +634,8 @@ static void test_page_table(ekv_context *ctx, test_rng *r) {
     /* needed mode: no output arrays at all */
     int64_t needed = -1;
     ekv_status st = ekv_cache_page_table(w.c, ids, 5, NULL, NULL, 0, NULL, &needed);
-    CHECK(st == EKV_OK && needed == want, "needed mode: %s, needed %lld want %lld", ekv_status_string(st),
-          (long long)needed, (long long)want);
+    CHECK(st == EKV_OK && needed == want, "needed mode: %s, needed %lld want %lld",
+          ekv_status_string(st), (long long)needed, (long long)want);
     /* too small: INVALID_SIZE, arrays untouched */
     enum { CAP = 64 };
     int64_t indptr[6];
@@ -582,8 +647,8 @@ static void test_page_table(ekv_context *ctx, test_rng *r) {
         for (int i = 0; i < CAP; i++) idx[i] = -77;
         for (int i = 0; i < 5; i++) lpl[i] = -77;
         st = ekv_cache_page_table(w.c, ids, 5, indptr, idx, cap, lpl, NULL);
-        CHECK(st == EKV_ERR_INVALID_SIZE, "capacity %lld < %lld: %s", (long long)cap, (long long)want,
-              ekv_status_string(st));
+        CHECK(st == EKV_ERR_INVALID_SIZE, "capacity %lld < %lld: %s", (long long)cap,
+              (long long)want, ekv_status_string(st));
         int untouched = 1;
         for (int i = 0; i < 6; i++) untouched &= indptr[i] == -77;
         for (int i = 0; i < CAP; i++) untouched &= idx[i] == -77;
@@ -596,7 +661,8 @@ static void test_page_table(ekv_context *ctx, test_rng *r) {
         for (int i = 0; i < CAP; i++) idx[i] = -77;
         needed = -1;
         st = ekv_cache_page_table(w.c, ids, 5, indptr, idx, want + extra, lpl, &needed);
-        CHECK(st == EKV_OK && needed == want, "capacity %lld: %s", (long long)(want + extra), ekv_status_string(st));
+        CHECK(st == EKV_OK && needed == want, "capacity %lld: %s", (long long)(want + extra),
+              ekv_status_string(st));
         CHECK(indptr[0] == 0, "indptr[0] = %lld", (long long)indptr[0]);
         for (int b = 0; b < 5; b++) {
             CHECK(indptr[b + 1] - indptr[b] == expect_np[b], "seq #%d: %lld pages, want %lld", b,
@@ -650,31 +716,41 @@ static void test_free_reuse(ekv_context *ctx, test_rng *r) {
         p.max_seqs = 3;
         snprintf(g_cfg, sizeof g_cfg, "free/reuse %s", ekv_dtype_name(p.dtype));
         world w;
-        if (!world_init(&w, ctx, &p)) { world_free(&w); continue; }
+        if (!world_init(&w, ctx, &p)) {
+            world_free(&w);
+            continue;
+        }
         shadow *a = world_new_seq(&w, 4, 0); /* large magnitudes: would leave stale min/max */
         shadow *b = world_new_seq(&w, 1, 0);
         shadow *e = world_new_seq(&w, 0, 0); /* stays empty */
-        if (!a || !b || !e) { world_free(&w); continue; }
+        if (!a || !b || !e) {
+            world_free(&w);
+            continue;
+        }
         do_append(&w, a, r, 35, EKV_DTYPE_F32); /* 5 pages, last holds 3 */
         do_append(&w, b, r, 9, EKV_DTYPE_F32);
-        do_append(&w, a, r, 5, EKV_DTYPE_F32);  /* 40 tokens: 5 full pages */
+        do_append(&w, a, r, 5, EKV_DTYPE_F32); /* 40 tokens: 5 full pages */
         check_all(&w);
         int32_t no_id = -1;
         ekv_status st = ekv_cache_seq_new(w.c, &no_id);
-        CHECK(st != EKV_OK && no_id == -1, "[%s] seq_new beyond max_seqs: %s, id %d", g_cfg, ekv_status_string(st),
-              no_id);
+        CHECK(st != EKV_OK && no_id == -1, "[%s] seq_new beyond max_seqs: %s, id %d", g_cfg,
+              ekv_status_string(st), no_id);
         int64_t np_a = 0;
         int32_t l = 0;
         int32_t *pages_a = seq_pages(&w, a, &np_a, &l);
         CHECK(ekv_cache_free_pages(w.c) == 12 - 5 - 2, "[%s] free pages %lld", g_cfg,
               (long long)ekv_cache_free_pages(w.c));
         const int32_t id_a = a->id;
-        free_seq(&w, a);  /* 5 pages back */
-        free_seq(&w, e);  /* empty sequence: nothing back */
+        free_seq(&w, a); /* 5 pages back */
+        free_seq(&w, e); /* empty sequence: nothing back */
         check_all(&w);
         /* a new sequence with small values reuses a's pages; 37 tokens: last page partial */
         shadow *c = world_new_seq(&w, 2, 0);
-        if (!c) { free(pages_a); world_free(&w); continue; }
+        if (!c) {
+            free(pages_a);
+            world_free(&w);
+            continue;
+        }
         do_append(&w, c, r, 30, EKV_DTYPE_F32);
         do_append(&w, c, r, 1, EKV_DTYPE_F32);
         do_append(&w, c, r, 6, EKV_DTYPE_F32);
@@ -744,8 +820,10 @@ static bytes snapshot(world *w) {
             for (int64_t h = 0; h < Hk; h++) {
                 const int64_t off = pg * w->kv.stride_page + h * w->kv.stride_head;
                 for (int64_t t = 0; t < n; t++) {
-                    put(&x, (const char *)w->kv.k + (off + t * w->kv.stride_token) * es, (size_t)(D * es));
-                    put(&x, (const char *)w->kv.v + (off + t * w->kv.stride_token) * es, (size_t)(D * es));
+                    put(&x, (const char *)w->kv.k + (off + t * w->kv.stride_token) * es,
+                        (size_t)(D * es));
+                    put(&x, (const char *)w->kv.v + (off + t * w->kv.stride_token) * es,
+                        (size_t)(D * es));
                 }
                 const int64_t so = (pg * Hk + h) * D;
                 put(&x, w->st.kmin + so, sizeof(float) * (size_t)D);
@@ -762,7 +840,8 @@ static bytes snapshot(world *w) {
 
 static void expect_unchanged(world *w, const bytes *before, const char *what) {
     bytes after = snapshot(w);
-    CHECK(after.n == before->n && memcmp(after.b, before->b, after.n) == 0, "[%s] %s changed the cache", g_cfg, what);
+    CHECK(after.n == before->n && memcmp(after.b, before->b, after.n) == 0,
+          "[%s] %s changed the cache", g_cfg, what);
     free(after.b);
 }
 
@@ -777,12 +856,19 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
         p.max_seqs = 4;
         snprintf(g_cfg, sizeof g_cfg, "cache full %s", ekv_dtype_name(p.dtype));
         world w;
-        if (!world_init(&w, ctx, &p)) { world_free(&w); continue; }
+        if (!world_init(&w, ctx, &p)) {
+            world_free(&w);
+            continue;
+        }
         shadow *a = world_new_seq(&w, 0, 0), *b = world_new_seq(&w, 4, 0);
-        if (!a || !b) { world_free(&w); continue; }
+        if (!a || !b) {
+            world_free(&w);
+            continue;
+        }
         do_append(&w, a, r, 20, EKV_DTYPE_F32); /* 2 pages, last holds 4 */
         do_append(&w, b, r, 50, EKV_DTYPE_F32); /* 4 pages, last holds 2 */
-        CHECK(ekv_cache_free_pages(w.c) == 1, "[%s] free %lld", g_cfg, (long long)ekv_cache_free_pages(w.c));
+        CHECK(ekv_cache_free_pages(w.c) == 1, "[%s] free %lld", g_cfg,
+              (long long)ekv_cache_free_pages(w.c));
         const int64_t row = 2 * 8;
         float *k = malloc(sizeof(float) * 200 * row), *v = malloc(sizeof(float) * 200 * row);
         for (int64_t i = 0; i < 200 * row; i++) {
@@ -794,15 +880,16 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
         for (int i = 0; i < 4; i++) {
             bytes before = snapshot(&w);
             ekv_status st = ekv_cache_append(w.c, a->id, tries[i], k, v, EKV_DTYPE_F32);
-            CHECK(st == EKV_ERR_CACHE_FULL, "[%s] append %lld tokens with 1 free page: %s", g_cfg, (long long)tries[i],
-                  ekv_status_string(st));
+            CHECK(st == EKV_ERR_CACHE_FULL, "[%s] append %lld tokens with 1 free page: %s", g_cfg,
+                  (long long)tries[i], ekv_status_string(st));
             CHECK(ekv_last_error(ctx)[0] != '\0', "[%s] cache full: no message", g_cfg);
             expect_unchanged(&w, &before, "failed append (cache full)");
             free(before.b);
         }
         /* exactly one new page: fits */
         do_append(&w, a, r, 28, EKV_DTYPE_F32); /* 48 tokens = 3 pages */
-        CHECK(ekv_cache_free_pages(w.c) == 0, "[%s] free %lld", g_cfg, (long long)ekv_cache_free_pages(w.c));
+        CHECK(ekv_cache_free_pages(w.c) == 0, "[%s] free %lld", g_cfg,
+              (long long)ekv_cache_free_pages(w.c));
         /* no free page, but room in the last pages: fits */
         do_append(&w, b, r, 13, EKV_DTYPE_F32);
         do_append(&w, b, r, 1, EKV_DTYPE_F32); /* b = 64 tokens, full */
@@ -811,7 +898,8 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
             shadow *s = i ? b : a;
             bytes before = snapshot(&w);
             ekv_status st = ekv_cache_append(w.c, s->id, 1, k, v, EKV_DTYPE_F32);
-            CHECK(st == EKV_ERR_CACHE_FULL, "[%s] decode step into a full pool: %s", g_cfg, ekv_status_string(st));
+            CHECK(st == EKV_ERR_CACHE_FULL, "[%s] decode step into a full pool: %s", g_cfg,
+                  ekv_status_string(st));
             expect_unchanged(&w, &before, "failed decode step (cache full)");
             free(before.b);
         }
@@ -820,8 +908,8 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
         if (c) {
             bytes before = snapshot(&w);
             ekv_status st = ekv_cache_append(w.c, c->id, 1, k, v, EKV_DTYPE_F32);
-            CHECK(st == EKV_ERR_CACHE_FULL, "[%s] first token of a new seq into a full pool: %s", g_cfg,
-                  ekv_status_string(st));
+            CHECK(st == EKV_ERR_CACHE_FULL, "[%s] first token of a new seq into a full pool: %s",
+                  g_cfg, ekv_status_string(st));
             expect_unchanged(&w, &before, "failed first append (cache full)");
             free(before.b);
         }
@@ -829,7 +917,8 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
         /* free b: its 4 pages make room again */
         free_seq(&w, b);
         if (c) do_append(&w, c, r, 64, EKV_DTYPE_F32);
-        CHECK(ekv_cache_free_pages(w.c) == 0, "[%s] free %lld", g_cfg, (long long)ekv_cache_free_pages(w.c));
+        CHECK(ekv_cache_free_pages(w.c) == 0, "[%s] free %lld", g_cfg,
+              (long long)ekv_cache_free_pages(w.c));
         check_all(&w);
         free(k);
         free(v);
@@ -847,12 +936,16 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
         p.max_seqs = 3;
         snprintf(g_cfg, sizeof g_cfg, "pages_for capacity ps %d", ps);
         world w;
-        if (!world_init(&w, ctx, &p)) { world_free(&w); continue; }
+        if (!world_init(&w, ctx, &p)) {
+            world_free(&w);
+            continue;
+        }
         for (int i = 0; i < 3; i++) {
             shadow *s = world_new_seq(&w, 0, 0);
             if (s) do_append(&w, s, r, T, EKV_DTYPE_F32);
         }
-        CHECK(ekv_cache_free_pages(w.c) == 0, "[%s] free %lld", g_cfg, (long long)ekv_cache_free_pages(w.c));
+        CHECK(ekv_cache_free_pages(w.c) == 0, "[%s] free %lld", g_cfg,
+              (long long)ekv_cache_free_pages(w.c));
         float *kv1 = calloc((size_t)ps * 8, sizeof(float));
         bytes before = snapshot(&w);
         /* the last page holds 1 token: ps more need a new page */
@@ -868,8 +961,12 @@ static void test_cache_full(ekv_context *ctx, test_rng *r) {
 
 static void set_bad(void *buf, ekv_dtype dt, int64_t i, int kind) { /* 0 NaN, 1 +inf, 2 -inf */
     switch (dt) {
-    case EKV_DTYPE_F16: ((uint16_t *)buf)[i] = kind == 0 ? 0x7e00u : kind == 1 ? 0x7c00u : 0xfc00u; break;
-    case EKV_DTYPE_BF16: ((uint16_t *)buf)[i] = kind == 0 ? 0x7fc0u : kind == 1 ? 0x7f80u : 0xff80u; break;
+    case EKV_DTYPE_F16:
+        ((uint16_t *)buf)[i] = kind == 0 ? 0x7e00u : kind == 1 ? 0x7c00u : 0xfc00u;
+        break;
+    case EKV_DTYPE_BF16:
+        ((uint16_t *)buf)[i] = kind == 0 ? 0x7fc0u : kind == 1 ? 0x7f80u : 0xff80u;
+        break;
     default: ((float *)buf)[i] = kind == 0 ? NAN : kind == 1 ? INFINITY : -INFINITY; break;
     }
 }
@@ -885,9 +982,15 @@ static void test_nan_input(ekv_context *ctx, test_rng *r) {
         p.max_seqs = 2;
         snprintf(g_cfg, sizeof g_cfg, "nan input %s", ekv_dtype_name(p.dtype));
         world w;
-        if (!world_init(&w, ctx, &p)) { world_free(&w); continue; }
+        if (!world_init(&w, ctx, &p)) {
+            world_free(&w);
+            continue;
+        }
         shadow *s = world_new_seq(&w, 0, 0), *o = world_new_seq(&w, 1, 0);
-        if (!s || !o) { world_free(&w); continue; }
+        if (!s || !o) {
+            world_free(&w);
+            continue;
+        }
         do_append(&w, s, r, 10, EKV_DTYPE_F32); /* last page holds 2 */
         do_append(&w, o, r, 5, EKV_DTYPE_F32);
         const int64_t n = 7, row = 16, N = n * row; /* crosses a page boundary */
@@ -903,8 +1006,11 @@ static void test_nan_input(ekv_context *ctx, test_rng *r) {
                         bytes before = snapshot(&w);
                         ekv_status st = ekv_cache_append(w.c, s->id, n, k, v, (ekv_dtype)src);
                         CHECK(st == EKV_ERR_NAN_INPUT, "[%s] %s %s at %lld (src %s): %s", g_cfg,
-                              kind == 0 ? "NaN" : kind == 1 ? "+inf" : "-inf", which ? "v" : "k", (long long)pos,
-                              ekv_dtype_name((ekv_dtype)src), ekv_status_string(st));
+                              kind == 0   ? "NaN"
+                              : kind == 1 ? "+inf"
+                                          : "-inf",
+                              which ? "v" : "k", (long long)pos, ekv_dtype_name((ekv_dtype)src),
+                              ekv_status_string(st));
                         CHECK(ekv_last_error(ctx)[0] != '\0', "[%s] NaN input: no message", g_cfg);
                         expect_unchanged(&w, &before, "append with NaN/inf");
                         free(before.b);
@@ -917,8 +1023,9 @@ static void test_nan_input(ekv_context *ctx, test_rng *r) {
                 ((float *)(which ? v : k))[3 * row + 5] = which ? -big : big;
                 bytes before = snapshot(&w);
                 ekv_status st = ekv_cache_append(w.c, s->id, n, k, v, EKV_DTYPE_F32);
-                CHECK(st == EKV_ERR_NAN_INPUT, "[%s] %s = %g overflows %s storage: %s", g_cfg, which ? "v" : "k",
-                      (double)big, ekv_dtype_name(p.dtype), ekv_status_string(st));
+                CHECK(st == EKV_ERR_NAN_INPUT, "[%s] %s = %g overflows %s storage: %s", g_cfg,
+                      which ? "v" : "k", (double)big, ekv_dtype_name(p.dtype),
+                      ekv_status_string(st));
                 expect_unchanged(&w, &before, "append overflowing the storage dtype");
                 free(before.b);
             }
@@ -937,9 +1044,11 @@ static void test_nan_input(ekv_context *ctx, test_rng *r) {
                 int32_t lpl = 0;
                 int32_t *pages = seq_pages(&w, o, &np, &lpl);
                 if (pages) {
-                    const int64_t off = pages[np - 1] * w.kv.stride_page + (lpl - 1) * w.kv.stride_token;
-                    CHECK(load(w.kv.k, w.kv.dtype, off) == 65504.0 && load(w.kv.k, w.kv.dtype, off + 1) == -65504.0 &&
-                              load(w.kv.v, w.kv.dtype, off + 2) == 65504.0,
+                    const int64_t off =
+                            pages[np - 1] * w.kv.stride_page + (lpl - 1) * w.kv.stride_token;
+                    CHECK(load(w.kv.k, w.kv.dtype, off) == 65504.0 &&
+                                  load(w.kv.k, w.kv.dtype, off + 1) == -65504.0 &&
+                                  load(w.kv.v, w.kv.dtype, off + 2) == 65504.0,
                           "[%s] f16 max values stored wrong", g_cfg);
                     free(pages);
                 }
@@ -984,37 +1093,41 @@ static void test_storage_limits(ekv_context *ctx) {
             ekv_cache_free(c);
             continue;
         }
-        const float lim = dt == EKV_DTYPE_F16 ? 65520.0f : dt == EKV_DTYPE_BF16 ? 0x1.ffp127f : INFINITY;
+        const float lim = dt == EKV_DTYPE_F16    ? 65520.0f
+                          : dt == EKV_DTYPE_BF16 ? 0x1.ffp127f
+                                                 : INFINITY;
         const float below = dt == EKV_DTYPE_F32 ? FLT_MAX : nextafterf(lim, 0.f);
         float k[8] = {below, -below, 1, 2, 3, 4, 5, 6}, v[8] = {1, 2, below, 4, -below, 6, 7, 8};
         ekv_status st = ekv_cache_append(c, id, 1, k, v, EKV_DTYPE_F32);
-        CHECK(st == EKV_OK, "[%s] append of %.9g: %s (%s)", g_cfg, (double)below, ekv_status_string(st),
-              ekv_last_error(ctx));
+        CHECK(st == EKV_OK, "[%s] append of %.9g: %s (%s)", g_cfg, (double)below,
+              ekv_status_string(st), ekv_last_error(ctx));
         ekv_paged_kv kv;
         ekv_cache_kv_view(c, &kv, NULL);
         const double mx = round_to(p.dtype, below);
         CHECK(isfinite(mx) && load(kv.k, kv.dtype, 0) == mx && load(kv.k, kv.dtype, 1) == -mx &&
-                  load(kv.v, kv.dtype, 2) == mx && load(kv.v, kv.dtype, 4) == -mx,
-              "[%s] largest values stored as %g %g %g %g, want +-%g", g_cfg, load(kv.k, kv.dtype, 0),
-              load(kv.k, kv.dtype, 1), load(kv.v, kv.dtype, 2), load(kv.v, kv.dtype, 4), mx);
+                      load(kv.v, kv.dtype, 2) == mx && load(kv.v, kv.dtype, 4) == -mx,
+              "[%s] largest values stored as %g %g %g %g, want +-%g", g_cfg,
+              load(kv.k, kv.dtype, 0), load(kv.k, kv.dtype, 1), load(kv.v, kv.dtype, 2),
+              load(kv.v, kv.dtype, 4), mx);
         if (dt != EKV_DTYPE_F32) {
             for (int i = 0; i < 4; i++) {
                 float k2[8] = {1, 2, 3, 4, 5, 6, 7, 8}, v2[8] = {1, 2, 3, 4, 5, 6, 7, 8};
                 (i & 1 ? v2 : k2)[3 + i] = i & 2 ? -lim : lim;
                 st = ekv_cache_append(c, id, 1, k2, v2, EKV_DTYPE_F32);
-                CHECK(st == EKV_ERR_NAN_INPUT, "[%s] %s = %.9g (rounds to inf): %s", g_cfg, i & 1 ? "v" : "k",
-                      (double)(i & 2 ? -lim : lim), ekv_status_string(st));
+                CHECK(st == EKV_ERR_NAN_INPUT, "[%s] %s = %.9g (rounds to inf): %s", g_cfg,
+                      i & 1 ? "v" : "k", (double)(i & 2 ? -lim : lim), ekv_status_string(st));
             }
         }
         if (dt == EKV_DTYPE_F16) { /* bf16 source: 65280 fits, 65536 does not */
             uint16_t k3[8], v3[8];
             for (int i = 0; i < 8; i++) k3[i] = v3[i] = 0x3f80u; /* 1.0 */
-            k3[5] = 0x477fu;                                  /* 65280 */
+            k3[5] = 0x477fu;                                     /* 65280 */
             st = ekv_cache_append(c, id, 1, k3, v3, EKV_DTYPE_BF16);
             CHECK(st == EKV_OK, "[%s] bf16 65280: %s", g_cfg, ekv_status_string(st));
             v3[6] = 0xc780u; /* -65536 */
             st = ekv_cache_append(c, id, 1, k3, v3, EKV_DTYPE_BF16);
-            CHECK(st == EKV_ERR_NAN_INPUT, "[%s] bf16 -65536 into f16: %s", g_cfg, ekv_status_string(st));
+            CHECK(st == EKV_ERR_NAN_INPUT, "[%s] bf16 -65536 into f16: %s", g_cfg,
+                  ekv_status_string(st));
         }
         int64_t len = -1;
         CHECK(ekv_cache_seq_length(c, id, &len) == EKV_OK && len == (dt == EKV_DTYPE_F16 ? 2 : 1),
@@ -1039,8 +1152,8 @@ static void test_sizes(test_rng *r) {
         int64_t t = test_range(r, 0, 1 << 24), s = test_range(r, 0, 64);
         int32_t ps = (int32_t)test_range(r, 1, 256);
         int64_t got = ekv_cache_pages_for(t, s, ps), want = s * ((t + ps - 1) / ps);
-        CHECK(got == want, "pages_for(%lld, %lld, %d) = %lld, want %lld", (long long)t, (long long)s, ps, (long long)got,
-              (long long)want);
+        CHECK(got == want, "pages_for(%lld, %lld, %d) = %lld, want %lld", (long long)t,
+              (long long)s, ps, (long long)got, (long long)want);
     }
     CHECK(ekv_cache_pages_for(-1, 1, 16) < 0, "pages_for(negative tokens)");
     CHECK(ekv_cache_pages_for(1, -1, 16) < 0, "pages_for(negative seqs)");
@@ -1057,12 +1170,14 @@ static void test_sizes(test_rng *r) {
         p.dtype = (ekv_dtype)test_range(r, 0, 2);
         p.num_pages = test_range(r, 1, 100000);
         const int64_t epp = (int64_t)p.page_size * p.num_kv_heads * p.head_dim;
-        /* superpage summaries: two fp32 arrays per (superpage, head, dim), ceil(pages / S) of them */
+        /* superpage summaries: two fp32 arrays per (superpage, head, dim), ceil(pages / S) of them
+         */
         {
             ekv_cache_params s0 = p;
             s0.superpage_pages = 0;
             const int64_t nsp = (p.num_pages + p.superpage_pages - 1) / p.superpage_pages;
-            CHECK(ekv_cache_bytes_needed(&p) - ekv_cache_bytes_needed(&s0) == nsp * p.num_kv_heads * p.head_dim * 8,
+            CHECK(ekv_cache_bytes_needed(&p) - ekv_cache_bytes_needed(&s0) ==
+                          nsp * p.num_kv_heads * p.head_dim * 8,
                   "superpage bytes are not 2 floats per (superpage, head, dim)");
             p.superpage_pages = 0; /* the exact size relations below are for the flat pool */
         }
@@ -1071,26 +1186,30 @@ static void test_sizes(test_rng *r) {
         const int64_t lower = 2 * p.num_pages * epp * ekv_dtype_size(p.dtype) +
                               p.num_pages * p.num_kv_heads * ((int64_t)p.head_dim * 16 + 4);
         CHECK(b1 >= lower, "bytes_needed %lld < lower bound %lld", (long long)b1, (long long)lower);
-        CHECK(b1 <= 2 * lower + (1 << 20), "bytes_needed %lld far above %lld", (long long)b1, (long long)lower);
+        CHECK(b1 <= 2 * lower + (1 << 20), "bytes_needed %lld far above %lld", (long long)b1,
+              (long long)lower);
         /* affine in num_pages, exact difference between storage dtypes */
         ekv_cache_params q = p;
         q.num_pages = 2 * p.num_pages;
         ekv_cache_params q3 = p;
         q3.num_pages = 3 * p.num_pages;
         const int64_t b2 = ekv_cache_bytes_needed(&q), b3 = ekv_cache_bytes_needed(&q3);
-        CHECK(b3 - b2 == b2 - b1 && b2 > b1, "bytes_needed not affine in num_pages: %lld %lld %lld", (long long)b1,
-              (long long)b2, (long long)b3);
+        CHECK(b3 - b2 == b2 - b1 && b2 > b1, "bytes_needed not affine in num_pages: %lld %lld %lld",
+              (long long)b1, (long long)b2, (long long)b3);
         ekv_cache_params f32 = p, f16 = p;
         f32.dtype = EKV_DTYPE_F32;
         f16.dtype = EKV_DTYPE_F16;
         ekv_cache_params bf = p;
         bf.dtype = EKV_DTYPE_BF16;
-        CHECK(ekv_cache_bytes_needed(&f32) - ekv_cache_bytes_needed(&f16) == 2 * p.num_pages * epp * 2,
+        CHECK(ekv_cache_bytes_needed(&f32) - ekv_cache_bytes_needed(&f16) ==
+                      2 * p.num_pages * epp * 2,
               "f32 - f16 bytes != K/V size difference");
-        CHECK(ekv_cache_bytes_needed(&bf) == ekv_cache_bytes_needed(&f16), "bf16 and f16 sizes differ");
+        CHECK(ekv_cache_bytes_needed(&bf) == ekv_cache_bytes_needed(&f16),
+              "bf16 and f16 sizes differ");
     }
     ekv_cache_params p = ekv_cache_default_params();
-    CHECK(ekv_cache_bytes_needed(&p) < 0, "bytes_needed with num_pages 0 = %lld", (long long)ekv_cache_bytes_needed(&p));
+    CHECK(ekv_cache_bytes_needed(&p) < 0, "bytes_needed with num_pages 0 = %lld",
+          (long long)ekv_cache_bytes_needed(&p));
     CHECK(ekv_cache_bytes_needed(NULL) < 0, "bytes_needed(NULL)");
     p.num_pages = 10;
     CHECK(ekv_cache_bytes_needed(&p) > 0, "bytes_needed of defaults with 10 pages");
@@ -1130,18 +1249,27 @@ int main(void) {
      * The random trials alternate, so both append paths meet the independent dtype model. */
     cp.n_threads = 1;
     cp.isa = EKV_ISA_SCALAR;
-    if (ekv_context_create(&cp, &ctx1) != EKV_OK) { fprintf(stderr, "context_create failed\n"); return 1; }
+    if (ekv_context_create(&cp, &ctx1) != EKV_OK) {
+        fprintf(stderr, "context_create failed\n");
+        return 1;
+    }
     cp.n_threads = 3;
     cp.isa = EKV_ISA_AUTO;
-    if (ekv_context_create(&cp, &ctx3) != EKV_OK) { fprintf(stderr, "context_create failed\n"); return 1; }
+    if (ekv_context_create(&cp, &ctx3) != EKV_OK) {
+        fprintf(stderr, "context_create failed\n");
+        return 1;
+    }
 
     /* the model of the storage dtypes itself */
     CHECK(round_f16(65519.0) == 65504.0 && isinf(round_f16(65520.0)) && round_f16(0x1p-25) == 0 &&
-              round_f16(0x1.8p-25) == 0x1p-24 && round_f16(1.0 + 0x1p-11) == 1.0 && round_f16(1.0 + 0x1.8p-11) == 1.0 + 0x1p-10,
+                  round_f16(0x1.8p-25) == 0x1p-24 && round_f16(1.0 + 0x1p-11) == 1.0 &&
+                  round_f16(1.0 + 0x1.8p-11) == 1.0 + 0x1p-10,
           "f16 rounding model");
-    CHECK(round_bf16(1.0 + 0x1p-8) == 1.0 && round_bf16(1.0 + 0x1.8p-8) == 1.0 + 0x1p-7 && isinf(round_bf16(3.4e38)),
+    CHECK(round_bf16(1.0 + 0x1p-8) == 1.0 && round_bf16(1.0 + 0x1.8p-8) == 1.0 + 0x1p-7 &&
+                  isinf(round_bf16(3.4e38)),
           "bf16 rounding model");
-    CHECK(dec_f16(enc_f16(-0x1p-24)) == -0x1p-24 && dec_f16(enc_f16(65504.0)) == 65504.0 && dec_f16(0x3c00) == 1.0,
+    CHECK(dec_f16(enc_f16(-0x1p-24)) == -0x1p-24 && dec_f16(enc_f16(65504.0)) == 65504.0 &&
+                  dec_f16(0x3c00) == 1.0,
           "f16 codec");
 
     test_sizes(&r);
@@ -1153,8 +1281,8 @@ int main(void) {
     const int trials = 6 * 3 * 80;
     for (int t = 0; t < trials; t++) random_trial(t % 2 ? ctx3 : ctx1, &r, t);
 
-    printf("worst errors / tolerance scale: mean %.3g, M2 %.3g, radius excess %.3g (tolerance 1e-5)\n", g_worst_mean,
-           g_worst_m2, g_worst_radius);
+    printf("worst errors / tolerance scale: mean %.3g, M2 %.3g, radius excess %.3g (tolerance 1e-5)\n",
+           g_worst_mean, g_worst_m2, g_worst_radius);
     ekv_context_free(ctx1);
     ekv_context_free(ctx3);
     return test_finish("test_cache");

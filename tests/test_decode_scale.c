@@ -14,16 +14,24 @@
 
 enum { H = 2, D = 16, N = 40 };
 
-static void make(ekv_context *ctx, float kscale, ekv_cache **c, ekv_paged_kv *kv, ekv_page_stats *st,
-                 ekv_page_table *t, int64_t *ip, int32_t *idx, int32_t *lpl) {
+static void make(ekv_context *ctx, float kscale, ekv_cache **c, ekv_paged_kv *kv,
+                 ekv_page_stats *st, ekv_page_table *t, int64_t *ip, int32_t *idx, int32_t *lpl) {
     ekv_cache_params cp = ekv_cache_default_params();
-    cp.num_kv_heads = 1; cp.head_dim = D; cp.page_size = 4; cp.dtype = EKV_DTYPE_F32; cp.num_pages = 16; cp.max_seqs = 1;
+    cp.num_kv_heads = 1;
+    cp.head_dim = D;
+    cp.page_size = 4;
+    cp.dtype = EKV_DTYPE_F32;
+    cp.num_pages = 16;
+    cp.max_seqs = 1;
     CHECK(ekv_cache_create(ctx, &cp, c) == EKV_OK, "cache");
     int32_t s;
     ekv_cache_seq_new(*c, &s);
     test_rng r = {7};
     float k[N * D], v[N * D];
-    for (int i = 0; i < N * D; i++) { k[i] = kscale * (float)test_normal(&r); v[i] = (float)test_normal(&r); }
+    for (int i = 0; i < N * D; i++) {
+        k[i] = kscale * (float)test_normal(&r);
+        v[i] = (float)test_normal(&r);
+    }
     CHECK(ekv_cache_append(*c, s, N, k, v, EKV_DTYPE_F32) == EKV_OK, "append");
     ekv_cache_kv_view(*c, kv, st);
     int64_t need;
@@ -48,27 +56,32 @@ int main(void) {
             float q[H * D], o[H * D], ref[H * D];
             for (int i = 0; i < H * D; i++) q[i] = (float)(test_normal(&r) * scales[si]);
             ekv_decode_params dp = ekv_decode_default_params();
-            dp.num_heads = H; dp.alpha = alphas[ai];
+            dp.num_heads = H;
+            dp.alpha = alphas[ai];
             CHECK(ekv_decode_dense_ref(ctx, &dp, &kv, &t, q, ref, NULL) == EKV_OK, "ref");
             for (int m = 0; m < 3; m++) {
                 ekv_select_params sp = ekv_select_default_params();
-                sp.method = m == 0 ? EKV_SELECT_DENSE : m == 1 ? EKV_SELECT_TOPK : EKV_SELECT_CERTIFIED;
-                sp.budget_fraction = 1.0; /* top-k over every page: exact */
+                sp.method = m == 0   ? EKV_SELECT_DENSE
+                            : m == 1 ? EKV_SELECT_TOPK
+                                     : EKV_SELECT_CERTIFIED;
+                sp.budget_fraction = 1.0;                  /* top-k over every page: exact */
                 if (m == 2 && alphas[ai] == 1.0) continue; /* certified is entmax only */
-                CHECK(ekv_decode(ctx, &dp, &sp, &kv, &st, &t, q, o, NULL) == EKV_OK, "%s: %s", ekv_method_name(sp.method),
-                      ekv_last_error(ctx));
+                CHECK(ekv_decode(ctx, &dp, &sp, &kv, &st, &t, q, o, NULL) == EKV_OK, "%s: %s",
+                      ekv_method_name(sp.method), ekv_last_error(ctx));
                 double e = 0, mag = 0;
                 for (int i = 0; i < H * D; i++) {
                     e = fmax(e, isfinite(o[i]) ? fabs((double)o[i] - (double)ref[i]) : INFINITY);
                     mag = fmax(mag, fabs((double)ref[i]));
                 }
-                CHECK(e < 1e-5 && mag > 0, "%s alpha %g, q x %g: %.3g from the reference (|ref| %.3g)",
+                CHECK(e < 1e-5 && mag > 0,
+                      "%s alpha %g, q x %g: %.3g from the reference (|ref| %.3g)",
                       ekv_method_name(sp.method), alphas[ai], scales[si], e, mag);
             }
             float sl[H] = {3e38f, 0.f}, keep[H * D];
             memcpy(keep, o, sizeof o);
             dp.alibi_slopes = sl;
-            CHECK(ekv_decode_dense(ctx, &dp, &kv, &t, q, o, NULL) == EKV_ERR_INVALID_ARGUMENT, "slope 3e38");
+            CHECK(ekv_decode_dense(ctx, &dp, &kv, &t, q, o, NULL) == EKV_ERR_INVALID_ARGUMENT,
+                  "slope 3e38");
             CHECK(!memcmp(keep, o, sizeof o), "a rejected step wrote the output");
         }
     ekv_cache_free(c);
@@ -80,8 +93,10 @@ int main(void) {
     ekv_select_params sp = ekv_select_default_params();
     sp.method = EKV_SELECT_TOPK;
     sp.budget_tokens = 8;
-    CHECK(ekv_decode_dense(ctx, &dp, &kv, &t, q, o, NULL) == EKV_ERR_NAN_INPUT, "dense overflow: %s", ekv_last_error(ctx));
-    CHECK(ekv_decode(ctx, &dp, &sp, &kv, &st, &t, q, o, NULL) == EKV_ERR_NAN_INPUT, "topk overflow: %s", ekv_last_error(ctx));
+    CHECK(ekv_decode_dense(ctx, &dp, &kv, &t, q, o, NULL) == EKV_ERR_NAN_INPUT,
+          "dense overflow: %s", ekv_last_error(ctx));
+    CHECK(ekv_decode(ctx, &dp, &sp, &kv, &st, &t, q, o, NULL) == EKV_ERR_NAN_INPUT,
+          "topk overflow: %s", ekv_last_error(ctx));
     ekv_cache_free(c);
     ekv_context_free(ctx);
     return test_finish("test_decode_scale");

@@ -28,7 +28,11 @@ static void setup(fixture *f) {
     cpp.n_threads = 2;
     CHECK(ekv_context_create(&cpp, &f->ctx) == EKV_OK, "context");
     ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = PS; cp.num_kv_heads = HK; cp.head_dim = D; cp.dtype = EKV_DTYPE_F32; cp.max_seqs = B;
+    cp.page_size = PS;
+    cp.num_kv_heads = HK;
+    cp.head_dim = D;
+    cp.dtype = EKV_DTYPE_F32;
+    cp.max_seqs = B;
     cp.superpage_pages = 4;
     cp.num_pages = ekv_cache_pages_for(lens[0], B, PS);
     CHECK(ekv_cache_create(f->ctx, &cp, &f->cache) == EKV_OK, "cache");
@@ -36,17 +40,26 @@ static void setup(fixture *f) {
     int32_t seqs[B];
     for (int b = 0; b < B; b++) {
         ekv_cache_seq_new(f->cache, &seqs[b]);
-        float *k = malloc(sizeof(float) * (size_t)(lens[b] * HK * D)), *v = malloc(sizeof(float) * (size_t)(lens[b] * HK * D));
-        for (int64_t i = 0; i < lens[b] * HK * D; i++) { k[i] = (float)test_normal(&r); v[i] = (float)test_normal(&r); }
-        for (int64_t t = 17; t < lens[b]; t += 41) /* a few keys aligned with the queries: a sparse support */
+        float *k = malloc(sizeof(float) * (size_t)(lens[b] * HK * D)),
+              *v = malloc(sizeof(float) * (size_t)(lens[b] * HK * D));
+        for (int64_t i = 0; i < lens[b] * HK * D; i++) {
+            k[i] = (float)test_normal(&r);
+            v[i] = (float)test_normal(&r);
+        }
+        for (int64_t t = 17; t < lens[b];
+             t += 41) /* a few keys aligned with the queries: a sparse support */
             for (int d = 0; d < D; d++) k[(t * HK) * D + d] = 3.0f;
-        CHECK(ekv_cache_append(f->cache, seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK, "append");
-        free(k); free(v);
+        CHECK(ekv_cache_append(f->cache, seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
+              "append");
+        free(k);
+        free(v);
     }
     for (int i = 0; i < B * H * D; i++) f->q[i] = 0.6f + 0.3f * (float)test_normal(&r);
     ekv_cache_kv_view(f->cache, &f->kv, &f->st);
     int64_t needed = 0;
-    CHECK(ekv_cache_page_table(f->cache, seqs, B, f->indptr, f->indices, 64, f->lpl, &needed) == EKV_OK, "table");
+    CHECK(ekv_cache_page_table(f->cache, seqs, B, f->indptr, f->indices, 64, f->lpl, &needed) ==
+                  EKV_OK,
+          "table");
     f->tab = (ekv_page_table){B, f->indptr, f->indices, f->lpl};
 }
 
@@ -57,8 +70,10 @@ static double max_abs_diff(const float *a, const float *b, int64_t n) {
 }
 
 /* The stages the table lists, run one public call at a time: what ekv_decode must equal. */
-static ekv_status composed(fixture *f, const ekv_decode_params *dp, const ekv_select_params *sp, float *out) {
-    if (sp->method == EKV_SELECT_DENSE) return ekv_decode_dense(f->ctx, dp, &f->kv, &f->tab, f->q, out, NULL);
+static ekv_status composed(fixture *f, const ekv_decode_params *dp, const ekv_select_params *sp,
+                           float *out) {
+    if (sp->method == EKV_SELECT_DENSE)
+        return ekv_decode_dense(f->ctx, dp, &f->kv, &f->tab, f->q, out, NULL);
     if (sp->method == EKV_SELECT_CERTIFIED)
         return ekv_decode_certified(f->ctx, dp, sp, &f->kv, &f->st, &f->tab, f->q, out, NULL, NULL);
     int64_t ip[B * H + 1];
@@ -72,7 +87,8 @@ static ekv_status composed(fixture *f, const ekv_decode_params *dp, const ekv_se
  * runs equals the composed stages (bitwise) and, for the exact methods, the reference. */
 static void check_cpu(fixture *f, ekv_select_method m, double alpha, int full_budget) {
     ekv_decode_params dp = ekv_decode_default_params();
-    dp.num_heads = H; dp.alpha = alpha;
+    dp.num_heads = H;
+    dp.alpha = alpha;
     ekv_select_params sp = ekv_select_default_params();
     sp.method = m;
     sp.budget_tokens = 3 * PS;
@@ -81,20 +97,23 @@ static void check_cpu(fixture *f, ekv_select_method m, double alpha, int full_bu
     const ekv_status sup = ekv_decode_supported(f->ctx, EKV_BACKEND_CPU, &dp, &sp);
     ekv_decode_info info = {0};
     const ekv_status got = ekv_decode(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, &info);
-    CHECK(got == sup, "%s alpha %g: ekv_decode %d, ekv_decode_supported %d", ekv_method_name(m), alpha, got, sup);
+    CHECK(got == sup, "%s alpha %g: ekv_decode %d, ekv_decode_supported %d", ekv_method_name(m),
+          alpha, got, sup);
     if (sup != EKV_OK) {
         CHECK(strlen(ekv_last_error(f->ctx)) > 0, "%s: no message", ekv_method_name(m));
         return;
     }
-    CHECK(composed(f, &dp, &sp, want) == EKV_OK, "%s composed: %s", ekv_method_name(m), ekv_last_error(f->ctx));
-    CHECK(!memcmp(out, want, sizeof out), "%s alpha %g: ekv_decode differs from its stages (%.3g)", ekv_method_name(m),
-          alpha, max_abs_diff(out, want, B * H * D));
-    const int exact = m == EKV_SELECT_DENSE || m == EKV_SELECT_CERTIFIED || m == EKV_SELECT_ORACLE ||
-                      (m == EKV_SELECT_TOPK && full_budget);
+    CHECK(composed(f, &dp, &sp, want) == EKV_OK, "%s composed: %s", ekv_method_name(m),
+          ekv_last_error(f->ctx));
+    CHECK(!memcmp(out, want, sizeof out), "%s alpha %g: ekv_decode differs from its stages (%.3g)",
+          ekv_method_name(m), alpha, max_abs_diff(out, want, B * H * D));
+    const int exact = m == EKV_SELECT_DENSE || m == EKV_SELECT_CERTIFIED ||
+                      m == EKV_SELECT_ORACLE || (m == EKV_SELECT_TOPK && full_budget);
     if (!exact) return;
     CHECK(ekv_decode_dense_ref(f->ctx, &dp, &f->kv, &f->tab, f->q, ref, NULL) == EKV_OK, "ref");
     const double e = max_abs_diff(out, ref, B * H * D);
-    CHECK(e < 2e-5, "%s alpha %g: %.3g from the long-double reference", ekv_method_name(m), alpha, e);
+    CHECK(e < 2e-5, "%s alpha %g: %.3g from the long-double reference", ekv_method_name(m), alpha,
+          e);
     CHECK(info.bytes_k > 0 && info.bytes_v > 0, "%s: bytes read not reported", ekv_method_name(m));
 }
 
@@ -106,16 +125,21 @@ static void check_other_backends(fixture *f) {
         ekv_select_params sp = ekv_select_default_params();
         sp.method = (ekv_select_method)m;
         const ekv_status r = ekv_decode_supported(f->ctx, EKV_BACKEND_REF, &dp, &sp);
-        CHECK((r == EKV_OK) == (m == EKV_SELECT_DENSE), "ref backend, %s: %d", ekv_method_name(sp.method), r);
+        CHECK((r == EKV_OK) == (m == EKV_SELECT_DENSE), "ref backend, %s: %d",
+              ekv_method_name(sp.method), r);
         const ekv_status c = ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp);
-        CHECK((c == EKV_OK) == (m != EKV_SELECT_ORACLE), "cuda backend, %s: %d", ekv_method_name(sp.method), c);
+        CHECK((c == EKV_OK) == (m != EKV_SELECT_ORACLE), "cuda backend, %s: %d",
+              ekv_method_name(sp.method), c);
         sp.per_query_head = 1;
-        CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp) == (m == EKV_SELECT_ORACLE ? c : EKV_ERR_UNSUPPORTED),
+        CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp) ==
+                      (m == EKV_SELECT_ORACLE ? c : EKV_ERR_UNSUPPORTED),
               "cuda per_query_head, %s", ekv_method_name(sp.method));
     }
-    CHECK(ekv_decode_supported(f->ctx, (ekv_backend)7, &dp, NULL) == EKV_ERR_INVALID_ARGUMENT, "backend 7");
+    CHECK(ekv_decode_supported(f->ctx, (ekv_backend)7, &dp, NULL) == EKV_ERR_INVALID_ARGUMENT,
+          "backend 7");
     dp.scale = INFINITY;
-    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, NULL) == EKV_ERR_INVALID_ARGUMENT, "cuda scale +inf");
+    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, NULL) == EKV_ERR_INVALID_ARGUMENT,
+          "cuda scale +inf");
 }
 
 /* Checks that used to be missing or written in several places. */
@@ -127,44 +151,59 @@ static void check_rules(fixture *f) {
     sp.method = EKV_SELECT_CERTIFIED;
     for (int64_t bad = -1; bad <= 0; bad++) {
         sp.budget_tokens = bad;
-        CHECK(ekv_decode_certified(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, NULL, NULL) == EKV_ERR_INVALID_ARGUMENT,
+        CHECK(ekv_decode_certified(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, NULL,
+                                   NULL) == EKV_ERR_INVALID_ARGUMENT,
               "certified budget %lld", (long long)bad);
     }
     sp.budget_tokens = 16;
     sp.budget_fraction = 1.5;
-    CHECK(ekv_decode(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, NULL) == EKV_ERR_INVALID_ARGUMENT, "fraction 1.5");
+    CHECK(ekv_decode(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, NULL) ==
+                  EKV_ERR_INVALID_ARGUMENT,
+          "fraction 1.5");
     sp.budget_fraction = NAN;
-    CHECK(ekv_decode(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, NULL) == EKV_ERR_INVALID_ARGUMENT, "fraction NaN");
+    CHECK(ekv_decode(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, out, NULL) ==
+                  EKV_ERR_INVALID_ARGUMENT,
+          "fraction NaN");
     sp.budget_fraction = 0;
-    ekv_page_stats st = f->st; /* superpages that do not match the cache's: rejected, not read out of bounds */
+    ekv_page_stats st =
+            f->st; /* superpages that do not match the cache's: rejected, not read out of bounds */
     st.superpage_pages = 1;
-    CHECK(ekv_decode_certified(f->ctx, &dp, &sp, &f->kv, &st, &f->tab, f->q, out, NULL, NULL) == EKV_ERR_INVALID_ARGUMENT,
+    CHECK(ekv_decode_certified(f->ctx, &dp, &sp, &f->kv, &st, &f->tab, f->q, out, NULL, NULL) ==
+                  EKV_ERR_INVALID_ARGUMENT,
           "superpage_pages 1 against the cache's 4");
     st.superpage_pages = 64;
-    CHECK(ekv_decode(f->ctx, &dp, &sp, &f->kv, &st, &f->tab, f->q, out, NULL) == EKV_ERR_INVALID_ARGUMENT,
+    CHECK(ekv_decode(f->ctx, &dp, &sp, &f->kv, &st, &f->tab, f->q, out, NULL) ==
+                  EKV_ERR_INVALID_ARGUMENT,
           "superpage_pages 64 against the cache's 4");
     int64_t ip[B * HK + 1];
     int32_t pages[B * HK * 32];
     ekv_page_list list = {.indptr = ip, .pages = pages, .capacity = B * HK * 32};
     sp.method = EKV_SELECT_TOPK;
-    CHECK(ekv_select_pages(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, &list) == EKV_OK, "select");
+    CHECK(ekv_select_pages(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, &list) == EKV_OK,
+          "select");
     list.tau_mode = 7;
-    CHECK(ekv_decode_pages(f->ctx, &dp, &f->kv, &f->tab, &list, f->q, out, NULL) == EKV_ERR_INVALID_ARGUMENT, "tau_mode 7");
+    CHECK(ekv_decode_pages(f->ctx, &dp, &f->kv, &f->tab, &list, f->q, out, NULL) ==
+                  EKV_ERR_INVALID_ARGUMENT,
+          "tau_mode 7");
     sp.tau_mode = (ekv_tau_mode)7;
-    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CPU, &dp, &sp) == EKV_ERR_INVALID_ARGUMENT, "select tau_mode 7");
+    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CPU, &dp, &sp) == EKV_ERR_INVALID_ARGUMENT,
+          "select tau_mode 7");
 }
 
 static void check_names(void) {
     for (int m = 0; m < EKV_SELECT_METHOD_COUNT; m++) {
         ekv_select_method back;
         const char *n = ekv_method_name((ekv_select_method)m);
-        CHECK(n && ekv_method_from_name(n, &back) == EKV_OK && (int)back == m, "method %d name round trip", m);
+        CHECK(n && ekv_method_from_name(n, &back) == EKV_OK && (int)back == m,
+              "method %d name round trip", m);
     }
-    CHECK(ekv_method_name((ekv_select_method)EKV_SELECT_METHOD_COUNT) == NULL, "name past the table");
+    CHECK(ekv_method_name((ekv_select_method)EKV_SELECT_METHOD_COUNT) == NULL,
+          "name past the table");
     for (int b = 0; b < 3; b++) {
         ekv_backend back;
         const char *n = ekv_backend_name((ekv_backend)b);
-        CHECK(n && ekv_backend_from_name(n, &back) == EKV_OK && (int)back == b, "backend %d name round trip", b);
+        CHECK(n && ekv_backend_from_name(n, &back) == EKV_OK && (int)back == b,
+              "backend %d name round trip", b);
     }
     ekv_backend bk;
     CHECK(ekv_backend_from_name("tpu", &bk) == EKV_ERR_INVALID_ARGUMENT, "unknown backend");
@@ -176,7 +215,8 @@ int main(void) {
     const double alphas[4] = {1.0, 1.5, 4.0 / 3.0, 2.0};
     for (int m = 0; m < EKV_SELECT_METHOD_COUNT; m++)
         for (int a = 0; a < 4; a++)
-            for (int full = 0; full < 2; full++) check_cpu(&f, (ekv_select_method)m, alphas[a], full);
+            for (int full = 0; full < 2; full++)
+                check_cpu(&f, (ekv_select_method)m, alphas[a], full);
     check_other_backends(&f);
     check_rules(&f);
     check_names();

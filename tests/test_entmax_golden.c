@@ -15,7 +15,10 @@ static double *read_numbers(FILE *f, const char *tag, int64_t n) {
     double *v = malloc(sizeof(double) * (size_t)n);
     for (int64_t i = 0; i < n; i++) {
         char tok[64];
-        if (fscanf(f, "%63s", tok) != 1) { free(v); return NULL; }
+        if (fscanf(f, "%63s", tok) != 1) {
+            free(v);
+            return NULL;
+        }
         v[i] = strtod(tok, NULL); /* handles -inf */
     }
     return v;
@@ -24,7 +27,10 @@ static double *read_numbers(FILE *f, const char *tag, int64_t n) {
 int main(void) {
     const char *path = EKV_TEST_DATA_DIR "/entmax_golden.txt";
     FILE *f = fopen(path, "r");
-    if (!f) { fprintf(stderr, "cannot open %s\n", path); return 1; }
+    if (!f) {
+        fprintf(stderr, "cannot open %s\n", path);
+        return 1;
+    }
     ekv_context *ctx;
     if (ekv_context_create(NULL, &ctx)) return 1;
     char line[512];
@@ -35,7 +41,10 @@ int main(void) {
         char name[200];
         double alpha;
         long long n;
-        if (sscanf(line, "case %199s %lf %lld", name, &alpha, &n) != 3) { CHECK(0, "bad header %s", line); break; }
+        if (sscanf(line, "case %199s %lf %lld", name, &alpha, &n) != 3) {
+            CHECK(0, "bad header %s", line);
+            break;
+        }
         double *x = read_numbers(f, "x", n), *pg = read_numbers(f, "p", n);
         CHECK(x && pg, "case %s: could not read numbers", name);
         if (!x || !pg) break;
@@ -54,7 +63,9 @@ int main(void) {
             for (int64_t i = 0; i < n; i++) err = fmax(err, fabs(p[i] - pg[i]));
             worst = fmax(worst, err);
             CHECK(err <= 1e-6, "case %s: max |p - golden| = %.3g", name, err);
-            if (!ambiguous) CHECK(sup == gold_sup, "case %s: support %lld, golden %lld", name, (long long)sup, (long long)gold_sup);
+            if (!ambiguous)
+                CHECK(sup == gold_sup, "case %s: support %lld, golden %lld", name, (long long)sup,
+                      (long long)gold_sup);
         }
         /* float entry point: the golden x rounded to float is a different input, so compare
          * against our double solve of that same rounded input and against the golden loosely */
@@ -62,7 +73,8 @@ int main(void) {
         st = ekv_entmax(ctx, xf, n, alpha, pf, NULL, &supf);
         CHECK(st == EKV_OK, "case %s (float): status %d", name, st);
         if (st == EKV_OK) {
-            double *xd = malloc(sizeof(double) * (size_t)n), *pd = malloc(sizeof(double) * (size_t)n);
+            double *xd = malloc(sizeof(double) * (size_t)n),
+                   *pd = malloc(sizeof(double) * (size_t)n);
             for (int64_t i = 0; i < n; i++) xd[i] = xf[i];
             ekv_entmax_f64(ctx, xd, n, alpha, pd, NULL, NULL);
             double err = 0;
@@ -73,11 +85,16 @@ int main(void) {
             free(pd);
         }
         cases++;
-        free(x); free(pg); free(p); free(xf); free(pf);
+        free(x);
+        free(pg);
+        free(p);
+        free(xf);
+        free(pf);
     }
     fclose(f);
     CHECK(cases >= 150, "only %d golden cases read", cases);
-    printf("golden cases: %d, worst |p - golden| = %.3g, worst float-vs-double = %.3g\n", cases, worst, worst_f);
+    printf("golden cases: %d, worst |p - golden| = %.3g, worst float-vs-double = %.3g\n", cases,
+           worst, worst_f);
     ekv_context_free(ctx);
     return test_finish("test_entmax_golden");
 }

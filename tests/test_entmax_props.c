@@ -14,7 +14,8 @@
 /* Independent reference: bisection in long double on sum (z - tau)_+^beta = 1. */
 static long double ref_tau(const double *x, int64_t n, double alpha) {
     long double a = alpha - 1.0L, m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) if (x[i] > m) m = x[i];
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] > m) m = x[i];
     if (alpha == 1.0) {
         long double s = 0;
         for (int64_t i = 0; i < n; i++) s += expl(x[i] - m);
@@ -27,7 +28,10 @@ static long double ref_tau(const double *x, int64_t n, double alpha) {
             long double d = a * x[i] - mid;
             if (d > 0) f += powl(d, beta);
         }
-        if (f > 1) lo = mid; else hi = mid;
+        if (f > 1)
+            lo = mid;
+        else
+            hi = mid;
     }
     return 0.5L * (lo + hi);
 }
@@ -36,8 +40,12 @@ static void ref_probs(const double *x, int64_t n, double alpha, long double tau,
     long double a = alpha - 1.0L, s = 0;
     long double *w = malloc(sizeof(long double) * (size_t)n);
     for (int64_t i = 0; i < n; i++) {
-        if (alpha == 1.0) w[i] = x[i] == -INFINITY ? 0 : expl(x[i] - tau);
-        else { long double d = a * x[i] - tau; w[i] = d > 0 ? powl(d, 1.0L / a) : 0; }
+        if (alpha == 1.0)
+            w[i] = x[i] == -INFINITY ? 0 : expl(x[i] - tau);
+        else {
+            long double d = a * x[i] - tau;
+            w[i] = d > 0 ? powl(d, 1.0L / a) : 0;
+        }
         s += w[i];
     }
     for (int64_t i = 0; i < n; i++) p[i] = (double)(w[i] / s);
@@ -48,12 +56,18 @@ static const double alphas[] = {1.0, 1.05, 1.25, 4.0 / 3.0, 1.5, 1.75, 2.0, 2.5,
 enum { NALPHA = sizeof alphas / sizeof alphas[0] };
 
 /* Checks one row against the reference and the basic properties. */
-static void check_row(ekv_context *ctx, const double *x, int64_t n, double alpha, const char *what) {
+static void check_row(ekv_context *ctx, const double *x, int64_t n, double alpha,
+                      const char *what) {
     double *p = malloc(sizeof(double) * (size_t)n), *pr = malloc(sizeof(double) * (size_t)n), tau;
     int64_t sup;
     ekv_status st = ekv_entmax_f64(ctx, x, n, alpha, p, &tau, &sup);
-    CHECK(st == EKV_OK, "%s alpha=%g n=%lld: status %d (%s)", what, alpha, (long long)n, st, ekv_last_error(ctx));
-    if (st) { free(p); free(pr); return; }
+    CHECK(st == EKV_OK, "%s alpha=%g n=%lld: status %d (%s)", what, alpha, (long long)n, st,
+          ekv_last_error(ctx));
+    if (st) {
+        free(p);
+        free(pr);
+        return;
+    }
     long double rt = ref_tau(x, n, alpha);
     ref_probs(x, n, alpha, rt, pr);
     double sum = 0, err = 0;
@@ -62,20 +76,25 @@ static void check_row(ekv_context *ctx, const double *x, int64_t n, double alpha
         sum += p[i];
         err = fmax(err, fabs(p[i] - pr[i]));
         cnt += p[i] > 0;
-        CHECK(p[i] >= 0 && isfinite(p[i]), "%s alpha=%g: p[%lld]=%g", what, alpha, (long long)i, p[i]);
+        CHECK(p[i] >= 0 && isfinite(p[i]), "%s alpha=%g: p[%lld]=%g", what, alpha, (long long)i,
+              p[i]);
     }
-    CHECK(fabs(sum - 1) <= 1e-9, "%s alpha=%g n=%lld: sum p = %.17g", what, alpha, (long long)n, sum);
+    CHECK(fabs(sum - 1) <= 1e-9, "%s alpha=%g n=%lld: sum p = %.17g", what, alpha, (long long)n,
+          sum);
     CHECK(err <= 1e-6, "%s alpha=%g n=%lld: max |p - ref| = %.3g", what, alpha, (long long)n, err);
-    CHECK(cnt == sup, "%s alpha=%g: support %lld but %lld positive p", what, alpha, (long long)sup, (long long)cnt);
+    CHECK(cnt == sup, "%s alpha=%g: support %lld but %lld positive p", what, alpha, (long long)sup,
+          (long long)cnt);
     /* tau agrees with the reference (relative to the scale of z) */
     double zmax = -INFINITY;
     for (int64_t i = 0; i < n; i++) zmax = fmax(zmax, (alpha == 1.0 ? 1.0 : alpha - 1.0) * x[i]);
-    CHECK(fabs(tau - (double)rt) <= 1e-9 * fmax(1.0, fabs(zmax)), "%s alpha=%g: tau %.17g ref %.17Lg", what,
-          alpha, tau, rt);
+    CHECK(fabs(tau - (double)rt) <= 1e-9 * fmax(1.0, fabs(zmax)),
+          "%s alpha=%g: tau %.17g ref %.17Lg", what, alpha, tau, rt);
     /* order preserved */
     for (int64_t i = 0; i + 1 < n; i++)
-        if (x[i] > x[i + 1]) CHECK(p[i] >= p[i + 1], "%s alpha=%g: order broken at %lld", what, alpha, (long long)i);
-        else if (x[i] < x[i + 1]) CHECK(p[i] <= p[i + 1], "%s alpha=%g: order broken at %lld", what, alpha, (long long)i);
+        if (x[i] > x[i + 1])
+            CHECK(p[i] >= p[i + 1], "%s alpha=%g: order broken at %lld", what, alpha, (long long)i);
+        else if (x[i] < x[i + 1])
+            CHECK(p[i] <= p[i + 1], "%s alpha=%g: order broken at %lld", what, alpha, (long long)i);
     free(p);
     free(pr);
 }
@@ -105,7 +124,8 @@ int main(void) {
         for (int64_t i = 0; i < 8; i++) x[i] = 3.25;
         check_row(ctx, x, 8, a, "all-equal");
         ekv_entmax_f64(ctx, x, 8, a, p1, NULL, NULL);
-        for (int64_t i = 0; i < 8; i++) CHECK(fabs(p1[i] - 0.125) < 1e-12, "all-equal alpha=%g p=%g", a, p1[i]);
+        for (int64_t i = 0; i < 8; i++)
+            CHECK(fabs(p1[i] - 0.125) < 1e-12, "all-equal alpha=%g p=%g", a, p1[i]);
         double ties[] = {2, 2, 2, 1, 0.5, -1, 2, 0};
         check_row(ctx, ties, 8, a, "ties");
         x[0] = 5.0;
@@ -127,8 +147,12 @@ int main(void) {
         CHECK(ekv_entmax_f64(ctx, xm, 12, a, pm, NULL, NULL) == EKV_OK, "masked alpha=%g", a);
         ekv_entmax_f64(ctx, xf, nf, a, pf, NULL, NULL);
         for (int i = 0, k = 0; i < 12; i++) {
-            if (xm[i] == -INFINITY) CHECK(pm[i] == 0, "masked entry alpha=%g got %g", a, pm[i]);
-            else { CHECK(fabs(pm[i] - pf[k]) < 1e-12, "masked alpha=%g mismatch", a); k++; }
+            if (xm[i] == -INFINITY)
+                CHECK(pm[i] == 0, "masked entry alpha=%g got %g", a, pm[i]);
+            else {
+                CHECK(fabs(pm[i] - pf[k]) < 1e-12, "masked alpha=%g mismatch", a);
+                k++;
+            }
         }
     }
 
@@ -146,15 +170,17 @@ int main(void) {
             double err = 0;
             for (int64_t i = 0; i < n; i++) err = fmax(err, fabs(p1[i] - p2[i]));
             CHECK(err < 1e-9, "shift alpha=%g c=%g: max diff %.3g", a, c, err);
-            CHECK(fabs((t2 - t1) - am1 * c) < 1e-8 * (1 + fabs(am1 * c)), "shift alpha=%g: tau moved by %.17g, not %.17g",
-                  a, t2 - t1, am1 * c);
+            CHECK(fabs((t2 - t1) - am1 * c) < 1e-8 * (1 + fabs(am1 * c)),
+                  "shift alpha=%g: tau moved by %.17g, not %.17g", a, t2 - t1, am1 * c);
             if (a > 1.0) { /* subset: a random half */
                 int64_t m = 0;
-                for (int64_t i = 0; i < n; i++) if (test_next(&rng) & 1) y[m++] = x[i];
+                for (int64_t i = 0; i < n; i++)
+                    if (test_next(&rng) & 1) y[m++] = x[i];
                 if (m == 0) y[m++] = x[0];
                 double ts;
                 ekv_entmax_f64(ctx, y, m, a, p2, &ts, NULL);
-                CHECK(ts <= t1 + 1e-12 * (1 + fabs(t1)), "subset tau %.17g > whole tau %.17g (alpha=%g)", ts, t1, a);
+                CHECK(ts <= t1 + 1e-12 * (1 + fabs(t1)),
+                      "subset tau %.17g > whole tau %.17g (alpha=%g)", ts, t1, a);
             }
         }
     }
@@ -175,20 +201,22 @@ int main(void) {
             int64_t s_fast, s_row;
             CHECK(ekv_tau_exact_f32(z, n, a, scratch, &t_fast, &s_fast) == EKV_OK, "tau_exact_f32");
             ekv_entmax_f64(ctx, x, n, a, p1, &t_row, &s_row);
-            CHECK(fabs(t_fast - t_row) <= 1e-9 * (1 + fabs(t_row)), "alpha=%g n=%lld tau fast %.17g row %.17g", a,
-                  (long long)n, t_fast, t_row);
-            CHECK(labs((long)(s_fast - s_row)) <= 1, "alpha=%g support fast %lld row %lld", a, (long long)s_fast,
-                  (long long)s_row);
+            CHECK(fabs(t_fast - t_row) <= 1e-9 * (1 + fabs(t_row)),
+                  "alpha=%g n=%lld tau fast %.17g row %.17g", a, (long long)n, t_fast, t_row);
+            CHECK(labs((long)(s_fast - s_row)) <= 1, "alpha=%g support fast %lld row %lld", a,
+                  (long long)s_fast, (long long)s_row);
         }
     }
 
     /* errors: NaN, +inf, all -inf */
-    x[0] = 1; x[1] = NAN;
+    x[0] = 1;
+    x[1] = NAN;
     CHECK(ekv_entmax_f64(ctx, x, 2, 1.5, p1, NULL, NULL) == EKV_ERR_NAN_INPUT, "NaN accepted");
     x[1] = INFINITY;
     CHECK(ekv_entmax_f64(ctx, x, 2, 1.5, p1, NULL, NULL) == EKV_ERR_NAN_INPUT, "+inf accepted");
     x[0] = x[1] = -INFINITY;
-    CHECK(ekv_entmax_f64(ctx, x, 2, 1.5, p1, NULL, NULL) == EKV_ERR_EMPTY_INPUT, "all -inf accepted");
+    CHECK(ekv_entmax_f64(ctx, x, 2, 1.5, p1, NULL, NULL) == EKV_ERR_EMPTY_INPUT,
+          "all -inf accepted");
 
     ekv_context_free(ctx);
     return test_finish("test_entmax_props");

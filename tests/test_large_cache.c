@@ -38,9 +38,12 @@ static double round_f16(double x) {
 static double dec_f16(uint16_t h) {
     int ex = (h >> 10) & 31, man = h & 1023;
     double v;
-    if (ex == 0) v = ldexp(man, -24);
-    else if (ex == 31) v = man ? NAN : INFINITY;
-    else v = ldexp(1024 + man, ex - 25);
+    if (ex == 0)
+        v = ldexp(man, -24);
+    else if (ex == 31)
+        v = man ? NAN : INFINITY;
+    else
+        v = ldexp(1024 + man, ex - 25);
     return (h & 0x8000u) ? -v : v;
 }
 
@@ -97,13 +100,18 @@ static void make_row(int64_t t, int64_t h, float *k, float *v) {
 }
 
 /* Element offset of (token, head, dim) through the view. */
-static int64_t elem_off(const ekv_paged_kv *kv, const int32_t *pages, int64_t t, int64_t h, int64_t d) {
+static int64_t elem_off(const ekv_paged_kv *kv, const int32_t *pages, int64_t t, int64_t h,
+                        int64_t d) {
     return (int64_t)pages[t / kv->page_size] * kv->stride_page + h * kv->stride_head +
            (t % kv->page_size) * kv->stride_token + d;
 }
 
-static double kval(const ekv_paged_kv *kv, int64_t off) { return dec_f16(((const uint16_t *)kv->k)[off]); }
-static double vval(const ekv_paged_kv *kv, int64_t off) { return dec_f16(((const uint16_t *)kv->v)[off]); }
+static double kval(const ekv_paged_kv *kv, int64_t off) {
+    return dec_f16(((const uint16_t *)kv->k)[off]);
+}
+static double vval(const ekv_paged_kv *kv, int64_t off) {
+    return dec_f16(((const uint16_t *)kv->v)[off]);
+}
 
 /* Fails cleanly: overflow and out-of-memory pools. */
 static void test_impossible_pools(ekv_context *ctx) {
@@ -124,8 +132,8 @@ static void test_impossible_pools(ekv_context *ctx) {
         CHECK(ekv_last_error(ctx)[0] != '\0', "no message for size overflow");
         CHECK(ekv_cache_bytes_needed(&p) < 0, "bytes_needed(overflowing pool) = %lld",
               (long long)ekv_cache_bytes_needed(&p));
-        fprintf(stderr, "  overflow (num_pages %lld): %s: %s\n", (long long)pages[i], ekv_status_string(st),
-                ekv_last_error(ctx));
+        fprintf(stderr, "  overflow (num_pages %lld): %s: %s\n", (long long)pages[i],
+                ekv_status_string(st), ekv_last_error(ctx));
     }
     /* ~1 TiB: 3.4M pages of 16 tokens x 32 heads x 128 dims fp16 (+ fp32 summaries). The
      * address space is capped at 256 GiB for this call so that malloc fails even where the
@@ -138,7 +146,8 @@ static void test_impossible_pools(ekv_context *ctx) {
     p.max_seqs = 1;
     p.num_pages = ((int64_t)1 << 40) / (2 * PS * HK * DIM * 2 + HK * DIM * 16);
     const int64_t need = ekv_cache_bytes_needed(&p);
-    CHECK(need > ((int64_t)1 << 40) - ((int64_t)1 << 32), "1 TiB pool: bytes_needed %lld", (long long)need);
+    CHECK(need > ((int64_t)1 << 40) - ((int64_t)1 << 32), "1 TiB pool: bytes_needed %lld",
+          (long long)need);
     struct rlimit old, lim;
     int capped = 0;
     if (getrlimit(RLIMIT_AS, &old) == 0) {
@@ -152,20 +161,25 @@ static void test_impossible_pools(ekv_context *ctx) {
     ekv_cache *c = (ekv_cache *)&p;
     ekv_status st = ekv_cache_create(ctx, &p, &c);
     if (capped) setrlimit(RLIMIT_AS, &old);
-    CHECK(st == EKV_ERR_OUT_OF_MEMORY, "1 TiB pool (%lld pages): %s, want OUT_OF_MEMORY", (long long)p.num_pages,
-          ekv_status_string(st));
+    CHECK(st == EKV_ERR_OUT_OF_MEMORY, "1 TiB pool (%lld pages): %s, want OUT_OF_MEMORY",
+          (long long)p.num_pages, ekv_status_string(st));
     CHECK(ekv_last_error(ctx)[0] != '\0', "no message for out of memory");
-    if (st == EKV_OK) ekv_cache_free(c);
-    else CHECK(c == (ekv_cache *)&p, "out written on error");
+    if (st == EKV_OK)
+        ekv_cache_free(c);
+    else
+        CHECK(c == (ekv_cache *)&p, "out written on error");
     fprintf(stderr, "  1 TiB pool (%.1f GiB needed%s): %s: %s\n", (double)need / (1 << 30),
-            capped ? ", address space capped at 256 GiB" : "", ekv_status_string(st), ekv_last_error(ctx));
+            capped ? ", address space capped at 256 GiB" : "", ekv_status_string(st),
+            ekv_last_error(ctx));
 }
 
 /* Summaries of (page, head) recomputed in double from the stored keys. */
-static void check_page_stats(const ekv_paged_kv *kv, const ekv_page_stats *st, int32_t page, int64_t h, int64_t n) {
+static void check_page_stats(const ekv_paged_kv *kv, const ekv_page_stats *st, int32_t page,
+                             int64_t h, int64_t n) {
     const int64_t so = ((int64_t)page * HK + h) * DIM;
     const int64_t base = (int64_t)page * kv->stride_page + h * kv->stride_head;
-    CHECK(st->count[page] == n, "page %d: count %d, want %lld", page, st->count[page], (long long)n);
+    CHECK(st->count[page] == n, "page %d: count %d, want %lld", page, st->count[page],
+          (long long)n);
     double best = 0;
     for (int64_t d = 0; d < DIM; d++) {
         double mn = INFINITY, mx = -INFINITY, sum = 0, m2 = 0;
@@ -180,12 +194,15 @@ static void check_page_stats(const ekv_paged_kv *kv, const ekv_page_stats *st, i
             double x = kval(kv, base + t * kv->stride_token + d) - mean;
             m2 += x * x;
         }
-        CHECK(st->kmin[so + d] == mn && st->kmax[so + d] == mx, "page %d h %lld d %lld: min/max %g/%g want %g/%g", page,
-              (long long)h, (long long)d, (double)st->kmin[so + d], (double)st->kmax[so + d], mn, mx);
-        CHECK(fabs(st->kmean[so + d] - mean) <= 1e-5 * mag + 1e-30, "page %d h %lld d %lld: mean %.9g want %.9g", page,
-              (long long)h, (long long)d, (double)st->kmean[so + d], mean);
+        CHECK(st->kmin[so + d] == mn && st->kmax[so + d] == mx,
+              "page %d h %lld d %lld: min/max %g/%g want %g/%g", page, (long long)h, (long long)d,
+              (double)st->kmin[so + d], (double)st->kmax[so + d], mn, mx);
+        CHECK(fabs(st->kmean[so + d] - mean) <= 1e-5 * mag + 1e-30,
+              "page %d h %lld d %lld: mean %.9g want %.9g", page, (long long)h, (long long)d,
+              (double)st->kmean[so + d], mean);
         CHECK(fabs(st->km2[so + d] - m2) <= 1e-5 * (m2 + 1e-2 * n * mag * mag) + 1e-37,
-              "page %d h %lld d %lld: M2 %.9g want %.9g", page, (long long)h, (long long)d, (double)st->km2[so + d], m2);
+              "page %d h %lld d %lld: M2 %.9g want %.9g", page, (long long)h, (long long)d,
+              (double)st->km2[so + d], m2);
     }
     for (int64_t t = 0; t < n; t++) {
         double ss = 0;
@@ -196,7 +213,8 @@ static void check_page_stats(const ekv_paged_kv *kv, const ekv_page_stats *st, i
         if (ss > best) best = ss;
     }
     double r = sqrt(best), sr = st->radius[(int64_t)page * HK + h];
-    CHECK(sr >= r && sr <= r * (1 + 1e-5) + 1e-37, "page %d h %lld: radius %.9g, exact %.9g", page, (long long)h, sr, r);
+    CHECK(sr >= r && sr <= r * (1 + 1e-5) + 1e-37, "page %d h %lld: radius %.9g, exact %.9g", page,
+          (long long)h, sr, r);
 }
 
 int main(void) {
@@ -220,7 +238,8 @@ int main(void) {
     p.head_dim = DIM;
     p.dtype = EKV_DTYPE_F16;
     p.max_seqs = 1;
-    p.superpage_pages = 0; /* this test is about int64 offsets; keep the pool within 24 GB machines */
+    p.superpage_pages =
+            0; /* this test is about int64 offsets; keep the pool within 24 GB machines */
     p.num_pages = ekv_cache_pages_for(NTOK, 1, PS);
     CHECK(p.num_pages == NTOK / PS, "pages_for = %lld", (long long)p.num_pages);
     const int64_t need = ekv_cache_bytes_needed(&p), avail = mem_available();
@@ -232,7 +251,8 @@ int main(void) {
         ekv_context_free(ctx);
         return g_failures ? 1 : 77;
     }
-    fprintf(stderr, "cache: %.2f GiB needed, %.2f GiB available\n", (double)need / (1 << 30), (double)avail / (1 << 30));
+    fprintf(stderr, "cache: %.2f GiB needed, %.2f GiB available\n", (double)need / (1 << 30),
+            (double)avail / (1 << 30));
 
     test_rng rng = {0x2545f4914f6cdd1dull};
     g_pool = malloc(sizeof(float) * POOL_N);
@@ -248,7 +268,8 @@ int main(void) {
     CHECK(st == EKV_OK, "seq_new: %s", ekv_status_string(st));
 
     /* ---- append 1M tokens ---- */
-    float *kb = malloc(sizeof(float) * CHUNK * HK * DIM), *vb = malloc(sizeof(float) * CHUNK * HK * DIM);
+    float *kb = malloc(sizeof(float) * CHUNK * HK * DIM),
+          *vb = malloc(sizeof(float) * CHUNK * HK * DIM);
     double last_print = now_s(), ta = now_s(), t_lib = 0;
     for (int64_t t0c = 0; t0c < NTOK && !st; t0c += CHUNK) {
         for (int64_t t = 0; t < CHUNK; t++)
@@ -257,10 +278,12 @@ int main(void) {
         double tl = now_s();
         st = ekv_cache_append(c, seq, CHUNK, kb, vb, EKV_DTYPE_F32);
         t_lib += now_s() - tl;
-        CHECK(st == EKV_OK, "append at %lld: %s (%s)", (long long)t0c, ekv_status_string(st), ekv_last_error(ctx));
+        CHECK(st == EKV_OK, "append at %lld: %s (%s)", (long long)t0c, ekv_status_string(st),
+              ekv_last_error(ctx));
         if (now_s() - last_print > 5) {
             last_print = now_s();
-            fprintf(stderr, "  appended %lld / %d tokens (%.0f s)\n", (long long)(t0c + CHUNK), NTOK, last_print - ta);
+            fprintf(stderr, "  appended %lld / %d tokens (%.0f s)\n", (long long)(t0c + CHUNK),
+                    NTOK, last_print - ta);
         }
     }
     free(kb);
@@ -268,7 +291,8 @@ int main(void) {
     fprintf(stderr, "append: %.1f s (%.1f s in ekv_cache_append)\n", now_s() - ta, t_lib);
     if (st) return test_finish("test_large_cache");
     int64_t len = -1;
-    CHECK(ekv_cache_seq_length(c, seq, &len) == EKV_OK && len == NTOK, "length %lld", (long long)len);
+    CHECK(ekv_cache_seq_length(c, seq, &len) == EKV_OK && len == NTOK, "length %lld",
+          (long long)len);
     CHECK(ekv_cache_free_pages(c) == 0, "free pages %lld", (long long)ekv_cache_free_pages(c));
 
     ekv_paged_kv kv;
@@ -287,7 +311,8 @@ int main(void) {
     float kr[DIM], vr[DIM];
     const int64_t probe[] = {0, 5, (1 << 19) - 1, 1 << 19, (1 << 19) + 1, NTOK - 40};
     for (int pass = 0; pass < 2; pass++) {
-        const int64_t lo = pass ? NTOK - 64 : 0, hi = pass ? NTOK : (int64_t)(sizeof probe / sizeof probe[0]);
+        const int64_t lo = pass ? NTOK - 64 : 0,
+                      hi = pass ? NTOK : (int64_t)(sizeof probe / sizeof probe[0]);
         for (int64_t i = lo; i < hi; i++) {
             const int64_t t = pass ? i : probe[i];
             for (int64_t h = 0; h < HK; h++) {
@@ -297,8 +322,10 @@ int main(void) {
                     if (off > max_off) max_off = off;
                     double gk = kval(&kv, off), gv = vval(&kv, off);
                     if ((gk != round_f16(kr[d]) || gv != round_f16(vr[d])) && bad++ < 5)
-                        CHECK(0, "token %lld h %lld d %lld (element offset %lld): K %g V %g, want %g %g", (long long)t,
-                              (long long)h, (long long)d, (long long)off, gk, gv, round_f16(kr[d]), round_f16(vr[d]));
+                        CHECK(0,
+                              "token %lld h %lld d %lld (element offset %lld): K %g V %g, want %g %g",
+                              (long long)t, (long long)h, (long long)d, (long long)off, gk, gv,
+                              round_f16(kr[d]), round_f16(vr[d]));
                     checked++;
                 }
             }
@@ -307,8 +334,8 @@ int main(void) {
     g_checks++;
     CHECK(max_off > ((int64_t)1 << 32) - ((int64_t)1 << 16) && max_off > ((int64_t)1 << 31),
           "largest element offset read %lld", (long long)max_off);
-    fprintf(stderr, "read back %lld values, largest element offset %lld (byte offset %lld)\n", (long long)checked,
-            (long long)max_off, (long long)max_off * 2);
+    fprintf(stderr, "read back %lld values, largest element offset %lld (byte offset %lld)\n",
+            (long long)checked, (long long)max_off, (long long)max_off * 2);
 
     /* ---- summaries of a few pages near the end (and at 2^31 elements) ---- */
     const int64_t np = p.num_pages;
@@ -334,8 +361,8 @@ int main(void) {
     st = ekv_decode_dense(ctx, &dp, &kv, &tab, g_q, out, &info);
     td = now_s() - td;
     CHECK(st == EKV_OK, "decode_dense: %s (%s)", ekv_status_string(st), ekv_last_error(ctx));
-    fprintf(stderr, "decode_dense over %d tokens x %d heads: %.2f s, K bytes %lld, V bytes %lld\n", NTOK, NH, td,
-            (long long)info.bytes_k, (long long)info.bytes_v);
+    fprintf(stderr, "decode_dense over %d tokens x %d heads: %.2f s, K bytes %lld, V bytes %lld\n",
+            NTOK, NH, td, (long long)info.bytes_k, (long long)info.bytes_v);
 
     double *x = malloc(sizeof(double) * NTOK), *pr = malloc(sizeof(double) * NTOK);
     const double scale = 1.0 / sqrt((double)DIM);
@@ -367,16 +394,21 @@ int main(void) {
             err = fmax(err, fabs((double)out[h * DIM + d] - ref[d]));
         }
         const double tol = 1e-4 * fmax(rmax, 0.1);
-        CHECK(fabs(psum - 1) < 1e-9, "head %lld: reference probabilities sum to %.12g", (long long)h, psum);
-        CHECK(needles_in == 4, "head %lld: %d of 4 planted tokens in the reference support", (long long)h, needles_in);
-        CHECK(rsup > 8, "head %lld: reference support %lld: too few random tokens to test the V gather", (long long)h,
-              (long long)rsup);
-        CHECK(err <= tol, "head %lld: max |out - ref| = %.3g > %.3g (max |ref| %.3g)", (long long)h, err, tol, rmax);
-        CHECK(fabs(tau[h] - rtau) <= 1e-5 * (1 + fabs(rtau)), "head %lld: tau %.9g, reference %.9g", (long long)h,
-              tau[h], rtau);
-        CHECK(llabs(support[h] - rsup) <= 2, "head %lld: support %lld, reference %lld", (long long)h,
-              (long long)support[h], (long long)rsup);
-        fprintf(stderr, "head %lld: support %lld (ref %lld), tau %.9g (ref %.9g), max err %.3g, max |ref| %.3g\n",
+        CHECK(fabs(psum - 1) < 1e-9, "head %lld: reference probabilities sum to %.12g",
+              (long long)h, psum);
+        CHECK(needles_in == 4, "head %lld: %d of 4 planted tokens in the reference support",
+              (long long)h, needles_in);
+        CHECK(rsup > 8,
+              "head %lld: reference support %lld: too few random tokens to test the V gather",
+              (long long)h, (long long)rsup);
+        CHECK(err <= tol, "head %lld: max |out - ref| = %.3g > %.3g (max |ref| %.3g)", (long long)h,
+              err, tol, rmax);
+        CHECK(fabs(tau[h] - rtau) <= 1e-5 * (1 + fabs(rtau)), "head %lld: tau %.9g, reference %.9g",
+              (long long)h, tau[h], rtau);
+        CHECK(llabs(support[h] - rsup) <= 2, "head %lld: support %lld, reference %lld",
+              (long long)h, (long long)support[h], (long long)rsup);
+        fprintf(stderr,
+                "head %lld: support %lld (ref %lld), tau %.9g (ref %.9g), max err %.3g, max |ref| %.3g\n",
                 (long long)h, (long long)support[h], (long long)rsup, tau[h], rtau, err, rmax);
     }
     free(x);

@@ -26,7 +26,8 @@ static double rel_diff(const float *a, const float *b, int64_t n) {
     return num / (den > 0 ? den : 1);
 }
 
-static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_select_method method, double budget) {
+static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_select_method method,
+                       double budget) {
     ekv_model_params p = ekv_model_default_params();
     p.max_tokens = 200;
     p.page_size = page;
@@ -56,14 +57,19 @@ int main(void) {
     cp.n_threads = 2;
     if (ekv_context_create(&cp, &ctx)) return 1;
     ekv_safetensors *ref;
-    if (ekv_safetensors_open(ctx, ref_path, &ref)) { fprintf(stderr, "%s\n", ekv_last_error(ctx)); return 1; }
+    if (ekv_safetensors_open(ctx, ref_path, &ref)) {
+        fprintf(stderr, "%s\n", ekv_last_error(ctx));
+        return 1;
+    }
     ekv_tensor_info tt, tl;
-    CHECK(ekv_safetensors_find(ref, "tokens", &tt) == EKV_OK && ekv_safetensors_find(ref, "logits", &tl) == EKV_OK,
+    CHECK(ekv_safetensors_find(ref, "tokens", &tt) == EKV_OK &&
+                  ekv_safetensors_find(ref, "logits", &tl) == EKV_OK,
           "reference tensors");
     const int64_t n = tt.numel, V = 256;
     CHECK(n > 64 && tl.numel == n * V && tl.dtype == EKV_DTYPE_F32, "reference shapes");
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)n);
-    float *want = malloc(sizeof(float) * (size_t)(n * V)), *got = malloc(sizeof(float) * (size_t)(n * V));
+    float *want = malloc(sizeof(float) * (size_t)(n * V)),
+          *got = malloc(sizeof(float) * (size_t)(n * V));
     float *dense = malloc(sizeof(float) * (size_t)(n * V));
     memcpy(tok, tt.data, sizeof(int32_t) * (size_t)n);
     memcpy(want, tl.data, sizeof(float) * (size_t)(n * V));
@@ -72,13 +78,14 @@ int main(void) {
     ekv_model *m = load(ctx, 16, EKV_DTYPE_F32, EKV_SELECT_DENSE, 1.0 / 16);
     if (!m) return test_finish("test_model");
     const ekv_model_config *c = ekv_model_get_config(m);
-    CHECK(c->vocab == 256 && c->d_model == 32 && c->n_layers == 2 && c->n_heads == 4 && c->n_kv_heads == 2 &&
-              c->head_dim == 8 && c->ffn_dim == 48 && c->alpha == 1.5 && c->tied_embeddings == 1 && c->train_ctx == 64,
+    CHECK(c->vocab == 256 && c->d_model == 32 && c->n_layers == 2 && c->n_heads == 4 &&
+                  c->n_kv_heads == 2 && c->head_dim == 8 && c->ffn_dim == 48 && c->alpha == 1.5 &&
+                  c->tied_embeddings == 1 && c->train_ctx == 64,
           "config");
     float slopes[4];
     ekv_model_alibi_slopes(m, slopes);
-    CHECK(slopes[0] == 0.0625f && slopes[1] == 0.00390625f && slopes[2] == 0 && slopes[3] == 0, "NAPE slopes %g %g %g %g",
-          slopes[0], slopes[1], slopes[2], slopes[3]);
+    CHECK(slopes[0] == 0.0625f && slopes[1] == 0.00390625f && slopes[2] == 0 && slopes[3] == 0,
+          "NAPE slopes %g %g %g %g", slopes[0], slopes[1], slopes[2], slopes[3]);
 
     /* against numpy, dense, page sizes that put page ends and block ends everywhere */
     const int32_t pages[] = {1, 5, 16, 64};
@@ -94,12 +101,13 @@ int main(void) {
     /* blocks = one token at a time, exactly */
     CHECK(run(m, tok, n, 0, dense) == 0, "dense run");
     CHECK(run(m, tok, n, 1, got) == 0, "dense one by one");
-    CHECK(memcmp(got, dense, sizeof(float) * (size_t)(n * V)) == 0, "one token at a time differs from blocks by %.3g",
-          rel_diff(got, dense, n * V));
+    CHECK(memcmp(got, dense, sizeof(float) * (size_t)(n * V)) == 0,
+          "one token at a time differs from blocks by %.3g", rel_diff(got, dense, n * V));
     ekv_model_stats sd;
     ekv_model_get_stats(m, -1, &sd);
-    CHECK(sd.steps == n * 2 && sd.bytes_read > 0 && sd.bytes_read <= sd.bytes_kv, "dense stats: steps %lld, read %lld of %lld",
-          (long long)sd.steps, (long long)sd.bytes_read, (long long)sd.bytes_kv);
+    CHECK(sd.steps == n * 2 && sd.bytes_read > 0 && sd.bytes_read <= sd.bytes_kv,
+          "dense stats: steps %lld, read %lld of %lld", (long long)sd.steps,
+          (long long)sd.bytes_read, (long long)sd.bytes_kv);
     /* the last query is the one the numpy model would use at the last token: check it is set */
     float q[32], q2[32];
     CHECK(ekv_model_last_query(m, 1, q) == EKV_OK, "last query");
@@ -110,10 +118,13 @@ int main(void) {
     /* certified = dense at every step; top-k with every token = dense */
     for (int pass = 0; pass < 2; pass++) {
         for (int one = 0; one < 2; one++) {
-            ekv_model_set_method(m, pass == 0 ? EKV_SELECT_CERTIFIED : EKV_SELECT_TOPK, pass == 0 ? 1.0 / 16 : 1.0);
-            CHECK(run(m, tok, n, one, got) == 0, "%s run: %s", pass ? "topk" : "certified", ekv_last_error(ctx));
+            ekv_model_set_method(m, pass == 0 ? EKV_SELECT_CERTIFIED : EKV_SELECT_TOPK,
+                                 pass == 0 ? 1.0 / 16 : 1.0);
+            CHECK(run(m, tok, n, one, got) == 0, "%s run: %s", pass ? "topk" : "certified",
+                  ekv_last_error(ctx));
             double e = rel_diff(got, dense, n * V);
-            printf("%s%s vs dense: %.3g\n", pass ? "topk budget 1" : "certified 1/16", one ? " (one by one)" : "", e);
+            printf("%s%s vs dense: %.3g\n", pass ? "topk budget 1" : "certified 1/16",
+                   one ? " (one by one)" : "", e);
             CHECK(e <= 1e-5, "%s differs from dense by %.3g", pass ? "topk 1.0" : "certified", e);
         }
     }
@@ -121,46 +132,52 @@ int main(void) {
     ekv_model_set_method(m, EKV_SELECT_CERTIFIED, 1.0 / 16);
     run(m, tok, n, 0, got);
     ekv_model_get_stats(m, -1, &sc);
-    CHECK(sc.lists == n * 2 * 2 && sc.lists_round2 >= 0 && sc.lists_round2 <= sc.lists, "certified lists %lld, round 2 %lld",
-          (long long)sc.lists, (long long)sc.lists_round2);
-    printf("certified: round 2 in %lld of %lld lists, bytes %lld vs dense %lld\n", (long long)sc.lists_round2,
-           (long long)sc.lists, (long long)sc.bytes_read, (long long)sd.bytes_read);
+    CHECK(sc.lists == n * 2 * 2 && sc.lists_round2 >= 0 && sc.lists_round2 <= sc.lists,
+          "certified lists %lld, round 2 %lld", (long long)sc.lists, (long long)sc.lists_round2);
+    printf("certified: round 2 in %lld of %lld lists, bytes %lld vs dense %lld\n",
+           (long long)sc.lists_round2, (long long)sc.lists, (long long)sc.bytes_read,
+           (long long)sd.bytes_read);
 
     /* top-k at a small budget and gaussian: different from dense, still sane, fewer K bytes */
     const ekv_select_method sparse[2] = {EKV_SELECT_TOPK, EKV_SELECT_GAUSSIAN};
     for (int i = 0; i < 2; i++) {
         ekv_model_set_method(m, sparse[i], 1.0 / 8);
-        CHECK(run(m, tok, n, 0, got) == 0, "%s run: %s", ekv_method_name(sparse[i]), ekv_last_error(ctx));
+        CHECK(run(m, tok, n, 0, got) == 0, "%s run: %s", ekv_method_name(sparse[i]),
+              ekv_last_error(ctx));
         ekv_model_stats ss;
         ekv_model_get_stats(m, -1, &ss);
         double e = rel_diff(got, dense, n * V);
         int finite = 1;
         for (int64_t k = 0; k < n * V; k++) finite &= isfinite(got[k]) != 0;
         printf("%s: vs dense %.3g, kv fraction %.3f (dense %.3f)\n", ekv_method_name(sparse[i]), e,
-               (double)ss.bytes_read / (double)ss.bytes_kv, (double)sd.bytes_read / (double)sd.bytes_kv);
+               (double)ss.bytes_read / (double)ss.bytes_kv,
+               (double)sd.bytes_read / (double)sd.bytes_kv);
         CHECK(finite, "%s: logits not finite", ekv_method_name(sparse[i]));
-        CHECK(ss.bytes_read > 0 && ss.bytes_read < ss.bytes_kv, "%s: read %lld of %lld bytes", ekv_method_name(sparse[i]),
-              (long long)ss.bytes_read, (long long)ss.bytes_kv);
+        CHECK(ss.bytes_read > 0 && ss.bytes_read < ss.bytes_kv, "%s: read %lld of %lld bytes",
+              ekv_method_name(sparse[i]), (long long)ss.bytes_read, (long long)ss.bytes_kv);
         if (sparse[i] == EKV_SELECT_TOPK) {
             CHECK(e > 0, "top-k 1/8 equals dense exactly: the test cannot see the method");
             /* blocks and one by one agree for the sparse path too (per-view budgets) */
             float *one = malloc(sizeof(float) * (size_t)(n * V));
             CHECK(run(m, tok, n, 1, one) == 0, "topk one by one");
-            CHECK(memcmp(one, got, sizeof(float) * (size_t)(n * V)) == 0, "topk: one by one differs from blocks by %.3g",
-                  rel_diff(one, got, n * V));
+            CHECK(memcmp(one, got, sizeof(float) * (size_t)(n * V)) == 0,
+                  "topk: one by one differs from blocks by %.3g", rel_diff(one, got, n * V));
             free(one);
         }
     }
 
     /* reset gives a fresh sequence: the same logits again */
     ekv_model_set_method(m, EKV_SELECT_DENSE, 1.0);
-    CHECK(run(m, tok, n, 0, got) == 0 && memcmp(got, dense, sizeof(float) * (size_t)(n * V)) == 0, "rerun after reset");
-    CHECK(ekv_model_last_query(m, 1, q2) == EKV_OK && memcmp(q, q2, sizeof q) == 0, "last query after rerun");
+    CHECK(run(m, tok, n, 0, got) == 0 && memcmp(got, dense, sizeof(float) * (size_t)(n * V)) == 0,
+          "rerun after reset");
+    CHECK(ekv_model_last_query(m, 1, q2) == EKV_OK && memcmp(q, q2, sizeof q) == 0,
+          "last query after rerun");
     /* the layer's cache holds the sequence */
     const ekv_cache *lc;
     int32_t seq;
     int64_t len = 0;
-    CHECK(ekv_model_layer_cache(m, 0, &lc, &seq) == EKV_OK && ekv_cache_seq_length(lc, seq, &len) == EKV_OK && len == n,
+    CHECK(ekv_model_layer_cache(m, 0, &lc, &seq) == EKV_OK &&
+                  ekv_cache_seq_length(lc, seq, &len) == EKV_OK && len == n,
           "layer cache length %lld", (long long)len);
     ekv_model_free(m);
 
@@ -173,7 +190,10 @@ int main(void) {
         CHECK(e <= 2e-2, "f16 cache: %.3g from numpy", e);
         ekv_model_free(m);
     }
-    free(tok); free(want); free(got); free(dense);
+    free(tok);
+    free(want);
+    free(got);
+    free(dense);
     ekv_safetensors_free(ref);
     ekv_context_free(ctx);
     return test_finish("test_model");

@@ -24,7 +24,8 @@ static ekv_status try_load(ekv_context *ctx, const unsigned char *b, int64_t n, 
         int32_t tok[3] = {72, 105, 33};
         float logits[3 * 256];
         ekv_status r = ekv_model_step(m, tok, 3, logits);
-        CHECK(r == EKV_OK || r == EKV_ERR_NAN_INPUT, "step on a mutated model: %d %s", r, ekv_last_error(ctx));
+        CHECK(r == EKV_OK || r == EKV_ERR_NAN_INPUT, "step on a mutated model: %d %s", r,
+              ekv_last_error(ctx));
     }
     ekv_model_free(m);
     return s;
@@ -51,7 +52,10 @@ int main(void) {
     cp.n_threads = 2;
     if (ekv_context_create(&cp, &ctx)) return 1;
     FILE *f = fopen(EKV_TEST_DATA_DIR "/tiny_model.safetensors", "rb");
-    if (!f) { fprintf(stderr, "no tiny model\n"); return 1; }
+    if (!f) {
+        fprintf(stderr, "no tiny model\n");
+        return 1;
+    }
     fseek(f, 0, SEEK_END);
     file_len = ftell(f);
     fseek(f, 0, SEEK_SET);
@@ -69,46 +73,59 @@ int main(void) {
         tried++;
         rejected += try_load(ctx, file, n, 0) != EKV_OK;
     }
-    CHECK(rejected == tried, "%lld of %lld truncated files were accepted", (long long)(tried - rejected), (long long)tried);
+    CHECK(rejected == tried, "%lld of %lld truncated files were accepted",
+          (long long)(tried - rejected), (long long)tried);
 
-    static const struct { const char *from, *to; ekv_status want; } edits[] = {
-        {"entmaxkv-lm-v1", "entmaxkv-lm-v2", EKV_ERR_UNSUPPORTED},    /* another arch */
-        {"\"arch\"", "\"arcx\"", EKV_ERR_INVALID_ARGUMENT},             /* no arch tag */
-        {"\"nape\"", "\"rope\"", EKV_ERR_UNSUPPORTED},                  /* positions */
-        {"\"vocab\"", "\"vocax\"", EKV_ERR_INVALID_ARGUMENT},           /* missing key */
-        {"\"vocab\":\"256\"", "\"vocab\":\"255\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"n_heads\":\"4\"", "\"n_heads\":\"x\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"n_heads\":\"4\"", "\"n_heads\":\"0\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"n_kv_heads\":\"2\"", "\"n_kv_heads\":\"3\"", EKV_ERR_HEAD_MISMATCH},
-        {"\"head_dim\":\"8\"", "\"head_dim\":\"9\"", EKV_ERR_INVALID_ARGUMENT},  /* shapes no longer match */
-        {"\"d_model\":\"32\"", "\"d_model\":\"33\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"ffn_dim\":\"48\"", "\"ffn_dim\":\"49\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"n_layers\":\"2\"", "\"n_layers\":\"3\"", EKV_ERR_INVALID_ARGUMENT},  /* missing layer 2 */
-        {"\"n_layers\":\"2\"", "\"n_layers\":\"1\"", EKV_ERR_INVALID_ARGUMENT},  /* unknown layer 1 */
-        {"\"alpha\":\"1.5\"", "\"alpha\":\"1.x\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"alpha\":\"1.5\"", "\"alpha\":\"0.5\"", EKV_ERR_INVALID_ALPHA},
-        {"\"alpha\":\"1.5\"", "\"alpha\":\"nan\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"norm_eps\":\"1e-05\"", "\"norm_eps\":\"-1e-5\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"tied_embeddings\":\"1\"", "\"tied_embeddings\":\"0\"", EKV_ERR_INVALID_ARGUMENT}, /* output.weight missing */
-        {"\"tied_embeddings\":\"1\"", "\"tied_embeddings\":\"2\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"norm.weight\"", "\"norm.weighx\"", EKV_ERR_INVALID_ARGUMENT},       /* missing tensor */
-        {"\"layers.0.attn.wq.weight\"", "\"layers.0.attn.wk.weighq\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"layers.1.attn.wq.weight\"", "\"layers.1.attn.wx.weight\"", EKV_ERR_INVALID_ARGUMENT},
-        {"\"dtype\":\"F16\"", "\"dtype\":\"I16\"", EKV_ERR_INVALID_ARGUMENT},   /* not a float type */
+    static const struct {
+        const char *from, *to;
+        ekv_status want;
+    } edits[] = {
+            {"entmaxkv-lm-v1", "entmaxkv-lm-v2", EKV_ERR_UNSUPPORTED}, /* another arch */
+            {"\"arch\"", "\"arcx\"", EKV_ERR_INVALID_ARGUMENT},        /* no arch tag */
+            {"\"nape\"", "\"rope\"", EKV_ERR_UNSUPPORTED},             /* positions */
+            {"\"vocab\"", "\"vocax\"", EKV_ERR_INVALID_ARGUMENT},      /* missing key */
+            {"\"vocab\":\"256\"", "\"vocab\":\"255\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"n_heads\":\"4\"", "\"n_heads\":\"x\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"n_heads\":\"4\"", "\"n_heads\":\"0\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"n_kv_heads\":\"2\"", "\"n_kv_heads\":\"3\"", EKV_ERR_HEAD_MISMATCH},
+            {"\"head_dim\":\"8\"", "\"head_dim\":\"9\"",
+             EKV_ERR_INVALID_ARGUMENT}, /* shapes no longer match */
+            {"\"d_model\":\"32\"", "\"d_model\":\"33\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"ffn_dim\":\"48\"", "\"ffn_dim\":\"49\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"n_layers\":\"2\"", "\"n_layers\":\"3\"",
+             EKV_ERR_INVALID_ARGUMENT}, /* missing layer 2 */
+            {"\"n_layers\":\"2\"", "\"n_layers\":\"1\"",
+             EKV_ERR_INVALID_ARGUMENT}, /* unknown layer 1 */
+            {"\"alpha\":\"1.5\"", "\"alpha\":\"1.x\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"alpha\":\"1.5\"", "\"alpha\":\"0.5\"", EKV_ERR_INVALID_ALPHA},
+            {"\"alpha\":\"1.5\"", "\"alpha\":\"nan\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"norm_eps\":\"1e-05\"", "\"norm_eps\":\"-1e-5\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"tied_embeddings\":\"1\"", "\"tied_embeddings\":\"0\"",
+             EKV_ERR_INVALID_ARGUMENT}, /* output.weight missing */
+            {"\"tied_embeddings\":\"1\"", "\"tied_embeddings\":\"2\"", EKV_ERR_INVALID_ARGUMENT},
+            {"\"norm.weight\"", "\"norm.weighx\"", EKV_ERR_INVALID_ARGUMENT}, /* missing tensor */
+            {"\"layers.0.attn.wq.weight\"", "\"layers.0.attn.wk.weighq\"",
+             EKV_ERR_INVALID_ARGUMENT},
+            {"\"layers.1.attn.wq.weight\"", "\"layers.1.attn.wx.weight\"",
+             EKV_ERR_INVALID_ARGUMENT},
+            {"\"dtype\":\"F16\"", "\"dtype\":\"I16\"",
+             EKV_ERR_INVALID_ARGUMENT}, /* not a float type */
     };
     for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
         ekv_status s = load_edited(ctx, edits[i].from, edits[i].to);
-        CHECK(s == edits[i].want, "edit %zu (%s -> %s): status %d (%s), want %d", i, edits[i].from, edits[i].to, s,
-              ekv_last_error(ctx), edits[i].want);
+        CHECK(s == edits[i].want, "edit %zu (%s -> %s): status %d (%s), want %d", i, edits[i].from,
+              edits[i].to, s, ekv_last_error(ctx), edits[i].want);
         CHECK(s == EKV_OK || strlen(ekv_last_error(ctx)) > 0, "edit %zu: no message", i);
         if (getenv("EKV_TEST_VERBOSE")) printf("  %-40s %s\n", edits[i].to, ekv_last_error(ctx));
     }
     /* wrong shapes with a consistent file: swap the shapes of two same-sized tensors
      * (w1 [48,32] and w2 [32,48]) */
     {
-        ekv_status s = load_edited(ctx, "\"layers.0.ffn.w1.weight\":{\"dtype\":\"F16\",\"shape\":[48,32]",
-                                   "\"layers.0.ffn.w1.weight\":{\"dtype\":\"F16\",\"shape\":[32,48]");
-        CHECK(s == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "w1"), "transposed w1: %d %s", s, ekv_last_error(ctx));
+        ekv_status s =
+                load_edited(ctx, "\"layers.0.ffn.w1.weight\":{\"dtype\":\"F16\",\"shape\":[48,32]",
+                            "\"layers.0.ffn.w1.weight\":{\"dtype\":\"F16\",\"shape\":[32,48]");
+        CHECK(s == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "w1"),
+              "transposed w1: %d %s", s, ekv_last_error(ctx));
     }
     /* NaN in the weights */
     {
@@ -140,22 +157,36 @@ int main(void) {
     ekv_model *m = NULL;
     ekv_model_params p = ekv_model_default_params();
     p.max_tokens = 10;
-    CHECK(ekv_model_load(ctx, "/nonexistent/model.safetensors", &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "missing file");
-    CHECK(ekv_model_load(NULL, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_NULL_POINTER, "NULL ctx");
+    CHECK(ekv_model_load(ctx, "/nonexistent/model.safetensors", &p, &m) ==
+                          EKV_ERR_INVALID_ARGUMENT &&
+                  !m,
+          "missing file");
+    CHECK(ekv_model_load(NULL, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) ==
+                  EKV_ERR_NULL_POINTER,
+          "NULL ctx");
     CHECK(ekv_model_load(ctx, NULL, &p, &m) == EKV_ERR_NULL_POINTER, "NULL path");
     p.page_size = 0;
-    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_INVALID_PAGE_SIZE, "page 0");
+    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) ==
+                  EKV_ERR_INVALID_PAGE_SIZE,
+          "page 0");
     p = ekv_model_default_params();
     p.max_tokens = 0;
-    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_INVALID_SIZE, "max_tokens 0");
+    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) ==
+                  EKV_ERR_INVALID_SIZE,
+          "max_tokens 0");
     p.max_tokens = 10;
     p.budget = 0;
-    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_INVALID_ARGUMENT, "budget 0");
+    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) ==
+                  EKV_ERR_INVALID_ARGUMENT,
+          "budget 0");
     p.budget = 0.5;
     p.method = (ekv_select_method)9;
-    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_ERR_INVALID_ARGUMENT, "method 9");
+    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) ==
+                  EKV_ERR_INVALID_ARGUMENT,
+          "method 9");
     p.method = EKV_SELECT_DENSE;
-    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_OK, "load: %s", ekv_last_error(ctx));
+    CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_OK,
+          "load: %s", ekv_last_error(ctx));
     if (m) {
         int32_t tok[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, bad = 256, neg = -1;
         float lg[12 * 256];
@@ -165,24 +196,30 @@ int main(void) {
         CHECK(ekv_model_step(m, NULL, 1, lg) == EKV_ERR_NULL_POINTER, "NULL tokens");
         CHECK(ekv_model_position(m) == 0, "failed steps moved the position");
         CHECK(ekv_model_step(m, tok, 11, lg) == EKV_ERR_CACHE_FULL, "past max_tokens");
-        CHECK(ekv_model_step(m, tok, 10, lg) == EKV_OK, "up to max_tokens: %s", ekv_last_error(ctx));
+        CHECK(ekv_model_step(m, tok, 10, lg) == EKV_OK, "up to max_tokens: %s",
+              ekv_last_error(ctx));
         CHECK(ekv_model_step(m, tok, 1, NULL) == EKV_ERR_CACHE_FULL, "full");
-        CHECK(ekv_model_set_method(m, EKV_SELECT_TOPK, 1.5) == EKV_ERR_INVALID_ARGUMENT, "budget 1.5");
-        CHECK(ekv_model_set_method(m, EKV_SELECT_TOPK, NAN) == EKV_ERR_INVALID_ARGUMENT, "budget NaN");
+        CHECK(ekv_model_set_method(m, EKV_SELECT_TOPK, 1.5) == EKV_ERR_INVALID_ARGUMENT,
+              "budget 1.5");
+        CHECK(ekv_model_set_method(m, EKV_SELECT_TOPK, NAN) == EKV_ERR_INVALID_ARGUMENT,
+              "budget NaN");
         ekv_model_stats s;
-        CHECK(ekv_model_get_stats(m, 2, &s) == EKV_ERR_INVALID_ARGUMENT && ekv_model_get_stats(m, -2, &s) == EKV_ERR_INVALID_ARGUMENT,
+        CHECK(ekv_model_get_stats(m, 2, &s) == EKV_ERR_INVALID_ARGUMENT &&
+                      ekv_model_get_stats(m, -2, &s) == EKV_ERR_INVALID_ARGUMENT,
               "stats of a layer that does not exist");
         float q[32];
         const ekv_cache *c;
         int32_t seq;
         CHECK(ekv_model_last_query(m, 2, q) == EKV_ERR_INVALID_ARGUMENT, "last query of layer 2");
-        CHECK(ekv_model_layer_cache(m, -1, &c, &seq) == EKV_ERR_INVALID_ARGUMENT, "cache of layer -1");
+        CHECK(ekv_model_layer_cache(m, -1, &c, &seq) == EKV_ERR_INVALID_ARGUMENT,
+              "cache of layer -1");
         CHECK(ekv_model_reset(m) == EKV_OK && ekv_model_position(m) == 0, "reset");
         CHECK(ekv_model_step(m, tok, 10, lg) == EKV_OK, "after reset");
         ekv_model_free(m);
     }
     ekv_select_method am;
-    CHECK(ekv_method_from_name("certified", &am) == EKV_OK && am == EKV_SELECT_CERTIFIED, "method name");
+    CHECK(ekv_method_from_name("certified", &am) == EKV_OK && am == EKV_SELECT_CERTIFIED,
+          "method name");
     CHECK(ekv_method_from_name("fast", &am) == EKV_ERR_INVALID_ARGUMENT, "unknown method name");
     CHECK(ekv_method_name((ekv_select_method)7) == NULL, "name of method 7");
     ekv_model_free(NULL);

@@ -31,7 +31,10 @@ static unsigned char *read_all(const char *path, int64_t *len) {
     long n = ftell(f);
     fseek(f, 0, SEEK_SET);
     unsigned char *b = malloc((size_t)(n > 0 ? n : 1));
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
+    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
+        free(b);
+        b = NULL;
+    }
     fclose(f);
     *len = n;
     return b;
@@ -44,7 +47,9 @@ int main(void) {
     float *want = (float *)read_all(EKV_TEST_DATA_DIR "/model_ref_logits.bin", &llen);
     FILE *mf = fopen(model, "rb");
     if (!prompt || !want || !mf) {
-        printf("test_model_ref: skipped (%s missing)\n", !mf ? model : !prompt ? "model_ref_prompt.txt" : "model_ref_logits.bin");
+        printf("test_model_ref: skipped (%s missing)\n", !mf       ? model
+                                                         : !prompt ? "model_ref_prompt.txt"
+                                                                   : "model_ref_logits.bin");
         if (mf) fclose(mf);
         free(prompt);
         free(want);
@@ -52,12 +57,14 @@ int main(void) {
     }
     fclose(mf);
     const int64_t V = 256, n = plen;
-    CHECK(llen == n * V * 4, "reference holds %lld bytes, expected %lld x 256 floats", (long long)llen, (long long)n);
+    CHECK(llen == n * V * 4, "reference holds %lld bytes, expected %lld x 256 floats",
+          (long long)llen, (long long)n);
     if (llen != n * V * 4) return test_finish("test_model_ref");
     ekv_context *ctx;
     if (ekv_context_create(NULL, &ctx)) return 1;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)n);
-    float *got = malloc(sizeof(float) * (size_t)(n * V)), *dense = malloc(sizeof(float) * (size_t)(n * V));
+    float *got = malloc(sizeof(float) * (size_t)(n * V)),
+          *dense = malloc(sizeof(float) * (size_t)(n * V));
     ekv_model_tokenize((const char *)prompt, n, tok);
     const ekv_dtype dts[2] = {EKV_DTYPE_F32, EKV_DTYPE_F16};
     for (int di = 0; di < 2; di++) {
@@ -70,9 +77,10 @@ int main(void) {
         if (s) break;
         CHECK(ekv_model_step(m, tok, n, dense) == EKV_OK, "dense: %s", ekv_last_error(ctx));
         double e = rel_diff(dense, want, n * V);
-        printf("%s cache, dense: max |C - torch| / max |torch| = %.3g over %lld positions\n", ekv_dtype_name(dts[di]), e,
-               (long long)n);
-        CHECK(e <= (di == 0 ? 1e-3 : 1e-2), "%s cache: logits differ from PyTorch by %.3g", ekv_dtype_name(dts[di]), e);
+        printf("%s cache, dense: max |C - torch| / max |torch| = %.3g over %lld positions\n",
+               ekv_dtype_name(dts[di]), e, (long long)n);
+        CHECK(e <= (di == 0 ? 1e-3 : 1e-2), "%s cache: logits differ from PyTorch by %.3g",
+              ekv_dtype_name(dts[di]), e);
         /* the prediction at every position agrees where torch is not near a tie */
         int64_t agree = 0;
         for (int64_t i = 0; i < n; i++) {
@@ -91,7 +99,8 @@ int main(void) {
             for (int k = 0; k < 2; k++) {
                 ekv_model_set_method(m, ms[k], bud[k]);
                 ekv_model_reset(m);
-                CHECK(ekv_model_step(m, tok, n, got) == EKV_OK, "%s: %s", ekv_method_name(ms[k]), ekv_last_error(ctx));
+                CHECK(ekv_model_step(m, tok, n, got) == EKV_OK, "%s: %s", ekv_method_name(ms[k]),
+                      ekv_last_error(ctx));
                 double d = rel_diff(got, dense, n * V);
                 printf("  %s (budget %g) vs dense: %.3g\n", ekv_method_name(ms[k]), bud[k], d);
                 CHECK(d <= 1e-5, "%s differs from dense by %.3g", ekv_method_name(ms[k]), d);
@@ -99,7 +108,11 @@ int main(void) {
         }
         ekv_model_free(m);
     }
-    free(tok); free(got); free(dense); free(prompt); free(want);
+    free(tok);
+    free(got);
+    free(dense);
+    free(prompt);
+    free(want);
     ekv_context_free(ctx);
     return test_finish("test_model_ref");
 }

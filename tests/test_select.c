@@ -23,11 +23,15 @@ typedef struct {
     ekv_page_stats st;
 } fixture;
 
-static void build(ekv_context *ctx, fixture *f, int B, const int64_t *lens, int Hk, int D, int ps, ekv_dtype dt,
-                  test_rng *r, double kscale) {
+static void build(ekv_context *ctx, fixture *f, int B, const int64_t *lens, int Hk, int D, int ps,
+                  ekv_dtype dt, test_rng *r, double kscale) {
     memset(f, 0, sizeof *f);
     ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps; cp.num_kv_heads = Hk; cp.head_dim = D; cp.dtype = dt; cp.max_seqs = 4;
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = dt;
+    cp.max_seqs = 4;
     int64_t tot = 0;
     for (int b = 0; b < B; b++) tot += lens[b];
     cp.num_pages = ekv_cache_pages_for(tot, 1, ps) + B;
@@ -41,8 +45,10 @@ static void build(ekv_context *ctx, fixture *f, int B, const int64_t *lens, int 
             k[i] = (float)(kscale * test_normal(r));
             v[i] = (float)test_normal(r);
         }
-        CHECK(ekv_cache_append(f->cache, f->seq[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK, "append");
-        free(k); free(v);
+        CHECK(ekv_cache_append(f->cache, f->seq[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
+              "append");
+        free(k);
+        free(v);
     }
     int64_t need;
     ekv_cache_page_table(f->cache, f->seq, B, NULL, NULL, 0, NULL, &need);
@@ -75,7 +81,9 @@ static void test_handmade(ekv_context *ctx) {
     ekv_page_table tab = {1, indptr, idx, lpl};
     /* scale chosen so that z = a*scale*<q,k> = <q,k> exactly: alpha = 2 (a = 1), scale = 1 */
     ekv_decode_params dp = ekv_decode_default_params();
-    dp.num_heads = 1; dp.alpha = 2.0; dp.scale = 1.0f;
+    dp.num_heads = 1;
+    dp.alpha = 2.0;
+    dp.scale = 1.0f;
     float q[2] = {1.0f, -1.0f};
     int64_t lip[2];
     int32_t pages[P];
@@ -83,17 +91,25 @@ static void test_handmade(ekv_context *ctx) {
     ekv_select_params sp = ekv_select_default_params();
     sp.method = EKV_SELECT_TOPK;
     const int64_t budgets[] = {1, 4, 8, 12, 16, 20, 24};
-    const int want[][6] = {{1, 5}, {1, 5}, {1, 3, 5}, {1, 3, 4, 5}, {1, 3, 4, 2, 5}, {1, 3, 4, 2, 0, 5}, {1, 3, 4, 2, 0, 5}};
+    const int want[][6] = {{1, 5},
+                           {1, 5},
+                           {1, 3, 5},
+                           {1, 3, 4, 5},
+                           {1, 3, 4, 2, 5},
+                           {1, 3, 4, 2, 0, 5},
+                           {1, 3, 4, 2, 0, 5}};
     const int nwant[] = {2, 2, 3, 4, 5, 6, 6};
     for (int i = 0; i < 7; i++) {
         sp.budget_tokens = budgets[i];
         ekv_status s = ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list);
         CHECK(s == EKV_OK, "budget %lld: %s", (long long)budgets[i], ekv_last_error(ctx));
-        CHECK(lip[1] == nwant[i], "budget %lld: %lld pages, want %d", (long long)budgets[i], (long long)lip[1], nwant[i]);
+        CHECK(lip[1] == nwant[i], "budget %lld: %lld pages, want %d", (long long)budgets[i],
+              (long long)lip[1], nwant[i]);
         for (int k = 0; k < nwant[i] && k < lip[1]; k++)
-            CHECK(pages[k] == want[i][k], "budget %lld: slot %d has page %d, want %d", (long long)budgets[i], k,
-                  pages[k], want[i][k]);
-        CHECK(list.bytes_summary == (P - 1) * D * 8, "bytes_summary %lld", (long long)list.bytes_summary);
+            CHECK(pages[k] == want[i][k], "budget %lld: slot %d has page %d, want %d",
+                  (long long)budgets[i], k, pages[k], want[i][k]);
+        CHECK(list.bytes_summary == (P - 1) * D * 8, "bytes_summary %lld",
+              (long long)list.bytes_summary);
     }
     /* ALiBi bonus in z-space: slope 1 (a = 1) costs page p (last token 4p+3) 4p+3-23 */
     float slope = 0.3f;
@@ -104,20 +120,26 @@ static void test_handmade(ekv_context *ctx) {
     dp.alibi_slopes = NULL;
     /* invalid budgets and NaN queries */
     sp.budget_tokens = 0;
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT, "budget 0");
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT,
+          "budget 0");
     sp.budget_tokens = -3;
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT, "budget < 0");
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT,
+          "budget < 0");
     sp.budget_tokens = P * PS + 1;
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT, "budget > length");
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT,
+          "budget > length");
     CHECK(strlen(ekv_last_error(ctx)) > 0, "no message");
     sp.budget_tokens = 8;
     float qn[2] = {NAN, 1};
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, qn, &list) == EKV_ERR_NAN_INPUT, "NaN query");
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, qn, &list) == EKV_ERR_NAN_INPUT,
+          "NaN query");
     list.capacity = 3;
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_SIZE, "small capacity");
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_SIZE,
+          "small capacity");
     list.capacity = P;
     sp.method = (ekv_select_method)9;
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT, "bad method");
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT,
+          "bad method");
 }
 
 static double rel_err(const float *a, const float *b, int64_t n) {
@@ -140,14 +162,18 @@ int main(void) {
     const double alphas[] = {1.0, 1.5, 2.0, 1.25, 3.0};
     int contained = 0, trials = 0;
     for (int c = 0; c < 120; c++) {
-        const int Hk = 1 + c % 2, G = 1 + (c / 2) % 4, H = Hk * G, D = c % 3 == 0 ? 64 : 32, ps = (c % 4 == 0) ? 1 : 8 << (c % 3);
+        const int Hk = 1 + c % 2, G = 1 + (c / 2) % 4, H = Hk * G, D = c % 3 == 0 ? 64 : 32,
+                  ps = (c % 4 == 0) ? 1 : 8 << (c % 3);
         const ekv_dtype dt = dts[c % 3];
         const double alpha = alphas[(c / 3) % 5];
         const int alibi = (c / 5) % 2, per_q = (c / 7) % 2;
         int B = 1 + c % 3;
         int64_t lens[3];
         for (int b = 0; b < B; b++) lens[b] = test_range(&r, 1, 600);
-        if (c == 7) { B = 1; lens[0] = 1; } /* a 1-token sequence */
+        if (c == 7) {
+            B = 1;
+            lens[0] = 1;
+        } /* a 1-token sequence */
         fixture f;
         build(ctx, &f, B, lens, Hk, D, ps, dt, &r, c % 4 == 1 ? 3.0 : 1.0);
         int64_t nmax = 0;
@@ -156,12 +182,16 @@ int main(void) {
         for (int64_t i = 0; i < B * H * D; i++) q[i] = (float)(2.0 * test_normal(&r));
         for (int h = 0; h < H; h++) slopes[h] = h % 2 ? 0.f : (float)pow(2.0, -(h + 1));
         ekv_decode_params dp = ekv_decode_default_params();
-        dp.num_heads = H; dp.alpha = alpha; dp.alibi_slopes = alibi ? slopes : NULL;
+        dp.num_heads = H;
+        dp.alpha = alpha;
+        dp.alibi_slopes = alibi ? slopes : NULL;
         /* dense reference */
-        float *od = malloc(sizeof(float) * (size_t)(B * H * D)), *os = malloc(sizeof(float) * (size_t)(B * H * D));
+        float *od = malloc(sizeof(float) * (size_t)(B * H * D)),
+              *os = malloc(sizeof(float) * (size_t)(B * H * D));
         float *pr = malloc(sizeof(float) * (size_t)(B * H * nmax));
         CHECK(ekv_decode_dense(ctx, &dp, &f.kv, &f.tab, q, od, NULL) == EKV_OK, "dense");
-        CHECK(ekv_dense_probs(ctx, &dp, &f.kv, &f.tab, q, nmax, pr, NULL) == EKV_OK, "probs: %s", ekv_last_error(ctx));
+        CHECK(ekv_dense_probs(ctx, &dp, &f.kv, &f.tab, q, nmax, pr, NULL) == EKV_OK, "probs: %s",
+              ekv_last_error(ctx));
         int32_t heads = per_q ? H : Hk;
         int64_t cap = ekv_page_list_capacity(&f.tab, heads);
         int64_t *lip = malloc(sizeof(int64_t) * (size_t)(B * heads + 1));
@@ -171,16 +201,20 @@ int main(void) {
         sp.per_query_head = per_q;
         /* dense list == dense decode */
         sp.method = EKV_SELECT_DENSE;
-        CHECK(ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list) == EKV_OK, "dense list");
-        CHECK(ekv_decode_pages(ctx, &dp, &f.kv, &f.tab, &list, q, os, NULL) == EKV_OK, "pages: %s", ekv_last_error(ctx));
-        CHECK(rel_err(os, od, B * H * D) <= 1e-5, "case %d: dense list differs from dense decode: %.3g", c,
-              rel_err(os, od, B * H * D));
+        CHECK(ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list) == EKV_OK,
+              "dense list");
+        CHECK(ekv_decode_pages(ctx, &dp, &f.kv, &f.tab, &list, q, os, NULL) == EKV_OK, "pages: %s",
+              ekv_last_error(ctx));
+        CHECK(rel_err(os, od, B * H * D) <= 1e-5,
+              "case %d: dense list differs from dense decode: %.3g", c, rel_err(os, od, B * H * D));
         /* the bound: every token's probability-carrying score is below its page bound, tested
          * indirectly: the oracle list holds the support, so its output equals dense */
         if (alpha != 1.0) {
             sp.method = EKV_SELECT_ORACLE;
-            CHECK(ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list) == EKV_OK, "oracle");
-            CHECK(ekv_decode_pages(ctx, &dp, &f.kv, &f.tab, &list, q, os, NULL) == EKV_OK, "oracle pages");
+            CHECK(ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list) == EKV_OK,
+                  "oracle");
+            CHECK(ekv_decode_pages(ctx, &dp, &f.kv, &f.tab, &list, q, os, NULL) == EKV_OK,
+                  "oracle pages");
             CHECK(rel_err(os, od, B * H * D) <= 1e-5, "case %d: oracle differs from dense: %.3g", c,
                   rel_err(os, od, B * H * D));
         }
@@ -191,17 +225,18 @@ int main(void) {
             sp.method = EKV_SELECT_TOPK;
             sp.budget_tokens = bi == 0 ? 1 : bi == 1 ? (minlen + 3) / 4 : minlen;
             if (sp.budget_tokens < 1) sp.budget_tokens = 1;
-            CHECK(ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list) == EKV_OK, "topk: %s",
-                  ekv_last_error(ctx));
-            CHECK(ekv_decode_pages(ctx, &dp, &f.kv, &f.tab, &list, q, os, NULL) == EKV_OK, "topk pages");
+            CHECK(ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list) == EKV_OK,
+                  "topk: %s", ekv_last_error(ctx));
+            CHECK(ekv_decode_pages(ctx, &dp, &f.kv, &f.tab, &list, q, os, NULL) == EKV_OK,
+                  "topk pages");
             for (int b = 0; b < B; b++) {
                 const int64_t P = f.indptr[b + 1] - f.indptr[b];
                 for (int l = 0; l < heads; l++) {
                     int64_t i0 = lip[b * heads + l], i1 = lip[b * heads + l + 1];
                     int64_t nsel = sp.budget_tokens / ps < 1 ? 1 : sp.budget_tokens / ps;
                     if (nsel > P - 1) nsel = P - 1;
-                    CHECK(i1 - i0 == nsel + 1, "case %d: list has %lld pages, want %lld", c, (long long)(i1 - i0),
-                          (long long)(nsel + 1));
+                    CHECK(i1 - i0 == nsel + 1, "case %d: list has %lld pages, want %lld", c,
+                          (long long)(i1 - i0), (long long)(nsel + 1));
                     CHECK(lpg[i1 - 1] == P - 1, "case %d: last page not last", c);
                     for (int g = 0; g < (per_q ? 1 : G); g++) {
                         const int h = per_q ? l : l * G + g;
@@ -216,19 +251,29 @@ int main(void) {
                         trials++;
                         if (holds && alpha != 1.0) {
                             contained++;
-                            CHECK(rel_err(os + ((int64_t)b * H + h) * D, od + ((int64_t)b * H + h) * D, D) <= 1e-5,
-                                  "case %d head %d: support inside the selection but output differs by %.3g", c, h,
-                                  rel_err(os + ((int64_t)b * H + h) * D, od + ((int64_t)b * H + h) * D, D));
+                            CHECK(rel_err(os + ((int64_t)b * H + h) * D,
+                                          od + ((int64_t)b * H + h) * D, D) <= 1e-5,
+                                  "case %d head %d: support inside the selection but output differs by %.3g",
+                                  c, h,
+                                  rel_err(os + ((int64_t)b * H + h) * D,
+                                          od + ((int64_t)b * H + h) * D, D));
                         }
                     }
                 }
             }
         }
-        free(q); free(od); free(os); free(pr); free(lip); free(lpg);
+        free(q);
+        free(od);
+        free(os);
+        free(pr);
+        free(lip);
+        free(lpg);
         release(&f);
     }
-    printf("selections that held the support: %d of %d (exactness checked on each)\n", contained, trials);
-    CHECK(contained > 50, "too few contained selections (%d) for the property to mean anything", contained);
+    printf("selections that held the support: %d of %d (exactness checked on each)\n", contained,
+           trials);
+    CHECK(contained > 50, "too few contained selections (%d) for the property to mean anything",
+          contained);
     ekv_context_free(ctx);
     return test_finish("test_select");
 }

@@ -9,17 +9,17 @@
 
 static int g_failures = 0, g_checks = 0;
 
-#define CHECK(cond, ...)                                                                      \
-    do {                                                                                      \
-        g_checks++;                                                                           \
-        if (!(cond)) {                                                                        \
-            if (g_failures < 50) {                                                            \
-                fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);      \
-                fprintf(stderr, __VA_ARGS__);                                                 \
-                fprintf(stderr, "\n");                                                        \
-            }                                                                                 \
-            g_failures++;                                                                     \
-        }                                                                                     \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        g_checks++;                                                                                \
+        if (!(cond)) {                                                                             \
+            if (g_failures < 50) {                                                                 \
+                fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);           \
+                fprintf(stderr, __VA_ARGS__);                                                      \
+                fprintf(stderr, "\n");                                                             \
+            }                                                                                      \
+            g_failures++;                                                                          \
+        }                                                                                          \
     } while (0)
 
 static inline int test_finish(const char *name) {
@@ -28,13 +28,19 @@ static inline int test_finish(const char *name) {
 }
 
 /* Deterministic xorshift random numbers for tests. */
-typedef struct { uint64_t s; } test_rng;
+typedef struct {
+    uint64_t s;
+} test_rng;
 static inline uint64_t test_next(test_rng *r) {
     uint64_t x = r->s;
-    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
     return r->s = x;
 }
-static inline double test_uniform(test_rng *r) { return (double)(test_next(r) >> 11) / 9007199254740992.0; }
+static inline double test_uniform(test_rng *r) {
+    return (double)(test_next(r) >> 11) / 9007199254740992.0;
+}
 static inline double test_normal(test_rng *r) {
     double u = test_uniform(r) + 1e-300, v = test_uniform(r);
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);

@@ -17,7 +17,7 @@
 #define EKV_BIN_TO_DATA "../share/entmaxkv"
 #endif
 #define EKV_MODEL_FILE "entmaxkv-lm.safetensors"
-#define EKV_MODEL_ENV "ENTMAXKV_MODEL"
+#define EKV_MODEL_ENV  "ENTMAXKV_MODEL"
 
 void model_opts_init(model_opts *o) {
     memset(o, 0, sizeof *o);
@@ -31,7 +31,8 @@ void model_opts_init(model_opts *o) {
 
 void model_opts_help(FILE *f) {
     fprintf(f,
-            "  --model FILE          model weights (default: $" EKV_MODEL_ENV ", else " EKV_MODEL_FILE "\n"
+            "  --model FILE          model weights (default: $" EKV_MODEL_ENV
+            ", else " EKV_MODEL_FILE "\n"
             "                        from ./models/, then BIN/" EKV_BIN_TO_DATA "/ with BIN the\n"
             "                        directory of this program, then " EKV_DATA_DIR "/,\n"
             "                        then the source tree's models/)\n"
@@ -46,7 +47,8 @@ void model_opts_help(FILE *f) {
 
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
     const char *a = argv[*i];
-    if (!strcmp(a, "--model")) o->model = cli_need(sub, argc, argv, i);
+    if (!strcmp(a, "--model"))
+        o->model = cli_need(sub, argc, argv, i);
     else if (!strcmp(a, "--method")) {
         const char *v = cli_need(sub, argc, argv, i);
         if (ekv_method_from_name(v, &o->method))
@@ -55,12 +57,16 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
         const char *v = cli_need(sub, argc, argv, i);
         if (cli_parse_fraction(v, &o->budget) || !(o->budget > 0 && o->budget <= 1))
             cli_usage_error(sub, "--budget %s: expected a fraction in (0, 1], e.g. 1/16", v);
-    } else if (!strcmp(a, "--threads")) o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
-    else if (!strcmp(a, "--page")) o->page = (int32_t)cli_need_int(sub, argc, argv, i, 1, 256);
+    } else if (!strcmp(a, "--threads"))
+        o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
+    else if (!strcmp(a, "--page"))
+        o->page = (int32_t)cli_need_int(sub, argc, argv, i, 1, 256);
     else if (!strcmp(a, "--kv-dtype")) {
         const char *v = cli_need(sub, argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->kv_dtype)) cli_usage_error(sub, "--kv-dtype %s: expected f16, f32 or bf16", v);
-    } else return 0;
+        if (ekv_dtype_from_name(v, &o->kv_dtype))
+            cli_usage_error(sub, "--kv-dtype %s: expected f16, f32 or bf16", v);
+    } else
+        return 0;
     return 1;
 }
 
@@ -87,7 +93,8 @@ static int model_places(char places[MODEL_PLACES][MODEL_PATH_MAX]) {
     }
     if (slash) {
         *slash = 0;
-        int w = snprintf(places[n], MODEL_PATH_MAX, "%s/%s/%s", exe, EKV_BIN_TO_DATA, EKV_MODEL_FILE);
+        int w = snprintf(places[n], MODEL_PATH_MAX, "%s/%s/%s", exe, EKV_BIN_TO_DATA,
+                         EKV_MODEL_FILE);
         if (w > 0 && w < MODEL_PATH_MAX) n++;
     }
     snprintf(places[n++], MODEL_PATH_MAX, "%s/%s", EKV_DATA_DIR, EKV_MODEL_FILE);
@@ -106,20 +113,25 @@ static const char *model_path(const char *sub, const model_opts *o) {
     const int n = model_places(places);
     for (int i = 0; i < n; i++)
         if (file_exists(places[i])) return places[i];
-    fprintf(stderr, "entmaxkv %s: no model: give --model FILE or set %s; looked for the shipped model at:\n", sub,
-            EKV_MODEL_ENV);
+    fprintf(stderr,
+            "entmaxkv %s: no model: give --model FILE or set %s; looked for the shipped model at:\n",
+            sub, EKV_MODEL_ENV);
     for (int i = 0; i < n; i++) fprintf(stderr, "  %s\n", places[i]);
     return NULL;
 }
 
-int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx, ekv_model **m) {
+int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx,
+               ekv_model **m) {
     const char *path = model_path(sub, o);
     *m = NULL;
     *ctx = NULL;
     if (!path) return 1;
     ekv_context_params cp = ekv_context_default_params();
     cp.n_threads = (int32_t)o->threads;
-    if (ekv_context_create(&cp, ctx)) { fprintf(stderr, "entmaxkv %s: cannot create a context\n", sub); return 1; }
+    if (ekv_context_create(&cp, ctx)) {
+        fprintf(stderr, "entmaxkv %s: cannot create a context\n", sub);
+        return 1;
+    }
     ekv_model_params mp = ekv_model_default_params();
     mp.max_tokens = max_tokens > 0 ? max_tokens : 1;
     mp.page_size = o->page;
@@ -128,7 +140,8 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.budget = o->budget;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {
-        fprintf(stderr, "entmaxkv %s: %s: %s: %s\n", sub, path, ekv_status_string(st), ekv_last_error(*ctx));
+        fprintf(stderr, "entmaxkv %s: %s: %s: %s\n", sub, path, ekv_status_string(st),
+                ekv_last_error(*ctx));
         ekv_context_free(*ctx);
         *ctx = NULL;
         return 1;
@@ -164,13 +177,20 @@ char *cli_read_file(const char *path, int64_t *len) {
             break;
         }
         char *nb = realloc(b, 2 * cap + 1);
-        if (!nb) { free(b); b = NULL; break; }
+        if (!nb) {
+            free(b);
+            b = NULL;
+            break;
+        }
         b = nb;
         cap *= 2;
     }
     int err = ferror(f);
     fclose(f);
-    if (!b || err) { free(b); return NULL; }
+    if (!b || err) {
+        free(b);
+        return NULL;
+    }
     b[n] = 0;
     *len = (int64_t)n;
     return b;
@@ -179,12 +199,16 @@ char *cli_read_file(const char *path, int64_t *len) {
 /* Runs tokens[0..n) through the model in chunks of 256, with progress on stderr when it takes
  * more than 2 s. For every chunk that reaches position logits_from, fn receives the chunk's
  * logits [c][vocab] (positions start .. start+c-1), so no caller holds n x vocab floats. */
-int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, const int32_t *tokens, int64_t n,
-               int64_t logits_from, model_logits_fn fn, void *arg) {
+int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
+               const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
+               void *arg) {
     enum { CHUNK = 256 };
     const int64_t V = ekv_model_get_config(m)->vocab;
     float *logits = fn ? malloc(sizeof(float) * (size_t)(CHUNK * V)) : NULL;
-    if (fn && !logits) { fprintf(stderr, "entmaxkv %s: out of memory\n", sub); return 1; }
+    if (fn && !logits) {
+        fprintf(stderr, "entmaxkv %s: out of memory\n", sub);
+        return 1;
+    }
     double t0 = cli_now_seconds(), last = t0;
     int rc = 0;
     for (int64_t i = 0; i < n && !rc; i += CHUNK) {
@@ -192,15 +216,17 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
         const int want = fn && i + c > logits_from;
         ekv_status st = ekv_model_step(m, tokens + i, c, want ? logits : NULL);
         if (st) {
-            fprintf(stderr, "entmaxkv %s: %s: %s\n", sub, ekv_status_string(st), ekv_last_error(ctx));
+            fprintf(stderr, "entmaxkv %s: %s: %s\n", sub, ekv_status_string(st),
+                    ekv_last_error(ctx));
             rc = 1;
             break;
         }
         if (want) fn(arg, i, c, logits);
         double now = cli_now_seconds();
         if (now - last > 2.0) {
-            fprintf(stderr, "  %s: %lld / %lld tokens (%.0f%%), %.0f tokens/s\n", what, (long long)(i + c), (long long)n,
-                    100.0 * (double)(i + c) / (double)n, (double)(i + c) / (now - t0));
+            fprintf(stderr, "  %s: %lld / %lld tokens (%.0f%%), %.0f tokens/s\n", what,
+                    (long long)(i + c), (long long)n, 100.0 * (double)(i + c) / (double)n,
+                    (double)(i + c) / (now - t0));
             last = now;
         }
     }
@@ -208,9 +234,13 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
     return rc;
 }
 
-int model_uses_budget(ekv_select_method m) { return m == EKV_SELECT_TOPK || m == EKV_SELECT_CERTIFIED; }
+int model_uses_budget(ekv_select_method m) {
+    return m == EKV_SELECT_TOPK || m == EKV_SELECT_CERTIFIED;
+}
 
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget) {
-    if (model_uses_budget(m)) snprintf(buf, n, "%s %g", ekv_method_name(m), budget);
-    else snprintf(buf, n, "%s", ekv_method_name(m));
+    if (model_uses_budget(m))
+        snprintf(buf, n, "%s %g", ekv_method_name(m), budget);
+    else
+        snprintf(buf, n, "%s", ekv_method_name(m));
 }

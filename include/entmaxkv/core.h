@@ -45,22 +45,22 @@ extern "C" {
 /* ---------------------------------------------------------------------------------- */
 typedef enum ekv_status {
     EKV_OK = 0,
-    EKV_ERR_NULL_POINTER = -1,     /* a required pointer argument was NULL            */
-    EKV_ERR_INVALID_SIZE = -2,     /* a size was zero, negative or out of range        */
-    EKV_ERR_HEAD_MISMATCH = -3,    /* heads not divisible by KV heads, or bad head id  */
-    EKV_ERR_INVALID_ALPHA = -4,    /* alpha outside [1, 4] or NaN                      */
-    EKV_ERR_INVALID_PAGE_SIZE = -5,/* page size outside [1, 256]                       */
-    EKV_ERR_INVALID_DTYPE = -6,    /* unknown dtype                                    */
-    EKV_ERR_SIZE_OVERFLOW = -7,    /* a byte count would overflow int64/size_t          */
-    EKV_ERR_OUT_OF_MEMORY = -8,    /* allocation failed                                */
-    EKV_ERR_NAN_INPUT = -9,        /* NaN (or +inf) in an input that must be finite     */
-    EKV_ERR_EMPTY_INPUT = -10,     /* every entry masked (-inf), or an empty sequence   */
-    EKV_ERR_INVALID_SEQUENCE = -11,/* unknown or freed sequence id                      */
-    EKV_ERR_CACHE_FULL = -12,      /* no free page left in the pool                     */
-    EKV_ERR_INVALID_ARGUMENT = -13,/* any other invalid argument (message says which)   */
-    EKV_ERR_UNSUPPORTED = -14,     /* valid request this build/backend cannot serve     */
-    EKV_ERR_INTERNAL = -15,        /* a bug: please report                              */
-    EKV_ERR_DEVICE = -16           /* the CUDA runtime failed (the message has its text) */
+    EKV_ERR_NULL_POINTER = -1,      /* a required pointer argument was NULL            */
+    EKV_ERR_INVALID_SIZE = -2,      /* a size was zero, negative or out of range        */
+    EKV_ERR_HEAD_MISMATCH = -3,     /* heads not divisible by KV heads, or bad head id  */
+    EKV_ERR_INVALID_ALPHA = -4,     /* alpha outside [1, 4] or NaN                      */
+    EKV_ERR_INVALID_PAGE_SIZE = -5, /* page size outside [1, 256]                       */
+    EKV_ERR_INVALID_DTYPE = -6,     /* unknown dtype                                    */
+    EKV_ERR_SIZE_OVERFLOW = -7,     /* a byte count would overflow int64/size_t          */
+    EKV_ERR_OUT_OF_MEMORY = -8,     /* allocation failed                                */
+    EKV_ERR_NAN_INPUT = -9,         /* NaN (or +inf) in an input that must be finite     */
+    EKV_ERR_EMPTY_INPUT = -10,      /* every entry masked (-inf), or an empty sequence   */
+    EKV_ERR_INVALID_SEQUENCE = -11, /* unknown or freed sequence id                      */
+    EKV_ERR_CACHE_FULL = -12,       /* no free page left in the pool                     */
+    EKV_ERR_INVALID_ARGUMENT = -13, /* any other invalid argument (message says which)   */
+    EKV_ERR_UNSUPPORTED = -14,      /* valid request this build/backend cannot serve     */
+    EKV_ERR_INTERNAL = -15,         /* a bug: please report                              */
+    EKV_ERR_DEVICE = -16            /* the CUDA runtime failed (the message has its text) */
 } ekv_status;
 
 /* A static English description of a status code ("invalid page size", ...). */
@@ -71,12 +71,12 @@ EKV_API const char *ekv_status_string(ekv_status status);
 /* ---------------------------------------------------------------------------------- */
 typedef enum ekv_dtype {
     EKV_DTYPE_F32 = 0,
-    EKV_DTYPE_F16 = 1,  /* IEEE binary16 */
-    EKV_DTYPE_BF16 = 2  /* bfloat16      */
+    EKV_DTYPE_F16 = 1, /* IEEE binary16 */
+    EKV_DTYPE_BF16 = 2 /* bfloat16      */
 } ekv_dtype;
 
-EKV_API const char *ekv_dtype_name(ekv_dtype dtype);          /* "f32", "f16", "bf16", NULL if unknown */
-EKV_API int64_t ekv_dtype_size(ekv_dtype dtype);              /* bytes per element, 0 if unknown */
+EKV_API const char *ekv_dtype_name(ekv_dtype dtype); /* "f32", "f16", "bf16", NULL if unknown */
+EKV_API int64_t ekv_dtype_size(ekv_dtype dtype);     /* bytes per element, 0 if unknown */
 /* Parses "f32"/"fp32"/"float32", "f16"/"fp16"/"float16", "bf16"/"bfloat16". */
 EKV_API ekv_status ekv_dtype_from_name(const char *name, ekv_dtype *out);
 
@@ -94,10 +94,10 @@ EKV_API ekv_status ekv_dtype_from_name(const char *name, ekv_dtype *out);
 typedef struct ekv_context ekv_context;
 
 typedef enum ekv_isa {
-    EKV_ISA_AUTO = 0,   /* best the CPU supports (runtime detection) */
+    EKV_ISA_AUTO = 0, /* best the CPU supports (runtime detection) */
     EKV_ISA_SCALAR = 1,
-    EKV_ISA_AVX2 = 2,   /* AVX2 + FMA + F16C */
-    EKV_ISA_AVX512 = 3  /* AVX-512 F/BW/VL   */
+    EKV_ISA_AVX2 = 2,  /* AVX2 + FMA + F16C */
+    EKV_ISA_AVX512 = 3 /* AVX-512 F/BW/VL   */
 } ekv_isa;
 
 typedef struct ekv_context_params {
@@ -130,8 +130,8 @@ EKV_API ekv_isa ekv_cpu_best_isa(void);
  * (only possible for ekv_entmax_f64 with |x| > DBL_MAX/3; pass tau = NULL there).
  * ctx may be NULL (then no message is kept). tau and support may be NULL.
  */
-EKV_API ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha,
-                              float *p, double *tau, int64_t *support);
+EKV_API ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha, float *p,
+                              double *tau, int64_t *support);
 /* Same in double precision (used by the reference backend and the tests). */
 EKV_API ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double alpha,
                                   double *p, double *tau, int64_t *support);
@@ -166,12 +166,12 @@ typedef struct ekv_page_stats {
     const float *kmin;
     const float *kmax;
     const float *kmean;
-    const float *km2;    /* Welford sum of squared deviations from the mean */
+    const float *km2; /* Welford sum of squared deviations from the mean */
     const float *radius;
-    const int32_t *count;/* tokens currently in each physical page */
-    /* Superpages (docs/math.md §9.6, optional): physical pages [s*superpage_pages, (s+1)*superpage_pages)
-     * form superpage s; smin/smax [(s*num_kv_heads + head)*head_dim + d] bound every key of
-     * those pages (possibly loosely: freed pages may still count). 0 = none. */
+    const int32_t *count; /* tokens currently in each physical page */
+    /* Superpages (docs/math.md §9.6, optional): physical pages [s*superpage_pages,
+     * (s+1)*superpage_pages) form superpage s; smin/smax [(s*num_kv_heads + head)*head_dim + d]
+     * bound every key of those pages (possibly loosely: freed pages may still count). 0 = none. */
     int32_t superpage_pages;
     const float *smin;
     const float *smax;
@@ -197,12 +197,12 @@ typedef struct ekv_page_table {
 typedef struct ekv_cache ekv_cache;
 
 typedef struct ekv_cache_params {
-    int64_t num_pages;    /* pages in the pool (capacity = num_pages * page_size tokens) */
-    int32_t page_size;    /* tokens per page, 1..256 (default 16)                       */
-    int32_t num_kv_heads; /* default 8                                                  */
-    int32_t head_dim;     /* default 128                                                */
-    ekv_dtype dtype;      /* storage dtype of K and V (default f16)                      */
-    int32_t max_seqs;     /* sequences alive at once (default 64)                       */
+    int64_t num_pages;       /* pages in the pool (capacity = num_pages * page_size tokens) */
+    int32_t page_size;       /* tokens per page, 1..256 (default 16)                       */
+    int32_t num_kv_heads;    /* default 8                                                  */
+    int32_t head_dim;        /* default 128                                                */
+    ekv_dtype dtype;         /* storage dtype of K and V (default f16)                      */
+    int32_t max_seqs;        /* sequences alive at once (default 64)                       */
     int32_t superpage_pages; /* physical pages per superpage summary, 0 = none (default 16) */
 } ekv_cache_params;
 
@@ -228,8 +228,8 @@ EKV_API int64_t ekv_cache_free_pages(const ekv_cache *cache);
  * converted to the storage dtype. Page summaries are updated incrementally. Fails
  * without changing anything if the pool has too few free pages or the input has NaN/inf.
  */
-EKV_API ekv_status ekv_cache_append(ekv_cache *cache, int32_t seq, int64_t n_tokens,
-                                    const void *k, const void *v, ekv_dtype src_dtype);
+EKV_API ekv_status ekv_cache_append(ekv_cache *cache, int32_t seq, int64_t n_tokens, const void *k,
+                                    const void *v, ekv_dtype src_dtype);
 
 /* Views of the pool and of its statistics (valid until the cache is freed). */
 EKV_API ekv_status ekv_cache_kv_view(const ekv_cache *cache, ekv_paged_kv *kv_out,
@@ -239,19 +239,18 @@ EKV_API ekv_status ekv_cache_kv_view(const ekv_cache *cache, ekv_paged_kv *kv_ou
  * indptr[n_seqs+1], indices[capacity], last_page_len[n_seqs]. Pass indices = NULL to only
  * learn the number of page ids needed (written to *needed).
  */
-EKV_API ekv_status ekv_cache_page_table(const ekv_cache *cache, const int32_t *seqs,
-                                        int32_t n_seqs, int64_t *indptr, int32_t *indices,
-                                        int64_t indices_capacity, int32_t *last_page_len,
-                                        int64_t *needed);
+EKV_API ekv_status ekv_cache_page_table(const ekv_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                        int64_t *indptr, int32_t *indices, int64_t indices_capacity,
+                                        int32_t *last_page_len, int64_t *needed);
 
 /* ---------------------------------------------------------------------------------- */
 /* Decode attention                                                                    */
 /* ---------------------------------------------------------------------------------- */
 typedef struct ekv_decode_params {
-    int32_t num_heads;          /* query heads H; must be a multiple of num_kv_heads     */
-    double alpha;               /* 1 = softmax, (1, 4] = entmax (default 1.5)            */
-    float scale;                /* score scale; 0 = 1/sqrt(head_dim)                     */
-    const float *alibi_slopes;  /* [num_heads] slopes m_h >= 0, or NULL for none         */
+    int32_t num_heads;         /* query heads H; must be a multiple of num_kv_heads     */
+    double alpha;              /* 1 = softmax, (1, 4] = entmax (default 1.5)            */
+    float scale;               /* score scale; 0 = 1/sqrt(head_dim)                     */
+    const float *alibi_slopes; /* [num_heads] slopes m_h >= 0, or NULL for none         */
 } ekv_decode_params;
 
 EKV_API ekv_decode_params ekv_decode_default_params(void);
@@ -288,12 +287,14 @@ EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_param
 /* Page selection and attention over selected pages (docs/math.md §2, 3)                         */
 /* ---------------------------------------------------------------------------------- */
 typedef enum ekv_select_method {
-    EKV_SELECT_DENSE = 0,    /* every page                                                   */
-    EKV_SELECT_TOPK = 1,     /* the pages with the largest box bound within a token budget    */
-    EKV_SELECT_ORACLE = 2,   /* the pages holding the dense entmax support (evaluation only)  */
-    EKV_SELECT_GAUSSIAN = 3, /* the Gaussian-aware selector of docs/math.md §4 (alpha 2, 1.5 or 4/3)   */
-    EKV_SELECT_CERTIFIED = 4 /* certified decode (docs/math.md §9.3): top-k by certified bounds, then  */
-                             /* every page the bounds cannot rule out; equals dense entmax    */
+    EKV_SELECT_DENSE = 0,  /* every page                                                   */
+    EKV_SELECT_TOPK = 1,   /* the pages with the largest box bound within a token budget    */
+    EKV_SELECT_ORACLE = 2, /* the pages holding the dense entmax support (evaluation only)  */
+    EKV_SELECT_GAUSSIAN =
+            3, /* the Gaussian-aware selector of docs/math.md §4 (alpha 2, 1.5 or 4/3)   */
+    EKV_SELECT_CERTIFIED =
+            4 /* certified decode (docs/math.md §9.3): top-k by certified bounds, then  */
+              /* every page the bounds cannot rule out; equals dense entmax    */
 } ekv_select_method;
 #define EKV_SELECT_METHOD_COUNT 5
 
@@ -303,8 +304,13 @@ EKV_API ekv_status ekv_method_from_name(const char *name, ekv_select_method *out
 
 /* Where a decode step runs: the CPU (SIMD + threads), the long-double reference (dense
  * only), or the CUDA backend (entmaxkv/cuda.h). */
-typedef enum ekv_backend { EKV_BACKEND_CPU = 0, EKV_BACKEND_REF = 1, EKV_BACKEND_CUDA = 2 } ekv_backend;
-EKV_API const char *ekv_backend_name(ekv_backend backend); /* "cpu", "ref", "cuda"; NULL if unknown */
+typedef enum ekv_backend {
+    EKV_BACKEND_CPU = 0,
+    EKV_BACKEND_REF = 1,
+    EKV_BACKEND_CUDA = 2
+} ekv_backend;
+EKV_API const char *
+ekv_backend_name(ekv_backend backend); /* "cpu", "ref", "cuda"; NULL if unknown */
 EKV_API ekv_status ekv_backend_from_name(const char *name, ekv_backend *out);
 
 /* How attention over a list sets tau (docs/math.md §4.11). */
@@ -323,28 +329,31 @@ typedef struct ekv_select_params {
      * length)) instead of budget_tokens (a batch of prefix views each reads the same share) */
     double budget_fraction;
     /* 0 (default): one page list per KV head, ranking pages by the max bound over the GQA
-     * group's query heads (gaussian: the union of the group's pages). 1: one list per query head. */
+     * group's query heads (gaussian: the union of the group's pages). 1: one list per query head.
+     */
     int32_t per_query_head;
-    /* gaussian (docs/math.md §4), defaults as in the paper's API; the user's margin and quantile take
-     * effect unless auto_margin asks for the rule of docs/math.md §4.5 (which the reference always uses) */
-    double margin_z;          /* safety margin, in units of sigma_g (default 0)              */
-    double max_quantile;      /* q_max of the page rule, in (0, 1) (default 0.995)           */
-    int32_t auto_margin;      /* 1: docs/math.md §4.5 picks margin_z and q_max from sigma-bar         */
-    int32_t reference_m3;     /* 1: the reference's (wrong) alpha = 4/3 moment (docs/math.md §6.1-1)  */
-    double excess_fraction;   /* rho of docs/math.md §4.9 (default 0.2)                               */
-    int32_t clamp_tau;        /* clamp tau-hat to the selected pages, docs/math.md §4.10 (default 1)  */
-    double clamp_quantile;    /* q_c of docs/math.md §4.10, in (0, 1) (default 0.5)                   */
+    /* gaussian (docs/math.md §4), defaults as in the paper's API; the user's margin and quantile
+     * take effect unless auto_margin asks for the rule of docs/math.md §4.5 (which the reference
+     * always uses) */
+    double margin_z;     /* safety margin, in units of sigma_g (default 0)              */
+    double max_quantile; /* q_max of the page rule, in (0, 1) (default 0.995)           */
+    int32_t auto_margin; /* 1: docs/math.md §4.5 picks margin_z and q_max from sigma-bar         */
+    int32_t reference_m3; /* 1: the reference's (wrong) alpha = 4/3 moment (docs/math.md §6.1-1)  */
+    double excess_fraction; /* rho of docs/math.md §4.9 (default 0.2) */
+    int32_t clamp_tau; /* clamp tau-hat to the selected pages, docs/math.md §4.10 (default 1)  */
+    double clamp_quantile;    /* q_c of docs/math.md §4.10, in (0, 1) (default 0.5)    */
     ekv_tau_mode tau_mode;    /* how ekv_decode_pages sets tau for this list (default exact) */
-    int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (docs/math.md §4.11)    */
-    /* top-k / certified: rank by min(box, ball) + rounding slack (docs/math.md §9.5), a bound on the
-     * computed scores, instead of the box alone (default 0 for top-k: paper-faithful) */
+    int32_t correction_iters; /* corrected mode: -1 = 1 without ALiBi, 2 with (docs/math.md §4.11)
+                               */
+    /* top-k / certified: rank by min(box, ball) + rounding slack (docs/math.md §9.5), a bound on
+     * the computed scores, instead of the box alone (default 0 for top-k: paper-faithful) */
     int32_t use_ball;
     /* certified round 1 also reads the first sink_pages and the last recent_pages pages */
     int32_t sink_pages, recent_pages;
     /* certified bounds (use_ball): with a lower bound tau_lb[b*num_heads + h] of each head's tau
      * (z-space), the bound stage skips the page summaries of every superpage whose bound is
-     * already <= tau_lb, giving its pages the superpage bound instead (docs/math.md §9.6). Certified
-     * decode computes it from the recent pages when the cache has superpages. */
+     * already <= tau_lb, giving its pages the superpage bound instead (docs/math.md §9.6).
+     * Certified decode computes it from the recent pages when the cache has superpages. */
     const double *tau_lb;
     /* certified, adaptive round 1: when not NULL, round 1 is every page whose certified bound
      * exceeds tau_hint[b*num_heads + h] (z-space) for a head of the list, instead of a token
@@ -363,15 +372,15 @@ EKV_API ekv_select_params ekv_select_default_params(void);
  * pages[capacity]; ekv_page_list_capacity() says how many page numbers can be written.
  */
 typedef struct ekv_page_list {
-    int32_t heads;          /* lists per sequence (set by ekv_select_pages)          */
+    int32_t heads; /* lists per sequence (set by ekv_select_pages)          */
     int64_t *indptr;
     int32_t *pages;
     int64_t capacity;
-    int64_t bytes_summary;  /* output: bytes of page statistics the bound stage read  */
+    int64_t bytes_summary; /* output: bytes of page statistics the bound stage read  */
     /* tau for the fixed/corrected modes: tau[b*num_heads + h] (z-space), written by the
      * gaussian selector when the caller provides the array ([batch*num_heads]). */
     double *tau;
-    int32_t tau_mode;       /* ekv_tau_mode, set by ekv_select_pages                  */
+    int32_t tau_mode; /* ekv_tau_mode, set by ekv_select_pages                  */
     int32_t correction_iters;
     /* optional output of top-k selection: the certified page bounds (min(box, ball) + slack,
      * z-space) bounds[(b*num_heads + h)*bounds_stride + p] for p < P_b - 1; asking for them
@@ -415,16 +424,15 @@ EKV_API ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *p
  */
 EKV_API ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *params,
                                    const ekv_paged_kv *kv, const ekv_page_table *table,
-                                   const ekv_page_list *list, const double *tau,
-                                   double *delta_bar);
+                                   const ekv_page_list *list, const double *tau, double *delta_bar);
 
 /* Per-step report of certified decode. Arrays may be NULL; they hold one value per list. */
 typedef struct ekv_certified_info {
-    int32_t *pages_round1;  /* pages read in round 1                                     */
-    int32_t *pages_round2;  /* pages added in round 2 (0 when round 1 was already proven) */
-    int64_t lists_round2;   /* output: how many lists needed round 2                      */
-    int64_t bytes_summary;  /* output: page statistics read by the bound stage            */
-    int32_t certified;      /* output: 1 when every list is proven exact                  */
+    int32_t *pages_round1; /* pages read in round 1                                     */
+    int32_t *pages_round2; /* pages added in round 2 (0 when round 1 was already proven) */
+    int64_t lists_round2;  /* output: how many lists needed round 2                      */
+    int64_t bytes_summary; /* output: page statistics read by the bound stage            */
+    int32_t certified;     /* output: 1 when every list is proven exact                  */
 } ekv_certified_info;
 
 /*

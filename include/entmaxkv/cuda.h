@@ -51,24 +51,24 @@ EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
 
 /*
  * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
- * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode; no ALiBi or
- * auto_margin on the GPU) or certified (ekv_cuda_decode_certified below),
- * then exact entmax (alpha > 1) or softmax (alpha = 1) over the listed pages with K read
- * once, tau solved globally from the kept scores and V read for support rows only.
- * q, out: [batch][num_heads][head_dim] fp32 (device). Launches are asynchronous on the
- * plan's stream.
+ * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode; no ALiBi
+ * or auto_margin on the GPU) or certified (ekv_cuda_decode_certified below), then exact entmax
+ * (alpha > 1) or softmax (alpha = 1) over the listed pages with K read once, tau solved globally
+ * from the kept scores and V read for support rows only. q, out: [batch][num_heads][head_dim] fp32
+ * (device). Launches are asynchronous on the plan's stream.
  */
 EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params *params,
                                    const ekv_select_params *select, const ekv_paged_kv *kv,
                                    const ekv_page_stats *stats, const ekv_page_table *table,
                                    const float *q, float *out);
-/* Certified decode (docs/math.md §9.3) on the device: round 1 = the top pages by certified bound within
- * select->budget_tokens plus the last, sink and recent pages; round 2 = every other page whose
- * bound exceeds round 1's tau; K and V each read once. Output equals dense entmax. */
+/* Certified decode (docs/math.md §9.3) on the device: round 1 = the top pages by certified bound
+ * within select->budget_tokens plus the last, sink and recent pages; round 2 = every other page
+ * whose bound exceeds round 1's tau; K and V each read once. Output equals dense entmax. */
 EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,
-                                             const ekv_select_params *select, const ekv_paged_kv *kv,
-                                             const ekv_page_stats *stats, const ekv_page_table *table,
-                                             const float *q, float *out);
+                                             const ekv_select_params *select,
+                                             const ekv_paged_kv *kv, const ekv_page_stats *stats,
+                                             const ekv_page_table *table, const float *q,
+                                             float *out);
 
 /* What the last step did, copied to the host (synchronises the plan's stream). Arrays may
  * be NULL; per head: [batch*num_heads], per list: [batch*num_kv_heads]. */
@@ -88,7 +88,8 @@ typedef struct ekv_cuda_report {
                            /* solved over the whole score row (exact, slower)              */
     int32_t launches;      /* output: kernel launches of the last step                     */
 } ekv_cuda_report;
-EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch, ekv_cuda_report *report);
+EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
+                                        ekv_cuda_report *report);
 
 /*
  * Append + summarize in one kernel. items[n_items] (device) say, for each touched physical
@@ -106,11 +107,11 @@ typedef struct ekv_cuda_append_item {
     int32_t first_slot; /* tokens already in the page                         */
     int32_t n_new;      /* tokens added, first_slot + n_new <= page_size      */
     int32_t reserved;
-    int64_t src_token;  /* row of k_new / v_new holding the first new token   */
+    int64_t src_token; /* row of k_new / v_new holding the first new token   */
 } ekv_cuda_append_item;
-EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv, const ekv_page_stats *stats,
-                                   const ekv_cuda_append_item *items, int32_t n_items,
-                                   const float *k_new, const float *v_new);
+EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv,
+                                   const ekv_page_stats *stats, const ekv_cuda_append_item *items,
+                                   int32_t n_items, const float *k_new, const float *v_new);
 #ifdef __cplusplus
 }
 #endif

@@ -23,22 +23,25 @@ typedef struct ekv_safetensors ekv_safetensors;
 
 typedef struct ekv_tensor_info {
     const char *name;
-    const char *dtype_name;  /* as in the file: "F32", "F16", "BF16", "I64", ...           */
-    int32_t dtype;           /* the ekv_dtype, or -1 for dtypes the library does not compute */
-    int32_t ndim;            /* 0..8                                                        */
+    const char *dtype_name; /* as in the file: "F32", "F16", "BF16", "I64", ...           */
+    int32_t dtype;          /* the ekv_dtype, or -1 for dtypes the library does not compute */
+    int32_t ndim;           /* 0..8                                                        */
     int64_t shape[8];
     int64_t numel;
-    const void *data;        /* little-endian elements, valid until ekv_safetensors_free    */
+    const void *data; /* little-endian elements, valid until ekv_safetensors_free    */
     int64_t nbytes;
 } ekv_tensor_info;
 
 EKV_API ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetensors **out);
 /* Parses a copy of buf[0..len). */
-EKV_API ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out);
+EKV_API ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len,
+                                         ekv_safetensors **out);
 EKV_API int64_t ekv_safetensors_count(const ekv_safetensors *st);
-EKV_API ekv_status ekv_safetensors_at(const ekv_safetensors *st, int64_t index, ekv_tensor_info *out);
+EKV_API ekv_status ekv_safetensors_at(const ekv_safetensors *st, int64_t index,
+                                      ekv_tensor_info *out);
 /* EKV_ERR_INVALID_ARGUMENT if there is no tensor of that name. */
-EKV_API ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name, ekv_tensor_info *out);
+EKV_API ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name,
+                                        ekv_tensor_info *out);
 /*
  * The file's "__metadata__": an object of string keys and string values (the format allows
  * nothing else: any other value, a repeated key or a NUL byte makes the file invalid).
@@ -47,8 +50,8 @@ EKV_API ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *n
  */
 EKV_API const char *ekv_safetensors_metadata(const ekv_safetensors *st, const char *key);
 EKV_API int64_t ekv_safetensors_metadata_count(const ekv_safetensors *st);
-EKV_API ekv_status ekv_safetensors_metadata_at(const ekv_safetensors *st, int64_t index, const char **key,
-                                               const char **value);
+EKV_API ekv_status ekv_safetensors_metadata_at(const ekv_safetensors *st, int64_t index,
+                                               const char **key, const char **value);
 EKV_API void ekv_safetensors_free(ekv_safetensors *st);
 
 /* ---- model engine ---- */
@@ -74,13 +77,13 @@ typedef struct ekv_model_config {
 } ekv_model_config;
 
 typedef struct ekv_model_params {
-    int64_t max_tokens;      /* KV cache capacity of the sequence, in tokens (default 4096)      */
-    int32_t page_size;       /* KV cache page size (default 16)                                  */
-    ekv_dtype kv_dtype;      /* KV cache storage (default f16)                                   */
-    int32_t superpage_pages; /* superpage summaries for certified decode, 0 = none (default 16) */
+    int64_t max_tokens;       /* KV cache capacity of the sequence, in tokens (default 4096)      */
+    int32_t page_size;        /* KV cache page size (default 16)                                  */
+    ekv_dtype kv_dtype;       /* KV cache storage (default f16)                                   */
+    int32_t superpage_pages;  /* superpage summaries for certified decode, 0 = none (default 16) */
     ekv_select_method method; /* default dense                                                  */
-    double budget;           /* topk: fraction of each step's tokens to read; certified: sizes its
-                                round 1 (default 1/16)                                           */
+    double budget;            /* topk: fraction of each step's tokens to read; certified: sizes its
+                                 round 1 (default 1/16)                                           */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */
@@ -99,8 +102,8 @@ EKV_API ekv_model_params ekv_model_default_params(void);
  * EKV_ERR_INVALID_ARGUMENT (EKV_ERR_UNSUPPORTED for another arch tag) with a message in
  * ekv_last_error(ctx). The model keeps ctx (its threads) until ekv_model_free.
  */
-EKV_API ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_params *params,
-                                  ekv_model **out);
+EKV_API ekv_status ekv_model_load(ekv_context *ctx, const char *path,
+                                  const ekv_model_params *params, ekv_model **out);
 /* The same from an opened file; the weights are copied, st may be freed afterwards. */
 EKV_API ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *st,
                                               const ekv_model_params *params, ekv_model **out);
@@ -119,7 +122,8 @@ EKV_API int64_t ekv_model_position(const ekv_model *model);
  * (the prediction after each token). Tokens must be in [0, vocab); EKV_ERR_CACHE_FULL when
  * the sequence would pass params.max_tokens. On error the model should be reset.
  */
-EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64_t n, float *logits);
+EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64_t n,
+                                  float *logits);
 /* Statistics of one layer, or of all layers summed (layer = -1). */
 EKV_API ekv_status ekv_model_get_stats(const ekv_model *model, int32_t layer, ekv_model_stats *out);
 EKV_API void ekv_model_reset_stats(ekv_model *model);
@@ -127,8 +131,8 @@ EKV_API void ekv_model_reset_stats(ekv_model *model);
 EKV_API int64_t ekv_model_tokenize(const char *text, int64_t len, int32_t *tokens);
 /* The cache of a layer (one sequence, *seq) and the queries [n_heads][head_dim] (before the
  * 1/sqrt(head_dim) scale) of the last token run at that layer: for traces and evaluation. */
-EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer, const ekv_cache **cache,
-                                         int32_t *seq);
+EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer,
+                                         const ekv_cache **cache, int32_t *seq);
 EKV_API ekv_status ekv_model_last_query(const ekv_model *model, int32_t layer, float *q);
 /* NAPE slopes [n_heads] (docs/math.md §1.6), as the model's attention uses them. */
 EKV_API ekv_status ekv_model_alibi_slopes(const ekv_model *model, float *slopes);

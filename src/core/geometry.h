@@ -15,21 +15,25 @@
 #endif
 
 /* Pages of sequence b. */
-EKV_GEOM int64_t ekv_seq_pages(const int64_t *indptr, int64_t b) { return indptr[b + 1] - indptr[b]; }
+EKV_GEOM int64_t ekv_seq_pages(const int64_t *indptr, int64_t b) {
+    return indptr[b + 1] - indptr[b];
+}
 
 /* Tokens of sequence b: every page but the last is full. */
-EKV_GEOM int64_t ekv_seq_len(const int64_t *indptr, const int32_t *last_page_len, int64_t b, int64_t page_size) {
+EKV_GEOM int64_t ekv_seq_len(const int64_t *indptr, const int32_t *last_page_len, int64_t b,
+                             int64_t page_size) {
     return (indptr[b + 1] - indptr[b] - 1) * page_size + last_page_len[b];
 }
 
 /* The most pages, and the most tokens, of a sequence of the table (at least 1). */
 EKV_GEOM int64_t ekv_table_max_pages(const int64_t *indptr, int64_t batch) {
     int64_t m = 1;
-    for (int64_t b = 0; b < batch; b++) m = ekv_seq_pages(indptr, b) > m ? ekv_seq_pages(indptr, b) : m;
+    for (int64_t b = 0; b < batch; b++)
+        m = ekv_seq_pages(indptr, b) > m ? ekv_seq_pages(indptr, b) : m;
     return m;
 }
-EKV_GEOM int64_t ekv_table_max_len(const int64_t *indptr, const int32_t *last_page_len, int64_t batch,
-                                   int64_t page_size) {
+EKV_GEOM int64_t ekv_table_max_len(const int64_t *indptr, const int32_t *last_page_len,
+                                   int64_t batch, int64_t page_size) {
     int64_t m = 1;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t n = ekv_seq_len(indptr, last_page_len, b, page_size);

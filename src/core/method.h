@@ -21,11 +21,11 @@ enum { EKV_NEEDS_MINMAX = 1u << 0, EKV_NEEDS_BALL = 1u << 1, EKV_NEEDS_MOMENTS =
 
 typedef struct ekv_method_info {
     const char *name;
-    unsigned stages;    /* EKV_STAGE_* run before attention (attention always runs)         */
-    unsigned backends;  /* bit (1u << ekv_backend) per backend that serves it              */
-    unsigned needs;     /* EKV_NEEDS_*: the page statistics it reads                       */
-    int entmax_only;    /* 1: needs exact zeros (alpha > 1)                                 */
-    int budgeted;       /* 1: reads budget_tokens / budget_fraction                        */
+    unsigned stages;   /* EKV_STAGE_* run before attention (attention always runs)         */
+    unsigned backends; /* bit (1u << ekv_backend) per backend that serves it              */
+    unsigned needs;    /* EKV_NEEDS_*: the page statistics it reads                       */
+    int entmax_only;   /* 1: needs exact zeros (alpha > 1)                                 */
+    int budgeted;      /* 1: reads budget_tokens / budget_fraction                        */
 } ekv_method_info;
 
 /* The row of a method, or NULL for a value outside the enum. */
@@ -43,6 +43,6 @@ static inline int64_t ekv_seq_budget(const ekv_select_params *s, int64_t n) {
 }
 /* The page statistics a method reads are present (host-side pointer checks only), and for a
  * bound stage, the superpage summaries (if any) cover every physical page of kv. */
-ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_ball, const ekv_paged_kv *kv,
-                           const ekv_page_stats *st);
+ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_ball,
+                           const ekv_paged_kv *kv, const ekv_page_stats *st);
 #endif

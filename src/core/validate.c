@@ -18,33 +18,35 @@ ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params) {
     if (params->num_heads <= 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_heads=%d must be >= 1", params->num_heads);
     if (!(params->scale >= 0.f) || !isfinite(params->scale))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "scale=%g must be finite and >= 0 (0 = 1/sqrt(D))",
-                        (double)params->scale);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "scale=%g must be finite and >= 0 (0 = 1/sqrt(D))", (double)params->scale);
     return EKV_OK;
 }
 
 ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads) {
     if (num_kv_heads <= 0 || num_heads <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_heads=%lld and num_kv_heads=%lld must be >= 1",
-                        (long long)num_heads, (long long)num_kv_heads);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "num_heads=%lld and num_kv_heads=%lld must be >= 1", (long long)num_heads,
+                        (long long)num_kv_heads);
     if (num_heads % num_kv_heads != 0)
-        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH,
-                        "num_heads=%lld is not a multiple of num_kv_heads=%lld (GQA groups must be equal)",
-                        (long long)num_heads, (long long)num_kv_heads);
+        return ekv_fail(
+                ctx, EKV_ERR_HEAD_MISMATCH,
+                "num_heads=%lld is not a multiple of num_kv_heads=%lld (GQA groups must be equal)",
+                (long long)num_heads, (long long)num_kv_heads);
     return EKV_OK;
 }
 
 ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
     if (page_size < 1 || page_size > EKV_MAX_PAGE_SIZE)
-        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%lld must be in [1, %d]", (long long)page_size,
-                        EKV_MAX_PAGE_SIZE);
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%lld must be in [1, %d]",
+                        (long long)page_size, EKV_MAX_PAGE_SIZE);
     return EKV_OK;
 }
 
 /* ALiBi slopes are finite, >= 0, and small enough that the bias over the longest sequence
  * (at most 3 * m * N in z-space) cannot overflow fp32 (docs/math.md §6.2). */
-static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
-                               const ekv_page_table *t) {
+static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params,
+                               const ekv_paged_kv *kv, const ekv_page_table *t) {
     if (!params->alibi_slopes) return EKV_OK;
     int64_t maxN = 1;
     for (int32_t b = 0; b < t->batch; b++) {
@@ -54,70 +56,93 @@ static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params
     for (int32_t h = 0; h < params->num_heads; h++) {
         const float m = params->alibi_slopes[h];
         if (!(m >= 0.f) || !isfinite(m))
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "alibi_slopes[%d]=%g must be finite and >= 0", h, (double)m);
-        if (3.0 * (double)m * (double)maxN > 1e37)
             return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                            "alibi_slopes[%d]=%g is too large: the bias over %lld tokens overflows fp32", h, (double)m,
-                            (long long)maxN);
+                            "alibi_slopes[%d]=%g must be finite and >= 0", h, (double)m);
+        if (3.0 * (double)m * (double)maxN > 1e37)
+            return ekv_fail(
+                    ctx, EKV_ERR_INVALID_ARGUMENT,
+                    "alibi_slopes[%d]=%g is too large: the bias over %lld tokens overflows fp32", h,
+                    (double)m, (long long)maxN);
     }
     return EKV_OK;
 }
 
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
-                               const ekv_paged_kv *kv, const ekv_page_table *t,
-                               const float *q, const float *out) {
+                               const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                               const float *out) {
     if (!params || !kv || !t || !q || !out)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL",
-                        !params ? "params" : !kv ? "kv" : !t ? "table" : !q ? "q" : "out");
+                        !params ? "params"
+                        : !kv   ? "kv"
+                        : !t    ? "table"
+                        : !q    ? "q"
+                                : "out");
     return ekv_validate_step(ctx, params, kv, t, q);
 }
 
-ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
-                             const ekv_page_table *t, const float *q) {
+ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params,
+                             const ekv_paged_kv *kv, const ekv_page_table *t, const float *q) {
     if (!params || !kv || !t)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !params ? "params" : !kv ? "kv" : "table");
-    if (!kv->k || !kv->v) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "kv->%s is NULL", !kv->k ? "k" : "v");
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !params ? "params"
+                        : !kv   ? "kv"
+                                : "table");
+    if (!kv->k || !kv->v)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "kv->%s is NULL", !kv->k ? "k" : "v");
     if (!t->indptr || !t->indices || !t->last_page_len)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "table->%s is NULL",
-                        !t->indptr ? "indptr" : !t->indices ? "indices" : "last_page_len");
+                        !t->indptr    ? "indptr"
+                        : !t->indices ? "indices"
+                                      : "last_page_len");
     ekv_status st;
     if (!ekv_dtype_valid(kv->dtype))
-        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv->dtype=%d is not f32, f16 or bf16", (int)kv->dtype);
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv->dtype=%d is not f32, f16 or bf16",
+                        (int)kv->dtype);
     st = ekv_check_page_size(ctx, kv->page_size);
     if (st) return st;
     if (kv->head_dim <= 0 || kv->head_dim > 65536)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]", kv->head_dim);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
+                        kv->head_dim);
     st = ekv_check_heads(ctx, params->num_heads, kv->num_kv_heads);
     if (st) return st;
     if (kv->num_pages <= 0 || kv->num_pages > INT32_MAX)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be in [1, 2^31-1]", (long long)kv->num_pages);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be in [1, 2^31-1]",
+                        (long long)kv->num_pages);
     if (kv->stride_token < kv->head_dim || kv->stride_head <= 0 || kv->stride_page <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "strides (page %lld, head %lld, token %lld) must be positive and token >= head_dim",
-                        (long long)kv->stride_page, (long long)kv->stride_head, (long long)kv->stride_token);
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_SIZE,
+                "strides (page %lld, head %lld, token %lld) must be positive and token >= head_dim",
+                (long long)kv->stride_page, (long long)kv->stride_head,
+                (long long)kv->stride_token);
     int64_t span, tmp;
     if (ekv_mul_i64(kv->num_pages, kv->stride_page, &span) ||
         ekv_mul_i64(span, ekv_dtype_size(kv->dtype), &tmp))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages * stride_page overflows int64");
-    if (t->batch <= 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be >= 1", t->batch);
-    if (t->indptr[0] != 0) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indptr[0]=%lld must be 0", (long long)t->indptr[0]);
+    if (t->batch <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be >= 1", t->batch);
+    if (t->indptr[0] != 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indptr[0]=%lld must be 0",
+                        (long long)t->indptr[0]);
     for (int32_t b = 0; b < t->batch; b++) {
         int64_t np = t->indptr[b + 1] - t->indptr[b];
         if (np < 0)
             return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indptr decreases at sequence %d", b);
         if (np == 0) return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT, "sequence %d has no tokens", b);
         if (t->last_page_len[b] < 1 || t->last_page_len[b] > kv->page_size)
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "last_page_len[%d]=%d must be in [1, page_size=%d]",
-                            b, t->last_page_len[b], kv->page_size);
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "last_page_len[%d]=%d must be in [1, page_size=%d]", b,
+                            t->last_page_len[b], kv->page_size);
         for (int64_t i = t->indptr[b]; i < t->indptr[b + 1]; i++)
             if (t->indices[i] < 0 || t->indices[i] >= kv->num_pages)
-                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "indices[%lld]=%d is outside [0, num_pages=%lld)",
-                                (long long)i, t->indices[i], (long long)kv->num_pages);
+                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                                "indices[%lld]=%d is outside [0, num_pages=%lld)", (long long)i,
+                                t->indices[i], (long long)kv->num_pages);
     }
     st = check_slopes(ctx, params, kv, t);
     if (st) return st;
     int64_t nq = q ? (int64_t)t->batch * params->num_heads * kv->head_dim : 0;
     for (int64_t i = 0; i < nq; i++)
-        if (!isfinite(q[i])) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "q[%lld] is NaN or infinite", (long long)i);
+        if (!isfinite(q[i]))
+            return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "q[%lld] is NaN or infinite", (long long)i);
     return EKV_OK;
 }

@@ -18,35 +18,40 @@ typedef struct ekv_lists_args {
     ekv_decode_info *info;     /* OUTPUT, CERTIFY (may be NULL)                              */
     float *probs;              /* PROBS: [B*H][pstride]                                      */
     int64_t pstride;
-    double *tau;               /* PROBS: tau per head (may be NULL)                          */
-    const float *bounds;       /* CERTIFY: certified page bounds [B*H][bstride]              */
+    double *tau;         /* PROBS: tau per head (may be NULL)                          */
+    const float *bounds; /* CERTIFY: certified page bounds [B*H][bstride]              */
     int64_t bstride;
-    int64_t *round2;           /* CERTIFY: pages added per list                              */
+    int64_t *round2; /* CERTIFY: pages added per list                              */
 } ekv_lists_args;
 
 /* Validates a page list against a validated table (heads, CSR, page numbers, tau mode). */
-ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list, int64_t num_heads,
-                             int64_t num_kv_heads);
+ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list,
+                             int64_t num_heads, int64_t num_kv_heads);
 
 /* Runners: arguments already validated (ekv_validate_decode, ekv_decode_supported). */
 ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                             const ekv_page_table *tab, const float *q, float *out, ekv_decode_info *info);
-ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                const ekv_page_table *tab, const float *q, const ekv_lists_args *args);
+                             const ekv_page_table *tab, const float *q, float *out,
+                             ekv_decode_info *info);
+ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
+                                const ekv_paged_kv *kv, const ekv_page_table *tab, const float *q,
+                                const ekv_lists_args *args);
 /* Page selection (select.c): writes list for sel->method's list stages. */
-ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                              const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                              const float *q, ekv_page_list *list);
+ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm,
+                              const ekv_select_params *sel, const ekv_paged_kv *kv,
+                              const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                              ekv_page_list *list);
 /* The checks ekv_select_pages makes beyond the step's (select.c): stats, budgets, list. */
-ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                               const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm,
+                               const ekv_select_params *sel, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *t,
                                const ekv_page_list *list);
 /* Certified decode (certified.c); its lists and bounds live in the step arena. */
-ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                 const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                                 const float *q, float *out, ekv_decode_info *info, ekv_certified_info *ci);
+ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
+                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                 float *out, ekv_decode_info *info, ekv_certified_info *ci);
 /* The oracle policy (src/eval/oracle.c): the pages of the dense support, evaluation only. */
-ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                 const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
-                                 ekv_page_list *list);
+ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm,
+                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                 const ekv_page_table *t, const float *q, ekv_page_list *list);
 #endif

@@ -22,15 +22,15 @@ typedef struct {
     const float *qs;
     const int32_t *iota; /* 0, 1, 2, ...: the page list of the implicit dense lists */
     int64_t nmax;
-    float *w_z;       /* per worker [Gl][nmax] */
-    int64_t *w_tok;   /* per worker [nmax] absolute token of each kept score */
+    float *w_z;     /* per worker [Gl][nmax] */
+    int64_t *w_tok; /* per worker [nmax] absolute token of each kept score */
     int64_t *w_idx;
     double *w_y, *w_y2;
     uint8_t *w_mark;
     int64_t *w_union;
-    int32_t *w_rp;    /* per worker [nmax] round-2 page numbers */
+    int32_t *w_rp;              /* per worker [nmax] round-2 page numbers */
     int64_t *bytes_k, *bytes_v; /* per list */
-    volatile int overflow; /* set by any list whose scores overflowed */
+    volatile int overflow;      /* set by any list whose scores overflowed */
 } pages_job;
 
 /* The pages of list l of sequence b: plist[0..*np). */
@@ -47,19 +47,23 @@ static const int32_t *list_pages(const pages_job *j, int64_t b, int64_t l, int64
 
 /* Scores pages plist[0..np) (logical page numbers) for the Gl query heads into
  * z[g*nmax + c ...] from slot c on, raising M; returns the new slot count. */
-static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h0, const int32_t *plist, int64_t np,
-                           float *z, int64_t *tok, int64_t c, float *M) {
+static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h0,
+                           const int32_t *plist, int64_t np, float *z, int64_t *tok, int64_t c,
+                           float *M) {
     const int64_t N = ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, j->sh.ps);
     const int64_t P = ekv_seq_pages(j->tab->indptr, b);
     const int32_t *pages = j->tab->indices + j->tab->indptr[b];
     float b0[256], bs[256];
     for (int64_t r = 0; r < np; r++) {
-        const int64_t p = plist[r], ntok = ekv_page_tokens(p, P, j->tab->last_page_len[b], j->sh.ps);
-        const char *pf = r + 2 < np ? ekv_cpu_page_ptr(j->kv, j->kv->k, pages[plist[r + 2]], kvh) : NULL;
-        const int bias = ekv_cpu_alibi_page(j->prm->alibi_slopes, j->sh.a, h0, j->Gl, p * j->sh.ps, N, b0, bs);
-        j->kern->score(ekv_cpu_page_ptr(j->kv, j->kv->k, pages[p], kvh), j->kv->stride_token, ntok, j->kv->dtype,
-                       j->sh.D, j->qs + (b * j->sh.H + h0) * j->sh.D, j->sh.D, (int)j->Gl, bias ? b0 : NULL,
-                       bias ? bs : NULL, z + c, j->nmax, M, pf);
+        const int64_t p = plist[r],
+                      ntok = ekv_page_tokens(p, P, j->tab->last_page_len[b], j->sh.ps);
+        const char *pf =
+                r + 2 < np ? ekv_cpu_page_ptr(j->kv, j->kv->k, pages[plist[r + 2]], kvh) : NULL;
+        const int bias = ekv_cpu_alibi_page(j->prm->alibi_slopes, j->sh.a, h0, j->Gl, p * j->sh.ps,
+                                            N, b0, bs);
+        j->kern->score(ekv_cpu_page_ptr(j->kv, j->kv->k, pages[p], kvh), j->kv->stride_token, ntok,
+                       j->kv->dtype, j->sh.D, j->qs + (b * j->sh.H + h0) * j->sh.D, j->sh.D,
+                       (int)j->Gl, bias ? b0 : NULL, bias ? bs : NULL, z + c, j->nmax, M, pf);
         for (int64_t t = 0; t < ntok; t++) tok[c + t] = p * j->sh.ps + t;
         c += ntok;
     }
@@ -70,8 +74,8 @@ static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h
  * per head on them, then the pages outside the list whose certified bound exceeds tau_C for
  * a head of the list are scored too, appended to the kept scores (round-1 K is not read
  * again). Returns the new slot count; *added = the round-2 pages. */
-static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float *z, int64_t *tok, float *M,
-                            int worker, int64_t *added) {
+static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float *z, int64_t *tok,
+                            float *M, int worker, int64_t *added) {
     const int64_t h0 = ekv_list_head0(l, j->heads, j->sh.H, j->sh.G), kvh = h0 / j->sh.G;
     const int64_t P = ekv_seq_pages(j->tab->indptr, b);
     int64_t *idx = j->w_idx + worker * j->nmax, np;
@@ -82,7 +86,8 @@ static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float
     double tauc[256];
     for (int64_t g = 0; g < j->Gl; g++) {
         double tr, ws;
-        ekv_cpu_entmax_support(j->kern, z + g * j->nmax, L, M[g], j->sh.alpha, idx, y, y2, &tr, &ws);
+        ekv_cpu_entmax_support(j->kern, z + g * j->nmax, L, M[g], j->sh.alpha, idx, y, y2, &tr,
+                               &ws);
         tauc[g] = (double)M[g] + tr;
     }
     for (int64_t i = 0; i < np; i++) in[plist[i]] = 1;
@@ -116,9 +121,12 @@ static double given_tau_rel(const pages_job *j, const float *zg, int64_t L, floa
             S1 += pb / d;
             S2 += pb / (d * d);
         }
-        double F = S0 - 1, F1 = -beta * S1, F2 = beta * (beta - 1) * S2, den = 2 * F1 * F1 - F * F2, nt = tau;
-        if (fabs(den) > 1e-12) nt = tau - 2 * F * F1 / den;
-        else if (fabs(F1) > 1e-12) nt = tau - F / F1;
+        double F = S0 - 1, F1 = -beta * S1, F2 = beta * (beta - 1) * S2, den = 2 * F1 * F1 - F * F2,
+               nt = tau;
+        if (fabs(den) > 1e-12)
+            nt = tau - 2 * F * F1 / den;
+        else if (fabs(F1) > 1e-12)
+            nt = tau - F / F1;
         if (!isfinite(nt) || fabs(nt) >= 1e20) nt = tau;
         tau = nt;
     }
@@ -126,17 +134,18 @@ static double given_tau_rel(const pages_job *j, const float *zg, int64_t L, floa
 }
 
 /* Writes one head's probabilities over every token of its sequence (mode PROBS). */
-static void write_probs(const pages_job *j, int64_t b, int64_t h, const int64_t *tokens, const double *y,
-                        const float *w, int64_t n, double norm) {
+static void write_probs(const pages_job *j, int64_t b, int64_t h, const int64_t *tokens,
+                        const double *y, const float *w, int64_t n, double norm) {
     float *pr = j->a->probs + (b * j->sh.H + h) * j->a->pstride;
-    memset(pr, 0, sizeof(float) * (size_t)ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, j->sh.ps));
+    memset(pr, 0,
+           sizeof(float) * (size_t)ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, j->sh.ps));
     for (int64_t i = 0; i < n; i++) pr[tokens[i]] = w ? w[i] : (float)(y[i] / norm);
 }
 
 /* Entmax for query head h of the list whose kept scores are zg[0..L): support, then V rows
  * (or probabilities). Records tau and the support size. */
-static void entmax_head(pages_job *j, int64_t b, int64_t h, int64_t kvh, float *zg, int64_t L, float M,
-                        const int64_t *tok, int worker, ekv_cpu_rows *rows) {
+static void entmax_head(pages_job *j, int64_t b, int64_t h, int64_t kvh, float *zg, int64_t L,
+                        float M, const int64_t *tok, int worker, ekv_cpu_rows *rows) {
     int64_t *idx = j->w_idx + worker * j->nmax;
     double *y = j->w_y + worker * j->nmax, *y2 = j->w_y2 + worker * j->nmax;
     const ekv_page_list *list = j->a->list;
@@ -148,16 +157,23 @@ static void entmax_head(pages_job *j, int64_t b, int64_t h, int64_t kvh, float *
         int64_t k = 0;
         for (int64_t c = 0; c < L; c++) {
             const double yc = (double)zg[c] - (double)M;
-            if (yc > ty) { idx[k] = c; y[k] = yc; k++; }
+            if (yc > ty) {
+                idx[k] = c;
+                y[k] = yc;
+                k++;
+            }
         }
         sup = ekv_cpu_support_weights(idx, y, k, ty, j->sh.alpha, &wsum);
     } else {
         sup = ekv_cpu_entmax_support(j->kern, zg, L, M, j->sh.alpha, idx, y, y2, &ty, &wsum);
     }
     for (int64_t i = 0; i < sup; i++) idx[i] = tok[idx[i]]; /* positions in the list -> tokens */
-    const double norm = given ? 1.0 : wsum;                  /* fixed/corrected: no renormalisation */
-    if (j->a->mode == EKV_LISTS_PROBS) write_probs(j, b, h, idx, y, NULL, sup, norm);
-    else ekv_cpu_accum_support(j->kern, j->kv, j->tab, b, kvh, idx, y, sup, norm, j->a->out + (b * j->sh.H + h) * j->sh.D, rows);
+    const double norm = given ? 1.0 : wsum; /* fixed/corrected: no renormalisation */
+    if (j->a->mode == EKV_LISTS_PROBS)
+        write_probs(j, b, h, idx, y, NULL, sup, norm);
+    else
+        ekv_cpu_accum_support(j->kern, j->kv, j->tab, b, kvh, idx, y, sup, norm,
+                              j->a->out + (b * j->sh.H + h) * j->sh.D, rows);
     double *tau = j->a->mode == EKV_LISTS_PROBS ? j->a->tau : j->a->info ? j->a->info->tau : NULL;
     if (tau) tau[b * j->sh.H + h] = (double)M + ty;
     if (j->a->info && j->a->info->support) j->a->info->support[b * j->sh.H + h] = sup;
@@ -165,12 +181,13 @@ static void entmax_head(pages_job *j, int64_t b, int64_t h, int64_t kvh, float *
 
 /* Softmax over the list: weights for every query head of the list, then every listed V row
  * once, page run by page run, for the whole group. Returns the V rows read. */
-static int64_t softmax_list(pages_job *j, int64_t b, int64_t l, int64_t h0, int64_t kvh, float *z, int64_t L,
-                            const float *M, const int64_t *tok) {
+static int64_t softmax_list(pages_job *j, int64_t b, int64_t l, int64_t h0, int64_t kvh, float *z,
+                            int64_t L, const float *M, const int64_t *tok) {
     double *tau = j->a->mode == EKV_LISTS_PROBS ? j->a->tau : j->a->info ? j->a->info->tau : NULL;
     for (int64_t g = 0; g < j->Gl; g++) {
         const double t = ekv_cpu_softmax_weights(j->kern, z + g * j->nmax, L, M[g]);
-        if (j->a->mode == EKV_LISTS_PROBS) write_probs(j, b, h0 + g, tok, NULL, z + g * j->nmax, L, 1.0);
+        if (j->a->mode == EKV_LISTS_PROBS)
+            write_probs(j, b, h0 + g, tok, NULL, z + g * j->nmax, L, 1.0);
         if (tau) tau[b * j->sh.H + h0 + g] = t;
         if (j->a->info && j->a->info->support) j->a->info->support[b * j->sh.H + h0 + g] = L;
     }
@@ -180,9 +197,11 @@ static int64_t softmax_list(pages_job *j, int64_t b, int64_t l, int64_t h0, int6
     int64_t np, c = 0;
     const int32_t *plist = list_pages(j, b, l, &np);
     for (int64_t r = 0; r < np; r++) {
-        const int64_t p = plist[r], ntok = ekv_page_tokens(p, P, j->tab->last_page_len[b], j->sh.ps);
-        j->kern->accum(ekv_cpu_page_ptr(j->kv, j->kv->v, pages[p], kvh), j->kv->stride_token, ntok, j->kv->dtype,
-                       j->sh.D, z + c, j->nmax, (int)j->Gl, j->a->out + (b * j->sh.H + h0) * j->sh.D, j->sh.D);
+        const int64_t p = plist[r],
+                      ntok = ekv_page_tokens(p, P, j->tab->last_page_len[b], j->sh.ps);
+        j->kern->accum(ekv_cpu_page_ptr(j->kv, j->kv->v, pages[p], kvh), j->kv->stride_token, ntok,
+                       j->kv->dtype, j->sh.D, z + c, j->nmax, (int)j->Gl,
+                       j->a->out + (b * j->sh.H + h0) * j->sh.D, j->sh.D);
         c += ntok;
     }
     return L;
@@ -207,41 +226,52 @@ static void attend_list(void *vp, int64_t task, int worker) {
         L = certify_list(j, b, l, L, z, tok, M, worker, &added);
         j->a->round2[task] = added;
     }
-    if (j->a->mode != EKV_LISTS_PROBS) memset(j->a->out + (b * j->sh.H + h0) * D, 0, sizeof(float) * (size_t)(j->Gl * D));
+    if (j->a->mode != EKV_LISTS_PROBS)
+        memset(j->a->out + (b * j->sh.H + h0) * D, 0, sizeof(float) * (size_t)(j->Gl * D));
     int64_t rows;
     if (j->sh.alpha == 1.0) {
         rows = softmax_list(j, b, l, h0, kvh, z, L, M, tok);
     } else {
         ekv_cpu_rows rw = {j->w_mark + worker * j->nmax, j->w_union + worker * j->nmax, 0};
-        for (int64_t g = 0; g < j->Gl; g++) entmax_head(j, b, h0 + g, kvh, z + g * j->nmax, L, M[g], tok, worker, &rw);
+        for (int64_t g = 0; g < j->Gl; g++)
+            entmax_head(j, b, h0 + g, kvh, z + g * j->nmax, L, M[g], tok, worker, &rw);
         rows = ekv_cpu_rows_clear(&rw);
     }
     j->bytes_k[task] = L * D * j->sh.esize;
     j->bytes_v[task] = rows * D * j->sh.esize;
 }
 
-ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list, int64_t H,
-                             int64_t Hk) {
-    if (!list || !list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list or its arrays are NULL");
+ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list,
+                             int64_t H, int64_t Hk) {
+    if (!list || !list->indptr || !list->pages)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list or its arrays are NULL");
     if (list->heads != H && list->heads != Hk)
-        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH, "list->heads=%d is neither num_heads=%lld nor num_kv_heads=%lld",
+        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH,
+                        "list->heads=%d is neither num_heads=%lld nor num_kv_heads=%lld",
                         list->heads, (long long)H, (long long)Hk);
-    if (list->tau_mode != EKV_TAU_EXACT && list->tau_mode != EKV_TAU_FIXED && list->tau_mode != EKV_TAU_CORRECTED)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list->tau_mode=%d is not exact (0), fixed (1) or corrected (2)",
+    if (list->tau_mode != EKV_TAU_EXACT && list->tau_mode != EKV_TAU_FIXED &&
+        list->tau_mode != EKV_TAU_CORRECTED)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "list->tau_mode=%d is not exact (0), fixed (1) or corrected (2)",
                         list->tau_mode);
-    if (list->indptr[0] != 0) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list->indptr[0] must be 0");
+    if (list->indptr[0] != 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list->indptr[0] must be 0");
     for (int64_t b = 0; b < t->batch; b++) {
         const int64_t P = ekv_seq_pages(t->indptr, b);
         for (int64_t l = 0; l < list->heads; l++) {
-            int64_t i0 = list->indptr[b * list->heads + l], i1 = list->indptr[b * list->heads + l + 1];
+            int64_t i0 = list->indptr[b * list->heads + l],
+                    i1 = list->indptr[b * list->heads + l + 1];
             if (i1 <= i0)
-                return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT, "list %lld of sequence %lld is empty", (long long)l, (long long)b);
+                return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT, "list %lld of sequence %lld is empty",
+                                (long long)l, (long long)b);
             if (i1 - i0 > P)
-                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list %lld of sequence %lld has %lld pages, more than %lld",
+                return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                                "list %lld of sequence %lld has %lld pages, more than %lld",
                                 (long long)l, (long long)b, (long long)(i1 - i0), (long long)P);
             for (int64_t i = i0; i < i1; i++)
                 if (list->pages[i] < 0 || list->pages[i] >= P)
-                    return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "list page %d outside [0, %lld) in sequence %lld",
+                    return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                                    "list page %d outside [0, %lld) in sequence %lld",
                                     list->pages[i], (long long)P, (long long)b);
         }
     }
@@ -252,9 +282,18 @@ ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ek
 static ekv_status lists_workspace(ekv_context *ctx, pages_job *j, const float *q, int64_t maxP) {
     const int64_t W = ctx->n_threads, ntask = j->sh.B * j->heads, nmax = j->nmax;
     enum { QS, Z, TOK, IDX, Y, Y2, MARK, UNI, BK, BV, RP, IOTA, NB };
-    const int64_t sz[NB] = {j->sh.B * j->sh.H * j->sh.D * 4, W * j->Gl * nmax * 4, W * nmax * 8, W * nmax * 8,
-                            W * nmax * 8, W * nmax * 8, W * nmax, W * nmax * 8, ntask * 8, ntask * 8,
-                            j->a->mode == EKV_LISTS_CERTIFY ? W * nmax * 4 : 0, j->a->list ? 0 : maxP * 4};
+    const int64_t sz[NB] = {j->sh.B * j->sh.H * j->sh.D * 4,
+                            W * j->Gl * nmax * 4,
+                            W * nmax * 8,
+                            W * nmax * 8,
+                            W * nmax * 8,
+                            W * nmax * 8,
+                            W * nmax,
+                            W * nmax * 8,
+                            ntask * 8,
+                            ntask * 8,
+                            j->a->mode == EKV_LISTS_CERTIFY ? W * nmax * 4 : 0,
+                            j->a->list ? 0 : maxP * 4};
     int64_t off[NB];
     ekv_status st;
     char *ws = ekv_workspace_blocks(ctx, sz, NB, off, "attention over pages", &st);
@@ -280,8 +319,9 @@ static ekv_status lists_workspace(ekv_context *ctx, pages_job *j, const float *q
     return EKV_OK;
 }
 
-ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                const ekv_page_table *tab, const float *q, const ekv_lists_args *a) {
+ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
+                                const ekv_paged_kv *kv, const ekv_page_table *tab, const float *q,
+                                const ekv_lists_args *a) {
     pages_job j;
     memset(&j, 0, sizeof j);
     j.kern = ekv_cpu_kernels_for(ctx->isa);
@@ -292,18 +332,22 @@ ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, 
     j.sh = ekv_step_shape_of(prm, kv, tab);
     j.heads = a->list ? a->list->heads : j.sh.H;
     j.Gl = ekv_list_nheads(j.heads, j.sh.H, j.sh.G);
-    if (j.Gl > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.Gl);
+    if (j.Gl > 256)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported",
+                        (long long)j.Gl);
     const int64_t nmax = ekv_table_max_len(tab->indptr, tab->last_page_len, j.sh.B, j.sh.ps);
     const int64_t maxP = ekv_table_max_pages(tab->indptr, j.sh.B);
     if (a->mode == EKV_LISTS_PROBS && a->pstride < nmax)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "stride=%lld is below the longest sequence (%lld)",
-                        (long long)a->pstride, (long long)nmax);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "stride=%lld is below the longest sequence (%lld)", (long long)a->pstride,
+                        (long long)nmax);
     j.nmax = nmax;
     ekv_status st = lists_workspace(ctx, &j, q, maxP);
     if (st) return st;
     const int64_t ntask = j.sh.B * j.heads;
     ekv_pool_run(ctx->pool, ntask, attend_list, &j);
-    if (j.overflow) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "attention over pages: " EKV_SCORES_OVERFLOW_MSG);
+    if (j.overflow)
+        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "attention over pages: " EKV_SCORES_OVERFLOW_MSG);
     if (a->info) {
         a->info->bytes_k = a->info->bytes_v = 0;
         for (int64_t t = 0; t < ntask; t++) {
@@ -315,8 +359,8 @@ ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm, 
 }
 
 ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                            const ekv_page_table *tab, const ekv_page_list *list, const float *q, float *out,
-                            ekv_decode_info *info) {
+                            const ekv_page_table *tab, const ekv_page_list *list, const float *q,
+                            float *out, ekv_decode_info *info) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
     if (!st) st = ekv_validate_decode(ctx, prm, kv, tab, q, out);

@@ -10,15 +10,18 @@
 #include "kernels.h"
 
 /* The first element of (physical page, KV head) in K or V. */
-static inline const char *ekv_cpu_page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page, int64_t head) {
-    return (const char *)base + ((int64_t)page * kv->stride_page + head * kv->stride_head) * ekv_dtype_size(kv->dtype);
+static inline const char *ekv_cpu_page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page,
+                                           int64_t head) {
+    return (const char *)base +
+           ((int64_t)page * kv->stride_page + head * kv->stride_head) * ekv_dtype_size(kv->dtype);
 }
 
 /* Row of token `tok` (logical position in sequence b) of KV head kvh, in K or V. */
-static inline const char *ekv_cpu_token_row(const ekv_paged_kv *kv, const ekv_page_table *t, const void *base,
-                                            int64_t b, int64_t kvh, int64_t tok) {
+static inline const char *ekv_cpu_token_row(const ekv_paged_kv *kv, const ekv_page_table *t,
+                                            const void *base, int64_t b, int64_t kvh, int64_t tok) {
     const int32_t page = t->indices[t->indptr[b] + tok / kv->page_size];
-    return ekv_cpu_page_ptr(kv, base, page, kvh) + (tok % kv->page_size) * kv->stride_token * ekv_dtype_size(kv->dtype);
+    return ekv_cpu_page_ptr(kv, base, page, kvh) +
+           (tok % kv->page_size) * kv->stride_token * ekv_dtype_size(kv->dtype);
 }
 
 /*
@@ -26,8 +29,8 @@ static inline const char *ekv_cpu_token_row(const ekv_paged_kv *kv, const ekv_pa
  * `first_tok` in a sequence of N tokens (the query is the last token, docs/math.md §1.6):
  * bias of slot t = b0[g] + t * bs[g]. Returns 0 (no bias) when there are no slopes.
  */
-static inline int ekv_cpu_alibi_page(const float *slopes, double a, int64_t h0, int64_t n, int64_t first_tok,
-                                     int64_t N, float *b0, float *bs) {
+static inline int ekv_cpu_alibi_page(const float *slopes, double a, int64_t h0, int64_t n,
+                                     int64_t first_tok, int64_t N, float *b0, float *bs) {
     if (!slopes) return 0;
     for (int64_t g = 0; g < n; g++) {
         const double m = a * slopes[h0 + g];
@@ -46,11 +49,13 @@ static inline int ekv_cpu_scores_ok(const float *M, int64_t n) {
     return 1;
 }
 
-#define EKV_SCORES_OVERFLOW_MSG "the scores overflow fp32 (|scale * q.k| > 3.4e38): q or K is too large"
+#define EKV_SCORES_OVERFLOW_MSG                                                                    \
+    "the scores overflow fp32 (|scale * q.k| > 3.4e38): q or K is too large"
 
 /* Softmax: turns the scores z[0..n) (maximum M) into weights in place; returns tau, the
  * log-sum-exp in z-space. */
-static inline double ekv_cpu_softmax_weights(const ekv_cpu_kernels *kern, float *z, int64_t n, float M) {
+static inline double ekv_cpu_softmax_weights(const ekv_cpu_kernels *kern, float *z, int64_t n,
+                                             float M) {
     const double s = kern->exp_shift(z, n, M, z);
     const float inv = (float)(1.0 / s);
     for (int64_t c = 0; c < n; c++) z[c] *= inv;
@@ -66,13 +71,14 @@ typedef struct ekv_cpu_rows {
 } ekv_cpu_rows;
 
 /* out += sum_i (y[i] / norm) * V[tokens[i]] for one query head; records the rows read. */
-static inline void ekv_cpu_accum_support(const ekv_cpu_kernels *kern, const ekv_paged_kv *kv, const ekv_page_table *t,
-                                         int64_t b, int64_t kvh, const int64_t *tokens, const double *y, int64_t sup,
+static inline void ekv_cpu_accum_support(const ekv_cpu_kernels *kern, const ekv_paged_kv *kv,
+                                         const ekv_page_table *t, int64_t b, int64_t kvh,
+                                         const int64_t *tokens, const double *y, int64_t sup,
                                          double norm, float *out, ekv_cpu_rows *rows) {
     for (int64_t i = 0; i < sup; i++) {
         const float w = (float)(y[i] / norm);
-        kern->accum(ekv_cpu_token_row(kv, t, kv->v, b, kvh, tokens[i]), kv->stride_token, 1, kv->dtype, kv->head_dim,
-                    &w, 1, 1, out, kv->head_dim);
+        kern->accum(ekv_cpu_token_row(kv, t, kv->v, b, kvh, tokens[i]), kv->stride_token, 1,
+                    kv->dtype, kv->head_dim, &w, 1, 1, out, kv->head_dim);
         if (!rows->mark[tokens[i]]) {
             rows->mark[tokens[i]] = 1;
             rows->uni[rows->n++] = tokens[i];

@@ -1,6 +1,6 @@
 /*
- * bound stage on the CPU (docs/math.md §2.3, 9.5): an upper bound of every page's scores but the last,
- * for every query head, in z-space (q' = a*scale*q, bonus = a*m_h*(last token of p - (N-1))):
+ * bound stage on the CPU (docs/math.md §2.3, 9.5): an upper bound of every page's scores but the
+ * last, for every query head, in z-space (q' = a*scale*q, bonus = a*m_h*(last token of p - (N-1))):
  *   box  = sum_d max(q'_d kmin_pd, q'_d kmax_pd)                      (Quest)
  *   ball = <q', c_p> + ||q'|| r_p        (c_p = kmean, r_p = the exact radius around it)
  *   U    = min(box, ball) + bonus + slack      (with the ball; box + bonus without it)
@@ -26,33 +26,35 @@ typedef struct {
     const ekv_paged_kv *kv;
     const ekv_page_stats *st;
     const ekv_page_table *tab;
-    const float *qpos, *qneg; /* [B][H][D] */
+    const float *qpos, *qneg;   /* [B][H][D] */
     const float *qfull, *zeros; /* [B][H][D] q', [G*D] zeros (ball dot through bound_box) */
-    const double *qnorm;      /* [B][H] ||q'|| rounded up */
+    const double *qnorm;        /* [B][H] ||q'|| rounded up */
     int with_ball;
-    const double *tau_lb;     /* [B*H] lower bounds of tau (superpage skipping), or NULL */
-    const double *qnorm1;     /* [B*H] ||q'||_1 */
-    int64_t *sp_sid;          /* per worker [Hk] superpage cached per KV head */
-    float *sp_u;              /* per worker [H] its bound per query head */
-    int64_t *bytes;           /* [task] summary bytes read */
-    float *u;                 /* [B][H][ustride] */
+    const double *tau_lb; /* [B*H] lower bounds of tau (superpage skipping), or NULL */
+    const double *qnorm1; /* [B*H] ||q'||_1 */
+    int64_t *sp_sid;      /* per worker [Hk] superpage cached per KV head */
+    float *sp_u;          /* per worker [H] its bound per query head */
+    int64_t *bytes;       /* [task] summary bytes read */
+    float *u;             /* [B][H][ustride] */
     ekv_step_shape sh;
     int64_t ustride;
-    int64_t *task_off;        /* [B+1] */
+    int64_t *task_off; /* [B+1] */
 } bound_job;
 
 enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in calls */
 
 /* Superpages (docs/math.md §9.6): a page whose superpage bound is already <= tau_lb for every
  * head of the group takes that bound (spu) and its own summaries are not read (skip). */
-static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, int64_t kvh, int64_t pb, int np,
-                           int64_t N, int *skip, float (*spu)[256]) {
-    const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H, ps = j->kv->page_size;
+static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, int64_t kvh,
+                           int64_t pb, int np, int64_t N, int *skip, float (*spu)[256]) {
+    const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H,
+                  ps = j->kv->page_size;
     const int64_t qo = (b * H + kvh * G) * D;
     int64_t *last_sid = j->sp_sid + (int64_t)worker * Hk;
     float *cur = j->sp_u + (int64_t)worker * H + kvh * G; /* cached per KV head */
     for (int i = 0; i < np; i++) {
-        const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i], sid = page / j->st->superpage_pages;
+        const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + i],
+                      sid = page / j->st->superpage_pages;
         if (sid != last_sid[kvh]) { /* a new superpage: its box bound, once */
             const int64_t so = (sid * Hk + kvh) * D;
             const float *smn = j->st->smin + so, *smx = j->st->smax + so;
@@ -64,17 +66,21 @@ static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, in
                 amax = x > amax ? x : amax;
             }
             for (int64_t g = 0; g < G; g++)
-                cur[g] = (float)((double)cur[g] + 4.0 * (double)(D + 4) * 5.9604644775390625e-8 *
-                                                        j->qnorm1[b * H + kvh * G + g] * amax + 1e-30);
+                cur[g] = (float)((double)cur[g] +
+                                 4.0 * (double)(D + 4) * 5.9604644775390625e-8 *
+                                         j->qnorm1[b * H + kvh * G + g] * amax +
+                                 1e-30);
             j->bytes[task] += 2 * D * (int64_t)sizeof(float);
             last_sid[kvh] = sid;
         }
         int all = 1;
         for (int64_t g = 0; g < G && all; g++) {
-            const double am = j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
+            const double am =
+                    j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
             const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
             double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
-                       8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+                       8.0 * 5.9604644775390625e-8 * fabs(am) *
+                               ((double)llabs(p * ps - (N - 1)) + (double)ps);
             float uf = (float)u;
             if ((double)uf < u) uf = nextafterf(uf, INFINITY);
             spu[i][g] = uf;
@@ -86,8 +92,8 @@ static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, in
 
 /* The ball terms of the kept pages: <q', c_p> (through the box kernel with qpos = q', qneg =
  * 0) into ball, ||c_p|| (rounded up, only used inside the slack) and the radius. */
-static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const int *keep, int nk, float *ball,
-                       double *cn, double *rr) {
+static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const int *keep, int nk,
+                       float *ball, double *cn, double *rr) {
     const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D;
     const float *mean[STEP];
     for (int i = 0; i < nk; i++) {
@@ -103,14 +109,15 @@ static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const i
         cn[i] = sqrt(s2) * (1 + 1e-5);
         rr[i] = j->st->radius[page * Hk + kvh];
     }
-    j->kern->bound_box(j->qfull + (b * j->sh.H + kvh * G) * D, j->zeros, D, (int)G, mean, mean, nk, D, ball, STEP);
+    j->kern->bound_box(j->qfull + (b * j->sh.H + kvh * G) * D, j->zeros, D, (int)G, mean, mean, nk,
+                       D, ball, STEP);
 }
 
 /* The page bounds of one step of pages for the group of kvh: min(box, ball) + slack, or the
  * superpage bound of a skipped page, plus the ALiBi term; rounded up to stay a bound. */
-static void write_bounds(bound_job *j, int64_t b, int64_t kvh, int64_t pb, int np, int64_t N, const int *skip,
-                         float (*spu)[256], const int *keep, int nk, const float *box, const float *ball,
-                         const double *cn, const double *rr) {
+static void write_bounds(bound_job *j, int64_t b, int64_t kvh, int64_t pb, int np, int64_t N,
+                         const int *skip, float (*spu)[256], const int *keep, int nk,
+                         const float *box, const float *ball, const double *cn, const double *rr) {
     const int64_t G = j->sh.G, D = j->sh.D, H = j->sh.H, ps = j->kv->page_size;
     float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
     for (int64_t g = 0; g < G; g++) {
@@ -126,7 +133,8 @@ static void write_bounds(bound_job *j, int64_t b, int64_t kvh, int64_t pb, int n
                 double ub = (double)ball[g * STEP + k] + qn * rr[k];
                 u = u < ub ? u : ub;
                 u += 4.0 * (double)(D + 4) * 5.9604644775390625e-8 * qn * (cn[k] + rr[k]) + 1e-30;
-                u += 8.0 * 5.9604644775390625e-8 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+                u += 8.0 * 5.9604644775390625e-8 * fabs(am) *
+                     ((double)llabs(p * ps - (N - 1)) + (double)ps);
             }
             u += am * (double)(last - (N - 1));
             float uf = (float)u;
@@ -153,12 +161,14 @@ static void bound_task(void *vp, int64_t task, int worker) {
             const int64_t qo = (b * H + kvh * G) * D;
             int skip[STEP] = {0}, keep[STEP], nk = 0;
             float spu[STEP][256]; /* superpage bound (+ slack) per page and head, G <= 256 */
-            if (j->tau_lb && j->st->smin && G <= 256) superpage_skip(j, task, worker, b, kvh, pb, np, N, skip, spu);
+            if (j->tau_lb && j->st->smin && G <= 256)
+                superpage_skip(j, task, worker, b, kvh, pb, np, N, skip, spu);
             for (int i = 0; i < np; i++)
                 if (!skip[i]) keep[nk++] = i;
             const float *mn[STEP], *mx[STEP];
             for (int k = 0; k < nk; k++) {
-                const int64_t so = ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + keep[k]] * Hk + kvh) * D;
+                const int64_t so =
+                        ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + keep[k]] * Hk + kvh) * D;
                 mn[k] = j->st->kmin + so;
                 mx[k] = j->st->kmax + so;
             }
@@ -166,7 +176,11 @@ static void bound_task(void *vp, int64_t task, int worker) {
              * compute per byte, so memory latency is the thing to hide) */
             if (pb + PF_BLOCKS * STEP < p1)
                 for (int i = 0; i < STEP && pb + PF_BLOCKS * STEP + i < p1; i++) {
-                    const int64_t so = ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + PF_BLOCKS * STEP + i] * Hk + kvh) * D;
+                    const int64_t so = ((int64_t)j->tab->indices[j->tab->indptr[b] + pb +
+                                                                 PF_BLOCKS * STEP + i] *
+                                                Hk +
+                                        kvh) *
+                                       D;
                     for (int64_t d = 0; d < D; d += 16) {
                         __builtin_prefetch(j->st->kmin + so + d, 0, 2);
                         __builtin_prefetch(j->st->kmax + so + d, 0, 2);
@@ -174,18 +188,21 @@ static void bound_task(void *vp, int64_t task, int worker) {
                 }
             float box[STEP * 256], ball[STEP * 256];
             double cn[STEP], rr[STEP];
-            if (nk) j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
-            j->bytes[task] += nk * (D * (j->with_ball ? 3 : 2) * (int64_t)sizeof(float) + (j->with_ball ? 4 : 0));
+            if (nk)
+                j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
+            j->bytes[task] += nk * (D * (j->with_ball ? 3 : 2) * (int64_t)sizeof(float) +
+                                    (j->with_ball ? 4 : 0));
             if (j->with_ball && nk) ball_terms(j, b, kvh, pb, keep, nk, ball, cn, rr);
             write_bounds(j, b, kvh, pb, np, N, skip, spu, keep, nk, box, ball, cn, rr);
         }
     }
 }
 
-ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                               const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
-                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball, const double *tau_lb,
-                               int64_t *bytes_read) {
+ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
+                               const ekv_paged_kv *kv, const ekv_page_stats *st,
+                               const ekv_page_table *tab, const float *q, float *u, int64_t ustride,
+                               float *qsplit, int64_t *task_off, int with_ball,
+                               const double *tau_lb, int64_t *bytes_read) {
     bound_job j;
     memset(&j, 0, sizeof j);
     j.kern = ekv_cpu_kernels_for(ctx->isa);
@@ -196,11 +213,14 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.sh = ekv_step_shape_of(prm, kv, tab);
     j.u = u;
     j.ustride = ustride;
-    if (j.sh.G > 256) return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.sh.G);
+    if (j.sh.G > 256)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported",
+                        (long long)j.sh.G);
     const double scale = ekv_effective_scale(prm->scale, j.sh.D);
     const int64_t nq = j.sh.B * j.sh.H * j.sh.D;
     float *qp = qsplit, *qn = qsplit + nq, *qf = qsplit + 2 * nq, *zeros = qsplit + 3 * nq;
-    double *qnorm = (double *)(qsplit + ((3 * nq + j.sh.G * j.sh.D + 1) & ~(int64_t)1)); /* 8-byte aligned */
+    double *qnorm = (double *)(qsplit +
+                               ((3 * nq + j.sh.G * j.sh.D + 1) & ~(int64_t)1)); /* 8-byte aligned */
     for (int64_t i = 0; i < nq; i++) {
         float x = (float)(j.sh.a * scale * q[i]);
         qp[i] = x > 0 ? x : 0.f;
@@ -210,7 +230,8 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     for (int64_t i = 0; i < j.sh.G * j.sh.D; i++) zeros[i] = 0.f;
     for (int64_t bh = 0; bh < j.sh.B * j.sh.H; bh++) {
         double s2 = 0;
-        for (int64_t d = 0; d < j.sh.D; d++) s2 += (double)qf[bh * j.sh.D + d] * qf[bh * j.sh.D + d];
+        for (int64_t d = 0; d < j.sh.D; d++)
+            s2 += (double)qf[bh * j.sh.D + d] * qf[bh * j.sh.D + d];
         qnorm[bh] = sqrt(s2) * (1 + 1e-12);
     }
     j.qpos = qp;
@@ -232,7 +253,10 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     int64_t *spsid = malloc(sizeof(int64_t) * (size_t)(W * Hk));
     float *spu = malloc(sizeof(float) * (size_t)(W * j.sh.H));
     if (!bytes || !qn1 || !spsid || !spu) {
-        free(bytes); free(qn1); free(spsid); free(spu);
+        free(bytes);
+        free(qn1);
+        free(spsid);
+        free(spu);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "bound: out of memory");
     }
     for (int64_t bh = 0; bh < j.sh.B * j.sh.H; bh++) {
@@ -245,7 +269,9 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, c
     j.sp_sid = spsid;
     j.sp_u = spu;
     ekv_pool_run(ctx->pool, task_off[j.sh.B], bound_task, &j);
-    free(qn1); free(spsid); free(spu);
+    free(qn1);
+    free(spsid);
+    free(spu);
     int64_t total = 0;
     for (int64_t t = 0; t < task_off[j.sh.B]; t++) total += bytes[t];
     free(bytes);

@@ -15,8 +15,9 @@
 static inline int64_t ekv_cpu_bound_scratch_floats(int64_t B, int64_t H, int64_t G, int64_t D) {
     return 3 * B * H * D + G * D + 2 * B * H + 16;
 }
-ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                               const ekv_page_stats *st, const ekv_page_table *tab, const float *q, float *u,
-                               int64_t ustride, float *qsplit, int64_t *task_off, int with_ball, const double *tau_lb,
-                               int64_t *bytes_read);
+ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
+                               const ekv_paged_kv *kv, const ekv_page_stats *st,
+                               const ekv_page_table *tab, const float *q, float *u, int64_t ustride,
+                               float *qsplit, int64_t *task_off, int with_ball,
+                               const double *tau_lb, int64_t *bytes_read);
 #endif

@@ -29,7 +29,7 @@ typedef struct {
     const float *qs; /* scaled queries [B][H][D] */
     float *z;        /* scores: sequence b at z + H*tok_off[b], [H][N_b] */
     int64_t *tok_off, *len, *chunks, *task_off; /* per sequence */
-    float *cmax;     /* [task][G] */
+    float *cmax;                                /* [task][G] */
     int64_t ntasks;
     /* per worker scratch */
     int64_t nmax;
@@ -40,10 +40,9 @@ typedef struct {
     float *out;
     double *tau;
     int64_t *support;
-    int64_t *bytes_v; /* [B*Hk] */
+    int64_t *bytes_v;      /* [B*Hk] */
     volatile int overflow; /* set by any task whose scores overflowed */
 } dense_job;
-
 
 /* Phase 1 task = (sequence, chunk of pages). All KV heads of a page are scored together so
  * that K is streamed in address order (page-major layout): walking one head across pages
@@ -52,7 +51,10 @@ static int64_t find_seq(const dense_job *j, int64_t task) {
     int64_t lo = 0, hi = j->sh.B - 1;
     while (lo < hi) { /* last b with task_off[b] <= task */
         int64_t mid = (lo + hi + 1) / 2;
-        if (j->task_off[mid] <= task) lo = mid; else hi = mid - 1;
+        if (j->task_off[mid] <= task)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     return lo;
 }
@@ -76,7 +78,9 @@ static void phase_scores(void *vp, int64_t task, int worker) {
         const int64_t ntok = ekv_page_tokens(p, npages, j->tab->last_page_len[b], ps);
         /* The score kernel prefetches the same head PREFETCH_PAGES ahead, a tile at a time:
          * on one thread the core does not overlap scoring with DRAM latency by itself. */
-        const int32_t ahead = p + PREFETCH_PAGES < npages ? j->tab->indices[j->tab->indptr[b] + p + PREFETCH_PAGES] : -1;
+        const int32_t ahead = p + PREFETCH_PAGES < npages
+                                      ? j->tab->indices[j->tab->indptr[b] + p + PREFETCH_PAGES]
+                                      : -1;
         for (int64_t kvh = 0; kvh < j->sh.Hk; kvh++) {
             const char *k = ekv_cpu_page_ptr(j->kv, j->kv->k, page, kvh);
             const char *pf = ahead >= 0 ? ekv_cpu_page_ptr(j->kv, j->kv->k, ahead, kvh) : NULL;
@@ -89,10 +93,10 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     }
 }
 
-
 static void phase_attend(void *vp, int64_t task, int worker) {
     dense_job *j = vp;
-    const int64_t b = task / j->sh.Hk, kvh = task % j->sh.Hk, G = j->sh.G, D = j->sh.D, N = j->len[b];
+    const int64_t b = task / j->sh.Hk, kvh = task % j->sh.Hk, G = j->sh.G, D = j->sh.D,
+                  N = j->len[b];
     float *zb = j->z + j->sh.H * j->tok_off[b] + kvh * G * N;
     float *ob = j->out + (b * j->sh.H + kvh * G) * D;
     memset(ob, 0, sizeof(float) * (size_t)(G * D));
@@ -101,7 +105,8 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     for (int64_t g = 0; g < G; g++) M[g] = -INFINITY;
     for (int64_t c = 0; c < j->chunks[b]; c++) {
         const float *cm = j->cmax + (j->task_off[b] + c) * j->sh.H + kvh * G;
-        for (int64_t g = 0; g < G; g++) if (cm[g] > M[g]) M[g] = cm[g];
+        for (int64_t g = 0; g < G; g++)
+            if (cm[g] > M[g]) M[g] = cm[g];
     }
     if (!ekv_cpu_scores_ok(M, G)) {
         j->overflow = 1;
@@ -118,8 +123,8 @@ static void phase_attend(void *vp, int64_t task, int worker) {
         for (int64_t p = 0; p < npages; p++) {
             const int32_t page = j->tab->indices[j->tab->indptr[b] + p];
             const int64_t ntok = ekv_page_tokens(p, npages, j->tab->last_page_len[b], j->sh.ps);
-            j->kern->accum(ekv_cpu_page_ptr(j->kv, j->kv->v, page, kvh), j->kv->stride_token, ntok, j->kv->dtype, D,
-                           zb + p * j->sh.ps, N, (int)G, ob, D);
+            j->kern->accum(ekv_cpu_page_ptr(j->kv, j->kv->v, page, kvh), j->kv->stride_token, ntok,
+                           j->kv->dtype, D, zb + p * j->sh.ps, N, (int)G, ob, D);
         }
         j->bytes_v[task] = N * D * j->sh.esize;
         return;
@@ -129,7 +134,8 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     ekv_cpu_rows rows = {j->w_mark + worker * j->nmax, j->w_union + worker * j->nmax, 0};
     for (int64_t g = 0; g < G; g++) {
         double ty, wsum;
-        const int64_t sup = ekv_cpu_entmax_support(j->kern, zb + g * N, N, M[g], j->sh.alpha, idx, y, y2, &ty, &wsum);
+        const int64_t sup = ekv_cpu_entmax_support(j->kern, zb + g * N, N, M[g], j->sh.alpha, idx,
+                                                   y, y2, &ty, &wsum);
         ekv_cpu_accum_support(j->kern, j->kv, j->tab, b, kvh, idx, y, sup, wsum, ob + g * D, &rows);
         const int64_t bh = b * j->sh.H + kvh * G + g;
         if (j->tau) j->tau[bh] = (double)M[g] + ty;
@@ -140,7 +146,8 @@ static void phase_attend(void *vp, int64_t task, int worker) {
 }
 
 ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                             const ekv_page_table *tab, const float *q, float *out, ekv_decode_info *info) {
+                             const ekv_page_table *tab, const float *q, float *out,
+                             ekv_decode_info *info) {
     ekv_status st;
     dense_job j;
     memset(&j, 0, sizeof j);
@@ -150,12 +157,14 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
     j.tab = tab;
     j.sh = ekv_step_shape_of(prm, kv, tab);
     if (j.sh.G > 256)
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported", (long long)j.sh.G);
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported",
+                        (long long)j.sh.G);
     /* sizes */
     int64_t total_tok = 0, nmax = 0, ntasks = 0;
     const int64_t pages_per_chunk = (CHUNK_TOKENS + j.sh.ps - 1) / j.sh.ps;
     for (int64_t b = 0; b < j.sh.B; b++) {
-        const int64_t np = ekv_seq_pages(tab->indptr, b), n = ekv_seq_len(tab->indptr, tab->last_page_len, b, j.sh.ps);
+        const int64_t np = ekv_seq_pages(tab->indptr, b),
+                      n = ekv_seq_len(tab->indptr, tab->last_page_len, b, j.sh.ps);
         total_tok += n;
         if (n > nmax) nmax = n;
         ntasks += (np + pages_per_chunk - 1) / pages_per_chunk;
@@ -165,8 +174,16 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
     if (ekv_mul_i64(total_tok, j.sh.H * 4, &t1))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "score buffer overflows");
     enum { QS, Z, SEQ, CMAX, IDX, Y, Y2, MARK, UNI, BV, NBLOCKS };
-    const int64_t sz[NBLOCKS] = {j.sh.B * j.sh.H * j.sh.D * 4, t1, j.sh.B * 4 * 8, ntasks * j.sh.H * 4, W * nmax * 8, W * nmax * 8,
-                                 W * nmax * 8, W * nmax, W * nmax * 8, j.sh.B * j.sh.Hk * 8};
+    const int64_t sz[NBLOCKS] = {j.sh.B * j.sh.H * j.sh.D * 4,
+                                 t1,
+                                 j.sh.B * 4 * 8,
+                                 ntasks * j.sh.H * 4,
+                                 W * nmax * 8,
+                                 W * nmax * 8,
+                                 W * nmax * 8,
+                                 W * nmax,
+                                 W * nmax * 8,
+                                 j.sh.B * j.sh.Hk * 8};
     int64_t off[NBLOCKS];
     char *ws = ekv_workspace_blocks(ctx, sz, NBLOCKS, off, "dense decode", &st);
     if (!ws) return st;
@@ -205,7 +222,8 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
     j.support = info ? info->support : NULL;
     ekv_pool_run(ctx->pool, ntasks, phase_scores, &j);
     ekv_pool_run(ctx->pool, j.sh.B * j.sh.Hk, phase_attend, &j);
-    if (j.overflow) return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "dense decode: " EKV_SCORES_OVERFLOW_MSG);
+    if (j.overflow)
+        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "dense decode: " EKV_SCORES_OVERFLOW_MSG);
     if (info) {
         info->bytes_k = total_tok * j.sh.Hk * j.sh.D * j.sh.esize;
         info->bytes_v = 0;
@@ -216,7 +234,8 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
 }
 
 ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                            const ekv_page_table *tab, const float *q, float *out, ekv_decode_info *info) {
+                            const ekv_page_table *tab, const float *q, float *out,
+                            ekv_decode_info *info) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
     if (!st) st = ekv_validate_decode(ctx, prm, kv, tab, q, out);

@@ -38,14 +38,16 @@ typedef struct ekv_cpu_kernels {
      * qpos/qneg are the positive/negative parts of the (scaled) query, so each term is
      * max(q_d kmin_d, q_d kmax_d). Each page summary is read once for the whole group.
      */
-    void (*bound_box)(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
-                      const float *const *kmax, int np, int64_t D, float *u, int64_t ldu);
+    void (*bound_box)(const float *qpos, const float *qneg, int64_t ldq, int G,
+                      const float *const *kmin, const float *const *kmax, int np, int64_t D,
+                      float *u, int64_t ldu);
     /*
      * dst[i] = src[i] converted from sdt to ddt (round to nearest even), and, if f32 is not
      * NULL, f32[i] = the stored value read back as float. Inputs are finite and in range
      * (the cache validates them first).
      */
-    void (*convert)(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32);
+    void (*convert)(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
+                    float *f32);
     /* w[i] = exp(z[i] - m) for i in [0, n) (w may equal z); returns the sum of w. */
     double (*exp_shift)(const float *z, int64_t n, float m, float *w);
 } ekv_cpu_kernels;

@@ -62,11 +62,16 @@ static void score_avx2(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64
                        float *z, int64_t ldz, float *zmax, const void *prefetch) {
     if (prefetch) { /* one burst: this path is a fallback for CPUs without AVX-512 */
         int64_t bytes = n * st * (dt == EKV_DTYPE_F32 ? 4 : 2);
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)prefetch + o, _MM_HINT_T1);
+        for (int64_t o = 0; o < bytes; o += 64)
+            _mm_prefetch((const char *)prefetch + o, _MM_HINT_T1);
     }
     switch (dt) {
-    case EKV_DTYPE_F16: score_impl(k, st, n, EKV_DTYPE_F16, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
-    case EKV_DTYPE_BF16: score_impl(k, st, n, EKV_DTYPE_BF16, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
+    case EKV_DTYPE_F16:
+        score_impl(k, st, n, EKV_DTYPE_F16, D, q, ldq, G, b0, bs, z, ldz, zmax);
+        break;
+    case EKV_DTYPE_BF16:
+        score_impl(k, st, n, EKV_DTYPE_BF16, D, q, ldq, G, b0, bs, z, ldz, zmax);
+        break;
     default: score_impl(k, st, n, EKV_DTYPE_F32, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
     }
 }
@@ -97,11 +102,14 @@ int64_t ekv_compact_gt_scalar(const float *z, int64_t n, float thr, double m, in
                               int64_t *idx, double *y);
 
 double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w);
-void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
-                          const float *const *kmax, int np, int64_t D, float *u, int64_t ldu);
+void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G,
+                          const float *const *kmin, const float *const *kmax, int np, int64_t D,
+                          float *u, int64_t ldu);
 
-void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32);
+void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
+                        float *f32);
 
-const ekv_cpu_kernels ekv_cpu_kernels_avx2 = {score_avx2, accum_avx2, ekv_compact_gt_scalar,
-                                              ekv_bound_box_scalar, ekv_convert_scalar, ekv_exp_shift_scalar};
+const ekv_cpu_kernels ekv_cpu_kernels_avx2 = {
+        score_avx2,           accum_avx2,         ekv_compact_gt_scalar,
+        ekv_bound_box_scalar, ekv_convert_scalar, ekv_exp_shift_scalar};
 #endif

@@ -39,8 +39,8 @@ INLINE __m512 reduce16(const __m512 a[16]) {
 }
 
 /* One TT x TG tile; rows[t] and qs[g] are already padded (valid pointers). */
-INLINE __m512 score_tile(const void *k, const int64_t rowoff[16], const float *qs[16],
-                         ekv_dtype dt, int64_t D, const int TT, const int TG) {
+INLINE __m512 score_tile(const void *k, const int64_t rowoff[16], const float *qs[16], ekv_dtype dt,
+                         int64_t D, const int TT, const int TG) {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     int64_t d = 0;
@@ -49,7 +49,8 @@ INLINE __m512 score_tile(const void *k, const int64_t rowoff[16], const float *q
         for (int g = 0; g < TG; g++) qv[g] = _mm512_loadu_ps(qs[g] + d);
         for (int t = 0; t < TT; t++) {
             __m512 kv = load16(k, dt, rowoff[t] + d, 0xffff);
-            for (int g = 0; g < TG; g++) acc[g * TT + t] = _mm512_fmadd_ps(kv, qv[g], acc[g * TT + t]);
+            for (int g = 0; g < TG; g++)
+                acc[g * TT + t] = _mm512_fmadd_ps(kv, qv[g], acc[g * TT + t]);
         }
     }
     if (d < D) {
@@ -58,7 +59,8 @@ INLINE __m512 score_tile(const void *k, const int64_t rowoff[16], const float *q
         for (int g = 0; g < TG; g++) qv[g] = _mm512_maskz_loadu_ps(m, qs[g] + d);
         for (int t = 0; t < TT; t++) {
             __m512 kv = load16(k, dt, rowoff[t] + d, m);
-            for (int g = 0; g < TG; g++) acc[g * TT + t] = _mm512_fmadd_ps(kv, qv[g], acc[g * TT + t]);
+            for (int g = 0; g < TG; g++)
+                acc[g * TT + t] = _mm512_fmadd_ps(kv, qv[g], acc[g * TT + t]);
         }
     }
     return reduce16(acc);
@@ -106,8 +108,10 @@ INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtyp
             _mm512_storeu_ps(tmp, r);
             for (int g = 0; g < gn; g++) {
                 float *dst = z + (int64_t)(g0 + g) * ldz + t0;
-                if (tn == TT) memcpy(dst, tmp + g * TT, sizeof(float) * (size_t)TT);
-                else memcpy(dst, tmp + g * TT, sizeof(float) * (size_t)tn);
+                if (tn == TT)
+                    memcpy(dst, tmp + g * TT, sizeof(float) * (size_t)TT);
+                else
+                    memcpy(dst, tmp + g * TT, sizeof(float) * (size_t)tn);
             }
         }
         float mt[16];
@@ -118,10 +122,13 @@ INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtyp
     }
 }
 
-#define SCORE_DT(DT)                                                                          \
-    if (G == 1) score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 1);          \
-    else if (G == 2) score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 2);     \
-    else score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 4);
+#define SCORE_DT(DT)                                                                               \
+    if (G == 1)                                                                                    \
+        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 1);                       \
+    else if (G == 2)                                                                               \
+        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 2);                       \
+    else                                                                                           \
+        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 4);
 
 static void score_avx512(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
                          const float *q, int64_t ldq, int G, const float *b0, const float *bs,
@@ -149,15 +156,24 @@ INLINE void accum_impl(const void *v, int64_t st, int64_t ntok, ekv_dtype dt, in
     }
 }
 
-#define ACCUM_DT(DT)                                                                          \
-    for (int g0 = 0; g0 < G;) {                                                               \
-        int r = G - g0;                                                                       \
-        const float *wg = w + (int64_t)g0 * ldw;                                              \
-        float *og = out + (int64_t)g0 * ldo;                                                  \
-        if (r >= 8) { accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 8); g0 += 8; }            \
-        else if (r >= 4) { accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 4); g0 += 4; }       \
-        else if (r >= 2) { accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 2); g0 += 2; }       \
-        else { accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 1); g0 += 1; }                   \
+#define ACCUM_DT(DT)                                                                               \
+    for (int g0 = 0; g0 < G;) {                                                                    \
+        int r = G - g0;                                                                            \
+        const float *wg = w + (int64_t)g0 * ldw;                                                   \
+        float *og = out + (int64_t)g0 * ldo;                                                       \
+        if (r >= 8) {                                                                              \
+            accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 8);                                      \
+            g0 += 8;                                                                               \
+        } else if (r >= 4) {                                                                       \
+            accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 4);                                      \
+            g0 += 4;                                                                               \
+        } else if (r >= 2) {                                                                       \
+            accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 2);                                      \
+            g0 += 2;                                                                               \
+        } else {                                                                                   \
+            accum_impl(v, st, n, DT, D, wg, ldw, og, ldo, 1);                                      \
+            g0 += 1;                                                                               \
+        }                                                                                          \
     }
 
 static void accum_avx512(const void *v, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
@@ -175,7 +191,8 @@ static int64_t compact_avx512(const float *z, int64_t n, float thr, double m, in
     __m512 tv = _mm512_set1_ps(thr);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 lm = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        __mmask16 hit = _mm512_mask_cmp_ps_mask(lm, _mm512_maskz_loadu_ps(lm, z + i), tv, _CMP_GT_OQ);
+        __mmask16 hit =
+                _mm512_mask_cmp_ps_mask(lm, _mm512_maskz_loadu_ps(lm, z + i), tv, _CMP_GT_OQ);
         while (hit) {
             int b = __builtin_ctz(hit);
             idx[c] = base + i + b;
@@ -225,8 +242,9 @@ static double exp_shift_avx512(const float *z, int64_t n, float m, float *w) {
 /* 4 pages x TG heads per register tile (like the score tiles): the query chunks are loaded
  * once for 4 pages and each summary chunk once for TG heads; one transpose-add tree reduces
  * the 16 sums (lane g*4 + i). */
-INLINE void bound_impl(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
-                       const float *const *kmax, int np, int64_t D, float *u, int64_t ldu, const int TG) {
+INLINE void bound_impl(const float *qpos, const float *qneg, int64_t ldq, int G,
+                       const float *const *kmin, const float *const *kmax, int np, int64_t D,
+                       float *u, int64_t ldu, const int TG) {
     for (int g0 = 0; g0 < G; g0 += TG) {
         const int gn = G - g0 < TG ? G - g0 : TG;
         for (int i0 = 0; i0 < np; i0 += 4) {
@@ -243,9 +261,11 @@ INLINE void bound_impl(const float *qpos, const float *qneg, int64_t ldq, int G,
                 }
                 for (int i = 0; i < 4; i++) {
                     const int ii = i0 + (i < in ? i : in - 1);
-                    __m512 mx = _mm512_maskz_loadu_ps(m, kmax[ii] + d), mn = _mm512_maskz_loadu_ps(m, kmin[ii] + d);
+                    __m512 mx = _mm512_maskz_loadu_ps(m, kmax[ii] + d),
+                           mn = _mm512_maskz_loadu_ps(m, kmin[ii] + d);
                     for (int g = 0; g < TG; g++)
-                        acc[g * 4 + i] = _mm512_fmadd_ps(qn[g], mn, _mm512_fmadd_ps(qp[g], mx, acc[g * 4 + i]));
+                        acc[g * 4 + i] = _mm512_fmadd_ps(
+                                qn[g], mn, _mm512_fmadd_ps(qp[g], mx, acc[g * 4 + i]));
                 }
             }
             float r[16];
@@ -256,15 +276,20 @@ INLINE void bound_impl(const float *qpos, const float *qneg, int64_t ldq, int G,
     }
 }
 
-static void bound_box_avx512(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
-                             const float *const *kmax, int np, int64_t D, float *u, int64_t ldu) {
-    if (G == 1) bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 1);
-    else if (G == 2) bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 2);
-    else bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 4);
+static void bound_box_avx512(const float *qpos, const float *qneg, int64_t ldq, int G,
+                             const float *const *kmin, const float *const *kmax, int np, int64_t D,
+                             float *u, int64_t ldu) {
+    if (G == 1)
+        bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 1);
+    else if (G == 2)
+        bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 2);
+    else
+        bound_impl(qpos, qneg, ldq, G, kmin, kmax, np, D, u, ldu, 4);
 }
 
 /* Conversions for the cache's append: f32/f16/bf16 -> f32/f16/bf16, round to nearest even. */
-static void convert_avx512(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32) {
+static void convert_avx512(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
+                           float *f32) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
         __m512 x = load16(src, sdt, i, m), back = x;
@@ -286,7 +311,7 @@ static void convert_avx512(const void *src, ekv_dtype sdt, void *dst, ekv_dtype 
     }
 }
 
-const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512, accum_avx512, compact_avx512, bound_box_avx512,
-                                                convert_avx512, exp_shift_avx512};
+const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512,     accum_avx512,   compact_avx512,
+                                                bound_box_avx512, convert_avx512, exp_shift_avx512};
 
 #endif

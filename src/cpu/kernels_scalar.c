@@ -4,7 +4,8 @@
 
 static void score_scalar(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                          const float *q, int64_t ldq, int G, const float *bias0,
-                         const float *bias_step, float *z, int64_t ldz, float *zmax, const void *prefetch) {
+                         const float *bias_step, float *z, int64_t ldz, float *zmax,
+                         const void *prefetch) {
     (void)prefetch; /* the scalar path is compute-bound; no prefetch */
     for (int64_t t = 0; t < ntok; t++) {
         for (int g = 0; g < G; g++) {
@@ -43,20 +44,25 @@ int64_t ekv_compact_gt_scalar(const float *z, int64_t n, float thr, double m, in
     return c;
 }
 
-void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
-                          const float *const *kmax, int np, int64_t D, float *u, int64_t ldu);
-void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G, const float *const *kmin,
-                          const float *const *kmax, int np, int64_t D, float *u, int64_t ldu) {
+void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G,
+                          const float *const *kmin, const float *const *kmax, int np, int64_t D,
+                          float *u, int64_t ldu);
+void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int G,
+                          const float *const *kmin, const float *const *kmax, int np, int64_t D,
+                          float *u, int64_t ldu) {
     for (int i = 0; i < np; i++)
         for (int g = 0; g < G; g++) {
             float s = 0.f;
-            for (int64_t d = 0; d < D; d++) s += qpos[g * ldq + d] * kmax[i][d] + qneg[g * ldq + d] * kmin[i][d];
+            for (int64_t d = 0; d < D; d++)
+                s += qpos[g * ldq + d] * kmax[i][d] + qneg[g * ldq + d] * kmin[i][d];
             u[g * ldu + i] = s;
         }
 }
 
-void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32);
-void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n, float *f32) {
+void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
+                        float *f32);
+void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
+                        float *f32) {
     for (int64_t i = 0; i < n; i++) {
         ekv_store_f32(dst, ddt, i, ekv_load_f32(src, sdt, i));
         if (f32) f32[i] = ekv_load_f32(dst, ddt, i);
@@ -73,8 +79,9 @@ double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
     return s;
 }
 
-const ekv_cpu_kernels ekv_cpu_kernels_scalar = {score_scalar, accum_scalar, ekv_compact_gt_scalar,
-                                                ekv_bound_box_scalar, ekv_convert_scalar, ekv_exp_shift_scalar};
+const ekv_cpu_kernels ekv_cpu_kernels_scalar = {score_scalar,          accum_scalar,
+                                                ekv_compact_gt_scalar, ekv_bound_box_scalar,
+                                                ekv_convert_scalar,    ekv_exp_shift_scalar};
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa) {
 #if defined(__x86_64__)

@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A)
     for (int t = warp; t < n; t += nw) {
         double s = 0;
         for (int d = lane; d < D; d += 32) {
-            const double x = (double)ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]) - (double)A.kmean[so + d];
+            const double x = (double)ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]) -
+                             (double)A.kmean[so + d];
             s += x * x;
         }
         s = ekv_warp_sum(s);
@@ -86,17 +87,24 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A)
 
 } // namespace
 
-extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv, const ekv_page_stats *st,
-                                      const ekv_cuda_append_item *items, int32_t n_items, const float *k_new,
-                                      const float *v_new) {
+extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
+                                      const ekv_page_stats *st, const ekv_cuda_append_item *items,
+                                      int32_t n_items, const float *k_new, const float *v_new) {
     if (!pl) return EKV_ERR_NULL_POINTER;
-    if (!kv || !st || !items || !k_new || !v_new || !kv->k || !kv->v || !st->kmin || !st->kmax || !st->kmean ||
-        !st->km2 || !st->radius || !st->count)
-        return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "ekv_cuda_append: kv, stats (all arrays), items, k_new and v_new must not be NULL");
-    if (n_items < 0) return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "ekv_cuda_append: n_items=%d < 0", n_items);
-    if (kv->num_kv_heads != pl->p.num_kv_heads || kv->head_dim != pl->p.head_dim || kv->page_size != pl->p.page_size)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT, "ekv_cuda_append: kv shape (heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d)",
-                        kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_kv_heads, pl->p.head_dim, pl->p.page_size);
+    if (!kv || !st || !items || !k_new || !v_new || !kv->k || !kv->v || !st->kmin || !st->kmax ||
+        !st->kmean || !st->km2 || !st->radius || !st->count)
+        return ekv_fail(
+                pl->ctx, EKV_ERR_NULL_POINTER,
+                "ekv_cuda_append: kv, stats (all arrays), items, k_new and v_new must not be NULL");
+    if (n_items < 0)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "ekv_cuda_append: n_items=%d < 0", n_items);
+    if (kv->num_kv_heads != pl->p.num_kv_heads || kv->head_dim != pl->p.head_dim ||
+        kv->page_size != pl->p.page_size)
+        return ekv_fail(
+                pl->ctx, EKV_ERR_INVALID_ARGUMENT,
+                "ekv_cuda_append: kv shape (heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d)",
+                kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_kv_heads, pl->p.head_dim,
+                pl->p.page_size);
     if (n_items == 0) return EKV_OK;
     append_args A;
     A.kv = *kv;
@@ -115,11 +123,16 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     dim3 grid(n_items, A.Hk);
     switch (kv->dtype) {
     case EKV_DTYPE_F16: append_kernel<__half><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
-    case EKV_DTYPE_BF16: append_kernel<__nv_bfloat16><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
+    case EKV_DTYPE_BF16:
+        append_kernel<__nv_bfloat16><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A);
+        break;
     case EKV_DTYPE_F32: append_kernel<float><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
-    default: return ekv_fail(pl->ctx, EKV_ERR_INVALID_DTYPE, "ekv_cuda_append: unknown dtype %d", (int)kv->dtype);
+    default:
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_DTYPE, "ekv_cuda_append: unknown dtype %d",
+                        (int)kv->dtype);
     }
     cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "append kernel: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "append kernel: %s", cudaGetErrorString(e));
     return EKV_OK;
 }

@@ -1,7 +1,7 @@
 /*
- * attend stage on the GPU, shared pieces (mirrors src/cpu/attend_pages.c and decode_dense.c; docs/math.md §9.7,
- * docs/architecture.md, "Backends"). Per step, entmax (alpha > 1) runs four kernels:
- *   scores:     grid (split, sequence x KV head). Reads K of the listed pages once for the
+ * attend stage on the GPU, shared pieces (mirrors src/cpu/attend_pages.c and decode_dense.c;
+ * docs/math.md §9.7, docs/architecture.md, "Backends"). Per step, entmax (alpha > 1) runs four
+ * kernels: scores:     grid (split, sequence x KV head). Reads K of the listed pages once for the
  *               whole GQA group (a cp.async pipeline of 3 tiles per warp for head dims
  *               64/128/256), writes z = a (scale <q,k> + m_h (j - i)) of every listed token
  *               into the score rows and the split's max per query head. Entmax has no
@@ -26,28 +26,44 @@
 #include "cuda_internal.cuh"
 #include <math_constants.h>
 
-__device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P, int row, int round, int64_t *begin,
-                                            int64_t *end) {
-    if (!list_count) { *begin = 0; *end = P; return; }
+__device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P, int row,
+                                            int round, int64_t *begin, int64_t *end) {
+    if (!list_count) {
+        *begin = 0;
+        *end = P;
+        return;
+    }
     const int64_t c1 = list_count[2 * row], c2 = list_count[2 * row + 1];
-    if (round == 1) { *begin = 0; *end = c1; }
-    else if (round == 2) { *begin = c1; *end = c2; }
-    else { *begin = 0; *end = c2; } /* round 3: everything listed */
+    if (round == 1) {
+        *begin = 0;
+        *end = c1;
+    } else if (round == 2) {
+        *begin = c1;
+        *end = c2;
+    } else {
+        *begin = 0;
+        *end = c2;
+    } /* round 3: everything listed */
 }
 
 /* The global max of a head's scores from its split maxima (block-wide). */
-__device__ __forceinline__ float head_max(const float *split_max, int64_t row, int nsplit, int halves, float *fscratch) {
+__device__ __forceinline__ float head_max(const float *split_max, int64_t row, int nsplit,
+                                          int halves, float *fscratch) {
     float m = -CUDART_INF_F;
-    for (int i = threadIdx.x; i < halves * nsplit; i += blockDim.x) m = fmaxf(m, split_max[row * 2 * nsplit + i]);
+    for (int i = threadIdx.x; i < halves * nsplit; i += blockDim.x)
+        m = fmaxf(m, split_max[row * 2 * nsplit + i]);
     return ekv_block_max(m, fscratch, -CUDART_INF_F);
 }
 
 /* element offset of score slot s (entry s / ps, token s % ps) of a list row in the K/V pool */
-__device__ __forceinline__ int64_t slot_offset(const ekv_page_table &t, const ekv_paged_kv &kv, const int32_t *list_pages,
-                                               int64_t cap_pages, int lrow, int64_t first, int kvh, int ps, int64_t s) {
+__device__ __forceinline__ int64_t slot_offset(const ekv_page_table &t, const ekv_paged_kv &kv,
+                                               const int32_t *list_pages, int64_t cap_pages,
+                                               int lrow, int64_t first, int kvh, int ps,
+                                               int64_t s) {
     const int64_t e = s / ps, tk = s % ps;
     const int64_t lp = list_pages ? list_pages[(int64_t)lrow * cap_pages + e] : e;
-    return (int64_t)t.indices[first + lp] * kv.stride_page + (int64_t)kvh * kv.stride_head + tk * kv.stride_token;
+    return (int64_t)t.indices[first + lp] * kv.stride_page + (int64_t)kvh * kv.stride_head +
+           tk * kv.stride_token;
 }
 
 /* p = [z - tau]_+^beta as every values path computes it (double, then rounded) */
@@ -56,4 +72,3 @@ __device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
     if (!(x > 0)) return 0.f;
     return beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : (float)pow(x, beta);
 }
-

@@ -9,17 +9,17 @@ struct score_args {
     ekv_paged_kv kv;
     ekv_page_table t;
     const float *q;
-    const float *slopes;   /* device, [H] or NULL */
-    double qscale;         /* a * scale */
+    const float *slopes; /* device, [H] or NULL */
+    double qscale;       /* a * scale */
     float a;
     int H, Hk, G, D, ps;
     int64_t cap_pages, cap_tokens;
     int nsplit;
     const int32_t *list_pages, *list_count; /* NULL: dense */
-    int round;             /* 1 or 2 */
+    int round;                              /* 1 or 2 */
     float *scores, *split_max;
-    int32_t *cand_count;   /* [B*H], zeroed here for the candidates kernel */
-    int64_t *v_rows;       /* [B*Hk], zeroed here */
+    int32_t *cand_count; /* [B*H], zeroed here for the candidates kernel */
+    int64_t *v_rows;     /* [B*Hk], zeroed here */
 };
 
 /* The per-step counters the later kernels add into (block (0, row) of the scores kernel). */
@@ -30,7 +30,8 @@ __device__ __forceinline__ void zero_step_counters(const score_args &A, int row,
 }
 
 /* The entries [e0, e1) of this block's split (blockIdx.x) of the list row's round. */
-__device__ __forceinline__ void split_entries(const score_args &A, const ekv_seq_geom &sg, int row, int64_t *e0, int64_t *e1) {
+__device__ __forceinline__ void split_entries(const score_args &A, const ekv_seq_geom &sg, int row,
+                                              int64_t *e0, int64_t *e1) {
     int64_t begin, end;
     entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
     const int64_t per = (end - begin + A.nsplit - 1) / A.nsplit;
@@ -42,13 +43,15 @@ __device__ __forceinline__ void split_entries(const score_args &A, const ekv_seq
 __device__ __forceinline__ void load_group_q(const score_args &A, int b, int kvh, float *qs) {
     for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x) {
         const int g = i / A.D, d = i % A.D;
-        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * A.G + g) * A.D + d]); /* as bound.cu */
+        qs[i] = (float)(A.qscale *
+                        A.q[((int64_t)b * A.H + kvh * A.G + g) * A.D + d]); /* as bound.cu */
     }
 }
 
 /* Block max of every warp's running maxima, written as this split's max per query head. */
 template <int GM>
-__device__ __forceinline__ void write_split_max(const score_args &A, const float *runmax, float *red, int b, int kvh) {
+__device__ __forceinline__ void write_split_max(const score_args &A, const float *runmax,
+                                                float *red, int b, int kvh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int half = A.round == 2 ? A.nsplit : 0;
 #pragma unroll
@@ -62,7 +65,8 @@ __device__ __forceinline__ void write_split_max(const score_args &A, const float
     if (threadIdx.x < A.G) {
         float m = -CUDART_INF_F;
         for (int w = 0; w < nw; w++) m = fmaxf(m, red[w * A.G + threadIdx.x]);
-        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.nsplit + half + blockIdx.x] = m;
+        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.nsplit + half +
+                    blockIdx.x] = m;
     }
 }
 
@@ -72,7 +76,9 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 /* Pipeline shape of the scores kernel: each warp streams tiles of TR rows of one page (4 KB:
  * every lane copies 8 elements of U rows) through SCORE_STAGES shared-memory stages, so two
@@ -91,10 +97,10 @@ template <typename T, int LPR, int GM>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int NW = EKV_CUDA_THREADS / 32;
-    constexpr int RPW = 32 / LPR;                      /* rows per warp pass           */
-    constexpr int EB = 8 * (int)sizeof(T);             /* bytes a lane copies per row  */
-    constexpr int U = SCORE_TILE_BYTES / (32 * EB);    /* passes per tile              */
-    constexpr int TR = RPW * U;                        /* rows per tile                */
+    constexpr int RPW = 32 / LPR;                   /* rows per warp pass           */
+    constexpr int EB = 8 * (int)sizeof(T);          /* bytes a lane copies per row  */
+    constexpr int U = SCORE_TILE_BYTES / (32 * EB); /* passes per tile              */
+    constexpr int TR = RPW * U;                     /* rows per tile                */
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char *stage = smem_raw + (size_t)warp * SCORE_STAGES * SCORE_TILE_BYTES;
@@ -133,7 +139,10 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
     };
     auto advance = [&](cursor &c) {
         c.r0 += TR;
-        if (c.r0 >= ps) { c.r0 = 0; c.e += NW; }
+        if (c.r0 >= ps) {
+            c.r0 = 0;
+            c.e += NW;
+        }
     };
     cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
     auto issue = [&](int64_t j) {
@@ -142,16 +151,19 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         advance(ci);
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const unsigned char *pbase =
-            K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head) * (int64_t)sizeof(T);
+        const unsigned char *pbase = K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
+                                          (int64_t)kvh * A.kv.stride_head) *
+                                                 (int64_t)sizeof(T);
         unsigned char *dst = stage + (size_t)(j % SCORE_STAGES) * SCORE_TILE_BYTES;
 #pragma unroll
         for (int r = 0; r < U; r++) {
             const int t = r0 + r * RPW + sub;
             if (t < valid) {
-                const unsigned char *src = pbase + ((int64_t)t * A.kv.stride_token + sl * 8) * (int64_t)sizeof(T);
+                const unsigned char *src =
+                        pbase + ((int64_t)t * A.kv.stride_token + sl * 8) * (int64_t)sizeof(T);
 #pragma unroll
-                for (int c = 0; c < EB / 16; c++) cp_async16(dst + (r * 32 + lane) * EB + c * 16, src + c * 16);
+                for (int c = 0; c < EB / 16; c++)
+                    cp_async16(dst + (r * 32 + lane) * EB + c * 16, src + c * 16);
             }
         }
     };
@@ -176,7 +188,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         for (int r = 0; r < U; r++) {
             const int t = r0 + r * RPW + sub;
             float k8[8];
-            if (t < valid) ekv_elem<T>::unpack8(reinterpret_cast<const T *>(src + (r * 32 + lane) * EB), k8);
+            if (t < valid)
+                ekv_elem<T>::unpack8(reinterpret_cast<const T *>(src + (r * 32 + lane) * EB), k8);
             else {
 #pragma unroll
                 for (int i = 0; i < 8; i++) k8[i] = 0.f;
@@ -191,19 +204,22 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
                         for (int i = 0; i < 8; i++) acc[g] += qr[g][i] * k8[i];
                     } else {
                         const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8);
-                        const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
-                        acc[g] = qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] + qb.x * k8[4] +
-                                 qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
+                        const float4 qb =
+                                *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
+                        acc[g] = qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] +
+                                 qb.x * k8[4] + qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
                     }
 #pragma unroll
-                    for (int o = LPR / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+                    for (int o = LPR / 2; o > 0; o >>= 1)
+                        acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
                 }
             }
             if (t < ps && sl == 0) {
 #pragma unroll
                 for (int g = 0; g < GM; g++) {
                     if (g < G) {
-                        const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+                        const float z =
+                                t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
                         sbase[(int64_t)g * A.cap_tokens + t] = z;
                         runmax[g] = fmaxf(runmax[g], z);
                     }
@@ -242,7 +258,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     for (int64_t e = e0 + warp; e < e1; e += nw) {
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const T *pbase = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
+        const T *pbase = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
+                         (int64_t)kvh * A.kv.stride_head;
         const float jbase = (float)(lp * ps - (sg.N - 1));
         float *sbase = srow + e * ps;
         for (int t = 0; t < ps; t++) {
@@ -258,9 +275,10 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
                     for (int g = 0; g < GM; g++) {
                         if (g < G) {
                             const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + c * 8);
-                            const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
-                            acc[g] += qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] + qb.x * kk[4] +
-                                      qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
+                            const float4 qb =
+                                    *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
+                            acc[g] += qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] +
+                                      qb.x * kk[4] + qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
                         }
                     }
                 }
@@ -272,7 +290,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
 #pragma unroll
                 for (int g = 0; g < GM; g++) {
                     if (g < G) {
-                        const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+                        const float z =
+                                t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
                         sbase[(int64_t)g * A.cap_tokens + t] = z;
                         runmax[g] = fmaxf(runmax[g], z);
                     }
@@ -295,15 +314,19 @@ void launch_scores_g(const score_args &A, dim3 grid, cudaStream_t st) {
         }
         kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
     };
-    if (A.G == 1) go(scores_kernel<T, LPR, 1>);
-    else if (A.G == 2) go(scores_kernel<T, LPR, 2>);
-    else if (A.G <= 4) go(scores_kernel<T, LPR, 4>);
-    else if (A.G <= 8) go(scores_kernel<T, LPR, 8>);
-    else go(scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP>);
+    if (A.G == 1)
+        go(scores_kernel<T, LPR, 1>);
+    else if (A.G == 2)
+        go(scores_kernel<T, LPR, 2>);
+    else if (A.G <= 4)
+        go(scores_kernel<T, LPR, 4>);
+    else if (A.G <= 8)
+        go(scores_kernel<T, LPR, 8>);
+    else
+        go(scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP>);
 }
 
-template <typename T>
-cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
+template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
     switch (A.D) {
     case 64: launch_scores_g<T, 8>(A, grid, st); break;
     case 128: launch_scores_g<T, 16>(A, grid, st); break;
@@ -319,8 +342,9 @@ cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
 
 } // namespace
 
-ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                  const ekv_page_table *t, const float *q, int batch, int use_list, int round) {
+ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                                  int batch, int use_list, int round) {
     score_args A;
     A.kv = *kv;
     A.t = *t;
@@ -352,8 +376,8 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     case EKV_DTYPE_BF16: e = launch_scores_t<__nv_bfloat16>(A, grid, pl->stream); break;
     default: e = launch_scores_t<float>(A, grid, pl->stream); break;
     }
-    if (e != cudaSuccess) return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "scores kernel: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "scores kernel: %s", cudaGetErrorString(e));
     pl->launches++;
     return EKV_OK;
 }
-

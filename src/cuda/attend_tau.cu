@@ -5,7 +5,6 @@
 
 namespace {
 
-
 /* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ---- */
 struct cand_args {
     ekv_page_table t;
@@ -15,7 +14,7 @@ struct cand_args {
     const int32_t *list_pages, *list_count;
     const float *scores, *split_max;
     float *cand_z;
-    int64_t *cand_off;     /* element offset of the token's V row (= its K row) */
+    int64_t *cand_off; /* element offset of the token's V row (= its K row) */
     int32_t *cand_count;
 };
 
@@ -36,7 +35,8 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     const float *z = A.scores + row * A.cap_tokens;
     const int lane = threadIdx.x & 31;
     /* warp-uniform trip count: every lane takes part in the ballots */
-    for (int64_t base = c0 + (threadIdx.x & ~31) * CAND_UNROLL; base < c1; base += (int64_t)blockDim.x * CAND_UNROLL) {
+    for (int64_t base = c0 + (threadIdx.x & ~31) * CAND_UNROLL; base < c1;
+         base += (int64_t)blockDim.x * CAND_UNROLL) {
         float x[CAND_UNROLL];
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++) {
@@ -56,9 +56,9 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
         int64_t off[CAND_UNROLL];
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++)
-            off[k] = (m[k] >> lane) & 1u ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps,
-                                                         base + k * 32 + lane)
-                                          : 0;
+            off[k] = (m[k] >> lane) & 1u ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow,
+                                                       sg.first, kvh, A.ps, base + k * 32 + lane)
+                                         : 0;
         int at = 0;
         if (lane == 0) at = atomicAdd(&A.cand_count[row], tot);
         at = __shfl_sync(0xffffffffu, at, 0);
@@ -90,25 +90,40 @@ struct tau_args {
     int64_t *support;
     int64_t *v_rows;
     int32_t *flags;
-    float *sup_p;          /* support list of the final round: p, V row offset */
+    float *sup_p; /* support list of the final round: p, V row offset */
     int64_t *sup_off;
     int64_t *sup_count;
     float *out_zero; /* the final round: zero the output row (the values kernel adds into it) */
 };
 
 /* Sums over the candidates y = z - M > tau' (tau' relative to M), one block reduction */
-struct tau_sums { double n, s1, s2, mn; };
+struct tau_sums {
+    double n, s1, s2, mn;
+};
 
 __device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, double *scratch) {
     double c = 0, s1 = 0, s2 = 0, mn = 1e300;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         const double y = (double)v[i] - (double)M;
-        if (y > t) { c += 1; s1 += y; s2 += y * y; mn = y < mn ? y : mn; }
+        if (y > t) {
+            c += 1;
+            s1 += y;
+            s2 += y * y;
+            mn = y < mn ? y : mn;
+        }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    c = ekv_warp_sum(c); s1 = ekv_warp_sum(s1); s2 = ekv_warp_sum(s2); mn = ekv_warp_min(mn);
+    c = ekv_warp_sum(c);
+    s1 = ekv_warp_sum(s1);
+    s2 = ekv_warp_sum(s2);
+    mn = ekv_warp_min(mn);
     __syncthreads(); /* scratch is reused by the caller's previous reduction */
-    if (lane == 0) { scratch[warp] = c; scratch[32 + warp] = s1; scratch[64 + warp] = s2; scratch[96 + warp] = mn; }
+    if (lane == 0) {
+        scratch[warp] = c;
+        scratch[32 + warp] = s1;
+        scratch[64 + warp] = s2;
+        scratch[96 + warp] = mn;
+    }
     __syncthreads();
     tau_sums r;
     r.n = ekv_warp_sum(lane < nw ? scratch[lane] : 0.0);
@@ -119,8 +134,8 @@ __device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, doub
 }
 
 /* F = sum [y - t]_+^beta - 1 and its derivative */
-__device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta, double *scratch, double *F,
-                            double *Fp) {
+__device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta,
+                            double *scratch, double *F, double *Fp) {
     double f = 0, fp = 0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         const double y = (double)v[i] - (double)M - t;
@@ -144,7 +159,10 @@ __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, do
         for (int it = 0; it < 200; it++) {
             const tau_sums s = cand_sums(v, n, M, t, scratch);
             const double tn = (s.s1 - 1.0) / s.n;
-            if (s.n == prev_n || !(tn > t)) { t = tn > t ? tn : t; break; }
+            if (s.n == prev_n || !(tn > t)) {
+                t = tn > t ? tn : t;
+                break;
+            }
             prev_n = s.n;
             t = tn;
         }
@@ -155,8 +173,12 @@ __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, do
             const tau_sums s = cand_sums(v, n, M, t, scratch);
             const double disc = s.s1 * s.s1 - s.n * (s.s2 - 1.0);
             const double tc = (s.s1 - sqrt(disc > 0 ? disc : 0.0)) / s.n;
-            if (tc >= t && s.mn > tc) { t = tc; break; }
-            const double F = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0, Fp = -2.0 * (s.s1 - s.n * t);
+            if (tc >= t && s.mn > tc) {
+                t = tc;
+                break;
+            }
+            const double F = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0,
+                         Fp = -2.0 * (s.s1 - s.n * t);
             const double tn = t - F / Fp;
             if (!(tn > t)) break;
             t = tn;
@@ -167,7 +189,10 @@ __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, do
         for (int it = 0; it < 200; it++) {
             double F, Fp;
             cand_newton(v, n, M, t, beta, scratch, &F, &Fp);
-            if (F > 0) lo = t; else hi = t;
+            if (F > 0)
+                lo = t;
+            else
+                hi = t;
             if (F == 0 || hi - lo <= 1e-15 * (1.0 + fabs(t))) break;
             double tn = Fp < 0 ? t - F / Fp : 0.5 * (lo + hi);
             if (!(tn > lo && tn < hi)) tn = 0.5 * (lo + hi);
@@ -206,7 +231,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
             for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
             __syncthreads();
             v = cand;
-        } else v = cz;
+        } else
+            v = cz;
         nv = nc;
     } else { /* flat attention: more candidates than the list holds */
         v = A.scores + row * A.cap_tokens;
@@ -234,8 +260,9 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         if (in && at < A.ccap) {
             A.sup_p[row * A.ccap + at] = entmax_p(v[i], tau, beta);
             A.sup_off[row * A.ccap + at] =
-                overflow ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps, i)
-                         : A.cand_off[row * A.ccap + i];
+                    overflow ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first,
+                                           kvh, A.ps, i)
+                             : A.cand_off[row * A.ccap + i];
         }
     }
     c = ekv_block_sum(c, scratch);
@@ -244,7 +271,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         A.support[row] = (int64_t)c;
         if (final_round) {
             A.sup_count[row] = (int64_t)c;
-            atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]), (unsigned long long)c);
+            atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
+                      (unsigned long long)c);
         }
     }
 }
@@ -282,16 +310,23 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
     double s = 0;
     int64_t cnt = 0;
     scan_row(z, ntok, [&](float x) {
-        if (x > -CUDART_INF_F) { s += exp((double)x - (double)M); cnt++; }
+        if (x > -CUDART_INF_F) {
+            s += exp((double)x - (double)M);
+            cnt++;
+        }
     });
     s = ekv_block_sum(s, scratch);
     const double c = ekv_block_sum((double)cnt, scratch);
-    if (threadIdx.x == 0) { A.tau[row] = (double)M + log(s); A.support[row] = (int64_t)c; }
+    if (threadIdx.x == 0) {
+        A.tau[row] = (double)M + log(s);
+        A.support[row] = (int64_t)c;
+    }
 }
 } // namespace
 
-ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                               const ekv_page_table *t, int batch, int use_list, int round, float *out_zero) {
+ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                               const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                               int use_list, int round, float *out_zero) {
     tau_args A;
     A.t = *t;
     A.kv = *kv;
@@ -351,4 +386,3 @@ ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, 
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
-

@@ -5,7 +5,6 @@
 
 namespace {
 
-
 struct value_args {
     ekv_paged_kv kv;
     ekv_page_table t;
@@ -25,7 +24,8 @@ struct value_args {
 
 /* 8 elements of a V row (16-byte aligned for 16-bit types) as fp32, with the load predicated */
 template <typename T> __device__ __forceinline__ void load8_if(bool on, const T *p, float *o) {
-    if (on) ekv_elem<T>::load8(p, o);
+    if (on)
+        ekv_elem<T>::load8(p, o);
     else {
 #pragma unroll
         for (int i = 0; i < 8; i++) o[i] = 0.f;
@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
     constexpr int RPW = 32 / LPR, STEP = RPW * VAL_U;
     const int64_t row = blockIdx.y;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR, D = A.D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR,
+              D = A.D;
     const int64_t nsup = A.sup_count[row];
     const bool from_list = nsup <= A.ccap;
     const double tau = A.tau[row], beta = 1.0 / (A.alpha - 1.0);
@@ -65,7 +66,8 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
         for (int i = 0; i < 8; i++) acc[c][i] = 0.f;
     const int64_t wstride = (int64_t)gridDim.x * VAL_WARPS * STEP;
     bool any = false;
-    for (int64_t base = ((int64_t)blockIdx.x * VAL_WARPS + warp) * STEP; base < nitems; base += wstride) {
+    for (int64_t base = ((int64_t)blockIdx.x * VAL_WARPS + warp) * STEP; base < nitems;
+         base += wstride) {
         float p[VAL_U];
         int64_t off[VAL_U];
 #pragma unroll
@@ -74,10 +76,14 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
             p[r] = 0.f;
             off[r] = 0;
             if (i < nitems) {
-                if (from_list) { p[r] = A.sup_p[row * A.ccap + i]; off[r] = A.sup_off[row * A.ccap + i]; }
-                else {
+                if (from_list) {
+                    p[r] = A.sup_p[row * A.ccap + i];
+                    off[r] = A.sup_off[row * A.ccap + i];
+                } else {
                     p[r] = entmax_p(z[i], tau, beta);
-                    if (p[r] > 0.f) off[r] = slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps, i);
+                    if (p[r] > 0.f)
+                        off[r] = slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first,
+                                             kvh, A.ps, i);
                 }
             }
         }
@@ -99,13 +105,14 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
         }
     }
     if (!__syncthreads_or(any)) return;
-    /* the RPW rows of a pass went to different lane groups: sum them, then over the warps */
+        /* the RPW rows of a pass went to different lane groups: sum them, then over the warps */
 #pragma unroll
     for (int c = 0; c < VC; c++)
 #pragma unroll
         for (int i = 0; i < 8; i++)
 #pragma unroll
-            for (int o = LPR; o < 32; o <<= 1) acc[c][i] += __shfl_xor_sync(0xffffffffu, acc[c][i], o);
+            for (int o = LPR; o < 32; o <<= 1)
+                acc[c][i] += __shfl_xor_sync(0xffffffffu, acc[c][i], o);
     if (sub == 0)
 #pragma unroll
         for (int c = 0; c < VC; c++) {
@@ -127,17 +134,26 @@ template <> __device__ __forceinline__ void load4<__half>(const __half *p, float
     uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
     const __half2 *h = reinterpret_cast<const __half2 *>(&r);
     float2 a = __half22float2(h[0]), c = __half22float2(h[1]);
-    o[0] = a.x; o[1] = a.y; o[2] = c.x; o[3] = c.y;
+    o[0] = a.x;
+    o[1] = a.y;
+    o[2] = c.x;
+    o[3] = c.y;
 }
 template <> __device__ __forceinline__ void load4<__nv_bfloat16>(const __nv_bfloat16 *p, float *o) {
     uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
     const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
     float2 a = __bfloat1622float2(h[0]), c = __bfloat1622float2(h[1]);
-    o[0] = a.x; o[1] = a.y; o[2] = c.x; o[3] = c.y;
+    o[0] = a.x;
+    o[1] = a.y;
+    o[2] = c.x;
+    o[3] = c.y;
 }
 template <> __device__ __forceinline__ void load4<float>(const float *p, float *o) {
     float4 a = __ldg(reinterpret_cast<const float4 *>(p));
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[0] = a.x;
+    o[1] = a.y;
+    o[2] = a.z;
+    o[3] = a.w;
 }
 
 enum { VCH = 4, VDIM = EKV_CUDA_MAX_DIM / 128 }; /* heads per block, 4-element chunks per lane */
@@ -147,7 +163,8 @@ enum { VCH = 4, VDIM = EKV_CUDA_MAX_DIM / 128 }; /* heads per block, 4-element c
  * (D <= 128 VD); the accumulators are VCH x VD x 4 registers. */
 template <typename T, int VD>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_args A) {
-    const int y = blockIdx.y, gc = y % A.gchunks, row = y / A.gchunks, b = row / A.Hk, kvh = row % A.Hk;
+    const int y = blockIdx.y, gc = y % A.gchunks, row = y / A.gchunks, b = row / A.Hk,
+              kvh = row % A.Hk;
     const int D = A.D, ps = A.ps, g0 = gc * VCH, ng = A.G - g0 < VCH ? A.G - g0 : VCH;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t begin, end;
@@ -206,11 +223,13 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
             while (mask) {
                 const int src = __ffs(mask) - 1;
                 mask &= mask - 1;
-                const int rel = (int)(base + src - t0); /* 32-bit division: a split holds < 2^31 tokens */
+                const int rel =
+                        (int)(base + src - t0); /* 32-bit division: a split holds < 2^31 tokens */
                 const int64_t e = e0 + rel / ps, slot = rel % ps;
                 const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
                 const int64_t phys = A.t.indices[sg.first + lp];
-                const T *vrow = V + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head + slot * A.kv.stride_token;
+                const T *vrow = V + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head +
+                                slot * A.kv.stride_token;
                 float pg[VCH];
 #pragma unroll
                 for (int g = 0; g < VCH; g++) pg[g] = __shfl_sync(0xffffffffu, p[g], src);
@@ -229,7 +248,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
             }
         }
     }
-    if (lane == 0 && rows) atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
+    if (lane == 0 && rows)
+        atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
     if (!any_w) return;
 #pragma unroll
     for (int g = 0; g < VCH; g++) {
@@ -246,25 +266,33 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
     }
 }
 template <typename T>
-void launch_values_t(const value_args &A, int softmax, dim3 grid_dense, dim3 grid_support, cudaStream_t st) {
+void launch_values_t(const value_args &A, int softmax, dim3 grid_dense, dim3 grid_support,
+                     cudaStream_t st) {
     if (softmax) {
-        if (A.D <= 128) values_dense_kernel<T, 1><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
-        else if (A.D <= 256) values_dense_kernel<T, 2><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
-        else values_dense_kernel<T, VDIM><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+        if (A.D <= 128)
+            values_dense_kernel<T, 1><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+        else if (A.D <= 256)
+            values_dense_kernel<T, 2><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+        else
+            values_dense_kernel<T, VDIM><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
         return;
     }
     switch (A.D) {
     case 64: values_support_kernel<T, 8, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
     case 128: values_support_kernel<T, 16, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
     case 256: values_support_kernel<T, 32, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
-    default: values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
+    default:
+        values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256>
+                <<<grid_support, VAL_THREADS, 0, st>>>(A);
+        break;
     }
 }
 
 } // namespace
 
-ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                  const ekv_page_table *t, int batch, int use_list, float *out) {
+ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                  int use_list, float *out) {
     value_args A;
     A.kv = *kv;
     A.t = *t;
@@ -289,10 +317,15 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.v_rows = pl->v_rows;
     A.out = out;
     const int softmax = prm->alpha == 1.0;
-    const dim3 grid_dense(pl->nsplit_dense_values, batch * A.Hk * A.gchunks), grid_support(pl->vsplit, batch * A.H);
+    const dim3 grid_dense(pl->nsplit_dense_values, batch * A.Hk * A.gchunks),
+            grid_support(pl->vsplit, batch * A.H);
     switch (kv->dtype) {
-    case EKV_DTYPE_F16: launch_values_t<__half>(A, softmax, grid_dense, grid_support, pl->stream); break;
-    case EKV_DTYPE_BF16: launch_values_t<__nv_bfloat16>(A, softmax, grid_dense, grid_support, pl->stream); break;
+    case EKV_DTYPE_F16:
+        launch_values_t<__half>(A, softmax, grid_dense, grid_support, pl->stream);
+        break;
+    case EKV_DTYPE_BF16:
+        launch_values_t<__nv_bfloat16>(A, softmax, grid_dense, grid_support, pl->stream);
+        break;
     default: launch_values_t<float>(A, softmax, grid_dense, grid_support, pl->stream); break;
     }
     EKV_CUDA_LAUNCHED(pl);

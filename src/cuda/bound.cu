@@ -26,7 +26,10 @@ struct bound_args {
     float *bounds, *list_bounds;
 };
 
-enum { BOUND_WARPS = EKV_CUDA_THREADS / 32, BOUND_PAGES = 128 }; /* pages per block: the q setup is amortised */
+enum {
+    BOUND_WARPS = EKV_CUDA_THREADS / 32,
+    BOUND_PAGES = 128
+}; /* pages per block: the q setup is amortised */
 
 template <int GM> /* compile-time bound of the group size */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
@@ -34,7 +37,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     __shared__ double qn[GM];
     /* one-dimensional grid, the list row fastest: the blocks in flight together read the same
      * pages for every KV head, which are adjacent in the summary arrays ([page][kv head][D]) */
-    const int nrows = A.rows, row = (int)(blockIdx.x % nrows), b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    const int nrows = A.rows, row = (int)(blockIdx.x % nrows), b = row / A.Hk, kvh = row % A.Hk,
+              G = A.G, D = A.D, ps = A.ps;
     const int64_t chunk = blockIdx.x / nrows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
@@ -50,10 +54,12 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         if (lane == 0) qn[g] = sqrt(s) * (1 + 1e-12);
     }
     __syncthreads();
-    const int64_t pend = (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
+    const int64_t pend =
+            (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
     for (int64_t p = chunk * BOUND_PAGES + warp; p < pend; p += BOUND_WARPS) {
         if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
-            if (lane < G) A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
+            if (lane < G)
+                A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
             if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
             continue;
         }
@@ -66,7 +72,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
                 for (int d = lane * 4; d < D; d += 128) {
                     asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
                     asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
-                    if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
+                    if (A.with_ball)
+                        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
                 }
             }
         }
@@ -94,14 +101,18 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
 #pragma unroll
         for (int g = 0; g < GM; g++) {
-            if (g < G) { box[g] = ekv_warp_sum(box[g]); dot[g] = ekv_warp_sum(dot[g]); }
+            if (g < G) {
+                box[g] = ekv_warp_sum(box[g]);
+                dot[g] = ekv_warp_sum(dot[g]);
+            }
         }
         c2 = ekv_warp_sum(c2);
         if (lane != 0) continue;
         const double u24 = 5.9604644775390625e-8;
         const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
         /* with the ball, the slack below covers the fp32 rounding of these sums and of the score
-         * kernel's; the box alone (paper-faithful top-k) is a ranking key and gets none, as on the CPU */
+         * kernel's; the box alone (paper-faithful top-k) is a ranking key and gets none, as on the
+         * CPU */
         const double cn = sqrt((double)c2) * (1 + 1e-5);
         const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
         float best = -CUDART_INF_F;
@@ -128,8 +139,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
 
 } // namespace
 
-ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q, int with_ball,
+ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                 const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                 const ekv_page_table *t, const float *q, int with_ball,
                                  int batch) {
     bound_args A;
     A.st = *st;
@@ -151,14 +163,20 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     A.rows = batch * A.Hk;
     const int64_t nblocks = (pl->cap_pages + BOUND_PAGES - 1) / BOUND_PAGES * A.rows;
     if (nblocks > INT32_MAX)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "bound: %lld blocks exceed the grid limit", (long long)nblocks);
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "bound: %lld blocks exceed the grid limit",
+                        (long long)nblocks);
     const dim3 grid((unsigned)nblocks);
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
-    if (A.G == 1) bound_kernel<1><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else if (A.G == 2) bound_kernel<2><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else if (A.G <= 4) bound_kernel<4><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else if (A.G <= 8) bound_kernel<8><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else bound_kernel<EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    if (A.G == 1)
+        bound_kernel<1><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else if (A.G == 2)
+        bound_kernel<2><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else if (A.G <= 4)
+        bound_kernel<4><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else if (A.G <= 8)
+        bound_kernel<8><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    else
+        bound_kernel<EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

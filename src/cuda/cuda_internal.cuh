@@ -21,9 +21,9 @@ double ekv_normal_quantile(double p);
 }
 
 enum {
-    EKV_CUDA_THREADS = 256,       /* threads of the attend/bound/select blocks              */
-    EKV_CUDA_CAND_CAP = 16384,    /* tau candidates (and support rows) listed per query head */
-    EKV_CUDA_MAX_GROUP = 16,      /* GQA group sizes the register tiles hold               */
+    EKV_CUDA_THREADS = 256,    /* threads of the attend/bound/select blocks              */
+    EKV_CUDA_CAND_CAP = 16384, /* tau candidates (and support rows) listed per query head */
+    EKV_CUDA_MAX_GROUP = 16,   /* GQA group sizes the register tiles hold               */
     EKV_CUDA_MAX_DIM = 512
 };
 
@@ -32,51 +32,51 @@ struct ekv_cuda_plan {
     ekv_cuda_plan_params p;
     cudaStream_t stream;
     int own_stream;
-    int32_t nsplit;         /* CTAs per list for the scores and candidates kernels        */
+    int32_t nsplit;              /* CTAs per list for the scores and candidates kernels        */
     int32_t nsplit_dense_values; /* CTAs per list for the softmax values kernel           */
-    int64_t cap_pages;      /* max_pages_per_seq                                           */
-    int64_t cap_tokens;     /* cap_pages * page_size: score row length                     */
+    int64_t cap_pages;           /* max_pages_per_seq                                           */
+    int64_t cap_tokens;          /* cap_pages * page_size: score row length                     */
     /* scratch (device) */
-    float *scores;          /* [B*H][cap_tokens] z-space scores of the listed tokens       */
-    float *split_max;       /* [B*H][nsplit]                                               */
-    float *bounds;          /* [B*H][cap_pages] per query head page bounds                 */
-    float *list_bounds;     /* [B*Hk][cap_pages] max over the group (ranking key)          */
-    int32_t *list_pages;    /* [B*Hk][cap_pages] logical pages, round 1 then round 2      */
-    int32_t *list_count;    /* [B*Hk][2] entries of round 1, round 1 + round 2            */
-    uint8_t *in_list;       /* [B*Hk][cap_pages] membership of round 1                     */
-    double *tau;            /* [B*H]                                                       */
-    int64_t *support;       /* [B*H]                                                       */
-    int64_t *v_rows;        /* [B*Hk]                                                      */
-    int32_t *flags;         /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
-    int64_t cand_cap;       /* entries of a candidate / support list (per query head)      */
-    int32_t vsplit;         /* CTAs per query head for the support values kernel           */
-    float *cand_z;          /* [B*H][cand_cap] scores z >= M - 1                           */
-    int64_t *cand_off;      /* [B*H][cand_cap] their V row offsets (elements)              */
-    int32_t *cand_count;    /* [B*H] candidates found (may exceed cand_cap: overflow)      */
-    float *sup_p;           /* [B*H][cand_cap] support list of the final round: p          */
-    int64_t *sup_off;       /* [B*H][cand_cap] and V row offset                            */
-    int64_t *sup_count;     /* [B*H] support size (> cand_cap: values scan the row)        */
-    double *gmu, *gsig;     /* [B*H][cap_pages] gaussian selector page moments             */
+    float *scores;       /* [B*H][cap_tokens] z-space scores of the listed tokens       */
+    float *split_max;    /* [B*H][nsplit]                                               */
+    float *bounds;       /* [B*H][cap_pages] per query head page bounds                 */
+    float *list_bounds;  /* [B*Hk][cap_pages] max over the group (ranking key)          */
+    int32_t *list_pages; /* [B*Hk][cap_pages] logical pages, round 1 then round 2      */
+    int32_t *list_count; /* [B*Hk][2] entries of round 1, round 1 + round 2            */
+    uint8_t *in_list;    /* [B*Hk][cap_pages] membership of round 1                     */
+    double *tau;         /* [B*H]                                                       */
+    int64_t *support;    /* [B*H]                                                       */
+    int64_t *v_rows;     /* [B*Hk]                                                      */
+    int32_t *flags;      /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
+    int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
+    int32_t vsplit;      /* CTAs per query head for the support values kernel           */
+    float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
+    int64_t *cand_off;   /* [B*H][cand_cap] their V row offsets (elements)              */
+    int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
+    float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
+    int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
+    int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */
+    double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
     int64_t bytes;
-    int32_t launches;       /* of the last step                                            */
+    int32_t launches; /* of the last step                                            */
     int32_t last_batch;
 };
 
-#define EKV_CUDA_TRY(plan, call)                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess)                                                                    \
-            return ekv_fail((plan)->ctx, EKV_ERR_DEVICE, "%s: %s (%s:%d)", #call,                \
-                            cudaGetErrorString(e_), __FILE__, __LINE__);                          \
+#define EKV_CUDA_TRY(plan, call)                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return ekv_fail((plan)->ctx, EKV_ERR_DEVICE, "%s: %s (%s:%d)", #call,                  \
+                            cudaGetErrorString(e_), __FILE__, __LINE__);                           \
     } while (0)
 
-#define EKV_CUDA_LAUNCHED(plan)                                                                   \
-    do {                                                                                          \
-        cudaError_t e_ = cudaGetLastError();                                                      \
-        if (e_ != cudaSuccess)                                                                    \
-            return ekv_fail((plan)->ctx, EKV_ERR_DEVICE, "kernel launch: %s (%s:%d)",             \
-                            cudaGetErrorString(e_), __FILE__, __LINE__);                          \
-        (plan)->launches++;                                                                       \
+#define EKV_CUDA_LAUNCHED(plan)                                                                    \
+    do {                                                                                           \
+        cudaError_t e_ = cudaGetLastError();                                                       \
+        if (e_ != cudaSuccess)                                                                     \
+            return ekv_fail((plan)->ctx, EKV_ERR_DEVICE, "kernel launch: %s (%s:%d)",              \
+                            cudaGetErrorString(e_), __FILE__, __LINE__);                           \
+        (plan)->launches++;                                                                        \
     } while (0)
 
 /* ---- element loads: 8 consecutive elements as fp32 (16-byte aligned for 16-bit types).
@@ -88,7 +88,11 @@ template <> struct ekv_elem<__half> {
         const uint4 r = *reinterpret_cast<const uint4 *>(p);
         const __half2 *h = reinterpret_cast<const __half2 *>(&r);
 #pragma unroll
-        for (int i = 0; i < 4; i++) { float2 f = __half22float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            o[2 * i] = f.x;
+            o[2 * i + 1] = f.y;
+        }
     }
     static __device__ __forceinline__ void load8(const __half *p, float *o) {
         const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
@@ -102,7 +106,11 @@ template <> struct ekv_elem<__nv_bfloat16> {
         const uint4 r = *reinterpret_cast<const uint4 *>(p);
         const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
 #pragma unroll
-        for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); o[2 * i] = f.x; o[2 * i + 1] = f.y; }
+        for (int i = 0; i < 4; i++) {
+            float2 f = __bfloat1622float2(h[i]);
+            o[2 * i] = f.x;
+            o[2 * i + 1] = f.y;
+        }
     }
     static __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
         const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
@@ -113,12 +121,28 @@ template <> struct ekv_elem<__nv_bfloat16> {
 };
 template <> struct ekv_elem<float> {
     static __device__ __forceinline__ void unpack8(const float *p, float *o) {
-        const float4 a = *reinterpret_cast<const float4 *>(p), b = *(reinterpret_cast<const float4 *>(p) + 1);
-        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+        const float4 a = *reinterpret_cast<const float4 *>(p),
+                     b = *(reinterpret_cast<const float4 *>(p) + 1);
+        o[0] = a.x;
+        o[1] = a.y;
+        o[2] = a.z;
+        o[3] = a.w;
+        o[4] = b.x;
+        o[5] = b.y;
+        o[6] = b.z;
+        o[7] = b.w;
     }
     static __device__ __forceinline__ void load8(const float *p, float *o) {
-        float4 a = __ldg(reinterpret_cast<const float4 *>(p)), b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+        float4 a = __ldg(reinterpret_cast<const float4 *>(p)),
+               b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+        o[0] = a.x;
+        o[1] = a.y;
+        o[2] = a.z;
+        o[3] = a.w;
+        o[4] = b.x;
+        o[5] = b.y;
+        o[6] = b.z;
+        o[7] = b.w;
     }
     static __device__ __forceinline__ float from(float x) { return x; }
     static __device__ __forceinline__ float to(float x) { return x; }
@@ -132,12 +156,18 @@ template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
 }
 template <typename T> __device__ __forceinline__ T ekv_warp_max(T v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { T w = __shfl_xor_sync(0xffffffffu, v, o); v = w > v ? w : v; }
+    for (int o = 16; o > 0; o >>= 1) {
+        T w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
     return v;
 }
 template <typename T> __device__ __forceinline__ T ekv_warp_min(T v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { T w = __shfl_xor_sync(0xffffffffu, v, o); v = w < v ? w : v; }
+    for (int o = 16; o > 0; o >>= 1) {
+        T w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w < v ? w : v;
+    }
     return v;
 }
 /* Block-wide sum; every thread gets the result. scratch: >= 32 elements of shared memory. */
@@ -196,8 +226,9 @@ __device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *t
  * kept pages go to out[*written ...] in page order, in[] records membership, and *written
  * advances by the tile's total (the same in every thread). One block scan per tile. */
 template <int UNROLL>
-__device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, int64_t n, int32_t *out, uint8_t *in,
-                                                 int *written, int *wsum) {
+__device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, int64_t n,
+                                                 int32_t *out, uint8_t *in, int *written,
+                                                 int *wsum) {
     int cnt = 0;
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) cnt += lo + u < n && take[u];
@@ -215,8 +246,8 @@ __device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, i
 
 /* Closes a round-1 page list of `written` pages: the last page (P - 1) is always read and
  * always last. One thread. */
-__device__ __forceinline__ void ekv_close_list(int32_t *out, uint8_t *in, int written, int64_t P, int32_t *list_count,
-                                               int row) {
+__device__ __forceinline__ void ekv_close_list(int32_t *out, uint8_t *in, int written, int64_t P,
+                                               int32_t *list_count, int row) {
     out[written] = (int32_t)(P - 1);
     if (P >= 1) in[P - 1] = 1;
     list_count[2 * row] = written + 1;
@@ -238,19 +269,23 @@ __device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, 
 }
 
 /* host-side launchers (one per stage file) */
-ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q, int with_ball,
-                                 int batch);
-ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int64_t budget_tokens,
-                                int32_t sink_pages, int32_t recent_pages);
-ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                    const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                 const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                 const ekv_page_table *t, const float *q, int with_ball, int batch);
+ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
+                                int64_t budget_tokens, int32_t sink_pages, int32_t recent_pages);
+ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                    const ekv_page_stats *st, const ekv_page_table *t,
                                     const float *q, int batch);
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G);
-ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                  const ekv_page_table *t, const float *q, int batch, int use_list, int round);
+ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                                  int batch, int use_list, int round);
 /* entmax: candidates + tau (2 launches); softmax: log-sum-exp (1 launch) */
-ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                               const ekv_page_table *t, int batch, int use_list, int round, float *out_zero);
-ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                  const ekv_page_table *t, int batch, int use_list, float *out);
+ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                               const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                               int use_list, int round, float *out_zero);
+ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                  int use_list, float *out);

@@ -21,13 +21,20 @@ extern "C" {
 #include <string.h>
 #include <math.h>
 
-extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) { return ekv_cuda_plan_defaults(); }
+extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) {
+    return ekv_cuda_plan_defaults();
+}
 
 extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
-    if (!count) return ctx ? ekv_fail(ctx, EKV_ERR_NULL_POINTER, "count must not be NULL") : EKV_ERR_NULL_POINTER;
+    if (!count)
+        return ctx ? ekv_fail(ctx, EKV_ERR_NULL_POINTER, "count must not be NULL")
+                   : EKV_ERR_NULL_POINTER;
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) { cudaGetLastError(); n = 0; }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        n = 0;
+    }
     *count = n;
     return EKV_OK;
 }
@@ -42,28 +49,29 @@ typedef struct {
 enum { PLAN_BUFFERS = 19 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
-    const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads, ns = pl->nsplit;
+    const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
+                  ns = pl->nsplit;
     const int64_t BH = B * H, BHk = B * Hk, P = pl->cap_pages, C = pl->cand_cap;
     const plan_buffer t[PLAN_BUFFERS] = {
-        {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
-        {(void **)&pl->split_max, BH * 2 * ns * (int64_t)sizeof(float)},
-        {(void **)&pl->bounds, BH * P * (int64_t)sizeof(float)},
-        {(void **)&pl->list_bounds, BHk * P * (int64_t)sizeof(float)},
-        {(void **)&pl->list_pages, BHk * P * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->in_list, BHk * P},
-        {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
-        {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->v_rows, BHk * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->gmu, BH * P * (int64_t)sizeof(double)},
-        {(void **)&pl->gsig, BH * P * (int64_t)sizeof(double)},
-        {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
-        {(void **)&pl->cand_off, BH * C * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
-        {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
-        {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
-        {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
+            {(void **)&pl->split_max, BH * 2 * ns * (int64_t)sizeof(float)},
+            {(void **)&pl->bounds, BH * P * (int64_t)sizeof(float)},
+            {(void **)&pl->list_bounds, BHk * P * (int64_t)sizeof(float)},
+            {(void **)&pl->list_pages, BHk * P * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->in_list, BHk * P},
+            {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
+            {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->v_rows, BHk * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->gmu, BH * P * (int64_t)sizeof(double)},
+            {(void **)&pl->gsig, BH * P * (int64_t)sizeof(double)},
+            {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
+            {(void **)&pl->cand_off, BH * C * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
+            {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -80,42 +88,58 @@ extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
 
 extern "C" int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *pl) { return pl ? pl->bytes : 0; }
 
-extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p, ekv_cuda_plan **out) {
+extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
+                                           ekv_cuda_plan **out) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     if (!p || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params and out must not be NULL");
     *out = NULL;
-    if (p->max_batch < 1) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_batch=%d must be >= 1", p->max_batch);
+    if (p->max_batch < 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_batch=%d must be >= 1", p->max_batch);
     ekv_status st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
     if (!st) st = ekv_check_page_size(ctx, p->page_size);
     if (st) return st;
     if (p->num_heads / p->num_kv_heads > EKV_CUDA_MAX_GROUP)
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group %d > %d is not supported by the CUDA backend",
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "GQA group %d > %d is not supported by the CUDA backend",
                         p->num_heads / p->num_kv_heads, (int)EKV_CUDA_MAX_GROUP);
     if (p->head_dim < 8 || p->head_dim % 8 || p->head_dim > EKV_CUDA_MAX_DIM)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be a multiple of 8 in [8, %d] on the CUDA backend",
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "head_dim=%d must be a multiple of 8 in [8, %d] on the CUDA backend",
                         p->head_dim, (int)EKV_CUDA_MAX_DIM);
     if (p->max_pages_per_seq < 1 || p->max_pages_per_seq * p->page_size >= INT32_MAX)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_pages_per_seq=%lld must be >= 1 with max_pages_per_seq * page_size < 2^31 tokens",
-                        (long long)p->max_pages_per_seq);
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_SIZE,
+                "max_pages_per_seq=%lld must be >= 1 with max_pages_per_seq * page_size < 2^31 tokens",
+                (long long)p->max_pages_per_seq);
     if (p->max_candidates < 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_candidates=%lld must be >= 0 (0 = the default)", (long long)p->max_candidates);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "max_candidates=%lld must be >= 0 (0 = the default)",
+                        (long long)p->max_candidates);
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
         cudaGetLastError();
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "no CUDA device is available");
     }
     if (p->device < 0 || p->device >= ndev)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "device=%d: only %d CUDA device(s)", p->device, ndev);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "device=%d: only %d CUDA device(s)",
+                        p->device, ndev);
     ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
     if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
     pl->ctx = ctx;
     pl->p = *p;
     cudaError_t e = cudaSetDevice(p->device);
-    if (e != cudaSuccess) { free(pl); return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaSetDevice: %s", cudaGetErrorString(e)); }
-    if (p->stream) pl->stream = (cudaStream_t)p->stream;
+    if (e != cudaSuccess) {
+        free(pl);
+        return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaSetDevice: %s", cudaGetErrorString(e));
+    }
+    if (p->stream)
+        pl->stream = (cudaStream_t)p->stream;
     else {
         e = cudaStreamCreateWithFlags(&pl->stream, cudaStreamNonBlocking);
-        if (e != cudaSuccess) { free(pl); return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaStreamCreate: %s", cudaGetErrorString(e)); }
+        if (e != cudaSuccess) {
+            free(pl);
+            return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaStreamCreate: %s", cudaGetErrorString(e));
+        }
         pl->own_stream = 1;
     }
     int sms = 132;
@@ -145,44 +169,55 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         e = cudaMalloc(want[i].ptr, (size_t)want[i].bytes);
         if (e != cudaSuccess) {
             ekv_cuda_plan_free(pl);
-            return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cudaMalloc(%lld bytes) for the plan: %s", (long long)want[i].bytes,
-                            cudaGetErrorString(e));
+            return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cudaMalloc(%lld bytes) for the plan: %s",
+                            (long long)want[i].bytes, cudaGetErrorString(e));
         }
         pl->bytes += want[i].bytes;
     }
     e = cudaMemset(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t));
     if (e == cudaSuccess) e = cudaMemset(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t));
-    if (e != cudaSuccess) { ekv_cuda_plan_free(pl); return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaMemset: %s", cudaGetErrorString(e)); }
+    if (e != cudaSuccess) {
+        ekv_cuda_plan_free(pl);
+        return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaMemset: %s", cudaGetErrorString(e));
+    }
     *out = pl;
     return EKV_OK;
 }
 
 /* Host-side checks from static shapes only (no device reads: graph capture stays possible). */
-static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                             const ekv_page_table *t, const float *q, const float *out) {
+static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                             const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                             const float *out) {
     ekv_context *ctx = pl->ctx;
-    if (!prm || !kv || !t || !q || !out || !kv->k || !kv->v || !t->indptr || !t->indices || !t->last_page_len)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params, kv (k, v), table (indptr, indices, last_page_len), q and out must not be NULL");
-    if (prm->num_heads != pl->p.num_heads || kv->num_kv_heads != pl->p.num_kv_heads || kv->head_dim != pl->p.head_dim ||
-        kv->page_size != pl->p.page_size)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "step shape (heads %d, kv heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d, %d)",
-                        prm->num_heads, kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_heads,
-                        pl->p.num_kv_heads, pl->p.head_dim, pl->p.page_size);
+    if (!prm || !kv || !t || !q || !out || !kv->k || !kv->v || !t->indptr || !t->indices ||
+        !t->last_page_len)
+        return ekv_fail(
+                ctx, EKV_ERR_NULL_POINTER,
+                "params, kv (k, v), table (indptr, indices, last_page_len), q and out must not be NULL");
+    if (prm->num_heads != pl->p.num_heads || kv->num_kv_heads != pl->p.num_kv_heads ||
+        kv->head_dim != pl->p.head_dim || kv->page_size != pl->p.page_size)
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_ARGUMENT,
+                "step shape (heads %d, kv heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d, %d)",
+                prm->num_heads, kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_heads,
+                pl->p.num_kv_heads, pl->p.head_dim, pl->p.page_size);
     if (t->batch < 1 || t->batch > pl->p.max_batch)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, max_batch=%d]", t->batch, pl->p.max_batch);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, max_batch=%d]",
+                        t->batch, pl->p.max_batch);
     if (!ekv_dtype_valid(kv->dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "unknown K/V dtype %d", (int)kv->dtype);
     if (kv->stride_token % 8 || kv->stride_head % 8 || kv->stride_page % 8)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K/V strides must be multiples of 8 elements (16-byte loads)");
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "K/V strides must be multiples of 8 elements (16-byte loads)");
     if (((uintptr_t)kv->k | (uintptr_t)kv->v) % 16)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K and V must be 16-byte aligned");
     return EKV_OK;
 }
 
 /* The launches of one step, in the order the method table's stages give them. */
-static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
-                           const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                           const ekv_select_params *sel, const ekv_paged_kv *kv,
+                           const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                            float *out) {
     const ekv_method_info *mi = ekv_method_info_of(ekv_step_method(sel));
     const unsigned stg = mi->stages;
@@ -193,10 +228,13 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
     const int B = t->batch;
     pl->launches = 0;
     pl->last_batch = B;
-    if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B))) return s;
-    if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B))) return s;
-    if ((stg & EKV_STAGE_TOPK) && (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, certified ? sel->sink_pages : 0,
-                                                            certified ? sel->recent_pages : 0)))
+    if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B)))
+        return s;
+    if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B)))
+        return s;
+    if ((stg & EKV_STAGE_TOPK) &&
+        (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, certified ? sel->sink_pages : 0,
+                                  certified ? sel->recent_pages : 0)))
         return s;
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1))) return s;
     if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
@@ -208,8 +246,9 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
     return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
 }
 
-extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                      const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                      const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                      const ekv_page_stats *st, const ekv_page_table *t,
                                       const float *q, float *out) {
     if (!pl) return EKV_ERR_NULL_POINTER;
     ekv_status s = ekv_decode_supported(pl->ctx, EKV_BACKEND_CUDA, prm, sel);
@@ -220,8 +259,9 @@ extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params
 }
 
 extern "C" ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                                const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                                const ekv_select_params *sel,
+                                                const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                                const ekv_page_table *t, const float *q,
                                                 float *out) {
     if (!pl) return EKV_ERR_NULL_POINTER;
     if (!sel) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "select params must not be NULL");
@@ -234,28 +274,51 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
     if (!pl) return EKV_ERR_NULL_POINTER;
     if (!r) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "report must not be NULL");
     if (batch < 1 || batch > pl->p.max_batch)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch, pl->p.max_batch);
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
+                        pl->p.max_batch);
     EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
     const int64_t nh = (int64_t)batch * pl->p.num_heads, nl = (int64_t)batch * pl->p.num_kv_heads;
-    if (r->tau) EKV_CUDA_TRY(pl, cudaMemcpy(r->tau, pl->tau, (size_t)nh * sizeof(double), cudaMemcpyDeviceToHost));
-    if (r->support) EKV_CUDA_TRY(pl, cudaMemcpy(r->support, pl->support, (size_t)nh * sizeof(int64_t), cudaMemcpyDeviceToHost));
-    if (r->v_rows) EKV_CUDA_TRY(pl, cudaMemcpy(r->v_rows, pl->v_rows, (size_t)nl * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    if (r->tau)
+        EKV_CUDA_TRY(pl, cudaMemcpy(r->tau, pl->tau, (size_t)nh * sizeof(double),
+                                    cudaMemcpyDeviceToHost));
+    if (r->support)
+        EKV_CUDA_TRY(pl, cudaMemcpy(r->support, pl->support, (size_t)nh * sizeof(int64_t),
+                                    cudaMemcpyDeviceToHost));
+    if (r->v_rows)
+        EKV_CUDA_TRY(pl, cudaMemcpy(r->v_rows, pl->v_rows, (size_t)nl * sizeof(int64_t),
+                                    cudaMemcpyDeviceToHost));
     int32_t *cnt = (int32_t *)malloc((size_t)nl * 2 * sizeof(int32_t));
     if (!cnt) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
-    cudaError_t e = cudaMemcpy(cnt, pl->list_count, (size_t)nl * 2 * sizeof(int32_t), cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+    cudaError_t e = cudaMemcpy(cnt, pl->list_count, (size_t)nl * 2 * sizeof(int32_t),
+                               cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) {
+        free(cnt);
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e));
+    }
     if (r->list_pages) {
-        e = cudaMemcpy(r->list_pages, pl->list_pages, (size_t)(nl * pl->cap_pages) * sizeof(int32_t), cudaMemcpyDeviceToHost);
-        if (e != cudaSuccess) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+        e = cudaMemcpy(r->list_pages, pl->list_pages,
+                       (size_t)(nl * pl->cap_pages) * sizeof(int32_t), cudaMemcpyDeviceToHost);
+        if (e != cudaSuccess) {
+            free(cnt);
+            return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e));
+        }
     }
     r->slow_rows = 0;
     {
         int32_t *fl = (int32_t *)malloc((size_t)nh * sizeof(int32_t));
-        if (!fl) { free(cnt); return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory"); }
+        if (!fl) {
+            free(cnt);
+            return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+        }
         e = cudaMemcpy(fl, pl->flags, (size_t)nh * sizeof(int32_t), cudaMemcpyDeviceToHost);
         /* on the plan's stream: the next step's kernels (which may set flags) come after it */
-        if (e == cudaSuccess) e = cudaMemsetAsync(pl->flags, 0, (size_t)nh * sizeof(int32_t), pl->stream);
-        if (e != cudaSuccess) { free(fl); free(cnt); return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e)); }
+        if (e == cudaSuccess)
+            e = cudaMemsetAsync(pl->flags, 0, (size_t)nh * sizeof(int32_t), pl->stream);
+        if (e != cudaSuccess) {
+            free(fl);
+            free(cnt);
+            return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e));
+        }
         for (int64_t i = 0; i < nh; i++) r->slow_rows += (fl[i] & 1) != 0;
         free(fl);
     }

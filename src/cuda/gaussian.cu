@@ -1,6 +1,6 @@
 /*
- * The Gaussian-aware selector on the GPU (mirrors src/select/gaussian.c; docs/math.md §4.2-4.9, exact
- * tau mode): pages whose upper score quantile a (mu_p + z_page sigma_p) clears the floor
+ * The Gaussian-aware selector on the GPU (mirrors src/select/gaussian.c; docs/math.md §4.2-4.9,
+ * exact tau mode): pages whose upper score quantile a (mu_p + z_page sigma_p) clears the floor
  * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for some query head of the group.
  *   moments: one warp per (page, KV head): mu_p = <q', kmean_p>, sigma_p^2 =
  *            sum_d q'_d^2 max(M2_pd / n_p, 1e-12), in fp32 like the CPU, per group head;
@@ -37,7 +37,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args
         qs[i] = (float)(A.scale * A.q[((int64_t)b * A.H + kvh * G + i / D) * D + i % D]);
     __syncthreads();
     const int64_t Ps = sg.P > 1 ? sg.P - 1 : 1;
-    const int64_t pend = ((int64_t)blockIdx.x + 1) * GM_PAGES < Ps ? ((int64_t)blockIdx.x + 1) * GM_PAGES : Ps;
+    const int64_t pend =
+            ((int64_t)blockIdx.x + 1) * GM_PAGES < Ps ? ((int64_t)blockIdx.x + 1) * GM_PAGES : Ps;
     for (int64_t p = (int64_t)blockIdx.x * GM_PAGES + warp; p < pend; p += GM_WARPS) {
         const int64_t page = A.t.indices[sg.first + p], so = (page * A.Hk + kvh) * D;
         const int32_t cnt = A.st.count[page];
@@ -115,12 +116,14 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
         s_mu2 = ekv_block_sum(s_mu2, scratch);
         s_u = ekv_block_sum(s_u, scratch);
         if (threadIdx.x == 0) {
-            double mug = s_mu / (double)Ps, vin = s_var / (double)Ps, vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
+            double mug = s_mu / (double)Ps, vin = s_var / (double)Ps,
+                   vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
             double sgg = fmax(sqrt(vin + vbtw), 1e-6);
             if (!isfinite(mug)) mug = 0;
             if (sgg != sgg) sgg = 1e-6;
             if (sgg == CUDART_INF) sgg = 1e6;
-            const double tau = ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n, A.reference_m3);
+            const double tau =
+                    ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n, A.reference_m3);
             const double uavg = s_u / (double)Ps, theta = tau / A.a;
             const double dsig = A.margin_z * sgg, dexc = A.excess * fmax(theta - uavg, 0.0);
             tfloor[g] = tau - A.a * fmax(dsig, dexc);
@@ -131,7 +134,9 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     auto take = [&](int64_t p) {
         for (int g = 0; g < A.G; g++) {
             const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
-            if (A.a * (A.mu[bh * A.cap_pages + p] + A.zpage * A.sig[bh * A.cap_pages + p]) > tfloor[g]) return true;
+            if (A.a * (A.mu[bh * A.cap_pages + p] + A.zpage * A.sig[bh * A.cap_pages + p]) >
+                tfloor[g])
+                return true;
         }
         return false;
     };
@@ -152,8 +157,9 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
 
 } // namespace
 
-ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                    const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                    const ekv_page_stats *st, const ekv_page_table *t,
                                     const float *q, int batch) {
     gm_args M;
     M.st = *st;
@@ -169,7 +175,8 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
     M.mu = pl->gmu;
     M.sig = pl->gsig;
     dim3 grid((unsigned)((pl->cap_pages + GM_PAGES - 1) / GM_PAGES), batch * M.Hk);
-    gauss_moments_kernel<<<grid, EKV_CUDA_THREADS, (size_t)M.G * M.D * sizeof(float), pl->stream>>>(M);
+    gauss_moments_kernel<<<grid, EKV_CUDA_THREADS, (size_t)M.G * M.D * sizeof(float), pl->stream>>>(
+            M);
     EKV_CUDA_LAUNCHED(pl);
     gr_args R;
     R.t = *t;

@@ -25,7 +25,7 @@ struct topk_args {
     int Hk, ps;
     int64_t cap_pages, budget_tokens;
     int sink, recent;
-    const float *keys;        /* [B*Hk][cap_pages] */
+    const float *keys; /* [B*Hk][cap_pages] */
     int32_t *list_pages, *list_count;
     uint8_t *in_list;
 };
@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
 #pragma unroll
                 for (int u = 0; u < SEL_UNROLL; u++) {
                     const uint32_t kk = order_key(kf[u]);
-                    if (p0 + (int64_t)u * blockDim.x < n && (kk & mask) == prefix) atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
+                    if (p0 + (int64_t)u * blockDim.x < n && (kk & mask) == prefix)
+                        atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
                 }
             }
             __syncthreads();
@@ -83,7 +84,8 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
                     if (lane >= o) incl += v;
                 }
                 const int excl = incl - sum;
-                const unsigned hit = __ballot_sync(0xffffffffu, excl < remaining && incl >= remaining);
+                const unsigned hit =
+                        __ballot_sync(0xffffffffu, excl < remaining && incl >= remaining);
                 if (lane == __ffs(hit) - 1) {
                     int cum = excl, d = 255 - 8 * lane;
                     for (int i = 0; i < 7; i++, d--) {
@@ -138,8 +140,8 @@ struct round2_args {
     ekv_page_table t;
     int H, Hk, G, ps;
     int64_t cap_pages;
-    const float *bounds;      /* [B*H][cap_pages] */
-    const double *tau;        /* [B*H] round 1 */
+    const float *bounds; /* [B*H][cap_pages] */
+    const double *tau;   /* [B*H] round 1 */
     int32_t *list_pages, *list_count;
     const uint8_t *in_list;
 };
@@ -173,8 +175,8 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
 
 } // namespace
 
-ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int64_t budget_tokens,
-                                int32_t sink_pages, int32_t recent_pages) {
+ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
+                                int64_t budget_tokens, int32_t sink_pages, int32_t recent_pages) {
     topk_args A;
     A.t = *t;
     A.Hk = pl->p.num_kv_heads;

@@ -7,7 +7,8 @@
 #include "../cpu/attend.h"
 
 ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                           const ekv_page_table *tab, const float *q, int64_t stride, float *p, double *tau) {
+                           const ekv_page_table *tab, const float *q, int64_t stride, float *p,
+                           double *tau) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     if (!q || !p) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !q ? "q" : "p");
     ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
@@ -26,27 +27,35 @@ static void mark_list(const ekv_page_list *list, int64_t li, uint8_t *in, int64_
     for (int64_t i = list->indptr[li]; i < list->indptr[li + 1]; i++) in[list->pages[i]] = 1;
 }
 
-static ekv_status validate_delta(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                                 const ekv_page_table *tab, const ekv_page_list *list, const double *tau,
+static ekv_status validate_delta(ekv_context *ctx, const ekv_decode_params *prm,
+                                 const ekv_paged_kv *kv, const ekv_page_table *tab,
+                                 const ekv_page_list *list, const double *tau,
                                  const double *delta_bar) {
     if (!prm || !kv || !tab || !list || !tau || !delta_bar)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params, kv, table, list, tau and delta_bar must not be NULL");
-    if (!list->bounds) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->bounds is NULL (ask ekv_select_pages for them)");
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
+                        "params, kv, table, list, tau and delta_bar must not be NULL");
+    if (!list->bounds)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
+                        "list->bounds is NULL (ask ekv_select_pages for them)");
     ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
     if (!st) st = ekv_validate_step(ctx, prm, kv, tab, NULL);
     if (st) return st;
-    if (!(prm->alpha > 1.0)) return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "delta_bar needs entmax (alpha > 1)");
+    if (!(prm->alpha > 1.0))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "delta_bar needs entmax (alpha > 1)");
     st = ekv_validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
     if (st) return st;
     for (int64_t b = 0; b < tab->batch; b++)
         if (ekv_seq_pages(tab->indptr, b) - 1 > list->bounds_stride)
-            return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below sequence %lld's %lld scored pages",
-                            (long long)list->bounds_stride, (long long)b, (long long)(ekv_seq_pages(tab->indptr, b) - 1));
+            return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                            "list->bounds_stride=%lld is below sequence %lld's %lld scored pages",
+                            (long long)list->bounds_stride, (long long)b,
+                            (long long)(ekv_seq_pages(tab->indptr, b) - 1));
     return EKV_OK;
 }
 
 ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                           const ekv_page_table *tab, const ekv_page_list *list, const double *tau, double *delta_bar) {
+                           const ekv_page_table *tab, const ekv_page_list *list, const double *tau,
+                           double *delta_bar) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     ekv_status st = validate_delta(ctx, prm, kv, tab, list, tau, delta_bar);
     if (st) return st;

@@ -8,8 +8,8 @@
 #include "../cpu/attend.h"
 #include <stdlib.h>
 
-static void oracle_list(const float *pr, int64_t nmax, int64_t ps, int64_t P, int64_t h0, int64_t hn, int32_t *out,
-                        int64_t *w) {
+static void oracle_list(const float *pr, int64_t nmax, int64_t ps, int64_t P, int64_t h0,
+                        int64_t hn, int32_t *out, int64_t *w) {
     for (int64_t p = 0; p + 1 < P; p++) {
         int hit = 0;
         for (int64_t h = h0; h < h0 + hn && !hit; h++)
@@ -19,23 +19,25 @@ static void oracle_list(const float *pr, int64_t nmax, int64_t ps, int64_t P, in
     out[(*w)++] = (int32_t)(P - 1);
 }
 
-ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                 const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
-                                 ekv_page_list *list) {
+ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm,
+                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                 const ekv_page_table *t, const float *q, ekv_page_list *list) {
     const int64_t B = t->batch, H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads;
     const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t nmax = maxP * ps;
     float *pr = malloc(sizeof(float) * (size_t)(B * H * nmax));
-    if (!pr) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "oracle: no memory for the dense distribution");
+    if (!pr)
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "oracle: no memory for the dense distribution");
     const ekv_lists_args a = {.mode = EKV_LISTS_PROBS, .probs = pr, .pstride = nmax};
     ekv_status s = ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a);
     int64_t w = 0;
     list->indptr[0] = 0;
     for (int64_t b = 0; !s && b < B; b++)
         for (int64_t l = 0; l < heads; l++) {
-            oracle_list(pr + b * H * nmax, nmax, ps, ekv_seq_pages(t->indptr, b), ekv_list_head0(l, heads, H, G),
-                        ekv_list_nheads(heads, H, G), list->pages, &w);
+            oracle_list(pr + b * H * nmax, nmax, ps, ekv_seq_pages(t->indptr, b),
+                        ekv_list_head0(l, heads, H, G), ekv_list_nheads(heads, H, G), list->pages,
+                        &w);
             list->indptr[b * heads + l + 1] = w;
         }
     free(pr);

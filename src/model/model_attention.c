@@ -31,22 +31,27 @@ static int grow(void *pp, int64_t *cap, int64_t n, size_t es) {
 }
 
 /* The CSR of the T prefix views ending at positions pos0 .. pos0+T-1. */
-static ekv_status build_views(ekv_model *m, model_layer *L, int64_t pos0, int64_t T, ekv_page_table *tab) {
+static ekv_status build_views(ekv_model *m, model_layer *L, int64_t pos0, int64_t T,
+                              ekv_page_table *tab) {
     attn_scratch *a = &m->as;
     const int64_t ps = m->prm.page_size, len = pos0 + T, P = (len + ps - 1) / ps;
     int64_t ip[2], needed = 0, total = 0;
     int32_t lpl;
     if (grow(&a->full, &a->full_cap, P, sizeof(int32_t)))
         return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory (page table)");
-    ekv_status s = ekv_cache_page_table(L->cache, &L->seq, 1, ip, a->full, a->full_cap, &lpl, &needed);
+    ekv_status s =
+            ekv_cache_page_table(L->cache, &L->seq, 1, ip, a->full, a->full_cap, &lpl, &needed);
     if (s) return s;
-    if (needed != P) return ekv_fail(m->ctx, EKV_ERR_INTERNAL, "model: layer cache holds %lld pages, expected %lld",
-                                     (long long)needed, (long long)P);
+    if (needed != P)
+        return ekv_fail(m->ctx, EKV_ERR_INTERNAL,
+                        "model: layer cache holds %lld pages, expected %lld", (long long)needed,
+                        (long long)P);
     for (int64_t t = 0; t < T; t++) total += (pos0 + t) / ps + 1;
     int64_t cap1 = T + 1;
     if (!a->indptr) a->indptr = malloc(sizeof(int64_t) * (EKV_MODEL_BLOCK + 1));
     if (!a->last_len) a->last_len = malloc(sizeof(int32_t) * EKV_MODEL_BLOCK);
-    if (!a->indptr || !a->last_len || cap1 > EKV_MODEL_BLOCK + 1 || grow(&a->indices, &a->indices_cap, total, sizeof(int32_t)))
+    if (!a->indptr || !a->last_len || cap1 > EKV_MODEL_BLOCK + 1 ||
+        grow(&a->indices, &a->indices_cap, total, sizeof(int32_t)))
         return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory (prefix views)");
     int64_t w = 0;
     a->indptr[0] = 0;
@@ -69,7 +74,8 @@ ekv_decode_params ekv_model_decode_params(const ekv_model_config *c, const float
     return dp;
 }
 
-ekv_select_params ekv_model_select_params(ekv_select_method method, double budget, int64_t view_len) {
+ekv_select_params ekv_model_select_params(ekv_select_method method, double budget,
+                                          int64_t view_len) {
     ekv_select_params sp = ekv_select_default_params();
     sp.method = method;
     if (method == EKV_SELECT_TOPK) sp.budget_fraction = budget;
@@ -78,8 +84,8 @@ ekv_select_params ekv_model_select_params(ekv_select_method method, double budge
     return sp;
 }
 
-ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64_t T, const float *q, const float *k,
-                               const float *v, float *out) {
+ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64_t T,
+                               const float *q, const float *k, const float *v, float *out) {
     ekv_status s = ekv_cache_append(L->cache, L->seq, T, k, v, EKV_DTYPE_F32);
     if (s) return s;
     ekv_page_table tab;

@@ -19,18 +19,18 @@ typedef struct {
     model_matrix wq, wk, wv, wo, w1, w2, w3;
     ekv_cache *cache;
     int32_t seq;
-    float *last_q;               /* [n_heads * head_dim] of the last token run */
+    float *last_q; /* [n_heads * head_dim] of the last token run */
     ekv_model_stats stats;
 } model_layer;
 
 /* Scratch of one attention call over a block: the CSR of T prefix views of the sequence.
  * Grown on demand (the page lists live in the context, inside ekv_decode). */
 typedef struct {
-    int64_t *indptr;      /* [T + 1] */
-    int32_t *indices;     /* prefix views: T * pages */
-    int32_t *last_len;    /* [T] */
+    int64_t *indptr;   /* [T + 1] */
+    int32_t *indices;  /* prefix views: T * pages */
+    int32_t *last_len; /* [T] */
     int64_t indices_cap;
-    int32_t *full;        /* the sequence's own page list */
+    int32_t *full; /* the sequence's own page list */
     int64_t full_cap;
 } attn_scratch;
 
@@ -38,16 +38,16 @@ struct ekv_model {
     ekv_context *ctx;
     ekv_model_config cfg;
     ekv_model_params prm;
-    void *weights;            /* one aligned copy of every matrix */
-    float *vectors;           /* norm weights, fp32 */
+    void *weights;  /* one aligned copy of every matrix */
+    float *vectors; /* norm weights, fp32 */
     model_layer *layers;
     model_matrix tok_emb, out_w;
     float *norm_w;
-    float *slopes;            /* [n_heads] NAPE */
+    float *slopes; /* [n_heads] NAPE */
     int64_t pos;
     /* activations of one block [EKV_MODEL_BLOCK][...] */
     float *x, *xn, *q, *k, *v, *att, *h1, *h3, *proj;
-    float *zmax;              /* [threads][EKV_MODEL_BLOCK] scratch of the matmul kernel */
+    float *zmax; /* [threads][EKV_MODEL_BLOCK] scratch of the matmul kernel */
     attn_scratch as;
 };
 
@@ -58,7 +58,8 @@ struct ekv_model {
 ekv_decode_params ekv_model_decode_params(const ekv_model_config *cfg, const float *slopes);
 /* The select params of a method for a block whose shortest prefix view has view_len tokens:
  * topk reads a fraction of each view; certified sizes its round 1 by the shortest view. */
-ekv_select_params ekv_model_select_params(ekv_select_method method, double budget, int64_t view_len);
-ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64_t T, const float *q,
-                               const float *k, const float *v, float *out);
+ekv_select_params ekv_model_select_params(ekv_select_method method, double budget,
+                                          int64_t view_len);
+ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64_t T,
+                               const float *q, const float *k, const float *v, float *out);
 #endif

@@ -16,7 +16,8 @@ static int cmp_desc_ld(const void *a, const void *b) {
 /* Exact tau (z-space) by sorting (alpha 1.5, 2: docs/math.md §8) or bisection (other alpha). */
 static real ref_tau(const real *z, int64_t n, double alpha, real *tmp) {
     real m = z[0];
-    for (int64_t i = 1; i < n; i++) if (z[i] > m) m = z[i];
+    for (int64_t i = 1; i < n; i++)
+        if (z[i] > m) m = z[i];
     if (alpha == 1.0) {
         real s = 0;
         for (int64_t i = 0; i < n; i++) s += expl(z[i] - m);
@@ -36,8 +37,10 @@ static real ref_tau(const real *z, int64_t n, double alpha, real *tmp) {
                 real mean = c / kk, ss = q - kk * mean * mean, d = (1 - ss) / kk;
                 t = mean - sqrtl(d > 0 ? d : 0);
             }
-            if (t < tmp[k]) best = t;
-            else break;
+            if (t < tmp[k])
+                best = t;
+            else
+                break;
         }
         return best;
     }
@@ -46,14 +49,17 @@ static real ref_tau(const real *z, int64_t n, double alpha, real *tmp) {
         real mid = (lo + hi) / 2, f = 0;
         for (int64_t i = 0; i < n; i++)
             if (z[i] > mid) f += powl(z[i] - mid, beta);
-        if (f > 1) lo = mid; else hi = mid;
+        if (f > 1)
+            lo = mid;
+        else
+            hi = mid;
     }
     return (lo + hi) / 2;
 }
 
 ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
-                                const ekv_paged_kv *kv, const ekv_page_table *tab,
-                                const float *q, float *out, ekv_decode_info *info) {
+                                const ekv_paged_kv *kv, const ekv_page_table *tab, const float *q,
+                                float *out, ekv_decode_info *info) {
     ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_REF, prm, NULL);
     if (!st) st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
     if (st) return st;
@@ -66,7 +72,10 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
     real *o = malloc(sizeof(real) * (size_t)D);
     float *res = malloc(sizeof(float) * (size_t)(tab->batch * H * D));
     if (!z || !tmp || !o || !res) {
-        free(z); free(tmp); free(o); free(res);
+        free(z);
+        free(tmp);
+        free(o);
+        free(res);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "reference decode: out of memory");
     }
     int64_t bytes_k = 0, bytes_v = 0;
@@ -78,9 +87,11 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
             const float *qh = q + ((int64_t)b * H + h) * D;
             for (int64_t j = 0; j < N; j++) {
                 int32_t page = tab->indices[tab->indptr[b] + j / ps];
-                int64_t off = (int64_t)page * kv->stride_page + kvh * kv->stride_head + (j % ps) * kv->stride_token;
+                int64_t off = (int64_t)page * kv->stride_page + kvh * kv->stride_head +
+                              (j % ps) * kv->stride_token;
                 real s = 0;
-                for (int64_t d = 0; d < D; d++) s += (real)qh[d] * (real)ekv_load_f32(kv->k, kv->dtype, off + d);
+                for (int64_t d = 0; d < D; d++)
+                    s += (real)qh[d] * (real)ekv_load_f32(kv->k, kv->dtype, off + d);
                 s *= scale;
                 if (prm->alibi_slopes) s += (real)prm->alibi_slopes[h] * (real)(j - (N - 1));
                 z[j] = a * s;
@@ -95,17 +106,22 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
             for (int64_t d = 0; d < D; d++) o[d] = 0;
             for (int64_t j = 0; j < N; j++) {
                 real p;
-                if (prm->alpha == 1.0) p = expl(z[j] - tau);
-                else p = z[j] > tau ? powl(z[j] - tau, 1.0L / a) : 0;
+                if (prm->alpha == 1.0)
+                    p = expl(z[j] - tau);
+                else
+                    p = z[j] > tau ? powl(z[j] - tau, 1.0L / a) : 0;
                 if (p <= 0) continue;
                 sup++;
                 psum += p;
                 int32_t page = tab->indices[tab->indptr[b] + j / ps];
-                int64_t off = (int64_t)page * kv->stride_page + kvh * kv->stride_head + (j % ps) * kv->stride_token;
-                for (int64_t d = 0; d < D; d++) o[d] += p * (real)ekv_load_f32(kv->v, kv->dtype, off + d);
+                int64_t off = (int64_t)page * kv->stride_page + kvh * kv->stride_head +
+                              (j % ps) * kv->stride_token;
+                for (int64_t d = 0; d < D; d++)
+                    o[d] += p * (real)ekv_load_f32(kv->v, kv->dtype, off + d);
             }
             /* bisection leaves sum p = 1 +- 1e-18; renormalise like docs/math.md §9.8 */
-            for (int64_t d = 0; d < D; d++) res[((int64_t)b * H + h) * D + d] = (float)(o[d] / psum);
+            for (int64_t d = 0; d < D; d++)
+                res[((int64_t)b * H + h) * D + d] = (float)(o[d] / psum);
             if (info && info->tau) info->tau[(int64_t)b * H + h] = (double)(tau + zmax);
             if (info && info->support) info->support[(int64_t)b * H + h] = sup;
             bytes_v += sup * D * es; /* per query head (the ref does not share rows) */
@@ -116,7 +132,10 @@ ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_params *prm,
         info->bytes_k = bytes_k;
         info->bytes_v = bytes_v;
     }
-    free(z); free(tmp); free(o); free(res);
+    free(z);
+    free(tmp);
+    free(o);
+    free(res);
     ekv_clear_error(ctx);
     return EKV_OK;
 }

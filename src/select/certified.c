@@ -19,15 +19,16 @@ typedef struct {
     int64_t B, H, heads, maxP, cap;
     int64_t *ip1, *ip2; /* CSR of round 1 and of the top-k candidates */
     int32_t *pg1, *pg2;
-    float *bounds;      /* [B*H][maxP] certified page bounds */
-    uint8_t *in;        /* [maxP] page flags */
-    int64_t *added;     /* [B*heads] round-2 pages */
-    double *tau0;       /* [B*H] round 0's tau (superpage skipping) */
-    float *o0;          /* [B*H*D] round 0's (unused) output */
+    float *bounds;  /* [B*H][maxP] certified page bounds */
+    uint8_t *in;    /* [maxP] page flags */
+    int64_t *added; /* [B*heads] round-2 pages */
+    double *tau0;   /* [B*H] round 0's tau (superpage skipping) */
+    float *o0;      /* [B*H*D] round 0's (unused) output */
 } cert_bufs;
 
-static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel, const ekv_decode_params *prm,
-                             const ekv_paged_kv *kv, const ekv_page_table *t, cert_bufs *c) {
+static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel,
+                             const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                             const ekv_page_table *t, cert_bufs *c) {
     c->B = t->batch;
     c->H = prm->num_heads;
     c->heads = sel->per_query_head ? c->H : kv->num_kv_heads;
@@ -35,8 +36,9 @@ static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel, con
     c->cap = ekv_page_list_capacity(t, (int32_t)c->heads);
     const int64_t nl = c->B * c->heads, BH = c->B * c->H;
     enum { IP1, IP2, PG1, PG2, BND, IN, ADD, TAU0, O0, NB };
-    const int64_t sz[NB] = {(nl + 1) * 8, (nl + 1) * 8, c->cap * 4, c->cap * 4, BH * c->maxP * 4, c->maxP, nl * 8,
-                            BH * 8, BH * kv->head_dim * 4};
+    const int64_t sz[NB] = {(nl + 1) * 8, (nl + 1) * 8,     c->cap * 4,
+                            c->cap * 4,   BH * c->maxP * 4, c->maxP,
+                            nl * 8,       BH * 8,           BH * kv->head_dim * 4};
     int64_t off[NB];
     ekv_status s;
     char *m = ekv_step_blocks(ctx, sz, NB, off, "certified decode", &s);
@@ -55,8 +57,9 @@ static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel, con
 
 /* Round 0 (superpages, docs/math.md §9.6): tau over the last pages is a lower bound of tau*,
  * so the bound stage can skip the summaries of every superpage already below it. */
-static ekv_status round0(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                         const ekv_paged_kv *kv, const ekv_page_table *t, const float *q, cert_bufs *c) {
+static ekv_status round0(ekv_context *ctx, const ekv_decode_params *prm,
+                         const ekv_select_params *sel, const ekv_paged_kv *kv,
+                         const ekv_page_table *t, const float *q, cert_bufs *c) {
     const int64_t R0 = sel->recent_pages > 0 ? sel->recent_pages + 1 : 4;
     int64_t w = 0;
     c->ip1[0] = 0;
@@ -67,22 +70,26 @@ static ekv_status round0(ekv_context *ctx, const ekv_decode_params *prm, const e
             c->ip1[b * c->heads + l + 1] = w;
         }
     }
-    const ekv_page_list list0 = {.heads = (int32_t)c->heads, .indptr = c->ip1, .pages = c->pg1, .capacity = c->cap};
+    const ekv_page_list list0 = {
+            .heads = (int32_t)c->heads, .indptr = c->ip1, .pages = c->pg1, .capacity = c->cap};
     ekv_decode_info i0 = {.tau = c->tau0};
     const ekv_lists_args a = {.mode = EKV_LISTS_OUTPUT, .list = &list0, .out = c->o0, .info = &i0};
     return ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a);
 }
 
 /* Adaptive round 1: the pages a hint of tau cannot rule out (replaces the top-k pages). */
-static void hint_lists(const ekv_select_params *sel, const ekv_page_table *t, int64_t G, cert_bufs *c) {
+static void hint_lists(const ekv_select_params *sel, const ekv_page_table *t, int64_t G,
+                       cert_bufs *c) {
     int64_t w = 0;
     for (int64_t b = 0; b < c->B; b++) {
         const int64_t P = ekv_seq_pages(t->indptr, b);
         for (int64_t l = 0; l < c->heads; l++) {
-            const int64_t h0 = ekv_list_head0(l, c->heads, c->H, G), hn = ekv_list_nheads(c->heads, c->H, G);
+            const int64_t h0 = ekv_list_head0(l, c->heads, c->H, G),
+                          hn = ekv_list_nheads(c->heads, c->H, G);
             for (int64_t p = 0; p + 1 < P; p++)
                 for (int64_t h = h0; h < h0 + hn; h++)
-                    if ((double)c->bounds[(b * c->H + h) * c->maxP + p] > sel->tau_hint[b * c->H + h]) {
+                    if ((double)c->bounds[(b * c->H + h) * c->maxP + p] >
+                        sel->tau_hint[b * c->H + h]) {
                         c->pg2[w++] = (int32_t)p;
                         break;
                     }
@@ -93,7 +100,8 @@ static void hint_lists(const ekv_select_params *sel, const ekv_page_table *t, in
 }
 
 /* Round 1 = the candidates plus the sink and recent pages (deduplicated, in page order). */
-static void round1_lists(const ekv_select_params *sel, const ekv_page_table *t, cert_bufs *c, int32_t *pages_round1) {
+static void round1_lists(const ekv_select_params *sel, const ekv_page_table *t, cert_bufs *c,
+                         int32_t *pages_round1) {
     int64_t w = 0;
     c->ip1[0] = 0;
     for (int64_t b = 0; b < c->B; b++) {
@@ -103,8 +111,10 @@ static void round1_lists(const ekv_select_params *sel, const ekv_page_table *t, 
             memset(c->in, 0, (size_t)P);
             for (int64_t i = c->ip2[li]; i < c->ip2[li + 1]; i++) c->in[c->pg2[i]] = 1;
             for (int64_t p = 0; p < sel->sink_pages && p < P; p++) c->in[p] = 1;
-            for (int64_t p = P - 1 - sel->recent_pages; p < P; p++) if (p >= 0) c->in[p] = 1;
-            for (int64_t p = 0; p < P; p++) if (c->in[p]) c->pg1[w++] = (int32_t)p;
+            for (int64_t p = P - 1 - sel->recent_pages; p < P; p++)
+                if (p >= 0) c->in[p] = 1;
+            for (int64_t p = 0; p < P; p++)
+                if (c->in[p]) c->pg1[w++] = (int32_t)p;
             c->ip1[li + 1] = w;
             if (pages_round1) pages_round1[li] = (int32_t)(c->ip1[li + 1] - c->ip1[li]);
         }
@@ -125,27 +135,39 @@ static ekv_select_params candidate_select(const ekv_select_params *sel, const ek
         minN = N < minN ? N : minN;
     }
     if (ts.budget_tokens > minN) ts.budget_tokens = minN;
-    if (ts.budget_tokens < 1 || sel->tau_hint) ts.budget_tokens = 1; /* a hint: only the bounds are needed */
+    if (ts.budget_tokens < 1 || sel->tau_hint)
+        ts.budget_tokens = 1; /* a hint: only the bounds are needed */
     if (sel->tau_hint) ts.budget_fraction = 0.0;
     return ts;
 }
 
-ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                 const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                                 const float *q, float *out, ekv_decode_info *info, ekv_certified_info *ci) {
+ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
+                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                 float *out, ekv_decode_info *info, ekv_certified_info *ci) {
     cert_bufs c = {0};
     ekv_status s = cert_alloc(ctx, sel, prm, kv, t, &c);
     const int superpages = st->smin && st->superpage_pages > 0 && !sel->tau_lb;
     if (!s && superpages) s = round0(ctx, prm, sel, kv, t, q, &c);
     if (s) return s;
     const ekv_select_params ts = candidate_select(sel, kv, t, superpages ? c.tau0 : sel->tau_lb);
-    ekv_page_list sl = {.indptr = c.ip2, .pages = c.pg2, .capacity = c.cap, .bounds = c.bounds, .bounds_stride = c.maxP};
+    ekv_page_list sl = {.indptr = c.ip2,
+                        .pages = c.pg2,
+                        .capacity = c.cap,
+                        .bounds = c.bounds,
+                        .bounds_stride = c.maxP};
     if ((s = ekv_cpu_select_run(ctx, prm, &ts, kv, st, t, q, &sl))) return s;
     if (sel->tau_hint) hint_lists(sel, t, c.H / kv->num_kv_heads, &c);
     round1_lists(sel, t, &c, ci ? ci->pages_round1 : NULL);
-    const ekv_page_list list1 = {.heads = (int32_t)c.heads, .indptr = c.ip1, .pages = c.pg1, .capacity = c.cap};
-    const ekv_lists_args a = {.mode = EKV_LISTS_CERTIFY, .list = &list1, .out = out, .info = info,
-                              .bounds = c.bounds, .bstride = c.maxP, .round2 = c.added};
+    const ekv_page_list list1 = {
+            .heads = (int32_t)c.heads, .indptr = c.ip1, .pages = c.pg1, .capacity = c.cap};
+    const ekv_lists_args a = {.mode = EKV_LISTS_CERTIFY,
+                              .list = &list1,
+                              .out = out,
+                              .info = info,
+                              .bounds = c.bounds,
+                              .bstride = c.maxP,
+                              .round2 = c.added};
     if ((s = ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a))) return s;
     if (ci) {
         ci->bytes_summary = sl.bytes_summary;
@@ -159,9 +181,10 @@ ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
     return EKV_OK;
 }
 
-ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                                const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                                const float *q, float *out, ekv_decode_info *info, ekv_certified_info *ci) {
+ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                float *out, ekv_decode_info *info, ekv_certified_info *ci) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     if (!sel) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "select must not be NULL");
     ekv_select_params cs = *sel;

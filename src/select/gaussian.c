@@ -1,6 +1,6 @@
 /*
- * The Gaussian-aware selector (docs/math.md §4.1-4.12), paper-faithful except where docs/math.md §6 marks a
- * bug: the user's margin and quantile take effect unless auto_margin asks for the rule of
+ * The Gaussian-aware selector (docs/math.md §4.1-4.12), paper-faithful except where docs/math.md §6
+ * marks a bug: the user's margin and quantile take effect unless auto_margin asks for the rule of
  * 4.5 (6.1-2), the alpha = 4/3 moment is the correct one unless reference_m3 (6.1-1), GQA
  * works (6.1-3: one list per KV head is the union of its query heads' pages), and a single
  * page (P = 1) is simply the last page (6.1-5).
@@ -27,15 +27,15 @@ typedef struct {
     ekv_step_shape sh;
     int64_t pstride;
     double scale;
-    double *mu, *sig;    /* [B*H][pstride] page moments (mu ALiBi-shifted later) */
-    double *mug, *sigg;  /* [B*H] global moments */
+    double *mu, *sig;   /* [B*H][pstride] page moments (mu ALiBi-shifted later) */
+    double *mug, *sigg; /* [B*H] global moments */
     double margin_z, q_max;
-    int32_t *sel_pages;  /* [B*heads][pstride] selected stats pages per list, ascending */
-    int64_t *sel_count;  /* [B*heads] */
+    int32_t *sel_pages; /* [B*heads][pstride] selected stats pages per list, ascending */
+    int64_t *sel_count; /* [B*heads] */
     int64_t heads;
-    double *w_buf;       /* per worker [pstride] mixture weights */
-    double *tau_out;     /* [B*H] tau-hat (clamped in the fixed/corrected modes), or NULL */
-    float *w_q;          /* per worker [G][D] scaled queries */
+    double *w_buf;   /* per worker [pstride] mixture weights */
+    double *tau_out; /* [B*H] tau-hat (clamped in the fixed/corrected modes), or NULL */
+    float *w_q;      /* per worker [G][D] scaled queries */
 } gauss_job;
 
 static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
@@ -44,11 +44,13 @@ static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
  * statistics are read once for the group), then the global moments of the mixture per head. */
 static void moments_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
-    const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->sh.D, G = j->sh.G;
+    const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->sh.D,
+                  G = j->sh.G;
     const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = stats_pages(P);
     float *qs = j->w_q + (int64_t)worker * G * D; /* q' = scale * q for the group */
     for (int64_t g = 0; g < G; g++)
-        for (int64_t d = 0; d < D; d++) qs[g * D + d] = (float)(j->scale * j->q[(b * j->sh.H + kvh * G + g) * D + d]);
+        for (int64_t d = 0; d < D; d++)
+            qs[g * D + d] = (float)(j->scale * j->q[(b * j->sh.H + kvh * G + g) * D + d]);
     for (int64_t p = 0; p < Ps; p++) {
         const int32_t page = j->t->indices[j->t->indptr[b] + p];
         const int64_t off = ((int64_t)page * j->kv->num_kv_heads + kvh) * D;
@@ -62,7 +64,9 @@ static void moments_task(void *vp, int64_t task, int worker) {
             for (; d + 8 <= D; d += 8)
                 for (int l = 0; l < 8; l++) {
                     float var = m2[d + l] * finv;
-                    var = var > 1e-12f ? var : 1e-12f; /* population std clamped at 1e-6, docs/math.md §1.2 */
+                    var = var > 1e-12f
+                                  ? var
+                                  : 1e-12f; /* population std clamped at 1e-6, docs/math.md §1.2 */
                     mf[l] += qg[d + l] * mean[d + l];
                     vf[l] += qg[d + l] * qg[d + l] * var;
                 }
@@ -73,7 +77,10 @@ static void moments_task(void *vp, int64_t task, int worker) {
                 vf[0] += qg[d] * qg[d] * var;
             }
             double m = 0, v = 0;
-            for (int l = 0; l < 8; l++) { m += mf[l]; v += vf[l]; }
+            for (int l = 0; l < 8; l++) {
+                m += mf[l];
+                v += vf[l];
+            }
             const int64_t bh = b * j->sh.H + kvh * G + g;
             j->mu[bh * j->pstride + p] = m;
             j->sig[bh * j->pstride + p] = sqrt(v);
@@ -88,7 +95,8 @@ static void moments_task(void *vp, int64_t task, int worker) {
             s_var += sg[p] * sg[p];
             s_mu2 += mu[p] * mu[p];
         }
-        double mug = s_mu / (double)Ps, vin = s_var / (double)Ps, vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
+        double mug = s_mu / (double)Ps, vin = s_var / (double)Ps,
+               vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
         double sgg = fmax(sqrt(vin + vbtw), 1e-6);
         if (!isfinite(mug)) mug = 0;
         if (sgg != sgg) sgg = 1e-6;
@@ -103,9 +111,11 @@ static void moments_task(void *vp, int64_t task, int worker) {
 static void rule_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
     const int64_t b = task / j->heads, l = task % j->heads;
-    const int64_t h0 = j->sel->per_query_head ? l : l * j->sh.G, hn = j->sel->per_query_head ? 1 : j->sh.G;
+    const int64_t h0 = j->sel->per_query_head ? l : l * j->sh.G,
+                  hn = j->sel->per_query_head ? 1 : j->sh.G;
     const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = stats_pages(P), ps = j->sh.ps;
-    const int64_t N = ekv_seq_len(j->t->indptr, j->t->last_page_len, b, ps), n = P > 1 ? Ps * ps : N;
+    const int64_t N = ekv_seq_len(j->t->indptr, j->t->last_page_len, b, ps),
+                  n = P > 1 ? Ps * ps : N;
     const double zpage = ekv_normal_quantile(pow(j->q_max, 1.0 / (double)ps));
     const double zc = ekv_normal_quantile(pow(j->sel->clamp_quantile, 1.0 / (double)ps));
     int32_t *out = j->sel_pages + task * j->pstride;
@@ -128,14 +138,16 @@ static void rule_task(void *vp, int64_t task, int worker) {
             }
             tau = ekv_gauss_tau_mixture(j->prm->alpha, mu, sg, w, Ps, j->sel->reference_m3);
         } else {
-            tau = ekv_gauss_tau_single(j->prm->alpha, j->mug[bh], j->sigg[bh], (double)n, j->sel->reference_m3);
+            tau = ekv_gauss_tau_single(j->prm->alpha, j->mug[bh], j->sigg[bh], (double)n,
+                                       j->sel->reference_m3);
         }
         /* page rule (4.9) */
         double uavg = 0;
         for (int64_t p = 0; p < Ps; p++) uavg += mu[p] + 1.5 * sg[p];
         uavg /= (double)Ps;
         const double theta = tau / j->sh.a;
-        const double dsig = j->margin_z * j->sigg[bh], dexc = j->sel->excess_fraction * fmax(theta - uavg, 0.0);
+        const double dsig = j->margin_z * j->sigg[bh],
+                     dexc = j->sel->excess_fraction * fmax(theta - uavg, 0.0);
         const double tfloor = tau - j->sh.a * fmax(dsig, dexc);
         double capmax = -INFINITY;
         int any = 0;
@@ -154,14 +166,15 @@ static void rule_task(void *vp, int64_t task, int worker) {
         if (j->tau_out) j->tau_out[bh] = tau;
     }
     for (int64_t p = 0; p < Ps; p++)
-        if (out[p]) out[cnt++] = (int32_t)p; /* in place: cnt <= p */
+        if (out[p]) out[cnt++] = (int32_t)p;              /* in place: cnt <= p */
     if (P > 1 || cnt == 0) out[cnt++] = (int32_t)(P - 1); /* the last page, always */
     j->sel_count[task] = cnt;
 }
 
-ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                               const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                               const float *q, ekv_page_list *list) {
+ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm,
+                               const ekv_select_params *sel, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                               ekv_page_list *list) {
     gauss_job j;
     memset(&j, 0, sizeof j);
     j.prm = prm;
@@ -176,8 +189,14 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
     const int64_t maxP = ekv_table_max_pages(t->indptr, j.sh.B);
     j.pstride = maxP;
     const int64_t BH = j.sh.B * j.sh.H, W = ctx->n_threads;
-    int64_t sz[8] = {BH * maxP * 8, BH * maxP * 8, BH * 8, BH * 8, j.sh.B * j.heads * maxP * 4, j.sh.B * j.heads * 8,
-                     W * maxP * 8, W * j.sh.G * j.sh.D * 4};
+    int64_t sz[8] = {BH * maxP * 8,
+                     BH * maxP * 8,
+                     BH * 8,
+                     BH * 8,
+                     j.sh.B * j.heads * maxP * 4,
+                     j.sh.B * j.heads * 8,
+                     W * maxP * 8,
+                     W * j.sh.G * j.sh.D * 4};
     int64_t off[8];
     ekv_status s;
     char *ws = ekv_workspace_blocks(ctx, sz, 8, off, "gaussian selector", &s);
@@ -210,9 +229,12 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm, c
         list->indptr[l + 1] = w;
     }
     for (int64_t b = 0; b < j.sh.B; b++) /* kmean + km2 per (stats page, KV head) */
-        bytes += stats_pages(ekv_seq_pages(t->indptr, b)) * kv->num_kv_heads * j.sh.D * 2 * (int64_t)sizeof(float);
+        bytes += stats_pages(ekv_seq_pages(t->indptr, b)) * kv->num_kv_heads * j.sh.D * 2 *
+                 (int64_t)sizeof(float);
     list->bytes_summary = bytes;
     list->tau_mode = sel->tau_mode;
-    list->correction_iters = sel->correction_iters >= 0 ? sel->correction_iters : prm->alibi_slopes ? 2 : 1;
+    list->correction_iters = sel->correction_iters >= 0 ? sel->correction_iters
+                             : prm->alibi_slopes        ? 2
+                                                        : 1;
     return EKV_OK;
 }

@@ -45,7 +45,10 @@ int64_t ekv_page_list_capacity(const ekv_page_table *t, int32_t heads) {
     return out;
 }
 
-typedef struct { float u; int32_t p; } scored_page;
+typedef struct {
+    float u;
+    int32_t p;
+} scored_page;
 
 /* a before b: larger bound first, then the lower page number (deterministic ties). */
 static int before(scored_page a, scored_page b) { return a.u > b.u || (a.u == b.u && a.p < b.p); }
@@ -67,14 +70,19 @@ static void select_best(scored_page *v, int64_t n, int64_t k) {
             while (before(v[i], pivot)) i++;
             while (before(pivot, v[j])) j--;
             if (i <= j) {
-                scored_page t = v[i]; v[i] = v[j]; v[j] = t;
+                scored_page t = v[i];
+                v[i] = v[j];
+                v[j] = t;
                 i++;
                 j--;
             }
         }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
-        else break;
+        if (k - 1 <= j)
+            hi = j;
+        else if (k - 1 >= i)
+            lo = i;
+        else
+            break;
     }
 }
 
@@ -82,10 +90,10 @@ typedef struct {
     const ekv_select_params *sel;
     const ekv_page_table *t;
     ekv_page_list *list;
-    const float *u;          /* [B][H][ustride] */
+    const float *u; /* [B][H][ustride] */
     int64_t ustride, H, G, heads, ps;
-    float *w_ug;             /* per worker [ustride] */
-    scored_page *w_pairs;    /* per worker [ustride] */
+    float *w_ug;          /* per worker [ustride] */
+    scored_page *w_pairs; /* per worker [ustride] */
 } topk_job;
 
 /* One list: the group's bounds (max over its query heads), the n best pages in descending
@@ -94,7 +102,8 @@ static void topk_list(void *vp, int64_t task, int worker) {
     topk_job *j = vp;
     const int64_t b = task / j->heads, l = task % j->heads;
     const int64_t P = ekv_seq_pages(j->t->indptr, b);
-    const int64_t h0 = ekv_list_head0(l, j->heads, j->H, j->G), hn = ekv_list_nheads(j->heads, j->H, j->G);
+    const int64_t h0 = ekv_list_head0(l, j->heads, j->H, j->G),
+                  hn = ekv_list_nheads(j->heads, j->H, j->G);
     float *ug = j->w_ug + worker * j->ustride;
     scored_page *pairs = j->w_pairs + worker * j->ustride;
     for (int64_t p = 0; p + 1 < P; p++) ug[p] = -INFINITY;
@@ -111,37 +120,44 @@ static void topk_list(void *vp, int64_t task, int worker) {
 }
 
 /* Each sequence's token budget is within its length (budget_fraction is clamped instead). */
-static ekv_status check_lengths(ekv_context *ctx, const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                const ekv_page_table *t) {
+static ekv_status check_lengths(ekv_context *ctx, const ekv_select_params *sel,
+                                const ekv_paged_kv *kv, const ekv_page_table *t) {
     if (sel->budget_fraction > 0.0) return EKV_OK;
     for (int64_t b = 0; b < t->batch; b++) {
         const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, kv->page_size);
         if (sel->budget_tokens > N)
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget_tokens=%lld must be in [1, length=%lld] (sequence %lld)",
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "budget_tokens=%lld must be in [1, length=%lld] (sequence %lld)",
                             (long long)sel->budget_tokens, (long long)N, (long long)b);
     }
     return EKV_OK;
 }
 
-ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                               const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
+ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm,
+                               const ekv_select_params *sel, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *t,
                                const ekv_page_list *list) {
     const ekv_method_info *mi = ekv_method_info_of(sel->method);
-    if (!list->indptr || !list->pages) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
+    if (!list->indptr || !list->pages)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
     const int with_ball = (mi->stages & EKV_STAGE_BOUND) && (sel->use_ball || list->bounds);
     ekv_status s = ekv_check_stats(ctx, mi, with_ball, kv, st);
     if (!s && (mi->stages & EKV_STAGE_TOPK)) s = check_lengths(ctx, sel, kv, t);
     if (s) return s;
-    const int64_t cap = ekv_page_list_capacity(t, sel->per_query_head ? prm->num_heads : kv->num_kv_heads);
+    const int64_t cap =
+            ekv_page_list_capacity(t, sel->per_query_head ? prm->num_heads : kv->num_kv_heads);
     if (list->capacity < cap)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list capacity %lld < %lld (ekv_page_list_capacity)",
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "list capacity %lld < %lld (ekv_page_list_capacity)",
                         (long long)list->capacity, (long long)cap);
     const int64_t maxP = ekv_table_max_pages(t->indptr, t->batch);
     if (list->bounds && list->bounds_stride < maxP)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "list->bounds_stride=%lld is below the most pages (%lld)",
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "list->bounds_stride=%lld is below the most pages (%lld)",
                         (long long)list->bounds_stride, (long long)maxP);
     if ((mi->stages & EKV_STAGE_GAUSS) && sel->tau_mode != EKV_TAU_EXACT && !list->tau)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->tau must hold batch*num_heads values for the %s mode",
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
+                        "list->tau must hold batch*num_heads values for the %s mode",
                         sel->tau_mode == EKV_TAU_FIXED ? "fixed" : "corrected");
     return EKV_OK;
 }
@@ -160,27 +176,29 @@ static void select_dense(const ekv_page_table *t, int64_t heads, ekv_page_list *
 
 /* Top-k: bound every page, reserve each list's slots (budget / page size scored pages, at
  * least one, at most all but the last), then select per list in parallel. */
-static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                              const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                              const float *q, ekv_page_list *list) {
+static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm,
+                              const ekv_select_params *sel, const ekv_paged_kv *kv,
+                              const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                              ekv_page_list *list) {
     const int64_t B = t->batch, H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads, W = ctx->n_threads;
     const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t ustride = maxP;
-    int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4, (B + 1) * 8,
-                     W * ustride * 4, W * ustride * (int64_t)sizeof(scored_page)};
+    int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4,
+                     (B + 1) * 8, W * ustride * 4, W * ustride * (int64_t)sizeof(scored_page)};
     int64_t off[5], read_bytes = 0, w = 0;
     ekv_status s;
     char *ws = ekv_workspace_blocks(ctx, sz, 5, off, "page selection", &s);
     if (!ws) return s;
     const int with_ball = sel->use_ball || list->bounds != NULL;
     float *u = (float *)(ws + off[0]);
-    s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, (float *)(ws + off[1]), (int64_t *)(ws + off[2]),
-                            with_ball, sel->tau_lb, &read_bytes);
+    s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, (float *)(ws + off[1]),
+                            (int64_t *)(ws + off[2]), with_ball, sel->tau_lb, &read_bytes);
     if (s) return s;
     if (list->bounds)
         for (int64_t bh = 0; bh < B * H; bh++)
-            memcpy(list->bounds + bh * list->bounds_stride, u + bh * ustride, sizeof(float) * (size_t)ustride);
+            memcpy(list->bounds + bh * list->bounds_stride, u + bh * ustride,
+                   sizeof(float) * (size_t)ustride);
     list->indptr[0] = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t P = ekv_seq_pages(t->indptr, b);
@@ -193,36 +211,54 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm, co
         }
     }
     list->bytes_summary = read_bytes; /* kmin + kmax (+ kmean and the radius), superpages skipped */
-    topk_job j = {sel, t, list, u, ustride, H, G, heads, ps, (float *)(ws + off[3]), (scored_page *)(ws + off[4])};
+    topk_job j = {sel,
+                  t,
+                  list,
+                  u,
+                  ustride,
+                  H,
+                  G,
+                  heads,
+                  ps,
+                  (float *)(ws + off[3]),
+                  (scored_page *)(ws + off[4])};
     ekv_pool_run(ctx->pool, B * heads, topk_list, &j);
     return EKV_OK;
 }
 
-ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                              const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                              const float *q, ekv_page_list *list) {
+ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm,
+                              const ekv_select_params *sel, const ekv_paged_kv *kv,
+                              const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                              ekv_page_list *list) {
     const unsigned stages = ekv_method_info_of(sel->method)->stages;
     const int64_t heads = sel->per_query_head ? prm->num_heads : kv->num_kv_heads;
     ekv_status s = EKV_OK;
     list->tau_mode = EKV_TAU_EXACT;
     list->correction_iters = 0;
-    if (stages & EKV_STAGE_GAUSS) s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
-    else if (stages & EKV_STAGE_ORACLE) s = ekv_select_oracle_run(ctx, prm, sel, kv, t, q, list);
-    else if (stages & EKV_STAGE_TOPK) s = select_topk(ctx, prm, sel, kv, st, t, q, list);
-    else select_dense(t, heads, list);
+    if (stages & EKV_STAGE_GAUSS)
+        s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
+    else if (stages & EKV_STAGE_ORACLE)
+        s = ekv_select_oracle_run(ctx, prm, sel, kv, t, q, list);
+    else if (stages & EKV_STAGE_TOPK)
+        s = select_topk(ctx, prm, sel, kv, st, t, q, list);
+    else
+        select_dense(t, heads, list);
     list->heads = (int32_t)heads;
     return s;
 }
 
-ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
-                            const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
-                            const float *q, ekv_page_list *list) {
+ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm,
+                            const ekv_select_params *sel, const ekv_paged_kv *kv,
+                            const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                            ekv_page_list *list) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
-    if (!sel || !list) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !sel ? "select" : "list");
+    if (!sel || !list)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !sel ? "select" : "list");
     if (!q) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "q is NULL");
     if (sel->method == EKV_SELECT_CERTIFIED)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "certified is a decode method, not a page list: use ekv_decode or ekv_decode_certified");
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_ARGUMENT,
+                "certified is a decode method, not a page list: use ekv_decode or ekv_decode_certified");
     ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, sel);
     if (!s) s = ekv_validate_step(ctx, prm, kv, t, q);
     if (!s) s = ekv_validate_select(ctx, prm, sel, kv, st, t, list);

@@ -1,11 +1,10 @@
 /*
- * The CUDA backend against the CPU and long-double reference backends (docs/architecture.md, "Tests and measurement"), over a
- * case table that covers every dispatch branch: head dims 64/128/256 and the generic path
- * (72, 40), GQA groups 1..16, page sizes 1/8/16/64, ragged batches with last_page_len ==
- * page_size, f16/bf16/f32, alpha in {1, 1.25, 1.5, 2, 3}, ALiBi, budgets below, at and above
- * the total. For each case:
- *   append: the fused append+summarize kernel rebuilds the CPU cache's K/V bytes exactly and
- *           its statistics within rounding (the radius never below the CPU's);
+ * The CUDA backend against the CPU and long-double reference backends (docs/architecture.md, "Tests
+ * and measurement"), over a case table that covers every dispatch branch: head dims 64/128/256 and
+ * the generic path (72, 40), GQA groups 1..16, page sizes 1/8/16/64, ragged batches with
+ * last_page_len == page_size, f16/bf16/f32, alpha in {1, 1.25, 1.5, 2, 3}, ALiBi, budgets below, at
+ * and above the total. For each case: append: the fused append+summarize kernel rebuilds the CPU
+ * cache's K/V bytes exactly and its statistics within rounding (the radius never below the CPU's);
  *   dense:  output, tau and support against ekv_decode_dense_ref;
  *   topk:   page sets per list equal the CPU's (box and min(box, ball) ranking), output equal
  *           to ekv_decode_pages over the same list;
@@ -24,7 +23,7 @@
     do {                                                                                           \
         cudaError_t e_ = (x);                                                                      \
         if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
             exit(1);                                                                               \
         }                                                                                          \
     } while (0)
@@ -54,7 +53,8 @@ typedef struct {
     int64_t pool_bytes, stat_n;
 } mirror;
 
-static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B, int64_t idx_cap, int reuse) {
+static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B, int64_t idx_cap,
+                         int reuse) {
     ekv_cache_kv_view(cache, &m->kv, &m->st);
     if (!reuse) {
         m->indptr = malloc(sizeof(int64_t) * (B + 1));
@@ -88,23 +88,37 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
     CU(cudaMemcpy((void *)m->dst.kmax, m->st.kmax, m->stat_n * 4, cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dst.kmean, m->st.kmean, m->stat_n * 4, cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dst.km2, m->st.km2, m->stat_n * 4, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy((void *)m->dst.radius, m->st.radius, m->kv.num_pages * m->kv.num_kv_heads * 4, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy((void *)m->dst.radius, m->st.radius, m->kv.num_pages * m->kv.num_kv_heads * 4,
+                  cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dst.count, m->st.count, m->kv.num_pages * 4, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy((void *)m->dtab.indptr, m->indptr, sizeof(int64_t) * (B + 1), cudaMemcpyHostToDevice));
-    CU(cudaMemcpy((void *)m->dtab.indices, m->indices, sizeof(int32_t) * m->indptr[B], cudaMemcpyHostToDevice));
-    CU(cudaMemcpy((void *)m->dtab.last_page_len, m->lpl, sizeof(int32_t) * B, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy((void *)m->dtab.indptr, m->indptr, sizeof(int64_t) * (B + 1),
+                  cudaMemcpyHostToDevice));
+    CU(cudaMemcpy((void *)m->dtab.indices, m->indices, sizeof(int32_t) * m->indptr[B],
+                  cudaMemcpyHostToDevice));
+    CU(cudaMemcpy((void *)m->dtab.last_page_len, m->lpl, sizeof(int32_t) * B,
+                  cudaMemcpyHostToDevice));
 }
 
 static void mirror_free(mirror *m) {
-    cudaFree((void *)m->dkv.k); cudaFree((void *)m->dkv.v);
-    cudaFree((void *)m->dst.kmin); cudaFree((void *)m->dst.kmax); cudaFree((void *)m->dst.kmean);
-    cudaFree((void *)m->dst.km2); cudaFree((void *)m->dst.radius); cudaFree((void *)m->dst.count);
-    cudaFree((void *)m->dtab.indptr); cudaFree((void *)m->dtab.indices); cudaFree((void *)m->dtab.last_page_len);
-    free(m->indptr); free(m->indices); free(m->lpl);
+    cudaFree((void *)m->dkv.k);
+    cudaFree((void *)m->dkv.v);
+    cudaFree((void *)m->dst.kmin);
+    cudaFree((void *)m->dst.kmax);
+    cudaFree((void *)m->dst.kmean);
+    cudaFree((void *)m->dst.km2);
+    cudaFree((void *)m->dst.radius);
+    cudaFree((void *)m->dst.count);
+    cudaFree((void *)m->dtab.indptr);
+    cudaFree((void *)m->dtab.indices);
+    cudaFree((void *)m->dtab.last_page_len);
+    free(m->indptr);
+    free(m->indices);
+    free(m->lpl);
 }
 
 /* max over heads of ||a - b|| / (||b|| + floor) */
-static double head_rel_err(const float *a, const float *b, int64_t heads, int64_t D, double floor_) {
+static double head_rel_err(const float *a, const float *b, int64_t heads, int64_t D,
+                           double floor_) {
     double worst = 0;
     for (int64_t h = 0; h < heads; h++) {
         double e = 0, n = 0;
@@ -119,7 +133,9 @@ static double head_rel_err(const float *a, const float *b, int64_t heads, int64_
     return worst;
 }
 
-static int cmp_i32(const void *a, const void *b) { return *(const int32_t *)a - *(const int32_t *)b; }
+static int cmp_i32(const void *a, const void *b) {
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
 
 /* keys with a planted structure: a few tokens per sequence align with a direction, so the
  * entmax support is sparse and spread over several pages */
@@ -139,8 +155,8 @@ static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0,
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
  * printing the first few. Returns 1 when all lists are equal. */
-static int lists_equal(const int64_t *lip, const int32_t *lpg, const int32_t *gpu, const int32_t *r1, int nl,
-                       int64_t maxP, const char *what) {
+static int lists_equal(const int64_t *lip, const int32_t *lpg, const int32_t *gpu,
+                       const int32_t *r1, int nl, int64_t maxP, const char *what) {
     int all_same = 1;
     for (int l = 0; l < nl; l++) {
         const int64_t n = lip[l + 1] - lip[l];
@@ -151,7 +167,8 @@ static int lists_equal(const int64_t *lip, const int32_t *lpg, const int32_t *gp
         free(a);
         g_lists_cmp++;
         if (!same && ++g_lists_tie <= 12)
-            fprintf(stderr, "note: %s list %d differs: %lld vs %d pages\n", what, l, (long long)n, r1[l]);
+            fprintf(stderr, "note: %s list %d differs: %lld vs %d pages\n", what, l, (long long)n,
+                    r1[l]);
         all_same &= same;
     }
     return all_same;
@@ -168,8 +185,13 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         maxN = c->len[b] > maxN ? c->len[b] : maxN;
     }
     ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps; cp.num_kv_heads = Hk; cp.head_dim = D; cp.dtype = c->dt; cp.max_seqs = B;
-    cp.num_pages = total_pages + 2; cp.superpage_pages = 0;
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = c->dt;
+    cp.max_seqs = B;
+    cp.num_pages = total_pages + 2;
+    cp.superpage_pages = 0;
     ekv_cache *cache = NULL;
     CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
     if (!cache) return;
@@ -182,14 +204,20 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         ksrc[b] = malloc(sizeof(float) * c->len[b] * Hk * D);
         vsrc[b] = malloc(sizeof(float) * c->len[b] * Hk * D);
         make_kv(&r, ksrc[b], vsrc[b], c->len[b], Hk, D, dir);
-        CHECK(ekv_cache_append(cache, seqs[b], c->len[b], ksrc[b], vsrc[b], EKV_DTYPE_F32) == EKV_OK, "append");
+        CHECK(ekv_cache_append(cache, seqs[b], c->len[b], ksrc[b], vsrc[b], EKV_DTYPE_F32) ==
+                      EKV_OK,
+              "append");
     }
     mirror m;
     memset(&m, 0, sizeof m);
     mirror_build(&m, cache, seqs, B, total_pages, 0);
 
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = B; pp.num_heads = H; pp.num_kv_heads = Hk; pp.head_dim = D; pp.page_size = ps;
+    pp.max_batch = B;
+    pp.num_heads = H;
+    pp.num_kv_heads = Hk;
+    pp.head_dim = D;
+    pp.page_size = ps;
     pp.max_pages_per_seq = maxP;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
@@ -199,33 +227,49 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         ekv_paged_kv akv = m.dkv;
         ekv_page_stats ast = m.dst;
         void *ak = dev_copy(NULL, m.pool_bytes), *av = dev_copy(NULL, m.pool_bytes);
-        CU(cudaMemset(ak, 0, m.pool_bytes)); CU(cudaMemset(av, 0, m.pool_bytes));
-        akv.k = ak; akv.v = av;
-        float *amin = dev_copy(NULL, m.stat_n * 4), *amax = dev_copy(NULL, m.stat_n * 4), *amean = dev_copy(NULL, m.stat_n * 4),
-              *am2 = dev_copy(NULL, m.stat_n * 4), *arad = dev_copy(NULL, m.kv.num_pages * Hk * 4);
+        CU(cudaMemset(ak, 0, m.pool_bytes));
+        CU(cudaMemset(av, 0, m.pool_bytes));
+        akv.k = ak;
+        akv.v = av;
+        float *amin = dev_copy(NULL, m.stat_n * 4), *amax = dev_copy(NULL, m.stat_n * 4),
+              *amean = dev_copy(NULL, m.stat_n * 4), *am2 = dev_copy(NULL, m.stat_n * 4),
+              *arad = dev_copy(NULL, m.kv.num_pages * Hk * 4);
         int32_t *acnt = dev_copy(NULL, m.kv.num_pages * 4);
-        ast.kmin = amin; ast.kmax = amax; ast.kmean = amean; ast.km2 = am2; ast.radius = arad; ast.count = acnt;
+        ast.kmin = amin;
+        ast.kmax = amax;
+        ast.kmean = amean;
+        ast.km2 = am2;
+        ast.radius = arad;
+        ast.count = acnt;
         for (int b = 0; b < B; b++) {
             /* first the tokens but the last 3 as one prefill call, then the rest one at a time */
             const int64_t N = c->len[b], n0 = N > 3 ? N - 3 : 0;
-            float *dk = dev_copy(ksrc[b], sizeof(float) * N * Hk * D), *dv = dev_copy(vsrc[b], sizeof(float) * N * Hk * D);
+            float *dk = dev_copy(ksrc[b], sizeof(float) * N * Hk * D),
+                  *dv = dev_copy(vsrc[b], sizeof(float) * N * Hk * D);
             const int64_t P = m.indptr[b + 1] - m.indptr[b];
             ekv_cuda_append_item *items = malloc(sizeof(*items) * (P + 3));
             int ni = 0;
             for (int64_t p = 0; p * ps < n0; p++) {
                 const int64_t t0 = p * ps, t1 = (p + 1) * ps < n0 ? (p + 1) * ps : n0;
-                items[ni++] = (ekv_cuda_append_item){m.indices[m.indptr[b] + p], 0, (int32_t)(t1 - t0), 0, t0};
+                items[ni++] = (ekv_cuda_append_item){m.indices[m.indptr[b] + p], 0,
+                                                     (int32_t)(t1 - t0), 0, t0};
             }
             void *ditems = dev_copy(items, sizeof(*items) * (ni ? ni : 1));
-            CHECK(ekv_cuda_append(plan, &akv, &ast, ditems, ni, dk, dv) == EKV_OK, "cuda append: %s", ekv_last_error(ctx));
+            CHECK(ekv_cuda_append(plan, &akv, &ast, ditems, ni, dk, dv) == EKV_OK,
+                  "cuda append: %s", ekv_last_error(ctx));
             CU(cudaDeviceSynchronize());
             for (int64_t t = n0; t < N; t++) {
-                ekv_cuda_append_item one = {m.indices[m.indptr[b] + t / ps], (int32_t)(t % ps), 1, 0, t};
+                ekv_cuda_append_item one = {m.indices[m.indptr[b] + t / ps], (int32_t)(t % ps), 1,
+                                            0, t};
                 CU(cudaMemcpy(ditems, &one, sizeof one, cudaMemcpyHostToDevice));
-                CHECK(ekv_cuda_append(plan, &akv, &ast, ditems, 1, dk, dv) == EKV_OK, "cuda append 1: %s", ekv_last_error(ctx));
+                CHECK(ekv_cuda_append(plan, &akv, &ast, ditems, 1, dk, dv) == EKV_OK,
+                      "cuda append 1: %s", ekv_last_error(ctx));
                 CU(cudaDeviceSynchronize());
             }
-            cudaFree(ditems); cudaFree(dk); cudaFree(dv); free(items);
+            cudaFree(ditems);
+            cudaFree(dk);
+            cudaFree(dv);
+            free(items);
         }
         unsigned char *hk = malloc(m.pool_bytes), *hv = malloc(m.pool_bytes);
         CU(cudaMemcpy(hk, ak, m.pool_bytes, cudaMemcpyDeviceToHost));
@@ -237,13 +281,16 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 const int64_t pg = m.indices[p];
                 const int ntok = p + 1 == m.indptr[b + 1] ? m.lpl[b] : ps;
                 for (int h = 0; h < Hk; h++) {
-                    const int64_t off = pg * pbytes + h * m.kv.stride_head * es, n = (int64_t)ntok * D * es;
+                    const int64_t off = pg * pbytes + h * m.kv.stride_head * es,
+                                  n = (int64_t)ntok * D * es;
                     same &= !memcmp(hk + off, (const unsigned char *)m.kv.k + off, n);
                     same &= !memcmp(hv + off, (const unsigned char *)m.kv.v + off, n);
                 }
             }
-        CHECK(same, "append kernel K/V bytes differ from the CPU cache (D=%d dt=%d ps=%d)", D, c->dt, ps);
-        float *smin = malloc(m.stat_n * 4), *smax = malloc(m.stat_n * 4), *smean = malloc(m.stat_n * 4), *sm2 = malloc(m.stat_n * 4),
+        CHECK(same, "append kernel K/V bytes differ from the CPU cache (D=%d dt=%d ps=%d)", D,
+              c->dt, ps);
+        float *smin = malloc(m.stat_n * 4), *smax = malloc(m.stat_n * 4),
+              *smean = malloc(m.stat_n * 4), *sm2 = malloc(m.stat_n * 4),
               *srad = malloc(m.kv.num_pages * Hk * 4);
         CU(cudaMemcpy(smin, amin, m.stat_n * 4, cudaMemcpyDeviceToHost));
         CU(cudaMemcpy(smax, amax, m.stat_n * 4, cudaMemcpyDeviceToHost));
@@ -259,7 +306,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                     for (int d = 0; d < D; d++) {
                         const int64_t i = (pg * Hk + h) * D + d;
                         minmax_ok &= smin[i] == m.st.kmin[i] && smax[i] == m.st.kmax[i];
-                        const double em = fabs(smean[i] - m.st.kmean[i]) / (fabs(m.st.kmean[i]) + 1e-3);
+                        const double em =
+                                fabs(smean[i] - m.st.kmean[i]) / (fabs(m.st.kmean[i]) + 1e-3);
                         const double e2 = fabs(sm2[i] - m.st.km2[i]) / (fabs(m.st.km2[i]) + 1e-3);
                         worst_mean = em > worst_mean ? em : worst_mean;
                         worst_m2 = e2 > worst_m2 ? e2 : worst_m2;
@@ -267,89 +315,138 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                     const float rg = srad[pg * Hk + h], rc = m.st.radius[pg * Hk + h];
                     const double er = fabs((double)rg - rc) / (rc + 1e-6);
                     worst_rad = er > worst_rad ? er : worst_rad;
-                    rad_ok &= (double)rg >= (double)rc * (1 - 2e-6) - 1e-6; /* a bound: never smaller */
+                    rad_ok &= (double)rg >=
+                              (double)rc * (1 - 2e-6) - 1e-6; /* a bound: never smaller */
                 }
             }
         CHECK(minmax_ok, "append kernel min/max differ from the CPU cache");
-        CHECK(worst_mean < 1e-4, "append kernel mean off by %.3g (the CPU mean is fp32 Welford)", worst_mean);
+        CHECK(worst_mean < 1e-4, "append kernel mean off by %.3g (the CPU mean is fp32 Welford)",
+              worst_mean);
         CHECK(worst_m2 < 1e-3, "append kernel M2 off by %.3g", worst_m2);
-        CHECK(worst_rad < 1e-4 && rad_ok, "append kernel radius off by %.3g (below the CPU's: %d)", worst_rad, !rad_ok);
-        free(hk); free(hv); free(smin); free(smax); free(smean); free(sm2); free(srad);
-        cudaFree(ak); cudaFree(av); cudaFree(amin); cudaFree(amax); cudaFree(amean); cudaFree(am2); cudaFree(arad); cudaFree(acnt);
+        CHECK(worst_rad < 1e-4 && rad_ok, "append kernel radius off by %.3g (below the CPU's: %d)",
+              worst_rad, !rad_ok);
+        free(hk);
+        free(hv);
+        free(smin);
+        free(smax);
+        free(smean);
+        free(sm2);
+        free(srad);
+        cudaFree(ak);
+        cudaFree(av);
+        cudaFree(amin);
+        cudaFree(amax);
+        cudaFree(amean);
+        cudaFree(am2);
+        cudaFree(arad);
+        cudaFree(acnt);
     }
     {
         /* ---- decode: dense, topk (box / ball), certified ---- */
         const int64_t nq = (int64_t)B * H * D;
         float *q = malloc(sizeof(float) * nq), *slopes = malloc(sizeof(float) * H);
-        for (int64_t i = 0; i < nq; i++) q[i] = (float)(test_normal(&r) + 2.0 * dir[i % D] * sqrt((double)D) / 1.5);
-        for (int h = 0; h < H; h++) slopes[h] = h < H / 2 ? (float)pow(2.0, -8.0 * (h + 1) / (H / 2 > 0 ? H / 2 : 1)) : 0.f;
-        float *dq = dev_copy(q, sizeof(float) * nq), *dslopes = dev_copy(slopes, sizeof(float) * H), *dout = dev_copy(NULL, sizeof(float) * nq);
-        float *out = malloc(sizeof(float) * nq), *ref = malloc(sizeof(float) * nq), *cpu = malloc(sizeof(float) * nq);
+        for (int64_t i = 0; i < nq; i++)
+            q[i] = (float)(test_normal(&r) + 2.0 * dir[i % D] * sqrt((double)D) / 1.5);
+        for (int h = 0; h < H; h++)
+            slopes[h] = h < H / 2 ? (float)pow(2.0, -8.0 * (h + 1) / (H / 2 > 0 ? H / 2 : 1)) : 0.f;
+        float *dq = dev_copy(q, sizeof(float) * nq), *dslopes = dev_copy(slopes, sizeof(float) * H),
+              *dout = dev_copy(NULL, sizeof(float) * nq);
+        float *out = malloc(sizeof(float) * nq), *ref = malloc(sizeof(float) * nq),
+              *cpu = malloc(sizeof(float) * nq);
         double *tau_ref = malloc(sizeof(double) * B * H), *tau_g = malloc(sizeof(double) * B * H);
-        int64_t *sup_ref = malloc(sizeof(int64_t) * B * H), *sup_g = malloc(sizeof(int64_t) * B * H);
-        int32_t *lists = malloc(sizeof(int32_t) * B * Hk * maxP), *r1 = malloc(sizeof(int32_t) * B * Hk), *r2 = malloc(sizeof(int32_t) * B * Hk);
+        int64_t *sup_ref = malloc(sizeof(int64_t) * B * H),
+                *sup_g = malloc(sizeof(int64_t) * B * H);
+        int32_t *lists = malloc(sizeof(int32_t) * B * Hk * maxP),
+                *r1 = malloc(sizeof(int32_t) * B * Hk), *r2 = malloc(sizeof(int32_t) * B * Hk);
         ekv_decode_params prm = ekv_decode_default_params();
-        prm.num_heads = H; prm.alpha = c->alpha; prm.alibi_slopes = c->alibi ? slopes : NULL;
+        prm.num_heads = H;
+        prm.alpha = c->alpha;
+        prm.alibi_slopes = c->alibi ? slopes : NULL;
         ekv_decode_params dprm = prm;
         dprm.alibi_slopes = c->alibi ? dslopes : NULL;
         ekv_decode_info ri = {.tau = tau_ref, .support = sup_ref};
-        CHECK(ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, &ri) == EKV_OK, "ref: %s", ekv_last_error(ctx));
+        CHECK(ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, &ri) == EKV_OK, "ref: %s",
+              ekv_last_error(ctx));
         const double tol = 3e-5;
         /* dense */
-        CHECK(ekv_cuda_decode(plan, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "cuda dense: %s", ekv_last_error(ctx));
+        CHECK(ekv_cuda_decode(plan, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
+              "cuda dense: %s", ekv_last_error(ctx));
         ekv_cuda_report rep;
         memset(&rep, 0, sizeof rep);
-        rep.tau = tau_g; rep.support = sup_g;
+        rep.tau = tau_g;
+        rep.support = sup_g;
         CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
         CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
-        CHECK(e < tol, "dense: rel err %.3g (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d)", e, D, c->G, ps, c->dt, c->alpha, c->alibi);
+        CHECK(e < tol, "dense: rel err %.3g (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d)", e, D, c->G,
+              ps, c->dt, c->alpha, c->alibi);
         CHECK(rep.launches == (c->alpha > 1 ? 4 : 3), "dense: %d launches", rep.launches);
         for (int64_t i = 0; i < (int64_t)B * H; i++) {
-            CHECK(fabs(tau_g[i] - tau_ref[i]) <= 2e-5 * (1 + fabs(tau_ref[i])), "dense tau %.9g vs %.9g", tau_g[i], tau_ref[i]);
-            if (c->alpha > 1) CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "dense support %lld vs %lld", (long long)sup_g[i], (long long)sup_ref[i]);
+            CHECK(fabs(tau_g[i] - tau_ref[i]) <= 2e-5 * (1 + fabs(tau_ref[i])),
+                  "dense tau %.9g vs %.9g", tau_g[i], tau_ref[i]);
+            if (c->alpha > 1)
+                CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "dense support %lld vs %lld",
+                      (long long)sup_g[i], (long long)sup_ref[i]);
         }
         /* topk, box then min(box, ball), budgets below / at / above the total */
         const int64_t budgets[3] = {maxN / 4, maxN / 16 + ps, 4 * maxN};
         for (int bi = 0; bi < 3; bi++)
             for (int ball = 0; ball < 2; ball++) {
                 ekv_select_params sp = ekv_select_default_params();
-                sp.method = EKV_SELECT_TOPK; sp.budget_tokens = budgets[bi]; sp.use_ball = ball;
+                sp.method = EKV_SELECT_TOPK;
+                sp.budget_tokens = budgets[bi];
+                sp.use_ball = ball;
                 const int64_t cap = ekv_page_list_capacity(&m.tab, Hk);
                 int64_t *lip = malloc(sizeof(int64_t) * (B * Hk + 1));
                 int32_t *lpg = malloc(sizeof(int32_t) * cap);
                 float *lb = malloc(sizeof(float) * B * H * maxP);
                 ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = cap};
-                if (ball) { list.bounds = lb; list.bounds_stride = maxP; }
-                /* the CPU takes budgets up to the shortest length only; above it, compare with dense */
+                if (ball) {
+                    list.bounds = lb;
+                    list.bounds_stride = maxP;
+                }
+                /* the CPU takes budgets up to the shortest length only; above it, compare with
+                 * dense */
                 int64_t minN = maxN;
                 for (int b = 0; b < B; b++) minN = c->len[b] < minN ? c->len[b] : minN;
                 const int cpu_ok = budgets[bi] <= minN;
                 if (cpu_ok) {
-                    CHECK(ekv_select_pages(ctx, &prm, &sp, &m.kv, &m.st, &m.tab, q, &list) == EKV_OK, "cpu select: %s", ekv_last_error(ctx));
-                    CHECK(ekv_decode_pages(ctx, &prm, &m.kv, &m.tab, &list, q, cpu, NULL) == EKV_OK, "cpu pages: %s", ekv_last_error(ctx));
+                    CHECK(ekv_select_pages(ctx, &prm, &sp, &m.kv, &m.st, &m.tab, q, &list) ==
+                                  EKV_OK,
+                          "cpu select: %s", ekv_last_error(ctx));
+                    CHECK(ekv_decode_pages(ctx, &prm, &m.kv, &m.tab, &list, q, cpu, NULL) == EKV_OK,
+                          "cpu pages: %s", ekv_last_error(ctx));
                 }
-                CHECK(ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "cuda topk: %s", ekv_last_error(ctx));
+                CHECK(ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) ==
+                              EKV_OK,
+                      "cuda topk: %s", ekv_last_error(ctx));
                 memset(&rep, 0, sizeof rep);
-                rep.list_pages = lists; rep.pages_round1 = r1;
+                rep.list_pages = lists;
+                rep.pages_round1 = r1;
                 CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
                 CHECK(rep.launches == (c->alpha > 1 ? 6 : 5), "topk: %d launches", rep.launches);
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
                 char what[160];
-                snprintf(what, sizeof what, "topk (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld)", D, c->G, ps,
-                         c->dt, c->alpha, c->alibi, ball, (long long)budgets[bi]);
+                snprintf(what, sizeof what,
+                         "topk (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld)", D,
+                         c->G, ps, c->dt, c->alpha, c->alibi, ball, (long long)budgets[bi]);
                 const int all_same = cpu_ok && lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
                 if (all_same) {
                     e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
-                    CHECK(e < tol, "topk: rel err %.3g vs the CPU on the same lists (budget %lld ball %d)", e, (long long)budgets[bi], ball);
+                    CHECK(e < tol,
+                          "topk: rel err %.3g vs the CPU on the same lists (budget %lld ball %d)",
+                          e, (long long)budgets[bi], ball);
                 }
                 if (bi == 2) { /* budget above the total: every page, so dense */
                     e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
                     CHECK(e < tol, "topk over budget: rel err %.3g vs dense", e);
                     for (int l = 0; l < B * Hk; l++)
-                        CHECK(r1[l] == m.indptr[l / Hk + 1] - m.indptr[l / Hk], "topk over budget: list %d has %d pages", l, r1[l]);
+                        CHECK(r1[l] == m.indptr[l / Hk + 1] - m.indptr[l / Hk],
+                              "topk over budget: list %d has %d pages", l, r1[l]);
                 }
-                free(lip); free(lpg); free(lb);
+                free(lip);
+                free(lpg);
+                free(lb);
             }
         /* gaussian (exact tau mode; no ALiBi on the GPU) */
         if ((c->alpha == 1.5 || c->alpha == 2.0) && !c->alibi) {
@@ -359,38 +456,52 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             int64_t *lip = malloc(sizeof(int64_t) * (B * Hk + 1));
             int32_t *lpg = malloc(sizeof(int32_t) * cap);
             ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = cap};
-            CHECK(ekv_select_pages(ctx, &prm, &sp, &m.kv, &m.st, &m.tab, q, &list) == EKV_OK, "cpu gaussian: %s", ekv_last_error(ctx));
-            CHECK(ekv_decode_pages(ctx, &prm, &m.kv, &m.tab, &list, q, cpu, NULL) == EKV_OK, "cpu pages: %s", ekv_last_error(ctx));
-            CHECK(ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "cuda gaussian: %s", ekv_last_error(ctx));
+            CHECK(ekv_select_pages(ctx, &prm, &sp, &m.kv, &m.st, &m.tab, q, &list) == EKV_OK,
+                  "cpu gaussian: %s", ekv_last_error(ctx));
+            CHECK(ekv_decode_pages(ctx, &prm, &m.kv, &m.tab, &list, q, cpu, NULL) == EKV_OK,
+                  "cpu pages: %s", ekv_last_error(ctx));
+            CHECK(ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
+                  "cuda gaussian: %s", ekv_last_error(ctx));
             memset(&rep, 0, sizeof rep);
-            rep.list_pages = lists; rep.pages_round1 = r1;
+            rep.list_pages = lists;
+            rep.pages_round1 = r1;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
             CHECK(rep.launches == 6, "gaussian: %d launches", rep.launches);
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             char what[96];
-            snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g)", D, c->G, ps, c->dt, c->alpha);
+            snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g)", D, c->G, ps,
+                     c->dt, c->alpha);
             const int all_same = lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
             if (all_same) {
                 e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
                 CHECK(e < tol, "gaussian: rel err %.3g vs the CPU on the same lists", e);
             }
-            free(lip); free(lpg);
+            free(lip);
+            free(lpg);
         }
         /* certified */
         if (c->alpha > 1) {
             ekv_select_params sp = ekv_select_default_params();
-            sp.budget_tokens = maxN / 16; sp.sink_pages = 1; sp.recent_pages = 1;
-            CHECK(ekv_cuda_decode_certified(plan, &dprm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "cuda certified: %s", ekv_last_error(ctx));
+            sp.budget_tokens = maxN / 16;
+            sp.sink_pages = 1;
+            sp.recent_pages = 1;
+            CHECK(ekv_cuda_decode_certified(plan, &dprm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) ==
+                          EKV_OK,
+                  "cuda certified: %s", ekv_last_error(ctx));
             memset(&rep, 0, sizeof rep);
-            rep.support = sup_g; rep.pages_round1 = r1; rep.pages_round2 = r2;
+            rep.support = sup_g;
+            rep.pages_round1 = r1;
+            rep.pages_round2 = r2;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
             CHECK(rep.launches == 10, "certified: %d launches", rep.launches);
             g_cert_round2 += rep.lists_round2 > 0;
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
-            CHECK(e < tol, "certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g)", e, D, c->G, ps, c->dt, c->alpha);
+            CHECK(e < tol, "certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g)", e,
+                  D, c->G, ps, c->dt, c->alpha);
             for (int64_t i = 0; i < (int64_t)B * H; i++)
-                CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "certified support %lld vs %lld", (long long)sup_g[i], (long long)sup_ref[i]);
+                CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "certified support %lld vs %lld",
+                      (long long)sup_g[i], (long long)sup_ref[i]);
         }
         /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
          * than the list holds take the whole-row paths, which must give the same answer */
@@ -398,46 +509,77 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             ekv_cuda_plan_params sp2 = pp;
             sp2.max_candidates = 8 + (int64_t)(seed % 3) * 8;
             ekv_cuda_plan *small = NULL;
-            CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "small plan: %s", ekv_last_error(ctx));
+            CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "small plan: %s",
+                  ekv_last_error(ctx));
             if (small) {
-                CHECK(ekv_cuda_decode(small, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "small dense: %s", ekv_last_error(ctx));
+                CHECK(ekv_cuda_decode(small, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) ==
+                              EKV_OK,
+                      "small dense: %s", ekv_last_error(ctx));
                 memset(&rep, 0, sizeof rep);
-                rep.tau = tau_g; rep.support = sup_g;
+                rep.tau = tau_g;
+                rep.support = sup_g;
                 CHECK(ekv_cuda_read_report(small, B, &rep) == EKV_OK, "report");
                 g_slow_rows += (int)rep.slow_rows;
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
                 e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
-                CHECK(e < tol, "small lists dense: rel err %.3g (cap %lld, slow rows %lld)", e, (long long)sp2.max_candidates, (long long)rep.slow_rows);
+                CHECK(e < tol, "small lists dense: rel err %.3g (cap %lld, slow rows %lld)", e,
+                      (long long)sp2.max_candidates, (long long)rep.slow_rows);
                 for (int64_t i = 0; i < (int64_t)B * H; i++) {
-                    CHECK(fabs(tau_g[i] - tau_ref[i]) <= 2e-5 * (1 + fabs(tau_ref[i])), "small lists tau %.9g vs %.9g", tau_g[i], tau_ref[i]);
-                    CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "small lists support %lld vs %lld", (long long)sup_g[i], (long long)sup_ref[i]);
+                    CHECK(fabs(tau_g[i] - tau_ref[i]) <= 2e-5 * (1 + fabs(tau_ref[i])),
+                          "small lists tau %.9g vs %.9g", tau_g[i], tau_ref[i]);
+                    CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "small lists support %lld vs %lld",
+                          (long long)sup_g[i], (long long)sup_ref[i]);
                 }
                 ekv_select_params cp = ekv_select_default_params();
-                cp.budget_tokens = maxN / 16; cp.sink_pages = 1; cp.recent_pages = 1;
-                CHECK(ekv_cuda_decode_certified(small, &dprm, &cp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK, "small certified: %s", ekv_last_error(ctx));
+                cp.budget_tokens = maxN / 16;
+                cp.sink_pages = 1;
+                cp.recent_pages = 1;
+                CHECK(ekv_cuda_decode_certified(small, &dprm, &cp, &m.dkv, &m.dst, &m.dtab, dq,
+                                                dout) == EKV_OK,
+                      "small certified: %s", ekv_last_error(ctx));
                 memset(&rep, 0, sizeof rep);
-                rep.support = sup_g; rep.pages_round1 = r1; rep.pages_round2 = r2;
+                rep.support = sup_g;
+                rep.pages_round1 = r1;
+                rep.pages_round2 = r2;
                 /* the report synchronises the plan's own (non-blocking) stream before the copy */
                 CHECK(ekv_cuda_read_report(small, B, &rep) == EKV_OK, "report");
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
                 e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
-                CHECK(e < tol, "small lists certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d B=%d cap %lld, slow rows %lld, round 2 lists %lld)",
-                      e, D, c->G, ps, c->dt, c->alpha, c->alibi, B, (long long)sp2.max_candidates, (long long)rep.slow_rows,
-                      (long long)rep.lists_round2);
+                CHECK(e < tol,
+                      "small lists certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d B=%d cap %lld, slow rows %lld, round 2 lists %lld)",
+                      e, D, c->G, ps, c->dt, c->alpha, c->alibi, B, (long long)sp2.max_candidates,
+                      (long long)rep.slow_rows, (long long)rep.lists_round2);
                 for (int64_t i = 0; i < (int64_t)B * H; i++)
-                    CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "small lists certified support %lld vs %lld (head %lld)", (long long)sup_g[i], (long long)sup_ref[i], (long long)i);
+                    CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1,
+                          "small lists certified support %lld vs %lld (head %lld)",
+                          (long long)sup_g[i], (long long)sup_ref[i], (long long)i);
                 ekv_cuda_plan_free(small);
             }
         }
-        cudaFree(dq); cudaFree(dslopes); cudaFree(dout);
-        free(q); free(slopes); free(out); free(ref); free(cpu); free(tau_ref); free(tau_g); free(sup_ref); free(sup_g);
-        free(lists); free(r1); free(r2);
+        cudaFree(dq);
+        cudaFree(dslopes);
+        cudaFree(dout);
+        free(q);
+        free(slopes);
+        free(out);
+        free(ref);
+        free(cpu);
+        free(tau_ref);
+        free(tau_g);
+        free(sup_ref);
+        free(sup_g);
+        free(lists);
+        free(r1);
+        free(r2);
     }
     g_cases_run++;
 out:
     ekv_cuda_plan_free(plan);
     mirror_free(&m);
-    for (int b = 0; b < B; b++) { free(ksrc[b]); free(vsrc[b]); }
+    for (int b = 0; b < B; b++) {
+        free(ksrc[b]);
+        free(vsrc[b]);
+    }
     free(dir);
     ekv_cache_free(cache);
 }
@@ -448,8 +590,13 @@ static void graph_test(ekv_context *ctx, int certified) {
     const int D = 128, Hk = 2, G = 4, H = Hk * G, ps = 16, B = 2;
     const int64_t len0[2] = {700, 1500}, grow[2] = {333, 17}, maxP = (1517 + 333 + ps) / ps + 2;
     ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps; cp.num_kv_heads = Hk; cp.head_dim = D; cp.dtype = EKV_DTYPE_F16; cp.max_seqs = B;
-    cp.num_pages = 2 * maxP; cp.superpage_pages = 0;
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = EKV_DTYPE_F16;
+    cp.max_seqs = B;
+    cp.num_pages = 2 * maxP;
+    cp.superpage_pages = 0;
     ekv_cache *cache = NULL;
     ekv_cache_create(ctx, &cp, &cache);
     float *dir = malloc(sizeof(float) * D);
@@ -467,8 +614,13 @@ static void graph_test(ekv_context *ctx, int certified) {
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = B; pp.num_heads = H; pp.num_kv_heads = Hk; pp.head_dim = D; pp.page_size = ps;
-    pp.max_pages_per_seq = maxP; pp.stream = st;
+    pp.max_batch = B;
+    pp.num_heads = H;
+    pp.num_kv_heads = Hk;
+    pp.head_dim = D;
+    pp.page_size = ps;
+    pp.max_pages_per_seq = maxP;
+    pp.stream = st;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     const int64_t nq = (int64_t)B * H * D;
@@ -479,11 +631,14 @@ static void graph_test(ekv_context *ctx, int certified) {
     ekv_decode_params prm = ekv_decode_default_params();
     prm.num_heads = H;
     ekv_select_params sp = ekv_select_default_params();
-    sp.method = EKV_SELECT_TOPK; sp.budget_tokens = 256; sp.recent_pages = 1;
+    sp.method = EKV_SELECT_TOPK;
+    sp.budget_tokens = 256;
+    sp.recent_pages = 1;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    ekv_status s = certified ? ekv_cuda_decode_certified(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout)
+    ekv_status s = certified ? ekv_cuda_decode_certified(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab,
+                                                         dq, dout)
                              : ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout);
     CHECK(s == EKV_OK, "captured step: %s", ekv_last_error(ctx));
     CU(cudaStreamEndCapture(st, &graph));
@@ -499,13 +654,15 @@ static void graph_test(ekv_context *ctx, int certified) {
         CU(cudaGraphLaunch(exec, st));
         CU(cudaStreamSynchronize(st));
         CU(cudaMemcpy(replay, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-        s = certified ? ekv_cuda_decode_certified(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout)
-                      : ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout);
+        s = certified
+                    ? ekv_cuda_decode_certified(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout)
+                    : ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout);
         CHECK(s == EKV_OK, "eager step");
         CU(cudaStreamSynchronize(st));
         CU(cudaMemcpy(eager, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         const double e = head_rel_err(replay, eager, (int64_t)B * H, D, 1e-6);
-        CHECK(e < 1e-6, "graph replay (round %d, certified %d) differs from eager: %.3g", round, certified, e);
+        CHECK(e < 1e-6, "graph replay (round %d, certified %d) differs from eager: %.3g", round,
+              certified, e);
         if (certified) { /* and both equal dense entmax at the new lengths */
             float *ref = malloc(sizeof(float) * nq);
             ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
@@ -515,12 +672,19 @@ static void graph_test(ekv_context *ctx, int certified) {
         }
     }
     printf("graph replay (%s) checked at two lengths\n", certified ? "certified" : "topk");
-    cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
     ekv_cuda_plan_free(plan);
     cudaStreamDestroy(st);
     mirror_free(&m);
-    cudaFree(dq); cudaFree(dout);
-    free(q); free(eager); free(replay); free(k); free(v); free(dir);
+    cudaFree(dq);
+    cudaFree(dout);
+    free(q);
+    free(eager);
+    free(replay);
+    free(k);
+    free(v);
+    free(dir);
     ekv_cache_free(cache);
 }
 
@@ -529,39 +693,64 @@ static void invalid_test(ekv_context *ctx) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
     pp.max_pages_per_seq = 0;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan, "max_pages 0");
-    pp.max_pages_per_seq = 64; pp.max_candidates = -1;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan, "max_candidates -1");
-    pp.max_candidates = 0; pp.head_dim = 12;
+    pp.max_pages_per_seq = 64;
+    pp.max_candidates = -1;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan,
+          "max_candidates -1");
+    pp.max_candidates = 0;
+    pp.head_dim = 12;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE, "head_dim 12");
-    pp.head_dim = 128; pp.num_heads = 6; pp.num_kv_heads = 4;
+    pp.head_dim = 128;
+    pp.num_heads = 6;
+    pp.num_kv_heads = 4;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_HEAD_MISMATCH, "heads 6/4");
-    pp.num_heads = 64; pp.num_kv_heads = 2;
+    pp.num_heads = 64;
+    pp.num_kv_heads = 2;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_UNSUPPORTED, "group 32");
-    pp.num_heads = 8; pp.num_kv_heads = 2; pp.page_size = 0;
+    pp.num_heads = 8;
+    pp.num_kv_heads = 2;
+    pp.page_size = 0;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_PAGE_SIZE, "page 0");
-    pp.page_size = 16; pp.device = 1000;
+    pp.page_size = 16;
+    pp.device = 1000;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT, "device 1000");
-    pp.device = 0; pp.max_batch = 1;
+    pp.device = 0;
+    pp.max_batch = 1;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     /* a valid step's buffers, then one bad field at a time: error, output untouched */
     int64_t ip[3] = {0, 1, 2};
     int32_t idx[2] = {0, 1}, lpl[2] = {5, 5};
     void *dk = dev_copy(NULL, 2 * 2 * 16 * 128 * 2), *dv = dev_copy(NULL, 2 * 2 * 16 * 128 * 2);
-    CU(cudaMemset(dk, 0, 2 * 2 * 16 * 128 * 2)); CU(cudaMemset(dv, 0, 2 * 2 * 16 * 128 * 2));
+    CU(cudaMemset(dk, 0, 2 * 2 * 16 * 128 * 2));
+    CU(cudaMemset(dv, 0, 2 * 2 * 16 * 128 * 2));
     ekv_paged_kv kv = {dk, dv, EKV_DTYPE_F16, 16, 2, 128, 2, 2 * 16 * 128, 16 * 128, 128};
-    ekv_page_table tab = {1, dev_copy(ip, sizeof ip), dev_copy(idx, sizeof idx), dev_copy(lpl, sizeof lpl)};
+    ekv_page_table tab = {1, dev_copy(ip, sizeof ip), dev_copy(idx, sizeof idx),
+                          dev_copy(lpl, sizeof lpl)};
     float sentinel[8 * 128];
     for (int i = 0; i < 8 * 128; i++) sentinel[i] = 12345.f;
     float *dq = dev_copy(sentinel, sizeof sentinel), *dout = dev_copy(sentinel, sizeof sentinel);
     ekv_decode_params prm = ekv_decode_default_params();
     prm.num_heads = 8;
     ekv_select_params sp = ekv_select_default_params();
-    struct { const char *what; ekv_status want; } cases[] = {
-        {"alpha 5", EKV_ERR_INVALID_ALPHA}, {"batch 2", EKV_ERR_INVALID_SIZE}, {"heads 16", EKV_ERR_INVALID_ARGUMENT},
-        {"oracle", EKV_ERR_UNSUPPORTED}, {"per query head", EKV_ERR_UNSUPPORTED}, {"null q", EKV_ERR_NULL_POINTER},
-        {"dtype 9", EKV_ERR_INVALID_DTYPE}, {"certified softmax", EKV_ERR_INVALID_ALPHA}, {"negative budget", EKV_ERR_INVALID_ARGUMENT},
-        {"scale +inf", EKV_ERR_INVALID_ARGUMENT}, {"scale -inf", EKV_ERR_INVALID_ARGUMENT}, {"scale NaN", EKV_ERR_INVALID_ARGUMENT},
-        {"budget_fraction", EKV_ERR_UNSUPPORTED}, {"certified tau_hint", EKV_ERR_UNSUPPORTED}, {"method 9", EKV_ERR_INVALID_ARGUMENT},
+    struct {
+        const char *what;
+        ekv_status want;
+    } cases[] = {
+            {"alpha 5", EKV_ERR_INVALID_ALPHA},
+            {"batch 2", EKV_ERR_INVALID_SIZE},
+            {"heads 16", EKV_ERR_INVALID_ARGUMENT},
+            {"oracle", EKV_ERR_UNSUPPORTED},
+            {"per query head", EKV_ERR_UNSUPPORTED},
+            {"null q", EKV_ERR_NULL_POINTER},
+            {"dtype 9", EKV_ERR_INVALID_DTYPE},
+            {"certified softmax", EKV_ERR_INVALID_ALPHA},
+            {"negative budget", EKV_ERR_INVALID_ARGUMENT},
+            {"scale +inf", EKV_ERR_INVALID_ARGUMENT},
+            {"scale -inf", EKV_ERR_INVALID_ARGUMENT},
+            {"scale NaN", EKV_ERR_INVALID_ARGUMENT},
+            {"budget_fraction", EKV_ERR_UNSUPPORTED},
+            {"certified tau_hint", EKV_ERR_UNSUPPORTED},
+            {"method 9", EKV_ERR_INVALID_ARGUMENT},
     };
     const double hint[8] = {0};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -576,21 +765,37 @@ static void invalid_test(ekv_context *ctx) {
         case 1: t2.batch = 2; break;
         case 2: p2.num_heads = 16; break;
         case 3: s2.method = EKV_SELECT_ORACLE; break;
-        case 4: s2.method = EKV_SELECT_TOPK; s2.per_query_head = 1; break;
+        case 4:
+            s2.method = EKV_SELECT_TOPK;
+            s2.per_query_head = 1;
+            break;
         case 5: q2 = NULL; break;
         case 6: kv2.dtype = (ekv_dtype)9; break;
-        case 7: p2.alpha = 1.0; cert = 1; break;
-        case 8: s2.method = EKV_SELECT_TOPK; s2.budget_tokens = -1; break;
+        case 7:
+            p2.alpha = 1.0;
+            cert = 1;
+            break;
+        case 8:
+            s2.method = EKV_SELECT_TOPK;
+            s2.budget_tokens = -1;
+            break;
         case 9: p2.scale = INFINITY; break;
         case 10: p2.scale = -INFINITY; break;
         case 11: p2.scale = NAN; break;
-        case 12: s2.method = EKV_SELECT_TOPK; s2.budget_fraction = 0.5; break;
-        case 13: s2.tau_hint = hint; cert = 1; break;
+        case 12:
+            s2.method = EKV_SELECT_TOPK;
+            s2.budget_fraction = 0.5;
+            break;
+        case 13:
+            s2.tau_hint = hint;
+            cert = 1;
+            break;
         case 14: s2.method = (ekv_select_method)9; break;
         }
         ekv_status st = cert ? ekv_cuda_decode_certified(plan, &p2, &s2, &kv2, NULL, &t2, q2, dout)
                              : ekv_cuda_decode(plan, &p2, &s2, &kv2, NULL, &t2, q2, dout);
-        CHECK(st == cases[i].want, "%s: status %d (%s), want %d", cases[i].what, st, ekv_last_error(ctx), cases[i].want);
+        CHECK(st == cases[i].want, "%s: status %d (%s), want %d", cases[i].what, st,
+              ekv_last_error(ctx), cases[i].want);
         CHECK(strlen(ekv_last_error(ctx)) > 0, "%s: no message", cases[i].what);
     }
     /* dispatch coverage: for every method, ekv_cuda_decode answers exactly what
@@ -601,18 +806,28 @@ static void invalid_test(ekv_context *ctx) {
         s2.method = (ekv_select_method)mth;
         s2.budget_tokens = 16;
         const ekv_status sup = ekv_decode_supported(ctx, EKV_BACKEND_CUDA, &prm, &s2);
-        ekv_status st = ekv_cuda_decode(plan, &prm, &s2, &kv, NULL, &tab, dq, sup == EKV_OK && mth == 0 ? dq : dout);
-        const ekv_status want = sup != EKV_OK ? sup : mth == EKV_SELECT_DENSE ? EKV_OK : EKV_ERR_NULL_POINTER;
-        CHECK(st == want, "method %s on cuda: status %d, ekv_decode_supported %d", ekv_method_name(s2.method), st, sup);
-        CHECK((sup == EKV_OK) == (mth != EKV_SELECT_ORACLE), "method %s: cuda support %d", ekv_method_name(s2.method), sup);
+        ekv_status st = ekv_cuda_decode(plan, &prm, &s2, &kv, NULL, &tab, dq,
+                                        sup == EKV_OK && mth == 0 ? dq : dout);
+        const ekv_status want = sup != EKV_OK             ? sup
+                                : mth == EKV_SELECT_DENSE ? EKV_OK
+                                                          : EKV_ERR_NULL_POINTER;
+        CHECK(st == want, "method %s on cuda: status %d, ekv_decode_supported %d",
+              ekv_method_name(s2.method), st, sup);
+        CHECK((sup == EKV_OK) == (mth != EKV_SELECT_ORACLE), "method %s: cuda support %d",
+              ekv_method_name(s2.method), sup);
     }
     float back[8 * 128];
     CU(cudaDeviceSynchronize());
     CU(cudaMemcpy(back, dout, sizeof back, cudaMemcpyDeviceToHost));
     CHECK(!memcmp(back, sentinel, sizeof back), "a rejected step wrote the output");
     ekv_cuda_plan_free(plan);
-    cudaFree(dk); cudaFree(dv); cudaFree(dq); cudaFree(dout);
-    cudaFree((void *)tab.indptr); cudaFree((void *)tab.indices); cudaFree((void *)tab.last_page_len);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dq);
+    cudaFree(dout);
+    cudaFree((void *)tab.indptr);
+    cudaFree((void *)tab.indices);
+    cudaFree((void *)tab.last_page_len);
 }
 
 int main(void) {
@@ -655,12 +870,17 @@ int main(void) {
         if (i == 7) { c.len[0] = 1; } /* a one-token sequence */
         run_case(ctx, &c, (uint64_t)i + 1);
     }
-    if (n < max_cases) { graph_test(ctx, 0); graph_test(ctx, 1); }
+    if (n < max_cases) {
+        graph_test(ctx, 0);
+        graph_test(ctx, 1);
+    }
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);
     printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
-    CHECK(n < 8 || g_slow_rows > 0, "the small-list plans never overflowed: the whole-row paths went untested");
-    CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)", g_lists_tie, g_lists_cmp);
+    CHECK(n < 8 || g_slow_rows > 0,
+          "the small-list plans never overflowed: the whole-row paths went untested");
+    CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)",
+          g_lists_tie, g_lists_cmp);
     ekv_context_free(ctx);
     return test_finish("test_cuda");
 }
