@@ -40,11 +40,11 @@ static void check_row_f32(const char *what, const float *x, int n, const double 
         int64_t want_sup = 0;
         for (int i = 0; i < n; i++) {
             want_sup += want[i] > 0;
-            CHECK(fabs((double)p[i] - want[i]) <= 1e-7, "%s alpha %g: p[%d] = %g, want %g", what, ALPHAS[a], i,
-                  (double)p[i], want[i]);
+            CHECK(fabs((double)p[i] - want[i]) <= 1e-7, "%s alpha %g: p[%d] = %g, want %g", what,
+                  ALPHAS[a], i, (double)p[i], want[i]);
         }
-        CHECK(sup == want_sup, "%s alpha %g: support %lld, want %lld", what, ALPHAS[a], (long long)sup,
-              (long long)want_sup);
+        CHECK(sup == want_sup, "%s alpha %g: support %lld, want %lld", what, ALPHAS[a],
+              (long long)sup, (long long)want_sup);
     }
 }
 
@@ -67,16 +67,21 @@ static void test_entmax_scale(void) {
         const double small[3] = {0.5, 0.0, -0.25};
         double ps[3], pb[3], x[3], tau;
         CHECK(ekv_entmax_f64(NULL, small, 3, ALPHAS[a], ps, NULL, NULL) == EKV_OK, "small row");
-        for (int i = 0; i < 3; i++) x[i] = 1e300 + small[i]; /* the offset swallows the row: a tie */
+        for (int i = 0; i < 3; i++)
+            x[i] = 1e300 + small[i]; /* the offset swallows the row: a tie */
         CHECK(ekv_entmax_f64(NULL, x, 3, ALPHAS[a], pb, &tau, NULL) == EKV_OK, "1e300 row");
         for (int i = 0; i < 3; i++)
-            CHECK(fabs(pb[i] - 1.0 / 3) < 1e-12 && isfinite(tau), "alpha %g: 1e300 tie p[%d] = %g", ALPHAS[a], i, pb[i]);
-        for (int i = 0; i < 3; i++) x[i] = 1e9 + small[i]; /* exactly representable: p of the small row */
+            CHECK(fabs(pb[i] - 1.0 / 3) < 1e-12 && isfinite(tau), "alpha %g: 1e300 tie p[%d] = %g",
+                  ALPHAS[a], i, pb[i]);
+        for (int i = 0; i < 3; i++)
+            x[i] = 1e9 + small[i]; /* exactly representable: p of the small row */
         CHECK(ekv_entmax_f64(NULL, x, 3, ALPHAS[a], pb, NULL, NULL) == EKV_OK, "1e9 row");
         for (int i = 0; i < 3; i++)
-            CHECK(fabs(pb[i] - ps[i]) < 1e-12, "alpha %g: 1e9 + x: p[%d] = %.17g, want %.17g", ALPHAS[a], i, pb[i], ps[i]);
+            CHECK(fabs(pb[i] - ps[i]) < 1e-12, "alpha %g: 1e9 + x: p[%d] = %.17g, want %.17g",
+                  ALPHAS[a], i, pb[i], ps[i]);
         const double extreme[2] = {DBL_MAX, -DBL_MAX}; /* x - max overflows to -inf: weight 0 */
-        CHECK(ekv_entmax_f64(NULL, extreme, 2, ALPHAS[a], pb, NULL, NULL) == EKV_OK && pb[0] == 1 && pb[1] == 0,
+        CHECK(ekv_entmax_f64(NULL, extreme, 2, ALPHAS[a], pb, NULL, NULL) == EKV_OK && pb[0] == 1 &&
+                      pb[1] == 0,
               "alpha %g: +-DBL_MAX gives %g %g", ALPHAS[a], pb[0], pb[1]);
     }
     /* tau = 3 * DBL_MAX is not a double: a clear status, never inf or NaN with OK */
@@ -85,8 +90,8 @@ static void test_entmax_scale(void) {
     const double extreme[2] = {DBL_MAX, 0};
     double p[2], tau = 0;
     ekv_status st = ekv_entmax_f64(ctx, extreme, 2, 4.0, p, &tau, NULL);
-    CHECK(st == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "overflows"), "tau overflow: %s: %s",
-          ekv_status_string(st), ekv_last_error(ctx));
+    CHECK(st == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "overflows"),
+          "tau overflow: %s: %s", ekv_status_string(st), ekv_last_error(ctx));
     ekv_context_free(ctx);
 }
 
@@ -104,9 +109,12 @@ static void *hammer(void *vp) {
     for (int i = 0; i < h->steps; i++) {
         if (ekv_model_position(h->m) + 4 > 64) ekv_model_reset(h->m);
         ekv_status st = ekv_model_step(h->m, tok, 4, NULL);
-        if (st == EKV_OK) h->ok++;
-        else if (st == EKV_ERR_INVALID_ARGUMENT) h->busy++;
-        else h->other++;
+        if (st == EKV_OK)
+            h->ok++;
+        else if (st == EKV_ERR_INVALID_ARGUMENT)
+            h->busy++;
+        else
+            h->other++;
     }
     return NULL;
 }
@@ -123,7 +131,12 @@ static ekv_model *load_model(ekv_context *ctx, const char *name) {
 }
 
 /* The held context refuses every entry from another thread, deterministically. */
-typedef struct { ekv_model *m; ekv_context *ctx; ekv_status st; char msg[512]; } probe_arg;
+typedef struct {
+    ekv_model *m;
+    ekv_context *ctx;
+    ekv_status st;
+    char msg[512];
+} probe_arg;
 static void *probe(void *vp) {
     probe_arg *pa = vp;
     const int32_t tok = 7;
@@ -137,21 +150,29 @@ static void test_threads(void) {
     cp.n_threads = 2;
     ekv_context *ctx;
     CHECK(ekv_context_create(&cp, &ctx) == EKV_OK, "context");
-    ekv_model *a = load_model(ctx, "tiny_model.safetensors"), *b = load_model(ctx, "tiny_model.safetensors");
-    if (!a || !b) { ekv_model_free(a); ekv_model_free(b); ekv_context_free(ctx); return; }
+    ekv_model *a = load_model(ctx, "tiny_model.safetensors"),
+              *b = load_model(ctx, "tiny_model.safetensors");
+    if (!a || !b) {
+        ekv_model_free(a);
+        ekv_model_free(b);
+        ekv_context_free(ctx);
+        return;
+    }
     /* deterministic: this thread holds the context, another thread's step is refused */
-    CHECK(ekv_ctx_enter(ctx) == EKV_OK && ekv_ctx_enter(ctx) == EKV_OK, "enter (nested) from the owner");
+    CHECK(ekv_ctx_enter(ctx) == EKV_OK && ekv_ctx_enter(ctx) == EKV_OK,
+          "enter (nested) from the owner");
     probe_arg pa = {b, ctx, EKV_OK, ""};
     pthread_t t;
     pthread_create(&t, NULL, probe, &pa);
     pthread_join(t, NULL);
-    CHECK(pa.st == EKV_ERR_INVALID_ARGUMENT && strstr(pa.msg, "two threads"), "held context: %s: %s",
-          ekv_status_string(pa.st), pa.msg);
+    CHECK(pa.st == EKV_ERR_INVALID_ARGUMENT && strstr(pa.msg, "two threads"),
+          "held context: %s: %s", ekv_status_string(pa.st), pa.msg);
     CHECK(ekv_model_position(b) == 0, "a refused step must not run");
     ekv_ctx_leave(ctx);
     pthread_create(&t, NULL, probe, &pa); /* still held once (nested enter) */
     pthread_join(t, NULL);
-    CHECK(pa.st == EKV_ERR_INVALID_ARGUMENT, "after one of two leaves: %s", ekv_status_string(pa.st));
+    CHECK(pa.st == EKV_ERR_INVALID_ARGUMENT, "after one of two leaves: %s",
+          ekv_status_string(pa.st));
     ekv_ctx_leave(ctx);
     pthread_create(&t, NULL, probe, &pa);
     pthread_join(t, NULL);
@@ -166,17 +187,20 @@ static void test_threads(void) {
     for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
     pthread_barrier_destroy(&bar);
     for (int i = 0; i < 2; i++)
-        CHECK(h[i].ok + h[i].busy == h[i].steps && h[i].other == 0, "thread %d: %d ok, %d refused, %d other", i,
-              h[i].ok, h[i].busy, h[i].other);
-    fprintf(stderr, "  one context, two threads: %d + %d steps ran, %d + %d refused\n", h[0].ok, h[1].ok, h[0].busy,
-            h[1].busy);
+        CHECK(h[i].ok + h[i].busy == h[i].steps && h[i].other == 0,
+              "thread %d: %d ok, %d refused, %d other", i, h[i].ok, h[i].busy, h[i].other);
+    fprintf(stderr, "  one context, two threads: %d + %d steps ran, %d + %d refused\n", h[0].ok,
+            h[1].ok, h[0].busy, h[1].busy);
     ekv_model_free(a);
     ekv_model_free(b);
     ekv_context_free(ctx);
 }
 
 /* Two contexts in two threads: bitwise the logits of one thread. */
-typedef struct { float logits[4 * 256]; ekv_status st; } own_arg;
+typedef struct {
+    float logits[4 * 256];
+    ekv_status st;
+} own_arg;
 static void *own_ctx_run(void *vp) {
     own_arg *o = vp;
     ekv_context_params cp = ekv_context_default_params();
@@ -203,8 +227,10 @@ static void test_two_contexts(void) {
     for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, own_ctx_run, &x[i]);
     for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
     for (int i = 0; i < 2; i++)
-        CHECK(ref.st == EKV_OK && x[i].st == EKV_OK && !memcmp(ref.logits, x[i].logits, sizeof ref.logits),
-              "two contexts: thread %d differs from one thread (%s)", i, ekv_status_string(x[i].st));
+        CHECK(ref.st == EKV_OK && x[i].st == EKV_OK &&
+                      !memcmp(ref.logits, x[i].logits, sizeof ref.logits),
+              "two contexts: thread %d differs from one thread (%s)", i,
+              ekv_status_string(x[i].st));
 }
 
 /* ---- 3. memory ---- */
@@ -218,18 +244,23 @@ static void test_cache_larger_than_ram(void) {
     p.dtype = EKV_DTYPE_F16;
     p.max_seqs = 1;
     const int64_t phys = ekv_phys_mem_bytes(), per_page = 2 * 16 * 8 * 128 * 2;
-    p.num_pages = phys / per_page + phys / per_page / 4 + 1; /* 1.25x RAM: granted under overcommit */
+    p.num_pages =
+            phys / per_page + phys / per_page / 4 + 1; /* 1.25x RAM: granted under overcommit */
     if (p.num_pages > INT32_MAX) p.num_pages = INT32_MAX;
     ekv_cache *c = (ekv_cache *)&p;
     const double t0 = now_s();
     ekv_status st = ekv_cache_create(ctx, &p, &c);
     const double dt = now_s() - t0;
-    CHECK(st == EKV_ERR_OUT_OF_MEMORY, "cache of %.1f GiB on %.1f GiB RAM: %s", (double)ekv_cache_bytes_needed(&p) / (1 << 30),
-          (double)phys / (1 << 30), ekv_status_string(st));
-    CHECK(strstr(ekv_last_error(ctx), "physical memory") != NULL, "message: %s", ekv_last_error(ctx));
+    CHECK(st == EKV_ERR_OUT_OF_MEMORY, "cache of %.1f GiB on %.1f GiB RAM: %s",
+          (double)ekv_cache_bytes_needed(&p) / (1 << 30), (double)phys / (1 << 30),
+          ekv_status_string(st));
+    CHECK(strstr(ekv_last_error(ctx), "physical memory") != NULL, "message: %s",
+          ekv_last_error(ctx));
     CHECK(dt < 1.0, "the refusal took %.2f s", dt);
-    if (st == EKV_OK) ekv_cache_free(c);
-    else CHECK(c == (ekv_cache *)&p, "out written on error");
+    if (st == EKV_OK)
+        ekv_cache_free(c);
+    else
+        CHECK(c == (ekv_cache *)&p, "out written on error");
     ekv_context_free(ctx);
 }
 
@@ -243,7 +274,8 @@ static void test_not_regular_files(void) {
         ekv_safetensors *st = NULL;
         const double t0 = now_s();
         ekv_status s = ekv_safetensors_open(ctx, paths[i], &st);
-        CHECK(s == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "not a regular file") && now_s() - t0 < 1.0,
+        CHECK(s == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "not a regular file") &&
+                      now_s() - t0 < 1.0,
               "open %s: %s: %s", paths[i], ekv_status_string(s), ekv_last_error(ctx));
         if (!s) ekv_safetensors_free(st);
         ekv_model *m = NULL;
@@ -272,8 +304,12 @@ static void test_model_counts_and_alignment(void) {
     CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
     unsigned char *odd = NULL;
     int64_t len = 0;
-    CHECK(read_file(EKV_TEST_DATA_DIR "/min_model_odd_header.safetensors", &odd, &len) == 0, "read the odd-header model");
-    if (!odd) { ekv_context_free(ctx); return; }
+    CHECK(read_file(EKV_TEST_DATA_DIR "/min_model_odd_header.safetensors", &odd, &len) == 0,
+          "read the odd-header model");
+    if (!odd) {
+        ekv_context_free(ctx);
+        return;
+    }
     uint64_t hl;
     memcpy(&hl, odd, 8);
     CHECK(hl % 2 == 1, "the header length %llu must be odd", (unsigned long long)hl);
@@ -294,7 +330,8 @@ static void test_model_counts_and_alignment(void) {
         ekv_status s = ekv_safetensors_parse(ctx, v ? even : odd, v ? len + 1 : len, &st);
         if (!s) s = ekv_model_from_safetensors(ctx, st, &mp, &m);
         if (!s) s = ekv_model_step(m, tok, 3, logits[v]);
-        CHECK(s == EKV_OK, "%s header: %s: %s", v ? "even" : "odd", ekv_status_string(s), ekv_last_error(ctx));
+        CHECK(s == EKV_OK, "%s header: %s: %s", v ? "even" : "odd", ekv_status_string(s),
+              ekv_last_error(ctx));
         if (m && v == 0) {
             /* 5: n past max_tokens with a one-token array: the count is refused before the
              * tokens are read (ASan: a heap overflow before the fix) */
@@ -308,7 +345,8 @@ static void test_model_counts_and_alignment(void) {
         ekv_model_free(m);
         ekv_safetensors_free(st);
     }
-    CHECK(!memcmp(logits[0], logits[1], sizeof logits[0]), "odd and even headers give different logits");
+    CHECK(!memcmp(logits[0], logits[1], sizeof logits[0]),
+          "odd and even headers give different logits");
     free(odd);
     free(even);
     ekv_context_free(ctx);
@@ -325,7 +363,8 @@ static void test_misaligned_append(void) {
     for (int s = 0; s < 2; s++) {
         const int64_t es = ekv_dtype_size(src[s]), bytes = N * HK * D * es;
         unsigned char *al = malloc((size_t)bytes), *mis = malloc((size_t)bytes + 1);
-        for (int64_t i = 0; i < N * HK * D; i++) ekv_store_f32(al, src[s], i, (float)(i % 13) * 0.25f - 1.0f);
+        for (int64_t i = 0; i < N * HK * D; i++)
+            ekv_store_f32(al, src[s], i, (float)(i % 13) * 0.25f - 1.0f);
         memcpy(mis + 1, al, (size_t)bytes);
         ekv_paged_kv kv[2];
         ekv_cache *c[2] = {NULL, NULL};
@@ -343,12 +382,12 @@ static void test_misaligned_append(void) {
             if (!st) st = ekv_cache_seq_new(c[v], &seq);
             if (!st) st = ekv_cache_append(c[v], seq, N, x, x, src[s]);
             if (!st) st = ekv_cache_kv_view(c[v], &kv[v], NULL);
-            CHECK(st == EKV_OK, "%s append (%s): %s", v ? "misaligned" : "aligned", ekv_dtype_name(src[s]),
-                  ekv_status_string(st));
+            CHECK(st == EKV_OK, "%s append (%s): %s", v ? "misaligned" : "aligned",
+                  ekv_dtype_name(src[s]), ekv_status_string(st));
         }
         if (c[0] && c[1])
-            CHECK(!memcmp(kv[0].k, kv[1].k, 4 * HK * D * sizeof(float)), "%s: misaligned append stored other keys (page 0)",
-                  ekv_dtype_name(src[s]));
+            CHECK(!memcmp(kv[0].k, kv[1].k, 4 * HK * D * sizeof(float)),
+                  "%s: misaligned append stored other keys (page 0)", ekv_dtype_name(src[s]));
         ekv_cache_free(c[0]);
         ekv_cache_free(c[1]);
         free(al);

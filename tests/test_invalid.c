@@ -16,7 +16,7 @@
 #include <float.h>
 #include <string.h>
 
-#define SENT 0xA5
+#define SENT     0xA5
 #define SENT_PTR ((void *)(uintptr_t)0xA5A5A5A5A5A5A5A5ull)
 
 #if defined(__SANITIZE_ADDRESS__) || defined(EKV_TEST_SANITIZED)
@@ -45,19 +45,21 @@ static void clear_error(ekv_context *ctx) {
     if (!ctx) return;
     float x = 0.f, p = 0.f;
     ekv_status st = ekv_entmax(ctx, &x, 1, 1.5, &p, NULL, NULL);
-    CHECK(st == EKV_OK && ekv_last_error(ctx)[0] == '\0', "could not clear the error (status %d, '%s')", st,
-          ekv_last_error(ctx));
+    CHECK(st == EKV_OK && ekv_last_error(ctx)[0] == '\0',
+          "could not clear the error (status %d, '%s')", st, ekv_last_error(ctx));
 }
 
 /* Status check plus message check (msg_ctx = the context that must hold a message). */
 static void expect(const char *group, const char *row, ekv_status got, ekv_status want,
                    const ekv_context *msg_ctx) {
-    CHECK(got == want, "%s [%s]: got %d (%s), want %d (%s)", group, row, (int)got, ekv_status_string(got),
-          (int)want, ekv_status_string(want));
+    CHECK(got == want, "%s [%s]: got %d (%s), want %d (%s)", group, row, (int)got,
+          ekv_status_string(got), (int)want, ekv_status_string(want));
     if (msg_ctx) {
         const char *m = ekv_last_error(msg_ctx);
         CHECK(m && m[0], "%s [%s]: status %d but ekv_last_error is empty", group, row, (int)got);
-        if (g_verbose) printf("  %-10s %-60.60s -> %-22s '%s'\n", group, row, ekv_status_string(got), m ? m : "(null)");
+        if (g_verbose)
+            printf("  %-10s %-60.60s -> %-22s '%s'\n", group, row, ekv_status_string(got),
+                   m ? m : "(null)");
     } else if (g_verbose) {
         printf("  %-10s %-60.60s -> %s\n", group, row, ekv_status_string(got));
     }
@@ -73,8 +75,8 @@ static void test_names(void) {
         CHECK(str && str[0], "ekv_status_string(%d) is empty", s);
         seen[-s] = str ? str : "";
         for (int t = 0; t < -s; t++)
-            CHECK(strcmp(seen[t], seen[-s]) != 0, "ekv_status_string(%d) == ekv_status_string(%d) = '%s'", s, -t,
-                  seen[-s]);
+            CHECK(strcmp(seen[t], seen[-s]) != 0,
+                  "ekv_status_string(%d) == ekv_status_string(%d) = '%s'", s, -t, seen[-s]);
     }
     const char *unk = ekv_status_string((ekv_status)-99);
     CHECK(unk && unk[0], "ekv_status_string(-99) is empty");
@@ -83,46 +85,58 @@ static void test_names(void) {
     unk = ekv_status_string((ekv_status)7);
     CHECK(unk && unk[0], "ekv_status_string(7) is empty");
 
-    static const struct { const char *name; ekv_dtype d; } ok[] = {
-        {"f32", EKV_DTYPE_F32}, {"fp32", EKV_DTYPE_F32}, {"float32", EKV_DTYPE_F32}, {"F32", EKV_DTYPE_F32},
-        {"f16", EKV_DTYPE_F16}, {"fp16", EKV_DTYPE_F16}, {"float16", EKV_DTYPE_F16}, {"FP16", EKV_DTYPE_F16},
-        {"bf16", EKV_DTYPE_BF16}, {"bfloat16", EKV_DTYPE_BF16}, {"BF16", EKV_DTYPE_BF16},
+    static const struct {
+        const char *name;
+        ekv_dtype d;
+    } ok[] = {
+            {"f32", EKV_DTYPE_F32},       {"fp32", EKV_DTYPE_F32},  {"float32", EKV_DTYPE_F32},
+            {"F32", EKV_DTYPE_F32},       {"f16", EKV_DTYPE_F16},   {"fp16", EKV_DTYPE_F16},
+            {"float16", EKV_DTYPE_F16},   {"FP16", EKV_DTYPE_F16},  {"bf16", EKV_DTYPE_BF16},
+            {"bfloat16", EKV_DTYPE_BF16}, {"BF16", EKV_DTYPE_BF16},
     };
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         ekv_dtype d;
         memset(&d, SENT, sizeof d);
         ekv_status st = ekv_dtype_from_name(ok[i].name, &d);
-        CHECK(st == EKV_OK && d == ok[i].d, "ekv_dtype_from_name('%s'): status %d dtype %d", ok[i].name, st, (int)d);
+        CHECK(st == EKV_OK && d == ok[i].d, "ekv_dtype_from_name('%s'): status %d dtype %d",
+              ok[i].name, st, (int)d);
     }
-    static const char *bad[] = {"", "f8", "fp8", "f64", "fp64", "float64", "float", "half", "int8", "bf",
-                                "bf8", "f1", "f160", "f16 ", " f16", "f16\n", "bfloat", "f 16", "7", "1"};
+    static const char *bad[] = {"",     "f8",    "fp8",    "f64",  "fp64", "float64", "float",
+                                "half", "int8",  "bf",     "bf8",  "f1",   "f160",    "f16 ",
+                                " f16", "f16\n", "bfloat", "f 16", "7",    "1"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         ekv_dtype d;
         memset(&d, SENT, sizeof d);
         ekv_status st = ekv_dtype_from_name(bad[i], &d);
-        CHECK(st == EKV_ERR_INVALID_DTYPE, "ekv_dtype_from_name('%s'): status %d, want INVALID_DTYPE", bad[i], st);
+        CHECK(st == EKV_ERR_INVALID_DTYPE,
+              "ekv_dtype_from_name('%s'): status %d, want INVALID_DTYPE", bad[i], st);
         CHECK(filled(&d, sizeof d), "ekv_dtype_from_name('%s') wrote its output on error", bad[i]);
     }
     {
         ekv_dtype d;
         memset(&d, SENT, sizeof d);
-        CHECK(ekv_dtype_from_name(NULL, &d) == EKV_ERR_NULL_POINTER, "ekv_dtype_from_name(NULL, out)");
+        CHECK(ekv_dtype_from_name(NULL, &d) == EKV_ERR_NULL_POINTER,
+              "ekv_dtype_from_name(NULL, out)");
         CHECK(filled(&d, sizeof d), "ekv_dtype_from_name(NULL) wrote its output");
-        CHECK(ekv_dtype_from_name("f16", NULL) == EKV_ERR_NULL_POINTER, "ekv_dtype_from_name(name, NULL)");
+        CHECK(ekv_dtype_from_name("f16", NULL) == EKV_ERR_NULL_POINTER,
+              "ekv_dtype_from_name(name, NULL)");
     }
     for (int d = 0; d < 3; d++) {
         const char *n = ekv_dtype_name((ekv_dtype)d);
         ekv_dtype back;
-        CHECK(n && ekv_dtype_from_name(n, &back) == EKV_OK && back == (ekv_dtype)d, "dtype %d name round trip", d);
+        CHECK(n && ekv_dtype_from_name(n, &back) == EKV_OK && back == (ekv_dtype)d,
+              "dtype %d name round trip", d);
         CHECK(ekv_dtype_size((ekv_dtype)d) == (d == 0 ? 4 : 2), "ekv_dtype_size(%d)", d);
     }
     CHECK(ekv_dtype_name((ekv_dtype)7) == NULL, "ekv_dtype_name(7) should be NULL");
     CHECK(ekv_dtype_name((ekv_dtype)-1) == NULL, "ekv_dtype_name(-1) should be NULL");
     CHECK(ekv_dtype_size((ekv_dtype)7) == 0, "ekv_dtype_size(7) should be 0");
     CHECK(ekv_dtype_size((ekv_dtype)-1) == 0, "ekv_dtype_size(-1) should be 0");
-    for (int i = 0; i < 4; i++) CHECK(ekv_isa_name((ekv_isa)i) && ekv_isa_name((ekv_isa)i)[0], "ekv_isa_name(%d)", i);
+    for (int i = 0; i < 4; i++)
+        CHECK(ekv_isa_name((ekv_isa)i) && ekv_isa_name((ekv_isa)i)[0], "ekv_isa_name(%d)", i);
     CHECK(ekv_isa_name((ekv_isa)9) && ekv_isa_name((ekv_isa)9)[0], "ekv_isa_name(9) is empty");
-    CHECK(ekv_last_error(NULL) && ekv_last_error(NULL)[0] == '\0', "ekv_last_error(NULL) should be \"\"");
+    CHECK(ekv_last_error(NULL) && ekv_last_error(NULL)[0] == '\0',
+          "ekv_last_error(NULL) should be \"\"");
 }
 
 /* ================================================================================== */
@@ -135,25 +149,29 @@ typedef struct {
     ekv_context **outp;
 } context_case;
 
-#define CONTEXT_ROWS(X)                                                                       \
-    X(EKV_ERR_NULL_POINTER, c->outp = NULL)                                                   \
-    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = -1)                                              \
-    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = INT32_MIN)                                       \
-    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = 1025)                                            \
-    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = INT32_MAX)                                       \
-    X(EKV_ERR_INVALID_ARGUMENT, c->p.isa = (ekv_isa)7)                                        \
-    X(EKV_ERR_INVALID_ARGUMENT, c->p.isa = (ekv_isa)4)                                        \
+#define CONTEXT_ROWS(X)                                                                            \
+    X(EKV_ERR_NULL_POINTER, c->outp = NULL)                                                        \
+    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = -1)                                                   \
+    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = INT32_MIN)                                            \
+    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = 1025)                                                 \
+    X(EKV_ERR_INVALID_SIZE, c->p.n_threads = INT32_MAX)                                            \
+    X(EKV_ERR_INVALID_ARGUMENT, c->p.isa = (ekv_isa)7)                                             \
+    X(EKV_ERR_INVALID_ARGUMENT, c->p.isa = (ekv_isa)4)                                             \
     X(EKV_ERR_INVALID_ARGUMENT, c->p.isa = (ekv_isa)-1)
 
-static const struct { const char *name; ekv_status want; } context_rows[] = {
+static const struct {
+    const char *name;
+    ekv_status want;
+} context_rows[] = {
 #define X(want, ...) {#__VA_ARGS__, want},
-    CONTEXT_ROWS(X)
+        CONTEXT_ROWS(X)
 #undef X
 };
 
 static void context_mutate(context_case *c, int row) {
     int i = 0;
-#define X(want, ...) if (row == i++) { __VA_ARGS__; }
+#define X(want, ...)                                                                               \
+    if (row == i++) { __VA_ARGS__; }
     CONTEXT_ROWS(X)
 #undef X
 }
@@ -178,7 +196,8 @@ static void test_context(void) {
     }
     /* params = NULL means defaults */
     ekv_context *c = SENT_PTR;
-    CHECK(ekv_context_create(NULL, &c) == EKV_OK && c != SENT_PTR, "ekv_context_create(NULL params) should work");
+    CHECK(ekv_context_create(NULL, &c) == EKV_OK && c != SENT_PTR,
+          "ekv_context_create(NULL params) should work");
     if (c != SENT_PTR) ekv_context_free(c);
     ekv_context_free(NULL);
 
@@ -192,11 +211,14 @@ static void test_context(void) {
         ekv_status st = ekv_context_create(cc.pp, cc.outp);
         CHECK(st == EKV_ERR_UNSUPPORTED, "context isa=%s on a %s CPU: got %d, want UNSUPPORTED",
               ekv_isa_name((ekv_isa)isa), ekv_isa_name(best), st);
-        CHECK(cc.out == SENT_PTR, "context isa=%s: *out written on error", ekv_isa_name((ekv_isa)isa));
+        CHECK(cc.out == SENT_PTR, "context isa=%s: *out written on error",
+              ekv_isa_name((ekv_isa)isa));
         if (st == EKV_OK) ekv_context_free(cc.out);
         tested++;
     }
-    if (!tested) printf("note: CPU supports %s, the best ISA: no unsupported-ISA row to test\n", ekv_isa_name(best));
+    if (!tested)
+        printf("note: CPU supports %s, the best ISA: no unsupported-ISA row to test\n",
+               ekv_isa_name(best));
     /* every supported level can be requested */
     for (int isa = 0; isa <= (int)best; isa++) {
         context_case cc;
@@ -205,8 +227,8 @@ static void test_context(void) {
         ekv_status st = ekv_context_create(cc.pp, cc.outp);
         CHECK(st == EKV_OK, "context isa=%s: got %d", ekv_isa_name((ekv_isa)isa), st);
         if (st == EKV_OK) {
-            CHECK(ekv_context_isa(cc.out) == (isa == 0 ? best : (ekv_isa)isa), "context isa=%d reports %d", isa,
-                  (int)ekv_context_isa(cc.out));
+            CHECK(ekv_context_isa(cc.out) == (isa == 0 ? best : (ekv_isa)isa),
+                  "context isa=%d reports %d", isa, (int)ekv_context_isa(cc.out));
             ekv_context_free(cc.out);
         }
     }
@@ -215,7 +237,16 @@ static void test_context(void) {
 /* ================================================================================== */
 /* ekv_entmax / ekv_entmax_f64                                                         */
 /* ================================================================================== */
-enum { X_OK, X_NAN_MID, X_NAN_FIRST, X_NAN_LAST, X_PINF, X_NAN_AND_MINF, X_PINF_AND_MINF, X_ALL_MINF };
+enum {
+    X_OK,
+    X_NAN_MID,
+    X_NAN_FIRST,
+    X_NAN_LAST,
+    X_PINF,
+    X_NAN_AND_MINF,
+    X_PINF_AND_MINF,
+    X_ALL_MINF
+};
 #define ALL_ALPHAS (-99.0)
 
 typedef struct {
@@ -230,48 +261,58 @@ typedef struct {
 static const double entmax_alphas[] = {1.0, 1.25, 1.5, 2.0, 3.0, 4.0};
 
 static const entmax_row entmax_rows[] = {
-    {"x = NULL", 1, 0, 4, 1.5, X_OK, EKV_ERR_NULL_POINTER},
-    {"p = NULL", 0, 1, 4, 1.5, X_OK, EKV_ERR_NULL_POINTER},
-    {"x = NULL, softmax", 1, 0, 4, 1.0, X_OK, EKV_ERR_NULL_POINTER},
-    {"n = 0", 0, 0, 0, 1.5, X_OK, EKV_ERR_INVALID_SIZE},
-    {"n = -1", 0, 0, -1, 1.5, X_OK, EKV_ERR_INVALID_SIZE},
-    {"n = INT64_MIN", 0, 0, INT64_MIN, 1.5, X_OK, EKV_ERR_INVALID_SIZE},
-    {"n = 0, softmax", 0, 0, 0, 1.0, X_OK, EKV_ERR_INVALID_SIZE},
-    {"n = INT64_MAX", 0, 0, INT64_MAX, 1.5, X_OK, EKV_ERR_SIZE_OVERFLOW},
-    {"n = SIZE_MAX/8 + 1", 0, 0, (int64_t)(SIZE_MAX / sizeof(double)) + 1, 1.5, X_OK, EKV_ERR_SIZE_OVERFLOW},
-    {"n = INT64_MAX, softmax", 0, 0, INT64_MAX, 1.0, X_OK, EKV_ERR_SIZE_OVERFLOW},
-    {"alpha = 0", 0, 0, 4, 0.0, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = -0", 0, 0, 4, -0.0, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = -1.5", 0, 0, 4, -1.5, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = 0.5", 0, 0, 4, 0.5, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = 1 - eps", 0, 0, 4, 1.0 - DBL_EPSILON / 2, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = 4 + eps", 0, 0, 4, 4.0 + 4 * DBL_EPSILON, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = 4.5", 0, 0, 4, 4.5, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = 9", 0, 0, 4, 9.0, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = NaN", 0, 0, 4, NAN, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = -NaN", 0, 0, 4, -NAN, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = +inf", 0, 0, 4, INFINITY, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"alpha = -inf", 0, 0, 4, -INFINITY, X_OK, EKV_ERR_INVALID_ALPHA},
-    {"x has NaN (middle)", 0, 0, 4, ALL_ALPHAS, X_NAN_MID, EKV_ERR_NAN_INPUT},
-    {"x has NaN (first)", 0, 0, 4, ALL_ALPHAS, X_NAN_FIRST, EKV_ERR_NAN_INPUT},
-    {"x has NaN (last)", 0, 0, 4, ALL_ALPHAS, X_NAN_LAST, EKV_ERR_NAN_INPUT},
-    {"x has +inf", 0, 0, 4, ALL_ALPHAS, X_PINF, EKV_ERR_NAN_INPUT},
-    {"x has NaN and -inf", 0, 0, 4, ALL_ALPHAS, X_NAN_AND_MINF, EKV_ERR_NAN_INPUT},
-    {"x has +inf and -inf", 0, 0, 4, ALL_ALPHAS, X_PINF_AND_MINF, EKV_ERR_NAN_INPUT},
-    {"x all -inf", 0, 0, 4, ALL_ALPHAS, X_ALL_MINF, EKV_ERR_EMPTY_INPUT},
-    {"x = {-inf}, n = 1", 0, 0, 1, ALL_ALPHAS, X_ALL_MINF, EKV_ERR_EMPTY_INPUT},
-    {"x = NaN, n = 1", 0, 0, 1, ALL_ALPHAS, X_NAN_FIRST, EKV_ERR_NAN_INPUT},
+        {"x = NULL", 1, 0, 4, 1.5, X_OK, EKV_ERR_NULL_POINTER},
+        {"p = NULL", 0, 1, 4, 1.5, X_OK, EKV_ERR_NULL_POINTER},
+        {"x = NULL, softmax", 1, 0, 4, 1.0, X_OK, EKV_ERR_NULL_POINTER},
+        {"n = 0", 0, 0, 0, 1.5, X_OK, EKV_ERR_INVALID_SIZE},
+        {"n = -1", 0, 0, -1, 1.5, X_OK, EKV_ERR_INVALID_SIZE},
+        {"n = INT64_MIN", 0, 0, INT64_MIN, 1.5, X_OK, EKV_ERR_INVALID_SIZE},
+        {"n = 0, softmax", 0, 0, 0, 1.0, X_OK, EKV_ERR_INVALID_SIZE},
+        {"n = INT64_MAX", 0, 0, INT64_MAX, 1.5, X_OK, EKV_ERR_SIZE_OVERFLOW},
+        {"n = SIZE_MAX/8 + 1", 0, 0, (int64_t)(SIZE_MAX / sizeof(double)) + 1, 1.5, X_OK,
+         EKV_ERR_SIZE_OVERFLOW},
+        {"n = INT64_MAX, softmax", 0, 0, INT64_MAX, 1.0, X_OK, EKV_ERR_SIZE_OVERFLOW},
+        {"alpha = 0", 0, 0, 4, 0.0, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = -0", 0, 0, 4, -0.0, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = -1.5", 0, 0, 4, -1.5, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = 0.5", 0, 0, 4, 0.5, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = 1 - eps", 0, 0, 4, 1.0 - DBL_EPSILON / 2, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = 4 + eps", 0, 0, 4, 4.0 + 4 * DBL_EPSILON, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = 4.5", 0, 0, 4, 4.5, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = 9", 0, 0, 4, 9.0, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = NaN", 0, 0, 4, NAN, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = -NaN", 0, 0, 4, -NAN, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = +inf", 0, 0, 4, INFINITY, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"alpha = -inf", 0, 0, 4, -INFINITY, X_OK, EKV_ERR_INVALID_ALPHA},
+        {"x has NaN (middle)", 0, 0, 4, ALL_ALPHAS, X_NAN_MID, EKV_ERR_NAN_INPUT},
+        {"x has NaN (first)", 0, 0, 4, ALL_ALPHAS, X_NAN_FIRST, EKV_ERR_NAN_INPUT},
+        {"x has NaN (last)", 0, 0, 4, ALL_ALPHAS, X_NAN_LAST, EKV_ERR_NAN_INPUT},
+        {"x has +inf", 0, 0, 4, ALL_ALPHAS, X_PINF, EKV_ERR_NAN_INPUT},
+        {"x has NaN and -inf", 0, 0, 4, ALL_ALPHAS, X_NAN_AND_MINF, EKV_ERR_NAN_INPUT},
+        {"x has +inf and -inf", 0, 0, 4, ALL_ALPHAS, X_PINF_AND_MINF, EKV_ERR_NAN_INPUT},
+        {"x all -inf", 0, 0, 4, ALL_ALPHAS, X_ALL_MINF, EKV_ERR_EMPTY_INPUT},
+        {"x = {-inf}, n = 1", 0, 0, 1, ALL_ALPHAS, X_ALL_MINF, EKV_ERR_EMPTY_INPUT},
+        {"x = NaN, n = 1", 0, 0, 1, ALL_ALPHAS, X_NAN_FIRST, EKV_ERR_NAN_INPUT},
 };
 
 static void make_x(int kind, double x[4]) {
-    x[0] = 0.5; x[1] = -1.0; x[2] = 2.0; x[3] = 0.25;
+    x[0] = 0.5;
+    x[1] = -1.0;
+    x[2] = 2.0;
+    x[3] = 0.25;
     switch (kind) {
     case X_NAN_MID: x[2] = NAN; break;
     case X_NAN_FIRST: x[0] = NAN; break;
     case X_NAN_LAST: x[3] = NAN; break;
     case X_PINF: x[1] = INFINITY; break;
-    case X_NAN_AND_MINF: x[0] = -INFINITY; x[3] = NAN; break;
-    case X_PINF_AND_MINF: x[0] = -INFINITY; x[2] = INFINITY; break;
+    case X_NAN_AND_MINF:
+        x[0] = -INFINITY;
+        x[3] = NAN;
+        break;
+    case X_PINF_AND_MINF:
+        x[0] = -INFINITY;
+        x[2] = INFINITY;
+        break;
     case X_ALL_MINF: x[0] = x[1] = x[2] = x[3] = -INFINITY; break;
     default: break;
     }
@@ -282,7 +323,8 @@ static void run_entmax_row(const entmax_row *r, double alpha, ekv_context *ctx, 
     float xf[4], pf[8];
     int64_t sup;
     char name[160];
-    snprintf(name, sizeof name, "%s, alpha=%g, %s, ctx %s", r->name, alpha, f64 ? "f64" : "f32", ctx ? "set" : "NULL");
+    snprintf(name, sizeof name, "%s, alpha=%g, %s, ctx %s", r->name, alpha, f64 ? "f64" : "f32",
+             ctx ? "set" : "NULL");
     make_x(r->xkind, xd);
     for (int i = 0; i < 4; i++) xf[i] = (float)xd[i];
     memset(pd, SENT, sizeof pd);
@@ -290,8 +332,10 @@ static void run_entmax_row(const entmax_row *r, double alpha, ekv_context *ctx, 
     memset(&tau, SENT, sizeof tau);
     memset(&sup, SENT, sizeof sup);
     clear_error(ctx);
-    ekv_status st = f64 ? ekv_entmax_f64(ctx, r->x_null ? NULL : xd, r->n, alpha, r->p_null ? NULL : pd, &tau, &sup)
-                        : ekv_entmax(ctx, r->x_null ? NULL : xf, r->n, alpha, r->p_null ? NULL : pf, &tau, &sup);
+    ekv_status st = f64 ? ekv_entmax_f64(ctx, r->x_null ? NULL : xd, r->n, alpha,
+                                         r->p_null ? NULL : pd, &tau, &sup)
+                        : ekv_entmax(ctx, r->x_null ? NULL : xf, r->n, alpha, r->p_null ? NULL : pf,
+                                     &tau, &sup);
     expect("entmax", name, st, r->want, ctx);
     CHECK(filled(pd, sizeof pd) && filled(pf, sizeof pf), "entmax [%s]: p written on error", name);
     CHECK(filled(&tau, sizeof tau), "entmax [%s]: tau written on error", name);
@@ -341,48 +385,52 @@ typedef struct {
     ekv_cache **outp;
 } cache_case;
 
-#define CACHE_ROWS(X)                                                                         \
-    X(EKV_ERR_NULL_POINTER, c->ctx = NULL)                                                    \
-    X(EKV_ERR_NULL_POINTER, c->pp = NULL)                                                     \
-    X(EKV_ERR_NULL_POINTER, c->outp = NULL)                                                   \
-    X(EKV_ERR_INVALID_SIZE, c->p.num_pages = 0)                                               \
-    X(EKV_ERR_INVALID_SIZE, c->p.num_pages = -1)                                              \
-    X(EKV_ERR_INVALID_SIZE, c->p.num_pages = INT64_MIN)                                       \
-    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)INT32_MAX + 1)                         \
-    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = INT64_MAX)                                      \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = 0)                                          \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = 257)                                        \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = -1)                                         \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = INT32_MIN)                                  \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = INT32_MAX)                                  \
-    X(EKV_ERR_INVALID_SIZE, c->p.num_kv_heads = 0)                                            \
-    X(EKV_ERR_INVALID_SIZE, c->p.num_kv_heads = -2)                                           \
-    X(EKV_ERR_INVALID_SIZE, c->p.num_kv_heads = 4097)                                         \
-    X(EKV_ERR_INVALID_SIZE, c->p.head_dim = 0)                                                \
-    X(EKV_ERR_INVALID_SIZE, c->p.head_dim = -8)                                               \
-    X(EKV_ERR_INVALID_SIZE, c->p.head_dim = 65537)                                            \
-    X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)7)                                       \
-    X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)3)                                       \
-    X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)-1)                                      \
-    X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = 0)                                                \
-    X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = -1)                                               \
-    X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = INT32_MAX)                                        \
-    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = INT32_MAX; c->p.num_kv_heads = 4096;            \
-      c->p.page_size = 256; c->p.head_dim = 65536)                                            \
-    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)1 << 30; c->p.num_kv_heads = 4096;     \
-      c->p.page_size = 16; c->p.head_dim = 65536)                                             \
-    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)1 << 31 >> 1; c->p.num_kv_heads = 4096; \
+#define CACHE_ROWS(X)                                                                              \
+    X(EKV_ERR_NULL_POINTER, c->ctx = NULL)                                                         \
+    X(EKV_ERR_NULL_POINTER, c->pp = NULL)                                                          \
+    X(EKV_ERR_NULL_POINTER, c->outp = NULL)                                                        \
+    X(EKV_ERR_INVALID_SIZE, c->p.num_pages = 0)                                                    \
+    X(EKV_ERR_INVALID_SIZE, c->p.num_pages = -1)                                                   \
+    X(EKV_ERR_INVALID_SIZE, c->p.num_pages = INT64_MIN)                                            \
+    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)INT32_MAX + 1)                              \
+    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = INT64_MAX)                                           \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = 0)                                               \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = 257)                                             \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = -1)                                              \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = INT32_MIN)                                       \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->p.page_size = INT32_MAX)                                       \
+    X(EKV_ERR_INVALID_SIZE, c->p.num_kv_heads = 0)                                                 \
+    X(EKV_ERR_INVALID_SIZE, c->p.num_kv_heads = -2)                                                \
+    X(EKV_ERR_INVALID_SIZE, c->p.num_kv_heads = 4097)                                              \
+    X(EKV_ERR_INVALID_SIZE, c->p.head_dim = 0)                                                     \
+    X(EKV_ERR_INVALID_SIZE, c->p.head_dim = -8)                                                    \
+    X(EKV_ERR_INVALID_SIZE, c->p.head_dim = 65537)                                                 \
+    X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)7)                                            \
+    X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)3)                                            \
+    X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)-1)                                           \
+    X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = 0)                                                     \
+    X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = -1)                                                    \
+    X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = INT32_MAX)                                             \
+    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = INT32_MAX; c->p.num_kv_heads = 4096;                 \
+      c->p.page_size = 256; c->p.head_dim = 65536)                                                 \
+    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)1 << 30; c->p.num_kv_heads = 4096;          \
+      c->p.page_size = 16; c->p.head_dim = 65536)                                                  \
+    X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)1 << 31 >> 1; c->p.num_kv_heads = 4096;     \
       c->p.page_size = 256; c->p.head_dim = 65536; c->p.dtype = EKV_DTYPE_F32)
 
-static const struct { const char *name; ekv_status want; } cache_rows[] = {
+static const struct {
+    const char *name;
+    ekv_status want;
+} cache_rows[] = {
 #define X(want, ...) {#__VA_ARGS__, want},
-    CACHE_ROWS(X)
+        CACHE_ROWS(X)
 #undef X
 };
 
 static void cache_mutate(cache_case *c, int row) {
     int i = 0;
-#define X(want, ...) if (row == i++) { __VA_ARGS__; }
+#define X(want, ...)                                                                               \
+    if (row == i++) { __VA_ARGS__; }
     CACHE_ROWS(X)
 #undef X
 }
@@ -399,7 +447,8 @@ static void test_cache_create(void) {
     cache_case base;
     cache_init(&base);
     ekv_cache *ok = NULL;
-    CHECK(ekv_cache_create(g_ctx, base.pp, &ok) == EKV_OK && ok, "baseline cache params fail: %s", ekv_last_error(g_ctx));
+    CHECK(ekv_cache_create(g_ctx, base.pp, &ok) == EKV_OK && ok, "baseline cache params fail: %s",
+          ekv_last_error(g_ctx));
     ekv_cache_free(ok);
     CHECK(ekv_cache_bytes_needed(base.pp) > 0, "bytes_needed of the baseline");
     ekv_cache_free(NULL);
@@ -414,8 +463,8 @@ static void test_cache_create(void) {
         CHECK(c.out == SENT_PTR, "cache [%s]: *out written on error", cache_rows[r].name);
         if (st == EKV_OK && c.outp) ekv_cache_free(c.out);
         if (c.pp && cache_rows[r].want != EKV_ERR_NULL_POINTER)
-            CHECK(ekv_cache_bytes_needed(c.pp) == -1, "ekv_cache_bytes_needed [%s] = %lld, want -1", cache_rows[r].name,
-                  (long long)ekv_cache_bytes_needed(c.pp));
+            CHECK(ekv_cache_bytes_needed(c.pp) == -1, "ekv_cache_bytes_needed [%s] = %lld, want -1",
+                  cache_rows[r].name, (long long)ekv_cache_bytes_needed(c.pp));
     }
     CHECK(ekv_cache_bytes_needed(NULL) == -1, "ekv_cache_bytes_needed(NULL)");
 
@@ -472,45 +521,49 @@ static float g_kf[A_ELEMS], g_vf[A_ELEMS];
 static uint16_t g_kh[A_ELEMS], g_vh[A_ELEMS];
 static int32_t g_s0, g_s1_freed; /* s0: 5 tokens (2 pages); s1: created and freed */
 
-#define APPEND_ROWS(X)                                                                        \
-    X(EKV_ERR_NULL_POINTER, c->cache = NULL)                                                  \
-    X(EKV_ERR_NULL_POINTER, c->k = NULL)                                                      \
-    X(EKV_ERR_NULL_POINTER, c->v = NULL)                                                      \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seq = -1)                                                  \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seq = 3 /* max_seqs */)                                    \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seq = 2 /* never created */)                               \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seq = g_s1_freed)                                          \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seq = INT32_MAX)                                           \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seq = INT32_MIN)                                           \
-    X(EKV_ERR_INVALID_SIZE, c->n = 0)                                                         \
-    X(EKV_ERR_INVALID_SIZE, c->n = -1)                                                        \
-    X(EKV_ERR_INVALID_SIZE, c->n = INT64_MIN)                                                 \
-    X(EKV_ERR_SIZE_OVERFLOW, c->n = INT64_MAX)                                                \
-    X(EKV_ERR_SIZE_OVERFLOW, c->n = INT64_MAX - 2)                                            \
-    X(EKV_ERR_CACHE_FULL, c->n = 12 /* 3 more pages needed, 2 free */)                        \
-    X(EKV_ERR_CACHE_FULL, c->n = A_TOK)                                                       \
-    X(EKV_ERR_INVALID_DTYPE, c->dt = (ekv_dtype)7)                                            \
-    X(EKV_ERR_INVALID_DTYPE, c->dt = (ekv_dtype)3)                                            \
-    X(EKV_ERR_INVALID_DTYPE, c->dt = (ekv_dtype)-1)                                           \
-    X(EKV_ERR_NAN_INPUT, g_kf[5] = NAN)                                                       \
-    X(EKV_ERR_NAN_INPUT, g_kf[0] = -INFINITY)                                                 \
-    X(EKV_ERR_NAN_INPUT, g_kf[3 * A_HK * A_D - 1] = INFINITY)                                 \
-    X(EKV_ERR_NAN_INPUT, g_vf[0] = NAN)                                                       \
-    X(EKV_ERR_NAN_INPUT, g_vf[3 * A_HK * A_D - 1] = -INFINITY)                                \
-    X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_F16; c->k = g_kh; c->v = g_vh; g_kh[7] = 0x7e00)   \
-    X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_F16; c->k = g_kh; c->v = g_vh; g_vh[40] = 0xfc00)  \
-    X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_BF16; c->k = g_kh; c->v = g_vh; g_kh[1] = 0x7f80)  \
+#define APPEND_ROWS(X)                                                                             \
+    X(EKV_ERR_NULL_POINTER, c->cache = NULL)                                                       \
+    X(EKV_ERR_NULL_POINTER, c->k = NULL)                                                           \
+    X(EKV_ERR_NULL_POINTER, c->v = NULL)                                                           \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seq = -1)                                                       \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seq = 3 /* max_seqs */)                                         \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seq = 2 /* never created */)                                    \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seq = g_s1_freed)                                               \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seq = INT32_MAX)                                                \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seq = INT32_MIN)                                                \
+    X(EKV_ERR_INVALID_SIZE, c->n = 0)                                                              \
+    X(EKV_ERR_INVALID_SIZE, c->n = -1)                                                             \
+    X(EKV_ERR_INVALID_SIZE, c->n = INT64_MIN)                                                      \
+    X(EKV_ERR_SIZE_OVERFLOW, c->n = INT64_MAX)                                                     \
+    X(EKV_ERR_SIZE_OVERFLOW, c->n = INT64_MAX - 2)                                                 \
+    X(EKV_ERR_CACHE_FULL, c->n = 12 /* 3 more pages needed, 2 free */)                             \
+    X(EKV_ERR_CACHE_FULL, c->n = A_TOK)                                                            \
+    X(EKV_ERR_INVALID_DTYPE, c->dt = (ekv_dtype)7)                                                 \
+    X(EKV_ERR_INVALID_DTYPE, c->dt = (ekv_dtype)3)                                                 \
+    X(EKV_ERR_INVALID_DTYPE, c->dt = (ekv_dtype)-1)                                                \
+    X(EKV_ERR_NAN_INPUT, g_kf[5] = NAN)                                                            \
+    X(EKV_ERR_NAN_INPUT, g_kf[0] = -INFINITY)                                                      \
+    X(EKV_ERR_NAN_INPUT, g_kf[3 * A_HK * A_D - 1] = INFINITY)                                      \
+    X(EKV_ERR_NAN_INPUT, g_vf[0] = NAN)                                                            \
+    X(EKV_ERR_NAN_INPUT, g_vf[3 * A_HK * A_D - 1] = -INFINITY)                                     \
+    X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_F16; c->k = g_kh; c->v = g_vh; g_kh[7] = 0x7e00)        \
+    X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_F16; c->k = g_kh; c->v = g_vh; g_vh[40] = 0xfc00)       \
+    X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_BF16; c->k = g_kh; c->v = g_vh; g_kh[1] = 0x7f80)       \
     X(EKV_ERR_NAN_INPUT, c->dt = EKV_DTYPE_BF16; c->k = g_kh; c->v = g_vh; g_vh[47] = 0xffc1)
 
-static const struct { const char *name; ekv_status want; } append_rows[] = {
+static const struct {
+    const char *name;
+    ekv_status want;
+} append_rows[] = {
 #define X(want, ...) {#__VA_ARGS__, want},
-    APPEND_ROWS(X)
+        APPEND_ROWS(X)
 #undef X
 };
 
 static void append_mutate(append_case *c, int row) {
     int i = 0;
-#define X(want, ...) if (row == i++) { __VA_ARGS__; }
+#define X(want, ...)                                                                               \
+    if (row == i++) { __VA_ARGS__; }
     APPEND_ROWS(X)
 #undef X
 }
@@ -565,18 +618,26 @@ static void snap_take(ekv_cache *c, pool_snapshot *s) {
 static int snap_same(ekv_cache *c, const pool_snapshot *s) {
     pool_snapshot now;
     snap_take(c, &now);
-    int same = now.kv_bytes == s->kv_bytes && !memcmp(now.k, s->k, s->kv_bytes) && !memcmp(now.v, s->v, s->kv_bytes) &&
-               !memcmp(now.count, s->count, s->count_n * sizeof(int32_t)) && now.free_pages == s->free_pages;
+    int same = now.kv_bytes == s->kv_bytes && !memcmp(now.k, s->k, s->kv_bytes) &&
+               !memcmp(now.v, s->v, s->kv_bytes) &&
+               !memcmp(now.count, s->count, s->count_n * sizeof(int32_t)) &&
+               now.free_pages == s->free_pages;
     for (int i = 0; i < 5; i++)
-        same = same && !memcmp(now.st[i], s->st[i], (i == 4 ? s->radius_floats : s->stat_floats) * sizeof(float));
-    for (int q = 0; q < 3; q++) same = same && now.alive[q] == s->alive[q] && now.len[q] == s->len[q];
-    free(now.k); free(now.v); free(now.count);
+        same = same && !memcmp(now.st[i], s->st[i],
+                               (i == 4 ? s->radius_floats : s->stat_floats) * sizeof(float));
+    for (int q = 0; q < 3; q++)
+        same = same && now.alive[q] == s->alive[q] && now.len[q] == s->len[q];
+    free(now.k);
+    free(now.v);
+    free(now.count);
     for (int i = 0; i < 5; i++) free(now.st[i]);
     return same;
 }
 
 static void snap_free(pool_snapshot *s) {
-    free(s->k); free(s->v); free(s->count);
+    free(s->k);
+    free(s->v);
+    free(s->count);
     for (int i = 0; i < 5; i++) free(s->st[i]);
 }
 
@@ -596,34 +657,38 @@ typedef struct {
     int64_t *neededp;
 } table_case;
 
-#define TABLE_ROWS(X)                                                                         \
-    X(EKV_ERR_NULL_POINTER, c->cache = NULL)                                                  \
-    X(EKV_ERR_NULL_POINTER, c->seqsp = NULL)                                                  \
-    X(EKV_ERR_NULL_POINTER, c->indptrp = NULL)                                                \
-    X(EKV_ERR_NULL_POINTER, c->lplp = NULL)                                                   \
-    X(EKV_ERR_NULL_POINTER, c->indicesp = NULL; c->neededp = NULL)                            \
-    X(EKV_ERR_INVALID_SIZE, c->n = 0)                                                         \
-    X(EKV_ERR_INVALID_SIZE, c->n = -1)                                                        \
-    X(EKV_ERR_INVALID_SIZE, c->n = 0; c->indicesp = NULL)                                     \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = -1)                                              \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = 3)                                               \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = g_s1_freed)                                      \
-    X(EKV_ERR_INVALID_SEQUENCE, c->n = 2; c->seqs[1] = 2 /* never created */)                 \
-    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = g_s1_freed; c->indicesp = NULL)                  \
-    X(EKV_ERR_INVALID_SIZE, c->cap = 1 /* 2 page ids needed */)                               \
-    X(EKV_ERR_INVALID_SIZE, c->cap = 0)                                                       \
-    X(EKV_ERR_INVALID_SIZE, c->cap = -1)                                                      \
+#define TABLE_ROWS(X)                                                                              \
+    X(EKV_ERR_NULL_POINTER, c->cache = NULL)                                                       \
+    X(EKV_ERR_NULL_POINTER, c->seqsp = NULL)                                                       \
+    X(EKV_ERR_NULL_POINTER, c->indptrp = NULL)                                                     \
+    X(EKV_ERR_NULL_POINTER, c->lplp = NULL)                                                        \
+    X(EKV_ERR_NULL_POINTER, c->indicesp = NULL; c->neededp = NULL)                                 \
+    X(EKV_ERR_INVALID_SIZE, c->n = 0)                                                              \
+    X(EKV_ERR_INVALID_SIZE, c->n = -1)                                                             \
+    X(EKV_ERR_INVALID_SIZE, c->n = 0; c->indicesp = NULL)                                          \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = -1)                                                   \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = 3)                                                    \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = g_s1_freed)                                           \
+    X(EKV_ERR_INVALID_SEQUENCE, c->n = 2; c->seqs[1] = 2 /* never created */)                      \
+    X(EKV_ERR_INVALID_SEQUENCE, c->seqs[0] = g_s1_freed; c->indicesp = NULL)                       \
+    X(EKV_ERR_INVALID_SIZE, c->cap = 1 /* 2 page ids needed */)                                    \
+    X(EKV_ERR_INVALID_SIZE, c->cap = 0)                                                            \
+    X(EKV_ERR_INVALID_SIZE, c->cap = -1)                                                           \
     X(EKV_ERR_INVALID_SIZE, c->cap = 1; c->neededp = NULL)
 
-static const struct { const char *name; ekv_status want; } table_rows[] = {
+static const struct {
+    const char *name;
+    ekv_status want;
+} table_rows[] = {
 #define X(want, ...) {#__VA_ARGS__, want},
-    TABLE_ROWS(X)
+        TABLE_ROWS(X)
 #undef X
 };
 
 static void table_mutate(table_case *c, int row) {
     int i = 0;
-#define X(want, ...) if (row == i++) { __VA_ARGS__; }
+#define X(want, ...)                                                                               \
+    if (row == i++) { __VA_ARGS__; }
     TABLE_ROWS(X)
 #undef X
 }
@@ -650,16 +715,22 @@ static void test_cache_ops(void) {
         return;
     }
     int32_t s1 = -1;
-    CHECK(ekv_cache_seq_new(cache, &g_s0) == EKV_OK && ekv_cache_seq_new(cache, &s1) == EKV_OK, "seq_new");
+    CHECK(ekv_cache_seq_new(cache, &g_s0) == EKV_OK && ekv_cache_seq_new(cache, &s1) == EKV_OK,
+          "seq_new");
     g_s1_freed = s1;
     CHECK(ekv_cache_seq_free(cache, s1) == EKV_OK, "seq_free");
     fill_src();
-    CHECK(ekv_cache_append(cache, g_s0, 3, g_kf, g_vf, EKV_DTYPE_F32) == EKV_OK, "baseline append: %s", ekv_last_error(g_ctx));
-    CHECK(ekv_cache_append(cache, g_s0, 2, g_kh, g_vh, EKV_DTYPE_F16) == EKV_OK, "baseline append f16: %s", ekv_last_error(g_ctx));
+    CHECK(ekv_cache_append(cache, g_s0, 3, g_kf, g_vf, EKV_DTYPE_F32) == EKV_OK,
+          "baseline append: %s", ekv_last_error(g_ctx));
+    CHECK(ekv_cache_append(cache, g_s0, 2, g_kh, g_vh, EKV_DTYPE_F16) == EKV_OK,
+          "baseline append f16: %s", ekv_last_error(g_ctx));
     int64_t len = 0;
-    CHECK(ekv_cache_seq_length(cache, g_s0, &len) == EKV_OK && len == 5, "s0 length %lld", (long long)len);
-    CHECK(ekv_cache_free_pages(cache) == 2, "free pages %lld", (long long)ekv_cache_free_pages(cache));
-    CHECK(g_s0 != 2 && g_s1_freed != 2, "slot 2 is expected unused (s0=%d s1=%d)", g_s0, g_s1_freed);
+    CHECK(ekv_cache_seq_length(cache, g_s0, &len) == EKV_OK && len == 5, "s0 length %lld",
+          (long long)len);
+    CHECK(ekv_cache_free_pages(cache) == 2, "free pages %lld",
+          (long long)ekv_cache_free_pages(cache));
+    CHECK(g_s0 != 2 && g_s1_freed != 2, "slot 2 is expected unused (s0=%d s1=%d)", g_s0,
+          g_s1_freed);
 
     pool_snapshot snap;
     snap_take(cache, &snap);
@@ -672,7 +743,8 @@ static void test_cache_ops(void) {
         clear_error(g_ctx);
         ekv_status st = ekv_cache_append(c.cache, c.seq, c.n, c.k, c.v, c.dt);
         expect("append", append_rows[r].name, st, append_rows[r].want, c.cache ? g_ctx : NULL);
-        CHECK(snap_same(cache, &snap), "append [%s]: the cache changed on error", append_rows[r].name);
+        CHECK(snap_same(cache, &snap), "append [%s]: the cache changed on error",
+              append_rows[r].name);
     }
     fill_src();
 
@@ -682,22 +754,26 @@ static void test_cache_ops(void) {
         table_init(&c, cache);
         table_mutate(&c, r);
         clear_error(g_ctx);
-        ekv_status st = ekv_cache_page_table(c.cache, c.seqsp, c.n, c.indptrp, c.indicesp, c.cap, c.lplp, c.neededp);
+        ekv_status st = ekv_cache_page_table(c.cache, c.seqsp, c.n, c.indptrp, c.indicesp, c.cap,
+                                             c.lplp, c.neededp);
         expect("table", table_rows[r].name, st, table_rows[r].want, c.cache ? g_ctx : NULL);
-        CHECK(filled(c.indptr, sizeof c.indptr) && filled(c.indices, sizeof c.indices) && filled(c.lpl, sizeof c.lpl) &&
-                  filled(&c.needed, sizeof c.needed),
+        CHECK(filled(c.indptr, sizeof c.indptr) && filled(c.indices, sizeof c.indices) &&
+                      filled(c.lpl, sizeof c.lpl) && filled(&c.needed, sizeof c.needed),
               "table [%s]: an output was written on error", table_rows[r].name);
         CHECK(snap_same(cache, &snap), "table [%s]: the cache changed", table_rows[r].name);
     }
     { /* the query form writes only *needed; the full form writes the table */
         table_case c;
         table_init(&c, cache);
-        CHECK(ekv_cache_page_table(cache, c.seqs, 1, NULL, NULL, 0, NULL, &c.needed) == EKV_OK && c.needed == 2,
+        CHECK(ekv_cache_page_table(cache, c.seqs, 1, NULL, NULL, 0, NULL, &c.needed) == EKV_OK &&
+                      c.needed == 2,
               "page_table query: needed = %lld", (long long)c.needed);
-        CHECK(filled(c.indptr, sizeof c.indptr) && filled(c.indices, sizeof c.indices) && filled(c.lpl, sizeof c.lpl),
+        CHECK(filled(c.indptr, sizeof c.indptr) && filled(c.indices, sizeof c.indices) &&
+                      filled(c.lpl, sizeof c.lpl),
               "page_table query wrote the table");
-        CHECK(ekv_cache_page_table(cache, c.seqs, 1, c.indptr, c.indices, 2, c.lpl, NULL) == EKV_OK &&
-                  c.indptr[0] == 0 && c.indptr[1] == 2 && c.lpl[0] == 1,
+        CHECK(ekv_cache_page_table(cache, c.seqs, 1, c.indptr, c.indices, 2, c.lpl, NULL) ==
+                              EKV_OK &&
+                      c.indptr[0] == 0 && c.indptr[1] == 2 && c.lpl[0] == 1,
               "page_table with exact capacity");
     }
 
@@ -705,13 +781,22 @@ static void test_cache_ops(void) {
     {
         int32_t s = 77;
         memset(&s, SENT, sizeof s);
-        CHECK(ekv_cache_seq_new(NULL, &s) == EKV_ERR_NULL_POINTER && filled(&s, sizeof s), "seq_new(NULL cache)");
+        CHECK(ekv_cache_seq_new(NULL, &s) == EKV_ERR_NULL_POINTER && filled(&s, sizeof s),
+              "seq_new(NULL cache)");
         clear_error(g_ctx);
-        expect("seq", "seq_new(cache, NULL)", ekv_cache_seq_new(cache, NULL), EKV_ERR_NULL_POINTER, g_ctx);
+        expect("seq", "seq_new(cache, NULL)", ekv_cache_seq_new(cache, NULL), EKV_ERR_NULL_POINTER,
+               g_ctx);
         CHECK(snap_same(cache, &snap), "seq_new(cache, NULL) changed the cache");
 
-        static const struct { const char *name; int32_t seq; } bad[] = {
-            {"-1", -1}, {"max_seqs", 3}, {"never created", 2}, {"INT32_MAX", INT32_MAX}, {"INT32_MIN", INT32_MIN}, {"freed", -2}};
+        static const struct {
+            const char *name;
+            int32_t seq;
+        } bad[] = {{"-1", -1},
+                   {"max_seqs", 3},
+                   {"never created", 2},
+                   {"INT32_MAX", INT32_MAX},
+                   {"INT32_MIN", INT32_MIN},
+                   {"freed", -2}};
         for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
             int32_t q = bad[i].seq == -2 ? g_s1_freed : bad[i].seq;
             char name[64];
@@ -719,7 +804,8 @@ static void test_cache_ops(void) {
             snprintf(name, sizeof name, "seq_length(%s)", bad[i].name);
             memset(&l, SENT, sizeof l);
             clear_error(g_ctx);
-            expect("seq", name, ekv_cache_seq_length(cache, q, &l), EKV_ERR_INVALID_SEQUENCE, g_ctx);
+            expect("seq", name, ekv_cache_seq_length(cache, q, &l), EKV_ERR_INVALID_SEQUENCE,
+                   g_ctx);
             CHECK(filled(&l, sizeof l), "%s wrote its output", name);
             snprintf(name, sizeof name, "seq_free(%s)", bad[i].name);
             clear_error(g_ctx);
@@ -728,9 +814,11 @@ static void test_cache_ops(void) {
         }
         int64_t l;
         memset(&l, SENT, sizeof l);
-        CHECK(ekv_cache_seq_length(NULL, g_s0, &l) == EKV_ERR_NULL_POINTER && filled(&l, sizeof l), "seq_length(NULL)");
+        CHECK(ekv_cache_seq_length(NULL, g_s0, &l) == EKV_ERR_NULL_POINTER && filled(&l, sizeof l),
+              "seq_length(NULL)");
         clear_error(g_ctx);
-        expect("seq", "seq_length(cache, s0, NULL)", ekv_cache_seq_length(cache, g_s0, NULL), EKV_ERR_NULL_POINTER, g_ctx);
+        expect("seq", "seq_length(cache, s0, NULL)", ekv_cache_seq_length(cache, g_s0, NULL),
+               EKV_ERR_NULL_POINTER, g_ctx);
         CHECK(ekv_cache_seq_free(NULL, g_s0) == EKV_ERR_NULL_POINTER, "seq_free(NULL)");
         CHECK(ekv_cache_free_pages(NULL) == 0, "free_pages(NULL)");
 
@@ -740,8 +828,10 @@ static void test_cache_ops(void) {
         memset(&ps, SENT, sizeof ps);
         CHECK(ekv_cache_kv_view(NULL, &kv, &ps) == EKV_ERR_NULL_POINTER, "kv_view(NULL)");
         clear_error(g_ctx);
-        expect("view", "kv_view(cache, NULL, NULL)", ekv_cache_kv_view(cache, NULL, NULL), EKV_ERR_NULL_POINTER, g_ctx);
-        CHECK(filled(&kv, sizeof kv) && filled(&ps, sizeof ps), "kv_view wrote its outputs on error");
+        expect("view", "kv_view(cache, NULL, NULL)", ekv_cache_kv_view(cache, NULL, NULL),
+               EKV_ERR_NULL_POINTER, g_ctx);
+        CHECK(filled(&kv, sizeof kv) && filled(&ps, sizeof ps),
+              "kv_view wrote its outputs on error");
         CHECK(snap_same(cache, &snap), "seq/view rows changed the cache");
     }
     snap_free(&snap);
@@ -756,11 +846,13 @@ static void test_cache_ops(void) {
             CHECK(ekv_cache_seq_new(c1, &a) == EKV_OK && a == 0, "seq_new on a fresh cache");
             memset(&b, SENT, sizeof b);
             clear_error(g_ctx);
-            expect("seq", "seq_new with every slot in use", ekv_cache_seq_new(c1, &b), EKV_ERR_INVALID_SEQUENCE, g_ctx);
+            expect("seq", "seq_new with every slot in use", ekv_cache_seq_new(c1, &b),
+                   EKV_ERR_INVALID_SEQUENCE, g_ctx);
             CHECK(filled(&b, sizeof b), "seq_new wrote *seq_out on error");
             CHECK(ekv_cache_seq_free(c1, a) == EKV_OK, "seq_free");
             clear_error(g_ctx);
-            expect("seq", "seq_free twice", ekv_cache_seq_free(c1, a), EKV_ERR_INVALID_SEQUENCE, g_ctx);
+            expect("seq", "seq_free twice", ekv_cache_seq_free(c1, a), EKV_ERR_INVALID_SEQUENCE,
+                   g_ctx);
             CHECK(ekv_cache_free_pages(c1) == p1.num_pages, "a double free changed the free list");
             ekv_cache_free(c1);
         } else {
@@ -773,7 +865,16 @@ static void test_cache_ops(void) {
 /* ================================================================================== */
 /* ekv_decode_dense / ekv_decode_dense_ref                                             */
 /* ================================================================================== */
-enum { D_PS = 4, D_HK = 2, D_D = 8, D_NP = 4, D_B = 2, D_H = 4, D_HMAX = 520, D_QMAX = D_B * D_HMAX * D_D };
+enum {
+    D_PS = 4,
+    D_HK = 2,
+    D_D = 8,
+    D_NP = 4,
+    D_B = 2,
+    D_H = 4,
+    D_HMAX = 520,
+    D_QMAX = D_B * D_HMAX * D_D
+};
 
 typedef struct {
     ekv_context *ctx;
@@ -800,90 +901,94 @@ static int64_t g_sup[D_B * D_HMAX];
 static ekv_decode_info g_info;
 static decode_case g_dc;
 
-#define DECODE_ROWS(X)                                                                        \
-    X(EKV_ERR_NULL_POINTER, c->prmp = NULL)                                                   \
-    X(EKV_ERR_NULL_POINTER, c->kvp = NULL)                                                    \
-    X(EKV_ERR_NULL_POINTER, c->tabp = NULL)                                                   \
-    X(EKV_ERR_NULL_POINTER, c->qp = NULL)                                                     \
-    X(EKV_ERR_NULL_POINTER, c->outp = NULL)                                                   \
-    X(EKV_ERR_NULL_POINTER, c->kv.k = NULL)                                                   \
-    X(EKV_ERR_NULL_POINTER, c->kv.v = NULL)                                                   \
-    X(EKV_ERR_NULL_POINTER, c->tab.indptr = NULL)                                             \
-    X(EKV_ERR_NULL_POINTER, c->tab.indices = NULL)                                            \
-    X(EKV_ERR_NULL_POINTER, c->tab.last_page_len = NULL)                                      \
-    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = 0)                                                \
-    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = -2)                                               \
-    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = 0.999)                                            \
-    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = 4.001)                                            \
-    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = NAN)                                              \
-    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = INFINITY)                                         \
-    X(EKV_ERR_INVALID_DTYPE, c->kv.dtype = (ekv_dtype)7)                                      \
-    X(EKV_ERR_INVALID_DTYPE, c->kv.dtype = (ekv_dtype)3)                                      \
-    X(EKV_ERR_INVALID_DTYPE, c->kv.dtype = (ekv_dtype)-1)                                     \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->kv.page_size = 0)                                         \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->kv.page_size = 257)                                       \
-    X(EKV_ERR_INVALID_PAGE_SIZE, c->kv.page_size = -4)                                        \
-    X(EKV_ERR_INVALID_SIZE, c->kv.head_dim = 0)                                               \
-    X(EKV_ERR_INVALID_SIZE, c->kv.head_dim = -8)                                              \
-    X(EKV_ERR_INVALID_SIZE, c->kv.head_dim = 65537)                                           \
-    X(EKV_ERR_INVALID_SIZE, c->kv.num_kv_heads = 0)                                           \
-    X(EKV_ERR_INVALID_SIZE, c->kv.num_kv_heads = -2)                                          \
-    X(EKV_ERR_INVALID_SIZE, c->prm.num_heads = 0)                                             \
-    X(EKV_ERR_INVALID_SIZE, c->prm.num_heads = -4)                                            \
-    X(EKV_ERR_HEAD_MISMATCH, c->prm.num_heads = 3)                                            \
-    X(EKV_ERR_HEAD_MISMATCH, c->prm.num_heads = 1)                                            \
-    X(EKV_ERR_HEAD_MISMATCH, c->kv.num_kv_heads = 3)                                          \
-    X(EKV_ERR_HEAD_MISMATCH, c->kv.num_kv_heads = 8)                                          \
-    X(EKV_ERR_INVALID_SIZE, c->kv.num_pages = 0)                                              \
-    X(EKV_ERR_INVALID_SIZE, c->kv.num_pages = -1)                                             \
-    X(EKV_ERR_INVALID_SIZE, c->kv.num_pages = (int64_t)INT32_MAX + 1)                         \
-    X(EKV_ERR_INVALID_SIZE, c->kv.stride_token = D_D - 1)                                     \
-    X(EKV_ERR_INVALID_SIZE, c->kv.stride_token = -D_D)                                        \
-    X(EKV_ERR_INVALID_SIZE, c->kv.stride_head = 0)                                            \
-    X(EKV_ERR_INVALID_SIZE, c->kv.stride_page = 0)                                            \
-    X(EKV_ERR_INVALID_SIZE, c->kv.stride_page = -1)                                           \
-    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 2)                               \
-    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 8; c->kv.dtype = EKV_DTYPE_F32)  \
-    X(EKV_ERR_SIZE_OVERFLOW, c->kv.num_pages = INT32_MAX; c->kv.stride_page = (int64_t)1 << 40) \
-    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -1.0f)                                         \
-    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -FLT_MIN)                                      \
-    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = NAN)                                           \
-    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = INFINITY)                                      \
-    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[0] = -0.5f)                                         \
-    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[D_H - 1] = NAN)                                     \
-    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[1] = INFINITY)                                      \
-    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[2] = -INFINITY)                                     \
-    X(EKV_ERR_INVALID_SIZE, c->tab.batch = 0)                                                 \
-    X(EKV_ERR_INVALID_SIZE, c->tab.batch = -1)                                                \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[0] = 1)                                             \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[0] = -1)                                            \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[2] = 1 /* decreasing */)                            \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[1] = -1; c->indptr[2] = 0)                          \
-    X(EKV_ERR_EMPTY_INPUT, c->indptr[2] = 2 /* sequence 1 has no pages */)                    \
-    X(EKV_ERR_EMPTY_INPUT, c->indptr[1] = 0 /* sequence 0 has no pages */)                    \
-    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[0] = 0)                                                \
-    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[1] = 0)                                                \
-    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[1] = -1)                                               \
-    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[0] = D_PS + 1)                                         \
-    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[1] = INT32_MAX)                                        \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indices[0] = D_NP)                                         \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indices[2] = -1)                                           \
-    X(EKV_ERR_INVALID_ARGUMENT, c->indices[1] = INT32_MAX)                                    \
-    X(EKV_ERR_INVALID_ARGUMENT, c->kv.num_pages = 2 /* page 2 is used */)                     \
-    X(EKV_ERR_NAN_INPUT, c->q[0] = NAN)                                                       \
-    X(EKV_ERR_NAN_INPUT, c->q[D_B * D_H * D_D - 1] = NAN)                                     \
-    X(EKV_ERR_NAN_INPUT, c->q[17] = INFINITY)                                                 \
+#define DECODE_ROWS(X)                                                                             \
+    X(EKV_ERR_NULL_POINTER, c->prmp = NULL)                                                        \
+    X(EKV_ERR_NULL_POINTER, c->kvp = NULL)                                                         \
+    X(EKV_ERR_NULL_POINTER, c->tabp = NULL)                                                        \
+    X(EKV_ERR_NULL_POINTER, c->qp = NULL)                                                          \
+    X(EKV_ERR_NULL_POINTER, c->outp = NULL)                                                        \
+    X(EKV_ERR_NULL_POINTER, c->kv.k = NULL)                                                        \
+    X(EKV_ERR_NULL_POINTER, c->kv.v = NULL)                                                        \
+    X(EKV_ERR_NULL_POINTER, c->tab.indptr = NULL)                                                  \
+    X(EKV_ERR_NULL_POINTER, c->tab.indices = NULL)                                                 \
+    X(EKV_ERR_NULL_POINTER, c->tab.last_page_len = NULL)                                           \
+    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = 0)                                                     \
+    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = -2)                                                    \
+    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = 0.999)                                                 \
+    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = 4.001)                                                 \
+    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = NAN)                                                   \
+    X(EKV_ERR_INVALID_ALPHA, c->prm.alpha = INFINITY)                                              \
+    X(EKV_ERR_INVALID_DTYPE, c->kv.dtype = (ekv_dtype)7)                                           \
+    X(EKV_ERR_INVALID_DTYPE, c->kv.dtype = (ekv_dtype)3)                                           \
+    X(EKV_ERR_INVALID_DTYPE, c->kv.dtype = (ekv_dtype)-1)                                          \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->kv.page_size = 0)                                              \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->kv.page_size = 257)                                            \
+    X(EKV_ERR_INVALID_PAGE_SIZE, c->kv.page_size = -4)                                             \
+    X(EKV_ERR_INVALID_SIZE, c->kv.head_dim = 0)                                                    \
+    X(EKV_ERR_INVALID_SIZE, c->kv.head_dim = -8)                                                   \
+    X(EKV_ERR_INVALID_SIZE, c->kv.head_dim = 65537)                                                \
+    X(EKV_ERR_INVALID_SIZE, c->kv.num_kv_heads = 0)                                                \
+    X(EKV_ERR_INVALID_SIZE, c->kv.num_kv_heads = -2)                                               \
+    X(EKV_ERR_INVALID_SIZE, c->prm.num_heads = 0)                                                  \
+    X(EKV_ERR_INVALID_SIZE, c->prm.num_heads = -4)                                                 \
+    X(EKV_ERR_HEAD_MISMATCH, c->prm.num_heads = 3)                                                 \
+    X(EKV_ERR_HEAD_MISMATCH, c->prm.num_heads = 1)                                                 \
+    X(EKV_ERR_HEAD_MISMATCH, c->kv.num_kv_heads = 3)                                               \
+    X(EKV_ERR_HEAD_MISMATCH, c->kv.num_kv_heads = 8)                                               \
+    X(EKV_ERR_INVALID_SIZE, c->kv.num_pages = 0)                                                   \
+    X(EKV_ERR_INVALID_SIZE, c->kv.num_pages = -1)                                                  \
+    X(EKV_ERR_INVALID_SIZE, c->kv.num_pages = (int64_t)INT32_MAX + 1)                              \
+    X(EKV_ERR_INVALID_SIZE, c->kv.stride_token = D_D - 1)                                          \
+    X(EKV_ERR_INVALID_SIZE, c->kv.stride_token = -D_D)                                             \
+    X(EKV_ERR_INVALID_SIZE, c->kv.stride_head = 0)                                                 \
+    X(EKV_ERR_INVALID_SIZE, c->kv.stride_page = 0)                                                 \
+    X(EKV_ERR_INVALID_SIZE, c->kv.stride_page = -1)                                                \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 2)                                    \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 8; c->kv.dtype = EKV_DTYPE_F32)       \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.num_pages = INT32_MAX; c->kv.stride_page = (int64_t)1 << 40)    \
+    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -1.0f)                                              \
+    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -FLT_MIN)                                           \
+    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = NAN)                                                \
+    X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = INFINITY)                                           \
+    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[0] = -0.5f)                                              \
+    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[D_H - 1] = NAN)                                          \
+    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[1] = INFINITY)                                           \
+    X(EKV_ERR_INVALID_ARGUMENT, c->slopes[2] = -INFINITY)                                          \
+    X(EKV_ERR_INVALID_SIZE, c->tab.batch = 0)                                                      \
+    X(EKV_ERR_INVALID_SIZE, c->tab.batch = -1)                                                     \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[0] = 1)                                                  \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[0] = -1)                                                 \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[2] = 1 /* decreasing */)                                 \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indptr[1] = -1; c->indptr[2] = 0)                               \
+    X(EKV_ERR_EMPTY_INPUT, c->indptr[2] = 2 /* sequence 1 has no pages */)                         \
+    X(EKV_ERR_EMPTY_INPUT, c->indptr[1] = 0 /* sequence 0 has no pages */)                         \
+    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[0] = 0)                                                     \
+    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[1] = 0)                                                     \
+    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[1] = -1)                                                    \
+    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[0] = D_PS + 1)                                              \
+    X(EKV_ERR_INVALID_ARGUMENT, c->lpl[1] = INT32_MAX)                                             \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indices[0] = D_NP)                                              \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indices[2] = -1)                                                \
+    X(EKV_ERR_INVALID_ARGUMENT, c->indices[1] = INT32_MAX)                                         \
+    X(EKV_ERR_INVALID_ARGUMENT, c->kv.num_pages = 2 /* page 2 is used */)                          \
+    X(EKV_ERR_NAN_INPUT, c->q[0] = NAN)                                                            \
+    X(EKV_ERR_NAN_INPUT, c->q[D_B * D_H * D_D - 1] = NAN)                                          \
+    X(EKV_ERR_NAN_INPUT, c->q[17] = INFINITY)                                                      \
     X(EKV_ERR_NAN_INPUT, c->q[40] = -INFINITY)
 
-static const struct { const char *name; ekv_status want; } decode_rows[] = {
+static const struct {
+    const char *name;
+    ekv_status want;
+} decode_rows[] = {
 #define X(want, ...) {#__VA_ARGS__, want},
-    DECODE_ROWS(X)
+        DECODE_ROWS(X)
 #undef X
 };
 
 static void decode_mutate(decode_case *c, int row) {
     int i = 0;
-#define X(want, ...) if (row == i++) { __VA_ARGS__; }
+#define X(want, ...)                                                                               \
+    if (row == i++) { __VA_ARGS__; }
     DECODE_ROWS(X)
 #undef X
 }
@@ -908,9 +1013,15 @@ static void decode_init(decode_case *c, ekv_context *ctx, double alpha) {
     c->kv.stride_head = D_PS * D_D;
     c->kv.stride_page = D_HK * D_PS * D_D;
     /* sequence 0: pages {3, 1}, 3 tokens in the last (7 tokens); sequence 1: page {2}, full */
-    c->indptr[0] = 0; c->indptr[1] = 2; c->indptr[2] = 3;
-    c->indices[0] = 3; c->indices[1] = 1; c->indices[2] = 2; c->indices[3] = 0;
-    c->lpl[0] = 3; c->lpl[1] = D_PS;
+    c->indptr[0] = 0;
+    c->indptr[1] = 2;
+    c->indptr[2] = 3;
+    c->indices[0] = 3;
+    c->indices[1] = 1;
+    c->indices[2] = 2;
+    c->indices[3] = 0;
+    c->lpl[0] = 3;
+    c->lpl[1] = D_PS;
     c->tab.batch = D_B;
     c->tab.indptr = c->indptr;
     c->tab.indices = c->indices;
@@ -934,9 +1045,10 @@ static void decode_sentinels(void) {
 }
 
 static int decode_untouched(void) {
-    return filled(g_out, sizeof g_out) && filled(g_tau, sizeof g_tau) && filled(g_sup, sizeof g_sup) &&
-           filled(&g_info.bytes_k, sizeof g_info.bytes_k) && filled(&g_info.bytes_v, sizeof g_info.bytes_v) &&
-           g_info.tau == g_tau && g_info.support == g_sup;
+    return filled(g_out, sizeof g_out) && filled(g_tau, sizeof g_tau) &&
+           filled(g_sup, sizeof g_sup) && filled(&g_info.bytes_k, sizeof g_info.bytes_k) &&
+           filled(&g_info.bytes_v, sizeof g_info.bytes_v) && g_info.tau == g_tau &&
+           g_info.support == g_sup;
 }
 
 static ekv_status decode_call(const decode_case *c, int ref) {
@@ -958,8 +1070,10 @@ static void test_decode(void) {
             decode_init(c, g_ctx, alphas[a]);
             decode_sentinels();
             ekv_status st = decode_call(c, ref);
-            CHECK(st == EKV_OK, "%s baseline alpha=%g: %d (%s)", be, alphas[a], st, ekv_last_error(g_ctx));
-            CHECK(!filled(g_out, D_B * D_H * D_D * sizeof(float)), "%s baseline wrote no output", be);
+            CHECK(st == EKV_OK, "%s baseline alpha=%g: %d (%s)", be, alphas[a], st,
+                  ekv_last_error(g_ctx));
+            CHECK(!filled(g_out, D_B * D_H * D_D * sizeof(float)), "%s baseline wrote no output",
+                  be);
             c->infop = NULL; /* info is optional */
             CHECK(decode_call(c, ref) == EKV_OK, "%s baseline with info = NULL", be);
             c->prm.alibi_slopes = NULL; /* no ALiBi is valid */
@@ -984,7 +1098,9 @@ static void test_decode(void) {
         /* dense needs a context */
         decode_init(&g_dc, NULL, alphas[a]);
         decode_sentinels();
-        expect("decode", "ctx = NULL", ekv_decode_dense(NULL, g_dc.prmp, g_dc.kvp, g_dc.tabp, g_dc.qp, g_dc.outp, g_dc.infop),
+        expect("decode", "ctx = NULL",
+               ekv_decode_dense(NULL, g_dc.prmp, g_dc.kvp, g_dc.tabp, g_dc.qp, g_dc.outp,
+                                g_dc.infop),
                EKV_ERR_NULL_POINTER, NULL);
         CHECK(decode_untouched(), "decode [ctx = NULL]: an output was written");
         /* GQA groups above 256 are a documented limit of the CPU backend */

@@ -29,7 +29,8 @@ int64_t cli_need_int(const char *sub, int argc, char **argv, int *i, int64_t lo,
     const char *opt = argv[*i], *v = cli_need(sub, argc, argv, i);
     int64_t x;
     if (cli_parse_i64(v, &x) || x < lo || x > hi)
-        cli_usage_error(sub, "%s %s: expected an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
+        cli_usage_error(sub, "%s %s: expected an integer in [%lld, %lld]", opt, v, (long long)lo,
+                        (long long)hi);
     return x;
 }
 
@@ -40,8 +41,13 @@ int cli_parse_i64(const char *s, int64_t *out) {
     long long v = strtoll(s, &end, 10);
     if (errno || end == s || v < 0) return -1;
     int64_t mul = 1;
-    if (*end == 'k' || *end == 'K') { mul = 1024; end++; }
-    else if (*end == 'm' || *end == 'M') { mul = 1048576; end++; }
+    if (*end == 'k' || *end == 'K') {
+        mul = 1024;
+        end++;
+    } else if (*end == 'm' || *end == 'M') {
+        mul = 1048576;
+        end++;
+    }
     if (*end) return -1;
     if (v > INT64_MAX / mul) return -1;
     *out = (int64_t)v * mul;
@@ -115,10 +121,15 @@ static uint64_t rng_next(cli_rng *r) {
     return res;
 }
 
-double cli_rng_uniform(cli_rng *r) { return ((rng_next(r) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+double cli_rng_uniform(cli_rng *r) {
+    return ((rng_next(r) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
 
 double cli_rng_normal(cli_rng *r) {
-    if (r->has_spare) { r->has_spare = 0; return r->spare; }
+    if (r->has_spare) {
+        r->has_spare = 0;
+        return r->spare;
+    }
     double u = cli_rng_uniform(r), v = cli_rng_uniform(r);
     double rad = sqrt(-2.0 * log(u)), th = 6.283185307179586 * v;
     r->spare = rad * sin(th);
@@ -132,7 +143,11 @@ void cli_fill_normal(cli_rng *r, float *x, int64_t n) {
 
 /* ---- read-bandwidth probe: each thread sums its slice with 8 independent integer
  * accumulators (which the compiler vectorises), the same access pattern as a K pass. */
-typedef struct { const uint64_t *p; int64_t n; uint64_t sum; } probe_arg;
+typedef struct {
+    const uint64_t *p;
+    int64_t n;
+    uint64_t sum;
+} probe_arg;
 
 static void *probe_thread(void *vp) {
     probe_arg *a = vp;
@@ -182,7 +197,9 @@ double cli_read_bandwidth_probe(int threads, int64_t bytes) {
     /* median of 7, the same statistic the bench reports for the decode step */
     for (int i = 1; i < 7; i++)
         for (int k = i; k > 0 && rates[k] < rates[k - 1]; k--) {
-            double t = rates[k]; rates[k] = rates[k - 1]; rates[k - 1] = t;
+            double t = rates[k];
+            rates[k] = rates[k - 1];
+            rates[k - 1] = t;
         }
     return rates[3];
 }
@@ -207,8 +224,10 @@ int cli_out_open(cli_out *o, const char *sub, const char *path) {
 int cli_out_close(cli_out *o, const char *sub) {
     if (!o->json) return 0;
     int bad = ferror(o->json) != 0;
-    if (o->json == stdout) bad = fflush(stdout) != 0 || bad;
-    else bad = fclose(o->json) != 0 || bad;
+    if (o->json == stdout)
+        bad = fflush(stdout) != 0 || bad;
+    else
+        bad = fclose(o->json) != 0 || bad;
     o->json = NULL;
     if (bad) fprintf(stderr, "entmaxkv %s: writing the JSON failed\n", sub);
     return bad;

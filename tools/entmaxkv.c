@@ -47,8 +47,9 @@ static void escape_token(const char *s, char *out, size_t cap) {
     size_t k = strcspn(s, " \t\r\n"), o = 0;
     for (size_t i = 0; i < k && i < 24 && o + 5 < cap; i++) {
         unsigned char c = (unsigned char)s[i];
-        o += (size_t)(c >= 0x20 && c < 0x7f && c != '\\' ? snprintf(out + o, cap - o, "%c", c)
-                                                          : snprintf(out + o, cap - o, "\\x%02x", c));
+        o += (size_t)(c >= 0x20 && c < 0x7f && c != '\\'
+                              ? snprintf(out + o, cap - o, "%c", c)
+                              : snprintf(out + o, cap - o, "\\x%02x", c));
     }
     out[o] = 0;
 }
@@ -57,19 +58,26 @@ static int cmd_entmax(int argc, char **argv) {
     double alpha = 1.5;
     int json = 0;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { entmax_help(stdout); return 0; }
-        else if (!strcmp(argv[i], "--json")) json = 1;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            entmax_help(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "--json"))
+            json = 1;
         else if (!strcmp(argv[i], "--alpha")) {
             if (i + 1 >= argc || cli_parse_double(argv[++i], &alpha))
                 cli_usage_error("entmax", "--alpha needs a number");
             if (!(alpha >= 1.0 && alpha <= 4.0))
                 cli_usage_error("entmax", "--alpha %s is outside [1, 4]", argv[i]);
-        } else cli_usage_error("entmax", "unknown option '%s'", argv[i]);
+        } else
+            cli_usage_error("entmax", "unknown option '%s'", argv[i]);
     }
     ekv_context *ctx;
     ekv_context_params cp = ekv_context_default_params();
     cp.n_threads = 1;
-    if (ekv_context_create(&cp, &ctx)) { fprintf(stderr, "entmaxkv entmax: cannot create a context\n"); return 1; }
+    if (ekv_context_create(&cp, &ctx)) {
+        fprintf(stderr, "entmaxkv entmax: cannot create a context\n");
+        return 1;
+    }
     size_t cap = 0;
     char *line = NULL;
     ssize_t got;
@@ -92,16 +100,22 @@ static int cmd_entmax(int argc, char **argv) {
             if (end == s) {
                 char tok[128];
                 escape_token(s, tok, sizeof tok);
-                fprintf(stderr, "entmaxkv entmax: line %lld: '%s' is not a number\n", (long long)lineno, tok);
+                fprintf(stderr, "entmaxkv entmax: line %lld: '%s' is not a number\n",
+                        (long long)lineno, tok);
                 rc = 1;
                 goto done;
             }
             if (n == xcap) {
                 xcap = xcap ? 2 * xcap : 64;
-                float *nx = realloc(x, (size_t)xcap * sizeof *x), *np = realloc(p, (size_t)xcap * sizeof *p);
+                float *nx = realloc(x, (size_t)xcap * sizeof *x),
+                      *np = realloc(p, (size_t)xcap * sizeof *p);
                 if (nx) x = nx;
                 if (np) p = np;
-                if (!nx || !np) { fprintf(stderr, "entmaxkv entmax: out of memory\n"); rc = 1; goto done; }
+                if (!nx || !np) {
+                    fprintf(stderr, "entmaxkv entmax: out of memory\n");
+                    rc = 1;
+                    goto done;
+                }
             }
             x[n++] = (float)v;
             s = end;
@@ -138,10 +152,19 @@ done:
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2) { main_help(stderr); return CLI_USAGE; }
+    if (argc < 2) {
+        main_help(stderr);
+        return CLI_USAGE;
+    }
     const char *sub = argv[1];
-    if (!strcmp(sub, "--help") || !strcmp(sub, "-h") || !strcmp(sub, "help")) { main_help(stdout); return 0; }
-    if (!strcmp(sub, "--version")) { printf("entmaxkv %d.%d.%d\n", EKV_VERSION_MAJOR, EKV_VERSION_MINOR, EKV_VERSION_PATCH); return 0; }
+    if (!strcmp(sub, "--help") || !strcmp(sub, "-h") || !strcmp(sub, "help")) {
+        main_help(stdout);
+        return 0;
+    }
+    if (!strcmp(sub, "--version")) {
+        printf("entmaxkv %d.%d.%d\n", EKV_VERSION_MAJOR, EKV_VERSION_MINOR, EKV_VERSION_PATCH);
+        return 0;
+    }
     if (!strcmp(sub, "entmax")) return cmd_entmax(argc - 1, argv + 1);
     if (!strcmp(sub, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(sub, "eval")) return cmd_eval(argc - 1, argv + 1);

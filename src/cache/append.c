@@ -29,10 +29,13 @@ static void append_head(void *vp, int64_t head, int worker) {
         int64_t dst = (int64_t)page * c->elems_per_page + (head * ps + slot) * D;
         int64_t src = (t * Hk + head) * D;
         /* K and V in the storage dtype; krow = K as stored, for the summaries */
-        kern->convert((const char *)j->k + src * ses, j->src, (char *)c->k + dst * es, c->p.dtype, D, krow);
-        kern->convert((const char *)j->v + src * ses, j->src, (char *)c->v + dst * es, c->p.dtype, D, NULL);
+        kern->convert((const char *)j->k + src * ses, j->src, (char *)c->k + dst * es, c->p.dtype,
+                      D, krow);
+        kern->convert((const char *)j->v + src * ses, j->src, (char *)c->v + dst * es, c->p.dtype,
+                      D, NULL);
         ekv_summary_add_row(c, page, (int32_t)head, krow, (int32_t)slot + 1);
-        if (page != last_page && last_page >= 0) ekv_summary_update_radius(c, last_page, (int32_t)head);
+        if (page != last_page && last_page >= 0)
+            ekv_summary_update_radius(c, last_page, (int32_t)head);
         last_page = page;
     }
     if (last_page >= 0) ekv_summary_update_radius(c, last_page, (int32_t)head);
@@ -41,16 +44,21 @@ static void append_head(void *vp, int64_t head, int worker) {
 /* Also rejects finite inputs that overflow to inf in the storage dtype `store`: with round
  * to nearest even, f16 overflows from |x| >= 65520 and bf16 from |x| >= 0x1.ffp127. */
 static int all_finite(const void *x, ekv_dtype dt, ekv_dtype store, int64_t n, int64_t *bad) {
-    const float lim = store == EKV_DTYPE_F16 ? 65520.0f : store == EKV_DTYPE_BF16 ? 0x1.ffp127f : INFINITY;
+    const float lim = store == EKV_DTYPE_F16    ? 65520.0f
+                      : store == EKV_DTYPE_BF16 ? 0x1.ffp127f
+                                                : INFINITY;
     for (int64_t i = 0; i < n; i++) {
         float f = ekv_load_f32(x, dt, i);
-        if (!(fabsf(f) < lim)) { *bad = i; return 0; } /* NaN, inf, or overflows `store` */
+        if (!(fabsf(f) < lim)) {
+            *bad = i;
+            return 0;
+        } /* NaN, inf, or overflows `store` */
     }
     return 1;
 }
 
-static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const void *k, const void *v,
-                             ekv_dtype src_dtype) {
+static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const void *k,
+                             const void *v, ekv_dtype src_dtype) {
     ekv_context *ctx = c->ctx;
     if (!k || !v) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !k ? "k" : "v");
     const ekv_seq *cs;
@@ -58,13 +66,16 @@ static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const 
     if (st) return st;
     ekv_seq *s = &c->seqs[seq];
     if (n_tokens <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "n_tokens=%lld must be >= 1", (long long)n_tokens);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "n_tokens=%lld must be >= 1",
+                        (long long)n_tokens);
     if (!ekv_dtype_valid(src_dtype))
-        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "src_dtype=%d is not f32, f16 or bf16", (int)src_dtype);
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "src_dtype=%d is not f32, f16 or bf16",
+                        (int)src_dtype);
     const int64_t ps = c->p.page_size, D = c->p.head_dim, Hk = c->p.num_kv_heads;
     int64_t new_len, n_elems;
     if (ekv_add_i64(s->len, n_tokens, &new_len) || ekv_mul_i64(n_tokens, Hk * D, &n_elems))
-        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "n_tokens=%lld overflows the sequence length", (long long)n_tokens);
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "n_tokens=%lld overflows the sequence length",
+                        (long long)n_tokens);
     int64_t pages_after = new_len / ps + (new_len % ps != 0);
     int64_t new_pages = pages_after - s->npages;
     if (new_pages > c->n_free)
@@ -74,11 +85,13 @@ static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const 
                         (long long)c->p.num_pages);
     int64_t bad;
     if (!all_finite(k, src_dtype, c->p.dtype, n_elems, &bad))
-        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "k[%lld] = %g is NaN or infinite in the %s cache", (long long)bad,
-                        (double)ekv_load_f32(k, src_dtype, bad), ekv_dtype_name(c->p.dtype));
+        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "k[%lld] = %g is NaN or infinite in the %s cache",
+                        (long long)bad, (double)ekv_load_f32(k, src_dtype, bad),
+                        ekv_dtype_name(c->p.dtype));
     if (!all_finite(v, src_dtype, c->p.dtype, n_elems, &bad))
-        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "v[%lld] = %g is NaN or infinite in the %s cache", (long long)bad,
-                        (double)ekv_load_f32(v, src_dtype, bad), ekv_dtype_name(c->p.dtype));
+        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "v[%lld] = %g is NaN or infinite in the %s cache",
+                        (long long)bad, (double)ekv_load_f32(v, src_dtype, bad),
+                        ekv_dtype_name(c->p.dtype));
     if (pages_after > s->cap) {
         int64_t cap = s->cap ? s->cap : 16;
         while (cap < pages_after) cap *= 2;
@@ -98,9 +111,11 @@ static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const 
         s->pages[s->npages++] = page;
     }
     /* Token counts are per page (shared by heads); the radius pass reads them. */
-    for (int64_t pos = s->len; pos < new_len; pos++) c->count[s->pages[pos / ps]] = (int32_t)(pos % ps) + 1;
+    for (int64_t pos = s->len; pos < new_len; pos++)
+        c->count[s->pages[pos / ps]] = (int32_t)(pos % ps) + 1;
     if (c->in_super)
-        for (int64_t pi = s->len / ps; pi <= (new_len - 1) / ps; pi++) c->in_super[s->pages[pi]] = 1;
+        for (int64_t pi = s->len / ps; pi <= (new_len - 1) / ps; pi++)
+            c->in_super[s->pages[pi]] = 1;
     append_job job = {c, s, n_tokens, s->len, k, v, src_dtype, rows};
     ekv_pool_run(ctx->pool, Hk, append_head, &job);
     free(rows);

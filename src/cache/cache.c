@@ -46,36 +46,46 @@ int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size) {
 static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_t *elems_per_page,
                              int64_t *kv_bytes, int64_t *stat_floats, int64_t *total) {
     if (p->num_pages <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be >= 1", (long long)p->num_pages);
-    if (p->num_pages > INT32_MAX)
-        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages=%lld exceeds the int32 page-id range",
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be >= 1",
                         (long long)p->num_pages);
+    if (p->num_pages > INT32_MAX)
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
+                        "num_pages=%lld exceeds the int32 page-id range", (long long)p->num_pages);
     if (p->page_size < 1 || p->page_size > 256)
-        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", p->page_size);
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]",
+                        p->page_size);
     if (p->num_kv_heads <= 0 || p->num_kv_heads > 4096)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]", p->num_kv_heads);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]",
+                        p->num_kv_heads);
     if (p->head_dim <= 0 || p->head_dim > 65536)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]", p->head_dim);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
+                        p->head_dim);
     if (!ekv_dtype_valid(p->dtype))
-        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->dtype);
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)",
+                        (int)p->dtype);
     if (p->superpage_pages < 0 || p->superpage_pages > 4096)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
     if (p->max_seqs <= 0 || p->max_seqs > (1 << 24))
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]", p->max_seqs);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]",
+                        p->max_seqs);
     int64_t epp = (int64_t)p->num_kv_heads * p->page_size * p->head_dim, kvb, sf, sb, t;
-    if (ekv_mul_i64(epp, p->num_pages, &kvb) || ekv_mul_i64(kvb, 2 * ekv_dtype_size(p->dtype), &kvb) ||
+    if (ekv_mul_i64(epp, p->num_pages, &kvb) ||
+        ekv_mul_i64(kvb, 2 * ekv_dtype_size(p->dtype), &kvb) ||
         ekv_mul_i64((int64_t)p->num_kv_heads * p->head_dim, p->num_pages, &sf) ||
         ekv_mul_i64(sf, 4 * (int64_t)sizeof(float), &sb) || ekv_add_i64(kvb, sb, &t) ||
         (uint64_t)t > (uint64_t)SIZE_MAX / 2)
-        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
-                        "pool of %lld pages x %d heads x %d tokens x %d dims overflows the address space",
-                        (long long)p->num_pages, p->num_kv_heads, p->page_size, p->head_dim);
+        return ekv_fail(
+                ctx, EKV_ERR_SIZE_OVERFLOW,
+                "pool of %lld pages x %d heads x %d tokens x %d dims overflows the address space",
+                (long long)p->num_pages, p->num_kv_heads, p->page_size, p->head_dim);
     *elems_per_page = epp;
     *kv_bytes = kvb / 2;
     *stat_floats = sf;
     *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
     if (p->superpage_pages > 0) /* two fp32 arrays per (superpage, head, dim) */
-        *total += ((p->num_pages + p->superpage_pages - 1) / p->superpage_pages) * p->num_kv_heads * p->head_dim * 8;
+        *total += ((p->num_pages + p->superpage_pages - 1) / p->superpage_pages) * p->num_kv_heads *
+                  p->head_dim * 8;
     return EKV_OK;
 }
 
@@ -108,7 +118,10 @@ void ekv_cache_free(ekv_cache *c) {
 
 ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ekv_cache **out) {
     if (!ctx || !params || !out)
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !ctx ? "ctx" : !params ? "params" : "out");
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !ctx      ? "ctx"
+                        : !params ? "params"
+                                  : "out");
     int64_t epp = 0, kvb = 0, sf = 0, total = 0;
     ekv_status st = pool_sizes(ctx, params, &epp, &kvb, &sf, &total);
     if (st) return st;
@@ -116,11 +129,12 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
      * touched, by the OOM killer, long into the work: refuse it here instead. */
     const int64_t phys = ekv_phys_mem_bytes();
     if (total > phys)
-        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
-                        "the cache needs %lld bytes (%.2f GiB) for %lld pages, more than the physical memory "
-                        "(%lld bytes, %.2f GiB)",
-                        (long long)total, (double)total / (1 << 30), (long long)params->num_pages, (long long)phys,
-                        (double)phys / (1 << 30));
+        return ekv_fail(
+                ctx, EKV_ERR_OUT_OF_MEMORY,
+                "the cache needs %lld bytes (%.2f GiB) for %lld pages, more than the physical memory "
+                "(%lld bytes, %.2f GiB)",
+                (long long)total, (double)total / (1 << 30), (long long)params->num_pages,
+                (long long)phys, (double)phys / (1 << 30));
     ekv_cache *c = calloc(1, sizeof *c);
     if (!c) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for the cache header");
     c->ctx = ctx;
@@ -136,7 +150,10 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     c->km2 = malloc((size_t)sf * sizeof(float));
     c->radius = calloc((size_t)params->num_pages * params->num_kv_heads, sizeof(float));
     c->count = calloc((size_t)params->num_pages, sizeof(int32_t));
-    const int64_t nsp = params->superpage_pages > 0 ? (params->num_pages + params->superpage_pages - 1) / params->superpage_pages : 0;
+    const int64_t nsp =
+            params->superpage_pages > 0
+                    ? (params->num_pages + params->superpage_pages - 1) / params->superpage_pages
+                    : 0;
     if (nsp) {
         c->smin = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
         c->smax = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
@@ -144,14 +161,16 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     }
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
-    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax || !c->in_super)) ||
-        !c->count || !c->free_pages || !c->seqs) {
+    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius ||
+        (nsp && (!c->smin || !c->smax || !c->in_super)) || !c->count || !c->free_pages ||
+        !c->seqs) {
         ekv_cache_free(c);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
                         "cannot allocate %.2f GiB for %lld pages (K, V and summaries)",
                         (double)total / (1 << 30), (long long)params->num_pages);
     }
-    for (int64_t i = 0; i < nsp * params->num_kv_heads * params->head_dim; i++) { /* empty: neutral */
+    for (int64_t i = 0; i < nsp * params->num_kv_heads * params->head_dim;
+         i++) { /* empty: neutral */
         c->smin[i] = INFINITY;
         c->smax[i] = -INFINITY;
     }
@@ -167,7 +186,9 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
 int64_t ekv_cache_free_pages(const ekv_cache *c) { return c ? c->n_free : 0; }
 
 ekv_status ekv_cache_seq_new(ekv_cache *c, int32_t *seq_out) {
-    if (!c || !seq_out) return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL", !c ? "cache" : "seq_out");
+    if (!c || !seq_out)
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !c ? "cache" : "seq_out");
     for (int32_t i = 0; i < c->p.max_seqs; i++) {
         if (!c->seqs[i].alive) {
             c->seqs[i].alive = 1;
@@ -205,7 +226,9 @@ ekv_status ekv_cache_seq_free(ekv_cache *c, int32_t seq) {
 }
 
 ekv_status ekv_cache_seq_length(const ekv_cache *c, int32_t seq, int64_t *len_out) {
-    if (!c || !len_out) return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL", !c ? "cache" : "len_out");
+    if (!c || !len_out)
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !c ? "cache" : "len_out");
     const ekv_seq *s = NULL;
     ekv_status st = ekv_cache_lookup_seq(c, seq, &s);
     if (st) return st;
@@ -215,7 +238,8 @@ ekv_status ekv_cache_seq_length(const ekv_cache *c, int32_t seq, int64_t *len_ou
 
 ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
     if (!c || (!kv && !stats))
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s", !c ? "cache is NULL" : "kv_out and stats_out are both NULL");
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s",
+                        !c ? "cache is NULL" : "kv_out and stats_out are both NULL");
     if (kv) {
         kv->k = c->k;
         kv->v = c->v;
@@ -238,7 +262,8 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->superpage_pages = c->smin ? c->p.superpage_pages : 0;
         stats->smin = c->smin;
         stats->smax = c->smax;
-        stats->num_superpages = c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
+        stats->num_superpages =
+                c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
     }
     return EKV_OK;
 }
@@ -247,9 +272,11 @@ ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t
                                 int64_t *indptr, int32_t *indices, int64_t indices_capacity,
                                 int32_t *last_page_len, int64_t *needed) {
     if (!c || !seqs || (indices && (!indptr || !last_page_len)))
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "cache, seqs, indptr and last_page_len must not be NULL");
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER,
+                        "cache, seqs, indptr and last_page_len must not be NULL");
     if (!indices && !needed)
-        return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER, "indices and needed are both NULL: nothing to return");
+        return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER,
+                        "indices and needed are both NULL: nothing to return");
     if (n_seqs <= 0)
         return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be >= 1", n_seqs);
     int64_t total = 0;
@@ -260,7 +287,8 @@ ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t
         total += s->npages;
     }
     if (indices_capacity < total && indices)
-        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "indices has room for %lld page ids, %lld needed",
+        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE,
+                        "indices has room for %lld page ids, %lld needed",
                         (long long)indices_capacity, (long long)total);
     if (needed) *needed = total; /* after the checks: outputs are untouched on error */
     if (!indices) return EKV_OK;
@@ -268,7 +296,9 @@ ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t
     indptr[0] = 0;
     for (int32_t b = 0; b < n_seqs; b++) {
         const ekv_seq *s = &c->seqs[seqs[b]];
-        if (s->npages) memcpy(indices + off, s->pages, (size_t)s->npages * sizeof(int32_t)); /* pages may be NULL */
+        if (s->npages)
+            memcpy(indices + off, s->pages,
+                   (size_t)s->npages * sizeof(int32_t)); /* pages may be NULL */
         off += s->npages;
         indptr[b + 1] = off;
         last_page_len[b] = s->npages ? (int32_t)(s->len - (s->npages - 1) * c->p.page_size) : 0;

@@ -18,11 +18,11 @@ struct ekv_cache {
     float *kmin, *kmax, *kmean, *km2; /* [page][head][dim] */
     float *radius;                    /* [page][head] */
     float *smin, *smax;               /* [superpage][head][dim], NULL without superpages */
-    uint8_t *in_super;                /* [page] 1 if the page's keys may still be in its superpage box */
-    int32_t *count;                   /* [page] tokens in the page */
-    int32_t *free_pages;              /* stack of free page ids */
+    uint8_t *in_super;   /* [page] 1 if the page's keys may still be in its superpage box */
+    int32_t *count;      /* [page] tokens in the page */
+    int32_t *free_pages; /* stack of free page ids */
     int64_t n_free;
-    ekv_seq *seqs;                    /* [max_seqs] */
+    ekv_seq *seqs; /* [max_seqs] */
 };
 
 ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq **out);

@@ -26,7 +26,8 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page) {
 
 void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page) {
     if (!c->smin) return;
-    const int64_t D = c->p.head_dim, H = c->p.num_kv_heads, S = c->p.superpage_pages, sid = page / S;
+    const int64_t D = c->p.head_dim, H = c->p.num_kv_heads, S = c->p.superpage_pages,
+                  sid = page / S;
     float *smn = c->smin + sid * H * D, *smx = c->smax + sid * H * D;
     for (int64_t i = 0; i < H * D; i++) {
         smn[i] = INFINITY;
@@ -49,7 +50,8 @@ void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *
     float *mn = c->kmin + off, *mx = c->kmax + off, *me = c->kmean + off, *m2 = c->km2 + off;
     float *smn = NULL, *smx = NULL; /* the superpage box only grows between resets */
     if (c->smin) {
-        const int64_t soff = ((int64_t)(page / c->p.superpage_pages) * c->p.num_kv_heads + head) * D;
+        const int64_t soff =
+                ((int64_t)(page / c->p.superpage_pages) * c->p.num_kv_heads + head) * D;
         smn = c->smin + soff;
         smx = c->smax + soff;
     }

@@ -93,7 +93,8 @@ ekv_status ekv_ctx_enter(ekv_context *ctx) {
         ctx->depth++;
         return EKV_OK;
     }
-    if (!__atomic_compare_exchange_n(&ctx->owner, &free_, self, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+    if (!__atomic_compare_exchange_n(&ctx->owner, &free_, self, 0, __ATOMIC_ACQUIRE,
+                                     __ATOMIC_RELAXED))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
                         "context used from two threads at once; use one context per thread");
     ctx->depth = 1;
@@ -133,8 +134,8 @@ void *ekv_context_workspace(ekv_context *ctx, size_t bytes) {
     return arena_grow(&ctx->workspace, &ctx->workspace_bytes, bytes);
 }
 
-static char *arena_blocks(ekv_context *ctx, void **buf, size_t *have, const int64_t *sizes, int n, int64_t *offsets,
-                          const char *what, ekv_status *status) {
+static char *arena_blocks(ekv_context *ctx, void **buf, size_t *have, const int64_t *sizes, int n,
+                          int64_t *offsets, const char *what, ekv_status *status) {
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         offsets[i] = total;
@@ -145,20 +146,21 @@ static char *arena_blocks(ekv_context *ctx, void **buf, size_t *have, const int6
     }
     char *ws = arena_grow(buf, have, (size_t)(total > 0 ? total : 64));
     if (!ws) {
-        *status = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "%s: cannot allocate %.1f MiB of workspace", what,
-                           (double)total / (1 << 20));
+        *status = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "%s: cannot allocate %.1f MiB of workspace",
+                           what, (double)total / (1 << 20));
         return NULL;
     }
     *status = EKV_OK;
     return ws;
 }
 
-char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
-                           ekv_status *status) {
-    return arena_blocks(ctx, &ctx->workspace, &ctx->workspace_bytes, sizes, n, offsets, what, status);
+char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets,
+                           const char *what, ekv_status *status) {
+    return arena_blocks(ctx, &ctx->workspace, &ctx->workspace_bytes, sizes, n, offsets, what,
+                        status);
 }
 
-char *ekv_step_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
-                      ekv_status *status) {
+char *ekv_step_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets,
+                      const char *what, ekv_status *status) {
     return arena_blocks(ctx, &ctx->step_buf, &ctx->step_bytes, sizes, n, offsets, what, status);
 }

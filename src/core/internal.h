@@ -54,6 +54,14 @@ void ekv_clear_error(ekv_context *ctx);
  * caller then returns that status without calling leave. Nested calls from the owning thread
  * are fine. ctx may be NULL (nothing is checked). */
 ekv_status ekv_ctx_enter(ekv_context *ctx);
+/* st = call, inside ekv_ctx_enter/leave, when st is still OK (the public entry points' run). */
+#define EKV_GUARDED(ctx, st, call)                                                                 \
+    do {                                                                                           \
+        if (!(st) && !((st) = ekv_ctx_enter(ctx))) {                                               \
+            (st) = (call);                                                                         \
+            ekv_ctx_leave(ctx);                                                                    \
+        }                                                                                          \
+    } while (0)
 void ekv_ctx_leave(ekv_context *ctx);
 /* Physical memory of this machine in bytes (sysconf), or INT64_MAX when unknown. */
 int64_t ekv_phys_mem_bytes(void);
@@ -62,11 +70,11 @@ void *ekv_context_workspace(ekv_context *ctx, size_t bytes);
 /* Lays out n blocks of sizes[i] bytes, each 64-byte aligned, in the context workspace:
  * block i starts at base + offsets[i]. Returns base, or NULL with *status set (overflow or
  * out of memory, the message naming `what`). */
-char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
-                           ekv_status *status);
+char *ekv_workspace_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets,
+                           const char *what, ekv_status *status);
 /* The same in the step arena (entry points only, see struct ekv_context). */
-char *ekv_step_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets, const char *what,
-                      ekv_status *status);
+char *ekv_step_blocks(ekv_context *ctx, const int64_t *sizes, int n, int64_t *offsets,
+                      const char *what, ekv_status *status);
 
 /* Checked int64 arithmetic: returns 0 and sets *out, or -1 on overflow. */
 static inline int ekv_mul_i64(int64_t a, int64_t b, int64_t *out) {
@@ -87,7 +95,10 @@ static inline float ekv_f16_to_f32(uint16_t h) {
             bits = sign;
         } else { /* subnormal: normalise */
             int e = -1;
-            do { man <<= 1; e++; } while ((man & 0x400u) == 0);
+            do {
+                man <<= 1;
+                e++;
+            } while ((man & 0x400u) == 0);
             man &= 0x3ffu;
             bits = sign | ((uint32_t)(127 - 15 - e) << 23) | (man << 13);
         }
@@ -163,8 +174,14 @@ static inline void ekv_store_f32(void *base, ekv_dtype dt, int64_t i, float v) {
     char *b = (char *)base;
     uint16_t h;
     switch (dt) {
-    case EKV_DTYPE_F16: h = ekv_f32_to_f16(v); memcpy(b + 2 * i, &h, 2); break;
-    case EKV_DTYPE_BF16: h = ekv_f32_to_bf16(v); memcpy(b + 2 * i, &h, 2); break;
+    case EKV_DTYPE_F16:
+        h = ekv_f32_to_f16(v);
+        memcpy(b + 2 * i, &h, 2);
+        break;
+    case EKV_DTYPE_BF16:
+        h = ekv_f32_to_bf16(v);
+        memcpy(b + 2 * i, &h, 2);
+        break;
     default: memcpy(b + 4 * i, &v, 4); break;
     }
 }
@@ -228,13 +245,13 @@ static inline ekv_step_shape ekv_step_shape_of(const ekv_decode_params *prm, con
  * backend) and then ekv_validate_decode or ekv_validate_step (the memory it is given: views,
  * table, queries); the runners behind them only assume. */
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
-                               const ekv_paged_kv *kv, const ekv_page_table *table,
-                               const float *q, const float *out);
+                               const ekv_paged_kv *kv, const ekv_page_table *table, const float *q,
+                               const float *out);
 /* Everything ekv_validate_decode checks but the output pointer, for stages that write no
  * attention output (selection, bounds, reference probabilities). q may be NULL when the
  * stage takes no query; then it is not checked. */
-ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params, const ekv_paged_kv *kv,
-                             const ekv_page_table *t, const float *q);
+ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params,
+                             const ekv_paged_kv *kv, const ekv_page_table *t, const float *q);
 ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha);
 /* The one definition of each rule (validate.c): alpha, num_heads and scale of the decode
  * parameters (host fields only: the slopes are checked where they are host memory); heads

@@ -45,12 +45,18 @@ int64_t ekv_dtype_size(ekv_dtype dt) {
 
 ekv_status ekv_dtype_from_name(const char *name, ekv_dtype *out) {
     if (!name || !out) return EKV_ERR_NULL_POINTER;
-    static const struct { const char *n; ekv_dtype d; } names[] = {
-        {"f32", EKV_DTYPE_F32}, {"fp32", EKV_DTYPE_F32}, {"float32", EKV_DTYPE_F32},
-        {"f16", EKV_DTYPE_F16}, {"fp16", EKV_DTYPE_F16}, {"float16", EKV_DTYPE_F16},
-        {"bf16", EKV_DTYPE_BF16}, {"bfloat16", EKV_DTYPE_BF16},
+    static const struct {
+        const char *n;
+        ekv_dtype d;
+    } names[] = {
+            {"f32", EKV_DTYPE_F32},   {"fp32", EKV_DTYPE_F32},      {"float32", EKV_DTYPE_F32},
+            {"f16", EKV_DTYPE_F16},   {"fp16", EKV_DTYPE_F16},      {"float16", EKV_DTYPE_F16},
+            {"bf16", EKV_DTYPE_BF16}, {"bfloat16", EKV_DTYPE_BF16},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strcasecmp(name, names[i].n) == 0) { *out = names[i].d; return EKV_OK; }
+        if (strcasecmp(name, names[i].n) == 0) {
+            *out = names[i].d;
+            return EKV_OK;
+        }
     return EKV_ERR_INVALID_DTYPE;
 }

@@ -19,14 +19,17 @@ struct ekv_pool {
     pthread_cond_t start_cv, done_cv;
     atomic_uint_fast64_t generation; /* bumped for every job (after fn/arg/n_tasks are set) */
     atomic_int quit;
-    atomic_int busy_workers;         /* workers still inside the current job */
+    atomic_int busy_workers; /* workers still inside the current job */
     ekv_task_fn fn;
     void *arg;
     int64_t n_tasks;
     atomic_llong next;
 };
 
-typedef struct { ekv_pool *pool; int worker; } worker_arg;
+typedef struct {
+    ekv_pool *pool;
+    int worker;
+} worker_arg;
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -48,10 +51,13 @@ static void *worker_main(void *vp) {
     ekv_pool *p = wa.pool;
     uint64_t seen = 0;
     for (;;) {
-        for (int i = 0; i < EKV_POOL_SPIN && atomic_load(&p->generation) == seen && !atomic_load(&p->quit); i++)
+        for (int i = 0;
+             i < EKV_POOL_SPIN && atomic_load(&p->generation) == seen && !atomic_load(&p->quit);
+             i++)
             cpu_relax();
         pthread_mutex_lock(&p->mu);
-        while (!atomic_load(&p->quit) && atomic_load(&p->generation) == seen) pthread_cond_wait(&p->start_cv, &p->mu);
+        while (!atomic_load(&p->quit) && atomic_load(&p->generation) == seen)
+            pthread_cond_wait(&p->start_cv, &p->mu);
         if (atomic_load(&p->quit)) {
             pthread_mutex_unlock(&p->mu);
             break;
@@ -80,7 +86,10 @@ ekv_pool *ekv_pool_create(int n_threads) {
     pthread_cond_init(&p->done_cv, NULL);
     if (n_threads > 1) {
         p->threads = calloc((size_t)n_threads - 1, sizeof *p->threads);
-        if (!p->threads) { free(p); return NULL; }
+        if (!p->threads) {
+            free(p);
+            return NULL;
+        }
         for (int i = 1; i < n_threads; i++) {
             worker_arg *wa = malloc(sizeof *wa);
             if (wa) {

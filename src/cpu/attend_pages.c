@@ -367,7 +367,7 @@ ekv_status ekv_decode_pages(ekv_context *ctx, const ekv_decode_params *prm, cons
     if (!st) st = ekv_validate_list(ctx, tab, list, prm->num_heads, kv->num_kv_heads);
     if (st) return st;
     const ekv_lists_args a = {.mode = EKV_LISTS_OUTPUT, .list = list, .out = out, .info = info};
-    st = ekv_cpu_attend_lists(ctx, prm, kv, tab, q, &a);
+    EKV_GUARDED(ctx, st, ekv_cpu_attend_lists(ctx, prm, kv, tab, q, &a));
     if (!st) ekv_clear_error(ctx);
     return st;
 }

@@ -55,6 +55,18 @@ static ekv_status run_certified(ekv_context *ctx, const ekv_decode_params *prm,
     return s;
 }
 
+/* The stages of the step's method, as the method table lists them. */
+static ekv_status run_method(ekv_context *ctx, const ekv_decode_params *prm,
+                             const ekv_select_params *sel, const ekv_paged_kv *kv,
+                             const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                             float *out, ekv_decode_info *info) {
+    const unsigned stages = ekv_method_info_of(ekv_step_method(sel))->stages;
+    if (info) info->bytes_summary = info->lists_round2 = 0;
+    if (stages & EKV_STAGE_ROUND2) return run_certified(ctx, prm, sel, kv, st, t, q, out, info);
+    if (stages & EKV_STAGES_LIST) return run_listed(ctx, prm, sel, kv, st, t, q, out, info);
+    return ekv_cpu_dense_run(ctx, prm, kv, t, q, out, info);
+}
+
 ekv_status ekv_decode(ekv_context *ctx, const ekv_decode_params *prm, const ekv_select_params *sel,
                       const ekv_paged_kv *kv, const ekv_page_stats *st, const ekv_page_table *t,
                       const float *q, float *out, ekv_decode_info *info) {
@@ -62,14 +74,7 @@ ekv_status ekv_decode(ekv_context *ctx, const ekv_decode_params *prm, const ekv_
     ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, sel);
     if (!s) s = ekv_validate_decode(ctx, prm, kv, t, q, out);
     if (s) return s;
-    const unsigned stages = ekv_method_info_of(ekv_step_method(sel))->stages;
-    if (info) info->bytes_summary = info->lists_round2 = 0;
-    if (stages & EKV_STAGE_ROUND2)
-        s = run_certified(ctx, prm, sel, kv, st, t, q, out, info);
-    else if (stages & EKV_STAGES_LIST)
-        s = run_listed(ctx, prm, sel, kv, st, t, q, out, info);
-    else
-        s = ekv_cpu_dense_run(ctx, prm, kv, t, q, out, info);
+    EKV_GUARDED(ctx, s, run_method(ctx, prm, sel, kv, st, t, q, out, info));
     if (!s) ekv_clear_error(ctx);
     return s;
 }

@@ -239,5 +239,6 @@ ekv_status ekv_decode_dense(ekv_context *ctx, const ekv_decode_params *prm, cons
     if (!ctx) return EKV_ERR_NULL_POINTER;
     ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
     if (!st) st = ekv_validate_decode(ctx, prm, kv, tab, q, out);
-    return st ? st : ekv_cpu_dense_run(ctx, prm, kv, tab, q, out, info);
+    EKV_GUARDED(ctx, st, ekv_cpu_dense_run(ctx, prm, kv, tab, q, out, info));
+    return st;
 }

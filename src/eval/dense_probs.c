@@ -16,7 +16,7 @@ ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const
     if (st) return st;
     /* list NULL: every page of every sequence, one list per query head */
     const ekv_lists_args a = {.mode = EKV_LISTS_PROBS, .probs = p, .pstride = stride, .tau = tau};
-    st = ekv_cpu_attend_lists(ctx, prm, kv, tab, q, &a);
+    EKV_GUARDED(ctx, st, ekv_cpu_attend_lists(ctx, prm, kv, tab, q, &a));
     if (!st) ekv_clear_error(ctx);
     return st;
 }
@@ -53,12 +53,11 @@ static ekv_status validate_delta(ekv_context *ctx, const ekv_decode_params *prm,
     return EKV_OK;
 }
 
-ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
-                           const ekv_page_table *tab, const ekv_page_list *list, const double *tau,
-                           double *delta_bar) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    ekv_status st = validate_delta(ctx, prm, kv, tab, list, tau, delta_bar);
-    if (st) return st;
+/* delta_bar per query head (docs/math.md §9.4), arguments validated. */
+static ekv_status delta_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                            const ekv_page_table *tab, const ekv_page_list *list, const double *tau,
+                            double *delta_bar) {
+    ekv_status st;
     const int64_t H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     int64_t maxP = ekv_table_max_pages(tab->indptr, tab->batch), off;
     uint8_t *in = (uint8_t *)ekv_workspace_blocks(ctx, &maxP, 1, &off, "delta bound", &st);
@@ -78,6 +77,15 @@ ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const
             delta_bar[b * H + h] = s;
         }
     }
-    ekv_clear_error(ctx);
     return EKV_OK;
+}
+
+ekv_status ekv_delta_bound(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
+                           const ekv_page_table *tab, const ekv_page_list *list, const double *tau,
+                           double *delta_bar) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    ekv_status st = validate_delta(ctx, prm, kv, tab, list, tau, delta_bar);
+    EKV_GUARDED(ctx, st, delta_run(ctx, prm, kv, tab, list, tau, delta_bar));
+    if (!st) ekv_clear_error(ctx);
+    return st;
 }

@@ -49,8 +49,10 @@ static double tau_sorted(double *y, int64_t k, double alpha) {
             double mean = c / n, ss = q - n * mean * mean, d = (1.0 - ss) / n;
             t = mean - sqrt(d > 0 ? d : 0);
         }
-        if (t < y[i]) best = t; /* largest k with tau_k < y_(k) */
-        else break;
+        if (t < y[i])
+            best = t; /* largest k with tau_k < y_(k) */
+        else
+            break;
     }
     return best;
 }
@@ -98,8 +100,8 @@ static double tau_entmax15(double *y, int64_t k) {
 }
 
 /* F, F', F'' of F(tau) = sum (y - tau)_+^beta over the kept y. */
-static void generic_eval(const double *y, int64_t k, double tau, double beta, double *f,
-                         double *f1, double *f2) {
+static void generic_eval(const double *y, int64_t k, double tau, double beta, double *f, double *f1,
+                         double *f2) {
     double s0 = 0, s1 = 0, s2 = 0;
     for (int64_t i = 0; i < k; i++) {
         double d = y[i] - tau;
@@ -125,12 +127,18 @@ static double tau_generic(double *y, int64_t k, double alpha) {
         generic_eval(y, k, tau, beta, &f, &f1, &f2);
         double g = f - 1.0;
         if (g == 0) return tau;
-        if (g > 0) lo = tau; else hi = tau;
+        if (g > 0)
+            lo = tau;
+        else
+            hi = tau;
         if (hi - lo <= 4e-16 * (1.0 + fabs(lo))) break;
         double den = 2.0 * f1 * f1 - g * f2, next;
-        if (isfinite(den) && den != 0 && isfinite(f2)) next = tau - 2.0 * g * f1 / den; /* Halley */
-        else if (f1 < 0) next = tau - g / f1;                                          /* Newton */
-        else next = 0.5 * (lo + hi);
+        if (isfinite(den) && den != 0 && isfinite(f2))
+            next = tau - 2.0 * g * f1 / den; /* Halley */
+        else if (f1 < 0)
+            next = tau - g / f1; /* Newton */
+        else
+            next = 0.5 * (lo + hi);
         if (!(next > lo && next < hi)) next = 0.5 * (lo + hi);
         tau = next;
         if (it % 8 == 7) k = compact_above(y, k, lo); /* entries <= lo never count again */
@@ -145,43 +153,43 @@ double ekv_tau_candidates(double *y, int64_t k, double alpha) {
 }
 
 /* Scans z: NaN/+inf check, max, finite count. */
-#define SCAN_BODY                                                                             \
-    double m = -INFINITY;                                                                     \
-    int64_t finite = 0;                                                                       \
-    for (int64_t i = 0; i < n; i++) {                                                         \
-        double v = z[i];                                                                      \
-        if (v != v || v == INFINITY) return EKV_ERR_NAN_INPUT;                                \
-        if (v > -INFINITY) { finite++; if (v > m) m = v; }                                    \
-    }                                                                                         \
+#define SCAN_BODY                                                                                  \
+    double m = -INFINITY;                                                                          \
+    int64_t finite = 0;                                                                            \
+    for (int64_t i = 0; i < n; i++) {                                                              \
+        double v = z[i];                                                                           \
+        if (v != v || v == INFINITY) return EKV_ERR_NAN_INPUT;                                     \
+        if (v > -INFINITY) {                                                                       \
+            finite++;                                                                              \
+            if (v > m) m = v;                                                                      \
+        }                                                                                          \
+    }                                                                                              \
     if (finite == 0) return EKV_ERR_EMPTY_INPUT;
 
-#define SOLVE_BODY                                                                            \
-    if (alpha == 1.0) {                                                                       \
-        double s = 0;                                                                         \
-        for (int64_t i = 0; i < n; i++) s += exp((double)z[i] - m);                         \
-        *tau_out = m + log(s);                                                                \
-        if (support_out) *support_out = finite;                                               \
-        return EKV_OK;                                                                        \
-    }                                                                                         \
-    int64_t k = 0;                                                                            \
-    for (int64_t i = 0; i < n; i++) {                                                         \
-        double y = (double)z[i] - m;                                                          \
-        if (y > -1.0) scratch[k++] = y;                                                       \
-    }                                                                                         \
-    double tau = m + ekv_tau_candidates(scratch, k, alpha);                                   \
-    if (support_out) {                                                                        \
-        int64_t sup = 0;                                                                      \
-        for (int64_t i = 0; i < n; i++) sup += ((double)z[i] - tau) > 0;                      \
-        *support_out = sup;                                                                   \
-    }                                                                                         \
-    *tau_out = tau;                                                                           \
+#define SOLVE_BODY                                                                                 \
+    if (alpha == 1.0) {                                                                            \
+        double s = 0;                                                                              \
+        for (int64_t i = 0; i < n; i++) s += exp((double)z[i] - m);                                \
+        *tau_out = m + log(s);                                                                     \
+        if (support_out) *support_out = finite;                                                    \
+        return EKV_OK;                                                                             \
+    }                                                                                              \
+    int64_t k = 0;                                                                                 \
+    for (int64_t i = 0; i < n; i++) {                                                              \
+        double y = (double)z[i] - m;                                                               \
+        if (y > -1.0) scratch[k++] = y;                                                            \
+    }                                                                                              \
+    double tau = m + ekv_tau_candidates(scratch, k, alpha);                                        \
+    if (support_out) {                                                                             \
+        int64_t sup = 0;                                                                           \
+        for (int64_t i = 0; i < n; i++) sup += ((double)z[i] - tau) > 0;                           \
+        *support_out = sup;                                                                        \
+    }                                                                                              \
+    *tau_out = tau;                                                                                \
     return EKV_OK;
 
 ekv_status ekv_tau_exact_f32(const float *z, int64_t n, double alpha, double *scratch,
-                             double *tau_out, int64_t *support_out) {
-    SCAN_BODY
-    SOLVE_BODY
-}
+                             double *tau_out, int64_t *support_out){SCAN_BODY SOLVE_BODY}
 
 ekv_status ekv_tau_exact_f64(const double *z, int64_t n, double alpha, double *scratch,
                              double *tau_out, int64_t *support_out) {

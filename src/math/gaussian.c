@@ -17,12 +17,15 @@
 double ekv_normal_quantile(double p) {
     if (!(p > 0 && p < 1)) return p == 0 ? -INFINITY : p == 1 ? INFINITY : NAN;
     /* Acklam's rational approximation (|rel err| < 1.2e-9), then two Newton steps on erfc */
-    static const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
-                               1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00};
-    static const double b[] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
-                               6.680131188771972e+01, -1.328068155288572e+01};
-    static const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
-                               -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00};
+    static const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02,
+                               -2.759285104469687e+02, 1.383577518672690e+02,
+                               -3.066479806614716e+01, 2.506628277459239e+00};
+    static const double b[] = {-5.447609879822406e+01, 1.615858368580409e+02,
+                               -1.556989798598866e+02, 6.680131188771972e+01,
+                               -1.328068155288572e+01};
+    static const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01,
+                               -2.400758277161838e+00, -2.549732539343734e+00,
+                               4.374664141464968e+00,  2.938163982698783e+00};
     static const double d[] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
                                3.754408661907416e+00};
     double x;
@@ -45,8 +48,8 @@ double ekv_normal_quantile(double p) {
 
 int ekv_gauss_supported(double alpha) { return alpha == 2.0 || alpha == 1.5 || alpha == 4.0 / 3.0; }
 
-void ekv_gauss_term(double alpha, double mu, double sigma, double tau, int reference_m3, double *f, double *f1,
-                    double *f2) {
+void ekv_gauss_term(double alpha, double mu, double sigma, double tau, int reference_m3, double *f,
+                    double *f1, double *f2) {
     ekv_gauss_term_core(alpha, mu, sigma, tau, reference_m3, f, f1, f2);
 }
 
@@ -54,8 +57,8 @@ double ekv_gauss_tau_single(double alpha, double mu, double sigma, double n, int
     return ekv_gauss_tau_single_core(alpha, mu, sigma, n, reference_m3);
 }
 
-static double mixture_F(double alpha, const double *mu, const double *sigma, const double *w, int64_t n, double tau,
-                        int reference_m3, double *F1, double *F2) {
+static double mixture_F(double alpha, const double *mu, const double *sigma, const double *w,
+                        int64_t n, double tau, int reference_m3, double *F1, double *F2) {
     double F = -1, d1 = 0, d2 = 0;
     for (int64_t i = 0; i < n; i++) {
         double f, f1, f2;
@@ -69,8 +72,8 @@ static double mixture_F(double alpha, const double *mu, const double *sigma, con
     return F;
 }
 
-double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma, const double *w, int64_t n,
-                             int reference_m3) {
+double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma, const double *w,
+                             int64_t n, int reference_m3) {
     const double a = alpha - 1.0, tol = 1e-13;
     double W = 0, ymax = -INFINITY, smax = 1e-6;
     for (int64_t i = 0; i < n; i++) {
@@ -91,7 +94,10 @@ double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma
         double F1, F2, F = mixture_F(alpha, mu, sigma, w, n, tau, reference_m3, &F1, &F2);
         double cand = ekv_halley_step(tau, F, F1, F2, lo, hi);
         double Fc = mixture_F(alpha, mu, sigma, w, n, cand, reference_m3, NULL, NULL);
-        if (Fc > 0) lo = cand; else hi = cand;
+        if (Fc > 0)
+            lo = cand;
+        else
+            hi = cand;
         tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
         if (hi - lo < 1e-13 * (1 + fabs(tau))) break;
     }

@@ -18,20 +18,28 @@ EKV_HD double ekv_phi_pdf(double t) { return 0.3989422804014327 * exp(-0.5 * t *
 EKV_HD double ekv_phi_cdf(double t) { return 0.5 * erfc(-t * 0.7071067811865476); }
 
 /* E[(aS - tau)_+^beta] and its first two tau-derivatives for S ~ N(mu, sigma^2). */
-EKV_HD void ekv_gauss_term_core(double alpha, double mu, double sigma, double tau, int reference_m3, double *f, double *f1,
-                    double *f2) {
+EKV_HD void ekv_gauss_term_core(double alpha, double mu, double sigma, double tau, int reference_m3,
+                                double *f, double *f1, double *f2) {
     const double a = alpha - 1.0;
     const double my = a * mu - tau, sy = fmax(a * sigma, 1e-10), t = my / sy;
     const double P = ekv_phi_cdf(t), p = ekv_phi_pdf(t);
     const double m0 = P, m1 = my * P + sy * p, m2 = (my * my + sy * sy) * P + my * sy * p;
     if (alpha == 2.0) {
-        *f = m1; *f1 = -m0; *f2 = p / sy;
+        *f = m1;
+        *f1 = -m0;
+        *f2 = p / sy;
     } else if (alpha == 1.5) {
-        *f = m2; *f1 = -2 * m1; *f2 = 2 * m0;
+        *f = m2;
+        *f1 = -2 * m1;
+        *f2 = 2 * m0;
     } else {
-        double m3 = reference_m3 ? (my * my * my + 3 * my * sy * sy) * P + (sy * sy * sy + 2 * my * my * sy) * p
-                                 : (my * my * my + 3 * my * sy * sy) * P + (my * my * sy + 2 * sy * sy * sy) * p;
-        *f = m3; *f1 = -3 * m2; *f2 = 6 * m1;
+        double m3 = reference_m3 ? (my * my * my + 3 * my * sy * sy) * P +
+                                           (sy * sy * sy + 2 * my * my * sy) * p
+                                 : (my * my * my + 3 * my * sy * sy) * P +
+                                           (my * my * sy + 2 * sy * sy * sy) * p;
+        *f = m3;
+        *f1 = -3 * m2;
+        *f2 = 6 * m1;
     }
 }
 
@@ -44,8 +52,10 @@ EKV_HD double ekv_halley_step(double tau, double F, double F1, double F2, double
     return cand;
 }
 
-EKV_HD double ekv_gauss_tau_single_core(double alpha, double mu, double sigma, double n, int reference_m3) {
-    const double a = alpha - 1.0, s = fmax(sigma, 1e-6), tol = 1e-13; /* converged, not the reference 1e-6 */
+EKV_HD double ekv_gauss_tau_single_core(double alpha, double mu, double sigma, double n,
+                                        int reference_m3) {
+    const double a = alpha - 1.0, s = fmax(sigma, 1e-6),
+                 tol = 1e-13; /* converged, not the reference 1e-6 */
     const double R = a * s * (sqrt(2 * log(n + 1)) + 8);
     double lo = a * mu - R, hi = a * mu + R, tau = 0.5 * (lo + hi);
     for (int it = 0; it < 120; it++) {
@@ -55,7 +65,10 @@ EKV_HD double ekv_gauss_tau_single_core(double alpha, double mu, double sigma, d
         double cand = ekv_halley_step(tau, F, F1, F2, lo, hi);
         ekv_gauss_term_core(alpha, mu, s, cand, reference_m3, &f, &f1, &f2);
         double Fc = n * f - 1;
-        if (Fc > 0) lo = cand; else hi = cand;
+        if (Fc > 0)
+            lo = cand;
+        else
+            hi = cand;
         tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
         if (hi - lo < 1e-13 * (1 + fabs(tau))) break; /* converged to double precision */
     }

@@ -33,10 +33,11 @@ ekv_model_params ekv_model_default_params(void) {
 
 /* The method and budget of the model's attention, checked by the decode stack's own support
  * check on the select params the attention will use (model_attention.c). */
-static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg, ekv_select_method method,
-                               double budget) {
+static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg,
+                               ekv_select_method method, double budget) {
     if (!(budget > 0.0 && budget <= 1.0))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]", budget);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]",
+                        budget);
     const ekv_decode_params dp = ekv_model_decode_params(cfg, NULL);
     const ekv_select_params sp = ekv_model_select_params(method, budget, 1);
     return ekv_decode_supported(ctx, EKV_BACKEND_CPU, &dp, &sp);
@@ -46,11 +47,14 @@ static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg, ek
 /* Loading: metadata, then every tensor checked against it                              */
 /* ---------------------------------------------------------------------------------- */
 /* An integer metadata value in [lo, hi]; digits only. */
-static ekv_status meta_int(ekv_context *ctx, const ekv_safetensors *st, const char *key, int required, int64_t lo,
-                           int64_t hi, int32_t *out) {
+static ekv_status meta_int(ekv_context *ctx, const ekv_safetensors *st, const char *key,
+                           int required, int64_t lo, int64_t hi, int32_t *out) {
     const char *v = ekv_safetensors_metadata(st, key);
     if (!v) {
-        if (!required) { *out = 0; return EKV_OK; }
+        if (!required) {
+            *out = 0;
+            return EKV_OK;
+        }
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata key '%s' is missing", key);
     }
     int64_t x = 0;
@@ -58,33 +62,42 @@ static ekv_status meta_int(ekv_context *ctx, const ekv_safetensors *st, const ch
     if (!*s) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata '%s' is empty", key);
     for (; *s; s++) {
         if (*s < '0' || *s > '9' || x > (INT64_MAX - 9) / 10)
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata '%s'='%.32s' is not an integer", key, v);
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "model: metadata '%s'='%.32s' is not an integer", key, v);
         x = x * 10 + (*s - '0');
     }
     if (x < lo || x > hi)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata '%s'=%lld is outside [%lld, %lld]", key,
-                        (long long)x, (long long)lo, (long long)hi);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "model: metadata '%s'=%lld is outside [%lld, %lld]", key, (long long)x,
+                        (long long)lo, (long long)hi);
     *out = (int32_t)x;
     return EKV_OK;
 }
 
-static ekv_status meta_double(ekv_context *ctx, const ekv_safetensors *st, const char *key, double *out) {
+static ekv_status meta_double(ekv_context *ctx, const ekv_safetensors *st, const char *key,
+                              double *out) {
     const char *v = ekv_safetensors_metadata(st, key);
-    if (!v) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata key '%s' is missing", key);
+    if (!v)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata key '%s' is missing", key);
     char *end;
     errno = 0;
     double x = strtod(v, &end);
     if (!*v || *end || errno || !isfinite(x))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata '%s'='%.32s' is not a finite number", key, v);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "model: metadata '%s'='%.32s' is not a finite number", key, v);
     *out = x;
     return EKV_OK;
 }
 
 static ekv_status read_config(ekv_context *ctx, const ekv_safetensors *st, ekv_model_config *c) {
     const char *arch = ekv_safetensors_metadata(st, "arch");
-    if (!arch) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: no 'arch' in the metadata (not an entmaxkv model file)");
+    if (!arch)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "model: no 'arch' in the metadata (not an entmaxkv model file)");
     if (strcmp(arch, ARCH_TAG))
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "model: arch '%.64s' is not supported (this engine runs '%s')", arch, ARCH_TAG);
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "model: arch '%.64s' is not supported (this engine runs '%s')", arch,
+                        ARCH_TAG);
     memset(c, 0, sizeof *c);
     ekv_status s;
     if ((s = meta_int(ctx, st, "vocab", 1, 256, 256, &c->vocab)) ||
@@ -96,19 +109,26 @@ static ekv_status read_config(ekv_context *ctx, const ekv_safetensors *st, ekv_m
         (s = meta_int(ctx, st, "ffn_dim", 1, 1, 1 << 20, &c->ffn_dim)) ||
         (s = meta_int(ctx, st, "train_ctx", 0, 0, INT32_MAX, &c->train_ctx)) ||
         (s = meta_int(ctx, st, "tied_embeddings", 1, 0, 1, &c->tied_embeddings)) ||
-        (s = meta_double(ctx, st, "alpha", &c->alpha)) || (s = meta_double(ctx, st, "norm_eps", &c->norm_eps)))
+        (s = meta_double(ctx, st, "alpha", &c->alpha)) ||
+        (s = meta_double(ctx, st, "norm_eps", &c->norm_eps)))
         return s;
     const char *pos = ekv_safetensors_metadata(st, "positions");
-    if (!pos) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: metadata key 'positions' is missing");
+    if (!pos)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "model: metadata key 'positions' is missing");
     if (strcmp(pos, "nape"))
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "model: positions '%.32s' are not supported (only 'nape')", pos);
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "model: positions '%.32s' are not supported (only 'nape')", pos);
     if (c->n_heads % c->n_kv_heads)
-        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH, "model: n_heads=%d is not a multiple of n_kv_heads=%d", c->n_heads,
+        return ekv_fail(ctx, EKV_ERR_HEAD_MISMATCH,
+                        "model: n_heads=%d is not a multiple of n_kv_heads=%d", c->n_heads,
                         c->n_kv_heads);
     if (!(c->alpha > 1.0 && c->alpha <= 4.0))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA, "model: alpha=%g must be in (1, 4] (an entmax model)", c->alpha);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ALPHA,
+                        "model: alpha=%g must be in (1, 4] (an entmax model)", c->alpha);
     if (!(c->norm_eps > 0.0 && c->norm_eps < 1.0))
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: norm_eps=%g must be in (0, 1)", c->norm_eps);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: norm_eps=%g must be in (0, 1)",
+                        c->norm_eps);
     return EKV_OK;
 }
 
@@ -147,23 +167,38 @@ void ekv_model_free(ekv_model *m) {
     free(m->weights);
     free(m->vectors);
     free(m->slopes);
-    free(m->x); free(m->xn); free(m->q); free(m->k); free(m->v); free(m->att); free(m->h1); free(m->h3); free(m->proj);
+    free(m->x);
+    free(m->xn);
+    free(m->q);
+    free(m->k);
+    free(m->v);
+    free(m->att);
+    free(m->h1);
+    free(m->h3);
+    free(m->proj);
     free(m->zmax);
     attn_scratch *a = &m->as;
-    free(a->indptr); free(a->indices); free(a->last_len); free(a->full);
+    free(a->indptr);
+    free(a->indices);
+    free(a->last_len);
+    free(a->full);
     free(m);
 }
 
 /* The expected tensors of this config, in file-independent order. Returns the count. */
 static int64_t expected_tensors(ekv_model *m, tensor_spec *t, float *vec) {
     const ekv_model_config *c = &m->cfg;
-    const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim, kvd = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
+                  kvd = (int64_t)c->n_kv_heads * c->head_dim;
     int64_t n = 0;
-#define SPEC(R, C, MAT, VEC, ...)                                                                           \
-    do {                                                                                                   \
-        snprintf(t[n].name, sizeof t[n].name, __VA_ARGS__);                                                \
-        t[n].rows = (R); t[n].cols = (C); t[n].mat = (MAT); t[n].vec = (VEC);                               \
-        n++;                                                                                               \
+#define SPEC(R, C, MAT, VEC, ...)                                                                  \
+    do {                                                                                           \
+        snprintf(t[n].name, sizeof t[n].name, __VA_ARGS__);                                        \
+        t[n].rows = (R);                                                                           \
+        t[n].cols = (C);                                                                           \
+        t[n].mat = (MAT);                                                                          \
+        t[n].vec = (VEC);                                                                          \
+        n++;                                                                                       \
     } while (0)
     SPEC(c->vocab, d, &m->tok_emb, NULL, "tok_embeddings.weight");
     for (int32_t l = 0; l < c->n_layers; l++) {
@@ -194,38 +229,53 @@ static ekv_status load_tensors(ekv_model *m, const ekv_safetensors *st) {
     const int64_t nspec = 2 + 9 * (int64_t)c->n_layers + 1;
     tensor_spec *t = calloc((size_t)nspec, sizeof *t);
     m->vectors = malloc(sizeof(float) * (size_t)((2 * (int64_t)c->n_layers + 1) * c->d_model));
-    if (!t || !m->vectors) { free(t); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory"); }
+    if (!t || !m->vectors) {
+        free(t);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    }
     const int64_t n = expected_tensors(m, t, m->vectors);
     ekv_status s = EKV_OK;
     ekv_tensor_info *info = calloc((size_t)n, sizeof *info);
     int64_t total = 0;
-    if (!info) { s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory"); goto done; }
+    if (!info) {
+        s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+        goto done;
+    }
     for (int64_t i = 0; i < n && !s; i++) {
         ekv_tensor_info *ti = &info[i];
         const int want_nd = t[i].cols ? 2 : 1;
         if (ekv_safetensors_find(st, t[i].name, ti))
             s = ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: tensor '%s' is missing", t[i].name);
         else if (ti->dtype < 0)
-            s = ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: tensor '%s' is %s (expected F16, BF16 or F32)", t[i].name,
+            s = ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                         "model: tensor '%s' is %s (expected F16, BF16 or F32)", t[i].name,
                          ti->dtype_name);
-        else if (ti->ndim != want_nd || ti->shape[0] != t[i].rows || (want_nd == 2 && ti->shape[1] != t[i].cols))
-            s = ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: tensor '%s' has shape [%lld%s%lld] (ndim %d), expected [%lld%s%lld]",
-                         t[i].name, (long long)ti->shape[0], ti->ndim > 1 ? ", " : "", ti->ndim > 1 ? (long long)ti->shape[1] : 0LL,
-                         ti->ndim, (long long)t[i].rows, want_nd == 2 ? ", " : "", want_nd == 2 ? (long long)t[i].cols : 0LL);
+        else if (ti->ndim != want_nd || ti->shape[0] != t[i].rows ||
+                 (want_nd == 2 && ti->shape[1] != t[i].cols))
+            s = ekv_fail(
+                    ctx, EKV_ERR_INVALID_ARGUMENT,
+                    "model: tensor '%s' has shape [%lld%s%lld] (ndim %d), expected [%lld%s%lld]",
+                    t[i].name, (long long)ti->shape[0], ti->ndim > 1 ? ", " : "",
+                    ti->ndim > 1 ? (long long)ti->shape[1] : 0LL, ti->ndim, (long long)t[i].rows,
+                    want_nd == 2 ? ", " : "", want_nd == 2 ? (long long)t[i].cols : 0LL);
         else if (!all_finite(ti->data, (ekv_dtype)ti->dtype, ti->numel))
-            s = ekv_fail(ctx, EKV_ERR_NAN_INPUT, "model: tensor '%s' holds NaN or infinite values", t[i].name);
+            s = ekv_fail(ctx, EKV_ERR_NAN_INPUT, "model: tensor '%s' holds NaN or infinite values",
+                         t[i].name);
         else if (t[i].mat)
             total += (ti->nbytes + 63) & ~(int64_t)63;
     }
-    if (!s && ekv_safetensors_count(st) != n) { /* every expected name was found: anything else is unknown */
+    if (!s && ekv_safetensors_count(st) !=
+                      n) { /* every expected name was found: anything else is unknown */
         for (int64_t i = 0; i < ekv_safetensors_count(st); i++) {
             ekv_tensor_info x;
             ekv_safetensors_at(st, i, &x);
             int64_t k = 0;
             while (k < n && strcmp(x.name, t[k].name)) k++;
             if (k == n) {
-                s = ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "model: unexpected tensor '%.64s'%s", x.name,
-                             !strcmp(x.name, "output.weight") ? " (tied_embeddings=1 says there is none)" : "");
+                s = ekv_fail(
+                        ctx, EKV_ERR_INVALID_ARGUMENT, "model: unexpected tensor '%.64s'%s", x.name,
+                        !strcmp(x.name, "output.weight") ? " (tied_embeddings=1 says there is none)"
+                                                         : "");
                 break;
             }
         }
@@ -234,7 +284,8 @@ static ekv_status load_tensors(ekv_model *m, const ekv_safetensors *st) {
     /* one 64-byte aligned copy of the matrices (the file's data may be unaligned) */
     if (posix_memalign(&m->weights, 64, (size_t)(total > 0 ? total : 64))) {
         m->weights = NULL;
-        s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: cannot hold %.1f MiB of weights", (double)total / (1 << 20));
+        s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: cannot hold %.1f MiB of weights",
+                     (double)total / (1 << 20));
         goto done;
     }
     int64_t off = 0;
@@ -242,7 +293,8 @@ static ekv_status load_tensors(ekv_model *m, const ekv_safetensors *st) {
         const ekv_tensor_info *ti = &info[i];
         if (t[i].mat) {
             memcpy((char *)m->weights + off, ti->data, (size_t)ti->nbytes);
-            *t[i].mat = (model_matrix){(char *)m->weights + off, (ekv_dtype)ti->dtype, t[i].rows, t[i].cols};
+            *t[i].mat = (model_matrix){(char *)m->weights + off, (ekv_dtype)ti->dtype, t[i].rows,
+                                       t[i].cols};
             off += (ti->nbytes + 63) & ~(int64_t)63;
         } else {
             const int64_t es = ekv_dtype_size((ekv_dtype)ti->dtype);
@@ -263,7 +315,8 @@ done:
 static ekv_status alloc_state(ekv_model *m) {
     const ekv_model_config *c = &m->cfg;
     const int64_t T = EKV_MODEL_BLOCK, d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim;
-    const int64_t kvd = (int64_t)c->n_kv_heads * c->head_dim, wide = c->ffn_dim > c->vocab ? c->ffn_dim : c->vocab;
+    const int64_t kvd = (int64_t)c->n_kv_heads * c->head_dim,
+                  wide = c->ffn_dim > c->vocab ? c->ffn_dim : c->vocab;
     m->x = malloc(sizeof(float) * (size_t)(T * d));
     m->xn = malloc(sizeof(float) * (size_t)(T * d));
     m->q = malloc(sizeof(float) * (size_t)(T * qd));
@@ -275,11 +328,14 @@ static ekv_status alloc_state(ekv_model *m) {
     m->proj = malloc(sizeof(float) * (size_t)(T * d));
     m->zmax = malloc(sizeof(float) * (size_t)(T * ekv_context_threads(m->ctx)));
     m->slopes = malloc(sizeof(float) * (size_t)c->n_heads);
-    if (!m->x || !m->xn || !m->q || !m->k || !m->v || !m->att || !m->h1 || !m->h3 || !m->proj || !m->zmax || !m->slopes)
+    if (!m->x || !m->xn || !m->q || !m->k || !m->v || !m->att || !m->h1 || !m->h3 || !m->proj ||
+        !m->zmax || !m->slopes)
         return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
-    /* NAPE (docs/math.md §1.6): h0 = H/2 ALiBi heads with m_h = 2^(-8(h+1)/h0), the rest without position */
+    /* NAPE (docs/math.md §1.6): h0 = H/2 ALiBi heads with m_h = 2^(-8(h+1)/h0), the rest without
+     * position */
     const int32_t h0 = c->n_heads / 2;
-    for (int32_t h = 0; h < c->n_heads; h++) m->slopes[h] = h < h0 ? (float)pow(2.0, -8.0 * (h + 1) / h0) : 0.f;
+    for (int32_t h = 0; h < c->n_heads; h++)
+        m->slopes[h] = h < h0 ? (float)pow(2.0, -8.0 * (h + 1) / h0) : 0.f;
     for (int32_t l = 0; l < c->n_layers; l++) {
         model_layer *L = &m->layers[l];
         L->last_q = calloc((size_t)qd, sizeof(float));
@@ -299,16 +355,19 @@ static ekv_status alloc_state(ekv_model *m) {
     return EKV_OK;
 }
 
-ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *st, const ekv_model_params *params,
-                                      ekv_model **out) {
+ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *st,
+                                      const ekv_model_params *params, ekv_model **out) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     if (!st || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !st ? "st" : "out");
     ekv_model_params p = params ? *params : ekv_model_default_params();
     if (p.max_tokens < 1 || p.max_tokens > ((int64_t)1 << 40))
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_tokens=%lld must be in [1, 2^40]", (long long)p.max_tokens);
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_tokens=%lld must be in [1, 2^40]",
+                        (long long)p.max_tokens);
     if (p.page_size < 1 || p.page_size > 256)
-        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]", p.page_size);
-    if (!ekv_dtype_valid(p.kv_dtype)) return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv_dtype=%d is unknown", (int)p.kv_dtype);
+        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]",
+                        p.page_size);
+    if (!ekv_dtype_valid(p.kv_dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv_dtype=%d is unknown", (int)p.kv_dtype);
     ekv_model_config cfg;
     ekv_status s = read_config(ctx, st, &cfg);
     if (s) return s;
@@ -322,15 +381,20 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (!m->layers) s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     if (!s) s = load_tensors(m, st);
     if (!s) s = alloc_state(m);
-    if (s) { ekv_model_free(m); return s; }
+    if (s) {
+        ekv_model_free(m);
+        return s;
+    }
     *out = m;
     ekv_clear_error(ctx);
     return EKV_OK;
 }
 
-ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_params *params, ekv_model **out) {
+ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_params *params,
+                          ekv_model **out) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
-    if (!path || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !path ? "path" : "out");
+    if (!path || !out)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !path ? "path" : "out");
     ekv_safetensors *st;
     ekv_status s = ekv_safetensors_open(ctx, path, &st);
     if (s) return s;
@@ -356,7 +420,8 @@ ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double b
 
 void ekv_model_reset_stats(ekv_model *m) {
     if (!m) return;
-    for (int32_t l = 0; l < m->cfg.n_layers; l++) memset(&m->layers[l].stats, 0, sizeof m->layers[l].stats);
+    for (int32_t l = 0; l < m->cfg.n_layers; l++)
+        memset(&m->layers[l].stats, 0, sizeof m->layers[l].stats);
 }
 
 ekv_status ekv_model_reset(ekv_model *m) {
@@ -394,7 +459,8 @@ int64_t ekv_model_tokenize(const char *text, int64_t len, int32_t *tokens) {
     return len;
 }
 
-ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_cache **cache, int32_t *seq) {
+ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_cache **cache,
+                                 int32_t *seq) {
     if (!m || !cache || !seq) return EKV_ERR_NULL_POINTER;
     if (layer < 0 || layer >= m->cfg.n_layers) return EKV_ERR_INVALID_ARGUMENT;
     *cache = m->layers[layer].cache;
@@ -405,7 +471,8 @@ ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_ca
 ekv_status ekv_model_last_query(const ekv_model *m, int32_t layer, float *q) {
     if (!m || !q) return EKV_ERR_NULL_POINTER;
     if (layer < 0 || layer >= m->cfg.n_layers) return EKV_ERR_INVALID_ARGUMENT;
-    memcpy(q, m->layers[layer].last_q, sizeof(float) * (size_t)m->cfg.n_heads * (size_t)m->cfg.head_dim);
+    memcpy(q, m->layers[layer].last_q,
+           sizeof(float) * (size_t)m->cfg.n_heads * (size_t)m->cfg.head_dim);
     return EKV_OK;
 }
 
@@ -431,13 +498,17 @@ typedef struct {
 static void matmul_task(void *vp, int64_t task, int worker) {
     const matmul_job *j = vp;
     const model_matrix *w = j->w;
-    const int64_t r0 = task * MATMUL_ROWS, nr = w->rows - r0 < MATMUL_ROWS ? w->rows - r0 : MATMUL_ROWS;
+    const int64_t r0 = task * MATMUL_ROWS,
+                  nr = w->rows - r0 < MATMUL_ROWS ? w->rows - r0 : MATMUL_ROWS;
     float *zmax = j->m->zmax + (int64_t)worker * EKV_MODEL_BLOCK;
-    for (int64_t t = 0; t < j->T; t++) zmax[t] = -INFINITY; /* the kernel's running maxima: unused here */
+    for (int64_t t = 0; t < j->T; t++)
+        zmax[t] = -INFINITY; /* the kernel's running maxima: unused here */
     const ekv_cpu_kernels *kern = ekv_cpu_kernels_for(j->m->ctx->isa);
-    /* y[t][r0 + i] = <x[t], w[r0 + i]>: the score kernel with weight rows as keys, tokens as queries */
-    kern->score((const char *)w->data + r0 * w->cols * ekv_dtype_size(w->dtype), w->cols, nr, w->dtype, w->cols, j->x,
-                w->cols, (int)j->T, NULL, NULL, j->y + r0, w->rows, zmax, NULL);
+    /* y[t][r0 + i] = <x[t], w[r0 + i]>: the score kernel with weight rows as keys, tokens as
+     * queries */
+    kern->score((const char *)w->data + r0 * w->cols * ekv_dtype_size(w->dtype), w->cols, nr,
+                w->dtype, w->cols, j->x, w->cols, (int)j->T, NULL, NULL, j->y + r0, w->rows, zmax,
+                NULL);
 }
 
 /* y[T][rows] = x[T][cols] . w^T. A decode step's products (T = 1) are too small to pay for
@@ -448,7 +519,8 @@ static void matmul(ekv_model *m, const model_matrix *w, const float *x, int64_t 
     const int64_t tasks = (w->rows + MATMUL_ROWS - 1) / MATMUL_ROWS;
     if (T * w->rows * w->cols < ((int64_t)1 << 22))
         for (int64_t t = 0; t < tasks; t++) matmul_task(&j, t, 0);
-    else ekv_pool_run(m->ctx->pool, tasks, matmul_task, &j);
+    else
+        ekv_pool_run(m->ctx->pool, tasks, matmul_task, &j);
 }
 
 static void rmsnorm(const float *x, const float *g, int64_t d, double eps, float *out) {
@@ -472,7 +544,8 @@ static ekv_status forward_block(ekv_model *m, const int32_t *tokens, int64_t T, 
     for (int64_t t = 0; t < T; t++) embed(m, tokens[t], m->x + t * d);
     for (int32_t l = 0; l < c->n_layers; l++) {
         model_layer *L = &m->layers[l];
-        for (int64_t t = 0; t < T; t++) rmsnorm(m->x + t * d, L->attn_norm, d, c->norm_eps, m->xn + t * d);
+        for (int64_t t = 0; t < T; t++)
+            rmsnorm(m->x + t * d, L->attn_norm, d, c->norm_eps, m->xn + t * d);
         matmul(m, &L->wq, m->xn, T, m->q);
         matmul(m, &L->wk, m->xn, T, m->k);
         matmul(m, &L->wv, m->xn, T, m->v);
@@ -481,7 +554,8 @@ static ekv_status forward_block(ekv_model *m, const int32_t *tokens, int64_t T, 
         memcpy(L->last_q, m->q + (T - 1) * qd, sizeof(float) * (size_t)qd);
         matmul(m, &L->wo, m->att, T, m->proj);
         for (int64_t i = 0; i < T * d; i++) m->x[i] += m->proj[i];
-        for (int64_t t = 0; t < T; t++) rmsnorm(m->x + t * d, L->ffn_norm, d, c->norm_eps, m->xn + t * d);
+        for (int64_t t = 0; t < T; t++)
+            rmsnorm(m->x + t * d, L->ffn_norm, d, c->norm_eps, m->xn + t * d);
         matmul(m, &L->w1, m->xn, T, m->h1);
         matmul(m, &L->w3, m->xn, T, m->h3);
         for (int64_t i = 0; i < T * F; i++) {
@@ -493,7 +567,8 @@ static ekv_status forward_block(ekv_model *m, const int32_t *tokens, int64_t T, 
     }
     m->pos += T;
     if (logits) {
-        for (int64_t t = 0; t < T; t++) rmsnorm(m->x + t * d, m->norm_w, d, c->norm_eps, m->xn + t * d);
+        for (int64_t t = 0; t < T; t++)
+            rmsnorm(m->x + t * d, m->norm_w, d, c->norm_eps, m->xn + t * d);
         matmul(m, &m->out_w, m->xn, T, logits);
     }
     return EKV_OK;
@@ -505,12 +580,14 @@ ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float 
     if (n < 1) return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n=%lld must be >= 1", (long long)n);
     /* the count before the data it counts: tokens[] may be shorter than n */
     if (n > m->prm.max_tokens - m->pos)
-        return ekv_fail(m->ctx, EKV_ERR_CACHE_FULL, "%lld more tokens after %lld pass max_tokens=%lld", (long long)n,
+        return ekv_fail(m->ctx, EKV_ERR_CACHE_FULL,
+                        "%lld more tokens after %lld pass max_tokens=%lld", (long long)n,
                         (long long)m->pos, (long long)m->prm.max_tokens);
     for (int64_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab)
-            return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "tokens[%lld]=%d is outside [0, vocab=%d)", (long long)i,
-                            tokens[i], m->cfg.vocab);
+            return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "tokens[%lld]=%d is outside [0, vocab=%d)", (long long)i, tokens[i],
+                            m->cfg.vocab);
     ekv_status s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
     if (s) return s;
     for (int64_t i = 0; i < n && !s; i += EKV_MODEL_BLOCK) {

@@ -28,12 +28,15 @@ typedef struct {
 
 /* Keeps the first error (the innermost, most precise one). */
 static int jfail(jp *p, const char *msg) {
-    if (!p->err[0]) snprintf(p->err, sizeof p->err, "%s at header byte %lld", msg, (long long)(p->s - p->start));
+    if (!p->err[0])
+        snprintf(p->err, sizeof p->err, "%s at header byte %lld", msg,
+                 (long long)(p->s - p->start));
     return -1;
 }
 
 static void ws(jp *p) {
-    while (p->s < p->end && (*p->s == ' ' || *p->s == '\t' || *p->s == '\n' || *p->s == '\r')) p->s++;
+    while (p->s < p->end && (*p->s == ' ' || *p->s == '\t' || *p->s == '\n' || *p->s == '\r'))
+        p->s++;
 }
 
 /* Reads a JSON string into out (capacity cap, NUL-terminated). Decodes escapes, \u to UTF-8. */
@@ -64,10 +67,14 @@ static int jstring(jp *p, char *out, size_t cap, size_t *outlen) {
                 for (int i = 0; i < 4; i++) {
                     char h = *p->s++;
                     cp <<= 4;
-                    if (h >= '0' && h <= '9') cp |= (unsigned)(h - '0');
-                    else if (h >= 'a' && h <= 'f') cp |= (unsigned)(h - 'a' + 10);
-                    else if (h >= 'A' && h <= 'F') cp |= (unsigned)(h - 'A' + 10);
-                    else return jfail(p, "bad \\u escape");
+                    if (h >= '0' && h <= '9')
+                        cp |= (unsigned)(h - '0');
+                    else if (h >= 'a' && h <= 'f')
+                        cp |= (unsigned)(h - 'a' + 10);
+                    else if (h >= 'A' && h <= 'F')
+                        cp |= (unsigned)(h - 'A' + 10);
+                    else
+                        return jfail(p, "bad \\u escape");
                 }
                 break;
             }
@@ -76,9 +83,16 @@ static int jstring(jp *p, char *out, size_t cap, size_t *outlen) {
             /* encode as UTF-8 (surrogates are kept as-is, 3 bytes: names only need to match) */
             unsigned char u[3];
             size_t k = 0;
-            if (cp < 0x80) u[k++] = (unsigned char)cp;
-            else if (cp < 0x800) { u[k++] = (unsigned char)(0xC0 | (cp >> 6)); u[k++] = (unsigned char)(0x80 | (cp & 0x3F)); }
-            else { u[k++] = (unsigned char)(0xE0 | (cp >> 12)); u[k++] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F)); u[k++] = (unsigned char)(0x80 | (cp & 0x3F)); }
+            if (cp < 0x80)
+                u[k++] = (unsigned char)cp;
+            else if (cp < 0x800) {
+                u[k++] = (unsigned char)(0xC0 | (cp >> 6));
+                u[k++] = (unsigned char)(0x80 | (cp & 0x3F));
+            } else {
+                u[k++] = (unsigned char)(0xE0 | (cp >> 12));
+                u[k++] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+                u[k++] = (unsigned char)(0x80 | (cp & 0x3F));
+            }
             for (size_t i = 0; i < k; i++) {
                 if (out && n + 1 < cap) out[n] = (char)u[i];
                 n++;
@@ -101,14 +115,17 @@ static int jstring(jp *p, char *out, size_t cap, size_t *outlen) {
 /* A non-negative integer that fits int64 (shapes and offsets). */
 static int jint(jp *p, int64_t *v) {
     ws(p);
-    if (p->s >= p->end || *p->s < '0' || *p->s > '9') return jfail(p, "expected a non-negative integer");
+    if (p->s >= p->end || *p->s < '0' || *p->s > '9')
+        return jfail(p, "expected a non-negative integer");
     int64_t x = 0;
-    if (*p->s == '0' && p->s + 1 < p->end && p->s[1] >= '0' && p->s[1] <= '9') return jfail(p, "leading zero");
+    if (*p->s == '0' && p->s + 1 < p->end && p->s[1] >= '0' && p->s[1] <= '9')
+        return jfail(p, "leading zero");
     while (p->s < p->end && *p->s >= '0' && *p->s <= '9') {
         if (x > (INT64_MAX - 9) / 10) return jfail(p, "integer overflows int64");
         x = x * 10 + (*p->s++ - '0');
     }
-    if (p->s < p->end && (*p->s == '.' || *p->s == 'e' || *p->s == 'E')) return jfail(p, "expected an integer");
+    if (p->s < p->end && (*p->s == '.' || *p->s == 'e' || *p->s == 'E'))
+        return jfail(p, "expected an integer");
     *v = x;
     return 0;
 }
@@ -133,40 +150,68 @@ static int jskip(jp *p, int depth) {
         char close = c == '{' ? '}' : ']';
         p->s++;
         ws(p);
-        if (p->s < p->end && *p->s == close) { p->s++; return 0; }
+        if (p->s < p->end && *p->s == close) {
+            p->s++;
+            return 0;
+        }
         for (;;) {
             if (c == '{') {
                 if (jstring(p, NULL, 0, NULL) || jexpect(p, ':', "expected ':'")) return -1;
             }
             if (jskip(p, depth + 1)) return -1;
             ws(p);
-            if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+            if (p->s < p->end && *p->s == ',') {
+                p->s++;
+                continue;
+            }
             return jexpect(p, close, "expected ',' or a closing bracket");
         }
     }
     if (c == '-' || (c >= '0' && c <= '9')) {
         const char *st = p->s;
         if (*p->s == '-') p->s++;
-        while (p->s < p->end && ((*p->s >= '0' && *p->s <= '9') || *p->s == '.' || *p->s == 'e' || *p->s == 'E' ||
-                                 *p->s == '+' || *p->s == '-'))
+        while (p->s < p->end && ((*p->s >= '0' && *p->s <= '9') || *p->s == '.' || *p->s == 'e' ||
+                                 *p->s == 'E' || *p->s == '+' || *p->s == '-'))
             p->s++;
         return p->s > st ? 0 : jfail(p, "bad number");
     }
     static const char *lits[] = {"true", "false", "null"};
     for (int i = 0; i < 3; i++) {
         size_t n = strlen(lits[i]);
-        if ((size_t)(p->end - p->s) >= n && !memcmp(p->s, lits[i], n)) { p->s += n; return 0; }
+        if ((size_t)(p->end - p->s) >= n && !memcmp(p->s, lits[i], n)) {
+            p->s += n;
+            return 0;
+        }
     }
     return jfail(p, "unexpected character");
 }
 
 static int dtype_info(const char *name, int64_t *size, int32_t *edt) {
-    static const struct { const char *n; int64_t sz; int32_t dt; } t[] = {
-        {"F64", 8, -1}, {"F32", 4, EKV_DTYPE_F32}, {"F16", 2, EKV_DTYPE_F16}, {"BF16", 2, EKV_DTYPE_BF16},
-        {"I64", 8, -1}, {"I32", 4, -1}, {"I16", 2, -1}, {"I8", 1, -1}, {"U64", 8, -1}, {"U32", 4, -1},
-        {"U16", 2, -1}, {"U8", 1, -1}, {"BOOL", 1, -1}, {"F8_E4M3", 1, -1}, {"F8_E5M2", 1, -1}};
+    static const struct {
+        const char *n;
+        int64_t sz;
+        int32_t dt;
+    } t[] = {{"F64", 8, -1},
+             {"F32", 4, EKV_DTYPE_F32},
+             {"F16", 2, EKV_DTYPE_F16},
+             {"BF16", 2, EKV_DTYPE_BF16},
+             {"I64", 8, -1},
+             {"I32", 4, -1},
+             {"I16", 2, -1},
+             {"I8", 1, -1},
+             {"U64", 8, -1},
+             {"U32", 4, -1},
+             {"U16", 2, -1},
+             {"U8", 1, -1},
+             {"BOOL", 1, -1},
+             {"F8_E4M3", 1, -1},
+             {"F8_E5M2", 1, -1}};
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
-        if (!strcmp(name, t[i].n)) { *size = t[i].sz; *edt = t[i].dt; return 0; }
+        if (!strcmp(name, t[i].n)) {
+            *size = t[i].sz;
+            *edt = t[i].dt;
+            return 0;
+        }
     return -1;
 }
 
@@ -215,11 +260,15 @@ static int jstring_arena(jp *p, ekv_safetensors *st, size_t *cap, size_t *used, 
 
 /* __metadata__: an object of string keys and string values (the safetensors format), keys
  * unique. Offsets of key i and value i go to (*offs)[2i], (*offs)[2i+1]. */
-static int parse_metadata(jp *p, ekv_safetensors *st, size_t *strcap, size_t *strused, int64_t **offs) {
+static int parse_metadata(jp *p, ekv_safetensors *st, size_t *strcap, size_t *strused,
+                          int64_t **offs) {
     size_t cap = 0;
     if (jexpect(p, '{', "__metadata__ must be an object of strings")) return -1;
     ws(p);
-    if (p->s < p->end && *p->s == '}') { p->s++; return 0; }
+    if (p->s < p->end && *p->s == '}') {
+        p->s++;
+        return 0;
+    }
     for (;;) {
         if ((size_t)st->nmeta == cap) {
             cap = cap ? 2 * cap : 8;
@@ -228,26 +277,37 @@ static int parse_metadata(jp *p, ekv_safetensors *st, size_t *strcap, size_t *st
             *offs = no;
         }
         int64_t *o = *offs + 2 * st->nmeta;
-        if (jstring_arena(p, st, strcap, strused, &o[0]) || jexpect(p, ':', "expected ':' in __metadata__")) return -1;
+        if (jstring_arena(p, st, strcap, strused, &o[0]) ||
+            jexpect(p, ':', "expected ':' in __metadata__"))
+            return -1;
         ws(p);
         if (p->s >= p->end || *p->s != '"') return jfail(p, "__metadata__ values must be strings");
         if (jstring_arena(p, st, strcap, strused, &o[1])) return -1;
         for (int64_t i = 0; i < st->nmeta; i++)
-            if (!strcmp(st->strings + (*offs)[2 * i], st->strings + o[0])) return jfail(p, "repeated key in __metadata__");
+            if (!strcmp(st->strings + (*offs)[2 * i], st->strings + o[0]))
+                return jfail(p, "repeated key in __metadata__");
         st->nmeta++;
         ws(p);
-        if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+        if (p->s < p->end && *p->s == ',') {
+            p->s++;
+            continue;
+        }
         return jexpect(p, '}', "expected ',' or '}' in __metadata__");
     }
 }
 
 /* Parses the header of st->buf; on error returns -1 with a message in p->err. */
 static int parse_header(ekv_safetensors *st, jp *p) {
-    if (st->len < 8) { snprintf(p->err, sizeof p->err, "file of %lld bytes is shorter than the 8-byte header length", (long long)st->len); return -1; }
+    if (st->len < 8) {
+        snprintf(p->err, sizeof p->err,
+                 "file of %lld bytes is shorter than the 8-byte header length", (long long)st->len);
+        return -1;
+    }
     uint64_t hl = 0;
     for (int i = 7; i >= 0; i--) hl = (hl << 8) | st->buf[i];
     if (hl < 2 || hl > (uint64_t)MAX_HEADER || (int64_t)hl > st->len - 8) {
-        snprintf(p->err, sizeof p->err, "header length %llu does not fit the file (%lld bytes) or exceeds %lld",
+        snprintf(p->err, sizeof p->err,
+                 "header length %llu does not fit the file (%lld bytes) or exceeds %lld",
                  (unsigned long long)hl, (long long)st->len, (long long)MAX_HEADER);
         return -1;
     }
@@ -258,7 +318,10 @@ static int parse_header(ekv_safetensors *st, jp *p) {
     size_t cap_t = 16, strcap = 4096, strused = 0;
     st->t = calloc(cap_t, sizeof *st->t);
     st->strings = malloc(strcap);
-    if (!st->t || !st->strings) { snprintf(p->err, sizeof p->err, "out of memory"); return -1; }
+    if (!st->t || !st->strings) {
+        snprintf(p->err, sizeof p->err, "out of memory");
+        return -1;
+    }
     /* names are stored as offsets into strings until the end (realloc may move it) */
     int64_t *name_off = NULL, *dt_off = NULL, *meta_off = NULL;
     size_t off_cap = 0;
@@ -270,25 +333,42 @@ static int parse_header(ekv_safetensors *st, jp *p) {
     while (!empty) {
         char key[1024];
         size_t klen;
-        if (jstring(p, key, sizeof key, &klen) || jexpect(p, ':', "expected ':' after a name")) goto fail;
-        if (strlen(key) != klen) { jfail(p, "NUL byte in a tensor name"); goto fail; }
+        if (jstring(p, key, sizeof key, &klen) || jexpect(p, ':', "expected ':' after a name"))
+            goto fail;
+        if (strlen(key) != klen) {
+            jfail(p, "NUL byte in a tensor name");
+            goto fail;
+        }
         if (!strcmp(key, "__metadata__")) {
-            if (have_meta++) { jfail(p, "repeated __metadata__"); goto fail; }
+            if (have_meta++) {
+                jfail(p, "repeated __metadata__");
+                goto fail;
+            }
             if (parse_metadata(p, st, &strcap, &strused, &meta_off)) goto fail;
         } else {
-            if (st->ntensors == INT32_MAX) { jfail(p, "too many tensors"); goto fail; }
+            if (st->ntensors == INT32_MAX) {
+                jfail(p, "too many tensors");
+                goto fail;
+            }
             if ((size_t)st->ntensors == cap_t) {
                 cap_t *= 2;
                 ekv_tensor_info *nt = realloc(st->t, cap_t * sizeof *nt);
-                if (!nt) { jfail(p, "out of memory"); goto fail; }
+                if (!nt) {
+                    jfail(p, "out of memory");
+                    goto fail;
+                }
                 st->t = nt;
             }
             if ((size_t)st->ntensors >= off_cap) {
                 off_cap = off_cap ? off_cap * 2 : 16;
-                int64_t *a = realloc(name_off, off_cap * sizeof *a), *b = a ? realloc(dt_off, off_cap * sizeof *b) : NULL;
+                int64_t *a = realloc(name_off, off_cap * sizeof *a),
+                        *b = a ? realloc(dt_off, off_cap * sizeof *b) : NULL;
                 if (a) name_off = a;
                 if (b) dt_off = b;
-                if (!a || !b) { jfail(p, "out of memory"); goto fail; }
+                if (!a || !b) {
+                    jfail(p, "out of memory");
+                    goto fail;
+                }
             }
             ekv_tensor_info *t = &st->t[st->ntensors];
             memset(t, 0, sizeof *t);
@@ -297,46 +377,70 @@ static int parse_header(ekv_safetensors *st, jp *p) {
             int64_t b0 = 0, b1 = 0;
             if (jexpect(p, '{', "a tensor entry must be an object")) goto fail;
             ws(p);
-            if (p->s < p->end && *p->s == '}') { jfail(p, "empty tensor entry"); goto fail; }
+            if (p->s < p->end && *p->s == '}') {
+                jfail(p, "empty tensor entry");
+                goto fail;
+            }
             for (;;) {
                 char f[32];
                 if (jstring(p, f, sizeof f, NULL) || jexpect(p, ':', "expected ':'")) goto fail;
                 if (!strcmp(f, "dtype")) {
-                    if (have_dt++ || jstring(p, dtn, sizeof dtn, NULL)) { jfail(p, "bad or repeated dtype"); goto fail; }
+                    if (have_dt++ || jstring(p, dtn, sizeof dtn, NULL)) {
+                        jfail(p, "bad or repeated dtype");
+                        goto fail;
+                    }
                 } else if (!strcmp(f, "shape")) {
-                    if (have_shape++ || jexpect(p, '[', "shape must be an array")) { jfail(p, "bad or repeated shape"); goto fail; }
+                    if (have_shape++ || jexpect(p, '[', "shape must be an array")) {
+                        jfail(p, "bad or repeated shape");
+                        goto fail;
+                    }
                     ws(p);
-                    if (p->s < p->end && *p->s == ']') p->s++;
+                    if (p->s < p->end && *p->s == ']')
+                        p->s++;
                     else
                         for (;;) {
-                            if (t->ndim == MAX_DIMS) { jfail(p, "more than 8 dimensions"); goto fail; }
+                            if (t->ndim == MAX_DIMS) {
+                                jfail(p, "more than 8 dimensions");
+                                goto fail;
+                            }
                             if (jint(p, &t->shape[t->ndim])) goto fail;
                             t->ndim++;
                             ws(p);
-                            if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+                            if (p->s < p->end && *p->s == ',') {
+                                p->s++;
+                                continue;
+                            }
                             if (jexpect(p, ']', "expected ',' or ']' in shape")) goto fail;
                             break;
                         }
                 } else if (!strcmp(f, "data_offsets")) {
-                    if (have_off++ || jexpect(p, '[', "data_offsets must be an array") || jint(p, &b0) ||
-                        jexpect(p, ',', "data_offsets needs two values") || jint(p, &b1) ||
-                        jexpect(p, ']', "data_offsets needs exactly two values")) {
+                    if (have_off++ || jexpect(p, '[', "data_offsets must be an array") ||
+                        jint(p, &b0) || jexpect(p, ',', "data_offsets needs two values") ||
+                        jint(p, &b1) || jexpect(p, ']', "data_offsets needs exactly two values")) {
                         jfail(p, "bad data_offsets");
                         goto fail;
                     }
-                } else if (jskip(p, 2)) goto fail;
+                } else if (jskip(p, 2))
+                    goto fail;
                 ws(p);
-                if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+                if (p->s < p->end && *p->s == ',') {
+                    p->s++;
+                    continue;
+                }
                 if (jexpect(p, '}', "expected ',' or '}' in a tensor entry")) goto fail;
                 break;
             }
             if (!have_dt || !have_shape || !have_off) {
-                snprintf(p->err, sizeof p->err, "tensor '%.64s' lacks %s", key, !have_dt ? "dtype" : !have_shape ? "shape" : "data_offsets");
+                snprintf(p->err, sizeof p->err, "tensor '%.64s' lacks %s", key,
+                         !have_dt      ? "dtype"
+                         : !have_shape ? "shape"
+                                       : "data_offsets");
                 goto fail;
             }
             int64_t esz;
             if (dtype_info(dtn, &esz, &t->dtype)) {
-                snprintf(p->err, sizeof p->err, "tensor '%.64s' has unknown dtype '%.16s'", key, dtn);
+                snprintf(p->err, sizeof p->err, "tensor '%.64s' has unknown dtype '%.16s'", key,
+                         dtn);
                 goto fail;
             }
             int64_t numel = 1;
@@ -347,15 +451,21 @@ static int parse_header(ekv_safetensors *st, jp *p) {
                 }
             int64_t nbytes;
             if (ekv_mul_i64(numel, esz, &nbytes) || b1 < b0 || b1 - b0 != nbytes || b1 > datalen) {
-                snprintf(p->err, sizeof p->err, "tensor '%.64s': data_offsets [%lld, %lld] do not match %lld elements of %s in %lld data bytes",
-                         key, (long long)b0, (long long)b1, (long long)numel, dtn, (long long)datalen);
+                snprintf(
+                        p->err, sizeof p->err,
+                        "tensor '%.64s': data_offsets [%lld, %lld] do not match %lld elements of %s in %lld data bytes",
+                        key, (long long)b0, (long long)b1, (long long)numel, dtn,
+                        (long long)datalen);
                 goto fail;
             }
             t->numel = numel;
             t->nbytes = nbytes;
             t->data = st->buf + data0 + b0;
             size_t need = klen + 1 + strlen(dtn) + 1;
-            if (strings_reserve(st, &strcap, strused, need)) { jfail(p, "out of memory"); goto fail; }
+            if (strings_reserve(st, &strcap, strused, need)) {
+                jfail(p, "out of memory");
+                goto fail;
+            }
             name_off[st->ntensors] = (int64_t)strused;
             memcpy(st->strings + strused, key, klen + 1);
             strused += klen + 1;
@@ -365,19 +475,28 @@ static int parse_header(ekv_safetensors *st, jp *p) {
             st->ntensors++;
         }
         ws(p);
-        if (p->s < p->end && *p->s == ',') { p->s++; continue; }
+        if (p->s < p->end && *p->s == ',') {
+            p->s++;
+            continue;
+        }
         if (jexpect(p, '}', "expected ',' or '}' after a header entry")) goto fail;
         break;
     }
     ws(p);
-    if (p->s != p->end) { jfail(p, "trailing bytes after the JSON header"); goto fail; }
+    if (p->s != p->end) {
+        jfail(p, "trailing bytes after the JSON header");
+        goto fail;
+    }
     for (int64_t i = 0; i < st->ntensors; i++) {
         st->t[i].name = st->strings + name_off[i];
         st->t[i].dtype_name = st->strings + dt_off[i];
     }
     if (st->nmeta > 0) {
         st->meta = malloc(sizeof *st->meta * (size_t)(2 * st->nmeta));
-        if (!st->meta) { snprintf(p->err, sizeof p->err, "out of memory"); goto fail; }
+        if (!st->meta) {
+            snprintf(p->err, sizeof p->err, "out of memory");
+            goto fail;
+        }
         for (int64_t i = 0; i < 2 * st->nmeta; i++) st->meta[i] = st->strings + meta_off[i];
     }
     free(name_off);
@@ -386,20 +505,26 @@ static int parse_header(ekv_safetensors *st, jp *p) {
     /* unique names, non-overlapping ranges */
     if (st->ntensors > 1) {
         ekv_tensor_info **v = malloc(sizeof *v * (size_t)st->ntensors);
-        if (!v) { snprintf(p->err, sizeof p->err, "out of memory"); return -1; }
+        if (!v) {
+            snprintf(p->err, sizeof p->err, "out of memory");
+            return -1;
+        }
         for (int64_t i = 0; i < st->ntensors; i++) v[i] = &st->t[i];
         qsort(v, (size_t)st->ntensors, sizeof *v, cmp_range);
         for (int64_t i = 1; i < st->ntensors; i++)
             if ((const char *)v[i - 1]->data + v[i - 1]->nbytes > (const char *)v[i]->data) {
-                snprintf(p->err, sizeof p->err, "tensors '%.48s' and '%.48s' overlap", v[i - 1]->name, v[i]->name);
+                snprintf(p->err, sizeof p->err, "tensors '%.48s' and '%.48s' overlap",
+                         v[i - 1]->name, v[i]->name);
                 free(v);
                 return -1;
             }
         free(v);
-        for (int64_t i = 0; i < st->ntensors; i++) /* O(n^2) is fine for headers of a few hundred names */
+        for (int64_t i = 0; i < st->ntensors;
+             i++) /* O(n^2) is fine for headers of a few hundred names */
             for (int64_t k = i + 1; k < st->ntensors && st->ntensors <= 100000; k++)
                 if (!strcmp(st->t[i].name, st->t[k].name)) {
-                    snprintf(p->err, sizeof p->err, "tensor name '%.64s' appears twice", st->t[i].name);
+                    snprintf(p->err, sizeof p->err, "tensor name '%.64s' appears twice",
+                             st->t[i].name);
                     return -1;
                 }
     }
@@ -413,9 +538,13 @@ fail:
 }
 
 /* Parses buf[0..len), which becomes the reader's (freed on failure too). */
-static ekv_status parse_owned(ekv_context *ctx, unsigned char *buf, int64_t len, ekv_safetensors **out) {
+static ekv_status parse_owned(ekv_context *ctx, unsigned char *buf, int64_t len,
+                              ekv_safetensors **out) {
     ekv_safetensors *st = calloc(1, sizeof *st);
-    if (!st) { free(buf); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory"); }
+    if (!st) {
+        free(buf);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    }
     st->buf = buf;
     st->len = len;
     jp p;
@@ -428,12 +557,17 @@ static ekv_status parse_owned(ekv_context *ctx, unsigned char *buf, int64_t len,
     return EKV_OK;
 }
 
-ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len, ekv_safetensors **out) {
-    if (!buf || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !buf ? "buf" : "out");
-    if (len < 0) return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "len=%lld must be >= 0", (long long)len);
-    if ((uint64_t)len >= SIZE_MAX) return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "len=%lld is too large", (long long)len);
+ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len,
+                                 ekv_safetensors **out) {
+    if (!buf || !out)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !buf ? "buf" : "out");
+    if (len < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "len=%lld must be >= 0", (long long)len);
+    if ((uint64_t)len >= SIZE_MAX)
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "len=%lld is too large", (long long)len);
     unsigned char *copy = malloc((size_t)(len > 0 ? len : 1));
-    if (!copy) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold %lld bytes", (long long)len);
+    if (!copy)
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold %lld bytes", (long long)len);
     memcpy(copy, buf, (size_t)len);
     return parse_owned(ctx, copy, len, out);
 }
@@ -441,7 +575,8 @@ ekv_status ekv_safetensors_parse(ekv_context *ctx, const void *buf, int64_t len,
 /* The file must be a regular file (a directory or a device has no meaningful size: ftell on
  * a directory gives 2^63-1) that fits in physical memory, since it is read whole. */
 ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetensors **out) {
-    if (!path || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !path ? "path" : "out");
+    if (!path || !out)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !path ? "path" : "out");
     FILE *f = fopen(path, "rb");
     if (!f) return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cannot open '%s'", path);
     struct stat sb;
@@ -452,14 +587,22 @@ ekv_status ekv_safetensors_open(ekv_context *ctx, const char *path, ekv_safetens
     const int64_t n = (int64_t)sb.st_size, phys = ekv_phys_mem_bytes();
     if (n > phys) {
         fclose(f);
-        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "'%s' is %lld bytes, more than the physical memory (%lld bytes)",
-                        path, (long long)n, (long long)phys);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
+                        "'%s' is %lld bytes, more than the physical memory (%lld bytes)", path,
+                        (long long)n, (long long)phys);
     }
     unsigned char *b = malloc((size_t)(n > 0 ? n : 1));
-    if (!b) { fclose(f); return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold '%s' (%lld bytes)", path, (long long)n); }
+    if (!b) {
+        fclose(f);
+        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cannot hold '%s' (%lld bytes)", path,
+                        (long long)n);
+    }
     size_t got = fread(b, 1, (size_t)n, f);
     fclose(f);
-    if ((int64_t)got != n) { free(b); return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "short read of '%s'", path); }
+    if ((int64_t)got != n) {
+        free(b);
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "short read of '%s'", path);
+    }
     return parse_owned(ctx, b, n, out);
 }
 
@@ -475,7 +618,10 @@ ekv_status ekv_safetensors_at(const ekv_safetensors *st, int64_t i, ekv_tensor_i
 ekv_status ekv_safetensors_find(const ekv_safetensors *st, const char *name, ekv_tensor_info *out) {
     if (!st || !name || !out) return EKV_ERR_NULL_POINTER;
     for (int64_t i = 0; i < st->ntensors; i++)
-        if (!strcmp(st->t[i].name, name)) { *out = st->t[i]; return EKV_OK; }
+        if (!strcmp(st->t[i].name, name)) {
+            *out = st->t[i];
+            return EKV_OK;
+        }
     return EKV_ERR_INVALID_ARGUMENT;
 }
 
@@ -488,7 +634,8 @@ const char *ekv_safetensors_metadata(const ekv_safetensors *st, const char *key)
 
 int64_t ekv_safetensors_metadata_count(const ekv_safetensors *st) { return st ? st->nmeta : 0; }
 
-ekv_status ekv_safetensors_metadata_at(const ekv_safetensors *st, int64_t i, const char **key, const char **value) {
+ekv_status ekv_safetensors_metadata_at(const ekv_safetensors *st, int64_t i, const char **key,
+                                       const char **value) {
     if (!st || !key || !value) return EKV_ERR_NULL_POINTER;
     if (i < 0 || i >= st->nmeta) return EKV_ERR_INVALID_ARGUMENT;
     *key = st->meta[2 * i];

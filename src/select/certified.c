@@ -192,7 +192,7 @@ ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_params *prm,
     ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, &cs);
     if (!s) s = ekv_validate_decode(ctx, prm, kv, t, q, out);
     if (!s) s = ekv_check_stats(ctx, ekv_method_info_of(cs.method), 1, kv, st);
-    if (!s) s = ekv_cpu_certified_run(ctx, prm, &cs, kv, st, t, q, out, info, ci);
+    EKV_GUARDED(ctx, s, ekv_cpu_certified_run(ctx, prm, &cs, kv, st, t, q, out, info, ci));
     if (!s) ekv_clear_error(ctx);
     return s;
 }

@@ -262,7 +262,7 @@ ekv_status ekv_select_pages(ekv_context *ctx, const ekv_decode_params *prm,
     ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, sel);
     if (!s) s = ekv_validate_step(ctx, prm, kv, t, q);
     if (!s) s = ekv_validate_select(ctx, prm, sel, kv, st, t, list);
-    if (!s) s = ekv_cpu_select_run(ctx, prm, sel, kv, st, t, q, list);
+    EKV_GUARDED(ctx, s, ekv_cpu_select_run(ctx, prm, sel, kv, st, t, q, list));
     if (!s) ekv_clear_error(ctx);
     return s;
 }

@@ -1,7 +1,7 @@
 /* libFuzzer target for the trace workload opener (tools/workload.c wl_open with a trace:
  * spec): the safetensors reader plus the trace's name, dtype and shape checks, as
- * `eval`/`bench --workload trace:FILE[@PREFIX]` run them on a user's file. The input goes to a temporary
- * file because the opener takes a path; byte 0 picks the prefix ("" or "l0.", the names
+ * `eval`/`bench --workload trace:FILE[@PREFIX]` run them on a user's file. The input goes to a
+ * temporary file because the opener takes a path; byte 0 picks the prefix ("" or "l0.", the names
  * `entmaxkv trace` writes). Build with -DEKV_BUILD_FUZZ=ON (clang). */
 #include "cli.h"
 #include <stdio.h>
@@ -22,8 +22,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         stderr = fopen("/dev/null", "w");
         if (!stderr) __builtin_trap();
         /* tmpfs where there is one: a disk file costs 50x the parse */
-        snprintf(path, sizeof path, "%s/ekv_fuzz_trace_%ld.safetensors", access("/dev/shm", W_OK) ? "/tmp" : "/dev/shm",
-                 (long)getpid());
+        snprintf(path, sizeof path, "%s/ekv_fuzz_trace_%ld.safetensors",
+                 access("/dev/shm", W_OK) ? "/tmp" : "/dev/shm", (long)getpid());
     }
     if (size < 1) return 0;
     FILE *f = fopen(path, "wb");
@@ -35,7 +35,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     wl_state w;
     if (wl_open(&w, ctx, spec, 0, 0, 0, 1, "fuzz") == 0) {
         /* the opener's promises: shapes consistent with each other, data inside the file */
-        if (w.kind != WL_TRACE || w.heads % w.kv_heads || w.trace_len < 1 || w.trace_steps < 1) __builtin_trap();
+        if (w.kind != WL_TRACE || w.heads % w.kv_heads || w.trace_len < 1 || w.trace_steps < 1)
+            __builtin_trap();
         volatile uint8_t acc = 0;
         const ekv_tensor_info *t[3] = {&w.tq, &w.tk, &w.tv};
         for (int i = 0; i < 3; i++)
