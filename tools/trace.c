@@ -54,164 +54,245 @@ static void gather_rows(const ekv_paged_kv *kv, const void *base, const int32_t 
         }
 }
 
-int cmd_trace(int argc, char **argv) {
+/* The parsed command line; nlayers -1 means every layer of the model (up to 256), resolved
+ * once the model is open. */
+typedef struct {
     model_opts mo;
-    model_opts_init(&mo);
-    const char *text_path = NULL, *out = NULL, *layers_arg = NULL;
-    int64_t N = 8192, S = 16, offset = 0;
+    const char *text_path, *out;
+    int64_t N, S, offset;
+    int64_t layer_ids[256];
+    int nlayers;
+} trace_opts;
+
+/* Buffers of one run: the tokens, each dumped layer's S query rows [S, H, D], the slopes, one
+ * layer's K or V rows [N, Hk, D] and the sequence's page list. */
+typedef struct {
+    int32_t *tok, *pages;
+    float *q, *slopes;
+    char *rows;
+} trace_bufs;
+
+/* --layers: a comma list without repeats (one tensor name per layer: a repeat would write
+ * it twice). */
+static void parse_layers(const char *arg, trace_opts *o) {
+    if ((o->nlayers = cli_parse_i64_list(arg, o->layer_ids, 256)) <= 0)
+        cli_usage_error("trace", "--layers %s: expected a comma list of layer numbers", arg);
+    for (int l = 1; l < o->nlayers; l++)
+        for (int k = 0; k < l; k++)
+            if (o->layer_ids[k] == o->layer_ids[l])
+                cli_usage_error("trace", "--layers %s: layer %lld is listed twice", arg,
+                                (long long)o->layer_ids[l]);
+}
+
+static void trace_parse(int argc, char **argv, trace_opts *o) {
+    memset(o, 0, sizeof *o);
+    model_opts_init(&o->mo);
+    o->N = 8192;
+    o->S = 16;
+    o->nlayers = -1;
+    const char *layers_arg = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             trace_help(stdout);
-            return 0;
-        } else if (model_opt("trace", argc, argv, &i, &mo))
+            exit(0);
+        } else if (model_opt("trace", argc, argv, &i, &o->mo))
             continue;
         else if (!strcmp(a, "--text"))
-            text_path = cli_need("trace", argc, argv, &i);
+            o->text_path = cli_need("trace", argc, argv, &i);
         else if (!strcmp(a, "--out"))
-            out = cli_need("trace", argc, argv, &i);
+            o->out = cli_need("trace", argc, argv, &i);
         else if (!strcmp(a, "--ctx"))
-            N = cli_need_int("trace", argc, argv, &i, 2, (int64_t)1 << 30);
+            o->N = cli_need_int("trace", argc, argv, &i, 2, (int64_t)1 << 30);
         else if (!strcmp(a, "--offset"))
-            offset = cli_need_int("trace", argc, argv, &i, 0, INT64_MAX);
+            o->offset = cli_need_int("trace", argc, argv, &i, 0, INT64_MAX);
         else if (!strcmp(a, "--queries"))
-            S = cli_need_int("trace", argc, argv, &i, 1, 4096);
+            o->S = cli_need_int("trace", argc, argv, &i, 1, 4096);
         else if (!strcmp(a, "--layers"))
             layers_arg = cli_need("trace", argc, argv, &i);
         else
             cli_usage_error("trace", "unknown option '%s'", a);
     }
-    if (!text_path || !out) cli_usage_error("trace", "--text FILE and --out FILE are required");
-    if (S >= N) cli_usage_error("trace", "--queries must be below --ctx");
-    int64_t layer_ids[256];
-    int nlayers = -1;
-    if (layers_arg && (nlayers = cli_parse_i64_list(layers_arg, layer_ids, 256)) <= 0)
-        cli_usage_error("trace", "--layers %s: expected a comma list of layer numbers", layers_arg);
-    for (int l = 1; l < nlayers; l++) /* one tensor name per layer: a repeat would write it twice */
-        for (int k = 0; k < l; k++)
-            if (layer_ids[k] == layer_ids[l])
-                cli_usage_error("trace", "--layers %s: layer %lld is listed twice", layers_arg,
-                                (long long)layer_ids[l]);
-    int64_t len;
-    char *text = cli_read_file(text_path, &len);
-    if (!text) {
-        fprintf(stderr, "entmaxkv trace: cannot read '%s'\n", text_path);
+    if (!o->text_path || !o->out)
+        cli_usage_error("trace", "--text FILE and --out FILE are required");
+    if (o->S >= o->N) cli_usage_error("trace", "--queries must be below --ctx");
+    if (layers_arg) parse_layers(layers_arg, o);
+}
+
+/* Resolves "all layers" and checks the listed ones exist: CLI_USAGE if one does not. */
+static int trace_layers(trace_opts *o, const ekv_model_config *c) {
+    if (o->nlayers < 0) {
+        o->nlayers = c->n_layers < 256 ? c->n_layers : 256;
+        for (int l = 0; l < o->nlayers; l++) o->layer_ids[l] = l;
+    }
+    for (int l = 0; l < o->nlayers; l++)
+        if (o->layer_ids[l] >= c->n_layers) {
+            fprintf(stderr,
+                    "entmaxkv trace: --layers: layer %lld does not exist (the model has %d)\n",
+                    (long long)o->layer_ids[l], c->n_layers);
+            return CLI_USAGE;
+        }
+    return 0;
+}
+
+static void trace_bufs_free(trace_bufs *b) {
+    free(b->tok);
+    free(b->q);
+    free(b->slopes);
+    free(b->rows);
+    free(b->pages);
+}
+
+static int trace_alloc(const trace_opts *o, const ekv_model_config *c, trace_bufs *b) {
+    const int64_t H = c->n_heads, Hk = c->n_kv_heads, D = c->head_dim,
+                  es = ekv_dtype_size(o->mo.kv_dtype);
+    b->tok = malloc(sizeof(int32_t) * (size_t)o->N);
+    b->q = malloc(sizeof(float) * (size_t)(o->nlayers * o->S * H * D));
+    b->slopes = malloc(sizeof(float) * (size_t)H);
+    b->rows = malloc((size_t)(o->N * Hk * D * es));
+    b->pages = malloc(sizeof(int32_t) * (size_t)(o->N / o->mo.page + 2));
+    if (b->tok && b->q && b->slopes && b->rows && b->pages) return 0;
+    fprintf(stderr, "entmaxkv trace: out of memory\n");
+    return 1;
+}
+
+/* Prefills the first N - S tokens, then steps through the last S keeping each dumped
+ * layer's query of every step (row s of layer l at b->q[(l * S + s) * H * D]). */
+static int trace_run(const trace_opts *o, ekv_context *ctx, ekv_model *m, const char *text,
+                     trace_bufs *b) {
+    const ekv_model_config *c = ekv_model_get_config(m);
+    const int64_t N = o->N, S = o->S, HD = (int64_t)c->n_heads * c->head_dim;
+    ekv_model_tokenize(text + o->offset, N, b->tok);
+    ekv_model_alibi_slopes(m, b->slopes);
+    if (model_feed("trace", "prefill", ctx, m, b->tok, N - S, 0, NULL, NULL)) return 1;
+    for (int64_t s = 0; s < S; s++) {
+        if (ekv_model_step(m, b->tok + N - S + s, 1, NULL)) {
+            fprintf(stderr, "entmaxkv trace: %s\n", ekv_last_error(ctx));
+            return 1;
+        }
+        for (int l = 0; l < o->nlayers; l++)
+            ekv_model_last_query(m, (int32_t)o->layer_ids[l], b->q + ((int64_t)l * S + s) * HD);
+    }
+    return 0;
+}
+
+/* The safetensors JSON header, padded with spaces to a multiple of 8 bytes; the data follow
+ * in the same order (per layer: k, v, q, alibi_slopes). NULL when out of memory. */
+static char *trace_header(const trace_opts *o, const ekv_model_config *c, size_t *len) {
+    const int64_t N = o->N, S = o->S, H = c->n_heads, Hk = c->n_kv_heads, D = c->head_dim;
+    const int64_t kvb = N * Hk * D * ekv_dtype_size(o->mo.kv_dtype), qb = S * H * D * 4, sb = H * 4;
+    const char *dt = st_dtype(o->mo.kv_dtype);
+    size_t cap = 4096 + (size_t)o->nlayers * 512, hl = 0;
+    char *hdr = malloc(cap);
+    if (!hdr) return NULL;
+    hl += (size_t)snprintf(
+            hdr + hl, cap - hl,
+            "{\"__metadata__\":{\"format\":\"entmaxkv-trace\",\"ctx\":\"%lld\",\"queries\":\"%lld\","
+            "\"method\":\"%s\",\"offset\":\"%lld\"}",
+            (long long)N, (long long)S, ekv_method_name(o->mo.method), (long long)o->offset);
+    int64_t off = 0;
+    for (int l = 0; l < o->nlayers; l++) {
+        const long long L = (long long)o->layer_ids[l], o0 = (long long)off;
+        hl += (size_t)snprintf(
+                hdr + hl, cap - hl,
+                ",\"l%lld.k\":{\"dtype\":\"%s\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%lld,%lld]}"
+                ",\"l%lld.v\":{\"dtype\":\"%s\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%lld,%lld]}"
+                ",\"l%lld.q\":{\"dtype\":\"F32\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%lld,%lld]}"
+                ",\"l%lld.alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[%lld],\"data_offsets\":[%lld,%lld]}",
+                L, dt, (long long)N, (long long)Hk, (long long)D, o0, o0 + kvb, L, dt, (long long)N,
+                (long long)Hk, (long long)D, o0 + kvb, o0 + 2 * kvb, L, (long long)S, (long long)H,
+                (long long)D, o0 + 2 * kvb, o0 + 2 * kvb + qb, L, (long long)H, o0 + 2 * kvb + qb,
+                o0 + 2 * kvb + qb + sb);
+        off += 2 * kvb + qb + sb;
+    }
+    hl += (size_t)snprintf(hdr + hl, cap - hl, "}");
+    while (hl % 8) hdr[hl++] = ' ';
+    *len = hl;
+    return hdr;
+}
+
+/* Writes the length-prefixed header, then each layer's K and V rows gathered from the paged
+ * cache, its queries and the slopes. Nonzero if any write fails. */
+static int trace_write_data(const trace_opts *o, ekv_model *m, trace_bufs *b, FILE *f,
+                            const char *hdr, size_t hl) {
+    const ekv_model_config *c = ekv_model_get_config(m);
+    const int64_t N = o->N, qn = o->S * c->n_heads * c->head_dim,
+                  kvb = N * c->n_kv_heads * c->head_dim * ekv_dtype_size(o->mo.kv_dtype),
+                  qb = qn * 4, sb = (int64_t)c->n_heads * 4;
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+    int rc = fwrite(len8, 1, 8, f) != 8 || fwrite(hdr, 1, hl, f) != hl;
+    for (int l = 0; l < o->nlayers && !rc; l++) {
+        const ekv_cache *cache;
+        int32_t seq, lpl;
+        ekv_paged_kv kv;
+        int64_t ip[2];
+        ekv_model_layer_cache(m, (int32_t)o->layer_ids[l], &cache, &seq);
+        ekv_cache_kv_view(cache, &kv, NULL);
+        ekv_cache_page_table(cache, &seq, 1, ip, b->pages, N / o->mo.page + 2, &lpl, NULL);
+        gather_rows(&kv, kv.k, b->pages, N, b->rows);
+        rc |= fwrite(b->rows, 1, (size_t)kvb, f) != (size_t)kvb;
+        gather_rows(&kv, kv.v, b->pages, N, b->rows);
+        rc |= fwrite(b->rows, 1, (size_t)kvb, f) != (size_t)kvb;
+        rc |= fwrite(b->q + (int64_t)l * qn, 1, (size_t)qb, f) != (size_t)qb;
+        rc |= fwrite(b->slopes, 1, (size_t)sb, f) != (size_t)sb;
+    }
+    return rc;
+}
+
+/* Writes the trace file and reports it on stdout. */
+static int trace_report(const trace_opts *o, ekv_model *m, trace_bufs *b) {
+    size_t hl = 0;
+    char *hdr = trace_header(o, ekv_model_get_config(m), &hl);
+    if (!hdr) {
+        fprintf(stderr, "entmaxkv trace: out of memory\n");
         return 1;
     }
-    if (offset >= len || len - offset < N) {
+    int rc = 0;
+    FILE *f = fopen(o->out, "wb");
+    if (!f) {
+        fprintf(stderr, "entmaxkv trace: cannot write %s\n", o->out);
+        rc = 1;
+    }
+    if (f && trace_write_data(o, m, b, f, hdr, hl)) rc = 1;
+    free(hdr);
+    if (f && fclose(f)) rc = 1;
+    if (rc)
+        fprintf(stderr, "entmaxkv trace: writing %s failed\n", o->out);
+    else
+        printf("wrote %s: %d layers, %lld tokens, %lld queries per layer (%s K/V)\n", o->out,
+               o->nlayers, (long long)o->N, (long long)o->S, ekv_dtype_name(o->mo.kv_dtype));
+    return rc;
+}
+
+int cmd_trace(int argc, char **argv) {
+    trace_opts o;
+    trace_parse(argc, argv, &o);
+    int64_t len;
+    char *text = cli_read_file(o.text_path, &len);
+    if (!text) {
+        fprintf(stderr, "entmaxkv trace: cannot read '%s'\n", o.text_path);
+        return 1;
+    }
+    if (o.offset >= len || len - o.offset < o.N) {
         fprintf(stderr, "entmaxkv trace: '%s' has fewer than %lld bytes after offset %lld\n",
-                text_path, (long long)N, (long long)offset);
+                o.text_path, (long long)o.N, (long long)o.offset);
         free(text);
         return 1;
     }
     ekv_context *ctx;
     ekv_model *m;
-    if (model_open("trace", &mo, N, &ctx, &m)) {
+    if (model_open("trace", &o.mo, o.N, &ctx, &m)) {
         free(text);
         return 1;
     }
-    const ekv_model_config *c = ekv_model_get_config(m);
-    if (nlayers < 0) {
-        nlayers = c->n_layers < 256 ? c->n_layers : 256;
-        for (int l = 0; l < nlayers; l++) layer_ids[l] = l;
-    }
-    for (int l = 0; l < nlayers; l++)
-        if (layer_ids[l] >= c->n_layers) {
-            fprintf(stderr,
-                    "entmaxkv trace: --layers: layer %lld does not exist (the model has %d)\n",
-                    (long long)layer_ids[l], c->n_layers);
-            ekv_model_free(m);
-            ekv_context_free(ctx);
-            free(text);
-            return CLI_USAGE;
-        }
-    const int64_t H = c->n_heads, Hk = c->n_kv_heads, D = c->head_dim,
-                  es = ekv_dtype_size(mo.kv_dtype);
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)N);
-    float *q = malloc(sizeof(float) * (size_t)(nlayers * S * H * D)),
-          *slopes = malloc(sizeof(float) * (size_t)H);
-    char *rows = malloc((size_t)(N * Hk * D * es));
-    int32_t *pages = malloc(sizeof(int32_t) * (size_t)(N / mo.page + 2));
-    int rc = 0;
-    FILE *f = NULL;
-    ekv_model_tokenize(text + offset, N, tok);
-    ekv_model_alibi_slopes(m, slopes);
-    if (model_feed("trace", "prefill", ctx, m, tok, N - S, 0, NULL, NULL)) rc = 1;
-    for (int64_t s = 0; s < S && !rc; s++) {
-        ekv_status st = ekv_model_step(m, tok + N - S + s, 1, NULL);
-        if (st) {
-            fprintf(stderr, "entmaxkv trace: %s\n", ekv_last_error(ctx));
-            rc = 1;
-            break;
-        }
-        for (int l = 0; l < nlayers; l++)
-            ekv_model_last_query(m, (int32_t)layer_ids[l], q + ((int64_t)l * S + s) * H * D);
-    }
-    if (!rc) { /* header, then the data in the same order */
-        const int64_t kvb = N * Hk * D * es, qb = S * H * D * 4, sb = H * 4;
-        size_t cap = 4096 + (size_t)nlayers * 512, hl = 0;
-        char *hdr = malloc(cap);
-        hl += (size_t)snprintf(
-                hdr + hl, cap - hl,
-                "{\"__metadata__\":{\"format\":\"entmaxkv-trace\",\"ctx\":\"%lld\",\"queries\":\"%lld\","
-                "\"method\":\"%s\",\"offset\":\"%lld\"}",
-                (long long)N, (long long)S, ekv_method_name(mo.method), (long long)offset);
-        int64_t o = 0;
-        for (int l = 0; l < nlayers; l++) {
-            const long long L = (long long)layer_ids[l];
-            hl += (size_t)snprintf(
-                    hdr + hl, cap - hl,
-                    ",\"l%lld.k\":{\"dtype\":\"%s\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%lld,%lld]}"
-                    ",\"l%lld.v\":{\"dtype\":\"%s\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%lld,%lld]}"
-                    ",\"l%lld.q\":{\"dtype\":\"F32\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%lld,%lld]}"
-                    ",\"l%lld.alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[%lld],\"data_offsets\":[%lld,%lld]}",
-                    L, st_dtype(mo.kv_dtype), (long long)N, (long long)Hk, (long long)D,
-                    (long long)o, (long long)(o + kvb), L, st_dtype(mo.kv_dtype), (long long)N,
-                    (long long)Hk, (long long)D, (long long)(o + kvb), (long long)(o + 2 * kvb), L,
-                    (long long)S, (long long)H, (long long)D, (long long)(o + 2 * kvb),
-                    (long long)(o + 2 * kvb + qb), L, (long long)H, (long long)(o + 2 * kvb + qb),
-                    (long long)(o + 2 * kvb + qb + sb));
-            o += 2 * kvb + qb + sb;
-        }
-        hl += (size_t)snprintf(hdr + hl, cap - hl, "}");
-        while (hl % 8) hdr[hl++] = ' ';
-        f = fopen(out, "wb");
-        if (!f) {
-            fprintf(stderr, "entmaxkv trace: cannot write %s\n", out);
-            rc = 1;
-        }
-        unsigned char len8[8];
-        for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hl >> (8 * i));
-        if (f && (fwrite(len8, 1, 8, f) != 8 || fwrite(hdr, 1, hl, f) != hl)) rc = 1;
-        free(hdr);
-        for (int l = 0; l < nlayers && f && !rc; l++) {
-            const ekv_cache *cache;
-            int32_t seq;
-            ekv_paged_kv kv;
-            int64_t ip[2];
-            int32_t lpl;
-            ekv_model_layer_cache(m, (int32_t)layer_ids[l], &cache, &seq);
-            ekv_cache_kv_view(cache, &kv, NULL);
-            ekv_cache_page_table(cache, &seq, 1, ip, pages, N / mo.page + 2, &lpl, NULL);
-            gather_rows(&kv, kv.k, pages, N, rows);
-            rc |= fwrite(rows, 1, (size_t)kvb, f) != (size_t)kvb;
-            gather_rows(&kv, kv.v, pages, N, rows);
-            rc |= fwrite(rows, 1, (size_t)kvb, f) != (size_t)kvb;
-            rc |= fwrite(q + (int64_t)l * S * H * D, 1, (size_t)qb, f) != (size_t)qb;
-            rc |= fwrite(slopes, 1, (size_t)sb, f) != (size_t)sb;
-        }
-        if (f && fclose(f)) rc = 1;
-        if (rc)
-            fprintf(stderr, "entmaxkv trace: writing %s failed\n", out);
-        else
-            printf("wrote %s: %d layers, %lld tokens, %lld queries per layer (%s K/V)\n", out,
-                   nlayers, (long long)N, (long long)S, ekv_dtype_name(mo.kv_dtype));
-    }
-    free(tok);
-    free(q);
-    free(slopes);
-    free(rows);
-    free(pages);
+    trace_bufs b;
+    memset(&b, 0, sizeof b);
+    int rc = trace_layers(&o, ekv_model_get_config(m));
+    if (!rc) rc = trace_alloc(&o, ekv_model_get_config(m), &b);
+    if (!rc) rc = trace_run(&o, ctx, m, text, &b);
+    if (!rc) rc = trace_report(&o, m, &b);
+    trace_bufs_free(&b);
     free(text);
     ekv_model_free(m);
     ekv_context_free(ctx);

@@ -85,6 +85,19 @@ static inline int ekv_add_i64(int64_t a, int64_t b, int64_t *out) {
 }
 
 /* ---- dtype conversion (scalar; SIMD versions live in src/cpu) ---- */
+/* The bits of a float and back, through memcpy (type punning through a union or a pointer
+ * cast is not defined behaviour in every compiler mode). */
+static inline uint32_t ekv_f32_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    return x;
+}
+static inline float ekv_f32_from_bits(uint32_t x) {
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
 static inline float ekv_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -107,15 +120,12 @@ static inline float ekv_f16_to_f32(uint16_t h) {
     } else {
         bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return ekv_f32_from_bits(bits);
 }
 
 /* Round to nearest even. */
 static inline uint16_t ekv_f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
+    const uint32_t x = ekv_f32_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t absx = x & 0x7fffffffu;
     if (absx >= 0x7f800000u) /* inf or nan */
@@ -140,16 +150,10 @@ static inline uint16_t ekv_f32_to_f16(float f) {
     return (uint16_t)(sign | half);
 }
 
-static inline float ekv_bf16_to_f32(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+static inline float ekv_bf16_to_f32(uint16_t b) { return ekv_f32_from_bits((uint32_t)b << 16); }
 
 static inline uint16_t ekv_f32_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
+    uint32_t x = ekv_f32_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
     uint32_t lsb = (x >> 16) & 1u;
     x += 0x7fffu + lsb;

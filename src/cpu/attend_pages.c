@@ -53,7 +53,7 @@ static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h
     const int64_t N = ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, j->sh.ps);
     const int64_t P = ekv_seq_pages(j->tab->indptr, b);
     const int32_t *pages = j->tab->indices + j->tab->indptr[b];
-    float b0[256], bs[256];
+    float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
     for (int64_t r = 0; r < np; r++) {
         const int64_t p = plist[r],
                       ntok = ekv_page_tokens(p, P, j->tab->last_page_len[b], j->sh.ps);
@@ -83,7 +83,7 @@ static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float
     uint8_t *in = j->w_mark + worker * j->nmax; /* page flags; the token marks are clear here */
     int32_t *rpages = j->w_rp + worker * j->nmax;
     const int32_t *plist = list_pages(j, b, l, &np);
-    double tauc[256];
+    double tauc[EKV_CPU_MAX_GROUP];
     for (int64_t g = 0; g < j->Gl; g++) {
         double tr, ws;
         ekv_cpu_entmax_support(j->kern, z + g * j->nmax, L, M[g], j->sh.alpha, idx, y, y2, &tr,
@@ -213,7 +213,7 @@ static void attend_list(void *vp, int64_t task, int worker) {
     const int64_t h0 = ekv_list_head0(l, j->heads, j->sh.H, j->sh.G), kvh = h0 / j->sh.G;
     float *z = j->w_z + worker * j->Gl * j->nmax;
     int64_t *tok = j->w_tok + worker * j->nmax, np;
-    float M[256];
+    float M[EKV_CPU_MAX_GROUP];
     for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
     const int32_t *plist = list_pages(j, b, l, &np);
     int64_t L = score_pages(j, b, kvh, h0, plist, np, z, tok, 0, M);
@@ -322,19 +322,16 @@ static ekv_status lists_workspace(ekv_context *ctx, pages_job *j, const float *q
 ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_table *tab, const float *q,
                                 const ekv_lists_args *a) {
-    pages_job j;
-    memset(&j, 0, sizeof j);
-    j.kern = ekv_cpu_kernels_for(ctx->isa);
-    j.prm = prm;
-    j.kv = kv;
-    j.tab = tab;
-    j.a = a;
-    j.sh = ekv_step_shape_of(prm, kv, tab);
+    pages_job j = {.kern = ekv_cpu_kernels_for(ctx->isa),
+                   .prm = prm,
+                   .kv = kv,
+                   .tab = tab,
+                   .a = a,
+                   .sh = ekv_step_shape_of(prm, kv, tab)};
     j.heads = a->list ? a->list->heads : j.sh.H;
     j.Gl = ekv_list_nheads(j.heads, j.sh.H, j.sh.G);
-    if (j.Gl > 256)
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported",
-                        (long long)j.Gl);
+    ekv_status st = ekv_cpu_check_group(ctx, j.Gl);
+    if (st) return st;
     const int64_t nmax = ekv_table_max_len(tab->indptr, tab->last_page_len, j.sh.B, j.sh.ps);
     const int64_t maxP = ekv_table_max_pages(tab->indptr, j.sh.B);
     if (a->mode == EKV_LISTS_PROBS && a->pstride < nmax)
@@ -342,7 +339,7 @@ ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
                         "stride=%lld is below the longest sequence (%lld)", (long long)a->pstride,
                         (long long)nmax);
     j.nmax = nmax;
-    ekv_status st = lists_workspace(ctx, &j, q, maxP);
+    st = lists_workspace(ctx, &j, q, maxP);
     if (st) return st;
     const int64_t ntask = j.sh.B * j.heads;
     ekv_pool_run(ctx->pool, ntask, attend_list, &j);

@@ -46,7 +46,8 @@ enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in
 /* Superpages (docs/math.md §9.6): a page whose superpage bound is already <= tau_lb for every
  * head of the group takes that bound (spu) and its own summaries are not read (skip). */
 static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, int64_t kvh,
-                           int64_t pb, int np, int64_t N, int *skip, float (*spu)[256]) {
+                           int64_t pb, int np, int64_t N, int *skip,
+                           float (*spu)[EKV_CPU_MAX_GROUP]) {
     const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H,
                   ps = j->kv->page_size;
     const int64_t qo = (b * H + kvh * G) * D;
@@ -116,7 +117,7 @@ static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const i
 /* The page bounds of one step of pages for the group of kvh: min(box, ball) + slack, or the
  * superpage bound of a skipped page, plus the ALiBi term; rounded up to stay a bound. */
 static void write_bounds(bound_job *j, int64_t b, int64_t kvh, int64_t pb, int np, int64_t N,
-                         const int *skip, float (*spu)[256], const int *keep, int nk,
+                         const int *skip, float (*spu)[EKV_CPU_MAX_GROUP], const int *keep, int nk,
                          const float *box, const float *ball, const double *cn, const double *rr) {
     const int64_t G = j->sh.G, D = j->sh.D, H = j->sh.H, ps = j->kv->page_size;
     float *uo = j->u + (b * H + kvh * G) * j->ustride + pb;
@@ -160,8 +161,8 @@ static void bound_task(void *vp, int64_t task, int worker) {
         for (int64_t kvh = 0; kvh < Hk; kvh++) {
             const int64_t qo = (b * H + kvh * G) * D;
             int skip[STEP] = {0}, keep[STEP], nk = 0;
-            float spu[STEP][256]; /* superpage bound (+ slack) per page and head, G <= 256 */
-            if (j->tau_lb && j->st->smin && G <= 256)
+            float spu[STEP][EKV_CPU_MAX_GROUP]; /* superpage bound (+ slack) per page and head */
+            if (j->tau_lb && j->st->smin && G <= EKV_CPU_MAX_GROUP)
                 superpage_skip(j, task, worker, b, kvh, pb, np, N, skip, spu);
             for (int i = 0; i < np; i++)
                 if (!skip[i]) keep[nk++] = i;
@@ -186,7 +187,7 @@ static void bound_task(void *vp, int64_t task, int worker) {
                         __builtin_prefetch(j->st->kmax + so + d, 0, 2);
                     }
                 }
-            float box[STEP * 256], ball[STEP * 256];
+            float box[STEP * EKV_CPU_MAX_GROUP], ball[STEP * EKV_CPU_MAX_GROUP];
             double cn[STEP], rr[STEP];
             if (nk)
                 j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
@@ -203,19 +204,16 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_page_table *tab, const float *q, float *u, int64_t ustride,
                                float *qsplit, int64_t *task_off, int with_ball,
                                const double *tau_lb, int64_t *bytes_read) {
-    bound_job j;
-    memset(&j, 0, sizeof j);
-    j.kern = ekv_cpu_kernels_for(ctx->isa);
-    j.prm = prm;
-    j.kv = kv;
-    j.st = st;
-    j.tab = tab;
-    j.sh = ekv_step_shape_of(prm, kv, tab);
-    j.u = u;
-    j.ustride = ustride;
-    if (j.sh.G > 256)
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported",
-                        (long long)j.sh.G);
+    bound_job j = {.kern = ekv_cpu_kernels_for(ctx->isa),
+                   .prm = prm,
+                   .kv = kv,
+                   .st = st,
+                   .tab = tab,
+                   .sh = ekv_step_shape_of(prm, kv, tab),
+                   .u = u,
+                   .ustride = ustride};
+    ekv_status s = ekv_cpu_check_group(ctx, j.sh.G);
+    if (s) return s;
     const double scale = ekv_effective_scale(prm->scale, j.sh.D);
     const int64_t nq = j.sh.B * j.sh.H * j.sh.D;
     float *qp = qsplit, *qn = qsplit + nq, *qf = qsplit + 2 * nq, *zeros = qsplit + 3 * nq;

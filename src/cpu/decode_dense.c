@@ -70,7 +70,7 @@ static void phase_scores(void *vp, int64_t task, int worker) {
     const int64_t p1 = p0 + pages_per_chunk < npages ? p0 + pages_per_chunk : npages;
     float *zb = j->z + H * j->tok_off[b];
     float *mx = j->cmax + task * H;
-    float b0[256], bs[256];
+    float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
     const float *slopes = j->prm->alibi_slopes;
     for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
     for (int64_t p = p0; p < p1; p++) {
@@ -101,7 +101,7 @@ static void phase_attend(void *vp, int64_t task, int worker) {
     float *ob = j->out + (b * j->sh.H + kvh * G) * D;
     memset(ob, 0, sizeof(float) * (size_t)(G * D));
     /* group maxima from the per-task maxima of phase 1 */
-    float M[256];
+    float M[EKV_CPU_MAX_GROUP];
     for (int64_t g = 0; g < G; g++) M[g] = -INFINITY;
     for (int64_t c = 0; c < j->chunks[b]; c++) {
         const float *cm = j->cmax + (j->task_off[b] + c) * j->sh.H + kvh * G;
@@ -148,17 +148,13 @@ static void phase_attend(void *vp, int64_t task, int worker) {
 ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                              const ekv_page_table *tab, const float *q, float *out,
                              ekv_decode_info *info) {
-    ekv_status st;
-    dense_job j;
-    memset(&j, 0, sizeof j);
-    j.kern = ekv_cpu_kernels_for(ctx->isa);
-    j.prm = prm;
-    j.kv = kv;
-    j.tab = tab;
-    j.sh = ekv_step_shape_of(prm, kv, tab);
-    if (j.sh.G > 256)
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > 256 is not supported",
-                        (long long)j.sh.G);
+    dense_job j = {.kern = ekv_cpu_kernels_for(ctx->isa),
+                   .prm = prm,
+                   .kv = kv,
+                   .tab = tab,
+                   .sh = ekv_step_shape_of(prm, kv, tab)};
+    ekv_status st = ekv_cpu_check_group(ctx, j.sh.G);
+    if (st) return st;
     /* sizes */
     int64_t total_tok = 0, nmax = 0, ntasks = 0;
     const int64_t pages_per_chunk = (CHUNK_TOKENS + j.sh.ps - 1) / j.sh.ps;

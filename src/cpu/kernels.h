@@ -58,4 +58,13 @@ extern const ekv_cpu_kernels ekv_cpu_kernels_scalar;
 extern const ekv_cpu_kernels ekv_cpu_kernels_avx2;
 extern const ekv_cpu_kernels ekv_cpu_kernels_avx512;
 #endif
+
+/* The CPU stages keep per-head arrays of one group (score maxima, ALiBi terms, page bounds) on
+ * the stack, sized for this many query heads; a larger group is refused, not overrun. */
+#define EKV_CPU_MAX_GROUP 256
+static inline ekv_status ekv_cpu_check_group(ekv_context *ctx, int64_t group) {
+    if (group <= EKV_CPU_MAX_GROUP) return EKV_OK;
+    return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "GQA group size %lld > %d is not supported",
+                    (long long)group, EKV_CPU_MAX_GROUP);
+}
 #endif

@@ -91,6 +91,81 @@ template <typename T> constexpr size_t score_smem_bytes(int G, int D) {
            (size_t)(G * D + (EKV_CUDA_THREADS / 32) * G) * sizeof(float);
 }
 
+/* The group's running maxima (none yet) and ALiBi slopes in z-space. */
+template <int GM>
+__device__ __forceinline__ void init_group(const score_args &A, int kvh, float *runmax,
+                                           float *slope) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        runmax[g] = -CUDART_INF_F;
+        slope[g] = (g < A.G && A.slopes) ? A.a * A.slopes[kvh * A.G + g] : 0.f;
+    }
+}
+
+/* Slot t of a page: z = score + ALiBi (or -inf past the page's valid tokens), kept in the
+ * score row of each head of the group, and the running maxima. */
+template <int GM>
+__device__ __forceinline__ void store_scores(const score_args &A, const float *acc,
+                                             const float *slope, float jbase, int t, int valid,
+                                             float *sbase, float *runmax) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g < A.G) {
+            const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+            sbase[(int64_t)g * A.cap_tokens + t] = z;
+            runmax[g] = fmaxf(runmax[g], z);
+        }
+    }
+}
+
+/* <q'_g, k> for the group's heads from this lane's 8 elements k8 (q' from registers qr for
+ * small groups, else from shared memory at qs + g D), summed over the row's LPR lanes. */
+template <int LPR, int GM, int QR>
+__device__ __forceinline__ void group_dot(const float *k8, const float (*qr)[8], const float *qs,
+                                          int D, int G, float *acc) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        acc[g] = 0.f;
+        if (g < G) {
+            if constexpr (QR > 0) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g] += qr[g][i] * k8[i];
+            } else {
+                const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D);
+                const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + 4);
+                acc[g] = qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] + qb.x * k8[4] +
+                         qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
+            }
+#pragma unroll
+            for (int o = LPR / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+        }
+    }
+}
+
+/* A warp's place in its tiles: the page-list entry and the first row of the tile. Tile j of
+ * a warp is entry e0 + warp + (j / tpp) NW, rows from (j % tpp) TR; two cursors (the tile
+ * being issued, the tile being reduced) walk them without 64-bit divisions. */
+struct score_cursor {
+    int64_t e;
+    int r0;
+};
+template <int TR, int NW> __device__ __forceinline__ void advance(score_cursor &c, int ps) {
+    c.r0 += TR;
+    if (c.r0 >= ps) {
+        c.r0 = 0;
+        c.e += NW;
+    }
+}
+
+/* Small groups keep their q' chunk (this lane's 8 elements, from qs + g D) in registers. */
+template <int QR>
+__device__ __forceinline__ void load_qr(const float *qs, int D, int G, float (*qr)[8]) {
+#pragma unroll
+    for (int g = 0; g < QR; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) qr[g][i] = g < G ? qs[g * D + i] : 0.f;
+}
+
 /* LPR lanes per key row (D = 8 LPR: 64, 128, 256); GM: compile-time bound of the group size
  * (register tiles), G <= GM at run time. */
 template <typename T, int LPR, int GM>
@@ -114,41 +189,20 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
     __syncthreads();
     const int sub = lane / LPR, sl = lane % LPR;
     float runmax[GM], slope[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        runmax[g] = -CUDART_INF_F;
-        slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
-    }
-    /* small groups keep their q' chunk in registers */
+    init_group<GM>(A, kvh, runmax, slope);
     constexpr int QR = GM <= 2 ? GM : 0;
     float qr[QR > 0 ? QR : 1][8];
-#pragma unroll
-    for (int g = 0; g < QR; g++)
-#pragma unroll
-        for (int i = 0; i < 8; i++) qr[g][i] = g < G ? qs[g * D + sl * 8 + i] : 0.f;
+    load_qr<QR>(qs + sl * 8, D, G, qr);
     const unsigned char *K = static_cast<const unsigned char *>(A.kv.k);
     const int tpp = (ps + TR - 1) / TR; /* tiles per page */
     const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + NW - 1) / NW : 0;
     const int64_t ntiles = mine * tpp;
     float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
-    /* tile j of this warp: entry e0 + warp + (j / tpp) NW, rows from (j % tpp) TR; two cursors
-     * (the tile being issued, the tile being reduced) walk them without 64-bit divisions */
-    struct cursor {
-        int64_t e;
-        int r0;
-    };
-    auto advance = [&](cursor &c) {
-        c.r0 += TR;
-        if (c.r0 >= ps) {
-            c.r0 = 0;
-            c.e += NW;
-        }
-    };
-    cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
+    score_cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
     auto issue = [&](int64_t j) {
         const int64_t e = ci.e;
         const int r0 = ci.r0;
-        advance(ci);
+        advance<TR, NW>(ci, ps);
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
         const unsigned char *pbase = K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
@@ -178,7 +232,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         cp_async_wait<SCORE_STAGES - 1>(); /* tile j has landed (groups complete in order) */
         const int64_t e = cc.e;
         const int r0 = cc.r0;
-        advance(cc);
+        advance<TR, NW>(cc, ps);
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
         const float jbase = (float)(lp * ps - (sg.N - 1));
@@ -195,36 +249,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
                 for (int i = 0; i < 8; i++) k8[i] = 0.f;
             }
             float acc[GM];
-#pragma unroll
-            for (int g = 0; g < GM; g++) {
-                acc[g] = 0.f;
-                if (g < G) {
-                    if constexpr (QR > 0) {
-#pragma unroll
-                        for (int i = 0; i < 8; i++) acc[g] += qr[g][i] * k8[i];
-                    } else {
-                        const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + sl * 8);
-                        const float4 qb =
-                                *reinterpret_cast<const float4 *>(qs + g * D + sl * 8 + 4);
-                        acc[g] = qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] +
-                                 qb.x * k8[4] + qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
-                    }
-#pragma unroll
-                    for (int o = LPR / 2; o > 0; o >>= 1)
-                        acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
-                }
-            }
-            if (t < ps && sl == 0) {
-#pragma unroll
-                for (int g = 0; g < GM; g++) {
-                    if (g < G) {
-                        const float z =
-                                t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
-                        sbase[(int64_t)g * A.cap_tokens + t] = z;
-                        runmax[g] = fmaxf(runmax[g], z);
-                    }
-                }
-            }
+            group_dot<LPR, GM, QR>(k8, qr, qs + sl * 8, D, G, acc);
+            if (t < ps && sl == 0) store_scores<GM>(A, acc, slope, jbase, t, valid, sbase, runmax);
         }
     }
     cp_async_wait<0>();
@@ -248,11 +274,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     load_group_q(A, b, kvh, qs);
     __syncthreads();
     float runmax[GM], slope[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        runmax[g] = -CUDART_INF_F;
-        slope[g] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
-    }
+    init_group<GM>(A, kvh, runmax, slope);
     const T *K = static_cast<const T *>(A.kv.k);
     float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens;
     for (int64_t e = e0 + warp; e < e1; e += nw) {
@@ -286,17 +308,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
 #pragma unroll
             for (int g = 0; g < GM; g++)
                 if (g < G) acc[g] = ekv_warp_sum(acc[g]);
-            if (lane == 0) {
-#pragma unroll
-                for (int g = 0; g < GM; g++) {
-                    if (g < G) {
-                        const float z =
-                                t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
-                        sbase[(int64_t)g * A.cap_tokens + t] = z;
-                        runmax[g] = fmaxf(runmax[g], z);
-                    }
-                }
-            }
+            if (lane == 0) store_scores<GM>(A, acc, slope, jbase, t, valid, sbase, runmax);
         }
     }
     write_split_max<GM>(A, runmax, red, b, kvh);

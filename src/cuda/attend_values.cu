@@ -129,24 +129,9 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
     }
 }
 
-template <typename T> __device__ __forceinline__ void load4(const T *p, float *o);
-template <> __device__ __forceinline__ void load4<__half>(const __half *p, float *o) {
-    uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
-    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
-    float2 a = __half22float2(h[0]), c = __half22float2(h[1]);
-    o[0] = a.x;
-    o[1] = a.y;
-    o[2] = c.x;
-    o[3] = c.y;
-}
-template <> __device__ __forceinline__ void load4<__nv_bfloat16>(const __nv_bfloat16 *p, float *o) {
-    uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
-    float2 a = __bfloat1622float2(h[0]), c = __bfloat1622float2(h[1]);
-    o[0] = a.x;
-    o[1] = a.y;
-    o[2] = c.x;
-    o[3] = c.y;
+/* 4 elements as fp32 (8-byte aligned for the 16-bit types, 16-byte for f32). */
+template <typename T> __device__ __forceinline__ void load4(const T *p, float *o) {
+    ekv_unpack_pairs<T, 2>(__ldg(reinterpret_cast<const uint2 *>(p)), o);
 }
 template <> __device__ __forceinline__ void load4<float>(const float *p, float *o) {
     float4 a = __ldg(reinterpret_cast<const float4 *>(p));
@@ -157,6 +142,46 @@ template <> __device__ __forceinline__ void load4<float>(const float *p, float *
 }
 
 enum { VCH = 4, VDIM = EKV_CUDA_MAX_DIM / 128 }; /* heads per block, 4-element chunks per lane */
+
+/* acc[g] += p[g] of lane src * V row, for the chunk's heads (lanes split the row in 4s). */
+template <typename T, int VD>
+__device__ __forceinline__ void accum_dense_row(const T *vrow, const float *p, int src, int lane,
+                                                int D, float (*acc)[VD][4]) {
+    float pg[VCH];
+#pragma unroll
+    for (int g = 0; g < VCH; g++) pg[g] = __shfl_sync(0xffffffffu, p[g], src);
+#pragma unroll
+    for (int c = 0; c < VD; c++) {
+        const int d = c * 128 + lane * 4;
+        if (d < D) {
+            float v4[4];
+            load4<T>(vrow + d, v4);
+#pragma unroll
+            for (int g = 0; g < VCH; g++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[g][c][i] += pg[g] * v4[i];
+        }
+    }
+}
+
+/* out[g] += acc[g] for the chunk's ng heads (a split's share of the output rows). */
+template <int VD>
+__device__ __forceinline__ void add_dense_out(float *out, int ng, int lane, int D,
+                                              float (*acc)[VD][4]) {
+#pragma unroll
+    for (int g = 0; g < VCH; g++) {
+        if (g < ng) {
+#pragma unroll
+            for (int c = 0; c < VD; c++) {
+                const int d = c * 128 + lane * 4;
+                if (d < D)
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        atomicAdd(out + (int64_t)g * D + d + i, acc[g][c][i]);
+            }
+        }
+    }
+}
 
 /* Softmax values (every token has p > 0): grid (split, sequence x KV head x chunk of VCH
  * group heads); a V row is read once for the chunk's heads. VD: 4-element chunks per lane
@@ -223,47 +248,19 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
             while (mask) {
                 const int src = __ffs(mask) - 1;
                 mask &= mask - 1;
-                const int rel =
-                        (int)(base + src - t0); /* 32-bit division: a split holds < 2^31 tokens */
-                const int64_t e = e0 + rel / ps, slot = rel % ps;
+                /* 32-bit division: a split holds < 2^31 tokens */
+                const int rel = (int)(base + src - t0);
+                const int64_t e = e0 + rel / ps;
                 const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-                const int64_t phys = A.t.indices[sg.first + lp];
-                const T *vrow = V + phys * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head +
-                                slot * A.kv.stride_token;
-                float pg[VCH];
-#pragma unroll
-                for (int g = 0; g < VCH; g++) pg[g] = __shfl_sync(0xffffffffu, p[g], src);
-#pragma unroll
-                for (int c = 0; c < VD; c++) {
-                    const int d = c * 128 + lane * 4;
-                    if (d < D) {
-                        float v4[4];
-                        load4<T>(vrow + d, v4);
-#pragma unroll
-                        for (int g = 0; g < VCH; g++)
-#pragma unroll
-                            for (int i = 0; i < 4; i++) acc[g][c][i] += pg[g] * v4[i];
-                    }
-                }
+                const T *vrow = V + A.t.indices[sg.first + lp] * A.kv.stride_page +
+                                (int64_t)kvh * A.kv.stride_head + (rel % ps) * A.kv.stride_token;
+                accum_dense_row<T, VD>(vrow, p, src, lane, D, acc);
             }
         }
     }
     if (lane == 0 && rows)
         atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
-    if (!any_w) return;
-#pragma unroll
-    for (int g = 0; g < VCH; g++) {
-        if (g < ng) {
-            float *o = A.out + ((int64_t)b * A.H + kvh * A.G + g0 + g) * D;
-#pragma unroll
-            for (int c = 0; c < VD; c++) {
-                const int d = c * 128 + lane * 4;
-                if (d < D)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) atomicAdd(o + d + i, acc[g][c][i]);
-            }
-        }
-    }
+    if (any_w) add_dense_out<VD>(A.out + ((int64_t)b * A.H + kvh * A.G + g0) * D, ng, lane, D, acc);
 }
 template <typename T>
 void launch_values_t(const value_args &A, int softmax, dim3 grid_dense, dim3 grid_support,

@@ -31,6 +31,51 @@ enum {
     BOUND_PAGES = 128
 }; /* pages per block: the q setup is amortised */
 
+/* Brings a page's summaries (min, max, and the mean for the ball) into L2. */
+__device__ __forceinline__ void prefetch_summaries(const bound_args &A, int64_t phys, int kvh,
+                                                   int lane) {
+    const int64_t sn = (phys * A.Hk + kvh) * A.D;
+    for (int d = lane * 4; d < A.D; d += 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
+        if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
+    }
+}
+
+/* Page p's bound for each head of the group from the reduced box and ball terms: min(box,
+ * ball) + the rounding slack (docs/math.md §9.5) + ALiBi, rounded up to stay a bound; with
+ * the box alone (paper-faithful top-k) a ranking key without slack, as on the CPU. The list's
+ * ranking key is the max over the group. */
+template <int GM>
+__device__ __forceinline__ void
+write_page_bounds(const bound_args &A, int row, int64_t p, const ekv_seq_geom &sg, int64_t phys,
+                  const float *box, const float *dot, float c2, const double *qn) {
+    const int b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    const double u24 = 5.9604644775390625e-8;
+    const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
+    const double cn = sqrt((double)c2) * (1 + 1e-5);
+    const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
+    float best = -CUDART_INF_F;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
+        double u = box[g];
+        if (A.with_ball) {
+            const double ub = (double)dot[g] + qn[g] * rr;
+            u = u < ub ? u : ub;
+            u += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
+            u += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
+        }
+        u += am * (double)(last - (sg.N - 1));
+        float uf = (float)u;
+        if (A.with_ball && (double)uf < u) uf = nextafterf(uf, CUDART_INF_F);
+        A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
+        best = fmaxf(best, uf);
+    }
+    A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+}
+
 template <int GM> /* compile-time bound of the group size */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     extern __shared__ float qs[]; /* [G][D] q' */
@@ -65,18 +110,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         const int64_t phys = A.t.indices[sg.first + p];
         const int64_t so = (phys * A.Hk + kvh) * D;
-        { /* prefetch the warp's next page into L2: two pages of summaries in flight per warp */
-            const int64_t pn = p + BOUND_WARPS;
-            if (pn < pend && pn < sg.P - 1) {
-                const int64_t sn = ((int64_t)A.t.indices[sg.first + pn] * A.Hk + kvh) * D;
-                for (int d = lane * 4; d < D; d += 128) {
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
-                    if (A.with_ball)
-                        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
-                }
-            }
-        }
+        /* prefetch the warp's next page into L2: two pages of summaries in flight per warp */
+        if (p + BOUND_WARPS < pend && p + BOUND_WARPS < sg.P - 1)
+            prefetch_summaries(A, A.t.indices[sg.first + p + BOUND_WARPS], kvh, lane);
         float box[GM], dot[GM];
 #pragma unroll
         for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
@@ -107,33 +143,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
             }
         }
         c2 = ekv_warp_sum(c2);
-        if (lane != 0) continue;
-        const double u24 = 5.9604644775390625e-8;
-        const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
-        /* with the ball, the slack below covers the fp32 rounding of these sums and of the score
-         * kernel's; the box alone (paper-faithful top-k) is a ranking key and gets none, as on the
-         * CPU */
-        const double cn = sqrt((double)c2) * (1 + 1e-5);
-        const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
-        float best = -CUDART_INF_F;
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            if (g >= G) break;
-            const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
-            double u = box[g];
-            if (A.with_ball) {
-                const double ub = (double)dot[g] + qn[g] * rr;
-                u = u < ub ? u : ub;
-                u += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
-                u += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
-            }
-            u += am * (double)(last - (sg.N - 1));
-            float uf = (float)u;
-            if (A.with_ball && (double)uf < u) uf = nextafterf(uf, CUDART_INF_F);
-            A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
-            best = fmaxf(best, uf);
-        }
-        A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+        if (lane == 0) write_page_bounds<GM>(A, row, p, sg, phys, box, dot, c2, qn);
     }
 }
 

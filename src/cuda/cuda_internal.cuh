@@ -83,39 +83,41 @@ struct ekv_cuda_plan {
  * load8 reads global memory through the read-only path; unpack8 converts 8 elements already
  * loaded (e.g. staged in shared memory by cp.async). ---- */
 template <typename T> struct ekv_elem;
-template <> struct ekv_elem<__half> {
-    static __device__ __forceinline__ void unpack8(const __half *p, float *o) {
-        const uint4 r = *reinterpret_cast<const uint4 *>(p);
-        const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+
+/* The two 16-bit storage types convert by pairs: __half2 and __nv_bfloat162 to float2. */
+__device__ __forceinline__ float2 ekv_pair_f32(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 ekv_pair_f32(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+template <typename T> struct ekv_pair_of;
+template <> struct ekv_pair_of<__half> { typedef __half2 type; };
+template <> struct ekv_pair_of<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+
+/* 2 N2 16-bit elements of type T held in the registers r (a uint2 or uint4), as fp32. */
+template <typename T, int N2, typename R>
+__device__ __forceinline__ void ekv_unpack_pairs(const R &r, float *o) {
+    typedef typename ekv_pair_of<T>::type P;
+    const P *h = reinterpret_cast<const P *>(&r);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __half22float2(h[i]);
-            o[2 * i] = f.x;
-            o[2 * i + 1] = f.y;
-        }
+    for (int i = 0; i < N2; i++) {
+        const float2 f = ekv_pair_f32(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
     }
-    static __device__ __forceinline__ void load8(const __half *p, float *o) {
-        const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
-        unpack8(reinterpret_cast<const __half *>(&r), o);
+}
+
+/* unpack8 / load8 of the 16-bit types (16-byte aligned). */
+template <typename T> struct ekv_elem16 {
+    static __device__ __forceinline__ void unpack8(const T *p, float *o) {
+        ekv_unpack_pairs<T, 4>(*reinterpret_cast<const uint4 *>(p), o);
     }
+    static __device__ __forceinline__ void load8(const T *p, float *o) {
+        ekv_unpack_pairs<T, 4>(__ldg(reinterpret_cast<const uint4 *>(p)), o);
+    }
+};
+template <> struct ekv_elem<__half> : ekv_elem16<__half> {
     static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
     static __device__ __forceinline__ float to(__half x) { return __half2float(x); }
 };
-template <> struct ekv_elem<__nv_bfloat16> {
-    static __device__ __forceinline__ void unpack8(const __nv_bfloat16 *p, float *o) {
-        const uint4 r = *reinterpret_cast<const uint4 *>(p);
-        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __bfloat1622float2(h[i]);
-            o[2 * i] = f.x;
-            o[2 * i + 1] = f.y;
-        }
-    }
-    static __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *o) {
-        const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
-        unpack8(reinterpret_cast<const __nv_bfloat16 *>(&r), o);
-    }
+template <> struct ekv_elem<__nv_bfloat16> : ekv_elem16<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
     static __device__ __forceinline__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
@@ -170,33 +172,25 @@ template <typename T> __device__ __forceinline__ T ekv_warp_min(T v) {
     }
     return v;
 }
-/* Block-wide sum; every thread gets the result. scratch: >= 32 elements of shared memory. */
-template <typename T> __device__ __forceinline__ T ekv_block_sum(T v, T *scratch) {
+/* Block-wide reductions (sum, max, min); every thread gets the result. scratch: >= 32
+ * elements of shared memory; identity: the value of an empty warp slot. */
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T ekv_block_reduce(T v, T *scratch, T identity, WarpOp warp_op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = ekv_warp_sum(v);
+    v = warp_op(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    T r = lane < nw ? scratch[lane] : T(0);
-    return ekv_warp_sum(r);
+    return warp_op(lane < nw ? scratch[lane] : identity);
+}
+template <typename T> __device__ __forceinline__ T ekv_block_sum(T v, T *scratch) {
+    return ekv_block_reduce(v, scratch, T(0), [](T x) { return ekv_warp_sum(x); });
 }
 template <typename T> __device__ __forceinline__ T ekv_block_max(T v, T *scratch, T lowest) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = ekv_warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    T r = lane < nw ? scratch[lane] : lowest;
-    return ekv_warp_max(r);
+    return ekv_block_reduce(v, scratch, lowest, [](T x) { return ekv_warp_max(x); });
 }
 template <typename T> __device__ __forceinline__ T ekv_block_min(T v, T *scratch, T highest) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = ekv_warp_min(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    T r = lane < nw ? scratch[lane] : highest;
-    return ekv_warp_min(r);
+    return ekv_block_reduce(v, scratch, highest, [](T x) { return ekv_warp_min(x); });
 }
 
 /* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the

@@ -1,4 +1,6 @@
-/* The CUDA entry points of a build without -DEKV_CUDA=ON: each says so and changes nothing. */
+/* The CUDA entry points of a build without -DEKV_CUDA=ON: each says so and changes nothing.
+ * They take the real API's parameters and use few of them. */
+#pragma GCC diagnostic ignored "-Wunused-parameter"
 #include "../core/internal.h"
 #include "plan_defaults.h"
 
@@ -8,66 +10,35 @@
 
 ekv_cuda_plan_params ekv_cuda_plan_default_params(void) { return ekv_cuda_plan_defaults(); }
 ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
-    (void)ctx;
     if (!count) return EKV_ERR_NULL_POINTER;
     *count = 0;
     return EKV_OK;
 }
 ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *params,
                                 ekv_cuda_plan **out) {
-    (void)params;
     if (out) *out = NULL;
     if (!ctx) return EKV_ERR_NULL_POINTER;
     return NO_CUDA(ctx);
 }
 void ekv_cuda_plan_free(ekv_cuda_plan *plan) { (void)plan; }
-int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan) {
-    (void)plan;
-    return 0;
-}
+int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan) { return 0; }
 ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params *params,
                            const ekv_select_params *select, const ekv_paged_kv *kv,
                            const ekv_page_stats *stats, const ekv_page_table *table, const float *q,
                            float *out) {
-    (void)plan;
-    (void)params;
-    (void)select;
-    (void)kv;
-    (void)stats;
-    (void)table;
-    (void)q;
-    (void)out;
     return EKV_ERR_UNSUPPORTED;
 }
 ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,
                                      const ekv_select_params *select, const ekv_paged_kv *kv,
                                      const ekv_page_stats *stats, const ekv_page_table *table,
                                      const float *q, float *out) {
-    (void)plan;
-    (void)params;
-    (void)select;
-    (void)kv;
-    (void)stats;
-    (void)table;
-    (void)q;
-    (void)out;
     return EKV_ERR_UNSUPPORTED;
 }
 ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch, ekv_cuda_report *report) {
-    (void)plan;
-    (void)batch;
-    (void)report;
     return EKV_ERR_UNSUPPORTED;
 }
 ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv, const ekv_page_stats *stats,
                            const ekv_cuda_append_item *items, int32_t n_items, const float *k_new,
                            const float *v_new) {
-    (void)plan;
-    (void)kv;
-    (void)stats;
-    (void)items;
-    (void)n_items;
-    (void)k_new;
-    (void)v_new;
     return EKV_ERR_UNSUPPORTED;
 }

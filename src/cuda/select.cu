@@ -30,6 +30,65 @@ struct topk_args {
     uint8_t *in_list;
 };
 
+/* The histogram of digit (key >> shift) & 0xFF over the keys matching prefix under mask.
+ * One sub-histogram per warp: the top digits of most keys are equal, and a single shared
+ * histogram would serialise on a few bins. SEL_UNROLL loads in flight per thread: one block
+ * per list is latency-bound. */
+__device__ __forceinline__ void digit_histogram(const float *key, int64_t n, int shift,
+                                                uint32_t mask, uint32_t prefix, int *whist,
+                                                int *hist) {
+    for (int i = threadIdx.x; i < 256 * SEL_WARPS; i += blockDim.x) whist[i] = 0;
+    __syncthreads();
+    int *mine = whist + (threadIdx.x >> 5) * 256;
+    for (int64_t p0 = threadIdx.x; p0 < n; p0 += (int64_t)blockDim.x * SEL_UNROLL) {
+        float kf[SEL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) {
+            const int64_t p = p0 + (int64_t)u * blockDim.x;
+            kf[u] = p < n ? key[p] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) {
+            const uint32_t kk = order_key(kf[u]);
+            if (p0 + (int64_t)u * blockDim.x < n && (kk & mask) == prefix)
+                atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        int c = 0;
+        for (int w = 0; w < SEL_WARPS; w++) c += whist[w * 256 + i];
+        hist[i] = c;
+    }
+    __syncthreads();
+}
+
+/* Warp 0: the digit holding the remaining-th largest key. Lane l sums bins 255-8l ..
+ * 248-8l, a scan finds the lane whose bins cross `remaining`, and that lane walks its 8
+ * bins; it writes the extended prefix and what remains to take below it. */
+__device__ __forceinline__ void pick_digit(const int *hist, int remaining, uint32_t prefix,
+                                           int shift, uint32_t *s_prefix, int *s_remaining) {
+    const int lane = threadIdx.x;
+    int sum = 0;
+    for (int i = 0; i < 8; i++) sum += hist[255 - 8 * lane - i];
+    int incl = sum;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    const int excl = incl - sum;
+    const unsigned hit = __ballot_sync(0xffffffffu, excl < remaining && incl >= remaining);
+    if (lane == __ffs(hit) - 1) {
+        int cum = excl, d = 255 - 8 * lane;
+        for (int i = 0; i < 7; i++, d--) {
+            if (cum + hist[d] >= remaining) break;
+            cum += hist[d];
+        }
+        *s_prefix = prefix | ((uint32_t)d << shift);
+        *s_remaining = remaining - cum;
+    }
+}
+
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     __shared__ int hist[256];
     __shared__ int whist[256 * SEL_WARPS];
@@ -47,55 +106,9 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     int remaining = (int)k;
     if (k > 0 && k < n) {
         for (int shift = 24; shift >= 0; shift -= 8) {
-            /* one sub-histogram per warp: the top digits of most keys are equal, and a single
-             * shared histogram would serialise on a few bins */
-            for (int i = threadIdx.x; i < 256 * SEL_WARPS; i += blockDim.x) whist[i] = 0;
-            __syncthreads();
-            int *mine = whist + (threadIdx.x >> 5) * 256;
-            /* SEL_UNROLL loads in flight per thread: one block per list is latency-bound */
-            for (int64_t p0 = threadIdx.x; p0 < n; p0 += (int64_t)blockDim.x * SEL_UNROLL) {
-                float kf[SEL_UNROLL];
-#pragma unroll
-                for (int u = 0; u < SEL_UNROLL; u++) {
-                    const int64_t p = p0 + (int64_t)u * blockDim.x;
-                    kf[u] = p < n ? key[p] : 0.f;
-                }
-#pragma unroll
-                for (int u = 0; u < SEL_UNROLL; u++) {
-                    const uint32_t kk = order_key(kf[u]);
-                    if (p0 + (int64_t)u * blockDim.x < n && (kk & mask) == prefix)
-                        atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
-                }
-            }
-            __syncthreads();
-            for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-                int c = 0;
-                for (int w = 0; w < SEL_WARPS; w++) c += whist[w * 256 + i];
-                hist[i] = c;
-            }
-            __syncthreads();
-            if (threadIdx.x < 32) { /* warp 0: lane l sums bins 255-8l .. 248-8l, then a scan */
-                const int lane = threadIdx.x;
-                int sum = 0;
-                for (int i = 0; i < 8; i++) sum += hist[255 - 8 * lane - i];
-                int incl = sum;
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += v;
-                }
-                const int excl = incl - sum;
-                const unsigned hit =
-                        __ballot_sync(0xffffffffu, excl < remaining && incl >= remaining);
-                if (lane == __ffs(hit) - 1) {
-                    int cum = excl, d = 255 - 8 * lane;
-                    for (int i = 0; i < 7; i++, d--) {
-                        if (cum + hist[d] >= remaining) break;
-                        cum += hist[d];
-                    }
-                    s_prefix = prefix | ((uint32_t)d << shift);
-                    s_remaining = remaining - cum;
-                }
-            }
+            digit_histogram(key, n, shift, mask, prefix, whist, hist);
+            if (threadIdx.x < 32)
+                pick_digit(hist, remaining, prefix, shift, &s_prefix, &s_remaining);
             __syncthreads();
             prefix = s_prefix;
             remaining = s_remaining;

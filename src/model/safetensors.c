@@ -296,8 +296,24 @@ static int parse_metadata(jp *p, ekv_safetensors *st, size_t *strcap, size_t *st
     }
 }
 
-/* Parses the header of st->buf; on error returns -1 with a message in p->err. */
-static int parse_header(ekv_safetensors *st, jp *p) {
+/* State of one header parse. Names are stored as offsets into st->strings until the end
+ * (strings_reserve may move the arena); link_strings turns them into pointers. */
+typedef struct {
+    int64_t data0, datalen; /* where the data section starts in st->buf, and its size */
+    size_t cap_t, strcap, strused, off_cap;
+    int64_t *name_off, *dt_off, *meta_off;
+} header_build;
+
+/* The fields of one tensor entry as read, before they are checked against each other. */
+typedef struct {
+    char dtn[32];
+    int have_dt, have_shape, have_off;
+    int64_t b0, b1;
+} tensor_fields;
+
+/* Reads the 8-byte little-endian header length, points p at the JSON text and allocates the
+ * tensor table and the string arena. */
+static int header_bounds(ekv_safetensors *st, jp *p, header_build *b) {
     if (st->len < 8) {
         snprintf(p->err, sizeof p->err,
                  "file of %lld bytes is shorter than the 8-byte header length", (long long)st->len);
@@ -311,230 +327,251 @@ static int parse_header(ekv_safetensors *st, jp *p) {
                  (unsigned long long)hl, (long long)st->len, (long long)MAX_HEADER);
         return -1;
     }
-    const int64_t data0 = 8 + (int64_t)hl, datalen = st->len - data0;
+    b->data0 = 8 + (int64_t)hl;
+    b->datalen = st->len - b->data0;
     p->s = p->start = (const char *)st->buf + 8;
     p->end = p->s + hl;
-    /* first pass: count entries and the string space */
-    size_t cap_t = 16, strcap = 4096, strused = 0;
-    st->t = calloc(cap_t, sizeof *st->t);
-    st->strings = malloc(strcap);
+    b->cap_t = 16;
+    b->strcap = 4096;
+    st->t = calloc(b->cap_t, sizeof *st->t);
+    st->strings = malloc(b->strcap);
     if (!st->t || !st->strings) {
         snprintf(p->err, sizeof p->err, "out of memory");
         return -1;
     }
-    /* names are stored as offsets into strings until the end (realloc may move it) */
-    int64_t *name_off = NULL, *dt_off = NULL, *meta_off = NULL;
-    size_t off_cap = 0;
-    int have_meta = 0;
-    if (jexpect(p, '{', "the header is not a JSON object")) return -1;
+    return 0;
+}
+
+/* Room for one more tensor in st->t and in the name / dtype offset arrays. */
+static int grow_tensors(jp *p, ekv_safetensors *st, header_build *b) {
+    if ((size_t)st->ntensors == b->cap_t) {
+        b->cap_t *= 2;
+        ekv_tensor_info *nt = realloc(st->t, b->cap_t * sizeof *nt);
+        if (!nt) return jfail(p, "out of memory");
+        st->t = nt;
+    }
+    if ((size_t)st->ntensors >= b->off_cap) {
+        b->off_cap = b->off_cap ? b->off_cap * 2 : 16;
+        int64_t *na = realloc(b->name_off, b->off_cap * sizeof *na),
+                *nb = na ? realloc(b->dt_off, b->off_cap * sizeof *nb) : NULL;
+        if (na) b->name_off = na;
+        if (nb) b->dt_off = nb;
+        if (!na || !nb) return jfail(p, "out of memory");
+    }
+    return 0;
+}
+
+/* "shape": an array of at most MAX_DIMS non-negative integers (empty for a scalar). */
+static int parse_shape(jp *p, ekv_tensor_info *t) {
     ws(p);
-    int empty = p->s < p->end && *p->s == '}';
-    if (empty) p->s++;
-    while (!empty) {
-        char key[1024];
-        size_t klen;
-        if (jstring(p, key, sizeof key, &klen) || jexpect(p, ':', "expected ':' after a name"))
-            goto fail;
-        if (strlen(key) != klen) {
-            jfail(p, "NUL byte in a tensor name");
-            goto fail;
-        }
-        if (!strcmp(key, "__metadata__")) {
-            if (have_meta++) {
-                jfail(p, "repeated __metadata__");
-                goto fail;
-            }
-            if (parse_metadata(p, st, &strcap, &strused, &meta_off)) goto fail;
-        } else {
-            if (st->ntensors == INT32_MAX) {
-                jfail(p, "too many tensors");
-                goto fail;
-            }
-            if ((size_t)st->ntensors == cap_t) {
-                cap_t *= 2;
-                ekv_tensor_info *nt = realloc(st->t, cap_t * sizeof *nt);
-                if (!nt) {
-                    jfail(p, "out of memory");
-                    goto fail;
-                }
-                st->t = nt;
-            }
-            if ((size_t)st->ntensors >= off_cap) {
-                off_cap = off_cap ? off_cap * 2 : 16;
-                int64_t *a = realloc(name_off, off_cap * sizeof *a),
-                        *b = a ? realloc(dt_off, off_cap * sizeof *b) : NULL;
-                if (a) name_off = a;
-                if (b) dt_off = b;
-                if (!a || !b) {
-                    jfail(p, "out of memory");
-                    goto fail;
-                }
-            }
-            ekv_tensor_info *t = &st->t[st->ntensors];
-            memset(t, 0, sizeof *t);
-            char dtn[32] = "";
-            int have_dt = 0, have_shape = 0, have_off = 0;
-            int64_t b0 = 0, b1 = 0;
-            if (jexpect(p, '{', "a tensor entry must be an object")) goto fail;
-            ws(p);
-            if (p->s < p->end && *p->s == '}') {
-                jfail(p, "empty tensor entry");
-                goto fail;
-            }
-            for (;;) {
-                char f[32];
-                if (jstring(p, f, sizeof f, NULL) || jexpect(p, ':', "expected ':'")) goto fail;
-                if (!strcmp(f, "dtype")) {
-                    if (have_dt++ || jstring(p, dtn, sizeof dtn, NULL)) {
-                        jfail(p, "bad or repeated dtype");
-                        goto fail;
-                    }
-                } else if (!strcmp(f, "shape")) {
-                    if (have_shape++ || jexpect(p, '[', "shape must be an array")) {
-                        jfail(p, "bad or repeated shape");
-                        goto fail;
-                    }
-                    ws(p);
-                    if (p->s < p->end && *p->s == ']')
-                        p->s++;
-                    else
-                        for (;;) {
-                            if (t->ndim == MAX_DIMS) {
-                                jfail(p, "more than 8 dimensions");
-                                goto fail;
-                            }
-                            if (jint(p, &t->shape[t->ndim])) goto fail;
-                            t->ndim++;
-                            ws(p);
-                            if (p->s < p->end && *p->s == ',') {
-                                p->s++;
-                                continue;
-                            }
-                            if (jexpect(p, ']', "expected ',' or ']' in shape")) goto fail;
-                            break;
-                        }
-                } else if (!strcmp(f, "data_offsets")) {
-                    if (have_off++ || jexpect(p, '[', "data_offsets must be an array") ||
-                        jint(p, &b0) || jexpect(p, ',', "data_offsets needs two values") ||
-                        jint(p, &b1) || jexpect(p, ']', "data_offsets needs exactly two values")) {
-                        jfail(p, "bad data_offsets");
-                        goto fail;
-                    }
-                } else if (jskip(p, 2))
-                    goto fail;
-                ws(p);
-                if (p->s < p->end && *p->s == ',') {
-                    p->s++;
-                    continue;
-                }
-                if (jexpect(p, '}', "expected ',' or '}' in a tensor entry")) goto fail;
-                break;
-            }
-            if (!have_dt || !have_shape || !have_off) {
-                snprintf(p->err, sizeof p->err, "tensor '%.64s' lacks %s", key,
-                         !have_dt      ? "dtype"
-                         : !have_shape ? "shape"
-                                       : "data_offsets");
-                goto fail;
-            }
-            int64_t esz;
-            if (dtype_info(dtn, &esz, &t->dtype)) {
-                snprintf(p->err, sizeof p->err, "tensor '%.64s' has unknown dtype '%.16s'", key,
-                         dtn);
-                goto fail;
-            }
-            int64_t numel = 1;
-            for (int d = 0; d < t->ndim; d++)
-                if (ekv_mul_i64(numel, t->shape[d], &numel)) {
-                    snprintf(p->err, sizeof p->err, "tensor '%.64s': shape overflows", key);
-                    goto fail;
-                }
-            int64_t nbytes;
-            if (ekv_mul_i64(numel, esz, &nbytes) || b1 < b0 || b1 - b0 != nbytes || b1 > datalen) {
-                snprintf(
-                        p->err, sizeof p->err,
-                        "tensor '%.64s': data_offsets [%lld, %lld] do not match %lld elements of %s in %lld data bytes",
-                        key, (long long)b0, (long long)b1, (long long)numel, dtn,
-                        (long long)datalen);
-                goto fail;
-            }
-            t->numel = numel;
-            t->nbytes = nbytes;
-            t->data = st->buf + data0 + b0;
-            size_t need = klen + 1 + strlen(dtn) + 1;
-            if (strings_reserve(st, &strcap, strused, need)) {
-                jfail(p, "out of memory");
-                goto fail;
-            }
-            name_off[st->ntensors] = (int64_t)strused;
-            memcpy(st->strings + strused, key, klen + 1);
-            strused += klen + 1;
-            dt_off[st->ntensors] = (int64_t)strused;
-            memcpy(st->strings + strused, dtn, strlen(dtn) + 1);
-            strused += strlen(dtn) + 1;
-            st->ntensors++;
-        }
+    if (p->s < p->end && *p->s == ']') {
+        p->s++;
+        return 0;
+    }
+    for (;;) {
+        if (t->ndim == MAX_DIMS) return jfail(p, "more than 8 dimensions");
+        if (jint(p, &t->shape[t->ndim])) return -1;
+        t->ndim++;
         ws(p);
         if (p->s < p->end && *p->s == ',') {
             p->s++;
             continue;
         }
-        if (jexpect(p, '}', "expected ',' or '}' after a header entry")) goto fail;
-        break;
+        return jexpect(p, ']', "expected ',' or ']' in shape");
     }
+}
+
+/* One tensor entry's object: dtype, shape and data_offsets once each; other fields are
+ * skipped. The shape goes straight into t. */
+static int parse_tensor_fields(jp *p, ekv_tensor_info *t, tensor_fields *f) {
+    if (jexpect(p, '{', "a tensor entry must be an object")) return -1;
     ws(p);
-    if (p->s != p->end) {
-        jfail(p, "trailing bytes after the JSON header");
-        goto fail;
+    if (p->s < p->end && *p->s == '}') return jfail(p, "empty tensor entry");
+    for (;;) {
+        char name[32];
+        if (jstring(p, name, sizeof name, NULL) || jexpect(p, ':', "expected ':'")) return -1;
+        if (!strcmp(name, "dtype")) {
+            if (f->have_dt++ || jstring(p, f->dtn, sizeof f->dtn, NULL))
+                return jfail(p, "bad or repeated dtype");
+        } else if (!strcmp(name, "shape")) {
+            if (f->have_shape++ || jexpect(p, '[', "shape must be an array"))
+                return jfail(p, "bad or repeated shape");
+            if (parse_shape(p, t)) return -1;
+        } else if (!strcmp(name, "data_offsets")) {
+            if (f->have_off++ || jexpect(p, '[', "data_offsets must be an array") ||
+                jint(p, &f->b0) || jexpect(p, ',', "data_offsets needs two values") ||
+                jint(p, &f->b1) || jexpect(p, ']', "data_offsets needs exactly two values"))
+                return jfail(p, "bad data_offsets");
+        } else if (jskip(p, 2))
+            return -1;
+        ws(p);
+        if (p->s < p->end && *p->s == ',') {
+            p->s++;
+            continue;
+        }
+        return jexpect(p, '}', "expected ',' or '}' in a tensor entry");
     }
+}
+
+/* The entry is complete, its dtype known, and data_offsets span exactly numel elements
+ * inside the data section; then t gets its size and data pointer. */
+static int check_tensor(jp *p, ekv_safetensors *st, const header_build *b, const char *key,
+                        const tensor_fields *f, ekv_tensor_info *t) {
+    if (!f->have_dt || !f->have_shape || !f->have_off) {
+        snprintf(p->err, sizeof p->err, "tensor '%.64s' lacks %s", key,
+                 !f->have_dt      ? "dtype"
+                 : !f->have_shape ? "shape"
+                                  : "data_offsets");
+        return -1;
+    }
+    int64_t esz;
+    if (dtype_info(f->dtn, &esz, &t->dtype)) {
+        snprintf(p->err, sizeof p->err, "tensor '%.64s' has unknown dtype '%.16s'", key, f->dtn);
+        return -1;
+    }
+    int64_t numel = 1;
+    for (int d = 0; d < t->ndim; d++)
+        if (ekv_mul_i64(numel, t->shape[d], &numel)) {
+            snprintf(p->err, sizeof p->err, "tensor '%.64s': shape overflows", key);
+            return -1;
+        }
+    int64_t nbytes;
+    if (ekv_mul_i64(numel, esz, &nbytes) || f->b1 < f->b0 || f->b1 - f->b0 != nbytes ||
+        f->b1 > b->datalen) {
+        snprintf(
+                p->err, sizeof p->err,
+                "tensor '%.64s': data_offsets [%lld, %lld] do not match %lld elements of %s in %lld data bytes",
+                key, (long long)f->b0, (long long)f->b1, (long long)numel, f->dtn,
+                (long long)b->datalen);
+        return -1;
+    }
+    t->numel = numel;
+    t->nbytes = nbytes;
+    t->data = st->buf + b->data0 + f->b0;
+    return 0;
+}
+
+/* One tensor entry (its name already read): parsed, checked, and its name and dtype name
+ * copied into the arena. */
+static int parse_tensor(jp *p, ekv_safetensors *st, header_build *b, const char *key, size_t klen) {
+    if (st->ntensors == INT32_MAX) return jfail(p, "too many tensors");
+    if (grow_tensors(p, st, b)) return -1;
+    ekv_tensor_info *t = &st->t[st->ntensors];
+    memset(t, 0, sizeof *t);
+    tensor_fields f;
+    memset(&f, 0, sizeof f);
+    if (parse_tensor_fields(p, t, &f) || check_tensor(p, st, b, key, &f, t)) return -1;
+    const size_t dlen = strlen(f.dtn);
+    if (strings_reserve(st, &b->strcap, b->strused, klen + 1 + dlen + 1))
+        return jfail(p, "out of memory");
+    b->name_off[st->ntensors] = (int64_t)b->strused;
+    memcpy(st->strings + b->strused, key, klen + 1);
+    b->strused += klen + 1;
+    b->dt_off[st->ntensors] = (int64_t)b->strused;
+    memcpy(st->strings + b->strused, f.dtn, dlen + 1);
+    b->strused += dlen + 1;
+    st->ntensors++;
+    return 0;
+}
+
+/* The header object: tensor entries and at most one __metadata__, then nothing but
+ * whitespace. */
+static int parse_entries(jp *p, ekv_safetensors *st, header_build *b) {
+    int have_meta = 0;
+    if (jexpect(p, '{', "the header is not a JSON object")) return -1;
+    ws(p);
+    if (p->s < p->end && *p->s == '}')
+        p->s++;
+    else
+        for (;;) {
+            char key[1024];
+            size_t klen;
+            if (jstring(p, key, sizeof key, &klen) || jexpect(p, ':', "expected ':' after a name"))
+                return -1;
+            if (strlen(key) != klen) return jfail(p, "NUL byte in a tensor name");
+            if (!strcmp(key, "__metadata__")) {
+                if (have_meta++) return jfail(p, "repeated __metadata__");
+                if (parse_metadata(p, st, &b->strcap, &b->strused, &b->meta_off)) return -1;
+            } else if (parse_tensor(p, st, b, key, klen))
+                return -1;
+            ws(p);
+            if (p->s < p->end && *p->s == ',') {
+                p->s++;
+                continue;
+            }
+            if (jexpect(p, '}', "expected ',' or '}' after a header entry")) return -1;
+            break;
+        }
+    ws(p);
+    if (p->s != p->end) return jfail(p, "trailing bytes after the JSON header");
+    return 0;
+}
+
+/* Turns the arena offsets into the name, dtype-name and metadata pointers (the arena no
+ * longer moves). */
+static int link_strings(ekv_safetensors *st, jp *p, const header_build *b) {
     for (int64_t i = 0; i < st->ntensors; i++) {
-        st->t[i].name = st->strings + name_off[i];
-        st->t[i].dtype_name = st->strings + dt_off[i];
+        st->t[i].name = st->strings + b->name_off[i];
+        st->t[i].dtype_name = st->strings + b->dt_off[i];
     }
     if (st->nmeta > 0) {
         st->meta = malloc(sizeof *st->meta * (size_t)(2 * st->nmeta));
         if (!st->meta) {
             snprintf(p->err, sizeof p->err, "out of memory");
-            goto fail;
-        }
-        for (int64_t i = 0; i < 2 * st->nmeta; i++) st->meta[i] = st->strings + meta_off[i];
-    }
-    free(name_off);
-    free(dt_off);
-    free(meta_off);
-    /* unique names, non-overlapping ranges */
-    if (st->ntensors > 1) {
-        ekv_tensor_info **v = malloc(sizeof *v * (size_t)st->ntensors);
-        if (!v) {
-            snprintf(p->err, sizeof p->err, "out of memory");
             return -1;
         }
-        for (int64_t i = 0; i < st->ntensors; i++) v[i] = &st->t[i];
-        qsort(v, (size_t)st->ntensors, sizeof *v, cmp_range);
-        for (int64_t i = 1; i < st->ntensors; i++)
-            if ((const char *)v[i - 1]->data + v[i - 1]->nbytes > (const char *)v[i]->data) {
-                snprintf(p->err, sizeof p->err, "tensors '%.48s' and '%.48s' overlap",
-                         v[i - 1]->name, v[i]->name);
-                free(v);
-                return -1;
-            }
-        free(v);
-        for (int64_t i = 0; i < st->ntensors;
-             i++) /* O(n^2) is fine for headers of a few hundred names */
-            for (int64_t k = i + 1; k < st->ntensors && st->ntensors <= 100000; k++)
-                if (!strcmp(st->t[i].name, st->t[k].name)) {
-                    snprintf(p->err, sizeof p->err, "tensor name '%.64s' appears twice",
-                             st->t[i].name);
-                    return -1;
-                }
+        for (int64_t i = 0; i < 2 * st->nmeta; i++) st->meta[i] = st->strings + b->meta_off[i];
     }
     return 0;
-fail:
-    free(name_off);
-    free(dt_off);
-    free(meta_off);
-    if (!p->err[0]) snprintf(p->err, sizeof p->err, "malformed header");
-    return -1;
+}
+
+/* No two tensors share a byte of the data section. */
+static int check_overlaps(const ekv_safetensors *st, jp *p) {
+    ekv_tensor_info **v = malloc(sizeof *v * (size_t)st->ntensors);
+    if (!v) {
+        snprintf(p->err, sizeof p->err, "out of memory");
+        return -1;
+    }
+    for (int64_t i = 0; i < st->ntensors; i++) v[i] = &st->t[i];
+    qsort(v, (size_t)st->ntensors, sizeof *v, cmp_range);
+    for (int64_t i = 1; i < st->ntensors; i++)
+        if ((const char *)v[i - 1]->data + v[i - 1]->nbytes > (const char *)v[i]->data) {
+            snprintf(p->err, sizeof p->err, "tensors '%.48s' and '%.48s' overlap", v[i - 1]->name,
+                     v[i]->name);
+            free(v);
+            return -1;
+        }
+    free(v);
+    return 0;
+}
+
+/* Tensor names are unique. O(n^2) is fine for headers of a few hundred names; above 100000
+ * tensors the check is skipped. */
+static int check_unique_names(const ekv_safetensors *st, jp *p) {
+    for (int64_t i = 0; i < st->ntensors; i++)
+        for (int64_t k = i + 1; k < st->ntensors && st->ntensors <= 100000; k++)
+            if (!strcmp(st->t[i].name, st->t[k].name)) {
+                snprintf(p->err, sizeof p->err, "tensor name '%.64s' appears twice", st->t[i].name);
+                return -1;
+            }
+    return 0;
+}
+
+/* Parses the header of st->buf; on error returns -1 with a message in p->err. */
+static int parse_header(ekv_safetensors *st, jp *p) {
+    header_build b;
+    memset(&b, 0, sizeof b);
+    if (header_bounds(st, p, &b)) return -1;
+    const int rc = parse_entries(p, st, &b) || link_strings(st, p, &b);
+    free(b.name_off);
+    free(b.dt_off);
+    free(b.meta_off);
+    if (rc) {
+        if (!p->err[0]) snprintf(p->err, sizeof p->err, "malformed header");
+        return -1;
+    }
+    if (st->ntensors > 1 && (check_overlaps(st, p) || check_unique_names(st, p))) return -1;
+    return 0;
 }
 
 /* Parses buf[0..len), which becomes the reader's (freed on failure too). */
