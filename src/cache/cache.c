@@ -1,6 +1,6 @@
 /*
  * ekv_cache: a pool of physical pages, sequences that own lists of pages, append, and the
- * CSR page-table view (DESIGN 2, layer 2). Page layout, per physical page:
+ * CSR page-table view (docs/architecture.md, "Layers"). Page layout, per physical page:
  * [num_kv_heads][page_size][head_dim] (token-major inside a head, as FlashInfer's HND).
  * Summaries are kept per physical page and KV head (src/cache/summaries.c).
  */

@@ -1,5 +1,5 @@
 /*
- * Per-page key summaries (SPEC 1.2, 9.5): min, max, Welford mean/M2 and the exact ball
+ * Per-page key summaries (docs/math.md §1.2, 9.5): min, max, Welford mean/M2 and the exact ball
  * radius, per physical page and KV head, all in fp32 and computed from the keys as
  * stored (after rounding to the storage dtype), so bounds hold for what decode reads.
  *

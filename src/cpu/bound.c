@@ -16,9 +16,7 @@
 #include "../core/internal.h"
 #include "bound.h"
 #include "kernels.h"
-#include <stdlib.h>
-
-enum { BOUND_CHUNK_PAGES = 256 };
+#include <stdlib.h> /* llabs */
 
 typedef struct {
     const ekv_cpu_kernels *kern;
@@ -151,8 +149,8 @@ static void bound_task(void *vp, int64_t task, int worker) {
     while (j->task_off[b + 1] <= task) b++;
     const int64_t P = ekv_seq_pages(j->tab->indptr, b), ps = j->kv->page_size;
     const int64_t N = ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, ps);
-    const int64_t p0 = (task - j->task_off[b]) * BOUND_CHUNK_PAGES;
-    const int64_t p1 = p0 + BOUND_CHUNK_PAGES < P - 1 ? p0 + BOUND_CHUNK_PAGES : P - 1;
+    const int64_t p0 = (task - j->task_off[b]) * EKV_BOUND_CHUNK_PAGES;
+    const int64_t p1 = p0 + EKV_BOUND_CHUNK_PAGES < P - 1 ? p0 + EKV_BOUND_CHUNK_PAGES : P - 1;
     const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D, H = j->sh.H;
     if (j->sp_sid)
         for (int64_t k = 0; k < Hk; k++) j->sp_sid[(int64_t)worker * Hk + k] = -1;
@@ -202,7 +200,7 @@ static void bound_task(void *vp, int64_t task, int worker) {
 ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_stats *st,
                                const ekv_page_table *tab, const float *q, float *u, int64_t ustride,
-                               float *qsplit, int64_t *task_off, int with_ball,
+                               const ekv_cpu_bound_scratch *scr, int with_ball,
                                const double *tau_lb, int64_t *bytes_read) {
     bound_job j = {.kern = ekv_cpu_kernels_for(ctx->isa),
                    .prm = prm,
@@ -216,6 +214,8 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
     if (s) return s;
     const double scale = ekv_effective_scale(prm->scale, j.sh.D);
     const int64_t nq = j.sh.B * j.sh.H * j.sh.D;
+    float *qsplit = scr->qsplit;
+    int64_t *task_off = scr->task_off;
     float *qp = qsplit, *qn = qsplit + nq, *qf = qsplit + 2 * nq, *zeros = qsplit + 3 * nq;
     double *qnorm = (double *)(qsplit +
                                ((3 * nq + j.sh.G * j.sh.D + 1) & ~(int64_t)1)); /* 8-byte aligned */
@@ -241,22 +241,13 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
     task_off[0] = 0;
     for (int64_t b = 0; b < j.sh.B; b++) {
         int64_t P = ekv_seq_pages(tab->indptr, b);
-        task_off[b + 1] = task_off[b] + (P - 1 + BOUND_CHUNK_PAGES - 1) / BOUND_CHUNK_PAGES;
+        task_off[b + 1] = task_off[b] + (P - 1 + EKV_BOUND_CHUNK_PAGES - 1) / EKV_BOUND_CHUNK_PAGES;
     }
     j.task_off = task_off;
     j.tau_lb = j.with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;
-    int64_t *bytes = calloc((size_t)(task_off[j.sh.B] > 0 ? task_off[j.sh.B] : 1), sizeof(int64_t));
-    const int64_t W = ctx->n_threads, Hk = kv->num_kv_heads;
-    double *qn1 = malloc(sizeof(double) * (size_t)(j.sh.B * j.sh.H));
-    int64_t *spsid = malloc(sizeof(int64_t) * (size_t)(W * Hk));
-    float *spu = malloc(sizeof(float) * (size_t)(W * j.sh.H));
-    if (!bytes || !qn1 || !spsid || !spu) {
-        free(bytes);
-        free(qn1);
-        free(spsid);
-        free(spu);
-        return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "bound: out of memory");
-    }
+    int64_t *bytes = scr->bytes;
+    memset(bytes, 0, sizeof(int64_t) * (size_t)task_off[j.sh.B]);
+    double *qn1 = scr->qnorm1;
     for (int64_t bh = 0; bh < j.sh.B * j.sh.H; bh++) {
         double s1 = 0;
         for (int64_t d = 0; d < j.sh.D; d++) s1 += fabs((double)qf[bh * j.sh.D + d]);
@@ -264,15 +255,11 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
     }
     j.bytes = bytes;
     j.qnorm1 = qn1;
-    j.sp_sid = spsid;
-    j.sp_u = spu;
+    j.sp_sid = scr->sp_sid;
+    j.sp_u = scr->sp_u;
     ekv_pool_run(ctx->pool, task_off[j.sh.B], bound_task, &j);
-    free(qn1);
-    free(spsid);
-    free(spu);
     int64_t total = 0;
     for (int64_t t = 0; t < task_off[j.sh.B]; t++) total += bytes[t];
-    free(bytes);
     if (bytes_read) *bytes_read = total;
     return EKV_OK;
 }

@@ -8,16 +8,31 @@
  * query head (z-space, ALiBi bonus included): the box bound, or with with_ball the certified
  * min(box, ball) + rounding slack (bound.c); with tau_lb (certified bounds and a cache with
  * superpages) pages of superpages already below tau_lb get the superpage bound and their
- * summaries are not read. *bytes_read = summary bytes read. Scratch: qsplit holds
- * ekv_cpu_bound_scratch_floats(B, H, G, D) floats, task_off B+1 int64. Arguments must
- * already be validated.
+ * summaries are not read. *bytes_read = summary bytes read. Arguments must already be
+ * validated.
  */
+/* Pages per bound task (a task is a chunk of one sequence's pages). */
+enum { EKV_BOUND_CHUNK_PAGES = 256 };
+/* The stage's scratch. The caller lays it out in its own workspace blocks: the stage runs
+ * inside the selection's use of the workspace (docs/architecture.md, "Scratch memory"), so
+ * taking a workspace of its own would invalidate the caller's. */
+typedef struct ekv_cpu_bound_scratch {
+    float *qsplit;     /* ekv_cpu_bound_scratch_floats(B, H, G, D) */
+    int64_t *task_off; /* [B + 1] */
+    int64_t *bytes;    /* [ekv_cpu_bound_max_tasks(B, maxP)] summary bytes read per task */
+    double *qnorm1;    /* [B*H] */
+    int64_t *sp_sid;   /* [n_threads * Hk] */
+    float *sp_u;       /* [n_threads * H] */
+} ekv_cpu_bound_scratch;
 static inline int64_t ekv_cpu_bound_scratch_floats(int64_t B, int64_t H, int64_t G, int64_t D) {
     return 3 * B * H * D + G * D + 2 * B * H + 16;
+}
+static inline int64_t ekv_cpu_bound_max_tasks(int64_t B, int64_t max_pages) {
+    return B * ((max_pages + EKV_BOUND_CHUNK_PAGES - 1) / EKV_BOUND_CHUNK_PAGES);
 }
 ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_stats *st,
                                const ekv_page_table *tab, const float *q, float *u, int64_t ustride,
-                               float *qsplit, int64_t *task_off, int with_ball,
+                               const ekv_cpu_bound_scratch *scr, int with_ball,
                                const double *tau_lb, int64_t *bytes_read);
 #endif

@@ -5,15 +5,12 @@
 
 namespace {
 
-struct score_args {
+struct score_args : ekv_cuda_shape {
     ekv_paged_kv kv;
-    ekv_page_table t;
     const float *q;
     const float *slopes; /* device, [H] or NULL */
     double qscale;       /* a * scale */
     float a;
-    int H, Hk, G, D, ps;
-    int64_t cap_pages, cap_tokens;
     int nsplit;
     const int32_t *list_pages, *list_count; /* NULL: dense */
     int round;                              /* 1 or 2 */
@@ -358,21 +355,14 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
                                   int batch, int use_list, int round) {
     score_args A;
+    ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
-    A.t = *t;
     A.q = q;
     A.slopes = prm->alibi_slopes;
     const double a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
     const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
     A.qscale = a * scale;
     A.a = (float)a;
-    A.H = prm->num_heads;
-    A.Hk = kv->num_kv_heads;
-    A.G = A.H / A.Hk;
-    A.D = kv->head_dim;
-    A.ps = kv->page_size;
-    A.cap_pages = pl->cap_pages;
-    A.cap_tokens = pl->cap_tokens;
     A.nsplit = pl->nsplit;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;

@@ -6,11 +6,10 @@
 namespace {
 
 /* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ---- */
-struct cand_args {
-    ekv_page_table t;
+struct cand_args : ekv_cuda_shape {
     ekv_paged_kv kv;
-    int H, Hk, G, ps, nsplit, round; /* round 1: round 1's entries; 3: everything listed */
-    int64_t cap_pages, cap_tokens, ccap;
+    int nsplit, round; /* round 1: round 1's entries; 3: everything listed */
+    int64_t ccap;
     const int32_t *list_pages, *list_count;
     const float *scores, *split_max;
     float *cand_z;
@@ -74,11 +73,9 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     }
 }
 
-struct tau_args {
-    ekv_page_table t;
+struct tau_args : ekv_cuda_shape {
     ekv_paged_kv kv;
-    int H, Hk, G, D, ps;
-    int64_t cap_pages, cap_tokens, ccap;
+    int64_t ccap;
     int nsplit, round;
     const int32_t *list_pages, *list_count;
     double alpha;
@@ -328,15 +325,8 @@ ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                int use_list, int round, float *out_zero) {
     tau_args A;
-    A.t = *t;
+    ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
-    A.H = prm->num_heads;
-    A.Hk = pl->p.num_kv_heads;
-    A.G = A.H / A.Hk;
-    A.D = pl->p.head_dim;
-    A.ps = pl->p.page_size;
-    A.cap_pages = pl->cap_pages;
-    A.cap_tokens = pl->cap_tokens;
     A.ccap = pl->cand_cap;
     A.nsplit = pl->nsplit;
     A.round = round;
@@ -362,16 +352,10 @@ ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         return EKV_OK;
     }
     cand_args C;
-    C.t = *t;
+    ekv_cuda_set_shape(C, pl, t);
     C.kv = *kv;
-    C.H = A.H;
-    C.Hk = A.Hk;
-    C.G = A.G;
-    C.ps = A.ps;
     C.nsplit = pl->nsplit;
     C.round = round == 1 ? 1 : 3;
-    C.cap_pages = pl->cap_pages;
-    C.cap_tokens = pl->cap_tokens;
     C.ccap = pl->cand_cap;
     C.list_pages = A.list_pages;
     C.list_count = A.list_count;

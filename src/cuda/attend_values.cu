@@ -5,11 +5,10 @@
 
 namespace {
 
-struct value_args {
+struct value_args : ekv_cuda_shape {
     ekv_paged_kv kv;
-    ekv_page_table t;
-    int H, Hk, G, D, ps, gchunks;
-    int64_t cap_pages, cap_tokens, ccap;
+    int gchunks;
+    int64_t ccap;
     int nsplit;
     const int32_t *list_pages, *list_count;
     double alpha;
@@ -291,16 +290,9 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
                                   const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                   int use_list, float *out) {
     value_args A;
+    ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
-    A.t = *t;
-    A.H = prm->num_heads;
-    A.Hk = kv->num_kv_heads;
-    A.G = A.H / A.Hk;
-    A.D = kv->head_dim;
-    A.ps = kv->page_size;
     A.gchunks = (A.G + VCH - 1) / VCH;
-    A.cap_pages = pl->cap_pages;
-    A.cap_tokens = pl->cap_tokens;
     A.ccap = pl->cand_cap;
     A.nsplit = pl->nsplit_dense_values;
     A.list_pages = use_list ? pl->list_pages : NULL;

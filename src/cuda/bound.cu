@@ -16,13 +16,11 @@
 
 namespace {
 
-struct bound_args {
+struct bound_args : ekv_cuda_shape {
     ekv_page_stats st;
-    ekv_page_table t;
     const float *q, *slopes;
     double qscale, a;
-    int H, Hk, G, D, ps, with_ball, rows;
-    int64_t cap_pages;
+    int with_ball, rows;
     float *bounds, *list_bounds;
 };
 
@@ -154,20 +152,14 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
                                  const ekv_page_table *t, const float *q, int with_ball,
                                  int batch) {
     bound_args A;
+    ekv_cuda_set_shape(A, pl, t);
     A.st = *st;
-    A.t = *t;
     A.q = q;
     A.slopes = prm->alibi_slopes;
     A.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
     const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
     A.qscale = A.a * scale;
-    A.H = prm->num_heads;
-    A.Hk = kv->num_kv_heads;
-    A.G = A.H / A.Hk;
-    A.D = kv->head_dim;
-    A.ps = kv->page_size;
     A.with_ball = with_ball;
-    A.cap_pages = pl->cap_pages;
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
     A.rows = batch * A.Hk;

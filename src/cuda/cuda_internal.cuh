@@ -262,6 +262,26 @@ __device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, 
     return g;
 }
 
+/* The step shape every kernel's arguments start with (they derive from it): the page table
+ * and the plan's static shapes, set on the host by ekv_cuda_set_shape. */
+struct ekv_cuda_shape {
+    ekv_page_table t;
+    int H, Hk, G, D, ps;           /* query heads, KV heads, group, head dim, page size */
+    int64_t cap_pages, cap_tokens; /* the plan's pages (and tokens) per sequence        */
+};
+template <typename Args>
+inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_table *t) {
+    ekv_cuda_shape &s = a;
+    s.t = *t;
+    s.H = pl->p.num_heads;
+    s.Hk = pl->p.num_kv_heads;
+    s.G = s.H / s.Hk;
+    s.D = pl->p.head_dim;
+    s.ps = pl->p.page_size;
+    s.cap_pages = pl->cap_pages;
+    s.cap_tokens = pl->cap_tokens;
+}
+
 /* host-side launchers (one per stage file) */
 ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
@@ -272,7 +292,7 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
                                     const ekv_select_params *sel, const ekv_paged_kv *kv,
                                     const ekv_page_stats *st, const ekv_page_table *t,
                                     const float *q, int batch);
-ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G);
+ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
                                   int batch, int use_list, int round);

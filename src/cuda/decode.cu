@@ -239,7 +239,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1))) return s;
     if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
     if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
-        if ((s = ekv_cuda_launch_round2(pl, t, B, prm->num_heads / kv->num_kv_heads))) return s;
+        if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
         if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
     }

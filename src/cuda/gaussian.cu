@@ -16,13 +16,10 @@
 
 namespace {
 
-struct gm_args {
+struct gm_args : ekv_cuda_shape {
     ekv_page_stats st;
-    ekv_page_table t;
     const float *q;
     double scale;
-    int H, Hk, G, D, ps;
-    int64_t cap_pages;
     double *mu, *sig;
 };
 
@@ -71,10 +68,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args
     }
 }
 
-struct gr_args {
-    ekv_page_table t;
-    int H, Hk, G, ps, reference_m3;
-    int64_t cap_pages;
+struct gr_args : ekv_cuda_shape {
+    int reference_m3;
     double alpha, a, zpage, margin_z, excess;
     const double *mu, *sig;
     int32_t *list_pages, *list_count;
@@ -162,16 +157,10 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
                                     const ekv_page_stats *st, const ekv_page_table *t,
                                     const float *q, int batch) {
     gm_args M;
+    ekv_cuda_set_shape(M, pl, t);
     M.st = *st;
-    M.t = *t;
     M.q = q;
     M.scale = ekv_effective_scale(prm->scale, kv->head_dim);
-    M.H = prm->num_heads;
-    M.Hk = kv->num_kv_heads;
-    M.G = M.H / M.Hk;
-    M.D = kv->head_dim;
-    M.ps = kv->page_size;
-    M.cap_pages = pl->cap_pages;
     M.mu = pl->gmu;
     M.sig = pl->gsig;
     dim3 grid((unsigned)((pl->cap_pages + GM_PAGES - 1) / GM_PAGES), batch * M.Hk);
@@ -179,13 +168,8 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
             M);
     EKV_CUDA_LAUNCHED(pl);
     gr_args R;
-    R.t = *t;
-    R.H = M.H;
-    R.Hk = M.Hk;
-    R.G = M.G;
-    R.ps = M.ps;
+    ekv_cuda_set_shape(R, pl, t);
     R.reference_m3 = sel->reference_m3;
-    R.cap_pages = pl->cap_pages;
     R.alpha = prm->alpha;
     R.a = prm->alpha - 1.0;
     R.zpage = ekv_normal_quantile(pow(sel->max_quantile, 1.0 / (double)M.ps));

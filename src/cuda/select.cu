@@ -20,10 +20,8 @@ __device__ __forceinline__ uint32_t order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-struct topk_args {
-    ekv_page_table t;
-    int Hk, ps;
-    int64_t cap_pages, budget_tokens;
+struct topk_args : ekv_cuda_shape {
+    int64_t budget_tokens;
     int sink, recent;
     const float *keys; /* [B*Hk][cap_pages] */
     int32_t *list_pages, *list_count;
@@ -149,10 +147,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     if (threadIdx.x == 0) ekv_close_list(out, in, written, sg.P, A.list_count, row);
 }
 
-struct round2_args {
-    ekv_page_table t;
-    int H, Hk, G, ps;
-    int64_t cap_pages;
+struct round2_args : ekv_cuda_shape {
     const float *bounds; /* [B*H][cap_pages] */
     const double *tau;   /* [B*H] round 1 */
     int32_t *list_pages, *list_count;
@@ -191,10 +186,7 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, int32_t sink_pages, int32_t recent_pages) {
     topk_args A;
-    A.t = *t;
-    A.Hk = pl->p.num_kv_heads;
-    A.ps = pl->p.page_size;
-    A.cap_pages = pl->cap_pages;
+    ekv_cuda_set_shape(A, pl, t);
     A.budget_tokens = budget_tokens;
     A.sink = sink_pages;
     A.recent = recent_pages;
@@ -207,14 +199,9 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
     return EKV_OK;
 }
 
-ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch, int G) {
+ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
     round2_args A;
-    A.t = *t;
-    A.Hk = pl->p.num_kv_heads;
-    A.G = G;
-    A.H = A.Hk * G;
-    A.ps = pl->p.page_size;
-    A.cap_pages = pl->cap_pages;
+    ekv_cuda_set_shape(A, pl, t);
     A.bounds = pl->bounds;
     A.tau = pl->tau;
     A.list_pages = pl->list_pages;

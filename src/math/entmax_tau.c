@@ -1,5 +1,5 @@
 /*
- * Exact alpha-entmax thresholds on a set of kept scores (SPEC 8, 9.8).
+ * Exact alpha-entmax thresholds on a set of kept scores (docs/math.md §8, 9.8).
  *
  * Every path works on max-shifted candidates y = z - max(z) in double precision. Because
  * the maximum alone contributes 1 to F(tau) = sum (z - tau)_+^beta at tau = M - 1, the
@@ -10,7 +10,7 @@
  *   alpha = 2   Michelot's iteration from below: tau <- (sum_S y - 1)/|S| over
  *               S = {y > tau}; tau never overshoots and S shrinks to the support. Exact.
  *   alpha = 1.5 Newton from below on the convex F (never overshoots), and at every step the
- *               closed form of SPEC 8 on S = {y > tau}; it is accepted as soon as it is
+ *               closed form of docs/math.md §8 on S = {y > tau}; it is accepted as soon as it is
  *               consistent (every y in S is >= the root), which makes the result exact to
  *               rounding. A sort-based solve is the fallback after many steps.
  *   other alpha safeguarded Halley/Newton with bisection in the bracket
@@ -34,7 +34,7 @@ static int cmp_desc(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Sort-based exact solve for alpha in {1.5, 2} (SPEC 8); reorders y. */
+/* Sort-based exact solve for alpha in {1.5, 2} (docs/math.md §8); reorders y. */
 static double tau_sorted(double *y, int64_t k, double alpha) {
     qsort(y, (size_t)k, sizeof *y, cmp_desc);
     double c = 0, q = 0, best = y[0] - 1.0;

@@ -1,5 +1,5 @@
 /*
- * The Gaussian model of the scores (SPEC 4.6-4.8): truncated moments of a normal variable,
+ * The Gaussian model of the scores (docs/math.md §4.6-4.8): truncated moments of a normal variable,
  * the single-Gaussian and mixture solvers for the threshold estimate tau-hat, and the
  * inverse normal CDF used by the page rule. All in double precision.
  *
@@ -7,7 +7,7 @@
  * m_k = E[Y_+^k] are
  *   m0 = Phi(t), m1 = mu Phi + s phi, m2 = (mu^2 + s^2) Phi + mu s phi,
  *   m3 = (mu^3 + 3 mu s^2) Phi + (mu^2 s + 2 s^3) phi           (correct),
- *   m3_ref = (mu^3 + 3 mu s^2) Phi + (s^3 + 2 mu^2 s) phi       (the reference's, SPEC 6.1-1),
+ *   m3_ref = (mu^3 + 3 mu s^2) Phi + (s^3 + 2 mu^2 s) phi       (the reference's, docs/math.md §6.1-1),
  * and F(tau) = w * E[(aS - tau)_+^beta] - 1 with beta = 1/(alpha-1) in {1, 2, 3}.
  */
 #include "../core/internal.h"

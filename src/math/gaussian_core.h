@@ -1,5 +1,5 @@
 /*
- * The scalar core of the Gaussian score model (SPEC 4.6-4.7), shared by the CPU selector
+ * The scalar core of the Gaussian score model (docs/math.md §4.6-4.7), shared by the CPU selector
  * (src/math/gaussian.c) and the CUDA one (src/cuda/gaussian.cu): the normal pdf/cdf, the
  * truncated moments E[(aS - tau)_+^beta] and the single-Gaussian tau-hat solver. Functions
  * are static inline, and __host__ __device__ under nvcc.
@@ -43,7 +43,7 @@ EKV_HD void ekv_gauss_term_core(double alpha, double mu, double sigma, double ta
     }
 }
 
-/* One safeguarded Halley/Newton update inside (lo, hi), as SPEC 4.7. */
+/* One safeguarded Halley/Newton update inside (lo, hi), as docs/math.md §4.7. */
 EKV_HD double ekv_halley_step(double tau, double F, double F1, double F2, double lo, double hi) {
     double den = 2 * F1 * F1 - F * F2;
     double step = fabs(den) > 1e-18 ? 2 * F * F1 / den : F / fmin(F1, -1e-12);

@@ -184,16 +184,26 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm,
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads, W = ctx->n_threads;
     const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t ustride = maxP;
-    int64_t sz[5] = {B * H * ustride * 4, ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4,
-                     (B + 1) * 8, W * ustride * 4, W * ustride * (int64_t)sizeof(scored_page)};
-    int64_t off[5], read_bytes = 0, w = 0;
+    int64_t sz[9] = {B * H * ustride * 4,
+                     W * ustride * 4,
+                     W * ustride * (int64_t)sizeof(scored_page),
+                     ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4,
+                     (B + 1) * 8,
+                     ekv_cpu_bound_max_tasks(B, maxP) * 8,
+                     B * H * 8,
+                     W * kv->num_kv_heads * 8,
+                     W * H * 4};
+    int64_t off[9], read_bytes = 0, w = 0;
     ekv_status s;
-    char *ws = ekv_workspace_blocks(ctx, sz, 5, off, "page selection", &s);
+    char *ws = ekv_workspace_blocks(ctx, sz, 9, off, "page selection", &s);
     if (!ws) return s;
     const int with_ball = sel->use_ball || list->bounds != NULL;
     float *u = (float *)(ws + off[0]);
-    s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, (float *)(ws + off[1]),
-                            (int64_t *)(ws + off[2]), with_ball, sel->tau_lb, &read_bytes);
+    const ekv_cpu_bound_scratch scr = {(float *)(ws + off[3]),   (int64_t *)(ws + off[4]),
+                                       (int64_t *)(ws + off[5]), (double *)(ws + off[6]),
+                                       (int64_t *)(ws + off[7]), (float *)(ws + off[8])};
+    s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, &scr, with_ball, sel->tau_lb,
+                            &read_bytes);
     if (s) return s;
     if (list->bounds)
         for (int64_t bh = 0; bh < B * H; bh++)
@@ -220,8 +230,8 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm,
                   G,
                   heads,
                   ps,
-                  (float *)(ws + off[3]),
-                  (scored_page *)(ws + off[4])};
+                  (float *)(ws + off[1]),
+                  (scored_page *)(ws + off[2])};
     ekv_pool_run(ctx->pool, B * heads, topk_list, &j);
     return EKV_OK;
 }
