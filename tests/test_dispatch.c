@@ -6,7 +6,9 @@
  * modes, budgets, superpage summaries) and the names of methods and backends.
  */
 #include "entmaxkv.h"
+#include "core/internal.h" /* ekv_ctx_enter: hold the context as another call would */
 #include "test_util.h"
+#include <pthread.h>
 #include <string.h>
 
 enum { H = 4, HK = 2, D = 32, PS = 8, B = 2 };
@@ -190,6 +192,65 @@ static void check_rules(fixture *f) {
           "select tau_mode 7");
 }
 
+/* Every decode entry point, called from a second thread while the context is held: each
+ * refuses (a context is single-threaded) and writes nothing; released, each runs. */
+typedef struct {
+    fixture *f;
+    ekv_status st[7];
+    float out[B * H * D];
+} entry_arg;
+
+static void *call_entries(void *vp) {
+    entry_arg *e = vp;
+    fixture *f = e->f;
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = H;
+    ekv_select_params sp = ekv_select_default_params();
+    sp.budget_tokens = 2 * PS;
+    int64_t ip[B * HK + 1];
+    int32_t pages[B * HK * 32];
+    float bnd[B * H * 32], probs[B * H * 256];
+    double tau[B * H], bar[B * H];
+    ekv_page_list list = {.indptr = ip,
+                          .pages = pages,
+                          .capacity = B * HK * 32,
+                          .bounds = bnd,
+                          .bounds_stride = 32};
+    e->st[0] = ekv_decode(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, e->out, NULL);
+    e->st[1] = ekv_decode_dense(f->ctx, &dp, &f->kv, &f->tab, f->q, e->out, NULL);
+    e->st[2] = ekv_select_pages(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, &list);
+    ekv_decode_info info = {.tau = tau};
+    e->st[3] = e->st[2]
+                       ? e->st[2]
+                       : ekv_decode_pages(f->ctx, &dp, &f->kv, &f->tab, &list, f->q, e->out, &info);
+    e->st[4] = ekv_decode_certified(f->ctx, &dp, &sp, &f->kv, &f->st, &f->tab, f->q, e->out, NULL,
+                                    NULL);
+    e->st[5] = ekv_dense_probs(f->ctx, &dp, &f->kv, &f->tab, f->q, 256, probs, NULL);
+    e->st[6] = e->st[3] ? e->st[3] : ekv_delta_bound(f->ctx, &dp, &f->kv, &f->tab, &list, tau, bar);
+    return NULL;
+}
+
+static void check_single_thread(fixture *f) {
+    entry_arg held = {.f = f}, free_ = {.f = f};
+    for (int i = 0; i < B * H * D; i++) held.out[i] = 12345.f;
+    CHECK(ekv_ctx_enter(f->ctx) == EKV_OK, "hold the context");
+    pthread_t t;
+    pthread_create(&t, NULL, call_entries, &held);
+    pthread_join(t, NULL);
+    ekv_ctx_leave(f->ctx);
+    for (int i = 0; i < 7; i++)
+        CHECK(held.st[i] == EKV_ERR_INVALID_ARGUMENT, "entry %d on a held context: %d", i,
+              held.st[i]);
+    int untouched = 1;
+    for (int i = 0; i < B * H * D; i++) untouched &= held.out[i] == 12345.f;
+    CHECK(untouched, "a refused call wrote its output");
+    pthread_create(&t, NULL, call_entries, &free_);
+    pthread_join(t, NULL);
+    for (int i = 0; i < 7; i++)
+        CHECK(free_.st[i] == EKV_OK, "entry %d on a free context: %d (%s)", i, free_.st[i],
+              ekv_last_error(f->ctx));
+}
+
 static void check_names(void) {
     for (int m = 0; m < EKV_SELECT_METHOD_COUNT; m++) {
         ekv_select_method back;
@@ -220,6 +281,7 @@ int main(void) {
     check_other_backends(&f);
     check_rules(&f);
     check_names();
+    check_single_thread(&f);
     ekv_cache_free(f.cache);
     ekv_context_free(f.ctx);
     return test_finish("test_dispatch");
