@@ -35,7 +35,8 @@ static void bench_help(FILE *f) {
             "  --method M            dense | topk | gaussian | certified: dense attention, page\n"
             "                        selection (top-k by box bound, or the Gaussian-aware selector\n"
             "                        in its exact tau mode) + attention over the pages, or\n"
-            "                        certified decode (exact; --budget sizes its round 1)\n"
+            "                        certified decode (exact; --budget sizes its round 1);\n"
+            "                        oracle (evaluation only, cpu backend): the dense support's pages\n"
             "  --budget F            top-k: fraction of the tokens to read (default 1/16)\n"
             "  --budget-tokens T     top-k: token budget (overrides --budget)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
@@ -83,7 +84,7 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
     } else if (!strcmp(a, "--method")) {
         const char *v = need(argc, argv, i);
         if (ekv_method_from_name(v, &o->method))
-            cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified", v);
+            cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified|oracle", v);
     } else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);
