@@ -57,10 +57,6 @@ static void bench_help(FILE *f) {
 
 static const char *need(int argc, char **argv, int *i) { return cli_need("bench", argc, argv, i); }
 
-static int64_t need_int(int argc, char **argv, int *i, int64_t lo, int64_t hi) {
-    return cli_need_int("bench", argc, argv, i, lo, hi);
-}
-
 static void parse_defaults(bench_opts *o) {
     memset(o, 0, sizeof *o);
     wl_opts_init(&o->w, "random");
@@ -84,7 +80,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
     } else if (!strcmp(a, "--method")) {
         const char *v = need(argc, argv, i);
         if (ekv_method_from_name(v, &o->method))
-            cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified|oracle", v);
+            cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified|oracle",
+                            v);
     } else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);
@@ -129,28 +126,23 @@ static void parse_check(bench_opts *o) {
     wl_opts_check("bench", &o->w);
 }
 
+static const cli_opt bench_table[] = {
+        CLI_INT("--ragged", bench_opts, ragged_min, 1, INT64_MAX),
+        CLI_INT("--superpage", bench_opts, superpage, 0, 4096),
+        CLI_INT("--iters", bench_opts, iters, 1, 1000000),
+        CLI_INT("--warmup", bench_opts, warmup, 0, 1000000),
+        CLI_INT("--budget-tokens", bench_opts, budget_tokens, 1, INT64_MAX),
+};
+
+static int bench_take(const char *sub, int argc, char **argv, int *i, void *vo) {
+    bench_opts *o = vo;
+    return parse_named(argc, argv, i, o) || wl_opt(sub, argc, argv, i, &o->w, 4096) ||
+           cli_take(sub, bench_table, CLI_NOPTS(bench_table), argc, argv, i, o);
+}
+
 static void parse(int argc, char **argv, bench_opts *o) {
     parse_defaults(o);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            bench_help(stdout);
-            exit(0);
-        } else if (parse_named(argc, argv, &i, o) || wl_opt("bench", argc, argv, &i, &o->w, 4096))
-            continue;
-        else if (!strcmp(a, "--ragged"))
-            o->ragged_min = need_int(argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--superpage"))
-            o->superpage = need_int(argc, argv, &i, 0, 4096);
-        else if (!strcmp(a, "--iters"))
-            o->iters = need_int(argc, argv, &i, 1, 1000000);
-        else if (!strcmp(a, "--warmup"))
-            o->warmup = need_int(argc, argv, &i, 0, 1000000);
-        else if (!strcmp(a, "--budget-tokens"))
-            o->budget_tokens = need_int(argc, argv, &i, 1, INT64_MAX);
-        else
-            cli_usage_error("bench", "unknown option '%s'", a);
-    }
+    cli_parse("bench", argc, argv, bench_help, bench_take, o);
     parse_check(o);
 }
 

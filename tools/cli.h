@@ -2,6 +2,7 @@
 #ifndef EKV_CLI_H
 #define EKV_CLI_H
 #include "entmaxkv.h"
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -15,6 +16,32 @@ void cli_usage_error(const char *sub, const char *fmt, ...)
 const char *cli_need(const char *sub, int argc, char **argv, int *i);
 /* The same, parsed as an integer in [lo, hi]. */
 int64_t cli_need_int(const char *sub, int argc, char **argv, int *i, int64_t lo, int64_t hi);
+/* A subcommand's plain options as data: a string, an integer in [lo, hi] (int64_t field) or
+ * a flag (int field set to 1), stored at `offset` in the options struct. */
+typedef enum { CLI_OPT_STR, CLI_OPT_INT, CLI_OPT_FLAG } cli_opt_kind;
+typedef struct {
+    const char *name;
+    cli_opt_kind kind;
+    size_t offset;
+    int64_t lo, hi;
+} cli_opt;
+#define CLI_STR(name, type, field)                                                                 \
+    { name, CLI_OPT_STR, offsetof(type, field), 0, 0 }
+#define CLI_INT(name, type, field, lo, hi)                                                         \
+    { name, CLI_OPT_INT, offsetof(type, field), lo, hi }
+#define CLI_FLAG(name, type, field)                                                                \
+    { name, CLI_OPT_FLAG, offsetof(type, field), 0, 0 }
+#define CLI_NOPTS(table) (sizeof(table) / sizeof((table)[0]))
+/* Takes argv[*i] if the table names it (advancing *i past its value): 1, else 0. */
+int cli_take(const char *sub, const cli_opt *table, size_t n, int argc, char **argv, int *i,
+             void *opts);
+/* The option loop of every subcommand: --help / -h prints help(stdout) and exits 0; take()
+ * consumes each option it knows (returning 1); anything else is a usage error (exit 2). */
+typedef int (*cli_take_fn)(const char *sub, int argc, char **argv, int *i, void *opts);
+void cli_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), cli_take_fn take,
+               void *opts);
+/* The value of option argv[*i] as a dtype name (f32, f16, bf16), or a usage error. */
+ekv_dtype cli_need_dtype(const char *sub, int argc, char **argv, int *i);
 /* Parses a non-negative integer with optional k/K (1024) or M (1048576) suffix. */
 int cli_parse_i64(const char *s, int64_t *out);
 int cli_parse_double(const char *s, double *out);
@@ -157,10 +184,27 @@ void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);
 /* Parses argv[*i] if it is a common model option (advancing *i); returns 1 if it was. */
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o);
+/* The option loop of a model subcommand (cli_parse): the shared model options into mo, the
+ * subcommand's table into opts, then extra (may be NULL) for the options that need code. */
+void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), model_opts *mo,
+                 const cli_opt *table, size_t n, cli_take_fn extra, void *opts);
 /* Whether the method reads --budget (topk: its token share; certified: its round 1). */
 int model_uses_budget(ekv_select_method m);
 /* "topk 0.0625", "dense": the method as the reports name it. */
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget);
+/* What a model subcommand over a text holds: the text, the context and the model. */
+typedef struct {
+    char *text; /* NUL-terminated, len bytes */
+    int64_t len;
+    ekv_context *ctx;
+    ekv_model *m;
+} model_session;
+/* The text of --text FILE with at least `need` bytes after `offset` (the subcommand's --ctx),
+ * then the context and the model for `need` tokens; prints why not, frees what it took and
+ * returns 1. */
+int model_open_text(const char *sub, const model_opts *mo, const char *path, int64_t offset,
+                    int64_t need, model_session *s);
+void model_close(model_session *s);
 /* Creates the context and loads the model for max_tokens tokens; prints why not and returns 1. */
 int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx,
                ekv_model **m);

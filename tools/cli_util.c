@@ -25,6 +25,42 @@ const char *cli_need(const char *sub, int argc, char **argv, int *i) {
     return argv[++*i];
 }
 
+ekv_dtype cli_need_dtype(const char *sub, int argc, char **argv, int *i) {
+    const char *v = cli_need(sub, argc, argv, i);
+    ekv_dtype dt = EKV_DTYPE_F32;
+    if (ekv_dtype_from_name(v, &dt))
+        cli_usage_error(sub, "%s %s: expected f32, f16 or bf16", argv[*i - 1], v);
+    return dt;
+}
+
+int cli_take(const char *sub, const cli_opt *table, size_t n, int argc, char **argv, int *i,
+             void *opts) {
+    for (size_t k = 0; k < n; k++) {
+        const cli_opt *t = &table[k];
+        if (strcmp(argv[*i], t->name)) continue;
+        char *field = (char *)opts + t->offset;
+        if (t->kind == CLI_OPT_STR)
+            *(const char **)field = cli_need(sub, argc, argv, i);
+        else if (t->kind == CLI_OPT_INT)
+            *(int64_t *)field = cli_need_int(sub, argc, argv, i, t->lo, t->hi);
+        else
+            *(int *)field = 1;
+        return 1;
+    }
+    return 0;
+}
+
+void cli_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), cli_take_fn take,
+               void *opts) {
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            help(stdout);
+            exit(0);
+        }
+        if (!take(sub, argc, argv, &i, opts)) cli_usage_error(sub, "unknown option '%s'", argv[i]);
+    }
+}
+
 int64_t cli_need_int(const char *sub, int argc, char **argv, int *i, int64_t lo, int64_t hi) {
     const char *opt = argv[*i], *v = cli_need(sub, argc, argv, i);
     int64_t x;

@@ -139,10 +139,6 @@ typedef struct {
 
 static const char *need(int argc, char **argv, int *i) { return cli_need("eval", argc, argv, i); }
 
-static int64_t need_int(int argc, char **argv, int *i, int64_t lo, int64_t hi) {
-    return cli_need_int("eval", argc, argv, i, lo, hi);
-}
-
 static void parse_methods(const char *v, eval_opts *o) {
     char buf[256];
     if (strlen(v) >= sizeof buf) cli_usage_error("eval", "--methods is too long");
@@ -202,6 +198,19 @@ static int parse_named(int argc, char **argv, int *i, eval_opts *o) {
     return 1;
 }
 
+static const cli_opt eval_table[] = {
+        CLI_INT("--len", eval_opts, len, 2, INT32_MAX),
+        CLI_INT("--steps", eval_opts, steps, 1, 100000),
+        CLI_STR("--plot", eval_opts, plot),
+        CLI_FLAG("--auto-margin", eval_opts, auto_margin),
+};
+
+static int eval_take(const char *sub, int argc, char **argv, int *i, void *vo) {
+    eval_opts *o = vo;
+    return parse_named(argc, argv, i, o) || wl_opt(sub, argc, argv, i, &o->w, 64) ||
+           cli_take(sub, eval_table, CLI_NOPTS(eval_table), argc, argv, i, o);
+}
+
 static void parse(int argc, char **argv, eval_opts *o) {
     memset(o, 0, sizeof *o);
     wl_opts_init(&o->w, "planted");
@@ -214,24 +223,7 @@ static void parse(int argc, char **argv, eval_opts *o) {
     o->budgets[2] = 1.0 / 4;
     for (int m = 0; m < V_COUNT; m++) o->use[m] = 1;
     o->tau_mode = EKV_TAU_EXACT;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            eval_help(stdout);
-            exit(0);
-        } else if (parse_named(argc, argv, &i, o) || wl_opt("eval", argc, argv, &i, &o->w, 64))
-            continue;
-        else if (!strcmp(a, "--len"))
-            o->len = need_int(argc, argv, &i, 2, INT32_MAX);
-        else if (!strcmp(a, "--steps"))
-            o->steps = need_int(argc, argv, &i, 1, 100000);
-        else if (!strcmp(a, "--plot"))
-            o->plot = need(argc, argv, &i);
-        else if (!strcmp(a, "--auto-margin"))
-            o->auto_margin = 1;
-        else
-            cli_usage_error("eval", "unknown option '%s'", a);
-    }
+    cli_parse("eval", argc, argv, eval_help, eval_take, o);
     wl_opts_check("eval", &o->w);
     if (o->plot && !o->w.json)
         cli_usage_error("eval", "--plot needs --json FILE (the plot reads it)");

@@ -61,13 +61,32 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
         o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
     else if (!strcmp(a, "--page"))
         o->page = (int32_t)cli_need_int(sub, argc, argv, i, 1, 256);
-    else if (!strcmp(a, "--kv-dtype")) {
-        const char *v = cli_need(sub, argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->kv_dtype))
-            cli_usage_error(sub, "--kv-dtype %s: expected f16, f32 or bf16", v);
-    } else
+    else if (!strcmp(a, "--kv-dtype"))
+        o->kv_dtype = cli_need_dtype(sub, argc, argv, i);
+    else
         return 0;
     return 1;
+}
+
+typedef struct {
+    model_opts *mo;
+    const cli_opt *table;
+    size_t n;
+    cli_take_fn extra;
+    void *opts;
+} model_parse_args;
+
+static int model_take(const char *sub, int argc, char **argv, int *i, void *va) {
+    model_parse_args *a = va;
+    return model_opt(sub, argc, argv, i, a->mo) ||
+           cli_take(sub, a->table, a->n, argc, argv, i, a->opts) ||
+           (a->extra && a->extra(sub, argc, argv, i, a->opts));
+}
+
+void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), model_opts *mo,
+                 const cli_opt *table, size_t n, cli_take_fn extra, void *opts) {
+    model_parse_args a = {mo, table, n, extra, opts};
+    cli_parse(sub, argc, argv, help, model_take, &a);
 }
 
 static int file_exists(const char *p) {
@@ -147,6 +166,32 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
         return 1;
     }
     return 0;
+}
+
+int model_open_text(const char *sub, const model_opts *mo, const char *path, int64_t offset,
+                    int64_t need, model_session *s) {
+    memset(s, 0, sizeof *s);
+    s->text = cli_read_file(path, &s->len);
+    if (!s->text) {
+        fprintf(stderr, "entmaxkv %s: cannot read '%s'\n", sub, path);
+        return 1;
+    }
+    const int64_t left = s->len - offset;
+    if (offset >= s->len || left < need)
+        fprintf(stderr,
+                "entmaxkv %s: '%s' has %lld bytes after offset %lld, fewer than --ctx %lld\n", sub,
+                path, (long long)(left < 0 ? 0 : left), (long long)offset, (long long)need);
+    else if (!model_open(sub, mo, need, &s->ctx, &s->m))
+        return 0;
+    model_close(s);
+    return 1;
+}
+
+void model_close(model_session *s) {
+    free(s->text);
+    ekv_model_free(s->m);
+    ekv_context_free(s->ctx);
+    memset(s, 0, sizeof *s);
 }
 
 /* Texts are read whole, and a device such as /dev/zero never ends: reading stops (with a

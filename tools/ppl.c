@@ -58,6 +58,15 @@ typedef struct {
     int64_t ctxlen, windows, offset, score_last;
 } ppl_opts;
 
+static const cli_opt ppl_table[] = {
+        CLI_STR("--text", ppl_opts, text_path),
+        CLI_STR("--json", ppl_opts, json),
+        CLI_INT("--ctx", ppl_opts, ctxlen, 2, (int64_t)1 << 30),
+        CLI_INT("--windows", ppl_opts, windows, 1, INT64_MAX),
+        CLI_INT("--offset", ppl_opts, offset, 0, INT64_MAX),
+        CLI_INT("--score-last", ppl_opts, score_last, 1, (int64_t)1 << 30),
+};
+
 static void parse(int argc, char **argv, ppl_opts *o) {
     model_opts_init(&o->mo);
     o->text_path = o->json = NULL;
@@ -65,28 +74,7 @@ static void parse(int argc, char **argv, ppl_opts *o) {
     o->windows = INT64_MAX;
     o->offset = 0;
     o->score_last = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            ppl_help(stdout);
-            exit(0);
-        } else if (model_opt("ppl", argc, argv, &i, &o->mo))
-            continue;
-        else if (!strcmp(a, "--text"))
-            o->text_path = cli_need("ppl", argc, argv, &i);
-        else if (!strcmp(a, "--json"))
-            o->json = cli_need("ppl", argc, argv, &i);
-        else if (!strcmp(a, "--ctx"))
-            o->ctxlen = cli_need_int("ppl", argc, argv, &i, 2, (int64_t)1 << 30);
-        else if (!strcmp(a, "--windows"))
-            o->windows = cli_need_int("ppl", argc, argv, &i, 1, INT64_MAX);
-        else if (!strcmp(a, "--offset"))
-            o->offset = cli_need_int("ppl", argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--score-last"))
-            o->score_last = cli_need_int("ppl", argc, argv, &i, 1, (int64_t)1 << 30);
-        else
-            cli_usage_error("ppl", "unknown option '%s'", a);
-    }
+    model_parse("ppl", argc, argv, ppl_help, &o->mo, ppl_table, CLI_NOPTS(ppl_table), NULL, o);
     if (!o->text_path) cli_usage_error("ppl", "--text FILE is required");
     if (o->score_last >= o->ctxlen) cli_usage_error("ppl", "--score-last must be below --ctx");
 }
@@ -182,38 +170,18 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
 int cmd_ppl(int argc, char **argv) {
     ppl_opts o;
     parse(argc, argv, &o);
-    int64_t len;
-    char *text = cli_read_file(o.text_path, &len);
-    if (!text) {
-        fprintf(stderr, "entmaxkv ppl: cannot read '%s'\n", o.text_path);
-        return 1;
-    }
-    if (o.offset >= len || len - o.offset < o.ctxlen) {
-        fprintf(stderr,
-                "entmaxkv ppl: '%s' has %lld bytes after offset %lld, fewer than --ctx %lld\n",
-                o.text_path, (long long)(len - o.offset < 0 ? 0 : len - o.offset),
-                (long long)o.offset, (long long)o.ctxlen);
-        free(text);
-        return 1;
-    }
-    ekv_context *ctx;
-    ekv_model *m;
-    if (model_open("ppl", &o.mo, o.ctxlen, &ctx, &m)) {
-        free(text);
-        return 1;
-    }
+    model_session s;
+    if (model_open_text("ppl", &o.mo, o.text_path, o.offset, o.ctxlen, &s)) return 1;
     ppl_result r;
     memset(&r, 0, sizeof r);
-    r.layers = ekv_model_get_config(m)->n_layers;
-    r.nwin = (len - o.offset) / o.ctxlen;
+    r.layers = ekv_model_get_config(s.m)->n_layers;
+    r.nwin = (s.len - o.offset) / o.ctxlen;
     if (r.nwin > o.windows) r.nwin = o.windows;
     r.lay = calloc((size_t)r.layers, sizeof *r.lay);
-    int rc = r.lay ? ppl_windows(&o, text, ctx, m, &r) : 1;
+    int rc = r.lay ? ppl_windows(&o, s.text, s.ctx, s.m, &r) : 1;
     if (!r.lay) fprintf(stderr, "entmaxkv ppl: out of memory\n");
     if (!rc) rc = ppl_report(&o, &r);
     free(r.lay);
-    free(text);
-    ekv_model_free(m);
-    ekv_context_free(ctx);
+    model_close(&s);
     return rc;
 }

@@ -107,38 +107,37 @@ static void parse_compare(const char *v, run_opts *o) {
     }
 }
 
+static const cli_opt run_table[] = {
+        CLI_STR("--prompt", run_opts, prompt),
+        CLI_STR("--prompt-file", run_opts, prompt_file),
+        CLI_INT("-n", run_opts, n, 0, (int64_t)1 << 30),
+        CLI_INT("--seed", run_opts, seed, 0, INT64_MAX),
+        CLI_FLAG("--quiet", run_opts, quiet),
+};
+
+/* The options that need code: --temp (a number in a range), --compare (a method list). */
+static int run_extra(const char *sub, int argc, char **argv, int *i, void *vo) {
+    run_opts *o = vo;
+    if (!strcmp(argv[*i], "--temp")) {
+        const char *v = cli_need(sub, argc, argv, i);
+        if (cli_parse_double(v, &o->temp) || !(o->temp >= 0 && o->temp <= 100))
+            cli_usage_error(sub, "--temp %s: expected a number in [0, 100]", v);
+        return 1;
+    }
+    if (!strcmp(argv[*i], "--compare")) {
+        parse_compare(cli_need(sub, argc, argv, i), o);
+        return 1;
+    }
+    return 0;
+}
+
 static void parse(int argc, char **argv, run_opts *o) {
     memset(o, 0, sizeof *o);
     model_opts_init(&o->mo);
     o->n = 200;
     o->seed = 1;
     o->nmethods = 1; /* methods[0] is --method, set after the loop */
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            run_help(stdout);
-            exit(0);
-        } else if (model_opt("run", argc, argv, &i, &o->mo))
-            continue;
-        else if (!strcmp(a, "--prompt"))
-            o->prompt = cli_need("run", argc, argv, &i);
-        else if (!strcmp(a, "--prompt-file"))
-            o->prompt_file = cli_need("run", argc, argv, &i);
-        else if (!strcmp(a, "-n"))
-            o->n = cli_need_int("run", argc, argv, &i, 0, (int64_t)1 << 30);
-        else if (!strcmp(a, "--seed"))
-            o->seed = cli_need_int("run", argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--quiet"))
-            o->quiet = 1;
-        else if (!strcmp(a, "--temp")) {
-            const char *v = cli_need("run", argc, argv, &i);
-            if (cli_parse_double(v, &o->temp) || !(o->temp >= 0 && o->temp <= 100))
-                cli_usage_error("run", "--temp %s: expected a number in [0, 100]", v);
-        } else if (!strcmp(a, "--compare"))
-            parse_compare(cli_need("run", argc, argv, &i), o);
-        else
-            cli_usage_error("run", "unknown option '%s'", a);
-    }
+    model_parse("run", argc, argv, run_help, &o->mo, run_table, CLI_NOPTS(run_table), run_extra, o);
     o->methods[0] = o->mo.method;
     if (o->prompt && o->prompt_file)
         cli_usage_error("run", "give --prompt or --prompt-file, not both");

@@ -58,7 +58,7 @@ static void gather_rows(const ekv_paged_kv *kv, const void *base, const int32_t 
  * once the model is open. */
 typedef struct {
     model_opts mo;
-    const char *text_path, *out;
+    const char *text_path, *out, *layers_arg;
     int64_t N, S, offset;
     int64_t layer_ids[256];
     int nlayers;
@@ -84,39 +84,27 @@ static void parse_layers(const char *arg, trace_opts *o) {
                                 (long long)o->layer_ids[l]);
 }
 
+static const cli_opt trace_table[] = {
+        CLI_STR("--text", trace_opts, text_path),
+        CLI_STR("--out", trace_opts, out),
+        CLI_INT("--ctx", trace_opts, N, 2, (int64_t)1 << 30),
+        CLI_INT("--offset", trace_opts, offset, 0, INT64_MAX),
+        CLI_INT("--queries", trace_opts, S, 1, 4096),
+        CLI_STR("--layers", trace_opts, layers_arg),
+};
+
 static void trace_parse(int argc, char **argv, trace_opts *o) {
     memset(o, 0, sizeof *o);
     model_opts_init(&o->mo);
     o->N = 8192;
     o->S = 16;
     o->nlayers = -1;
-    const char *layers_arg = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            trace_help(stdout);
-            exit(0);
-        } else if (model_opt("trace", argc, argv, &i, &o->mo))
-            continue;
-        else if (!strcmp(a, "--text"))
-            o->text_path = cli_need("trace", argc, argv, &i);
-        else if (!strcmp(a, "--out"))
-            o->out = cli_need("trace", argc, argv, &i);
-        else if (!strcmp(a, "--ctx"))
-            o->N = cli_need_int("trace", argc, argv, &i, 2, (int64_t)1 << 30);
-        else if (!strcmp(a, "--offset"))
-            o->offset = cli_need_int("trace", argc, argv, &i, 0, INT64_MAX);
-        else if (!strcmp(a, "--queries"))
-            o->S = cli_need_int("trace", argc, argv, &i, 1, 4096);
-        else if (!strcmp(a, "--layers"))
-            layers_arg = cli_need("trace", argc, argv, &i);
-        else
-            cli_usage_error("trace", "unknown option '%s'", a);
-    }
+    model_parse("trace", argc, argv, trace_help, &o->mo, trace_table, CLI_NOPTS(trace_table), NULL,
+                o);
     if (!o->text_path || !o->out)
         cli_usage_error("trace", "--text FILE and --out FILE are required");
     if (o->S >= o->N) cli_usage_error("trace", "--queries must be below --ctx");
-    if (layers_arg) parse_layers(layers_arg, o);
+    if (o->layers_arg) parse_layers(o->layers_arg, o);
 }
 
 /* Resolves "all layers" and checks the listed ones exist: CLI_USAGE if one does not. */
@@ -268,33 +256,15 @@ static int trace_report(const trace_opts *o, ekv_model *m, trace_bufs *b) {
 int cmd_trace(int argc, char **argv) {
     trace_opts o;
     trace_parse(argc, argv, &o);
-    int64_t len;
-    char *text = cli_read_file(o.text_path, &len);
-    if (!text) {
-        fprintf(stderr, "entmaxkv trace: cannot read '%s'\n", o.text_path);
-        return 1;
-    }
-    if (o.offset >= len || len - o.offset < o.N) {
-        fprintf(stderr, "entmaxkv trace: '%s' has fewer than %lld bytes after offset %lld\n",
-                o.text_path, (long long)o.N, (long long)o.offset);
-        free(text);
-        return 1;
-    }
-    ekv_context *ctx;
-    ekv_model *m;
-    if (model_open("trace", &o.mo, o.N, &ctx, &m)) {
-        free(text);
-        return 1;
-    }
+    model_session s;
+    if (model_open_text("trace", &o.mo, o.text_path, o.offset, o.N, &s)) return 1;
     trace_bufs b;
     memset(&b, 0, sizeof b);
-    int rc = trace_layers(&o, ekv_model_get_config(m));
-    if (!rc) rc = trace_alloc(&o, ekv_model_get_config(m), &b);
-    if (!rc) rc = trace_run(&o, ctx, m, text, &b);
-    if (!rc) rc = trace_report(&o, m, &b);
+    int rc = trace_layers(&o, ekv_model_get_config(s.m));
+    if (!rc) rc = trace_alloc(&o, ekv_model_get_config(s.m), &b);
+    if (!rc) rc = trace_run(&o, s.ctx, s.m, s.text, &b);
+    if (!rc) rc = trace_report(&o, s.m, &b);
     trace_bufs_free(&b);
-    free(text);
-    ekv_model_free(m);
-    ekv_context_free(ctx);
+    model_close(&s);
     return rc;
 }

@@ -463,11 +463,9 @@ int wl_opt(const char *sub, int argc, char **argv, int *i, wl_opts *o, int64_t m
         o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
     else if (!strcmp(a, "--seed"))
         o->seed = cli_need_int(sub, argc, argv, i, 0, INT64_MAX);
-    else if (!strcmp(a, "--dtype")) {
-        const char *v = cli_need(sub, argc, argv, i);
-        if (ekv_dtype_from_name(v, &o->dtype))
-            cli_usage_error(sub, "--dtype %s: expected f32, f16 or bf16", v);
-    } else
+    else if (!strcmp(a, "--dtype"))
+        o->dtype = cli_need_dtype(sub, argc, argv, i);
+    else
         return 0;
     return 1;
 }
