@@ -49,8 +49,9 @@ static int build(ekv_context *ctx, built_cache *bc, int batch, const int64_t *le
     for (int b = 0; b < batch; b++) ekv_cache_seq_new(bc->cache, &bc->seqs[b]);
     test_rng rng = {seed};
     int64_t row = (int64_t)Hk * D;
-    float *k = malloc(sizeof(float) * (size_t)(row * 97)),
-          *v = malloc(sizeof(float) * (size_t)(row * 97));
+    /* zeroed: the filler sequence appends up to 5 rows, more than a short chunk wrote */
+    float *k = calloc((size_t)(row * 97), sizeof(float)),
+          *v = calloc((size_t)(row * 97), sizeof(float));
     for (int b = 0; b < batch; b++) {
         test_rng r2 = {seed * 31 + (uint64_t)b + 1};
         for (int64_t pos = 0; pos < lens[b];) {

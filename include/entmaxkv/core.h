@@ -175,6 +175,11 @@ typedef struct ekv_page_stats {
     int32_t superpage_pages;
     const float *smin;
     const float *smax;
+    /* Key codes (docs/math.md §10.1, optional): code_bits 4 or 8 (0 = none); codes of token
+     * slot t of physical page pg, KV head h at codes + ((pg*num_kv_heads + h)*page_size + t)
+     * * ceil(head_dim*code_bits/8), relative to the page's kmin/kmax. */
+    const uint8_t *codes;
+    int32_t code_bits;
     int64_t num_superpages; /* superpages smin/smax hold (ekv_cache_kv_view sets it); the bound
                              * stage checks it covers every physical page */
 } ekv_page_stats;
@@ -204,6 +209,8 @@ typedef struct ekv_cache_params {
     ekv_dtype dtype;         /* storage dtype of K and V (default f16)                      */
     int32_t max_seqs;        /* sequences alive at once (default 64)                       */
     int32_t superpage_pages; /* physical pages per superpage summary, 0 = none (default 16) */
+    int32_t code_bits;       /* per-token key codes for screened decode (docs/math.md §10):  */
+                             /* 0 = none (default), 4 or 8 bits per channel                   */
 } ekv_cache_params;
 
 EKV_API ekv_cache_params ekv_cache_default_params(void);

@@ -32,6 +32,7 @@ ekv_cache_params ekv_cache_default_params(void) {
     p.dtype = EKV_DTYPE_F16;
     p.max_seqs = 64;
     p.superpage_pages = 16;
+    p.code_bits = 0;
     return p;
 }
 
@@ -40,6 +41,13 @@ int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size) {
     int64_t per = tokens / page_size + (tokens % page_size != 0), total;
     if (ekv_mul_i64(per, seqs, &total)) return -1;
     return total;
+}
+
+/* Bytes of the key codes: one row per (page, KV head, slot); 0 without codes. Called after
+ * the sizes of K and V are known not to overflow, which bounds this (a row is at most D bytes). */
+int64_t ekv_cache_code_bytes(const ekv_cache_params *p) {
+    return p->num_pages * p->num_kv_heads * p->page_size *
+           ekv_code_row_bytes(p->head_dim, p->code_bits);
 }
 
 /* Computes every byte count of the pool, with overflow checks. */
@@ -51,9 +59,8 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     if (p->num_pages > INT32_MAX)
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
                         "num_pages=%lld exceeds the int32 page-id range", (long long)p->num_pages);
-    if (p->page_size < 1 || p->page_size > 256)
-        return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%d must be in [1, 256]",
-                        p->page_size);
+    ekv_status st = ekv_check_page_size(ctx, p->page_size);
+    if (st) return st;
     if (p->num_kv_heads <= 0 || p->num_kv_heads > 4096)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]",
                         p->num_kv_heads);
@@ -66,6 +73,9 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     if (p->superpage_pages < 0 || p->superpage_pages > 4096)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
+    if (p->code_bits != 0 && p->code_bits != 4 && p->code_bits != 8)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "code_bits=%d must be 0 (none), 4 or 8",
+                        p->code_bits);
     if (p->max_seqs <= 0 || p->max_seqs > (1 << 24))
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]",
                         p->max_seqs);
@@ -83,6 +93,7 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     *kv_bytes = kvb / 2;
     *stat_floats = sf;
     *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
+    *total += ekv_cache_code_bytes(p);
     if (p->superpage_pages > 0) /* two fp32 arrays per (superpage, head, dim) */
         *total += ((p->num_pages + p->superpage_pages - 1) / p->superpage_pages) * p->num_kv_heads *
                   p->head_dim * 8;
@@ -105,6 +116,7 @@ void ekv_cache_free(ekv_cache *c) {
     free(c->kmean);
     free(c->km2);
     free(c->radius);
+    free(c->codes);
     free(c->smin);
     free(c->smax);
     free(c->in_super);
@@ -159,11 +171,13 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
         c->smax = malloc((size_t)(nsp * params->num_kv_heads * params->head_dim) * sizeof(float));
         c->in_super = calloc((size_t)params->num_pages, 1);
     }
+    const int64_t code_bytes = ekv_cache_code_bytes(params);
+    if (code_bytes) c->codes = pool_alloc((size_t)code_bytes);
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
     if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius ||
-        (nsp && (!c->smin || !c->smax || !c->in_super)) || !c->count || !c->free_pages ||
-        !c->seqs) {
+        (nsp && (!c->smin || !c->smax || !c->in_super)) || (code_bytes && !c->codes) || !c->count ||
+        !c->free_pages || !c->seqs) {
         ekv_cache_free(c);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
                         "cannot allocate %.2f GiB for %lld pages (K, V and summaries)",
@@ -262,6 +276,8 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->superpage_pages = c->smin ? c->p.superpage_pages : 0;
         stats->smin = c->smin;
         stats->smax = c->smax;
+        stats->codes = c->codes;
+        stats->code_bits = c->codes ? c->p.code_bits : 0;
         stats->num_superpages =
                 c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
     }

@@ -2,6 +2,7 @@
 #ifndef EKV_CACHE_INTERNAL_H
 #define EKV_CACHE_INTERNAL_H
 #include "../core/internal.h"
+#include "../core/codes.h"
 
 typedef struct ekv_seq {
     int alive;
@@ -18,6 +19,7 @@ struct ekv_cache {
     float *kmin, *kmax, *kmean, *km2; /* [page][head][dim] */
     float *radius;                    /* [page][head] */
     float *smin, *smax;               /* [superpage][head][dim], NULL without superpages */
+    uint8_t *codes;      /* [page][head][slot][code row], NULL without codes (codes.c) */
     uint8_t *in_super;   /* [page] 1 if the page's keys may still be in its superpage box */
     int32_t *count;      /* [page] tokens in the page */
     int32_t *free_pages; /* stack of free page ids */
@@ -34,6 +36,11 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page);
 void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n);
 /* Recomputes the superpage box of the superpage holding `page` from its pages (all heads). */
 void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page);
+/* Bytes of the key codes of a pool (cache.c). */
+int64_t ekv_cache_code_bytes(const ekv_cache_params *p);
+/* Re-derives the codes of every token of (page, head) from the stored keys and the page's
+ * current range (codes.c): after an append widened a range, no code is stale. */
+void ekv_codes_update_page(ekv_cache *c, int32_t page, int32_t head);
 /* Recomputes the exact radius of (page, head) from the stored keys and stored mean. */
 void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head);
 #endif

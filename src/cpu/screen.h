@@ -1,0 +1,36 @@
+/* Per-token score bounds from the key codes (screen.c, docs/math.md §10.2). */
+#ifndef EKV_CPU_SCREEN_H
+#define EKV_CPU_SCREEN_H
+#include "../core/internal.h"
+
+/* What the bound adds beyond the code error, kept apart so the tests can show each term is
+ * needed (a halved code error or a dropped slack must produce a violation). Production
+ * code passes ekv_screen_exact. */
+typedef struct ekv_screen_terms {
+    double code_error; /* multiplier of the s_c / 2 reconstruction error (1)              */
+    int slack;         /* 1: the fp32 rounding slack of both scores and of the ALiBi term */
+} ekv_screen_terms;
+extern const ekv_screen_terms ekv_screen_exact;
+
+/* One page of one KV head, for the G query heads of its group. */
+typedef struct ekv_screen_page {
+    const float *kmin, *kmax; /* the page's stored range for this KV head [D]            */
+    const uint8_t *codes;     /* the page's code rows for this KV head [page_size][row]   */
+    int32_t bits;
+    int64_t D, ntok;                /* head dim; valid tokens of the page                      */
+    const float *bias0, *bias_step; /* [G] the ALiBi terms the score kernel gets, or NULL */
+    const double *alibi_slack;      /* [G] 16u|a m_h| (|first - (N-1)| + page_size), or NULL */
+} ekv_screen_page;
+
+/*
+ * lo[g*ld + t] <= z_t,g <= hi[g*ld + t] for every token t < ntok and head g < G, where z is
+ * the fp32 score the score kernels compute from the scaled queries qs [G][D] (ldq apart).
+ * scratch: ekv_screen_scratch_bytes(D) bytes, 8-byte aligned.
+ */
+static inline int64_t ekv_screen_scratch_bytes(int64_t D) {
+    return D * (int64_t)(sizeof(double) + 2 * sizeof(float));
+}
+void ekv_cpu_screen_page(const ekv_screen_page *pg, const float *qs, int64_t ldq, int G,
+                         const ekv_screen_terms *terms, void *scratch, float *lo, float *hi,
+                         int64_t ld);
+#endif
