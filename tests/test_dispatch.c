@@ -36,6 +36,7 @@ static void setup(fixture *f) {
     cp.dtype = EKV_DTYPE_F32;
     cp.max_seqs = B;
     cp.superpage_pages = 4;
+    cp.code_bits = 4; /* for screened */
     cp.num_pages = ekv_cache_pages_for(lens[0], B, PS);
     CHECK(ekv_cache_create(f->ctx, &cp, &f->cache) == EKV_OK, "cache");
     test_rng r = {42};
@@ -110,7 +111,8 @@ static void check_cpu(fixture *f, ekv_select_method m, double alpha, int full_bu
     CHECK(!memcmp(out, want, sizeof out), "%s alpha %g: ekv_decode differs from its stages (%.3g)",
           ekv_method_name(m), alpha, max_abs_diff(out, want, B * H * D));
     const int exact = m == EKV_SELECT_DENSE || m == EKV_SELECT_CERTIFIED ||
-                      m == EKV_SELECT_ORACLE || (m == EKV_SELECT_TOPK && full_budget);
+                      m == EKV_SELECT_ORACLE || m == EKV_SELECT_SCREENED ||
+                      (m == EKV_SELECT_TOPK && full_budget);
     if (!exact) return;
     CHECK(ekv_decode_dense_ref(f->ctx, &dp, &f->kv, &f->tab, f->q, ref, NULL) == EKV_OK, "ref");
     const double e = max_abs_diff(out, ref, B * H * D);
@@ -130,8 +132,8 @@ static void check_other_backends(fixture *f) {
         CHECK((r == EKV_OK) == (m == EKV_SELECT_DENSE), "ref backend, %s: %d",
               ekv_method_name(sp.method), r);
         const ekv_status c = ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp);
-        CHECK((c == EKV_OK) == (m != EKV_SELECT_ORACLE), "cuda backend, %s: %d",
-              ekv_method_name(sp.method), c);
+        CHECK((c == EKV_OK) == (m != EKV_SELECT_ORACLE && m != EKV_SELECT_SCREENED),
+              "cuda backend, %s: %d", ekv_method_name(sp.method), c);
         sp.per_query_head = 1;
         CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp) ==
                       (m == EKV_SELECT_ORACLE ? c : EKV_ERR_UNSUPPORTED),

@@ -270,6 +270,7 @@ typedef struct ekv_decode_info {
     int64_t bytes_v;  /* bytes of V read (entmax: support rows only, union per KV head) */
     /* ekv_decode only (the other calls leave these as they are): */
     int64_t bytes_summary; /* output: page statistics read by the bound stage           */
+    int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept */
     int64_t lists_round2;  /* output, certified: page lists that needed round 2         */
     int32_t *pages_round1; /* certified, [one per page list]: pages read in round 1     */
     int32_t *pages_round2; /* certified, [one per page list]: pages added in round 2    */
@@ -293,19 +294,29 @@ EKV_API ekv_status ekv_decode_dense_ref(ekv_context *ctx, const ekv_decode_param
 /* ---------------------------------------------------------------------------------- */
 /* Page selection and attention over selected pages (docs/math.md §2, 3)                         */
 /* ---------------------------------------------------------------------------------- */
+/*
+ * The select methods (docs/architecture.md, "Methods and the stage table"):
+ *   dense      every page
+ *   topk       the pages with the largest box bound within a token budget
+ *   oracle     the pages holding the dense entmax support (evaluation only)
+ *   gaussian   the Gaussian-aware selector of docs/math.md §4 (alpha 2, 1.5 or 4/3)
+ *   certified  top-k by certified bounds, then every page the bounds cannot rule out
+ *              (docs/math.md §9.3); equals dense entmax
+ *   screened   per-token bounds from the cache's key codes rule tokens out in one pass
+ *              (docs/math.md §10); the pages with a surviving token are attended; equals
+ *              dense entmax. Needs a cache with code_bits 4 or 8 and alpha > 1.
+ */
 typedef enum ekv_select_method {
-    EKV_SELECT_DENSE = 0,  /* every page                                                   */
-    EKV_SELECT_TOPK = 1,   /* the pages with the largest box bound within a token budget    */
-    EKV_SELECT_ORACLE = 2, /* the pages holding the dense entmax support (evaluation only)  */
-    EKV_SELECT_GAUSSIAN =
-            3, /* the Gaussian-aware selector of docs/math.md §4 (alpha 2, 1.5 or 4/3)   */
-    EKV_SELECT_CERTIFIED =
-            4 /* certified decode (docs/math.md §9.3): top-k by certified bounds, then  */
-              /* every page the bounds cannot rule out; equals dense entmax    */
+    EKV_SELECT_DENSE = 0,
+    EKV_SELECT_TOPK = 1,
+    EKV_SELECT_ORACLE = 2,
+    EKV_SELECT_GAUSSIAN = 3,
+    EKV_SELECT_CERTIFIED = 4,
+    EKV_SELECT_SCREENED = 5
 } ekv_select_method;
-#define EKV_SELECT_METHOD_COUNT 5
+#define EKV_SELECT_METHOD_COUNT 6
 
-/* "dense", "topk", "oracle", "gaussian", "certified"; NULL if unknown. */
+/* "dense", "topk", "oracle", "gaussian", "certified", "screened"; NULL if unknown. */
 EKV_API const char *ekv_method_name(ekv_select_method method);
 EKV_API ekv_status ekv_method_from_name(const char *name, ekv_select_method *out);
 
@@ -384,6 +395,7 @@ typedef struct ekv_page_list {
     int32_t *pages;
     int64_t capacity;
     int64_t bytes_summary; /* output: bytes of page statistics the bound stage read  */
+    int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept */
     /* tau for the fixed/corrected modes: tau[b*num_heads + h] (z-space), written by the
      * gaussian selector when the caller provides the array ([batch*num_heads]). */
     double *tau;

@@ -20,6 +20,8 @@ static const ekv_method_info method_table[EKV_SELECT_METHOD_COUNT] = {
                                  0},
         [EKV_SELECT_CERTIFIED] = {"certified", EKV_STAGE_BOUND | EKV_STAGE_TOPK | EKV_STAGE_ROUND2,
                                   CPU_ | CUDA_, EKV_NEEDS_MINMAX | EKV_NEEDS_BALL, 1, 1},
+        [EKV_SELECT_SCREENED] = {"screened", EKV_STAGE_SCREEN, CPU_,
+                                 EKV_NEEDS_MINMAX | EKV_NEEDS_CODES, 1, 0},
 };
 
 static const char *const backend_names[] = {"cpu", "ref", "cuda"};
@@ -89,6 +91,11 @@ ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_
     if ((needs & EKV_NEEDS_MOMENTS) && (!st->kmean || !st->km2 || !st->count))
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
                         "stats->kmean/km2/count is NULL (needed by the %s selector)", mi->name);
+    if ((needs & EKV_NEEDS_CODES) && (!st->codes || (st->code_bits != 4 && st->code_bits != 8)))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "%s needs key codes: stats->codes with code_bits 4 or 8 (a cache created "
+                        "with code_bits; stats has code_bits %d)",
+                        mi->name, st->code_bits);
     return (mi->stages & EKV_STAGE_BOUND) ? check_superpages(ctx, kv, st) : EKV_OK;
 }
 
@@ -176,7 +183,8 @@ ekv_status ekv_decode_supported(ekv_context *ctx, ekv_backend backend, const ekv
     if (!mi)
         return ekv_fail(
                 ctx, EKV_ERR_INVALID_ARGUMENT,
-                "select method %d is not dense (0), topk (1), oracle (2), gaussian (3) or certified (4)",
+                "select method %d is not dense (0), topk (1), oracle (2), gaussian (3), certified (4) or "
+                "screened (5)",
                 (int)s->method);
     ekv_status st = ekv_check_params(ctx, p);
     if (!st && s) st = check_select(ctx, mi, p, s);

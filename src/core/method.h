@@ -14,10 +14,16 @@ enum {
     EKV_STAGE_GAUSS = 1u << 2,  /* page lists: score moments + the Gaussian page rule         */
     EKV_STAGE_ORACLE = 1u << 3, /* page lists: the pages of the dense support (evaluation)    */
     EKV_STAGE_ROUND2 = 1u << 4, /* certified: add the pages whose bound beats round 1's tau   */
-    EKV_STAGES_LIST = EKV_STAGE_TOPK | EKV_STAGE_GAUSS | EKV_STAGE_ORACLE
+    EKV_STAGE_SCREEN = 1u << 5, /* page lists: the pages with a token the key codes keep       */
+    EKV_STAGES_LIST = EKV_STAGE_TOPK | EKV_STAGE_GAUSS | EKV_STAGE_ORACLE | EKV_STAGE_SCREEN
 };
 
-enum { EKV_NEEDS_MINMAX = 1u << 0, EKV_NEEDS_BALL = 1u << 1, EKV_NEEDS_MOMENTS = 1u << 2 };
+enum {
+    EKV_NEEDS_MINMAX = 1u << 0,
+    EKV_NEEDS_BALL = 1u << 1,
+    EKV_NEEDS_MOMENTS = 1u << 2,
+    EKV_NEEDS_CODES = 1u << 3
+};
 
 typedef struct ekv_method_info {
     const char *name;

@@ -51,6 +51,11 @@ ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
                                  const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                                  float *out, ekv_decode_info *info, ekv_certified_info *ci);
 /* The oracle policy (src/eval/oracle.c): the pages of the dense support, evaluation only. */
+/* The screened policy (src/select/screened.c): the pages holding a token the key codes keep. */
+ekv_status ekv_select_screened(ekv_context *ctx, const ekv_decode_params *prm,
+                               const ekv_select_params *sel, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                               ekv_page_list *list);
 ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm,
                                  const ekv_select_params *sel, const ekv_paged_kv *kv,
                                  const ekv_page_table *t, const float *q, ekv_page_list *list);

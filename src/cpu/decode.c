@@ -36,7 +36,10 @@ static ekv_status run_listed(ekv_context *ctx, const ekv_decode_params *prm,
     if (s) return s;
     const ekv_lists_args a = {.mode = EKV_LISTS_OUTPUT, .list = &list, .out = out, .info = info};
     s = ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a);
-    if (!s && info) info->bytes_summary = list.bytes_summary;
+    if (!s && info) {
+        info->bytes_summary = list.bytes_summary;
+        info->survivors = list.survivors;
+    }
     return s;
 }
 
@@ -61,7 +64,7 @@ static ekv_status run_method(ekv_context *ctx, const ekv_decode_params *prm,
                              const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                              float *out, ekv_decode_info *info) {
     const unsigned stages = ekv_method_info_of(ekv_step_method(sel))->stages;
-    if (info) info->bytes_summary = info->lists_round2 = 0;
+    if (info) info->bytes_summary = info->lists_round2 = info->survivors = 0;
     if (stages & EKV_STAGE_ROUND2) return run_certified(ctx, prm, sel, kv, st, t, q, out, info);
     if (stages & EKV_STAGES_LIST) return run_listed(ctx, prm, sel, kv, st, t, q, out, info);
     return ekv_cpu_dense_run(ctx, prm, kv, t, q, out, info);

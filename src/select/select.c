@@ -245,7 +245,10 @@ ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm,
     ekv_status s = EKV_OK;
     list->tau_mode = EKV_TAU_EXACT;
     list->correction_iters = 0;
-    if (stages & EKV_STAGE_GAUSS)
+    list->survivors = 0;
+    if (stages & EKV_STAGE_SCREEN)
+        s = ekv_select_screened(ctx, prm, sel, kv, st, t, q, list);
+    else if (stages & EKV_STAGE_GAUSS)
         s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
     else if (stages & EKV_STAGE_ORACLE)
         s = ekv_select_oracle_run(ctx, prm, sel, kv, t, q, list);
