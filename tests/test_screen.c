@@ -104,11 +104,11 @@ static void check_codes(const ekv_paged_kv *kv, const ekv_page_stats *st, int32_
 }
 
 /* Counts the tokens (x heads) of one page whose computed score leaves [lo, hi] under terms. */
-static int64_t violations(const ekv_screen_page *pg, const float *qs, int G,
-                          const ekv_screen_terms *terms, const float *z, int64_t ld) {
+static int64_t violations(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
+                          int G, const ekv_screen_terms *terms, const float *z, int64_t ld) {
     float lo[64 * 4], hi[64 * 4];
-    double scratch[3 * 64];
-    ekv_cpu_screen_page(pg, qs, pg->D, G, terms, scratch, lo, hi, ld);
+    float scratch[3 * 33 + 3 * 4 * 33]; /* ekv_screen_scratch_bytes(33, 4) */
+    ekv_cpu_screen_page(kern, pg, qs, pg->D, G, terms, scratch, lo, hi, ld);
     int64_t bad = 0;
     for (int g = 0; g < G; g++)
         for (int64_t t = 0; t < pg->ntok; t++)
@@ -172,9 +172,9 @@ static void check_case(ekv_context *ctx, int ci, counts *n) {
                                  NULL);
                 const ekv_screen_terms halved = {0.5, 1}, noslack = {1.0, 0};
                 n->checked += ntok * G;
-                n->exact += violations(&pg, qs, G, &ekv_screen_exact, z, 64);
-                n->halved += violations(&pg, qs, G, &halved, z, 64);
-                n->noslack += violations(&pg, qs, G, &noslack, z, 64);
+                n->exact += violations(kerns[kk], &pg, qs, G, &ekv_screen_exact, z, 64);
+                n->halved += violations(kerns[kk], &pg, qs, G, &halved, z, 64);
+                n->noslack += violations(kerns[kk], &pg, qs, G, &noslack, z, 64);
             }
         }
     }

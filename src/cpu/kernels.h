@@ -50,6 +50,15 @@ typedef struct ekv_cpu_kernels {
                     float *f32);
     /* w[i] = exp(z[i] - m) for i in [0, n) (w may equal z); returns the sum of w. */
     double (*exp_shift)(const float *z, int64_t n, float m, float *w);
+    /*
+     * The screen's dot products (docs/math.md §10.2): for ntok rows of b-bit key codes (row t
+     * at codes + t*row_bytes, D channels in the layout of src/core/codes.h) and G weight
+     * vectors w[g*ldw .. + D): dots[g*ldd + t] = sum_c w[g][c] * code_tc in fp32, any order
+     * (the screen's error term covers it). D is a multiple of 16 for the SIMD versions'
+     * fast path; other D use the scalar one.
+     */
+    void (*code_dots)(const uint8_t *codes, int64_t row_bytes, int64_t ntok, int32_t bits,
+                      int64_t D, const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
 } ekv_cpu_kernels;
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa);

@@ -109,7 +109,48 @@ void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int
 void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
                         float *f32);
 
+void ekv_code_dots_scalar(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
+                          const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
+
+/* 8 codes of a row from channel d on, as floats (4-bit: channel 2j is the low nibble). */
+static inline __m256 codes8_avx2(const uint8_t *row, int64_t d, int32_t bits) {
+    __m128i b;
+    if (bits == 8) {
+        b = _mm_loadl_epi64((const __m128i *)(row + d));
+    } else {
+        int32_t x;
+        memcpy(&x, row + d / 2, 4);
+        const __m128i v = _mm_cvtsi32_si128(x), m = _mm_set1_epi8(15);
+        b = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+static void code_dots_avx2(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
+                           const float *w, int64_t ldw, int G, float *dots, int64_t ldd) {
+    if (D % 16 || G > 16) {
+        ekv_code_dots_scalar(codes, rb, ntok, bits, D, w, ldw, G, dots, ldd);
+        return;
+    }
+    for (int64_t t = 0; t < ntok; t++) {
+        const uint8_t *row = codes + t * rb;
+        __m256 acc[16];
+        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 c = codes8_avx2(row, d, bits);
+            for (int g = 0; g < G; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(w + g * ldw + d), c, acc[g]);
+        }
+        for (int g = 0; g < G; g++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            dots[g * ldd + t] = _mm_cvtss_f32(s);
+        }
+    }
+}
+
 const ekv_cpu_kernels ekv_cpu_kernels_avx2 = {
-        score_avx2,           accum_avx2,         ekv_compact_gt_scalar,
-        ekv_bound_box_scalar, ekv_convert_scalar, ekv_exp_shift_scalar};
+        score_avx2,         accum_avx2,           ekv_compact_gt_scalar, ekv_bound_box_scalar,
+        ekv_convert_scalar, ekv_exp_shift_scalar, code_dots_avx2};
 #endif

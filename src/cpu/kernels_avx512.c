@@ -311,7 +311,43 @@ static void convert_avx512(const void *src, ekv_dtype sdt, void *dst, ekv_dtype 
     }
 }
 
+void ekv_code_dots_scalar(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
+                          const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
+
+/* 16 codes of a row from channel d on, as floats (4-bit: channel 2j is the low nibble). */
+INLINE __m512 codes16(const uint8_t *row, int64_t d, int32_t bits) {
+    __m128i b;
+    if (bits == 8) {
+        b = _mm_loadu_si128((const __m128i *)(row + d));
+    } else {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(row + d / 2)), m = _mm_set1_epi8(15);
+        b = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+
+static void code_dots_avx512(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits,
+                             int64_t D, const float *w, int64_t ldw, int G, float *dots,
+                             int64_t ldd) {
+    if (D % 16 || G > 16) {
+        ekv_code_dots_scalar(codes, rb, ntok, bits, D, w, ldw, G, dots, ldd);
+        return;
+    }
+    for (int64_t t = 0; t < ntok; t++) {
+        const uint8_t *row = codes + t * rb;
+        __m512 acc[16];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 c = codes16(row, d, bits);
+            for (int g = 0; g < G; g++)
+                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(w + g * ldw + d), c, acc[g]);
+        }
+        for (int g = 0; g < G; g++) dots[g * ldd + t] = _mm512_reduce_add_ps(acc[g]);
+    }
+}
+
 const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512,     accum_avx512,   compact_avx512,
-                                                bound_box_avx512, convert_avx512, exp_shift_avx512};
+                                                bound_box_avx512, convert_avx512, exp_shift_avx512,
+                                                code_dots_avx512};
 
 #endif

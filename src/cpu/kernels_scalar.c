@@ -1,6 +1,7 @@
 /* Portable scalar kernels (the fallback, and the baseline the SIMD kernels are tested
  * against). Contracts in kernels.h. */
 #include "kernels.h"
+#include "../core/codes.h"
 
 static void score_scalar(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                          const float *q, int64_t ldq, int G, const float *bias0,
@@ -79,9 +80,30 @@ double ekv_exp_shift_scalar(const float *z, int64_t n, float m, float *w) {
     return s;
 }
 
-const ekv_cpu_kernels ekv_cpu_kernels_scalar = {score_scalar,          accum_scalar,
-                                                ekv_compact_gt_scalar, ekv_bound_box_scalar,
-                                                ekv_convert_scalar,    ekv_exp_shift_scalar};
+void ekv_code_dots_scalar(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
+                          const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
+void ekv_code_dots_scalar(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
+                          const float *w, int64_t ldw, int G, float *dots, int64_t ldd) {
+    enum { CH = 256 }; /* channels unpacked at a time */
+    float c[CH];
+    for (int64_t t = 0; t < ntok; t++) {
+        const uint8_t *row = codes + t * rb;
+        for (int g = 0; g < G; g++) dots[g * ldd + t] = 0.f;
+        for (int64_t d0 = 0; d0 < D; d0 += CH) {
+            const int64_t n = D - d0 < CH ? D - d0 : CH;
+            for (int64_t i = 0; i < n; i++) c[i] = (float)ekv_code_get(row, d0 + i, bits);
+            for (int g = 0; g < G; g++) {
+                float s = 0.f;
+                for (int64_t i = 0; i < n; i++) s += w[g * ldw + d0 + i] * c[i];
+                dots[g * ldd + t] += s;
+            }
+        }
+    }
+}
+
+const ekv_cpu_kernels ekv_cpu_kernels_scalar = {
+        score_scalar,       accum_scalar,         ekv_compact_gt_scalar, ekv_bound_box_scalar,
+        ekv_convert_scalar, ekv_exp_shift_scalar, ekv_code_dots_scalar};
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa) {
 #if defined(__x86_64__)

@@ -1,7 +1,7 @@
 /* Per-token score bounds from the key codes (screen.c, docs/math.md §10.2). */
 #ifndef EKV_CPU_SCREEN_H
 #define EKV_CPU_SCREEN_H
-#include "../core/internal.h"
+#include "kernels.h"
 
 /* What the bound adds beyond the code error, kept apart so the tests can show each term is
  * needed (a halved code error or a dropped slack must produce a violation). Production
@@ -25,12 +25,13 @@ typedef struct ekv_screen_page {
 /*
  * lo[g*ld + t] <= z_t,g <= hi[g*ld + t] for every token t < ntok and head g < G, where z is
  * the fp32 score the score kernels compute from the scaled queries qs [G][D] (ldq apart).
- * scratch: ekv_screen_scratch_bytes(D) bytes, 8-byte aligned.
+ * The code dot products run on kern->code_dots. scratch: ekv_screen_scratch_bytes(D, G)
+ * bytes, 8-byte aligned.
  */
-static inline int64_t ekv_screen_scratch_bytes(int64_t D) {
-    return D * (int64_t)(sizeof(double) + 2 * sizeof(float));
+static inline int64_t ekv_screen_scratch_bytes(int64_t D, int64_t G) {
+    return (3 * D + 3 * G * D) * (int64_t)sizeof(float);
 }
-void ekv_cpu_screen_page(const ekv_screen_page *pg, const float *qs, int64_t ldq, int G,
-                         const ekv_screen_terms *terms, void *scratch, float *lo, float *hi,
-                         int64_t ld);
+void ekv_cpu_screen_page(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
+                         int64_t ldq, int G, const ekv_screen_terms *terms, void *scratch,
+                         float *lo, float *hi, int64_t ld);
 #endif

@@ -29,10 +29,22 @@ typedef struct {
     float *w_lo, *w_hi;                     /* per worker [Gl][nmax] */
     int64_t *w_idx;                         /* per worker [nmax] */
     double *w_y, *w_y2;                     /* per worker [nmax] */
-    char *w_scratch;                        /* per worker, ekv_screen_scratch_bytes(D) */
+    char *w_scratch;                        /* per worker, ekv_screen_scratch_bytes(D, Gl) */
     int32_t *sel_pages;                     /* [B*heads][maxP] the pages each list keeps */
     int64_t *sel_count, *survivors, *bytes; /* per list */
 } screen_job;
+
+/* Brings a page's range and codes towards the core two pages ahead: the screen is short on
+ * compute per byte, so memory latency is what to hide (as the bound stage does). */
+static void prefetch_page(const screen_job *j, int32_t page, int64_t kvh, int64_t rb) {
+    const int64_t so = ((int64_t)page * j->sh.Hk + kvh) * j->sh.D;
+    const uint8_t *codes = j->st->codes + ((int64_t)page * j->sh.Hk + kvh) * j->sh.ps * rb;
+    for (int64_t d = 0; d < j->sh.D; d += 16) {
+        __builtin_prefetch(j->st->kmin + so + d, 0, 2);
+        __builtin_prefetch(j->st->kmax + so + d, 0, 2);
+    }
+    for (int64_t o = 0; o < j->sh.ps * rb; o += 64) __builtin_prefetch(codes + o, 0, 2);
+}
 
 /* The screen bounds of every token of sequence b for the list's heads. */
 static void screen_sequence(screen_job *j, int64_t b, int64_t h0, int64_t kvh, int worker,
@@ -46,6 +58,7 @@ static void screen_sequence(screen_job *j, int64_t b, int64_t h0, int64_t kvh, i
     for (int64_t p = 0; p < P; p++) {
         const int32_t page = t->indices[t->indptr[b] + p];
         const int64_t so = ((int64_t)page * Hk + kvh) * D;
+        if (p + 2 < P) prefetch_page(j, t->indices[t->indptr[b] + p + 2], kvh, rb);
         const int biased =
                 ekv_cpu_alibi_page(j->prm->alibi_slopes, j->sh.a, h0, j->Gl, p * ps, N, b0, bs);
         for (int64_t g = 0; biased && g < j->Gl; g++)
@@ -60,8 +73,9 @@ static void screen_sequence(screen_job *j, int64_t b, int64_t h0, int64_t kvh, i
                                     biased ? b0 : NULL,
                                     biased ? bs : NULL,
                                     biased ? slack : NULL};
-        ekv_cpu_screen_page(&pg, j->qs + (b * j->sh.H + h0) * D, D, (int)j->Gl, &ekv_screen_exact,
-                            j->w_scratch + worker * ekv_screen_scratch_bytes(D), lo + p * ps,
+        ekv_cpu_screen_page(j->kern, &pg, j->qs + (b * j->sh.H + h0) * D, D, (int)j->Gl,
+                            &ekv_screen_exact,
+                            j->w_scratch + worker * ekv_screen_scratch_bytes(D, j->Gl), lo + p * ps,
                             hi + p * ps, j->nmax);
     }
 }
@@ -115,7 +129,7 @@ static ekv_status screen_workspace(ekv_context *ctx, screen_job *j, const float 
                             W * nmax * 8,
                             W * nmax * 8,
                             W * nmax * 8,
-                            W * ekv_screen_scratch_bytes(D),
+                            W * ekv_screen_scratch_bytes(D, j->Gl),
                             nl * j->maxP * 4,
                             nl * 8,
                             nl * 8,
