@@ -128,6 +128,12 @@ expect_usage_error bench --method topk --budget 0
 expect_usage_error bench --method topk --budget 1.5
 expect_usage_error bench --method topk --budget 1/0
 expect_usage_error bench --method topk --budget-tokens 0
+expect_usage_error bench --method screened --code-bits 2
+expect_usage_error bench --method screened --code-bits x
+expect_usage_error bench --method screened --code-bits
+# screened is a CPU method: the library's support check refuses the other backends (exit 2)
+expect_usage_error bench --backend ref --method screened --len 64
+expect_usage_error bench --backend cuda --method screened --len 64
 expect_usage_error eval --methods foo
 expect_usage_error eval --budgets 0
 expect_usage_error eval --budgets 2
@@ -375,6 +381,32 @@ for wl in random planted heavy alibi; do
     check_bench_json "$J3" 1 '{"backend":"cpu","method":"topk","alpha":1.5,"len":[512],"heads":4,"kv_heads":2,"dim":32}'
 done
 
+# screened (CPU): the contract fields plus code_bits and survivors_mean; bytes_read counts the
+# screen's page ranges and codes
+for bits in 4 8; do
+    J3="$TMP/bench_screened_$bits.json"
+    run "" bench --method screened --code-bits $bits --workload planted --len 512,700 --heads 4 --kv-heads 2 \
+        --dim 32 --iters 2 --warmup 1 --threads 1 --json "$J3"
+    check "bench --method screened --code-bits $bits should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+    check_bench_json "$J3" 2 "{\"backend\":\"cpu\",\"method\":\"screened\",\"len\":[512,700],\"code_bits\":$bits}"
+    if [ -n "$PY" ] && [ -s "$J3" ]; then
+        $PY - "$J3" <<'EOF'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    # the screen reads every page's fp32 range (2 x dim x 4 bytes) and every token's codes
+    pages = -(-r["len"] // r["page"])
+    screen = r["kv_heads"] * (pages * 2 * r["dim"] * 4 + r["len"] * r["dim"] * r["code_bits"] // 8)
+    assert r["bytes_summary"] == screen and r["bytes_read"] > screen, r
+    assert 0 < r["survivors_mean"] <= r["len"] and r["support_mean"] <= r["survivors_mean"], r
+EOF
+        check "bench --method screened --code-bits $bits: survivors_mean and the screen's bytes" $?
+    fi
+done
+J3="$TMP/bench_dense_codes.json"
+run "" bench --len 256 --heads 4 --kv-heads 2 --dim 32 --iters 1 --warmup 0 --threads 1 --json "$J3"
+grep -q '"code_bits":0,"survivors_mean":null' "$J3"
+check "bench dense: code_bits 0 and survivors_mean null" $?
+
 # eval: the JSON rows of docs/cli.md, oracle exact, entmax-topk exact at a full budget
 J4="$TMP/eval.json"
 run "" eval --workload planted --len 512 --heads 4 --kv-heads 2 --dim 32 --steps 2 --threads 1 \
@@ -390,7 +422,20 @@ for r in rows:
     for k in need:
         assert k in r, "eval row lacks %s: %r" % (k, r)
 by = {(r["method"], r["budget"]): r for r in rows}
-assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "certified", "certified-gauss", "oracle"}, by.keys()
+assert {m for m, _ in by} == {"softmax-topk", "entmax-topk", "gaussian", "certified", "certified-gauss",
+                              "screened-4", "screened-8", "oracle"}, by.keys()
+# every row: bytes read / K+V bytes; oracle reads the fewest K+V rows of any exact method
+for r in rows:
+    assert 0 < r["bytes_fraction"] and r["code_bits"] in (0, 4, 8), r
+    assert (r["survivors_fraction"] is None) == (r["code_bits"] == 0), r
+for b in (4, 8):
+    s = [r for r in rows if r["method"] == "screened-%d" % b]
+    assert len(s) == 1 and s[0]["code_bits"] == b and s[0]["budget"] is None, s
+    s = s[0]
+    # exact: the dense output and the whole support in its pages
+    assert s["delta_max"] == 0 and s["recall_min"] == 1 and s["rel_err_max"] < 1e-5, s
+    assert 0 < s["survivors_fraction"] < 1 and s["bytes_vs_dense_entmax"] > 0, s
+    assert s["kv_fraction"] >= by[("oracle", None)]["kv_fraction"] - 1e-12, s
 for r in rows:
     if r["method"] in ("certified", "certified-gauss"):
         assert r["delta_max"] == 0 and r["rel_err_max"] < 1e-5 and r["certified_fraction"] == 1, r

@@ -6,6 +6,8 @@
  *   - a prefill in blocks gives the same logits as one token at a time, bit for bit;
  *   - certified decode gives the dense logits at every step, and so does top-k with a budget
  *     of every token; top-k at a small budget and the gaussian selector run and read less;
+ *   - screened decode (key codes of 4 and 8 bits) gives the dense logits and reads less than
+ *     the K+V bytes; without codes it is refused at load and at set_method;
  *   - reset, stats and the f16 cache.
  */
 #include "entmaxkv.h"
@@ -26,9 +28,10 @@ static double rel_diff(const float *a, const float *b, int64_t n) {
     return num / (den > 0 ? den : 1);
 }
 
-static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_select_method method,
-                       double budget) {
+static ekv_model *load_codes(ekv_context *ctx, int32_t page, ekv_dtype dt,
+                             ekv_select_method method, double budget, int32_t code_bits) {
     ekv_model_params p = ekv_model_default_params();
+    p.code_bits = code_bits;
     p.max_tokens = 200;
     p.page_size = page;
     p.kv_dtype = dt;
@@ -41,6 +44,11 @@ static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_select_
     return m;
 }
 
+static ekv_model *load(ekv_context *ctx, int32_t page, ekv_dtype dt, ekv_select_method method,
+                       double budget) {
+    return load_codes(ctx, page, dt, method, budget, 0);
+}
+
 /* All logits of the prompt, in one call (blocks of the engine) or one token at a time. */
 static int run(ekv_model *m, const int32_t *tok, int64_t n, int one_by_one, float *logits) {
     if (!m) return -1;
@@ -49,6 +57,62 @@ static int run(ekv_model *m, const int32_t *tok, int64_t n, int one_by_one, floa
     for (int64_t i = 0; i < n; i++)
         if (ekv_model_step(m, tok + i, 1, logits + i * 256) != EKV_OK) return -1;
     return 0;
+}
+
+/* Screened decode needs key codes: refused without them (at load and at set_method, naming
+ * code_bits); with 4- or 8-bit codes it gives the dense logits of the same model and cache,
+ * token by token and in blocks, and reads less than the K+V bytes. */
+static void test_screened(ekv_context *ctx, const int32_t *tok, int64_t n, float *got,
+                          float *dense) {
+    const int64_t V = 256;
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = 200;
+    p.method = EKV_SELECT_SCREENED;
+    ekv_model *m = NULL;
+    ekv_status s = ekv_model_load(ctx, model_path, &p, &m);
+    CHECK(s == EKV_ERR_INVALID_ARGUMENT && !m && strstr(ekv_last_error(ctx), "code_bits"),
+          "screened without codes: status %d, '%s'", (int)s, ekv_last_error(ctx));
+    m = load(ctx, 16, EKV_DTYPE_F32, EKV_SELECT_DENSE, 1.0);
+    if (m) {
+        s = ekv_model_set_method(m, EKV_SELECT_SCREENED, 1.0);
+        CHECK(s == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "code_bits"),
+              "set_method screened without codes: status %d, '%s'", (int)s, ekv_last_error(ctx));
+        ekv_model_free(m);
+    }
+    const struct {
+        int32_t bits, page;
+        ekv_dtype dt;
+    } cases[] = {{4, 16, EKV_DTYPE_F32}, {8, 16, EKV_DTYPE_F32}, {4, 5, EKV_DTYPE_F32},
+                 {4, 8, EKV_DTYPE_F16}, {8, 16, EKV_DTYPE_BF16}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        m = load_codes(ctx, cases[c].page, cases[c].dt, EKV_SELECT_DENSE, 1.0, cases[c].bits);
+        if (!m) continue;
+        CHECK(run(m, tok, n, 0, dense) == 0, "dense with codes: %s", ekv_last_error(ctx));
+        for (int one = 0; one < 2; one++) {
+            CHECK(ekv_model_set_method(m, EKV_SELECT_SCREENED, 1.0) == EKV_OK, "set screened: %s",
+                  ekv_last_error(ctx));
+            CHECK(run(m, tok, n, one, got) == 0, "screened run: %s", ekv_last_error(ctx));
+            ekv_model_stats st;
+            ekv_model_get_stats(m, -1, &st);
+            const double e = rel_diff(got, dense, n * V);
+            /* every (token, query head) pair a run could keep: 2 layers x 4 heads x prefixes */
+            const int64_t pairs = 2 * 4 * n * (n + 1) / 2;
+            printf("screened %d-bit, %s cache, page %2d%s vs dense: %.3g; KV read %.3f of K+V, "
+                   "survivors %.3f of tokens\n",
+                   cases[c].bits, ekv_dtype_name(cases[c].dt), cases[c].page,
+                   one ? " (one by one)" : "", e, (double)st.bytes_read / (double)st.bytes_kv,
+                   (double)st.survivors / (double)pairs);
+            CHECK(e <= 1e-6, "screened %d-bit page %d differs from dense by %.3g", cases[c].bits,
+                  cases[c].page, e);
+            CHECK(st.bytes_read > 0 && st.bytes_read < st.bytes_kv,
+                  "screened: read %lld of %lld bytes", (long long)st.bytes_read,
+                  (long long)st.bytes_kv);
+            CHECK(st.survivors > 0 && st.survivors < pairs, "screened survivors %lld of %lld",
+                  (long long)st.survivors, (long long)pairs);
+            ekv_model_set_method(m, EKV_SELECT_DENSE, 1.0);
+        }
+        ekv_model_free(m);
+    }
 }
 
 int main(void) {
@@ -180,6 +244,8 @@ int main(void) {
                   ekv_cache_seq_length(lc, seq, &len) == EKV_OK && len == n,
           "layer cache length %lld", (long long)len);
     ekv_model_free(m);
+
+    test_screened(ctx, tok, n, got, dense);
 
     /* f16 KV cache: close to the reference */
     m = load(ctx, 16, EKV_DTYPE_F16, EKV_SELECT_DENSE, 1.0);

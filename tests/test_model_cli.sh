@@ -3,7 +3,9 @@
 #   - run, ppl, trace: --help exits 0 with usage; bad options exit 2 with one line on stderr;
 #   - run greedy is deterministic, prints the prompt and ends with the stats lines;
 #   - ppl writes the JSON fields of the contract; certified gives the dense perplexity and
-#     top-k with budget 1 too; a missing or broken model file exits 1 with a message;
+#     top-k with budget 1 too, and screened (4- and 8-bit key codes) to 1e-6 relative; a
+#     missing or broken model file exits 1 with a message;
+#   - run with screened (as --method or in --compare) decodes the dense text;
 #   - trace writes a file that eval reads (per-layer prefix), with the model's shapes.
 # Usage: test_model_cli.sh PATH/TO/entmaxkv DATA_DIR
 set -u
@@ -48,6 +50,8 @@ usage run --model "$MODEL" --prompt a --prompt-file b
 usage run --model "$MODEL" --compare dense,nope
 usage run --model "$MODEL" --kv-dtype f8
 usage run --model "$MODEL" --page 0
+usage run --model "$MODEL" --method screened --code-bits 3
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --code-bits
 usage ppl --model "$MODEL"
 usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 1
 usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 64 --score-last 64
@@ -80,6 +84,13 @@ check "greedy run should not depend on the thread count" $?
 run run --model "$MODEL" --prompt "Hello" -n 8 --method topk --compare certified,gaussian,dense --quiet
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode' "$OUT")" -eq 4 ] && grep -q "round 2" "$OUT"
 check "run --compare should print one decode line per method (rc=$RC)" $?
+# screened is exact: the same greedy text as dense; in --compare the caches get codes at load
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1 --method screened
+[ "$RC" -eq 0 ] && [ "$(head -c 25 "$OUT")" = "$(head -c 25 "$TMP/run1")" ] && grep -q "^\[decode @5 screened\] 20 tokens" "$OUT"
+check "run --method screened should decode the dense text (rc=$RC: $(head -c 200 "$ERR"))" $?
+run run --model "$MODEL" --prompt "Hello" -n 8 --compare screened,dense --code-bits 8 --quiet
+[ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode' "$OUT")" -eq 3 ] && grep -q "^\[decode @13 screened\]" "$OUT"
+check "run --compare screened should decode with the screen (rc=$RC: $(head -c 200 "$ERR"))" $?
 
 # ppl: the JSON contract; certified and top-k with every token equal dense
 ppl_field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
@@ -104,6 +115,17 @@ import json,sys
 a=json.load(open('$TMP/dense.json')); b=json.load(open('$TMP/m.json'))
 sys.exit(0 if abs(a['ppl']-b['ppl']) <= 1e-5*a['ppl'] else 1)"
         st=$?; check "ppl --method $m should equal dense ($(cat "$TMP/m.json" | head -c 100))" $st
+    done
+    for bits in 4 8; do
+        run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 3 --method screened \
+            --code-bits $bits --json "$TMP/m.json"
+        python3 -c "
+import json,sys
+a=json.load(open('$TMP/dense.json')); b=json.load(open('$TMP/m.json'))
+assert a['code_bits'] == 0 and a['survivors_mean'] is None, a
+assert b['method'] == 'screened' and b['code_bits'] == $bits and b['survivors_mean'] > 0, b
+sys.exit(0 if abs(a['ppl']-b['ppl']) <= 1e-6*a['ppl'] else 1)"
+        st=$?; check "ppl --method screened --code-bits $bits should equal dense ($(head -c 200 "$TMP/m.json"))" $st
     done
     run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 2 --score-last 50 --json "$TMP/s.json"
     [ "$RC" -eq 0 ] && [ "$(ppl_field "$TMP/s.json" tokens)" = 100 ]

@@ -18,7 +18,7 @@ static void bench_help(FILE *f) {
             "\n"
             "  --backend cpu|ref|cuda  backend (default cpu; ref = long-double reference, slow;\n"
             "                        cuda = the GPU backend: methods dense, topk, gaussian,\n"
-            "                        certified,\n"
+            "                        certified (screened is cpu only),\n"
             "                        workloads random and planted, K/V filled on the device)\n"
             "  --ragged MIN          cuda: sequence b of the batch gets a length spread evenly\n"
             "                        from MIN to --len (a ragged batch)\n"
@@ -32,13 +32,17 @@ static void bench_help(FILE *f) {
             "                        certified decode)\n"
             "  --dtype f32|f16|bf16  K/V storage (default f16)\n"
             "  --alpha A             1 = softmax, (1, 4] entmax (default 1.5)\n"
-            "  --method M            dense | topk | gaussian | certified: dense attention, page\n"
-            "                        selection (top-k by box bound, or the Gaussian-aware selector\n"
-            "                        in its exact tau mode) + attention over the pages, or\n"
-            "                        certified decode (exact; --budget sizes its round 1);\n"
+            "  --method M            dense | topk | gaussian | certified | screened: dense\n"
+            "                        attention, page selection (top-k by box bound, or the\n"
+            "                        Gaussian-aware selector in its exact tau mode) + attention\n"
+            "                        over the pages, certified decode (exact; --budget sizes its\n"
+            "                        round 1), or screened decode (exact; per-token key codes rule\n"
+            "                        tokens out, docs/math.md §10);\n"
             "                        oracle (evaluation only, cpu backend): the dense support's pages\n"
             "  --budget F            top-k: fraction of the tokens to read (default 1/16)\n"
             "  --budget-tokens T     top-k: token budget (overrides --budget)\n"
+            "  --code-bits B         screened: 4 or 8 bits per key channel in the cache's key codes\n"
+            "                        (default 4; the other methods' caches hold no codes)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -50,8 +54,9 @@ static void bench_help(FILE *f) {
             "                        stdout, the table then goes to stderr\n"
             "  --help                this text\n"
             "\n"
-            "bytes_read = page statistics read by the bound (top-k) + K bytes of the attended\n"
-            "tokens + V bytes actually read (entmax: support rows only);\n"
+            "bytes_read = page statistics read by the bound (top-k) or the screen (page ranges\n"
+            "and key codes) + K bytes of the attended tokens + V bytes actually read (entmax:\n"
+            "support rows only);\n"
             "kv_fraction = bytes_read / (K + V bytes of the sequences).\n");
 }
 
@@ -68,6 +73,7 @@ static void parse_defaults(bench_opts *o) {
     o->alpha = 1.5;
     o->isa = EKV_ISA_AUTO;
     o->budget = 1.0 / 16;
+    o->code_bits = 4;
 }
 
 /* Options whose value is a name or a number with its own range; 0 if a is none of them. */
@@ -77,12 +83,11 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         const char *v = need(argc, argv, i);
         if (ekv_backend_from_name(v, &o->backend))
             cli_usage_error("bench", "--backend %s: expected cpu, ref or cuda", v);
-    } else if (!strcmp(a, "--method")) {
-        const char *v = need(argc, argv, i);
-        if (ekv_method_from_name(v, &o->method))
-            cli_usage_error("bench", "--method %s: expected dense|topk|gaussian|certified|oracle",
-                            v);
-    } else if (!strcmp(a, "--len")) {
+    } else if (!strcmp(a, "--method"))
+        o->method = cli_need_method("bench", argc, argv, i);
+    else if (!strcmp(a, "--code-bits"))
+        o->code_bits = cli_need_code_bits("bench", argc, argv, i);
+    else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);
         if (n <= 0)
@@ -168,6 +173,7 @@ typedef struct {
     double summary_bytes;  /* page statistics read by the bound stage (last step) */
     double sup_mean;       /* mean support per query head */
     double sel_med;        /* the bound + select stage alone, seconds (0 = not timed) */
+    double surv_mean;      /* screened: mean survivors per query head and step */
     int64_t round2, steps; /* certified: lists that needed round 2, over every step */
 } bench_result;
 
@@ -245,7 +251,7 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
                       bench_result *r) {
     const int64_t nh = s->batch * o->w.heads, qn = nh * o->w.dim;
     ekv_decode_info info = {.support = bb->sup};
-    double bytes_sum = 0, sup_sum = 0;
+    double bytes_sum = 0, sup_sum = 0, surv_sum = 0;
     memset(r, 0, sizeof *r);
     for (int64_t it = 0; it < o->warmup + o->iters; it++) {
         const double t0 = cli_now_seconds();
@@ -261,6 +267,7 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
         bb->times[it - o->warmup] = dt;
         r->summary_bytes = (double)info.bytes_summary;
         bytes_sum += (double)(info.bytes_k + info.bytes_v + info.bytes_summary);
+        surv_sum += (double)info.survivors;
         for (int64_t i = 0; i < nh; i++) sup_sum += (double)bb->sup[i];
     }
     r->steps = o->warmup + o->iters;
@@ -269,6 +276,7 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
     r->med = median_sorted(bb->times, o->iters);
     r->bytes = bytes_sum / (double)o->iters;
     r->sup_mean = sup_sum / (double)(o->iters * nh);
+    r->surv_mean = surv_sum / (double)(o->iters * nh);
     return bench_select(ctx, o, bb, s, r);
 }
 
@@ -287,6 +295,9 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
     const double sel_roof = probe > 0 && r->summary_bytes > 0 && r->sel_med > 0
                                     ? r->sel_med / (r->summary_bytes / (probe * 1e9))
                                     : 0;
+    const int codes = cli_method_codes(o->method);
+    char surv[32] = "null";
+    if (codes) snprintf(surv, sizeof surv, "%.3f", r->surv_mean);
     fprintf(out->text, "%10lld %10.3f %10.3f %12.0f %9.2f %10.2f %9.3f %11.4f %9.1f\n",
             (long long)len, r->med * 1e3, r->mn * 1e3, r->bytes, gbps, probe, ratio,
             r->bytes / kv_total, r->sup_mean);
@@ -296,7 +307,12 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
                 "%10s certified: round 2 needed by %.1f%% of lists (%lld of %lld, warm-up included)\n",
                 "", 100.0 * (double)r->round2 / (double)lists, (long long)r->round2,
                 (long long)lists);
-    } else if (r->sel_med > 0)
+    }
+    if (codes)
+        fprintf(out->text,
+                "%10s screened: %d-bit key codes; %.1f tokens per query head survive the screen (%.3f%%)\n",
+                "", o->code_bits, r->surv_mean, 100.0 * r->surv_mean / (double)len);
+    if (o->method != EKV_SELECT_CERTIFIED && r->sel_med > 0)
         fprintf(out->text,
                 "%10s select (bound + selection): %.3f ms median, %.0f summary bytes, %.2fx its byte roofline\n",
                 "", r->sel_med * 1e3, r->summary_bytes, sel_roof);
@@ -309,14 +325,14 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
             "\"kv_fraction\":%.6f,\"bw_probe_gbps\":%.4f,\"bw_ratio\":%.4f,\"threads\":%d,"
             "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld,"
             "\"budget_tokens\":%lld,\"ms_select_median\":%.6f,\"bytes_summary\":%.0f,"
-            "\"select_roofline_ratio\":%.4f}",
+            "\"select_roofline_ratio\":%.4f,\"code_bits\":%d,\"survivors_mean\":%s}",
             li ? ",\n" : "", ekv_backend_name(o->backend), ekv_method_name(o->method), o->alpha,
             (long long)len, (long long)o->w.batch, (long long)o->w.heads, (long long)o->w.kv_heads,
             (long long)o->w.dim, (long long)o->w.page, ekv_dtype_name(o->w.dtype), r->med * 1e3,
             r->mn * 1e3, r->bytes, gbps, r->bytes / kv_total, probe, ratio, threads,
             ekv_isa_name(ekv_context_isa(ctx)), o->w.workload, r->sup_mean, (long long)o->iters,
             (long long)(o->method == EKV_SELECT_DENSE ? len : bench_budget_tokens(o, len)),
-            r->sel_med * 1e3, r->summary_bytes, sel_roof);
+            r->sel_med * 1e3, r->summary_bytes, sel_roof, codes ? o->code_bits : 0, surv);
 }
 
 /* One length: a fresh cache filled with the workload, the timed steps, the report. */
@@ -325,7 +341,8 @@ static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int
     const int64_t len = o->lens[li], qn = o->w.batch * o->w.heads * o->w.dim;
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->w.seed * 7919 + (uint64_t)len);
-    const wl_geometry g = {o->w.batch, len, o->w.page, o->superpage, o->w.dtype};
+    const wl_geometry g = {o->w.batch, len, o->w.page, o->superpage, o->w.dtype,
+                           cli_method_codes(o->method) ? o->code_bits : 0};
     wl_setup s;
     int rc = wl_setup_create(&s, ctx, wl, &g, &rng, "bench");
     bench_bufs bb;

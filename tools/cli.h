@@ -42,6 +42,15 @@ void cli_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), cli
                void *opts);
 /* The value of option argv[*i] as a dtype name (f32, f16, bf16), or a usage error. */
 ekv_dtype cli_need_dtype(const char *sub, int argc, char **argv, int *i);
+/* A select method of the library by name, or a usage error that says which option (what)
+ * and lists the library's method names. */
+ekv_select_method cli_method(const char *sub, const char *what, const char *name);
+/* The value of option argv[*i] as a method name (cli_method). */
+ekv_select_method cli_need_method(const char *sub, int argc, char **argv, int *i);
+/* Whether a method reads per-token key codes (screened): its cache needs --code-bits. */
+int cli_method_codes(ekv_select_method m);
+/* The value of --code-bits: 4 or 8, or a usage error. */
+int32_t cli_need_code_bits(const char *sub, int argc, char **argv, int *i);
 /* Parses a non-negative integer with optional k/K (1024) or M (1048576) suffix. */
 int cli_parse_i64(const char *s, int64_t *out);
 int cli_parse_double(const char *s, double *out);
@@ -127,6 +136,7 @@ int cli_context(const char *who, int64_t threads, ekv_isa isa, ekv_context **ctx
 typedef struct {
     int64_t batch, len, page, superpage; /* superpage < 0: the library's default */
     ekv_dtype dtype;
+    int32_t code_bits; /* key codes of the cache: 0 = none, 4 or 8 (screened) */
 } wl_geometry;
 typedef struct {
     ekv_cache *cache;
@@ -163,6 +173,8 @@ typedef struct {
     int nlens;
     int64_t iters, warmup, superpage, ragged_min;
     ekv_isa isa;
+    int32_t code_bits; /* --code-bits (default 4): the cache's key codes when the method reads
+                          them (cli_method_codes), else the cache has none */
 } bench_opts;
 /* The token budget of a step over len tokens: --budget-tokens, else --budget x len (>= 1). */
 int64_t bench_budget_tokens(const bench_opts *o, int64_t len);
@@ -179,6 +191,9 @@ typedef struct {
     int64_t threads;
     int32_t page;
     ekv_dtype kv_dtype;
+    int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
+                          subcommand runs reads them (cli_method_codes), else none */
+    int codes;         /* set by a subcommand that switches to such a method later (run --compare) */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);

@@ -33,6 +33,30 @@ ekv_dtype cli_need_dtype(const char *sub, int argc, char **argv, int *i) {
     return dt;
 }
 
+ekv_select_method cli_method(const char *sub, const char *what, const char *name) {
+    ekv_select_method m = EKV_SELECT_DENSE;
+    if (!ekv_method_from_name(name, &m)) return m;
+    char names[256] = "";
+    for (int k = 0; k < EKV_SELECT_METHOD_COUNT; k++) /* the library's names, in its order */
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", k ? ", " : "",
+                 ekv_method_name((ekv_select_method)k));
+    cli_usage_error(sub, "%s '%s': unknown method (expected one of %s)", what, name, names);
+}
+
+ekv_select_method cli_need_method(const char *sub, int argc, char **argv, int *i) {
+    const char *v = cli_need(sub, argc, argv, i);
+    return cli_method(sub, argv[*i - 1], v);
+}
+
+int cli_method_codes(ekv_select_method m) { return m == EKV_SELECT_SCREENED; }
+
+int32_t cli_need_code_bits(const char *sub, int argc, char **argv, int *i) {
+    const char *v = cli_need(sub, argc, argv, i);
+    if (strcmp(v, "4") && strcmp(v, "8"))
+        cli_usage_error(sub, "%s %s: expected 4 or 8 (bits per key channel)", argv[*i - 1], v);
+    return v[0] == '4' ? 4 : 8;
+}
+
 int cli_take(const char *sub, const cli_opt *table, size_t n, int argc, char **argv, int *i,
              void *opts) {
     for (size_t k = 0; k < n; k++) {

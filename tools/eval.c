@@ -9,7 +9,14 @@
  *           (softmax-topk: in its own softmax distribution, as the issue asks);
  *   recall  |support* within the selection| / |support*| (softmax: the whole sequence is its
  *           support, so recall = fraction of tokens kept);
- *   rel_err ||o - o*|| / ||o*||, cosine(o, o*), and kv_fraction = tokens read / tokens.
+ *   rel_err ||o - o*|| / ||o*||, cosine(o, o*), and kv_fraction = tokens read / tokens;
+ *   bytes_fraction = bytes read (page statistics, key codes, K and V rows) / K+V bytes.
+ * The screened rows (4- and 8-bit key codes) need a cache with codes of their width, and a
+ * cache's codes have one width: the workload cache gets the codes of the first screened row
+ * asked for, and a second cache, filled with the same keys and values (the same random
+ * stream, or the same trace), the other width when both rows are asked for. Filling twice
+ * costs a second cache only when both rows run, and every row reads the keys it would read
+ * in a cache of its own.
  * Rows aggregate over steps and heads. --plot runs bench/plot_eval.py (matplotlib).
  */
 #include "cli.h"
@@ -48,15 +55,18 @@ struct eval_variant {
     int budgeted;   /* one row per budget; otherwise the method chooses its pages: one row */
     int gauss_hint; /* certified round 1 from the gaussian tau-hat (select tau_hint) */
     int delta_bar;  /* the certified bound on the dropped mass (needs the exact tau of a list) */
+    int code_bits;  /* screened: the width of the key codes it screens with */
 };
-enum { V_COUNT = 6, MAX_BUDGETS = 32 };
+enum { V_COUNT = 8, MAX_BUDGETS = 32 };
 static const eval_variant variants[V_COUNT] = {
-        {"softmax-topk", EKV_SELECT_TOPK, run_list, 1, 1, 0, 0},
-        {"entmax-topk", EKV_SELECT_TOPK, run_list, 0, 1, 0, 1},
-        {"gaussian", EKV_SELECT_GAUSSIAN, run_list, 0, 0, 0, 1},
-        {"certified", EKV_SELECT_CERTIFIED, run_certified, 0, 1, 0, 0},
-        {"certified-gauss", EKV_SELECT_CERTIFIED, run_certified, 0, 0, 1, 0},
-        {"oracle", EKV_SELECT_ORACLE, run_list, 0, 0, 0, 0},
+        {"softmax-topk", EKV_SELECT_TOPK, run_list, 1, 1, 0, 0, 0},
+        {"entmax-topk", EKV_SELECT_TOPK, run_list, 0, 1, 0, 1, 0},
+        {"gaussian", EKV_SELECT_GAUSSIAN, run_list, 0, 0, 0, 1, 0},
+        {"certified", EKV_SELECT_CERTIFIED, run_certified, 0, 1, 0, 0, 0},
+        {"certified-gauss", EKV_SELECT_CERTIFIED, run_certified, 0, 0, 1, 0, 0},
+        {"screened-4", EKV_SELECT_SCREENED, run_list, 0, 0, 0, 0, 4},
+        {"screened-8", EKV_SELECT_SCREENED, run_list, 0, 0, 0, 0, 8},
+        {"oracle", EKV_SELECT_ORACLE, run_list, 0, 0, 0, 0, 0},
 };
 static const char *tau_mode_names[] = {"exact", "fixed", "corrected"}; /* by ekv_tau_mode */
 
@@ -81,9 +91,10 @@ static void eval_help(FILE *f) {
             "                        shapes (defaults 1, 32, 8, 128, 16, f16)\n"
             "  --alpha A             entmax alpha (default 1.5)\n"
             "  --methods LIST        comma list of softmax-topk, entmax-topk, gaussian, certified,\n"
-            "                        certified-gauss, oracle (default all; certified's budget is\n"
-            "                        its round 1; certified-gauss sizes round 1 from the gaussian\n"
-            "                        tau-hat instead)\n"
+            "                        certified-gauss, screened-4, screened-8, oracle (default all;\n"
+            "                        certified's budget is its round 1; certified-gauss sizes\n"
+            "                        round 1 from the gaussian tau-hat instead; screened-B screens\n"
+            "                        with B-bit key codes)\n"
             "  --tau-mode M          gaussian: exact | fixed | corrected (default exact)\n"
             "  --auto-margin         gaussian: the reference's automatic margin rule (docs/math.md §4.5)\n"
             "  --budgets LIST        comma list of fractions of the tokens, e.g. 1/64,1/16,1/4\n"
@@ -103,6 +114,9 @@ typedef struct {
     double bar_max;                     /* entmax methods, exact tau: the certified delta_bar */
     int64_t bar_zero, bar_n;            /* samples with delta_bar = 0, samples with a delta_bar */
     double bytes_ratio_sum;             /* bytes read / bytes of dense entmax, per step */
+    double bytes_frac_sum;              /* bytes read / K+V bytes, per step */
+    double surv_sum;                    /* screened: survivors / (token, query head) pairs */
+    int64_t frac_n;                     /* steps in bytes_frac_sum and surv_sum */
     int64_t bytes_n, round2_lists, lists;
     double loose_sum; /* certified: share of pages whose bound exceeds tau* */
     double super_sum; /* certified: share of 16-page superpages whose every page
@@ -151,11 +165,13 @@ static void parse_methods(const char *v, eval_opts *o) {
                 o->use[m] = 1;
                 found = 1;
             }
-        if (!found)
-            cli_usage_error(
-                    "eval",
-                    "unknown method '%s' (softmax-topk, entmax-topk, gaussian, certified, certified-gauss, oracle)",
-                    t);
+        if (!found) {
+            char names[256] = "";
+            for (int m = 0; m < V_COUNT; m++)
+                snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s",
+                         m ? ", " : "", variants[m].name);
+            cli_usage_error("eval", "unknown method '%s' (%s)", t, names);
+        }
     }
 }
 
@@ -237,6 +253,7 @@ struct eval_state {
     eval_opts *o;
     wl_state wl;
     wl_setup s;
+    wl_setup sc; /* the second width of key codes, when both screened rows run */
     cli_rng rng;
     ekv_decode_params dp[2]; /* 0: softmax, 1: entmax */
     float *q, *out, *oref[2], *pref[2], *bnd;
@@ -244,6 +261,7 @@ struct eval_state {
     int32_t *r1, *r2;
     uint8_t *inlist;
     int64_t maxP, dense_bytes;
+    int64_t tokens, kv_bytes; /* tokens of the sequences and their K+V bytes */
     agg res[V_COUNT][MAX_BUDGETS];
 };
 
@@ -253,12 +271,16 @@ static int fail(eval_state *e, const char *what, ekv_status st) {
     return 1;
 }
 
+/* The cache a variant runs on: the one whose key codes have its width (same keys in both). */
+static const wl_setup *eval_setup(const eval_state *e, const eval_variant *v) {
+    return v->code_bits && e->s.stats.code_bits != v->code_bits ? &e->sc : &e->s;
+}
+
 static int run_list(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r) {
     const ekv_decode_params *dp = &e->dp[!v->softmax];
-    ekv_status st =
-            ekv_select_pages(e->ctx, dp, sp, &e->s.kv, &e->s.stats, &e->s.table, e->q, &r->list);
-    if (!st)
-        st = ekv_decode_pages(e->ctx, dp, &e->s.kv, &e->s.table, &r->list, e->q, e->out, &r->info);
+    const wl_setup *s = eval_setup(e, v);
+    ekv_status st = ekv_select_pages(e->ctx, dp, sp, &s->kv, &s->stats, &s->table, e->q, &r->list);
+    if (!st) st = ekv_decode_pages(e->ctx, dp, &s->kv, &s->table, &r->list, e->q, e->out, &r->info);
     r->bytes_summary = r->list.bytes_summary;
     return st ? fail(e, v->name, st) : 0;
 }
@@ -389,11 +411,14 @@ static int eval_variant_run(eval_state *e, int m, int bi) {
     r.info.tau = e->tau_c;
     if (v->run(e, v, &sp, &r)) return 1;
     agg *a = &e->res[m][bi];
+    const double bytes = (double)(r.info.bytes_k + r.info.bytes_v + r.bytes_summary);
     if (!v->softmax) { /* bytes read against dense entmax's */
-        a->bytes_ratio_sum += (double)(r.info.bytes_k + r.info.bytes_v + r.bytes_summary) /
-                              (double)e->dense_bytes;
+        a->bytes_ratio_sum += bytes / (double)e->dense_bytes;
         a->bytes_n++;
     }
+    a->bytes_frac_sum += bytes / (double)e->kv_bytes;
+    a->surv_sum += (double)r.list.survivors / (double)(e->tokens * o->w.heads);
+    a->frac_n++;
     if (v->method == EKV_SELECT_CERTIFIED) {
         a->round2_lists += r.info.lists_round2;
         a->lists += e->s.batch * o->w.kv_heads;
@@ -456,7 +481,12 @@ static int eval_steps(eval_state *e) {
 /* The extra lines under a variant's table row. */
 static void report_notes(const eval_state *e, const eval_variant *v, const agg *a, FILE *f) {
     const double n = (double)a->n, bytes = a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0;
-    if (v->method == EKV_SELECT_CERTIFIED)
+    if (v->code_bits)
+        fprintf(f,
+                "%-15s exact (equals dense entmax); %d-bit key codes: %.3f%% of (token, head) pairs survive the screen; bytes %.3f of dense entmax\n",
+                "", v->code_bits, a->frac_n ? 100.0 * a->surv_sum / (double)a->frac_n : 0,
+                bytes);
+    else if (v->method == EKV_SELECT_CERTIFIED)
         fprintf(f,
                 "%-15s proven exact in every step; round 2 needed by %.1f%% of lists; bytes %.3f of dense entmax;\n"
                 "%-15s %.1f%% of pages have a bound above tau* (no bound-based method can skip them);\n"
@@ -477,13 +507,15 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
     const eval_opts *o = e->o;
     const double n = (double)a->n;
     const int cert = v->method == EKV_SELECT_CERTIFIED, gauss = v->method == EKV_SELECT_GAUSSIAN;
-    char jb[6][32];
+    char jb[8][32];
     json_num(jb[0], 32, cert ? 0.0 : a->bar_max, a->bar_n > 0);
     json_num(jb[1], 32, a->bar_n ? (double)a->bar_zero / (double)a->bar_n : 0, a->bar_n > 0);
     json_num(jb[2], 32, a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, a->bytes_n > 0);
     json_num(jb[3], 32, a->lists ? (double)a->round2_lists / (double)a->lists : 0, cert);
     json_num(jb[4], 32, a->loose_sum / n, cert);
     json_num(jb[5], 32, a->super_sum / n, cert);
+    json_num(jb[6], 32, a->frac_n ? a->bytes_frac_sum / (double)a->frac_n : 0, a->frac_n > 0);
+    json_num(jb[7], 32, a->frac_n ? a->surv_sum / (double)a->frac_n : 0, v->code_bits > 0);
     fprintf(f,
             "%s  {\"method\":\"%s\",\"budget\":%s,\"kv_fraction\":%.8g,\"delta_mean\":%.8g,"
             "\"delta_max\":%.8g,\"recall_mean\":%.8g,\"recall_min\":%.8g,\"rel_err_mean\":%.8g,"
@@ -491,7 +523,8 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
             "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\",\"steps\":%lld,"
             "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\","
             "\"delta_bound_max\":%s,\"certified_fraction\":%s,\"bytes_vs_dense_entmax\":%s,"
-            "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s,\"superpages_skippable_max\":%s}",
+            "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s,\"superpages_skippable_max\":%s,"
+            "\"bytes_fraction\":%s,\"code_bits\":%d,\"survivors_fraction\":%s}",
             first ? "" : ",\n", v->name, bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max,
             a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
             wl_name(o->w.wl), (long long)e->s.len, o->alpha, (long long)o->w.heads,
@@ -499,7 +532,7 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
             ekv_dtype_name(o->w.dtype), (long long)o->steps, (long long)a->n,
             gauss ? a->tau_err_sum / n : 0.0, gauss ? a->tau_err_absmax : 0.0,
             tau_mode_names[gauss ? o->tau_mode : EKV_TAU_EXACT], jb[0], jb[1], jb[2], jb[3], jb[4],
-            jb[5]);
+            jb[5], jb[6], v->code_bits, jb[7]);
 }
 
 static int eval_report(const eval_state *e) {
@@ -511,9 +544,9 @@ static int eval_report(const eval_state *e) {
             wl_name(o->w.wl), (long long)e->s.len, (long long)e->s.batch, (long long)o->w.heads,
             (long long)o->w.kv_heads, (long long)o->w.dim, (long long)o->w.page,
             ekv_dtype_name(o->w.dtype), o->alpha, (long long)o->steps);
-    fprintf(out.text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s\n", "method", "budget",
-            "kv_fraction", "delta_mean", "delta_max", "recall_mean", "recall_min", "rel_err_mean",
-            "rel_err_max", "cosine_min");
+    fprintf(out.text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s %14s\n", "method",
+            "budget", "kv_fraction", "delta_mean", "delta_max", "recall_mean", "recall_min",
+            "rel_err_mean", "rel_err_max", "cosine_min", "bytes_fraction");
     if (out.json) fprintf(out.json, "[\n");
     int first = 1;
     for (int m = 0; m < V_COUNT; m++) {
@@ -523,10 +556,11 @@ static int eval_report(const eval_state *e) {
             const double n = (double)a->n;
             char bud[32] = "null";
             if (v->budgeted) snprintf(bud, sizeof bud, "%.8g", o->budgets[bi]);
-            fprintf(out.text, "%-15s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f\n",
+            fprintf(out.text,
+                    "%-15s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f %14.5f\n",
                     v->name, v->budgeted ? bud : "-", a->kvf_sum / n, a->delta_sum / n,
                     a->delta_max, a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max,
-                    a->cos_min);
+                    a->cos_min, a->frac_n ? a->bytes_frac_sum / (double)a->frac_n : 0);
             if (out.json) report_json(e, v, a, bud, first, out.json);
             report_notes(e, v, a, out.text);
             first = 0;
@@ -544,6 +578,28 @@ static int eval_plot(const eval_opts *o) {
     fprintf(stderr,
             "entmaxkv eval: plotting failed (needs python3 with matplotlib: pip install matplotlib)\n");
     return 1;
+}
+
+/* The workload cache, with the key codes of the first screened row that runs, and a second
+ * one filled from the same random stream with the other width when both run (see the top of
+ * this file); the tokens and K+V bytes of the sequences. */
+static int eval_caches(eval_state *e) {
+    const eval_opts *o = e->o;
+    int32_t bits[2] = {0, 0};
+    for (int m = 0, n = 0; m < V_COUNT; m++)
+        if (o->use[m] && variants[m].code_bits) bits[n++] = variants[m].code_bits;
+    const cli_rng r0 = e->rng;
+    const wl_geometry g = {o->w.batch, o->len, o->w.page, -1, o->w.dtype, bits[0]};
+    if (wl_setup_create(&e->s, e->ctx, &e->wl, &g, &e->rng, "eval")) return 1;
+    if (bits[1]) {
+        cli_rng r1 = r0;
+        const wl_geometry g1 = {o->w.batch, o->len, o->w.page, -1, o->w.dtype, bits[1]};
+        if (wl_setup_create(&e->sc, e->ctx, &e->wl, &g1, &r1, "eval")) return 1;
+    }
+    e->tokens = 0;
+    for (int64_t b = 0; b < e->s.batch; b++) e->tokens += wl_setup_seq_len(&e->s, b);
+    e->kv_bytes = 2 * e->tokens * o->w.kv_heads * o->w.dim * ekv_dtype_size(o->w.dtype);
+    return 0;
 }
 
 /* The cache filled with the workload, the decode parameters and the buffers of a run. */
@@ -565,8 +621,7 @@ static int eval_open(eval_state *e) {
         }
     }
     cli_rng_seed(&e->rng, (uint64_t)o->w.seed * 104729 + (uint64_t)o->len);
-    const wl_geometry g = {o->w.batch, o->len, o->w.page, -1, o->w.dtype};
-    if (wl_setup_create(&e->s, e->ctx, &e->wl, &g, &e->rng, "eval")) return 1;
+    if (eval_caches(e)) return 1;
     for (int k = 0; k < 2; k++) {
         e->dp[k] = ekv_decode_default_params();
         e->dp[k].num_heads = (int32_t)o->w.heads;
@@ -612,6 +667,7 @@ static void eval_close(eval_state *e) {
     free(e->r2);
     free(e->inlist);
     wl_setup_free(&e->s);
+    wl_setup_free(&e->sc);
     wl_free(&e->wl);
     ekv_context_free(e->ctx);
 }

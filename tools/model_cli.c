@@ -27,6 +27,7 @@ void model_opts_init(model_opts *o) {
     o->threads = 0;
     o->page = 16;
     o->kv_dtype = EKV_DTYPE_F16;
+    o->code_bits = 4;
 }
 
 void model_opts_help(FILE *f) {
@@ -36,10 +37,13 @@ void model_opts_help(FILE *f) {
             "                        from ./models/, then BIN/" EKV_BIN_TO_DATA "/ with BIN the\n"
             "                        directory of this program, then " EKV_DATA_DIR "/,\n"
             "                        then the source tree's models/)\n"
-            "  --method M            dense | topk | gaussian | certified (default dense): how each\n"
-            "                        attention step reads the KV cache\n"
+            "  --method M            dense | topk | gaussian | certified | screened (default dense):\n"
+            "                        how each attention step reads the KV cache (certified and\n"
+            "                        screened are exact: they equal dense)\n"
             "  --budget F            topk: fraction of the tokens each step reads; certified: sizes\n"
             "                        its first round (default 1/16)\n"
+            "  --code-bits B         screened: 4 or 8 bits per key channel in the caches' key codes\n"
+            "                        (default 4; the other methods' caches hold no codes)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --page P              KV cache page size, 1..256 (default 16)\n"
             "  --kv-dtype f16|f32|bf16  KV cache storage (default f16)\n");
@@ -49,11 +53,11 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
     const char *a = argv[*i];
     if (!strcmp(a, "--model"))
         o->model = cli_need(sub, argc, argv, i);
-    else if (!strcmp(a, "--method")) {
-        const char *v = cli_need(sub, argc, argv, i);
-        if (ekv_method_from_name(v, &o->method))
-            cli_usage_error(sub, "--method %s: expected dense, topk, gaussian or certified", v);
-    } else if (!strcmp(a, "--budget")) {
+    else if (!strcmp(a, "--method"))
+        o->method = cli_need_method(sub, argc, argv, i);
+    else if (!strcmp(a, "--code-bits"))
+        o->code_bits = cli_need_code_bits(sub, argc, argv, i);
+    else if (!strcmp(a, "--budget")) {
         const char *v = cli_need(sub, argc, argv, i);
         if (cli_parse_fraction(v, &o->budget) || !(o->budget > 0 && o->budget <= 1))
             cli_usage_error(sub, "--budget %s: expected a fraction in (0, 1], e.g. 1/16", v);
@@ -157,6 +161,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.kv_dtype = o->kv_dtype;
     mp.method = o->method;
     mp.budget = o->budget;
+    mp.code_bits = o->codes || cli_method_codes(o->method) ? o->code_bits : 0;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {
         fprintf(stderr, "entmaxkv %s: %s: %s: %s\n", sub, path, ekv_status_string(st),

@@ -82,7 +82,7 @@ static void parse(int argc, char **argv, ppl_opts *o) {
 /* What the windows measured: the summed log-loss and the per-layer bytes. */
 typedef struct {
     double nll, secs;
-    int64_t scored, fed, nwin, layers;
+    int64_t scored, fed, nwin, layers, heads;
     ekv_model_stats *lay;
 } ppl_result;
 
@@ -116,6 +116,8 @@ static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ek
             r->lay[l].bytes_kv += s.bytes_kv;
             r->lay[l].lists += s.lists;
             r->lay[l].lists_round2 += s.lists_round2;
+            r->lay[l].steps += s.steps;
+            r->lay[l].survivors += s.survivors;
         }
     }
     r->secs = cli_now_seconds() - t0;
@@ -129,8 +131,10 @@ static double layer_kvf(const ekv_model_stats *s) {
 
 static int ppl_report(const ppl_opts *o, const ppl_result *r) {
     const model_opts *mo = &o->mo;
-    double rd = 0, kv = 0, r2 = 0, nl = 0;
+    double rd = 0, kv = 0, r2 = 0, nl = 0, steps = 0, surv = 0;
     for (int64_t l = 0; l < r->layers; l++) {
+        steps += (double)r->lay[l].steps;
+        surv += (double)r->lay[l].survivors;
         rd += (double)r->lay[l].bytes_read;
         kv += (double)r->lay[l].bytes_kv;
         r2 += (double)r->lay[l].lists_round2;
@@ -140,7 +144,10 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
                  kvf = kv > 0 ? rd / kv : 0;
     cli_out out;
     if (cli_out_open(&out, "ppl", o->json)) return 1;
-    char lab[64], r2s[32] = "null";
+    char lab[64], r2s[32] = "null", svs[32] = "null";
+    const int codes = cli_method_codes(mo->method);
+    /* survivors per attention step and query head */
+    const double sv = steps > 0 ? surv / (steps * (double)r->heads) : 0;
     model_method_label(lab, sizeof lab, mo->method, mo->budget);
     fprintf(out.text,
             "ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %.4f  %.1f tokens/s\n",
@@ -150,17 +157,22 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
     for (int64_t l = 0; l < r->layers; l++) fprintf(out.text, " %.4f", layer_kvf(&r->lay[l]));
     fprintf(out.text, "\n");
     if (nl > 0) fprintf(out.text, "certified: round 2 in %.2f%% of page lists\n", 100.0 * r2 / nl);
+    if (codes)
+        fprintf(out.text, "screened: %d-bit key codes, %.1f tokens per head survive the screen\n",
+                mo->code_bits, sv);
     if (!out.json) return 0;
     if (nl > 0) snprintf(r2s, sizeof r2s, "%.9g", r2 / nl);
+    if (codes) snprintf(svs, sizeof svs, "%.9g", sv);
     fprintf(out.json,
             "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
             "\"kv_fraction\":%.9g,\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
             "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
-            "\"kv_fraction_layers\":[",
+            "\"code_bits\":%d,\"survivors_mean\":%s,\"kv_fraction_layers\":[",
             ppl, bpb, r->nll, (long long)r->scored, ekv_method_name(mo->method),
             model_uses_budget(mo->method) ? mo->budget : 1.0, kvf, (long long)o->ctxlen,
             (long long)r->nwin, (long long)o->offset, (long long)o->score_last,
-            ekv_dtype_name(mo->kv_dtype), mo->page, r->secs, (double)r->fed / r->secs, r2s);
+            ekv_dtype_name(mo->kv_dtype), mo->page, r->secs, (double)r->fed / r->secs, r2s,
+            codes ? mo->code_bits : 0, svs);
     for (int64_t l = 0; l < r->layers; l++)
         fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
     fprintf(out.json, "]}\n");
@@ -175,6 +187,7 @@ int cmd_ppl(int argc, char **argv) {
     ppl_result r;
     memset(&r, 0, sizeof r);
     r.layers = ekv_model_get_config(s.m)->n_layers;
+    r.heads = ekv_model_get_config(s.m)->n_heads;
     r.nwin = (s.len - o.offset) / o.ctxlen;
     if (r.nwin > o.windows) r.nwin = o.windows;
     r.lay = calloc((size_t)r.layers, sizeof *r.lay);

@@ -30,7 +30,8 @@ static void run_help(FILE *f) {
             "  --temp T              sampling temperature; 0 = greedy (default 0)\n"
             "  --seed S              random seed for sampling (default 1)\n"
             "  --compare LIST        after decoding, decode -n more tokens with each method of the\n"
-            "                        comma list in turn (same sequence; one stats line each)\n"
+            "                        comma list in turn (same sequence; one stats line each;\n"
+            "                        screened in the list gives the caches --code-bits codes)\n"
             "  --quiet               do not print the prompt and the text (stats only)\n"
             "  --help                this text\n"
             "\n"
@@ -101,9 +102,9 @@ static void parse_compare(const char *v, run_opts *o) {
     strcpy(buf, v);
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
         if (o->nmethods == 9) cli_usage_error("run", "--compare takes at most 8 methods");
-        if (ekv_method_from_name(t, &o->methods[o->nmethods++]))
-            cli_usage_error("run",
-                            "--compare: unknown method '%s' (dense, topk, gaussian, certified)", t);
+        const ekv_select_method m = cli_method("run", "--compare", t);
+        o->methods[o->nmethods++] = m;
+        o->mo.codes |= cli_method_codes(m); /* the caches are made at load, before the switch */
     }
 }
 

@@ -394,6 +394,7 @@ int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_g
     pp.dtype = g->dtype;
     pp.max_seqs = (int32_t)g->batch;
     if (g->superpage >= 0) pp.superpage_pages = (int32_t)g->superpage;
+    pp.code_bits = g->code_bits;
     pp.num_pages = ekv_cache_pages_for(g->len, g->batch, pp.page_size);
     ekv_status st = ekv_cache_create(ctx, &pp, &s->cache);
     s->seqs = st ? NULL : malloc(sizeof(int32_t) * (size_t)g->batch);

@@ -66,7 +66,8 @@ EKV_API void ekv_safetensors_free(ekv_safetensors *st);
 typedef struct ekv_model ekv_model;
 
 /* Attention methods are the select methods of entmaxkv/core.h (dense, topk, gaussian,
- * certified; oracle is for evaluation and not a model method). */
+ * certified, screened; oracle is for evaluation and not a model method). screened needs
+ * key codes in the caches: ekv_model_params.code_bits 4 or 8. */
 
 /* Hyper-parameters, as read from the file's metadata. */
 typedef struct ekv_model_config {
@@ -84,6 +85,8 @@ typedef struct ekv_model_params {
     ekv_select_method method; /* default dense                                                  */
     double budget;            /* topk: fraction of each step's tokens to read; certified: sizes its
                                  round 1 (default 1/16)                                           */
+    int32_t code_bits;        /* per-token key codes in every layer's cache (ekv_cache_params):
+                                 0 = none (default), 4 or 8; method screened needs 4 or 8        */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */
@@ -93,6 +96,7 @@ typedef struct ekv_model_stats {
     int64_t bytes_kv;     /* K + V bytes of the attended tokens: what reading everything costs    */
     int64_t lists_round2; /* certified: page lists that needed round 2                           */
     int64_t lists;        /* certified: page lists (one per KV head and step)                    */
+    int64_t survivors;    /* screened: (token, query head) pairs the screen kept                 */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);
@@ -109,7 +113,9 @@ EKV_API ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safete
                                               const ekv_model_params *params, ekv_model **out);
 EKV_API void ekv_model_free(ekv_model *model);
 EKV_API const ekv_model_config *ekv_model_get_config(const ekv_model *model);
-/* Changes the decode method for the next steps (budget as in ekv_model_params). */
+/* Changes the decode method for the next steps (budget as in ekv_model_params). screened
+ * fails (EKV_ERR_INVALID_ARGUMENT) on a model loaded with code_bits 0: its caches hold no
+ * key codes. */
 EKV_API ekv_status ekv_model_set_method(ekv_model *model, ekv_select_method method, double budget);
 /* Empties the sequence (position 0) and zeroes the statistics. */
 EKV_API ekv_status ekv_model_reset(ekv_model *model);

@@ -10,6 +10,7 @@
  *   logits = Wout . RMSNorm(x_last; norm)
  */
 #include "model_internal.h"
+#include "../core/method.h"
 #include "../cpu/kernels.h"
 #include <errno.h>
 #include <stdio.h>
@@ -28,19 +29,29 @@ ekv_model_params ekv_model_default_params(void) {
     p.superpage_pages = 16;
     p.method = EKV_SELECT_DENSE;
     p.budget = 1.0 / 16;
+    p.code_bits = 0;
     return p;
 }
 
 /* The method and budget of the model's attention, checked by the decode stack's own support
- * check on the select params the attention will use (model_attention.c). */
+ * check on the select params the attention will use (model_attention.c). A method that reads
+ * key codes (the method table says which) is refused up front when the caches have none:
+ * the decode step would only say so at the first token. */
 static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg,
-                               ekv_select_method method, double budget) {
+                               ekv_select_method method, double budget, int32_t code_bits) {
     if (!(budget > 0.0 && budget <= 1.0))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]",
                         budget);
     const ekv_decode_params dp = ekv_model_decode_params(cfg, NULL);
     const ekv_select_params sp = ekv_model_select_params(method, budget, 1);
-    return ekv_decode_supported(ctx, EKV_BACKEND_CPU, &dp, &sp);
+    ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, &dp, &sp);
+    if (s) return s;
+    if ((ekv_method_info_of(method)->needs & EKV_NEEDS_CODES) && code_bits == 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "method %s needs key codes in the KV caches: load the model with "
+                        "ekv_model_params.code_bits 4 or 8 (it has code_bits 0)",
+                        ekv_method_name(method));
+    return EKV_OK;
 }
 
 /* ---------------------------------------------------------------------------------- */
@@ -347,6 +358,7 @@ static ekv_status alloc_state(ekv_model *m) {
         cp.dtype = m->prm.kv_dtype;
         cp.max_seqs = 1;
         cp.superpage_pages = m->prm.superpage_pages;
+        cp.code_bits = m->prm.code_bits;
         cp.num_pages = ekv_cache_pages_for(m->prm.max_tokens, 1, cp.page_size);
         ekv_status s = ekv_cache_create(m->ctx, &cp, &L->cache);
         if (s) return s;
@@ -371,7 +383,7 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     ekv_model_config cfg;
     ekv_status s = read_config(ctx, st, &cfg);
     if (s) return s;
-    if ((s = check_method(ctx, &cfg, p.method, p.budget))) return s;
+    if ((s = check_method(ctx, &cfg, p.method, p.budget, p.code_bits))) return s;
     ekv_model *m = calloc(1, sizeof *m);
     if (!m) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
@@ -411,7 +423,7 @@ int64_t ekv_model_position(const ekv_model *m) { return m ? m->pos : 0; }
 
 ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double budget) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    ekv_status s = check_method(m->ctx, &m->cfg, method, budget);
+    ekv_status s = check_method(m->ctx, &m->cfg, method, budget, m->prm.code_bits);
     if (s) return s;
     m->prm.method = method;
     m->prm.budget = budget;
@@ -449,6 +461,7 @@ ekv_status ekv_model_get_stats(const ekv_model *m, int32_t layer, ekv_model_stat
         out->bytes_kv += s->bytes_kv;
         out->lists_round2 += s->lists_round2;
         out->lists += s->lists;
+        out->survivors += s->survivors;
     }
     return EKV_OK;
 }

@@ -13,6 +13,9 @@
  *   topk       entmax top-k by box bound, budget = a fraction of each view's length
  *   gaussian   the Gaussian-aware selector, exact tau
  *   certified  round 1 sized by the budget of the shortest view; the output equals dense
+ *   screened   the key codes of the layer's cache screen every token of every view (the
+ *              codes are relative to the page's current range, which bounds the tokens a
+ *              shorter view sees too: docs/math.md §10); the output equals dense
  */
 #include "model_internal.h"
 #include "../core/method.h"
@@ -104,6 +107,7 @@ ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64
     const int64_t row = (int64_t)m->cfg.n_kv_heads * m->cfg.head_dim * ekv_dtype_size(kv.dtype);
     for (int64_t t = 0; t < T; t++) L->stats.bytes_kv += 2 * (pos0 + t + 1) * row;
     L->stats.bytes_read += info.bytes_k + info.bytes_v + info.bytes_summary;
+    L->stats.survivors += info.survivors;
     L->stats.steps += T;
     return EKV_OK;
 }
