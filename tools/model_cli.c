@@ -49,10 +49,15 @@ void model_opts_help(FILE *f) {
             "  --kv-dtype f16|f32|bf16  KV cache storage (default f16)\n");
 }
 
+static const cli_opt model_table[] = {
+        CLI_STR("--model", model_opts, model),
+        CLI_INT("--threads", model_opts, threads, 0, 1024),
+};
+
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
     const char *a = argv[*i];
-    if (!strcmp(a, "--model"))
-        o->model = cli_need(sub, argc, argv, i);
+    if (cli_take(sub, model_table, CLI_NOPTS(model_table), argc, argv, i, o))
+        return 1;
     else if (!strcmp(a, "--method"))
         o->method = cli_need_method(sub, argc, argv, i);
     else if (!strcmp(a, "--code-bits"))
@@ -61,9 +66,7 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
         const char *v = cli_need(sub, argc, argv, i);
         if (cli_parse_fraction(v, &o->budget) || !(o->budget > 0 && o->budget <= 1))
             cli_usage_error(sub, "--budget %s: expected a fraction in (0, 1], e.g. 1/16", v);
-    } else if (!strcmp(a, "--threads"))
-        o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
-    else if (!strcmp(a, "--page"))
+    } else if (!strcmp(a, "--page"))
         o->page = (int32_t)cli_need_int(sub, argc, argv, i, 1, 256);
     else if (!strcmp(a, "--kv-dtype"))
         o->kv_dtype = cli_need_dtype(sub, argc, argv, i);

@@ -444,30 +444,24 @@ void wl_opts_init(wl_opts *o, const char *workload) {
     o->dtype = EKV_DTYPE_F16;
 }
 
+static const cli_opt wl_table[] = {
+        CLI_STR("--workload", wl_opts, workload),
+        CLI_STR("--json", wl_opts, json),
+        CLI_INT("--heads", wl_opts, heads, 1, 4096),
+        CLI_INT("--kv-heads", wl_opts, kv_heads, 1, 4096),
+        CLI_INT("--dim", wl_opts, dim, 1, 65536),
+        CLI_INT("--page", wl_opts, page, 1, 256),
+        CLI_INT("--threads", wl_opts, threads, 0, 1024),
+        CLI_INT("--seed", wl_opts, seed, 0, INT64_MAX),
+};
+
 int wl_opt(const char *sub, int argc, char **argv, int *i, wl_opts *o, int64_t max_batch) {
-    const char *a = argv[*i];
-    if (!strcmp(a, "--workload"))
-        o->workload = cli_need(sub, argc, argv, i);
-    else if (!strcmp(a, "--json"))
-        o->json = cli_need(sub, argc, argv, i);
-    else if (!strcmp(a, "--batch"))
+    if (!strcmp(argv[*i], "--batch")) /* the one range that depends on the subcommand */
         o->batch = cli_need_int(sub, argc, argv, i, 1, max_batch);
-    else if (!strcmp(a, "--heads"))
-        o->heads = cli_need_int(sub, argc, argv, i, 1, 4096);
-    else if (!strcmp(a, "--kv-heads"))
-        o->kv_heads = cli_need_int(sub, argc, argv, i, 1, 4096);
-    else if (!strcmp(a, "--dim"))
-        o->dim = cli_need_int(sub, argc, argv, i, 1, 65536);
-    else if (!strcmp(a, "--page"))
-        o->page = cli_need_int(sub, argc, argv, i, 1, 256);
-    else if (!strcmp(a, "--threads"))
-        o->threads = cli_need_int(sub, argc, argv, i, 0, 1024);
-    else if (!strcmp(a, "--seed"))
-        o->seed = cli_need_int(sub, argc, argv, i, 0, INT64_MAX);
-    else if (!strcmp(a, "--dtype"))
+    else if (!strcmp(argv[*i], "--dtype"))
         o->dtype = cli_need_dtype(sub, argc, argv, i);
     else
-        return 0;
+        return cli_take(sub, wl_table, CLI_NOPTS(wl_table), argc, argv, i, o);
     return 1;
 }
 

@@ -268,7 +268,8 @@ typedef struct ekv_decode_info {
     int64_t *support; /* [batch*num_heads] tokens with p > 0                            */
     int64_t bytes_k;  /* bytes of K read                                                */
     int64_t bytes_v;  /* bytes of V read (entmax: support rows only, union per KV head) */
-    /* ekv_decode only (the other calls leave these as they are): */
+    /* ekv_decode (and ekv_decode_certified for bytes_summary, lists_round2); the other calls
+     * leave these as they are: */
     int64_t bytes_summary; /* output: page statistics read by the bound stage           */
     int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept */
     int64_t lists_round2;  /* output, certified: page lists that needed round 2         */

@@ -50,12 +50,7 @@ static ekv_status run_certified(ekv_context *ctx, const ekv_decode_params *prm,
     ekv_certified_info ci = {info ? info->pages_round1 : NULL, info ? info->pages_round2 : NULL, 0,
                              0, 0};
     ekv_status s = ekv_check_stats(ctx, ekv_method_info_of(sel->method), 1, kv, st);
-    if (!s) s = ekv_cpu_certified_run(ctx, prm, sel, kv, st, t, q, out, info, &ci);
-    if (!s && info) {
-        info->bytes_summary = ci.bytes_summary;
-        info->lists_round2 = ci.lists_round2;
-    }
-    return s;
+    return s ? s : ekv_cpu_certified_run(ctx, prm, sel, kv, st, t, q, out, info, &ci);
 }
 
 /* The stages of the step's method, as the method table lists them. */

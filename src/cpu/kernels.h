@@ -62,6 +62,21 @@ typedef struct ekv_cpu_kernels {
 } ekv_cpu_kernels;
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa);
+
+/* What a CPU stage's job starts from: the context's kernels and the (validated) step. */
+typedef struct ekv_cpu_step {
+    const ekv_cpu_kernels *kern;
+    const ekv_decode_params *prm;
+    const ekv_paged_kv *kv;
+    const ekv_page_table *t;
+    ekv_step_shape sh;
+} ekv_cpu_step;
+static inline ekv_cpu_step ekv_cpu_step_of(const ekv_context *ctx, const ekv_decode_params *prm,
+                                           const ekv_paged_kv *kv, const ekv_page_table *t) {
+    const ekv_cpu_step s = {ekv_cpu_kernels_for(ctx->isa), prm, kv, t,
+                            ekv_step_shape_of(prm, kv, t)};
+    return s;
+}
 extern const ekv_cpu_kernels ekv_cpu_kernels_scalar;
 #if defined(__x86_64__)
 extern const ekv_cpu_kernels ekv_cpu_kernels_avx2;

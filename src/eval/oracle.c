@@ -21,7 +21,9 @@ static void oracle_list(const float *pr, int64_t nmax, int64_t ps, int64_t P, in
 
 ekv_status ekv_select_oracle_run(ekv_context *ctx, const ekv_decode_params *prm,
                                  const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                 const ekv_page_table *t, const float *q, ekv_page_list *list) {
+                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                 ekv_page_list *list) {
+    (void)st; /* the oracle reads the keys themselves, not their statistics */
     const int64_t B = t->batch, H = prm->num_heads, G = H / kv->num_kv_heads, ps = kv->page_size;
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads;
     const int64_t maxP = ekv_table_max_pages(t->indptr, B);

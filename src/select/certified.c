@@ -169,6 +169,11 @@ ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
                               .bstride = c.maxP,
                               .round2 = c.added};
     if ((s = ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a))) return s;
+    if (info) {
+        info->bytes_summary = sl.bytes_summary;
+        info->lists_round2 = 0;
+        for (int64_t li = 0; li < c.B * c.heads; li++) info->lists_round2 += c.added[li] > 0;
+    }
     if (ci) {
         ci->bytes_summary = sl.bytes_summary;
         ci->lists_round2 = 0;

@@ -251,7 +251,7 @@ ekv_status ekv_cpu_select_run(ekv_context *ctx, const ekv_decode_params *prm,
     else if (stages & EKV_STAGE_GAUSS)
         s = ekv_select_gaussian(ctx, prm, sel, kv, st, t, q, list);
     else if (stages & EKV_STAGE_ORACLE)
-        s = ekv_select_oracle_run(ctx, prm, sel, kv, t, q, list);
+        s = ekv_select_oracle_run(ctx, prm, sel, kv, st, t, q, list);
     else if (stages & EKV_STAGE_TOPK)
         s = select_topk(ctx, prm, sel, kv, st, t, q, list);
     else
