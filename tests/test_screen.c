@@ -108,6 +108,7 @@ static int64_t violations(const ekv_cpu_kernels *kern, const ekv_screen_page *pg
                           int G, const ekv_screen_terms *terms, const float *z, int64_t ld) {
     float lo[64 * 4], hi[64 * 4];
     float scratch[3 * 33 + 3 * 4 * 33]; /* ekv_screen_scratch_bytes(33, 4) */
+    ekv_cpu_screen_prepare(qs, pg->D, G, pg->D, scratch);
     ekv_cpu_screen_page(kern, pg, qs, pg->D, G, terms, scratch, lo, hi, ld);
     int64_t bad = 0;
     for (int g = 0; g < G; g++)

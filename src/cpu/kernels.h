@@ -54,14 +54,16 @@ typedef struct ekv_cpu_kernels {
      * The screen's dot products (docs/math.md §10.2): for ntok rows of b-bit key codes (row t
      * at codes + t*row_bytes, D channels in the layout of src/core/codes.h) and G weight
      * vectors w[g*ldw .. + D): dots[g*ldd + t] = sum_c w[g][c] * code_tc in fp32, any order
-     * (the screen's error term covers it). D is a multiple of 16 for the SIMD versions'
-     * fast path; other D use the scalar one.
+     * (the screen's error term covers it). The SIMD versions take D a multiple of 16 and
+     * G <= 16 (EKV_CODE_DOTS_SIMD); ekv_cpu_screen_page gives any other shape to the scalar one.
      */
     void (*code_dots)(const uint8_t *codes, int64_t row_bytes, int64_t ntok, int32_t bits,
                       int64_t D, const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
 } ekv_cpu_kernels;
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa);
+/* The shapes the SIMD code_dots take (16 channels per step, at most 16 register sums). */
+#define EKV_CODE_DOTS_SIMD(D, G) ((D) % 16 == 0 && (G) <= 16)
 
 /* What a CPU stage's job starts from: the context's kernels and the (validated) step. */
 typedef struct ekv_cpu_step {

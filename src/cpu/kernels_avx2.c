@@ -109,9 +109,6 @@ void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int
 void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
                         float *f32);
 
-void ekv_code_dots_scalar(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
-                          const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
-
 /* 8 codes of a row from channel d on, as floats (4-bit: channel 2j is the low nibble). */
 static inline __m256 codes8_avx2(const uint8_t *row, int64_t d, int32_t bits) {
     __m128i b;
@@ -128,10 +125,6 @@ static inline __m256 codes8_avx2(const uint8_t *row, int64_t d, int32_t bits) {
 
 static void code_dots_avx2(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
                            const float *w, int64_t ldw, int G, float *dots, int64_t ldd) {
-    if (D % 16 || G > 16) {
-        ekv_code_dots_scalar(codes, rb, ntok, bits, D, w, ldw, G, dots, ldd);
-        return;
-    }
     for (int64_t t = 0; t < ntok; t++) {
         const uint8_t *row = codes + t * rb;
         __m256 acc[16];

@@ -70,15 +70,12 @@ static void unbounded(int64_t ntok, int G, float *lo, float *hi, int64_t ld) {
  * terms in fp32), and the code weights w' = q' s; the sums run on the box kernel (qneg 0). */
 static void head_terms(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
                        int64_t ldq, int G, const float *step, const float *mid, const float *w,
-                       int slack, float *wq, float *qabs, float *zero, double *c0, double *e) {
+                       int slack, float *wq, const float *qabs, const float *zero, double *c0,
+                       double *e) {
     const int64_t D = pg->D;
     const double gamma = 4.0 * (double)(D + 4) * 0x1p-24;
     for (int g = 0; g < G; g++)
-        for (int64_t c = 0; c < D; c++) {
-            wq[g * D + c] = qs[g * ldq + c] * step[c];
-            qabs[g * D + c] = fabsf(qs[g * ldq + c]);
-            zero[g * D + c] = 0.f;
-        }
+        for (int64_t c = 0; c < D; c++) wq[g * D + c] = qs[g * ldq + c] * step[c];
     float cf[EKV_CPU_MAX_GROUP], ef[EKV_CPU_MAX_GROUP];
     kern->bound_box(qs, zero, ldq, G, &mid, &mid, 1, D, cf, 1);
     kern->bound_box(qabs, zero, D, G, &w, &w, 1, D, ef, 1);
@@ -86,6 +83,17 @@ static void head_terms(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, c
         c0[g] = cf[g];
         e[g] = (double)ef[g] * (1.0 + 2.0 * gamma * slack) + (double)D * SCREEN_NU;
     }
+}
+
+/* The scratch layout: step, centre and W per channel [3 D], the code weights w' [G D],
+ * then what ekv_cpu_screen_prepare keeps for the whole list: |q'| [G D] and zeros [G D]. */
+void ekv_cpu_screen_prepare(const float *qs, int64_t ldq, int G, int64_t D, void *scratch) {
+    float *qabs = (float *)scratch + 3 * D + (int64_t)G * D, *zero = qabs + (int64_t)G * D;
+    for (int g = 0; g < G; g++)
+        for (int64_t c = 0; c < D; c++) {
+            qabs[g * D + c] = fabsf(qs[g * ldq + c]);
+            zero[g * D + c] = 0.f;
+        }
 }
 
 void ekv_cpu_screen_page(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
@@ -104,8 +112,9 @@ void ekv_cpu_screen_page(const ekv_cpu_kernels *kern, const ekv_screen_page *pg,
         if (pg->alibi_slack && terms->slack) e[g] += pg->alibi_slack[g];
     /* the dots land in lo, then become the bounds: z = C0 + dot + bias in fp32, widened by
      * 8u (|C0| + |dot| + |bias| + e) for the three roundings of z and the one of z -+ E */
-    kern->code_dots(pg->codes, ekv_code_row_bytes(D, pg->bits), pg->ntok, pg->bits, D, wq, D, G, lo,
-                    ld);
+    const ekv_cpu_kernels *dk = EKV_CODE_DOTS_SIMD(D, G) ? kern : &ekv_cpu_kernels_scalar;
+    dk->code_dots(pg->codes, ekv_code_row_bytes(D, pg->bits), pg->ntok, pg->bits, D, wq, D, G, lo,
+                  ld);
     const float u8 = terms->slack ? 8.0f * 0x1p-24f : 0.f;
     for (int g = 0; g < G; g++) {
         const float cf = (float)c0[g], ef = up(e[g]);

@@ -26,11 +26,13 @@ typedef struct ekv_screen_page {
  * lo[g*ld + t] <= z_t,g <= hi[g*ld + t] for every token t < ntok and head g < G, where z is
  * the fp32 score the score kernels compute from the scaled queries qs [G][D] (ldq apart).
  * The code dot products run on kern->code_dots. scratch: ekv_screen_scratch_bytes(D, G)
- * bytes, 8-byte aligned.
+ * bytes, 8-byte aligned, prepared for these queries by ekv_cpu_screen_prepare (once per
+ * list: what depends on the queries alone is not redone per page).
  */
 static inline int64_t ekv_screen_scratch_bytes(int64_t D, int64_t G) {
     return (3 * D + 3 * G * D) * (int64_t)sizeof(float);
 }
+void ekv_cpu_screen_prepare(const float *qs, int64_t ldq, int G, int64_t D, void *scratch);
 void ekv_cpu_screen_page(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
                          int64_t ldq, int G, const ekv_screen_terms *terms, void *scratch,
                          float *lo, float *hi, int64_t ld);

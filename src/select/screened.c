@@ -50,6 +50,8 @@ static void screen_sequence(screen_job *j, int64_t b, int64_t h0, int64_t kvh, i
     const int64_t rb = ekv_code_row_bytes(D, j->st->code_bits);
     float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
     double slack[EKV_CPU_MAX_GROUP];
+    char *scratch = j->w_scratch + worker * ekv_screen_scratch_bytes(D, j->Gl);
+    ekv_cpu_screen_prepare(j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl, D, scratch);
     for (int64_t p = 0; p < P; p++) {
         const int32_t page = t->indices[t->indptr[b] + p];
         const int64_t so = ((int64_t)page * Hk + kvh) * D;
@@ -69,9 +71,7 @@ static void screen_sequence(screen_job *j, int64_t b, int64_t h0, int64_t kvh, i
                                     biased ? bs : NULL,
                                     biased ? slack : NULL};
         ekv_cpu_screen_page(j->s.kern, &pg, j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl,
-                            &ekv_screen_exact,
-                            j->w_scratch + worker * ekv_screen_scratch_bytes(D, j->Gl), lo + p * ps,
-                            hi + p * ps, j->nmax);
+                            &ekv_screen_exact, scratch, lo + p * ps, hi + p * ps, j->nmax);
     }
 }
 
