@@ -135,16 +135,9 @@ template <> struct ekv_elem<float> {
         o[7] = b.w;
     }
     static __device__ __forceinline__ void load8(const float *p, float *o) {
-        float4 a = __ldg(reinterpret_cast<const float4 *>(p)),
-               b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-        o[0] = a.x;
-        o[1] = a.y;
-        o[2] = a.z;
-        o[3] = a.w;
-        o[4] = b.x;
-        o[5] = b.y;
-        o[6] = b.z;
-        o[7] = b.w;
+        const float4 r[2] = {__ldg(reinterpret_cast<const float4 *>(p)),
+                             __ldg(reinterpret_cast<const float4 *>(p) + 1)};
+        unpack8(reinterpret_cast<const float *>(r), o);
     }
     static __device__ __forceinline__ float from(float x) { return x; }
     static __device__ __forceinline__ float to(float x) { return x; }
