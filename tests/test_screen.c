@@ -82,16 +82,15 @@ static void check_codes(const ekv_paged_kv *kv, const ekv_page_stats *st, int32_
                         int64_t ntok) {
     const int64_t D = kv->head_dim, rb = ekv_code_row_bytes(D, st->code_bits);
     const int64_t so = ((int64_t)page * kv->num_kv_heads + h) * D;
+    const uint8_t *block = st->codes + ((int64_t)page * kv->num_kv_heads + h) * kv->page_size * rb;
     for (int64_t t = 0; t < ntok; t++) {
-        const uint8_t *row =
-                st->codes + (((int64_t)page * kv->num_kv_heads + h) * kv->page_size + t) * rb;
         for (int64_t d = 0; d < D; d++) {
             const float k = ekv_load_f32(kv->k, kv->dtype,
                                          page * kv->stride_page + h * kv->stride_head +
                                                  t * kv->stride_token + d);
             const float mn = st->kmin[so + d], mx = st->kmax[so + d],
                         s = ekv_code_step(mn, mx, st->code_bits);
-            const uint32_t code = ekv_code_get(row, d, st->code_bits);
+            const uint32_t code = ekv_code_get(block, d, t, kv->page_size, st->code_bits);
             const double khat = (double)mn + ((double)code + 0.5) * s;
             const double A = fmax(fabs((double)mn), fabs((double)mx));
             CHECK(code == ekv_code_of(k, mn, s, st->code_bits),
@@ -100,6 +99,23 @@ static void check_codes(const ekv_paged_kv *kv, const ekv_page_stats *st, int32_
                           0.5 * s + 0x1p-23 * A + 0x1p-140, /* a step below fp32 subnormals is 0 */
                   "code error %.3g > s/2 = %.3g", fabs((double)k - khat), 0.5 * s);
         }
+    }
+}
+
+/* Screened attention scores its surviving rows alone (pos0 = the row's slot): each must get
+ * the bits scoring the whole page gave it (z [G][64]), ALiBi included. */
+static void rows_alone(const ekv_cpu_kernels *kern, const ekv_paged_kv *kv, int32_t page, int64_t h,
+                       int64_t ntok, ekv_dtype dt, int64_t D, const float *qs, int G,
+                       const float *b0, const float *bs, const float *z) {
+    for (int64_t t = 0; t < ntok; t++) {
+        float zr[4], M[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        kern->score(ekv_cpu_page_ptr(kv, kv->k, page, h) +
+                            t * kv->stride_token * ekv_dtype_size(dt),
+                    kv->stride_token, 1, dt, D, qs, D, G, b0, bs, t, zr, 1, M, NULL);
+        for (int g = 0; g < G; g++)
+            CHECK(memcmp(&zr[g], &z[g * 64 + t], 4) == 0,
+                  "row %lld head %d scored alone: %.9g, with its page %.9g", (long long)t, g, zr[g],
+                  z[g * 64 + t]);
     }
 }
 
@@ -162,6 +178,7 @@ static void check_case(ekv_context *ctx, int ci, counts *n) {
                                                            ekv_code_row_bytes(D, bits),
                                         bits,
                                         D,
+                                        ps,
                                         ntok,
                                         biased ? b0 : NULL,
                                         biased ? bs : NULL,
@@ -169,8 +186,10 @@ static void check_case(ekv_context *ctx, int ci, counts *n) {
             for (int kk = 0; kk < 2; kk++) {
                 float M[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
                 kerns[kk]->score(ekv_cpu_page_ptr(&kv, kv.k, idx[p], h), kv.stride_token, ntok, dt,
-                                 D, qs, D, G, biased ? b0 : NULL, biased ? bs : NULL, z, 64, M,
+                                 D, qs, D, G, biased ? b0 : NULL, biased ? bs : NULL, 0, z, 64, M,
                                  NULL);
+                rows_alone(kerns[kk], &kv, idx[p], h, ntok, dt, D, qs, G, biased ? b0 : NULL,
+                           biased ? bs : NULL, z);
                 const ekv_screen_terms halved = {0.5, 1}, noslack = {1.0, 0};
                 n->checked += ntok * G;
                 n->exact += violations(kerns[kk], &pg, qs, G, &ekv_screen_exact, z, 64);

@@ -11,7 +11,7 @@
 #include <string.h>
 
 typedef struct {
-    int64_t steps, kept, tokens, pages_listed, pages;
+    int64_t steps, kept, tokens, pages_listed, pages, k_dense, k_screened;
     double worst;
 } tally;
 
@@ -56,6 +56,12 @@ static void check_step(ekv_context *ctx, int c, const ekv_decode_params *dp,
         CHECK(fabs(taus[h] - taud[h]) <= 1e-6 * (1 + fabs(taud[h])),
               "case %d head %d: tau %.9g, dense %.9g", c, h, taus[h], taud[h]);
     }
+    /* per-query-head lists read a KV head's rows once per query head, as every list method */
+    CHECK(sp->per_query_head || is.bytes_k <= id.bytes_k,
+          "case %d: screened read %lld K bytes, dense %lld", c, (long long)is.bytes_k,
+          (long long)id.bytes_k);
+    t->k_dense += sp->per_query_head ? 0 : id.bytes_k;
+    t->k_screened += sp->per_query_head ? 0 : is.bytes_k;
     t->kept += is.survivors;
     t->steps++;
 }
@@ -159,12 +165,17 @@ int main(void) {
     cpp.n_threads = 2;
     CHECK(ekv_context_create(&cpp, &ctx) == EKV_OK, "context");
     check_refusals(ctx);
-    tally t = {0, 0, 0, 0, 0, 0};
+    tally t = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int c = 0; c < 120; c++) run_case(ctx, c, &t);
     printf("screened: %lld steps equal dense (worst %.3g relative); the screen kept %.1f%% of the "
            "(token, head) pairs\n",
            (long long)t.steps, t.worst, 100.0 * (double)t.kept / (double)(t.tokens ? t.tokens : 1));
     CHECK(t.kept < t.tokens, "the screen never ruled a token out");
+    /* K is read for the surviving rows only, not for whole pages */
+    CHECK(t.k_screened < t.k_dense / 2, "screened read %lld K bytes, dense %lld",
+          (long long)t.k_screened, (long long)t.k_dense);
+    printf("screened: K bytes read %.1f%% of dense's\n",
+           100.0 * (double)t.k_screened / (double)(t.k_dense ? t.k_dense : 1));
     ekv_context_free(ctx);
     return test_finish("test_screened");
 }

@@ -175,9 +175,10 @@ typedef struct ekv_page_stats {
     int32_t superpage_pages;
     const float *smin;
     const float *smax;
-    /* Key codes (docs/math.md §10.1, optional): code_bits 4 or 8 (0 = none); codes of token
-     * slot t of physical page pg, KV head h at codes + ((pg*num_kv_heads + h)*page_size + t)
-     * * ceil(head_dim*code_bits/8), relative to the page's kmin/kmax. */
+    /* Key codes (docs/math.md §10.1, optional): code_bits 4 or 8 (0 = none), relative to the
+     * page's kmin/kmax. Physical page pg, KV head h has the block at codes + (pg*num_kv_heads
+     * + h) * page_size * R, R = ceil(head_dim*code_bits/8); byte j*page_size + t of a block is
+     * channel j (8-bit) or channels 2j (low nibble) and 2j+1 (high nibble) of token slot t. */
     const uint8_t *codes;
     int32_t code_bits;
     int64_t num_superpages; /* superpages smin/smax hold (ekv_cache_kv_view sets it); the bound

@@ -10,23 +10,19 @@
 
 void ekv_codes_update_page(ekv_cache *c, int32_t page, int32_t head) {
     if (!c->codes) return;
-    const int64_t D = c->p.head_dim, bits = c->p.code_bits,
-                  rb = ekv_code_row_bytes(D, c->p.code_bits);
+    const int64_t D = c->p.head_dim, ps = c->p.page_size;
+    const int32_t bits = c->p.code_bits;
     const int64_t soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
     const float *mn = c->kmin + soff, *mx = c->kmax + soff;
-    const int64_t kbase = (int64_t)page * c->elems_per_page + (int64_t)head * c->p.page_size * D;
-    uint8_t *rows = c->codes + (((int64_t)page * c->p.num_kv_heads + head) * c->p.page_size) * rb;
-    for (int32_t t = 0; t < c->count[page]; t++) {
-        uint8_t *row = rows + t * rb;
-        memset(row, 0, (size_t)rb);
-        for (int64_t d = 0; d < D; d++) {
+    const int64_t kbase = (int64_t)page * c->elems_per_page + (int64_t)head * ps * D;
+    uint8_t *block = c->codes +
+                     ((int64_t)page * c->p.num_kv_heads + head) * ps * ekv_code_row_bytes(D, bits);
+    memset(block, 0, (size_t)(ps * ekv_code_row_bytes(D, bits)));
+    for (int64_t d = 0; d < D; d++) {
+        const float step = ekv_code_step(mn[d], mx[d], bits);
+        for (int32_t t = 0; t < c->count[page]; t++) {
             const float k = ekv_load_f32(c->k, c->p.dtype, kbase + t * D + d);
-            const uint32_t code = ekv_code_of(k, mn[d], ekv_code_step(mn[d], mx[d], (int32_t)bits),
-                                              (int32_t)bits);
-            if (bits == 8)
-                row[d] = (uint8_t)code;
-            else
-                row[d >> 1] |= (uint8_t)(code << ((d & 1) * 4));
+            ekv_code_put(block, d, t, ps, bits, ekv_code_of(k, mn[d], step, bits));
         }
     }
 }

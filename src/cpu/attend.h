@@ -11,9 +11,17 @@ typedef enum ekv_lists_mode {
     EKV_LISTS_CERTIFY = 2 /* certified round 2 on the kept scores, then the output (§9.3)        */
 } ekv_lists_mode;
 
+/* Token rows per list (screened decode, docs/math.md §10.3): list i = b * heads + l attends
+ * over rows[start[i] .. start[i] + count[i]), token positions in sequence b, ascending. */
+typedef struct ekv_row_lists {
+    int64_t heads; /* lists per sequence: num_kv_heads or num_heads */
+    const int64_t *start, *count, *rows;
+} ekv_row_lists;
+
 typedef struct ekv_lists_args {
     ekv_lists_mode mode;
     const ekv_page_list *list; /* PROBS: NULL = every page, one list per query head          */
+    const ekv_row_lists *rows; /* OUTPUT, entmax only: token rows instead of the page list    */
     float *out;                /* OUTPUT, CERTIFY: [B][H][D]                                 */
     ekv_decode_info *info;     /* OUTPUT, CERTIFY (may be NULL)                              */
     float *probs;              /* PROBS: [B*H][pstride]                                      */
@@ -44,6 +52,12 @@ typedef ekv_status ekv_list_policy(ekv_context *ctx, const ekv_decode_params *pr
                                    const float *q, ekv_page_list *list);
 ekv_list_policy ekv_cpu_select_run;
 ekv_list_policy ekv_select_screened; /* src/select/screened.c: pages with a token the codes keep */
+/* Screened decode (src/select/screened.c): the screen's surviving rows (in the step arena),
+ * then attention over them. */
+ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                float *out, ekv_decode_info *info);
 ekv_list_policy
         ekv_select_oracle_run; /* src/eval/oracle.c: the dense support's pages (evaluation) */
 /* The checks ekv_select_pages makes beyond the step's (select.c): stats, budgets, list. */

@@ -63,11 +63,35 @@ static int64_t score_pages(const pages_job *j, int64_t b, int64_t kvh, int64_t h
                                             N, b0, bs);
         j->kern->score(ekv_cpu_page_ptr(j->kv, j->kv->k, pages[p], kvh), j->kv->stride_token, ntok,
                        j->kv->dtype, j->sh.D, j->qs + (b * j->sh.H + h0) * j->sh.D, j->sh.D,
-                       (int)j->Gl, bias ? b0 : NULL, bias ? bs : NULL, z + c, j->nmax, M, pf);
+                       (int)j->Gl, bias ? b0 : NULL, bias ? bs : NULL, 0, z + c, j->nmax, M, pf);
         for (int64_t t = 0; t < ntok; t++) tok[c + t] = p * j->sh.ps + t;
         c += ntok;
     }
     return c;
+}
+
+/* Scores the token rows rows[0..n) (ascending positions in sequence b) into z from slot 0,
+ * raising M; returns n. Consecutive rows of a page are scored in one call; each row's score
+ * has the bits its page's dense scoring gives it (the score kernel's pos0 contract). */
+static int64_t score_rows(const pages_job *j, int64_t b, int64_t kvh, int64_t h0,
+                          const int64_t *rows, int64_t n, float *z, int64_t *tok, float *M) {
+    const int64_t N = ekv_seq_len(j->tab->indptr, j->tab->last_page_len, b, j->sh.ps);
+    const int64_t ps = j->sh.ps, esz = j->sh.esize;
+    const int32_t *pages = j->tab->indices + j->tab->indptr[b];
+    float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
+    for (int64_t i = 0, r; i < n; i += r) {
+        const int64_t p = rows[i] / ps, s0 = rows[i] % ps;
+        for (r = 1; i + r < n && rows[i + r] == rows[i] + r && s0 + r < ps; r++) {}
+        const int bias =
+                ekv_cpu_alibi_page(j->prm->alibi_slopes, j->sh.a, h0, j->Gl, p * ps, N, b0, bs);
+        j->kern->score(ekv_cpu_page_ptr(j->kv, j->kv->k, pages[p], kvh) +
+                               s0 * j->kv->stride_token * esz,
+                       j->kv->stride_token, r, j->kv->dtype, j->sh.D,
+                       j->qs + (b * j->sh.H + h0) * j->sh.D, j->sh.D, (int)j->Gl, bias ? b0 : NULL,
+                       bias ? bs : NULL, s0, z + i, j->nmax, M, NULL);
+        for (int64_t t = 0; t < r; t++) tok[i + t] = rows[i] + t;
+    }
+    return n;
 }
 
 /* Certified round 2 (docs/math.md §9.3) for one list whose round-1 scores are in z: tau_C
@@ -215,8 +239,14 @@ static void attend_list(void *vp, int64_t task, int worker) {
     int64_t *tok = j->w_tok + worker * j->nmax, np;
     float M[EKV_CPU_MAX_GROUP];
     for (int64_t g = 0; g < j->Gl; g++) M[g] = -INFINITY;
-    const int32_t *plist = list_pages(j, b, l, &np);
-    int64_t L = score_pages(j, b, kvh, h0, plist, np, z, tok, 0, M);
+    const ekv_row_lists *rl = j->a->rows;
+    int64_t L;
+    if (rl) {
+        L = score_rows(j, b, kvh, h0, rl->rows + rl->start[task], rl->count[task], z, tok, M);
+    } else {
+        const int32_t *plist = list_pages(j, b, l, &np);
+        L = score_pages(j, b, kvh, h0, plist, np, z, tok, 0, M);
+    }
     if (!ekv_cpu_scores_ok(M, j->Gl)) {
         j->overflow = 1;
         return;
@@ -328,7 +358,7 @@ ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
                    .tab = tab,
                    .a = a,
                    .sh = ekv_step_shape_of(prm, kv, tab)};
-    j.heads = a->list ? a->list->heads : j.sh.H;
+    j.heads = a->rows ? a->rows->heads : a->list ? a->list->heads : j.sh.H;
     j.Gl = ekv_list_nheads(j.heads, j.sh.H, j.sh.G);
     ekv_status st = ekv_cpu_check_group(ctx, j.Gl);
     if (st) return st;

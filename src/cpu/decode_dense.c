@@ -87,7 +87,7 @@ static void phase_scores(void *vp, int64_t task, int worker) {
             const int bias = ekv_cpu_alibi_page(slopes, j->sh.a, kvh * G, G, p * ps, N, b0, bs);
             const float *bias0 = bias ? b0 : NULL, *bstep = bias ? bs : NULL;
             j->kern->score(k, j->kv->stride_token, ntok, j->kv->dtype, j->sh.D,
-                           j->qs + (b * H + kvh * G) * j->sh.D, j->sh.D, (int)G, bias0, bstep,
+                           j->qs + (b * H + kvh * G) * j->sh.D, j->sh.D, (int)G, bias0, bstep, 0,
                            zb + kvh * G * N + p * ps, N, mx + kvh * G, pf);
         }
     }

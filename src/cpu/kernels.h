@@ -7,19 +7,25 @@
 #define EKV_CPU_KERNELS_H
 #include "../core/internal.h"
 
+struct ekv_screen_page;
+struct ekv_screen_terms;
+
 typedef struct ekv_cpu_kernels {
     /*
      * Scores of G query heads over ntok consecutive key rows (row t at k + t*stride_tok,
      * head_dim D contiguous elements of dtype dt):
-     *   z[g*ldz + t] = <q[g*ldq ..], k_t> + bias0[g] + bias_step[g]*t
+     *   z[g*ldz + t] = <q[g*ldq ..], k_t> + (bias0[g] + bias_step[g] * (float)(pos0 + t))
      * and zmax[g] = max(zmax[g], every z written for head g). bias0/bias_step may be NULL.
+     * The bias is one product and one sum in fp32 on every ISA, and a key's dot product does
+     * not depend on its place in the call, so a row scored alone (pos0 = its slot in the page)
+     * gets the bits it gets when its whole page is scored (screened decode relies on it).
      * prefetch, if not NULL, is the start of the rows the caller will score later (same
      * stride and count): the kernel prefetches them into L2 a tile at a time, which spreads
      * the prefetches over the work instead of issuing them in one burst.
      */
     void (*score)(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                   const float *q, int64_t ldq, int G, const float *bias0, const float *bias_step,
-                  float *z, int64_t ldz, float *zmax, const void *prefetch);
+                  int64_t pos0, float *z, int64_t ldz, float *zmax, const void *prefetch);
     /*
      * out[g*ldo + d] += sum_t w[g*ldw + t] * v_t[d] for G heads over ntok consecutive value
      * rows (row t at v + t*stride_tok).
@@ -51,19 +57,19 @@ typedef struct ekv_cpu_kernels {
     /* w[i] = exp(z[i] - m) for i in [0, n) (w may equal z); returns the sum of w. */
     double (*exp_shift)(const float *z, int64_t n, float m, float *w);
     /*
-     * The screen's dot products (docs/math.md §10.2): for ntok rows of b-bit key codes (row t
-     * at codes + t*row_bytes, D channels in the layout of src/core/codes.h) and G weight
-     * vectors w[g*ldw .. + D): dots[g*ldd + t] = sum_c w[g][c] * code_tc in fp32, any order
-     * (the screen's error term covers it). The SIMD versions take D a multiple of 16 and
-     * G <= 16 (EKV_CODE_DOTS_SIMD); ekv_cpu_screen_page gives any other shape to the scalar one.
+     * The screen of one page (docs/math.md §10.2, screen_page.h): lo/hi[g*ld + t] bound the
+     * scores of the page's tokens for G query heads, from its key codes. The SIMD versions
+     * take G <= 16 (EKV_SCREEN_SIMD: one register sum per head); ekv_cpu_screen_page gives a
+     * larger group to the scalar one.
      */
-    void (*code_dots)(const uint8_t *codes, int64_t row_bytes, int64_t ntok, int32_t bits,
-                      int64_t D, const float *w, int64_t ldw, int G, float *dots, int64_t ldd);
+    void (*screen_page)(const struct ekv_screen_page *pg, const float *qs, int64_t ldq, int G,
+                        const struct ekv_screen_terms *terms, float *scratch, float *lo, float *hi,
+                        int64_t ld);
 } ekv_cpu_kernels;
 
 const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa);
-/* The shapes the SIMD code_dots take (16 channels per step, at most 16 register sums). */
-#define EKV_CODE_DOTS_SIMD(D, G) ((D) % 16 == 0 && (G) <= 16)
+/* The groups the SIMD screens take (one register sum per head, at most 16). */
+#define EKV_SCREEN_SIMD(G) ((G) <= 16)
 
 /* What a CPU stage's job starts from: the context's kernels and the (validated) step. */
 typedef struct ekv_cpu_step {

@@ -4,6 +4,7 @@
  * chunk converted once and shared by up to 4 heads, then horizontal sums.
  */
 #include "kernels.h"
+#include "screen_page.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -31,7 +32,7 @@ INLINE float hsum8(__m256 v) {
 
 INLINE void score_impl(const void *k, int64_t st, int64_t ntok, ekv_dtype dt, int64_t D,
                        const float *q, int64_t ldq, int G, const float *b0, const float *bs,
-                       float *z, int64_t ldz, float *zmax) {
+                       int64_t pos0, float *z, int64_t ldz, float *zmax) {
     for (int g0 = 0; g0 < G; g0 += 4) {
         int gn = G - g0 < 4 ? G - g0 : 4;
         for (int64_t t = 0; t < ntok; t++) {
@@ -49,7 +50,7 @@ INLINE void score_impl(const void *k, int64_t st, int64_t ntok, ekv_dtype dt, in
             for (int g = 0; g < gn; g++) {
                 int gg = g0 + g;
                 float s = hsum8(acc[g]);
-                if (b0) s += b0[gg] + bs[gg] * (float)t;
+                if (b0) s += b0[gg] + bs[gg] * (float)(pos0 + t);
                 z[gg * ldz + t] = s;
                 if (s > zmax[gg]) zmax[gg] = s;
             }
@@ -59,7 +60,7 @@ INLINE void score_impl(const void *k, int64_t st, int64_t ntok, ekv_dtype dt, in
 
 static void score_avx2(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
                        const float *q, int64_t ldq, int G, const float *b0, const float *bs,
-                       float *z, int64_t ldz, float *zmax, const void *prefetch) {
+                       int64_t pos0, float *z, int64_t ldz, float *zmax, const void *prefetch) {
     if (prefetch) { /* one burst: this path is a fallback for CPUs without AVX-512 */
         int64_t bytes = n * st * (dt == EKV_DTYPE_F32 ? 4 : 2);
         for (int64_t o = 0; o < bytes; o += 64)
@@ -67,12 +68,12 @@ static void score_avx2(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64
     }
     switch (dt) {
     case EKV_DTYPE_F16:
-        score_impl(k, st, n, EKV_DTYPE_F16, D, q, ldq, G, b0, bs, z, ldz, zmax);
+        score_impl(k, st, n, EKV_DTYPE_F16, D, q, ldq, G, b0, bs, pos0, z, ldz, zmax);
         break;
     case EKV_DTYPE_BF16:
-        score_impl(k, st, n, EKV_DTYPE_BF16, D, q, ldq, G, b0, bs, z, ldz, zmax);
+        score_impl(k, st, n, EKV_DTYPE_BF16, D, q, ldq, G, b0, bs, pos0, z, ldz, zmax);
         break;
-    default: score_impl(k, st, n, EKV_DTYPE_F32, D, q, ldq, G, b0, bs, z, ldz, zmax); break;
+    default: score_impl(k, st, n, EKV_DTYPE_F32, D, q, ldq, G, b0, bs, pos0, z, ldz, zmax); break;
     }
 }
 
@@ -109,41 +110,68 @@ void ekv_bound_box_scalar(const float *qpos, const float *qneg, int64_t ldq, int
 void ekv_convert_scalar(const void *src, ekv_dtype sdt, void *dst, ekv_dtype ddt, int64_t n,
                         float *f32);
 
-/* 8 codes of a row from channel d on, as floats (4-bit: channel 2j is the low nibble). */
-static inline __m256 codes8_avx2(const uint8_t *row, int64_t d, int32_t bits) {
-    __m128i b;
-    if (bits == 8) {
-        b = _mm_loadl_epi64((const __m128i *)(row + d));
-    } else {
-        int32_t x;
-        memcpy(&x, row + d / 2, 4);
-        const __m128i v = _mm_cvtsi32_si128(x), m = _mm_set1_epi8(15);
-        b = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
-    }
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+/* acc[g] += w[g][c] * x for the G heads: one channel of 8 tokens. */
+static inline void code_fma8(__m256 x, const float *w, int64_t ldw, int64_t c, int G, __m256 *acc) {
+    for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(x, _mm256_set1_ps(w[g * ldw + c]), acc[g]);
 }
 
-static void code_dots_avx2(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits, int64_t D,
+/* Tokens across the lanes, 8 per tile (as the AVX-512 kernel; a short tile is copied out so
+ * that no load reads past the block). */
+static void code_dots_avx2(const uint8_t *block, int64_t ps, int64_t ntok, int32_t bits, int64_t D,
                            const float *w, int64_t ldw, int G, float *dots, int64_t ldd) {
-    for (int64_t t = 0; t < ntok; t++) {
-        const uint8_t *row = codes + t * rb;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t t0 = 0; t0 < ntok; t0 += 8) {
+        const int64_t tn = ntok - t0 < 8 ? ntok - t0 : 8;
         __m256 acc[16];
         for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m256 c = codes8_avx2(row, d, bits);
-            for (int g = 0; g < G; g++)
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(w + g * ldw + d), c, acc[g]);
+        const int64_t rows = bits == 8 ? D : (D + 1) / 2;
+        for (int64_t j = 0; j < rows; j++) {
+            uint8_t b8[8] = {0};
+            memcpy(b8, block + j * ps + t0, (size_t)tn);
+            int64_t v;
+            memcpy(&v, b8, 8);
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v));
+            if (bits == 8) {
+                code_fma8(_mm256_cvtepi32_ps(x), w, ldw, j, G, acc);
+                continue;
+            }
+            code_fma8(_mm256_cvtepi32_ps(_mm256_and_si256(x, low4)), w, ldw, 2 * j, G, acc);
+            if (2 * j + 1 < D)
+                code_fma8(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), w, ldw, 2 * j + 1, G, acc);
         }
         for (int g = 0; g < G; g++) {
-            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            dots[g * ldd + t] = _mm_cvtss_f32(s);
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[g]);
+            memcpy(dots + g * ldd + t0, tmp, sizeof(float) * (size_t)tn);
         }
     }
+}
+
+static void screen_dots2_avx2(const float *q, const float *mid, const float *qabs, const float *w,
+                              int64_t D, float *c0, float *e) {
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= D; c += 8) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(mid + c), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(qabs + c), _mm256_loadu_ps(w + c), b);
+    }
+    float sa = hsum8(a), sb = hsum8(b);
+    for (; c < D; c++) {
+        sa += q[c] * mid[c];
+        sb += qabs[c] * w[c];
+    }
+    *c0 = sa;
+    *e = sb;
+}
+
+static void screen_page_avx2(const ekv_screen_page *pg, const float *qs, int64_t ldq, int G,
+                             const ekv_screen_terms *terms, float *scratch, float *lo, float *hi,
+                             int64_t ld) {
+    ekv_screen_page_impl(code_dots_avx2, screen_dots2_avx2, pg, qs, ldq, G, terms, scratch, lo, hi,
+                         ld);
 }
 
 const ekv_cpu_kernels ekv_cpu_kernels_avx2 = {
         score_avx2,         accum_avx2,           ekv_compact_gt_scalar, ekv_bound_box_scalar,
-        ekv_convert_scalar, ekv_exp_shift_scalar, code_dots_avx2};
+        ekv_convert_scalar, ekv_exp_shift_scalar, screen_page_avx2};
 #endif

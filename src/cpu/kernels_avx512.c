@@ -8,6 +8,7 @@
  * horizontal sums), which leaves dot product i = g*TT + t in lane i.
  */
 #include "kernels.h"
+#include "screen_page.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -68,23 +69,25 @@ INLINE __m512 score_tile(const void *k, const int64_t rowoff[16], const float *q
 
 INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtype dt, int64_t D,
                        const float *q, int64_t ldq, int G, const float *bias0,
-                       const float *bias_step, float *z, int64_t ldz, float *zmax, const char *pf,
-                       const int TG) {
+                       const float *bias_step, int64_t pos0, float *z, int64_t ldz, float *zmax,
+                       const char *pf, const int TG) {
     const int TT = 16 / TG;
     const int64_t esz = dt == EKV_DTYPE_F32 ? 4 : 2;
     for (int g0 = 0; g0 < G; g0 += TG) {
         int gn = G - g0 < TG ? G - g0 : TG;
         const float *qs[16];
-        float b0[16], bs[16];
+        float b0[16], bs[16], lane[16]; /* bias of lane g*TT + t: b0 + bs * (pos0 + t0 + t) */
         for (int g = 0; g < TG; g++) {
             int gg = g0 + (g < gn ? g : gn - 1);
             qs[g] = q + gg * ldq;
             for (int t = 0; t < TT; t++) {
-                b0[g * TT + t] = bias0 ? bias0[gg] + bias_step[gg] * (float)t : 0.f;
-                bs[g * TT + t] = bias0 ? bias_step[gg] * (float)TT : 0.f;
+                b0[g * TT + t] = bias0 ? bias0[gg] : 0.f;
+                bs[g * TT + t] = bias0 ? bias_step[gg] : 0.f;
+                lane[g * TT + t] = (float)t;
             }
         }
-        __m512 bcur = _mm512_loadu_ps(b0), bstep = _mm512_loadu_ps(bs);
+        const __m512 vb0 = _mm512_loadu_ps(b0), vbs = _mm512_loadu_ps(bs),
+                     vlane = _mm512_loadu_ps(lane);
         __m512 mx = _mm512_set1_ps(-INFINITY);
         __mmask16 gmask = 0;
         for (int g = 0; g < gn; g++) gmask |= (__mmask16)(((1u << TT) - 1) << (g * TT));
@@ -95,8 +98,10 @@ INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtyp
             if (pf && g0 == 0) /* the matching rows of the slab scored later */
                 for (int64_t o = 0; o < (int64_t)tn * stride_tok * esz; o += 64)
                     _mm_prefetch(pf + t0 * stride_tok * esz + o, _MM_HINT_T1);
-            __m512 r = _mm512_add_ps(score_tile(k, rowoff, qs, dt, D, TT, TG), bcur);
-            bcur = _mm512_add_ps(bcur, bstep);
+            /* pos0 + t0 + t is exact in fp32 (below 2^24), as the scalar kernel's (float) */
+            const __m512 pos = _mm512_add_ps(vlane, _mm512_set1_ps((float)(pos0 + t0)));
+            const __m512 bias = _mm512_add_ps(vb0, _mm512_mul_ps(vbs, pos));
+            __m512 r = _mm512_add_ps(score_tile(k, rowoff, qs, dt, D, TT, TG), bias);
             __mmask16 valid = gmask;
             if (tn < TT) {
                 __mmask16 tm = 0;
@@ -124,15 +129,15 @@ INLINE void score_impl(const void *k, int64_t stride_tok, int64_t ntok, ekv_dtyp
 
 #define SCORE_DT(DT)                                                                               \
     if (G == 1)                                                                                    \
-        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 1);                       \
+        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, pos0, z, ldz, zmax, pf, 1);                 \
     else if (G == 2)                                                                               \
-        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 2);                       \
+        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, pos0, z, ldz, zmax, pf, 2);                 \
     else                                                                                           \
-        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, z, ldz, zmax, pf, 4);
+        score_impl(k, st, n, DT, D, q, ldq, G, b0, bs, pos0, z, ldz, zmax, pf, 4);
 
 static void score_avx512(const void *k, int64_t st, int64_t n, ekv_dtype dt, int64_t D,
                          const float *q, int64_t ldq, int G, const float *b0, const float *bs,
-                         float *z, int64_t ldz, float *zmax, const void *prefetch) {
+                         int64_t pos0, float *z, int64_t ldz, float *zmax, const void *prefetch) {
     const char *pf = (const char *)prefetch;
     switch (dt) {
     case EKV_DTYPE_F16: SCORE_DT(EKV_DTYPE_F16) break;
@@ -311,36 +316,81 @@ static void convert_avx512(const void *src, ekv_dtype sdt, void *dst, ekv_dtype 
     }
 }
 
-/* 16 codes of a row from channel d on, as floats (4-bit: channel 2j is the low nibble). */
-INLINE __m512 codes16(const uint8_t *row, int64_t d, int32_t bits) {
-    __m128i b;
-    if (bits == 8) {
-        b = _mm_loadu_si128((const __m128i *)(row + d));
-    } else {
-        const __m128i v = _mm_loadl_epi64((const __m128i *)(row + d / 2)), m = _mm_set1_epi8(15);
-        b = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+/* acc[g] += w[g][c] * x for TG heads: one channel of 16 tokens. */
+INLINE void code_fma16(__m512 x, const float *w, int64_t ldw, int64_t c, const int TG,
+                       __m512 *acc) {
+    for (int g = 0; g < TG; g++)
+        acc[g] = _mm512_fmadd_ps(x, _mm512_set1_ps(w[g * ldw + c]), acc[g]);
 }
 
-static void code_dots_avx512(const uint8_t *codes, int64_t rb, int64_t ntok, int32_t bits,
+/* One tile: up to 16 tokens from t0 (mask m) for TG heads; the sums stay in registers. */
+INLINE void code_tile(const uint8_t *block, int64_t ps, int64_t t0, __mmask16 m, int32_t bits,
+                      int64_t D, const float *w, int64_t ldw, float *dots, int64_t ldd,
+                      const int TG) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    __m512 acc[4];
+    for (int g = 0; g < TG; g++) acc[g] = _mm512_setzero_ps();
+    const int64_t rows = bits == 8 ? D : (D + 1) / 2;
+    for (int64_t j = 0; j < rows; j++) {
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, block + j * ps + t0));
+        if (bits == 8) {
+            code_fma16(_mm512_cvtepi32_ps(x), w, ldw, j, TG, acc);
+            continue;
+        }
+        code_fma16(_mm512_cvtepi32_ps(_mm512_and_si512(x, low4)), w, ldw, 2 * j, TG, acc);
+        if (2 * j + 1 < D)
+            code_fma16(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), w, ldw, 2 * j + 1, TG, acc);
+    }
+    for (int g = 0; g < TG; g++) _mm512_mask_storeu_ps(dots + g * ldd + t0, m, acc[g]);
+}
+
+/* Tokens across the lanes (the block layout of src/core/codes.h): 16 tokens per tile, one
+ * byte load per channel (pair), the heads 4 at a time in register sums, no horizontal
+ * reduction. */
+static void code_dots_avx512(const uint8_t *block, int64_t ps, int64_t ntok, int32_t bits,
                              int64_t D, const float *w, int64_t ldw, int G, float *dots,
                              int64_t ldd) {
-    for (int64_t t = 0; t < ntok; t++) {
-        const uint8_t *row = codes + t * rb;
-        __m512 acc[16];
-        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512 c = codes16(row, d, bits);
-            for (int g = 0; g < G; g++)
-                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(w + g * ldw + d), c, acc[g]);
+    for (int64_t t0 = 0; t0 < ntok; t0 += 16) {
+        const __mmask16 m =
+                ntok - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ntok - t0)) - 1);
+        for (int g0 = 0; g0 < G;) {
+            const float *wg = w + g0 * ldw;
+            float *dg = dots + g0 * ldd;
+            if (G - g0 >= 4) {
+                code_tile(block, ps, t0, m, bits, D, wg, ldw, dg, ldd, 4);
+                g0 += 4;
+            } else if (G - g0 >= 2) {
+                code_tile(block, ps, t0, m, bits, D, wg, ldw, dg, ldd, 2);
+                g0 += 2;
+            } else {
+                code_tile(block, ps, t0, m, bits, D, wg, ldw, dg, ldd, 1);
+                g0 += 1;
+            }
         }
-        for (int g = 0; g < G; g++) dots[g * ldd + t] = _mm512_reduce_add_ps(acc[g]);
     }
 }
 
-const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512,     accum_avx512,   compact_avx512,
-                                                bound_box_avx512, convert_avx512, exp_shift_avx512,
-                                                code_dots_avx512};
+static void screen_dots2_avx512(const float *q, const float *mid, const float *qabs, const float *w,
+                                int64_t D, float *c0, float *e) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __mmask16 m = D - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - c)) - 1);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), _mm512_maskz_loadu_ps(m, mid + c), a);
+        b = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qabs + c), _mm512_maskz_loadu_ps(m, w + c), b);
+    }
+    *c0 = _mm512_reduce_add_ps(a);
+    *e = _mm512_reduce_add_ps(b);
+}
+
+static void screen_page_avx512(const ekv_screen_page *pg, const float *qs, int64_t ldq, int G,
+                               const ekv_screen_terms *terms, float *scratch, float *lo, float *hi,
+                               int64_t ld) {
+    ekv_screen_page_impl(code_dots_avx512, screen_dots2_avx512, pg, qs, ldq, G, terms, scratch, lo,
+                         hi, ld);
+}
+
+const ekv_cpu_kernels ekv_cpu_kernels_avx512 = {score_avx512,      accum_avx512,   compact_avx512,
+                                                bound_box_avx512,  convert_avx512, exp_shift_avx512,
+                                                screen_page_avx512};
 
 #endif

@@ -15,9 +15,9 @@ extern const ekv_screen_terms ekv_screen_exact;
 /* One page of one KV head, for the G query heads of its group. */
 typedef struct ekv_screen_page {
     const float *kmin, *kmax; /* the page's stored range for this KV head [D]            */
-    const uint8_t *codes;     /* the page's code rows for this KV head [page_size][row]   */
+    const uint8_t *codes;     /* the page's code block for this KV head (src/core/codes.h) */
     int32_t bits;
-    int64_t D, ntok;                /* head dim; valid tokens of the page                      */
+    int64_t D, page_size, ntok; /* head dim; token slots of a block; valid tokens        */
     const float *bias0, *bias_step; /* [G] the ALiBi terms the score kernel gets, or NULL */
     const double *alibi_slack;      /* [G] 16u|a m_h| (|first - (N-1)| + page_size), or NULL */
 } ekv_screen_page;
@@ -25,12 +25,12 @@ typedef struct ekv_screen_page {
 /*
  * lo[g*ld + t] <= z_t,g <= hi[g*ld + t] for every token t < ntok and head g < G, where z is
  * the fp32 score the score kernels compute from the scaled queries qs [G][D] (ldq apart).
- * The code dot products run on kern->code_dots. scratch: ekv_screen_scratch_bytes(D, G)
+ * The page's bound runs on kern->screen_page. scratch: ekv_screen_scratch_bytes(D, G)
  * bytes, 8-byte aligned, prepared for these queries by ekv_cpu_screen_prepare (once per
  * list: what depends on the queries alone is not redone per page).
  */
 static inline int64_t ekv_screen_scratch_bytes(int64_t D, int64_t G) {
-    return (3 * D + 3 * G * D) * (int64_t)sizeof(float);
+    return (3 * D + 2 * G * D) * (int64_t)sizeof(float);
 }
 void ekv_cpu_screen_prepare(const float *qs, int64_t ldq, int G, int64_t D, void *scratch);
 void ekv_cpu_screen_page(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,

@@ -520,7 +520,7 @@ static void matmul_task(void *vp, int64_t task, int worker) {
     /* y[t][r0 + i] = <x[t], w[r0 + i]>: the score kernel with weight rows as keys, tokens as
      * queries */
     kern->score((const char *)w->data + r0 * w->cols * ekv_dtype_size(w->dtype), w->cols, nr,
-                w->dtype, w->cols, j->x, w->cols, (int)j->T, NULL, NULL, j->y + r0, w->rows, zmax,
+                w->dtype, w->cols, j->x, w->cols, (int)j->T, NULL, NULL, 0, j->y + r0, w->rows, zmax,
                 NULL);
 }
 

@@ -1,12 +1,19 @@
 /*
- * The screened policy (docs/math.md §10): for each list (a KV head and its G query heads, or
- * one query head), the key codes of every page give per-token bounds lo <= z <= hi on the
- * scores the attention will compute (src/cpu/screen.c). tau(lo) is a lower bound of tau*,
- * so a token with hi <= tau(lo) is outside the support (a NaN bound keeps its token). The
- * list is every page holding a surviving token of a head of the list, the last page
- * always; attention over it solves tau exactly on a superset of the support, which is
- * dense entmax. K is read for the listed pages only; the screen reads the page ranges and
- * the codes.
+ * Screened decode (docs/math.md §10): the key codes of every page give per-token bounds
+ * lo <= z <= hi on the scores the attention computes (src/cpu/screen_page.h); tau(lo) is a
+ * lower bound of tau*, so a token with hi <= tau(lo) for every head of its list is outside
+ * the support (a NaN bound keeps its token). Attention then reads K for the surviving rows
+ * only and solves tau exactly on them, which is dense entmax (§10.3).
+ *
+ *   phase 1  the screen, page-major as dense scoring is (tasks = sequence x chunk of pages, all
+ *            lists of a page together: the ranges and codes stream in address order). Each
+ *            (task, list) keeps the running maximum M of its lower bounds and only the tokens
+ *            with hi > M - 1 for a head: tau(lo) >= max lo - 1, so the rest cannot survive.
+ *   phase 2  per list: tau(lo) per head on the kept lower bounds above max lo - 1, then the
+ *            rows whose hi exceeds it, ascending, into the step arena.
+ *
+ * The candidates are kept per (list, token slot): the workspace holds one slot per token of
+ * the longest sequence per list, touched only as far as tokens are kept.
  */
 #include "../core/codes.h"
 #include "../cpu/attend.h"
@@ -14,165 +21,303 @@
 #include "../cpu/kernels.h"
 #include "../cpu/screen.h"
 #include "../cpu/support.h"
+#include "../core/method.h"
 #include <stdlib.h>
 
+enum { CHUNK_TOKENS = 2048 };
+
 typedef struct {
-    ekv_cpu_step s; /* kernels, parameters, views, table and shape of the step */
+    ekv_cpu_step s;
     const ekv_page_stats *st;
-    int64_t heads, Gl, nmax, maxP;
-    const float *qs;                        /* scaled queries [B][H][D] */
-    float *w_lo, *w_hi;                     /* per worker [Gl][nmax] */
-    int64_t *w_idx;                         /* per worker [nmax] */
-    double *w_y, *w_y2;                     /* per worker [nmax] */
-    char *w_scratch;                        /* per worker, ekv_screen_scratch_bytes(D, Gl) */
-    int32_t *sel_pages;                     /* [B*heads][maxP] the pages each list keeps */
-    int64_t *sel_count, *survivors, *bytes; /* per list */
+    int64_t heads, Gl, nmax, chunk_pages, ntask;
+    const float *qs;    /* scaled queries [B][H][D] */
+    int64_t *task_off;  /* [B + 1] first phase-1 task of each sequence */
+    float *tmax;        /* [ntask][heads][Gl] running maxima of lo */
+    int64_t *tcount;    /* [ntask][heads] candidates kept */
+    int64_t *c_tok;     /* [B * heads][nmax] candidate tokens, by chunk */
+    float *c_lo, *c_hi; /* [B * heads][nmax][Gl] their bounds */
+    float *w_lo, *w_hi; /* per worker [Gl][page_size] */
+    char *w_scratch;    /* per worker and list, ekv_screen_scratch_bytes(D, Gl) */
+    int64_t *w_idx;     /* per worker [nmax] */
+    double *w_y, *w_y2; /* per worker [nmax] */
+    float *w_l;         /* per worker [nmax] */
+    ekv_row_lists rl;   /* the rows (step arena) */
+    int64_t *rows, *start, *count, *pairs; /* pairs: surviving (token, head) pairs per list */
 } screen_job;
 
-/* Brings a page's range and codes towards the core two pages ahead: the screen is short on
- * compute per byte, so memory latency is what to hide (as the bound stage does). */
-static void prefetch_page(const screen_job *j, int32_t page, int64_t kvh, int64_t rb) {
-    const int64_t so = ((int64_t)page * j->s.sh.Hk + kvh) * j->s.sh.D;
-    const uint8_t *codes = j->st->codes + ((int64_t)page * j->s.sh.Hk + kvh) * j->s.sh.ps * rb;
-    for (int64_t d = 0; d < j->s.sh.D; d += 16) {
-        __builtin_prefetch(j->st->kmin + so + d, 0, 2);
-        __builtin_prefetch(j->st->kmax + so + d, 0, 2);
+static int64_t find_seq(const screen_job *j, int64_t task) {
+    int64_t lo = 0, hi = j->s.sh.B - 1;
+    while (lo < hi) { /* last b with task_off[b] <= task */
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (j->task_off[mid] <= task)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
-    for (int64_t o = 0; o < j->s.sh.ps * rb; o += 64) __builtin_prefetch(codes + o, 0, 2);
+    return lo;
 }
 
-/* The screen bounds of every token of sequence b for the list's heads. */
-static void screen_sequence(screen_job *j, int64_t b, int64_t h0, int64_t kvh, int worker,
-                            float *lo, float *hi) {
+/* What the screen keeps per worker and list (ekv_cpu_screen_prepare, once per chunk). */
+static char *list_scratch(const screen_job *j, int worker, int64_t l) {
+    return j->w_scratch + (worker * j->heads + l) * ekv_screen_scratch_bytes(j->s.sh.D, j->Gl);
+}
+
+/* The bounds of page p of sequence b for list l's heads into lo/hi [Gl][ps]. */
+static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int worker, float *lo,
+                        float *hi) {
     const ekv_page_table *t = j->s.t;
     const int64_t P = ekv_seq_pages(t->indptr, b), ps = j->s.sh.ps, D = j->s.sh.D, Hk = j->s.sh.Hk;
     const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, ps);
-    const int64_t rb = ekv_code_row_bytes(D, j->st->code_bits);
+    const int64_t h0 = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G), kvh = h0 / j->s.sh.G;
+    const int32_t page = t->indices[t->indptr[b] + p];
+    const int64_t so = ((int64_t)page * Hk + kvh) * D;
     float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
     double slack[EKV_CPU_MAX_GROUP];
-    char *scratch = j->w_scratch + worker * ekv_screen_scratch_bytes(D, j->Gl);
-    ekv_cpu_screen_prepare(j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl, D, scratch);
-    for (int64_t p = 0; p < P; p++) {
-        const int32_t page = t->indices[t->indptr[b] + p];
-        const int64_t so = ((int64_t)page * Hk + kvh) * D;
-        if (p + 2 < P) prefetch_page(j, t->indices[t->indptr[b] + p + 2], kvh, rb);
-        const int biased =
-                ekv_cpu_alibi_page(j->s.prm->alibi_slopes, j->s.sh.a, h0, j->Gl, p * ps, N, b0, bs);
-        for (int64_t g = 0; biased && g < j->Gl; g++)
-            slack[g] = 16.0 * 0x1p-24 * fabs((double)bs[g]) *
-                       ((double)llabs(p * ps - (N - 1)) + (double)ps);
-        const ekv_screen_page pg = {j->st->kmin + so,
-                                    j->st->kmax + so,
-                                    j->st->codes + ((int64_t)page * Hk + kvh) * ps * rb,
-                                    j->st->code_bits,
-                                    D,
-                                    ekv_page_tokens(p, P, t->last_page_len[b], ps),
-                                    biased ? b0 : NULL,
-                                    biased ? bs : NULL,
-                                    biased ? slack : NULL};
-        ekv_cpu_screen_page(j->s.kern, &pg, j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl,
-                            &ekv_screen_exact, scratch, lo + p * ps, hi + p * ps, j->nmax);
+    const int biased =
+            ekv_cpu_alibi_page(j->s.prm->alibi_slopes, j->s.sh.a, h0, j->Gl, p * ps, N, b0, bs);
+    for (int64_t g = 0; biased && g < j->Gl; g++)
+        slack[g] = 16.0 * 0x1p-24 * fabs((double)bs[g]) *
+                   ((double)llabs(p * ps - (N - 1)) + (double)ps);
+    const ekv_screen_page pg = {j->st->kmin + so,
+                                j->st->kmax + so,
+                                j->st->codes + ((int64_t)page * Hk + kvh) * ps *
+                                                       ekv_code_row_bytes(D, j->st->code_bits),
+                                j->st->code_bits,
+                                D,
+                                ps,
+                                ekv_page_tokens(p, P, t->last_page_len[b], ps),
+                                biased ? b0 : NULL,
+                                biased ? bs : NULL,
+                                biased ? slack : NULL};
+    ekv_cpu_screen_page(j->s.kern, &pg, j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl,
+                        &ekv_screen_exact, list_scratch(j, worker, l), lo, hi, ps);
+}
+
+/* Raises the (task, list) maxima with the page's lower bounds, then keeps the tokens with
+ * hi > M - 1 for a head (in double: M - 1 exactly). */
+static void keep_candidates(screen_job *j, int64_t task, int64_t b, int64_t l, int64_t first,
+                            int64_t ntok, int64_t chunk_first, const float *lo, const float *hi) {
+    const int64_t ps = j->s.sh.ps, Gl = j->Gl, li = b * j->heads + l;
+    float *M = j->tmax + (task * j->heads + l) * Gl;
+    for (int64_t g = 0; g < Gl; g++)
+        for (int64_t t = 0; t < ntok; t++) M[g] = lo[g * ps + t] > M[g] ? lo[g * ps + t] : M[g];
+    int64_t *n = j->tcount + task * j->heads + l;
+    const int64_t base = li * j->nmax + chunk_first;
+    for (int64_t t = 0; t < ntok; t++) {
+        int keep = 0;
+        for (int64_t g = 0; g < Gl; g++) keep |= !((double)hi[g * ps + t] <= (double)M[g] - 1.0);
+        if (!keep) continue;
+        const int64_t c = base + *n;
+        j->c_tok[c] = first + t;
+        for (int64_t g = 0; g < Gl; g++) {
+            j->c_lo[c * Gl + g] = lo[g * ps + t];
+            j->c_hi[c * Gl + g] = hi[g * ps + t];
+        }
+        (*n)++;
     }
 }
 
-/* tau of the lower bounds: a lower bound of tau* (docs/math.md §10.3); -inf when no token
+static void screen_chunk(void *vp, int64_t task, int worker) {
+    screen_job *j = vp;
+    const int64_t b = find_seq(j, task), c = task - j->task_off[b], ps = j->s.sh.ps;
+    const int64_t P = ekv_seq_pages(j->s.t->indptr, b), p0 = c * j->chunk_pages;
+    const int64_t p1 = p0 + j->chunk_pages < P ? p0 + j->chunk_pages : P;
+    float *lo = j->w_lo + worker * j->Gl * ps, *hi = j->w_hi + worker * j->Gl * ps;
+    for (int64_t l = 0; l < j->heads; l++) {
+        const int64_t h0 = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G), D = j->s.sh.D;
+        ekv_cpu_screen_prepare(j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl, D,
+                               list_scratch(j, worker, l));
+        j->tcount[task * j->heads + l] = 0;
+        for (int64_t g = 0; g < j->Gl; g++) j->tmax[(task * j->heads + l) * j->Gl + g] = -INFINITY;
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t ntok = ekv_page_tokens(p, P, j->s.t->last_page_len[b], ps);
+        for (int64_t l = 0; l < j->heads; l++) {
+            screen_page(j, b, l, p, worker, lo, hi);
+            keep_candidates(j, task, b, l, p * ps, ntok, p0 * ps, lo, hi);
+        }
+    }
+}
+
+/* tau(lo) of one head of list l of sequence b over the kept candidates (docs/math.md §10.3):
+ * only lower bounds above max lo - 1 can be in the support of entmax(lo). -inf when no token
  * could be bounded. */
-static double lower_tau(screen_job *j, const float *lo, int64_t N, int worker) {
+static double lower_tau(screen_job *j, int64_t b, int64_t l, int64_t g, int worker) {
+    const int64_t li = b * j->heads + l, Gl = j->Gl;
     float M = -INFINITY;
-    for (int64_t i = 0; i < N; i++) M = lo[i] > M ? lo[i] : M;
+    for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
+        const float m = j->tmax[(task * j->heads + l) * Gl + g];
+        M = m > M ? m : M;
+    }
     if (!isfinite(M)) return -INFINITY;
+    float *v = j->w_l + worker * j->nmax;
+    int64_t n = 0;
+    for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
+        const int64_t base = li * j->nmax + (task - j->task_off[b]) * j->chunk_pages * j->s.sh.ps;
+        for (int64_t i = 0; i < j->tcount[task * j->heads + l]; i++) {
+            const float x = j->c_lo[(base + i) * Gl + g];
+            if ((double)x > (double)M - 1.0) v[n++] = x;
+        }
+    }
     double tr, ws;
-    ekv_cpu_entmax_support(j->s.kern, lo, N, M, j->s.sh.alpha, j->w_idx + worker * j->nmax,
+    ekv_cpu_entmax_support(j->s.kern, v, n, M, j->s.sh.alpha, j->w_idx + worker * j->nmax,
                            j->w_y + worker * j->nmax, j->w_y2 + worker * j->nmax, &tr, &ws);
     return (double)M + tr;
 }
 
-static void screen_list(void *vp, int64_t task, int worker) {
+static void screen_survivors(void *vp, int64_t li, int worker) {
     screen_job *j = vp;
-    const int64_t b = task / j->heads, l = task % j->heads;
-    const int64_t h0 = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G), kvh = h0 / j->s.sh.G;
-    const int64_t P = ekv_seq_pages(j->s.t->indptr, b), ps = j->s.sh.ps;
-    const int64_t N = ekv_seq_len(j->s.t->indptr, j->s.t->last_page_len, b, ps);
-    float *lo = j->w_lo + worker * j->Gl * j->nmax, *hi = j->w_hi + worker * j->Gl * j->nmax;
-    screen_sequence(j, b, h0, kvh, worker, lo, hi);
+    const int64_t b = li / j->heads, l = li % j->heads, Gl = j->Gl;
     double tauL[EKV_CPU_MAX_GROUP];
-    for (int64_t g = 0; g < j->Gl; g++) tauL[g] = lower_tau(j, lo + g * j->nmax, N, worker);
-    int32_t *out = j->sel_pages + task * j->maxP;
-    int64_t n = 0, kept = 0;
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t ntok = ekv_page_tokens(p, P, j->s.t->last_page_len[b], ps);
-        int64_t page_kept = 0;
-        for (int64_t g = 0; g < j->Gl; g++)
-            for (int64_t i = p * ps; i < p * ps + ntok; i++)
-                page_kept += !((double)hi[g * j->nmax + i] <= tauL[g]); /* NaN keeps the token */
-        kept += page_kept;
-        if (page_kept || p == P - 1) out[n++] = (int32_t)p;
+    for (int64_t g = 0; g < Gl; g++) tauL[g] = lower_tau(j, b, l, g, worker);
+    int64_t k = 0, pairs = 0, *out = j->rows + li * j->nmax;
+    for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
+        const int64_t base = li * j->nmax + (task - j->task_off[b]) * j->chunk_pages * j->s.sh.ps;
+        for (int64_t i = 0; i < j->tcount[task * j->heads + l]; i++) {
+            int64_t kept = 0;
+            for (int64_t g = 0; g < Gl; g++) /* NaN keeps the token */
+                kept += !((double)j->c_hi[(base + i) * Gl + g] <= tauL[g]);
+            if (kept) out[k++] = j->c_tok[base + i];
+            pairs += kept;
+        }
     }
-    j->sel_count[task] = n;
-    j->survivors[task] = kept;
-    j->bytes[task] = P * 2 * j->s.sh.D * (int64_t)sizeof(float) +
-                     N * ekv_code_row_bytes(j->s.sh.D, j->st->code_bits);
+    j->start[li] = li * j->nmax;
+    j->count[li] = k;
+    j->pairs[li] = pairs;
 }
 
-/* Per-worker scratch, the scaled queries and the per-list outputs, from the workspace. */
-static ekv_status screen_workspace(ekv_context *ctx, screen_job *j, const float *q) {
-    const int64_t W = ctx->n_threads, nl = j->s.sh.B * j->heads, nmax = j->nmax, D = j->s.sh.D;
-    enum { QS, LO, HI, IDX, Y, Y2, SCR, SEL, CNT, SURV, BYTES, NB };
-    const int64_t sz[NB] = {j->s.sh.B * j->s.sh.H * D * 4,
-                            W * j->Gl * nmax * 4,
-                            W * j->Gl * nmax * 4,
+/* Phase-1 tasks per sequence, the workspace (scratch, candidates, scaled queries) and the
+ * rows in the step arena. */
+static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) {
+    const ekv_page_table *t = j->s.t;
+    const int64_t B = j->s.sh.B, W = ctx->n_threads, nl = B * j->heads, nmax = j->nmax;
+    const int64_t D = j->s.sh.D, Gl = j->Gl, ps = j->s.sh.ps;
+    j->chunk_pages = (CHUNK_TOKENS + ps - 1) / ps;
+    j->ntask = 0;
+    for (int64_t b = 0; b < B; b++)
+        j->ntask += (ekv_seq_pages(t->indptr, b) + j->chunk_pages - 1) / j->chunk_pages;
+    enum { QS, TOFF, TMAX, TCNT, CTOK, CLO, CHI, WLO, WHI, SCR, IDX, Y, Y2, WL, NB };
+    const int64_t sz[NB] = {B * j->s.sh.H * D * 4,
+                            (B + 1) * 8,
+                            j->ntask * j->heads * Gl * 4,
+                            j->ntask * j->heads * 8,
+                            nl * nmax * 8,
+                            nl * nmax * Gl * 4,
+                            nl * nmax * Gl * 4,
+                            W * Gl * ps * 4,
+                            W * Gl * ps * 4,
+                            W * j->heads * ekv_screen_scratch_bytes(D, Gl),
                             W * nmax * 8,
                             W * nmax * 8,
                             W * nmax * 8,
-                            W * ekv_screen_scratch_bytes(D, j->Gl),
-                            nl * j->maxP * 4,
-                            nl * 8,
-                            nl * 8,
-                            nl * 8};
+                            W * nmax * 4};
     int64_t off[NB];
     ekv_status st;
     char *ws = ekv_workspace_blocks(ctx, sz, NB, off, "screen", &st);
     if (!ws) return st;
     float *qs = (float *)(ws + off[QS]);
-    j->w_lo = (float *)(ws + off[LO]);
-    j->w_hi = (float *)(ws + off[HI]);
+    j->task_off = (int64_t *)(ws + off[TOFF]);
+    j->tmax = (float *)(ws + off[TMAX]);
+    j->tcount = (int64_t *)(ws + off[TCNT]);
+    j->c_tok = (int64_t *)(ws + off[CTOK]);
+    j->c_lo = (float *)(ws + off[CLO]);
+    j->c_hi = (float *)(ws + off[CHI]);
+    j->w_lo = (float *)(ws + off[WLO]);
+    j->w_hi = (float *)(ws + off[WHI]);
+    j->w_scratch = ws + off[SCR];
     j->w_idx = (int64_t *)(ws + off[IDX]);
     j->w_y = (double *)(ws + off[Y]);
     j->w_y2 = (double *)(ws + off[Y2]);
-    j->w_scratch = ws + off[SCR];
-    j->sel_pages = (int32_t *)(ws + off[SEL]);
-    j->sel_count = (int64_t *)(ws + off[CNT]);
-    j->survivors = (int64_t *)(ws + off[SURV]);
-    j->bytes = (int64_t *)(ws + off[BYTES]);
+    j->w_l = (float *)(ws + off[WL]);
+    j->task_off[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        j->task_off[b + 1] = j->task_off[b] +
+                             (ekv_seq_pages(t->indptr, b) + j->chunk_pages - 1) / j->chunk_pages;
     const float qscale = (float)(j->s.sh.a * (float)ekv_effective_scale(j->s.prm->scale, D));
-    for (int64_t i = 0; i < j->s.sh.B * j->s.sh.H * D; i++) qs[i] = q[i] * qscale;
+    for (int64_t i = 0; i < B * j->s.sh.H * D; i++) qs[i] = q[i] * qscale;
     j->qs = qs;
+    const int64_t rsz[4] = {nl * nmax * 8, nl * 8, nl * 8, nl * 8};
+    int64_t roff[4];
+    char *m = ekv_step_blocks(ctx, rsz, 4, roff, "screened rows", &st);
+    if (!m) return st;
+    j->rows = (int64_t *)(m + roff[0]);
+    j->start = (int64_t *)(m + roff[1]);
+    j->count = (int64_t *)(m + roff[2]);
+    j->pairs = (int64_t *)(m + roff[3]);
+    j->rl = (ekv_row_lists){j->heads, j->start, j->count, j->rows};
     return EKV_OK;
 }
 
+/* The screen of the step: j->rl holds the surviving rows of every list. */
+static ekv_status screen_rows(ekv_context *ctx, screen_job *j, const ekv_select_params *sel,
+                              const float *q) {
+    j->heads = sel->per_query_head ? j->s.sh.H : j->s.sh.Hk;
+    j->Gl = ekv_list_nheads(j->heads, j->s.sh.H, j->s.sh.G);
+    ekv_status s = ekv_cpu_check_group(ctx, j->Gl);
+    if (s) return s;
+    j->nmax = ekv_table_max_len(j->s.t->indptr, j->s.t->last_page_len, j->s.t->batch, j->s.sh.ps);
+    if ((s = screen_setup(ctx, j, q))) return s;
+    ekv_pool_run(ctx->pool, j->ntask, screen_chunk, j);
+    ekv_pool_run(ctx->pool, j->s.sh.B * j->heads, screen_survivors, j);
+    return EKV_OK;
+}
+
+/* Bytes the screen read: per list, the page ranges (2 D fp32 per page) and the codes. */
+static int64_t screen_bytes(const screen_job *j) {
+    int64_t bytes = 0;
+    for (int64_t b = 0; b < j->s.sh.B; b++) {
+        const int64_t P = ekv_seq_pages(j->s.t->indptr, b);
+        const int64_t N = ekv_seq_len(j->s.t->indptr, j->s.t->last_page_len, b, j->s.sh.ps);
+        bytes += j->heads * (P * 2 * j->s.sh.D * (int64_t)sizeof(float) +
+                             N * ekv_code_row_bytes(j->s.sh.D, j->st->code_bits));
+    }
+    return bytes;
+}
+
+static int64_t screen_pairs(const screen_job *j) {
+    int64_t n = 0;
+    for (int64_t li = 0; li < j->s.sh.B * j->heads; li++) n += j->pairs[li];
+    return n;
+}
+
+ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                                float *out, ekv_decode_info *info) {
+    screen_job j = {.s = ekv_cpu_step_of(ctx, prm, kv, t), .st = st};
+    ekv_status s = ekv_check_stats(ctx, ekv_method_info_of(sel->method), 0, kv, st);
+    if (!s) s = screen_rows(ctx, &j, sel, q);
+    if (s) return s;
+    const ekv_lists_args a = {.mode = EKV_LISTS_OUTPUT, .rows = &j.rl, .out = out, .info = info};
+    s = ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a);
+    if (!s && info) {
+        info->bytes_summary = screen_bytes(&j);
+        info->survivors = screen_pairs(&j);
+    }
+    return s;
+}
+
+/* The page-list form (ekv_select_pages): every page holding a surviving row, the last page
+ * always. Attention over these pages is exact too; the decode path reads the rows only. */
 ekv_status ekv_select_screened(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_select_params *sel, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                                ekv_page_list *list) {
     screen_job j = {.s = ekv_cpu_step_of(ctx, prm, kv, t), .st = st};
-    j.heads = sel->per_query_head ? j.s.sh.H : j.s.sh.Hk;
-    j.Gl = ekv_list_nheads(j.heads, j.s.sh.H, j.s.sh.G);
-    ekv_status s = ekv_cpu_check_group(ctx, j.Gl);
+    ekv_status s = screen_rows(ctx, &j, sel, q);
     if (s) return s;
-    j.nmax = ekv_table_max_len(t->indptr, t->last_page_len, t->batch, j.s.sh.ps);
-    j.maxP = ekv_table_max_pages(t->indptr, t->batch);
-    if ((s = screen_workspace(ctx, &j, q))) return s;
-    const int64_t nl = j.s.sh.B * j.heads;
-    ekv_pool_run(ctx->pool, nl, screen_list, &j);
+    const int64_t ps = j.s.sh.ps;
     int64_t w = 0;
     list->indptr[0] = 0;
-    list->bytes_summary = list->survivors = 0;
-    for (int64_t l = 0; l < nl; l++) {
-        memcpy(list->pages + w, j.sel_pages + l * j.maxP, sizeof(int32_t) * (size_t)j.sel_count[l]);
-        w += j.sel_count[l];
-        list->indptr[l + 1] = w;
-        list->bytes_summary += j.bytes[l];
-        list->survivors += j.survivors[l];
+    for (int64_t li = 0; li < j.s.sh.B * j.heads; li++) {
+        const int64_t P = ekv_seq_pages(t->indptr, li / j.heads), *r = j.rows + j.start[li];
+        int64_t last = -1;
+        for (int64_t i = 0; i < j.count[li]; i++)
+            if (r[i] / ps != last) list->pages[w++] = (int32_t)(last = r[i] / ps);
+        if (last != P - 1) list->pages[w++] = (int32_t)(P - 1);
+        list->indptr[li + 1] = w;
     }
+    list->bytes_summary = screen_bytes(&j);
+    list->survivors = screen_pairs(&j);
     return EKV_OK;
 }
