@@ -43,7 +43,7 @@ typedef int (*eval_stages)(eval_state *e, const eval_variant *v, ekv_select_para
 /* The stages of a variant: list methods select pages and attend over them (eval needs the
  * lists); certified decodes through ekv_decode, which reports the pages of its two rounds. */
 static int run_list(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r);
-static int run_certified(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r);
+static int run_exact(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r);
 
 /* A method of eval: a select method of the library, the stages that run it, and the options
  * eval gives it. */
@@ -62,10 +62,10 @@ static const eval_variant variants[V_COUNT] = {
         {"softmax-topk", EKV_SELECT_TOPK, run_list, 1, 1, 0, 0, 0},
         {"entmax-topk", EKV_SELECT_TOPK, run_list, 0, 1, 0, 1, 0},
         {"gaussian", EKV_SELECT_GAUSSIAN, run_list, 0, 0, 0, 1, 0},
-        {"certified", EKV_SELECT_CERTIFIED, run_certified, 0, 1, 0, 0, 0},
-        {"certified-gauss", EKV_SELECT_CERTIFIED, run_certified, 0, 0, 1, 0, 0},
-        {"screened-4", EKV_SELECT_SCREENED, run_list, 0, 0, 0, 0, 4},
-        {"screened-8", EKV_SELECT_SCREENED, run_list, 0, 0, 0, 0, 8},
+        {"certified", EKV_SELECT_CERTIFIED, run_exact, 0, 1, 0, 0, 0},
+        {"certified-gauss", EKV_SELECT_CERTIFIED, run_exact, 0, 0, 1, 0, 0},
+        {"screened-4", EKV_SELECT_SCREENED, run_exact, 0, 0, 0, 0, 4},
+        {"screened-8", EKV_SELECT_SCREENED, run_exact, 0, 0, 0, 0, 8},
         {"oracle", EKV_SELECT_ORACLE, run_list, 0, 0, 0, 0, 0},
 };
 static const char *tau_mode_names[] = {"exact", "fixed", "corrected"}; /* by ekv_tau_mode */
@@ -168,8 +168,8 @@ static void parse_methods(const char *v, eval_opts *o) {
         if (!found) {
             char names[256] = "";
             for (int m = 0; m < V_COUNT; m++)
-                snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s",
-                         m ? ", " : "", variants[m].name);
+                snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", m ? ", " : "",
+                         variants[m].name);
             cli_usage_error("eval", "unknown method '%s' (%s)", t, names);
         }
     }
@@ -285,9 +285,11 @@ static int run_list(eval_state *e, const eval_variant *v, ekv_select_params *sp,
     return st ? fail(e, v->name, st) : 0;
 }
 
-static int run_certified(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r) {
+/* The exact methods (certified, screened) through the decode entry point, which is what reads
+ * K rows rather than whole pages for screened; their metrics are against every page. */
+static int run_exact(eval_state *e, const eval_variant *v, ekv_select_params *sp, eval_run *r) {
     const ekv_decode_params *dp = &e->dp[!v->softmax];
-    const wl_setup *s = &e->s;
+    const wl_setup *s = eval_setup(e, v);
     ekv_status st = EKV_OK;
     int64_t extra_summary = 0;
     if (v->gauss_hint) { /* round 1 from the gaussian tau-hat */
@@ -301,11 +303,12 @@ static int run_certified(eval_state *e, const eval_variant *v, ekv_select_params
     r->info.pages_round2 = e->r2;
     if (!st) st = ekv_decode(e->ctx, dp, sp, &s->kv, &s->stats, &s->table, e->q, e->out, &r->info);
     r->bytes_summary = r->info.bytes_summary + extra_summary;
-    if (!st) { /* certified equals dense: its per-token metrics are against every page */
+    if (!st) { /* the exact methods equal dense: per-token metrics against every page */
         ekv_select_params all = *sp;
         all.method = EKV_SELECT_DENSE;
         st = ekv_select_pages(e->ctx, dp, &all, &s->kv, &s->stats, &s->table, e->q, &r->list);
     }
+    r->list.survivors = r->info.survivors;
     return st ? fail(e, v->name, st) : 0;
 }
 
@@ -484,8 +487,7 @@ static void report_notes(const eval_state *e, const eval_variant *v, const agg *
     if (v->code_bits)
         fprintf(f,
                 "%-15s exact (equals dense entmax); %d-bit key codes: %.3f%% of (token, head) pairs survive the screen; bytes %.3f of dense entmax\n",
-                "", v->code_bits, a->frac_n ? 100.0 * a->surv_sum / (double)a->frac_n : 0,
-                bytes);
+                "", v->code_bits, a->frac_n ? 100.0 * a->surv_sum / (double)a->frac_n : 0, bytes);
     else if (v->method == EKV_SELECT_CERTIFIED)
         fprintf(f,
                 "%-15s proven exact in every step; round 2 needed by %.1f%% of lists; bytes %.3f of dense entmax;\n"

@@ -94,19 +94,24 @@ static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int work
 }
 
 /* Raises the (task, list) maxima with the page's lower bounds, then keeps the tokens with
- * hi > M - 1 for a head (in double: M - 1 exactly). */
+ * hi > M - 1 for a head; M - 1 is rounded down to a float, so nothing at or above it is lost. */
 static void keep_candidates(screen_job *j, int64_t task, int64_t b, int64_t l, int64_t first,
                             int64_t ntok, int64_t chunk_first, const float *lo, const float *hi) {
     const int64_t ps = j->s.sh.ps, Gl = j->Gl, li = b * j->heads + l;
     float *M = j->tmax + (task * j->heads + l) * Gl;
-    for (int64_t g = 0; g < Gl; g++)
-        for (int64_t t = 0; t < ntok; t++) M[g] = lo[g * ps + t] > M[g] ? lo[g * ps + t] : M[g];
+    uint8_t keep[256] = {0}; /* a page holds at most 256 tokens */
+    for (int64_t g = 0; g < Gl; g++) {
+        float m = M[g];
+        for (int64_t t = 0; t < ntok; t++) m = lo[g * ps + t] > m ? lo[g * ps + t] : m;
+        M[g] = m;
+        float thr = (float)((double)m - 1.0);
+        if ((double)thr > (double)m - 1.0) thr = nextafterf(thr, -INFINITY);
+        for (int64_t t = 0; t < ntok; t++) keep[t] |= !(hi[g * ps + t] <= thr);
+    }
     int64_t *n = j->tcount + task * j->heads + l;
     const int64_t base = li * j->nmax + chunk_first;
     for (int64_t t = 0; t < ntok; t++) {
-        int keep = 0;
-        for (int64_t g = 0; g < Gl; g++) keep |= !((double)hi[g * ps + t] <= (double)M[g] - 1.0);
-        if (!keep) continue;
+        if (!keep[t]) continue;
         const int64_t c = base + *n;
         j->c_tok[c] = first + t;
         for (int64_t g = 0; g < Gl; g++) {
