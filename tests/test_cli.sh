@@ -131,7 +131,8 @@ expect_usage_error bench --method topk --budget-tokens 0
 expect_usage_error bench --method screened --code-bits 2
 expect_usage_error bench --method screened --code-bits x
 expect_usage_error bench --method screened --code-bits
-# screened is a CPU method: the library's support check refuses the other backends (exit 2)
+# the reference backend does not screen (the library's support check: exit 2); a build without
+# CUDA refuses --backend cuda (exit 2)
 expect_usage_error bench --backend ref --method screened --len 64
 expect_usage_error bench --backend cuda --method screened --len 64
 expect_usage_error eval --methods foo

@@ -18,8 +18,8 @@ static void bench_help(FILE *f) {
             "\n"
             "  --backend cpu|ref|cuda  backend (default cpu; ref = long-double reference, slow;\n"
             "                        cuda = the GPU backend: methods dense, topk, gaussian,\n"
-            "                        certified (screened is cpu only),\n"
-            "                        workloads random and planted, K/V filled on the device)\n"
+            "                        certified, screened (page lists on the GPU),\n"
+            "                        workloads random, planted and trace:FILE, K/V on the device)\n"
             "  --ragged MIN          cuda: sequence b of the batch gets a length spread evenly\n"
             "                        from MIN to --len (a ragged batch)\n"
             "  --len N[,N...]        tokens per sequence (repeatable; k/M suffixes; default 131072)\n"
@@ -123,8 +123,10 @@ static void parse_check(bench_opts *o) {
         o->nlens = 1;
     }
     if (o->backend == EKV_BACKEND_CUDA) {
-        if (strcmp(o->w.workload, "random") && strcmp(o->w.workload, "planted"))
-            cli_usage_error("bench", "--backend cuda: --workload %s: expected random or planted",
+        if (strcmp(o->w.workload, "random") && strcmp(o->w.workload, "planted") &&
+            strncmp(o->w.workload, "trace:", 6))
+            cli_usage_error("bench",
+                            "--backend cuda: --workload %s: expected random, planted or trace:FILE",
                             o->w.workload);
     } else if (o->ragged_min)
         cli_usage_error("bench", "--ragged is for --backend cuda");
@@ -341,8 +343,9 @@ static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int
     const int64_t len = o->lens[li], qn = o->w.batch * o->w.heads * o->w.dim;
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->w.seed * 7919 + (uint64_t)len);
-    const wl_geometry g = {o->w.batch, len, o->w.page, o->superpage, o->w.dtype,
-                           cli_method_codes(o->method) ? o->code_bits : 0};
+    const wl_geometry g = {o->w.batch, len,
+                           o->w.page,  o->superpage,
+                           o->w.dtype, cli_method_codes(o->method) ? o->code_bits : 0};
     wl_setup s;
     int rc = wl_setup_create(&s, ctx, wl, &g, &rng, "bench");
     bench_bufs bb;

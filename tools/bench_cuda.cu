@@ -5,7 +5,10 @@
  * the same process (read + write: 2 x bytes copied / time) and the byte-roofline ratio
  * ms / (bytes_read / copy bandwidth). Steps are timed eagerly with CUDA events and also as a
  * replayed CUDA graph. The device holds the pages itself (no ekv_cache, which is host
- * memory), so the K/V layout and page table are built here, not by wl_setup_create.
+ * memory), so the K/V layout and page table are built here, not by wl_setup_create. A method
+ * that reads key codes (screened) gets them from the append kernel (--code-bits). A
+ * trace:FILE workload puts the trace's K and V (one sequence) through the append kernel and
+ * takes its first query step and ALiBi slopes; the trace fixes the shapes and the length.
  */
 extern "C" {
 #include "cli.h"
@@ -122,6 +125,9 @@ struct cuda_len {
     std::vector<int32_t> lpl;
     std::vector<float> dir; /* planted: the direction shared by the query and 1 in 500 keys */
     void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *ddir = NULL;
+    uint8_t *dcodes = NULL; /* key codes (methods that read them)                  */
+    wl_state *wl = NULL;    /* trace:FILE, else NULL                               */
+    float *dknew = NULL, *dvnew = NULL, *dslopes = NULL; /* trace: fp32 rows; its slopes */
     float *st_buf = NULL;
     int32_t *dcount = NULL, *dindices = NULL, *dlpl = NULL;
     int64_t *dindptr = NULL;
@@ -143,6 +149,10 @@ static void cuda_len_free(cuda_len *c) {
     cudaFree(c->dout);
     cudaFree(c->ddir);
     cudaFree(c->ditems);
+    cudaFree(c->dcodes);
+    cudaFree(c->dknew);
+    cudaFree(c->dvnew);
+    cudaFree(c->dslopes);
 }
 
 /* The host CSR page table: sequence b gets len tokens, or (ragged) a length spread evenly
@@ -204,12 +214,60 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     c->st.km2 = c->st_buf + 3 * stat_n;
     c->st.radius = c->st_buf + 4 * stat_n;
     c->st.count = c->dcount;
+    if (cli_method_codes(o->method)) { /* written by the append kernel with the statistics */
+        const int64_t rb = (D * o->code_bits + 7) / 8;
+        BC(cudaMalloc((void **)&c->dcodes, c->total_pages * Hk * ps * rb));
+        c->st.codes = c->dcodes;
+        c->st.code_bits = o->code_bits;
+    }
     c->tab = ekv_page_table{(int32_t)B, c->dindptr, c->dindices, c->dlpl};
+    return 0;
+}
+
+/* A trace tensor [N][Hk][D] (F32/F16/BF16) as fp32 on the device. */
+static int trace_upload(const ekv_tensor_info *t, int64_t n, float **dst) {
+    std::vector<float> h(n);
+    const unsigned char *src = (const unsigned char *)t->data;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t bits = 0;
+        if (t->dtype != EKV_DTYPE_F32) memcpy(&bits, src + 2 * i, 2);
+        if (t->dtype == EKV_DTYPE_F16) {
+            __half_raw r;
+            r.x = bits;
+            h[i] = __half2float(__half(r));
+        } else if (t->dtype == EKV_DTYPE_BF16) {
+            const uint32_t u = (uint32_t)bits << 16;
+            memcpy(&h[i], &u, 4);
+        } else
+            memcpy(&h[i], src + 4 * i, 4);
+    }
+    BC(cudaMalloc((void **)dst, n * sizeof(float)));
+    BC(cudaMemcpy(*dst, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    return 0;
+}
+
+/* trace:FILE: the rows the append kernel writes into the pages, the first query step, the
+ * slopes. */
+static int cuda_trace_fill(cuda_len *c, const bench_opts *o) {
+    const int64_t rows = c->len * o->w.kv_heads * o->w.dim, qn = o->w.heads * o->w.dim;
+    if (trace_upload(&c->wl->tk, rows, &c->dknew) || trace_upload(&c->wl->tv, rows, &c->dvnew))
+        return 1;
+    std::vector<float> q(qn);
+    cli_rng rng;
+    cli_rng_seed(&rng, (uint64_t)o->w.seed);
+    wl_queries(c->wl, &rng, q.data(), 1);
+    BC(cudaMemcpy(c->dq, q.data(), qn * sizeof(float), cudaMemcpyHostToDevice));
+    if (wl_slopes(c->wl)) {
+        BC(cudaMalloc((void **)&c->dslopes, o->w.heads * sizeof(float)));
+        BC(cudaMemcpy(c->dslopes, wl_slopes(c->wl), o->w.heads * sizeof(float),
+                      cudaMemcpyHostToDevice));
+    }
     return 0;
 }
 
 /* K, V and q: N(0, 1); planted adds the shared direction to 1 in 500 keys and to every query. */
 static int cuda_len_fill(cuda_len *c, const bench_opts *o) {
+    if (c->wl) return cuda_trace_fill(c, o);
     const int64_t D = o->w.dim, qn = o->w.batch * o->w.heads * D;
     const int64_t pool = c->total_pages * o->w.kv_heads * o->w.page * D;
     const int planted = !strcmp(o->w.workload, "planted");
@@ -243,10 +301,13 @@ static int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, co
                           float *build_ms) {
     std::vector<ekv_cuda_append_item> items(c->total_pages);
     for (int64_t b = 0; b < o->w.batch; b++)
-        for (int64_t p = c->indptr[b]; p < c->indptr[b + 1]; p++)
-            items[p] = ekv_cuda_append_item{
-                    (int32_t)p, p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->w.page, 0, 0,
-                    0};
+        for (int64_t p = c->indptr[b]; p < c->indptr[b + 1]; p++) {
+            const int32_t n = p + 1 == c->indptr[b + 1] ? c->lpl[b] : (int32_t)o->w.page;
+            /* a trace's tokens are new (rows of k_new/v_new); synthetic pages are filled */
+            items[p] = c->wl ? ekv_cuda_append_item{(int32_t)p, 0, n, 0,
+                                                    (p - c->indptr[b]) * o->w.page}
+                             : ekv_cuda_append_item{(int32_t)p, n, 0, 0, 0};
+        }
     BC(cudaMemcpy(c->ditems, items.data(), c->total_pages * sizeof(ekv_cuda_append_item),
                   cudaMemcpyHostToDevice));
     cudaEvent_t a0, a1;
@@ -254,7 +315,8 @@ static int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, co
     cudaEventCreate(&a1);
     cudaEventRecord(a0, 0);
     ekv_status st = ekv_cuda_append(plan, &c->kv, &c->st, c->ditems, (int32_t)c->total_pages,
-                                    (const float *)c->dq, (const float *)c->dq);
+                                    c->wl ? c->dknew : (const float *)c->dq,
+                                    c->wl ? c->dvnew : (const float *)c->dq);
     if (st) fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
     cudaDeviceSynchronize();
     cudaEventRecord(a1, 0);
@@ -364,12 +426,18 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
         r->round2 += r2[l];
     }
     r->summary = 0;
+    const int screened = o->method == EKV_SELECT_SCREENED;
+    /* screened: every page's range and codes; the bounds l written, read for tau(l) and by
+     * the mark kernel */
+    const int64_t screen_page = 2 * D * 4 + o->w.page * ((D * o->code_bits + 7) / 8);
     if (listed)
         for (int64_t b = 0; b < o->w.batch; b++)
-            r->summary += (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
+            r->summary += screened ? (c->indptr[b + 1] - c->indptr[b]) * Hk * screen_page
+                                   : (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
     r->kbytes = ktok * D * es;
     r->vbytes = vrow * D * es;
-    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4;
+    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4 +
+                (screened ? 3 * c->total_tokens * o->w.heads * 4 : 0);
 }
 
 /* One more step, then its report: support, V rows and the pages of each round. */
@@ -407,6 +475,11 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
     const double gbps = bytes / (best * 1e-3) / 1e9;
     const double roof = best / (bytes / (bw * 1e9) * 1e3);
     const double kvfrac = (double)bytes / (double)(2 * c->total_tokens * Hk * D * es);
+    if (o->method == EKV_SELECT_SCREENED)
+        fprintf(stderr,
+                "entmaxkv bench: len %lld: screen survivors %.3f%% of (token, head) pairs\n",
+                (long long)c->len,
+                100.0 * (double)r->rep.survivors / (double)(c->total_tokens * o->w.heads));
     if (r->rep.slow_rows)
         fprintf(stderr,
                 "entmaxkv bench: %lld query heads overflowed the tau candidate lists (whole-row path)\n",
@@ -423,7 +496,8 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             "\"ms_graph_median\":%.5f,\"bytes_read\":%lld,\"bytes_k\":%lld,\"bytes_v\":%lld,"
             "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
             "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
-            "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld}",
+            "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld,"
+            "\"code_bits\":%d,\"survivors\":%lld}",
             li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len,
             (long long)o->w.batch, (long long)o->ragged_min, (long long)c->total_tokens,
             (long long)o->w.heads, (long long)Hk, (long long)D, (long long)o->w.page,
@@ -431,7 +505,8 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             r->g_ms, (long long)bytes, (long long)r->kbytes, (long long)r->vbytes,
             (long long)r->summary, (long long)r->scores, gbps, bw, roof, kvfrac, r->rep.launches,
             r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
-            (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters);
+            (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters,
+            cli_method_codes(o->method) ? o->code_bits : 0, (long long)r->rep.survivors);
 }
 
 /* The decode parameters of a run (the budget is set per length). */
@@ -460,6 +535,7 @@ static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_re
     }
     cuda_step step;
     cuda_params(o, &step.prm, &step.sp);
+    step.prm.alibi_slopes = c->dslopes; /* a trace's, or none */
     step.c = c;
     r->budget = o->budget_tokens ? o->budget_tokens : (int64_t)floor(o->budget * (double)c->len);
     step.sp.budget_tokens = r->budget;
@@ -501,14 +577,41 @@ static int cuda_supported(ekv_context *ctx, const bench_opts *o) {
     return CLI_USAGE;
 }
 
-extern "C" int cli_bench_cuda(const bench_opts *o) {
+/* trace:FILE opens the trace, whose shapes and length replace the options' (one sequence). */
+static int cuda_workload(ekv_context *ctx, bench_opts *o, wl_state *wl, int *trace) {
+    wl_kind k = WL_RANDOM;
+    *trace = !wl_parse(o->w.workload, &k) && k == WL_TRACE;
+    if (!*trace) return 0;
+    if (wl_open(wl, ctx, o->w.workload, o->w.heads, o->w.kv_heads, o->w.dim, (uint64_t)o->w.seed,
+                "bench"))
+        return 1;
+    o->w.heads = wl->heads;
+    o->w.kv_heads = wl->kv_heads;
+    o->w.dim = wl->dim;
+    o->w.batch = 1;
+    o->lens[0] = wl->trace_len;
+    o->nlens = 1;
+    return 0;
+}
+
+extern "C" int cli_bench_cuda(const bench_opts *opts) {
     ekv_context *ctx = NULL;
     int rc = cli_context("bench", 1, EKV_ISA_AUTO, &ctx);
     if (rc) return rc;
+    bench_opts ow = *opts;
+    const bench_opts *o = &ow;
+    wl_state wl;
+    memset(&wl, 0, sizeof wl);
+    int trace = 0;
+    if (cuda_workload(ctx, &ow, &wl, &trace)) {
+        ekv_context_free(ctx);
+        return 1;
+    }
     int32_t ndev = 0;
     ekv_cuda_device_count(ctx, &ndev);
     if (!ndev) {
         fprintf(stderr, "entmaxkv bench: --backend cuda: no CUDA device found\n");
+        wl_free(&wl);
         ekv_context_free(ctx);
         return 1;
     }
@@ -516,6 +619,7 @@ extern "C" int cli_bench_cuda(const bench_opts *o) {
     cli_out out;
     if (!rc) rc = cli_out_open(&out, "bench", o->w.json);
     if (rc) {
+        wl_free(&wl);
         ekv_context_free(ctx);
         return rc;
     }
@@ -535,6 +639,7 @@ extern "C" int cli_bench_cuda(const bench_opts *o) {
         cuda_len c;
         cuda_result r;
         memset(&r, 0, sizeof r);
+        c.wl = trace ? &wl : NULL;
         rc = cuda_len_geometry(&c, o, o->lens[li]);
         if (!rc) rc = cuda_len_alloc(&c, o);
         if (!rc) rc = cuda_len_fill(&c, o);
@@ -544,6 +649,7 @@ extern "C" int cli_bench_cuda(const bench_opts *o) {
     }
     if (out.json) fprintf(out.json, "\n]\n");
     if (cli_out_close(&out, "bench") && !rc) rc = 1;
+    wl_free(&wl);
     ekv_context_free(ctx);
     return rc;
 }

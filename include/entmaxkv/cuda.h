@@ -52,7 +52,9 @@ EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
 /*
  * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
  * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode; no ALiBi
- * or auto_margin on the GPU) or certified (ekv_cuda_decode_certified below), then exact entmax
+ * or auto_margin on the GPU), SCREENED (docs/math.md §10: stats->codes, code_bits 4 or 8, as
+ * ekv_cuda_append writes them; alpha > 1; the output equals dense entmax) or certified
+ * (ekv_cuda_decode_certified below), then exact entmax
  * (alpha > 1) or softmax (alpha = 1) over the listed pages with K read once, tau solved globally
  * from the kept scores and V read for support rows only. q, out: [batch][num_heads][head_dim] fp32
  * (device). Launches are asynchronous on the plan's stream.
@@ -87,6 +89,7 @@ typedef struct ekv_cuda_report {
                            /* overflowed the plan's list since the last report, so tau was */
                            /* solved over the whole score row (exact, slower)              */
     int32_t launches;      /* output: kernel launches of the last step                     */
+    int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept  */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);
@@ -97,8 +100,10 @@ EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
  * [src_token, src_token + n_new) of k_new/v_new ([tokens][num_kv_heads][head_dim] fp32,
  * device). The kernel writes K/V in the storage dtype and recomputes that page's statistics
  * (min, max, mean, M2, radius, count) over its first first_slot + n_new tokens, as the CPU
- * cache does. A prefill build is the same call with every page as an item. The stats
- * pointers must be writable device memory (superpage boxes are not kept on the device).
+ * cache does, and with stats->codes (code_bits 4 or 8) the page's key codes, byte for byte the
+ * CPU cache's (docs/math.md §10.1; stats->code_bits 0 with codes NULL: none). A prefill
+ * build is the same call with every page as an item. The stats pointers must be writable
+ * device memory (superpage boxes are not kept on the device).
  * The items live in device memory, so they cannot be checked on the host without a
  * synchronisation: an item whose page or slots are out of range is skipped by the kernel.
  */

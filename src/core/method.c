@@ -20,7 +20,7 @@ static const ekv_method_info method_table[EKV_SELECT_METHOD_COUNT] = {
                                  0},
         [EKV_SELECT_CERTIFIED] = {"certified", EKV_STAGE_BOUND | EKV_STAGE_TOPK | EKV_STAGE_ROUND2,
                                   CPU_ | CUDA_, EKV_NEEDS_MINMAX | EKV_NEEDS_BALL, 1, 1},
-        [EKV_SELECT_SCREENED] = {"screened", EKV_STAGE_SCREEN, CPU_,
+        [EKV_SELECT_SCREENED] = {"screened", EKV_STAGE_SCREEN, CPU_ | CUDA_,
                                  EKV_NEEDS_MINMAX | EKV_NEEDS_CODES, 1, 0},
 };
 

@@ -5,9 +5,12 @@
  * what the attend kernels will read: min, max, mean (fp64 sums), M2 and the ball radius
  * max_j ||k_j - mean|| around the *stored* fp32 mean, rounded up (docs/math.md §1.2, 9.5). A page
  * holds at most 256 tokens, so recomputing it costs O(page_size * D) per touched page; a
- * prefill build passes every page as an item.
+ * prefill build passes every page as an item. With key codes (stats->codes, code_bits 4 or 8)
+ * the block also re-derives the codes of the page from the stored keys and the new range,
+ * byte for byte the CPU cache's (ekv_codes_update_page, docs/math.md §10.1, §10.4).
  */
 #include "cuda_internal.cuh"
+#include "../core/codes.h"
 
 namespace {
 
@@ -15,10 +18,35 @@ struct append_args {
     ekv_paged_kv kv;
     float *kmin, *kmax, *kmean, *km2, *radius;
     int32_t *count;
+    uint8_t *codes; /* NULL: the cache keeps no key codes */
+    int code_bits;
     const ekv_cuda_append_item *items;
     const float *k_new, *v_new;
     int Hk, D, ps;
 };
+
+/* The code block of (page, kvh) from its n stored keys and the range just written (read back
+ * after a barrier): byte j * ps + t holds channel j (8 bits) or channels 2j, 2j + 1 (low, high
+ * nibble) of slot t, 0 for slots past n, as src/core/codes.h lays it out. */
+template <typename T>
+__device__ void page_codes(const append_args &A, const T *K, int64_t pbase, int64_t so, int n,
+                           int page, int kvh) {
+    const int bits = A.code_bits, per_byte = bits == 8 ? 1 : 2;
+    const int64_t R = ekv_code_row_bytes(A.D, bits);
+    uint8_t *block = A.codes + ((int64_t)page * A.Hk + kvh) * A.ps * R;
+    for (int64_t i = threadIdx.x; i < A.ps * R; i += blockDim.x) {
+        const int64_t j = i / A.ps;
+        const int t = (int)(i % A.ps);
+        uint32_t v = 0;
+        for (int u = 0; t < n && u < per_byte; u++) {
+            const int64_t c = j * per_byte + u;
+            const float mn = A.kmin[so + c], step = ekv_code_step(mn, A.kmax[so + c], bits);
+            const float k = ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + c]);
+            v |= ekv_code_of(k, mn, step, bits) << (4 * u);
+        }
+        block[i] = (uint8_t)v;
+    }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A) {
@@ -83,6 +111,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A)
         A.radius[(int64_t)it.page * A.Hk + kvh] = rf;
         if (kvh == 0) A.count[it.page] = n;
     }
+    /* the range was written before the barrier above the radius: every thread sees it */
+    if (A.codes) page_codes<T>(A, K, pbase, so, n, it.page, kvh);
 }
 
 } // namespace
@@ -105,6 +135,11 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
                 "ekv_cuda_append: kv shape (heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d)",
                 kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_kv_heads, pl->p.head_dim,
                 pl->p.page_size);
+    if (st->codes ? st->code_bits != 4 && st->code_bits != 8 : st->code_bits != 0)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "ekv_cuda_append: stats->code_bits=%d with codes %s (codes need code_bits "
+                        "4 or 8, no codes code_bits 0)",
+                        st->code_bits, st->codes ? "set" : "NULL");
     if (n_items == 0) return EKV_OK;
     append_args A;
     A.kv = *kv;
@@ -114,6 +149,8 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     A.km2 = const_cast<float *>(st->km2);
     A.radius = const_cast<float *>(st->radius);
     A.count = const_cast<int32_t *>(st->count);
+    A.codes = const_cast<uint8_t *>(st->codes);
+    A.code_bits = st->code_bits;
     A.items = items;
     A.k_new = k_new;
     A.v_new = v_new;

@@ -2,7 +2,8 @@
  * Shared pieces of the CUDA backend: the plan (every scratch buffer, sized once at plan
  * time so a step never allocates or synchronises), element loads, warp/block reductions.
  * The stages live one per file, mirroring src/cpu: append.cu (append + summarize),
- * bound.cu, select.cu (top-k radix select, certified round-2 marking), attend_*.cu (scores,
+ * bound.cu, select.cu (top-k radix select, certified round-2 marking), screen.cu (screened
+ * decode's key-code bounds and page lists), attend_*.cu (scores,
  * tau, support-only V), decode.cu (the step orchestration).
  */
 #pragma once
@@ -57,6 +58,8 @@ struct ekv_cuda_plan {
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */
     double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
+    int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
+    int last_screened;   /* the last step ran the screen (the report reads survivors)    */
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
@@ -286,6 +289,11 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
                                     const ekv_page_stats *st, const ekv_page_table *t,
                                     const float *q, int batch);
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);
+/* screened (screen.cu, docs/math.md §10): the code bounds, tau of the lower bounds (the tau
+ * launch over them), then the page lists of the pages with a surviving token (5 launches) */
+ekv_status ekv_cuda_launch_screen(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                  const ekv_page_table *t, const float *q, int batch);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
                                   int batch, int use_list, int round);

@@ -7,6 +7,7 @@
  *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
  *   gaussian:  moments -> rule -> scores -> tau -> values                (6 launches)
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
+ *   screened:  screen -> tau(l) -> mark -> compact -> scores -> tau -> values    (9, screen.cu)
  * where tau is two launches for entmax (candidates, then the solve) and one for softmax.
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
@@ -46,7 +47,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 19 };
+enum { PLAN_BUFFERS = 20 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -72,6 +73,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -228,6 +230,9 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     const int B = t->batch;
     pl->launches = 0;
     pl->last_batch = B;
+    pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
+    if ((stg & EKV_STAGE_SCREEN) && (s = ekv_cuda_launch_screen(pl, prm, kv, st, t, q, B)))
+        return s;
     if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B)))
         return s;
     if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B)))
@@ -329,6 +334,16 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
         r->lists_round2 += cnt[2 * l + 1] > cnt[2 * l];
     }
     free(cnt);
+    r->survivors = 0;
+    if (pl->last_screened) {
+        int64_t *sv = (int64_t *)malloc((size_t)nl * sizeof(int64_t));
+        if (!sv) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+        e = cudaMemcpy(sv, pl->survivors, (size_t)nl * sizeof(int64_t), cudaMemcpyDeviceToHost);
+        for (int64_t l = 0; e == cudaSuccess && l < nl; l++) r->survivors += sv[l];
+        free(sv);
+        if (e != cudaSuccess)
+            return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e));
+    }
     r->launches = pl->launches;
     return EKV_OK;
 }

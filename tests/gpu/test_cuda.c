@@ -9,7 +9,10 @@
  *   topk:   page sets per list equal the CPU's (box and min(box, ball) ranking), output equal
  *           to ekv_decode_pages over the same list;
  *   gaussian: page lists equal the CPU selector's (exact tau mode), output equal on them;
- *   certified: output and support equal dense entmax.
+ *   certified: output and support equal dense entmax;
+ *   screened: the append kernel's key codes equal the CPU cache's byte for byte (4 and 8
+ *           bits); output equals dense entmax and the CPU's screened decode, support the
+ *           GPU dense step's; every support pair survived the screen.
  * Then: a CUDA graph of the step replayed after the lengths changed gives the eager result,
  * and invalid inputs give errors and leave the output untouched.
  * Exit 77 when no CUDA device is present. EKV_CUDA_TEST_CASES=N limits the table (memcheck).
@@ -50,7 +53,7 @@ typedef struct {
     ekv_page_table tab, dtab;
     int64_t *indptr;
     int32_t *indices, *lpl;
-    int64_t pool_bytes, stat_n;
+    int64_t pool_bytes, stat_n, codes_bytes;
 } mirror;
 
 static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B, int64_t idx_cap,
@@ -77,6 +80,11 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
         m->dst.km2 = dev_copy(NULL, m->stat_n * 4);
         m->dst.radius = dev_copy(NULL, m->kv.num_pages * m->kv.num_kv_heads * 4);
         m->dst.count = dev_copy(NULL, m->kv.num_pages * 4);
+        m->codes_bytes = m->st.codes ? m->kv.num_pages * m->kv.num_kv_heads * m->kv.page_size *
+                                               ((m->kv.head_dim * m->st.code_bits + 7) / 8)
+                                     : 0;
+        m->dst.codes = m->st.codes ? dev_copy(NULL, m->codes_bytes) : NULL;
+        m->dst.code_bits = m->st.code_bits;
         m->dtab.batch = B;
         m->dtab.indptr = dev_copy(NULL, sizeof(int64_t) * (B + 1));
         m->dtab.indices = dev_copy(NULL, sizeof(int32_t) * idx_cap);
@@ -91,6 +99,8 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
     CU(cudaMemcpy((void *)m->dst.radius, m->st.radius, m->kv.num_pages * m->kv.num_kv_heads * 4,
                   cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dst.count, m->st.count, m->kv.num_pages * 4, cudaMemcpyHostToDevice));
+    if (m->codes_bytes)
+        CU(cudaMemcpy((void *)m->dst.codes, m->st.codes, m->codes_bytes, cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dtab.indptr, m->indptr, sizeof(int64_t) * (B + 1),
                   cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dtab.indices, m->indices, sizeof(int32_t) * m->indptr[B],
@@ -108,6 +118,7 @@ static void mirror_free(mirror *m) {
     cudaFree((void *)m->dst.km2);
     cudaFree((void *)m->dst.radius);
     cudaFree((void *)m->dst.count);
+    cudaFree((void *)m->dst.codes);
     cudaFree((void *)m->dtab.indptr);
     cudaFree((void *)m->dtab.indices);
     cudaFree((void *)m->dtab.last_page_len);
@@ -151,6 +162,10 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
 }
 
 static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0, g_slow_rows = 0;
+/* screened: steps, heads whose support differs from the GPU dense step's by one (a tie at the
+ * threshold), pages listed and pages in all */
+static int g_screen_steps = 0, g_screen_sup_diff = 0, g_screen_heads = 0;
+static int64_t g_screen_pages = 0, g_screen_total = 0;
 
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
@@ -174,6 +189,105 @@ static int lists_equal(const int64_t *lip, const int32_t *lpg, const int32_t *gp
     return all_same;
 }
 
+/* The append kernel's key codes (acodes, device) equal the CPU cache's byte for byte over
+ * every block of the batch's pages, the slots past a page's tokens included. */
+static void codes_check(const mirror *m, const uint8_t *acodes, int B, const gcase *c) {
+    if (!m->codes_bytes) return;
+    uint8_t *h = malloc(m->codes_bytes);
+    CU(cudaMemcpy(h, acodes, m->codes_bytes, cudaMemcpyDeviceToHost));
+    const int64_t block = m->codes_bytes / (m->kv.num_pages * m->kv.num_kv_heads);
+    int64_t bad = 0;
+    for (int b = 0; b < B; b++)
+        for (int64_t p = m->indptr[b]; p < m->indptr[b + 1]; p++)
+            for (int h2 = 0; h2 < m->kv.num_kv_heads; h2++) {
+                const int64_t off = ((int64_t)m->indices[p] * m->kv.num_kv_heads + h2) * block;
+                bad += memcmp(h + off, m->st.codes + off, (size_t)block) != 0;
+            }
+    CHECK(bad == 0,
+          "append kernel key codes differ from the CPU cache in %lld blocks (bits %d D=%d ps=%d dt=%d)",
+          (long long)bad, m->st.code_bits, c->D, c->ps, c->dt);
+    free(h);
+}
+
+/* What a case's screened checks read: the mirror, the step's inputs on both sides, dense
+ * entmax (ref, the long-double reference) and the GPU dense step's support. */
+typedef struct {
+    const mirror *m;
+    const gcase *c;
+    const ekv_decode_params *prm, *dprm;
+    const float *q, *dq, *ref;
+    float *dout;
+    const int64_t *sup_dense;
+    int64_t maxP;
+} screen_case;
+
+/* Screened decode on the plan: 9 launches; the output equals dense entmax and the CPU's
+ * screened decode; the support equals the GPU dense step's (a threshold tie may move one
+ * token); the survivors hold every support pair; each list ascends and ends at the last page. */
+static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc) {
+    const mirror *m = sc->m;
+    const int B = sc->c->B, H = sc->prm->num_heads, Hk = m->kv.num_kv_heads, D = m->kv.head_dim;
+    const int64_t nq = (int64_t)B * H * D;
+    ekv_select_params ss = ekv_select_default_params();
+    ss.method = EKV_SELECT_SCREENED;
+    CHECK(ekv_cuda_decode(plan, sc->dprm, &ss, &m->dkv, &m->dst, &m->dtab, sc->dq, sc->dout) ==
+                  EKV_OK,
+          "cuda screened: %s", ekv_last_error(ctx));
+    int64_t *sup = malloc(sizeof(int64_t) * B * H), *sup_cpu = malloc(sizeof(int64_t) * B * H);
+    int32_t *r1 = malloc(sizeof(int32_t) * B * Hk),
+            *lists = malloc(sizeof(int32_t) * B * Hk * sc->maxP);
+    float *out = malloc(sizeof(float) * nq), *cpu = malloc(sizeof(float) * nq);
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.support = sup;
+    rep.pages_round1 = r1;
+    rep.list_pages = lists;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+    CHECK(rep.launches == 9, "screened: %d launches", rep.launches);
+    CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+    double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
+    CHECK(e < 3e-5,
+          "screened: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d B=%d bits=%d)",
+          e, D, sc->c->G, sc->c->ps, sc->c->dt, sc->c->alpha, sc->c->alibi, B, m->st.code_bits);
+    ekv_decode_info ci = {.support = sup_cpu};
+    CHECK(ekv_decode(ctx, sc->prm, &ss, &m->kv, &m->st, &m->tab, sc->q, cpu, &ci) == EKV_OK,
+          "cpu screened: %s", ekv_last_error(ctx));
+    e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+    CHECK(e < 3e-5, "screened: rel err %.3g vs the CPU's screened decode", e);
+    int64_t supsum = 0, pairs = 0;
+    for (int64_t i = 0; i < (int64_t)B * H; i++) {
+        CHECK(llabs(sup[i] - sc->sup_dense[i]) <= 1 && llabs(sup[i] - sup_cpu[i]) <= 1,
+              "screened support %lld, GPU dense %lld, CPU screened %lld (head %lld)",
+              (long long)sup[i], (long long)sc->sup_dense[i], (long long)sup_cpu[i], (long long)i);
+        g_screen_sup_diff += sup[i] != sc->sup_dense[i];
+        supsum += sup[i];
+    }
+    for (int b = 0; b < B; b++) {
+        const int64_t P = m->indptr[b + 1] - m->indptr[b];
+        pairs += ((P - 1) * m->kv.page_size + m->lpl[b]) * H;
+        for (int h = 0; h < Hk; h++) {
+            const int32_t *l = lists + ((int64_t)b * Hk + h) * sc->maxP;
+            const int n = r1[b * Hk + h];
+            int ok = n >= 1 && n <= P && l[n - 1] == P - 1;
+            for (int j = 1; ok && j < n; j++) ok = l[j - 1] < l[j];
+            CHECK(ok, "screened list (%d, %d): %d pages, not ascending to the last", b, h, n);
+            g_screen_pages += n;
+            g_screen_total += P;
+        }
+    }
+    CHECK(rep.survivors >= supsum && rep.survivors <= pairs,
+          "screened: %lld survivors, support pairs %lld, pairs %lld", (long long)rep.survivors,
+          (long long)supsum, (long long)pairs);
+    g_screen_steps++;
+    g_screen_heads += B * H;
+    free(sup);
+    free(sup_cpu);
+    free(r1);
+    free(lists);
+    free(out);
+    free(cpu);
+}
+
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     test_rng r = {seed * 2654435761u + 17};
     const int H = c->G * c->Hk, D = c->D, Hk = c->Hk, B = c->B, ps = c->ps;
@@ -192,6 +306,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     cp.max_seqs = B;
     cp.num_pages = total_pages + 2;
     cp.superpage_pages = 0;
+    cp.code_bits = seed % 2 ? 4 : 8; /* key codes for screened decode */
     ekv_cache *cache = NULL;
     CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
     if (!cache) return;
@@ -235,6 +350,9 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
               *amean = dev_copy(NULL, m.stat_n * 4), *am2 = dev_copy(NULL, m.stat_n * 4),
               *arad = dev_copy(NULL, m.kv.num_pages * Hk * 4);
         int32_t *acnt = dev_copy(NULL, m.kv.num_pages * 4);
+        uint8_t *acodes = dev_copy(NULL, m.codes_bytes);
+        CU(cudaMemset(acodes, 0xA5, m.codes_bytes ? m.codes_bytes : 16)); /* unwritten: seen */
+        ast.codes = acodes;
         ast.kmin = amin;
         ast.kmax = amax;
         ast.kmean = amean;
@@ -320,6 +438,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 }
             }
         CHECK(minmax_ok, "append kernel min/max differ from the CPU cache");
+        codes_check(&m, acodes, B, c);
         CHECK(worst_mean < 1e-4, "append kernel mean off by %.3g (the CPU mean is fp32 Welford)",
               worst_mean);
         CHECK(worst_m2 < 1e-3, "append kernel M2 off by %.3g", worst_m2);
@@ -340,6 +459,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         cudaFree(am2);
         cudaFree(arad);
         cudaFree(acnt);
+        cudaFree(acodes);
     }
     {
         /* ---- decode: dense, topk (box / ball), certified ---- */
@@ -355,7 +475,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
               *cpu = malloc(sizeof(float) * nq);
         double *tau_ref = malloc(sizeof(double) * B * H), *tau_g = malloc(sizeof(double) * B * H);
         int64_t *sup_ref = malloc(sizeof(int64_t) * B * H),
-                *sup_g = malloc(sizeof(int64_t) * B * H);
+                *sup_g = malloc(sizeof(int64_t) * B * H),
+                *sup_dense = malloc(sizeof(int64_t) * B * H);
         int32_t *lists = malloc(sizeof(int32_t) * B * Hk * maxP),
                 *r1 = malloc(sizeof(int32_t) * B * Hk), *r2 = malloc(sizeof(int32_t) * B * Hk);
         ekv_decode_params prm = ekv_decode_default_params();
@@ -388,6 +509,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "dense support %lld vs %lld",
                       (long long)sup_g[i], (long long)sup_ref[i]);
         }
+        memcpy(sup_dense, sup_g, sizeof(int64_t) * B * H);
+        const screen_case sc = {&m, c, &prm, &dprm, q, dq, ref, dout, sup_dense, maxP};
         /* topk, box then min(box, ball), budgets below / at / above the total */
         const int64_t budgets[3] = {maxN / 4, maxN / 16 + ps, 4 * maxN};
         for (int bi = 0; bi < 3; bi++)
@@ -503,6 +626,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "certified support %lld vs %lld",
                       (long long)sup_g[i], (long long)sup_ref[i]);
         }
+        if (c->alpha > 1) screened_check(ctx, plan, &sc);
         /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
          * than the list holds take the whole-row paths, which must give the same answer */
         if (c->alpha > 1) {
@@ -553,6 +677,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                     CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1,
                           "small lists certified support %lld vs %lld (head %lld)",
                           (long long)sup_g[i], (long long)sup_ref[i], (long long)i);
+                screened_check(ctx, small, &sc); /* the screen's tau(l) too */
                 ekv_cuda_plan_free(small);
             }
         }
@@ -568,6 +693,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         free(tau_g);
         free(sup_ref);
         free(sup_g);
+        free(sup_dense);
         free(lists);
         free(r1);
         free(r2);
@@ -584,9 +710,11 @@ out:
     ekv_cache_free(cache);
 }
 
-/* A CUDA graph of the step, replayed after the sequences grew, equals the eager step. */
-static void graph_test(ekv_context *ctx, int certified) {
-    test_rng r = {99 + certified};
+/* A CUDA graph of the step, replayed after the sequences grew, equals the eager step.
+ * method: 0 topk, 1 certified, 2 screened (a cache with 4-bit key codes). */
+static void graph_test(ekv_context *ctx, int method) {
+    test_rng r = {99 + method};
+    const int certified = method == 1;
     const int D = 128, Hk = 2, G = 4, H = Hk * G, ps = 16, B = 2;
     const int64_t len0[2] = {700, 1500}, grow[2] = {333, 17}, maxP = (1517 + 333 + ps) / ps + 2;
     ekv_cache_params cp = ekv_cache_default_params();
@@ -597,6 +725,7 @@ static void graph_test(ekv_context *ctx, int certified) {
     cp.max_seqs = B;
     cp.num_pages = 2 * maxP;
     cp.superpage_pages = 0;
+    cp.code_bits = method == 2 ? 4 : 0;
     ekv_cache *cache = NULL;
     ekv_cache_create(ctx, &cp, &cache);
     float *dir = malloc(sizeof(float) * D);
@@ -631,7 +760,7 @@ static void graph_test(ekv_context *ctx, int certified) {
     ekv_decode_params prm = ekv_decode_default_params();
     prm.num_heads = H;
     ekv_select_params sp = ekv_select_default_params();
-    sp.method = EKV_SELECT_TOPK;
+    sp.method = method == 2 ? EKV_SELECT_SCREENED : EKV_SELECT_TOPK;
     sp.budget_tokens = 256;
     sp.recent_pages = 1;
     cudaGraph_t graph;
@@ -661,17 +790,18 @@ static void graph_test(ekv_context *ctx, int certified) {
         CU(cudaStreamSynchronize(st));
         CU(cudaMemcpy(eager, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         const double e = head_rel_err(replay, eager, (int64_t)B * H, D, 1e-6);
-        CHECK(e < 1e-6, "graph replay (round %d, certified %d) differs from eager: %.3g", round,
-              certified, e);
-        if (certified) { /* and both equal dense entmax at the new lengths */
+        CHECK(e < 1e-6, "graph replay (round %d, method %d) differs from eager: %.3g", round,
+              method, e);
+        if (method) { /* and both equal dense entmax at the new lengths */
             float *ref = malloc(sizeof(float) * nq);
             ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
             const double e2 = head_rel_err(eager, ref, (int64_t)B * H, D, 1e-6);
-            CHECK(e2 < 3e-5, "graph round %d: certified vs dense %.3g", round, e2);
+            CHECK(e2 < 3e-5, "graph round %d: method %d vs dense %.3g", round, method, e2);
             free(ref);
         }
     }
-    printf("graph replay (%s) checked at two lengths\n", certified ? "certified" : "topk");
+    static const char *names[] = {"topk", "certified", "screened"};
+    printf("graph replay (%s) checked at two lengths\n", names[method]);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     ekv_cuda_plan_free(plan);
@@ -813,8 +943,40 @@ static void invalid_test(ekv_context *ctx) {
                                                           : EKV_ERR_NULL_POINTER;
         CHECK(st == want, "method %s on cuda: status %d, ekv_decode_supported %d",
               ekv_method_name(s2.method), st, sup);
-        CHECK((sup == EKV_OK) == (mth != EKV_SELECT_ORACLE && mth != EKV_SELECT_SCREENED),
-              "method %s: cuda support %d", ekv_method_name(s2.method), sup);
+        CHECK((sup == EKV_OK) == (mth != EKV_SELECT_ORACLE), "method %s: cuda support %d",
+              ekv_method_name(s2.method), sup);
+    }
+    /* screened needs key codes (code_bits 4 or 8) and entmax; the append kernel refuses a
+     * code_bits it cannot write. Pointers that are never read: each call is refused first. */
+    {
+        ekv_select_params s2 = sp;
+        s2.method = EKV_SELECT_SCREENED;
+        ekv_page_stats nst;
+        memset(&nst, 0, sizeof nst);
+        nst.kmin = nst.kmax = nst.kmean = nst.km2 = nst.radius = dq;
+        nst.count = (const int32_t *)dq;
+        ekv_status st = ekv_cuda_decode(plan, &prm, &s2, &kv, &nst, &tab, dq, dout);
+        CHECK(st == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "code_bits"),
+              "screened without codes: %d (%s)", st, ekv_last_error(ctx));
+        nst.codes = (const uint8_t *)dq;
+        nst.code_bits = 2;
+        st = ekv_cuda_decode(plan, &prm, &s2, &kv, &nst, &tab, dq, dout);
+        CHECK(st == EKV_ERR_INVALID_ARGUMENT, "screened code_bits 2: %d (%s)", st,
+              ekv_last_error(ctx));
+        nst.code_bits = 4;
+        ekv_decode_params p1 = prm;
+        p1.alpha = 1.0;
+        st = ekv_cuda_decode(plan, &p1, &s2, &kv, &nst, &tab, dq, dout);
+        CHECK(st == EKV_ERR_INVALID_ALPHA, "screened softmax: %d (%s)", st, ekv_last_error(ctx));
+        nst.code_bits = 3;
+        st = ekv_cuda_append(plan, &kv, &nst, (const ekv_cuda_append_item *)dq, 1, dq, dq);
+        CHECK(st == EKV_ERR_INVALID_ARGUMENT, "append with code_bits 3: %d (%s)", st,
+              ekv_last_error(ctx));
+        nst.codes = NULL;
+        nst.code_bits = 4;
+        st = ekv_cuda_append(plan, &kv, &nst, (const ekv_cuda_append_item *)dq, 1, dq, dq);
+        CHECK(st == EKV_ERR_INVALID_ARGUMENT, "append with code_bits 4, codes NULL: %d (%s)", st,
+              ekv_last_error(ctx));
     }
     float back[8 * 128];
     CU(cudaDeviceSynchronize());
@@ -873,10 +1035,18 @@ int main(void) {
     if (n < max_cases) {
         graph_test(ctx, 0);
         graph_test(ctx, 1);
+        graph_test(ctx, 2);
     }
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);
     printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
+    printf("screened: %d steps, pages listed %lld of %lld, heads whose support differs from the GPU dense step's by one: %d of %d\n",
+           g_screen_steps, (long long)g_screen_pages, (long long)g_screen_total, g_screen_sup_diff,
+           g_screen_heads);
+    CHECK(n < 8 || g_screen_steps > 0, "no screened step ran");
+    CHECK(g_screen_sup_diff * 50 <= g_screen_heads,
+          "too many screened supports differ from the dense step's (%d of %d heads)",
+          g_screen_sup_diff, g_screen_heads);
     CHECK(n < 8 || g_slow_rows > 0,
           "the small-list plans never overflowed: the whole-row paths went untested");
     CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)",
