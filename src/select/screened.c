@@ -34,6 +34,9 @@ typedef struct {
     int64_t *task_off;  /* [B + 1] first phase-1 task of each sequence */
     float *tmax;        /* [ntask][heads][Gl] running maxima of lo */
     int64_t *tcount;    /* [ntask][heads] candidates kept */
+    float *tthr;        /* [ntask][heads][Gl] thresholds: a kept token's hi beats one */
+    int64_t *tnext;     /* [ntask][heads] the count that triggers tightening */
+    uint32_t *pub;      /* [B * heads][Gl] the best threshold of each list (float bits) */
     int64_t *c_tok;     /* [B * heads][nmax] candidate tokens, by chunk */
     float *c_lo, *c_hi; /* [B * heads][nmax][Gl] their bounds */
     float *w_lo, *w_hi; /* per worker [Gl][page_size] */
@@ -93,22 +96,116 @@ static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int work
                         &ekv_screen_exact, list_scratch(j, worker, l), lo, hi, ps);
 }
 
-/* Raises the (task, list) maxima with the page's lower bounds, then keeps the tokens with
- * hi > M - 1 for a head; M - 1 is rounded down to a float, so nothing at or above it is lost. */
+/* x - 1e-12 (1 + |x|) rounded down to a float: a tau solved in double may exceed the exact
+ * one by its rounding (docs/math.md §10.3), so thresholds are lowered by the solve's tolerance. */
+static float below(double x) {
+    const double t = x - 1e-12 * (1.0 + fabs(x));
+    float f = (float)t;
+    if ((double)f > t) f = nextafterf(f, -INFINITY);
+    return f;
+}
+
+/* Raises a threshold shared by the tasks of one list to v (a lock-free maximum on its bits). */
+static void publish_max(uint32_t *p, float v) {
+    uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED), nv;
+    memcpy(&nv, &v, 4);
+    for (;;) {
+        float f;
+        memcpy(&f, &old, 4);
+        if (!(v > f)) return;
+        if (__atomic_compare_exchange_n(p, &old, nv, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+    }
+}
+
+static float shared_thr(const screen_job *j, int64_t li, int64_t g) {
+    const uint32_t u = __atomic_load_n(j->pub + li * j->Gl + g, __ATOMIC_RELAXED);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* tau of head g over the kept lower bounds above M - 1 (docs/math.md §10.3: only they can be in
+ * the support of entmax over them), for candidates[0..n) from base; -inf without a finite M. */
+static double kept_tau(screen_job *j, int64_t base, int64_t n, float M, int64_t g, int worker) {
+    if (!isfinite(M)) return -INFINITY;
+    float *v = j->w_l + worker * j->nmax;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = j->c_lo[(base + i) * j->Gl + g];
+        if ((double)x > (double)M - 1.0) v[k++] = x;
+    }
+    double tr, ws;
+    ekv_cpu_entmax_support(j->s.kern, v, k, M, j->s.sh.alpha, j->w_idx + worker * j->nmax,
+                           j->w_y + worker * j->nmax, j->w_y2 + worker * j->nmax, &tr, &ws);
+    return (double)M + tr;
+}
+
+/* Keeps the candidates[0..n) from base whose hi beats thr for a head (NaN keeps); returns
+ * how many. */
+static int64_t compact_kept(screen_job *j, int64_t base, int64_t n, const float *thr) {
+    const int64_t Gl = j->Gl;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int keep = 0;
+        for (int64_t g = 0; g < Gl; g++) keep |= !(j->c_hi[(base + i) * Gl + g] <= thr[g]);
+        if (!keep) continue;
+        j->c_tok[base + k] = j->c_tok[base + i];
+        memmove(j->c_lo + (base + k) * Gl, j->c_lo + (base + i) * Gl, sizeof(float) * (size_t)Gl);
+        memmove(j->c_hi + (base + k) * Gl, j->c_hi + (base + i) * Gl, sizeof(float) * (size_t)Gl);
+        k++;
+    }
+    return k;
+}
+
+/* Raises the (task, list) thresholds to tau of its kept lower bounds (a subset's tau is a lower
+ * bound of tau(lo), docs/math.md §10.3 Claim 3), shares them with the list's other tasks, and
+ * drops the candidates at or below them. */
+static void tighten(screen_job *j, int64_t task, int64_t li, int64_t base, int worker) {
+    const int64_t tl = task * j->heads + li % j->heads;
+    float *thr = j->tthr + tl * j->Gl;
+    for (int64_t g = 0; g < j->Gl; g++) {
+        const float t = below(kept_tau(j, base, j->tcount[tl], j->tmax[tl * j->Gl + g], g, worker));
+        thr[g] = t > thr[g] ? t : thr[g];
+        publish_max(j->pub + li * j->Gl + g, thr[g]);
+        const float s = shared_thr(j, li, g);
+        thr[g] = s > thr[g] ? s : thr[g];
+    }
+    const int64_t before = j->tcount[tl];
+    j->tcount[tl] = compact_kept(j, base, before, thr);
+    /* a tightening that dropped less than half is not repeated in this task (iid keys) */
+    j->tnext[tl] = 2 * j->tcount[tl] > before ? INT64_MAX : 4 * j->tcount[tl] + 1024;
+}
+
+/* max(m, x[0..n)), NaN ignored; eight independent lanes, so that it vectorises. */
+static float page_max(const float *x, int64_t n, float m) {
+    float r[8] = {m, m, m, m, m, m, m, m};
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        for (int k = 0; k < 8; k++) r[k] = x[t + k] > r[k] ? x[t + k] : r[k];
+    for (; t < n; t++) r[0] = x[t] > r[0] ? x[t] : r[0];
+    for (int k = 1; k < 8; k++) r[0] = r[k] > r[0] ? r[k] : r[0];
+    return r[0];
+}
+
+/* Raises the (task, list) maxima with the page's lower bounds, then keeps the tokens whose hi
+ * beats the threshold (at least M - 1 rounded down, Claim 3) for a head; tightens the
+ * threshold when the kept tokens have doubled. */
 static void keep_candidates(screen_job *j, int64_t task, int64_t b, int64_t l, int64_t first,
-                            int64_t ntok, int64_t chunk_first, const float *lo, const float *hi) {
-    const int64_t ps = j->s.sh.ps, Gl = j->Gl, li = b * j->heads + l;
-    float *M = j->tmax + (task * j->heads + l) * Gl;
+                            int64_t ntok, int64_t chunk_first, const float *lo, const float *hi,
+                            int worker) {
+    const int64_t ps = j->s.sh.ps, Gl = j->Gl, li = b * j->heads + l, tl = task * j->heads + l;
+    float *M = j->tmax + tl * Gl, *thr = j->tthr + tl * Gl;
     uint8_t keep[256] = {0}; /* a page holds at most 256 tokens */
     for (int64_t g = 0; g < Gl; g++) {
-        float m = M[g];
-        for (int64_t t = 0; t < ntok; t++) m = lo[g * ps + t] > m ? lo[g * ps + t] : m;
-        M[g] = m;
-        float thr = (float)((double)m - 1.0);
-        if ((double)thr > (double)m - 1.0) thr = nextafterf(thr, -INFINITY);
-        for (int64_t t = 0; t < ntok; t++) keep[t] |= !(hi[g * ps + t] <= thr);
+        const float m = page_max(lo + g * ps, ntok, M[g]);
+        if (m > M[g]) { /* the threshold follows a new maximum (Claim 3) */
+            M[g] = m;
+            const float t1 = below((double)m - 1.0 + 1e-12 * (1.0 + fabs((double)m - 1.0)));
+            thr[g] = t1 > thr[g] ? t1 : thr[g];
+        }
+        for (int64_t t = 0; t < ntok; t++) keep[t] |= !(hi[g * ps + t] <= thr[g]);
     }
-    int64_t *n = j->tcount + task * j->heads + l;
+    int64_t *n = j->tcount + tl;
     const int64_t base = li * j->nmax + chunk_first;
     for (int64_t t = 0; t < ntok; t++) {
         if (!keep[t]) continue;
@@ -120,6 +217,7 @@ static void keep_candidates(screen_job *j, int64_t task, int64_t b, int64_t l, i
         }
         (*n)++;
     }
+    if (*n >= j->tnext[tl]) tighten(j, task, li, base, worker);
 }
 
 static void screen_chunk(void *vp, int64_t task, int worker) {
@@ -132,61 +230,62 @@ static void screen_chunk(void *vp, int64_t task, int worker) {
         const int64_t h0 = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G), D = j->s.sh.D;
         ekv_cpu_screen_prepare(j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl, D,
                                list_scratch(j, worker, l));
-        j->tcount[task * j->heads + l] = 0;
-        for (int64_t g = 0; g < j->Gl; g++) j->tmax[(task * j->heads + l) * j->Gl + g] = -INFINITY;
+        const int64_t tl = task * j->heads + l;
+        j->tcount[tl] = 0;
+        j->tnext[tl] = 256;
+        for (int64_t g = 0; g < j->Gl; g++) {
+            j->tmax[tl * j->Gl + g] = -INFINITY;
+            j->tthr[tl * j->Gl + g] = shared_thr(j, b * j->heads + l, g);
+        }
     }
     for (int64_t p = p0; p < p1; p++) {
         const int64_t ntok = ekv_page_tokens(p, P, j->s.t->last_page_len[b], ps);
         for (int64_t l = 0; l < j->heads; l++) {
             screen_page(j, b, l, p, worker, lo, hi);
-            keep_candidates(j, task, b, l, p * ps, ntok, p0 * ps, lo, hi);
+            keep_candidates(j, task, b, l, p * ps, ntok, p0 * ps, lo, hi, worker);
         }
     }
 }
 
-/* tau(lo) of one head of list l of sequence b over the kept candidates (docs/math.md §10.3):
- * only lower bounds above max lo - 1 can be in the support of entmax(lo). -inf when no token
- * could be bounded. */
-static double lower_tau(screen_job *j, int64_t b, int64_t l, int64_t g, int worker) {
-    const int64_t li = b * j->heads + l, Gl = j->Gl;
-    float M = -INFINITY;
-    for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
-        const float m = j->tmax[(task * j->heads + l) * Gl + g];
-        M = m > M ? m : M;
-    }
-    if (!isfinite(M)) return -INFINITY;
-    float *v = j->w_l + worker * j->nmax;
+/* Moves the kept candidates of every task of list li (sequence b) to the front of its slots,
+ * in token order (each task's region starts at or after what precedes it), and the maxima of
+ * their lower bounds into M; returns how many. */
+static int64_t gather_kept(screen_job *j, int64_t b, int64_t l, float *M) {
+    const int64_t li = b * j->heads + l, Gl = j->Gl, dst = li * j->nmax;
     int64_t n = 0;
+    for (int64_t g = 0; g < Gl; g++) M[g] = -INFINITY;
     for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
-        const int64_t base = li * j->nmax + (task - j->task_off[b]) * j->chunk_pages * j->s.sh.ps;
-        for (int64_t i = 0; i < j->tcount[task * j->heads + l]; i++) {
-            const float x = j->c_lo[(base + i) * Gl + g];
-            if ((double)x > (double)M - 1.0) v[n++] = x;
-        }
+        const int64_t tl = task * j->heads + l;
+        const int64_t src = dst + (task - j->task_off[b]) * j->chunk_pages * j->s.sh.ps;
+        for (int64_t g = 0; g < Gl; g++)
+            M[g] = j->tmax[tl * Gl + g] > M[g] ? j->tmax[tl * Gl + g] : M[g];
+        memmove(j->c_tok + dst + n, j->c_tok + src, sizeof(int64_t) * (size_t)j->tcount[tl]);
+        memmove(j->c_lo + (dst + n) * Gl, j->c_lo + src * Gl,
+                sizeof(float) * (size_t)(j->tcount[tl] * Gl));
+        memmove(j->c_hi + (dst + n) * Gl, j->c_hi + src * Gl,
+                sizeof(float) * (size_t)(j->tcount[tl] * Gl));
+        n += j->tcount[tl];
     }
-    double tr, ws;
-    ekv_cpu_entmax_support(j->s.kern, v, n, M, j->s.sh.alpha, j->w_idx + worker * j->nmax,
-                           j->w_y + worker * j->nmax, j->w_y2 + worker * j->nmax, &tr, &ws);
-    return (double)M + tr;
+    return n;
 }
 
+/* Phase 2 for list li: tau(lo) per head over the kept candidates (exact: the dropped ones are
+ * at or below a lower bound of it, docs/math.md §10.3), lowered by the solve's tolerance, then
+ * the rows whose hi beats it for a head. */
 static void screen_survivors(void *vp, int64_t li, int worker) {
     screen_job *j = vp;
-    const int64_t b = li / j->heads, l = li % j->heads, Gl = j->Gl;
-    double tauL[EKV_CPU_MAX_GROUP];
-    for (int64_t g = 0; g < Gl; g++) tauL[g] = lower_tau(j, b, l, g, worker);
-    int64_t k = 0, pairs = 0, *out = j->rows + li * j->nmax;
-    for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
-        const int64_t base = li * j->nmax + (task - j->task_off[b]) * j->chunk_pages * j->s.sh.ps;
-        for (int64_t i = 0; i < j->tcount[task * j->heads + l]; i++) {
-            int64_t kept = 0;
-            for (int64_t g = 0; g < Gl; g++) /* NaN keeps the token */
-                kept += !((double)j->c_hi[(base + i) * Gl + g] <= tauL[g]);
-            if (kept) out[k++] = j->c_tok[base + i];
-            pairs += kept;
-        }
+    const int64_t b = li / j->heads, l = li % j->heads, Gl = j->Gl, base = li * j->nmax;
+    float M[EKV_CPU_MAX_GROUP], tauL[EKV_CPU_MAX_GROUP];
+    const int64_t n = gather_kept(j, b, l, M);
+    for (int64_t g = 0; g < Gl; g++) tauL[g] = below(kept_tau(j, base, n, M[g], g, worker));
+    int64_t k = 0, pairs = 0, *out = j->rows + base;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t kept = 0;
+        for (int64_t g = 0; g < Gl; g++) kept += !(j->c_hi[(base + i) * Gl + g] <= tauL[g]);
+        if (kept) out[k++] = j->c_tok[base + i];
+        pairs += kept;
     }
-    j->start[li] = li * j->nmax;
+    j->start[li] = base;
     j->count[li] = k;
     j->pairs[li] = pairs;
 }
@@ -201,11 +300,33 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
     j->ntask = 0;
     for (int64_t b = 0; b < B; b++)
         j->ntask += (ekv_seq_pages(t->indptr, b) + j->chunk_pages - 1) / j->chunk_pages;
-    enum { QS, TOFF, TMAX, TCNT, CTOK, CLO, CHI, WLO, WHI, SCR, IDX, Y, Y2, WL, NB };
+    enum {
+        QS,
+        TOFF,
+        TMAX,
+        TCNT,
+        TTHR,
+        TNEXT,
+        PUB,
+        CTOK,
+        CLO,
+        CHI,
+        WLO,
+        WHI,
+        SCR,
+        IDX,
+        Y,
+        Y2,
+        WL,
+        NB
+    };
     const int64_t sz[NB] = {B * j->s.sh.H * D * 4,
                             (B + 1) * 8,
                             j->ntask * j->heads * Gl * 4,
                             j->ntask * j->heads * 8,
+                            j->ntask * j->heads * Gl * 4,
+                            j->ntask * j->heads * 8,
+                            nl * Gl * 4,
                             nl * nmax * 8,
                             nl * nmax * Gl * 4,
                             nl * nmax * Gl * 4,
@@ -224,6 +345,13 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
     j->task_off = (int64_t *)(ws + off[TOFF]);
     j->tmax = (float *)(ws + off[TMAX]);
     j->tcount = (int64_t *)(ws + off[TCNT]);
+    j->tthr = (float *)(ws + off[TTHR]);
+    j->tnext = (int64_t *)(ws + off[TNEXT]);
+    j->pub = (uint32_t *)(ws + off[PUB]);
+    const float ninf = -INFINITY;
+    uint32_t ninf_bits;
+    memcpy(&ninf_bits, &ninf, 4);
+    for (int64_t i = 0; i < nl * Gl; i++) j->pub[i] = ninf_bits;
     j->c_tok = (int64_t *)(ws + off[CTOK]);
     j->c_lo = (float *)(ws + off[CLO]);
     j->c_hi = (float *)(ws + off[CHI]);
