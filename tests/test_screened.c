@@ -62,6 +62,11 @@ static void check_step(ekv_context *ctx, int c, const ekv_decode_params *dp,
           (long long)id.bytes_k);
     t->k_dense += sp->per_query_head ? 0 : id.bytes_k;
     t->k_screened += sp->per_query_head ? 0 : is.bytes_k;
+    /* the pages touched hold the surviving rows: at least one per list, at most every page */
+    const int64_t lists = sp->per_query_head ? H : kv->num_kv_heads * tab->batch;
+    CHECK(is.pages_touched >= lists && is.pages_touched <= lists * tab->indptr[tab->batch],
+          "case %d: %lld pages touched for %lld lists", c, (long long)is.pages_touched,
+          (long long)lists);
     t->kept += is.survivors;
     t->steps++;
 }

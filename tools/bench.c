@@ -176,6 +176,7 @@ typedef struct {
     double sup_mean;       /* mean support per query head */
     double sel_med;        /* the bound + select stage alone, seconds (0 = not timed) */
     double surv_mean;      /* screened: mean survivors per query head and step */
+    double pages_frac;     /* screened (cpu): pages touched / (pages x lists), mean per step */
     int64_t round2, steps; /* certified: lists that needed round 2, over every step */
 } bench_result;
 
@@ -253,7 +254,7 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
                       bench_result *r) {
     const int64_t nh = s->batch * o->w.heads, qn = nh * o->w.dim;
     ekv_decode_info info = {.support = bb->sup};
-    double bytes_sum = 0, sup_sum = 0, surv_sum = 0;
+    double bytes_sum = 0, sup_sum = 0, surv_sum = 0, touched = 0;
     memset(r, 0, sizeof *r);
     for (int64_t it = 0; it < o->warmup + o->iters; it++) {
         const double t0 = cli_now_seconds();
@@ -270,6 +271,7 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
         r->summary_bytes = (double)info.bytes_summary;
         bytes_sum += (double)(info.bytes_k + info.bytes_v + info.bytes_summary);
         surv_sum += (double)info.survivors;
+        touched += (double)info.pages_touched;
         for (int64_t i = 0; i < nh; i++) sup_sum += (double)bb->sup[i];
     }
     r->steps = o->warmup + o->iters;
@@ -279,6 +281,8 @@ static int bench_time(ekv_context *ctx, const bench_opts *o, bench_bufs *bb, con
     r->bytes = bytes_sum / (double)o->iters;
     r->sup_mean = sup_sum / (double)(o->iters * nh);
     r->surv_mean = surv_sum / (double)(o->iters * nh);
+    r->pages_frac = touched /
+                    ((double)o->iters * (double)o->w.kv_heads * (double)s->table.indptr[s->batch]);
     return bench_select(ctx, o, bb, s, r);
 }
 
@@ -312,8 +316,10 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
     }
     if (codes)
         fprintf(out->text,
-                "%10s screened: %d-bit key codes; %.1f tokens per query head survive the screen (%.3f%%)\n",
-                "", o->code_bits, r->surv_mean, 100.0 * r->surv_mean / (double)len);
+                "%10s screened: %d-bit key codes; %.1f tokens per query head survive the screen "
+                "(%.3f%%); K rows read from %.2f%% of the (page, KV head) pairs\n",
+                "", o->code_bits, r->surv_mean, 100.0 * r->surv_mean / (double)len,
+                100.0 * r->pages_frac);
     if (o->method != EKV_SELECT_CERTIFIED && r->sel_med > 0)
         fprintf(out->text,
                 "%10s select (bound + selection): %.3f ms median, %.0f summary bytes, %.2fx its byte roofline\n",

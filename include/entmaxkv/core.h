@@ -273,6 +273,7 @@ typedef struct ekv_decode_info {
      * leave these as they are: */
     int64_t bytes_summary; /* output: page statistics read by the bound stage           */
     int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept */
+    int64_t pages_touched; /* output, screened (cpu): (page, list) pairs whose K rows were read */
     int64_t lists_round2;  /* output, certified: page lists that needed round 2         */
     int32_t *pages_round1; /* certified, [one per page list]: pages read in round 1     */
     int32_t *pages_round2; /* certified, [one per page list]: pages added in round 2    */
@@ -398,6 +399,7 @@ typedef struct ekv_page_list {
     int64_t capacity;
     int64_t bytes_summary; /* output: bytes of page statistics the bound stage read  */
     int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept */
+    int64_t pages_touched; /* output, screened (cpu): (page, list) pairs whose K rows were read */
     /* tau for the fixed/corrected modes: tau[b*num_heads + h] (z-space), written by the
      * gaussian selector when the caller provides the array ([batch*num_heads]). */
     double *tau;

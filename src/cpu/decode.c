@@ -59,7 +59,7 @@ static ekv_status run_method(ekv_context *ctx, const ekv_decode_params *prm,
                              const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                              float *out, ekv_decode_info *info) {
     const unsigned stages = ekv_method_info_of(ekv_step_method(sel))->stages;
-    if (info) info->bytes_summary = info->lists_round2 = info->survivors = 0;
+    if (info) info->bytes_summary = info->lists_round2 = info->survivors = info->pages_touched = 0;
     if (stages & EKV_STAGE_ROUND2) return run_certified(ctx, prm, sel, kv, st, t, q, out, info);
     if (stages & EKV_STAGE_SCREEN)
         return ekv_cpu_screened_run(ctx, prm, sel, kv, st, t, q, out, info);

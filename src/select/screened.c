@@ -407,6 +407,17 @@ static int64_t screen_bytes(const screen_job *j) {
     return bytes;
 }
 
+/* (page, list) pairs holding a surviving row: the pages whose K the attention touches. */
+static int64_t screen_pages(const screen_job *j) {
+    int64_t n = 0;
+    for (int64_t li = 0; li < j->s.sh.B * j->heads; li++) {
+        const int64_t *r = j->rows + j->start[li];
+        for (int64_t i = 0; i < j->count[li]; i++)
+            n += i == 0 || r[i] / j->s.sh.ps != r[i - 1] / j->s.sh.ps;
+    }
+    return n;
+}
+
 static int64_t screen_pairs(const screen_job *j) {
     int64_t n = 0;
     for (int64_t li = 0; li < j->s.sh.B * j->heads; li++) n += j->pairs[li];
@@ -426,6 +437,7 @@ ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
     if (!s && info) {
         info->bytes_summary = screen_bytes(&j);
         info->survivors = screen_pairs(&j);
+        info->pages_touched = screen_pages(&j);
     }
     return s;
 }
