@@ -22,6 +22,10 @@ extern "C" {
 #include <vector>
 #include <algorithm>
 
+/* Rows each KV head's list read in the plan's last screened step (src/cuda/screen.cu; not part
+ * of the public API): screened reads K of those rows only. */
+extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
+
 #define BC(x)                                                                                      \
     do {                                                                                           \
         cudaError_t e_ = (x);                                                                      \
@@ -411,7 +415,7 @@ struct cuda_result {
  * and values). The summary bytes per page follow the kernels of each stage (src/cuda). */
 static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector<int32_t> &r1,
                        const std::vector<int32_t> &r2, const std::vector<int64_t> &vrows,
-                       cuda_result *r) {
+                       const std::vector<int64_t> &srows, cuda_result *r) {
     const int64_t Hk = o->w.kv_heads, D = o->w.dim, es = ekv_dtype_size(o->w.dtype);
     const int listed = o->method != EKV_SELECT_DENSE, cert = o->method == EKV_SELECT_CERTIFIED;
     const int64_t per_page =
@@ -421,14 +425,15 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
     for (int64_t l = 0; l < o->w.batch * Hk; l++) {
         const int64_t b = l / Hk, P = c->indptr[b + 1] - c->indptr[b];
         const int64_t pages = listed ? r1[l] + r2[l] : P;
-        ktok += std::min(pages * o->w.page, c->lens[b]);
+        /* screened reads K of its rows only (src/cuda/screen.cu) */
+        ktok += o->method == EKV_SELECT_SCREENED ? srows[l]
+                                                 : std::min(pages * o->w.page, c->lens[b]);
         vrow += vrows[l];
         r->round2 += r2[l];
     }
     r->summary = 0;
     const int screened = o->method == EKV_SELECT_SCREENED;
-    /* screened: every page's range and codes; the bounds l written, read for tau(l) and by
-     * the mark kernel */
+    /* screened: every page's range and codes (the candidates and row lists are small) */
     const int64_t screen_page = 2 * D * 4 + o->w.page * ((D * o->code_bits + 7) / 8);
     if (listed)
         for (int64_t b = 0; b < o->w.batch; b++)
@@ -436,8 +441,7 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
                                    : (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
     r->kbytes = ktok * D * es;
     r->vbytes = vrow * D * es;
-    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4 +
-                (screened ? 3 * c->total_tokens * o->w.heads * 4 : 0);
+    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4;
 }
 
 /* One more step, then its report: support, V rows and the pages of each round. */
@@ -447,13 +451,15 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
     std::vector<double> tau(BH);
     std::vector<int64_t> sup(BH), vrows(BHk);
     std::vector<int32_t> r1(BHk), r2(BHk);
+    std::vector<int64_t> srows(BHk);
     memset(&r->rep, 0, sizeof r->rep);
     r->rep.tau = tau.data();
     r->rep.support = sup.data();
     r->rep.v_rows = vrows.data();
     r->rep.pages_round1 = r1.data();
     r->rep.pages_round2 = r2.data();
-    if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->w.batch, &r->rep)) {
+    if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->w.batch, &r->rep) ||
+        ekv_cuda_screen_rows(plan, (int32_t)o->w.batch, srows.data())) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         return 1;
     }
@@ -463,7 +469,7 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
     r->rep.pages_round1 = r->rep.pages_round2 = NULL;
     r->sup_mean = 0;
     for (int64_t i = 0; i < BH; i++) r->sup_mean += (double)sup[i] / (double)BH;
-    cuda_bytes(o, c, r1, r2, vrows, r);
+    cuda_bytes(o, c, r1, r2, vrows, srows, r);
     return 0;
 }
 

@@ -66,6 +66,16 @@ __device__ __forceinline__ int64_t slot_offset(const ekv_page_table &t, const ek
            tk * kv.stride_token;
 }
 
+/* Screened decode's row lists (screen.cu): slot s of list row lrow is token rows[lrow cap + s]
+ * of the sequence; its element offset in the K/V pool. */
+__device__ __forceinline__ int64_t row_offset(const ekv_page_table &t, const ekv_paged_kv &kv,
+                                              const int32_t *rows, int64_t cap_tokens, int lrow,
+                                              int64_t first, int kvh, int ps, int64_t s) {
+    const int32_t tok = rows[(int64_t)lrow * cap_tokens + s];
+    return (int64_t)t.indices[first + tok / ps] * kv.stride_page + (int64_t)kvh * kv.stride_head +
+           (int64_t)(tok % ps) * kv.stride_token;
+}
+
 /* p = [z - tau]_+^beta as every values path computes it (double, then rounded) */
 __device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
     const double x = (double)z - tau;

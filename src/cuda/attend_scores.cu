@@ -310,6 +310,191 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     }
     write_split_max<GM>(A, runmax, red, b, kvh);
 }
+/* ---- screened decode's rows (screen.cu, docs/math.md §10.3): the exact score of every row
+ * of the KV head's row list for the group's heads, bit for bit the scores kernels' (the same
+ * dot product and bias), into the score row at the row's slot; the split maxima; and on the way
+ * the candidates z >= M' - 1, with M' the largest score any warp has seen (M' <= M, so they
+ * hold every z >= M - 1: what tau needs, Claim 3), appended to the head's candidate list. ---- */
+struct row_args : score_args {
+    const int32_t *rows, *row_count;
+    uint32_t *zkey; /* [B*H] ordered keys of the largest score seen */
+    int64_t ccap;
+    float *cand_z;
+    int64_t *cand_off;
+};
+
+/* Row slot e holding score z (where on) of head h0 + g: kept when z >= M' - 1 (M' = seen or
+ * this lane's own max). Warp-uniform call. */
+__device__ __forceinline__ void row_candidate(const row_args &A, int64_t hrow, bool on, float z,
+                                              float Mp, int64_t off) {
+    const bool take = on && z > -CUDART_INF_F && (double)z >= (double)Mp - 1.0;
+    const uint32_t at = ekv_warp_append(take, reinterpret_cast<uint32_t *>(A.cand_count) + hrow);
+    if (take && at < A.ccap) {
+        A.cand_z[hrow * A.ccap + at] = z;
+        A.cand_off[hrow * A.ccap + at] = off;
+    }
+}
+
+/* Where row slot e lives: its token's offset in the pool, slot in the page and page position. */
+__device__ __forceinline__ int64_t row_place(const row_args &A, const ekv_seq_geom &sg, int kvh,
+                                             int32_t tok, int *t, float *jbase) {
+    const int64_t lp = tok / A.ps;
+    *t = tok % A.ps;
+    *jbase = (float)(lp * A.ps - (sg.N - 1));
+    return (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
+           (int64_t)kvh * A.kv.stride_head + (int64_t)*t * A.kv.stride_token;
+}
+
+template <typename T, int LPR, int GM>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A) {
+    extern __shared__ __align__(16) float rsm[]; /* q' [G][D], red [NW][G] */
+    constexpr int NW = EKV_CUDA_THREADS / 32, RPW = 32 / LPR, U = 4;
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR;
+    float *qs = rsm, *red = rsm + G * D;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t n = A.row_count[row], per = (n + A.nsplit - 1) / A.nsplit;
+    const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < n ? e0 + per : n;
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    float runmax[GM], slope[GM], seen[GM];
+    init_group<GM>(A, kvh, runmax, slope);
+#pragma unroll
+    for (int g = 0; g < GM; g++) seen[g] = -CUDART_INF_F;
+    constexpr int QR = GM <= 2 ? GM : 0;
+    float qr[QR > 0 ? QR : 1][8];
+    load_qr<QR>(qs + sl * 8, D, G, qr);
+    const T *K = static_cast<const T *>(A.kv.k);
+    const int32_t *rl = A.rows + (int64_t)row * A.cap_tokens;
+    const int64_t h0 = (int64_t)b * A.H + kvh * G;
+    float *srow = A.scores + h0 * A.cap_tokens;
+    for (int64_t base = e0 + (int64_t)warp * RPW * U; base < e1; base += (int64_t)NW * RPW * U) {
+        uint32_t pre[GM];
+        ekv_peek_max<GM>(A.zkey + h0, G, pre);
+        float k8[U][8], jb[U];
+        int64_t off[U];
+        int tk[U];
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const int64_t e = base + r * RPW + sub;
+            off[r] = 0;
+            tk[r] = 0;
+            jb[r] = 0.f;
+            if (e < e1) off[r] = row_place(A, sg, kvh, rl[e], &tk[r], &jb[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            if (base + r * RPW + sub < e1)
+                ekv_elem<T>::load8(K + off[r] + sl * 8, k8[r]);
+            else
+#pragma unroll
+                for (int i = 0; i < 8; i++) k8[r][i] = 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const int64_t e = base + r * RPW + sub;
+            const bool on = e < e1 && sl == 0;
+            float acc[GM];
+            group_dot<LPR, GM, QR>(k8[r], qr, qs + sl * 8, D, G, acc);
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g >= G) break;
+                const float z = on ? acc[g] + slope[g] * (jb[r] + (float)tk[r]) : -CUDART_INF_F;
+                if (on) srow[(int64_t)g * A.cap_tokens + e] = z;
+                runmax[g] = fmaxf(runmax[g], z);
+                row_candidate(A, h0 + g, on, z, fmaxf(runmax[g], seen[g]), off[r]);
+            }
+        }
+        ekv_share_max<GM>(runmax, seen, A.zkey + h0, G, pre);
+    }
+    write_split_max<GM>(A, runmax, red, b, kvh);
+}
+
+/* Generic head dims: one row per warp pass, as scores_generic_kernel. */
+template <typename T>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(row_args A) {
+    extern __shared__ float rsm[]; /* q' [G][D], then red [nwarps][G] */
+    constexpr int GM = EKV_CUDA_MAX_GROUP;
+    float *qs = rsm, *red = rsm + A.G * A.D;
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t n = A.row_count[row], per = (n + A.nsplit - 1) / A.nsplit;
+    const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < n ? e0 + per : n;
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    float runmax[GM], slope[GM], seen[GM];
+    init_group<GM>(A, kvh, runmax, slope);
+#pragma unroll
+    for (int g = 0; g < GM; g++) seen[g] = -CUDART_INF_F;
+    const T *K = static_cast<const T *>(A.kv.k);
+    const int32_t *rl = A.rows + (int64_t)row * A.cap_tokens;
+    const int64_t h0 = (int64_t)b * A.H + kvh * G;
+    float *srow = A.scores + h0 * A.cap_tokens;
+    for (int64_t e = e0 + warp; e < e1; e += nw) {
+        uint32_t pre[GM];
+        ekv_peek_max<GM>(A.zkey + h0, G, pre);
+        int t;
+        float jbase;
+        const int64_t off = row_place(A, sg, kvh, rl[e], &t, &jbase);
+        float acc[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) acc[g] = 0.f;
+        for (int c = lane; c < D / 8; c += 32) {
+            float kk[8];
+            ekv_elem<T>::load8(K + off + c * 8, kk);
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    const float4 qa = *reinterpret_cast<const float4 *>(qs + g * D + c * 8);
+                    const float4 qb = *reinterpret_cast<const float4 *>(qs + g * D + c * 8 + 4);
+                    acc[g] += qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] +
+                              qb.x * kk[4] + qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            if (g >= G) break;
+            acc[g] = ekv_warp_sum(acc[g]);
+            const float z = acc[g] + slope[g] * (jbase + (float)t);
+            if (lane == 0) srow[(int64_t)g * A.cap_tokens + e] = z;
+            runmax[g] = fmaxf(runmax[g], z);
+            row_candidate(A, h0 + g, lane == 0, z, fmaxf(runmax[g], seen[g]), off);
+        }
+        ekv_share_max<GM>(runmax, seen, A.zkey + h0, G, pre);
+    }
+    write_split_max<GM>(A, runmax, red, b, kvh);
+}
+
+template <typename T, int LPR> void launch_rows_g(const row_args &A, dim3 grid, cudaStream_t st) {
+    const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
+    if (A.G == 1)
+        row_scores_kernel<T, LPR, 1><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else if (A.G == 2)
+        row_scores_kernel<T, LPR, 2><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else if (A.G <= 4)
+        row_scores_kernel<T, LPR, 4><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else if (A.G <= 8)
+        row_scores_kernel<T, LPR, 8><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    else
+        row_scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+}
+
+template <typename T> cudaError_t launch_rows_t(const row_args &A, dim3 grid, cudaStream_t st) {
+    switch (A.D) {
+    case 64: launch_rows_g<T, 8>(A, grid, st); break;
+    case 128: launch_rows_g<T, 16>(A, grid, st); break;
+    case 256: launch_rows_g<T, 32>(A, grid, st); break;
+    default: {
+        const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
+        row_scores_generic_kernel<T><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+        break;
+    }
+    }
+    return cudaGetLastError();
+}
+
 template <typename T, int LPR>
 void launch_scores_g(const score_args &A, dim3 grid, cudaStream_t st) {
     const size_t sm = score_smem_bytes<T>(A.G, A.D);
@@ -380,6 +565,44 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     }
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "scores kernel: %s", cudaGetErrorString(e));
+    pl->launches++;
+    return EKV_OK;
+}
+
+ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                      const ekv_paged_kv *kv, const ekv_page_table *t,
+                                      const float *q, int batch) {
+    row_args A;
+    ekv_cuda_set_shape(A, pl, t);
+    A.kv = *kv;
+    A.q = q;
+    A.slopes = prm->alibi_slopes;
+    const double a = prm->alpha - 1.0; /* entmax only (screened refuses alpha = 1) */
+    A.qscale = a * ekv_effective_scale(prm->scale, kv->head_dim);
+    A.a = (float)a;
+    A.nsplit = pl->nsplit;
+    A.list_pages = NULL;
+    A.list_count = NULL;
+    A.round = 1;
+    A.scores = pl->scores;
+    A.split_max = pl->split_max;
+    A.cand_count = pl->cand_count;
+    A.v_rows = pl->v_rows;
+    A.rows = pl->rows;
+    A.row_count = pl->row_count;
+    A.zkey = pl->scr_state + (int64_t)pl->p.max_batch * pl->p.num_heads;
+    A.ccap = pl->cand_cap;
+    A.cand_z = pl->cand_z;
+    A.cand_off = pl->cand_off;
+    const dim3 grid(pl->nsplit, batch * A.Hk);
+    cudaError_t e;
+    switch (kv->dtype) {
+    case EKV_DTYPE_F16: e = launch_rows_t<__half>(A, grid, pl->stream); break;
+    case EKV_DTYPE_BF16: e = launch_rows_t<__nv_bfloat16>(A, grid, pl->stream); break;
+    default: e = launch_rows_t<float>(A, grid, pl->stream); break;
+    }
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "row scores kernel: %s", cudaGetErrorString(e));
     pl->launches++;
     return EKV_OK;
 }

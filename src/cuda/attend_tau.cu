@@ -2,6 +2,7 @@
  * attend, step 2 on the GPU: the candidates and tau kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
+#include "tau_solve.cuh"
 
 namespace {
 
@@ -91,113 +92,8 @@ struct tau_args : ekv_cuda_shape {
     int64_t *sup_off;
     int64_t *sup_count;
     float *out_zero; /* the final round: zero the output row (the values kernel adds into it) */
+    const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
 };
-
-/* Sums over the candidates y = z - M > tau' (tau' relative to M), one block reduction */
-struct tau_sums {
-    double n, s1, s2, mn;
-};
-
-__device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, double *scratch) {
-    double c = 0, s1 = 0, s2 = 0, mn = 1e300;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double y = (double)v[i] - (double)M;
-        if (y > t) {
-            c += 1;
-            s1 += y;
-            s2 += y * y;
-            mn = y < mn ? y : mn;
-        }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    c = ekv_warp_sum(c);
-    s1 = ekv_warp_sum(s1);
-    s2 = ekv_warp_sum(s2);
-    mn = ekv_warp_min(mn);
-    __syncthreads(); /* scratch is reused by the caller's previous reduction */
-    if (lane == 0) {
-        scratch[warp] = c;
-        scratch[32 + warp] = s1;
-        scratch[64 + warp] = s2;
-        scratch[96 + warp] = mn;
-    }
-    __syncthreads();
-    tau_sums r;
-    r.n = ekv_warp_sum(lane < nw ? scratch[lane] : 0.0);
-    r.s1 = ekv_warp_sum(lane < nw ? scratch[32 + lane] : 0.0);
-    r.s2 = ekv_warp_sum(lane < nw ? scratch[64 + lane] : 0.0);
-    r.mn = ekv_warp_min(lane < nw ? scratch[96 + lane] : 1e300);
-    return r;
-}
-
-/* F = sum [y - t]_+^beta - 1 and its derivative */
-__device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta,
-                            double *scratch, double *F, double *Fp) {
-    double f = 0, fp = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double y = (double)v[i] - (double)M - t;
-        if (y > 0) {
-            const double pb1 = pow(y, beta - 1.0);
-            f += pb1 * y;
-            fp += pb1;
-        }
-    }
-    *F = ekv_block_sum(f, scratch) - 1.0;
-    *Fp = -beta * ekv_block_sum(fp, scratch);
-}
-
-/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1 */
-__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch) {
-    const double beta = 1.0 / (alpha - 1.0);
-    double t = -1.0; /* F(-1) >= 0 because the max alone gives 1 */
-    if (alpha == 2.0) {
-        /* Michelot: the closed form over a superset of the support is a lower bound of tau */
-        double prev_n = -1;
-        for (int it = 0; it < 200; it++) {
-            const tau_sums s = cand_sums(v, n, M, t, scratch);
-            const double tn = (s.s1 - 1.0) / s.n;
-            if (s.n == prev_n || !(tn > t)) {
-                t = tn > t ? tn : t;
-                break;
-            }
-            prev_n = s.n;
-            t = tn;
-        }
-    } else if (alpha == 1.5) {
-        /* Newton from the left (monotone, F convex) on F = sum (y-t)^2 - 1; the closed form on
-         * the current support is exact as soon as it keeps that support */
-        for (int it = 0; it < 100; it++) {
-            const tau_sums s = cand_sums(v, n, M, t, scratch);
-            const double disc = s.s1 * s.s1 - s.n * (s.s2 - 1.0);
-            const double tc = (s.s1 - sqrt(disc > 0 ? disc : 0.0)) / s.n;
-            if (tc >= t && s.mn > tc) {
-                t = tc;
-                break;
-            }
-            const double F = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0,
-                         Fp = -2.0 * (s.s1 - s.n * t);
-            const double tn = t - F / Fp;
-            if (!(tn > t)) break;
-            t = tn;
-        }
-    } else {
-        /* safeguarded Newton inside the bracket [lo, hi] */
-        double lo = -1.0, hi = 0.0;
-        for (int it = 0; it < 200; it++) {
-            double F, Fp;
-            cand_newton(v, n, M, t, beta, scratch, &F, &Fp);
-            if (F > 0)
-                lo = t;
-            else
-                hi = t;
-            if (F == 0 || hi - lo <= 1e-15 * (1.0 + fabs(t))) break;
-            double tn = Fp < 0 ? t - F / Fp : 0.5 * (lo + hi);
-            if (!(tn > lo && tn < hi)) tn = 0.5 * (lo + hi);
-            t = tn;
-        }
-    }
-    return t;
-}
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
 
@@ -213,7 +109,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
-    const int64_t ntok = end * A.ps;
+    const int64_t ntok = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
     const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
     const bool final_round = A.out_zero != NULL;
     if (final_round)
@@ -257,9 +153,11 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         if (in && at < A.ccap) {
             A.sup_p[row * A.ccap + at] = entmax_p(v[i], tau, beta);
             A.sup_off[row * A.ccap + at] =
-                    overflow ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first,
-                                           kvh, A.ps, i)
-                             : A.cand_off[row * A.ccap + i];
+                    !overflow ? A.cand_off[row * A.ccap + i]
+                    : A.rows  ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, sg.first, kvh,
+                                           A.ps, i)
+                              : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first,
+                                            kvh, A.ps, i);
         }
     }
     c = ekv_block_sum(c, scratch);
@@ -324,6 +222,12 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                int use_list, int round, float *out_zero) {
+    return ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, use_list, round, out_zero, 0);
+}
+
+ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                    int use_list, int round, float *out_zero, int rows) {
     tau_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
@@ -346,6 +250,13 @@ ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     A.sup_off = pl->sup_off;
     A.sup_count = pl->sup_count;
     A.out_zero = out_zero;
+    A.rows = rows ? pl->rows : NULL;
+    A.row_count = rows ? pl->row_count : NULL;
+    if (rows) { /* the row scores kernel listed the candidates (screen.cu) */
+        tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
+        EKV_CUDA_LAUNCHED(pl);
+        return EKV_OK;
+    }
     if (prm->alpha == 1.0) {
         tau_softmax_kernel<<<batch * A.H, 1024, 0, pl->stream>>>(A);
         EKV_CUDA_LAUNCHED(pl);

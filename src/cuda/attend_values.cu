@@ -19,6 +19,7 @@ struct value_args : ekv_cuda_shape {
     const int64_t *sup_count;
     int64_t *v_rows;
     float *out;
+    const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
 };
 
 /* 8 elements of a V row (16-byte aligned for 16-bit types) as fp32, with the load predicated */
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
         sg = ekv_seq(A.t, b, A.ps);
         int64_t begin, end;
         entry_range(A.list_count, sg.P, lrow, 3, &begin, &end);
-        nitems = end * A.ps;
+        nitems = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
     }
     const float *z = A.scores + row * A.cap_tokens;
     const T *V = static_cast<const T *>(A.kv.v);
@@ -81,8 +82,10 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
                 } else {
                     p[r] = entmax_p(z[i], tau, beta);
                     if (p[r] > 0.f)
-                        off[r] = slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first,
-                                             kvh, A.ps, i);
+                        off[r] = A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow,
+                                                     sg.first, kvh, A.ps, i)
+                                        : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow,
+                                                      sg.first, kvh, A.ps, i);
                 }
             }
         }
@@ -289,6 +292,12 @@ void launch_values_t(const value_args &A, int softmax, dim3 grid_dense, dim3 gri
 ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                   int use_list, float *out) {
+    return ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, use_list, out, 0);
+}
+
+ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                       const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                       int use_list, float *out, int rows) {
     value_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
@@ -305,6 +314,8 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.sup_count = pl->sup_count;
     A.v_rows = pl->v_rows;
     A.out = out;
+    A.rows = rows ? pl->rows : NULL;
+    A.row_count = rows ? pl->row_count : NULL;
     const int softmax = prm->alpha == 1.0;
     const dim3 grid_dense(pl->nsplit_dense_values, batch * A.Hk * A.gchunks),
             grid_support(pl->vsplit, batch * A.H);

@@ -59,6 +59,16 @@ struct ekv_cuda_plan {
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */
     double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
+    /* screened decode on token rows (screen.cu) */
+    uint32_t *scr_state; /* [3][B*H] per step, zeroed by one memset: max l, max z (ordered */
+                         /* keys, 0 = none yet), candidates of the screen                 */
+    int64_t scap;        /* candidates of the screen kept per query head                 */
+    float *scl, *scu;    /* [B*H][scap] their lower and upper bounds                      */
+    int32_t *sct;        /* [B*H][scap] and token index                                   */
+    int64_t cap_words;   /* cap_tokens / 32, rounded up                                   */
+    uint32_t *sbits;     /* [B*Hk][cap_words] survivors of the group (zero between steps) */
+    int32_t *rows;       /* [B*Hk][cap_tokens] surviving rows, ascending                   */
+    int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
@@ -189,6 +199,57 @@ template <typename T> __device__ __forceinline__ T ekv_block_min(T v, T *scratch
     return ekv_block_reduce(v, scratch, highest, [](T x) { return ekv_warp_min(x); });
 }
 
+/* Running maxima shared through device memory as ordered keys: atomicMax on the key orders
+ * like the float; key 0 (what a memset gives) is below every float ("none yet"). */
+__device__ __forceinline__ uint32_t ekv_float_key(float x) {
+    const uint32_t b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float ekv_key_float(uint32_t k) {
+    if (k == 0) return -__int_as_float(0x7f800000);
+    return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+
+/* The largest values published to keys[g] so far, read early by lane 0 (pre[g]) so that the
+ * load's latency hides behind the warp's work until ekv_share_max uses it. */
+template <int GM>
+__device__ __forceinline__ void ekv_peek_max(const uint32_t *keys, int G, uint32_t *pre) {
+#pragma unroll
+    for (int g = 0; g < GM; g++)
+        pre[g] = (threadIdx.x & 31) == 0 && g < G
+                         ? *reinterpret_cast<const volatile uint32_t *>(keys + g)
+                         : 0u;
+}
+
+/* The warp's maxima mine[g] (any lanes) published to keys[g] (atomicMax where they beat what
+ * the warp knows), and seen[g] (every lane) raised to the largest value known: the peeked
+ * keys pre[g] (ekv_peek_max) and the warp's own. Only ever a max of values some warp holds.
+ * Warp-uniform call. */
+template <int GM>
+__device__ __forceinline__ void ekv_share_max(const float *mine, float *seen, uint32_t *keys, int G,
+                                              const uint32_t *pre) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        const float m = ekv_warp_max(mine[g]);
+        const float s = fmaxf(seen[g], ekv_key_float(__shfl_sync(0xffffffffu, pre[g], 0)));
+        if (m > s && (threadIdx.x & 31) == 0) atomicMax(keys + g, ekv_float_key(m));
+        seen[g] = fmaxf(s, m);
+    }
+}
+
+/* Warp-aggregated append: the lanes with take get consecutive slots of a list whose length is
+ * *count (one atomic per warp); returns the lane's slot. Warp-uniform call. */
+__device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) {
+    const unsigned m = __ballot_sync(0xffffffffu, take);
+    if (!m) return 0;
+    const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
+    uint32_t at = 0;
+    if (lane == leader) at = atomicAdd(count, (uint32_t)__popc(m));
+    at = __shfl_sync(0xffffffffu, at, leader);
+    return at + (uint32_t)__popc(m & ((1u << lane) - 1));
+}
+
 /* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
  * block's sum. wsum: 32 ints of shared memory. */
 __device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *total) {
@@ -291,16 +352,31 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);
 /* screened (screen.cu, docs/math.md §10): the code bounds, tau of the lower bounds (the tau
  * launch over them), then the page lists of the pages with a surviving token (5 launches) */
-ekv_status ekv_cuda_launch_screen(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
-                                  const ekv_page_table *t, const float *q, int batch);
+ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                    const ekv_page_table *t, const float *q, int batch, float *out);
+/* the exact scores of screened decode's rows, the candidates z >= M - 1 listed on the way
+ * (attend_scores.cu) */
+ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                      const ekv_paged_kv *kv, const ekv_page_table *t,
+                                      const float *q, int batch);
+/* Rows read per KV-head list by the last screened step, copied to the host (synchronises;
+ * the bench's byte count and the GPU tests; not part of the public API). */
+extern "C" EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
                                   int batch, int use_list, int round);
-/* entmax: candidates + tau (2 launches); softmax: log-sum-exp (1 launch) */
+/* entmax: candidates + tau (2 launches); softmax: log-sum-exp (1 launch); with rows
+ * (screened) tau alone over the candidates the row scores kernel listed */
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                int use_list, int round, float *out_zero);
+ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                    int use_list, int round, float *out_zero, int rows);
+ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                       const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                       int use_list, float *out, int rows);
 ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                   int use_list, float *out);

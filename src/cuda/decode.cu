@@ -7,7 +7,8 @@
  *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
  *   gaussian:  moments -> rule -> scores -> tau -> values                (6 launches)
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
- *   screened:  screen -> tau(l) -> mark -> compact -> scores -> tau -> values    (9, screen.cu)
+ *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
+ *              (6 launches and a memset, screen.cu)
  * where tau is two launches for entmax (candidates, then the solve) and one for softmax.
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
@@ -47,7 +48,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 20 };
+enum { PLAN_BUFFERS = 27 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -74,6 +75,13 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->scr_state, 3 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
+            {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
+            {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -162,6 +170,12 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     pl->cap_tokens = pl->cap_pages * p->page_size;
     pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
     if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
+    /* the screen's candidates (u > max l - 1, docs/math.md §10.3 Claim 3): max_candidates when
+     * given, else a quarter of the tokens per query head (at least the default list); a head
+     * with more keeps every token (exact, slow) */
+    pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
+    if (p->max_candidates > 0) pl->scap = pl->cand_cap;
+    pl->cap_words = (pl->cap_tokens + 31) / 32;
     /* the support values kernel: about 2 blocks per SM over all query heads */
     int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
     pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
@@ -178,6 +192,9 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     }
     e = cudaMemset(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t));
     if (e == cudaSuccess) e = cudaMemset(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t));
+    if (e == cudaSuccess)
+        e = cudaMemset(pl->sbits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t));
+    if (e == cudaSuccess) e = cudaMemset(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t));
     if (e != cudaSuccess) {
         ekv_cuda_plan_free(pl);
         return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaMemset: %s", cudaGetErrorString(e));
@@ -231,8 +248,8 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     pl->launches = 0;
     pl->last_batch = B;
     pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
-    if ((stg & EKV_STAGE_SCREEN) && (s = ekv_cuda_launch_screen(pl, prm, kv, st, t, q, B)))
-        return s;
+    if (stg & EKV_STAGE_SCREEN) /* token rows, not page lists: its own launches (screen.cu) */
+        return ekv_cuda_launch_screened(pl, prm, kv, st, t, q, B, out);
     if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B)))
         return s;
     if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B)))

@@ -1,28 +1,33 @@
 /*
- * screen stage on the GPU (mirrors src/cpu/screen.c and src/select/screened.c; docs/math.md
- * §10): screened decode's page lists from the key codes, with no host round trip.
- *   screen:  grid (2 nsplit, sequence x KV head), one warp per page. The warp forms the page's
- *            channel terms from its range (step s_c, centre m_c + s_c/2, error weight W_c) and
- *            the code weights w'_c = q'_c s_c of the group's heads in shared memory, then its
- *            lanes take the page's tokens (the block layout puts 16 consecutive tokens of one
- *            channel pair in 16 consecutive bytes) and sum w'_c code_tc over slices of the
- *            channels. Per token and head it writes the lower bound l_t into the score row (the
- *            plan's scores buffer, slot p ps + t) and per page and head the width Delta that
- *            bounds z_t - l_t for every token of the page (the plan's bounds buffer), and the
- *            split maxima of l (both halves of split_max).
- *   tau:     the attend stage's candidates + tau kernels over l (as round 2 without a list:
- *            all 2 nsplit split maxima, every page): tau(l) <= tau* (docs/math.md §10.3).
- *   mark:    grid (page chunk, sequence x KV head): token t survives for head g unless
- *            l_t + Delta <= tau(l) (lowered by the solve's tolerance); a page with a survivor
- *            of any head of the group is kept, the last page always; survivors are counted.
- *   compact: one block per list: the kept pages in ascending order, the last page last.
- * The bound (docs/math.md §10.2) is the CPU's in its terms: W_c covers the code error, the score
+ * Screened decode on the GPU, on token rows (mirrors src/select/screened.c and the CPU's row
+ * attention; docs/math.md §10), with no host round trip:
+ *   memset:  the step's counters (the running maxima as ordered keys, the candidate counts).
+ *   screen:  grid (page chunk, sequence x KV head). The fast kernel (page size a multiple of 16,
+ *            groups up to 4, head dims with whole 16-byte code rows per lane) gives each page a
+ *            quarter warp: its 8 lanes take the page's code rows (the block layout of
+ *            src/core/codes.h puts 16 consecutive tokens of one channel (pair) in 16 consecutive
+ *            bytes: one 16-byte load), form those channels' terms from the range in registers,
+ *            add w'_c code_tc for the 16 tokens and every head of the group, and a reduce-scatter
+ *            over the quarter leaves each lane two tokens. The generic kernel (other shapes) is
+ *            version 1's warp per page. Both bound every token (l, u per head, docs/math.md
+ *            §10.2) and keep only the candidates u > M' - 1, M' the largest l any warp has
+ *            published (§10.3 Claim 3), appended with l, u and the token to the head's list.
+ *   tau(l):  one block per query head: tau of the candidates' l (a lower bound of tau*), then
+ *            every candidate whose u exceeds it (lowered by the solve's tolerance) sets its bit in
+ *            the KV head's survivor bitmap; a head whose list overflowed keeps every token.
+ *   rows:    one block per KV head: the bitmap in ascending order -> the row list (the union of
+ *            the group's survivors), the bitmap cleared for the next step.
+ *   then the exact scores of those rows only (attend_scores.cu, candidates z >= M' - 1 listed on
+ *   the way), tau over the candidates and V of the support (attend_tau.cu, attend_values.cu).
+ * The bound is version 1's (and the CPU's) in its terms: W_c covers the code error, the score
  * kernel's rounding in any summation order and this kernel's, 2 E_p the ALiBi terms of both,
  * and the centre z^ = (C0 + sum_c w'_c code_c) + bias is widened by E = e + 8u (|z^| + e) for
- * its last roundings. With l = fl(z^ - E): z <= l + (2 + u) E, so Delta = fl(E (2 + 2^-21)),
- * maxed over the page, bounds z - l; a non-finite bound keeps its page whole.
+ * its last roundings. With l = fl(z^ - E): z <= l + (2 + u) E, so u = l + fl(E (2 + 2^-21))
+ * rounded up bounds z; a page whose range is not finite, or a bound that is not, keeps its
+ * tokens (l = -inf, u = +inf).
  */
 #include "attend_common.cuh"
+#include "tau_solve.cuh"
 #include "../core/codes.h"
 
 namespace {
@@ -36,17 +41,265 @@ struct screen_args : ekv_cuda_shape {
     const float *q, *slopes;
     double qscale; /* a * scale, as the score kernels form q' */
     float a;
-    int nsplit;   /* the plan's: split_max rows are 2 nsplit wide, this grid fills both halves */
-    int nwarps;   /* warps per block (shared memory: a weight tile per warp) */
-    float *lo;    /* [B*H][cap_tokens] */
-    float *delta; /* [B*H][cap_pages] */
-    float *split_max;
-    int32_t *cand_count; /* zeroed for the candidates kernel over l */
-    int64_t *survivors;  /* [B*Hk] zeroed for the mark kernel */
+    int64_t scap;       /* candidates kept per query head */
+    uint32_t *lkey;     /* [B*H] ordered key of the largest l published */
+    uint32_t *scount;   /* [B*H] candidates found (may exceed scap: overflow) */
+    float *scl, *scu;   /* [B*H][scap] */
+    int32_t *sct;       /* [B*H][scap] */
+    int64_t *survivors; /* [B*Hk] zeroed here for the tau(l) kernel */
 };
 
-/* What the warp's lanes need of one page: the range-derived sums per head and the page's
- * geometry. */
+/* The bounds of one token for one head from its centre sum zc = C0 + sum_c w'_c code_c, e the
+ * page's half-width, bias slope (jpos + ts) as the score kernels form it (docs/math.md §10.2). */
+__device__ __forceinline__ void token_bounds(float zc, float e, float slope, float jpos, int ts,
+                                             int ok, float *l, float *u) {
+    *l = -CUDART_INF_F;
+    *u = CUDART_INF_F;
+    if (!ok) return;
+    const float z = zc + slope * (jpos + (float)ts);
+    const float E = e + 8.0f * SCREEN_U * (fabsf(z) + e);
+    const float lo = z - E, d = E * (2.0f + 0x1p-21f);
+    if (!(lo - lo == 0.f) || !(d - d == 0.f)) return; /* overflow or NaN: keep the token */
+    *l = lo;
+    *u = __fadd_ru(lo, d);
+}
+
+/* Keeps token tok of head hrow (a query head of the block's group) when on and u > M' - 1
+ * (a bound that is not a number keeps it). Warp-uniform call. */
+__device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, bool on, float l,
+                                            float u, float Mp, int64_t tok) {
+    const bool take = on && !((double)u <= (double)Mp - 1.0);
+    const uint32_t at = ekv_warp_append(take, A.scount + hrow);
+    if (take && at < A.scap) {
+        A.scl[hrow * A.scap + at] = l;
+        A.scu[hrow * A.scap + at] = u;
+        A.sct[hrow * A.scap + at] = (int32_t)tok;
+    }
+}
+
+/* The channel terms of channel c (docs/math.md §10.2, version 1's): the code weights w' of the
+ * group's heads, and C0 and e summed into c0 and ep. */
+template <int GM, int BITS>
+__device__ __forceinline__ void channel_terms(const float *qs, int D, int G, int c, float mn,
+                                              float mx, float gamma, float *wq, float *c0,
+                                              float *ep, int &ok) {
+    const float s = ekv_code_step(mn, mx, BITS), Ac = fmaxf(fabsf(mn), fabsf(mx));
+    const float mid = mn + 0.5f * s;
+    ok &= (s - s == 0.f) & (mid - mid == 0.f);
+    const float w =
+            (0.5f * s + 6.0f * SCREEN_U * Ac + 2.0f * gamma * (4.0f * Ac + s)) * (1.0f + 0x1p-20f) +
+            SCREEN_NU;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        const float qv = g < G ? qs[g * D + c] : 0.f;
+        wq[g] = qv * s;
+        c0[g] += qv * mid;
+        ep[g] += fabsf(qv) * w;
+    }
+}
+
+/* e of one head in double from the fp32 sum of |q'_c| W_c: (1 + 2 gamma) for that sum, the D
+ * underflow floors and 2 E_p = 16 u |a m_h| (|p ps - (N-1)| + ps) for the ALiBi terms. */
+__device__ __forceinline__ float page_e(float ep, int D, float slope, int64_t p, int ps,
+                                        int64_t N) {
+    const double gd = 4.0 * (double)(D + 4) * 0x1p-24;
+    const double pos = (double)llabs(p * ps - (N - 1)) + (double)ps;
+    const double e = (double)ep * (1.0 + 2.0 * gd) + (double)D * 0x1p-140 +
+                     16.0 * 0x1p-24 * (1.0 + 0x1p-20) * fabs((double)slope) * pos;
+    return __double2float_ru(e);
+}
+
+/* A code byte of word w (byte k) as fp32, exactly: 2^23 + c has c in its low mantissa bits. */
+__device__ __forceinline__ float code_b(uint32_t w, int k) {
+    return __uint_as_float(__byte_perm(w, 0x4B00u, 0x5440u | (unsigned)k)) - 8388608.0f;
+}
+
+/* acc[t GM + g] += w'_g code_t over one 16-token code row (4 bits: channels 2j in the low and
+ * 2j + 1 in the high nibbles, weights wq0 and wq1; 8 bits: channel j, wq0). */
+template <int GM, int BITS>
+__device__ __forceinline__ void row_fma(uint4 cw, const float *wq0, const float *wq1, float *acc) {
+    const uint32_t w4[4] = {cw.x, cw.y, cw.z, cw.w};
+#pragma unroll
+    for (int wi = 0; wi < 4; wi++) {
+        const uint32_t lo = BITS == 8 ? w4[wi] : w4[wi] & 0x0F0F0F0Fu;
+        const uint32_t hi = (w4[wi] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int t = 4 * wi + k;
+            const float x0 = code_b(lo, k);
+#pragma unroll
+            for (int g = 0; g < GM; g++) acc[t * GM + g] = fmaf(wq0[g], x0, acc[t * GM + g]);
+            if (BITS == 4) {
+                const float x1 = code_b(hi, k);
+#pragma unroll
+                for (int g = 0; g < GM; g++) acc[t * GM + g] = fmaf(wq1[g], x1, acc[t * GM + g]);
+            }
+        }
+    }
+}
+
+/* One level of the reduce-scatter: lanes with up keep the upper H values, the others the lower
+ * H, each adding its partner's (lane ^ o) copy of them; the kept values move to v[0 .. H). */
+template <int H> __device__ __forceinline__ void scatter_level(float *v, bool up, int o) {
+#pragma unroll
+    for (int i = 0; i < H; i++) {
+        const float send = up ? v[i] : v[i + H], keep = up ? v[i + H] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+}
+
+/* Sums V values over the 8 lanes of a quarter warp, leaving lane q the values [q V/8, (q+1) V/8)
+ * in v[0 .. V/8) (recursive halving; every index a constant, so v stays in registers). */
+template <int V> __device__ __forceinline__ void quarter_reduce_scatter(float *v, int q) {
+    scatter_level<V / 2>(v, (q & 4) != 0, 4);
+    scatter_level<V / 4>(v, (q & 2) != 0, 2);
+    scatter_level<V / 8>(v, (q & 1) != 0, 1);
+}
+
+/* Sums over the 8 lanes of a quarter warp (every lane gets it). */
+__device__ __forceinline__ float quarter_sum(float x) {
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* Brings bytes [0, n) at p into L2, the 8 lanes of a quarter one 128-byte line each per pass. */
+__device__ __forceinline__ void prefetch_quarter(const void *p, int64_t n, int q) {
+    for (int64_t o = (int64_t)q * 128; o < n; o += 8 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + o));
+}
+
+/* The step's per-block prologue: q' of the group into shared memory ([G][D]), and block 0
+ * of the row zeroes the survivor count. */
+__device__ __forceinline__ void screen_prologue(const screen_args &A, int row, int b, int kvh,
+                                                float *qs) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) A.survivors[row] = 0;
+    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
+        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * A.G) * A.D + i]); /* as scores */
+    __syncthreads();
+}
+
+/* One 16-token chunk (slots ch .. ch + 15) of the quarter's page: the code rows j = q + 8 k of
+ * this lane, RB of them per batch, then the reduce-scatter; this lane's two tokens' bounds go
+ * to the candidate lists. */
+template <int GM, int BITS, int RB>
+__device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs, int q, bool live,
+                                           int64_t p, int64_t phys, int valid, int ch,
+                                           const ekv_seq_geom &sg, int kvh, const float *slope,
+                                           float *runmax, const float *seen, bool emit) {
+    const int D = A.D, G = A.G, ps = A.ps, R = D * BITS / 8;
+    const float gamma = 4.0f * (float)(D + 4) * SCREEN_U;
+    const float *kmn = A.kmin + (phys * A.Hk + kvh) * D, *kmx = A.kmax + (phys * A.Hk + kvh) * D;
+    const uint8_t *blk = A.codes + (phys * A.Hk + kvh) * (int64_t)ps * R + ch;
+    float acc[16 * GM], c0[GM], ep[GM];
+#pragma unroll
+    for (int i = 0; i < 16 * GM; i++) acc[i] = 0.f;
+#pragma unroll
+    for (int g = 0; g < GM; g++) c0[g] = ep[g] = 0.f;
+    int ok = 1;
+    for (int k0 = 0; k0 < R / 8; k0 += RB) {
+        uint4 cw[RB];
+        float2 mn[RB], mx[RB];
+#pragma unroll
+        for (int r = 0; r < RB; r++) {
+            const int j = q + 8 * (k0 + r);
+            cw[r] = make_uint4(0, 0, 0, 0);
+            mn[r] = mx[r] = make_float2(0.f, 0.f);
+            if (!live) continue;
+            cw[r] = __ldg(reinterpret_cast<const uint4 *>(blk + (int64_t)j * ps));
+            if (BITS == 4) {
+                mn[r] = __ldg(reinterpret_cast<const float2 *>(kmn + 2 * j));
+                mx[r] = __ldg(reinterpret_cast<const float2 *>(kmx + 2 * j));
+            } else {
+                mn[r].x = __ldg(kmn + j);
+                mx[r].x = __ldg(kmx + j);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RB; r++) {
+            const int j = q + 8 * (k0 + r);
+            float wq0[GM], wq1[GM];
+            channel_terms<GM, BITS>(qs, D, G, BITS == 4 ? 2 * j : j, mn[r].x, mx[r].x, gamma, wq0,
+                                    c0, ep, ok);
+            if (BITS == 4)
+                channel_terms<GM, BITS>(qs, D, G, 2 * j + 1, mn[r].y, mx[r].y, gamma, wq1, c0, ep,
+                                        ok);
+            row_fma<GM, BITS>(cw[r], wq0, wq1, acc);
+        }
+    }
+    quarter_reduce_scatter<16 * GM>(acc, q);
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        c0[g] = quarter_sum(c0[g]);
+        ep[g] = quarter_sum(ep[g]);
+    }
+    const unsigned okm = __ballot_sync(0xffffffffu, ok); /* every channel of this page */
+    ok = ((okm >> ((threadIdx.x & 31) & ~7)) & 0xffu) == 0xffu;
+    const float jpos = (float)(p * ps - (sg.N - 1));
+    const int64_t h0 = (int64_t)(blockIdx.y / A.Hk) * A.H + kvh * G;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        const float e = page_e(ep[g], D, slope[g], p, ps, sg.N);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int ts = ch + 2 * q + i;
+            const bool on = live && ts < valid;
+            float l, u;
+            token_bounds(c0[g] + acc[i * GM + g], e, slope[g], jpos, ts, ok, &l, &u);
+            if (on) runmax[g] = fmaxf(runmax[g], l);
+            if (emit) screen_emit(A, h0 + g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + ts);
+        }
+    }
+}
+
+/* The fast kernel's blocks: 4 warps, 3 per SM (170 registers: its tiles do not spill). */
+enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 };
+
+template <int GM, int BITS, int RB>
+__global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_kernel(screen_args A) {
+    extern __shared__ __align__(16) float smem[]; /* q' [G][D] */
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int qd = lane >> 3, q = lane & 7;
+    screen_prologue(A, row, b, kvh, smem);
+    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    const int64_t per = ((sg.P + gridDim.x - 1) / gridDim.x + 3) / 4 * 4;
+    const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < sg.P ? e0 + per : sg.P;
+    const int64_t h0 = (int64_t)b * A.H + kvh * G;
+    const int64_t cb = (int64_t)ps * (A.D * BITS / 8);
+    float slope[GM], runmax[GM], seen[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        slope[g] = g < G && A.slopes ? A.a * A.slopes[kvh * G + g] : 0.f;
+        runmax[g] = seen[g] = -CUDART_INF_F;
+    }
+    /* k = -1: a dry pass over the warp's first pages, which only publishes their maxima, so
+     * that the first candidates are kept against maxima from the whole first wave */
+    for (int64_t k = -1;; k++) {
+        const int64_t p0 = e0 + 4 * warp + (k < 0 ? 0 : k) * 4 * nw;
+        if (p0 >= e1) break;
+        uint32_t pre[GM];
+        ekv_peek_max<GM>(A.lkey + h0, G, pre);
+        const int64_t p = p0 + qd, pn = p + 4 * nw;
+        const bool live = p < e1;
+        if (pn < e1) { /* the warp's next pages into L2 */
+            const int64_t ph = A.t.indices[sg.first + pn], so = (ph * A.Hk + kvh) * A.D;
+            prefetch_quarter(A.codes + (ph * A.Hk + kvh) * cb, cb, q);
+            prefetch_quarter(A.kmin + so, A.D * 4, q);
+            prefetch_quarter(A.kmax + so, A.D * 4, q);
+        }
+        const int64_t phys = live ? A.t.indices[sg.first + p] : 0;
+        const int valid = !live ? 0 : p == sg.P - 1 ? (int)(sg.N - p * ps) : ps;
+        for (int ch = 0; ch < ps; ch += 16)
+            fast_chunk<GM, BITS, RB>(A, smem, q, live, p, phys, valid, ch, sg, kvh, slope, runmax,
+                                     seen, k >= 0);
+        ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
+    }
+}
+
+/* ---- the generic screen (other page sizes, groups and head dims): version 1's warp per page,
+ * the page's channel terms and code weights w' [D][GM] in the warp's shared-memory tile ---- */
 template <int GM> struct screen_page {
     float c0[GM], e[GM]; /* C0 = <q', centre>; e = the half-width before the last roundings */
     int ok;              /* every step and centre finite */
@@ -55,8 +308,7 @@ template <int GM> struct screen_page {
     float jpos; /* position of slot 0 relative to the query, as the score kernel forms it */
 };
 
-/* The channel terms of the page (lanes over channels): the code weights w' [D][GM] into the
- * warp's tile, C0 and e per head (warp sums). W_c is the CPU's (src/cpu/screen.c). */
+/* The channel terms of the page (lanes over channels) into the warp's tile, C0 and e per head. */
 template <int GM, int BITS>
 __device__ __forceinline__ void page_terms(const screen_args &A, const float *qs, float *wq,
                                            int64_t so, const float *slope, int64_t p, int64_t N,
@@ -67,65 +319,26 @@ __device__ __forceinline__ void page_terms(const screen_args &A, const float *qs
 #pragma unroll
     for (int g = 0; g < GM; g++) c0[g] = ep[g] = 0.f;
     int ok = 1;
-#pragma unroll 4
-    for (int c = lane; c < A.D; c += 32) {
-        const float mn = A.kmin[so + c], mx = A.kmax[so + c];
-        const float s = ekv_code_step(mn, mx, BITS), Ac = fmaxf(fabsf(mn), fabsf(mx));
-        const float mid = mn + 0.5f * s;
-        ok &= (s - s == 0.f) & (mid - mid == 0.f);
-        const float w = (0.5f * s + 6.0f * SCREEN_U * Ac + 2.0f * gamma * (4.0f * Ac + s)) *
-                                (1.0f + 0x1p-20f) +
-                        SCREEN_NU;
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            const float qv = g < A.G ? qs[g * A.D + c] : 0.f;
-            wq[c * GM + g] = qv * s;
-            c0[g] += qv * mid;
-            ep[g] += fabsf(qv) * w;
-        }
-    }
+    for (int c = lane; c < A.D; c += 32)
+        channel_terms<GM, BITS>(qs, A.D, A.G, c, A.kmin[so + c], A.kmax[so + c], gamma, wq + c * GM,
+                                c0, ep, ok);
     pg.ok = __all_sync(0xffffffffu, ok);
-    const double gd = 4.0 * (double)(A.D + 4) * 0x1p-24;
-    const double pos = (double)llabs(p * A.ps - (N - 1)) + (double)A.ps;
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         pg.c0[g] = ekv_warp_sum(c0[g]);
-        /* e in double: the fp32 sum of non-negative terms (1 + 2 gamma), the D underflow floors
-         * and 2 E_p = 16 u |a m_h| (|p ps - (N-1)| + ps) for the ALiBi terms */
-        const double e = (double)ekv_warp_sum(ep[g]) * (1.0 + 2.0 * gd) + (double)A.D * 0x1p-140 +
-                         16.0 * 0x1p-24 * (1.0 + 0x1p-20) * fabs((double)slope[g]) * pos;
-        pg.e[g] = __double2float_ru(e);
+        pg.e[g] = page_e(ekv_warp_sum(ep[g]), A.D, slope[g], p, A.ps, N);
     }
     __syncwarp();
 }
 
-/* A code as fp32, exactly: 2^23 + c has c in its low mantissa bits. */
+/* A code as fp32, exactly. */
 __device__ __forceinline__ float code_f(uint32_t c) {
     return __uint_as_float(0x4B000000u | c) - 8388608.0f;
 }
 
-enum { SCREEN_LOADS = 8 }; /* code bytes in flight per lane: the screen is latency-bound */
+enum { SCREEN_LOADS = 8 }; /* code bytes in flight per lane */
 
-/* w'_c code_c of one code byte j (channel j, or channels 2j and 2j + 1) added to acc. */
-template <int GM, int BITS>
-__device__ __forceinline__ void code_fma(uint32_t byte, int j, const float *wq, float *acc) {
-    if (BITS == 8) {
-        const float x = code_f(byte);
-#pragma unroll
-        for (int g = 0; g < GM; g++) acc[g] += wq[j * GM + g] * x;
-    } else {
-        const float x0 = code_f(byte & 15u), x1 = code_f(byte >> 4);
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            acc[g] += wq[2 * j * GM + g] * x0;
-            acc[g] += wq[(2 * j + 1) * GM + g] * x1;
-        }
-    }
-}
-
-/* sum_c w'_gc code_tc over the code bytes j = j0, j0 + CS, ... < R of slot t (the slices
- * interleave, so the lanes of different slices read different shared-memory banks), loaded
- * SCREEN_LOADS at a time before they are used. */
+/* sum_c w'_gc code_tc over the code bytes j = j0, j0 + CS, ... < R of slot t. */
 template <int GM, int BITS>
 __device__ __forceinline__ void code_dots(const uint8_t *blk, int ps, int t, int j0, int CS, int R,
                                           const float *wq, float *acc) {
@@ -137,18 +350,31 @@ __device__ __forceinline__ void code_dots(const uint8_t *blk, int ps, int t, int
             byte[u] = j < R ? __ldg(blk + j * ps + t) : 0u;
         }
 #pragma unroll
-        for (int u = 0; u < SCREEN_LOADS; u++)
-            if (jb + u * CS < R) code_fma<GM, BITS>(byte[u], jb + u * CS, wq, acc);
+        for (int u = 0; u < SCREEN_LOADS; u++) {
+            const int j = jb + u * CS;
+            if (j >= R) continue;
+            if (BITS == 8) {
+                const float x = code_f(byte[u]);
+#pragma unroll
+                for (int g = 0; g < GM; g++) acc[g] += wq[j * GM + g] * x;
+            } else {
+                const float x0 = code_f(byte[u] & 15u), x1 = code_f(byte[u] >> 4);
+#pragma unroll
+                for (int g = 0; g < GM; g++) {
+                    acc[g] += wq[2 * j * GM + g] * x0;
+                    acc[g] += wq[(2 * j + 1) * GM + g] * x1;
+                }
+            }
+        }
     }
 }
 
-/* The bounds of one page's tokens: TL lanes over tokens, CS slices over the code bytes,
- * summed into the slice-0 lanes, which write l and keep the maxima of l (runmax) and of Delta
- * over the page (dmax). */
+/* The bounds of one page's tokens: TL lanes over tokens, CS slices over the code bytes, summed
+ * into the slice-0 lanes, whose tokens go to the candidate lists. */
 template <int GM, int BITS>
-__device__ __forceinline__ void page_bounds(const screen_args &A, const screen_page<GM> &pg,
-                                            const float *wq, const float *slope, int64_t p,
-                                            float *lrow, float *runmax, float *dmax) {
+__device__ __forceinline__ void
+page_bounds(const screen_args &A, const screen_page<GM> &pg, const float *wq, const float *slope,
+            int64_t p, int64_t h0, float *runmax, const float *seen, bool emit) {
     const int lane = threadIdx.x & 31, ps = A.ps, TL = ps < 32 ? ps : 32, CS = 32 / TL;
     const int tl = lane % TL, slice = lane / TL;
     const int R = (int)ekv_code_row_bytes(A.D, BITS), j0 = slice < CS ? slice : R;
@@ -164,49 +390,20 @@ __device__ __forceinline__ void page_bounds(const screen_args &A, const screen_p
             const float mine = acc[g];
             for (int k = 1; k < CS; k++) acc[g] += __shfl_sync(0xffffffffu, mine, tl + k * TL);
         }
-        if (slice != 0 || t >= ps) continue;
+        const bool on = slice == 0 && t < pg.valid;
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             if (g >= A.G) break;
-            float l = -CUDART_INF_F, d = CUDART_INF_F;
-            if (t >= pg.valid)
-                d = -CUDART_INF_F; /* no token: -inf in the row, nothing to the width */
-            else if (pg.ok) {
-                const float bias = slope[g] * (pg.jpos + (float)t);
-                const float z = (pg.c0[g] + acc[g]) + bias;
-                const float E = pg.e[g] + 8.0f * SCREEN_U * (fabsf(z) + pg.e[g]);
-                l = z - E;
-                d = E * (2.0f + 0x1p-21f);
-                if (!(l - l == 0.f) || !(d - d == 0.f)) { /* overflow or NaN: keep the page */
-                    l = -CUDART_INF_F;
-                    d = CUDART_INF_F;
-                }
-            }
-            lrow[(int64_t)g * A.cap_tokens + p * ps + t] = l;
-            runmax[g] = fmaxf(runmax[g], l);
-            dmax[g] = fmaxf(dmax[g], d);
+            float l, u;
+            token_bounds(pg.c0[g] + acc[g], pg.e[g], slope[g], pg.jpos, t, pg.ok, &l, &u);
+            if (on) runmax[g] = fmaxf(runmax[g], l);
+            if (emit) screen_emit(A, h0 + g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + t);
         }
     }
 }
 
-/* Brings a page's range and code block into L2 (one 128-byte line per lane and pass), so the
- * warp's next page waits on L2, not DRAM. */
-template <int BITS>
-__device__ __forceinline__ void prefetch_page(const screen_args &A, int64_t phys, int kvh) {
-    const int lane = threadIdx.x & 31;
-    const int64_t so = (phys * A.Hk + kvh) * A.D,
-                  cb = (int64_t)A.ps * ekv_code_row_bytes(A.D, BITS);
-    const uint8_t *blk = A.codes + (phys * A.Hk + kvh) * cb;
-    for (int64_t o = lane * 32; o < A.D; o += 32 * 32) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.kmin + so + o));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.kmax + so + o));
-    }
-    for (int64_t o = lane * 128; o < cb; o += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(blk + o));
-}
-
-/* Blocks per SM the registers must allow: the screen is latency-bound, so small groups trade
- * a few spilled registers for twice the warps in flight. */
+/* Blocks per SM the registers must allow: small groups trade a few spilled registers for
+ * twice the warps in flight. */
 constexpr int screen_min_blocks(int GM) { return GM <= 4 ? 4 : GM <= 8 ? 2 : 1; }
 
 template <int GM, int BITS>
@@ -214,141 +411,164 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, screen_min_blocks(GM))
         screen_kernel(screen_args A) {
     extern __shared__ __align__(16) float smem[]; /* q' [G][D], then a w' tile [D][GM] per warp */
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float *qs = smem, *wq = smem + G * D + (int64_t)warp * D * GM,
-          *red = smem + G * D + nw * D * GM;
-    if (blockIdx.x == 0) { /* the counters of the kernels that follow */
-        if (threadIdx.x < G) A.cand_count[(int64_t)b * A.H + kvh * G + threadIdx.x] = 0;
-        if (threadIdx.x == 0) A.survivors[row] = 0;
-    }
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x)
-        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G) * D + i]); /* as scores */
-    __syncthreads();
+    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float *qs = smem, *wq = smem + G * D + (int64_t)warp * D * GM;
+    screen_prologue(A, row, b, kvh, qs);
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t per = (sg.P + gridDim.x - 1) / gridDim.x, e0 = (int64_t)blockIdx.x * per;
     const int64_t e1 = e0 + per < sg.P ? e0 + per : sg.P;
-    float slope[GM], runmax[GM];
+    const int64_t h0 = (int64_t)b * A.H + kvh * G;
+    float slope[GM], runmax[GM], seen[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         slope[g] = g < G && A.slopes ? A.a * A.slopes[kvh * G + g] : 0.f;
-        runmax[g] = -CUDART_INF_F;
+        runmax[g] = seen[g] = -CUDART_INF_F;
     }
-    float *lrow = A.lo + ((int64_t)b * A.H + kvh * G) * A.cap_tokens;
-    for (int64_t p = e0 + warp; p < e1; p += nw) {
-        if (p + nw < e1) prefetch_page<BITS>(A, A.t.indices[sg.first + p + nw], kvh);
+    for (int64_t k = -1;; k++) { /* k = -1: a dry pass over the first page, as the fast kernel */
+        const int64_t p = e0 + warp + (k < 0 ? 0 : k) * nw;
+        if (p >= e1) break;
+        uint32_t pre[GM];
+        ekv_peek_max<GM>(A.lkey + h0, G, pre);
         screen_page<GM> pg;
         pg.phys = A.t.indices[sg.first + p];
         pg.valid = p == sg.P - 1 ? (int)(sg.N - p * A.ps) : A.ps;
         pg.jpos = (float)(p * A.ps - (sg.N - 1));
         page_terms<GM, BITS>(A, qs, wq, (pg.phys * A.Hk + kvh) * D, slope, p, sg.N, pg);
-        float dmax[GM];
-#pragma unroll
-        for (int g = 0; g < GM; g++) dmax[g] = -CUDART_INF_F;
-        page_bounds<GM, BITS>(A, pg, wq, slope, p, lrow, runmax, dmax);
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            const float d = ekv_warp_max(dmax[g]);
-            if (lane == 0 && g < G) A.delta[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = d;
-        }
+        page_bounds<GM, BITS>(A, pg, wq, slope, p, h0, runmax, seen, k >= 0);
+        ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
         __syncwarp(); /* the tile is rewritten by the next page */
-    }
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        const float m = ekv_warp_max(runmax[g]);
-        if (lane == 0) red[warp * GM + g] = m;
-    }
-    __syncthreads();
-    if (threadIdx.x < G) {
-        float m = -CUDART_INF_F;
-        for (int w = 0; w < nw; w++) m = fmaxf(m, red[w * GM + threadIdx.x]);
-        A.split_max[((int64_t)b * A.H + kvh * G + threadIdx.x) * 2 * A.nsplit + blockIdx.x] = m;
     }
 }
 
-struct mark_args : ekv_cuda_shape {
-    const float *lo, *delta;
-    const double *tau; /* [B*H] tau(l) */
-    uint8_t *in_list;  /* [B*Hk][cap_pages] */
-    int64_t *survivors;
-    int mpages; /* pages per block */
+/* ---- tau(l) and the survivors ---- */
+struct taul_args : ekv_cuda_shape {
+    double alpha;
+    int64_t scap, cap_words;
+    const uint32_t *lkey, *scount;
+    const float *scl, *scu;
+    const int32_t *sct;
+    uint32_t *sbits;     /* [B*Hk][cap_words] */
+    int64_t *survivors;  /* [B*Hk] */
+    int32_t *cand_count; /* [B*H] zeroed here for the row scores kernel */
 };
 
-enum { MARK_THREADS = 256, MARK_MAX_PAGES = 256, COMPACT_THREADS = 1024 };
+enum { TAUL_THREADS = 512, TAUL_SMEM = 8192, ROWS_THREADS = 1024 };
 
-__global__ void __launch_bounds__(MARK_THREADS) mark_kernel(mark_args A) {
-    __shared__ int keep[MARK_MAX_PAGES];
-    __shared__ double tl[EKV_CUDA_MAX_GROUP];
-    __shared__ double scratch[32];
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    const int64_t p0 = (int64_t)blockIdx.x * A.mpages;
-    if (p0 >= sg.P) return; /* the whole block */
-    const int np = (int)(sg.P - p0 < A.mpages ? sg.P - p0 : A.mpages);
-    const int64_t h0 = (int64_t)b * A.H + kvh * G;
-    for (int i = threadIdx.x; i < np; i += blockDim.x) keep[i] = 0;
-    if (threadIdx.x < G) { /* tau(l), lowered by the solve's tolerance (docs/math.md §10.3) */
-        const double t = A.tau[h0 + threadIdx.x];
-        tl[threadIdx.x] = t - 1e-12 * (1.0 + fabs(t));
-    }
-    __syncthreads();
+/* Bits of tokens [32 w, 32 w + 32) below N. */
+__device__ __forceinline__ uint32_t word_mask(int64_t w, int64_t N) {
+    const int64_t left = N - 32 * w;
+    return left >= 32 ? 0xffffffffu : left <= 0 ? 0u : (1u << left) - 1u;
+}
+
+__global__ void __launch_bounds__(TAUL_THREADS) taul_kernel(taul_args A) {
+    __shared__ float cand[TAUL_SMEM];
+    __shared__ double scratch[128];
+    __shared__ int s_nk;
+    const int64_t row = blockIdx.x;
+    const int b = (int)(row / A.H), kvh = (int)(row % A.H) / A.G, lrow = b * A.Hk + kvh;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    if (threadIdx.x == 0) A.cand_count[row] = 0;
+    const int64_t n = A.scount[row];
+    const float M = ekv_key_float(A.lkey[row]);
+    uint32_t *bits = A.sbits + (int64_t)lrow * A.cap_words;
     double cnt = 0;
-    for (int i = threadIdx.x; i < np * G * ps; i += blockDim.x) {
-        const int pl = i / (G * ps), g = (i / ps) % G, t = i % ps;
-        const int64_t p = p0 + pl;
-        if (t >= (p == sg.P - 1 ? sg.N - p * ps : ps)) continue;
-        const double x = (double)A.lo[(h0 + g) * A.cap_tokens + p * ps + t] +
-                         (double)A.delta[(h0 + g) * A.cap_pages + p];
-        if (!(x <= tl[g])) { /* a NaN keeps its token */
-            keep[pl] = 1;
+    if (n > A.scap) { /* the list overflowed: every token survives (exact, slow) */
+        for (int64_t w = threadIdx.x; w < (sg.N + 31) / 32; w += blockDim.x)
+            atomicOr(bits + w, word_mask(w, sg.N));
+        cnt = threadIdx.x == 0 ? (double)sg.N : 0.0;
+    } else {
+        /* tau(l) needs only the l > M - 1 (docs/math.md §10.3 Claim 3): those into shared
+         * memory when they fit, else the whole list */
+        const float *lv = A.scl + row * A.scap;
+        if (threadIdx.x == 0) s_nk = 0;
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+            const float x = lv[i];
+            if ((double)x > (double)M - 1.0) {
+                const int at = atomicAdd(&s_nk, 1);
+                if (at < TAUL_SMEM) cand[at] = x;
+            }
+        }
+        __syncthreads();
+        const int64_t nk = s_nk;
+        const float *v = nk <= TAUL_SMEM ? cand : lv;
+        const int64_t nv = nk <= TAUL_SMEM ? nk : n;
+        double tl = -HUGE_VAL; /* no finite l: nothing is dropped */
+        if (M > -CUDART_INF_F && nv > 0) {
+            const double tau = (double)M + solve_tau(v, nv, M, A.alpha, scratch);
+            tl = tau - 1e-12 * (1.0 + fabs(tau)); /* the solve's tolerance (docs/math.md §10.3) */
+        }
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+            if ((double)A.scu[row * A.scap + i] <= tl) continue;
+            const int32_t tok = A.sct[row * A.scap + i];
+            atomicOr(bits + (tok >> 5), 1u << (tok & 31));
             cnt += 1;
         }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < np; i += blockDim.x)
-        A.in_list[(int64_t)row * A.cap_pages + p0 + i] = keep[i] || p0 + i == sg.P - 1;
     cnt = ekv_block_sum(cnt, scratch);
     if (threadIdx.x == 0 && cnt > 0)
-        atomicAdd(reinterpret_cast<unsigned long long *>(&A.survivors[row]),
+        atomicAdd(reinterpret_cast<unsigned long long *>(&A.survivors[lrow]),
                   (unsigned long long)cnt);
 }
 
-struct compact_args : ekv_cuda_shape {
-    int32_t *list_pages, *list_count;
-    uint8_t *in_list;
+struct rows_args : ekv_cuda_shape {
+    int64_t cap_words;
+    uint32_t *sbits;
+    int32_t *rows, *row_count, *list_count;
+    int64_t *v_rows;
 };
 
-/* The kept pages but the last in ascending order, then the last (ekv_close_list). */
-__global__ void __launch_bounds__(COMPACT_THREADS) compact_kernel(compact_args A) {
+enum { ROWS_WORDS = 32 }; /* bitmap words per thread and tile, loaded at once */
+
+/* The survivor bitmap of one KV head -> its row list in ascending order (a block scan per tile
+ * of ROWS_THREADS x ROWS_WORDS words); the bitmap is cleared as it is read, the step's counters
+ * of the attend kernels zeroed. */
+__global__ void __launch_bounds__(ROWS_THREADS) rows_kernel(rows_args A) {
     __shared__ int wsum[32];
     const int row = blockIdx.x, b = row / A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t n = sg.P - 1;
-    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
-    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
-    const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
-    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
-    int cnt = 0;
-    for (int64_t p = lo; p < hi; p++) cnt += in[p] != 0;
-    int written;
-    int pos = ekv_block_exclusive_scan(cnt, wsum, &written);
-    for (int64_t p = lo; p < hi; p++)
-        if (in[p]) out[pos++] = (int32_t)p;
-    if (threadIdx.x == 0) ekv_close_list(out, in, written, sg.P, A.list_count, row);
+    const int64_t W = (sg.N + 31) / 32;
+    uint32_t *bits = A.sbits + (int64_t)row * A.cap_words;
+    int32_t *out = A.rows + (int64_t)row * A.cap_tokens;
+    int64_t done = 0;
+    for (int64_t base = 0; base < W; base += (int64_t)blockDim.x * ROWS_WORDS) {
+        const int64_t lo = base + (int64_t)threadIdx.x * ROWS_WORDS;
+        uint32_t x[ROWS_WORDS];
+        int cnt = 0;
+#pragma unroll
+        for (int i = 0; i < ROWS_WORDS; i++) {
+            x[i] = lo + i < W ? bits[lo + i] & word_mask(lo + i, sg.N) : 0u;
+            cnt += __popc(x[i]);
+        }
+        int total;
+        int64_t pos = done + ekv_block_exclusive_scan(cnt, wsum, &total);
+#pragma unroll
+        for (int i = 0; i < ROWS_WORDS; i++) {
+            if (lo + i < W) bits[lo + i] = 0;
+            for (uint32_t y = x[i]; y; y &= y - 1)
+                out[pos++] = (int32_t)(32 * (lo + i) + __ffs(y) - 1);
+        }
+        done += total;
+    }
+    if (threadIdx.x == 0) {
+        A.row_count[row] = (int32_t)done;
+        A.v_rows[row] = 0;
+        A.list_count[2 * row] = A.list_count[2 * row + 1] = 0; /* no page lists */
+    }
 }
 
-/* Warps per screen block: a w' tile [D][GM] each beside q' [G][D], within 96 KB (two blocks
- * per SM) where the shapes allow. */
+/* Warps per generic screen block: a w' tile [D][GM] each beside q' [G][D], within 96 KB. */
 int screen_warps(int G, int D, int GM) {
-    const size_t fixed = (size_t)G * D * 4, per = (size_t)D * GM * 4 + GM * 4;
+    const size_t fixed = (size_t)G * D * 4, per = (size_t)D * GM * 4;
     int nw = EKV_CUDA_THREADS / 32;
     while (nw > 1 && fixed + nw * per > 96 * 1024) nw--;
     return nw;
 }
 
 template <int GM, int BITS>
-cudaError_t launch_screen_g(const screen_args &A, dim3 grid, cudaStream_t s) {
+cudaError_t launch_generic(const screen_args &A, int gx, int rows, cudaStream_t s) {
     const int nw = screen_warps(A.G, A.D, GM);
-    const size_t sm = (size_t)A.G * A.D * 4 + (size_t)nw * ((size_t)A.D * GM * 4 + GM * 4);
+    const size_t sm = (size_t)A.G * A.D * 4 + (size_t)nw * A.D * GM * 4;
     static bool opted = false; /* above 48 KB needs the opt-in, once per instance */
     if (sm > 48 * 1024 && !opted) {
         const cudaError_t e = cudaFuncSetAttribute(
@@ -356,22 +576,52 @@ cudaError_t launch_screen_g(const screen_args &A, dim3 grid, cudaStream_t s) {
         if (e != cudaSuccess) return e;
         opted = true;
     }
-    screen_kernel<GM, BITS><<<grid, nw * 32, sm, s>>>(A);
+    screen_kernel<GM, BITS><<<dim3(gx, rows), nw * 32, sm, s>>>(A);
     return cudaGetLastError();
 }
 
-template <int BITS> cudaError_t launch_screen_b(const screen_args &A, dim3 grid, cudaStream_t s) {
-    if (A.G == 1) return launch_screen_g<1, BITS>(A, grid, s);
-    if (A.G == 2) return launch_screen_g<2, BITS>(A, grid, s);
-    if (A.G <= 4) return launch_screen_g<4, BITS>(A, grid, s);
-    if (A.G <= 8) return launch_screen_g<8, BITS>(A, grid, s);
-    return launch_screen_g<EKV_CUDA_MAX_GROUP, BITS>(A, grid, s);
+template <int GM, int BITS, int RB>
+cudaError_t launch_fast(const screen_args &A, int sms, int rows, cudaStream_t s) {
+    static int per_sm = 0; /* resident blocks per SM, asked once per instance */
+    const size_t sm = (size_t)A.G * A.D * 4;
+    if (!per_sm) {
+        const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &per_sm, screen_fast_kernel<GM, BITS, RB>, FAST_THREADS, sm);
+        if (e != cudaSuccess || per_sm < 1) per_sm = 1;
+    }
+    const int gx = (per_sm * sms + rows - 1) / rows; /* one wave */
+    screen_fast_kernel<GM, BITS, RB><<<dim3(gx, rows), FAST_THREADS, sm, s>>>(A);
+    return cudaGetLastError();
 }
 
-/* The screen kernel: the bounds into the plan's scores (l) and bounds (Delta) buffers. */
+template <int BITS>
+cudaError_t launch_screen_b(const screen_args &A, int gx, int sms, int rows, cudaStream_t s) {
+    const int R = A.D * BITS / 8;
+    if (A.ps % 16 == 0 && A.G <= 4 && R % 32 == 0) { /* the fast kernel */
+        const bool rb8 = R % 64 == 0;
+        if (A.G == 1)
+            return rb8 ? launch_fast<1, BITS, 8>(A, sms, rows, s)
+                       : launch_fast<1, BITS, 4>(A, sms, rows, s);
+        if (A.G == 2)
+            return rb8 ? launch_fast<2, BITS, 8>(A, sms, rows, s)
+                       : launch_fast<2, BITS, 4>(A, sms, rows, s);
+        return launch_fast<4, BITS, 4>(A, sms, rows, s);
+    }
+    if (A.G == 1) return launch_generic<1, BITS>(A, gx, rows, s);
+    if (A.G == 2) return launch_generic<2, BITS>(A, gx, rows, s);
+    if (A.G <= 4) return launch_generic<4, BITS>(A, gx, rows, s);
+    if (A.G <= 8) return launch_generic<8, BITS>(A, gx, rows, s);
+    return launch_generic<EKV_CUDA_MAX_GROUP, BITS>(A, gx, rows, s);
+}
+
+/* The memset of the step's counters and the screen kernel. */
 ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_stats *st,
                                 const ekv_page_table *t, const float *q, int batch) {
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
+    EKV_CUDA_TRY(
+            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(3 * BH) * sizeof(uint32_t), pl->stream));
+    pl->launches++;
     screen_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.kmin = st->kmin;
@@ -382,53 +632,86 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     const double a = prm->alpha - 1.0; /* entmax only (the method table refuses alpha = 1) */
     A.qscale = a * ekv_effective_scale(prm->scale, kv->head_dim);
     A.a = (float)a;
-    A.nsplit = pl->nsplit;
-    A.lo = pl->scores;
-    A.delta = pl->bounds;
-    A.split_max = pl->split_max;
-    A.cand_count = pl->cand_count;
+    A.scap = pl->scap;
+    A.lkey = pl->scr_state;
+    A.scount = pl->scr_state + 2 * BH;
+    A.scl = pl->scl;
+    A.scu = pl->scu;
+    A.sct = pl->sct;
     A.survivors = pl->survivors;
-    const dim3 grid(2 * pl->nsplit, batch * A.Hk);
-    const cudaError_t e = st->code_bits == 8 ? launch_screen_b<8>(A, grid, pl->stream)
-                                             : launch_screen_b<4>(A, grid, pl->stream);
+    int sms = 132;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pl->p.device);
+    const int rows = batch * A.Hk;
+    const cudaError_t e = st->code_bits == 8
+                                  ? launch_screen_b<8>(A, 2 * pl->nsplit, sms, rows, pl->stream)
+                                  : launch_screen_b<4>(A, 2 * pl->nsplit, sms, rows, pl->stream);
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen kernel: %s", cudaGetErrorString(e));
     pl->launches++;
     return EKV_OK;
 }
 
-/* The mark and compact kernels: the page lists from the bounds and tau(l). */
-ekv_status launch_lists(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
-    mark_args M;
-    ekv_cuda_set_shape(M, pl, t);
-    M.lo = pl->scores;
-    M.delta = pl->bounds;
-    M.tau = pl->tau;
-    M.in_list = pl->in_list;
-    M.survivors = pl->survivors;
-    int mp = 2048 / (M.G * M.ps); /* about 2048 bounds per block */
-    M.mpages = mp < 1 ? 1 : mp > MARK_MAX_PAGES ? MARK_MAX_PAGES : mp;
-    const int64_t chunks = (pl->cap_pages + M.mpages - 1) / M.mpages;
-    mark_kernel<<<dim3((unsigned)chunks, batch * M.Hk), MARK_THREADS, 0, pl->stream>>>(M);
+/* tau(l) with the survivor marks, then the row lists. */
+ekv_status launch_survivors(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                            const ekv_page_table *t, int batch) {
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
+    taul_args T;
+    ekv_cuda_set_shape(T, pl, t);
+    T.alpha = prm->alpha;
+    T.scap = pl->scap;
+    T.cap_words = pl->cap_words;
+    T.lkey = pl->scr_state;
+    T.scount = pl->scr_state + 2 * BH;
+    T.scl = pl->scl;
+    T.scu = pl->scu;
+    T.sct = pl->sct;
+    T.sbits = pl->sbits;
+    T.survivors = pl->survivors;
+    T.cand_count = pl->cand_count;
+    taul_kernel<<<batch * T.H, TAUL_THREADS, 0, pl->stream>>>(T);
     EKV_CUDA_LAUNCHED(pl);
-    compact_args C;
-    ekv_cuda_set_shape(C, pl, t);
-    C.list_pages = pl->list_pages;
-    C.list_count = pl->list_count;
-    C.in_list = pl->in_list;
-    compact_kernel<<<batch * C.Hk, COMPACT_THREADS, 0, pl->stream>>>(C);
+    rows_args R;
+    ekv_cuda_set_shape(R, pl, t);
+    R.cap_words = pl->cap_words;
+    R.sbits = pl->sbits;
+    R.rows = pl->rows;
+    R.row_count = pl->row_count;
+    R.list_count = pl->list_count;
+    R.v_rows = pl->v_rows;
+    rows_kernel<<<batch * R.Hk, ROWS_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
 
 } // namespace
 
-ekv_status ekv_cuda_launch_screen(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
-                                  const ekv_page_table *t, const float *q, int batch) {
+ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_paged_kv *kv, const ekv_page_stats *st,
+                                    const ekv_page_table *t, const float *q, int batch,
+                                    float *out) {
     ekv_status s = launch_screen_bounds(pl, prm, kv, st, t, q, batch);
-    /* tau(l): the attend stage's tau over every page and both halves of split_max */
-    if (!s) s = ekv_cuda_launch_tau(pl, prm, kv, t, batch, 0, 2, NULL);
-    if (!s) s = launch_lists(pl, t, batch);
+    if (!s) s = launch_survivors(pl, prm, t, batch);
+    if (!s) s = ekv_cuda_launch_row_scores(pl, prm, kv, t, q, batch);
+    if (!s) s = ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, 0, 1, out, 1);
+    if (!s) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1);
     return s;
+}
+
+extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!rows) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "rows must not be NULL");
+    if (batch < 1 || batch > pl->p.max_batch)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
+                        pl->p.max_batch);
+    const int64_t nl = (int64_t)batch * pl->p.num_kv_heads;
+    int32_t *c = (int32_t *)malloc((size_t)nl * sizeof(int32_t));
+    if (!c) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    cudaError_t e = cudaStreamSynchronize(pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(c, pl->row_count, (size_t)nl * sizeof(int32_t), cudaMemcpyDeviceToHost);
+    for (int64_t l = 0; l < nl; l++) rows[l] = pl->last_screened && e == cudaSuccess ? c[l] : 0;
+    free(c);
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen rows: %s", cudaGetErrorString(e));
+    return EKV_OK;
 }

@@ -12,7 +12,8 @@
  *   certified: output and support equal dense entmax;
  *   screened: the append kernel's key codes equal the CPU cache's byte for byte (4 and 8
  *           bits); output equals dense entmax and the CPU's screened decode, support the
- *           GPU dense step's; every support pair survived the screen.
+ *           GPU dense step's; every support pair survived the screen, and each KV head's
+ *           rows (the union of its group's survivors) hold every head's support.
  * Then: a CUDA graph of the step replayed after the lengths changed gives the eager result,
  * and invalid inputs give errors and leave the output untouched.
  * Exit 77 when no CUDA device is present. EKV_CUDA_TEST_CASES=N limits the table (memcheck).
@@ -163,9 +164,13 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
 
 static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0, g_slow_rows = 0;
 /* screened: steps, heads whose support differs from the GPU dense step's by one (a tie at the
- * threshold), pages listed and pages in all */
+ * threshold), rows read and tokens in all (per KV head) */
 static int g_screen_steps = 0, g_screen_sup_diff = 0, g_screen_heads = 0;
 static int64_t g_screen_pages = 0, g_screen_total = 0;
+
+/* The rows each KV head's list read in the plan's last screened step (src/cuda/screen.cu; not
+ * part of the public API). */
+ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
 
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
@@ -221,9 +226,10 @@ typedef struct {
     int64_t maxP;
 } screen_case;
 
-/* Screened decode on the plan: 9 launches; the output equals dense entmax and the CPU's
- * screened decode; the support equals the GPU dense step's (a threshold tie may move one
- * token); the survivors hold every support pair; each list ascends and ends at the last page. */
+/* Screened decode on the plan: 7 launches (a memset and 6 kernels); the output equals dense
+ * entmax and the CPU's screened decode; the support equals the GPU dense step's (a threshold
+ * tie may move one token); the survivors hold every support pair; each KV head's rows hold
+ * the support of each head of its group and no more than its tokens. */
 static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc) {
     const mirror *m = sc->m;
     const int B = sc->c->B, H = sc->prm->num_heads, Hk = m->kv.num_kv_heads, D = m->kv.head_dim;
@@ -234,16 +240,14 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
                   EKV_OK,
           "cuda screened: %s", ekv_last_error(ctx));
     int64_t *sup = malloc(sizeof(int64_t) * B * H), *sup_cpu = malloc(sizeof(int64_t) * B * H);
-    int32_t *r1 = malloc(sizeof(int32_t) * B * Hk),
-            *lists = malloc(sizeof(int32_t) * B * Hk * sc->maxP);
+    int64_t *rows = malloc(sizeof(int64_t) * B * Hk);
     float *out = malloc(sizeof(float) * nq), *cpu = malloc(sizeof(float) * nq);
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
     rep.support = sup;
-    rep.pages_round1 = r1;
-    rep.list_pages = lists;
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
-    CHECK(rep.launches == 9, "screened: %d launches", rep.launches);
+    CHECK(rep.launches == 7, "screened: %d launches", rep.launches);
+    CHECK(ekv_cuda_screen_rows(plan, B, rows) == EKV_OK, "rows: %s", ekv_last_error(ctx));
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
     double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5,
@@ -265,14 +269,18 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     for (int b = 0; b < B; b++) {
         const int64_t P = m->indptr[b + 1] - m->indptr[b];
         pairs += ((P - 1) * m->kv.page_size + m->lpl[b]) * H;
+        const int64_t N = (P - 1) * m->kv.page_size + m->lpl[b], G = H / Hk;
         for (int h = 0; h < Hk; h++) {
-            const int32_t *l = lists + ((int64_t)b * Hk + h) * sc->maxP;
-            const int n = r1[b * Hk + h];
-            int ok = n >= 1 && n <= P && l[n - 1] == P - 1;
-            for (int j = 1; ok && j < n; j++) ok = l[j - 1] < l[j];
-            CHECK(ok, "screened list (%d, %d): %d pages, not ascending to the last", b, h, n);
+            const int64_t n = rows[b * Hk + h];
+            int64_t most = 0;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t s = sup[(int64_t)b * H + h * G + g];
+                most = s > most ? s : most;
+            }
+            CHECK(n >= most && n <= N, "screened rows (%d, %d): %lld, support %lld, tokens %lld", b,
+                  h, (long long)n, (long long)most, (long long)N);
             g_screen_pages += n;
-            g_screen_total += P;
+            g_screen_total += N;
         }
     }
     CHECK(rep.survivors >= supsum && rep.survivors <= pairs,
@@ -282,8 +290,7 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     g_screen_heads += B * H;
     free(sup);
     free(sup_cpu);
-    free(r1);
-    free(lists);
+    free(rows);
     free(out);
     free(cpu);
 }
@@ -1040,7 +1047,7 @@ int main(void) {
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);
     printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
-    printf("screened: %d steps, pages listed %lld of %lld, heads whose support differs from the GPU dense step's by one: %d of %d\n",
+    printf("screened: %d steps, rows read %lld of %lld tokens, heads whose support differs from the GPU dense step's by one: %d of %d\n",
            g_screen_steps, (long long)g_screen_pages, (long long)g_screen_total, g_screen_sup_diff,
            g_screen_heads);
     CHECK(n < 8 || g_screen_steps > 0, "no screened step ran");
