@@ -25,6 +25,9 @@ extern "C" {
 /* Rows each KV head's list read in the plan's last screened step (src/cuda/screen.cu; not part
  * of the public API): screened reads K of those rows only. */
 extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
+/* Query heads of that step whose screen list overflowed (the retry pass ran), and whose retry
+ * list overflowed too (every token kept). */
+extern "C" ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out);
 
 #define BC(x)                                                                                      \
     do {                                                                                           \
@@ -407,6 +410,7 @@ struct cuda_result {
     double ms, msmin, g_ms, sup_mean;
     float build_ms;
     int64_t kbytes, vbytes, summary, scores, round2, budget, iters;
+    int64_t screen_over[2]; /* heads that retried, and that kept every token */
     ekv_cuda_report rep;
 };
 
@@ -459,7 +463,8 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
     r->rep.pages_round1 = r1.data();
     r->rep.pages_round2 = r2.data();
     if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->w.batch, &r->rep) ||
-        ekv_cuda_screen_rows(plan, (int32_t)o->w.batch, srows.data())) {
+        ekv_cuda_screen_rows(plan, (int32_t)o->w.batch, srows.data()) ||
+        ekv_cuda_screen_overflow(plan, (int32_t)o->w.batch, r->screen_over)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         return 1;
     }
@@ -486,6 +491,10 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
                 "entmaxkv bench: len %lld: screen survivors %.3f%% of (token, head) pairs\n",
                 (long long)c->len,
                 100.0 * (double)r->rep.survivors / (double)(c->total_tokens * o->w.heads));
+    if (o->method == EKV_SELECT_SCREENED && r->screen_over[0])
+        fprintf(stderr,
+                "entmaxkv bench: len %lld: %lld query heads overflowed the screen lists (retry pass), %lld of them kept every token\n",
+                (long long)c->len, (long long)r->screen_over[0], (long long)r->screen_over[1]);
     if (r->rep.slow_rows)
         fprintf(stderr,
                 "entmaxkv bench: %lld query heads overflowed the tau candidate lists (whole-row path)\n",

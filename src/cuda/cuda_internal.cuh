@@ -25,7 +25,8 @@ enum {
     EKV_CUDA_THREADS = 256,    /* threads of the attend/bound/select blocks              */
     EKV_CUDA_CAND_CAP = 16384, /* tau candidates (and support rows) listed per query head */
     EKV_CUDA_MAX_GROUP = 16,   /* GQA group sizes the register tiles hold               */
-    EKV_CUDA_MAX_DIM = 512
+    EKV_CUDA_MAX_DIM = 512,
+    EKV_SCREEN_GRID = 64 /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)      */
 };
 
 struct ekv_cuda_plan {
@@ -60,8 +61,10 @@ struct ekv_cuda_plan {
     double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
     /* screened decode on token rows (screen.cu) */
-    uint32_t *scr_state; /* [3][B*H] per step, zeroed by one memset: max l, max z (ordered */
-                         /* keys, 0 = none yet), candidates of the screen                 */
+    uint32_t *scr_state; /* [5][B*H] per step, zeroed by one memset: max l, max z (ordered */
+                         /* keys, 0 = none yet), candidates of the screen, of its retry    */
+                         /* pass, overflow marks (1 retried, 2 every token kept)          */
+    double *scr_f;       /* [B*H][EKV_SCREEN_GRID] F of the kept l at the retry grid      */
     int64_t scap;        /* candidates of the screen kept per query head                 */
     float *scl, *scu;    /* [B*H][scap] their lower and upper bounds                      */
     int32_t *sct;        /* [B*H][scap] and token index                                   */

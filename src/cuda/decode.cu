@@ -48,7 +48,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 27 };
+enum { PLAN_BUFFERS = 28 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -75,7 +75,8 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
-            {(void **)&pl->scr_state, 3 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_state, 5 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_f, BH * EKV_SCREEN_GRID * (int64_t)sizeof(double)},
             {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
@@ -98,11 +99,8 @@ extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
 
 extern "C" int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *pl) { return pl ? pl->bytes : 0; }
 
-extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
-                                           ekv_cuda_plan **out) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    if (!p || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params and out must not be NULL");
-    *out = NULL;
+/* The plan's static shapes, checked on the host before anything is allocated. */
+static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params *p) {
     if (p->max_batch < 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_batch=%d must be >= 1", p->max_batch);
     ekv_status st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
@@ -125,6 +123,46 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "max_candidates=%lld must be >= 0 (0 = the default)",
                         (long long)p->max_candidates);
+    return EKV_OK;
+}
+
+/* Work splits and buffer capacities from the plan's shapes and the device's SM count. */
+static void plan_geometry(ekv_cuda_plan *pl, int sms) {
+    const ekv_cuda_plan_params *p = &pl->p;
+    const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
+    /* The scores kernel (2 blocks per SM) streams K best in one wave of long-lived blocks:
+     * ramping a block's pipeline up and down costs more than the tail of a single wave. The
+     * softmax values kernel, latency-bound over every row, wants about 8 blocks per SM. Never
+     * more splits than pages. */
+    int64_t ns = 2 * (int64_t)sms / (B * Hk), nsd = (8 * (int64_t)sms + B * Hk - 1) / (B * Hk);
+    if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
+    if (nsd > p->max_pages_per_seq) nsd = p->max_pages_per_seq;
+    if (ns < 1) ns = 1;
+    if (nsd < 1) nsd = 1;
+    pl->nsplit = (int32_t)ns;
+    pl->nsplit_dense_values = (int32_t)nsd;
+    pl->cap_pages = p->max_pages_per_seq;
+    pl->cap_tokens = pl->cap_pages * p->page_size;
+    pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
+    if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
+    /* the screen's candidates (u > max l - 1, docs/math.md §10.3 Claim 3): max_candidates when
+     * given, else a quarter of the tokens per query head (at least the default list); a head
+     * with more is retried against a higher threshold (docs/architecture.md, CUDA screened) */
+    pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
+    if (p->max_candidates > 0) pl->scap = pl->cand_cap;
+    pl->cap_words = (pl->cap_tokens + 31) / 32;
+    /* the support values kernel: about 2 blocks per SM over all query heads */
+    int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
+    pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
+}
+
+extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
+                                           ekv_cuda_plan **out) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    if (!p || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params and out must not be NULL");
+    *out = NULL;
+    ekv_status st = check_plan_params(ctx, p);
+    if (st) return st;
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
         cudaGetLastError();
@@ -154,31 +192,8 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     }
     int sms = 132;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
+    plan_geometry(pl, sms);
     const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
-    /* The scores kernel (2 blocks per SM) streams K best in one wave of long-lived blocks:
-     * ramping a block's pipeline up and down costs more than the tail of a single wave. The
-     * softmax values kernel, latency-bound over every row, wants about 8 blocks per SM. Never
-     * more splits than pages. */
-    int64_t ns = 2 * (int64_t)sms / (B * Hk), nsd = (8 * (int64_t)sms + B * Hk - 1) / (B * Hk);
-    if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
-    if (nsd > p->max_pages_per_seq) nsd = p->max_pages_per_seq;
-    if (ns < 1) ns = 1;
-    if (nsd < 1) nsd = 1;
-    pl->nsplit = (int32_t)ns;
-    pl->nsplit_dense_values = (int32_t)nsd;
-    pl->cap_pages = p->max_pages_per_seq;
-    pl->cap_tokens = pl->cap_pages * p->page_size;
-    pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
-    if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
-    /* the screen's candidates (u > max l - 1, docs/math.md §10.3 Claim 3): max_candidates when
-     * given, else a quarter of the tokens per query head (at least the default list); a head
-     * with more keeps every token (exact, slow) */
-    pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
-    if (p->max_candidates > 0) pl->scap = pl->cand_cap;
-    pl->cap_words = (pl->cap_tokens + 31) / 32;
-    /* the support values kernel: about 2 blocks per SM over all query heads */
-    int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
-    pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
     plan_buffer want[PLAN_BUFFERS];
     plan_buffers(pl, want);
     for (int i = 0; i < PLAN_BUFFERS; i++) {

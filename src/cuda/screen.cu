@@ -12,9 +12,17 @@
  *            version 1's warp per page. Both bound every token (l, u per head, docs/math.md
  *            §10.2) and keep only the candidates u > M' - 1, M' the largest l any warp has
  *            published (§10.3 Claim 3), appended with l, u and the token to the head's list.
+ *   retry:   only for heads whose list overflowed (iid keys: most tokens pass u > M' - 1):
+ *            F(t) = sum [l - t]_+^beta over the kept l at t_k = M - 1 + k / 64 (grid (chunk,
+ *            head), summed atomically); the largest t_k with F > 1 is below tau of the kept l,
+ *            a lower bound of tau(l) (a subset's tau, docs/math.md §10.3). The screen runs
+ *            again for those heads only (the others' blocks return at once) and keeps
+ *            u > max(M - 1, t_k) (lowered by the solve's tolerance, rounded down): every token
+ *            with l or u above tau(l), so tau(l) and the survivors come out as before.
  *   tau(l):  one block per query head: tau of the candidates' l (a lower bound of tau*), then
  *            every candidate whose u exceeds it (lowered by the solve's tolerance) sets its bit in
- *            the KV head's survivor bitmap; a head whose list overflowed keeps every token.
+ *            the KV head's survivor bitmap; a head whose retry list overflowed too keeps every
+ *            token (exact, slow). Overflows are marked per head (ekv_cuda_screen_overflow).
  *   rows:    one block per KV head: the bitmap in ascending order -> the row list (the union of
  *            the group's survivors), the bitmap cleared for the next step.
  *   then the exact scores of those rows only (attend_scores.cu, candidates z >= M' - 1 listed on
@@ -44,6 +52,9 @@ struct screen_args : ekv_cuda_shape {
     int64_t scap;       /* candidates kept per query head */
     uint32_t *lkey;     /* [B*H] ordered key of the largest l published */
     uint32_t *scount;   /* [B*H] candidates found (may exceed scap: overflow) */
+    uint32_t *acount;   /* the count appended to: scount, or the retry's count */
+    int pass2;          /* the retry pass: only heads whose first list overflowed */
+    double *fsum;       /* [B*H][EKV_SCREEN_GRID] the retry's F, zeroed by the first pass */
     float *scl, *scu;   /* [B*H][scap] */
     int32_t *sct;       /* [B*H][scap] */
     int64_t *survivors; /* [B*Hk] zeroed here for the tau(l) kernel */
@@ -64,12 +75,39 @@ __device__ __forceinline__ void token_bounds(float zc, float e, float slope, flo
     *u = __fadd_ru(lo, d);
 }
 
-/* Keeps token tok of head hrow (a query head of the block's group) when on and u > M' - 1
- * (a bound that is not a number keeps it). Warp-uniform call. */
-__device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, bool on, float l,
-                                            float u, float Mp, int64_t tok) {
-    const bool take = on && !((double)u <= (double)Mp - 1.0);
-    const uint32_t at = ekv_warp_append(take, A.scount + hrow);
+/* The block's extra floor of the keep test per head of the group: -inf in the first pass; in
+ * the retry pass the head's retry threshold, or +inf for a head that does not retry. */
+__shared__ float screen_cut[EKV_CUDA_MAX_GROUP];
+
+/* Grid point k of the retry: t_k = M - 1 + k / EKV_SCREEN_GRID (double, the same everywhere). */
+__device__ __forceinline__ double retry_t(float M, int k) {
+    return ((double)M - 1.0) + (double)k * (1.0 / EKV_SCREEN_GRID);
+}
+
+/* The retry threshold of head h (+inf when its first list did not overflow): the largest t_k
+ * whose F over the kept l exceeds 1 by far more than its rounding (so t_k < tau of the kept l
+ * <= tau(l)), else M - 1 (Claim 3); lowered by the solve's tolerance and rounded down to fp32
+ * (docs/math.md §10.3). */
+__device__ __forceinline__ float retry_cut(const screen_args &A, int64_t h) {
+    if (A.scount[h] <= A.scap) return CUDART_INF_F;
+    const float M = ekv_key_float(A.lkey[h]);
+    double t = (double)M - 1.0;
+    for (int k = EKV_SCREEN_GRID - 1; k > 0; k--)
+        if (A.fsum[h * EKV_SCREEN_GRID + k] > 1.0 + 1e-6) {
+            t = retry_t(M, k);
+            break;
+        }
+    t -= 1e-12 * (1.0 + fabs(t));
+    return __double2float_rd(t);
+}
+
+/* Keeps token tok of head hrow (head g of the block's group) when on and u > M' - 1 and u >
+ * screen_cut[g] (a bound that is not a number keeps it). Warp-uniform call. */
+__device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, int g, bool on,
+                                            float l, float u, float Mp, int64_t tok) {
+    const double cut = fmax((double)Mp - 1.0, (double)screen_cut[g]);
+    const bool take = on && !((double)u <= cut);
+    const uint32_t at = ekv_warp_append(take, A.acount + hrow);
     if (take && at < A.scap) {
         A.scl[hrow * A.scap + at] = l;
         A.scu[hrow * A.scap + at] = u;
@@ -169,14 +207,25 @@ __device__ __forceinline__ void prefetch_quarter(const void *p, int64_t n, int q
         asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + o));
 }
 
-/* The step's per-block prologue: q' of the group into shared memory ([G][D]), and block 0
- * of the row zeroes the survivor count. */
-__device__ __forceinline__ void screen_prologue(const screen_args &A, int row, int b, int kvh,
+/* The step's per-block prologue: q' of the group into shared memory ([G][D]) and the keep
+ * floors (screen_cut); block 0 of the row zeroes the survivor count and, in the first pass,
+ * the retry's sums. Returns false when the block has nothing to do (a retry pass with no head
+ * of the group retrying): block-uniform. */
+__device__ __forceinline__ bool screen_prologue(const screen_args &A, int row, int b, int kvh,
                                                 float *qs) {
+    const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
     if (blockIdx.x == 0 && threadIdx.x == 0) A.survivors[row] = 0;
+    if (blockIdx.x == 0 && !A.pass2)
+        for (int i = threadIdx.x; i < A.G * EKV_SCREEN_GRID; i += blockDim.x)
+            A.fsum[h0 * EKV_SCREEN_GRID + i] = 0.0;
+    if (threadIdx.x < A.G)
+        screen_cut[threadIdx.x] = A.pass2 ? retry_cut(A, h0 + threadIdx.x) : -CUDART_INF_F;
     for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
-        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * A.G) * A.D + i]); /* as scores */
+        qs[i] = (float)(A.qscale * A.q[h0 * A.D + i]); /* as scores */
     __syncthreads();
+    bool any = !A.pass2;
+    for (int g = 0; g < A.G; g++) any |= screen_cut[g] < CUDART_INF_F;
+    return any;
 }
 
 /* One 16-token chunk (slots ch .. ch + 15) of the quarter's page: the code rows j = q + 8 k of
@@ -248,7 +297,7 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
             float l, u;
             token_bounds(c0[g] + acc[i * GM + g], e, slope[g], jpos, ts, ok, &l, &u);
             if (on) runmax[g] = fmaxf(runmax[g], l);
-            if (emit) screen_emit(A, h0 + g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + ts);
+            if (emit) screen_emit(A, h0 + g, g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + ts);
         }
     }
 }
@@ -262,7 +311,7 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int qd = lane >> 3, q = lane & 7;
-    screen_prologue(A, row, b, kvh, smem);
+    if (!screen_prologue(A, row, b, kvh, smem)) return;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     const int64_t per = ((sg.P + gridDim.x - 1) / gridDim.x + 3) / 4 * 4;
     const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < sg.P ? e0 + per : sg.P;
@@ -275,8 +324,9 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
         runmax[g] = seen[g] = -CUDART_INF_F;
     }
     /* k = -1: a dry pass over the warp's first pages, which only publishes their maxima, so
-     * that the first candidates are kept against maxima from the whole first wave */
-    for (int64_t k = -1;; k++) {
+     * that the first candidates are kept against maxima from the whole first wave (the retry
+     * pass knows the final maxima: no dry pass) */
+    for (int64_t k = A.pass2 ? 0 : -1;; k++) {
         const int64_t p0 = e0 + 4 * warp + (k < 0 ? 0 : k) * 4 * nw;
         if (p0 >= e1) break;
         uint32_t pre[GM];
@@ -397,7 +447,7 @@ page_bounds(const screen_args &A, const screen_page<GM> &pg, const float *wq, co
             float l, u;
             token_bounds(pg.c0[g] + acc[g], pg.e[g], slope[g], pg.jpos, t, pg.ok, &l, &u);
             if (on) runmax[g] = fmaxf(runmax[g], l);
-            if (emit) screen_emit(A, h0 + g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + t);
+            if (emit) screen_emit(A, h0 + g, g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + t);
         }
     }
 }
@@ -413,7 +463,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, screen_min_blocks(GM))
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
     const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float *qs = smem, *wq = smem + G * D + (int64_t)warp * D * GM;
-    screen_prologue(A, row, b, kvh, qs);
+    if (!screen_prologue(A, row, b, kvh, qs)) return;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t per = (sg.P + gridDim.x - 1) / gridDim.x, e0 = (int64_t)blockIdx.x * per;
     const int64_t e1 = e0 + per < sg.P ? e0 + per : sg.P;
@@ -424,7 +474,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, screen_min_blocks(GM))
         slope[g] = g < G && A.slopes ? A.a * A.slopes[kvh * G + g] : 0.f;
         runmax[g] = seen[g] = -CUDART_INF_F;
     }
-    for (int64_t k = -1;; k++) { /* k = -1: a dry pass over the first page, as the fast kernel */
+    for (int64_t k = A.pass2 ? 0 : -1;; k++) { /* k = -1: a dry pass, as the fast kernel */
         const int64_t p = e0 + warp + (k < 0 ? 0 : k) * nw;
         if (p >= e1) break;
         uint32_t pre[GM];
@@ -440,13 +490,64 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, screen_min_blocks(GM))
     }
 }
 
+/* ---- the retry's sums: F(t_k) over the kept l of the heads whose list overflowed ---- */
+struct retry_args {
+    int64_t scap;
+    int mode; /* 0: beta = 2, 1: beta = 1, 2: pow */
+    double beta;
+    const uint32_t *lkey, *scount;
+    const float *scl;
+    double *fsum; /* [B*H][EKV_SCREEN_GRID] */
+};
+
+enum { RETRY_THREADS = 256, RETRY_CHUNK = RETRY_THREADS * 16 };
+
+template <int MODE> __device__ __forceinline__ double retry_pow(double x, double beta) {
+    return MODE == 0 ? x * x : MODE == 1 ? x : pow(x, beta);
+}
+
+/* grid (chunk of RETRY_CHUNK kept entries, query head); every term is >= 0, so the atomic sums
+ * are within a relative 2^-30 of F at these sizes (retry_cut asks for F > 1 + 1e-6). */
+template <int MODE> __global__ void __launch_bounds__(RETRY_THREADS) retry_kernel(retry_args A) {
+    __shared__ double part[EKV_SCREEN_GRID];
+    const int64_t row = blockIdx.y;
+    if (A.scount[row] <= A.scap) return; /* block-uniform */
+    const float M = ekv_key_float(A.lkey[row]);
+    if (!(M > -CUDART_INF_F)) return;
+    if (threadIdx.x < EKV_SCREEN_GRID) part[threadIdx.x] = 0.0;
+    __syncthreads();
+    double f[EKV_SCREEN_GRID];
+#pragma unroll
+    for (int k = 0; k < EKV_SCREEN_GRID; k++) f[k] = 0.0;
+    const int64_t i0 = (int64_t)blockIdx.x * RETRY_CHUNK;
+    const int64_t i1 = i0 + RETRY_CHUNK < A.scap ? i0 + RETRY_CHUNK : A.scap;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const double l = (double)A.scl[row * A.scap + i];
+        if (!(l > retry_t(M, 0))) continue;
+#pragma unroll
+        for (int k = 0; k < EKV_SCREEN_GRID; k++) {
+            const double x = l - retry_t(M, k);
+            if (x > 0) f[k] += retry_pow<MODE>(x, A.beta);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < EKV_SCREEN_GRID; k++) {
+        const double v = ekv_warp_sum(f[k]);
+        if ((threadIdx.x & 31) == 0 && v > 0) atomicAdd(&part[k], v);
+    }
+    __syncthreads();
+    if (threadIdx.x < EKV_SCREEN_GRID && part[threadIdx.x] > 0)
+        atomicAdd(A.fsum + row * EKV_SCREEN_GRID + threadIdx.x, part[threadIdx.x]);
+}
+
 /* ---- tau(l) and the survivors ---- */
 struct taul_args : ekv_cuda_shape {
     double alpha;
     int64_t scap, cap_words;
-    const uint32_t *lkey, *scount;
+    const uint32_t *lkey, *scount, *scount2;
     const float *scl, *scu;
     const int32_t *sct;
+    uint32_t *marks;     /* [B*H] 1: the first list overflowed, 2: the retry's too */
     uint32_t *sbits;     /* [B*Hk][cap_words] */
     int64_t *survivors;  /* [B*Hk] */
     int32_t *cand_count; /* [B*H] zeroed here for the row scores kernel */
@@ -468,11 +569,12 @@ __global__ void __launch_bounds__(TAUL_THREADS) taul_kernel(taul_args A) {
     const int b = (int)(row / A.H), kvh = (int)(row % A.H) / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     if (threadIdx.x == 0) A.cand_count[row] = 0;
-    const int64_t n = A.scount[row];
+    const int64_t n1 = A.scount[row], n = n1 > A.scap ? A.scount2[row] : n1; /* retry's list */
+    if (threadIdx.x == 0) A.marks[row] = (n1 > A.scap ? 1u : 0u) | (n > A.scap ? 2u : 0u);
     const float M = ekv_key_float(A.lkey[row]);
     uint32_t *bits = A.sbits + (int64_t)lrow * A.cap_words;
     double cnt = 0;
-    if (n > A.scap) { /* the list overflowed: every token survives (exact, slow) */
+    if (n > A.scap) { /* the retry's list overflowed too: every token survives (exact, slow) */
         for (int64_t w = threadIdx.x; w < (sg.N + 31) / 32; w += blockDim.x)
             atomicOr(bits + w, word_mask(w, sg.N));
         cnt = threadIdx.x == 0 ? (double)sg.N : 0.0;
@@ -614,13 +716,51 @@ cudaError_t launch_screen_b(const screen_args &A, int gx, int sms, int rows, cud
     return launch_generic<EKV_CUDA_MAX_GROUP, BITS>(A, gx, rows, s);
 }
 
-/* The memset of the step's counters and the screen kernel. */
+/* The retry's sums over the kept l of the heads whose list overflowed (the others' blocks
+ * return at once). */
+ekv_status launch_retry_sums(ekv_cuda_plan *pl, const ekv_decode_params *prm, int batch) {
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
+    retry_args R;
+    R.scap = pl->scap;
+    R.beta = 1.0 / (prm->alpha - 1.0);
+    R.mode = prm->alpha == 1.5 ? 0 : prm->alpha == 2.0 ? 1 : 2;
+    R.lkey = pl->scr_state;
+    R.scount = pl->scr_state + 2 * BH;
+    R.scl = pl->scl;
+    R.fsum = pl->scr_f;
+    const dim3 grid((unsigned)((pl->scap + RETRY_CHUNK - 1) / RETRY_CHUNK),
+                    (unsigned)(batch * pl->p.num_heads));
+    if (R.mode == 0)
+        retry_kernel<0><<<grid, RETRY_THREADS, 0, pl->stream>>>(R);
+    else if (R.mode == 1)
+        retry_kernel<1><<<grid, RETRY_THREADS, 0, pl->stream>>>(R);
+    else
+        retry_kernel<2><<<grid, RETRY_THREADS, 0, pl->stream>>>(R);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
+/* One pass of the screen kernel (the first, or the retry). */
+ekv_status launch_screen_pass(ekv_cuda_plan *pl, const screen_args &A, int code_bits, int batch) {
+    int sms = 132;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pl->p.device);
+    const int rows = batch * A.Hk;
+    const cudaError_t e = code_bits == 8
+                                  ? launch_screen_b<8>(A, 2 * pl->nsplit, sms, rows, pl->stream)
+                                  : launch_screen_b<4>(A, 2 * pl->nsplit, sms, rows, pl->stream);
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen kernel: %s", cudaGetErrorString(e));
+    pl->launches++;
+    return EKV_OK;
+}
+
+/* The memset of the step's counters, the screen kernel, the retry's sums and the retry pass. */
 ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_stats *st,
                                 const ekv_page_table *t, const float *q, int batch) {
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
     EKV_CUDA_TRY(
-            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(3 * BH) * sizeof(uint32_t), pl->stream));
+            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(5 * BH) * sizeof(uint32_t), pl->stream));
     pl->launches++;
     screen_args A;
     ekv_cuda_set_shape(A, pl, t);
@@ -634,21 +774,19 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     A.a = (float)a;
     A.scap = pl->scap;
     A.lkey = pl->scr_state;
-    A.scount = pl->scr_state + 2 * BH;
+    A.scount = A.acount = pl->scr_state + 2 * BH;
+    A.pass2 = 0;
+    A.fsum = pl->scr_f;
     A.scl = pl->scl;
     A.scu = pl->scu;
     A.sct = pl->sct;
     A.survivors = pl->survivors;
-    int sms = 132;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pl->p.device);
-    const int rows = batch * A.Hk;
-    const cudaError_t e = st->code_bits == 8
-                                  ? launch_screen_b<8>(A, 2 * pl->nsplit, sms, rows, pl->stream)
-                                  : launch_screen_b<4>(A, 2 * pl->nsplit, sms, rows, pl->stream);
-    if (e != cudaSuccess)
-        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen kernel: %s", cudaGetErrorString(e));
-    pl->launches++;
-    return EKV_OK;
+    ekv_status s = launch_screen_pass(pl, A, st->code_bits, batch);
+    if (!s) s = launch_retry_sums(pl, prm, batch);
+    A.pass2 = 1;
+    A.acount = pl->scr_state + 3 * BH; /* the retry's list overwrites the first one */
+    if (!s) s = launch_screen_pass(pl, A, st->code_bits, batch);
+    return s;
 }
 
 /* tau(l) with the survivor marks, then the row lists. */
@@ -662,6 +800,8 @@ ekv_status launch_survivors(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     T.cap_words = pl->cap_words;
     T.lkey = pl->scr_state;
     T.scount = pl->scr_state + 2 * BH;
+    T.scount2 = pl->scr_state + 3 * BH;
+    T.marks = pl->scr_state + 4 * BH;
     T.scl = pl->scl;
     T.scu = pl->scu;
     T.sct = pl->sct;
@@ -713,5 +853,33 @@ extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int
     free(c);
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen rows: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}
+
+/* Query heads of the plan's last screened step whose candidate list overflowed (out[0]: they
+ * took the retry pass) and whose retry list overflowed too (out[1]: every token kept). Internal,
+ * for the bench and the GPU tests; synchronises the plan's stream. */
+extern "C" ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!out) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "out must not be NULL");
+    if (batch < 1 || batch > pl->p.max_batch)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
+                        pl->p.max_batch);
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
+                  nh = (int64_t)batch * pl->p.num_heads;
+    uint32_t *m = (uint32_t *)malloc((size_t)nh * sizeof(uint32_t));
+    if (!m) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    cudaError_t e = cudaStreamSynchronize(pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(m, pl->scr_state + 4 * BH, (size_t)nh * sizeof(uint32_t),
+                       cudaMemcpyDeviceToHost);
+    out[0] = out[1] = 0;
+    for (int64_t h = 0; pl->last_screened && e == cudaSuccess && h < nh; h++) {
+        out[0] += (m[h] & 1u) != 0;
+        out[1] += (m[h] & 2u) != 0;
+    }
+    free(m);
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen overflow: %s", cudaGetErrorString(e));
     return EKV_OK;
 }

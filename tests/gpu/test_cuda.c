@@ -167,10 +167,15 @@ static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0,
  * threshold), rows read and tokens in all (per KV head) */
 static int g_screen_steps = 0, g_screen_sup_diff = 0, g_screen_heads = 0;
 static int64_t g_screen_pages = 0, g_screen_total = 0;
+/* screened: query heads whose candidate list overflowed (they took the retry pass), and of
+ * those whose retry list overflowed too (every token kept) */
+static int64_t g_screen_retry = 0, g_screen_keepall = 0;
 
 /* The rows each KV head's list read in the plan's last screened step (src/cuda/screen.cu; not
  * part of the public API). */
 ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
+/* Heads of the last screened step whose list overflowed, and whose retry list did too. */
+ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out);
 
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
@@ -226,7 +231,7 @@ typedef struct {
     int64_t maxP;
 } screen_case;
 
-/* Screened decode on the plan: 7 launches (a memset and 6 kernels); the output equals dense
+/* Screened decode on the plan: 9 launches (a memset and 8 kernels); the output equals dense
  * entmax and the CPU's screened decode; the support equals the GPU dense step's (a threshold
  * tie may move one token); the survivors hold every support pair; each KV head's rows hold
  * the support of each head of its group and no more than its tokens. */
@@ -246,8 +251,14 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     memset(&rep, 0, sizeof rep);
     rep.support = sup;
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
-    CHECK(rep.launches == 7, "screened: %d launches", rep.launches);
+    CHECK(rep.launches == 9, "screened: %d launches", rep.launches);
     CHECK(ekv_cuda_screen_rows(plan, B, rows) == EKV_OK, "rows: %s", ekv_last_error(ctx));
+    int64_t ov[2] = {0, 0};
+    CHECK(ekv_cuda_screen_overflow(plan, B, ov) == EKV_OK, "overflow: %s", ekv_last_error(ctx));
+    CHECK(ov[1] <= ov[0] && ov[0] <= (int64_t)B * H, "screen overflow %lld, kept all %lld",
+          (long long)ov[0], (long long)ov[1]);
+    g_screen_retry += ov[0];
+    g_screen_keepall += ov[1];
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
     double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5,
@@ -687,6 +698,16 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 screened_check(ctx, small, &sc); /* the screen's tau(l) too */
                 ekv_cuda_plan_free(small);
             }
+            /* screen lists of a quarter of the tokens: on these iid keys most tokens pass
+             * u > M' - 1, so the lists overflow and the retry pass runs (docs/math.md §10.3) */
+            sp2.max_candidates = maxN / 4 > 8 ? maxN / 4 : 8;
+            small = NULL;
+            CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "quarter plan: %s",
+                  ekv_last_error(ctx));
+            if (small) {
+                screened_check(ctx, small, &sc);
+                ekv_cuda_plan_free(small);
+            }
         }
         cudaFree(dq);
         cudaFree(dslopes);
@@ -1050,7 +1071,10 @@ int main(void) {
     printf("screened: %d steps, rows read %lld of %lld tokens, heads whose support differs from the GPU dense step's by one: %d of %d\n",
            g_screen_steps, (long long)g_screen_pages, (long long)g_screen_total, g_screen_sup_diff,
            g_screen_heads);
+    printf("screened: heads whose candidate list overflowed (retry pass): %lld, of which every token kept: %lld\n",
+           (long long)g_screen_retry, (long long)g_screen_keepall);
     CHECK(n < 8 || g_screen_steps > 0, "no screened step ran");
+    CHECK(n < 8 || g_screen_retry > 0, "no screen list overflowed: the retry pass went untested");
     CHECK(g_screen_sup_diff * 50 <= g_screen_heads,
           "too many screened supports differ from the dense step's (%d of %d heads)",
           g_screen_sup_diff, g_screen_heads);
