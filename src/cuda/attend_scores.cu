@@ -469,16 +469,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
 
 template <typename T, int LPR> void launch_rows_g(const row_args &A, dim3 grid, cudaStream_t st) {
     const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
-    if (A.G == 1)
-        row_scores_kernel<T, LPR, 1><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    else if (A.G == 2)
-        row_scores_kernel<T, LPR, 2><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    else if (A.G <= 4)
-        row_scores_kernel<T, LPR, 4><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    else if (A.G <= 8)
-        row_scores_kernel<T, LPR, 8><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    else
-        row_scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    ekv_cuda_with_group(A.G, [&](auto tg) {
+        row_scores_kernel<T, LPR, decltype(tg)::value><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    });
 }
 
 template <typename T> cudaError_t launch_rows_t(const row_args &A, dim3 grid, cudaStream_t st) {
@@ -508,16 +501,7 @@ void launch_scores_g(const score_args &A, dim3 grid, cudaStream_t st) {
         }
         kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
     };
-    if (A.G == 1)
-        go(scores_kernel<T, LPR, 1>);
-    else if (A.G == 2)
-        go(scores_kernel<T, LPR, 2>);
-    else if (A.G <= 4)
-        go(scores_kernel<T, LPR, 4>);
-    else if (A.G <= 8)
-        go(scores_kernel<T, LPR, 8>);
-    else
-        go(scores_kernel<T, LPR, EKV_CUDA_MAX_GROUP>);
+    ekv_cuda_with_group(A.G, [&](auto tg) { go(scores_kernel<T, LPR, decltype(tg)::value>); });
 }
 
 template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {

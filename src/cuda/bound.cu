@@ -162,16 +162,9 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
                         (long long)nblocks);
     const dim3 grid((unsigned)nblocks);
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
-    if (A.G == 1)
-        bound_kernel<1><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else if (A.G == 2)
-        bound_kernel<2><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else if (A.G <= 4)
-        bound_kernel<4><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else if (A.G <= 8)
-        bound_kernel<8><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
-    else
-        bound_kernel<EKV_CUDA_MAX_GROUP><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    ekv_cuda_with_group(A.G, [&](auto tg) {
+        bound_kernel<decltype(tg)::value><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+    });
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <type_traits>
 #include "../core/geometry.h"
 
 extern "C" {
@@ -77,6 +78,29 @@ struct ekv_cuda_plan {
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
 };
+
+/* Calls f(std::integral_constant<int, TG>{}) with the smallest compiled group tile TG >= G (1,
+ * 2, 4, 8 or EKV_CUDA_MAX_GROUP): every kernel templated on the group is launched through this
+ * one ladder, so the tiles a group maps to are written once. */
+template <typename F> static inline auto ekv_cuda_with_group(int G, F &&f) {
+    if (G == 1) return f(std::integral_constant<int, 1>{});
+    if (G == 2) return f(std::integral_constant<int, 2>{});
+    if (G <= 4) return f(std::integral_constant<int, 4>{});
+    if (G <= 8) return f(std::integral_constant<int, 8>{});
+    return f(std::integral_constant<int, EKV_CUDA_MAX_GROUP>{});
+}
+
+/* The checks of a host readout of the plan's last step (report, rows, overflow): the plan, the
+ * output pointer and the batch. */
+static inline ekv_status ekv_cuda_check_readout(const ekv_cuda_plan *pl, const void *outp,
+                                                const char *name, int32_t batch) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!outp) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "%s must not be NULL", name);
+    if (batch < 1 || batch > pl->p.max_batch)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
+                        pl->p.max_batch);
+    return EKV_OK;
+}
 
 #define EKV_CUDA_TRY(plan, call)                                                                   \
     do {                                                                                           \

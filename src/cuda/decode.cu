@@ -308,11 +308,8 @@ extern "C" ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *pl, const ekv_dec
 }
 
 extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv_cuda_report *r) {
-    if (!pl) return EKV_ERR_NULL_POINTER;
-    if (!r) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "report must not be NULL");
-    if (batch < 1 || batch > pl->p.max_batch)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
-                        pl->p.max_batch);
+    const ekv_status cs = ekv_cuda_check_readout(pl, r, "report", batch);
+    if (cs) return cs;
     EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
     const int64_t nh = (int64_t)batch * pl->p.num_heads, nl = (int64_t)batch * pl->p.num_kv_heads;
     if (r->tau)

@@ -709,11 +709,9 @@ cudaError_t launch_screen_b(const screen_args &A, int gx, int sms, int rows, cud
                        : launch_fast<2, BITS, 4>(A, sms, rows, s);
         return launch_fast<4, BITS, 4>(A, sms, rows, s);
     }
-    if (A.G == 1) return launch_generic<1, BITS>(A, gx, rows, s);
-    if (A.G == 2) return launch_generic<2, BITS>(A, gx, rows, s);
-    if (A.G <= 4) return launch_generic<4, BITS>(A, gx, rows, s);
-    if (A.G <= 8) return launch_generic<8, BITS>(A, gx, rows, s);
-    return launch_generic<EKV_CUDA_MAX_GROUP, BITS>(A, gx, rows, s);
+    return ekv_cuda_with_group(A.G, [&](auto tg) {
+        return launch_generic<decltype(tg)::value, BITS>(A, gx, rows, s);
+    });
 }
 
 /* The retry's sums over the kept l of the heads whose list overflowed (the others' blocks
@@ -838,11 +836,8 @@ ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *
 }
 
 extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows) {
-    if (!pl) return EKV_ERR_NULL_POINTER;
-    if (!rows) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "rows must not be NULL");
-    if (batch < 1 || batch > pl->p.max_batch)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
-                        pl->p.max_batch);
+    const ekv_status cs = ekv_cuda_check_readout(pl, rows, "rows", batch);
+    if (cs) return cs;
     const int64_t nl = (int64_t)batch * pl->p.num_kv_heads;
     int32_t *c = (int32_t *)malloc((size_t)nl * sizeof(int32_t));
     if (!c) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
@@ -860,11 +855,8 @@ extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int
  * took the retry pass) and whose retry list overflowed too (out[1]: every token kept). Internal,
  * for the bench and the GPU tests; synchronises the plan's stream. */
 extern "C" ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out) {
-    if (!pl) return EKV_ERR_NULL_POINTER;
-    if (!out) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "out must not be NULL");
-    if (batch < 1 || batch > pl->p.max_batch)
-        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
-                        pl->p.max_batch);
+    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
+    if (cs) return cs;
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
                   nh = (int64_t)batch * pl->p.num_heads;
     uint32_t *m = (uint32_t *)malloc((size_t)nh * sizeof(uint32_t));

@@ -96,14 +96,15 @@ static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int work
                         &ekv_screen_exact, list_scratch(j, worker, l), lo, hi, ps);
 }
 
-/* x - 1e-12 (1 + |x|) rounded down to a float: a tau solved in double may exceed the exact
- * one by its rounding (docs/math.md §10.3), so thresholds are lowered by the solve's tolerance. */
-static float below(double x) {
-    const double t = x - 1e-12 * (1.0 + fabs(x));
+/* t rounded down to a float (a threshold must not rise); below(x): x - 1e-12 (1 + |x|) rounded
+ * down, for a tau solved in double, which may exceed the exact one by its rounding (docs/math.md
+ * §10.3). */
+static float round_down(double t) {
     float f = (float)t;
     if ((double)f > t) f = nextafterf(f, -INFINITY);
     return f;
 }
+static float below(double x) { return round_down(x - 1e-12 * (1.0 + fabs(x))); }
 
 /* Raises a threshold shared by the tasks of one list to v (a lock-free maximum on its bits). */
 static void publish_max(uint32_t *p, float v) {
@@ -200,7 +201,7 @@ static void keep_candidates(screen_job *j, int64_t task, int64_t b, int64_t l, i
         const float m = page_max(lo + g * ps, ntok, M[g]);
         if (m > M[g]) { /* the threshold follows a new maximum (Claim 3) */
             M[g] = m;
-            const float t1 = below((double)m - 1.0 + 1e-12 * (1.0 + fabs((double)m - 1.0)));
+            const float t1 = round_down((double)m - 1.0); /* M - 1 needs no tolerance */
             thr[g] = t1 > thr[g] ? t1 : thr[g];
         }
         for (int64_t t = 0; t < ntok; t++) keep[t] |= !(hi[g * ps + t] <= thr[g]);
