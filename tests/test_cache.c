@@ -214,6 +214,41 @@ static int32_t *seq_pages(world *w, const shadow *s, int64_t *np_out, int32_t *l
  * Checks pages [i0, i1] of sequence s: stored K/V against the shadow, token counts, and
  * the summaries against a from-scratch recomputation in double.
  */
+/* A 16-bit range value of dtype dt as a double, and the next one towards +inf (bits). */
+static double value16(uint16_t h, ekv_dtype dt) {
+    if (dt == EKV_DTYPE_BF16) {
+        const uint32_t b = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &b, 4);
+        return f;
+    }
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const double mag = e == 31  ? (m ? NAN : INFINITY)
+                       : e == 0 ? ldexp(m, -24)
+                                : ldexp(1024 + m, e - 25);
+    return (h & 0x8000) ? -mag : mag;
+}
+static uint16_t up16(uint16_t h) {
+    return h == 0x8000 ? 0x0001 : (h & 0x8000) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
+}
+static uint16_t down16(uint16_t h) {
+    return h == 0x0000 ? 0x8001 : (h & 0x8000) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
+}
+
+/* Compact ranges (docs/math.md §1.2): the stored min and max rounded outward, as tightly as the
+ * range dtype allows (the next value inward would cut a key off). */
+static void check_compact_range(const ekv_page_stats *st, int64_t i, double mn, double mx) {
+    const ekv_dtype dt = st->range_dtype;
+    const uint16_t lo = st->kmin16[i], hi = st->kmax16[i];
+    const double l = value16(lo, dt), h = value16(hi, dt);
+    CHECK(l <= mn && (l == mn || value16(up16(lo), dt) > mn),
+          "[%s] compact min %.9g (%s) for min %.9g at %lld: not the outward rounding", g_cfg, l,
+          ekv_dtype_name(dt), mn, (long long)i);
+    CHECK(h >= mx && (h == mx || value16(down16(hi), dt) < mx),
+          "[%s] compact max %.9g (%s) for max %.9g at %lld: not the outward rounding", g_cfg, h,
+          ekv_dtype_name(dt), mx, (long long)i);
+}
+
 static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_t np, int64_t i0,
                          int64_t i1) {
     const int64_t ps = w->p.page_size, Hk = w->p.num_kv_heads, D = w->p.head_dim;
@@ -275,6 +310,7 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                 CHECK(smin == mn && smax == mx,
                       "[%s] seq %d page #%lld h %lld d %lld: min/max %.9g/%.9g, want %.9g/%.9g",
                       g_cfg, s->id, (long long)i, (long long)h, (long long)d, smin, smax, mn, mx);
+                if (st->range_dtype != EKV_DTYPE_F32) check_compact_range(st, so + d, mn, mx);
                 /* mean: float Welford drifts by a few ulps of the magnitude */
                 const double tol_mean = 1e-5 * mag + 1e-30;
                 CHECK(fabs(smean - mean) <= tol_mean,
@@ -535,6 +571,7 @@ static void random_trial(ekv_context *ctx, test_rng *r, int trial) {
     ekv_cache_params p = ekv_cache_default_params();
     p.page_size = sizes[trial % 6];
     p.dtype = (ekv_dtype)((trial / 6) % 3);
+    p.range_dtype = (ekv_dtype)((trial / 18 + trial) % 3); /* every K dtype meets every one */
     p.num_kv_heads = (int32_t)test_range(r, 1, 4);
     p.head_dim = dims[test_range(r, 0, 2)];
     ekv_dtype src = EKV_DTYPE_F32;
@@ -547,9 +584,10 @@ static void random_trial(ekv_context *ctx, test_rng *r, int trial) {
     if (maxlen > 1200) maxlen = 1200;
     p.num_pages = nseq * ceil_div(maxlen, ps) + test_range(r, 0, 3);
     snprintf(g_cfg, sizeof g_cfg,
-             "trial %d: ps %d %s Hk %d D %d src %s nseq %d maxlen %lld pages %lld thr %d", trial,
-             p.page_size, ekv_dtype_name(p.dtype), p.num_kv_heads, p.head_dim, ekv_dtype_name(src),
-             nseq, (long long)maxlen, (long long)p.num_pages, ekv_context_threads(ctx));
+             "trial %d: ps %d %s ranges %s Hk %d D %d src %s nseq %d maxlen %lld pages %lld thr %d",
+             trial, p.page_size, ekv_dtype_name(p.dtype), ekv_dtype_name(p.range_dtype),
+             p.num_kv_heads, p.head_dim, ekv_dtype_name(src), nseq, (long long)maxlen,
+             (long long)p.num_pages, ekv_context_threads(ctx));
     world w;
     if (!world_init(&w, ctx, &p)) {
         world_free(&w);
@@ -831,6 +869,10 @@ static bytes snapshot(world *w) {
                 put(&x, w->st.kmean + so, sizeof(float) * (size_t)D);
                 put(&x, w->st.km2 + so, sizeof(float) * (size_t)D);
                 put(&x, w->st.radius + pg * Hk + h, sizeof(float));
+                if (w->st.kmin16) {
+                    put(&x, w->st.kmin16 + so, sizeof(uint16_t) * (size_t)D);
+                    put(&x, w->st.kmax16 + so, sizeof(uint16_t) * (size_t)D);
+                }
             }
         }
         free(pages);

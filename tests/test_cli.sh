@@ -383,24 +383,27 @@ for wl in random planted heavy alibi; do
 done
 
 # screened (CPU): the contract fields plus code_bits and survivors_mean; bytes_read counts the
-# screen's page ranges and codes
-for bits in 4 8; do
+# screen's page ranges (f16 by default with f16 K, f32 with --ranges f32) and codes
+for bits in 4 8 f32; do
     J3="$TMP/bench_screened_$bits.json"
-    run "" bench --method screened --code-bits $bits --workload planted --len 512,700 --heads 4 --kv-heads 2 \
-        --dim 32 --iters 2 --warmup 1 --threads 1 --json "$J3"
+    ranges=f16
+    if [ "$bits" = f32 ]; then bits=4; ranges=f32; fi
+    run "" bench --method screened --code-bits $bits --ranges $ranges --workload planted --len 512,700 \
+        --heads 4 --kv-heads 2 --dim 32 --iters 2 --warmup 1 --threads 1 --json "$J3"
     check "bench --method screened --code-bits $bits should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
     check_bench_json "$J3" 2 "{\"backend\":\"cpu\",\"method\":\"screened\",\"len\":[512,700],\"code_bits\":$bits}"
     if [ -n "$PY" ] && [ -s "$J3" ]; then
-        $PY - "$J3" <<'EOF'
+        $PY - "$J3" "$ranges" <<'EOF'
 import json, sys
 for r in json.load(open(sys.argv[1])):
-    # the screen reads every page's fp32 range (2 x dim x 4 bytes) and every token's codes
-    pages = -(-r["len"] // r["page"])
-    screen = r["kv_heads"] * (pages * 2 * r["dim"] * 4 + r["len"] * r["dim"] * r["code_bits"] // 8)
+    # the screen reads every page's range (2 x dim values) and every token's codes
+    assert r["ranges"] == sys.argv[2], r
+    pages, rb = -(-r["len"] // r["page"]), {"f16": 2, "f32": 4}[r["ranges"]]
+    screen = r["kv_heads"] * (pages * 2 * r["dim"] * rb + r["len"] * r["dim"] * r["code_bits"] // 8)
     assert r["bytes_summary"] == screen and r["bytes_read"] > screen, r
     assert 0 < r["survivors_mean"] <= r["len"] and r["support_mean"] <= r["survivors_mean"], r
 EOF
-        check "bench --method screened --code-bits $bits: survivors_mean and the screen's bytes" $?
+        check "bench --method screened --code-bits $bits --ranges $ranges: survivors_mean and the screen's bytes" $?
     fi
 done
 J3="$TMP/bench_dense_codes.json"

@@ -408,6 +408,8 @@ typedef struct {
     X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)7)                                            \
     X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)3)                                            \
     X(EKV_ERR_INVALID_DTYPE, c->p.dtype = (ekv_dtype)-1)                                           \
+    X(EKV_ERR_INVALID_DTYPE, c->p.range_dtype = (ekv_dtype)3)                                      \
+    X(EKV_ERR_INVALID_DTYPE, c->p.range_dtype = (ekv_dtype)-1)                                     \
     X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = 0)                                                     \
     X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = -1)                                                    \
     X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = INT32_MAX)                                             \

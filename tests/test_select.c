@@ -24,9 +24,10 @@ typedef struct {
 } fixture;
 
 static void build(ekv_context *ctx, fixture *f, int B, const int64_t *lens, int Hk, int D, int ps,
-                  ekv_dtype dt, test_rng *r, double kscale) {
+                  ekv_dtype dt, ekv_dtype range_dt, test_rng *r, double kscale) {
     memset(f, 0, sizeof *f);
     ekv_cache_params cp = ekv_cache_default_params();
+    cp.range_dtype = range_dt;
     cp.page_size = ps;
     cp.num_kv_heads = Hk;
     cp.head_dim = D;
@@ -142,6 +143,94 @@ static void test_handmade(ekv_context *ctx) {
           "bad method");
 }
 
+/* The page bounds and lists of a top-k selection (the lists' pages and their bounds). */
+static void topk_bounds(ekv_context *ctx, fixture *f, const float *q, int H, float *bounds,
+                        int64_t stride, int32_t *pages, int64_t cap) {
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = H;
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_TOPK;
+    sp.budget_tokens = 64;
+    int64_t lip[8];
+    ekv_page_list list = {.indptr = lip,
+                          .pages = pages,
+                          .capacity = cap,
+                          .bounds = bounds,
+                          .bounds_stride = stride};
+    CHECK(ekv_select_pages(ctx, &dp, &sp, &f->kv, &f->st, &f->tab, q, &list) == EKV_OK,
+          "topk with bounds: %s", ekv_last_error(ctx));
+}
+
+/* Compact ranges (docs/math.md §1.2): in K's own dtype they are exact, so every page bound and
+ * page list equals fp32 ranges'; narrower than K they are rounded outward, so every bound is at
+ * least the fp32 one (still a bound), and the bounds read half the range bytes. */
+static void test_compact_ranges(ekv_context *ctx) {
+    const ekv_dtype kd[3] = {EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F32};
+    const ekv_dtype rd[3] = {EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_BF16};
+    for (int c = 0; c < 3; c++) {
+        const int H = 4, Hk = 2, D = 32, ps = 8;
+        const int64_t lens[1] = {900};
+        fixture a, b;
+        test_rng r1 = {0x5151 + (uint64_t)c}, r2 = r1;
+        build(ctx, &a, 1, lens, Hk, D, ps, kd[c], EKV_DTYPE_F32, &r1, 3.0);
+        build(ctx, &b, 1, lens, Hk, D, ps, kd[c], rd[c], &r2, 3.0);
+        CHECK(b.st.range_dtype == rd[c] && b.st.kmin16 && b.st.kmax16,
+              "compact ranges in the view");
+        float q[4 * 32];
+        for (int i = 0; i < H * D; i++) q[i] = (float)(2.0 * test_normal(&r1));
+        const int64_t P = a.indptr[1], cap = ekv_page_list_capacity(&a.tab, Hk);
+        float *ua = calloc((size_t)(H * P), sizeof(float)),
+              *ub = calloc((size_t)(H * P), sizeof(float));
+        int32_t *pa = malloc(sizeof(int32_t) * (size_t)cap),
+                *pb = malloc(sizeof(int32_t) * (size_t)cap);
+        topk_bounds(ctx, &a, q, H, ua, P, pa, cap);
+        topk_bounds(ctx, &b, q, H, ub, P, pb, cap);
+        int64_t same = 0, looser = 0;
+        for (int64_t i = 0; i < H * P; i++) {
+            if (i % P == P - 1) continue; /* the last page carries no bound */
+            same += ua[i] == ub[i];
+            looser += ub[i] >= ua[i];
+        }
+        const int64_t n = H * (P - 1);
+        if (kd[c] == rd[c]) {
+            CHECK(same == n, "%s K, %s ranges: %lld of %lld bounds differ from fp32 ranges'",
+                  ekv_dtype_name(kd[c]), ekv_dtype_name(rd[c]), (long long)(n - same),
+                  (long long)n);
+            CHECK(!memcmp(pa, pb, sizeof(int32_t) * (size_t)(2 * (64 / ps + 1))),
+                  "%s K: the top-k lists differ with compact ranges", ekv_dtype_name(kd[c]));
+        } else {
+            CHECK(looser == n && same < n,
+                  "f32 K, bf16 ranges: %lld of %lld bounds below fp32's, %lld equal",
+                  (long long)(n - looser), (long long)n, (long long)same);
+        }
+        if (c == 0) { /* compact stats without their arrays, or with a dtype that is none */
+            ekv_page_stats bad = b.st;
+            bad.kmin16 = NULL;
+            ekv_decode_params dp = ekv_decode_default_params();
+            dp.num_heads = H;
+            ekv_select_params sp = ekv_select_default_params();
+            sp.method = EKV_SELECT_TOPK;
+            int64_t lip[8];
+            ekv_page_list list = {.indptr = lip, .pages = pb, .capacity = cap};
+            CHECK(ekv_select_pages(ctx, &dp, &sp, &b.kv, &bad, &b.tab, q, &list) ==
+                                  EKV_ERR_NULL_POINTER &&
+                          strstr(ekv_last_error(ctx), "kmin16"),
+                  "f16 ranges without kmin16: %s", ekv_last_error(ctx));
+            bad = b.st;
+            bad.range_dtype = (ekv_dtype)5;
+            CHECK(ekv_select_pages(ctx, &dp, &sp, &b.kv, &bad, &b.tab, q, &list) ==
+                          EKV_ERR_INVALID_DTYPE,
+                  "range dtype 5: %s", ekv_last_error(ctx));
+        }
+        free(ua);
+        free(ub);
+        free(pa);
+        free(pb);
+        release(&a);
+        release(&b);
+    }
+}
+
 static double rel_err(const float *a, const float *b, int64_t n) {
     double e = 0, m = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -157,6 +246,7 @@ int main(void) {
     cp.n_threads = 2;
     if (ekv_context_create(&cp, &ctx)) return 1;
     test_handmade(ctx);
+    test_compact_ranges(ctx);
     test_rng r = {0xfeedbeefull};
     const ekv_dtype dts[] = {EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_BF16};
     const double alphas[] = {1.0, 1.5, 2.0, 1.25, 3.0};
@@ -175,7 +265,7 @@ int main(void) {
             lens[0] = 1;
         } /* a 1-token sequence */
         fixture f;
-        build(ctx, &f, B, lens, Hk, D, ps, dt, &r, c % 4 == 1 ? 3.0 : 1.0);
+        build(ctx, &f, B, lens, Hk, D, ps, dt, EKV_DTYPE_F32, &r, c % 4 == 1 ? 3.0 : 1.0);
         int64_t nmax = 0;
         for (int b = 0; b < B; b++) nmax = lens[b] > nmax ? lens[b] : nmax;
         float *q = malloc(sizeof(float) * (size_t)(B * H * D)), slopes[64];

@@ -31,6 +31,9 @@ static void bench_help(FILE *f) {
             "  --superpage S         pages per superpage summary, 0 = none (default 16; used by\n"
             "                        certified decode)\n"
             "  --dtype f32|f16|bf16  K/V storage (default f16)\n"
+            "  --ranges f32|f16|bf16 the page ranges (kmin/kmax) the bounds and the screen read\n"
+            "                        (default: K's dtype when f16/bf16, exact and half the\n"
+            "                        bytes of f32; narrower ones are rounded outward)\n"
             "  --alpha A             1 = softmax, (1, 4] entmax (default 1.5)\n"
             "  --method M            dense | topk | gaussian | certified | screened: dense\n"
             "                        attention, page selection (top-k by box bound, or the\n"
@@ -333,14 +336,16 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
             "\"kv_fraction\":%.6f,\"bw_probe_gbps\":%.4f,\"bw_ratio\":%.4f,\"threads\":%d,"
             "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld,"
             "\"budget_tokens\":%lld,\"ms_select_median\":%.6f,\"bytes_summary\":%.0f,"
-            "\"select_roofline_ratio\":%.4f,\"code_bits\":%d,\"survivors_mean\":%s}",
+            "\"select_roofline_ratio\":%.4f,\"code_bits\":%d,\"survivors_mean\":%s,"
+            "\"ranges\":\"%s\"}",
             li ? ",\n" : "", ekv_backend_name(o->backend), ekv_method_name(o->method), o->alpha,
             (long long)len, (long long)o->w.batch, (long long)o->w.heads, (long long)o->w.kv_heads,
             (long long)o->w.dim, (long long)o->w.page, ekv_dtype_name(o->w.dtype), r->med * 1e3,
             r->mn * 1e3, r->bytes, gbps, r->bytes / kv_total, probe, ratio, threads,
             ekv_isa_name(ekv_context_isa(ctx)), o->w.workload, r->sup_mean, (long long)o->iters,
             (long long)(o->method == EKV_SELECT_DENSE ? len : bench_budget_tokens(o, len)),
-            r->sel_med * 1e3, r->summary_bytes, sel_roof, codes ? o->code_bits : 0, surv);
+            r->sel_med * 1e3, r->summary_bytes, sel_roof, codes ? o->code_bits : 0, surv,
+            ekv_dtype_name(wl_range_dtype(&o->w)));
 }
 
 /* One length: a fresh cache filled with the workload, the timed steps, the report. */
@@ -349,9 +354,10 @@ static int bench_length(ekv_context *ctx, const bench_opts *o, wl_state *wl, int
     const int64_t len = o->lens[li], qn = o->w.batch * o->w.heads * o->w.dim;
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->w.seed * 7919 + (uint64_t)len);
-    const wl_geometry g = {o->w.batch, len,
-                           o->w.page,  o->superpage,
-                           o->w.dtype, cli_method_codes(o->method) ? o->code_bits : 0};
+    const wl_geometry g = {
+            o->w.batch,           len,        o->w.page,
+            o->superpage,         o->w.dtype, cli_method_codes(o->method) ? o->code_bits : 0,
+            wl_range_dtype(&o->w)};
     wl_setup s;
     int rc = wl_setup_create(&s, ctx, wl, &g, &rng, "bench");
     bench_bufs bb;

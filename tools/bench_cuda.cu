@@ -136,6 +136,7 @@ struct cuda_len {
     wl_state *wl = NULL;    /* trace:FILE, else NULL                               */
     float *dknew = NULL, *dvnew = NULL, *dslopes = NULL; /* trace: fp32 rows; its slopes */
     float *st_buf = NULL;
+    uint16_t *range16 = NULL; /* compact kmin/kmax (--ranges f16/bf16)                */
     int32_t *dcount = NULL, *dindices = NULL, *dlpl = NULL;
     int64_t *dindptr = NULL;
     ekv_cuda_append_item *ditems = NULL;
@@ -157,6 +158,7 @@ static void cuda_len_free(cuda_len *c) {
     cudaFree(c->ddir);
     cudaFree(c->ditems);
     cudaFree(c->dcodes);
+    cudaFree(c->range16);
     cudaFree(c->dknew);
     cudaFree(c->dvnew);
     cudaFree(c->dslopes);
@@ -220,6 +222,12 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     c->st.kmean = c->st_buf + 2 * stat_n;
     c->st.km2 = c->st_buf + 3 * stat_n;
     c->st.radius = c->st_buf + 4 * stat_n;
+    c->st.range_dtype = wl_range_dtype(&o->w);
+    if (c->st.range_dtype != EKV_DTYPE_F32) { /* compact copies, written by the append kernel */
+        BC(cudaMalloc((void **)&c->range16, 2 * stat_n * sizeof(uint16_t)));
+        c->st.kmin16 = c->range16;
+        c->st.kmax16 = c->range16 + stat_n;
+    }
     c->st.count = c->dcount;
     if (cli_method_codes(o->method)) { /* written by the append kernel with the statistics */
         const int64_t rb = (D * o->code_bits + 7) / 8;
@@ -422,8 +430,9 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
                        const std::vector<int64_t> &srows, cuda_result *r) {
     const int64_t Hk = o->w.kv_heads, D = o->w.dim, es = ekv_dtype_size(o->w.dtype);
     const int listed = o->method != EKV_SELECT_DENSE, cert = o->method == EKV_SELECT_CERTIFIED;
+    const int64_t rb = ekv_dtype_size(wl_range_dtype(&o->w)); /* the ranges as stored */
     const int64_t per_page =
-            D * 4 * (cert ? 3 : 2) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
+            D * (2 * rb + (cert ? 4 : 0)) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
     int64_t ktok = 0, vrow = 0;
     r->round2 = 0;
     for (int64_t l = 0; l < o->w.batch * Hk; l++) {
@@ -438,7 +447,7 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
     r->summary = 0;
     const int screened = o->method == EKV_SELECT_SCREENED;
     /* screened: every page's range and codes (the candidates and row lists are small) */
-    const int64_t screen_page = 2 * D * 4 + o->w.page * ((D * o->code_bits + 7) / 8);
+    const int64_t screen_page = 2 * D * rb + o->w.page * ((D * o->code_bits + 7) / 8);
     if (listed)
         for (int64_t b = 0; b < o->w.batch; b++)
             r->summary += screened ? (c->indptr[b + 1] - c->indptr[b]) * Hk * screen_page
@@ -512,7 +521,7 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
             "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
             "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld,"
-            "\"code_bits\":%d,\"survivors\":%lld}",
+            "\"code_bits\":%d,\"survivors\":%lld,\"ranges\":\"%s\"}",
             li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len,
             (long long)o->w.batch, (long long)o->ragged_min, (long long)c->total_tokens,
             (long long)o->w.heads, (long long)Hk, (long long)D, (long long)o->w.page,
@@ -521,7 +530,8 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             (long long)r->summary, (long long)r->scores, gbps, bw, roof, kvfrac, r->rep.launches,
             r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
             (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters,
-            cli_method_codes(o->method) ? o->code_bits : 0, (long long)r->rep.survivors);
+            cli_method_codes(o->method) ? o->code_bits : 0, (long long)r->rep.survivors,
+            ekv_dtype_name(wl_range_dtype(&o->w)));
 }
 
 /* The decode parameters of a run (the budget is set per length). */

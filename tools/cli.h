@@ -118,7 +118,10 @@ typedef struct {
     wl_kind wl;
     int64_t batch, heads, kv_heads, dim, page, threads, seed;
     ekv_dtype dtype;
+    int ranges; /* --ranges: the page ranges' dtype, or -1 for the K dtype's compact ranges */
 } wl_opts;
+/* The range dtype of --ranges for K stored as dtype (-1: ekv_cache_compact_ranges). */
+ekv_dtype wl_range_dtype(const wl_opts *o);
 void wl_opts_init(wl_opts *o, const char *workload);
 /* Parses argv[*i] if it is one of them (advancing *i); 1 if it was. max_batch: the largest
  * --batch of subcommand sub. */
@@ -136,7 +139,8 @@ int cli_context(const char *who, int64_t threads, ekv_isa isa, ekv_context **ctx
 typedef struct {
     int64_t batch, len, page, superpage; /* superpage < 0: the library's default */
     ekv_dtype dtype;
-    int32_t code_bits; /* key codes of the cache: 0 = none, 4 or 8 (screened) */
+    int32_t code_bits;     /* key codes of the cache: 0 = none, 4 or 8 (screened) */
+    ekv_dtype range_dtype; /* the page ranges the bounds read (docs/math.md §1.2) */
 } wl_geometry;
 typedef struct {
     ekv_cache *cache;
@@ -193,7 +197,7 @@ typedef struct {
     ekv_dtype kv_dtype;
     int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
                           subcommand runs reads them (cli_method_codes), else none */
-    int codes;         /* set by a subcommand that switches to such a method later (run --compare) */
+    int codes; /* set by a subcommand that switches to such a method later (run --compare) */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);

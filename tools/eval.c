@@ -89,6 +89,8 @@ static void eval_help(FILE *f) {
             "  --len N               tokens (default 32768)\n"
             "  --batch B --heads H --kv-heads HK --dim D --page P --dtype f32|f16|bf16\n"
             "                        shapes (defaults 1, 32, 8, 128, 16, f16)\n"
+            "  --ranges f32|f16|bf16 the page ranges the bounds read (default: K's dtype when\n"
+            "                        f16/bf16, exact and half the bytes of f32)\n"
             "  --alpha A             entmax alpha (default 1.5)\n"
             "  --methods LIST        comma list of softmax-topk, entmax-topk, gaussian, certified,\n"
             "                        certified-gauss, screened-4, screened-8, oracle (default all;\n"
@@ -591,11 +593,13 @@ static int eval_caches(eval_state *e) {
     for (int m = 0, n = 0; m < V_COUNT; m++)
         if (o->use[m] && variants[m].code_bits) bits[n++] = variants[m].code_bits;
     const cli_rng r0 = e->rng;
-    const wl_geometry g = {o->w.batch, o->len, o->w.page, -1, o->w.dtype, bits[0]};
+    const wl_geometry g = {o->w.batch,           o->len, o->w.page, -1, o->w.dtype, bits[0],
+                           wl_range_dtype(&o->w)};
     if (wl_setup_create(&e->s, e->ctx, &e->wl, &g, &e->rng, "eval")) return 1;
     if (bits[1]) {
         cli_rng r1 = r0;
-        const wl_geometry g1 = {o->w.batch, o->len, o->w.page, -1, o->w.dtype, bits[1]};
+        const wl_geometry g1 = {o->w.batch,           o->len, o->w.page, -1, o->w.dtype, bits[1],
+                                wl_range_dtype(&o->w)};
         if (wl_setup_create(&e->sc, e->ctx, &e->wl, &g1, &r1, "eval")) return 1;
     }
     e->tokens = 0;

@@ -395,6 +395,7 @@ int wl_setup_create(wl_setup *s, ekv_context *ctx, const wl_state *w, const wl_g
     pp.max_seqs = (int32_t)g->batch;
     if (g->superpage >= 0) pp.superpage_pages = (int32_t)g->superpage;
     pp.code_bits = g->code_bits;
+    pp.range_dtype = g->range_dtype;
     pp.num_pages = ekv_cache_pages_for(g->len, g->batch, pp.page_size);
     ekv_status st = ekv_cache_create(ctx, &pp, &s->cache);
     s->seqs = st ? NULL : malloc(sizeof(int32_t) * (size_t)g->batch);
@@ -442,6 +443,11 @@ void wl_opts_init(wl_opts *o, const char *workload) {
     o->page = 16;
     o->seed = 1;
     o->dtype = EKV_DTYPE_F16;
+    o->ranges = -1;
+}
+
+ekv_dtype wl_range_dtype(const wl_opts *o) {
+    return o->ranges < 0 ? ekv_cache_compact_ranges(o->dtype) : (ekv_dtype)o->ranges;
 }
 
 static const cli_opt wl_table[] = {
@@ -460,6 +466,8 @@ int wl_opt(const char *sub, int argc, char **argv, int *i, wl_opts *o, int64_t m
         o->batch = cli_need_int(sub, argc, argv, i, 1, max_batch);
     else if (!strcmp(argv[*i], "--dtype"))
         o->dtype = cli_need_dtype(sub, argc, argv, i);
+    else if (!strcmp(argv[*i], "--ranges"))
+        o->ranges = (int)cli_need_dtype(sub, argc, argv, i);
     else
         return cli_take(sub, wl_table, CLI_NOPTS(wl_table), argc, argv, i, o);
     return 1;

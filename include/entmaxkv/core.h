@@ -176,13 +176,21 @@ typedef struct ekv_page_stats {
     const float *smin;
     const float *smax;
     /* Key codes (docs/math.md §10.1, optional): code_bits 4 or 8 (0 = none), relative to the
-     * page's kmin/kmax. Physical page pg, KV head h has the block at codes + (pg*num_kv_heads
-     * + h) * page_size * R, R = ceil(head_dim*code_bits/8); byte j*page_size + t of a block is
-     * channel j (8-bit) or channels 2j (low nibble) and 2j+1 (high nibble) of token slot t. */
+     * page's range as the bounds read it (kmin16/kmax16 with compact ranges, else kmin/kmax).
+     * Physical page pg, KV head h has the block at codes + (pg*num_kv_heads + h) * page_size * R, R
+     * = ceil(head_dim*code_bits/8); byte j*page_size + t of a block is channel j (8-bit) or
+     * channels 2j (low nibble) and 2j+1 (high nibble) of token slot t. */
     const uint8_t *codes;
     int32_t code_bits;
     int64_t num_superpages; /* superpages smin/smax hold (ekv_cache_kv_view sets it); the bound
                              * stage checks it covers every physical page */
+    /* Compact key ranges (docs/math.md §1.2, optional): with range_dtype f16 or bf16,
+     * kmin16/kmax16 (laid out as kmin/kmax) hold every page range rounded outward to that
+     * dtype, and the box bounds, the screen and the key codes read them instead of kmin/kmax:
+     * half the bytes, exact when it is K's dtype. f32 (0, the default): kmin/kmax. */
+    ekv_dtype range_dtype;
+    const uint16_t *kmin16;
+    const uint16_t *kmax16;
 } ekv_page_stats;
 
 /*
@@ -212,9 +220,15 @@ typedef struct ekv_cache_params {
     int32_t superpage_pages; /* physical pages per superpage summary, 0 = none (default 16) */
     int32_t code_bits;       /* per-token key codes for screened decode (docs/math.md §10):  */
                              /* 0 = none (default), 4 or 8 bits per channel                   */
+    ekv_dtype range_dtype;   /* the page ranges decode reads (docs/math.md §1.2): f32        */
+                             /* (default), or f16/bf16 rounded outward: half the bytes, and  */
+                             /* exact when it is K's dtype (ekv_cache_compact_ranges)         */
 } ekv_cache_params;
 
 EKV_API ekv_cache_params ekv_cache_default_params(void);
+/* The range dtype that halves the range bytes at no cost for K stored as `dtype`: that dtype
+ * for f16/bf16 (every stored key, hence every range, is representable), f32 for f32. */
+EKV_API ekv_dtype ekv_cache_compact_ranges(ekv_dtype dtype);
 /* Pages needed to hold `tokens` tokens in each of `seqs` sequences. */
 EKV_API int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size);
 /* Bytes the pool would allocate for these params (K, V and summaries), or -1 if invalid.

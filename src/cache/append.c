@@ -14,9 +14,11 @@ typedef struct {
 } append_job;
 
 /* The summaries that depend on the whole page, once its appended rows are in: the radius
- * (around the moved mean) and the key codes (against the widened range). */
+ * (around the moved mean), the compact range and the key codes (against the widened range as
+ * decode reads it). */
 static void page_done(ekv_cache *c, int32_t page, int32_t head) {
     ekv_summary_update_radius(c, page, head);
+    ekv_summary_round_ranges(c, page, head);
     ekv_codes_update_page(c, page, head);
 }
 

@@ -33,7 +33,12 @@ ekv_cache_params ekv_cache_default_params(void) {
     p.max_seqs = 64;
     p.superpage_pages = 16;
     p.code_bits = 0;
+    p.range_dtype = EKV_DTYPE_F32;
     return p;
+}
+
+ekv_dtype ekv_cache_compact_ranges(ekv_dtype dtype) {
+    return dtype == EKV_DTYPE_F16 || dtype == EKV_DTYPE_BF16 ? dtype : EKV_DTYPE_F32;
 }
 
 int64_t ekv_cache_pages_for(int64_t tokens, int64_t seqs, int32_t page_size) {
@@ -76,6 +81,9 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     if (p->code_bits != 0 && p->code_bits != 4 && p->code_bits != 8)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "code_bits=%d must be 0 (none), 4 or 8",
                         p->code_bits);
+    if (!ekv_dtype_valid(p->range_dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
+                        "range_dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->range_dtype);
     if (p->max_seqs <= 0 || p->max_seqs > (1 << 24))
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]",
                         p->max_seqs);
@@ -94,6 +102,7 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     *stat_floats = sf;
     *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
     *total += ekv_cache_code_bytes(p);
+    if (p->range_dtype != EKV_DTYPE_F32) *total += sf * 4; /* two 16-bit copies */
     if (p->superpage_pages > 0) /* two fp32 arrays per (superpage, head, dim) */
         *total += ((p->num_pages + p->superpage_pages - 1) / p->superpage_pages) * p->num_kv_heads *
                   p->head_dim * 8;
@@ -113,6 +122,8 @@ void ekv_cache_free(ekv_cache *c) {
     free(c->v);
     free(c->kmin);
     free(c->kmax);
+    free(c->kmin16);
+    free(c->kmax16);
     free(c->kmean);
     free(c->km2);
     free(c->radius);
@@ -158,6 +169,11 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     c->v = pool_alloc((size_t)kvb);
     c->kmin = malloc((size_t)sf * sizeof(float));
     c->kmax = malloc((size_t)sf * sizeof(float));
+    const int compact = params->range_dtype != EKV_DTYPE_F32;
+    if (compact) {
+        c->kmin16 = malloc((size_t)sf * sizeof(uint16_t));
+        c->kmax16 = malloc((size_t)sf * sizeof(uint16_t));
+    }
     c->kmean = malloc((size_t)sf * sizeof(float));
     c->km2 = malloc((size_t)sf * sizeof(float));
     c->radius = calloc((size_t)params->num_pages * params->num_kv_heads, sizeof(float));
@@ -175,9 +191,9 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     if (code_bytes) c->codes = pool_alloc((size_t)code_bytes);
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
-    if (!c->k || !c->v || !c->kmin || !c->kmax || !c->kmean || !c->km2 || !c->radius ||
-        (nsp && (!c->smin || !c->smax || !c->in_super)) || (code_bytes && !c->codes) || !c->count ||
-        !c->free_pages || !c->seqs) {
+    if (!c->k || !c->v || !c->kmin || !c->kmax || (compact && (!c->kmin16 || !c->kmax16)) ||
+        !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax || !c->in_super)) ||
+        (code_bytes && !c->codes) || !c->count || !c->free_pages || !c->seqs) {
         ekv_cache_free(c);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
                         "cannot allocate %.2f GiB for %lld pages (K, V and summaries)",
@@ -278,6 +294,9 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->smax = c->smax;
         stats->codes = c->codes;
         stats->code_bits = c->codes ? c->p.code_bits : 0;
+        stats->range_dtype = c->kmin16 ? c->p.range_dtype : EKV_DTYPE_F32;
+        stats->kmin16 = c->kmin16;
+        stats->kmax16 = c->kmax16;
         stats->num_superpages =
                 c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
     }

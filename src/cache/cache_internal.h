@@ -19,13 +19,22 @@ struct ekv_cache {
     float *kmin, *kmax, *kmean, *km2; /* [page][head][dim] */
     float *radius;                    /* [page][head] */
     float *smin, *smax;               /* [superpage][head][dim], NULL without superpages */
-    uint8_t *codes;      /* [page][head][slot][code row], NULL without codes (codes.c) */
-    uint8_t *in_super;   /* [page] 1 if the page's keys may still be in its superpage box */
-    int32_t *count;      /* [page] tokens in the page */
-    int32_t *free_pages; /* stack of free page ids */
+    uint16_t *kmin16, *kmax16; /* kmin/kmax rounded outward to range_dtype (docs/math.md §1.2),
+                                * NULL with fp32 ranges */
+    uint8_t *codes;            /* [page][head][slot][code row], NULL without codes (codes.c) */
+    uint8_t *in_super;         /* [page] 1 if the page's keys may still be in its superpage box */
+    int32_t *count;            /* [page] tokens in the page */
+    int32_t *free_pages;       /* stack of free page ids */
     int64_t n_free;
     ekv_seq *seqs; /* [max_seqs] */
 };
+
+/* The range decode reads at flat index i ((page * num_kv_heads + head) * D + d), as fp32: the
+ * compact copy when the cache keeps one (the key codes follow it), else kmin/kmax. */
+static inline void ekv_cache_range_at(const ekv_cache *c, int64_t i, float *mn, float *mx) {
+    *mn = c->kmin16 ? ekv_load_f32(c->kmin16, c->p.range_dtype, i) : c->kmin[i];
+    *mx = c->kmin16 ? ekv_load_f32(c->kmax16, c->p.range_dtype, i) : c->kmax[i];
+}
 
 ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq **out);
 
@@ -34,6 +43,8 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page);
 /* Adds one stored key row (already in storage precision, as floats) to the running
  * statistics of (page, head); `n` is the token count after adding it. */
 void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n);
+/* Writes the compact copy of (page, head)'s range (rounded outward), if the cache keeps one. */
+void ekv_summary_round_ranges(ekv_cache *c, int32_t page, int32_t head);
 /* Recomputes the superpage box of the superpage holding `page` from its pages (all heads). */
 void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page);
 /* Bytes of the key codes of a pool (cache.c). */

@@ -1,7 +1,8 @@
 /*
  * Per-page key summaries (docs/math.md §1.2, 9.5): min, max, Welford mean/M2 and the exact ball
  * radius, per physical page and KV head, all in fp32 and computed from the keys as
- * stored (after rounding to the storage dtype), so bounds hold for what decode reads.
+ * stored (after rounding to the storage dtype), so bounds hold for what decode reads; with
+ * compact ranges, also min and max rounded outward to f16/bf16, which decode reads instead.
  *
  * min/max/mean/M2 are updated in O(D) per appended token. The radius max_j ||k_j - mean||
  * depends on the mean, which moves with every token, so it is recomputed over the page's
@@ -20,8 +21,20 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page) {
         me[i] = 0.f;
         m2[i] = 0.f;
     }
-    for (int64_t h = 0; h < H; h++) c->radius[(int64_t)page * H + h] = 0.f;
+    for (int64_t h = 0; h < H; h++) {
+        c->radius[(int64_t)page * H + h] = 0.f;
+        ekv_summary_round_ranges(c, page, (int32_t)h);
+    }
     c->count[page] = 0;
+}
+
+void ekv_summary_round_ranges(ekv_cache *c, int32_t page, int32_t head) {
+    if (!c->kmin16) return;
+    const int64_t D = c->p.head_dim, off = ((int64_t)page * c->p.num_kv_heads + head) * D;
+    for (int64_t d = 0; d < D; d++) {
+        c->kmin16[off + d] = ekv_round16_outward(c->kmin[off + d], c->p.range_dtype, -1);
+        c->kmax16[off + d] = ekv_round16_outward(c->kmax[off + d], c->p.range_dtype, 1);
+    }
 }
 
 void ekv_summary_rebuild_superpage(ekv_cache *c, int32_t page) {

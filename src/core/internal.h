@@ -160,6 +160,25 @@ static inline uint16_t ekv_f32_to_bf16(float f) {
     return (uint16_t)(x >> 16);
 }
 
+/* Bytes of one page range (kmin and kmax of one page and KV head, D channels) as stored. */
+static inline int64_t ekv_range_bytes(ekv_dtype range_dtype, int64_t D) {
+    return 2 * D * (range_dtype == EKV_DTYPE_F32 ? 4 : 2);
+}
+
+/* x rounded to f16 or bf16 outward (docs/math.md §1.2): towards -inf for dir < 0 (a range's
+ * minimum), towards +inf for dir > 0 (its maximum), as the dtype's bits. Round to nearest, then
+ * one step on the bits when that went the wrong way (+-inf stay; a finite x beyond the dtype's
+ * range becomes +-inf on its own side and the largest finite value on the other). */
+static inline uint16_t ekv_round16_outward(float x, ekv_dtype dt, int dir) {
+    uint16_t h = dt == EKV_DTYPE_F16 ? ekv_f32_to_f16(x) : ekv_f32_to_bf16(x);
+    const float back = dt == EKV_DTYPE_F16 ? ekv_f16_to_f32(h) : ekv_bf16_to_f32(h);
+    if (dir < 0 && back > x) /* one step down: away from 0 if negative, towards it if positive */
+        h = h == 0x0000u ? 0x8001u : (h & 0x8000u) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
+    if (dir > 0 && back < x)
+        h = h == 0x8000u ? 0x0001u : (h & 0x8000u) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
+    return h;
+}
+
 /* Reads element i of a typed buffer as float. The buffer may be unaligned (a safetensors
  * file's data starts wherever its header ends, and user buffers carry no promise), so each
  * element is copied out with memcpy: the same single load on x86, and defined behaviour. */

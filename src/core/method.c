@@ -75,6 +75,26 @@ static ekv_status check_superpages(ekv_context *ctx, const ekv_paged_kv *kv,
     return EKV_OK;
 }
 
+/* The page ranges the bounds read: kmin/kmax (fp32), or kmin16/kmax16 in range_dtype. */
+static ekv_status check_ranges(ekv_context *ctx, const ekv_method_info *mi,
+                               const ekv_page_stats *st) {
+    if (st->range_dtype == EKV_DTYPE_F32) {
+        if (!st->kmin || !st->kmax)
+            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmin/kmax is NULL (needed by %s)",
+                            mi->name);
+        return EKV_OK;
+    }
+    if (!ekv_dtype_valid(st->range_dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
+                        "stats->range_dtype=%d is not f32 (0), f16 (1) or bf16 (2)",
+                        (int)st->range_dtype);
+    if (!st->kmin16 || !st->kmax16)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
+                        "stats->kmin16/kmax16 is NULL (range_dtype %s, needed by %s)",
+                        ekv_dtype_name(st->range_dtype), mi->name);
+    return EKV_OK;
+}
+
 ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_ball,
                            const ekv_paged_kv *kv, const ekv_page_stats *st) {
     const unsigned needs = mi->needs | (use_ball ? EKV_NEEDS_BALL : 0);
@@ -82,9 +102,10 @@ ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_
     if (!st)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s needs the page statistics (stats is NULL)",
                         mi->name);
-    if ((needs & EKV_NEEDS_MINMAX) && (!st->kmin || !st->kmax))
-        return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "stats->kmin/kmax is NULL (needed by %s)",
-                        mi->name);
+    if ((needs & EKV_NEEDS_MINMAX)) {
+        ekv_status s = check_ranges(ctx, mi, st);
+        if (s) return s;
+    }
     if ((needs & EKV_NEEDS_BALL) && (!st->kmean || !st->radius))
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
                         "stats->kmean/radius are needed for the ball bound (%s)", mi->name);

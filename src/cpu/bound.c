@@ -16,6 +16,7 @@
 #include "../core/internal.h"
 #include "bound.h"
 #include "kernels.h"
+#include "ranges.h"
 #include <stdlib.h> /* llabs */
 
 typedef struct {
@@ -32,6 +33,7 @@ typedef struct {
     const double *qnorm1; /* [B*H] ||q'||_1 */
     int64_t *sp_sid;      /* per worker [Hk] superpage cached per KV head */
     float *sp_u;          /* per worker [H] its bound per query head */
+    float *ranges;        /* per worker [STEP][2 D] compact ranges as fp32 */
     int64_t *bytes;       /* [task] summary bytes read */
     float *u;             /* [B][H][ustride] */
     ekv_step_shape sh;
@@ -39,7 +41,7 @@ typedef struct {
     int64_t *task_off; /* [B+1] */
 } bound_job;
 
-enum { STEP = 8, PF_BLOCKS = 2 }; /* pages per kernel call; prefetch distance in calls */
+enum { STEP = EKV_BOUND_STEP, PF_BLOCKS = 2 }; /* prefetch distance in kernel calls */
 
 /* Superpages (docs/math.md §9.6): a page whose superpage bound is already <= tau_lb for every
  * head of the group takes that bound (spu) and its own summaries are not read (skip). */
@@ -165,11 +167,11 @@ static void bound_task(void *vp, int64_t task, int worker) {
             for (int i = 0; i < np; i++)
                 if (!skip[i]) keep[nk++] = i;
             const float *mn[STEP], *mx[STEP];
+            float *rbuf = j->ranges + (int64_t)worker * STEP * 2 * D;
             for (int k = 0; k < nk; k++) {
                 const int64_t so =
                         ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + keep[k]] * Hk + kvh) * D;
-                mn[k] = j->st->kmin + so;
-                mx[k] = j->st->kmax + so;
+                ekv_cpu_page_range(j->kern, j->st, so, D, rbuf + k * 2 * D, mn + k, mx + k);
             }
             /* prefetch the same head's summaries PF_BLOCKS calls ahead (the pass is short on
              * compute per byte, so memory latency is the thing to hide) */
@@ -180,17 +182,18 @@ static void bound_task(void *vp, int64_t task, int worker) {
                                                 Hk +
                                         kvh) *
                                        D;
-                    for (int64_t d = 0; d < D; d += 16) {
-                        __builtin_prefetch(j->st->kmin + so + d, 0, 2);
-                        __builtin_prefetch(j->st->kmax + so + d, 0, 2);
+                    const int64_t rb = ekv_range_bytes(j->st->range_dtype, D) / 2;
+                    for (int64_t o = 0; o < rb; o += 64) {
+                        __builtin_prefetch(ekv_cpu_range_min_addr(j->st, so) + o, 0, 2);
+                        __builtin_prefetch(ekv_cpu_range_max_addr(j->st, so) + o, 0, 2);
                     }
                 }
             float box[STEP * EKV_CPU_MAX_GROUP], ball[STEP * EKV_CPU_MAX_GROUP];
             double cn[STEP], rr[STEP];
             if (nk)
                 j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
-            j->bytes[task] += nk * (D * (j->with_ball ? 3 : 2) * (int64_t)sizeof(float) +
-                                    (j->with_ball ? 4 : 0));
+            j->bytes[task] += nk * (ekv_range_bytes(j->st->range_dtype, D) +
+                                    (j->with_ball ? D * (int64_t)sizeof(float) + 4 : 0));
             if (j->with_ball && nk) ball_terms(j, b, kvh, pb, keep, nk, ball, cn, rr);
             write_bounds(j, b, kvh, pb, np, N, skip, spu, keep, nk, box, ball, cn, rr);
         }
@@ -257,6 +260,7 @@ ekv_status ekv_cpu_bound_pages(ekv_context *ctx, const ekv_decode_params *prm,
     j.qnorm1 = qn1;
     j.sp_sid = scr->sp_sid;
     j.sp_u = scr->sp_u;
+    j.ranges = scr->ranges;
     ekv_pool_run(ctx->pool, task_off[j.sh.B], bound_task, &j);
     int64_t total = 0;
     for (int64_t t = 0; t < task_off[j.sh.B]; t++) total += bytes[t];

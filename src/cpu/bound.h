@@ -11,8 +11,8 @@
  * summaries are not read. *bytes_read = summary bytes read. Arguments must already be
  * validated.
  */
-/* Pages per bound task (a task is a chunk of one sequence's pages). */
-enum { EKV_BOUND_CHUNK_PAGES = 256 };
+/* Pages per bound task (a task is a chunk of one sequence's pages); pages per kernel call. */
+enum { EKV_BOUND_CHUNK_PAGES = 256, EKV_BOUND_STEP = 8 };
 /* The stage's scratch. The caller lays it out in its own workspace blocks: the stage runs
  * inside the selection's use of the workspace (docs/architecture.md, "Scratch memory"), so
  * taking a workspace of its own would invalidate the caller's. */
@@ -23,6 +23,7 @@ typedef struct ekv_cpu_bound_scratch {
     double *qnorm1;    /* [B*H] */
     int64_t *sp_sid;   /* [n_threads * Hk] */
     float *sp_u;       /* [n_threads * H] */
+    float *ranges;     /* [n_threads * EKV_BOUND_STEP * 2 D]: compact ranges as fp32 */
 } ekv_cpu_bound_scratch;
 static inline int64_t ekv_cpu_bound_scratch_floats(int64_t B, int64_t H, int64_t G, int64_t D) {
     return 3 * B * H * D + G * D + 2 * B * H + 16;

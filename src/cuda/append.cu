@@ -7,7 +7,9 @@
  * holds at most 256 tokens, so recomputing it costs O(page_size * D) per touched page; a
  * prefill build passes every page as an item. With key codes (stats->codes, code_bits 4 or 8)
  * the block also re-derives the codes of the page from the stored keys and the new range,
- * byte for byte the CPU cache's (ekv_codes_update_page, docs/math.md §10.1, §10.4).
+ * byte for byte the CPU cache's (ekv_codes_update_page, docs/math.md §10.1, §10.4). With compact
+ * ranges (stats->range_dtype f16/bf16) it also writes kmin/kmax rounded outward, which the
+ * codes then follow (docs/math.md §1.2).
  */
 #include "cuda_internal.cuh"
 #include "../core/codes.h"
@@ -17,6 +19,8 @@ namespace {
 struct append_args {
     ekv_paged_kv kv;
     float *kmin, *kmax, *kmean, *km2, *radius;
+    uint16_t *kmin16, *kmax16; /* the compact copies (range_dtype f16/bf16), or NULL */
+    int range_dtype;
     int32_t *count;
     uint8_t *codes; /* NULL: the cache keeps no key codes */
     int code_bits;
@@ -40,7 +44,11 @@ __device__ void page_codes(const append_args &A, const T *K, int64_t pbase, int6
         uint32_t v = 0;
         for (int u = 0; t < n && u < per_byte; u++) {
             const int64_t c = j * per_byte + u;
-            const float mn = A.kmin[so + c], step = ekv_code_step(mn, A.kmax[so + c], bits);
+            const float mn =
+                    A.kmin16 ? ekv_range16_f32(A.kmin16[so + c], A.range_dtype) : A.kmin[so + c];
+            const float mx =
+                    A.kmin16 ? ekv_range16_f32(A.kmax16[so + c], A.range_dtype) : A.kmax[so + c];
+            const float step = ekv_code_step(mn, mx, bits);
             const float k = ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + c]);
             v |= ekv_code_of(k, mn, step, bits) << (4 * u);
         }
@@ -86,6 +94,14 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A)
         }
         A.kmin[so + d] = mn;
         A.kmax[so + d] = mx;
+        if (A.kmin16) { /* rounded outward, as the CPU cache's ekv_round16_outward */
+            A.kmin16[so + d] = A.range_dtype == EKV_DTYPE_F16
+                                       ? __half_as_ushort(__float2half_rd(mn))
+                                       : __bfloat16_as_ushort(__float2bfloat16_rd(mn));
+            A.kmax16[so + d] = A.range_dtype == EKV_DTYPE_F16
+                                       ? __half_as_ushort(__float2half_ru(mx))
+                                       : __bfloat16_as_ushort(__float2bfloat16_ru(mx));
+        }
         A.kmean[so + d] = (float)mean;
         A.km2[so + d] = (float)m2;
     }
@@ -140,6 +156,13 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
                         "ekv_cuda_append: stats->code_bits=%d with codes %s (codes need code_bits "
                         "4 or 8, no codes code_bits 0)",
                         st->code_bits, st->codes ? "set" : "NULL");
+    const int compact = st->range_dtype != EKV_DTYPE_F32;
+    if (compact && ((st->range_dtype != EKV_DTYPE_F16 && st->range_dtype != EKV_DTYPE_BF16) ||
+                    !st->kmin16 || !st->kmax16))
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "ekv_cuda_append: stats->range_dtype=%d needs kmin16/kmax16 (f16 or bf16 "
+                        "ranges)",
+                        (int)st->range_dtype);
     if (n_items == 0) return EKV_OK;
     append_args A;
     A.kv = *kv;
@@ -148,6 +171,9 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     A.kmean = const_cast<float *>(st->kmean);
     A.km2 = const_cast<float *>(st->km2);
     A.radius = const_cast<float *>(st->radius);
+    A.kmin16 = compact ? const_cast<uint16_t *>(st->kmin16) : NULL;
+    A.kmax16 = compact ? const_cast<uint16_t *>(st->kmax16) : NULL;
+    A.range_dtype = (int)st->range_dtype;
     A.count = const_cast<int32_t *>(st->count);
     A.codes = const_cast<uint8_t *>(st->codes);
     A.code_bits = st->code_bits;

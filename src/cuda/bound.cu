@@ -18,6 +18,7 @@ namespace {
 
 struct bound_args : ekv_cuda_shape {
     ekv_page_stats st;
+    ekv_cuda_ranges rng; /* kmin/kmax as stored: fp32 or compact */
     const float *q, *slopes;
     double qscale, a;
     int with_ball, rows;
@@ -34,13 +35,15 @@ __device__ __forceinline__ void prefetch_summaries(const bound_args &A, int64_t 
                                                    int lane) {
     const int64_t sn = (phys * A.Hk + kvh) * A.D;
     for (int d = lane * 4; d < A.D; d += 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmin + sn + d));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmax + sn + d));
+        if (d * A.rng.elem % 128 == 0) { /* one per 128-byte line */
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(ekv_range_addr(A.rng, false, sn + d)));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(ekv_range_addr(A.rng, true, sn + d)));
+        }
         if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
     }
 }
 
-template <int GM> /* compile-time bound of the group size */
+template <int GM, int RT> /* compile-time bound of the group size; how the ranges are stored */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     extern __shared__ float qs[]; /* [G][D] q' */
     __shared__ double qn[GM];
@@ -82,8 +85,11 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
         float c2 = 0.f;
         for (int d = lane * 4; d < D; d += 128) {
-            const float4 mn = *reinterpret_cast<const float4 *>(A.st.kmin + so + d);
-            const float4 mx = *reinterpret_cast<const float4 *>(A.st.kmax + so + d);
+            float mn4[4], mx4[4];
+            ekv_range_load<4, RT>(A.rng, false, so + d, mn4);
+            ekv_range_load<4, RT>(A.rng, true, so + d, mx4);
+            const float4 mn = make_float4(mn4[0], mn4[1], mn4[2], mn4[3]);
+            const float4 mx = make_float4(mx4[0], mx4[1], mx4[2], mx4[3]);
             float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
             if (A.with_ball) {
                 c = *reinterpret_cast<const float4 *>(A.st.kmean + so + d);
@@ -147,6 +153,7 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     bound_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.st = *st;
+    A.rng = ekv_cuda_ranges_of(st);
     A.q = q;
     A.slopes = prm->alibi_slopes;
     A.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
@@ -163,7 +170,10 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     const dim3 grid((unsigned)nblocks);
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
     ekv_cuda_with_group(A.G, [&](auto tg) {
-        bound_kernel<decltype(tg)::value><<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+        ekv_cuda_with_ranges(A.rng, [&](auto rt) {
+            bound_kernel<decltype(tg)::value, decltype(rt)::value>
+                    <<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+        });
     });
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

@@ -184,6 +184,70 @@ template <> struct ekv_elem<float> {
 };
 
 /* ---- reductions ---- */
+/* The page ranges as the kernels read them (docs/math.md §1.2): fp32 kmin/kmax, or the compact
+ * copies (f16/bf16, rounded outward), converted to fp32 exactly on the way in. */
+struct ekv_cuda_ranges {
+    const float *mn, *mx;
+    const uint16_t *mn16, *mx16;
+    int dtype;    /* ekv_dtype: F32 reads mn/mx, F16/BF16 mn16/mx16 */
+    int64_t elem; /* bytes per value, for prefetching */
+};
+static inline ekv_cuda_ranges ekv_cuda_ranges_of(const ekv_page_stats *st) {
+    const int c = st->range_dtype != EKV_DTYPE_F32;
+    return ekv_cuda_ranges{st->kmin, st->kmax, st->kmin16, st->kmax16, (int)st->range_dtype,
+                           c ? 2 : 4};
+}
+/* A 16-bit range value as fp32 (exact), f16 or bf16 chosen without a branch. */
+__device__ __forceinline__ float ekv_range16_f32(uint32_t h, int dtype) {
+    const float bf = __uint_as_float(h << 16),
+                f = __half2float(__ushort_as_half((unsigned short)h));
+    return dtype == EKV_DTYPE_BF16 ? bf : f;
+}
+/* How a kernel reads the ranges, fixed at compile time where it is hot: fp32, 16-bit, or
+ * either (a branch on r.dtype per load). */
+enum { EKV_RANGE_F32 = 0, EKV_RANGE_16 = 1, EKV_RANGE_ANY = 2 };
+/* N consecutive values (N = 1, 2 or 4) of the minima (hi = false) or maxima at flat index i, a
+ * multiple of N, into o; RT as above (the stats' dtype must match it). */
+template <int N, int RT = EKV_RANGE_ANY>
+__device__ __forceinline__ void ekv_range_load(const ekv_cuda_ranges &r, bool hi, int64_t i,
+                                               float *o) {
+    if (RT == EKV_RANGE_F32 || (RT == EKV_RANGE_ANY && r.dtype == EKV_DTYPE_F32)) {
+        const float *p = (hi ? r.mx : r.mn) + i;
+        if (N == 4) {
+            const float4 v = __ldg(reinterpret_cast<const float4 *>(p));
+            o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+        } else if (N == 2) {
+            const float2 v = __ldg(reinterpret_cast<const float2 *>(p));
+            o[0] = v.x, o[1] = v.y;
+        } else {
+            o[0] = __ldg(p);
+        }
+        return;
+    }
+    const uint16_t *p = (hi ? r.mx16 : r.mn16) + i;
+    if (N == 4) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        o[0] = ekv_range16_f32(v.x & 0xffffu, r.dtype), o[1] = ekv_range16_f32(v.x >> 16, r.dtype);
+        o[2] = ekv_range16_f32(v.y & 0xffffu, r.dtype), o[3] = ekv_range16_f32(v.y >> 16, r.dtype);
+    } else if (N == 2) {
+        const uint32_t v = __ldg(reinterpret_cast<const unsigned int *>(p));
+        o[0] = ekv_range16_f32(v & 0xffffu, r.dtype), o[1] = ekv_range16_f32(v >> 16, r.dtype);
+    } else {
+        o[0] = ekv_range16_f32(__ldg(reinterpret_cast<const unsigned short *>(p)), r.dtype);
+    }
+}
+/* The kernel variant for these ranges: calls f with std::integral_constant<int, RT>. */
+template <typename F> static inline auto ekv_cuda_with_ranges(const ekv_cuda_ranges &r, F &&f) {
+    return r.dtype == EKV_DTYPE_F32 ? f(std::integral_constant<int, EKV_RANGE_F32>())
+                                    : f(std::integral_constant<int, EKV_RANGE_16>());
+}
+/* Where the minima (hi = false) or maxima of flat index i start, for prefetching. */
+__device__ __forceinline__ const void *ekv_range_addr(const ekv_cuda_ranges &r, bool hi,
+                                                      int64_t i) {
+    return r.dtype == EKV_DTYPE_F32 ? (const void *)((hi ? r.mx : r.mn) + i)
+                                    : (const void *)((hi ? r.mx16 : r.mn16) + i);
+}
+
 template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

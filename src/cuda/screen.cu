@@ -44,7 +44,7 @@ namespace {
 #define SCREEN_NU 0x1p-140f /* the underflow floor per channel (docs/math.md §10.2) */
 
 struct screen_args : ekv_cuda_shape {
-    const float *kmin, *kmax;
+    ekv_cuda_ranges rng; /* kmin/kmax as stored: fp32 or compact */
     const uint8_t *codes;
     const float *q, *slopes;
     double qscale; /* a * scale, as the score kernels form q' */
@@ -231,14 +231,14 @@ __device__ __forceinline__ bool screen_prologue(const screen_args &A, int row, i
 /* One 16-token chunk (slots ch .. ch + 15) of the quarter's page: the code rows j = q + 8 k of
  * this lane, RB of them per batch, then the reduce-scatter; this lane's two tokens' bounds go
  * to the candidate lists. */
-template <int GM, int BITS, int RB>
+template <int GM, int BITS, int RB, int RT>
 __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs, int q, bool live,
                                            int64_t p, int64_t phys, int valid, int ch,
                                            const ekv_seq_geom &sg, int kvh, const float *slope,
                                            float *runmax, const float *seen, bool emit) {
     const int D = A.D, G = A.G, ps = A.ps, R = D * BITS / 8;
     const float gamma = 4.0f * (float)(D + 4) * SCREEN_U;
-    const float *kmn = A.kmin + (phys * A.Hk + kvh) * D, *kmx = A.kmax + (phys * A.Hk + kvh) * D;
+    const int64_t so = (phys * A.Hk + kvh) * D;
     const uint8_t *blk = A.codes + (phys * A.Hk + kvh) * (int64_t)ps * R + ch;
     float acc[16 * GM], c0[GM], ep[GM];
 #pragma unroll
@@ -256,13 +256,16 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
             mn[r] = mx[r] = make_float2(0.f, 0.f);
             if (!live) continue;
             cw[r] = __ldg(reinterpret_cast<const uint4 *>(blk + (int64_t)j * ps));
+            float lo2[2] = {0.f, 0.f}, hi2[2] = {0.f, 0.f};
             if (BITS == 4) {
-                mn[r] = __ldg(reinterpret_cast<const float2 *>(kmn + 2 * j));
-                mx[r] = __ldg(reinterpret_cast<const float2 *>(kmx + 2 * j));
+                ekv_range_load<2, RT>(A.rng, false, so + 2 * j, lo2);
+                ekv_range_load<2, RT>(A.rng, true, so + 2 * j, hi2);
             } else {
-                mn[r].x = __ldg(kmn + j);
-                mx[r].x = __ldg(kmx + j);
+                ekv_range_load<1, RT>(A.rng, false, so + j, lo2);
+                ekv_range_load<1, RT>(A.rng, true, so + j, hi2);
             }
+            mn[r] = make_float2(lo2[0], lo2[1]);
+            mx[r] = make_float2(hi2[0], hi2[1]);
         }
 #pragma unroll
         for (int r = 0; r < RB; r++) {
@@ -305,7 +308,7 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
 /* The fast kernel's blocks: 4 warps, 3 per SM (170 registers: its tiles do not spill). */
 enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 };
 
-template <int GM, int BITS, int RB>
+template <int GM, int BITS, int RB, int RT>
 __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_kernel(screen_args A) {
     extern __shared__ __align__(16) float smem[]; /* q' [G][D] */
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
@@ -336,14 +339,14 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
         if (pn < e1) { /* the warp's next pages into L2 */
             const int64_t ph = A.t.indices[sg.first + pn], so = (ph * A.Hk + kvh) * A.D;
             prefetch_quarter(A.codes + (ph * A.Hk + kvh) * cb, cb, q);
-            prefetch_quarter(A.kmin + so, A.D * 4, q);
-            prefetch_quarter(A.kmax + so, A.D * 4, q);
+            prefetch_quarter(ekv_range_addr(A.rng, false, so), A.D * A.rng.elem, q);
+            prefetch_quarter(ekv_range_addr(A.rng, true, so), A.D * A.rng.elem, q);
         }
         const int64_t phys = live ? A.t.indices[sg.first + p] : 0;
         const int valid = !live ? 0 : p == sg.P - 1 ? (int)(sg.N - p * ps) : ps;
         for (int ch = 0; ch < ps; ch += 16)
-            fast_chunk<GM, BITS, RB>(A, smem, q, live, p, phys, valid, ch, sg, kvh, slope, runmax,
-                                     seen, k >= 0);
+            fast_chunk<GM, BITS, RB, RT>(A, smem, q, live, p, phys, valid, ch, sg, kvh, slope,
+                                         runmax, seen, k >= 0);
         ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
     }
 }
@@ -369,9 +372,12 @@ __device__ __forceinline__ void page_terms(const screen_args &A, const float *qs
 #pragma unroll
     for (int g = 0; g < GM; g++) c0[g] = ep[g] = 0.f;
     int ok = 1;
-    for (int c = lane; c < A.D; c += 32)
-        channel_terms<GM, BITS>(qs, A.D, A.G, c, A.kmin[so + c], A.kmax[so + c], gamma, wq + c * GM,
-                                c0, ep, ok);
+    for (int c = lane; c < A.D; c += 32) {
+        float mn, mx;
+        ekv_range_load<1>(A.rng, false, so + c, &mn);
+        ekv_range_load<1>(A.rng, true, so + c, &mx);
+        channel_terms<GM, BITS>(qs, A.D, A.G, c, mn, mx, gamma, wq + c * GM, c0, ep, ok);
+    }
     pg.ok = __all_sync(0xffffffffu, ok);
 #pragma unroll
     for (int g = 0; g < GM; g++) {
@@ -682,33 +688,40 @@ cudaError_t launch_generic(const screen_args &A, int gx, int rows, cudaStream_t 
     return cudaGetLastError();
 }
 
-template <int GM, int BITS, int RB>
+template <int GM, int BITS, int RB, int RT>
 cudaError_t launch_fast(const screen_args &A, int sms, int rows, cudaStream_t s) {
     static int per_sm = 0; /* resident blocks per SM, asked once per instance */
     const size_t sm = (size_t)A.G * A.D * 4;
     if (!per_sm) {
         const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &per_sm, screen_fast_kernel<GM, BITS, RB>, FAST_THREADS, sm);
+                &per_sm, screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm);
         if (e != cudaSuccess || per_sm < 1) per_sm = 1;
     }
     const int gx = (per_sm * sms + rows - 1) / rows; /* one wave */
-    screen_fast_kernel<GM, BITS, RB><<<dim3(gx, rows), FAST_THREADS, sm, s>>>(A);
+    screen_fast_kernel<GM, BITS, RB, RT><<<dim3(gx, rows), FAST_THREADS, sm, s>>>(A);
     return cudaGetLastError();
+}
+
+/* The fast kernel for these bits and ranges (RT): its tile by the group and the row count. */
+template <int BITS, int RT>
+cudaError_t launch_fast_b(const screen_args &A, int sms, int rows, cudaStream_t s) {
+    const bool rb8 = A.D * BITS / 8 % 64 == 0;
+    if (A.G == 1)
+        return rb8 ? launch_fast<1, BITS, 8, RT>(A, sms, rows, s)
+                   : launch_fast<1, BITS, 4, RT>(A, sms, rows, s);
+    if (A.G == 2)
+        return rb8 ? launch_fast<2, BITS, 8, RT>(A, sms, rows, s)
+                   : launch_fast<2, BITS, 4, RT>(A, sms, rows, s);
+    return launch_fast<4, BITS, 4, RT>(A, sms, rows, s);
 }
 
 template <int BITS>
 cudaError_t launch_screen_b(const screen_args &A, int gx, int sms, int rows, cudaStream_t s) {
     const int R = A.D * BITS / 8;
-    if (A.ps % 16 == 0 && A.G <= 4 && R % 32 == 0) { /* the fast kernel */
-        const bool rb8 = R % 64 == 0;
-        if (A.G == 1)
-            return rb8 ? launch_fast<1, BITS, 8>(A, sms, rows, s)
-                       : launch_fast<1, BITS, 4>(A, sms, rows, s);
-        if (A.G == 2)
-            return rb8 ? launch_fast<2, BITS, 8>(A, sms, rows, s)
-                       : launch_fast<2, BITS, 4>(A, sms, rows, s);
-        return launch_fast<4, BITS, 4>(A, sms, rows, s);
-    }
+    if (A.ps % 16 == 0 && A.G <= 4 && R % 32 == 0) /* the fast kernel */
+        return ekv_cuda_with_ranges(A.rng, [&](auto rt) {
+            return launch_fast_b<BITS, decltype(rt)::value>(A, sms, rows, s);
+        });
     return ekv_cuda_with_group(A.G, [&](auto tg) {
         return launch_generic<decltype(tg)::value, BITS>(A, gx, rows, s);
     });
@@ -762,8 +775,7 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     pl->launches++;
     screen_args A;
     ekv_cuda_set_shape(A, pl, t);
-    A.kmin = st->kmin;
-    A.kmax = st->kmax;
+    A.rng = ekv_cuda_ranges_of(st);
     A.codes = st->codes;
     A.q = q;
     A.slopes = prm->alibi_slopes;

@@ -359,6 +359,7 @@ static ekv_status alloc_state(ekv_model *m) {
         cp.max_seqs = 1;
         cp.superpage_pages = m->prm.superpage_pages;
         cp.code_bits = m->prm.code_bits;
+        cp.range_dtype = ekv_cache_compact_ranges(cp.dtype); /* exact: K's own dtype */
         cp.num_pages = ekv_cache_pages_for(m->prm.max_tokens, 1, cp.page_size);
         ekv_status s = ekv_cache_create(m->ctx, &cp, &L->cache);
         if (s) return s;
@@ -520,8 +521,8 @@ static void matmul_task(void *vp, int64_t task, int worker) {
     /* y[t][r0 + i] = <x[t], w[r0 + i]>: the score kernel with weight rows as keys, tokens as
      * queries */
     kern->score((const char *)w->data + r0 * w->cols * ekv_dtype_size(w->dtype), w->cols, nr,
-                w->dtype, w->cols, j->x, w->cols, (int)j->T, NULL, NULL, 0, j->y + r0, w->rows, zmax,
-                NULL);
+                w->dtype, w->cols, j->x, w->cols, (int)j->T, NULL, NULL, 0, j->y + r0, w->rows,
+                zmax, NULL);
 }
 
 /* y[T][rows] = x[T][cols] . w^T. A decode step's products (T = 1) are too small to pay for

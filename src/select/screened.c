@@ -19,6 +19,7 @@
 #include "../cpu/attend.h"
 #include "../cpu/attend_tail.h"
 #include "../cpu/kernels.h"
+#include "../cpu/ranges.h"
 #include "../cpu/screen.h"
 #include "../cpu/support.h"
 #include "../core/method.h"
@@ -44,6 +45,7 @@ typedef struct {
     int64_t *w_idx;     /* per worker [nmax] */
     double *w_y, *w_y2; /* per worker [nmax] */
     float *w_l;         /* per worker [nmax] */
+    float *w_range;     /* per worker [2 D]: a compact range as fp32 */
     ekv_row_lists rl;   /* the rows (step arena) */
     int64_t *rows, *start, *count, *pairs; /* pairs: surviving (token, head) pairs per list */
 } screen_job;
@@ -81,8 +83,10 @@ static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int work
     for (int64_t g = 0; biased && g < j->Gl; g++)
         slack[g] = 16.0 * 0x1p-24 * fabs((double)bs[g]) *
                    ((double)llabs(p * ps - (N - 1)) + (double)ps);
-    const ekv_screen_page pg = {j->st->kmin + so,
-                                j->st->kmax + so,
+    const float *mn, *mx;
+    ekv_cpu_page_range(j->s.kern, j->st, so, D, j->w_range + worker * 2 * D, &mn, &mx);
+    const ekv_screen_page pg = {mn,
+                                mx,
                                 j->st->codes + ((int64_t)page * Hk + kvh) * ps *
                                                        ekv_code_row_bytes(D, j->st->code_bits),
                                 j->st->code_bits,
@@ -94,6 +98,26 @@ static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int work
                                 biased ? slack : NULL};
     ekv_cpu_screen_page(j->s.kern, &pg, j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl,
                         &ekv_screen_exact, list_scratch(j, worker, l), lo, hi, ps);
+}
+
+enum { SCREEN_PF_PAGES = 2 }; /* prefetch distance, in pages */
+
+/* Brings page p's range and code block for list l's KV head towards the core: the screen does
+ * little compute per byte, so the memory latency is what it must hide. */
+static void prefetch_page(const screen_job *j, int64_t b, int64_t l, int64_t p) {
+    const ekv_page_table *t = j->s.t;
+    const int64_t D = j->s.sh.D, Hk = j->s.sh.Hk, ps = j->s.sh.ps;
+    const int64_t kvh = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G) / j->s.sh.G;
+    const int64_t ph = (int64_t)t->indices[t->indptr[b] + p] * Hk + kvh;
+    const int64_t cb = ps * ekv_code_row_bytes(D, j->st->code_bits);
+    const char *mn = ekv_cpu_range_min_addr(j->st, ph * D);
+    const char *mx = ekv_cpu_range_max_addr(j->st, ph * D);
+    const char *codes = (const char *)(j->st->codes + ph * cb);
+    for (int64_t o = 0; o < ekv_range_bytes(j->st->range_dtype, D) / 2; o += 64) {
+        __builtin_prefetch(mn + o, 0, 2);
+        __builtin_prefetch(mx + o, 0, 2);
+    }
+    for (int64_t o = 0; o < cb; o += 64) __builtin_prefetch(codes + o, 0, 2);
 }
 
 /* t rounded down to a float (a threshold must not rise); below(x): x - 1e-12 (1 + |x|) rounded
@@ -242,6 +266,7 @@ static void screen_chunk(void *vp, int64_t task, int worker) {
     for (int64_t p = p0; p < p1; p++) {
         const int64_t ntok = ekv_page_tokens(p, P, j->s.t->last_page_len[b], ps);
         for (int64_t l = 0; l < j->heads; l++) {
+            if (p + SCREEN_PF_PAGES < P) prefetch_page(j, b, l, p + SCREEN_PF_PAGES);
             screen_page(j, b, l, p, worker, lo, hi);
             keep_candidates(j, task, b, l, p * ps, ntok, p0 * ps, lo, hi, worker);
         }
@@ -319,6 +344,7 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
         Y,
         Y2,
         WL,
+        WRNG,
         NB
     };
     const int64_t sz[NB] = {B * j->s.sh.H * D * 4,
@@ -337,7 +363,8 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
                             W * nmax * 8,
                             W * nmax * 8,
                             W * nmax * 8,
-                            W * nmax * 4};
+                            W * nmax * 4,
+                            W * 2 * D * 4};
     int64_t off[NB];
     ekv_status st;
     char *ws = ekv_workspace_blocks(ctx, sz, NB, off, "screen", &st);
@@ -363,6 +390,7 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
     j->w_y = (double *)(ws + off[Y]);
     j->w_y2 = (double *)(ws + off[Y2]);
     j->w_l = (float *)(ws + off[WL]);
+    j->w_range = (float *)(ws + off[WRNG]);
     j->task_off[0] = 0;
     for (int64_t b = 0; b < B; b++)
         j->task_off[b + 1] = j->task_off[b] +
@@ -396,13 +424,13 @@ static ekv_status screen_rows(ekv_context *ctx, screen_job *j, const ekv_select_
     return EKV_OK;
 }
 
-/* Bytes the screen read: per list, the page ranges (2 D fp32 per page) and the codes. */
+/* Bytes the screen read: per list, the page ranges (2 D values per page) and the codes. */
 static int64_t screen_bytes(const screen_job *j) {
     int64_t bytes = 0;
     for (int64_t b = 0; b < j->s.sh.B; b++) {
         const int64_t P = ekv_seq_pages(j->s.t->indptr, b);
         const int64_t N = ekv_seq_len(j->s.t->indptr, j->s.t->last_page_len, b, j->s.sh.ps);
-        bytes += j->heads * (P * 2 * j->s.sh.D * (int64_t)sizeof(float) +
+        bytes += j->heads * (P * ekv_range_bytes(j->st->range_dtype, j->s.sh.D) +
                              N * ekv_code_row_bytes(j->s.sh.D, j->st->code_bits));
     }
     return bytes;

@@ -184,24 +184,27 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm,
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads, W = ctx->n_threads;
     const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t ustride = maxP;
-    int64_t sz[9] = {B * H * ustride * 4,
-                     W * ustride * 4,
-                     W * ustride * (int64_t)sizeof(scored_page),
-                     ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4,
-                     (B + 1) * 8,
-                     ekv_cpu_bound_max_tasks(B, maxP) * 8,
-                     B * H * 8,
-                     W * kv->num_kv_heads * 8,
-                     W * H * 4};
-    int64_t off[9], read_bytes = 0, w = 0;
+    int64_t sz[10] = {B * H * ustride * 4,
+                      W * ustride * 4,
+                      W * ustride * (int64_t)sizeof(scored_page),
+                      ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4,
+                      (B + 1) * 8,
+                      ekv_cpu_bound_max_tasks(B, maxP) * 8,
+                      B * H * 8,
+                      W * kv->num_kv_heads * 8,
+                      W * H * 4,
+                      st->range_dtype == EKV_DTYPE_F32 ? 0
+                                                       : W * EKV_BOUND_STEP * 2 * kv->head_dim * 4};
+    int64_t off[10], read_bytes = 0, w = 0;
     ekv_status s;
-    char *ws = ekv_workspace_blocks(ctx, sz, 9, off, "page selection", &s);
+    char *ws = ekv_workspace_blocks(ctx, sz, 10, off, "page selection", &s);
     if (!ws) return s;
     const int with_ball = sel->use_ball || list->bounds != NULL;
     float *u = (float *)(ws + off[0]);
     const ekv_cpu_bound_scratch scr = {(float *)(ws + off[3]),   (int64_t *)(ws + off[4]),
                                        (int64_t *)(ws + off[5]), (double *)(ws + off[6]),
-                                       (int64_t *)(ws + off[7]), (float *)(ws + off[8])};
+                                       (int64_t *)(ws + off[7]), (float *)(ws + off[8]),
+                                       (float *)(ws + off[9])};
     s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, &scr, with_ball, sel->tau_lb,
                             &read_bytes);
     if (s) return s;

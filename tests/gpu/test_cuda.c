@@ -86,6 +86,9 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
                                      : 0;
         m->dst.codes = m->st.codes ? dev_copy(NULL, m->codes_bytes) : NULL;
         m->dst.code_bits = m->st.code_bits;
+        m->dst.range_dtype = m->st.range_dtype;
+        m->dst.kmin16 = m->st.kmin16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
+        m->dst.kmax16 = m->st.kmax16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
         m->dtab.batch = B;
         m->dtab.indptr = dev_copy(NULL, sizeof(int64_t) * (B + 1));
         m->dtab.indices = dev_copy(NULL, sizeof(int32_t) * idx_cap);
@@ -102,6 +105,10 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
     CU(cudaMemcpy((void *)m->dst.count, m->st.count, m->kv.num_pages * 4, cudaMemcpyHostToDevice));
     if (m->codes_bytes)
         CU(cudaMemcpy((void *)m->dst.codes, m->st.codes, m->codes_bytes, cudaMemcpyHostToDevice));
+    if (m->st.kmin16) {
+        CU(cudaMemcpy((void *)m->dst.kmin16, m->st.kmin16, m->stat_n * 2, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy((void *)m->dst.kmax16, m->st.kmax16, m->stat_n * 2, cudaMemcpyHostToDevice));
+    }
     CU(cudaMemcpy((void *)m->dtab.indptr, m->indptr, sizeof(int64_t) * (B + 1),
                   cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dtab.indices, m->indices, sizeof(int32_t) * m->indptr[B],
@@ -120,6 +127,8 @@ static void mirror_free(mirror *m) {
     cudaFree((void *)m->dst.radius);
     cudaFree((void *)m->dst.count);
     cudaFree((void *)m->dst.codes);
+    cudaFree((void *)m->dst.kmin16);
+    cudaFree((void *)m->dst.kmax16);
     cudaFree((void *)m->dtab.indptr);
     cudaFree((void *)m->dtab.indices);
     cudaFree((void *)m->dtab.last_page_len);
@@ -324,7 +333,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     cp.max_seqs = B;
     cp.num_pages = total_pages + 2;
     cp.superpage_pages = 0;
-    cp.code_bits = seed % 2 ? 4 : 8; /* key codes for screened decode */
+    cp.code_bits = seed % 2 ? 4 : 8;            /* key codes for screened decode */
+    cp.range_dtype = (ekv_dtype)(seed / 2 % 3); /* compact ranges: rounded outward unless K's */
     ekv_cache *cache = NULL;
     CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
     if (!cache) return;
@@ -371,6 +381,9 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         uint8_t *acodes = dev_copy(NULL, m.codes_bytes);
         CU(cudaMemset(acodes, 0xA5, m.codes_bytes ? m.codes_bytes : 16)); /* unwritten: seen */
         ast.codes = acodes;
+        uint16_t *amin16 = dev_copy(NULL, m.stat_n * 2), *amax16 = dev_copy(NULL, m.stat_n * 2);
+        ast.kmin16 = m.st.kmin16 ? amin16 : NULL;
+        ast.kmax16 = m.st.kmin16 ? amax16 : NULL;
         ast.kmin = amin;
         ast.kmax = amax;
         ast.kmean = amean;
@@ -456,6 +469,19 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 }
             }
         CHECK(minmax_ok, "append kernel min/max differ from the CPU cache");
+        if (m.st.kmin16) { /* the compact copies, rounded outward on both sides alike */
+            uint16_t *h16 = malloc(m.stat_n * 4);
+            CU(cudaMemcpy(h16, amin16, m.stat_n * 2, cudaMemcpyDeviceToHost));
+            CU(cudaMemcpy(h16 + m.stat_n, amax16, m.stat_n * 2, cudaMemcpyDeviceToHost));
+            int64_t diff = 0;
+            for (int b = 0; b < B; b++)
+                for (int64_t p = m.indptr[b]; p < m.indptr[b + 1]; p++)
+                    for (int64_t i = m.indices[p] * Hk * D; i < (m.indices[p] + 1) * Hk * D; i++)
+                        diff += h16[i] != m.st.kmin16[i] || h16[m.stat_n + i] != m.st.kmax16[i];
+            CHECK(diff == 0, "append kernel: %lld compact %s ranges differ from the CPU cache's",
+                  (long long)diff, ekv_dtype_name(m.st.range_dtype));
+            free(h16);
+        }
         codes_check(&m, acodes, B, c);
         CHECK(worst_mean < 1e-4, "append kernel mean off by %.3g (the CPU mean is fp32 Welford)",
               worst_mean);
@@ -478,6 +504,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         cudaFree(arad);
         cudaFree(acnt);
         cudaFree(acodes);
+        cudaFree(amin16);
+        cudaFree(amax16);
     }
     {
         /* ---- decode: dense, topk (box / ball), certified ---- */
