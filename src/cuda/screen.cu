@@ -306,7 +306,7 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
 }
 
 /* The fast kernel's blocks: 4 warps, 3 per SM (170 registers: its tiles do not spill). */
-enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 };
+enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 }; /* 2 (no spills, 8 warps) measured no faster */
 
 template <int GM, int BITS, int RB, int RT>
 __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_kernel(screen_args A) {
@@ -697,7 +697,9 @@ cudaError_t launch_fast(const screen_args &A, int sms, int rows, cudaStream_t s)
                 &per_sm, screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm);
         if (e != cudaSuccess || per_sm < 1) per_sm = 1;
     }
-    const int gx = (per_sm * sms + rows - 1) / rows; /* one wave */
+    /* one wave, never a block more: a second, partial wave would run alone at the end, for as
+     * long as the first (the blocks split the pages evenly) */
+    const int gx = per_sm * sms / rows > 1 ? per_sm * sms / rows : 1;
     screen_fast_kernel<GM, BITS, RB, RT><<<dim3(gx, rows), FAST_THREADS, sm, s>>>(A);
     return cudaGetLastError();
 }
