@@ -166,6 +166,54 @@ __device__ __forceinline__ void accum_dense_row(const T *vrow, const float *p, i
     }
 }
 
+/* The V row of the split's token rel (from its first entry e0). 32-bit division: a split
+ * holds < 2^31 tokens. */
+template <typename T>
+__device__ __forceinline__ const T *dense_vrow(const value_args &A, const T *V, int row, int kvh,
+                                               const ekv_seq_geom &sg, int64_t e0, int rel) {
+    const int64_t e = e0 + rel / A.ps;
+    const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+    return V + A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head +
+           (rel % A.ps) * A.kv.stride_token;
+}
+
+enum { DENSE_BATCH = 8 }; /* V rows whose loads are in flight together */
+
+/* acc[g] += p[g] of lanes src0 .. src0 + DENSE_BATCH - 1 times their V rows (tokens rel0 + k):
+ * every row's address, then every load, then the sums, so the loads overlap (one row at a
+ * time left the values kernel at a fifth of the bandwidth). */
+template <typename T, int VD>
+__device__ __forceinline__ void
+accum_dense_batch(const value_args &A, const T *V, int row, int kvh, const ekv_seq_geom &sg,
+                  int64_t e0, int rel0, const float *p, int src0, int lane, float (*acc)[VD][4]) {
+    const T *vrow[DENSE_BATCH];
+#pragma unroll
+    for (int k = 0; k < DENSE_BATCH; k++) vrow[k] = dense_vrow(A, V, row, kvh, sg, e0, rel0 + k);
+    float v4[DENSE_BATCH][VD][4];
+#pragma unroll
+    for (int k = 0; k < DENSE_BATCH; k++)
+#pragma unroll
+        for (int c = 0; c < VD; c++) {
+            const int d = c * 128 + lane * 4;
+            if (d < A.D)
+                load4<T>(vrow[k] + d, v4[k][c]);
+            else
+                v4[k][c][0] = v4[k][c][1] = v4[k][c][2] = v4[k][c][3] = 0.f;
+        }
+#pragma unroll
+    for (int k = 0; k < DENSE_BATCH; k++) {
+        float pg[VCH];
+#pragma unroll
+        for (int g = 0; g < VCH; g++) pg[g] = __shfl_sync(0xffffffffu, p[g], src0 + k);
+#pragma unroll
+        for (int c = 0; c < VD; c++)
+#pragma unroll
+            for (int g = 0; g < VCH; g++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[g][c][i] += pg[g] * v4[k][c][i];
+    }
+}
+
 /* out[g] += acc[g] for the chunk's ng heads (a split's share of the output rows). */
 template <int VD>
 __device__ __forceinline__ void add_dense_out(float *out, int ng, int lane, int D,
@@ -247,15 +295,16 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
             unsigned mask = __ballot_sync(0xffffffffu, any);
             if (mask) any_w = true;
             if (lane == 0) rows += __popc(mask);
+            if (mask == 0xffffffffu) { /* softmax's common case: batches of rows in flight */
+                for (int s0 = 0; s0 < 32; s0 += DENSE_BATCH)
+                    accum_dense_batch<T, VD>(A, V, row, kvh, sg, e0, (int)(base - t0) + s0, p, s0,
+                                             lane, acc);
+                continue;
+            }
             while (mask) {
                 const int src = __ffs(mask) - 1;
                 mask &= mask - 1;
-                /* 32-bit division: a split holds < 2^31 tokens */
-                const int rel = (int)(base + src - t0);
-                const int64_t e = e0 + rel / ps;
-                const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-                const T *vrow = V + A.t.indices[sg.first + lp] * A.kv.stride_page +
-                                (int64_t)kvh * A.kv.stride_head + (rel % ps) * A.kv.stride_token;
+                const T *vrow = dense_vrow(A, V, row, kvh, sg, e0, (int)(base + src - t0));
                 accum_dense_row<T, VD>(vrow, p, src, lane, D, acc);
             }
         }
@@ -264,16 +313,25 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
         atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
     if (any_w) add_dense_out<VD>(A.out + ((int64_t)b * A.H + kvh * A.G + g0) * D, ng, lane, D, acc);
 }
+/* Softmax values over one wave (its splits: A.nsplit from the grid). */
+template <typename T, int VD>
+void launch_dense_values(value_args A, int rows, int sms, cudaStream_t st) {
+    static int per_sm = 0;
+    A.nsplit =
+            ekv_cuda_one_wave(values_dense_kernel<T, VD>, EKV_CUDA_THREADS, 0, rows, sms, &per_sm);
+    values_dense_kernel<T, VD><<<dim3(A.nsplit, rows), EKV_CUDA_THREADS, 0, st>>>(A);
+}
+
 template <typename T>
-void launch_values_t(const value_args &A, int softmax, dim3 grid_dense, dim3 grid_support,
+void launch_values_t(const value_args &A, int softmax, int rows_dense, int sms, dim3 grid_support,
                      cudaStream_t st) {
     if (softmax) {
         if (A.D <= 128)
-            values_dense_kernel<T, 1><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+            launch_dense_values<T, 1>(A, rows_dense, sms, st);
         else if (A.D <= 256)
-            values_dense_kernel<T, 2><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+            launch_dense_values<T, 2>(A, rows_dense, sms, st);
         else
-            values_dense_kernel<T, VDIM><<<grid_dense, EKV_CUDA_THREADS, 0, st>>>(A);
+            launch_dense_values<T, VDIM>(A, rows_dense, sms, st);
         return;
     }
     switch (A.D) {
@@ -303,7 +361,7 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.kv = *kv;
     A.gchunks = (A.G + VCH - 1) / VCH;
     A.ccap = pl->cand_cap;
-    A.nsplit = pl->nsplit_dense_values;
+    A.nsplit = 1; /* softmax: set from the grid (launch_dense_values) */
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
     A.alpha = prm->alpha;
@@ -317,16 +375,18 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.rows = rows ? pl->rows : NULL;
     A.row_count = rows ? pl->row_count : NULL;
     const int softmax = prm->alpha == 1.0;
-    const dim3 grid_dense(pl->nsplit_dense_values, batch * A.Hk * A.gchunks),
-            grid_support(pl->vsplit, batch * A.H);
+    const int rows_dense = batch * A.Hk * A.gchunks;
+    const dim3 grid_support(pl->vsplit, batch * A.H);
     switch (kv->dtype) {
     case EKV_DTYPE_F16:
-        launch_values_t<__half>(A, softmax, grid_dense, grid_support, pl->stream);
+        launch_values_t<__half>(A, softmax, rows_dense, pl->sms, grid_support, pl->stream);
         break;
     case EKV_DTYPE_BF16:
-        launch_values_t<__nv_bfloat16>(A, softmax, grid_dense, grid_support, pl->stream);
+        launch_values_t<__nv_bfloat16>(A, softmax, rows_dense, pl->sms, grid_support, pl->stream);
         break;
-    default: launch_values_t<float>(A, softmax, grid_dense, grid_support, pl->stream); break;
+    default:
+        launch_values_t<float>(A, softmax, rows_dense, pl->sms, grid_support, pl->stream);
+        break;
     }
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

@@ -35,10 +35,10 @@ struct ekv_cuda_plan {
     ekv_cuda_plan_params p;
     cudaStream_t stream;
     int own_stream;
-    int32_t nsplit;              /* CTAs per list for the scores and candidates kernels        */
-    int32_t nsplit_dense_values; /* CTAs per list for the softmax values kernel           */
-    int64_t cap_pages;           /* max_pages_per_seq                                           */
-    int64_t cap_tokens;          /* cap_pages * page_size: score row length                     */
+    int32_t nsplit;     /* CTAs per list for the scores and candidates kernels        */
+    int32_t sms;        /* the device's SMs (one-wave grids, ekv_cuda_one_wave)     */
+    int64_t cap_pages;  /* max_pages_per_seq                                           */
+    int64_t cap_tokens; /* cap_pages * page_size: score row length                     */
     /* scratch (device) */
     float *scores;       /* [B*H][cap_tokens] z-space scores of the listed tokens       */
     float *split_max;    /* [B*H][nsplit]                                               */
@@ -82,6 +82,20 @@ struct ekv_cuda_plan {
 /* Calls f(std::integral_constant<int, TG>{}) with the smallest compiled group tile TG >= G (1,
  * 2, 4, 8 or EKV_CUDA_MAX_GROUP): every kernel templated on the group is launched through this
  * one ladder, so the tiles a group maps to are written once. */
+/* Blocks per row for a grid of `rows` rows that fits one wave of `kernel` (its resident
+ * blocks per SM asked once per instance, through *per_sm): where blocks split the work
+ * evenly, a second, partial wave would run alone at the end for as long as the first. */
+template <typename K>
+static inline int ekv_cuda_one_wave(K kernel, int threads, size_t smem, int rows, int sms,
+                                    int *per_sm) {
+    if (!*per_sm && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem) !=
+                             cudaSuccess ||
+                     *per_sm < 1))
+        *per_sm = 1;
+    const int gx = *per_sm * sms / rows;
+    return gx > 1 ? gx : 1;
+}
+
 template <typename F> static inline auto ekv_cuda_with_group(int G, F &&f) {
     if (G == 1) return f(std::integral_constant<int, 1>{});
     if (G == 2) return f(std::integral_constant<int, 2>{});

@@ -131,16 +131,14 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     const ekv_cuda_plan_params *p = &pl->p;
     const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
     /* The scores kernel (2 blocks per SM) streams K best in one wave of long-lived blocks:
-     * ramping a block's pipeline up and down costs more than the tail of a single wave. The
-     * softmax values kernel, latency-bound over every row, wants about 8 blocks per SM. Never
+     * ramping a block's pipeline up and down costs more than the tail of a single wave (the
+     * softmax values and the screen size their one wave at launch, ekv_cuda_one_wave). Never
      * more splits than pages. */
-    int64_t ns = 2 * (int64_t)sms / (B * Hk), nsd = (8 * (int64_t)sms + B * Hk - 1) / (B * Hk);
+    int64_t ns = 2 * (int64_t)sms / (B * Hk);
     if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
-    if (nsd > p->max_pages_per_seq) nsd = p->max_pages_per_seq;
     if (ns < 1) ns = 1;
-    if (nsd < 1) nsd = 1;
     pl->nsplit = (int32_t)ns;
-    pl->nsplit_dense_values = (int32_t)nsd;
+    pl->sms = sms;
     pl->cap_pages = p->max_pages_per_seq;
     pl->cap_tokens = pl->cap_pages * p->page_size;
     pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;

@@ -690,16 +690,10 @@ cudaError_t launch_generic(const screen_args &A, int gx, int rows, cudaStream_t 
 
 template <int GM, int BITS, int RB, int RT>
 cudaError_t launch_fast(const screen_args &A, int sms, int rows, cudaStream_t s) {
-    static int per_sm = 0; /* resident blocks per SM, asked once per instance */
+    static int per_sm = 0;
     const size_t sm = (size_t)A.G * A.D * 4;
-    if (!per_sm) {
-        const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &per_sm, screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm);
-        if (e != cudaSuccess || per_sm < 1) per_sm = 1;
-    }
-    /* one wave, never a block more: a second, partial wave would run alone at the end, for as
-     * long as the first (the blocks split the pages evenly) */
-    const int gx = per_sm * sms / rows > 1 ? per_sm * sms / rows : 1;
+    const int gx = ekv_cuda_one_wave(screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm, rows,
+                                     sms, &per_sm);
     screen_fast_kernel<GM, BITS, RB, RT><<<dim3(gx, rows), FAST_THREADS, sm, s>>>(A);
     return cudaGetLastError();
 }
@@ -755,9 +749,7 @@ ekv_status launch_retry_sums(ekv_cuda_plan *pl, const ekv_decode_params *prm, in
 
 /* One pass of the screen kernel (the first, or the retry). */
 ekv_status launch_screen_pass(ekv_cuda_plan *pl, const screen_args &A, int code_bits, int batch) {
-    int sms = 132;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pl->p.device);
-    const int rows = batch * A.Hk;
+    const int rows = batch * A.Hk, sms = pl->sms;
     const cudaError_t e = code_bits == 8
                                   ? launch_screen_b<8>(A, 2 * pl->nsplit, sms, rows, pl->stream)
                                   : launch_screen_b<4>(A, 2 * pl->nsplit, sms, rows, pl->stream);
