@@ -26,10 +26,19 @@ run h32_cert      --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method cert
 run h32_cert_pl   --heads 32 --kv-heads 32 --dim 128 --len "$LENS" --method certified --budget 1/16 --workload planted
 run h32g4_dense   --heads 32 --kv-heads 8 --dim 128 --len "$LENS" --method dense
 run h32g4_topk16  --heads 32 --kv-heads 8 --dim 128 --len "$LENS" --method topk --budget 1/16
+run h32g4bf_dense  --heads 32 --kv-heads 8 --dim 128 --len "$LENS" --method dense --dtype bf16
+run h32g4bf_topk16 --heads 32 --kv-heads 8 --dim 128 --len "$LENS" --method topk --budget 1/16 --dtype bf16
+run h32g8_dense   --heads 32 --kv-heads 4 --dim 128 --len "$LENS" --method dense
+run h32g8_topk16  --heads 32 --kv-heads 4 --dim 128 --len "$LENS" --method topk --budget 1/16
 # ragged batch of 16, lengths 8K..64K
 run ragged_dense   --heads 32 --kv-heads 32 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense
 run ragged_softmax --heads 32 --kv-heads 32 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense --alpha 1
 run ragged_topk16  --heads 32 --kv-heads 32 --dim 128 --batch 16 --len 65536 --ragged 8192 --method topk --budget 1/16
+# the same ragged batch with GQA 4 (8 KV heads), fp16 and bf16
+run ragged_g4_dense    --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense
+run ragged_g4_softmax  --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense --alpha 1
+run ragged_g4_topk16   --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method topk --budget 1/16
+run ragged_g4bf_dense  --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense --dtype bf16
 # H = 8, D = 64: where the reference runs at every length
 run h8_dense      --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method dense
 run h8_topk16     --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method topk --budget 1/16
@@ -44,7 +53,10 @@ if [ "${PEERS:-1}" = 1 ]; then
     mv "$OUTDIR/peer_gpu.json" "$OUTDIR/peer_h$1.json" 2>/dev/null || true
     tail -n 6 "$OUTDIR/peer_h$1.log"
   done
-  echo "== peers: ragged SDPA" >&2
+  echo "== peers: ragged SDPA, then grouped-query SDPA (enable_gqa) at batch 1 and ragged" >&2
   python3 bench/sdpa_ragged.py "$OUTDIR/ragged_sdpa.json" || true
+  python3 bench/sdpa_gqa.py "$OUTDIR/sdpa_gqa.json" --lens "$LENS" || true
+  KV=8 python3 bench/sdpa_ragged.py "$OUTDIR/ragged_g4_sdpa.json" || true
+  KV=8 DTYPE=bf16 python3 bench/sdpa_ragged.py "$OUTDIR/ragged_g4bf_sdpa.json" || true
   python3 bench/side_by_side.py "$OUTDIR" "$OUTDIR/ragged_sdpa.json"
 fi

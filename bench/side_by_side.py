@@ -1,7 +1,7 @@
 """Prints one side-by-side table from the JSON written by bench/gpu_side_by_side.sh: our
 CUDA bench rows (ours_*.json), the peers (peer_h32.json, peer_h8.json from the peer script,
-peer_gpu.py, which is not part of this repository: see bench/gpu_side_by_side.sh) and the
-ragged SDPA run (sdpa_ragged.py).
+peer_gpu.py, which is not part of this repository: see bench/gpu_side_by_side.sh), the
+ragged SDPA runs (sdpa_ragged.py) and grouped-query SDPA at batch 1 (sdpa_gqa.py).
 Usage: side_by_side.py OUTDIR [RAGGED_JSON]"""
 import argparse
 import json
@@ -44,18 +44,28 @@ for H, D, tag in ((32, 128, "h32"), (8, 64, "h8")):
               f"{f(best(topk64.get(N)))} {f(best(gauss.get(N)))} {f(best(cert.get(N)))} {f(p.get('ref_entmax_full_ms'), 8)} "
               f"{f(p.get('ref_entmax_topk16_ms'))} {f(p.get('ref_entmax_topk64_ms'))} {f(p.get('ref_entmax_gaussian_ms'))} "
               f"{f(dense[N]['roofline_ratio'], 6, 2)} {f(topk16[N]['roofline_ratio'] if N in topk16 else None, 6, 2)}")
-g4d, g4t = ours("h32g4_dense"), ours("h32g4_topk16")
-if g4d:
-    print("\nH=32 KV heads=8 (GQA 4) D=128: ms, roofline ratio")
-    for N in sorted(g4d):
-        print(f"{N:>8} dense {f(best(g4d[N]))} ({g4d[N]['roofline_ratio']:.2f})  topk16 {f(best(g4t.get(N)))} "
-              f"({g4t[N]['roofline_ratio']:.2f})" if N in g4t else "")
-rag = load(ARGS.ragged) if ARGS.ragged and os.path.exists(ARGS.ragged) else None
-rd, rs, rt = ours("ragged_dense"), ours("ragged_softmax"), ours("ragged_topk16")
-if rd:
+sgqa = {(r["KV"], r["dtype"], r["N"]): r["sdpa_ms"] for r in load("sdpa_gqa.json") or []}
+for kv, dt, tag in ((8, "f16", "h32g4"), (8, "bf16", "h32g4bf"), (4, "f16", "h32g8")):
+    gd, gt = ours(f"{tag}_dense"), ours(f"{tag}_topk16")
+    if not gd: continue
+    print(f"\nH=32 KV heads={kv} (GQA {32 // kv}) D=128 {dt}, B=1: ms (roofline ratio); SDPA with enable_gqa")
+    print(f"{'N':>8} {'sdpa':>7} {'dense':>7} {'roof':>6} {'d/sdpa':>7} {'top16':>7} {'roof':>6} {'sdpa/t':>7}")
+    for N in sorted(gd):
+        sd, dm, tm = sgqa.get((kv, dt, N)), best(gd[N]), best(gt.get(N))
+        print(f"{N:>8} {f(sd)} {f(dm)} {f(gd[N]['roofline_ratio'], 6, 2)} {f(ratio(dm, sd), 7, 2)} {f(tm)} "
+              f"{f(gt[N]['roofline_ratio'] if N in gt else None, 6, 2)} {f(ratio(sd, tm), 7, 2)}")
+def ragged_line(label, rag, rd, rs, rt):
+    """One ragged batch: SDPA (the better of its loop and padded runs) beside our rows."""
+    if not rd: return
     r = next(iter(rd.values()))
     sd = rag["sdpa_best_ms"] if rag else None
-    print(f"\nragged B={r['batch']} lengths {r['ragged_min']}..{r['len']} ({r['total_tokens']} tokens), H=32 D=128:")
+    print(f"\nragged {label} B={r['batch']} lengths {r['ragged_min']}..{r['len']} ({r['total_tokens']} tokens), "
+          f"H=32 KV={r['kv_heads']} D=128 {r['dtype']}:")
     print(f"  sdpa {f(sd)} (loop {f(rag and rag['sdpa_loop_ms'])}, padded {f(rag and rag['sdpa_padded_ms'])})  "
           f"ours dense entmax {f(best(r))} -> {f(ratio(sd, best(r)), 5, 2)}x SDPA throughput; "
           f"softmax {f(best(next(iter(rs.values()), None)))}; topk16 {f(best(next(iter(rt.values()), None)))}")
+rag = load(ARGS.ragged) if ARGS.ragged and os.path.exists(ARGS.ragged) else None
+ragged_line("MHA", rag, ours("ragged_dense"), ours("ragged_softmax"), ours("ragged_topk16"))
+ragged_line("GQA 4", load("ragged_g4_sdpa.json"), ours("ragged_g4_dense"), ours("ragged_g4_softmax"),
+            ours("ragged_g4_topk16"))
+ragged_line("GQA 4", load("ragged_g4bf_sdpa.json"), ours("ragged_g4bf_dense"), {}, {})
