@@ -139,6 +139,11 @@ static void check_other_backends(fixture *f) {
                       (m == EKV_SELECT_ORACLE ? c : EKV_ERR_UNSUPPORTED),
               "cuda per_query_head, %s", ekv_method_name(sp.method));
     }
+    ekv_select_params frac = ekv_select_default_params(); /* a per-sequence budget: both */
+    frac.method = EKV_SELECT_TOPK;
+    frac.budget_fraction = 0.25;
+    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &frac) == EKV_OK,
+          "cuda budget_fraction: %s", ekv_last_error(f->ctx));
     CHECK(ekv_decode_supported(f->ctx, (ekv_backend)7, &dp, NULL) == EKV_ERR_INVALID_ARGUMENT,
           "backend 7");
     dp.scale = INFINITY;

@@ -184,7 +184,6 @@ static ekv_status check_cuda(ekv_context *ctx, const ekv_method_info *mi,
     if (!s) return EKV_OK;
     const char *why = s->per_query_head                            ? "per_query_head lists"
                       : s->tau_mode != EKV_TAU_EXACT               ? "tau modes fixed/corrected"
-                      : s->budget_fraction > 0.0                   ? "budget_fraction"
                       : (s->tau_hint || s->tau_lb) && mi->budgeted ? "tau_hint / tau_lb"
                       : (mi->stages & EKV_STAGE_GAUSS) && (p->alibi_slopes || s->auto_margin)
                               ? "gaussian with ALiBi (the mixture solver) or auto_margin"

@@ -40,12 +40,9 @@ const ekv_method_info *ekv_method_info_of(ekv_select_method method);
 static inline ekv_select_method ekv_step_method(const ekv_select_params *select) {
     return select ? select->method : EKV_SELECT_DENSE;
 }
-/* The token budget of a sequence of n tokens: budget_fraction of it (at least one token)
- * when set, else budget_tokens. */
+/* The token budget of a sequence of n tokens (the rule is ekv_seq_budget_tokens's). */
 static inline int64_t ekv_seq_budget(const ekv_select_params *s, int64_t n) {
-    if (!(s->budget_fraction > 0.0)) return s->budget_tokens;
-    const int64_t b = (int64_t)(s->budget_fraction * (double)n);
-    return b < 1 ? 1 : b > n ? n : b;
+    return ekv_seq_budget_tokens(s->budget_fraction, s->budget_tokens, n);
 }
 /* The page statistics a method reads are present (host-side pointer checks only), and for a
  * bound stage, the superpage summaries (if any) cover every physical page of kv. */

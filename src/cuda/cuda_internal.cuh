@@ -449,7 +449,8 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
                                  const ekv_page_table *t, const float *q, int with_ball, int batch);
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
-                                int64_t budget_tokens, int32_t sink_pages, int32_t recent_pages);
+                                int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
+                                int32_t recent_pages);
 ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                     const ekv_select_params *sel, const ekv_paged_kv *kv,
                                     const ekv_page_stats *st, const ekv_page_table *t,

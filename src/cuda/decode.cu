@@ -268,7 +268,8 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B)))
         return s;
     if ((stg & EKV_STAGE_TOPK) &&
-        (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, certified ? sel->sink_pages : 0,
+        (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,
+                                  certified ? sel->sink_pages : 0,
                                   certified ? sel->recent_pages : 0)))
         return s;
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1))) return s;

@@ -22,6 +22,7 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 struct topk_args : ekv_cuda_shape {
     int64_t budget_tokens;
+    double budget_fraction; /* > 0: each sequence's share (ekv_seq_budget_tokens) */
     int sink, recent;
     const float *keys; /* [B*Hk][cap_pages] */
     int32_t *list_pages, *list_count;
@@ -96,8 +97,9 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     const int row = blockIdx.x, b = row / A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = sg.P - 1; /* scored pages */
-    int64_t k = A.budget_tokens / A.ps;
-    if (k < 1 && A.budget_tokens >= 1 && n >= 1) k = 1;
+    const int64_t budget = ekv_seq_budget_tokens(A.budget_fraction, A.budget_tokens, sg.N);
+    int64_t k = budget / A.ps;
+    if (k < 1 && budget >= 1 && n >= 1) k = 1;
     if (k > n) k = n;
     const float *key = A.keys + (int64_t)row * A.cap_pages;
     uint32_t prefix = 0, mask = 0;
@@ -184,10 +186,12 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
 } // namespace
 
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
-                                int64_t budget_tokens, int32_t sink_pages, int32_t recent_pages) {
+                                int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
+                                int32_t recent_pages) {
     topk_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.budget_tokens = budget_tokens;
+    A.budget_fraction = budget_fraction;
     A.sink = sink_pages;
     A.recent = recent_pages;
     A.keys = pl->list_bounds;

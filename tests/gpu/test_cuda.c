@@ -557,13 +557,15 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         }
         memcpy(sup_dense, sup_g, sizeof(int64_t) * B * H);
         const screen_case sc = {&m, c, &prm, &dprm, q, dq, ref, dout, sup_dense, maxP};
-        /* topk, box then min(box, ball), budgets below / at / above the total */
-        const int64_t budgets[3] = {maxN / 4, maxN / 16 + ps, 4 * maxN};
-        for (int bi = 0; bi < 3; bi++)
+        /* topk, box then min(box, ball), budgets below / at / above the total, then a tenth of
+         * each sequence (budget_fraction: every length its own budget) */
+        const int64_t budgets[4] = {maxN / 4, maxN / 16 + ps, 4 * maxN, maxN / 16};
+        for (int bi = 0; bi < 4; bi++)
             for (int ball = 0; ball < 2; ball++) {
                 ekv_select_params sp = ekv_select_default_params();
                 sp.method = EKV_SELECT_TOPK;
                 sp.budget_tokens = budgets[bi];
+                sp.budget_fraction = bi == 3 ? 0.1 : 0.0;
                 sp.use_ball = ball;
                 const int64_t cap = ekv_page_list_capacity(&m.tab, Hk);
                 int64_t *lip = malloc(sizeof(int64_t) * (B * Hk + 1));
@@ -578,7 +580,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                  * dense */
                 int64_t minN = maxN;
                 for (int b = 0; b < B; b++) minN = c->len[b] < minN ? c->len[b] : minN;
-                const int cpu_ok = budgets[bi] <= minN;
+                const int cpu_ok = bi == 3 || budgets[bi] <= minN;
                 if (cpu_ok) {
                     CHECK(ekv_select_pages(ctx, &prm, &sp, &m.kv, &m.st, &m.tab, q, &list) ==
                                   EKV_OK,
@@ -596,9 +598,11 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 CHECK(rep.launches == (c->alpha > 1 ? 6 : 5), "topk: %d launches", rep.launches);
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
                 char what[160];
-                snprintf(what, sizeof what,
-                         "topk (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld)", D,
-                         c->G, ps, c->dt, c->alpha, c->alibi, ball, (long long)budgets[bi]);
+                snprintf(
+                        what, sizeof what,
+                        "topk (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d ball=%d budget=%lld frac=%g)",
+                        D, c->G, ps, c->dt, c->alpha, c->alibi, ball, (long long)budgets[bi],
+                        sp.budget_fraction);
                 const int all_same = cpu_ok && lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
                 if (all_same) {
                     e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
@@ -934,7 +938,7 @@ static void invalid_test(ekv_context *ctx) {
             {"scale +inf", EKV_ERR_INVALID_ARGUMENT},
             {"scale -inf", EKV_ERR_INVALID_ARGUMENT},
             {"scale NaN", EKV_ERR_INVALID_ARGUMENT},
-            {"budget_fraction", EKV_ERR_UNSUPPORTED},
+            {"budget_fraction 1.5", EKV_ERR_INVALID_ARGUMENT},
             {"certified tau_hint", EKV_ERR_UNSUPPORTED},
             {"method 9", EKV_ERR_INVALID_ARGUMENT},
     };
@@ -970,7 +974,7 @@ static void invalid_test(ekv_context *ctx) {
         case 11: p2.scale = NAN; break;
         case 12:
             s2.method = EKV_SELECT_TOPK;
-            s2.budget_fraction = 0.5;
+            s2.budget_fraction = 1.5;
             break;
         case 13:
             s2.tau_hint = hint;
