@@ -1,5 +1,12 @@
 """What the SDPA peer scripts share (bench/sdpa_ragged.py, bench/sdpa_gqa.py): the timing loop
-and the decode inputs. Imported by them; not a script."""
+and the decode inputs. A module they import, not a script to run.
+Usage: from sdpa_common import time_ms, decode_qkv, sdpa (needs torch with CUDA)."""
+import argparse
+
+if __name__ == "__main__":  # --help works without torch; anything else says what this is
+    argparse.ArgumentParser(description=__doc__.split("\nUsage:")[0]).parse_args()
+    raise SystemExit("sdpa_common.py is imported by bench/sdpa_ragged.py and bench/sdpa_gqa.py")
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

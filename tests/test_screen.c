@@ -19,7 +19,7 @@
 #include <string.h>
 
 typedef struct {
-    int64_t checked, exact, halved, noslack;
+    int64_t checked, exact, halved, noslack, box; /* box: scores above the page box */
 } counts;
 
 enum {
@@ -123,13 +123,27 @@ static void rows_alone(const ekv_cpu_kernels *kern, const ekv_paged_kv *kv, int3
 static int64_t violations(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
                           int G, const ekv_screen_terms *terms, const float *z, int64_t ld) {
     float lo[64 * 4], hi[64 * 4];
-    float scratch[3 * 33 + 3 * 4 * 33]; /* ekv_screen_scratch_bytes(33, 4) */
+    float scratch[3 * 33 + 4 * 4 * 33]; /* ekv_screen_scratch_bytes(33, 4) */
     ekv_cpu_screen_prepare(qs, pg->D, G, pg->D, scratch);
     ekv_cpu_screen_page(kern, pg, qs, pg->D, G, terms, scratch, lo, hi, ld);
     int64_t bad = 0;
     for (int g = 0; g < G; g++)
         for (int64_t t = 0; t < pg->ntok; t++)
             bad += !(lo[g * ld + t] <= z[g * ld + t] && z[g * ld + t] <= hi[g * ld + t]);
+    return bad;
+}
+
+/* Counts the tokens (x heads) of one page whose computed score is above the page box
+ * (docs/math.md §10.4), the test the screen runs before reading a page's codes. */
+static int64_t box_violations(const ekv_cpu_kernels *kern, const ekv_screen_page *pg,
+                              const float *qs, int G, const float *z, int64_t ld) {
+    float scratch[3 * 33 + 4 * 4 * 33]; /* ekv_screen_scratch_bytes(33, 4) */
+    double u[4];
+    ekv_cpu_screen_prepare(qs, pg->D, G, pg->D, scratch);
+    ekv_cpu_screen_page_box(kern, pg, G, scratch, u);
+    int64_t bad = 0;
+    for (int g = 0; g < G; g++)
+        for (int64_t t = 0; t < pg->ntok; t++) bad += !((double)z[g * ld + t] <= u[g]);
     return bad;
 }
 
@@ -195,6 +209,7 @@ static void check_case(ekv_context *ctx, int ci, counts *n) {
                 n->exact += violations(kerns[kk], &pg, qs, G, &ekv_screen_exact, z, 64);
                 n->halved += violations(kerns[kk], &pg, qs, G, &halved, z, 64);
                 n->noslack += violations(kerns[kk], &pg, qs, G, &noslack, z, 64);
+                n->box += box_violations(kerns[kk], &pg, qs, G, z, 64);
             }
         }
     }
@@ -218,12 +233,14 @@ int main(void) {
     ekv_context *ctx;
     CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
     check_params(ctx);
-    counts n = {0, 0, 0, 0};
+    counts n = {0, 0, 0, 0, 0};
     for (int ci = 0; ci < 216; ci++) check_case(ctx, ci, &n);
     printf("screen: %lld head-token scores checked; outside [lo, hi]: %lld exact, %lld with the code error "
            "halved, %lld without the slack\n",
            (long long)n.checked, (long long)n.exact, (long long)n.halved, (long long)n.noslack);
     CHECK(n.exact == 0, "%lld computed scores outside the screen's bounds", (long long)n.exact);
+    printf("screen: computed scores above the page box: %lld\n", (long long)n.box);
+    CHECK(n.box == 0, "%lld computed scores above the page box", (long long)n.box);
     CHECK(n.halved > 0, "a halved code error went unnoticed");
     CHECK(n.noslack > 0, "a dropped rounding slack went unnoticed");
     ekv_context_free(ctx);

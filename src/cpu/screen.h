@@ -12,12 +12,16 @@ typedef struct ekv_screen_terms {
 } ekv_screen_terms;
 extern const ekv_screen_terms ekv_screen_exact;
 
+/* Below fp32's subnormals an exact product can vanish where the kernel's does not: every
+ * channel and the sum get this absolute floor (docs/math.md §10.2). */
+#define EKV_SCREEN_NU 0x1p-140
+
 /* One page of one KV head, for the G query heads of its group. */
 typedef struct ekv_screen_page {
     const float *kmin, *kmax; /* the page's stored range for this KV head [D]            */
     const uint8_t *codes;     /* the page's code block for this KV head (src/core/codes.h) */
     int32_t bits;
-    int64_t D, page_size, ntok; /* head dim; token slots of a block; valid tokens        */
+    int64_t D, page_size, ntok;     /* head dim; token slots of a block; valid tokens        */
     const float *bias0, *bias_step; /* [G] the ALiBi terms the score kernel gets, or NULL */
     const double *alibi_slack;      /* [G] 16u|a m_h| (|first - (N-1)| + page_size), or NULL */
 } ekv_screen_page;
@@ -30,9 +34,14 @@ typedef struct ekv_screen_page {
  * list: what depends on the queries alone is not redone per page).
  */
 static inline int64_t ekv_screen_scratch_bytes(int64_t D, int64_t G) {
-    return (3 * D + 2 * G * D) * (int64_t)sizeof(float);
+    return (3 * D + 4 * G * D) * (int64_t)sizeof(float);
 }
 void ekv_cpu_screen_prepare(const float *qs, int64_t ldq, int G, int64_t D, void *scratch);
+/* The page test before the codes (docs/math.md §10.4): u[g] >= every fp32 score of the page's
+ * tokens for head g, from the page's range (the box) with the rounding of the box and of the
+ * scores, and the ALiBi term of its last token. Same scratch; it uses the per-channel slots. */
+void ekv_cpu_screen_page_box(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, int G,
+                             void *scratch, double *u);
 void ekv_cpu_screen_page(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, const float *qs,
                          int64_t ldq, int G, const ekv_screen_terms *terms, void *scratch,
                          float *lo, float *hi, int64_t ld);

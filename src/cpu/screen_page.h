@@ -30,9 +30,6 @@ static inline float ekv_screen_up(double x) {
     return f;
 }
 
-/* Below fp32's subnormals an exact product can vanish where the kernel's does not: every
- * channel and the sum get this absolute floor (docs/math.md §10.2). */
-#define EKV_SCREEN_NU 0x1p-140
 
 /* Per channel: the step s_c, the centre m_c + s_c/2 the codes count from, and W_c, the error
  * per unit of |q'_c|. 0 when a step is not finite (M - m overflowed fp32). The centre's and

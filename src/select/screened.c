@@ -46,6 +46,7 @@ typedef struct {
     double *w_y, *w_y2; /* per worker [nmax] */
     float *w_l;         /* per worker [nmax] */
     float *w_range;     /* per worker [2 D]: a compact range as fp32 */
+    int64_t *tskip;     /* [ntask] code bytes of the pages the page box dropped (not read) */
     ekv_row_lists rl;   /* the rows (step arena) */
     int64_t *rows, *start, *count, *pairs; /* pairs: surviving (token, head) pairs per list */
 } screen_job;
@@ -67,17 +68,35 @@ static char *list_scratch(const screen_job *j, int worker, int64_t l) {
     return j->w_scratch + (worker * j->heads + l) * ekv_screen_scratch_bytes(j->s.sh.D, j->Gl);
 }
 
-/* The bounds of page p of sequence b for list l's heads into lo/hi [Gl][ps]. */
-static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int worker, float *lo,
-                        float *hi) {
+/* Raises a threshold shared by the tasks of one list to v (a lock-free maximum on its bits). */
+static void publish_max(uint32_t *p, float v) {
+    uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED), nv;
+    memcpy(&nv, &v, 4);
+    for (;;) {
+        float f;
+        memcpy(&f, &old, 4);
+        if (!(v > f)) return;
+        if (__atomic_compare_exchange_n(p, &old, nv, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+    }
+}
+
+static float shared_thr(const screen_job *j, int64_t li, int64_t g) {
+    const uint32_t u = __atomic_load_n(j->pub + li * j->Gl + g, __ATOMIC_RELAXED);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Page p of sequence b as list l's screen sees it: its range, codes and ALiBi terms (into the
+ * caller's b0, bs, slack [Gl]). */
+static ekv_screen_page page_view(screen_job *j, int64_t b, int64_t l, int64_t p, int worker,
+                                 float *b0, float *bs, double *slack) {
     const ekv_page_table *t = j->s.t;
     const int64_t P = ekv_seq_pages(t->indptr, b), ps = j->s.sh.ps, D = j->s.sh.D, Hk = j->s.sh.Hk;
     const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, ps);
     const int64_t h0 = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G), kvh = h0 / j->s.sh.G;
     const int32_t page = t->indices[t->indptr[b] + p];
     const int64_t so = ((int64_t)page * Hk + kvh) * D;
-    float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
-    double slack[EKV_CPU_MAX_GROUP];
     const int biased =
             ekv_cpu_alibi_page(j->s.prm->alibi_slopes, j->s.sh.a, h0, j->Gl, p * ps, N, b0, bs);
     for (int64_t g = 0; biased && g < j->Gl; g++)
@@ -96,8 +115,30 @@ static void screen_page(screen_job *j, int64_t b, int64_t l, int64_t p, int work
                                 biased ? b0 : NULL,
                                 biased ? bs : NULL,
                                 biased ? slack : NULL};
-    ekv_cpu_screen_page(j->s.kern, &pg, j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl,
-                        &ekv_screen_exact, list_scratch(j, worker, l), lo, hi, ps);
+    return pg;
+}
+
+/* The page box against the list's thresholds (the task's, or a higher one another task
+ * shared; docs/math.md §10.4): 1 when no token of the page can beat any head's, so its codes
+ * need not be read. */
+static int page_below(screen_job *j, const ekv_screen_page *pg, int64_t task, int64_t b, int64_t l,
+                      int worker) {
+    double u[EKV_CPU_MAX_GROUP];
+    ekv_cpu_screen_page_box(j->s.kern, pg, (int)j->Gl, list_scratch(j, worker, l), u);
+    const float *thr = j->tthr + (task * j->heads + l) * j->Gl;
+    for (int64_t g = 0; g < j->Gl; g++) {
+        const float s = shared_thr(j, b * j->heads + l, g), t = s > thr[g] ? s : thr[g];
+        if (!(u[g] <= (double)t)) return 0;
+    }
+    return 1;
+}
+
+/* The bounds of the page's tokens for list l's heads into lo/hi [Gl][ps]. */
+static void screen_page(screen_job *j, const ekv_screen_page *pg, int64_t b, int64_t l, int worker,
+                        float *lo, float *hi) {
+    const int64_t h0 = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G), D = j->s.sh.D;
+    ekv_cpu_screen_page(j->s.kern, pg, j->qs + (b * j->s.sh.H + h0) * D, D, (int)j->Gl,
+                        &ekv_screen_exact, list_scratch(j, worker, l), lo, hi, j->s.sh.ps);
 }
 
 enum { SCREEN_PF_PAGES = 2 }; /* prefetch distance, in pages */
@@ -129,25 +170,6 @@ static float round_down(double t) {
     return f;
 }
 static float below(double x) { return round_down(x - 1e-12 * (1.0 + fabs(x))); }
-
-/* Raises a threshold shared by the tasks of one list to v (a lock-free maximum on its bits). */
-static void publish_max(uint32_t *p, float v) {
-    uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED), nv;
-    memcpy(&nv, &v, 4);
-    for (;;) {
-        float f;
-        memcpy(&f, &old, 4);
-        if (!(v > f)) return;
-        if (__atomic_compare_exchange_n(p, &old, nv, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
-    }
-}
-
-static float shared_thr(const screen_job *j, int64_t li, int64_t g) {
-    const uint32_t u = __atomic_load_n(j->pub + li * j->Gl + g, __ATOMIC_RELAXED);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* tau of head g over the kept lower bounds above M - 1 (docs/math.md §10.3: only they can be in
  * the support of entmax over them), for candidates[0..n) from base; -inf without a finite M. */
@@ -245,9 +267,38 @@ static void keep_candidates(screen_job *j, int64_t task, int64_t b, int64_t l, i
     if (*n >= j->tnext[tl]) tighten(j, task, li, base, worker);
 }
 
+/* Whether a task still tries the page box: it stops once the box has dropped fewer than one
+ * page in eight of its first 64 tries (keys without a position bias rarely fall below it). */
+typedef struct {
+    int on;
+    int64_t tried, skipped;
+} box_gate;
+
+static int gate_skips(box_gate *g, int below) {
+    g->tried++;
+    g->skipped += below;
+    if (g->tried >= 64 && 8 * g->skipped < g->tried) g->on = 0;
+    return below;
+}
+
+/* The chunk of sequence b that a task screens: the newest first, so that on ALiBi heads the
+ * thresholds rise before the old pages come, and their page box can drop them unread. */
+static int64_t chunk_of_task(const screen_job *j, int64_t b, int64_t task) {
+    return j->task_off[b + 1] - 1 - task;
+}
+
+/* Shares the task's thresholds with the list's other tasks (each is a lower bound of tau(l),
+ * docs/math.md §10.3). */
+static void publish_task(screen_job *j, int64_t task, int64_t b) {
+    for (int64_t l = 0; l < j->heads; l++)
+        for (int64_t g = 0; g < j->Gl; g++)
+            publish_max(j->pub + (b * j->heads + l) * j->Gl + g,
+                        j->tthr[(task * j->heads + l) * j->Gl + g]);
+}
+
 static void screen_chunk(void *vp, int64_t task, int worker) {
     screen_job *j = vp;
-    const int64_t b = find_seq(j, task), c = task - j->task_off[b], ps = j->s.sh.ps;
+    const int64_t b = find_seq(j, task), c = chunk_of_task(j, b, task), ps = j->s.sh.ps;
     const int64_t P = ekv_seq_pages(j->s.t->indptr, b), p0 = c * j->chunk_pages;
     const int64_t p1 = p0 + j->chunk_pages < P ? p0 + j->chunk_pages : P;
     float *lo = j->w_lo + worker * j->Gl * ps, *hi = j->w_hi + worker * j->Gl * ps;
@@ -263,14 +314,23 @@ static void screen_chunk(void *vp, int64_t task, int worker) {
             j->tthr[tl * j->Gl + g] = shared_thr(j, b * j->heads + l, g);
         }
     }
+    box_gate gate = {1, 0, 0};
+    j->tskip[task] = 0;
     for (int64_t p = p0; p < p1; p++) {
-        const int64_t ntok = ekv_page_tokens(p, P, j->s.t->last_page_len[b], ps);
         for (int64_t l = 0; l < j->heads; l++) {
             if (p + SCREEN_PF_PAGES < P) prefetch_page(j, b, l, p + SCREEN_PF_PAGES);
-            screen_page(j, b, l, p, worker, lo, hi);
-            keep_candidates(j, task, b, l, p * ps, ntok, p0 * ps, lo, hi, worker);
+            float b0[EKV_CPU_MAX_GROUP], bs[EKV_CPU_MAX_GROUP];
+            double slack[EKV_CPU_MAX_GROUP];
+            const ekv_screen_page pg = page_view(j, b, l, p, worker, b0, bs, slack);
+            if (pg.bias0 && gate.on && gate_skips(&gate, page_below(j, &pg, task, b, l, worker))) {
+                j->tskip[task] += pg.ntok * ekv_code_row_bytes(pg.D, pg.bits);
+                continue;
+            }
+            screen_page(j, &pg, b, l, worker, lo, hi);
+            keep_candidates(j, task, b, l, p * ps, pg.ntok, p0 * ps, lo, hi, worker);
         }
     }
+    publish_task(j, task, b);
 }
 
 /* Moves the kept candidates of every task of list li (sequence b) to the front of its slots,
@@ -280,9 +340,9 @@ static int64_t gather_kept(screen_job *j, int64_t b, int64_t l, float *M) {
     const int64_t li = b * j->heads + l, Gl = j->Gl, dst = li * j->nmax;
     int64_t n = 0;
     for (int64_t g = 0; g < Gl; g++) M[g] = -INFINITY;
-    for (int64_t task = j->task_off[b]; task < j->task_off[b + 1]; task++) {
-        const int64_t tl = task * j->heads + l;
-        const int64_t src = dst + (task - j->task_off[b]) * j->chunk_pages * j->s.sh.ps;
+    for (int64_t c = 0; c < j->task_off[b + 1] - j->task_off[b]; c++) { /* in token order */
+        const int64_t task = chunk_of_task(j, b, c), tl = task * j->heads + l;
+        const int64_t src = dst + c * j->chunk_pages * j->s.sh.ps;
         for (int64_t g = 0; g < Gl; g++)
             M[g] = j->tmax[tl * Gl + g] > M[g] ? j->tmax[tl * Gl + g] : M[g];
         memmove(j->c_tok + dst + n, j->c_tok + src, sizeof(int64_t) * (size_t)j->tcount[tl]);
@@ -345,6 +405,7 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
         Y2,
         WL,
         WRNG,
+        TSKIP,
         NB
     };
     const int64_t sz[NB] = {B * j->s.sh.H * D * 4,
@@ -364,7 +425,8 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
                             W * nmax * 8,
                             W * nmax * 8,
                             W * nmax * 4,
-                            W * 2 * D * 4};
+                            W * 2 * D * 4,
+                            j->ntask * 8};
     int64_t off[NB];
     ekv_status st;
     char *ws = ekv_workspace_blocks(ctx, sz, NB, off, "screen", &st);
@@ -391,6 +453,7 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
     j->w_y2 = (double *)(ws + off[Y2]);
     j->w_l = (float *)(ws + off[WL]);
     j->w_range = (float *)(ws + off[WRNG]);
+    j->tskip = (int64_t *)(ws + off[TSKIP]);
     j->task_off[0] = 0;
     for (int64_t b = 0; b < B; b++)
         j->task_off[b + 1] = j->task_off[b] +
@@ -424,7 +487,8 @@ static ekv_status screen_rows(ekv_context *ctx, screen_job *j, const ekv_select_
     return EKV_OK;
 }
 
-/* Bytes the screen read: per list, the page ranges (2 D values per page) and the codes. */
+/* Bytes the screen read: per list, the page ranges (2 D values per page) and the codes, but
+ * for the pages the page box dropped. */
 static int64_t screen_bytes(const screen_job *j) {
     int64_t bytes = 0;
     for (int64_t b = 0; b < j->s.sh.B; b++) {
@@ -433,6 +497,7 @@ static int64_t screen_bytes(const screen_job *j) {
         bytes += j->heads * (P * ekv_range_bytes(j->st->range_dtype, j->s.sh.D) +
                              N * ekv_code_row_bytes(j->s.sh.D, j->st->code_bits));
     }
+    for (int64_t t = 0; t < j->ntask; t++) bytes -= j->tskip[t];
     return bytes;
 }
 
