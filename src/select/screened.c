@@ -47,6 +47,7 @@ typedef struct {
     float *w_l;         /* per worker [nmax] */
     float *w_range;     /* per worker [2 D]: a compact range as fp32 */
     int64_t *tskip;     /* [ntask] code bytes of the pages the page box dropped (not read) */
+    int64_t skipped;    /* their sum, kept past the workspace (the attention reuses it) */
     ekv_row_lists rl;   /* the rows (step arena) */
     int64_t *rows, *start, *count, *pairs; /* pairs: surviving (token, head) pairs per list */
 } screen_job;
@@ -483,6 +484,7 @@ static ekv_status screen_rows(ekv_context *ctx, screen_job *j, const ekv_select_
     j->nmax = ekv_table_max_len(j->s.t->indptr, j->s.t->last_page_len, j->s.t->batch, j->s.sh.ps);
     if ((s = screen_setup(ctx, j, q))) return s;
     ekv_pool_run(ctx->pool, j->ntask, screen_chunk, j);
+    for (int64_t t = 0; t < j->ntask; t++) j->skipped += j->tskip[t];
     ekv_pool_run(ctx->pool, j->s.sh.B * j->heads, screen_survivors, j);
     return EKV_OK;
 }
@@ -497,8 +499,7 @@ static int64_t screen_bytes(const screen_job *j) {
         bytes += j->heads * (P * ekv_range_bytes(j->st->range_dtype, j->s.sh.D) +
                              N * ekv_code_row_bytes(j->s.sh.D, j->st->code_bits));
     }
-    for (int64_t t = 0; t < j->ntask; t++) bytes -= j->tskip[t];
-    return bytes;
+    return bytes - j->skipped;
 }
 
 /* (page, list) pairs holding a surviving row: the pages whose K the attention touches. */
