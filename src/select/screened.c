@@ -282,10 +282,11 @@ static int gate_skips(box_gate *g, int below) {
     return below;
 }
 
-/* The chunk of sequence b that a task screens: the newest first, so that on ALiBi heads the
- * thresholds rise before the old pages come, and their page box can drop them unread. */
-static int64_t chunk_of_task(const screen_job *j, int64_t b, int64_t task) {
-    return j->task_off[b + 1] - 1 - task;
+/* The chunk (0 = the oldest) of sequence b that a task screens, or the task of a chunk: the map
+ * is its own inverse. The newest chunk goes first, so that on ALiBi heads the thresholds rise
+ * before the old pages come, and their page box can drop them unread. */
+static int64_t chunk_task(const screen_job *j, int64_t b, int64_t task_or_chunk) {
+    return j->task_off[b + 1] - 1 - task_or_chunk;
 }
 
 /* Shares the task's thresholds with the list's other tasks (each is a lower bound of tau(l),
@@ -299,7 +300,7 @@ static void publish_task(screen_job *j, int64_t task, int64_t b) {
 
 static void screen_chunk(void *vp, int64_t task, int worker) {
     screen_job *j = vp;
-    const int64_t b = find_seq(j, task), c = chunk_of_task(j, b, task), ps = j->s.sh.ps;
+    const int64_t b = find_seq(j, task), c = chunk_task(j, b, task), ps = j->s.sh.ps;
     const int64_t P = ekv_seq_pages(j->s.t->indptr, b), p0 = c * j->chunk_pages;
     const int64_t p1 = p0 + j->chunk_pages < P ? p0 + j->chunk_pages : P;
     float *lo = j->w_lo + worker * j->Gl * ps, *hi = j->w_hi + worker * j->Gl * ps;
@@ -342,7 +343,7 @@ static int64_t gather_kept(screen_job *j, int64_t b, int64_t l, float *M) {
     int64_t n = 0;
     for (int64_t g = 0; g < Gl; g++) M[g] = -INFINITY;
     for (int64_t c = 0; c < j->task_off[b + 1] - j->task_off[b]; c++) { /* in token order */
-        const int64_t task = chunk_of_task(j, b, c), tl = task * j->heads + l;
+        const int64_t task = chunk_task(j, b, c), tl = task * j->heads + l;
         const int64_t src = dst + c * j->chunk_pages * j->s.sh.ps;
         for (int64_t g = 0; g < Gl; g++)
             M[g] = j->tmax[tl * Gl + g] > M[g] ? j->tmax[tl * Gl + g] : M[g];
