@@ -12,6 +12,7 @@
  * (round to nearest even via rint in double), not from the library's converters.
  */
 #include "entmaxkv.h"
+#include "core/internal.h"
 #include "test_util.h"
 #include <float.h>
 #include <string.h>
@@ -247,6 +248,39 @@ static void check_compact_range(const ekv_page_stats *st, int64_t i, double mn, 
     CHECK(h >= mx && (h == mx || value16(down16(hi), dt) < mx),
           "[%s] compact max %.9g (%s) for max %.9g at %lld: not the outward rounding", g_cfg, h,
           ekv_dtype_name(dt), mx, (long long)i);
+}
+
+/* ekv_round16_outward (docs/math.md §1.2) against the definition, for every finite 16-bit value
+ * of f16 and bf16 and fp32 numbers just around it and halfway to its neighbour, the extremes
+ * beyond the dtype's range, zeros, infinities and subnormals: rounded down it is at most x and
+ * the next 16-bit value is above x; rounded up, the mirror image. */
+static void check_outward_one(float x, ekv_dtype dt, int64_t *bad) {
+    const uint16_t lo = ekv_round16_outward(x, dt, -1), hi = ekv_round16_outward(x, dt, 1);
+    const double l = value16(lo, dt), h = value16(hi, dt);
+    const int ok = l <= x && (l == x || value16(up16(lo), dt) > x) && h >= x &&
+                   (h == x || value16(down16(hi), dt) < x);
+    if (!ok && (*bad)++ < 3)
+        fprintf(stderr, "outward %s of %.9g: down %.9g, up %.9g\n", ekv_dtype_name(dt), x, l, h);
+}
+
+static void test_round_outward(void) {
+    const ekv_dtype dts[2] = {EKV_DTYPE_F16, EKV_DTYPE_BF16};
+    int64_t bad = 0, n = 0;
+    for (int k = 0; k < 2; k++)
+        for (uint32_t b = 0; b < 65536; b++) {
+            const uint16_t h = (uint16_t)b;
+            const double v = value16(h, dts[k]), next = value16(up16(h), dts[k]);
+            if (!isfinite(v) || !isfinite(next)) continue;
+            const float x = (float)v, mid = (float)(0.5 * (v + next));
+            const float probe[5] = {x, nextafterf(x, INFINITY), nextafterf(x, -INFINITY), mid,
+                                    nextafterf(mid, INFINITY)};
+            for (int i = 0; i < 5; i++, n++) check_outward_one(probe[i], dts[k], &bad);
+        }
+    const float edge[10] = {0.f,      -0.f,    INFINITY, -INFINITY, 70000.f,
+                            -70000.f, FLT_MAX, -FLT_MAX, 0x1p-149f, -0x1p-149f};
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 10; i++, n++) check_outward_one(edge[i], dts[k], &bad);
+    CHECK(bad == 0, "%lld of %lld values rounded outward wrongly", (long long)bad, (long long)n);
 }
 
 static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_t np, int64_t i0,
@@ -1285,6 +1319,7 @@ static void test_sizes(test_rng *r) {
 
 int main(void) {
     test_rng r = {0x9e3779b97f4a7c15ull};
+    test_round_outward();
     ekv_context *ctx1 = NULL, *ctx3 = NULL;
     ekv_context_params cp = ekv_context_default_params();
     /* ctx1: one thread, scalar conversions; ctx3: three threads, the best SIMD conversions.
