@@ -343,8 +343,7 @@ static ekv_status lists_workspace(ekv_context *ctx, pages_job *j, const float *q
     for (int64_t p = 0; !j->a->list && p < maxP; p++) iota[p] = (int32_t)p;
     j->iota = iota;
     memset(j->w_mark, 0, (size_t)(W * nmax));
-    const float qscale = (float)(j->sh.a * (float)ekv_effective_scale(j->prm->scale, j->sh.D));
-    for (int64_t i = 0; i < j->sh.B * j->sh.H * j->sh.D; i++) qs[i] = q[i] * qscale;
+    ekv_cpu_scale_queries(j->prm, &j->sh, q, qs);
     j->qs = qs;
     return EKV_OK;
 }

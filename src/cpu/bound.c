@@ -184,8 +184,8 @@ static void bound_task(void *vp, int64_t task, int worker) {
                                        D;
                     const int64_t rb = ekv_range_bytes(j->st->range_dtype, D) / 2;
                     for (int64_t o = 0; o < rb; o += 64) {
-                        __builtin_prefetch(ekv_cpu_range_min_addr(j->st, so) + o, 0, 2);
-                        __builtin_prefetch(ekv_cpu_range_max_addr(j->st, so) + o, 0, 2);
+                        __builtin_prefetch(ekv_cpu_range_addr(j->st, 0, so) + o, 0, 2);
+                        __builtin_prefetch(ekv_cpu_range_addr(j->st, 1, so) + o, 0, 2);
                     }
                 }
             float box[STEP * EKV_CPU_MAX_GROUP], ball[STEP * EKV_CPU_MAX_GROUP];

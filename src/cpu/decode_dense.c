@@ -209,9 +209,7 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
         toff += j.chunks[b];
     }
     j.ntasks = ntasks;
-    /* q' = (a * scale) * q, so that the kernels produce z directly */
-    const float qscale = (float)(j.sh.a * (float)ekv_effective_scale(prm->scale, j.sh.D));
-    for (int64_t i = 0; i < j.sh.B * j.sh.H * j.sh.D; i++) qs[i] = q[i] * qscale;
+    ekv_cpu_scale_queries(prm, &j.sh, q, qs); /* so that the kernels produce z directly */
     j.qs = qs;
     j.out = out;
     j.tau = info ? info->tau : NULL;

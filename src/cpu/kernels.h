@@ -85,6 +85,14 @@ static inline ekv_cpu_step ekv_cpu_step_of(const ekv_context *ctx, const ekv_dec
                             ekv_step_shape_of(prm, kv, t)};
     return s;
 }
+/* qs = q' = (a * scale) * q for the step's [B][H][D] queries, the factor rounded to fp32 once:
+ * the queries every score kernel takes, so that every path (dense, page lists, token rows, the
+ * screen) scores with the same bits (docs/math.md §10.3, "The same bits as dense"). */
+static inline void ekv_cpu_scale_queries(const ekv_decode_params *prm, const ekv_step_shape *sh,
+                                         const float *q, float *qs) {
+    const float f = (float)(sh->a * (float)ekv_effective_scale(prm->scale, sh->D));
+    for (int64_t i = 0; i < sh->B * sh->H * sh->D; i++) qs[i] = q[i] * f;
+}
 extern const ekv_cpu_kernels ekv_cpu_kernels_scalar;
 #if defined(__x86_64__)
 extern const ekv_cpu_kernels ekv_cpu_kernels_avx2;

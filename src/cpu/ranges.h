@@ -20,13 +20,10 @@ static inline void ekv_cpu_page_range(const ekv_cpu_kernels *k, const ekv_page_s
     *mx = buf + D;
 }
 
-/* Where the range of (page, KV head) at flat offset off starts, for prefetching. */
-static inline const char *ekv_cpu_range_min_addr(const ekv_page_stats *st, int64_t off) {
-    return st->range_dtype == EKV_DTYPE_F32 ? (const char *)(st->kmin + off)
-                                            : (const char *)(st->kmin16 + off);
-}
-static inline const char *ekv_cpu_range_max_addr(const ekv_page_stats *st, int64_t off) {
-    return st->range_dtype == EKV_DTYPE_F32 ? (const char *)(st->kmax + off)
-                                            : (const char *)(st->kmax16 + off);
+/* Where the minima (hi = 0) or the maxima of (page, KV head) at flat offset off start, as
+ * stored (for prefetching). */
+static inline const char *ekv_cpu_range_addr(const ekv_page_stats *st, int hi, int64_t off) {
+    if (st->range_dtype == EKV_DTYPE_F32) return (const char *)((hi ? st->kmax : st->kmin) + off);
+    return (const char *)((hi ? st->kmax16 : st->kmin16) + off);
 }
 #endif

@@ -7,12 +7,9 @@
 
 const ekv_screen_terms ekv_screen_exact = {1.0, 1};
 
-/* The scratch layout: step, centre and W per channel [3 D], the code weights w' [G D],
- * then what ekv_cpu_screen_prepare keeps for the whole list: |q'|, then the positive and the
- * negative parts of q' (for the page box) [G D each]. */
 void ekv_cpu_screen_prepare(const float *qs, int64_t ldq, int G, int64_t D, void *scratch) {
-    float *qabs = (float *)scratch + 3 * D + (int64_t)G * D, *qpos = qabs + (int64_t)G * D,
-          *qneg = qpos + (int64_t)G * D;
+    const ekv_screen_scratch sc = ekv_screen_scratch_of(scratch, D, G);
+    float *qabs = sc.qabs, *qpos = sc.qpos, *qneg = sc.qneg;
     for (int g = 0; g < G; g++)
         for (int64_t c = 0; c < D; c++) {
             const float x = qs[g * ldq + c];
@@ -37,9 +34,9 @@ static float dot_nonneg(const float *x, const float *y, int64_t n) {
 void ekv_cpu_screen_page_box(const ekv_cpu_kernels *kern, const ekv_screen_page *pg, int G,
                              void *scratch, double *u) {
     const int64_t D = pg->D;
-    float *A = (float *)scratch; /* the step slots: free until the page is screened */
-    const float *qabs = A + 3 * D + (int64_t)G * D, *qpos = qabs + (int64_t)G * D,
-                *qneg = qpos + (int64_t)G * D;
+    const ekv_screen_scratch sc = ekv_screen_scratch_of(scratch, D, G);
+    float *A = sc.step; /* the step slots: free until the page is screened */
+    const float *qabs = sc.qabs, *qpos = sc.qpos, *qneg = sc.qneg;
     for (int64_t c = 0; c < D; c++) {
         const float a0 = fabsf(pg->kmin[c]), a1 = fabsf(pg->kmax[c]);
         A[c] = a0 > a1 ? a0 : a1;

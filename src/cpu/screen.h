@@ -36,6 +36,24 @@ typedef struct ekv_screen_page {
 static inline int64_t ekv_screen_scratch_bytes(int64_t D, int64_t G) {
     return (3 * D + 4 * G * D) * (int64_t)sizeof(float);
 }
+/* The scratch layout, written once: per channel of the page, the step, the centre and W [D
+ * each] (the page box borrows the steps' slots for A), the code weights w' [G][D]; then what
+ * ekv_cpu_screen_prepare keeps for the whole list: |q'|, and q''s positive and negative parts
+ * (the page box) [G][D each]. */
+typedef struct ekv_screen_scratch {
+    float *step, *mid, *w, *wq, *qabs, *qpos, *qneg;
+} ekv_screen_scratch;
+static inline ekv_screen_scratch ekv_screen_scratch_of(void *scratch, int64_t D, int64_t G) {
+    ekv_screen_scratch s;
+    s.step = (float *)scratch;
+    s.mid = s.step + D;
+    s.w = s.mid + D;
+    s.wq = s.w + D;
+    s.qabs = s.wq + G * D;
+    s.qpos = s.qabs + G * D;
+    s.qneg = s.qpos + G * D;
+    return s;
+}
 void ekv_cpu_screen_prepare(const float *qs, int64_t ldq, int G, int64_t D, void *scratch);
 /* The page test before the codes (docs/math.md §10.4): u[g] >= every fp32 score of the page's
  * tokens for head g, from the page's range (the box) with the rounding of the box and of the

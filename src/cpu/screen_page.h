@@ -30,7 +30,6 @@ static inline float ekv_screen_up(double x) {
     return f;
 }
 
-
 /* Per channel: the step s_c, the centre m_c + s_c/2 the codes count from, and W_c, the error
  * per unit of |q'_c|. 0 when a step is not finite (M - m overflowed fp32). The centre's and
  * the sums' own fp32 rounding are inside W_c: 6u A_c and 2 gamma (4 A_c + s_c) cover the code's
@@ -99,8 +98,9 @@ static inline void ekv_screen_page_impl(ekv_code_dots_fn *dots, ekv_screen_dots2
                                         int G, const ekv_screen_terms *terms, float *scratch,
                                         float *lo, float *hi, int64_t ld) {
     const int64_t D = pg->D;
-    float *step = scratch, *mid = step + D, *w = mid + D, *wq = w + D;
-    const float *qabs = wq + G * D;
+    const ekv_screen_scratch sc = ekv_screen_scratch_of(scratch, D, G);
+    float *step = sc.step, *mid = sc.mid, *w = sc.w, *wq = sc.wq;
+    const float *qabs = sc.qabs;
     if (!ekv_screen_channel_terms(pg, terms, step, mid, w)) {
         ekv_screen_unbounded(pg->ntok, G, lo, hi, ld);
         return;

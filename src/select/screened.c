@@ -152,8 +152,8 @@ static void prefetch_page(const screen_job *j, int64_t b, int64_t l, int64_t p) 
     const int64_t kvh = ekv_list_head0(l, j->heads, j->s.sh.H, j->s.sh.G) / j->s.sh.G;
     const int64_t ph = (int64_t)t->indices[t->indptr[b] + p] * Hk + kvh;
     const int64_t cb = ps * ekv_code_row_bytes(D, j->st->code_bits);
-    const char *mn = ekv_cpu_range_min_addr(j->st, ph * D);
-    const char *mx = ekv_cpu_range_max_addr(j->st, ph * D);
+    const char *mn = ekv_cpu_range_addr(j->st, 0, ph * D);
+    const char *mx = ekv_cpu_range_addr(j->st, 1, ph * D);
     const char *codes = (const char *)(j->st->codes + ph * cb);
     for (int64_t o = 0; o < ekv_range_bytes(j->st->range_dtype, D) / 2; o += 64) {
         __builtin_prefetch(mn + o, 0, 2);
@@ -460,8 +460,7 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
     for (int64_t b = 0; b < B; b++)
         j->task_off[b + 1] = j->task_off[b] +
                              (ekv_seq_pages(t->indptr, b) + j->chunk_pages - 1) / j->chunk_pages;
-    const float qscale = (float)(j->s.sh.a * (float)ekv_effective_scale(j->s.prm->scale, D));
-    for (int64_t i = 0; i < B * j->s.sh.H * D; i++) qs[i] = q[i] * qscale;
+    ekv_cpu_scale_queries(j->s.prm, &j->s.sh, q, qs);
     j->qs = qs;
     const int64_t rsz[4] = {nl * nmax * 8, nl * 8, nl * 8, nl * 8};
     int64_t roff[4];
