@@ -46,6 +46,8 @@ static void bench_help(FILE *f) {
             "  --budget-tokens T     top-k: token budget (overrides --budget)\n"
             "  --code-bits B         screened: 4 or 8 bits per key channel in the cache's key codes\n"
             "                        (default 4; the other methods' caches hold no codes)\n"
+            "  --tensor-cores 0|1    cuda: scores on tensor cores where they apply (f16/bf16 K,\n"
+            "                        head dim 64 or 128, page size a multiple of 16; default 1)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -77,6 +79,7 @@ static void parse_defaults(bench_opts *o) {
     o->isa = EKV_ISA_AUTO;
     o->budget = 1.0 / 16;
     o->code_bits = 4;
+    o->tensor_cores = 1;
 }
 
 /* Options whose value is a name or a number with its own range; 0 if a is none of them. */
@@ -90,6 +93,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         o->method = cli_need_method("bench", argc, argv, i);
     else if (!strcmp(a, "--code-bits"))
         o->code_bits = cli_need_code_bits("bench", argc, argv, i);
+    else if (!strcmp(a, "--tensor-cores"))
+        o->tensor_cores = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);

@@ -521,7 +521,7 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
             "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
             "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld,"
-            "\"code_bits\":%d,\"survivors\":%lld,\"ranges\":\"%s\"}",
+            "\"code_bits\":%d,\"survivors\":%lld,\"ranges\":\"%s\",\"tensor_cores\":%d}",
             li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len,
             (long long)o->w.batch, (long long)o->ragged_min, (long long)c->total_tokens,
             (long long)o->w.heads, (long long)Hk, (long long)D, (long long)o->w.page,
@@ -531,7 +531,7 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
             (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters,
             cli_method_codes(o->method) ? o->code_bits : 0, (long long)r->rep.survivors,
-            ekv_dtype_name(wl_range_dtype(&o->w)));
+            ekv_dtype_name(wl_range_dtype(&o->w)), o->tensor_cores);
 }
 
 /* The decode parameters of a run (the budget is set per length). */
@@ -553,6 +553,7 @@ static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_re
     pp.head_dim = (int32_t)o->w.dim;
     pp.page_size = (int32_t)o->w.page;
     pp.max_pages_per_seq = c->maxP;
+    pp.tensor_cores = o->tensor_cores;
     ekv_cuda_plan *plan = NULL;
     if (ekv_cuda_plan_create(ctx, &pp, &plan)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));

@@ -38,6 +38,10 @@ typedef struct ekv_cuda_plan_params {
     int64_t max_candidates;    /* entmax tau candidates (z >= max - 1) listed per query     */
                                /* head; 0 = 16384. A head with more (flat attention) takes   */
                                /* the slower whole-row path (ekv_cuda_report.slow_rows)      */
+    int32_t tensor_cores;      /* 1 (default): scores on tensor cores where they apply (f16 */
+                               /* or bf16 K, head_dim 64 or 128, page_size a multiple of 16; */
+                               /* as exact as the CUDA-core kernels, docs/math.md §3.1);     */
+                               /* 0: CUDA cores everywhere                                   */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

@@ -1,81 +1,9 @@
 /*
  * attend, step 1 on the GPU: the scores kernels (see attend_common.cuh for the pipeline).
  */
-#include "attend_common.cuh"
+#include "scores_common.cuh"
 
 namespace {
-
-struct score_args : ekv_cuda_shape {
-    ekv_paged_kv kv;
-    const float *q;
-    const float *slopes; /* device, [H] or NULL */
-    double qscale;       /* a * scale */
-    float a;
-    int nsplit;
-    const int32_t *list_pages, *list_count; /* NULL: dense */
-    int round;                              /* 1 or 2 */
-    float *scores, *split_max;
-    int32_t *cand_count; /* [B*H], zeroed here for the candidates kernel */
-    int64_t *v_rows;     /* [B*Hk], zeroed here */
-};
-
-/* The per-step counters the later kernels add into (block (0, row) of the scores kernel). */
-__device__ __forceinline__ void zero_step_counters(const score_args &A, int row, int b, int kvh) {
-    if (blockIdx.x != 0) return;
-    if (threadIdx.x < A.G) A.cand_count[(int64_t)b * A.H + kvh * A.G + threadIdx.x] = 0;
-    if (threadIdx.x == 0) A.v_rows[row] = 0;
-}
-
-/* The entries [e0, e1) of this block's split (blockIdx.x) of the list row's round. */
-__device__ __forceinline__ void split_entries(const score_args &A, const ekv_seq_geom &sg, int row,
-                                              int64_t *e0, int64_t *e1) {
-    int64_t begin, end;
-    entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
-    const int64_t per = (end - begin + A.nsplit - 1) / A.nsplit;
-    *e0 = begin + (int64_t)blockIdx.x * per;
-    *e1 = *e0 + per < end ? *e0 + per : end;
-}
-
-/* q' = a scale q of the group's heads into shared memory ([G][D]) */
-__device__ __forceinline__ void load_group_q(const score_args &A, int b, int kvh, float *qs) {
-    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x) {
-        const int g = i / A.D, d = i % A.D;
-        qs[i] = (float)(A.qscale *
-                        A.q[((int64_t)b * A.H + kvh * A.G + g) * A.D + d]); /* as bound.cu */
-    }
-}
-
-/* Block max of every warp's running maxima, written as this split's max per query head. */
-template <int GM>
-__device__ __forceinline__ void write_split_max(const score_args &A, const float *runmax,
-                                                float *red, int b, int kvh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int half = A.round == 2 ? A.nsplit : 0;
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        if (g < A.G) {
-            float m = ekv_warp_max(runmax[g]);
-            if (lane == 0) red[warp * A.G + g] = m;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < A.G) {
-        float m = -CUDART_INF_F;
-        for (int w = 0; w < nw; w++) m = fmaxf(m, red[w * A.G + threadIdx.x]);
-        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.nsplit + half +
-                    blockIdx.x] = m;
-    }
-}
-
-/* ---- cp.async (sm_80+): global -> shared without registers ---- */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 /* Pipeline shape of the scores kernel: each warp streams tiles of TR rows of one page (4 KB:
  * every lane copies 8 elements of U rows) through SCORE_STAGES shared-memory stages, so two
@@ -88,17 +16,6 @@ template <typename T> constexpr size_t score_smem_bytes(int G, int D) {
            (size_t)(G * D + (EKV_CUDA_THREADS / 32) * G) * sizeof(float);
 }
 
-/* The group's running maxima (none yet) and ALiBi slopes in z-space. */
-template <int GM>
-__device__ __forceinline__ void init_group(const score_args &A, int kvh, float *runmax,
-                                           float *slope) {
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        runmax[g] = -CUDART_INF_F;
-        slope[g] = (g < A.G && A.slopes) ? A.a * A.slopes[kvh * A.G + g] : 0.f;
-    }
-}
-
 /* Slot t of a page: z = score + ALiBi (or -inf past the page's valid tokens), kept in the
  * score row of each head of the group, and the running maxima. */
 template <int GM>
@@ -108,7 +25,7 @@ __device__ __forceinline__ void store_scores(const score_args &A, const float *a
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g < A.G) {
-            const float z = t < valid ? acc[g] + slope[g] * (jbase + (float)t) : -CUDART_INF_F;
+            const float z = score_z(acc[g], slope[g], jbase, t, valid);
             sbase[(int64_t)g * A.cap_tokens + t] = z;
             runmax[g] = fmaxf(runmax[g], z);
         }
@@ -136,21 +53,6 @@ __device__ __forceinline__ void group_dot(const float *k8, const float (*qr)[8],
 #pragma unroll
             for (int o = LPR / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
         }
-    }
-}
-
-/* A warp's place in its tiles: the page-list entry and the first row of the tile. Tile j of
- * a warp is entry e0 + warp + (j / tpp) NW, rows from (j % tpp) TR; two cursors (the tile
- * being issued, the tile being reduced) walk them without 64-bit divisions. */
-struct score_cursor {
-    int64_t e;
-    int r0;
-};
-template <int TR, int NW> __device__ __forceinline__ void advance(score_cursor &c, int ps) {
-    c.r0 += TR;
-    if (c.r0 >= ps) {
-        c.r0 = 0;
-        c.e += NW;
     }
 }
 
@@ -491,17 +393,11 @@ template <typename T> cudaError_t launch_rows_t(const row_args &A, dim3 grid, cu
 template <typename T, int LPR>
 void launch_scores_g(const score_args &A, dim3 grid, cudaStream_t st) {
     const size_t sm = score_smem_bytes<T>(A.G, A.D);
-    auto go = [&](auto kernel) {
-        /* above 48 KB of dynamic shared memory needs the opt-in (once per instance) */
-        static bool opted = false;
-        if (!opted) {
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)score_smem_bytes<T>(EKV_CUDA_MAX_GROUP, 8 * LPR));
-            opted = true;
-        }
-        kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    };
-    ekv_cuda_with_group(A.G, [&](auto tg) { go(scores_kernel<T, LPR, decltype(tg)::value>); });
+    ekv_cuda_with_group(A.G, [&](auto tg) {
+        constexpr auto kernel = scores_kernel<T, LPR, decltype(tg)::value>;
+        if (ekv_cuda_allow_smem<kernel>(sm) == cudaSuccess)
+            kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+    });
 }
 
 template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
@@ -542,11 +438,14 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.v_rows = pl->v_rows;
     dim3 grid(pl->nsplit, batch * A.Hk); /* (the row fastest measured 3% slower at 128K) */
     cudaError_t e;
-    switch (kv->dtype) {
-    case EKV_DTYPE_F16: e = launch_scores_t<__half>(A, grid, pl->stream); break;
-    case EKV_DTYPE_BF16: e = launch_scores_t<__nv_bfloat16>(A, grid, pl->stream); break;
-    default: e = launch_scores_t<float>(A, grid, pl->stream); break;
-    }
+    if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
+        e = ekv_cuda_scores_mma(A, kv->dtype, grid, pl->stream);
+    else
+        switch (kv->dtype) {
+        case EKV_DTYPE_F16: e = launch_scores_t<__half>(A, grid, pl->stream); break;
+        case EKV_DTYPE_BF16: e = launch_scores_t<__nv_bfloat16>(A, grid, pl->stream); break;
+        default: e = launch_scores_t<float>(A, grid, pl->stream); break;
+        }
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "scores kernel: %s", cudaGetErrorString(e));
     pl->launches++;
@@ -588,5 +487,18 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "row scores kernel: %s", cudaGetErrorString(e));
     pl->launches++;
+    return EKV_OK;
+}
+
+/* The score rows of the plan's last step ([batch * num_heads][cap_tokens], z-space; slot e ps + t
+ * of a row is entry e's token t), copied to the host. Internal, for the GPU tests' precision
+ * check against the long-double dot products; synchronises the plan's stream. */
+extern "C" EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
+    if (cs) return cs;
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    EKV_CUDA_TRY(pl, cudaMemcpy(out, pl->scores,
+                                (size_t)batch * pl->p.num_heads * pl->cap_tokens * sizeof(float),
+                                cudaMemcpyDeviceToHost));
     return EKV_OK;
 }

@@ -96,6 +96,18 @@ static inline int ekv_cuda_one_wave(K kernel, int threads, size_t smem, int rows
     return gx > 1 ? gx : 1;
 }
 
+/* A launch of Kernel with `bytes` of dynamic shared memory: above 48 KB it needs the opt-in,
+ * asked once per kernel instance (the static lives in this template's instance for Kernel;
+ * a static shared by several kernels would leave all but the first without it). */
+template <auto Kernel> static inline cudaError_t ekv_cuda_allow_smem(size_t bytes) {
+    static size_t allowed = 48 * 1024;
+    if (bytes <= allowed) return cudaSuccess;
+    const cudaError_t e =
+            cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e == cudaSuccess) allowed = bytes;
+    return e;
+}
+
 template <typename F> static inline auto ekv_cuda_with_group(int G, F &&f) {
     if (G == 1) return f(std::integral_constant<int, 1>{});
     if (G == 2) return f(std::integral_constant<int, 2>{});

@@ -123,6 +123,9 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "max_candidates=%lld must be >= 0 (0 = the default)",
                         (long long)p->max_candidates);
+    if (p->tensor_cores != 0 && p->tensor_cores != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
+                        p->tensor_cores);
     return EKV_OK;
 }
 

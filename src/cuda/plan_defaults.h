@@ -17,6 +17,7 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.page_size = 16;
     p.max_pages_per_seq = 0; /* required: the caller sets it */
     p.max_candidates = 0;    /* EKV_CUDA_CAND_CAP */
+    p.tensor_cores = 1;
     return p;
 }
 #endif

@@ -677,13 +677,8 @@ template <int GM, int BITS>
 cudaError_t launch_generic(const screen_args &A, int gx, int rows, cudaStream_t s) {
     const int nw = screen_warps(A.G, A.D, GM);
     const size_t sm = (size_t)A.G * A.D * 4 + (size_t)nw * A.D * GM * 4;
-    static bool opted = false; /* above 48 KB needs the opt-in, once per instance */
-    if (sm > 48 * 1024 && !opted) {
-        const cudaError_t e = cudaFuncSetAttribute(
-                screen_kernel<GM, BITS>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
-        if (e != cudaSuccess) return e;
-        opted = true;
-    }
+    const cudaError_t e = ekv_cuda_allow_smem<screen_kernel<GM, BITS>>(sm);
+    if (e != cudaSuccess) return e;
     screen_kernel<GM, BITS><<<dim3(gx, rows), nw * 32, sm, s>>>(A);
     return cudaGetLastError();
 }

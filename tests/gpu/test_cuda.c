@@ -20,6 +20,7 @@
  */
 #include "entmaxkv.h"
 #include "test_util.h"
+#include "core/internal.h" /* ekv_load_f32 */
 #include <cuda_runtime_api.h>
 #include <string.h>
 
@@ -313,6 +314,122 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     free(rows);
     free(out);
     free(cpu);
+}
+
+/* The scores of the plan's last step (src/cuda/attend_scores.cu; not part of the public API). */
+ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out);
+
+/* Dense scores of one KV layout on a plan with tensor cores on or off, into z ([H][cap]). */
+static void scores_of(ekv_context *ctx, const mirror *m, int H, int tc, const float *dq, float *z,
+                      int64_t cap_pages) {
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.num_heads = H;
+    pp.num_kv_heads = (int32_t)m->kv.num_kv_heads;
+    pp.head_dim = (int32_t)m->kv.head_dim;
+    pp.page_size = (int32_t)m->kv.page_size;
+    pp.max_pages_per_seq = cap_pages;
+    pp.tensor_cores = tc;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    if (!plan) return;
+    ekv_decode_params prm = ekv_decode_default_params();
+    prm.num_heads = H;
+    prm.alpha = 1.5;
+    float *dout = dev_copy(NULL, sizeof(float) * H * m->kv.head_dim);
+    CHECK(ekv_cuda_decode(plan, &prm, NULL, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
+          "dense: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_score_rows(plan, 1, z) == EKV_OK, "scores: %s", ekv_last_error(ctx));
+    cudaFree(dout);
+    ekv_cuda_plan_free(plan);
+}
+
+/* The scores kernels against long-double dot products (docs/math.md §3.1): every computed score
+ * within gamma_D sum_d |q'_d k_d|, the error the bounds' slack assumes (§9.5), on the tensor
+ * cores and on the CUDA cores. q spreads its components over 2^-20..2^6 (the f16 split's tiny
+ * parts), K its dims over 2^-6..2^6 (large cancellations). The worst error is printed in units
+ * of 2^-24 sum |q'_d k_d|, and the tensor-core path must have run (its scores differ from the
+ * CUDA cores' somewhere). */
+static void scores_precision_test(ekv_context *ctx) {
+    const ekv_dtype dts[2] = {EKV_DTYPE_F16, EKV_DTYPE_BF16};
+    const int dims[2] = {64, 128}, groups[3] = {1, 4, 16};
+    const double u = 0x1p-24;
+    for (int c = 0; c < 12; c++) {
+        const ekv_dtype dt = dts[c % 2];
+        const int D = dims[c / 2 % 2], G = groups[c / 4], Hk = G == 16 ? 1 : 2, H = G * Hk, ps = 16;
+        const int64_t N = 777 + 16 * c, P = (N + ps - 1) / ps;
+        test_rng r = {1234567u + (uint64_t)c};
+        ekv_cache_params cp = ekv_cache_default_params();
+        cp.page_size = ps;
+        cp.num_kv_heads = Hk;
+        cp.head_dim = D;
+        cp.dtype = dt;
+        cp.max_seqs = 1;
+        cp.num_pages = P + 2;
+        cp.superpage_pages = 0;
+        ekv_cache *cache = NULL;
+        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+        if (!cache) return;
+        float *k = malloc(sizeof(float) * N * Hk * D), *v = calloc((size_t)N * Hk * D, 4),
+              *kscale = malloc(sizeof(float) * D), *q = malloc(sizeof(float) * H * D);
+        for (int d = 0; d < D; d++)
+            kscale[d] = (float)ldexp(1.0, -6 + (int)(12 * test_uniform(&r)));
+        for (int64_t i = 0; i < N * Hk * D; i++) k[i] = (float)test_normal(&r) * kscale[i % D];
+        for (int i = 0; i < H * D; i++)
+            q[i] = (float)(test_normal(&r) * ldexp(1.0, -20 + (int)(26 * test_uniform(&r))));
+        int32_t seq;
+        ekv_cache_seq_new(cache, &seq);
+        CHECK(ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32) == EKV_OK, "append");
+        mirror m;
+        memset(&m, 0, sizeof m);
+        mirror_build(&m, cache, &seq, 1, P, 0);
+        const int64_t cap = P * ps;
+        float *z[2] = {malloc(sizeof(float) * H * cap), malloc(sizeof(float) * H * cap)};
+        float *dq = dev_copy(q, sizeof(float) * H * D);
+        scores_of(ctx, &m, H, 1, dq, z[1], P);
+        scores_of(ctx, &m, H, 0, dq, z[0], P);
+        const double qscale = 0.5 * (1.0 / sqrt((double)D)); /* (alpha - 1) scale */
+        double worst[2] = {0, 0};
+        int64_t differ = 0;
+        for (int h = 0; h < H; h++)
+            for (int64_t t = 0; t < N; t++) {
+                long double exact = 0, X = 0;
+                for (int d = 0; d < D; d++) {
+                    const float qp = (float)(qscale * q[h * D + d]);
+                    const float kd = ekv_load_f32(m.kv.k, dt,
+                                                  (int64_t)m.indices[t / ps] * m.kv.stride_page +
+                                                          (int64_t)(h / G) * m.kv.stride_head +
+                                                          (t % ps) * m.kv.stride_token + d);
+                    exact += (long double)qp * kd;
+                    X += fabsl((long double)qp * kd);
+                }
+                for (int tc = 0; tc < 2; tc++) {
+                    const double err = (double)fabsl((long double)z[tc][h * cap + t] - exact);
+                    const double ratio = X > 0 ? err / (u * (double)X) : (err > 0 ? 1e30 : 0);
+                    worst[tc] = ratio > worst[tc] ? ratio : worst[tc];
+                    CHECK(err <= D * u * 1.0001 * (double)X + 1e-30,
+                          "scores (tensor cores %d, dt %d, D %d, G %d): head %d token %lld off "
+                          "by %.3g, %.1f u sum|q'k|",
+                          tc, dt, D, G, h, (long long)t, err, ratio);
+                }
+                differ += z[0][h * cap + t] != z[1][h * cap + t];
+            }
+        CHECK(differ > 0,
+              "tensor-core scores equal the CUDA cores' bit for bit (dt %d D %d G %d):"
+              " did the tensor-core kernel run?",
+              dt, D, G);
+        printf("scores dt=%d D=%d G=%d: worst error %.2f u sum|q'k| on tensor cores, %.2f on CUDA "
+               "cores (the slack assumes %d); %lld of %lld differ\n",
+               dt, D, G, worst[1], worst[0], D, (long long)differ, (long long)H * N);
+        cudaFree(dq);
+        free(z[0]);
+        free(z[1]);
+        free(k);
+        free(v);
+        free(kscale);
+        free(q);
+        mirror_free(&m);
+        ekv_cache_free(cache);
+    }
 }
 
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
@@ -888,6 +1005,11 @@ static void invalid_test(ekv_context *ctx) {
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan,
           "max_candidates -1");
     pp.max_candidates = 0;
+    pp.tensor_cores = 2;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
+                  strstr(ekv_last_error(ctx), "tensor_cores"),
+          "tensor_cores 2");
+    pp.tensor_cores = 1;
     pp.head_dim = 12;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE, "head_dim 12");
     pp.head_dim = 128;
@@ -1066,6 +1188,7 @@ int main(void) {
     const char *lim = getenv("EKV_CUDA_TEST_CASES");
     const int max_cases = lim ? atoi(lim) : 1 << 30;
     invalid_test(ctx);
+    scores_precision_test(ctx);
     /* the case table: every value of every axis appears, in rotating combinations */
     const int dims[] = {64, 128, 256, 72, 40};
     const int groups[] = {1, 4, 8, 16, 2, 3};

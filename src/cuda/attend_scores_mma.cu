@@ -1,0 +1,265 @@
+/*
+ * attend, step 1 on tensor cores (docs/math.md §3.1, "Scores on tensor cores"): the scores of
+ * a GQA group for 16-bit K, head dims 64 and 128, page sizes that are multiples of 16. The
+ * same arguments and outputs as the CUDA-core scores kernel (scores_common.cuh).
+ *
+ * One mma.m16n8k16 multiplies a tile of 16 key rows (M, from shared memory by ldmatrix) by 8
+ * query heads (N; two tiles of 8 for groups up to 16) over 16 dims (K). The query q' (fp32) is
+ * split exactly into three parts in K's type, q' = 2^-s (hi + mid + lo), so each product is
+ * exact; each mma starts from zero and its four results are added in fp32, which keeps the
+ * computed score within the error the bounds' slack already covers (§3.1 proves it). s is a
+ * per-head power of two that lifts the largest |q'| into [2^14, 2^15) for f16 (bf16 has
+ * fp32's exponent range: s = 0).
+ *
+ * Each warp streams its own 16-row tiles of its pages through MMA_STAGES shared-memory stages
+ * (cp.async, 2 tiles in flight); rows are stored with their 16-byte chunks XOR-swizzled by the
+ * row so that ldmatrix reads the 8 rows of a matrix from 8 different bank groups.
+ */
+#include "scores_common.cuh"
+
+namespace {
+
+enum {
+    MMA_ROWS = 16,
+    MMA_STAGES = 3,
+    MMA_PARTS = 3,
+    MMA_QROWS = 16,
+    MMA_NW = EKV_CUDA_THREADS / 32
+};
+
+/* The query parts' row pitch in elements: 8 extra elements (16 bytes) put the 8 heads a
+ * B-fragment load touches in 8 different bank groups. */
+template <int D> __host__ __device__ constexpr int mma_qpitch() { return D + 8; }
+template <int D> __host__ __device__ constexpr size_t mma_tile_bytes() {
+    return (size_t)MMA_ROWS * D * 2;
+}
+/* stages [warp][stage][16 rows][D], query parts [part][16 heads][D + 8], warp maxima [warp][16],
+ * unscale factors [16] */
+template <int D> __host__ __device__ constexpr size_t mma_smem_bytes() {
+    return (size_t)MMA_NW * MMA_STAGES * mma_tile_bytes<D>() +
+           (size_t)MMA_PARTS * MMA_QROWS * mma_qpitch<D>() * 2 + (size_t)MMA_NW * MMA_QROWS * 4 +
+           (size_t)MMA_QROWS * 4;
+}
+
+/* ---- the two tensor-core instructions ---- */
+__device__ __forceinline__ void ldmatrix_x4(uint32_t *a, const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(s));
+}
+/* c = A B from zero: A 16x16 (row), B 16x8 (col), fp32 results. */
+template <typename T>
+__device__ __forceinline__ void mma_16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
+    if constexpr (std::is_same<T, __half>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                     : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                     : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
+
+/* q' of the group (fp32, staged at qs [G][D]) as three parts in T per head, scaled by 2^s_g,
+ * into qparts [part][head][pitch] (heads G..15 zero), and 2^-s_g into unscale[g]. */
+template <typename T, int D>
+__device__ __forceinline__ void split_group_q(const float *qs, int G, T *qparts, float *unscale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < MMA_QROWS; g += MMA_NW) {
+        float m = 0.f;
+        for (int d = lane; d < D && g < G; d += 32) m = fmaxf(m, fabsf(qs[g * D + d]));
+        m = ekv_warp_max(m);
+        int s = 0;
+        if (std::is_same<T, __half>::value && m > 0.f && m < CUDART_INF_F) {
+            int e;
+            frexpf(m, &e); /* m in [2^(e-1), 2^e): 2^(15-e) m in [2^14, 2^15) */
+            s = 15 - e > 126 ? 126 : 15 - e;
+        }
+        if (lane == 0) unscale[g] = ldexpf(1.f, -s);
+        for (int d = lane; d < D; d += 32) {
+            const float x = g < G ? ldexpf(qs[g * D + d], s) : 0.f;
+            const T hi = ekv_elem<T>::from(x);
+            const float r1 = x - ekv_elem<T>::to(hi); /* exact: the bits hi did not keep */
+            const T mid = ekv_elem<T>::from(r1);
+            const T lo = ekv_elem<T>::from(r1 - ekv_elem<T>::to(mid));
+            qparts[(0 * MMA_QROWS + g) * mma_qpitch<D>() + d] = hi;
+            qparts[(1 * MMA_QROWS + g) * mma_qpitch<D>() + d] = mid;
+            qparts[(2 * MMA_QROWS + g) * mma_qpitch<D>() + d] = lo;
+        }
+    }
+}
+
+/* Byte offset of 16-byte chunk c of row r in a tile (D / 8 chunks per row), swizzled. */
+template <int D> __device__ __forceinline__ int tile_chunk(int r, int c) {
+    return r * D * 2 + ((c ^ (r & 7)) << 4);
+}
+
+/* The scores of one landed tile: acc[nt][i] = <q'_g, k_t> for the lane's C-fragment slots
+ * (token rows lane/4 and lane/4 + 8, heads nt 8 + 2 (lane % 4) + {0, 1}). */
+template <typename T, int D, int NT>
+__device__ __forceinline__ void tile_dots(const unsigned char *tile, const T *qparts,
+                                          float (*acc)[4]) {
+    const int lane = threadIdx.x & 31, arow = lane & 15, ahalf = lane >> 4;
+    const int qrow = lane >> 2, qcol = (lane & 3) * 2;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[nt][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t a[4];
+        ldmatrix_x4(a, tile + tile_chunk<D>(arow, 2 * kk + ahalf));
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int part = 0; part < MMA_PARTS; part++) {
+                const T *qp = qparts + (part * MMA_QROWS + nt * 8 + qrow) * mma_qpitch<D>() +
+                              kk * 16 + qcol;
+                const uint32_t b0 = *reinterpret_cast<const uint32_t *>(qp);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t *>(qp + 8);
+                float c[4];
+                mma_16816<T>(c, a, b0, b1);
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[nt][i] += c[i];
+            }
+        }
+    }
+}
+
+template <typename T, int D, int NT>
+__global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_args A) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int CH = D / 8, PER = MMA_ROWS * CH / 32; /* chunks per row, per lane per tile */
+    constexpr size_t TB = mma_tile_bytes<D>();
+    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned char *stage = smem_raw + (size_t)warp * MMA_STAGES * TB;
+    T *qparts = reinterpret_cast<T *>(smem_raw + (size_t)MMA_NW * MMA_STAGES * TB);
+    float *red = reinterpret_cast<float *>(qparts + MMA_PARTS * MMA_QROWS * mma_qpitch<D>());
+    float *unscale = red + MMA_NW * MMA_QROWS;
+    zero_step_counters(A, row, b, kvh);
+    const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    int64_t e0, e1;
+    split_entries(A, sg, row, &e0, &e1);
+    float *qs = reinterpret_cast<float *>(smem_raw); /* staged in the stages before they stream */
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    split_group_q<T, D>(qs, G, qparts, unscale);
+    __syncthreads();
+    /* the lane's C-fragment heads: nt 8 + 2 (lane % 4) + j */
+    float runmax[NT][2], slope[NT][2], uns[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int g = nt * 8 + (lane & 3) * 2 + j;
+            runmax[nt][j] = -CUDART_INF_F;
+            slope[nt][j] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
+            uns[nt][j] = unscale[g];
+        }
+    const unsigned char *K = static_cast<const unsigned char *>(A.kv.k);
+    const int tpp = ps / MMA_ROWS;
+    const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + MMA_NW - 1) / MMA_NW : 0;
+    const int64_t ntiles = mine * tpp;
+    float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
+    score_cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
+    auto issue = [&](int64_t j) {
+        const int64_t e = ci.e;
+        const int r0 = ci.r0;
+        advance<MMA_ROWS, MMA_NW>(ci, ps);
+        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+        const unsigned char *pbase = K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
+                                          (int64_t)kvh * A.kv.stride_head) *
+                                                 (int64_t)sizeof(T);
+        unsigned char *dst = stage + (size_t)(j % MMA_STAGES) * TB;
+#pragma unroll
+        for (int u = 0; u < PER; u++) {
+            const int i = lane + 32 * u, r = i / CH, c = i % CH;
+            if (r0 + r < valid)
+                cp_async16(dst + tile_chunk<D>(r, c),
+                           pbase + ((int64_t)(r0 + r) * A.kv.stride_token + c * 8) *
+                                           (int64_t)sizeof(T));
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < MMA_STAGES - 1; s++) {
+        if (s < ntiles) issue(s);
+        cp_async_commit();
+    }
+    for (int64_t j = 0; j < ntiles; j++) {
+        __syncwarp(); /* every lane has read the stage the next issue overwrites */
+        if (j + MMA_STAGES - 1 < ntiles) issue(j + MMA_STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<MMA_STAGES - 1>(); /* this lane's copies of tile j have landed ... */
+        __syncwarp();                    /* ... and every other lane's */
+        const int64_t e = cc.e;
+        const int r0 = cc.r0;
+        advance<MMA_ROWS, MMA_NW>(cc, ps);
+        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+        const float jbase = (float)(lp * ps - (sg.N - 1));
+        float *sbase = srow + e * ps;
+        float acc[NT][4];
+        tile_dots<T, D, NT>(stage + (size_t)(j % MMA_STAGES) * TB, qparts, acc);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int j2 = 0; j2 < 2; j2++) {
+                const int g = nt * 8 + (lane & 3) * 2 + j2;
+                if (g >= G) continue;
+#pragma unroll
+                for (int h = 0; h < 2; h++) { /* token rows lane/4 and lane/4 + 8 */
+                    const int t = r0 + (lane >> 2) + 8 * h;
+                    const float z = score_z(acc[nt][2 * h + j2] * uns[nt][j2], slope[nt][j2], jbase,
+                                            t, valid);
+                    sbase[(int64_t)g * A.cap_tokens + t] = z;
+                    runmax[nt][j2] = fmaxf(runmax[nt][j2], z);
+                }
+            }
+    }
+    cp_async_wait<0>();
+    /* the warp's max per head: the lanes with equal lane % 4 hold the same heads */
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int j2 = 0; j2 < 2; j2++) {
+            float m = runmax[nt][j2];
+            for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            const int g = nt * 8 + lane * 2 + j2;
+            if (lane < 4 && g < G) red[warp * G + g] = m;
+        }
+    publish_split_max(A, red, b, kvh);
+}
+
+template <typename T, int D, int NT>
+void launch_mma(const score_args &A, dim3 grid, cudaStream_t st) {
+    constexpr auto kernel = scores_mma_kernel<T, D, NT>;
+    if (ekv_cuda_allow_smem<kernel>(mma_smem_bytes<D>()) == cudaSuccess)
+        kernel<<<grid, EKV_CUDA_THREADS, mma_smem_bytes<D>(), st>>>(A);
+}
+
+template <typename T> void launch_mma_t(const score_args &A, dim3 grid, cudaStream_t st) {
+    if (A.D == 64)
+        A.G <= 8 ? launch_mma<T, 64, 1>(A, grid, st) : launch_mma<T, 64, 2>(A, grid, st);
+    else
+        A.G <= 8 ? launch_mma<T, 128, 1>(A, grid, st) : launch_mma<T, 128, 2>(A, grid, st);
+}
+
+} // namespace
+
+bool ekv_cuda_scores_mma_applies(int dtype, int head_dim, int page_size, int group) {
+    return (dtype == EKV_DTYPE_F16 || dtype == EKV_DTYPE_BF16) &&
+           (head_dim == 64 || head_dim == 128) && page_size % MMA_ROWS == 0 && group <= MMA_QROWS;
+}
+
+cudaError_t ekv_cuda_scores_mma(const score_args &A, int dtype, dim3 grid, cudaStream_t st) {
+    if (dtype == EKV_DTYPE_F16)
+        launch_mma_t<__half>(A, grid, st);
+    else
+        launch_mma_t<__nv_bfloat16>(A, grid, st);
+    return cudaGetLastError();
+}
