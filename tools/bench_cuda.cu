@@ -423,8 +423,9 @@ struct cuda_result {
 };
 
 /* Bytes: K of the listed tokens, V rows read, summaries read by the bound, and the score
- * traffic (written once; entmax reads it once for the candidates, softmax twice: log-sum-exp
- * and values). The summary bytes per page follow the kernels of each stage (src/cuda). */
+ * traffic (written once; entmax reads it once for the candidates, two-pass softmax twice:
+ * log-sum-exp and values; one-pass softmax keeps no scores). The summary bytes per page follow the
+ * kernels of each stage (src/cuda). */
 static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector<int32_t> &r1,
                        const std::vector<int32_t> &r2, const std::vector<int64_t> &vrows,
                        const std::vector<int64_t> &srows, cuda_result *r) {
@@ -454,7 +455,9 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
                                    : (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
     r->kbytes = ktok * D * es;
     r->vbytes = vrow * D * es;
-    r->scores = (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4;
+    r->scores = r->rep.softmax_one_pass
+                        ? 0
+                        : (o->alpha == 1.0 ? 3 : 2) * (ktok * (o->w.heads / Hk)) * 4;
 }
 
 /* One more step, then its report: support, V rows and the pages of each round. */

@@ -79,21 +79,23 @@ EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_deco
 /* What the last step did, copied to the host (synchronises the plan's stream). Arrays may
  * be NULL; per head: [batch*num_heads], per list: [batch*num_kv_heads]. */
 typedef struct ekv_cuda_report {
-    double *tau;           /* threshold in z-space (softmax: log-sum-exp)                  */
-    int64_t *support;      /* tokens with p > 0                                            */
-    int32_t *pages_round1; /* pages read in round 1 (or the only round)                    */
-    int32_t *pages_round2; /* certified: pages added in round 2                            */
-    int64_t *v_rows;       /* V rows read per KV-head list: entmax, the support rows summed */
-                           /* over the group's heads; softmax, per 4-head chunk            */
-    int32_t *list_pages;   /* [batch*num_kv_heads][max_pages_per_seq]: the page lists'     */
-                           /* logical pages, round 1 then round 2 (first pages_round1 +    */
-                           /* pages_round2 of each row are valid)                          */
-    int64_t lists_round2;  /* output: lists that needed round 2                            */
-    int64_t slow_rows;     /* output: query heads whose tau candidates (z >= max - 1)      */
-                           /* overflowed the plan's list since the last report, so tau was */
-                           /* solved over the whole score row (exact, slower)              */
-    int32_t launches;      /* output: kernel launches of the last step                     */
-    int64_t survivors;     /* output, screened: (token, query head) pairs the screen kept  */
+    double *tau;              /* threshold in z-space (softmax: log-sum-exp)                  */
+    int64_t *support;         /* tokens with p > 0                                            */
+    int32_t *pages_round1;    /* pages read in round 1 (or the only round)                    */
+    int32_t *pages_round2;    /* certified: pages added in round 2                            */
+    int64_t *v_rows;          /* V rows read per KV-head list: entmax, the support rows summed */
+                              /* over the group's heads; softmax, per 4-head chunk            */
+    int32_t *list_pages;      /* [batch*num_kv_heads][max_pages_per_seq]: the page lists'     */
+                              /* logical pages, round 1 then round 2 (first pages_round1 +    */
+                              /* pages_round2 of each row are valid)                          */
+    int64_t lists_round2;     /* output: lists that needed round 2                            */
+    int64_t slow_rows;        /* output: query heads whose tau candidates (z >= max - 1)      */
+                              /* overflowed the plan's list since the last report, so tau was */
+                              /* solved over the whole score row (exact, slower)              */
+    int32_t launches;         /* output: kernel launches of the last step                     */
+    int64_t survivors;        /* output, screened: (token, query head) pairs the screen kept  */
+    int32_t softmax_one_pass; /* output: the last step was softmax in one pass over K and V */
+                              /* (tensor cores, docs/math.md §3.9): no score rows           */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);

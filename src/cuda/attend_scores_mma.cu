@@ -15,86 +15,18 @@
  * (cp.async, 2 tiles in flight); rows are stored with their 16-byte chunks XOR-swizzled by the
  * row so that ldmatrix reads the 8 rows of a matrix from 8 different bank groups.
  */
-#include "scores_common.cuh"
+#include "mma_common.cuh"
 
 namespace {
 
-enum {
-    MMA_ROWS = 16,
-    MMA_STAGES = 3,
-    MMA_PARTS = 3,
-    MMA_QROWS = 16,
-    MMA_NW = EKV_CUDA_THREADS / 32
-};
+enum { MMA_NW = EKV_CUDA_THREADS / 32 }; /* warps of a scores block */
 
-/* The query parts' row pitch in elements: 8 extra elements (16 bytes) put the 8 heads a
- * B-fragment load touches in 8 different bank groups. */
-template <int D> __host__ __device__ constexpr int mma_qpitch() { return D + 8; }
-template <int D> __host__ __device__ constexpr size_t mma_tile_bytes() {
-    return (size_t)MMA_ROWS * D * 2;
-}
 /* stages [warp][stage][16 rows][D], query parts [part][16 heads][D + 8], warp maxima [warp][16],
  * unscale factors [16] */
-template <int D> __host__ __device__ constexpr size_t mma_smem_bytes() {
+template <int D> __host__ __device__ constexpr size_t scores_smem_bytes() {
     return (size_t)MMA_NW * MMA_STAGES * mma_tile_bytes<D>() +
            (size_t)MMA_PARTS * MMA_QROWS * mma_qpitch<D>() * 2 + (size_t)MMA_NW * MMA_QROWS * 4 +
            (size_t)MMA_QROWS * 4;
-}
-
-/* ---- the two tensor-core instructions ---- */
-__device__ __forceinline__ void ldmatrix_x4(uint32_t *a, const void *smem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(s));
-}
-/* c = A B from zero: A 16x16 (row), B 16x8 (col), fp32 results. */
-template <typename T>
-__device__ __forceinline__ void mma_16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
-    if constexpr (std::is_same<T, __half>::value)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-                     : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-                     : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-}
-
-/* q' of the group (fp32, staged at qs [G][D]) as three parts in T per head, scaled by 2^s_g,
- * into qparts [part][head][pitch] (heads G..15 zero), and 2^-s_g into unscale[g]. */
-template <typename T, int D>
-__device__ __forceinline__ void split_group_q(const float *qs, int G, T *qparts, float *unscale) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int g = warp; g < MMA_QROWS; g += MMA_NW) {
-        float m = 0.f;
-        for (int d = lane; d < D && g < G; d += 32) m = fmaxf(m, fabsf(qs[g * D + d]));
-        m = ekv_warp_max(m);
-        int s = 0;
-        if (std::is_same<T, __half>::value && m > 0.f && m < CUDART_INF_F) {
-            int e;
-            frexpf(m, &e); /* m in [2^(e-1), 2^e): 2^(15-e) m in [2^14, 2^15) */
-            s = 15 - e > 126 ? 126 : 15 - e;
-        }
-        if (lane == 0) unscale[g] = ldexpf(1.f, -s);
-        for (int d = lane; d < D; d += 32) {
-            const float x = g < G ? ldexpf(qs[g * D + d], s) : 0.f;
-            const T hi = ekv_elem<T>::from(x);
-            const float r1 = x - ekv_elem<T>::to(hi); /* exact: the bits hi did not keep */
-            const T mid = ekv_elem<T>::from(r1);
-            const T lo = ekv_elem<T>::from(r1 - ekv_elem<T>::to(mid));
-            qparts[(0 * MMA_QROWS + g) * mma_qpitch<D>() + d] = hi;
-            qparts[(1 * MMA_QROWS + g) * mma_qpitch<D>() + d] = mid;
-            qparts[(2 * MMA_QROWS + g) * mma_qpitch<D>() + d] = lo;
-        }
-    }
-}
-
-/* Byte offset of 16-byte chunk c of row r in a tile (D / 8 chunks per row), swizzled. */
-template <int D> __device__ __forceinline__ int tile_chunk(int r, int c) {
-    return r * D * 2 + ((c ^ (r & 7)) << 4);
 }
 
 /* The scores of one landed tile: acc[nt][i] = <q'_g, k_t> for the lane's C-fragment slots
@@ -132,7 +64,6 @@ __device__ __forceinline__ void tile_dots(const unsigned char *tile, const T *qp
 template <typename T, int D, int NT>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    constexpr int CH = D / 8, PER = MMA_ROWS * CH / 32; /* chunks per row, per lane per tile */
     constexpr size_t TB = mma_tile_bytes<D>();
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -160,7 +91,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
             slope[nt][j] = (g < G && A.slopes) ? A.a * A.slopes[kvh * G + g] : 0.f;
             uns[nt][j] = unscale[g];
         }
-    const unsigned char *K = static_cast<const unsigned char *>(A.kv.k);
+    const T *K = static_cast<const T *>(A.kv.k);
     const int tpp = ps / MMA_ROWS;
     const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + MMA_NW - 1) / MMA_NW : 0;
     const int64_t ntiles = mine * tpp;
@@ -172,18 +103,10 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
         advance<MMA_ROWS, MMA_NW>(ci, ps);
         const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
         const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const unsigned char *pbase = K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
-                                          (int64_t)kvh * A.kv.stride_head) *
-                                                 (int64_t)sizeof(T);
-        unsigned char *dst = stage + (size_t)(j % MMA_STAGES) * TB;
-#pragma unroll
-        for (int u = 0; u < PER; u++) {
-            const int i = lane + 32 * u, r = i / CH, c = i % CH;
-            if (r0 + r < valid)
-                cp_async16(dst + tile_chunk<D>(r, c),
-                           pbase + ((int64_t)(r0 + r) * A.kv.stride_token + c * 8) *
-                                           (int64_t)sizeof(T));
-        }
+        const T *page = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
+                        (int64_t)kvh * A.kv.stride_head;
+        tile_copy<T, D, false>(stage + (size_t)(j % MMA_STAGES) * TB, page, A.kv.stride_token, r0,
+                               valid);
     };
 #pragma unroll
     for (int s = 0; s < MMA_STAGES - 1; s++) {
@@ -238,8 +161,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
 template <typename T, int D, int NT>
 void launch_mma(const score_args &A, dim3 grid, cudaStream_t st) {
     constexpr auto kernel = scores_mma_kernel<T, D, NT>;
-    if (ekv_cuda_allow_smem<kernel>(mma_smem_bytes<D>()) == cudaSuccess)
-        kernel<<<grid, EKV_CUDA_THREADS, mma_smem_bytes<D>(), st>>>(A);
+    if (ekv_cuda_allow_smem<kernel>(scores_smem_bytes<D>()) == cudaSuccess)
+        kernel<<<grid, EKV_CUDA_THREADS, scores_smem_bytes<D>(), st>>>(A);
 }
 
 template <typename T> void launch_mma_t(const score_args &A, dim3 grid, cudaStream_t st) {

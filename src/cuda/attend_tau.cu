@@ -18,9 +18,18 @@ struct cand_args : ekv_cuda_shape {
     int32_t *cand_count;
 };
 
-enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 loads in flight per thread */
+enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 values per thread and batch */
 
-__global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
+/* Slot of value k (< CAND_UNROLL) of this lane in a warp batch starting at base: with VEC the
+ * lane reads 4 float4 (values base + 4 (32 j + lane) + c, k = 4 j + c), else 16 floats at
+ * stride 32. Either way a warp batch covers 32 CAND_UNROLL consecutive slots. */
+template <bool VEC> __device__ __forceinline__ int64_t cand_slot(int64_t base, int k, int lane) {
+    return VEC ? base + 4 * ((k >> 2) * 32 + lane) + (k & 3) : base + k * 32 + lane;
+}
+
+/* VEC: the score rows and every split boundary are multiples of 4 slots (page size a multiple
+ * of 4), so a float4 lies wholly inside or outside [c0, c1). */
+template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     __shared__ float fscratch[32];
     const int64_t row = blockIdx.y;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
@@ -38,13 +47,24 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     for (int64_t base = c0 + (threadIdx.x & ~31) * CAND_UNROLL; base < c1;
          base += (int64_t)blockDim.x * CAND_UNROLL) {
         float x[CAND_UNROLL];
+        if constexpr (VEC) {
 #pragma unroll
-        for (int k = 0; k < CAND_UNROLL; k++) {
-            const int64_t i = base + k * 32 + lane;
-            x[k] = i < c1 ? z[i] : -CUDART_INF_F;
+            for (int j = 0; j < CAND_UNROLL / 4; j++) {
+                const int64_t i = cand_slot<true>(base, 4 * j, lane);
+                const float4 v = i < c1 ? *reinterpret_cast<const float4 *>(z + i)
+                                        : make_float4(-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F,
+                                                      -CUDART_INF_F);
+                x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < CAND_UNROLL; k++) {
+                const int64_t i = cand_slot<false>(base, k, lane);
+                x[k] = i < c1 ? z[i] : -CUDART_INF_F;
+            }
         }
-        /* one atomic per warp and batch, and the page lookups of every candidate in flight at
-         * once: a round trip per 32-token group made this kernel latency-bound */
+        /* one atomic per warp and batch (a round trip per 32-token group made this kernel
+         * latency-bound) */
         unsigned m[CAND_UNROLL];
         int tot = 0;
 #pragma unroll
@@ -53,12 +73,6 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             tot += __popc(m[k]);
         }
         if (!tot) continue;
-        int64_t off[CAND_UNROLL];
-#pragma unroll
-        for (int k = 0; k < CAND_UNROLL; k++)
-            off[k] = (m[k] >> lane) & 1u ? slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow,
-                                                       sg.first, kvh, A.ps, base + k * 32 + lane)
-                                         : 0;
         int at = 0;
         if (lane == 0) at = atomicAdd(&A.cand_count[row], tot);
         at = __shfl_sync(0xffffffffu, at, 0);
@@ -67,7 +81,9 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             const int pos = at + __popc(m[k] & ((1u << lane) - 1));
             if (((m[k] >> lane) & 1u) && pos < A.ccap) {
                 A.cand_z[row * A.ccap + pos] = x[k];
-                A.cand_off[row * A.ccap + pos] = off[k];
+                A.cand_off[row * A.ccap + pos] =
+                        slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps,
+                                    cand_slot<VEC>(base, k, lane));
             }
             at += __popc(m[k]);
         }
@@ -275,7 +291,13 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     C.cand_z = pl->cand_z;
     C.cand_off = pl->cand_off;
     C.cand_count = pl->cand_count;
-    cand_kernel<<<dim3(pl->nsplit, batch * A.H), CAND_THREADS, 0, pl->stream>>>(C);
+    if (pl->p.page_size % 4 == 0) {
+        static int per_sm = 0;
+        const int gx = ekv_cuda_one_wave(cand_kernel<true>, CAND_THREADS, 0, batch * A.H, pl->sms,
+                                         &per_sm);
+        cand_kernel<true><<<dim3(gx, batch * A.H), CAND_THREADS, 0, pl->stream>>>(C);
+    } else
+        cand_kernel<false><<<dim3(pl->nsplit, batch * A.H), CAND_THREADS, 0, pl->stream>>>(C);
     EKV_CUDA_LAUNCHED(pl);
     tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);

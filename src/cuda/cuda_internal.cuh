@@ -74,6 +74,8 @@ struct ekv_cuda_plan {
     int32_t *rows;       /* [B*Hk][cap_tokens] surviving rows, ascending                   */
     int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
+    int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
+    float *flash_part;   /* [B*H][nsplit][head_dim + 4] one-pass softmax partials          */
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
@@ -495,6 +497,12 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
 ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                        const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                        int use_list, float *out, int rows);
+/* softmax in one pass over K and V on tensor cores (attend_softmax_mma.cu): whether it serves
+ * the plan's shapes and this dtype, and its two launches (the splits, then their merge) */
+bool ekv_cuda_softmax_one_pass_applies(const ekv_cuda_plan *pl, int dtype);
+ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                            const ekv_paged_kv *kv, const ekv_page_table *t,
+                                            const float *q, int batch, int use_list, float *out);
 ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                   int use_list, float *out);

@@ -9,7 +9,9 @@
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
  *              (6 launches and a memset, screen.cu)
- * where tau is two launches for entmax (candidates, then the solve) and one for softmax.
+ * where tau is two launches for entmax (candidates, then the solve) and one for softmax;
+ * softmax on tensor cores replaces scores -> tau -> values by one pass over K and V and the
+ * merge of its splits (2 launches, attend_softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
 #include "cuda_internal.cuh"
@@ -48,7 +50,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 28 };
+enum { PLAN_BUFFERS = 29 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -83,6 +85,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
             {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->flash_part, BH * ns * (pl->p.head_dim + 4) * (int64_t)sizeof(float)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -264,6 +267,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     pl->launches = 0;
     pl->last_batch = B;
     pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
+    pl->last_one_pass = 0;
     if (stg & EKV_STAGE_SCREEN) /* token rows, not page lists: its own launches (screen.cu) */
         return ekv_cuda_launch_screened(pl, prm, kv, st, t, q, B, out);
     if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B)))
@@ -275,6 +279,10 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   certified ? sel->sink_pages : 0,
                                   certified ? sel->recent_pages : 0)))
         return s;
+    if (prm->alpha == 1.0 && !certified && ekv_cuda_softmax_one_pass_applies(pl, kv->dtype)) {
+        pl->last_one_pass = 1; /* docs/math.md §3.9 */
+        return ekv_cuda_launch_softmax_one_pass(pl, prm, kv, t, q, B, listed, out);
+    }
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1))) return s;
     if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
     if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
@@ -376,5 +384,6 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
             return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e));
     }
     r->launches = pl->launches;
+    r->softmax_one_pass = pl->last_one_pass;
     return EKV_OK;
 }
