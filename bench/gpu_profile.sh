@@ -29,7 +29,7 @@ h = rows[0]; ik, im, iv, iu = h.index("Kernel Name"), h.index("Metric Name"), h.
 iid = h.index("ID")
 by = {}
 for r in rows[1:]:
-    by.setdefault((r[iid], r[ik].replace("(anonymous namespace)::", "").replace("void ", "").split("<")[0].split("(")[0]), {})[r[im]] = r[iv] + (" " + r[iu] if r[iu] and r[iu] != "%" else "")
+    by.setdefault((r[iid], r[ik].replace("(anonymous namespace)::", "").replace("<unnamed>::", "").replace("void ", "").split("<")[0].split("(")[0]), {})[r[im]] = r[iv] + (" " + r[iu] if r[iu] and r[iu] != "%" else "")
 print("id,kernel,time,dram_pct,dram_read,regs,occ_pct,grid")
 for (i, k), m in by.items():
     print(",".join([i, k, m["gpu__time_duration.sum"],

@@ -139,6 +139,17 @@ static void check_other_backends(fixture *f) {
                       (m == EKV_SELECT_ORACLE ? c : EKV_ERR_UNSUPPORTED),
               "cuda per_query_head, %s", ekv_method_name(sp.method));
     }
+    /* certified's tau hint is served on the GPU (a device array); tau_lb is not */
+    const double lb = 0.0;
+    ekv_select_params hinted = ekv_select_default_params();
+    hinted.method = EKV_SELECT_CERTIFIED;
+    hinted.tau_hint = &lb;
+    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &hinted) == EKV_OK,
+          "cuda tau_hint: %s", ekv_last_error(f->ctx));
+    hinted.tau_hint = NULL;
+    hinted.tau_lb = &lb;
+    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &hinted) == EKV_ERR_UNSUPPORTED,
+          "cuda tau_lb accepted");
     ekv_select_params frac = ekv_select_default_params(); /* a per-sequence budget: both */
     frac.method = EKV_SELECT_TOPK;
     frac.budget_fraction = 0.25;

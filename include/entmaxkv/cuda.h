@@ -55,8 +55,8 @@ EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
 
 /*
  * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
- * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode; no ALiBi
- * or auto_margin on the GPU), SCREENED (docs/math.md §10: stats->codes, code_bits 4 or 8, as
+ * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode, with
+ * auto_margin; no ALiBi on the GPU), SCREENED (docs/math.md §10: stats->codes, code_bits 4 or 8, as
  * ekv_cuda_append writes them; alpha > 1; the output equals dense entmax) or certified
  * (ekv_cuda_decode_certified below), then exact entmax
  * (alpha > 1) or softmax (alpha = 1) over the listed pages with K read once, tau solved globally
@@ -68,8 +68,10 @@ EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params 
                                    const ekv_page_stats *stats, const ekv_page_table *table,
                                    const float *q, float *out);
 /* Certified decode (docs/math.md §9.3) on the device: round 1 = the top pages by certified bound
- * within select->budget_tokens plus the last, sink and recent pages; round 2 = every other page
- * whose bound exceeds round 1's tau; K and V each read once. Output equals dense entmax. */
+ * within select->budget_tokens (or, with select->tau_hint, a DEVICE array [batch*num_heads],
+ * every page whose bound exceeds the hint for a head of the list) plus the last, sink and
+ * recent pages; round 2 = every other page whose bound exceeds round 1's tau; K and V each
+ * read once. Output equals dense entmax. select->tau_lb is not served (no superpages here). */
 EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,
                                              const ekv_select_params *select,
                                              const ekv_paged_kv *kv, const ekv_page_stats *stats,

@@ -182,11 +182,11 @@ static ekv_status check_select(ekv_context *ctx, const ekv_method_info *mi,
 static ekv_status check_cuda(ekv_context *ctx, const ekv_method_info *mi,
                              const ekv_decode_params *p, const ekv_select_params *s) {
     if (!s) return EKV_OK;
-    const char *why = s->per_query_head                            ? "per_query_head lists"
-                      : s->tau_mode != EKV_TAU_EXACT               ? "tau modes fixed/corrected"
-                      : (s->tau_hint || s->tau_lb) && mi->budgeted ? "tau_hint / tau_lb"
-                      : (mi->stages & EKV_STAGE_GAUSS) && (p->alibi_slopes || s->auto_margin)
-                              ? "gaussian with ALiBi (the mixture solver) or auto_margin"
+    const char *why = s->per_query_head              ? "per_query_head lists"
+                      : s->tau_mode != EKV_TAU_EXACT ? "tau modes fixed/corrected"
+                      : s->tau_lb && mi->budgeted    ? "tau_lb (no superpages on the device)"
+                      : (mi->stages & EKV_STAGE_GAUSS) && p->alibi_slopes
+                              ? "gaussian with ALiBi (the mixture solver)"
                               : NULL;
     return why ? ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "%s: not on the CUDA backend (CPU only)", why)
                : EKV_OK;

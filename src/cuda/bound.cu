@@ -1,9 +1,9 @@
 /*
  * bound stage on the GPU (mirrors src/cpu/bound.c; docs/math.md §2.3, 9.5): an upper bound of every
  * page's z-space scores but the last, per query head, and its max over the GQA group (the
- * key that ranks pages for a KV-head list). One warp per (page, KV head); the page's
- * summaries (kmin, kmax and, with the ball, kmean and the radius) are read once for the G
- * query heads of the group.
+ * key that ranks pages for a KV-head list). Four lanes per (page, KV head), eight pages per
+ * warp pass; the page's summaries (kmin, kmax and, with the ball, kmean and the radius) are
+ * read once for the G query heads of the group.
  *   box  = sum_d max(q'_d kmin_d, q'_d kmax_d),   q' = a scale q
  *   ball = <q', c> + ||q'|| r
  *   U    = min(box, ball) + slack + bonus  (with the ball; box + bonus without it)
@@ -27,19 +27,48 @@ struct bound_args : ekv_cuda_shape {
 
 enum {
     BOUND_WARPS = EKV_CUDA_THREADS / 32,
-    BOUND_PAGES = 128
-}; /* pages per block: the q setup is amortised */
+    BOUND_LANES = 4,              /* lanes per page: 16-byte chunks of its summaries each    */
+    BOUND_PPW = 32 / BOUND_LANES, /* pages per warp pass: their loads are in flight together */
+    BOUND_PAGES = 1024            /* pages per block: the q setup is amortised               */
+};
 
-/* Brings a page's summaries (min, max, and the mean for the ball) into L2. */
-__device__ __forceinline__ void prefetch_summaries(const bound_args &A, int64_t phys, int kvh,
-                                                   int lane) {
-    const int64_t sn = (phys * A.Hk + kvh) * A.D;
-    for (int d = lane * 4; d < A.D; d += 128) {
-        if (d * A.rng.elem % 128 == 0) { /* one per 128-byte line */
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(ekv_range_addr(A.rng, false, sn + d)));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(ekv_range_addr(A.rng, true, sn + d)));
+/* Sum over the BOUND_LANES lanes of a page (every one of them gets it). */
+template <typename T> __device__ __forceinline__ T page_sum(T v) {
+#pragma unroll
+    for (int o = 1; o < BOUND_LANES; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* This lane's share of a page's box and ball dot products for each head of the group: the
+ * summaries' 8-dim chunks sl, sl + BOUND_LANES, ... (so = the page's summary offset). */
+template <int GM, int RT>
+__device__ __forceinline__ void page_partials(const bound_args &A, const float *qs, int64_t so,
+                                              int sl, float *box, float *dot, float *c2) {
+    for (int c = sl; c < A.D / 8; c += BOUND_LANES) {
+        float mn[8], mx[8], cm[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        ekv_range_load<8, RT>(A.rng, false, so + c * 8, mn);
+        ekv_range_load<8, RT>(A.rng, true, so + c * 8, mx);
+        if (A.with_ball) {
+            const float4 c0 = __ldg(reinterpret_cast<const float4 *>(A.st.kmean + so + c * 8)),
+                         c1 = __ldg(reinterpret_cast<const float4 *>(A.st.kmean + so + c * 8) + 1);
+            cm[0] = c0.x, cm[1] = c0.y, cm[2] = c0.z, cm[3] = c0.w;
+            cm[4] = c1.x, cm[5] = c1.y, cm[6] = c1.z, cm[7] = c1.w;
+#pragma unroll
+            for (int i = 0; i < 8; i++) *c2 += cm[i] * cm[i];
         }
-        if (A.with_ball) asm volatile("prefetch.global.L2 [%0];" ::"l"(A.st.kmean + sn + d));
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            if (g < A.G) {
+                const float4 qa = *reinterpret_cast<const float4 *>(qs + g * A.D + c * 8),
+                             qb = *reinterpret_cast<const float4 *>(qs + g * A.D + c * 8 + 4);
+                const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) box[g] += fmaxf(qq[i] * mn[i], qq[i] * mx[i]);
+                if (A.with_ball)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dot[g] += qq[i] * cm[i];
+            }
+        }
     }
 }
 
@@ -53,6 +82,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
               G = A.G, D = A.D, ps = A.ps;
     const int64_t chunk = blockIdx.x / nrows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
@@ -68,56 +98,43 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     __syncthreads();
     const int64_t pend =
             (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
-    for (int64_t p = chunk * BOUND_PAGES + warp; p < pend; p += BOUND_WARPS) {
-        if (p >= sg.P - 1) { /* the last page and beyond: not ranked */
-            if (lane < G)
-                A.bounds[((int64_t)b * A.H + kvh * G + lane) * A.cap_pages + p] = -CUDART_INF_F;
-            if (lane == 0) A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
-            continue;
-        }
-        const int64_t phys = A.t.indices[sg.first + p];
-        const int64_t so = (phys * A.Hk + kvh) * D;
-        /* prefetch the warp's next page into L2: two pages of summaries in flight per warp */
-        if (p + BOUND_WARPS < pend && p + BOUND_WARPS < sg.P - 1)
-            prefetch_summaries(A, A.t.indices[sg.first + p + BOUND_WARPS], kvh, lane);
-        float box[GM], dot[GM];
+    /* BOUND_PPW pages per warp pass, BOUND_LANES lanes on each: their loads are in flight
+     * together, one shuffle serves every page of the pass, and the pages' final (double)
+     * arithmetic runs on one lane of each page in parallel */
+    constexpr int STRIDE = BOUND_WARPS * BOUND_PPW;
+    /* the page's physical index, loaded a pass ahead (its latency would precede the loads) */
+    auto phys_of = [&](int64_t p) -> int64_t {
+        return p < pend && p < sg.P - 1 ? A.t.indices[sg.first + p] : 0;
+    };
+    int64_t next = phys_of(chunk * BOUND_PAGES + warp * BOUND_PPW + u);
+    for (int64_t base = chunk * BOUND_PAGES + warp * BOUND_PPW; base < pend; base += STRIDE) {
+        const int64_t p = base + u;
+        const bool ranked = p < pend && p < sg.P - 1; /* the last page and beyond: not ranked */
+        const int64_t phys = next;
+        next = phys_of(p + STRIDE);
+        float box[GM], dot[GM], c2 = 0.f;
 #pragma unroll
         for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
-        float c2 = 0.f;
-        for (int d = lane * 4; d < D; d += 128) {
-            float mn4[4], mx4[4];
-            ekv_range_load<4, RT>(A.rng, false, so + d, mn4);
-            ekv_range_load<4, RT>(A.rng, true, so + d, mx4);
-            const float4 mn = make_float4(mn4[0], mn4[1], mn4[2], mn4[3]);
-            const float4 mx = make_float4(mx4[0], mx4[1], mx4[2], mx4[3]);
-            float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (A.with_ball) {
-                c = *reinterpret_cast<const float4 *>(A.st.kmean + so + d);
-                c2 += c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
-            }
-#pragma unroll
-            for (int g = 0; g < GM; g++) {
-                if (g < G) {
-                    const float4 qq = *reinterpret_cast<const float4 *>(qs + g * D + d);
-                    box[g] += fmaxf(qq.x * mn.x, qq.x * mx.x) + fmaxf(qq.y * mn.y, qq.y * mx.y) +
-                              fmaxf(qq.z * mn.z, qq.z * mx.z) + fmaxf(qq.w * mn.w, qq.w * mx.w);
-                    dot[g] += qq.x * c.x + qq.y * c.y + qq.z * c.z + qq.w * c.w;
-                }
-            }
-        }
+        if (ranked) page_partials<GM, RT>(A, qs, (phys * A.Hk + kvh) * D, sl, box, dot, &c2);
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             if (g < G) {
-                box[g] = ekv_warp_sum(box[g]);
-                dot[g] = ekv_warp_sum(dot[g]);
+                box[g] = page_sum(box[g]);
+                if (A.with_ball) dot[g] = page_sum(dot[g]);
             }
         }
-        c2 = ekv_warp_sum(c2);
-        /* lane 0: page p's bound for each head, min(box, ball) + the rounding slack (docs/math.md
-         * §9.5) + ALiBi, rounded up to stay a bound; with the box alone (paper-faithful top-k)
-         * a ranking key without slack, as on the CPU. The list's key is the max over the group.
+        if (A.with_ball) c2 = page_sum(c2);
+        if (sl != 0 || p >= pend) continue;
+        if (!ranked) {
+            for (int g = 0; g < G; g++)
+                A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = -CUDART_INF_F;
+            A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
+            continue;
+        }
+        /* page p's bound for each head, min(box, ball) + the rounding slack (docs/math.md §9.5)
+         * + ALiBi, rounded up to stay a bound; with the box alone (paper-faithful top-k) a
+         * ranking key without slack, as on the CPU. The list's key is the max over the group.
          * (Kept inline: as a helper taking the arguments by reference it ran 7% slower.) */
-        if (lane != 0) continue;
         const double u24 = 5.9604644775390625e-8;
         const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
         const double cn = sqrt((double)c2) * (1 + 1e-5);
@@ -127,16 +144,16 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         for (int g = 0; g < GM; g++) {
             if (g >= G) break;
             const double am = A.slopes ? A.a * (double)A.slopes[kvh * G + g] : 0.0;
-            double u = box[g];
+            double ub = box[g];
             if (A.with_ball) {
-                const double ub = (double)dot[g] + qn[g] * rr;
-                u = u < ub ? u : ub;
-                u += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
-                u += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
+                const double ball = (double)dot[g] + qn[g] * rr;
+                ub = ub < ball ? ub : ball;
+                ub += 4.0 * (double)(D + 4) * u24 * qn[g] * (cn + rr) + 1e-30;
+                ub += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
             }
-            u += am * (double)(last - (sg.N - 1));
-            float uf = (float)u;
-            if (A.with_ball && (double)uf < u) uf = nextafterf(uf, CUDART_INF_F);
+            ub += am * (double)(last - (sg.N - 1));
+            float uf = (float)ub;
+            if (A.with_ball && (double)uf < ub) uf = nextafterf(uf, CUDART_INF_F);
             A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
             best = fmaxf(best, uf);
         }

@@ -60,6 +60,7 @@ struct ekv_cuda_plan {
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */
     double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
+    double *gstat;       /* [B*H][3] gaussian: tau-hat, sigma_g, u_avg per query head     */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
     /* screened decode on token rows (screen.cu) */
     uint32_t *scr_state; /* [5][B*H] per step, zeroed by one memset: max l, max z (ordered */
@@ -231,17 +232,28 @@ __device__ __forceinline__ float ekv_range16_f32(uint32_t h, int dtype) {
                 f = __half2float(__ushort_as_half((unsigned short)h));
     return dtype == EKV_DTYPE_BF16 ? bf : f;
 }
-/* How a kernel reads the ranges, fixed at compile time where it is hot: fp32, 16-bit, or
- * either (a branch on r.dtype per load). */
-enum { EKV_RANGE_F32 = 0, EKV_RANGE_16 = 1, EKV_RANGE_ANY = 2 };
-/* N consecutive values (N = 1, 2 or 4) of the minima (hi = false) or maxima at flat index i, a
- * multiple of N, into o; RT as above (the stats' dtype must match it). */
+/* How a kernel reads the ranges, fixed at compile time where it is hot: fp32, f16, bf16, or
+ * either 16-bit type (a branch on r.dtype per value). */
+enum { EKV_RANGE_F32 = 0, EKV_RANGE_F16 = 1, EKV_RANGE_BF16 = 2, EKV_RANGE_ANY = 3 };
+/* A 16-bit range value as fp32 (exact) for the variant RT. */
+template <int RT> __device__ __forceinline__ float ekv_range16_as(uint32_t h, int dtype) {
+    if (RT == EKV_RANGE_BF16) return __uint_as_float(h << 16);
+    if (RT == EKV_RANGE_F16) return __half2float(__ushort_as_half((unsigned short)h));
+    return ekv_range16_f32(h, dtype);
+}
+/* N consecutive values (N = 1, 2, 4 or 8) of the minima (hi = false) or maxima at flat index i,
+ * a multiple of N, into o; RT as above (the stats' dtype must match it). */
 template <int N, int RT = EKV_RANGE_ANY>
 __device__ __forceinline__ void ekv_range_load(const ekv_cuda_ranges &r, bool hi, int64_t i,
                                                float *o) {
     if (RT == EKV_RANGE_F32 || (RT == EKV_RANGE_ANY && r.dtype == EKV_DTYPE_F32)) {
         const float *p = (hi ? r.mx : r.mn) + i;
-        if (N == 4) {
+        if (N == 8) {
+            const float4 v = __ldg(reinterpret_cast<const float4 *>(p)),
+                         w = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+            o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+            o[4] = w.x, o[5] = w.y, o[6] = w.z, o[7] = w.w;
+        } else if (N == 4) {
             const float4 v = __ldg(reinterpret_cast<const float4 *>(p));
             o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
         } else if (N == 2) {
@@ -253,21 +265,30 @@ __device__ __forceinline__ void ekv_range_load(const ekv_cuda_ranges &r, bool hi
         return;
     }
     const uint16_t *p = (hi ? r.mx16 : r.mn16) + i;
-    if (N == 4) {
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if (N == 8) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4 *>(p));
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if (N == 4) {
         const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
-        o[0] = ekv_range16_f32(v.x & 0xffffu, r.dtype), o[1] = ekv_range16_f32(v.x >> 16, r.dtype);
-        o[2] = ekv_range16_f32(v.y & 0xffffu, r.dtype), o[3] = ekv_range16_f32(v.y >> 16, r.dtype);
+        w[0] = v.x, w[1] = v.y;
     } else if (N == 2) {
-        const uint32_t v = __ldg(reinterpret_cast<const unsigned int *>(p));
-        o[0] = ekv_range16_f32(v & 0xffffu, r.dtype), o[1] = ekv_range16_f32(v >> 16, r.dtype);
+        w[0] = __ldg(reinterpret_cast<const unsigned int *>(p));
     } else {
-        o[0] = ekv_range16_f32(__ldg(reinterpret_cast<const unsigned short *>(p)), r.dtype);
+        o[0] = ekv_range16_as<RT>(__ldg(reinterpret_cast<const unsigned short *>(p)), r.dtype);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < N / 2; k++) {
+        o[2 * k] = ekv_range16_as<RT>(w[k] & 0xffffu, r.dtype);
+        o[2 * k + 1] = ekv_range16_as<RT>(w[k] >> 16, r.dtype);
     }
 }
 /* The kernel variant for these ranges: calls f with std::integral_constant<int, RT>. */
 template <typename F> static inline auto ekv_cuda_with_ranges(const ekv_cuda_ranges &r, F &&f) {
-    return r.dtype == EKV_DTYPE_F32 ? f(std::integral_constant<int, EKV_RANGE_F32>())
-                                    : f(std::integral_constant<int, EKV_RANGE_16>());
+    if (r.dtype == EKV_DTYPE_F16) return f(std::integral_constant<int, EKV_RANGE_F16>());
+    if (r.dtype == EKV_DTYPE_BF16) return f(std::integral_constant<int, EKV_RANGE_BF16>());
+    return f(std::integral_constant<int, EKV_RANGE_F32>());
 }
 /* Where the minima (hi = false) or maxima of flat index i start, for prefetching. */
 __device__ __forceinline__ const void *ekv_range_addr(const ekv_cuda_ranges &r, bool hi,
@@ -464,7 +485,7 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
                                  const ekv_page_table *t, const float *q, int with_ball, int batch);
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
-                                int32_t recent_pages);
+                                int32_t recent_pages, const double *hint);
 ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                     const ekv_select_params *sel, const ekv_paged_kv *kv,
                                     const ekv_page_stats *st, const ekv_page_table *t,

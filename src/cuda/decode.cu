@@ -5,7 +5,7 @@
  * method table (src/core/method.c) lists for the select method:
  *   dense:     scores -> tau -> values                                   (4 launches)
  *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
- *   gaussian:  moments -> rule -> scores -> tau -> values                (6 launches)
+ *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (7 launches)
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
  *              (6 launches and a memset, screen.cu)
@@ -50,7 +50,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 29 };
+enum { PLAN_BUFFERS = 30 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -85,6 +85,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
             {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->gstat, BH * 3 * (int64_t)sizeof(double)},
             {(void **)&pl->flash_part, BH * ns * (pl->p.head_dim + 4) * (int64_t)sizeof(float)},
     };
     memcpy(b, t, sizeof t);
@@ -277,7 +278,8 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((stg & EKV_STAGE_TOPK) &&
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,
                                   certified ? sel->sink_pages : 0,
-                                  certified ? sel->recent_pages : 0)))
+                                  certified ? sel->recent_pages : 0,
+                                  certified ? sel->tau_hint : NULL)))
         return s;
     if (prm->alpha == 1.0 && !certified && ekv_cuda_softmax_one_pass_applies(pl, kv->dtype)) {
         pl->last_one_pass = 1; /* docs/math.md §3.9 */

@@ -4,11 +4,13 @@
  * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for some query head of the group.
  *   moments: one warp per (page, KV head): mu_p = <q', kmean_p>, sigma_p^2 =
  *            sum_d q'_d^2 max(M2_pd / n_p, 1e-12), in fp32 like the CPU, per group head;
- *   rule:    one block per (sequence, KV head): the mixture's global moments by block
+ *   stats:   one block per (sequence, KV head): the mixture's global moments by block
  *            reductions, tau-hat from the single-Gaussian solver (src/math/gaussian_core.h,
- *            the CPU's own code), then a threshold and an ordered compaction.
- * Not on the GPU: ALiBi (its mixture solver), auto_margin (a batch-wide sigma-bar) and the
- * fixed/corrected tau modes; those return EKV_ERR_UNSUPPORTED.
+ *            the CPU's own code), per query head;
+ *   rule:    one block per (sequence, KV head): the margin (the user's, or with auto_margin
+ *            from the batch's sigma-bar, §4.5), a threshold and an ordered compaction.
+ * Not on the GPU: ALiBi (its mixture solver) and the fixed/corrected tau modes; those return
+ * EKV_ERR_UNSUPPORTED.
  */
 #include "cuda_internal.cuh"
 #include "../math/gaussian_core.h"
@@ -68,18 +70,24 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args
     }
 }
 
+/* ---- the rule, in two launches: each head's global statistics, then the page rule (which
+ * needs the batch's sigma-bar for auto_margin) ---- */
 struct gr_args : ekv_cuda_shape {
-    int reference_m3;
-    double alpha, a, zpage, margin_z, excess;
+    int reference_m3, auto_margin, batch;
+    double alpha, a, excess;
+    double margin_z, zpage; /* the user's margin and the z of the user's q_max   */
+    double zpage_auto[2];   /* auto_margin: z of q_max 0.99 and 0.995 (§4.5)      */
     const double *mu, *sig;
+    double *gstat; /* [B*H][3]: tau-hat, sigma_g, u_avg of each query head                */
     int32_t *list_pages, *list_count;
     uint8_t *in_list;
 };
 
-__global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
+/* tau-hat, sigma_g and u_avg of every head of the list (one block per list): the mixture's
+ * global moments by block reductions, tau-hat from the single-Gaussian solver
+ * (src/math/gaussian_core.h, the CPU's own code). */
+__global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
     __shared__ double scratch[32];
-    __shared__ double tfloor[EKV_CUDA_MAX_GROUP];
-    __shared__ int wsum[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t P = sg.P, Ps = P > 1 ? P - 1 : 1, n = P > 1 ? Ps * A.ps : sg.N;
@@ -117,19 +125,45 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
             if (!isfinite(mug)) mug = 0;
             if (sgg != sgg) sgg = 1e-6;
             if (sgg == CUDART_INF) sgg = 1e6;
-            const double tau =
+            A.gstat[bh * 3] =
                     ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n, A.reference_m3);
-            const double uavg = s_u / (double)Ps, theta = tau / A.a;
-            const double dsig = A.margin_z * sgg, dexc = A.excess * fmax(theta - uavg, 0.0);
-            tfloor[g] = tau - A.a * fmax(dsig, dexc);
+            A.gstat[bh * 3 + 1] = sgg;
+            A.gstat[bh * 3 + 2] = s_u / (double)Ps;
         }
     }
+}
+
+/* The page rule (one block per list): a page is taken when a (mu_p + z_page sigma_p) clears
+ * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for a head of the group; then an
+ * ordered compaction. */
+__global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
+    __shared__ double scratch[32];
+    __shared__ double tfloor[EKV_CUDA_MAX_GROUP];
+    __shared__ int wsum[32];
+    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t P = sg.P;
+    double margin_z = A.margin_z, zpage = A.zpage;
+    if (A.auto_margin) { /* one sigma-bar for the whole batch, summed in one order by every block */
+        const int64_t BH = (int64_t)A.batch * A.H;
+        double s = 0;
+        for (int64_t i = threadIdx.x; i < BH; i += blockDim.x) s += A.gstat[i * 3 + 1];
+        double q_max;
+        ekv_gauss_auto_margin(ekv_block_sum(s, scratch) / (double)BH, &margin_z, &q_max);
+        zpage = A.zpage_auto[q_max > 0.99];
+    }
+    if (threadIdx.x < A.G) {
+        const int64_t bh = (int64_t)b * A.H + kvh * A.G + threadIdx.x;
+        const double tau = A.gstat[bh * 3], sgg = A.gstat[bh * 3 + 1], uavg = A.gstat[bh * 3 + 2];
+        const double dsig = margin_z * sgg, dexc = A.excess * fmax(tau / A.a - uavg, 0.0);
+        tfloor[threadIdx.x] = tau - A.a * fmax(dsig, dexc);
+    }
     __syncthreads();
-    const int64_t nsc = P > 1 ? Ps : 0; /* pages the rule may take */
+    const int64_t nsc = P > 1 ? P - 1 : 0; /* pages the rule may take */
     auto take = [&](int64_t p) {
         for (int g = 0; g < A.G; g++) {
             const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
-            if (A.a * (A.mu[bh * A.cap_pages + p] + A.zpage * A.sig[bh * A.cap_pages + p]) >
+            if (A.a * (A.mu[bh * A.cap_pages + p] + zpage * A.sig[bh * A.cap_pages + p]) >
                 tfloor[g])
                 return true;
         }
@@ -149,6 +183,9 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     }
     if (threadIdx.x == 0) ekv_close_list(out, in, written, P, A.list_count, row);
 }
+
+/* z of a page's quantile: a page of ps tokens stays below it with probability q_max (§4.9). */
+double page_z(double q_max, int ps) { return ekv_normal_quantile(pow(q_max, 1.0 / (double)ps)); }
 
 } // namespace
 
@@ -170,16 +207,23 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
     gr_args R;
     ekv_cuda_set_shape(R, pl, t);
     R.reference_m3 = sel->reference_m3;
+    R.auto_margin = sel->auto_margin;
+    R.batch = batch;
     R.alpha = prm->alpha;
     R.a = prm->alpha - 1.0;
-    R.zpage = ekv_normal_quantile(pow(sel->max_quantile, 1.0 / (double)M.ps));
-    R.margin_z = sel->margin_z;
     R.excess = sel->excess_fraction;
+    R.margin_z = sel->margin_z;
+    R.zpage = page_z(sel->max_quantile, M.ps);
+    R.zpage_auto[0] = page_z(0.99, M.ps);
+    R.zpage_auto[1] = page_z(0.995, M.ps);
     R.mu = pl->gmu;
     R.sig = pl->gsig;
+    R.gstat = pl->gstat;
     R.list_pages = pl->list_pages;
     R.list_count = pl->list_count;
     R.in_list = pl->in_list;
+    gauss_stats_kernel<<<batch * M.Hk, GR_THREADS, 0, pl->stream>>>(R);
+    EKV_CUDA_LAUNCHED(pl);
     gauss_rule_kernel<<<batch * M.Hk, GR_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

@@ -20,7 +20,20 @@ __device__ __forceinline__ uint32_t order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/* Whether page p's bound exceeds tau[h] for a query head h of list (b, kvh): a page certified
+ * decode must read (docs/math.md §9.3; round 2 with round 1's tau, round 1 with a hint). */
+__device__ __forceinline__ bool page_exceeds(const ekv_cuda_shape &S, const float *bounds,
+                                             const double *tau, int b, int kvh, int64_t p) {
+    for (int g = 0; g < S.G; g++) {
+        const int64_t h = (int64_t)b * S.H + kvh * S.G + g;
+        if ((double)bounds[h * S.cap_pages + p] > tau[h]) return true;
+    }
+    return false;
+}
+
 struct topk_args : ekv_cuda_shape {
+    const double *hint;  /* certified's tau_hint [B*H] (device) or NULL: the pages it cannot */
+    const float *bounds; /* rule out replace the top-k ([B*H][cap_pages] bounds)             */
     int64_t budget_tokens;
     double budget_fraction; /* > 0: each sequence's share (ekv_seq_budget_tokens) */
     int sink, recent;
@@ -101,6 +114,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     int64_t k = budget / A.ps;
     if (k < 1 && budget >= 1 && n >= 1) k = 1;
     if (k > n) k = n;
+    if (A.hint) k = 0; /* no ranking: the hint picks the pages */
     const float *key = A.keys + (int64_t)row * A.cap_pages;
     uint32_t prefix = 0, mask = 0;
     int remaining = (int)k;
@@ -119,7 +133,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     /* ordered compaction: key > T, the first `remaining` keys == T (in page order), sink and
      * recent pages. Tiles of SEL_THREADS x SEL_UNROLL pages, each thread SEL_UNROLL consecutive
      * ones, two block scans per tile (ties, then pages taken) keep the page order. */
-    const bool take_all = k >= n;
+    const bool take_all = k >= n && !A.hint;
     const bool ranked = !take_all && k > 0;
     int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
@@ -141,6 +155,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
             const int64_t p = lo + u;
             bool t = p < n && (take_all || p < A.sink || p >= sg.P - 1 - A.recent);
             if (p < n && ranked) t |= kk[u] > prefix || (kk[u] == prefix && tie_i++ < remaining);
+            if (p < n && A.hint && !t) t = page_exceeds(A, A.bounds, A.hint, b, row % A.Hk, p);
             take[u] = t;
         }
         ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, in, &written, wsum);
@@ -166,14 +181,7 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     const uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
     const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
     const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
-    auto wanted = [&](int64_t p) {
-        if (in[p]) return false;
-        for (int g = 0; g < A.G; g++) {
-            const int64_t h = (int64_t)b * A.H + kvh * A.G + g;
-            if ((double)A.bounds[h * A.cap_pages + p] > A.tau[h]) return true;
-        }
-        return false;
-    };
+    auto wanted = [&](int64_t p) { return !in[p] && page_exceeds(A, A.bounds, A.tau, b, kvh, p); };
     int cnt = 0;
     for (int64_t p = lo; p < hi; p++) cnt += wanted(p);
     int written;
@@ -187,9 +195,11 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
 
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
-                                int32_t recent_pages) {
+                                int32_t recent_pages, const double *hint) {
     topk_args A;
     ekv_cuda_set_shape(A, pl, t);
+    A.hint = hint;
+    A.bounds = pl->bounds;
     A.budget_tokens = budget_tokens;
     A.budget_fraction = budget_fraction;
     A.sink = sink_pages;

@@ -75,4 +75,11 @@ EKV_HD double ekv_gauss_tau_single_core(double alpha, double mu, double sigma, d
     return tau;
 }
 
+/* The automatic margin and quantile of docs/math.md §4.5 from sigma-bar, the mean of the heads'
+ * global score deviations over the batch. */
+EKV_HD void ekv_gauss_auto_margin(double sbar, double *margin_z, double *q_max) {
+    *margin_z = sbar < 1.5 ? 0.01 * sbar : 0.05 * sbar;
+    *q_max = sbar < 1.5 ? 0.99 : 0.995;
+}
+
 #endif

@@ -14,6 +14,7 @@
  */
 #include "../core/internal.h"
 #include "../math/gaussian.h"
+#include "../math/gaussian_core.h" /* ekv_gauss_auto_margin */
 #include "gaussian_select.h"
 #include <stdlib.h>
 
@@ -217,8 +218,7 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm,
         double sbar = 0;
         for (int64_t i = 0; i < BH; i++) sbar += j.sigg[i];
         sbar /= (double)BH;
-        j.margin_z = sbar < 1.5 ? 0.01 * sbar : 0.05 * sbar;
-        j.q_max = sbar < 1.5 ? 0.99 : 0.995;
+        ekv_gauss_auto_margin(sbar, &j.margin_z, &j.q_max);
     }
     ekv_pool_run(ctx->pool, j.sh.B * j.heads, rule_task, &j);
     int64_t w = 0, bytes = 0;

@@ -432,6 +432,59 @@ static void scores_precision_test(ekv_context *ctx) {
     }
 }
 
+/* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
+ * whose bound exceeds the hint for a head of the list. Hints below the true tau (round 2
+ * empty) and above it for every other head (round 2 adds what the hint ruled out): the output
+ * equals dense entmax, and each list's round 1 and round 2 page counts equal the CPU's on the
+ * same hint (a bound that rounds differently on the two sides may move a tie: counted). */
+static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
+                                 const ekv_select_params *base) {
+    const mirror *m = sc->m;
+    const int B = sc->c->B, H = sc->prm->num_heads, Hk = m->kv.num_kv_heads, D = m->kv.head_dim;
+    const int64_t nq = (int64_t)B * H * D;
+    double *tau = malloc(sizeof(double) * B * H), *hint = malloc(sizeof(double) * B * H);
+    int32_t *r1 = malloc(sizeof(int32_t) * B * Hk), *r2 = malloc(sizeof(int32_t) * B * Hk),
+            *c1 = malloc(sizeof(int32_t) * B * Hk), *c2 = malloc(sizeof(int32_t) * B * Hk);
+    float *out = malloc(sizeof(float) * nq), *cpu = malloc(sizeof(float) * nq);
+    ekv_decode_info ri = {.tau = tau};
+    CHECK(ekv_decode_dense_ref(ctx, sc->prm, &m->kv, &m->tab, sc->q, cpu, &ri) == EKV_OK, "ref");
+    for (int64_t i = 0; i < (int64_t)B * H; i++) hint[i] = tau[i] + (i % 2 ? 0.25 : -0.5);
+    double *dhint = dev_copy(hint, sizeof(double) * B * H);
+    ekv_select_params sp = *base;
+    sp.tau_hint = dhint;
+    CHECK(ekv_cuda_decode_certified(plan, sc->dprm, &sp, &m->dkv, &m->dst, &m->dtab, sc->dq,
+                                    sc->dout) == EKV_OK,
+          "cuda certified with a hint: %s", ekv_last_error(ctx));
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.pages_round1 = r1;
+    rep.pages_round2 = r2;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
+    CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+    double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
+    CHECK(e < 3e-5, "certified with a hint: rel err %.3g vs dense", e);
+    sp.tau_hint = hint;
+    ekv_certified_info ci = {.pages_round1 = c1, .pages_round2 = c2};
+    CHECK(ekv_decode_certified(ctx, sc->prm, &sp, &m->kv, &m->st, &m->tab, sc->q, cpu, NULL, &ci) ==
+                  EKV_OK,
+          "cpu certified with a hint: %s", ekv_last_error(ctx));
+    for (int64_t l = 0; l < (int64_t)B * Hk; l++) {
+        g_lists_cmp++;
+        g_lists_tie += r1[l] != c1[l] || r2[l] != c2[l];
+    }
+    e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+    CHECK(e < 3e-5, "certified with a hint: rel err %.3g vs the CPU's", e);
+    cudaFree(dhint);
+    free(tau);
+    free(hint);
+    free(r1);
+    free(r2);
+    free(c1);
+    free(c2);
+    free(out);
+    free(cpu);
+}
+
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     test_rng r = {seed * 2654435761u + 17};
     const int H = c->G * c->Hk, D = c->D, Hk = c->Hk, B = c->B, ps = c->ps;
@@ -749,10 +802,12 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 free(lpg);
                 free(lb);
             }
-        /* gaussian (exact tau mode; no ALiBi on the GPU) */
-        if ((c->alpha == 1.5 || c->alpha == 2.0) && !c->alibi) {
+        /* gaussian (exact tau mode; no ALiBi on the GPU), the user's margin and quantile, then
+         * the automatic ones (docs/math.md §4.5: from the batch's sigma-bar) */
+        for (int am = 0; am < 2 && (c->alpha == 1.5 || c->alpha == 2.0) && !c->alibi; am++) {
             ekv_select_params sp = ekv_select_default_params();
             sp.method = EKV_SELECT_GAUSSIAN;
+            sp.auto_margin = am;
             const int64_t cap = ekv_page_list_capacity(&m.tab, Hk);
             int64_t *lip = malloc(sizeof(int64_t) * (B * Hk + 1));
             int32_t *lpg = malloc(sizeof(int32_t) * cap);
@@ -767,11 +822,11 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             rep.list_pages = lists;
             rep.pages_round1 = r1;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            CHECK(rep.launches == 6, "gaussian: %d launches", rep.launches);
+            CHECK(rep.launches == 7, "gaussian: %d launches", rep.launches);
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             char what[96];
-            snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g)", D, c->G, ps,
-                     c->dt, c->alpha);
+            snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g auto=%d)", D,
+                     c->G, ps, c->dt, c->alpha, am);
             const int all_same = lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
             if (all_same) {
                 e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
@@ -803,6 +858,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             for (int64_t i = 0; i < (int64_t)B * H; i++)
                 CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1, "certified support %lld vs %lld",
                       (long long)sup_g[i], (long long)sup_ref[i]);
+            certified_hint_check(ctx, plan, &sc, &sp);
         }
         if (c->alpha > 1) screened_check(ctx, plan, &sc);
         /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
@@ -1072,7 +1128,7 @@ static void invalid_test(ekv_context *ctx) {
             {"scale -inf", EKV_ERR_INVALID_ARGUMENT},
             {"scale NaN", EKV_ERR_INVALID_ARGUMENT},
             {"budget_fraction 1.5", EKV_ERR_INVALID_ARGUMENT},
-            {"certified tau_hint", EKV_ERR_UNSUPPORTED},
+            {"certified tau_lb", EKV_ERR_UNSUPPORTED},
             {"method 9", EKV_ERR_INVALID_ARGUMENT},
     };
     const double hint[8] = {0};
@@ -1110,7 +1166,7 @@ static void invalid_test(ekv_context *ctx) {
             s2.budget_fraction = 1.5;
             break;
         case 13:
-            s2.tau_hint = hint;
+            s2.tau_lb = hint;
             cert = 1;
             break;
         case 14: s2.method = (ekv_select_method)9; break;
