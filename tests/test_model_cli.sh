@@ -6,7 +6,8 @@
 #     top-k with budget 1 too, and screened (4- and 8-bit key codes) to 1e-6 relative; a
 #     missing or broken model file exits 1 with a message;
 #   - run with screened (as --method or in --compare) decodes the dense text;
-#   - trace writes a file that eval reads (per-layer prefix), with the model's shapes.
+#   - trace writes a file that eval reads (per-layer prefix), with the model's shapes;
+#   - ppl stopped by SIGINT reports the partial result (exit 130, "interrupted" in the JSON).
 # Usage: test_model_cli.sh PATH/TO/entmaxkv DATA_DIR
 set -u
 BIN=${1:-}
@@ -131,6 +132,23 @@ sys.exit(0 if abs(a['ppl']-b['ppl']) <= 1e-6*a['ppl'] else 1)"
     [ "$RC" -eq 0 ] && [ "$(ppl_field "$TMP/s.json" tokens)" = 100 ]
     check "ppl --score-last 50 over 2 windows should score 100 tokens" $?
 fi
+
+# ppl on SIGINT: the predictions scored so far, exit 130. The text is long enough that the run
+# cannot finish before the signal (5000 windows of 300 tokens).
+for i in $(seq 1 150); do cat "$TMP/text.txt"; done >"$TMP/long.txt"
+"$BIN" ppl --model "$MODEL" --text "$TMP/long.txt" --ctx 300 --windows 5000 --json "$TMP/int.json" \
+    >"$OUT" 2>"$ERR" &
+pid=$!
+sleep 2
+kill -INT "$pid"
+wait "$pid"
+RC=$?
+[ "$RC" -eq 130 ] && grep -q "interrupted" "$ERR" && python3 -c "
+import json,sys
+j=json.load(open('$TMP/int.json'))
+assert j['interrupted'] is True and j['tokens'] > 0 and j['ppl'] > 1, j
+assert j['windows_done'] < 5000 and j['tokens'] <= (j['windows_done'] + 1) * 299, j"
+check "ppl should report the partial result on SIGINT (rc=$RC: $(tail -c 300 "$ERR"))" $?
 
 # trace -> eval
 run trace --model "$MODEL" --text "$TMP/text.txt" --ctx 400 --queries 4 --out "$TMP/t.safetensors"

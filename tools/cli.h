@@ -59,6 +59,13 @@ int cli_parse_fraction(const char *s, double *out);
 /* Parses a comma-separated list of integers into out[max]; returns count or -1. */
 int cli_parse_i64_list(const char *s, int64_t *out, int max);
 double cli_now_seconds(void);
+/* Ctrl-C as a request to stop: after cli_catch_interrupt, the first SIGINT only sets the flag
+ * cli_interrupted() reads (long runs stop at their next chunk and report what they have); a
+ * second one ends the process as usual. */
+void cli_catch_interrupt(void);
+int cli_interrupted(void);
+/* The exit status of a run stopped by SIGINT (128 + 2, as the shell reports it). */
+enum { CLI_EXIT_INTERRUPTED = 130 };
 
 /* xoshiro256+ stream with Gaussian samples (fast fill of synthetic workloads). */
 typedef struct {
@@ -228,12 +235,14 @@ void model_close(model_session *s);
 /* Creates the context and loads the model for max_tokens tokens; prints why not and returns 1. */
 int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_context **ctx,
                ekv_model **m);
-/* Runs n tokens through the model in chunks, with progress; fn (if not NULL) gets the logits
- * [c][vocab] of every chunk that reaches position logits_from (first position: start). */
+/* Runs n tokens through the model in chunks, with progress (tokens/s, ETA); fn (if not NULL)
+ * gets the logits [c][vocab] of every chunk that reaches position logits_from (first position:
+ * start). Returns 0, 1 on an error (printed), or 2 when interrupted (cli_interrupted) between
+ * chunks, fn having seen every chunk that ran; *fed (if not NULL): the tokens that ran. */
 typedef void (*model_logits_fn)(void *arg, int64_t start, int64_t c, const float *logits);
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
-               const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
-               void *arg);
+               const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn, void *arg,
+               int64_t *fed);
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,6 +150,14 @@ int cli_parse_i64_list(const char *s, int64_t *out, int max) {
     }
     return n;
 }
+
+static volatile sig_atomic_t g_interrupted;
+static void on_interrupt(int sig) {
+    g_interrupted = 1;
+    signal(sig, SIG_DFL); /* a second Ctrl-C ends the process */
+}
+void cli_catch_interrupt(void) { signal(SIGINT, on_interrupt); }
+int cli_interrupted(void) { return g_interrupted != 0; }
 
 double cli_now_seconds(void) {
     struct timespec ts;

@@ -253,8 +253,8 @@ char *cli_read_file(const char *path, int64_t *len) {
  * more than 2 s. For every chunk that reaches position logits_from, fn receives the chunk's
  * logits [c][vocab] (positions start .. start+c-1), so no caller holds n x vocab floats. */
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
-               const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
-               void *arg) {
+               const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn, void *arg,
+               int64_t *fed) {
     enum { CHUNK = 256 };
     const int64_t V = ekv_model_get_config(m)->vocab;
     float *logits = fn ? malloc(sizeof(float) * (size_t)(CHUNK * V)) : NULL;
@@ -264,6 +264,7 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
     }
     double t0 = cli_now_seconds(), last = t0;
     int rc = 0;
+    if (fed) *fed = 0;
     for (int64_t i = 0; i < n && !rc; i += CHUNK) {
         const int64_t c = n - i < CHUNK ? n - i : CHUNK;
         const int want = fn && i + c > logits_from;
@@ -275,13 +276,16 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
             break;
         }
         if (want) fn(arg, i, c, logits);
+        if (fed) *fed = i + c;
         double now = cli_now_seconds();
         if (now - last > 2.0) {
-            fprintf(stderr, "  %s: %lld / %lld tokens (%.0f%%), %.0f tokens/s\n", what,
-                    (long long)(i + c), (long long)n, 100.0 * (double)(i + c) / (double)n,
-                    (double)(i + c) / (now - t0));
+            const double rate = (double)(i + c) / (now - t0);
+            fprintf(stderr, "  %s: %lld / %lld tokens (%.0f%%), %.0f tokens/s, ETA %.0f s\n", what,
+                    (long long)(i + c), (long long)n, 100.0 * (double)(i + c) / (double)n, rate,
+                    (double)(n - i - c) / rate);
             last = now;
         }
+        if (i + c < n && cli_interrupted()) rc = 2;
     }
     free(logits);
     return rc;

@@ -82,9 +82,34 @@ static void parse(int argc, char **argv, ppl_opts *o) {
 /* What the windows measured: the summed log-loss and the per-layer bytes. */
 typedef struct {
     double nll, secs;
-    int64_t scored, fed, nwin, layers, heads;
+    int64_t scored, fed, nwin, done, layers, heads; /* done: windows finished */
+    int interrupted;                                /* Ctrl-C: a partial result */
     ekv_model_stats *lay;
 } ppl_result;
+
+/* Adds the model's per-layer statistics of the last window to the run's. */
+static void add_layer_stats(ekv_model *m, ppl_result *r) {
+    for (int64_t l = 0; l < r->layers; l++) {
+        ekv_model_stats s;
+        ekv_model_get_stats(m, (int32_t)l, &s);
+        r->lay[l].bytes_read += s.bytes_read;
+        r->lay[l].bytes_kv += s.bytes_kv;
+        r->lay[l].lists += s.lists;
+        r->lay[l].lists_round2 += s.lists_round2;
+        r->lay[l].steps += s.steps;
+        r->lay[l].survivors += s.survivors;
+    }
+}
+
+/* Every few seconds between windows: the perplexity so far and the run's ETA. */
+static void window_progress(const ppl_result *r, double t0, double *last) {
+    const double now = cli_now_seconds();
+    if (now - *last < 5.0 || r->done >= r->nwin || !r->scored) return;
+    const double per = (now - t0) / (double)r->done;
+    fprintf(stderr, "  ppl: %lld / %lld windows, ppl %.4f so far, ETA %.0f s\n", (long long)r->done,
+            (long long)r->nwin, exp(r->nll / (double)r->scored), per * (double)(r->nwin - r->done));
+    *last = now;
+}
 
 static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ekv_model *m,
                        ppl_result *r) {
@@ -96,29 +121,31 @@ static int ppl_windows(const ppl_opts *o, const char *text, ekv_context *ctx, ek
         rc = 1;
     }
     const double t0 = cli_now_seconds();
+    double last = t0;
     for (int64_t w = 0; w < r->nwin && !rc; w++) {
         ekv_model_tokenize(text + o->offset + w * ctxlen, ctxlen, tok);
         ekv_model_reset(m);
         char what[64];
         snprintf(what, sizeof what, "window %lld/%lld", (long long)(w + 1), (long long)r->nwin);
         nll_acc acc = {tok, V, o->score_last ? ctxlen - 1 - o->score_last : 0, ctxlen - 1, 0, 0};
-        if (model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc)) {
+        int64_t ran = 0;
+        const int fed =
+                model_feed("ppl", what, ctx, m, tok, ctxlen, acc.first, add_nll, &acc, &ran);
+        if (fed == 1) {
             rc = 1;
             break;
         }
+        /* a window cut short by Ctrl-C still scored its predictions so far: they count */
         r->nll += acc.nll;
         r->scored += acc.scored;
-        r->fed += ctxlen;
-        for (int64_t l = 0; l < r->layers; l++) {
-            ekv_model_stats s;
-            ekv_model_get_stats(m, (int32_t)l, &s);
-            r->lay[l].bytes_read += s.bytes_read;
-            r->lay[l].bytes_kv += s.bytes_kv;
-            r->lay[l].lists += s.lists;
-            r->lay[l].lists_round2 += s.lists_round2;
-            r->lay[l].steps += s.steps;
-            r->lay[l].survivors += s.survivors;
+        add_layer_stats(m, r);
+        r->fed += ran;
+        r->done += fed == 0; /* a whole window */
+        if (fed == 2 || cli_interrupted()) {
+            r->interrupted = 1;
+            break;
         }
+        window_progress(r, t0, &last);
     }
     r->secs = cli_now_seconds() - t0;
     free(tok);
@@ -139,6 +166,15 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
         kv += (double)r->lay[l].bytes_kv;
         r2 += (double)r->lay[l].lists_round2;
         nl += (double)r->lay[l].lists;
+    }
+    if (r->interrupted)
+        fprintf(stderr,
+                "entmaxkv ppl: interrupted: the result below covers the %lld predictions "
+                "scored in %lld of %lld windows\n",
+                (long long)r->scored, (long long)r->done, (long long)r->nwin);
+    if (!r->scored) {
+        fprintf(stderr, "entmaxkv ppl: no prediction was scored\n");
+        return 1;
     }
     const double mean = r->nll / (double)r->scored, ppl = exp(mean), bpb = mean / log(2.0),
                  kvf = kv > 0 ? rd / kv : 0;
@@ -167,12 +203,12 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
             "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
             "\"kv_fraction\":%.9g,\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
             "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
-            "\"code_bits\":%d,\"survivors_mean\":%s,\"kv_fraction_layers\":[",
+            "\"code_bits\":%d,\"survivors_mean\":%s,\"interrupted\":%s,\"windows_done\":%lld,\"kv_fraction_layers\":[",
             ppl, bpb, r->nll, (long long)r->scored, ekv_method_name(mo->method),
             model_uses_budget(mo->method) ? mo->budget : 1.0, kvf, (long long)o->ctxlen,
             (long long)r->nwin, (long long)o->offset, (long long)o->score_last,
             ekv_dtype_name(mo->kv_dtype), mo->page, r->secs, (double)r->fed / r->secs, r2s,
-            codes ? mo->code_bits : 0, svs);
+            codes ? mo->code_bits : 0, svs, r->interrupted ? "true" : "false", (long long)r->done);
     for (int64_t l = 0; l < r->layers; l++)
         fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
     fprintf(out.json, "]}\n");
@@ -191,9 +227,11 @@ int cmd_ppl(int argc, char **argv) {
     r.nwin = (s.len - o.offset) / o.ctxlen;
     if (r.nwin > o.windows) r.nwin = o.windows;
     r.lay = calloc((size_t)r.layers, sizeof *r.lay);
+    cli_catch_interrupt(); /* Ctrl-C: report what was scored (a second one quits) */
     int rc = r.lay ? ppl_windows(&o, s.text, s.ctx, s.m, &r) : 1;
     if (!r.lay) fprintf(stderr, "entmaxkv ppl: out of memory\n");
     if (!rc) rc = ppl_report(&o, &r);
+    if (!rc && r.interrupted) rc = CLI_EXIT_INTERRUPTED;
     free(r.lay);
     model_close(&s);
     return rc;

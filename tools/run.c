@@ -211,7 +211,7 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
             fprintf(stderr, "  [a %lld-byte prompt]\n", (long long)plen);
         const double t0 = cli_now_seconds();
         last_row lr = {logits, plen - 1, V};
-        rc = model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, keep_last_row, &lr);
+        rc = model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, keep_last_row, &lr, NULL);
         pre.seconds = cli_now_seconds() - t0;
         pre.tokens = plen;
         ekv_model_get_stats(m, -1, &pre.st);

@@ -152,7 +152,7 @@ static int trace_run(const trace_opts *o, ekv_context *ctx, ekv_model *m, const 
     const int64_t N = o->N, S = o->S, HD = (int64_t)c->n_heads * c->head_dim;
     ekv_model_tokenize(text + o->offset, N, b->tok);
     ekv_model_alibi_slopes(m, b->slopes);
-    if (model_feed("trace", "prefill", ctx, m, b->tok, N - S, 0, NULL, NULL)) return 1;
+    if (model_feed("trace", "prefill", ctx, m, b->tok, N - S, 0, NULL, NULL, NULL)) return 1;
     for (int64_t s = 0; s < S; s++) {
         if (ekv_model_step(m, b->tok + N - S + s, 1, NULL)) {
             fprintf(stderr, "entmaxkv trace: %s\n", ekv_last_error(ctx));
