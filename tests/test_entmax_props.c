@@ -99,6 +99,49 @@ static void check_row(ekv_context *ctx, const double *x, int64_t n, double alpha
     free(pr);
 }
 
+/* ekv_entmax_rows(_f64): each row bit for bit the one-row call; a bad row is named and nothing
+ * is written; ekv_abi_sizeof knows the public structs and only them. */
+static void rows_check(ekv_context *ctx, test_rng *rng) {
+    enum { R = 5, N = 37 };
+    double x[R * N], p[R * N], one[N];
+    float xf[R * N], pf[R * N], onef[N];
+    for (int i = 0; i < R * N; i++) x[i] = 3 * test_normal(rng), xf[i] = (float)x[i];
+    x[N + 3] = -INFINITY; /* a masked entry */
+    xf[N + 3] = -INFINITY;
+    for (int ai = 0; ai < NALPHA; ai++) {
+        CHECK(ekv_entmax_rows_f64(ctx, x, R, N, alphas[ai], p) == EKV_OK, "rows: %s",
+              ekv_last_error(ctx));
+        CHECK(ekv_entmax_rows(ctx, xf, R, N, alphas[ai], pf) == EKV_OK, "rows f32: %s",
+              ekv_last_error(ctx));
+        for (int r = 0; r < R; r++) {
+            ekv_entmax_f64(ctx, x + r * N, N, alphas[ai], one, NULL, NULL);
+            ekv_entmax(ctx, xf + r * N, N, alphas[ai], onef, NULL, NULL);
+            CHECK(!memcmp(one, p + r * N, sizeof one) && !memcmp(onef, pf + r * N, sizeof onef),
+                  "row %d of the batch differs from the one-row call (alpha %g)", r, alphas[ai]);
+        }
+    }
+    for (int i = 0; i < R * N; i++) p[i] = 7;
+    x[3 * N + 5] = NAN;
+    CHECK(ekv_entmax_rows_f64(ctx, x, R, N, 1.5, p) == EKV_ERR_NAN_INPUT &&
+                  strstr(ekv_last_error(ctx), "row 3"),
+          "a NaN in row 3: %s", ekv_last_error(ctx));
+    x[3 * N + 5] = 0;
+    for (int i = 0; i < N; i++) x[4 * N + i] = -INFINITY;
+    CHECK(ekv_entmax_rows_f64(ctx, x, R, N, 1.5, p) == EKV_ERR_EMPTY_INPUT &&
+                  strstr(ekv_last_error(ctx), "row 4"),
+          "row 4 all -inf: %s", ekv_last_error(ctx));
+    int untouched = 1;
+    for (int i = 0; i < R * N; i++) untouched &= p[i] == 7;
+    CHECK(untouched, "a refused batch wrote p");
+    CHECK(ekv_entmax_rows(ctx, xf, 0, N, 1.5, pf) == EKV_ERR_INVALID_SIZE, "rows 0 accepted");
+    CHECK(ekv_entmax_rows(ctx, xf, R, N, 0.5, pf) == EKV_ERR_INVALID_ALPHA, "alpha 0.5 accepted");
+    CHECK(ekv_abi_sizeof("ekv_paged_kv") == (int64_t)sizeof(ekv_paged_kv) &&
+                  ekv_abi_sizeof("ekv_select_params") == (int64_t)sizeof(ekv_select_params),
+          "ekv_abi_sizeof");
+    CHECK(ekv_abi_sizeof("ekv_nothing") == -1 && ekv_abi_sizeof(NULL) == -1,
+          "ekv_abi_sizeof of an unknown name");
+}
+
 int main(void) {
     ekv_context *ctx;
     if (ekv_context_create(NULL, &ctx)) return 1;
@@ -218,6 +261,7 @@ int main(void) {
     CHECK(ekv_entmax_f64(ctx, x, 2, 1.5, p1, NULL, NULL) == EKV_ERR_EMPTY_INPUT,
           "all -inf accepted");
 
+    rows_check(ctx, &rng);
     ekv_context_free(ctx);
     return test_finish("test_entmax_props");
 }

@@ -135,6 +135,19 @@ EKV_API ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, doubl
 /* Same in double precision (used by the reference backend and the tests). */
 EKV_API ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double alpha,
                                   double *p, double *tau, int64_t *support);
+/* p = alpha-entmax of each of `rows` contiguous rows of n entries (x and p are [rows][n]).
+ * Every row is checked before any is written: a NaN or +inf, or a row of -inf only, fails with
+ * the row's index in the message and p untouched. */
+EKV_API ekv_status ekv_entmax_rows(ekv_context *ctx, const float *x, int64_t rows, int64_t n,
+                                   double alpha, float *p);
+EKV_API ekv_status ekv_entmax_rows_f64(ekv_context *ctx, const double *x, int64_t rows, int64_t n,
+                                       double alpha, double *p);
+
+/* sizeof a public struct, by its name ("ekv_paged_kv", "ekv_page_stats", "ekv_page_table",
+ * "ekv_cache_params", "ekv_decode_params", "ekv_decode_info", "ekv_select_params",
+ * "ekv_context_params"), or -1 for another name: bindings that mirror the structs (the Python
+ * package) check their layouts against it when they load the library. */
+EKV_API int64_t ekv_abi_sizeof(const char *type_name);
 
 /* ---------------------------------------------------------------------------------- */
 /* Layer 1: views over caller-owned paged KV memory (FlashInfer-style CSR)            */

@@ -95,6 +95,42 @@ ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha,
                       double *tau, int64_t *support){ROW_BODY(float, shift_f32)}
 
 ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double alpha, double *p,
-                          double *tau, int64_t *support) {
-    ROW_BODY(double, shift_f64)
+                          double *tau, int64_t *support){ROW_BODY(double, shift_f64)}
+
+/* Many rows: every row is checked first (a NaN or +inf, or a row of -inf only, is named by
+ * its index and nothing is written), then each row as ekv_entmax. */
+#define ROWS_BODY(ROW_FN)                                                                          \
+    if (!x || !p) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !x ? "x" : "p");        \
+    if (rows < 1 || n < 1)                                                                         \
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "rows=%lld and n=%lld must be >= 1",            \
+                        (long long)rows, (long long)n);                                            \
+    if ((uint64_t)rows > (uint64_t)INT64_MAX / (uint64_t)n)                                        \
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "rows x n overflows");                         \
+    ekv_status st = ekv_validate_alpha(ctx, alpha);                                                \
+    if (st) return st;                                                                             \
+    for (int64_t r = 0; r < rows; r++) {                                                           \
+        int any = 0;                                                                               \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            const double v = (double)x[r * n + i];                                                 \
+            if (v != v || v == INFINITY)                                                           \
+                return ekv_fail(ctx, EKV_ERR_NAN_INPUT,                                            \
+                                "row %lld contains NaN or +inf (masked entries must be -inf)",     \
+                                (long long)r);                                                     \
+            any |= v > -INFINITY;                                                                  \
+        }                                                                                          \
+        if (!any)                                                                                  \
+            return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT,                                              \
+                            "every entry of row %lld is -inf: nothing to normalise",               \
+                            (long long)r);                                                         \
+    }                                                                                              \
+    for (int64_t r = 0; r < rows; r++)                                                             \
+        if ((st = ROW_FN(ctx, x + r * n, n, alpha, p + r * n, NULL, NULL))) return st;             \
+    return EKV_OK;
+
+ekv_status ekv_entmax_rows(ekv_context *ctx, const float *x, int64_t rows, int64_t n, double alpha,
+                           float *p){ROWS_BODY(ekv_entmax)}
+
+ekv_status ekv_entmax_rows_f64(ekv_context *ctx, const double *x, int64_t rows, int64_t n,
+                               double alpha, double *p) {
+    ROWS_BODY(ekv_entmax_f64)
 }

@@ -1,0 +1,171 @@
+"""The C library through ctypes: loading, the struct mirrors, errors.
+
+Every call goes through :func:`check`, which turns a non-zero ``ekv_status`` into an
+:class:`EntmaxKVError` carrying the library's own message (``ekv_last_error``). Each Python
+thread gets its own ``ekv_context`` (the last error and the worker pool live there), because
+ctypes releases the GIL while a call runs.
+"""
+import ctypes
+import os
+import pathlib
+import threading
+
+c_int32, c_int64, c_double, c_float = ctypes.c_int32, ctypes.c_int64, ctypes.c_double, ctypes.c_float
+c_void_p, c_char_p, c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
+P = ctypes.POINTER
+
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # ekv_dtype
+METHODS = {"dense": 0, "topk": 1, "gaussian": 3, "certified": 4, "screened": 5}  # ekv_select_method
+
+
+class EntmaxKVError(RuntimeError):
+    """A call into the C library failed: ``status`` is its ``ekv_status`` code (negative),
+    ``status_name`` its name, and the message is the library's ``ekv_last_error``."""
+
+    def __init__(self, status, status_name, message):
+        super().__init__(f"{status_name}: {message}" if message else status_name)
+        self.status = status
+        self.status_name = status_name
+
+
+class ContextParams(ctypes.Structure):
+    _fields_ = [("n_threads", c_int32), ("isa", c_int)]
+
+
+class PagedKV(ctypes.Structure):
+    _fields_ = [("k", c_void_p), ("v", c_void_p), ("dtype", c_int), ("page_size", c_int32),
+                ("num_kv_heads", c_int32), ("head_dim", c_int32), ("num_pages", c_int64),
+                ("stride_page", c_int64), ("stride_head", c_int64), ("stride_token", c_int64)]
+
+
+class PageStats(ctypes.Structure):
+    _fields_ = [("kmin", c_void_p), ("kmax", c_void_p), ("kmean", c_void_p), ("km2", c_void_p),
+                ("radius", c_void_p), ("count", c_void_p), ("superpage_pages", c_int32),
+                ("smin", c_void_p), ("smax", c_void_p), ("codes", c_void_p),
+                ("code_bits", c_int32), ("num_superpages", c_int64), ("range_dtype", c_int),
+                ("kmin16", c_void_p), ("kmax16", c_void_p)]
+
+
+class PageTable(ctypes.Structure):
+    _fields_ = [("batch", c_int32), ("indptr", c_void_p), ("indices", c_void_p),
+                ("last_page_len", c_void_p)]
+
+
+class CacheParams(ctypes.Structure):
+    _fields_ = [("num_pages", c_int64), ("page_size", c_int32), ("num_kv_heads", c_int32),
+                ("head_dim", c_int32), ("dtype", c_int), ("max_seqs", c_int32),
+                ("superpage_pages", c_int32), ("code_bits", c_int32), ("range_dtype", c_int)]
+
+
+class DecodeParams(ctypes.Structure):
+    _fields_ = [("num_heads", c_int32), ("alpha", c_double), ("scale", c_float),
+                ("alibi_slopes", c_void_p)]
+
+
+class DecodeInfo(ctypes.Structure):
+    _fields_ = [("tau", c_void_p), ("support", c_void_p), ("bytes_k", c_int64),
+                ("bytes_v", c_int64), ("bytes_summary", c_int64), ("survivors", c_int64),
+                ("pages_touched", c_int64), ("lists_round2", c_int64),
+                ("pages_round1", c_void_p), ("pages_round2", c_void_p)]
+
+
+class SelectParams(ctypes.Structure):
+    _fields_ = [("method", c_int), ("budget_tokens", c_int64), ("budget_fraction", c_double),
+                ("per_query_head", c_int32), ("margin_z", c_double), ("max_quantile", c_double),
+                ("auto_margin", c_int32), ("reference_m3", c_int32),
+                ("excess_fraction", c_double), ("clamp_tau", c_int32),
+                ("clamp_quantile", c_double), ("tau_mode", c_int), ("correction_iters", c_int32),
+                ("use_ball", c_int32), ("sink_pages", c_int32), ("recent_pages", c_int32),
+                ("tau_lb", c_void_p), ("tau_hint", c_void_p)]
+
+
+_MIRRORS = {"ekv_context_params": ContextParams, "ekv_paged_kv": PagedKV,
+            "ekv_page_stats": PageStats, "ekv_page_table": PageTable,
+            "ekv_cache_params": CacheParams, "ekv_decode_params": DecodeParams,
+            "ekv_decode_info": DecodeInfo, "ekv_select_params": SelectParams}
+
+
+def _library_path():
+    """$ENTMAXKV_LIBRARY, else the shared library installed inside this package."""
+    env = os.environ.get("ENTMAXKV_LIBRARY")
+    if env:
+        return env
+    here = pathlib.Path(__file__).resolve().parent
+    for name in ("libentmaxkv.so", "libentmaxkv.dylib", "entmaxkv.dll"):
+        if (here / name).exists():
+            return str(here / name)
+    raise ImportError(f"entmaxkv: the C library is not in {here} (install the package with "
+                      "'pip install .', or point $ENTMAXKV_LIBRARY at libentmaxkv.so)")
+
+
+def _declare(lib):
+    sigs = {
+        "ekv_status_string": (c_char_p, [c_int]),
+        "ekv_last_error": (c_char_p, [c_void_p]),
+        "ekv_abi_sizeof": (c_int64, [c_char_p]),
+        "ekv_context_create": (c_int, [c_void_p, P(c_void_p)]),
+        "ekv_context_free": (None, [c_void_p]),
+        "ekv_entmax_rows": (c_int, [c_void_p, c_void_p, c_int64, c_int64, c_double, c_void_p]),
+        "ekv_entmax_rows_f64": (c_int, [c_void_p, c_void_p, c_int64, c_int64, c_double,
+                                        c_void_p]),
+        "ekv_cache_default_params": (CacheParams, []),
+        "ekv_cache_create": (c_int, [c_void_p, P(CacheParams), P(c_void_p)]),
+        "ekv_cache_free": (None, [c_void_p]),
+        "ekv_cache_seq_new": (c_int, [c_void_p, P(c_int32)]),
+        "ekv_cache_seq_free": (c_int, [c_void_p, c_int32]),
+        "ekv_cache_seq_length": (c_int, [c_void_p, c_int32, P(c_int64)]),
+        "ekv_cache_free_pages": (c_int64, [c_void_p]),
+        "ekv_cache_append": (c_int, [c_void_p, c_int32, c_int64, c_void_p, c_void_p, c_int]),
+        "ekv_cache_kv_view": (c_int, [c_void_p, P(PagedKV), P(PageStats)]),
+        "ekv_cache_page_table": (c_int, [c_void_p, c_void_p, c_int32, c_void_p, c_void_p,
+                                         c_int64, c_void_p, P(c_int64)]),
+        "ekv_cache_compact_ranges": (c_int, [c_int]),
+        "ekv_dtype_size": (c_int64, [c_int]),
+        "ekv_decode_default_params": (DecodeParams, []),
+        "ekv_select_default_params": (SelectParams, []),
+        "ekv_decode": (c_int, [c_void_p, P(DecodeParams), P(SelectParams), P(PagedKV),
+                               P(PageStats), P(PageTable), c_void_p, c_void_p, P(DecodeInfo)]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    for cname, mirror in _MIRRORS.items():  # a mirror that drifted from the header is a bug
+        size = lib.ekv_abi_sizeof(cname.encode())
+        if size != ctypes.sizeof(mirror):
+            raise ImportError(f"entmaxkv: {cname} is {size} bytes in the library but "
+                              f"{ctypes.sizeof(mirror)} in the Python mirror: a version mismatch")
+    return lib
+
+
+lib = _declare(ctypes.CDLL(_library_path()))
+_local = threading.local()
+
+
+def context():
+    """This thread's ekv_context (created on first use, freed at exit)."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        ctx = c_void_p()
+        st = lib.ekv_context_create(None, ctypes.byref(ctx))
+        if st:
+            raise EntmaxKVError(st, lib.ekv_status_string(st).decode(), "no context")
+        _local.ctx = ctx
+        _local.keeper = _ContextKeeper(ctx)
+    return ctx
+
+
+class _ContextKeeper:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __del__(self):
+        if lib is not None and self.ctx:
+            lib.ekv_context_free(self.ctx)
+
+
+def check(status, ctx=None):
+    """Raises EntmaxKVError for a failed call (status != 0), with the context's message."""
+    if status:
+        msg = lib.ekv_last_error(ctx if ctx is not None else context())
+        raise EntmaxKVError(status, lib.ekv_status_string(status).decode(),
+                            msg.decode() if msg else "")

@@ -1,0 +1,141 @@
+"""PagedKVCache: the library's paged KV cache (page pool, sequences, append, page summaries)."""
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from ._lib import DTYPES, check, lib
+
+_NP_SRC = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # ekv_dtype of append's input
+
+
+class PagedKVCache:
+    """A pool of pages of K and V owned by the C library, with the per-page key summaries the
+    sparse methods read (docs/math.md §1). Layout: page p, KV head h, slot t, dim d (the
+    library's [num_pages, num_kv_heads, page_size, head_dim]).
+
+    num_pages: pages in the pool; page_size: tokens per page (1..256); dtype: storage of K and
+    V, "float16", "bfloat16" or "float32"; max_seqs: sequences alive at once; superpage_pages:
+    pages per superpage summary (0 = none); code_bits: 4 or 8 to keep the key codes the
+    "screened" method reads (0 = none); compact_ranges: keep the page ranges in K's 16-bit
+    type (exact, half the bytes)."""
+
+    def __init__(self, num_pages, page_size=16, num_kv_heads=8, head_dim=128, dtype="float16",
+                 max_seqs=64, superpage_pages=16, code_bits=0, compact_ranges=True):
+        if dtype not in DTYPES:
+            raise ValueError(f"PagedKVCache: dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+        p = lib.ekv_cache_default_params()
+        p.num_pages, p.page_size, p.num_kv_heads = int(num_pages), int(page_size), int(num_kv_heads)
+        p.head_dim, p.dtype, p.max_seqs = int(head_dim), DTYPES[dtype], int(max_seqs)
+        p.superpage_pages, p.code_bits = int(superpage_pages), int(code_bits)
+        p.range_dtype = lib.ekv_cache_compact_ranges(p.dtype) if compact_ranges else 0
+        self._ptr = ctypes.c_void_p()
+        ctx = _lib.context()
+        check(lib.ekv_cache_create(ctx, ctypes.byref(p), ctypes.byref(self._ptr)), ctx)
+        self.page_size, self.num_kv_heads, self.head_dim = p.page_size, p.num_kv_heads, p.head_dim
+        self.num_pages, self.dtype, self.code_bits = p.num_pages, dtype, p.code_bits
+
+    def close(self):
+        """Frees the pool (the views of it die with it)."""
+        if getattr(self, "_ptr", None):
+            lib.ekv_cache_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self):
+        self.close()
+
+    def _live(self):
+        if not self._ptr:
+            raise RuntimeError("PagedKVCache: the cache was closed")
+        return self._ptr
+
+    def new_sequence(self):
+        """A new, empty sequence; returns its id."""
+        seq = ctypes.c_int32()
+        ctx = _lib.context()
+        check(lib.ekv_cache_seq_new(self._live(), ctypes.byref(seq)), ctx)
+        return seq.value
+
+    def free_sequence(self, seq):
+        """Frees a sequence and returns its pages to the pool."""
+        check(lib.ekv_cache_seq_free(self._live(), int(seq)))
+
+    def length(self, seq):
+        """Tokens in the sequence."""
+        n = ctypes.c_int64()
+        check(lib.ekv_cache_seq_length(self._live(), int(seq), ctypes.byref(n)))
+        return n.value
+
+    @property
+    def free_pages(self):
+        return lib.ekv_cache_free_pages(self._live())
+
+    def append(self, seq, k, v):
+        """Appends tokens to a sequence: k and v are [tokens, num_kv_heads, head_dim] (float32
+        or float16, numpy or CPU torch), converted to the storage dtype; the page summaries are
+        updated. Nothing changes when it fails (too few free pages, NaN or inf in the input)."""
+        k, v = _host_array(k, "k"), _host_array(v, "v")
+        want = (self.num_kv_heads, self.head_dim)
+        if k.ndim != 3 or k.shape[1:] != want or k.shape != v.shape:
+            raise ValueError(f"PagedKVCache.append: k and v must both be [tokens, {want[0]}, "
+                             f"{want[1]}]; got {k.shape} and {v.shape}")
+        if k.dtype != v.dtype or k.dtype not in _NP_SRC:
+            raise TypeError(f"PagedKVCache.append: k and v must share a dtype, float32 or "
+                            f"float16; got {k.dtype} and {v.dtype}")
+        if k.shape[0] == 0:
+            return
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        check(lib.ekv_cache_append(self._live(), int(seq), k.shape[0], k.ctypes.data,
+                                   v.ctypes.data, _NP_SRC[k.dtype]))
+
+    def page_table(self, seqs):
+        """The CSR page table of the sequences, FlashInfer's names: (indptr int64 [n + 1],
+        indices int32 physical pages, last_page_len int32 [n])."""
+        seqs = np.ascontiguousarray(np.asarray(seqs, dtype=np.int32).reshape(-1))
+        n = len(seqs)
+        indptr = np.empty(n + 1, np.int64)
+        last = np.empty(n, np.int32)
+        need = ctypes.c_int64()
+        check(lib.ekv_cache_page_table(self._live(), seqs.ctypes.data, n, indptr.ctypes.data,
+                                       None, 0, last.ctypes.data, ctypes.byref(need)))
+        indices = np.empty(max(need.value, 1), np.int32)
+        check(lib.ekv_cache_page_table(self._live(), seqs.ctypes.data, n, indptr.ctypes.data,
+                                       indices.ctypes.data, len(indices), last.ctypes.data, None))
+        return indptr, indices[: need.value], last
+
+    def _view(self):
+        kv, st = _lib.PagedKV(), _lib.PageStats()
+        check(lib.ekv_cache_kv_view(self._live(), ctypes.byref(kv), ctypes.byref(st)))
+        return kv, st
+
+    def _pool(self, which):
+        kv, _ = self._view()
+        shape = (kv.num_pages, kv.num_kv_heads, kv.page_size, kv.head_dim)
+        n = int(np.prod(shape))
+        if self.dtype == "float32":
+            raw, dt = ctypes.c_float * n, np.float32
+        else:  # bfloat16 has no numpy dtype: its bit patterns, as uint16
+            raw, dt = ctypes.c_uint16 * n, (np.float16 if self.dtype == "float16" else np.uint16)
+        a = np.frombuffer(raw.from_address(getattr(kv, which)), dtype=dt).reshape(shape)
+        a.flags.writeable = False  # writing K would leave the page summaries stale
+        return a
+
+    @property
+    def k(self):
+        """Read-only view of the K pool [num_pages, num_kv_heads, page_size, head_dim]
+        (bfloat16: the bit patterns as uint16). Valid while the cache is open."""
+        return self._pool("k")
+
+    @property
+    def v(self):
+        """Read-only view of the V pool, as `k`."""
+        return self._pool("v")
+
+
+def _host_array(x, name):
+    if type(x).__module__.split(".")[0] == "torch":
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"entmaxkv: {name} is on {x.device}: only CPU tensors "
+                                      "and numpy arrays are supported yet")
+        return x.detach().numpy()
+    return np.asarray(x)

@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+
+import entmaxkv
+from reference import attention_ref
+
+HK, D, H = 2, 64, 8
+
+
+def make_cache(lens, code_bits=4, dtype="float16", seed=0):
+    rng = np.random.default_rng(seed)
+    cache = entmaxkv.PagedKVCache(num_pages=128, page_size=16, num_kv_heads=HK, head_dim=D,
+                                  dtype=dtype, code_bits=code_bits)
+    seqs, kvs = [], []
+    for n in lens:
+        s = cache.new_sequence()
+        k = rng.standard_normal((n, HK, D)).astype(np.float32)
+        k[rng.random(n) < 0.03] += 2.5 * rng.standard_normal(D).astype(np.float32)  # a few hits
+        v = rng.standard_normal((n, HK, D)).astype(np.float32)
+        cache.append(s, k, v)
+        seqs.append(s)
+        kvs.append((k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)))
+    return cache, seqs, kvs
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+def test_dense_against_reference(alpha):
+    cache, seqs, kvs = make_cache([300, 77])
+    q = np.random.default_rng(9).standard_normal((2, H, D)).astype(np.float32)
+    w = entmaxkv.DecodeWrapper("dense", alpha=alpha)
+    w.plan(cache, seqs, H)
+    out = w.run(q)
+    for b, (k, v) in enumerate(kvs):
+        ref = attention_ref(q[b].astype(np.float64), k, v, alpha)
+        np.testing.assert_allclose(out[b], ref, atol=2e-5 * np.abs(ref).max())
+    assert w.report["support"].shape == (2, H) and w.report["kv_fraction"] > 0
+
+
+@pytest.mark.parametrize("method", ["certified", "screened"])
+def test_exact_methods_equal_dense(method):
+    cache, seqs, _ = make_cache([500, 129])
+    q = np.random.default_rng(5).standard_normal((2, H, D)).astype(np.float32)
+    dense = entmaxkv.DecodeWrapper("dense")
+    dense.plan(cache, seqs, H)
+    exact = entmaxkv.DecodeWrapper(method, budget=0.125)
+    exact.plan(cache, seqs, H)
+    np.testing.assert_allclose(exact.run(q), dense.run(q), atol=1e-5)
+    np.testing.assert_array_equal(exact.report["support"], dense.report["support"])
+
+
+def test_topk_with_every_token_is_dense_and_out_is_filled():
+    cache, seqs, _ = make_cache([200])
+    q = np.random.default_rng(6).standard_normal((1, H, D)).astype(np.float32)
+    dense = entmaxkv.DecodeWrapper("dense")
+    dense.plan(cache, seqs, H)
+    topk = entmaxkv.DecodeWrapper("topk", budget=1.0)
+    topk.plan(cache, seqs, H)
+    out = np.zeros((1, H, D), np.float32)
+    assert topk.run(q, out=out) is out
+    np.testing.assert_allclose(out, dense.run(q), atol=1e-6)
+
+
+def test_plan_is_checked():
+    cache, seqs, _ = make_cache([40])
+    w = entmaxkv.DecodeWrapper("dense")
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(np.zeros((1, H, D), np.float32))
+    w.plan(cache, seqs, H)
+    with pytest.raises(ValueError, match=r"\[1, 8, 64\]"):
+        w.run(np.zeros((1, H, D + 1), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        w.run(np.zeros((1, H, D), np.float64))
+    cache.append(seqs[0], np.zeros((1, HK, D), np.float32), np.zeros((1, HK, D), np.float32))
+    with pytest.raises(RuntimeError, match="changed since plan"):
+        w.run(np.zeros((1, H, D), np.float32))
+    with pytest.raises(ValueError, match="multiple"):
+        w.plan(cache, seqs, 3)
+    with pytest.raises(ValueError, match="method"):
+        entmaxkv.DecodeWrapper("nope")
+    with pytest.raises(ValueError, match="budget"):
+        entmaxkv.DecodeWrapper("topk", budget=1.5)
+
+
+def test_cache_errors_leave_it_unchanged():
+    cache, seqs, _ = make_cache([10])
+    bad = np.zeros((3, HK, D), np.float32)
+    bad[1, 0, 0] = np.nan
+    with pytest.raises(entmaxkv.EntmaxKVError):
+        cache.append(seqs[0], bad, bad)
+    assert cache.length(seqs[0]) == 10
+    with pytest.raises(ValueError, match="tokens"):
+        cache.append(seqs[0], np.zeros((3, HK + 1, D), np.float32), np.zeros((3, HK + 1, D), np.float32))
+    with pytest.raises(entmaxkv.EntmaxKVError, match="sequence|seq"):
+        cache.length(12345)
+    with pytest.raises(ValueError, match="dtype"):
+        entmaxkv.PagedKVCache(num_pages=4, dtype="int8")
+
+
+def test_pool_views_hold_the_stored_keys():
+    cache, seqs, kvs = make_cache([20], code_bits=0)
+    indptr, indices, last = cache.page_table(seqs)
+    assert list(indptr) == [0, 2] and list(last) == [4]
+    k = cache.k
+    assert k.shape == (128, HK, 16, D) and not k.flags.writeable
+    np.testing.assert_array_equal(k[indices[1], 1, :4].astype(np.float64), kvs[0][0][16:20, 1])
