@@ -1317,6 +1317,128 @@ static void test_sizes(test_rng *r) {
           (long long)ekv_cache_bytes_needed(&big));
 }
 
+/* The NHD layout in the caller's memory (ekv_cache_params.layout, k_pool/v_pool): the same
+ * appends as an HND cache of its own put every K and V element at [page][slot][head][dim] of
+ * the caller's buffers, and give bitwise the same statistics, key codes and decode outputs
+ * (dense, certified, screened); freeing the cache leaves the caller's memory alone (ASan would
+ * see a free of it); the refusals. */
+static void test_nhd_caller_pool(ekv_context *ctx, test_rng *r) {
+    enum { NP = 40, PS = 16, HK = 2, D = 24, H = 4, N = 300 };
+    ekv_cache_params p = ekv_cache_default_params();
+    p.num_pages = NP;
+    p.page_size = PS;
+    p.num_kv_heads = HK;
+    p.head_dim = D;
+    p.dtype = EKV_DTYPE_F16;
+    p.superpage_pages = 4;
+    p.code_bits = 4;
+    p.range_dtype = EKV_DTYPE_F16;
+    const size_t pool = (size_t)NP * PS * HK * D * 2;
+    uint16_t *kb = aligned_alloc(64, pool), *vb = aligned_alloc(64, pool);
+    memset(kb, 0, pool);
+    memset(vb, 0, pool);
+    ekv_cache *hnd = NULL, *nhd = NULL;
+    CHECK(ekv_cache_create(ctx, &p, &hnd) == EKV_OK, "hnd: %s", ekv_last_error(ctx));
+    ekv_cache_params q = p;
+    q.layout = EKV_LAYOUT_NHD;
+    q.k_pool = kb;
+    q.v_pool = vb;
+    CHECK(ekv_cache_bytes_needed(&q) == ekv_cache_bytes_needed(&p) - 2 * (int64_t)pool,
+          "the caller's pools are not the cache's bytes");
+    CHECK(ekv_cache_create(ctx, &q, &nhd) == EKV_OK, "nhd: %s", ekv_last_error(ctx));
+    if (!hnd || !nhd) return;
+    float *k = malloc(sizeof(float) * N * HK * D), *v = malloc(sizeof(float) * N * HK * D);
+    for (int i = 0; i < N * HK * D; i++) k[i] = (float)test_normal(r), v[i] = (float)test_normal(r);
+    int32_t s1, s2;
+    ekv_cache_seq_new(hnd, &s1);
+    ekv_cache_seq_new(nhd, &s2);
+    for (int64_t t0 = 0; t0 < N; t0 += 37) { /* chunks that straddle pages */
+        const int64_t n = N - t0 < 37 ? N - t0 : 37;
+        CHECK(ekv_cache_append(hnd, s1, n, k + t0 * HK * D, v + t0 * HK * D, EKV_DTYPE_F32) ==
+                              EKV_OK &&
+                      ekv_cache_append(nhd, s2, n, k + t0 * HK * D, v + t0 * HK * D,
+                                       EKV_DTYPE_F32) == EKV_OK,
+              "append: %s", ekv_last_error(ctx));
+    }
+    ekv_paged_kv a, b;
+    ekv_page_stats sa, sb;
+    ekv_cache_kv_view(hnd, &a, &sa);
+    ekv_cache_kv_view(nhd, &b, &sb);
+    CHECK(b.k == kb && b.stride_token == HK * D && b.stride_head == D &&
+                  b.stride_page == PS * HK * D,
+          "NHD view: strides %lld %lld %lld", (long long)b.stride_token, (long long)b.stride_head,
+          (long long)b.stride_page);
+    int64_t ip[2], ip2[2];
+    int32_t idx[NP], idx2[NP], lpl[1], lpl2[1];
+    ekv_cache_page_table(hnd, &s1, 1, ip, idx, NP, lpl, NULL);
+    ekv_cache_page_table(nhd, &s2, 1, ip2, idx2, NP, lpl2, NULL);
+    const ekv_page_table tab = {1, ip, idx, lpl}, tab2 = {1, ip2, idx2, lpl2};
+    CHECK(ip[1] == ip2[1] && !memcmp(idx, idx2, sizeof(int32_t) * ip[1]),
+          "the two caches placed the sequence on different pages");
+    int64_t bad = 0, stat_bad = 0;
+    const int64_t R = D * 4 / 8; /* code bytes per token row */
+    for (int64_t e = 0; e < ip[1]; e++) {
+        const int64_t pg = idx[e], ntok = e + 1 == ip[1] ? lpl[0] : PS;
+        for (int h = 0; h < HK; h++) {
+            for (int t = 0; t < ntok; t++)
+                for (int d = 0; d < D; d++) {
+                    const int64_t ia = pg * a.stride_page + h * a.stride_head + t * a.stride_token +
+                                       d,
+                                  ib = ((pg * PS + t) * HK + h) * D + d;
+                    bad += ((const uint16_t *)a.k)[ia] != kb[ib] ||
+                           ((const uint16_t *)a.v)[ia] != vb[ib];
+                }
+            const size_t so = (size_t)(pg * HK + h) * D;
+            stat_bad += memcmp(sa.kmin + so, sb.kmin + so, D * 4) ||
+                        memcmp(sa.kmax + so, sb.kmax + so, D * 4) ||
+                        memcmp(sa.kmean + so, sb.kmean + so, D * 4) ||
+                        memcmp(sa.km2 + so, sb.km2 + so, D * 4) ||
+                        memcmp(sa.kmin16 + so, sb.kmin16 + so, D * 2) ||
+                        sa.radius[pg * HK + h] != sb.radius[pg * HK + h] ||
+                        memcmp(sa.codes + (pg * HK + h) * PS * R, sb.codes + (pg * HK + h) * PS * R,
+                               (size_t)(PS * R));
+        }
+    }
+    CHECK(!bad, "%lld K/V elements differ between the HND pool and the caller's NHD buffers",
+          (long long)bad);
+    CHECK(!stat_bad, "%lld (page, head) statistics or key codes differ between NHD and HND",
+          (long long)stat_bad);
+    float qv[H * D], oa[H * D], ob[H * D];
+    for (int i = 0; i < H * D; i++) qv[i] = (float)test_normal(r);
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = H;
+    const ekv_select_method methods[3] = {EKV_SELECT_DENSE, EKV_SELECT_CERTIFIED,
+                                          EKV_SELECT_SCREENED};
+    for (int m = 0; m < 3; m++) {
+        ekv_select_params sp = ekv_select_default_params();
+        sp.method = methods[m];
+        sp.budget_tokens = 64;
+        CHECK(ekv_decode(ctx, &dp, &sp, &a, &sa, &tab, qv, oa, NULL) == EKV_OK &&
+                      ekv_decode(ctx, &dp, &sp, &b, &sb, &tab2, qv, ob, NULL) == EKV_OK,
+              "decode %s: %s", ekv_method_name(methods[m]), ekv_last_error(ctx));
+        CHECK(!memcmp(oa, ob, sizeof oa), "%s: NHD output differs from HND",
+              ekv_method_name(methods[m]));
+    }
+    ekv_cache_free(hnd);
+    ekv_cache_free(nhd);
+    CHECK(kb[0] == kb[0], "the caller's pool outlives the cache"); /* ASan: no free of it */
+    q.v_pool = NULL;
+    ekv_cache *x = NULL;
+    CHECK(ekv_cache_create(ctx, &q, &x) == EKV_ERR_NULL_POINTER && !x, "one pool accepted");
+    q.v_pool = (char *)vb + 2;
+    CHECK(ekv_cache_create(ctx, &q, &x) == EKV_ERR_INVALID_ARGUMENT && !x,
+          "a misaligned pool accepted");
+    q.v_pool = vb;
+    q.layout = (ekv_kv_layout)2;
+    CHECK(ekv_cache_create(ctx, &q, &x) == EKV_ERR_INVALID_ARGUMENT && !x &&
+                  strstr(ekv_last_error(ctx), "layout"),
+          "layout 2 accepted: %s", ekv_last_error(ctx));
+    free(k);
+    free(v);
+    free(kb);
+    free(vb);
+}
+
 int main(void) {
     test_rng r = {0x9e3779b97f4a7c15ull};
     test_round_outward();
@@ -1360,6 +1482,7 @@ int main(void) {
 
     printf("worst errors / tolerance scale: mean %.3g, M2 %.3g, radius excess %.3g (tolerance 1e-5)\n",
            g_worst_mean, g_worst_m2, g_worst_radius);
+    test_nhd_caller_pool(ctx3, &r);
     ekv_context_free(ctx1);
     ekv_context_free(ctx3);
     return test_finish("test_cache");

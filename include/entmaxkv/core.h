@@ -155,8 +155,9 @@ EKV_API int64_t ekv_abi_sizeof(const char *type_name);
 /*
  * K and V of page `pg`, KV head `h`, slot `t` (0 <= t < page_size), dim `d` live at
  *   base + pg*stride_page + h*stride_head + t*stride_token + d      (in elements)
- * The dimension stride is 1. The cache uses stride_token = head_dim,
- * stride_head = page_size*head_dim, stride_page = num_kv_heads*page_size*head_dim.
+ * The dimension stride is 1. stride_page = num_kv_heads*page_size*head_dim in the cache, with
+ * stride_token = head_dim, stride_head = page_size*head_dim in its default HND layout, and
+ * stride_token = num_kv_heads*head_dim, stride_head = head_dim in NHD (ekv_kv_layout).
  */
 typedef struct ekv_paged_kv {
     const void *k;
@@ -223,6 +224,10 @@ typedef struct ekv_page_table {
 /* ---------------------------------------------------------------------------------- */
 typedef struct ekv_cache ekv_cache;
 
+/* Where (page, KV head, slot) lives in a page: HND [page][kv head][slot][dim] (the default, one
+ * head's keys contiguous), or NHD [page][slot][kv head][dim] (FlashInfer's and vLLM's). */
+typedef enum ekv_kv_layout { EKV_LAYOUT_HND = 0, EKV_LAYOUT_NHD = 1 } ekv_kv_layout;
+
 typedef struct ekv_cache_params {
     int64_t num_pages;       /* pages in the pool (capacity = num_pages * page_size tokens) */
     int32_t page_size;       /* tokens per page, 1..256 (default 16)                       */
@@ -236,6 +241,12 @@ typedef struct ekv_cache_params {
     ekv_dtype range_dtype;   /* the page ranges decode reads (docs/math.md §1.2): f32        */
                              /* (default), or f16/bf16 rounded outward: half the bytes, and  */
                              /* exact when it is K's dtype (ekv_cache_compact_ranges)         */
+    ekv_kv_layout layout;    /* of K and V within a page (default HND)                     */
+    /* The caller's memory for K and V (both or neither; 16-byte aligned; num_pages *         */
+    /* page_size * num_kv_heads * head_dim elements of dtype each, in `layout`), or NULL: the */
+    /* cache allocates them. Appends write there; the cache never frees them. The caller may  */
+    /* read them (e.g. run another attention kernel on the same pages), not write them.      */
+    void *k_pool, *v_pool;
 } ekv_cache_params;
 
 EKV_API ekv_cache_params ekv_cache_default_params(void);

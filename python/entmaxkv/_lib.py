@@ -15,6 +15,7 @@ c_void_p, c_char_p, c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
 P = ctypes.POINTER
 
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # ekv_dtype
+LAYOUTS = {"HND": 0, "NHD": 1}  # ekv_kv_layout
 METHODS = {"dense": 0, "topk": 1, "gaussian": 3, "certified": 4, "screened": 5}  # ekv_select_method
 
 
@@ -54,7 +55,8 @@ class PageTable(ctypes.Structure):
 class CacheParams(ctypes.Structure):
     _fields_ = [("num_pages", c_int64), ("page_size", c_int32), ("num_kv_heads", c_int32),
                 ("head_dim", c_int32), ("dtype", c_int), ("max_seqs", c_int32),
-                ("superpage_pages", c_int32), ("code_bits", c_int32), ("range_dtype", c_int)]
+                ("superpage_pages", c_int32), ("code_bits", c_int32), ("range_dtype", c_int),
+                ("layout", c_int), ("k_pool", c_void_p), ("v_pool", c_void_p)]
 
 
 class DecodeParams(ctypes.Structure):

@@ -4,15 +4,16 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._lib import DTYPES, check, lib
+from ._lib import DTYPES, LAYOUTS, check, lib
 
 _NP_SRC = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # ekv_dtype of append's input
 
 
 class PagedKVCache:
-    """A pool of pages of K and V owned by the C library, with the per-page key summaries the
-    sparse methods read (docs/math.md §1). Layout: page p, KV head h, slot t, dim d (the
-    library's [num_pages, num_kv_heads, page_size, head_dim]).
+    """A paged KV cache with the per-page key summaries the sparse methods read (docs/math.md
+    §1). Pages hold K and V in one of two layouts: "HND" [num_pages, num_kv_heads, page_size,
+    head_dim] (the library's default) or "NHD" [num_pages, page_size, num_kv_heads, head_dim]
+    (FlashInfer's and vLLM's). The pool is the library's, or the caller's (`wrap`).
 
     num_pages: pages in the pool; page_size: tokens per page (1..256); dtype: storage of K and
     V, "float16", "bfloat16" or "float32"; max_seqs: sequences alive at once; superpage_pages:
@@ -21,19 +22,53 @@ class PagedKVCache:
     type (exact, half the bytes)."""
 
     def __init__(self, num_pages, page_size=16, num_kv_heads=8, head_dim=128, dtype="float16",
-                 max_seqs=64, superpage_pages=16, code_bits=0, compact_ranges=True):
+                 max_seqs=64, superpage_pages=16, code_bits=0, compact_ranges=True,
+                 layout="HND", _pools=None):
         if dtype not in DTYPES:
             raise ValueError(f"PagedKVCache: dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"PagedKVCache: layout={layout!r}: expected 'HND' or 'NHD'")
         p = lib.ekv_cache_default_params()
         p.num_pages, p.page_size, p.num_kv_heads = int(num_pages), int(page_size), int(num_kv_heads)
         p.head_dim, p.dtype, p.max_seqs = int(head_dim), DTYPES[dtype], int(max_seqs)
         p.superpage_pages, p.code_bits = int(superpage_pages), int(code_bits)
         p.range_dtype = lib.ekv_cache_compact_ranges(p.dtype) if compact_ranges else 0
+        p.layout = LAYOUTS[layout]
+        self._pools = _pools  # the caller's arrays: kept alive as long as the cache
+        if _pools is not None:
+            p.k_pool, p.v_pool = _pools[0].ctypes.data, _pools[1].ctypes.data
         self._ptr = ctypes.c_void_p()
         ctx = _lib.context()
         check(lib.ekv_cache_create(ctx, ctypes.byref(p), ctypes.byref(self._ptr)), ctx)
         self.page_size, self.num_kv_heads, self.head_dim = p.page_size, p.num_kv_heads, p.head_dim
         self.num_pages, self.dtype, self.code_bits = p.num_pages, dtype, p.code_bits
+        self.layout = layout
+
+    @classmethod
+    def wrap(cls, k_pages, v_pages, layout="NHD", **kw):
+        """A cache over the caller's K and V page arrays (numpy, C-contiguous, float16 or
+        float32, 16-byte aligned; NHD: [num_pages, page_size, num_kv_heads, head_dim], HND:
+        [num_pages, num_kv_heads, page_size, head_dim]). Appends write into them and keep the
+        summaries; the caller may read them (e.g. run another kernel on the same pages) but
+        must not write them. Other keyword arguments as the constructor."""
+        k, v = np.asarray(k_pages), np.asarray(v_pages)
+        if k.shape != v.shape or k.ndim != 4:
+            raise ValueError(f"PagedKVCache.wrap: k_pages and v_pages must share a 4-d shape; "
+                             f"got {k.shape} and {v.shape}")
+        if k.dtype != v.dtype or k.dtype not in (np.float16, np.float32):
+            raise TypeError(f"PagedKVCache.wrap: float16 or float32 pages; got {k.dtype}, "
+                            f"{v.dtype}")
+        for name, a in (("k_pages", k), ("v_pages", v)):
+            if not a.flags.c_contiguous or not a.flags.writeable or a.ctypes.data % 16:
+                raise ValueError(f"PagedKVCache.wrap: {name} must be C-contiguous, writable "
+                                 "and 16-byte aligned")
+        if layout not in LAYOUTS:
+            raise ValueError(f"PagedKVCache.wrap: layout={layout!r}: expected 'HND' or 'NHD'")
+        pages, a, b, dim = k.shape
+        ps, hk = (a, b) if layout == "NHD" else (b, a)
+        dtype = "float16" if k.dtype == np.float16 else "float32"
+        return cls(pages, page_size=ps, num_kv_heads=hk, head_dim=dim, dtype=dtype,
+                   layout=layout, _pools=(k, v), **kw)
 
     def close(self):
         """Frees the pool (the views of it die with it)."""
@@ -110,7 +145,9 @@ class PagedKVCache:
 
     def _pool(self, which):
         kv, _ = self._view()
-        shape = (kv.num_pages, kv.num_kv_heads, kv.page_size, kv.head_dim)
+        shape = ((kv.num_pages, kv.num_kv_heads, kv.page_size, kv.head_dim)
+                 if self.layout == "HND" else
+                 (kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim))
         n = int(np.prod(shape))
         if self.dtype == "float32":
             raw, dt = ctypes.c_float * n, np.float32
@@ -122,8 +159,9 @@ class PagedKVCache:
 
     @property
     def k(self):
-        """Read-only view of the K pool [num_pages, num_kv_heads, page_size, head_dim]
-        (bfloat16: the bit patterns as uint16). Valid while the cache is open."""
+        """Read-only view of the K pool in the cache's layout (HND [num_pages, num_kv_heads,
+        page_size, head_dim] or NHD [num_pages, page_size, num_kv_heads, head_dim]; bfloat16:
+        the bit patterns as uint16). Valid while the cache is open."""
         return self._pool("k")
 
     @property

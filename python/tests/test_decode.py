@@ -103,3 +103,39 @@ def test_pool_views_hold_the_stored_keys():
     k = cache.k
     assert k.shape == (128, HK, 16, D) and not k.flags.writeable
     np.testing.assert_array_equal(k[indices[1], 1, :4].astype(np.float64), kvs[0][0][16:20, 1])
+
+
+def test_wrapped_nhd_pages_equal_the_library_pool():
+    """The caller's NHD pages (FlashInfer's layout): appends land at [page, slot, head, dim],
+    and every method decodes as over the library's own HND pool."""
+    rng = np.random.default_rng(11)
+    kp = np.zeros((64, 16, HK, D), np.float16)
+    vp = np.zeros((64, 16, HK, D), np.float16)
+    wrapped = entmaxkv.PagedKVCache.wrap(kp, vp, layout="NHD", code_bits=4)
+    own = entmaxkv.PagedKVCache(num_pages=64, page_size=16, num_kv_heads=HK, head_dim=D,
+                                code_bits=4)
+    k = rng.standard_normal((333, HK, D)).astype(np.float32)
+    v = rng.standard_normal((333, HK, D)).astype(np.float32)
+    sw, so = wrapped.new_sequence(), own.new_sequence()
+    wrapped.append(sw, k, v)
+    own.append(so, k, v)
+    indptr, indices, last = wrapped.page_table([sw])
+    page, slot = indices[20 // 16], 20 % 16  # token 20
+    np.testing.assert_array_equal(kp[page, slot], k[20].astype(np.float16))
+    assert wrapped.k.shape == (64, 16, HK, D) and wrapped.k.base is not None
+    q = rng.standard_normal((1, H, D)).astype(np.float32)
+    for method in ("dense", "certified", "screened", "topk"):
+        a, b = entmaxkv.DecodeWrapper(method, budget=0.25), entmaxkv.DecodeWrapper(method, budget=0.25)
+        a.plan(wrapped, [sw], H)
+        b.plan(own, [so], H)
+        np.testing.assert_array_equal(a.run(q), b.run(q))
+
+
+def test_wrap_refuses_bad_pages():
+    with pytest.raises(ValueError, match="4-d"):
+        entmaxkv.PagedKVCache.wrap(np.zeros((4, 16, 2), np.float16), np.zeros((4, 16, 2), np.float16))
+    with pytest.raises(TypeError, match="float16 or float32"):
+        entmaxkv.PagedKVCache.wrap(np.zeros((4, 16, 2, 8), np.int8), np.zeros((4, 16, 2, 8), np.int8))
+    k = np.zeros((4, 2, 16, 8), np.float16)
+    with pytest.raises(ValueError, match="contiguous"):
+        entmaxkv.PagedKVCache.wrap(k.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3))

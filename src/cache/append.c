@@ -35,7 +35,7 @@ static void append_head(void *vp, int64_t head, int worker) {
         int64_t pos = j->first_token + t;
         int32_t page = j->s->pages[pos / ps];
         int64_t slot = pos % ps;
-        int64_t dst = (int64_t)page * c->elems_per_page + (head * ps + slot) * D;
+        int64_t dst = ekv_cache_row(c, page, head, slot);
         int64_t src = (t * Hk + head) * D;
         /* K and V in the storage dtype; krow = K as stored, for the summaries */
         kern->convert((const char *)j->k + src * ses, j->src, (char *)c->k + dst * es, c->p.dtype,

@@ -34,6 +34,8 @@ ekv_cache_params ekv_cache_default_params(void) {
     p.superpage_pages = 16;
     p.code_bits = 0;
     p.range_dtype = EKV_DTYPE_F32;
+    p.layout = EKV_LAYOUT_HND;
+    p.k_pool = p.v_pool = NULL;
     return p;
 }
 
@@ -84,6 +86,14 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     if (!ekv_dtype_valid(p->range_dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
                         "range_dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->range_dtype);
+    if (p->layout != EKV_LAYOUT_HND && p->layout != EKV_LAYOUT_NHD)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "layout=%d is not HND (0) or NHD (1)",
+                        (int)p->layout);
+    if (!p->k_pool != !p->v_pool)
+        return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
+                        "k_pool and v_pool: give both (the caller's memory) or neither");
+    if (((uintptr_t)p->k_pool | (uintptr_t)p->v_pool) % 16)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "k_pool and v_pool must be 16-byte aligned");
     if (p->max_seqs <= 0 || p->max_seqs > (1 << 24))
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_seqs=%d must be in [1, 16777216]",
                         p->max_seqs);
@@ -100,6 +110,7 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     *elems_per_page = epp;
     *kv_bytes = kvb / 2;
     *stat_floats = sf;
+    if (p->k_pool) t -= kvb; /* the caller's */
     *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
     *total += ekv_cache_code_bytes(p);
     if (p->range_dtype != EKV_DTYPE_F32) *total += sf * 4; /* two 16-bit copies */
@@ -118,8 +129,10 @@ int64_t ekv_cache_bytes_needed(const ekv_cache_params *params) {
 
 void ekv_cache_free(ekv_cache *c) {
     if (!c) return;
-    free(c->k);
-    free(c->v);
+    if (!c->p.k_pool) { /* not the caller's */
+        free(c->k);
+        free(c->v);
+    }
     free(c->kmin);
     free(c->kmax);
     free(c->kmin16);
@@ -163,10 +176,13 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     c->ctx = ctx;
     c->p = *params;
     c->elems_per_page = epp;
+    const int nhd = params->layout == EKV_LAYOUT_NHD;
+    c->stride_head = nhd ? params->head_dim : (int64_t)params->page_size * params->head_dim;
+    c->stride_token = nhd ? (int64_t)params->num_kv_heads * params->head_dim : params->head_dim;
     /* Large blocks come from mmap and are committed lazily by the OS: a big pool costs
      * memory only as pages are written. */
-    c->k = pool_alloc((size_t)kvb);
-    c->v = pool_alloc((size_t)kvb);
+    c->k = params->k_pool ? params->k_pool : pool_alloc((size_t)kvb);
+    c->v = params->v_pool ? params->v_pool : pool_alloc((size_t)kvb);
     c->kmin = malloc((size_t)sf * sizeof(float));
     c->kmax = malloc((size_t)sf * sizeof(float));
     const int compact = params->range_dtype != EKV_DTYPE_F32;
@@ -278,8 +294,8 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         kv->num_kv_heads = c->p.num_kv_heads;
         kv->head_dim = c->p.head_dim;
         kv->num_pages = c->p.num_pages;
-        kv->stride_token = c->p.head_dim;
-        kv->stride_head = (int64_t)c->p.page_size * c->p.head_dim;
+        kv->stride_token = c->stride_token;
+        kv->stride_head = c->stride_head;
         kv->stride_page = c->elems_per_page;
     }
     if (stats) {

@@ -14,11 +14,12 @@ typedef struct ekv_seq {
 struct ekv_cache {
     ekv_context *ctx;
     ekv_cache_params p;
-    int64_t elems_per_page; /* num_kv_heads * page_size * head_dim */
-    void *k, *v;
-    float *kmin, *kmax, *kmean, *km2; /* [page][head][dim] */
-    float *radius;                    /* [page][head] */
-    float *smin, *smax;               /* [superpage][head][dim], NULL without superpages */
+    int64_t elems_per_page;            /* num_kv_heads * page_size * head_dim */
+    int64_t stride_head, stride_token; /* in elements, by the layout (ekv_cache_row) */
+    void *k, *v;                       /* the pool's, or the caller's (params.k_pool) */
+    float *kmin, *kmax, *kmean, *km2;  /* [page][head][dim] */
+    float *radius;                     /* [page][head] */
+    float *smin, *smax;                /* [superpage][head][dim], NULL without superpages */
     uint16_t *kmin16, *kmax16; /* kmin/kmax rounded outward to range_dtype (docs/math.md §1.2),
                                 * NULL with fp32 ranges */
     uint8_t *codes;            /* [page][head][slot][code row], NULL without codes (codes.c) */
@@ -34,6 +35,11 @@ struct ekv_cache {
 static inline void ekv_cache_range_at(const ekv_cache *c, int64_t i, float *mn, float *mx) {
     *mn = c->kmin16 ? ekv_load_f32(c->kmin16, c->p.range_dtype, i) : c->kmin[i];
     *mx = c->kmin16 ? ekv_load_f32(c->kmax16, c->p.range_dtype, i) : c->kmax[i];
+}
+
+/* Element offset of (page, head, slot) in K and V: the page layout, written once. */
+static inline int64_t ekv_cache_row(const ekv_cache *c, int64_t page, int64_t head, int64_t slot) {
+    return page * c->elems_per_page + head * c->stride_head + slot * c->stride_token;
 }
 
 ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq **out);

@@ -14,7 +14,6 @@ void ekv_codes_update_page(ekv_cache *c, int32_t page, int32_t head) {
     const int64_t D = c->p.head_dim, ps = c->p.page_size;
     const int32_t bits = c->p.code_bits;
     const int64_t soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
-    const int64_t kbase = (int64_t)page * c->elems_per_page + (int64_t)head * ps * D;
     uint8_t *block = c->codes +
                      ((int64_t)page * c->p.num_kv_heads + head) * ps * ekv_code_row_bytes(D, bits);
     memset(block, 0, (size_t)(ps * ekv_code_row_bytes(D, bits)));
@@ -23,7 +22,7 @@ void ekv_codes_update_page(ekv_cache *c, int32_t page, int32_t head) {
         ekv_cache_range_at(c, soff + d, &mn, &mx);
         const float step = ekv_code_step(mn, mx, bits);
         for (int32_t t = 0; t < c->count[page]; t++) {
-            const float k = ekv_load_f32(c->k, c->p.dtype, kbase + t * D + d);
+            const float k = ekv_load_f32(c->k, c->p.dtype, ekv_cache_row(c, page, head, t) + d);
             ekv_code_put(block, d, t, ps, bits, ekv_code_of(k, mn, step, bits));
         }
     }

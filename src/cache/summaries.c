@@ -88,12 +88,13 @@ void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head) {
     int64_t D = c->p.head_dim;
     int64_t soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
     const float *me = c->kmean + soff;
-    int64_t base = (int64_t)page * c->elems_per_page + (int64_t)head * c->p.page_size * D;
     double best = 0;
     for (int32_t t = 0; t < c->count[page]; t++) {
         double s = 0;
         for (int64_t d = 0; d < D; d++) {
-            double diff = (double)ekv_load_f32(c->k, c->p.dtype, base + t * D + d) - me[d];
+            double diff =
+                    (double)ekv_load_f32(c->k, c->p.dtype, ekv_cache_row(c, page, head, t) + d) -
+                    me[d];
             s += diff * diff;
         }
         if (s > best) best = s;
