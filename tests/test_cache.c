@@ -1317,6 +1317,91 @@ static void test_sizes(test_rng *r) {
           (long long)ekv_cache_bytes_needed(&big));
 }
 
+/* ekv_cache_seq_adopt: a cache over a copy of `filled`'s pool (params q) adopts its sequence's
+ * pages (np pages, the last holding `last`): the statistics and key codes of those pages equal
+ * the appending cache's bit for bit, and so do the decode outputs (`want`, dense); then the
+ * refusals, each leaving the cache as it was. */
+static void adopt_check(ekv_context *ctx, const ekv_cache_params *q, ekv_cache *filled,
+                        const int32_t *pages, int64_t np, int32_t last, const ekv_page_table *tab,
+                        const float *qv, const float *want, test_rng *r) {
+    const int64_t D = q->head_dim, HK = q->num_kv_heads, PS = q->page_size,
+                  R = D * q->code_bits / 8;
+    const size_t pool = (size_t)q->num_pages * PS * HK * D * ekv_dtype_size(q->dtype);
+    ekv_paged_kv fk;
+    ekv_page_stats fs;
+    ekv_cache_kv_view(filled, &fk, &fs);
+    ekv_cache_params p2 = *q;
+    p2.k_pool = aligned_alloc(64, pool);
+    p2.v_pool = aligned_alloc(64, pool);
+    memcpy(p2.k_pool, fk.k, pool);
+    memcpy(p2.v_pool, fk.v, pool);
+    ekv_cache *c = NULL;
+    CHECK(ekv_cache_create(ctx, &p2, &c) == EKV_OK, "adopting cache: %s", ekv_last_error(ctx));
+    int32_t s, s2;
+    ekv_cache_seq_new(c, &s);
+    ekv_cache_seq_new(c, &s2);
+    CHECK(ekv_cache_seq_adopt(c, s, pages, np, last) == EKV_OK, "adopt: %s", ekv_last_error(ctx));
+    int64_t len = 0;
+    ekv_cache_seq_length(c, s, &len);
+    CHECK(len == (np - 1) * PS + last && ekv_cache_free_pages(c) == q->num_pages - np,
+          "adopted length %lld, free pages %lld", (long long)len,
+          (long long)ekv_cache_free_pages(c));
+    ekv_paged_kv ak;
+    ekv_page_stats as;
+    ekv_cache_kv_view(c, &ak, &as);
+    int64_t bad = 0;
+    for (int64_t e = 0; e < np; e++)
+        for (int64_t h = 0; h < HK; h++) {
+            const size_t so = (size_t)(pages[e] * HK + h) * D;
+            bad += memcmp(as.kmin + so, fs.kmin + so, D * 4) ||
+                   memcmp(as.kmax + so, fs.kmax + so, D * 4) ||
+                   memcmp(as.kmean + so, fs.kmean + so, D * 4) ||
+                   memcmp(as.km2 + so, fs.km2 + so, D * 4) ||
+                   memcmp(as.kmin16 + so, fs.kmin16 + so, D * 2) ||
+                   as.radius[pages[e] * HK + h] != fs.radius[pages[e] * HK + h] ||
+                   memcmp(as.codes + (pages[e] * HK + h) * PS * R,
+                          fs.codes + (pages[e] * HK + h) * PS * R, (size_t)(PS * R));
+        }
+    CHECK(!bad, "%lld adopted (page, head) summaries differ from the appending cache's",
+          (long long)bad);
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = 4;
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_SCREENED;
+    float got[4 * 64];
+    CHECK(ekv_decode(ctx, &dp, &sp, &ak, &as, tab, qv, got, NULL) == EKV_OK &&
+                  !memcmp(got, want, sizeof(float) * 4 * D),
+          "decode over the adopted pages differs: %s", ekv_last_error(ctx));
+    /* refusals: nothing changes */
+    const int64_t nfree = ekv_cache_free_pages(c);
+    CHECK(ekv_cache_seq_adopt(c, s2, pages, 1, PS) == EKV_ERR_INVALID_ARGUMENT &&
+                  strstr(ekv_last_error(ctx), "another sequence"),
+          "a held page adopted: %s", ekv_last_error(ctx));
+    int32_t free2[2];
+    for (int32_t pg = 0, k = 0; pg < q->num_pages && k < 2; pg++) {
+        int held = 0;
+        for (int64_t e = 0; e < np; e++) held |= pages[e] == pg;
+        if (!held) free2[k++] = pg;
+    }
+    const int32_t twice[2] = {free2[0], free2[0]};
+    CHECK(ekv_cache_seq_adopt(c, s2, twice, 2, 1) == EKV_ERR_INVALID_ARGUMENT &&
+                  strstr(ekv_last_error(ctx), "twice"),
+          "a page listed twice: %s", ekv_last_error(ctx));
+    CHECK(ekv_cache_seq_adopt(c, s2, free2, 2, (int32_t)PS + 1) == EKV_ERR_INVALID_SIZE,
+          "last_page_len above the page size");
+    CHECK(ekv_cache_seq_adopt(c, s, free2, 1, 1) == EKV_ERR_INVALID_SEQUENCE,
+          "a non-empty sequence adopted");
+    const uint16_t nan16 = 0x7e00; /* f16 NaN in free page free2[1]'s first K element */
+    memcpy((char *)p2.k_pool + (size_t)free2[1] * PS * HK * D * 2, &nan16, 2);
+    CHECK(ekv_cache_seq_adopt(c, s2, free2 + 1, 1, 1) == EKV_ERR_NAN_INPUT,
+          "a NaN page adopted: %s", ekv_last_error(ctx));
+    CHECK(ekv_cache_free_pages(c) == nfree, "a refused adopt changed the free pages");
+    (void)r;
+    ekv_cache_free(c);
+    free(p2.k_pool);
+    free(p2.v_pool);
+}
+
 /* The NHD layout in the caller's memory (ekv_cache_params.layout, k_pool/v_pool): the same
  * appends as an HND cache of its own put every K and V element at [page][slot][head][dim] of
  * the caller's buffers, and give bitwise the same statistics, key codes and decode outputs
@@ -1419,6 +1504,7 @@ static void test_nhd_caller_pool(ekv_context *ctx, test_rng *r) {
         CHECK(!memcmp(oa, ob, sizeof oa), "%s: NHD output differs from HND",
               ekv_method_name(methods[m]));
     }
+    adopt_check(ctx, &q, nhd, idx2, ip2[1], lpl2[0], &tab2, qv, ob, r);
     ekv_cache_free(hnd);
     ekv_cache_free(nhd);
     CHECK(kb[0] == kb[0], "the caller's pool outlives the cache"); /* ASan: no free of it */

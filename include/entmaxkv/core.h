@@ -277,6 +277,17 @@ EKV_API int64_t ekv_cache_free_pages(const ekv_cache *cache);
 EKV_API ekv_status ekv_cache_append(ekv_cache *cache, int32_t seq, int64_t n_tokens, const void *k,
                                     const void *v, ekv_dtype src_dtype);
 
+/*
+ * A sequence over pages already filled by the caller's engine (a pool in the caller's memory,
+ * ekv_cache_params.k_pool): `seq` (new, empty) takes the free pages pages[0..n_pages) in order,
+ * each full but the last, which holds last_page_len tokens; their summaries and key codes are
+ * built from the stored keys, as appends would have built them. Fails without changing
+ * anything if a page is out of range, listed twice or not free, or holds a NaN or inf.
+ * Further tokens are added with ekv_cache_append.
+ */
+EKV_API ekv_status ekv_cache_seq_adopt(ekv_cache *cache, int32_t seq, const int32_t *pages,
+                                       int64_t n_pages, int32_t last_page_len);
+
 /* Views of the pool and of its statistics (valid until the cache is freed). */
 EKV_API ekv_status ekv_cache_kv_view(const ekv_cache *cache, ekv_paged_kv *kv_out,
                                      ekv_page_stats *stats_out);

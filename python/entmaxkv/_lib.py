@@ -117,6 +117,7 @@ def _declare(lib):
         "ekv_cache_seq_free": (c_int, [c_void_p, c_int32]),
         "ekv_cache_seq_length": (c_int, [c_void_p, c_int32, P(c_int64)]),
         "ekv_cache_free_pages": (c_int64, [c_void_p]),
+        "ekv_cache_seq_adopt": (c_int, [c_void_p, c_int32, c_void_p, c_int64, c_int32]),
         "ekv_cache_append": (c_int, [c_void_p, c_int32, c_int64, c_void_p, c_void_p, c_int]),
         "ekv_cache_kv_view": (c_int, [c_void_p, P(PagedKV), P(PageStats)]),
         "ekv_cache_page_table": (c_int, [c_void_p, c_void_p, c_int32, c_void_p, c_void_p,

@@ -123,6 +123,25 @@ class PagedKVCache:
         check(lib.ekv_cache_append(self._live(), int(seq), k.shape[0], k.ctypes.data,
                                    v.ctypes.data, _NP_SRC[k.dtype]))
 
+    def adopt(self, pages, last_page_len):
+        """A new sequence over pages the caller's engine has already filled (a cache made by
+        `wrap`): the pages (physical ids, in order) leave the free list, each full but the
+        last, which holds last_page_len tokens; their summaries and key codes are built from
+        the stored keys, as appends would have. Returns the sequence id; later tokens come by
+        append. Fails, changing nothing, for a page that is not free, listed twice, or holds
+        NaN or inf."""
+        pages = np.ascontiguousarray(np.asarray(pages, dtype=np.int32).reshape(-1))
+        if len(pages) == 0:
+            raise ValueError("PagedKVCache.adopt: no pages")
+        seq = self.new_sequence()
+        try:
+            check(lib.ekv_cache_seq_adopt(self._live(), seq, pages.ctypes.data, len(pages),
+                                          int(last_page_len)))
+        except BaseException:
+            self.free_sequence(seq)
+            raise
+        return seq
+
     def page_table(self, seqs):
         """The CSR page table of the sequences, FlashInfer's names: (indptr int64 [n + 1],
         indices int32 physical pages, last_page_len int32 [n])."""

@@ -139,3 +139,37 @@ def test_wrap_refuses_bad_pages():
     k = np.zeros((4, 2, 16, 8), np.float16)
     with pytest.raises(ValueError, match="contiguous"):
         entmaxkv.PagedKVCache.wrap(k.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3))
+
+
+def test_adopt_pages_another_engine_filled():
+    """Pages written straight into the caller's NHD arrays (as a serving engine would), then
+    adopted: decode equals a cache that appended the same tokens, and equals the reference."""
+    rng = np.random.default_rng(12)
+    kp = np.zeros((32, 16, HK, D), np.float16)
+    vp = np.zeros((32, 16, HK, D), np.float16)
+    cache = entmaxkv.PagedKVCache.wrap(kp, vp, layout="NHD", code_bits=8)
+    n, pages = 40, [7, 3, 20]  # 16 + 16 + 8 tokens
+    k = rng.standard_normal((n, HK, D)).astype(np.float16)
+    v = rng.standard_normal((n, HK, D)).astype(np.float16)
+    for t in range(n):
+        kp[pages[t // 16], t % 16], vp[pages[t // 16], t % 16] = k[t], v[t]
+    seq = cache.adopt(pages, last_page_len=8)
+    assert cache.length(seq) == n and cache.free_pages == 29
+    own = entmaxkv.PagedKVCache(num_pages=32, page_size=16, num_kv_heads=HK, head_dim=D,
+                                code_bits=8)
+    so = own.new_sequence()
+    own.append(so, k, v)
+    q = rng.standard_normal((1, H, D)).astype(np.float32)
+    for method in ("dense", "screened", "certified"):
+        a, b = entmaxkv.DecodeWrapper(method), entmaxkv.DecodeWrapper(method)
+        a.plan(cache, [seq], H)
+        b.plan(own, [so], H)
+        np.testing.assert_array_equal(a.run(q), b.run(q))
+    ref = attention_ref(q[0].astype(np.float64), k.astype(np.float64), v.astype(np.float64), 1.5)
+    np.testing.assert_allclose(a.run(q)[0], ref, atol=2e-5 * np.abs(ref).max())
+    with pytest.raises(entmaxkv.EntmaxKVError, match="another sequence"):
+        cache.adopt([3], last_page_len=1)
+    kp[0, 0, 0, 0] = np.nan
+    with pytest.raises(entmaxkv.EntmaxKVError, match="NaN"):
+        cache.adopt([0], last_page_len=1)
+    assert cache.free_pages == 29

@@ -13,15 +13,6 @@ typedef struct {
     float *rows; /* one key row of scratch per worker */
 } append_job;
 
-/* The summaries that depend on the whole page, once its appended rows are in: the radius
- * (around the moved mean), the compact range and the key codes (against the widened range as
- * decode reads it). */
-static void page_done(ekv_cache *c, int32_t page, int32_t head) {
-    ekv_summary_update_radius(c, page, head);
-    ekv_summary_round_ranges(c, page, head);
-    ekv_codes_update_page(c, page, head);
-}
-
 /* One task per KV head: write this head's rows and fold them into the summaries. */
 static void append_head(void *vp, int64_t head, int worker) {
     append_job *j = vp;
@@ -43,10 +34,10 @@ static void append_head(void *vp, int64_t head, int worker) {
         kern->convert((const char *)j->v + src * ses, j->src, (char *)c->v + dst * es, c->p.dtype,
                       D, NULL);
         ekv_summary_add_row(c, page, (int32_t)head, krow, (int32_t)slot + 1);
-        if (page != last_page && last_page >= 0) page_done(c, last_page, (int32_t)head);
+        if (page != last_page && last_page >= 0) ekv_summary_page_done(c, last_page, (int32_t)head);
         last_page = page;
     }
-    if (last_page >= 0) page_done(c, last_page, (int32_t)head);
+    if (last_page >= 0) ekv_summary_page_done(c, last_page, (int32_t)head);
 }
 
 /* Also rejects finite inputs that overflow to inf in the storage dtype `store`: with round

@@ -58,6 +58,10 @@ int64_t ekv_cache_code_bytes(const ekv_cache_params *p);
 /* Re-derives the codes of every token of (page, head) from the stored keys and the page's
  * current range (codes.c): after an append widened a range, no code is stale. */
 void ekv_codes_update_page(ekv_cache *c, int32_t page, int32_t head);
+/* The summaries that depend on the whole page, once its new rows are in: the radius (around
+ * the moved mean), the compact range and the key codes (against the widened range as decode
+ * reads it). */
+void ekv_summary_page_done(ekv_cache *c, int32_t page, int32_t head);
 /* Recomputes the exact radius of (page, head) from the stored keys and stored mean. */
 void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head);
 #endif

@@ -84,6 +84,12 @@ void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *
     }
 }
 
+void ekv_summary_page_done(ekv_cache *c, int32_t page, int32_t head) {
+    ekv_summary_update_radius(c, page, head);
+    ekv_summary_round_ranges(c, page, head);
+    ekv_codes_update_page(c, page, head);
+}
+
 void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head) {
     int64_t D = c->p.head_dim;
     int64_t soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
