@@ -145,7 +145,14 @@ _local = threading.local()
 
 
 def context():
-    """This thread's ekv_context (created on first use, freed at exit)."""
+    """This thread's ekv_context (created on first use, freed with the thread)."""
+    return context_holder().ctx
+
+
+def context_holder():
+    """This thread's context holder: an object that owns the ekv_context (`.ctx`) and frees
+    it when the last reference goes; a cache keeps it, since the cache reports its errors
+    into, and runs its appends on, the context it was created with."""
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
         ctx = c_void_p()
@@ -154,7 +161,7 @@ def context():
             raise EntmaxKVError(st, lib.ekv_status_string(st).decode(), "no context")
         _local.ctx = ctx
         _local.keeper = _ContextKeeper(ctx)
-    return ctx
+    return _local.keeper
 
 
 class _ContextKeeper:

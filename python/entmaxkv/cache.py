@@ -38,8 +38,10 @@ class PagedKVCache:
         if _pools is not None:
             p.k_pool, p.v_pool = _pools[0].ctypes.data, _pools[1].ctypes.data
         self._ptr = ctypes.c_void_p()
-        ctx = _lib.context()
-        check(lib.ekv_cache_create(ctx, ctypes.byref(p), ctypes.byref(self._ptr)), ctx)
+        self._holder = _lib.context_holder()  # the cache's context lives as long as the cache
+        self._ctx = self._holder.ctx
+        check(lib.ekv_cache_create(self._ctx, ctypes.byref(p), ctypes.byref(self._ptr)),
+              self._ctx)
         self.page_size, self.num_kv_heads, self.head_dim = p.page_size, p.num_kv_heads, p.head_dim
         self.num_pages, self.dtype, self.code_bits = p.num_pages, dtype, p.code_bits
         self.layout = layout
@@ -87,18 +89,17 @@ class PagedKVCache:
     def new_sequence(self):
         """A new, empty sequence; returns its id."""
         seq = ctypes.c_int32()
-        ctx = _lib.context()
-        check(lib.ekv_cache_seq_new(self._live(), ctypes.byref(seq)), ctx)
+        check(lib.ekv_cache_seq_new(self._live(), ctypes.byref(seq)), self._ctx)
         return seq.value
 
     def free_sequence(self, seq):
         """Frees a sequence and returns its pages to the pool."""
-        check(lib.ekv_cache_seq_free(self._live(), int(seq)))
+        check(lib.ekv_cache_seq_free(self._live(), int(seq)), self._ctx)
 
     def length(self, seq):
         """Tokens in the sequence."""
         n = ctypes.c_int64()
-        check(lib.ekv_cache_seq_length(self._live(), int(seq), ctypes.byref(n)))
+        check(lib.ekv_cache_seq_length(self._live(), int(seq), ctypes.byref(n)), self._ctx)
         return n.value
 
     @property
@@ -121,7 +122,7 @@ class PagedKVCache:
             return
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
         check(lib.ekv_cache_append(self._live(), int(seq), k.shape[0], k.ctypes.data,
-                                   v.ctypes.data, _NP_SRC[k.dtype]))
+                                   v.ctypes.data, _NP_SRC[k.dtype]), self._ctx)
 
     def adopt(self, pages, last_page_len):
         """A new sequence over pages the caller's engine has already filled (a cache made by
@@ -136,7 +137,7 @@ class PagedKVCache:
         seq = self.new_sequence()
         try:
             check(lib.ekv_cache_seq_adopt(self._live(), seq, pages.ctypes.data, len(pages),
-                                          int(last_page_len)))
+                                          int(last_page_len)), self._ctx)
         except BaseException:
             self.free_sequence(seq)
             raise
@@ -151,15 +152,15 @@ class PagedKVCache:
         last = np.empty(n, np.int32)
         need = ctypes.c_int64()
         check(lib.ekv_cache_page_table(self._live(), seqs.ctypes.data, n, indptr.ctypes.data,
-                                       None, 0, last.ctypes.data, ctypes.byref(need)))
+                                       None, 0, last.ctypes.data, ctypes.byref(need)), self._ctx)
         indices = np.empty(max(need.value, 1), np.int32)
         check(lib.ekv_cache_page_table(self._live(), seqs.ctypes.data, n, indptr.ctypes.data,
-                                       indices.ctypes.data, len(indices), last.ctypes.data, None))
+                                       indices.ctypes.data, len(indices), last.ctypes.data, None), self._ctx)
         return indptr, indices[: need.value], last
 
     def _view(self):
         kv, st = _lib.PagedKV(), _lib.PageStats()
-        check(lib.ekv_cache_kv_view(self._live(), ctypes.byref(kv), ctypes.byref(st)))
+        check(lib.ekv_cache_kv_view(self._live(), ctypes.byref(kv), ctypes.byref(st)), self._ctx)
         return kv, st
 
     def _pool(self, which):

@@ -173,3 +173,23 @@ def test_adopt_pages_another_engine_filled():
     with pytest.raises(entmaxkv.EntmaxKVError, match="NaN"):
         cache.adopt([0], last_page_len=1)
     assert cache.free_pages == 29
+
+
+def test_cache_made_in_another_thread():
+    """A cache keeps the context it was made with (its errors and appends live there), even
+    after the thread that made it has ended."""
+    import threading
+
+    made = {}
+    t = threading.Thread(target=lambda: made.update(c=entmaxkv.PagedKVCache(
+        num_pages=8, page_size=16, num_kv_heads=HK, head_dim=D)))
+    t.start()
+    t.join()
+    cache = made["c"]
+    s = cache.new_sequence()
+    cache.append(s, np.ones((5, HK, D), np.float32), np.ones((5, HK, D), np.float32))
+    bad = np.ones((2, HK, D), np.float32)
+    bad[0, 0, 0] = np.inf
+    with pytest.raises(entmaxkv.EntmaxKVError, match="NaN or infinite"):
+        cache.append(s, bad, bad)
+    assert cache.length(s) == 5
