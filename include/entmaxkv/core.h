@@ -520,6 +520,25 @@ EKV_API ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_param
                                         const float *q, float *out, ekv_decode_info *info,
                                         ekv_certified_info *cinfo);
 
+/*
+ * Context-parallel dense decode, simulated on the CPU (docs/math.md §11): each sequence's pages
+ * are split into n_shards contiguous ranges (1..64) that never see each other's scores, as
+ * GPUs holding a shard each; they agree on tau through allreduces of a few scalars per head
+ * (each shard's own threshold is a lower bound of tau), and their partial outputs are summed.
+ * The output is dense attention's within the rounding of tau, with the same support; info:
+ * tau and support as in ekv_decode_dense. report (may be NULL): what the collectives would
+ * carry: the most allreduce rounds a head needed and the payload bytes one shard sends per
+ * step. Single-threaded: a model of the communication, not a fast path.
+ */
+typedef struct ekv_shard_report {
+    int32_t rounds_max; /* output: most allreduce rounds one query head needed           */
+    int64_t bytes;      /* output: payload bytes each shard sends per step, all heads     */
+} ekv_shard_report;
+EKV_API ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *params,
+                                          const ekv_paged_kv *kv, const ekv_page_table *table,
+                                          const float *q, float *out, int32_t n_shards,
+                                          ekv_decode_info *info, ekv_shard_report *report);
+
 /* ---------------------------------------------------------------------------------- */
 /* One decode step: the select method chooses the stages (docs/architecture.md)         */
 /* ---------------------------------------------------------------------------------- */

@@ -1,0 +1,252 @@
+/*
+ * Context-parallel decode, simulated on one CPU (docs/math.md §11): each sequence's pages are
+ * split into n_shards contiguous ranges, as GPUs would hold them. A shard sees only its own
+ * scores; the shards agree on tau through the collectives below (an allreduce-max of their own
+ * thresholds, then rounds of allreduce-sums of a few moments per head), and their partial
+ * outputs are summed. The scores are the dense path's own (the same kernel and bias), so the
+ * result is dense entmax up to the rounding of tau. The collectives count their rounds and the
+ * bytes each shard contributes: the communication a multi-GPU step would need.
+ */
+#include "attend_tail.h"
+#include <float.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SHARD_MAX = 64, SHARD_ROUNDS = 200 };
+
+typedef struct {
+    int32_t rounds; /* allreduce calls */
+    int64_t bytes;  /* payload bytes each shard sends, summed over the calls */
+} comm_count;
+
+/* ---- the collectives: every shard holds vals[j * n .. + n); all get the reduction ---- */
+static void allreduce_sum(const double *vals, int S, int n, double *out, comm_count *c) {
+    for (int i = 0; i < n; i++) {
+        out[i] = 0;
+        for (int j = 0; j < S; j++) out[i] += vals[j * n + i];
+    }
+    c->rounds++;
+    c->bytes += 8 * n;
+}
+static void allreduce_max(const double *vals, int S, int n, double *out, comm_count *c) {
+    for (int i = 0; i < n; i++) {
+        out[i] = -INFINITY;
+        for (int j = 0; j < S; j++) out[i] = vals[j * n + i] > out[i] ? vals[j * n + i] : out[i];
+    }
+    c->rounds++;
+    c->bytes += 8 * n;
+}
+
+/* ---- what one shard computes from its own scores z[0..n) ---- */
+/* At x: the moments of y = z - x over z > x: count, sum y, sum y^2, F = sum y^beta and
+ * F1 = sum y^(beta - 1) (so that f(x) = F - 1 and f'(x) = -beta F1); and the count of z in
+ * (clo, chi] (0 when chi is NAN). */
+static void shard_moments(const float *z, int64_t n, double x, double clo, double chi, double alpha,
+                          double *m) {
+    memset(m, 0, 6 * sizeof(double));
+    for (int64_t i = 0; i < n; i++) {
+        const double zi = (double)z[i], y = zi - x;
+        m[5] += zi > clo && zi <= chi; /* false for chi = NAN */
+        if (!(y > 0)) continue;
+        const double w = ekv_entmax_pow(y, alpha);
+        m[0] += 1;
+        m[1] += y;
+        m[2] += y * y;
+        m[3] += w;
+        m[4] += alpha == 2.0 ? 1.0 : w / y;
+    }
+}
+
+/* The root d of sum over S(x) of (y - d)^beta = 1 in closed form (alpha 2 and 1.5), from the
+ * moments at x; NAN when alpha has none or the quadratic has no root. */
+static double closed_form_step(const double *m, double alpha) {
+    if (alpha == 2.0) return (m[1] - 1.0) / m[0];
+    if (alpha != 1.5) return NAN;
+    const double disc = m[1] * m[1] - m[0] * (m[2] - 1.0);
+    return disc >= 0 ? (m[1] - sqrt(disc)) / m[0] : NAN;
+}
+
+/* Each shard's own threshold and maximum, then their allreduce-max: [0] a lower bound of tau
+ * (a subset's threshold, docs/math.md §9.1), [1] the maximum (f there is -1 < 0). */
+static void first_bracket(const float *z, const int64_t *off, int S, double alpha, double *scratch,
+                          double *red, comm_count *c) {
+    double loc[2 * SHARD_MAX];
+    for (int j = 0; j < S; j++) {
+        const int64_t n = off[j + 1] - off[j];
+        double t = -INFINITY, mx = -INFINITY;
+        if (n > 0 && ekv_tau_exact_f32(z + off[j], n, alpha, scratch, &t, NULL)) t = -INFINITY;
+        for (int64_t i = 0; i < n; i++) mx = z[off[j] + i] > mx ? z[off[j] + i] : mx;
+        loc[2 * j] = t;
+        loc[2 * j + 1] = mx;
+    }
+    allreduce_max(loc, S, 2, red, c);
+}
+
+/* tau of the union of the shards' scores (shard j: z + off[j], off[j+1] - off[j] scores) by
+ * the collectives of docs/math.md §11: a bracket [lo, hi] that each round of moments narrows
+ * (Newton inside it, else bisection), and for alpha 2 and 1.5 the closed-form root over the
+ * support at a lower bound, exact when the next round finds no score below it. alpha > 1.
+ * scratch: ekv_tau_scratch_doubles of the longest shard. */
+static double agree_tau(const float *z, const int64_t *off, int S, double alpha, double *scratch,
+                        comm_count *c) {
+    double loc[6 * SHARD_MAX], red[6];
+    first_bracket(z, off, S, alpha, scratch, red, c);
+    double lo = red[0], hi = red[1], x = lo, clo = lo, chi = NAN;
+    const double beta = 1.0 / (alpha - 1.0);
+    for (int r = 0; r < SHARD_ROUNDS; r++) {
+        for (int j = 0; j < S; j++)
+            shard_moments(z + off[j], off[j + 1] - off[j], x, clo, chi, alpha, loc + 6 * j);
+        allreduce_sum(loc, S, 6, red, c);
+        if (!isnan(chi)) {
+            if (red[5] == 0) return chi; /* S(chi) = S(clo): the closed form holds at chi */
+            if (alpha == 2.0) /* the scores in (clo, chi] make f(chi) >= 0: a lower bound */
+                lo = fmax(lo, chi);
+            else /* 1.5: they make f(chi) <= 0, an upper bound */
+                hi = fmin(hi, chi);
+        }
+        const double f = red[3] - 1.0;
+        if (f == 0) return x;
+        if (f > 0)
+            lo = fmax(lo, x);
+        else
+            hi = fmin(hi, x);
+        const double res = 4 * DBL_EPSILON * fmax(1.0, fabs(lo)); /* tau's resolution */
+        const double nx = x + f / (beta * red[4]);                /* Newton: f'(x) = -beta F1 */
+        if (hi - lo <= res || (red[4] > 0 && fabs(nx - x) <= res)) return x; /* converged */
+        const double d = f > 0 ? closed_form_step(red, alpha) : NAN;
+        chi = isfinite(d) && x + d > lo && x + d < hi ? x + d : NAN;
+        clo = x;
+        x = red[4] > 0 && nx > lo && nx < hi ? nx : 0.5 * (lo + hi);
+    }
+    return lo;
+}
+
+/* Softmax: the classic merge, a max then a sum (two allreduces). tau = log-sum-exp. */
+static double agree_lse(const float *z, const int64_t *off, int S, comm_count *c) {
+    double loc[SHARD_MAX], M, s;
+    for (int j = 0; j < S; j++) {
+        loc[j] = -INFINITY;
+        for (int64_t i = off[j]; i < off[j + 1]; i++) loc[j] = z[i] > loc[j] ? z[i] : loc[j];
+    }
+    allreduce_max(loc, S, 1, &M, c);
+    for (int j = 0; j < S; j++) {
+        loc[j] = 0;
+        for (int64_t i = off[j]; i < off[j + 1]; i++) loc[j] += exp((double)z[i] - M);
+    }
+    allreduce_sum(loc, S, 1, &s, c);
+    return M + log(s);
+}
+
+/* Scores of query head h for every token of sequence b into z[0..N): the dense path's kernel
+ * and ALiBi bias, page by page (qs: the scaled queries, ekv_cpu_scale_queries). */
+static void head_scores(const ekv_cpu_kernels *kern, const ekv_decode_params *prm,
+                        const ekv_step_shape *sh, const ekv_paged_kv *kv, const ekv_page_table *t,
+                        const float *qs, int64_t b, int64_t h, int64_t N, float *z) {
+    const int64_t P = ekv_seq_pages(t->indptr, b), kvh = h / sh->G;
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t page = t->indices[t->indptr[b] + p];
+        const int64_t ntok = ekv_page_tokens(p, P, t->last_page_len[b], sh->ps);
+        float b0, bs, mx = -INFINITY;
+        const int bias =
+                ekv_cpu_alibi_page(prm->alibi_slopes, sh->a, h, 1, p * sh->ps, N, &b0, &bs);
+        kern->score(ekv_cpu_page_ptr(kv, kv->k, page, kvh), kv->stride_token, ntok, kv->dtype,
+                    sh->D, qs + (b * sh->H + h) * sh->D, sh->D, 1, bias ? &b0 : NULL,
+                    bias ? &bs : NULL, 0, z + p * sh->ps, N, &mx, NULL);
+    }
+}
+
+/* Shard j of S holds pages [j P / S, (j + 1) P / S): its token range in off[j .. j + 1]. */
+static void shard_offsets(int64_t P, int64_t ps, int64_t N, int S, int64_t *off) {
+    for (int j = 0; j <= S; j++) {
+        const int64_t tok = (P * j / S) * ps;
+        off[j] = tok < N ? tok : N;
+    }
+}
+
+/* One head: tau agreed by the collectives, each shard's weights and partial output, then
+ * their allreduce-sum (the partial outputs, the weight sums and the support counts). */
+static void sharded_head(const ekv_cpu_kernels *kern, const ekv_step_shape *sh,
+                         const ekv_paged_kv *kv, const ekv_page_table *t, int64_t b, int64_t h,
+                         const float *z, const int64_t *off, int S, float *w, float *o,
+                         double *part, double *sum, double *scratch, float *out, double *tau_out,
+                         int64_t *sup_out, comm_count *c) {
+    const int64_t N = off[S], D = sh->D, ps = sh->ps;
+    const double tau = sh->alpha == 1.0 ? agree_lse(z, off, S, c)
+                                        : agree_tau(z, off, S, sh->alpha, scratch, c);
+    for (int j = 0; j < S; j++) { /* shard j alone: its weights and partial output */
+        double *pj = part + j * (D + 2);
+        memset(pj, 0, sizeof(double) * (size_t)(D + 2));
+        memset(o, 0, sizeof(float) * (size_t)D);
+        for (int64_t i = off[j]; i < off[j + 1]; i++) {
+            const double p = ekv_entmax_weight(z[i], tau, sh->alpha);
+            w[i] = (float)p;
+            pj[D] += p;
+            pj[D + 1] += p > 0;
+        }
+        for (int64_t p0 = off[j]; p0 < off[j + 1]; p0 += ps) {
+            const int32_t page = t->indices[t->indptr[b] + p0 / ps];
+            const int64_t ntok = off[j + 1] - p0 < ps ? off[j + 1] - p0 : ps;
+            kern->accum(ekv_cpu_page_ptr(kv, kv->v, page, h / sh->G), kv->stride_token, ntok,
+                        kv->dtype, D, w + p0, N, 1, o, D);
+        }
+        for (int64_t d = 0; d < D; d++) pj[d] = o[d];
+    }
+    allreduce_sum(part, S, (int)(D + 2), sum, c);
+    for (int64_t d = 0; d < D; d++) out[d] = (float)(sum[d] / sum[D]);
+    *tau_out = tau;
+    *sup_out = (int64_t)sum[D + 1];
+}
+
+ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                                  float *out, int32_t n_shards, ekv_decode_info *info,
+                                  ekv_shard_report *report) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    ekv_status st = ekv_decode_supported(ctx, EKV_BACKEND_CPU, prm, NULL);
+    if (!st) st = ekv_validate_decode(ctx, prm, kv, t, q, out);
+    if (!st && (n_shards < 1 || n_shards > SHARD_MAX))
+        st = ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "n_shards=%d must be in [1, %d]", n_shards,
+                      SHARD_MAX);
+    if (st) return st;
+    const ekv_step_shape sh = ekv_step_shape_of(prm, kv, t);
+    const int64_t Nmax = ekv_table_max_len(t->indptr, t->last_page_len, t->batch, sh.ps);
+    float *qs = malloc(sizeof(float) * (size_t)(sh.B * sh.H * sh.D));
+    float *z = malloc(sizeof(float) * (size_t)Nmax), *w = malloc(sizeof(float) * (size_t)Nmax);
+    double *part = malloc(sizeof(double) * (size_t)((n_shards + 1) * (sh.D + 2)));
+    float *o = malloc(sizeof(float) * (size_t)sh.D);
+    double *scratch = malloc(sizeof(double) * (size_t)ekv_tau_scratch_doubles(Nmax));
+    if (!qs || !z || !w || !part || !o || !scratch) {
+        st = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "no memory for %lld scores", (long long)Nmax);
+    } else {
+        const ekv_cpu_kernels *kern = ekv_cpu_kernels_for(ctx->isa);
+        ekv_cpu_scale_queries(prm, &sh, q, qs);
+        ekv_shard_report rep = {0, 0};
+        for (int64_t b = 0; b < sh.B && !st; b++) {
+            const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, sh.ps);
+            int64_t off[SHARD_MAX + 1];
+            shard_offsets(ekv_seq_pages(t->indptr, b), sh.ps, N, n_shards, off);
+            for (int64_t h = 0; h < sh.H; h++) {
+                comm_count c = {0, 0};
+                double tau;
+                int64_t sup;
+                head_scores(kern, prm, &sh, kv, t, qs, b, h, N, z);
+                sharded_head(kern, &sh, kv, t, b, h, z, off, n_shards, w, o, part,
+                             part + n_shards * (sh.D + 2), scratch, out + (b * sh.H + h) * sh.D,
+                             &tau, &sup, &c);
+                if (info && info->tau) info->tau[b * sh.H + h] = tau;
+                if (info && info->support) info->support[b * sh.H + h] = sup;
+                rep.rounds_max = c.rounds > rep.rounds_max ? c.rounds : rep.rounds_max;
+                rep.bytes += c.bytes;
+            }
+        }
+        if (report) *report = rep;
+        ekv_clear_error(ctx);
+    }
+    free(qs);
+    free(z);
+    free(w);
+    free(part);
+    free(o);
+    free(scratch);
+    return st;
+}
