@@ -55,47 +55,50 @@ class DecodeWrapper:
         if min(lens) == 0:
             raise ValueError("DecodeWrapper.plan: a sequence of the batch is empty")
         indptr, indices, last = cache.page_table(seqs)
-        self._plan = dict(cache=cache, seqs=seqs, lens=lens, num_heads=int(num_heads),
-                          indptr=indptr, indices=indices, last=last)
+        B, H = len(seqs), int(num_heads)
+        prm, sel = self._params(H)
+        kv, st = cache._view()
+        table = _lib.PageTable(B, indptr.ctypes.data, indices.ctypes.data, last.ctypes.data)
+        tau, sup = np.empty((B, H), np.float64), np.empty((B, H), np.int64)
+        info = _lib.DecodeInfo(tau=tau.ctypes.data, support=sup.ctypes.data)
+        kv_bytes = 2 * sum(lens) * cache.num_kv_heads * cache.head_dim * lib.ekv_dtype_size(kv.dtype)
+        # everything a step passes to the library, built once (run() only adds q and out)
+        self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(B, H, cache.head_dim),
+                          keep=(indptr, indices, last), tau=tau, sup=sup, kv_bytes=kv_bytes,
+                          info=info, args=(ctypes.byref(prm), ctypes.byref(sel),
+                                           ctypes.byref(kv), ctypes.byref(st),
+                                           ctypes.byref(table)), structs=(prm, sel, kv, st, table))
 
     def run(self, q, out=None):
         """One step: q [batch, num_heads, head_dim] float32 (numpy or CPU torch) attends over
         each sequence; returns out (the same shape, float32; written in place when given).
-        self.report then holds tau and support [batch, num_heads], the bytes read and
-        kv_fraction (bytes read / K+V bytes of the batch)."""
+        self.report then holds tau and support [batch, num_heads] (overwritten by the next
+        step), the bytes read and kv_fraction (bytes read / K+V bytes of the batch)."""
         pl = self._plan
         if pl is None:
             raise RuntimeError("DecodeWrapper.run: call plan() first")
-        cache = pl["cache"]
+        cache, shape = pl["cache"], pl["shape"]
         if [cache.length(s) for s in pl["seqs"]] != pl["lens"]:
             raise RuntimeError("DecodeWrapper.run: the cache changed since plan(): call plan() "
                                "again")
-        B, H, D = len(pl["seqs"]), pl["num_heads"], cache.head_dim
         q = _host_array(q, "q")
-        if q.shape != (B, H, D) or q.dtype != np.float32:
-            raise ValueError(f"DecodeWrapper.run: q must be float32 [{B}, {H}, {D}]; got "
+        if q.shape != shape or q.dtype != np.float32:
+            raise ValueError(f"DecodeWrapper.run: q must be float32 {list(shape)}; got "
                              f"{q.dtype} {q.shape}")
         q = np.ascontiguousarray(q)
         torch_out = out is not None and type(out).__module__.split(".")[0] == "torch"
-        res = _host_array(out, "out") if out is not None else np.empty((B, H, D), np.float32)
-        if res.shape != (B, H, D) or res.dtype != np.float32 or not res.flags.c_contiguous:
-            raise ValueError(f"DecodeWrapper.run: out must be C-contiguous float32 [{B}, {H}, "
-                             f"{D}]")
-        prm, sel = self._params(H)
-        kv, st = cache._view()
-        table = _lib.PageTable(B, pl["indptr"].ctypes.data, pl["indices"].ctypes.data,
-                               pl["last"].ctypes.data)
-        tau, sup = np.empty((B, H), np.float64), np.empty((B, H), np.int64)
-        info = _lib.DecodeInfo(tau=tau.ctypes.data, support=sup.ctypes.data)
+        res = _host_array(out, "out") if out is not None else np.empty(shape, np.float32)
+        if res.shape != shape or res.dtype != np.float32 or not res.flags.c_contiguous:
+            raise ValueError(f"DecodeWrapper.run: out must be C-contiguous float32 "
+                             f"{list(shape)}")
+        info = pl["info"]
         ctx = _lib.context()
-        check(lib.ekv_decode(ctx, ctypes.byref(prm), ctypes.byref(sel), ctypes.byref(kv),
-                             ctypes.byref(st), ctypes.byref(table), q.ctypes.data,
-                             res.ctypes.data, ctypes.byref(info)), ctx)
-        kv_bytes = 2 * sum(pl["lens"]) * cache.num_kv_heads * D * lib.ekv_dtype_size(kv.dtype)
+        check(lib.ekv_decode(ctx, *pl["args"], q.ctypes.data, res.ctypes.data,
+                             ctypes.byref(info)), ctx)
         read = info.bytes_k + info.bytes_v + info.bytes_summary
-        self.report = dict(tau=tau, support=sup, bytes_k=info.bytes_k, bytes_v=info.bytes_v,
-                           bytes_summary=info.bytes_summary, survivors=info.survivors,
-                           kv_fraction=read / kv_bytes)
+        self.report = dict(tau=pl["tau"], support=pl["sup"], bytes_k=info.bytes_k,
+                           bytes_v=info.bytes_v, bytes_summary=info.bytes_summary,
+                           survivors=info.survivors, kv_fraction=read / pl["kv_bytes"])
         return out if torch_out else res
 
     def _params(self, H):
