@@ -532,6 +532,7 @@ EKV_API ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_param
  */
 typedef struct ekv_shard_report {
     int32_t rounds_max; /* output: most allreduce rounds one query head needed           */
+    double rounds_mean; /* output: allreduce rounds per query head, on average            */
     int64_t bytes;      /* output: payload bytes each shard sends per step, all heads     */
 } ekv_shard_report;
 EKV_API ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *params,

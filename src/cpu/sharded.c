@@ -220,7 +220,7 @@ ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *prm
     } else {
         const ekv_cpu_kernels *kern = ekv_cpu_kernels_for(ctx->isa);
         ekv_cpu_scale_queries(prm, &sh, q, qs);
-        ekv_shard_report rep = {0, 0};
+        ekv_shard_report rep = {0, 0.0, 0};
         for (int64_t b = 0; b < sh.B && !st; b++) {
             const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, sh.ps);
             int64_t off[SHARD_MAX + 1];
@@ -236,6 +236,7 @@ ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *prm
                 if (info && info->tau) info->tau[b * sh.H + h] = tau;
                 if (info && info->support) info->support[b * sh.H + h] = sup;
                 rep.rounds_max = c.rounds > rep.rounds_max ? c.rounds : rep.rounds_max;
+                rep.rounds_mean += (double)c.rounds / (double)(sh.B * sh.H);
                 rep.bytes += c.bytes;
             }
         }
