@@ -82,23 +82,69 @@ static void first_bracket(const float *z, const int64_t *off, int S, double alph
     allreduce_max(loc, S, 2, red, c);
 }
 
-/* tau of the union of the shards' scores (shard j: z + off[j], off[j+1] - off[j] scores) by
- * the collectives of docs/math.md §11: a bracket [lo, hi] that each round of moments narrows
- * (Newton inside it, else bisection), and for alpha 2 and 1.5 the closed-form root over the
- * support at a lower bound, exact when the next round finds no score below it. alpha > 1.
- * scratch: ekv_tau_scratch_doubles of the longest shard. */
-static double agree_tau(const float *z, const int64_t *off, int S, double alpha, double *scratch,
-                        comm_count *c) {
-    double loc[6 * SHARD_MAX], red[6];
-    first_bracket(z, off, S, alpha, scratch, red, c);
+/* One query head of one sequence, as the shards see it: shard j holds scores z[off[j] ..
+ * off[j + 1]) and the matching V rows. w: a weight per token, o: D floats (scratch). */
+typedef struct {
+    const ekv_cpu_kernels *kern;
+    const ekv_step_shape *sh;
+    const ekv_paged_kv *kv;
+    const ekv_page_table *t;
+    int64_t b, h;
+    const float *z;
+    const int64_t *off;
+    int S;
+    float *w, *o;
+} head_job;
+
+/* Shard j's part of the merge at tau: sum p_i v_i (D values), sum p_i and the support count. */
+static void shard_partial(const head_job *hj, int j, double tau, double *pj) {
+    const int64_t D = hj->sh->D, ps = hj->sh->ps, N = hj->off[hj->S];
+    memset(pj, 0, sizeof(double) * (size_t)(D + 2));
+    memset(hj->o, 0, sizeof(float) * (size_t)D);
+    for (int64_t i = hj->off[j]; i < hj->off[j + 1]; i++) {
+        const double p = ekv_entmax_weight(hj->z[i], tau, hj->sh->alpha);
+        hj->w[i] = (float)p;
+        pj[D] += p;
+        pj[D + 1] += p > 0;
+    }
+    for (int64_t p0 = hj->off[j]; p0 < hj->off[j + 1]; p0 += ps) {
+        const int32_t page = hj->t->indices[hj->t->indptr[hj->b] + p0 / ps];
+        const int64_t ntok = hj->off[j + 1] - p0 < ps ? hj->off[j + 1] - p0 : ps;
+        hj->kern->accum(ekv_cpu_page_ptr(hj->kv, hj->kv->v, page, hj->h / hj->sh->G),
+                        hj->kv->stride_token, ntok, hj->kv->dtype, D, hj->w + p0, N, 1, hj->o, D);
+    }
+    for (int64_t d = 0; d < D; d++) pj[d] = hj->o[d];
+}
+
+/* tau of the union of the shards' scores by the collectives of docs/math.md §11: a bracket
+ * [lo, hi] that each round of moments narrows (Newton inside it, else bisection), and for
+ * alpha 2 and 1.5 the closed-form root chi over the support at a lower bound, exact when the
+ * next round finds no score below it. That round also carries each shard's part of the merge
+ * at chi (speculatively), so when the check passes the merge is done: *merged (D + 2 sums)
+ * is then set and *merged_ok = 1. loc: S (8 + D) doubles of scratch. alpha > 1. */
+static double agree_tau(const head_job *hj, double *scratch, double *loc, double *merged,
+                        int *merged_ok, comm_count *c) {
+    const int S = hj->S;
+    const int64_t D = hj->sh->D, *off = hj->off;
+    const double alpha = hj->sh->alpha, beta = 1.0 / (alpha - 1.0);
+    double red[8];
+    first_bracket(hj->z, off, S, alpha, scratch, red, c);
     double lo = red[0], hi = red[1], x = lo, clo = lo, chi = NAN;
-    const double beta = 1.0 / (alpha - 1.0);
+    *merged_ok = 0;
     for (int r = 0; r < SHARD_ROUNDS; r++) {
-        for (int j = 0; j < S; j++)
-            shard_moments(z + off[j], off[j + 1] - off[j], x, clo, chi, alpha, loc + 6 * j);
-        allreduce_sum(loc, S, 6, red, c);
-        if (!isnan(chi)) {
-            if (red[5] == 0) return chi; /* S(chi) = S(clo): the closed form holds at chi */
+        const int spec = !isnan(chi), W = 6 + (spec ? (int)D + 2 : 0);
+        for (int j = 0; j < S; j++) {
+            shard_moments(hj->z + off[j], off[j + 1] - off[j], x, clo, chi, alpha, loc + W * j);
+            if (spec) shard_partial(hj, j, chi, loc + W * j + 6);
+        }
+        double *sum = spec ? merged - 6 : red; /* merged is preceded by 6 free doubles */
+        allreduce_sum(loc, S, W, sum, c);
+        if (spec) memcpy(red, sum, 6 * sizeof(double));
+        if (spec) {
+            if (red[5] == 0) { /* S(chi) = S(clo): the closed form holds at chi */
+                *merged_ok = 1;
+                return chi;
+            }
             if (alpha == 2.0) /* the scores in (clo, chi] make f(chi) >= 0: a lower bound */
                 lo = fmax(lo, chi);
             else /* 1.5: they make f(chi) <= 0, an upper bound */
@@ -163,38 +209,24 @@ static void shard_offsets(int64_t P, int64_t ps, int64_t N, int S, int64_t *off)
     }
 }
 
-/* One head: tau agreed by the collectives, each shard's weights and partial output, then
- * their allreduce-sum (the partial outputs, the weight sums and the support counts). */
-static void sharded_head(const ekv_cpu_kernels *kern, const ekv_step_shape *sh,
-                         const ekv_paged_kv *kv, const ekv_page_table *t, int64_t b, int64_t h,
-                         const float *z, const int64_t *off, int S, float *w, float *o,
-                         double *part, double *sum, double *scratch, float *out, double *tau_out,
-                         int64_t *sup_out, comm_count *c) {
-    const int64_t N = off[S], D = sh->D, ps = sh->ps;
-    const double tau = sh->alpha == 1.0 ? agree_lse(z, off, S, c)
-                                        : agree_tau(z, off, S, sh->alpha, scratch, c);
-    for (int j = 0; j < S; j++) { /* shard j alone: its weights and partial output */
-        double *pj = part + j * (D + 2);
-        memset(pj, 0, sizeof(double) * (size_t)(D + 2));
-        memset(o, 0, sizeof(float) * (size_t)D);
-        for (int64_t i = off[j]; i < off[j + 1]; i++) {
-            const double p = ekv_entmax_weight(z[i], tau, sh->alpha);
-            w[i] = (float)p;
-            pj[D] += p;
-            pj[D + 1] += p > 0;
-        }
-        for (int64_t p0 = off[j]; p0 < off[j + 1]; p0 += ps) {
-            const int32_t page = t->indices[t->indptr[b] + p0 / ps];
-            const int64_t ntok = off[j + 1] - p0 < ps ? off[j + 1] - p0 : ps;
-            kern->accum(ekv_cpu_page_ptr(kv, kv->v, page, h / sh->G), kv->stride_token, ntok,
-                        kv->dtype, D, w + p0, N, 1, o, D);
-        }
-        for (int64_t d = 0; d < D; d++) pj[d] = o[d];
+/* One head: tau agreed by the collectives, then (unless the last round of the agreement
+ * carried it) each shard's part of the merge and their allreduce-sum. part: S (8 + D) + D + 8
+ * doubles of scratch. */
+static void sharded_head(const head_job *hj, double *part, double *scratch, float *out,
+                         double *tau_out, int64_t *sup_out, comm_count *c) {
+    const int S = hj->S;
+    const int64_t D = hj->sh->D;
+    double *loc = part, *merged = part + S * (8 + D) + 6;
+    int merged_ok = 0;
+    const double tau = hj->sh->alpha == 1.0 ? agree_lse(hj->z, hj->off, S, c)
+                                            : agree_tau(hj, scratch, loc, merged, &merged_ok, c);
+    if (!merged_ok) {
+        for (int j = 0; j < S; j++) shard_partial(hj, j, tau, loc + j * (D + 2));
+        allreduce_sum(loc, S, (int)(D + 2), merged, c);
     }
-    allreduce_sum(part, S, (int)(D + 2), sum, c);
-    for (int64_t d = 0; d < D; d++) out[d] = (float)(sum[d] / sum[D]);
+    for (int64_t d = 0; d < D; d++) out[d] = (float)(merged[d] / merged[D]);
     *tau_out = tau;
-    *sup_out = (int64_t)sum[D + 1];
+    *sup_out = (int64_t)merged[D + 1];
 }
 
 ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *prm,
@@ -212,7 +244,7 @@ ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *prm
     const int64_t Nmax = ekv_table_max_len(t->indptr, t->last_page_len, t->batch, sh.ps);
     float *qs = malloc(sizeof(float) * (size_t)(sh.B * sh.H * sh.D));
     float *z = malloc(sizeof(float) * (size_t)Nmax), *w = malloc(sizeof(float) * (size_t)Nmax);
-    double *part = malloc(sizeof(double) * (size_t)((n_shards + 1) * (sh.D + 2)));
+    double *part = malloc(sizeof(double) * (size_t)((n_shards + 1) * (sh.D + 8)));
     float *o = malloc(sizeof(float) * (size_t)sh.D);
     double *scratch = malloc(sizeof(double) * (size_t)ekv_tau_scratch_doubles(Nmax));
     if (!qs || !z || !w || !part || !o || !scratch) {
@@ -230,9 +262,8 @@ ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *prm
                 double tau;
                 int64_t sup;
                 head_scores(kern, prm, &sh, kv, t, qs, b, h, N, z);
-                sharded_head(kern, &sh, kv, t, b, h, z, off, n_shards, w, o, part,
-                             part + n_shards * (sh.D + 2), scratch, out + (b * sh.H + h) * sh.D,
-                             &tau, &sup, &c);
+                const head_job hj = {kern, &sh, kv, t, b, h, z, off, n_shards, w, o};
+                sharded_head(&hj, part, scratch, out + (b * sh.H + h) * sh.D, &tau, &sup, &c);
                 if (info && info->tau) info->tau[b * sh.H + h] = tau;
                 if (info && info->support) info->support[b * sh.H + h] = sup;
                 rep.rounds_max = c.rounds > rep.rounds_max ? c.rounds : rep.rounds_max;
