@@ -173,6 +173,24 @@ class _ContextKeeper:
             lib.ekv_context_free(self.ctx)
 
 
+def is_torch(x):
+    """x is a torch tensor (torch is imported only where the caller already uses it)."""
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def host_array(x, name):
+    """A numpy view of x: a numpy array (or array-like) as is, a CPU torch tensor without a
+    copy; tensors on another device are refused with a message naming the argument."""
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"entmaxkv: {name} is on {x.device}: only CPU tensors "
+                                      "and numpy arrays are supported yet")
+        return x.detach().numpy()
+    import numpy as np
+
+    return np.asarray(x)
+
+
 def check(status, ctx=None):
     """Raises EntmaxKVError for a failed call (status != 0), with the context's message."""
     if status:

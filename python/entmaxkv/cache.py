@@ -4,7 +4,7 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._lib import DTYPES, LAYOUTS, check, lib
+from ._lib import DTYPES, LAYOUTS, check, host_array, lib
 
 _NP_SRC = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # ekv_dtype of append's input
 
@@ -110,7 +110,7 @@ class PagedKVCache:
         """Appends tokens to a sequence: k and v are [tokens, num_kv_heads, head_dim] (float32
         or float16, numpy or CPU torch), converted to the storage dtype; the page summaries are
         updated. Nothing changes when it fails (too few free pages, NaN or inf in the input)."""
-        k, v = _host_array(k, "k"), _host_array(v, "v")
+        k, v = host_array(k, "k"), host_array(v, "v")
         want = (self.num_kv_heads, self.head_dim)
         if k.ndim != 3 or k.shape[1:] != want or k.shape != v.shape:
             raise ValueError(f"PagedKVCache.append: k and v must both be [tokens, {want[0]}, "
@@ -189,11 +189,3 @@ class PagedKVCache:
         """Read-only view of the V pool, as `k`."""
         return self._pool("v")
 
-
-def _host_array(x, name):
-    if type(x).__module__.split(".")[0] == "torch":
-        if x.device.type != "cpu":
-            raise NotImplementedError(f"entmaxkv: {name} is on {x.device}: only CPU tensors "
-                                      "and numpy arrays are supported yet")
-        return x.detach().numpy()
-    return np.asarray(x)

@@ -5,8 +5,7 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._lib import METHODS, check, lib
-from .cache import _host_array
+from ._lib import METHODS, check, host_array, is_torch, lib
 
 
 class DecodeWrapper:
@@ -81,13 +80,13 @@ class DecodeWrapper:
         if [cache.length(s) for s in pl["seqs"]] != pl["lens"]:
             raise RuntimeError("DecodeWrapper.run: the cache changed since plan(): call plan() "
                                "again")
-        q = _host_array(q, "q")
+        q = host_array(q, "q")
         if q.shape != shape or q.dtype != np.float32:
             raise ValueError(f"DecodeWrapper.run: q must be float32 {list(shape)}; got "
                              f"{q.dtype} {q.shape}")
         q = np.ascontiguousarray(q)
-        torch_out = out is not None and type(out).__module__.split(".")[0] == "torch"
-        res = _host_array(out, "out") if out is not None else np.empty(shape, np.float32)
+        torch_out = out is not None and is_torch(out)
+        res = host_array(out, "out") if out is not None else np.empty(shape, np.float32)
         if res.shape != shape or res.dtype != np.float32 or not res.flags.c_contiguous:
             raise ValueError(f"DecodeWrapper.run: out must be C-contiguous float32 "
                              f"{list(shape)}")

@@ -4,10 +4,6 @@ import numpy as np
 from . import _lib
 
 
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
 def _rows_entmax(a, alpha, dim, who):
     if a.dtype not in (np.float32, np.float64):
         raise TypeError(f"entmaxkv.{who}: dtype {a.dtype} is not supported: pass float32 or "
@@ -39,17 +35,13 @@ def entmax(x, alpha=1.5, dim=-1):
     alpha = float(alpha)
     if not 1.0 <= alpha <= 4.0:  # also NaN
         raise ValueError(f"entmaxkv.entmax: alpha={alpha} is outside [1, 4]")
-    if _is_torch(x):
+    a = _lib.host_array(x, "x")  # a CPU tensor: a view of it; its dtype checked as numpy's
+    p = _rows_entmax(a, alpha, dim, "entmax")
+    if _lib.is_torch(x):
         import torch
 
-        if x.device.type != "cpu":
-            raise NotImplementedError("entmaxkv.entmax: tensors on %s are not supported yet: "
-                                      "pass a CPU tensor or a numpy array" % x.device)
-        if x.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"entmaxkv.entmax: dtype {x.dtype} is not supported: pass "
-                            "float32 or float64")
-        return torch.from_numpy(_rows_entmax(x.detach().numpy(), alpha, dim, "entmax"))
-    return _rows_entmax(np.asarray(x), alpha, dim, "entmax")
+        return torch.from_numpy(p)
+    return p
 
 
 def entmax15(x, dim=-1):

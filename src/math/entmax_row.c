@@ -18,7 +18,8 @@ ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha) {
  * |M| >= 2^53 rounds the support to zero weight (0/0 = NaN). tau in x's z-space is
  * a*M + tau_rel, reported only when it is a finite double.
  */
-#define SHIFT_BODY                                                                                 \
+/* The row's rule, written once: no NaN or +inf, not every entry -inf; *xmax its maximum. */
+#define SCAN_BODY                                                                                  \
     double m = -INFINITY;                                                                          \
     for (int64_t i = 0; i < n; i++) {                                                              \
         double v = (double)x[i];                                                                   \
@@ -26,15 +27,23 @@ ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha) {
         if (v > m) m = v;                                                                          \
     }                                                                                              \
     if (m == -INFINITY) return EKV_ERR_EMPTY_INPUT;                                                \
-    for (int64_t i = 0; i < n; i++) z[i] = a * ((double)x[i] - m); /* -inf stays -inf */           \
     *xmax = m;                                                                                     \
     return EKV_OK;
 
+static ekv_status scan_f32(const float *x, int64_t n, double *xmax) { SCAN_BODY }
+static ekv_status scan_f64(const double *x, int64_t n, double *xmax) { SCAN_BODY }
+
+#define SHIFT_BODY(SCAN)                                                                           \
+    ekv_status st = SCAN(x, n, xmax);                                                              \
+    if (st) return st;                                                                             \
+    for (int64_t i = 0; i < n; i++) z[i] = a * ((double)x[i] - *xmax); /* -inf stays -inf */       \
+    return EKV_OK;
+
 static ekv_status shift_f32(const float *x, int64_t n, double a, double *z, double *xmax) {
-    SHIFT_BODY
+    SHIFT_BODY(scan_f32)
 }
 static ekv_status shift_f64(const double *x, int64_t n, double a, double *z, double *xmax) {
-    SHIFT_BODY
+    SHIFT_BODY(scan_f64)
 }
 
 /* tau relative to the maximum of the shifted row z (support: see ekv_tau_exact_f64). */
@@ -97,9 +106,9 @@ ekv_status ekv_entmax(ekv_context *ctx, const float *x, int64_t n, double alpha,
 ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double alpha, double *p,
                           double *tau, int64_t *support){ROW_BODY(double, shift_f64)}
 
-/* Many rows: every row is checked first (a NaN or +inf, or a row of -inf only, is named by
- * its index and nothing is written), then each row as ekv_entmax. */
-#define ROWS_BODY(ROW_FN)                                                                          \
+/* Many rows: every row is checked first by the one-row rule (a NaN or +inf, or a row of -inf
+ * only, is named by its index and nothing is written), then each row as ekv_entmax. */
+#define ROWS_BODY(ROW_FN, SCAN)                                                                    \
     if (!x || !p) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", !x ? "x" : "p");        \
     if (rows < 1 || n < 1)                                                                         \
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "rows=%lld and n=%lld must be >= 1",            \
@@ -109,18 +118,14 @@ ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double a
     ekv_status st = ekv_validate_alpha(ctx, alpha);                                                \
     if (st) return st;                                                                             \
     for (int64_t r = 0; r < rows; r++) {                                                           \
-        int any = 0;                                                                               \
-        for (int64_t i = 0; i < n; i++) {                                                          \
-            const double v = (double)x[r * n + i];                                                 \
-            if (v != v || v == INFINITY)                                                           \
-                return ekv_fail(ctx, EKV_ERR_NAN_INPUT,                                            \
-                                "row %lld contains NaN or +inf (masked entries must be -inf)",     \
-                                (long long)r);                                                     \
-            any |= v > -INFINITY;                                                                  \
-        }                                                                                          \
-        if (!any)                                                                                  \
-            return ekv_fail(ctx, EKV_ERR_EMPTY_INPUT,                                              \
-                            "every entry of row %lld is -inf: nothing to normalise",               \
+        double m;                                                                                  \
+        st = SCAN(x + r * n, n, &m);                                                               \
+        if (st == EKV_ERR_NAN_INPUT)                                                               \
+            return ekv_fail(ctx, st,                                                               \
+                            "row %lld contains NaN or +inf (masked entries must be -inf)",         \
+                            (long long)r);                                                         \
+        if (st)                                                                                    \
+            return ekv_fail(ctx, st, "every entry of row %lld is -inf: nothing to normalise",      \
                             (long long)r);                                                         \
     }                                                                                              \
     for (int64_t r = 0; r < rows; r++)                                                             \
@@ -128,9 +133,9 @@ ekv_status ekv_entmax_f64(ekv_context *ctx, const double *x, int64_t n, double a
     return EKV_OK;
 
 ekv_status ekv_entmax_rows(ekv_context *ctx, const float *x, int64_t rows, int64_t n, double alpha,
-                           float *p){ROWS_BODY(ekv_entmax)}
+                           float *p){ROWS_BODY(ekv_entmax, scan_f32)}
 
 ekv_status ekv_entmax_rows_f64(ekv_context *ctx, const double *x, int64_t rows, int64_t n,
                                double alpha, double *p) {
-    ROWS_BODY(ekv_entmax_f64)
+    ROWS_BODY(ekv_entmax_f64, scan_f64)
 }
