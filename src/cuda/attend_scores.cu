@@ -25,7 +25,7 @@ __device__ __forceinline__ void store_scores(const score_args &A, const float *a
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g < A.G) {
-            const float z = score_z(acc[g], slope[g], jbase, t, valid);
+            const float z = score_z(acc[g], slope[g], jbase, t, t < valid);
             sbase[(int64_t)g * A.cap_tokens + t] = z;
             runmax[g] = fmaxf(runmax[g], z);
         }
@@ -102,11 +102,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         const int64_t e = ci.e;
         const int r0 = ci.r0;
         advance<TR, NW>(ci, ps);
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const unsigned char *pbase = K + ((int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
-                                          (int64_t)kvh * A.kv.stride_head) *
-                                                 (int64_t)sizeof(T);
+        int valid;
+        const int64_t lp = entry_page(A, sg, row, e, &valid);
+        const unsigned char *pbase = K + page_block(A, sg, lp, kvh) * (int64_t)sizeof(T);
         unsigned char *dst = stage + (size_t)(j % SCORE_STAGES) * SCORE_TILE_BYTES;
 #pragma unroll
         for (int r = 0; r < U; r++) {
@@ -132,8 +130,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         const int64_t e = cc.e;
         const int r0 = cc.r0;
         advance<TR, NW>(cc, ps);
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+        int valid;
+        const int64_t lp = entry_page(A, sg, row, e, &valid);
         const float jbase = (float)(lp * ps - (sg.N - 1));
         float *sbase = srow + e * ps;
         const unsigned char *src = stage + (size_t)(j % SCORE_STAGES) * SCORE_TILE_BYTES;
@@ -177,10 +175,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     const T *K = static_cast<const T *>(A.kv.k);
     float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens;
     for (int64_t e = e0 + warp; e < e1; e += nw) {
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const T *pbase = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
-                         (int64_t)kvh * A.kv.stride_head;
+        int valid;
+        const int64_t lp = entry_page(A, sg, row, e, &valid);
+        const T *pbase = K + page_block(A, sg, lp, kvh);
         const float jbase = (float)(lp * ps - (sg.N - 1));
         float *sbase = srow + e * ps;
         for (int t = 0; t < ps; t++) {
@@ -301,7 +298,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
 #pragma unroll
             for (int g = 0; g < GM; g++) {
                 if (g >= G) break;
-                const float z = on ? acc[g] + slope[g] * (jb[r] + (float)tk[r]) : -CUDART_INF_F;
+                const float z = score_z(acc[g], slope[g], jb[r], tk[r], on);
                 if (on) srow[(int64_t)g * A.cap_tokens + e] = z;
                 runmax[g] = fmaxf(runmax[g], z);
                 row_candidate(A, h0 + g, on, z, fmaxf(runmax[g], seen[g]), off[r]);
@@ -359,7 +356,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
         for (int g = 0; g < GM; g++) {
             if (g >= G) break;
             acc[g] = ekv_warp_sum(acc[g]);
-            const float z = acc[g] + slope[g] * (jbase + (float)t);
+            const float z = score_z(acc[g], slope[g], jbase, t, true);
             if (lane == 0) srow[(int64_t)g * A.cap_tokens + e] = z;
             runmax[g] = fmaxf(runmax[g], z);
             row_candidate(A, h0 + g, lane == 0, z, fmaxf(runmax[g], seen[g]), off);

@@ -92,42 +92,19 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
             uns[nt][j] = unscale[g];
         }
     const T *K = static_cast<const T *>(A.kv.k);
-    const int tpp = ps / MMA_ROWS;
-    const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + MMA_NW - 1) / MMA_NW : 0;
-    const int64_t ntiles = mine * tpp;
     float *srow = A.scores + ((int64_t)b * A.H + kvh * G) * A.cap_tokens; /* + g * cap_tokens */
-    score_cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
-    auto issue = [&](int64_t j) {
-        const int64_t e = ci.e;
-        const int r0 = ci.r0;
-        advance<MMA_ROWS, MMA_NW>(ci, ps);
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const T *page = K + (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
-                        (int64_t)kvh * A.kv.stride_head;
-        tile_copy<T, D, false>(stage + (size_t)(j % MMA_STAGES) * TB, page, A.kv.stride_token, r0,
-                               valid);
+    auto copy = [&](int64_t e, int r0, unsigned char *tile) {
+        int valid;
+        const int64_t lp = entry_page(A, sg, row, e, &valid);
+        tile_copy<T, D, false>(tile, K + page_block(A, sg, lp, kvh), A.kv.stride_token, r0, valid);
     };
-#pragma unroll
-    for (int s = 0; s < MMA_STAGES - 1; s++) {
-        if (s < ntiles) issue(s);
-        cp_async_commit();
-    }
-    for (int64_t j = 0; j < ntiles; j++) {
-        __syncwarp(); /* every lane has read the stage the next issue overwrites */
-        if (j + MMA_STAGES - 1 < ntiles) issue(j + MMA_STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<MMA_STAGES - 1>(); /* this lane's copies of tile j have landed ... */
-        __syncwarp();                    /* ... and every other lane's */
-        const int64_t e = cc.e;
-        const int r0 = cc.r0;
-        advance<MMA_ROWS, MMA_NW>(cc, ps);
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
+    auto use = [&](int64_t e, int r0, const unsigned char *tile) {
+        int valid;
+        const int64_t lp = entry_page(A, sg, row, e, &valid);
         const float jbase = (float)(lp * ps - (sg.N - 1));
         float *sbase = srow + e * ps;
         float acc[NT][4];
-        tile_dots<T, D, NT>(stage + (size_t)(j % MMA_STAGES) * TB, qparts, acc);
+        tile_dots<T, D, NT>(tile, qparts, acc);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -143,8 +120,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
                     runmax[nt][j2] = fmaxf(runmax[nt][j2], z);
                 }
             }
-    }
-    cp_async_wait<0>();
+    };
+    warp_tiles<MMA_NW>(e0, e1, ps, stage, TB, copy, use);
     /* the warp's max per head: the lanes with equal lane % 4 hold the same heads */
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)

@@ -115,7 +115,7 @@ __device__ __forceinline__ void tile_softmax(const flash_args &A, const unsigned
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int hi = i >> 1, t = r0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-            s[nt][i] = score_z(s[nt][i] * uns[hi], slope[hi], jbase, t, valid);
+            s[nt][i] = score_z(s[nt][i] * uns[hi], slope[hi], jbase, t, t < valid);
             mx[hi] = fmaxf(mx[hi], s[nt][i]);
         }
     float scale[2];
@@ -232,43 +232,22 @@ __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args
         for (int i = 0; i < 4; i++) st.o[nt][i] = 0.f;
     st.tokens = 0;
     const T *K = static_cast<const T *>(A.kv.k), *V = static_cast<const T *>(A.kv.v);
-    const int tpp = ps / MMA_ROWS;
-    const int64_t mine = e1 > e0 + warp ? (e1 - e0 - warp + FL_NW - 1) / FL_NW : 0;
-    const int64_t ntiles = mine * tpp;
-    score_cursor ci = {e0 + warp, 0}, cc = {e0 + warp, 0};
-    auto issue = [&](int64_t j) {
-        const int64_t e = ci.e;
-        const int r0 = ci.r0;
-        advance<MMA_ROWS, FL_NW>(ci, ps);
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const int64_t off = (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page +
-                            (int64_t)kvh * A.kv.stride_head;
-        unsigned char *dst = stage + (size_t)(j % MMA_STAGES) * 2 * TB;
-        tile_copy<T, D, false>(dst, K + off, A.kv.stride_token, r0, valid);
-        tile_copy<T, D, true>(dst + TB, V + off, A.kv.stride_token, r0, valid);
+    auto copy = [&](int64_t e, int r0,
+                    unsigned char *kt) { /* the K tile, then the V tile */
+                                         int valid;
+                                         const int64_t off = page_block(
+                                                 A, sg, entry_page(A, sg, row, e, &valid), kvh);
+                                         tile_copy<T, D, false>(kt, K + off, A.kv.stride_token, r0,
+                                                                valid);
+                                         tile_copy<T, D, true>(kt + TB, V + off, A.kv.stride_token,
+                                                               r0, valid);
     };
-#pragma unroll
-    for (int s = 0; s < MMA_STAGES - 1; s++) {
-        if (s < ntiles) issue(s);
-        cp_async_commit();
-    }
-    for (int64_t j = 0; j < ntiles; j++) {
-        __syncwarp(); /* every lane has read the stage the next issue overwrites */
-        if (j + MMA_STAGES - 1 < ntiles) issue(j + MMA_STAGES - 1);
-        cp_async_commit();
-        cp_async_wait<MMA_STAGES - 1>(); /* this lane's copies of tile j have landed ... */
-        __syncwarp();                    /* ... and every other lane's */
-        const int64_t e = cc.e;
-        const int r0 = cc.r0;
-        advance<MMA_ROWS, FL_NW>(cc, ps);
-        const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
-        const int valid = lp == sg.P - 1 ? (int)(sg.N - lp * ps) : ps;
-        const float jbase = (float)(lp * ps - (sg.N - 1));
-        tile_softmax<T, D>(A, stage + (size_t)(j % MMA_STAGES) * 2 * TB, qparts, uns, slope, jbase,
-                           r0, valid, st);
-    }
-    cp_async_wait<0>();
+    auto use = [&](int64_t e, int r0, const unsigned char *kt) {
+        int valid;
+        const int64_t lp = entry_page(A, sg, row, e, &valid);
+        tile_softmax<T, D>(A, kt, qparts, uns, slope, (float)(lp * ps - (sg.N - 1)), r0, valid, st);
+    };
+    warp_tiles<FL_NW>(e0, e1, ps, stage, 2 * TB, copy, use);
     block_partial<D>(A, st, smem_raw, b, kvh);
 }
 

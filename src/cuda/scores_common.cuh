@@ -98,10 +98,11 @@ __device__ __forceinline__ void init_group(const score_args &A, int kvh, float *
 }
 
 /* A score in z-space: the dot product plus the ALiBi bias of token t of a page starting at
- * position jbase relative to the query (-inf past the page's valid tokens). Every scores
- * kernel forms it with this one expression. */
-__device__ __forceinline__ float score_z(float dot, float slope, float jbase, int t, int valid) {
-    return t < valid ? dot + slope * (jbase + (float)t) : -CUDART_INF_F;
+ * position jbase relative to the query, or -inf for a slot that holds no token (in = false).
+ * Every scores kernel forms it with this one expression (the row scores must equal the page
+ * scores bit for bit). */
+__device__ __forceinline__ float score_z(float dot, float slope, float jbase, int t, bool in) {
+    return in ? dot + slope * (jbase + (float)t) : -CUDART_INF_F;
 }
 
 /* A warp's place in its tiles: the page-list entry and the first row of the tile. Tile j of
@@ -117,6 +118,20 @@ template <int TR, int NW> __device__ __forceinline__ void advance(score_cursor &
         c.r0 = 0;
         c.e += NW;
     }
+}
+
+/* Entry e of list row `row` (page e of the sequence without a list): its logical page, and in
+ * *valid the tokens it holds. */
+__device__ __forceinline__ int64_t entry_page(const score_args &A, const ekv_seq_geom &sg, int row,
+                                              int64_t e, int *valid) {
+    const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
+    *valid = lp == sg.P - 1 ? (int)(sg.N - lp * A.ps) : A.ps;
+    return lp;
+}
+/* Element offset of KV head kvh's block of logical page lp in the K (or V) pool. */
+__device__ __forceinline__ int64_t page_block(const score_args &A, const ekv_seq_geom &sg,
+                                              int64_t lp, int kvh) {
+    return (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
 }
 
 /* The tensor-core scores kernel (attend_scores_mma.cu): whether it serves this shape (16-bit K,
