@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
                 for (int h = 0; h < 2; h++) { /* token rows lane/4 and lane/4 + 8 */
                     const int t = r0 + (lane >> 2) + 8 * h;
                     const float z = score_z(acc[nt][2 * h + j2] * uns[nt][j2], slope[nt][j2], jbase,
-                                            t, valid);
+                                            t, t < valid);
                     sbase[(int64_t)g * A.cap_tokens + t] = z;
                     runmax[nt][j2] = fmaxf(runmax[nt][j2], z);
                 }

@@ -19,7 +19,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t *a, const void *smem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(s));
+                 : "r"(s)
+                 : "memory");
 }
 /* c = A B from zero: A 16x16 (row), B 16x8 (col), fp32 results. */
 template <typename T>
@@ -75,7 +76,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *a, const void *smem)
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(s));
+                 : "r"(s)
+                 : "memory");
 }
 
 /* Rows [r0, r0 + 16) of a page's head block (`page`, `stride` elements between tokens) into a
