@@ -134,11 +134,23 @@ static void check_other_backends(fixture *f) {
         const ekv_status c = ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp);
         CHECK((c == EKV_OK) == (m != EKV_SELECT_ORACLE), "cuda backend, %s: %d",
               ekv_method_name(sp.method), c);
-        sp.per_query_head = 1;
+        sp.per_query_head = 1; /* per-query-head lists are served on the GPU too */
+        CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp) == c,
+              "cuda per_query_head, %s", ekv_method_name(sp.method));
+        sp.per_query_head = 0;
+        sp.tau_mode = EKV_TAU_FIXED; /* the paper's fixed/corrected modes are CPU only */
         CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &dp, &sp) ==
                       (m == EKV_SELECT_ORACLE ? c : EKV_ERR_UNSUPPORTED),
-              "cuda per_query_head, %s", ekv_method_name(sp.method));
+              "cuda tau_mode fixed, %s", ekv_method_name(sp.method));
     }
+    /* the gaussian with ALiBi (the mixture) is served on the GPU */
+    ekv_decode_params ap = dp;
+    const float slopes[H] = {0};
+    ap.alibi_slopes = slopes;
+    ekv_select_params gs = ekv_select_default_params();
+    gs.method = EKV_SELECT_GAUSSIAN;
+    CHECK(ekv_decode_supported(f->ctx, EKV_BACKEND_CUDA, &ap, &gs) == EKV_OK,
+          "cuda gaussian with ALiBi: %s", ekv_last_error(f->ctx));
     /* certified's tau hint is served on the GPU (a device array); tau_lb is not */
     const double lb = 0.0;
     ekv_select_params hinted = ekv_select_default_params();

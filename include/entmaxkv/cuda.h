@@ -22,7 +22,9 @@ extern "C" {
  * In every ekv_cuda_* call, the pointers inside ekv_paged_kv, ekv_page_stats and
  * ekv_page_table, and q, out and ekv_decode_params.alibi_slopes are DEVICE pointers.
  * K/V dtypes: f16, bf16, f32. head_dim: any multiple of 8 up to 512 (64, 128 and 256 have
- * specialised kernels). Page lists are per KV head (per_query_head is not supported here).
+ * specialised kernels). Page lists are per KV head; with select->per_query_head each query
+ * head selects its own pages (as on the CPU), K is read once for their union per KV head, and
+ * a head attends only its own pages (topk, gaussian) or the union (certified: exact anyway).
  */
 typedef struct ekv_cuda_plan ekv_cuda_plan;
 
@@ -56,7 +58,7 @@ EKV_API int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *plan);
 /*
  * One decode step on the device: select->method DENSE, TOPK (box bound, or min(box, ball)
  * with use_ball; budget_tokens as on the CPU), GAUSSIAN (docs/math.md §4, exact tau mode, with
- * auto_margin; no ALiBi on the GPU), SCREENED (docs/math.md §10: stats->codes, code_bits 4 or 8, as
+ * auto_margin; with ALiBi the mixture of §4.4), SCREENED (docs/math.md §10: stats->codes, code_bits 4 or 8, as
  * ekv_cuda_append writes them; alpha > 1; the output equals dense entmax) or certified
  * (ekv_cuda_decode_certified below), then exact entmax
  * (alpha > 1) or softmax (alpha = 1) over the listed pages with K read once, tau solved globally
@@ -98,6 +100,10 @@ typedef struct ekv_cuda_report {
     int64_t survivors;        /* output, screened: (token, query head) pairs the screen kept  */
     int32_t softmax_one_pass; /* output: the last step was softmax in one pass over K and V */
                               /* (tensor cores, docs/math.md §3.9): no score rows           */
+    uint16_t *list_heads;     /* [batch*num_kv_heads][max_pages_per_seq], beside list_pages: */
+                              /* bit g set when query head g of the group attended the entry */
+                              /* (per_query_head topk/gaussian: the heads whose own list has */
+                              /* the page; otherwise every head of the group)                */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);

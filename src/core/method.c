@@ -180,14 +180,11 @@ static ekv_status check_select(ekv_context *ctx, const ekv_method_info *mi,
 
 /* What the CUDA backend does not serve (docs/architecture.md, "Backends"). */
 static ekv_status check_cuda(ekv_context *ctx, const ekv_method_info *mi,
-                             const ekv_decode_params *p, const ekv_select_params *s) {
+                             const ekv_select_params *s) {
     if (!s) return EKV_OK;
-    const char *why = s->per_query_head              ? "per_query_head lists"
-                      : s->tau_mode != EKV_TAU_EXACT ? "tau modes fixed/corrected"
+    const char *why = s->tau_mode != EKV_TAU_EXACT ? "tau modes fixed/corrected"
                       : s->tau_lb && mi->budgeted    ? "tau_lb (no superpages on the device)"
-                      : (mi->stages & EKV_STAGE_GAUSS) && p->alibi_slopes
-                              ? "gaussian with ALiBi (the mixture solver)"
-                              : NULL;
+                                                     : NULL;
     return why ? ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "%s: not on the CUDA backend (CPU only)", why)
                : EKV_OK;
 }
@@ -212,5 +209,5 @@ ekv_status ekv_decode_supported(ekv_context *ctx, ekv_backend backend, const ekv
     if (!(mi->backends & (1u << backend)))
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "select method %s is not on the %s backend",
                         mi->name, bname);
-    return backend == EKV_BACKEND_CUDA ? check_cuda(ctx, mi, p, s) : EKV_OK;
+    return backend == EKV_BACKEND_CUDA ? check_cuda(ctx, mi, s) : EKV_OK;
 }

@@ -16,16 +16,16 @@ template <typename T> constexpr size_t score_smem_bytes(int G, int D) {
            (size_t)(G * D + (EKV_CUDA_THREADS / 32) * G) * sizeof(float);
 }
 
-/* Slot t of a page: z = score + ALiBi (or -inf past the page's valid tokens), kept in the
- * score row of each head of the group, and the running maxima. */
+/* Slot t of a page: z = score + ALiBi (or -inf past the page's valid tokens, and for the heads
+ * not in `heads`), kept in the score row of each head of the group, and the running maxima. */
 template <int GM>
 __device__ __forceinline__ void store_scores(const score_args &A, const float *acc,
                                              const float *slope, float jbase, int t, int valid,
-                                             float *sbase, float *runmax) {
+                                             unsigned heads, float *sbase, float *runmax) {
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g < A.G) {
-            const float z = score_z(acc[g], slope[g], jbase, t, t < valid);
+            const float z = score_z(acc[g], slope[g], jbase, t, t < valid && (heads >> g & 1u));
             sbase[(int64_t)g * A.cap_tokens + t] = z;
             runmax[g] = fmaxf(runmax[g], z);
         }
@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         int valid;
         const int64_t lp = entry_page(A, sg, row, e, &valid);
         const float jbase = (float)(lp * ps - (sg.N - 1));
+        const unsigned heads = entry_heads(A, row, e);
         float *sbase = srow + e * ps;
         const unsigned char *src = stage + (size_t)(j % SCORE_STAGES) * SCORE_TILE_BYTES;
 #pragma unroll
@@ -147,7 +148,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
             }
             float acc[GM];
             group_dot<LPR, GM, QR>(k8, qr, qs + sl * 8, D, G, acc);
-            if (t < ps && sl == 0) store_scores<GM>(A, acc, slope, jbase, t, valid, sbase, runmax);
+            if (t < ps && sl == 0)
+                store_scores<GM>(A, acc, slope, jbase, t, valid, heads, sbase, runmax);
         }
     }
     cp_async_wait<0>();
@@ -179,6 +181,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
         const int64_t lp = entry_page(A, sg, row, e, &valid);
         const T *pbase = K + page_block(A, sg, lp, kvh);
         const float jbase = (float)(lp * ps - (sg.N - 1));
+        const unsigned heads = entry_heads(A, row, e);
         float *sbase = srow + e * ps;
         for (int t = 0; t < ps; t++) {
             float acc[GM];
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
 #pragma unroll
             for (int g = 0; g < GM; g++)
                 if (g < G) acc[g] = ekv_warp_sum(acc[g]);
-            if (lane == 0) store_scores<GM>(A, acc, slope, jbase, t, valid, sbase, runmax);
+            if (lane == 0) store_scores<GM>(A, acc, slope, jbase, t, valid, heads, sbase, runmax);
         }
     }
     write_split_max<GM>(A, runmax, red, b, kvh);
@@ -415,7 +418,7 @@ template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid
 
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
-                                  int batch, int use_list, int round) {
+                                  int batch, int use_list, int round, int masked) {
     score_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
@@ -428,6 +431,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.nsplit = pl->nsplit;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
+    A.list_heads = use_list && masked ? pl->list_heads : NULL;
     A.round = round;
     A.scores = pl->scores;
     A.split_max = pl->split_max;
@@ -463,6 +467,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.nsplit = pl->nsplit;
     A.list_pages = NULL;
     A.list_count = NULL;
+    A.list_heads = NULL;
     A.round = 1;
     A.scores = pl->scores;
     A.split_max = pl->split_max;

@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
         int valid;
         const int64_t lp = entry_page(A, sg, row, e, &valid);
         const float jbase = (float)(lp * ps - (sg.N - 1));
+        const unsigned heads = entry_heads(A, row, e);
         float *sbase = srow + e * ps;
         float acc[NT][4];
         tile_dots<T, D, NT>(tile, qparts, acc);
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
                 for (int h = 0; h < 2; h++) { /* token rows lane/4 and lane/4 + 8 */
                     const int t = r0 + (lane >> 2) + 8 * h;
                     const float z = score_z(acc[nt][2 * h + j2] * uns[nt][j2], slope[nt][j2], jbase,
-                                            t, t < valid);
+                                            t, t < valid && (heads >> g & 1u));
                     sbase[(int64_t)g * A.cap_tokens + t] = z;
                     runmax[nt][j2] = fmaxf(runmax[nt][j2], z);
                 }

@@ -316,6 +316,7 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
     A.nsplit = pl->nsplit;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
+    A.list_heads = NULL; /* masked lists take the two-pass path (decode.cu) */
     A.round = 1;
     A.part = pl->flash_part;
     const dim3 grid(pl->nsplit, batch * A.Hk);

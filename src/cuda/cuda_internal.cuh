@@ -47,6 +47,14 @@ struct ekv_cuda_plan {
     int32_t *list_pages; /* [B*Hk][cap_pages] logical pages, round 1 then round 2      */
     int32_t *list_count; /* [B*Hk][2] entries of round 1, round 1 + round 2            */
     uint8_t *in_list;    /* [B*Hk][cap_pages] membership of round 1                     */
+    /* per_query_head lists (docs/architecture.md, CUDA per-query-head lists): each query
+     * head's own list, then their union per KV head with a head mask per entry, so K is read
+     * once for the group and a head's scores outside its own list are -inf */
+    int32_t *hlist_pages;  /* [B*H][cap_pages] a query head's list                        */
+    int32_t *hlist_count;  /* [B*H][2]                                                    */
+    uint8_t *hlist_in;     /* [B*H][cap_pages] its membership                             */
+    uint16_t *list_heads;  /* [B*Hk][cap_pages] per union entry: bit g = head g lists it  */
+    int last_masked;       /* the last step's heads attended their own lists (list_heads) */
     double *tau;         /* [B*H]                                                       */
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
@@ -415,11 +423,13 @@ __device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *t
 /* Ordered compaction of one tile of a page list (top-k select, gaussian rule): each thread
  * holds UNROLL consecutive pages from lo, take[u] says whether page lo + u (< n) is kept. The
  * kept pages go to out[*written ...] in page order, in[] records membership, and *written
- * advances by the tile's total (the same in every thread). One block scan per tile. */
+ * advances by the tile's total (the same in every thread). One block scan per tile. With
+ * mask_out, each kept page's mask[u] goes to mask_out at its list position. */
 template <int UNROLL>
 __device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, int64_t n,
                                                  int32_t *out, uint8_t *in, int *written,
-                                                 int *wsum) {
+                                                 int *wsum, const uint16_t *mask = nullptr,
+                                                 uint16_t *mask_out = nullptr) {
     int cnt = 0;
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) cnt += lo + u < n && take[u];
@@ -428,7 +438,10 @@ __device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, i
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
         if (lo + u < n) {
-            if (take[u]) out[pos++] = (int32_t)(lo + u);
+            if (take[u]) {
+                if (mask_out) mask_out[pos] = mask[u];
+                out[pos++] = (int32_t)(lo + u);
+            }
             in[lo + u] = take[u];
         }
     }
@@ -483,13 +496,24 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
 ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
                                  const ekv_page_table *t, const float *q, int with_ball, int batch);
+/* The page lists a select kernel writes: one per KV head (the group's max decides), or with
+ * per_query_head one per query head (then ekv_cuda_launch_union merges them per KV head). */
+struct ekv_cuda_lists {
+    int lps, lh; /* lists per sequence (Hk or H), query heads per list (G or 1) */
+    int32_t *pages, *count;
+    uint8_t *in;
+};
+ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head);
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
-                                int32_t recent_pages, const double *hint);
+                                int32_t recent_pages, const double *hint, int per_head);
 ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                     const ekv_select_params *sel, const ekv_paged_kv *kv,
                                     const ekv_page_stats *st, const ekv_page_table *t,
-                                    const float *q, int batch);
+                                    const float *q, int batch, int per_head);
+/* The union per KV head of the query heads' lists, in page order, with each entry's head mask
+ * (list_heads); round 2 (certified) extends it as any KV-head list. */
+ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);
 /* screened (screen.cu, docs/math.md §10): the code bounds, tau of the lower bounds (the tau
  * launch over them), then the page lists of the pages with a surviving token (5 launches) */
@@ -504,9 +528,10 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
 /* Rows read per KV-head list by the last screened step, copied to the host (synchronises;
  * the bench's byte count and the GPU tests; not part of the public API). */
 extern "C" EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
+/* masked: the heads' scores outside their own lists are -inf (list_heads, per_query_head) */
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
-                                  int batch, int use_list, int round);
+                                  int batch, int use_list, int round, int masked);
 /* entmax: candidates + tau (2 launches); softmax: log-sum-exp (1 launch); with rows
  * (screened) tau alone over the candidates the row scores kernel listed */
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,

@@ -9,7 +9,8 @@
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
  *              (6 launches and a memset, screen.cu)
- * where tau is two launches for entmax (candidates, then the solve) and one for softmax;
+ * (per_query_head lists: one more, the union of the heads' lists after the select), where
+ * tau is two launches for entmax (candidates, then the solve) and one for softmax;
  * softmax on tensor cores replaces scores -> tau -> values by one pass over K and V and the
  * merge of its splits (2 launches, attend_softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
@@ -50,7 +51,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 30 };
+enum { PLAN_BUFFERS = 34 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -87,6 +88,10 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
             {(void **)&pl->gstat, BH * 3 * (int64_t)sizeof(double)},
             {(void **)&pl->flash_part, BH * ns * (pl->p.head_dim + 4) * (int64_t)sizeof(float)},
+            {(void **)&pl->hlist_pages, BH * P * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->hlist_count, BH * 2 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->hlist_in, BH * P},
+            {(void **)&pl->list_heads, BHk * P * (int64_t)sizeof(uint16_t)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -265,13 +270,19 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     ekv_status s = ekv_check_stats(pl->ctx, mi, with_ball, kv, st);
     if (s) return s;
     const int B = t->batch;
+    /* per-query-head lists (topk, gaussian, certified's round 1): each head's own list, then
+     * their union per KV head; certified lets every head attend the union (its output is dense
+     * entmax whatever the lists), the lossy methods mask each head to its own pages */
+    const int per_head = listed && sel && sel->per_query_head;
     pl->launches = 0;
     pl->last_batch = B;
     pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
     pl->last_one_pass = 0;
+    pl->last_masked = per_head && !certified;
     if (stg & EKV_STAGE_SCREEN) /* token rows, not page lists: its own launches (screen.cu) */
         return ekv_cuda_launch_screened(pl, prm, kv, st, t, q, B, out);
-    if ((stg & EKV_STAGE_GAUSS) && (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B)))
+    if ((stg & EKV_STAGE_GAUSS) &&
+        (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B, per_head)))
         return s;
     if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B)))
         return s;
@@ -279,17 +290,20 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,
                                   certified ? sel->sink_pages : 0,
                                   certified ? sel->recent_pages : 0,
-                                  certified ? sel->tau_hint : NULL)))
+                                  certified ? sel->tau_hint : NULL, per_head)))
         return s;
-    if (prm->alpha == 1.0 && !certified && ekv_cuda_softmax_one_pass_applies(pl, kv->dtype)) {
+    if (per_head && (s = ekv_cuda_launch_union(pl, t, B))) return s;
+    const int masked = pl->last_masked;
+    if (prm->alpha == 1.0 && !certified && !masked &&
+        ekv_cuda_softmax_one_pass_applies(pl, kv->dtype)) {
         pl->last_one_pass = 1; /* docs/math.md §3.9 */
         return ekv_cuda_launch_softmax_one_pass(pl, prm, kv, t, q, B, listed, out);
     }
-    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1))) return s;
+    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1, masked))) return s;
     if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
     if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
         if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;
-        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2))) return s;
+        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
         if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
     }
     return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
@@ -317,6 +331,21 @@ extern "C" ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *pl, const ekv_dec
     ekv_select_params cs = *sel;
     cs.method = EKV_SELECT_CERTIFIED;
     return ekv_cuda_decode(pl, prm, &cs, kv, st, t, q, out);
+}
+
+/* The report's head masks: the device's when the last step masked heads to their own lists,
+ * else every head of the group. */
+static ekv_status read_list_heads(ekv_cuda_plan *pl, int64_t nl, uint16_t *heads) {
+    if (!heads) return EKV_OK;
+    const int64_t n = nl * pl->cap_pages;
+    if (pl->last_masked) {
+        EKV_CUDA_TRY(pl, cudaMemcpy(heads, pl->list_heads, (size_t)n * sizeof(uint16_t),
+                                    cudaMemcpyDeviceToHost));
+        return EKV_OK;
+    }
+    const uint16_t all = (uint16_t)((1u << (pl->p.num_heads / pl->p.num_kv_heads)) - 1u);
+    for (int64_t i = 0; i < n; i++) heads[i] = all;
+    return EKV_OK;
 }
 
 extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv_cuda_report *r) {
@@ -387,5 +416,5 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
     }
     r->launches = pl->launches;
     r->softmax_one_pass = pl->last_one_pass;
-    return EKV_OK;
+    return read_list_heads(pl, nl, r->list_heads);
 }

@@ -7,10 +7,12 @@
  *   stats:   one block per (sequence, KV head): the mixture's global moments by block
  *            reductions, tau-hat from the single-Gaussian solver (src/math/gaussian_core.h,
  *            the CPU's own code), per query head;
- *   rule:    one block per (sequence, KV head): the margin (the user's, or with auto_margin
- *            from the batch's sigma-bar, §4.5), a threshold and an ordered compaction.
- * Not on the GPU: ALiBi (its mixture solver) and the fixed/corrected tau modes; those return
- * EKV_ERR_UNSUPPORTED.
+ *   rule:    one block per (sequence, KV head), or per query head with per_query_head: the
+ *            margin (the user's, or with auto_margin from the batch's sigma-bar, §4.5), a
+ *            threshold and an ordered compaction.
+ * With ALiBi the stats kernel shifts the page means to their centres and solves the mixture
+ * (§4.4) by block reductions. Not on the GPU: the fixed/corrected tau modes
+ * (EKV_ERR_UNSUPPORTED).
  */
 #include "cuda_internal.cuh"
 #include "../math/gaussian_core.h"
@@ -77,15 +79,67 @@ struct gr_args : ekv_cuda_shape {
     double alpha, a, excess;
     double margin_z, zpage; /* the user's margin and the z of the user's q_max   */
     double zpage_auto[2];   /* auto_margin: z of q_max 0.99 and 0.995 (§4.5)      */
-    const double *mu, *sig;
+    double *mu;         /* with ALiBi the stats kernel shifts the means in place (§4.4)    */
+    const double *sig;
+    const float *slopes; /* device [H] or NULL */
     double *gstat; /* [B*H][3]: tau-hat, sigma_g, u_avg of each query head                */
-    int32_t *list_pages, *list_count;
-    uint8_t *in_list;
+    ekv_cuda_lists out; /* per KV head, or per query head (per_query_head)                */
 };
 
+/* The ALiBi mixture of one head's pages (docs/math.md §4.4): equal weights ps, the means
+ * shifted to their page centres; F by block reductions (every thread calls it). */
+struct mixture_pages {
+    const double *mu, *sig;
+    int64_t n;
+    double alpha, w;
+    int reference_m3;
+    double *scratch; /* shared, >= 32 */
+};
+
+__device__ double mixture_F_block(void *vp, double tau, double *F1, double *F2) {
+    const mixture_pages *m = static_cast<const mixture_pages *>(vp);
+    double f = 0, d1 = 0, d2 = 0;
+    for (int64_t p = threadIdx.x; p < m->n; p += blockDim.x) {
+        double a, b, c;
+        ekv_gauss_term_core(m->alpha, m->mu[p], fmax(m->sig[p], 1e-6), tau, m->reference_m3, &a,
+                            &b, &c);
+        f += a;
+        d1 += b;
+        d2 += c;
+    }
+    f = ekv_block_sum(f, m->scratch);
+    if (F1) *F1 = m->w * ekv_block_sum(d1, m->scratch);
+    if (F2) *F2 = m->w * ekv_block_sum(d2, m->scratch);
+    return m->w * f - 1;
+}
+
+/* ALiBi (as src/select/gaussian.c): shift head bh's page means to their centres' bias, then
+ * tau-hat of the mixture and u_avg over the shifted means. Block-wide. */
+__device__ double alibi_tau(const gr_args &A, int64_t bh, int64_t h, const ekv_seq_geom &sg,
+                            int64_t Ps, int64_t n, double *scratch, double *uavg) {
+    double *mu = A.mu + bh * A.cap_pages;
+    const double *sgm = A.sig + bh * A.cap_pages, m_h = A.slopes[h], a = A.a;
+    double ymax = -CUDART_INF, smax = 1e-6, s_u = 0;
+    for (int64_t p = threadIdx.x; p < Ps; p += blockDim.x) {
+        double c = (double)(p * A.ps) + (double)(A.ps - 1) / 2.0;
+        if (c > (double)(n - 1)) c = (double)(n - 1);
+        const double m = mu[p] + m_h * (c - (double)(sg.N - 1));
+        mu[p] = m;
+        ymax = fmax(ymax, a * m);
+        smax = fmax(smax, a * fmax(sgm[p], 1e-6));
+        s_u += m + 1.5 * sgm[p];
+    }
+    ymax = ekv_block_max(ymax, scratch, -CUDART_INF);
+    smax = ekv_block_max(smax, scratch, 1e-6);
+    *uavg = ekv_block_sum(s_u, scratch) / (double)Ps; /* the barriers publish the shifted mu */
+    mixture_pages env = {mu, sgm, Ps, A.alpha, (double)A.ps, A.reference_m3, scratch};
+    return ekv_gauss_tau_mixture_core(ymax, smax, fmax((double)Ps * A.ps, 1.0), mixture_F_block,
+                                      &env);
+}
+
 /* tau-hat, sigma_g and u_avg of every head of the list (one block per list): the mixture's
- * global moments by block reductions, tau-hat from the single-Gaussian solver
- * (src/math/gaussian_core.h, the CPU's own code). */
+ * global moments by block reductions, tau-hat from the single-Gaussian solver or, with ALiBi,
+ * the mixture's (src/math/gaussian_core.h, the CPU's own code). */
 __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
     __shared__ double scratch[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
@@ -118,6 +172,8 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
         s_var = ekv_block_sum(s_var, scratch);
         s_mu2 = ekv_block_sum(s_mu2, scratch);
         s_u = ekv_block_sum(s_u, scratch);
+        double uavg = s_u / (double)Ps, tau_mix = 0;
+        if (A.slopes) tau_mix = alibi_tau(A, bh, kvh * A.G + g, sg, Ps, n, scratch, &uavg);
         if (threadIdx.x == 0) {
             double mug = s_mu / (double)Ps, vin = s_var / (double)Ps,
                    vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
@@ -125,10 +181,11 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
             if (!isfinite(mug)) mug = 0;
             if (sgg != sgg) sgg = 1e-6;
             if (sgg == CUDART_INF) sgg = 1e6;
-            A.gstat[bh * 3] =
-                    ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n, A.reference_m3);
+            A.gstat[bh * 3] = A.slopes ? tau_mix
+                                       : ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n,
+                                                                   A.reference_m3);
             A.gstat[bh * 3 + 1] = sgg;
-            A.gstat[bh * 3 + 2] = s_u / (double)Ps;
+            A.gstat[bh * 3 + 2] = uavg;
         }
     }
 }
@@ -140,7 +197,8 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     __shared__ double scratch[32];
     __shared__ double tfloor[EKV_CUDA_MAX_GROUP];
     __shared__ int wsum[32];
-    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    const int row = blockIdx.x, b = row / A.out.lps, nh = A.out.lh;
+    const int64_t h0 = (int64_t)b * A.H + (row % A.out.lps) * nh; /* the list's heads */
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t P = sg.P;
     double margin_z = A.margin_z, zpage = A.zpage;
@@ -152,8 +210,8 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
         ekv_gauss_auto_margin(ekv_block_sum(s, scratch) / (double)BH, &margin_z, &q_max);
         zpage = A.zpage_auto[q_max > 0.99];
     }
-    if (threadIdx.x < A.G) {
-        const int64_t bh = (int64_t)b * A.H + kvh * A.G + threadIdx.x;
+    if (threadIdx.x < nh) {
+        const int64_t bh = h0 + threadIdx.x;
         const double tau = A.gstat[bh * 3], sgg = A.gstat[bh * 3 + 1], uavg = A.gstat[bh * 3 + 2];
         const double dsig = margin_z * sgg, dexc = A.excess * fmax(tau / A.a - uavg, 0.0);
         tfloor[threadIdx.x] = tau - A.a * fmax(dsig, dexc);
@@ -161,8 +219,8 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     __syncthreads();
     const int64_t nsc = P > 1 ? P - 1 : 0; /* pages the rule may take */
     auto take = [&](int64_t p) {
-        for (int g = 0; g < A.G; g++) {
-            const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
+        for (int g = 0; g < nh; g++) {
+            const int64_t bh = h0 + g;
             if (A.a * (A.mu[bh * A.cap_pages + p] + zpage * A.sig[bh * A.cap_pages + p]) >
                 tfloor[g])
                 return true;
@@ -171,8 +229,8 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     };
     /* ordered compaction in tiles of GR_THREADS x GR_UNROLL pages, each thread GR_UNROLL
      * consecutive ones and one block scan per tile (as the top-k select) */
-    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
-    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
+    uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
     int written = 0;
     for (int64_t t0 = 0; t0 < nsc; t0 += (int64_t)blockDim.x * GR_UNROLL) {
         const int64_t lo = t0 + (int64_t)threadIdx.x * GR_UNROLL;
@@ -181,7 +239,7 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
         for (int u = 0; u < GR_UNROLL; u++) tk[u] = lo + u < nsc && take(lo + u);
         ekv_compact_tile<GR_UNROLL>(tk, lo, nsc, out, in, &written, wsum);
     }
-    if (threadIdx.x == 0) ekv_close_list(out, in, written, P, A.list_count, row);
+    if (threadIdx.x == 0) ekv_close_list(out, in, written, P, A.out.count, row);
 }
 
 /* z of a page's quantile: a page of ps tokens stays below it with probability q_max (§4.9). */
@@ -192,7 +250,7 @@ double page_z(double q_max, int ps) { return ekv_normal_quantile(pow(q_max, 1.0 
 ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                     const ekv_select_params *sel, const ekv_paged_kv *kv,
                                     const ekv_page_stats *st, const ekv_page_table *t,
-                                    const float *q, int batch) {
+                                    const float *q, int batch, int per_head) {
     gm_args M;
     ekv_cuda_set_shape(M, pl, t);
     M.st = *st;
@@ -218,13 +276,12 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
     R.zpage_auto[1] = page_z(0.995, M.ps);
     R.mu = pl->gmu;
     R.sig = pl->gsig;
+    R.slopes = prm->alibi_slopes;
     R.gstat = pl->gstat;
-    R.list_pages = pl->list_pages;
-    R.list_count = pl->list_count;
-    R.in_list = pl->in_list;
+    R.out = ekv_cuda_lists_of(pl, per_head);
     gauss_stats_kernel<<<batch * M.Hk, GR_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);
-    gauss_rule_kernel<<<batch * M.Hk, GR_THREADS, 0, pl->stream>>>(R);
+    gauss_rule_kernel<<<batch * R.out.lps, GR_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

@@ -15,6 +15,7 @@ struct score_args : ekv_cuda_shape {
     float a;
     int nsplit;
     const int32_t *list_pages, *list_count; /* NULL: dense */
+    const uint16_t *list_heads; /* per entry, the group's heads that attend it; NULL: all */
     int round;                              /* 1 or 2 */
     float *scores, *split_max;
     int32_t *cand_count; /* [B*H], zeroed here for the candidates kernel */
@@ -129,6 +130,11 @@ __device__ __forceinline__ int64_t entry_page(const score_args &A, const ekv_seq
     const int64_t lp = A.list_pages ? A.list_pages[(int64_t)row * A.cap_pages + e] : e;
     *valid = lp == sg.P - 1 ? (int)(sg.N - lp * A.ps) : A.ps;
     return lp;
+}
+/* The group's heads that attend entry e of list row `row` (bit g: head g; per_query_head lists
+ * mask a head to its own pages, whose other scores are -inf), every head without masks. */
+__device__ __forceinline__ unsigned entry_heads(const score_args &A, int row, int64_t e) {
+    return A.list_heads ? A.list_heads[(int64_t)row * A.cap_pages + e] : 0xFFFFu;
 }
 /* Element offset of KV head kvh's block of logical page lp in the K (or V) pool. */
 __device__ __forceinline__ int64_t page_block(const score_args &A, const ekv_seq_geom &sg,

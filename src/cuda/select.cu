@@ -6,6 +6,8 @@
  *           memory), then one ordered compaction writes the pages above it (ties at the k-th
  *           value: the lowest page numbers), the sink/recent pages and the last page. The
  *           list is in ascending page order (the CPU lists are in bound order: same sets).
+ *           With per_query_head, one block per query head ranks by that head's own bounds.
+ *   union:  per_query_head: the heads' lists merged per KV head, with a head mask per entry.
  *   round2: certified decode, docs/math.md §9.3: appends every page outside round 1 whose bound
  *           exceeds round 1's tau for some query head of the group.
  */
@@ -20,14 +22,13 @@ __device__ __forceinline__ uint32_t order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* Whether page p's bound exceeds tau[h] for a query head h of list (b, kvh): a page certified
- * decode must read (docs/math.md §9.3; round 2 with round 1's tau, round 1 with a hint). */
+/* Whether page p's bound exceeds tau[h] for a query head h in [h0, h0 + nh) (the heads of a
+ * list): a page certified decode must read (docs/math.md §9.3; round 2 with round 1's tau,
+ * round 1 with a hint). */
 __device__ __forceinline__ bool page_exceeds(const ekv_cuda_shape &S, const float *bounds,
-                                             const double *tau, int b, int kvh, int64_t p) {
-    for (int g = 0; g < S.G; g++) {
-        const int64_t h = (int64_t)b * S.H + kvh * S.G + g;
+                                             const double *tau, int64_t h0, int nh, int64_t p) {
+    for (int64_t h = h0; h < h0 + nh; h++)
         if ((double)bounds[h * S.cap_pages + p] > tau[h]) return true;
-    }
     return false;
 }
 
@@ -37,9 +38,8 @@ struct topk_args : ekv_cuda_shape {
     int64_t budget_tokens;
     double budget_fraction; /* > 0: each sequence's share (ekv_seq_budget_tokens) */
     int sink, recent;
-    const float *keys; /* [B*Hk][cap_pages] */
-    int32_t *list_pages, *list_count;
-    uint8_t *in_list;
+    const float *keys; /* [lists][cap_pages]: the group's max, or each head's own bounds */
+    ekv_cuda_lists out;
 };
 
 /* The histogram of digit (key >> shift) & 0xFF over the keys matching prefix under mask.
@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     __shared__ int wsum[32];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
-    const int row = blockIdx.x, b = row / A.Hk;
+    const int row = blockIdx.x, b = row / A.out.lps;
+    const int64_t h0 = (int64_t)b * A.H + (row % A.out.lps) * A.out.lh; /* the list's heads */
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = sg.P - 1; /* scored pages */
     const int64_t budget = ekv_seq_budget_tokens(A.budget_fraction, A.budget_tokens, sg.N);
@@ -135,8 +136,8 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
      * ones, two block scans per tile (ties, then pages taken) keep the page order. */
     const bool take_all = k >= n && !A.hint;
     const bool ranked = !take_all && k > 0;
-    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
-    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
+    uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
     int written = 0, ties_seen = 0;
     for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
         const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
@@ -155,13 +156,52 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
             const int64_t p = lo + u;
             bool t = p < n && (take_all || p < A.sink || p >= sg.P - 1 - A.recent);
             if (p < n && ranked) t |= kk[u] > prefix || (kk[u] == prefix && tie_i++ < remaining);
-            if (p < n && A.hint && !t) t = page_exceeds(A, A.bounds, A.hint, b, row % A.Hk, p);
+            if (p < n && A.hint && !t) t = page_exceeds(A, A.bounds, A.hint, h0, A.out.lh, p);
             take[u] = t;
         }
         ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, in, &written, wsum);
         ties_seen += tile_ties;
     }
-    if (threadIdx.x == 0) ekv_close_list(out, in, written, sg.P, A.list_count, row);
+    if (threadIdx.x == 0) ekv_close_list(out, in, written, sg.P, A.out.count, row);
+}
+
+/* per_query_head: the union per KV head of its query heads' lists (each head's membership
+ * flags hlist_in), in page order, with each entry's head mask. The last page is every head's. */
+struct union_args : ekv_cuda_shape {
+    const uint8_t *head_in; /* [B*H][cap_pages] */
+    int32_t *list_pages, *list_count;
+    uint8_t *in_list;
+    uint16_t *list_heads;
+};
+
+__global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
+    __shared__ int wsum[32];
+    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t n = sg.P - 1;
+    const uint8_t *hin = A.head_in + ((int64_t)b * A.H + kvh * A.G) * A.cap_pages;
+    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
+    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    uint16_t *heads = A.list_heads + (int64_t)row * A.cap_pages;
+    int written = 0;
+    for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
+        bool take[SEL_UNROLL];
+        uint16_t mask[SEL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) {
+            unsigned m = 0;
+            for (int g = 0; g < A.G && lo + u < n; g++)
+                m |= (unsigned)(hin[(int64_t)g * A.cap_pages + lo + u] != 0) << g;
+            mask[u] = (uint16_t)m;
+            take[u] = m != 0;
+        }
+        ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, in, &written, wsum, mask, heads);
+    }
+    if (threadIdx.x == 0) {
+        heads[written] = (uint16_t)((1u << A.G) - 1u);
+        ekv_close_list(out, in, written, sg.P, A.list_count, row);
+    }
 }
 
 struct round2_args : ekv_cuda_shape {
@@ -181,7 +221,8 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     const uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
     const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
     const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
-    auto wanted = [&](int64_t p) { return !in[p] && page_exceeds(A, A.bounds, A.tau, b, kvh, p); };
+    const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
+    auto wanted = [&](int64_t p) { return !in[p] && page_exceeds(A, A.bounds, A.tau, h0, A.G, p); };
     int cnt = 0;
     for (int64_t p = lo; p < hi; p++) cnt += wanted(p);
     int written;
@@ -193,9 +234,19 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
 
 } // namespace
 
+ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head) {
+    ekv_cuda_lists l;
+    l.lps = per_head ? pl->p.num_heads : pl->p.num_kv_heads;
+    l.lh = per_head ? 1 : pl->p.num_heads / pl->p.num_kv_heads;
+    l.pages = per_head ? pl->hlist_pages : pl->list_pages;
+    l.count = per_head ? pl->hlist_count : pl->list_count;
+    l.in = per_head ? pl->hlist_in : pl->in_list;
+    return l;
+}
+
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
-                                int32_t recent_pages, const double *hint) {
+                                int32_t recent_pages, const double *hint, int per_head) {
     topk_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.hint = hint;
@@ -204,11 +255,22 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
     A.budget_fraction = budget_fraction;
     A.sink = sink_pages;
     A.recent = recent_pages;
-    A.keys = pl->list_bounds;
+    A.keys = per_head ? pl->bounds : pl->list_bounds; /* each head ranks by its own bounds */
+    A.out = ekv_cuda_lists_of(pl, per_head);
+    topk_kernel<<<batch * A.out.lps, SEL_THREADS, 0, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
+ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
+    union_args A;
+    ekv_cuda_set_shape(A, pl, t);
+    A.head_in = pl->hlist_in;
     A.list_pages = pl->list_pages;
     A.list_count = pl->list_count;
     A.in_list = pl->in_list;
-    topk_kernel<<<batch * A.Hk, SEL_THREADS, 0, pl->stream>>>(A);
+    A.list_heads = pl->list_heads;
+    union_kernel<<<batch * A.Hk, SEL_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

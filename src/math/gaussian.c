@@ -57,15 +57,23 @@ double ekv_gauss_tau_single(double alpha, double mu, double sigma, double n, int
     return ekv_gauss_tau_single_core(alpha, mu, sigma, n, reference_m3);
 }
 
-static double mixture_F(double alpha, const double *mu, const double *sigma, const double *w,
-                        int64_t n, double tau, int reference_m3, double *F1, double *F2) {
+typedef struct {
+    double alpha;
+    const double *mu, *sigma, *w;
+    int64_t n;
+    int reference_m3;
+} mixture_env;
+
+static double mixture_F(void *vp, double tau, double *F1, double *F2) {
+    const mixture_env *m = vp;
     double F = -1, d1 = 0, d2 = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < m->n; i++) {
         double f, f1, f2;
-        ekv_gauss_term_core(alpha, mu[i], fmax(sigma[i], 1e-6), tau, reference_m3, &f, &f1, &f2);
-        F += w[i] * f;
-        d1 += w[i] * f1;
-        d2 += w[i] * f2;
+        ekv_gauss_term_core(m->alpha, m->mu[i], fmax(m->sigma[i], 1e-6), tau, m->reference_m3, &f,
+                            &f1, &f2);
+        F += m->w[i] * f;
+        d1 += m->w[i] * f1;
+        d2 += m->w[i] * f2;
     }
     if (F1) *F1 = d1;
     if (F2) *F2 = d2;
@@ -74,7 +82,7 @@ static double mixture_F(double alpha, const double *mu, const double *sigma, con
 
 double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma, const double *w,
                              int64_t n, int reference_m3) {
-    const double a = alpha - 1.0, tol = 1e-13;
+    const double a = alpha - 1.0;
     double W = 0, ymax = -INFINITY, smax = 1e-6;
     for (int64_t i = 0; i < n; i++) {
         if (w[i] > 0) W += w[i];
@@ -82,24 +90,6 @@ double ekv_gauss_tau_mixture(double alpha, const double *mu, const double *sigma
         smax = fmax(smax, a * fmax(sigma[i], 1e-6));
     }
     if (!(W > 0)) return 0.0;
-    W = fmax(W, 1);
-    double R = smax * (sqrt(2 * log(W + 1)) + 8), lo = ymax - R, hi = ymax + R;
-    for (int e = 0; e < 8; e++) { /* bracket expansion */
-        if (mixture_F(alpha, mu, sigma, w, n, lo, reference_m3, NULL, NULL) <= 0) lo -= R;
-        if (mixture_F(alpha, mu, sigma, w, n, hi, reference_m3, NULL, NULL) > 0) hi += R;
-        R *= 2;
-    }
-    double tau = 0.5 * (lo + hi);
-    for (int it = 0; it < 200; it++) {
-        double F1, F2, F = mixture_F(alpha, mu, sigma, w, n, tau, reference_m3, &F1, &F2);
-        double cand = ekv_halley_step(tau, F, F1, F2, lo, hi);
-        double Fc = mixture_F(alpha, mu, sigma, w, n, cand, reference_m3, NULL, NULL);
-        if (Fc > 0)
-            lo = cand;
-        else
-            hi = cand;
-        tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
-        if (hi - lo < 1e-13 * (1 + fabs(tau))) break;
-    }
-    return tau;
+    mixture_env env = {alpha, mu, sigma, w, n, reference_m3};
+    return ekv_gauss_tau_mixture_core(ymax, smax, fmax(W, 1), mixture_F, &env);
 }

@@ -1,7 +1,8 @@
 /*
  * The scalar core of the Gaussian score model (docs/math.md §4.6-4.7), shared by the CPU selector
  * (src/math/gaussian.c) and the CUDA one (src/cuda/gaussian.cu): the normal pdf/cdf, the
- * truncated moments E[(aS - tau)_+^beta] and the single-Gaussian tau-hat solver. Functions
+ * truncated moments E[(aS - tau)_+^beta], the single-Gaussian tau-hat solver and the mixture's
+ * iteration (its sums left to the caller). Functions
  * are static inline, and __host__ __device__ under nvcc.
  */
 #ifndef EKV_MATH_GAUSSIAN_CORE_H
@@ -71,6 +72,39 @@ EKV_HD double ekv_gauss_tau_single_core(double alpha, double mu, double sigma, d
             hi = cand;
         tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
         if (hi - lo < 1e-13 * (1 + fabs(tau))) break; /* converged to double precision */
+    }
+    return tau;
+}
+
+/* The mixture's F(tau) = sum_i w_i E_i[(aS_i - tau)_+^beta] - 1 and its two tau-derivatives
+ * (F1, F2 may be NULL), evaluated by the caller over its pages: a loop on the CPU, block
+ * reductions on the GPU (every thread of the block calls it and gets the same value). */
+typedef double (*ekv_mixture_F)(void *env, double tau, double *F1, double *F2);
+
+/* tau-hat of a mixture of page Gaussians (docs/math.md §4.4, §4.7): bracket expansion, then
+ * safeguarded Halley steps, to double precision. ymax = max a mu_i, smax = max a sigma_i
+ * (at least 1e-6), W = the weights' sum (at least 1); W <= 0 before the floor gives 0. */
+EKV_HD double ekv_gauss_tau_mixture_core(double ymax, double smax, double W, ekv_mixture_F F,
+                                         void *env) {
+    const double tol = 1e-13;
+    double R = smax * (sqrt(2 * log(W + 1)) + 8), lo = ymax - R, hi = ymax + R;
+    for (int e = 0; e < 8; e++) { /* bracket expansion */
+        if (F(env, lo, NULL, NULL) <= 0) lo -= R;
+        if (F(env, hi, NULL, NULL) > 0) hi += R;
+        R *= 2;
+    }
+    double tau = 0.5 * (lo + hi);
+    for (int it = 0; it < 200; it++) {
+        double F1, F2;
+        const double Fv = F(env, tau, &F1, &F2);
+        const double cand = ekv_halley_step(tau, Fv, F1, F2, lo, hi);
+        const double Fc = F(env, cand, NULL, NULL);
+        if (Fc > 0)
+            lo = cand;
+        else
+            hi = cand;
+        tau = fabs(Fc) <= tol ? cand : 0.5 * (lo + hi);
+        if (hi - lo < 1e-13 * (1 + fabs(tau))) break;
     }
     return tau;
 }

@@ -485,6 +485,98 @@ static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const sc
     free(cpu);
 }
 
+/* Each query head's list from the GPU's union lists and head masks (entries of round 1), as
+ * lists_equal compares them: [B*H][maxP] pages in page order and their counts. */
+static void head_lists_of(const int32_t *lists, const uint16_t *heads, const int32_t *r1, int B,
+                          int H, int Hk, int64_t maxP, int32_t *hl, int32_t *hn) {
+    const int G = H / Hk;
+    for (int l = 0; l < B * Hk; l++)
+        for (int g = 0; g < G; g++) {
+            const int64_t h = (int64_t)(l / Hk) * H + (l % Hk) * G + g;
+            int32_t n = 0;
+            for (int e = 0; e < r1[l]; e++)
+                if (heads[(int64_t)l * maxP + e] >> g & 1)
+                    hl[h * maxP + n++] = lists[(int64_t)l * maxP + e];
+            hn[h] = n;
+        }
+}
+
+/* per_query_head on the GPU: topk and gaussian lists per query head equal the CPU's (rebuilt
+ * from the union and its head masks), each head attends only its own pages (the output equals
+ * the CPU's over the same lists), K is read for the union; certified stays equal to dense. */
+static void per_head_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
+                           int64_t maxN) {
+    const mirror *m = sc->m;
+    const gcase *c = sc->c;
+    const int B = c->B, H = sc->prm->num_heads, Hk = m->kv.num_kv_heads, D = m->kv.head_dim;
+    const int64_t nq = (int64_t)B * H * D, maxP = sc->maxP, cap = ekv_page_list_capacity(&m->tab, H);
+    int32_t *lists = malloc(sizeof(int32_t) * B * Hk * maxP), *r1 = malloc(sizeof(int32_t) * B * Hk),
+            *hl = malloc(sizeof(int32_t) * B * H * maxP), *hn = malloc(sizeof(int32_t) * B * H);
+    uint16_t *heads = malloc(sizeof(uint16_t) * B * Hk * maxP);
+    int64_t *lip = malloc(sizeof(int64_t) * (B * H + 1));
+    int32_t *lpg = malloc(sizeof(int32_t) * cap);
+    float *out = malloc(sizeof(float) * nq), *cpu = malloc(sizeof(float) * nq);
+    int64_t minN = maxN;
+    for (int b = 0; b < B; b++) minN = c->len[b] < minN ? c->len[b] : minN;
+    const int gauss = (c->alpha == 1.5 || c->alpha == 2.0);
+    for (int k = 0; k < 3; k++) {
+        if (k == 1 && !gauss) continue;
+        if (k == 2 && !(c->alpha > 1)) continue;
+        ekv_select_params sp = ekv_select_default_params();
+        sp.method = k == 0 ? EKV_SELECT_TOPK : k == 1 ? EKV_SELECT_GAUSSIAN : EKV_SELECT_CERTIFIED;
+        sp.per_query_head = 1;
+        sp.budget_tokens = minN / 8 > 1 ? minN / 8 : 1;
+        sp.use_ball = k == 0 && c->D == 128;
+        CHECK(ekv_cuda_decode(plan, sc->dprm, &sp, &m->dkv, &m->dst, &m->dtab, sc->dq, sc->dout) ==
+                      EKV_OK,
+              "cuda per-head %s: %s", ekv_method_name(sp.method), ekv_last_error(ctx));
+        ekv_cuda_report rep;
+        memset(&rep, 0, sizeof rep);
+        rep.list_pages = lists;
+        rep.pages_round1 = r1;
+        rep.list_heads = heads;
+        CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
+        CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+        if (k == 2) { /* every head attends the union: dense entmax */
+            const double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
+            CHECK(e < 3e-5, "per-head certified: rel err %.3g vs dense (D=%d G=%d)", e, D, c->G);
+            for (int64_t i = 0; i < (int64_t)B * Hk * maxP; i++)
+                CHECK(heads[i] == (uint16_t)((1u << c->G) - 1), "certified head mask %u", heads[i]);
+            continue;
+        }
+        CHECK(rep.launches == (k == 1 ? 8 : c->alpha > 1 ? 7 : 6), "per-head %s: %d launches",
+              ekv_method_name(sp.method), rep.launches);
+        head_lists_of(lists, heads, r1, B, H, Hk, maxP, hl, hn);
+        ekv_page_list list = {.indptr = lip, .pages = lpg, .capacity = cap};
+        CHECK(ekv_select_pages(ctx, sc->prm, &sp, &m->kv, &m->st, &m->tab, sc->q, &list) == EKV_OK,
+              "cpu per-head select: %s", ekv_last_error(ctx));
+        CHECK(list.heads == H, "cpu per-head lists: %d", list.heads);
+        CHECK(ekv_decode_pages(ctx, sc->prm, &m->kv, &m->tab, &list, sc->q, cpu, NULL) == EKV_OK,
+              "cpu per-head pages: %s", ekv_last_error(ctx));
+        char what[128];
+        snprintf(what, sizeof what, "per-head %s (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d)",
+                 ekv_method_name(sp.method), D, c->G, c->ps, c->dt, c->alpha, c->alibi);
+        if (lists_equal(lip, lpg, hl, hn, B * H, maxP, what)) {
+            const double e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+            CHECK(e < 3e-5, "%s: rel err %.3g vs the CPU on the same lists", what, e);
+        }
+        /* the union holds each head's list and nothing else */
+        for (int l = 0; l < B * Hk; l++)
+            for (int e = 0; e < r1[l]; e++)
+                CHECK(heads[(int64_t)l * maxP + e] != 0, "%s: union entry %d of list %d has no head",
+                      what, e, l);
+    }
+    free(lists);
+    free(r1);
+    free(hl);
+    free(hn);
+    free(heads);
+    free(lip);
+    free(lpg);
+    free(out);
+    free(cpu);
+}
+
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     test_rng r = {seed * 2654435761u + 17};
     const int H = c->G * c->Hk, D = c->D, Hk = c->Hk, B = c->B, ps = c->ps;
@@ -802,9 +894,9 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 free(lpg);
                 free(lb);
             }
-        /* gaussian (exact tau mode; no ALiBi on the GPU), the user's margin and quantile, then
+        /* gaussian (exact tau mode; with ALiBi the mixture), the user's margin and quantile, then
          * the automatic ones (docs/math.md §4.5: from the batch's sigma-bar) */
-        for (int am = 0; am < 2 && (c->alpha == 1.5 || c->alpha == 2.0) && !c->alibi; am++) {
+        for (int am = 0; am < 2 && (c->alpha == 1.5 || c->alpha == 2.0); am++) {
             ekv_select_params sp = ekv_select_default_params();
             sp.method = EKV_SELECT_GAUSSIAN;
             sp.auto_margin = am;
@@ -824,9 +916,10 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
             CHECK(rep.launches == 7, "gaussian: %d launches", rep.launches);
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-            char what[96];
-            snprintf(what, sizeof what, "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g auto=%d)", D,
-                     c->G, ps, c->dt, c->alpha, am);
+            char what[128];
+            snprintf(what, sizeof what,
+                     "gaussian (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d auto=%d)", D, c->G, ps,
+                     c->dt, c->alpha, c->alibi, am);
             const int all_same = lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
             if (all_same) {
                 e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
@@ -861,6 +954,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             certified_hint_check(ctx, plan, &sc, &sp);
         }
         if (c->alpha > 1) screened_check(ctx, plan, &sc);
+        per_head_check(ctx, plan, &sc, maxN);
         /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
          * than the list holds take the whole-row paths, which must give the same answer */
         if (c->alpha > 1) {
@@ -1119,7 +1213,7 @@ static void invalid_test(ekv_context *ctx) {
             {"batch 2", EKV_ERR_INVALID_SIZE},
             {"heads 16", EKV_ERR_INVALID_ARGUMENT},
             {"oracle", EKV_ERR_UNSUPPORTED},
-            {"per query head", EKV_ERR_UNSUPPORTED},
+            {"tau mode fixed", EKV_ERR_UNSUPPORTED},
             {"null q", EKV_ERR_NULL_POINTER},
             {"dtype 9", EKV_ERR_INVALID_DTYPE},
             {"certified softmax", EKV_ERR_INVALID_ALPHA},
@@ -1146,7 +1240,7 @@ static void invalid_test(ekv_context *ctx) {
         case 3: s2.method = EKV_SELECT_ORACLE; break;
         case 4:
             s2.method = EKV_SELECT_TOPK;
-            s2.per_query_head = 1;
+            s2.tau_mode = EKV_TAU_FIXED;
             break;
         case 5: q2 = NULL; break;
         case 6: kv2.dtype = (ekv_dtype)9; break;
