@@ -29,7 +29,7 @@ static void bench_help(FILE *f) {
             "  --dim D               head dim (default 128)\n"
             "  --page P              page size, 1..256 (default 16)\n"
             "  --superpage S         pages per superpage summary, 0 = none (default 16; used by\n"
-            "                        certified decode)\n"
+            "                        certified decode, CPU and CUDA)\n"
             "  --dtype f32|f16|bf16  K/V storage (default f16)\n"
             "  --ranges f32|f16|bf16 the page ranges (kmin/kmax) the bounds and the screen read\n"
             "                        (default: K's dtype when f16/bf16, exact and half the\n"

@@ -137,6 +137,7 @@ struct cuda_len {
     float *dknew = NULL, *dvnew = NULL, *dslopes = NULL; /* trace: fp32 rows; its slopes */
     float *st_buf = NULL;
     uint16_t *range16 = NULL; /* compact kmin/kmax (--ranges f16/bf16)                */
+    float *sp_box = NULL;     /* superpage boxes (--superpage S > 0): smin, then smax  */
     int32_t *dcount = NULL, *dindices = NULL, *dlpl = NULL;
     int64_t *dindptr = NULL;
     ekv_cuda_append_item *ditems = NULL;
@@ -159,6 +160,7 @@ static void cuda_len_free(cuda_len *c) {
     cudaFree(c->ditems);
     cudaFree(c->dcodes);
     cudaFree(c->range16);
+    cudaFree(c->sp_box);
     cudaFree(c->dknew);
     cudaFree(c->dvnew);
     cudaFree(c->dslopes);
@@ -229,6 +231,14 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
         c->st.kmax16 = c->range16 + stat_n;
     }
     c->st.count = c->dcount;
+    if (o->superpage > 0) { /* written by the append kernel; certified skips against them */
+        const int64_t S = o->superpage, nsp = (c->total_pages + S - 1) / S, n = nsp * Hk * D;
+        BC(cudaMalloc((void **)&c->sp_box, 2 * n * sizeof(float)));
+        c->st.smin = c->sp_box;
+        c->st.smax = c->sp_box + n;
+        c->st.superpage_pages = (int32_t)S;
+        c->st.num_superpages = nsp;
+    }
     if (cli_method_codes(o->method)) { /* written by the append kernel with the statistics */
         const int64_t rb = (D * o->code_bits + 7) / 8;
         BC(cudaMalloc((void **)&c->dcodes, c->total_pages * Hk * ps * rb));
@@ -453,6 +463,12 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
         for (int64_t b = 0; b < o->w.batch; b++)
             r->summary += screened ? (c->indptr[b + 1] - c->indptr[b]) * Hk * screen_page
                                    : (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
+    /* superpages: the summaries the bound skipped, the boxes it read instead, and certified's
+     * round 0 (the last 4 pages' K, docs/math.md §9.6) */
+    r->summary += r->rep.superpage_boxes * 2 * D * 4 - r->rep.superpage_skipped * per_page;
+    if (cert && c->st.smin)
+        for (int64_t b = 0; b < o->w.batch; b++)
+            ktok += Hk * std::min<int64_t>(4 * o->w.page, c->lens[b]);
     r->kbytes = ktok * D * es;
     r->vbytes = vrow * D * es;
     r->scores = r->rep.softmax_one_pass
@@ -524,7 +540,8 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             "\"bytes_summary\":%lld,\"bytes_scores\":%lld,\"gbps\":%.1f,\"copy_bw_gbps\":%.1f,"
             "\"roofline_ratio\":%.3f,\"kv_fraction\":%.5f,\"launches\":%d,\"support_mean\":%.2f,"
             "\"pages_round2\":%lld,\"lists_round2\":%lld,\"slow_rows\":%lld,\"summary_build_ms\":%.3f,\"iters\":%lld,"
-            "\"code_bits\":%d,\"survivors\":%lld,\"ranges\":\"%s\",\"tensor_cores\":%d}",
+            "\"code_bits\":%d,\"survivors\":%lld,\"ranges\":\"%s\",\"tensor_cores\":%d,"
+            "\"superpage\":%lld,\"superpage_skipped\":%lld}",
             li ? ",\n" : "", prop.name, ekv_method_name(o->method), o->alpha, (long long)c->len,
             (long long)o->w.batch, (long long)o->ragged_min, (long long)c->total_tokens,
             (long long)o->w.heads, (long long)Hk, (long long)D, (long long)o->w.page,
@@ -534,7 +551,8 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
             r->sup_mean, (long long)r->round2, (long long)r->rep.lists_round2,
             (long long)r->rep.slow_rows, r->build_ms, (long long)r->iters,
             cli_method_codes(o->method) ? o->code_bits : 0, (long long)r->rep.survivors,
-            ekv_dtype_name(wl_range_dtype(&o->w)), o->tensor_cores);
+            ekv_dtype_name(wl_range_dtype(&o->w)), o->tensor_cores, (long long)o->superpage,
+            (long long)r->rep.superpage_skipped);
 }
 
 /* The decode parameters of a run (the budget is set per length). */

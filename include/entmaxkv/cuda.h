@@ -73,7 +73,11 @@ EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params 
  * within select->budget_tokens (or, with select->tau_hint, a DEVICE array [batch*num_heads],
  * every page whose bound exceeds the hint for a head of the list) plus the last, sink and
  * recent pages; round 2 = every other page whose bound exceeds round 1's tau; K and V each
- * read once. Output equals dense entmax. select->tau_lb is not served (no superpages here). */
+ * read once. Output equals dense entmax. With superpage boxes in stats (smin/smax, as
+ * ekv_cuda_append keeps them) a round 0 over the recent pages first gives a lower bound of tau
+ * that lets the bound stage skip the summaries of superpages below it (docs/math.md §9.6), as on
+ * the CPU; select->tau_lb, a DEVICE array [batch*num_heads], replaces that round 0 (and serves
+ * topk with use_ball the same way). */
 EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,
                                              const ekv_select_params *select,
                                              const ekv_paged_kv *kv, const ekv_page_stats *stats,
@@ -104,6 +108,10 @@ typedef struct ekv_cuda_report {
                               /* bit g set when query head g of the group attended the entry */
                               /* (per_query_head topk/gaussian: the heads whose own list has */
                               /* the page; otherwise every head of the group)                */
+    int64_t superpage_skipped; /* output: (page, KV head) summaries the bound stage did not */
+                               /* read, their superpage's bound standing in (tau_lb or     */
+                               /* certified's round 0, docs/math.md §9.6)                  */
+    int64_t superpage_boxes;   /* output: (superpage, KV head) boxes it read to decide      */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);
@@ -117,7 +125,9 @@ EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
  * cache does, and with stats->codes (code_bits 4 or 8) the page's key codes, byte for byte the
  * CPU cache's (docs/math.md §10.1; stats->code_bits 0 with codes NULL: none). A prefill
  * build is the same call with every page as an item. The stats pointers must be writable
- * device memory (superpage boxes are not kept on the device).
+ * device memory. With stats->smin/smax (superpage_pages, num_superpages as ekv_cache_kv_view
+ * gives them) a second launch rebuilds the box of each touched page's superpage from its pages
+ * with count > 0 (the count of a page never written must be 0).
  * The items live in device memory, so they cannot be checked on the host without a
  * synchronisation: an item whose page or slots are out of range is skipped by the kernel.
  */

@@ -61,9 +61,8 @@ ekv_status ekv_backend_from_name(const char *name, ekv_backend *out) {
     return EKV_ERR_INVALID_ARGUMENT;
 }
 
-/* The superpage summaries cover every physical page (the bound indexes them by page). */
-static ekv_status check_superpages(ekv_context *ctx, const ekv_paged_kv *kv,
-                                   const ekv_page_stats *st) {
+ekv_status ekv_check_superpages(ekv_context *ctx, const ekv_paged_kv *kv,
+                                const ekv_page_stats *st) {
     if (!st->smin || st->superpage_pages <= 0) return EKV_OK;
     const int64_t need = (kv->num_pages + st->superpage_pages - 1) / st->superpage_pages;
     if (!st->smax || st->num_superpages != need)
@@ -117,7 +116,7 @@ ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_
                         "%s needs key codes: stats->codes with code_bits 4 or 8 (a cache created "
                         "with code_bits; stats has code_bits %d)",
                         mi->name, st->code_bits);
-    return (mi->stages & EKV_STAGE_BOUND) ? check_superpages(ctx, kv, st) : EKV_OK;
+    return (mi->stages & EKV_STAGE_BOUND) ? ekv_check_superpages(ctx, kv, st) : EKV_OK;
 }
 
 /* The budget of a budgeted method: a token count, or a fraction of each sequence. */
@@ -179,14 +178,12 @@ static ekv_status check_select(ekv_context *ctx, const ekv_method_info *mi,
 }
 
 /* What the CUDA backend does not serve (docs/architecture.md, "Backends"). */
-static ekv_status check_cuda(ekv_context *ctx, const ekv_method_info *mi,
-                             const ekv_select_params *s) {
+static ekv_status check_cuda(ekv_context *ctx, const ekv_select_params *s) {
     if (!s) return EKV_OK;
-    const char *why = s->tau_mode != EKV_TAU_EXACT ? "tau modes fixed/corrected"
-                      : s->tau_lb && mi->budgeted    ? "tau_lb (no superpages on the device)"
-                                                     : NULL;
-    return why ? ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "%s: not on the CUDA backend (CPU only)", why)
-               : EKV_OK;
+    return s->tau_mode != EKV_TAU_EXACT
+                   ? ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                              "tau modes fixed/corrected: not on the CUDA backend (CPU only)")
+                   : EKV_OK;
 }
 
 ekv_status ekv_decode_supported(ekv_context *ctx, ekv_backend backend, const ekv_decode_params *p,
@@ -209,5 +206,5 @@ ekv_status ekv_decode_supported(ekv_context *ctx, ekv_backend backend, const ekv
     if (!(mi->backends & (1u << backend)))
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "select method %s is not on the %s backend",
                         mi->name, bname);
-    return backend == EKV_BACKEND_CUDA ? check_cuda(ctx, mi, s) : EKV_OK;
+    return backend == EKV_BACKEND_CUDA ? check_cuda(ctx, s) : EKV_OK;
 }

@@ -9,10 +9,15 @@
  * the block also re-derives the codes of the page from the stored keys and the new range,
  * byte for byte the CPU cache's (ekv_codes_update_page, docs/math.md §10.1, §10.4). With compact
  * ranges (stats->range_dtype f16/bf16) it also writes kmin/kmax rounded outward, which the
- * codes then follow (docs/math.md §1.2).
+ * codes then follow (docs/math.md §1.2). With superpage boxes (stats->smin/smax) a second
+ * launch rebuilds the box of every touched page's superpage.
  */
 #include "cuda_internal.cuh"
 #include "../core/codes.h"
+#include <math_constants.h>
+extern "C" {
+#include "../core/method.h" /* ekv_check_superpages, the rule the bound stage checks too */
+}
 
 namespace {
 
@@ -56,14 +61,18 @@ __device__ void page_codes(const append_args &A, const T *K, int64_t pbase, int6
     }
 }
 
+/* Items are validated on the host when built there; a bad device item is skipped. */
+__device__ __forceinline__ bool item_ok(const ekv_cuda_append_item &it, int64_t num_pages, int ps) {
+    return it.page >= 0 && it.page < num_pages && it.first_slot >= 0 && it.n_new >= 0 &&
+           it.first_slot + it.n_new <= ps;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A) {
     __shared__ double scratch[32];
     const ekv_cuda_append_item it = A.items[blockIdx.x];
     const int kvh = blockIdx.y, D = A.D;
-    if (it.page < 0 || it.page >= A.kv.num_pages || it.first_slot < 0 || it.n_new < 0 ||
-        it.first_slot + it.n_new > A.ps)
-        return; /* validated on the host for host-built items; a bad device item is skipped */
+    if (!item_ok(it, A.kv.num_pages, A.ps)) return;
     T *K = static_cast<T *>(const_cast<void *>(A.kv.k));
     T *V = static_cast<T *>(const_cast<void *>(A.kv.v));
     const int64_t pbase = (int64_t)it.page * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
@@ -131,6 +140,56 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A)
     if (A.codes) page_codes<T>(A, K, pbase, so, n, it.page, kvh);
 }
 
+/* The superpage box of each touched page (docs/math.md §9.6): min/max over the live pages
+ * (count > 0) of its superpage, rebuilt from their fp32 ranges after the append kernel, as the
+ * CPU cache rebuilds it (ekv_summary_rebuild_superpage). Items of one superpage write the same
+ * values. */
+struct superpage_args {
+    const float *kmin, *kmax;
+    const int32_t *count;
+    float *smin, *smax;
+    const ekv_cuda_append_item *items;
+    int64_t num_pages;
+    int HD, S, ps; /* Hk * D, pages per superpage, page size */
+};
+
+__global__ void __launch_bounds__(EKV_CUDA_THREADS) superpage_kernel(superpage_args A) {
+    const ekv_cuda_append_item it = A.items[blockIdx.x];
+    if (!item_ok(it, A.num_pages, A.ps)) return;
+    const int64_t sid = it.page / A.S, p0 = sid * A.S,
+                  p1 = p0 + A.S < A.num_pages ? p0 + A.S : A.num_pages;
+    for (int i = threadIdx.x; i < A.HD; i += blockDim.x) {
+        float mn = CUDART_INF_F, mx = -CUDART_INF_F;
+        for (int64_t pg = p0; pg < p1; pg++)
+            if (A.count[pg] > 0) {
+                mn = fminf(mn, A.kmin[pg * A.HD + i]);
+                mx = fmaxf(mx, A.kmax[pg * A.HD + i]);
+            }
+        A.smin[sid * A.HD + i] = mn;
+        A.smax[sid * A.HD + i] = mx;
+    }
+}
+
+ekv_status launch_superpages(ekv_cuda_plan *pl, const ekv_paged_kv *kv, const ekv_page_stats *st,
+                             const ekv_cuda_append_item *items, int32_t n_items) {
+    superpage_args S;
+    S.kmin = st->kmin;
+    S.kmax = st->kmax;
+    S.count = st->count;
+    S.smin = const_cast<float *>(st->smin);
+    S.smax = const_cast<float *>(st->smax);
+    S.items = items;
+    S.num_pages = kv->num_pages;
+    S.HD = kv->num_kv_heads * kv->head_dim;
+    S.S = st->superpage_pages;
+    S.ps = kv->page_size;
+    superpage_kernel<<<n_items, EKV_CUDA_THREADS, 0, pl->stream>>>(S);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "superpage kernel: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}
+
 } // namespace
 
 extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
@@ -163,6 +222,10 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
                         "ekv_cuda_append: stats->range_dtype=%d needs kmin16/kmax16 (f16 or bf16 "
                         "ranges)",
                         (int)st->range_dtype);
+    if (st->smin) { /* the superpage boxes, as the bound stage reads them */
+        const ekv_status ss = ekv_check_superpages(pl->ctx, kv, st);
+        if (ss) return ss;
+    }
     if (n_items == 0) return EKV_OK;
     append_args A;
     A.kv = *kv;
@@ -197,5 +260,6 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "append kernel: %s", cudaGetErrorString(e));
-    return EKV_OK;
+    return st->smin && st->superpage_pages > 0 ? launch_superpages(pl, kv, st, items, n_items)
+                                               : EKV_OK;
 }

@@ -9,7 +9,9 @@
  *   U    = min(box, ball) + slack + bonus  (with the ball; box + bonus without it)
  * The slack is the CPU's: 4 (D + 4) 2^-24 ||q'|| (||c|| + r) + 8 2^-24 |a m_h| (|p ps - i| + ps),
  * which covers the rounding of this pass and of the score kernel in any summation order,
- * so U bounds the *computed* scores and certified decode stays exact.
+ * so U bounds the *computed* scores and certified decode stays exact. With a lower bound
+ * tau_lb of tau and superpage boxes, a page whose superpage bound is already <= tau_lb for
+ * every head takes that bound without reading its own summaries (docs/math.md §9.6).
  */
 #include "cuda_internal.cuh"
 #include <math_constants.h>
@@ -22,6 +24,8 @@ struct bound_args : ekv_cuda_shape {
     const float *q, *slopes;
     double qscale, a;
     int with_ball, rows;
+    const double *tau_lb; /* [B*H] lower bounds of tau (superpage skipping), or NULL */
+    unsigned long long *sp_count; /* with tau_lb: [0] pages skipped, [1] superpage boxes read */
     float *bounds, *list_bounds;
 };
 
@@ -72,10 +76,72 @@ __device__ __forceinline__ void page_partials(const bound_args &A, const float *
     }
 }
 
+/* Superpages (docs/math.md §9.6, as src/cpu/bound.c): page p (logical, physical `phys`) takes
+ * its superpage's bound, and its own summaries are not read, when that bound is already <=
+ * tau_lb for every head of the group; spu[g] = the superpage bound of head g with p's ALiBi
+ * term and slack, rounded up. Warp-collective: the pages of a pass that share a superpage
+ * (__match_any_sync) read its box once, on the lanes of the first of them. */
+template <int GM>
+__device__ __forceinline__ bool superpage_skip(const bound_args &A, const float *qs,
+                                               const double *qn1, const ekv_seq_geom &sg, int b,
+                                               int kvh, int64_t p, int64_t phys, bool ranked,
+                                               int sl, float *spu, bool *read_box) {
+    const int lane = threadIdx.x & 31, D = A.D;
+    const long long sid = ranked ? (long long)(phys / A.st.superpage_pages) : -1;
+    const int leader = __ffs(__match_any_sync(0xffffffffu, sid)) - 1; /* lane 0 of a page */
+    float box[GM], amax = 0.f;
+#pragma unroll
+    for (int g = 0; g < GM; g++) box[g] = 0.f;
+    *read_box = ranked && (lane & ~(BOUND_LANES - 1)) == leader;
+    if (*read_box) {
+        const int64_t so = ((int64_t)sid * A.Hk + kvh) * D;
+        for (int c = sl; c < D / 8; c += BOUND_LANES) {
+            float mn[8], mx[8];
+            const ekv_cuda_ranges sr = {A.st.smin, A.st.smax, NULL, NULL, EKV_DTYPE_F32};
+            ekv_range_load<8, EKV_RANGE_F32>(sr, false, so + c * 8, mn);
+            ekv_range_load<8, EKV_RANGE_F32>(sr, true, so + c * 8, mx);
+#pragma unroll
+            for (int i = 0; i < 8; i++) amax = fmaxf(amax, fmaxf(fabsf(mn[i]), fabsf(mx[i])));
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < A.G)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const float qd = qs[g * D + c * 8 + i];
+                        box[g] += fmaxf(qd * mn[i], qd * mx[i]);
+                    }
+        }
+    }
+#pragma unroll
+    for (int o = 1; o < BOUND_LANES; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    amax = __shfl_sync(0xffffffffu, amax, leader);
+#pragma unroll
+    for (int g = 0; g < GM; g++) box[g] = __shfl_sync(0xffffffffu, page_sum(box[g]), leader);
+    if (!ranked) return false;
+    const double u24 = 5.9604644775390625e-8;
+    const int64_t N = sg.N, ps = A.ps, last = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
+    bool all = true;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= A.G) break;
+        /* slack 4 (D + 4) u ||q'||_1 max_d |k_d| >= 4 (D + 4) u sum_d |q'_d k_d| */
+        const float cur = (float)((double)box[g] + 4.0 * (double)(D + 4) * u24 * qn1[g] * amax +
+                                  1e-30);
+        const double am = A.slopes ? A.a * (double)A.slopes[kvh * A.G + g] : 0.0;
+        const double ub = (double)cur + am * (double)(last - (N - 1)) +
+                          8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+        float uf = (float)ub;
+        if ((double)uf < ub) uf = nextafterf(uf, CUDART_INF_F);
+        spu[g] = uf;
+        all = all && (double)uf <= A.tau_lb[(int64_t)b * A.H + kvh * A.G + g];
+    }
+    return all;
+}
+
 template <int GM, int RT> /* compile-time bound of the group size; how the ranges are stored */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     extern __shared__ float qs[]; /* [G][D] q' */
-    __shared__ double qn[GM];
+    __shared__ double qn[GM], qn1[GM];
     /* one-dimensional grid, the list row fastest: the blocks in flight together read the same
      * pages for every KV head, which are adjacent in the summary arrays ([page][kv head][D]) */
     const int nrows = A.rows, row = (int)(blockIdx.x % nrows), b = row / A.Hk, kvh = row % A.Hk,
@@ -94,6 +160,10 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         for (int d = lane; d < D; d += 32) s += (double)qs[g * D + d] * qs[g * D + d];
         s = ekv_warp_sum(s);
         if (lane == 0) qn[g] = sqrt(s) * (1 + 1e-12);
+        double s1 = 0; /* ||q'||_1, the superpage slack's */
+        for (int d = lane; d < D; d += 32) s1 += fabs((double)qs[g * D + d]);
+        s1 = ekv_warp_sum(s1);
+        if (lane == 0) qn1[g] = s1 * (1 + 1e-12);
     }
     __syncthreads();
     const int64_t pend =
@@ -107,15 +177,24 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         return p < pend && p < sg.P - 1 ? A.t.indices[sg.first + p] : 0;
     };
     int64_t next = phys_of(chunk * BOUND_PAGES + warp * BOUND_PPW + u);
+    unsigned long long n_skip = 0, n_box = 0; /* superpages: this lane's pages skipped, boxes read */
     for (int64_t base = chunk * BOUND_PAGES + warp * BOUND_PPW; base < pend; base += STRIDE) {
         const int64_t p = base + u;
         const bool ranked = p < pend && p < sg.P - 1; /* the last page and beyond: not ranked */
         const int64_t phys = next;
         next = phys_of(p + STRIDE);
-        float box[GM], dot[GM], c2 = 0.f;
+        float box[GM], dot[GM], spu[GM], c2 = 0.f;
 #pragma unroll
         for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
-        if (ranked) page_partials<GM, RT>(A, qs, (phys * A.Hk + kvh) * D, sl, box, dot, &c2);
+        bool read_box = false;
+        const bool skip = A.tau_lb && superpage_skip<GM>(A, qs, qn1, sg, b, kvh, p, phys, ranked,
+                                                         sl, spu, &read_box);
+        if (sl == 0) {
+            n_skip += skip;
+            n_box += read_box;
+        }
+        if (ranked && !skip)
+            page_partials<GM, RT>(A, qs, (phys * A.Hk + kvh) * D, sl, box, dot, &c2);
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             if (g < G) {
@@ -129,6 +208,15 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
             for (int g = 0; g < G; g++)
                 A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = -CUDART_INF_F;
             A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
+            continue;
+        }
+        if (skip) { /* the superpage bound stands for the page */
+            float best = -CUDART_INF_F;
+            for (int g = 0; g < G; g++) {
+                A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = spu[g];
+                best = fmaxf(best, spu[g]);
+            }
+            A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
             continue;
         }
         /* page p's bound for each head, min(box, ball) + the rounding slack (docs/math.md §9.5)
@@ -159,6 +247,14 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
     }
+    if (A.tau_lb) { /* one atomic per warp */
+        n_skip = ekv_warp_sum(n_skip);
+        n_box = ekv_warp_sum(n_box);
+        if (lane == 0 && (n_skip || n_box)) {
+            atomicAdd(A.sp_count, n_skip);
+            atomicAdd(A.sp_count + 1, n_box);
+        }
+    }
 }
 
 } // namespace
@@ -166,7 +262,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
 ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
                                  const ekv_page_table *t, const float *q, int with_ball,
-                                 int batch) {
+                                 const double *tau_lb, int batch) {
     bound_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.st = *st;
@@ -177,6 +273,12 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
     A.qscale = A.a * scale;
     A.with_ball = with_ball;
+    /* superpage skipping needs the ball bound and the boxes, as on the CPU */
+    A.tau_lb = with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;
+    A.sp_count = pl->sp_count;
+    pl->last_sp_counted = A.tau_lb != NULL;
+    if (A.tau_lb)
+        EKV_CUDA_TRY(pl, cudaMemsetAsync(pl->sp_count, 0, 2 * sizeof(unsigned long long), pl->stream));
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
     A.rows = batch * A.Hk;
@@ -193,5 +295,18 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
         });
     });
     EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
+/* The page bounds of the plan's last step with a bound stage ([batch * num_heads][cap_pages],
+ * z-space; the last page of a sequence and beyond: -inf), copied to the host. Internal, for the
+ * GPU tests (superpage skipping against the CPU's bounds); synchronises the plan's stream. */
+extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
+    if (cs) return cs;
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    EKV_CUDA_TRY(pl, cudaMemcpy(out, pl->bounds,
+                                (size_t)batch * pl->p.num_heads * pl->cap_pages * sizeof(float),
+                                cudaMemcpyDeviceToHost));
     return EKV_OK;
 }

@@ -55,6 +55,8 @@ struct ekv_cuda_plan {
     uint8_t *hlist_in;     /* [B*H][cap_pages] its membership                             */
     uint16_t *list_heads;  /* [B*Hk][cap_pages] per union entry: bit g = head g lists it  */
     int last_masked;       /* the last step's heads attended their own lists (list_heads) */
+    unsigned long long *sp_count; /* [2] superpage skipping: pages skipped, boxes read      */
+    int last_sp_counted;          /* the last step's bound stage skipped against tau_lb     */
     double *tau;         /* [B*H]                                                       */
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
@@ -495,7 +497,8 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
 /* host-side launchers (one per stage file) */
 ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
-                                 const ekv_page_table *t, const float *q, int with_ball, int batch);
+                                 const ekv_page_table *t, const float *q, int with_ball,
+                                 const double *tau_lb, int batch);
 /* The page lists a select kernel writes: one per KV head (the group's max decides), or with
  * per_query_head one per query head (then ekv_cuda_launch_union merges them per KV head). */
 struct ekv_cuda_lists {
@@ -528,6 +531,8 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
 /* Rows read per KV-head list by the last screened step, copied to the host (synchronises;
  * the bench's byte count and the GPU tests; not part of the public API). */
 extern "C" EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
+/* The last bound stage's page bounds, copied to the host (synchronises; the GPU tests). */
+extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 /* masked: the heads' scores outside their own lists are -inf (list_heads, per_query_head) */
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,

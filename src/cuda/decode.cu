@@ -6,7 +6,8 @@
  *   dense:     scores -> tau -> values                                   (4 launches)
  *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
  *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (7 launches)
- *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10)
+ *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10;
+ *              with superpage boxes first round 0: recent pages -> scores -> tau, 4 more)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
  *              (6 launches and a memset, screen.cu)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
@@ -51,7 +52,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 34 };
+enum { PLAN_BUFFERS = 35 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -92,6 +93,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->hlist_count, BH * 2 * (int64_t)sizeof(int32_t)},
             {(void **)&pl->hlist_in, BH * P},
             {(void **)&pl->list_heads, BHk * P * (int64_t)sizeof(uint16_t)},
+            {(void **)&pl->sp_count, 2 * (int64_t)sizeof(unsigned long long)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -258,6 +260,20 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     return EKV_OK;
 }
 
+/* Certified round 0 (docs/math.md §9.6, as src/select/certified.c): tau over the last
+ * recent_pages + 1 pages (4 without recent pages) is a lower bound of tau*, so the bound stage
+ * can skip the summaries of every superpage already below it. 4 launches: the list (top-k with
+ * no budget, only the recent pages), scores, tau. */
+static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_table *t, const float *q, int B) {
+    const int32_t r0 = sel->recent_pages > 0 ? sel->recent_pages + 1 : 4;
+    ekv_status s = ekv_cuda_launch_topk(pl, t, B, 0, 0.0, 0, r0 - 1, NULL, 0);
+    if (!s) s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1, 0);
+    if (!s) s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, NULL);
+    return s;
+}
+
 /* The launches of one step, in the order the method table's stages give them. */
 static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                            const ekv_select_params *sel, const ekv_paged_kv *kv,
@@ -279,12 +295,19 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
     pl->last_one_pass = 0;
     pl->last_masked = per_head && !certified;
+    pl->last_sp_counted = 0;
     if (stg & EKV_STAGE_SCREEN) /* token rows, not page lists: its own launches (screen.cu) */
         return ekv_cuda_launch_screened(pl, prm, kv, st, t, q, B, out);
     if ((stg & EKV_STAGE_GAUSS) &&
         (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B, per_head)))
         return s;
-    if ((stg & EKV_STAGE_BOUND) && (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, B)))
+    const double *tau_lb = sel ? sel->tau_lb : NULL;
+    if (certified && !tau_lb && st->smin && st->superpage_pages > 0) {
+        if ((s = launch_round0(pl, prm, sel, kv, t, q, B))) return s;
+        tau_lb = pl->tau; /* read by the bound stage before round 1 writes tau again */
+    }
+    if ((stg & EKV_STAGE_BOUND) &&
+        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, B)))
         return s;
     if ((stg & EKV_STAGE_TOPK) &&
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,
@@ -416,5 +439,12 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
     }
     r->launches = pl->launches;
     r->softmax_one_pass = pl->last_one_pass;
+    r->superpage_skipped = r->superpage_boxes = 0;
+    if (pl->last_sp_counted) {
+        unsigned long long sc[2];
+        EKV_CUDA_TRY(pl, cudaMemcpy(sc, pl->sp_count, sizeof sc, cudaMemcpyDeviceToHost));
+        r->superpage_skipped = (int64_t)sc[0];
+        r->superpage_boxes = (int64_t)sc[1];
+    }
     return read_list_heads(pl, nl, r->list_heads);
 }

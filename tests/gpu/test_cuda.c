@@ -55,7 +55,7 @@ typedef struct {
     ekv_page_table tab, dtab;
     int64_t *indptr;
     int32_t *indices, *lpl;
-    int64_t pool_bytes, stat_n, codes_bytes;
+    int64_t pool_bytes, stat_n, codes_bytes, sp_n; /* sp_n: superpage box values */
 } mirror;
 
 static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B, int64_t idx_cap,
@@ -90,6 +90,11 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
         m->dst.range_dtype = m->st.range_dtype;
         m->dst.kmin16 = m->st.kmin16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
         m->dst.kmax16 = m->st.kmax16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
+        m->sp_n = m->st.smin ? m->st.num_superpages * m->kv.num_kv_heads * m->kv.head_dim : 0;
+        m->dst.smin = m->sp_n ? dev_copy(NULL, m->sp_n * 4) : NULL;
+        m->dst.smax = m->sp_n ? dev_copy(NULL, m->sp_n * 4) : NULL;
+        m->dst.superpage_pages = m->sp_n ? m->st.superpage_pages : 0;
+        m->dst.num_superpages = m->sp_n ? m->st.num_superpages : 0;
         m->dtab.batch = B;
         m->dtab.indptr = dev_copy(NULL, sizeof(int64_t) * (B + 1));
         m->dtab.indices = dev_copy(NULL, sizeof(int32_t) * idx_cap);
@@ -106,6 +111,10 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
     CU(cudaMemcpy((void *)m->dst.count, m->st.count, m->kv.num_pages * 4, cudaMemcpyHostToDevice));
     if (m->codes_bytes)
         CU(cudaMemcpy((void *)m->dst.codes, m->st.codes, m->codes_bytes, cudaMemcpyHostToDevice));
+    if (m->sp_n) {
+        CU(cudaMemcpy((void *)m->dst.smin, m->st.smin, m->sp_n * 4, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy((void *)m->dst.smax, m->st.smax, m->sp_n * 4, cudaMemcpyHostToDevice));
+    }
     if (m->st.kmin16) {
         CU(cudaMemcpy((void *)m->dst.kmin16, m->st.kmin16, m->stat_n * 2, cudaMemcpyHostToDevice));
         CU(cudaMemcpy((void *)m->dst.kmax16, m->st.kmax16, m->stat_n * 2, cudaMemcpyHostToDevice));
@@ -128,6 +137,8 @@ static void mirror_free(mirror *m) {
     cudaFree((void *)m->dst.radius);
     cudaFree((void *)m->dst.count);
     cudaFree((void *)m->dst.codes);
+    cudaFree((void *)m->dst.smin);
+    cudaFree((void *)m->dst.smax);
     cudaFree((void *)m->dst.kmin16);
     cudaFree((void *)m->dst.kmax16);
     cudaFree((void *)m->dtab.indptr);
@@ -173,6 +184,7 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
 }
 
 static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0, g_slow_rows = 0;
+static int64_t g_sp_skipped = 0, g_sp_pages = 0, g_sp_bound_diff = 0; /* tau_lb_check */
 /* screened: steps, heads whose support differs from the GPU dense step's by one (a tie at the
  * threshold), rows read and tokens in all (per KV head) */
 static int g_screen_steps = 0, g_screen_sup_diff = 0, g_screen_heads = 0;
@@ -577,6 +589,99 @@ static void per_head_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     free(cpu);
 }
 
+ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
+
+/* Superpage skipping with tau_lb (docs/math.md §9.6): top-k with the ball bound and tau_lb =
+ * dense tau (a lower bound) gives the CPU's page bounds and lists; the pages whose bound changed
+ * against the same step without tau_lb are the skipped ones (counted: some must be); certified
+ * with tau_lb just below dense tau equals dense. */
+static void tau_lb_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
+                         int64_t maxN) {
+    const mirror *m = sc->m;
+    if (!m->sp_n || !(sc->c->alpha > 1)) return;
+    const int B = sc->c->B, H = sc->prm->num_heads, Hk = m->kv.num_kv_heads, D = m->kv.head_dim;
+    const int64_t maxP = sc->maxP, nb = (int64_t)B * H * maxP, nq = (int64_t)B * H * D;
+    const int64_t cap = ekv_page_list_capacity(&m->tab, Hk);
+    double *tau = malloc(sizeof(double) * B * H);
+    float *ref = malloc(sizeof(float) * nq), *out = malloc(sizeof(float) * nq);
+    ekv_decode_info ri = {.tau = tau};
+    CHECK(ekv_decode_dense_ref(ctx, sc->prm, &m->kv, &m->tab, sc->q, ref, &ri) == EKV_OK, "ref");
+    for (int64_t i = 0; i < (int64_t)B * H; i++) tau[i] -= 1e-4 * (1 + fabs(tau[i]));
+    double *dlb = dev_copy(tau, sizeof(double) * B * H);
+    float *gb = malloc(sizeof(float) * nb), *gb0 = malloc(sizeof(float) * nb),
+          *cb = malloc(sizeof(float) * nb);
+    int32_t *lists = malloc(sizeof(int32_t) * B * Hk * maxP), *r1 = malloc(sizeof(int32_t) * B * Hk);
+    int64_t *lip = malloc(sizeof(int64_t) * (B * Hk + 1));
+    int32_t *lpg = malloc(sizeof(int32_t) * cap);
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_TOPK;
+    sp.use_ball = 1;
+    sp.budget_fraction = 1.0 / 16;
+    CHECK(ekv_cuda_decode(plan, sc->dprm, &sp, &m->dkv, &m->dst, &m->dtab, sc->dq, sc->dout) ==
+                  EKV_OK,
+          "cuda topk: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_page_bounds(plan, B, gb0) == EKV_OK, "bounds: %s", ekv_last_error(ctx));
+    sp.tau_lb = dlb;
+    CHECK(ekv_cuda_decode(plan, sc->dprm, &sp, &m->dkv, &m->dst, &m->dtab, sc->dq, sc->dout) ==
+                  EKV_OK,
+          "cuda topk with tau_lb: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_page_bounds(plan, B, gb) == EKV_OK, "bounds: %s", ekv_last_error(ctx));
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.list_pages = lists;
+    rep.pages_round1 = r1;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
+    sp.tau_lb = tau;
+    ekv_page_list list = {
+            .indptr = lip, .pages = lpg, .capacity = cap, .bounds = cb, .bounds_stride = maxP};
+    CHECK(ekv_select_pages(ctx, sc->prm, &sp, &m->kv, &m->st, &m->tab, sc->q, &list) == EKV_OK,
+          "cpu topk with tau_lb: %s", ekv_last_error(ctx));
+    lists_equal(lip, lpg, lists, r1, B * Hk, maxP, "topk with tau_lb");
+    int64_t changed = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t P = m->indptr[b + 1] - m->indptr[b];
+        for (int h = 0; h < H; h++)
+            for (int64_t p = 0; p + 1 < P; p++) {
+                const int64_t i = ((int64_t)b * H + h) * maxP + p;
+                g_sp_pages++;
+                changed += gb[i] != gb0[i];
+                /* the superpage box holds the page's, so only the slacks' shapes differ */
+                CHECK(gb[i] >= gb0[i] - 1e-4f * (1 + fabsf(gb0[i])),
+                      "a superpage bound %.9g below the page's own %.9g", gb[i], gb0[i]);
+                g_sp_bound_diff += fabsf(gb[i] - cb[i]) > 1e-5f * (1 + fabsf(cb[i]));
+            }
+    }
+    g_sp_skipped += changed;
+    /* the report counts (page, KV head) skips: every head of a skipped page took the box */
+    CHECK(changed <= rep.superpage_skipped * (H / Hk) && (changed > 0) == (rep.superpage_skipped > 0),
+          "superpages: %lld bounds changed, %lld pages reported skipped", (long long)changed,
+          (long long)rep.superpage_skipped);
+    CHECK(rep.superpage_skipped == 0 || rep.superpage_boxes > 0, "skips without a box read");
+    ekv_select_params cs = ekv_select_default_params();
+    cs.budget_tokens = maxN / 16 > 1 ? maxN / 16 : 1;
+    cs.tau_lb = dlb;
+    CHECK(ekv_cuda_decode_certified(plan, sc->dprm, &cs, &m->dkv, &m->dst, &m->dtab, sc->dq,
+                                    sc->dout) == EKV_OK,
+          "cuda certified with tau_lb: %s", ekv_last_error(ctx));
+    memset(&rep, 0, sizeof rep);
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
+    CHECK(rep.launches == 10, "certified with tau_lb (no round 0): %d launches", rep.launches);
+    CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+    const double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+    CHECK(e < 3e-5, "certified with tau_lb: rel err %.3g vs dense", e);
+    cudaFree(dlb);
+    free(tau);
+    free(ref);
+    free(out);
+    free(gb);
+    free(gb0);
+    free(cb);
+    free(lists);
+    free(r1);
+    free(lip);
+    free(lpg);
+}
+
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     test_rng r = {seed * 2654435761u + 17};
     const int H = c->G * c->Hk, D = c->D, Hk = c->Hk, B = c->B, ps = c->ps;
@@ -594,7 +699,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     cp.dtype = c->dt;
     cp.max_seqs = B;
     cp.num_pages = total_pages + 2;
-    cp.superpage_pages = 0;
+    cp.superpage_pages = 16; /* certified's round 0 and superpage skipping, on both sides */
     cp.code_bits = seed % 2 ? 4 : 8;            /* key codes for screened decode */
     cp.range_dtype = (ekv_dtype)(seed / 2 % 3); /* compact ranges: rounded outward unless K's */
     ekv_cache *cache = NULL;
@@ -640,6 +745,10 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
               *amean = dev_copy(NULL, m.stat_n * 4), *am2 = dev_copy(NULL, m.stat_n * 4),
               *arad = dev_copy(NULL, m.kv.num_pages * Hk * 4);
         int32_t *acnt = dev_copy(NULL, m.kv.num_pages * 4);
+        CU(cudaMemset(acnt, 0, m.kv.num_pages * 4)); /* pages never written hold no keys */
+        float *asmin = dev_copy(NULL, m.sp_n * 4), *asmax = dev_copy(NULL, m.sp_n * 4);
+        ast.smin = m.sp_n ? asmin : NULL;
+        ast.smax = m.sp_n ? asmax : NULL;
         uint8_t *acodes = dev_copy(NULL, m.codes_bytes);
         CU(cudaMemset(acodes, 0xA5, m.codes_bytes ? m.codes_bytes : 16)); /* unwritten: seen */
         ast.codes = acodes;
@@ -745,6 +854,23 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             free(h16);
         }
         codes_check(&m, acodes, B, c);
+        if (m.sp_n) { /* the superpage boxes of the batch's pages, bit for bit the CPU's */
+            float *hs = malloc(m.sp_n * 8);
+            CU(cudaMemcpy(hs, asmin, m.sp_n * 4, cudaMemcpyDeviceToHost));
+            CU(cudaMemcpy(hs + m.sp_n, asmax, m.sp_n * 4, cudaMemcpyDeviceToHost));
+            int64_t diff = 0;
+            const int64_t HD = (int64_t)Hk * D;
+            for (int64_t p = 0; p < m.indptr[B]; p++) {
+                const int64_t sid = m.indices[p] / m.st.superpage_pages;
+                for (int64_t i = sid * HD; i < (sid + 1) * HD; i++)
+                    diff += hs[i] != m.st.smin[i] || hs[m.sp_n + i] != m.st.smax[i];
+            }
+            CHECK(diff == 0, "append kernel: %lld superpage box values differ from the CPU's",
+                  (long long)diff);
+            free(hs);
+        }
+        cudaFree(asmin);
+        cudaFree(asmax);
         CHECK(worst_mean < 1e-4, "append kernel mean off by %.3g (the CPU mean is fp32 Welford)",
               worst_mean);
         CHECK(worst_m2 < 1e-3, "append kernel M2 off by %.3g", worst_m2);
@@ -942,7 +1068,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             rep.pages_round1 = r1;
             rep.pages_round2 = r2;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            CHECK(rep.launches == 10, "certified: %d launches", rep.launches);
+            CHECK(rep.launches == 14, "certified (round 0 for the superpages): %d launches",
+                  rep.launches);
             g_cert_round2 += rep.lists_round2 > 0;
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
@@ -955,6 +1082,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         }
         if (c->alpha > 1) screened_check(ctx, plan, &sc);
         per_head_check(ctx, plan, &sc, maxN);
+        tau_lb_check(ctx, plan, &sc, maxN);
         /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
          * than the list holds take the whole-row paths, which must give the same answer */
         if (c->alpha > 1) {
@@ -1222,7 +1350,7 @@ static void invalid_test(ekv_context *ctx) {
             {"scale -inf", EKV_ERR_INVALID_ARGUMENT},
             {"scale NaN", EKV_ERR_INVALID_ARGUMENT},
             {"budget_fraction 1.5", EKV_ERR_INVALID_ARGUMENT},
-            {"certified tau_lb", EKV_ERR_UNSUPPORTED},
+            {"certified tau_lb without stats", EKV_ERR_NULL_POINTER},
             {"method 9", EKV_ERR_INVALID_ARGUMENT},
     };
     const double hint[8] = {0};
@@ -1398,6 +1526,12 @@ int main(void) {
           "the small-list plans never overflowed: the whole-row paths went untested");
     CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)",
           g_lists_tie, g_lists_cmp);
+    printf("superpages with tau_lb: %lld of %lld page bounds from their superpage, %lld differ from the CPU's\n",
+           (long long)g_sp_skipped, (long long)g_sp_pages, (long long)g_sp_bound_diff);
+    CHECK(n < 8 || g_sp_skipped > 0, "no page took its superpage bound: skipping went untested");
+    CHECK(g_sp_bound_diff * 100 <= g_sp_pages,
+          "too many page bounds differ from the CPU's with tau_lb (%lld of %lld)",
+          (long long)g_sp_bound_diff, (long long)g_sp_pages);
     ekv_context_free(ctx);
     return test_finish("test_cuda");
 }
