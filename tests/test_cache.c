@@ -380,6 +380,33 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                   "[%s] seq %d page #%lld h %lld n %lld: radius %.9g, exact around stored mean %.9g",
                   g_cfg, s->id, (long long)i, (long long)h, (long long)n, sr, r);
             if (r > 0) g_worst_radius = fmax(g_worst_radius, (sr - r) / r);
+            if (st->kmean16) { /* the compact ball: the mean rounded to the nearest finite 16-bit
+                                * value, and the exact radius around that centre (§9.5) */
+                const ekv_dtype rd = st->range_dtype;
+                double b16 = 0;
+                for (int64_t d = 0; d < D; d++) {
+                    const uint16_t c16 = st->kmean16[so + d];
+                    const double cv = value16(c16, rd), m = st->kmean[so + d];
+                    const int nearest = fabs(cv - m) <= fabs(value16(up16(c16), rd) - m) &&
+                                        fabs(cv - m) <= fabs(value16(down16(c16), rd) - m);
+                    CHECK(isfinite(cv) && (nearest || !isfinite(value16(up16(c16), rd))),
+                          "[%s] page #%lld h %lld d %lld: compact centre %.9g is not the nearest "
+                          "finite %s to the mean %.9g",
+                          g_cfg, (long long)i, (long long)h, (long long)d, cv, ekv_dtype_name(rd), m);
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    double ss = 0;
+                    for (int64_t d = 0; d < D; d++) {
+                        const double diff = col[d * ps + t] - value16(st->kmean16[so + d], rd);
+                        ss += diff * diff;
+                    }
+                    b16 = ss > b16 ? ss : b16;
+                }
+                const double r16 = sqrt(b16), s16 = st->radius16[page * Hk + h];
+                CHECK(s16 >= r16 && s16 <= r16 * (1 + 1e-5) + 1e-37,
+                      "[%s] page #%lld h %lld: compact radius %.9g, exact around the centre %.9g",
+                      g_cfg, (long long)i, (long long)h, s16, r16);
+            }
             /* the superpage box holds every live key of its pages (after reuse too) */
             if (st->smin) {
                 const int64_t sso = ((page / st->superpage_pages) * Hk + h) * D;
@@ -906,6 +933,8 @@ static bytes snapshot(world *w) {
                 if (w->st.kmin16) {
                     put(&x, w->st.kmin16 + so, sizeof(uint16_t) * (size_t)D);
                     put(&x, w->st.kmax16 + so, sizeof(uint16_t) * (size_t)D);
+                    put(&x, w->st.kmean16 + so, sizeof(uint16_t) * (size_t)D);
+                    put(&x, w->st.radius16 + pg * Hk + h, sizeof(float));
                 }
             }
         }
@@ -1358,6 +1387,8 @@ static void adopt_check(ekv_context *ctx, const ekv_cache_params *q, ekv_cache *
                    memcmp(as.kmean + so, fs.kmean + so, D * 4) ||
                    memcmp(as.km2 + so, fs.km2 + so, D * 4) ||
                    memcmp(as.kmin16 + so, fs.kmin16 + so, D * 2) ||
+                   memcmp(as.kmean16 + so, fs.kmean16 + so, D * 2) ||
+                   as.radius16[pages[e] * HK + h] != fs.radius16[pages[e] * HK + h] ||
                    as.radius[pages[e] * HK + h] != fs.radius[pages[e] * HK + h] ||
                    memcmp(as.codes + (pages[e] * HK + h) * PS * R,
                           fs.codes + (pages[e] * HK + h) * PS * R, (size_t)(PS * R));
@@ -1479,6 +1510,8 @@ static void test_nhd_caller_pool(ekv_context *ctx, test_rng *r) {
                         memcmp(sa.kmean + so, sb.kmean + so, D * 4) ||
                         memcmp(sa.km2 + so, sb.km2 + so, D * 4) ||
                         memcmp(sa.kmin16 + so, sb.kmin16 + so, D * 2) ||
+                        memcmp(sa.kmean16 + so, sb.kmean16 + so, D * 2) ||
+                        sa.radius16[pg * HK + h] != sb.radius16[pg * HK + h] ||
                         sa.radius[pg * HK + h] != sb.radius[pg * HK + h] ||
                         memcmp(sa.codes + (pg * HK + h) * PS * R, sb.codes + (pg * HK + h) * PS * R,
                                (size_t)(PS * R));

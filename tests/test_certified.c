@@ -63,6 +63,8 @@ int main(void) {
         cp.superpage_pages =
                 c % 4 == 3 ? 0 : (c % 4 == 1 ? 4 : 16); /* flat, small and default superpages */
         cp.num_pages = ekv_cache_pages_for(N, 1, ps);
+        /* every fifth case: compact ranges and the compact ball (docs/math.md §1.2, §9.5) */
+        cp.range_dtype = c % 5 == 2 ? (dt == EKV_DTYPE_F32 ? EKV_DTYPE_BF16 : dt) : EKV_DTYPE_F32;
         ekv_cache *cache;
         CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache");
         int32_t seq;

@@ -174,8 +174,11 @@ static void test_compact_ranges(ekv_context *ctx) {
         test_rng r1 = {0x5151 + (uint64_t)c}, r2 = r1;
         build(ctx, &a, 1, lens, Hk, D, ps, kd[c], EKV_DTYPE_F32, &r1, 3.0);
         build(ctx, &b, 1, lens, Hk, D, ps, kd[c], rd[c], &r2, 3.0);
-        CHECK(b.st.range_dtype == rd[c] && b.st.kmin16 && b.st.kmax16,
-              "compact ranges in the view");
+        CHECK(b.st.range_dtype == rd[c] && b.st.kmin16 && b.st.kmax16 && b.st.kmean16 &&
+                      b.st.radius16,
+              "compact ranges and ball in the view");
+        b.st.kmean16 = NULL; /* the ranges alone here (the compact ball: test_certified) */
+        b.st.radius16 = NULL;
         float q[4 * 32];
         for (int i = 0; i < H * D; i++) q[i] = (float)(2.0 * test_normal(&r1));
         const int64_t P = a.indptr[1], cap = ekv_page_list_capacity(&a.tab, Hk);

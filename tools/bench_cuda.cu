@@ -12,6 +12,7 @@
  */
 extern "C" {
 #include "cli.h"
+#include "../src/core/stats_rules.h" /* the ball bytes the bound reads (one rule) */
 }
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -136,7 +137,8 @@ struct cuda_len {
     wl_state *wl = NULL;    /* trace:FILE, else NULL                               */
     float *dknew = NULL, *dvnew = NULL, *dslopes = NULL; /* trace: fp32 rows; its slopes */
     float *st_buf = NULL;
-    uint16_t *range16 = NULL; /* compact kmin/kmax (--ranges f16/bf16)                */
+    uint16_t *range16 = NULL; /* compact kmin/kmax (--ranges f16/bf16), then kmean16 */
+    float *radius16 = NULL;   /* the compact ball's radii                              */
     float *sp_box = NULL;     /* superpage boxes (--superpage S > 0): smin, then smax  */
     int32_t *dcount = NULL, *dindices = NULL, *dlpl = NULL;
     int64_t *dindptr = NULL;
@@ -160,6 +162,7 @@ static void cuda_len_free(cuda_len *c) {
     cudaFree(c->ditems);
     cudaFree(c->dcodes);
     cudaFree(c->range16);
+    cudaFree(c->radius16);
     cudaFree(c->sp_box);
     cudaFree(c->dknew);
     cudaFree(c->dvnew);
@@ -226,9 +229,12 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     c->st.radius = c->st_buf + 4 * stat_n;
     c->st.range_dtype = wl_range_dtype(&o->w);
     if (c->st.range_dtype != EKV_DTYPE_F32) { /* compact copies, written by the append kernel */
-        BC(cudaMalloc((void **)&c->range16, 2 * stat_n * sizeof(uint16_t)));
+        BC(cudaMalloc((void **)&c->range16, 3 * stat_n * sizeof(uint16_t)));
+        BC(cudaMalloc((void **)&c->radius16, c->total_pages * Hk * sizeof(float)));
         c->st.kmin16 = c->range16;
         c->st.kmax16 = c->range16 + stat_n;
+        c->st.kmean16 = c->range16 + 2 * stat_n; /* the compact ball (docs/math.md §9.5) */
+        c->st.radius16 = c->radius16;
     }
     c->st.count = c->dcount;
     if (o->superpage > 0) { /* written by the append kernel; certified skips against them */
@@ -442,8 +448,8 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
     const int64_t Hk = o->w.kv_heads, D = o->w.dim, es = ekv_dtype_size(o->w.dtype);
     const int listed = o->method != EKV_SELECT_DENSE, cert = o->method == EKV_SELECT_CERTIFIED;
     const int64_t rb = ekv_dtype_size(wl_range_dtype(&o->w)); /* the ranges as stored */
-    const int64_t per_page =
-            D * (2 * rb + (cert ? 4 : 0)) + (cert || o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
+    const int64_t ball = ekv_ball_bytes(&c->st, D); /* centre and radius, as the bound reads them */
+    const int64_t per_page = 2 * D * rb + (cert ? ball : o->method == EKV_SELECT_GAUSSIAN ? 4 : 0);
     int64_t ktok = 0, vrow = 0;
     r->round2 = 0;
     for (int64_t l = 0; l < o->w.batch * Hk; l++) {

@@ -205,6 +205,13 @@ typedef struct ekv_page_stats {
     ekv_dtype range_dtype;
     const uint16_t *kmin16;
     const uint16_t *kmax16;
+    /* Compact ball (docs/math.md §9.5, optional, with compact ranges): kmean16 (laid out as
+     * kmean) holds each page's centre as the mean rounded to the nearest finite range_dtype
+     * value, radius16 (laid out as radius) max_j ||k_j - centre|| rounded up; the ball bounds read
+     * them instead of kmean/radius (half the centre's bytes, and still exact: the radius is
+     * measured from the rounded centre). NULL: the fp32 ball. */
+    const uint16_t *kmean16;
+    const float *radius16;
 } ekv_page_stats;
 
 /*

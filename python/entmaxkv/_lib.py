@@ -44,7 +44,8 @@ class PageStats(ctypes.Structure):
                 ("radius", c_void_p), ("count", c_void_p), ("superpage_pages", c_int32),
                 ("smin", c_void_p), ("smax", c_void_p), ("codes", c_void_p),
                 ("code_bits", c_int32), ("num_superpages", c_int64), ("range_dtype", c_int),
-                ("kmin16", c_void_p), ("kmax16", c_void_p)]
+                ("kmin16", c_void_p), ("kmax16", c_void_p),
+                ("kmean16", c_void_p), ("radius16", c_void_p)]
 
 
 class PageTable(ctypes.Structure):

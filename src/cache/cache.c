@@ -113,7 +113,8 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
     if (p->k_pool) t -= kvb; /* the caller's */
     *total = t + p->num_pages * (int64_t)(sizeof(int32_t) * 2 + sizeof(float) * p->num_kv_heads);
     *total += ekv_cache_code_bytes(p);
-    if (p->range_dtype != EKV_DTYPE_F32) *total += sf * 4; /* two 16-bit copies */
+    if (p->range_dtype != EKV_DTYPE_F32) /* kmin16, kmax16, kmean16 and radius16 */
+        *total += sf * 6 + p->num_pages * (int64_t)sizeof(float) * p->num_kv_heads;
     if (p->superpage_pages > 0) /* two fp32 arrays per (superpage, head, dim) */
         *total += ((p->num_pages + p->superpage_pages - 1) / p->superpage_pages) * p->num_kv_heads *
                   p->head_dim * 8;
@@ -137,6 +138,8 @@ void ekv_cache_free(ekv_cache *c) {
     free(c->kmax);
     free(c->kmin16);
     free(c->kmax16);
+    free(c->kmean16);
+    free(c->radius16);
     free(c->kmean);
     free(c->km2);
     free(c->radius);
@@ -189,6 +192,8 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     if (compact) {
         c->kmin16 = malloc((size_t)sf * sizeof(uint16_t));
         c->kmax16 = malloc((size_t)sf * sizeof(uint16_t));
+        c->kmean16 = malloc((size_t)sf * sizeof(uint16_t));
+        c->radius16 = calloc((size_t)params->num_pages * params->num_kv_heads, sizeof(float));
     }
     c->kmean = malloc((size_t)sf * sizeof(float));
     c->km2 = malloc((size_t)sf * sizeof(float));
@@ -207,7 +212,7 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     if (code_bytes) c->codes = pool_alloc((size_t)code_bytes);
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
-    if (!c->k || !c->v || !c->kmin || !c->kmax || (compact && (!c->kmin16 || !c->kmax16)) ||
+    if (!c->k || !c->v || !c->kmin || !c->kmax || (compact && (!c->kmin16 || !c->kmax16 || !c->kmean16 || !c->radius16)) ||
         !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax || !c->in_super)) ||
         (code_bytes && !c->codes) || !c->count || !c->free_pages || !c->seqs) {
         ekv_cache_free(c);
@@ -313,6 +318,8 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->range_dtype = c->kmin16 ? c->p.range_dtype : EKV_DTYPE_F32;
         stats->kmin16 = c->kmin16;
         stats->kmax16 = c->kmax16;
+        stats->kmean16 = c->kmean16;
+        stats->radius16 = c->radius16;
         stats->num_superpages =
                 c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
     }

@@ -22,6 +22,8 @@ struct ekv_cache {
     float *smin, *smax;                /* [superpage][head][dim], NULL without superpages */
     uint16_t *kmin16, *kmax16; /* kmin/kmax rounded outward to range_dtype (docs/math.md §1.2),
                                 * NULL with fp32 ranges */
+    uint16_t *kmean16;         /* compact ball (docs/math.md §9.5): kmean rounded to the nearest */
+    float *radius16;           /* finite range_dtype value, and the radius around that centre */
     uint8_t *codes;            /* [page][head][slot][code row], NULL without codes (codes.c) */
     uint8_t *in_super;         /* [page] 1 if the page's keys may still be in its superpage box */
     int32_t *count;            /* [page] tokens in the page */

@@ -23,6 +23,7 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page) {
     }
     for (int64_t h = 0; h < H; h++) {
         c->radius[(int64_t)page * H + h] = 0.f;
+        if (c->radius16) c->radius16[(int64_t)page * H + h] = 0.f;
         ekv_summary_round_ranges(c, page, (int32_t)h);
     }
     c->count[page] = 0;
@@ -90,23 +91,39 @@ void ekv_summary_page_done(ekv_cache *c, int32_t page, int32_t head) {
     ekv_codes_update_page(c, page, head);
 }
 
-void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head) {
-    int64_t D = c->p.head_dim;
-    int64_t soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
-    const float *me = c->kmean + soff;
-    double best = 0;
-    for (int32_t t = 0; t < c->count[page]; t++) {
-        double s = 0;
-        for (int64_t d = 0; d < D; d++) {
-            double diff =
-                    (double)ekv_load_f32(c->k, c->p.dtype, ekv_cache_row(c, page, head, t) + d) -
-                    me[d];
-            s += diff * diff;
-        }
-        if (s > best) best = s;
-    }
-    double r = sqrt(best);
+/* sqrt(s) as a float rounded up: a radius must not shrink. */
+static float radius_up(double s) {
+    const double r = sqrt(s);
     float rf = (float)r;
-    if ((double)rf < r) rf = nextafterf(rf, INFINITY); /* round up: a bound must not shrink */
-    c->radius[(int64_t)page * c->p.num_kv_heads + head] = rf;
+    if ((double)rf < r) rf = nextafterf(rf, INFINITY);
+    return rf;
+}
+
+/* The radius around the fp32 mean and, with compact ranges, the compact centre (the mean
+ * rounded to the nearest finite range_dtype value) and the radius around it (docs/math.md
+ * §9.5): one pass over the page's stored keys. */
+void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head) {
+    const int64_t D = c->p.head_dim, soff = ((int64_t)page * c->p.num_kv_heads + head) * D;
+    const float *me = c->kmean + soff;
+    uint16_t *me16 = c->kmean16 ? c->kmean16 + soff : NULL;
+    if (me16)
+        for (int64_t d = 0; d < D; d++)
+            me16[d] = ekv_round16_nearest_finite(me[d], c->p.range_dtype);
+    double best = 0, best16 = 0;
+    for (int32_t t = 0; t < c->count[page]; t++) {
+        double s = 0, s16 = 0;
+        for (int64_t d = 0; d < D; d++) {
+            const double k =
+                    (double)ekv_load_f32(c->k, c->p.dtype, ekv_cache_row(c, page, head, t) + d);
+            s += (k - me[d]) * (k - me[d]);
+            if (me16) {
+                const double c16 = (double)ekv_load_f32(me16, c->p.range_dtype, d);
+                s16 += (k - c16) * (k - c16);
+            }
+        }
+        best = s > best ? s : best;
+        best16 = s16 > best16 ? s16 : best16;
+    }
+    c->radius[(int64_t)page * c->p.num_kv_heads + head] = radius_up(best);
+    if (me16) c->radius16[(int64_t)page * c->p.num_kv_heads + head] = radius_up(best16);
 }

@@ -4,6 +4,7 @@
 
 #include "entmaxkv.h"
 #include "geometry.h"
+#include "stats_rules.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -177,6 +178,16 @@ static inline uint16_t ekv_round16_outward(float x, ekv_dtype dt, int dir) {
     if (dir > 0 && back < x)
         h = h == 0x8000u ? 0x0001u : (h & 0x8000u) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
     return h;
+}
+
+/* x rounded to the nearest f16 or bf16 that is finite (a finite x beyond the dtype's range
+ * becomes its largest finite value on that side): a compact ball's centre, which only has to
+ * be some point its radius is measured from (docs/math.md §9.5). */
+static inline uint16_t ekv_round16_nearest_finite(float x, ekv_dtype dt) {
+    const uint16_t h = dt == EKV_DTYPE_F16 ? ekv_f32_to_f16(x) : ekv_f32_to_bf16(x);
+    const uint16_t expo = dt == EKV_DTYPE_F16 ? 0x7c00u : 0x7f80u;
+    if ((h & expo) != expo || x != x) return h; /* finite (a NaN never reaches a summary) */
+    return (uint16_t)((h & 0x8000u) | (expo - 1u)); /* the largest finite magnitude */
 }
 
 /* Reads element i of a typed buffer as float. The buffer may be unaligned (a safetensors

@@ -33,7 +33,7 @@ typedef struct {
     const double *qnorm1; /* [B*H] ||q'||_1 */
     int64_t *sp_sid;      /* per worker [Hk] superpage cached per KV head */
     float *sp_u;          /* per worker [H] its bound per query head */
-    float *ranges;        /* per worker [STEP][2 D] compact ranges as fp32 */
+    float *ranges;        /* per worker [STEP][2 D] compact ranges, then [STEP][D] centres, fp32 */
     int64_t *bytes;       /* [task] summary bytes read */
     float *u;             /* [B][H][ustride] */
     ekv_step_shape sh;
@@ -92,14 +92,21 @@ static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, in
 }
 
 /* The ball terms of the kept pages: <q', c_p> (through the box kernel with qpos = q', qneg =
- * 0) into ball, ||c_p|| (rounded up, only used inside the slack) and the radius. */
+ * 0) into ball, ||c_p|| (rounded up, only used inside the slack) and the radius. With a compact
+ * ball the centre is kmean16 (converted into cbuf, [STEP][D]) and the radius radius16. */
 static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const int *keep, int nk,
-                       float *ball, double *cn, double *rr) {
+                       float *cbuf, float *ball, double *cn, double *rr) {
     const int64_t Hk = j->kv->num_kv_heads, G = j->sh.G, D = j->sh.D;
+    const int compact = ekv_compact_ball(j->st);
     const float *mean[STEP];
     for (int i = 0; i < nk; i++) {
         const int64_t page = j->tab->indices[j->tab->indptr[b] + pb + keep[i]];
-        mean[i] = j->st->kmean + (page * Hk + kvh) * D;
+        if (compact) {
+            j->kern->convert(j->st->kmean16 + (page * Hk + kvh) * D, j->st->range_dtype,
+                             cbuf + i * D, EKV_DTYPE_F32, D, NULL);
+            mean[i] = cbuf + i * D;
+        } else
+            mean[i] = j->st->kmean + (page * Hk + kvh) * D;
         float s8[8] = {0}; /* fp32 partial sums (vectorised) */
         int64_t d = 0;
         for (; d + 8 <= D; d += 8)
@@ -108,7 +115,7 @@ static void ball_terms(bound_job *j, int64_t b, int64_t kvh, int64_t pb, const i
         double s2 = 0;
         for (int l = 0; l < 8; l++) s2 += s8[l];
         cn[i] = sqrt(s2) * (1 + 1e-5);
-        rr[i] = j->st->radius[page * Hk + kvh];
+        rr[i] = (compact ? j->st->radius16 : j->st->radius)[page * Hk + kvh];
     }
     j->kern->bound_box(j->qfull + (b * j->sh.H + kvh * G) * D, j->zeros, D, (int)G, mean, mean, nk,
                        D, ball, STEP);
@@ -167,7 +174,7 @@ static void bound_task(void *vp, int64_t task, int worker) {
             for (int i = 0; i < np; i++)
                 if (!skip[i]) keep[nk++] = i;
             const float *mn[STEP], *mx[STEP];
-            float *rbuf = j->ranges + (int64_t)worker * STEP * 2 * D;
+            float *rbuf = j->ranges + (int64_t)worker * STEP * 3 * D;
             for (int k = 0; k < nk; k++) {
                 const int64_t so =
                         ((int64_t)j->tab->indices[j->tab->indptr[b] + pb + keep[k]] * Hk + kvh) * D;
@@ -193,8 +200,9 @@ static void bound_task(void *vp, int64_t task, int worker) {
             if (nk)
                 j->kern->bound_box(j->qpos + qo, j->qneg + qo, D, (int)G, mn, mx, nk, D, box, STEP);
             j->bytes[task] += nk * (ekv_range_bytes(j->st->range_dtype, D) +
-                                    (j->with_ball ? D * (int64_t)sizeof(float) + 4 : 0));
-            if (j->with_ball && nk) ball_terms(j, b, kvh, pb, keep, nk, ball, cn, rr);
+                                    (j->with_ball ? ekv_ball_bytes(j->st, D) : 0));
+            if (j->with_ball && nk)
+                ball_terms(j, b, kvh, pb, keep, nk, rbuf + STEP * 2 * D, ball, cn, rr);
             write_bounds(j, b, kvh, pb, np, N, skip, spu, keep, nk, box, ball, cn, rr);
         }
     }

@@ -23,10 +23,16 @@ typedef struct ekv_cpu_bound_scratch {
     double *qnorm1;    /* [B*H] */
     int64_t *sp_sid;   /* [n_threads * Hk] */
     float *sp_u;       /* [n_threads * H] */
-    float *ranges;     /* [n_threads * EKV_BOUND_STEP * 2 D]: compact ranges as fp32 */
+    float *ranges;     /* [n_threads * EKV_BOUND_STEP * 3 D]: compact ranges and ball
+                        * centres as fp32 (ekv_cpu_bound_ranges_floats) */
 } ekv_cpu_bound_scratch;
 static inline int64_t ekv_cpu_bound_scratch_floats(int64_t B, int64_t H, int64_t G, int64_t D) {
     return 3 * B * H * D + G * D + 2 * B * H + 16;
+}
+/* Floats of the compact scratch (ranges and centres converted to fp32; 0 with fp32 ranges). */
+static inline int64_t ekv_cpu_bound_ranges_floats(ekv_dtype range_dtype, int64_t n_threads,
+                                                  int64_t D) {
+    return range_dtype == EKV_DTYPE_F32 ? 0 : n_threads * EKV_BOUND_STEP * 3 * D;
 }
 static inline int64_t ekv_cpu_bound_max_tasks(int64_t B, int64_t max_pages) {
     return B * ((max_pages + EKV_BOUND_CHUNK_PAGES - 1) / EKV_BOUND_CHUNK_PAGES);

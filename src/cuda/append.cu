@@ -25,6 +25,8 @@ struct append_args {
     ekv_paged_kv kv;
     float *kmin, *kmax, *kmean, *km2, *radius;
     uint16_t *kmin16, *kmax16; /* the compact copies (range_dtype f16/bf16), or NULL */
+    uint16_t *kmean16;         /* the compact ball's centre, or NULL (docs/math.md §9.5) */
+    float *radius16;           /* and the radius around it */
     int range_dtype;
     int32_t *count;
     uint8_t *codes; /* NULL: the cache keeps no key codes */
@@ -59,6 +61,23 @@ __device__ void page_codes(const append_args &A, const T *K, int64_t pbase, int6
         }
         block[i] = (uint8_t)v;
     }
+}
+
+/* sqrt(s) rounded up to a float: a radius must not shrink. */
+__device__ __forceinline__ float radius_up(double s) {
+    const double r = sqrt(s) * (1 + 1e-12);
+    float rf = (float)r;
+    if ((double)rf < r) rf = nextafterf(rf, INFINITY);
+    return rf;
+}
+
+/* x rounded to the nearest finite f16/bf16 (beyond the range: the largest finite value), as the
+ * CPU cache's ekv_round16_nearest_finite: a compact ball's centre. */
+__device__ __forceinline__ uint16_t nearest_finite16(float x, int dtype) {
+    const uint16_t h = dtype == EKV_DTYPE_F16 ? __half_as_ushort(__float2half_rn(x))
+                                             : __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    const uint16_t expo = dtype == EKV_DTYPE_F16 ? 0x7c00u : 0x7f80u;
+    return (h & expo) != expo ? h : (uint16_t)((h & 0x8000u) | (expo - 1u));
 }
 
 /* Items are validated on the host when built there; a bad device item is skipped. */
@@ -113,27 +132,35 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A)
         }
         A.kmean[so + d] = (float)mean;
         A.km2[so + d] = (float)m2;
+        if (A.kmean16) A.kmean16[so + d] = nearest_finite16((float)mean, A.range_dtype);
     }
     __syncthreads();
     /* radius around the stored fp32 mean: one warp per token, max over tokens */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    double best = 0;
+    double best = 0, best16 = 0;
     for (int t = warp; t < n; t += nw) {
-        double s = 0;
+        double s = 0, s16 = 0;
         for (int d = lane; d < D; d += 32) {
-            const double x = (double)ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]) -
-                             (double)A.kmean[so + d];
+            const double k = (double)ekv_elem<T>::to(K[pbase + t * A.kv.stride_token + d]),
+                         x = k - (double)A.kmean[so + d];
             s += x * x;
+            if (A.kmean16) {
+                const double y = k - (double)ekv_range16_f32(A.kmean16[so + d], A.range_dtype);
+                s16 += y * y;
+            }
         }
         s = ekv_warp_sum(s);
         best = s > best ? s : best;
+        if (A.kmean16) {
+            s16 = ekv_warp_sum(s16);
+            best16 = s16 > best16 ? s16 : best16;
+        }
     }
     best = ekv_block_max(best, scratch, 0.0);
+    if (A.kmean16) best16 = ekv_block_max(best16, scratch, 0.0);
     if (threadIdx.x == 0) {
-        const double r = sqrt(best) * (1 + 1e-12);
-        float rf = (float)r;
-        if ((double)rf < r) rf = nextafterf(rf, INFINITY);
-        A.radius[(int64_t)it.page * A.Hk + kvh] = rf;
+        A.radius[(int64_t)it.page * A.Hk + kvh] = radius_up(best);
+        if (A.kmean16) A.radius16[(int64_t)it.page * A.Hk + kvh] = radius_up(best16);
         if (kvh == 0) A.count[it.page] = n;
     }
     /* the range was written before the barrier above the radius: every thread sees it */
@@ -237,6 +264,9 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     A.kmin16 = compact ? const_cast<uint16_t *>(st->kmin16) : NULL;
     A.kmax16 = compact ? const_cast<uint16_t *>(st->kmax16) : NULL;
     A.range_dtype = (int)st->range_dtype;
+    const int cball = ekv_compact_ball(st); /* the compact ball (docs/math.md §9.5) */
+    A.kmean16 = cball ? const_cast<uint16_t *>(st->kmean16) : NULL;
+    A.radius16 = cball ? const_cast<float *>(st->radius16) : NULL;
     A.count = const_cast<int32_t *>(st->count);
     A.codes = const_cast<uint8_t *>(st->codes);
     A.code_bits = st->code_bits;

@@ -21,6 +21,8 @@ namespace {
 struct bound_args : ekv_cuda_shape {
     ekv_page_stats st;
     ekv_cuda_ranges rng; /* kmin/kmax as stored: fp32 or compact */
+    ekv_cuda_ranges ctr; /* the ball's centres (kmean, or the compact kmean16) in .mn/.mn16 */
+    const float *rad;    /* and its radii (radius, or radius16 around kmean16) */
     const float *q, *slopes;
     double qscale, a;
     int with_ball, rows;
@@ -53,10 +55,7 @@ __device__ __forceinline__ void page_partials(const bound_args &A, const float *
         ekv_range_load<8, RT>(A.rng, false, so + c * 8, mn);
         ekv_range_load<8, RT>(A.rng, true, so + c * 8, mx);
         if (A.with_ball) {
-            const float4 c0 = __ldg(reinterpret_cast<const float4 *>(A.st.kmean + so + c * 8)),
-                         c1 = __ldg(reinterpret_cast<const float4 *>(A.st.kmean + so + c * 8) + 1);
-            cm[0] = c0.x, cm[1] = c0.y, cm[2] = c0.z, cm[3] = c0.w;
-            cm[4] = c1.x, cm[5] = c1.y, cm[6] = c1.z, cm[7] = c1.w;
+            ekv_range_load<8>(A.ctr, false, so + c * 8, cm);
 #pragma unroll
             for (int i = 0; i < 8; i++) *c2 += cm[i] * cm[i];
         }
@@ -226,7 +225,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         const double u24 = 5.9604644775390625e-8;
         const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
         const double cn = sqrt((double)c2) * (1 + 1e-5);
-        const double rr = A.with_ball ? (double)A.st.radius[phys * A.Hk + kvh] : 0.0;
+        const double rr = A.with_ball ? (double)A.rad[phys * A.Hk + kvh] : 0.0;
         float best = -CUDART_INF_F;
 #pragma unroll
         for (int g = 0; g < GM; g++) {
@@ -267,6 +266,11 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     ekv_cuda_set_shape(A, pl, t);
     A.st = *st;
     A.rng = ekv_cuda_ranges_of(st);
+    /* the compact ball with compact ranges and its centres kept (docs/math.md §9.5) */
+    const int cball = ekv_compact_ball(st);
+    A.ctr = ekv_cuda_ranges{st->kmean, st->kmean, st->kmean16, st->kmean16,
+                            cball ? (int)st->range_dtype : (int)EKV_DTYPE_F32, cball ? 2 : 4};
+    A.rad = cball ? st->radius16 : st->radius;
     A.q = q;
     A.slopes = prm->alibi_slopes;
     A.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;

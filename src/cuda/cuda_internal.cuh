@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <type_traits>
 #include "../core/geometry.h"
+#include "../core/stats_rules.h"
 
 extern "C" {
 /* from src/core and src/math (C) */

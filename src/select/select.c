@@ -193,8 +193,7 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm,
                       B * H * 8,
                       W * kv->num_kv_heads * 8,
                       W * H * 4,
-                      st->range_dtype == EKV_DTYPE_F32 ? 0
-                                                       : W * EKV_BOUND_STEP * 2 * kv->head_dim * 4};
+                      ekv_cpu_bound_ranges_floats(st->range_dtype, W, kv->head_dim) * 4};
     int64_t off[10], read_bytes = 0, w = 0;
     ekv_status s;
     char *ws = ekv_workspace_blocks(ctx, sz, 10, off, "page selection", &s);

@@ -90,6 +90,9 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
         m->dst.range_dtype = m->st.range_dtype;
         m->dst.kmin16 = m->st.kmin16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
         m->dst.kmax16 = m->st.kmax16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
+        m->dst.kmean16 = m->st.kmean16 ? dev_copy(NULL, m->stat_n * 2) : NULL;
+        m->dst.radius16 =
+                m->st.radius16 ? dev_copy(NULL, m->kv.num_pages * m->kv.num_kv_heads * 4) : NULL;
         m->sp_n = m->st.smin ? m->st.num_superpages * m->kv.num_kv_heads * m->kv.head_dim : 0;
         m->dst.smin = m->sp_n ? dev_copy(NULL, m->sp_n * 4) : NULL;
         m->dst.smax = m->sp_n ? dev_copy(NULL, m->sp_n * 4) : NULL;
@@ -118,6 +121,10 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
     if (m->st.kmin16) {
         CU(cudaMemcpy((void *)m->dst.kmin16, m->st.kmin16, m->stat_n * 2, cudaMemcpyHostToDevice));
         CU(cudaMemcpy((void *)m->dst.kmax16, m->st.kmax16, m->stat_n * 2, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy((void *)m->dst.kmean16, m->st.kmean16, m->stat_n * 2,
+                      cudaMemcpyHostToDevice));
+        CU(cudaMemcpy((void *)m->dst.radius16, m->st.radius16,
+                      m->kv.num_pages * m->kv.num_kv_heads * 4, cudaMemcpyHostToDevice));
     }
     CU(cudaMemcpy((void *)m->dtab.indptr, m->indptr, sizeof(int64_t) * (B + 1),
                   cudaMemcpyHostToDevice));
@@ -139,6 +146,8 @@ static void mirror_free(mirror *m) {
     cudaFree((void *)m->dst.codes);
     cudaFree((void *)m->dst.smin);
     cudaFree((void *)m->dst.smax);
+    cudaFree((void *)m->dst.kmean16);
+    cudaFree((void *)m->dst.radius16);
     cudaFree((void *)m->dst.kmin16);
     cudaFree((void *)m->dst.kmax16);
     cudaFree((void *)m->dtab.indptr);
@@ -755,6 +764,10 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         uint16_t *amin16 = dev_copy(NULL, m.stat_n * 2), *amax16 = dev_copy(NULL, m.stat_n * 2);
         ast.kmin16 = m.st.kmin16 ? amin16 : NULL;
         ast.kmax16 = m.st.kmin16 ? amax16 : NULL;
+        uint16_t *amean16 = dev_copy(NULL, m.stat_n * 2);
+        float *arad16 = dev_copy(NULL, m.kv.num_pages * Hk * 4);
+        ast.kmean16 = m.st.kmean16 ? amean16 : NULL;
+        ast.radius16 = m.st.kmean16 ? arad16 : NULL;
         ast.kmin = amin;
         ast.kmax = amax;
         ast.kmean = amean;
@@ -854,6 +867,34 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             free(h16);
         }
         codes_check(&m, acodes, B, c);
+        if (m.st.kmean16) { /* the compact ball: the centres (a rounding of fp32 means that may
+                             * differ in their last bit) and the radii around them */
+            uint16_t *hc = malloc(m.stat_n * 2);
+            float *hr = malloc(m.kv.num_pages * Hk * 4);
+            CU(cudaMemcpy(hc, amean16, m.stat_n * 2, cudaMemcpyDeviceToHost));
+            CU(cudaMemcpy(hr, arad16, m.kv.num_pages * Hk * 4, cudaMemcpyDeviceToHost));
+            int64_t cdiff = 0, cn = 0, rbad = 0;
+            for (int b = 0; b < B; b++)
+                for (int64_t p = m.indptr[b]; p < m.indptr[b + 1]; p++)
+                    for (int h = 0; h < Hk; h++) {
+                        const int64_t pg = m.indices[p], so = (pg * Hk + h) * D;
+                        int same = 1;
+                        for (int d = 0; d < D; d++, cn++) {
+                            cdiff += hc[so + d] != m.st.kmean16[so + d];
+                            same &= hc[so + d] == m.st.kmean16[so + d];
+                        }
+                        const double rc = m.st.radius16[pg * Hk + h], rg = hr[pg * Hk + h];
+                        if (same) rbad += rg < rc * (1 - 2e-6) - 1e-6 || rg > rc * (1 + 1e-4) + 1e-6;
+                    }
+            CHECK(cdiff * 1000 <= cn, "append kernel: %lld of %lld compact centres differ",
+                  (long long)cdiff, (long long)cn);
+            CHECK(rbad == 0, "append kernel: %lld compact radii differ from the CPU's",
+                  (long long)rbad);
+            free(hc);
+            free(hr);
+        }
+        cudaFree(amean16);
+        cudaFree(arad16);
         if (m.sp_n) { /* the superpage boxes of the batch's pages, bit for bit the CPU's */
             float *hs = malloc(m.sp_n * 8);
             CU(cudaMemcpy(hs, asmin, m.sp_n * 4, cudaMemcpyDeviceToHost));
