@@ -496,11 +496,6 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
  * of a row is entry e's token t), copied to the host. Internal, for the GPU tests' precision
  * check against the long-double dot products; synchronises the plan's stream. */
 extern "C" EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out) {
-    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
-    if (cs) return cs;
-    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
-    EKV_CUDA_TRY(pl, cudaMemcpy(out, pl->scores,
-                                (size_t)batch * pl->p.num_heads * pl->cap_tokens * sizeof(float),
-                                cudaMemcpyDeviceToHost));
-    return EKV_OK;
+    return ekv_cuda_read_head_rows(pl, batch, out, pl ? pl->scores : NULL,
+                                   pl ? pl->cap_tokens * (int64_t)sizeof(float) : 0);
 }

@@ -306,11 +306,6 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
  * z-space; the last page of a sequence and beyond: -inf), copied to the host. Internal, for the
  * GPU tests (superpage skipping against the CPU's bounds); synchronises the plan's stream. */
 extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out) {
-    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
-    if (cs) return cs;
-    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
-    EKV_CUDA_TRY(pl, cudaMemcpy(out, pl->bounds,
-                                (size_t)batch * pl->p.num_heads * pl->cap_pages * sizeof(float),
-                                cudaMemcpyDeviceToHost));
-    return EKV_OK;
+    return ekv_cuda_read_head_rows(pl, batch, out, pl ? pl->bounds : NULL,
+                                   pl ? pl->cap_pages * (int64_t)sizeof(float) : 0);
 }

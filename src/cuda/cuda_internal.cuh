@@ -150,6 +150,18 @@ static inline ekv_status ekv_cuda_check_readout(const ekv_cuda_plan *pl, const v
                             cudaGetErrorString(e_), __FILE__, __LINE__);                           \
     } while (0)
 
+/* A per-query-head readout of the last step ([batch * num_heads] rows of row_bytes from src,
+ * device) into out (host), after the plan's stream: the GPU tests' score rows and bounds. */
+static inline ekv_status ekv_cuda_read_head_rows(ekv_cuda_plan *pl, int32_t batch, void *out,
+                                                 const void *src, int64_t row_bytes) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
+    if (cs) return cs;
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    EKV_CUDA_TRY(pl, cudaMemcpy(out, src, (size_t)(batch * pl->p.num_heads * row_bytes),
+                                cudaMemcpyDeviceToHost));
+    return EKV_OK;
+}
+
 #define EKV_CUDA_LAUNCHED(plan)                                                                    \
     do {                                                                                           \
         cudaError_t e_ = cudaGetLastError();                                                       \
