@@ -76,11 +76,14 @@ static void keep_last_row(void *arg, int64_t start, int64_t c, const float *logi
         memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
 }
 
-static void print_phase(const char *what, const char *label, const phase *p) {
-    printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s; KV read %.4f of the K+V bytes", what,
-           label, (long long)p->tokens, p->seconds,
-           p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0,
-           p->st.bytes_kv ? (double)p->st.bytes_read / (double)p->st.bytes_kv : 0.0);
+static void print_phase(const char *what, const char *label, const phase *p, ekv_backend be) {
+    printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s", what, label, (long long)p->tokens,
+           p->seconds, p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0);
+    if (be == EKV_BACKEND_CUDA) /* the CUDA stages do not count what they read */
+        printf("; KV read not measured on cuda");
+    else
+        printf("; KV read %.4f of the K+V bytes",
+               p->st.bytes_kv ? (double)p->st.bytes_read / (double)p->st.bytes_kv : 0.0);
     if (p->st.lists)
         printf("; round 2 in %.1f%% of lists",
                100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
@@ -226,11 +229,11 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     char lab[64], what[64];
     model_method_label(lab, sizeof lab, o->mo.method, o->mo.budget);
     printf("\n");
-    print_phase("prefill", lab, &pre);
+    print_phase("prefill", lab, &pre, o->mo.backend);
     for (int ph = 0; ph < ran; ph++) {
         model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
         snprintf(what, sizeof what, "decode @%lld", (long long)(plen + ph * o->n));
-        print_phase(what, lab, &dec[ph]);
+        print_phase(what, lab, &dec[ph], o->mo.backend);
     }
     free(tok);
     free(logits);

@@ -10,6 +10,7 @@
  *   logits = Wout . RMSNorm(x_last; norm)
  */
 #include "model_internal.h"
+#include "model_gpu.h"
 #include "../core/method.h"
 #include "../cpu/kernels.h"
 #include <errno.h>
@@ -30,6 +31,10 @@ ekv_model_params ekv_model_default_params(void) {
     p.method = EKV_SELECT_DENSE;
     p.budget = 1.0 / 16;
     p.code_bits = 0;
+    p.backend = EKV_BACKEND_CPU;
+    p.device = 0;
+    p.cuda_graphs = 1;
+    p.prefill_chunk = 0;
     return p;
 }
 
@@ -38,13 +43,16 @@ ekv_model_params ekv_model_default_params(void) {
  * key codes (the method table says which) is refused up front when the caches have none:
  * the decode step would only say so at the first token. */
 static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg,
-                               ekv_select_method method, double budget, int32_t code_bits) {
+                               ekv_backend backend, ekv_select_method method, double budget,
+                               int32_t code_bits) {
     if (!(budget > 0.0 && budget <= 1.0))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]",
                         budget);
-    const ekv_decode_params dp = ekv_model_decode_params(cfg, NULL);
+    /* the slopes' presence matters to the CUDA check (gaussian with ALiBi), not their values */
+    static const float any_slopes[1] = {0.f};
+    const ekv_decode_params dp = ekv_model_decode_params(cfg, any_slopes);
     const ekv_select_params sp = ekv_model_select_params(method, budget, 1);
-    ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, &dp, &sp);
+    ekv_status s = ekv_decode_supported(ctx, backend, &dp, &sp);
     if (s) return s;
     if ((ekv_method_info_of(method)->needs & EKV_NEEDS_CODES) && code_bits == 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
@@ -169,6 +177,7 @@ static int all_finite(const void *data, ekv_dtype dt, int64_t n) {
 
 void ekv_model_free(ekv_model *m) {
     if (!m) return;
+    ekv_model_gpu_free(m->gpu);
     if (m->layers)
         for (int32_t l = 0; l < m->cfg.n_layers; l++) {
             ekv_cache_free(m->layers[l].cache);
@@ -351,6 +360,7 @@ static ekv_status alloc_state(ekv_model *m) {
         model_layer *L = &m->layers[l];
         L->last_q = calloc((size_t)qd, sizeof(float));
         if (!L->last_q) return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+        if (m->prm.backend == EKV_BACKEND_CUDA) continue; /* its caches live on the device */
         ekv_cache_params cp = ekv_cache_default_params();
         cp.page_size = m->prm.page_size;
         cp.num_kv_heads = c->n_kv_heads;
@@ -381,10 +391,19 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
                         p.page_size);
     if (!ekv_dtype_valid(p.kv_dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv_dtype=%d is unknown", (int)p.kv_dtype);
+    if (p.backend != EKV_BACKEND_CPU && p.backend != EKV_BACKEND_CUDA)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "backend=%d: the model runs on cpu (0) or cuda (2)", (int)p.backend);
+    if (p.cuda_graphs != 0 && p.cuda_graphs != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cuda_graphs=%d must be 0 or 1",
+                        p.cuda_graphs);
+    if (p.prefill_chunk < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
+                        (long long)p.prefill_chunk);
     ekv_model_config cfg;
     ekv_status s = read_config(ctx, st, &cfg);
     if (s) return s;
-    if ((s = check_method(ctx, &cfg, p.method, p.budget, p.code_bits))) return s;
+    if ((s = check_method(ctx, &cfg, p.backend, p.method, p.budget, p.code_bits))) return s;
     ekv_model *m = calloc(1, sizeof *m);
     if (!m) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
@@ -394,6 +413,7 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (!m->layers) s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     if (!s) s = load_tensors(m, st);
     if (!s) s = alloc_state(m);
+    if (!s && p.backend == EKV_BACKEND_CUDA) s = ekv_model_gpu_create(m);
     if (s) {
         ekv_model_free(m);
         return s;
@@ -421,13 +441,16 @@ ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_pa
 /* ---------------------------------------------------------------------------------- */
 const ekv_model_config *ekv_model_get_config(const ekv_model *m) { return m ? &m->cfg : NULL; }
 int64_t ekv_model_position(const ekv_model *m) { return m ? m->pos : 0; }
+ekv_backend ekv_model_backend(const ekv_model *m) { return m ? m->prm.backend : EKV_BACKEND_CPU; }
 
 ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double budget) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    ekv_status s = check_method(m->ctx, &m->cfg, method, budget, m->prm.code_bits);
+    ekv_status s =
+            check_method(m->ctx, &m->cfg, m->prm.backend, method, budget, m->prm.code_bits);
     if (s) return s;
     m->prm.method = method;
     m->prm.budget = budget;
+    ekv_model_gpu_method_changed(m->gpu);
     return EKV_OK;
 }
 
@@ -439,7 +462,11 @@ void ekv_model_reset_stats(ekv_model *m) {
 
 ekv_status ekv_model_reset(ekv_model *m) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+    if (m->gpu) {
+        ekv_status s = ekv_model_gpu_reset(m);
+        if (s) return s;
+    }
+    for (int32_t l = 0; l < m->cfg.n_layers && !m->gpu; l++) {
         model_layer *L = &m->layers[l];
         ekv_status s = ekv_cache_seq_free(L->cache, L->seq);
         if (!s) s = ekv_cache_seq_new(L->cache, &L->seq);
@@ -477,6 +504,7 @@ ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_ca
                                  int32_t *seq) {
     if (!m || !cache || !seq) return EKV_ERR_NULL_POINTER;
     if (layer < 0 || layer >= m->cfg.n_layers) return EKV_ERR_INVALID_ARGUMENT;
+    if (m->gpu) return ekv_model_gpu_layer_cache(m, layer, cache, seq);
     *cache = m->layers[layer].cache;
     *seq = m->layers[layer].seq;
     return EKV_OK;
@@ -485,6 +513,7 @@ ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_ca
 ekv_status ekv_model_last_query(const ekv_model *m, int32_t layer, float *q) {
     if (!m || !q) return EKV_ERR_NULL_POINTER;
     if (layer < 0 || layer >= m->cfg.n_layers) return EKV_ERR_INVALID_ARGUMENT;
+    if (m->gpu) return ekv_model_gpu_last_query(m, layer, q);
     memcpy(q, m->layers[layer].last_q,
            sizeof(float) * (size_t)m->cfg.n_heads * (size_t)m->cfg.head_dim);
     return EKV_OK;
@@ -602,6 +631,7 @@ ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float 
             return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
                             "tokens[%lld]=%d is outside [0, vocab=%d)", (long long)i, tokens[i],
                             m->cfg.vocab);
+    if (m->gpu) return ekv_model_gpu_step(m, tokens, n, logits);
     ekv_status s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
     if (s) return s;
     for (int64_t i = 0; i < n && !s; i += EKV_MODEL_BLOCK) {

@@ -1,0 +1,238 @@
+/*
+ * The model on the GPU against the CPU engine (docs/architecture.md, "The model on the GPU"):
+ * the shipped model, the same text through both engines, for each method the GPU serves
+ * (dense, topk, certified, screened): the logits after every prefill token and after each of
+ * DECODE greedy decode steps agree within 1e-3 of the row's largest |logit| and have the same
+ * argmax (a row whose CPU top two are within 1e-4 of each other is reported as a tie, not
+ * failed: rounding may order them either way). Dense prefill runs on tensor cores in blocks of
+ * 256 query tokens (so several blocks, and key counts off the multiple of 16) and with the
+ * automatic block; f32 and bf16 caches take the other part counts of the GEMMs' split
+ * (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
+ * again gives the first run's logits; the host mirror of a layer cache and the last queries
+ * match the CPU's; gaussian is refused (ALiBi). Exit 77 when no CUDA device is present.
+ */
+#include "entmaxkv.h"
+#include "test_util.h"
+#include "core/internal.h" /* ekv_f16_to_f32 */
+#include <string.h>
+
+#ifndef EKV_SOURCE_DIR
+#define EKV_SOURCE_DIR "."
+#endif
+#define MODEL EKV_SOURCE_DIR "/models/entmaxkv-lm.safetensors"
+#define TEXT  EKV_SOURCE_DIR "/docs/architecture.md"
+
+enum { PREFILL = 700, DECODE = 24, V = 256 };
+
+static int32_t argmax(const float *r) {
+    int32_t b = 0;
+    for (int i = 1; i < V; i++)
+        if (r[i] > r[b]) b = i;
+    return b;
+}
+
+/* rows of gpu against cpu; returns the worst relative difference */
+static double compare(const char *what, const float *gpu, const float *cpu, int64_t rows) {
+    double worst = 0;
+    int64_t ties = 0;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *a = gpu + t * V, *b = cpu + t * V;
+        double mx = 0, diff = 0;
+        for (int i = 0; i < V; i++) {
+            mx = fmax(mx, fabs(b[i]));
+            diff = fmax(diff, fabs((double)a[i] - b[i]));
+        }
+        const double rel = diff / (mx > 0 ? mx : 1);
+        worst = fmax(worst, rel);
+        CHECK(rel <= 1e-3, "%s row %lld: max |gpu - cpu| = %.3g of max |logit| %.3g", what,
+              (long long)t, rel, mx);
+        const int32_t ga = argmax(a), ca = argmax(b);
+        if (ga != ca) {
+            const double gap = fabs((double)b[ga] - b[ca]) / (mx > 0 ? mx : 1);
+            if (gap < 1e-4)
+                ties++;
+            else
+                CHECK(ga == ca, "%s row %lld: argmax gpu %d, cpu %d (gap %.3g)", what,
+                      (long long)t, ga, ca, gap);
+        }
+    }
+    printf("  %-34s %4lld rows: worst relative difference %.2e%s\n", what, (long long)rows, worst,
+           ties ? " (argmax ties reported)" : "");
+    if (ties) printf("    %lld rows with argmax ties within 1e-4\n", (long long)ties);
+    return worst;
+}
+
+typedef struct {
+    ekv_select_method method;
+    ekv_dtype kv;
+    int64_t chunk; /* gpu prefill_chunk, 0 = auto */
+    int graphs;
+    int64_t prefill;
+} mcase;
+
+static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = c->prefill + DECODE + 8;
+    p.method = c->method;
+    p.kv_dtype = c->kv;
+    p.code_bits = 4;
+    p.backend = be;
+    p.prefill_chunk = c->chunk;
+    p.cuda_graphs = c->graphs;
+    ekv_model *m = NULL;
+    ekv_status s = ekv_model_load(ctx, MODEL, &p, &m);
+    CHECK(s == EKV_OK, "load (%s, %s): %s", ekv_backend_name(be), ekv_method_name(c->method),
+          ekv_last_error(ctx));
+    return s ? NULL : m;
+}
+
+/* Prefill then greedy decode on both engines (the CPU's argmax feeds both); the GPU's decode
+ * logits into dec_out when not NULL. */
+static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float *dec_out) {
+    ekv_model *cpu = load(ctx, c, EKV_BACKEND_CPU), *gpu = load(ctx, c, EKV_BACKEND_CUDA);
+    float *lc = malloc(sizeof(float) * (size_t)(c->prefill * V)),
+          *lg = malloc(sizeof(float) * (size_t)(c->prefill * V));
+    float *dc = malloc(sizeof(float) * DECODE * V), *dg = malloc(sizeof(float) * DECODE * V);
+    char what[96];
+    if (cpu && gpu && lc && lg && dc && dg) {
+        CHECK(!ekv_model_step(cpu, tok, c->prefill, lc), "cpu prefill: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, tok, c->prefill, lg), "gpu prefill: %s", ekv_last_error(ctx));
+        snprintf(what, sizeof what, "%s %s chunk %lld prefill", ekv_method_name(c->method),
+                 ekv_dtype_name(c->kv), (long long)c->chunk);
+        compare(what, lg, lc, c->prefill);
+        int32_t next = argmax(lc + (c->prefill - 1) * V);
+        for (int s = 0; s < DECODE; s++) {
+            CHECK(!ekv_model_step(cpu, &next, 1, dc + s * V), "cpu step: %s", ekv_last_error(ctx));
+            CHECK(!ekv_model_step(gpu, &next, 1, dg + s * V), "gpu step: %s", ekv_last_error(ctx));
+            next = argmax(dc + s * V);
+        }
+        snprintf(what, sizeof what, "%s %s decode%s", ekv_method_name(c->method),
+                 ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)");
+        compare(what, dg, dc, DECODE);
+        CHECK(ekv_model_position(gpu) == c->prefill + DECODE, "gpu position %lld",
+              (long long)ekv_model_position(gpu));
+        if (dec_out) memcpy(dec_out, dg, sizeof(float) * DECODE * V);
+    }
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    free(lc);
+    free(lg);
+    free(dc);
+    free(dg);
+}
+
+/* reset, the host mirror of a layer cache and the last queries, against the CPU engine */
+static void check_state(ekv_context *ctx, const int32_t *tok) {
+    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 128, 1, 300};
+    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
+    float *a = malloc(sizeof(float) * 300 * V), *b = malloc(sizeof(float) * 300 * V);
+    if (!cpu || !gpu || !a || !b) goto done;
+    CHECK(!ekv_model_step(gpu, tok, 300, a), "gpu prefill: %s", ekv_last_error(ctx));
+    CHECK(!ekv_model_reset(gpu), "reset: %s", ekv_last_error(ctx));
+    CHECK(ekv_model_position(gpu) == 0, "position after reset");
+    CHECK(!ekv_model_step(gpu, tok, 200, b), "gpu prefill after reset: %s", ekv_last_error(ctx));
+    compare("after reset, same prefix", b, a, 200);
+    CHECK(!ekv_model_step(cpu, tok, 200, a), "cpu prefill: %s", ekv_last_error(ctx));
+    const ekv_model_config *cfg = ekv_model_get_config(gpu);
+    const int64_t qn = (int64_t)cfg->n_heads * cfg->head_dim;
+    for (int32_t l = 0; l < cfg->n_layers; l += cfg->n_layers - 1) {
+        float qa[4096], qb[4096];
+        CHECK(!ekv_model_last_query(gpu, l, qa) && !ekv_model_last_query(cpu, l, qb), "query");
+        double mx = 0, diff = 0;
+        for (int64_t i = 0; i < qn; i++) {
+            mx = fmax(mx, fabs(qb[i]));
+            diff = fmax(diff, fabs((double)qa[i] - qb[i]));
+        }
+        CHECK(diff <= 1e-3 * mx, "layer %d last query differs by %.3g of %.3g", l, diff, mx);
+        const ekv_cache *cg, *cc;
+        int32_t sg, sc;
+        CHECK(!ekv_model_layer_cache(gpu, l, &cg, &sg), "gpu layer cache: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_layer_cache(cpu, l, &cc, &sc), "cpu layer cache");
+        ekv_paged_kv kg, kc;
+        ekv_cache_kv_view(cg, &kg, NULL);
+        ekv_cache_kv_view(cc, &kc, NULL);
+        int32_t pg[64], pc[64], lg, lc;
+        int64_t ig[2], ic[2];
+        CHECK(!ekv_cache_page_table(cg, &sg, 1, ig, pg, 64, &lg, NULL) &&
+                      !ekv_cache_page_table(cc, &sc, 1, ic, pc, 64, &lc, NULL) && lg == lc &&
+                      ig[1] == ic[1],
+              "page tables of the mirrors");
+        double kmx = 0, kd = 0;
+        for (int64_t t = 0; t < 200; t++)
+            for (int64_t h = 0; h < kg.num_kv_heads; h++)
+                for (int64_t d = 0; d < kg.head_dim; d++) {
+                    const int64_t og = pg[t / 16] * kg.stride_page + h * kg.stride_head +
+                                       (t % 16) * kg.stride_token + d,
+                                  oc = pc[t / 16] * kc.stride_page + h * kc.stride_head +
+                                       (t % 16) * kc.stride_token + d;
+                    const float x = ekv_f16_to_f32(((const uint16_t *)kg.k)[og]),
+                                y = ekv_f16_to_f32(((const uint16_t *)kc.k)[oc]);
+                    kmx = fmax(kmx, fabs(y));
+                    kd = fmax(kd, fabs((double)x - y));
+                }
+        CHECK(kd <= 1e-2 * kmx, "layer %d keys differ by %.3g of %.3g", l, kd, kmx);
+    }
+done:
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    free(a);
+    free(b);
+}
+
+/* gaussian needs the CPU's mixture solver with ALiBi: refused at load and at set_method */
+static void check_refusals(ekv_context *ctx) {
+    ekv_model_params p = ekv_model_default_params();
+    p.backend = EKV_BACKEND_CUDA;
+    p.method = EKV_SELECT_GAUSSIAN;
+    ekv_model *m = NULL;
+    ekv_status s = ekv_model_load(ctx, MODEL, &p, &m);
+    CHECK(s == EKV_ERR_UNSUPPORTED && !m && strstr(ekv_last_error(ctx), "gaussian"),
+          "gaussian on cuda: status %d, '%s'", (int)s, ekv_last_error(ctx));
+    p.method = EKV_SELECT_DENSE;
+    CHECK(!ekv_model_load(ctx, MODEL, &p, &m), "load: %s", ekv_last_error(ctx));
+    if (m) {
+        s = ekv_model_set_method(m, EKV_SELECT_GAUSSIAN, 0.1);
+        CHECK(s == EKV_ERR_UNSUPPORTED, "set_method gaussian on cuda: %d", (int)s);
+        const int32_t bad = 300;
+        CHECK(ekv_model_step(m, &bad, 1, NULL) == EKV_ERR_INVALID_ARGUMENT, "token 300");
+        CHECK(ekv_model_position(m) == 0, "a refused step moves nothing");
+    }
+    ekv_model_free(m);
+}
+
+int main(void) {
+    int32_t ndev = 0;
+    ekv_cuda_device_count(NULL, &ndev);
+    if (ndev == 0) {
+        printf("test_model_cuda: no CUDA device, skipped\n");
+        return 77;
+    }
+    ekv_context *ctx = NULL;
+    if (ekv_context_create(NULL, &ctx)) return 1;
+    FILE *f = fopen(TEXT, "rb");
+    char text[PREFILL];
+    const size_t got = f ? fread(text, 1, PREFILL, f) : 0;
+    if (f) fclose(f);
+    CHECK(got == PREFILL, "cannot read %d bytes of %s", (int)PREFILL, TEXT);
+    int32_t tok[PREFILL];
+    ekv_model_tokenize(text, PREFILL, tok);
+    const mcase cases[] = {
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 256, 1, PREFILL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 0, 0, PREFILL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F32, 256, 1, 400},
+            {EKV_SELECT_DENSE, EKV_DTYPE_BF16, 256, 1, 400},
+            {EKV_SELECT_TOPK, EKV_DTYPE_F16, 0, 1, PREFILL},
+            {EKV_SELECT_CERTIFIED, EKV_DTYPE_F16, 0, 1, PREFILL},
+            {EKV_SELECT_SCREENED, EKV_DTYPE_F16, 0, 1, PREFILL},
+    };
+    float *graph = malloc(sizeof(float) * DECODE * V), *eager = malloc(sizeof(float) * DECODE * V);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_case(ctx, &cases[i], tok, i == 0 ? graph : i == 1 ? eager : NULL);
+    compare("dense decode: graph against eager", graph, eager, DECODE);
+    check_state(ctx, tok);
+    check_refusals(ctx);
+    free(graph);
+    free(eager);
+    ekv_context_free(ctx);
+    return test_finish("test_model_cuda");
+}
