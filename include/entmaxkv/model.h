@@ -158,7 +158,7 @@ EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer,
                                          const ekv_cache **cache, int32_t *seq);
 /* On the CUDA backend the layer caches live on the device: ekv_model_layer_cache copies the
  * layer's K/V pages and rebuilds a host cache from them (ekv_cache_seq_adopt; valid until the
- * next step or reset), and ekv_model_last_query copies the queries back. */
+ * next step, reset or ekv_model_layer_cache of that layer), and ekv_model_last_query copies the queries back. */
 EKV_API ekv_status ekv_model_last_query(const ekv_model *model, int32_t layer, float *q);
 /* NAPE slopes [n_heads] (docs/math.md §1.6), as the model's attention uses them. */
 EKV_API ekv_status ekv_model_alibi_slopes(const ekv_model *model, float *slopes);

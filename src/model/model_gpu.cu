@@ -153,7 +153,7 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     ekv_status s = dev_alloc(g, &g->scores, rows * g->ld_cap * 4, "the prefill scores");
     if (!s) s = dev_alloc(g, &g->pparts, g->nparts * rows * g->ld_cap * es, "the prefill P");
     if (!s) s = dev_alloc(g, &g->qparts, g->nparts * rows * c->head_dim * es, "the prefill q");
-    if (!s) s = dev_alloc(g, &g->qshift, rows * 4, "the prefill shifts");
+    if (!s) s = dev_alloc(g, &g->qshift, 2 * rows * 4, "the prefill shifts and sums");
     if (!s) s = dev_alloc(g, &g->obuf, rows * c->head_dim * 4, "the prefill output");
     return s;
 }

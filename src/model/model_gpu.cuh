@@ -60,7 +60,7 @@ struct model_gpu {
     float *scores; /* [H * chunk][ld] z, then reused */
     void *pparts;  /* [nparts][H * chunk][ld] P in V's dtype */
     void *qparts;  /* [nparts][H * chunk][D] q' in K's dtype */
-    float *qshift; /* [H * chunk] 2^-s of each row's q' split */
+    float *qshift; /* [2][H * chunk]: 2^-s of each row's q' split, then 1 / sum p */
     float *obuf;   /* [H * chunk][D] */
     int32_t *bad;  /* set by the prefill when a row's scores are not finite */
     int64_t ld_cap;

@@ -7,9 +7,10 @@
  *   2. S = sum over parts of q'_part . K^T (cuBLAS, fp32 accumulation, batched over KV heads);
  *   3. per row: z = S * 2^-s + a*m_h*(j - i) over the causal prefix j <= i, the max M, the
  *      candidates z > M - 1, tau by the backend's solver (tau_solve.cuh), p = [z - tau]_+^beta
- *      divided by its sum (the CPU's exact paths divide by the computed sum too, docs/math.md
- *      §0), split into parts of V's dtype (zero for j > i);
- *   4. O = sum over parts of P_part . V (cuBLAS), then back to the [T][H][D] layout.
+ *      split into parts of V's dtype (zero for j > i);
+ *   4. O = sum over parts of P_part . V (cuBLAS), divided by the row's sum of p (the CPU's
+ *      exact paths divide by the computed sum too, docs/math.md §0) on the way back to the
+ *      [T][H][D] layout.
  * Each row is exact entmax over its prefix: the dense method's result, token by token.
  */
 #include "model_gpu.cuh"
@@ -50,7 +51,7 @@ struct prefill_args {
     float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
     double a, alpha;
     const float *q, *slopes;
-    float *scores, *qshift, *obuf, *att;
+    float *scores, *qshift, *rinv, *obuf, *att;
     void *qparts, *pparts;
     int32_t *bad;
 };
@@ -75,7 +76,20 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     if (threadIdx.x == 0) A.qshift[row] = ldexpf(1.f, -s);
 }
 
-/* block (r, g): one query row's exact entmax over its causal prefix, written as P parts */
+/* z of key j for the query at position i: the GEMM's sum unshifted, plus ALiBi (§1.6) */
+struct row_z {
+    const float *S;
+    float shift;
+    double am;
+    int64_t i;
+    __device__ float operator()(int64_t j) const {
+        return S[j] * shift + (float)(am * (double)(j - i));
+    }
+};
+
+/* block (r, g): one query row's exact entmax over its causal prefix, written as P parts
+ * (unnormalised; 1 / sum p goes to rinv and gather_heads_kernel applies it). The scores row is
+ * read three times and never written: max, candidates, P. */
 template <typename T> __global__ void __launch_bounds__(ROW_THREADS) row_entmax_kernel(prefill_args A) {
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
@@ -83,14 +97,12 @@ template <typename T> __global__ void __launch_bounds__(ROW_THREADS) row_entmax_
     __shared__ int ncand;
     const int64_t r = blockIdx.x, g = blockIdx.y, t = r / A.G, h = g * A.G + r % A.G;
     const int64_t i = A.pos0 + t, n = i + 1, row = g * A.R + r;
-    float *z = A.scores + row * A.ld;
-    const float shift = A.qshift[row];
-    const double am = A.slopes ? A.a * (double)A.slopes[h] : 0.0;
+    float *zrow = A.scores + row * A.ld;
+    const row_z z = {zrow, A.qshift[row], A.slopes ? A.a * (double)A.slopes[h] : 0.0, i};
     float mx = -INFINITY;
     int finite = 1;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-        const float v = z[j] * shift + (float)(am * (double)(j - i));
-        z[j] = v;
+        const float v = z(j);
         finite &= isfinite(v);
         mx = fmaxf(mx, v);
     }
@@ -102,41 +114,51 @@ template <typename T> __global__ void __launch_bounds__(ROW_THREADS) row_entmax_
         if (threadIdx.x == 0) atomicExch(A.bad, 1);
         return;
     }
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
-        if ((double)z[j] - (double)M > -1.0) {
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        const float v = z(j);
+        if ((double)v - (double)M > -1.0) {
             const int k = atomicAdd(&ncand, 1);
-            if (k < ROW_CANDS) cand[k] = z[j];
+            if (k < ROW_CANDS) cand[k] = v;
         }
+    }
     __syncthreads();
     const int nc = ncand;
-    /* candidates in shared memory, or the whole row when they overflow (same tau) */
-    const double tt = nc <= ROW_CANDS ? solve_tau(cand, nc, M, A.alpha, scratch)
-                                      : solve_tau(z, n, M, A.alpha, scratch);
-    const double beta = 1.0 / (A.alpha - 1.0);
-    double sum = 0;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-        const double y = (double)z[j] - (double)M - tt;
-        sum += y > 0 ? (beta == 2.0 ? y * y : pow(y, beta)) : 0.0;
+    double tt;
+    if (nc <= ROW_CANDS)
+        tt = solve_tau(cand, nc, M, A.alpha, scratch);
+    else { /* too many candidates for shared memory: the whole row (the same tau), as z */
+        __syncthreads();
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) zrow[j] = z(j);
+        __syncthreads();
+        tt = solve_tau(zrow, n, M, A.alpha, scratch);
+        __syncthreads();
     }
-    sum = ekv_block_sum(sum, scratch);
-    const double f = (double)A.pscale / sum;
+    const double beta = 1.0 / (A.alpha - 1.0);
+    /* p <= 1 (z - tau <= M - tau <= 1), so p * pscale stays within f16's range */
     T *dst = (T *)A.pparts + row * A.ld;
     const int64_t pstride = A.Hk * A.R * A.ld;
+    const row_z zs = nc <= ROW_CANDS ? z : row_z{zrow, 1.f, 0.0, i}; /* the row now holds z */
+    double sum = 0;
     for (int64_t j = threadIdx.x; j < A.nk; j += blockDim.x) {
         double p = 0;
         if (j < n) {
-            const double y = (double)z[j] - (double)M - tt;
+            const double y = (double)zs(j) - (double)M - tt;
             p = y > 0 ? (beta == 2.0 ? y * y : pow(y, beta)) : 0.0;
         }
-        split<T>((float)(p * f), A.np, dst + j, pstride);
+        sum += p;
+        split<T>((float)(p * A.pscale), A.np, dst + j, pstride);
     }
+    sum = ekv_block_sum(sum, scratch);
+    if (threadIdx.x == 0) A.rinv[row] = (float)(1.0 / sum);
 }
 
-/* obuf [Hk][T*G][D] -> att [T][H][D] */
+/* att [T][H][D] = obuf [Hk][T*G][D] / sum p of the row (the exact paths divide by the
+ * computed sum, docs/math.md §0) */
 __global__ void gather_heads_kernel(prefill_args A) {
-    const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, r = t * A.G + h % A.G;
+    const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, row = g * A.R + t * A.G + h % A.G;
+    const float f = A.rinv[row];
     for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x)
-        A.att[(t * A.H + h) * A.D + d] = A.obuf[(g * A.R + r) * A.D + d];
+        A.att[(t * A.H + h) * A.D + d] = A.obuf[row * A.D + d] * f;
 }
 
 cudaDataType_t blas_type(ekv_dtype dt) {
@@ -211,6 +233,7 @@ ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, int64_t pos0, int64
     A.slopes = g->slopes;
     A.scores = g->scores;
     A.qshift = g->qshift;
+    A.rinv = g->qshift + (int64_t)c->n_heads * g->chunk; /* the second half of the buffer */
     A.obuf = g->obuf;
     A.att = g->att;
     A.qparts = g->qparts;

@@ -135,7 +135,9 @@ static void check_state(ekv_context *ctx, const int32_t *tok) {
     CHECK(!ekv_model_step(cpu, tok, 200, a), "cpu prefill: %s", ekv_last_error(ctx));
     const ekv_model_config *cfg = ekv_model_get_config(gpu);
     const int64_t qn = (int64_t)cfg->n_heads * cfg->head_dim;
-    for (int32_t l = 0; l < cfg->n_layers; l += cfg->n_layers - 1) {
+    const int32_t layers[2] = {0, cfg->n_layers - 1};
+    for (int k = 0; k < 2; k++) {
+        const int32_t l = layers[k];
         float qa[4096], qb[4096];
         CHECK(!ekv_model_last_query(gpu, l, qa) && !ekv_model_last_query(cpu, l, qb), "query");
         double mx = 0, diff = 0;
