@@ -100,6 +100,8 @@ typedef struct ekv_model_params {
                               CUDA graph; 0 = eager launches                                     */
     int64_t prefill_chunk; /* cuda dense prefill: query tokens per block; 0 (default) = as many
                               as fit the score buffers (docs/math.md §12)                       */
+    int32_t max_seqs;      /* sequences the model holds, each of up to max_tokens tokens
+                              (default 1); more than one on cuda only (ekv_model_batch_step)     */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */
@@ -147,6 +149,23 @@ EKV_API int64_t ekv_model_position(const ekv_model *model);
  */
 EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64_t n,
                                   float *logits);
+/*
+ * Several sequences (ekv_model_params.max_seqs > 1, backend cuda): ekv_model_step,
+ * ekv_model_position and ekv_model_reset act on sequence 0 (reset: on every sequence);
+ * ekv_model_seq_step runs n tokens of sequence seq, as ekv_model_step does for sequence 0;
+ * ekv_model_batch_step runs one decode step of n_seqs distinct sequences together (token
+ * tokens[b] appended to sequence seqs[b]; logits [n_seqs][vocab]): one batch of the decode
+ * stages over their ragged page lists (docs/architecture.md, "The model on the GPU").
+ * n_seqs is at most the decode plan's batch (64, or max_seqs when larger). A refused call
+ * changes nothing.
+ */
+EKV_API ekv_status ekv_model_seq_step(ekv_model *model, int32_t seq, const int32_t *tokens,
+                                      int64_t n, float *logits);
+EKV_API ekv_status ekv_model_batch_step(ekv_model *model, const int32_t *seqs, int32_t n_seqs,
+                                        const int32_t *tokens, float *logits);
+/* Tokens in sequence seq (-1 if seq is out of range); empties one sequence. */
+EKV_API int64_t ekv_model_seq_position(const ekv_model *model, int32_t seq);
+EKV_API ekv_status ekv_model_seq_reset(ekv_model *model, int32_t seq);
 /* Statistics of one layer, or of all layers summed (layer = -1). */
 EKV_API ekv_status ekv_model_get_stats(const ekv_model *model, int32_t layer, ekv_model_stats *out);
 EKV_API void ekv_model_reset_stats(ekv_model *model);

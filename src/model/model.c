@@ -35,6 +35,7 @@ ekv_model_params ekv_model_default_params(void) {
     p.device = 0;
     p.cuda_graphs = 1;
     p.prefill_chunk = 0;
+    p.max_seqs = 1;
     return p;
 }
 
@@ -397,6 +398,11 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (p.cuda_graphs != 0 && p.cuda_graphs != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cuda_graphs=%d must be 0 or 1",
                         p.cuda_graphs);
+    if (p.max_seqs < 1 || p.max_seqs > 65536 || (p.max_seqs > 1 && p.backend != EKV_BACKEND_CUDA))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "max_seqs=%d must be in [1, 65536], and 1 on the cpu backend (several "
+                        "sequences are a cuda feature)",
+                        p.max_seqs);
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
                         (long long)p.prefill_chunk);
@@ -617,22 +623,80 @@ static ekv_status forward_block(ekv_model *m, const int32_t *tokens, int64_t T, 
     return EKV_OK;
 }
 
-ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float *logits) {
-    if (!m) return EKV_ERR_NULL_POINTER;
+/* n tokens after pos in a sequence: the count before the data it counts (tokens[] may be
+ * shorter than n), then every token in [0, vocab). */
+static ekv_status check_tokens(const ekv_model *m, const int32_t *tokens, int64_t n, int64_t pos) {
     if (!tokens) return ekv_fail(m->ctx, EKV_ERR_NULL_POINTER, "tokens is NULL");
     if (n < 1) return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n=%lld must be >= 1", (long long)n);
-    /* the count before the data it counts: tokens[] may be shorter than n */
-    if (n > m->prm.max_tokens - m->pos)
+    if (n > m->prm.max_tokens - pos)
         return ekv_fail(m->ctx, EKV_ERR_CACHE_FULL,
                         "%lld more tokens after %lld pass max_tokens=%lld", (long long)n,
-                        (long long)m->pos, (long long)m->prm.max_tokens);
+                        (long long)pos, (long long)m->prm.max_tokens);
     for (int64_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab)
             return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
                             "tokens[%lld]=%d is outside [0, vocab=%d)", (long long)i, tokens[i],
                             m->cfg.vocab);
-    if (m->gpu) return ekv_model_gpu_step(m, tokens, n, logits);
-    ekv_status s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
+    return EKV_OK;
+}
+
+static ekv_status check_seq(const ekv_model *m, int32_t seq) {
+    if (seq < 0 || seq >= m->prm.max_seqs)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "seq=%d is outside [0, max_seqs=%d)",
+                        seq, m->prm.max_seqs);
+    return EKV_OK;
+}
+
+int64_t ekv_model_seq_position(const ekv_model *m, int32_t seq) {
+    if (!m || seq < 0 || seq >= m->prm.max_seqs) return -1;
+    return m->gpu ? ekv_model_gpu_position(m->gpu, seq) : m->pos;
+}
+
+ekv_status ekv_model_seq_reset(ekv_model *m, int32_t seq) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_seq(m, seq);
+    if (s) return s;
+    if (!m->gpu) return ekv_model_reset(m); /* one sequence */
+    return ekv_model_gpu_seq_reset(m, seq);
+}
+
+ekv_status ekv_model_seq_step(ekv_model *m, int32_t seq, const int32_t *tokens, int64_t n,
+                              float *logits) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_seq(m, seq);
+    if (s) return s;
+    if (seq == 0) return ekv_model_step(m, tokens, n, logits);
+    if ((s = check_tokens(m, tokens, n, ekv_model_seq_position(m, seq)))) return s;
+    return ekv_model_gpu_step(m, seq, tokens, n, logits); /* max_seqs > 1: the GPU's */
+}
+
+ekv_status ekv_model_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seqs,
+                                const int32_t *tokens, float *logits) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    if (!seqs || !tokens) return ekv_fail(m->ctx, EKV_ERR_NULL_POINTER, "seqs or tokens is NULL");
+    if (n_seqs < 1 || n_seqs > m->prm.max_seqs)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be in [1, max_seqs=%d]",
+                        n_seqs, m->prm.max_seqs);
+    for (int32_t b = 0; b < n_seqs; b++) {
+        ekv_status s = check_seq(m, seqs[b]);
+        for (int32_t c = 0; !s && c < b; c++)
+            if (seqs[c] == seqs[b])
+                s = ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
+                             "seqs[%d] = seqs[%d] = %d: a sequence takes one token per step", c,
+                             b, seqs[b]);
+        if (!s) s = check_tokens(m, tokens + b, 1, ekv_model_seq_position(m, seqs[b]));
+        if (s) return s;
+    }
+    if (!m->gpu) return ekv_model_step(m, tokens, 1, logits); /* the one sequence, seqs[0] = 0 */
+    return ekv_model_gpu_batch_step(m, seqs, n_seqs, tokens, logits);
+}
+
+ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float *logits) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_tokens(m, tokens, n, m->pos);
+    if (s) return s;
+    if (m->gpu) return ekv_model_gpu_step(m, 0, tokens, n, logits);
+    s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
     if (s) return s;
     for (int64_t i = 0; i < n && !s; i += EKV_MODEL_BLOCK) {
         const int64_t T = n - i < EKV_MODEL_BLOCK ? n - i : EKV_MODEL_BLOCK;

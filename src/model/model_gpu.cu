@@ -92,7 +92,8 @@ static ekv_status upload_vectors(ekv_model *m, model_gpu *g) {
  * compact ranges, key codes when the model has code_bits. */
 static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     const ekv_model_config *c = &m->cfg;
-    const int64_t P = g->pages, ps = m->prm.page_size, Hk = c->n_kv_heads, D = c->head_dim;
+    const int64_t P = g->pages * g->max_seqs, ps = m->prm.page_size, Hk = c->n_kv_heads,
+                  D = c->head_dim;
     const ekv_dtype dt = m->prm.kv_dtype;
     const int64_t es = ekv_dtype_size(dt), pool = P * ps * Hk * D, stat_n = P * Hk * D;
     const ekv_dtype rd = ekv_cache_compact_ranges(dt);
@@ -158,14 +159,15 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     return s;
 }
 
-/* The decode plan (prefix views per block: up to 64, fewer when its score rows would pass
- * 4 GiB) and the activations of a block. */
+/* The decode plan (views per block: up to 64, fewer when its score rows would pass 4 GiB, but
+ * every sequence in one batched step) and the activations of a block. */
 static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     const ekv_model_config *c = &m->cfg;
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
     const int64_t per_view = (int64_t)c->n_heads * g->pages * m->prm.page_size * 4;
     int64_t views = ((int64_t)4 << 30) / per_view;
-    pp.max_batch = (int32_t)(views < 1 ? 1 : views > (int64_t)EKV_MODEL_BLOCK ? (int64_t)EKV_MODEL_BLOCK : views);
+    views = views < 1 ? 1 : views > (int64_t)EKV_MODEL_BLOCK ? (int64_t)EKV_MODEL_BLOCK : views;
+    pp.max_batch = (int32_t)(views > g->max_seqs ? views : g->max_seqs);
     pp.device = m->prm.device;
     pp.stream = g->stream;
     pp.num_heads = c->n_heads;
@@ -179,20 +181,22 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     g->block = g->chunk > g->views ? g->chunk : g->views;
     const int64_t B = g->block, d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
                   kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim;
+    const int64_t items = B / m->prm.page_size + 2 > g->views ? B / m->prm.page_size + 2 : g->views;
     struct {
         void *p;
         int64_t bytes;
     } t[] = {{&g->x, B * d * 4},       {&g->xn, B * d * 4},          {&g->q, B * qd * 4},
              {&g->k, B * kvd * 4},     {&g->v, B * kvd * 4},         {&g->att, B * qd * 4},
              {&g->h1, B * F * 4},      {&g->h3, B * F * 4},          {&g->logits, B * c->vocab * 4},
-             {&g->tokens, B * 4},      {&g->pos, 8},                 {&g->bad, 4},
+             {&g->tokens, B * 4},      {&g->pos, 8 * g->max_seqs},   {&g->bad, 4},
+             {&g->bseqs, g->views * 4}, {&g->vbase, g->views * 4},
              {&g->indptr, (g->views + 1) * 8}, {&g->last_len, g->views * 4},
              {&g->indices, g->views * g->pages * 4},
-             {&g->items, (B / m->prm.page_size + 2) * (int64_t)sizeof(ekv_cuda_append_item)}};
+             {&g->items, items * (int64_t)sizeof(ekv_cuda_append_item)}};
     for (size_t i = 0; i < sizeof t / sizeof t[0] && !s; i++)
         s = dev_alloc(g, t[i].p, t[i].bytes, "the activations");
     if (s) return s;
-    GPU_TRY(g, cudaMemset(g->pos, 0, 8));
+    GPU_TRY(g, cudaMemset(g->pos, 0, 8 * (size_t)g->max_seqs));
     GPU_TRY(g, cudaMemset(g->bad, 0, 4));
     return EKV_OK;
 }
@@ -220,9 +224,10 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
     void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens, g->pos, g->x, g->xn, g->q,
                     g->k, g->v, g->att, g->h1, g->h3, g->logits, g->indptr, g->indices,
                     g->last_len, g->items, g->scores, g->pparts, g->qparts, g->qshift, g->obuf,
-                    g->bad, g->blas_ws};
+                    g->bad, g->blas_ws, g->bseqs, g->vbase};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
+    free(g->hpos);
     if (g->blas) cublasDestroy(g->blas);
     if (g->stream) cudaStreamDestroy(g->stream);
     free(g);
@@ -255,10 +260,12 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     if (!g) return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     g->ctx = m->ctx;
     g->nlayers = c->n_layers;
+    g->max_seqs = m->prm.max_seqs;
     g->layers = (gpu_layer *)calloc((size_t)c->n_layers, sizeof *g->layers);
+    g->hpos = (int64_t *)calloc((size_t)g->max_seqs, sizeof *g->hpos);
     g->pages = (m->prm.max_tokens + m->prm.page_size - 1) / m->prm.page_size;
     g->nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
-    ekv_status s = g->layers ? open_device(m, g)
+    ekv_status s = g->layers && g->hpos ? open_device(m, g)
                              : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     if (!s) s = upload_weights(m, g);
     if (!s) s = upload_vectors(m, g);
@@ -283,19 +290,19 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     } while (0)
 
 /* Layer l over the block's T tokens (x in place): model.c's forward_block on the device. */
-static ekv_status layer_forward(ekv_model *m, int32_t l, int64_t pos0, int64_t T, int views,
+static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int views,
                                 int32_t n_items) {
     const ekv_model_config *c = &m->cfg;
     model_gpu *g = m->gpu;
     gpu_layer *L = &g->layers[l];
     const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
-                  kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim;
+                  kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim, T = b->T;
     TRY(gpu_rmsnorm(g, g->x, L->attn_norm, g->xn, T, d, c->norm_eps));
     TRY(gpu_linear(g, L->wq, qd, d, g->xn, T, g->q, 0.f));
     TRY(gpu_linear(g, L->wk, kvd, d, g->xn, T, g->k, 0.f));
     TRY(gpu_linear(g, L->wv, kvd, d, g->xn, T, g->v, 0.f));
     TRY(ekv_cuda_append(g->plan, &L->kv, &L->st, g->items, n_items, g->k, g->v));
-    TRY(views ? gpu_views_attention(m, L, pos0, T) : gpu_prefill_attention(m, L, pos0, T));
+    TRY(views ? gpu_views_attention(m, L, b) : gpu_prefill_attention(m, L, b));
     GPU_TRY(g, cudaMemcpyAsync(L->last_q, g->q + (T - 1) * qd, (size_t)qd * 4,
                                cudaMemcpyDeviceToDevice, g->stream));
     TRY(gpu_linear(g, L->wo, d, qd, g->att, T, g->x, 1.f)); /* x += Wo . att */
@@ -306,31 +313,34 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, int64_t pos0, int64_t T
     return gpu_linear(g, L->w2, d, F, g->h1, T, g->x, 1.f); /* x += W2 . swiglu */
 }
 
-/* One block of T tokens (g->tokens) at the device position, which it advances by T; the
- * logits of every token into g->logits. Host values used: pos0 (the host's copy of the
- * position) only where a block of T > 1 needs it, so a captured step (T = 1) stays valid as
- * the position moves (model_gpu_attention.cu). */
-static ekv_status forward_block(ekv_model *m, int64_t pos0, int64_t T) {
+/* One block (g->tokens) at the device positions, which it advances; the logits of every
+ * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only
+ * where a block of T > 1 tokens of one sequence needs it, so a captured step (T = 1) stays
+ * valid as the position moves (model_gpu_attention.cu). */
+static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     const ekv_model_config *c = &m->cfg;
     model_gpu *g = m->gpu;
-    const int views = T == 1 || m->prm.method != EKV_SELECT_DENSE;
-    const int32_t n_items = gpu_items(pos0, T, m->prm.page_size);
-    TRY(gpu_block_tables(g, T, m->prm.page_size, n_items, views));
+    const int64_t T = b->T;
+    const int views = b->batch || T == 1 || m->prm.method != EKV_SELECT_DENSE;
+    const int32_t n_items = b->batch ? (int32_t)T : gpu_items(b->pos0, T, m->prm.page_size);
+    TRY(gpu_block_tables(g, b, m->prm.page_size, n_items, views));
     TRY(gpu_embed(g, T, c->d_model));
-    for (int32_t l = 0; l < c->n_layers; l++) TRY(layer_forward(m, l, pos0, T, views, n_items));
-    TRY(gpu_advance(g, T));
+    for (int32_t l = 0; l < c->n_layers; l++) TRY(layer_forward(m, l, b, views, n_items));
+    TRY(gpu_advance(g, b));
     TRY(gpu_rmsnorm(g, g->x, g->norm_w, g->xn, T, c->d_model, c->norm_eps));
     return gpu_linear(g, g->out_w, c->vocab, c->d_model, g->xn, T, g->logits, 0.f);
 }
 
-/* A decode step as the replay of one captured graph (captured at the first step after
- * creation or a method change). */
-static ekv_status graph_step(ekv_model *m) {
+/* A decode step of sequence seq as the replay of one captured graph (captured at the first
+ * step after creation, a method change or a step of another sequence). */
+static ekv_status graph_step(ekv_model *m, int32_t seq) {
     model_gpu *g = m->gpu;
+    if (g->graph_seq != seq) ekv_model_gpu_method_changed(g); /* another sequence's graph */
     if (!g->graph_ready) {
         cudaGraph_t graph;
+        const gpu_block b = {seq, g->hpos[seq], 1, 0};
         GPU_TRY(g, cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-        ekv_status s = forward_block(m, m->pos, 1);
+        ekv_status s = forward_block(m, &b);
         cudaError_t e = cudaStreamEndCapture(g->stream, &graph);
         if (s) {
             if (e == cudaSuccess) cudaGraphDestroy(graph);
@@ -341,39 +351,75 @@ static ekv_status graph_step(ekv_model *m) {
         cudaGraphDestroy(graph);
         GPU_TRY(g, e);
         g->graph_ready = 1;
+        g->graph_seq = seq;
     }
     GPU_TRY(g, cudaGraphLaunch(g->graph, g->stream));
     return EKV_OK;
 }
 
-extern "C" ekv_status ekv_model_gpu_step(ekv_model *m, const int32_t *tokens, int64_t n,
-                                         float *logits) {
+/* One block: its tokens to the device, the forward pass (a replayed graph for one token of
+ * one sequence), the logits back; the host waits here only. */
+static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tokens,
+                            float *logits) {
+    model_gpu *g = m->gpu;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
+    GPU_TRY(g, cudaMemcpyAsync(g->tokens, tokens, (size_t)b->T * 4, cudaMemcpyHostToDevice,
+                               g->stream));
+    TRY(b->T == 1 && !b->batch && m->prm.cuda_graphs ? graph_step(m, b->seq)
+                                                     : forward_block(m, b));
+    int32_t bad = 0;
+    if (logits)
+        GPU_TRY(g, cudaMemcpyAsync(logits, g->logits, (size_t)(b->T * m->cfg.vocab) * 4,
+                                   cudaMemcpyDeviceToHost, g->stream));
+    GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    if (bad)
+        return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
+                        "model (cuda): attention scores overflowed (not finite) in the prefill "
+                        "at positions %lld..%lld",
+                        (long long)b->pos0, (long long)(b->pos0 + b->T - 1));
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_step(ekv_model *m, int32_t seq, const int32_t *tokens,
+                                         int64_t n, float *logits) {
     model_gpu *g = m->gpu;
     const int64_t V = m->cfg.vocab;
     const int64_t most = n == 1 ? 1 : m->prm.method == EKV_SELECT_DENSE ? g->chunk : g->views;
     for (int64_t i = 0; i < n; i += most) {
-        const int64_t T = n - i < most ? n - i : most;
-        for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
-        GPU_TRY(g, cudaMemcpyAsync(g->tokens, tokens + i, (size_t)T * 4, cudaMemcpyHostToDevice,
-                                   g->stream));
-        TRY(T == 1 && m->prm.cuda_graphs ? graph_step(m) : forward_block(m, m->pos, T));
-        int32_t bad = 0;
-        if (logits)
-            GPU_TRY(g, cudaMemcpyAsync(logits + i * V, g->logits, (size_t)(T * V) * 4,
-                                       cudaMemcpyDeviceToHost, g->stream));
-        GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
-        GPU_TRY(g, cudaStreamSynchronize(g->stream));
-        if (bad)
-            return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
-                            "model (cuda): attention scores overflowed (not finite) in the "
-                            "prefill at positions %lld..%lld",
-                            (long long)m->pos, (long long)(m->pos + T - 1));
+        const gpu_block b = {seq, g->hpos[seq], n - i < most ? n - i : most, 0};
+        TRY(run_block(m, &b, tokens + i, logits ? logits + i * V : NULL));
         for (int32_t l = 0; l < m->cfg.n_layers; l++)
-            ekv_model_count_steps(m, &m->layers[l], m->pos, T);
-        m->pos += T;
+            ekv_model_count_steps(m, &m->layers[l], b.pos0, b.T);
+        g->hpos[seq] += b.T;
+        m->pos = g->hpos[0];
     }
     ekv_clear_error(m->ctx);
     return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seqs,
+                                               const int32_t *tokens, float *logits) {
+    model_gpu *g = m->gpu;
+    if (n_seqs > g->views)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE,
+                        "n_seqs=%d: a batched step takes at most %d sequences", n_seqs, g->views);
+    GPU_TRY(g, cudaMemcpyAsync(g->bseqs, seqs, (size_t)n_seqs * 4, cudaMemcpyHostToDevice,
+                               g->stream));
+    const gpu_block b = {0, 0, n_seqs, 1};
+    TRY(run_block(m, &b, tokens, logits));
+    for (int32_t k = 0; k < n_seqs; k++) {
+        for (int32_t l = 0; l < m->cfg.n_layers; l++)
+            ekv_model_count_steps(m, &m->layers[l], g->hpos[seqs[k]], 1);
+        g->hpos[seqs[k]] += 1;
+    }
+    m->pos = g->hpos[0];
+    ekv_clear_error(m->ctx);
+    return EKV_OK;
+}
+
+extern "C" int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq) {
+    return g->hpos[seq];
 }
 
 /* ---------------------------------------------------------------------------------- */
@@ -382,10 +428,22 @@ extern "C" ekv_status ekv_model_gpu_step(ekv_model *m, const int32_t *tokens, in
 extern "C" ekv_status ekv_model_gpu_reset(ekv_model *m) {
     model_gpu *g = m->gpu;
     for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
-    /* the first append of the new sequence rebuilds each page's statistics from slot 0 */
-    GPU_TRY(g, cudaMemsetAsync(g->pos, 0, 8, g->stream));
+    /* the first append of a new sequence rebuilds each page's statistics from slot 0 */
+    GPU_TRY(g, cudaMemsetAsync(g->pos, 0, 8 * (size_t)g->max_seqs, g->stream));
     GPU_TRY(g, cudaMemsetAsync(g->bad, 0, 4, g->stream));
     GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    memset(g->hpos, 0, sizeof(int64_t) * (size_t)g->max_seqs);
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
+    model_gpu *g = m->gpu;
+    if (seq == 0)
+        for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
+    GPU_TRY(g, cudaMemsetAsync(g->pos + seq, 0, 8, g->stream));
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    g->hpos[seq] = 0;
+    m->pos = g->hpos[0];
     return EKV_OK;
 }
 

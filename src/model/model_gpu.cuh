@@ -16,9 +16,10 @@ extern "C" {
 #include <cuda_runtime.h>
 
 /* The device copy of one layer: weights (fp32, into model_gpu.weights) and its KV cache. The
- * cache holds one sequence whose logical page p is physical page p, in the NHD layout, so the
- * keys of KV head g are one matrix [tokens][D] with row stride Hk*D (what the prefill's GEMMs
- * read) and still a paged cache to the decode stages (ekv_paged_kv strides). */
+ * cache holds max_seqs sequences; logical page p of sequence s is physical page s*pages + p,
+ * in the NHD layout, so the keys of KV head g of a sequence are one matrix [tokens][D] with
+ * row stride Hk*D (what the prefill's GEMMs read) and still a paged cache to the decode
+ * stages (ekv_paged_kv strides). */
 struct gpu_layer {
     const float *attn_norm, *ffn_norm;
     const float *wq, *wk, *wv, *wo, *w1, *w2, *w3;
@@ -43,7 +44,11 @@ struct model_gpu {
     ekv_cuda_plan *plan;
     int32_t views;  /* prefix views per decode-stage block: the plan's max_batch */
     int64_t block;  /* rows of the activations: the most tokens of one block */
-    int64_t pages;  /* pages of each layer's cache */
+    int64_t pages;  /* pages of one sequence (max_tokens) */
+    int32_t max_seqs;
+    int64_t *hpos;  /* [max_seqs] the host's copy of the positions */
+    int32_t *bseqs; /* [views] the sequences of a batched step (device) */
+    int32_t *vbase; /* [views] the first physical page of each view's sequence (device) */
     int64_t chunk;  /* query tokens of one dense prefill block */
     int32_t nparts; /* 16-bit parts of the prefill's fp32 GEMM inputs (docs/math.md §12) */
     float *weights, *vectors, *slopes;
@@ -51,7 +56,7 @@ struct model_gpu {
     gpu_layer *layers;
     int32_t nlayers;
     int32_t *tokens; /* [block] */
-    int64_t *pos;    /* the sequence's position on the device: graph replays read it */
+    int64_t *pos;    /* [max_seqs] the positions on the device: graph replays read them */
     float *x, *xn, *q, *k, *v, *att, *h1, *h3, *logits;
     int64_t *indptr; /* the prefix views of a block: [views + 1] */
     int32_t *indices, *last_len;
@@ -66,6 +71,15 @@ struct model_gpu {
     int64_t ld_cap;
     cudaGraphExec_t graph;
     int graph_ready;
+    int32_t graph_seq; /* the sequence the captured step advances */
+};
+
+/* What one forward block runs: T tokens of sequence seq from its position pos0 (batch 0), or
+ * one token of each of T sequences, g->bseqs on the device (batch 1). */
+struct gpu_block {
+    int32_t seq;
+    int64_t pos0, T;
+    int batch;
 };
 
 /* The number of items ekv_cuda_append gets for T tokens at pos0 (pages touched). */
@@ -81,14 +95,16 @@ ekv_status gpu_swiglu(model_gpu *g, float *h1, const float *h3, int64_t n);
 /* y[T][rows] = x[T][cols] . W^T + beta * y (beta 0 or 1: a residual add), fp32 */
 ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, const float *x,
                       int64_t T, float *y, float beta);
-/* From the device position: the append items of T new tokens (n_items of them), and with
- * views the CSR of the T prefix views (docs/architecture.md, "The model on the GPU"). */
-ekv_status gpu_block_tables(model_gpu *g, int64_t T, int64_t ps, int32_t n_items, int views);
-ekv_status gpu_advance(model_gpu *g, int64_t T);
-/* model_gpu_prefill.cu */
-ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, int64_t pos0, int64_t T);
+/* From the device positions: the append items of the block's tokens (n_items of them), and
+ * with views the CSR of its T views (docs/architecture.md, "The model on the GPU"): the prefix
+ * of each token of one sequence, or each batched sequence whole. */
+ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_t n_items,
+                            int views);
+ekv_status gpu_advance(model_gpu *g, const gpu_block *b);
+/* model_gpu_prefill.cu (one sequence) */
+ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
 /* model_gpu_attention.cu */
-ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, int64_t pos0, int64_t T);
+ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
 
 #define GPU_TRY(g, call)                                                                           \
     do {                                                                                           \

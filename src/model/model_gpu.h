@@ -14,10 +14,16 @@ typedef struct model_gpu model_gpu;
  * the decode plan and the activations; sets m->gpu. */
 ekv_status ekv_model_gpu_create(ekv_model *m);
 void ekv_model_gpu_free(model_gpu *g);
-/* ekv_model_step on the device: tokens and logits are host arrays (checked by the caller). */
-ekv_status ekv_model_gpu_step(ekv_model *m, const int32_t *tokens, int64_t n, float *logits);
-/* Empties the device sequence (position 0). */
+/* ekv_model_seq_step on the device: tokens and logits are host arrays (checked by the caller). */
+ekv_status ekv_model_gpu_step(ekv_model *m, int32_t seq, const int32_t *tokens, int64_t n,
+                              float *logits);
+/* ekv_model_batch_step on the device (seqs distinct and in range, checked by the caller). */
+ekv_status ekv_model_gpu_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seqs,
+                                    const int32_t *tokens, float *logits);
+int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq);
+/* Empties every sequence (position 0), or one. */
 ekv_status ekv_model_gpu_reset(ekv_model *m);
+ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq);
 /* The method changed: a captured decode graph is stale. NULL-safe. */
 void ekv_model_gpu_method_changed(model_gpu *g);
 ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q);

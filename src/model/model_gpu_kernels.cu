@@ -43,36 +43,69 @@ __global__ void swiglu_kernel(float *h1, const float *h3, int64_t n) {
     }
 }
 
-/* One thread: the append items of the T tokens from *pos, and the views' indptr/last_len
- * (view t ends at position *pos + t: its pages are 0 .. (*pos + t) / ps). */
-__global__ void block_tables_kernel(const int64_t *pos, int64_t T, int64_t ps, int32_t n_items,
-                                    int views, ekv_cuda_append_item *items, int64_t *indptr,
-                                    int32_t *last_len) {
-    const int64_t p0 = *pos;
-    for (int32_t i = 0; i < n_items; i++) {
-        const int64_t page = p0 / ps + i, first = page * ps > p0 ? page * ps : p0;
-        const int64_t end = (page + 1) * ps < p0 + T ? (page + 1) * ps : p0 + T;
-        items[i] = ekv_cuda_append_item{(int32_t)page, (int32_t)(first - page * ps),
-                                        (int32_t)(end - first), 0, first - p0};
+struct tables_args {
+    const int64_t *pos;   /* [max_seqs] */
+    const int32_t *bseqs; /* batch: the sequence of each row */
+    int32_t seq;          /* one sequence: which */
+    int64_t T, ps, pages; /* pages: of one sequence, so sequence s starts at page s * pages */
+    int32_t n_items;
+    int views, batch;
+    ekv_cuda_append_item *items;
+    int64_t *indptr;
+    int32_t *last_len, *vbase;
+};
+
+/* One thread. One sequence: the append items of its T tokens from pos[seq], and view t ending
+ * at position pos[seq] + t (pages 0 .. (pos + t) / ps of the sequence). Batch: row b's token
+ * goes to sequence bseqs[b] at its position, whose view is the whole sequence after it. */
+__global__ void block_tables_kernel(tables_args A) {
+    if (A.batch) {
+        A.indptr[0] = 0;
+        for (int64_t b = 0; b < A.T; b++) {
+            const int32_t s = A.bseqs[b];
+            const int64_t p = A.pos[s], np = p / A.ps + 1, base = (int64_t)s * A.pages;
+            A.items[b] = ekv_cuda_append_item{(int32_t)(base + p / A.ps), (int32_t)(p % A.ps), 1,
+                                              0, b};
+            A.indptr[b + 1] = A.indptr[b] + np;
+            A.last_len[b] = (int32_t)(p - (np - 1) * A.ps + 1);
+            A.vbase[b] = (int32_t)base;
+        }
+        return;
     }
-    if (!views) return;
-    indptr[0] = 0;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t np = (p0 + t) / ps + 1;
-        indptr[t + 1] = indptr[t] + np;
-        last_len[t] = (int32_t)(p0 + t - (np - 1) * ps + 1);
+    const int64_t p0 = A.pos[A.seq], base = (int64_t)A.seq * A.pages;
+    for (int32_t i = 0; i < A.n_items; i++) {
+        const int64_t page = p0 / A.ps + i, first = page * A.ps > p0 ? page * A.ps : p0;
+        const int64_t end = (page + 1) * A.ps < p0 + A.T ? (page + 1) * A.ps : p0 + A.T;
+        A.items[i] = ekv_cuda_append_item{(int32_t)(base + page), (int32_t)(first - page * A.ps),
+                                          (int32_t)(end - first), 0, first - p0};
+    }
+    if (!A.views) return;
+    A.indptr[0] = 0;
+    for (int64_t t = 0; t < A.T; t++) {
+        const int64_t np = (p0 + t) / A.ps + 1;
+        A.indptr[t + 1] = A.indptr[t] + np;
+        A.last_len[t] = (int32_t)(p0 + t - (np - 1) * A.ps + 1);
+        A.vbase[t] = (int32_t)base;
     }
 }
 
-/* view blockIdx.y lists the physical pages 0 .. np - 1 (logical = physical here) */
-__global__ void view_pages_kernel(const int64_t *indptr, int32_t *indices) {
+/* view blockIdx.y lists its sequence's physical pages vbase .. vbase + np - 1 */
+__global__ void view_pages_kernel(const int64_t *indptr, const int32_t *vbase, int32_t *indices) {
     const int64_t t = blockIdx.y, first = indptr[t], np = indptr[t + 1] - first;
     for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < np;
          p += (int64_t)gridDim.x * blockDim.x)
-        indices[first + p] = (int32_t)p;
+        indices[first + p] = vbase[t] + (int32_t)p;
 }
 
-__global__ void advance_kernel(int64_t *pos, int64_t T) { *pos += T; }
+/* one sequence: pos[seq] += T; batch (bseqs distinct): pos[bseqs[b]] += 1 for each row */
+__global__ void advance_kernel(int64_t *pos, const int32_t *bseqs, int32_t seq, int64_t T,
+                               int batch) {
+    if (!batch) {
+        if (threadIdx.x == 0) pos[seq] += T;
+        return;
+    }
+    for (int64_t b = threadIdx.x; b < T; b += blockDim.x) pos[bseqs[b]] += 1;
+}
 
 } // namespace
 
@@ -108,21 +141,24 @@ ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, 
     return EKV_OK;
 }
 
-ekv_status gpu_block_tables(model_gpu *g, int64_t T, int64_t ps, int32_t n_items, int views) {
-    block_tables_kernel<<<1, 1, 0, g->stream>>>(g->pos, T, ps, n_items, views, g->items,
-                                                g->indptr, g->last_len);
+ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_t n_items,
+                            int views) {
+    const tables_args A = {g->pos,   g->bseqs,   b->seq,    b->T,      ps,         g->pages,
+                           n_items,  views,      b->batch,  g->items,  g->indptr,  g->last_len,
+                           g->vbase};
+    block_tables_kernel<<<1, 1, 0, g->stream>>>(A);
     GPU_LAUNCHED(g);
     if (views) {
         const int64_t bx = (g->pages + 255) / 256;
-        view_pages_kernel<<<dim3((unsigned)(bx < 1024 ? bx : 1024), (unsigned)T), 256, 0,
-                            g->stream>>>(g->indptr, g->indices);
+        view_pages_kernel<<<dim3((unsigned)(bx < 1024 ? bx : 1024), (unsigned)b->T), 256, 0,
+                            g->stream>>>(g->indptr, g->vbase, g->indices);
         GPU_LAUNCHED(g);
     }
     return EKV_OK;
 }
 
-ekv_status gpu_advance(model_gpu *g, int64_t T) {
-    advance_kernel<<<1, 1, 0, g->stream>>>(g->pos, T);
+ekv_status gpu_advance(model_gpu *g, const gpu_block *b) {
+    advance_kernel<<<1, 256, 0, g->stream>>>(g->pos, g->bseqs, b->seq, b->T, b->batch);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }

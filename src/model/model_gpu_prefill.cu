@@ -183,7 +183,7 @@ void launch(ekv_dtype dt, const prefill_args &A, cudaStream_t s, int split_q) {
 /* S = q' K^T and O = P V over the parts (beta 1 after the first part: each part's product,
  * computed from zero, is added to the fp32 result, docs/math.md §12). */
 static ekv_status prefill_gemms(model_gpu *g, const gpu_layer *L, const prefill_args &A,
-                                int scores) {
+                                int scores, int64_t kv_offset) {
     const cudaDataType_t ty = blas_type(L->kv.dtype);
     const int64_t es = ekv_dtype_size(L->kv.dtype), kvld = A.Hk * A.D;
     const float one = 1.f, zero = 0.f, pback = 1.f / A.pscale;
@@ -192,14 +192,14 @@ static ekv_status prefill_gemms(model_gpu *g, const gpu_layer *L, const prefill_
         if (scores)
             BLAS_TRY(g, cublasGemmStridedBatchedEx(
                                 g->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)A.nk, (int)A.R, (int)A.D,
-                                &one, L->kv.k, ty, (int)kvld, A.D,
+                                &one, (const char *)L->kv.k + kv_offset, ty, (int)kvld, A.D,
                                 (const char *)A.qparts + p * A.Hk * A.R * A.D * es, ty, (int)A.D,
                                 A.R * A.D, beta, A.scores, CUDA_R_32F, (int)A.ld, A.R * A.ld,
                                 (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         else
             BLAS_TRY(g, cublasGemmStridedBatchedEx(
                                 g->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)A.D, (int)A.R, (int)A.nk,
-                                &pback, L->kv.v, ty, (int)kvld, A.D,
+                                &pback, (const char *)L->kv.v + kv_offset, ty, (int)kvld, A.D,
                                 (const char *)A.pparts + p * A.Hk * A.R * A.ld * es, ty, (int)A.ld,
                                 A.R * A.ld, beta, A.obuf, CUDA_R_32F, (int)A.D, A.R * A.D,
                                 (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -207,9 +207,13 @@ static ekv_status prefill_gemms(model_gpu *g, const gpu_layer *L, const prefill_
     return EKV_OK;
 }
 
-ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, int64_t pos0, int64_t T) {
+ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
     model_gpu *g = m->gpu;
     const ekv_model_config *c = &m->cfg;
+    const int64_t pos0 = b->pos0, T = b->T;
+    /* the sequence's keys: its first page's rows onward (model_gpu.cuh) */
+    const int64_t kv_offset = (int64_t)b->seq * g->pages * L->kv.stride_page *
+                              ekv_dtype_size(L->kv.dtype);
     prefill_args A;
     A.pos0 = pos0;
     A.T = T;
@@ -241,11 +245,11 @@ ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, int64_t pos0, int64
     A.bad = g->bad;
     launch(L->kv.dtype, A, g->stream, 1);
     GPU_LAUNCHED(g);
-    ekv_status s = prefill_gemms(g, L, A, 1);
+    ekv_status s = prefill_gemms(g, L, A, 1, kv_offset);
     if (s) return s;
     launch(L->kv.dtype, A, g->stream, 0);
     GPU_LAUNCHED(g);
-    if ((s = prefill_gemms(g, L, A, 0))) return s;
+    if ((s = prefill_gemms(g, L, A, 0, kv_offset))) return s;
     gather_heads_kernel<<<dim3((unsigned)T, (unsigned)A.H), 64, 0, g->stream>>>(A);
     GPU_LAUNCHED(g);
     return EKV_OK;

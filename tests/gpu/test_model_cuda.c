@@ -9,7 +9,9 @@
  * automatic block; f32 and bf16 caches take the other part counts of the GEMMs' split
  * (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
  * again gives the first run's logits; the host mirror of a layer cache and the last queries
- * match the CPU's; gaussian is refused (ALiBi). Exit 77 when no CUDA device is present.
+ * match the CPU's; batched decode of sequences of different lengths (ekv_model_batch_step)
+ * matches each sequence run alone on the CPU; gaussian is refused (ALiBi). Exit 77 when no
+ * CUDA device is present.
  */
 #include "entmaxkv.h"
 #include "test_util.h"
@@ -181,6 +183,76 @@ done:
     free(b);
 }
 
+/* Batched decode: NSEQ sequences of different lengths prefilled one by one (seq_step), then
+ * BSTEPS steps of all of them in one ekv_model_batch_step (each its own greedy token), with a
+ * single-sequence step of sequence 1 in between (its own graph); each sequence's logits
+ * against the CPU engine running that sequence alone. */
+enum { NSEQ = 3, BSTEPS = 12 };
+static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
+    static const int64_t len[NSEQ] = {300, 457, 129}, off[NSEQ] = {0, 100, 333};
+    mcase c = {method, EKV_DTYPE_F16, 128, 1, 457};
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = 457 + BSTEPS + 8;
+    p.method = method;
+    p.code_bits = 4;
+    p.backend = EKV_BACKEND_CUDA;
+    p.prefill_chunk = 128;
+    p.max_seqs = NSEQ;
+    ekv_model *gpu = NULL;
+    CHECK(!ekv_model_load(ctx, MODEL, &p, &gpu), "load max_seqs %d: %s", NSEQ, ekv_last_error(ctx));
+    float *lg = malloc(sizeof(float) * (size_t)(457 * V)), *lc = malloc(sizeof(float) * (size_t)(457 * V));
+    float gl[NSEQ][BSTEPS + 1][V], cl[BSTEPS + 1][V];
+    int32_t next[NSEQ], seqs[NSEQ] = {0, 1, 2};
+    char what[96];
+    for (int32_t k = 0; gpu && k < NSEQ; k++) {
+        CHECK(!ekv_model_seq_step(gpu, k, tok + off[k], len[k], lg), "seq_step %d: %s", k,
+              ekv_last_error(ctx));
+        memcpy(gl[k][0], lg + (len[k] - 1) * V, sizeof(float) * V);
+        next[k] = argmax(gl[k][0]);
+    }
+    for (int s = 1; gpu && s <= BSTEPS; s++) {
+        float out[NSEQ][V];
+        if (s == BSTEPS / 2) { /* sequence 1 alone, then the batch without it */
+            CHECK(!ekv_model_seq_step(gpu, 1, &next[1], 1, gl[1][s]), "seq 1 step");
+            const int32_t two[2] = {0, 2}, t2[2] = {next[0], next[2]};
+            CHECK(!ekv_model_batch_step(gpu, two, 2, t2, out[0]), "batch of 2: %s", ekv_last_error(ctx));
+            memcpy(gl[0][s], out[0], sizeof(float) * V);
+            memcpy(gl[2][s], out[1], sizeof(float) * V);
+        } else {
+            CHECK(!ekv_model_batch_step(gpu, seqs, NSEQ, next, out[0]), "batch: %s", ekv_last_error(ctx));
+            for (int k = 0; k < NSEQ; k++) memcpy(gl[k][s], out[k], sizeof(float) * V);
+        }
+        for (int k = 0; k < NSEQ; k++) next[k] = argmax(gl[k][s]);
+    }
+    for (int32_t k = 0; gpu && k < NSEQ; k++) {
+        CHECK(ekv_model_seq_position(gpu, k) == len[k] + BSTEPS, "seq %d position %lld", k,
+              (long long)ekv_model_seq_position(gpu, k));
+        ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU);
+        if (!cpu) break;
+        CHECK(!ekv_model_step(cpu, tok + off[k], len[k], lc), "cpu prefill");
+        memcpy(cl[0], lc + (len[k] - 1) * V, sizeof(float) * V);
+        for (int s = 1; s <= BSTEPS; s++) {
+            const int32_t t = argmax(gl[k][s - 1]); /* the token the GPU run fed */
+            CHECK(!ekv_model_step(cpu, &t, 1, cl[s]), "cpu step");
+        }
+        snprintf(what, sizeof what, "%s batch: seq %d (%lld tokens)", ekv_method_name(method), k,
+                 (long long)len[k]);
+        compare(what, gl[k][0], cl[0], BSTEPS + 1);
+        ekv_model_free(cpu);
+    }
+    if (gpu) {
+        const int32_t dup[2] = {1, 1}, t2[2] = {65, 66};
+        CHECK(ekv_model_batch_step(gpu, dup, 2, t2, NULL) == EKV_ERR_INVALID_ARGUMENT, "duplicate seq");
+        CHECK(ekv_model_seq_position(gpu, 1) == len[1] + BSTEPS, "a refused batch moves nothing");
+        CHECK(!ekv_model_seq_reset(gpu, 1) && ekv_model_seq_position(gpu, 1) == 0 &&
+                      ekv_model_seq_position(gpu, 0) == len[0] + BSTEPS,
+              "seq_reset empties one sequence");
+    }
+    ekv_model_free(gpu);
+    free(lg);
+    free(lc);
+}
+
 /* gaussian needs the CPU's mixture solver with ALiBi: refused at load and at set_method */
 static void check_refusals(ekv_context *ctx) {
     ekv_model_params p = ekv_model_default_params();
@@ -232,6 +304,9 @@ int main(void) {
         run_case(ctx, &cases[i], tok, i == 0 ? graph : i == 1 ? eager : NULL);
     compare("dense decode: graph against eager", graph, eager, DECODE);
     check_state(ctx, tok);
+    check_batch(ctx, tok, EKV_SELECT_DENSE);
+    check_batch(ctx, tok, EKV_SELECT_TOPK);
+    check_batch(ctx, tok, EKV_SELECT_SCREENED);
     check_refusals(ctx);
     free(graph);
     free(eager);
