@@ -27,6 +27,26 @@ printf 'phase\tctx\tmethod\ttokens\tseconds\ttokens_per_s\tuseful_tflops\ttc_tfl
 [ -x "$BIN" ] || { echo "model_gpu.sh: $BIN is not built" >&2; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; git log -1 --format='commit %H'; } >>"$LOG" 2>&1
 
+# the stats lines of run ([prefill ...], [decode @N ...], [decode batch B ...]) as TSV rows
+cat >"$OUT/stats.awk" <<'AWK'
+        /^\[(prefill|decode)/ {
+            line = $0; sub(/^\[/, "", line); split(line, a, "]"); head = a[1]
+            nf = split(head, w, " "); phase = w[1]; first = 2
+            if (w[2] == "batch") { phase = phase "_batch" w[3]; first = 4 }
+            else if (phase == "decode") first = 3
+            method = w[first]; for (k = first + 1; k <= nf; k++) method = method " " w[k]
+            match(a[2], /[0-9]+ tokens in [0-9.]+ s/); split(substr(a[2], RSTART, RLENGTH), b, " ")
+            tok = b[1]; sec = b[4]
+            match(a[2], /[0-9.]+ tokens\/s/); rate = substr(a[2], RSTART, RLENGTH) + 0
+            H = 6; D = 64; L = 8; P = 12.7e6
+            if (phase == "prefill" && sec > 0) { # one sequence: the N^2 of attention
+                useful = (2 * H * D * tok * tok * L + 2 * P * tok) / sec / 1e12
+                tc = (2 * 2 * H * D * tok * tok * L + 2 * P * tok) / sec / 1e12
+            } else { useful = 0; tc = 0 }
+            printf "%s\t%s\t%s\t%s\t%s\t%.1f\t%.2f\t%.2f\n", phase, ctx, method, tok, sec, rate, useful, tc
+        }
+AWK
+
 # a prompt of N bytes from the repository's text
 prompt() {
     local n=$1 f="$OUT/prompt_$1.txt"
@@ -49,22 +69,7 @@ run_one() {
     cat "$OUT/run.out" >>"$LOG"
     [ $rc -eq 0 ] || { echo "   (exit $rc)" >>"$LOG"; return 1; }
     # [prefill dense] N tokens in S s: R tokens/s; ...   /   [decode @N topk 0.0625] ...
-    awk -v ctx="$ctx" '
-        /^\[(prefill|decode)/ {
-            line = $0; sub(/^\[/, "", line); split(line, a, "]"); head = a[1]
-            nf = split(head, w, " "); phase = w[1]; method = w[nf]
-            if (phase == "decode") { method = w[3]; for (k = 4; k <= nf; k++) method = method " " w[k] }
-            else { method = w[2]; for (k = 3; k <= nf; k++) method = method " " w[k] }
-            match(a[2], /[0-9]+ tokens in [0-9.]+ s/); split(substr(a[2], RSTART, RLENGTH), b, " ")
-            tok = b[1]; sec = b[4]
-            match(a[2], /[0-9.]+ tokens\/s/); rate = substr(a[2], RSTART, RLENGTH) + 0
-            H = 6; D = 64; L = 8; P = 12.7e6
-            if (phase == "prefill" && sec > 0) {
-                useful = (2 * H * D * tok * tok * L + 2 * P * tok) / sec / 1e12
-                tc = (2 * 2 * H * D * tok * tok * L + 2 * P * tok) / sec / 1e12
-            } else { useful = 0; tc = 0 }
-            printf "%s\t%s\t%s\t%s\t%s\t%.1f\t%.2f\t%.2f\n", phase, ctx, method, tok, sec, rate, useful, tc
-        }' "$OUT/run.out" >>"$TSV"
+    awk -v ctx="$ctx" -f "$OUT/stats.awk" "$OUT/run.out" >>"$TSV"
 }
 
 for n in 8192 32768 131072; do
@@ -75,4 +80,17 @@ for n in 32768 131072; do
     run_one "$n" --method dense -n 128 --compare topk,certified,screened
 done
 run_one 32768 --method dense -n 128 --no-graphs
+
+# batched decode: BATCH prompts of 8K..32K bytes (different lengths: a ragged page table)
+B=${MODEL_GPU_BATCH:-16}
+: >"$OUT/prompts.txt"
+for k in $(seq 0 $((B - 1))); do
+    head -c $((8192 + 24576 * k / (B > 1 ? B - 1 : 1))) "$(prompt 32768)" | tr '\n' ' ' >>"$OUT/prompts.txt"
+    echo >>"$OUT/prompts.txt"
+done
+echo "== $BIN run --backend cuda --prompts-file $OUT/prompts.txt --quiet -n 64 --method dense --compare topk,certified,screened" >>"$LOG"
+"$BIN" run --backend cuda --prompts-file "$OUT/prompts.txt" --quiet -n 64 --method dense \
+    --compare topk,certified,screened >"$OUT/run.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
+cat "$OUT/run.out" >>"$LOG"
+awk -v ctx=ragged -f "$OUT/stats.awk" "$OUT/run.out" >>"$TSV"
 column -t -s $'\t' "$TSV"

@@ -87,6 +87,20 @@ run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda --method gaussian
 [ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"
 check "run --backend cuda --method gaussian should exit 1 (rc=$RC: $(head -c 200 "$ERR"))" $?
 
+# run --prompts-file: one prompt runs on the CPU too and generates what --prompt does; several
+# need --backend cuda (exit 1 saying so where there is none)
+printf 'Hello\n' >"$TMP/p1.txt"
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1
+want=$(head -c 25 "$OUT" | tail -c 20)
+run run --model "$MODEL" --prompts-file "$TMP/p1.txt" -n 20 --threads 1
+[ "$RC" -eq 0 ] && [ "$(sed -n 2p "$OUT")" = "$want" ] && grep -q "^\[decode batch 1 dense\] 20 tokens" "$OUT"
+check "run --prompts-file with one prompt should generate what --prompt does (rc=$RC)" $?
+printf 'Hello\n\nworld\n' >"$TMP/p2.txt"
+run run --model "$MODEL" --prompts-file "$TMP/p2.txt" -n 4
+[ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"
+check "run --prompts-file with two prompts on the CPU should exit 1 naming cuda (rc=$RC)" $?
+usage run --model "$MODEL" --prompts-file "$TMP/p2.txt" --prompt x
+
 # run: deterministic greedy output, the prompt echoed, stats at the end
 run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1
 [ "$RC" -eq 0 ] && head -c 5 "$OUT" | grep -q Hello && grep -q "^\[decode @5 dense\] 20 tokens" "$OUT" && grep -q "KV read" "$OUT"

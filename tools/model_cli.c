@@ -184,6 +184,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.backend = o->backend;
     mp.prefill_chunk = o->prefill_chunk;
     mp.cuda_graphs = !o->no_graphs;
+    mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {
         fprintf(stderr, "entmaxkv %s: %s: %s: %s\n", sub, path, ekv_status_string(st),
