@@ -331,14 +331,27 @@ static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     return gpu_linear(g, g->out_w, c->vocab, c->d_model, g->xn, T, g->logits, 0.f);
 }
 
-/* A decode step of sequence seq as the replay of one captured graph (captured at the first
- * step after creation, a method change or a step of another sequence). */
+/* A decode step of sequence seq as the replay of one captured graph (captured at the second
+ * step after creation or a method change, or at a step of another sequence). The first runs
+ * eagerly, so that every kernel and cuBLAS's choices for these shapes are loaded before a
+ * capture, which must not load modules. */
+static void drop_graph(model_gpu *g) {
+    if (!g->graph_ready) return;
+    cudaStreamSynchronize(g->stream);
+    cudaGraphExecDestroy(g->graph);
+    g->graph_ready = 0;
+}
+
 static ekv_status graph_step(ekv_model *m, int32_t seq) {
     model_gpu *g = m->gpu;
-    if (g->graph_seq != seq) ekv_model_gpu_method_changed(g); /* another sequence's graph */
+    if (g->graph_seq != seq) drop_graph(g); /* another sequence's graph */
+    const gpu_block b = {seq, g->hpos[seq], 1, 0};
+    if (!g->graph_ready && !g->graph_warm) {
+        g->graph_warm = 1;
+        return forward_block(m, &b);
+    }
     if (!g->graph_ready) {
         cudaGraph_t graph;
-        const gpu_block b = {seq, g->hpos[seq], 1, 0};
         GPU_TRY(g, cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
         ekv_status s = forward_block(m, &b);
         cudaError_t e = cudaStreamEndCapture(g->stream, &graph);
@@ -448,10 +461,9 @@ extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
 }
 
 extern "C" void ekv_model_gpu_method_changed(model_gpu *g) {
-    if (!g || !g->graph_ready) return;
-    cudaStreamSynchronize(g->stream);
-    cudaGraphExecDestroy(g->graph);
-    g->graph_ready = 0;
+    if (!g) return;
+    g->graph_warm = 0; /* the next step may use other kernels */
+    drop_graph(g);
 }
 
 extern "C" ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q) {

@@ -72,6 +72,7 @@ struct model_gpu {
     cudaGraphExec_t graph;
     int graph_ready;
     int32_t graph_seq; /* the sequence the captured step advances */
+    int graph_warm;    /* a step ran eagerly since the last method change (model_gpu.cu) */
 };
 
 /* What one forward block runs: T tokens of sequence seq from its position pos0 (batch 0), or
