@@ -43,7 +43,7 @@ cat >"$OUT/stats.awk" <<'AWK'
                 useful = (2 * H * D * tok * tok * L + 2 * P * tok) / sec / 1e12
                 tc = (2 * 2 * H * D * tok * tok * L + 2 * P * tok) / sec / 1e12
             } else { useful = 0; tc = 0 }
-            printf "%s\t%s\t%s\t%s\t%s\t%.1f\t%.2f\t%.2f\n", phase, ctx, method, tok, sec, rate, useful, tc
+            if (tok > 0) printf "%s\t%s\t%s\t%s\t%s\t%.1f\t%.2f\t%.2f\n", phase, ctx, method, tok, sec, rate, useful, tc
         }
 AWK
 
@@ -93,4 +93,4 @@ echo "== $BIN run --backend cuda --prompts-file $OUT/prompts.txt --quiet -n 64 -
     --compare topk,certified,screened >"$OUT/run.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
 cat "$OUT/run.out" >>"$LOG"
 awk -v ctx=ragged -f "$OUT/stats.awk" "$OUT/run.out" >>"$TSV"
-column -t -s $'\t' "$TSV"
+column -t -s $'\t' "$TSV" 2>/dev/null || cat "$TSV"

@@ -20,27 +20,14 @@ namespace {
 
 enum { ROW_THREADS = 256, ROW_CANDS = 4096 };
 
-template <typename T> struct part_type;
-template <> struct part_type<__half> {
-    static __device__ __half from(float x) { return __float2half_rn(x); }
-    static __device__ float to(__half x) { return __half2float(x); }
-};
-template <> struct part_type<__nv_bfloat16> {
-    static __device__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
-    static __device__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
-};
-template <> struct part_type<float> {
-    static __device__ float from(float x) { return x; }
-    static __device__ float to(float x) { return x; }
-};
-
-/* x = sum of np parts of T (each the rounding of what the earlier parts left, docs/math.md §12) */
+/* x = sum of np parts of T (each the rounding of what the earlier parts left, docs/math.md §12;
+ * the conversions are the backend's, ekv_elem) */
 template <typename T>
 __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stride) {
     for (int p = 0; p < np; p++) {
-        const T h = part_type<T>::from(x);
+        const T h = ekv_elem<T>::from(x);
         dst[p * part_stride] = h;
-        x -= part_type<T>::to(h);
+        x -= ekv_elem<T>::to(h);
     }
 }
 
@@ -64,10 +51,10 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     float mx = 0.f;
     for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) mx = fmaxf(mx, fabsf(q[d] * A.qf));
     mx = ekv_block_max(mx, scratch, 0.f);
-    int s = 0;
-    if (sizeof(T) == 2 && std::is_same<T, __half>::value && mx > 0.f && isfinite(mx)) {
+    int s = 0; /* f16: 2^s lifts the largest into [2^14, 2^15), as split_group_q does (§3.1) */
+    if (std::is_same<T, __half>::value && mx > 0.f && isfinite(mx)) {
         s = 14 - ilogbf(mx);
-        s = s > 126 ? 126 : s < -126 ? -126 : s;
+        s = s > 126 ? 126 : s;
     }
     const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
     T *dst = (T *)A.qparts + row * A.D;

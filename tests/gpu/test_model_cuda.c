@@ -4,7 +4,8 @@
  * (dense, topk, certified, screened): the logits after every prefill token and after each of
  * DECODE greedy decode steps agree within 1e-3 of the row's largest |logit| and have the same
  * argmax (a row whose CPU top two are within 1e-4 of each other is reported as a tie, not
- * failed: rounding may order them either way). Dense prefill runs on tensor cores in blocks of
+ * failed: rounding may order them either way), then a block of MORE tokens that starts inside
+ * a page. Dense prefill runs on tensor cores in blocks of
  * 256 query tokens (so several blocks, and key counts off the multiple of 16) and with the
  * automatic block; f32 and bf16 caches take the other part counts of the GEMMs' split
  * (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
@@ -24,7 +25,7 @@
 #define MODEL EKV_SOURCE_DIR "/models/entmaxkv-lm.safetensors"
 #define TEXT  EKV_SOURCE_DIR "/docs/architecture.md"
 
-enum { PREFILL = 700, DECODE = 24, V = 256 };
+enum { PREFILL = 700, DECODE = 24, MORE = 40, V = 256 };
 
 static int32_t argmax(const float *r) {
     int32_t b = 0;
@@ -74,7 +75,7 @@ typedef struct {
 
 static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
     ekv_model_params p = ekv_model_default_params();
-    p.max_tokens = c->prefill + DECODE + 8;
+    p.max_tokens = c->prefill + DECODE + MORE + 8;
     p.method = c->method;
     p.kv_dtype = c->kv;
     p.code_bits = 4;
@@ -111,7 +112,13 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
         snprintf(what, sizeof what, "%s %s decode%s", ekv_method_name(c->method),
                  ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)");
         compare(what, dg, dc, DECODE);
-        CHECK(ekv_model_position(gpu) == c->prefill + DECODE, "gpu position %lld",
+        /* a second block after the decode steps: it starts inside a page */
+        CHECK(!ekv_model_step(cpu, tok + 100, MORE, lc), "cpu block: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, tok + 100, MORE, lg), "gpu block: %s", ekv_last_error(ctx));
+        snprintf(what, sizeof what, "%s %s block at %lld", ekv_method_name(c->method),
+                 ekv_dtype_name(c->kv), (long long)(c->prefill + DECODE));
+        compare(what, lg, lc, MORE);
+        CHECK(ekv_model_position(gpu) == c->prefill + DECODE + MORE, "gpu position %lld",
               (long long)ekv_model_position(gpu));
         if (dec_out) memcpy(dec_out, dg, sizeof(float) * DECODE * V);
     }
