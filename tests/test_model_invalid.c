@@ -251,7 +251,8 @@ int main(void) {
               "seq positions");
         CHECK(ekv_model_batch_step(m, s0, 2, tok, lg) == EKV_ERR_INVALID_SIZE, "2 of max_seqs 1");
         CHECK(ekv_model_batch_step(m, &s1, 1, tok, lg) == EKV_ERR_INVALID_ARGUMENT, "batch seq 1");
-        CHECK(ekv_model_batch_step(m, s0, 1, tok, lg) == EKV_ERR_CACHE_FULL, "batch past max_tokens");
+        CHECK(ekv_model_batch_step(m, s0, 1, tok, lg) == EKV_ERR_CACHE_FULL,
+              "batch past max_tokens");
         CHECK(ekv_model_seq_reset(m, 3) == EKV_ERR_INVALID_ARGUMENT, "reset seq 3");
         CHECK(ekv_model_seq_reset(m, 0) == EKV_OK && ekv_model_position(m) == 0, "seq_reset 0");
         CHECK(ekv_model_batch_step(m, s0, 1, tok, lg) == EKV_OK && ekv_model_position(m) == 1,

@@ -205,8 +205,10 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
                 mo->code_bits, sv);
     if (!out.json) return 0;
     if (nl > 0) snprintf(r2s, sizeof r2s, "%.9g", r2 / nl);
-    if (measured) snprintf(kvs, sizeof kvs, "%.9g", kvf);
-    else snprintf(kvs, sizeof kvs, "null");
+    if (measured)
+        snprintf(kvs, sizeof kvs, "%.9g", kvf);
+    else
+        snprintf(kvs, sizeof kvs, "null");
     if (codes) snprintf(svs, sizeof svs, "%.9g", sv);
     fprintf(out.json,
             "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
@@ -215,10 +217,10 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
             "\"code_bits\":%d,\"survivors_mean\":%s,\"interrupted\":%s,\"windows_done\":%lld,\"kv_fraction_layers\":[",
             ppl, bpb, r->nll, (long long)r->scored, ekv_method_name(mo->method),
             model_uses_budget(mo->method) ? mo->budget : 1.0, kvs, ekv_backend_name(mo->backend),
-            (long long)o->ctxlen,
-            (long long)r->nwin, (long long)o->offset, (long long)o->score_last,
-            ekv_dtype_name(mo->kv_dtype), mo->page, r->secs, (double)r->fed / r->secs, r2s,
-            codes ? mo->code_bits : 0, svs, r->interrupted ? "true" : "false", (long long)r->done);
+            (long long)o->ctxlen, (long long)r->nwin, (long long)o->offset,
+            (long long)o->score_last, ekv_dtype_name(mo->kv_dtype), mo->page, r->secs,
+            (double)r->fed / r->secs, r2s, codes ? mo->code_bits : 0, svs,
+            r->interrupted ? "true" : "false", (long long)r->done);
     for (int64_t l = 0; l < r->layers && measured; l++)
         fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
     fprintf(out.json, "]}\n");

@@ -124,8 +124,9 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
         total += p.len[k];
     }
     if (p.n > 1 && mo->backend != EKV_BACKEND_CUDA) {
-        fprintf(stderr, "entmaxkv run: '%s' has %d prompts: several sequences need --backend cuda\n",
-                path, p.n);
+        fprintf(stderr,
+                "entmaxkv run: '%s' has %d prompts: several sequences need --backend cuda\n", path,
+                p.n);
         free(p.text);
         return 1;
     }

@@ -101,7 +101,8 @@ typedef struct ekv_model_params {
     int64_t prefill_chunk; /* cuda dense prefill: query tokens per block; 0 (default) = as many
                               as fit the score buffers (docs/math.md §12)                       */
     int32_t max_seqs;      /* sequences the model holds, each of up to max_tokens tokens
-                              (default 1); more than one on cuda only (ekv_model_batch_step)     */
+                              (default 1, at most 4096); more than one on cuda only
+                              (ekv_model_batch_step)                                            */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */
@@ -177,7 +178,8 @@ EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer,
                                          const ekv_cache **cache, int32_t *seq);
 /* On the CUDA backend the layer caches live on the device: ekv_model_layer_cache copies the
  * layer's K/V pages and rebuilds a host cache from them (ekv_cache_seq_adopt; valid until the
- * next step, reset or ekv_model_layer_cache of that layer), and ekv_model_last_query copies the queries back. */
+ * next step, reset or ekv_model_layer_cache of that layer), and ekv_model_last_query copies the
+ * queries back. */
 EKV_API ekv_status ekv_model_last_query(const ekv_model *model, int32_t layer, float *q);
 /* NAPE slopes [n_heads] (docs/math.md §1.6), as the model's attention uses them. */
 EKV_API ekv_status ekv_model_alibi_slopes(const ekv_model *model, float *slopes);

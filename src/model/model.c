@@ -43,9 +43,8 @@ ekv_model_params ekv_model_default_params(void) {
  * check on the select params the attention will use (model_attention.c). A method that reads
  * key codes (the method table says which) is refused up front when the caches have none:
  * the decode step would only say so at the first token. */
-static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg,
-                               ekv_backend backend, ekv_select_method method, double budget,
-                               int32_t code_bits) {
+static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg, ekv_backend backend,
+                               ekv_select_method method, double budget, int32_t code_bits) {
     if (!(budget > 0.0 && budget <= 1.0))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]",
                         budget);
@@ -398,9 +397,9 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (p.cuda_graphs != 0 && p.cuda_graphs != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cuda_graphs=%d must be 0 or 1",
                         p.cuda_graphs);
-    if (p.max_seqs < 1 || p.max_seqs > 65536 || (p.max_seqs > 1 && p.backend != EKV_BACKEND_CUDA))
+    if (p.max_seqs < 1 || p.max_seqs > 4096 || (p.max_seqs > 1 && p.backend != EKV_BACKEND_CUDA))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "max_seqs=%d must be in [1, 65536], and 1 on the cpu backend (several "
+                        "max_seqs=%d must be in [1, 4096], and 1 on the cpu backend (several "
                         "sequences are a cuda feature)",
                         p.max_seqs);
     if (p.prefill_chunk < 0)
@@ -451,8 +450,7 @@ ekv_backend ekv_model_backend(const ekv_model *m) { return m ? m->prm.backend : 
 
 ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double budget) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    ekv_status s =
-            check_method(m->ctx, &m->cfg, m->prm.backend, method, budget, m->prm.code_bits);
+    ekv_status s = check_method(m->ctx, &m->cfg, m->prm.backend, method, budget, m->prm.code_bits);
     if (s) return s;
     m->prm.method = method;
     m->prm.budget = budget;
@@ -642,8 +640,8 @@ static ekv_status check_tokens(const ekv_model *m, const int32_t *tokens, int64_
 
 static ekv_status check_seq(const ekv_model *m, int32_t seq) {
     if (seq < 0 || seq >= m->prm.max_seqs)
-        return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "seq=%d is outside [0, max_seqs=%d)",
-                        seq, m->prm.max_seqs);
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "seq=%d is outside [0, max_seqs=%d)", seq,
+                        m->prm.max_seqs);
     return EKV_OK;
 }
 
@@ -682,8 +680,8 @@ ekv_status ekv_model_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seq
         for (int32_t c = 0; !s && c < b; c++)
             if (seqs[c] == seqs[b])
                 s = ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
-                             "seqs[%d] = seqs[%d] = %d: a sequence takes one token per step", c,
-                             b, seqs[b]);
+                             "seqs[%d] = seqs[%d] = %d: a sequence takes one token per step", c, b,
+                             seqs[b]);
         if (!s) s = check_tokens(m, tokens + b, 1, ekv_model_seq_position(m, seqs[b]));
         if (s) return s;
     }

@@ -49,12 +49,13 @@ static ekv_status upload_weights(ekv_model *m, model_gpu *g) {
     int64_t off = 0;
     for (int64_t i = 0; i < nmat && !s; i++) {
         const int64_t n = mats[i]->rows * mats[i]->cols;
-        for (int64_t e = 0; e < n; e++) host[off + e] = ekv_load_f32(mats[i]->data, mats[i]->dtype, e);
+        for (int64_t e = 0; e < n; e++)
+            host[off + e] = ekv_load_f32(mats[i]->data, mats[i]->dtype, e);
         dev[i] = g->weights + off;
         off += n;
     }
-    if (!s && cudaMemcpy(g->weights, host, sizeof(float) * (size_t)total,
-                         cudaMemcpyHostToDevice) != cudaSuccess)
+    if (!s && cudaMemcpy(g->weights, host, sizeof(float) * (size_t)total, cudaMemcpyHostToDevice) !=
+                      cudaSuccess)
         s = ekv_fail(m->ctx, EKV_ERR_DEVICE, "model (cuda): uploading the weights failed");
     if (!s) {
         g->tok_emb = dev[0];
@@ -107,8 +108,8 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     if (!s) s = dev_alloc(g, &L->last_q, (int64_t)c->n_heads * D * 4, "the queries");
     if (s) return s;
     GPU_TRY(g, cudaMemset(L->count, 0, (size_t)P * 4));
-    L->kv = ekv_paged_kv{L->k, L->v, dt, (int32_t)ps, (int32_t)Hk, (int32_t)D, P, ps * Hk * D, D,
-                         Hk * D};
+    L->kv = ekv_paged_kv{L->k,       L->v, dt,          (int32_t)ps, (int32_t)Hk,
+                         (int32_t)D, P,    ps * Hk * D, D,           Hk * D};
     memset(&L->st, 0, sizeof L->st);
     L->st.kmin = L->stats;
     L->st.kmax = L->stats + stat_n;
@@ -185,12 +186,22 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     struct {
         void *p;
         int64_t bytes;
-    } t[] = {{&g->x, B * d * 4},       {&g->xn, B * d * 4},          {&g->q, B * qd * 4},
-             {&g->k, B * kvd * 4},     {&g->v, B * kvd * 4},         {&g->att, B * qd * 4},
-             {&g->h1, B * F * 4},      {&g->h3, B * F * 4},          {&g->logits, B * c->vocab * 4},
-             {&g->tokens, B * 4},      {&g->pos, 8 * g->max_seqs},   {&g->bad, 4},
-             {&g->bseqs, g->views * 4}, {&g->vbase, g->views * 4},
-             {&g->indptr, (g->views + 1) * 8}, {&g->last_len, g->views * 4},
+    } t[] = {{&g->x, B * d * 4},
+             {&g->xn, B * d * 4},
+             {&g->q, B * qd * 4},
+             {&g->k, B * kvd * 4},
+             {&g->v, B * kvd * 4},
+             {&g->att, B * qd * 4},
+             {&g->h1, B * F * 4},
+             {&g->h3, B * F * 4},
+             {&g->logits, B * c->vocab * 4},
+             {&g->tokens, B * 4},
+             {&g->pos, 8 * g->max_seqs},
+             {&g->bad, 4},
+             {&g->bseqs, g->views * 4},
+             {&g->vbase, g->views * 4},
+             {&g->indptr, (g->views + 1) * 8},
+             {&g->last_len, g->views * 4},
              {&g->indices, g->views * g->pages * 4},
              {&g->items, items * (int64_t)sizeof(ekv_cuda_append_item)}};
     for (size_t i = 0; i < sizeof t / sizeof t[0] && !s; i++)
@@ -221,10 +232,11 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
             free_host_mirror(L);
         }
     free(g->layers);
-    void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens, g->pos, g->x, g->xn, g->q,
-                    g->k, g->v, g->att, g->h1, g->h3, g->logits, g->indptr, g->indices,
-                    g->last_len, g->items, g->scores, g->pparts, g->qparts, g->qshift, g->obuf,
-                    g->bad, g->blas_ws, g->bseqs, g->vbase};
+    void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens,  g->pos,      g->x,
+                    g->xn,      g->q,       g->k,      g->v,       g->att,      g->h1,
+                    g->h3,      g->logits,  g->indptr, g->indices, g->last_len, g->items,
+                    g->scores,  g->pparts,  g->qparts, g->qshift,  g->obuf,     g->bad,
+                    g->blas_ws, g->bseqs,   g->vbase};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->hpos);
@@ -265,8 +277,9 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     g->hpos = (int64_t *)calloc((size_t)g->max_seqs, sizeof *g->hpos);
     g->pages = (m->prm.max_tokens + m->prm.page_size - 1) / m->prm.page_size;
     g->nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
-    ekv_status s = g->layers && g->hpos ? open_device(m, g)
-                             : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    ekv_status s = g->layers && g->hpos
+                           ? open_device(m, g)
+                           : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     if (!s) s = upload_weights(m, g);
     if (!s) s = upload_vectors(m, g);
     for (int32_t l = 0; l < c->n_layers && !s; l++) s = alloc_layer_cache(m, g, &g->layers[l]);
@@ -378,8 +391,7 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
     for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
     GPU_TRY(g, cudaMemcpyAsync(g->tokens, tokens, (size_t)b->T * 4, cudaMemcpyHostToDevice,
                                g->stream));
-    TRY(b->T == 1 && !b->batch && m->prm.cuda_graphs ? graph_step(m, b->seq)
-                                                     : forward_block(m, b));
+    TRY(b->T == 1 && !b->batch && m->prm.cuda_graphs ? graph_step(m, b->seq) : forward_block(m, b));
     int32_t bad = 0;
     if (logits)
         GPU_TRY(g, cudaMemcpyAsync(logits, g->logits, (size_t)(b->T * m->cfg.vocab) * 4,
@@ -417,8 +429,8 @@ extern "C" ekv_status ekv_model_gpu_batch_step(ekv_model *m, const int32_t *seqs
     if (n_seqs > g->views)
         return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE,
                         "n_seqs=%d: a batched step takes at most %d sequences", n_seqs, g->views);
-    GPU_TRY(g, cudaMemcpyAsync(g->bseqs, seqs, (size_t)n_seqs * 4, cudaMemcpyHostToDevice,
-                               g->stream));
+    GPU_TRY(g,
+            cudaMemcpyAsync(g->bseqs, seqs, (size_t)n_seqs * 4, cudaMemcpyHostToDevice, g->stream));
     const gpu_block b = {0, 0, n_seqs, 1};
     TRY(run_block(m, &b, tokens, logits));
     for (int32_t k = 0; k < n_seqs; k++) {
@@ -431,9 +443,7 @@ extern "C" ekv_status ekv_model_gpu_batch_step(ekv_model *m, const int32_t *seqs
     return EKV_OK;
 }
 
-extern "C" int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq) {
-    return g->hpos[seq];
-}
+extern "C" int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq) { return g->hpos[seq]; }
 
 /* ---------------------------------------------------------------------------------- */
 /* Reset, method changes, host copies                                                  */
@@ -483,8 +493,8 @@ extern "C" ekv_status ekv_model_gpu_layer_cache(const ekv_model *m, int32_t laye
     gpu_layer *L = &g->layers[layer];
     free_host_mirror(L);
     const int64_t ps = m->prm.page_size, P = m->pos ? (m->pos + ps - 1) / ps : 1;
-    const int64_t bytes = P * ps * m->cfg.n_kv_heads * m->cfg.head_dim *
-                          ekv_dtype_size(m->prm.kv_dtype);
+    const int64_t bytes =
+            P * ps * m->cfg.n_kv_heads * m->cfg.head_dim * ekv_dtype_size(m->prm.kv_dtype);
     if (posix_memalign(&L->host_k, 64, (size_t)bytes) ||
         posix_memalign(&L->host_v, 64, (size_t)bytes)) {
         free_host_mirror(L);
@@ -512,7 +522,8 @@ extern "C" ekv_status ekv_model_gpu_layer_cache(const ekv_model *m, int32_t laye
     int32_t sq = 0;
     if (!s) s = ekv_cache_seq_new(L->host, &sq);
     for (int64_t p = 0; p < P && pages; p++) pages[p] = (int32_t)p;
-    if (!s && m->pos) s = ekv_cache_seq_adopt(L->host, sq, pages, P, (int32_t)(m->pos - (P - 1) * ps));
+    if (!s && m->pos)
+        s = ekv_cache_seq_adopt(L->host, sq, pages, P, (int32_t)(m->pos - (P - 1) * ps));
     free(pages);
     if (s) {
         free_host_mirror(L);

@@ -42,9 +42,9 @@ struct model_gpu {
     cublasHandle_t blas;
     void *blas_ws;
     ekv_cuda_plan *plan;
-    int32_t views;  /* prefix views per decode-stage block: the plan's max_batch */
-    int64_t block;  /* rows of the activations: the most tokens of one block */
-    int64_t pages;  /* pages of one sequence (max_tokens) */
+    int32_t views; /* prefix views per decode-stage block: the plan's max_batch */
+    int64_t block; /* rows of the activations: the most tokens of one block */
+    int64_t pages; /* pages of one sequence (max_tokens) */
     int32_t max_seqs;
     int64_t *hpos;  /* [max_seqs] the host's copy of the positions */
     int32_t *bseqs; /* [views] the sequences of a batched step (device) */
@@ -119,6 +119,6 @@ ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
     do {                                                                                           \
         cublasStatus_t b_ = (call);                                                                \
         if (b_ != CUBLAS_STATUS_SUCCESS)                                                           \
-            return ekv_fail((g)->ctx, EKV_ERR_DEVICE, "model (cuda): %s: cuBLAS status %d",       \
-                            #call, (int)b_);                                                       \
+            return ekv_fail((g)->ctx, EKV_ERR_DEVICE, "model (cuda): %s: cuBLAS status %d", #call, \
+                            (int)b_);                                                              \
     } while (0)

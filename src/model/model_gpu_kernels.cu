@@ -64,8 +64,8 @@ __global__ void block_tables_kernel(tables_args A) {
         for (int64_t b = 0; b < A.T; b++) {
             const int32_t s = A.bseqs[b];
             const int64_t p = A.pos[s], np = p / A.ps + 1, base = (int64_t)s * A.pages;
-            A.items[b] = ekv_cuda_append_item{(int32_t)(base + p / A.ps), (int32_t)(p % A.ps), 1,
-                                              0, b};
+            A.items[b] =
+                    ekv_cuda_append_item{(int32_t)(base + p / A.ps), (int32_t)(p % A.ps), 1, 0, b};
             A.indptr[b + 1] = A.indptr[b] + np;
             A.last_len[b] = (int32_t)(p - (np - 1) * A.ps + 1);
             A.vbase[b] = (int32_t)base;
@@ -143,9 +143,8 @@ ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, 
 
 ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_t n_items,
                             int views) {
-    const tables_args A = {g->pos,   g->bseqs,   b->seq,    b->T,      ps,         g->pages,
-                           n_items,  views,      b->batch,  g->items,  g->indptr,  g->last_len,
-                           g->vbase};
+    const tables_args A = {g->pos, g->bseqs, b->seq,   b->T,      ps,          g->pages, n_items,
+                           views,  b->batch, g->items, g->indptr, g->last_len, g->vbase};
     block_tables_kernel<<<1, 1, 0, g->stream>>>(A);
     GPU_LAUNCHED(g);
     if (views) {

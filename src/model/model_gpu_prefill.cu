@@ -34,7 +34,7 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
 struct prefill_args {
     int64_t pos0, T, R, G, Hk, H, D, ld, nk;
     int np;
-    float qf;   /* (a * scale) rounded as the CPU rounds it */
+    float qf;     /* (a * scale) rounded as the CPU rounds it */
     float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
     double a, alpha;
     const float *q, *slopes;
@@ -77,7 +77,8 @@ struct row_z {
 /* block (r, g): one query row's exact entmax over its causal prefix, written as P parts
  * (unnormalised; 1 / sum p goes to rinv and gather_heads_kernel applies it). The scores row is
  * read three times and never written: max, candidates, P. */
-template <typename T> __global__ void __launch_bounds__(ROW_THREADS) row_entmax_kernel(prefill_args A) {
+template <typename T>
+__global__ void __launch_bounds__(ROW_THREADS) row_entmax_kernel(prefill_args A) {
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ float cand[ROW_CANDS];
@@ -160,17 +161,20 @@ template <typename T> void launch_rows(const prefill_args &A, cudaStream_t s, in
 }
 
 void launch(ekv_dtype dt, const prefill_args &A, cudaStream_t s, int split_q) {
-    if (dt == EKV_DTYPE_F16) launch_rows<__half>(A, s, split_q);
-    else if (dt == EKV_DTYPE_BF16) launch_rows<__nv_bfloat16>(A, s, split_q);
-    else launch_rows<float>(A, s, split_q);
+    if (dt == EKV_DTYPE_F16)
+        launch_rows<__half>(A, s, split_q);
+    else if (dt == EKV_DTYPE_BF16)
+        launch_rows<__nv_bfloat16>(A, s, split_q);
+    else
+        launch_rows<float>(A, s, split_q);
 }
 
 } // namespace
 
 /* S = q' K^T and O = P V over the parts (beta 1 after the first part: each part's product,
  * computed from zero, is added to the fp32 result, docs/math.md §12). */
-static ekv_status prefill_gemms(model_gpu *g, const gpu_layer *L, const prefill_args &A,
-                                int scores, int64_t kv_offset) {
+static ekv_status prefill_gemms(model_gpu *g, const gpu_layer *L, const prefill_args &A, int scores,
+                                int64_t kv_offset) {
     const cudaDataType_t ty = blas_type(L->kv.dtype);
     const int64_t es = ekv_dtype_size(L->kv.dtype), kvld = A.Hk * A.D;
     const float one = 1.f, zero = 0.f, pback = 1.f / A.pscale;
@@ -199,8 +203,8 @@ ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b)
     const ekv_model_config *c = &m->cfg;
     const int64_t pos0 = b->pos0, T = b->T;
     /* the sequence's keys: its first page's rows onward (model_gpu.cuh) */
-    const int64_t kv_offset = (int64_t)b->seq * g->pages * L->kv.stride_page *
-                              ekv_dtype_size(L->kv.dtype);
+    const int64_t kv_offset =
+            (int64_t)b->seq * g->pages * L->kv.stride_page * ekv_dtype_size(L->kv.dtype);
     prefill_args A;
     A.pos0 = pos0;
     A.T = T;

@@ -55,8 +55,8 @@ static double compare(const char *what, const float *gpu, const float *cpu, int6
             if (gap < 1e-4)
                 ties++;
             else
-                CHECK(ga == ca, "%s row %lld: argmax gpu %d, cpu %d (gap %.3g)", what,
-                      (long long)t, ga, ca, gap);
+                CHECK(ga == ca, "%s row %lld: argmax gpu %d, cpu %d (gap %.3g)", what, (long long)t,
+                      ga, ca, gap);
         }
     }
     printf("  %-34s %4lld rows: worst relative difference %.2e%s\n", what, (long long)rows, worst,
@@ -207,7 +207,8 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
     p.max_seqs = NSEQ;
     ekv_model *gpu = NULL;
     CHECK(!ekv_model_load(ctx, MODEL, &p, &gpu), "load max_seqs %d: %s", NSEQ, ekv_last_error(ctx));
-    float *lg = malloc(sizeof(float) * (size_t)(457 * V)), *lc = malloc(sizeof(float) * (size_t)(457 * V));
+    float *lg = malloc(sizeof(float) * (size_t)(457 * V)),
+          *lc = malloc(sizeof(float) * (size_t)(457 * V));
     float gl[NSEQ][BSTEPS + 1][V], cl[BSTEPS + 1][V];
     int32_t next[NSEQ], seqs[NSEQ] = {0, 1, 2};
     char what[96];
@@ -222,11 +223,13 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
         if (s == BSTEPS / 2) { /* sequence 1 alone, then the batch without it */
             CHECK(!ekv_model_seq_step(gpu, 1, &next[1], 1, gl[1][s]), "seq 1 step");
             const int32_t two[2] = {0, 2}, t2[2] = {next[0], next[2]};
-            CHECK(!ekv_model_batch_step(gpu, two, 2, t2, out[0]), "batch of 2: %s", ekv_last_error(ctx));
+            CHECK(!ekv_model_batch_step(gpu, two, 2, t2, out[0]), "batch of 2: %s",
+                  ekv_last_error(ctx));
             memcpy(gl[0][s], out[0], sizeof(float) * V);
             memcpy(gl[2][s], out[1], sizeof(float) * V);
         } else {
-            CHECK(!ekv_model_batch_step(gpu, seqs, NSEQ, next, out[0]), "batch: %s", ekv_last_error(ctx));
+            CHECK(!ekv_model_batch_step(gpu, seqs, NSEQ, next, out[0]), "batch: %s",
+                  ekv_last_error(ctx));
             for (int k = 0; k < NSEQ; k++) memcpy(gl[k][s], out[k], sizeof(float) * V);
         }
         for (int k = 0; k < NSEQ; k++) next[k] = argmax(gl[k][s]);
@@ -249,7 +252,8 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
     }
     if (gpu) {
         const int32_t dup[2] = {1, 1}, t2[2] = {65, 66};
-        CHECK(ekv_model_batch_step(gpu, dup, 2, t2, NULL) == EKV_ERR_INVALID_ARGUMENT, "duplicate seq");
+        CHECK(ekv_model_batch_step(gpu, dup, 2, t2, NULL) == EKV_ERR_INVALID_ARGUMENT,
+              "duplicate seq");
         CHECK(ekv_model_seq_position(gpu, 1) == len[1] + BSTEPS, "a refused batch moves nothing");
         CHECK(!ekv_model_seq_reset(gpu, 1) && ekv_model_seq_position(gpu, 1) == 0 &&
                       ekv_model_seq_position(gpu, 0) == len[0] + BSTEPS,
