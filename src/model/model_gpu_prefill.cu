@@ -18,7 +18,7 @@
 
 namespace {
 
-enum { ROW_THREADS = 256, ROW_CANDS = 4096 };
+enum { ROW_THREADS = 256, ROW_CANDS = 4096, ROW_ROUNDS = 4 };
 
 /* x = sum of np parts of T (each the rounding of what the earlier parts left, docs/math.md §12;
  * the conversions are the backend's, ekv_elem) */
@@ -74,6 +74,44 @@ struct row_z {
     }
 };
 
+/* tau - M of one row (every thread of the block). The candidates y = z - M > thr are gathered
+ * in shared memory, thr = -1 first (docs/math.md §0). When more than ROW_CANDS pass, the
+ * threshold of the ROW_CANDS kept (a subset, solved about its own max) is a lower bound on tau
+ * (docs/math.md §9.1), so the next pass keeps only what exceeds it (minus 1e-6, for the
+ * solve's rounding): still a superset of the support, whose threshold is tau. A row that
+ * overflows ROW_ROUNDS times is solved whole (the same tau); *whole = 1 then, and zrow holds z. */
+template <typename Z>
+__device__ double row_tau(const Z &z, float *zrow, int64_t n, float M, double alpha, float *cand,
+                          int *ncand, double *scratch, float *fscratch, int *whole) {
+    double thr = -1.0;
+    *whole = 0;
+    for (int round = 0; round < ROW_ROUNDS; round++) {
+        __syncthreads(); /* the previous round's readers of ncand and cand are done */
+        if (threadIdx.x == 0) *ncand = 0;
+        __syncthreads();
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const float v = z(j);
+            if ((double)v - (double)M > thr) {
+                const int k = atomicAdd(ncand, 1);
+                if (k < ROW_CANDS) cand[k] = v;
+            }
+        }
+        __syncthreads();
+        const int nc = *ncand;
+        if (nc <= ROW_CANDS) return solve_tau(cand, nc, M, alpha, scratch);
+        float ms = -INFINITY;
+        for (int k = threadIdx.x; k < ROW_CANDS; k += blockDim.x) ms = fmaxf(ms, cand[k]);
+        ms = ekv_block_max(ms, fscratch, -INFINITY);
+        const double lb = solve_tau(cand, ROW_CANDS, ms, alpha, scratch) + (double)ms - (double)M;
+        thr = lb - 1e-6 > thr ? lb - 1e-6 : thr;
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) zrow[j] = z(j);
+    __syncthreads();
+    *whole = 1;
+    return solve_tau(zrow, n, M, alpha, scratch);
+}
+
 /* block (r, g): one query row's exact entmax over its causal prefix, written as P parts
  * (unnormalised; 1 / sum p goes to rinv and gather_heads_kernel applies it). The scores row is
  * read three times and never written: max, candidates, P. */
@@ -96,36 +134,18 @@ __global__ void __launch_bounds__(ROW_THREADS) row_entmax_kernel(prefill_args A)
     }
     const float M = ekv_block_max(mx, fscratch, -INFINITY);
     finite = __syncthreads_and(finite);
-    if (threadIdx.x == 0) ncand = 0;
-    __syncthreads();
     if (!finite) { /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
         if (threadIdx.x == 0) atomicExch(A.bad, 1);
         return;
     }
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-        const float v = z(j);
-        if ((double)v - (double)M > -1.0) {
-            const int k = atomicAdd(&ncand, 1);
-            if (k < ROW_CANDS) cand[k] = v;
-        }
-    }
+    int whole;
+    const double tt = row_tau(z, zrow, n, M, A.alpha, cand, &ncand, scratch, fscratch, &whole);
     __syncthreads();
-    const int nc = ncand;
-    double tt;
-    if (nc <= ROW_CANDS)
-        tt = solve_tau(cand, nc, M, A.alpha, scratch);
-    else { /* too many candidates for shared memory: the whole row (the same tau), as z */
-        __syncthreads();
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) zrow[j] = z(j);
-        __syncthreads();
-        tt = solve_tau(zrow, n, M, A.alpha, scratch);
-        __syncthreads();
-    }
     const double beta = 1.0 / (A.alpha - 1.0);
     /* p <= 1 (z - tau <= M - tau <= 1), so p * pscale stays within f16's range */
     T *dst = (T *)A.pparts + row * A.ld;
     const int64_t pstride = A.Hk * A.R * A.ld;
-    const row_z zs = nc <= ROW_CANDS ? z : row_z{zrow, 1.f, 0.0, i}; /* the row now holds z */
+    const row_z zs = whole ? row_z{zrow, 1.f, 0.0, i} : z; /* a whole-row solve left z there */
     double sum = 0;
     for (int64_t j = threadIdx.x; j < A.nk; j += blockDim.x) {
         double p = 0;
