@@ -5,10 +5,10 @@
  * DECODE greedy decode steps agree within 1e-3 of the row's largest |logit| and have the same
  * argmax (a row whose CPU top two are within 1e-4 of each other is reported as a tie, not
  * failed: rounding may order them either way), then a block of MORE tokens that starts inside
- * a page. Dense prefill runs on tensor cores in blocks of
- * 256 query tokens (so several blocks, and key counts off the multiple of 16) and with the
- * automatic block; f32 and bf16 caches take the other part counts of the GEMMs' split
- * (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
+ * a page. The tiny test model (head dim 8) takes the backend's other kernels. Dense prefill runs on
+ * tensor cores in blocks of 256 query tokens (so several blocks, and key counts off the multiple of
+ * 16) and with the automatic block; f32 and bf16 caches take the other part counts of the GEMMs'
+ * split (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
  * again gives the first run's logits; the host mirror of a layer cache and the last queries
  * match the CPU's; batched decode of sequences of different lengths (ekv_model_batch_step)
  * matches each sequence run alone on the CPU; gaussian is refused (ALiBi). Exit 77 when no
@@ -23,6 +23,7 @@
 #define EKV_SOURCE_DIR "."
 #endif
 #define MODEL EKV_SOURCE_DIR "/models/entmaxkv-lm.safetensors"
+#define TINY  EKV_SOURCE_DIR "/tests/data/tiny_model.safetensors" /* head_dim 8: other kernels */
 #define TEXT  EKV_SOURCE_DIR "/docs/architecture.md"
 
 enum { PREFILL = 700, DECODE = 24, MORE = 40, V = 256 };
@@ -71,6 +72,7 @@ typedef struct {
     int64_t chunk; /* gpu prefill_chunk, 0 = auto */
     int graphs;
     int64_t prefill;
+    const char *path; /* NULL: the shipped model */
 } mcase;
 
 static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
@@ -83,7 +85,7 @@ static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
     p.prefill_chunk = c->chunk;
     p.cuda_graphs = c->graphs;
     ekv_model *m = NULL;
-    ekv_status s = ekv_model_load(ctx, MODEL, &p, &m);
+    ekv_status s = ekv_model_load(ctx, c->path ? c->path : MODEL, &p, &m);
     CHECK(s == EKV_OK, "load (%s, %s): %s", ekv_backend_name(be), ekv_method_name(c->method),
           ekv_last_error(ctx));
     return s ? NULL : m;
@@ -100,8 +102,8 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
     if (cpu && gpu && lc && lg && dc && dg) {
         CHECK(!ekv_model_step(cpu, tok, c->prefill, lc), "cpu prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gpu, tok, c->prefill, lg), "gpu prefill: %s", ekv_last_error(ctx));
-        snprintf(what, sizeof what, "%s %s chunk %lld prefill", ekv_method_name(c->method),
-                 ekv_dtype_name(c->kv), (long long)c->chunk);
+        snprintf(what, sizeof what, "%s%s %s chunk %lld prefill", c->path ? "tiny " : "",
+                 ekv_method_name(c->method), ekv_dtype_name(c->kv), (long long)c->chunk);
         compare(what, lg, lc, c->prefill);
         int32_t next = argmax(lc + (c->prefill - 1) * V);
         for (int s = 0; s < DECODE; s++) {
@@ -132,7 +134,7 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
 
 /* reset, the host mirror of a layer cache and the last queries, against the CPU engine */
 static void check_state(ekv_context *ctx, const int32_t *tok) {
-    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 128, 1, 300};
+    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 128, 1, 300, NULL};
     ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
     float *a = malloc(sizeof(float) * 300 * V), *b = malloc(sizeof(float) * 300 * V);
     if (!cpu || !gpu || !a || !b) goto done;
@@ -197,7 +199,7 @@ done:
 enum { NSEQ = 3, BSTEPS = 12 };
 static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
     static const int64_t len[NSEQ] = {300, 457, 129}, off[NSEQ] = {0, 100, 333};
-    mcase c = {method, EKV_DTYPE_F16, 128, 1, 457};
+    mcase c = {method, EKV_DTYPE_F16, 128, 1, 457, NULL};
     ekv_model_params p = ekv_model_default_params();
     p.max_tokens = 457 + BSTEPS + 8;
     p.method = method;
@@ -302,13 +304,15 @@ int main(void) {
     int32_t tok[PREFILL];
     ekv_model_tokenize(text, PREFILL, tok);
     const mcase cases[] = {
-            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 256, 1, PREFILL},
-            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 0, 0, PREFILL},
-            {EKV_SELECT_DENSE, EKV_DTYPE_F32, 256, 1, 400},
-            {EKV_SELECT_DENSE, EKV_DTYPE_BF16, 256, 1, 400},
-            {EKV_SELECT_TOPK, EKV_DTYPE_F16, 0, 1, PREFILL},
-            {EKV_SELECT_CERTIFIED, EKV_DTYPE_F16, 0, 1, PREFILL},
-            {EKV_SELECT_SCREENED, EKV_DTYPE_F16, 0, 1, PREFILL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 256, 1, PREFILL, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 0, 0, PREFILL, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F32, 256, 1, 400, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_BF16, 256, 1, 400, NULL},
+            {EKV_SELECT_TOPK, EKV_DTYPE_F16, 0, 1, PREFILL, NULL},
+            {EKV_SELECT_CERTIFIED, EKV_DTYPE_F16, 0, 1, PREFILL, NULL},
+            {EKV_SELECT_SCREENED, EKV_DTYPE_F16, 0, 1, PREFILL, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 64, 1, 400, TINY},
+            {EKV_SELECT_CERTIFIED, EKV_DTYPE_F32, 0, 1, 400, TINY},
     };
     float *graph = malloc(sizeof(float) * DECODE * V), *eager = malloc(sizeof(float) * DECODE * V);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
