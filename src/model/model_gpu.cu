@@ -285,6 +285,11 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     for (int32_t l = 0; l < c->n_layers && !s; l++) s = alloc_layer_cache(m, g, &g->layers[l]);
     if (!s) s = size_prefill(m, g);
     if (!s) s = alloc_state(m, g);
+    /* cudaMemset runs on the legacy stream, which the model's non-blocking stream does not
+     * wait for: the zeroed counts and positions must be there before the first step */
+    if (!s && cudaDeviceSynchronize() != cudaSuccess)
+        s = ekv_fail(m->ctx, EKV_ERR_DEVICE, "model (cuda): %s",
+                     cudaGetErrorString(cudaGetLastError()));
     if (s) {
         ekv_model_gpu_free(g);
         return s;
