@@ -157,8 +157,8 @@ EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64
  * ekv_model_batch_step runs one decode step of n_seqs distinct sequences together (token
  * tokens[b] appended to sequence seqs[b]; logits [n_seqs][vocab]): one batch of the decode
  * stages over their ragged page lists (docs/architecture.md, "The model on the GPU").
- * n_seqs is at most the decode plan's batch (64, or max_seqs when larger). A refused call
- * changes nothing.
+ * n_seqs is at most max_seqs (the decode plan's batch is sized for all of them). A refused
+ * call changes nothing.
  */
 EKV_API ekv_status ekv_model_seq_step(ekv_model *model, int32_t seq, const int32_t *tokens,
                                       int64_t n, float *logits);
