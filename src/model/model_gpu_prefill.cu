@@ -51,8 +51,8 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     float mx = 0.f;
     for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) mx = fmaxf(mx, fabsf(q[d] * A.qf));
     mx = ekv_block_max(mx, scratch, 0.f);
-    int s = 0; /* f16: 2^s lifts the largest into [2^14, 2^15), as split_group_q does: docs/math.md
-                  §3.1 */
+    /* f16: 2^s lifts the largest into [2^14, 2^15), as split_group_q does (docs/math.md §3.1) */
+    int s = 0;
     if (std::is_same<T, __half>::value && mx > 0.f && isfinite(mx)) {
         s = 14 - ilogbf(mx);
         s = s > 126 ? 126 : s;
