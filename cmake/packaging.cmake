@@ -10,7 +10,7 @@ set(EKV_PC_DEPS -lm ${CMAKE_THREAD_LIBS_INIT})
 set(EKV_PC_CFLAGS "")
 if(EKV_CUDA)
   # nvcc objects call the CUDA runtime and the C++ runtime of the host compiler
-  list(APPEND EKV_PC_DEPS -L${CUDAToolkit_LIBRARY_DIR} -lcudart -lstdc++)
+  list(APPEND EKV_PC_DEPS -L${CUDAToolkit_LIBRARY_DIR} -lcudart -lcublas -lstdc++)
   set(EKV_PC_CFLAGS " -DEKV_HAVE_CUDA=1")
 endif()
 list(JOIN EKV_PC_DEPS " " EKV_PC_DEPS)

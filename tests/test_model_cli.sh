@@ -61,6 +61,9 @@ usage trace --model "$MODEL" --text "$TMP/text.txt"
 usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --queries 0
 usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers 7
 usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers x
+usage run --model "$MODEL" --backend ref
+usage run --model "$MODEL" --backend gpu
+usage run --model "$MODEL" --prefill-chunk 0
 
 # runtime failures: exit 1 with a message
 run run --model "$TMP/none.safetensors" -n 1
@@ -73,6 +76,30 @@ check "a truncated model should exit 1 with a message (rc=$RC)" $?
 run ppl --model "$MODEL" --text "$TMP/none.txt"
 [ "$RC" -eq 1 ] && [ -s "$ERR" ]
 check "a missing text should exit 1 (rc=$RC)" $?
+
+# --backend cuda: runs where the build has CUDA and a device is present, else exits 1 saying
+# which is missing; gaussian is refused there either way (its ALiBi solver is CPU only)
+run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda
+{ [ "$RC" -eq 0 ] && grep -q "KV read not measured on cuda" "$OUT"; } ||
+    { [ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"; }
+check "run --backend cuda should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $?
+run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda --method gaussian
+[ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"
+check "run --backend cuda --method gaussian should exit 1 (rc=$RC: $(head -c 200 "$ERR"))" $?
+
+# run --prompts-file: one prompt runs on the CPU too and generates what --prompt does; several
+# need --backend cuda (exit 1 saying so where there is none)
+printf 'Hello\n' >"$TMP/p1.txt"
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1
+want=$(head -c 25 "$OUT" | tail -c 20)
+run run --model "$MODEL" --prompts-file "$TMP/p1.txt" -n 20 --threads 1
+[ "$RC" -eq 0 ] && [ "$(sed -n 2p "$OUT")" = "$want" ] && grep -q "^\[decode batch 1 dense\] 20 tokens" "$OUT"
+check "run --prompts-file with one prompt should generate what --prompt does (rc=$RC)" $?
+printf 'Hello\n\nworld\n' >"$TMP/p2.txt"
+run run --model "$MODEL" --prompts-file "$TMP/p2.txt" -n 4
+[ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"
+check "run --prompts-file with two prompts on the CPU should exit 1 naming cuda (rc=$RC)" $?
+usage run --model "$MODEL" --prompts-file "$TMP/p2.txt" --prompt x
 
 # run: deterministic greedy output, the prompt echoed, stats at the end
 run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1

@@ -185,8 +185,39 @@ int main(void) {
                   EKV_ERR_INVALID_ARGUMENT,
           "method 9");
     p.method = EKV_SELECT_DENSE;
+    /* the backend fields (the GPU engine's; several sequences are a CUDA feature) */
+#define TINY EKV_TEST_DATA_DIR "/tiny_model.safetensors"
+    p.backend = EKV_BACKEND_REF;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "backend ref");
+    p.backend = EKV_BACKEND_CPU;
+    p.max_seqs = 2;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "max_seqs 2 on cpu");
+    p.max_seqs = 0;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "max_seqs 0");
+    p.max_seqs = 1;
+    p.cuda_graphs = 2;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "cuda_graphs 2");
+    p.cuda_graphs = 1;
+    p.prefill_chunk = -1;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_SIZE && !m, "prefill_chunk -1");
+    p.prefill_chunk = 0;
+    p.backend = EKV_BACKEND_CUDA;
+    p.method = EKV_SELECT_GAUSSIAN;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_UNSUPPORTED && !m &&
+                  strstr(ekv_last_error(ctx), "gaussian"),
+          "gaussian on cuda (ALiBi): %s", ekv_last_error(ctx));
+    p.method = EKV_SELECT_DENSE;
+    int32_t ndev = 0;
+    ekv_cuda_device_count(ctx, &ndev);
+    if (!ndev) { /* no CUDA build or no device: the load says so and gives no model */
+        CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_UNSUPPORTED && !m &&
+                      strstr(ekv_last_error(ctx), "cuda"),
+              "backend cuda without a device: %s", ekv_last_error(ctx));
+    }
+    p.backend = EKV_BACKEND_CPU;
     CHECK(ekv_model_load(ctx, EKV_TEST_DATA_DIR "/tiny_model.safetensors", &p, &m) == EKV_OK,
           "load: %s", ekv_last_error(ctx));
+    CHECK(ekv_model_backend(m) == EKV_BACKEND_CPU, "backend cpu");
     if (m) {
         int32_t tok[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, bad = 256, neg = -1;
         float lg[12 * 256];
@@ -213,6 +244,19 @@ int main(void) {
         CHECK(ekv_model_last_query(m, 2, q) == EKV_ERR_INVALID_ARGUMENT, "last query of layer 2");
         CHECK(ekv_model_layer_cache(m, -1, &c, &seq) == EKV_ERR_INVALID_ARGUMENT,
               "cache of layer -1");
+        /* one sequence: seq 0 is the model's; batch_step of [0] is a step */
+        const int32_t s0[2] = {0, 0}, s1 = 1;
+        CHECK(ekv_model_seq_step(m, 1, tok, 1, lg) == EKV_ERR_INVALID_ARGUMENT, "seq 1 of 1");
+        CHECK(ekv_model_seq_position(m, 0) == 10 && ekv_model_seq_position(m, 1) == -1,
+              "seq positions");
+        CHECK(ekv_model_batch_step(m, s0, 2, tok, lg) == EKV_ERR_INVALID_SIZE, "2 of max_seqs 1");
+        CHECK(ekv_model_batch_step(m, &s1, 1, tok, lg) == EKV_ERR_INVALID_ARGUMENT, "batch seq 1");
+        CHECK(ekv_model_batch_step(m, s0, 1, tok, lg) == EKV_ERR_CACHE_FULL,
+              "batch past max_tokens");
+        CHECK(ekv_model_seq_reset(m, 3) == EKV_ERR_INVALID_ARGUMENT, "reset seq 3");
+        CHECK(ekv_model_seq_reset(m, 0) == EKV_OK && ekv_model_position(m) == 0, "seq_reset 0");
+        CHECK(ekv_model_batch_step(m, s0, 1, tok, lg) == EKV_OK && ekv_model_position(m) == 1,
+              "batch step of seq 0: %s", ekv_last_error(ctx));
         CHECK(ekv_model_reset(m) == EKV_OK && ekv_model_position(m) == 0, "reset");
         CHECK(ekv_model_step(m, tok, 10, lg) == EKV_OK, "after reset");
         ekv_model_free(m);

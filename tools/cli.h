@@ -206,6 +206,10 @@ typedef struct {
     int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
                           subcommand runs reads them (cli_method_codes), else none */
     int codes; /* set by a subcommand that switches to such a method later (run --compare) */
+    ekv_backend backend;   /* --backend cpu|cuda (default cpu) */
+    int64_t prefill_chunk; /* --prefill-chunk (cuda dense prefill; 0 = auto) */
+    int no_graphs;         /* --no-graphs: cuda decode steps as eager launches */
+    int32_t max_seqs;      /* sequences the model holds (run --prompts-file); 0 = 1 */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);
@@ -246,6 +250,11 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);
+/* The next token from logits: greedy (temp 0) or sampled at temperature temp (tools/run.c). */
+int32_t run_sample(const float *logits, int64_t V, double temp, cli_rng *r);
+/* run --prompts-file (tools/run_batch.c): every line a sequence, decoded in batched steps. */
+int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,
+              const ekv_select_method *methods, int nmethods);
 int cmd_ppl(int argc, char **argv);
 int cmd_trace(int argc, char **argv);
 #endif

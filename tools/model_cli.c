@@ -46,12 +46,24 @@ void model_opts_help(FILE *f) {
             "                        (default 4; the other methods' caches hold no codes)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --page P              KV cache page size, 1..256 (default 16)\n"
-            "  --kv-dtype f16|f32|bf16  KV cache storage (default f16)\n");
+            "  --kv-dtype f16|f32|bf16  KV cache storage (default f16)\n"
+            "  --backend cpu|cuda    where the model runs (default cpu). cuda: weights and KV\n"
+            "                        caches on the GPU; a dense prefill runs on tensor cores\n"
+            "                        (exact entmax per query row); a prefill with any other\n"
+            "                        --method runs that method's decode stages for every\n"
+            "                        prompt token, as the CPU does (exact, but O(N^2) reads: slow\n"
+            "                        at long prompts; prefill with dense and --compare the\n"
+            "                        methods in decode instead); gaussian is CPU only (ALiBi)\n"
+            "  --prefill-chunk N     cuda: query tokens per dense prefill block (default: as\n"
+            "                        many as fit in 60%% of the free GPU memory, up to 4096)\n"
+            "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n");
 }
 
 static const cli_opt model_table[] = {
         CLI_STR("--model", model_opts, model),
         CLI_INT("--threads", model_opts, threads, 0, 1024),
+        CLI_INT("--prefill-chunk", model_opts, prefill_chunk, 1, 1 << 20),
+        CLI_FLAG("--no-graphs", model_opts, no_graphs),
 };
 
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
@@ -70,7 +82,11 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
         o->page = (int32_t)cli_need_int(sub, argc, argv, i, 1, 256);
     else if (!strcmp(a, "--kv-dtype"))
         o->kv_dtype = cli_need_dtype(sub, argc, argv, i);
-    else
+    else if (!strcmp(a, "--backend")) {
+        const char *v = cli_need(sub, argc, argv, i);
+        if (ekv_backend_from_name(v, &o->backend) || o->backend == EKV_BACKEND_REF)
+            cli_usage_error(sub, "--backend %s: expected cpu or cuda", v);
+    } else
         return 0;
     return 1;
 }
@@ -165,6 +181,10 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.method = o->method;
     mp.budget = o->budget;
     mp.code_bits = o->codes || cli_method_codes(o->method) ? o->code_bits : 0;
+    mp.backend = o->backend;
+    mp.prefill_chunk = o->prefill_chunk;
+    mp.cuda_graphs = !o->no_graphs;
+    mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {
         fprintf(stderr, "entmaxkv %s: %s: %s: %s\n", sub, path, ekv_status_string(st),
@@ -255,7 +275,9 @@ char *cli_read_file(const char *path, int64_t *len) {
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
                const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn, void *arg,
                int64_t *fed) {
-    enum { CHUNK = 256 };
+    /* the CPU runs 64-token blocks, so 256 keeps the progress lines frequent; the GPU's dense
+     * prefill wants thousands of query rows per block (its own chunking splits further) */
+    const int64_t CHUNK = ekv_model_backend(m) == EKV_BACKEND_CUDA ? 4096 : 256;
     const int64_t V = ekv_model_get_config(m)->vocab;
     float *logits = fn ? malloc(sizeof(float) * (size_t)(CHUNK * V)) : NULL;
     if (fn && !logits) {

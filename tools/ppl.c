@@ -185,31 +185,43 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
     /* survivors per attention step and query head */
     const double sv = steps > 0 ? surv / (steps * (double)r->heads) : 0;
     model_method_label(lab, sizeof lab, mo->method, mo->budget);
+    /* the CUDA stages do not count what they read (ekv_model_backend) */
+    const int measured = mo->backend != EKV_BACKEND_CUDA;
+    char kvs[32] = "n/a";
+    if (measured) snprintf(kvs, sizeof kvs, "%.4f", kvf);
     fprintf(out.text,
-            "ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %.4f  %.1f tokens/s\n",
-            ppl, bpb, (long long)r->scored, (long long)r->nwin, (long long)o->ctxlen, lab, kvf,
+            "ppl %.6f  bits/byte %.6f  tokens %lld  windows %lld x %lld  method %s  kv_fraction %s  %.1f tokens/s\n",
+            ppl, bpb, (long long)r->scored, (long long)r->nwin, (long long)o->ctxlen, lab, kvs,
             (double)r->fed / r->secs);
-    fprintf(out.text, "kv_fraction per layer:");
-    for (int64_t l = 0; l < r->layers; l++) fprintf(out.text, " %.4f", layer_kvf(&r->lay[l]));
-    fprintf(out.text, "\n");
+    if (measured) {
+        fprintf(out.text, "kv_fraction per layer:");
+        for (int64_t l = 0; l < r->layers; l++) fprintf(out.text, " %.4f", layer_kvf(&r->lay[l]));
+        fprintf(out.text, "\n");
+    } else
+        fprintf(out.text, "kv_fraction: not measured on the cuda backend\n");
     if (nl > 0) fprintf(out.text, "certified: round 2 in %.2f%% of page lists\n", 100.0 * r2 / nl);
     if (codes)
         fprintf(out.text, "screened: %d-bit key codes, %.1f tokens per head survive the screen\n",
                 mo->code_bits, sv);
     if (!out.json) return 0;
     if (nl > 0) snprintf(r2s, sizeof r2s, "%.9g", r2 / nl);
+    if (measured)
+        snprintf(kvs, sizeof kvs, "%.9g", kvf);
+    else
+        snprintf(kvs, sizeof kvs, "null");
     if (codes) snprintf(svs, sizeof svs, "%.9g", sv);
     fprintf(out.json,
             "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
-            "\"kv_fraction\":%.9g,\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
+            "\"kv_fraction\":%s,\"backend\":\"%s\",\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
             "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
             "\"code_bits\":%d,\"survivors_mean\":%s,\"interrupted\":%s,\"windows_done\":%lld,\"kv_fraction_layers\":[",
             ppl, bpb, r->nll, (long long)r->scored, ekv_method_name(mo->method),
-            model_uses_budget(mo->method) ? mo->budget : 1.0, kvf, (long long)o->ctxlen,
-            (long long)r->nwin, (long long)o->offset, (long long)o->score_last,
-            ekv_dtype_name(mo->kv_dtype), mo->page, r->secs, (double)r->fed / r->secs, r2s,
-            codes ? mo->code_bits : 0, svs, r->interrupted ? "true" : "false", (long long)r->done);
-    for (int64_t l = 0; l < r->layers; l++)
+            model_uses_budget(mo->method) ? mo->budget : 1.0, kvs, ekv_backend_name(mo->backend),
+            (long long)o->ctxlen, (long long)r->nwin, (long long)o->offset,
+            (long long)o->score_last, ekv_dtype_name(mo->kv_dtype), mo->page, r->secs,
+            (double)r->fed / r->secs, r2s, codes ? mo->code_bits : 0, svs,
+            r->interrupted ? "true" : "false", (long long)r->done);
+    for (int64_t l = 0; l < r->layers && measured; l++)
         fprintf(out.json, "%s%.9g", l ? "," : "", layer_kvf(&r->lay[l]));
     fprintf(out.json, "]}\n");
     return cli_out_close(&out, "ppl");

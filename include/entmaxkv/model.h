@@ -87,6 +87,22 @@ typedef struct ekv_model_params {
                                  round 1 (default 1/16)                                           */
     int32_t code_bits;        /* per-token key codes in every layer's cache (ekv_cache_params):
                                  0 = none (default), 4 or 8; method screened needs 4 or 8        */
+    /* Where the forward pass runs (docs/architecture.md, "The model on the GPU"):
+     * EKV_BACKEND_CPU (default) or EKV_BACKEND_CUDA (a build with -DEKV_CUDA=ON and a device;
+     * otherwise loading fails with EKV_ERR_UNSUPPORTED). On CUDA the weights and the KV caches
+     * live on the device; a block of n > 1 tokens with method dense is the tensor-core prefill
+     * (exact entmax per query row), any other method runs its decode stages over the block's
+     * prefix views as the CPU does; n = 1 is one decode step. gaussian is refused on CUDA (the
+     * model's ALiBi heads need the CPU's mixture solver). */
+    ekv_backend backend;
+    int32_t device;        /* cuda: device ordinal (default 0)                                   */
+    int32_t cuda_graphs;   /* cuda: 1 (default) = each decode step (n = 1) replays one captured
+                              CUDA graph; 0 = eager launches                                     */
+    int64_t prefill_chunk; /* cuda dense prefill: query tokens per block; 0 (default) = as many
+                              as fit the score buffers (docs/math.md §12)                       */
+    int32_t max_seqs;      /* sequences the model holds, each of up to max_tokens tokens
+                              (default 1, at most 4096); more than one on cuda only
+                              (ekv_model_batch_step)                                            */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */
@@ -113,6 +129,10 @@ EKV_API ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safete
                                               const ekv_model_params *params, ekv_model **out);
 EKV_API void ekv_model_free(ekv_model *model);
 EKV_API const ekv_model_config *ekv_model_get_config(const ekv_model *model);
+/* Where the model runs (ekv_model_params.backend). On EKV_BACKEND_CUDA the statistics count
+ * steps and bytes_kv only: what the device stages read is not measured (bytes_read,
+ * lists_round2, lists and survivors stay 0). */
+EKV_API ekv_backend ekv_model_backend(const ekv_model *model);
 /* Changes the decode method for the next steps (budget as in ekv_model_params). screened
  * fails (EKV_ERR_INVALID_ARGUMENT) on a model loaded with code_bits 0: its caches hold no
  * key codes. */
@@ -130,6 +150,23 @@ EKV_API int64_t ekv_model_position(const ekv_model *model);
  */
 EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64_t n,
                                   float *logits);
+/*
+ * Several sequences (ekv_model_params.max_seqs > 1, backend cuda): ekv_model_step,
+ * ekv_model_position and ekv_model_reset act on sequence 0 (reset: on every sequence);
+ * ekv_model_seq_step runs n tokens of sequence seq, as ekv_model_step does for sequence 0;
+ * ekv_model_batch_step runs one decode step of n_seqs distinct sequences together (token
+ * tokens[b] appended to sequence seqs[b]; logits [n_seqs][vocab]): one batch of the decode
+ * stages over their ragged page lists (docs/architecture.md, "The model on the GPU").
+ * n_seqs is at most max_seqs (the decode plan's batch is sized for all of them). A refused
+ * call changes nothing.
+ */
+EKV_API ekv_status ekv_model_seq_step(ekv_model *model, int32_t seq, const int32_t *tokens,
+                                      int64_t n, float *logits);
+EKV_API ekv_status ekv_model_batch_step(ekv_model *model, const int32_t *seqs, int32_t n_seqs,
+                                        const int32_t *tokens, float *logits);
+/* Tokens in sequence seq (-1 if seq is out of range); empties one sequence. */
+EKV_API int64_t ekv_model_seq_position(const ekv_model *model, int32_t seq);
+EKV_API ekv_status ekv_model_seq_reset(ekv_model *model, int32_t seq);
 /* Statistics of one layer, or of all layers summed (layer = -1). */
 EKV_API ekv_status ekv_model_get_stats(const ekv_model *model, int32_t layer, ekv_model_stats *out);
 EKV_API void ekv_model_reset_stats(ekv_model *model);
@@ -139,6 +176,10 @@ EKV_API int64_t ekv_model_tokenize(const char *text, int64_t len, int32_t *token
  * 1/sqrt(head_dim) scale) of the last token run at that layer: for traces and evaluation. */
 EKV_API ekv_status ekv_model_layer_cache(const ekv_model *model, int32_t layer,
                                          const ekv_cache **cache, int32_t *seq);
+/* On the CUDA backend the layer caches live on the device: ekv_model_layer_cache copies the
+ * layer's K/V pages and rebuilds a host cache from them (ekv_cache_seq_adopt; valid until the
+ * next step, reset or ekv_model_layer_cache of that layer), and ekv_model_last_query copies the
+ * queries back. */
 EKV_API ekv_status ekv_model_last_query(const ekv_model *model, int32_t layer, float *q);
 /* NAPE slopes [n_heads] (docs/math.md §1.6), as the model's attention uses them. */
 EKV_API ekv_status ekv_model_alibi_slopes(const ekv_model *model, float *slopes);

@@ -10,6 +10,7 @@
  *   logits = Wout . RMSNorm(x_last; norm)
  */
 #include "model_internal.h"
+#include "model_gpu.h"
 #include "../core/method.h"
 #include "../cpu/kernels.h"
 #include <errno.h>
@@ -30,6 +31,11 @@ ekv_model_params ekv_model_default_params(void) {
     p.method = EKV_SELECT_DENSE;
     p.budget = 1.0 / 16;
     p.code_bits = 0;
+    p.backend = EKV_BACKEND_CPU;
+    p.device = 0;
+    p.cuda_graphs = 1;
+    p.prefill_chunk = 0;
+    p.max_seqs = 1;
     return p;
 }
 
@@ -37,14 +43,16 @@ ekv_model_params ekv_model_default_params(void) {
  * check on the select params the attention will use (model_attention.c). A method that reads
  * key codes (the method table says which) is refused up front when the caches have none:
  * the decode step would only say so at the first token. */
-static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg,
+static ekv_status check_method(ekv_context *ctx, const ekv_model_config *cfg, ekv_backend backend,
                                ekv_select_method method, double budget, int32_t code_bits) {
     if (!(budget > 0.0 && budget <= 1.0))
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "budget=%g must be a fraction in (0, 1]",
                         budget);
-    const ekv_decode_params dp = ekv_model_decode_params(cfg, NULL);
+    /* the slopes' presence matters to the CUDA check (gaussian with ALiBi), not their values */
+    static const float any_slopes[1] = {0.f};
+    const ekv_decode_params dp = ekv_model_decode_params(cfg, any_slopes);
     const ekv_select_params sp = ekv_model_select_params(method, budget, 1);
-    ekv_status s = ekv_decode_supported(ctx, EKV_BACKEND_CPU, &dp, &sp);
+    ekv_status s = ekv_decode_supported(ctx, backend, &dp, &sp);
     if (s) return s;
     if ((ekv_method_info_of(method)->needs & EKV_NEEDS_CODES) && code_bits == 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
@@ -169,6 +177,7 @@ static int all_finite(const void *data, ekv_dtype dt, int64_t n) {
 
 void ekv_model_free(ekv_model *m) {
     if (!m) return;
+    ekv_model_gpu_free(m->gpu);
     if (m->layers)
         for (int32_t l = 0; l < m->cfg.n_layers; l++) {
             ekv_cache_free(m->layers[l].cache);
@@ -351,6 +360,7 @@ static ekv_status alloc_state(ekv_model *m) {
         model_layer *L = &m->layers[l];
         L->last_q = calloc((size_t)qd, sizeof(float));
         if (!L->last_q) return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+        if (m->prm.backend == EKV_BACKEND_CUDA) continue; /* its caches live on the device */
         ekv_cache_params cp = ekv_cache_default_params();
         cp.page_size = m->prm.page_size;
         cp.num_kv_heads = c->n_kv_heads;
@@ -381,10 +391,24 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
                         p.page_size);
     if (!ekv_dtype_valid(p.kv_dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv_dtype=%d is unknown", (int)p.kv_dtype);
+    if (p.backend != EKV_BACKEND_CPU && p.backend != EKV_BACKEND_CUDA)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "backend=%d: the model runs on cpu (0) or cuda (2)", (int)p.backend);
+    if (p.cuda_graphs != 0 && p.cuda_graphs != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "cuda_graphs=%d must be 0 or 1",
+                        p.cuda_graphs);
+    if (p.max_seqs < 1 || p.max_seqs > 4096 || (p.max_seqs > 1 && p.backend != EKV_BACKEND_CUDA))
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "max_seqs=%d must be in [1, 4096], and 1 on the cpu backend (several "
+                        "sequences are a cuda feature)",
+                        p.max_seqs);
+    if (p.prefill_chunk < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
+                        (long long)p.prefill_chunk);
     ekv_model_config cfg;
     ekv_status s = read_config(ctx, st, &cfg);
     if (s) return s;
-    if ((s = check_method(ctx, &cfg, p.method, p.budget, p.code_bits))) return s;
+    if ((s = check_method(ctx, &cfg, p.backend, p.method, p.budget, p.code_bits))) return s;
     ekv_model *m = calloc(1, sizeof *m);
     if (!m) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     m->ctx = ctx;
@@ -394,6 +418,7 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (!m->layers) s = ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
     if (!s) s = load_tensors(m, st);
     if (!s) s = alloc_state(m);
+    if (!s && p.backend == EKV_BACKEND_CUDA) s = ekv_model_gpu_create(m);
     if (s) {
         ekv_model_free(m);
         return s;
@@ -421,13 +446,15 @@ ekv_status ekv_model_load(ekv_context *ctx, const char *path, const ekv_model_pa
 /* ---------------------------------------------------------------------------------- */
 const ekv_model_config *ekv_model_get_config(const ekv_model *m) { return m ? &m->cfg : NULL; }
 int64_t ekv_model_position(const ekv_model *m) { return m ? m->pos : 0; }
+ekv_backend ekv_model_backend(const ekv_model *m) { return m ? m->prm.backend : EKV_BACKEND_CPU; }
 
 ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double budget) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    ekv_status s = check_method(m->ctx, &m->cfg, method, budget, m->prm.code_bits);
+    ekv_status s = check_method(m->ctx, &m->cfg, m->prm.backend, method, budget, m->prm.code_bits);
     if (s) return s;
     m->prm.method = method;
     m->prm.budget = budget;
+    ekv_model_gpu_method_changed(m->gpu);
     return EKV_OK;
 }
 
@@ -439,7 +466,11 @@ void ekv_model_reset_stats(ekv_model *m) {
 
 ekv_status ekv_model_reset(ekv_model *m) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+    if (m->gpu) {
+        ekv_status s = ekv_model_gpu_reset(m);
+        if (s) return s;
+    }
+    for (int32_t l = 0; l < m->cfg.n_layers && !m->gpu; l++) {
         model_layer *L = &m->layers[l];
         ekv_status s = ekv_cache_seq_free(L->cache, L->seq);
         if (!s) s = ekv_cache_seq_new(L->cache, &L->seq);
@@ -477,6 +508,7 @@ ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_ca
                                  int32_t *seq) {
     if (!m || !cache || !seq) return EKV_ERR_NULL_POINTER;
     if (layer < 0 || layer >= m->cfg.n_layers) return EKV_ERR_INVALID_ARGUMENT;
+    if (m->gpu) return ekv_model_gpu_layer_cache(m, layer, cache, seq);
     *cache = m->layers[layer].cache;
     *seq = m->layers[layer].seq;
     return EKV_OK;
@@ -485,6 +517,7 @@ ekv_status ekv_model_layer_cache(const ekv_model *m, int32_t layer, const ekv_ca
 ekv_status ekv_model_last_query(const ekv_model *m, int32_t layer, float *q) {
     if (!m || !q) return EKV_ERR_NULL_POINTER;
     if (layer < 0 || layer >= m->cfg.n_layers) return EKV_ERR_INVALID_ARGUMENT;
+    if (m->gpu) return ekv_model_gpu_last_query(m, layer, q);
     memcpy(q, m->layers[layer].last_q,
            sizeof(float) * (size_t)m->cfg.n_heads * (size_t)m->cfg.head_dim);
     return EKV_OK;
@@ -588,21 +621,80 @@ static ekv_status forward_block(ekv_model *m, const int32_t *tokens, int64_t T, 
     return EKV_OK;
 }
 
-ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float *logits) {
-    if (!m) return EKV_ERR_NULL_POINTER;
+/* n tokens after pos in a sequence: the count before the data it counts (tokens[] may be
+ * shorter than n), then every token in [0, vocab). */
+static ekv_status check_tokens(const ekv_model *m, const int32_t *tokens, int64_t n, int64_t pos) {
     if (!tokens) return ekv_fail(m->ctx, EKV_ERR_NULL_POINTER, "tokens is NULL");
     if (n < 1) return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n=%lld must be >= 1", (long long)n);
-    /* the count before the data it counts: tokens[] may be shorter than n */
-    if (n > m->prm.max_tokens - m->pos)
+    if (n > m->prm.max_tokens - pos)
         return ekv_fail(m->ctx, EKV_ERR_CACHE_FULL,
                         "%lld more tokens after %lld pass max_tokens=%lld", (long long)n,
-                        (long long)m->pos, (long long)m->prm.max_tokens);
+                        (long long)pos, (long long)m->prm.max_tokens);
     for (int64_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab)
             return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
                             "tokens[%lld]=%d is outside [0, vocab=%d)", (long long)i, tokens[i],
                             m->cfg.vocab);
-    ekv_status s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
+    return EKV_OK;
+}
+
+static ekv_status check_seq(const ekv_model *m, int32_t seq) {
+    if (seq < 0 || seq >= m->prm.max_seqs)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "seq=%d is outside [0, max_seqs=%d)", seq,
+                        m->prm.max_seqs);
+    return EKV_OK;
+}
+
+int64_t ekv_model_seq_position(const ekv_model *m, int32_t seq) {
+    if (!m || seq < 0 || seq >= m->prm.max_seqs) return -1;
+    return m->gpu ? ekv_model_gpu_position(m->gpu, seq) : m->pos;
+}
+
+ekv_status ekv_model_seq_reset(ekv_model *m, int32_t seq) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_seq(m, seq);
+    if (s) return s;
+    if (!m->gpu) return ekv_model_reset(m); /* one sequence */
+    return ekv_model_gpu_seq_reset(m, seq);
+}
+
+ekv_status ekv_model_seq_step(ekv_model *m, int32_t seq, const int32_t *tokens, int64_t n,
+                              float *logits) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_seq(m, seq);
+    if (s) return s;
+    if (seq == 0) return ekv_model_step(m, tokens, n, logits);
+    if ((s = check_tokens(m, tokens, n, ekv_model_seq_position(m, seq)))) return s;
+    return ekv_model_gpu_step(m, seq, tokens, n, logits); /* max_seqs > 1: the GPU's */
+}
+
+ekv_status ekv_model_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seqs,
+                                const int32_t *tokens, float *logits) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    if (!seqs || !tokens) return ekv_fail(m->ctx, EKV_ERR_NULL_POINTER, "seqs or tokens is NULL");
+    if (n_seqs < 1 || n_seqs > m->prm.max_seqs)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be in [1, max_seqs=%d]",
+                        n_seqs, m->prm.max_seqs);
+    for (int32_t b = 0; b < n_seqs; b++) {
+        ekv_status s = check_seq(m, seqs[b]);
+        for (int32_t c = 0; !s && c < b; c++)
+            if (seqs[c] == seqs[b])
+                s = ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
+                             "seqs[%d] = seqs[%d] = %d: a sequence takes one token per step", c, b,
+                             seqs[b]);
+        if (!s) s = check_tokens(m, tokens + b, 1, ekv_model_seq_position(m, seqs[b]));
+        if (s) return s;
+    }
+    if (!m->gpu) return ekv_model_step(m, tokens, 1, logits); /* the one sequence, seqs[0] = 0 */
+    return ekv_model_gpu_batch_step(m, seqs, n_seqs, tokens, logits);
+}
+
+ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float *logits) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_tokens(m, tokens, n, m->pos);
+    if (s) return s;
+    if (m->gpu) return ekv_model_gpu_step(m, 0, tokens, n, logits);
+    s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
     if (s) return s;
     for (int64_t i = 0; i < n && !s; i += EKV_MODEL_BLOCK) {
         const int64_t T = n - i < EKV_MODEL_BLOCK ? n - i : EKV_MODEL_BLOCK;

@@ -104,10 +104,15 @@ ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64
         L->stats.lists_round2 += info.lists_round2;
         L->stats.lists += T * m->cfg.n_kv_heads;
     }
-    const int64_t row = (int64_t)m->cfg.n_kv_heads * m->cfg.head_dim * ekv_dtype_size(kv.dtype);
-    for (int64_t t = 0; t < T; t++) L->stats.bytes_kv += 2 * (pos0 + t + 1) * row;
+    ekv_model_count_steps(m, L, pos0, T);
     L->stats.bytes_read += info.bytes_k + info.bytes_v + info.bytes_summary;
     L->stats.survivors += info.survivors;
-    L->stats.steps += T;
     return EKV_OK;
+}
+
+void ekv_model_count_steps(const ekv_model *m, model_layer *L, int64_t pos0, int64_t T) {
+    const int64_t row =
+            (int64_t)m->cfg.n_kv_heads * m->cfg.head_dim * ekv_dtype_size(m->prm.kv_dtype);
+    for (int64_t t = 0; t < T; t++) L->stats.bytes_kv += 2 * (pos0 + t + 1) * row;
+    L->stats.steps += T;
 }

@@ -49,6 +49,7 @@ struct ekv_model {
     float *x, *xn, *q, *k, *v, *att, *h1, *h3, *proj;
     float *zmax; /* [threads][EKV_MODEL_BLOCK] scratch of the matmul kernel */
     attn_scratch as;
+    struct model_gpu *gpu; /* the device engine (backend cuda, model_gpu.h), else NULL */
 };
 
 /* Attention of a block of T tokens at positions pos0.. at layer l: appends k, v [T][Hk][D]
@@ -60,6 +61,9 @@ ekv_decode_params ekv_model_decode_params(const ekv_model_config *cfg, const flo
  * topk reads a fraction of each view; certified sizes its round 1 by the shortest view. */
 ekv_select_params ekv_model_select_params(ekv_select_method method, double budget,
                                           int64_t view_len);
+/* Counts T attention steps at positions pos0.. in L's statistics: the steps and the K + V
+ * bytes of the attended tokens (what reading everything costs), on every backend. */
+void ekv_model_count_steps(const ekv_model *m, model_layer *L, int64_t pos0, int64_t T);
 ekv_status ekv_model_attention(ekv_model *m, model_layer *L, int64_t pos0, int64_t T,
                                const float *q, const float *k, const float *v, float *out);
 #endif

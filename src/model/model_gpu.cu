@@ -1,0 +1,540 @@
+/*
+ * The model engine on the GPU (docs/architecture.md, "The model on the GPU"): the weights
+ * (checked and loaded on the host by model.c) uploaded once as fp32, one device KV cache per
+ * layer, one decode plan shared by the layers, and the forward pass of model.c with every
+ * stage on the device:
+ *   h   = x + Wo . Attn(RMSNorm(x))          attention: model_gpu_prefill.cu (a dense block)
+ *   out = h + W2 . SwiGLU(W1, W3; RMSNorm(h))           or model_gpu_attention.cu (the rest)
+ * A decode step (one token) is captured once as a CUDA graph and replayed: everything it
+ * reads (token, position, page tables) lives in device memory, nothing is allocated and the
+ * host waits only for the logits after the step.
+ */
+#include "model_gpu.cuh"
+#include <stdlib.h>
+#include <string.h>
+
+static ekv_status dev_alloc(model_gpu *g, void *pp, int64_t bytes, const char *what) {
+    void **p = (void **)pp;
+    cudaError_t e = cudaMalloc(p, (size_t)(bytes > 0 ? bytes : 16));
+    if (e != cudaSuccess) {
+        *p = NULL;
+        cudaGetLastError();
+        return ekv_fail(g->ctx, EKV_ERR_OUT_OF_MEMORY,
+                        "model (cuda): cannot allocate %.3f GiB of device memory for %s: %s",
+                        (double)bytes / (double)(1 << 30), what, cudaGetErrorString(e));
+    }
+    return EKV_OK;
+}
+
+/* Every matrix in fp32 (the file's F16/BF16/F32 values converted exactly), in one buffer. */
+static ekv_status upload_weights(ekv_model *m, model_gpu *g) {
+    const ekv_model_config *c = &m->cfg;
+    const int64_t per = 7, nmat = per * c->n_layers + 2;
+    const model_matrix **mats = (const model_matrix **)calloc((size_t)nmat, sizeof *mats);
+    if (!mats) return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    mats[0] = &m->tok_emb;
+    mats[1] = &m->out_w;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        model_layer *L = &m->layers[l];
+        const model_matrix *lm[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w1, &L->w2, &L->w3};
+        for (int k = 0; k < per; k++) mats[2 + per * l + k] = lm[k];
+    }
+    int64_t total = 0;
+    for (int64_t i = 0; i < nmat; i++) total += mats[i]->rows * mats[i]->cols;
+    float *host = (float *)malloc(sizeof(float) * (size_t)total);
+    ekv_status s = host ? dev_alloc(g, &g->weights, total * 4, "the weights")
+                        : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    const float **dev = (const float **)calloc((size_t)nmat, sizeof *dev);
+    if (!s && !dev) s = ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    int64_t off = 0;
+    for (int64_t i = 0; i < nmat && !s; i++) {
+        const int64_t n = mats[i]->rows * mats[i]->cols;
+        for (int64_t e = 0; e < n; e++)
+            host[off + e] = ekv_load_f32(mats[i]->data, mats[i]->dtype, e);
+        dev[i] = g->weights + off;
+        off += n;
+    }
+    if (!s && cudaMemcpy(g->weights, host, sizeof(float) * (size_t)total, cudaMemcpyHostToDevice) !=
+                      cudaSuccess)
+        s = ekv_fail(m->ctx, EKV_ERR_DEVICE, "model (cuda): uploading the weights failed");
+    if (!s) {
+        g->tok_emb = dev[0];
+        g->out_w = c->tied_embeddings ? dev[0] : dev[1];
+        for (int32_t l = 0; l < c->n_layers; l++) {
+            gpu_layer *G = &g->layers[l];
+            const float **w[7] = {&G->wq, &G->wk, &G->wv, &G->wo, &G->w1, &G->w2, &G->w3};
+            for (int k = 0; k < per; k++) *w[k] = dev[2 + per * l + k];
+        }
+    }
+    free(dev);
+    free(host);
+    free(mats);
+    return s;
+}
+
+/* The norms and the NAPE slopes, as model.c holds them (fp32). */
+static ekv_status upload_vectors(ekv_model *m, model_gpu *g) {
+    const ekv_model_config *c = &m->cfg;
+    const int64_t nv = (2 * (int64_t)c->n_layers + 1) * c->d_model;
+    ekv_status s = dev_alloc(g, &g->vectors, nv * 4, "the norms");
+    if (!s) s = dev_alloc(g, &g->slopes, (int64_t)c->n_heads * 4, "the slopes");
+    if (s) return s;
+    GPU_TRY(g, cudaMemcpy(g->vectors, m->vectors, (size_t)nv * 4, cudaMemcpyHostToDevice));
+    GPU_TRY(g, cudaMemcpy(g->slopes, m->slopes, (size_t)c->n_heads * 4, cudaMemcpyHostToDevice));
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        g->layers[l].attn_norm = g->vectors + (m->layers[l].attn_norm - m->vectors);
+        g->layers[l].ffn_norm = g->vectors + (m->layers[l].ffn_norm - m->vectors);
+    }
+    g->norm_w = g->vectors + (m->norm_w - m->vectors);
+    return EKV_OK;
+}
+
+/* One layer's device cache: K/V pools (NHD, model_gpu.cuh), statistics with the CPU cache's
+ * compact ranges, key codes when the model has code_bits. */
+static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
+    const ekv_model_config *c = &m->cfg;
+    const int64_t P = g->pages * g->max_seqs, ps = m->prm.page_size, Hk = c->n_kv_heads,
+                  D = c->head_dim;
+    const ekv_dtype dt = m->prm.kv_dtype;
+    const int64_t es = ekv_dtype_size(dt), pool = P * ps * Hk * D, stat_n = P * Hk * D;
+    const ekv_dtype rd = ekv_cache_compact_ranges(dt);
+    ekv_status s = dev_alloc(g, &L->k, pool * es, "the K cache");
+    if (!s) s = dev_alloc(g, &L->v, pool * es, "the V cache");
+    if (!s) s = dev_alloc(g, &L->stats, (4 * stat_n + P * Hk) * 4, "the page statistics");
+    if (!s) s = dev_alloc(g, &L->count, P * 4, "the page counts");
+    if (!s && rd != EKV_DTYPE_F32) s = dev_alloc(g, &L->range16, 2 * stat_n * 2, "the ranges");
+    const int64_t rb = (D * m->prm.code_bits + 7) / 8;
+    if (!s && m->prm.code_bits) s = dev_alloc(g, &L->codes, P * Hk * ps * rb, "the key codes");
+    if (!s) s = dev_alloc(g, &L->last_q, (int64_t)c->n_heads * D * 4, "the queries");
+    if (s) return s;
+    GPU_TRY(g, cudaMemset(L->count, 0, (size_t)P * 4));
+    L->kv = ekv_paged_kv{L->k,       L->v, dt,          (int32_t)ps, (int32_t)Hk,
+                         (int32_t)D, P,    ps * Hk * D, D,           Hk * D};
+    memset(&L->st, 0, sizeof L->st);
+    L->st.kmin = L->stats;
+    L->st.kmax = L->stats + stat_n;
+    L->st.kmean = L->stats + 2 * stat_n;
+    L->st.km2 = L->stats + 3 * stat_n;
+    L->st.radius = L->stats + 4 * stat_n;
+    L->st.count = L->count;
+    L->st.range_dtype = rd;
+    if (L->range16) {
+        L->st.kmin16 = L->range16;
+        L->st.kmax16 = L->range16 + stat_n;
+    }
+    L->st.codes = L->codes;
+    L->st.code_bits = m->prm.code_bits;
+    return EKV_OK;
+}
+
+/* Query tokens per dense prefill block: the caller's, or as many as leave the score and P
+ * buffers ([H * chunk][keys], 4 + nparts * es bytes an entry) within 60% of the free memory
+ * (at most 64 GiB), up to 4096; multiples of 16. */
+static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
+    const ekv_model_config *c = &m->cfg;
+    const int64_t es = ekv_dtype_size(m->prm.kv_dtype), bpe = 4 + g->nparts * es;
+    g->ld_cap = (m->prm.max_tokens + 15) / 16 * 16;
+    int64_t chunk = m->prm.prefill_chunk;
+    if (!chunk) {
+        size_t fr = 0, tot = 0;
+        GPU_TRY(g, cudaMemGetInfo(&fr, &tot));
+        double budget = 0.6 * (double)fr;
+        if (budget > 64.0 * (1 << 30)) budget = 64.0 * (1 << 30);
+        chunk = (int64_t)(budget / ((double)c->n_heads * (double)g->ld_cap * (double)bpe));
+        if (chunk > 4096) chunk = 4096;
+        if (chunk >= 16) chunk -= chunk % 16;
+        if (chunk < 1)
+            return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY,
+                            "model (cuda): %.1f GiB free cannot hold one prefill row over %lld "
+                            "tokens (give a smaller max_tokens)",
+                            (double)fr / (1 << 30), (long long)m->prm.max_tokens);
+    }
+    if (chunk > g->ld_cap) chunk = g->ld_cap;
+    g->chunk = chunk;
+    const int64_t rows = (int64_t)c->n_heads * chunk;
+    ekv_status s = dev_alloc(g, &g->scores, rows * g->ld_cap * 4, "the prefill scores");
+    if (!s) s = dev_alloc(g, &g->pparts, g->nparts * rows * g->ld_cap * es, "the prefill P");
+    if (!s) s = dev_alloc(g, &g->qparts, g->nparts * rows * c->head_dim * es, "the prefill q");
+    if (!s) s = dev_alloc(g, &g->qshift, 2 * rows * 4, "the prefill shifts and sums");
+    if (!s) s = dev_alloc(g, &g->obuf, rows * c->head_dim * 4, "the prefill output");
+    return s;
+}
+
+/* The decode plan (views per block: up to 64, fewer when its score rows would pass 4 GiB, but
+ * every sequence in one batched step) and the activations of a block. */
+static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
+    const ekv_model_config *c = &m->cfg;
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    const int64_t per_view = (int64_t)c->n_heads * g->pages * m->prm.page_size * 4;
+    int64_t views = ((int64_t)4 << 30) / per_view;
+    views = views < 1 ? 1 : views > (int64_t)EKV_MODEL_BLOCK ? (int64_t)EKV_MODEL_BLOCK : views;
+    pp.max_batch = (int32_t)(views > g->max_seqs ? views : g->max_seqs);
+    pp.device = m->prm.device;
+    pp.stream = g->stream;
+    pp.num_heads = c->n_heads;
+    pp.num_kv_heads = c->n_kv_heads;
+    pp.head_dim = c->head_dim;
+    pp.page_size = m->prm.page_size;
+    pp.max_pages_per_seq = g->pages;
+    ekv_status s = ekv_cuda_plan_create(m->ctx, &pp, &g->plan);
+    if (s) return s;
+    g->views = pp.max_batch;
+    g->block = g->chunk > g->views ? g->chunk : g->views;
+    const int64_t B = g->block, d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
+                  kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim;
+    const int64_t items = B / m->prm.page_size + 2 > g->views ? B / m->prm.page_size + 2 : g->views;
+    struct {
+        void *p;
+        int64_t bytes;
+    } t[] = {{&g->x, B * d * 4},
+             {&g->xn, B * d * 4},
+             {&g->q, B * qd * 4},
+             {&g->k, B * kvd * 4},
+             {&g->v, B * kvd * 4},
+             {&g->att, B * qd * 4},
+             {&g->h1, B * F * 4},
+             {&g->h3, B * F * 4},
+             {&g->logits, B * c->vocab * 4},
+             {&g->tokens, B * 4},
+             {&g->pos, 8 * g->max_seqs},
+             {&g->bad, 4},
+             {&g->bseqs, g->views * 4},
+             {&g->vbase, g->views * 4},
+             {&g->indptr, (g->views + 1) * 8},
+             {&g->last_len, g->views * 4},
+             {&g->indices, g->views * g->pages * 4},
+             {&g->items, items * (int64_t)sizeof(ekv_cuda_append_item)}};
+    for (size_t i = 0; i < sizeof t / sizeof t[0] && !s; i++)
+        s = dev_alloc(g, t[i].p, t[i].bytes, "the activations");
+    if (s) return s;
+    GPU_TRY(g, cudaMemset(g->pos, 0, 8 * (size_t)g->max_seqs));
+    GPU_TRY(g, cudaMemset(g->bad, 0, 4));
+    return EKV_OK;
+}
+
+static void free_host_mirror(gpu_layer *L) {
+    ekv_cache_free(L->host);
+    free(L->host_k);
+    free(L->host_v);
+    L->host = NULL;
+    L->host_k = L->host_v = NULL;
+}
+
+extern "C" void ekv_model_gpu_free(model_gpu *g) {
+    if (!g) return;
+    if (g->stream) cudaStreamSynchronize(g->stream);
+    if (g->graph_ready) cudaGraphExecDestroy(g->graph);
+    if (g->layers)
+        for (int32_t l = 0; l < g->nlayers; l++) {
+            gpu_layer *L = &g->layers[l];
+            void *bufs[] = {L->k, L->v, L->stats, L->count, L->range16, L->codes, L->last_q};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+            free_host_mirror(L);
+        }
+    free(g->layers);
+    void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens,  g->pos,      g->x,
+                    g->xn,      g->q,       g->k,      g->v,       g->att,      g->h1,
+                    g->h3,      g->logits,  g->indptr, g->indices, g->last_len, g->items,
+                    g->scores,  g->pparts,  g->qparts, g->qshift,  g->obuf,     g->bad,
+                    g->blas_ws, g->bseqs,   g->vbase};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    ekv_cuda_plan_free(g->plan);
+    free(g->hpos);
+    if (g->blas) cublasDestroy(g->blas);
+    if (g->stream) cudaStreamDestroy(g->stream);
+    free(g);
+}
+
+/* The stream, cuBLAS on it with a fixed workspace (so that a captured step allocates nothing). */
+static ekv_status open_device(ekv_model *m, model_gpu *g) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        return ekv_fail(m->ctx, EKV_ERR_UNSUPPORTED, "model: backend cuda: no CUDA device");
+    }
+    if (m->prm.device < 0 || m->prm.device >= n)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "model: device=%d: only %d CUDA device(s)", m->prm.device, n);
+    GPU_TRY(g, cudaSetDevice(m->prm.device));
+    GPU_TRY(g, cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+    BLAS_TRY(g, cublasCreate(&g->blas));
+    BLAS_TRY(g, cublasSetStream(g->blas, g->stream));
+    const int64_t ws = (int64_t)32 << 20;
+    ekv_status s = dev_alloc(g, &g->blas_ws, ws, "the cuBLAS workspace");
+    if (s) return s;
+    BLAS_TRY(g, cublasSetWorkspace(g->blas, g->blas_ws, (size_t)ws));
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
+    const ekv_model_config *c = &m->cfg;
+    model_gpu *g = (model_gpu *)calloc(1, sizeof *g);
+    if (!g) return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    g->ctx = m->ctx;
+    g->nlayers = c->n_layers;
+    g->max_seqs = m->prm.max_seqs;
+    g->layers = (gpu_layer *)calloc((size_t)c->n_layers, sizeof *g->layers);
+    g->hpos = (int64_t *)calloc((size_t)g->max_seqs, sizeof *g->hpos);
+    g->pages = (m->prm.max_tokens + m->prm.page_size - 1) / m->prm.page_size;
+    g->nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
+    ekv_status s = g->layers && g->hpos
+                           ? open_device(m, g)
+                           : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    if (!s) s = upload_weights(m, g);
+    if (!s) s = upload_vectors(m, g);
+    for (int32_t l = 0; l < c->n_layers && !s; l++) s = alloc_layer_cache(m, g, &g->layers[l]);
+    if (!s) s = size_prefill(m, g);
+    if (!s) s = alloc_state(m, g);
+    /* cudaMemset runs on the legacy stream, which the model's non-blocking stream does not
+     * wait for: the zeroed counts and positions must be there before the first step */
+    if (!s && cudaDeviceSynchronize() != cudaSuccess)
+        s = ekv_fail(m->ctx, EKV_ERR_DEVICE, "model (cuda): %s",
+                     cudaGetErrorString(cudaGetLastError()));
+    if (s) {
+        ekv_model_gpu_free(g);
+        return s;
+    }
+    m->gpu = g;
+    return EKV_OK;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* Forward pass                                                                         */
+/* ---------------------------------------------------------------------------------- */
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        ekv_status s_ = (x);                                                                       \
+        if (s_) return s_;                                                                         \
+    } while (0)
+
+/* Layer l over the block's T tokens (x in place): model.c's forward_block on the device. */
+static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int views,
+                                int32_t n_items) {
+    const ekv_model_config *c = &m->cfg;
+    model_gpu *g = m->gpu;
+    gpu_layer *L = &g->layers[l];
+    const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
+                  kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim, T = b->T;
+    TRY(gpu_rmsnorm(g, g->x, L->attn_norm, g->xn, T, d, c->norm_eps));
+    TRY(gpu_linear(g, L->wq, qd, d, g->xn, T, g->q, 0.f));
+    TRY(gpu_linear(g, L->wk, kvd, d, g->xn, T, g->k, 0.f));
+    TRY(gpu_linear(g, L->wv, kvd, d, g->xn, T, g->v, 0.f));
+    TRY(ekv_cuda_append(g->plan, &L->kv, &L->st, g->items, n_items, g->k, g->v));
+    TRY(views ? gpu_views_attention(m, L, b) : gpu_prefill_attention(m, L, b));
+    GPU_TRY(g, cudaMemcpyAsync(L->last_q, g->q + (T - 1) * qd, (size_t)qd * 4,
+                               cudaMemcpyDeviceToDevice, g->stream));
+    TRY(gpu_linear(g, L->wo, d, qd, g->att, T, g->x, 1.f)); /* x += Wo . att */
+    TRY(gpu_rmsnorm(g, g->x, L->ffn_norm, g->xn, T, d, c->norm_eps));
+    TRY(gpu_linear(g, L->w1, F, d, g->xn, T, g->h1, 0.f));
+    TRY(gpu_linear(g, L->w3, F, d, g->xn, T, g->h3, 0.f));
+    TRY(gpu_swiglu(g, g->h1, g->h3, T * F));
+    return gpu_linear(g, L->w2, d, F, g->h1, T, g->x, 1.f); /* x += W2 . swiglu */
+}
+
+/* One block (g->tokens) at the device positions, which it advances; the logits of every
+ * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only
+ * where a block of T > 1 tokens of one sequence needs it, so a captured step (T = 1) stays
+ * valid as the position moves (model_gpu_attention.cu). */
+static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
+    const ekv_model_config *c = &m->cfg;
+    model_gpu *g = m->gpu;
+    const int64_t T = b->T;
+    const int views = b->batch || T == 1 || m->prm.method != EKV_SELECT_DENSE;
+    const int32_t n_items = b->batch ? (int32_t)T : gpu_items(b->pos0, T, m->prm.page_size);
+    TRY(gpu_block_tables(g, b, m->prm.page_size, n_items, views));
+    TRY(gpu_embed(g, T, c->d_model));
+    for (int32_t l = 0; l < c->n_layers; l++) TRY(layer_forward(m, l, b, views, n_items));
+    TRY(gpu_advance(g, b));
+    TRY(gpu_rmsnorm(g, g->x, g->norm_w, g->xn, T, c->d_model, c->norm_eps));
+    return gpu_linear(g, g->out_w, c->vocab, c->d_model, g->xn, T, g->logits, 0.f);
+}
+
+/* A decode step of sequence seq as the replay of one captured graph (captured at the second
+ * step after creation or a method change, or at a step of another sequence). The first runs
+ * eagerly, so that every kernel and cuBLAS's choices for these shapes are loaded before a
+ * capture, which must not load modules. */
+static void drop_graph(model_gpu *g) {
+    if (!g->graph_ready) return;
+    cudaStreamSynchronize(g->stream);
+    cudaGraphExecDestroy(g->graph);
+    g->graph_ready = 0;
+}
+
+static ekv_status graph_step(ekv_model *m, int32_t seq) {
+    model_gpu *g = m->gpu;
+    if (g->graph_seq != seq) drop_graph(g); /* another sequence's graph */
+    const gpu_block b = {seq, g->hpos[seq], 1, 0};
+    if (!g->graph_ready && !g->graph_warm) {
+        g->graph_warm = 1;
+        return forward_block(m, &b);
+    }
+    if (!g->graph_ready) {
+        cudaGraph_t graph;
+        GPU_TRY(g, cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+        ekv_status s = forward_block(m, &b);
+        cudaError_t e = cudaStreamEndCapture(g->stream, &graph);
+        if (s) {
+            if (e == cudaSuccess) cudaGraphDestroy(graph);
+            return s;
+        }
+        GPU_TRY(g, e);
+        e = cudaGraphInstantiate(&g->graph, graph, 0);
+        cudaGraphDestroy(graph);
+        GPU_TRY(g, e);
+        g->graph_ready = 1;
+        g->graph_seq = seq;
+    }
+    GPU_TRY(g, cudaGraphLaunch(g->graph, g->stream));
+    return EKV_OK;
+}
+
+/* One block: its tokens to the device, the forward pass (a replayed graph for one token of
+ * one sequence), the logits back; the host waits here only. */
+static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tokens,
+                            float *logits) {
+    model_gpu *g = m->gpu;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
+    GPU_TRY(g, cudaMemcpyAsync(g->tokens, tokens, (size_t)b->T * 4, cudaMemcpyHostToDevice,
+                               g->stream));
+    TRY(b->T == 1 && !b->batch && m->prm.cuda_graphs ? graph_step(m, b->seq) : forward_block(m, b));
+    int32_t bad = 0;
+    if (logits)
+        GPU_TRY(g, cudaMemcpyAsync(logits, g->logits, (size_t)(b->T * m->cfg.vocab) * 4,
+                                   cudaMemcpyDeviceToHost, g->stream));
+    GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    if (bad)
+        return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
+                        "model (cuda): attention scores overflowed (not finite) in the prefill "
+                        "at positions %lld..%lld",
+                        (long long)b->pos0, (long long)(b->pos0 + b->T - 1));
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_step(ekv_model *m, int32_t seq, const int32_t *tokens,
+                                         int64_t n, float *logits) {
+    model_gpu *g = m->gpu;
+    const int64_t V = m->cfg.vocab;
+    const int64_t most = n == 1 ? 1 : m->prm.method == EKV_SELECT_DENSE ? g->chunk : g->views;
+    for (int64_t i = 0; i < n; i += most) {
+        const gpu_block b = {seq, g->hpos[seq], n - i < most ? n - i : most, 0};
+        TRY(run_block(m, &b, tokens + i, logits ? logits + i * V : NULL));
+        for (int32_t l = 0; l < m->cfg.n_layers; l++)
+            ekv_model_count_steps(m, &m->layers[l], b.pos0, b.T);
+        g->hpos[seq] += b.T;
+        m->pos = g->hpos[0];
+    }
+    ekv_clear_error(m->ctx);
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seqs,
+                                               const int32_t *tokens, float *logits) {
+    model_gpu *g = m->gpu;
+    if (n_seqs > g->views)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE,
+                        "n_seqs=%d: a batched step takes at most %d sequences", n_seqs, g->views);
+    GPU_TRY(g,
+            cudaMemcpyAsync(g->bseqs, seqs, (size_t)n_seqs * 4, cudaMemcpyHostToDevice, g->stream));
+    const gpu_block b = {0, 0, n_seqs, 1};
+    TRY(run_block(m, &b, tokens, logits));
+    for (int32_t k = 0; k < n_seqs; k++) {
+        for (int32_t l = 0; l < m->cfg.n_layers; l++)
+            ekv_model_count_steps(m, &m->layers[l], g->hpos[seqs[k]], 1);
+        g->hpos[seqs[k]] += 1;
+    }
+    m->pos = g->hpos[0];
+    ekv_clear_error(m->ctx);
+    return EKV_OK;
+}
+
+extern "C" int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq) { return g->hpos[seq]; }
+
+/* ---------------------------------------------------------------------------------- */
+/* Reset, method changes, host copies                                                  */
+/* ---------------------------------------------------------------------------------- */
+extern "C" ekv_status ekv_model_gpu_reset(ekv_model *m) {
+    model_gpu *g = m->gpu;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
+    /* the first append of a new sequence rebuilds each page's statistics from slot 0 */
+    GPU_TRY(g, cudaMemsetAsync(g->pos, 0, 8 * (size_t)g->max_seqs, g->stream));
+    GPU_TRY(g, cudaMemsetAsync(g->bad, 0, 4, g->stream));
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    memset(g->hpos, 0, sizeof(int64_t) * (size_t)g->max_seqs);
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
+    model_gpu *g = m->gpu;
+    if (seq == 0)
+        for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
+    GPU_TRY(g, cudaMemsetAsync(g->pos + seq, 0, 8, g->stream));
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    g->hpos[seq] = 0;
+    m->pos = g->hpos[0];
+    return EKV_OK;
+}
+
+extern "C" void ekv_model_gpu_method_changed(model_gpu *g) {
+    if (!g) return;
+    g->graph_warm = 0; /* the next step may use other kernels */
+    drop_graph(g);
+}
+
+extern "C" ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q) {
+    model_gpu *g = m->gpu;
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    GPU_TRY(g, cudaMemcpy(q, g->layers[layer].last_q,
+                          sizeof(float) * (size_t)m->cfg.n_heads * (size_t)m->cfg.head_dim,
+                          cudaMemcpyDeviceToHost));
+    return EKV_OK;
+}
+
+/* A host cache over copies of the layer's used pages (NHD in the caller's memory, adopted:
+ * its summaries and codes rebuilt from the keys as appends build them). */
+extern "C" ekv_status ekv_model_gpu_layer_cache(const ekv_model *m, int32_t layer,
+                                                const ekv_cache **cache, int32_t *seq) {
+    model_gpu *g = m->gpu;
+    gpu_layer *L = &g->layers[layer];
+    free_host_mirror(L);
+    const int64_t ps = m->prm.page_size, P = m->pos ? (m->pos + ps - 1) / ps : 1;
+    const int64_t bytes =
+            P * ps * m->cfg.n_kv_heads * m->cfg.head_dim * ekv_dtype_size(m->prm.kv_dtype);
+    if (posix_memalign(&L->host_k, 64, (size_t)bytes) ||
+        posix_memalign(&L->host_v, 64, (size_t)bytes)) {
+        free_host_mirror(L);
+        return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory (host K/V copy)");
+    }
+    GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    GPU_TRY(g, cudaMemcpy(L->host_k, L->k, (size_t)bytes, cudaMemcpyDeviceToHost));
+    GPU_TRY(g, cudaMemcpy(L->host_v, L->v, (size_t)bytes, cudaMemcpyDeviceToHost));
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.num_pages = P;
+    cp.page_size = (int32_t)ps;
+    cp.num_kv_heads = m->cfg.n_kv_heads;
+    cp.head_dim = m->cfg.head_dim;
+    cp.dtype = m->prm.kv_dtype;
+    cp.max_seqs = 1;
+    cp.superpage_pages = m->prm.superpage_pages;
+    cp.code_bits = m->prm.code_bits;
+    cp.range_dtype = ekv_cache_compact_ranges(cp.dtype);
+    cp.layout = EKV_LAYOUT_NHD;
+    cp.k_pool = L->host_k;
+    cp.v_pool = L->host_v;
+    int32_t *pages = (int32_t *)malloc(sizeof(int32_t) * (size_t)P);
+    ekv_status s = pages ? ekv_cache_create(m->ctx, &cp, &L->host)
+                         : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    int32_t sq = 0;
+    if (!s) s = ekv_cache_seq_new(L->host, &sq);
+    for (int64_t p = 0; p < P && pages; p++) pages[p] = (int32_t)p;
+    if (!s && m->pos)
+        s = ekv_cache_seq_adopt(L->host, sq, pages, P, (int32_t)(m->pos - (P - 1) * ps));
+    free(pages);
+    if (s) {
+        free_host_mirror(L);
+        return s;
+    }
+    *cache = L->host;
+    *seq = sq;
+    return EKV_OK;
+}

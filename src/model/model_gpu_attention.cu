@@ -1,0 +1,35 @@
+/*
+ * A block's attention through the decode stages on the GPU, as model_attention.c does it on
+ * the CPU: token t of the block attends as the newest token of its prefix view (the pages up
+ * to its own position, cut there; gpu_block_tables wrote the views from the device position),
+ * the T views form one batch of ekv_cuda_decode with the model's method. A decode step is the
+ * same with T = 1, which is what the CUDA graph of a step replays; a batched step is one view
+ * per sequence (ragged: each its own length).
+ */
+#include "model_gpu.cuh"
+extern "C" {
+#include "../core/method.h"
+}
+
+/* The select params of the block: the CPU's (ekv_model_select_params), except that a
+ * certified decode step (T = 1, or a batch of sequences) sizes its round 1 by
+ * budget_fraction, read against each sequence's length on the device: the same budget
+ * (ekv_seq_budget_tokens of one view), and nothing the host must rewrite when a graph replays
+ * the step. */
+static ekv_select_params gpu_select(const ekv_model *m, const gpu_block *b) {
+    ekv_select_params sp = ekv_model_select_params(m->prm.method, m->prm.budget, b->pos0 + 1);
+    if (m->prm.method == EKV_SELECT_CERTIFIED && (b->T == 1 || b->batch))
+        sp.budget_fraction = m->prm.budget;
+    return sp;
+}
+
+ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
+    model_gpu *g = m->gpu;
+    if (b->T > g->views)
+        return ekv_fail(m->ctx, EKV_ERR_INTERNAL, "model (cuda): %lld views > the plan's %d",
+                        (long long)b->T, g->views);
+    const ekv_decode_params dp = ekv_model_decode_params(&m->cfg, g->slopes);
+    const ekv_select_params sp = gpu_select(m, b);
+    const ekv_page_table tab = {(int32_t)b->T, g->indptr, g->indices, g->last_len};
+    return ekv_cuda_decode(g->plan, &dp, &sp, &L->kv, &L->st, &tab, g->q, g->att);
+}

@@ -1,0 +1,163 @@
+/*
+ * The model's small GPU stages (docs/architecture.md, "The model on the GPU"): embedding,
+ * RMSNorm, SwiGLU, the linear layers through cuBLAS, and the tables of a block (append items,
+ * prefix views) computed on the device from the device position, so that a decode step reads
+ * nothing from the host and can be replayed as a CUDA graph. Each computes what model.c's
+ * CPU pass computes, in the same precision (fp32; RMSNorm's sum of squares in double).
+ */
+#include "model_gpu.cuh"
+
+namespace {
+
+__global__ void embed_kernel(const float *emb, const int32_t *tok, int64_t d, float *x) {
+    const int64_t t = blockIdx.x;
+    const float *row = emb + (int64_t)tok[t] * d;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = row[i];
+}
+
+/* one block per row: out = x * (1/sqrt(mean(x^2) + eps)) * w, as model.c's rmsnorm */
+__global__ void rmsnorm_kernel(const float *x, const float *w, float *out, int64_t d, double eps) {
+    __shared__ double part[32];
+    const float *r = x + (int64_t)blockIdx.x * d;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) ss += (double)r[i] * r[i];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += part[i];
+        part[0] = s;
+    }
+    __syncthreads();
+    const float f = (float)(1.0 / sqrt(part[0] / (double)d + eps));
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
+        out[(int64_t)blockIdx.x * d + i] = r[i] * f * w[i];
+}
+
+__global__ void swiglu_kernel(float *h1, const float *h3, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const float gate = h1[i];
+        h1[i] = gate / (1.0f + expf(-gate)) * h3[i]; /* silu(gate) * up */
+    }
+}
+
+struct tables_args {
+    const int64_t *pos;   /* [max_seqs] */
+    const int32_t *bseqs; /* batch: the sequence of each row */
+    int32_t seq;          /* one sequence: which */
+    int64_t T, ps, pages; /* pages: of one sequence, so sequence s starts at page s * pages */
+    int32_t n_items;
+    int views, batch;
+    ekv_cuda_append_item *items;
+    int64_t *indptr;
+    int32_t *last_len, *vbase;
+};
+
+/* One thread. One sequence: the append items of its T tokens from pos[seq], and view t ending
+ * at position pos[seq] + t (pages 0 .. (pos + t) / ps of the sequence). Batch: row b's token
+ * goes to sequence bseqs[b] at its position, whose view is the whole sequence after it. */
+__global__ void block_tables_kernel(tables_args A) {
+    if (A.batch) {
+        A.indptr[0] = 0;
+        for (int64_t b = 0; b < A.T; b++) {
+            const int32_t s = A.bseqs[b];
+            const int64_t p = A.pos[s], np = p / A.ps + 1, base = (int64_t)s * A.pages;
+            A.items[b] =
+                    ekv_cuda_append_item{(int32_t)(base + p / A.ps), (int32_t)(p % A.ps), 1, 0, b};
+            A.indptr[b + 1] = A.indptr[b] + np;
+            A.last_len[b] = (int32_t)(p - (np - 1) * A.ps + 1);
+            A.vbase[b] = (int32_t)base;
+        }
+        return;
+    }
+    const int64_t p0 = A.pos[A.seq], base = (int64_t)A.seq * A.pages;
+    for (int32_t i = 0; i < A.n_items; i++) {
+        const int64_t page = p0 / A.ps + i, first = page * A.ps > p0 ? page * A.ps : p0;
+        const int64_t end = (page + 1) * A.ps < p0 + A.T ? (page + 1) * A.ps : p0 + A.T;
+        A.items[i] = ekv_cuda_append_item{(int32_t)(base + page), (int32_t)(first - page * A.ps),
+                                          (int32_t)(end - first), 0, first - p0};
+    }
+    if (!A.views) return;
+    A.indptr[0] = 0;
+    for (int64_t t = 0; t < A.T; t++) {
+        const int64_t np = (p0 + t) / A.ps + 1;
+        A.indptr[t + 1] = A.indptr[t] + np;
+        A.last_len[t] = (int32_t)(p0 + t - (np - 1) * A.ps + 1);
+        A.vbase[t] = (int32_t)base;
+    }
+}
+
+/* view blockIdx.y lists its sequence's physical pages vbase .. vbase + np - 1 */
+__global__ void view_pages_kernel(const int64_t *indptr, const int32_t *vbase, int32_t *indices) {
+    const int64_t t = blockIdx.y, first = indptr[t], np = indptr[t + 1] - first;
+    for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < np;
+         p += (int64_t)gridDim.x * blockDim.x)
+        indices[first + p] = vbase[t] + (int32_t)p;
+}
+
+/* one sequence: pos[seq] += T; batch (bseqs distinct): pos[bseqs[b]] += 1 for each row */
+__global__ void advance_kernel(int64_t *pos, const int32_t *bseqs, int32_t seq, int64_t T,
+                               int batch) {
+    if (!batch) {
+        if (threadIdx.x == 0) pos[seq] += T;
+        return;
+    }
+    for (int64_t b = threadIdx.x; b < T; b += blockDim.x) pos[bseqs[b]] += 1;
+}
+
+} // namespace
+
+ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d) {
+    embed_kernel<<<(unsigned)T, 256, 0, g->stream>>>(g->tok_emb, g->tokens, d, g->x);
+    GPU_LAUNCHED(g);
+    return EKV_OK;
+}
+
+ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out, int64_t T,
+                       int64_t d, double eps) {
+    rmsnorm_kernel<<<(unsigned)T, 256, 0, g->stream>>>(x, w, out, d, eps);
+    GPU_LAUNCHED(g);
+    return EKV_OK;
+}
+
+ekv_status gpu_swiglu(model_gpu *g, float *h1, const float *h3, int64_t n) {
+    const int64_t blocks = (n + 255) / 256;
+    swiglu_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->stream>>>(h1, h3, n);
+    GPU_LAUNCHED(g);
+    return EKV_OK;
+}
+
+/* cuBLAS is column-major: y^T (rows x T, ld rows) = W (row-major [rows][cols], i.e. cols x rows
+ * column-major, transposed) times x^T (cols x T, ld cols). fp32 inputs, fp32 compute (the CPU
+ * pass's precision; the linear layers are a small share of a long prefill, docs/math.md §12). */
+ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, const float *x,
+                      int64_t T, float *y, float beta) {
+    const float one = 1.f;
+    BLAS_TRY(g, cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)T, (int)cols, &one,
+                             W, CUDA_R_32F, (int)cols, x, CUDA_R_32F, (int)cols, &beta, y,
+                             CUDA_R_32F, (int)rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return EKV_OK;
+}
+
+ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_t n_items,
+                            int views) {
+    const tables_args A = {g->pos, g->bseqs, b->seq,   b->T,      ps,          g->pages, n_items,
+                           views,  b->batch, g->items, g->indptr, g->last_len, g->vbase};
+    block_tables_kernel<<<1, 1, 0, g->stream>>>(A);
+    GPU_LAUNCHED(g);
+    if (views) {
+        const int64_t bx = (g->pages + 255) / 256;
+        view_pages_kernel<<<dim3((unsigned)(bx < 1024 ? bx : 1024), (unsigned)b->T), 256, 0,
+                            g->stream>>>(g->indptr, g->vbase, g->indices);
+        GPU_LAUNCHED(g);
+    }
+    return EKV_OK;
+}
+
+ekv_status gpu_advance(model_gpu *g, const gpu_block *b) {
+    advance_kernel<<<1, 256, 0, g->stream>>>(g->pos, g->bseqs, b->seq, b->T, b->batch);
+    GPU_LAUNCHED(g);
+    return EKV_OK;
+}

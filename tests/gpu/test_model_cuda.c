@@ -1,0 +1,330 @@
+/*
+ * The model on the GPU against the CPU engine (docs/architecture.md, "The model on the GPU"):
+ * the shipped model, the same text through both engines, for each method the GPU serves
+ * (dense, topk, certified, screened): the logits after every prefill token and after each of
+ * DECODE greedy decode steps agree within 1e-3 of the row's largest |logit| and have the same
+ * argmax (a row whose CPU top two are within 1e-4 of each other is reported as a tie, not
+ * failed: rounding may order them either way), then a block of MORE tokens that starts inside
+ * a page. The tiny test model (head dim 8) takes the backend's other kernels. Dense prefill runs on
+ * tensor cores in blocks of 256 query tokens (so several blocks, and key counts off the multiple of
+ * 16) and with the automatic block; f32 and bf16 caches take the other part counts of the GEMMs'
+ * split (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
+ * again gives the first run's logits; the host mirror of a layer cache and the last queries
+ * match the CPU's; batched decode of sequences of different lengths (ekv_model_batch_step)
+ * matches each sequence run alone on the CPU; gaussian is refused (ALiBi). Exit 77 when no
+ * CUDA device is present.
+ */
+#include "entmaxkv.h"
+#include "test_util.h"
+#include "core/internal.h" /* ekv_f16_to_f32 */
+#include <string.h>
+
+#ifndef EKV_SOURCE_DIR
+#define EKV_SOURCE_DIR "."
+#endif
+#define MODEL EKV_SOURCE_DIR "/models/entmaxkv-lm.safetensors"
+#define TINY  EKV_SOURCE_DIR "/tests/data/tiny_model.safetensors" /* head_dim 8: other kernels */
+#define TEXT  EKV_SOURCE_DIR "/docs/architecture.md"
+
+enum { PREFILL = 700, DECODE = 24, MORE = 40, V = 256 };
+
+static int32_t argmax(const float *r) {
+    int32_t b = 0;
+    for (int i = 1; i < V; i++)
+        if (r[i] > r[b]) b = i;
+    return b;
+}
+
+/* rows of gpu against cpu; returns the worst relative difference */
+static double compare(const char *what, const float *gpu, const float *cpu, int64_t rows) {
+    double worst = 0;
+    int64_t ties = 0;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *a = gpu + t * V, *b = cpu + t * V;
+        double mx = 0, diff = 0;
+        for (int i = 0; i < V; i++) {
+            mx = fmax(mx, fabs(b[i]));
+            diff = fmax(diff, fabs((double)a[i] - b[i]));
+        }
+        const double rel = diff / (mx > 0 ? mx : 1);
+        worst = fmax(worst, rel);
+        CHECK(rel <= 1e-3, "%s row %lld: max |gpu - cpu| = %.3g of max |logit| %.3g", what,
+              (long long)t, rel, mx);
+        const int32_t ga = argmax(a), ca = argmax(b);
+        if (ga != ca) {
+            const double gap = fabs((double)b[ga] - b[ca]) / (mx > 0 ? mx : 1);
+            if (gap < 1e-4)
+                ties++;
+            else
+                CHECK(ga == ca, "%s row %lld: argmax gpu %d, cpu %d (gap %.3g)", what, (long long)t,
+                      ga, ca, gap);
+        }
+    }
+    printf("  %-34s %4lld rows: worst relative difference %.2e%s\n", what, (long long)rows, worst,
+           ties ? " (argmax ties reported)" : "");
+    if (ties) printf("    %lld rows with argmax ties within 1e-4\n", (long long)ties);
+    return worst;
+}
+
+typedef struct {
+    ekv_select_method method;
+    ekv_dtype kv;
+    int64_t chunk; /* gpu prefill_chunk, 0 = auto */
+    int graphs;
+    int64_t prefill;
+    const char *path; /* NULL: the shipped model */
+} mcase;
+
+static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = c->prefill + DECODE + MORE + 8;
+    p.method = c->method;
+    p.kv_dtype = c->kv;
+    p.code_bits = 4;
+    p.backend = be;
+    p.prefill_chunk = c->chunk;
+    p.cuda_graphs = c->graphs;
+    ekv_model *m = NULL;
+    ekv_status s = ekv_model_load(ctx, c->path ? c->path : MODEL, &p, &m);
+    CHECK(s == EKV_OK, "load (%s, %s): %s", ekv_backend_name(be), ekv_method_name(c->method),
+          ekv_last_error(ctx));
+    return s ? NULL : m;
+}
+
+/* Prefill then greedy decode on both engines (the CPU's argmax feeds both); the GPU's decode
+ * logits into dec_out when not NULL. */
+static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float *dec_out) {
+    ekv_model *cpu = load(ctx, c, EKV_BACKEND_CPU), *gpu = load(ctx, c, EKV_BACKEND_CUDA);
+    float *lc = malloc(sizeof(float) * (size_t)(c->prefill * V)),
+          *lg = malloc(sizeof(float) * (size_t)(c->prefill * V));
+    float *dc = malloc(sizeof(float) * DECODE * V), *dg = malloc(sizeof(float) * DECODE * V);
+    char what[96];
+    if (cpu && gpu && lc && lg && dc && dg) {
+        CHECK(!ekv_model_step(cpu, tok, c->prefill, lc), "cpu prefill: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, tok, c->prefill, lg), "gpu prefill: %s", ekv_last_error(ctx));
+        snprintf(what, sizeof what, "%s%s %s chunk %lld prefill", c->path ? "tiny " : "",
+                 ekv_method_name(c->method), ekv_dtype_name(c->kv), (long long)c->chunk);
+        compare(what, lg, lc, c->prefill);
+        int32_t next = argmax(lc + (c->prefill - 1) * V);
+        for (int s = 0; s < DECODE; s++) {
+            CHECK(!ekv_model_step(cpu, &next, 1, dc + s * V), "cpu step: %s", ekv_last_error(ctx));
+            CHECK(!ekv_model_step(gpu, &next, 1, dg + s * V), "gpu step: %s", ekv_last_error(ctx));
+            next = argmax(dc + s * V);
+        }
+        snprintf(what, sizeof what, "%s %s decode%s", ekv_method_name(c->method),
+                 ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)");
+        compare(what, dg, dc, DECODE);
+        /* a second block after the decode steps: it starts inside a page */
+        CHECK(!ekv_model_step(cpu, tok + 100, MORE, lc), "cpu block: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, tok + 100, MORE, lg), "gpu block: %s", ekv_last_error(ctx));
+        snprintf(what, sizeof what, "%s %s block at %lld", ekv_method_name(c->method),
+                 ekv_dtype_name(c->kv), (long long)(c->prefill + DECODE));
+        compare(what, lg, lc, MORE);
+        CHECK(ekv_model_position(gpu) == c->prefill + DECODE + MORE, "gpu position %lld",
+              (long long)ekv_model_position(gpu));
+        if (dec_out) memcpy(dec_out, dg, sizeof(float) * DECODE * V);
+    }
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    free(lc);
+    free(lg);
+    free(dc);
+    free(dg);
+}
+
+/* reset, the host mirror of a layer cache and the last queries, against the CPU engine */
+static void check_state(ekv_context *ctx, const int32_t *tok) {
+    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 128, 1, 300, NULL};
+    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
+    float *a = malloc(sizeof(float) * 300 * V), *b = malloc(sizeof(float) * 300 * V);
+    if (!cpu || !gpu || !a || !b) goto done;
+    CHECK(!ekv_model_step(gpu, tok, 300, a), "gpu prefill: %s", ekv_last_error(ctx));
+    CHECK(!ekv_model_reset(gpu), "reset: %s", ekv_last_error(ctx));
+    CHECK(ekv_model_position(gpu) == 0, "position after reset");
+    CHECK(!ekv_model_step(gpu, tok, 200, b), "gpu prefill after reset: %s", ekv_last_error(ctx));
+    compare("after reset, same prefix", b, a, 200);
+    CHECK(!ekv_model_step(cpu, tok, 200, a), "cpu prefill: %s", ekv_last_error(ctx));
+    const ekv_model_config *cfg = ekv_model_get_config(gpu);
+    const int64_t qn = (int64_t)cfg->n_heads * cfg->head_dim;
+    const int32_t layers[2] = {0, cfg->n_layers - 1};
+    for (int k = 0; k < 2; k++) {
+        const int32_t l = layers[k];
+        float qa[4096], qb[4096];
+        CHECK(!ekv_model_last_query(gpu, l, qa) && !ekv_model_last_query(cpu, l, qb), "query");
+        double mx = 0, diff = 0;
+        for (int64_t i = 0; i < qn; i++) {
+            mx = fmax(mx, fabs(qb[i]));
+            diff = fmax(diff, fabs((double)qa[i] - qb[i]));
+        }
+        CHECK(diff <= 1e-3 * mx, "layer %d last query differs by %.3g of %.3g", l, diff, mx);
+        const ekv_cache *cg, *cc;
+        int32_t sg, sc;
+        CHECK(!ekv_model_layer_cache(gpu, l, &cg, &sg), "gpu layer cache: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_layer_cache(cpu, l, &cc, &sc), "cpu layer cache");
+        ekv_paged_kv kg, kc;
+        ekv_cache_kv_view(cg, &kg, NULL);
+        ekv_cache_kv_view(cc, &kc, NULL);
+        int32_t pg[64], pc[64], lg, lc;
+        int64_t ig[2], ic[2];
+        CHECK(!ekv_cache_page_table(cg, &sg, 1, ig, pg, 64, &lg, NULL) &&
+                      !ekv_cache_page_table(cc, &sc, 1, ic, pc, 64, &lc, NULL) && lg == lc &&
+                      ig[1] == ic[1],
+              "page tables of the mirrors");
+        double kmx = 0, kd = 0;
+        for (int64_t t = 0; t < 200; t++)
+            for (int64_t h = 0; h < kg.num_kv_heads; h++)
+                for (int64_t d = 0; d < kg.head_dim; d++) {
+                    const int64_t og = pg[t / 16] * kg.stride_page + h * kg.stride_head +
+                                       (t % 16) * kg.stride_token + d,
+                                  oc = pc[t / 16] * kc.stride_page + h * kc.stride_head +
+                                       (t % 16) * kc.stride_token + d;
+                    const float x = ekv_f16_to_f32(((const uint16_t *)kg.k)[og]),
+                                y = ekv_f16_to_f32(((const uint16_t *)kc.k)[oc]);
+                    kmx = fmax(kmx, fabs(y));
+                    kd = fmax(kd, fabs((double)x - y));
+                }
+        CHECK(kd <= 1e-2 * kmx, "layer %d keys differ by %.3g of %.3g", l, kd, kmx);
+    }
+done:
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    free(a);
+    free(b);
+}
+
+/* Batched decode: NSEQ sequences of different lengths prefilled one by one (seq_step), then
+ * BSTEPS steps of all of them in one ekv_model_batch_step (each its own greedy token), with a
+ * single-sequence step of sequence 1 in between (its own graph); each sequence's logits
+ * against the CPU engine running that sequence alone. */
+enum { NSEQ = 3, BSTEPS = 12 };
+static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
+    static const int64_t len[NSEQ] = {300, 457, 129}, off[NSEQ] = {0, 100, 333};
+    mcase c = {method, EKV_DTYPE_F16, 128, 1, 457, NULL};
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = 457 + BSTEPS + 8;
+    p.method = method;
+    p.code_bits = 4;
+    p.backend = EKV_BACKEND_CUDA;
+    p.prefill_chunk = 128;
+    p.max_seqs = NSEQ;
+    ekv_model *gpu = NULL;
+    CHECK(!ekv_model_load(ctx, MODEL, &p, &gpu), "load max_seqs %d: %s", NSEQ, ekv_last_error(ctx));
+    float *lg = malloc(sizeof(float) * (size_t)(457 * V)),
+          *lc = malloc(sizeof(float) * (size_t)(457 * V));
+    float gl[NSEQ][BSTEPS + 1][V], cl[BSTEPS + 1][V];
+    int32_t next[NSEQ], seqs[NSEQ] = {0, 1, 2};
+    char what[96];
+    for (int32_t k = 0; gpu && k < NSEQ; k++) {
+        CHECK(!ekv_model_seq_step(gpu, k, tok + off[k], len[k], lg), "seq_step %d: %s", k,
+              ekv_last_error(ctx));
+        memcpy(gl[k][0], lg + (len[k] - 1) * V, sizeof(float) * V);
+        next[k] = argmax(gl[k][0]);
+    }
+    for (int s = 1; gpu && s <= BSTEPS; s++) {
+        float out[NSEQ][V];
+        if (s == BSTEPS / 2) { /* sequence 1 alone, then the batch without it */
+            CHECK(!ekv_model_seq_step(gpu, 1, &next[1], 1, gl[1][s]), "seq 1 step");
+            const int32_t two[2] = {0, 2}, t2[2] = {next[0], next[2]};
+            CHECK(!ekv_model_batch_step(gpu, two, 2, t2, out[0]), "batch of 2: %s",
+                  ekv_last_error(ctx));
+            memcpy(gl[0][s], out[0], sizeof(float) * V);
+            memcpy(gl[2][s], out[1], sizeof(float) * V);
+        } else {
+            CHECK(!ekv_model_batch_step(gpu, seqs, NSEQ, next, out[0]), "batch: %s",
+                  ekv_last_error(ctx));
+            for (int k = 0; k < NSEQ; k++) memcpy(gl[k][s], out[k], sizeof(float) * V);
+        }
+        for (int k = 0; k < NSEQ; k++) next[k] = argmax(gl[k][s]);
+    }
+    for (int32_t k = 0; gpu && k < NSEQ; k++) {
+        CHECK(ekv_model_seq_position(gpu, k) == len[k] + BSTEPS, "seq %d position %lld", k,
+              (long long)ekv_model_seq_position(gpu, k));
+        ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU);
+        if (!cpu) break;
+        CHECK(!ekv_model_step(cpu, tok + off[k], len[k], lc), "cpu prefill");
+        memcpy(cl[0], lc + (len[k] - 1) * V, sizeof(float) * V);
+        for (int s = 1; s <= BSTEPS; s++) {
+            const int32_t t = argmax(gl[k][s - 1]); /* the token the GPU run fed */
+            CHECK(!ekv_model_step(cpu, &t, 1, cl[s]), "cpu step");
+        }
+        snprintf(what, sizeof what, "%s batch: seq %d (%lld tokens)", ekv_method_name(method), k,
+                 (long long)len[k]);
+        compare(what, gl[k][0], cl[0], BSTEPS + 1);
+        ekv_model_free(cpu);
+    }
+    if (gpu) {
+        const int32_t dup[2] = {1, 1}, t2[2] = {65, 66};
+        CHECK(ekv_model_batch_step(gpu, dup, 2, t2, NULL) == EKV_ERR_INVALID_ARGUMENT,
+              "duplicate seq");
+        CHECK(ekv_model_seq_position(gpu, 1) == len[1] + BSTEPS, "a refused batch moves nothing");
+        CHECK(!ekv_model_seq_reset(gpu, 1) && ekv_model_seq_position(gpu, 1) == 0 &&
+                      ekv_model_seq_position(gpu, 0) == len[0] + BSTEPS,
+              "seq_reset empties one sequence");
+    }
+    ekv_model_free(gpu);
+    free(lg);
+    free(lc);
+}
+
+/* gaussian needs the CPU's mixture solver with ALiBi: refused at load and at set_method */
+static void check_refusals(ekv_context *ctx) {
+    ekv_model_params p = ekv_model_default_params();
+    p.backend = EKV_BACKEND_CUDA;
+    p.method = EKV_SELECT_GAUSSIAN;
+    ekv_model *m = NULL;
+    ekv_status s = ekv_model_load(ctx, MODEL, &p, &m);
+    CHECK(s == EKV_ERR_UNSUPPORTED && !m && strstr(ekv_last_error(ctx), "gaussian"),
+          "gaussian on cuda: status %d, '%s'", (int)s, ekv_last_error(ctx));
+    p.method = EKV_SELECT_DENSE;
+    CHECK(!ekv_model_load(ctx, MODEL, &p, &m), "load: %s", ekv_last_error(ctx));
+    if (m) {
+        s = ekv_model_set_method(m, EKV_SELECT_GAUSSIAN, 0.1);
+        CHECK(s == EKV_ERR_UNSUPPORTED, "set_method gaussian on cuda: %d", (int)s);
+        const int32_t bad = 300;
+        CHECK(ekv_model_step(m, &bad, 1, NULL) == EKV_ERR_INVALID_ARGUMENT, "token 300");
+        CHECK(ekv_model_position(m) == 0, "a refused step moves nothing");
+    }
+    ekv_model_free(m);
+}
+
+int main(void) {
+    int32_t ndev = 0;
+    ekv_cuda_device_count(NULL, &ndev);
+    if (ndev == 0) {
+        printf("test_model_cuda: no CUDA device, skipped\n");
+        return 77;
+    }
+    ekv_context *ctx = NULL;
+    if (ekv_context_create(NULL, &ctx)) return 1;
+    FILE *f = fopen(TEXT, "rb");
+    char text[PREFILL];
+    const size_t got = f ? fread(text, 1, PREFILL, f) : 0;
+    if (f) fclose(f);
+    CHECK(got == PREFILL, "cannot read %d bytes of %s", (int)PREFILL, TEXT);
+    int32_t tok[PREFILL];
+    ekv_model_tokenize(text, PREFILL, tok);
+    const mcase cases[] = {
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 256, 1, PREFILL, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 0, 0, PREFILL, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F32, 256, 1, 400, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_BF16, 256, 1, 400, NULL},
+            {EKV_SELECT_TOPK, EKV_DTYPE_F16, 0, 1, PREFILL, NULL},
+            {EKV_SELECT_CERTIFIED, EKV_DTYPE_F16, 0, 1, PREFILL, NULL},
+            {EKV_SELECT_SCREENED, EKV_DTYPE_F16, 0, 1, PREFILL, NULL},
+            {EKV_SELECT_DENSE, EKV_DTYPE_F16, 64, 1, 400, TINY},
+            {EKV_SELECT_CERTIFIED, EKV_DTYPE_F32, 0, 1, 400, TINY},
+    };
+    float *graph = malloc(sizeof(float) * DECODE * V), *eager = malloc(sizeof(float) * DECODE * V);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_case(ctx, &cases[i], tok, i == 0 ? graph : i == 1 ? eager : NULL);
+    compare("dense decode: graph against eager", graph, eager, DECODE);
+    check_state(ctx, tok);
+    check_batch(ctx, tok, EKV_SELECT_DENSE);
+    check_batch(ctx, tok, EKV_SELECT_TOPK);
+    check_batch(ctx, tok, EKV_SELECT_SCREENED);
+    check_refusals(ctx);
+    free(graph);
+    free(eager);
+    ekv_context_free(ctx);
+    return test_finish("test_model_cuda");
+}
