@@ -9,6 +9,7 @@ See README.md ("Python") and docs/python.md for the API.
 """
 from ._lib import EntmaxKVError
 from .cache import PagedKVCache
+from .cuda_cache import CudaPagedKVCache
 from .decode import DecodeWrapper
 from .functional import entmax, entmax15, sparsemax
 
@@ -19,5 +20,5 @@ try:
 except PackageNotFoundError:  # run from a source tree with $ENTMAXKV_LIBRARY
     __version__ = "unknown"
 
-__all__ = ["entmax", "entmax15", "sparsemax", "PagedKVCache", "DecodeWrapper", "EntmaxKVError",
-           "__version__"]
+__all__ = ["entmax", "entmax15", "sparsemax", "PagedKVCache", "CudaPagedKVCache", "DecodeWrapper",
+           "EntmaxKVError", "__version__"]
