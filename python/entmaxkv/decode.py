@@ -1,6 +1,8 @@
 """DecodeWrapper: one decode step of a batch over a PagedKVCache, every method of the library
 (plan once per batch shape, run per step, FlashInfer's split)."""
 import ctypes
+import itertools
+import weakref
 
 import numpy as np
 
@@ -8,6 +10,11 @@ from . import _lib
 from ._lib import METHODS, check, host_array, is_torch, lib
 from .cuda_cache import CudaPagedKVCache
 from .cuda_decode import CudaStep
+
+# Every wrapper by its handle, the int the custom ops (entmaxkv.ops) name it by; given at
+# construction, since torch.compile cannot trace the registration.
+_WRAPPERS = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
 
 
 class DecodeWrapper:
@@ -39,6 +46,8 @@ class DecodeWrapper:
                         else np.ascontiguousarray(alibi_slopes, dtype=np.float32).reshape(-1))
         self._plan = self._cuda = self._report = None
         self._retired = []  # CUDA plans a re-plan outgrew, kept for graphs captured on them
+        self.handle = next(_HANDLES)
+        _WRAPPERS[self.handle] = self
 
     def plan(self, cache, seqs, num_heads, max_pages_per_seq=None):
         """Fixes the batch: the cache, its sequences (ids, in batch order) and the query heads.
@@ -100,7 +109,7 @@ class DecodeWrapper:
             step = CudaStep(cache, len(seqs), H, room, prm, sel, self._slopes)
         step.set_table(indptr, indices, last)
         self._cuda, self._report = step, None
-        self._plan = dict(cache=cache, seqs=seqs, lens=lens)
+        self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(len(seqs), H, cache.head_dim))
 
     def close(self):
         """Frees the wrapper's CUDA plans (also when it is collected); nothing on the CPU."""
@@ -129,7 +138,21 @@ class DecodeWrapper:
         returns out (the same shape, float32; written in place when given). Over a host cache
         q and out are numpy arrays or CPU tensors; over a CudaPagedKVCache, contiguous CUDA
         tensors on its device (never copied), and the step is launched on the current stream
-        without synchronising (capturable in a CUDA graph). self.report describes the step."""
+        without synchronising (capturable in a CUDA graph). self.report describes the step.
+        Under torch.compile the step is the custom op entmaxkv::decode (entmaxkv.ops)."""
+        if is_torch(q) and _traced():
+            from . import ops
+
+            return ops.run(self, q, out)
+        return self._run(q, out)
+
+    def out_shape(self):
+        """[batch, num_heads, head_dim] of the planned step (q's and out's shape)."""
+        if self._plan is None:
+            raise RuntimeError("DecodeWrapper: call plan() first")
+        return self._plan["shape"]
+
+    def _run(self, q, out):
         pl = self._plan
         if pl is None:
             raise RuntimeError("DecodeWrapper.run: call plan() first")
@@ -139,7 +162,7 @@ class DecodeWrapper:
                                "again")
         if self._cuda is not None:
             return self._cuda.run(q, out)
-        shape = pl["shape"]
+        shape, q_in = pl["shape"], q
         q = host_array(q, "q")
         if q.shape != shape or q.dtype != np.float32:
             raise ValueError(f"DecodeWrapper.run: q must be float32 {list(shape)}; got "
@@ -158,7 +181,9 @@ class DecodeWrapper:
         self._report = dict(tau=pl["tau"], support=pl["sup"], bytes_k=info.bytes_k,
                            bytes_v=info.bytes_v, bytes_summary=info.bytes_summary,
                            survivors=info.survivors, kv_fraction=read / pl["kv_bytes"])
-        return out if torch_out else res
+        if torch_out:
+            return out
+        return _torch().from_numpy(res) if is_torch(q_in) else res
 
     def _params(self, H):
         prm = lib.ekv_decode_default_params()
@@ -171,3 +196,14 @@ class DecodeWrapper:
         else:
             sel.budget_tokens = self.budget
         return prm, sel
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _traced():
+    """torch.compile is tracing the call (torch is imported: q is a tensor)."""
+    return _torch().compiler.is_compiling()
