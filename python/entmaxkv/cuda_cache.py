@@ -76,8 +76,6 @@ class CudaPagedKVCache:
         """A cache over the caller's K and V page tensors (torch CUDA, contiguous, float16,
         bfloat16 or float32, 16-byte aligned; the layout as PagedKVCache.wrap). Appends write
         into them; the caller may read them, not write them (the statistics would go stale)."""
-        import torch
-
         if not _lib.is_torch(k_pages) or not _lib.is_torch(v_pages):
             raise TypeError("CudaPagedKVCache.wrap: k_pages and v_pages must be torch CUDA tensors")
         if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
