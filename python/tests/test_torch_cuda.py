@@ -279,3 +279,32 @@ def test_cache_errors_change_nothing():
         entmaxkv.PagedKVCache.wrap(k.transpose(1, 2), k.transpose(1, 2))
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         entmaxkv.CudaPagedKVCache.wrap(k.to(torch.int16), k.to(torch.int16))
+
+
+def test_the_shipped_model_decodes_on_cuda_as_on_the_cpu():
+    """The transformers integration with CUDA tensors: EntmaxKVCache over CudaPagedKVCache
+    layers gives the CPU dense forward's greedy tokens and, within float32 rounding across
+    devices, its logits (the prefill's dense entmax on CUDA is the entmax package's)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    pytest.importorskip("entmax")
+    import pathlib
+
+    from entmaxkv.hf import EntmaxKVCache
+    from entmaxkv.hf_lm import EntmaxKVLM
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "models" / "entmaxkv-lm.safetensors"
+    x = torch.tensor([list(b"The pass key is 12345. Remember it. What is the pass key? The pass key is ")])
+    runs = []
+    for device, impl in (("cpu", "eager"), ("cuda", "entmaxkv")):
+        model = EntmaxKVLM.from_safetensors(path, attn_implementation=impl).to(device)
+        cache = EntmaxKVCache(model.config.n_layers, num_pages=64, dtype="float32",
+                              method="certified") if impl == "entmaxkv" else None
+        with torch.no_grad():
+            out = model.generate(x.to(device), cache=cache, max_new_tokens=8, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        runs.append((out.sequences.cpu(), torch.stack(out.logits, 1).cpu()))
+        if cache is not None:
+            assert isinstance(cache.layers[0].cache, entmaxkv.CudaPagedKVCache)
+    assert runs[0][0].tolist() == runs[1][0].tolist()
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=2e-3)
