@@ -62,6 +62,7 @@ def cuda(steps):
     q = torch.ones(1, 1, 64, device=dev)
     out = torch.empty_like(q)
     w = entmaxkv.DecodeWrapper("dense")
+    stream.wait_stream(torch.cuda.current_stream())  # the append ran on the default stream
     with torch.cuda.stream(stream):
         w.plan(cache, [seq], 1)
         run_us = timed(lambda: w.run(q, out), steps, stream.synchronize)

@@ -29,3 +29,20 @@ def current_stream(device):
     import torch
 
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def check_current_device(device, who):
+    """Kernels launch on the calling thread's current device: it must be the cache's."""
+    import torch
+
+    if torch.cuda.current_device() != device.index:
+        raise RuntimeError(f"{who}: the current CUDA device is cuda:{torch.cuda.current_device()}"
+                           f", the cache is on {device}: call it inside torch.cuda.device({device.index})")
+
+
+def device_guard(device):
+    """A context on `device` that restores the caller's current device after (plan creation
+    sets the device, include/entmaxkv/cuda.h)."""
+    import torch
+
+    return torch.cuda.device(device)

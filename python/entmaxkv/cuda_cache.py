@@ -5,7 +5,7 @@ decode step never has to read it back from the device."""
 import ctypes
 
 from . import _lib
-from ._device import check_cuda_tensor, current_stream
+from ._device import check_cuda_tensor, current_stream, device_guard
 from ._lib import DTYPES, LAYOUTS, check, fail, lib
 
 
@@ -147,8 +147,9 @@ class CudaPagedKVCache:
             p.num_heads = p.num_kv_heads = self.num_kv_heads
             p.head_dim, p.page_size, p.max_pages_per_seq = self.head_dim, self.page_size, 1
             plan = ctypes.c_void_p()
-            check(lib.ekv_cuda_plan_create(self._ctx, ctypes.byref(p), ctypes.byref(plan)),
-                  self._ctx)
+            with device_guard(self.device):
+                check(lib.ekv_cuda_plan_create(self._ctx, ctypes.byref(p), ctypes.byref(plan)),
+                      self._ctx)
             self._plans[stream] = plan
         return plan
 
@@ -233,9 +234,10 @@ class CudaPagedKVCache:
         host = torch.frombuffer(bytearray(bytes(arr)), dtype=torch.uint8)
         dev_items = host.to(self.device)  # on the current stream, ahead of the kernel
         plan = self._append_plan()
-        check(lib.ekv_cuda_append(plan, ctypes.byref(self._kv), ctypes.byref(self._st),
-                                  dev_items.data_ptr(), len(items), k.data_ptr(), v.data_ptr()),
-              self._ctx)
+        with device_guard(self.device):  # the kernel launches on the current device
+            check(lib.ekv_cuda_append(plan, ctypes.byref(self._kv), ctypes.byref(self._st),
+                                      dev_items.data_ptr(), len(items), k.data_ptr(),
+                                      v.data_ptr()), self._ctx)
 
     def adopt(self, pages, last_page_len):
         """A new sequence over pages the caller's engine has already written (a cache made by

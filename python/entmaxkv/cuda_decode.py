@@ -9,7 +9,7 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._device import check_cuda_tensor, current_stream
+from ._device import check_cuda_tensor, check_current_device, current_stream, device_guard
 from ._lib import check, lib
 
 
@@ -28,8 +28,9 @@ class CudaStep:
         p.head_dim, p.page_size, p.max_pages_per_seq = cache.head_dim, cache.page_size, max_pages
         self._ctx = cache._ctx
         self.plan = ctypes.c_void_p()
-        check(lib.ekv_cuda_plan_create(self._ctx, ctypes.byref(p), ctypes.byref(self.plan)),
-              self._ctx)
+        with device_guard(self.device):
+            check(lib.ekv_cuda_plan_create(self._ctx, ctypes.byref(p), ctypes.byref(self.plan)),
+                  self._ctx)
         i32 = dict(dtype=torch.int32, device=self.device)
         self.indptr = torch.zeros(batch + 1, dtype=torch.int64, device=self.device)
         self.indices = torch.zeros(batch * max_pages, **i32)
@@ -69,6 +70,7 @@ class CudaStep:
             raise RuntimeError("DecodeWrapper.run: the current CUDA stream is not the one plan() "
                                "ran on: call plan() on this stream (to capture a graph, plan "
                                "on the stream given to torch.cuda.graph(..., stream=s))")
+        check_current_device(self.device, "DecodeWrapper.run")
         shape = (self.batch, self.num_heads, self.cache.head_dim)
         check_cuda_tensor(q, "q", torch.float32, shape, self.device)
         if out is None:

@@ -144,6 +144,7 @@ def test_graph_replay_equals_eager(method):
     q = torch.randn(2, H, D, device=DEV)
     out = torch.zeros(2, H, D, device=DEV)
     w = entmaxkv.DecodeWrapper(method, budget=0.25)
+    s.wait_stream(torch.cuda.current_stream())  # the appends ran on the default stream
     with torch.cuda.stream(s):
         w.plan(gpu, gs, H, max_pages_per_seq=64)
         w.run(q, out)  # warm-up outside the capture
