@@ -81,7 +81,8 @@ class EntmaxKVLayer(CacheLayerMixin):
             self.wrapper = DecodeWrapper(self.method, self.budget, alpha=alpha, scale=scale,
                                          alibi_slopes=slopes)
             self._wrapper_key = key
-        room = self.cache.num_pages if isinstance(self.cache, CudaPagedKVCache) else None
+        pages = -(-self.length // self.cache.page_size)
+        room = 1 << (pages - 1).bit_length()  # CUDA: a new C plan only when the pages double
         self.wrapper.plan(self.cache, self.seqs, H, max_pages_per_seq=room)
         return self.wrapper.run(query[:, :, 0].float().contiguous())
 
