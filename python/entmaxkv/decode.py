@@ -87,7 +87,7 @@ class DecodeWrapper:
         info = _lib.DecodeInfo(tau=tau.ctypes.data, support=sup.ctypes.data)
         kv_bytes = 2 * sum(lens) * cache.num_kv_heads * cache.head_dim * lib.ekv_dtype_size(kv.dtype)
         # everything a step passes to the library, built once (run() only adds q and out)
-        self._cuda = None
+        self._retire_cuda()
         self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(B, H, cache.head_dim),
                           keep=(indptr, indices, last), tau=tau, sup=sup, kv_bytes=kv_bytes,
                           info=info, args=(ctypes.byref(prm), ctypes.byref(sel),
@@ -103,13 +103,18 @@ class DecodeWrapper:
                              f"the batch holds {pages} pages")
         step = self._cuda
         if step is None or not step.fits(cache, len(seqs), H, pages):
-            if step is not None:
-                self._retired.append(step)
             prm, sel = self._params(H)
             step = CudaStep(cache, len(seqs), H, room, prm, sel, self._slopes)
+            self._retire_cuda()
         step.set_table(indptr, indices, last)
         self._cuda, self._report = step, None
         self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(len(seqs), H, cache.head_dim))
+
+    def _retire_cuda(self):
+        """The current CUDA plan is kept, not freed: a graph captured on it may replay."""
+        if self._cuda is not None:
+            self._retired.append(self._cuda)
+        self._cuda = None
 
     def close(self):
         """Frees the wrapper's CUDA plans (also when it is collected); nothing on the CPU."""
@@ -127,7 +132,7 @@ class DecodeWrapper:
         [batch, num_heads], bytes_k, bytes_v, bytes_summary, survivors and kv_fraction; on
         CUDA, tau, support, pages_round1/pages_round2 and v_rows [batch, num_kv_heads],
         lists_round2, slow_rows, launches, survivors, softmax_one_pass, read from the device
-        read from the device at each access (ekv_cuda_read_report: it synchronises the
+        at each access (ekv_cuda_read_report: it synchronises the
         stream, so not inside a graph capture)."""
         if self._cuda is not None:  # read each time: a graph replay runs no Python
             return self._cuda.read_report() if self._cuda.ran else None
