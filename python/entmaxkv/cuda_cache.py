@@ -202,9 +202,15 @@ class CudaPagedKVCache:
         if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
             fail("NAN_INPUT", "CudaPagedKVCache.append: k or v holds NaN or infinite values")
         self._launch_append(items, k, v)
+        self._commit(seq, new_pages, n)
+
+    def _commit(self, seq, new_pages, n):
+        """The host side of an append the kernel has been launched for: the pages leave the
+        free list (its end, where _plan_items took them) and join the sequence."""
         del self._free[len(self._free) - len(new_pages):]
-        pages.extend(new_pages)
-        self._seqs[int(seq)][1] = n0 + n
+        entry = self._seq(seq)
+        entry[0].extend(new_pages)
+        entry[1] += n
 
     def _plan_items(self, pages, n0, n):
         """The append items (page, first slot, tokens, source row) for n tokens after n0, and
