@@ -152,3 +152,29 @@ def test_reset_starts_over(viakv):
     with torch.no_grad():
         again = viakv.generate(x, cache=cache, max_new_tokens=4, do_sample=False)
     assert again.tolist() == first.tolist()
+
+
+def test_an_unmodified_transformers_model_decodes_through_entmaxkv():
+    """A stock transformers architecture (a small random Llama, RoPE, GQA) with
+    attn_implementation="entmaxkv": greedy tokens and logits through EntmaxKVCache equal those
+    through transformers' own DynamicCache, where every step is dense entmax attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, attn_implementation="entmaxkv",
+                         initializer_range=0.3)  # peaked scores: sparse supports
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # ten tokens, whatever they are
+    x = torch.randint(0, 97, (1, 30))
+    runs = []
+    for cache in (None, EntmaxKVCache(2, num_pages=16, dtype="float32", method="certified")):
+        with torch.no_grad():
+            out = model.generate(x, cache=cache, max_new_tokens=10, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        runs.append((out.sequences, torch.stack(out.logits, 1)))
+    assert runs[1][0].tolist() == runs[0][0].tolist()
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=TOL)
+    assert cache.get_seq_length() == 39
+    assert (cache.reports[1]["support"] < 39).all()  # exact zeros: the test has teeth
