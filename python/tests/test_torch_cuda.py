@@ -232,6 +232,17 @@ def test_run_errors():
     with torch.cuda.stream(torch.cuda.Stream()):
         with pytest.raises(RuntimeError, match="stream"):
             w.run(q)
+    with pytest.raises(TypeError, match="CUDA tensor"):
+        w.run(q.cpu().numpy())
+    host = entmaxkv.PagedKVCache(num_pages=8, page_size=PS, num_kv_heads=HK, head_dim=D)
+    hs = host.new_sequence()
+    host.append(hs, np.ones((5, HK, D), np.float32), np.ones((5, HK, D), np.float32))
+    hw = entmaxkv.DecodeWrapper("dense")
+    hw.plan(host, [hs], H)
+    with pytest.raises(TypeError, match="host memory"):
+        hw.run(q)
+    with pytest.raises(TypeError, match="host memory"):
+        host.append(hs, q[0, :HK], q[0, :HK])
     with pytest.raises(ValueError, match="max_pages_per_seq"):
         w.plan(gpu, gs, H, max_pages_per_seq=1)
     gpu.append(gs[0], torch.zeros(1, HK, D, device=DEV), torch.zeros(1, HK, D, device=DEV))
