@@ -1,20 +1,34 @@
 """Per-step overhead of the Python layer (entmaxkv.DecodeWrapper.run) over the bare C call.
 
-Times run() on a tiny cache (one 16-token sequence, one head, D 64: the C work is negligible)
-against the same ekv_decode call made straight through ctypes with the same arguments, and
-prints both and their difference in microseconds. Needs the package (pip install .) or
-$ENTMAXKV_LIBRARY with python/ on the path.
+CPU (default): times run() on a tiny cache (one 16-token sequence, one head, D 64: the C work
+is negligible) against the same ekv_decode call made straight through ctypes with the same
+arguments, and prints both and their difference in microseconds.
 
-usage: python3 bench/python_overhead.py [--steps N]
+--cuda: the same over a CudaPagedKVCache with torch CUDA tensors, three ways: run() eagerly
+(graphs off), the bare ekv_cuda_decode through ctypes, and one step captured in a CUDA graph
+and replayed (graphs on: no Python per step). Each is timed over --steps launches followed
+by one synchronisation, so the numbers are host time per step (launch-bound at this size).
+
+Needs the package (pip install .) or $ENTMAXKV_LIBRARY with python/ on the path.
+
+usage: python3 bench/python_overhead.py [--steps N] [--cuda]
 """
 import argparse
 import time
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=5000, help="timed steps (5000)")
-    args = ap.parse_args()
+def timed(fn, steps, sync=lambda: None):
+    for _ in range(200):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def cpu(steps):
     import numpy as np
 
     import entmaxkv
@@ -27,19 +41,51 @@ def main():
     w.plan(cache, [seq], 1)
     q = np.ones((1, 1, 64), np.float32)
     out = np.empty_like(q)
-    for _ in range(200):
-        w.run(q, out=out)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        w.run(q, out=out)
-    run_us = (time.perf_counter() - t0) / args.steps * 1e6
+    run_us = timed(lambda: w.run(q, out=out), steps)
     call = (_lib.context(), *w._plan["args"], q.ctypes.data, out.ctypes.data, None)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        _lib.lib.ekv_decode(*call)
-    c_us = (time.perf_counter() - t0) / args.steps * 1e6
+    c_us = timed(lambda: _lib.lib.ekv_decode(*call), steps)
     print(f"DecodeWrapper.run: {run_us:.1f} us per step; the bare ekv_decode through ctypes: "
           f"{c_us:.1f} us; the Python layer: {run_us - c_us:.1f} us")
+
+
+def cuda(steps):
+    import torch
+
+    import entmaxkv
+    from entmaxkv import _lib
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cache = entmaxkv.CudaPagedKVCache(num_pages=8, page_size=16, num_kv_heads=1, head_dim=64)
+    seq = cache.new_sequence()
+    cache.append(seq, torch.ones(16, 1, 64, device=dev), torch.ones(16, 1, 64, device=dev))
+    stream = torch.cuda.Stream()
+    q = torch.ones(1, 1, 64, device=dev)
+    out = torch.empty_like(q)
+    w = entmaxkv.DecodeWrapper("dense")
+    stream.wait_stream(torch.cuda.current_stream())  # the append ran on the default stream
+    with torch.cuda.stream(stream):
+        w.plan(cache, [seq], 1)
+        run_us = timed(lambda: w.run(q, out), steps, stream.synchronize)
+        st = w._cuda
+        call = (st.plan, *st.args, q.data_ptr(), out.data_ptr())
+        _lib.check(st.decode(*call), st._ctx)  # the bare call works before it is timed
+        c_us = timed(lambda: st.decode(*call), steps, stream.synchronize)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        w.run(q, out)
+    with torch.cuda.stream(stream):
+        g_us = timed(graph.replay, steps, stream.synchronize)
+    print(f"CUDA, graphs off: DecodeWrapper.run {run_us:.1f} us per step; the bare "
+          f"ekv_cuda_decode through ctypes {c_us:.1f} us; the Python layer {run_us - c_us:.1f} us")
+    print(f"CUDA, graphs on: one captured step replayed {g_us:.1f} us per step")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5000, help="timed steps (5000)")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA path, graphs off and on")
+    args = ap.parse_args()
+    (cuda if args.cuda else cpu)(args.steps)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,9 @@ static void rows_check(ekv_context *ctx, test_rng *rng) {
     CHECK(ekv_entmax_rows(ctx, xf, 0, N, 1.5, pf) == EKV_ERR_INVALID_SIZE, "rows 0 accepted");
     CHECK(ekv_entmax_rows(ctx, xf, R, N, 0.5, pf) == EKV_ERR_INVALID_ALPHA, "alpha 0.5 accepted");
     CHECK(ekv_abi_sizeof("ekv_paged_kv") == (int64_t)sizeof(ekv_paged_kv) &&
-                  ekv_abi_sizeof("ekv_select_params") == (int64_t)sizeof(ekv_select_params),
+                  ekv_abi_sizeof("ekv_select_params") == (int64_t)sizeof(ekv_select_params) &&
+                  ekv_abi_sizeof("ekv_cuda_report") == (int64_t)sizeof(ekv_cuda_report) &&
+                  ekv_abi_sizeof("ekv_cuda_append_item") == (int64_t)sizeof(ekv_cuda_append_item),
           "ekv_abi_sizeof");
     CHECK(ekv_abi_sizeof("ekv_nothing") == -1 && ekv_abi_sizeof(NULL) == -1,
           "ekv_abi_sizeof of an unknown name");

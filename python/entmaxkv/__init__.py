@@ -5,10 +5,14 @@ The Python layer over the C library (ctypes, no compiled extension): arrays in, 
     import numpy as np, entmaxkv
     p = entmaxkv.entmax(np.random.randn(4, 100).astype(np.float32), alpha=1.5)
 
+Torch CUDA tensors go through CudaPagedKVCache and DecodeWrapper on the GPU; entmaxkv.ops holds
+the torch.library custom ops, entmaxkv.hf the transformers Cache and attention function, and
+entmaxkv.hf_lm the shipped model as a transformers model (those need torch / transformers).
 See README.md ("Python") and docs/python.md for the API.
 """
 from ._lib import EntmaxKVError
 from .cache import PagedKVCache
+from .cuda_cache import CudaPagedKVCache
 from .decode import DecodeWrapper
 from .functional import entmax, entmax15, sparsemax
 
@@ -19,5 +23,5 @@ try:
 except PackageNotFoundError:  # run from a source tree with $ENTMAXKV_LIBRARY
     __version__ = "unknown"
 
-__all__ = ["entmax", "entmax15", "sparsemax", "PagedKVCache", "DecodeWrapper", "EntmaxKVError",
-           "__version__"]
+__all__ = ["entmax", "entmax15", "sparsemax", "PagedKVCache", "CudaPagedKVCache", "DecodeWrapper",
+           "EntmaxKVError", "__version__"]

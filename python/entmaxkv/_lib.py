@@ -82,10 +82,31 @@ class SelectParams(ctypes.Structure):
                 ("tau_lb", c_void_p), ("tau_hint", c_void_p)]
 
 
+class CudaPlanParams(ctypes.Structure):
+    _fields_ = [("device", c_int32), ("stream", c_void_p), ("max_batch", c_int32),
+                ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
+                ("page_size", c_int32), ("max_pages_per_seq", c_int64),
+                ("max_candidates", c_int64), ("tensor_cores", c_int32)]
+
+
+class CudaReport(ctypes.Structure):
+    _fields_ = [("tau", c_void_p), ("support", c_void_p), ("pages_round1", c_void_p),
+                ("pages_round2", c_void_p), ("v_rows", c_void_p), ("list_pages", c_void_p),
+                ("lists_round2", c_int64), ("slow_rows", c_int64), ("launches", c_int32),
+                ("survivors", c_int64), ("softmax_one_pass", c_int32)]
+
+
+class CudaAppendItem(ctypes.Structure):
+    _fields_ = [("page", c_int32), ("first_slot", c_int32), ("n_new", c_int32),
+                ("reserved", c_int32), ("src_token", c_int64)]
+
+
 _MIRRORS = {"ekv_context_params": ContextParams, "ekv_paged_kv": PagedKV,
             "ekv_page_stats": PageStats, "ekv_page_table": PageTable,
             "ekv_cache_params": CacheParams, "ekv_decode_params": DecodeParams,
-            "ekv_decode_info": DecodeInfo, "ekv_select_params": SelectParams}
+            "ekv_decode_info": DecodeInfo, "ekv_select_params": SelectParams,
+            "ekv_cuda_plan_params": CudaPlanParams, "ekv_cuda_report": CudaReport,
+            "ekv_cuda_append_item": CudaAppendItem}
 
 
 def _library_path():
@@ -129,6 +150,20 @@ def _declare(lib):
         "ekv_select_default_params": (SelectParams, []),
         "ekv_decode": (c_int, [c_void_p, P(DecodeParams), P(SelectParams), P(PagedKV),
                                P(PageStats), P(PageTable), c_void_p, c_void_p, P(DecodeInfo)]),
+        # the CUDA API (include/entmaxkv/cuda.h); a build without CUDA answers UNSUPPORTED
+        "ekv_cuda_plan_default_params": (CudaPlanParams, []),
+        "ekv_cuda_device_count": (c_int, [c_void_p, P(c_int32)]),
+        "ekv_cuda_plan_create": (c_int, [c_void_p, P(CudaPlanParams), P(c_void_p)]),
+        "ekv_cuda_plan_free": (None, [c_void_p]),
+        "ekv_cuda_plan_bytes": (c_int64, [c_void_p]),
+        "ekv_cuda_decode": (c_int, [c_void_p, P(DecodeParams), P(SelectParams), P(PagedKV),
+                                    P(PageStats), P(PageTable), c_void_p, c_void_p]),
+        "ekv_cuda_decode_certified": (c_int, [c_void_p, P(DecodeParams), P(SelectParams),
+                                              P(PagedKV), P(PageStats), P(PageTable), c_void_p,
+                                              c_void_p]),
+        "ekv_cuda_read_report": (c_int, [c_void_p, c_int32, P(CudaReport)]),
+        "ekv_cuda_append": (c_int, [c_void_p, P(PagedKV), P(PageStats), c_void_p, c_int32,
+                                    c_void_p, c_void_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -184,8 +219,9 @@ def host_array(x, name):
     copy; tensors on another device are refused with a message naming the argument."""
     if is_torch(x):
         if x.device.type != "cpu":
-            raise NotImplementedError(f"entmaxkv: {name} is on {x.device}: only CPU tensors "
-                                      "and numpy arrays are supported yet")
+            raise TypeError(f"entmaxkv: {name} is on {x.device}, but this call takes host "
+                            "memory (numpy arrays or CPU tensors; CUDA tensors go to a "
+                            "CudaPagedKVCache, docs/python.md)")
         return x.detach().numpy()
     import numpy as np
 
@@ -198,3 +234,14 @@ def check(status, ctx=None):
         msg = lib.ekv_last_error(ctx if ctx is not None else context())
         raise EntmaxKVError(status, lib.ekv_status_string(status).decode(),
                             msg.decode() if msg else "")
+
+
+STATUS = {"NAN_INPUT": -9, "INVALID_SEQUENCE": -11, "CACHE_FULL": -12,
+          "INVALID_ARGUMENT": -13}  # the ekv_status codes the Python side raises itself
+
+
+def fail(status_name, message):
+    """Raises the EntmaxKVError the library would for this status (checks made in Python, as
+    the CUDA cache's page bookkeeping, report failures as the C cache does)."""
+    st = STATUS[status_name]
+    raise EntmaxKVError(st, lib.ekv_status_string(st).decode(), message)

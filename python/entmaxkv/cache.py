@@ -52,7 +52,12 @@ class PagedKVCache:
         float32, 16-byte aligned; NHD: [num_pages, page_size, num_kv_heads, head_dim], HND:
         [num_pages, num_kv_heads, page_size, head_dim]). Appends write into them and keep the
         summaries; the caller may read them (e.g. run another kernel on the same pages) but
-        must not write them. Other keyword arguments as the constructor."""
+        must not write them. Other keyword arguments as the constructor. Torch CUDA pages give
+        a CudaPagedKVCache over them (CudaPagedKVCache.wrap)."""
+        if _lib.is_torch(k_pages) and k_pages.device.type == "cuda":
+            from .cuda_cache import CudaPagedKVCache
+
+            return CudaPagedKVCache.wrap(k_pages, v_pages, layout=layout, **kw)
         k, v = np.asarray(k_pages), np.asarray(v_pages)
         if k.shape != v.shape or k.ndim != 4:
             raise ValueError(f"PagedKVCache.wrap: k_pages and v_pages must share a 4-d shape; "

@@ -1,11 +1,20 @@
 """DecodeWrapper: one decode step of a batch over a PagedKVCache, every method of the library
 (plan once per batch shape, run per step, FlashInfer's split)."""
 import ctypes
+import itertools
+import weakref
 
 import numpy as np
 
 from . import _lib
 from ._lib import METHODS, check, host_array, is_torch, lib
+from .cuda_cache import CudaPagedKVCache
+from .cuda_decode import CudaStep
+
+# Every wrapper by its handle, the int the custom ops (entmaxkv.ops) name it by; given at
+# construction, since torch.compile cannot trace the registration.
+_WRAPPERS = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
 
 
 class DecodeWrapper:
@@ -35,12 +44,22 @@ class DecodeWrapper:
         self.scale = 0.0 if scale is None else float(scale)
         self._slopes = (None if alibi_slopes is None
                         else np.ascontiguousarray(alibi_slopes, dtype=np.float32).reshape(-1))
-        self._plan = None
-        self.report = None
+        self._plan = self._cuda = self._report = None
+        self._retired = []  # CUDA plans a re-plan outgrew, kept for graphs captured on them
+        self.handle = next(_HANDLES)
+        _WRAPPERS[self.handle] = self
 
-    def plan(self, cache, seqs, num_heads):
+    def plan(self, cache, seqs, num_heads, max_pages_per_seq=None):
         """Fixes the batch: the cache, its sequences (ids, in batch order) and the query heads.
-        Call again after any append to these sequences (run() checks)."""
+        Call again after any append to these sequences (run() checks).
+
+        Over a CudaPagedKVCache the step runs on the device, on the current stream (run()
+        must be called on the same one). max_pages_per_seq (CUDA): the longest sequence, in
+        pages, that later plans of this batch shape may hold without a new C plan (default:
+        the longest sequence now); re-planning within it only rewrites the device page table,
+        so a captured CUDA graph stays valid. A plan that outgrows it makes a new C plan
+        (graphs captured before must then be captured again; the old plan is kept until
+        close() so that a stale graph does not launch on freed memory)."""
         seqs = np.asarray(seqs, dtype=np.int32).reshape(-1)
         if len(seqs) == 0:
             raise ValueError("DecodeWrapper.plan: no sequences")
@@ -53,8 +72,14 @@ class DecodeWrapper:
         lens = [cache.length(s) for s in seqs]
         if min(lens) == 0:
             raise ValueError("DecodeWrapper.plan: a sequence of the batch is empty")
+        if isinstance(cache, CudaPagedKVCache):
+            self._plan_cuda(cache, seqs, lens, int(num_heads), max_pages_per_seq)
+        else:
+            self._plan_host(cache, seqs, lens, int(num_heads))
+
+    def _plan_host(self, cache, seqs, lens, H):
         indptr, indices, last = cache.page_table(seqs)
-        B, H = len(seqs), int(num_heads)
+        B = len(seqs)
         prm, sel = self._params(H)
         kv, st = cache._view()
         table = _lib.PageTable(B, indptr.ctypes.data, indices.ctypes.data, last.ctypes.data)
@@ -62,24 +87,87 @@ class DecodeWrapper:
         info = _lib.DecodeInfo(tau=tau.ctypes.data, support=sup.ctypes.data)
         kv_bytes = 2 * sum(lens) * cache.num_kv_heads * cache.head_dim * lib.ekv_dtype_size(kv.dtype)
         # everything a step passes to the library, built once (run() only adds q and out)
+        self._retire_cuda()
         self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(B, H, cache.head_dim),
                           keep=(indptr, indices, last), tau=tau, sup=sup, kv_bytes=kv_bytes,
                           info=info, args=(ctypes.byref(prm), ctypes.byref(sel),
                                            ctypes.byref(kv), ctypes.byref(st),
                                            ctypes.byref(table)), structs=(prm, sel, kv, st, table))
 
+    def _plan_cuda(self, cache, seqs, lens, H, max_pages_per_seq):
+        indptr, indices, last = cache.page_table(seqs)
+        pages = int(np.diff(indptr).max())
+        room = pages if max_pages_per_seq is None else int(max_pages_per_seq)
+        if room < pages:
+            raise ValueError(f"DecodeWrapper.plan: max_pages_per_seq={room} but a sequence of "
+                             f"the batch holds {pages} pages")
+        step = self._cuda
+        if step is None or not step.fits(cache, len(seqs), H, pages):
+            prm, sel = self._params(H)
+            step = CudaStep(cache, len(seqs), H, room, prm, sel, self._slopes)
+            self._retire_cuda()
+        step.set_table(indptr, indices, last)
+        self._cuda, self._report = step, None
+        self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(len(seqs), H, cache.head_dim))
+
+    def _retire_cuda(self):
+        """The current CUDA plan is kept, not freed: a graph captured on it may replay."""
+        if self._cuda is not None:
+            self._retired.append(self._cuda)
+        self._cuda = None
+
+    def close(self):
+        """Frees the wrapper's CUDA plans (also when it is collected); nothing on the CPU."""
+        for step in getattr(self, "_retired", []) + [getattr(self, "_cuda", None)]:
+            if step is not None:
+                step.free()
+        self._retired, self._cuda, self._plan = [], None, None
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def report(self):
+        """What the last run() did (None before the first): on the CPU, tau and support
+        [batch, num_heads], bytes_k, bytes_v, bytes_summary, survivors and kv_fraction; on
+        CUDA, tau, support, pages_round1/pages_round2 and v_rows [batch, num_kv_heads],
+        lists_round2, slow_rows, launches, survivors, softmax_one_pass, read from the device
+        at each access (ekv_cuda_read_report: it synchronises the
+        stream, so not inside a graph capture)."""
+        if self._cuda is not None:  # read each time: a graph replay runs no Python
+            return self._cuda.read_report() if self._cuda.ran else None
+        return self._report
+
     def run(self, q, out=None):
-        """One step: q [batch, num_heads, head_dim] float32 (numpy or CPU torch) attends over
-        each sequence; returns out (the same shape, float32; written in place when given).
-        self.report then holds tau and support [batch, num_heads] (overwritten by the next
-        step), the bytes read and kv_fraction (bytes read / K+V bytes of the batch)."""
+        """One step: q [batch, num_heads, head_dim] float32 attends over each sequence;
+        returns out (the same shape, float32; written in place when given). Over a host cache
+        q and out are numpy arrays or CPU tensors; over a CudaPagedKVCache, contiguous CUDA
+        tensors on its device (never copied), and the step is launched on the current stream
+        without synchronising (capturable in a CUDA graph). self.report describes the step.
+        Under torch.compile the step is the custom op entmaxkv::decode (entmaxkv.ops)."""
+        if is_torch(q) and _traced():
+            from . import ops
+
+            return ops.run(self, q, out)
+        return self._run(q, out)
+
+    def out_shape(self):
+        """[batch, num_heads, head_dim] of the planned step (q's and out's shape)."""
+        if self._plan is None:
+            raise RuntimeError("DecodeWrapper: call plan() first")
+        return self._plan["shape"]
+
+    def _run(self, q, out):
         pl = self._plan
         if pl is None:
             raise RuntimeError("DecodeWrapper.run: call plan() first")
-        cache, shape = pl["cache"], pl["shape"]
+        cache = pl["cache"]
         if [cache.length(s) for s in pl["seqs"]] != pl["lens"]:
             raise RuntimeError("DecodeWrapper.run: the cache changed since plan(): call plan() "
                                "again")
+        if self._cuda is not None:
+            return self._cuda.run(q, out)
+        shape, q_in = pl["shape"], q
         q = host_array(q, "q")
         if q.shape != shape or q.dtype != np.float32:
             raise ValueError(f"DecodeWrapper.run: q must be float32 {list(shape)}; got "
@@ -95,10 +183,12 @@ class DecodeWrapper:
         check(lib.ekv_decode(ctx, *pl["args"], q.ctypes.data, res.ctypes.data,
                              ctypes.byref(info)), ctx)
         read = info.bytes_k + info.bytes_v + info.bytes_summary
-        self.report = dict(tau=pl["tau"], support=pl["sup"], bytes_k=info.bytes_k,
+        self._report = dict(tau=pl["tau"], support=pl["sup"], bytes_k=info.bytes_k,
                            bytes_v=info.bytes_v, bytes_summary=info.bytes_summary,
                            survivors=info.survivors, kv_fraction=read / pl["kv_bytes"])
-        return out if torch_out else res
+        if torch_out:
+            return out
+        return _torch().from_numpy(res) if is_torch(q_in) else res
 
     def _params(self, H):
         prm = lib.ekv_decode_default_params()
@@ -111,3 +201,14 @@ class DecodeWrapper:
         else:
             sel.budget_tokens = self.budget
         return prm, sel
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _traced():
+    """torch.compile is tracing the call (torch is imported: q is a tensor)."""
+    return _torch().compiler.is_compiling()

@@ -25,13 +25,16 @@ def _row(x, alpha):
     return p / p.sum()
 
 
-def attention_ref(q, k, v, alpha, scale=None):
-    """q [H, D], k/v [N, Hk, D] (float64): out [H, D] with GQA (head h uses KV head h // G)."""
+def attention_ref(q, k, v, alpha, scale=None, slopes=None):
+    """q [H, D], k/v [N, Hk, D] (float64): out [H, D] with GQA (head h uses KV head h // G);
+    slopes [H]: the ALiBi bias m_h * (j - (N - 1)) of a query at the last position."""
     H, D = q.shape
-    G = H // k.shape[1]
+    N, G = k.shape[0], H // k.shape[1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     out = np.empty((H, D))
     for h in range(H):
         s = k[:, h // G, :] @ q[h] * scale
+        if slopes is not None:
+            s = s + slopes[h] * (np.arange(N) - (N - 1.0))
         out[h] = _row(s, alpha) @ v[:, h // G, :]
     return out
