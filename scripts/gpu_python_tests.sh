@@ -7,7 +7,8 @@
 # The package is installed with `EKV_CUDA=ON pip install --no-build-isolation .` into a
 # virtualenv made with --system-site-packages (it sees the machine's torch) when
 # scikit-build-core is importable; otherwise (or with EKV_PY_BUILD=cmake) the library is built
-# with CMake in build-gpu/ and the tests load it through $ENTMAXKV_LIBRARY.
+# with CMake in $BUILD (default build-gpu-py/, shared) and the tests load it through
+# $ENTMAXKV_LIBRARY.
 # Usage: scripts/gpu_python_tests.sh LOGDIR
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help) usage; exit 0 ;; "") usage >&2; exit 2 ;; esac
@@ -41,11 +42,12 @@ if [ "$mode" = pip ]; then
   py="$venv/bin/python"
   cd "$venv" # away from the source tree: the installed package is what is imported
 else
-  { cmake -S "$repo" -B "$repo/build-gpu" -DEKV_CUDA=ON -DBUILD_SHARED_LIBS=ON \
+  build=${BUILD:-$repo/build-gpu-py} # shared, apart from tests/gpu/run.sh's static build
+  { cmake -S "$repo" -B "$build" -DEKV_CUDA=ON -DBUILD_SHARED_LIBS=ON \
       -DEKV_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release &&
-    cmake --build "$repo/build-gpu" -j"$(nproc)"; } >"$logs/build.log" 2>&1 ||
+    cmake --build "$build" -j"$(nproc)"; } >"$logs/build.log" 2>&1 ||
     { tail -30 "$logs/build.log" >&2; exit 1; }
-  export ENTMAXKV_LIBRARY="$repo/build-gpu/libentmaxkv.so"
+  export ENTMAXKV_LIBRARY="$build/libentmaxkv.so"
   export PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
 

@@ -53,7 +53,7 @@ void model_opts_help(FILE *f) {
             "                        --method runs that method's decode stages for every\n"
             "                        prompt token, as the CPU does (exact, but O(N^2) reads: slow\n"
             "                        at long prompts; prefill with dense and --compare the\n"
-            "                        methods in decode instead); gaussian is CPU only (ALiBi)\n"
+            "                        methods in decode instead)\n"
             "  --prefill-chunk N     cuda: query tokens per dense prefill block (default: as\n"
             "                        many as fit in 60%% of the free GPU memory, up to 4096)\n"
             "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n");

@@ -93,7 +93,9 @@ class CudaReport(ctypes.Structure):
     _fields_ = [("tau", c_void_p), ("support", c_void_p), ("pages_round1", c_void_p),
                 ("pages_round2", c_void_p), ("v_rows", c_void_p), ("list_pages", c_void_p),
                 ("lists_round2", c_int64), ("slow_rows", c_int64), ("launches", c_int32),
-                ("survivors", c_int64), ("softmax_one_pass", c_int32)]
+                ("survivors", c_int64), ("softmax_one_pass", c_int32),
+                ("list_heads", c_void_p), ("superpage_skipped", c_int64),
+                ("superpage_boxes", c_int64)]
 
 
 class CudaAppendItem(ctypes.Structure):

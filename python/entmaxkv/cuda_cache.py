@@ -108,6 +108,9 @@ class CudaPagedKVCache:
         if self.range_dtype:  # 16-bit bit patterns (f16 or bf16), as the C cache keeps them
             t["kmin16"] = torch.zeros(P, Hk, D, dtype=torch.int16, device=self.device)
             t["kmax16"] = torch.zeros(P, Hk, D, dtype=torch.int16, device=self.device)
+            # the compact ball (docs/math.md §9.5): centres in 16 bits, radii around them
+            t["kmean16"] = torch.zeros(P, Hk, D, dtype=torch.int16, device=self.device)
+            t["radius16"] = torch.zeros(P, Hk, **f32)
         if self.code_bits:  # docs/math.md §10.1: R bytes per token and head
             R = (D * self.code_bits + 7) // 8
             t["codes"] = torch.zeros(P * Hk * self.page_size * R, dtype=torch.uint8,
@@ -119,7 +122,8 @@ class CudaPagedKVCache:
                                   superpage_pages=0, codes=ptr.get("codes"),
                                   code_bits=self.code_bits, num_superpages=0,
                                   range_dtype=self.range_dtype, kmin16=ptr.get("kmin16"),
-                                  kmax16=ptr.get("kmax16"))
+                                  kmax16=ptr.get("kmax16"), kmean16=ptr.get("kmean16"),
+                                  radius16=ptr.get("radius16"))
 
     def _paged_kv(self):
         ps, Hk, D = self.page_size, self.num_kv_heads, self.head_dim
