@@ -855,7 +855,7 @@ extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int
 /* Query heads of the plan's last screened step whose candidate list overflowed (out[0]: they
  * took the retry pass) and whose retry list overflowed too (out[1]: every token kept). Internal,
  * for the bench and the GPU tests; synchronises the plan's stream. */
-extern "C" ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out) {
+extern "C" EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out) {
     const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
     if (cs) return cs;
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
