@@ -171,7 +171,7 @@ def test_an_unmodified_transformers_model_decodes_through_entmaxkv():
     runs = []
     for cache in (None, EntmaxKVCache(2, num_pages=16, dtype="float32", method="certified")):
         with torch.no_grad():
-            out = model.generate(x, cache=cache, max_new_tokens=10, do_sample=False,
+            out = model.generate(x, past_key_values=cache, max_new_tokens=10, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
         runs.append((out.sequences, torch.stack(out.logits, 1)))
     assert runs[1][0].tolist() == runs[0][0].tolist()

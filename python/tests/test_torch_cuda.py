@@ -257,8 +257,7 @@ def test_run_errors():
         scr.run(q)
     ga = entmaxkv.DecodeWrapper("gaussian", alibi_slopes=np.ones(H, np.float32))
     ga.plan(no_codes, [s], H)
-    with pytest.raises(entmaxkv.EntmaxKVError, match="ALiBi"):
-        ga.run(q)
+    assert torch.isfinite(ga.run(q)).all()  # the ALiBi mixture runs on the GPU (no refusal)
 
 
 def test_cache_errors_change_nothing():
