@@ -217,11 +217,18 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         }
         pl->bytes += want[i].bytes;
     }
-    e = cudaMemset(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t));
-    if (e == cudaSuccess) e = cudaMemset(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t));
+    /* on the plan's stream, then waited for: a caller's non-blocking stream (torch's side
+     * streams) is not ordered after the legacy stream a plain cudaMemset uses, so the first
+     * step could read the buffers before they are zero */
+    e = cudaMemsetAsync(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
     if (e == cudaSuccess)
-        e = cudaMemset(pl->sbits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t));
-    if (e == cudaSuccess) e = cudaMemset(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t));
+        e = cudaMemsetAsync(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->sbits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
+                            pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
     if (e != cudaSuccess) {
         ekv_cuda_plan_free(pl);
         return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaMemset: %s", cudaGetErrorString(e));
