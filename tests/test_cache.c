@@ -215,20 +215,7 @@ static int32_t *seq_pages(world *w, const shadow *s, int64_t *np_out, int32_t *l
  * Checks pages [i0, i1] of sequence s: stored K/V against the shadow, token counts, and
  * the summaries against a from-scratch recomputation in double.
  */
-/* A 16-bit range value of dtype dt as a double, and the next one towards +inf (bits). */
-static double value16(uint16_t h, ekv_dtype dt) {
-    if (dt == EKV_DTYPE_BF16) {
-        const uint32_t b = (uint32_t)h << 16;
-        float f;
-        memcpy(&f, &b, 4);
-        return f;
-    }
-    const int e = (h >> 10) & 31, m = h & 1023;
-    const double mag = e == 31  ? (m ? NAN : INFINITY)
-                       : e == 0 ? ldexp(m, -24)
-                                : ldexp(1024 + m, e - 25);
-    return (h & 0x8000) ? -mag : mag;
-}
+/* The next 16-bit value towards +inf and -inf (bits); their values: test_value16. */
 static uint16_t up16(uint16_t h) {
     return h == 0x8000 ? 0x0001 : (h & 0x8000) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
 }
@@ -241,11 +228,11 @@ static uint16_t down16(uint16_t h) {
 static void check_compact_range(const ekv_page_stats *st, int64_t i, double mn, double mx) {
     const ekv_dtype dt = st->range_dtype;
     const uint16_t lo = st->kmin16[i], hi = st->kmax16[i];
-    const double l = value16(lo, dt), h = value16(hi, dt);
-    CHECK(l <= mn && (l == mn || value16(up16(lo), dt) > mn),
+    const double l = test_value16(lo, dt), h = test_value16(hi, dt);
+    CHECK(l <= mn && (l == mn || test_value16(up16(lo), dt) > mn),
           "[%s] compact min %.9g (%s) for min %.9g at %lld: not the outward rounding", g_cfg, l,
           ekv_dtype_name(dt), mn, (long long)i);
-    CHECK(h >= mx && (h == mx || value16(down16(hi), dt) < mx),
+    CHECK(h >= mx && (h == mx || test_value16(down16(hi), dt) < mx),
           "[%s] compact max %.9g (%s) for max %.9g at %lld: not the outward rounding", g_cfg, h,
           ekv_dtype_name(dt), mx, (long long)i);
 }
@@ -256,9 +243,9 @@ static void check_compact_range(const ekv_page_stats *st, int64_t i, double mn, 
  * the next 16-bit value is above x; rounded up, the mirror image. */
 static void check_outward_one(float x, ekv_dtype dt, int64_t *bad) {
     const uint16_t lo = ekv_round16_outward(x, dt, -1), hi = ekv_round16_outward(x, dt, 1);
-    const double l = value16(lo, dt), h = value16(hi, dt);
-    const int ok = l <= x && (l == x || value16(up16(lo), dt) > x) && h >= x &&
-                   (h == x || value16(down16(hi), dt) < x);
+    const double l = test_value16(lo, dt), h = test_value16(hi, dt);
+    const int ok = l <= x && (l == x || test_value16(up16(lo), dt) > x) && h >= x &&
+                   (h == x || test_value16(down16(hi), dt) < x);
     if (!ok && (*bad)++ < 3)
         fprintf(stderr, "outward %s of %.9g: down %.9g, up %.9g\n", ekv_dtype_name(dt), x, l, h);
 }
@@ -269,7 +256,7 @@ static void test_round_outward(void) {
     for (int k = 0; k < 2; k++)
         for (uint32_t b = 0; b < 65536; b++) {
             const uint16_t h = (uint16_t)b;
-            const double v = value16(h, dts[k]), next = value16(up16(h), dts[k]);
+            const double v = test_value16(h, dts[k]), next = test_value16(up16(h), dts[k]);
             if (!isfinite(v) || !isfinite(next)) continue;
             const float x = (float)v, mid = (float)(0.5 * (v + next));
             const float probe[5] = {x, nextafterf(x, INFINITY), nextafterf(x, -INFINITY), mid,
@@ -386,10 +373,10 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                 double b16 = 0;
                 for (int64_t d = 0; d < D; d++) {
                     const uint16_t c16 = st->kmean16[so + d];
-                    const double cv = value16(c16, rd), m = st->kmean[so + d];
-                    const int nearest = fabs(cv - m) <= fabs(value16(up16(c16), rd) - m) &&
-                                        fabs(cv - m) <= fabs(value16(down16(c16), rd) - m);
-                    CHECK(isfinite(cv) && (nearest || !isfinite(value16(up16(c16), rd))),
+                    const double cv = test_value16(c16, rd), m = st->kmean[so + d];
+                    const int nearest = fabs(cv - m) <= fabs(test_value16(up16(c16), rd) - m) &&
+                                        fabs(cv - m) <= fabs(test_value16(down16(c16), rd) - m);
+                    CHECK(isfinite(cv) && (nearest || !isfinite(test_value16(up16(c16), rd))),
                           "[%s] page #%lld h %lld d %lld: compact centre %.9g is not the nearest "
                           "finite %s to the mean %.9g",
                           g_cfg, (long long)i, (long long)h, (long long)d, cv, ekv_dtype_name(rd), m);
@@ -397,7 +384,7 @@ static void verify_pages(world *w, const shadow *s, const int32_t *pages, int64_
                 for (int64_t t = 0; t < n; t++) {
                     double ss = 0;
                     for (int64_t d = 0; d < D; d++) {
-                        const double diff = col[d * ps + t] - value16(st->kmean16[so + d], rd);
+                        const double diff = col[d * ps + t] - test_value16(st->kmean16[so + d], rd);
                         ss += diff * diff;
                     }
                     b16 = ss > b16 ? ss : b16;

@@ -2,10 +2,12 @@
  * reports every broken case; test_finish() turns the count into the exit status. */
 #ifndef EKV_TEST_UTIL_H
 #define EKV_TEST_UTIL_H
+#include "entmaxkv.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static int g_failures = 0, g_checks = 0;
 
@@ -21,6 +23,19 @@ static int g_failures = 0, g_checks = 0;
             g_failures++;                                                                          \
         }                                                                                          \
     } while (0)
+
+/* A 16-bit f16/bf16 value (its bit pattern; dt EKV_DTYPE_F16 or EKV_DTYPE_BF16) as a double. */
+static inline double test_value16(uint16_t h, ekv_dtype dt) {
+    if (dt == EKV_DTYPE_BF16) {
+        const uint32_t b = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &b, 4);
+        return f;
+    }
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const double mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
+    return (h & 0x8000) ? -mag : mag;
+}
 
 static inline int test_finish(const char *name) {
     printf("%s: %d checks, %d failures\n", name, g_checks, g_failures);

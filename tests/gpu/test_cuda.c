@@ -507,19 +507,6 @@ static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const sc
     free(cpu);
 }
 
-/* A 16-bit f16/bf16 value (its bit pattern) as a double. */
-static double half_value(uint16_t h, ekv_dtype dt) {
-    if (dt == EKV_DTYPE_BF16) {
-        const uint32_t u = (uint32_t)h << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    const int e = (h >> 10) & 31, mant = h & 1023;
-    const double mag = e == 0 ? ldexp(mant, -24) : e == 31 ? INFINITY : ldexp(1024 + mant, e - 25);
-    return (h & 0x8000) ? -mag : mag;
-}
-
 /* Each query head's list from the GPU's union lists and head masks (entries of round 1), as
  * lists_equal compares them: [B*H][maxP] pages in page order and their counts. */
 static void head_lists_of(const int32_t *lists, const uint16_t *heads, const int32_t *r1, int B,
@@ -899,8 +886,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                             cdiff += step != 0;
                             /* more than a step only where the means' own difference spans
                              * it (values near 0, where the 16-bit steps are fine) */
-                            const double vg = half_value(hc[so + d], m.st.range_dtype),
-                                         vc = half_value(m.st.kmean16[so + d], m.st.range_dtype);
+                            const double vg = test_value16(hc[so + d], m.st.range_dtype),
+                                         vc = test_value16(m.st.kmean16[so + d], m.st.range_dtype);
                             cfar += step > 1 &&
                                     fabs(vg - vc) > 2e-4 * (fabs((double)m.st.kmean[so + d]) + 1e-3);
                             same &= step == 0;
