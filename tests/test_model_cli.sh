@@ -77,6 +77,18 @@ run ppl --model "$MODEL" --text "$TMP/none.txt"
 [ "$RC" -eq 1 ] && [ -s "$ERR" ]
 check "a missing text should exit 1 (rc=$RC)" $?
 
+# --prefill-method: the prompt with one method, the generated tokens with another (certified:
+# the same text as dense); the stats lines name each; a bad method exits 2
+run run --model "$MODEL" --prompt "The LORD said" -n 16 --prefill-method dense --method certified
+cp "$OUT" "$TMP/pm.txt"
+run run --model "$MODEL" --prompt "The LORD said" -n 16
+{ grep -q '^\[prefill dense\]' "$TMP/pm.txt" && grep -q '^\[decode @13 certified' "$TMP/pm.txt" &&
+    [ "$(head -c 29 "$TMP/pm.txt")" = "$(head -c 29 "$OUT")" ]; }
+check "run --prefill-method dense --method certified: dense prefill, certified decode, the dense text" $?
+run run --model "$MODEL" --prompt "Hello" -n 1 --prefill-method nope
+[ "$RC" -eq 2 ] && [ "$(wc -l <"$ERR")" -eq 1 ]
+check "run --prefill-method nope should exit 2 with one line (rc=$RC)" $?
+
 # --backend cuda: runs where the build has CUDA and a device is present, else exits 1 saying
 # which is missing (gaussian too: its ALiBi mixture runs on the GPU)
 run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda

@@ -33,6 +33,9 @@ static void run_help(FILE *f) {
     fprintf(f,
             "  --temp T              sampling temperature; 0 = greedy (default 0)\n"
             "  --seed S              random seed for sampling (default 1)\n"
+            "  --prefill-method M    the prompt's method (default: --method's); --method then\n"
+            "                        serves the generated tokens (e.g. a dense tensor-core\n"
+            "                        prefill on cuda, then a sparse decode)\n"
             "  --compare LIST        after decoding, decode -n more tokens with each method of the\n"
             "                        comma list in turn (same sequence; one stats line each;\n"
             "                        screened in the list gives the caches --code-bits codes)\n"
@@ -99,8 +102,9 @@ typedef struct {
     const char *prompt, *prompt_file, *prompts_file;
     int64_t n, seed;
     double temp;
-    int quiet, nmethods;
+    int quiet, nmethods, prefill_set;
     ekv_select_method methods[9]; /* --method, then the --compare list */
+    ekv_select_method prefill;    /* --prefill-method (prefill_set): the prompt's method */
 } run_opts;
 
 static void parse_compare(const char *v, run_opts *o) {
@@ -124,7 +128,8 @@ static const cli_opt run_table[] = {
         CLI_FLAG("--quiet", run_opts, quiet),
 };
 
-/* The options that need code: --temp (a number in a range), --compare (a method list). */
+/* The options that need code: --temp (a number in a range), --compare (a method list),
+ * --prefill-method (a method). */
 static int run_extra(const char *sub, int argc, char **argv, int *i, void *vo) {
     run_opts *o = vo;
     if (!strcmp(argv[*i], "--temp")) {
@@ -135,6 +140,12 @@ static int run_extra(const char *sub, int argc, char **argv, int *i, void *vo) {
     }
     if (!strcmp(argv[*i], "--compare")) {
         parse_compare(cli_need(sub, argc, argv, i), o);
+        return 1;
+    }
+    if (!strcmp(argv[*i], "--prefill-method")) {
+        o->prefill = cli_method(sub, "--prefill-method", cli_need(sub, argc, argv, i));
+        o->prefill_set = 1;
+        o->mo.codes |= cli_method_codes(o->prefill);
         return 1;
     }
     return 0;
@@ -148,6 +159,7 @@ static void parse(int argc, char **argv, run_opts *o) {
     o->nmethods = 1; /* methods[0] is --method, set after the loop */
     model_parse("run", argc, argv, run_help, &o->mo, run_table, CLI_NOPTS(run_table), run_extra, o);
     o->methods[0] = o->mo.method;
+    if (o->prefill_set) o->mo.method = o->prefill; /* the model loads with it: the prompt's */
     if (o->prompt && o->prompt_file)
         cli_usage_error("run", "give --prompt or --prompt-file, not both");
     if (o->prompts_file && (o->prompt || o->prompt_file))

@@ -62,6 +62,42 @@ def make_prompt(src, length, depth, key, start):
     return p
 
 
+# The multi-needle variant (evaluation only): several named keys, the question names one.
+NAMES = (b"amber", b"cobalt", b"crimson", b"ivory", b"jade", b"onyx", b"saffron", b"teal")
+
+
+def named_needle(name, key):
+    k = key.encode("ascii")
+    return (b"\nThe pass key of " + name + b" is " + k + b". Remember it. " + k +
+            b" is the pass key of " + name + b".\n")
+
+
+def named_question(name):
+    return b"\nWhat is the pass key of " + name + b"? The pass key of " + name + b" is "
+
+
+def make_multi_prompt(src, length, depths, names, keys, asked, start):
+    """The prompt of `length` bytes with the needle of names[i] (key keys[i]) at fractional
+    depth depths[i] of the filler, ending in the question for names[asked]. Returns the prompt
+    and the byte offset of each needle."""
+    needles = [named_needle(n, k) for n, k in zip(names, keys)]
+    question = named_question(names[asked])
+    free = length - sum(len(x) for x in needles) - len(question)
+    if free < 0:
+        raise ValueError("length %d is shorter than the needles and question" % length)
+    order = sorted(range(len(names)), key=lambda i: depths[i])
+    out, offsets, used = b"", [0] * len(names), 0
+    for i in order:
+        n = int(round(depths[i] * free)) - used
+        out += filler(src, start + used, n)
+        used += n
+        offsets[i] = len(out)
+        out += needles[i]
+    out += filler(src, start + used, free - used) + question
+    assert len(out) == length
+    return out, offsets
+
+
 def training_sequence(src, total, rng):
     """A training sequence of `total` bytes: prompt + key + ".\\n". Returns (bytes, answer
     start index) where bytes[answer_start:answer_start+5] is the key."""

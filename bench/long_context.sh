@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Long-context tasks over the model engine (issue 14 item 3; not in CI): for every method,
+#   passkey   single-key retrieval (train/make_passkey.py) at each length, several depths;
+#   multikey  NEEDLES named keys in one haystack, the question names one (--needles);
+#   ppl       the same 512 scored tokens after contexts of each PPL_CTX length (one window
+#             that ends at the same byte for every length: offset = max context - context).
+# The haystack and the perplexity text are TEXT (default the training split, data/train.txt,
+# from train/get_data.sh; the needles never occur in it: make_passkey.py refuses a text that
+# holds them). Exact methods (certified, screened) must give dense's answers and perplexities;
+# the summary line says whether they did.
+#
+# Usage: bench/long_context.sh OUTDIR
+# Environment (defaults in brackets):
+#   BIN [build/entmaxkv]   BACKEND [cpu] (cuda: the GPU engine)   TEXT [data/train.txt]
+#   LENS [32768,131072,524288,1048576]  COUNT [5] prompts per length and task  NEEDLES [4]
+#   METHODS ["dense topk:1/16 topk:1/64 gaussian certified screened"] (method[:budget])
+#   PREFILL [method]: the prompt's method; "dense" prefills densely (the GPU's tensor-core
+#            prefill) and applies the method to the generated tokens (run --prefill-method)
+#   PPL_CTX [8192,32768,131072,524288,1048576]   PPL_METHODS [METHODS] (ppl applies the method
+#            to every token: on cuda a non-dense method is O(N^2) reads, keep it to short contexts)
+#   PYTHON [python3] (needs numpy)
+# Writes OUTDIR/long_context.tsv (task, length, method, correct or ppl, total or kv_fraction)
+# and every command's output under OUTDIR/logs/.
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help) usage; exit 0 ;; "") usage >&2; exit 2 ;; esac
+set -u
+cd "$(dirname "$0")/.."
+OUT=$1
+BIN=${BIN:-build/entmaxkv} BACKEND=${BACKEND:-cpu} TEXT=${TEXT:-data/train.txt}
+LENS=${LENS:-32768,131072,524288,1048576} COUNT=${COUNT:-5} NEEDLES=${NEEDLES:-4}
+METHODS=${METHODS:-"dense topk:1/16 topk:1/64 gaussian certified screened"}
+PREFILL=${PREFILL:-method} PPL_CTX=${PPL_CTX:-8192,32768,131072,524288,1048576}
+PPL_METHODS=${PPL_METHODS:-$METHODS}
+PYTHON=${PYTHON:-python3}
+[ -x "$BIN" ] || { echo "long_context.sh: $BIN is not built" >&2; exit 1; }
+[ -s "$TEXT" ] || { echo "long_context.sh: no text $TEXT (train/get_data.sh makes it)" >&2; exit 1; }
+mkdir -p "$OUT/logs" || exit 1
+TSV="$OUT/long_context.tsv"
+printf 'task\tlength\tmethod\tvalue\tof\n' >"$TSV"
+
+# options of a METHODS entry (method[:budget]); with a second argument, run's prefill rule too
+opts_of() {
+    local m=${1%%:*} b=""
+    [ "$m" != "$1" ] && b=${1#*:}
+    printf -- '--backend %s --method %s' "$BACKEND" "$m"
+    [ -n "$b" ] && printf -- ' --budget %s' "$b"
+    [ -n "${2:-}" ] && [ "$PREFILL" = dense ] && [ "$m" != dense ] && printf -- ' --prefill-method dense'
+    return 0
+}
+
+prompts() { # DIR NEEDLES
+    "$PYTHON" train/make_passkey.py --lengths "$LENS" --count "$COUNT" --val "$TEXT" \
+        --out "$1" --needles "$2" >"$OUT/logs/make_$(basename "$1").log" 2>&1 ||
+        { cat "$OUT/logs/make_$(basename "$1").log" >&2; exit 1; }
+}
+prompts "$OUT/passkey" 1
+prompts "$OUT/multikey" "$NEEDLES"
+
+for task in passkey multikey; do
+    for L in ${LENS//,/ }; do
+        for spec in $METHODS; do
+            log="$OUT/logs/${task}_L${L}_${spec//[:\/]/_}.log"
+            echo "== $task L=$L $spec" >&2
+            # shellcheck disable=SC2046
+            bench/model_passkey.sh "$BIN" "$OUT/$task" "$L" "$COUNT" $(opts_of "$spec" run) >"$log" 2>&1
+            score=$(awk '/^passkey L=/ { print $NF }' "$log")
+            [ -n "$score" ] || { echo "long_context.sh: no result in $log" >&2; tail -3 "$log" >&2; continue; }
+            printf '%s\t%s\t%s\t%s\t%s\n' "$task" "$L" "$spec" "${score%/*}" "${score#*/}" >>"$TSV"
+        done
+    done
+done
+
+maxctx=0
+for c in ${PPL_CTX//,/ }; do [ "$c" -gt "$maxctx" ] && maxctx=$c; done
+for c in ${PPL_CTX//,/ }; do
+    for spec in $PPL_METHODS; do
+        json="$OUT/logs/ppl_${c}_${spec//[:\/]/_}.json"
+        echo "== ppl ctx=$c $spec" >&2
+        # shellcheck disable=SC2046
+        "$BIN" ppl --text "$TEXT" --ctx "$c" --windows 1 --offset $((maxctx - c)) --score-last 512 \
+            $(opts_of "$spec") --json "$json" >"$OUT/logs/ppl_${c}_${spec//[:\/]/_}.log" 2>&1 ||
+            { echo "long_context.sh: ppl ctx=$c $spec failed" >&2; continue; }
+        "$PYTHON" -c 'import json, sys; j = json.load(open(sys.argv[1])); kv = j.get("kv_fraction")
+print("ppl\t%s\t%s\t%.6f\t%s" % (sys.argv[2], sys.argv[3], j["ppl"], "n/a" if kv is None else "%.4f" % kv))' \
+            "$json" "$c" "$spec" >>"$TSV"
+    done
+done
+
+# exact methods against dense: the same answers counts and perplexities (to 1e-4 relative)
+awk -F'\t' 'NR > 1 { m = $3; sub(/:.*/, "", m); key = $1 "\t" $2
+        if ($3 == "dense") d[key] = $4; else if (m == "certified" || m == "screened") x[key "\t" $3] = $4 }
+     END { bad = 0; n = 0
+        for (k in x) { split(k, a, "\t"); dk = a[1] "\t" a[2]; if (!(dk in d)) continue; n++
+            v = x[k] + 0; w = d[dk] + 0
+            if ((a[1] == "ppl" && (v - w > 1e-4 * w || w - v > 1e-4 * w)) || (a[1] != "ppl" && v != w)) {
+                bad++; print "exact method differs from dense: " k " " x[k] " vs " d[dk] } }
+        printf "exact methods equal dense in %d of %d comparisons\n", n - bad, n }' "$TSV"
+column -t -s $'\t' "$TSV" 2>/dev/null || cat "$TSV"
