@@ -132,9 +132,16 @@ expect_usage_error bench --method screened --code-bits 2
 expect_usage_error bench --method screened --code-bits x
 expect_usage_error bench --method screened --code-bits
 # the reference backend does not screen (the library's support check: exit 2); a build without
-# CUDA refuses --backend cuda (exit 2)
+# CUDA refuses --backend cuda (exit 2); a CUDA build on a machine without a GPU says so in one
+# line and exits 1 (a runtime condition, not bad usage); with a GPU the run succeeds
 expect_usage_error bench --backend ref --method screened --len 64
-expect_usage_error bench --backend cuda --method screened --len 64
+run "" bench --backend cuda --method screened --len 64 --iters 1 --warmup 0
+if [ "$RC" -eq 2 ]; then
+    expect_usage_error bench --backend cuda --method screened --len 64
+else
+    { [ "$RC" -eq 0 ] || { [ "$RC" -eq 1 ] && [ "$(nlines "$ERR")" -eq 1 ] && grep -qi "cuda" "$ERR"; }; }
+    check "'bench --backend cuda' in a CUDA build: runs, or exits 1 naming the missing device (rc=$RC)" $?
+fi
 expect_usage_error eval --methods foo
 expect_usage_error eval --budgets 0
 expect_usage_error eval --budgets 2
