@@ -137,6 +137,59 @@ __device__ __forceinline__ bool superpage_skip(const bound_args &A, const float 
     return all;
 }
 
+/* q' = a scale q of the group's heads into qs ([G][D], shared), ||q'||_2 and ||q'||_1 in double,
+ * rounded up (the ball's and the superpage slack's); block-wide, ends with a barrier. */
+__device__ __forceinline__ void load_group_query(const bound_args &A, int b, int kvh, float *qs,
+                                                 double *qn, double *qn1) {
+    const int G = A.G, D = A.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G + g) * D + d]);
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += BOUND_WARPS) {
+        double s = 0, s1 = 0;
+        for (int d = lane; d < D; d += 32) {
+            s += (double)qs[g * D + d] * qs[g * D + d];
+            s1 += fabs((double)qs[g * D + d]);
+        }
+        s = ekv_warp_sum(s);
+        s1 = ekv_warp_sum(s1);
+        if (lane == 0) {
+            qn[g] = sqrt(s) * (1 + 1e-12);
+            qn1[g] = s1 * (1 + 1e-12);
+        }
+    }
+    __syncthreads();
+}
+
+/* Page p's bounds given, not computed: u[g] per head (a skipped page's superpage bound), or
+ * -inf for every head with u = nullptr (the last page and beyond are not ranked); the list's
+ * key is their max. */
+__device__ __forceinline__ void store_given_bounds(const bound_args &A, int b, int kvh, int row,
+                                                   int64_t p, const float *u) {
+    float best = -CUDART_INF_F;
+    for (int g = 0; g < A.G; g++) {
+        const float v = u ? u[g] : -CUDART_INF_F;
+        A.bounds[((int64_t)b * A.H + kvh * A.G + g) * A.cap_pages + p] = v;
+        best = fmaxf(best, v);
+    }
+    A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+}
+
+/* The warp's superpage counts (pages skipped, boxes read) into the step's two counters: one
+ * atomic each per warp. Warp-collective. */
+__device__ __forceinline__ void flush_superpage_counts(const bound_args &A,
+                                                       unsigned long long n_skip,
+                                                       unsigned long long n_box) {
+    n_skip = ekv_warp_sum(n_skip);
+    n_box = ekv_warp_sum(n_box);
+    if ((threadIdx.x & 31) == 0 && (n_skip || n_box)) {
+        atomicAdd(A.sp_count, n_skip);
+        atomicAdd(A.sp_count + 1, n_box);
+    }
+}
+
 template <int GM, int RT> /* compile-time bound of the group size; how the ranges are stored */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     extern __shared__ float qs[]; /* [G][D] q' */
@@ -149,22 +202,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G + g) * D + d]);
-    }
-    __syncthreads();
-    for (int g = warp; g < G; g += BOUND_WARPS) { /* ||q'|| in double, rounded up */
-        double s = 0;
-        for (int d = lane; d < D; d += 32) s += (double)qs[g * D + d] * qs[g * D + d];
-        s = ekv_warp_sum(s);
-        if (lane == 0) qn[g] = sqrt(s) * (1 + 1e-12);
-        double s1 = 0; /* ||q'||_1, the superpage slack's */
-        for (int d = lane; d < D; d += 32) s1 += fabs((double)qs[g * D + d]);
-        s1 = ekv_warp_sum(s1);
-        if (lane == 0) qn1[g] = s1 * (1 + 1e-12);
-    }
-    __syncthreads();
+    load_group_query(A, b, kvh, qs, qn, qn1);
     const int64_t pend =
             (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
     /* BOUND_PPW pages per warp pass, BOUND_LANES lanes on each: their loads are in flight
@@ -203,19 +241,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         if (A.with_ball) c2 = page_sum(c2);
         if (sl != 0 || p >= pend) continue;
-        if (!ranked) {
-            for (int g = 0; g < G; g++)
-                A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = -CUDART_INF_F;
-            A.list_bounds[(int64_t)row * A.cap_pages + p] = -CUDART_INF_F;
-            continue;
-        }
-        if (skip) { /* the superpage bound stands for the page */
-            float best = -CUDART_INF_F;
-            for (int g = 0; g < G; g++) {
-                A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = spu[g];
-                best = fmaxf(best, spu[g]);
-            }
-            A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+        if (!ranked || skip) { /* no bound (-inf), or the superpage's stands for the page */
+            store_given_bounds(A, b, kvh, row, p, ranked ? spu : nullptr);
             continue;
         }
         /* page p's bound for each head, min(box, ball) + the rounding slack (docs/math.md §9.5)
@@ -246,14 +273,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
     }
-    if (A.tau_lb) { /* one atomic per warp */
-        n_skip = ekv_warp_sum(n_skip);
-        n_box = ekv_warp_sum(n_box);
-        if (lane == 0 && (n_skip || n_box)) {
-            atomicAdd(A.sp_count, n_skip);
-            atomicAdd(A.sp_count + 1, n_box);
-        }
-    }
+    if (A.tau_lb) flush_superpage_counts(A, n_skip, n_box);
 }
 
 } // namespace
