@@ -158,6 +158,15 @@ static void head_scores(const ekv_cpu_kernels *kern, const ekv_decode_params *pr
     }
 }
 
+ekv_status ekv_shard_pages(int64_t pages, int32_t num_shards, int32_t shard, int64_t *first,
+                           int64_t *count) {
+    if (!first || !count) return EKV_ERR_NULL_POINTER;
+    if (num_shards < 1 || num_shards > SHARD_MAX || shard < 0 || shard >= num_shards || pages < 0)
+        return EKV_ERR_INVALID_SIZE;
+    ekv_shard_range(pages, num_shards, shard, first, count);
+    return EKV_OK;
+}
+
 /* Shard j's token range in off[j .. j + 1] (ekv_shard_range's pages). */
 static void shard_offsets(int64_t P, int64_t ps, int64_t N, int S, int64_t *off) {
     for (int j = 0; j <= S; j++) {

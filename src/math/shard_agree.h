@@ -23,8 +23,7 @@ EKV_HD double ekv_entmax_pow(double d, double alpha) {
 /* Shard j of S holds pages [first, first + count) of a sequence of P pages: [j P / S,
  * (j + 1) P / S), contiguous so that the newest page (where appends go) has one owner and the
  * last shard always holds the last page. */
-EKV_HD void ekv_shard_range(int64_t P, int32_t S, int32_t j, int64_t *first,
-                                          int64_t *count) {
+EKV_HD void ekv_shard_range(int64_t P, int32_t S, int32_t j, int64_t *first, int64_t *count) {
     *first = P * j / S;
     *count = P * (j + 1) / S - *first;
 }
@@ -35,8 +34,7 @@ EKV_HD void ekv_shard_range(int64_t P, int32_t S, int32_t j, int64_t *first,
 enum { EKV_AGREE_MOMENTS = 6 };
 
 /* One score z added to the moments m at x (ekv_agree_state's x, clo, chi). */
-EKV_HD void ekv_agree_add(double *m, double z, double x, double clo, double chi,
-                                        double alpha) {
+EKV_HD void ekv_agree_add(double *m, double z, double x, double clo, double chi, double alpha) {
     m[5] += z > clo && z <= chi; /* false for chi = NAN */
     const double y = z - x;
     if (!(y > 0)) return;
