@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests, run on the GPU machine: builds with -DEKV_CUDA=ON (sm_90 + PTX), runs test_cuda
 # (every CUDA stage against the CPU and long-double reference backends, graph replay, invalid
-# inputs), test_cuda_sharded (the sharded plan against the one-GPU plan) and test_model_cuda (the model on the GPU against the CPU engine, every GPU method),
+# inputs), test_cuda_sharded (the sharded plan against the one-GPU plan) and test_model_cuda
+# (the model on the GPU against the CPU engine, every GPU method),
 # then compute-sanitizer memcheck over the first MEMCHECK_CASES cases of test_cuda's table.
 # Usage: tests/gpu/run.sh [LOGDIR]   (logs are also copied to LOGDIR when given)
 set -euo pipefail
