@@ -20,6 +20,9 @@ static void bench_help(FILE *f) {
             "                        cuda = the GPU backend: methods dense, topk, gaussian,\n"
             "                        certified, screened (page lists on the GPU),\n"
             "                        workloads random, planted and trace:FILE, K/V on the device)\n"
+            "  --shards N            cuda: also the sharded plan with N shards on one GPU (local\n"
+            "                        transport), against the one-GPU step\n"
+            "  --gpus N              cuda: also the sharded plan over GPUs 0..N-1 (NCCL)\n"
             "  --ragged MIN          cuda: sequence b of the batch gets a length spread evenly\n"
             "                        from MIN to --len (a ragged batch)\n"
             "  --len N[,N...]        tokens per sequence (repeatable; k/M suffixes; default 131072)\n"
@@ -136,13 +139,18 @@ static void parse_check(bench_opts *o) {
             cli_usage_error("bench",
                             "--backend cuda: --workload %s: expected random, planted or trace:FILE",
                             o->w.workload);
-    } else if (o->ragged_min)
-        cli_usage_error("bench", "--ragged is for --backend cuda");
+        if ((o->shards || o->gpus) && !strncmp(o->w.workload, "trace:", 6))
+            cli_usage_error("bench", "--shards/--gpus: a synthetic workload (random, planted)");
+        if (o->shards && o->gpus) cli_usage_error("bench", "--shards and --gpus: one of them");
+    } else if (o->ragged_min || o->shards || o->gpus)
+        cli_usage_error("bench", "--ragged, --shards and --gpus are for --backend cuda");
     wl_opts_check("bench", &o->w);
 }
 
 static const cli_opt bench_table[] = {
         CLI_INT("--ragged", bench_opts, ragged_min, 1, INT64_MAX),
+        CLI_INT("--shards", bench_opts, shards, 1, 64),
+        CLI_INT("--gpus", bench_opts, gpus, 1, 64),
         CLI_INT("--superpage", bench_opts, superpage, 0, 4096),
         CLI_INT("--iters", bench_opts, iters, 1, 1000000),
         CLI_INT("--warmup", bench_opts, warmup, 0, 1000000),

@@ -571,8 +571,8 @@ static void cuda_params(const bench_opts *o, ekv_decode_params *prm, ekv_select_
     sp->budget_tokens = 1;
 }
 
-/* The timed steps of one length on a filled device cache. */
-static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_result *r) {
+/* The plan of a run: the options' shapes, c's longest sequence. */
+static ekv_cuda_plan_params cuda_plan_params(const bench_opts *o, const cuda_len *c) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
     pp.max_batch = (int32_t)o->w.batch;
     pp.num_heads = (int32_t)o->w.heads;
@@ -581,6 +581,12 @@ static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_re
     pp.page_size = (int32_t)o->w.page;
     pp.max_pages_per_seq = c->maxP;
     pp.tensor_cores = o->tensor_cores;
+    return pp;
+}
+
+/* The timed steps of one length on a filled device cache. */
+static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_result *r) {
+    const ekv_cuda_plan_params pp = cuda_plan_params(o, c);
     ekv_cuda_plan *plan = NULL;
     if (ekv_cuda_plan_create(ctx, &pp, &plan)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
@@ -616,6 +622,182 @@ static int cuda_time(ekv_context *ctx, const bench_opts *o, cuda_len *c, cuda_re
         r->msmin = *std::min_element(ts.begin(), ts.end());
     }
     ekv_cuda_plan_free(plan);
+    return rc;
+}
+
+/* ---- --shards N / --gpus N: the sharded plan (docs/architecture.md, "The sharded CUDA plan") */
+/* Shard j's page table of c's batch (ekv_shard_pages), on the current device. */
+struct shard_table {
+    int64_t *indptr = NULL;
+    int32_t *indices = NULL, *lpl = NULL;
+    ekv_page_table t;
+};
+static int shard_table_make(const cuda_len *c, int S, int j, shard_table *st) {
+    const int64_t B = (int64_t)c->lens.size();
+    std::vector<int64_t> ip(B + 1, 0);
+    std::vector<int32_t> idx, lpl(B);
+    for (int64_t b = 0; b < B; b++) {
+        int64_t first = 0, count = 0;
+        ekv_shard_pages(c->indptr[b + 1] - c->indptr[b], S, j, &first, &count);
+        for (int64_t p = 0; p < count; p++) idx.push_back((int32_t)(c->indptr[b] + first + p));
+        ip[b + 1] = (int64_t)idx.size();
+        lpl[b] = j == S - 1 ? c->lpl[b] : (int32_t)c->kv.page_size;
+    }
+    idx.push_back(0);
+    BC(cudaMalloc((void **)&st->indptr, ip.size() * sizeof(int64_t)));
+    BC(cudaMalloc((void **)&st->indices, idx.size() * sizeof(int32_t)));
+    BC(cudaMalloc((void **)&st->lpl, lpl.size() * sizeof(int32_t)));
+    BC(cudaMemcpy(st->indptr, ip.data(), ip.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+    BC(cudaMemcpy(st->indices, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    BC(cudaMemcpy(st->lpl, lpl.data(), lpl.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    st->t = ekv_page_table{(int32_t)B, st->indptr, st->indices, st->lpl};
+    return 0;
+}
+
+/* What the sharded bench holds: every GPU's filled pool (nccl: the same seed on each, shard j
+ * reading its range of GPU j's copy; local: c itself) and the shards' inputs. */
+struct sharded_run {
+    int S = 0, ngpu = 0;
+    std::vector<cuda_len> pools; /* GPUs 1 .. ngpu - 1 (GPU 0's is the caller's) */
+    std::vector<shard_table> tabs;
+    std::vector<ekv_page_table> tv; /* the tables as the step takes them */
+    std::vector<ekv_paged_kv> kv;
+    std::vector<ekv_page_stats> st;
+    std::vector<const float *> q;
+    std::vector<float *> out;
+    std::vector<int32_t> dev;
+};
+
+static void sharded_run_free(sharded_run *r) {
+    for (int j = 0; j < r->S; j++) {
+        cudaSetDevice(r->dev[j]);
+        cudaFree(r->tabs[j].indptr);
+        cudaFree(r->tabs[j].indices);
+        cudaFree(r->tabs[j].lpl);
+        cudaFree(r->out[j]);
+    }
+    for (size_t g = 0; g < r->pools.size(); g++) {
+        cudaSetDevice((int)g + 1);
+        cuda_len_free(&r->pools[g]);
+    }
+    cudaSetDevice(0);
+}
+
+/* GPU g's copy of the pool (g >= 1): the same geometry and seed, summaries by a plan there. */
+static int pool_on(ekv_context *ctx, const bench_opts *o, const ekv_cuda_plan_params &pp, int g,
+                   cuda_len *c, int64_t len) {
+    BC(cudaSetDevice(g));
+    ekv_cuda_plan_params gp = pp;
+    gp.device = g;
+    ekv_cuda_plan *plan = NULL;
+    float build_ms = 0;
+    int rc = cuda_len_geometry(c, o, len) || cuda_len_alloc(c, o) || cuda_len_fill(c, o);
+    if (!rc && ekv_cuda_plan_create(ctx, &gp, &plan)) {
+        fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+        rc = 1;
+    }
+    if (!rc) rc = cuda_summaries(ctx, plan, c, o, &build_ms);
+    ekv_cuda_plan_free(plan);
+    return rc;
+}
+
+static int sharded_inputs(ekv_context *ctx, const bench_opts *o, const ekv_cuda_plan_params &pp,
+                          cuda_len *c0, sharded_run *r) {
+    r->S = (int)(o->gpus ? o->gpus : o->shards);
+    r->ngpu = o->gpus ? r->S : 1;
+    r->pools.resize(r->ngpu - 1);
+    r->tabs.resize(r->S);
+    const int64_t n = o->w.batch * o->w.heads * o->w.dim;
+    for (int g = 1; g < r->ngpu; g++)
+        if (pool_on(ctx, o, pp, g, &r->pools[g - 1], c0->len)) return 1;
+    for (int j = 0; j < r->S; j++) {
+        const int g = o->gpus ? j : 0;
+        cuda_len *c = g ? &r->pools[g - 1] : c0;
+        BC(cudaSetDevice(g));
+        r->dev.push_back(g);
+        if (shard_table_make(c, r->S, j, &r->tabs[j])) return 1;
+        r->tv.push_back(r->tabs[j].t);
+        r->kv.push_back(c->kv);
+        r->st.push_back(c->st);
+        r->q.push_back((const float *)c->dq);
+        float *out = NULL;
+        BC(cudaMalloc((void **)&out, n * sizeof(float)));
+        r->out.push_back(out);
+    }
+    BC(cudaSetDevice(0));
+    return 0;
+}
+
+/* Wall clock of sharded steps, every device drained before and after each (ms). */
+static int sharded_time(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const cuda_step &step,
+                        sharded_run *r, int64_t iters, std::vector<double> &ts) {
+    for (int64_t i = 0; i < iters; i++) {
+        for (int g = 0; g < r->ngpu; g++) cudaSetDevice(g), cudaDeviceSynchronize();
+        const double t0 = cli_now_seconds();
+        if (ekv_cuda_sharded_decode(sp, &step.prm, &step.sp, r->kv.data(), r->st.data(),
+                                    r->tv.data(), r->q.data(), r->out.data())) {
+            fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
+            return 1;
+        }
+        for (int g = 0; g < r->ngpu; g++) cudaSetDevice(g), cudaDeviceSynchronize();
+        ts.push_back((cli_now_seconds() - t0) * 1e3);
+    }
+    cudaSetDevice(0);
+    return 0;
+}
+
+/* The sharded plan's steps at c's length beside the one-GPU step `one` (its output still in
+ * c->dout): step time, agreement rounds, collectives, bytes, and the largest per-head relative
+ * difference of the outputs. */
+static int cuda_sharded(ekv_context *ctx, const bench_opts *o, cuda_len *c, const cuda_result *one,
+                        const cli_out *out) {
+    const int64_t n = o->w.batch * o->w.heads * o->w.dim;
+    std::vector<float> ref(n), got(n);
+    BC(cudaMemcpy(ref.data(), c->dout, n * sizeof(float), cudaMemcpyDeviceToHost));
+    const ekv_cuda_plan_params pp = cuda_plan_params(o, c);
+    sharded_run r;
+    ekv_cuda_sharded_plan *sp = NULL;
+    int rc = sharded_inputs(ctx, o, pp, c, &r);
+    ekv_cuda_sharded_params p = ekv_cuda_sharded_default_params();
+    p.plan = pp;
+    p.num_shards = r.S;
+    p.transport = o->gpus ? EKV_TRANSPORT_NCCL : EKV_TRANSPORT_LOCAL;
+    p.devices = o->gpus ? r.dev.data() : NULL;
+    if (!rc && ekv_cuda_sharded_create(ctx, &p, &sp)) {
+        fprintf(stderr, "entmaxkv bench: sharded plan: %s\n", ekv_last_error(ctx));
+        rc = 1;
+    }
+    cuda_step step;
+    cuda_params(o, &step.prm, &step.sp);
+    step.sp.budget_tokens = bench_budget_tokens(o, c->len);
+    std::vector<double> warm, ts;
+    ekv_cuda_sharded_report sr;
+    memset(&sr, 0, sizeof sr);
+    if (!rc) rc = sharded_time(ctx, sp, step, &r, std::max<int64_t>(o->warmup, 5), warm);
+    if (!rc) rc = sharded_time(ctx, sp, step, &r, std::max<int64_t>(o->iters, 50), ts);
+    if (!rc && ekv_cuda_sharded_read_report(sp, (int32_t)o->w.batch, NULL, &sr)) rc = 1;
+    double err = 0;
+    if (!rc) {
+        BC(cudaMemcpy(got.data(), r.out[0], n * sizeof(float), cudaMemcpyDeviceToHost));
+        for (int64_t h = 0; h < o->w.batch * o->w.heads; h++) {
+            double e = 0, nb = 0;
+            for (int64_t d = 0; d < o->w.dim; d++) {
+                const double x = (double)got[h * o->w.dim + d] - ref[h * o->w.dim + d];
+                e += x * x;
+                nb += (double)ref[h * o->w.dim + d] * ref[h * o->w.dim + d];
+            }
+            err = std::max(err, sqrt(e) / (sqrt(nb) + 1e-12));
+        }
+        const double ms = median(ts);
+        fprintf(out->text,
+                "# sharded %s S=%d len=%lld ms_median=%.4f ms_1gpu=%.4f ratio=%.3f rounds=%d "
+                "allreduces=%d comm_bytes=%lld unconverged=%lld rel_err_vs_1gpu=%.2g\n",
+                o->gpus ? "nccl" : "local", r.S, (long long)c->len, ms, one->ms, ms / one->ms,
+                sr.rounds, sr.allreduces, (long long)sr.bytes, (long long)sr.unconverged, err);
+        fflush(out->text);
+    }
+    ekv_cuda_sharded_free(sp);
+    sharded_run_free(&r);
     return rc;
 }
 
@@ -698,6 +880,7 @@ extern "C" int cli_bench_cuda(const bench_opts *opts) {
         if (!rc) rc = cuda_len_fill(&c, o);
         if (!rc) rc = cuda_time(ctx, o, &c, &r);
         if (!rc) cuda_report_row(o, prop, bw, li, &c, &r, &out);
+        if (!rc && (o->shards || o->gpus)) rc = cuda_sharded(ctx, o, &c, &r, &out);
         cuda_len_free(&c);
     }
     if (out.json) fprintf(out.json, "\n]\n");

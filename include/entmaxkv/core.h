@@ -543,6 +543,12 @@ typedef struct ekv_shard_report {
     double rounds_mean; /* output: allreduce rounds per query head, on average            */
     int64_t bytes;      /* output: payload bytes each shard sends per step, all heads     */
 } ekv_shard_report;
+/* The pages shard `shard` of num_shards holds of a sequence of `pages` pages: [first, first +
+ * count) = [j P / S, (j + 1) P / S), contiguous (the CPU simulation's and the CUDA sharded
+ * plan's rule). EKV_ERR_INVALID_SIZE unless 1 <= num_shards <= 64, 0 <= shard < num_shards and
+ * pages >= 0. */
+EKV_API ekv_status ekv_shard_pages(int64_t pages, int32_t num_shards, int32_t shard,
+                                   int64_t *first, int64_t *count);
 EKV_API ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *params,
                                           const ekv_paged_kv *kv, const ekv_page_table *table,
                                           const float *q, float *out, int32_t n_shards,

@@ -142,6 +142,77 @@ typedef struct ekv_cuda_append_item {
 EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv,
                                    const ekv_page_stats *stats, const ekv_cuda_append_item *items,
                                    int32_t n_items, const float *k_new, const float *v_new);
+
+/* ---------------------------------------------------------------------------------- */
+/* Context-parallel decode: one step over S shards (docs/math.md §11, docs/architecture.md,
+ * "The sharded CUDA plan")                                                            */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * Each sequence's pages are split into contiguous ranges, shard j holding pages
+ * [j P / S, (j + 1) P / S) (ekv_shard_pages) in its own paged K/V pool on its device: an
+ * ordinary CUDA cache with its own page table, and an ordinary plan (its shapes, with
+ * max_pages_per_seq the shard's capacity). One process drives every shard. A step runs each
+ * shard's method on its pages, then agrees on tau: an allreduce-max of the shards' own
+ * thresholds and maxima, rounds of allreduce-sums of 6 moments per head, the values at the
+ * agreed tau on each shard and an allreduce-sum of the partial outputs. The output equals the
+ * one-GPU plan's over the whole sequence (fp32 rounding; the same support). Every shard must
+ * hold at least one page of every sequence (P >= S; as on one GPU an empty sequence is not
+ * checked on the device). New tokens go to the last shard, which owns the newest page.
+ * Methods: dense, certified, screened (entmax, alpha > 1) and softmax over dense; topk and
+ * gaussian are refused (EKV_ERR_UNSUPPORTED), as is ALiBi (positions are the shard's own).
+ */
+typedef struct ekv_cuda_sharded_plan ekv_cuda_sharded_plan;
+typedef enum ekv_cuda_transport {
+    EKV_TRANSPORT_LOCAL = 0, /* every shard on plan.device, one stream: device-side reductions */
+    EKV_TRANSPORT_NCCL = 1   /* shard j on devices[j], NCCL allreduces (-DEKV_NCCL=ON builds)  */
+} ekv_cuda_transport;
+typedef struct ekv_cuda_sharded_params {
+    ekv_cuda_plan_params plan; /* every shard's plan; device and stream: the local transport's */
+    int32_t num_shards;        /* 1 .. 64 (default 2)                                          */
+    int32_t transport;         /* ekv_cuda_transport (default local)                           */
+    const int32_t *devices;    /* nccl: host array of num_shards ordinals (NULL: 0 .. S - 1)   */
+    int32_t tau_rounds;        /* 0 (default): rounds until every head agreed, the host reading */
+                               /* one word per round (not capturable); R > 0: exactly R rounds, */
+                               /* no host read (capturable); heads not agreed by then take the  */
+                               /* bracket's lower bound and are counted (unconverged)           */
+} ekv_cuda_sharded_params;
+EKV_API ekv_cuda_sharded_params ekv_cuda_sharded_default_params(void);
+EKV_API ekv_status ekv_cuda_sharded_create(ekv_context *ctx, const ekv_cuda_sharded_params *params,
+                                           ekv_cuda_sharded_plan **out);
+EKV_API void ekv_cuda_sharded_free(ekv_cuda_sharded_plan *plan);
+/* Shard j's own plan (its device's ekv_cuda_append, ekv_cuda_read_report), or NULL. */
+EKV_API ekv_cuda_plan *ekv_cuda_sharded_shard(ekv_cuda_sharded_plan *plan, int32_t shard);
+/* Shard j's device ordinal, or -1. */
+EKV_API int32_t ekv_cuda_sharded_device(const ekv_cuda_sharded_plan *plan, int32_t shard);
+/*
+ * One step. kv, stats, tables: [num_shards], shard j's pool, statistics and page table (device
+ * pointers on its device; the same batch in every table). q[j], out[j]: shard j's copy of the
+ * queries and of the output ([batch][num_heads][head_dim] fp32 on its device); every shard gets
+ * the whole output. select as for ekv_cuda_decode (NULL: dense).
+ */
+EKV_API ekv_status ekv_cuda_sharded_decode(ekv_cuda_sharded_plan *plan,
+                                           const ekv_decode_params *params,
+                                           const ekv_select_params *select, const ekv_paged_kv *kv,
+                                           const ekv_page_stats *stats,
+                                           const ekv_page_table *tables, const float *const *q,
+                                           float *const *out);
+/* Appends through the last shard (the owner of the newest page): ekv_cuda_append on its plan
+ * with its pool (kv[num_shards - 1], stats[...]); items are its physical pages. */
+EKV_API ekv_status ekv_cuda_sharded_append(ekv_cuda_sharded_plan *plan, const ekv_paged_kv *kv,
+                                           const ekv_page_stats *stats,
+                                           const ekv_cuda_append_item *items, int32_t n_items,
+                                           const float *k_new, const float *v_new);
+/* What the last step did (synchronises every shard): per head the agreed tau and the whole
+ * support, as ekv_cuda_report's (report may be NULL; its other fields are shard 0's). */
+typedef struct ekv_cuda_sharded_report {
+    int32_t rounds;       /* output: agreement rounds of moments (all heads together)      */
+    int32_t allreduces;   /* output: collective calls of the step (max, rounds, merge)     */
+    int64_t bytes;        /* output: payload bytes one shard sent                          */
+    int64_t unconverged;  /* output: heads whose agreement had not converged (tau_rounds)  */
+} ekv_cuda_sharded_report;
+EKV_API ekv_status ekv_cuda_sharded_read_report(ekv_cuda_sharded_plan *plan, int32_t batch,
+                                                ekv_cuda_report *report,
+                                                ekv_cuda_sharded_report *sharded);
 #ifdef __cplusplus
 }
 #endif

@@ -5,6 +5,7 @@
 #include "entmaxkv.h"
 #include "geometry.h"
 #include "stats_rules.h"
+#include "../math/shard_agree.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -239,14 +240,8 @@ ekv_status ekv_tau_exact_f64(const double *z, int64_t n, double alpha, double *s
 /* tau relative to the maximum, from the candidates y = z - max(z) with y > -1 (the
  * maximum itself included, y = 0). Reorders/overwrites y. alpha > 1. */
 double ekv_tau_candidates(double *y, int64_t k, double alpha);
-/* d^(1/(alpha-1)) for d > 0, alpha > 1: the unnormalised entmax weight of a token d above
- * tau (exact products for sparsemax and 1.5-entmax, pow otherwise). */
-static inline double ekv_entmax_pow(double d, double alpha) {
-    if (alpha == 2.0) return d;
-    if (alpha == 1.5) return d * d;
-    return pow(d, 1.0 / (alpha - 1.0));
-}
-/* Probability of one entry given tau (z-space). alpha == 1: exp(z - tau). */
+/* ekv_entmax_pow (d^(1/(alpha-1)), the unnormalised weight of a token d above tau) lives in
+ * ../math/shard_agree.h, which the CUDA backend shares. Probability of one entry given tau (z-space). alpha == 1: exp(z - tau). */
 static inline double ekv_entmax_weight(double z, double tau, double alpha) {
     if (alpha == 1.0) return exp(z - tau);
     double d = z - tau;

@@ -37,33 +37,11 @@ static void allreduce_max(const double *vals, int S, int n, double *out, comm_co
     c->bytes += 8 * n;
 }
 
-/* ---- what one shard computes from its own scores z[0..n) ---- */
-/* At x: the moments of y = z - x over z > x: count, sum y, sum y^2, F = sum y^beta and
- * F1 = sum y^(beta - 1) (so that f(x) = F - 1 and f'(x) = -beta F1); and the count of z in
- * (clo, chi] (0 when chi is NAN). */
-static void shard_moments(const float *z, int64_t n, double x, double clo, double chi, double alpha,
+/* ---- what one shard computes from its own scores z[0..n): its moments at st's x ---- */
+static void shard_moments(const float *z, int64_t n, const ekv_agree_state *st, double alpha,
                           double *m) {
-    memset(m, 0, 6 * sizeof(double));
-    for (int64_t i = 0; i < n; i++) {
-        const double zi = (double)z[i], y = zi - x;
-        m[5] += zi > clo && zi <= chi; /* false for chi = NAN */
-        if (!(y > 0)) continue;
-        const double w = ekv_entmax_pow(y, alpha);
-        m[0] += 1;
-        m[1] += y;
-        m[2] += y * y;
-        m[3] += w;
-        m[4] += alpha == 2.0 ? 1.0 : w / y;
-    }
-}
-
-/* The root d of sum over S(x) of (y - d)^beta = 1 in closed form (alpha 2 and 1.5), from the
- * moments at x; NAN when alpha has none or the quadratic has no root. */
-static double closed_form_step(const double *m, double alpha) {
-    if (alpha == 2.0) return (m[1] - 1.0) / m[0];
-    if (alpha != 1.5) return NAN;
-    const double disc = m[1] * m[1] - m[0] * (m[2] - 1.0);
-    return disc >= 0 ? (m[1] - sqrt(disc)) / m[0] : NAN;
+    memset(m, 0, EKV_AGREE_MOMENTS * sizeof(double));
+    for (int64_t i = 0; i < n; i++) ekv_agree_add(m, (double)z[i], st->x, st->clo, st->chi, alpha);
 }
 
 /* Each shard's own threshold and maximum, then their allreduce-max: [0] a lower bound of tau
@@ -116,55 +94,34 @@ static void shard_partial(const head_job *hj, int j, double tau, double *pj) {
     for (int64_t d = 0; d < D; d++) pj[d] = hj->o[d];
 }
 
-/* tau of the union of the shards' scores by the collectives of docs/math.md §11: a bracket
- * [lo, hi] that each round of moments narrows (Newton inside it, else bisection), and for
- * alpha 2 and 1.5 the closed-form root chi over the support at a lower bound, exact when the
- * next round finds no score below it. That round also carries each shard's part of the merge
+/* tau of the union of the shards' scores by the collectives of docs/math.md §11
+ * (../math/shard_agree.h): a bracket that each round of moments narrows, with the closed-form
+ * root chi checked on the next round. That round also carries each shard's part of the merge
  * at chi (speculatively), so when the check passes the merge is done: *merged (D + 2 sums)
  * is then set and *merged_ok = 1. loc: S (8 + D) doubles of scratch. alpha > 1. */
 static double agree_tau(const head_job *hj, double *scratch, double *loc, double *merged,
                         int *merged_ok, comm_count *c) {
-    const int S = hj->S;
+    const int S = hj->S, W0 = EKV_AGREE_MOMENTS;
     const int64_t D = hj->sh->D, *off = hj->off;
-    const double alpha = hj->sh->alpha, beta = 1.0 / (alpha - 1.0);
+    const double alpha = hj->sh->alpha;
     double red[8];
     first_bracket(hj->z, off, S, alpha, scratch, red, c);
-    double lo = red[0], hi = red[1], x = lo, clo = lo, chi = NAN;
+    ekv_agree_state st;
+    ekv_agree_start(&st, red[0], red[1]);
     *merged_ok = 0;
     for (int r = 0; r < SHARD_ROUNDS; r++) {
-        const int spec = !isnan(chi), W = 6 + (spec ? (int)D + 2 : 0);
+        const int spec = !isnan(st.chi), W = W0 + (spec ? (int)D + 2 : 0);
         for (int j = 0; j < S; j++) {
-            shard_moments(hj->z + off[j], off[j + 1] - off[j], x, clo, chi, alpha, loc + W * j);
-            if (spec) shard_partial(hj, j, chi, loc + W * j + 6);
+            shard_moments(hj->z + off[j], off[j + 1] - off[j], &st, alpha, loc + W * j);
+            if (spec) shard_partial(hj, j, st.chi, loc + W * j + W0);
         }
-        double *sum = spec ? merged - 6 : red; /* merged is preceded by 6 free doubles */
+        double *sum = spec ? merged - W0 : red; /* merged is preceded by 6 free doubles */
         allreduce_sum(loc, S, W, sum, c);
-        if (spec) memcpy(red, sum, 6 * sizeof(double));
-        if (spec) {
-            if (red[5] == 0) { /* S(chi) = S(clo): the closed form holds at chi */
-                *merged_ok = 1;
-                return chi;
-            }
-            if (alpha == 2.0) /* the scores in (clo, chi] make f(chi) >= 0: a lower bound */
-                lo = fmax(lo, chi);
-            else /* 1.5: they make f(chi) <= 0, an upper bound */
-                hi = fmin(hi, chi);
-        }
-        const double f = red[3] - 1.0;
-        if (f == 0) return x;
-        if (f > 0)
-            lo = fmax(lo, x);
-        else
-            hi = fmin(hi, x);
-        const double res = 4 * DBL_EPSILON * fmax(1.0, fabs(lo)); /* tau's resolution */
-        const double nx = x + f / (beta * red[4]);                /* Newton: f'(x) = -beta F1 */
-        if (hi - lo <= res || (red[4] > 0 && fabs(nx - x) <= res)) return x; /* converged */
-        const double d = f > 0 ? closed_form_step(red, alpha) : NAN;
-        chi = isfinite(d) && x + d > lo && x + d < hi ? x + d : NAN;
-        clo = x;
-        x = red[4] > 0 && nx > lo && nx < hi ? nx : 0.5 * (lo + hi);
+        const int done = ekv_agree_step(&st, sum, alpha);
+        *merged_ok = done == 2;
+        if (done) return st.tau;
     }
-    return lo;
+    return st.tau;
 }
 
 /* Softmax: the classic merge, a max then a sum (two allreduces). tau = log-sum-exp. */
@@ -201,10 +158,21 @@ static void head_scores(const ekv_cpu_kernels *kern, const ekv_decode_params *pr
     }
 }
 
-/* Shard j of S holds pages [j P / S, (j + 1) P / S): its token range in off[j .. j + 1]. */
+ekv_status ekv_shard_pages(int64_t pages, int32_t num_shards, int32_t shard, int64_t *first,
+                           int64_t *count) {
+    if (!first || !count) return EKV_ERR_NULL_POINTER;
+    if (num_shards < 1 || num_shards > SHARD_MAX || shard < 0 || shard >= num_shards || pages < 0)
+        return EKV_ERR_INVALID_SIZE;
+    ekv_shard_range(pages, num_shards, shard, first, count);
+    return EKV_OK;
+}
+
+/* Shard j's token range in off[j .. j + 1] (ekv_shard_range's pages). */
 static void shard_offsets(int64_t P, int64_t ps, int64_t N, int S, int64_t *off) {
     for (int j = 0; j <= S; j++) {
-        const int64_t tok = (P * j / S) * ps;
+        int64_t first = P, count = 0;
+        if (j < S) ekv_shard_range(P, S, j, &first, &count);
+        const int64_t tok = first * ps;
         off[j] = tok < N ? tok : N;
     }
 }

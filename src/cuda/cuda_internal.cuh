@@ -87,6 +87,8 @@ struct ekv_cuda_plan {
     int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
+    int skip_values;     /* set by a sharded plan (sharded.cu): an entmax step stops after */
+                         /* tau (its shard's own), the values come at the agreed tau       */
     float *flash_part;   /* [B*H][nsplit][head_dim + 4] one-pass softmax partials          */
     int64_t bytes;
     int32_t launches; /* of the last step                                            */

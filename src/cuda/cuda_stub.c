@@ -42,3 +42,30 @@ ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv, const ek
                            const float *v_new) {
     return EKV_ERR_UNSUPPORTED;
 }
+ekv_cuda_sharded_params ekv_cuda_sharded_default_params(void) {
+    return ekv_cuda_sharded_defaults();
+}
+ekv_status ekv_cuda_sharded_create(ekv_context *ctx, const ekv_cuda_sharded_params *params,
+                                   ekv_cuda_sharded_plan **out) {
+    if (out) *out = NULL;
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    return NO_CUDA(ctx);
+}
+void ekv_cuda_sharded_free(ekv_cuda_sharded_plan *plan) { (void)plan; }
+ekv_cuda_plan *ekv_cuda_sharded_shard(ekv_cuda_sharded_plan *plan, int32_t shard) { return NULL; }
+int32_t ekv_cuda_sharded_device(const ekv_cuda_sharded_plan *plan, int32_t shard) { return -1; }
+ekv_status ekv_cuda_sharded_decode(ekv_cuda_sharded_plan *plan, const ekv_decode_params *params,
+                                   const ekv_select_params *select, const ekv_paged_kv *kv,
+                                   const ekv_page_stats *stats, const ekv_page_table *tables,
+                                   const float *const *q, float *const *out) {
+    return EKV_ERR_UNSUPPORTED;
+}
+ekv_status ekv_cuda_sharded_append(ekv_cuda_sharded_plan *plan, const ekv_paged_kv *kv,
+                                   const ekv_page_stats *stats, const ekv_cuda_append_item *items,
+                                   int32_t n_items, const float *k_new, const float *v_new) {
+    return EKV_ERR_UNSUPPORTED;
+}
+ekv_status ekv_cuda_sharded_read_report(ekv_cuda_sharded_plan *plan, int32_t batch,
+                                        ekv_cuda_report *report, ekv_cuda_sharded_report *sharded) {
+    return EKV_ERR_UNSUPPORTED;
+}

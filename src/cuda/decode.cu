@@ -339,6 +339,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
         if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
     }
+    if (pl->skip_values) return EKV_OK; /* a shard: values at the agreed tau (sharded.cu) */
     return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
 }
 

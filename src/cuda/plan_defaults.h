@@ -1,4 +1,4 @@
-/* ekv_cuda_plan_default_params, shared by the CUDA build (decode.cu) and the stubs of a build
+/* ekv_cuda_plan_default_params and ekv_cuda_sharded_default_params, shared by the CUDA build (decode.cu) and the stubs of a build
  * without CUDA (cuda_stub.c), so both report the same defaults. */
 #ifndef EKV_CUDA_PLAN_DEFAULTS_H
 #define EKV_CUDA_PLAN_DEFAULTS_H
@@ -18,6 +18,18 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.max_pages_per_seq = 0; /* required: the caller sets it */
     p.max_candidates = 0;    /* EKV_CUDA_CAND_CAP */
     p.tensor_cores = 1;
+    return p;
+}
+
+/* ekv_cuda_sharded_default_params: two shards on the local transport, adaptive rounds */
+static inline ekv_cuda_sharded_params ekv_cuda_sharded_defaults(void) {
+    ekv_cuda_sharded_params p;
+    memset(&p, 0, sizeof p);
+    p.plan = ekv_cuda_plan_defaults();
+    p.num_shards = 2;
+    p.transport = EKV_TRANSPORT_LOCAL;
+    p.devices = NULL;
+    p.tau_rounds = 0;
     return p;
 }
 #endif

@@ -9,11 +9,7 @@
 #define EKV_MATH_GAUSSIAN_CORE_H
 #include <math.h>
 
-#ifdef __CUDACC__
-#define EKV_HD static inline __host__ __device__
-#else
-#define EKV_HD static inline
-#endif
+#include "hd.h"
 
 EKV_HD double ekv_phi_pdf(double t) { return 0.3989422804014327 * exp(-0.5 * t * t); }
 EKV_HD double ekv_phi_cdf(double t) { return 0.5 * erfc(-t * 0.7071067811865476); }

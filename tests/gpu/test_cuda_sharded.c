@@ -1,0 +1,556 @@
+/*
+ * The sharded CUDA plan (ekv_cuda_sharded_*, docs/math.md §11) against the one-GPU plan: for
+ * dense, certified and screened entmax (alpha 1.25, 1.5, 2, 3) and dense softmax, on random and
+ * planted keys, ragged batches (one sequence of exactly S pages at most, one whose last page is
+ * full), GQA and MHA, f16/bf16/f32, head dims 64 and 128, 1 to 4 shards on one GPU (local
+ * transport; adaptive rounds and a fixed count): every shard's output equals the one-GPU plan's
+ * over the whole sequence (2e-5 relative per head), tau to 1e-9, the support exactly. Then: a
+ * graph of a fixed-round step replayed gives the eager output; an append through the last
+ * shard is seen by the next step; the NCCL transport over 2 GPUs on every case when 2 devices
+ * are present and the build has NCCL (otherwise a printed skip); invalid inputs give status
+ * codes. Exit 77 when no CUDA device is present.
+ */
+#include "entmaxkv.h"
+#include "test_util.h"
+#include "gpu/mirror.h"
+#include <string.h>
+
+typedef struct {
+    int Hk, G, D;
+    ekv_dtype dt;
+    double alpha;
+    int planted;
+} scase;
+
+static const scase CASES[] = {
+        {2, 4, 128, EKV_DTYPE_F16, 1.5, 0},  {2, 4, 128, EKV_DTYPE_F16, 1.5, 1},
+        {4, 1, 128, EKV_DTYPE_F16, 2.0, 1},  {4, 1, 64, EKV_DTYPE_F32, 1.25, 0},
+        {1, 8, 128, EKV_DTYPE_BF16, 2.0, 0}, {2, 4, 128, EKV_DTYPE_F16, 3.0, 1},
+        {8, 4, 128, EKV_DTYPE_F16, 1.5, 1},  {2, 2, 64, EKV_DTYPE_F16, 1.0, 0},
+        {2, 4, 128, EKV_DTYPE_F32, 1.0, 1},
+};
+enum { NCASES = sizeof CASES / sizeof CASES[0], B = 3, PS = 16, MAXS = 4 };
+
+/* One case's data: a CPU cache of three ragged sequences mirrored on a device, and queries. */
+typedef struct {
+    scase c;
+    int H;
+    ekv_cache *cache;
+    int32_t seqs[B];
+    int64_t max_pages, n_idx;
+    float *q;
+} workload;
+
+static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, workload *w) {
+    memset(w, 0, sizeof *w);
+    w->c = *c;
+    w->H = c->Hk * c->G;
+    const int64_t lens[B] = {test_range(r, 800, 4000), (int64_t)S * PS, test_range(r, 1500, 6000)};
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.page_size = PS;
+    cp.num_kv_heads = c->Hk;
+    cp.head_dim = c->D;
+    cp.dtype = c->dt;
+    cp.code_bits = 8;
+    cp.num_pages = 1024;
+    CHECK(ekv_cache_create(ctx, &cp, &w->cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+    float *dir = malloc(sizeof(float) * c->D);
+    for (int d = 0; d < c->D; d++) dir[d] = (float)test_normal(r);
+    for (int b = 0; b < B; b++) {
+        const int64_t n = lens[b] * c->Hk * c->D;
+        float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
+        for (int64_t i = 0; i < n; i++) {
+            k[i] = (float)test_normal(r);
+            v[i] = (float)test_normal(r);
+            if (c->planted && (i / c->D) % 53 == 7) k[i] += 2.5f * dir[i % c->D];
+        }
+        ekv_cache_seq_new(w->cache, &w->seqs[b]);
+        CHECK(ekv_cache_append(w->cache, w->seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
+              "append: %s", ekv_last_error(ctx));
+        free(k);
+        free(v);
+        const int64_t P = (lens[b] + PS - 1) / PS;
+        w->max_pages = P + 2 > w->max_pages ? P + 2 : w->max_pages;
+        w->n_idx += P + 1;
+    }
+    w->q = malloc(sizeof(float) * B * w->H * c->D);
+    for (int i = 0; i < B * w->H * c->D; i++)
+        w->q[i] = (float)test_normal(r) + (c->planted ? 0.5f * dir[i % c->D] : 0.f);
+    free(dir);
+}
+
+/* Shard j's page table (host arrays, then device copies on the current device). */
+static void shard_table(const mirror *m, int S, int j, ekv_page_table *dt) {
+    int64_t indptr[B + 1];
+    int32_t lpl[B], *idx = malloc(sizeof(int32_t) * (m->indptr[B] + 1));
+    indptr[0] = 0;
+    for (int b = 0; b < B; b++) {
+        int64_t first = 0, count = 0;
+        const int64_t P = m->indptr[b + 1] - m->indptr[b];
+        CHECK(ekv_shard_pages(P, S, j, &first, &count) == EKV_OK, "shard pages");
+        memcpy(idx + indptr[b], m->indices + m->indptr[b] + first, sizeof(int32_t) * count);
+        indptr[b + 1] = indptr[b] + count;
+        lpl[b] = j == S - 1 ? m->lpl[b] : PS; /* only the last shard holds a partial page */
+    }
+    dt->batch = B;
+    dt->indptr = dev_copy(indptr, sizeof indptr);
+    dt->indices = dev_copy(idx, sizeof(int32_t) * (indptr[B] + 1));
+    dt->last_page_len = dev_copy(lpl, sizeof lpl);
+    free(idx);
+}
+static void table_free(ekv_page_table *t) {
+    cudaFree((void *)t->indptr);
+    cudaFree((void *)t->indices);
+    cudaFree((void *)t->last_page_len);
+}
+
+static ekv_cuda_plan_params plan_params(const workload *w) {
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_batch = B;
+    pp.num_heads = w->H;
+    pp.num_kv_heads = w->c.Hk;
+    pp.head_dim = w->c.D;
+    pp.page_size = PS;
+    pp.max_pages_per_seq = w->max_pages;
+    return pp;
+}
+
+static ekv_select_params select_of(int method) {
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = method;
+    sp.budget_tokens = 256;
+    return sp;
+}
+
+/* What a step gave: every shard's output on the host, tau and support per head. */
+typedef struct {
+    float out[MAXS][B * 32 * 128];
+    double tau[B * 32];
+    int64_t sup[B * 32];
+} result;
+
+static void ref_step(ekv_context *ctx, const workload *w, const mirror *m, const float *dq,
+                     int method, result *res) {
+    ekv_cuda_plan_params pp = plan_params(w);
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = w->H;
+    dp.alpha = w->c.alpha;
+    const ekv_select_params sp = select_of(method);
+    const int64_t n = (int64_t)B * w->H * w->c.D;
+    float *dout = dev_copy(NULL, sizeof(float) * n);
+    CHECK(ekv_cuda_decode(plan, &dp, &sp, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
+          "one-GPU decode: %s", ekv_last_error(ctx));
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.tau = res->tau;
+    rep.support = res->sup;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+    CU(cudaMemcpy(res->out[0], dout, sizeof(float) * n, cudaMemcpyDeviceToHost));
+    cudaFree(dout);
+    ekv_cuda_plan_free(plan);
+}
+
+/* The shards' inputs: each one's pool, statistics, table, queries and output on its device. */
+typedef struct {
+    int S;
+    ekv_paged_kv kv[MAXS];
+    ekv_page_stats st[MAXS];
+    ekv_page_table tab[MAXS];
+    const float *q[MAXS];
+    float *out[MAXS];
+} shard_inputs;
+
+static void inputs_make(shard_inputs *in, int S, mirror *const *m, float *const *dq,
+                        const int32_t *dev, int64_t out_n) {
+    in->S = S;
+    for (int j = 0; j < S; j++) {
+        CU(cudaSetDevice(dev[j]));
+        in->kv[j] = m[j]->dkv;
+        in->st[j] = m[j]->dst;
+        shard_table(m[j], S, j, &in->tab[j]);
+        in->q[j] = dq[j];
+        in->out[j] = dev_copy(NULL, sizeof(float) * out_n);
+    }
+    CU(cudaSetDevice(dev[0]));
+}
+static void inputs_free(shard_inputs *in, const int32_t *dev) {
+    for (int j = 0; j < in->S; j++) {
+        CU(cudaSetDevice(dev[j]));
+        table_free(&in->tab[j]);
+        cudaFree(in->out[j]);
+    }
+    CU(cudaSetDevice(dev[0]));
+}
+
+static void sharded_step(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
+                         shard_inputs *in, int method, result *res, ekv_cuda_sharded_report *sr) {
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = w->H;
+    dp.alpha = w->c.alpha;
+    const ekv_select_params sel = select_of(method);
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in->kv, in->st, in->tab, in->q, in->out) == EKV_OK,
+          "sharded decode: %s", ekv_last_error(ctx));
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.tau = res->tau;
+    rep.support = res->sup;
+    CHECK(ekv_cuda_sharded_read_report(sp, B, &rep, sr) == EKV_OK, "report: %s",
+          ekv_last_error(ctx));
+    const int64_t n = (int64_t)B * w->H * w->c.D;
+    for (int j = 0; j < in->S; j++) {
+        CU(cudaSetDevice(ekv_cuda_sharded_device(sp, j)));
+        CU(cudaMemcpy(res->out[j], in->out[j], sizeof(float) * n, cudaMemcpyDeviceToHost));
+    }
+    CU(cudaSetDevice(ekv_cuda_sharded_device(sp, 0)));
+}
+
+static double head_rel_err(const float *a, const float *b, int64_t heads, int64_t D) {
+    double worst = 0;
+    for (int64_t h = 0; h < heads; h++) {
+        double e = 0, n = 0;
+        for (int64_t d = 0; d < D; d++) {
+            const double x = (double)a[h * D + d] - b[h * D + d];
+            e += x * x;
+            n += (double)b[h * D + d] * b[h * D + d];
+        }
+        const double r = sqrt(e) / (sqrt(n) + 1e-6);
+        worst = r > worst ? r : worst;
+    }
+    return worst;
+}
+
+static const char *method_name(int m) {
+    return m == EKV_SELECT_DENSE ? "dense" : m == EKV_SELECT_CERTIFIED ? "certified" : "screened";
+}
+
+/* Every shard's output, tau and support against the one-GPU step's. */
+static double compare(const workload *w, int S, const result *got, const result *ref,
+                      const char *what, int ci, int method) {
+    const int64_t heads = (int64_t)B * w->H;
+    double worst = 0;
+    for (int j = 0; j < S; j++) {
+        const double e = head_rel_err(got->out[j], ref->out[0], heads, w->c.D);
+        worst = e > worst ? e : worst;
+        CHECK(e <= 2e-5, "%s case %d %s, %d shards, shard %d: rel err %.3g", what, ci,
+              method_name(method), S, j, e);
+    }
+    const double tol = w->c.alpha == 1.0 ? 1e-6 : 1e-9;
+    int bad = 0;
+    for (int64_t i = 0; i < heads && bad < 3; i++) {
+        const int ok_tau = fabs(got->tau[i] - ref->tau[i]) <= tol * (1 + fabs(ref->tau[i]));
+        const int ok_sup = got->sup[i] == ref->sup[i];
+        bad += !ok_tau || !ok_sup;
+        CHECK(ok_tau && ok_sup,
+              "%s case %d %s, %d shards, head %lld: tau %.17g vs %.17g, "
+              "support %lld vs %lld",
+              what, ci, method_name(method), S, (long long)i, got->tau[i], ref->tau[i],
+              (long long)got->sup[i], (long long)ref->sup[i]);
+    }
+    return worst;
+}
+
+static ekv_cuda_sharded_params sharded_params(const workload *w, int S, int transport, int rounds) {
+    ekv_cuda_sharded_params p = ekv_cuda_sharded_default_params();
+    p.plan = plan_params(w);
+    p.num_shards = S;
+    p.transport = transport;
+    p.tau_rounds = rounds;
+    return p;
+}
+
+/* A captured fixed-round step replays to the eager output (local transport, its own stream). */
+static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, int method,
+                        const result *eager) {
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    ekv_cuda_sharded_params p = sharded_params(w, in->S, EKV_TRANSPORT_LOCAL, 32);
+    p.plan.stream = st;
+    ekv_cuda_sharded_plan *sp = NULL;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "graph plan: %s", ekv_last_error(ctx));
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = w->H;
+    dp.alpha = w->c.alpha;
+    const ekv_select_params sel = select_of(method);
+    const int64_t n = (int64_t)B * w->H * w->c.D;
+    for (int j = 0; j < in->S; j++) CU(cudaMemset(in->out[j], 0, sizeof(float) * n));
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    const ekv_status s =
+            ekv_cuda_sharded_decode(sp, &dp, &sel, in->kv, in->st, in->tab, in->q, in->out);
+    CU(cudaStreamEndCapture(st, &g));
+    CHECK(s == EKV_OK, "captured sharded decode: %s", ekv_last_error(ctx));
+    if (s == EKV_OK) {
+        CU(cudaGraphInstantiate(&ge, g, 0));
+        CU(cudaGraphLaunch(ge, st));
+        CU(cudaGraphLaunch(ge, st));
+        CU(cudaStreamSynchronize(st));
+        float *h = malloc(sizeof(float) * n);
+        CU(cudaMemcpy(h, in->out[in->S - 1], sizeof(float) * n, cudaMemcpyDeviceToHost));
+        const double e = head_rel_err(h, eager->out[0], (int64_t)B * w->H, w->c.D);
+        CHECK(e <= 2e-5, "graph replay %s, %d shards: rel err %.3g", method_name(method), in->S, e);
+        free(h);
+        cudaGraphExecDestroy(ge);
+    }
+    if (g) cudaGraphDestroy(g);
+    ekv_cuda_sharded_free(sp);
+    cudaStreamDestroy(st);
+}
+
+/* The methods of a case: entmax all three, softmax dense only. */
+static int methods_of(const scase *c, int *m) {
+    m[0] = EKV_SELECT_DENSE;
+    if (c->alpha == 1.0) return 1;
+    m[1] = EKV_SELECT_CERTIFIED;
+    m[2] = EKV_SELECT_SCREENED;
+    return 3;
+}
+
+static result g_ref, g_got;
+
+/* Case ci on the local transport, 1..4 shards, adaptive and fixed rounds. */
+static void local_case(ekv_context *ctx, test_rng *r, int ci, double *worst, int *rounds_max) {
+    workload w;
+    make_workload(ctx, r, &CASES[ci], MAXS, &w);
+    mirror m;
+    mirror_build(&m, w.cache, w.seqs, B, w.n_idx, 0);
+    float *dq = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    int methods[3];
+    const int nm = methods_of(&w.c, methods);
+    const int32_t dev[MAXS] = {0, 0, 0, 0};
+    mirror *ms[MAXS] = {&m, &m, &m, &m};
+    float *dqs[MAXS] = {dq, dq, dq, dq};
+    for (int mi = 0; mi < nm; mi++) {
+        ref_step(ctx, &w, &m, dq, methods[mi], &g_ref);
+        for (int S = 1; S <= MAXS; S++) {
+            const int rounds = (ci + S) % 3 == 0 ? 32 : 0;
+            ekv_cuda_sharded_params p = sharded_params(&w, S, EKV_TRANSPORT_LOCAL, rounds);
+            ekv_cuda_sharded_plan *sp = NULL;
+            CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "sharded plan: %s",
+                  ekv_last_error(ctx));
+            if (!sp) continue;
+            shard_inputs in;
+            inputs_make(&in, S, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
+            ekv_cuda_sharded_report sr;
+            sharded_step(ctx, sp, &w, &in, methods[mi], &g_got, &sr);
+            const double e = compare(&w, S, &g_got, &g_ref, "local", ci, methods[mi]);
+            *worst = e > *worst ? e : *worst;
+            *rounds_max = sr.rounds > *rounds_max ? sr.rounds : *rounds_max;
+            CHECK(sr.unconverged == 0, "case %d: %lld heads unconverged", ci,
+                  (long long)sr.unconverged);
+            CHECK(sr.bytes > 0 && sr.allreduces >= 2, "case %d: %d allreduces, %lld bytes", ci,
+                  sr.allreduces, (long long)sr.bytes);
+            if (ci < 3 && S == 3) graph_check(ctx, &w, &in, methods[mi], &g_ref);
+            inputs_free(&in, dev);
+            ekv_cuda_sharded_free(sp);
+        }
+    }
+    cudaFree(dq);
+    mirror_free(&m);
+    ekv_cache_free(w.cache);
+    free(w.q);
+}
+
+/* Case ci over 2 GPUs through NCCL: each device its own copy of the pool. 0: ran, 1: no NCCL */
+static int nccl_case(ekv_context *ctx, test_rng *r, int ci) {
+    workload w;
+    make_workload(ctx, r, &CASES[ci], 2, &w);
+    const int32_t dev[2] = {0, 1};
+    mirror m[2];
+    float *dq[2];
+    for (int j = 0; j < 2; j++) {
+        CU(cudaSetDevice(dev[j]));
+        mirror_build(&m[j], w.cache, w.seqs, B, w.n_idx, 0);
+        dq[j] = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    }
+    CU(cudaSetDevice(0));
+    ekv_cuda_sharded_params p = sharded_params(&w, 2, EKV_TRANSPORT_NCCL, ci % 2 ? 32 : 0);
+    p.devices = dev;
+    ekv_cuda_sharded_plan *sp = NULL;
+    const ekv_status s = ekv_cuda_sharded_create(ctx, &p, &sp);
+    int skipped = 0;
+    if (s == EKV_ERR_UNSUPPORTED) {
+        skipped = 1;
+    } else {
+        CHECK(s == EKV_OK, "nccl plan: %s", ekv_last_error(ctx));
+        int methods[3];
+        const int nm = methods_of(&w.c, methods);
+        mirror *ms[2] = {&m[0], &m[1]};
+        for (int mi = 0; mi < nm && sp; mi++) {
+            ref_step(ctx, &w, &m[0], dq[0], methods[mi], &g_ref);
+            shard_inputs in;
+            inputs_make(&in, 2, ms, dq, dev, (int64_t)B * w.H * w.c.D);
+            ekv_cuda_sharded_report sr;
+            sharded_step(ctx, sp, &w, &in, methods[mi], &g_got, &sr);
+            compare(&w, 2, &g_got, &g_ref, "nccl", ci, methods[mi]);
+            inputs_free(&in, dev);
+        }
+        ekv_cuda_sharded_free(sp);
+    }
+    for (int j = 0; j < 2; j++) {
+        CU(cudaSetDevice(dev[j]));
+        cudaFree(dq[j]);
+        mirror_free(&m[j]);
+    }
+    CU(cudaSetDevice(0));
+    ekv_cache_free(w.cache);
+    free(w.q);
+    return skipped;
+}
+
+/* An append through the last shard (the newest page's owner) is what the next step reads:
+ * one token into sequence 0's last page, then the sharded step equals the one-GPU step. */
+static void append_check(ekv_context *ctx, test_rng *r) {
+    workload w;
+    make_workload(ctx, r, &CASES[0], 2, &w);
+    mirror m;
+    mirror_build(&m, w.cache, w.seqs, B, w.n_idx, 0);
+    if (m.lpl[0] == PS) m.lpl[0]--; /* room in the last page: the token goes in its last slot */
+    const int32_t last_page = m.indices[m.indptr[1] - 1];
+    const int64_t kvn = (int64_t)w.c.Hk * w.c.D;
+    float *kv_new = malloc(sizeof(float) * kvn);
+    for (int64_t i = 0; i < kvn; i++) kv_new[i] = (float)test_normal(r) * 3.f;
+    float *dk = dev_copy(kv_new, sizeof(float) * kvn);
+    const ekv_cuda_append_item item = {last_page, m.lpl[0], 1, 0, 0};
+    ekv_cuda_append_item *ditem = dev_copy(&item, sizeof item);
+    ekv_cuda_sharded_params p = sharded_params(&w, 2, EKV_TRANSPORT_LOCAL, 0);
+    ekv_cuda_sharded_plan *sp = NULL;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "append plan: %s", ekv_last_error(ctx));
+    ekv_paged_kv kvs[2] = {m.dkv, m.dkv};
+    ekv_page_stats sts[2] = {m.dst, m.dst};
+    CHECK(ekv_cuda_sharded_append(sp, kvs, sts, ditem, 1, dk, dk) == EKV_OK, "sharded append: %s",
+          ekv_last_error(ctx));
+    m.lpl[0]++;
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy((void *)m.dtab.last_page_len, m.lpl, sizeof(int32_t) * B,
+                  cudaMemcpyHostToDevice));
+    float *dq = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    ref_step(ctx, &w, &m, dq, EKV_SELECT_DENSE, &g_ref);
+    const int32_t dev[2] = {0, 0};
+    mirror *ms[2] = {&m, &m};
+    float *dqs[2] = {dq, dq};
+    shard_inputs in;
+    inputs_make(&in, 2, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
+    ekv_cuda_sharded_report sr;
+    sharded_step(ctx, sp, &w, &in, EKV_SELECT_DENSE, &g_got, &sr);
+    compare(&w, 2, &g_got, &g_ref, "after append", 0, EKV_SELECT_DENSE);
+    inputs_free(&in, dev);
+    ekv_cuda_sharded_free(sp);
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(ditem);
+    free(kv_new);
+    mirror_free(&m);
+    ekv_cache_free(w.cache);
+    free(w.q);
+}
+
+/* Bad parameters and steps give status codes. */
+static void invalid_check(ekv_context *ctx, test_rng *r) {
+    workload w;
+    make_workload(ctx, r, &CASES[0], 2, &w);
+    ekv_cuda_sharded_plan *sp = NULL;
+    ekv_cuda_sharded_params p = sharded_params(&w, 0, EKV_TRANSPORT_LOCAL, 0);
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_ERR_INVALID_SIZE && !sp, "0 shards");
+    p.num_shards = 65;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_ERR_INVALID_SIZE, "65 shards");
+    p.num_shards = 2;
+    p.transport = 7;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_ERR_INVALID_ARGUMENT, "transport 7");
+    p.transport = EKV_TRANSPORT_LOCAL;
+    p.tau_rounds = -1;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_ERR_INVALID_SIZE, "tau_rounds -1");
+    p.tau_rounds = 0;
+    const int32_t same[2] = {0, 0};
+    p.transport = EKV_TRANSPORT_NCCL;
+    p.devices = same;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_ERR_INVALID_ARGUMENT, "nccl, one device");
+    p.transport = EKV_TRANSPORT_LOCAL;
+    p.devices = NULL;
+    p.plan.max_pages_per_seq = 0;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_ERR_INVALID_SIZE, "no page capacity");
+    CHECK(ekv_cuda_sharded_create(ctx, NULL, &sp) == EKV_ERR_NULL_POINTER, "NULL params");
+    p = sharded_params(&w, 2, EKV_TRANSPORT_LOCAL, 0);
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    mirror m;
+    mirror_build(&m, w.cache, w.seqs, B, w.n_idx, 0);
+    float *dq = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    const int32_t dev[2] = {0, 0};
+    mirror *ms[2] = {&m, &m};
+    float *dqs[2] = {dq, dq};
+    shard_inputs in;
+    inputs_make(&in, 2, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = w.H;
+    dp.alpha = 1.5;
+    ekv_select_params sel = select_of(EKV_SELECT_TOPK);
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_UNSUPPORTED,
+          "topk accepted");
+    sel = select_of(EKV_SELECT_DENSE);
+    float slopes[32] = {0};
+    dp.alibi_slopes = slopes;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_UNSUPPORTED,
+          "ALiBi accepted");
+    dp.alibi_slopes = NULL;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, NULL, in.out) ==
+                  EKV_ERR_NULL_POINTER,
+          "NULL q accepted");
+    in.tab[1].batch = 2;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_INVALID_SIZE,
+          "batch mismatch accepted");
+    in.tab[1].batch = B;
+    dp.num_heads = w.H + 1;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) != EKV_OK,
+          "wrong head count accepted");
+    CHECK(ekv_cuda_sharded_decode(NULL, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_NULL_POINTER,
+          "NULL plan accepted");
+    CHECK(ekv_cuda_sharded_read_report(sp, 0, NULL, NULL) == EKV_ERR_INVALID_SIZE, "batch 0");
+    CHECK(ekv_cuda_sharded_shard(sp, 2) == NULL && ekv_cuda_sharded_device(sp, -1) == -1,
+          "shard out of range");
+    int64_t f, c;
+    CHECK(ekv_shard_pages(10, 0, 0, &f, &c) == EKV_ERR_INVALID_SIZE &&
+                  ekv_shard_pages(10, 2, 2, &f, &c) == EKV_ERR_INVALID_SIZE &&
+                  ekv_shard_pages(10, 3, 2, &f, &c) == EKV_OK && f == 6 && c == 4,
+          "ekv_shard_pages");
+    inputs_free(&in, dev);
+    ekv_cuda_sharded_free(sp);
+    cudaFree(dq);
+    mirror_free(&m);
+    ekv_cache_free(w.cache);
+    free(w.q);
+}
+
+int main(void) {
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("test_cuda_sharded: no CUDA device, skipped\n");
+        return 77;
+    }
+    ekv_context *ctx;
+    if (ekv_context_create(NULL, &ctx)) return 1;
+    test_rng r = {0x5ba4d};
+    double worst = 0;
+    int rounds_max = 0;
+    for (int ci = 0; ci < NCASES; ci++) local_case(ctx, &r, ci, &worst, &rounds_max);
+    printf("local transport: %d cases x methods x 1..4 shards, worst rel err %.3g, at most %d "
+           "agreement rounds\n",
+           NCASES, worst, rounds_max);
+    append_check(ctx, &r);
+    invalid_check(ctx, &r);
+    if (ndev < 2) {
+        printf("nccl over 2 GPUs: skipped (%d CUDA device)\n", ndev);
+    } else {
+        int skipped = 0;
+        for (int ci = 0; ci < NCASES && !skipped; ci++) skipped = nccl_case(ctx, &r, ci);
+        printf(skipped ? "nccl over 2 GPUs: skipped (the build has no NCCL: -DEKV_NCCL=ON)\n"
+                       : "nccl over 2 GPUs: every case ran\n");
+    }
+    ekv_context_free(ctx);
+    return test_finish("test_cuda_sharded");
+}
