@@ -46,12 +46,14 @@ __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P
     } /* round 3: everything listed */
 }
 
-/* The global max of a head's scores from its split maxima (block-wide). */
-__device__ __forceinline__ float head_max(const float *split_max, int64_t row, int nsplit,
+/* The global max of a head's scores from the n split maxima of each of its `halves` rounds
+ * (block-wide; the row's split count n from ekv_seq_splits, a row pitch of 2 cap: the slots
+ * past n hold an earlier step's maxima). */
+__device__ __forceinline__ float head_max(const float *split_max, int64_t row, int n, int cap,
                                           int halves, float *fscratch) {
     float m = -CUDART_INF_F;
-    for (int i = threadIdx.x; i < halves * nsplit; i += blockDim.x)
-        m = fmaxf(m, split_max[row * 2 * nsplit + i]);
+    for (int i = threadIdx.x; i < halves * n; i += blockDim.x)
+        m = fmaxf(m, split_max[row * 2 * cap + (i / n) * cap + i % n]);
     return ekv_block_max(m, fscratch, -CUDART_INF_F);
 }
 
