@@ -504,8 +504,8 @@ __device__ __forceinline__ int ekv_seq_splits(const ekv_page_table &t, int b, in
     return (int)n;
 }
 /* A grid's x for splits by ekv_seq_splits: the flat splits of every sequence, in sequence order.
- * At most T + batch - 1 for any lengths (the floors sum to at most T, and a sequence raised to 1
- * split had a floor of 0, with not every floor 0 unless the total is batch <= T + batch - 1). */
+ * At most T + batch - 1 for any lengths: the floors sum to at most T, raising the k sequences
+ * whose floor is 0 adds k <= batch - 1, and k = batch only when the total is batch. */
 static inline int ekv_cuda_split_grid(int base, int batch) { return base * batch + batch - 1; }
 /* The split of flat block blockIdx.x: its sequence b (b < 0: none, the block returns at once),
  * its split s of the sequence's rows and their count n. Every warp finds it alone (32
