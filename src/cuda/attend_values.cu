@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
     }
 }
 
-/* ---- entmax values for a GQA group at once (docs/architecture.md, "CUDA values"): the tau
+/* ---- entmax values for a GQA group at once (docs/architecture.md, CUDA values): the tau
  * kernel marks each head's support slots in its KV head's bitmap, so the bitmap holds the union
  * of the group's supports; each marked V row is read once, and every head g of the group adds
  * p_g V with p_g = [z_g - tau_g]_+^beta from its own score row (0 where the slot is not in its

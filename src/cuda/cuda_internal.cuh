@@ -490,7 +490,7 @@ __device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, 
     return g;
 }
 
-/* ---- split-KV work partitioning (docs/architecture.md, "CUDA split-KV"). The splits of a
+/* ---- split-KV work partitioning (docs/architecture.md, CUDA split-KV). The splits of a
  * sequence's rows are proportional to its pages: `base` splits per row for a uniform batch, so
  * T = base * batch per row index in all, and sequence b gets floor(T P_b / P) of them (P: the
  * batch's pages), at least 1 and at most cap. A uniform batch and B = 1 get base each; in a

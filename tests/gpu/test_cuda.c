@@ -1593,7 +1593,7 @@ int main(void) {
         run_case(ctx, &c, (uint64_t)i + 1);
     }
     /* ragged batches (split-KV: each row's splits proportional to its length, docs/architecture.md
-     * "CUDA split-KV"): a 1-token sequence beside 100K, B = 1 at 100K, B = 16 from 1 token to
+     * CUDA split-KV): a 1-token sequence beside 100K, B = 1 at 100K, B = 16 from 1 token to
      * 60K; groups 1, 4, 8 (the group-union values and the per-head ones); every method runs */
     const struct {
         int D, G, Hk, ps, B;
