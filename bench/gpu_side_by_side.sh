@@ -39,6 +39,8 @@ run ragged_g4_dense    --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 
 run ragged_g4_softmax  --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense --alpha 1
 run ragged_g4_topk16   --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method topk --budget 1/16
 run ragged_g4bf_dense  --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense --dtype bf16
+run ragged_g4bf_softmax --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method dense --alpha 1 --dtype bf16
+run ragged_g4bf_topk16 --heads 32 --kv-heads 8 --dim 128 --batch 16 --len 65536 --ragged 8192 --method topk --budget 1/16 --dtype bf16
 # H = 8, D = 64: where the reference runs at every length
 run h8_dense      --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method dense
 run h8_topk16     --heads 8 --kv-heads 8 --dim 64 --len "$LENS" --method topk --budget 1/16

@@ -68,4 +68,5 @@ rag = load(ARGS.ragged) if ARGS.ragged and os.path.exists(ARGS.ragged) else None
 ragged_line("MHA", rag, ours("ragged_dense"), ours("ragged_softmax"), ours("ragged_topk16"))
 ragged_line("GQA 4", load("ragged_g4_sdpa.json"), ours("ragged_g4_dense"), ours("ragged_g4_softmax"),
             ours("ragged_g4_topk16"))
-ragged_line("GQA 4", load("ragged_g4bf_sdpa.json"), ours("ragged_g4bf_dense"), {}, {})
+ragged_line("GQA 4", load("ragged_g4bf_sdpa.json"), ours("ragged_g4bf_dense"),
+            ours("ragged_g4bf_softmax"), ours("ragged_g4bf_topk16"))

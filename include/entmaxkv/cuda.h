@@ -92,7 +92,9 @@ typedef struct ekv_cuda_report {
     int64_t *support;         /* tokens with p > 0                                            */
     int32_t *pages_round1;    /* pages read in round 1 (or the only round)                    */
     int32_t *pages_round2;    /* certified: pages added in round 2                            */
-    int64_t *v_rows;          /* V rows read per KV-head list: entmax, the support rows summed */
+    int64_t *v_rows;          /* V rows read per KV-head list: entmax, the support rows summed
+                                 over the group's heads, or their union where the values read
+                                 each row once for the group (docs/architecture.md, CUDA values) */
                               /* over the group's heads; softmax, per 4-head chunk            */
     int32_t *list_pages;      /* [batch*num_kv_heads][max_pages_per_seq]: the page lists'     */
                               /* logical pages, round 1 then round 2 (first pages_round1 +    */

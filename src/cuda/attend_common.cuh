@@ -1,18 +1,21 @@
 /*
  * attend stage on the GPU, shared pieces (mirrors src/cpu/attend_pages.c and decode_dense.c;
  * docs/math.md §9.7, docs/architecture.md, "Backends"). Per step, entmax (alpha > 1) runs four
- * kernels: scores:     grid (split, sequence x KV head). Reads K of the listed pages once for the
- *               whole GQA group (a cp.async pipeline of 3 tiles per warp for head dims
+ * kernels: scores:     grid (split, KV head), a sequence's splits by its length (ekv_seq_splits).
+ *               Reads K of the listed pages once for the whole GQA group (a cp.async
+ *               pipeline of 3 tiles per warp for head dims
  *               64/128/256), writes z = a (scale <q,k> + m_h (j - i)) of every listed token
  *               into the score rows and the split's max per query head. Entmax has no
  *               (max, sum) merge, so the splits keep their scores instead of partial outputs.
- *   candidates: grid (split, sequence x query head). The global max M comes from the split
+ *   candidates: grid (split, query head). The global max M comes from the split
  *               maxima; every support token has z > M - 1, so the tokens with z >= M - 1 are
- *               appended (score, V row offset) to the head's candidate list.
+ *               appended (score, score slot) to the head's candidate list.
  *   tau:        one block per query head solves tau exactly over the candidates (shared memory
- *               when they fit) and writes the support list (p, V row offset).
- *   values:     grid (chunk, sequence x query head). Reads V only for the support rows and
- *               adds the partial outputs atomically (tau is global, so they simply sum).
+ *               when they fit) and writes the support list (p, V row offset), or with the union
+ *               values marks the support slots in the KV head's bitmap.
+ *   values:     grid (split, query head), or (split, KV head) reading each row of the group's
+ *               support union once. Reads V only for the support rows and adds the partial
+ *               outputs atomically (tau is global, so they simply sum).
  * When a head has more than cand_cap candidates (flat attention), tau and the support are
  * taken from the whole score row instead, and if the support itself exceeds the cap the
  * values kernel scans the score row (slow, but exact); ekv_cuda_report.slow_rows counts them.
@@ -46,12 +49,14 @@ __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P
     } /* round 3: everything listed */
 }
 
-/* The global max of a head's scores from its split maxima (block-wide). */
-__device__ __forceinline__ float head_max(const float *split_max, int64_t row, int nsplit,
+/* The global max of a head's scores from the n split maxima of each of its `halves` rounds
+ * (block-wide; the row's split count n from ekv_seq_splits, a row pitch of 2 cap: the slots
+ * past n hold an earlier step's maxima). */
+__device__ __forceinline__ float head_max(const float *split_max, int64_t row, int n, int cap,
                                           int halves, float *fscratch) {
     float m = -CUDART_INF_F;
-    for (int i = threadIdx.x; i < halves * nsplit; i += blockDim.x)
-        m = fmaxf(m, split_max[row * 2 * nsplit + i]);
+    for (int i = threadIdx.x; i < halves * n; i += blockDim.x)
+        m = fmaxf(m, split_max[row * 2 * cap + (i / n) * cap + i % n]);
     return ekv_block_max(m, fscratch, -CUDART_INF_F);
 }
 

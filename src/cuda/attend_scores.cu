@@ -75,15 +75,18 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
     constexpr int EB = 8 * (int)sizeof(T);          /* bytes a lane copies per row  */
     constexpr int U = SCORE_TILE_BYTES / (32 * EB); /* passes per tile              */
     constexpr int TR = RPW * U;                     /* rows per tile                */
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
+    ekv_split sp;
+    int b, kvh, row;
+    if (!score_block(A, &sp, &b, &kvh, &row)) return;
+    const int G = A.G, D = A.D, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char *stage = smem_raw + (size_t)warp * SCORE_STAGES * SCORE_TILE_BYTES;
     float *qs = reinterpret_cast<float *>(smem_raw + (size_t)NW * SCORE_STAGES * SCORE_TILE_BYTES);
     float *red = qs + G * D;
-    zero_step_counters(A, row, b, kvh);
+    zero_step_counters(A, sp, row, b, kvh);
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t e0, e1;
-    split_entries(A, sg, row, &e0, &e1);
+    split_entries(A, sp, sg, row, &e0, &e1);
     load_group_q(A, b, kvh, qs);
     __syncthreads();
     const int sub = lane / LPR, sl = lane % LPR;
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
         }
     }
     cp_async_wait<0>();
-    write_split_max<GM>(A, runmax, red, b, kvh);
+    write_split_max<GM>(A, runmax, red, sp, b, kvh);
 }
 
 /* Generic head dims (multiples of 8 other than 64/128/256): one row per warp pass, the lanes
@@ -164,11 +167,14 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     constexpr int GM = EKV_CUDA_MAX_GROUP;
     float *qs = smem;
     float *red = smem + A.G * A.D;
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D, ps = A.ps;
-    zero_step_counters(A, row, b, kvh);
+    ekv_split sp;
+    int b, kvh, row;
+    if (!score_block(A, &sp, &b, &kvh, &row)) return;
+    const int G = A.G, D = A.D, ps = A.ps;
+    zero_step_counters(A, sp, row, b, kvh);
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t e0, e1;
-    split_entries(A, sg, row, &e0, &e1);
+    split_entries(A, sp, sg, row, &e0, &e1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     load_group_q(A, b, kvh, qs);
     __syncthreads();
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
             if (lane == 0) store_scores<GM>(A, acc, slope, jbase, t, valid, heads, sbase, runmax);
         }
     }
-    write_split_max<GM>(A, runmax, red, b, kvh);
+    write_split_max<GM>(A, runmax, red, sp, b, kvh);
 }
 /* ---- screened decode's rows (screen.cu, docs/math.md §10.3): the exact score of every row
  * of the KV head's row list for the group's heads, bit for bit the scores kernels' (the same
@@ -222,18 +228,18 @@ struct row_args : score_args {
     uint32_t *zkey; /* [B*H] ordered keys of the largest score seen */
     int64_t ccap;
     float *cand_z;
-    int64_t *cand_off;
+    int64_t *cand_slot;
 };
 
-/* Row slot e holding score z (where on) of head h0 + g: kept when z >= M' - 1 (M' = seen or
+/* Row slot e holding score z (where on) of head hrow: kept when z >= M' - 1 (M' = seen or
  * this lane's own max). Warp-uniform call. */
 __device__ __forceinline__ void row_candidate(const row_args &A, int64_t hrow, bool on, float z,
-                                              float Mp, int64_t off) {
+                                              float Mp, int64_t e) {
     const bool take = on && z > -CUDART_INF_F && (double)z >= (double)Mp - 1.0;
     const uint32_t at = ekv_warp_append(take, reinterpret_cast<uint32_t *>(A.cand_count) + hrow);
     if (take && at < A.ccap) {
         A.cand_z[hrow * A.ccap + at] = z;
-        A.cand_off[hrow * A.ccap + at] = off;
+        A.cand_slot[hrow * A.ccap + at] = e;
     }
 }
 
@@ -251,12 +257,15 @@ template <typename T, int LPR, int GM>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A) {
     extern __shared__ __align__(16) float rsm[]; /* q' [G][D], red [NW][G] */
     constexpr int NW = EKV_CUDA_THREADS / 32, RPW = 32 / LPR, U = 4;
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
+    ekv_split sp;
+    int b, kvh, row;
+    if (!score_block(A, &sp, &b, &kvh, &row)) return;
+    const int G = A.G, D = A.D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR;
     float *qs = rsm, *red = rsm + G * D;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t n = A.row_count[row], per = (n + A.nsplit - 1) / A.nsplit;
-    const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < n ? e0 + per : n;
+    int64_t e0, e1;
+    ekv_split_range(sp, 0, A.row_count[row], &e0, &e1);
     load_group_q(A, b, kvh, qs);
     __syncthreads();
     float runmax[GM], slope[GM], seen[GM];
@@ -304,12 +313,12 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
                 const float z = score_z(acc[g], slope[g], jb[r], tk[r], on);
                 if (on) srow[(int64_t)g * A.cap_tokens + e] = z;
                 runmax[g] = fmaxf(runmax[g], z);
-                row_candidate(A, h0 + g, on, z, fmaxf(runmax[g], seen[g]), off[r]);
+                row_candidate(A, h0 + g, on, z, fmaxf(runmax[g], seen[g]), e);
             }
         }
         ekv_share_max<GM>(runmax, seen, A.zkey + h0, G, pre);
     }
-    write_split_max<GM>(A, runmax, red, b, kvh);
+    write_split_max<GM>(A, runmax, red, sp, b, kvh);
 }
 
 /* Generic head dims: one row per warp pass, as scores_generic_kernel. */
@@ -318,11 +327,14 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
     extern __shared__ float rsm[]; /* q' [G][D], then red [nwarps][G] */
     constexpr int GM = EKV_CUDA_MAX_GROUP;
     float *qs = rsm, *red = rsm + A.G * A.D;
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
+    ekv_split sp;
+    int b, kvh, row;
+    if (!score_block(A, &sp, &b, &kvh, &row)) return;
+    const int G = A.G, D = A.D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t n = A.row_count[row], per = (n + A.nsplit - 1) / A.nsplit;
-    const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < n ? e0 + per : n;
+    int64_t e0, e1;
+    ekv_split_range(sp, 0, A.row_count[row], &e0, &e1);
     load_group_q(A, b, kvh, qs);
     __syncthreads();
     float runmax[GM], slope[GM], seen[GM];
@@ -362,11 +374,11 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
             const float z = score_z(acc[g], slope[g], jbase, t, true);
             if (lane == 0) srow[(int64_t)g * A.cap_tokens + e] = z;
             runmax[g] = fmaxf(runmax[g], z);
-            row_candidate(A, h0 + g, lane == 0, z, fmaxf(runmax[g], seen[g]), off);
+            row_candidate(A, h0 + g, lane == 0, z, fmaxf(runmax[g], seen[g]), e);
         }
         ekv_share_max<GM>(runmax, seen, A.zkey + h0, G, pre);
     }
-    write_split_max<GM>(A, runmax, red, b, kvh);
+    write_split_max<GM>(A, runmax, red, sp, b, kvh);
 }
 
 template <typename T, int LPR> void launch_rows_g(const row_args &A, dim3 grid, cudaStream_t st) {
@@ -429,6 +441,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.qscale = a * scale;
     A.a = (float)a;
     A.nsplit = pl->nsplit;
+    A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
     A.list_heads = use_list && masked ? pl->list_heads : NULL;
@@ -437,7 +450,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.split_max = pl->split_max;
     A.cand_count = pl->cand_count;
     A.v_rows = pl->v_rows;
-    dim3 grid(pl->nsplit, batch * A.Hk); /* (the row fastest measured 3% slower at 128K) */
+    const dim3 grid(ekv_cuda_split_grid(pl->nsplit, batch), A.Hk);
     cudaError_t e;
     if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
         e = ekv_cuda_scores_mma(A, kv->dtype, grid, pl->stream);
@@ -465,6 +478,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.qscale = a * ekv_effective_scale(prm->scale, kv->head_dim);
     A.a = (float)a;
     A.nsplit = pl->nsplit;
+    A.split_cap = pl->split_cap;
     A.list_pages = NULL;
     A.list_count = NULL;
     A.list_heads = NULL;
@@ -478,8 +492,8 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.zkey = pl->scr_state + (int64_t)pl->p.max_batch * pl->p.num_heads;
     A.ccap = pl->cand_cap;
     A.cand_z = pl->cand_z;
-    A.cand_off = pl->cand_off;
-    const dim3 grid(pl->nsplit, batch * A.Hk);
+    A.cand_slot = pl->cand_slot;
+    const dim3 grid(ekv_cuda_split_grid(pl->nsplit, batch), A.Hk);
     cudaError_t e;
     switch (kv->dtype) {
     case EKV_DTYPE_F16: e = launch_rows_t<__half>(A, grid, pl->stream); break;

@@ -65,16 +65,19 @@ template <typename T, int D, int NT>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr size_t TB = mma_tile_bytes<D>();
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
+    ekv_split sp;
+    int b, kvh, row;
+    if (!score_block(A, &sp, &b, &kvh, &row)) return;
+    const int G = A.G, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char *stage = smem_raw + (size_t)warp * MMA_STAGES * TB;
     T *qparts = reinterpret_cast<T *>(smem_raw + (size_t)MMA_NW * MMA_STAGES * TB);
     float *red = reinterpret_cast<float *>(qparts + MMA_PARTS * MMA_QROWS * mma_qpitch<D>());
     float *unscale = red + MMA_NW * MMA_QROWS;
-    zero_step_counters(A, row, b, kvh);
+    zero_step_counters(A, sp, row, b, kvh);
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t e0, e1;
-    split_entries(A, sg, row, &e0, &e1);
+    split_entries(A, sp, sg, row, &e0, &e1);
     float *qs = reinterpret_cast<float *>(smem_raw); /* staged in the stages before they stream */
     load_group_q(A, b, kvh, qs);
     __syncthreads();
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
             const int g = nt * 8 + lane * 2 + j2;
             if (lane < 4 && g < G) red[warp * G + g] = m;
         }
-    publish_split_max(A, red, b, kvh);
+    publish_split_max(A, red, sp, b, kvh);
 }
 
 template <typename T, int D, int NT>

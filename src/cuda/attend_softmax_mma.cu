@@ -21,7 +21,7 @@ namespace {
 enum { FL_NW = 4, FL_THREADS = FL_NW * 32 };
 
 struct flash_args : score_args {
-    float *part; /* [B*H][nsplit][D + 4]: o, then m, l, and the tokens (int64 in the last two) */
+    float *part; /* [B*H][split_cap][D + 4]: o, then m, l, and the tokens (int64 in the last two) */
 };
 
 template <int D> __host__ __device__ constexpr int part_pitch() { return D + 4; }
@@ -150,7 +150,7 @@ __device__ __forceinline__ void tile_softmax(const flash_args &A, const unsigned
 /* The block's warps merged into this split's partial of each head of the group. */
 template <int D>
 __device__ __forceinline__ void block_partial(const flash_args &A, flash_state<D> &st,
-                                              unsigned char *smem, int b, int kvh) {
+                                              unsigned char *smem, int split, int b, int kvh) {
     constexpr int PP = part_pitch<D>();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g0 = lane >> 2;
 #pragma unroll
@@ -188,7 +188,7 @@ __device__ __forceinline__ void block_partial(const flash_args &A, flash_state<D
             acc += (d < D ? wr[d] : wr[D + 1]) * f;
             tokens += wt[w];
         }
-        float *pr = A.part + (((int64_t)b * A.H + kvh * G + r) * A.nsplit + blockIdx.x) * PP;
+        float *pr = A.part + (((int64_t)b * A.H + kvh * G + r) * A.split_cap + split) * PP;
         if (d < D)
             pr[d] = acc;
         else {
@@ -203,14 +203,17 @@ template <typename T, int D>
 __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr size_t TB = mma_tile_bytes<D>();
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
+    ekv_split sp;
+    int b, kvh, row;
+    if (!score_block(A, &sp, &b, &kvh, &row)) return;
+    const int G = A.G, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char *stage = smem_raw + (size_t)warp * MMA_STAGES * 2 * TB;
     T *qparts = reinterpret_cast<T *>(smem_raw + (size_t)FL_NW * MMA_STAGES * 2 * TB);
     float *unscale = reinterpret_cast<float *>(qparts + MMA_PARTS * MMA_QROWS * mma_qpitch<D>());
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t e0, e1;
-    split_entries(A, sg, row, &e0, &e1);
+    split_entries(A, sp, sg, row, &e0, &e1);
     float *qs = reinterpret_cast<float *>(smem_raw); /* staged in the stages before they stream */
     load_group_q(A, b, kvh, qs);
     __syncthreads();
@@ -248,14 +251,15 @@ __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args
         tile_softmax<T, D>(A, kt, qparts, uns, slope, (float)(lp * ps - (sg.N - 1)), r0, valid, st);
     };
     warp_tiles<FL_NW>(e0, e1, ps, stage, 2 * TB, copy, use);
-    block_partial<D>(A, st, smem_raw, b, kvh);
+    block_partial<D>(A, st, smem_raw, sp.s, b, kvh);
 }
 
 /* The splits of each head combined: the output, tau (log-sum-exp), the support (every token)
  * and, by the group's first head, the V rows of its KV head (each read once). */
 struct merge_args {
+    ekv_page_table t;
     const float *part;
-    int nsplit, D, H, G, Hk;
+    int nsplit, split_cap, D, H, G, Hk; /* the row's splits: ekv_seq_splits(nsplit, split_cap) */
     float *out;
     double *tau;
     int64_t *support, *v_rows;
@@ -263,20 +267,20 @@ struct merge_args {
 
 __global__ void __launch_bounds__(128) softmax_merge_kernel(merge_args A) {
     const int64_t row = blockIdx.x;
-    const int PP = A.D + 4;
-    const float *pr = A.part + row * A.nsplit * PP;
+    const int PP = A.D + 4, ns = ekv_seq_splits(A.t, (int)(row / A.H), A.nsplit, A.split_cap);
+    const float *pr = A.part + row * A.split_cap * PP;
     float M = -CUDART_INF_F;
-    for (int s = 0; s < A.nsplit; s++) M = fmaxf(M, pr[s * PP + A.D]);
+    for (int s = 0; s < ns; s++) M = fmaxf(M, pr[s * PP + A.D]);
     double L = 0;
     int64_t tokens = 0;
-    for (int s = 0; s < A.nsplit; s++) {
+    for (int s = 0; s < ns; s++) {
         const float m = pr[s * PP + A.D];
         if (m > -CUDART_INF_F) L += (double)pr[s * PP + A.D + 1] * exp((double)m - (double)M);
         tokens += *reinterpret_cast<const int64_t *>(pr + s * PP + A.D + 2);
     }
     for (int d = threadIdx.x; d < A.D; d += blockDim.x) {
         double acc = 0;
-        for (int s = 0; s < A.nsplit; s++) {
+        for (int s = 0; s < ns; s++) {
             const float m = pr[s * PP + A.D];
             if (m > -CUDART_INF_F) acc += (double)pr[s * PP + d] * exp((double)m - (double)M);
         }
@@ -314,12 +318,13 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
     A.qscale = ekv_effective_scale(prm->scale, kv->head_dim); /* a = 1 */
     A.a = 1.f;
     A.nsplit = pl->nsplit;
+    A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
     A.list_heads = NULL; /* masked lists take the two-pass path (decode.cu) */
     A.round = 1;
     A.part = pl->flash_part;
-    const dim3 grid(pl->nsplit, batch * A.Hk);
+    const dim3 grid(ekv_cuda_split_grid(pl->nsplit, batch), A.Hk);
     if (kv->dtype == EKV_DTYPE_F16)
         A.D == 64 ? launch_flash<__half, 64>(A, grid, pl->stream)
                   : launch_flash<__half, 128>(A, grid, pl->stream);
@@ -327,8 +332,8 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
         A.D == 64 ? launch_flash<__nv_bfloat16, 64>(A, grid, pl->stream)
                   : launch_flash<__nv_bfloat16, 128>(A, grid, pl->stream);
     EKV_CUDA_LAUNCHED(pl);
-    merge_args M = {pl->flash_part, pl->nsplit, A.D,     A.H,         A.G,
-                    A.Hk,           out,        pl->tau, pl->support, pl->v_rows};
+    merge_args M = {*t,  pl->flash_part, pl->nsplit, pl->split_cap, A.D,        A.H,
+                    A.G, A.Hk,           out,        pl->tau,       pl->support, pl->v_rows};
     softmax_merge_kernel<<<batch * A.H, 128, 0, pl->stream>>>(M);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

@@ -9,12 +9,14 @@ namespace {
 /* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ---- */
 struct cand_args : ekv_cuda_shape {
     ekv_paged_kv kv;
-    int nsplit, round; /* round 1: round 1's entries; 3: everything listed */
+    int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
+    int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
+    int round;             /* round 1: round 1's entries; 3: everything listed */
     int64_t ccap;
-    const int32_t *list_pages, *list_count;
+    const int32_t *list_count;
     const float *scores, *split_max;
     float *cand_z;
-    int64_t *cand_off; /* element offset of the token's V row (= its K row) */
+    int64_t *cand_slot; /* the token's score slot */
     int32_t *cand_count;
 };
 
@@ -31,16 +33,19 @@ template <bool VEC> __device__ __forceinline__ int64_t cand_slot(int64_t base, i
  * of 4), so a float4 lies wholly inside or outside [c0, c1). */
 template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     __shared__ float fscratch[32];
-    const int64_t row = blockIdx.y;
-    const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const ekv_split sp = ekv_block_split(A.t, A.cbase, A.cbase * A.t.batch);
+    if (sp.b < 0) return;
+    const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const int64_t row = (int64_t)b * A.H + h;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round, &begin, &end);
     const int64_t ntok = end * A.ps;
-    const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
     const double lo_z = (double)M - 1.0;
-    const int64_t per = ((ntok + gridDim.x - 1) / gridDim.x + 31) / 32 * 32;
-    const int64_t c0 = (int64_t)blockIdx.x * per, c1 = c0 + per < ntok ? c0 + per : ntok;
+    const int64_t per = ((ntok + sp.n - 1) / sp.n + 31) / 32 * 32;
+    const int64_t c0 = (int64_t)sp.s * per, c1 = c0 + per < ntok ? c0 + per : ntok;
     const float *z = A.scores + row * A.cap_tokens;
     const int lane = threadIdx.x & 31;
     /* warp-uniform trip count: every lane takes part in the ballots */
@@ -81,9 +86,7 @@ template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(
             const int pos = at + __popc(m[k] & ((1u << lane) - 1));
             if (((m[k] >> lane) & 1u) && pos < A.ccap) {
                 A.cand_z[row * A.ccap + pos] = x[k];
-                A.cand_off[row * A.ccap + pos] =
-                        slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh, A.ps,
-                                    cand_slot<VEC>(base, k, lane));
+                A.cand_slot[row * A.ccap + pos] = cand_slot<VEC>(base, k, lane);
             }
             at += __popc(m[k]);
         }
@@ -93,12 +96,12 @@ template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(
 struct tau_args : ekv_cuda_shape {
     ekv_paged_kv kv;
     int64_t ccap;
-    int nsplit, round;
+    int nsplit, split_cap, round; /* the score splits (ekv_seq_splits) whose maxima give M */
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores, *split_max;
     const float *cand_z;
-    const int64_t *cand_off;
+    const int64_t *cand_slot;
     const int32_t *cand_count;
     double *tau;
     int64_t *support;
@@ -109,6 +112,8 @@ struct tau_args : ekv_cuda_shape {
     int64_t *sup_count;
     float *out_zero; /* the final round: zero the output row (the values kernel adds into it) */
     const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
+    uint32_t *ubits; /* the final round with the group-union values kernel: the support's slots */
+    int64_t cap_words; /* (marked per KV head, instead of the support lists and v_rows) */
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
@@ -126,8 +131,9 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
     const int64_t ntok = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
-    const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
-    const bool final_round = A.out_zero != NULL;
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     const int64_t nc = A.cand_count[row];
@@ -161,6 +167,11 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         const bool in = i < nv && (double)v[i] - (double)M > t;
         c += in;
         if (!final_round) continue;
+        const int64_t slot = !in ? 0 : overflow ? i : A.cand_slot[row * A.ccap + i];
+        if (mark) {
+            if (in) atomicOr(A.ubits + lrow * A.cap_words + slot / 32, 1u << (slot % 32));
+            continue;
+        }
         const unsigned m = __ballot_sync(0xffffffffu, in);
         if (!m) continue;
         int at = 0;
@@ -169,11 +180,10 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         if (in && at < A.ccap) {
             A.sup_p[row * A.ccap + at] = entmax_p(v[i], tau, beta);
             A.sup_off[row * A.ccap + at] =
-                    !overflow ? A.cand_off[row * A.ccap + i]
-                    : A.rows  ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, sg.first, kvh,
-                                           A.ps, i)
-                              : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first,
-                                            kvh, A.ps, i);
+                    A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, sg.first, kvh, A.ps,
+                                        slot)
+                           : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh,
+                                         A.ps, slot);
         }
     }
     c = ekv_block_sum(c, scratch);
@@ -182,8 +192,9 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         A.support[row] = (int64_t)c;
         if (final_round) {
             A.sup_count[row] = (int64_t)c;
-            atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
-                      (unsigned long long)c);
+            if (!mark) /* the union kernel counts the rows it reads */
+                atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
+                          (unsigned long long)c);
         }
     }
 }
@@ -215,7 +226,8 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
     entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
     const int64_t ntok = end * A.ps;
     const float *z = A.scores + row * A.cap_tokens;
-    const float M = head_max(A.split_max, row, A.nsplit, A.round == 1 ? 1 : 2, fscratch);
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
     if (A.out_zero)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     double s = 0;
@@ -249,6 +261,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.kv = *kv;
     A.ccap = pl->cand_cap;
     A.nsplit = pl->nsplit;
+    A.split_cap = pl->split_cap;
     A.round = round;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
@@ -256,7 +269,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.scores = pl->scores;
     A.split_max = pl->split_max;
     A.cand_z = pl->cand_z;
-    A.cand_off = pl->cand_off;
+    A.cand_slot = pl->cand_slot;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
     A.support = pl->support;
@@ -268,6 +281,8 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.out_zero = out_zero;
     A.rows = rows ? pl->rows : NULL;
     A.row_count = rows ? pl->row_count : NULL;
+    A.ubits = out_zero && ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
+    A.cap_words = pl->cap_words;
     if (rows) { /* the row scores kernel listed the candidates (screen.cu) */
         tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
         EKV_CUDA_LAUNCHED(pl);
@@ -282,22 +297,26 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     ekv_cuda_set_shape(C, pl, t);
     C.kv = *kv;
     C.nsplit = pl->nsplit;
+    C.split_cap = pl->split_cap;
     C.round = round == 1 ? 1 : 3;
     C.ccap = pl->cand_cap;
-    C.list_pages = A.list_pages;
     C.list_count = A.list_count;
     C.scores = pl->scores;
     C.split_max = pl->split_max;
     C.cand_z = pl->cand_z;
-    C.cand_off = pl->cand_off;
+    C.cand_slot = pl->cand_slot;
     C.cand_count = pl->cand_count;
     if (pl->p.page_size % 4 == 0) {
         static int per_sm = 0;
-        const int gx = ekv_cuda_one_wave(cand_kernel<true>, CAND_THREADS, 0, batch * A.H, pl->sms,
-                                         &per_sm);
-        cand_kernel<true><<<dim3(gx, batch * A.H), CAND_THREADS, 0, pl->stream>>>(C);
-    } else
-        cand_kernel<false><<<dim3(pl->nsplit, batch * A.H), CAND_THREADS, 0, pl->stream>>>(C);
+        C.cbase = ekv_cuda_one_wave(cand_kernel<true>, CAND_THREADS, 0, batch * A.H, pl->sms,
+                                    &per_sm);
+        cand_kernel<true><<<dim3(ekv_cuda_split_grid(C.cbase, batch), A.H), CAND_THREADS, 0,
+                            pl->stream>>>(C);
+    } else {
+        C.cbase = pl->nsplit;
+        cand_kernel<false><<<dim3(ekv_cuda_split_grid(C.cbase, batch), A.H), CAND_THREADS, 0,
+                             pl->stream>>>(C);
+    }
     EKV_CUDA_LAUNCHED(pl);
     tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);

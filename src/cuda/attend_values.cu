@@ -9,7 +9,7 @@ struct value_args : ekv_cuda_shape {
     ekv_paged_kv kv;
     int gchunks;
     int64_t ccap;
-    int nsplit;
+    int nsplit; /* ekv_seq_splits' base for the kernel's grid (cap: nsplit * batch) */
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores;
@@ -20,7 +20,24 @@ struct value_args : ekv_cuda_shape {
     int64_t *v_rows;
     float *out;
     const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
+    uint32_t *ubits; /* the group-union kernel: the support slots per KV head (tau marks them) */
+    int64_t cap_words;
 };
+
+/* This block's split of a grid (split, rows per sequence) with A.nsplit splits per row of a
+ * uniform batch; false: none (return at once, block-uniform). */
+__device__ __forceinline__ bool value_block(const value_args &A, ekv_split *sp) {
+    *sp = ekv_block_split(A.t, A.nsplit, A.nsplit * A.t.batch);
+    return sp->b >= 0;
+}
+
+/* Element offset of score slot s of list row lrow in the V pool: screened's row lists, or the
+ * page list (the sequence's pages without one). */
+__device__ __forceinline__ int64_t value_offset(const value_args &A, int lrow, int64_t first,
+                                                int kvh, int64_t s) {
+    return A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, first, kvh, A.ps, s)
+                  : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, first, kvh, A.ps, s);
+}
 
 /* 8 elements of a V row (16-byte aligned for 16-bit types) as fp32, with the load predicated */
 template <typename T> __device__ __forceinline__ void load8_if(bool on, const T *p, float *o) {
@@ -42,8 +59,10 @@ template <typename T, int LPR, int VC>
 __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args A) {
     __shared__ float red[VAL_WARPS][EKV_CUDA_MAX_DIM];
     constexpr int RPW = 32 / LPR, STEP = RPW * VAL_U;
-    const int64_t row = blockIdx.y;
-    const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
+    ekv_split sp;
+    if (!value_block(A, &sp)) return;
+    const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const int64_t row = (int64_t)b * A.H + h;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR,
               D = A.D;
     const int64_t nsup = A.sup_count[row];
@@ -64,9 +83,9 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
     for (int c = 0; c < VC; c++)
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[c][i] = 0.f;
-    const int64_t wstride = (int64_t)gridDim.x * VAL_WARPS * STEP;
+    const int64_t wstride = (int64_t)sp.n * VAL_WARPS * STEP;
     bool any = false;
-    for (int64_t base = ((int64_t)blockIdx.x * VAL_WARPS + warp) * STEP; base < nitems;
+    for (int64_t base = ((int64_t)sp.s * VAL_WARPS + warp) * STEP; base < nitems;
          base += wstride) {
         float p[VAL_U];
         int64_t off[VAL_U];
@@ -81,11 +100,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
                     off[r] = A.sup_off[row * A.ccap + i];
                 } else {
                     p[r] = entmax_p(z[i], tau, beta);
-                    if (p[r] > 0.f)
-                        off[r] = A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow,
-                                                     sg.first, kvh, A.ps, i)
-                                        : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow,
-                                                      sg.first, kvh, A.ps, i);
+                    if (p[r] > 0.f) off[r] = value_offset(A, lrow, sg.first, kvh, i);
                 }
             }
         }
@@ -129,6 +144,138 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
         for (int w = 0; w < VAL_WARPS; w++) s += red[w][d];
         atomicAdd(A.out + row * D + d, s);
     }
+}
+
+/* ---- entmax values for a GQA group at once (docs/architecture.md, CUDA values): the tau
+ * kernel marks each head's support slots in its KV head's bitmap, so the bitmap holds the union
+ * of the group's supports; each marked V row is read once, and every head g of the group adds
+ * p_g V with p_g = [z_g - tau_g]_+^beta from its own score row (0 where the slot is not in its
+ * support). The same products as values_support_kernel, summed in another order. The words
+ * read are cleared for the next step. ---- */
+enum { UNION_WORDS = 32 }; /* bitmap words a warp takes at once (its slots staged in smem) */
+
+/* The marked slots of words [w, w + 32) (lane i: word w + i, cleared) below nslots, into the
+ * warp's list in order; returns their count (every lane). Warp-uniform call. */
+__device__ __forceinline__ int union_gather(uint32_t *bits, int64_t w, int64_t w1, int64_t nslots,
+                                            int32_t *list) {
+    const int lane = threadIdx.x & 31;
+    const int64_t mw = w + lane;
+    uint32_t word = 0;
+    if (mw < w1) {
+        word = bits[mw];
+        if (word) bits[mw] = 0u;
+        const int64_t past = nslots - mw * 32; /* bits at or past nslots: an earlier step's */
+        if (past < 32) word &= past <= 0 ? 0u : (1u << past) - 1u;
+    }
+    const int cnt = __popc(word);
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    int at = incl - cnt;
+    while (word) {
+        list[at++] = (int32_t)(mw * 32 + __ffs(word) - 1);
+        word &= word - 1;
+    }
+    __syncwarp();
+    return __shfl_sync(0xffffffffu, incl, 31);
+}
+
+/* acc[g] summed over the block for each head g < G and added to its output row. red: [warps][D]
+ * of shared memory. Block-uniform call. */
+template <int LPR, int GM>
+__device__ __forceinline__ void union_out(const value_args &A, float (*acc)[8], float *red,
+                                          int64_t h0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= A.G) break;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int o = LPR; o < 32; o <<= 1)
+                acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        __syncthreads(); /* the previous head's sums are read */
+        if (sub == 0 && sl * 8 < A.D)
+#pragma unroll
+            for (int i = 0; i < 8; i++) red[warp * A.D + sl * 8 + i] = acc[g][i];
+        __syncthreads();
+        for (int d = threadIdx.x; d < A.D; d += blockDim.x) {
+            float s = 0.f;
+            for (int w = 0; w < VAL_WARPS; w++) s += red[w * A.D + d];
+            atomicAdd(A.out + (h0 + g) * A.D + d, s);
+        }
+    }
+}
+
+/* Grid (split of the bitmap's words, KV head). D = 8 LPR (64, 128, 256); GM >= G heads (<= 8
+ * <= LPR: lane sl of a row's lanes forms p of head sl, the others take it by shuffle); U row
+ * passes in flight. */
+template <typename T, int LPR, int GM, int U>
+__global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A) {
+    __shared__ __align__(16) int32_t sm[VAL_WARPS * UNION_WORDS * 32]; /* slots, then red */
+    constexpr int RPW = 32 / LPR;
+    ekv_split sp;
+    if (!value_block(A, &sp)) return;
+    const int b = sp.b, kvh = blockIdx.y, lrow = b * A.Hk + kvh, G = A.G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end, w0, w1;
+    entry_range(A.list_count, sg.P, lrow, 3, &begin, &end);
+    const int64_t nslots = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
+    ekv_split_range(sp, 0, (nslots + 31) / 32, &w0, &w1);
+    const int64_t h0 = (int64_t)b * A.H + kvh * G;
+    const int gm = sl < G ? sl : 0; /* the head whose p this lane forms */
+    const double tau = A.tau[h0 + gm], beta = 1.0 / (A.alpha - 1.0);
+    const float *zm = A.scores + (h0 + gm) * A.cap_tokens;
+    uint32_t *bits = A.ubits + lrow * A.cap_words;
+    int32_t *list = sm + warp * UNION_WORDS * 32;
+    const T *V = static_cast<const T *>(A.kv.v);
+    float acc[GM][8];
+#pragma unroll
+    for (int g = 0; g < GM; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+    int64_t rows = 0;
+    for (int64_t w = w0 + (int64_t)warp * UNION_WORDS; w < w1;
+         w += (int64_t)VAL_WARPS * UNION_WORDS) {
+        const int n = union_gather(bits, w, w1, nslots, list);
+        for (int base = 0; base < n; base += RPW * U) {
+            float p[U][GM], v8[U][8];
+            int64_t off[U];
+            bool on[U];
+#pragma unroll
+            for (int r = 0; r < U; r++) {
+                const int i = base + r * RPW + sub;
+                const int64_t s = i < n ? list[i] : 0;
+                const float pm = i < n && sl < G ? entmax_p(zm[s], tau, beta) : 0.f;
+                on[r] = false;
+#pragma unroll
+                for (int g = 0; g < GM; g++) {
+                    p[r][g] = __shfl_sync(0xffffffffu, pm, (lane & ~(LPR - 1)) + g);
+                    on[r] |= p[r][g] > 0.f;
+                }
+                off[r] = on[r] ? value_offset(A, lrow, sg.first, kvh, s) : 0;
+                rows += on[r] && sl == 0;
+            }
+#pragma unroll
+            for (int r = 0; r < U; r++) load8_if<T>(on[r], V + off[r] + sl * 8, v8[r]);
+#pragma unroll
+            for (int r = 0; r < U; r++)
+#pragma unroll
+                for (int g = 0; g < GM; g++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[g][i] += p[r][g] * v8[r][i];
+        }
+        __syncwarp(); /* the list is rewritten by the next words */
+    }
+    rows = ekv_warp_sum(rows);
+    if (lane == 0 && rows)
+        atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]), (unsigned long long)rows);
+    __syncthreads(); /* every warp is done with its list: the space holds the sums */
+    union_out<LPR, GM>(A, acc, reinterpret_cast<float *>(sm), h0);
 }
 
 /* 4 elements as fp32 (8-byte aligned for the 16-bit types, 16-byte for f32). */
@@ -238,14 +385,15 @@ __device__ __forceinline__ void add_dense_out(float *out, int ng, int lane, int 
  * (D <= 128 VD); the accumulators are VCH x VD x 4 registers. */
 template <typename T, int VD>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_args A) {
-    const int y = blockIdx.y, gc = y % A.gchunks, row = y / A.gchunks, b = row / A.Hk,
-              kvh = row % A.Hk;
+    ekv_split sp;
+    if (!value_block(A, &sp)) return;
+    const int y = blockIdx.y, gc = y % A.gchunks, b = sp.b, kvh = y / A.gchunks,
+              row = b * A.Hk + kvh;
     const int D = A.D, ps = A.ps, g0 = gc * VCH, ng = A.G - g0 < VCH ? A.G - g0 : VCH;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    int64_t begin, end;
+    int64_t begin, end, e0, e1;
     entry_range(A.list_count, sg.P, row, 3, &begin, &end);
-    const int64_t n = end - begin, per = (n + A.nsplit - 1) / A.nsplit;
-    const int64_t e0 = begin + (int64_t)blockIdx.x * per, e1 = e0 + per < end ? e0 + per : end;
+    ekv_split_range(sp, begin, end, &e0, &e1);
     if (e1 <= e0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     double tau[VCH];
@@ -313,18 +461,42 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
         atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[row]), (unsigned long long)rows);
     if (any_w) add_dense_out<VD>(A.out + ((int64_t)b * A.H + kvh * A.G + g0) * D, ng, lane, D, acc);
 }
-/* Softmax values over one wave (its splits: A.nsplit from the grid). */
+/* Softmax values over one wave (A.nsplit: its splits per row of a uniform batch). */
 template <typename T, int VD>
 void launch_dense_values(value_args A, int rows, int sms, cudaStream_t st) {
     static int per_sm = 0;
     A.nsplit =
             ekv_cuda_one_wave(values_dense_kernel<T, VD>, EKV_CUDA_THREADS, 0, rows, sms, &per_sm);
-    values_dense_kernel<T, VD><<<dim3(A.nsplit, rows), EKV_CUDA_THREADS, 0, st>>>(A);
+    const dim3 grid(ekv_cuda_split_grid(A.nsplit, A.t.batch), rows / A.t.batch);
+    values_dense_kernel<T, VD><<<grid, EKV_CUDA_THREADS, 0, st>>>(A);
+}
+
+template <typename T, int LPR>
+void launch_union_d(const value_args &A, dim3 grid, cudaStream_t st) {
+    if (A.G <= 2)
+        values_union_kernel<T, LPR, 2, 4><<<grid, VAL_THREADS, 0, st>>>(A);
+    else if (A.G <= 4)
+        values_union_kernel<T, LPR, 4, 4><<<grid, VAL_THREADS, 0, st>>>(A);
+    else
+        values_union_kernel<T, LPR, 8, 2><<<grid, VAL_THREADS, 0, st>>>(A);
 }
 
 template <typename T>
-void launch_values_t(const value_args &A, int softmax, int rows_dense, int sms, dim3 grid_support,
+void launch_values_t(value_args A, int softmax, int rows_dense, int sms, int usplit, int vsplit,
                      cudaStream_t st) {
+    if (A.ubits) { /* ekv_cuda_values_union */
+        A.nsplit = usplit;
+        const dim3 grid(ekv_cuda_split_grid(usplit, A.t.batch), A.Hk);
+        if (A.D == 64)
+            launch_union_d<T, 8>(A, grid, st);
+        else if (A.D == 128)
+            launch_union_d<T, 16>(A, grid, st);
+        else
+            launch_union_d<T, 32>(A, grid, st);
+        return;
+    }
+    A.nsplit = vsplit;
+    const dim3 grid_support(ekv_cuda_split_grid(vsplit, A.t.batch), A.H);
     if (softmax) {
         if (A.D <= 128)
             launch_dense_values<T, 1>(A, rows_dense, sms, st);
@@ -361,7 +533,7 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.kv = *kv;
     A.gchunks = (A.G + VCH - 1) / VCH;
     A.ccap = pl->cand_cap;
-    A.nsplit = 1; /* softmax: set from the grid (launch_dense_values) */
+    A.nsplit = 1; /* set by the path launch_values_t takes */
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
     A.alpha = prm->alpha;
@@ -374,20 +546,32 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.out = out;
     A.rows = rows ? pl->rows : NULL;
     A.row_count = rows ? pl->row_count : NULL;
+    A.ubits = ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
+    A.cap_words = pl->cap_words;
     const int softmax = prm->alpha == 1.0;
     const int rows_dense = batch * A.Hk * A.gchunks;
-    const dim3 grid_support(pl->vsplit, batch * A.H);
     switch (kv->dtype) {
     case EKV_DTYPE_F16:
-        launch_values_t<__half>(A, softmax, rows_dense, pl->sms, grid_support, pl->stream);
+        launch_values_t<__half>(A, softmax, rows_dense, pl->sms, pl->usplit, pl->vsplit,
+                                pl->stream);
         break;
     case EKV_DTYPE_BF16:
-        launch_values_t<__nv_bfloat16>(A, softmax, rows_dense, pl->sms, grid_support, pl->stream);
+        launch_values_t<__nv_bfloat16>(A, softmax, rows_dense, pl->sms, pl->usplit, pl->vsplit,
+                                       pl->stream);
         break;
     default:
-        launch_values_t<float>(A, softmax, rows_dense, pl->sms, grid_support, pl->stream);
+        launch_values_t<float>(A, softmax, rows_dense, pl->sms, pl->usplit, pl->vsplit,
+                               pl->stream);
         break;
     }
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
+}
+
+/* Entmax (alpha > 1) with GQA groups of 2 to 8 and head dims 64, 128, 256: the values read each
+ * support V row once per KV head (values_union_kernel); G = 1 has nothing to share, larger
+ * groups and other dims keep the per-head kernel (their accumulators would spill). */
+bool ekv_cuda_values_union(const ekv_cuda_plan *pl, double alpha) {
+    const int G = pl->p.num_heads / pl->p.num_kv_heads, D = pl->p.head_dim;
+    return alpha != 1.0 && G >= 2 && G <= 8 && (D == 64 || D == 128 || D == 256);
 }

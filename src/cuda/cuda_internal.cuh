@@ -36,13 +36,14 @@ struct ekv_cuda_plan {
     ekv_cuda_plan_params p;
     cudaStream_t stream;
     int own_stream;
-    int32_t nsplit;     /* CTAs per list for the scores and candidates kernels        */
+    int32_t nsplit;     /* splits per list row of a uniform batch (ekv_seq_splits' base) */
+    int32_t split_cap;  /* the most splits a row can get: split_max, flash_part pitch   */
     int32_t sms;        /* the device's SMs (one-wave grids, ekv_cuda_one_wave)     */
     int64_t cap_pages;  /* max_pages_per_seq                                           */
     int64_t cap_tokens; /* cap_pages * page_size: score row length                     */
     /* scratch (device) */
     float *scores;       /* [B*H][cap_tokens] z-space scores of the listed tokens       */
-    float *split_max;    /* [B*H][nsplit]                                               */
+    float *split_max;    /* [B*H][2][split_cap] per split, round 1 then round 2          */
     float *bounds;       /* [B*H][cap_pages] per query head page bounds                 */
     float *list_bounds;  /* [B*Hk][cap_pages] max over the group (ranking key)          */
     int32_t *list_pages; /* [B*Hk][cap_pages] logical pages, round 1 then round 2      */
@@ -63,9 +64,11 @@ struct ekv_cuda_plan {
     int64_t *v_rows;     /* [B*Hk]                                                      */
     int32_t *flags;      /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
-    int32_t vsplit;      /* CTAs per query head for the support values kernel           */
+    int32_t vsplit;      /* splits per query head of the support values kernel (uniform) */
+    int32_t usplit;      /* splits per KV head of the group-union values kernel (uniform) */
+    uint32_t *ubits;     /* [B*Hk][cap_words] the group's support slots (zero between steps) */
     float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
-    int64_t *cand_off;   /* [B*H][cand_cap] their V row offsets (elements)              */
+    int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
     int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
     float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
@@ -87,9 +90,13 @@ struct ekv_cuda_plan {
     int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
+<<<<<<< HEAD
     int skip_values;     /* set by a sharded plan (sharded.cu): an entmax step stops after */
                          /* tau (its shard's own), the values come at the agreed tau       */
     float *flash_part;   /* [B*H][nsplit][head_dim + 4] one-pass softmax partials          */
+=======
+    float *flash_part;   /* [B*H][split_cap][head_dim + 4] one-pass softmax partials       */
+>>>>>>> splitkv
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
@@ -489,6 +496,60 @@ __device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, 
     return g;
 }
 
+/* ---- split-KV work partitioning (docs/architecture.md, CUDA split-KV). The splits of a
+ * sequence's rows are proportional to its pages: `base` splits per row for a uniform batch, so
+ * T = base * batch per row index in all, and sequence b gets floor(T P_b / P) of them (P: the
+ * batch's pages), at least 1 and at most cap. A uniform batch and B = 1 get base each; in a
+ * ragged batch the long rows take the splits the short rows leave. Every kernel that splits a
+ * row, and every reader of per-split partials, takes the count from here, on the device from
+ * the page table (nothing is read back: a step stays graph-safe). ---- */
+__device__ __forceinline__ int ekv_seq_splits(const ekv_page_table &t, int b, int base, int cap) {
+    const int64_t all = t.indptr[t.batch] - t.indptr[0];
+    int64_t n = all > 0 ? (int64_t)base * t.batch * ekv_seq_pages(t.indptr, b) / all : 1;
+    n = n < 1 ? 1 : n > cap ? cap : n;
+    return (int)n;
+}
+/* A grid's x for splits by ekv_seq_splits: the flat splits of every sequence, in sequence order.
+ * At most T + batch - 1 for any lengths: the floors sum to at most T, raising the k sequences
+ * whose floor is 0 adds k <= batch - 1, and k = batch only when the total is batch. */
+static inline int ekv_cuda_split_grid(int base, int batch) { return base * batch + batch - 1; }
+/* The split of flat block blockIdx.x: its sequence b (b < 0: none, the block returns at once),
+ * its split s of the sequence's rows and their count n. Every warp finds it alone (32
+ * sequences per pass, a prefix sum over the lanes), so no barrier is needed; warp-uniform
+ * call with every lane of the warp. */
+struct ekv_split {
+    int b, s, n;
+};
+__device__ __forceinline__ ekv_split ekv_block_split(const ekv_page_table &t, int base, int cap) {
+    const int lane = threadIdx.x & 31;
+    const int64_t f = blockIdx.x;
+    int64_t before = 0;
+    for (int c = 0; c < t.batch; c += 32) {
+        const int n = c + lane < t.batch ? ekv_seq_splits(t, c + lane, base, cap) : 0;
+        int incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int x = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += x;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, n > 0 && before + incl > f);
+        if (hit) {
+            const int l = __ffs(hit) - 1, nl = __shfl_sync(0xffffffffu, n, l),
+                      il = __shfl_sync(0xffffffffu, incl, l);
+            return ekv_split{c + l, (int)(f - (before + il - nl)), nl};
+        }
+        before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return ekv_split{-1, 0, 0};
+}
+/* Part sp.s of sp.n of the entries [begin, end): [*e0, *e1), empty (*e1 <= *e0) past the end. */
+__device__ __forceinline__ void ekv_split_range(const ekv_split &sp, int64_t begin, int64_t end,
+                                                int64_t *e0, int64_t *e1) {
+    const int64_t per = (end - begin + sp.n - 1) / sp.n;
+    *e0 = begin + (int64_t)sp.s * per;
+    *e1 = *e0 + per < end ? *e0 + per : end;
+}
+
 /* The step shape every kernel's arguments start with (they derive from it): the page table
  * and the plan's static shapes, set on the host by ekv_cuda_set_shape. */
 struct ekv_cuda_shape {
@@ -569,6 +630,9 @@ bool ekv_cuda_softmax_one_pass_applies(const ekv_cuda_plan *pl, int dtype);
 ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                             const ekv_paged_kv *kv, const ekv_page_table *t,
                                             const float *q, int batch, int use_list, float *out);
+/* whether the values stage reads each V row once for the GQA group (attend_values.cu); the
+ * final tau launch then marks the support slots in ubits instead of listing them */
+bool ekv_cuda_values_union(const ekv_cuda_plan *pl, double alpha);
 ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                   int use_list, float *out);

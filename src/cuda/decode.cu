@@ -52,11 +52,11 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 35 };
+enum { PLAN_BUFFERS = 36 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
-                  ns = pl->nsplit;
+                  ns = pl->split_cap;
     const int64_t BH = B * H, BHk = B * Hk, P = pl->cap_pages, C = pl->cand_cap;
     const plan_buffer t[PLAN_BUFFERS] = {
             {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
@@ -73,7 +73,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->gmu, BH * P * (int64_t)sizeof(double)},
             {(void **)&pl->gsig, BH * P * (int64_t)sizeof(double)},
             {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
-            {(void **)&pl->cand_off, BH * C * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->cand_slot, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
@@ -94,6 +94,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->hlist_in, BH * P},
             {(void **)&pl->list_heads, BHk * P * (int64_t)sizeof(uint16_t)},
             {(void **)&pl->sp_count, 2 * (int64_t)sizeof(unsigned long long)},
+            {(void **)&pl->ubits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
     };
     memcpy(b, t, sizeof t);
 }
@@ -152,6 +153,13 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
     if (ns < 1) ns = 1;
     pl->nsplit = (int32_t)ns;
+    /* ragged batches (ekv_seq_splits): a row takes at most the splits that fill the GPU with
+     * its KV heads alone, and never more than T = ns B or the pages */
+    int64_t cap = 2 * (int64_t)sms / Hk;
+    if (cap < ns) cap = ns;
+    if (cap > ns * B) cap = ns * B;
+    if (cap > p->max_pages_per_seq) cap = p->max_pages_per_seq;
+    pl->split_cap = (int32_t)cap;
     pl->sms = sms;
     pl->cap_pages = p->max_pages_per_seq;
     pl->cap_tokens = pl->cap_pages * p->page_size;
@@ -166,6 +174,9 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     /* the support values kernel: about 2 blocks per SM over all query heads */
     int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
     pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
+    /* the group-union values kernel: as many blocks over the KV heads */
+    int64_t us = (2 * (int64_t)sms + B * Hk - 1) / (B * Hk);
+    pl->usplit = (int32_t)(us < 1 ? 1 : us > 64 ? 64 : us);
 }
 
 extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
@@ -228,6 +239,9 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         e = cudaMemsetAsync(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t), pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->sbits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
+                            pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->ubits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
                             pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);

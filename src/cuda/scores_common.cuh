@@ -13,7 +13,7 @@ struct score_args : ekv_cuda_shape {
     const float *slopes; /* device, [H] or NULL */
     double qscale;       /* a * scale */
     float a;
-    int nsplit;
+    int nsplit, split_cap; /* ekv_seq_splits' base and cap */
     const int32_t *list_pages, *list_count; /* NULL: dense */
     const uint16_t *list_heads; /* per entry, the group's heads that attend it; NULL: all */
     int round;                              /* 1 or 2 */
@@ -22,21 +22,32 @@ struct score_args : ekv_cuda_shape {
     int64_t *v_rows;     /* [B*Hk], zeroed here */
 };
 
-/* The per-step counters the later kernels add into (block (0, row) of the scores kernel). */
-__device__ __forceinline__ void zero_step_counters(const score_args &A, int row, int b, int kvh) {
-    if (blockIdx.x != 0) return;
+/* This block's split (ekv_block_split over grid (split, KV head)): false when it has none (the
+ * block returns at once, block-uniform); else its sequence, KV head and list row. */
+__device__ __forceinline__ bool score_block(const score_args &A, ekv_split *sp, int *b, int *kvh,
+                                            int *row) {
+    *sp = ekv_block_split(A.t, A.nsplit, A.split_cap);
+    *b = sp->b;
+    *kvh = blockIdx.y;
+    *row = sp->b * A.Hk + (int)blockIdx.y;
+    return sp->b >= 0;
+}
+
+/* The per-step counters the later kernels add into (split 0 of the row). */
+__device__ __forceinline__ void zero_step_counters(const score_args &A, const ekv_split &sp,
+                                                   int row, int b, int kvh) {
+    if (sp.s != 0) return;
     if (threadIdx.x < A.G) A.cand_count[(int64_t)b * A.H + kvh * A.G + threadIdx.x] = 0;
     if (threadIdx.x == 0) A.v_rows[row] = 0;
 }
 
-/* The entries [e0, e1) of this block's split (blockIdx.x) of the list row's round. */
-__device__ __forceinline__ void split_entries(const score_args &A, const ekv_seq_geom &sg, int row,
-                                              int64_t *e0, int64_t *e1) {
+/* The entries [e0, e1) of this block's split of the list row's round. */
+__device__ __forceinline__ void split_entries(const score_args &A, const ekv_split &sp,
+                                              const ekv_seq_geom &sg, int row, int64_t *e0,
+                                              int64_t *e1) {
     int64_t begin, end;
     entry_range(A.list_count, sg.P, row, A.round, &begin, &end);
-    const int64_t per = (end - begin + A.nsplit - 1) / A.nsplit;
-    *e0 = begin + (int64_t)blockIdx.x * per;
-    *e1 = *e0 + per < end ? *e0 + per : end;
+    ekv_split_range(sp, begin, end, e0, e1);
 }
 
 /* q' = a scale q of the group's heads into shared memory ([G][D]) */
@@ -50,22 +61,22 @@ __device__ __forceinline__ void load_group_q(const score_args &A, int b, int kvh
 
 /* The block's max per query head from every warp's maxima red[warp][g], written as this
  * split's max (the second half of a row's split maxima in round 2). */
-__device__ __forceinline__ void publish_split_max(const score_args &A, const float *red, int b,
-                                                  int kvh) {
-    const int nw = blockDim.x >> 5, half = A.round == 2 ? A.nsplit : 0;
+__device__ __forceinline__ void publish_split_max(const score_args &A, const float *red,
+                                                  const ekv_split &sp, int b, int kvh) {
+    const int nw = blockDim.x >> 5, half = A.round == 2 ? A.split_cap : 0;
     __syncthreads();
     if (threadIdx.x < A.G) {
         float m = -CUDART_INF_F;
         for (int w = 0; w < nw; w++) m = fmaxf(m, red[w * A.G + threadIdx.x]);
-        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.nsplit + half +
-                    blockIdx.x] = m;
+        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.split_cap + half +
+                    sp.s] = m;
     }
 }
 
 /* Block max of every warp's running maxima, written as this split's max per query head. */
 template <int GM>
 __device__ __forceinline__ void write_split_max(const score_args &A, const float *runmax,
-                                                float *red, int b, int kvh) {
+                                                float *red, const ekv_split &sp, int b, int kvh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int g = 0; g < GM; g++) {
@@ -74,7 +85,7 @@ __device__ __forceinline__ void write_split_max(const score_args &A, const float
             if (lane == 0) red[warp * A.G + g] = m;
         }
     }
-    publish_split_max(A, red, b, kvh);
+    publish_split_max(A, red, sp, b, kvh);
 }
 
 /* ---- cp.async (sm_80+): global -> shared without registers ---- */

@@ -58,6 +58,7 @@ struct screen_args : ekv_cuda_shape {
     float *scl, *scu;   /* [B*H][scap] */
     int32_t *sct;       /* [B*H][scap] */
     int64_t *survivors; /* [B*Hk] zeroed here for the tau(l) kernel */
+    int sbase;          /* splits per row of a uniform batch (ekv_seq_splits), set at launch */
 };
 
 /* The bounds of one token for one head from its centre sum zc = C0 + sum_c w'_c code_c, e the
@@ -211,11 +212,11 @@ __device__ __forceinline__ void prefetch_quarter(const void *p, int64_t n, int q
  * floors (screen_cut); block 0 of the row zeroes the survivor count and, in the first pass,
  * the retry's sums. Returns false when the block has nothing to do (a retry pass with no head
  * of the group retrying): block-uniform. */
-__device__ __forceinline__ bool screen_prologue(const screen_args &A, int row, int b, int kvh,
-                                                float *qs) {
+__device__ __forceinline__ bool screen_prologue(const screen_args &A, int split, int row, int b,
+                                                int kvh, float *qs) {
     const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
-    if (blockIdx.x == 0 && threadIdx.x == 0) A.survivors[row] = 0;
-    if (blockIdx.x == 0 && !A.pass2)
+    if (split == 0 && threadIdx.x == 0) A.survivors[row] = 0;
+    if (split == 0 && !A.pass2)
         for (int i = threadIdx.x; i < A.G * EKV_SCREEN_GRID; i += blockDim.x)
             A.fsum[h0 * EKV_SCREEN_GRID + i] = 0.0;
     if (threadIdx.x < A.G)
@@ -311,13 +312,15 @@ enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 }; /* 2 (no spills, 8 warps) meas
 template <int GM, int BITS, int RB, int RT>
 __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_kernel(screen_args A) {
     extern __shared__ __align__(16) float smem[]; /* q' [G][D] */
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, ps = A.ps;
+    const ekv_split sp = ekv_block_split(A.t, A.sbase, A.sbase * A.t.batch);
+    if (sp.b < 0) return;
+    const int b = sp.b, kvh = blockIdx.y, row = b * A.Hk + kvh, G = A.G, ps = A.ps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int qd = lane >> 3, q = lane & 7;
-    if (!screen_prologue(A, row, b, kvh, smem)) return;
+    if (!screen_prologue(A, sp.s, row, b, kvh, smem)) return;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    const int64_t per = ((sg.P + gridDim.x - 1) / gridDim.x + 3) / 4 * 4;
-    const int64_t e0 = (int64_t)blockIdx.x * per, e1 = e0 + per < sg.P ? e0 + per : sg.P;
+    const int64_t per = ((sg.P + sp.n - 1) / sp.n + 3) / 4 * 4;
+    const int64_t e0 = (int64_t)sp.s * per, e1 = e0 + per < sg.P ? e0 + per : sg.P;
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
     const int64_t cb = (int64_t)ps * (A.D * BITS / 8);
     float slope[GM], runmax[GM], seen[GM];
@@ -466,13 +469,15 @@ template <int GM, int BITS>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, screen_min_blocks(GM))
         screen_kernel(screen_args A) {
     extern __shared__ __align__(16) float smem[]; /* q' [G][D], then a w' tile [D][GM] per warp */
-    const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
+    const ekv_split sp = ekv_block_split(A.t, A.sbase, A.sbase * A.t.batch);
+    if (sp.b < 0) return;
+    const int b = sp.b, kvh = blockIdx.y, row = b * A.Hk + kvh, G = A.G, D = A.D;
     const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float *qs = smem, *wq = smem + G * D + (int64_t)warp * D * GM;
-    if (!screen_prologue(A, row, b, kvh, qs)) return;
+    if (!screen_prologue(A, sp.s, row, b, kvh, qs)) return;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t per = (sg.P + gridDim.x - 1) / gridDim.x, e0 = (int64_t)blockIdx.x * per;
-    const int64_t e1 = e0 + per < sg.P ? e0 + per : sg.P;
+    int64_t e0, e1;
+    ekv_split_range(sp, 0, sg.P, &e0, &e1);
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
     float slope[GM], runmax[GM], seen[GM];
 #pragma unroll
@@ -679,7 +684,10 @@ cudaError_t launch_generic(const screen_args &A, int gx, int rows, cudaStream_t 
     const size_t sm = (size_t)A.G * A.D * 4 + (size_t)nw * A.D * GM * 4;
     const cudaError_t e = ekv_cuda_allow_smem<screen_kernel<GM, BITS>>(sm);
     if (e != cudaSuccess) return e;
-    screen_kernel<GM, BITS><<<dim3(gx, rows), nw * 32, sm, s>>>(A);
+    screen_args B = A;
+    B.sbase = gx;
+    screen_kernel<GM, BITS>
+            <<<dim3(ekv_cuda_split_grid(gx, A.t.batch), rows / A.t.batch), nw * 32, sm, s>>>(B);
     return cudaGetLastError();
 }
 
@@ -687,9 +695,12 @@ template <int GM, int BITS, int RB, int RT>
 cudaError_t launch_fast(const screen_args &A, int sms, int rows, cudaStream_t s) {
     static int per_sm = 0;
     const size_t sm = (size_t)A.G * A.D * 4;
-    const int gx = ekv_cuda_one_wave(screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm, rows,
-                                     sms, &per_sm);
-    screen_fast_kernel<GM, BITS, RB, RT><<<dim3(gx, rows), FAST_THREADS, sm, s>>>(A);
+    screen_args B = A;
+    B.sbase = ekv_cuda_one_wave(screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm, rows, sms,
+                                &per_sm);
+    screen_fast_kernel<GM, BITS, RB, RT>
+            <<<dim3(ekv_cuda_split_grid(B.sbase, A.t.batch), rows / A.t.batch), FAST_THREADS, sm,
+               s>>>(B);
     return cudaGetLastError();
 }
 

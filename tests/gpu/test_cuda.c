@@ -24,12 +24,13 @@
 #include "gpu/mirror.h"
 #include <string.h>
 
+enum { CASE_MAX_BATCH = 16 };
 typedef struct {
     int D, G, Hk, ps, B;
     ekv_dtype dt;
     double alpha;
     int alibi;
-    int64_t len[4];
+    int64_t len[CASE_MAX_BATCH];
 } gcase;
 
 /* max over heads of ||a - b|| / (||b|| + floor) */
@@ -566,6 +567,32 @@ static void tau_lb_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_cas
     free(lpg);
 }
 
+/* The V rows the dense step read per KV head (entmax): with the group-union values kernel (GQA
+ * groups 2-8, head dims 64/128/256) each row of the union of the group's supports once, so
+ * between the largest head's support and their sum (below the sum when the heads share rows);
+ * the per-head kernel reads the sum. */
+static void v_rows_check(ekv_cuda_plan *plan, const gcase *c, int B, const int64_t *sup) {
+    if (c->alpha == 1) return;
+    const int uni = c->G >= 2 && c->G <= 8 && (c->D == 64 || c->D == 128 || c->D == 256);
+    int64_t *vr = malloc(sizeof(int64_t) * B * c->Hk);
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.v_rows = vr;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report (v_rows)");
+    for (int64_t l = 0; l < (int64_t)B * c->Hk; l++) {
+        int64_t sum = 0, mx = 0;
+        for (int g = 0; g < c->G; g++) {
+            const int64_t s = sup[l * c->G + g];
+            sum += s;
+            mx = s > mx ? s : mx;
+        }
+        CHECK(uni ? vr[l] >= mx && vr[l] <= sum : vr[l] == sum,
+              "dense: %lld V rows read for KV head %lld (supports: max %lld, sum %lld, union %d)",
+              (long long)vr[l], (long long)l, (long long)mx, (long long)sum, uni);
+    }
+    free(vr);
+}
+
 static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     test_rng r = {seed * 2654435761u + 17};
     const int H = c->G * c->Hk, D = c->D, Hk = c->Hk, B = c->B, ps = c->ps;
@@ -591,8 +618,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     if (!cache) return;
     float *dir = malloc(sizeof(float) * D);
     for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
-    int32_t seqs[4];
-    float *ksrc[4], *vsrc[4];
+    int32_t seqs[CASE_MAX_BATCH];
+    float *ksrc[CASE_MAX_BATCH], *vsrc[CASE_MAX_BATCH];
     for (int b = 0; b < B; b++) {
         ekv_cache_seq_new(cache, &seqs[b]);
         ksrc[b] = malloc(sizeof(float) * c->len[b] * Hk * D);
@@ -882,6 +909,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                       (long long)sup_g[i], (long long)sup_ref[i]);
         }
         memcpy(sup_dense, sup_g, sizeof(int64_t) * B * H);
+        v_rows_check(plan, c, B, sup_g);
         const screen_case sc = {&m, c, &prm, &dprm, q, dq, ref, dout, sup_dense, maxP};
         /* topk, box then min(box, ball), budgets below / at / above the total, then a tenth of
          * each sequence (budget_fraction: every length its own budget) */
@@ -1433,6 +1461,36 @@ int main(void) {
         }
         if (i == 7) { c.len[0] = 1; } /* a one-token sequence */
         run_case(ctx, &c, (uint64_t)i + 1);
+    }
+    /* ragged batches (split-KV: each row's splits proportional to its length, docs/architecture.md
+     * CUDA split-KV): a 1-token sequence beside 100K, B = 1 at 100K, B = 16 from 1 token to
+     * 60K; groups 1, 4, 8 (the group-union values and the per-head ones); every method runs */
+    const struct {
+        int D, G, Hk, ps, B;
+        ekv_dtype dt;
+        double alpha;
+    } rg[] = {
+            {128, 4, 2, 16, 2, EKV_DTYPE_F16, 1.5},  {128, 8, 1, 16, 1, EKV_DTYPE_BF16, 1.5},
+            {128, 4, 2, 16, 16, EKV_DTYPE_BF16, 1.5}, {64, 8, 1, 8, 16, EKV_DTYPE_F32, 2.0},
+            {128, 1, 4, 16, 16, EKV_DTYPE_F16, 1.5}, {64, 4, 2, 16, 16, EKV_DTYPE_F16, 1.0},
+            {128, 8, 1, 16, 16, EKV_DTYPE_BF16, 1.0},
+    };
+    for (int i = 0; i < (int)(sizeof rg / sizeof rg[0]) && n < max_cases; i++, n++) {
+        gcase c;
+        memset(&c, 0, sizeof c);
+        c.D = rg[i].D;
+        c.G = rg[i].G;
+        c.Hk = rg[i].Hk;
+        c.ps = rg[i].ps;
+        c.B = rg[i].B;
+        c.dt = rg[i].dt;
+        c.alpha = rg[i].alpha;
+        c.alibi = i == 2;
+        if (c.B == 1) c.len[0] = 100000;
+        else if (c.B == 2) c.len[0] = 1, c.len[1] = 100000;
+        else /* 1 token, then a cubic spread to 60K (most sequences short, a few long) */
+            for (int b = 0; b < c.B; b++) c.len[b] = 1 + (int64_t)(60000.0 * pow(b / 15.0, 3));
+        run_case(ctx, &c, (uint64_t)(100 + i));
     }
     if (n < max_cases) {
         graph_test(ctx, 0);
