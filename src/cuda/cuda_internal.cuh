@@ -90,13 +90,9 @@ struct ekv_cuda_plan {
     int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
-<<<<<<< HEAD
     int skip_values;     /* set by a sharded plan (sharded.cu): an entmax step stops after */
                          /* tau (its shard's own), the values come at the agreed tau       */
-    float *flash_part;   /* [B*H][nsplit][head_dim + 4] one-pass softmax partials          */
-=======
     float *flash_part;   /* [B*H][split_cap][head_dim + 4] one-pass softmax partials       */
->>>>>>> splitkv
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
@@ -560,7 +556,7 @@ struct ekv_cuda_shape {
 template <typename Args>
 inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_table *t) {
     ekv_cuda_shape &s = a;
-    s.t = *t;
+    if (t) s.t = *t; /* NULL: a kernel that reads no page table keeps it zero */
     s.H = pl->p.num_heads;
     s.Hk = pl->p.num_kv_heads;
     s.G = s.H / s.Hk;

@@ -19,8 +19,10 @@ struct shard_args : ekv_cuda_shape {
     double alpha;
     const int32_t *list_count, *row_count, *list_pages, *rows;
     const float *scores, *cand_z;
-    const int64_t *cand_off;
+    const int64_t *cand_slot; /* the candidates' score slots (attend_tau.cu) */
     const int32_t *cand_count;
+    uint32_t *ubits; /* the group-union values kernel's support bitmap (NULL: support lists) */
+    int64_t cap_words;
     double *tau;
     int64_t *support;
     float *sup_p;
@@ -35,14 +37,7 @@ struct shard_args : ekv_cuda_shape {
 shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int mode) {
     shard_args A;
     memset(&A, 0, sizeof A);
-    if (t) ekv_cuda_set_shape(A, pl, t);
-    A.H = pl->p.num_heads;
-    A.Hk = pl->p.num_kv_heads;
-    A.G = A.H / A.Hk;
-    A.D = pl->p.head_dim;
-    A.ps = pl->p.page_size;
-    A.cap_pages = pl->cap_pages;
-    A.cap_tokens = pl->cap_tokens;
+    ekv_cuda_set_shape(A, pl, t);
     A.ccap = pl->cand_cap;
     A.mode = mode;
     A.list_count = mode == EKV_SHARD_LISTED ? pl->list_count : NULL;
@@ -51,7 +46,8 @@ shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int m
     A.rows = mode == EKV_SHARD_ROWS ? pl->rows : NULL;
     A.scores = pl->scores;
     A.cand_z = pl->cand_z;
-    A.cand_off = pl->cand_off;
+    A.cand_slot = pl->cand_off;
+    A.cap_words = pl->cap_words;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
     A.support = pl->support;
@@ -131,8 +127,10 @@ __global__ void update_kernel(shard_args A, int64_t n) {
 }
 
 /* The support at the agreed tau: a subset of the shard's own support (tau >= tau_j), so of its
- * candidates; listed with p for the values kernel, or, where the candidates overflowed, counted
- * over the row with the list marked full (the values kernel then scans the row with tau). */
+ * candidates; listed with p and V offsets for the per-head values kernel, or, where the
+ * candidates overflowed, counted over the row with the list marked full (the values kernel then
+ * scans the row with tau); for the group-union values kernel its slots are marked in the
+ * group's bitmap instead (as the tau kernel's final round marks them, attend_tau.cu). */
 __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
     __shared__ double scratch[32];
     __shared__ int s_n;
@@ -149,6 +147,11 @@ __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
         const int64_t i = base + lane;
         const bool in = i < s.n && (double)s.v[i] - tau > 0;
         c += in;
+        const int64_t slot = !in ? 0 : s.overflow ? i : A.cand_slot[row * A.ccap + i];
+        if (A.ubits) { /* the union kernel forms p from the score rows and the agreed tau */
+            if (in) atomicOr(A.ubits + s.lrow * A.cap_words + slot / 32, 1u << (slot % 32));
+            continue;
+        }
         if (s.overflow) continue;
         const unsigned m = __ballot_sync(0xffffffffu, in);
         if (!m) continue;
@@ -157,7 +160,12 @@ __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
         at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
         if (in) {
             A.sup_p[row * A.ccap + at] = entmax_p(s.v[i], tau, beta);
-            A.sup_off[row * A.ccap + at] = A.cand_off[row * A.ccap + i];
+            const int kvh = (int)(row % A.H) / A.G;
+            A.sup_off[row * A.ccap + at] =
+                    A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, s.lrow, s.sg.first, kvh,
+                                        A.ps, slot)
+                           : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, s.lrow, s.sg.first,
+                                         kvh, A.ps, slot);
         }
     }
     c = ekv_block_sum(c, scratch);
@@ -261,6 +269,7 @@ ekv_status ekv_shard_launch_support(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     A.cstate = state;
     A.pending = pending;
     A.out = out;
+    A.ubits = ekv_cuda_values_union(pl, alpha) ? pl->ubits : NULL; /* as the values launch */
     EKV_CUDA_TRY(pl, cudaMemsetAsync(pending + 1, 0, sizeof(int32_t), pl->stream));
     support_kernel<<<batch * A.H, SH_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
