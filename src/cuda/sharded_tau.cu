@@ -46,7 +46,7 @@ shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int m
     A.rows = mode == EKV_SHARD_ROWS ? pl->rows : NULL;
     A.scores = pl->scores;
     A.cand_z = pl->cand_z;
-    A.cand_slot = pl->cand_off;
+    A.cand_slot = pl->cand_slot;
     A.cap_words = pl->cap_words;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
