@@ -548,6 +548,12 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t ba
 /* The screen kernel of the last screened step: 0 generic, 1 fast (CUDA cores), 2 tensor cores
  * (screen.cu, screen_kind; -1 before any screened step; the GPU tests and the bench). */
 extern "C" EKV_API ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
+/* Its candidate lists (l, u, token per query head) and its row lists, copied to the host
+ * (synchronise; the GPU tests). */
+extern "C" EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l,
+                                                    float *u, int32_t *tok, int64_t *n);
+extern "C" EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch,
+                                                       int32_t *rows);
 /* The last bound stage's page bounds, copied to the host (synchronises; the GPU tests). */
 extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 /* masked: the heads' scores outside their own lists are -inf (list_heads, per_query_head) */

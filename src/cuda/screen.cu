@@ -9,7 +9,9 @@
  *            bytes: one 16-byte load), form those channels' terms from the range in registers,
  *            add w'_c code_tc for the 16 tokens and every head of the group, and a reduce-scatter
  *            over the quarter leaves each lane two tokens. The generic kernel (other shapes) is
- *            version 1's warp per page. Both bound every token (l, u per head, docs/math.md
+ *            version 1's warp per page. GQA groups of 2..16 heads (D 64 or 128, pages of
+ *            multiples of 16) take the tensor-core kernel instead (screen_mma.cu); screen_kind
+ *            chooses, in one place. All bound every token (l, u per head, docs/math.md
  *            §10.2) and keep only the candidates u > M' - 1, M' the largest l any warp has
  *            published (§10.3 Claim 3), appended with l, u and the token to the head's list.
  *   retry:   only for heads whose list overflowed (iid keys: most tokens pass u > M' - 1):
@@ -760,5 +762,48 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, in
     if (!pl) return EKV_ERR_NULL_POINTER;
     if (!kind) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "kind must not be NULL");
     *kind = pl->last_screened ? pl->last_screen_kind : -1;
+    return EKV_OK;
+}
+
+/* The candidate lists of the plan's last screened step, per query head: l, u and token of the
+ * first n[h] entries ([batch * num_heads][scap] each; the retry's list for a head that retried;
+ * n[h] = min(count, scap)). Internal, for the GPU tests' check l <= z <= u; synchronises. */
+extern "C" EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l,
+                                                    float *u, int32_t *tok, int64_t *n) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, n, "n", batch);
+    if (cs) return cs;
+    if (!l || !u || !tok) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "l, u, tok must not be NULL");
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
+                  nh = (int64_t)batch * pl->p.num_heads;
+    uint32_t *c = (uint32_t *)malloc((size_t)(2 * BH) * sizeof(uint32_t));
+    if (!c) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    cudaError_t e = cudaStreamSynchronize(pl->stream);
+    if (e == cudaSuccess) /* the first pass's counts, then the retry's */
+        e = cudaMemcpy(c, pl->scr_state + 2 * BH, (size_t)(2 * BH) * sizeof(uint32_t),
+                       cudaMemcpyDeviceToHost);
+    const size_t bytes = (size_t)(nh * pl->scap) * 4;
+    if (e == cudaSuccess) e = cudaMemcpy(l, pl->scl, bytes, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) e = cudaMemcpy(u, pl->scu, bytes, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) e = cudaMemcpy(tok, pl->sct, bytes, cudaMemcpyDeviceToHost);
+    for (int64_t h = 0; h < nh; h++) {
+        const int64_t n1 = c[h], m = n1 > pl->scap ? (int64_t)c[BH + h] : n1;
+        n[h] = pl->last_screened && e == cudaSuccess ? (m < pl->scap ? m : pl->scap) : 0;
+    }
+    free(c);
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen lists: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}
+
+/* The row lists of the plan's last screened step ([batch * num_kv_heads][cap_tokens]: the union
+ * of the group's survivors, ascending; ekv_cuda_screen_rows says how many). Internal, for the
+ * GPU tests' check that they hold the support; synchronises. */
+extern "C" EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch,
+                                                       int32_t *rows) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, rows, "rows", batch);
+    if (cs) return cs;
+    const size_t bytes = (size_t)batch * pl->p.num_kv_heads * pl->cap_tokens * sizeof(int32_t);
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    EKV_CUDA_TRY(pl, cudaMemcpy(rows, pl->rows, bytes, cudaMemcpyDeviceToHost));
     return EKV_OK;
 }
