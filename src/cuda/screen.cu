@@ -70,16 +70,6 @@ __device__ __forceinline__ void row_fma(uint4 cw, const float *wq0, const float 
     }
 }
 
-/* One level of the reduce-scatter: lanes with up keep the upper H values, the others the lower
- * H, each adding its partner's (lane ^ o) copy of them; the kept values move to v[0 .. H). */
-template <int H> __device__ __forceinline__ void scatter_level(float *v, bool up, int o) {
-#pragma unroll
-    for (int i = 0; i < H; i++) {
-        const float send = up ? v[i] : v[i + H], keep = up ? v[i + H] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-    }
-}
-
 /* Sums V values over the 8 lanes of a quarter warp, leaving lane q the values [q V/8, (q+1) V/8)
  * in v[0 .. V/8) (recursive halving; every index a constant, so v stays in registers). */
 template <int V> __device__ __forceinline__ void quarter_reduce_scatter(float *v, int q) {

@@ -73,17 +73,33 @@ __device__ __forceinline__ float retry_cut(const screen_args &A, int64_t h) {
     return __double2float_rd(t);
 }
 
-/* Keeps token tok of head hrow (head g of the block's group) when on and u > M' - 1 and u >
- * screen_cut[g] (a bound that is not a number keeps it). Warp-uniform call. */
-__device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, int g, bool on,
-                                            float l, float u, float Mp, int64_t tok) {
-    const double cut = fmax((double)Mp - 1.0, (double)screen_cut[g]);
-    const bool take = on && !((double)u <= cut);
+/* Appends token tok of head hrow with its bounds where take (one atomic per warp). Warp-uniform
+ * call. */
+__device__ __forceinline__ void screen_append(const screen_args &A, int64_t hrow, bool take,
+                                              float l, float u, int64_t tok) {
     const uint32_t at = ekv_warp_append(take, A.acount + hrow);
     if (take && at < A.scap) {
         A.scl[hrow * A.scap + at] = l;
         A.scu[hrow * A.scap + at] = u;
         A.sct[hrow * A.scap + at] = (int32_t)tok;
+    }
+}
+
+/* Keeps token tok of head hrow (head g of the block's group) when on and u > M' - 1 and u >
+ * screen_cut[g] (a bound that is not a number keeps it). Warp-uniform call. */
+__device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, int g, bool on,
+                                            float l, float u, float Mp, int64_t tok) {
+    const double cut = fmax((double)Mp - 1.0, (double)screen_cut[g]);
+    screen_append(A, hrow, on && !((double)u <= cut), l, u, tok);
+}
+
+/* One level of the reduce-scatter: lanes with up keep the upper H values, the others the lower
+ * H, each adding its partner's (lane ^ o) copy of them; the kept values move to v[0 .. H). */
+template <int H> __device__ __forceinline__ void scatter_level(float *v, bool up, int o) {
+#pragma unroll
+    for (int i = 0; i < H; i++) {
+        const float send = up ? v[i] : v[i + H], keep = up ? v[i + H] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
     }
 }
 

@@ -21,7 +21,7 @@
 
 namespace {
 
-enum { SMMA_THREADS = 128, SMMA_NW = SMMA_THREADS / 32 };
+enum { SMMA_THREADS = 128, SMMA_NW = SMMA_THREADS / 32, SMMA_SHARE = 4 };
 
 /* f16 parts of w' per code width: 4 bits one (it widens W_c by 15 2^-11 s_c, 1.5 % of the half
  * step), 8 bits hi + lo (255 2^-22 s_c; one part would widen it by a quarter). */
@@ -93,12 +93,31 @@ __device__ __forceinline__ void fill_code_tile(const uint4 *cw, unsigned char *t
 }
 
 /* e of one head (page_e) plus what the f16 parts lose below f16's normal range: at most 2^-24
- * per scaled weight, 2^(-24 - sigma) D (2^b - 1) over the page's codes, added in double and
- * rounded up (docs/math.md §10.2). */
+ * per scaled weight, D (2^b - 1) 2^-24 uns over the page's codes (uns = 2^-sigma), added in
+ * double and rounded up (docs/math.md §10.2, "On tensor cores"). */
 __device__ __forceinline__ float smma_e(float ep, int D, int bits, float slope, int64_t p, int ps,
-                                        int64_t N, int sigma) {
-    const double lost = (double)D * (double)((1 << bits) - 1) * ldexp(1.0, -24 - sigma);
+                                        int64_t N, float uns) {
+    const double lost = (double)D * (double)((1 << bits) - 1) * 0x1p-24 * (double)uns;
     return __double2float_ru((double)page_e(ep, D, slope, p, ps, N) + lost);
+}
+
+/* Sums V (a power of two, 2..32) values over the warp, leaving lane L the sum of value
+ * L >> (5 - log2 V): recursive halving over the lane's high bits, then full sums. */
+template <int V> __host__ __device__ constexpr int log2_of() {
+    return V >= 32 ? 5 : V >= 16 ? 4 : V >= 8 ? 3 : V >= 4 ? 2 : 1;
+}
+template <int V> __device__ __forceinline__ float warp_reduce_scatter(float *v) {
+    const int lane = threadIdx.x & 31;
+    constexpr int LV = log2_of<V>();
+    scatter_level<V / 2>(v, (lane & 16) != 0, 16);
+    if constexpr (LV >= 2) scatter_level<V / 4>(v, (lane & 8) != 0, 8);
+    if constexpr (LV >= 3) scatter_level<V / 8>(v, (lane & 4) != 0, 4);
+    if constexpr (LV >= 4) scatter_level<V / 16>(v, (lane & 2) != 0, 2);
+    if constexpr (LV >= 5) scatter_level<V / 32>(v, (lane & 1) != 0, 1);
+    float x = v[0];
+#pragma unroll
+    for (int o = 16 >> LV; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
 }
 
 /* The page's channel terms (lanes over channel pairs 2 lane + 64 i): w' of every head scaled
@@ -106,8 +125,7 @@ __device__ __forceinline__ float smma_e(float ep, int D, int bits, float slope, 
  * step and centre of the page is finite (warp-uniform). */
 template <int D, int BITS, int GM>
 __device__ __forceinline__ int smma_terms(const screen_args &A, const float *qs, __half *wp,
-                                          float *ht, const float *slope, int64_t so, int64_t p,
-                                          int64_t N) {
+                                          float *ht, int64_t so, int64_t p, int64_t N) {
     constexpr int P = smma_parts<BITS>(), CP = D / 64, NR = 8 * (GM > 8 ? 2 : 1);
     constexpr int PITCH = mma_qpitch<D>();
     const int lane = threadIdx.x & 31, G = A.G;
@@ -149,13 +167,22 @@ __device__ __forceinline__ int smma_terms(const screen_args &A, const float *qs,
                         __floats2half2_rn(x0 - hf.x, x1 - hf.y);
             }
         }
-        const float cs = ekv_warp_sum(c0[g]), es = ekv_warp_sum(ep[g]);
-        if (lane == 0) {
-            ht[g] = cs;
-            ht[16 + g] = smma_e(es, D, BITS, slope[g], p, A.ps, N, sigma);
-            ht[32 + g] = __int_as_float((127 - sigma) << 23);
-        }
+        if (lane == 0) ht[32 + g] = __int_as_float((127 - sigma) << 23); /* 2^-sigma */
     }
+    /* C0 and e of every head at once: lane L gets value L >> (5 - log2 2GM) (c0 of heads 0..GM,
+     * then ep), and the lanes holding an ep form that head's e */
+    float v[2 * GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        v[g] = c0[g];
+        v[GM + g] = ep[g];
+    }
+    float x = warp_reduce_scatter<2 * GM>(v);
+    constexpr int LV = log2_of<2 * GM>();
+    const int idx = lane >> (5 - LV), h = idx < GM ? idx : idx - GM;
+    __syncwarp(); /* 2^-sigma is in ht */
+    if (idx >= GM && h < G) x = smma_e(x, D, BITS, ht[48 + h], p, A.ps, N, ht[32 + h]);
+    if (h < G && (lane & ((1 << (5 - LV)) - 1)) == 0) ht[(idx < GM ? 0 : 16) + h] = x;
     return __all_sync(0xffffffffu, ok);
 }
 
@@ -211,13 +238,22 @@ __device__ __forceinline__ void smma_bounds(const screen_args &A, const float (*
     for (int g = 0; g < GM; g++) {
         if (g >= A.G) break;
         const bool mine = (lane & 3) == ((g & 7) >> 1);
+        bool on[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int i = 2 * h + (g & 1), ts = ch + (lane >> 2) + 8 * h;
-            const bool on = mine && ts < valid;
-            const float lv = l[g >> 3][i], uv = u[g >> 3][i];
-            if (on) runmax[g] = fmaxf(runmax[g], lv);
-            if (emit) screen_emit(A, h0 + g, g, on, lv, uv, fmaxf(runmax[g], seen[g]), tok0 + ts);
+            on[h] = mine && ch + (lane >> 2) + 8 * h < valid;
+            if (on[h]) runmax[g] = fmaxf(runmax[g], l[g >> 3][2 * h + (g & 1)]);
+        }
+        if (!emit) continue;
+        /* screen_emit's keep test u > max(M' - 1, screen_cut) once per head and chunk, the cut
+         * rounded down to fp32 (a lower cut keeps more: never fewer) */
+        const float cut = __double2float_rd(
+                fmax((double)fmaxf(runmax[g], seen[g]) - 1.0, (double)screen_cut[g]));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int i = 2 * h + (g & 1);
+            screen_append(A, h0 + g, on[h] && !(u[g >> 3][i] <= cut), l[g >> 3][i],
+                          u[g >> 3][i], tok0 + ch + (lane >> 2) + 8 * h);
         }
     }
 }
@@ -237,8 +273,8 @@ __device__ __forceinline__ void smma_prefetch(const screen_args &A, const ekv_se
 /* One page: its terms, then its 16-token chunks through the tile and the mma. */
 template <int D, int BITS, int GM>
 __device__ __forceinline__ void smma_page(const screen_args &A, const float *qs,
-                                          unsigned char *tile, __half *wp, float *ht,
-                                          const float *slope, int64_t p, int64_t phys, int valid,
+                                          unsigned char *tile, __half *wp, float *ht, int64_t p,
+                                          int64_t phys, int valid,
                                           const ekv_seq_geom &sg, int kvh, int64_t h0,
                                           float *runmax, const float *seen, bool emit) {
     constexpr int R = D * BITS / 8, NT = GM > 8 ? 2 : 1;
@@ -246,7 +282,7 @@ __device__ __forceinline__ void smma_page(const screen_args &A, const float *qs,
     const uint8_t *blk = A.codes + (phys * A.Hk + kvh) * (int64_t)ps * R;
     uint4 cw[R / 32];
     load_code_rows<R>(blk, ps, cw); /* in flight while the terms are formed */
-    const int ok = smma_terms<D, BITS, GM>(A, qs, wp, ht, slope, (phys * A.Hk + kvh) * D, p, sg.N);
+    const int ok = smma_terms<D, BITS, GM>(A, qs, wp, ht, (phys * A.Hk + kvh) * D, p, sg.N);
     const float jpos = (float)(p * ps - (sg.N - 1));
     for (int ch = 0; ch < valid; ch += 16) { /* chunks past the last token: none */
         if (ch > 0) load_code_rows<R>(blk + ch, ps, cw);
@@ -272,13 +308,10 @@ __global__ void __launch_bounds__(SMMA_THREADS) screen_mma_kernel(screen_args A)
     if (!screen_prologue(A, row, b, kvh, qs)) return;
     for (int i = lane; i < (int)(L::wp / 16); i += 32)
         reinterpret_cast<uint4 *>(wp)[i] = make_uint4(0u, 0u, 0u, 0u);
-    float slope[GM], runmax[GM], seen[GM];
+    float runmax[GM], seen[GM];
 #pragma unroll
-    for (int g = 0; g < GM; g++) {
-        slope[g] = g < G && A.slopes ? A.a * A.slopes[kvh * G + g] : 0.f;
-        runmax[g] = seen[g] = -CUDART_INF_F;
-    }
-    if (lane < 16) { /* heads >= G: zero terms, never written again */
+    for (int g = 0; g < GM; g++) runmax[g] = seen[g] = -CUDART_INF_F;
+    if (lane < 16) { /* the slopes; heads >= G: zero terms, never written again */
         ht[lane] = ht[16 + lane] = 0.f;
         ht[32 + lane] = 1.f;
         ht[48 + lane] = lane < G && A.slopes ? A.a * A.slopes[kvh * G + lane] : 0.f;
@@ -287,16 +320,22 @@ __global__ void __launch_bounds__(SMMA_THREADS) screen_mma_kernel(screen_args A)
     const int64_t per = (sg.P + gridDim.x - 1) / gridDim.x, e0 = (int64_t)blockIdx.x * per;
     const int64_t e1 = e0 + per < sg.P ? e0 + per : sg.P;
     const int64_t h0 = (int64_t)b * A.H + kvh * G, cb = (int64_t)ps * (D * BITS / 8);
+    uint32_t pre[GM];
+    int since = 0; /* pages since the maxima were last shared */
     for (int64_t k = A.pass2 ? 0 : -1;; k++) { /* k = -1: a dry pass, as the fast kernel */
         const int64_t p = e0 + warp + (k < 0 ? 0 : k) * nw;
         if (p >= e1) break;
-        uint32_t pre[GM];
-        ekv_peek_max<GM>(A.lkey + h0, G, pre);
+        if (since == 0) ekv_peek_max<GM>(A.lkey + h0, G, pre);
         smma_prefetch(A, sg, p + nw, e1, kvh, cb);
         const int valid = p == sg.P - 1 ? (int)(sg.N - p * ps) : ps;
-        smma_page<D, BITS, GM>(A, qs, tile, wp, ht, slope, p, A.t.indices[sg.first + p], valid,
-                               sg, kvh, h0, runmax, seen, k >= 0);
-        ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
+        smma_page<D, BITS, GM>(A, qs, tile, wp, ht, p, A.t.indices[sg.first + p], valid, sg,
+                               kvh, h0, runmax, seen, k >= 0);
+        /* the maxima every SMMA_SHARE pages (a page is a fast kernel's quarter), after the dry
+         * pass and after the warp's last page */
+        if (k < 0 || ++since == SMMA_SHARE || p + nw >= e1) {
+            ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
+            since = 0;
+        }
     }
 }
 
