@@ -13,7 +13,11 @@
  *   screened: the append kernel's key codes equal the CPU cache's byte for byte (4 and 8
  *           bits); output equals dense entmax and the CPU's screened decode, support the
  *           GPU dense step's; every support pair survived the screen, and each KV head's
- *           rows (the union of its group's survivors) hold every head's support.
+ *           rows (the union of its group's survivors) hold every head's support; each step ran
+ *           the screen kernel the shape calls for (tensor cores for GQA groups, docs/math.md
+ *           §10.2). The screen on tensor cores and on CUDA cores alone: every listed token's
+ *           bounds hold the scores of both score kernels; GQA groups 2, 4, 8 over f16/bf16,
+ *           4/8-bit codes, planted/random keys and ALiBi equal dense entmax, rows hold the support.
  * Then: a CUDA graph of the step replayed after the lengths changed gives the eager result,
  * and invalid inputs give errors and leave the output untouched.
  * Exit 77 when no CUDA device is present. EKV_CUDA_TEST_CASES=N limits the table (memcheck).
@@ -509,11 +513,12 @@ static ekv_cuda_plan *screen_plan(ekv_context *ctx, const mirror *m, int B, int 
  * f16 parts of w' below f16's normal range), scaled so that every |z| < 1/4 and so every token is
  * a candidate. Every token is listed with l <= z <= u for the dense scores of both score kernels,
  * and the tensor-core bounds are on average at most 5 % wider than the CUDA cores' (the split's
- * slack: 1.5 % of the half step for 4-bit codes, §10.2 "On tensor cores"). */
-static void screen_bounds_test(ekv_context *ctx) {
+ * slack: 1.5 % of the half step for 4-bit codes, §10.2 "On tensor cores"). The first ncases of
+ * the 12 combinations run. */
+static void screen_bounds_test(ekv_context *ctx, int ncases) {
     const ekv_dtype dts[2] = {EKV_DTYPE_F16, EKV_DTYPE_BF16};
     const int groups[3] = {2, 4, 8};
-    for (int c = 0; c < 12; c++) {
+    for (int c = 0; c < ncases; c++) {
         const ekv_dtype dt = dts[c % 2];
         const int bits = c / 2 % 2 ? 8 : 4, G = groups[c / 4], D = c % 3 == 2 ? 64 : 128;
         const int Hk = 2, H = G * Hk, ps = c % 4 == 3 ? 32 : 16;
@@ -702,10 +707,11 @@ static void screen_rows_check(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
  * (the long-double reference) and each KV head's rows hold the support (of the GPU dense step) of
  * every head of its group; on the random keys a plan with lists of a quarter of the tokens runs the retry pass
  * on tensor cores too. The two paths may keep (slightly) different supersets: the survivors are
- * summed per path and the tensor cores' may not exceed the CUDA cores' by more than 10 %. */
-static void screen_group_test(ekv_context *ctx) {
+ * summed per path and the tensor cores' may not exceed the CUDA cores' by more than 10 %. The
+ * first ncases of the 48 combinations run. */
+static void screen_group_test(ekv_context *ctx, int ncases) {
     const int groups[3] = {2, 4, 8};
-    for (int c = 0; c < 48; c++) {
+    for (int c = 0; c < ncases; c++) {
         const int G = groups[c % 3], bits = c / 6 % 2 ? 8 : 4, random = c / 12 % 2,
                   alibi = c / 24, Hk = 2, H = G * Hk, B = 1 + c % 2;
         const int D = c % 5 == 4 ? 64 : 128, ps = c % 7 == 6 ? 32 : 16;
@@ -1898,10 +1904,10 @@ int main(void) {
     const int max_cases = lim ? atoi(lim) : 1 << 30;
     invalid_test(ctx);
     scores_precision_test(ctx);
-    if (max_cases >= 8) { /* the screen on tensor cores: bounds, then GQA workloads */
-        screen_bounds_test(ctx);
-        screen_group_test(ctx);
-    }
+    /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
+     * shorter tables) */
+    screen_bounds_test(ctx, max_cases >= 60 ? 12 : 3);
+    screen_group_test(ctx, max_cases >= 60 ? 48 : 3);
     /* the case table: every value of every axis appears, in rotating combinations */
     const int dims[] = {64, 128, 256, 72, 40};
     const int groups[] = {1, 4, 8, 16, 2, 3};
