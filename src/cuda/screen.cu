@@ -578,7 +578,8 @@ cudaError_t launch_screen_b(const screen_args &A, int kind, int gx, int sms, int
 
 /* Which screen kernel serves the step, the one place that decides: tensor cores for GQA groups
  * where they apply and the plan allows them (tensor_cores), else the fast CUDA-core kernel (page
- * size a multiple of 16, groups up to 4, whole 16-byte code rows per lane), else the generic one. */
+ * size a multiple of 16, groups up to 4, whole 16-byte code rows per lane), else the generic one.
+ */
 int screen_kind(const ekv_cuda_plan *pl, int G, int D, int ps, int code_bits) {
     if (pl->p.tensor_cores && ekv_cuda_screen_mma_applies(G, D, ps)) return EKV_SCREEN_MMA;
     if (ps % 16 == 0 && G <= 4 && D * code_bits / 8 % 32 == 0) return EKV_SCREEN_FAST;
@@ -762,7 +763,8 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t b
                                                     float *u, int32_t *tok, int64_t *n) {
     const ekv_status cs = ekv_cuda_check_readout(pl, n, "n", batch);
     if (cs) return cs;
-    if (!l || !u || !tok) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "l, u, tok must not be NULL");
+    if (!l || !u || !tok)
+        return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "l, u, tok must not be NULL");
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
                   nh = (int64_t)batch * pl->p.num_heads;
     uint32_t *c = (uint32_t *)malloc((size_t)(2 * BH) * sizeof(uint32_t));

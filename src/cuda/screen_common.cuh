@@ -148,7 +148,6 @@ __device__ __forceinline__ float page_e(float ep, int D, float slope, int64_t p,
     return __double2float_ru(e);
 }
 
-
 /* Brings bytes [0, n) at p into L2, the 8 lanes of a quarter one 128-byte line each per pass. */
 __device__ __forceinline__ void prefetch_quarter(const void *p, int64_t n, int q) {
     for (int64_t o = (int64_t)q * 128; o < n; o += 8 * 128)

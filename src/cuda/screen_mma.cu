@@ -65,7 +65,8 @@ __device__ __forceinline__ void tile_row(unsigned char *tile, int r, uint4 v) {
 }
 
 /* The lane's code rows j = lane + 32 i of a 16-token chunk (blk: the chunk's first slot). */
-template <int R> __device__ __forceinline__ void load_code_rows(const uint8_t *blk, int ps, uint4 *cw) {
+template <int R>
+__device__ __forceinline__ void load_code_rows(const uint8_t *blk, int ps, uint4 *cw) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < R / 32; i++)
@@ -150,7 +151,8 @@ __device__ __forceinline__ int smma_terms(const screen_args &A, const float *qs,
         unsigned mb = 0u; /* the largest |w'| as bits (ordered as integers; NaN above inf) */
 #pragma unroll
         for (int i = 0; i < CP; i++)
-            mb = max(mb, max(__float_as_uint(fabsf(w[i][0][g])), __float_as_uint(fabsf(w[i][1][g]))));
+            mb = max(mb,
+                     max(__float_as_uint(fabsf(w[i][0][g])), __float_as_uint(fabsf(w[i][1][g]))));
         mb = __reduce_max_sync(0xffffffffu, mb);
         /* 2^sigma |w'| in [2^14, 2^15) for the largest; sigma in [-126, 126] (inf, NaN: -114) */
         const int sigma = min(126, max(-126, 141 - (int)(mb >> 23)));
@@ -207,7 +209,8 @@ __device__ __forceinline__ void smma_dots(const unsigned char *tile, const __hal
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int part = 0; part < P; part++) {
-                const __half *bp = wp + (size_t)(part * NR + nt * 8 + qrow) * PITCH + kk * 16 + qcol;
+                const __half *bp =
+                        wp + (size_t)(part * NR + nt * 8 + qrow) * PITCH + kk * 16 + qcol;
                 float c[4];
                 mma_16816<__half>(c, a, *reinterpret_cast<const uint32_t *>(bp),
                                   *reinterpret_cast<const uint32_t *>(bp + 8));
@@ -252,8 +255,8 @@ __device__ __forceinline__ void smma_bounds(const screen_args &A, const float (*
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int i = 2 * h + (g & 1);
-            screen_append(A, h0 + g, on[h] && !(u[g >> 3][i] <= cut), l[g >> 3][i],
-                          u[g >> 3][i], tok0 + ch + (lane >> 2) + 8 * h);
+            screen_append(A, h0 + g, on[h] && !(u[g >> 3][i] <= cut), l[g >> 3][i], u[g >> 3][i],
+                          tok0 + ch + (lane >> 2) + 8 * h);
         }
     }
 }
@@ -274,9 +277,8 @@ __device__ __forceinline__ void smma_prefetch(const screen_args &A, const ekv_se
 template <int D, int BITS, int GM>
 __device__ __forceinline__ void smma_page(const screen_args &A, const float *qs,
                                           unsigned char *tile, __half *wp, float *ht, int64_t p,
-                                          int64_t phys, int valid,
-                                          const ekv_seq_geom &sg, int kvh, int64_t h0,
-                                          float *runmax, const float *seen, bool emit) {
+                                          int64_t phys, int valid, const ekv_seq_geom &sg, int kvh,
+                                          int64_t h0, float *runmax, const float *seen, bool emit) {
     constexpr int R = D * BITS / 8, NT = GM > 8 ? 2 : 1;
     const int ps = A.ps;
     const uint8_t *blk = A.codes + (phys * A.Hk + kvh) * (int64_t)ps * R;
@@ -321,15 +323,15 @@ __global__ void __launch_bounds__(SMMA_THREADS) screen_mma_kernel(screen_args A)
     const int64_t e1 = e0 + per < sg.P ? e0 + per : sg.P;
     const int64_t h0 = (int64_t)b * A.H + kvh * G, cb = (int64_t)ps * (D * BITS / 8);
     uint32_t pre[GM];
-    int since = 0; /* pages since the maxima were last shared */
+    int since = 0;                             /* pages since the maxima were last shared */
     for (int64_t k = A.pass2 ? 0 : -1;; k++) { /* k = -1: a dry pass, as the fast kernel */
         const int64_t p = e0 + warp + (k < 0 ? 0 : k) * nw;
         if (p >= e1) break;
         if (since == 0) ekv_peek_max<GM>(A.lkey + h0, G, pre);
         smma_prefetch(A, sg, p + nw, e1, kvh, cb);
         const int valid = p == sg.P - 1 ? (int)(sg.N - p * ps) : ps;
-        smma_page<D, BITS, GM>(A, qs, tile, wp, ht, p, A.t.indices[sg.first + p], valid, sg,
-                               kvh, h0, runmax, seen, k >= 0);
+        smma_page<D, BITS, GM>(A, qs, tile, wp, ht, p, A.t.indices[sg.first + p], valid, sg, kvh,
+                               h0, runmax, seen, k >= 0);
         /* the maxima every SMMA_SHARE pages (a page is a fast kernel's quarter), after the dry
          * pass and after the warp's last page */
         if (k < 0 || ++since == SMMA_SHARE || p + nw >= e1) {
@@ -343,8 +345,7 @@ template <int D, int BITS, int GM>
 cudaError_t launch_smma(const screen_args &A, int sms, int rows, cudaStream_t s) {
     constexpr auto kernel = screen_mma_kernel<D, BITS, GM>;
     static int per_sm = 0;
-    const size_t sm =
-            (size_t)A.G * D * 4 + SMMA_NW * smma_layout<D, BITS, (GM > 8 ? 2 : 1)>::warp;
+    const size_t sm = (size_t)A.G * D * 4 + SMMA_NW * smma_layout<D, BITS, (GM > 8 ? 2 : 1)>::warp;
     const cudaError_t e = ekv_cuda_allow_smem<kernel>(sm);
     if (e != cudaSuccess) return e;
     const int gx = ekv_cuda_one_wave(kernel, SMMA_THREADS, sm, rows, sms, &per_sm);

@@ -259,8 +259,8 @@ static void codes_check(const mirror *m, const uint8_t *acodes, int B, const gca
  * CUDA cores, 2 tensor cores), its candidate lists (l, u, token; n per query head) and its row
  * lists (not part of the public API). */
 ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
-ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l, float *u,
-                                 int32_t *tok, int64_t *n);
+ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l, float *u, int32_t *tok,
+                                 int64_t *n);
 ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, int32_t *rows);
 
 /* The screen kernel a plan must pick (docs/architecture.md, CUDA screened): tensor cores (tc,
@@ -561,7 +561,8 @@ static void screen_bounds_test(ekv_context *ctx, int ncases) {
         memset(&m, 0, sizeof m);
         mirror_build(&m, cache, &seq, 1, P, 0);
         float *z[2] = {malloc(sizeof(float) * H * cap), malloc(sizeof(float) * H * cap)};
-        float *dq = dev_copy(q, sizeof(float) * H * D), *dout = dev_copy(NULL, sizeof(float) * H * D);
+        float *dq = dev_copy(q, sizeof(float) * H * D),
+              *dout = dev_copy(NULL, sizeof(float) * H * D);
         scores_of(ctx, &m, H, 0, dq, z[0], P);
         scores_of(ctx, &m, H, 1, dq, z[1], P);
         double width[2] = {0, 0};
@@ -689,8 +690,9 @@ static void screen_rows_check(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
                 if (!(z[hr * cap + t] > cut)) continue;
                 g_gscreen_support++;
                 if (!sorted_has(rows + lr * cap, nrows[lr], (int32_t)t) && ++missing <= 5)
-                    fprintf(stderr, "screened %s: head %lld token %lld (z %.9g > tau %.9g) not in "
-                                    "its rows\n",
+                    fprintf(stderr,
+                            "screened %s: head %lld token %lld (z %.9g > tau %.9g) not in "
+                            "its rows\n",
                             what, (long long)hr, (long long)t, z[hr * cap + t], tau[hr]);
             }
         }
@@ -705,15 +707,15 @@ static void screen_rows_check(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
  * forces them): G = 2, 4, 8, f16 and bf16 caches, 4- and 8-bit codes, planted and iid random keys,
  * with and without ALiBi, ragged batches of one or two sequences. Each output equals dense entmax
  * (the long-double reference) and each KV head's rows hold the support (of the GPU dense step) of
- * every head of its group; on the random keys a plan with lists of a quarter of the tokens runs the retry pass
- * on tensor cores too. The two paths may keep (slightly) different supersets: the survivors are
- * summed per path and the tensor cores' may not exceed the CUDA cores' by more than 10 %. The
- * first ncases of the 48 combinations run. */
+ * every head of its group; on the random keys a plan with lists of a quarter of the tokens runs the
+ * retry pass on tensor cores too. The two paths may keep (slightly) different supersets: the
+ * survivors are summed per path and the tensor cores' may not exceed the CUDA cores' by more than
+ * 10 %. The first ncases of the 48 combinations run. */
 static void screen_group_test(ekv_context *ctx, int ncases) {
     const int groups[3] = {2, 4, 8};
     for (int c = 0; c < ncases; c++) {
-        const int G = groups[c % 3], bits = c / 6 % 2 ? 8 : 4, random = c / 12 % 2,
-                  alibi = c / 24, Hk = 2, H = G * Hk, B = 1 + c % 2;
+        const int G = groups[c % 3], bits = c / 6 % 2 ? 8 : 4, random = c / 12 % 2, alibi = c / 24,
+                  Hk = 2, H = G * Hk, B = 1 + c % 2;
         const int D = c % 5 == 4 ? 64 : 128, ps = c % 7 == 6 ? 32 : 16;
         const ekv_dtype dt = c / 3 % 2 ? EKV_DTYPE_BF16 : EKV_DTYPE_F16;
         const int64_t len[2] = {1500 + 13 * c, 700 + 29 * c};
@@ -743,10 +745,12 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
             dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
         int32_t seqs[2];
         for (int b = 0; b < B; b++) {
-            float *k = malloc(sizeof(float) * len[b] * Hk * D), *v = malloc(sizeof(float) * len[b] * Hk * D);
+            float *k = malloc(sizeof(float) * len[b] * Hk * D),
+                  *v = malloc(sizeof(float) * len[b] * Hk * D);
             make_kv(&r, k, v, len[b], Hk, D, dir);
             ekv_cache_seq_new(cache, &seqs[b]);
-            CHECK(ekv_cache_append(cache, seqs[b], len[b], k, v, EKV_DTYPE_F32) == EKV_OK, "append");
+            CHECK(ekv_cache_append(cache, seqs[b], len[b], k, v, EKV_DTYPE_F32) == EKV_OK,
+                  "append");
             free(k);
             free(v);
         }
