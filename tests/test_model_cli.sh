@@ -85,6 +85,11 @@ run run --model "$MODEL" --prompt "The LORD said" -n 16
 { grep -q '^\[prefill dense\]' "$TMP/pm.txt" && grep -q '^\[decode @13 certified' "$TMP/pm.txt" &&
     [ "$(head -c 29 "$TMP/pm.txt")" = "$(head -c 29 "$OUT")" ]; }
 check "run --prefill-method dense --method certified: dense prefill, certified decode, the dense text" $?
+# screened decodes from key codes: the caches, made for the dense prefill, must hold them too
+run run --model "$MODEL" --prompt "The LORD said" -n 16 --prefill-method dense --method screened
+{ [ "$RC" -eq 0 ] && grep -q '^\[decode @13 screened' "$OUT" &&
+    [ "$(head -c 29 "$OUT")" = "$(head -c 29 "$TMP/pm.txt")" ]; }
+check "run --prefill-method dense --method screened: the dense text (rc=$RC)" $?
 run run --model "$MODEL" --prompt "Hello" -n 1 --prefill-method nope
 [ "$RC" -eq 2 ] && [ "$(wc -l <"$ERR")" -eq 1 ]
 check "run --prefill-method nope should exit 2 with one line (rc=$RC)" $?

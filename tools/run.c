@@ -159,6 +159,9 @@ static void parse(int argc, char **argv, run_opts *o) {
     o->nmethods = 1; /* methods[0] is --method, set after the loop */
     model_parse("run", argc, argv, run_help, &o->mo, run_table, CLI_NOPTS(run_table), run_extra, o);
     o->methods[0] = o->mo.method;
+    /* the caches are made at load with the prompt's method: they need codes for --method's
+     * decode too (the prefill's codes and --compare's were added as they were parsed) */
+    o->mo.codes |= cli_method_codes(o->methods[0]);
     if (o->prefill_set) o->mo.method = o->prefill; /* the model loads with it: the prompt's */
     if (o->prompt && o->prompt_file)
         cli_usage_error("run", "give --prompt or --prompt-file, not both");

@@ -30,7 +30,8 @@ typedef struct ekv_cuda_plan ekv_cuda_plan;
 
 typedef struct ekv_cuda_plan_params {
     int32_t device;            /* CUDA device ordinal (default 0)                           */
-    void *stream;              /* cudaStream_t for every launch; NULL = the plan's own      */
+    void *stream;              /* cudaStream_t for every launch; NULL = the plan's own, a   */
+                               /* blocking stream (ordered after legacy-stream work)        */
     int32_t max_batch;         /* sequences per step (default 1)                            */
     int32_t num_heads;         /* query heads (default 32)                                  */
     int32_t num_kv_heads;      /* default 8                                                 */

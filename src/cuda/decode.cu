@@ -195,7 +195,10 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     if (p->stream)
         pl->stream = (cudaStream_t)p->stream;
     else {
-        e = cudaStreamCreateWithFlags(&pl->stream, cudaStreamNonBlocking);
+        /* a blocking stream: ordered after the caller's work on the legacy default stream
+         * (cudaMemcpy, cudaMemset, torch's default stream), whose pageable copies may still be
+         * in flight when cudaMemcpy returns; a non-blocking one raced them */
+        e = cudaStreamCreate(&pl->stream);
         if (e != cudaSuccess) {
             free(pl);
             return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaStreamCreate: %s", cudaGetErrorString(e));

@@ -256,7 +256,9 @@ static ekv_status open_device(ekv_model *m, model_gpu *g) {
         return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
                         "model: device=%d: only %d CUDA device(s)", m->prm.device, n);
     GPU_TRY(g, cudaSetDevice(m->prm.device));
-    GPU_TRY(g, cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+    /* blocking: ordered after the legacy-stream uploads and memsets of the weights and caches
+     * (docs/architecture.md, "Streams") */
+    GPU_TRY(g, cudaStreamCreate(&g->stream));
     BLAS_TRY(g, cublasCreate(&g->blas));
     BLAS_TRY(g, cublasSetStream(g->blas, g->stream));
     const int64_t ws = (int64_t)32 << 20;

@@ -41,6 +41,9 @@ static void *dev_copy(const void *h, size_t n) {
     void *d = NULL;
     CU(cudaMalloc(&d, n ? n : 16));
     if (n && h) CU(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
+    /* a pageable copy may still be in flight when cudaMemcpy returns: the graph test's
+     * non-blocking stream is not ordered after it */
+    CU(cudaDeviceSynchronize());
     return d;
 }
 
@@ -136,6 +139,7 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
                   cudaMemcpyHostToDevice));
     CU(cudaMemcpy((void *)m->dtab.last_page_len, m->lpl, sizeof(int32_t) * B,
                   cudaMemcpyHostToDevice));
+    CU(cudaDeviceSynchronize()); /* the copies landed (see dev_copy) */
 }
 
 static void mirror_free(mirror *m) {
@@ -1171,6 +1175,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 ekv_cuda_append_item one = {m.indices[m.indptr[b] + t / ps], (int32_t)(t % ps), 1,
                                             0, t};
                 CU(cudaMemcpy(ditems, &one, sizeof one, cudaMemcpyHostToDevice));
+                CU(cudaDeviceSynchronize());
                 CHECK(ekv_cuda_append(plan, &akv, &ast, ditems, 1, dk, dv) == EKV_OK,
                       "cuda append 1: %s", ekv_last_error(ctx));
                 CU(cudaDeviceSynchronize());
