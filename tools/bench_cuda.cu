@@ -29,6 +29,8 @@ extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int
 /* Query heads of that step whose screen list overflowed (the retry pass ran), and whose retry
  * list overflowed too (every token kept). */
 extern "C" ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out);
+/* The screen kernel of that step: 0 generic, 1 fast (CUDA cores), 2 tensor cores. */
+extern "C" ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
 
 #define BC(x)                                                                                      \
     do {                                                                                           \
@@ -435,6 +437,7 @@ struct cuda_result {
     float build_ms;
     int64_t kbytes, vbytes, summary, scores, round2, budget, iters;
     int64_t screen_over[2]; /* heads that retried, and that kept every token */
+    int32_t screen_kind;    /* the screen kernel (ekv_cuda_screen_kernel) */
     ekv_cuda_report rep;
 };
 
@@ -498,7 +501,8 @@ static int cuda_measure(ekv_context *ctx, ekv_cuda_plan *plan, const cuda_step &
     r->rep.pages_round2 = r2.data();
     if (step.run(plan) || ekv_cuda_read_report(plan, (int32_t)o->w.batch, &r->rep) ||
         ekv_cuda_screen_rows(plan, (int32_t)o->w.batch, srows.data()) ||
-        ekv_cuda_screen_overflow(plan, (int32_t)o->w.batch, r->screen_over)) {
+        ekv_cuda_screen_overflow(plan, (int32_t)o->w.batch, r->screen_over) ||
+        ekv_cuda_screen_kernel(plan, &r->screen_kind)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         return 1;
     }
@@ -525,6 +529,11 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
                 "entmaxkv bench: len %lld: screen survivors %.3f%% of (token, head) pairs\n",
                 (long long)c->len,
                 100.0 * (double)r->rep.survivors / (double)(c->total_tokens * o->w.heads));
+    if (o->method == EKV_SELECT_SCREENED) {
+        static const char *kinds[] = {"generic (CUDA cores)", "fast (CUDA cores)", "tensor cores"};
+        fprintf(stderr, "entmaxkv bench: len %lld: screen kernel: %s\n", (long long)c->len,
+                r->screen_kind >= 0 && r->screen_kind < 3 ? kinds[r->screen_kind] : "none");
+    }
     if (o->method == EKV_SELECT_SCREENED && r->screen_over[0])
         fprintf(stderr,
                 "entmaxkv bench: len %lld: %lld query heads overflowed the screen lists (retry pass), %lld of them kept every token\n",

@@ -43,7 +43,9 @@ typedef struct ekv_cuda_plan_params {
                                /* the slower whole-row path (ekv_cuda_report.slow_rows)      */
     int32_t tensor_cores;      /* 1 (default): scores on tensor cores where they apply (f16 */
                                /* or bf16 K, head_dim 64 or 128, page_size a multiple of 16; */
-                               /* as exact as the CUDA-core kernels, docs/math.md §3.1);     */
+                               /* as exact as the CUDA-core kernels, docs/math.md §3.1), and */
+                               /* screened's screen for groups of 2..16 heads (head_dim 64   */
+                               /* or 128, page_size a multiple of 16; §10.2);                */
                                /* 0: CUDA cores everywhere                                   */
 } ekv_cuda_plan_params;
 

@@ -9,7 +9,9 @@
  *            bytes: one 16-byte load), form those channels' terms from the range in registers,
  *            add w'_c code_tc for the 16 tokens and every head of the group, and a reduce-scatter
  *            over the quarter leaves each lane two tokens. The generic kernel (other shapes) is
- *            version 1's warp per page. Both bound every token (l, u per head, docs/math.md
+ *            version 1's warp per page. GQA groups of 2..16 heads (D 64 or 128, pages of
+ *            multiples of 16) take the tensor-core kernel instead (screen_mma.cu); screen_kind
+ *            chooses, in one place. All bound every token (l, u per head, docs/math.md
  *            §10.2) and keep only the candidates u > M' - 1, M' the largest l any warp has
  *            published (§10.3 Claim 3), appended with l, u and the token to the head's list.
  *   retry:   only for heads whose list overflowed (iid keys: most tokens pass u > M' - 1):
@@ -34,119 +36,10 @@
  * rounded up bounds z; a page whose range is not finite, or a bound that is not, keeps its
  * tokens (l = -inf, u = +inf).
  */
-#include "attend_common.cuh"
+#include "screen_common.cuh"
 #include "tau_solve.cuh"
-#include "../core/codes.h"
 
 namespace {
-
-#define SCREEN_U  0x1p-24f  /* fp32 unit roundoff                                    */
-#define SCREEN_NU 0x1p-140f /* the underflow floor per channel (docs/math.md §10.2) */
-
-struct screen_args : ekv_cuda_shape {
-    ekv_cuda_ranges rng; /* kmin/kmax as stored: fp32 or compact */
-    const uint8_t *codes;
-    const float *q, *slopes;
-    double qscale; /* a * scale, as the score kernels form q' */
-    float a;
-    int64_t scap;       /* candidates kept per query head */
-    uint32_t *lkey;     /* [B*H] ordered key of the largest l published */
-    uint32_t *scount;   /* [B*H] candidates found (may exceed scap: overflow) */
-    uint32_t *acount;   /* the count appended to: scount, or the retry's count */
-    int pass2;          /* the retry pass: only heads whose first list overflowed */
-    double *fsum;       /* [B*H][EKV_SCREEN_GRID] the retry's F, zeroed by the first pass */
-    float *scl, *scu;   /* [B*H][scap] */
-    int32_t *sct;       /* [B*H][scap] */
-    int64_t *survivors; /* [B*Hk] zeroed here for the tau(l) kernel */
-    int sbase;          /* splits per row of a uniform batch (ekv_seq_splits), set at launch */
-};
-
-/* The bounds of one token for one head from its centre sum zc = C0 + sum_c w'_c code_c, e the
- * page's half-width, bias slope (jpos + ts) as the score kernels form it (docs/math.md §10.2). */
-__device__ __forceinline__ void token_bounds(float zc, float e, float slope, float jpos, int ts,
-                                             int ok, float *l, float *u) {
-    *l = -CUDART_INF_F;
-    *u = CUDART_INF_F;
-    if (!ok) return;
-    const float z = zc + slope * (jpos + (float)ts);
-    const float E = e + 8.0f * SCREEN_U * (fabsf(z) + e);
-    const float lo = z - E, d = E * (2.0f + 0x1p-21f);
-    if (!(lo - lo == 0.f) || !(d - d == 0.f)) return; /* overflow or NaN: keep the token */
-    *l = lo;
-    *u = __fadd_ru(lo, d);
-}
-
-/* The block's extra floor of the keep test per head of the group: -inf in the first pass; in
- * the retry pass the head's retry threshold, or +inf for a head that does not retry. */
-__shared__ float screen_cut[EKV_CUDA_MAX_GROUP];
-
-/* Grid point k of the retry: t_k = M - 1 + k / EKV_SCREEN_GRID (double, the same everywhere). */
-__device__ __forceinline__ double retry_t(float M, int k) {
-    return ((double)M - 1.0) + (double)k * (1.0 / EKV_SCREEN_GRID);
-}
-
-/* The retry threshold of head h (+inf when its first list did not overflow): the largest t_k
- * whose F over the kept l exceeds 1 by far more than its rounding (so t_k < tau of the kept l
- * <= tau(l)), else M - 1 (Claim 3); lowered by the solve's tolerance and rounded down to fp32
- * (docs/math.md §10.3). */
-__device__ __forceinline__ float retry_cut(const screen_args &A, int64_t h) {
-    if (A.scount[h] <= A.scap) return CUDART_INF_F;
-    const float M = ekv_key_float(A.lkey[h]);
-    double t = (double)M - 1.0;
-    for (int k = EKV_SCREEN_GRID - 1; k > 0; k--)
-        if (A.fsum[h * EKV_SCREEN_GRID + k] > 1.0 + 1e-6) {
-            t = retry_t(M, k);
-            break;
-        }
-    t -= 1e-12 * (1.0 + fabs(t));
-    return __double2float_rd(t);
-}
-
-/* Keeps token tok of head hrow (head g of the block's group) when on and u > M' - 1 and u >
- * screen_cut[g] (a bound that is not a number keeps it). Warp-uniform call. */
-__device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, int g, bool on,
-                                            float l, float u, float Mp, int64_t tok) {
-    const double cut = fmax((double)Mp - 1.0, (double)screen_cut[g]);
-    const bool take = on && !((double)u <= cut);
-    const uint32_t at = ekv_warp_append(take, A.acount + hrow);
-    if (take && at < A.scap) {
-        A.scl[hrow * A.scap + at] = l;
-        A.scu[hrow * A.scap + at] = u;
-        A.sct[hrow * A.scap + at] = (int32_t)tok;
-    }
-}
-
-/* The channel terms of channel c (docs/math.md §10.2, version 1's): the code weights w' of the
- * group's heads, and C0 and e summed into c0 and ep. */
-template <int GM, int BITS>
-__device__ __forceinline__ void channel_terms(const float *qs, int D, int G, int c, float mn,
-                                              float mx, float gamma, float *wq, float *c0,
-                                              float *ep, int &ok) {
-    const float s = ekv_code_step(mn, mx, BITS), Ac = fmaxf(fabsf(mn), fabsf(mx));
-    const float mid = mn + 0.5f * s;
-    ok &= (s - s == 0.f) & (mid - mid == 0.f);
-    const float w =
-            (0.5f * s + 6.0f * SCREEN_U * Ac + 2.0f * gamma * (4.0f * Ac + s)) * (1.0f + 0x1p-20f) +
-            SCREEN_NU;
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        const float qv = g < G ? qs[g * D + c] : 0.f;
-        wq[g] = qv * s;
-        c0[g] += qv * mid;
-        ep[g] += fabsf(qv) * w;
-    }
-}
-
-/* e of one head in double from the fp32 sum of |q'_c| W_c: (1 + 2 gamma) for that sum, the D
- * underflow floors and 2 E_p = 16 u |a m_h| (|p ps - (N-1)| + ps) for the ALiBi terms. */
-__device__ __forceinline__ float page_e(float ep, int D, float slope, int64_t p, int ps,
-                                        int64_t N) {
-    const double gd = 4.0 * (double)(D + 4) * 0x1p-24;
-    const double pos = (double)llabs(p * ps - (N - 1)) + (double)ps;
-    const double e = (double)ep * (1.0 + 2.0 * gd) + (double)D * 0x1p-140 +
-                     16.0 * 0x1p-24 * (1.0 + 0x1p-20) * fabs((double)slope) * pos;
-    return __double2float_ru(e);
-}
 
 /* A code byte of word w (byte k) as fp32, exactly: 2^23 + c has c in its low mantissa bits. */
 __device__ __forceinline__ float code_b(uint32_t w, int k) {
@@ -177,16 +70,6 @@ __device__ __forceinline__ void row_fma(uint4 cw, const float *wq0, const float 
     }
 }
 
-/* One level of the reduce-scatter: lanes with up keep the upper H values, the others the lower
- * H, each adding its partner's (lane ^ o) copy of them; the kept values move to v[0 .. H). */
-template <int H> __device__ __forceinline__ void scatter_level(float *v, bool up, int o) {
-#pragma unroll
-    for (int i = 0; i < H; i++) {
-        const float send = up ? v[i] : v[i + H], keep = up ? v[i + H] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-    }
-}
-
 /* Sums V values over the 8 lanes of a quarter warp, leaving lane q the values [q V/8, (q+1) V/8)
  * in v[0 .. V/8) (recursive halving; every index a constant, so v stays in registers). */
 template <int V> __device__ __forceinline__ void quarter_reduce_scatter(float *v, int q) {
@@ -202,40 +85,14 @@ __device__ __forceinline__ float quarter_sum(float x) {
     return x;
 }
 
-/* Brings bytes [0, n) at p into L2, the 8 lanes of a quarter one 128-byte line each per pass. */
-__device__ __forceinline__ void prefetch_quarter(const void *p, int64_t n, int q) {
-    for (int64_t o = (int64_t)q * 128; o < n; o += 8 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + o));
-}
-
-/* The step's per-block prologue: q' of the group into shared memory ([G][D]) and the keep
- * floors (screen_cut); block 0 of the row zeroes the survivor count and, in the first pass,
- * the retry's sums. Returns false when the block has nothing to do (a retry pass with no head
- * of the group retrying): block-uniform. */
-__device__ __forceinline__ bool screen_prologue(const screen_args &A, int split, int row, int b,
-                                                int kvh, float *qs) {
-    const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
-    if (split == 0 && threadIdx.x == 0) A.survivors[row] = 0;
-    if (split == 0 && !A.pass2)
-        for (int i = threadIdx.x; i < A.G * EKV_SCREEN_GRID; i += blockDim.x)
-            A.fsum[h0 * EKV_SCREEN_GRID + i] = 0.0;
-    if (threadIdx.x < A.G)
-        screen_cut[threadIdx.x] = A.pass2 ? retry_cut(A, h0 + threadIdx.x) : -CUDART_INF_F;
-    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
-        qs[i] = (float)(A.qscale * A.q[h0 * A.D + i]); /* as scores */
-    __syncthreads();
-    bool any = !A.pass2;
-    for (int g = 0; g < A.G; g++) any |= screen_cut[g] < CUDART_INF_F;
-    return any;
-}
-
 /* One 16-token chunk (slots ch .. ch + 15) of the quarter's page: the code rows j = q + 8 k of
  * this lane, RB of them per batch, then the reduce-scatter; this lane's two tokens' bounds go
  * to the candidate lists. */
 template <int GM, int BITS, int RB, int RT>
 __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs, int q, bool live,
                                            int64_t p, int64_t phys, int valid, int ch,
-                                           const ekv_seq_geom &sg, int kvh, const float *slope,
+                                           const ekv_seq_geom &sg, int kvh, int64_t h0,
+                                           const float *slope,
                                            float *runmax, const float *seen, bool emit) {
     const int D = A.D, G = A.G, ps = A.ps, R = D * BITS / 8;
     const float gamma = 4.0f * (float)(D + 4) * SCREEN_U;
@@ -289,7 +146,6 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
     const unsigned okm = __ballot_sync(0xffffffffu, ok); /* every channel of this page */
     ok = ((okm >> ((threadIdx.x & 31) & ~7)) & 0xffu) == 0xffu;
     const float jpos = (float)(p * ps - (sg.N - 1));
-    const int64_t h0 = (int64_t)(blockIdx.y / A.Hk) * A.H + kvh * G;
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g >= G) break;
@@ -348,7 +204,7 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
         const int64_t phys = live ? A.t.indices[sg.first + p] : 0;
         const int valid = !live ? 0 : p == sg.P - 1 ? (int)(sg.N - p * ps) : ps;
         for (int ch = 0; ch < ps; ch += 16)
-            fast_chunk<GM, BITS, RB, RT>(A, smem, q, live, p, phys, valid, ch, sg, kvh, slope,
+            fast_chunk<GM, BITS, RB, RT>(A, smem, q, live, p, phys, valid, ch, sg, kvh, h0, slope,
                                          runmax, seen, k >= 0);
         ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
     }
@@ -718,15 +574,26 @@ cudaError_t launch_fast_b(const screen_args &A, int sms, int rows, cudaStream_t 
 }
 
 template <int BITS>
-cudaError_t launch_screen_b(const screen_args &A, int gx, int sms, int rows, cudaStream_t s) {
-    const int R = A.D * BITS / 8;
-    if (A.ps % 16 == 0 && A.G <= 4 && R % 32 == 0) /* the fast kernel */
+cudaError_t launch_screen_b(const screen_args &A, int kind, int gx, int sms, int rows,
+                            cudaStream_t s) {
+    if (kind == EKV_SCREEN_MMA) return ekv_cuda_screen_mma(A, BITS, sms, rows, s);
+    if (kind == EKV_SCREEN_FAST)
         return ekv_cuda_with_ranges(A.rng, [&](auto rt) {
             return launch_fast_b<BITS, decltype(rt)::value>(A, sms, rows, s);
         });
     return ekv_cuda_with_group(A.G, [&](auto tg) {
         return launch_generic<decltype(tg)::value, BITS>(A, gx, rows, s);
     });
+}
+
+/* Which screen kernel serves the step, the one place that decides: tensor cores for GQA groups
+ * where they apply and the plan allows them (tensor_cores), else the fast CUDA-core kernel (page
+ * size a multiple of 16, groups up to 4, whole 16-byte code rows per lane), else the generic one.
+ */
+int screen_kind(const ekv_cuda_plan *pl, int G, int D, int ps, int code_bits) {
+    if (pl->p.tensor_cores && ekv_cuda_screen_mma_applies(G, D, ps)) return EKV_SCREEN_MMA;
+    if (ps % 16 == 0 && G <= 4 && D * code_bits / 8 % 32 == 0) return EKV_SCREEN_FAST;
+    return EKV_SCREEN_GENERIC;
 }
 
 /* The retry's sums over the kept l of the heads whose list overflowed (the others' blocks
@@ -756,9 +623,11 @@ ekv_status launch_retry_sums(ekv_cuda_plan *pl, const ekv_decode_params *prm, in
 /* One pass of the screen kernel (the first, or the retry). */
 ekv_status launch_screen_pass(ekv_cuda_plan *pl, const screen_args &A, int code_bits, int batch) {
     const int rows = batch * A.Hk, sms = pl->sms;
-    const cudaError_t e = code_bits == 8
-                                  ? launch_screen_b<8>(A, 2 * pl->nsplit, sms, rows, pl->stream)
-                                  : launch_screen_b<4>(A, 2 * pl->nsplit, sms, rows, pl->stream);
+    const int kind = screen_kind(pl, A.G, A.D, A.ps, code_bits);
+    pl->last_screen_kind = kind;
+    const cudaError_t e =
+            code_bits == 8 ? launch_screen_b<8>(A, kind, 2 * pl->nsplit, sms, rows, pl->stream)
+                           : launch_screen_b<4>(A, kind, 2 * pl->nsplit, sms, rows, pl->stream);
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen kernel: %s", cudaGetErrorString(e));
     pl->launches++;
@@ -843,8 +712,7 @@ ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *
     if (!s) s = launch_survivors(pl, prm, t, batch);
     if (!s) s = ekv_cuda_launch_row_scores(pl, prm, kv, t, q, batch);
     if (!s) s = ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, 0, 1, out, 1);
-    if (!s && !pl->skip_values) /* a shard: values at the agreed tau (sharded.cu) */
-        s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1);
+    if (!s) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1);
     return s;
 }
 
@@ -886,5 +754,58 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_
     free(m);
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen overflow: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}
+
+/* The screen kernel of the plan's last screened step (EKV_SCREEN_GENERIC, _FAST or _MMA of
+ * screen_common.cuh: 0, 1, 2; -1 before any). Internal, for the GPU tests and the bench. */
+extern "C" EKV_API ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!kind) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "kind must not be NULL");
+    *kind = pl->last_screened ? pl->last_screen_kind : -1;
+    return EKV_OK;
+}
+
+/* The candidate lists of the plan's last screened step, per query head: l, u and token of the
+ * first n[h] entries ([batch * num_heads][scap] each; the retry's list for a head that retried;
+ * n[h] = min(count, scap)). Internal, for the GPU tests' check l <= z <= u; synchronises. */
+extern "C" EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l,
+                                                    float *u, int32_t *tok, int64_t *n) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, n, "n", batch);
+    if (cs) return cs;
+    if (!l || !u || !tok)
+        return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "l, u, tok must not be NULL");
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
+                  nh = (int64_t)batch * pl->p.num_heads;
+    uint32_t *c = (uint32_t *)malloc((size_t)(2 * BH) * sizeof(uint32_t));
+    if (!c) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    cudaError_t e = cudaStreamSynchronize(pl->stream);
+    if (e == cudaSuccess) /* the first pass's counts, then the retry's */
+        e = cudaMemcpy(c, pl->scr_state + 2 * BH, (size_t)(2 * BH) * sizeof(uint32_t),
+                       cudaMemcpyDeviceToHost);
+    const size_t bytes = (size_t)(nh * pl->scap) * 4;
+    if (e == cudaSuccess) e = cudaMemcpy(l, pl->scl, bytes, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) e = cudaMemcpy(u, pl->scu, bytes, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) e = cudaMemcpy(tok, pl->sct, bytes, cudaMemcpyDeviceToHost);
+    for (int64_t h = 0; h < nh; h++) {
+        const int64_t n1 = c[h], m = n1 > pl->scap ? (int64_t)c[BH + h] : n1;
+        n[h] = pl->last_screened && e == cudaSuccess ? (m < pl->scap ? m : pl->scap) : 0;
+    }
+    free(c);
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen lists: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}
+
+/* The row lists of the plan's last screened step ([batch * num_kv_heads][cap_tokens]: the union
+ * of the group's survivors, ascending; ekv_cuda_screen_rows says how many). Internal, for the
+ * GPU tests' check that they hold the support; synchronises. */
+extern "C" EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch,
+                                                       int32_t *rows) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, rows, "rows", batch);
+    if (cs) return cs;
+    const size_t bytes = (size_t)batch * pl->p.num_kv_heads * pl->cap_tokens * sizeof(int32_t);
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    EKV_CUDA_TRY(pl, cudaMemcpy(rows, pl->rows, bytes, cudaMemcpyDeviceToHost));
     return EKV_OK;
 }

@@ -13,7 +13,11 @@
  *   screened: the append kernel's key codes equal the CPU cache's byte for byte (4 and 8
  *           bits); output equals dense entmax and the CPU's screened decode, support the
  *           GPU dense step's; every support pair survived the screen, and each KV head's
- *           rows (the union of its group's survivors) hold every head's support.
+ *           rows (the union of its group's survivors) hold every head's support; each step ran
+ *           the screen kernel the shape calls for (tensor cores for GQA groups, docs/math.md
+ *           §10.2). The screen on tensor cores and on CUDA cores alone: every listed token's
+ *           bounds hold the scores of both score kernels; GQA groups 2, 4, 8 over f16/bf16,
+ *           4/8-bit codes, planted/random keys and ALiBi equal dense entmax, rows hold the support.
  * Then: a CUDA graph of the step replayed after the lengths changed gives the eager result,
  * and invalid inputs give errors and leave the output untouched.
  * Exit 77 when no CUDA device is present. EKV_CUDA_TEST_CASES=N limits the table (memcheck).
@@ -126,6 +130,36 @@ static void codes_check(const mirror *m, const uint8_t *acodes, int B, const gca
     free(h);
 }
 
+/* The screen kernel of the plan's last screened step (src/cuda/screen.cu: 0 generic, 1 fast on
+ * CUDA cores, 2 tensor cores), its candidate lists (l, u, token; n per query head) and its row
+ * lists (not part of the public API). */
+ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
+ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l, float *u, int32_t *tok,
+                                 int64_t *n);
+ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, int32_t *rows);
+
+/* The screen kernel a plan must pick (docs/architecture.md, CUDA screened): tensor cores (tc,
+ * the plan's tensor_cores) for groups of 2..16 heads, D 64 or 128 and page sizes that are
+ * multiples of 16; else the fast CUDA-core kernel (pages of multiples of 16, groups up to 4,
+ * whole 16-byte code rows per lane); else the generic one. */
+static int expected_screen_kind(int tc, int G, int D, int ps, int bits) {
+    if (tc && G >= 2 && G <= 16 && (D == 64 || D == 128) && ps % 16 == 0) return 2;
+    if (ps % 16 == 0 && G <= 4 && D * bits / 8 % 32 == 0) return 1;
+    return 0;
+}
+static int64_t g_screen_kinds[3]; /* screened steps per screen kernel */
+
+/* The kernel the plan's last screened step ran is the expected one; counted. */
+static void screen_kind_check(ekv_context *ctx, const ekv_cuda_plan *plan, int tc, int G, int D,
+                              int ps, int bits) {
+    int32_t kind = -1;
+    CHECK(ekv_cuda_screen_kernel(plan, &kind) == EKV_OK, "screen kernel: %s", ekv_last_error(ctx));
+    const int want = expected_screen_kind(tc, G, D, ps, bits);
+    CHECK(kind == want, "screen kernel %d, expected %d (tensor cores %d G=%d D=%d ps=%d bits=%d)",
+          kind, want, tc, G, D, ps, bits);
+    if (kind >= 0 && kind < 3) g_screen_kinds[kind]++;
+}
+
 /* What a case's screened checks read: the mirror, the step's inputs on both sides, dense
  * entmax (ref, the long-double reference) and the GPU dense step's support. */
 typedef struct {
@@ -159,6 +193,8 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     rep.support = sup;
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
     CHECK(rep.launches == 9, "screened: %d launches", rep.launches);
+    /* the table's plans keep the default tensor_cores = 1 */
+    screen_kind_check(ctx, plan, 1, sc->c->G, D, m->kv.page_size, m->st.code_bits);
     CHECK(ekv_cuda_screen_rows(plan, B, rows) == EKV_OK, "rows: %s", ekv_last_error(ctx));
     int64_t ov[2] = {0, 0};
     CHECK(ekv_cuda_screen_overflow(plan, B, ov) == EKV_OK, "overflow: %s", ekv_last_error(ctx));
@@ -327,6 +363,345 @@ static void scores_precision_test(ekv_context *ctx) {
         mirror_free(&m);
         ekv_cache_free(cache);
     }
+}
+
+/* A plan for one sequence batch of the mirror's shapes: H query heads, tensor cores tc, the
+ * screen's lists max_candidates (0: the default). */
+static ekv_cuda_plan *screen_plan(ekv_context *ctx, const mirror *m, int B, int H, int64_t maxP,
+                                  int tc, int64_t max_candidates) {
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_batch = B;
+    pp.num_heads = H;
+    pp.num_kv_heads = (int32_t)m->kv.num_kv_heads;
+    pp.head_dim = (int32_t)m->kv.head_dim;
+    pp.page_size = (int32_t)m->kv.page_size;
+    pp.max_pages_per_seq = maxP;
+    pp.tensor_cores = tc;
+    pp.max_candidates = max_candidates;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    return plan;
+}
+
+/* The screen's bounds against the scores (docs/math.md §10.2) on the tensor cores and the CUDA
+ * cores: keys whose channels span 2^-6..2^6 and queries whose components span 2^-20..2^-2 (the
+ * f16 parts of w' below f16's normal range), scaled so that every |z| < 1/4 and so every token is
+ * a candidate. Every token is listed with l <= z <= u for the dense scores of both score kernels,
+ * and the tensor-core bounds are on average at most 5 % wider than the CUDA cores' (the split's
+ * slack: 1.5 % of the half step for 4-bit codes, §10.2 "On tensor cores"). The first ncases of
+ * the 12 combinations run. */
+static void screen_bounds_test(ekv_context *ctx, int ncases) {
+    const ekv_dtype dts[2] = {EKV_DTYPE_F16, EKV_DTYPE_BF16};
+    const int groups[3] = {2, 4, 8};
+    for (int c = 0; c < ncases; c++) {
+        const ekv_dtype dt = dts[c % 2];
+        const int bits = c / 2 % 2 ? 8 : 4, G = groups[c / 4], D = c % 3 == 2 ? 64 : 128;
+        const int Hk = 2, H = G * Hk, ps = c % 4 == 3 ? 32 : 16;
+        const int64_t N = 901 + 37 * c, P = (N + ps - 1) / ps, cap = P * ps;
+        test_rng r = {7654321u + (uint64_t)c};
+        ekv_cache_params cp = ekv_cache_default_params();
+        cp.page_size = ps;
+        cp.num_kv_heads = Hk;
+        cp.head_dim = D;
+        cp.dtype = dt;
+        cp.max_seqs = 1;
+        cp.num_pages = P + 2;
+        cp.superpage_pages = 0;
+        cp.code_bits = bits;
+        cp.range_dtype = (ekv_dtype)(c % 3); /* compact ranges too (rounded outward) */
+        ekv_cache *cache = NULL;
+        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+        if (!cache) return;
+        float *k = malloc(sizeof(float) * N * Hk * D), *v = calloc((size_t)N * Hk * D, 4),
+              *kscale = malloc(sizeof(float) * D), *q = malloc(sizeof(float) * H * D);
+        for (int d = 0; d < D; d++)
+            kscale[d] = (float)ldexp(1.0, -6 + (int)(12 * test_uniform(&r)));
+        for (int64_t i = 0; i < N * Hk * D; i++) k[i] = (float)test_normal(&r) * kscale[i % D];
+        for (int i = 0; i < H * D; i++)
+            q[i] = (float)(test_normal(&r) * ldexp(1.0, -20 + (int)(18 * test_uniform(&r))));
+        /* sum_d |q'_d| 4 kscale_d (about every |k|) below 1/4, by powers of two */
+        const double qscale = 0.5 / sqrt((double)D);
+        double X = 0;
+        for (int h = 0; h < H; h++) {
+            double x = 0;
+            for (int d = 0; d < D; d++) x += fabs(qscale * q[h * D + d]) * 4.0 * kscale[d];
+            X = x > X ? x : X;
+        }
+        for (; X > 0.25; X *= 0.5)
+            for (int i = 0; i < H * D; i++) q[i] *= 0.5f;
+        int32_t seq;
+        ekv_cache_seq_new(cache, &seq);
+        CHECK(ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32) == EKV_OK, "append");
+        mirror m;
+        memset(&m, 0, sizeof m);
+        mirror_build(&m, cache, &seq, 1, P, 0);
+        float *z[2] = {malloc(sizeof(float) * H * cap), malloc(sizeof(float) * H * cap)};
+        float *dq = dev_copy(q, sizeof(float) * H * D),
+              *dout = dev_copy(NULL, sizeof(float) * H * D);
+        scores_of(ctx, &m, H, 0, dq, z[0], P);
+        scores_of(ctx, &m, H, 1, dq, z[1], P);
+        double width[2] = {0, 0};
+        for (int tc = 1; tc >= 0; tc--) {
+            ekv_cuda_plan *plan = screen_plan(ctx, &m, 1, H, P, tc, 0);
+            if (!plan) break;
+            ekv_decode_params prm = ekv_decode_default_params();
+            prm.num_heads = H;
+            prm.alpha = 1.5; /* the scores' q' (scores_of) */
+            ekv_select_params ss = ekv_select_default_params();
+            ss.method = EKV_SELECT_SCREENED;
+            CHECK(ekv_cuda_decode(plan, &prm, &ss, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
+                  "screened: %s", ekv_last_error(ctx));
+            screen_kind_check(ctx, plan, tc, G, D, ps, bits);
+            const int64_t scap = cap; /* a quarter of the tokens or the default list: >= cap */
+            float *l = malloc(sizeof(float) * H * scap), *u = malloc(sizeof(float) * H * scap);
+            int32_t *tok = malloc(sizeof(int32_t) * H * scap);
+            int64_t *n = malloc(sizeof(int64_t) * H), listed = 0, bad = 0;
+            CHECK(ekv_cuda_screen_lists(plan, 1, l, u, tok, n) == EKV_OK, "lists: %s",
+                  ekv_last_error(ctx));
+            for (int h = 0; h < H; h++)
+                for (int64_t i = 0; i < n[h]; i++) {
+                    const int64_t e = (int64_t)h * scap + i, t = tok[e];
+                    if (t < 0 || t >= N) {
+                        bad++;
+                        continue;
+                    }
+                    for (int zc = 0; zc < 2; zc++) {
+                        const float zt = z[zc][h * cap + t];
+                        if (!(l[e] <= zt && zt <= u[e]) && ++bad <= 5)
+                            fprintf(stderr,
+                                    "screen bound (tensor cores %d, scores %d): head %d token %lld "
+                                    "z %.9g outside [%.9g, %.9g]\n",
+                                    tc, zc, h, (long long)t, zt, l[e], u[e]);
+                    }
+                    listed++;
+                    width[tc] += (double)u[e] - l[e];
+                }
+            CHECK(bad == 0,
+                  "screen bounds (tensor cores %d, dt %d, bits %d, G %d, D %d, ps %d): %lld "
+                  "violations",
+                  tc, dt, bits, G, D, ps, (long long)bad);
+            CHECK(listed == H * N, "screen (tensor cores %d): %lld of %lld tokens listed", tc,
+                  (long long)listed, (long long)(H * N));
+            free(l);
+            free(u);
+            free(tok);
+            free(n);
+            ekv_cuda_plan_free(plan);
+        }
+        CHECK(width[1] <= 1.05 * width[0],
+              "tensor-core screen bounds %.4g wider than the CUDA cores' (dt %d bits %d G %d D %d)",
+              width[1] / width[0], dt, bits, G, D);
+        printf("screen bounds dt=%d bits=%d G=%d D=%d ps=%d: every token within [l, u] on both "
+               "paths; mean width tensor cores / CUDA cores %.5f\n",
+               dt, bits, G, D, ps, width[0] > 0 ? width[1] / width[0] : 0.0);
+        cudaFree(dq);
+        cudaFree(dout);
+        free(z[0]);
+        free(z[1]);
+        free(k);
+        free(v);
+        free(kscale);
+        free(q);
+        mirror_free(&m);
+        ekv_cache_free(cache);
+    }
+}
+
+/* Whether the ascending list a[0 .. n) holds x. */
+static int sorted_has(const int32_t *a, int64_t n, int32_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (a[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && a[lo] == x;
+}
+
+static int64_t g_gscreen_surv[2], g_gscreen_support; /* screen_group_test: CUDA / tensor cores */
+
+/* One screened step of screen_group_test on a plan: the kernel that ran and the output against
+ * dense entmax (ref); returns the survivors. */
+static int64_t screen_group_step(ekv_context *ctx, ekv_cuda_plan *plan, int tc, const mirror *m,
+                                 const ekv_decode_params *dprm, const float *dq, float *dout,
+                                 const float *ref, int G, const char *what) {
+    const int B = (int)m->tab.batch, Hk = (int)m->kv.num_kv_heads, H = G * Hk,
+              D = (int)m->kv.head_dim, ps = (int)m->kv.page_size;
+    ekv_select_params ss = ekv_select_default_params();
+    ss.method = EKV_SELECT_SCREENED;
+    CHECK(ekv_cuda_decode(plan, dprm, &ss, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
+          "screened %s: %s", what, ekv_last_error(ctx));
+    screen_kind_check(ctx, plan, tc, G, D, ps, m->st.code_bits);
+    const int64_t nq = (int64_t)B * H * D;
+    float *out = malloc(sizeof(float) * nq);
+    CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+    const double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+    CHECK(e < 3e-5, "screened %s (tensor cores %d): rel err %.3g vs dense", what, tc, e);
+    free(out);
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+    return rep.survivors;
+}
+
+/* Every token of the support (z > tau + 1e-9 (1 + |tau|): the solve's rounding) of every head is
+ * in its KV head's rows (the union of the group's survivors). z: [B*H][cap] and tau: the GPU
+ * dense step's scores and thresholds. */
+static void screen_rows_check(ekv_context *ctx, ekv_cuda_plan *plan, const mirror *m, int G,
+                              const float *z, int64_t cap, const double *tau, const char *what) {
+    const int B = (int)m->tab.batch, Hk = (int)m->kv.num_kv_heads, H = G * Hk;
+    int64_t *nrows = malloc(sizeof(int64_t) * B * Hk), missing = 0;
+    int32_t *rows = malloc(sizeof(int32_t) * B * Hk * cap);
+    CHECK(ekv_cuda_screen_rows(plan, B, nrows) == EKV_OK, "rows: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_screen_row_list(plan, B, rows) == EKV_OK, "row list: %s", ekv_last_error(ctx));
+    for (int b = 0; b < B; b++) {
+        const int64_t N = (m->indptr[b + 1] - m->indptr[b] - 1) * m->kv.page_size + m->lpl[b];
+        for (int h = 0; h < H; h++) {
+            const int64_t hr = (int64_t)b * H + h, lr = (int64_t)b * Hk + h / G;
+            const double cut = tau[hr] + 1e-9 * (1.0 + fabs(tau[hr]));
+            for (int64_t t = 0; t < N; t++) {
+                if (!(z[hr * cap + t] > cut)) continue;
+                g_gscreen_support++;
+                if (!sorted_has(rows + lr * cap, nrows[lr], (int32_t)t) && ++missing <= 5)
+                    fprintf(stderr,
+                            "screened %s: head %lld token %lld (z %.9g > tau %.9g) not in "
+                            "its rows\n",
+                            what, (long long)hr, (long long)t, z[hr * cap + t], tau[hr]);
+            }
+        }
+    }
+    CHECK(missing == 0, "screened %s: %lld support tokens missing from the rows", what,
+          (long long)missing);
+    free(nrows);
+    free(rows);
+}
+
+/* Screened decode on GQA groups, on tensor cores and on CUDA cores (the plan's tensor_cores = 0
+ * forces them): G = 2, 4, 8, f16 and bf16 caches, 4- and 8-bit codes, planted and iid random keys,
+ * with and without ALiBi, ragged batches of one or two sequences. Each output equals dense entmax
+ * (the long-double reference) and each KV head's rows hold the support (of the GPU dense step) of
+ * every head of its group; on the random keys a plan with lists of a quarter of the tokens runs the
+ * retry pass on tensor cores too. The two paths may keep (slightly) different supersets: the
+ * survivors are summed per path and the tensor cores' may not exceed the CUDA cores' by more than
+ * 10 %. The first ncases of the 48 combinations run. */
+static void screen_group_test(ekv_context *ctx, int ncases) {
+    const int groups[3] = {2, 4, 8};
+    for (int c = 0; c < ncases; c++) {
+        const int G = groups[c % 3], bits = c / 6 % 2 ? 8 : 4, random = c / 12 % 2, alibi = c / 24,
+                  Hk = 2, H = G * Hk, B = 1 + c % 2;
+        const int D = c % 5 == 4 ? 64 : 128, ps = c % 7 == 6 ? 32 : 16;
+        const ekv_dtype dt = c / 3 % 2 ? EKV_DTYPE_BF16 : EKV_DTYPE_F16;
+        const int64_t len[2] = {1500 + 13 * c, 700 + 29 * c};
+        test_rng r = {99991u + 7919u * (uint64_t)c};
+        int64_t total_pages = 0, maxP = 0, maxN = 0;
+        for (int b = 0; b < B; b++) {
+            const int64_t P = (len[b] + ps - 1) / ps;
+            total_pages += P;
+            maxP = P > maxP ? P : maxP;
+            maxN = len[b] > maxN ? len[b] : maxN;
+        }
+        ekv_cache_params cp = ekv_cache_default_params();
+        cp.page_size = ps;
+        cp.num_kv_heads = Hk;
+        cp.head_dim = D;
+        cp.dtype = dt;
+        cp.max_seqs = B;
+        cp.num_pages = total_pages + 2;
+        cp.superpage_pages = 0;
+        cp.code_bits = bits;
+        cp.range_dtype = (ekv_dtype)(c % 3);
+        ekv_cache *cache = NULL;
+        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+        if (!cache) return;
+        float *dir = calloc((size_t)D, sizeof(float)); /* random: no planted direction */
+        for (int d = 0; d < D && !random; d++)
+            dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
+        int32_t seqs[2];
+        for (int b = 0; b < B; b++) {
+            float *k = malloc(sizeof(float) * len[b] * Hk * D),
+                  *v = malloc(sizeof(float) * len[b] * Hk * D);
+            make_kv(&r, k, v, len[b], Hk, D, dir);
+            ekv_cache_seq_new(cache, &seqs[b]);
+            CHECK(ekv_cache_append(cache, seqs[b], len[b], k, v, EKV_DTYPE_F32) == EKV_OK,
+                  "append");
+            free(k);
+            free(v);
+        }
+        mirror m;
+        memset(&m, 0, sizeof m);
+        mirror_build(&m, cache, seqs, B, total_pages, 0);
+        const int64_t nq = (int64_t)B * H * D, cap = maxP * ps;
+        float *q = malloc(sizeof(float) * nq), *slopes = malloc(sizeof(float) * H);
+        for (int64_t i = 0; i < nq; i++)
+            q[i] = (float)(test_normal(&r) + 2.0 * dir[i % D] * sqrt((double)D) / 1.5);
+        for (int h = 0; h < H; h++)
+            slopes[h] = h < H / 2 ? (float)pow(2.0, -8.0 * (h + 1) / (H / 2)) : 0.f;
+        float *dq = dev_copy(q, sizeof(float) * nq), *dslopes = dev_copy(slopes, sizeof(float) * H),
+              *dout = dev_copy(NULL, sizeof(float) * nq);
+        float *ref = malloc(sizeof(float) * nq), *z = malloc(sizeof(float) * B * H * cap);
+        double *tau = malloc(sizeof(double) * B * H);
+        ekv_decode_params prm = ekv_decode_default_params();
+        prm.num_heads = H;
+        prm.alpha = c % 4 == 3 ? 2.0 : 1.5;
+        prm.alibi_slopes = alibi ? slopes : NULL;
+        ekv_decode_params dprm = prm;
+        dprm.alibi_slopes = alibi ? dslopes : NULL;
+        CHECK(ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL) == EKV_OK, "ref: %s",
+              ekv_last_error(ctx));
+        char what[128];
+        snprintf(what, sizeof what, "(G=%d D=%d ps=%d dt=%d bits=%d %s alibi=%d B=%d)", G, D, ps,
+                 dt, bits, random ? "random" : "planted", alibi, B);
+        for (int tc = 1; tc >= 0; tc--) {
+            ekv_cuda_plan *plan = screen_plan(ctx, &m, B, H, maxP, tc, 0);
+            if (!plan) break;
+            if (tc) { /* the dense scores the rows must cover */
+                CHECK(ekv_cuda_decode(plan, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) ==
+                              EKV_OK,
+                      "dense: %s", ekv_last_error(ctx));
+                CHECK(ekv_cuda_score_rows(plan, B, z) == EKV_OK, "scores: %s", ekv_last_error(ctx));
+                ekv_cuda_report rep;
+                memset(&rep, 0, sizeof rep);
+                rep.tau = tau; /* the GPU's: screened solves tau on the same scores */
+                CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
+            }
+            g_gscreen_surv[tc] +=
+                    screen_group_step(ctx, plan, tc, &m, &dprm, dq, dout, ref, G, what);
+            screen_rows_check(ctx, plan, &m, G, z, cap, tau, what);
+            ekv_cuda_plan_free(plan);
+        }
+        if (random) { /* lists of a quarter of the tokens: the retry pass on tensor cores */
+            ekv_cuda_plan *plan = screen_plan(ctx, &m, B, H, maxP, 1, maxN / 4);
+            if (plan) {
+                screen_group_step(ctx, plan, 1, &m, &dprm, dq, dout, ref, G, what);
+                screen_rows_check(ctx, plan, &m, G, z, cap, tau, what);
+                int64_t ov[2] = {0, 0};
+                CHECK(ekv_cuda_screen_overflow(plan, B, ov) == EKV_OK, "overflow");
+                g_screen_retry += ov[0];
+                g_screen_keepall += ov[1];
+                ekv_cuda_plan_free(plan);
+            }
+        }
+        cudaFree(dq);
+        cudaFree(dslopes);
+        cudaFree(dout);
+        free(q);
+        free(slopes);
+        free(ref);
+        free(z);
+        free(tau);
+        free(dir);
+        mirror_free(&m);
+        ekv_cache_free(cache);
+    }
+    printf("screened GQA groups: survivors %lld on tensor cores, %lld on CUDA cores; %lld "
+           "support tokens, all in their rows\n",
+           (long long)g_gscreen_surv[1], (long long)g_gscreen_surv[0],
+           (long long)g_gscreen_support);
+    CHECK(g_gscreen_surv[1] <= g_gscreen_surv[0] + g_gscreen_surv[0] / 10 + 100,
+          "the tensor-core screen kept %lld survivors, the CUDA cores %lld",
+          (long long)g_gscreen_surv[1], (long long)g_gscreen_surv[0]);
 }
 
 /* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
@@ -1436,6 +1811,10 @@ int main(void) {
     const int max_cases = lim ? atoi(lim) : 1 << 30;
     invalid_test(ctx);
     scores_precision_test(ctx);
+    /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
+     * shorter tables) */
+    screen_bounds_test(ctx, max_cases >= 60 ? 12 : 3);
+    screen_group_test(ctx, max_cases >= 60 ? 48 : 3);
     /* the case table: every value of every axis appears, in rotating combinations */
     const int dims[] = {64, 128, 256, 72, 40};
     const int groups[] = {1, 4, 8, 16, 2, 3};
@@ -1505,7 +1884,13 @@ int main(void) {
            g_screen_heads);
     printf("screened: heads whose candidate list overflowed (retry pass): %lld, of which every token kept: %lld\n",
            (long long)g_screen_retry, (long long)g_screen_keepall);
+    printf("screened: steps per screen kernel: generic %lld, fast (CUDA cores) %lld, tensor "
+           "cores %lld\n",
+           (long long)g_screen_kinds[0], (long long)g_screen_kinds[1],
+           (long long)g_screen_kinds[2]);
     CHECK(n < 8 || g_screen_steps > 0, "no screened step ran");
+    CHECK(n < 8 || (g_screen_kinds[0] && g_screen_kinds[1] && g_screen_kinds[2]),
+          "a screen kernel never ran");
     CHECK(n < 8 || g_screen_retry > 0, "no screen list overflowed: the retry pass went untested");
     CHECK(g_screen_sup_diff * 50 <= g_screen_heads,
           "too many screened supports differ from the dense step's (%d of %d heads)",
