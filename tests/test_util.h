@@ -37,6 +37,23 @@ static inline double test_value16(uint16_t h, ekv_dtype dt) {
     return (h & 0x8000) ? -mag : mag;
 }
 
+/* max over heads of ||a - b|| / (||b|| + floor) */
+static inline double test_head_rel_err(const float *a, const float *b, int64_t heads, int64_t D,
+                                        double floor_) {
+    double worst = 0;
+    for (int64_t h = 0; h < heads; h++) {
+        double e = 0, n = 0;
+        for (int64_t d = 0; d < D; d++) {
+            const double x = (double)a[h * D + d] - b[h * D + d];
+            e += x * x;
+            n += (double)b[h * D + d] * b[h * D + d];
+        }
+        const double r = sqrt(e) / (sqrt(n) + floor_);
+        worst = r > worst ? r : worst;
+    }
+    return worst;
+}
+
 static inline int test_finish(const char *name) {
     printf("%s: %d checks, %d failures\n", name, g_checks, g_failures);
     return g_failures ? 1 : 0;

@@ -37,22 +37,6 @@ typedef struct {
     int64_t len[CASE_MAX_BATCH];
 } gcase;
 
-/* max over heads of ||a - b|| / (||b|| + floor) */
-static double head_rel_err(const float *a, const float *b, int64_t heads, int64_t D,
-                           double floor_) {
-    double worst = 0;
-    for (int64_t h = 0; h < heads; h++) {
-        double e = 0, n = 0;
-        for (int64_t d = 0; d < D; d++) {
-            const double x = (double)a[h * D + d] - b[h * D + d];
-            e += x * x;
-            n += (double)b[h * D + d] * b[h * D + d];
-        }
-        const double r = sqrt(e) / (sqrt(n) + floor_);
-        worst = r > worst ? r : worst;
-    }
-    return worst;
-}
 
 static int cmp_i32(const void *a, const void *b) {
     return *(const int32_t *)a - *(const int32_t *)b;
@@ -203,14 +187,14 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     g_screen_retry += ov[0];
     g_screen_keepall += ov[1];
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-    double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
+    double e = test_head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5,
           "screened: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d B=%d bits=%d)",
           e, D, sc->c->G, sc->c->ps, sc->c->dt, sc->c->alpha, sc->c->alibi, B, m->st.code_bits);
     ekv_decode_info ci = {.support = sup_cpu};
     CHECK(ekv_decode(ctx, sc->prm, &ss, &m->kv, &m->st, &m->tab, sc->q, cpu, &ci) == EKV_OK,
           "cpu screened: %s", ekv_last_error(ctx));
-    e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+    e = test_head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "screened: rel err %.3g vs the CPU's screened decode", e);
     int64_t supsum = 0, pairs = 0;
     for (int64_t i = 0; i < (int64_t)B * H; i++) {
@@ -537,7 +521,7 @@ static int64_t screen_group_step(ekv_context *ctx, ekv_cuda_plan *plan, int tc, 
     const int64_t nq = (int64_t)B * H * D;
     float *out = malloc(sizeof(float) * nq);
     CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-    const double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+    const double e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "screened %s (tensor cores %d): rel err %.3g vs dense", what, tc, e);
     free(out);
     ekv_cuda_report rep;
@@ -733,7 +717,7 @@ static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const sc
     rep.pages_round2 = r2;
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-    double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
+    double e = test_head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "certified with a hint: rel err %.3g vs dense", e);
     sp.tau_hint = hint;
     ekv_certified_info ci = {.pages_round1 = c1, .pages_round2 = c2};
@@ -744,7 +728,7 @@ static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const sc
         g_lists_cmp++;
         g_lists_tie += r1[l] != c1[l] || r2[l] != c2[l];
     }
-    e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+    e = test_head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "certified with a hint: rel err %.3g vs the CPU's", e);
     cudaFree(dhint);
     free(tau);
@@ -810,7 +794,7 @@ static void per_head_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
         CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
         CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         if (k == 2) { /* every head attends the union: dense entmax */
-            const double e = head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
+            const double e = test_head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
             CHECK(e < 3e-5, "per-head certified: rel err %.3g vs dense (D=%d G=%d)", e, D, c->G);
             for (int64_t i = 0; i < (int64_t)B * Hk * maxP; i++)
                 CHECK(heads[i] == (uint16_t)((1u << c->G) - 1), "certified head mask %u", heads[i]);
@@ -829,7 +813,7 @@ static void per_head_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
         snprintf(what, sizeof what, "per-head %s (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d)",
                  ekv_method_name(sp.method), D, c->G, c->ps, c->dt, c->alpha, c->alibi);
         if (lists_equal(lip, lpg, hl, hn, B * H, maxP, what)) {
-            const double e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+            const double e = test_head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
             CHECK(e < 3e-5, "%s: rel err %.3g vs the CPU on the same lists", what, e);
         }
         /* the union holds each head's list and nothing else */
@@ -927,7 +911,7 @@ static void tau_lb_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_cas
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
     CHECK(rep.launches == 10, "certified with tau_lb (no round 0): %d launches", rep.launches);
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-    const double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+    const double e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "certified with tau_lb: rel err %.3g vs dense", e);
     cudaFree(dlb);
     free(tau);
@@ -1264,7 +1248,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         rep.support = sup_g;
         CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
         CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-        double e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+        double e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
         CHECK(e < tol, "dense: rel err %.3g (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d)", e, D, c->G,
               ps, c->dt, c->alpha, c->alibi);
         /* softmax in one pass over K and V where the tensor cores serve the shape (§3.9) */
@@ -1337,13 +1321,13 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                         sp.budget_fraction);
                 const int all_same = cpu_ok && lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
                 if (all_same) {
-                    e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+                    e = test_head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
                     CHECK(e < tol,
                           "topk: rel err %.3g vs the CPU on the same lists (budget %lld ball %d)",
                           e, (long long)budgets[bi], ball);
                 }
                 if (bi == 2) { /* budget above the total: every page, so dense */
-                    e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+                    e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
                     CHECK(e < tol, "topk over budget: rel err %.3g vs dense", e);
                     for (int l = 0; l < B * Hk; l++)
                         CHECK(r1[l] == m.indptr[l / Hk + 1] - m.indptr[l / Hk],
@@ -1381,7 +1365,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                      c->dt, c->alpha, c->alibi, am);
             const int all_same = lists_equal(lip, lpg, lists, r1, B * Hk, maxP, what);
             if (all_same) {
-                e = head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
+                e = test_head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
                 CHECK(e < tol, "gaussian: rel err %.3g vs the CPU on the same lists", e);
             }
             free(lip);
@@ -1405,7 +1389,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                   rep.launches);
             g_cert_round2 += rep.lists_round2 > 0;
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-            e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+            e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
             CHECK(e < tol, "certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g)", e,
                   D, c->G, ps, c->dt, c->alpha);
             for (int64_t i = 0; i < (int64_t)B * H; i++)
@@ -1434,7 +1418,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 CHECK(ekv_cuda_read_report(small, B, &rep) == EKV_OK, "report");
                 g_slow_rows += (int)rep.slow_rows;
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-                e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+                e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
                 CHECK(e < tol, "small lists dense: rel err %.3g (cap %lld, slow rows %lld)", e,
                       (long long)sp2.max_candidates, (long long)rep.slow_rows);
                 for (int64_t i = 0; i < (int64_t)B * H; i++) {
@@ -1457,7 +1441,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 /* the report synchronises the plan's own (non-blocking) stream before the copy */
                 CHECK(ekv_cuda_read_report(small, B, &rep) == EKV_OK, "report");
                 CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-                e = head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
+                e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
                 CHECK(e < tol,
                       "small lists certified: rel err %.3g vs dense (D=%d G=%d ps=%d dt=%d alpha=%g alibi=%d B=%d cap %lld, slow rows %lld, round 2 lists %lld)",
                       e, D, c->G, ps, c->dt, c->alpha, c->alibi, B, (long long)sp2.max_candidates,
@@ -1588,13 +1572,13 @@ static void graph_test(ekv_context *ctx, int method) {
         CHECK(s == EKV_OK, "eager step");
         CU(cudaStreamSynchronize(st));
         CU(cudaMemcpy(eager, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
-        const double e = head_rel_err(replay, eager, (int64_t)B * H, D, 1e-6);
+        const double e = test_head_rel_err(replay, eager, (int64_t)B * H, D, 1e-6);
         CHECK(e < 1e-6, "graph replay (round %d, method %d) differs from eager: %.3g", round,
               method, e);
         if (method) { /* and both equal dense entmax at the new lengths */
             float *ref = malloc(sizeof(float) * nq);
             ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
-            const double e2 = head_rel_err(eager, ref, (int64_t)B * H, D, 1e-6);
+            const double e2 = test_head_rel_err(eager, ref, (int64_t)B * H, D, 1e-6);
             CHECK(e2 < 3e-5, "graph round %d: method %d vs dense %.3g", round, method, e2);
             free(ref);
         }

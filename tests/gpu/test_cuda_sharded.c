@@ -206,20 +206,6 @@ static void sharded_step(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const work
     CU(cudaSetDevice(ekv_cuda_sharded_device(sp, 0)));
 }
 
-static double head_rel_err(const float *a, const float *b, int64_t heads, int64_t D) {
-    double worst = 0;
-    for (int64_t h = 0; h < heads; h++) {
-        double e = 0, n = 0;
-        for (int64_t d = 0; d < D; d++) {
-            const double x = (double)a[h * D + d] - b[h * D + d];
-            e += x * x;
-            n += (double)b[h * D + d] * b[h * D + d];
-        }
-        const double r = sqrt(e) / (sqrt(n) + 1e-6);
-        worst = r > worst ? r : worst;
-    }
-    return worst;
-}
 
 static const char *method_name(int m) {
     return m == EKV_SELECT_DENSE ? "dense" : m == EKV_SELECT_CERTIFIED ? "certified" : "screened";
@@ -231,7 +217,7 @@ static double compare(const workload *w, int S, const result *got, const result 
     const int64_t heads = (int64_t)B * w->H;
     double worst = 0;
     for (int j = 0; j < S; j++) {
-        const double e = head_rel_err(got->out[j], ref->out[0], heads, w->c.D);
+        const double e = test_head_rel_err(got->out[j], ref->out[0], heads, w->c.D, 1e-6);
         worst = e > worst ? e : worst;
         CHECK(e <= 2e-5, "%s case %d %s, %d shards, shard %d: rel err %.3g", what, ci,
               method_name(method), S, j, e);
@@ -289,7 +275,7 @@ static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, i
         CU(cudaStreamSynchronize(st));
         float *h = malloc(sizeof(float) * n);
         CU(cudaMemcpy(h, in->out[in->S - 1], sizeof(float) * n, cudaMemcpyDeviceToHost));
-        const double e = head_rel_err(h, eager->out[0], (int64_t)B * w->H, w->c.D);
+        const double e = test_head_rel_err(h, eager->out[0], (int64_t)B * w->H, w->c.D, 1e-6);
         CHECK(e <= 2e-5, "graph replay %s, %d shards: rel err %.3g", method_name(method), in->S, e);
         free(h);
         cudaGraphExecDestroy(ge);
