@@ -44,8 +44,9 @@ typedef struct ekv_cuda_plan_params {
     int32_t tensor_cores;      /* 1 (default): scores on tensor cores where they apply (f16 */
                                /* or bf16 K, head_dim 64 or 128, page_size a multiple of 16; */
                                /* as exact as the CUDA-core kernels, docs/math.md §3.1), and */
-                               /* screened's screen for groups of 2..16 heads (head_dim 64   */
-                               /* or 128, page_size a multiple of 16; §10.2);                */
+                               /* screened's screen for groups of 5..16 heads (head_dim 64   */
+                               /* or 128, page_size a multiple of 16; §10.2; groups up to 4  */
+                               /* take the faster CUDA-core screen);                         */
                                /* 0: CUDA cores everywhere                                   */
 } ekv_cuda_plan_params;
 

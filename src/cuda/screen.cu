@@ -591,8 +591,11 @@ cudaError_t launch_screen_b(const screen_args &A, int kind, int gx, int sms, int
  * size a multiple of 16, groups up to 4, whole 16-byte code rows per lane), else the generic one.
  */
 int screen_kind(const ekv_cuda_plan *pl, int G, int D, int ps, int code_bits) {
-    if (pl->p.tensor_cores && ekv_cuda_screen_mma_applies(G, D, ps)) return EKV_SCREEN_MMA;
+    /* the fast CUDA-core kernel first: at G = 4 it beat the tensor-core screen (1.05x at 1M,
+     * 1.14x at 128K); tensor cores where it does not apply (G = 8: 1.65x the generic kernel),
+     * bench/RESULTS.md "The screen on tensor cores" */
     if (ps % 16 == 0 && G <= 4 && D * code_bits / 8 % 32 == 0) return EKV_SCREEN_FAST;
+    if (pl->p.tensor_cores && ekv_cuda_screen_mma_applies(G, D, ps)) return EKV_SCREEN_MMA;
     return EKV_SCREEN_GENERIC;
 }
 

@@ -122,13 +122,13 @@ ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l, flo
                                  int64_t *n);
 ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, int32_t *rows);
 
-/* The screen kernel a plan must pick (docs/architecture.md, CUDA screened): tensor cores (tc,
- * the plan's tensor_cores) for groups of 2..16 heads, D 64 or 128 and page sizes that are
- * multiples of 16; else the fast CUDA-core kernel (pages of multiples of 16, groups up to 4,
- * whole 16-byte code rows per lane); else the generic one. */
+/* The screen kernel a plan must pick (docs/architecture.md, CUDA screened): the fast CUDA-core
+ * kernel (pages of multiples of 16, groups up to 4, whole 16-byte code rows per lane); else
+ * tensor cores (tc, the plan's tensor_cores) for groups of 2..16 heads, D 64 or 128 and page
+ * sizes that are multiples of 16; else the generic one. */
 static int expected_screen_kind(int tc, int G, int D, int ps, int bits) {
-    if (tc && G >= 2 && G <= 16 && (D == 64 || D == 128) && ps % 16 == 0) return 2;
     if (ps % 16 == 0 && G <= 4 && D * bits / 8 % 32 == 0) return 1;
+    if (tc && G >= 2 && G <= 16 && (D == 64 || D == 128) && ps % 16 == 0) return 2;
     return 0;
 }
 static int64_t g_screen_kinds[3]; /* screened steps per screen kernel */
