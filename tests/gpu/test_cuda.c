@@ -266,6 +266,32 @@ static void scores_of(ekv_context *ctx, const mirror *m, int H, int tc, const fl
  * parts), K its dims over 2^-6..2^6 (large cancellations). The worst error is printed in units
  * of 2^-24 sum |q'_d k_d|, and the tensor-core path must have run (its scores differ from the
  * CUDA cores' somewhere). */
+/* The many-binade workload of the precision tests: one sequence of N keys whose channels span
+ * 2^-6..2^6 (a scale per channel) and H queries whose components span 2^-20..2^(qspan - 20),
+ * appended to a new cache of cp's shapes. Returns the cache (NULL on failure, reported), the
+ * queries and the channel scales (the caller frees both) and the sequence. */
+static ekv_cache *binade_cache(ekv_context *ctx, const ekv_cache_params *cp, test_rng *r,
+                               int64_t N, int H, int qspan, float **q, float **kscale,
+                               int32_t *seq) {
+    const int Hk = cp->num_kv_heads, D = cp->head_dim;
+    ekv_cache *cache = NULL;
+    CHECK(ekv_cache_create(ctx, cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+    if (!cache) return NULL;
+    float *k = malloc(sizeof(float) * N * Hk * D), *v = calloc((size_t)N * Hk * D, 4);
+    *kscale = malloc(sizeof(float) * D);
+    *q = malloc(sizeof(float) * H * D);
+    for (int d = 0; d < D; d++)
+        (*kscale)[d] = (float)ldexp(1.0, -6 + (int)(12 * test_uniform(r)));
+    for (int64_t i = 0; i < N * Hk * D; i++) k[i] = (float)test_normal(r) * (*kscale)[i % D];
+    for (int i = 0; i < H * D; i++)
+        (*q)[i] = (float)(test_normal(r) * ldexp(1.0, -20 + (int)(qspan * test_uniform(r))));
+    ekv_cache_seq_new(cache, seq);
+    CHECK(ekv_cache_append(cache, *seq, N, k, v, EKV_DTYPE_F32) == EKV_OK, "append");
+    free(k);
+    free(v);
+    return cache;
+}
+
 static void scores_precision_test(ekv_context *ctx) {
     const ekv_dtype dts[2] = {EKV_DTYPE_F16, EKV_DTYPE_BF16};
     const int dims[2] = {64, 128}, groups[3] = {1, 4, 16};
@@ -283,19 +309,10 @@ static void scores_precision_test(ekv_context *ctx) {
         cp.max_seqs = 1;
         cp.num_pages = P + 2;
         cp.superpage_pages = 0;
-        ekv_cache *cache = NULL;
-        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
-        if (!cache) return;
-        float *k = malloc(sizeof(float) * N * Hk * D), *v = calloc((size_t)N * Hk * D, 4),
-              *kscale = malloc(sizeof(float) * D), *q = malloc(sizeof(float) * H * D);
-        for (int d = 0; d < D; d++)
-            kscale[d] = (float)ldexp(1.0, -6 + (int)(12 * test_uniform(&r)));
-        for (int64_t i = 0; i < N * Hk * D; i++) k[i] = (float)test_normal(&r) * kscale[i % D];
-        for (int i = 0; i < H * D; i++)
-            q[i] = (float)(test_normal(&r) * ldexp(1.0, -20 + (int)(26 * test_uniform(&r))));
+        float *q, *kscale;
         int32_t seq;
-        ekv_cache_seq_new(cache, &seq);
-        CHECK(ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32) == EKV_OK, "append");
+        ekv_cache *cache = binade_cache(ctx, &cp, &r, N, H, 26, &q, &kscale, &seq);
+        if (!cache) return;
         mirror m;
         memset(&m, 0, sizeof m);
         mirror_build(&m, cache, &seq, 1, P, 0);
@@ -340,8 +357,6 @@ static void scores_precision_test(ekv_context *ctx) {
         cudaFree(dq);
         free(z[0]);
         free(z[1]);
-        free(k);
-        free(v);
         free(kscale);
         free(q);
         mirror_free(&m);
@@ -393,16 +408,10 @@ static void screen_bounds_test(ekv_context *ctx, int ncases) {
         cp.superpage_pages = 0;
         cp.code_bits = bits;
         cp.range_dtype = (ekv_dtype)(c % 3); /* compact ranges too (rounded outward) */
-        ekv_cache *cache = NULL;
-        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+        float *q, *kscale;
+        int32_t seq;
+        ekv_cache *cache = binade_cache(ctx, &cp, &r, N, H, 18, &q, &kscale, &seq);
         if (!cache) return;
-        float *k = malloc(sizeof(float) * N * Hk * D), *v = calloc((size_t)N * Hk * D, 4),
-              *kscale = malloc(sizeof(float) * D), *q = malloc(sizeof(float) * H * D);
-        for (int d = 0; d < D; d++)
-            kscale[d] = (float)ldexp(1.0, -6 + (int)(12 * test_uniform(&r)));
-        for (int64_t i = 0; i < N * Hk * D; i++) k[i] = (float)test_normal(&r) * kscale[i % D];
-        for (int i = 0; i < H * D; i++)
-            q[i] = (float)(test_normal(&r) * ldexp(1.0, -20 + (int)(18 * test_uniform(&r))));
         /* sum_d |q'_d| 4 kscale_d (about every |k|) below 1/4, by powers of two */
         const double qscale = 0.5 / sqrt((double)D);
         double X = 0;
@@ -413,9 +422,6 @@ static void screen_bounds_test(ekv_context *ctx, int ncases) {
         }
         for (; X > 0.25; X *= 0.5)
             for (int i = 0; i < H * D; i++) q[i] *= 0.5f;
-        int32_t seq;
-        ekv_cache_seq_new(cache, &seq);
-        CHECK(ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32) == EKV_OK, "append");
         mirror m;
         memset(&m, 0, sizeof m);
         mirror_build(&m, cache, &seq, 1, P, 0);
@@ -482,8 +488,6 @@ static void screen_bounds_test(ekv_context *ctx, int ncases) {
         cudaFree(dout);
         free(z[0]);
         free(z[1]);
-        free(k);
-        free(v);
         free(kscale);
         free(q);
         mirror_free(&m);
