@@ -146,8 +146,8 @@ EKV_API ekv_status ekv_entmax_rows_f64(ekv_context *ctx, const double *x, int64_
 /* sizeof a public struct, by its name ("ekv_paged_kv", "ekv_page_stats", "ekv_page_table",
  * "ekv_cache_params", "ekv_decode_params", "ekv_decode_info", "ekv_select_params",
  * "ekv_context_params", and cuda.h's "ekv_cuda_plan_params", "ekv_cuda_report",
- * "ekv_cuda_append_item", declared in every build), or -1 for another name: bindings that mirror the structs (the Python
- * package) check their layouts against it when they load the library. */
+ * "ekv_cuda_append_item", declared in every build), or -1 for another name: bindings that mirror
+ * the structs (the Python package) check their layouts against it when they load the library. */
 EKV_API int64_t ekv_abi_sizeof(const char *type_name);
 
 /* ---------------------------------------------------------------------------------- */
@@ -529,30 +529,44 @@ EKV_API ekv_status ekv_decode_certified(ekv_context *ctx, const ekv_decode_param
                                         ekv_certified_info *cinfo);
 
 /*
- * Context-parallel dense decode, simulated on the CPU (docs/math.md §11): each sequence's pages
- * are split into n_shards contiguous ranges (1..64) that never see each other's scores, as
- * GPUs holding a shard each; they agree on tau through allreduces of a few scalars per head
- * (each shard's own threshold is a lower bound of tau), and their partial outputs are summed.
- * The output is dense attention's within the rounding of tau, with the same support; info:
- * tau and support as in ekv_decode_dense. report (may be NULL): what the collectives would
- * carry: the most allreduce rounds a head needed and the payload bytes one shard sends per
- * step. Single-threaded: a model of the communication, not a fast path.
+ * Context-parallel decode, simulated on the CPU (docs/math.md §11): each sequence's pages are
+ * split into n_shards contiguous ranges (1..64) that never see each other's scores, as GPUs
+ * holding a shard each; they agree on tau through allreduces of a few scalars per head (each
+ * shard's own threshold is a lower bound of tau), and their partial outputs are summed.
+ * select (NULL = dense) chooses what is attended, with stats as in ekv_decode:
+ *   dense, certified, screened: every token: the output is dense attention's within the
+ *              rounding of tau, with the same support (these methods are exact);
+ *   topk:      the global top-k pages by bound, agreed by histogram allreduces: the very pages
+ *              of ekv_select_pages (ties: the lower page), then attention over them;
+ *   gaussian:  the selector's moments summed across the shards, each shard applying the page
+ *              rule to its own pages; the exact, fixed and corrected tau modes.
+ * For topk and gaussian the output equals ekv_decode's for the method (fp32 rounding), the
+ * support too. lists (may be NULL; topk and gaussian only): the agreed page lists, laid out as
+ * ekv_select_pages writes them (the same sets; each list in ascending page order, the last page
+ * last); list->tau receives tau-hat in the fixed/corrected modes as there. info: tau and
+ * support as in ekv_decode_dense. report (may be NULL): what the collectives would carry: the
+ * most allreduce rounds a head needed (of them, select_rounds to agree on the lists) and the
+ * payload bytes one shard sends per step. oracle is refused (EKV_ERR_UNSUPPORTED).
+ * Single-threaded: a model of the communication, not a fast path.
  */
 typedef struct ekv_shard_report {
-    int32_t rounds_max; /* output: most allreduce rounds one query head needed           */
-    double rounds_mean; /* output: allreduce rounds per query head, on average            */
-    int64_t bytes;      /* output: payload bytes each shard sends per step, all heads     */
+    int32_t rounds_max;    /* output: most allreduce rounds one query head needed          */
+    double rounds_mean;    /* output: allreduce rounds per query head, on average           */
+    int64_t bytes;         /* output: payload bytes each shard sends per step, all heads    */
+    int32_t select_rounds; /* output: topk/gaussian: rounds agreeing on the lists (most)    */
 } ekv_shard_report;
 /* The pages shard `shard` of num_shards holds of a sequence of `pages` pages: [first, first +
  * count) = [j P / S, (j + 1) P / S), contiguous (the CPU simulation's and the CUDA sharded
  * plan's rule). EKV_ERR_INVALID_SIZE unless 1 <= num_shards <= 64, 0 <= shard < num_shards and
  * pages >= 0. */
-EKV_API ekv_status ekv_shard_pages(int64_t pages, int32_t num_shards, int32_t shard,
-                                   int64_t *first, int64_t *count);
+EKV_API ekv_status ekv_shard_pages(int64_t pages, int32_t num_shards, int32_t shard, int64_t *first,
+                                   int64_t *count);
 EKV_API ekv_status ekv_decode_sharded_sim(ekv_context *ctx, const ekv_decode_params *params,
-                                          const ekv_paged_kv *kv, const ekv_page_table *table,
+                                          const ekv_select_params *select, const ekv_paged_kv *kv,
+                                          const ekv_page_stats *stats, const ekv_page_table *table,
                                           const float *q, float *out, int32_t n_shards,
-                                          ekv_decode_info *info, ekv_shard_report *report);
+                                          ekv_page_list *lists, ekv_decode_info *info,
+                                          ekv_shard_report *report);
 
 /* ---------------------------------------------------------------------------------- */
 /* One decode step: the select method chooses the stages (docs/architecture.md)         */

@@ -134,25 +134,10 @@ static int64_t certify_list(pages_job *j, int64_t b, int64_t l, int64_t L, float
 static double given_tau_rel(const pages_job *j, const float *zg, int64_t L, float M, int64_t bh) {
     const ekv_page_list *list = j->a->list;
     double tau = list->tau[bh];
-    const double beta = 1.0 / j->sh.a;
     for (int it = 0; list->tau_mode == EKV_TAU_CORRECTED && it < list->correction_iters; it++) {
-        double S0 = 0, S1 = 0, S2 = 0;
-        for (int64_t c = 0; c < L; c++) {
-            const double d = (double)zg[c] - tau;
-            if (d <= 0) continue;
-            const double pb = ekv_entmax_pow(d, j->sh.alpha);
-            S0 += pb;
-            S1 += pb / d;
-            S2 += pb / (d * d);
-        }
-        double F = S0 - 1, F1 = -beta * S1, F2 = beta * (beta - 1) * S2, den = 2 * F1 * F1 - F * F2,
-               nt = tau;
-        if (fabs(den) > 1e-12)
-            nt = tau - 2 * F * F1 / den;
-        else if (fabs(F1) > 1e-12)
-            nt = tau - F / F1;
-        if (!isfinite(nt) || fabs(nt) >= 1e20) nt = tau;
-        tau = nt;
+        double S[3] = {0, 0, 0};
+        for (int64_t c = 0; c < L; c++) ekv_tau_correction_add(S, (double)zg[c], tau, j->sh.alpha);
+        tau = ekv_tau_correction_step(tau, S, j->sh.alpha);
     }
     return tau - (double)M;
 }

@@ -62,6 +62,29 @@ static inline double ekv_cpu_softmax_weights(const ekv_cpu_kernels *kern, float 
     return (double)M + log(s);
 }
 
+/* Fixed / corrected tau (docs/math.md §3.10): one unbounded Halley step of a given tau from the
+ * sums S[0..3) of d^beta, d^(beta-1) and d^(beta-2) over the tokens with d = z - tau > 0
+ * (ekv_tau_correction_add); a step that is not finite keeps tau. */
+static inline void ekv_tau_correction_add(double *S, double z, double tau, double alpha) {
+    const double d = z - tau;
+    if (d <= 0) return;
+    const double pb = ekv_entmax_pow(d, alpha);
+    S[0] += pb;
+    S[1] += pb / d;
+    S[2] += pb / (d * d);
+}
+static inline double ekv_tau_correction_step(double tau, const double *S, double alpha) {
+    const double beta = 1.0 / (alpha - 1.0);
+    const double F = S[0] - 1, F1 = -beta * S[1], F2 = beta * (beta - 1) * S[2],
+                 den = 2 * F1 * F1 - F * F2;
+    double nt = tau;
+    if (fabs(den) > 1e-12)
+        nt = tau - 2 * F * F1 / den;
+    else if (fabs(F1) > 1e-12)
+        nt = tau - F / F1;
+    return !isfinite(nt) || fabs(nt) >= 1e20 ? tau : nt;
+}
+
 /* The V rows a group of heads has read, once each (docs/math.md §9.7): mark[] is per token
  * and left clear by ekv_cpu_rows_clear; uni[] lists the marked tokens. */
 typedef struct ekv_cpu_rows {

@@ -8,6 +8,7 @@
 #ifndef EKV_MATH_GAUSSIAN_CORE_H
 #define EKV_MATH_GAUSSIAN_CORE_H
 #include <math.h>
+#include <stdint.h>
 
 #include "hd.h"
 
@@ -103,6 +104,48 @@ EKV_HD double ekv_gauss_tau_mixture_core(double ymax, double smax, double W, ekv
         if (hi - lo < 1e-13 * (1 + fabs(tau))) break;
     }
     return tau;
+}
+
+/* The global moments of the equal-weight mixture of Ps page Gaussians (docs/math.md §4.3) from
+ * the sums over the pages of mu_p, sigma_p^2 and mu_p^2 (sums: the sharded plan allreduces
+ * them), with the guards against a degenerate head. */
+EKV_HD void ekv_gauss_global_moments(double s_mu, double s_var, double s_mu2, double Ps,
+                                     double *mug, double *sgg) {
+    double m = s_mu / Ps;
+    const double vin = s_var / Ps, vbtw = fmax(s_mu2 / Ps - m * m, 0.0);
+    double sg = fmax(sqrt(vin + vbtw), 1e-6);
+    if (!isfinite(m)) m = 0;
+    if (sg != sg) sg = 1e-6;
+    if (sg == INFINITY) sg = 1e6;
+    *mug = m;
+    *sgg = sg;
+}
+
+/* ALiBi (docs/math.md §4.4): page p's mean moved to the bias at its centre (the centre capped
+ * at n - 1, the last stats token), in a sequence of N tokens, slope m_h. */
+EKV_HD double ekv_gauss_alibi_mean(double mu, int64_t p, int64_t ps, int64_t n, int64_t N,
+                                   double m_h) {
+    double c = (double)(p * ps) + (double)(ps - 1) / 2.0;
+    if (c > (double)(n - 1)) c = (double)(n - 1);
+    return mu + m_h * (c - (double)(N - 1));
+}
+
+/* The page rule's floor (docs/math.md §4.9): tau-hat less a times the larger of the margin
+ * margin_z sigma_g and the excess rho (theta - u_avg), theta = tau / a. */
+EKV_HD double ekv_gauss_floor(double tau, double a, double uavg, double margin_z, double sgg,
+                              double excess) {
+    return tau - a * fmax(margin_z * sgg, excess * fmax(tau / a - uavg, 0.0));
+}
+
+/* The page rule: its upper quantile a (mu + z_page sigma) clears the floor. */
+EKV_HD int ekv_gauss_page_taken(double a, double mu, double sig, double zpage, double tfloor) {
+    return a * (mu + zpage * sig) > tfloor;
+}
+
+/* The clamp of docs/math.md §4.10 (fixed/corrected modes): capmax = the largest mu + z_c sigma / 3
+ * over the pages taken (-inf: none, no clamp). */
+EKV_HD double ekv_gauss_clamp(double tau, double a, double capmax, double tfloor) {
+    return capmax == -INFINITY ? tau : fmin(tau, fmax(a * capmax - 1e-4, tfloor));
 }
 
 /* The automatic margin and quantile of docs/math.md §4.5 from sigma-bar, the mean of the heads'

@@ -39,7 +39,46 @@ typedef struct {
     float *w_q;      /* per worker [G][D] scaled queries */
 } gauss_job;
 
-static int64_t stats_pages(int64_t P) { return P > 1 ? P - 1 : 1; }
+void ekv_gauss_group_query(const float *q, double scale, int64_t b, int64_t H, int64_t kvh,
+                           int64_t G, int64_t D, float *qs) {
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++)
+            qs[g * D + d] = (float)(scale * q[(b * H + kvh * G + g) * D + d]);
+}
+
+void ekv_gauss_page_moments(const ekv_paged_kv *kv, const ekv_page_stats *st, int32_t page,
+                            int64_t kvh, const float *qs, int64_t G, double *mu, double *sig,
+                            int64_t hstride) {
+    const int64_t D = kv->head_dim, off = ((int64_t)page * kv->num_kv_heads + kvh) * D;
+    const float *mean = st->kmean + off, *m2 = st->km2 + off;
+    const int32_t cnt = st->count[page];
+    const float finv = cnt > 0 ? 1.0f / (float)cnt : 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qs + g * D;
+        float mf[8] = {0}, vf[8] = {0}; /* fp32 like the reference, 8 lanes so it vectorises */
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+            for (int l = 0; l < 8; l++) {
+                float var = m2[d + l] * finv;
+                var = var > 1e-12f ? var : 1e-12f; /* population std clamped at 1e-6, §1.2 */
+                mf[l] += qg[d + l] * mean[d + l];
+                vf[l] += qg[d + l] * qg[d + l] * var;
+            }
+        for (; d < D; d++) {
+            float var = m2[d] * finv;
+            var = var > 1e-12f ? var : 1e-12f;
+            mf[0] += qg[d] * mean[d];
+            vf[0] += qg[d] * qg[d] * var;
+        }
+        double m = 0, v = 0;
+        for (int l = 0; l < 8; l++) {
+            m += mf[l];
+            v += vf[l];
+        }
+        mu[g * hstride] = m;
+        sig[g * hstride] = sqrt(v);
+    }
+}
 
 /* Pass 1, task (b, KV head): page moments for the G query heads of the group (each page's
  * statistics are read once for the group), then the global moments of the mixture per head. */
@@ -47,48 +86,16 @@ static void moments_task(void *vp, int64_t task, int worker) {
     gauss_job *j = vp;
     const int64_t b = task / j->kv->num_kv_heads, kvh = task % j->kv->num_kv_heads, D = j->sh.D,
                   G = j->sh.G;
-    const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = stats_pages(P);
+    const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = ekv_gauss_stats_pages(P);
     float *qs = j->w_q + (int64_t)worker * G * D; /* q' = scale * q for the group */
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t d = 0; d < D; d++)
-            qs[g * D + d] = (float)(j->scale * j->q[(b * j->sh.H + kvh * G + g) * D + d]);
-    for (int64_t p = 0; p < Ps; p++) {
-        const int32_t page = j->t->indices[j->t->indptr[b] + p];
-        const int64_t off = ((int64_t)page * j->kv->num_kv_heads + kvh) * D;
-        const float *mean = j->st->kmean + off, *m2 = j->st->km2 + off;
-        const int32_t cnt = j->st->count[page];
-        const float finv = cnt > 0 ? 1.0f / (float)cnt : 0.0f;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qs + g * D;
-            float mf[8] = {0}, vf[8] = {0}; /* fp32 like the reference, 8 lanes so it vectorises */
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8)
-                for (int l = 0; l < 8; l++) {
-                    float var = m2[d + l] * finv;
-                    var = var > 1e-12f
-                                  ? var
-                                  : 1e-12f; /* population std clamped at 1e-6, docs/math.md §1.2 */
-                    mf[l] += qg[d + l] * mean[d + l];
-                    vf[l] += qg[d + l] * qg[d + l] * var;
-                }
-            for (; d < D; d++) {
-                float var = m2[d] * finv;
-                var = var > 1e-12f ? var : 1e-12f;
-                mf[0] += qg[d] * mean[d];
-                vf[0] += qg[d] * qg[d] * var;
-            }
-            double m = 0, v = 0;
-            for (int l = 0; l < 8; l++) {
-                m += mf[l];
-                v += vf[l];
-            }
-            const int64_t bh = b * j->sh.H + kvh * G + g;
-            j->mu[bh * j->pstride + p] = m;
-            j->sig[bh * j->pstride + p] = sqrt(v);
-        }
-    }
+    ekv_gauss_group_query(j->q, j->scale, b, j->sh.H, kvh, G, D, qs);
+    const int64_t bh0 = b * j->sh.H + kvh * G;
+    for (int64_t p = 0; p < Ps; p++)
+        ekv_gauss_page_moments(j->kv, j->st, j->t->indices[j->t->indptr[b] + p], kvh, qs, G,
+                               j->mu + bh0 * j->pstride + p, j->sig + bh0 * j->pstride + p,
+                               j->pstride);
     for (int64_t g = 0; g < G; g++) {
-        const int64_t bh = b * j->sh.H + kvh * G + g;
+        const int64_t bh = bh0 + g;
         const double *mu = j->mu + bh * j->pstride, *sg = j->sig + bh * j->pstride;
         double s_mu = 0, s_var = 0, s_mu2 = 0;
         for (int64_t p = 0; p < Ps; p++) {
@@ -96,14 +103,7 @@ static void moments_task(void *vp, int64_t task, int worker) {
             s_var += sg[p] * sg[p];
             s_mu2 += mu[p] * mu[p];
         }
-        double mug = s_mu / (double)Ps, vin = s_var / (double)Ps,
-               vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
-        double sgg = fmax(sqrt(vin + vbtw), 1e-6);
-        if (!isfinite(mug)) mug = 0;
-        if (sgg != sgg) sgg = 1e-6;
-        if (sgg == INFINITY) sgg = 1e6;
-        j->mug[bh] = mug;
-        j->sigg[bh] = sgg;
+        ekv_gauss_global_moments(s_mu, s_var, s_mu2, (double)Ps, &j->mug[bh], &j->sigg[bh]);
     }
 }
 
@@ -114,7 +114,7 @@ static void rule_task(void *vp, int64_t task, int worker) {
     const int64_t b = task / j->heads, l = task % j->heads;
     const int64_t h0 = j->sel->per_query_head ? l : l * j->sh.G,
                   hn = j->sel->per_query_head ? 1 : j->sh.G;
-    const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = stats_pages(P), ps = j->sh.ps;
+    const int64_t P = ekv_seq_pages(j->t->indptr, b), Ps = ekv_gauss_stats_pages(P), ps = j->sh.ps;
     const int64_t N = ekv_seq_len(j->t->indptr, j->t->last_page_len, b, ps),
                   n = P > 1 ? Ps * ps : N;
     const double zpage = ekv_normal_quantile(pow(j->q_max, 1.0 / (double)ps));
@@ -132,9 +132,7 @@ static void rule_task(void *vp, int64_t task, int worker) {
         double tau;
         if (j->prm->alibi_slopes) { /* ALiBi: shift the page means to their centres (4.4) */
             for (int64_t p = 0; p < Ps; p++) {
-                double c = (double)(p * ps) + (double)(ps - 1) / 2.0;
-                if (c > (double)(n - 1)) c = (double)(n - 1);
-                mu[p] += m_h * (c - (double)(N - 1));
+                mu[p] = ekv_gauss_alibi_mean(mu[p], p, ps, n, N, m_h);
                 w[p] = (double)ps;
             }
             tau = ekv_gauss_tau_mixture(j->prm->alpha, mu, sg, w, Ps, j->sel->reference_m3);
@@ -146,24 +144,18 @@ static void rule_task(void *vp, int64_t task, int worker) {
         double uavg = 0;
         for (int64_t p = 0; p < Ps; p++) uavg += mu[p] + 1.5 * sg[p];
         uavg /= (double)Ps;
-        const double theta = tau / j->sh.a;
-        const double dsig = j->margin_z * j->sigg[bh],
-                     dexc = j->sel->excess_fraction * fmax(theta - uavg, 0.0);
-        const double tfloor = tau - j->sh.a * fmax(dsig, dexc);
+        const double tfloor = ekv_gauss_floor(tau, j->sh.a, uavg, j->margin_z, j->sigg[bh],
+                                              j->sel->excess_fraction);
         double capmax = -INFINITY;
-        int any = 0;
         for (int64_t p = 0; p < Ps; p++) {
-            if (P > 1 && j->sh.a * (mu[p] + zpage * sg[p]) > tfloor) {
+            if (P > 1 && ekv_gauss_page_taken(j->sh.a, mu[p], sg[p], zpage, tfloor)) {
                 out[p] = 1;
-                any = 1;
                 capmax = fmax(capmax, mu[p] + zc * sg[p] / 3.0);
             }
         }
         /* clamp (4.10) for the fixed/corrected modes */
-        if (j->sel->tau_mode != EKV_TAU_EXACT && j->sel->clamp_tau && any) {
-            double upper = fmax(j->sh.a * capmax - 1e-4, tfloor);
-            tau = fmin(tau, upper);
-        }
+        if (j->sel->tau_mode != EKV_TAU_EXACT && j->sel->clamp_tau)
+            tau = ekv_gauss_clamp(tau, j->sh.a, capmax, tfloor);
         if (j->tau_out) j->tau_out[bh] = tau;
     }
     for (int64_t p = 0; p < Ps; p++)
@@ -229,8 +221,8 @@ ekv_status ekv_select_gaussian(ekv_context *ctx, const ekv_decode_params *prm,
         list->indptr[l + 1] = w;
     }
     for (int64_t b = 0; b < j.sh.B; b++) /* kmean + km2 per (stats page, KV head) */
-        bytes += stats_pages(ekv_seq_pages(t->indptr, b)) * kv->num_kv_heads * j.sh.D * 2 *
-                 (int64_t)sizeof(float);
+        bytes += ekv_gauss_stats_pages(ekv_seq_pages(t->indptr, b)) * kv->num_kv_heads * j.sh.D *
+                 2 * (int64_t)sizeof(float);
     list->bytes_summary = bytes;
     list->tau_mode = sel->tau_mode;
     list->correction_iters = sel->correction_iters >= 0 ? sel->correction_iters

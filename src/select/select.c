@@ -50,7 +50,8 @@ typedef struct {
     int32_t p;
 } scored_page;
 
-/* a before b: larger bound first, then the lower page number (deterministic ties). */
+/* a before b: larger bound first, then the lower page number (deterministic ties; the sharded
+ * top-k, src/math/shard_select.h, resolves ties by the same rule). */
 static int before(scored_page a, scored_page b) { return a.u > b.u || (a.u == b.u && a.p < b.p); }
 
 static int cmp_scored(const void *x, const void *y) {
@@ -106,11 +107,8 @@ static void topk_list(void *vp, int64_t task, int worker) {
                   hn = ekv_list_nheads(j->heads, j->H, j->G);
     float *ug = j->w_ug + worker * j->ustride;
     scored_page *pairs = j->w_pairs + worker * j->ustride;
-    for (int64_t p = 0; p + 1 < P; p++) ug[p] = -INFINITY;
-    for (int64_t h = h0; h < h0 + hn; h++) {
-        const float *uh = j->u + (b * j->H + h) * j->ustride;
-        for (int64_t p = 0; p + 1 < P; p++) ug[p] = uh[p] > ug[p] ? uh[p] : ug[p];
-    }
+    for (int64_t p = 0; p + 1 < P; p++)
+        ug[p] = ekv_cpu_list_bound(j->u, j->ustride, b, j->H, h0, hn, p);
     const int64_t w0 = j->list->indptr[task], nsel = j->list->indptr[task + 1] - w0 - 1;
     for (int64_t p = 0; p + 1 < P; p++) pairs[p] = (scored_page){ug[p], (int32_t)p};
     if (nsel > 0 && nsel < P - 1) select_best(pairs, P - 1, nsel);
@@ -184,26 +182,16 @@ static ekv_status select_topk(ekv_context *ctx, const ekv_decode_params *prm,
     const int64_t heads = sel->per_query_head ? H : kv->num_kv_heads, W = ctx->n_threads;
     const int64_t maxP = ekv_table_max_pages(t->indptr, B);
     const int64_t ustride = maxP;
-    int64_t sz[10] = {B * H * ustride * 4,
-                      W * ustride * 4,
-                      W * ustride * (int64_t)sizeof(scored_page),
-                      ekv_cpu_bound_scratch_floats(B, H, G, kv->head_dim) * 4,
-                      (B + 1) * 8,
-                      ekv_cpu_bound_max_tasks(B, maxP) * 8,
-                      B * H * 8,
-                      W * kv->num_kv_heads * 8,
-                      W * H * 4,
-                      ekv_cpu_bound_ranges_floats(st->range_dtype, W, kv->head_dim) * 4};
-    int64_t off[10], read_bytes = 0, w = 0;
+    int64_t sz[3 + EKV_BOUND_BLOCKS] = {B * H * ustride * 4, W * ustride * 4,
+                                        W * ustride * (int64_t)sizeof(scored_page)};
+    ekv_cpu_bound_scratch_sizes(ctx, kv, st, B, H, maxP, sz + 3);
+    int64_t off[3 + EKV_BOUND_BLOCKS], read_bytes = 0, w = 0;
     ekv_status s;
-    char *ws = ekv_workspace_blocks(ctx, sz, 10, off, "page selection", &s);
+    char *ws = ekv_workspace_blocks(ctx, sz, 3 + EKV_BOUND_BLOCKS, off, "page selection", &s);
     if (!ws) return s;
     const int with_ball = sel->use_ball || list->bounds != NULL;
     float *u = (float *)(ws + off[0]);
-    const ekv_cpu_bound_scratch scr = {(float *)(ws + off[3]),   (int64_t *)(ws + off[4]),
-                                       (int64_t *)(ws + off[5]), (double *)(ws + off[6]),
-                                       (int64_t *)(ws + off[7]), (float *)(ws + off[8]),
-                                       (float *)(ws + off[9])};
+    const ekv_cpu_bound_scratch scr = ekv_cpu_bound_scratch_at(ws, off + 3);
     s = ekv_cpu_bound_pages(ctx, prm, kv, st, t, q, u, ustride, &scr, with_ball, sel->tau_lb,
                             &read_bytes);
     if (s) return s;
