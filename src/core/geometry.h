@@ -64,6 +64,20 @@ EKV_GEOM int64_t ekv_list_nheads(int64_t heads, int64_t num_heads, int64_t group
     return heads == num_heads ? 1 : group;
 }
 
+/* Split-KV (docs/architecture.md, "CUDA split-KV"): the splits of a sequence of `pages` pages in
+ * a batch of `batch` sequences holding `all` pages, with `base` splits per sequence in a uniform
+ * batch: its share of T = base * batch, ceil(T pages / all), at least 1 and at most cap. Rounded
+ * up, so no split holds more pages than a uniform batch's (T pages / all >= pages / (all / T))
+ * unless the cap binds. The counts of a batch sum to less than T + batch (a share rounded up
+ * gains less than 1, an empty sequence's 0 raised to 1 gains 1, and not every share is 0): the
+ * flat grid of ekv_split_grid splits. */
+EKV_GEOM int64_t ekv_split_count(int64_t base, int64_t batch, int64_t pages, int64_t all,
+                                 int64_t cap) {
+    int64_t n = all > 0 ? (base * batch * pages + all - 1) / all : 1;
+    return n < 1 ? 1 : n > cap ? cap : n;
+}
+EKV_GEOM int64_t ekv_split_grid(int64_t base, int64_t batch) { return base * batch + batch - 1; }
+
 /* The score scale: the caller's, or 1/sqrt(head_dim) when it is 0 (in double; the CPU
  * attention kernels round it to float before use). */
 EKV_GEOM double ekv_effective_scale(float scale, int64_t head_dim) {

@@ -493,28 +493,20 @@ __device__ __forceinline__ ekv_seq_geom ekv_seq(const ekv_page_table &t, int b, 
     return g;
 }
 
-/* ---- split-KV work partitioning (docs/architecture.md, CUDA split-KV). The splits of a
- * sequence's rows are proportional to its pages: `base` splits per row for a uniform batch, so
- * T = base * batch per row index in all, and sequence b gets ceil(T P_b / P) of them (P: the
- * batch's pages), at least 1 and at most cap. Rounded up, not down: a floor left a row of
- * 1.9 splits' worth of pages one block, longer than the longest block of equal splits (the
- * suspected cause of the B = 16 ragged 8K-64K bench running 9-27 % slower, bench/RESULTS.md). A uniform batch and B = 1 get base
- * each; in a ragged batch the long rows take the splits the short rows leave. Every kernel that
- * splits a row, and every reader of per-split partials, takes the count from here, on the
- * device from the page table (nothing is read back: a step stays graph-safe). ---- */
+/* ---- split-KV work partitioning (docs/architecture.md, CUDA split-KV): the splits of a
+ * sequence's rows are proportional to its pages, `base` per row for a uniform batch (so B = 1
+ * and uniform batches keep their count), ekv_split_count's rule (src/core/geometry.h: rounded
+ * up; a floor left rows of just under two splits' worth one block, longer than the longest
+ * block of equal splits). Every kernel that splits a row, and every reader of per-split
+ * partials, takes the count from here, on the device from the page table (nothing is read
+ * back: a step stays graph-safe). ---- */
 __device__ __forceinline__ int ekv_seq_splits(const ekv_page_table &t, int b, int base, int cap) {
-    const int64_t all = t.indptr[t.batch] - t.indptr[0];
-    int64_t n = all > 0 ? ((int64_t)base * t.batch * ekv_seq_pages(t.indptr, b) + all - 1) / all
-                        : 1;
-    n = n < 1 ? 1 : n > cap ? cap : n;
-    return (int)n;
+    return (int)ekv_split_count(base, t.batch, ekv_seq_pages(t.indptr, b),
+                                t.indptr[t.batch] - t.indptr[0], cap);
 }
-/* A grid's x for splits by ekv_seq_splits: the flat splits of every sequence, in sequence order.
- * At most T + batch - 1 for any lengths: the exact shares T P_b / P sum to T; rounding a
- * share up (or an empty sequence's 0 to 1) adds less than 1 to a fractional share, exactly 1 to
- * a zero one and nothing to an integer one, and not every share is zero, so the counts sum to
- * less than T + batch; the cap only lowers them. */
-static inline int ekv_cuda_split_grid(int base, int batch) { return base * batch + batch - 1; }
+/* A grid's x for splits by ekv_seq_splits: the flat splits of every sequence, in sequence order
+ * (ekv_split_grid: enough for any lengths). */
+static inline int ekv_cuda_split_grid(int base, int batch) { return (int)ekv_split_grid(base, batch); }
 /* The split of flat block blockIdx.x: its sequence b (b < 0: none, the block returns at once),
  * its split s of the sequence's rows and their count n. Every warp finds it alone (32
  * sequences per pass, a prefix sum over the lanes), so no barrier is needed; warp-uniform
