@@ -64,7 +64,7 @@ EKV_GEOM int64_t ekv_list_nheads(int64_t heads, int64_t num_heads, int64_t group
     return heads == num_heads ? 1 : group;
 }
 
-/* Split-KV (docs/architecture.md, "CUDA split-KV"): the splits of a sequence of `pages` pages in
+/* Split-KV (docs/architecture.md, CUDA split-KV): the splits of a sequence of `pages` pages in
  * a batch of `batch` sequences holding `all` pages, with `base` splits per sequence in a uniform
  * batch: its share of T = base * batch, ceil(T pages / all), at least 1 and at most cap. Rounded
  * up, so no split holds more pages than a uniform batch's (T pages / all >= pages / (all / T))
