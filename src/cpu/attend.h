@@ -36,6 +36,11 @@ typedef struct ekv_lists_args {
 ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list,
                              int64_t num_heads, int64_t num_kv_heads);
 
+/* A page list for the list methods (per KV head, or per query head), in the step arena. */
+ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,
+                             const ekv_select_params *sel, const ekv_paged_kv *kv,
+                             const ekv_page_table *t, ekv_page_list *list);
+
 /* Runners: arguments already validated (ekv_validate_decode, ekv_decode_supported). */
 ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                              const ekv_page_table *tab, const float *q, float *out,

@@ -7,10 +7,10 @@
 #include "../core/method.h"
 #include "attend.h"
 
-/* A page list for the list methods, in the step arena. */
-static ekv_status step_list(ekv_context *ctx, const ekv_decode_params *prm,
-                            const ekv_select_params *sel, const ekv_paged_kv *kv,
-                            const ekv_page_table *t, ekv_page_list *list) {
+/* A page list for the list methods, in the step arena (attend.h). */
+ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,
+                             const ekv_select_params *sel, const ekv_paged_kv *kv,
+                             const ekv_page_table *t, ekv_page_list *list) {
     const int64_t heads = sel->per_query_head ? prm->num_heads : kv->num_kv_heads;
     const int64_t cap = ekv_page_list_capacity(t, (int32_t)heads);
     if (cap < 0) return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "page list size overflows");
@@ -30,7 +30,7 @@ static ekv_status run_listed(ekv_context *ctx, const ekv_decode_params *prm,
                              const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                              float *out, ekv_decode_info *info) {
     ekv_page_list list;
-    ekv_status s = step_list(ctx, prm, sel, kv, t, &list);
+    ekv_status s = ekv_cpu_step_list(ctx, prm, sel, kv, t, &list);
     if (!s) s = ekv_validate_select(ctx, prm, sel, kv, st, t, &list);
     if (!s) s = ekv_cpu_select_run(ctx, prm, sel, kv, st, t, q, &list);
     if (s) return s;

@@ -309,18 +309,7 @@ static ekv_status sim_list(ekv_context *ctx, const ekv_decode_params *prm,
         *list = *user;
         return EKV_OK;
     }
-    const int64_t heads = sel->per_query_head ? prm->num_heads : kv->num_kv_heads;
-    const int64_t cap = ekv_page_list_capacity(t, (int32_t)heads);
-    if (cap < 0) return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "page list size overflows");
-    const int64_t sz[2] = {(t->batch * heads + 1) * 8, cap * 4};
-    int64_t off[2];
-    ekv_status s;
-    char *mem = ekv_step_blocks(ctx, sz, 2, off, "sharded page lists", &s);
-    if (!mem) return s;
-    *list = (ekv_page_list){.indptr = (int64_t *)(mem + off[0]),
-                            .pages = (int32_t *)(mem + off[1]),
-                            .capacity = cap};
-    return EKV_OK;
+    return ekv_cpu_step_list(ctx, prm, sel, kv, t, list);
 }
 
 static int sim_listed(const ekv_select_params *sel) {
