@@ -79,6 +79,11 @@ static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, 
     free(dir);
 }
 
+static void workload_free(workload *w) {
+    ekv_cache_free(w->cache);
+    free(w->q);
+}
+
 /* Shard j's page table (host arrays, then device copies on the current device). */
 static void shard_table(const mirror *m, int S, int j, ekv_page_table *dt) {
     int64_t indptr[B + 1];
@@ -115,6 +120,14 @@ static ekv_cuda_plan_params plan_params(const workload *w) {
     return pp;
 }
 
+/* The workload's decode parameters: its heads and alpha. */
+static ekv_decode_params decode_params_of(const workload *w) {
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = w->H;
+    dp.alpha = w->c.alpha;
+    return dp;
+}
+
 static ekv_select_params select_of(int method) {
     ekv_select_params sp = ekv_select_default_params();
     sp.method = method;
@@ -134,9 +147,7 @@ static void ref_step(ekv_context *ctx, const workload *w, const mirror *m, const
     ekv_cuda_plan_params pp = plan_params(w);
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
-    ekv_decode_params dp = ekv_decode_default_params();
-    dp.num_heads = w->H;
-    dp.alpha = w->c.alpha;
+    ekv_decode_params dp = decode_params_of(w);
     const ekv_select_params sp = select_of(method);
     const int64_t n = (int64_t)B * w->H * w->c.D;
     float *dout = dev_copy(NULL, sizeof(float) * n);
@@ -186,9 +197,7 @@ static void inputs_free(shard_inputs *in, const int32_t *dev) {
 
 static void sharded_step(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
                          shard_inputs *in, int method, result *res, ekv_cuda_sharded_report *sr) {
-    ekv_decode_params dp = ekv_decode_default_params();
-    dp.num_heads = w->H;
-    dp.alpha = w->c.alpha;
+    ekv_decode_params dp = decode_params_of(w);
     const ekv_select_params sel = select_of(method);
     CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in->kv, in->st, in->tab, in->q, in->out) == EKV_OK,
           "sharded decode: %s", ekv_last_error(ctx));
@@ -255,9 +264,7 @@ static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, i
     p.plan.stream = st;
     ekv_cuda_sharded_plan *sp = NULL;
     CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "graph plan: %s", ekv_last_error(ctx));
-    ekv_decode_params dp = ekv_decode_default_params();
-    dp.num_heads = w->H;
-    dp.alpha = w->c.alpha;
+    ekv_decode_params dp = decode_params_of(w);
     const ekv_select_params sel = select_of(method);
     const int64_t n = (int64_t)B * w->H * w->c.D;
     for (int j = 0; j < in->S; j++) CU(cudaMemset(in->out[j], 0, sizeof(float) * n));
@@ -335,8 +342,7 @@ static void local_case(ekv_context *ctx, test_rng *r, int ci, double *worst, int
     }
     cudaFree(dq);
     mirror_free(&m);
-    ekv_cache_free(w.cache);
-    free(w.q);
+    workload_free(&w);
 }
 
 /* Case ci over 2 GPUs through NCCL: each device its own copy of the pool. 0: ran, 1: no NCCL */
@@ -381,8 +387,7 @@ static int nccl_case(ekv_context *ctx, test_rng *r, int ci) {
         mirror_free(&m[j]);
     }
     CU(cudaSetDevice(0));
-    ekv_cache_free(w.cache);
-    free(w.q);
+    workload_free(&w);
     return skipped;
 }
 
@@ -429,8 +434,7 @@ static void append_check(ekv_context *ctx, test_rng *r) {
     cudaFree(ditem);
     free(kv_new);
     mirror_free(&m);
-    ekv_cache_free(w.cache);
-    free(w.q);
+    workload_free(&w);
 }
 
 /* Bad parameters and steps give status codes. */
@@ -508,8 +512,7 @@ static void invalid_check(ekv_context *ctx, test_rng *r) {
     ekv_cuda_sharded_free(sp);
     cudaFree(dq);
     mirror_free(&m);
-    ekv_cache_free(w.cache);
-    free(w.q);
+    workload_free(&w);
 }
 
 int main(void) {
