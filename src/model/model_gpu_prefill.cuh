@@ -8,6 +8,19 @@
 #include "model_gpu.cuh"
 #include "../cuda/tau_solve.cuh"
 
+/* One block's shape and buffers (the fused kernel extends it, model_gpu_prefill_fused.cu) */
+struct prefill_args {
+    int64_t pos0, T, R, G, Hk, H, D, ld, nk;
+    int np;
+    float qf;     /* (a * scale) rounded as the CPU rounds it */
+    float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
+    double a, alpha;
+    const float *q, *slopes;
+    float *scores, *qshift, *rinv, *obuf, *att;
+    void *qparts, *pparts;
+    int32_t *bad;
+};
+
 namespace {
 
 /* x = sum of np parts of T (each the rounding of what the earlier parts left, docs/math.md §12;
@@ -20,18 +33,6 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
         x -= ekv_elem<T>::to(h);
     }
 }
-
-struct prefill_args {
-    int64_t pos0, T, R, G, Hk, H, D, ld, nk;
-    int np;
-    float qf;     /* (a * scale) rounded as the CPU rounds it */
-    float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
-    double a, alpha;
-    const float *q, *slopes;
-    float *scores, *qshift, *rinv, *obuf, *att;
-    void *qparts, *pparts;
-    int32_t *bad;
-};
 
 /* block (t, h): q'[t][h] split into parts, shifted by 2^s for f16 (docs/math.md §12) */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
