@@ -128,11 +128,11 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
 }
 
 /* The fused prefill's candidates per row: EKV_PREFILL_CANDS (1 .. 8192, a test's way to make
- * rows overflow, docs/architecture.md), else 2048. */
+ * rows overflow, docs/architecture.md), else 4096 (the GEMM path's row kernel keeps as many). */
 static int32_t fused_cand_cap(void) {
     const char *e = getenv("EKV_PREFILL_CANDS");
     const long v = e ? strtol(e, NULL, 10) : 0;
-    return v >= 1 && v <= 8192 ? (int32_t)v : 2048;
+    return v >= 1 && v <= 8192 ? (int32_t)v : 4096;
 }
 
 /* The fused prefill's buffers: per row of a block its candidates and state, per layer the
