@@ -207,10 +207,10 @@ typedef struct {
     int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
                           subcommand runs reads them (cli_method_codes), else none */
     int codes; /* set by a subcommand that switches to such a method later (run --compare) */
-    ekv_backend backend;   /* --backend cpu|cuda (default cpu) */
-    int64_t prefill_chunk; /* --prefill-chunk (cuda dense prefill; 0 = auto) */
-    int no_graphs;         /* --no-graphs: cuda decode steps as eager launches */
-    int32_t max_seqs;      /* sequences the model holds (run --prompts-file); 0 = 1 */
+    ekv_backend backend;               /* --backend cpu|cuda (default cpu) */
+    int64_t prefill_chunk;             /* --prefill-chunk (cuda dense prefill; 0 = auto) */
+    int no_graphs;                     /* --no-graphs: cuda decode steps as eager launches */
+    int32_t max_seqs;                  /* sequences the model holds (run --prompts-file); 0 = 1 */
     ekv_prefill_kernel prefill_kernel; /* --prefill-kernel auto|fused|gemm (cuda dense prefill) */
 } model_opts;
 void model_opts_init(model_opts *o);

@@ -335,8 +335,8 @@ int model_uses_budget(ekv_select_method m) {
 void model_print_prefill_kernel(const ekv_model_stats *st) {
     if (!st->prefill_fused && !st->prefill_gemm) return;
     printf("; prefill kernel %s", st->prefill_fused && st->prefill_gemm ? "fused+gemm"
-                                  : st->prefill_fused                    ? "fused"
-                                                                         : "gemm");
+                                  : st->prefill_fused                   ? "fused"
+                                                                        : "gemm");
     if (st->prefill_fused)
         printf(" (rows retried %lld, by Newton passes %lld)", (long long)st->prefill_retry_rows,
                (long long)st->prefill_newton_rows);

@@ -44,8 +44,8 @@ template <int D> struct flash_state {
 template <typename T, int D>
 __device__ __forceinline__ void tile_softmax(const flash_args &A, const unsigned char *kt,
                                              const uint32_t (*qa)[D / 16][4], const float *uns,
-                                             const float *slope,
-                                             float jbase, int r0, int valid, flash_state<D> &st) {
+                                             const float *slope, float jbase, int r0, int valid,
+                                             flash_state<D> &st) {
     const int lane = threadIdx.x & 31;
     float s[2][4];
     tile_scores_q<T, D, MMA_PARTS>(kt, qa, s);

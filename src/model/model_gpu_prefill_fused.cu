@@ -88,7 +88,8 @@ __device__ __forceinline__ pf_lane lane_rows(const fused_args &A, int want) {
 /* The block's query rows, np parts each, from qparts into shared memory (zero past R), then the
  * warp's A fragments into registers. */
 template <typename T, int D, int NP>
-__device__ __forceinline__ void load_queries(const fused_args &A, T *qs, uint32_t (*qa)[D / 16][4]) {
+__device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
+                                             uint32_t (*qa)[D / 16][4]) {
     constexpr int CH = D / 8, P = mma_qpitch<D>();
     const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS;
     const T *src = static_cast<const T *>(A.qparts);
@@ -122,11 +123,14 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned 
     const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
     const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
     auto issue = [&](int64_t j) { /* each warp copies 16 rows of the tile */
-        const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
-        const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
-        unsigned char *st = stages + (j & 1) * SB + warp * SUB;
-        tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride, warp * 16, valid);
-        if (WITH_V) tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride, warp * 16, valid);
+                                  const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
+                                  const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
+                                  unsigned char *st = stages + (j & 1) * SB + warp * SUB;
+                                  tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride,
+                                                         warp * 16, valid);
+                                  if (WITH_V)
+                                      tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
+                                                            warp * 16, valid);
     };
     issue(0);
     cp_async_commit();
@@ -150,7 +154,8 @@ __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (
                                        const pf_lane &L, int64_t k0, float (*s)[4], int *bad) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int q = 0; q < PF_KEYS / 16; q++) tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
+    for (int q = 0; q < PF_KEYS / 16; q++)
+        tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
 #pragma unroll
     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
@@ -224,23 +229,24 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
  * step's sums (the solver's cand_sums / cand_newton over every key of the row) by a sweep; the
  * four lanes of a row hold the same sums and take the same step. */
 template <typename T, int D, int NP>
-__device__ void pass_newton(const fused_args &A, const pf_lane &L,
-                            const uint32_t (*qa)[D / 16][4], unsigned char *stages) {
+__device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                            unsigned char *stages) {
     const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
     const int64_t nk = block_keys(A);
     const double beta = 1.0 / (A.alpha - 1.0);
     const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
-    int unused = 0; /* round 0 checked every z */
+    int unused = 0;                                     /* round 0 checked every z */
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-    sweep<T, D, false>(A, nk, stages, [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
-        if (!warp_on) return;
-        float s[PF_KEYS / 8][4];
-        tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+    sweep<T, D, false>(A, nk, stages,
+                       [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
+                           if (!warp_on) return;
+                           float s[PF_KEYS / 8][4];
+                           tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
 #pragma unroll
-        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+                           for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
-    });
+                               for (int i = 0; i < 4; i++) m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
+                       });
     tau_iter it[2];
     int done[2];
     for (int k = 0; k < 2; k++) {
@@ -253,29 +259,30 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L,
     for (int n = 0; n < cap && __syncthreads_or(!done[0] || !done[1]); n++) {
         double c[2] = {0, 0}, s1[2] = {0, 0}, s2[2] = {0, 0}, mn[2] = {1e300, 1e300};
         double f[2] = {0, 0}, fp[2] = {0, 0};
-        sweep<T, D, false>(A, nk, stages, [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
-            if (!warp_on) return;
-            float s[PF_KEYS / 8][4];
-            tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+        sweep<T, D, false>(A, nk, stages,
+                           [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
+                               if (!warp_on) return;
+                               float s[PF_KEYS / 8][4];
+                               tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
 #pragma unroll
-            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+                               for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int k = i >> 1;
-                    if (done[k]) continue;
-                    const double y = (double)s[n8][i] - (double)m[k];
-                    if (sums && y > it[k].t) {
-                        c[k] += 1;
-                        s1[k] += y;
-                        s2[k] += y * y;
-                        mn[k] = y < mn[k] ? y : mn[k];
-                    } else if (!sums && y - it[k].t > 0) {
-                        const double pb1 = pow(y - it[k].t, beta - 1.0);
-                        f[k] += pb1 * (y - it[k].t);
-                        fp[k] += pb1;
-                    }
-                }
-        });
+                                   for (int i = 0; i < 4; i++) {
+                                       const int k = i >> 1;
+                                       if (done[k]) continue;
+                                       const double y = (double)s[n8][i] - (double)m[k];
+                                       if (sums && y > it[k].t) {
+                                           c[k] += 1;
+                                           s1[k] += y;
+                                           s2[k] += y * y;
+                                           mn[k] = y < mn[k] ? y : mn[k];
+                                       } else if (!sums && y - it[k].t > 0) {
+                                           const double pb1 = pow(y - it[k].t, beta - 1.0);
+                                           f[k] += pb1 * (y - it[k].t);
+                                           fp[k] += pb1;
+                                       }
+                                   }
+                           });
         for (int k = 0; k < 2; k++) {
             const tau_sums S = {quad_sum(c[k]), quad_sum(s1[k]), quad_sum(s2[k]), quad_min(mn[k])};
             const double F = quad_sum(f[k]) - 1.0, Fp = -beta * quad_sum(fp[k]);
@@ -401,7 +408,8 @@ cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
     return cudaGetLastError();
 }
 
-template <typename T, int NP> cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
+template <typename T, int NP>
+cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
     if (A.D == 64)
         return mode == PF_CANDS    ? launch_pass<T, 64, NP, PF_CANDS>(A, s)
                : mode == PF_NEWTON ? launch_pass<T, 64, NP, PF_NEWTON>(A, s)

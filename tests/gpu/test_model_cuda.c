@@ -359,7 +359,8 @@ static void check_fused(ekv_context *ctx, const int32_t *tok) {
             {EKV_DTYPE_BF16, 457, 128, "2"},
             {EKV_DTYPE_F16, 457, 0, "24"}, /* some rows overflow round 0 only */
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_fused_case(ctx, &cases[i], tok);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check_fused_case(ctx, &cases[i], tok);
     /* fused where it does not apply is refused, not replaced */
     const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F32, 0, 1, 100, NULL};
     ekv_model_params p = ekv_model_default_params();
