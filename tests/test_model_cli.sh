@@ -64,6 +64,7 @@ usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers x
 usage run --model "$MODEL" --backend ref
 usage run --model "$MODEL" --backend gpu
 usage run --model "$MODEL" --prefill-chunk 0
+usage run --model "$MODEL" --prefill-kernel flash
 
 # runtime failures: exit 1 with a message
 run run --model "$TMP/none.safetensors" -n 1

@@ -201,6 +201,9 @@ int main(void) {
     p.prefill_chunk = -1;
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_SIZE && !m, "prefill_chunk -1");
     p.prefill_chunk = 0;
+    p.prefill_kernel = (ekv_prefill_kernel)7;
+    CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "prefill_kernel 7");
+    p.prefill_kernel = EKV_PREFILL_AUTO;
     p.backend = EKV_BACKEND_CUDA;
     p.method = EKV_SELECT_ORACLE; /* evaluation only: no CUDA path */
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_UNSUPPORTED && !m &&

@@ -207,10 +207,11 @@ typedef struct {
     int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
                           subcommand runs reads them (cli_method_codes), else none */
     int codes; /* set by a subcommand that switches to such a method later (run --compare) */
-    ekv_backend backend;   /* --backend cpu|cuda (default cpu) */
-    int64_t prefill_chunk; /* --prefill-chunk (cuda dense prefill; 0 = auto) */
-    int no_graphs;         /* --no-graphs: cuda decode steps as eager launches */
-    int32_t max_seqs;      /* sequences the model holds (run --prompts-file); 0 = 1 */
+    ekv_backend backend;               /* --backend cpu|cuda (default cpu) */
+    int64_t prefill_chunk;             /* --prefill-chunk (cuda dense prefill; 0 = auto) */
+    int no_graphs;                     /* --no-graphs: cuda decode steps as eager launches */
+    int32_t max_seqs;                  /* sequences the model holds (run --prompts-file); 0 = 1 */
+    ekv_prefill_kernel prefill_kernel; /* --prefill-kernel auto|fused|gemm (cuda dense prefill) */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);
@@ -222,6 +223,9 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
                  const cli_opt *table, size_t n, cli_take_fn extra, void *opts);
 /* Whether the method reads --budget (topk: its token share; certified: its round 1). */
 int model_uses_budget(ekv_select_method m);
+/* "; prefill kernel fused (rows retried R, by Newton passes N)" when the stats hold cuda
+ * dense prefill steps (which kernel ran: nothing falls back silently), else nothing. */
+void model_print_prefill_kernel(const ekv_model_stats *st);
 /* "topk 0.0625", "dense": the method as the reports name it. */
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget);
 /* What a model subcommand over a text holds: the text, the context and the model. */

@@ -56,6 +56,10 @@ void model_opts_help(FILE *f) {
             "                        methods in decode instead)\n"
             "  --prefill-chunk N     cuda: query tokens per dense prefill block (default: as\n"
             "                        many as fit in 60%% of the free GPU memory, up to 4096)\n"
+            "  --prefill-kernel K    cuda dense prefill: fused (S and P stay on the chip),\n"
+            "                        gemm (cuBLAS over S and P in device memory) or auto\n"
+            "                        (default: fused for f16/bf16 caches and head dim 64/128,\n"
+            "                        else gemm); the prefill stats line says which ran\n"
             "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n");
 }
 
@@ -80,7 +84,17 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
             cli_usage_error(sub, "--budget %s: expected a fraction in (0, 1], e.g. 1/16", v);
     } else if (!strcmp(a, "--page"))
         o->page = (int32_t)cli_need_int(sub, argc, argv, i, 1, 256);
-    else if (!strcmp(a, "--kv-dtype"))
+    else if (!strcmp(a, "--prefill-kernel")) {
+        const char *v = cli_need(sub, argc, argv, i);
+        if (!strcmp(v, "auto"))
+            o->prefill_kernel = EKV_PREFILL_AUTO;
+        else if (!strcmp(v, "fused"))
+            o->prefill_kernel = EKV_PREFILL_FUSED;
+        else if (!strcmp(v, "gemm"))
+            o->prefill_kernel = EKV_PREFILL_GEMM;
+        else
+            cli_usage_error(sub, "--prefill-kernel %s: expected auto, fused or gemm", v);
+    } else if (!strcmp(a, "--kv-dtype"))
         o->kv_dtype = cli_need_dtype(sub, argc, argv, i);
     else if (!strcmp(a, "--backend")) {
         const char *v = cli_need(sub, argc, argv, i);
@@ -184,6 +198,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.backend = o->backend;
     mp.prefill_chunk = o->prefill_chunk;
     mp.cuda_graphs = !o->no_graphs;
+    mp.prefill_kernel = o->prefill_kernel;
     mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {
@@ -315,6 +330,16 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
 
 int model_uses_budget(ekv_select_method m) {
     return m == EKV_SELECT_TOPK || m == EKV_SELECT_CERTIFIED;
+}
+
+void model_print_prefill_kernel(const ekv_model_stats *st) {
+    if (!st->prefill_fused && !st->prefill_gemm) return;
+    printf("; prefill kernel %s", st->prefill_fused && st->prefill_gemm ? "fused+gemm"
+                                  : st->prefill_fused                   ? "fused"
+                                                                        : "gemm");
+    if (st->prefill_fused)
+        printf(" (rows retried %lld, by Newton passes %lld)", (long long)st->prefill_retry_rows,
+               (long long)st->prefill_newton_rows);
 }
 
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget) {

@@ -94,6 +94,7 @@ static void print_phase(const char *what, const char *label, const phase *p, ekv
     if (p->st.lists)
         printf("; round 2 in %.1f%% of lists",
                100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
+    model_print_prefill_kernel(&p->st);
     printf("\n");
 }
 

@@ -144,6 +144,9 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
     int rc = logits && gen ? 0 : 1;
     if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
     if (!rc) rc = prefill_all(ctx, m, &p, logits, V, &ps);
+    ekv_model_stats pst; /* the prefill's (a fresh model's stats start at zero) */
+    memset(&pst, 0, sizeof pst);
+    ekv_model_get_stats(m, -1, &pst);
     /* a decode phase per method (--method, then --compare), each going on from the last; the
      * stats lines at the end, as run prints them */
     double ds[9] = {0};
@@ -168,9 +171,12 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
     }
     char lab[64];
     model_method_label(lab, sizeof lab, mo->method, mo->budget);
-    if (ran)
-        printf("[prefill batch %d %s] %lld tokens in %.2f s: %.2f tokens/s\n", p.n, lab,
+    if (ran) {
+        printf("[prefill batch %d %s] %lld tokens in %.2f s: %.2f tokens/s", p.n, lab,
                (long long)total, ps, ps > 0 ? (double)total / ps : 0.0);
+        model_print_prefill_kernel(&pst);
+        printf("\n");
+    }
     for (int ph = 0; ph < ran; ph++) {
         model_method_label(lab, sizeof lab, methods[ph], mo->budget);
         print_decode(p.n, lab, n, ds[ph], mo->backend, &st[ph]);

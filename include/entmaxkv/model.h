@@ -77,6 +77,15 @@ typedef struct ekv_model_config {
     double alpha, norm_eps;
 } ekv_model_config;
 
+/* The kernel of a cuda dense prefill (docs/math.md §12): fused (S and P stay on the chip) or
+ * the GEMM path (S and P in device memory, cuBLAS). EKV_PREFILL_FUSED where it does not apply
+ * fails the load with EKV_ERR_UNSUPPORTED: nothing falls back silently. */
+typedef enum {
+    EKV_PREFILL_AUTO = 0,
+    EKV_PREFILL_FUSED = 1,
+    EKV_PREFILL_GEMM = 2
+} ekv_prefill_kernel;
+
 typedef struct ekv_model_params {
     int64_t max_tokens;       /* KV cache capacity of the sequence, in tokens (default 4096)      */
     int32_t page_size;        /* KV cache page size (default 16)                                  */
@@ -103,6 +112,9 @@ typedef struct ekv_model_params {
     int32_t max_seqs;      /* sequences the model holds, each of up to max_tokens tokens
                               (default 1, at most 4096); more than one on cuda only
                               (ekv_model_batch_step)                                            */
+    ekv_prefill_kernel prefill_kernel; /* cuda dense prefill (docs/architecture.md, "The model
+                              on the GPU"): EKV_PREFILL_AUTO (default) = fused where it applies
+                              (f16/bf16 caches, head_dim 64 or 128), else the GEMMs           */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */
@@ -113,6 +125,11 @@ typedef struct ekv_model_stats {
     int64_t lists_round2; /* certified: page lists that needed round 2                           */
     int64_t lists;        /* certified: page lists (one per KV head and step)                    */
     int64_t survivors;    /* screened: (token, query head) pairs the screen kept                 */
+    int64_t prefill_fused; /* cuda: (token, layer) dense prefill steps the fused kernel ran       */
+    int64_t prefill_gemm;  /* cuda: (token, layer) dense prefill steps the GEMM path ran          */
+    int64_t prefill_retry_rows;  /* fused: (token, head, layer) rows whose candidates overflowed
+                                    (solved on a second round or by Newton passes)            */
+    int64_t prefill_newton_rows; /* fused: rows solved by Newton passes over their keys        */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

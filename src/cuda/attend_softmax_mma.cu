@@ -40,75 +40,15 @@ template <int D> struct flash_state {
     int64_t tokens;
 };
 
-/* S^T of a tile: s[nt][i] = <q'_g, k_t> for g = g0 + 8 (i / 2), t = nt 8 + 2 (lane % 4) + i % 2. */
-template <typename T, int D>
-__device__ __forceinline__ void tile_scores_t(const unsigned char *kt, const T *qparts,
-                                              float (*s)[4]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        uint32_t kb[4]; /* B fragments: tokens 0-7 (kb[0], kb[1]) and 8-15 (kb[2], kb[3]) */
-        ldmatrix_x4(kb, kt + tile_chunk<D>((lane & 7) + ((lane >> 4) << 3),
-                                           2 * kk + ((lane >> 3) & 1)));
-#pragma unroll
-        for (int part = 0; part < MMA_PARTS; part++) {
-            uint32_t qa[4];
-            ldmatrix_x4(qa, qparts + (part * MMA_QROWS + (lane & 15)) * mma_qpitch<D>() + kk * 16 +
-                                    (lane >> 4) * 8);
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                float c[4];
-                mma_16816<T>(c, qa, kb[2 * nt], kb[2 * nt + 1]);
-#pragma unroll
-                for (int i = 0; i < 4; i++) s[nt][i] += c[i];
-            }
-        }
-    }
-}
-
-/* o += P V over a tile, P (16 heads x 16 tokens, the A fragments from s) in two parts. */
-template <typename T, int D>
-__device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p)[4],
-                                        float (*o)[4]) {
-    const int lane = threadIdx.x & 31;
-    uint32_t pa[2][4]; /* [part][A register] */
-#pragma unroll
-    for (int r = 0; r < 4; r++) { /* a0..a3: rows g0, g0 + 8, tokens 0-7 then 8-15 */
-        const int nt = r >> 1, i = (r & 1) * 2;
-        const float x = p[nt][i], y = p[nt][i + 1];
-        pa[0][r] = pack2<T>(x, y);
-        const float xh = ekv_elem<T>::to(ekv_elem<T>::from(x)),
-                    yh = ekv_elem<T>::to(ekv_elem<T>::from(y));
-        pa[1][r] = pack2<T>(x - xh, y - yh);
-    }
-#pragma unroll
-    for (int dp = 0; dp < D / 16; dp++) {
-        uint32_t vb[4]; /* B fragments of dims dp 16 + 0..7 (vb[0], vb[1]) and + 8..15 */
-        ldmatrix_x4_trans(vb, vt + tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
-                                                 2 * dp + (lane >> 4)));
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float c[4];
-            mma_16816<T>(c, pa[1], vb[2 * h], vb[2 * h + 1]); /* lo, then hi on top */
-            mma_16816_acc<T>(c, pa[0], vb[2 * h], vb[2 * h + 1]);
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[2 * dp + h][i] += c[i];
-        }
-    }
-}
-
 /* One landed tile into the state: scores to z, the online max and rescale, then P V. */
 template <typename T, int D>
 __device__ __forceinline__ void tile_softmax(const flash_args &A, const unsigned char *kt,
-                                             const T *qparts, const float *uns, const float *slope,
-                                             float jbase, int r0, int valid, flash_state<D> &st) {
+                                             const uint32_t (*qa)[D / 16][4], const float *uns,
+                                             const float *slope, float jbase, int r0, int valid,
+                                             flash_state<D> &st) {
     const int lane = threadIdx.x & 31;
     float s[2][4];
-    tile_scores_t<T, D>(kt, qparts, s);
+    tile_scores_q<T, D, MMA_PARTS>(kt, qa, s);
     float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
@@ -142,7 +82,7 @@ __device__ __forceinline__ void tile_softmax(const flash_args &A, const unsigned
     for (int nt = 0; nt < D / 8; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) st.o[nt][i] *= scale[i >> 1];
-    tile_pv<T, D>(kt + mma_tile_bytes<D>(), s, st.o);
+    tile_pv<T, D, 2>(kt + mma_tile_bytes<D>(), s, st.o);
     const int n = valid - r0;
     st.tokens += n < MMA_ROWS ? (n > 0 ? n : 0) : MMA_ROWS;
 }
@@ -219,6 +159,8 @@ __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args
     __syncthreads();
     split_group_q<T, D>(qs, G, qparts, unscale);
     __syncthreads();
+    uint32_t qa[MMA_PARTS][D / 16][4];
+    load_q_frags<T, D, MMA_PARTS>(qparts, MMA_QROWS * mma_qpitch<D>(), qa);
     float uns[2], slope[2];
     flash_state<D> st;
 #pragma unroll
@@ -248,7 +190,7 @@ __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args
     auto use = [&](int64_t e, int r0, const unsigned char *kt) {
         int valid;
         const int64_t lp = entry_page(A, sg, row, e, &valid);
-        tile_softmax<T, D>(A, kt, qparts, uns, slope, (float)(lp * ps - (sg.N - 1)), r0, valid, st);
+        tile_softmax<T, D>(A, kt, qa, uns, slope, (float)(lp * ps - (sg.N - 1)), r0, valid, st);
     };
     warp_tiles<FL_NW>(e0, e1, ps, stage, 2 * TB, copy, use);
     block_partial<D>(A, st, smem_raw, sp.s, b, kvh);

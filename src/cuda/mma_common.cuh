@@ -1,7 +1,8 @@
 /*
  * Tensor-core pieces shared by the kernels that use them (attend_scores_mma.cu: the scores of a
- * GQA group; attend_softmax_mma.cu: one-pass softmax): the tile geometry, ldmatrix and mma, and
- * the exact three-part split of the group's queries (docs/math.md §3.1).
+ * GQA group; attend_softmax_mma.cu: one-pass softmax; src/model/model_gpu_prefill_fused.cu: the
+ * model's fused dense prefill): the tile geometry, ldmatrix and mma, the exact three-part split
+ * of the group's queries (docs/math.md §3.1), and 16 query rows against key tiles (S^T and P V).
  */
 #pragma once
 #include "scores_common.cuh"
@@ -120,6 +121,88 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y
     const T a = ekv_elem<T>::from(x), b = ekv_elem<T>::from(y);
     return (uint32_t) * reinterpret_cast<const uint16_t *>(&a) |
            ((uint32_t) * reinterpret_cast<const uint16_t *>(&b) << 16);
+}
+
+/* ---- 16 query rows against key tiles, the queries in registers (attend_softmax_mma.cu: a
+ * GQA group's heads; the model's fused prefill: query rows of a block) ---- */
+
+/* The A fragments of 16 query rows in NP parts (part p at q + p * part_stride elements, rows
+ * mma_qpitch<D>() apart) for every 16-dim step, loaded once and kept across the key tiles. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void load_q_frags(const T *q, int part_stride,
+                                             uint32_t (*qa)[D / 16][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int part = 0; part < NP; part++)
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            ldmatrix_x4(qa[part][kk], q + part * part_stride + (lane & 15) * mma_qpitch<D>() +
+                                              kk * 16 + (lane >> 4) * 8);
+}
+
+/* S^T of a 16-key tile: s[nt][i] = <q'_g, k_t> for row g = lane / 4 + 8 (i / 2) and key
+ * t = nt 8 + 2 (lane % 4) + i % 2, the sum over the NP parts of mmas that each start from zero
+ * (docs/math.md §3.1). */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_scores_q(const unsigned char *kt,
+                                              const uint32_t (*qa)[D / 16][4], float (*s)[4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t kb[4]; /* B fragments: tokens 0-7 (kb[0], kb[1]) and 8-15 (kb[2], kb[3]) */
+        ldmatrix_x4(kb, kt + tile_chunk<D>((lane & 7) + ((lane >> 4) << 3),
+                                           2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int part = 0; part < NP; part++)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                float c[4];
+                mma_16816<T>(c, qa[part][kk], kb[2 * nt], kb[2 * nt + 1]);
+#pragma unroll
+                for (int i = 0; i < 4; i++) s[nt][i] += c[i];
+            }
+    }
+}
+
+/* o += P V over a 16-key tile: P (16 rows x 16 keys, the A fragments from s as tile_scores_q
+ * lays them out) split into NP parts of T (x_1 = rn(p), x_{k+1} = rn(p - x_1 - .. - x_k)),
+ * the parts' products chained in one accumulator from the smallest, then added to o. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p)[4],
+                                        float (*o)[4]) {
+    const int lane = threadIdx.x & 31;
+    uint32_t pa[NP][4]; /* [part][A register] */
+#pragma unroll
+    for (int r = 0; r < 4; r++) { /* a0..a3: rows g0, g0 + 8, tokens 0-7 then 8-15 */
+        const int nt = r >> 1, i = (r & 1) * 2;
+        float x = p[nt][i], y = p[nt][i + 1];
+#pragma unroll
+        for (int part = 0; part < NP; part++) {
+            pa[part][r] = pack2<T>(x, y);
+            x -= ekv_elem<T>::to(ekv_elem<T>::from(x));
+            y -= ekv_elem<T>::to(ekv_elem<T>::from(y));
+        }
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; dp++) {
+        uint32_t vb[4]; /* B fragments of dims dp 16 + 0..7 (vb[0], vb[1]) and + 8..15 */
+        ldmatrix_x4_trans(vb, vt + tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
+                                                 2 * dp + (lane >> 4)));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float c[4];
+            mma_16816<T>(c, pa[NP - 1], vb[2 * h], vb[2 * h + 1]);
+#pragma unroll
+            for (int part = NP - 2; part >= 0; part--)
+                mma_16816_acc<T>(c, pa[part], vb[2 * h], vb[2 * h + 1]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[2 * dp + h][i] += c[i];
+        }
+    }
 }
 
 /* A warp's 16-row tiles of its list entries (e0 + warp, e0 + warp + NW, ... below e1, ps / 16

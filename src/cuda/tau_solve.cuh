@@ -61,57 +61,88 @@ __device__ void cand_newton(const float *v, int64_t n, float M, double t, double
     *Fp = -beta * ekv_block_sum(fp, scratch);
 }
 
+/* The solver's state between iterations: t = tau' (relative to M), the bracket of the generic
+ * Newton and the support size of Michelot's previous step. */
+struct tau_iter {
+    double t, lo, hi, prev_n;
+};
+
+/* The start from a lower bound t0 of tau - M (t0 = -1 always is one: F(-1) >= 1 because the
+ * max alone gives 1). */
+__device__ __forceinline__ tau_iter tau_start(double t0) { return tau_iter{t0, t0, 0.0, -1.0}; }
+
+/* One iteration of the solver for alpha from the sums at it->t (alpha 2 and 1.5: s, the
+ * candidates above t; otherwise F and Fp of cand_newton); returns 1 when it->t is tau - M.
+ * Written for one thread: every caller's lanes that hold the same sums take the same step. */
+__device__ __forceinline__ int tau_step(double alpha, const tau_sums &s, double F, double Fp,
+                                        tau_iter *it) {
+    const double t = it->t;
+    if (alpha == 2.0) {
+        /* Michelot: the closed form over a superset of the support is a lower bound of tau */
+        const double tn = (s.s1 - 1.0) / s.n;
+        if (s.n == it->prev_n || !(tn > t)) {
+            it->t = tn > t ? tn : t;
+            return 1;
+        }
+        it->prev_n = s.n;
+        it->t = tn;
+        return 0;
+    }
+    if (alpha == 1.5) {
+        /* Newton from the left (monotone, F convex) on F = sum (y-t)^2 - 1; the closed form on
+         * the current support is exact as soon as it keeps that support */
+        const double disc = s.s1 * s.s1 - s.n * (s.s2 - 1.0);
+        const double tc = (s.s1 - sqrt(disc > 0 ? disc : 0.0)) / s.n;
+        if (tc >= t && s.mn > tc) {
+            it->t = tc;
+            return 1;
+        }
+        const double F2 = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0, Fp2 = -2.0 * (s.s1 - s.n * t);
+        const double tn = t - F2 / Fp2;
+        if (!(tn > t)) return 1;
+        it->t = tn;
+        return 0;
+    }
+    /* safeguarded Newton inside the bracket [lo, hi] */
+    if (F > 0)
+        it->lo = t;
+    else
+        it->hi = t;
+    if (F == 0 || it->hi - it->lo <= 1e-15 * (1.0 + fabs(t))) return 1;
+    double tn = Fp < 0 ? t - F / Fp : 0.5 * (it->lo + it->hi);
+    if (!(tn > it->lo && tn < it->hi)) tn = 0.5 * (it->lo + it->hi);
+    it->t = tn;
+    return 0;
+}
+
+/* The iteration cap of the solver for alpha. */
+__device__ __forceinline__ int tau_max_iters(double alpha) { return alpha == 1.5 ? 100 : 200; }
+
 /* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1 */
 __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch) {
     const double beta = 1.0 / (alpha - 1.0);
-    double t = -1.0; /* F(-1) >= 0 because the max alone gives 1 */
-    if (alpha == 2.0) {
-        /* Michelot: the closed form over a superset of the support is a lower bound of tau */
-        double prev_n = -1;
-        for (int it = 0; it < 200; it++) {
-            const tau_sums s = cand_sums(v, n, M, t, scratch);
-            const double tn = (s.s1 - 1.0) / s.n;
-            if (s.n == prev_n || !(tn > t)) {
-                t = tn > t ? tn : t;
-                break;
-            }
-            prev_n = s.n;
-            t = tn;
-        }
-    } else if (alpha == 1.5) {
-        /* Newton from the left (monotone, F convex) on F = sum (y-t)^2 - 1; the closed form on
-         * the current support is exact as soon as it keeps that support */
-        for (int it = 0; it < 100; it++) {
-            const tau_sums s = cand_sums(v, n, M, t, scratch);
-            const double disc = s.s1 * s.s1 - s.n * (s.s2 - 1.0);
-            const double tc = (s.s1 - sqrt(disc > 0 ? disc : 0.0)) / s.n;
-            if (tc >= t && s.mn > tc) {
-                t = tc;
-                break;
-            }
-            const double F = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0,
-                         Fp = -2.0 * (s.s1 - s.n * t);
-            const double tn = t - F / Fp;
-            if (!(tn > t)) break;
-            t = tn;
-        }
-    } else {
-        /* safeguarded Newton inside the bracket [lo, hi] */
-        double lo = -1.0, hi = 0.0;
-        for (int it = 0; it < 200; it++) {
-            double F, Fp;
-            cand_newton(v, n, M, t, beta, scratch, &F, &Fp);
-            if (F > 0)
-                lo = t;
-            else
-                hi = t;
-            if (F == 0 || hi - lo <= 1e-15 * (1.0 + fabs(t))) break;
-            double tn = Fp < 0 ? t - F / Fp : 0.5 * (lo + hi);
-            if (!(tn > lo && tn < hi)) tn = 0.5 * (lo + hi);
-            t = tn;
-        }
+    tau_iter it = tau_start(-1.0);
+    const int cap = tau_max_iters(alpha);
+    for (int k = 0; k < cap; k++) {
+        tau_sums s = {0, 0, 0, 0};
+        double F = 0, Fp = 0;
+        if (alpha == 2.0 || alpha == 1.5)
+            s = cand_sums(v, n, M, it.t, scratch);
+        else
+            cand_newton(v, n, M, it.t, beta, scratch, &F, &Fp);
+        if (tau_step(alpha, s, F, Fp, &it)) break;
     }
-    return t;
+    return it.t;
+}
+
+/* The threshold (absolute, not relative to a max) of the n values at v, any subset of a row's
+ * scores: a lower bound on the row's own threshold (docs/math.md §9.1). Block-wide. */
+__device__ double subset_threshold(const float *v, int64_t n, double alpha, double *scratch,
+                                   float *fscratch) {
+    float ms = -INFINITY;
+    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) ms = fmaxf(ms, v[k]);
+    ms = ekv_block_max(ms, fscratch, -INFINITY);
+    return (double)ms + solve_tau(v, n, ms, alpha, scratch);
 }
 
 } // namespace

@@ -36,6 +36,7 @@ ekv_model_params ekv_model_default_params(void) {
     p.cuda_graphs = 1;
     p.prefill_chunk = 0;
     p.max_seqs = 1;
+    p.prefill_kernel = EKV_PREFILL_AUTO;
     return p;
 }
 
@@ -402,6 +403,11 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
                         "max_seqs=%d must be in [1, 4096], and 1 on the cpu backend (several "
                         "sequences are a cuda feature)",
                         p.max_seqs);
+    if (p.prefill_kernel != EKV_PREFILL_AUTO && p.prefill_kernel != EKV_PREFILL_FUSED &&
+        p.prefill_kernel != EKV_PREFILL_GEMM)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "prefill_kernel=%d: expected auto (0), fused (1) or gemm (2)",
+                        (int)p.prefill_kernel);
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
                         (long long)p.prefill_chunk);
@@ -494,6 +500,10 @@ ekv_status ekv_model_get_stats(const ekv_model *m, int32_t layer, ekv_model_stat
         out->lists_round2 += s->lists_round2;
         out->lists += s->lists;
         out->survivors += s->survivors;
+        out->prefill_fused += s->prefill_fused;
+        out->prefill_gemm += s->prefill_gemm;
+        out->prefill_retry_rows += s->prefill_retry_rows;
+        out->prefill_newton_rows += s->prefill_newton_rows;
     }
     return EKV_OK;
 }

@@ -127,14 +127,40 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     return EKV_OK;
 }
 
-/* Query tokens per dense prefill block: the caller's, or as many as leave the score and P
- * buffers ([H * chunk][keys], 4 + nparts * es bytes an entry) within 60% of the free memory
- * (at most 64 GiB), up to 4096; multiples of 16. */
+/* The fused prefill's candidates per row: EKV_PREFILL_CANDS (1 .. 8192, a test's way to make
+ * rows overflow, docs/architecture.md), else 4096 (the GEMM path's row kernel keeps as many). */
+static int32_t fused_cand_cap(void) {
+    const char *e = getenv("EKV_PREFILL_CANDS");
+    const long v = e ? strtol(e, NULL, 10) : 0;
+    return v >= 1 && v <= 8192 ? (int32_t)v : 4096;
+}
+
+/* The fused prefill's buffers: per row of a block its candidates and state, per layer the
+ * counts of rows retried and solved by Newton passes. */
+static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
+    g->cand_cap = fused_cand_cap();
+    ekv_status s = dev_alloc(g, &g->pf_cand, rows * g->cand_cap * 4, "the prefill candidates");
+    if (!s) s = dev_alloc(g, &g->pf_count, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &g->pf_state, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &g->pf_thr, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &g->pf_m, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &g->pf_tau, rows * 8, "the prefill rows");
+    const int64_t nc = 2 * (int64_t)m->cfg.n_layers;
+    if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
+    if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
+    return s;
+}
+
+/* Query tokens per dense prefill block: the caller's; or for the fused kernel up to 4096
+ * (nothing of size keys per row: its buffers are cand_cap per row); or for the GEMMs as many
+ * as leave the score and P buffers ([H * chunk][keys], 4 + nparts * es bytes an entry) within
+ * 60% of the free memory (at most 64 GiB), up to 4096; multiples of 16. */
 static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     const ekv_model_config *c = &m->cfg;
     const int64_t es = ekv_dtype_size(m->prm.kv_dtype), bpe = 4 + g->nparts * es;
     g->ld_cap = (m->prm.max_tokens + 15) / 16 * 16;
     int64_t chunk = m->prm.prefill_chunk;
+    if (!chunk && g->fused) chunk = 4096;
     if (!chunk) {
         size_t fr = 0, tot = 0;
         GPU_TRY(g, cudaMemGetInfo(&fr, &tot));
@@ -152,10 +178,11 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     if (chunk > g->ld_cap) chunk = g->ld_cap;
     g->chunk = chunk;
     const int64_t rows = (int64_t)c->n_heads * chunk;
-    ekv_status s = dev_alloc(g, &g->scores, rows * g->ld_cap * 4, "the prefill scores");
-    if (!s) s = dev_alloc(g, &g->pparts, g->nparts * rows * g->ld_cap * es, "the prefill P");
-    if (!s) s = dev_alloc(g, &g->qparts, g->nparts * rows * c->head_dim * es, "the prefill q");
+    ekv_status s = dev_alloc(g, &g->qparts, g->nparts * rows * c->head_dim * es, "the prefill q");
     if (!s) s = dev_alloc(g, &g->qshift, 2 * rows * 4, "the prefill shifts and sums");
+    if (g->fused) return s ? s : alloc_fused(m, g, rows);
+    if (!s) s = dev_alloc(g, &g->scores, rows * g->ld_cap * 4, "the prefill scores");
+    if (!s) s = dev_alloc(g, &g->pparts, g->nparts * rows * g->ld_cap * es, "the prefill P");
     if (!s) s = dev_alloc(g, &g->obuf, rows * c->head_dim * 4, "the prefill output");
     return s;
 }
@@ -236,7 +263,8 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
                     g->xn,      g->q,       g->k,      g->v,       g->att,      g->h1,
                     g->h3,      g->logits,  g->indptr, g->indices, g->last_len, g->items,
                     g->scores,  g->pparts,  g->qparts, g->qshift,  g->obuf,     g->bad,
-                    g->blas_ws, g->bseqs,   g->vbase};
+                    g->blas_ws, g->bseqs,   g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
+                    g->pf_thr,  g->pf_m,    g->pf_tau, g->pf_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->hpos);
@@ -279,9 +307,16 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     g->hpos = (int64_t *)calloc((size_t)g->max_seqs, sizeof *g->hpos);
     g->pages = (m->prm.max_tokens + m->prm.page_size - 1) / m->prm.page_size;
     g->nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
+    const bool fits = gpu_prefill_fused_applies(m->prm.kv_dtype, c->head_dim);
+    g->fused = m->prm.prefill_kernel != EKV_PREFILL_GEMM && fits;
     ekv_status s = g->layers && g->hpos
                            ? open_device(m, g)
                            : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
+    if (!s && m->prm.prefill_kernel == EKV_PREFILL_FUSED && !fits)
+        s = ekv_fail(m->ctx, EKV_ERR_UNSUPPORTED,
+                     "model (cuda): prefill_kernel fused needs an f16 or bf16 cache and head_dim "
+                     "64 or 128 (kv_dtype %s, head_dim %d): use auto or gemm",
+                     ekv_dtype_name(m->prm.kv_dtype), c->head_dim);
     if (!s) s = upload_weights(m, g);
     if (!s) s = upload_vectors(m, g);
     for (int32_t l = 0; l < c->n_layers && !s; l++) s = alloc_layer_cache(m, g, &g->layers[l]);
@@ -333,6 +368,12 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
     return gpu_linear(g, L->w2, d, F, g->h1, T, g->x, 1.f); /* x += W2 . swiglu */
 }
 
+/* Whether a block is a dense prefill block (model_gpu_prefill.cu) rather than prefix views
+ * through the decode stages (model_gpu_attention.cu). */
+static int dense_prefill(const ekv_model *m, const gpu_block *b) {
+    return !b->batch && b->T > 1 && m->prm.method == EKV_SELECT_DENSE;
+}
+
 /* One block (g->tokens) at the device positions, which it advances; the logits of every
  * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only
  * where a block of T > 1 tokens of one sequence needs it, so a captured step (T = 1) stays
@@ -341,7 +382,7 @@ static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     const ekv_model_config *c = &m->cfg;
     model_gpu *g = m->gpu;
     const int64_t T = b->T;
-    const int views = b->batch || T == 1 || m->prm.method != EKV_SELECT_DENSE;
+    const int views = !dense_prefill(m, b);
     const int32_t n_items = b->batch ? (int32_t)T : gpu_items(b->pos0, T, m->prm.page_size);
     TRY(gpu_block_tables(g, b, m->prm.page_size, n_items, views));
     TRY(gpu_embed(g, T, c->d_model));
@@ -390,6 +431,26 @@ static ekv_status graph_step(ekv_model *m, int32_t seq) {
     return EKV_OK;
 }
 
+/* The kernel of a dense prefill block into each layer's stats, and the fused kernel's rows
+ * retried and solved by Newton passes (its device counters, then zeroed). */
+static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
+    model_gpu *g = m->gpu;
+    const int32_t nl = m->cfg.n_layers;
+    unsigned long long rows[2 * 64];
+    for (int32_t l0 = 0; l0 < nl && g->fused; l0 += 64) {
+        const int32_t n = nl - l0 < 64 ? nl - l0 : 64;
+        GPU_TRY(g, cudaMemcpy(rows, g->pf_rows + 2 * l0, (size_t)n * 16, cudaMemcpyDeviceToHost));
+        GPU_TRY(g, cudaMemset(g->pf_rows + 2 * l0, 0, (size_t)n * 16));
+        for (int32_t l = 0; l < n; l++) {
+            m->layers[l0 + l].stats.prefill_retry_rows += (int64_t)rows[2 * l];
+            m->layers[l0 + l].stats.prefill_newton_rows += (int64_t)rows[2 * l + 1];
+        }
+    }
+    for (int32_t l = 0; l < nl; l++)
+        *(g->fused ? &m->layers[l].stats.prefill_fused : &m->layers[l].stats.prefill_gemm) += b->T;
+    return EKV_OK;
+}
+
 /* One block: its tokens to the device, the forward pass (a replayed graph for one token of
  * one sequence), the logits back; the host waits here only. */
 static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tokens,
@@ -405,6 +466,7 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
                                    cudaMemcpyDeviceToHost, g->stream));
     GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
     GPU_TRY(g, cudaStreamSynchronize(g->stream));
+    if (dense_prefill(m, b)) TRY(count_prefill(m, b));
     if (bad)
         return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
                         "model (cuda): attention scores overflowed (not finite) in the prefill "

@@ -5,7 +5,9 @@
  *                           decode step's CUDA graph, the host mirrors for traces
  *   model_gpu_kernels.cu    embedding, RMSNorm, SwiGLU, the linear layers (cuBLAS), the page
  *                           table of a block's prefix views and the append items
- *   model_gpu_prefill.cu    dense prefill attention on tensor cores (docs/math.md §12)
+ *   model_gpu_prefill.cu    dense prefill attention on tensor cores (docs/math.md §12): the
+ *                           entry and the GEMM path (model_gpu_prefill.cuh: what both share)
+ *   model_gpu_prefill_fused.cu  the fused dense prefill kernel (S and P stay on the chip)
  *   model_gpu_attention.cu  a block's attention through the decode stages (ekv_cuda_decode)
  */
 #pragma once
@@ -69,6 +71,17 @@ struct model_gpu {
     float *obuf;   /* [H * chunk][D] */
     int32_t *bad;  /* set by the prefill when a row's scores are not finite */
     int64_t ld_cap;
+    /* the fused dense prefill (model_gpu_prefill_fused.cu) instead of the GEMMs: its per-row
+     * state over the H * chunk rows of a block */
+    int fused;
+    int32_t cand_cap;  /* candidates kept per row (EKV_PREFILL_CANDS, docs/architecture.md) */
+    float *pf_cand;    /* [H * chunk][cand_cap] */
+    int32_t *pf_count; /* [H * chunk] candidates found (may exceed cand_cap) */
+    int32_t *pf_state; /* [H * chunk] where the row's tau stands (model_gpu_prefill_fused.cu) */
+    float *pf_thr;     /* [H * chunk] the row's candidate threshold (a lower bound of tau) */
+    float *pf_m;       /* [H * chunk] the row's max M */
+    double *pf_tau;    /* [H * chunk] tau - M */
+    unsigned long long *pf_rows; /* [n_layers][2] rows retried, rows solved by Newton passes */
     cudaGraphExec_t graph;
     int graph_ready;
     int32_t graph_seq; /* the sequence the captured step advances */
@@ -104,6 +117,9 @@ ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_
 ekv_status gpu_advance(model_gpu *g, const gpu_block *b);
 /* model_gpu_prefill.cu (one sequence) */
 ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
+/* model_gpu_prefill_fused.cu: whether the fused kernel serves this cache (f16/bf16 K and V,
+ * head dims 64 and 128) */
+bool gpu_prefill_fused_applies(ekv_dtype kv, int64_t head_dim);
 /* model_gpu_attention.cu */
 ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
 

@@ -1,7 +1,8 @@
 /*
- * Dense prefill attention on tensor cores (docs/math.md §12): for a block of T query tokens at
- * positions pos0.. and each KV head g, the G query heads of g times the T tokens are R = T*G
- * rows of one GEMM against the head's keys [0, pos0 + T) in the cache:
+ * Dense prefill attention on tensor cores (docs/math.md §12), the entry and the GEMM path (the
+ * fused kernel, model_gpu_prefill_fused.cu, takes over after step 1 when g->fused): for a
+ * block of T query tokens at positions pos0.. and each KV head g, the G query heads of g times
+ * the T tokens are R = T*G rows of one GEMM against the head's keys [0, pos0 + T) in the cache:
  *   1. q' = a*scale*q split exactly into parts of K's dtype (docs/math.md §12, as §3.1 does
  *      for decode), rows laid out [Hk][T*G][D];
  *   2. S = sum over parts of q'_part . K^T (cuBLAS, fp32 accumulation, batched over KV heads);
@@ -13,56 +14,11 @@
  *      [T][H][D] layout.
  * Each row is exact entmax over its prefix: the dense method's result, token by token.
  */
-#include "model_gpu.cuh"
-#include "../cuda/tau_solve.cuh"
+#include "model_gpu_prefill.cuh"
 
 namespace {
 
 enum { ROW_THREADS = 256, ROW_CANDS = 4096, ROW_ROUNDS = 4 };
-
-/* x = sum of np parts of T (each the rounding of what the earlier parts left, docs/math.md §12;
- * the conversions are the backend's, ekv_elem) */
-template <typename T>
-__device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stride) {
-    for (int p = 0; p < np; p++) {
-        const T h = ekv_elem<T>::from(x);
-        dst[p * part_stride] = h;
-        x -= ekv_elem<T>::to(h);
-    }
-}
-
-struct prefill_args {
-    int64_t pos0, T, R, G, Hk, H, D, ld, nk;
-    int np;
-    float qf;     /* (a * scale) rounded as the CPU rounds it */
-    float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
-    double a, alpha;
-    const float *q, *slopes;
-    float *scores, *qshift, *rinv, *obuf, *att;
-    void *qparts, *pparts;
-    int32_t *bad;
-};
-
-/* block (t, h): q'[t][h] split into parts, shifted by 2^s for f16 (docs/math.md §12) */
-template <typename T> __global__ void split_queries_kernel(prefill_args A) {
-    __shared__ float scratch[32];
-    const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, r = t * A.G + h % A.G;
-    const float *q = A.q + (t * A.H + h) * A.D;
-    float mx = 0.f;
-    for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) mx = fmaxf(mx, fabsf(q[d] * A.qf));
-    mx = ekv_block_max(mx, scratch, 0.f);
-    /* f16: 2^s lifts the largest into [2^14, 2^15), as split_group_q does (docs/math.md §3.1) */
-    int s = 0;
-    if (std::is_same<T, __half>::value && mx > 0.f && isfinite(mx)) {
-        s = 14 - ilogbf(mx);
-        s = s > 126 ? 126 : s;
-    }
-    const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
-    T *dst = (T *)A.qparts + row * A.D;
-    for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x)
-        split<T>(ldexpf(q[d] * A.qf, s), A.np, dst + d, pstride);
-    if (threadIdx.x == 0) A.qshift[row] = ldexpf(1.f, -s);
-}
 
 /* z of key j for the query at position i: the GEMM's sum unshifted, plus ALiBi (docs/math.md §1.6)
  */
@@ -101,10 +57,7 @@ __device__ double row_tau(const Z &z, float *zrow, int64_t n, float M, double al
         __syncthreads();
         const int nc = *ncand;
         if (nc <= ROW_CANDS) return solve_tau(cand, nc, M, alpha, scratch);
-        float ms = -INFINITY;
-        for (int k = threadIdx.x; k < ROW_CANDS; k += blockDim.x) ms = fmaxf(ms, cand[k]);
-        ms = ekv_block_max(ms, fscratch, -INFINITY);
-        const double lb = solve_tau(cand, ROW_CANDS, ms, alpha, scratch) + (double)ms - (double)M;
+        const double lb = subset_threshold(cand, ROW_CANDS, alpha, scratch, fscratch) - (double)M;
         thr = lb - 1e-6 > thr ? lb - 1e-6 : thr;
     }
     __syncthreads();
@@ -237,7 +190,7 @@ ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b)
     A.D = c->head_dim;
     A.nk = pos0 + T;
     A.ld = (A.nk + 15) / 16 * 16;
-    if (T > g->chunk || A.ld > g->ld_cap)
+    if (T > g->chunk || (!g->fused && A.ld > g->ld_cap))
         return ekv_fail(m->ctx, EKV_ERR_INTERNAL,
                         "model (cuda): prefill block %lld x %lld keys exceeds its buffers",
                         (long long)T, (long long)A.nk);
@@ -258,6 +211,7 @@ ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b)
     A.bad = g->bad;
     launch(L->kv.dtype, A, g->stream, 1);
     GPU_LAUNCHED(g);
+    if (g->fused) return gpu_prefill_fused(g, L, (int32_t)(L - g->layers), A, kv_offset);
     ekv_status s = prefill_gemms(g, L, A, 1, kv_offset);
     if (s) return s;
     launch(L->kv.dtype, A, g->stream, 0);

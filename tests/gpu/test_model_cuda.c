@@ -11,12 +11,14 @@
  * split (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
  * again gives the first run's logits; the host mirror of a layer cache and the last queries
  * match the CPU's; batched decode of sequences of different lengths (ekv_model_batch_step)
- * matches each sequence run alone on the CPU; gaussian is refused (ALiBi). Exit 77 when no
- * CUDA device is present.
+ * matches each sequence run alone on the CPU; gaussian is refused (ALiBi); the fused dense
+ * prefill against the GEMM path and the CPU (check_fused). Exit 77 when no CUDA device is
+ * present.
  */
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_f16_to_f32 */
+#include <stdlib.h>
 #include <string.h>
 
 #ifndef EKV_SOURCE_DIR
@@ -87,8 +89,10 @@ typedef struct {
     const char *path; /* NULL: the shipped model */
 } mcase;
 
-static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
+static ekv_model *load_kernel(ekv_context *ctx, const mcase *c, ekv_backend be,
+                              ekv_prefill_kernel kernel) {
     ekv_model_params p = ekv_model_default_params();
+    p.prefill_kernel = kernel;
     p.max_tokens = c->prefill + DECODE + MORE + 8;
     p.method = c->method;
     p.kv_dtype = c->kv;
@@ -101,6 +105,10 @@ static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
     CHECK(s == EKV_OK, "load (%s, %s): %s", ekv_backend_name(be), ekv_method_name(c->method),
           ekv_last_error(ctx));
     return s ? NULL : m;
+}
+
+static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
+    return load_kernel(ctx, c, be, EKV_PREFILL_AUTO);
 }
 
 /* Prefill then greedy decode on both engines (the CPU's argmax feeds both); the GPU's decode
@@ -280,6 +288,91 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
     free(lc);
 }
 
+/* The fused dense prefill (docs/math.md §12, "The fused kernel") against the GEMM path and the
+ * CPU engine at every position: f16 and bf16 caches, lengths and blocks off the kernel's
+ * 64-row tiles (a block of 100 tokens is 300 rows per KV head), and rows whose candidate buffer
+ * overflows: with EKV_PREFILL_CANDS = 4 nearly every row keeps too few (the model's keys cannot
+ * be planted through the API, so the buffer is shrunk instead), so rows are retried and solved
+ * by Newton passes, and must still give the same logits. The stats say which kernel ran. */
+typedef struct {
+    ekv_dtype kv;
+    int64_t n, chunk;
+    const char *cands; /* EKV_PREFILL_CANDS, or NULL */
+} fcase;
+
+static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *tok) {
+    const mcase c = {EKV_SELECT_DENSE, f->kv, f->chunk, 1, f->n, NULL};
+    if (f->cands)
+        setenv("EKV_PREFILL_CANDS", f->cands, 1);
+    else
+        unsetenv("EKV_PREFILL_CANDS");
+    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU),
+              *fused = load_kernel(ctx, &c, EKV_BACKEND_CUDA, EKV_PREFILL_FUSED),
+              *gemm = load_kernel(ctx, &c, EKV_BACKEND_CUDA, EKV_PREFILL_GEMM);
+    float *lc = malloc(sizeof(float) * (size_t)(f->n * V)),
+          *lf = malloc(sizeof(float) * (size_t)(f->n * V)),
+          *lg = malloc(sizeof(float) * (size_t)(f->n * V));
+    char what[96];
+    if (cpu && fused && gemm && lc && lf && lg) {
+        CHECK(!ekv_model_step(cpu, tok, f->n, lc), "cpu prefill: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(fused, tok, f->n, lf), "fused prefill: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gemm, tok, f->n, lg), "gemm prefill: %s", ekv_last_error(ctx));
+        snprintf(what, sizeof what, "fused %s %lld chunk %lld cands %s vs cpu",
+                 ekv_dtype_name(f->kv), (long long)f->n, (long long)f->chunk,
+                 f->cands ? f->cands : "-");
+        compare(what, lf, lc, f->n);
+        snprintf(what, sizeof what, "fused %s %lld chunk %lld vs gemm", ekv_dtype_name(f->kv),
+                 (long long)f->n, (long long)f->chunk);
+        compare(what, lf, lg, f->n);
+        ekv_model_stats sf, sg;
+        ekv_model_get_stats(fused, -1, &sf);
+        ekv_model_get_stats(gemm, -1, &sg);
+        const int64_t steps = f->n * ekv_model_get_config(fused)->n_layers;
+        CHECK(sf.prefill_fused == steps && sf.prefill_gemm == 0, "fused stats %lld / %lld of %lld",
+              (long long)sf.prefill_fused, (long long)sf.prefill_gemm, (long long)steps);
+        CHECK(sg.prefill_gemm == steps && sg.prefill_fused == 0, "gemm stats %lld / %lld of %lld",
+              (long long)sg.prefill_gemm, (long long)sg.prefill_fused, (long long)steps);
+        printf("    fused: rows retried %lld, solved by Newton passes %lld\n",
+               (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
+        if (f->cands && atoi(f->cands) <= 4)
+            CHECK(sf.prefill_retry_rows > 0 && sf.prefill_newton_rows > 0,
+                  "cands %s: no row overflowed (retried %lld, Newton %lld)", f->cands,
+                  (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
+    }
+    unsetenv("EKV_PREFILL_CANDS");
+    ekv_model_free(cpu);
+    ekv_model_free(fused);
+    ekv_model_free(gemm);
+    free(lc);
+    free(lf);
+    free(lg);
+}
+
+static void check_fused(ekv_context *ctx, const int32_t *tok) {
+    static const fcase cases[] = {
+            {EKV_DTYPE_F16, PREFILL, 0, NULL},   /* one block */
+            {EKV_DTYPE_F16, PREFILL, 100, NULL}, /* blocks of 300 rows: tiles cut mid-token */
+            {EKV_DTYPE_F16, 129, 0, NULL},
+            {EKV_DTYPE_BF16, 457, 0, NULL},
+            {EKV_DTYPE_BF16, 333, 77, NULL},
+            {EKV_DTYPE_F16, PREFILL, 256, "4"}, /* overflows: retries and Newton passes */
+            {EKV_DTYPE_BF16, 457, 128, "2"},
+            {EKV_DTYPE_F16, 457, 0, "24"}, /* some rows overflow round 0 only */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check_fused_case(ctx, &cases[i], tok);
+    /* fused where it does not apply is refused, not replaced */
+    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F32, 0, 1, 100, NULL};
+    ekv_model_params p = ekv_model_default_params();
+    p.backend = EKV_BACKEND_CUDA;
+    p.kv_dtype = c.kv;
+    p.prefill_kernel = EKV_PREFILL_FUSED;
+    ekv_model *m = NULL;
+    CHECK(ekv_model_load(ctx, MODEL, &p, &m) == EKV_ERR_UNSUPPORTED && !m,
+          "fused prefill on an f32 cache: %s", ekv_last_error(ctx));
+    ekv_model_free(m);
+}
+
 /* A method the CUDA backend does not serve is refused at set_method (the paper's fixed tau mode
  * has no model switch, so an invalid budget stands in); a bad token moves nothing. */
 static void check_refusals(ekv_context *ctx) {
@@ -338,6 +431,7 @@ int main(void) {
     check_batch(ctx, tok, EKV_SELECT_TOPK);
     check_batch(ctx, tok, EKV_SELECT_SCREENED);
     check_refusals(ctx);
+    check_fused(ctx, tok);
     free(graph);
     free(eager);
     ekv_context_free(ctx);

@@ -1,0 +1,463 @@
+/*
+ * Dense prefill attention, fused (docs/math.md §12, "The fused kernel"): the rows of the GEMM
+ * path (R = T*G per KV head g, row r = t*G + j, its queries split into np parts of K's dtype by
+ * split_queries_kernel), but S and P never reach global memory. A block owns PF_ROWS rows (16
+ * per warp, their q' parts in registers) and streams the K (and V) tiles of their causal prefix
+ * through shared memory (cp.async, two stages), last tile first; every pass recomputes
+ * z = 2^-s (sum over parts of q'_part . k) + a m_h (j - i) on tensor cores (mma_common.cuh,
+ * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
+ * by one block, so everything about a row is decided inside one block:
+ *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
+ *      every z > m - 1 appended to the row's buffer (cand_cap kept): a superset of the
+ *      candidates z > M - 1 (§0), M among them. fused_tau_kernel then solves tau on them
+ *      (tau_solve.cuh); a row with more than cand_cap takes the threshold of the kept ones, a
+ *      lower bound on tau (§9.1), as its next threshold and runs the pass again (rounds
+ *      1 .. PF_ROUNDS - 1, only such rows);
+ *   2. a row still over after PF_ROUNDS (PF_NEWTON): its exact max by one more sweep, then
+ *      the solver's own iteration (tau_step) from that lower bound, each step's sums over the
+ *      row's keys by a sweep: exact without any buffer;
+ *   3. output (PF_OUT): p = [z - tau]_+^beta, sum p, P split into np parts of V's dtype
+ *      (times pscale, as the GEMM path does) and o += P V on tensor cores; o / sum p into the
+ *      [T][H][D] output.
+ * The tau kernel is one block per row (solve_tau is block-wide); blocks and warps with no row
+ * in the pass's state skip their work.
+ */
+#include "model_gpu_prefill.cuh"
+#include "../cuda/mma_common.cuh"
+
+namespace {
+
+enum {
+    PF_NW = 4,
+    PF_THREADS = 32 * PF_NW,
+    PF_ROWS = 16 * PF_NW, /* query rows of a block */
+    PF_KEYS = 64,         /* keys of a tile */
+    PF_ROUNDS = 3,        /* candidate rounds before a row takes Newton passes */
+    PF_TAU_THREADS = 256
+};
+enum { PF_CANDS, PF_NEWTON, PF_OUT };
+/* where a row's tau stands */
+enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3 };
+
+struct fused_args : prefill_args {
+    const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
+    int64_t kstride;   /* elements between tokens: Hk * D */
+    int cap, round, last;
+    float *cand;
+    int32_t *count, *state;
+    float *thr, *rowm;
+    double *tau;
+    unsigned long long *rows; /* this layer's [2]: rows retried, rows solved by Newton passes */
+};
+
+template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
+/* the q tile [np][PF_ROWS][pitch] is read into registers before the stages reuse its memory;
+ * then the row counters */
+template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused_smem_bytes() {
+    constexpr size_t q = (size_t)NP * PF_ROWS * mma_qpitch<D>() * 2,
+                     st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
+    return (q > st ? q : st) + PF_ROWS * 4;
+}
+
+/* The lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): global row g R + r (-1
+ * past R), the query's position, 2^-s of its split, a m_h, and whether the pass works on it. */
+struct pf_lane {
+    int64_t row[2], pos[2], t[2], h[2];
+    float shift[2], am[2];
+    bool on[2];
+};
+
+__device__ __forceinline__ pf_lane lane_rows(const fused_args &A, int want) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS + warp * 16 + (lane >> 2);
+    pf_lane L;
+    for (int k = 0; k < 2; k++) {
+        const int64_t r = r0 + 8 * k;
+        const bool in = r < A.R;
+        L.row[k] = in ? g * A.R + r : -1;
+        L.t[k] = r / A.G;
+        L.pos[k] = A.pos0 + L.t[k];
+        L.h[k] = g * A.G + r % A.G;
+        L.shift[k] = in ? A.qshift[L.row[k]] : 0.f;
+        L.am[k] = in && A.slopes ? (float)(A.a * (double)A.slopes[L.h[k]]) : 0.f;
+        L.on[k] = in && (want < 0 || A.state[L.row[k]] == want);
+    }
+    return L;
+}
+
+/* The block's query rows, np parts each, from qparts into shared memory (zero past R), then the
+ * warp's A fragments into registers. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
+                                             uint32_t (*qa)[D / 16][4]) {
+    constexpr int CH = D / 8, P = mma_qpitch<D>();
+    const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS;
+    const T *src = static_cast<const T *>(A.qparts);
+    for (int i = threadIdx.x; i < NP * PF_ROWS * CH; i += PF_THREADS) {
+        const int part = i / (PF_ROWS * CH), rr = i / CH % PF_ROWS, c = i % CH;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r0 + rr < A.R)
+            v = *reinterpret_cast<const uint4 *>(src + part * A.Hk * A.R * A.D +
+                                                 (g * A.R + r0 + rr) * A.D + c * 8);
+        *reinterpret_cast<uint4 *>(qs + (part * PF_ROWS + rr) * P + c * 8) = v;
+    }
+    __syncthreads();
+    load_q_frags<T, D, NP>(qs + (threadIdx.x >> 5) * 16 * P, PF_ROWS * P, qa);
+    __syncthreads(); /* the stages reuse qs */
+}
+
+/* The keys of the block's rows: [0, pos0 + t of its last row + 1). */
+__device__ __forceinline__ int64_t block_keys(const fused_args &A) {
+    const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
+    return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
+}
+
+/* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
+ * the row's max comes early, which keeps round 0's candidates few): tile [k0, k0 + PF_KEYS) of
+ * K (and V) lands in a stage, then use(k0, kt, vt) runs in every warp (block-uniform). */
+template <typename T, int D, bool WITH_V, typename Use>
+__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *stages,
+                                      Use use) {
+    constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB, SUB = 16 * D * 2;
+    const int warp = threadIdx.x >> 5;
+    const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
+    const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
+    auto issue = [&](int64_t j) { /* each warp copies 16 rows of the tile */
+                                  const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
+                                  const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
+                                  unsigned char *st = stages + (j & 1) * SB + warp * SUB;
+                                  tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride,
+                                                         warp * 16, valid);
+                                  if (WITH_V)
+                                      tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
+                                                            warp * 16, valid);
+    };
+    issue(0);
+    cp_async_commit();
+    for (int64_t j = 0; j < ntiles; j++) {
+        if (j + 1 < ntiles) issue(j + 1);
+        cp_async_commit();
+        cp_async_wait<1>(); /* this thread's copies of tile j have landed ... */
+        __syncthreads();    /* ... and everyone's */
+        const unsigned char *st = stages + (j & 1) * SB;
+        use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
+        __syncthreads(); /* the stage is free for tile j + 2 */
+    }
+    cp_async_wait<0>();
+}
+
+/* z of the lane's scores of a 64-key tile from k0 (s[n8][i]: row k = i / 2, key k0 + 8 n8 +
+ * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked; *bad |= a z that is not
+ * finite where not masked. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
+                                       const pf_lane &L, int64_t k0, float (*s)[4], int *bad) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < PF_KEYS / 16; q++)
+        tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
+#pragma unroll
+    for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int k = i >> 1;
+            const int64_t j = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
+            const bool in = L.row[k] >= 0 && j <= L.pos[k];
+            const float z = fmaf(s[n8][i], L.shift[k], L.am[k] * (float)(j - L.pos[k]));
+            *bad |= in && !isfinite(z);
+            s[n8][i] = in ? z : -CUDART_INF_F;
+        }
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ double quad_sum(double v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ double quad_min(double v) {
+    v = fmin(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmin(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+/* Step 1: the candidates of the rows in the round's state (round 0: every row, threshold the
+ * running max - 1, less a slack for the float subtraction; later rounds: the row's thr). */
+template <typename T, int D, int NP>
+__device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                           unsigned char *stages, int *cnt) {
+    const int lane = threadIdx.x & 31, base = (threadIdx.x >> 5) * 16 + (lane >> 2);
+    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
+    float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
+    for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
+    int bad = 0;
+    auto use = [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
+        if (!warp_on) return;
+        float s[PF_KEYS / 8][4];
+        tile_z<T, D, NP>(kt, qa, L, k0, s, &bad);
+        if (!A.round) {
+            float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) mx[i >> 1] = fmaxf(mx[i >> 1], s[n8][i]);
+            for (int k = 0; k < 2; k++) {
+                run[k] = fmaxf(run[k], quad_max(mx[k]));
+                thr[k] = run[k] - 1.f - 1e-4f * (1.f + fabsf(run[k]));
+            }
+        }
+#pragma unroll
+        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int k = i >> 1;
+                if (L.on[k] && s[n8][i] > thr[k]) {
+                    const int at = atomicAdd(cnt + base + 8 * k, 1);
+                    if (at < A.cap) A.cand[L.row[k] * A.cap + at] = s[n8][i];
+                }
+            }
+    };
+    sweep<T, D, false>(A, block_keys(A), stages, use);
+    if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
+    if ((lane & 3) == 0)
+        for (int k = 0; k < 2; k++)
+            if (L.on[k]) A.count[L.row[k]] = cnt[base + 8 * k];
+}
+
+/* Step 2: the rows in ROW_NEWTON, exactly: their max, then tau_step from their threshold, each
+ * step's sums (the solver's cand_sums / cand_newton over every key of the row) by a sweep; the
+ * four lanes of a row hold the same sums and take the same step. */
+template <typename T, int D, int NP>
+__device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                            unsigned char *stages) {
+    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
+    const int64_t nk = block_keys(A);
+    const double beta = 1.0 / (A.alpha - 1.0);
+    const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
+    int unused = 0;                                     /* round 0 checked every z */
+    float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    sweep<T, D, false>(A, nk, stages,
+                       [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
+                           if (!warp_on) return;
+                           float s[PF_KEYS / 8][4];
+                           tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+#pragma unroll
+                           for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                               for (int i = 0; i < 4; i++) m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
+                       });
+    tau_iter it[2];
+    int done[2];
+    for (int k = 0; k < 2; k++) {
+        m[k] = quad_max(m[k]);
+        const double t0 = L.on[k] ? (double)A.thr[L.row[k]] - (double)m[k] : -1.0;
+        it[k] = tau_start(t0 > -1.0 ? t0 : -1.0);
+        done[k] = !L.on[k];
+    }
+    const int cap = tau_max_iters(A.alpha);
+    for (int n = 0; n < cap && __syncthreads_or(!done[0] || !done[1]); n++) {
+        double c[2] = {0, 0}, s1[2] = {0, 0}, s2[2] = {0, 0}, mn[2] = {1e300, 1e300};
+        double f[2] = {0, 0}, fp[2] = {0, 0};
+        sweep<T, D, false>(A, nk, stages,
+                           [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
+                               if (!warp_on) return;
+                               float s[PF_KEYS / 8][4];
+                               tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+#pragma unroll
+                               for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                                   for (int i = 0; i < 4; i++) {
+                                       const int k = i >> 1;
+                                       if (done[k]) continue;
+                                       const double y = (double)s[n8][i] - (double)m[k];
+                                       if (sums && y > it[k].t) {
+                                           c[k] += 1;
+                                           s1[k] += y;
+                                           s2[k] += y * y;
+                                           mn[k] = y < mn[k] ? y : mn[k];
+                                       } else if (!sums && y - it[k].t > 0) {
+                                           const double pb1 = pow(y - it[k].t, beta - 1.0);
+                                           f[k] += pb1 * (y - it[k].t);
+                                           fp[k] += pb1;
+                                       }
+                                   }
+                           });
+        for (int k = 0; k < 2; k++) {
+            const tau_sums S = {quad_sum(c[k]), quad_sum(s1[k]), quad_sum(s2[k]), quad_min(mn[k])};
+            const double F = quad_sum(f[k]) - 1.0, Fp = -beta * quad_sum(fp[k]);
+            if (!done[k]) done[k] = tau_step(A.alpha, S, F, Fp, &it[k]);
+        }
+    }
+    if (((threadIdx.x & 31) & 3) == 0)
+        for (int k = 0; k < 2; k++)
+            if (L.on[k]) {
+                A.rowm[L.row[k]] = m[k];
+                A.tau[L.row[k]] = it[k].t;
+                A.state[L.row[k]] = ROW_SOLVED;
+            }
+}
+
+/* Step 3: o = sum p v over the prefix, divided by sum p, into att [T][H][D]. */
+template <typename T, int D, int NP>
+__device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                         unsigned char *stages) {
+    const int lane = threadIdx.x & 31;
+    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
+    const double beta = 1.0 / (A.alpha - 1.0);
+    int unused = 0; /* round 0 checked every z */
+    double tau[2], sum[2] = {0, 0};
+    for (int k = 0; k < 2; k++) /* p of a masked or padding key: [-inf - tau]_+ = 0 */
+        tau[k] = L.on[k] ? (double)A.rowm[L.row[k]] + A.tau[L.row[k]] : 0.0;
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[nt][i] = 0.f;
+    auto use = [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+        if (!warp_on) return;
+        float s[PF_KEYS / 8][4];
+        tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+#pragma unroll
+        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float p = entmax_p(s[n8][i], tau[i >> 1], beta);
+                sum[i >> 1] += p;
+                s[n8][i] = p * A.pscale; /* p <= 1: within f16's range (docs/math.md §12) */
+            }
+#pragma unroll
+        for (int q = 0; q < PF_KEYS / 16; q++) tile_pv<T, D, NP>(vt + q * 16 * D * 2, s + 2 * q, o);
+    };
+    sweep<T, D, true>(A, block_keys(A), stages, use);
+    for (int k = 0; k < 2; k++) {
+        const double tot = quad_sum(sum[k]);
+        if (!L.on[k]) continue;
+        const float f = (float)(1.0 / (tot * (double)A.pscale));
+        float *dst = A.att + (L.t[k] * A.H + L.h[k]) * A.D + 2 * (lane & 3);
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt++)
+            *reinterpret_cast<float2 *>(dst + nt * 8) =
+                    make_float2(o[nt][2 * k] * f, o[nt][2 * k + 1] * f);
+    }
+}
+
+template <typename T, int D, int NP, int MODE>
+__global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int want = MODE == PF_OUT      ? -1
+                     : MODE == PF_NEWTON ? ROW_NEWTON
+                     : A.round           ? ROW_RETRY
+                                         : ROW_FRESH;
+    const pf_lane L = lane_rows(A, want);
+    if (!__syncthreads_or(L.on[0] || L.on[1])) return;
+    int *cnt = reinterpret_cast<int *>(smem_raw + fused_smem_bytes<D, NP, MODE == PF_OUT>() -
+                                       PF_ROWS * 4);
+    if (threadIdx.x < PF_ROWS) cnt[threadIdx.x] = 0;
+    uint32_t qa[NP][D / 16][4];
+    load_queries<T, D, NP>(A, reinterpret_cast<T *>(smem_raw), qa);
+    if (MODE == PF_CANDS) pass_cands<T, D, NP>(A, L, qa, smem_raw, cnt);
+    if (MODE == PF_NEWTON) pass_newton<T, D, NP>(A, L, qa, smem_raw);
+    if (MODE == PF_OUT) pass_out<T, D, NP>(A, L, qa, smem_raw);
+}
+
+/* Block (row): tau of a row in the round's state from its candidates (docs/math.md §12): all
+ * kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding, rounded
+ * down to fp32) becomes the row's next threshold, and after the last round the row takes
+ * Newton passes. */
+__global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A) {
+    __shared__ double scratch[128];
+    __shared__ float fscratch[32];
+    extern __shared__ float cs[]; /* cap */
+    const int64_t row = blockIdx.x;
+    if (A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
+    const int64_t n = A.count[row], kept = n < A.cap ? n : A.cap;
+    for (int64_t j = threadIdx.x; j < kept; j += blockDim.x) cs[j] = A.cand[row * A.cap + j];
+    __syncthreads();
+    if (n <= A.cap) { /* every candidate, the row's max among them */
+        float M = -CUDART_INF_F;
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) M = fmaxf(M, cs[j]);
+        M = ekv_block_max(M, fscratch, -CUDART_INF_F);
+        const double t = solve_tau(cs, n, M, A.alpha, scratch);
+        if (threadIdx.x == 0) {
+            A.rowm[row] = M;
+            A.tau[row] = t;
+            A.state[row] = ROW_SOLVED;
+        }
+        return;
+    }
+    const double lb = subset_threshold(cs, kept, A.alpha, scratch, fscratch) - 1e-6;
+    if (threadIdx.x == 0) {
+        float thr = __double2float_rd(lb);
+        if (A.round && A.thr[row] > thr) thr = A.thr[row];
+        A.thr[row] = thr;
+        A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
+        if (!A.round) atomicAdd(A.rows, 1ull);
+        if (A.last) atomicAdd(A.rows + 1, 1ull);
+    }
+}
+
+template <typename T, int D, int NP, int MODE>
+cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
+    constexpr auto kernel = fused_kernel<T, D, NP, MODE>;
+    constexpr size_t bytes = fused_smem_bytes<D, NP, MODE == PF_OUT>();
+    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+    if (e != cudaSuccess) return e;
+    kernel<<<dim3((unsigned)((A.R + PF_ROWS - 1) / PF_ROWS), (unsigned)A.Hk), PF_THREADS, bytes,
+             s>>>(A);
+    return cudaGetLastError();
+}
+
+template <typename T, int NP>
+cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
+    if (A.D == 64)
+        return mode == PF_CANDS    ? launch_pass<T, 64, NP, PF_CANDS>(A, s)
+               : mode == PF_NEWTON ? launch_pass<T, 64, NP, PF_NEWTON>(A, s)
+                                   : launch_pass<T, 64, NP, PF_OUT>(A, s);
+    return mode == PF_CANDS    ? launch_pass<T, 128, NP, PF_CANDS>(A, s)
+           : mode == PF_NEWTON ? launch_pass<T, 128, NP, PF_NEWTON>(A, s)
+                               : launch_pass<T, 128, NP, PF_OUT>(A, s);
+}
+
+/* f16 queries take 2 parts, bf16 3 (model_gpu.cu sets nparts, docs/math.md §12) */
+cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) {
+    return dt == EKV_DTYPE_F16 ? launch_mode<__half, 2>(A, mode, s)
+                               : launch_mode<__nv_bfloat16, 3>(A, mode, s);
+}
+
+} // namespace
+
+bool gpu_prefill_fused_applies(ekv_dtype kv, int64_t head_dim) {
+    return (kv == EKV_DTYPE_F16 || kv == EKV_DTYPE_BF16) && (head_dim == 64 || head_dim == 128);
+}
+
+ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, const prefill_args &P,
+                             int64_t kv_offset) {
+    fused_args A;
+    static_cast<prefill_args &>(A) = P;
+    A.k = (const char *)L->kv.k + kv_offset;
+    A.v = (const char *)L->kv.v + kv_offset;
+    A.kstride = P.Hk * P.D;
+    A.cap = g->cand_cap;
+    A.cand = g->pf_cand;
+    A.count = g->pf_count;
+    A.state = g->pf_state;
+    A.thr = g->pf_thr;
+    A.rowm = g->pf_m;
+    A.tau = g->pf_tau;
+    A.rows = g->pf_rows + 2 * (int64_t)layer;
+    const int64_t rows = P.Hk * P.R;
+    /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
+    GPU_TRY(g, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, g->stream));
+    const ekv_dtype dt = L->kv.dtype;
+    for (int round = 0; round < PF_ROUNDS; round++) {
+        A.round = round;
+        A.last = round == PF_ROUNDS - 1;
+        GPU_TRY(g, launch(dt, A, PF_CANDS, g->stream));
+        fused_tau_kernel<<<(unsigned)rows, PF_TAU_THREADS, (size_t)A.cap * 4, g->stream>>>(A);
+        GPU_LAUNCHED(g);
+    }
+    GPU_TRY(g, launch(dt, A, PF_NEWTON, g->stream));
+    GPU_TRY(g, launch(dt, A, PF_OUT, g->stream));
+    return EKV_OK;
+}
