@@ -121,9 +121,7 @@ __device__ double alibi_tau(const gr_args &A, int64_t bh, int64_t h, const ekv_s
     const double *sgm = A.sig + bh * A.cap_pages, m_h = A.slopes[h], a = A.a;
     double ymax = -CUDART_INF, smax = 1e-6, s_u = 0;
     for (int64_t p = threadIdx.x; p < Ps; p += blockDim.x) {
-        double c = (double)(p * A.ps) + (double)(A.ps - 1) / 2.0;
-        if (c > (double)(n - 1)) c = (double)(n - 1);
-        const double m = mu[p] + m_h * (c - (double)(sg.N - 1));
+        const double m = ekv_gauss_alibi_mean(mu[p], p, A.ps, n, sg.N, m_h);
         mu[p] = m;
         ymax = fmax(ymax, a * m);
         smax = fmax(smax, a * fmax(sgm[p], 1e-6));
@@ -175,12 +173,8 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
         double uavg = s_u / (double)Ps, tau_mix = 0;
         if (A.slopes) tau_mix = alibi_tau(A, bh, kvh * A.G + g, sg, Ps, n, scratch, &uavg);
         if (threadIdx.x == 0) {
-            double mug = s_mu / (double)Ps, vin = s_var / (double)Ps,
-                   vbtw = fmax(s_mu2 / (double)Ps - mug * mug, 0.0);
-            double sgg = fmax(sqrt(vin + vbtw), 1e-6);
-            if (!isfinite(mug)) mug = 0;
-            if (sgg != sgg) sgg = 1e-6;
-            if (sgg == CUDART_INF) sgg = 1e6;
+            double mug, sgg;
+            ekv_gauss_global_moments(s_mu, s_var, s_mu2, (double)Ps, &mug, &sgg);
             A.gstat[bh * 3] = A.slopes ? tau_mix
                                        : ekv_gauss_tau_single_core(A.alpha, mug, sgg, (double)n,
                                                                    A.reference_m3);
@@ -213,16 +207,15 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
     if (threadIdx.x < nh) {
         const int64_t bh = h0 + threadIdx.x;
         const double tau = A.gstat[bh * 3], sgg = A.gstat[bh * 3 + 1], uavg = A.gstat[bh * 3 + 2];
-        const double dsig = margin_z * sgg, dexc = A.excess * fmax(tau / A.a - uavg, 0.0);
-        tfloor[threadIdx.x] = tau - A.a * fmax(dsig, dexc);
+        tfloor[threadIdx.x] = ekv_gauss_floor(tau, A.a, uavg, margin_z, sgg, A.excess);
     }
     __syncthreads();
     const int64_t nsc = P > 1 ? P - 1 : 0; /* pages the rule may take */
     auto take = [&](int64_t p) {
         for (int g = 0; g < nh; g++) {
             const int64_t bh = h0 + g;
-            if (A.a * (A.mu[bh * A.cap_pages + p] + zpage * A.sig[bh * A.cap_pages + p]) >
-                tfloor[g])
+            if (ekv_gauss_page_taken(A.a, A.mu[bh * A.cap_pages + p],
+                                     A.sig[bh * A.cap_pages + p], zpage, tfloor[g]))
                 return true;
         }
         return false;

@@ -12,15 +12,14 @@
  *           exceeds round 1's tau for some query head of the group.
  */
 #include "cuda_internal.cuh"
+#include "../math/shard_select.h"
 
 namespace {
 
 enum { SEL_THREADS = 1024, SEL_WARPS = SEL_THREADS / 32, SEL_UNROLL = 8 };
 
-__device__ __forceinline__ uint32_t order_key(float f) {
-    const uint32_t u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+/* the bounds' order as integers, -0 as +0 (the CPU's tie rule; src/math/shard_select.h) */
+__device__ __forceinline__ uint32_t order_key(float f) { return ekv_bound_key(f); }
 
 /* Whether page p's bound exceeds tau[h] for a query head h in [h0, h0 + nh) (the heads of a
  * list): a page certified decode must read (docs/math.md §9.3; round 2 with round 1's tau,
