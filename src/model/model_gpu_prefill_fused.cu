@@ -182,20 +182,33 @@ __device__ __forceinline__ double quad_min(double v) {
     return fmin(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+/* A sweep whose every tile's z (the warp's rows against the tile's keys, tile_z) goes to
+ * use(k0, s, vt). A warp without a live row skips the mma but still copies its share of each
+ * tile and meets the barriers (sweep). */
+template <typename T, int D, int NP, bool WITH_V, typename Use>
+__device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
+                                        const uint32_t (*qa)[D / 16][4], int64_t nk,
+                                        unsigned char *stages, int *bad, Use use) {
+    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
+    sweep<T, D, WITH_V>(A, nk, stages,
+                        [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                            if (!warp_on) return;
+                            float s[PF_KEYS / 8][4];
+                            tile_z<T, D, NP>(kt, qa, L, k0, s, bad);
+                            use(k0, s, vt);
+                        });
+}
+
 /* Step 1: the candidates of the rows in the round's state (round 0: every row, threshold the
  * running max - 1, less a slack for the float subtraction; later rounds: the row's thr). */
 template <typename T, int D, int NP>
 __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                            unsigned char *stages, int *cnt) {
     const int lane = threadIdx.x & 31, base = (threadIdx.x >> 5) * 16 + (lane >> 2);
-    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
     for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
     int bad = 0;
-    auto use = [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
-        if (!warp_on) return;
-        float s[PF_KEYS / 8][4];
-        tile_z<T, D, NP>(kt, qa, L, k0, s, &bad);
+    auto use = [&](int64_t, float(*s)[4], const unsigned char *) {
         if (!A.round) {
             float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
@@ -218,7 +231,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
                 }
             }
     };
-    sweep<T, D, false>(A, block_keys(A), stages, use);
+    sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad, use);
     if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
     if ((lane & 3) == 0)
         for (int k = 0; k < 2; k++)
@@ -231,22 +244,19 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
 template <typename T, int D, int NP>
 __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                             unsigned char *stages) {
-    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
     const int64_t nk = block_keys(A);
     const double beta = 1.0 / (A.alpha - 1.0);
     const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
     int unused = 0;                                     /* round 0 checked every z */
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-    sweep<T, D, false>(A, nk, stages,
-                       [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
-                           if (!warp_on) return;
-                           float s[PF_KEYS / 8][4];
-                           tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+    sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &unused,
+                             [&](int64_t, float(*s)[4], const unsigned char *) {
 #pragma unroll
-                           for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+                                 for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-                               for (int i = 0; i < 4; i++) m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
-                       });
+                                     for (int i = 0; i < 4; i++)
+                                         m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
+                             });
     tau_iter it[2];
     int done[2];
     for (int k = 0; k < 2; k++) {
@@ -259,30 +269,27 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
     for (int n = 0; n < cap && __syncthreads_or(!done[0] || !done[1]); n++) {
         double c[2] = {0, 0}, s1[2] = {0, 0}, s2[2] = {0, 0}, mn[2] = {1e300, 1e300};
         double f[2] = {0, 0}, fp[2] = {0, 0};
-        sweep<T, D, false>(A, nk, stages,
-                           [&](int64_t k0, const unsigned char *kt, const unsigned char *) {
-                               if (!warp_on) return;
-                               float s[PF_KEYS / 8][4];
-                               tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+        sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &unused,
+                                 [&](int64_t, float(*s)[4], const unsigned char *) {
 #pragma unroll
-                               for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+                                     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-                                   for (int i = 0; i < 4; i++) {
-                                       const int k = i >> 1;
-                                       if (done[k]) continue;
-                                       const double y = (double)s[n8][i] - (double)m[k];
-                                       if (sums && y > it[k].t) {
-                                           c[k] += 1;
-                                           s1[k] += y;
-                                           s2[k] += y * y;
-                                           mn[k] = y < mn[k] ? y : mn[k];
-                                       } else if (!sums && y - it[k].t > 0) {
-                                           const double pb1 = pow(y - it[k].t, beta - 1.0);
-                                           f[k] += pb1 * (y - it[k].t);
-                                           fp[k] += pb1;
-                                       }
-                                   }
-                           });
+                                         for (int i = 0; i < 4; i++) {
+                                             const int k = i >> 1;
+                                             if (done[k]) continue;
+                                             const double y = (double)s[n8][i] - (double)m[k];
+                                             if (sums && y > it[k].t) {
+                                                 c[k] += 1;
+                                                 s1[k] += y;
+                                                 s2[k] += y * y;
+                                                 mn[k] = y < mn[k] ? y : mn[k];
+                                             } else if (!sums && y - it[k].t > 0) {
+                                                 const double pb1 = pow(y - it[k].t, beta - 1.0);
+                                                 f[k] += pb1 * (y - it[k].t);
+                                                 fp[k] += pb1;
+                                             }
+                                         }
+                                 });
         for (int k = 0; k < 2; k++) {
             const tau_sums S = {quad_sum(c[k]), quad_sum(s1[k]), quad_sum(s2[k]), quad_min(mn[k])};
             const double F = quad_sum(f[k]) - 1.0, Fp = -beta * quad_sum(fp[k]);
@@ -303,7 +310,6 @@ template <typename T, int D, int NP>
 __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                          unsigned char *stages) {
     const int lane = threadIdx.x & 31;
-    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
     const double beta = 1.0 / (A.alpha - 1.0);
     int unused = 0; /* round 0 checked every z */
     double tau[2], sum[2] = {0, 0};
@@ -314,10 +320,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     for (int nt = 0; nt < D / 8; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) o[nt][i] = 0.f;
-    auto use = [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-        if (!warp_on) return;
-        float s[PF_KEYS / 8][4];
-        tile_z<T, D, NP>(kt, qa, L, k0, s, &unused);
+    auto use = [&](int64_t, float(*s)[4], const unsigned char *vt) {
 #pragma unroll
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
@@ -329,7 +332,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
 #pragma unroll
         for (int q = 0; q < PF_KEYS / 16; q++) tile_pv<T, D, NP>(vt + q * 16 * D * 2, s + 2 * q, o);
     };
-    sweep<T, D, true>(A, block_keys(A), stages, use);
+    sweep_z<T, D, NP, true>(A, L, qa, block_keys(A), stages, &unused, use);
     for (int k = 0; k < 2; k++) {
         const double tot = quad_sum(sum[k]);
         if (!L.on[k]) continue;
