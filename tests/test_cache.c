@@ -923,9 +923,18 @@ static bytes snapshot(world *w) {
                     put(&x, w->st.kmean16 + so, sizeof(uint16_t) * (size_t)D);
                     put(&x, w->st.radius16 + pg * Hk + h, sizeof(float));
                 }
+                /* the key codes of the live slots: byte j * ps + t of the block is slot t's */
+                const int64_t R = (D * w->st.code_bits + 7) / 8;
+                const uint8_t *blk = w->st.codes ? w->st.codes + (pg * Hk + h) * ps * R : NULL;
+                for (int64_t j = 0; blk && j < R; j++) put(&x, blk + j * ps, (size_t)n);
             }
         }
         free(pages);
+    }
+    if (w->st.smin) {
+        const size_t nb = sizeof(float) * (size_t)(w->st.num_superpages * Hk * D);
+        put(&x, w->st.smin, nb);
+        put(&x, w->st.smax, nb);
     }
     return x;
 }
@@ -1333,6 +1342,116 @@ static void test_sizes(test_rng *r) {
           (long long)ekv_cache_bytes_needed(&big));
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* Truncation (ekv_cache_truncate)                                                     */
+/* ---------------------------------------------------------------------------------- */
+/* Appends the shadow's own next n tokens again (its stored values, as f32: exact), as a
+ * truncated sequence's continuation that must rebuild what the first appends built. */
+static void reappend(world *w, shadow *s, int64_t n) {
+    const int64_t row = (int64_t)w->p.num_kv_heads * w->p.head_dim;
+    float *k = malloc(sizeof(float) * (size_t)(n * row)),
+          *v = malloc(sizeof(float) * (size_t)(n * row));
+    for (int64_t i = 0; i < n * row; i++) {
+        k[i] = (float)s->k[s->len * row + i];
+        v[i] = (float)s->v[s->len * row + i];
+    }
+    ekv_status st = ekv_cache_append(w->c, s->id, n, k, v, EKV_DTYPE_F32);
+    CHECK(st == EKV_OK, "[%s] re-append %lld tokens at %lld: %s", g_cfg, (long long)n,
+          (long long)s->len, ekv_last_error(w->ctx));
+    if (!st) s->len += n;
+    free(k);
+    free(v);
+}
+
+static void truncate_to(world *w, shadow *s, int64_t n) {
+    ekv_status st = ekv_cache_truncate(w->c, s->id, n);
+    CHECK(st == EKV_OK, "[%s] truncate seq %d from %lld to %lld: %s", g_cfg, s->id,
+          (long long)s->len, (long long)n, ekv_last_error(w->ctx));
+    if (!st) s->len = n;
+    check_all(w); /* kept pages against their keys, freed pages' counts, the page table */
+}
+
+static int same_bytes(const bytes *a, const bytes *b) {
+    return a->n == b->n && memcmp(a->b, b->b, a->n) == 0;
+}
+
+/* A sequence (large keys, so a stale min/max or box would show) between another's pages:
+ * truncated mid-page, at a page boundary, to 0 and to its own length, the cache equals bit
+ * for bit (keys, values, summaries, compact ranges and ball, live key codes, superpage
+ * boxes, page ids, free count) what it was when the sequence first had that length, and
+ * re-appending the same tokens gives back the later states; the refusals change nothing. */
+static void test_truncate(ekv_context *ctx, test_rng *r) {
+    for (int cfg = 0; cfg < 6; cfg++) {
+        ekv_cache_params p = ekv_cache_default_params();
+        p.page_size = 8;
+        p.num_kv_heads = 2;
+        p.head_dim = 20;
+        p.dtype = (ekv_dtype)(cfg % 3);
+        p.range_dtype = cfg < 3 ? EKV_DTYPE_F32 : ekv_cache_compact_ranges(p.dtype);
+        p.code_bits = cfg < 3 ? 0 : (cfg == 3 ? 8 : 4);
+        p.superpage_pages = 2;
+        p.num_pages = 16;
+        p.max_seqs = 3;
+        snprintf(g_cfg, sizeof g_cfg, "truncate %s ranges %s codes %d", ekv_dtype_name(p.dtype),
+                 ekv_dtype_name(p.range_dtype), p.code_bits);
+        world w;
+        shadow *a = world_init(&w, ctx, &p) ? world_new_seq(&w, 4, 0) : NULL;
+        shadow *b = a ? world_new_seq(&w, 1, 0) : NULL;
+        if (!b) {
+            world_free(&w);
+            continue;
+        }
+        do_append(&w, a, r, 13, EKV_DTYPE_F32); /* pages 0, 1 */
+        do_append(&w, b, r, 9, EKV_DTYPE_F32);  /* pages 2, 3: b's pages share a superpage */
+        do_append(&w, a, r, 19, EKV_DTYPE_F32); /* 32: pages 1, 4, 5 */
+        bytes at32 = snapshot(&w);
+        do_append(&w, a, r, 5, EKV_DTYPE_F32); /* 37: page 6 holds 5 */
+        bytes at37 = snapshot(&w);
+        do_append(&w, a, r, 1, EKV_DTYPE_F32);
+        do_append(&w, a, r, 10, EKV_DTYPE_F32); /* 48 */
+        bytes at48 = snapshot(&w);
+        truncate_to(&w, a, 48); /* its own length: nothing changes */
+        bytes now = snapshot(&w);
+        CHECK(same_bytes(&now, &at48), "[%s] truncating to the length changed the cache", g_cfg);
+        free(now.b);
+        truncate_to(&w, a, 37); /* mid-page: page 6's summaries and codes from its 5 keys */
+        now = snapshot(&w);
+        CHECK(same_bytes(&now, &at37), "[%s] truncated to 37: differs from the cache at 37", g_cfg);
+        free(now.b);
+        reappend(&w, a, 11);
+        now = snapshot(&w);
+        CHECK(same_bytes(&now, &at48), "[%s] 37 + 11 re-appended: differs from the cache at 48",
+              g_cfg);
+        free(now.b);
+        truncate_to(&w, a, 32); /* a page boundary */
+        now = snapshot(&w);
+        CHECK(same_bytes(&now, &at32), "[%s] truncated to 32: differs from the cache at 32", g_cfg);
+        free(now.b);
+        bytes before = snapshot(&w);
+        CHECK(ekv_cache_truncate(w.c, a->id, 33) == EKV_ERR_INVALID_SIZE &&
+                      ekv_cache_truncate(w.c, a->id, -1) == EKV_ERR_INVALID_SIZE,
+              "[%s] truncation past the length or below 0 accepted", g_cfg);
+        CHECK(ekv_cache_truncate(w.c, 7, 0) == EKV_ERR_INVALID_SEQUENCE &&
+                      ekv_cache_truncate(NULL, 0, 0) == EKV_ERR_NULL_POINTER,
+              "[%s] truncation of a bad sequence accepted", g_cfg);
+        expect_unchanged(&w, &before, "a refused truncation");
+        free(before.b);
+        truncate_to(&w, a, 0); /* every page back, the superpage boxes without them */
+        reappend(&w, a, 37);
+        now = snapshot(&w);
+        CHECK(same_bytes(&now, &at37), "[%s] 0 + 37 re-appended: differs from the cache at 37",
+              g_cfg);
+        free(now.b);
+        truncate_to(&w, b, 3); /* the other sequence, mid-page, beside a */
+        do_append(&w, b, r, 20, EKV_DTYPE_F32);
+        check_all(&w);
+        free(at32.b);
+        free(at37.b);
+        free(at48.b);
+        world_free(&w);
+    }
+}
+
 /* ekv_cache_seq_adopt: a cache over a copy of `filled`'s pool (params q) adopts its sequence's
  * pages (np pages, the last holding `last`): the statistics and key codes of those pages equal
  * the appending cache's bit for bit, and so do the decode outputs (`want`, dense); then the
@@ -1580,6 +1699,7 @@ int main(void) {
     test_sizes(&r);
     test_page_table(ctx1, &r);
     test_free_reuse(ctx3, &r);
+    test_truncate(ctx3, &r);
     test_cache_full(ctx1, &r);
     test_nan_input(ctx3, &r);
     test_storage_limits(ctx1);

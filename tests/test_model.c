@@ -8,6 +8,8 @@
  *     of every token; top-k at a small budget and the gaussian selector run and read less;
  *   - screened decode (key codes of 4 and 8 bits) gives the dense logits and reads less than
  *     the K+V bytes; without codes it is refused at load and at set_method;
+ *   - truncation (ekv_model_seq_truncate) back to any position, then the rest of the prompt
+ *     again: the same logits bit for bit, for every method;
  *   - reset, stats and the f16 cache.
  */
 #include "entmaxkv.h"
@@ -113,6 +115,48 @@ static void test_screened(ekv_context *ctx, const int32_t *tok, int64_t n, float
         }
         ekv_model_free(m);
     }
+}
+
+/* After the whole prompt, truncate to `cut` and run the rest again: the logits equal the first
+ * run's from there, bit for bit, whatever the method (the caches then are what the first run
+ * had at cut: docs/architecture.md, "Cache layout"); page 5 and superpages of 2 pages put cuts
+ * mid-page, at page ends and inside superpages. The refusals leave the position alone. */
+static void test_truncate(ekv_context *ctx, const int32_t *tok, int64_t n, float *got) {
+    const int64_t V = 256;
+    const ekv_select_method methods[] = {EKV_SELECT_DENSE, EKV_SELECT_CERTIFIED,
+                                         EKV_SELECT_SCREENED, EKV_SELECT_TOPK, EKV_SELECT_GAUSSIAN};
+    const int64_t cuts[] = {n - 1, 37, 35, 10, 0};
+    float *first = malloc(sizeof(float) * (size_t)(n * V));
+    for (int mi = 0; mi < 5; mi++) {
+        const double budget = methods[mi] == EKV_SELECT_CERTIFIED ? 1.0 / 16 : 1.0 / 8;
+        ekv_model *m = load_codes(ctx, 5, EKV_DTYPE_F32, methods[mi], budget, 4);
+        if (!m || run(m, tok, n, 0, first)) {
+            CHECK(0, "%s: first run: %s", ekv_method_name(methods[mi]), ekv_last_error(ctx));
+            ekv_model_free(m);
+            continue;
+        }
+        for (int ci = 0; ci < 5; ci++) {
+            const int64_t cut = cuts[ci];
+            ekv_status st = ekv_model_seq_truncate(m, 0, cut);
+            CHECK(st == EKV_OK && ekv_model_position(m) == cut, "%s: truncate to %lld: %s",
+                  ekv_method_name(methods[mi]), (long long)cut, ekv_last_error(ctx));
+            st = st ? st : ekv_model_step(m, tok + cut, n - cut, got);
+            CHECK(st == EKV_OK &&
+                          !memcmp(got, first + cut * V, sizeof(float) * (size_t)((n - cut) * V)),
+                  "%s: truncated to %lld, the rest again differs by %.3g",
+                  ekv_method_name(methods[mi]), (long long)cut,
+                  rel_diff(got, first + cut * V, (n - cut) * V));
+        }
+        CHECK(ekv_model_seq_truncate(m, 0, n + 1) == EKV_ERR_INVALID_SIZE &&
+                      ekv_model_seq_truncate(m, 0, -1) == EKV_ERR_INVALID_SIZE &&
+                      ekv_model_seq_truncate(m, 1, 0) == EKV_ERR_INVALID_ARGUMENT &&
+                      ekv_model_position(m) == n,
+              "%s: a refused truncation moved the position to %lld", ekv_method_name(methods[mi]),
+              (long long)ekv_model_position(m));
+        ekv_model_free(m);
+    }
+    printf("truncation: %d methods x 5 cuts, the rest of the prompt again bit for bit\n", 5);
+    free(first);
 }
 
 int main(void) {
@@ -246,6 +290,7 @@ int main(void) {
     ekv_model_free(m);
 
     test_screened(ctx, tok, n, got, dense);
+    test_truncate(ctx, tok, n, got);
 
     /* f16 KV cache: close to the reference */
     m = load(ctx, 16, EKV_DTYPE_F16, EKV_SELECT_DENSE, 1.0);

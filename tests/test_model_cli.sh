@@ -6,6 +6,7 @@
 #     top-k with budget 1 too, and screened (4- and 8-bit key codes) to 1e-6 relative; a
 #     missing or broken model file exits 1 with a message;
 #   - run with screened (as --method or in --compare) decodes the dense text;
+#   - run --compare --rewind: every method continues the prompt (exact methods: dense's text);
 #   - trace writes a file that eval reads (per-layer prefix), with the model's shapes;
 #   - ppl stopped by SIGINT reports the partial result (exit 130, "interrupted" in the JSON).
 # Usage: test_model_cli.sh PATH/TO/entmaxkv DATA_DIR
@@ -49,6 +50,7 @@ usage run --model "$MODEL" -n -3
 usage run --model "$MODEL" --temp x
 usage run --model "$MODEL" --prompt a --prompt-file b
 usage run --model "$MODEL" --compare dense,nope
+usage run --model "$MODEL" --rewind
 usage run --model "$MODEL" --kv-dtype f8
 usage run --model "$MODEL" --page 0
 usage run --model "$MODEL" --method screened --code-bits 3
@@ -137,6 +139,12 @@ check "run --method screened should decode the dense text (rc=$RC: $(head -c 200
 run run --model "$MODEL" --prompt "Hello" -n 8 --compare screened,dense --code-bits 8 --quiet
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode' "$OUT")" -eq 3 ] && grep -q "^\[decode @13 screened\]" "$OUT"
 check "run --compare screened should decode with the screen (rc=$RC: $(head -c 200 "$ERR"))" $?
+# --rewind: each method from the prompt's end again: certified and screened write dense's text
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1 --method dense --compare certified,screened,topk --budget 1/4 --rewind
+txt=$(head -c 25 "$TMP/run1" | tail -c 20)
+[ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 4 ] &&
+  [ "$(grep -c -F -- "$txt" "$OUT")" -ge 3 ] && grep -q -- "--- from the prompt with screened ---" "$OUT"
+check "run --compare --rewind: every method from the prompt, exact ones with dense's text (rc=$RC: $(head -c 200 "$ERR"))" $?
 
 # ppl: the JSON contract; certified and top-k with every token equal dense
 ppl_field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }

@@ -3,7 +3,9 @@
  * then tokens are generated one decode step at a time (greedy, or sampled with --temp), and a
  * stats line reports tokens/s of prefill and decode and the fraction of the KV bytes that
  * attention read. --compare decodes further tokens with other methods after the same prefill,
- * one stats line each: sparse against dense decode speed at one context length in one run.
+ * one stats line each: sparse against dense decode speed at one context length in one run;
+ * with --rewind each of them starts again from the prompt's end (the caches truncated back to
+ * it, ekv_model_seq_truncate): every method answers the same prompt after one prefill.
  */
 #include "cli.h"
 #include <math.h>
@@ -39,6 +41,9 @@ static void run_help(FILE *f) {
             "  --compare LIST        after decoding, decode -n more tokens with each method of the\n"
             "                        comma list in turn (same sequence; one stats line each;\n"
             "                        screened in the list gives the caches --code-bits codes)\n"
+            "  --rewind              with --compare: each method starts again from the prompt's\n"
+            "                        end (the caches truncated back to it, the same --seed), so\n"
+            "                        every method continues the same prompt after one prefill\n"
             "  --quiet               do not print the prompt and the text (stats only)\n"
             "  --help                this text\n"
             "\n"
@@ -103,7 +108,7 @@ typedef struct {
     const char *prompt, *prompt_file, *prompts_file;
     int64_t n, seed;
     double temp;
-    int quiet, nmethods, prefill_set;
+    int quiet, nmethods, prefill_set, rewind;
     ekv_select_method methods[9]; /* --method, then the --compare list */
     ekv_select_method prefill;    /* --prefill-method (prefill_set): the prompt's method */
 } run_opts;
@@ -127,6 +132,7 @@ static const cli_opt run_table[] = {
         CLI_INT("-n", run_opts, n, 0, (int64_t)1 << 30),
         CLI_INT("--seed", run_opts, seed, 0, INT64_MAX),
         CLI_FLAG("--quiet", run_opts, quiet),
+        CLI_FLAG("--rewind", run_opts, rewind),
 };
 
 /* The options that need code: --temp (a number in a range), --compare (a method list),
@@ -168,6 +174,8 @@ static void parse(int argc, char **argv, run_opts *o) {
         cli_usage_error("run", "give --prompt or --prompt-file, not both");
     if (o->prompts_file && (o->prompt || o->prompt_file))
         cli_usage_error("run", "--prompts-file takes no --prompt or --prompt-file");
+    if (o->rewind && (o->nmethods < 2 || o->prompts_file))
+        cli_usage_error("run", "--rewind needs --compare (and one prompt)");
 }
 
 /* The prompt's bytes (NUL-terminated), or NULL with a message. */
@@ -184,6 +192,18 @@ static char *read_prompt(const run_opts *o, int64_t *plen) {
     return text;
 }
 
+/* --rewind: back to the prompt's end (plen tokens), its logits and the first sampler state. */
+static int rewind_to_prompt(const run_opts *o, ekv_context *ctx, ekv_model *m, int64_t plen,
+                            const float *prompt_logits, float *logits, cli_rng *rng) {
+    if (ekv_model_seq_truncate(m, 0, plen)) {
+        fprintf(stderr, "entmaxkv run: --rewind: %s\n", ekv_last_error(ctx));
+        return 1;
+    }
+    memcpy(logits, prompt_logits, sizeof(float) * (size_t)ekv_model_get_config(m)->vocab);
+    cli_rng_seed(rng, (uint64_t)o->seed);
+    return 0;
+}
+
 /* Decodes o->n tokens with method ph, from the logits of the previous token. */
 static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *m, float *logits,
                         cli_rng *rng, phase *p) {
@@ -195,7 +215,8 @@ static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *
     if (ph > 0 && !o->quiet) {
         char lab[64];
         model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
-        printf("\n--- continuing with %s ---\n", lab);
+        printf(o->rewind ? "\n--- from the prompt with %s ---\n" : "\n--- continuing with %s ---\n",
+               lab);
     }
     ekv_model_reset_stats(m);
     memset(p, 0, sizeof *p);
@@ -224,9 +245,10 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
                     ekv_model *m) {
     const int64_t V = ekv_model_get_config(m)->vocab;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)plen);
-    float *logits = malloc(sizeof(float) * (size_t)V);
+    float *logits = malloc(sizeof(float) * (size_t)V), *prompt_logits = NULL;
+    if (o->rewind) prompt_logits = malloc(sizeof(float) * (size_t)V);
     phase pre = {0}, dec[9];
-    int rc = tok && logits ? 0 : 1, ran = 0;
+    int rc = tok && logits && (prompt_logits || !o->rewind) ? 0 : 1, ran = 0;
     if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
     if (!rc) {
         ekv_model_tokenize(text, plen, tok);
@@ -244,8 +266,11 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     }
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->seed);
+    if (!rc && o->rewind) memcpy(prompt_logits, logits, sizeof(float) * (size_t)V);
     for (int ph = 0; ph < o->nmethods && !rc; ph++) {
-        rc = decode_phase(o, ph, ctx, m, logits, &rng, &dec[ph]);
+        if (ph > 0 && o->rewind)
+            rc = rewind_to_prompt(o, ctx, m, plen, prompt_logits, logits, &rng);
+        if (!rc) rc = decode_phase(o, ph, ctx, m, logits, &rng, &dec[ph]);
         ran = ph + 1;
     }
     if (!o->quiet) printf("\n");
@@ -255,11 +280,13 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     print_phase("prefill", lab, &pre, o->mo.backend);
     for (int ph = 0; ph < ran; ph++) {
         model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
-        snprintf(what, sizeof what, "decode @%lld", (long long)(plen + ph * o->n));
+        snprintf(what, sizeof what, "decode @%lld",
+                 (long long)(plen + (o->rewind ? 0 : ph) * o->n));
         print_phase(what, lab, &dec[ph], o->mo.backend);
     }
     free(tok);
     free(logits);
+    free(prompt_logits);
     return rc;
 }
 

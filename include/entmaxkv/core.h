@@ -286,6 +286,16 @@ EKV_API ekv_status ekv_cache_append(ekv_cache *cache, int32_t seq, int64_t n_tok
                                     const void *v, ekv_dtype src_dtype);
 
 /*
+ * Keeps the first n_tokens tokens of a sequence (0 <= n_tokens <= its length): the later pages
+ * go back to the pool, and a last page kept in part gets its summaries and key codes rebuilt
+ * from the keys it keeps, so the cache is what appending those n_tokens tokens would have
+ * built (decode over it gives the same results). Appends continue at position n_tokens: one
+ * prompt, several continuations. Fails without changing anything (EKV_ERR_INVALID_SIZE) when
+ * n_tokens is out of range.
+ */
+EKV_API ekv_status ekv_cache_truncate(ekv_cache *cache, int32_t seq, int64_t n_tokens);
+
+/*
  * A sequence over pages already filled by the caller's engine (a pool in the caller's memory,
  * ekv_cache_params.k_pool): `seq` (new, empty) takes the free pages pages[0..n_pages) in order,
  * each full but the last, which holds last_page_len tokens; their summaries and key codes are

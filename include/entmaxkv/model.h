@@ -184,6 +184,13 @@ EKV_API ekv_status ekv_model_batch_step(ekv_model *model, const int32_t *seqs, i
 /* Tokens in sequence seq (-1 if seq is out of range); empties one sequence. */
 EKV_API int64_t ekv_model_seq_position(const ekv_model *model, int32_t seq);
 EKV_API ekv_status ekv_model_seq_reset(ekv_model *model, int32_t seq);
+/* Keeps the first n_tokens tokens of sequence seq (0 <= n_tokens <= its position; sequence 0
+ * is the one of ekv_model_step): the next step runs at position n_tokens as if the later
+ * tokens had never been run (the caches' later pages are dropped, a page kept in part is
+ * summarised again from its kept keys; ekv_cache_truncate). One prompt, several
+ * continuations (`entmaxkv run --methods`). Out of range: EKV_ERR_INVALID_SIZE, nothing
+ * changed; on a failure past that (out of memory for a key row, a CUDA error) reset the model. */
+EKV_API ekv_status ekv_model_seq_truncate(ekv_model *model, int32_t seq, int64_t n_tokens);
 /* Statistics of one layer, or of all layers summed (layer = -1). */
 EKV_API ekv_status ekv_model_get_stats(const ekv_model *model, int32_t layer, ekv_model_stats *out);
 EKV_API void ekv_model_reset_stats(ekv_model *model);

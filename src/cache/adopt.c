@@ -18,24 +18,6 @@ static int page_finite(const ekv_cache *c, int32_t page, int32_t count) {
     return 1;
 }
 
-/* The page's summaries from its first `count` stored keys (row: head_dim floats of scratch). */
-static void summarize_page(ekv_cache *c, int32_t page, int32_t count, float *row) {
-    ekv_summary_reset_page(c, page);
-    if (c->in_super && c->in_super[page]) /* a reused page: drop its old keys from the box */
-        ekv_summary_rebuild_superpage(c, page);
-    c->count[page] = count;
-    if (c->in_super) c->in_super[page] = 1;
-    for (int32_t h = 0; h < c->p.num_kv_heads; h++) {
-        for (int32_t t = 0; t < count; t++) {
-            const int64_t at = ekv_cache_row(c, page, h, t);
-            for (int64_t d = 0; d < c->p.head_dim; d++)
-                row[d] = ekv_load_f32(c->k, c->p.dtype, at + d);
-            ekv_summary_add_row(c, page, h, row, t + 1);
-        }
-        ekv_summary_page_done(c, page, h);
-    }
-}
-
 /* The checks: an empty sequence, free and distinct pages in range, a valid last page, finite
  * keys and values. free_mark[p]: 1 free, 2 asked for. */
 static ekv_status adopt_check(ekv_cache *c, const ekv_seq *s, int32_t seq, const int32_t *pages,
@@ -91,7 +73,8 @@ ekv_status ekv_cache_seq_adopt(ekv_cache *c, int32_t seq, const int32_t *pages, 
         }
         for (int64_t i = 0; i < n_pages; i++) {
             s->pages[i] = pages[i];
-            summarize_page(c, pages[i], i + 1 == n_pages ? last_page_len : c->p.page_size, row);
+            ekv_summary_rebuild_page(c, pages[i], i + 1 == n_pages ? last_page_len : c->p.page_size,
+                                     row);
         }
         s->npages = n_pages;
         s->len = (n_pages - 1) * c->p.page_size + last_page_len;

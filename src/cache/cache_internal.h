@@ -51,6 +51,9 @@ void ekv_summary_reset_page(ekv_cache *c, int32_t page);
 /* Adds one stored key row (already in storage precision, as floats) to the running
  * statistics of (page, head); `n` is the token count after adding it. */
 void ekv_summary_add_row(ekv_cache *c, int32_t page, int32_t head, const float *row, int32_t n);
+/* The page's summaries, codes and superpage box from its first `count` stored keys, as appends
+ * build them (row: head_dim floats of scratch). */
+void ekv_summary_rebuild_page(ekv_cache *c, int32_t page, int32_t count, float *row);
 /* Writes the compact copy of (page, head)'s range (rounded outward), if the cache keeps one. */
 void ekv_summary_round_ranges(ekv_cache *c, int32_t page, int32_t head);
 /* Recomputes the superpage box of the superpage holding `page` from its pages (all heads). */

@@ -127,3 +127,23 @@ void ekv_summary_update_radius(ekv_cache *c, int32_t page, int32_t head) {
     c->radius[(int64_t)page * c->p.num_kv_heads + head] = radius_up(best);
     if (me16) c->radius16[(int64_t)page * c->p.num_kv_heads + head] = radius_up(best16);
 }
+
+/* The page's summaries (and the box of its superpage) from its first `count` stored keys, as
+ * appending them would have built them (row: head_dim floats of scratch): adoption and
+ * truncation build pages with it. */
+void ekv_summary_rebuild_page(ekv_cache *c, int32_t page, int32_t count, float *row) {
+    ekv_summary_reset_page(c, page);
+    if (c->in_super && c->in_super[page]) /* a reused page: drop its old keys from the box */
+        ekv_summary_rebuild_superpage(c, page);
+    c->count[page] = count;
+    if (c->in_super) c->in_super[page] = 1;
+    for (int32_t h = 0; h < c->p.num_kv_heads; h++) {
+        for (int32_t t = 0; t < count; t++) {
+            const int64_t at = ekv_cache_row(c, page, h, t);
+            for (int64_t d = 0; d < c->p.head_dim; d++)
+                row[d] = ekv_load_f32(c->k, c->p.dtype, at + d);
+            ekv_summary_add_row(c, page, h, row, t + 1);
+        }
+        ekv_summary_page_done(c, page, h);
+    }
+}

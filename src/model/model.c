@@ -668,6 +668,23 @@ ekv_status ekv_model_seq_reset(ekv_model *m, int32_t seq) {
     return ekv_model_gpu_seq_reset(m, seq);
 }
 
+ekv_status ekv_model_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
+    if (!m) return EKV_ERR_NULL_POINTER;
+    ekv_status s = check_seq(m, seq);
+    if (s) return s;
+    const int64_t pos = ekv_model_seq_position(m, seq);
+    if (n_tokens < 0 || n_tokens > pos)
+        return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE,
+                        "n_tokens=%lld must be in [0, %lld] (the sequence's position)",
+                        (long long)n_tokens, (long long)pos);
+    if (m->gpu) return ekv_model_gpu_seq_truncate(m, seq, n_tokens);
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) /* fails only for want of a key row */
+        if ((s = ekv_cache_truncate(m->layers[l].cache, m->layers[l].seq, n_tokens))) return s;
+    m->pos = n_tokens;
+    ekv_clear_error(m->ctx);
+    return EKV_OK;
+}
+
 ekv_status ekv_model_seq_step(ekv_model *m, int32_t seq, const int32_t *tokens, int64_t n,
                               float *logits) {
     if (!m) return EKV_ERR_NULL_POINTER;

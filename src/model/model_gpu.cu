@@ -539,6 +539,21 @@ extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
     return EKV_OK;
 }
 
+/* The next step appends at n_tokens: the append rebuilds that page's statistics and codes from
+ * its first slots (ekv_cuda_append), and the page tables come from pos, so nothing past
+ * n_tokens is read again (the engine keeps no superpage boxes). */
+extern "C" ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
+    model_gpu *g = m->gpu;
+    if (seq == 0)
+        for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
+    GPU_TRY(g, cudaMemcpyAsync(g->pos + seq, &n_tokens, 8, cudaMemcpyHostToDevice, g->stream));
+    GPU_TRY(g, cudaStreamSynchronize(g->stream)); /* n_tokens is on this stack */
+    g->hpos[seq] = n_tokens;
+    m->pos = g->hpos[0];
+    ekv_clear_error(m->ctx);
+    return EKV_OK;
+}
+
 extern "C" void ekv_model_gpu_method_changed(model_gpu *g) {
     if (!g) return;
     g->graph_warm = 0; /* the next step may use other kernels */

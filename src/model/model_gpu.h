@@ -24,6 +24,8 @@ int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq);
 /* Empties every sequence (position 0), or one. */
 ekv_status ekv_model_gpu_reset(ekv_model *m);
 ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq);
+/* n_tokens already checked against the position */
+ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens);
 /* The method changed: a captured decode graph is stale. NULL-safe. */
 void ekv_model_gpu_method_changed(model_gpu *g);
 ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q);

@@ -19,6 +19,9 @@ ekv_status ekv_model_gpu_batch_step(ekv_model *m, const int32_t *seqs, int32_t n
 int64_t ekv_model_gpu_position(const model_gpu *g, int32_t seq) { return -1; }
 ekv_status ekv_model_gpu_reset(ekv_model *m) { return EKV_ERR_UNSUPPORTED; }
 ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) { return EKV_ERR_UNSUPPORTED; }
+ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
+    return EKV_ERR_UNSUPPORTED;
+}
 void ekv_model_gpu_method_changed(model_gpu *g) { (void)g; }
 ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q) {
     return EKV_ERR_UNSUPPORTED;

@@ -153,6 +153,44 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
     free(dg);
 }
 
+/* ekv_model_seq_truncate on the GPU: after a prefill and 8 decode steps, back to the prompt's
+ * end and the same 8 tokens again (graph replays read the new position) give the same logits
+ * (to 1e-5: the candidate lists' order may differ), and back into the prompt (mid-page) its
+ * rest as a block again gives the first prefill's rows (compare's tolerance: other blocks). */
+static void check_truncate(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
+    const mcase c = {method, EKV_DTYPE_F16, 0, 1, 300, NULL};
+    ekv_model *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
+    float *a = malloc(sizeof(float) * 300 * V), *d1 = malloc(sizeof(float) * 8 * V),
+          *d2 = malloc(sizeof(float) * 8 * V);
+    if (!gpu || !a || !d1 || !d2) goto done;
+    CHECK(!ekv_model_step(gpu, tok, 300, a), "gpu prefill: %s", ekv_last_error(ctx));
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < 8; i++)
+            CHECK(!ekv_model_step(gpu, tok + 300 + i, 1, (pass ? d2 : d1) + i * V),
+                  "gpu decode: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_seq_truncate(gpu, 0, 300) && ekv_model_position(gpu) == 300,
+              "truncate to 300: %s", ekv_last_error(ctx));
+    }
+    char what[80];
+    snprintf(what, sizeof what, "%s: truncated, decoded again", ekv_method_name(method));
+    g_lossy = 0;
+    CHECK(compare(what, d2, d1, 8) <= 1e-5, "%s: more than 1e-5 from the first decode", what);
+    CHECK(!ekv_model_seq_truncate(gpu, 0, 250) && ekv_model_position(gpu) == 250,
+          "truncate to 250: %s", ekv_last_error(ctx));
+    float *b = malloc(sizeof(float) * 50 * V);
+    CHECK(b && !ekv_model_step(gpu, tok + 250, 50, b), "gpu rest of the prompt: %s",
+          ekv_last_error(ctx));
+    snprintf(what, sizeof what, "%s: truncated to 250, rest again", ekv_method_name(method));
+    g_lossy = method == EKV_SELECT_TOPK || method == EKV_SELECT_GAUSSIAN;
+    if (b) compare(what, b, a + 250 * V, 50);
+    free(b);
+done:
+    ekv_model_free(gpu);
+    free(a);
+    free(d1);
+    free(d2);
+}
+
 /* reset, the host mirror of a layer cache and the last queries, against the CPU engine */
 static void check_state(ekv_context *ctx, const int32_t *tok) {
     const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 128, 1, 300, NULL};
@@ -431,6 +469,9 @@ int main(void) {
     check_batch(ctx, tok, EKV_SELECT_TOPK);
     check_batch(ctx, tok, EKV_SELECT_SCREENED);
     check_refusals(ctx);
+    check_truncate(ctx, tok, EKV_SELECT_DENSE);
+    check_truncate(ctx, tok, EKV_SELECT_SCREENED);
+    check_truncate(ctx, tok, EKV_SELECT_TOPK);
     check_fused(ctx, tok);
     free(graph);
     free(eager);
