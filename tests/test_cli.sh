@@ -131,6 +131,15 @@ expect_usage_error bench --method topk --budget-tokens 0
 expect_usage_error bench --method screened --code-bits 2
 expect_usage_error bench --method screened --code-bits x
 expect_usage_error bench --method screened --code-bits
+# the sharded options are for --backend cuda; --shard-pools needs --shards or --gpus and a
+# synthetic workload (usage errors before any device is touched, in every build)
+expect_usage_error bench --shards 2
+expect_usage_error bench --gpus 2
+expect_usage_error bench --shard-pools
+expect_usage_error bench --shard-pools --shards 2
+expect_usage_error bench --backend cuda --shard-pools
+expect_usage_error bench --backend cuda --shards 2 --gpus 2
+expect_usage_error bench --backend cuda --gpus 2 --shard-pools --workload trace:none.safetensors
 # the reference backend does not screen (the library's support check: exit 2); a build without
 # CUDA refuses --backend cuda (exit 2); a CUDA build on a machine without a GPU says so in one
 # line and exits 1 (a runtime condition, not bad usage); with a GPU the run succeeds

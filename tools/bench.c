@@ -23,6 +23,10 @@ static void bench_help(FILE *f) {
             "  --shards N            cuda: also the sharded plan with N shards on one GPU (local\n"
             "                        transport), against the one-GPU step\n"
             "  --gpus N              cuda: also the sharded plan over GPUs 0..N-1 (NCCL)\n"
+            "  --shard-pools         with --shards/--gpus: each shard's GPU allocates and fills\n"
+            "                        only its pages (a context larger than one GPU); the one-GPU\n"
+            "                        step runs only when the whole pool fits GPU 0 (the output\n"
+            "                        says which); prints each shard's bytes read and roofline\n"
             "  --ragged MIN          cuda: sequence b of the batch gets a length spread evenly\n"
             "                        from MIN to --len (a ragged batch)\n"
             "  --len N[,N...]        tokens per sequence (repeatable; k/M suffixes; default 131072)\n"
@@ -142,10 +146,15 @@ static void parse_check(bench_opts *o) {
                             "--backend cuda: --workload %s: expected random, planted or trace:FILE",
                             o->w.workload);
         if ((o->shards || o->gpus) && !strncmp(o->w.workload, "trace:", 6))
-            cli_usage_error("bench", "--shards/--gpus: a synthetic workload (random, planted)");
+            cli_usage_error("bench", "--shards/--gpus/--shard-pools: a synthetic workload "
+                                     "(random, planted), which every GPU fills from the tokens' "
+                                     "positions (a trace is one sequence on the host)");
         if (o->shards && o->gpus) cli_usage_error("bench", "--shards and --gpus: one of them");
-    } else if (o->ragged_min || o->shards || o->gpus)
-        cli_usage_error("bench", "--ragged, --shards and --gpus are for --backend cuda");
+        if (o->shard_pools && !o->shards && !o->gpus)
+            cli_usage_error("bench", "--shard-pools: with --shards N or --gpus N");
+    } else if (o->ragged_min || o->shards || o->gpus || o->shard_pools)
+        cli_usage_error("bench",
+                        "--ragged, --shards, --gpus and --shard-pools are for --backend cuda");
     wl_opts_check("bench", &o->w);
 }
 
@@ -153,6 +162,7 @@ static const cli_opt bench_table[] = {
         CLI_INT("--ragged", bench_opts, ragged_min, 1, INT64_MAX),
         CLI_INT("--shards", bench_opts, shards, 1, 64),
         CLI_INT("--gpus", bench_opts, gpus, 1, 64),
+        CLI_FLAG("--shard-pools", bench_opts, shard_pools),
         CLI_INT("--superpage", bench_opts, superpage, 0, 4096),
         CLI_INT("--iters", bench_opts, iters, 1, 1000000),
         CLI_INT("--warmup", bench_opts, warmup, 0, 1000000),

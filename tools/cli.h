@@ -184,6 +184,7 @@ typedef struct {
     int nlens;
     int64_t iters, warmup, superpage, ragged_min;
     int64_t shards, gpus; /* --shards N (local transport) / --gpus N (nccl), cuda; 0 = none */
+    int shard_pools;      /* --shard-pools: each shard's GPU holds only its pages (issue 16) */
     ekv_isa isa;
     int32_t code_bits;    /* --code-bits (default 4): the cache's key codes when the method reads
                              them (cli_method_codes), else the cache has none */
