@@ -16,6 +16,9 @@
 #   METHODS ["dense topk:1/16 topk:1/64 gaussian certified screened"] (method[:budget])
 #   PREFILL [method]: the prompt's method; "dense" prefills densely (the GPU's tensor-core
 #            prefill) and applies the method to the generated tokens (run --prefill-method)
+#   REWIND [0]: 1 = one run per prompt: a dense prefill, then every method of METHODS answers
+#            from the prompt's end (run --compare LIST --rewind): one prefill per prompt, not
+#            one per method (the way to run 1M-token prompts)
 #   PPL_CTX [8192,32768,131072,524288,1048576]   PPL_METHODS [METHODS] (ppl applies the method
 #            to every token: on cuda a non-dense method is O(N^2) reads, keep it to short contexts)
 #   PYTHON [python3] (needs numpy)
@@ -30,7 +33,7 @@ BIN=${BIN:-build/entmaxkv} BACKEND=${BACKEND:-cpu} TEXT=${TEXT:-data/train.txt}
 LENS=${LENS:-32768,131072,524288,1048576} COUNT=${COUNT:-5} NEEDLES=${NEEDLES:-4}
 METHODS=${METHODS:-"dense topk:1/16 topk:1/64 gaussian certified screened"}
 PREFILL=${PREFILL:-method} PPL_CTX=${PPL_CTX:-8192,32768,131072,524288,1048576}
-PPL_METHODS=${PPL_METHODS:-$METHODS}
+PPL_METHODS=${PPL_METHODS:-$METHODS} REWIND=${REWIND:-0}
 PYTHON=${PYTHON:-python3}
 [ -x "$BIN" ] || { echo "long_context.sh: $BIN is not built" >&2; exit 1; }
 [ -s "$TEXT" ] || { echo "long_context.sh: no text $TEXT (train/get_data.sh makes it)" >&2; exit 1; }
@@ -56,8 +59,31 @@ prompts() { # DIR NEEDLES
 prompts "$OUT/passkey" 1
 prompts "$OUT/multikey" "$NEEDLES"
 
+# REWIND=1: one run per prompt, dense first, then the other specs in order (run's phases)
+rewind_task() { # TASK L
+    local others="" spec phase
+    local -a specs=(dense)
+    for spec in $METHODS; do
+        [ "$spec" = dense ] && continue
+        others=${others:+$others,}$spec
+        specs+=("$spec")
+    done
+    local log="$OUT/logs/${1}_L${2}_rewind.log"
+    echo "== $1 L=$2 rewind: dense,$others" >&2
+    bench/model_passkey.sh "$BIN" "$OUT/$1" "$2" "$COUNT" --backend "$BACKEND" --method dense \
+        ${others:+--compare "$others" --rewind} >"$log" 2>&1 ||
+        { echo "long_context.sh: $log failed" >&2; tail -3 "$log" >&2; return; }
+    while read -r phase score; do
+        printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "${specs[phase]}" "${score%/*}" "${score#*/}" >>"$TSV"
+    done < <(awk '/^passkey L=/ { p = 0; if ($3 ~ /^phase=/) { p = $3; sub(/phase=/, "", p) }; print p, $NF }' "$log")
+}
+
 for task in passkey multikey; do
     for L in ${LENS//,/ }; do
+        if [ "$REWIND" = 1 ]; then
+            rewind_task "$task" "$L"
+            continue
+        fi
         for spec in $METHODS; do
             log="$OUT/logs/${task}_L${L}_${spec//[:\/]/_}.log"
             echo "== $task L=$L $spec" >&2

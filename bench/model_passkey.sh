@@ -10,6 +10,9 @@
 # When the manifest has more prompts of that length than MAX_PROMPTS, every k-th is taken so
 # that the needle depths stay spread over the context.
 # Prints one line per prompt and a summary line "passkey L=... method=... correct/total".
+# With run's --compare LIST --rewind among the options, every method answers each prompt after
+# one prefill: a line per prompt and method, and a summary line per method in run's order,
+# "passkey L=... phase=I method=LABEL correct/total" (I = 0 for --method, then the list's).
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 set -u
@@ -20,6 +23,9 @@ trap 'rm -f "$TMPOUT" "$TMPERR"' EXIT
 total=$(awk -F'\t' -v L="$LEN" '$2 == L' "$DIR/manifest.tsv" | wc -l)
 step=$(( total > MAX ? total / MAX : 1 ))
 n=0 ok=0 seen=0
+REWIND=0
+for a in "$@"; do [ "$a" = --rewind ] && REWIND=1; done
+declare -a labels=() oks=()
 while IFS=$'\t' read -r file length depth answer offset; do
     [ "$file" = file ] && continue
     [ "$length" = "$LEN" ] || continue
@@ -34,9 +40,37 @@ while IFS=$'\t' read -r file length depth answer offset; do
         echo "model_passkey.sh: run failed (exit $rc) on $file: $(head -c 300 "$TMPERR")" >&2
         exit 1
     fi
-    got=$(head -c 5 "$TMPOUT")
     n=$((n + 1))
+    if [ "$REWIND" = 1 ]; then
+        # each phase's 5 bytes (the first at the start, the others after their marker line)
+        # and its label from the stats lines, in run's order
+        i=0
+        while IFS=$'\t' read -r label got; do
+            [ "$n" -eq 1 ] && { labels[i]=$label; oks[i]=0; }
+            if [ "$got" = "$answer" ]; then oks[i]=$((oks[i] + 1)); r=ok; else r=miss; fi
+            printf '%s depth=%s method=%s answer=%s got=%q %s\n' "$file" "$depth" "$label" "$answer" "$got" "$r"
+            i=$((i + 1))
+        done < <(python3 -c '
+import re, sys
+out = open(sys.argv[1], "rb").read()
+labels = re.findall(rb"^\[decode @\d+ ([^\]]+)\]", out, re.M)
+texts, rest = [out[:5]], out
+marker = b"\n--- from the prompt with "
+while marker in rest:
+    rest = rest[rest.index(marker) + len(marker):]
+    rest = rest[rest.index(b" ---\n") + 5:]
+    texts.append(rest[:5])
+for lab, t in zip(labels, texts):
+    print(lab.decode() + "\t" + t.decode("latin-1").replace("\n", " ").replace("\t", " "))
+' "$TMPOUT")
+        continue
+    fi
+    got=$(head -c 5 "$TMPOUT")
     if [ "$got" = "$answer" ]; then ok=$((ok + 1)); r=ok; else r=miss; fi
     printf '%s depth=%s answer=%s got=%q %s\n' "$file" "$depth" "$answer" "$got" "$r"
 done <"$DIR/manifest.tsv"
-echo "passkey L=$LEN options='$*' $ok/$n"
+if [ "$REWIND" = 1 ]; then
+    for i in "${!labels[@]}"; do echo "passkey L=$LEN phase=$i method=${labels[i]} ${oks[i]}/$n"; done
+else
+    echo "passkey L=$LEN options='$*' $ok/$n"
+fi

@@ -51,6 +51,8 @@ usage run --model "$MODEL" --temp x
 usage run --model "$MODEL" --prompt a --prompt-file b
 usage run --model "$MODEL" --compare dense,nope
 usage run --model "$MODEL" --rewind
+usage run --model "$MODEL" --compare topk:2
+usage run --model "$MODEL" --compare topk:x
 usage run --model "$MODEL" --kv-dtype f8
 usage run --model "$MODEL" --page 0
 usage run --model "$MODEL" --method screened --code-bits 3
@@ -145,6 +147,10 @@ txt=$(head -c 25 "$TMP/run1" | tail -c 20)
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 4 ] &&
   [ "$(grep -c -F -- "$txt" "$OUT")" -ge 3 ] && grep -q -- "--- from the prompt with screened ---" "$OUT"
 check "run --compare --rewind: every method from the prompt, exact ones with dense's text (rc=$RC: $(head -c 200 "$ERR"))" $?
+run run --model "$MODEL" --prompt "Hello" -n 4 --method topk --budget 1/2 --compare topk:1/64,dense,topk --rewind --quiet
+[ "$RC" -eq 0 ] && grep -q '^\[decode @5 topk 0.5\]' "$OUT" && grep -q '^\[decode @5 topk 0.015625\]' "$OUT" &&
+  [ "$(grep -c '^\[decode @5 topk 0.5\]' "$OUT")" -eq 2 ]
+check "run --compare method:budget: its own budget, the others --budget's (rc=$RC: $(head -c 200 "$ERR"))" $?
 
 # ppl: the JSON contract; certified and top-k with every token equal dense
 ppl_field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }

@@ -258,9 +258,15 @@ char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);
 /* The next token from logits: greedy (temp 0) or sampled at temperature temp (tools/run.c). */
 int32_t run_sample(const float *logits, int64_t V, double temp, cli_rng *r);
+/* One decode phase of run: a method and its budget (--method and --budget, or a --compare
+ * entry "method" or "method:budget"). */
+typedef struct {
+    ekv_select_method method;
+    double budget;
+} run_phase;
 /* run --prompts-file (tools/run_batch.c): every line a sequence, decoded in batched steps. */
 int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,
-              const ekv_select_method *methods, int nmethods);
+              const run_phase *phases, int nphases);
 int cmd_ppl(int argc, char **argv);
 int cmd_trace(int argc, char **argv);
 #endif

@@ -40,7 +40,8 @@ static void run_help(FILE *f) {
             "                        prefill on cuda, then a sparse decode)\n"
             "  --compare LIST        after decoding, decode -n more tokens with each method of the\n"
             "                        comma list in turn (same sequence; one stats line each;\n"
-            "                        screened in the list gives the caches --code-bits codes)\n"
+            "                        method:F gives one its own budget, e.g. topk:1/64; screened\n"
+            "                        in the list gives the caches --code-bits codes)\n"
             "  --rewind              with --compare: each method starts again from the prompt's\n"
             "                        end (the caches truncated back to it, the same --seed), so\n"
             "                        every method continues the same prompt after one prefill\n"
@@ -109,8 +110,8 @@ typedef struct {
     int64_t n, seed;
     double temp;
     int quiet, nmethods, prefill_set, rewind;
-    ekv_select_method methods[9]; /* --method, then the --compare list */
-    ekv_select_method prefill;    /* --prefill-method (prefill_set): the prompt's method */
+    run_phase methods[9];      /* --method, then the --compare list; budget < 0: --budget's */
+    ekv_select_method prefill; /* --prefill-method (prefill_set): the prompt's method */
 } run_opts;
 
 static void parse_compare(const char *v, run_opts *o) {
@@ -119,9 +120,17 @@ static void parse_compare(const char *v, run_opts *o) {
     strcpy(buf, v);
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
         if (o->nmethods == 9) cli_usage_error("run", "--compare takes at most 8 methods");
-        const ekv_select_method m = cli_method("run", "--compare", t);
-        o->methods[o->nmethods++] = m;
-        o->mo.codes |= cli_method_codes(m); /* the caches are made at load, before the switch */
+        run_phase ph = {EKV_SELECT_DENSE, -1.0};
+        char *colon = strchr(t, ':');
+        if (colon) { /* method:budget, a budget of its own */
+            *colon = 0;
+            if (cli_parse_fraction(colon + 1, &ph.budget) || !(ph.budget > 0 && ph.budget <= 1))
+                cli_usage_error("run", "--compare %s:%s: expected a budget in (0, 1], e.g. 1/16", t,
+                                colon + 1);
+        }
+        ph.method = cli_method("run", "--compare", t);
+        o->methods[o->nmethods++] = ph;
+        o->mo.codes |= cli_method_codes(ph.method); /* the caches are made at load */
     }
 }
 
@@ -165,10 +174,12 @@ static void parse(int argc, char **argv, run_opts *o) {
     o->seed = 1;
     o->nmethods = 1; /* methods[0] is --method, set after the loop */
     model_parse("run", argc, argv, run_help, &o->mo, run_table, CLI_NOPTS(run_table), run_extra, o);
-    o->methods[0] = o->mo.method;
+    o->methods[0] = (run_phase){o->mo.method, o->mo.budget};
+    for (int i = 1; i < o->nmethods; i++)
+        if (o->methods[i].budget < 0) o->methods[i].budget = o->mo.budget;
     /* the caches are made at load with the prompt's method: they need codes for --method's
      * decode too (the prefill's codes and --compare's were added as they were parsed) */
-    o->mo.codes |= cli_method_codes(o->methods[0]);
+    o->mo.codes |= cli_method_codes(o->methods[0].method);
     if (o->prefill_set) o->mo.method = o->prefill; /* the model loads with it: the prompt's */
     if (o->prompt && o->prompt_file)
         cli_usage_error("run", "give --prompt or --prompt-file, not both");
@@ -208,13 +219,13 @@ static int rewind_to_prompt(const run_opts *o, ekv_context *ctx, ekv_model *m, i
 static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *m, float *logits,
                         cli_rng *rng, phase *p) {
     const int64_t V = ekv_model_get_config(m)->vocab;
-    if (ekv_model_set_method(m, o->methods[ph], o->mo.budget)) {
+    if (ekv_model_set_method(m, o->methods[ph].method, o->methods[ph].budget)) {
         fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
         return 1;
     }
     if (ph > 0 && !o->quiet) {
         char lab[64];
-        model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
+        model_method_label(lab, sizeof lab, o->methods[ph].method, o->methods[ph].budget);
         printf(o->rewind ? "\n--- from the prompt with %s ---\n" : "\n--- continuing with %s ---\n",
                lab);
     }
@@ -279,7 +290,7 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     printf("\n");
     print_phase("prefill", lab, &pre, o->mo.backend);
     for (int ph = 0; ph < ran; ph++) {
-        model_method_label(lab, sizeof lab, o->methods[ph], o->mo.budget);
+        model_method_label(lab, sizeof lab, o->methods[ph].method, o->methods[ph].budget);
         snprintf(what, sizeof what, "decode @%lld",
                  (long long)(plen + (o->rewind ? 0 : ph) * o->n));
         print_phase(what, lab, &dec[ph], o->mo.backend);

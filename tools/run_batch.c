@@ -112,7 +112,7 @@ static void print_decode(int32_t B, const char *label, int64_t n, double secs, e
 }
 
 int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,
-              const ekv_select_method *methods, int nmethods) {
+              const run_phase *phases, int nphases) {
     prompt_lines p;
     if (read_lines(path, &p)) {
         free(p.text);
@@ -133,7 +133,7 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
     mo->max_seqs = p.n;
     ekv_context *ctx;
     ekv_model *m;
-    if (model_open("run", mo, longest + n * nmethods, &ctx, &m)) {
+    if (model_open("run", mo, longest + n * nphases, &ctx, &m)) {
         free(p.text);
         return 1;
     }
@@ -152,8 +152,8 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
     double ds[9] = {0};
     ekv_model_stats st[9];
     int ran = 0;
-    for (int ph = 0; ph < nmethods && ph < 9 && !rc; ph++) {
-        if (ekv_model_set_method(m, methods[ph], mo->budget)) {
+    for (int ph = 0; ph < nphases && ph < 9 && !rc; ph++) {
+        if (ekv_model_set_method(m, phases[ph].method, phases[ph].budget)) {
             fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
             rc = 1;
             break;
@@ -164,7 +164,7 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
         ran = rc ? ran : ph + 1;
         for (int32_t k = 0; !rc && !quiet && k < p.n; k++) {
             printf("--- sequence %d (%lld prompt bytes), %s ---\n", k, (long long)p.len[k],
-                   ekv_method_name(methods[ph]));
+                   ekv_method_name(phases[ph].method));
             fwrite(gen + k * n, 1, (size_t)n, stdout);
             printf("\n");
         }
@@ -178,7 +178,7 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
         printf("\n");
     }
     for (int ph = 0; ph < ran; ph++) {
-        model_method_label(lab, sizeof lab, methods[ph], mo->budget);
+        model_method_label(lab, sizeof lab, phases[ph].method, phases[ph].budget);
         print_decode(p.n, lab, n, ds[ph], mo->backend, &st[ph]);
     }
     free(logits);
