@@ -635,15 +635,18 @@ static void lists_free(lists *l) {
  * the sequence, equal the one-GPU lists page for page and head mask for head mask. Returns the
  * (shard, list) pairs that held no page (a shard before the last may have none). */
 static int64_t compare_lists(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
-                             const mirror *m, int S, const lists *ref, int lci) {
+                             const mirror *m, int S, const lists *ref, int lci, int method) {
     const int64_t nl = (int64_t)B * w->c.Hk;
     int64_t empty = 0;
     int bad = 0;
     int32_t *joined = malloc(sizeof(int32_t) * ref->cap);
     uint16_t *jheads = malloc(sizeof(uint16_t) * ref->cap);
     lists got[MAXS];
-    for (int j = 0; j < S; j++)
+    for (int j = 0; j < S; j++) { /* each shard's plan on its device */
+        CU(cudaSetDevice(ekv_cuda_sharded_device(sp, j)));
         lists_read(ctx, ekv_cuda_sharded_shard(sp, j), w, w->max_pages, &got[j]);
+    }
+    CU(cudaSetDevice(ekv_cuda_sharded_device(sp, 0)));
     for (int64_t l = 0; l < nl && bad < 3; l++) {
         const int64_t b = l / w->c.Hk, P = m->indptr[b + 1] - m->indptr[b];
         int64_t n = 0;
@@ -666,7 +669,7 @@ static int64_t compare_lists(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const 
                    jheads[e] == ref->heads[l * ref->cap + e];
         bad += !same;
         CHECK(same, "case %d (%s), %d shards, list %lld: %lld pages joined vs %d on one GPU", lci,
-              method_name(LCASES[lci].method), S, (long long)l, (long long)n, ref->count[l]);
+              method_name(method), S, (long long)l, (long long)n, ref->count[l]);
     }
     for (int j = 0; j < S; j++) lists_free(&got[j]);
     free(joined);
@@ -704,7 +707,7 @@ static void listed_case(ekv_context *ctx, test_rng *r, int lci, double *worst, i
         inputs_make(&in, S, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
         ekv_cuda_sharded_report sr;
         sharded_step_sel(ctx, sp, &w, &in, &sel, &g_got, &sr);
-        const int64_t empty = compare_lists(ctx, sp, &w, &m, S, &ref, lci);
+        const int64_t empty = compare_lists(ctx, sp, &w, &m, S, &ref, lci, lc->method);
         (*lists_checked)++;
         if (lc->budget_tokens == 1 && S >= 3)
             CHECK(empty > 0, "case %d, %d shards: a one-page budget left every shard a page", lci,
@@ -722,6 +725,56 @@ static void listed_case(ekv_context *ctx, test_rng *r, int lci, double *worst, i
     cudaFree(dq);
     mirror_free(&m);
     workload_free(&w);
+}
+
+/* Listed steps through NCCL over 2 GPUs (case ci's workload): topk and gaussian lists joined
+ * equal the one-GPU lists, and the outputs as above. 0: ran, 1: no NCCL. */
+static int nccl_listed(ekv_context *ctx, test_rng *r, int ci) {
+    workload w;
+    make_workload(ctx, r, &CASES[ci], 2, &w);
+    const int32_t dev[2] = {0, 1};
+    mirror m[2];
+    float *dq[2];
+    for (int j = 0; j < 2; j++) {
+        CU(cudaSetDevice(dev[j]));
+        mirror_build(&m[j], w.cache, w.seqs, B, w.n_idx, 0);
+        dq[j] = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    }
+    CU(cudaSetDevice(0));
+    ekv_cuda_sharded_params p = sharded_params(&w, 2, EKV_TRANSPORT_NCCL, 32);
+    p.devices = dev;
+    ekv_cuda_sharded_plan *sp = NULL;
+    const ekv_status s = ekv_cuda_sharded_create(ctx, &p, &sp);
+    const int skipped = s == EKV_ERR_UNSUPPORTED;
+    if (!skipped) CHECK(s == EKV_OK, "nccl plan: %s", ekv_last_error(ctx));
+    mirror *ms[2] = {&m[0], &m[1]};
+    for (int k = 0; k < 2 && sp; k++) {
+        lcase lc = LCASES[k == 0 ? 0 : 7]; /* a topk and a gaussian case's select */
+        lc.per_head = ci % 2;
+        const ekv_select_params sel = lselect_of(&lc);
+        ekv_cuda_plan *one = NULL;
+        ref_step_sel(ctx, &w, &m[0], dq[0], &sel, &g_ref, &one);
+        lists ref;
+        lists_read(ctx, one, &w, w.max_pages, &ref);
+        ekv_cuda_plan_free(one);
+        shard_inputs in;
+        inputs_make(&in, 2, ms, dq, dev, (int64_t)B * w.H * w.c.D);
+        ekv_cuda_sharded_report sr;
+        sharded_step_sel(ctx, sp, &w, &in, &sel, &g_got, &sr);
+        compare_lists(ctx, sp, &w, &m[0], 2, &ref, ci, lc.method);
+        compare(&w, 2, &g_got, &g_ref, "nccl listed", ci, lc.method);
+        inputs_free(&in, dev);
+        lists_free(&ref);
+    }
+    ekv_cuda_sharded_free(sp);
+    for (int j = 0; j < 2; j++) {
+        CU(cudaSetDevice(dev[j]));
+        cudaFree(dq[j]);
+        mirror_free(&m[j]);
+    }
+    CU(cudaSetDevice(0));
+    workload_free(&w);
+    return skipped;
 }
 
 int main(void) {
@@ -753,8 +806,9 @@ int main(void) {
     } else {
         int skipped = 0;
         for (int ci = 0; ci < NCASES && !skipped; ci++) skipped = nccl_case(ctx, &r, ci);
+        for (int ci = 0; ci < 2 && !skipped; ci++) skipped = nccl_listed(ctx, &r, ci);
         printf(skipped ? "nccl over 2 GPUs: skipped (the build has no NCCL: -DEKV_NCCL=ON)\n"
-                       : "nccl over 2 GPUs: every case ran\n");
+                       : "nccl over 2 GPUs: every case ran, topk and gaussian lists too\n");
     }
     ekv_context_free(ctx);
     return test_finish("test_cuda_sharded");
