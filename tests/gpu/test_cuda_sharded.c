@@ -588,7 +588,7 @@ static const lcase LCASES[] = {
         {{2, 4, 128, EKV_DTYPE_F16, 1.5, 0}, EKV_SELECT_GAUSSIAN, 0, 0, 0, 0, 0, 0},
         {{2, 4, 128, EKV_DTYPE_F16, 2.0, 1}, EKV_SELECT_GAUSSIAN, 0, 0, 1, 0, 0, 0},
         {{4, 1, 64, EKV_DTYPE_F32, 1.5, 1}, EKV_SELECT_GAUSSIAN, 0, 0, 0, 0, 0, 1},
-        {{1, 8, 128, EKV_DTYPE_BF16, 1.25, 0}, EKV_SELECT_GAUSSIAN, 0, 0, 1, 0, 0, 1},
+        {{1, 8, 128, EKV_DTYPE_BF16, 4.0 / 3.0, 0}, EKV_SELECT_GAUSSIAN, 0, 0, 1, 0, 0, 1},
 };
 enum { NLCASES = sizeof LCASES / sizeof LCASES[0] };
 
