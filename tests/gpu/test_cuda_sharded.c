@@ -796,8 +796,8 @@ int main(void) {
     int64_t empty = 0;
     int nlists = 0;
     for (int lci = 0; lci < NLCASES; lci++) listed_case(ctx, &r, lci, &lworst, &empty, &nlists);
-    printf("topk/gaussian lists: %d cases x 1..4 shards, %d joined list sets equal the one-GPU "
-           "lists, %lld empty shard lists, worst rel err %.3g\n",
+    printf("topk/gaussian lists: %d cases x 1..4 shards, %d joined list sets compared with the "
+           "one-GPU lists, %lld empty shard lists, worst rel err %.3g\n",
            NLCASES, nlists, (long long)empty, lworst);
     append_check(ctx, &r);
     invalid_check(ctx, &r);
