@@ -163,8 +163,12 @@ EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv,
  * one-GPU plan's over the whole sequence (fp32 rounding; the same support). Every shard must
  * hold at least one page of every sequence (P >= S; as on one GPU an empty sequence is not
  * checked on the device). New tokens go to the last shard, which owns the newest page.
- * Methods: dense, certified, screened (entmax, alpha > 1) and softmax over dense; topk and
- * gaussian are refused (EKV_ERR_UNSUPPORTED), as is ALiBi (positions are the shard's own).
+ * Methods: dense, certified, screened, topk and gaussian (entmax, alpha > 1; gaussian in its
+ * exact tau mode, as on one GPU) and softmax over dense. topk and gaussian agree on their page
+ * lists across the shards first: the lists the shards take together are the one-GPU plan's
+ * (shard j's part, in its own page numbers, through ekv_cuda_read_report of
+ * ekv_cuda_sharded_shard(plan, j); a shard's list may be empty). ALiBi is refused
+ * (EKV_ERR_UNSUPPORTED: positions are the shard's own).
  */
 typedef struct ekv_cuda_sharded_plan ekv_cuda_sharded_plan;
 typedef enum ekv_cuda_transport {
@@ -211,7 +215,7 @@ EKV_API ekv_status ekv_cuda_sharded_append(ekv_cuda_sharded_plan *plan, const ek
  * support, as ekv_cuda_report's (report may be NULL; its other fields are shard 0's). */
 typedef struct ekv_cuda_sharded_report {
     int32_t rounds;       /* output: agreement rounds of moments (all heads together)      */
-    int32_t allreduces;   /* output: collective calls of the step (max, rounds, merge)     */
+    int32_t allreduces;   /* output: collective calls of the step (select, max, rounds, merge) */
     int64_t bytes;        /* output: payload bytes one shard sent                          */
     int64_t unconverged;  /* output: heads whose agreement had not converged (tau_rounds)  */
 } ekv_cuda_sharded_report;

@@ -108,7 +108,8 @@ static int64_t topk_write(const topk_sim *m, int64_t l, const double *ties, int3
 }
 
 /* Every list's bound keys (the max over its query heads, as the single-device select ranks)
- * and its start: k = the budget's pages (at least 1, at most the ranked ones). */
+ * and its start: k = the budget's pages (at least 1, at most the ranked ones; the rule the CUDA
+ * plan shares, ekv_topk_page_count). */
 static void topk_keys(const ekv_select_params *sel, const ekv_step_shape *sh,
                       const ekv_page_table *t, const float *u, int64_t ustride, topk_sim *m,
                       uint32_t *key) {
@@ -120,9 +121,7 @@ static void topk_keys(const ekv_select_params *sel, const ekv_step_shape *sh,
             key[l * m->kstride + p] =
                     ekv_bound_key(ekv_cpu_list_bound(u, ustride, b, sh->H, h0, hn, p));
         const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, sh->ps);
-        int64_t k = ekv_seq_budget(sel, N) / sh->ps;
-        k = k < 1 ? 1 : k > np ? np : k;
-        ekv_topk_agree_start(&m->ag[l], np, k);
+        ekv_topk_agree_start(&m->ag[l], np, ekv_topk_page_count(ekv_seq_budget(sel, N), sh->ps, np));
     }
 }
 

@@ -26,6 +26,7 @@ struct bound_args : ekv_cuda_shape {
     const float *q, *slopes;
     double qscale, a;
     int with_ball, rows;
+    int shard_pos;        /* EKV_SHARD_*: a shard before the last ranks its last page too */
     const double *tau_lb; /* [B*H] lower bounds of tau (superpage skipping), or NULL */
     unsigned long long *sp_count; /* with tau_lb: [0] pages skipped, [1] superpage boxes read */
     float *bounds, *list_bounds;
@@ -203,6 +204,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     load_group_query(A, b, kvh, qs, qn, qn1);
+    /* every page but the sequence's last; a shard before the last ranks its own last page */
+    const int64_t nrank = ekv_shard_ranked_pages(sg.P, A.shard_pos);
     const int64_t pend =
             (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
     /* BOUND_PPW pages per warp pass, BOUND_LANES lanes on each: their loads are in flight
@@ -211,13 +214,13 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     constexpr int STRIDE = BOUND_WARPS * BOUND_PPW;
     /* the page's physical index, loaded a pass ahead (its latency would precede the loads) */
     auto phys_of = [&](int64_t p) -> int64_t {
-        return p < pend && p < sg.P - 1 ? A.t.indices[sg.first + p] : 0;
+        return p < pend && p < nrank ? A.t.indices[sg.first + p] : 0;
     };
     int64_t next = phys_of(chunk * BOUND_PAGES + warp * BOUND_PPW + u);
     unsigned long long n_skip = 0, n_box = 0; /* superpages: this lane's pages skipped, boxes read */
     for (int64_t base = chunk * BOUND_PAGES + warp * BOUND_PPW; base < pend; base += STRIDE) {
         const int64_t p = base + u;
-        const bool ranked = p < pend && p < sg.P - 1; /* the last page and beyond: not ranked */
+        const bool ranked = p < pend && p < nrank; /* the last page and beyond: not ranked */
         const int64_t phys = next;
         next = phys_of(p + STRIDE);
         float box[GM], dot[GM], spu[GM], c2 = 0.f;
@@ -305,6 +308,7 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
         EKV_CUDA_TRY(pl, cudaMemsetAsync(pl->sp_count, 0, 2 * sizeof(unsigned long long), pl->stream));
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
+    A.shard_pos = pl->shard_pos;
     A.rows = batch * A.Hk;
     const int64_t nblocks = (pl->cap_pages + BOUND_PAGES - 1) / BOUND_PAGES * A.rows;
     if (nblocks > INT32_MAX)

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include "../core/geometry.h"
 #include "../core/stats_rules.h"
+#include "../math/shard_select.h"
 
 extern "C" {
 /* from src/core and src/math (C) */
@@ -93,6 +94,9 @@ struct ekv_cuda_plan {
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
     int skip_values;     /* set by a sharded plan (sharded.cu): an entmax step stops after */
                          /* tau (its shard's own), the values come at the agreed tau       */
+    int shard_pos;       /* set by a sharded plan for its topk/gaussian stages: where the */
+                         /* table stands in its sequence (EKV_SHARD_*, shard_select.h);  */
+                         /* 0 (the whole sequence) otherwise                             */
     float *flash_part;   /* [B*H][split_cap][head_dim + 4] one-pass softmax partials       */
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
@@ -479,6 +483,20 @@ __device__ __forceinline__ void ekv_close_list(int32_t *out, uint8_t *in, int wr
     list_count[2 * row + 1] = written + 1;
 }
 
+/* Closes a selector's round-1 list of `written` pages of a table at `pos` in its sequence
+ * (EKV_SHARD_*, src/math/shard_select.h): ekv_close_list, except that a shard before the last
+ * forces no page (its last page was ranked like the others; its list may be empty). */
+__device__ __forceinline__ void ekv_close_shard_list(int32_t *out, uint8_t *in, int written,
+                                                     int64_t P, int32_t *list_count, int row,
+                                                     int pos) {
+    if (pos != EKV_SHARD_INNER) {
+        ekv_close_list(out, in, written, P, list_count, row);
+        return;
+    }
+    list_count[2 * row] = written;
+    list_count[2 * row + 1] = written;
+}
+
 /* Sequence geometry read from the device page table (lengths live in device memory). */
 struct ekv_seq_geom {
     int64_t first; /* indptr[b] */
@@ -584,6 +602,24 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
                                     const ekv_select_params *sel, const ekv_paged_kv *kv,
                                     const ekv_page_stats *st, const ekv_page_table *t,
                                     const float *q, int batch, int per_head);
+/* The gaussian on a shard of the sharded plan (docs/math.md §11): part 0 the page moments and
+ * the shard's partial sums into red ([B*H][4], then [B][2] its pages and tokens), part 1, after
+ * their allreduce-sum, the global stats from red and the page rule on the shard's pages. */
+ekv_status ekv_cuda_launch_gaussian_shard(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                          const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                          const ekv_page_stats *st, const ekv_page_table *t,
+                                          const float *q, int batch, int per_head, int part,
+                                          double *red);
+/* The checks of a step and the plan's record of it (decode.cu: what the report reads). */
+ekv_status ekv_cuda_step_begin(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                               const ekv_select_params *sel, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                               const float *out);
+/* The stages after a page-list select: the union of per-query-head lists, scores, tau (then
+ * certified's round 2 and the values, unless skip_values). */
+ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_table *t, const float *q, float *out);
 /* The union per KV head of the query heads' lists, in page order, with each entry's head mask
  * (list_heads); round 2 (certified) extends it as any KV-head list. */
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);

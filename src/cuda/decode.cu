@@ -298,28 +298,71 @@ static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     return s;
 }
 
+/* Whether a step's lists are per query head (topk, gaussian, certified's round 1): each
+ * head's own list, then their union per KV head; certified lets every head attend the union
+ * (its output is dense entmax whatever the lists), the lossy methods mask each head to its own
+ * pages. */
+static int per_head_lists(const ekv_select_params *sel, unsigned stages) {
+    return (stages & EKV_STAGES_LIST) && sel && sel->per_query_head;
+}
+
+ekv_status ekv_cuda_step_begin(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                               const ekv_select_params *sel, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, const ekv_page_table *t, const float *q,
+                               const float *out) {
+    ekv_status s = check_step(pl, prm, kv, t, q, out);
+    if (s) return s;
+    const ekv_method_info *mi = ekv_method_info_of(ekv_step_method(sel));
+    const unsigned stg = mi->stages;
+    const int certified = (stg & EKV_STAGE_ROUND2) != 0;
+    const int with_ball = certified || (sel && sel->use_ball);
+    s = ekv_check_stats(pl->ctx, mi, with_ball, kv, st);
+    if (s) return s;
+    pl->launches = 0;
+    pl->last_batch = t->batch;
+    pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
+    pl->last_one_pass = 0;
+    pl->last_masked = per_head_lists(sel, stg) && !certified;
+    pl->last_sp_counted = 0;
+    return EKV_OK;
+}
+
+ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_table *t, const float *q, float *out) {
+    const unsigned stg = ekv_method_info_of(ekv_step_method(sel))->stages;
+    const int listed = (stg & EKV_STAGES_LIST) != 0, certified = (stg & EKV_STAGE_ROUND2) != 0;
+    const int B = t->batch;
+    ekv_status s;
+    if (per_head_lists(sel, stg) && (s = ekv_cuda_launch_union(pl, t, B))) return s;
+    const int masked = pl->last_masked;
+    if (prm->alpha == 1.0 && !certified && !masked &&
+        ekv_cuda_softmax_one_pass_applies(pl, kv->dtype)) {
+        pl->last_one_pass = 1; /* docs/math.md §3.9 */
+        return ekv_cuda_launch_softmax_one_pass(pl, prm, kv, t, q, B, listed, out);
+    }
+    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1, masked))) return s;
+    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
+    if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
+        if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;
+        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
+        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
+    }
+    if (pl->skip_values) return EKV_OK; /* a shard: values at the agreed tau (sharded.cu) */
+    return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
+}
+
 /* The launches of one step, in the order the method table's stages give them. */
 static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                            const ekv_select_params *sel, const ekv_paged_kv *kv,
                            const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                            float *out) {
-    const ekv_method_info *mi = ekv_method_info_of(ekv_step_method(sel));
-    const unsigned stg = mi->stages;
-    const int listed = (stg & EKV_STAGES_LIST) != 0, certified = (stg & EKV_STAGE_ROUND2) != 0;
-    const int with_ball = certified || (sel && sel->use_ball);
-    ekv_status s = ekv_check_stats(pl->ctx, mi, with_ball, kv, st);
+    ekv_status s = ekv_cuda_step_begin(pl, prm, sel, kv, st, t, q, out);
     if (s) return s;
-    const int B = t->batch;
-    /* per-query-head lists (topk, gaussian, certified's round 1): each head's own list, then
-     * their union per KV head; certified lets every head attend the union (its output is dense
-     * entmax whatever the lists), the lossy methods mask each head to its own pages */
-    const int per_head = listed && sel && sel->per_query_head;
-    pl->launches = 0;
-    pl->last_batch = B;
-    pl->last_screened = (stg & EKV_STAGE_SCREEN) != 0;
-    pl->last_one_pass = 0;
-    pl->last_masked = per_head && !certified;
-    pl->last_sp_counted = 0;
+    const unsigned stg = ekv_method_info_of(ekv_step_method(sel))->stages;
+    const int certified = (stg & EKV_STAGE_ROUND2) != 0;
+    const int with_ball = certified || (sel && sel->use_ball);
+    const int B = t->batch, per_head = per_head_lists(sel, stg);
     if (stg & EKV_STAGE_SCREEN) /* token rows, not page lists: its own launches (screen.cu) */
         return ekv_cuda_launch_screened(pl, prm, kv, st, t, q, B, out);
     if ((stg & EKV_STAGE_GAUSS) &&
@@ -339,22 +382,7 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   certified ? sel->recent_pages : 0,
                                   certified ? sel->tau_hint : NULL, per_head)))
         return s;
-    if (per_head && (s = ekv_cuda_launch_union(pl, t, B))) return s;
-    const int masked = pl->last_masked;
-    if (prm->alpha == 1.0 && !certified && !masked &&
-        ekv_cuda_softmax_one_pass_applies(pl, kv->dtype)) {
-        pl->last_one_pass = 1; /* docs/math.md §3.9 */
-        return ekv_cuda_launch_softmax_one_pass(pl, prm, kv, t, q, B, listed, out);
-    }
-    if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1, masked))) return s;
-    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
-    if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
-        if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;
-        if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
-        if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
-    }
-    if (pl->skip_values) return EKV_OK; /* a shard: values at the agreed tau (sharded.cu) */
-    return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
+    return ekv_cuda_step_attend(pl, prm, sel, kv, t, q, out);
 }
 
 extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params *prm,
@@ -363,7 +391,6 @@ extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params
                                       const float *q, float *out) {
     if (!pl) return EKV_ERR_NULL_POINTER;
     ekv_status s = ekv_decode_supported(pl->ctx, EKV_BACKEND_CUDA, prm, sel);
-    if (!s) s = check_step(pl, prm, kv, t, q, out);
     if (!s) s = run_step(pl, prm, sel, kv, st, t, q, out);
     if (!s) ekv_clear_error(pl->ctx);
     return s;

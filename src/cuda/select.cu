@@ -12,7 +12,6 @@
  *           exceeds round 1's tau for some query head of the group.
  */
 #include "cuda_internal.cuh"
-#include "../math/shard_select.h"
 
 namespace {
 
@@ -111,9 +110,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = sg.P - 1; /* scored pages */
     const int64_t budget = ekv_seq_budget_tokens(A.budget_fraction, A.budget_tokens, sg.N);
-    int64_t k = budget / A.ps;
-    if (k < 1 && budget >= 1 && n >= 1) k = 1;
-    if (k > n) k = n;
+    int64_t k = ekv_topk_page_count(budget, A.ps, n);
     if (A.hint) k = 0; /* no ranking: the hint picks the pages */
     const float *key = A.keys + (int64_t)row * A.cap_pages;
     uint32_t prefix = 0, mask = 0;
@@ -165,8 +162,10 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
 }
 
 /* per_query_head: the union per KV head of its query heads' lists (each head's membership
- * flags hlist_in), in page order, with each entry's head mask. The last page is every head's. */
+ * flags hlist_in), in page order, with each entry's head mask. The last page is every head's
+ * (a shard before the last: no page is forced, docs/math.md §11). */
 struct union_args : ekv_cuda_shape {
+    int shard_pos;          /* EKV_SHARD_*: a shard before the last forces no page */
     const uint8_t *head_in; /* [B*H][cap_pages] */
     int32_t *list_pages, *list_count;
     uint8_t *in_list;
@@ -177,7 +176,7 @@ __global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
     __shared__ int wsum[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t n = sg.P - 1;
+    const int64_t n = ekv_shard_ranked_pages(sg.P, A.shard_pos);
     const uint8_t *hin = A.head_in + ((int64_t)b * A.H + kvh * A.G) * A.cap_pages;
     int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
@@ -198,8 +197,8 @@ __global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
         ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, in, &written, wsum, mask, heads);
     }
     if (threadIdx.x == 0) {
-        heads[written] = (uint16_t)((1u << A.G) - 1u);
-        ekv_close_list(out, in, written, sg.P, A.list_count, row);
+        if (A.shard_pos != EKV_SHARD_INNER) heads[written] = (uint16_t)((1u << A.G) - 1u);
+        ekv_close_shard_list(out, in, written, sg.P, A.list_count, row, A.shard_pos);
     }
 }
 
@@ -264,6 +263,7 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
     union_args A;
     ekv_cuda_set_shape(A, pl, t);
+    A.shard_pos = pl->shard_pos;
     A.head_in = pl->hlist_in;
     A.list_pages = pl->list_pages;
     A.list_count = pl->list_count;

@@ -2,7 +2,9 @@
  * The sharded CUDA plan (sharded.cuh, docs/architecture.md "The sharded CUDA plan", docs/math.md
  * §11): creation (one ordinary plan per shard, the communicators once), and the step:
  *   1. every shard runs its method on its own pages up to its own tau (ekv_cuda_decode with
- *      skip_values): scores, candidates, tau_j;
+ *      skip_values): scores, candidates, tau_j; topk and gaussian first agree on their page
+ *      lists (listed_step: 4 + 1 histogram rounds, or one round of the gaussian's sums),
+ *      then run the stages after the select on their own lists;
  *   2. allreduce-max of (tau_j, max_j) per head: the bracket [lo, hi] of tau*;
  *   3. rounds of moments: every shard's 6 sums at x, allreduce-sum, the same update on every
  *      shard (adaptive: until every head agreed; tau_rounds = R: exactly R);
@@ -32,6 +34,7 @@ extern "C" void ekv_cuda_sharded_free(ekv_cuda_sharded_plan *sp) {
         if (sp->dev) cudaSetDevice(sp->dev[j]);
         if (sp->red && sp->red[j]) cudaFree(sp->red[j]);
         if (sp->state && sp->state[j]) cudaFree(sp->state[j]);
+        if (sp->topk && sp->topk[j]) cudaFree(sp->topk[j]);
         if (sp->pending && sp->pending[j]) cudaFree(sp->pending[j]);
         if (sp->shard && sp->shard[j]) ekv_cuda_plan_free(sp->shard[j]);
     }
@@ -43,6 +46,7 @@ extern "C" void ekv_cuda_sharded_free(ekv_cuda_sharded_plan *sp) {
     free(sp->streams);
     free(sp->red);
     free(sp->state);
+    free(sp->topk);
     free(sp->pending);
     free(sp);
 }
@@ -82,8 +86,10 @@ static ekv_status alloc_shards(ekv_cuda_sharded_plan *sp, const int32_t *devices
     sp->streams = (cudaStream_t *)calloc(S, sizeof(cudaStream_t));
     sp->red = (double **)calloc(S, sizeof(double *));
     sp->state = (ekv_agree_state **)calloc(S, sizeof(ekv_agree_state *));
+    sp->topk = (ekv_topk_agree **)calloc(S, sizeof(ekv_topk_agree *));
     sp->pending = (int32_t **)calloc(S, sizeof(int32_t *));
-    if (!sp->shard || !sp->dev || !sp->streams || !sp->red || !sp->state || !sp->pending)
+    if (!sp->shard || !sp->dev || !sp->streams || !sp->red || !sp->state || !sp->topk ||
+        !sp->pending)
         return ekv_fail(sp->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
     const int local = sp->p.transport == EKV_TRANSPORT_LOCAL;
     for (int j = 0; j < S; j++) sp->dev[j] = local ? sp->p.plan.device : devices ? devices[j] : j;
@@ -109,6 +115,7 @@ static ekv_status create_shard(ekv_cuda_sharded_plan *sp, int j) {
     EKV_CUDA_TRY(sp, cudaSetDevice(sp->dev[j]));
     EKV_CUDA_TRY(sp, cudaMalloc((void **)&sp->red[j], (size_t)(sp->red_len * sizeof(double))));
     EKV_CUDA_TRY(sp, cudaMalloc((void **)&sp->state[j], (size_t)BH * sizeof(ekv_agree_state)));
+    EKV_CUDA_TRY(sp, cudaMalloc((void **)&sp->topk[j], (size_t)BH * sizeof(ekv_topk_agree)));
     EKV_CUDA_TRY(sp, cudaMalloc((void **)&sp->pending[j], 2 * sizeof(int32_t)));
     EKV_CUDA_TRY(sp, cudaMemset(sp->pending[j], 0, 2 * sizeof(int32_t)));
     return EKV_OK;
@@ -135,7 +142,10 @@ extern "C" ekv_status ekv_cuda_sharded_create(ekv_context *ctx, const ekv_cuda_s
     const int64_t BH = (int64_t)p->plan.max_batch * p->plan.num_heads;
     const int64_t W =
             p->plan.head_dim + 1 > EKV_AGREE_MOMENTS ? p->plan.head_dim + 1 : EKV_AGREE_MOMENTS;
-    sp->red_len = BH * W;
+    /* the largest payload: the merge, or a top-k level over per-query-head lists (its tie
+     * round, BH x S, and the gaussian's sums, 4 BH + 2 B, are smaller) */
+    const int64_t topk_len = ekv_shard_topk_payload(p->plan.max_batch, p->plan.num_heads, 0);
+    sp->red_len = BH * W > topk_len ? BH * W : topk_len;
     s = alloc_shards(sp, p->devices);
     for (int j = 0; j < sp->S && !s; j++) s = create_shard(sp, j);
     if (!s && cudaMallocHost((void **)&sp->host_pending, sizeof(int32_t)) != cudaSuccess)
@@ -171,10 +181,6 @@ static ekv_status check_sharded_step(ekv_cuda_sharded_plan *sp, const ekv_decode
     ekv_status s = ekv_decode_supported(sp->ctx, EKV_BACKEND_CUDA, prm, sel);
     if (s) return s;
     const ekv_select_method m = ekv_step_method(sel);
-    if (m == EKV_SELECT_TOPK || m == EKV_SELECT_GAUSSIAN)
-        return ekv_fail(sp->ctx, EKV_ERR_UNSUPPORTED,
-                        "the sharded plan serves dense, certified and screened (not %s)",
-                        m == EKV_SELECT_TOPK ? "topk" : "gaussian");
     if (prm->alpha == 1.0 && m != EKV_SELECT_DENSE)
         return ekv_fail(sp->ctx, EKV_ERR_UNSUPPORTED, "the sharded plan's softmax is dense only");
     if (prm->alibi_slopes)
@@ -244,6 +250,95 @@ static ekv_status agree_rounds(ekv_cuda_sharded_plan *sp, const ekv_page_table *
     return EKV_OK;
 }
 
+/* Where shard j's table stands in each sequence (src/math/shard_select.h). */
+static int shard_pos_of(const ekv_cuda_sharded_plan *sp, int j) {
+    return sp->S == 1 ? EKV_SHARD_WHOLE : j == sp->S - 1 ? EKV_SHARD_LAST : EKV_SHARD_INNER;
+}
+
+/* topk (docs/math.md §11, "Top-k across shards"): every shard's bounds of its own ranked
+ * pages, 4 levels of histograms and the tie round (always all 5 allreduce-sums: no host read),
+ * then each shard writes its part of every list. */
+static ekv_status select_topk(ekv_cuda_sharded_plan *sp, const ekv_decode_params *prm,
+                              const ekv_select_params *sel, const ekv_paged_kv *kv,
+                              const ekv_page_stats *st, const ekv_page_table *tables,
+                              const float *const *q) {
+    const int B = tables[0].batch, ph = sel->per_query_head != 0;
+    const int lps = ph ? sp->p.plan.num_heads : sp->p.plan.num_kv_heads;
+    ekv_status s = each_shard(sp, [&](int j) {
+        return ekv_cuda_launch_bound(sp->shard[j], prm, &kv[j], &st[j], &tables[j], q[j],
+                                     sel->use_ball, sel->tau_lb, B);
+    });
+    for (int level = 0; level < EKV_TOPK_LEVELS && !s; level++) {
+        s = each_shard(sp, [&](int j) {
+            return ekv_shard_launch_topk_level(sp->shard[j], &tables[j], B, ph, level, 0, sel,
+                                               sp->topk[j], sp->red[j]);
+        });
+        if (!s) s = allreduce(sp, ekv_shard_topk_payload(B, lps, level), EKV_COMM_SUM);
+        if (!s)
+            s = each_shard(sp, [&](int j) {
+                return ekv_shard_launch_topk_level(sp->shard[j], &tables[j], B, ph, level, 1, sel,
+                                                   sp->topk[j], sp->red[j]);
+            });
+    }
+    for (int write = 0; write < 2 && !s; write++) {
+        s = each_shard(sp, [&](int j) {
+            return ekv_shard_launch_topk_ties(sp->shard[j], &tables[j], B, ph, j, sp->S, write,
+                                              sp->topk[j], sp->red[j]);
+        });
+        if (!s && !write) s = allreduce(sp, (int64_t)B * lps * sp->S, EKV_COMM_SUM);
+    }
+    return s;
+}
+
+/* gaussian (docs/math.md §11, "Gaussian selector across shards"; exact tau mode, no ALiBi):
+ * every shard's page moments and partial sums, one allreduce-sum, then each shard the global
+ * stats and the page rule on its own pages. */
+static ekv_status select_gaussian(ekv_cuda_sharded_plan *sp, const ekv_decode_params *prm,
+                                  const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                  const ekv_page_stats *st, const ekv_page_table *tables,
+                                  const float *const *q) {
+    const int B = tables[0].batch, ph = sel->per_query_head != 0;
+    const int64_t BH = (int64_t)B * sp->p.plan.num_heads;
+    ekv_status s = each_shard(sp, [&](int j) {
+        return ekv_cuda_launch_gaussian_shard(sp->shard[j], prm, sel, &kv[j], &st[j], &tables[j],
+                                              q[j], B, ph, 0, sp->red[j]);
+    });
+    if (!s) s = allreduce(sp, 4 * BH + 2 * B, EKV_COMM_SUM);
+    if (!s)
+        s = each_shard(sp, [&](int j) {
+            return ekv_cuda_launch_gaussian_shard(sp->shard[j], prm, sel, &kv[j], &st[j],
+                                                  &tables[j], q[j], B, ph, 1, sp->red[j]);
+        });
+    return s;
+}
+
+/* topk and gaussian: the lists agreed across the shards, then every shard's stages after the
+ * select (union, scores, tau) on its own list, without the values. */
+static ekv_status listed_step(ekv_cuda_sharded_plan *sp, const ekv_decode_params *prm,
+                              const ekv_select_params *sel, const ekv_paged_kv *kv,
+                              const ekv_page_stats *st, const ekv_page_table *tables,
+                              const float *const *q, float *const *out) {
+    ekv_status s = each_shard(sp, [&](int j) {
+        sp->shard[j]->shard_pos = shard_pos_of(sp, j);
+        sp->shard[j]->skip_values = 1;
+        return ekv_cuda_step_begin(sp->shard[j], prm, sel, &kv[j], &st[j], &tables[j], q[j],
+                                   out[j]);
+    });
+    if (!s)
+        s = ekv_step_method(sel) == EKV_SELECT_TOPK
+                    ? select_topk(sp, prm, sel, kv, st, tables, q)
+                    : select_gaussian(sp, prm, sel, kv, st, tables, q);
+    if (!s)
+        s = each_shard(sp, [&](int j) {
+            return ekv_cuda_step_attend(sp->shard[j], prm, sel, &kv[j], &tables[j], q[j], out[j]);
+        });
+    for (int j = 0; j < sp->S; j++) { /* an ordinary plan again, whatever failed */
+        sp->shard[j]->shard_pos = EKV_SHARD_WHOLE;
+        sp->shard[j]->skip_values = 0;
+    }
+    return s;
+}
+
 /* Entmax: steps 1-4 of the file comment (the merge follows in the caller). */
 static ekv_status entmax_step(ekv_cuda_sharded_plan *sp, const ekv_decode_params *prm,
                               const ekv_select_params *sel, const ekv_paged_kv *kv,
@@ -251,14 +346,23 @@ static ekv_status entmax_step(ekv_cuda_sharded_plan *sp, const ekv_decode_params
                               const float *const *q, float *const *out) {
     const int B = tables[0].batch, mode = shard_rows_of(sel);
     const int64_t BH = (int64_t)B * sp->p.plan.num_heads;
-    ekv_status s = each_shard(sp, [&](int j) {
-        sp->shard[j]->skip_values = 1;
-        const ekv_status r =
-                ekv_cuda_decode(sp->shard[j], prm, sel, &kv[j], &st[j], &tables[j], q[j], out[j]);
-        sp->shard[j]->skip_values = 0;
-        if (r) return r;
-        return ekv_shard_launch_summary(sp->shard[j], &tables[j], B, mode, sp->red[j]);
-    });
+    const ekv_select_method m = ekv_step_method(sel);
+    ekv_status s;
+    if (m == EKV_SELECT_TOPK || m == EKV_SELECT_GAUSSIAN) {
+        s = listed_step(sp, prm, sel, kv, st, tables, q, out);
+    } else {
+        s = each_shard(sp, [&](int j) {
+            sp->shard[j]->skip_values = 1;
+            const ekv_status r = ekv_cuda_decode(sp->shard[j], prm, sel, &kv[j], &st[j], &tables[j],
+                                                 q[j], out[j]);
+            sp->shard[j]->skip_values = 0;
+            return r;
+        });
+    }
+    if (!s)
+        s = each_shard(sp, [&](int j) {
+            return ekv_shard_launch_summary(sp->shard[j], &tables[j], B, mode, sp->red[j]);
+        });
     if (!s) s = allreduce(sp, 2 * BH, EKV_COMM_MAX);
     if (!s)
         s = each_shard(sp, [&](int j) {

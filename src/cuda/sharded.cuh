@@ -3,12 +3,14 @@
  * S shards, each an ordinary CUDA plan over its contiguous range of every sequence's pages,
  * and the collectives that make their steps one exact step: the shards' own thresholds and
  * maxima (allreduce-max), rounds of moments (allreduce-sum) until tau is agreed, the values at
- * the agreed tau on each shard, and the sum of the partial outputs. sharded.cu orchestrates;
- * sharded_tau.cu holds the kernels (one launch per stage and shard).
+ * the agreed tau on each shard, and the sum of the partial outputs. topk and gaussian agree on
+ * their page lists first (sharded_select.cu, gaussian.cu's shard parts). sharded.cu
+ * orchestrates; sharded_tau.cu holds the agreement's kernels (one launch per stage and shard).
  */
 #pragma once
 #include "comm.cuh"
 #include "../math/shard_agree.h"
+#include "../math/shard_select.h"
 
 struct ekv_cuda_sharded_plan {
     ekv_context *ctx;
@@ -22,6 +24,7 @@ struct ekv_cuda_sharded_plan {
     int64_t red_len;         /* doubles of each shard's reduction buffer               */
     double **red;            /* [S] device: the payload of the allreduces              */
     ekv_agree_state **state; /* [S] device [B*H]: every shard's copy of the agreement  */
+    ekv_topk_agree **topk;   /* [S] device [B*H]: every shard's copy of the top-k lists */
     int32_t **pending;       /* [S] device [2]: heads still agreeing, unconverged      */
     int32_t *host_pending;   /* pinned: shard 0's pending, read by adaptive rounds     */
     int32_t last_rounds;     /* agreement rounds of the last step                      */
@@ -56,3 +59,17 @@ ekv_status ekv_shard_launch_lse(ekv_cuda_plan *pl, int batch, int phase, double 
                                 ekv_agree_state *state, float *out);
 /* the partial output and support into red (unpack = 0), or the summed ones back (1) */
 ekv_status ekv_shard_launch_pack(ekv_cuda_plan *pl, int batch, int unpack, double *red, float *out);
+
+/* top-k lists (sharded_select.cu; the plan's lists, per query head with per_head): the doubles
+ * a level's allreduce-sum carries (level 0: the sequences' pages and tokens too) */
+int64_t ekv_shard_topk_payload(int batch, int lists_per_seq, int level);
+/* level's histogram into red (update = 0), or the step from the summed one (update = 1) */
+ekv_status ekv_shard_launch_topk_level(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
+                                       int per_head, int level, int update,
+                                       const ekv_select_params *sel, ekv_topk_agree *ag,
+                                       double *red);
+/* the shard's ties at T into its slot red[list S + shard] (write = 0), or the lists written
+ * from the summed slots (write = 1) */
+ekv_status ekv_shard_launch_topk_ties(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
+                                      int per_head, int shard, int S, int write, ekv_topk_agree *ag,
+                                      double *red);

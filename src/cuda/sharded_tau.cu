@@ -4,6 +4,9 @@
  * shard's scored tokens, as the tau kernel left it) or, where that overflowed, its whole score
  * row: every score that can be in the global support is there, because the global support lies
  * above max_j tau_j >= tau_j >= M_j - 1 and the shard's method scored every token above tau_j.
+ * A head may have no score on a shard (topk/gaussian: no page of its list there): its tau_j is
+ * then -inf, and its moments, support and partial output are empty (the last shard always
+ * holds the sequence's last page, so the agreed bracket is finite).
  */
 #include "attend_common.cuh"
 #include "sharded.cuh"
@@ -92,8 +95,8 @@ __global__ void __launch_bounds__(SH_THREADS) summary_kernel(shard_args A) {
     float m = -CUDART_INF_F;
     for (int64_t i = threadIdx.x; i < s.n; i += blockDim.x) m = fmaxf(m, s.v[i]);
     m = ekv_block_max(m, fscratch, -CUDART_INF_F);
-    if (threadIdx.x == 0) {
-        A.red[2 * row] = A.tau[row];
+    if (threadIdx.x == 0) { /* no score (a shard with no page of the head's list): no bound */
+        A.red[2 * row] = m == -CUDART_INF_F ? -CUDART_INF : A.tau[row];
         A.red[2 * row + 1] = (double)m;
     }
 }

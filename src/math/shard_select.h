@@ -1,6 +1,6 @@
 /*
  * The page selection of context-parallel decode (docs/math.md §11), written once for the CPU
- * simulation (src/cpu/sharded.c) and the CUDA sharded plan (src/cuda/sharded_select.cu): the
+ * simulation (src/cpu/sharded_select.c) and the CUDA sharded plan (src/cuda/sharded_select.cu): the
  * agreement on a global top-k by page bound, and nothing else. Every shard holds the bounds of
  * its own pages; the k-th largest key T over all shards is found digit by digit (8 bits a
  * level, most significant first) from histograms that are sums over pages (one allreduce-sum
@@ -92,5 +92,32 @@ EKV_HD int ekv_topk_take(const ekv_topk_agree *s, uint32_t key) {
 
 /* A tie with `before` ties on earlier pages (the earlier shards' and its own shard's) */
 EKV_HD int ekv_topk_tie_taken(const ekv_topk_agree *s, int64_t before) { return before < s->need; }
+
+/* The pages a top-k list ranks in, from the sequence's budget in tokens and its `ranked` pages
+ * (every page but the last): the budget's whole pages, at least one when the budget is a token
+ * or more, at most every ranked page (the CUDA select's rule, src/cuda/select.cu). */
+EKV_HD int64_t ekv_topk_page_count(int64_t budget, int64_t page_size, int64_t ranked) {
+    int64_t k = budget / page_size;
+    if (k < 1 && budget >= 1 && ranked >= 1) k = 1;
+    return k > ranked ? ranked : k;
+}
+
+/* Where a page table stands in its sequence (docs/math.md §11): the whole sequence (one
+ * device, or one shard), the last of several shards (its last page is the sequence's), or a
+ * shard before it (its last page is an ordinary page: ranked, and not forced into lists). */
+enum { EKV_SHARD_WHOLE = 0, EKV_SHARD_LAST = 1, EKV_SHARD_INNER = 2 };
+
+/* The pages of a table of P pages that a selector ranks (top-k bounds, the gaussian rule). */
+EKV_HD int64_t ekv_shard_ranked_pages(int64_t P, int pos) {
+    if (pos == EKV_SHARD_INNER) return P;
+    return P > 1 ? P - 1 : 0;
+}
+
+/* The pages whose moments enter the gaussian's global sums (docs/math.md §4.3): every page but
+ * the sequence's last, or the only page of a one-page sequence (only a whole table has one). */
+EKV_HD int64_t ekv_shard_stats_pages(int64_t P, int pos) {
+    if (pos == EKV_SHARD_WHOLE) return P > 1 ? P - 1 : 1;
+    return ekv_shard_ranked_pages(P, pos);
+}
 
 #endif /* EKV_SHARD_SELECT_H */

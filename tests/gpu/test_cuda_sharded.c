@@ -4,7 +4,12 @@
  * planted keys, ragged batches (one sequence of exactly S pages at most, one whose last page is
  * full), GQA and MHA, f16/bf16/f32, head dims 64 and 128, 1 to 4 shards on one GPU (local
  * transport; adaptive rounds and a fixed count): every shard's output equals the one-GPU plan's
- * over the whole sequence (2e-5 relative per head), tau to 1e-9, the support exactly. Then: a
+ * over the whole sequence (2e-5 relative per head), tau to 1e-9, the support exactly. topk and
+ * gaussian (listed_case: budgets of 16 pages, every page, one page, shares 0.35 and 0.1; all
+ * pages equal, so every bound ties; box and ball bounds; per-KV-head and per-query-head lists;
+ * auto_margin): every shard's lists, read through its plan's report and joined in shard order,
+ * equal the one-GPU lists page for page with the same head masks, and the outputs as above;
+ * a one-page budget must leave some shard an empty list; a graph of the step replays. Then: a
  * graph of a fixed-round step replayed gives the eager output; an append through the last
  * shard is seen by the next step; the NCCL transport over 2 GPUs on every case when 2 devices
  * are present and the build has NCCL (otherwise a printed skip); invalid inputs give status
@@ -41,7 +46,9 @@ typedef struct {
     float *q;
 } workload;
 
-static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, workload *w) {
+/* ties: every page holds the same keys (its bounds equal bit for bit: top-k's ties) */
+static void make_workload_ex(ekv_context *ctx, test_rng *r, const scase *c, int S, int ties,
+                             workload *w) {
     memset(w, 0, sizeof *w);
     w->c = *c;
     w->H = c->Hk * c->G;
@@ -56,6 +63,9 @@ static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, 
     CHECK(ekv_cache_create(ctx, &cp, &w->cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
     float *dir = malloc(sizeof(float) * c->D);
     for (int d = 0; d < c->D; d++) dir[d] = (float)test_normal(r);
+    const int64_t tok = (int64_t)c->Hk * c->D; /* elements per token */
+    float *page_k = malloc(sizeof(float) * PS * tok);
+    for (int64_t i = 0; i < PS * tok; i++) page_k[i] = (float)test_normal(r);
     for (int b = 0; b < B; b++) {
         const int64_t n = lens[b] * c->Hk * c->D;
         float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
@@ -63,6 +73,7 @@ static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, 
             k[i] = (float)test_normal(r);
             v[i] = (float)test_normal(r);
             if (c->planted && (i / c->D) % 53 == 7) k[i] += 2.5f * dir[i % c->D];
+            if (ties) k[i] = page_k[(i / tok) % PS * tok + i % tok];
         }
         ekv_cache_seq_new(w->cache, &w->seqs[b]);
         CHECK(ekv_cache_append(w->cache, w->seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
@@ -77,6 +88,11 @@ static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, 
     for (int i = 0; i < B * w->H * c->D; i++)
         w->q[i] = (float)test_normal(r) + (c->planted ? 0.5f * dir[i % c->D] : 0.f);
     free(dir);
+    free(page_k);
+}
+
+static void make_workload(ekv_context *ctx, test_rng *r, const scase *c, int S, workload *w) {
+    make_workload_ex(ctx, r, c, S, 0, w);
 }
 
 static void workload_free(workload *w) {
@@ -142,16 +158,16 @@ typedef struct {
     int64_t sup[B * 32];
 } result;
 
-static void ref_step(ekv_context *ctx, const workload *w, const mirror *m, const float *dq,
-                     int method, result *res) {
+/* The one-GPU step (its plan returned in *keep when keep is not NULL, for its lists). */
+static void ref_step_sel(ekv_context *ctx, const workload *w, const mirror *m, const float *dq,
+                         const ekv_select_params *sel, result *res, ekv_cuda_plan **keep) {
     ekv_cuda_plan_params pp = plan_params(w);
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     ekv_decode_params dp = decode_params_of(w);
-    const ekv_select_params sp = select_of(method);
     const int64_t n = (int64_t)B * w->H * w->c.D;
     float *dout = dev_copy(NULL, sizeof(float) * n);
-    CHECK(ekv_cuda_decode(plan, &dp, &sp, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
+    CHECK(ekv_cuda_decode(plan, &dp, sel, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
           "one-GPU decode: %s", ekv_last_error(ctx));
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
@@ -160,7 +176,16 @@ static void ref_step(ekv_context *ctx, const workload *w, const mirror *m, const
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
     CU(cudaMemcpy(res->out[0], dout, sizeof(float) * n, cudaMemcpyDeviceToHost));
     cudaFree(dout);
-    ekv_cuda_plan_free(plan);
+    if (keep)
+        *keep = plan;
+    else
+        ekv_cuda_plan_free(plan);
+}
+
+static void ref_step(ekv_context *ctx, const workload *w, const mirror *m, const float *dq,
+                     int method, result *res) {
+    const ekv_select_params sel = select_of(method);
+    ref_step_sel(ctx, w, m, dq, &sel, res, NULL);
 }
 
 /* The shards' inputs: each one's pool, statistics, table, queries and output on its device. */
@@ -195,11 +220,11 @@ static void inputs_free(shard_inputs *in, const int32_t *dev) {
     CU(cudaSetDevice(dev[0]));
 }
 
-static void sharded_step(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
-                         shard_inputs *in, int method, result *res, ekv_cuda_sharded_report *sr) {
+static void sharded_step_sel(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
+                             shard_inputs *in, const ekv_select_params *sel, result *res,
+                             ekv_cuda_sharded_report *sr) {
     ekv_decode_params dp = decode_params_of(w);
-    const ekv_select_params sel = select_of(method);
-    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in->kv, in->st, in->tab, in->q, in->out) == EKV_OK,
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, sel, in->kv, in->st, in->tab, in->q, in->out) == EKV_OK,
           "sharded decode: %s", ekv_last_error(ctx));
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
@@ -215,9 +240,18 @@ static void sharded_step(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const work
     CU(cudaSetDevice(ekv_cuda_sharded_device(sp, 0)));
 }
 
+static void sharded_step(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
+                         shard_inputs *in, int method, result *res, ekv_cuda_sharded_report *sr) {
+    const ekv_select_params sel = select_of(method);
+    sharded_step_sel(ctx, sp, w, in, &sel, res, sr);
+}
 
 static const char *method_name(int m) {
-    return m == EKV_SELECT_DENSE ? "dense" : m == EKV_SELECT_CERTIFIED ? "certified" : "screened";
+    return m == EKV_SELECT_DENSE       ? "dense"
+           : m == EKV_SELECT_CERTIFIED ? "certified"
+           : m == EKV_SELECT_TOPK      ? "topk"
+           : m == EKV_SELECT_GAUSSIAN  ? "gaussian"
+                                       : "screened";
 }
 
 /* Every shard's output, tau and support against the one-GPU step's. */
@@ -256,8 +290,8 @@ static ekv_cuda_sharded_params sharded_params(const workload *w, int S, int tran
 }
 
 /* A captured fixed-round step replays to the eager output (local transport, its own stream). */
-static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, int method,
-                        const result *eager) {
+static void graph_check_sel(ekv_context *ctx, const workload *w, shard_inputs *in,
+                            const ekv_select_params *sel, const result *eager) {
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     ekv_cuda_sharded_params p = sharded_params(w, in->S, EKV_TRANSPORT_LOCAL, 32);
@@ -265,14 +299,14 @@ static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, i
     ekv_cuda_sharded_plan *sp = NULL;
     CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "graph plan: %s", ekv_last_error(ctx));
     ekv_decode_params dp = decode_params_of(w);
-    const ekv_select_params sel = select_of(method);
+    const int method = sel->method;
     const int64_t n = (int64_t)B * w->H * w->c.D;
     for (int j = 0; j < in->S; j++) CU(cudaMemset(in->out[j], 0, sizeof(float) * n));
     cudaGraph_t g = NULL;
     cudaGraphExec_t ge = NULL;
     CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     const ekv_status s =
-            ekv_cuda_sharded_decode(sp, &dp, &sel, in->kv, in->st, in->tab, in->q, in->out);
+            ekv_cuda_sharded_decode(sp, &dp, sel, in->kv, in->st, in->tab, in->q, in->out);
     CU(cudaStreamEndCapture(st, &g));
     CHECK(s == EKV_OK, "captured sharded decode: %s", ekv_last_error(ctx));
     if (s == EKV_OK) {
@@ -290,6 +324,12 @@ static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, i
     if (g) cudaGraphDestroy(g);
     ekv_cuda_sharded_free(sp);
     cudaStreamDestroy(st);
+}
+
+static void graph_check(ekv_context *ctx, const workload *w, shard_inputs *in, int method,
+                        const result *eager) {
+    const ekv_select_params sel = select_of(method);
+    graph_check_sel(ctx, w, in, &sel, eager);
 }
 
 /* The methods of a case: entmax all three, softmax dense only. */
@@ -476,9 +516,23 @@ static void invalid_check(ekv_context *ctx, test_rng *r) {
     dp.num_heads = w.H;
     dp.alpha = 1.5;
     ekv_select_params sel = select_of(EKV_SELECT_TOPK);
+    dp.alpha = 1.0;
     CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
                   EKV_ERR_UNSUPPORTED,
-          "topk accepted");
+          "topk softmax accepted");
+    dp.alpha = 1.5;
+    sel = select_of(EKV_SELECT_GAUSSIAN);
+    sel.tau_mode = EKV_TAU_FIXED;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_UNSUPPORTED,
+          "gaussian fixed tau mode accepted");
+    sel = select_of(EKV_SELECT_GAUSSIAN);
+    float gslopes[32] = {0};
+    dp.alibi_slopes = gslopes;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_UNSUPPORTED,
+          "gaussian ALiBi accepted");
+    dp.alibi_slopes = NULL;
     sel = select_of(EKV_SELECT_DENSE);
     float slopes[32] = {0};
     dp.alibi_slopes = slopes;
@@ -515,6 +569,214 @@ static void invalid_check(ekv_context *ctx, test_rng *r) {
     workload_free(&w);
 }
 
+/* ---- topk and gaussian: the page lists agreed across the shards (docs/math.md §11) ---- */
+typedef struct {
+    scase c;
+    int method;
+    int64_t budget_tokens; /* topk (budget_fraction 0) */
+    double fraction;       /* topk: > 0 the sequence's share (1: every ranked page)          */
+    int per_head, ball, ties, auto_margin;
+} lcase;
+
+static const lcase LCASES[] = {
+        {{2, 4, 128, EKV_DTYPE_F16, 1.5, 0}, EKV_SELECT_TOPK, 256, 0, 0, 0, 0, 0},
+        {{2, 4, 128, EKV_DTYPE_F16, 1.5, 1}, EKV_SELECT_TOPK, 0, 1.0, 1, 1, 0, 0},
+        {{4, 1, 64, EKV_DTYPE_F32, 2.0, 0}, EKV_SELECT_TOPK, 1, 0, 0, 0, 0, 0}, /* one page */
+        {{2, 2, 128, EKV_DTYPE_F16, 1.5, 0}, EKV_SELECT_TOPK, 5 * PS, 0, 0, 1, 1, 0},
+        {{1, 8, 128, EKV_DTYPE_BF16, 1.25, 0}, EKV_SELECT_TOPK, 0, 0.35, 1, 0, 1, 0},
+        {{8, 4, 128, EKV_DTYPE_F16, 3.0, 1}, EKV_SELECT_TOPK, 0, 0.1, 0, 1, 0, 0},
+        {{2, 4, 128, EKV_DTYPE_F16, 1.5, 0}, EKV_SELECT_GAUSSIAN, 0, 0, 0, 0, 0, 0},
+        {{2, 4, 128, EKV_DTYPE_F16, 2.0, 1}, EKV_SELECT_GAUSSIAN, 0, 0, 1, 0, 0, 0},
+        {{4, 1, 64, EKV_DTYPE_F32, 1.5, 1}, EKV_SELECT_GAUSSIAN, 0, 0, 0, 0, 0, 1},
+        {{1, 8, 128, EKV_DTYPE_BF16, 4.0 / 3.0, 0}, EKV_SELECT_GAUSSIAN, 0, 0, 1, 0, 0, 1},
+};
+enum { NLCASES = sizeof LCASES / sizeof LCASES[0] };
+
+static ekv_select_params lselect_of(const lcase *lc) {
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = lc->method;
+    sp.budget_tokens = lc->budget_tokens;
+    sp.budget_fraction = lc->fraction;
+    sp.per_query_head = lc->per_head;
+    sp.use_ball = lc->ball;
+    sp.auto_margin = lc->auto_margin;
+    return sp;
+}
+
+/* A plan's page lists as its report gives them: per KV head the union's logical pages, their
+ * count and each entry's head mask. */
+typedef struct {
+    int32_t *pages, *count;
+    uint16_t *heads;
+    int64_t cap;
+} lists;
+
+static void lists_read(ekv_context *ctx, ekv_cuda_plan *plan, const workload *w, int64_t cap,
+                       lists *l) {
+    const int64_t nl = (int64_t)B * w->c.Hk;
+    l->cap = cap;
+    l->pages = malloc(sizeof(int32_t) * nl * cap);
+    l->count = malloc(sizeof(int32_t) * nl);
+    l->heads = malloc(sizeof(uint16_t) * nl * cap);
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.list_pages = l->pages;
+    rep.pages_round1 = l->count;
+    rep.list_heads = l->heads;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "lists: %s", ekv_last_error(ctx));
+}
+static void lists_free(lists *l) {
+    free(l->pages);
+    free(l->count);
+    free(l->heads);
+}
+
+/* The shards' lists, joined in shard order with each shard's pages moved to their place in
+ * the sequence, equal the one-GPU lists page for page and head mask for head mask. Returns the
+ * (shard, list) pairs that held no page (a shard before the last may have none). */
+static int64_t compare_lists(ekv_context *ctx, ekv_cuda_sharded_plan *sp, const workload *w,
+                             const mirror *m, int S, const lists *ref, int lci, int method) {
+    const int64_t nl = (int64_t)B * w->c.Hk;
+    int64_t empty = 0;
+    int bad = 0;
+    int32_t *joined = malloc(sizeof(int32_t) * ref->cap);
+    uint16_t *jheads = malloc(sizeof(uint16_t) * ref->cap);
+    lists got[MAXS];
+    for (int j = 0; j < S; j++) { /* each shard's plan on its device */
+        CU(cudaSetDevice(ekv_cuda_sharded_device(sp, j)));
+        lists_read(ctx, ekv_cuda_sharded_shard(sp, j), w, w->max_pages, &got[j]);
+    }
+    CU(cudaSetDevice(ekv_cuda_sharded_device(sp, 0)));
+    for (int64_t l = 0; l < nl && bad < 3; l++) {
+        const int64_t b = l / w->c.Hk, P = m->indptr[b + 1] - m->indptr[b];
+        int64_t n = 0;
+        for (int j = 0; j < S; j++) {
+            int64_t first = 0, count = 0;
+            ekv_shard_pages(P, S, j, &first, &count);
+            const int32_t c = got[j].count[l];
+            empty += c == 0;
+            CHECK(c >= 0 && c <= count && n + c <= ref->cap,
+                  "case %d, %d shards, list %lld: shard %d lists %d of its %lld pages", lci, S,
+                  (long long)l, j, c, (long long)count);
+            for (int32_t e = 0; e < c && e <= count && n < ref->cap; e++, n++) {
+                joined[n] = (int32_t)first + got[j].pages[l * got[j].cap + e];
+                jheads[n] = got[j].heads[l * got[j].cap + e];
+            }
+        }
+        int same = n == ref->count[l];
+        for (int64_t e = 0; same && e < n; e++)
+            same = joined[e] == ref->pages[l * ref->cap + e] &&
+                   jheads[e] == ref->heads[l * ref->cap + e];
+        bad += !same;
+        CHECK(same, "case %d (%s), %d shards, list %lld: %lld pages joined vs %d on one GPU", lci,
+              method_name(method), S, (long long)l, (long long)n, ref->count[l]);
+    }
+    for (int j = 0; j < S; j++) lists_free(&got[j]);
+    free(joined);
+    free(jheads);
+    return empty;
+}
+
+/* Listed case lci on the local transport, 1..4 shards: the joined lists equal the one-GPU
+ * plan's, the outputs, tau and supports too; a graph of the step replays to the eager output. */
+static void listed_case(ekv_context *ctx, test_rng *r, int lci, double *worst, int64_t *empty_seen,
+                        int *lists_checked) {
+    const lcase *lc = &LCASES[lci];
+    workload w;
+    make_workload_ex(ctx, r, &lc->c, MAXS, lc->ties, &w);
+    mirror m;
+    mirror_build(&m, w.cache, w.seqs, B, w.n_idx, 0);
+    float *dq = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    const int32_t dev[MAXS] = {0, 0, 0, 0};
+    mirror *ms[MAXS] = {&m, &m, &m, &m};
+    float *dqs[MAXS] = {dq, dq, dq, dq};
+    const ekv_select_params sel = lselect_of(lc);
+    ekv_cuda_plan *one = NULL;
+    ref_step_sel(ctx, &w, &m, dq, &sel, &g_ref, &one);
+    lists ref;
+    lists_read(ctx, one, &w, w.max_pages, &ref);
+    ekv_cuda_plan_free(one);
+    for (int S = 1; S <= MAXS; S++) {
+        const int rounds = (lci + S) % 2 == 0 ? 32 : 0;
+        ekv_cuda_sharded_params p = sharded_params(&w, S, EKV_TRANSPORT_LOCAL, rounds);
+        ekv_cuda_sharded_plan *sp = NULL;
+        CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "sharded plan: %s",
+              ekv_last_error(ctx));
+        if (!sp) continue;
+        shard_inputs in;
+        inputs_make(&in, S, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
+        ekv_cuda_sharded_report sr;
+        sharded_step_sel(ctx, sp, &w, &in, &sel, &g_got, &sr);
+        const int64_t empty = compare_lists(ctx, sp, &w, &m, S, &ref, lci, lc->method);
+        (*lists_checked)++;
+        if (lc->budget_tokens == 1 && S >= 3)
+            CHECK(empty > 0, "case %d, %d shards: a one-page budget left every shard a page", lci,
+                  S);
+        *empty_seen += empty;
+        const double e = compare(&w, S, &g_got, &g_ref, "listed", lci, lc->method);
+        *worst = e > *worst ? e : *worst;
+        CHECK(sr.unconverged == 0, "listed case %d: %lld heads unconverged", lci,
+              (long long)sr.unconverged);
+        if (S >= 2 && (lci % 3 == 0 || S == 4)) graph_check_sel(ctx, &w, &in, &sel, &g_ref);
+        inputs_free(&in, dev);
+        ekv_cuda_sharded_free(sp);
+    }
+    lists_free(&ref);
+    cudaFree(dq);
+    mirror_free(&m);
+    workload_free(&w);
+}
+
+/* Listed steps through NCCL over 2 GPUs (case ci's workload): topk and gaussian lists joined
+ * equal the one-GPU lists, and the outputs as above. 0: ran, 1: no NCCL. */
+static int nccl_listed(ekv_context *ctx, test_rng *r, int ci) {
+    workload w;
+    make_workload(ctx, r, &CASES[ci], 2, &w);
+    const int32_t dev[2] = {0, 1};
+    mirror m[2];
+    float *dq[2];
+    for (int j = 0; j < 2; j++) {
+        CU(cudaSetDevice(dev[j]));
+        mirror_build(&m[j], w.cache, w.seqs, B, w.n_idx, 0);
+        dq[j] = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+    }
+    CU(cudaSetDevice(0));
+    ekv_cuda_sharded_params p = sharded_params(&w, 2, EKV_TRANSPORT_NCCL, 32);
+    p.devices = dev;
+    ekv_cuda_sharded_plan *sp = NULL;
+    const ekv_status s = ekv_cuda_sharded_create(ctx, &p, &sp);
+    const int skipped = s == EKV_ERR_UNSUPPORTED;
+    if (!skipped) CHECK(s == EKV_OK, "nccl plan: %s", ekv_last_error(ctx));
+    mirror *ms[2] = {&m[0], &m[1]};
+    for (int k = 0; k < 2 && sp; k++) {
+        lcase lc = LCASES[k == 0 ? 0 : 7]; /* a topk and a gaussian case's select */
+        lc.per_head = ci % 2;
+        const ekv_select_params sel = lselect_of(&lc);
+        ekv_cuda_plan *one = NULL;
+        ref_step_sel(ctx, &w, &m[0], dq[0], &sel, &g_ref, &one);
+        lists ref;
+        lists_read(ctx, one, &w, w.max_pages, &ref);
+        ekv_cuda_plan_free(one);
+        shard_inputs in;
+        inputs_make(&in, 2, ms, dq, dev, (int64_t)B * w.H * w.c.D);
+        ekv_cuda_sharded_report sr;
+        sharded_step_sel(ctx, sp, &w, &in, &sel, &g_got, &sr);
+        compare_lists(ctx, sp, &w, &m[0], 2, &ref, ci, lc.method);
+        compare(&w, 2, &g_got, &g_ref, "nccl listed", ci, lc.method);
+        inputs_free(&in, dev);
+        lists_free(&ref);
+    }
+    ekv_cuda_sharded_free(sp);
+    for (int j = 0; j < 2; j++) {
+        CU(cudaSetDevice(dev[j]));
+        cudaFree(dq[j]);
+        mirror_free(&m[j]);
+    }
+    CU(cudaSetDevice(0));
+    workload_free(&w);
+    return skipped;
+}
+
 int main(void) {
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
@@ -530,6 +792,13 @@ int main(void) {
     printf("local transport: %d cases x methods x 1..4 shards, worst rel err %.3g, at most %d "
            "agreement rounds\n",
            NCASES, worst, rounds_max);
+    double lworst = 0;
+    int64_t empty = 0;
+    int nlists = 0;
+    for (int lci = 0; lci < NLCASES; lci++) listed_case(ctx, &r, lci, &lworst, &empty, &nlists);
+    printf("topk/gaussian lists: %d cases x 1..4 shards, %d joined list sets compared with the "
+           "one-GPU lists, %lld empty shard lists, worst rel err %.3g\n",
+           NLCASES, nlists, (long long)empty, lworst);
     append_check(ctx, &r);
     invalid_check(ctx, &r);
     if (ndev < 2) {
@@ -537,8 +806,9 @@ int main(void) {
     } else {
         int skipped = 0;
         for (int ci = 0; ci < NCASES && !skipped; ci++) skipped = nccl_case(ctx, &r, ci);
+        for (int ci = 0; ci < 2 && !skipped; ci++) skipped = nccl_listed(ctx, &r, ci);
         printf(skipped ? "nccl over 2 GPUs: skipped (the build has no NCCL: -DEKV_NCCL=ON)\n"
-                       : "nccl over 2 GPUs: every case ran\n");
+                       : "nccl over 2 GPUs: every case ran, topk and gaussian lists too\n");
     }
     ekv_context_free(ctx);
     return test_finish("test_cuda_sharded");
