@@ -5,7 +5,9 @@
 #   check [S]       one GPU, local transport: for dense, certified and screened (planted, and a
 #                   ragged batch for dense) runs --shards S with and without --shard-pools at
 #                   128K tokens; fails unless both paths agree with the one-GPU step
-#                   (rel_err_vs_1gpu <= 1e-5) and dense's outputs are equal bit for bit (out_fnv)
+#                   (rel_err_vs_1gpu <= 1e-5); different output hashes (out_fnv) are noted, not
+#                   failed: each shard's plan is sized for its own pool, so its split-KV
+#                   partition, hence the fp32 summation order, differs (docs/cli.md, bench)
 #   check-gpus [N]  the same over N GPUs (--gpus N, NCCL)
 #   big [N]         10M tokens, H 32, KV 32, D 128, f16, B 1, dense and screened over N GPUs
 #                   (default 2) with --shard-pools: the one-GPU reference is skipped (it needs
@@ -41,12 +43,8 @@ compare() {
         echo "FAIL $what: rel_err_vs_1gpu whole $ew, shard pools $ep (want both <= 1e-5)"
         fails=$((fails + 1))
     fi
-    if [ "$fw" != "$fp" ]; then
-        case "$what" in
-        dense*) echo "FAIL $what: out_fnv whole $fw != shard pools $fp (the same data and pages)"; fails=$((fails + 1)) ;;
-        *) echo "note $what: out_fnv differ ($fw, $fp): superpages and the screen's list capacity follow the pool" ;;
-        esac
-    fi
+    [ "$fw" != "$fp" ] &&
+        echo "note $what: out_fnv differ ($fw, $fp): the shard plans' splits follow their pools"
 }
 
 mode=$1 n=${2:-2}
