@@ -385,49 +385,61 @@ static void local_case(ekv_context *ctx, test_rng *r, int ci, double *worst, int
     workload_free(&w);
 }
 
-/* Case ci over 2 GPUs through NCCL: each device its own copy of the pool. 0: ran, 1: no NCCL */
-static int nccl_case(ekv_context *ctx, test_rng *r, int ci) {
+/* Two GPUs for case ci: each device its own copy of the pool and of the queries, and the NCCL
+ * plan over them (tau_rounds rounds); *sp NULL when the build has no NCCL (returns 1). */
+typedef struct {
     workload w;
-    make_workload(ctx, r, &CASES[ci], 2, &w);
-    const int32_t dev[2] = {0, 1};
     mirror m[2];
     float *dq[2];
+    ekv_cuda_sharded_plan *sp;
+} nccl_run;
+static const int32_t NCCL_DEV[2] = {0, 1};
+
+static int nccl_open(ekv_context *ctx, test_rng *r, int ci, int32_t tau_rounds, nccl_run *n) {
+    make_workload(ctx, r, &CASES[ci], 2, &n->w);
     for (int j = 0; j < 2; j++) {
-        CU(cudaSetDevice(dev[j]));
-        mirror_build(&m[j], w.cache, w.seqs, B, w.n_idx, 0);
-        dq[j] = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
+        CU(cudaSetDevice(NCCL_DEV[j]));
+        mirror_build(&n->m[j], n->w.cache, n->w.seqs, B, n->w.n_idx, 0);
+        n->dq[j] = dev_copy(n->w.q, sizeof(float) * B * n->w.H * n->w.c.D);
     }
     CU(cudaSetDevice(0));
-    ekv_cuda_sharded_params p = sharded_params(&w, 2, EKV_TRANSPORT_NCCL, ci % 2 ? 32 : 0);
-    p.devices = dev;
-    ekv_cuda_sharded_plan *sp = NULL;
-    const ekv_status s = ekv_cuda_sharded_create(ctx, &p, &sp);
-    int skipped = 0;
-    if (s == EKV_ERR_UNSUPPORTED) {
-        skipped = 1;
-    } else {
-        CHECK(s == EKV_OK, "nccl plan: %s", ekv_last_error(ctx));
-        int methods[3];
-        const int nm = methods_of(&w.c, methods);
-        mirror *ms[2] = {&m[0], &m[1]};
-        for (int mi = 0; mi < nm && sp; mi++) {
-            ref_step(ctx, &w, &m[0], dq[0], methods[mi], &g_ref);
-            shard_inputs in;
-            inputs_make(&in, 2, ms, dq, dev, (int64_t)B * w.H * w.c.D);
-            ekv_cuda_sharded_report sr;
-            sharded_step(ctx, sp, &w, &in, methods[mi], &g_got, &sr);
-            compare(&w, 2, &g_got, &g_ref, "nccl", ci, methods[mi]);
-            inputs_free(&in, dev);
-        }
-        ekv_cuda_sharded_free(sp);
-    }
+    ekv_cuda_sharded_params p = sharded_params(&n->w, 2, EKV_TRANSPORT_NCCL, tau_rounds);
+    p.devices = NCCL_DEV;
+    n->sp = NULL;
+    const ekv_status s = ekv_cuda_sharded_create(ctx, &p, &n->sp);
+    if (s == EKV_ERR_UNSUPPORTED) return 1;
+    CHECK(s == EKV_OK, "nccl plan: %s", ekv_last_error(ctx));
+    return 0;
+}
+
+static void nccl_close(nccl_run *n) {
+    ekv_cuda_sharded_free(n->sp);
     for (int j = 0; j < 2; j++) {
-        CU(cudaSetDevice(dev[j]));
-        cudaFree(dq[j]);
-        mirror_free(&m[j]);
+        CU(cudaSetDevice(NCCL_DEV[j]));
+        cudaFree(n->dq[j]);
+        mirror_free(&n->m[j]);
     }
     CU(cudaSetDevice(0));
-    workload_free(&w);
+    workload_free(&n->w);
+}
+
+/* Case ci over 2 GPUs through NCCL: each device its own copy of the pool. 0: ran, 1: no NCCL */
+static int nccl_case(ekv_context *ctx, test_rng *r, int ci) {
+    nccl_run n;
+    const int skipped = nccl_open(ctx, r, ci, ci % 2 ? 32 : 0, &n);
+    int methods[3];
+    const int nm = methods_of(&n.w.c, methods);
+    mirror *ms[2] = {&n.m[0], &n.m[1]};
+    for (int mi = 0; mi < nm && n.sp; mi++) {
+        ref_step(ctx, &n.w, &n.m[0], n.dq[0], methods[mi], &g_ref);
+        shard_inputs in;
+        inputs_make(&in, 2, ms, n.dq, NCCL_DEV, (int64_t)B * n.w.H * n.w.c.D);
+        ekv_cuda_sharded_report sr;
+        sharded_step(ctx, n.sp, &n.w, &in, methods[mi], &g_got, &sr);
+        compare(&n.w, 2, &g_got, &g_ref, "nccl", ci, methods[mi]);
+        inputs_free(&in, NCCL_DEV);
+    }
+    nccl_close(&n);
     return skipped;
 }
 
@@ -730,50 +742,28 @@ static void listed_case(ekv_context *ctx, test_rng *r, int lci, double *worst, i
 /* Listed steps through NCCL over 2 GPUs (case ci's workload): topk and gaussian lists joined
  * equal the one-GPU lists, and the outputs as above. 0: ran, 1: no NCCL. */
 static int nccl_listed(ekv_context *ctx, test_rng *r, int ci) {
-    workload w;
-    make_workload(ctx, r, &CASES[ci], 2, &w);
-    const int32_t dev[2] = {0, 1};
-    mirror m[2];
-    float *dq[2];
-    for (int j = 0; j < 2; j++) {
-        CU(cudaSetDevice(dev[j]));
-        mirror_build(&m[j], w.cache, w.seqs, B, w.n_idx, 0);
-        dq[j] = dev_copy(w.q, sizeof(float) * B * w.H * w.c.D);
-    }
-    CU(cudaSetDevice(0));
-    ekv_cuda_sharded_params p = sharded_params(&w, 2, EKV_TRANSPORT_NCCL, 32);
-    p.devices = dev;
-    ekv_cuda_sharded_plan *sp = NULL;
-    const ekv_status s = ekv_cuda_sharded_create(ctx, &p, &sp);
-    const int skipped = s == EKV_ERR_UNSUPPORTED;
-    if (!skipped) CHECK(s == EKV_OK, "nccl plan: %s", ekv_last_error(ctx));
-    mirror *ms[2] = {&m[0], &m[1]};
-    for (int k = 0; k < 2 && sp; k++) {
+    nccl_run n;
+    const int skipped = nccl_open(ctx, r, ci, 32, &n);
+    mirror *ms[2] = {&n.m[0], &n.m[1]};
+    for (int k = 0; k < 2 && n.sp; k++) {
         lcase lc = LCASES[k == 0 ? 0 : 7]; /* a topk and a gaussian case's select */
         lc.per_head = ci % 2;
         const ekv_select_params sel = lselect_of(&lc);
         ekv_cuda_plan *one = NULL;
-        ref_step_sel(ctx, &w, &m[0], dq[0], &sel, &g_ref, &one);
+        ref_step_sel(ctx, &n.w, &n.m[0], n.dq[0], &sel, &g_ref, &one);
         lists ref;
-        lists_read(ctx, one, &w, w.max_pages, &ref);
+        lists_read(ctx, one, &n.w, n.w.max_pages, &ref);
         ekv_cuda_plan_free(one);
         shard_inputs in;
-        inputs_make(&in, 2, ms, dq, dev, (int64_t)B * w.H * w.c.D);
+        inputs_make(&in, 2, ms, n.dq, NCCL_DEV, (int64_t)B * n.w.H * n.w.c.D);
         ekv_cuda_sharded_report sr;
-        sharded_step_sel(ctx, sp, &w, &in, &sel, &g_got, &sr);
-        compare_lists(ctx, sp, &w, &m[0], 2, &ref, ci, lc.method);
-        compare(&w, 2, &g_got, &g_ref, "nccl listed", ci, lc.method);
-        inputs_free(&in, dev);
+        sharded_step_sel(ctx, n.sp, &n.w, &in, &sel, &g_got, &sr);
+        compare_lists(ctx, n.sp, &n.w, &n.m[0], 2, &ref, ci, lc.method);
+        compare(&n.w, 2, &g_got, &g_ref, "nccl listed", ci, lc.method);
+        inputs_free(&in, NCCL_DEV);
         lists_free(&ref);
     }
-    ekv_cuda_sharded_free(sp);
-    for (int j = 0; j < 2; j++) {
-        CU(cudaSetDevice(dev[j]));
-        cudaFree(dq[j]);
-        mirror_free(&m[j]);
-    }
-    CU(cudaSetDevice(0));
-    workload_free(&w);
+    nccl_close(&n);
     return skipped;
 }
 
