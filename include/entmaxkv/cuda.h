@@ -167,8 +167,9 @@ EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv,
  * exact tau mode, as on one GPU) and softmax over dense. topk and gaussian agree on their page
  * lists across the shards first: the lists the shards take together are the one-GPU plan's
  * (shard j's part, in its own page numbers, through ekv_cuda_read_report of
- * ekv_cuda_sharded_shard(plan, j); a shard's list may be empty). ALiBi is refused
- * (EKV_ERR_UNSUPPORTED: positions are the shard's own).
+ * ekv_cuda_sharded_shard(plan, j); a shard's list may be empty). Refused
+ * (EKV_ERR_UNSUPPORTED): ALiBi (positions are the shard's own) and select->tau_lb / tau_hint
+ * (bounds of the whole sequence's tau; the shards agree on it from their own thresholds).
  */
 typedef struct ekv_cuda_sharded_plan ekv_cuda_sharded_plan;
 typedef enum ekv_cuda_transport {

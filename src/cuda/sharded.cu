@@ -186,6 +186,12 @@ static ekv_status check_sharded_step(ekv_cuda_sharded_plan *sp, const ekv_decode
     if (prm->alibi_slopes)
         return ekv_fail(sp->ctx, EKV_ERR_UNSUPPORTED,
                         "the sharded plan has no ALiBi (a shard's positions are its own)");
+    /* a hint or bound of the whole sequence's tau would prune a shard's keys that the agreement's
+     * rounds below it still count, and it is one device's array */
+    if (sel && (sel->tau_lb || sel->tau_hint))
+        return ekv_fail(sp->ctx, EKV_ERR_UNSUPPORTED,
+                        "the sharded plan takes no tau_lb or tau_hint (the shards agree on tau "
+                        "from their own thresholds)");
     for (int j = 0; j < sp->S; j++) {
         if (!q[j] || !out[j])
             return ekv_fail(sp->ctx, EKV_ERR_NULL_POINTER, "shard %d: q and out must not be NULL",

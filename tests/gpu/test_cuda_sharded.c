@@ -552,6 +552,19 @@ static void invalid_check(ekv_context *ctx, test_rng *r) {
                   EKV_ERR_UNSUPPORTED,
           "ALiBi accepted");
     dp.alibi_slopes = NULL;
+    sel = select_of(EKV_SELECT_CERTIFIED);
+    double *lb = dev_copy(NULL, sizeof(double) * B * w.H);
+    sel.tau_lb = lb;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_UNSUPPORTED,
+          "tau_lb accepted");
+    sel.tau_lb = NULL;
+    sel.tau_hint = lb;
+    CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, in.q, in.out) ==
+                  EKV_ERR_UNSUPPORTED,
+          "tau_hint accepted");
+    cudaFree(lb);
+    sel = select_of(EKV_SELECT_DENSE);
     CHECK(ekv_cuda_sharded_decode(sp, &dp, &sel, in.kv, in.st, in.tab, NULL, in.out) ==
                   EKV_ERR_NULL_POINTER,
           "NULL q accepted");
