@@ -43,6 +43,24 @@ static void make_keys(test_rng *r, int kind, float *k, int64_t n, int Hk, int D,
             }
 }
 
+/* n sequences of lens[b] tokens into cache: keys by kind (make_keys), values N(0, 1); their
+ * ids into seqs. */
+static void fill_seqs(ekv_context *ctx, ekv_cache *cache, test_rng *r, int kind,
+                      const int64_t *lens, int n, int Hk, int D, const float *dir, int ps,
+                      int32_t *seqs) {
+    for (int b = 0; b < n; b++) {
+        float *k = malloc(sizeof(float) * lens[b] * Hk * D),
+              *v = malloc(sizeof(float) * lens[b] * Hk * D);
+        make_keys(r, kind, k, lens[b], Hk, D, dir, ps);
+        for (int64_t i = 0; i < lens[b] * Hk * D; i++) v[i] = (float)test_normal(r);
+        ekv_cache_seq_new(cache, &seqs[b]);
+        CHECK(ekv_cache_append(cache, seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
+              "append: %s", ekv_last_error(ctx));
+        free(k);
+        free(v);
+    }
+}
+
 static int cmp_i32(const void *a, const void *b) {
     const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     return (x > y) - (x < y);
@@ -111,17 +129,7 @@ static void listed_cases(ekv_context *ctx, test_rng *r) {
         for (int d = 0; d < D; d++) dir[d] = (float)test_normal(r);
         for (int h = 0; h < H; h++) slopes[h] = 0.02f * (float)(h + 1);
         int32_t seqs[4];
-        for (int b = 0; b < 4; b++) {
-            float *k = malloc(sizeof(float) * lens[b] * Hk * D),
-                  *v = malloc(sizeof(float) * lens[b] * Hk * D);
-            make_keys(r, kind, k, lens[b], Hk, D, dir, ps);
-            for (int64_t i = 0; i < lens[b] * Hk * D; i++) v[i] = (float)test_normal(r);
-            ekv_cache_seq_new(cache, &seqs[b]);
-            CHECK(ekv_cache_append(cache, seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
-                  "append: %s", ekv_last_error(ctx));
-            free(k);
-            free(v);
-        }
+        fill_seqs(ctx, cache, r, kind, lens, 4, Hk, D, dir, ps, seqs);
         ekv_paged_kv kv;
         ekv_page_stats st;
         ekv_cache_kv_view(cache, &kv, &st);
@@ -242,17 +250,7 @@ int main(void) {
         for (int d = 0; d < D; d++) dir[d] = (float)test_normal(&r);
         for (int h = 0; h < H; h++) slopes[h] = 0.02f * (float)(h + 1);
         int32_t seqs[3];
-        for (int b = 0; b < 3; b++) {
-            float *k = malloc(sizeof(float) * lens[b] * Hk * D),
-                  *v = malloc(sizeof(float) * lens[b] * Hk * D);
-            make_keys(&r, kind, k, lens[b], Hk, D, dir, ps);
-            for (int64_t i = 0; i < lens[b] * Hk * D; i++) v[i] = (float)test_normal(&r);
-            ekv_cache_seq_new(cache, &seqs[b]);
-            CHECK(ekv_cache_append(cache, seqs[b], lens[b], k, v, EKV_DTYPE_F32) == EKV_OK,
-                  "append: %s", ekv_last_error(ctx));
-            free(k);
-            free(v);
-        }
+        fill_seqs(ctx, cache, &r, kind, lens, 3, Hk, D, dir, ps, seqs);
         ekv_paged_kv kv;
         ekv_cache_kv_view(cache, &kv, NULL);
         int64_t indptr[4], lpl_need;
