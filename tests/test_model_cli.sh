@@ -8,7 +8,10 @@
 #   - run with screened (as --method or in --compare) decodes the dense text;
 #   - run --compare --rewind: every method continues the prompt (exact methods: dense's text);
 #   - trace writes a file that eval reads (per-layer prefix), with the model's shapes;
-#   - ppl stopped by SIGINT reports the partial result (exit 130, "interrupted" in the JSON).
+#   - ppl --compare: one prefix per window, each method scoring the same tail (exact ones:
+#     dense's ppl; topk: the ppl of topk after a dense --prefill-method); its usage errors;
+#   - ppl stopped by SIGINT reports the partial result (exit 130, "interrupted" in the JSON),
+#     with --compare for every phase that ran.
 # Usage: test_model_cli.sh PATH/TO/entmaxkv DATA_DIR
 set -u
 BIN=${1:-}
@@ -104,10 +107,10 @@ check "run --prefill-method nope should exit 2 with one line (rc=$RC)" $?
 run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda
 { [ "$RC" -eq 0 ] && grep -q "KV read not measured on cuda" "$OUT"; } ||
     { [ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"; }
-check "run --backend cuda should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "run --backend cuda should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $st
 run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda --method gaussian
 [ "$RC" -eq 0 ] || { [ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"; }
-check "run --backend cuda --method gaussian should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "run --backend cuda --method gaussian should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $st
 
 # run --prompts-file: one prompt runs on the CPU too and generates what --prompt does; several
 # need --backend cuda (exit 1 saying so where there is none)
@@ -137,20 +140,20 @@ check "run --compare should print one decode line per method (rc=$RC)" $?
 # screened is exact: the same greedy text as dense; in --compare the caches get codes at load
 run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1 --method screened
 [ "$RC" -eq 0 ] && [ "$(head -c 25 "$OUT")" = "$(head -c 25 "$TMP/run1")" ] && grep -q "^\[decode @5 screened\] 20 tokens" "$OUT"
-check "run --method screened should decode the dense text (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "run --method screened should decode the dense text (rc=$RC: $(head -c 200 "$ERR"))" $st
 run run --model "$MODEL" --prompt "Hello" -n 8 --compare screened,dense --code-bits 8 --quiet
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode' "$OUT")" -eq 3 ] && grep -q "^\[decode @13 screened\]" "$OUT"
-check "run --compare screened should decode with the screen (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "run --compare screened should decode with the screen (rc=$RC: $(head -c 200 "$ERR"))" $st
 # --rewind: each method from the prompt's end again: certified and screened write dense's text
 run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1 --method dense --compare certified,screened,topk --budget 1/4 --rewind
 txt=$(head -c 25 "$TMP/run1" | tail -c 20)
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 4 ] &&
   [ "$(grep -c -F -- "$txt" "$OUT")" -ge 3 ] && grep -q -- "--- from the prompt with screened ---" "$OUT"
-check "run --compare --rewind: every method from the prompt, exact ones with dense's text (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "run --compare --rewind: every method from the prompt, exact ones with dense's text (rc=$RC: $(head -c 200 "$ERR"))" $st
 run run --model "$MODEL" --prompt "Hello" -n 4 --method topk --budget 1/2 --compare topk:1/64,dense,topk --rewind --quiet
 [ "$RC" -eq 0 ] && grep -q '^\[decode @5 topk 0.5\]' "$OUT" && grep -q '^\[decode @5 topk 0.015625\]' "$OUT" &&
   [ "$(grep -c '^\[decode @5 topk 0.5\]' "$OUT")" -eq 2 ]
-check "run --compare method:budget: its own budget, the others --budget's (rc=$RC: $(head -c 200 "$ERR"))" $?
+st=$?; check "run --compare method:budget: its own budget, the others --budget's (rc=$RC: $(head -c 200 "$ERR"))" $st
 
 # ppl: the JSON contract; certified and top-k with every token equal dense
 ppl_field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
@@ -190,7 +193,39 @@ sys.exit(0 if abs(a['ppl']-b['ppl']) <= 1e-6*a['ppl'] else 1)"
     run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 2 --score-last 50 --json "$TMP/s.json"
     [ "$RC" -eq 0 ] && [ "$(ppl_field "$TMP/s.json" tokens)" = 100 ]
     check "ppl --score-last 50 over 2 windows should score 100 tokens" $?
+
+    # --compare: one prefix per window, then each method's tail scored (docs/cli.md, "Prefix
+    # and tail"): phase 0 is the plain run, the exact methods give its ppl, and a compare
+    # phase is the same tail as a run of that method after a dense --prefill-method
+    run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 2 --score-last 50 \
+        --method dense --compare certified,topk:1/16,screened --json "$TMP/c.json"
+    [ "$RC" -eq 0 ] && [ "$(grep -c '^ppl ' "$OUT")" -eq 4 ] && grep -q '^ppl .* method topk 0.0625 ' "$OUT"
+    st=$?; check "ppl --compare should print one ppl line per phase (rc=$RC: $(head -c 200 "$ERR"))" $st
+    run ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --windows 2 --score-last 50 \
+        --method topk --budget 1/16 --prefill-method dense --json "$TMP/t.json"
+    [ "$RC" -eq 0 ] && python3 - "$TMP/c.json" "$TMP/s.json" "$TMP/t.json" <<'EOF'
+import json, sys
+c, s, t = (json.load(open(f)) for f in sys.argv[1:4])
+near = lambda a, b, tol: abs(a - b) <= tol * abs(b)
+cmp = {x["method"]: x for x in c["compare"]}
+assert [x["method"] for x in c["compare"]] == ["certified", "topk", "screened"], c
+assert c["method"] == "dense" and c["tokens"] == 100 and c["prefill_method"] == "dense", c
+assert all(x["tokens"] == 100 and x["tokens_per_s"] > 0 for x in c["compare"]), c
+assert near(c["ppl"], s["ppl"], 1e-6), (c["ppl"], s["ppl"])
+for m in ("certified", "screened"):
+    assert near(cmp[m]["ppl"], c["ppl"], 1e-5), (m, cmp[m]["ppl"], c["ppl"])
+assert cmp["topk"]["budget"] == 0.0625 and t["prefill_method"] == "dense", (cmp, t)
+assert near(cmp["topk"]["ppl"], t["ppl"], 1e-6), (cmp["topk"]["ppl"], t["ppl"])
+assert not near(cmp["topk"]["ppl"], c["ppl"], 1e-3), "topk 1/16 should not be dense here"
+assert "compare" not in s and "prefill_method" not in s, s
+EOF
+    check "ppl --compare: phase 0 = the plain run, certified and screened = dense, topk = topk after a dense prefix" $?
 fi
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --compare certified
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --prefill-method dense
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --compare nope
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --compare topk:2
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --prefill-method x
 
 # ppl on SIGINT: the predictions scored so far, exit 130. The text is long enough that the run
 # cannot finish before the signal (5000 windows of 300 tokens).
@@ -207,7 +242,21 @@ import json,sys
 j=json.load(open('$TMP/int.json'))
 assert j['interrupted'] is True and j['tokens'] > 0 and j['ppl'] > 1, j
 assert j['windows_done'] < 5000 and j['tokens'] <= (j['windows_done'] + 1) * 299, j"
-check "ppl should report the partial result on SIGINT (rc=$RC: $(tail -c 300 "$ERR"))" $?
+st=$?; check "ppl should report the partial result on SIGINT (rc=$RC: $(tail -c 300 "$ERR"))" $st
+# ... and with --compare: every phase that ran in the interrupted window counts what it scored
+"$BIN" ppl --model "$MODEL" --text "$TMP/long.txt" --ctx 300 --windows 5000 --score-last 50 \
+    --compare certified --json "$TMP/int.json" >"$OUT" 2>"$ERR" &
+pid=$!
+sleep 2
+kill -INT "$pid"
+wait "$pid"
+RC=$?
+[ "$RC" -eq 130 ] && python3 -c "
+import json,sys
+j=json.load(open('$TMP/int.json')); c=j['compare'][0]; d=j['windows_done']
+assert j['interrupted'] is True and 0 < d < 5000 and c['method'] == 'certified', j
+assert d * 50 <= c['tokens'] <= j['tokens'] <= (d + 1) * 50 and c['ppl'] > 1, j"
+st=$?; check "ppl --compare should report every phase's partial result on SIGINT (rc=$RC: $(tail -c 300 "$ERR"))" $st
 
 # trace -> eval
 run trace --model "$MODEL" --text "$TMP/text.txt" --ctx 400 --queries 4 --out "$TMP/t.safetensors"

@@ -207,7 +207,7 @@ typedef struct {
     ekv_dtype kv_dtype;
     int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
                           subcommand runs reads them (cli_method_codes), else none */
-    int codes; /* set by a subcommand that switches to such a method later (run --compare) */
+    int codes; /* set when the subcommand switches to such a method later (model_phases) */
     ekv_backend backend;               /* --backend cpu|cuda (default cpu) */
     int64_t prefill_chunk;             /* --prefill-chunk (cuda dense prefill; 0 = auto) */
     int no_graphs;                     /* --no-graphs: cuda decode steps as eager launches */
@@ -222,6 +222,38 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o);
  * subcommand's table into opts, then extra (may be NULL) for the options that need code. */
 void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), model_opts *mo,
                  const cli_opt *table, size_t n, cli_take_fn extra, void *opts);
+/* The caches' key-code width: --code-bits when a method the subcommand runs reads codes
+ * (o->method, or o->codes for one it switches to later), else 0. */
+int32_t model_code_bits(const model_opts *o);
+/* One phase of a method comparison (run --compare, ppl --compare): a method and its budget
+ * (--method and --budget, or a --compare entry "method" or "method:budget"). */
+typedef struct {
+    ekv_select_method method;
+    double budget;
+} model_phase;
+enum { MODEL_MAX_PHASES = 9 }; /* --method and at most 8 --compare entries */
+/* The methods of run and ppl (docs/cli.md): the phases, and the method before them
+ * (--prefill-method: run's prompt, ppl's unscored prefix of each window). */
+typedef struct {
+    model_phase list[MODEL_MAX_PHASES]; /* [0] --method, then --compare's in order */
+    int n;                              /* phases in list (1 = no --compare) */
+    int prefill_set;                    /* --prefill-method given */
+    ekv_select_method prefill;
+} model_phases;
+void model_phases_init(model_phases *p);
+/* Takes --compare LIST or --prefill-method M (advancing *i); 1 if argv[*i] was one. A bad
+ * entry, a budget outside (0, 1] or more than 8 entries is a usage error. */
+int model_phases_opt(const char *sub, int argc, char **argv, int *i, model_phases *p);
+/* After parsing: list[0] = --method and --budget, --budget for the entries without a budget
+ * of their own, mo->codes when any method needs key codes (the caches are made at load), and
+ * mo->method = the --prefill-method (the model loads with the method it runs first). */
+void model_phases_finish(model_phases *p, model_opts *mo);
+/* Whether the loaded model takes every phase's method (ekv_model_set_method refuses e.g.
+ * gaussian on cuda), asked before the first token so that a refusal does not come after a long
+ * prefill; leaves the model with mo->method, the one it loaded with. Prints why not and
+ * returns 1. */
+int model_check_phases(const char *sub, ekv_context *ctx, ekv_model *m, const model_phase *list,
+                       int n, const model_opts *mo);
 /* Whether the method reads --budget (topk: its token share; certified: its round 1). */
 int model_uses_budget(ekv_select_method m);
 /* "; prefill kernel fused (rows retried R, by Newton passes N)" when the stats hold cuda
@@ -258,15 +290,9 @@ char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);
 /* The next token from logits: greedy (temp 0) or sampled at temperature temp (tools/run.c). */
 int32_t run_sample(const float *logits, int64_t V, double temp, cli_rng *r);
-/* One decode phase of run: a method and its budget (--method and --budget, or a --compare
- * entry "method" or "method:budget"). */
-typedef struct {
-    ekv_select_method method;
-    double budget;
-} run_phase;
 /* run --prompts-file (tools/run_batch.c): every line a sequence, decoded in batched steps. */
 int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,
-              const run_phase *phases, int nphases);
+              const model_phase *phases, int nphases);
 int cmd_ppl(int argc, char **argv);
 int cmd_trace(int argc, char **argv);
 #endif

@@ -194,7 +194,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.kv_dtype = o->kv_dtype;
     mp.method = o->method;
     mp.budget = o->budget;
-    mp.code_bits = o->codes || cli_method_codes(o->method) ? o->code_bits : 0;
+    mp.code_bits = model_code_bits(o);
     mp.backend = o->backend;
     mp.prefill_chunk = o->prefill_chunk;
     mp.cuda_graphs = !o->no_graphs;
@@ -326,6 +326,69 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
     }
     free(logits);
     return rc;
+}
+
+int32_t model_code_bits(const model_opts *o) {
+    return o->codes || cli_method_codes(o->method) ? o->code_bits : 0;
+}
+
+void model_phases_init(model_phases *p) {
+    memset(p, 0, sizeof *p);
+    p->n = 1; /* list[0] is --method, set by model_phases_finish */
+}
+
+/* --compare LIST: "method" or "method:budget" entries (budget -1: --budget's, filled in by
+ * model_phases_finish, as --budget may come later on the command line). */
+static void parse_compare(const char *sub, const char *v, model_phases *p) {
+    char buf[256];
+    if (strlen(v) >= sizeof buf) cli_usage_error(sub, "--compare is too long");
+    strcpy(buf, v);
+    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+        if (p->n == MODEL_MAX_PHASES)
+            cli_usage_error(sub, "--compare takes at most %d methods", MODEL_MAX_PHASES - 1);
+        model_phase ph = {EKV_SELECT_DENSE, -1.0};
+        char *colon = strchr(t, ':');
+        if (colon) { /* method:budget, a budget of its own */
+            *colon = 0;
+            if (cli_parse_fraction(colon + 1, &ph.budget) || !(ph.budget > 0 && ph.budget <= 1))
+                cli_usage_error(sub, "--compare %s:%s: expected a budget in (0, 1], e.g. 1/16", t,
+                                colon + 1);
+        }
+        ph.method = cli_method(sub, "--compare", t);
+        p->list[p->n++] = ph;
+    }
+}
+
+int model_phases_opt(const char *sub, int argc, char **argv, int *i, model_phases *p) {
+    if (!strcmp(argv[*i], "--compare"))
+        parse_compare(sub, cli_need(sub, argc, argv, i), p);
+    else if (!strcmp(argv[*i], "--prefill-method")) {
+        p->prefill = cli_method(sub, "--prefill-method", cli_need(sub, argc, argv, i));
+        p->prefill_set = 1;
+    } else
+        return 0;
+    return 1;
+}
+
+void model_phases_finish(model_phases *p, model_opts *mo) {
+    p->list[0] = (model_phase){mo->method, mo->budget};
+    for (int k = 0; k < p->n; k++) {
+        if (p->list[k].budget < 0) p->list[k].budget = mo->budget;
+        mo->codes |= cli_method_codes(p->list[k].method);
+    }
+    if (p->prefill_set) mo->method = p->prefill; /* its codes: model_code_bits */
+}
+
+int model_check_phases(const char *sub, ekv_context *ctx, ekv_model *m, const model_phase *list,
+                       int n, const model_opts *mo) {
+    for (int k = 0; k <= n; k++) { /* k = n: back to the method the model loaded with */
+        const model_phase ph = k < n ? list[k] : (model_phase){mo->method, mo->budget};
+        if (ekv_model_set_method(m, ph.method, ph.budget)) {
+            fprintf(stderr, "entmaxkv %s: %s\n", sub, ekv_last_error(ctx));
+            return 1;
+        }
+    }
+    return 0;
 }
 
 int model_uses_budget(ekv_select_method m) {

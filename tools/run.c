@@ -109,30 +109,9 @@ typedef struct {
     const char *prompt, *prompt_file, *prompts_file;
     int64_t n, seed;
     double temp;
-    int quiet, nmethods, prefill_set, rewind;
-    run_phase methods[9];      /* --method, then the --compare list; budget < 0: --budget's */
-    ekv_select_method prefill; /* --prefill-method (prefill_set): the prompt's method */
+    int quiet, rewind;
+    model_phases ph; /* --method, then the --compare list; --prefill-method: the prompt's */
 } run_opts;
-
-static void parse_compare(const char *v, run_opts *o) {
-    char buf[256];
-    if (strlen(v) >= sizeof buf) cli_usage_error("run", "--compare is too long");
-    strcpy(buf, v);
-    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-        if (o->nmethods == 9) cli_usage_error("run", "--compare takes at most 8 methods");
-        run_phase ph = {EKV_SELECT_DENSE, -1.0};
-        char *colon = strchr(t, ':');
-        if (colon) { /* method:budget, a budget of its own */
-            *colon = 0;
-            if (cli_parse_fraction(colon + 1, &ph.budget) || !(ph.budget > 0 && ph.budget <= 1))
-                cli_usage_error("run", "--compare %s:%s: expected a budget in (0, 1], e.g. 1/16", t,
-                                colon + 1);
-        }
-        ph.method = cli_method("run", "--compare", t);
-        o->methods[o->nmethods++] = ph;
-        o->mo.codes |= cli_method_codes(ph.method); /* the caches are made at load */
-    }
-}
 
 static const cli_opt run_table[] = {
         CLI_STR("--prompt", run_opts, prompt),
@@ -144,8 +123,8 @@ static const cli_opt run_table[] = {
         CLI_FLAG("--rewind", run_opts, rewind),
 };
 
-/* The options that need code: --temp (a number in a range), --compare (a method list),
- * --prefill-method (a method). */
+/* The options that need code: --temp (a number in a range), --compare (a method list) and
+ * --prefill-method (a method), as ppl takes them (model_phases_opt). */
 static int run_extra(const char *sub, int argc, char **argv, int *i, void *vo) {
     run_opts *o = vo;
     if (!strcmp(argv[*i], "--temp")) {
@@ -154,38 +133,22 @@ static int run_extra(const char *sub, int argc, char **argv, int *i, void *vo) {
             cli_usage_error(sub, "--temp %s: expected a number in [0, 100]", v);
         return 1;
     }
-    if (!strcmp(argv[*i], "--compare")) {
-        parse_compare(cli_need(sub, argc, argv, i), o);
-        return 1;
-    }
-    if (!strcmp(argv[*i], "--prefill-method")) {
-        o->prefill = cli_method(sub, "--prefill-method", cli_need(sub, argc, argv, i));
-        o->prefill_set = 1;
-        o->mo.codes |= cli_method_codes(o->prefill);
-        return 1;
-    }
-    return 0;
+    return model_phases_opt(sub, argc, argv, i, &o->ph);
 }
 
 static void parse(int argc, char **argv, run_opts *o) {
     memset(o, 0, sizeof *o);
     model_opts_init(&o->mo);
+    model_phases_init(&o->ph);
     o->n = 200;
     o->seed = 1;
-    o->nmethods = 1; /* methods[0] is --method, set after the loop */
     model_parse("run", argc, argv, run_help, &o->mo, run_table, CLI_NOPTS(run_table), run_extra, o);
-    o->methods[0] = (run_phase){o->mo.method, o->mo.budget};
-    for (int i = 1; i < o->nmethods; i++)
-        if (o->methods[i].budget < 0) o->methods[i].budget = o->mo.budget;
-    /* the caches are made at load with the prompt's method: they need codes for --method's
-     * decode too (the prefill's codes and --compare's were added as they were parsed) */
-    o->mo.codes |= cli_method_codes(o->methods[0].method);
-    if (o->prefill_set) o->mo.method = o->prefill; /* the model loads with it: the prompt's */
+    model_phases_finish(&o->ph, &o->mo); /* o->mo.method: the prompt's from here on */
     if (o->prompt && o->prompt_file)
         cli_usage_error("run", "give --prompt or --prompt-file, not both");
     if (o->prompts_file && (o->prompt || o->prompt_file))
         cli_usage_error("run", "--prompts-file takes no --prompt or --prompt-file");
-    if (o->rewind && (o->nmethods < 2 || o->prompts_file))
+    if (o->rewind && (o->ph.n < 2 || o->prompts_file))
         cli_usage_error("run", "--rewind needs --compare (and one prompt)");
 }
 
@@ -219,13 +182,13 @@ static int rewind_to_prompt(const run_opts *o, ekv_context *ctx, ekv_model *m, i
 static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *m, float *logits,
                         cli_rng *rng, phase *p) {
     const int64_t V = ekv_model_get_config(m)->vocab;
-    if (ekv_model_set_method(m, o->methods[ph].method, o->methods[ph].budget)) {
+    if (ekv_model_set_method(m, o->ph.list[ph].method, o->ph.list[ph].budget)) {
         fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
         return 1;
     }
     if (ph > 0 && !o->quiet) {
         char lab[64];
-        model_method_label(lab, sizeof lab, o->methods[ph].method, o->methods[ph].budget);
+        model_method_label(lab, sizeof lab, o->ph.list[ph].method, o->ph.list[ph].budget);
         printf(o->rewind ? "\n--- from the prompt with %s ---\n" : "\n--- continuing with %s ---\n",
                lab);
     }
@@ -258,7 +221,7 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)plen);
     float *logits = malloc(sizeof(float) * (size_t)V), *prompt_logits = NULL;
     if (o->rewind) prompt_logits = malloc(sizeof(float) * (size_t)V);
-    phase pre = {0}, dec[9];
+    phase pre = {0}, dec[MODEL_MAX_PHASES];
     int rc = tok && logits && (prompt_logits || !o->rewind) ? 0 : 1, ran = 0;
     if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
     if (!rc) {
@@ -278,7 +241,7 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     cli_rng rng;
     cli_rng_seed(&rng, (uint64_t)o->seed);
     if (!rc && o->rewind) memcpy(prompt_logits, logits, sizeof(float) * (size_t)V);
-    for (int ph = 0; ph < o->nmethods && !rc; ph++) {
+    for (int ph = 0; ph < o->ph.n && !rc; ph++) {
         if (ph > 0 && o->rewind)
             rc = rewind_to_prompt(o, ctx, m, plen, prompt_logits, logits, &rng);
         if (!rc) rc = decode_phase(o, ph, ctx, m, logits, &rng, &dec[ph]);
@@ -290,7 +253,7 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     printf("\n");
     print_phase("prefill", lab, &pre, o->mo.backend);
     for (int ph = 0; ph < ran; ph++) {
-        model_method_label(lab, sizeof lab, o->methods[ph].method, o->methods[ph].budget);
+        model_method_label(lab, sizeof lab, o->ph.list[ph].method, o->ph.list[ph].budget);
         snprintf(what, sizeof what, "decode @%lld",
                  (long long)(plen + (o->rewind ? 0 : ph) * o->n));
         print_phase(what, lab, &dec[ph], o->mo.backend);
@@ -305,8 +268,7 @@ int cmd_run(int argc, char **argv) {
     run_opts o;
     parse(argc, argv, &o);
     if (o.prompts_file)
-        return run_batch(&o.mo, o.prompts_file, o.n, o.temp, o.seed, o.quiet, o.methods,
-                         o.nmethods);
+        return run_batch(&o.mo, o.prompts_file, o.n, o.temp, o.seed, o.quiet, o.ph.list, o.ph.n);
     int64_t plen = 0;
     char *text = read_prompt(&o, &plen);
     if (!text) return 1;
@@ -316,11 +278,12 @@ int cmd_run(int argc, char **argv) {
     }
     ekv_context *ctx;
     ekv_model *m;
-    if (model_open("run", &o.mo, plen + o.n * o.nmethods, &ctx, &m)) {
+    if (model_open("run", &o.mo, plen + o.n * o.ph.n, &ctx, &m)) {
         free(text);
         return 1;
     }
-    int rc = generate(&o, text, plen, ctx, m);
+    int rc = model_check_phases("run", ctx, m, o.ph.list, o.ph.n, &o.mo);
+    if (!rc) rc = generate(&o, text, plen, ctx, m);
     free(text);
     ekv_model_free(m);
     ekv_context_free(ctx);

@@ -112,7 +112,7 @@ static void print_decode(int32_t B, const char *label, int64_t n, double secs, e
 }
 
 int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,
-              const run_phase *phases, int nphases) {
+              const model_phase *phases, int nphases) {
     prompt_lines p;
     if (read_lines(path, &p)) {
         free(p.text);
@@ -143,16 +143,17 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
     double ps = 0;
     int rc = logits && gen ? 0 : 1;
     if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
+    if (!rc) rc = model_check_phases("run", ctx, m, phases, nphases, mo);
     if (!rc) rc = prefill_all(ctx, m, &p, logits, V, &ps);
     ekv_model_stats pst; /* the prefill's (a fresh model's stats start at zero) */
     memset(&pst, 0, sizeof pst);
     ekv_model_get_stats(m, -1, &pst);
     /* a decode phase per method (--method, then --compare), each going on from the last; the
      * stats lines at the end, as run prints them */
-    double ds[9] = {0};
-    ekv_model_stats st[9];
+    double ds[MODEL_MAX_PHASES] = {0};
+    ekv_model_stats st[MODEL_MAX_PHASES];
     int ran = 0;
-    for (int ph = 0; ph < nphases && ph < 9 && !rc; ph++) {
+    for (int ph = 0; ph < nphases && ph < MODEL_MAX_PHASES && !rc; ph++) {
         if (ekv_model_set_method(m, phases[ph].method, phases[ph].budget)) {
             fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
             rc = 1;
