@@ -18,7 +18,9 @@
 #            prefill) and applies the method to the generated tokens (run --prefill-method)
 #   REWIND [0]: 1 = one run per prompt: a dense prefill, then every method of METHODS answers
 #            from the prompt's end (run --compare LIST --rewind): one prefill per prompt, not
-#            one per method (the way to run 1M-token prompts)
+#            one per method (the way to run 1M-token prompts); and one ppl run per context: a dense
+#            prefix, then every method of PPL_METHODS scores the same 512 predictions (ppl
+#            --prefill-method dense --compare LIST)
 #   PPL_CTX [8192,32768,131072,524288,1048576]   PPL_METHODS [METHODS] (ppl applies the method
 #            to every token: on cuda a non-dense method is O(N^2) reads, keep it to short contexts)
 #   PYTHON [python3] (needs numpy)
@@ -98,6 +100,39 @@ done
 
 maxctx=0
 for c in ${PPL_CTX//,/ }; do [ "$c" -gt "$maxctx" ] && maxctx=$c; done
+
+# the rows of one ppl JSON into the TSV: its own method (spec) and, with --compare, each phase's
+ppl_rows() { # JSON CTX SPEC [COMPARE_SPECS...]
+    "$PYTHON" - "$@" >>"$TSV" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); ctx = sys.argv[2]; specs = sys.argv[3:]
+rows = [j] + j.get("compare", [])
+for spec, r in zip(specs, rows):
+    kv = r.get("kv_fraction")
+    print("ppl\t%s\t%s\t%.6f\t%s" % (ctx, spec, r["ppl"], "n/a" if kv is None else "%.4f" % kv))
+PY
+}
+
+# REWIND=1: one ppl run per context, a dense prefix, then the 512 scored predictions with
+# dense and each other method of PPL_METHODS (ppl --prefill-method dense --compare LIST)
+if [ "$REWIND" = 1 ]; then
+    others="" specs=(dense)
+    for spec in $PPL_METHODS; do
+        [ "$spec" = dense ] && continue
+        others=${others:+$others,}$spec
+        specs+=("$spec")
+    done
+    for c in ${PPL_CTX//,/ }; do
+        json="$OUT/logs/ppl_${c}_rewind.json"
+        echo "== ppl ctx=$c rewind: dense${others:+,$others}" >&2
+        "$BIN" ppl --text "$TEXT" --ctx "$c" --windows 1 --offset $((maxctx - c)) --score-last 512 \
+            --backend "$BACKEND" --prefill-method dense --method dense ${others:+--compare "$others"} \
+            --json "$json" >"$OUT/logs/ppl_${c}_rewind.log" 2>&1 ||
+            { echo "long_context.sh: ppl ctx=$c failed" >&2; continue; }
+        ppl_rows "$json" "$c" "${specs[@]}"
+    done
+    PPL_METHODS="" # done: the per-method loop below has nothing left to run
+fi
 for c in ${PPL_CTX//,/ }; do
     for spec in $PPL_METHODS; do
         json="$OUT/logs/ppl_${c}_${spec//[:\/]/_}.json"
@@ -106,9 +141,7 @@ for c in ${PPL_CTX//,/ }; do
         "$BIN" ppl --text "$TEXT" --ctx "$c" --windows 1 --offset $((maxctx - c)) --score-last 512 \
             $(opts_of "$spec") --json "$json" >"$OUT/logs/ppl_${c}_${spec//[:\/]/_}.log" 2>&1 ||
             { echo "long_context.sh: ppl ctx=$c $spec failed" >&2; continue; }
-        "$PYTHON" -c 'import json, sys; j = json.load(open(sys.argv[1])); kv = j.get("kv_fraction")
-print("ppl\t%s\t%s\t%.6f\t%s" % (sys.argv[2], sys.argv[3], j["ppl"], "n/a" if kv is None else "%.4f" % kv))' \
-            "$json" "$c" "$spec" >>"$TSV"
+        ppl_rows "$json" "$c" "$spec"
     done
 done
 
