@@ -82,6 +82,8 @@ struct model_gpu {
     float *pf_m;       /* [H * chunk] the row's max M */
     double *pf_tau;    /* [H * chunk] tau - M */
     unsigned long long *pf_rows; /* [n_layers][2] rows retried, rows solved by Newton passes */
+    int32_t *pf_wlist;  /* [2][H * chunk] the rows of a retry or Newton pass, per KV head     */
+    int32_t *pf_wcount; /* [2][n_kv_heads] their counts                                      */
     cudaGraphExec_t graph;
     int graph_ready;
     int32_t graph_seq; /* the sequence the captured step advances */

@@ -19,8 +19,11 @@
  *   3. output (PF_OUT): p = [z - tau]_+^beta, sum p, P split into np parts of V's dtype
  *      (times pscale, as the GEMM path does) and o += P V on tensor cores; o / sum p into the
  *      [T][H][D] output.
- * The tau kernel is one block per row (solve_tau is block-wide); blocks and warps with no row
- * in the pass's state skip their work.
+ * The tau kernel is one block per row (solve_tau is block-wide). The passes after round 0
+ * (retries, Newton) work on a compact list of their rows per KV head, which the tau kernel
+ * appends to (wlist/wcount), 64 to a block: a pass costs sweeps for the rows that need it, not
+ * for every block that holds one of them (a block sweeps for its slowest row, and a few
+ * overflowing rows are spread over most blocks). Blocks past the list's count exit.
  */
 #include "model_gpu_prefill.cuh"
 #include "../cuda/mma_common.cuh"
@@ -48,6 +51,11 @@ struct fused_args : prefill_args {
     float *thr, *rowm;
     double *tau;
     unsigned long long *rows; /* this layer's [2]: rows retried, rows solved by Newton passes */
+    /* the pass's rows: NULL = every row of the block; else per KV head g, wcount_in[g] rows
+     * (their r in [0, R)) at wlist_in + g R; the tau kernel appends the rows it sends to the
+     * next pass to wlist_out / wcount_out */
+    const int32_t *wlist_in, *wcount_in;
+    int32_t *wlist_out, *wcount_out;
 };
 
 template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
@@ -67,13 +75,21 @@ struct pf_lane {
     bool on[2];
 };
 
+/* Row rr of the block (0 .. PF_ROWS - 1): its r in [0, R) of KV head blockIdx.y, or -1. */
+__device__ __forceinline__ int64_t block_row(const fused_args &A, int rr) {
+    const int64_t g = blockIdx.y, i = (int64_t)blockIdx.x * PF_ROWS + rr;
+    if (!A.wlist_in) return i < A.R ? i : -1;
+    return i < A.wcount_in[g] ? (int64_t)A.wlist_in[g * A.R + i] : -1;
+}
+
 __device__ __forceinline__ pf_lane lane_rows(const fused_args &A, int want) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS + warp * 16 + (lane >> 2);
+    const int64_t g = blockIdx.y;
     pf_lane L;
     for (int k = 0; k < 2; k++) {
-        const int64_t r = r0 + 8 * k;
-        const bool in = r < A.R;
+        const int64_t r0 = block_row(A, warp * 16 + (lane >> 2) + 8 * k);
+        const bool in = r0 >= 0;
+        const int64_t r = in ? r0 : 0;
         L.row[k] = in ? g * A.R + r : -1;
         L.t[k] = r / A.G;
         L.pos[k] = A.pos0 + L.t[k];
@@ -91,14 +107,15 @@ template <typename T, int D, int NP>
 __device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
                                              uint32_t (*qa)[D / 16][4]) {
     constexpr int CH = D / 8, P = mma_qpitch<D>();
-    const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS;
+    const int64_t g = blockIdx.y;
     const T *src = static_cast<const T *>(A.qparts);
     for (int i = threadIdx.x; i < NP * PF_ROWS * CH; i += PF_THREADS) {
         const int part = i / (PF_ROWS * CH), rr = i / CH % PF_ROWS, c = i % CH;
+        const int64_t r = block_row(A, rr);
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (r0 + rr < A.R)
+        if (r >= 0)
             v = *reinterpret_cast<const uint4 *>(src + part * A.Hk * A.R * A.D +
-                                                 (g * A.R + r0 + rr) * A.D + c * 8);
+                                                 (g * A.R + r) * A.D + c * 8);
         *reinterpret_cast<uint4 *>(qs + (part * PF_ROWS + rr) * P + c * 8) = v;
     }
     __syncthreads();
@@ -106,10 +123,23 @@ __device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
     __syncthreads(); /* the stages reuse qs */
 }
 
-/* The keys of the block's rows: [0, pos0 + t of its last row + 1). */
+/* The keys of the block's rows: [0, pos0 + t of its last row + 1); a listed block's rows are
+ * in the tau kernel's order, so the largest t is found by a block reduction (block-uniform:
+ * every thread calls it). */
 __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
-    const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
-    return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
+    if (!A.wlist_in) {
+        const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
+        return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
+    }
+    __shared__ int s_last;
+    if (threadIdx.x == 0) s_last = 0;
+    __syncthreads();
+    const int64_t r = threadIdx.x < PF_ROWS ? block_row(A, threadIdx.x) : -1;
+    if (r >= 0) atomicMax(&s_last, (int)(r / A.G));
+    __syncthreads();
+    const int64_t keys = A.pos0 + s_last + 1;
+    __syncthreads(); /* s_last is read before a later call resets it */
+    return keys;
 }
 
 /* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
@@ -395,6 +425,8 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
         if (A.round && A.thr[row] > thr) thr = A.thr[row];
         A.thr[row] = thr;
         A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
+        const int64_t g = row / A.R; /* the next pass's list of head g's rows */
+        A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
         if (!A.round) atomicAdd(A.rows, 1ull);
         if (A.last) atomicAdd(A.rows + 1, 1ull);
     }
@@ -453,14 +485,27 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
     GPU_TRY(g, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, g->stream));
     const ekv_dtype dt = L->kv.dtype;
+    /* the row lists, two in turn: round r's tau kernel writes list r % 2, which round r + 1's
+     * candidates pass (or, after the last round, the Newton pass) reads */
+    int32_t *list[2] = {g->pf_wlist, g->pf_wlist + rows};
+    int32_t *count[2] = {g->pf_wcount, g->pf_wcount + P.Hk};
     for (int round = 0; round < PF_ROUNDS; round++) {
         A.round = round;
         A.last = round == PF_ROUNDS - 1;
+        A.wlist_in = round ? list[(round - 1) % 2] : NULL; /* round 0: every row */
+        A.wcount_in = round ? count[(round - 1) % 2] : NULL;
+        A.wlist_out = list[round % 2];
+        A.wcount_out = count[round % 2];
         GPU_TRY(g, launch(dt, A, PF_CANDS, g->stream));
+        GPU_TRY(g, cudaMemsetAsync(A.wcount_out, 0, (size_t)P.Hk * 4, g->stream));
         fused_tau_kernel<<<(unsigned)rows, PF_TAU_THREADS, (size_t)A.cap * 4, g->stream>>>(A);
         GPU_LAUNCHED(g);
     }
+    A.wlist_in = list[(PF_ROUNDS - 1) % 2];
+    A.wcount_in = count[(PF_ROUNDS - 1) % 2];
     GPU_TRY(g, launch(dt, A, PF_NEWTON, g->stream));
+    A.wlist_in = NULL; /* the output: every row */
+    A.wcount_in = NULL;
     GPU_TRY(g, launch(dt, A, PF_OUT, g->stream));
     return EKV_OK;
 }
