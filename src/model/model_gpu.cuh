@@ -76,6 +76,7 @@ struct model_gpu {
     int fused;
     int32_t cand_cap;  /* candidates kept per row (EKV_PREFILL_CANDS, docs/architecture.md) */
     float *pf_cand;    /* [H * chunk][cand_cap] */
+    int64_t *pf_cidx;  /* [H * chunk][cand_cap] the candidates' key positions */
     int32_t *pf_count; /* [H * chunk] candidates found (may exceed cand_cap) */
     int32_t *pf_state; /* [H * chunk] where the row's tau stands (model_gpu_prefill_fused.cu) */
     float *pf_thr;     /* [H * chunk] the row's candidate threshold (a lower bound of tau) */

@@ -8,7 +8,7 @@
  * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
  * by one block, so everything about a row is decided inside one block:
  *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
- *      every z > m - 1 appended to the row's buffer (cand_cap kept): a superset of the
+ *      every z > m - 1 appended to the row's buffer (cand_cap kept, with its key): a superset of the
  *      candidates z > M - 1 (§0), M among them. fused_tau_kernel then solves tau on them
  *      (tau_solve.cuh); a row with more than cand_cap takes the threshold of the kept ones, a
  *      lower bound on tau (§9.1), as its next threshold and runs the pass again (rounds
@@ -16,9 +16,12 @@
  *   2. a row still over after PF_ROUNDS (PF_NEWTON): its exact max by one more sweep, then
  *      the solver's own iteration (tau_step) from that lower bound, each step's sums over the
  *      row's keys by a sweep: exact without any buffer;
- *   3. output (PF_OUT): p = [z - tau]_+^beta, sum p, P split into np parts of V's dtype
- *      (times pscale, as the GEMM path does) and o += P V on tensor cores; o / sum p into the
- *      [T][H][D] output.
+ *   3. output of a row solved from its candidates (gather_out_kernel): they hold its support,
+ *      so o = sum p v / sum p over them, p = [z - tau]_+^beta, reads only the support's V rows
+ *      (tens of keys where the prefix has up to a million): no second sweep;
+ *   4. output of a row solved by Newton passes (PF_OUT, its list): a sweep, p as above, P split
+ *      into np parts of V's dtype (times pscale, as the GEMM path does) and o += P V on tensor
+ *      cores; o / sum p. Both write the [T][H][D] output.
  * The tau kernel is one block per row (solve_tau is block-wide). The passes after round 0
  * (retries, Newton) work on a compact list of their rows per KV head, which the tau kernel
  * appends to (wlist/wcount), 64 to a block: a pass costs sweeps for the rows that need it, not
@@ -39,14 +42,17 @@ enum {
     PF_TAU_THREADS = 256
 };
 enum { PF_CANDS, PF_NEWTON, PF_OUT };
-/* where a row's tau stands */
-enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3 };
+enum { PF_GATHER_THREADS = 256 }; /* a warp per row */
+/* where a row's tau stands: solved from its candidates (its output gathered) or by Newton
+ * passes (its output swept) */
+enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3, ROW_SOLVED_NEWTON = 4 };
 
 struct fused_args : prefill_args {
     const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
     int64_t kstride;   /* elements between tokens: Hk * D */
     int cap, round, last;
     float *cand;
+    int64_t *cidx; /* the candidates' key positions (gather_out_kernel reads their V rows) */
     int32_t *count, *state;
     float *thr, *rowm;
     double *tau;
@@ -238,7 +244,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
     for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
     int bad = 0;
-    auto use = [&](int64_t, float(*s)[4], const unsigned char *) {
+    auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
         if (!A.round) {
             float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
@@ -257,7 +263,10 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
                 const int k = i >> 1;
                 if (L.on[k] && s[n8][i] > thr[k]) {
                     const int at = atomicAdd(cnt + base + 8 * k, 1);
-                    if (at < A.cap) A.cand[L.row[k] * A.cap + at] = s[n8][i];
+                    if (at < A.cap) { /* the key: tile_z's layout */
+                        A.cand[L.row[k] * A.cap + at] = s[n8][i];
+                        A.cidx[L.row[k] * A.cap + at] = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
+                    }
                 }
             }
     };
@@ -331,11 +340,12 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
             if (L.on[k]) {
                 A.rowm[L.row[k]] = m[k];
                 A.tau[L.row[k]] = it[k].t;
-                A.state[L.row[k]] = ROW_SOLVED;
+                A.state[L.row[k]] = ROW_SOLVED_NEWTON;
             }
 }
 
-/* Step 3: o = sum p v over the prefix, divided by sum p, into att [T][H][D]. */
+/* Step 4, the rows solved by Newton passes: o = sum p v over the prefix, divided by sum p,
+ * into att [T][H][D]. */
 template <typename T, int D, int NP>
 __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                          unsigned char *stages) {
@@ -378,7 +388,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
 template <typename T, int D, int NP, int MODE>
 __global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int want = MODE == PF_OUT      ? -1
+    const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
                      : MODE == PF_NEWTON ? ROW_NEWTON
                      : A.round           ? ROW_RETRY
                                          : ROW_FRESH;
@@ -432,6 +442,62 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
     }
 }
 
+/* Step 3, a warp per row solved from its candidates (ROW_SOLVED): the kept list holds every
+ * z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above a lower
+ * bound of tau), so o = sum p v / sum p over it reads only the support's V rows. Each support
+ * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements); p in fp32, not
+ * split into parts as the sweep's tensor cores need. Warp-uniform exits. */
+template <typename T, int D>
+__global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
+    constexpr int NPAIR = D / 64;
+    typedef typename ekv_pair_of<T>::type T2;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_GATHER_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= A.Hk * A.R || A.state[row] != ROW_SOLVED) return;
+    const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
+    const double tau = (double)A.rowm[row] + A.tau[row], beta = 1.0 / (A.alpha - 1.0);
+    const int64_t n = A.count[row]; /* <= cap: the tau kernel solved over all of them */
+    const float *cz = A.cand + row * A.cap;
+    const int64_t *ck = A.cidx + row * A.cap;
+    const T *V = static_cast<const T *>(A.v) + g * A.D;
+    float o[2 * NPAIR];
+#pragma unroll
+    for (int c = 0; c < 2 * NPAIR; c++) o[c] = 0.f;
+    double sum = 0;
+    for (int64_t base = 0; base < n; base += 32) {
+        const int64_t i = base + lane;
+        const float p = i < n ? entmax_p(cz[i], tau, beta) : 0.f;
+        const int64_t key = p > 0.f ? ck[i] : 0;
+        sum += p;
+        for (unsigned m = __ballot_sync(0xffffffffu, p > 0.f); m; m &= m - 1) {
+            const int src = __ffs(m) - 1;
+            const float pk = __shfl_sync(0xffffffffu, p, src);
+            const T *vr = V + __shfl_sync(0xffffffffu, key, src) * A.kstride;
+#pragma unroll
+            for (int c = 0; c < NPAIR; c++) {
+                const float2 v = ekv_pair_f32(*reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane));
+                o[2 * c] = fmaf(pk, v.x, o[2 * c]);
+                o[2 * c + 1] = fmaf(pk, v.y, o[2 * c + 1]);
+            }
+        }
+    }
+    const float f = (float)(1.0 / ekv_warp_sum(sum));
+    float *dst = A.att + (t * A.H + h) * A.D;
+#pragma unroll
+    for (int c = 0; c < NPAIR; c++)
+        *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) = make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+}
+
+template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
+    constexpr int per = PF_GATHER_THREADS / 32;
+    const unsigned blocks = (unsigned)((A.Hk * A.R + per - 1) / per);
+    if (A.D == 64)
+        gather_out_kernel<T, 64><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+    else
+        gather_out_kernel<T, 128><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+    return cudaGetLastError();
+}
+
 template <typename T, int D, int NP, int MODE>
 cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
     constexpr auto kernel = fused_kernel<T, D, NP, MODE>;
@@ -475,6 +541,7 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     A.kstride = P.Hk * P.D;
     A.cap = g->cand_cap;
     A.cand = g->pf_cand;
+    A.cidx = g->pf_cidx;
     A.count = g->pf_count;
     A.state = g->pf_state;
     A.thr = g->pf_thr;
@@ -501,11 +568,13 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
         fused_tau_kernel<<<(unsigned)rows, PF_TAU_THREADS, (size_t)A.cap * 4, g->stream>>>(A);
         GPU_LAUNCHED(g);
     }
+    /* the rows left after the last round: their Newton passes, then their output by a sweep
+     * (the same list); every other row's output from its candidates */
     A.wlist_in = list[(PF_ROUNDS - 1) % 2];
     A.wcount_in = count[(PF_ROUNDS - 1) % 2];
     GPU_TRY(g, launch(dt, A, PF_NEWTON, g->stream));
-    A.wlist_in = NULL; /* the output: every row */
-    A.wcount_in = NULL;
     GPU_TRY(g, launch(dt, A, PF_OUT, g->stream));
+    GPU_TRY(g, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, g->stream)
+                                   : launch_gather<__nv_bfloat16>(A, g->stream));
     return EKV_OK;
 }
