@@ -22,7 +22,7 @@
  *   4. output of a row solved by Newton passes (PF_OUT, its list): a sweep, p as above, P split
  *      into np parts of V's dtype (times pscale, as the GEMM path does) and o += P V on tensor
  *      cores; o / sum p. Both write the [T][H][D] output.
- * The tau kernel is one block per row (solve_tau is block-wide). The passes after round 0
+ * The tau kernel is a warp per row (solve_tau<true>). The passes after round 0
  * (retries, Newton) work on a compact list of their rows per KV head, which the tau kernel
  * appends to (wlist/wcount), 64 to a block: a pass costs sweeps for the rows that need it, not
  * for every block that holds one of them (a block sweeps for its slowest row, and a few
@@ -39,7 +39,8 @@ enum {
     PF_ROWS = 16 * PF_NW, /* query rows of a block */
     PF_KEYS = 64,         /* keys of a tile */
     PF_ROUNDS = 3,        /* candidate rounds before a row takes Newton passes */
-    PF_TAU_THREADS = 256
+    PF_TAU_THREADS = 256, /* 8 rows of the tau kernel, a warp each */
+    PF_TAU_STAGE = 1024   /* candidates a warp of the tau kernel stages in shared memory */
 };
 enum { PF_CANDS, PF_NEWTON, PF_OUT };
 enum { PF_GATHER_THREADS = 256 }; /* a warp per row */
@@ -404,33 +405,38 @@ __global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
     if (MODE == PF_OUT) pass_out<T, D, NP>(A, L, qa, smem_raw);
 }
 
-/* Block (row): tau of a row in the round's state from its candidates (docs/math.md §12): all
- * kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding, rounded
- * down to fp32) becomes the row's next threshold, and after the last round the row takes
- * Newton passes. */
+/* A warp per row: tau of a row in the round's state from its candidates (docs/math.md §12):
+ * all kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding,
+ * rounded down to fp32) becomes the row's next threshold, and after the last round the row
+ * takes Newton passes. A warp, not a block: a row has at most cap (4096) candidates, and a
+ * block per row spent its time in barriers (ncu: as long as a sweep). The candidates are staged
+ * in the warp's shared memory when they fit, else read from the buffer. Warp-uniform exits. */
 __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A) {
-    __shared__ double scratch[128];
-    __shared__ float fscratch[32];
-    extern __shared__ float cs[]; /* cap */
-    const int64_t row = blockIdx.x;
-    if (A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
+    __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
+    if (row >= A.Hk * A.R || A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
     const int64_t n = A.count[row], kept = n < A.cap ? n : A.cap;
-    for (int64_t j = threadIdx.x; j < kept; j += blockDim.x) cs[j] = A.cand[row * A.cap + j];
-    __syncthreads();
+    const float *cs = A.cand + row * A.cap;
+    if (kept <= PF_TAU_STAGE) {
+        for (int64_t j = lane; j < kept; j += 32) stage[warp][j] = cs[j];
+        __syncwarp();
+        cs = stage[warp];
+    }
     if (n <= A.cap) { /* every candidate, the row's max among them */
         float M = -CUDART_INF_F;
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) M = fmaxf(M, cs[j]);
-        M = ekv_block_max(M, fscratch, -CUDART_INF_F);
-        const double t = solve_tau(cs, n, M, A.alpha, scratch);
-        if (threadIdx.x == 0) {
+        for (int64_t j = lane; j < n; j += 32) M = fmaxf(M, cs[j]);
+        M = ekv_warp_max(M);
+        const double t = solve_tau<true>(cs, n, M, A.alpha, NULL);
+        if (lane == 0) {
             A.rowm[row] = M;
             A.tau[row] = t;
             A.state[row] = ROW_SOLVED;
         }
         return;
     }
-    const double lb = subset_threshold(cs, kept, A.alpha, scratch, fscratch) - 1e-6;
-    if (threadIdx.x == 0) {
+    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL) - 1e-6;
+    if (lane == 0) {
         float thr = __double2float_rd(lb);
         if (A.round && A.thr[row] > thr) thr = A.thr[row];
         A.thr[row] = thr;
@@ -565,7 +571,8 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
         A.wcount_out = count[round % 2];
         GPU_TRY(g, launch(dt, A, PF_CANDS, g->stream));
         GPU_TRY(g, cudaMemsetAsync(A.wcount_out, 0, (size_t)P.Hk * 4, g->stream));
-        fused_tau_kernel<<<(unsigned)rows, PF_TAU_THREADS, (size_t)A.cap * 4, g->stream>>>(A);
+        fused_tau_kernel<<<(unsigned)((rows + PF_TAU_THREADS / 32 - 1) / (PF_TAU_THREADS / 32)),
+                           PF_TAU_THREADS, 0, g->stream>>>(A);
         GPU_LAUNCHED(g);
     }
     /* the rows left after the last round: their Newton passes, then their output by a sweep
