@@ -11,7 +11,8 @@
  * split (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
  * again gives the first run's logits; the host mirror of a layer cache and the last queries
  * match the CPU's; batched decode of sequences of different lengths (ekv_model_batch_step)
- * matches each sequence run alone on the CPU; gaussian is refused (ALiBi); the fused dense
+ * matches each sequence run alone on the CPU; gaussian runs (the ALiBi mixture on the GPU), oracle
+ * is refused; the fused dense
  * prefill against the GEMM path and the CPU (check_fused). Exit 77 when no CUDA device is
  * present.
  */
