@@ -24,8 +24,9 @@
 #   PPL_CTX [8192,32768,131072,524288,1048576]   PPL_METHODS [METHODS] (ppl applies the method
 #            to every token: on cuda a non-dense method is O(N^2) reads, keep it to short contexts)
 #   PYTHON [python3] (needs numpy)
-# Writes OUTDIR/long_context.tsv (task, length, method, correct or ppl, total or kv_fraction)
-# and every command's output under OUTDIR/logs/.
+# Writes OUTDIR/long_context.tsv (task, length, method, correct or ppl, total or kv_fraction),
+# with REWIND=1 OUTDIR/decode_rates.tsv (each method's decode tokens/s at each length, the mean
+# over the prompts' 5 answer tokens) and every command's output under OUTDIR/logs/.
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help) usage; exit 0 ;; "") usage >&2; exit 2 ;; esac
 set -u
@@ -40,8 +41,9 @@ PYTHON=${PYTHON:-python3}
 [ -x "$BIN" ] || { echo "long_context.sh: $BIN is not built" >&2; exit 1; }
 [ -s "$TEXT" ] || { echo "long_context.sh: no text $TEXT (train/get_data.sh makes it)" >&2; exit 1; }
 mkdir -p "$OUT/logs" || exit 1
-TSV="$OUT/long_context.tsv"
+TSV="$OUT/long_context.tsv" RATES="$OUT/decode_rates.tsv"
 printf 'task\tlength\tmethod\tvalue\tof\n' >"$TSV"
+printf 'task\tlength\tmethod\tdecode_tokens_per_s\tprompts\n' >"$RATES"
 
 # options of a METHODS entry (method[:budget]); with a second argument, run's prefill rule too
 opts_of() {
@@ -78,6 +80,12 @@ rewind_task() { # TASK L
     while read -r phase score; do
         printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "${specs[phase]}" "${score%/*}" "${score#*/}" >>"$TSV"
     done < <(awk '/^passkey L=/ { p = 0; if ($3 ~ /^phase=/) { p = $3; sub(/phase=/, "", p) }; print p, $NF }' "$log")
+    # each method's decode rate at this length, the mean over the prompts (5 tokens each)
+    while read -r phase rate n; do
+        printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "${specs[phase]}" "$rate" "$n" >>"$RATES"
+    done < <(awk 'match($0, / phase=[0-9]+ /) { p = substr($0, RSTART + 7, RLENGTH - 8)
+                  if (match($0, / tokens_per_s=[0-9.]+ /)) { s[p] += substr($0, RSTART + 14, RLENGTH - 15); c[p]++ } }
+             END { for (p in s) printf "%d %.2f %d\n", p, s[p] / c[p], c[p] }' "$log" | sort -n)
 }
 
 for task in passkey multikey; do
@@ -155,3 +163,5 @@ awk -F'\t' 'NR > 1 { m = $3; sub(/:.*/, "", m); key = $1 "\t" $2
                 bad++; print "exact method differs from dense: " k " " x[k] " vs " d[dk] } }
         printf "exact methods equal dense in %d of %d comparisons\n", n - bad, n }' "$TSV"
 column -t -s $'\t' "$TSV" 2>/dev/null || cat "$TSV"
+[ "$REWIND" = 1 ] && { column -t -s $'\t' "$RATES" 2>/dev/null || cat "$RATES"; }
+exit 0

@@ -249,7 +249,7 @@ int model_phases_opt(const char *sub, int argc, char **argv, int *i, model_phase
  * mo->method = the --prefill-method (the model loads with the method it runs first). */
 void model_phases_finish(model_phases *p, model_opts *mo);
 /* Whether the loaded model takes every phase's method (ekv_model_set_method refuses e.g.
- * gaussian on cuda), asked before the first token so that a refusal does not come after a long
+ * oracle on cuda), asked before the first token so that a refusal does not come after a long
  * prefill; leaves the model with mo->method, the one it loaded with. Prints why not and
  * returns 1. */
 int model_check_phases(const char *sub, ekv_context *ctx, ekv_model *m, const model_phase *list,
