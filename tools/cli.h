@@ -248,6 +248,9 @@ int model_phases_opt(const char *sub, int argc, char **argv, int *i, model_phase
  * of their own, mo->codes when any method needs key codes (the caches are made at load), and
  * mo->method = the --prefill-method (the model loads with the method it runs first). */
 void model_phases_finish(model_phases *p, model_opts *mo);
+/* Switches the model to phase ph's method and budget (ekv_model_set_method); prints why not
+ * and returns 1. */
+int model_set_phase(const char *sub, ekv_context *ctx, ekv_model *m, model_phase ph);
 /* Whether the loaded model takes every phase's method (ekv_model_set_method refuses e.g.
  * oracle on cuda), asked before the first token so that a refusal does not come after a long
  * prefill; leaves the model with mo->method, the one it loaded with. Prints why not and

@@ -379,15 +379,17 @@ void model_phases_finish(model_phases *p, model_opts *mo) {
     if (p->prefill_set) mo->method = p->prefill; /* its codes: model_code_bits */
 }
 
+int model_set_phase(const char *sub, ekv_context *ctx, ekv_model *m, model_phase ph) {
+    if (!ekv_model_set_method(m, ph.method, ph.budget)) return 0;
+    fprintf(stderr, "entmaxkv %s: %s\n", sub, ekv_last_error(ctx));
+    return 1;
+}
+
 int model_check_phases(const char *sub, ekv_context *ctx, ekv_model *m, const model_phase *list,
                        int n, const model_opts *mo) {
-    for (int k = 0; k <= n; k++) { /* k = n: back to the method the model loaded with */
-        const model_phase ph = k < n ? list[k] : (model_phase){mo->method, mo->budget};
-        if (ekv_model_set_method(m, ph.method, ph.budget)) {
-            fprintf(stderr, "entmaxkv %s: %s\n", sub, ekv_last_error(ctx));
+    for (int k = 0; k <= n; k++) /* k = n: back to the method the model loaded with */
+        if (model_set_phase(sub, ctx, m, k < n ? list[k] : (model_phase){mo->method, mo->budget}))
             return 1;
-        }
-    }
     return 0;
 }
 

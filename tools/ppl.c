@@ -167,19 +167,14 @@ typedef struct {
     ekv_model *m;
 } ppl_window_in;
 
-static int set_method(const ppl_window_in *in, ekv_select_method method, double budget) {
-    if (!ekv_model_set_method(in->m, method, budget)) return 0;
-    fprintf(stderr, "entmaxkv ppl: %s\n", ekv_last_error(in->ctx));
-    return 1;
-}
-
 /* The window's prefix [0, pre) with the prefix's method (mo.method), unscored; its tokens and
  * statistics count for phase 0. Returns model_feed's 0, 1 or 2. */
 static int feed_prefix(const ppl_opts *o, const ppl_window_in *in, ppl_result *r) {
     char what[96];
     snprintf(what, sizeof what, "window %lld/%lld prefix", (long long)(in->w + 1),
              (long long)r->nwin);
-    if (set_method(in, o->mo.method, o->mo.budget)) return 1;
+    if (model_set_phase("ppl", in->ctx, in->m, (model_phase){o->mo.method, o->mo.budget}))
+        return 1;
     int64_t ran = 0;
     const int fed =
             model_feed("ppl", what, in->ctx, in->m, in->tok, in->pre, in->pre, NULL, NULL, &ran);
@@ -198,7 +193,7 @@ static int feed_tail(const ppl_opts *o, const ppl_window_in *in, int p, ppl_resu
     model_method_label(lab, sizeof lab, mp->method, mp->budget);
     snprintf(what, sizeof what, "window %lld/%lld%s%s", (long long)(in->w + 1), (long long)r->nwin,
              in->split ? " " : "", in->split ? lab : "");
-    if (in->split && set_method(in, mp->method, mp->budget)) return 1;
+    if (in->split && model_set_phase("ppl", in->ctx, in->m, *mp)) return 1;
     nll_acc acc = {
             in->tok, ekv_model_get_config(in->m)->vocab, in->first, o->ctxlen - 1, in->pre, 0, 0};
     const double t0 = cli_now_seconds();

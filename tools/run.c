@@ -182,10 +182,7 @@ static int rewind_to_prompt(const run_opts *o, ekv_context *ctx, ekv_model *m, i
 static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *m, float *logits,
                         cli_rng *rng, phase *p) {
     const int64_t V = ekv_model_get_config(m)->vocab;
-    if (ekv_model_set_method(m, o->ph.list[ph].method, o->ph.list[ph].budget)) {
-        fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
-        return 1;
-    }
+    if (model_set_phase("run", ctx, m, o->ph.list[ph])) return 1;
     if (ph > 0 && !o->quiet) {
         char lab[64];
         model_method_label(lab, sizeof lab, o->ph.list[ph].method, o->ph.list[ph].budget);

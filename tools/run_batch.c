@@ -154,11 +154,7 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
     ekv_model_stats st[MODEL_MAX_PHASES];
     int ran = 0;
     for (int ph = 0; ph < nphases && ph < MODEL_MAX_PHASES && !rc; ph++) {
-        if (ekv_model_set_method(m, phases[ph].method, phases[ph].budget)) {
-            fprintf(stderr, "entmaxkv run: %s\n", ekv_last_error(ctx));
-            rc = 1;
-            break;
-        }
+        if ((rc = model_set_phase("run", ctx, m, phases[ph]))) break;
         ekv_model_reset_stats(m);
         rc = decode_all(ctx, m, p.n, n, temp, seed, logits, V, gen, &ds[ph]);
         ekv_model_get_stats(m, -1, &st[ph]);

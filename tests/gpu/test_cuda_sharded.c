@@ -289,6 +289,19 @@ static ekv_cuda_sharded_params sharded_params(const workload *w, int S, int tran
     return p;
 }
 
+/* A local-transport plan of S shards (rounds: fixed tau rounds, 0 until converged) and its
+ * inputs over the shards' mirrors; NULL (a failed check) when the plan is refused. */
+static ekv_cuda_sharded_plan *local_open(ekv_context *ctx, const workload *w, int S, int rounds,
+                                         mirror *const *ms, float *const *dqs,
+                                         const int32_t *dev, int64_t B, shard_inputs *in) {
+    ekv_cuda_sharded_params p = sharded_params(w, S, EKV_TRANSPORT_LOCAL, rounds);
+    ekv_cuda_sharded_plan *sp = NULL;
+    CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "sharded plan: %s",
+          ekv_last_error(ctx));
+    if (sp) inputs_make(in, S, ms, dqs, dev, B * w->H * w->c.D);
+    return sp;
+}
+
 /* A captured fixed-round step replays to the eager output (local transport, its own stream). */
 static void graph_check_sel(ekv_context *ctx, const workload *w, shard_inputs *in,
                             const ekv_select_params *sel, const result *eager) {
@@ -358,14 +371,10 @@ static void local_case(ekv_context *ctx, test_rng *r, int ci, double *worst, int
     for (int mi = 0; mi < nm; mi++) {
         ref_step(ctx, &w, &m, dq, methods[mi], &g_ref);
         for (int S = 1; S <= MAXS; S++) {
-            const int rounds = (ci + S) % 3 == 0 ? 32 : 0;
-            ekv_cuda_sharded_params p = sharded_params(&w, S, EKV_TRANSPORT_LOCAL, rounds);
-            ekv_cuda_sharded_plan *sp = NULL;
-            CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "sharded plan: %s",
-                  ekv_last_error(ctx));
-            if (!sp) continue;
             shard_inputs in;
-            inputs_make(&in, S, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
+            ekv_cuda_sharded_plan *sp =
+                    local_open(ctx, &w, S, (ci + S) % 3 == 0 ? 32 : 0, ms, dqs, dev, B, &in);
+            if (!sp) continue;
             ekv_cuda_sharded_report sr;
             sharded_step(ctx, sp, &w, &in, methods[mi], &g_got, &sr);
             const double e = compare(&w, S, &g_got, &g_ref, "local", ci, methods[mi]);
@@ -722,14 +731,10 @@ static void listed_case(ekv_context *ctx, test_rng *r, int lci, double *worst, i
     lists_read(ctx, one, &w, w.max_pages, &ref);
     ekv_cuda_plan_free(one);
     for (int S = 1; S <= MAXS; S++) {
-        const int rounds = (lci + S) % 2 == 0 ? 32 : 0;
-        ekv_cuda_sharded_params p = sharded_params(&w, S, EKV_TRANSPORT_LOCAL, rounds);
-        ekv_cuda_sharded_plan *sp = NULL;
-        CHECK(ekv_cuda_sharded_create(ctx, &p, &sp) == EKV_OK, "sharded plan: %s",
-              ekv_last_error(ctx));
-        if (!sp) continue;
         shard_inputs in;
-        inputs_make(&in, S, ms, dqs, dev, (int64_t)B * w.H * w.c.D);
+        ekv_cuda_sharded_plan *sp =
+                local_open(ctx, &w, S, (lci + S) % 2 == 0 ? 32 : 0, ms, dqs, dev, B, &in);
+        if (!sp) continue;
         ekv_cuda_sharded_report sr;
         sharded_step_sel(ctx, sp, &w, &in, &sel, &g_got, &sr);
         const int64_t empty = compare_lists(ctx, sp, &w, &m, S, &ref, lci, lc->method);
