@@ -104,8 +104,9 @@ typedef struct ekv_cuda_report {
                               /* pages_round2 of each row are valid)                          */
     int64_t lists_round2;     /* output: lists that needed round 2                            */
     int64_t slow_rows;        /* output: query heads whose tau candidates (z >= max - 1)      */
-                              /* overflowed the plan's list since the last report, so tau was */
-                              /* solved over the whole score row (exact, slower)              */
+                              /* overflowed the plan's list since the last report, and so did */
+                              /* the scores above the kept ones' threshold, so tau was solved */
+                              /* over the whole score row (exact, slower)                     */
     int32_t launches;         /* output: kernel launches of the last step                     */
     int64_t survivors;        /* output, screened: (token, query head) pairs the screen kept  */
     int32_t softmax_one_pass; /* output: the last step was softmax in one pass over K and V */
@@ -118,6 +119,10 @@ typedef struct ekv_cuda_report {
                                /* read, their superpage's bound standing in (tau_lb or     */
                                /* certified's round 0, docs/math.md §9.6)                  */
     int64_t superpage_boxes;   /* output: (superpage, KV head) boxes it read to decide      */
+    int64_t compacted_rows;    /* output: query heads whose candidates overflowed the list  */
+                               /* since the last report but whose scores above the kept     */
+                               /* ones' threshold fit it: one more pass over the score row  */
+                               /* (docs/architecture.md, "Backends") */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);

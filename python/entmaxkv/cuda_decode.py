@@ -93,7 +93,7 @@ class CudaStep:
         check(lib.ekv_cuda_read_report(self.plan, B, ctypes.byref(rep)), self._ctx)
         return dict(tau=tau, support=sup, pages_round1=r1, pages_round2=r2, v_rows=vrows,
                     lists_round2=rep.lists_round2, slow_rows=rep.slow_rows,
-                    launches=rep.launches, survivors=rep.survivors,
+                    compacted_rows=rep.compacted_rows, launches=rep.launches, survivors=rep.survivors,
                     softmax_one_pass=bool(rep.softmax_one_pass))
 
     def free(self):

@@ -131,7 +131,7 @@ class DecodeWrapper:
         """What the last run() did (None before the first): on the CPU, tau and support
         [batch, num_heads], bytes_k, bytes_v, bytes_summary, survivors and kv_fraction; on
         CUDA, tau, support, pages_round1/pages_round2 and v_rows [batch, num_kv_heads],
-        lists_round2, slow_rows, launches, survivors, softmax_one_pass, read from the device
+        lists_round2, slow_rows, compacted_rows, launches, survivors, softmax_one_pass, read from the device
         at each access (ekv_cuda_read_report: it synchronises the
         stream, so not inside a graph capture)."""
         if self._cuda is not None:  # read each time: a graph replay runs no Python

@@ -100,8 +100,8 @@ struct tau_args : ekv_cuda_shape {
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores, *split_max;
-    const float *cand_z;
-    const int64_t *cand_slot;
+    float *cand_z; /* an overflowed head's list is rewritten (compact_above_kept) */
+    int64_t *cand_slot;
     const int32_t *cand_count;
     double *tau;
     int64_t *support;
@@ -117,14 +117,64 @@ struct tau_args : ekv_cuda_shape {
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
+/* flags of a head (ekv_cuda_report): tau from the whole score row; from the compacted list */
+enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
+
+/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
+ * tokens): the kept ccap candidates are a subset of the row, so their threshold is a lower
+ * bound on tau (docs/math.md §9.1), and one pass over the score row z[0, n) lists the scores
+ * above it in the list's place. They hold the support and the max, so tau over them is exact
+ * (as over the z >= M - 1 candidates; docs/architecture.md, "Backends"). Returns their count: above ccap they did not fit and the
+ * caller takes the whole row. Block-wide, one pass instead of the solver's every iteration
+ * scanning the row with one block. */
+__device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const float *z, int64_t n,
+                                      double *scratch, float *fscratch,
+                                      unsigned long long *s_n) {
+    float *cz = A.cand_z + row * A.ccap;
+    int64_t *cs = A.cand_slot + row * A.ccap;
+    const double lb = subset_threshold(cz, A.ccap, A.alpha, scratch, fscratch);
+    /* less a margin for the solve's rounding, rounded down to the scores' fp32 */
+    const float thr = __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
+    if (threadIdx.x == 0) *s_n = 0;
+    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    const int lane = threadIdx.x & 31;
+    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
+    /* warp-uniform trip count (the ballots); TAU_UNROLL coalesced loads in flight per lane */
+    for (int64_t base = (int64_t)(threadIdx.x & ~31) * TAU_UNROLL; base < n; base += step) {
+        float x[TAU_UNROLL];
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + 32 * k + lane;
+            x[k] = i < n ? z[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const bool in = x[k] > thr;
+            const unsigned m = __ballot_sync(0xffffffffu, in);
+            if (!m) continue;
+            unsigned long long at = 0;
+            if (lane == __ffs(m) - 1) at = atomicAdd(s_n, (unsigned long long)__popc(m));
+            at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
+            if (in && at < (unsigned long long)A.ccap) {
+                cz[at] = x[k];
+                cs[at] = base + 32 * k + lane;
+            }
+        }
+    }
+    __syncthreads();
+    return (int64_t)*s_n;
+}
 
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
- * list. A head whose candidates overflowed the list takes the whole score row instead. */
+ * list. A head whose candidates overflowed the list has it rebuilt from the scores above the
+ * kept ones' threshold (compact_above_kept); only when those overflow too does it take the
+ * whole score row. */
 __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     __shared__ float cand[TAU_SMEM_CAND];
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
+    __shared__ unsigned long long s_ncomp;
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -136,11 +186,17 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
-    const int64_t nc = A.cand_count[row];
-    const bool overflow = nc > A.ccap;
+    int64_t nc = A.cand_count[row];
+    if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
+        nc = compact_above_kept(A, row, A.scores + row * A.cap_tokens, ntok, scratch, fscratch,
+                                &s_ncomp);
+        if (threadIdx.x == 0)
+            atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
+    }
+    const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
     int64_t nv;
-    if (!overflow) {
+    if (!whole_row) {
         const float *cz = A.cand_z + row * A.ccap;
         if (nc <= TAU_SMEM_CAND) {
             for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
@@ -149,10 +205,9 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         } else
             v = cz;
         nv = nc;
-    } else { /* flat attention: more candidates than the list holds */
+    } else {
         v = A.scores + row * A.cap_tokens;
         nv = ntok;
-        if (threadIdx.x == 0) atomicOr(&A.flags[row], 1);
     }
     const double t = solve_tau(v, nv, M, A.alpha, scratch);
     const double tau = (double)M + t;
@@ -167,7 +222,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         const bool in = i < nv && (double)v[i] - (double)M > t;
         c += in;
         if (!final_round) continue;
-        const int64_t slot = !in ? 0 : overflow ? i : A.cand_slot[row * A.ccap + i];
+        const int64_t slot = !in ? 0 : whole_row ? i : A.cand_slot[row * A.ccap + i];
         if (mark) {
             if (in) atomicOr(A.ubits + lrow * A.cap_words + slot / 32, 1u << (slot % 32));
             continue;

@@ -4,9 +4,9 @@
  * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for some query head of the group.
  *   moments: one warp per (page, KV head): mu_p = <q', kmean_p>, sigma_p^2 =
  *            sum_d q'_d^2 max(M2_pd / n_p, 1e-12), in fp32 like the CPU, per group head;
- *   stats:   one block per (sequence, KV head): the mixture's global moments by block
+ *   stats:   one block per (sequence, query head): the mixture's global moments by block
  *            reductions, tau-hat from the single-Gaussian solver (src/math/gaussian_core.h,
- *            the CPU's own code), per query head;
+ *            the CPU's own code);
  *   rule:    one block per (sequence, KV head), or per query head with per_query_head: the
  *            margin (the user's, or with auto_margin from the batch's sigma-bar, §4.5), a
  *            threshold and an ordered compaction.
@@ -185,23 +185,22 @@ __device__ void store_gstat(const gr_args &A, int64_t bh, const double *sums, do
     A.gstat[bh * 3 + 2] = uavg;
 }
 
-/* tau-hat, sigma_g and u_avg of every head of the list (one block per list): the mixture's
+/* tau-hat, sigma_g and u_avg of query head bh = blockIdx.x (one block per head: the heads are
+ * independent, and a block per list walked its G heads' pages in turn, latency-bound at long
+ * context, where the ALiBi mixture's solve sweeps every page per iteration): the mixture's
  * global moments by block reductions, tau-hat from the single-Gaussian solver or, with ALiBi,
  * the mixture's (src/math/gaussian_core.h, the CPU's own code). */
 __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
     __shared__ double scratch[32];
-    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t bh = blockIdx.x, b = bh / A.H, h = bh % A.H;
+    const ekv_seq_geom sg = ekv_seq(A.t, (int)b, A.ps);
     const int64_t P = sg.P, Ps = P > 1 ? P - 1 : 1, n = P > 1 ? Ps * A.ps : sg.N;
-    for (int g = 0; g < A.G; g++) {
-        const int64_t bh = (int64_t)b * A.H + kvh * A.G + g;
-        double sums[4];
-        head_sums(A, bh, Ps, scratch, sums);
-        double uavg = sums[3] / (double)Ps, tau_mix = 0;
-        if (A.slopes) tau_mix = alibi_tau(A, bh, kvh * A.G + g, sg, Ps, n, scratch, &uavg);
-        if (threadIdx.x == 0)
-            store_gstat(A, bh, sums, uavg, (double)Ps, (double)n, A.slopes ? &tau_mix : nullptr);
-    }
+    double sums[4];
+    head_sums(A, bh, Ps, scratch, sums);
+    double uavg = sums[3] / (double)Ps, tau_mix = 0;
+    if (A.slopes) tau_mix = alibi_tau(A, bh, h, sg, Ps, n, scratch, &uavg);
+    if (threadIdx.x == 0)
+        store_gstat(A, bh, sums, uavg, (double)Ps, (double)n, A.slopes ? &tau_mix : nullptr);
 }
 
 /* A shard's part of the stats (docs/math.md §11, "Gaussian selector across shards"): its heads'
@@ -343,7 +342,7 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
     launch_moments(pl, prm, kv, st, t, q, batch);
     EKV_CUDA_LAUNCHED(pl);
     const gr_args R = rule_args(pl, prm, sel, t, batch, per_head);
-    gauss_stats_kernel<<<batch * R.Hk, GR_THREADS, 0, pl->stream>>>(R);
+    gauss_stats_kernel<<<batch * R.H, GR_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);
     gauss_rule_kernel<<<batch * R.out.lps, GR_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);

@@ -1,7 +1,9 @@
 /*
  * The entmax threshold solver of the GPU backend (docs/math.md §0, §9.8): tau - M over a set
- * of scores (candidates or a whole row) with M their max, one block. Shared by the attend
- * stage's tau kernel (attend_tau.cu) and the screen's tau of the lower bounds (screen.cu).
+ * of scores (candidates or a whole row) with M their max, by one block, or with WARP by one
+ * warp (a set of a few thousand values: no barriers, many rows per block). Shared by the attend
+ * stage's tau kernel (attend_tau.cu), the screen's tau of the lower bounds (screen.cu) and the
+ * prefill's (model_gpu_prefill*.cu).
  */
 #pragma once
 #include "cuda_internal.cuh"
@@ -13,9 +15,21 @@ struct tau_sums {
     double n, s1, s2, mn;
 };
 
+/* The threads that share a solve: the block, or with WARP the calling thread's warp. */
+template <bool WARP> __device__ __forceinline__ int solver_rank() {
+    return WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+}
+template <bool WARP> __device__ __forceinline__ int solver_size() {
+    return WARP ? 32 : (int)blockDim.x;
+}
+template <bool WARP> __device__ __forceinline__ double solver_sum(double v, double *scratch) {
+    return WARP ? ekv_warp_sum(v) : ekv_block_sum(v, scratch);
+}
+
+template <bool WARP = false>
 __device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, double *scratch) {
     double c = 0, s1 = 0, s2 = 0, mn = 1e300;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int64_t i = solver_rank<WARP>(); i < n; i += solver_size<WARP>()) {
         const double y = (double)v[i] - (double)M;
         if (y > t) {
             c += 1;
@@ -29,6 +43,7 @@ __device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, doub
     s1 = ekv_warp_sum(s1);
     s2 = ekv_warp_sum(s2);
     mn = ekv_warp_min(mn);
+    if (WARP) return tau_sums{c, s1, s2, mn};
     __syncthreads(); /* scratch is reused by the caller's previous reduction */
     if (lane == 0) {
         scratch[warp] = c;
@@ -46,10 +61,11 @@ __device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, doub
 }
 
 /* F = sum [y - t]_+^beta - 1 and its derivative */
+template <bool WARP = false>
 __device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta,
                             double *scratch, double *F, double *Fp) {
     double f = 0, fp = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int64_t i = solver_rank<WARP>(); i < n; i += solver_size<WARP>()) {
         const double y = (double)v[i] - (double)M - t;
         if (y > 0) {
             const double pb1 = pow(y, beta - 1.0);
@@ -57,8 +73,8 @@ __device__ void cand_newton(const float *v, int64_t n, float M, double t, double
             fp += pb1;
         }
     }
-    *F = ekv_block_sum(f, scratch) - 1.0;
-    *Fp = -beta * ekv_block_sum(fp, scratch);
+    *F = solver_sum<WARP>(f, scratch) - 1.0;
+    *Fp = -beta * solver_sum<WARP>(fp, scratch);
 }
 
 /* The solver's state between iterations: t = tau' (relative to M), the bracket of the generic
@@ -118,7 +134,9 @@ __device__ __forceinline__ int tau_step(double alpha, const tau_sums &s, double 
 /* The iteration cap of the solver for alpha. */
 __device__ __forceinline__ int tau_max_iters(double alpha) { return alpha == 1.5 ? 100 : 200; }
 
-/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1 */
+/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1;
+ * scratch: shared memory of 128 doubles (unused with WARP) */
+template <bool WARP = false>
 __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch) {
     const double beta = 1.0 / (alpha - 1.0);
     tau_iter it = tau_start(-1.0);
@@ -127,22 +145,24 @@ __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, do
         tau_sums s = {0, 0, 0, 0};
         double F = 0, Fp = 0;
         if (alpha == 2.0 || alpha == 1.5)
-            s = cand_sums(v, n, M, it.t, scratch);
+            s = cand_sums<WARP>(v, n, M, it.t, scratch);
         else
-            cand_newton(v, n, M, it.t, beta, scratch, &F, &Fp);
+            cand_newton<WARP>(v, n, M, it.t, beta, scratch, &F, &Fp);
         if (tau_step(alpha, s, F, Fp, &it)) break;
     }
     return it.t;
 }
 
 /* The threshold (absolute, not relative to a max) of the n values at v, any subset of a row's
- * scores: a lower bound on the row's own threshold (docs/math.md §9.1). Block-wide. */
+ * scores: a lower bound on the row's own threshold (docs/math.md §9.1). Block-wide, or with
+ * WARP warp-wide (scratch and fscratch unused). */
+template <bool WARP = false>
 __device__ double subset_threshold(const float *v, int64_t n, double alpha, double *scratch,
                                    float *fscratch) {
     float ms = -INFINITY;
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) ms = fmaxf(ms, v[k]);
-    ms = ekv_block_max(ms, fscratch, -INFINITY);
-    return (double)ms + solve_tau(v, n, ms, alpha, scratch);
+    for (int64_t k = solver_rank<WARP>(); k < n; k += solver_size<WARP>()) ms = fmaxf(ms, v[k]);
+    ms = WARP ? ekv_warp_max(ms) : ekv_block_max(ms, fscratch, -INFINITY);
+    return (double)ms + solve_tau<WARP>(v, n, ms, alpha, scratch);
 }
 
 } // namespace

@@ -140,11 +140,16 @@ static int32_t fused_cand_cap(void) {
 static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
     g->cand_cap = fused_cand_cap();
     ekv_status s = dev_alloc(g, &g->pf_cand, rows * g->cand_cap * 4, "the prefill candidates");
+    if (!s) s = dev_alloc(g, &g->pf_cidx, rows * g->cand_cap * 8, "the prefill candidates");
     if (!s) s = dev_alloc(g, &g->pf_count, rows * 4, "the prefill rows");
     if (!s) s = dev_alloc(g, &g->pf_state, rows * 4, "the prefill rows");
     if (!s) s = dev_alloc(g, &g->pf_thr, rows * 4, "the prefill rows");
     if (!s) s = dev_alloc(g, &g->pf_m, rows * 4, "the prefill rows");
     if (!s) s = dev_alloc(g, &g->pf_tau, rows * 8, "the prefill rows");
+    if (!s) s = dev_alloc(g, &g->pf_wlist, 2 * rows * 4, "the prefill row lists");
+    if (!s)
+        s = dev_alloc(g, &g->pf_wcount, 2 * (int64_t)m->cfg.n_kv_heads * 4,
+                      "the prefill row lists");
     const int64_t nc = 2 * (int64_t)m->cfg.n_layers;
     if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
@@ -264,7 +269,8 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
                     g->h3,      g->logits,  g->indptr, g->indices, g->last_len, g->items,
                     g->scores,  g->pparts,  g->qparts, g->qshift,  g->obuf,     g->bad,
                     g->blas_ws, g->bseqs,   g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
-                    g->pf_thr,  g->pf_m,    g->pf_tau, g->pf_rows};
+                    g->pf_thr,  g->pf_m,    g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
+                    g->pf_cidx};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->hpos);

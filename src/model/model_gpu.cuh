@@ -76,12 +76,15 @@ struct model_gpu {
     int fused;
     int32_t cand_cap;  /* candidates kept per row (EKV_PREFILL_CANDS, docs/architecture.md) */
     float *pf_cand;    /* [H * chunk][cand_cap] */
+    int64_t *pf_cidx;  /* [H * chunk][cand_cap] the candidates' key positions */
     int32_t *pf_count; /* [H * chunk] candidates found (may exceed cand_cap) */
     int32_t *pf_state; /* [H * chunk] where the row's tau stands (model_gpu_prefill_fused.cu) */
     float *pf_thr;     /* [H * chunk] the row's candidate threshold (a lower bound of tau) */
     float *pf_m;       /* [H * chunk] the row's max M */
     double *pf_tau;    /* [H * chunk] tau - M */
     unsigned long long *pf_rows; /* [n_layers][2] rows retried, rows solved by Newton passes */
+    int32_t *pf_wlist;  /* [2][H * chunk] the rows of a retry or Newton pass, per KV head     */
+    int32_t *pf_wcount; /* [2][n_kv_heads] their counts                                      */
     cudaGraphExec_t graph;
     int graph_ready;
     int32_t graph_seq; /* the sequence the captured step advances */

@@ -8,7 +8,7 @@
  * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
  * by one block, so everything about a row is decided inside one block:
  *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
- *      every z > m - 1 appended to the row's buffer (cand_cap kept): a superset of the
+ *      every z > m - 1 appended to the row's buffer (cand_cap kept, with its key): a superset of the
  *      candidates z > M - 1 (§0), M among them. fused_tau_kernel then solves tau on them
  *      (tau_solve.cuh); a row with more than cand_cap takes the threshold of the kept ones, a
  *      lower bound on tau (§9.1), as its next threshold and runs the pass again (rounds
@@ -16,11 +16,17 @@
  *   2. a row still over after PF_ROUNDS (PF_NEWTON): its exact max by one more sweep, then
  *      the solver's own iteration (tau_step) from that lower bound, each step's sums over the
  *      row's keys by a sweep: exact without any buffer;
- *   3. output (PF_OUT): p = [z - tau]_+^beta, sum p, P split into np parts of V's dtype
- *      (times pscale, as the GEMM path does) and o += P V on tensor cores; o / sum p into the
- *      [T][H][D] output.
- * The tau kernel is one block per row (solve_tau is block-wide); blocks and warps with no row
- * in the pass's state skip their work.
+ *   3. output of a row solved from its candidates (gather_out_kernel): they hold its support,
+ *      so o = sum p v / sum p over them, p = [z - tau]_+^beta, reads only the support's V rows
+ *      (tens of keys where the prefix has up to a million): no second sweep;
+ *   4. output of a row solved by Newton passes (PF_OUT, its list): a sweep, p as above, P split
+ *      into np parts of V's dtype (times pscale, as the GEMM path does) and o += P V on tensor
+ *      cores; o / sum p. Both write the [T][H][D] output.
+ * The tau kernel is a warp per row (solve_tau<true>). The passes after round 0
+ * (retries, Newton) work on a compact list of their rows per KV head, which the tau kernel
+ * appends to (wlist/wcount), 64 to a block: a pass costs sweeps for the rows that need it, not
+ * for every block that holds one of them (a block sweeps for its slowest row, and a few
+ * overflowing rows are spread over most blocks). Blocks past the list's count exit.
  */
 #include "model_gpu_prefill.cuh"
 #include "../cuda/mma_common.cuh"
@@ -33,21 +39,30 @@ enum {
     PF_ROWS = 16 * PF_NW, /* query rows of a block */
     PF_KEYS = 64,         /* keys of a tile */
     PF_ROUNDS = 3,        /* candidate rounds before a row takes Newton passes */
-    PF_TAU_THREADS = 256
+    PF_TAU_THREADS = 256, /* 8 rows of the tau kernel, a warp each */
+    PF_TAU_STAGE = 1024   /* candidates a warp of the tau kernel stages in shared memory */
 };
 enum { PF_CANDS, PF_NEWTON, PF_OUT };
-/* where a row's tau stands */
-enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3 };
+enum { PF_GATHER_THREADS = 256 }; /* a warp per row */
+/* where a row's tau stands: solved from its candidates (its output gathered) or by Newton
+ * passes (its output swept) */
+enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3, ROW_SOLVED_NEWTON = 4 };
 
 struct fused_args : prefill_args {
     const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
     int64_t kstride;   /* elements between tokens: Hk * D */
     int cap, round, last;
     float *cand;
+    int64_t *cidx; /* the candidates' key positions (gather_out_kernel reads their V rows) */
     int32_t *count, *state;
     float *thr, *rowm;
     double *tau;
     unsigned long long *rows; /* this layer's [2]: rows retried, rows solved by Newton passes */
+    /* the pass's rows: NULL = every row of the block; else per KV head g, wcount_in[g] rows
+     * (their r in [0, R)) at wlist_in + g R; the tau kernel appends the rows it sends to the
+     * next pass to wlist_out / wcount_out */
+    const int32_t *wlist_in, *wcount_in;
+    int32_t *wlist_out, *wcount_out;
 };
 
 template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
@@ -67,13 +82,21 @@ struct pf_lane {
     bool on[2];
 };
 
+/* Row rr of the block (0 .. PF_ROWS - 1): its r in [0, R) of KV head blockIdx.y, or -1. */
+__device__ __forceinline__ int64_t block_row(const fused_args &A, int rr) {
+    const int64_t g = blockIdx.y, i = (int64_t)blockIdx.x * PF_ROWS + rr;
+    if (!A.wlist_in) return i < A.R ? i : -1;
+    return i < A.wcount_in[g] ? (int64_t)A.wlist_in[g * A.R + i] : -1;
+}
+
 __device__ __forceinline__ pf_lane lane_rows(const fused_args &A, int want) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS + warp * 16 + (lane >> 2);
+    const int64_t g = blockIdx.y;
     pf_lane L;
     for (int k = 0; k < 2; k++) {
-        const int64_t r = r0 + 8 * k;
-        const bool in = r < A.R;
+        const int64_t r0 = block_row(A, warp * 16 + (lane >> 2) + 8 * k);
+        const bool in = r0 >= 0;
+        const int64_t r = in ? r0 : 0;
         L.row[k] = in ? g * A.R + r : -1;
         L.t[k] = r / A.G;
         L.pos[k] = A.pos0 + L.t[k];
@@ -91,14 +114,15 @@ template <typename T, int D, int NP>
 __device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
                                              uint32_t (*qa)[D / 16][4]) {
     constexpr int CH = D / 8, P = mma_qpitch<D>();
-    const int64_t g = blockIdx.y, r0 = (int64_t)blockIdx.x * PF_ROWS;
+    const int64_t g = blockIdx.y;
     const T *src = static_cast<const T *>(A.qparts);
     for (int i = threadIdx.x; i < NP * PF_ROWS * CH; i += PF_THREADS) {
         const int part = i / (PF_ROWS * CH), rr = i / CH % PF_ROWS, c = i % CH;
+        const int64_t r = block_row(A, rr);
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (r0 + rr < A.R)
+        if (r >= 0)
             v = *reinterpret_cast<const uint4 *>(src + part * A.Hk * A.R * A.D +
-                                                 (g * A.R + r0 + rr) * A.D + c * 8);
+                                                 (g * A.R + r) * A.D + c * 8);
         *reinterpret_cast<uint4 *>(qs + (part * PF_ROWS + rr) * P + c * 8) = v;
     }
     __syncthreads();
@@ -106,10 +130,23 @@ __device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
     __syncthreads(); /* the stages reuse qs */
 }
 
-/* The keys of the block's rows: [0, pos0 + t of its last row + 1). */
+/* The keys of the block's rows: [0, pos0 + t of its last row + 1); a listed block's rows are
+ * in the tau kernel's order, so the largest t is found by a block reduction (block-uniform:
+ * every thread calls it). */
 __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
-    const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
-    return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
+    if (!A.wlist_in) {
+        const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
+        return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
+    }
+    __shared__ int s_last;
+    if (threadIdx.x == 0) s_last = 0;
+    __syncthreads();
+    const int64_t r = threadIdx.x < PF_ROWS ? block_row(A, threadIdx.x) : -1;
+    if (r >= 0) atomicMax(&s_last, (int)(r / A.G));
+    __syncthreads();
+    const int64_t keys = A.pos0 + s_last + 1;
+    __syncthreads(); /* s_last is read before a later call resets it */
+    return keys;
 }
 
 /* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
@@ -208,7 +245,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
     for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
     int bad = 0;
-    auto use = [&](int64_t, float(*s)[4], const unsigned char *) {
+    auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
         if (!A.round) {
             float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
@@ -227,7 +264,10 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
                 const int k = i >> 1;
                 if (L.on[k] && s[n8][i] > thr[k]) {
                     const int at = atomicAdd(cnt + base + 8 * k, 1);
-                    if (at < A.cap) A.cand[L.row[k] * A.cap + at] = s[n8][i];
+                    if (at < A.cap) { /* the key: tile_z's layout */
+                        A.cand[L.row[k] * A.cap + at] = s[n8][i];
+                        A.cidx[L.row[k] * A.cap + at] = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
+                    }
                 }
             }
     };
@@ -301,11 +341,12 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
             if (L.on[k]) {
                 A.rowm[L.row[k]] = m[k];
                 A.tau[L.row[k]] = it[k].t;
-                A.state[L.row[k]] = ROW_SOLVED;
+                A.state[L.row[k]] = ROW_SOLVED_NEWTON;
             }
 }
 
-/* Step 3: o = sum p v over the prefix, divided by sum p, into att [T][H][D]. */
+/* Step 4, the rows solved by Newton passes: o = sum p v over the prefix, divided by sum p,
+ * into att [T][H][D]. */
 template <typename T, int D, int NP>
 __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                          unsigned char *stages) {
@@ -348,7 +389,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
 template <typename T, int D, int NP, int MODE>
 __global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int want = MODE == PF_OUT      ? -1
+    const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
                      : MODE == PF_NEWTON ? ROW_NEWTON
                      : A.round           ? ROW_RETRY
                                          : ROW_FRESH;
@@ -364,40 +405,103 @@ __global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
     if (MODE == PF_OUT) pass_out<T, D, NP>(A, L, qa, smem_raw);
 }
 
-/* Block (row): tau of a row in the round's state from its candidates (docs/math.md §12): all
- * kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding, rounded
- * down to fp32) becomes the row's next threshold, and after the last round the row takes
- * Newton passes. */
+/* A warp per row: tau of a row in the round's state from its candidates (docs/math.md §12):
+ * all kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding,
+ * rounded down to fp32) becomes the row's next threshold, and after the last round the row
+ * takes Newton passes. A warp, not a block: a row has at most cap (4096) candidates, and a
+ * block per row spent its time in barriers (ncu: as long as a sweep). The candidates are staged
+ * in the warp's shared memory when they fit, else read from the buffer. Warp-uniform exits. */
 __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A) {
-    __shared__ double scratch[128];
-    __shared__ float fscratch[32];
-    extern __shared__ float cs[]; /* cap */
-    const int64_t row = blockIdx.x;
-    if (A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
+    __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
+    if (row >= A.Hk * A.R || A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
     const int64_t n = A.count[row], kept = n < A.cap ? n : A.cap;
-    for (int64_t j = threadIdx.x; j < kept; j += blockDim.x) cs[j] = A.cand[row * A.cap + j];
-    __syncthreads();
+    const float *cs = A.cand + row * A.cap;
+    if (kept <= PF_TAU_STAGE) {
+        for (int64_t j = lane; j < kept; j += 32) stage[warp][j] = cs[j];
+        __syncwarp();
+        cs = stage[warp];
+    }
     if (n <= A.cap) { /* every candidate, the row's max among them */
         float M = -CUDART_INF_F;
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) M = fmaxf(M, cs[j]);
-        M = ekv_block_max(M, fscratch, -CUDART_INF_F);
-        const double t = solve_tau(cs, n, M, A.alpha, scratch);
-        if (threadIdx.x == 0) {
+        for (int64_t j = lane; j < n; j += 32) M = fmaxf(M, cs[j]);
+        M = ekv_warp_max(M);
+        const double t = solve_tau<true>(cs, n, M, A.alpha, NULL);
+        if (lane == 0) {
             A.rowm[row] = M;
             A.tau[row] = t;
             A.state[row] = ROW_SOLVED;
         }
         return;
     }
-    const double lb = subset_threshold(cs, kept, A.alpha, scratch, fscratch) - 1e-6;
-    if (threadIdx.x == 0) {
+    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL) - 1e-6;
+    if (lane == 0) {
         float thr = __double2float_rd(lb);
         if (A.round && A.thr[row] > thr) thr = A.thr[row];
         A.thr[row] = thr;
         A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
+        const int64_t g = row / A.R; /* the next pass's list of head g's rows */
+        A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
         if (!A.round) atomicAdd(A.rows, 1ull);
         if (A.last) atomicAdd(A.rows + 1, 1ull);
     }
+}
+
+/* Step 3, a warp per row solved from its candidates (ROW_SOLVED): the kept list holds every
+ * z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above a lower
+ * bound of tau), so o = sum p v / sum p over it reads only the support's V rows. Each support
+ * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements); p in fp32, not
+ * split into parts as the sweep's tensor cores need. Warp-uniform exits. */
+template <typename T, int D>
+__global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
+    constexpr int NPAIR = D / 64;
+    typedef typename ekv_pair_of<T>::type T2;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_GATHER_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= A.Hk * A.R || A.state[row] != ROW_SOLVED) return;
+    const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
+    const double tau = (double)A.rowm[row] + A.tau[row], beta = 1.0 / (A.alpha - 1.0);
+    const int64_t n = A.count[row]; /* <= cap: the tau kernel solved over all of them */
+    const float *cz = A.cand + row * A.cap;
+    const int64_t *ck = A.cidx + row * A.cap;
+    const T *V = static_cast<const T *>(A.v) + g * A.D;
+    float o[2 * NPAIR];
+#pragma unroll
+    for (int c = 0; c < 2 * NPAIR; c++) o[c] = 0.f;
+    double sum = 0;
+    for (int64_t base = 0; base < n; base += 32) {
+        const int64_t i = base + lane;
+        const float p = i < n ? entmax_p(cz[i], tau, beta) : 0.f;
+        const int64_t key = p > 0.f ? ck[i] : 0;
+        sum += p;
+        for (unsigned m = __ballot_sync(0xffffffffu, p > 0.f); m; m &= m - 1) {
+            const int src = __ffs(m) - 1;
+            const float pk = __shfl_sync(0xffffffffu, p, src);
+            const T *vr = V + __shfl_sync(0xffffffffu, key, src) * A.kstride;
+#pragma unroll
+            for (int c = 0; c < NPAIR; c++) {
+                const float2 v = ekv_pair_f32(*reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane));
+                o[2 * c] = fmaf(pk, v.x, o[2 * c]);
+                o[2 * c + 1] = fmaf(pk, v.y, o[2 * c + 1]);
+            }
+        }
+    }
+    const float f = (float)(1.0 / ekv_warp_sum(sum));
+    float *dst = A.att + (t * A.H + h) * A.D;
+#pragma unroll
+    for (int c = 0; c < NPAIR; c++)
+        *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) = make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+}
+
+template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
+    constexpr int per = PF_GATHER_THREADS / 32;
+    const unsigned blocks = (unsigned)((A.Hk * A.R + per - 1) / per);
+    if (A.D == 64)
+        gather_out_kernel<T, 64><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+    else
+        gather_out_kernel<T, 128><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+    return cudaGetLastError();
 }
 
 template <typename T, int D, int NP, int MODE>
@@ -443,6 +547,7 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     A.kstride = P.Hk * P.D;
     A.cap = g->cand_cap;
     A.cand = g->pf_cand;
+    A.cidx = g->pf_cidx;
     A.count = g->pf_count;
     A.state = g->pf_state;
     A.thr = g->pf_thr;
@@ -453,14 +558,30 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
     GPU_TRY(g, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, g->stream));
     const ekv_dtype dt = L->kv.dtype;
+    /* the row lists, two in turn: round r's tau kernel writes list r % 2, which round r + 1's
+     * candidates pass (or, after the last round, the Newton pass) reads */
+    int32_t *list[2] = {g->pf_wlist, g->pf_wlist + rows};
+    int32_t *count[2] = {g->pf_wcount, g->pf_wcount + P.Hk};
     for (int round = 0; round < PF_ROUNDS; round++) {
         A.round = round;
         A.last = round == PF_ROUNDS - 1;
+        A.wlist_in = round ? list[(round - 1) % 2] : NULL; /* round 0: every row */
+        A.wcount_in = round ? count[(round - 1) % 2] : NULL;
+        A.wlist_out = list[round % 2];
+        A.wcount_out = count[round % 2];
         GPU_TRY(g, launch(dt, A, PF_CANDS, g->stream));
-        fused_tau_kernel<<<(unsigned)rows, PF_TAU_THREADS, (size_t)A.cap * 4, g->stream>>>(A);
+        GPU_TRY(g, cudaMemsetAsync(A.wcount_out, 0, (size_t)P.Hk * 4, g->stream));
+        fused_tau_kernel<<<(unsigned)((rows + PF_TAU_THREADS / 32 - 1) / (PF_TAU_THREADS / 32)),
+                           PF_TAU_THREADS, 0, g->stream>>>(A);
         GPU_LAUNCHED(g);
     }
+    /* the rows left after the last round: their Newton passes, then their output by a sweep
+     * (the same list); every other row's output from its candidates */
+    A.wlist_in = list[(PF_ROUNDS - 1) % 2];
+    A.wcount_in = count[(PF_ROUNDS - 1) % 2];
     GPU_TRY(g, launch(dt, A, PF_NEWTON, g->stream));
     GPU_TRY(g, launch(dt, A, PF_OUT, g->stream));
+    GPU_TRY(g, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, g->stream)
+                                   : launch_gather<__nv_bfloat16>(A, g->stream));
     return EKV_OK;
 }

@@ -156,8 +156,9 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
 
 /* ekv_model_seq_truncate on the GPU: after a prefill and 8 decode steps, back to the prompt's
  * end and the same 8 tokens again (graph replays read the new position) give the same logits
- * (to 1e-5: the candidate lists' order may differ), and back into the prompt (mid-page) its
- * rest as a block again gives the first prefill's rows (compare's tolerance: other blocks). */
+ * (to the summation order and the f16 rounding of the re-decoded K/V), and back into the
+ * prompt (mid-page) its rest as a block again gives the first prefill's rows (compare's
+ * tolerance: other blocks). */
 static void check_truncate(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
     const mcase c = {method, EKV_DTYPE_F16, 0, 1, 300, NULL};
     ekv_model *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
@@ -173,9 +174,16 @@ static void check_truncate(ekv_context *ctx, const int32_t *tok, ekv_select_meth
               "truncate to 300: %s", ekv_last_error(ctx));
     }
     char what[80];
-    snprintf(what, sizeof what, "%s: truncated, decoded again", ekv_method_name(method));
     g_lossy = 0;
-    CHECK(compare(what, d2, d1, 8) <= 1e-5, "%s: more than 1e-5 from the first decode", what);
+    /* The first token sees the prefill's cache in both passes: only the order of the candidate
+     * lists' sums differs. The later ones also see the re-decoded tokens' K/V, whose f16
+     * rounding may differ by an ulp (the same hidden state to fp32 reordering): 1e-4, still
+     * ten times tighter than the CPU comparison. */
+    snprintf(what, sizeof what, "%s: truncated, first token again", ekv_method_name(method));
+    CHECK(compare(what, d2, d1, 1) <= 1e-5, "%s: more than 1e-5 from the first decode", what);
+    snprintf(what, sizeof what, "%s: truncated, 7 more again", ekv_method_name(method));
+    CHECK(compare(what, d2 + V, d1 + V, 7) <= 1e-4, "%s: more than 1e-4 from the first decode",
+          what);
     CHECK(!ekv_model_seq_truncate(gpu, 0, 250) && ekv_model_position(gpu) == 250,
           "truncate to 250: %s", ekv_last_error(ctx));
     float *b = malloc(sizeof(float) * 50 * V);
