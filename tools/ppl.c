@@ -141,6 +141,8 @@ static void take_layer_stats(ekv_model *m, int64_t layers, ppl_phase *p) {
         p->lay[l].lists_round2 += s.lists_round2;
         p->lay[l].steps += s.steps;
         p->lay[l].survivors += s.survivors;
+        p->lay[l].tau_compacted_rows += s.tau_compacted_rows;
+        p->lay[l].tau_whole_rows += s.tau_whole_rows;
     }
     ekv_model_reset_stats(m);
 }
@@ -323,6 +325,27 @@ static double phase0_rate(const ppl_opts *o, const ppl_result *r) {
     return rate(r->pre_fed + r->ph[0].fed, secs);
 }
 
+/* Per phase whose CUDA decode stages took them, the layers' tau lists compacted and solved over
+ * the whole row (ekv_model_stats.tau_compacted_rows, tau_whole_rows). */
+static void report_tau_paths(FILE *f, const ppl_opts *o, const ppl_result *r) {
+    for (int p = 0; p < o->ph.n; p++) {
+        const ppl_phase *ph = &r->ph[p];
+        int64_t any = 0;
+        for (int64_t l = 0; l < r->layers; l++)
+            any += ph->lay[l].tau_compacted_rows + ph->lay[l].tau_whole_rows;
+        if (!any) continue;
+        char lab[64];
+        model_method_label(lab, sizeof lab, o->ph.list[p].method, o->ph.list[p].budget);
+        fprintf(f, "tau lists of %s per layer, compacted:", lab);
+        for (int64_t l = 0; l < r->layers; l++)
+            fprintf(f, " %lld", (long long)ph->lay[l].tau_compacted_rows);
+        fprintf(f, "; over the whole row:");
+        for (int64_t l = 0; l < r->layers; l++)
+            fprintf(f, " %lld", (long long)ph->lay[l].tau_whole_rows);
+        fprintf(f, "\n");
+    }
+}
+
 /* The text report: phase 0 as ppl always printed it, then with a split window the tail's
  * rate and a `ppl ...` line per compare phase (its tokens/s: its tails only). */
 static void report_text(FILE *f, const ppl_opts *o, const ppl_result *r, int codes) {
@@ -333,8 +356,10 @@ static void report_text(FILE *f, const ppl_opts *o, const ppl_result *r, int cod
         fprintf(f, "kv_fraction per layer:");
         for (int64_t l = 0; l < r->layers; l++) fprintf(f, " %.4f", layer_kvf(&r->ph[0].lay[l]));
         fprintf(f, "\n");
-    } else
+    } else {
         fprintf(f, "kv_fraction: not measured on the cuda backend\n");
+        report_tau_paths(f, o, r);
+    }
     if (t.nl > 0) fprintf(f, "certified: round 2 in %.2f%% of page lists\n", 100.0 * t.r2 / t.nl);
     if (codes)
         fprintf(f, "screened: %d-bit key codes, %.1f tokens per head survive the screen\n",

@@ -107,6 +107,7 @@ struct tau_args : ekv_cuda_shape {
     int64_t *support;
     int64_t *v_rows;
     int32_t *flags;
+    unsigned long long *tau_events; /* the plan's (ekv_cuda_count_tau) or NULL */
     float *sup_p; /* support list of the final round: p, V row offset */
     int64_t *sup_off;
     int64_t *sup_count;
@@ -190,8 +191,10 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
         nc = compact_above_kept(A, row, A.scores + row * A.cap_tokens, ntok, scratch, fscratch,
                                 &s_ncomp);
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
+            if (final_round && A.tau_events) atomicAdd(A.tau_events + (nc > A.ccap), 1ull);
+        }
     }
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
@@ -330,6 +333,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.support = pl->support;
     A.v_rows = pl->v_rows;
     A.flags = pl->flags;
+    A.tau_events = pl->tau_events;
     A.sup_p = pl->sup_p;
     A.sup_off = pl->sup_off;
     A.sup_count = pl->sup_count;

@@ -64,6 +64,9 @@ struct ekv_cuda_plan {
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
     int32_t *flags;      /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
+    unsigned long long *tau_events; /* NULL, or [2] device counters the final tau round adds */
+                         /* to: query heads whose list was compacted, solved over the whole */
+                         /* row (a caller's, e.g. the model's per layer: ekv_cuda_count_tau) */
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
     int32_t vsplit;      /* splits per query head of the support values kernel (uniform) */
     int32_t usplit;      /* splits per KV head of the group-union values kernel (uniform) */
@@ -102,6 +105,13 @@ struct ekv_cuda_plan {
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
 };
+
+/* Where the next steps' tau kernels count their overflowed query heads (attend_tau.cu): [0]
+ * compacted lists, [1] whole-row solves, one per (step, query head); NULL stops counting.
+ * Launches read the pointer, so each captured graph node keeps the one it was captured with. */
+static inline void ekv_cuda_count_tau(ekv_cuda_plan *pl, unsigned long long *events) {
+    pl->tau_events = events;
+}
 
 /* Calls f(std::integral_constant<int, TG>{}) with the smallest compiled group tile TG >= G (1,
  * 2, 4, 8 or EKV_CUDA_MAX_GROUP): every kernel templated on the group is launched through this

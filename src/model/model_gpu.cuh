@@ -85,6 +85,12 @@ struct model_gpu {
     unsigned long long *pf_rows; /* [n_layers][2] rows retried, rows solved by Newton passes */
     int32_t *pf_wlist;  /* [2][H * chunk] the rows of a retry or Newton pass, per KV head     */
     int32_t *pf_wcount; /* [2][n_kv_heads] their counts                                      */
+    /* the decode stages' tau over the blocks' views, per layer (docs/architecture.md, "The
+     * model on the GPU"): query heads whose candidate list was compacted, solved over the
+     * whole score row; cumulative on the device, read after each block into the layers' stats */
+    unsigned long long *tau_events; /* [n_layers][2] device */
+    unsigned long long *tau_host;   /* [n_layers][2] this block's copy */
+    unsigned long long *tau_seen;   /* [n_layers][2] the values already in the stats */
     cudaGraphExec_t graph;
     int graph_ready;
     int32_t graph_seq; /* the sequence the captured step advances */

@@ -395,6 +395,66 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
     free(lg);
 }
 
+/* The decode stages' overflowed tau lists (docs/architecture.md, "The model on the GPU"): with
+ * EKV_DECODE_CANDS = 4 the plan lists 4 candidates per query head, so heads overflow, are
+ * compacted or solved over the whole row, and must still give the CPU's logits; the stats
+ * count them per layer, at most one per (token through the decode stages, query head). */
+static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
+    enum { N = 300, STEPS = 8 };
+    const mcase c = {method, EKV_DTYPE_F16, 0, 1, N, NULL};
+    setenv("EKV_DECODE_CANDS", "4", 1);
+    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
+    unsetenv("EKV_DECODE_CANDS");
+    float *lc = malloc(sizeof(float) * N * V), *lg = malloc(sizeof(float) * N * V);
+    float *dc = malloc(sizeof(float) * STEPS * V), *dg = malloc(sizeof(float) * STEPS * V);
+    char what[96];
+    if (cpu && gpu && lc && lg && dc && dg) {
+        CHECK(!ekv_model_step(cpu, tok, N, lc), "cpu prefill: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, tok, N, lg), "gpu prefill: %s", ekv_last_error(ctx));
+        g_lossy = 0;
+        snprintf(what, sizeof what, "%s, 4 tau candidates: prefill", ekv_method_name(method));
+        compare(what, lg, lc, N);
+        int32_t next = argmax(lc + (N - 1) * V);
+        for (int s = 0; s < STEPS; s++) {
+            CHECK(!ekv_model_step(cpu, &next, 1, dc + s * V), "cpu step: %s", ekv_last_error(ctx));
+            CHECK(!ekv_model_step(gpu, &next, 1, dg + s * V), "gpu step: %s", ekv_last_error(ctx));
+            next = argmax(dc + s * V);
+        }
+        snprintf(what, sizeof what, "%s, 4 tau candidates: decode", ekv_method_name(method));
+        compare(what, dg, dc, STEPS);
+        const ekv_model_config *cfg = ekv_model_get_config(gpu);
+        /* a dense prefill is the tensor-core kernel, the others run the decode stages */
+        const int64_t rows = (int64_t)(method == EKV_SELECT_DENSE ? STEPS : N + STEPS) * cfg->n_heads;
+        ekv_model_stats all, one;
+        ekv_model_get_stats(gpu, -1, &all);
+        int64_t comp = 0, whole = 0;
+        for (int32_t l = 0; l < cfg->n_layers; l++) {
+            ekv_model_get_stats(gpu, l, &one);
+            CHECK(one.tau_compacted_rows >= 0 && one.tau_whole_rows >= 0 &&
+                          one.tau_compacted_rows + one.tau_whole_rows <= rows,
+                  "%s layer %d: %lld compacted + %lld whole-row tau rows of %lld",
+                  ekv_method_name(method), l, (long long)one.tau_compacted_rows,
+                  (long long)one.tau_whole_rows, (long long)rows);
+            comp += one.tau_compacted_rows;
+            whole += one.tau_whole_rows;
+        }
+        printf("    %s, 4 tau candidates: %lld rows compacted, %lld over the whole row\n",
+               ekv_method_name(method), (long long)comp, (long long)whole);
+        CHECK(comp == all.tau_compacted_rows && whole == all.tau_whole_rows,
+              "%s: the layers' tau rows %lld + %lld, the model's %lld + %lld",
+              ekv_method_name(method), (long long)comp, (long long)whole,
+              (long long)all.tau_compacted_rows, (long long)all.tau_whole_rows);
+        CHECK(comp + whole > 0, "%s: no tau list overflowed with 4 candidates",
+              ekv_method_name(method));
+    }
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    free(lc);
+    free(lg);
+    free(dc);
+    free(dg);
+}
+
 static void check_fused(ekv_context *ctx, const int32_t *tok) {
     static const fcase cases[] = {
             {EKV_DTYPE_F16, PREFILL, 0, NULL},   /* one block */
@@ -482,6 +542,9 @@ int main(void) {
     check_truncate(ctx, tok, EKV_SELECT_SCREENED);
     check_truncate(ctx, tok, EKV_SELECT_TOPK);
     check_fused(ctx, tok);
+    check_tau_paths(ctx, tok, EKV_SELECT_DENSE);
+    check_tau_paths(ctx, tok, EKV_SELECT_CERTIFIED);
+    check_tau_paths(ctx, tok, EKV_SELECT_SCREENED);
     free(graph);
     free(eager);
     ekv_context_free(ctx);
