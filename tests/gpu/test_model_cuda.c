@@ -112,30 +112,58 @@ static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
     return load_kernel(ctx, c, be, EKV_PREFILL_AUTO);
 }
 
-/* Prefill then greedy decode on both engines (the CPU's argmax feeds both); the GPU's decode
- * logits into dec_out when not NULL. */
+/* The logits of a case on both engines: the prompt's rows and the decode steps'. */
+typedef struct {
+    float *lc, *lg, *dc, *dg;
+} case_logits;
+
+static int case_logits_alloc(case_logits *b, int64_t rows, int64_t steps) {
+    b->lc = malloc(sizeof(float) * (size_t)(rows * V));
+    b->lg = malloc(sizeof(float) * (size_t)(rows * V));
+    b->dc = malloc(sizeof(float) * (size_t)(steps * V));
+    b->dg = malloc(sizeof(float) * (size_t)(steps * V));
+    return b->lc && b->lg && b->dc && b->dg;
+}
+
+static void case_logits_free(case_logits *b) {
+    free(b->lc);
+    free(b->lg);
+    free(b->dc);
+    free(b->dg);
+}
+
+/* tok[0, n) as one block on both engines, then `steps` greedy steps (the CPU's argmax feeds
+ * both), the GPU's rows compared with the CPU's under the two names. */
+static void prefill_and_decode(ekv_context *ctx, ekv_model *cpu, ekv_model *gpu,
+                               const int32_t *tok, int64_t n, int steps, const case_logits *b,
+                               const char *prefill_what, const char *decode_what) {
+    CHECK(!ekv_model_step(cpu, tok, n, b->lc), "cpu prefill: %s", ekv_last_error(ctx));
+    CHECK(!ekv_model_step(gpu, tok, n, b->lg), "gpu prefill: %s", ekv_last_error(ctx));
+    compare(prefill_what, b->lg, b->lc, n);
+    int32_t next = argmax(b->lc + (n - 1) * V);
+    for (int s = 0; s < steps; s++) {
+        CHECK(!ekv_model_step(cpu, &next, 1, b->dc + s * V), "cpu step: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, &next, 1, b->dg + s * V), "gpu step: %s", ekv_last_error(ctx));
+        next = argmax(b->dc + s * V);
+    }
+    compare(decode_what, b->dg, b->dc, steps);
+}
+
+/* Prefill then greedy decode on both engines; the GPU's decode logits into dec_out when not
+ * NULL. */
 static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float *dec_out) {
     ekv_model *cpu = load(ctx, c, EKV_BACKEND_CPU), *gpu = load(ctx, c, EKV_BACKEND_CUDA);
     g_lossy = c->method == EKV_SELECT_TOPK || c->method == EKV_SELECT_GAUSSIAN;
-    float *lc = malloc(sizeof(float) * (size_t)(c->prefill * V)),
-          *lg = malloc(sizeof(float) * (size_t)(c->prefill * V));
-    float *dc = malloc(sizeof(float) * DECODE * V), *dg = malloc(sizeof(float) * DECODE * V);
-    char what[96];
-    if (cpu && gpu && lc && lg && dc && dg) {
-        CHECK(!ekv_model_step(cpu, tok, c->prefill, lc), "cpu prefill: %s", ekv_last_error(ctx));
-        CHECK(!ekv_model_step(gpu, tok, c->prefill, lg), "gpu prefill: %s", ekv_last_error(ctx));
+    case_logits b;
+    const int ok = case_logits_alloc(&b, c->prefill > MORE ? c->prefill : MORE, DECODE);
+    float *lc = b.lc, *lg = b.lg, *dg = b.dg;
+    char what[96], what_dec[96];
+    if (cpu && gpu && ok) {
         snprintf(what, sizeof what, "%s%s %s chunk %lld prefill", c->path ? "tiny " : "",
                  ekv_method_name(c->method), ekv_dtype_name(c->kv), (long long)c->chunk);
-        compare(what, lg, lc, c->prefill);
-        int32_t next = argmax(lc + (c->prefill - 1) * V);
-        for (int s = 0; s < DECODE; s++) {
-            CHECK(!ekv_model_step(cpu, &next, 1, dc + s * V), "cpu step: %s", ekv_last_error(ctx));
-            CHECK(!ekv_model_step(gpu, &next, 1, dg + s * V), "gpu step: %s", ekv_last_error(ctx));
-            next = argmax(dc + s * V);
-        }
-        snprintf(what, sizeof what, "%s %s decode%s", ekv_method_name(c->method),
+        snprintf(what_dec, sizeof what_dec, "%s %s decode%s", ekv_method_name(c->method),
                  ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)");
-        compare(what, dg, dc, DECODE);
+        prefill_and_decode(ctx, cpu, gpu, tok, c->prefill, DECODE, &b, what, what_dec);
         /* a second block after the decode steps: it starts inside a page */
         CHECK(!ekv_model_step(cpu, tok + 100, MORE, lc), "cpu block: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gpu, tok + 100, MORE, lg), "gpu block: %s", ekv_last_error(ctx));
@@ -148,10 +176,7 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
     }
     ekv_model_free(cpu);
     ekv_model_free(gpu);
-    free(lc);
-    free(lg);
-    free(dc);
-    free(dg);
+    case_logits_free(&b);
 }
 
 /* ekv_model_seq_truncate on the GPU: after a prefill and 8 decode steps, back to the prompt's
@@ -405,23 +430,15 @@ static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_met
     setenv("EKV_DECODE_CANDS", "4", 1);
     ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
     unsetenv("EKV_DECODE_CANDS");
-    float *lc = malloc(sizeof(float) * N * V), *lg = malloc(sizeof(float) * N * V);
-    float *dc = malloc(sizeof(float) * STEPS * V), *dg = malloc(sizeof(float) * STEPS * V);
-    char what[96];
-    if (cpu && gpu && lc && lg && dc && dg) {
-        CHECK(!ekv_model_step(cpu, tok, N, lc), "cpu prefill: %s", ekv_last_error(ctx));
-        CHECK(!ekv_model_step(gpu, tok, N, lg), "gpu prefill: %s", ekv_last_error(ctx));
+    case_logits b;
+    const int ok = case_logits_alloc(&b, N, STEPS);
+    char what[96], what_dec[96];
+    if (cpu && gpu && ok) {
         g_lossy = 0;
         snprintf(what, sizeof what, "%s, 4 tau candidates: prefill", ekv_method_name(method));
-        compare(what, lg, lc, N);
-        int32_t next = argmax(lc + (N - 1) * V);
-        for (int s = 0; s < STEPS; s++) {
-            CHECK(!ekv_model_step(cpu, &next, 1, dc + s * V), "cpu step: %s", ekv_last_error(ctx));
-            CHECK(!ekv_model_step(gpu, &next, 1, dg + s * V), "gpu step: %s", ekv_last_error(ctx));
-            next = argmax(dc + s * V);
-        }
-        snprintf(what, sizeof what, "%s, 4 tau candidates: decode", ekv_method_name(method));
-        compare(what, dg, dc, STEPS);
+        snprintf(what_dec, sizeof what_dec, "%s, 4 tau candidates: decode",
+                 ekv_method_name(method));
+        prefill_and_decode(ctx, cpu, gpu, tok, N, STEPS, &b, what, what_dec);
         const ekv_model_config *cfg = ekv_model_get_config(gpu);
         /* a dense prefill is the tensor-core kernel, the others run the decode stages */
         const int64_t rows = (int64_t)(method == EKV_SELECT_DENSE ? STEPS : N + STEPS) * cfg->n_heads;
@@ -449,10 +466,7 @@ static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_met
     }
     ekv_model_free(cpu);
     ekv_model_free(gpu);
-    free(lc);
-    free(lg);
-    free(dc);
-    free(dg);
+    case_logits_free(&b);
 }
 
 static void check_fused(ekv_context *ctx, const int32_t *tok) {
