@@ -118,6 +118,9 @@ struct tau_args : ekv_cuda_shape {
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
+/* compaction passes of an overflowed head before it takes the whole row (compact_above_kept):
+ * each pass is one read of the score row, a solve over the whole row one read per iteration */
+enum { TAU_COMPACT_PASSES = 4 };
 /* flags of a head (ekv_cuda_report): tau from the whole score row; from the compacted list */
 enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
 
@@ -125,17 +128,20 @@ enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
  * tokens): the kept ccap candidates are a subset of the row, so their threshold is a lower
  * bound on tau (docs/math.md §9.1), and one pass over the score row z[0, n) lists the scores
  * above it in the list's place. They hold the support and the max, so tau over them is exact
- * (as over the z >= M - 1 candidates; docs/architecture.md, "Backends"). Returns their count: above ccap they did not fit and the
- * caller takes the whole row. Block-wide, one pass instead of the solver's every iteration
- * scanning the row with one block. */
+ * (as over the z >= M - 1 candidates; docs/architecture.md, "Backends"). Returns their count:
+ * above ccap the list holds the first ccap of them, again a subset of the row, so the caller
+ * may pass again (compact_list). *thr: the last pass's threshold (-inf before the first), the
+ * larger of the two bounds is taken and returned there. Block-wide, one pass instead of the
+ * solver's every iteration scanning the row with one block. */
 __device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const float *z, int64_t n,
-                                      double *scratch, float *fscratch,
+                                      float *thr_io, double *scratch, float *fscratch,
                                       unsigned long long *s_n) {
     float *cz = A.cand_z + row * A.ccap;
     int64_t *cs = A.cand_slot + row * A.ccap;
     const double lb = subset_threshold(cz, A.ccap, A.alpha, scratch, fscratch);
     /* less a margin for the solve's rounding, rounded down to the scores' fp32 */
-    const float thr = __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
+    const float thr = fmaxf(*thr_io, __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb))));
+    *thr_io = thr;
     if (threadIdx.x == 0) *s_n = 0;
     __syncthreads(); /* every thread has read the kept list before it is overwritten */
     const int lane = threadIdx.x & 31;
@@ -166,6 +172,24 @@ __device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const floa
     return (int64_t)*s_n;
 }
 
+/* An overflowed head's list compacted (compact_above_kept) until it fits, at most
+ * TAU_COMPACT_PASSES passes, and while a pass keeps fewer scores than the one before (the
+ * thresholds never fall, but a flat run of equal scores does not shrink); returns the count,
+ * above ccap when it never fit. */
+__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n,
+                                int64_t nc, double *scratch, float *fscratch,
+                                unsigned long long *s_n) {
+    float thr = -CUDART_INF_F;
+    for (int pass = 0; pass < TAU_COMPACT_PASSES && nc > A.ccap; pass++) {
+        const int64_t next = compact_above_kept(A, row, z, n, &thr, scratch, fscratch, s_n);
+        __syncthreads(); /* every thread has read *s_n before the next pass resets it */
+        const bool shrank = next < nc;
+        nc = next;
+        if (!shrank) break;
+    }
+    return nc;
+}
+
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
  * list. A head whose candidates overflowed the list has it rebuilt from the scores above the
  * kept ones' threshold (compact_above_kept); only when those overflow too does it take the
@@ -189,8 +213,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        nc = compact_above_kept(A, row, A.scores + row * A.cap_tokens, ntok, scratch, fscratch,
-                                &s_ncomp);
+        nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, nc, scratch, fscratch,
+                          &s_ncomp);
         if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
             if (final_round && A.tau_events) atomicAdd(A.tau_events + (nc > A.ccap), 1ull);
