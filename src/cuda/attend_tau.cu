@@ -100,7 +100,7 @@ struct tau_args : ekv_cuda_shape {
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores, *split_max;
-    float *cand_z; /* an overflowed head's list is rewritten (compact_above_kept) */
+    float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
     const int32_t *cand_count;
     double *tau;
@@ -118,32 +118,27 @@ struct tau_args : ekv_cuda_shape {
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
-/* compaction passes of an overflowed head before it takes the whole row (compact_above_kept):
- * each pass is one read of the score row, a solve over the whole row one read per iteration */
-enum { TAU_COMPACT_PASSES = 4 };
+/* bins of y = z - M over [-1, 0] for an overflowed head's second bound (hist_lower_bound) */
+enum { TAU_HIST_BINS = 2048 };
 /* flags of a head (ekv_cuda_report): tau from the whole score row; from the compacted list */
 enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
 
-/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
- * tokens): the kept ccap candidates are a subset of the row, so their threshold is a lower
- * bound on tau (docs/math.md §9.1), and one pass over the score row z[0, n) lists the scores
- * above it in the list's place. They hold the support and the max, so tau over them is exact
- * (as over the z >= M - 1 candidates; docs/architecture.md, "Backends"). Returns their count:
- * above ccap the list holds the first ccap of them, again a subset of the row, so the caller
- * may pass again (compact_list). *thr: the last pass's threshold (-inf before the first), the
- * larger of the two bounds is taken and returned there. Block-wide, one pass instead of the
- * solver's every iteration scanning the row with one block. */
-__device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const float *z, int64_t n,
-                                      float *thr_io, double *scratch, float *fscratch,
-                                      unsigned long long *s_n) {
+/* fp32 threshold just below a lower bound lb of tau (a margin for the solves' rounding, then
+ * rounded down to the scores' precision): every score above lb is above it */
+__device__ __forceinline__ float below(double lb) {
+    return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
+}
+
+/* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
+ * the support and the max, so tau over them is exact, as over the z >= M - 1 candidates;
+ * docs/architecture.md, "Backends") replace the head's list. Returns their count; above ccap
+ * the list holds the first ccap of them. Block-wide; the caller has read the old list. */
+__device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z, int64_t n,
+                                 float thr, unsigned long long *s_n) {
     float *cz = A.cand_z + row * A.ccap;
     int64_t *cs = A.cand_slot + row * A.ccap;
-    const double lb = subset_threshold(cz, A.ccap, A.alpha, scratch, fscratch);
-    /* less a margin for the solve's rounding, rounded down to the scores' fp32 */
-    const float thr = fmaxf(*thr_io, __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb))));
-    *thr_io = thr;
     if (threadIdx.x == 0) *s_n = 0;
-    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    __syncthreads();
     const int lane = threadIdx.x & 31;
     const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
     /* warp-uniform trip count (the ballots); TAU_UNROLL coalesced loads in flight per lane */
@@ -169,37 +164,78 @@ __device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const floa
         }
     }
     __syncthreads();
-    return (int64_t)*s_n;
+    const int64_t count = (int64_t)*s_n;
+    __syncthreads(); /* read by all before a later pass resets it */
+    return count;
 }
 
-/* An overflowed head's list compacted (compact_above_kept) until it fits, at most
- * TAU_COMPACT_PASSES passes, and while a pass keeps fewer scores than the one before (the
- * thresholds never fall, but a flat run of equal scores does not shrink); returns the count,
- * above ccap when it never fit. */
-__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n,
-                                int64_t nc, double *scratch, float *fscratch,
-                                unsigned long long *s_n) {
-    float thr = -CUDART_INF_F;
-    for (int pass = 0; pass < TAU_COMPACT_PASSES && nc > A.ccap; pass++) {
-        const int64_t next = compact_above_kept(A, row, z, n, &thr, scratch, fscratch, s_n);
-        __syncthreads(); /* every thread has read *s_n before the next pass resets it */
-        const bool shrank = next < nc;
-        nc = next;
-        if (!shrank) break;
+/* A lower bound on tau - M from a histogram of y = z - M over [-1, 0] (one pass over the row,
+ * counts in shared memory): every y of bin j is at least e_j = -1 + j / NB, so
+ * F(e_k) >= sum_{j >= k} c_j (e_j - e_k)^beta, and where that reaches 1, e_k <= tau - M (F
+ * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
+ * finds the largest such k (-1 when none: tau - M >= -1 always). Within two bins of tau - M
+ * when the bins near it are full; any alpha > 1. Block-wide. */
+__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha,
+                                   unsigned *hist, double *scratch) {
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double y = (double)z[i] - (double)M;
+        if (y >= -1.0) {
+            const int k = (int)((y + 1.0) * TAU_HIST_BINS);
+            atomicAdd(hist + (k < TAU_HIST_BINS ? k : TAU_HIST_BINS - 1), 1u);
+        }
     }
+    __syncthreads();
+    const double beta = 1.0 / (alpha - 1.0);
+    int lo = -1, hi = TAU_HIST_BINS; /* lo: a bin whose edge is a bound (-1: e = -1) */
+    while (hi - lo > 1) {              /* block-uniform */
+        const int mid = (lo + hi) / 2;
+        double f = 0;
+        for (int j = mid + 1 + threadIdx.x; j < TAU_HIST_BINS; j += blockDim.x)
+            f += hist[j] * pow((double)(j - mid) / TAU_HIST_BINS, beta);
+        if (ekv_block_sum(f, scratch) >= 1.0 + 1e-9) /* a margin for the sum's rounding */
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
+}
+
+/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
+ * tokens): its list rebuilt from the scores above a lower bound of tau, first the kept ccap
+ * candidates' own threshold (a subset of the row: docs/math.md §9.1), and if those do not fit
+ * either, the histogram's (hist_lower_bound, or the first if higher). Returns the count, above
+ * ccap when the list never fit (a support larger than the list, or a run of equal scores);
+ * *t0 the best lower bound of tau - M, where the whole-row solve then starts. Two or three
+ * reads of the row where the solve over the whole row takes one per iteration. */
+__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n,
+                                float M, double *t0, unsigned *hist, double *scratch,
+                                float *fscratch, unsigned long long *s_n) {
+    const double kept = subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch,
+                                         fscratch);
+    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    float thr = below(kept); /* the bound as the lists use it (margin and fp32 below tau) */
+    int64_t nc = compact_above(A, row, z, n, thr, s_n);
+    if (nc > A.ccap) {
+        thr = fmaxf(thr, below((double)M + hist_lower_bound(z, n, M, A.alpha, hist, scratch)));
+        nc = compact_above(A, row, z, n, thr, s_n);
+    }
+    *t0 = (double)thr - (double)M > -1.0 ? (double)thr - (double)M : -1.0;
     return nc;
 }
 
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
- * list. A head whose candidates overflowed the list has it rebuilt from the scores above the
- * kept ones' threshold (compact_above_kept); only when those overflow too does it take the
- * whole score row. */
+ * list. A head whose candidates overflowed the list has it rebuilt from the scores above a
+ * lower bound of tau (compact_list); only when those overflow too does it take the whole
+ * score row, the solve starting from that bound. */
 __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     __shared__ float cand[TAU_SMEM_CAND];
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
     __shared__ unsigned long long s_ncomp;
+    __shared__ unsigned hist[TAU_HIST_BINS];
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -212,9 +248,10 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
+    double t0 = -1.0; /* a lower bound of tau - M where the solve starts (tau_start) */
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, nc, scratch, fscratch,
-                          &s_ncomp);
+        nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, scratch,
+                          fscratch, &s_ncomp);
         if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
             if (final_round && A.tau_events) atomicAdd(A.tau_events + (nc > A.ccap), 1ull);
@@ -236,7 +273,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         v = A.scores + row * A.cap_tokens;
         nv = ntok;
     }
-    const double t = solve_tau(v, nv, M, A.alpha, scratch);
+    const double t = solve_tau(v, nv, M, A.alpha, scratch, t0);
     const double tau = (double)M + t;
     /* support: count, and on the final round the list (p, V row offset) for the values kernel */
     if (threadIdx.x == 0) s_nsup = 0;

@@ -134,12 +134,14 @@ __device__ __forceinline__ int tau_step(double alpha, const tau_sums &s, double 
 /* The iteration cap of the solver for alpha. */
 __device__ __forceinline__ int tau_max_iters(double alpha) { return alpha == 1.5 ? 100 : 200; }
 
-/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1;
- * scratch: shared memory of 128 doubles (unused with WARP) */
+/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1,
+ * from t0, a lower bound of it (-1 always is one); scratch: shared memory of 128 doubles
+ * (unused with WARP) */
 template <bool WARP = false>
-__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch) {
+__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch,
+                            double t0 = -1.0) {
     const double beta = 1.0 / (alpha - 1.0);
-    tau_iter it = tau_start(-1.0);
+    tau_iter it = tau_start(t0);
     const int cap = tau_max_iters(alpha);
     for (int k = 0; k < cap; k++) {
         tau_sums s = {0, 0, 0, 0};
