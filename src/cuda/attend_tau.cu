@@ -175,8 +175,8 @@ __device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z,
  * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
  * finds the largest such k (-1 when none: tau - M >= -1 always). Within two bins of tau - M
  * when the bins near it are full; any alpha > 1. Block-wide. */
-__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha,
-                                   unsigned *hist, double *scratch) {
+__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
+                                   double *scratch) {
     for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
     __syncthreads();
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -189,7 +189,7 @@ __device__ double hist_lower_bound(const float *z, int64_t n, float M, double al
     __syncthreads();
     const double beta = 1.0 / (alpha - 1.0);
     int lo = -1, hi = TAU_HIST_BINS; /* lo: a bin whose edge is a bound (-1: e = -1) */
-    while (hi - lo > 1) {              /* block-uniform */
+    while (hi - lo > 1) {            /* block-uniform */
         const int mid = (lo + hi) / 2;
         double f = 0;
         for (int j = mid + 1 + threadIdx.x; j < TAU_HIST_BINS; j += blockDim.x)
@@ -209,12 +209,12 @@ __device__ double hist_lower_bound(const float *z, int64_t n, float M, double al
  * ccap when the list never fit (a support larger than the list, or a run of equal scores);
  * *t0 the best lower bound of tau - M, where the whole-row solve then starts. Two or three
  * reads of the row where the solve over the whole row takes one per iteration. */
-__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n,
-                                float M, double *t0, unsigned *hist, double *scratch,
-                                float *fscratch, unsigned long long *s_n) {
-    const double kept = subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch,
-                                         fscratch);
-    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n, float M,
+                                double *t0, unsigned *hist, double *scratch, float *fscratch,
+                                unsigned long long *s_n) {
+    const double kept =
+            subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
+    __syncthreads();         /* every thread has read the kept list before it is overwritten */
     float thr = below(kept); /* the bound as the lists use it (margin and fp32 below tau) */
     int64_t nc = compact_above(A, row, z, n, thr, s_n);
     if (nc > A.ccap) {
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
-    double t0 = -1.0; /* a lower bound of tau - M where the solve starts (tau_start) */
+    double t0 = -1.0;  /* a lower bound of tau - M where the solve starts (tau_start) */
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
         nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, scratch,
                           fscratch, &s_ncomp);

@@ -64,9 +64,9 @@ struct ekv_cuda_plan {
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
     int32_t *flags;      /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
-    unsigned long long *tau_events; /* NULL, or [2] device counters the final tau round adds */
-                         /* to: query heads whose list was compacted, solved over the whole */
-                         /* row (a caller's, e.g. the model's per layer: ekv_cuda_count_tau) */
+    /* NULL, or [2] counters the final tau round adds to: heads compacted, solved over the
+     * whole row (the caller's, e.g. the model's per layer: ekv_cuda_count_tau) */
+    unsigned long long *tau_events;
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
     int32_t vsplit;      /* splits per query head of the support values kernel (uniform) */
     int32_t usplit;      /* splits per KV head of the group-union values kernel (uniform) */

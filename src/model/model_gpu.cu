@@ -277,12 +277,12 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
             free_host_mirror(L);
         }
     free(g->layers);
-    void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens,  g->pos,      g->x,
-                    g->xn,      g->q,       g->k,      g->v,       g->att,      g->h1,
-                    g->h3,      g->logits,  g->indptr, g->indices, g->last_len, g->items,
-                    g->scores,  g->pparts,  g->qparts, g->qshift,  g->obuf,     g->bad,
-                    g->blas_ws, g->bseqs,   g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
-                    g->pf_thr,  g->pf_m,    g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
+    void *bufs[] = {g->weights, g->vectors,   g->slopes, g->tokens,  g->pos,      g->x,
+                    g->xn,      g->q,         g->k,      g->v,       g->att,      g->h1,
+                    g->h3,      g->logits,    g->indptr, g->indices, g->last_len, g->items,
+                    g->scores,  g->pparts,    g->qparts, g->qshift,  g->obuf,     g->bad,
+                    g->blas_ws, g->bseqs,     g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
+                    g->pf_thr,  g->pf_m,      g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
                     g->pf_cidx, g->tau_events};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);

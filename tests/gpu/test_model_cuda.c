@@ -134,9 +134,9 @@ static void case_logits_free(case_logits *b) {
 
 /* tok[0, n) as one block on both engines, then `steps` greedy steps (the CPU's argmax feeds
  * both), the GPU's rows compared with the CPU's under the two names. */
-static void prefill_and_decode(ekv_context *ctx, ekv_model *cpu, ekv_model *gpu,
-                               const int32_t *tok, int64_t n, int steps, const case_logits *b,
-                               const char *prefill_what, const char *decode_what) {
+static void prefill_and_decode(ekv_context *ctx, ekv_model *cpu, ekv_model *gpu, const int32_t *tok,
+                               int64_t n, int steps, const case_logits *b, const char *prefill_what,
+                               const char *decode_what) {
     CHECK(!ekv_model_step(cpu, tok, n, b->lc), "cpu prefill: %s", ekv_last_error(ctx));
     CHECK(!ekv_model_step(gpu, tok, n, b->lg), "gpu prefill: %s", ekv_last_error(ctx));
     compare(prefill_what, b->lg, b->lc, n);
@@ -441,7 +441,8 @@ static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_met
         prefill_and_decode(ctx, cpu, gpu, tok, N, STEPS, &b, what, what_dec);
         const ekv_model_config *cfg = ekv_model_get_config(gpu);
         /* a dense prefill is the tensor-core kernel, the others run the decode stages */
-        const int64_t rows = (int64_t)(method == EKV_SELECT_DENSE ? STEPS : N + STEPS) * cfg->n_heads;
+        const int64_t rows =
+                (int64_t)(method == EKV_SELECT_DENSE ? STEPS : N + STEPS) * cfg->n_heads;
         ekv_model_stats all, one;
         ekv_model_get_stats(gpu, -1, &all);
         int64_t comp = 0, whole = 0;
