@@ -386,8 +386,14 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     }
 }
 
+/* Blocks per SM the registers must allow: the sweeps are latency-bound (ncu: the tensor pipe
+ * busy 10-15 %), and without a bound ptxas took 255 registers (2 blocks of 4 warps per SM) and
+ * spilled anyway; at 3 the candidate and Newton passes take 168 (f16, D 64: 52 and 204 bytes of
+ * spill stores). The output pass keeps 2 (its P V accumulators). */
+template <int MODE> constexpr int fused_min_blocks() { return MODE == PF_OUT ? 2 : 3; }
+
 template <typename T, int D, int NP, int MODE>
-__global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
+__global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_kernel(fused_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
                      : MODE == PF_NEWTON ? ROW_NEWTON
