@@ -214,8 +214,10 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
                                 unsigned long long *s_n) {
     const double kept =
             subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
-    __syncthreads();         /* every thread has read the kept list before it is overwritten */
-    float thr = below(kept); /* the bound as the lists use it (margin and fp32 below tau) */
+    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 (docs/math.md
+     * §0: the kept ones need not hold the max) */
+    float thr = fmaxf(below(kept), below((double)M - 1.0));
     int64_t nc = compact_above(A, row, z, n, thr, s_n);
     if (nc > A.ccap) {
         thr = fmaxf(thr, below((double)M + hist_lower_bound(z, n, M, A.alpha, hist, scratch)));
