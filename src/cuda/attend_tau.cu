@@ -173,8 +173,8 @@ __device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z,
  * counts in shared memory): every y of bin j is at least e_j = -1 + j / NB, so
  * F(e_k) >= sum_{j >= k} c_j (e_j - e_k)^beta, and where that reaches 1, e_k <= tau - M (F
  * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
- * finds the largest such k (-1 when none: tau - M >= -1 always). Within two bins of tau - M
- * when the bins near it are full; any alpha > 1. Block-wide. */
+ * finds the largest such k (-1 when none: tau - M >= -1 always). Always within two bins of
+ * tau - M (docs/math.md §9.1, "A bound from counts"); any alpha > 1. Block-wide. */
 __device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
                                    double *scratch) {
     for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
