@@ -11,6 +11,7 @@
  */
 #include "cli.h"
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -143,6 +144,8 @@ static void take_layer_stats(ekv_model *m, int64_t layers, ppl_phase *p) {
         p->lay[l].survivors += s.survivors;
         p->lay[l].tau_compacted_rows += s.tau_compacted_rows;
         p->lay[l].tau_whole_rows += s.tau_whole_rows;
+        p->lay[l].screen_retry_rows += s.screen_retry_rows;
+        p->lay[l].screen_all_rows += s.screen_all_rows;
     }
     ekv_model_reset_stats(m);
 }
@@ -325,24 +328,33 @@ static double phase0_rate(const ppl_opts *o, const ppl_result *r) {
     return rate(r->pre_fed + r->ph[0].fed, secs);
 }
 
-/* Per phase whose CUDA decode stages took them, the layers' tau lists compacted and solved over
- * the whole row (ekv_model_stats.tau_compacted_rows, tau_whole_rows). */
-static void report_tau_paths(FILE *f, const ppl_opts *o, const ppl_result *r) {
+/* One per-layer line of a phase's slow-path counter (read by field), when any layer has one. */
+static void report_layers(FILE *f, const ppl_result *r, const ppl_phase *ph, const char *lab,
+                          const char *what, size_t field) {
+    int64_t any = 0;
+    for (int64_t l = 0; l < r->layers; l++)
+        any += *(const int64_t *)((const char *)&ph->lay[l] + field);
+    if (!any) return;
+    fprintf(f, "%s per layer, %s:", lab, what);
+    for (int64_t l = 0; l < r->layers; l++)
+        fprintf(f, " %lld", (long long)*(const int64_t *)((const char *)&ph->lay[l] + field));
+    fprintf(f, "\n");
+}
+
+/* Per phase, the CUDA decode stages' slow paths per layer (ekv_model_stats.tau_compacted_rows,
+ * tau_whole_rows, screen_retry_rows, screen_all_rows) that happened. */
+static void report_slow_paths(FILE *f, const ppl_opts *o, const ppl_result *r) {
     for (int p = 0; p < o->ph.n; p++) {
-        const ppl_phase *ph = &r->ph[p];
-        int64_t any = 0;
-        for (int64_t l = 0; l < r->layers; l++)
-            any += ph->lay[l].tau_compacted_rows + ph->lay[l].tau_whole_rows;
-        if (!any) continue;
         char lab[64];
         model_method_label(lab, sizeof lab, o->ph.list[p].method, o->ph.list[p].budget);
-        fprintf(f, "tau lists of %s per layer, compacted:", lab);
-        for (int64_t l = 0; l < r->layers; l++)
-            fprintf(f, " %lld", (long long)ph->lay[l].tau_compacted_rows);
-        fprintf(f, "; over the whole row:");
-        for (int64_t l = 0; l < r->layers; l++)
-            fprintf(f, " %lld", (long long)ph->lay[l].tau_whole_rows);
-        fprintf(f, "\n");
+        report_layers(f, r, &r->ph[p], lab, "tau lists compacted",
+                      offsetof(ekv_model_stats, tau_compacted_rows));
+        report_layers(f, r, &r->ph[p], lab, "tau lists over the whole row",
+                      offsetof(ekv_model_stats, tau_whole_rows));
+        report_layers(f, r, &r->ph[p], lab, "screen lists retried",
+                      offsetof(ekv_model_stats, screen_retry_rows));
+        report_layers(f, r, &r->ph[p], lab, "screen lists keeping every token",
+                      offsetof(ekv_model_stats, screen_all_rows));
     }
 }
 
@@ -358,7 +370,7 @@ static void report_text(FILE *f, const ppl_opts *o, const ppl_result *r, int cod
         fprintf(f, "\n");
     } else {
         fprintf(f, "kv_fraction: not measured on the cuda backend\n");
-        report_tau_paths(f, o, r);
+        report_slow_paths(f, o, r);
     }
     if (t.nl > 0) fprintf(f, "certified: round 2 in %.2f%% of page lists\n", 100.0 * t.r2 / t.nl);
     if (codes)

@@ -135,6 +135,10 @@ typedef struct ekv_model_stats {
                                     pass over the scores)                                     */
     int64_t tau_whole_rows;      /* cuda: rows whose compacted list overflowed too (tau solved
                                     over the whole score row: the slow path)                  */
+    int64_t screen_retry_rows;   /* cuda screened: rows whose screen list overflowed and took the
+                                    retry pass                                                */
+    int64_t screen_all_rows;     /* cuda screened: rows whose retry list overflowed too (every
+                                    token kept: a dense step for that head)                   */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

@@ -107,7 +107,7 @@ struct tau_args : ekv_cuda_shape {
     int64_t *support;
     int64_t *v_rows;
     int32_t *flags;
-    unsigned long long *tau_events; /* the plan's (ekv_cuda_count_tau) or NULL */
+    unsigned long long *slow_paths; /* the plan's (ekv_cuda_count_slow_paths) or NULL */
     float *sup_p; /* support list of the final round: p, V row offset */
     int64_t *sup_off;
     int64_t *sup_count;
@@ -118,8 +118,6 @@ struct tau_args : ekv_cuda_shape {
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
-/* bins of y = z - M over [-1, 0] for an overflowed head's second bound (hist_lower_bound) */
-enum { TAU_HIST_BINS = 2048 };
 /* flags of a head (ekv_cuda_report): tau from the whole score row; from the compacted list */
 enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
 
@@ -167,39 +165,6 @@ __device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z,
     const int64_t count = (int64_t)*s_n;
     __syncthreads(); /* read by all before a later pass resets it */
     return count;
-}
-
-/* A lower bound on tau - M from a histogram of y = z - M over [-1, 0] (one pass over the row,
- * counts in shared memory): every y of bin j is at least e_j = -1 + j / NB, so
- * F(e_k) >= sum_{j >= k} c_j (e_j - e_k)^beta, and where that reaches 1, e_k <= tau - M (F
- * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
- * finds the largest such k (-1 when none: tau - M >= -1 always). Always within two bins of
- * tau - M (docs/math.md §9.1, "A bound from counts"); any alpha > 1. Block-wide. */
-__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
-                                   double *scratch) {
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double y = (double)z[i] - (double)M;
-        if (y >= -1.0) {
-            const int k = (int)((y + 1.0) * TAU_HIST_BINS);
-            atomicAdd(hist + (k < TAU_HIST_BINS ? k : TAU_HIST_BINS - 1), 1u);
-        }
-    }
-    __syncthreads();
-    const double beta = 1.0 / (alpha - 1.0);
-    int lo = -1, hi = TAU_HIST_BINS; /* lo: a bin whose edge is a bound (-1: e = -1) */
-    while (hi - lo > 1) {            /* block-uniform */
-        const int mid = (lo + hi) / 2;
-        double f = 0;
-        for (int j = mid + 1 + threadIdx.x; j < TAU_HIST_BINS; j += blockDim.x)
-            f += hist[j] * pow((double)(j - mid) / TAU_HIST_BINS, beta);
-        if (ekv_block_sum(f, scratch) >= 1.0 + 1e-9) /* a margin for the sum's rounding */
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
 }
 
 /* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
@@ -256,7 +221,10 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
                           fscratch, &s_ncomp);
         if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
-            if (final_round && A.tau_events) atomicAdd(A.tau_events + (nc > A.ccap), 1ull);
+            if (final_round && A.slow_paths)
+                atomicAdd(A.slow_paths +
+                                  (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
+                          1ull);
         }
     }
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
@@ -396,7 +364,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.support = pl->support;
     A.v_rows = pl->v_rows;
     A.flags = pl->flags;
-    A.tau_events = pl->tau_events;
+    A.slow_paths = pl->slow_paths;
     A.sup_p = pl->sup_p;
     A.sup_off = pl->sup_off;
     A.sup_count = pl->sup_count;

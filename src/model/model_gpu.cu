@@ -237,7 +237,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
              {&g->tokens, B * 4},
              {&g->pos, 8 * g->max_seqs},
              {&g->bad, 4},
-             {&g->tau_events, 16 * (int64_t)c->n_layers},
+             {&g->slow_paths, 8 * EKV_SLOW_PATHS * (int64_t)c->n_layers},
              {&g->bseqs, g->views * 4},
              {&g->vbase, g->views * 4},
              {&g->indptr, (g->views + 1) * 8},
@@ -249,10 +249,10 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     if (s) return s;
     GPU_TRY(g, cudaMemset(g->pos, 0, 8 * (size_t)g->max_seqs));
     GPU_TRY(g, cudaMemset(g->bad, 0, 4));
-    GPU_TRY(g, cudaMemset(g->tau_events, 0, 16 * (size_t)c->n_layers));
-    g->tau_host = (unsigned long long *)calloc(2 * (size_t)c->n_layers, 8);
-    g->tau_seen = (unsigned long long *)calloc(2 * (size_t)c->n_layers, 8);
-    if (!g->tau_host || !g->tau_seen)
+    GPU_TRY(g, cudaMemset(g->slow_paths, 0, 8 * EKV_SLOW_PATHS * (size_t)c->n_layers));
+    g->slow_host = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
+    g->slow_seen = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
+    if (!g->slow_host || !g->slow_seen)
         return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model (cuda): out of memory");
     return EKV_OK;
 }
@@ -283,11 +283,11 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
                     g->scores,  g->pparts,    g->qparts, g->qshift,  g->obuf,     g->bad,
                     g->blas_ws, g->bseqs,     g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
                     g->pf_thr,  g->pf_m,      g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
-                    g->pf_cidx, g->tau_events};
+                    g->pf_cidx, g->slow_paths};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
-    free(g->tau_host);
-    free(g->tau_seen);
+    free(g->slow_host);
+    free(g->slow_seen);
     free(g->hpos);
     if (g->blas) cublasDestroy(g->blas);
     if (g->stream) cudaStreamDestroy(g->stream);
@@ -472,16 +472,23 @@ static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
     return EKV_OK;
 }
 
-/* The decode stages' overflowed tau lists of the block (run_block copied the counters) into
- * each layer's stats: what the counters gained since the last block. */
-static void count_tau(ekv_model *m) {
+/* The decode stages' slow paths of the block (run_block copied the counters) into each layer's
+ * stats: what each counter gained since the last block. */
+static void count_slow_paths(ekv_model *m) {
     model_gpu *g = m->gpu;
     for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+        unsigned long long *now = g->slow_host + EKV_SLOW_PATHS * l,
+                           *seen = g->slow_seen + EKV_SLOW_PATHS * l;
+        int64_t d[EKV_SLOW_PATHS];
+        for (int k = 0; k < EKV_SLOW_PATHS; k++) {
+            d[k] = (int64_t)(now[k] - seen[k]);
+            seen[k] = now[k];
+        }
         ekv_model_stats *st = &m->layers[l].stats;
-        st->tau_compacted_rows += (int64_t)(g->tau_host[2 * l] - g->tau_seen[2 * l]);
-        st->tau_whole_rows += (int64_t)(g->tau_host[2 * l + 1] - g->tau_seen[2 * l + 1]);
-        g->tau_seen[2 * l] = g->tau_host[2 * l];
-        g->tau_seen[2 * l + 1] = g->tau_host[2 * l + 1];
+        st->tau_compacted_rows += d[EKV_SLOW_TAU_COMPACTED];
+        st->tau_whole_rows += d[EKV_SLOW_TAU_WHOLE_ROW];
+        st->screen_retry_rows += d[EKV_SLOW_SCREEN_RETRIED];
+        st->screen_all_rows += d[EKV_SLOW_SCREEN_ALL];
     }
 }
 
@@ -500,13 +507,14 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
                                    cudaMemcpyDeviceToHost, g->stream));
     GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
     if (!dense_prefill(m, b))
-        GPU_TRY(g, cudaMemcpyAsync(g->tau_host, g->tau_events, 16 * (size_t)m->cfg.n_layers,
+        GPU_TRY(g, cudaMemcpyAsync(g->slow_host, g->slow_paths,
+                                   8 * EKV_SLOW_PATHS * (size_t)m->cfg.n_layers,
                                    cudaMemcpyDeviceToHost, g->stream));
     GPU_TRY(g, cudaStreamSynchronize(g->stream));
     if (dense_prefill(m, b))
         TRY(count_prefill(m, b));
     else
-        count_tau(m);
+        count_slow_paths(m);
     if (bad)
         return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
                         "model (cuda): attention scores overflowed (not finite) in the prefill "

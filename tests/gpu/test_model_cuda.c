@@ -19,6 +19,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_f16_to_f32 */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -420,11 +421,25 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
     free(lg);
 }
 
-/* The decode stages' overflowed tau lists (docs/architecture.md, "The model on the GPU"): with
- * EKV_DECODE_CANDS = 4 the plan lists 4 candidates per query head, so heads overflow, are
- * compacted or solved over the whole row, and must still give the CPU's logits; the stats
- * count them per layer, at most one per (token through the decode stages, query head). */
-static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
+/* A model's slow-path counters (ekv_model_stats), by name, for check_slow_paths. */
+static const struct {
+    const char *name;
+    size_t at;
+} g_slow[] = {{"tau compacted", offsetof(ekv_model_stats, tau_compacted_rows)},
+              {"tau whole row", offsetof(ekv_model_stats, tau_whole_rows)},
+              {"screen retried", offsetof(ekv_model_stats, screen_retry_rows)},
+              {"screen every token", offsetof(ekv_model_stats, screen_all_rows)}};
+static int64_t slow_count(const ekv_model_stats *s, int k) {
+    return *(const int64_t *)((const char *)s + g_slow[k].at);
+}
+
+/* The decode stages' slow paths (docs/architecture.md, "The model on the GPU"): with
+ * EKV_DECODE_CANDS = 4 the plan lists 4 candidates per query head (and screened keeps 4 per
+ * screen list), so tau lists are compacted or solved over the whole row and screen lists
+ * retried or keep every token, and the logits must still be the CPU's; the stats count them
+ * per layer, at most one of each per (token through the decode stages, query head), and the
+ * layers' counts add up to the model's. */
+static void check_slow_paths(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
     enum { N = 300, STEPS = 8 };
     const mcase c = {method, EKV_DTYPE_F16, 0, 1, N, NULL};
     setenv("EKV_DECODE_CANDS", "4", 1);
@@ -433,11 +448,11 @@ static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_met
     case_logits b;
     const int ok = case_logits_alloc(&b, N, STEPS);
     char what[96], what_dec[96];
+    const char *mn = ekv_method_name(method);
     if (cpu && gpu && ok) {
         g_lossy = 0;
-        snprintf(what, sizeof what, "%s, 4 tau candidates: prefill", ekv_method_name(method));
-        snprintf(what_dec, sizeof what_dec, "%s, 4 tau candidates: decode",
-                 ekv_method_name(method));
+        snprintf(what, sizeof what, "%s, 4 tau candidates: prefill", mn);
+        snprintf(what_dec, sizeof what_dec, "%s, 4 tau candidates: decode", mn);
         prefill_and_decode(ctx, cpu, gpu, tok, N, STEPS, &b, what, what_dec);
         const ekv_model_config *cfg = ekv_model_get_config(gpu);
         /* a dense prefill is the tensor-core kernel, the others run the decode stages */
@@ -445,25 +460,27 @@ static void check_tau_paths(ekv_context *ctx, const int32_t *tok, ekv_select_met
                 (int64_t)(method == EKV_SELECT_DENSE ? STEPS : N + STEPS) * cfg->n_heads;
         ekv_model_stats all, one;
         ekv_model_get_stats(gpu, -1, &all);
-        int64_t comp = 0, whole = 0;
+        int64_t sum[4] = {0, 0, 0, 0};
         for (int32_t l = 0; l < cfg->n_layers; l++) {
             ekv_model_get_stats(gpu, l, &one);
-            CHECK(one.tau_compacted_rows >= 0 && one.tau_whole_rows >= 0 &&
-                          one.tau_compacted_rows + one.tau_whole_rows <= rows,
-                  "%s layer %d: %lld compacted + %lld whole-row tau rows of %lld",
-                  ekv_method_name(method), l, (long long)one.tau_compacted_rows,
-                  (long long)one.tau_whole_rows, (long long)rows);
-            comp += one.tau_compacted_rows;
-            whole += one.tau_whole_rows;
+            for (int k = 0; k < 4; k++) {
+                const int64_t v = slow_count(&one, k);
+                CHECK(v >= 0 && v <= rows, "%s layer %d: %lld rows %s of %lld", mn, l, (long long)v,
+                      g_slow[k].name, (long long)rows);
+                sum[k] += v;
+            }
         }
-        printf("    %s, 4 tau candidates: %lld rows compacted, %lld over the whole row\n",
-               ekv_method_name(method), (long long)comp, (long long)whole);
-        CHECK(comp == all.tau_compacted_rows && whole == all.tau_whole_rows,
-              "%s: the layers' tau rows %lld + %lld, the model's %lld + %lld",
-              ekv_method_name(method), (long long)comp, (long long)whole,
-              (long long)all.tau_compacted_rows, (long long)all.tau_whole_rows);
-        CHECK(comp + whole > 0, "%s: no tau list overflowed with 4 candidates",
-              ekv_method_name(method));
+        printf("    %s, 4 candidates: tau compacted %lld, whole row %lld; screen retried %lld, "
+               "every token %lld\n",
+               mn, (long long)sum[0], (long long)sum[1], (long long)sum[2], (long long)sum[3]);
+        for (int k = 0; k < 4; k++)
+            CHECK(sum[k] == slow_count(&all, k), "%s: the layers' %s %lld, the model's %lld", mn,
+                  g_slow[k].name, (long long)sum[k], (long long)slow_count(&all, k));
+        CHECK(sum[0] + sum[1] > 0, "%s: no tau list overflowed with 4 candidates", mn);
+        if (method == EKV_SELECT_SCREENED)
+            CHECK(sum[2] + sum[3] > 0, "screened: no screen list overflowed with 4 entries");
+        else
+            CHECK(sum[2] + sum[3] == 0, "%s: screen counts without a screen", mn);
     }
     ekv_model_free(cpu);
     ekv_model_free(gpu);
@@ -557,9 +574,9 @@ int main(void) {
     check_truncate(ctx, tok, EKV_SELECT_SCREENED);
     check_truncate(ctx, tok, EKV_SELECT_TOPK);
     check_fused(ctx, tok);
-    check_tau_paths(ctx, tok, EKV_SELECT_DENSE);
-    check_tau_paths(ctx, tok, EKV_SELECT_CERTIFIED);
-    check_tau_paths(ctx, tok, EKV_SELECT_SCREENED);
+    check_slow_paths(ctx, tok, EKV_SELECT_DENSE);
+    check_slow_paths(ctx, tok, EKV_SELECT_CERTIFIED);
+    check_slow_paths(ctx, tok, EKV_SELECT_SCREENED);
     free(graph);
     free(eager);
     ekv_context_free(ctx);
