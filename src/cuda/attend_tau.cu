@@ -117,8 +117,6 @@ struct tau_args : ekv_cuda_shape {
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
-/* flags of a head (ekv_cuda_report): tau from the whole score row; from the compacted list */
-enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
 
 /* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
  * tokens): the kept ccap candidates are a subset of the row, so their threshold is a lower
@@ -191,7 +189,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         nc = compact_above_kept(A, row, A.scores + row * A.cap_tokens, ntok, scratch, fscratch,
                                 &s_ncomp);
         if (threadIdx.x == 0)
-            atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
+            atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
     }
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
