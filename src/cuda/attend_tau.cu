@@ -118,8 +118,6 @@ struct tau_args : ekv_cuda_shape {
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
-/* flags of a head (ekv_cuda_report): tau from the whole score row; from the compacted list */
-enum { FLAG_WHOLE_ROW = 1, FLAG_COMPACTED = 2 };
 
 /* fp32 threshold just below a lower bound lb of tau (a margin for the solves' rounding, then
  * rounded down to the scores' precision): every score above lb is above it */
@@ -220,7 +218,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, scratch,
                           fscratch, &s_ncomp);
         if (threadIdx.x == 0) {
-            atomicOr(&A.flags[row], nc > A.ccap ? FLAG_WHOLE_ROW : FLAG_COMPACTED);
+            atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
             if (final_round && A.slow_paths)
                 atomicAdd(A.slow_paths +
                                   (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),

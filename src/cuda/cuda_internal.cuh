@@ -24,6 +24,10 @@ void ekv_clear_error(ekv_context *ctx);
 double ekv_normal_quantile(double p);
 }
 
+/* The plan's flags of a query head whose tau candidates overflowed the list (attend_tau.cu sets
+ * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
+enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2 };
+
 enum {
     EKV_CUDA_THREADS = 256,    /* threads of the attend/bound/select blocks              */
     EKV_CUDA_CAND_CAP = 16384, /* tau candidates (and support rows) listed per query head */
@@ -63,7 +67,7 @@ struct ekv_cuda_plan {
     double *tau;         /* [B*H]                                                       */
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
-    int32_t *flags;      /* [B*H] bit 0: candidates overflowed (tau from the whole row)  */
+    int32_t *flags;      /* [B*H] EKV_TAU_FLAG_*: how an overflowed head's tau was found  */
     unsigned long long *slow_paths; /* NULL or [EKV_SLOW_PATHS] (ekv_cuda_count_slow_paths) */
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
     int32_t vsplit;      /* splits per query head of the support values kernel (uniform) */

@@ -470,9 +470,9 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
             free(cnt);
             return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaMemcpy: %s", cudaGetErrorString(e));
         }
-        for (int64_t i = 0; i < nh; i++) { /* attend_tau.cu's FLAG_WHOLE_ROW, FLAG_COMPACTED */
-            r->slow_rows += (fl[i] & 1) != 0;
-            r->compacted_rows += (fl[i] & 2) != 0;
+        for (int64_t i = 0; i < nh; i++) {
+            r->slow_rows += (fl[i] & EKV_TAU_FLAG_WHOLE_ROW) != 0;
+            r->compacted_rows += (fl[i] & EKV_TAU_FLAG_COMPACTED) != 0;
         }
         free(fl);
     }
