@@ -119,12 +119,6 @@ struct tau_args : ekv_cuda_shape {
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
 
-/* fp32 threshold just below a lower bound lb of tau (a margin for the solves' rounding, then
- * rounded down to the scores' precision): every score above lb is above it */
-__device__ __forceinline__ float below(double lb) {
-    return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
-}
-
 /* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
  * the support and the max, so tau over them is exact, as over the z >= M - 1 candidates;
  * docs/architecture.md, "Backends") replace the head's list. Returns their count; above ccap
@@ -180,10 +174,10 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
     __syncthreads(); /* every thread has read the kept list before it is overwritten */
     /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 (docs/math.md
      * §0: the kept ones need not hold the max) */
-    float thr = fmaxf(below(kept), below((double)M - 1.0));
+    float thr = fmaxf(bound_f32(kept), bound_f32((double)M - 1.0));
     int64_t nc = compact_above(A, row, z, n, thr, s_n);
     if (nc > A.ccap) {
-        thr = fmaxf(thr, below((double)M + hist_lower_bound(z, n, M, A.alpha, hist, scratch)));
+        thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, scratch)));
         nc = compact_above(A, row, z, n, thr, s_n);
     }
     *t0 = (double)thr - (double)M > -1.0 ? (double)thr - (double)M : -1.0;

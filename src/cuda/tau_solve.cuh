@@ -168,6 +168,13 @@ __device__ double subset_threshold(const float *v, int64_t n, double alpha, doub
     return (double)ms + solve_tau<WARP>(v, n, ms, alpha, scratch);
 }
 
+/* The fp32 threshold just below lb, a lower bound of tau from these solves (less a margin for
+ * their rounding, then rounded down to the scores' precision): every score above lb is above
+ * it, so a list of the scores above it holds the support. */
+__device__ __forceinline__ float bound_f32(double lb) {
+    return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
+}
+
 /* bins of y = z - M over [-1, 0] of hist_lower_bound (its caller's shared array) */
 enum { TAU_HIST_BINS = 2048 };
 

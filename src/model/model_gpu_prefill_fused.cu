@@ -435,8 +435,8 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_ke
 }
 
 /* A warp per row: tau of a row in the round's state from its candidates (docs/math.md §12):
- * all kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding,
- * rounded down to fp32) becomes the row's next threshold, and after the last round the row
+ * all kept, the solve; else the kept ones' threshold (as fp32 just below it: bound_f32)
+ * becomes the row's next threshold, and after the last round the row
  * takes Newton passes. A warp, not a block: a row has at most cap (4096) candidates, and a
  * block per row spent its time in barriers (ncu: as long as a sweep). The candidates are staged
  * in the warp's shared memory when they fit, else read from the buffer. Warp-uniform exits. */
@@ -464,9 +464,9 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
         }
         return;
     }
-    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL) - 1e-6;
+    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL);
     if (lane == 0) {
-        float thr = __double2float_rd(lb);
+        float thr = bound_f32(lb);
         if (A.round && A.thr[row] > thr) thr = A.thr[row];
         A.thr[row] = thr;
         A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
