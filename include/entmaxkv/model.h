@@ -131,8 +131,8 @@ typedef struct ekv_model_stats {
                                     (solved on a second round or by Newton passes)            */
     int64_t prefill_newton_rows; /* fused: rows solved by Newton passes over their keys        */
     int64_t tau_compacted_rows;  /* cuda decode stages: (token, query head, layer) rows whose tau
-                                    candidates overflowed the list and were compacted (one more
-                                    pass over the scores)                                     */
+                                    candidates overflowed the list and were compacted (rebuilt
+                                    from the scores above a lower bound of tau)               */
     int64_t tau_whole_rows;      /* cuda: rows whose compacted list overflowed too (tau solved
                                     over the whole score row: the slow path)                  */
     int64_t screen_retry_rows;   /* cuda screened: rows whose screen list overflowed and took the
