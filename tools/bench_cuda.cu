@@ -724,7 +724,7 @@ static void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, dou
     if (r->rep.slow_rows || r->rep.compacted_rows)
         fprintf(stderr,
                 "entmaxkv bench: query heads whose tau candidates overflowed the list: %lld "
-                "compacted (one more pass over the scores), %lld over the whole row\n",
+                "compacted (rebuilt from the scores above a bound), %lld over the whole row\n",
                 (long long)r->rep.compacted_rows, (long long)r->rep.slow_rows);
     fprintf(out->text, "%9lld %9.4f %9.4f %9.4f %13lld %8.0f %9.2f %9.4f %8d %9.1f\n",
             (long long)c->len, r->ms, r->msmin, r->g_ms, (long long)bytes, gbps, roof, kvfrac,

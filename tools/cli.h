@@ -262,6 +262,10 @@ int model_uses_budget(ekv_select_method m);
 /* "; prefill kernel fused (rows retried R, by Newton passes N)" when the stats hold cuda
  * dense prefill steps (which kernel ran: nothing falls back silently), else nothing. */
 void model_print_prefill_kernel(const ekv_model_stats *st);
+/* "; tau lists compacted C, over the whole row W" when the CUDA decode stages' tau took either
+ * path (ekv_model_stats.tau_compacted_rows, tau_whole_rows), "; screen lists retried R, every
+ * token kept A" when the screen did (screen_retry_rows, screen_all_rows); else nothing */
+void model_print_slow_paths(const ekv_model_stats *st);
 /* "topk 0.0625", "dense": the method as the reports name it. */
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget);
 /* What a model subcommand over a text holds: the text, the context and the model. */

@@ -407,6 +407,15 @@ void model_print_prefill_kernel(const ekv_model_stats *st) {
                (long long)st->prefill_newton_rows);
 }
 
+void model_print_slow_paths(const ekv_model_stats *st) {
+    if (st->tau_compacted_rows || st->tau_whole_rows)
+        printf("; tau lists compacted %lld, over the whole row %lld",
+               (long long)st->tau_compacted_rows, (long long)st->tau_whole_rows);
+    if (st->screen_retry_rows || st->screen_all_rows)
+        printf("; screen lists retried %lld, every token kept %lld",
+               (long long)st->screen_retry_rows, (long long)st->screen_all_rows);
+}
+
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget) {
     if (model_uses_budget(m))
         snprintf(buf, n, "%s %g", ekv_method_name(m), budget);

@@ -11,6 +11,7 @@
  */
 #include "cli.h"
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -141,6 +142,10 @@ static void take_layer_stats(ekv_model *m, int64_t layers, ppl_phase *p) {
         p->lay[l].lists_round2 += s.lists_round2;
         p->lay[l].steps += s.steps;
         p->lay[l].survivors += s.survivors;
+        p->lay[l].tau_compacted_rows += s.tau_compacted_rows;
+        p->lay[l].tau_whole_rows += s.tau_whole_rows;
+        p->lay[l].screen_retry_rows += s.screen_retry_rows;
+        p->lay[l].screen_all_rows += s.screen_all_rows;
     }
     ekv_model_reset_stats(m);
 }
@@ -323,6 +328,36 @@ static double phase0_rate(const ppl_opts *o, const ppl_result *r) {
     return rate(r->pre_fed + r->ph[0].fed, secs);
 }
 
+/* One per-layer line of a phase's slow-path counter (read by field), when any layer has one. */
+static void report_layers(FILE *f, const ppl_result *r, const ppl_phase *ph, const char *lab,
+                          const char *what, size_t field) {
+    int64_t any = 0;
+    for (int64_t l = 0; l < r->layers; l++)
+        any += *(const int64_t *)((const char *)&ph->lay[l] + field);
+    if (!any) return;
+    fprintf(f, "%s per layer, %s:", lab, what);
+    for (int64_t l = 0; l < r->layers; l++)
+        fprintf(f, " %lld", (long long)*(const int64_t *)((const char *)&ph->lay[l] + field));
+    fprintf(f, "\n");
+}
+
+/* Per phase, the CUDA decode stages' slow paths per layer (ekv_model_stats.tau_compacted_rows,
+ * tau_whole_rows, screen_retry_rows, screen_all_rows) that happened. */
+static void report_slow_paths(FILE *f, const ppl_opts *o, const ppl_result *r) {
+    for (int p = 0; p < o->ph.n; p++) {
+        char lab[64];
+        model_method_label(lab, sizeof lab, o->ph.list[p].method, o->ph.list[p].budget);
+        report_layers(f, r, &r->ph[p], lab, "tau lists compacted",
+                      offsetof(ekv_model_stats, tau_compacted_rows));
+        report_layers(f, r, &r->ph[p], lab, "tau lists over the whole row",
+                      offsetof(ekv_model_stats, tau_whole_rows));
+        report_layers(f, r, &r->ph[p], lab, "screen lists retried",
+                      offsetof(ekv_model_stats, screen_retry_rows));
+        report_layers(f, r, &r->ph[p], lab, "screen lists keeping every token",
+                      offsetof(ekv_model_stats, screen_all_rows));
+    }
+}
+
 /* The text report: phase 0 as ppl always printed it, then with a split window the tail's
  * rate and a `ppl ...` line per compare phase (its tokens/s: its tails only). */
 static void report_text(FILE *f, const ppl_opts *o, const ppl_result *r, int codes) {
@@ -333,8 +368,10 @@ static void report_text(FILE *f, const ppl_opts *o, const ppl_result *r, int cod
         fprintf(f, "kv_fraction per layer:");
         for (int64_t l = 0; l < r->layers; l++) fprintf(f, " %.4f", layer_kvf(&r->ph[0].lay[l]));
         fprintf(f, "\n");
-    } else
+    } else {
         fprintf(f, "kv_fraction: not measured on the cuda backend\n");
+        report_slow_paths(f, o, r);
+    }
     if (t.nl > 0) fprintf(f, "certified: round 2 in %.2f%% of page lists\n", 100.0 * t.r2 / t.nl);
     if (codes)
         fprintf(f, "screened: %d-bit key codes, %.1f tokens per head survive the screen\n",

@@ -101,6 +101,7 @@ static void print_phase(const char *what, const char *label, const phase *p, ekv
         printf("; round 2 in %.1f%% of lists",
                100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
     model_print_prefill_kernel(&p->st);
+    model_print_slow_paths(&p->st);
     printf("\n");
 }
 

@@ -105,10 +105,12 @@ static void print_decode(int32_t B, const char *label, int64_t n, double secs, e
            (long long)(n * B), secs, secs > 0 ? (double)(n * B) / secs : 0.0,
            secs > 0 ? (double)n / secs : 0.0);
     if (be == EKV_BACKEND_CUDA) /* the CUDA stages do not count what they read */
-        printf("; KV read not measured on cuda\n");
+        printf("; KV read not measured on cuda");
     else
-        printf("; KV read %.4f of the K+V bytes\n",
+        printf("; KV read %.4f of the K+V bytes",
                st->bytes_kv ? (double)st->bytes_read / (double)st->bytes_kv : 0.0);
+    model_print_slow_paths(st);
+    printf("\n");
 }
 
 int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,

@@ -120,9 +120,10 @@ typedef struct ekv_cuda_report {
                                /* certified's round 0, docs/math.md §9.6)                  */
     int64_t superpage_boxes;   /* output: (superpage, KV head) boxes it read to decide      */
     int64_t compacted_rows;    /* output: query heads whose candidates overflowed the list  */
-                               /* since the last report but whose scores above the kept     */
-                               /* ones' threshold fit it: one more pass over the score row  */
-                               /* (docs/architecture.md, "Backends") */
+                               /* since the last report but whose scores above a lower bound */
+                               /* of tau fit it (the kept ones' threshold, else a           */
+                               /* histogram's: two or three passes over the score row;      */
+                               /* docs/architecture.md, "Backends")                         */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);

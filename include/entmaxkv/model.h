@@ -101,8 +101,8 @@ typedef struct ekv_model_params {
      * otherwise loading fails with EKV_ERR_UNSUPPORTED). On CUDA the weights and the KV caches
      * live on the device; a block of n > 1 tokens with method dense is the tensor-core prefill
      * (exact entmax per query row), any other method runs its decode stages over the block's
-     * prefix views as the CPU does; n = 1 is one decode step. gaussian is refused on CUDA (the
-     * model's ALiBi heads need the CPU's mixture solver). */
+     * prefix views as the CPU does; n = 1 is one decode step. Every method but oracle runs on
+     * CUDA (gaussian's ALiBi mixture solved on the device); oracle is refused. */
     ekv_backend backend;
     int32_t device;        /* cuda: device ordinal (default 0)                                   */
     int32_t cuda_graphs;   /* cuda: 1 (default) = each decode step (n = 1) replays one captured
@@ -130,6 +130,15 @@ typedef struct ekv_model_stats {
     int64_t prefill_retry_rows;  /* fused: (token, head, layer) rows whose candidates overflowed
                                     (solved on a second round or by Newton passes)            */
     int64_t prefill_newton_rows; /* fused: rows solved by Newton passes over their keys        */
+    int64_t tau_compacted_rows;  /* cuda decode stages: (token, query head, layer) rows whose tau
+                                    candidates overflowed the list and were compacted (rebuilt
+                                    from the scores above a lower bound of tau)               */
+    int64_t tau_whole_rows;      /* cuda: rows whose compacted list overflowed too (tau solved
+                                    over the whole score row: the slow path)                  */
+    int64_t screen_retry_rows;   /* cuda screened: rows whose screen list overflowed and took the
+                                    retry pass                                                */
+    int64_t screen_all_rows;     /* cuda screened: rows whose retry list overflowed too (every
+                                    token kept: a dense step for that head)                   */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

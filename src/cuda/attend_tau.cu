@@ -100,13 +100,14 @@ struct tau_args : ekv_cuda_shape {
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores, *split_max;
-    float *cand_z; /* an overflowed head's list is rewritten (compact_above_kept) */
+    float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
     const int32_t *cand_count;
     double *tau;
     int64_t *support;
     int64_t *v_rows;
     int32_t *flags;
+    unsigned long long *slow_paths; /* the plan's (ekv_cuda_count_slow_paths) or NULL */
     float *sup_p; /* support list of the final round: p, V row offset */
     int64_t *sup_off;
     int64_t *sup_count;
@@ -118,23 +119,16 @@ struct tau_args : ekv_cuda_shape {
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
 
-/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
- * tokens): the kept ccap candidates are a subset of the row, so their threshold is a lower
- * bound on tau (docs/math.md §9.1), and one pass over the score row z[0, n) lists the scores
- * above it in the list's place. They hold the support and the max, so tau over them is exact
- * (as over the z >= M - 1 candidates; docs/architecture.md, "Backends"). Returns their count: above ccap they did not fit and the
- * caller takes the whole row. Block-wide, one pass instead of the solver's every iteration
- * scanning the row with one block. */
-__device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const float *z, int64_t n,
-                                      double *scratch, float *fscratch,
-                                      unsigned long long *s_n) {
+/* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
+ * the support and the max, so tau over them is exact, as over the z >= M - 1 candidates;
+ * docs/architecture.md, "Backends") replace the head's list. Returns their count; above ccap
+ * the list holds the first ccap of them. Block-wide; the caller has read the old list. */
+__device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z, int64_t n,
+                                 float thr, unsigned long long *s_n) {
     float *cz = A.cand_z + row * A.ccap;
     int64_t *cs = A.cand_slot + row * A.ccap;
-    const double lb = subset_threshold(cz, A.ccap, A.alpha, scratch, fscratch);
-    /* less a margin for the solve's rounding, rounded down to the scores' fp32 */
-    const float thr = __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
     if (threadIdx.x == 0) *s_n = 0;
-    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    __syncthreads();
     const int lane = threadIdx.x & 31;
     const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
     /* warp-uniform trip count (the ballots); TAU_UNROLL coalesced loads in flight per lane */
@@ -160,19 +154,47 @@ __device__ int64_t compact_above_kept(const tau_args &A, int64_t row, const floa
         }
     }
     __syncthreads();
-    return (int64_t)*s_n;
+    const int64_t count = (int64_t)*s_n;
+    __syncthreads(); /* read by all before a later pass resets it */
+    return count;
+}
+
+/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
+ * tokens): its list rebuilt from the scores above a lower bound of tau, first the kept ccap
+ * candidates' own threshold (a subset of the row: docs/math.md §9.1), and if those do not fit
+ * either, the histogram's (hist_lower_bound, or the first if higher). Returns the count, above
+ * ccap when the list never fit (a support larger than the list, or a run of equal scores);
+ * *t0 the best lower bound of tau - M, where the whole-row solve then starts. Two or three
+ * reads of the row where the solve over the whole row takes one per iteration. */
+__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n, float M,
+                                double *t0, unsigned *hist, double *scratch, float *fscratch,
+                                unsigned long long *s_n) {
+    const double kept =
+            subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
+    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 (docs/math.md
+     * §0: the kept ones need not hold the max) */
+    float thr = fmaxf(bound_f32(kept), bound_f32((double)M - 1.0));
+    int64_t nc = compact_above(A, row, z, n, thr, s_n);
+    if (nc > A.ccap) {
+        thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, scratch)));
+        nc = compact_above(A, row, z, n, thr, s_n);
+    }
+    *t0 = (double)thr - (double)M > -1.0 ? (double)thr - (double)M : -1.0;
+    return nc;
 }
 
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
- * list. A head whose candidates overflowed the list has it rebuilt from the scores above the
- * kept ones' threshold (compact_above_kept); only when those overflow too does it take the
- * whole score row. */
+ * list. A head whose candidates overflowed the list has it rebuilt from the scores above a
+ * lower bound of tau (compact_list); only when those overflow too does it take the whole
+ * score row, the solve starting from that bound. */
 __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     __shared__ float cand[TAU_SMEM_CAND];
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
     __shared__ unsigned long long s_ncomp;
+    __shared__ unsigned hist[TAU_HIST_BINS];
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -185,11 +207,17 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
+    double t0 = -1.0;  /* a lower bound of tau - M where the solve starts (tau_start) */
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        nc = compact_above_kept(A, row, A.scores + row * A.cap_tokens, ntok, scratch, fscratch,
-                                &s_ncomp);
-        if (threadIdx.x == 0)
+        nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, scratch,
+                          fscratch, &s_ncomp);
+        if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
+            if (final_round && A.slow_paths)
+                atomicAdd(A.slow_paths +
+                                  (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
+                          1ull);
+        }
     }
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
@@ -207,7 +235,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         v = A.scores + row * A.cap_tokens;
         nv = ntok;
     }
-    const double t = solve_tau(v, nv, M, A.alpha, scratch);
+    const double t = solve_tau(v, nv, M, A.alpha, scratch, t0);
     const double tau = (double)M + t;
     /* support: count, and on the final round the list (p, V row offset) for the values kernel */
     if (threadIdx.x == 0) s_nsup = 0;
@@ -328,6 +356,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.support = pl->support;
     A.v_rows = pl->v_rows;
     A.flags = pl->flags;
+    A.slow_paths = pl->slow_paths;
     A.sup_p = pl->sup_p;
     A.sup_off = pl->sup_off;
     A.sup_count = pl->sup_count;

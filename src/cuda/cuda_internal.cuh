@@ -68,6 +68,7 @@ struct ekv_cuda_plan {
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
     int32_t *flags;      /* [B*H] EKV_TAU_FLAG_*: how an overflowed head's tau was found  */
+    unsigned long long *slow_paths; /* NULL or [EKV_SLOW_PATHS] (ekv_cuda_count_slow_paths) */
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
     int32_t vsplit;      /* splits per query head of the support values kernel (uniform) */
     int32_t usplit;      /* splits per KV head of the group-union values kernel (uniform) */
@@ -106,6 +107,24 @@ struct ekv_cuda_plan {
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
 };
+
+/* The slower paths of a decode step that a caller may count, one per (step, query head):
+ * the tau kernel's list compacted or solved over the whole row (attend_tau.cu), the screen's
+ * list overflowed and retried, or kept every token (screen.cu). */
+enum {
+    EKV_SLOW_TAU_COMPACTED,
+    EKV_SLOW_TAU_WHOLE_ROW,
+    EKV_SLOW_SCREEN_RETRIED,
+    EKV_SLOW_SCREEN_ALL,
+    EKV_SLOW_PATHS
+};
+
+/* Where the next steps' kernels count their slow paths: events[EKV_SLOW_*] on the device; NULL
+ * stops counting. Launches read the pointer, so each captured graph node keeps the one it was
+ * captured with (the model points it at each layer's counters). */
+static inline void ekv_cuda_count_slow_paths(ekv_cuda_plan *pl, unsigned long long *events) {
+    pl->slow_paths = events;
+}
 
 /* Calls f(std::integral_constant<int, TG>{}) with the smallest compiled group tile TG >= G (1,
  * 2, 4, 8 or EKV_CUDA_MAX_GROUP): every kernel templated on the group is launched through this

@@ -415,6 +415,7 @@ struct taul_args : ekv_cuda_shape {
     const float *scl, *scu;
     const int32_t *sct;
     uint32_t *marks;     /* [B*H] 1: the first list overflowed, 2: the retry's too */
+    unsigned long long *slow_paths; /* the plan's (ekv_cuda_count_slow_paths) or NULL */
     uint32_t *sbits;     /* [B*Hk][cap_words] */
     int64_t *survivors;  /* [B*Hk] */
     int32_t *cand_count; /* [B*H] zeroed here for the row scores kernel */
@@ -431,13 +432,19 @@ __device__ __forceinline__ uint32_t word_mask(int64_t w, int64_t N) {
 __global__ void __launch_bounds__(TAUL_THREADS) taul_kernel(taul_args A) {
     __shared__ float cand[TAUL_SMEM];
     __shared__ double scratch[128];
+    __shared__ unsigned hist[TAU_HIST_BINS];
     __shared__ int s_nk;
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), kvh = (int)(row % A.H) / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     if (threadIdx.x == 0) A.cand_count[row] = 0;
     const int64_t n1 = A.scount[row], n = n1 > A.scap ? A.scount2[row] : n1; /* retry's list */
-    if (threadIdx.x == 0) A.marks[row] = (n1 > A.scap ? 1u : 0u) | (n > A.scap ? 2u : 0u);
+    if (threadIdx.x == 0) {
+        A.marks[row] = (n1 > A.scap ? 1u : 0u) | (n > A.scap ? 2u : 0u);
+        if (A.slow_paths && n1 > A.scap)
+            atomicAdd(A.slow_paths + (n > A.scap ? EKV_SLOW_SCREEN_ALL : EKV_SLOW_SCREEN_RETRIED),
+                      1ull);
+    }
     const float M = ekv_key_float(A.lkey[row]);
     uint32_t *bits = A.sbits + (int64_t)lrow * A.cap_words;
     double cnt = 0;
@@ -464,7 +471,11 @@ __global__ void __launch_bounds__(TAUL_THREADS) taul_kernel(taul_args A) {
         const int64_t nv = nk <= TAUL_SMEM ? nk : n;
         double tl = -HUGE_VAL; /* no finite l: nothing is dropped */
         if (M > -CUDART_INF_F && nv > 0) {
-            const double tau = (double)M + solve_tau(v, nv, M, A.alpha, scratch);
+            /* a flat head's solve over the whole list starts from the count bound (docs/math.md
+             * §9.1), not from M - 1: each of its iterations is a pass over the list */
+            const double t0 =
+                    nk > TAUL_SMEM ? hist_lower_bound(lv, n, M, A.alpha, hist, scratch) : -1.0;
+            const double tau = (double)M + solve_tau(v, nv, M, A.alpha, scratch, t0);
             tl = tau - 1e-12 * (1.0 + fabs(tau)); /* the solve's tolerance (docs/math.md §10.3) */
         }
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -684,6 +695,7 @@ ekv_status launch_survivors(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     T.scount = pl->scr_state + 2 * BH;
     T.scount2 = pl->scr_state + 3 * BH;
     T.marks = pl->scr_state + 4 * BH;
+    T.slow_paths = pl->slow_paths;
     T.scl = pl->scl;
     T.scu = pl->scu;
     T.sct = pl->sct;

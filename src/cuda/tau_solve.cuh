@@ -1,7 +1,8 @@
 /*
  * The entmax threshold solver of the GPU backend (docs/math.md §0, §9.8): tau - M over a set
  * of scores (candidates or a whole row) with M their max, by one block, or with WARP by one
- * warp (a set of a few thousand values: no barriers, many rows per block). Shared by the attend
+ * warp (a set of a few thousand values: no barriers, many rows per block), and a lower bound
+ * on it from a histogram of the scores for sets too large to solve fast. Shared by the attend
  * stage's tau kernel (attend_tau.cu), the screen's tau of the lower bounds (screen.cu) and the
  * prefill's (model_gpu_prefill*.cu).
  */
@@ -134,12 +135,14 @@ __device__ __forceinline__ int tau_step(double alpha, const tau_sums &s, double 
 /* The iteration cap of the solver for alpha. */
 __device__ __forceinline__ int tau_max_iters(double alpha) { return alpha == 1.5 ? 100 : 200; }
 
-/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1;
- * scratch: shared memory of 128 doubles (unused with WARP) */
+/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1,
+ * from t0, a lower bound of it (-1 always is one); scratch: shared memory of 128 doubles
+ * (unused with WARP) */
 template <bool WARP = false>
-__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch) {
+__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch,
+                            double t0 = -1.0) {
     const double beta = 1.0 / (alpha - 1.0);
-    tau_iter it = tau_start(-1.0);
+    tau_iter it = tau_start(t0);
     const int cap = tau_max_iters(alpha);
     for (int k = 0; k < cap; k++) {
         tau_sums s = {0, 0, 0, 0};
@@ -163,6 +166,49 @@ __device__ double subset_threshold(const float *v, int64_t n, double alpha, doub
     for (int64_t k = solver_rank<WARP>(); k < n; k += solver_size<WARP>()) ms = fmaxf(ms, v[k]);
     ms = WARP ? ekv_warp_max(ms) : ekv_block_max(ms, fscratch, -INFINITY);
     return (double)ms + solve_tau<WARP>(v, n, ms, alpha, scratch);
+}
+
+/* The fp32 threshold just below lb, a lower bound of tau from these solves (less a margin for
+ * their rounding, then rounded down to the scores' precision): every score above lb is above
+ * it, so a list of the scores above it holds the support. */
+__device__ __forceinline__ float bound_f32(double lb) {
+    return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
+}
+
+/* bins of y = z - M over [-1, 0] of hist_lower_bound (its caller's shared array) */
+enum { TAU_HIST_BINS = 2048 };
+
+/* A lower bound on tau - M from a histogram of y = z - M over [-1, 0] (one pass over the row,
+ * counts in shared memory): every y of bin j is at least e_j = -1 + j / NB, so
+ * F(e_k) >= sum_{j >= k} c_j (e_j - e_k)^beta, and where that reaches 1, e_k <= tau - M (F
+ * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
+ * finds the largest such k (-1 when none: tau - M >= -1 always). Always within two bins of
+ * tau - M (docs/math.md §9.1, "A bound from counts"); any alpha > 1. Block-wide. */
+__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
+                                   double *scratch) {
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double y = (double)z[i] - (double)M;
+        if (y >= -1.0) {
+            const int k = (int)((y + 1.0) * TAU_HIST_BINS);
+            atomicAdd(hist + (k < TAU_HIST_BINS ? k : TAU_HIST_BINS - 1), 1u);
+        }
+    }
+    __syncthreads();
+    const double beta = 1.0 / (alpha - 1.0);
+    int lo = -1, hi = TAU_HIST_BINS; /* lo: a bin whose edge is a bound (-1: e = -1) */
+    while (hi - lo > 1) {            /* block-uniform */
+        const int mid = (lo + hi) / 2;
+        double f = 0;
+        for (int j = mid + 1 + threadIdx.x; j < TAU_HIST_BINS; j += blockDim.x)
+            f += hist[j] * pow((double)(j - mid) / TAU_HIST_BINS, beta);
+        if (ekv_block_sum(f, scratch) >= 1.0 + 1e-9) /* a margin for the sum's rounding */
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
 }
 
 } // namespace

@@ -127,13 +127,17 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     return EKV_OK;
 }
 
-/* The fused prefill's candidates per row: EKV_PREFILL_CANDS (1 .. 8192, a test's way to make
- * rows overflow, docs/architecture.md), else 4096 (the GEMM path's row kernel keeps as many). */
-static int32_t fused_cand_cap(void) {
-    const char *e = getenv("EKV_PREFILL_CANDS");
+/* A test's list size from the environment (docs/architecture.md): name's value in [1, most],
+ * else dflt. */
+static int32_t env_list_size(const char *name, long most, int32_t dflt) {
+    const char *e = getenv(name);
     const long v = e ? strtol(e, NULL, 10) : 0;
-    return v >= 1 && v <= 8192 ? (int32_t)v : 4096;
+    return v >= 1 && v <= most ? (int32_t)v : dflt;
 }
+
+/* The fused prefill's candidates per row: EKV_PREFILL_CANDS (1 .. 8192, a test's way to make
+ * rows overflow), else 4096 (the GEMM path's row kernel keeps as many). */
+static int32_t fused_cand_cap(void) { return env_list_size("EKV_PREFILL_CANDS", 8192, 4096); }
 
 /* The fused prefill's buffers: per row of a block its candidates and state, per layer the
  * counts of rows retried and solved by Newton passes. */
@@ -208,6 +212,9 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     pp.head_dim = c->head_dim;
     pp.page_size = m->prm.page_size;
     pp.max_pages_per_seq = g->pages;
+    /* EKV_DECODE_CANDS (1 .. 16384): a test's way to make the decode stages' tau lists
+     * overflow; else the plan's default */
+    pp.max_candidates = env_list_size("EKV_DECODE_CANDS", 16384, (int32_t)pp.max_candidates);
     ekv_status s = ekv_cuda_plan_create(m->ctx, &pp, &g->plan);
     if (s) return s;
     g->views = pp.max_batch;
@@ -230,6 +237,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
              {&g->tokens, B * 4},
              {&g->pos, 8 * g->max_seqs},
              {&g->bad, 4},
+             {&g->slow_paths, 8 * EKV_SLOW_PATHS * (int64_t)c->n_layers},
              {&g->bseqs, g->views * 4},
              {&g->vbase, g->views * 4},
              {&g->indptr, (g->views + 1) * 8},
@@ -241,6 +249,11 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     if (s) return s;
     GPU_TRY(g, cudaMemset(g->pos, 0, 8 * (size_t)g->max_seqs));
     GPU_TRY(g, cudaMemset(g->bad, 0, 4));
+    GPU_TRY(g, cudaMemset(g->slow_paths, 0, 8 * EKV_SLOW_PATHS * (size_t)c->n_layers));
+    g->slow_host = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
+    g->slow_seen = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
+    if (!g->slow_host || !g->slow_seen)
+        return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model (cuda): out of memory");
     return EKV_OK;
 }
 
@@ -264,15 +277,17 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
             free_host_mirror(L);
         }
     free(g->layers);
-    void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens,  g->pos,      g->x,
-                    g->xn,      g->q,       g->k,      g->v,       g->att,      g->h1,
-                    g->h3,      g->logits,  g->indptr, g->indices, g->last_len, g->items,
-                    g->scores,  g->pparts,  g->qparts, g->qshift,  g->obuf,     g->bad,
-                    g->blas_ws, g->bseqs,   g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
-                    g->pf_thr,  g->pf_m,    g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
-                    g->pf_cidx};
+    void *bufs[] = {g->weights, g->vectors,   g->slopes, g->tokens,  g->pos,      g->x,
+                    g->xn,      g->q,         g->k,      g->v,       g->att,      g->h1,
+                    g->h3,      g->logits,    g->indptr, g->indices, g->last_len, g->items,
+                    g->scores,  g->pparts,    g->qparts, g->qshift,  g->obuf,     g->bad,
+                    g->blas_ws, g->bseqs,     g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
+                    g->pf_thr,  g->pf_m,      g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
+                    g->pf_cidx, g->slow_paths};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
+    free(g->slow_host);
+    free(g->slow_seen);
     free(g->hpos);
     if (g->blas) cublasDestroy(g->blas);
     if (g->stream) cudaStreamDestroy(g->stream);
@@ -457,6 +472,26 @@ static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
     return EKV_OK;
 }
 
+/* The decode stages' slow paths of the block (run_block copied the counters) into each layer's
+ * stats: what each counter gained since the last block. */
+static void count_slow_paths(ekv_model *m) {
+    model_gpu *g = m->gpu;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+        unsigned long long *now = g->slow_host + EKV_SLOW_PATHS * l,
+                           *seen = g->slow_seen + EKV_SLOW_PATHS * l;
+        int64_t d[EKV_SLOW_PATHS];
+        for (int k = 0; k < EKV_SLOW_PATHS; k++) {
+            d[k] = (int64_t)(now[k] - seen[k]);
+            seen[k] = now[k];
+        }
+        ekv_model_stats *st = &m->layers[l].stats;
+        st->tau_compacted_rows += d[EKV_SLOW_TAU_COMPACTED];
+        st->tau_whole_rows += d[EKV_SLOW_TAU_WHOLE_ROW];
+        st->screen_retry_rows += d[EKV_SLOW_SCREEN_RETRIED];
+        st->screen_all_rows += d[EKV_SLOW_SCREEN_ALL];
+    }
+}
+
 /* One block: its tokens to the device, the forward pass (a replayed graph for one token of
  * one sequence), the logits back; the host waits here only. */
 static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tokens,
@@ -471,8 +506,15 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
         GPU_TRY(g, cudaMemcpyAsync(logits, g->logits, (size_t)(b->T * m->cfg.vocab) * 4,
                                    cudaMemcpyDeviceToHost, g->stream));
     GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
+    if (!dense_prefill(m, b))
+        GPU_TRY(g, cudaMemcpyAsync(g->slow_host, g->slow_paths,
+                                   8 * EKV_SLOW_PATHS * (size_t)m->cfg.n_layers,
+                                   cudaMemcpyDeviceToHost, g->stream));
     GPU_TRY(g, cudaStreamSynchronize(g->stream));
-    if (dense_prefill(m, b)) TRY(count_prefill(m, b));
+    if (dense_prefill(m, b))
+        TRY(count_prefill(m, b));
+    else
+        count_slow_paths(m);
     if (bad)
         return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
                         "model (cuda): attention scores overflowed (not finite) in the prefill "

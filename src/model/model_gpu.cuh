@@ -16,6 +16,7 @@ extern "C" {
 }
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include "../cuda/cuda_internal.cuh" /* the plan (EKV_SLOW_*, ekv_cuda_count_slow_paths) */
 
 /* The device copy of one layer: weights (fp32, into model_gpu.weights) and its KV cache. The
  * cache holds max_seqs sequences; logical page p of sequence s is physical page s*pages + p,
@@ -85,6 +86,12 @@ struct model_gpu {
     unsigned long long *pf_rows; /* [n_layers][2] rows retried, rows solved by Newton passes */
     int32_t *pf_wlist;  /* [2][H * chunk] the rows of a retry or Newton pass, per KV head     */
     int32_t *pf_wcount; /* [2][n_kv_heads] their counts                                      */
+    /* the decode stages' slow paths over the blocks' views, per layer (EKV_SLOW_*,
+     * docs/architecture.md, "The model on the GPU"): cumulative on the device, read after each
+     * block into the layers' stats */
+    unsigned long long *slow_paths; /* [n_layers][EKV_SLOW_PATHS] device */
+    unsigned long long *slow_host;  /* [n_layers][EKV_SLOW_PATHS] this block's copy */
+    unsigned long long *slow_seen;  /* [n_layers][EKV_SLOW_PATHS] those already in the stats */
     cudaGraphExec_t graph;
     int graph_ready;
     int32_t graph_seq; /* the sequence the captured step advances */

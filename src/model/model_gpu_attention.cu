@@ -31,5 +31,8 @@ ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
     const ekv_decode_params dp = ekv_model_decode_params(&m->cfg, g->slopes);
     const ekv_select_params sp = gpu_select(m, b);
     const ekv_page_table tab = {(int32_t)b->T, g->indptr, g->indices, g->last_len};
-    return ekv_cuda_decode(g->plan, &dp, &sp, &L->kv, &L->st, &tab, g->q, g->att);
+    ekv_cuda_count_slow_paths(g->plan, g->slow_paths + EKV_SLOW_PATHS * (L - g->layers));
+    const ekv_status s = ekv_cuda_decode(g->plan, &dp, &sp, &L->kv, &L->st, &tab, g->q, g->att);
+    ekv_cuda_count_slow_paths(g->plan, NULL);
+    return s;
 }

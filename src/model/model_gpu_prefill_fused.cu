@@ -66,12 +66,11 @@ struct fused_args : prefill_args {
 };
 
 template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
-/* the q tile [np][PF_ROWS][pitch] is read into registers before the stages reuse its memory;
- * then the row counters */
+/* the q tile [np][PF_ROWS][pitch] is read into registers before the stages reuse its memory */
 template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused_smem_bytes() {
     constexpr size_t q = (size_t)NP * PF_ROWS * mma_qpitch<D>() * 2,
                      st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
-    return (q > st ? q : st) + PF_ROWS * 4;
+    return q > st ? q : st;
 }
 
 /* The lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): global row g R + r (-1
@@ -236,12 +235,29 @@ __device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
                         });
 }
 
+/* The exclusive prefix sum of c over the 4 lanes of a quad (the lanes of one query row), and
+ * in *total their sum. Every lane of the warp calls it. */
+__device__ __forceinline__ int quad_exclusive(int c, int *total) {
+    const int q = threadIdx.x & 3;
+    int v = c, t = __shfl_up_sync(0xffffffffu, v, 1, 4);
+    if (q >= 1) v += t;
+    t = __shfl_up_sync(0xffffffffu, v, 2, 4);
+    if (q >= 2) v += t;
+    *total = __shfl_sync(0xffffffffu, v, 3, 4);
+    return v - c;
+}
+
 /* Step 1: the candidates of the rows in the round's state (round 0: every row, threshold the
- * running max - 1, less a slack for the float subtraction; later rounds: the row's thr). */
+ * running max - 1, less a slack for the float subtraction; later rounds: the row's thr). A row
+ * belongs to one quad, so its count lives in the quad's registers and each tile's candidates
+ * take consecutive slots by a prefix sum over the quad (no atomics: with heads without
+ * position most keys lie within 1 of the max, one shared atomic per key was the old cost), in
+ * a fixed order. */
 template <typename T, int D, int NP>
 __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
-                           unsigned char *stages, int *cnt) {
-    const int lane = threadIdx.x & 31, base = (threadIdx.x >> 5) * 16 + (lane >> 2);
+                           unsigned char *stages) {
+    const int lane = threadIdx.x & 31;
+    int n[2] = {0, 0}; /* the row's candidates so far, the same in its quad's lanes */
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
     for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
     int bad = 0;
@@ -258,24 +274,34 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
             }
         }
 #pragma unroll
-        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+        for (int k = 0; k < 2; k++) {
+            unsigned m = 0; /* the lane's candidates of row k in the tile: bit 2 n8 + b */
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int k = i >> 1;
-                if (L.on[k] && s[n8][i] > thr[k]) {
-                    const int at = atomicAdd(cnt + base + 8 * k, 1);
-                    if (at < A.cap) { /* the key: tile_z's layout */
-                        A.cand[L.row[k] * A.cap + at] = s[n8][i];
-                        A.cidx[L.row[k] * A.cap + at] = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int b = 0; b < 2; b++)
+                    m |= (unsigned)(L.on[k] && s[n8][2 * k + b] > thr[k]) << (2 * n8 + b);
+            int total;
+            int at = n[k] + quad_exclusive(__popc(m), &total);
+            n[k] += total;
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int b = 0; b < 2; b++)
+                    if ((m >> (2 * n8 + b)) & 1u) {
+                        if (at < A.cap) { /* the key: tile_z's layout */
+                            A.cand[L.row[k] * A.cap + at] = s[n8][2 * k + b];
+                            A.cidx[L.row[k] * A.cap + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
+                        }
+                        at++;
                     }
-                }
-            }
+        }
     };
     sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad, use);
     if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
     if ((lane & 3) == 0)
         for (int k = 0; k < 2; k++)
-            if (L.on[k]) A.count[L.row[k]] = cnt[base + 8 * k];
+            if (L.on[k]) A.count[L.row[k]] = n[k];
 }
 
 /* Step 2: the rows in ROW_NEWTON, exactly: their max, then tau_step from their threshold, each
@@ -386,8 +412,14 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     }
 }
 
+/* Blocks per SM the registers must allow: the sweeps are latency-bound (ncu: the tensor pipe
+ * busy 10-15 %), and without a bound ptxas took 255 registers (2 blocks of 4 warps per SM) and
+ * spilled anyway; at 3 the candidate and Newton passes take 168 (f16, D 64: 52 and 204 bytes of
+ * spill stores). The output pass keeps 2 (its P V accumulators). */
+template <int MODE> constexpr int fused_min_blocks() { return MODE == PF_OUT ? 2 : 3; }
+
 template <typename T, int D, int NP, int MODE>
-__global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
+__global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_kernel(fused_args A) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
                      : MODE == PF_NEWTON ? ROW_NEWTON
@@ -395,19 +427,16 @@ __global__ void __launch_bounds__(PF_THREADS) fused_kernel(fused_args A) {
                                          : ROW_FRESH;
     const pf_lane L = lane_rows(A, want);
     if (!__syncthreads_or(L.on[0] || L.on[1])) return;
-    int *cnt = reinterpret_cast<int *>(smem_raw + fused_smem_bytes<D, NP, MODE == PF_OUT>() -
-                                       PF_ROWS * 4);
-    if (threadIdx.x < PF_ROWS) cnt[threadIdx.x] = 0;
     uint32_t qa[NP][D / 16][4];
     load_queries<T, D, NP>(A, reinterpret_cast<T *>(smem_raw), qa);
-    if (MODE == PF_CANDS) pass_cands<T, D, NP>(A, L, qa, smem_raw, cnt);
+    if (MODE == PF_CANDS) pass_cands<T, D, NP>(A, L, qa, smem_raw);
     if (MODE == PF_NEWTON) pass_newton<T, D, NP>(A, L, qa, smem_raw);
     if (MODE == PF_OUT) pass_out<T, D, NP>(A, L, qa, smem_raw);
 }
 
 /* A warp per row: tau of a row in the round's state from its candidates (docs/math.md §12):
- * all kept, the solve; else the kept ones' threshold (less 1e-6 for the solve's rounding,
- * rounded down to fp32) becomes the row's next threshold, and after the last round the row
+ * all kept, the solve; else the kept ones' threshold (as fp32 just below it: bound_f32)
+ * becomes the row's next threshold, and after the last round the row
  * takes Newton passes. A warp, not a block: a row has at most cap (4096) candidates, and a
  * block per row spent its time in barriers (ncu: as long as a sweep). The candidates are staged
  * in the warp's shared memory when they fit, else read from the buffer. Warp-uniform exits. */
@@ -435,9 +464,9 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
         }
         return;
     }
-    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL) - 1e-6;
+    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL);
     if (lane == 0) {
-        float thr = __double2float_rd(lb);
+        float thr = bound_f32(lb);
         if (A.round && A.thr[row] > thr) thr = A.thr[row];
         A.thr[row] = thr;
         A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;

@@ -19,6 +19,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_f16_to_f32 */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -112,30 +113,58 @@ static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
     return load_kernel(ctx, c, be, EKV_PREFILL_AUTO);
 }
 
-/* Prefill then greedy decode on both engines (the CPU's argmax feeds both); the GPU's decode
- * logits into dec_out when not NULL. */
+/* The logits of a case on both engines: the prompt's rows and the decode steps'. */
+typedef struct {
+    float *lc, *lg, *dc, *dg;
+} case_logits;
+
+static int case_logits_alloc(case_logits *b, int64_t rows, int64_t steps) {
+    b->lc = malloc(sizeof(float) * (size_t)(rows * V));
+    b->lg = malloc(sizeof(float) * (size_t)(rows * V));
+    b->dc = malloc(sizeof(float) * (size_t)(steps * V));
+    b->dg = malloc(sizeof(float) * (size_t)(steps * V));
+    return b->lc && b->lg && b->dc && b->dg;
+}
+
+static void case_logits_free(case_logits *b) {
+    free(b->lc);
+    free(b->lg);
+    free(b->dc);
+    free(b->dg);
+}
+
+/* tok[0, n) as one block on both engines, then `steps` greedy steps (the CPU's argmax feeds
+ * both), the GPU's rows compared with the CPU's under the two names. */
+static void prefill_and_decode(ekv_context *ctx, ekv_model *cpu, ekv_model *gpu, const int32_t *tok,
+                               int64_t n, int steps, const case_logits *b, const char *prefill_what,
+                               const char *decode_what) {
+    CHECK(!ekv_model_step(cpu, tok, n, b->lc), "cpu prefill: %s", ekv_last_error(ctx));
+    CHECK(!ekv_model_step(gpu, tok, n, b->lg), "gpu prefill: %s", ekv_last_error(ctx));
+    compare(prefill_what, b->lg, b->lc, n);
+    int32_t next = argmax(b->lc + (n - 1) * V);
+    for (int s = 0; s < steps; s++) {
+        CHECK(!ekv_model_step(cpu, &next, 1, b->dc + s * V), "cpu step: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, &next, 1, b->dg + s * V), "gpu step: %s", ekv_last_error(ctx));
+        next = argmax(b->dc + s * V);
+    }
+    compare(decode_what, b->dg, b->dc, steps);
+}
+
+/* Prefill then greedy decode on both engines; the GPU's decode logits into dec_out when not
+ * NULL. */
 static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float *dec_out) {
     ekv_model *cpu = load(ctx, c, EKV_BACKEND_CPU), *gpu = load(ctx, c, EKV_BACKEND_CUDA);
     g_lossy = c->method == EKV_SELECT_TOPK || c->method == EKV_SELECT_GAUSSIAN;
-    float *lc = malloc(sizeof(float) * (size_t)(c->prefill * V)),
-          *lg = malloc(sizeof(float) * (size_t)(c->prefill * V));
-    float *dc = malloc(sizeof(float) * DECODE * V), *dg = malloc(sizeof(float) * DECODE * V);
-    char what[96];
-    if (cpu && gpu && lc && lg && dc && dg) {
-        CHECK(!ekv_model_step(cpu, tok, c->prefill, lc), "cpu prefill: %s", ekv_last_error(ctx));
-        CHECK(!ekv_model_step(gpu, tok, c->prefill, lg), "gpu prefill: %s", ekv_last_error(ctx));
+    case_logits b;
+    const int ok = case_logits_alloc(&b, c->prefill > MORE ? c->prefill : MORE, DECODE);
+    float *lc = b.lc, *lg = b.lg, *dg = b.dg;
+    char what[96], what_dec[96];
+    if (cpu && gpu && ok) {
         snprintf(what, sizeof what, "%s%s %s chunk %lld prefill", c->path ? "tiny " : "",
                  ekv_method_name(c->method), ekv_dtype_name(c->kv), (long long)c->chunk);
-        compare(what, lg, lc, c->prefill);
-        int32_t next = argmax(lc + (c->prefill - 1) * V);
-        for (int s = 0; s < DECODE; s++) {
-            CHECK(!ekv_model_step(cpu, &next, 1, dc + s * V), "cpu step: %s", ekv_last_error(ctx));
-            CHECK(!ekv_model_step(gpu, &next, 1, dg + s * V), "gpu step: %s", ekv_last_error(ctx));
-            next = argmax(dc + s * V);
-        }
-        snprintf(what, sizeof what, "%s %s decode%s", ekv_method_name(c->method),
+        snprintf(what_dec, sizeof what_dec, "%s %s decode%s", ekv_method_name(c->method),
                  ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)");
-        compare(what, dg, dc, DECODE);
+        prefill_and_decode(ctx, cpu, gpu, tok, c->prefill, DECODE, &b, what, what_dec);
         /* a second block after the decode steps: it starts inside a page */
         CHECK(!ekv_model_step(cpu, tok + 100, MORE, lc), "cpu block: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gpu, tok + 100, MORE, lg), "gpu block: %s", ekv_last_error(ctx));
@@ -148,10 +177,7 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
     }
     ekv_model_free(cpu);
     ekv_model_free(gpu);
-    free(lc);
-    free(lg);
-    free(dc);
-    free(dg);
+    case_logits_free(&b);
 }
 
 /* ekv_model_seq_truncate on the GPU: after a prefill and 8 decode steps, back to the prompt's
@@ -395,6 +421,72 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
     free(lg);
 }
 
+/* A model's slow-path counters (ekv_model_stats), by name, for check_slow_paths. */
+static const struct {
+    const char *name;
+    size_t at;
+} g_slow[] = {{"tau compacted", offsetof(ekv_model_stats, tau_compacted_rows)},
+              {"tau whole row", offsetof(ekv_model_stats, tau_whole_rows)},
+              {"screen retried", offsetof(ekv_model_stats, screen_retry_rows)},
+              {"screen every token", offsetof(ekv_model_stats, screen_all_rows)}};
+static int64_t slow_count(const ekv_model_stats *s, int k) {
+    return *(const int64_t *)((const char *)s + g_slow[k].at);
+}
+
+/* The decode stages' slow paths (docs/architecture.md, "The model on the GPU"): with
+ * EKV_DECODE_CANDS = 4 the plan lists 4 candidates per query head (and screened keeps 4 per
+ * screen list), so tau lists are compacted or solved over the whole row and screen lists
+ * retried or keep every token, and the logits must still be the CPU's; the stats count them
+ * per layer, at most one of each per (token through the decode stages, query head), and the
+ * layers' counts add up to the model's. */
+static void check_slow_paths(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
+    enum { N = 300, STEPS = 8 };
+    const mcase c = {method, EKV_DTYPE_F16, 0, 1, N, NULL};
+    setenv("EKV_DECODE_CANDS", "4", 1);
+    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
+    unsetenv("EKV_DECODE_CANDS");
+    case_logits b;
+    const int ok = case_logits_alloc(&b, N, STEPS);
+    char what[96], what_dec[96];
+    const char *mn = ekv_method_name(method);
+    if (cpu && gpu && ok) {
+        g_lossy = 0;
+        snprintf(what, sizeof what, "%s, 4 tau candidates: prefill", mn);
+        snprintf(what_dec, sizeof what_dec, "%s, 4 tau candidates: decode", mn);
+        prefill_and_decode(ctx, cpu, gpu, tok, N, STEPS, &b, what, what_dec);
+        const ekv_model_config *cfg = ekv_model_get_config(gpu);
+        /* a dense prefill is the tensor-core kernel, the others run the decode stages */
+        const int64_t rows =
+                (int64_t)(method == EKV_SELECT_DENSE ? STEPS : N + STEPS) * cfg->n_heads;
+        ekv_model_stats all, one;
+        ekv_model_get_stats(gpu, -1, &all);
+        int64_t sum[4] = {0, 0, 0, 0};
+        for (int32_t l = 0; l < cfg->n_layers; l++) {
+            ekv_model_get_stats(gpu, l, &one);
+            for (int k = 0; k < 4; k++) {
+                const int64_t v = slow_count(&one, k);
+                CHECK(v >= 0 && v <= rows, "%s layer %d: %lld rows %s of %lld", mn, l, (long long)v,
+                      g_slow[k].name, (long long)rows);
+                sum[k] += v;
+            }
+        }
+        printf("    %s, 4 candidates: tau compacted %lld, whole row %lld; screen retried %lld, "
+               "every token %lld\n",
+               mn, (long long)sum[0], (long long)sum[1], (long long)sum[2], (long long)sum[3]);
+        for (int k = 0; k < 4; k++)
+            CHECK(sum[k] == slow_count(&all, k), "%s: the layers' %s %lld, the model's %lld", mn,
+                  g_slow[k].name, (long long)sum[k], (long long)slow_count(&all, k));
+        CHECK(sum[0] + sum[1] > 0, "%s: no tau list overflowed with 4 candidates", mn);
+        if (method == EKV_SELECT_SCREENED)
+            CHECK(sum[2] + sum[3] > 0, "screened: no screen list overflowed with 4 entries");
+        else
+            CHECK(sum[2] + sum[3] == 0, "%s: screen counts without a screen", mn);
+    }
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    case_logits_free(&b);
+}
+
 static void check_fused(ekv_context *ctx, const int32_t *tok) {
     static const fcase cases[] = {
             {EKV_DTYPE_F16, PREFILL, 0, NULL},   /* one block */
@@ -482,6 +574,9 @@ int main(void) {
     check_truncate(ctx, tok, EKV_SELECT_SCREENED);
     check_truncate(ctx, tok, EKV_SELECT_TOPK);
     check_fused(ctx, tok);
+    check_slow_paths(ctx, tok, EKV_SELECT_DENSE);
+    check_slow_paths(ctx, tok, EKV_SELECT_CERTIFIED);
+    check_slow_paths(ctx, tok, EKV_SELECT_SCREENED);
     free(graph);
     free(eager);
     ekv_context_free(ctx);
