@@ -365,8 +365,9 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
  * CPU engine at every position: f16 and bf16 caches, lengths and blocks off the kernel's
  * 64-row tiles (a block of 100 tokens is 300 rows per KV head), and rows whose candidate buffer
  * overflows: with EKV_PREFILL_CANDS = 4 nearly every row keeps too few (the model's keys cannot
- * be planted through the API, so the buffer is shrunk instead), so rows are retried and solved
- * by Newton passes, and must still give the same logits. The stats say which kernel ran. */
+ * be planted through the API, so the buffer is shrunk instead), so lists are compacted inside
+ * the sweep, rows are retried and solved by Newton passes, and must still give the same logits. The
+ * stats say which kernel ran. */
 typedef struct {
     ekv_dtype kv;
     int64_t n, chunk;
@@ -405,8 +406,11 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
               (long long)sf.prefill_fused, (long long)sf.prefill_gemm, (long long)steps);
         CHECK(sg.prefill_gemm == steps && sg.prefill_fused == 0, "gemm stats %lld / %lld of %lld",
               (long long)sg.prefill_gemm, (long long)sg.prefill_fused, (long long)steps);
-        printf("    fused: rows retried %lld, solved by Newton passes %lld\n",
-               (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
+        printf("    fused: rows retried %lld, solved by Newton passes %lld, compacted %lld\n",
+               (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows,
+               (long long)sf.prefill_compacted_rows);
+        if (f->cands) /* a small buffer fills inside the sweep: its compaction must have run */
+            CHECK(sf.prefill_compacted_rows > 0, "cands %s: no list compacted", f->cands);
         if (f->cands && atoi(f->cands) <= 4)
             CHECK(sf.prefill_retry_rows > 0 && sf.prefill_newton_rows > 0,
                   "cands %s: no row overflowed (retried %lld, Newton %lld)", f->cands,
