@@ -54,6 +54,7 @@ struct fused_args : prefill_args {
     const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
     int64_t kstride;   /* elements between tokens: Hk * D */
     int cap, round, last;
+    int compact_at; /* a list is compacted when a tile would take it past this (<= cap) */
     float *cand;
     int64_t *cidx; /* the candidates' key positions (gather_out_kernel reads their V rows) */
     int32_t *count, *state;
@@ -283,11 +284,12 @@ __device__ __forceinline__ float compact_row_list(const fused_args &A, int64_t r
  * belongs to one quad, so its count lives in the quad's registers and each tile's candidates
  * take consecutive slots by a prefix sum over the quad (no atomics: with heads without
  * position most keys lie within 1 of the max, one shared atomic per key was the old cost), in
- * a fixed order. A tile that would overflow a row's list first compacts it (compact_row_list)
- * and raises the row's threshold to the bound found: a head without position has thousands of
- * keys within 1 of its max but a support near 100, so its list then holds the support and the
- * row is solved without a retry sweep. A compaction that keeps more than half the list gives
- * up on the row (it overflows and retries as before), so compactions stay few. */
+ * a fixed order. A tile that would fill a row's list past compact_at first compacts it
+ * (compact_row_list) and raises the row's threshold to the bound found: a head without position
+ * has thousands of keys within 1 of its max but a support near 100, so its list then holds the
+ * support and the row is solved without a retry sweep. A compaction that keeps more than half
+ * of compact_at settles the row (the list fills to cap, and past it the row retries as before),
+ * so compactions stay few. */
 template <typename T, int D, int NP>
 __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                            unsigned char *stages) {
@@ -326,7 +328,8 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
             unsigned m = tile_mask();
             int total;
             int at = quad_exclusive(__popc(m), &total);
-            const bool full = !settled[k] && n[k] > 0 && n[k] <= A.cap && n[k] + total > A.cap;
+            const bool full =
+                    !settled[k] && n[k] > 0 && n[k] <= A.cap && n[k] + total > A.compact_at;
             unsigned quads = __ballot_sync(0xffffffffu, full && (lane & 3) == 0);
             if (quads) {
                 for (; quads; quads &= quads - 1) {
@@ -336,7 +339,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
                             compact_row_list(A, __shfl_sync(0xffffffffu, L.row[k], src), &kept);
                     if ((lane >> 2) == (src >> 2)) {
                         floor[k] = f;
-                        settled[k] = 2 * kept > A.cap;
+                        settled[k] = 2 * kept > A.compact_at;
                         n[k] = kept;
                     }
                 }
@@ -645,6 +648,7 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     A.v = (const char *)L->kv.v + kv_offset;
     A.kstride = P.Hk * P.D;
     A.cap = g->cand_cap;
+    A.compact_at = g->compact_at < g->cand_cap ? g->compact_at : g->cand_cap;
     A.cand = g->pf_cand;
     A.cidx = g->pf_cidx;
     A.count = g->pf_count;
