@@ -140,10 +140,10 @@ static int32_t env_list_size(const char *name, long most, int32_t dflt) {
 static int32_t fused_cand_cap(void) { return env_list_size("EKV_PREFILL_CANDS", 8192, 4096); }
 
 /* The fill at which the fused prefill compacts a row's list inside its sweep (capped by the
- * candidates kept): EKV_PREFILL_COMPACT (1 .. 8192, a benchmark's knob), else 512. Each
+ * candidates kept): EKV_PREFILL_COMPACT (1 .. 8192, a benchmark's knob), else 1024. Each
  * compaction solves tau over that many values in one warp while its other rows wait, so a
  * small fill is cheap; a head whose support outgrows it settles and fills the whole list. */
-static int32_t fused_compact_at(void) { return env_list_size("EKV_PREFILL_COMPACT", 8192, 512); }
+static int32_t fused_compact_at(void) { return env_list_size("EKV_PREFILL_COMPACT", 8192, 1024); }
 
 /* The fused prefill's buffers: per row of a block its candidates and state, per layer its
  * counters (PF_COUNTERS). */
