@@ -403,8 +403,9 @@ void model_print_prefill_kernel(const ekv_model_stats *st) {
                                   : st->prefill_fused                   ? "fused"
                                                                         : "gemm");
     if (st->prefill_fused)
-        printf(" (rows retried %lld, by Newton passes %lld)", (long long)st->prefill_retry_rows,
-               (long long)st->prefill_newton_rows);
+        printf(" (rows retried %lld, by Newton passes %lld, lists compacted %lld)",
+               (long long)st->prefill_retry_rows, (long long)st->prefill_newton_rows,
+               (long long)st->prefill_compacted_rows);
 }
 
 void model_print_slow_paths(const ekv_model_stats *st) {

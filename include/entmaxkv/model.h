@@ -139,6 +139,9 @@ typedef struct ekv_model_stats {
                                     retry pass                                                */
     int64_t screen_all_rows;     /* cuda screened: rows whose retry list overflowed too (every
                                     token kept: a dense step for that head)                   */
+    int64_t prefill_compacted_rows; /* fused: rows whose candidate list was compacted inside
+                                       round 0's sweep (to the scores above the threshold of
+                                       the kept ones); most need no retry then            */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

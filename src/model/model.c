@@ -504,6 +504,7 @@ ekv_status ekv_model_get_stats(const ekv_model *m, int32_t layer, ekv_model_stat
         out->prefill_gemm += s->prefill_gemm;
         out->prefill_retry_rows += s->prefill_retry_rows;
         out->prefill_newton_rows += s->prefill_newton_rows;
+        out->prefill_compacted_rows += s->prefill_compacted_rows;
         out->tau_compacted_rows += s->tau_compacted_rows;
         out->tau_whole_rows += s->tau_whole_rows;
         out->screen_retry_rows += s->screen_retry_rows;

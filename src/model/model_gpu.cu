@@ -139,10 +139,17 @@ static int32_t env_list_size(const char *name, long most, int32_t dflt) {
  * rows overflow), else 4096 (the GEMM path's row kernel keeps as many). */
 static int32_t fused_cand_cap(void) { return env_list_size("EKV_PREFILL_CANDS", 8192, 4096); }
 
-/* The fused prefill's buffers: per row of a block its candidates and state, per layer the
- * counts of rows retried and solved by Newton passes. */
+/* The fill at which the fused prefill compacts a row's list inside its sweep (capped by the
+ * candidates kept): EKV_PREFILL_COMPACT (1 .. 8192, a benchmark's knob), else 1024. Each
+ * compaction solves tau over that many values in one warp while its other rows wait, so a
+ * small fill is cheap; a head whose support outgrows it settles and fills the whole list. */
+static int32_t fused_compact_at(void) { return env_list_size("EKV_PREFILL_COMPACT", 8192, 1024); }
+
+/* The fused prefill's buffers: per row of a block its candidates and state, per layer its
+ * counters (PF_COUNTERS). */
 static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
     g->cand_cap = fused_cand_cap();
+    g->compact_at = fused_compact_at();
     ekv_status s = dev_alloc(g, &g->pf_cand, rows * g->cand_cap * 4, "the prefill candidates");
     if (!s) s = dev_alloc(g, &g->pf_cidx, rows * g->cand_cap * 8, "the prefill candidates");
     if (!s) s = dev_alloc(g, &g->pf_count, rows * 4, "the prefill rows");
@@ -154,7 +161,7 @@ static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
     if (!s)
         s = dev_alloc(g, &g->pf_wcount, 2 * (int64_t)m->cfg.n_kv_heads * 4,
                       "the prefill row lists");
-    const int64_t nc = 2 * (int64_t)m->cfg.n_layers;
+    const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
     if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
     return s;
@@ -452,19 +459,24 @@ static ekv_status graph_step(ekv_model *m, int32_t seq) {
     return EKV_OK;
 }
 
-/* The kernel of a dense prefill block into each layer's stats, and the fused kernel's rows
- * retried and solved by Newton passes (its device counters, then zeroed). */
+/* The kernel of a dense prefill block into each layer's stats, and the fused kernel's counters
+ * (PF_COUNTERS: rows retried, solved by Newton passes, compacted; then zeroed). */
 static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
     model_gpu *g = m->gpu;
     const int32_t nl = m->cfg.n_layers;
-    unsigned long long rows[2 * 64];
+    unsigned long long rows[PF_COUNTERS * 64];
     for (int32_t l0 = 0; l0 < nl && g->fused; l0 += 64) {
         const int32_t n = nl - l0 < 64 ? nl - l0 : 64;
-        GPU_TRY(g, cudaMemcpy(rows, g->pf_rows + 2 * l0, (size_t)n * 16, cudaMemcpyDeviceToHost));
-        GPU_TRY(g, cudaMemset(g->pf_rows + 2 * l0, 0, (size_t)n * 16));
+        const size_t bytes = (size_t)n * PF_COUNTERS * sizeof rows[0];
+        unsigned long long *dev = g->pf_rows + PF_COUNTERS * (int64_t)l0;
+        GPU_TRY(g, cudaMemcpy(rows, dev, bytes, cudaMemcpyDeviceToHost));
+        GPU_TRY(g, cudaMemset(dev, 0, bytes));
         for (int32_t l = 0; l < n; l++) {
-            m->layers[l0 + l].stats.prefill_retry_rows += (int64_t)rows[2 * l];
-            m->layers[l0 + l].stats.prefill_newton_rows += (int64_t)rows[2 * l + 1];
+            const unsigned long long *c = rows + PF_COUNTERS * l;
+            ekv_model_stats *st = &m->layers[l0 + l].stats;
+            st->prefill_retry_rows += (int64_t)c[PF_RETRIED];
+            st->prefill_newton_rows += (int64_t)c[PF_NEWTONED];
+            st->prefill_compacted_rows += (int64_t)c[PF_COMPACTED];
         }
     }
     for (int32_t l = 0; l < nl; l++)

@@ -39,6 +39,10 @@ struct gpu_layer {
     void *host_k, *host_v;
 };
 
+/* The fused prefill's counters per layer (pf_rows [n_layers][PF_COUNTERS]): rows retried, rows
+ * solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
+enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_COUNTERS };
+
 struct model_gpu {
     ekv_context *ctx;
     cudaStream_t stream;
@@ -76,6 +80,7 @@ struct model_gpu {
      * state over the H * chunk rows of a block */
     int fused;
     int32_t cand_cap;  /* candidates kept per row (EKV_PREFILL_CANDS, docs/architecture.md) */
+    int32_t compact_at; /* the fill that compacts a list in the sweep (EKV_PREFILL_COMPACT) */
     float *pf_cand;    /* [H * chunk][cand_cap] */
     int64_t *pf_cidx;  /* [H * chunk][cand_cap] the candidates' key positions */
     int32_t *pf_count; /* [H * chunk] candidates found (may exceed cand_cap) */
@@ -83,7 +88,7 @@ struct model_gpu {
     float *pf_thr;     /* [H * chunk] the row's candidate threshold (a lower bound of tau) */
     float *pf_m;       /* [H * chunk] the row's max M */
     double *pf_tau;    /* [H * chunk] tau - M */
-    unsigned long long *pf_rows; /* [n_layers][2] rows retried, rows solved by Newton passes */
+    unsigned long long *pf_rows; /* [n_layers][PF_COUNTERS] */
     int32_t *pf_wlist;  /* [2][H * chunk] the rows of a retry or Newton pass, per KV head     */
     int32_t *pf_wcount; /* [2][n_kv_heads] their counts                                      */
     /* the decode stages' slow paths over the blocks' views, per layer (EKV_SLOW_*,

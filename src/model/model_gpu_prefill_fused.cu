@@ -8,8 +8,10 @@
  * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
  * by one block, so everything about a row is decided inside one block:
  *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
- *      every z > m - 1 appended to the row's buffer (cand_cap kept, with its key): a superset of the
- *      candidates z > M - 1 (§0), M among them. fused_tau_kernel then solves tau on them
+ *      every z > m - 1 appended to the row's buffer (cand_cap kept, with its key): a superset
+ *      of the candidates z > M - 1 (§0), M among them; a buffer about to overflow is compacted
+ *      to the scores above its kept ones' threshold, a lower bound of tau, which becomes the
+ *      row's threshold (compact_row_list). fused_tau_kernel then solves tau on them
  *      (tau_solve.cuh); a row with more than cand_cap takes the threshold of the kept ones, a
  *      lower bound on tau (§9.1), as its next threshold and runs the pass again (rounds
  *      1 .. PF_ROUNDS - 1, only such rows);
@@ -52,12 +54,13 @@ struct fused_args : prefill_args {
     const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
     int64_t kstride;   /* elements between tokens: Hk * D */
     int cap, round, last;
+    int compact_at; /* a list is compacted when a tile would take it past this (<= cap) */
     float *cand;
     int64_t *cidx; /* the candidates' key positions (gather_out_kernel reads their V rows) */
     int32_t *count, *state;
     float *thr, *rowm;
     double *tau;
-    unsigned long long *rows; /* this layer's [2]: rows retried, rows solved by Newton passes */
+    unsigned long long *rows; /* this layer's [PF_COUNTERS] (model_gpu_prefill.cuh) */
     /* the pass's rows: NULL = every row of the block; else per KV head g, wcount_in[g] rows
      * (their r in [0, R)) at wlist_in + g R; the tau kernel appends the rows it sends to the
      * next pass to wlist_out / wcount_out */
@@ -247,18 +250,54 @@ __device__ __forceinline__ int quad_exclusive(int c, int *total) {
     return v - c;
 }
 
+/* A row's list about to overflow, compacted in place by its warp (warp-uniform call): the
+ * threshold of its n kept candidates, a subset of the row's scores, is a lower bound of the
+ * row's tau (docs/math.md §9.1), so the ones at or below it (as fp32: bound_f32) are outside the
+ * support and leave the list, which keeps its order. Returns that bound; *n becomes the count
+ * kept. Not inlined: it runs a few times per row, and the sweep's registers stay its own. */
+__device__ __forceinline__ float compact_row_list(const fused_args &A, int64_t row, int *n) {
+    const int lane = threadIdx.x & 31;
+    float *cz = A.cand + row * A.cap;
+    int64_t *ck = A.cidx + row * A.cap;
+    const float floor = bound_f32(subset_threshold<true>(cz, *n, A.alpha, NULL, NULL));
+    int out = 0;
+    for (int base = 0; base < *n; base += 32) {
+        const int i = base + lane;
+        const float z = i < *n ? cz[i] : -CUDART_INF_F;
+        const int64_t key = i < *n ? ck[i] : 0;
+        const unsigned keep = __ballot_sync(0xffffffffu, z > floor);
+        __syncwarp(); /* every lane has read its entry before any writes below it */
+        if (z > floor) {
+            const int at = out + __popc(keep & ((1u << lane) - 1u));
+            cz[at] = z;
+            ck[at] = key;
+        }
+        out += __popc(keep);
+    }
+    __syncwarp();
+    *n = out;
+    return floor;
+}
+
 /* Step 1: the candidates of the rows in the round's state (round 0: every row, threshold the
  * running max - 1, less a slack for the float subtraction; later rounds: the row's thr). A row
  * belongs to one quad, so its count lives in the quad's registers and each tile's candidates
  * take consecutive slots by a prefix sum over the quad (no atomics: with heads without
  * position most keys lie within 1 of the max, one shared atomic per key was the old cost), in
- * a fixed order. */
+ * a fixed order. A tile that would fill a row's list past compact_at first compacts it
+ * (compact_row_list) and raises the row's threshold to the bound found: a head without position
+ * has thousands of keys within 1 of its max but a support near 100, so its list then holds the
+ * support and the row is solved without a retry sweep. A compaction that keeps more than half
+ * of compact_at settles the row (the list fills to cap, and past it the row retries as before),
+ * so compactions stay few. */
 template <typename T, int D, int NP>
 __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                            unsigned char *stages) {
     const int lane = threadIdx.x & 31;
     int n[2] = {0, 0}; /* the row's candidates so far, the same in its quad's lanes */
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
+    float floor[2] = {-CUDART_INF_F, -CUDART_INF_F}; /* bounds from compactions */
+    bool settled[2] = {false, false}; /* no more compactions: one kept over half the list */
     for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
     int bad = 0;
     auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
@@ -275,14 +314,39 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
         }
 #pragma unroll
         for (int k = 0; k < 2; k++) {
-            unsigned m = 0; /* the lane's candidates of row k in the tile: bit 2 n8 + b */
+            /* the lane's candidates of row k in the tile: bit 2 n8 + b */
+            auto tile_mask = [&]() {
+                const float t = fmaxf(thr[k], floor[k]);
+                unsigned m = 0;
 #pragma unroll
-            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+                for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-                for (int b = 0; b < 2; b++)
-                    m |= (unsigned)(L.on[k] && s[n8][2 * k + b] > thr[k]) << (2 * n8 + b);
+                    for (int b = 0; b < 2; b++)
+                        m |= (unsigned)(L.on[k] && s[n8][2 * k + b] > t) << (2 * n8 + b);
+                return m;
+            };
+            unsigned m = tile_mask();
             int total;
-            int at = n[k] + quad_exclusive(__popc(m), &total);
+            int at = quad_exclusive(__popc(m), &total);
+            const bool full =
+                    !settled[k] && n[k] > 0 && n[k] <= A.cap && n[k] + total > A.compact_at;
+            unsigned quads = __ballot_sync(0xffffffffu, full && (lane & 3) == 0);
+            if (quads) {
+                for (; quads; quads &= quads - 1) {
+                    const int src = __ffs(quads) - 1;
+                    int kept = __shfl_sync(0xffffffffu, n[k], src);
+                    const float f =
+                            compact_row_list(A, __shfl_sync(0xffffffffu, L.row[k], src), &kept);
+                    if ((lane >> 2) == (src >> 2)) {
+                        floor[k] = f;
+                        settled[k] = 2 * kept > A.compact_at;
+                        n[k] = kept;
+                    }
+                }
+                m = tile_mask();
+                at = quad_exclusive(__popc(m), &total);
+            }
+            at += n[k];
             n[k] += total;
 #pragma unroll
             for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
@@ -301,7 +365,16 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
     if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
     if ((lane & 3) == 0)
         for (int k = 0; k < 2; k++)
-            if (L.on[k]) A.count[L.row[k]] = n[k];
+            if (L.on[k]) {
+                A.count[L.row[k]] = n[k];
+                A.thr[L.row[k]] = fmaxf(A.round ? thr[k] : -CUDART_INF_F, floor[k]);
+            }
+    if (!A.round) { /* rows compacted, one atomic per warp */
+        const unsigned c = __ballot_sync(0xffffffffu, (lane & 3) == 0 && floor[0] > -CUDART_INF_F),
+                       d = __ballot_sync(0xffffffffu, (lane & 3) == 0 && floor[1] > -CUDART_INF_F);
+        if (lane == 0 && (c | d))
+            atomicAdd(A.rows + PF_COMPACTED, (unsigned long long)(__popc(c) + __popc(d)));
+    }
 }
 
 /* Step 2: the rows in ROW_NEWTON, exactly: their max, then tau_step from their threshold, each
@@ -467,13 +540,13 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
     const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL);
     if (lane == 0) {
         float thr = bound_f32(lb);
-        if (A.round && A.thr[row] > thr) thr = A.thr[row];
+        if (A.thr[row] > thr) thr = A.thr[row]; /* pass_cands' bound, or the last round's */
         A.thr[row] = thr;
         A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
         const int64_t g = row / A.R; /* the next pass's list of head g's rows */
         A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
-        if (!A.round) atomicAdd(A.rows, 1ull);
-        if (A.last) atomicAdd(A.rows + 1, 1ull);
+        if (!A.round) atomicAdd(A.rows + PF_RETRIED, 1ull);
+        if (A.last) atomicAdd(A.rows + PF_NEWTONED, 1ull);
     }
 }
 
@@ -575,6 +648,7 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     A.v = (const char *)L->kv.v + kv_offset;
     A.kstride = P.Hk * P.D;
     A.cap = g->cand_cap;
+    A.compact_at = g->compact_at < g->cand_cap ? g->compact_at : g->cand_cap;
     A.cand = g->pf_cand;
     A.cidx = g->pf_cidx;
     A.count = g->pf_count;
@@ -582,7 +656,7 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
     A.thr = g->pf_thr;
     A.rowm = g->pf_m;
     A.tau = g->pf_tau;
-    A.rows = g->pf_rows + 2 * (int64_t)layer;
+    A.rows = g->pf_rows + PF_COUNTERS * (int64_t)layer;
     const int64_t rows = P.Hk * P.R;
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
     GPU_TRY(g, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, g->stream));

@@ -365,20 +365,27 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
  * CPU engine at every position: f16 and bf16 caches, lengths and blocks off the kernel's
  * 64-row tiles (a block of 100 tokens is 300 rows per KV head), and rows whose candidate buffer
  * overflows: with EKV_PREFILL_CANDS = 4 nearly every row keeps too few (the model's keys cannot
- * be planted through the API, so the buffer is shrunk instead), so rows are retried and solved
- * by Newton passes, and must still give the same logits. The stats say which kernel ran. */
+ * be planted through the API, so the buffer is shrunk instead), so lists are compacted inside
+ * the sweep, rows are retried and solved by Newton passes, and must still give the same logits. The
+ * stats say which kernel ran. */
 typedef struct {
     ekv_dtype kv;
     int64_t n, chunk;
-    const char *cands; /* EKV_PREFILL_CANDS, or NULL */
+    const char *cands;   /* EKV_PREFILL_CANDS, or NULL */
+    const char *compact; /* EKV_PREFILL_COMPACT (the fill that compacts a list), or NULL */
 } fcase;
+
+static void set_or_unset(const char *name, const char *value) {
+    if (value)
+        setenv(name, value, 1);
+    else
+        unsetenv(name);
+}
 
 static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *tok) {
     const mcase c = {EKV_SELECT_DENSE, f->kv, f->chunk, 1, f->n, NULL};
-    if (f->cands)
-        setenv("EKV_PREFILL_CANDS", f->cands, 1);
-    else
-        unsetenv("EKV_PREFILL_CANDS");
+    set_or_unset("EKV_PREFILL_CANDS", f->cands);
+    set_or_unset("EKV_PREFILL_COMPACT", f->compact);
     ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU),
               *fused = load_kernel(ctx, &c, EKV_BACKEND_CUDA, EKV_PREFILL_FUSED),
               *gemm = load_kernel(ctx, &c, EKV_BACKEND_CUDA, EKV_PREFILL_GEMM);
@@ -390,9 +397,9 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
         CHECK(!ekv_model_step(cpu, tok, f->n, lc), "cpu prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(fused, tok, f->n, lf), "fused prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gemm, tok, f->n, lg), "gemm prefill: %s", ekv_last_error(ctx));
-        snprintf(what, sizeof what, "fused %s %lld chunk %lld cands %s vs cpu",
+        snprintf(what, sizeof what, "fused %s %lld chunk %lld cands %s compact %s vs cpu",
                  ekv_dtype_name(f->kv), (long long)f->n, (long long)f->chunk,
-                 f->cands ? f->cands : "-");
+                 f->cands ? f->cands : "-", f->compact ? f->compact : "-");
         compare(what, lf, lc, f->n);
         snprintf(what, sizeof what, "fused %s %lld chunk %lld vs gemm", ekv_dtype_name(f->kv),
                  (long long)f->n, (long long)f->chunk);
@@ -405,14 +412,18 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
               (long long)sf.prefill_fused, (long long)sf.prefill_gemm, (long long)steps);
         CHECK(sg.prefill_gemm == steps && sg.prefill_fused == 0, "gemm stats %lld / %lld of %lld",
               (long long)sg.prefill_gemm, (long long)sg.prefill_fused, (long long)steps);
-        printf("    fused: rows retried %lld, solved by Newton passes %lld\n",
-               (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
+        printf("    fused: rows retried %lld, solved by Newton passes %lld, compacted %lld\n",
+               (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows,
+               (long long)sf.prefill_compacted_rows);
+        if (f->cands) /* a small buffer fills inside the sweep: its compaction must have run */
+            CHECK(sf.prefill_compacted_rows > 0, "cands %s: no list compacted", f->cands);
         if (f->cands && atoi(f->cands) <= 4)
             CHECK(sf.prefill_retry_rows > 0 && sf.prefill_newton_rows > 0,
                   "cands %s: no row overflowed (retried %lld, Newton %lld)", f->cands,
                   (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
     }
     unsetenv("EKV_PREFILL_CANDS");
+    unsetenv("EKV_PREFILL_COMPACT");
     ekv_model_free(cpu);
     ekv_model_free(fused);
     ekv_model_free(gemm);
@@ -489,14 +500,17 @@ static void check_slow_paths(ekv_context *ctx, const int32_t *tok, ekv_select_me
 
 static void check_fused(ekv_context *ctx, const int32_t *tok) {
     static const fcase cases[] = {
-            {EKV_DTYPE_F16, PREFILL, 0, NULL},   /* one block */
-            {EKV_DTYPE_F16, PREFILL, 100, NULL}, /* blocks of 300 rows: tiles cut mid-token */
-            {EKV_DTYPE_F16, 129, 0, NULL},
-            {EKV_DTYPE_BF16, 457, 0, NULL},
-            {EKV_DTYPE_BF16, 333, 77, NULL},
-            {EKV_DTYPE_F16, PREFILL, 256, "4"}, /* overflows: retries and Newton passes */
-            {EKV_DTYPE_BF16, 457, 128, "2"},
-            {EKV_DTYPE_F16, 457, 0, "24"}, /* some rows overflow round 0 only */
+            {EKV_DTYPE_F16, PREFILL, 0, NULL, NULL},   /* one block */
+            {EKV_DTYPE_F16, PREFILL, 100, NULL, NULL}, /* blocks of 300 rows: tiles cut mid-token */
+            {EKV_DTYPE_F16, 129, 0, NULL, NULL},
+            {EKV_DTYPE_BF16, 457, 0, NULL, NULL},
+            {EKV_DTYPE_BF16, 333, 77, NULL, NULL},
+            {EKV_DTYPE_F16, PREFILL, 256, "4", NULL}, /* overflows: retries and Newton passes */
+            {EKV_DTYPE_BF16, 457, 128, "2", NULL},
+            {EKV_DTYPE_F16, 457, 0, "24", NULL}, /* some rows overflow round 0 only */
+            /* compactions below the list's size: rows settle, then fill the list */
+            {EKV_DTYPE_F16, 457, 0, "96", "16"},
+            {EKV_DTYPE_BF16, 333, 77, "64", "8"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         check_fused_case(ctx, &cases[i], tok);
