@@ -14,6 +14,7 @@
  * query heads that share it.
  */
 #include "../core/internal.h"
+#include "../math/page_bound.h"
 #include "bound.h"
 #include "kernels.h"
 #include "ranges.h"
@@ -79,9 +80,9 @@ static void superpage_skip(bound_job *j, int64_t task, int worker, int64_t b, in
             const double am =
                     j->prm->alibi_slopes ? j->sh.a * j->prm->alibi_slopes[kvh * G + g] : 0.0;
             const int64_t p = pb + i, lastt = (p + 1) * ps - 1 < N - 1 ? (p + 1) * ps - 1 : N - 1;
-            double u = (double)cur[g] + am * (double)(lastt - (N - 1)) +
-                       8.0 * 5.9604644775390625e-8 * fabs(am) *
-                               ((double)llabs(p * ps - (N - 1)) + (double)ps);
+            double u = ekv_page_bound_or_inf((double)cur[g] + am * (double)(lastt - (N - 1)) +
+                                             8.0 * 5.9604644775390625e-8 * fabs(am) *
+                                                     ((double)llabs(p * ps - (N - 1)) + (double)ps));
             float uf = (float)u;
             if ((double)uf < u) uf = nextafterf(uf, INFINITY);
             spu[i][g] = uf;
@@ -145,6 +146,7 @@ static void write_bounds(bound_job *j, int64_t b, int64_t kvh, int64_t pb, int n
                      ((double)llabs(p * ps - (N - 1)) + (double)ps);
             }
             u += am * (double)(last - (N - 1));
+            if (j->with_ball) u = ekv_page_bound_or_inf(u);
             float uf = (float)u;
             if (j->with_ball && (double)uf < u) uf = nextafterf(uf, INFINITY); /* keep it a bound */
             uo[g * j->ustride + i] = uf;

@@ -13,6 +13,7 @@
  * tau_lb of tau and superpage boxes, a page whose superpage bound is already <= tau_lb for
  * every head takes that bound without reading its own summaries (docs/math.md §9.6).
  */
+#include "../math/page_bound.h"
 #include "cuda_internal.cuh"
 #include <math_constants.h>
 
@@ -128,8 +129,9 @@ __device__ __forceinline__ bool superpage_skip(const bound_args &A, const float 
         const float cur = (float)((double)box[g] + 4.0 * (double)(D + 4) * u24 * qn1[g] * amax +
                                   1e-30);
         const double am = A.slopes ? A.a * (double)A.slopes[kvh * A.G + g] : 0.0;
-        const double ub = (double)cur + am * (double)(last - (N - 1)) +
-                          8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps);
+        const double ub = ekv_page_bound_or_inf(
+                (double)cur + am * (double)(last - (N - 1)) +
+                8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (N - 1)) + (double)ps));
         float uf = (float)ub;
         if ((double)uf < ub) uf = nextafterf(uf, CUDART_INF_F);
         spu[g] = uf;
@@ -269,6 +271,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
                 ub += 8.0 * u24 * fabs(am) * ((double)llabs(p * ps - (sg.N - 1)) + (double)ps);
             }
             ub += am * (double)(last - (sg.N - 1));
+            if (A.with_ball) ub = ekv_page_bound_or_inf(ub);
             float uf = (float)ub;
             if (A.with_ball && (double)uf < ub) uf = nextafterf(uf, CUDART_INF_F);
             A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;

@@ -1807,6 +1807,93 @@ static void invalid_test(ekv_context *ctx) {
     cudaFree((void *)tab.last_page_len);
 }
 
+/* Exact methods at extreme key scales (issue 32, the CPU's test_decode_scale too): f32 keys
+ * of 1e19..1e30 overflow a page's centre norm or radius, and a zero query made the certified
+ * bound 0 * inf = NaN, so pages holding support were dropped. Certified and screened must
+ * equal the CPU's dense entmax for zero and normal queries, with and without ALiBi. */
+static void key_scale_test(ekv_context *ctx) {
+    const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 4;
+    const int64_t N = 40, maxP = N / ps + 1;
+    const float kscales[3] = {1e19f, 1e20f, 1e30f};
+    test_rng r = {4242};
+    int steps = 0;
+    for (int ki = 0; ki < 3; ki++) {
+        ekv_cache_params cp = ekv_cache_default_params();
+        cp.page_size = ps;
+        cp.num_kv_heads = Hk;
+        cp.head_dim = D;
+        cp.dtype = EKV_DTYPE_F32;
+        cp.max_seqs = 1;
+        cp.num_pages = maxP;
+        cp.superpage_pages = 4;
+        cp.code_bits = 8;
+        ekv_cache *cache = NULL;
+        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "key scale cache");
+        int32_t seq;
+        ekv_cache_seq_new(cache, &seq);
+        float k[40 * 64], v[40 * 64];
+        for (int i = 0; i < N * Hk * D; i++) {
+            k[i] = kscales[ki] * (float)test_normal(&r);
+            v[i] = (float)test_normal(&r);
+        }
+        ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32);
+        mirror m;
+        memset(&m, 0, sizeof m);
+        mirror_build(&m, cache, &seq, 1, maxP, 0);
+        ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+        pp.max_batch = 1;
+        pp.num_heads = H;
+        pp.num_kv_heads = Hk;
+        pp.head_dim = D;
+        pp.page_size = ps;
+        pp.max_pages_per_seq = maxP;
+        ekv_cuda_plan *plan = NULL;
+        CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+        float sl[2] = {0.5f, 0.f}, *dsl = dev_copy(sl, sizeof sl);
+        for (int qk = 0; qk < 2; qk++)
+            for (int alibi = 0; alibi < 2; alibi++) {
+                float q[2 * 64], ref[2 * 64], got[2 * 64];
+                for (int i = 0; i < H * D; i++) q[i] = qk ? (float)test_normal(&r) : 0.f;
+                float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
+                ekv_decode_params prm = ekv_decode_default_params();
+                prm.num_heads = H;
+                prm.alibi_slopes = alibi ? sl : NULL;
+                if (ekv_decode_dense(ctx, &prm, &m.kv, &m.tab, q, ref, NULL) != EKV_OK) {
+                    cudaFree(dq);
+                    cudaFree(dout);
+                    continue; /* scores beyond fp32: the scale test checks the status */
+                }
+                ekv_decode_params dprm = prm;
+                dprm.alibi_slopes = alibi ? dsl : NULL;
+                for (int meth = 0; meth < 2; meth++) {
+                    ekv_select_params sp = ekv_select_default_params();
+                    sp.method = meth ? EKV_SELECT_SCREENED : EKV_SELECT_CERTIFIED;
+                    sp.budget_tokens = 4;
+                    ekv_status s = meth ? ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst,
+                                                          &m.dtab, dq, dout)
+                                        : ekv_cuda_decode_certified(plan, &dprm, &sp, &m.dkv,
+                                                                    &m.dst, &m.dtab, dq, dout);
+                    CHECK(s == EKV_OK, "key scale %g: %s", (double)kscales[ki],
+                          ekv_last_error(ctx));
+                    CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+                    const double e = test_head_rel_err(got, ref, H, D, 1e-6);
+                    CHECK(e < 3e-5, "%s, keys x %g, q %s, alibi %d: rel err %.3g vs dense",
+                          meth ? "screened" : "certified", (double)kscales[ki],
+                          qk ? "normal" : "zero", alibi, e);
+                    steps++;
+                }
+                cudaFree(dq);
+                cudaFree(dout);
+            }
+        cudaFree(dsl);
+        ekv_cuda_plan_free(plan);
+        mirror_free(&m);
+        ekv_cache_free(cache);
+    }
+    CHECK(steps >= 12, "key scale: only %d steps compared", steps);
+    printf("extreme key scales: %d certified/screened steps equal dense\n", steps);
+}
+
 int main(void) {
     ekv_context *ctx = NULL;
     ekv_context_params cpar = ekv_context_default_params();
@@ -1821,6 +1908,7 @@ int main(void) {
     const char *lim = getenv("EKV_CUDA_TEST_CASES");
     const int max_cases = lim ? atoi(lim) : 1 << 30;
     invalid_test(ctx);
+    key_scale_test(ctx);
     scores_precision_test(ctx);
     /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
      * shorter tables) */
