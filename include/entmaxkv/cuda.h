@@ -124,6 +124,9 @@ typedef struct ekv_cuda_report {
                                /* of tau fit it (the kept ones' threshold, else a           */
                                /* histogram's: two or three passes over the score row;      */
                                /* docs/architecture.md, "Backends")                         */
+    int32_t score_splits;      /* output: splits per row of the last step's score pass (K  */
+                               /* read in split_grid blocks): from the step's batch, so one */
+                               /* sequence in a plan for many still fills the GPU           */
 } ekv_cuda_report;
 EKV_API ekv_status ekv_cuda_read_report(ekv_cuda_plan *plan, int32_t batch,
                                         ekv_cuda_report *report);

@@ -95,7 +95,8 @@ class CudaReport(ctypes.Structure):
                 ("lists_round2", c_int64), ("slow_rows", c_int64), ("launches", c_int32),
                 ("survivors", c_int64), ("softmax_one_pass", c_int32),
                 ("list_heads", c_void_p), ("superpage_skipped", c_int64),
-                ("superpage_boxes", c_int64), ("compacted_rows", c_int64)]
+                ("superpage_boxes", c_int64), ("compacted_rows", c_int64),
+                ("score_splits", c_int32)]
 
 
 class CudaAppendItem(ctypes.Structure):

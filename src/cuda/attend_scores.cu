@@ -440,7 +440,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
     A.qscale = a * scale;
     A.a = (float)a;
-    A.nsplit = pl->nsplit;
+    A.nsplit = pl->last_score_splits = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
@@ -450,7 +450,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.split_max = pl->split_max;
     A.cand_count = pl->cand_count;
     A.v_rows = pl->v_rows;
-    const dim3 grid(ekv_cuda_split_grid(pl->nsplit, batch), A.Hk);
+    const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     cudaError_t e;
     if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
         e = ekv_cuda_scores_mma(A, kv->dtype, grid, pl->stream);
@@ -477,7 +477,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     const double a = prm->alpha - 1.0; /* entmax only (screened refuses alpha = 1) */
     A.qscale = a * ekv_effective_scale(prm->scale, kv->head_dim);
     A.a = (float)a;
-    A.nsplit = pl->nsplit;
+    A.nsplit = pl->last_score_splits = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.list_pages = NULL;
     A.list_count = NULL;
@@ -493,7 +493,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.ccap = pl->cand_cap;
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
-    const dim3 grid(ekv_cuda_split_grid(pl->nsplit, batch), A.Hk);
+    const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     cudaError_t e;
     switch (kv->dtype) {
     case EKV_DTYPE_F16: e = launch_rows_t<__half>(A, grid, pl->stream); break;

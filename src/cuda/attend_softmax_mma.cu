@@ -259,14 +259,14 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
     A.slopes = prm->alibi_slopes;
     A.qscale = ekv_effective_scale(prm->scale, kv->head_dim); /* a = 1 */
     A.a = 1.f;
-    A.nsplit = pl->nsplit;
+    A.nsplit = pl->last_score_splits = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
     A.list_heads = NULL; /* masked lists take the two-pass path (decode.cu) */
     A.round = 1;
     A.part = pl->flash_part;
-    const dim3 grid(ekv_cuda_split_grid(pl->nsplit, batch), A.Hk);
+    const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     if (kv->dtype == EKV_DTYPE_F16)
         A.D == 64 ? launch_flash<__half, 64>(A, grid, pl->stream)
                   : launch_flash<__half, 128>(A, grid, pl->stream);
@@ -274,7 +274,7 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
         A.D == 64 ? launch_flash<__nv_bfloat16, 64>(A, grid, pl->stream)
                   : launch_flash<__nv_bfloat16, 128>(A, grid, pl->stream);
     EKV_CUDA_LAUNCHED(pl);
-    merge_args M = {*t,  pl->flash_part, pl->nsplit, pl->split_cap, A.D,        A.H,
+    merge_args M = {*t,  pl->flash_part, A.nsplit, pl->split_cap, A.D,        A.H,
                     A.G, A.Hk,           out,        pl->tau,       pl->support, pl->v_rows};
     softmax_merge_kernel<<<batch * A.H, 128, 0, pl->stream>>>(M);
     EKV_CUDA_LAUNCHED(pl);

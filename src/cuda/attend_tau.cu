@@ -341,7 +341,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
     A.ccap = pl->cand_cap;
-    A.nsplit = pl->nsplit;
+    A.nsplit = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.round = round;
     A.list_pages = use_list ? pl->list_pages : NULL;
@@ -378,7 +378,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     cand_args C;
     ekv_cuda_set_shape(C, pl, t);
     C.kv = *kv;
-    C.nsplit = pl->nsplit;
+    C.nsplit = A.nsplit;
     C.split_cap = pl->split_cap;
     C.round = round == 1 ? 1 : 3;
     C.ccap = pl->cand_cap;
@@ -395,7 +395,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
         cand_kernel<true><<<dim3(ekv_cuda_split_grid(C.cbase, batch), A.H), CAND_THREADS, 0,
                             pl->stream>>>(C);
     } else {
-        C.cbase = pl->nsplit;
+        C.cbase = A.nsplit;
         cand_kernel<false><<<dim3(ekv_cuda_split_grid(C.cbase, batch), A.H), CAND_THREADS, 0,
                              pl->stream>>>(C);
     }

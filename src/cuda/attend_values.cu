@@ -550,17 +550,18 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.cap_words = pl->cap_words;
     const int softmax = prm->alpha == 1.0;
     const int rows_dense = batch * A.Hk * A.gchunks;
+    const ekv_step_splits sp = ekv_cuda_step_splits(pl, batch);
     switch (kv->dtype) {
     case EKV_DTYPE_F16:
-        launch_values_t<__half>(A, softmax, rows_dense, pl->sms, pl->usplit, pl->vsplit,
+        launch_values_t<__half>(A, softmax, rows_dense, pl->sms, sp.unions, sp.values,
                                 pl->stream);
         break;
     case EKV_DTYPE_BF16:
-        launch_values_t<__nv_bfloat16>(A, softmax, rows_dense, pl->sms, pl->usplit, pl->vsplit,
+        launch_values_t<__nv_bfloat16>(A, softmax, rows_dense, pl->sms, sp.unions, sp.values,
                                        pl->stream);
         break;
     default:
-        launch_values_t<float>(A, softmax, rows_dense, pl->sms, pl->usplit, pl->vsplit,
+        launch_values_t<float>(A, softmax, rows_dense, pl->sms, sp.unions, sp.values,
                                pl->stream);
         break;
     }

@@ -36,12 +36,20 @@ enum {
     EKV_SCREEN_GRID = 64 /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)      */
 };
 
+/* The splits of one step of `batch` sequences (decode.cu, ekv_cuda_step_splits): the plan's
+ * one-wave rule at the step's batch, not the plan's max_batch, so a step of one sequence in a
+ * plan made for 64 still fills the GPU (docs/architecture.md, CUDA split-KV). */
+struct ekv_step_splits {
+    int32_t scores; /* per list row of a uniform batch (ekv_seq_splits' base), <= split_cap */
+    int32_t values; /* per query head of the support values kernel                      */
+    int32_t unions; /* per KV head of the group-union values kernel                     */
+};
+
 struct ekv_cuda_plan {
     ekv_context *ctx;
     ekv_cuda_plan_params p;
     cudaStream_t stream;
     int own_stream;
-    int32_t nsplit;     /* splits per list row of a uniform batch (ekv_seq_splits' base) */
     int32_t split_cap;  /* the most splits a row can get: split_max, flash_part pitch   */
     int32_t sms;        /* the device's SMs (one-wave grids, ekv_cuda_one_wave)     */
     int64_t cap_pages;  /* max_pages_per_seq                                           */
@@ -70,8 +78,6 @@ struct ekv_cuda_plan {
     int32_t *flags;      /* [B*H] EKV_TAU_FLAG_*: how an overflowed head's tau was found  */
     unsigned long long *slow_paths; /* NULL or [EKV_SLOW_PATHS] (ekv_cuda_count_slow_paths) */
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
-    int32_t vsplit;      /* splits per query head of the support values kernel (uniform) */
-    int32_t usplit;      /* splits per KV head of the group-union values kernel (uniform) */
     uint32_t *ubits;     /* [B*Hk][cap_words] the group's support slots (zero between steps) */
     float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
     int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
@@ -97,6 +103,7 @@ struct ekv_cuda_plan {
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
     int last_screen_kind; /* its screen kernel (screen.cu: generic, fast, tensor cores)  */
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
+    int32_t last_score_splits; /* the last score pass's splits per row (ekv_cuda_report)   */
     int skip_values;     /* set by a sharded plan (sharded.cu): an entmax step stops after */
                          /* tau (its shard's own), the values come at the agreed tau       */
     int shard_pos;       /* set by a sharded plan for its topk/gaussian stages: where the */
@@ -672,6 +679,7 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_
 /* The last bound stage's page bounds, copied to the host (synchronises; the GPU tests). */
 extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 /* masked: the heads' scores outside their own lists are -inf (list_heads, per_query_head) */
+ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
                                   int batch, int use_list, int round, int masked);

@@ -141,18 +141,41 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
     return EKV_OK;
 }
 
-/* Work splits and buffer capacities from the plan's shapes and the device's SM count. */
+/* The scores kernel's splits per row for `batch` sequences of Hk KV heads. The kernel (2
+ * blocks per SM) streams K best in one wave of long-lived blocks: ramping a block's pipeline
+ * up and down costs more than the tail of a single wave (the softmax values and the screen
+ * size their one wave at launch, ekv_cuda_one_wave). Never more splits than pages. */
+static int64_t score_splits(int sms, int64_t batch, int64_t Hk, int64_t pages) {
+    int64_t ns = 2 * (int64_t)sms / (batch * Hk);
+    if (ns > pages) ns = pages;
+    return ns < 1 ? 1 : ns;
+}
+
+/* The values kernels' splits per row over `rows` rows: about 2 blocks per SM, at most 64. */
+static int32_t value_splits(int sms, int64_t rows) {
+    const int64_t vs = (2 * (int64_t)sms + rows - 1) / rows;
+    return (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
+}
+
+/* Computed at every launch from the step's batch (a graph captures the batch with its
+ * arguments, so replays stay consistent); the score splits are capped by split_cap, the
+ * pitch of the per-row split buffers sized at the plan's max_batch. */
+ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
+    const int64_t H = pl->p.num_heads, Hk = pl->p.num_kv_heads;
+    int64_t ns = score_splits(pl->sms, batch, Hk, pl->cap_pages);
+    if (ns > pl->split_cap) ns = pl->split_cap;
+    ekv_step_splits s;
+    s.scores = (int32_t)ns;
+    s.values = value_splits(pl->sms, batch * H);
+    s.unions = value_splits(pl->sms, batch * Hk);
+    return s;
+}
+
+/* Buffer capacities from the plan's shapes and the device's SM count. */
 static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     const ekv_cuda_plan_params *p = &pl->p;
-    const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
-    /* The scores kernel (2 blocks per SM) streams K best in one wave of long-lived blocks:
-     * ramping a block's pipeline up and down costs more than the tail of a single wave (the
-     * softmax values and the screen size their one wave at launch, ekv_cuda_one_wave). Never
-     * more splits than pages. */
-    int64_t ns = 2 * (int64_t)sms / (B * Hk);
-    if (ns > p->max_pages_per_seq) ns = p->max_pages_per_seq;
-    if (ns < 1) ns = 1;
-    pl->nsplit = (int32_t)ns;
+    const int64_t B = p->max_batch, Hk = p->num_kv_heads;
+    const int64_t ns = score_splits(sms, B, Hk, p->max_pages_per_seq);
     /* ragged batches (ekv_seq_splits): a row takes at most the splits that fill the GPU with
      * its KV heads alone, and never more than T = ns B or the pages */
     int64_t cap = 2 * (int64_t)sms / Hk;
@@ -171,12 +194,6 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
     if (p->max_candidates > 0) pl->scap = pl->cand_cap;
     pl->cap_words = (pl->cap_tokens + 31) / 32;
-    /* the support values kernel: about 2 blocks per SM over all query heads */
-    int64_t vs = (2 * (int64_t)sms + B * H - 1) / (B * H);
-    pl->vsplit = (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
-    /* the group-union values kernel: as many blocks over the KV heads */
-    int64_t us = (2 * (int64_t)sms + B * Hk - 1) / (B * Hk);
-    pl->usplit = (int32_t)(us < 1 ? 1 : us > 64 ? 64 : us);
 }
 
 extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
@@ -495,6 +512,7 @@ extern "C" ekv_status ekv_cuda_read_report(ekv_cuda_plan *pl, int32_t batch, ekv
     }
     r->launches = pl->launches;
     r->softmax_one_pass = pl->last_one_pass;
+    r->score_splits = pl->last_score_splits;
     r->superpage_skipped = r->superpage_boxes = 0;
     if (pl->last_sp_counted) {
         unsigned long long sc[2];

@@ -639,9 +639,10 @@ ekv_status launch_screen_pass(ekv_cuda_plan *pl, const screen_args &A, int code_
     const int rows = batch * A.Hk, sms = pl->sms;
     const int kind = screen_kind(pl, A.G, A.D, A.ps, code_bits);
     pl->last_screen_kind = kind;
+    const int base = 2 * ekv_cuda_step_splits(pl, batch).scores;
     const cudaError_t e =
-            code_bits == 8 ? launch_screen_b<8>(A, kind, 2 * pl->nsplit, sms, rows, pl->stream)
-                           : launch_screen_b<4>(A, kind, 2 * pl->nsplit, sms, rows, pl->stream);
+            code_bits == 8 ? launch_screen_b<8>(A, kind, base, sms, rows, pl->stream)
+                           : launch_screen_b<4>(A, kind, base, sms, rows, pl->stream);
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen kernel: %s", cudaGetErrorString(e));
     pl->launches++;

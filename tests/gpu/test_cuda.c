@@ -1894,6 +1894,79 @@ static void key_scale_test(ekv_context *ctx) {
     printf("extreme key scales: %d certified/screened steps equal dense\n", steps);
 }
 
+/* Grids from the step, not the plan's capacity (issue 28): one sequence decoded through a
+ * plan made for 64 (as the model engine's is) must split K over the whole GPU, not over the
+ * 2 splits per row a full batch of 64 would get; and the result still equals the CPU's. */
+static void step_splits_test(ekv_context *ctx) {
+    const int D = 64, Hk = 2, G = 3, H = Hk * G, ps = 16;
+    const int64_t N = 65536, maxP = N / ps + 1;
+    test_rng r = {2828};
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = EKV_DTYPE_F16;
+    cp.max_seqs = 1;
+    cp.num_pages = maxP;
+    ekv_cache *cache = NULL;
+    CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "step splits cache");
+    int32_t seq;
+    ekv_cache_seq_new(cache, &seq);
+    float *dir = malloc(sizeof(float) * D), *k = malloc(sizeof(float) * N * Hk * D),
+          *v = malloc(sizeof(float) * N * Hk * D);
+    for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
+    make_kv(&r, k, v, N, Hk, D, dir);
+    ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32);
+    mirror m;
+    memset(&m, 0, sizeof m);
+    mirror_build(&m, cache, &seq, 1, maxP, 0);
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_batch = 64;
+    pp.num_heads = H;
+    pp.num_kv_heads = Hk;
+    pp.head_dim = D;
+    pp.page_size = ps;
+    pp.max_pages_per_seq = maxP;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    float q[6 * 64], got[6 * 64], ref[6 * 64];
+    for (int i = 0; i < H * D; i++) q[i] = (float)test_normal(&r);
+    float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
+    ekv_decode_params prm = ekv_decode_default_params();
+    prm.num_heads = H;
+    ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
+    for (int meth = 0; meth < 2; meth++) {
+        ekv_select_params sp = ekv_select_default_params();
+        sp.method = meth ? EKV_SELECT_TOPK : EKV_SELECT_DENSE;
+        sp.budget_fraction = 1.0; /* top-k over every page: the dense result */
+        CHECK(ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
+              "B = 1 step: %s", ekv_last_error(ctx));
+        ekv_cuda_report rep;
+        memset(&rep, 0, sizeof rep);
+        CHECK(ekv_cuda_read_report(plan, 1, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+        CHECK((int64_t)rep.score_splits * Hk >= sms,
+              "%s: B = 1 in a plan for 64: %d score splits per KV head on %d SMs",
+              meth ? "topk" : "dense", rep.score_splits, sms);
+        CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+        const double e = test_head_rel_err(got, ref, H, D, 1e-6);
+        CHECK(e < 3e-5, "B = 1 in a plan for 64 (%s): rel err %.3g vs dense", meth ? "topk" : "dense",
+              e);
+        printf("B = 1 in a plan for 64 (%s): %d score splits per KV head (%d SMs)\n",
+               meth ? "topk" : "dense", rep.score_splits, sms);
+    }
+    cudaFree(dq);
+    cudaFree(dout);
+    ekv_cuda_plan_free(plan);
+    mirror_free(&m);
+    ekv_cache_free(cache);
+    free(dir);
+    free(k);
+    free(v);
+}
+
 int main(void) {
     ekv_context *ctx = NULL;
     ekv_context_params cpar = ekv_context_default_params();
@@ -1909,6 +1982,7 @@ int main(void) {
     const int max_cases = lim ? atoi(lim) : 1 << 30;
     invalid_test(ctx);
     key_scale_test(ctx);
+    step_splits_test(ctx);
     scores_precision_test(ctx);
     /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
      * shorter tables) */

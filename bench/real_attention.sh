@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Real attention on the GPU, beside torch SDPA in the same call (docs/architecture.md, "Tests
+# and measurement"): the shipped model's own attention, not synthetic keys.
+#   1. model decode: for each context of CTXS, one dense prefill of the repository's text, then
+#      `run --compare METHODS --rewind` (every method decodes the same DECODE tokens after the
+#      same prefill); the [decode ...] stats lines give tokens/s per method;
+#   2. SDPA attention-only: torch's softmax SDPA (enable_gqa) on the model's attention shape
+#      (H 6, KV 2, D 64, f16, one query) at the same contexts, ms per layer and the tokens/s of
+#      its 8 layers' attention alone (the most a softmax engine of this shape could decode);
+#   3. the model's trace at TRACE_CTX tokens (`entmaxkv trace --backend cuda`), every layer and
+#      every method through `bench --backend cuda --workload trace:FILE@lL.` (median ms per step,
+#      graph replay), with SDPA on the same layer's shape.
+# Usage: bench/real_attention.sh OUTDIR
+#   BIN (build-gpu/entmaxkv), CTXS ("131072 524288"), TRACE_CTX (262144, 0 = skip),
+#   DECODE (32), METHODS (topk:1/16,certified,screened,gaussian; dense runs first),
+#   TRACE_METHODS (dense topk certified screened).
+# Writes OUTDIR/real_attention.log (commands and outputs) and OUTDIR/real_attention.tsv.
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+case "${1:-}" in -h|--help | "") usage; [ -n "${1:-}" ]; exit $? ;; esac
+set -u
+cd "$(dirname "$0")/.."
+OUT=$1
+BIN=${BIN:-build-gpu/entmaxkv}
+CTXS=${CTXS:-131072 524288}
+TRACE_CTX=${TRACE_CTX:-262144}
+DECODE=${DECODE:-32}
+METHODS=${METHODS:-topk:1/16,certified,screened,gaussian}
+TRACE_METHODS=${TRACE_METHODS:-dense topk certified screened}
+mkdir -p "$OUT" || exit 1
+LOG="$OUT/real_attention.log"
+TSV="$OUT/real_attention.tsv"
+: >"$LOG"
+printf 'part\tctx\tlayer\tmethod\tms\ttokens_per_s\n' >"$TSV"
+[ -x "$BIN" ] || { echo "real_attention.sh: $BIN is not built" >&2; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log -1 --format='commit %H' 2>/dev/null; } >>"$LOG" 2>&1
+
+# a prompt of N bytes from the repository's text (the model never trained on it)
+prompt() {
+    local n=$1 f="$OUT/prompt_$1.txt"
+    [ -s "$f" ] && { echo "$f"; return; }
+    cat docs/*.md src/*/*.c src/*/*.cu include/entmaxkv/*.h >"$OUT/corpus.txt"
+    while [ "$(stat -c %s "$OUT/corpus.txt")" -lt "$n" ]; do
+        cat "$OUT/corpus.txt" "$OUT/corpus.txt" >"$OUT/corpus2.txt" && mv "$OUT/corpus2.txt" "$OUT/corpus.txt"
+    done
+    head -c "$n" "$OUT/corpus.txt" >"$f"
+    echo "$f"
+}
+
+# SDPA softmax decode on the model's attention shape: "ctx ms_per_layer" per context
+sdpa_rows() {
+    PYTHONPATH=bench python3 - "$@" <<'PY'
+import sys
+from sdpa_common import time_ms, decode_qkv, sdpa
+for n in map(int, sys.argv[1:]):
+    q, k, v = decode_qkv(n, 6, 2, 64, "f16")
+    print(n, "%.4f" % time_ms(lambda: sdpa(q, k, v), warm=10, iters=100))
+PY
+}
+
+echo "== 1. model decode per method (dense prefill, then --compare $METHODS --rewind)" | tee -a "$LOG"
+for n in $CTXS; do
+    f=$(prompt "$n")
+    echo "== $BIN run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind" >>"$LOG"
+    "$BIN" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
+        --compare "$METHODS" --rewind >"$OUT/run_$n.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
+    cat "$OUT/run_$n.out" >>"$LOG"
+    grep -h '^\[decode' "$OUT/run_$n.out" | while read -r line; do
+        method=$(echo "$line" | sed -E 's/^\[decode @?[0-9]* ?([^]]*)\].*/\1/')
+        rate=$(echo "$line" | grep -oE '[0-9.]+ tokens/s' | head -n 1 | cut -d' ' -f1)
+        [ -n "$rate" ] && printf 'model\t%s\t-\t%s\t-\t%s\n' "$n" "$method" "$rate" >>"$TSV"
+    done
+done
+
+echo "== 2. SDPA attention-only (H 6, KV 2, D 64, f16, one query; 8 layers)" | tee -a "$LOG"
+sdpa_rows $CTXS $([ "$TRACE_CTX" != 0 ] && echo "$TRACE_CTX") 2>>"$LOG" | while read -r n ms; do
+    echo "sdpa $n tokens: $ms ms per layer" >>"$LOG"
+    printf 'sdpa\t%s\tall\tsdpa\t%s\t%s\n' "$n" "$ms" "$(awk -v m="$ms" 'BEGIN { printf "%.1f", 1000 / (8 * m) }')" >>"$TSV"
+done
+
+if [ "$TRACE_CTX" != 0 ]; then
+    echo "== 3. the model's trace at $TRACE_CTX tokens, every layer and method" | tee -a "$LOG"
+    tr="$OUT/trace_$TRACE_CTX.safetensors"
+    "$BIN" trace --backend cuda --text "$(prompt $((TRACE_CTX + 64)))" --ctx "$TRACE_CTX" \
+        --out "$tr" >>"$LOG" 2>&1 || echo "   (trace exit $?)" >>"$LOG"
+    for l in 0 1 2 3 4 5 6 7; do
+        for m in $TRACE_METHODS; do
+            echo "== $BIN bench --backend cuda --workload trace:$tr@l$l. --method $m" >>"$LOG"
+            "$BIN" bench --backend cuda --workload "trace:$tr@l$l." --method "$m" >"$OUT/bench.out" 2>>"$LOG" ||
+                echo "   (exit $?)" >>"$LOG"
+            cat "$OUT/bench.out" >>"$LOG"
+            ms=$(awk '$1 ~ /^[0-9]+$/ { print $2; exit }' "$OUT/bench.out")
+            [ -n "$ms" ] && printf 'trace\t%s\t%s\t%s\t%s\t-\n' "$TRACE_CTX" "$l" "$m" "$ms" >>"$TSV"
+        done
+    done
+    rm -f "$tr"
+fi
+cat "$TSV"
