@@ -47,7 +47,7 @@ def cpu(steps):
     q = np.ones((1, 1, 64), np.float32)
     out = np.empty_like(q)
     run_us = timed(lambda: w.run(q, out=out), steps)
-    call = (_lib.context(), *w._plan["args"], q.ctypes.data, out.ctypes.data, None)
+    call = (_lib.context().ptr, *w._plan["args"], q.ctypes.data, out.ctypes.data, None)
     c_us = timed(lambda: _lib.lib.ekv_decode(*call), steps)
     print(f"DecodeWrapper.run: {run_us:.1f} us per step; the bare ekv_decode through ctypes: "
           f"{c_us:.1f} us; the Python layer: {run_us - c_us:.1f} us")
@@ -73,7 +73,7 @@ def cuda(steps):
         run_us = timed(lambda: w.run(q, out), steps, stream.synchronize)
         st = w._cuda
         call = (st.plan, *st.args, q.data_ptr(), out.data_ptr())
-        _lib.check(st.decode(*call), st._ctx)  # the bare call works before it is timed
+        st._ctx.call(st.decode, *call)  # the bare call works before it is timed
         c_us = timed(lambda: st.decode(*call), steps, stream.synchronize)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):

@@ -19,9 +19,16 @@ def check_cuda_tensor(x, name, dtype, shape, device, aligned=False):
         raise ValueError(f"entmaxkv: {name} must be {list(shape)}; got {list(x.shape)}")
     if not x.is_contiguous():
         raise ValueError(f"entmaxkv: {name} must be contiguous (no copy is made)")
-    if aligned and x.data_ptr() % 16:
-        raise ValueError(f"entmaxkv: {name} must be 16-byte aligned")
+    align = 16 if aligned else x.element_size()  # a view may start at any byte of its storage
+    if x.data_ptr() % align:
+        raise ValueError(f"entmaxkv: {name} must be {align}-byte aligned")
     return x
+
+
+def overlap(a, b):
+    """Contiguous tensors a and b share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def current_stream(device):

@@ -1,14 +1,22 @@
-"""The C library through ctypes: loading, the struct mirrors, errors.
+"""The C library through ctypes: loading, the struct mirrors, errors, and the checks every
+value passes before C sees it.
 
-Every call goes through :func:`check`, which turns a non-zero ``ekv_status`` into an
-:class:`EntmaxKVError` carrying the library's own message (``ekv_last_error``). Each Python
-thread gets its own ``ekv_context`` (the last error and the worker pool live there), because
-ctypes releases the GIL while a call runs.
+Every call goes through :meth:`Context.call` (or :func:`check`), which turns a non-zero
+``ekv_status`` into an :class:`EntmaxKVError` carrying the library's own message
+(``ekv_last_error``). Each Python thread gets its own ``ekv_context`` (the last error and the
+worker pool live there), because ctypes releases the GIL while a call runs; a call that goes
+through a cache made in another thread holds that cache's context's lock (Context). Every
+integer and array passed to C goes through the helpers below (as_int, int_array, c_array,
+out_array, Memory), so each rule is written once.
 """
 import ctypes
+import importlib
+import operator
 import os
 import pathlib
 import threading
+
+import numpy as np
 
 c_int32, c_int64, c_double, c_float = ctypes.c_int32, ctypes.c_int64, ctypes.c_double, ctypes.c_float
 c_void_p, c_char_p, c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
@@ -183,33 +191,39 @@ lib = _declare(ctypes.CDLL(_library_path()))
 _local = threading.local()
 
 
-def context():
-    """This thread's ekv_context (created on first use, freed with the thread)."""
-    return context_holder().ctx
+class Context:
+    """An ekv_context and the lock every call made with it holds. A context runs one call at a
+    time (include/entmaxkv/core.h), and a cache keeps the context it was created with, so a
+    cache used from another thread than its creator's would find the context busy; the lock
+    makes that call wait instead (docs/python.md, "Threads"). The message of a failed call is
+    read under the same lock, so no other call can overwrite it first. Freed with the last
+    reference (the thread's, and each cache made with it)."""
 
-
-def context_holder():
-    """This thread's context holder: an object that owns the ekv_context (`.ctx`) and frees
-    it when the last reference goes; a cache keeps it, since the cache reports its errors
-    into, and runs its appends on, the context it was created with."""
-    ctx = getattr(_local, "ctx", None)
-    if ctx is None:
-        ctx = c_void_p()
-        st = lib.ekv_context_create(None, ctypes.byref(ctx))
+    def __init__(self):
+        ptr = c_void_p()
+        st = lib.ekv_context_create(None, ctypes.byref(ptr))
         if st:
             raise EntmaxKVError(st, lib.ekv_status_string(st).decode(), "no context")
-        _local.ctx = ctx
-        _local.keeper = _ContextKeeper(ctx)
-    return _local.keeper
+        self.ptr, self.lock = ptr, threading.RLock()
 
-
-class _ContextKeeper:
-    def __init__(self, ctx):
-        self.ctx = ctx
+    def call(self, fn, *args):
+        """fn(*args) (a library call that uses this context) under the lock; a non-zero status
+        raises EntmaxKVError with the context's message."""
+        with self.lock:
+            check(fn(*args), self.ptr)
 
     def __del__(self):
-        if lib is not None and self.ctx:
-            lib.ekv_context_free(self.ctx)
+        if lib is not None and getattr(self, "ptr", None):
+            lib.ekv_context_free(self.ptr)
+
+
+def context():
+    """This thread's Context (created on first use, freed with the thread and whatever else
+    holds it): each Python thread makes its own calls on its own context."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        ctx = _local.ctx = Context()
+    return ctx
 
 
 def is_torch(x):
@@ -217,24 +231,137 @@ def is_torch(x):
     return type(x).__module__.split(".")[0] == "torch"
 
 
+def need_module(name, who, install):
+    """Imports the optional module `name`, or raises ModuleNotFoundError saying that `who`
+    needs it and how to install it (instead of a bare "No module named ...")."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:  # the module is there but one of its own imports failed
+            raise
+        raise ModuleNotFoundError(f"entmaxkv: {who} needs {name}, which is not installed: "
+                                  f"{install} (docs/python.md)", name=name) from None
+
+
+def need_torch(who):
+    """The torch module, or a ModuleNotFoundError saying that `who` needs it."""
+    return need_module("torch", who, "pip install torch, or pip install 'entmaxkv[torch]'")
+
+
+# Every integer the package passes to the library goes through as_int or int_array, so that a
+# value outside the C type is refused instead of wrapped by ctypes or numpy.
+_BITS = {32: (-(2**31), 2**31 - 1), 64: (-(2**63), 2**63 - 1)}
+
+
+def as_int(x, name, bits=32):
+    """x as a Python int that fits the library's int{bits}: ints and numpy integers, and
+    floats with an integral value; bool, other floats and other types raise TypeError, a
+    value out of range ValueError."""
+    lo, hi = _BITS[bits]
+    if type(x) is int and lo <= x <= hi:  # the common case, first (run() checks each step)
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"entmaxkv: {name}={x!r} is a bool, not an integer")
+    if isinstance(x, (float, np.floating)):
+        if not np.isfinite(x) or x != int(x):
+            raise TypeError(f"entmaxkv: {name}={x!r} is not an integer")
+        x = int(x)
+    try:
+        v = operator.index(x)
+    except TypeError:
+        raise TypeError(f"entmaxkv: {name} must be an integer; got {type(x).__name__}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"entmaxkv: {name}={v} does not fit the library's int{bits} "
+                         f"[{lo}, {hi}]")
+    return v
+
+
+def int_array(x, name, bits=32):
+    """x (a sequence, numpy array or CPU tensor of integers) as a C-contiguous, aligned int32
+    or int64 array, each value checked as as_int checks one (floats must be integral)."""
+    a = host_array(x, name)
+    dt = np.dtype(np.int32 if bits == 32 else np.int64)
+    if a.dtype.kind not in "iuf":  # bool ("b") too
+        if a.dtype.kind != "O":
+            raise TypeError(f"entmaxkv: {name} must hold integers; got dtype {a.dtype}")
+        a = np.array([as_int(v, f"{name}[{i}]", bits) for i, v in enumerate(a.reshape(-1))],
+                     dt).reshape(a.shape)
+    elif a.size:
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a) & (a == np.trunc(a))):
+            raise TypeError(f"entmaxkv: {name} holds values that are not integers")
+        lo, hi = _BITS[bits]
+        amin, amax = a.min(), a.max()
+        if not (lo <= amin and amax <= hi):
+            bad = amin if not lo <= amin else amax
+            raise ValueError(f"entmaxkv: {name} holds {int(bad)}, which does not fit the "
+                             f"library's int{bits} [{lo}, {hi}]")
+    return c_array(a.astype(dt, copy=False))
+
+
 def host_array(x, name):
     """A numpy view of x: a numpy array (or array-like) as is, a CPU torch tensor without a
-    copy; tensors on another device are refused with a message naming the argument."""
+    copy; tensors on another device are refused with a message naming the argument. Pass the
+    result through c_array (inputs) or out_array (outputs) before its address goes to C."""
     if is_torch(x):
         if x.device.type != "cpu":
             raise TypeError(f"entmaxkv: {name} is on {x.device}, but this call takes host "
                             "memory (numpy arrays or CPU tensors; CUDA tensors go to a "
                             "CudaPagedKVCache, docs/python.md)")
         return x.detach().numpy()
-    import numpy as np
-
     return np.asarray(x)
 
 
-def check(status, ctx=None):
-    """Raises EntmaxKVError for a failed call (status != 0), with the context's message."""
+def c_array(a, dtype=None):
+    """An input array as the library reads it: C-contiguous and aligned for its dtype (a
+    copy when a is not; a numpy array may start at any byte, e.g. a view into a byte buffer,
+    and the C code loads whole elements), converted to dtype when one is given."""
+    f = a.flags
+    if f.c_contiguous and f.aligned and (dtype is None or a.dtype == dtype):
+        return a  # the common case, without np.require's cost (run() passes q each step)
+    return np.require(a, dtype, ("C_CONTIGUOUS", "ALIGNED"))
+
+
+def out_array(x, name, shape, dtype, inputs=()):
+    """The caller's output array x (numpy, or a CPU tensor) as the numpy array the library
+    writes into: never copied, so it must be writable, C-contiguous and aligned, of this shape
+    (a tuple) and dtype, and share no memory with the inputs; ValueError/TypeError otherwise."""
+    a = host_array(x, name)
+    if a.dtype != dtype:
+        raise TypeError(f"entmaxkv: {name} must be {np.dtype(dtype)}; got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"entmaxkv: {name} must be {list(shape)}; got {list(a.shape)}")
+    if not a.flags.writeable:
+        raise ValueError(f"entmaxkv: {name} is read-only: the result is written into it")
+    if not a.flags.c_contiguous or not a.flags.aligned:
+        raise ValueError(f"entmaxkv: {name} must be C-contiguous and aligned (it is written in "
+                         "place, not copied)")
+    for other, oname in inputs:
+        if np.may_share_memory(a, other):
+            raise ValueError(f"entmaxkv: {name} overlaps {oname}: the result would overwrite "
+                             "its own input")
+    return a
+
+
+class Memory:
+    """Library memory exported to numpy: an array made from it (and every view of that array)
+    holds `owner`, which keeps the memory alive, so a view can outlive the Python object that
+    gave it (docs/python.md, PagedKVCache's k and v). Read-only: numpy refuses to make it
+    writable."""
+
+    def __init__(self, owner, address, shape, dtype):
+        self.owner = owner
+        self.__array_interface__ = dict(version=3, shape=tuple(shape), data=(address, True),
+                                        typestr=np.dtype(dtype).str)
+
+    def array(self):
+        return np.asarray(self)
+
+
+def check(status, ctx):
+    """Raises EntmaxKVError for a failed call (status != 0), with the message of ctx (an
+    ekv_context pointer); the caller holds the context's lock (Context.call)."""
     if status:
-        msg = lib.ekv_last_error(ctx if ctx is not None else context())
+        msg = lib.ekv_last_error(ctx)
         raise EntmaxKVError(status, lib.ekv_status_string(status).decode(),
                             msg.decode() if msg else "")
 

@@ -1,12 +1,26 @@
 """PagedKVCache: the library's paged KV cache (page pool, sequences, append, page summaries)."""
 import ctypes
+import threading
 
 import numpy as np
 
 from . import _lib
-from ._lib import DTYPES, LAYOUTS, check, host_array, lib
+from ._lib import DTYPES, LAYOUTS, as_int, c_array, host_array, int_array, lib
 
 _NP_SRC = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # ekv_dtype of append's input
+
+
+class _Pool:
+    """Owns the C cache (and the caller's page arrays of a wrapped one): ekv_cache_free runs
+    when the last reference goes, the PagedKVCache's until close() or each numpy view of the
+    pool (Memory), so no view ever reads freed memory."""
+
+    def __init__(self, ptr, ctx, arrays):
+        self.ptr, self.ctx, self.arrays = ptr, ctx, arrays  # ctx: the cache reports into it
+
+    def __del__(self):
+        if lib is not None and self.ptr:
+            lib.ekv_cache_free(self.ptr)
 
 
 class PagedKVCache:
@@ -29,19 +43,23 @@ class PagedKVCache:
         if layout not in LAYOUTS:
             raise ValueError(f"PagedKVCache: layout={layout!r}: expected 'HND' or 'NHD'")
         p = lib.ekv_cache_default_params()
-        p.num_pages, p.page_size, p.num_kv_heads = int(num_pages), int(page_size), int(num_kv_heads)
-        p.head_dim, p.dtype, p.max_seqs = int(head_dim), DTYPES[dtype], int(max_seqs)
-        p.superpage_pages, p.code_bits = int(superpage_pages), int(code_bits)
+        p.num_pages, p.dtype = as_int(num_pages, "num_pages", 64), DTYPES[dtype]
+        p.page_size, p.head_dim = as_int(page_size, "page_size"), as_int(head_dim, "head_dim")
+        p.num_kv_heads = as_int(num_kv_heads, "num_kv_heads")
+        p.max_seqs = as_int(max_seqs, "max_seqs")
+        p.superpage_pages = as_int(superpage_pages, "superpage_pages")
+        p.code_bits = as_int(code_bits, "code_bits")
         p.range_dtype = lib.ekv_cache_compact_ranges(p.dtype) if compact_ranges else 0
         p.layout = LAYOUTS[layout]
-        self._pools = _pools  # the caller's arrays: kept alive as long as the cache
-        if _pools is not None:
+        if _pools is not None:  # the caller's arrays: kept alive as long as the pool
             p.k_pool, p.v_pool = _pools[0].ctypes.data, _pools[1].ctypes.data
-        self._ptr = ctypes.c_void_p()
-        self._holder = _lib.context_holder()  # the cache's context lives as long as the cache
-        self._ctx = self._holder.ctx
-        check(lib.ekv_cache_create(self._ctx, ctypes.byref(p), ctypes.byref(self._ptr)),
-              self._ctx)
+        # The cache's calls (and decodes over it, DecodeWrapper) hold self._lock: one at a
+        # time, so an append never runs while another thread reads the cache; the C calls run
+        # on the context of the creating thread, under its lock (_lib.Context).
+        self._lock, self._ctx = threading.RLock(), _lib.context()
+        ptr = ctypes.c_void_p()
+        self._ctx.call(lib.ekv_cache_create, self._ctx.ptr, ctypes.byref(p), ctypes.byref(ptr))
+        self._owner = _Pool(ptr, self._ctx, _pools)
         self.page_size, self.num_kv_heads, self.head_dim = p.page_size, p.num_kv_heads, p.head_dim
         self.num_pages, self.dtype, self.code_bits = p.num_pages, dtype, p.code_bits
         self.layout = layout
@@ -69,6 +87,9 @@ class PagedKVCache:
             if not a.flags.c_contiguous or not a.flags.writeable or a.ctypes.data % 16:
                 raise ValueError(f"PagedKVCache.wrap: {name} must be C-contiguous, writable "
                                  "and 16-byte aligned")
+        if np.may_share_memory(k, v):  # contiguous: their extents overlap, so their pages do
+            raise ValueError("PagedKVCache.wrap: k_pages and v_pages overlap: appends to V would "
+                             "overwrite K (pass two separate arrays)")
         if layout not in LAYOUTS:
             raise ValueError(f"PagedKVCache.wrap: layout={layout!r}: expected 'HND' or 'NHD'")
         pages, a, b, dim = k.shape
@@ -78,43 +99,61 @@ class PagedKVCache:
                    layout=layout, _pools=(k, v), **kw)
 
     def close(self):
-        """Frees the pool (the views of it die with it)."""
-        if getattr(self, "_ptr", None):
-            lib.ekv_cache_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self):
-        self.close()
+        """Ends the cache: later calls raise RuntimeError. Its memory is freed now, or, while
+        numpy views of it (`k`, `v`, or arrays sliced from them) are alive, when the last of
+        them goes; until then they stay valid read-only arrays."""
+        with self._lock:
+            self._owner = None
 
     def _live(self):
-        if not self._ptr:
+        owner = getattr(self, "_owner", None)
+        if owner is None:
             raise RuntimeError("PagedKVCache: the cache was closed")
-        return self._ptr
+        return owner.ptr
+
+    def _call(self, fn, *args):
+        """fn(cache, *args) under the cache's lock and its context's (see __init__)."""
+        with self._lock:
+            self._ctx.call(fn, self._live(), *args)
 
     def new_sequence(self):
         """A new, empty sequence; returns its id."""
         seq = ctypes.c_int32()
-        check(lib.ekv_cache_seq_new(self._live(), ctypes.byref(seq)), self._ctx)
+        self._call(lib.ekv_cache_seq_new, ctypes.byref(seq))
         return seq.value
 
     def free_sequence(self, seq):
         """Frees a sequence and returns its pages to the pool."""
-        check(lib.ekv_cache_seq_free(self._live(), int(seq)), self._ctx)
+        self._call(lib.ekv_cache_seq_free, as_int(seq, "seq"))
 
     def length(self, seq):
         """Tokens in the sequence."""
         n = ctypes.c_int64()
-        check(lib.ekv_cache_seq_length(self._live(), int(seq), ctypes.byref(n)), self._ctx)
+        self._call(lib.ekv_cache_seq_length, as_int(seq, "seq"), ctypes.byref(n))
         return n.value
+
+    def _lengths(self, seqs):
+        """length() of each sequence (ints), under one acquisition of the locks: DecodeWrapper
+        checks them at each step."""
+        n, out = ctypes.c_int64(), []
+        with self._lock, self._ctx.lock:
+            ptr = self._live()
+            for seq in seqs:
+                _lib.check(lib.ekv_cache_seq_length(ptr, as_int(seq, "seq"), ctypes.byref(n)),
+                           self._ctx.ptr)
+                out.append(n.value)
+        return out
 
     @property
     def free_pages(self):
-        return lib.ekv_cache_free_pages(self._live())
+        with self._lock, self._ctx.lock:
+            return lib.ekv_cache_free_pages(self._live())
 
     def append(self, seq, k, v):
         """Appends tokens to a sequence: k and v are [tokens, num_kv_heads, head_dim] (float32
         or float16, numpy or CPU torch), converted to the storage dtype; the page summaries are
         updated. Nothing changes when it fails (too few free pages, NaN or inf in the input)."""
+        seq = as_int(seq, "seq")
         k, v = host_array(k, "k"), host_array(v, "v")
         want = (self.num_kv_heads, self.head_dim)
         if k.ndim != 3 or k.shape[1:] != want or k.shape != v.shape:
@@ -125,9 +164,9 @@ class PagedKVCache:
                             f"float16; got {k.dtype} and {v.dtype}")
         if k.shape[0] == 0:
             return
-        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        check(lib.ekv_cache_append(self._live(), int(seq), k.shape[0], k.ctypes.data,
-                                   v.ctypes.data, _NP_SRC[k.dtype]), self._ctx)
+        k, v = c_array(k), c_array(v)
+        self._call(lib.ekv_cache_append, seq, k.shape[0], k.ctypes.data, v.ctypes.data,
+                   _NP_SRC[k.dtype])
 
     def adopt(self, pages, last_page_len):
         """A new sequence over pages the caller's engine has already filled (a cache made by
@@ -136,61 +175,62 @@ class PagedKVCache:
         the stored keys, as appends would have. Returns the sequence id; later tokens come by
         append. Fails, changing nothing, for a page that is not free, listed twice, or holds
         NaN or inf."""
-        pages = np.ascontiguousarray(np.asarray(pages, dtype=np.int32).reshape(-1))
+        pages = int_array(pages, "pages").reshape(-1)
+        last_page_len = as_int(last_page_len, "last_page_len")
         if len(pages) == 0:
             raise ValueError("PagedKVCache.adopt: no pages")
-        seq = self.new_sequence()
-        try:
-            check(lib.ekv_cache_seq_adopt(self._live(), seq, pages.ctypes.data, len(pages),
-                                          int(last_page_len)), self._ctx)
-        except BaseException:
-            self.free_sequence(seq)
-            raise
+        with self._lock:  # the new sequence and its pages in one step
+            seq = self.new_sequence()
+            try:
+                self._call(lib.ekv_cache_seq_adopt, seq, pages.ctypes.data, len(pages),
+                           last_page_len)
+            except BaseException:
+                self.free_sequence(seq)
+                raise
         return seq
 
     def page_table(self, seqs):
         """The CSR page table of the sequences, FlashInfer's names: (indptr int64 [n + 1],
         indices int32 physical pages, last_page_len int32 [n])."""
-        seqs = np.ascontiguousarray(np.asarray(seqs, dtype=np.int32).reshape(-1))
-        n = len(seqs)
+        seqs = int_array(seqs, "seqs").reshape(-1)
+        n = as_int(len(seqs), "the number of sequences")
         indptr = np.empty(n + 1, np.int64)
         last = np.empty(n, np.int32)
         need = ctypes.c_int64()
-        check(lib.ekv_cache_page_table(self._live(), seqs.ctypes.data, n, indptr.ctypes.data,
-                                       None, 0, last.ctypes.data, ctypes.byref(need)), self._ctx)
-        indices = np.empty(max(need.value, 1), np.int32)
-        check(lib.ekv_cache_page_table(self._live(), seqs.ctypes.data, n, indptr.ctypes.data,
-                                       indices.ctypes.data, len(indices), last.ctypes.data, None), self._ctx)
+        with self._lock:  # both calls see the same cache
+            self._call(lib.ekv_cache_page_table, seqs.ctypes.data, n, indptr.ctypes.data, None,
+                       0, last.ctypes.data, ctypes.byref(need))
+            indices = np.empty(max(need.value, 1), np.int32)
+            self._call(lib.ekv_cache_page_table, seqs.ctypes.data, n, indptr.ctypes.data,
+                       indices.ctypes.data, len(indices), last.ctypes.data, None)
         return indptr, indices[: need.value], last
 
     def _view(self):
         kv, st = _lib.PagedKV(), _lib.PageStats()
-        check(lib.ekv_cache_kv_view(self._live(), ctypes.byref(kv), ctypes.byref(st)), self._ctx)
+        self._call(lib.ekv_cache_kv_view, ctypes.byref(kv), ctypes.byref(st))
         return kv, st
 
     def _pool(self, which):
-        kv, _ = self._view()
+        with self._lock:
+            kv, _ = self._view()
+            owner = self._owner
         shape = ((kv.num_pages, kv.num_kv_heads, kv.page_size, kv.head_dim)
                  if self.layout == "HND" else
                  (kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim))
-        n = int(np.prod(shape))
-        if self.dtype == "float32":
-            raw, dt = ctypes.c_float * n, np.float32
-        else:  # bfloat16 has no numpy dtype: its bit patterns, as uint16
-            raw, dt = ctypes.c_uint16 * n, (np.float16 if self.dtype == "float16" else np.uint16)
-        a = np.frombuffer(raw.from_address(getattr(kv, which)), dtype=dt).reshape(shape)
-        a.flags.writeable = False  # writing K would leave the page summaries stale
-        return a
+        # bfloat16 has no numpy dtype: its bit patterns, as uint16
+        dt = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.dtype]
+        # read-only (writing K would leave the page summaries stale); the array holds the
+        # pool, so it stays valid after the cache object is gone or closed
+        return _lib.Memory(owner, getattr(kv, which), shape, dt).array()
 
     @property
     def k(self):
         """Read-only view of the K pool in the cache's layout (HND [num_pages, num_kv_heads,
         page_size, head_dim] or NHD [num_pages, page_size, num_kv_heads, head_dim]; bfloat16:
-        the bit patterns as uint16). Valid while the cache is open."""
+        the bit patterns as uint16). It keeps the pool alive (see close())."""
         return self._pool("k")
 
     @property
     def v(self):
         """Read-only view of the V pool, as `k`."""
         return self._pool("v")
-

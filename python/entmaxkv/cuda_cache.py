@@ -3,14 +3,15 @@ append kernel (ekv_cuda_append), which also keeps the page summaries the sparse 
 The page bookkeeping (free pages, each sequence's pages and length) lives on the host, so a
 decode step never has to read it back from the device."""
 import ctypes
+import threading
 
 from . import _lib
-from ._device import check_cuda_tensor, current_stream, device_guard
-from ._lib import DTYPES, LAYOUTS, check, fail, lib
+from ._device import check_cuda_tensor, current_stream, device_guard, overlap
+from ._lib import DTYPES, LAYOUTS, as_int, fail, int_array, lib
 
 
 def _torch_dtypes():
-    import torch
+    torch = _lib.need_torch("CudaPagedKVCache")
 
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -27,8 +28,11 @@ class CudaPagedKVCache:
     def __init__(self, num_pages, page_size=16, num_kv_heads=8, head_dim=128, dtype="float16",
                  max_seqs=64, code_bits=0, compact_ranges=True, layout="HND", device=None,
                  _pools=None):
-        import torch
-
+        torch = _lib.need_torch("CudaPagedKVCache")
+        num_pages, page_size, num_kv_heads, head_dim, code_bits, max_seqs = (
+            as_int(num_pages, "num_pages", 64), as_int(page_size, "page_size"),
+            as_int(num_kv_heads, "num_kv_heads"), as_int(head_dim, "head_dim"),
+            as_int(code_bits, "code_bits"), as_int(max_seqs, "max_seqs"))
         self._check_shape(num_pages, page_size, num_kv_heads, head_dim, dtype, code_bits,
                           layout, max_seqs)
         dev = torch.device("cuda" if device is None else device)
@@ -36,9 +40,9 @@ class CudaPagedKVCache:
             raise ValueError(f"CudaPagedKVCache: device={device!r} is not a CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None
                                    else dev.index)
-        self.num_pages, self.page_size, self.num_kv_heads = int(num_pages), int(page_size), int(num_kv_heads)
-        self.head_dim, self.dtype, self.code_bits, self.layout = int(head_dim), dtype, int(code_bits), layout
-        self.max_seqs = int(max_seqs)
+        self.num_pages, self.page_size, self.num_kv_heads = num_pages, page_size, num_kv_heads
+        self.head_dim, self.dtype, self.code_bits, self.layout = head_dim, dtype, code_bits, layout
+        self.max_seqs = max_seqs
         P, ps, Hk, D = self.num_pages, self.page_size, self.num_kv_heads, self.head_dim
         shape = (P, Hk, ps, D) if layout == "HND" else (P, ps, Hk, D)
         if _pools is None:
@@ -46,8 +50,9 @@ class CudaPagedKVCache:
             _pools = (torch.zeros(shape, dtype=tdt, device=self.device),
                       torch.zeros(shape, dtype=tdt, device=self.device))
         self.k, self.v = _pools
-        self._holder = _lib.context_holder()  # the plans report into this context
-        self._ctx = self._holder.ctx
+        # The plans report into this context (_lib.Context); the host bookkeeping and every
+        # call on the cache (and decodes over it) hold self._lock, one thread at a time.
+        self._lock, self._ctx = threading.RLock(), _lib.context()
         self._alloc_stats(compact_ranges)
         self._kv = self._paged_kv()
         self._free = list(range(P - 1, -1, -1))  # pop() hands out page 0 first
@@ -61,14 +66,14 @@ class CudaPagedKVCache:
             raise ValueError(f"CudaPagedKVCache: dtype={dtype!r}: expected one of {sorted(DTYPES)}")
         if layout not in LAYOUTS:
             raise ValueError(f"CudaPagedKVCache: layout={layout!r}: expected 'HND' or 'NHD'")
-        if not 1 <= int(page_size) <= 256:
+        if not 1 <= page_size <= 256:
             raise ValueError(f"CudaPagedKVCache: page_size={page_size} must be in [1, 256]")
-        if int(head_dim) < 8 or int(head_dim) % 8 or int(head_dim) > 512:
+        if head_dim < 8 or head_dim % 8 or head_dim > 512:
             raise ValueError(f"CudaPagedKVCache: head_dim={head_dim} must be a multiple of 8 "
                              "in [8, 512] (the CUDA backend's range)")
-        if int(code_bits) not in (0, 4, 8):
+        if code_bits not in (0, 4, 8):
             raise ValueError(f"CudaPagedKVCache: code_bits={code_bits} must be 0, 4 or 8")
-        if int(num_pages) < 1 or int(num_kv_heads) < 1 or int(max_seqs) < 1:
+        if num_pages < 1 or num_kv_heads < 1 or max_seqs < 1:
             raise ValueError("CudaPagedKVCache: num_pages, num_kv_heads and max_seqs must be >= 1")
 
     @classmethod
@@ -89,6 +94,9 @@ class CudaPagedKVCache:
             raise ValueError(f"CudaPagedKVCache.wrap: layout={layout!r}: expected 'HND' or 'NHD'")
         for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
             check_cuda_tensor(t, name, k_pages.dtype, k_pages.shape, k_pages.device, aligned=True)
+        if overlap(k_pages, v_pages):
+            raise ValueError("CudaPagedKVCache.wrap: k_pages and v_pages overlap: appends to V "
+                             "would overwrite K (pass two separate tensors)")
         pages, a, b, dim = k_pages.shape
         ps, hk = (a, b) if layout == "NHD" else (b, a)
         return cls(pages, page_size=ps, num_kv_heads=hk, head_dim=dim,
@@ -134,9 +142,10 @@ class CudaPagedKVCache:
 
     def close(self):
         """Frees the append plans; the tensors go with the last reference to them."""
-        for plan in getattr(self, "_plans", {}).values():
-            lib.ekv_cuda_plan_free(plan)
-        self._plans = {}
+        with getattr(self, "_lock", threading.RLock()):
+            for plan in getattr(self, "_plans", {}).values():
+                lib.ekv_cuda_plan_free(plan)
+            self._plans = {}
 
     def __del__(self):
         self.close()
@@ -152,44 +161,57 @@ class CudaPagedKVCache:
             p.head_dim, p.page_size, p.max_pages_per_seq = self.head_dim, self.page_size, 1
             plan = ctypes.c_void_p()
             with device_guard(self.device):
-                check(lib.ekv_cuda_plan_create(self._ctx, ctypes.byref(p), ctypes.byref(plan)),
-                      self._ctx)
+                self._ctx.call(lib.ekv_cuda_plan_create, self._ctx.ptr, ctypes.byref(p),
+                               ctypes.byref(plan))
             self._plans[stream] = plan
         return plan
 
     def new_sequence(self):
         """A new, empty sequence; returns its id."""
-        if len(self._seqs) >= self.max_seqs:
-            fail("INVALID_ARGUMENT", f"max_seqs={self.max_seqs} sequences are already alive")
-        seq = next(i for i in range(self.max_seqs + 1) if i not in self._seqs)
-        self._seqs[seq] = [[], 0]
-        return seq
+        with self._lock:
+            if len(self._seqs) >= self.max_seqs:
+                fail("INVALID_ARGUMENT", f"max_seqs={self.max_seqs} sequences are already alive")
+            seq = next(i for i in range(self.max_seqs + 1) if i not in self._seqs)
+            self._seqs[seq] = [[], 0]
+            return seq
 
     def _seq(self, seq):
-        s = self._seqs.get(seq.__index__()) if hasattr(seq, "__index__") else None
+        s = self._seqs.get(as_int(seq, "seq"))
         if s is None:
             fail("INVALID_SEQUENCE", f"sequence {seq} is not alive in this cache")
         return s
 
     def free_sequence(self, seq):
         """Frees a sequence and returns its pages to the pool."""
-        pages, _ = self._seq(seq)
-        self._free.extend(reversed(pages))
-        del self._seqs[int(seq)]
+        with self._lock:
+            pages, _ = self._seq(seq)
+            self._free.extend(reversed(pages))
+            del self._seqs[as_int(seq, "seq")]
 
     def length(self, seq):
         """Tokens in the sequence."""
-        return self._seq(seq)[1]
+        with self._lock:
+            return self._seq(seq)[1]
+
+    def _lengths(self, seqs):
+        """length() of each sequence, as PagedKVCache._lengths."""
+        with self._lock:
+            return [self._seq(s)[1] for s in seqs]
 
     @property
     def free_pages(self):
-        return len(self._free)
+        with self._lock:
+            return len(self._free)
 
     def append(self, seq, k, v):
         """Appends tokens: k and v float32 CUDA tensors [tokens, num_kv_heads, head_dim],
         contiguous, on the cache's device; written in the storage dtype with the summaries
         (and key codes) of every touched page, on the current stream. Refused, changing
         nothing, for too few free pages or NaN/inf in k or v (that check synchronises)."""
+        with self._lock:
+            self._append(seq, k, v)
+
+    def _append(self, seq, k, v):
         import torch
 
         pages, n0 = self._seq(seq)
@@ -245,9 +267,9 @@ class CudaPagedKVCache:
         dev_items = host.to(self.device)  # on the current stream, ahead of the kernel
         plan = self._append_plan()
         with device_guard(self.device):  # the kernel launches on the current device
-            check(lib.ekv_cuda_append(plan, ctypes.byref(self._kv), ctypes.byref(self._st),
-                                      dev_items.data_ptr(), len(items), k.data_ptr(),
-                                      v.data_ptr()), self._ctx)
+            self._ctx.call(lib.ekv_cuda_append, plan, ctypes.byref(self._kv),
+                           ctypes.byref(self._st), dev_items.data_ptr(), len(items),
+                           k.data_ptr(), v.data_ptr())
 
     def adopt(self, pages, last_page_len):
         """A new sequence over pages the caller's engine has already written (a cache made by
@@ -255,20 +277,25 @@ class CudaPagedKVCache:
         statistics (and key codes) are built from the stored keys by the append kernel, which
         rewrites each stored row with itself (exact: the storage dtype widened to float32 and
         back). Refused, changing nothing, for a page that is not free or listed twice."""
-        pages = [int(p) for p in pages]
+        pages = int_array(pages, "pages").reshape(-1).tolist()
+        last_page_len = as_int(last_page_len, "last_page_len")
         if not pages:
             raise ValueError("CudaPagedKVCache.adopt: no pages")
-        if not 1 <= int(last_page_len) <= self.page_size:
+        if not 1 <= last_page_len <= self.page_size:
             raise ValueError(f"CudaPagedKVCache.adopt: last_page_len={last_page_len} must be in "
                              f"[1, {self.page_size}]")
+        with self._lock:
+            return self._adopt(pages, last_page_len)
+
+    def _adopt(self, pages, last_page_len):
         free = set(self._free)
         if len(set(pages)) != len(pages) or not set(pages) <= free:
             fail("INVALID_ARGUMENT", "CudaPagedKVCache.adopt: a page is listed twice, out of "
                                      "range or held by another sequence")
-        k, v = self._gather(pages, int(last_page_len))
+        k, v = self._gather(pages, last_page_len)
         seq = self.new_sequence()
         n = k.shape[0]
-        items = [(p, 0, self.page_size if i + 1 < len(pages) else int(last_page_len),
+        items = [(p, 0, self.page_size if i + 1 < len(pages) else last_page_len,
                   i * self.page_size) for i, p in enumerate(pages)]
         try:
             import torch
@@ -301,8 +328,9 @@ class CudaPagedKVCache:
         """The CSR page table of the sequences, as PagedKVCache.page_table (numpy, host)."""
         import numpy as np
 
-        seqs = [int(s) for s in np.asarray(seqs).reshape(-1)]
-        lists = [self._seq(s) for s in seqs]
+        seqs = int_array(seqs, "seqs").reshape(-1).tolist()
+        with self._lock:
+            lists = [(list(p), n) for p, n in (self._seq(s) for s in seqs)]
         indptr = np.zeros(len(seqs) + 1, np.int64)
         indptr[1:] = np.cumsum([len(p) for p, _ in lists])
         indices = np.array([pg for p, _ in lists for pg in p], np.int32)

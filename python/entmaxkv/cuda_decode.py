@@ -9,8 +9,8 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._device import check_cuda_tensor, check_current_device, current_stream, device_guard
-from ._lib import check, lib
+from ._device import check_cuda_tensor, check_current_device, current_stream, device_guard, overlap
+from ._lib import lib
 
 
 class CudaStep:
@@ -26,11 +26,11 @@ class CudaStep:
         p.device, p.stream, p.max_batch = cache.device.index, self.stream, batch
         p.num_heads, p.num_kv_heads = num_heads, cache.num_kv_heads
         p.head_dim, p.page_size, p.max_pages_per_seq = cache.head_dim, cache.page_size, max_pages
-        self._ctx = cache._ctx
+        self._ctx = cache._ctx  # the plan reports into the cache's context (_lib.Context)
         self.plan = ctypes.c_void_p()
         with device_guard(self.device):
-            check(lib.ekv_cuda_plan_create(self._ctx, ctypes.byref(p), ctypes.byref(self.plan)),
-                  self._ctx)
+            self._ctx.call(lib.ekv_cuda_plan_create, self._ctx.ptr, ctypes.byref(p),
+                           ctypes.byref(self.plan))
         i32 = dict(dtype=torch.int32, device=self.device)
         self.indptr = torch.zeros(batch + 1, dtype=torch.int64, device=self.device)
         self.indices = torch.zeros(batch * max_pages, **i32)
@@ -77,7 +77,10 @@ class CudaStep:
             out = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
             check_cuda_tensor(out, "out", torch.float32, shape, self.device)
-        check(self.decode(self.plan, *self.args, q.data_ptr(), out.data_ptr()), self._ctx)
+            if overlap(q, out):
+                raise ValueError("entmaxkv: out overlaps q: the result would overwrite its own "
+                                 "input")
+        self._ctx.call(self.decode, self.plan, *self.args, q.data_ptr(), out.data_ptr())
         self.ran = True
         return out
 
@@ -90,7 +93,7 @@ class CudaStep:
         rep = _lib.CudaReport(tau=tau.ctypes.data, support=sup.ctypes.data,
                               pages_round1=r1.ctypes.data, pages_round2=r2.ctypes.data,
                               v_rows=vrows.ctypes.data)
-        check(lib.ekv_cuda_read_report(self.plan, B, ctypes.byref(rep)), self._ctx)
+        self._ctx.call(lib.ekv_cuda_read_report, self.plan, B, ctypes.byref(rep))
         return dict(tau=tau, support=sup, pages_round1=r1, pages_round2=r2, v_rows=vrows,
                     lists_round2=rep.lists_round2, slow_rows=rep.slow_rows,
                     compacted_rows=rep.compacted_rows, launches=rep.launches, survivors=rep.survivors,

@@ -2,12 +2,14 @@
 (plan once per batch shape, run per step, FlashInfer's split)."""
 import ctypes
 import itertools
+import numbers
+import threading
 import weakref
 
 import numpy as np
 
 from . import _lib
-from ._lib import METHODS, check, host_array, is_torch, lib
+from ._lib import METHODS, as_int, c_array, host_array, int_array, is_torch, lib, out_array
 from .cuda_cache import CudaPagedKVCache
 from .cuda_decode import CudaStep
 
@@ -32,18 +34,24 @@ class DecodeWrapper:
         if method not in METHODS:
             raise ValueError(f"DecodeWrapper: method={method!r}: expected one of "
                              f"{sorted(METHODS)}")
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+            budget = as_int(budget, "budget", 64)  # a token count: int64 in C
+            if budget < 1:
+                raise ValueError(f"DecodeWrapper: budget={budget}: a token budget must be >= 1")
+        elif isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+            budget = float(budget)
+            if not 0.0 < budget <= 1.0:
+                raise ValueError(f"DecodeWrapper: budget={budget}: a fraction must be in (0, 1]")
+        else:
             raise TypeError("DecodeWrapper: budget is a fraction (float) or tokens (int)")
-        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(f"DecodeWrapper: budget={budget}: a fraction must be in (0, 1]")
-        if isinstance(budget, int) and budget < 1:
-            raise ValueError(f"DecodeWrapper: budget={budget}: a token budget must be >= 1")
         if not 1.0 <= float(alpha) <= 4.0:
             raise ValueError(f"DecodeWrapper: alpha={alpha} is outside [1, 4]")
         self.method, self.budget, self.alpha = method, budget, float(alpha)
         self.scale = 0.0 if scale is None else float(scale)
-        self._slopes = (None if alibi_slopes is None
-                        else np.ascontiguousarray(alibi_slopes, dtype=np.float32).reshape(-1))
+        self._slopes = (None if alibi_slopes is None  # a copy: the plan reads it at each run
+                        else c_array(np.array(host_array(alibi_slopes, "alibi_slopes"),
+                                              np.float32).reshape(-1)))
+        self._lock = threading.RLock()  # plan and run, one thread at a time
         self._plan = self._cuda = self._report = None
         self._retired = []  # CUDA plans a re-plan outgrew, kept for graphs captured on them
         self.handle = next(_HANDLES)
@@ -60,7 +68,10 @@ class DecodeWrapper:
         so a captured CUDA graph stays valid. A plan that outgrows it makes a new C plan
         (graphs captured before must then be captured again; the old plan is kept until
         close() so that a stale graph does not launch on freed memory)."""
-        seqs = np.asarray(seqs, dtype=np.int32).reshape(-1)
+        seqs = int_array(seqs, "seqs").reshape(-1).tolist()  # Python ints: run() checks each
+        num_heads = as_int(num_heads, "num_heads")
+        if max_pages_per_seq is not None:
+            max_pages_per_seq = as_int(max_pages_per_seq, "max_pages_per_seq", 64)
         if len(seqs) == 0:
             raise ValueError("DecodeWrapper.plan: no sequences")
         if num_heads < 1 or num_heads % cache.num_kv_heads:
@@ -69,13 +80,14 @@ class DecodeWrapper:
         if self._slopes is not None and len(self._slopes) != num_heads:
             raise ValueError(f"DecodeWrapper.plan: {len(self._slopes)} ALiBi slopes for "
                              f"{num_heads} heads")
-        lens = [cache.length(s) for s in seqs]
-        if min(lens) == 0:
-            raise ValueError("DecodeWrapper.plan: a sequence of the batch is empty")
-        if isinstance(cache, CudaPagedKVCache):
-            self._plan_cuda(cache, seqs, lens, int(num_heads), max_pages_per_seq)
-        else:
-            self._plan_host(cache, seqs, lens, int(num_heads))
+        with self._lock, cache._lock:  # the lengths and the page table of one cache state
+            lens = cache._lengths(seqs)
+            if min(lens) == 0:
+                raise ValueError("DecodeWrapper.plan: a sequence of the batch is empty")
+            if isinstance(cache, CudaPagedKVCache):
+                self._plan_cuda(cache, seqs, lens, num_heads, max_pages_per_seq)
+            else:
+                self._plan_host(cache, seqs, lens, num_heads)
 
     def _plan_host(self, cache, seqs, lens, H):
         indptr, indices, last = cache.page_table(seqs)
@@ -97,7 +109,7 @@ class DecodeWrapper:
     def _plan_cuda(self, cache, seqs, lens, H, max_pages_per_seq):
         indptr, indices, last = cache.page_table(seqs)
         pages = int(np.diff(indptr).max())
-        room = pages if max_pages_per_seq is None else int(max_pages_per_seq)
+        room = pages if max_pages_per_seq is None else max_pages_per_seq
         if room < pages:
             raise ValueError(f"DecodeWrapper.plan: max_pages_per_seq={room} but a sequence of "
                              f"the batch holds {pages} pages")
@@ -118,10 +130,11 @@ class DecodeWrapper:
 
     def close(self):
         """Frees the wrapper's CUDA plans (also when it is collected); nothing on the CPU."""
-        for step in getattr(self, "_retired", []) + [getattr(self, "_cuda", None)]:
-            if step is not None:
-                step.free()
-        self._retired, self._cuda, self._plan = [], None, None
+        with getattr(self, "_lock", threading.RLock()):  # not while another thread runs
+            for step in getattr(self, "_retired", []) + [getattr(self, "_cuda", None)]:
+                if step is not None:
+                    step.free()
+            self._retired, self._cuda, self._plan = [], None, None
 
     def __del__(self):
         self.close()
@@ -134,9 +147,10 @@ class DecodeWrapper:
         lists_round2, slow_rows, compacted_rows, launches, survivors, softmax_one_pass, read from the device
         at each access (ekv_cuda_read_report: it synchronises the
         stream, so not inside a graph capture)."""
-        if self._cuda is not None:  # read each time: a graph replay runs no Python
-            return self._cuda.read_report() if self._cuda.ran else None
-        return self._report
+        with self._lock:
+            if self._cuda is not None:  # read each time: a graph replay runs no Python
+                return self._cuda.read_report() if self._cuda.ran else None
+            return self._report
 
     def run(self, q, out=None):
         """One step: q [batch, num_heads, head_dim] float32 attends over each sequence;
@@ -158,11 +172,16 @@ class DecodeWrapper:
         return self._plan["shape"]
 
     def _run(self, q, out):
-        pl = self._plan
-        if pl is None:
-            raise RuntimeError("DecodeWrapper.run: call plan() first")
+        with self._lock:
+            pl = self._plan
+            if pl is None:
+                raise RuntimeError("DecodeWrapper.run: call plan() first")
+            with pl["cache"]._lock:  # no append to the cache while the step reads it
+                return self._run_locked(pl, q, out)
+
+    def _run_locked(self, pl, q, out):
         cache = pl["cache"]
-        if [cache.length(s) for s in pl["seqs"]] != pl["lens"]:
+        if cache._lengths(pl["seqs"]) != pl["lens"]:
             raise RuntimeError("DecodeWrapper.run: the cache changed since plan(): call plan() "
                                "again")
         if self._cuda is not None:
@@ -172,16 +191,13 @@ class DecodeWrapper:
         if q.shape != shape or q.dtype != np.float32:
             raise ValueError(f"DecodeWrapper.run: q must be float32 {list(shape)}; got "
                              f"{q.dtype} {q.shape}")
-        q = np.ascontiguousarray(q)
+        q = c_array(q)
         torch_out = out is not None and is_torch(out)
-        res = host_array(out, "out") if out is not None else np.empty(shape, np.float32)
-        if res.shape != shape or res.dtype != np.float32 or not res.flags.c_contiguous:
-            raise ValueError(f"DecodeWrapper.run: out must be C-contiguous float32 "
-                             f"{list(shape)}")
-        info = pl["info"]
-        ctx = _lib.context()
-        check(lib.ekv_decode(ctx, *pl["args"], q.ctypes.data, res.ctypes.data,
-                             ctypes.byref(info)), ctx)
+        res = (out_array(out, "out", shape, np.float32, [(q, "q")]) if out is not None
+               else np.empty(shape, np.float32))
+        info, ctx = pl["info"], _lib.context()  # the step runs on the calling thread's context
+        ctx.call(lib.ekv_decode, ctx.ptr, *pl["args"], q.ctypes.data, res.ctypes.data,
+                 ctypes.byref(info))
         read = info.bytes_k + info.bytes_v + info.bytes_summary
         self._report = dict(tau=pl["tau"], support=pl["sup"], bytes_k=info.bytes_k,
                            bytes_v=info.bytes_v, bytes_summary=info.bytes_summary,

@@ -16,12 +16,13 @@ def _rows_entmax(a, alpha, dim, who):
         raise ValueError(f"entmaxkv.{who}: the axis dim={dim} is empty")
     if a.size == 0:
         return np.empty_like(a)
-    rows = np.ascontiguousarray(np.moveaxis(a, dim, -1))  # a copy only when dim is not last
+    # a copy only when dim is not the last contiguous axis, or x is not aligned
+    rows = _lib.c_array(np.moveaxis(a, dim, -1))
     out = np.empty_like(rows)
     n = rows.shape[-1]
     fn = _lib.lib.ekv_entmax_rows if rows.dtype == np.float32 else _lib.lib.ekv_entmax_rows_f64
     ctx = _lib.context()
-    _lib.check(fn(ctx, rows.ctypes.data, rows.size // n, n, float(alpha), out.ctypes.data), ctx)
+    ctx.call(fn, ctx.ptr, rows.ctypes.data, rows.size // n, n, float(alpha), out.ctypes.data)
     return np.moveaxis(out, -1, dim)
 
 

@@ -15,8 +15,12 @@ last cached token, so a batch must hold sequences of one length without padding.
 Imported only with torch and transformers installed; `import entmaxkv.hf` registers.
 """
 import numpy as np
-import torch
-from transformers import AttentionInterface
+
+from ._lib import need_module, need_torch
+
+torch = need_torch("entmaxkv.hf")
+need_module("transformers", "entmaxkv.hf", "pip install 'entmaxkv[hf]'")
+from transformers import AttentionInterface  # after the checks above
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import PagedKVCache

@@ -12,13 +12,14 @@ file's tensor names, so `from_safetensors` loads the file as it is.
 """
 import math
 
+from . import hf  # registers the "entmaxkv" attention function (and checks torch, transformers)
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import hf  # registers the "entmaxkv" attention function
 from .hf import dense_entmax_attention
 
 # the output's cache field: "cache" from transformers 5.24 on, "past_key_values" before

@@ -8,9 +8,10 @@ step as one opaque node instead of breaking the graph at the ctypes call:
 the output's shape from the wrapper's plan, so tracing needs no real call. DecodeWrapper.run
 goes through them by itself while torch.compile traces it. Imported only with torch.
 """
-import torch
-
+from ._lib import need_torch
 from .decode import _WRAPPERS
+
+torch = need_torch("entmaxkv.ops")
 
 
 def _wrapper(h):

@@ -2,6 +2,8 @@
 kernel gets, the page table, sequence ids) without a GPU: the object is made without its
 device tensors, and only the host methods are called. The device side is in
 test_torch_cuda.py."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ def host_only(num_pages=10, page_size=16, max_seqs=4):
     c = object.__new__(CudaPagedKVCache)
     c.num_pages, c.page_size, c.max_seqs = num_pages, page_size, max_seqs
     c._free, c._seqs, c._plans = list(range(num_pages - 1, -1, -1)), {}, {}
+    c._lock = threading.RLock()
     return c
 
 
@@ -59,7 +62,7 @@ def test_refusals_change_nothing():
     assert e.value.status_name and c.free_pages == 2 and c.length(s) == 10
     with pytest.raises(entmaxkv.EntmaxKVError, match="sequence 7 is not alive"):
         c.length(7)
-    with pytest.raises(entmaxkv.EntmaxKVError, match="sequence"):
+    with pytest.raises(TypeError, match="seq must be an integer"):
         c.free_sequence("x")
     for _ in range(3):
         c.new_sequence()
@@ -79,3 +82,16 @@ def test_shapes_are_checked_before_any_device_call(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         CudaPagedKVCache._check_shape(**args)
+
+
+def test_without_torch_the_message_says_what_to_install(monkeypatch):
+    """A CUDA cache needs torch; without it the error says so (it was a bare "No module
+    named 'torch'" from inside the package)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails as if absent
+    with pytest.raises(ModuleNotFoundError, match="CudaPagedKVCache needs torch.*pip install"):
+        CudaPagedKVCache(num_pages=4)
+    monkeypatch.delitem(sys.modules, "entmaxkv.ops", raising=False)
+    with pytest.raises(ModuleNotFoundError, match="entmaxkv.ops needs torch"):
+        import entmaxkv.ops

@@ -25,7 +25,8 @@ def test_the_library_has_the_cuda_backend():
     from entmaxkv import _lib
 
     n = ctypes.c_int32()
-    _lib.check(_lib.lib.ekv_cuda_device_count(_lib.context(), ctypes.byref(n)))
+    ctx = _lib.context()
+    ctx.call(_lib.lib.ekv_cuda_device_count, ctx.ptr, ctypes.byref(n))
     assert n.value >= 1, "libentmaxkv was built without CUDA (pip install . with EKV_CUDA=ON)"
 
 
