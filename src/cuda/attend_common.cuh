@@ -81,9 +81,14 @@ __device__ __forceinline__ int64_t row_offset(const ekv_page_table &t, const ekv
            (int64_t)(tok % ps) * kv.stride_token;
 }
 
-/* p = [z - tau]_+^beta as every values path computes it (double, then rounded) */
-__device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
-    const double x = (double)z - tau;
+/* p = [z - tau]_+^beta as every values path computes it (double, then rounded), with
+ * tau = m + t: (z - m) is exact in double for fp32 z and m, so the weights keep their precision
+ * at any score scale when m is the head's max (docs/math.md §6.2) */
+__device__ __forceinline__ float entmax_p_split(float z, float m, double t, double beta) {
+    const double x = ((double)z - (double)m) - t;
     if (!(x > 0)) return 0.f;
     return beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : (float)pow(x, beta);
+}
+__device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
+    return entmax_p_split(z, 0.f, tau, beta);
 }

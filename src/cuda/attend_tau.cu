@@ -104,6 +104,8 @@ struct tau_args : ekv_cuda_shape {
     int64_t *cand_slot;
     const int32_t *cand_count;
     double *tau;
+    float *tau_m; /* tau as (the head's max, tau - max): what the values kernels read */
+    double *tau_t;
     int64_t *support;
     int64_t *v_rows;
     int32_t *flags;
@@ -259,7 +261,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         if (lane == __ffs(m) - 1) at = atomicAdd(&s_nsup, __popc(m));
         at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
         if (in && at < A.ccap) {
-            A.sup_p[row * A.ccap + at] = entmax_p(v[i], tau, beta);
+            A.sup_p[row * A.ccap + at] = entmax_p_split(v[i], M, t, beta);
             A.sup_off[row * A.ccap + at] =
                     A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, sg.first, kvh, A.ps,
                                         slot)
@@ -270,6 +272,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     c = ekv_block_sum(c, scratch);
     if (threadIdx.x == 0) {
         A.tau[row] = tau;
+        A.tau_m[row] = M;
+        A.tau_t[row] = t;
         A.support[row] = (int64_t)c;
         if (final_round) {
             A.sup_count[row] = (int64_t)c;
@@ -323,6 +327,8 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
     const double c = ekv_block_sum((double)cnt, scratch);
     if (threadIdx.x == 0) {
         A.tau[row] = (double)M + log(s);
+        A.tau_m[row] = M;
+        A.tau_t[row] = log(s);
         A.support[row] = (int64_t)c;
     }
 }
@@ -353,6 +359,8 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.cand_slot = pl->cand_slot;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
+    A.tau_m = pl->tau_m;
+    A.tau_t = pl->tau_t;
     A.support = pl->support;
     A.v_rows = pl->v_rows;
     A.flags = pl->flags;

@@ -13,7 +13,8 @@ struct value_args : ekv_cuda_shape {
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores;
-    const double *tau;
+    const float *tau_m; /* tau = tau_m + tau_t per query head (attend_tau.cu) */
+    const double *tau_t;
     const float *sup_p;
     const int64_t *sup_off;
     const int64_t *sup_count;
@@ -67,7 +68,8 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
               D = A.D;
     const int64_t nsup = A.sup_count[row];
     const bool from_list = nsup <= A.ccap;
-    const double tau = A.tau[row], beta = 1.0 / (A.alpha - 1.0);
+    const float tm = A.tau_m[row];
+    const double tt = A.tau_t[row], beta = 1.0 / (A.alpha - 1.0);
     int64_t nitems = nsup;
     ekv_seq_geom sg = {0, 0, 0};
     if (!from_list) {
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
                     p[r] = A.sup_p[row * A.ccap + i];
                     off[r] = A.sup_off[row * A.ccap + i];
                 } else {
-                    p[r] = entmax_p(z[i], tau, beta);
+                    p[r] = entmax_p_split(z[i], tm, tt, beta);
                     if (p[r] > 0.f) off[r] = value_offset(A, lrow, sg.first, kvh, i);
                 }
             }
@@ -228,7 +230,8 @@ __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A)
     ekv_split_range(sp, 0, (nslots + 31) / 32, &w0, &w1);
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
     const int gm = sl < G ? sl : 0; /* the head whose p this lane forms */
-    const double tau = A.tau[h0 + gm], beta = 1.0 / (A.alpha - 1.0);
+    const float tm = A.tau_m[h0 + gm];
+    const double tt = A.tau_t[h0 + gm], beta = 1.0 / (A.alpha - 1.0);
     const float *zm = A.scores + (h0 + gm) * A.cap_tokens;
     uint32_t *bits = A.ubits + lrow * A.cap_words;
     int32_t *list = sm + warp * UNION_WORDS * 32;
@@ -250,7 +253,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A)
             for (int r = 0; r < U; r++) {
                 const int i = base + r * RPW + sub;
                 const int64_t s = i < n ? list[i] : 0;
-                const float pm = i < n && sl < G ? entmax_p(zm[s], tau, beta) : 0.f;
+                const float pm = i < n && sl < G ? entmax_p_split(zm[s], tm, tt, beta) : 0.f;
                 on[r] = false;
 #pragma unroll
                 for (int g = 0; g < GM; g++) {
@@ -396,11 +399,13 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
     ekv_split_range(sp, begin, end, &e0, &e1);
     if (e1 <= e0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    double tau[VCH];
+    double tt[VCH];
+    float tm[VCH];
     const float *zr[VCH];
     for (int g = 0; g < VCH; g++) {
         const int64_t hrow = (int64_t)b * A.H + kvh * A.G + g0 + (g < ng ? g : 0);
-        tau[g] = A.tau[hrow];
+        tm[g] = A.tau_m[hrow];
+        tt[g] = A.tau_t[hrow];
         zr[g] = A.scores + hrow * A.cap_tokens;
     }
     float acc[VCH][VD][4];
@@ -436,7 +441,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
                 p[g] = 0.f;
                 if (g < ng && u < t1) {
                     const float zz = zpre[v][g];
-                    p[g] = zz > -CUDART_INF_F ? (float)exp((double)zz - tau[g]) : 0.f;
+                    p[g] = zz > -CUDART_INF_F ? (float)exp(((double)zz - (double)tm[g]) - tt[g]) : 0.f;
                     any |= p[g] > 0.f;
                 }
             }
@@ -538,7 +543,8 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.list_count = use_list ? pl->list_count : NULL;
     A.alpha = prm->alpha;
     A.scores = pl->scores;
-    A.tau = pl->tau;
+    A.tau_m = pl->tau_m;
+    A.tau_t = pl->tau_t;
     A.sup_p = pl->sup_p;
     A.sup_off = pl->sup_off;
     A.sup_count = pl->sup_count;

@@ -72,7 +72,12 @@ struct ekv_cuda_plan {
     int last_masked;       /* the last step's heads attended their own lists (list_heads) */
     unsigned long long *sp_count; /* [2] superpage skipping: pages skipped, boxes read      */
     int last_sp_counted;          /* the last step's bound stage skipped against tau_lb     */
-    double *tau;         /* [B*H]                                                       */
+    double *tau;         /* [B*H] in z-space (the report, the bounds, tau_lb)           */
+    /* [B*H] tau again as (m, t) with tau = m + t, m the head's max score: the weights take
+     * z - tau as (z - m) - t, exact at any score scale (docs/math.md §6.2); m = 0 where a
+     * stage knows only tau (the sharded agreement) */
+    float *tau_m;
+    double *tau_t;
     int64_t *support;    /* [B*H]                                                       */
     int64_t *v_rows;     /* [B*Hk]                                                      */
     int32_t *flags;      /* [B*H] EKV_TAU_FLAG_*: how an overflowed head's tau was found  */

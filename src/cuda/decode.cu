@@ -52,7 +52,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 36 };
+enum { PLAN_BUFFERS = 38 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -67,6 +67,8 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t)},
             {(void **)&pl->in_list, BHk * P},
             {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
+            {(void **)&pl->tau_m, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->tau_t, BH * (int64_t)sizeof(double)},
             {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->v_rows, BHk * (int64_t)sizeof(int64_t)},
             {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t)},

@@ -27,6 +27,8 @@ struct shard_args : ekv_cuda_shape {
     uint32_t *ubits; /* the group-union values kernel's support bitmap (NULL: support lists) */
     int64_t cap_words;
     double *tau;
+    float *tau_m; /* the agreed tau as (0, tau) for the values kernels (attend_values.cu) */
+    double *tau_t;
     int64_t *support;
     float *sup_p;
     int64_t *sup_off, *sup_count;
@@ -53,6 +55,8 @@ shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int m
     A.cap_words = pl->cap_words;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
+    A.tau_m = pl->tau_m;
+    A.tau_t = pl->tau_t;
     A.support = pl->support;
     A.sup_p = pl->sup_p;
     A.sup_off = pl->sup_off;
@@ -174,6 +178,8 @@ __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
     c = ekv_block_sum(c, scratch);
     if (threadIdx.x == 0) {
         A.tau[row] = tau;
+        A.tau_m[row] = 0.f;
+        A.tau_t[row] = tau;
         A.support[row] = (int64_t)c;
         A.sup_count[row] = s.overflow ? A.ccap + 1 : (int64_t)c;
         if (!st.done) atomicAdd(&A.pending[1], 1);

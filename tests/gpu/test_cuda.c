@@ -1807,12 +1807,13 @@ static void invalid_test(ekv_context *ctx) {
     cudaFree((void *)tab.last_page_len);
 }
 
-/* Exact methods at extreme key scales (issue 32, the CPU's test_decode_scale too): f32 keys
- * of 1e19..1e30 overflow a page's centre norm or radius, and a zero query made the certified
- * bound 0 * inf = NaN, so pages holding support were dropped. Certified and screened must
- * equal the CPU's dense entmax for a zero query (every token in the support), with and
- * without ALiBi. (Normal queries against such keys give scores near 1e18 and up, where the
- * GPU's steps do not yet equal the CPU's: bench/RESULTS.md, issue 32's closing note.) */
+/* Extreme key scales (issue 32; the CPU's test_decode_scale too), f32 keys of 1e19..1e30:
+ *  - a page's centre norm or radius overflows, and a zero query made the certified bound
+ *    0 * inf = NaN, so pages holding support were dropped;
+ *  - a normal query gives scores near 1e18 and up, where a double's spacing exceeds the few
+ *    units z - tau spans: weights formed from an absolute tau were zero (every method, output
+ *    zero with OK); they are formed as (z - max) - (tau - max) (docs/math.md §6.2).
+ * Dense, certified and screened must equal the CPU's dense entmax, with and without ALiBi. */
 static void key_scale_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 4;
     const int64_t N = 40, maxP = N / ps + 1;
@@ -1852,9 +1853,10 @@ static void key_scale_test(ekv_context *ctx) {
         ekv_cuda_plan *plan = NULL;
         CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
         float sl[2] = {0.5f, 0.f}, *dsl = dev_copy(sl, sizeof sl);
-        for (int alibi = 0; alibi < 2; alibi++) {
+        for (int qk = 0; qk < 4; qk++) {
+            const int alibi = qk & 1, zero = qk < 2;
             float q[2 * 64], ref[2 * 64], got[2 * 64];
-            for (int i = 0; i < H * D; i++) q[i] = 0.f;
+            for (int i = 0; i < H * D; i++) q[i] = zero ? 0.f : (float)test_normal(&r);
             float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
             ekv_decode_params prm = ekv_decode_default_params();
             prm.num_heads = H;
@@ -1866,20 +1868,22 @@ static void key_scale_test(ekv_context *ctx) {
             }
             ekv_decode_params dprm = prm;
             dprm.alibi_slopes = alibi ? dsl : NULL;
-            for (int meth = 0; meth < 2; meth++) {
+            for (int meth = 0; meth < 3; meth++) {
+                static const char *names[3] = {"dense", "certified", "screened"};
                 ekv_select_params sp = ekv_select_default_params();
-                sp.method = meth ? EKV_SELECT_SCREENED : EKV_SELECT_CERTIFIED;
+                sp.method = meth == 2 ? EKV_SELECT_SCREENED : EKV_SELECT_DENSE;
                 sp.budget_tokens = 4;
-                ekv_status s = meth ? ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst,
-                                                      &m.dtab, dq, dout)
-                                    : ekv_cuda_decode_certified(plan, &dprm, &sp, &m.dkv,
-                                                                &m.dst, &m.dtab, dq, dout);
+                CU(cudaMemset(dout, 0, sizeof q)); /* zeros: a step that writes nothing fails */
+                ekv_status s = meth == 1 ? ekv_cuda_decode_certified(plan, &dprm, &sp, &m.dkv,
+                                                                     &m.dst, &m.dtab, dq, dout)
+                                         : ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst,
+                                                           &m.dtab, dq, dout);
                 CHECK(s == EKV_OK, "key scale %g: %s", (double)kscales[ki],
                       ekv_last_error(ctx));
                 CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
                 const double e = test_head_rel_err(got, ref, H, D, 1e-6);
-                CHECK(e < 3e-5, "%s, keys x %g, q = 0, alibi %d: rel err %.3g vs dense",
-                      meth ? "screened" : "certified", (double)kscales[ki], alibi, e);
+                CHECK(e < 3e-5, "%s, keys x %g, q %s, alibi %d: rel err %.3g vs dense",
+                      names[meth], (double)kscales[ki], zero ? "zero" : "normal", alibi, e);
                 steps++;
             }
             cudaFree(dq);
@@ -1890,8 +1894,8 @@ static void key_scale_test(ekv_context *ctx) {
         mirror_free(&m);
         ekv_cache_free(cache);
     }
-    CHECK(steps == 12, "key scale: %d steps compared, want 12", steps);
-    printf("extreme key scales: %d certified/screened steps equal dense\n", steps);
+    CHECK(steps == 36, "key scale: %d steps compared, want 36", steps);
+    printf("extreme key scales: %d dense/certified/screened steps equal the CPU's dense\n", steps);
 }
 
 /* Grids from the step, not the plan's capacity (issue 28): one sequence decoded through a
