@@ -948,6 +948,9 @@ static decode_case g_dc;
     X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 2)                                    \
     X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 8; c->kv.dtype = EKV_DTYPE_F32)       \
     X(EKV_ERR_SIZE_OVERFLOW, c->kv.num_pages = INT32_MAX; c->kv.stride_page = (int64_t)1 << 40)    \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_head = INT64_MAX / 2)                                    \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_head = (int64_t)1 << 61 /* bytes */)                     \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_token = (int64_t)1 << 61)                                \
     X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -1.0f)                                              \
     X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -FLT_MIN)                                           \
     X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = NAN)                                                \
