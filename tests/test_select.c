@@ -76,7 +76,15 @@ static void test_handmade(ekv_context *ctx) {
         kmax[p * D + 1] = 4.0f;
     }
     ekv_paged_kv kv = {kv_dummy, kv_dummy, EKV_DTYPE_F32, PS, 1, D, P, PS * D, PS * D, D};
-    ekv_page_stats st = {.kmin = kmin, .kmax = kmax, .kmean = kmin, .km2 = kmax, .radius = kmin};
+    ekv_page_stats st = {.kmin = kmin,
+                         .kmax = kmax,
+                         .kmean = kmin,
+                         .km2 = kmax,
+                         .radius = kmin,
+                         .num_pages = P,
+                         .num_kv_heads = 1,
+                         .head_dim = D,
+                         .page_size = PS};
     int64_t indptr[2] = {0, P};
     int32_t idx[P] = {0, 1, 2, 3, 4, 5}, lpl[1] = {PS};
     ekv_page_table tab = {1, indptr, idx, lpl};

@@ -213,6 +213,15 @@ typedef struct ekv_page_stats {
      * measured from the rounded centre). NULL: the fp32 ball. */
     const uint16_t *kmean16;
     const float *radius16;
+    /* The pool the arrays describe (required; ekv_cache_kv_view sets them): num_pages physical
+     * pages of num_kv_heads KV heads, head_dim channels and page_size token slots. Every call
+     * that takes a view and statistics checks them against the view (at least its num_pages,
+     * the same heads, dim and page size) and fails with EKV_ERR_INVALID_ARGUMENT otherwise:
+     * statistics of another cache would be read out of their bounds. */
+    int64_t num_pages;
+    int32_t num_kv_heads;
+    int32_t head_dim;
+    int32_t page_size;
 } ekv_page_stats;
 
 /*

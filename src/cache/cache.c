@@ -322,21 +322,27 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->radius16 = c->radius16;
         stats->num_superpages =
                 c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
+        stats->num_pages = c->p.num_pages;
+        stats->num_kv_heads = c->p.num_kv_heads;
+        stats->head_dim = c->p.head_dim;
+        stats->page_size = c->p.page_size;
     }
     return EKV_OK;
 }
 
-ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t n_seqs,
-                                int64_t *indptr, int32_t *indices, int64_t indices_capacity,
-                                int32_t *last_page_len, int64_t *needed) {
-    if (!c || !seqs || (indices && (!indptr || !last_page_len)))
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER,
-                        "cache, seqs, indptr and last_page_len must not be NULL");
-    if (!indices && !needed)
-        return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER,
-                        "indices and needed are both NULL: nothing to return");
-    if (n_seqs <= 0)
-        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be >= 1", n_seqs);
+ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
+    if (!c || (!kv && !stats))
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s",
+                        !c ? "cache is NULL" : "kv_out and stats_out are both NULL");
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, kv_view_run(c, kv, stats));
+    return st;
+}
+
+/* Builds the table once the arguments are checked (inside the context's guard). */
+static ekv_status page_table_run(const ekv_cache *c, const int32_t *seqs, int32_t n_seqs,
+                                 int64_t *indptr, int32_t *indices, int64_t indices_capacity,
+                                 int32_t *last_page_len, int64_t *needed) {
     int64_t total = 0;
     for (int32_t b = 0; b < n_seqs; b++) {
         const ekv_seq *s = NULL;
