@@ -279,10 +279,24 @@ EKV_API ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *pa
                                     ekv_cache **out);
 EKV_API void ekv_cache_free(ekv_cache *cache);
 
+/* Every call on a cache, the ones that only read it too, runs on its context: while another
+ * thread is inside a call on that context it returns EKV_ERR_INVALID_ARGUMENT ("context used
+ * from two threads at once") and reads and changes nothing. */
 EKV_API ekv_status ekv_cache_seq_new(ekv_cache *cache, int32_t *seq_out);
 /* Frees a sequence and returns its pages to the pool. */
 EKV_API ekv_status ekv_cache_seq_free(ekv_cache *cache, int32_t seq);
 EKV_API ekv_status ekv_cache_seq_length(const ekv_cache *cache, int32_t seq, int64_t *len_out);
+/*
+ * The version of a live sequence: a number (never 0) that every change to it replaces with one
+ * it never had, and that no other sequence of the cache ever had (new, append, truncate, adopt;
+ * an id freed and created again is a new sequence). A page table built by ekv_cache_page_table
+ * is current while each of its sequences keeps the version it had then; its length alone does
+ * not say that (a sequence freed, created again and refilled to the same length holds other
+ * pages). A plan that keeps a table compares the versions before each step.
+ */
+EKV_API ekv_status ekv_cache_seq_version(const ekv_cache *cache, int32_t seq,
+                                         uint64_t *version_out);
+/* Free pages in the pool: 0 for a NULL cache, -1 while another thread uses its context. */
 EKV_API int64_t ekv_cache_free_pages(const ekv_cache *cache);
 
 /*
