@@ -260,7 +260,8 @@ typedef struct ekv_cache_params {
                              /* exact when it is K's dtype (ekv_cache_compact_ranges)         */
     ekv_kv_layout layout;    /* of K and V within a page (default HND)                     */
     /* The caller's memory for K and V (both or neither; 16-byte aligned; num_pages *         */
-    /* page_size * num_kv_heads * head_dim elements of dtype each, in `layout`), or NULL: the */
+    /* page_size * num_kv_heads * head_dim elements of dtype each, in `layout`, the two not   */
+    /* overlapping: EKV_ERR_INVALID_ARGUMENT if they share a byte), or NULL: the              */
     /* cache allocates them. Appends write there; the cache never frees them. The caller may  */
     /* read them (e.g. run another attention kernel on the same pages), not write them.      */
     void *k_pool, *v_pool;

@@ -107,6 +107,14 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
                 ctx, EKV_ERR_SIZE_OVERFLOW,
                 "pool of %lld pages x %d heads x %d tokens x %d dims overflows the address space",
                 (long long)p->num_pages, p->num_kv_heads, p->page_size, p->head_dim);
+    /* an append writes K and V of a slot one after the other: pools that share a byte would
+     * overwrite one with the other */
+    if (p->k_pool && (uintptr_t)p->k_pool < (uintptr_t)p->v_pool + (uint64_t)kvb / 2 &&
+        (uintptr_t)p->v_pool < (uintptr_t)p->k_pool + (uint64_t)kvb / 2)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "k_pool and v_pool overlap (each holds %lld bytes from its address): K "
+                        "and V need their own memory",
+                        (long long)(kvb / 2));
     *elems_per_page = epp;
     *kv_bytes = kvb / 2;
     *stat_floats = sf;
