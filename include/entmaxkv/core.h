@@ -434,8 +434,10 @@ typedef enum ekv_tau_mode {
 
 typedef struct ekv_select_params {
     ekv_select_method method;
-    /* topk: tokens read besides the always-read last page; floor(budget/page_size) scored
-     * pages are taken (at least one when budget >= 1 and P > 1). */
+    /* topk / certified (round 1): tokens read besides the always-read last page, >= 1;
+     * floor(budget/page_size) scored pages are taken (at least one when budget >= 1 and P > 1).
+     * Every budgeted method, on every backend, clamps a sequence's budget to its length: a
+     * budget longer than a (short) sequence reads all of it, each sequence of a batch its own. */
     int64_t budget_tokens;
     /* topk / certified: when > 0, sequence b's budget is max(1, floor(budget_fraction * its
      * length)) instead of budget_tokens (a batch of prefix views each reads the same share) */
