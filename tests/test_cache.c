@@ -7,7 +7,9 @@
  *   - page tables (CSR consistency, "needed" query mode, too-small capacity);
  *   - freeing sequences, page reuse with fresh statistics;
  *   - cache full and NaN/inf (and storage-overflow) inputs: error, nothing changed;
- *   - ekv_cache_bytes_needed / ekv_cache_pages_for.
+ *   - ekv_cache_bytes_needed / ekv_cache_pages_for;
+ *   - sequence versions: a page table of a sequence freed, created again and refilled to the
+ *     same length is stale although the length agrees (issue 32).
  * The expected storage values come from an independent model of f16/bf16 rounding
  * (round to nearest even via rint in double), not from the library's converters.
  */
@@ -1664,6 +1666,85 @@ static void test_nhd_caller_pool(ekv_context *ctx, test_rng *r) {
     free(vb);
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* Sequence versions (issue 32): what a plan keeping a page table checks               */
+/* ---------------------------------------------------------------------------------- */
+static uint64_t version_of(ekv_cache *c, int32_t seq) {
+    uint64_t v = 0;
+    ekv_status st = ekv_cache_seq_version(c, seq, &v);
+    CHECK(st == EKV_OK && v != 0, "version of sequence %d: %s, %llu", seq, ekv_status_string(st),
+          (unsigned long long)v);
+    return v;
+}
+
+static void test_seq_versions(ekv_context *ctx) {
+    enum { HK = 2, D = 8, PS = 4, N = 10 };
+    ekv_cache_params p = ekv_cache_default_params();
+    p.num_pages = 16;
+    p.page_size = PS;
+    p.num_kv_heads = HK;
+    p.head_dim = D;
+    p.dtype = EKV_DTYPE_F32;
+    p.max_seqs = 4;
+    static _Alignas(64) float kpool[16 * HK * PS * D], vpool[16 * HK * PS * D]; /* zeros */
+    p.k_pool = kpool; /* adoption reads pages the caller filled */
+    p.v_pool = vpool;
+    ekv_cache *c = NULL;
+    if (ekv_cache_create(ctx, &p, &c) != EKV_OK) {
+        CHECK(0, "cache: %s", ekv_last_error(ctx));
+        return;
+    }
+    float kv[N * HK * D];
+    for (int i = 0; i < N * HK * D; i++) kv[i] = (float)(i % 9) * 0.5f - 2.0f;
+    int32_t a, b, a2;
+    CHECK(ekv_cache_seq_new(c, &a) == EKV_OK && ekv_cache_seq_new(c, &b) == EKV_OK, "sequences");
+    const uint64_t v_new = version_of(c, a);
+    CHECK(version_of(c, b) != v_new, "two new sequences share a version");
+    CHECK(ekv_cache_append(c, a, N, kv, kv, EKV_DTYPE_F32) == EKV_OK, "append a");
+    const uint64_t v_plan = version_of(c, a);
+    CHECK(v_plan != v_new, "an append kept the version");
+    /* the plan: a's page table and length, as a wrapper keeps them */
+    int64_t ip[2], len = -1;
+    int32_t idx[8], idx2[8], lpl, lpl2;
+    CHECK(ekv_cache_page_table(c, &a, 1, ip, idx, 8, &lpl, NULL) == EKV_OK, "table");
+    /* readers leave it alone */
+    CHECK(ekv_cache_seq_length(c, a, &len) == EKV_OK && len == N && version_of(c, a) == v_plan,
+          "a read changed the version");
+    /* the repro: free a, reuse its id, append to another sequence (it takes a's old pages),
+     * refill the id to the same length */
+    CHECK(ekv_cache_seq_free(c, a) == EKV_OK, "free a");
+    uint64_t gone = 7;
+    CHECK(ekv_cache_seq_version(c, a, &gone) == EKV_ERR_INVALID_SEQUENCE && gone == 7,
+          "a freed sequence has a version");
+    CHECK(ekv_cache_seq_new(c, &a2) == EKV_OK && a2 == a, "the id is reused (%d, %d)", a2, a);
+    CHECK(ekv_cache_append(c, b, N, kv, kv, EKV_DTYPE_F32) == EKV_OK, "append b");
+    CHECK(ekv_cache_append(c, a2, N, kv, kv, EKV_DTYPE_F32) == EKV_OK, "append a again");
+    CHECK(ekv_cache_seq_length(c, a2, &len) == EKV_OK && len == N, "same length");
+    CHECK(ekv_cache_page_table(c, &a2, 1, ip, idx2, 8, &lpl2, NULL) == EKV_OK, "table again");
+    CHECK(memcmp(idx, idx2, sizeof(int32_t) * (size_t)ip[1]) != 0,
+          "the reused id holds the same pages: the repro does not reproduce");
+    CHECK(version_of(c, a2) != v_plan, "a stale page table keeps its version");
+    /* truncation and adoption give new versions too; a version is never handed out twice */
+    uint64_t seen[6] = {v_new, v_plan, version_of(c, a2), version_of(c, b), 0, 0};
+    CHECK(ekv_cache_truncate(c, a2, N - 1) == EKV_OK, "truncate");
+    seen[4] = version_of(c, a2);
+    int32_t d;
+    const int32_t free_page = 15;
+    CHECK(ekv_cache_seq_new(c, &d) == EKV_OK, "new d");
+    const uint64_t v_d = version_of(c, d);
+    CHECK(ekv_cache_seq_adopt(c, d, &free_page, 1, 1) == EKV_OK, "adopt: %s", ekv_last_error(ctx));
+    seen[5] = version_of(c, d);
+    CHECK(seen[5] != v_d, "an adoption kept the version");
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < i; j++)
+            CHECK(seen[i] != seen[j], "versions %d and %d agree (%llu)", i, j,
+                  (unsigned long long)seen[i]);
+    CHECK(ekv_cache_seq_version(NULL, a2, &gone) == EKV_ERR_NULL_POINTER &&
+                  ekv_cache_seq_version(c, a2, NULL) == EKV_ERR_NULL_POINTER,
+          "NULL arguments");
+    ekv_cache_free(c);
+}
+
 int main(void) {
     test_rng r = {0x9e3779b97f4a7c15ull};
     test_round_outward();
@@ -1703,6 +1784,7 @@ int main(void) {
     test_cache_full(ctx1, &r);
     test_nan_input(ctx3, &r);
     test_storage_limits(ctx1);
+    test_seq_versions(ctx1);
     const int trials = 6 * 3 * 80;
     for (int t = 0; t < trials; t++) random_trial(t % 2 ? ctx3 : ctx1, &r, t);
 

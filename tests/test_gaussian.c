@@ -94,8 +94,16 @@ static void test_rule(ekv_context *ctx) {
         kmin[p] = kmax[p] = rad[p] = 0;
     }
     ekv_paged_kv kv = {dummy, dummy, EKV_DTYPE_F32, PS, 1, 1, P, PS, PS, 1};
-    ekv_page_stats st = {
-            .kmin = kmin, .kmax = kmax, .kmean = kmean, .km2 = km2, .radius = rad, .count = count};
+    ekv_page_stats st = {.kmin = kmin,
+                         .kmax = kmax,
+                         .kmean = kmean,
+                         .km2 = km2,
+                         .radius = rad,
+                         .count = count,
+                         .num_pages = P,
+                         .num_kv_heads = 1,
+                         .head_dim = 1,
+                         .page_size = PS};
     int64_t indptr[2] = {0, P};
     int32_t idx[P], lpl[1] = {3};
     for (int p = 0; p < P; p++) idx[p] = p;

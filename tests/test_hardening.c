@@ -10,11 +10,19 @@
  *   6. misaligned data: a model whose safetensors header has an odd length gives the logits of
  *      an aligned copy, and ekv_cache_append from misaligned K/V (a trace file's data) stores
  *      what an aligned append stores (the sanitizer build caught the misaligned load).
+ * Issue 32 (round 2):
+ *   7. every cache call, the readers too, refuses a second thread on its context (a page table
+ *      read during an append was a heap-use-after-free and overflowed the caller's indices);
+ *   8. a view and statistics of different caches: a status (was a heap-buffer-overflow);
+ *   9. offsets past int64: huge view strides, certified sink/recent pages of INT32_MAX and
+ *      ekv_shard_pages of INT64_MAX pages give a status or the right answer (were signed
+ *      overflows, reported by UBSan, which the sanitizer build makes fatal).
  */
 #include "core/internal.h"
 #include "test_util.h"
 #include <float.h>
 #include <pthread.h>
+#include <sched.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -396,6 +404,354 @@ static void test_misaligned_append(void) {
     ekv_context_free(ctx);
 }
 
+/* ---- 7. cache calls from two threads (issue 32) ---- */
+enum { TC_HK = 2, TC_D = 8, TC_PS = 4 };
+
+/* A small f32 cache on ctx with one sequence of n tokens (values from the position). */
+static ekv_cache *small_cache(ekv_context *ctx, int64_t pages, int32_t hk, int32_t ps,
+                              int32_t code_bits, int64_t n, int32_t *seq) {
+    ekv_cache_params p = ekv_cache_default_params();
+    p.num_pages = pages;
+    p.page_size = ps;
+    p.num_kv_heads = hk;
+    p.head_dim = TC_D;
+    p.dtype = EKV_DTYPE_F32;
+    p.max_seqs = 4;
+    p.superpage_pages = 2;
+    p.code_bits = code_bits;
+    ekv_cache *c = NULL;
+    ekv_status st = ekv_cache_create(ctx, &p, &c);
+    if (!st) st = ekv_cache_seq_new(c, seq);
+    float *k = malloc(sizeof(float) * (size_t)(n * hk * TC_D));
+    for (int64_t i = 0; i < n * hk * TC_D; i++) k[i] = (float)((i * 7) % 11) * 0.3f - 1.5f;
+    if (!st && n) st = ekv_cache_append(c, *seq, n, k, k, EKV_DTYPE_F32);
+    free(k);
+    CHECK(st == EKV_OK, "small cache: %s: %s", ekv_status_string(st), ekv_last_error(ctx));
+    if (st) {
+        ekv_cache_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* Every cache call, from a thread that is not the context's holder. */
+typedef struct {
+    ekv_cache *c;
+    ekv_context *ctx;
+    int32_t seq, new_seq, lpl, indices[8];
+    int64_t len, needed, free_pages, indptr[2];
+    uint64_t version;
+    ekv_paged_kv kv;
+    ekv_page_stats ps;
+    ekv_status st[9];
+    char msg[512];
+} cache_probe;
+
+static void *cache_calls(void *vp) {
+    cache_probe *p = vp;
+    const float row[TC_HK * TC_D] = {0};
+    const int32_t page = 3;
+    int i = 0;
+    p->st[i++] = ekv_cache_seq_length(p->c, p->seq, &p->len);
+    p->st[i++] =
+            ekv_cache_page_table(p->c, &p->seq, 1, p->indptr, p->indices, 8, &p->lpl, &p->needed);
+    p->st[i++] = ekv_cache_kv_view(p->c, &p->kv, &p->ps);
+    p->st[i++] = ekv_cache_seq_version(p->c, p->seq, &p->version);
+    p->st[i++] = ekv_cache_seq_new(p->c, &p->new_seq);
+    p->st[i++] = ekv_cache_seq_adopt(p->c, p->seq + 1, &page, 1, 1);
+    p->st[i++] = ekv_cache_seq_free(p->c, p->seq);
+    p->st[i++] = ekv_cache_append(p->c, p->seq, 1, row, row, EKV_DTYPE_F32);
+    p->st[i++] = ekv_cache_truncate(p->c, p->seq, 1);
+    p->free_pages = ekv_cache_free_pages(p->c);
+    snprintf(p->msg, sizeof p->msg, "%s", ekv_last_error(p->ctx));
+    return NULL;
+}
+
+static void cache_probe_reset(cache_probe *p) {
+    memset(p->indices, 0x5a, sizeof p->indices);
+    memset(&p->kv, 0x5a, sizeof p->kv);
+    memset(&p->ps, 0x5a, sizeof p->ps);
+    p->len = p->needed = p->indptr[0] = -7;
+    p->version = 7;
+    p->new_seq = -7;
+}
+
+/* Deterministic: this thread holds the context, so every call of the other is refused and
+ * writes nothing; released, they all run. */
+static void test_cache_threads_held(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    cache_probe p = {.ctx = ctx};
+    p.c = small_cache(ctx, 8, TC_HK, TC_PS, 0, 6, &p.seq);
+    if (!p.c) {
+        ekv_context_free(ctx);
+        return;
+    }
+    const int64_t free0 = ekv_cache_free_pages(p.c);
+    CHECK(ekv_ctx_enter(ctx) == EKV_OK, "enter");
+    cache_probe_reset(&p);
+    pthread_t t;
+    pthread_create(&t, NULL, cache_calls, &p);
+    pthread_join(t, NULL);
+    for (int i = 0; i < 9; i++)
+        CHECK(p.st[i] == EKV_ERR_INVALID_ARGUMENT, "held context: cache call %d gave %s", i,
+              ekv_status_string(p.st[i]));
+    CHECK(strstr(p.msg, "two threads") != NULL, "held context: message '%s'", p.msg);
+    CHECK(p.free_pages == -1, "held context: ekv_cache_free_pages gave %lld",
+          (long long)p.free_pages);
+    const unsigned char *kvb = (const unsigned char *)&p.kv, *psb = (const unsigned char *)&p.ps;
+    int untouched = p.len == -7 && p.needed == -7 && p.indptr[0] == -7 && p.version == 7 &&
+                    p.new_seq == -7 && p.indices[0] == 0x5a5a5a5a;
+    for (size_t i = 0; i < sizeof p.kv; i++) untouched &= kvb[i] == 0x5a;
+    for (size_t i = 0; i < sizeof p.ps; i++) untouched &= psb[i] == 0x5a;
+    CHECK(untouched, "held context: a refused call wrote an output");
+    ekv_ctx_leave(ctx);
+    int64_t len = -1;
+    CHECK(ekv_cache_seq_length(p.c, p.seq, &len) == EKV_OK && len == 6 &&
+                  ekv_cache_free_pages(p.c) == free0,
+          "held context: a refused call changed the cache (length %lld)", (long long)len);
+    cache_probe_reset(&p);
+    pthread_create(&t, NULL, cache_calls, &p);
+    pthread_join(t, NULL);
+    for (int i = 0; i < 9; i++) /* adopt: page 3 is the sequence's; free then append: gone */
+        CHECK(p.st[i] != EKV_ERR_INVALID_ARGUMENT || i == 5,
+              "released context: cache call %d refused: %s", i, p.msg);
+    CHECK(p.st[0] == EKV_OK && p.len == 6 && p.st[1] == EKV_OK && p.needed == 2 &&
+                  p.st[2] == EKV_OK && p.st[3] == EKV_OK && p.st[4] == EKV_OK && p.st[6] == EKV_OK,
+          "released context: the readers failed: %s", p.msg);
+    ekv_cache_free(p.c);
+    ekv_context_free(ctx);
+}
+
+/* Hammering: one thread appends and truncates, the other builds page tables sized exactly as
+ * the count it asked for (a fresh allocation: the sanitizer sees any write past it). Each runs
+ * for half a second at least, so that the two overlap however the threads are scheduled. */
+typedef struct {
+    ekv_cache *c;
+    int32_t seq;
+    int iters, ok, busy, other;
+    pthread_barrier_t *start;
+} cache_hammer;
+
+static int hammer_more(const cache_hammer *h, int i, double t0) {
+    return i < h->iters || (i < 100 * h->iters && now_s() - t0 < 0.5);
+}
+
+static void *cache_writer(void *vp) {
+    cache_hammer *h = vp;
+    float row[8 * TC_HK * TC_D];
+    for (int i = 0; i < 8 * TC_HK * TC_D; i++) row[i] = (float)(i % 5) - 2.0f;
+    pthread_barrier_wait(h->start);
+    const double t0 = now_s();
+    int appended = 0; /* since the last truncation: at most 7 x 8 tokens, 14 of 64 pages */
+    for (int i = 0; hammer_more(h, i, t0); i++) {
+        ekv_status st = appended == 7 ? ekv_cache_truncate(h->c, h->seq, 0)
+                                      : ekv_cache_append(h->c, h->seq, 8, row, row, EKV_DTYPE_F32);
+        if (!st) appended = appended == 7 ? 0 : appended + 1;
+        st == EKV_OK ? h->ok++ : st == EKV_ERR_INVALID_ARGUMENT ? h->busy++ : h->other++;
+        sched_yield(); /* let the reader in between two appends too */
+    }
+    return NULL;
+}
+
+static void *cache_reader(void *vp) {
+    cache_hammer *h = vp;
+    pthread_barrier_wait(h->start);
+    const double t0 = now_s();
+    for (int i = 0; hammer_more(h, i, t0); i++) {
+        int64_t need = -1, ip[2], len;
+        int32_t lpl;
+        ekv_status st = ekv_cache_page_table(h->c, &h->seq, 1, NULL, NULL, 0, NULL, &need);
+        if (!st) {
+            int32_t *idx = malloc(sizeof(int32_t) * (size_t)(need > 0 ? need : 1));
+            st = ekv_cache_page_table(h->c, &h->seq, 1, ip, idx, need, &lpl, NULL);
+            free(idx);
+        }
+        if (st == EKV_ERR_INVALID_SIZE) st = EKV_OK; /* it grew between the two calls: fine */
+        if (!st) st = ekv_cache_seq_length(h->c, h->seq, &len);
+        st == EKV_OK ? h->ok++ : st == EKV_ERR_INVALID_ARGUMENT ? h->busy++ : h->other++;
+    }
+    return NULL;
+}
+
+static void test_cache_threads_hammer(void) {
+    ekv_context_params cp = ekv_context_default_params();
+    cp.n_threads = 1;
+    ekv_context *ctx;
+    CHECK(ekv_context_create(&cp, &ctx) == EKV_OK, "context");
+    int32_t seq;
+    ekv_cache *c = small_cache(ctx, 64, TC_HK, TC_PS, 0, 0, &seq);
+    if (!c) {
+        ekv_context_free(ctx);
+        return;
+    }
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    cache_hammer h[2] = {{c, seq, 2000, 0, 0, 0, &bar}, {c, seq, 2000, 0, 0, 0, &bar}};
+    pthread_t th[2];
+    pthread_create(&th[0], NULL, cache_writer, &h[0]);
+    pthread_create(&th[1], NULL, cache_reader, &h[1]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&bar);
+    for (int i = 0; i < 2; i++)
+        CHECK(h[i].ok + h[i].busy >= h[i].iters && h[i].other == 0,
+              "cache %s: %d ok, %d refused, %d other", i ? "reader" : "writer", h[i].ok, h[i].busy,
+              h[i].other);
+    fprintf(stderr, "  one cache, two threads: %d + %d calls ran, %d + %d refused\n", h[0].ok,
+            h[1].ok, h[0].busy, h[1].busy);
+    ekv_cache_free(c);
+    ekv_context_free(ctx);
+}
+
+/* ---- 8. a view and statistics of different caches (issue 32) ---- */
+typedef struct {
+    ekv_decode_params dp;
+    ekv_page_table tab;
+    int64_t indptr[2];
+    int32_t idx[16], lpl;
+    float q[4 * TC_D], out[4 * TC_D];
+} step_args;
+
+static void step_args_of(ekv_cache *c, int32_t seq, step_args *a) {
+    a->dp = ekv_decode_default_params();
+    a->dp.num_heads = 4;
+    a->dp.alpha = 1.5;
+    CHECK(ekv_cache_page_table(c, &seq, 1, a->indptr, a->idx, 16, &a->lpl, NULL) == EKV_OK,
+          "page table");
+    a->tab = (ekv_page_table){1, a->indptr, a->idx, &a->lpl};
+    for (int i = 0; i < 4 * TC_D; i++) a->q[i] = (float)(i % 7) * 0.25f - 0.75f;
+}
+
+/* Every entry point that takes a view and statistics: `want` for stats with kv. */
+static void stats_entry_points(ekv_context *ctx, const char *what, const ekv_paged_kv *kv,
+                               const ekv_page_stats *st, step_args *a, ekv_status want) {
+    const ekv_select_method methods[] = {EKV_SELECT_TOPK, EKV_SELECT_GAUSSIAN, EKV_SELECT_CERTIFIED,
+                                         EKV_SELECT_SCREENED};
+    ekv_select_params sp = ekv_select_default_params();
+    sp.budget_tokens = TC_PS;
+    for (int m = 0; m < 4; m++) {
+        sp.method = methods[m];
+        ekv_status s = ekv_decode(ctx, &a->dp, &sp, kv, st, &a->tab, a->q, a->out, NULL);
+        CHECK(s == want, "%s: ekv_decode %s: %s (%s)", what, ekv_method_name(sp.method),
+              ekv_status_string(s), ekv_last_error(ctx));
+        if (want)
+            CHECK(strstr(ekv_last_error(ctx), "stats cover"), "%s: message '%s'", what,
+                  ekv_last_error(ctx));
+        if (sp.method == EKV_SELECT_CERTIFIED) continue; /* a decode method, not a list */
+        int64_t lip[3];
+        int32_t pages[32];
+        ekv_page_list list = {.indptr = lip, .pages = pages, .capacity = 32};
+        s = ekv_select_pages(ctx, &a->dp, &sp, kv, st, &a->tab, a->q, &list);
+        CHECK(s == want, "%s: ekv_select_pages %s: %s", what, ekv_method_name(sp.method),
+              ekv_status_string(s));
+    }
+    sp.method = EKV_SELECT_CERTIFIED;
+    ekv_status s =
+            ekv_decode_certified(ctx, &a->dp, &sp, kv, st, &a->tab, a->q, a->out, NULL, NULL);
+    CHECK(s == want, "%s: ekv_decode_certified: %s", what, ekv_status_string(s));
+    sp.method = EKV_SELECT_TOPK;
+    s = ekv_decode_sharded_sim(ctx, &a->dp, &sp, kv, st, &a->tab, a->q, a->out, 2, NULL, NULL,
+                               NULL);
+    CHECK(s == want, "%s: ekv_decode_sharded_sim: %s", what, ekv_status_string(s));
+}
+
+static void test_stats_of_another_cache(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    int32_t sa, sb, sc, sd;
+    ekv_cache *small = small_cache(ctx, 2, TC_HK, TC_PS, 8, 6, &sa),
+              *big = small_cache(ctx, 16, TC_HK, TC_PS, 8, 60, &sb),
+              *heads = small_cache(ctx, 16, 2 * TC_HK, TC_PS, 8, 60, &sc),
+              *pages8 = small_cache(ctx, 16, TC_HK, 2 * TC_PS, 8, 60, &sd);
+    if (small && big && heads && pages8) {
+        ekv_paged_kv kv;
+        ekv_page_stats own, st;
+        step_args a;
+        step_args_of(big, sb, &a);
+        CHECK(ekv_cache_kv_view(big, &kv, &own) == EKV_OK, "view");
+        stats_entry_points(ctx, "one cache", &kv, &own, &a, EKV_OK);
+        CHECK(ekv_cache_kv_view(small, NULL, &st) == EKV_OK, "view");
+        stats_entry_points(ctx, "2-page stats, 16-page view", &kv, &st, &a,
+                           EKV_ERR_INVALID_ARGUMENT);
+        CHECK(ekv_cache_kv_view(heads, NULL, &st) == EKV_OK, "view");
+        stats_entry_points(ctx, "stats of 4 KV heads, view of 2", &kv, &st, &a,
+                           EKV_ERR_INVALID_ARGUMENT);
+        CHECK(ekv_cache_kv_view(pages8, NULL, &st) == EKV_OK, "view");
+        stats_entry_points(ctx, "stats of 8-token pages, view of 4", &kv, &st, &a,
+                           EKV_ERR_INVALID_ARGUMENT);
+        st = own; /* hand-assembled statistics without their counts */
+        st.num_pages = 0;
+        st.num_kv_heads = st.head_dim = st.page_size = 0;
+        stats_entry_points(ctx, "stats without counts", &kv, &st, &a, EKV_ERR_INVALID_ARGUMENT);
+    }
+    ekv_cache_free(small);
+    ekv_cache_free(big);
+    ekv_cache_free(heads);
+    ekv_cache_free(pages8);
+    ekv_context_free(ctx);
+}
+
+/* ---- 9. offsets past int64 (issue 32) ---- */
+static void test_offsets_past_int64(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    int32_t seq;
+    ekv_cache *c = small_cache(ctx, 16, TC_HK, TC_PS, 0, 30, &seq);
+    if (c) {
+        ekv_paged_kv kv, bad;
+        ekv_page_stats st;
+        step_args a;
+        step_args_of(c, seq, &a);
+        CHECK(ekv_cache_kv_view(c, &kv, &st) == EKV_OK, "view");
+        /* each stride alone: its offsets, or their bytes, pass INT64_MAX */
+        const int64_t huge[3] = {INT64_MAX / 2, (int64_t)1 << 61, (int64_t)1 << 60};
+        for (int w = 0; w < 3; w++)
+            for (int i = 0; i < 3; i++) {
+                bad = kv;
+                int64_t *stride = w == 0   ? &bad.stride_page
+                                  : w == 1 ? &bad.stride_head
+                                           : &bad.stride_token;
+                *stride = huge[i];
+                ekv_status s = ekv_decode_dense(ctx, &a.dp, &bad, &a.tab, a.q, a.out, NULL);
+                CHECK(s == EKV_ERR_SIZE_OVERFLOW, "stride %d = %lld: %s (%s)", w,
+                      (long long)huge[i], ekv_status_string(s), ekv_last_error(ctx));
+            }
+        /* certified with sink and recent pages of INT32_MAX: every page, the dense answer */
+        float dense[4 * TC_D];
+        CHECK(ekv_decode_dense(ctx, &a.dp, &kv, &a.tab, a.q, dense, NULL) == EKV_OK, "dense");
+        ekv_select_params sp = ekv_select_default_params();
+        sp.method = EKV_SELECT_CERTIFIED;
+        sp.budget_tokens = TC_PS;
+        sp.sink_pages = sp.recent_pages = INT32_MAX;
+        ekv_status s = ekv_decode(ctx, &a.dp, &sp, &kv, &st, &a.tab, a.q, a.out, NULL);
+        CHECK(s == EKV_OK, "certified, sink = recent = INT32_MAX: %s (%s)", ekv_status_string(s),
+              ekv_last_error(ctx));
+        CHECK(s || test_head_rel_err(a.out, dense, 4, TC_D, 1e-6) < 1e-5,
+              "certified, sink = recent = INT32_MAX: not the dense output");
+    }
+    ekv_cache_free(c);
+    /* ekv_shard_pages over INT64_MAX pages: floor(j P / S), without forming j P */
+    const int64_t Ps[3] = {INT64_MAX, INT64_MAX - 1, ((int64_t)1 << 62) + 5};
+    for (int i = 0; i < 3; i++)
+        for (int S = 63; S <= 64; S++) {
+            __int128 end = 0;
+            for (int j = 0; j < S; j++) {
+                int64_t first = -1, count = -1;
+                ekv_status s = ekv_shard_pages(Ps[i], S, j, &first, &count);
+                const __int128 want = (__int128)Ps[i] * j / S,
+                               want_end = (__int128)Ps[i] * (j + 1) / S;
+                CHECK(s == EKV_OK && first == want && first + (__int128)count == want_end &&
+                              first == end,
+                      "ekv_shard_pages(%lld, %d, %d) = [%lld, +%lld)", (long long)Ps[i], S, j,
+                      (long long)first, (long long)count);
+                end = (__int128)first + count;
+            }
+            CHECK(end == Ps[i], "shards of %lld pages end at %lld", (long long)Ps[i],
+                  (long long)end);
+        }
+    ekv_context_free(ctx);
+}
+
 int main(void) {
     test_entmax_scale();
     test_threads();
@@ -404,5 +760,9 @@ int main(void) {
     test_not_regular_files();
     test_model_counts_and_alignment();
     test_misaligned_append();
+    test_cache_threads_held();
+    test_cache_threads_hammer();
+    test_stats_of_another_cache();
+    test_offsets_past_int64();
     return test_finish("test_hardening");
 }

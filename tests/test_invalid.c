@@ -385,6 +385,11 @@ typedef struct {
     ekv_cache **outp;
 } cache_case;
 
+/* Caller pools for the baseline's shape: 4 pages x 2 heads x 4 tokens x 8 dims of f16 = 512
+ * bytes each. K and V sharing a byte would overwrite each other. */
+enum { POOL_BYTES = 512 };
+static _Alignas(64) unsigned char g_pool[4 * POOL_BYTES];
+
 #define CACHE_ROWS(X)                                                                              \
     X(EKV_ERR_NULL_POINTER, c->ctx = NULL)                                                         \
     X(EKV_ERR_NULL_POINTER, c->pp = NULL)                                                          \
@@ -413,6 +418,9 @@ typedef struct {
     X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = 0)                                                     \
     X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = -1)                                                    \
     X(EKV_ERR_INVALID_SIZE, c->p.max_seqs = INT32_MAX)                                             \
+    X(EKV_ERR_INVALID_ARGUMENT, c->p.k_pool = c->p.v_pool = g_pool)                                \
+    X(EKV_ERR_INVALID_ARGUMENT, c->p.k_pool = g_pool; c->p.v_pool = g_pool + POOL_BYTES / 2)       \
+    X(EKV_ERR_INVALID_ARGUMENT, c->p.k_pool = g_pool + POOL_BYTES - 16; c->p.v_pool = g_pool)      \
     X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = INT32_MAX; c->p.num_kv_heads = 4096;                 \
       c->p.page_size = 256; c->p.head_dim = 65536)                                                 \
     X(EKV_ERR_SIZE_OVERFLOW, c->p.num_pages = (int64_t)1 << 30; c->p.num_kv_heads = 4096;          \
@@ -469,6 +477,17 @@ static void test_cache_create(void) {
                   cache_rows[r].name, (long long)ekv_cache_bytes_needed(c.pp));
     }
     CHECK(ekv_cache_bytes_needed(NULL) == -1, "ekv_cache_bytes_needed(NULL)");
+    /* pools that only touch (V right after K, or before it) are fine */
+    for (int order = 0; order < 2; order++) {
+        cache_case c;
+        cache_init(&c);
+        c.p.k_pool = g_pool + (order ? POOL_BYTES : 0);
+        c.p.v_pool = g_pool + (order ? 0 : POOL_BYTES);
+        ekv_cache *adj = NULL;
+        CHECK(ekv_cache_create(g_ctx, c.pp, &adj) == EKV_OK, "adjacent pools (order %d): %s", order,
+              ekv_last_error(g_ctx));
+        ekv_cache_free(adj);
+    }
 
     /* a pool that fits int64 but not in memory: OUT_OF_MEMORY, not a crash (ASan's
      * allocator aborts on such requests unless allocator_may_return_null=1, so skip) */
@@ -948,6 +967,9 @@ static decode_case g_dc;
     X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 2)                                    \
     X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_page = INT64_MAX / 8; c->kv.dtype = EKV_DTYPE_F32)       \
     X(EKV_ERR_SIZE_OVERFLOW, c->kv.num_pages = INT32_MAX; c->kv.stride_page = (int64_t)1 << 40)    \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_head = INT64_MAX / 2)                                    \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_head = (int64_t)1 << 61 /* bytes */)                     \
+    X(EKV_ERR_SIZE_OVERFLOW, c->kv.stride_token = (int64_t)1 << 61)                                \
     X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -1.0f)                                              \
     X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = -FLT_MIN)                                           \
     X(EKV_ERR_INVALID_ARGUMENT, c->prm.scale = NAN)                                                \

@@ -5,8 +5,10 @@
  *  - attention over a dense list equals dense decode; whenever a selection contains the
  *    whole support, `exact` equals dense entmax (<= 1e-5 relative, fp32); the oracle always
  *    does; softmax over a list is softmax restricted to the list;
- *  - invalid inputs: budgets <= 0 or above the length, NaN queries, empty lists, bad pages;
- *    a 1-token sequence works.
+ *  - invalid inputs: budgets <= 0, NaN queries, empty lists, bad pages; a 1-token sequence
+ *    works;
+ *  - a token budget above a sequence's length reads the whole sequence, for top-k as for
+ *    certified, each sequence of a batch against its own length (issue 32: top-k refused it).
  */
 #include "entmaxkv.h"
 #include "test_util.h"
@@ -76,7 +78,15 @@ static void test_handmade(ekv_context *ctx) {
         kmax[p * D + 1] = 4.0f;
     }
     ekv_paged_kv kv = {kv_dummy, kv_dummy, EKV_DTYPE_F32, PS, 1, D, P, PS * D, PS * D, D};
-    ekv_page_stats st = {.kmin = kmin, .kmax = kmax, .kmean = kmin, .km2 = kmax, .radius = kmin};
+    ekv_page_stats st = {.kmin = kmin,
+                         .kmax = kmax,
+                         .kmean = kmin,
+                         .km2 = kmax,
+                         .radius = kmin,
+                         .num_pages = P,
+                         .num_kv_heads = 1,
+                         .head_dim = D,
+                         .page_size = PS};
     int64_t indptr[2] = {0, P};
     int32_t idx[P] = {0, 1, 2, 3, 4, 5}, lpl[1] = {PS};
     ekv_page_table tab = {1, indptr, idx, lpl};
@@ -126,10 +136,17 @@ static void test_handmade(ekv_context *ctx) {
     sp.budget_tokens = -3;
     CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT,
           "budget < 0");
-    sp.budget_tokens = P * PS + 1;
-    CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list) == EKV_ERR_INVALID_ARGUMENT,
-          "budget > length");
-    CHECK(strlen(ekv_last_error(ctx)) > 0, "no message");
+    const int64_t overs[3] = {P * PS + 1, 1000, INT64_MAX};
+    for (int o = 0; o < 3; o++) {
+        const int64_t over = overs[o];
+        sp.budget_tokens = over; /* more than the sequence: all of it, as budget = length */
+        ekv_status s = ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, q, &list);
+        CHECK(s == EKV_OK && lip[1] == P, "budget %lld > length: %s, %lld pages", (long long)over,
+              ekv_last_error(ctx), (long long)lip[1]);
+        for (int k = 0; k < P && !s; k++)
+            CHECK(pages[k] == want[6][k], "budget > length: slot %d has page %d, want %d", k,
+                  pages[k], want[6][k]);
+    }
     sp.budget_tokens = 8;
     float qn[2] = {NAN, 1};
     CHECK(ekv_select_pages(ctx, &dp, &sp, &kv, &st, &tab, qn, &list) == EKV_ERR_NAN_INPUT,
@@ -243,6 +260,46 @@ static double rel_err(const float *a, const float *b, int64_t n) {
     return sqrt(e / (m > 0 ? m : 1));
 }
 
+/* A token budget longer than a short sequence of a batch: top-k and certified take the same
+ * rule (ekv_seq_budget_tokens), each sequence clamped to its own length. */
+static void test_budget_past_length(ekv_context *ctx) {
+    enum { PS = 4, H = 2, D = 32 };
+    const int64_t lens[2] = {6, 64}; /* 2 and 16 pages */
+    test_rng r = {0x5eed5eedull};
+    fixture f;
+    build(ctx, &f, 2, lens, 1, D, PS, EKV_DTYPE_F32, EKV_DTYPE_F32, &r, 1.0);
+    float q[2 * H * D], out[2 * H * D];
+    for (int i = 0; i < 2 * H * D; i++) q[i] = (float)test_normal(&r);
+    ekv_decode_params dp = ekv_decode_default_params();
+    dp.num_heads = H;
+    dp.alpha = 1.5;
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_TOPK;
+    sp.budget_tokens = 32; /* 8 scored pages: all of sequence 0's one, 8 of sequence 1's 15 */
+    const int64_t want[2] = {2, 9};
+    int64_t lip[3];
+    int32_t pages[32];
+    ekv_page_list list = {.indptr = lip, .pages = pages, .capacity = 32};
+    ekv_status s = ekv_select_pages(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, &list);
+    CHECK(s == EKV_OK, "topk, budget 32 over a 6-token sequence: %s", ekv_last_error(ctx));
+    for (int b = 0; b < 2 && !s; b++)
+        CHECK(lip[b + 1] - lip[b] == want[b], "topk: sequence %d lists %lld pages, want %lld", b,
+              (long long)(lip[b + 1] - lip[b]), (long long)want[b]);
+    int32_t round1[2] = {-1, -1};
+    ekv_decode_info info = {.pages_round1 = round1};
+    const ekv_select_method m[2] = {EKV_SELECT_TOPK, EKV_SELECT_CERTIFIED};
+    for (int i = 0; i < 2; i++) {
+        sp.method = m[i];
+        s = ekv_decode(ctx, &dp, &sp, &f.kv, &f.st, &f.tab, q, out, &info);
+        CHECK(s == EKV_OK, "%s decode, budget 32 over a 6-token sequence: %s",
+              ekv_method_name(m[i]), ekv_last_error(ctx));
+    }
+    for (int b = 0; b < 2; b++) /* certified's candidates: the very top-k lists */
+        CHECK(round1[b] == want[b], "certified: round 1 of sequence %d has %d pages, want %lld", b,
+              round1[b], (long long)want[b]);
+    release(&f);
+}
+
 int main(void) {
     ekv_context *ctx;
     ekv_context_params cp = ekv_context_default_params();
@@ -250,6 +307,7 @@ int main(void) {
     if (ekv_context_create(&cp, &ctx)) return 1;
     test_handmade(ctx);
     test_compact_ranges(ctx);
+    test_budget_past_length(ctx);
     test_rng r = {0xfeedbeefull};
     const ekv_dtype dts[] = {EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_BF16};
     const double alphas[] = {1.0, 1.5, 2.0, 1.25, 3.0};

@@ -357,6 +357,10 @@ static int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
         c->st.radius16 = c->radius16;
     }
     c->st.count = c->dcount;
+    c->st.num_pages = c->total_pages; /* the pool the statistics cover, checked against kv */
+    c->st.num_kv_heads = (int32_t)Hk;
+    c->st.head_dim = (int32_t)D;
+    c->st.page_size = (int32_t)ps;
     if (c->sp_box) { /* written by the append kernel; certified skips against them */
         const int64_t S = o->superpage, nsp = (c->total_pages + S - 1) / S, n = nsp * Hk * D;
         c->st.smin = c->sp_box;

@@ -213,6 +213,15 @@ typedef struct ekv_page_stats {
      * measured from the rounded centre). NULL: the fp32 ball. */
     const uint16_t *kmean16;
     const float *radius16;
+    /* The pool the arrays describe (required; ekv_cache_kv_view sets them): num_pages physical
+     * pages of num_kv_heads KV heads, head_dim channels and page_size token slots. Every call
+     * that takes a view and statistics checks them against the view (at least its num_pages,
+     * the same heads, dim and page size) and fails with EKV_ERR_INVALID_ARGUMENT otherwise:
+     * statistics of another cache would be read out of their bounds. */
+    int64_t num_pages;
+    int32_t num_kv_heads;
+    int32_t head_dim;
+    int32_t page_size;
 } ekv_page_stats;
 
 /*
@@ -251,7 +260,8 @@ typedef struct ekv_cache_params {
                              /* exact when it is K's dtype (ekv_cache_compact_ranges)         */
     ekv_kv_layout layout;    /* of K and V within a page (default HND)                     */
     /* The caller's memory for K and V (both or neither; 16-byte aligned; num_pages *         */
-    /* page_size * num_kv_heads * head_dim elements of dtype each, in `layout`), or NULL: the */
+    /* page_size * num_kv_heads * head_dim elements of dtype each, in `layout`, the two not   */
+    /* overlapping: EKV_ERR_INVALID_ARGUMENT if they share a byte), or NULL: the              */
     /* cache allocates them. Appends write there; the cache never frees them. The caller may  */
     /* read them (e.g. run another attention kernel on the same pages), not write them.      */
     void *k_pool, *v_pool;
@@ -270,10 +280,24 @@ EKV_API ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *pa
                                     ekv_cache **out);
 EKV_API void ekv_cache_free(ekv_cache *cache);
 
+/* Every call on a cache, the ones that only read it too, runs on its context: while another
+ * thread is inside a call on that context it returns EKV_ERR_INVALID_ARGUMENT ("context used
+ * from two threads at once") and reads and changes nothing. */
 EKV_API ekv_status ekv_cache_seq_new(ekv_cache *cache, int32_t *seq_out);
 /* Frees a sequence and returns its pages to the pool. */
 EKV_API ekv_status ekv_cache_seq_free(ekv_cache *cache, int32_t seq);
 EKV_API ekv_status ekv_cache_seq_length(const ekv_cache *cache, int32_t seq, int64_t *len_out);
+/*
+ * The version of a live sequence: a number (never 0) that every change to it replaces with one
+ * it never had, and that no other sequence of the cache ever had (new, append, truncate, adopt;
+ * an id freed and created again is a new sequence). A page table built by ekv_cache_page_table
+ * is current while each of its sequences keeps the version it had then; its length alone does
+ * not say that (a sequence freed, created again and refilled to the same length holds other
+ * pages). A plan that keeps a table compares the versions before each step.
+ */
+EKV_API ekv_status ekv_cache_seq_version(const ekv_cache *cache, int32_t seq,
+                                         uint64_t *version_out);
+/* Free pages in the pool: 0 for a NULL cache, -1 while another thread uses its context. */
 EKV_API int64_t ekv_cache_free_pages(const ekv_cache *cache);
 
 /*
@@ -410,8 +434,10 @@ typedef enum ekv_tau_mode {
 
 typedef struct ekv_select_params {
     ekv_select_method method;
-    /* topk: tokens read besides the always-read last page; floor(budget/page_size) scored
-     * pages are taken (at least one when budget >= 1 and P > 1). */
+    /* topk / certified (round 1): tokens read besides the always-read last page, >= 1;
+     * floor(budget/page_size) scored pages are taken (at least one when budget >= 1 and P > 1).
+     * Every budgeted method, on every backend, clamps a sequence's budget to its length: a
+     * budget longer than a (short) sequence reads all of it, each sequence of a batch its own. */
     int64_t budget_tokens;
     /* topk / certified: when > 0, sequence b's budget is max(1, floor(budget_fraction * its
      * length)) instead of budget_tokens (a batch of prefix views each reads the same share) */

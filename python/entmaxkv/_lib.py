@@ -53,7 +53,8 @@ class PageStats(ctypes.Structure):
                 ("smin", c_void_p), ("smax", c_void_p), ("codes", c_void_p),
                 ("code_bits", c_int32), ("num_superpages", c_int64), ("range_dtype", c_int),
                 ("kmin16", c_void_p), ("kmax16", c_void_p),
-                ("kmean16", c_void_p), ("radius16", c_void_p)]
+                ("kmean16", c_void_p), ("radius16", c_void_p), ("num_pages", c_int64),
+                ("num_kv_heads", c_int32), ("head_dim", c_int32), ("page_size", c_int32)]
 
 
 class PageTable(ctypes.Structure):

@@ -131,7 +131,8 @@ class CudaPagedKVCache:
                                   code_bits=self.code_bits, num_superpages=0,
                                   range_dtype=self.range_dtype, kmin16=ptr.get("kmin16"),
                                   kmax16=ptr.get("kmax16"), kmean16=ptr.get("kmean16"),
-                                  radius16=ptr.get("radius16"))
+                                  radius16=ptr.get("radius16"), num_pages=P, num_kv_heads=Hk,
+                                  head_dim=D, page_size=self.page_size)
 
     def _paged_kv(self):
         ps, Hk, D = self.page_size, self.num_kv_heads, self.head_dim

@@ -43,13 +43,8 @@ static ekv_status adopt_check(ekv_cache *c, const ekv_seq *s, int32_t seq, const
     return EKV_OK;
 }
 
-ekv_status ekv_cache_seq_adopt(ekv_cache *c, int32_t seq, const int32_t *pages, int64_t n_pages,
-                               int32_t last_page_len) {
-    if (!c) return EKV_ERR_NULL_POINTER;
-    if (!pages) return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER, "pages is NULL");
-    if (n_pages < 1 || n_pages > c->p.num_pages)
-        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_pages=%lld must be in [1, %lld]",
-                        (long long)n_pages, (long long)c->p.num_pages);
+static ekv_status adopt_run(ekv_cache *c, int32_t seq, const int32_t *pages, int64_t n_pages,
+                            int32_t last_page_len) {
     const ekv_seq *cs;
     ekv_status st = ekv_cache_lookup_seq(c, seq, &cs);
     if (st) return st;
@@ -78,10 +73,24 @@ ekv_status ekv_cache_seq_adopt(ekv_cache *c, int32_t seq, const int32_t *pages, 
         }
         s->npages = n_pages;
         s->len = (n_pages - 1) * c->p.page_size + last_page_len;
+        ekv_seq_touch(c, s);
         ekv_clear_error(c->ctx);
     } else if (list != s->pages)
         free(list);
     free(mark);
     free(row);
+    return st;
+}
+
+/* The adoption runs on the context's thread: one call at a time (ekv_ctx_enter). */
+ekv_status ekv_cache_seq_adopt(ekv_cache *c, int32_t seq, const int32_t *pages, int64_t n_pages,
+                               int32_t last_page_len) {
+    if (!c) return EKV_ERR_NULL_POINTER;
+    if (!pages) return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER, "pages is NULL");
+    if (n_pages < 1 || n_pages > c->p.num_pages)
+        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_pages=%lld must be in [1, %lld]",
+                        (long long)n_pages, (long long)c->p.num_pages);
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, adopt_run(c, seq, pages, n_pages, last_page_len));
     return st;
 }

@@ -119,6 +119,7 @@ static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const 
     ekv_pool_run(ctx->pool, Hk, append_head, &job);
     free(rows);
     s->len = new_len;
+    ekv_seq_touch(c, s);
     ekv_clear_error(ctx);
     return EKV_OK;
 }

@@ -107,6 +107,14 @@ static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_
                 ctx, EKV_ERR_SIZE_OVERFLOW,
                 "pool of %lld pages x %d heads x %d tokens x %d dims overflows the address space",
                 (long long)p->num_pages, p->num_kv_heads, p->page_size, p->head_dim);
+    /* an append writes K and V of a slot one after the other: pools that share a byte would
+     * overwrite one with the other */
+    if (p->k_pool && (uintptr_t)p->k_pool < (uintptr_t)p->v_pool + (uint64_t)kvb / 2 &&
+        (uintptr_t)p->v_pool < (uintptr_t)p->k_pool + (uint64_t)kvb / 2)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "k_pool and v_pool overlap (each holds %lld bytes from its address): K "
+                        "and V need their own memory",
+                        (long long)(kvb / 2));
     *elems_per_page = epp;
     *kv_bytes = kvb / 2;
     *stat_floats = sf;
@@ -234,23 +242,38 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     return EKV_OK;
 }
 
-int64_t ekv_cache_free_pages(const ekv_cache *c) { return c ? c->n_free : 0; }
+/* Every call on a cache runs inside ekv_ctx_enter/leave of its context, the readers too: an
+ * append or a truncation in another thread moves and frees the page lists they read. */
+int64_t ekv_cache_free_pages(const ekv_cache *c) {
+    if (!c) return 0;
+    if (ekv_ctx_enter(c->ctx)) return -1;
+    const int64_t n = c->n_free;
+    ekv_ctx_leave(c->ctx);
+    return n;
+}
 
-ekv_status ekv_cache_seq_new(ekv_cache *c, int32_t *seq_out) {
-    if (!c || !seq_out)
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
-                        !c ? "cache" : "seq_out");
+static ekv_status seq_new_run(ekv_cache *c, int32_t *seq_out) {
     for (int32_t i = 0; i < c->p.max_seqs; i++) {
         if (!c->seqs[i].alive) {
             c->seqs[i].alive = 1;
             c->seqs[i].len = 0;
             c->seqs[i].npages = 0;
+            ekv_seq_touch(c, &c->seqs[i]);
             *seq_out = i;
             return EKV_OK;
         }
     }
     return ekv_fail(c->ctx, EKV_ERR_INVALID_SEQUENCE, "all %d sequence slots are in use (max_seqs)",
                     c->p.max_seqs);
+}
+
+ekv_status ekv_cache_seq_new(ekv_cache *c, int32_t *seq_out) {
+    if (!c || !seq_out)
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !c ? "cache" : "seq_out");
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, seq_new_run(c, seq_out));
+    return st;
 }
 
 ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq **out) {
@@ -260,8 +283,7 @@ ekv_status ekv_cache_lookup_seq(const ekv_cache *c, int32_t seq, const ekv_seq *
     return EKV_OK;
 }
 
-ekv_status ekv_cache_seq_free(ekv_cache *c, int32_t seq) {
-    if (!c) return EKV_ERR_NULL_POINTER;
+static ekv_status seq_free_run(ekv_cache *c, int32_t seq) {
     const ekv_seq *cs;
     ekv_status st = ekv_cache_lookup_seq(c, seq, &cs);
     if (st) return st;
@@ -273,6 +295,25 @@ ekv_status ekv_cache_seq_free(ekv_cache *c, int32_t seq) {
     s->npages = 0;
     s->len = 0;
     s->alive = 0;
+    ekv_seq_touch(c, s);
+    return EKV_OK;
+}
+
+ekv_status ekv_cache_seq_free(ekv_cache *c, int32_t seq) {
+    if (!c) return EKV_ERR_NULL_POINTER;
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, seq_free_run(c, seq));
+    return st;
+}
+
+/* The length (or the version) of a live sequence: one reader for both public calls. */
+static ekv_status seq_read_run(const ekv_cache *c, int32_t seq, int64_t *len_out,
+                               uint64_t *version_out) {
+    const ekv_seq *s = NULL;
+    ekv_status st = ekv_cache_lookup_seq(c, seq, &s);
+    if (st) return st;
+    if (len_out) *len_out = s->len;
+    if (version_out) *version_out = s->version;
     return EKV_OK;
 }
 
@@ -280,17 +321,21 @@ ekv_status ekv_cache_seq_length(const ekv_cache *c, int32_t seq, int64_t *len_ou
     if (!c || !len_out)
         return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
                         !c ? "cache" : "len_out");
-    const ekv_seq *s = NULL;
-    ekv_status st = ekv_cache_lookup_seq(c, seq, &s);
-    if (st) return st;
-    *len_out = s->len;
-    return EKV_OK;
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, seq_read_run(c, seq, len_out, NULL));
+    return st;
 }
 
-ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
-    if (!c || (!kv && !stats))
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s",
-                        !c ? "cache is NULL" : "kv_out and stats_out are both NULL");
+ekv_status ekv_cache_seq_version(const ekv_cache *c, int32_t seq, uint64_t *version_out) {
+    if (!c || !version_out)
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
+                        !c ? "cache" : "version_out");
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, seq_read_run(c, seq, NULL, version_out));
+    return st;
+}
+
+static ekv_status kv_view_run(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
     if (kv) {
         kv->k = c->k;
         kv->v = c->v;
@@ -322,21 +367,27 @@ ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stat
         stats->radius16 = c->radius16;
         stats->num_superpages =
                 c->smin ? (c->p.num_pages + c->p.superpage_pages - 1) / c->p.superpage_pages : 0;
+        stats->num_pages = c->p.num_pages;
+        stats->num_kv_heads = c->p.num_kv_heads;
+        stats->head_dim = c->p.head_dim;
+        stats->page_size = c->p.page_size;
     }
     return EKV_OK;
 }
 
-ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t n_seqs,
-                                int64_t *indptr, int32_t *indices, int64_t indices_capacity,
-                                int32_t *last_page_len, int64_t *needed) {
-    if (!c || !seqs || (indices && (!indptr || !last_page_len)))
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER,
-                        "cache, seqs, indptr and last_page_len must not be NULL");
-    if (!indices && !needed)
-        return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER,
-                        "indices and needed are both NULL: nothing to return");
-    if (n_seqs <= 0)
-        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be >= 1", n_seqs);
+ekv_status ekv_cache_kv_view(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
+    if (!c || (!kv && !stats))
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s",
+                        !c ? "cache is NULL" : "kv_out and stats_out are both NULL");
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st, kv_view_run(c, kv, stats));
+    return st;
+}
+
+/* Builds the table once the arguments are checked (inside the context's guard). */
+static ekv_status page_table_run(const ekv_cache *c, const int32_t *seqs, int32_t n_seqs,
+                                 int64_t *indptr, int32_t *indices, int64_t indices_capacity,
+                                 int32_t *last_page_len, int64_t *needed) {
     int64_t total = 0;
     for (int32_t b = 0; b < n_seqs; b++) {
         const ekv_seq *s = NULL;
@@ -362,4 +413,22 @@ ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t
         last_page_len[b] = s->npages ? (int32_t)(s->len - (s->npages - 1) * c->p.page_size) : 0;
     }
     return EKV_OK;
+}
+
+ekv_status ekv_cache_page_table(const ekv_cache *c, const int32_t *seqs, int32_t n_seqs,
+                                int64_t *indptr, int32_t *indices, int64_t indices_capacity,
+                                int32_t *last_page_len, int64_t *needed) {
+    if (!c || !seqs || (indices && (!indptr || !last_page_len)))
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER,
+                        "cache, seqs, indptr and last_page_len must not be NULL");
+    if (!indices && !needed)
+        return ekv_fail(c->ctx, EKV_ERR_NULL_POINTER,
+                        "indices and needed are both NULL: nothing to return");
+    if (n_seqs <= 0)
+        return ekv_fail(c->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be >= 1", n_seqs);
+    ekv_status st = EKV_OK;
+    EKV_GUARDED(c->ctx, st,
+                page_table_run(c, seqs, n_seqs, indptr, indices, indices_capacity, last_page_len,
+                               needed));
+    return st;
 }

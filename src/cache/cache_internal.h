@@ -9,6 +9,7 @@ typedef struct ekv_seq {
     int64_t len;
     int32_t *pages;
     int64_t npages, cap;
+    uint64_t version; /* ekv_cache_seq_version: the cache's clock at the sequence's last change */
 } ekv_seq;
 
 struct ekv_cache {
@@ -30,7 +31,12 @@ struct ekv_cache {
     int32_t *free_pages;       /* stack of free page ids */
     int64_t n_free;
     ekv_seq *seqs; /* [max_seqs] */
+    uint64_t clock; /* counts the changes to sequences: versions never repeat (2^64 changes) */
 };
+
+/* Every change to a sequence (new, append, truncate, adopt, free) gives it a new version, so a
+ * page table built before the change is known to be stale (ekv_cache_seq_version). */
+static inline void ekv_seq_touch(ekv_cache *c, ekv_seq *s) { s->version = ++c->clock; }
 
 /* The range decode reads at flat index i ((page * num_kv_heads + head) * D + d), as fp32: the
  * compact copy when the cache keeps one (the key codes follow it), else kmin/kmax. */

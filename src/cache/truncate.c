@@ -38,6 +38,7 @@ static ekv_status truncate_run(ekv_cache *c, int32_t seq, int64_t n_tokens) {
         ekv_summary_rebuild_page(c, s->pages[keep - 1], (int32_t)tail, row);
     free(row);
     s->len = n_tokens;
+    ekv_seq_touch(c, s);
     ekv_clear_error(c->ctx);
     return EKV_OK;
 }

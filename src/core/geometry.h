@@ -14,15 +14,16 @@
 #define EKV_GEOM static inline
 #endif
 
-/* Pages of sequence b. */
-/* The token budget of a sequence of n tokens: fraction of it (at least one token, at most n)
- * when fraction > 0, else budget_tokens (the select params' budget_fraction / budget_tokens). */
+/* The token budget of a sequence of n tokens: fraction of it (at least one token) when
+ * fraction > 0, else budget_tokens (the select params' budget_fraction / budget_tokens); never
+ * more than n. The one rule of every budgeted method and backend: a budget past a short
+ * sequence's length reads all of it, in a batch too (each sequence its own). */
 EKV_GEOM int64_t ekv_seq_budget_tokens(double fraction, int64_t budget_tokens, int64_t n) {
-    if (!(fraction > 0.0)) return budget_tokens;
-    const int64_t b = (int64_t)(fraction * (double)n);
-    return b < 1 ? 1 : b > n ? n : b;
+    const int64_t b = fraction > 0.0 ? (int64_t)(fraction * (double)n) : budget_tokens;
+    return b > n ? n : fraction > 0.0 && b < 1 ? 1 : b;
 }
 
+/* Pages of sequence b. */
 EKV_GEOM int64_t ekv_seq_pages(const int64_t *indptr, int64_t b) {
     return indptr[b + 1] - indptr[b];
 }

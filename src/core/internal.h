@@ -282,6 +282,9 @@ ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params
 ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params,
                              const ekv_paged_kv *kv, const ekv_page_table *t, const float *q);
 ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha);
+/* The view alone (the one check of its shapes and strides, every backend): dtype, page size,
+ * head dim, KV heads, pages, positive strides, and every byte offset it addresses fits int64. */
+ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv);
 /* The one definition of each rule (validate.c): alpha, num_heads and scale of the decode
  * parameters (host fields only: the slopes are checked where they are host memory); heads
  * divisibility; page size. */

@@ -74,6 +74,19 @@ ekv_status ekv_check_superpages(ekv_context *ctx, const ekv_paged_kv *kv,
     return EKV_OK;
 }
 
+ekv_status ekv_check_stats_shape(ekv_context *ctx, const ekv_paged_kv *kv,
+                                 const ekv_page_stats *st) {
+    if (st->num_pages >= kv->num_pages && st->num_kv_heads == kv->num_kv_heads &&
+        st->head_dim == kv->head_dim && st->page_size == kv->page_size)
+        return EKV_OK;
+    return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                    "stats cover %lld pages x %d KV heads x %d dims (page size %d), the view "
+                    "%lld pages x %d x %d (page size %d): take both from one cache "
+                    "(ekv_cache_kv_view), or set the counts of the statistics' pool",
+                    (long long)st->num_pages, st->num_kv_heads, st->head_dim, st->page_size,
+                    (long long)kv->num_pages, kv->num_kv_heads, kv->head_dim, kv->page_size);
+}
+
 /* The page ranges the bounds read: kmin/kmax (fp32), or kmin16/kmax16 in range_dtype. */
 static ekv_status check_ranges(ekv_context *ctx, const ekv_method_info *mi,
                                const ekv_page_stats *st) {
@@ -101,10 +114,9 @@ ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_
     if (!st)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s needs the page statistics (stats is NULL)",
                         mi->name);
-    if ((needs & EKV_NEEDS_MINMAX)) {
-        ekv_status s = check_ranges(ctx, mi, st);
-        if (s) return s;
-    }
+    ekv_status s = ekv_check_stats_shape(ctx, kv, st);
+    if (!s && (needs & EKV_NEEDS_MINMAX)) s = check_ranges(ctx, mi, st);
+    if (s) return s;
     if ((needs & EKV_NEEDS_BALL) && (!st->kmean || !st->radius))
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
                         "stats->kmean/radius are needed for the ball bound (%s)", mi->name);

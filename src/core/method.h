@@ -48,6 +48,11 @@ static inline int64_t ekv_seq_budget(const ekv_select_params *s, int64_t n) {
  * bound stage, the superpage summaries (if any) cover every physical page of kv. */
 ekv_status ekv_check_stats(ekv_context *ctx, const ekv_method_info *mi, int use_ball,
                            const ekv_paged_kv *kv, const ekv_page_stats *st);
+/* The statistics describe kv's pool (ekv_page_stats' counts): every physical page kv
+ * addresses, its KV heads, head dim and page size. The one check of every entry point that
+ * takes a view and statistics (ekv_check_stats runs it; the CUDA append too). */
+ekv_status ekv_check_stats_shape(ekv_context *ctx, const ekv_paged_kv *kv,
+                                 const ekv_page_stats *st);
 /* Superpage summaries (smin set) cover every physical page of kv (the bound indexes them by
  * physical page / superpage_pages); smin = NULL: none, fine. */
 ekv_status ekv_check_superpages(ekv_context *ctx, const ekv_paged_kv *kv,

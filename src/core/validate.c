@@ -67,6 +67,49 @@ static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params
     return EKV_OK;
 }
 
+/* Every element the view addresses, as a byte offset from k or v, fits int64: the kernels form
+ * page * stride_page + head * stride_head + slot * stride_token + d (and each term alone) in
+ * int64 and scale it by the element size. The sum of the terms' largest values bounds them all. */
+static ekv_status check_extent(ekv_context *ctx, const ekv_paged_kv *kv) {
+    int64_t e = kv->head_dim, t;
+    if (ekv_mul_i64(kv->num_pages, kv->stride_page, &t) || ekv_add_i64(e, t, &e) ||
+        ekv_mul_i64(kv->num_kv_heads, kv->stride_head, &t) || ekv_add_i64(e, t, &e) ||
+        ekv_mul_i64(kv->page_size, kv->stride_token, &t) || ekv_add_i64(e, t, &e) ||
+        ekv_mul_i64(e, ekv_dtype_size(kv->dtype), &t))
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
+                        "the view's byte offsets overflow int64 (num_pages %lld x stride_page "
+                        "%lld + num_kv_heads %d x stride_head %lld + page_size %d x stride_token "
+                        "%lld elements of %lld bytes)",
+                        (long long)kv->num_pages, (long long)kv->stride_page, kv->num_kv_heads,
+                        (long long)kv->stride_head, kv->page_size, (long long)kv->stride_token,
+                        (long long)ekv_dtype_size(kv->dtype));
+    return EKV_OK;
+}
+
+ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv) {
+    if (!ekv_dtype_valid(kv->dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv->dtype=%d is not f32, f16 or bf16",
+                        (int)kv->dtype);
+    ekv_status st = ekv_check_page_size(ctx, kv->page_size);
+    if (st) return st;
+    if (kv->head_dim <= 0 || kv->head_dim > 65536)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
+                        kv->head_dim);
+    if (kv->num_kv_heads <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be >= 1",
+                        kv->num_kv_heads);
+    if (kv->num_pages <= 0 || kv->num_pages > INT32_MAX)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be in [1, 2^31-1]",
+                        (long long)kv->num_pages);
+    if (kv->stride_token < kv->head_dim || kv->stride_head <= 0 || kv->stride_page <= 0)
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_SIZE,
+                "strides (page %lld, head %lld, token %lld) must be positive and token >= head_dim",
+                (long long)kv->stride_page, (long long)kv->stride_head,
+                (long long)kv->stride_token);
+    return check_extent(ctx, kv);
+}
+
 ekv_status ekv_validate_decode(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
                                const float *out) {
@@ -94,30 +137,9 @@ ekv_status ekv_validate_step(ekv_context *ctx, const ekv_decode_params *params,
                         !t->indptr    ? "indptr"
                         : !t->indices ? "indices"
                                       : "last_page_len");
-    ekv_status st;
-    if (!ekv_dtype_valid(kv->dtype))
-        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "kv->dtype=%d is not f32, f16 or bf16",
-                        (int)kv->dtype);
-    st = ekv_check_page_size(ctx, kv->page_size);
+    ekv_status st = ekv_check_kv_view(ctx, kv);
+    if (!st) st = ekv_check_heads(ctx, params->num_heads, kv->num_kv_heads);
     if (st) return st;
-    if (kv->head_dim <= 0 || kv->head_dim > 65536)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
-                        kv->head_dim);
-    st = ekv_check_heads(ctx, params->num_heads, kv->num_kv_heads);
-    if (st) return st;
-    if (kv->num_pages <= 0 || kv->num_pages > INT32_MAX)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be in [1, 2^31-1]",
-                        (long long)kv->num_pages);
-    if (kv->stride_token < kv->head_dim || kv->stride_head <= 0 || kv->stride_page <= 0)
-        return ekv_fail(
-                ctx, EKV_ERR_INVALID_SIZE,
-                "strides (page %lld, head %lld, token %lld) must be positive and token >= head_dim",
-                (long long)kv->stride_page, (long long)kv->stride_head,
-                (long long)kv->stride_token);
-    int64_t span, tmp;
-    if (ekv_mul_i64(kv->num_pages, kv->stride_page, &span) ||
-        ekv_mul_i64(span, ekv_dtype_size(kv->dtype), &tmp))
-        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW, "num_pages * stride_page overflows int64");
     if (t->batch <= 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be >= 1", t->batch);
     if (t->indptr[0] != 0)

@@ -166,7 +166,7 @@ static void head_tokens(const ekv_page_table *t, int64_t b, int64_t ps, int S, c
     for (int64_t r = 0; r < (pages ? np : P); r++) {
         const int64_t p = pages ? pages[r] : r,
                       ntok = ekv_page_tokens(p, P, t->last_page_len[b], ps);
-        while (j < S && p >= P * (j + 1) / S) off[++j] = n;
+        while (j < S && p >= ekv_shard_bound(P, S, j + 1)) off[++j] = n;
         for (int64_t i = 0; i < ntok; i++, n++) {
             z[n] = zr[p * ps + i];
             tok[n] = p * ps + i;

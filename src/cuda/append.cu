@@ -16,7 +16,7 @@
 #include "../core/codes.h"
 #include <math_constants.h>
 extern "C" {
-#include "../core/method.h" /* ekv_check_superpages, the rule the bound stage checks too */
+#include "../core/method.h" /* ekv_check_stats_shape, ekv_check_superpages: the decode's rules */
 }
 
 namespace {
@@ -237,6 +237,9 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
                 "ekv_cuda_append: kv shape (heads %d, dim %d, page %d) differs from the plan's (%d, %d, %d)",
                 kv->num_kv_heads, kv->head_dim, kv->page_size, pl->p.num_kv_heads, pl->p.head_dim,
                 pl->p.page_size);
+    ekv_status shape = ekv_check_kv_view(pl->ctx, kv);
+    if (!shape) shape = ekv_check_stats_shape(pl->ctx, kv, st);
+    if (shape) return shape;
     if (st->codes ? st->code_bits != 4 && st->code_bits != 8 : st->code_bits != 0)
         return ekv_fail(pl->ctx, EKV_ERR_INVALID_ARGUMENT,
                         "ekv_cuda_append: stats->code_bits=%d with codes %s (codes need code_bits "

@@ -300,7 +300,7 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                         "K/V strides must be multiples of 8 elements (16-byte loads)");
     if (((uintptr_t)kv->k | (uintptr_t)kv->v) % 16)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K and V must be 16-byte aligned");
-    return EKV_OK;
+    return ekv_check_kv_view(ctx, kv); /* the CPU's rules: offsets fit int64 */
 }
 
 /* Certified round 0 (docs/math.md §9.6, as src/select/certified.c): tau over the last
@@ -310,8 +310,8 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
 static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
                                 const ekv_page_table *t, const float *q, int B) {
-    const int32_t r0 = sel->recent_pages > 0 ? sel->recent_pages + 1 : 4;
-    ekv_status s = ekv_cuda_launch_topk(pl, t, B, 0, 0.0, 0, r0 - 1, NULL, 0);
+    const int32_t recent = sel->recent_pages > 0 ? sel->recent_pages : 3; /* + the last page */
+    ekv_status s = ekv_cuda_launch_topk(pl, t, B, 0, 0.0, 0, recent, NULL, 0);
     if (!s) s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1, 0);
     if (!s) s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, NULL);
     return s;

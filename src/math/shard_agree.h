@@ -22,10 +22,14 @@ EKV_HD double ekv_entmax_pow(double d, double alpha) {
 
 /* Shard j of S holds pages [first, first + count) of a sequence of P pages: [j P / S,
  * (j + 1) P / S), contiguous so that the newest page (where appends go) has one owner and the
- * last shard always holds the last page. */
+ * last shard always holds the last page. floor(j P / S) = j floor(P / S) + floor(j (P mod S) / S),
+ * which never forms j P (that overflows int64 for P near its top). */
+EKV_HD int64_t ekv_shard_bound(int64_t P, int32_t S, int32_t j) {
+    return (P / S) * j + (P % S) * j / S;
+}
 EKV_HD void ekv_shard_range(int64_t P, int32_t S, int32_t j, int64_t *first, int64_t *count) {
-    *first = P * j / S;
-    *count = P * (j + 1) / S - *first;
+    *first = ekv_shard_bound(P, S, j);
+    *count = ekv_shard_bound(P, S, j + 1) - *first;
 }
 
 /* The numbers a shard sends per head and round: over its z > x, with y = z - x, the count,

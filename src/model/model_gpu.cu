@@ -124,6 +124,10 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     }
     L->st.codes = L->codes;
     L->st.code_bits = m->prm.code_bits;
+    L->st.num_pages = P;
+    L->st.num_kv_heads = (int32_t)Hk;
+    L->st.head_dim = (int32_t)D;
+    L->st.page_size = (int32_t)ps;
     return EKV_OK;
 }
 

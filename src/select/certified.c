@@ -60,7 +60,8 @@ static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel,
 static ekv_status round0(ekv_context *ctx, const ekv_decode_params *prm,
                          const ekv_select_params *sel, const ekv_paged_kv *kv,
                          const ekv_page_table *t, const float *q, cert_bufs *c) {
-    const int64_t R0 = sel->recent_pages > 0 ? sel->recent_pages + 1 : 4;
+    /* in int64: recent_pages + 1 overflows int32 at INT32_MAX, a valid (if large) count */
+    const int64_t R0 = sel->recent_pages > 0 ? (int64_t)sel->recent_pages + 1 : 4;
     int64_t w = 0;
     c->ip1[0] = 0;
     for (int64_t b = 0; b < c->B; b++) {
@@ -121,20 +122,13 @@ static void round1_lists(const ekv_select_params *sel, const ekv_page_table *t, 
     }
 }
 
-/* The round-1 candidate select: top-k by the certified bounds (budget clamped to the
- * shortest sequence), or only the bounds when a tau hint picks the pages. */
-static ekv_select_params candidate_select(const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                          const ekv_page_table *t, const double *tau_lb) {
+/* The round-1 candidate select: top-k by the certified bounds (each sequence's budget clamped
+ * to its length, ekv_seq_budget_tokens), or only the bounds when a tau hint picks the pages. */
+static ekv_select_params candidate_select(const ekv_select_params *sel, const double *tau_lb) {
     ekv_select_params ts = *sel;
     ts.method = EKV_SELECT_TOPK;
     ts.use_ball = 1;
     ts.tau_lb = tau_lb;
-    int64_t minN = INT64_MAX;
-    for (int64_t b = 0; b < t->batch; b++) {
-        const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, kv->page_size);
-        minN = N < minN ? N : minN;
-    }
-    if (ts.budget_tokens > minN) ts.budget_tokens = minN;
     if (ts.budget_tokens < 1 || sel->tau_hint)
         ts.budget_tokens = 1; /* a hint: only the bounds are needed */
     if (sel->tau_hint) ts.budget_fraction = 0.0;
@@ -150,7 +144,7 @@ ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
     const int superpages = st->smin && st->superpage_pages > 0 && !sel->tau_lb;
     if (!s && superpages) s = round0(ctx, prm, sel, kv, t, q, &c);
     if (s) return s;
-    const ekv_select_params ts = candidate_select(sel, kv, t, superpages ? c.tau0 : sel->tau_lb);
+    const ekv_select_params ts = candidate_select(sel, superpages ? c.tau0 : sel->tau_lb);
     ekv_page_list sl = {.indptr = c.ip2,
                         .pages = c.pg2,
                         .capacity = c.cap,

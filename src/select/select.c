@@ -117,20 +117,6 @@ static void topk_list(void *vp, int64_t task, int worker) {
     j->list->pages[w0 + nsel] = (int32_t)(P - 1);
 }
 
-/* Each sequence's token budget is within its length (budget_fraction is clamped instead). */
-static ekv_status check_lengths(ekv_context *ctx, const ekv_select_params *sel,
-                                const ekv_paged_kv *kv, const ekv_page_table *t) {
-    if (sel->budget_fraction > 0.0) return EKV_OK;
-    for (int64_t b = 0; b < t->batch; b++) {
-        const int64_t N = ekv_seq_len(t->indptr, t->last_page_len, b, kv->page_size);
-        if (sel->budget_tokens > N)
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                            "budget_tokens=%lld must be in [1, length=%lld] (sequence %lld)",
-                            (long long)sel->budget_tokens, (long long)N, (long long)b);
-    }
-    return EKV_OK;
-}
-
 ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_select_params *sel, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *t,
@@ -140,7 +126,6 @@ ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm,
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "list->indptr/pages is NULL");
     const int with_ball = (mi->stages & EKV_STAGE_BOUND) && (sel->use_ball || list->bounds);
     ekv_status s = ekv_check_stats(ctx, mi, with_ball, kv, st);
-    if (!s && (mi->stages & EKV_STAGE_TOPK)) s = check_lengths(ctx, sel, kv, t);
     if (s) return s;
     const int64_t cap =
             ekv_page_list_capacity(t, sel->per_query_head ? prm->num_heads : kv->num_kv_heads);

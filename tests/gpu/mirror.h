@@ -80,6 +80,10 @@ static void mirror_build(mirror *m, ekv_cache *cache, const int32_t *seqs, int B
         m->dst.smax = m->sp_n ? dev_copy(NULL, m->sp_n * 4) : NULL;
         m->dst.superpage_pages = m->sp_n ? m->st.superpage_pages : 0;
         m->dst.num_superpages = m->sp_n ? m->st.num_superpages : 0;
+        m->dst.num_pages = m->st.num_pages; /* the pool the statistics cover */
+        m->dst.num_kv_heads = m->st.num_kv_heads;
+        m->dst.head_dim = m->st.head_dim;
+        m->dst.page_size = m->st.page_size;
         m->dtab.batch = B;
         m->dtab.indptr = dev_copy(NULL, sizeof(int64_t) * (B + 1));
         m->dtab.indices = dev_copy(NULL, sizeof(int32_t) * idx_cap);

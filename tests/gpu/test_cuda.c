@@ -1770,6 +1770,10 @@ static void invalid_test(ekv_context *ctx) {
         memset(&nst, 0, sizeof nst);
         nst.kmin = nst.kmax = nst.kmean = nst.km2 = nst.radius = dq;
         nst.count = (const int32_t *)dq;
+        nst.num_pages = kv.num_pages;
+        nst.num_kv_heads = kv.num_kv_heads;
+        nst.head_dim = kv.head_dim;
+        nst.page_size = kv.page_size;
         ekv_status st = ekv_cuda_decode(plan, &prm, &s2, &kv, &nst, &tab, dq, dout);
         CHECK(st == EKV_ERR_INVALID_ARGUMENT && strstr(ekv_last_error(ctx), "code_bits"),
               "screened without codes: %d (%s)", st, ekv_last_error(ctx));
