@@ -150,6 +150,7 @@ def _declare(lib):
         "ekv_cache_seq_new": (c_int, [c_void_p, P(c_int32)]),
         "ekv_cache_seq_free": (c_int, [c_void_p, c_int32]),
         "ekv_cache_seq_length": (c_int, [c_void_p, c_int32, P(c_int64)]),
+        "ekv_cache_seq_version": (c_int, [c_void_p, c_int32, P(ctypes.c_uint64)]),
         "ekv_cache_free_pages": (c_int64, [c_void_p]),
         "ekv_cache_seq_adopt": (c_int, [c_void_p, c_int32, c_void_p, c_int64, c_int32]),
         "ekv_cache_append": (c_int, [c_void_p, c_int32, c_int64, c_void_p, c_void_p, c_int]),

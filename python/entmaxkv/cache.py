@@ -132,6 +132,24 @@ class PagedKVCache:
         self._call(lib.ekv_cache_seq_length, as_int(seq, "seq"), ctypes.byref(n))
         return n.value
 
+    def version(self, seq):
+        """A number every change to the sequence (append, adopt, free and a new sequence with
+        its id) replaces with one it never had: a page table taken earlier is stale once it
+        moved, even when the length agrees (ekv_cache_seq_version)."""
+        return self._versions([seq])[0]
+
+    def _versions(self, seqs):
+        """version() of each sequence, under one acquisition of the locks: DecodeWrapper
+        checks them at each step."""
+        v, out = ctypes.c_uint64(), []
+        with self._lock, self._ctx.lock:
+            ptr = self._live()
+            for seq in seqs:
+                _lib.check(lib.ekv_cache_seq_version(ptr, as_int(seq, "seq"), ctypes.byref(v)),
+                           self._ctx.ptr)
+                out.append(v.value)
+        return out
+
     def _lengths(self, seqs):
         """length() of each sequence (ints), under one acquisition of the locks: DecodeWrapper
         checks them at each step."""

@@ -57,6 +57,7 @@ class CudaPagedKVCache:
         self._kv = self._paged_kv()
         self._free = list(range(P - 1, -1, -1))  # pop() hands out page 0 first
         self._seqs = {}  # id -> [pages (list of physical ids), length]
+        self._versions_of, self._clock = {}, 0  # id -> version (_touch)
         self._plans = {}  # cudaStream_t -> the small plan ekv_cuda_append launches with
 
     @staticmethod
@@ -174,7 +175,13 @@ class CudaPagedKVCache:
                 fail("INVALID_ARGUMENT", f"max_seqs={self.max_seqs} sequences are already alive")
             seq = next(i for i in range(self.max_seqs + 1) if i not in self._seqs)
             self._seqs[seq] = [[], 0]
+            self._touch(seq)
             return seq
+
+    def _touch(self, seq):
+        """A new version for a changed sequence (as the C cache's ekv_cache_seq_version)."""
+        self._clock += 1
+        self._versions_of[seq] = self._clock
 
     def _seq(self, seq):
         s = self._seqs.get(as_int(seq, "seq"))
@@ -198,6 +205,20 @@ class CudaPagedKVCache:
         """length() of each sequence, as PagedKVCache._lengths."""
         with self._lock:
             return [self._seq(s)[1] for s in seqs]
+
+    def version(self, seq):
+        """A number every change to the sequence replaces with one it never had (as
+        PagedKVCache.version): a page table taken earlier is stale once it moved."""
+        return self._versions([seq])[0]
+
+    def _versions(self, seqs):
+        """version() of each sequence, as PagedKVCache._versions."""
+        out = []
+        with self._lock:
+            for s in seqs:
+                self._seq(s)  # alive, else INVALID_SEQUENCE
+                out.append(self._versions_of[as_int(s, "seq")])
+        return out
 
     @property
     def free_pages(self):
@@ -238,6 +259,7 @@ class CudaPagedKVCache:
         entry = self._seq(seq)
         entry[0].extend(new_pages)
         entry[1] += n
+        self._touch(as_int(seq, "seq"))
 
     def _plan_items(self, pages, n0, n):
         """The append items (page, first slot, tokens, source row) for n tokens after n0, and
@@ -311,6 +333,7 @@ class CudaPagedKVCache:
         taken = set(pages)
         self._free = [p for p in self._free if p not in taken]
         self._seqs[seq] = [pages, n]
+        self._touch(seq)
         return seq
 
     def _gather(self, pages, last):

@@ -80,7 +80,7 @@ class DecodeWrapper:
         if self._slopes is not None and len(self._slopes) != num_heads:
             raise ValueError(f"DecodeWrapper.plan: {len(self._slopes)} ALiBi slopes for "
                              f"{num_heads} heads")
-        with self._lock, cache._lock:  # the lengths and the page table of one cache state
+        with self._lock, cache._lock:  # the versions and the page table of one cache state
             lens = cache._lengths(seqs)
             if min(lens) == 0:
                 raise ValueError("DecodeWrapper.plan: a sequence of the batch is empty")
@@ -100,7 +100,8 @@ class DecodeWrapper:
         kv_bytes = 2 * sum(lens) * cache.num_kv_heads * cache.head_dim * lib.ekv_dtype_size(kv.dtype)
         # everything a step passes to the library, built once (run() only adds q and out)
         self._retire_cuda()
-        self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(B, H, cache.head_dim),
+        self._plan = dict(cache=cache, seqs=seqs, lens=lens, versions=cache._versions(seqs),
+                          shape=(B, H, cache.head_dim),
                           keep=(indptr, indices, last), tau=tau, sup=sup, kv_bytes=kv_bytes,
                           info=info, args=(ctypes.byref(prm), ctypes.byref(sel),
                                            ctypes.byref(kv), ctypes.byref(st),
@@ -120,7 +121,8 @@ class DecodeWrapper:
             self._retire_cuda()
         step.set_table(indptr, indices, last)
         self._cuda, self._report = step, None
-        self._plan = dict(cache=cache, seqs=seqs, lens=lens, shape=(len(seqs), H, cache.head_dim))
+        self._plan = dict(cache=cache, seqs=seqs, lens=lens, versions=cache._versions(seqs),
+                          shape=(len(seqs), H, cache.head_dim))
 
     def _retire_cuda(self):
         """The current CUDA plan is kept, not freed: a graph captured on it may replay."""
@@ -181,7 +183,7 @@ class DecodeWrapper:
 
     def _run_locked(self, pl, q, out):
         cache = pl["cache"]
-        if cache._lengths(pl["seqs"]) != pl["lens"]:
+        if cache._versions(pl["seqs"]) != pl["versions"]:  # not the lengths: a reused id
             raise RuntimeError("DecodeWrapper.run: the cache changed since plan(): call plan() "
                                "again")
         if self._cuda is not None:

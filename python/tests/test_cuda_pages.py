@@ -15,6 +15,7 @@ def host_only(num_pages=10, page_size=16, max_seqs=4):
     c = object.__new__(CudaPagedKVCache)
     c.num_pages, c.page_size, c.max_seqs = num_pages, page_size, max_seqs
     c._free, c._seqs, c._plans = list(range(num_pages - 1, -1, -1)), {}, {}
+    c._versions_of, c._clock = {}, 0
     c._lock = threading.RLock()
     return c
 
@@ -51,6 +52,25 @@ def test_freed_pages_come_back_first_and_ids_are_reused():
     assert take(c, a2, 17) == [(0, 0, 16, 0), (1, 0, 1, 16)]
     indptr, indices, last = c.page_table([b, a2])
     assert indptr.tolist() == [0, 1, 3] and indices.tolist() == [2, 0, 1] and last.tolist() == [5, 1]
+
+
+def test_versions_move_with_every_change():
+    """As the C cache's ekv_cache_seq_version (issue 32): a reused id refilled to the old
+    length holds other pages, and its version says so."""
+    c = host_only()
+    a, b = c.new_sequence(), c.new_sequence()
+    take(c, a, 20)
+    seen = {c.version(a), c.version(b)}
+    v = c.version(a)
+    c.free_sequence(a)
+    with pytest.raises(entmaxkv.EntmaxKVError, match="not alive"):
+        c.version(a)
+    a2 = c.new_sequence()
+    take(c, b, 20)  # takes a's old pages
+    take(c, a2, 20)
+    assert a2 == a and c.length(a2) == 20 and c.version(a2) != v
+    seen |= {c.version(a2), c.version(b)}
+    assert len(seen) == 4
 
 
 def test_refusals_change_nothing():

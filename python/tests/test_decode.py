@@ -76,6 +76,19 @@ def test_plan_is_checked():
         w.run(np.zeros((1, H, D), np.float32))
     with pytest.raises(ValueError, match="multiple"):
         w.plan(cache, seqs, 3)
+    # issue 32: a sequence freed, its id reused and refilled to the plan's length holds other
+    # pages (another sequence took the old ones): the length agrees, the plan is still stale
+    cache, seqs, _ = make_cache([40, 20])
+    w.plan(cache, seqs[:1], H)
+    cache.free_sequence(seqs[0])
+    s = cache.new_sequence()
+    assert s == seqs[0]
+    rows = np.ones((40, HK, D), np.float32)
+    cache.append(seqs[1], rows, rows)  # takes the freed pages
+    cache.append(s, rows, rows)
+    assert cache.length(s) == 40
+    with pytest.raises(RuntimeError, match="changed since plan"):
+        w.run(np.zeros((1, H, D), np.float32))
     with pytest.raises(ValueError, match="method"):
         entmaxkv.DecodeWrapper("nope")
     with pytest.raises(ValueError, match="budget"):
