@@ -158,6 +158,19 @@ expect_usage_error eval --alpha 1
 expect_usage_error eval --workload nope
 expect_usage_error eval --heads 6 --kv-heads 4
 expect_usage_error eval --bogus
+# every list option is one comma list without empty entries (issue 32: ',' gave an empty table)
+expect_usage_error eval --methods ,
+expect_usage_error eval --methods entmax-topk,,oracle
+expect_usage_error eval --budgets 1/4,
+expect_usage_error bench --len 64,,128
+expect_usage_error bench --len ,64
+# a ratio's denominator is positive: -1/-16 is not 1/16
+expect_usage_error bench --method topk --budget -1/-16
+expect_usage_error eval --budgets -1/-4
+# a number below the smallest double is a (rounded) number, and said to be out of range as such
+run "" entmax --alpha 1e-320
+[ "$RC" -eq 2 ] && grep -q -- "--alpha 1e-320 is outside \[1, 4\]" "$ERR"
+st=$?; check "entmax --alpha 1e-320 should be out of [1, 4], not 'not a number' (rc=$RC: $(head -c 200 "$ERR"))" $st
 
 # Subcommands of later issues: until they exist they must refuse cleanly (exit 2, one
 # line); once they exist, their --help must work.
@@ -289,6 +302,13 @@ expect_input_error $'1 2\n\n3 4,5\n' 3
 expect_input_error $'1 2 3\n1 nan 3\n' 2 --alpha 1.5
 expect_input_error $'1 inf 3\n' 1 --alpha 2
 expect_input_error $'-inf -inf\n' 1 --alpha 1
+# finite numbers beyond f32 are out of range, not masked (-1e39 read as -inf) nor "NaN or +inf"
+for x in -1e39 1e39 1e999 3.40282357e38; do
+    run "$x 0"$'\n' entmax
+    [ "$RC" -eq 1 ] && grep -q "line 1: '$x' is outside the range of f32" "$ERR" && [ ! -s "$OUT" ]
+    st=$?; check "entmax on '$x 0' should exit 1: outside the range of f32 (rc=$RC, stderr '$(head -c 200 "$ERR")')" $st
+done
+expect_line $'1e-320 0\n' "0.5 0.5" entmax --alpha 1.5 # below f32's smallest: rounds to 0
 
 # huge finite inputs: exact, finite probabilities and valid JSON (printed -nan before)
 for a in 1 1.25 1.5 2 4; do
@@ -512,6 +532,29 @@ fi
 run "" bench --len 64 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1 --json "$TMP/no/such/dir/x.json"
 [ "$RC" -eq 1 ] && [ -s "$ERR" ]
 check "bench --json into a missing directory should exit 1 with a message (rc=$RC)" $?
+# ... found before the run, not after it (issue 32: eval opened its --json only at the end): a
+# run of minutes fails at once
+for path in "$TMP/no/such/dir/x.json" "$TMP"; do
+    printf '' | timeout 20 "$BIN" eval --len 65536 --heads 4 --kv-heads 1 --dim 32 --steps 100000 --threads 1 \
+        --json "$path" >"$OUT" 2>"$ERR"
+    RC=$?
+    [ "$RC" -eq 1 ] && grep -q "cannot write $path" "$ERR" && [ ! -s "$OUT" ]
+    st=$?; check "eval --json $path should fail before the run (rc=$RC, stderr '$(head -c 200 "$ERR")')" $st
+done
+# a JSON file is written whole or not at all: a write that fails (here the file size limit,
+# which binds root too) leaves the previous file as it was and no temporary file, the table
+# still printed (docs/cli.md, "Common rules")
+printf '{"previous": true}\n' >"$TMP/keep.json"
+(trap '' XFSZ; ulimit -f 1; exec "$BIN" bench --len 64,128,256 --heads 2 --kv-heads 1 --dim 8 --iters 1 \
+    --warmup 0 --threads 1 --json "$TMP/keep.json" </dev/null) 2>"$ERR" | cat >"$OUT"
+RC=${PIPESTATUS[0]}
+[ "$RC" -eq 1 ] && grep -q "writing $TMP/keep.json failed" "$ERR" && grep -q '^ *256 ' "$OUT" &&
+    [ "$(cat "$TMP/keep.json")" = '{"previous": true}' ] && [ -z "$(ls "$TMP" | grep 'keep.json.tmp')" ]
+st=$?; check "bench --json: a failed write keeps the previous file and prints the table (rc=$RC, stderr '$(head -c 300 "$ERR")')" $st
+# a device is written in place (not replaced): /dev/full fails the write, the table is printed
+run "" bench --len 64 --heads 2 --kv-heads 1 --dim 8 --iters 1 --warmup 0 --threads 1 --json /dev/full
+[ "$RC" -eq 1 ] && grep -q "writing /dev/full failed" "$ERR" && grep -q '^ *64 ' "$OUT" && [ -c /dev/full ]
+st=$?; check "bench --json /dev/full should print the table and exit 1 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $st
 
 # --json -: the JSON alone on stdout (parseable), the human table on stderr; no file named '-'
 JDIR="$TMP/jsondash"

@@ -72,6 +72,34 @@ usage run --model "$MODEL" --backend ref
 usage run --model "$MODEL" --backend gpu
 usage run --model "$MODEL" --prefill-chunk 0
 usage run --model "$MODEL" --prefill-kernel flash
+# issue 32: empty list entries, a negative ratio's signs, a budget a method does not read and
+# the evaluation-only oracle are refused, not run
+usage run --model "$MODEL" --compare ,
+usage run --model "$MODEL" --compare dense,,topk
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --compare topk,
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers 1,,0
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --layers ,
+usage run --model "$MODEL" --compare topk:-1/-16
+usage run --model "$MODEL" --budget -1/-16
+usage run --model "$MODEL" --compare dense:0.5
+usage run --model "$MODEL" --compare screened:1/4
+usage run --model "$MODEL" --method oracle
+usage run --model "$MODEL" --prefill-method oracle
+usage run --model "$MODEL" --compare dense,oracle
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --method oracle
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --method oracle
+# the options of the cuda backend are refused on the cpu (they were silently ignored)
+usage run --model "$MODEL" --no-graphs
+usage run --model "$MODEL" --prefill-kernel gemm
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --prefill-chunk 64
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --prefill-kernel auto
+run run --model "$MODEL" --prefill-kernel fused --no-graphs --help
+[ "$RC" -eq 0 ] && grep -qi usage "$OUT"
+check "run --help with cuda options should still print the help (rc=$RC)" $?
+# a temperature below the smallest double is a number in [0, 100] (it rounds), not bad usage
+run run --model "$MODEL" --prompt "Hello" -n 2 --quiet --temp 1e-320
+[ "$RC" -eq 0 ] && grep -q '^\[decode @5 dense\] 2 tokens' "$OUT"
+st=$?; check "run --temp 1e-320 should run (rc=$RC: $(head -c 200 "$ERR"))" $st
 
 # runtime failures: exit 1 with a message
 run run --model "$TMP/none.safetensors" -n 1
@@ -227,9 +255,20 @@ usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --co
 usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --compare topk:2
 usage ppl --model "$MODEL" --text "$TMP/text.txt" --ctx 300 --score-last 50 --prefill-method x
 
+# --json and --out are checked before the run: a bad path fails at once (a run of minutes
+# here), not after it (issue 32: ppl opened its JSON file only at the end)
+for i in $(seq 1 150); do cat "$TMP/text.txt"; done >"$TMP/long.txt"
+for sub in ppl trace; do
+    if [ "$sub" = ppl ]; then args=(--ctx 8192 --windows 200 --json); else args=(--ctx 100000 --out); fi
+    timeout 20 "$BIN" $sub --model "$MODEL" --text "$TMP/long.txt" --threads 1 "${args[@]}" "$TMP/no/such/dir/x" \
+        >"$OUT" 2>"$ERR"
+    RC=$?
+    [ "$RC" -eq 1 ] && grep -q "cannot write $TMP/no/such/dir/x" "$ERR" && [ ! -s "$OUT" ]
+    st=$?; check "$sub into a missing directory should fail before the run (rc=$RC: $(head -c 200 "$ERR"))" $st
+done
+
 # ppl on SIGINT: the predictions scored so far, exit 130. The text is long enough that the run
 # cannot finish before the signal (5000 windows of 300 tokens).
-for i in $(seq 1 150); do cat "$TMP/text.txt"; done >"$TMP/long.txt"
 "$BIN" ppl --model "$MODEL" --text "$TMP/long.txt" --ctx 300 --windows 5000 --json "$TMP/int.json" \
     >"$OUT" 2>"$ERR" &
 pid=$!
@@ -265,6 +304,73 @@ st=$?; check "trace should write its file (rc=$RC: $(head -c 200 "$ERR"))" $st
 run eval --workload "trace:$TMP/t.safetensors@l1." --budgets 1/4 --steps 4 --threads 1
 [ "$RC" -eq 0 ] && grep -q "len=400 B=1 H=4 Hk=2 D=8" "$OUT" && grep -q "^certified" "$OUT"
 st=$?; check "eval should read the trace of layer 1 with the model's shapes (rc=$RC: $(head -c 300 "$ERR"))" $st
+
+# a trace that fails to write (here the file size limit, which binds root too) leaves the
+# previous file as it was and no temporary file (docs/cli.md, "Common rules")
+cp "$TMP/t.safetensors" "$TMP/keep.safetensors"
+(trap '' XFSZ; ulimit -f 8; exec "$BIN" trace --model "$MODEL" --text "$TMP/text.txt" --ctx 400 --queries 4 \
+    --offset 7 --out "$TMP/t.safetensors") >"$OUT" 2>"$ERR"
+RC=$?
+[ "$RC" -eq 1 ] && grep -q "writing $TMP/t.safetensors failed" "$ERR" && cmp -s "$TMP/t.safetensors" "$TMP/keep.safetensors" &&
+    [ -z "$(ls "$TMP" | grep 't.safetensors.tmp')" ]
+st=$?; check "trace: a failed write should keep the previous file (rc=$RC: $(head -c 300 "$ERR"))" $st
+
+# run --prompts-file prints the progress of a long prefill as run --prompt-file does: wherever
+# the single prompt's prefill printed two progress lines (> 4 s), the batch's prints one
+head -c 20000 "$TMP/long.txt" | tr '\n' ' ' >"$TMP/longp.txt"
+echo >>"$TMP/longp.txt"
+run run --model "$MODEL" --prompt-file "$TMP/longp.txt" -n 1 --quiet --threads 1
+single=$(grep -c 'tokens/s, ETA' "$ERR")
+run run --model "$MODEL" --prompts-file "$TMP/longp.txt" -n 1 --quiet --threads 1
+[ "$RC" -eq 0 ] && { [ "$single" -lt 2 ] || grep -q '^  prefill sequence 1/1: .* tokens/s, ETA' "$ERR"; }
+st=$?; check "run --prompts-file should print prefill progress (single prompt: $single lines; rc=$RC: $(head -c 300 "$ERR"))" $st
+
+if command -v python3 >/dev/null 2>&1; then
+    # huge finite weights: logits that overflow fp32 are an error of the library (exit 1, the
+    # JSON file untouched, no NUL bytes generated); finite but huge logits give a perplexity
+    # beyond a double: exit 1, null in valid JSON (issue 32: inf, -nan, NUL bytes, exit 0)
+    MINMODEL="$DATA/../fuzz/make_min_model.py"
+    python3 "$MINMODEL" --norm 3e38 "$TMP/inf.safetensors" && python3 "$MINMODEL" --norm 1e30 "$TMP/big.safetensors"
+    printf '{"previous": true}\n' >"$TMP/nf.json"
+    run ppl --model "$TMP/inf.safetensors" --text "$TMP/text.txt" --ctx 100 --windows 2 --json "$TMP/nf.json"
+    [ "$RC" -eq 1 ] && grep -q "logits .* are not finite" "$ERR" && [ "$(cat "$TMP/nf.json")" = '{"previous": true}' ]
+    st=$?; check "ppl with overflowing logits should exit 1 naming them, the JSON file kept (rc=$RC: $(head -c 300 "$ERR"))" $st
+    run run --model "$TMP/inf.safetensors" --prompt "Hello" -n 8
+    [ "$RC" -eq 1 ] && grep -q "logits .* are not finite" "$ERR" && [ "$(tr -d '\000' <"$OUT" | wc -c)" -eq "$(wc -c <"$OUT")" ]
+    st=$?; check "run with overflowing logits should exit 1 without NUL bytes (rc=$RC: $(head -c 300 "$ERR"))" $st
+    run ppl --model "$TMP/big.safetensors" --text "$TMP/text.txt" --ctx 100 --windows 2 --json "$TMP/nf.json"
+    [ "$RC" -eq 1 ] && grep -q "perplexity overflows a double" "$ERR" && grep -q '^ppl inf ' "$OUT" && python3 -c "
+import json, math, sys
+def bad(c): raise ValueError('not JSON: ' + c)
+j = json.loads(open(sys.argv[1]).read(), parse_constant=bad)
+assert j['ppl'] is None and math.isfinite(j['bits_per_byte']) and j['tokens'] == 198, j" "$TMP/nf.json"
+    st=$?; check "ppl beyond a double should exit 1 with valid JSON (ppl null) (rc=$RC: $(head -c 300 "$ERR"))" $st
+
+    # the loader's shape message: [16], not [160] (a stray 0 printed for a vector)
+    python3 -c "
+import sys
+b = open(sys.argv[1], 'rb').read()
+a = b'\"norm.weight\":{\"dtype\":\"F16\",\"shape\":[32]'
+assert a in b
+open(sys.argv[2], 'wb').write(b.replace(a, a.replace(b'F16', b'F32').replace(b'[32]', b'[16]'), 1))" \
+        "$MODEL" "$TMP/shape.safetensors"
+    run run --model "$TMP/shape.safetensors" -n 1
+    [ "$RC" -eq 1 ] && grep -qF "tensor 'norm.weight' has shape [16] (ndim 1), expected [32]" "$ERR"
+    st=$?; check "a model with a wrong vector shape should say [16] and [32] (rc=$RC: $(head -c 300 "$ERR"))" $st
+
+    # trace handles every layer a model may have (the loader's 1024), not the first 256
+    python3 "$MINMODEL" --layers 300 "$TMP/deep.safetensors"
+    run trace --model "$TMP/deep.safetensors" --text "$TMP/text.txt" --ctx 64 --queries 2 --out "$TMP/deep_t.safetensors"
+    [ "$RC" -eq 0 ] && grep -q ": 300 layers," "$OUT"
+    st=$?; check "trace of a 300-layer model should write 300 layers (rc=$RC: $(head -c 200 "$OUT") $(head -c 200 "$ERR"))" $st
+    run eval --workload "trace:$TMP/deep_t.safetensors@l299." --steps 1 --budgets 1 --threads 1
+    [ "$RC" -eq 0 ] && grep -q "len=64 " "$OUT"
+    st=$?; check "eval should read layer 299 of the trace (rc=$RC: $(head -c 200 "$ERR"))" $st
+    run trace --model "$TMP/deep.safetensors" --text "$TMP/text.txt" --ctx 64 --queries 2 \
+        --layers "$(seq -s, 299 -1 0)" --out "$TMP/deep_t.safetensors"
+    [ "$RC" -eq 0 ] && grep -q ": 300 layers," "$OUT"
+    st=$?; check "trace --layers of all 300 layers should write them (rc=$RC: $(head -c 200 "$ERR"))" $st
+fi
 
 echo "test_model_cli: $CHECKS checks, $FAILS failures"
 [ "$FAILS" -eq 0 ]

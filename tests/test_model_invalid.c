@@ -46,6 +46,60 @@ static ekv_status load_edited(ekv_context *ctx, const char *from, const char *to
     return s;
 }
 
+/* Huge finite weights: the final norm.weight as F32 3e38 (the file's last tensor, so its data
+ * grows at the end) passes the load, which checks finiteness, but the logits overflow fp32.
+ * A step that returns logits fails with EKV_ERR_NAN_INPUT and a message; sampling and a loss
+ * never see them (issue 32: ppl printed -nan, run emitted NUL bytes). */
+static void huge_weights(ekv_context *ctx) {
+    static const char key[] =
+            "\"norm.weight\":{\"dtype\":\"F16\",\"shape\":[32],\"data_offsets\":[";
+    unsigned char *b = calloc(1, (size_t)file_len + 64);
+    memcpy(b, file, (size_t)file_len);
+    int64_t at = -1;
+    for (int64_t i = 8; i + (int64_t)sizeof key - 1 <= hdr_end && at < 0; i++)
+        if (!memcmp(b + i, key, sizeof key - 1)) at = i;
+    long long lo = 0, hi = 0;
+    CHECK(at >= 0 && sscanf((const char *)b + at + sizeof key - 1, "%lld,%lld", &lo, &hi) == 2 &&
+                  hi == file_len - hdr_end && hi - lo == 64,
+          "norm.weight: not the file's last F16 [32] tensor");
+    char edit[128];
+    const int n = snprintf(
+            edit, sizeof edit,
+            "\"norm.weight\":{\"dtype\":\"F32\",\"shape\":[32],\"data_offsets\":[%lld,%lld", lo,
+            lo + 128);
+    char old[128];
+    snprintf(old, sizeof old, "%s%lld,%lld", key, lo, hi);
+    CHECK(at >= 0 && (size_t)n == strlen(old), "the edit keeps the header's length");
+    if (at >= 0 && (size_t)n == strlen(old)) {
+        memcpy(b + at, edit, (size_t)n);
+        for (int e = 0; e < 32; e++) {
+            const float big = 3e38f;
+            memcpy(b + hdr_end + lo + 4 * e, &big, 4);
+        }
+        ekv_safetensors *st = NULL;
+        ekv_model *m = NULL;
+        ekv_model_params p = ekv_model_default_params();
+        p.max_tokens = 16;
+        ekv_status s = ekv_safetensors_parse(ctx, b, file_len + 64, &st);
+        if (!s) s = ekv_model_from_safetensors(ctx, st, &p, &m);
+        CHECK(s == EKV_OK, "huge finite weights load: %s", ekv_last_error(ctx));
+        int32_t tok[2] = {72, 105};
+        float logits[2 * 256];
+        if (m) {
+            CHECK(ekv_model_step(m, tok, 1, NULL) == EKV_OK, "a step without logits: %s",
+                  ekv_last_error(ctx));
+            s = ekv_model_step(m, tok, 2, logits);
+            CHECK(s == EKV_ERR_NAN_INPUT &&
+                          strstr(ekv_last_error(ctx), "logits after the token at position 1") &&
+                          strstr(ekv_last_error(ctx), "not finite"),
+                  "overflowing logits: %d %s", s, ekv_last_error(ctx));
+        }
+        ekv_model_free(m);
+        ekv_safetensors_free(st);
+    }
+    free(b);
+}
+
 int main(void) {
     ekv_context *ctx;
     ekv_context_params cp = ekv_context_default_params();
@@ -137,6 +191,16 @@ int main(void) {
         CHECK(s == EKV_ERR_NAN_INPUT, "NaN weight: %d %s", s, ekv_last_error(ctx));
         free(b);
     }
+    /* a vector of the wrong shape: the message prints each dimension once ([16], not [160]) */
+    {
+        ekv_status s = load_edited(ctx, "\"norm.weight\":{\"dtype\":\"F16\",\"shape\":[32]",
+                                   "\"norm.weight\":{\"dtype\":\"F32\",\"shape\":[16]");
+        CHECK(s == EKV_ERR_INVALID_ARGUMENT &&
+                      strstr(ekv_last_error(ctx),
+                             "tensor 'norm.weight' has shape [16] (ndim 1), expected [32]"),
+              "norm.weight [16]: %d %s", s, ekv_last_error(ctx));
+    }
+    huge_weights(ctx);
     /* random mutations: any status, never a crash; a model that loads must run */
     test_rng r = {777};
     int ok = 0;

@@ -106,9 +106,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         o->tensor_cores = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
-        int n = cli_parse_i64_list(v, o->lens + o->nlens, 64 - o->nlens);
-        if (n <= 0)
-            cli_usage_error("bench", "--len %s: expected a comma list of positive integers", v);
+        if (o->nlens == 64) cli_usage_error("bench", "--len: at most 64 lengths in all");
+        const int n = cli_parse_i64_list("bench", "--len", v, o->lens + o->nlens, 64 - o->nlens);
         for (int k = 0; k < n; k++)
             if (o->lens[o->nlens + k] < 1) cli_usage_error("bench", "--len must be >= 1");
         o->nlens += n;
@@ -330,8 +329,8 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
                                     ? r->sel_med / (r->summary_bytes / (probe * 1e9))
                                     : 0;
     const int codes = cli_method_codes(o->method);
-    char surv[32] = "null";
-    if (codes) snprintf(surv, sizeof surv, "%.3f", r->surv_mean);
+    char surv[32] = "null", jn[9][32]; /* JSON numbers: null where not finite (cli_json_num) */
+    if (codes) cli_json_num(surv, sizeof surv, "%.3f", r->surv_mean);
     fprintf(out->text, "%10lld %10.3f %10.3f %12.0f %9.2f %10.2f %9.3f %11.4f %9.1f\n",
             (long long)len, r->med * 1e3, r->mn * 1e3, r->bytes, gbps, probe, ratio,
             r->bytes / kv_total, r->sup_mean);
@@ -357,19 +356,25 @@ static void bench_report(ekv_context *ctx, const bench_opts *o, int li, int64_t 
     fprintf(out->json,
             "%s  {\"backend\":\"%s\",\"method\":\"%s\",\"alpha\":%g,\"len\":%lld,\"batch\":%lld,"
             "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\","
-            "\"ms_median\":%.6f,\"ms_min\":%.6f,\"bytes_read\":%.0f,\"gbps\":%.4f,"
-            "\"kv_fraction\":%.6f,\"bw_probe_gbps\":%.4f,\"bw_ratio\":%.4f,\"threads\":%d,"
-            "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%.3f,\"iters\":%lld,"
-            "\"budget_tokens\":%lld,\"ms_select_median\":%.6f,\"bytes_summary\":%.0f,"
-            "\"select_roofline_ratio\":%.4f,\"code_bits\":%d,\"survivors_mean\":%s,"
+            "\"ms_median\":%s,\"ms_min\":%s,\"bytes_read\":%.0f,\"gbps\":%s,"
+            "\"kv_fraction\":%s,\"bw_probe_gbps\":%s,\"bw_ratio\":%s,\"threads\":%d,"
+            "\"isa\":\"%s\",\"workload\":\"%s\",\"support_mean\":%s,\"iters\":%lld,"
+            "\"budget_tokens\":%lld,\"ms_select_median\":%s,\"bytes_summary\":%.0f,"
+            "\"select_roofline_ratio\":%s,\"code_bits\":%d,\"survivors_mean\":%s,"
             "\"ranges\":\"%s\"}",
             li ? ",\n" : "", ekv_backend_name(o->backend), ekv_method_name(o->method), o->alpha,
             (long long)len, (long long)o->w.batch, (long long)o->w.heads, (long long)o->w.kv_heads,
-            (long long)o->w.dim, (long long)o->w.page, ekv_dtype_name(o->w.dtype), r->med * 1e3,
-            r->mn * 1e3, r->bytes, gbps, r->bytes / kv_total, probe, ratio, threads,
-            ekv_isa_name(ekv_context_isa(ctx)), o->w.workload, r->sup_mean, (long long)o->iters,
+            (long long)o->w.dim, (long long)o->w.page, ekv_dtype_name(o->w.dtype),
+            cli_json_num(jn[0], 32, "%.6f", r->med * 1e3),
+            cli_json_num(jn[1], 32, "%.6f", r->mn * 1e3), r->bytes,
+            cli_json_num(jn[2], 32, "%.4f", gbps),
+            cli_json_num(jn[3], 32, "%.6f", r->bytes / kv_total),
+            cli_json_num(jn[4], 32, "%.4f", probe), cli_json_num(jn[5], 32, "%.4f", ratio), threads,
+            ekv_isa_name(ekv_context_isa(ctx)), o->w.workload,
+            cli_json_num(jn[6], 32, "%.3f", r->sup_mean), (long long)o->iters,
             (long long)(o->method == EKV_SELECT_DENSE ? len : bench_budget_tokens(o, len)),
-            r->sel_med * 1e3, r->summary_bytes, sel_roof, codes ? o->code_bits : 0, surv,
+            cli_json_num(jn[7], 32, "%.6f", r->sel_med * 1e3), r->summary_bytes,
+            cli_json_num(jn[8], 32, "%.4f", sel_roof), codes ? o->code_bits : 0, surv,
             ekv_dtype_name(wl_range_dtype(&o->w)));
 }
 

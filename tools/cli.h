@@ -53,11 +53,20 @@ int cli_method_codes(ekv_select_method m);
 int32_t cli_need_code_bits(const char *sub, int argc, char **argv, int *i);
 /* Parses a non-negative integer with optional k/K (1024) or M (1048576) suffix. */
 int cli_parse_i64(const char *s, int64_t *out);
+/* A whole string as a double (NaN and infinities included: the callers' ranges refuse them);
+ * a decimal below the smallest double rounds to the nearest (subnormal or 0), one beyond the
+ * largest is refused. */
 int cli_parse_double(const char *s, double *out);
-/* A number or a ratio "a/b". */
+/* A number or a ratio "a/b" with b > 0. */
 int cli_parse_fraction(const char *s, double *out);
-/* Parses a comma-separated list of integers into out[max]; returns count or -1. */
-int cli_parse_i64_list(const char *s, int64_t *out, int max);
+/* The entries of the comma list s (option opt), split in a copy in buf[cap]: items[] point
+ * into buf; the count. A list too long for buf, an empty entry (",", "1,,2", "a,") or more
+ * than max entries is a usage error: every list option is parsed here. */
+int cli_split_list(const char *sub, const char *opt, const char *s, char *buf, size_t cap,
+                   char **items, int max);
+/* A comma list of non-negative integers (cli_parse_i64 each) into out[max]; the count. Any
+ * bad entry is a usage error. */
+int cli_parse_i64_list(const char *sub, const char *opt, const char *s, int64_t *out, int max);
 double cli_now_seconds(void);
 /* Ctrl-C as a request to stop: after cli_catch_interrupt, the first SIGINT only sets the flag
  * cli_interrupted() reads (long runs stop at their next chunk and report what they have); a
@@ -81,15 +90,42 @@ void cli_fill_normal(cli_rng *r, float *x, int64_t n);
 /* Read bandwidth of this machine with `threads` threads over a buffer of `bytes`. GB/s. */
 double cli_read_bandwidth_probe(int threads, int64_t bytes);
 
-/* --json FILE: the JSON goes to FILE, or to stdout when FILE is "-"; the human-readable
- * table goes to stdout, or to stderr when the JSON has stdout (so `--json - | jq` works). */
+/* An output file written whole or not at all (docs/cli.md, "Common rules"). cli_file_open,
+ * called before the work whose results the file will hold, checks the path by creating a
+ * temporary file next to it (PATH.tmp-XXXXXX, with the mode PATH has or a new file would get):
+ * a directory, a missing directory or one that takes no new file fails at once, not after the
+ * work. cli_file_commit renames it over PATH once everything was written, so a failed write
+ * leaves the file that was there before. A PATH that exists and is not a regular file
+ * (/dev/stdout, a pipe) is written in place. Each prints why and returns 1 on failure. */
+typedef struct {
+    FILE *f;
+    const char *name; /* the path as given, for messages */
+    char *path;       /* the file replaced (a link's target: the link stays) */
+    char *tmp;        /* the temporary file; NULL when written in place */
+} cli_file;
+int cli_file_open(cli_file *o, const char *sub, const char *path);
+/* Flushes, syncs and closes the file, then renames it over the path. */
+int cli_file_commit(cli_file *o, const char *sub);
+/* Closes the file and removes the temporary one: the path keeps what it held. */
+void cli_file_discard(cli_file *o);
+
+/* --json FILE: the JSON goes to FILE (a cli_file), or to stdout when FILE is "-"; the
+ * human-readable table goes to stdout, or to stderr when the JSON has stdout (so
+ * `--json - | jq` works). */
 typedef struct {
     FILE *json, *text;
+    cli_file file;
 } cli_out;
 /* path NULL = no JSON (json stays NULL). Prints why not and returns 1 on failure. */
 int cli_out_open(cli_out *o, const char *sub, const char *path);
-/* Closes the JSON file (never stdout); prints why and returns 1 if writing it failed. */
+/* Commits the JSON file (flushes stdout); prints why and returns 1 if writing it failed. */
 int cli_out_close(cli_out *o, const char *sub);
+/* Drops the JSON file unwritten (a run that failed): the path keeps what it held. */
+void cli_out_discard(cli_out *o);
+/* A JSON number: fmt (one double conversion, e.g. "%.9g") of the value, or null when it is NaN
+ * or infinite, which JSON cannot hold. Returns buf. */
+const char *cli_json_num(char *buf, size_t n, const char *fmt, ...)
+        __attribute__((format(printf, 3, 4)));
 
 /* Synthetic workloads (tools/workload.c). */
 typedef enum { WL_RANDOM = 0, WL_PLANTED = 1, WL_HEAVY = 2, WL_ALIBI = 3, WL_TRACE = 4 } wl_kind;
@@ -213,6 +249,8 @@ typedef struct {
     int no_graphs;                     /* --no-graphs: cuda decode steps as eager launches */
     int32_t max_seqs;                  /* sequences the model holds (run --prompts-file); 0 = 1 */
     ekv_prefill_kernel prefill_kernel; /* --prefill-kernel auto|fused|gemm (cuda dense prefill) */
+    int prefill_kernel_set;            /* --prefill-kernel given (cuda only, as --prefill-chunk
+                                          and --no-graphs: model_parse) */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);
@@ -292,6 +330,10 @@ typedef void (*model_logits_fn)(void *arg, int64_t start, int64_t c, const float
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
                const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn, void *arg,
                int64_t *fed);
+/* The same for sequence seq of the model (ekv_model_seq_step; model_feed is sequence 0). */
+int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, int32_t seq,
+                   const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
+                   void *arg, int64_t *fed);
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);

@@ -2,6 +2,7 @@
 #define _GNU_SOURCE /* madvise */
 #include "cli.h"
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -10,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 void cli_usage_error(const char *sub, const char *fmt, ...) {
     va_list ap;
@@ -120,7 +122,11 @@ int cli_parse_double(const char *s, double *out) {
     errno = 0;
     char *end;
     double v = strtod(s, &end);
-    if (errno || end == s || *end) return -1;
+    if (end == s || *end) return -1;
+    /* ERANGE is both overflow (refused: the value is not a double) and underflow, where strtod
+     * gives the nearest double (a subnormal or 0), as it rounds any decimal: 1e-320 is a
+     * number, in [0, 100] for --temp */
+    if (errno == ERANGE && isinf(v)) return -1;
     *out = v;
     return 0;
 }
@@ -134,20 +140,44 @@ int cli_parse_fraction(const char *s, double *out) {
     memcpy(num, s, n);
     num[n] = 0;
     double a, b;
-    if (cli_parse_double(num, &a) || cli_parse_double(slash + 1, &b) || b == 0) return -1;
+    /* a positive denominator: "-1/-16" is not 1/16 (the sign goes on the numerator) */
+    if (cli_parse_double(num, &a) || cli_parse_double(slash + 1, &b) || !(b > 0)) return -1;
     *out = a / b;
     return 0;
 }
 
-int cli_parse_i64_list(const char *s, int64_t *out, int max) {
-    int n = 0;
-    char buf[1024];
-    if (strlen(s) >= sizeof buf) return -1;
+int cli_split_list(const char *sub, const char *opt, const char *s, char *buf, size_t cap,
+                   char **items, int max) {
+    if (strlen(s) >= cap)
+        cli_usage_error(sub, "%s is too long (%zu characters at most)", opt, cap - 1);
     strcpy(buf, s);
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (n >= max || cli_parse_i64(tok, &out[n])) return -1;
-        n++;
+    int n = 0;
+    for (char *t = buf;; n++) {
+        char *comma = strchr(t, ',');
+        if (comma) *comma = 0;
+        if (!*t)
+            cli_usage_error(sub, "%s '%s': entry %d is empty (expected a comma list such as a,b)",
+                            opt, s, n + 1);
+        if (n == max) cli_usage_error(sub, "%s '%s': at most %d entries", opt, s, max);
+        items[n] = t;
+        if (!comma) return n + 1;
+        t = comma + 1;
     }
+}
+
+int cli_parse_i64_list(const char *sub, const char *opt, const char *s, int64_t *out, int max) {
+    const size_t cap = strlen(s) + 1;
+    char *buf = malloc(cap), **items = malloc(sizeof(char *) * (size_t)(max > 0 ? max : 1));
+    if (!buf || !items) {
+        fprintf(stderr, "entmaxkv %s: out of memory\n", sub);
+        exit(1);
+    }
+    const int n = cli_split_list(sub, opt, s, buf, cap, items, max);
+    for (int k = 0; k < n; k++)
+        if (cli_parse_i64(items[k], &out[k]))
+            cli_usage_error(sub, "%s '%s': '%s' is not a non-negative integer", opt, s, items[k]);
+    free(items);
+    free(buf);
     return n;
 }
 
@@ -273,8 +303,112 @@ double cli_read_bandwidth_probe(int threads, int64_t bytes) {
     return rates[3];
 }
 
+/* ---- output files, written whole or not at all (docs/cli.md, "Common rules") ---- */
+
+static char *dup_str(const char *s) {
+    char *d = malloc(strlen(s) + 1);
+    if (d) strcpy(d, s);
+    return d;
+}
+
+/* Where a file for path goes: *direct = 1 when path is to be written in place (a device or
+ * a process's file under /dev/ or /proc/, e.g. /dev/stdout, which leads to whatever stdout is,
+ * a regular file included; anything else that exists and is not a regular file, e.g. a pipe;
+ * a dangling link, whose target fopen creates), else the regular file a temporary one will be
+ * renamed over (path itself, or the file a link leads to, so that the link stays). NULL, with
+ * errno, when path cannot be one. */
+static char *file_target(const char *path, int *direct, struct stat *sb, int *exists) {
+    *exists = stat(path, sb) == 0;
+    if (*exists && S_ISDIR(sb->st_mode)) {
+        errno = EISDIR;
+        return NULL;
+    }
+    struct stat lsb;
+    *direct = !strncmp(path, "/dev/", 5) || !strncmp(path, "/proc/", 6) ||
+              (*exists && !S_ISREG(sb->st_mode)) || (!*exists && lstat(path, &lsb) == 0);
+    /* a path that does not exist: the temporary file's creation says what is wrong with it
+     * (a missing directory, a file in the way) */
+    if (*direct || !*exists) return dup_str(path);
+    char *real = realpath(path, NULL); /* through any links: the file itself is replaced */
+    return real ? real : dup_str(path);
+}
+
+/* A new temporary file next to target, with the mode the target has (or a new file would
+ * get), opened for writing; NULL with errno on failure. */
+static FILE *open_temp(const char *target, const struct stat *sb, int exists, char **tmp) {
+    const size_t n = strlen(target) + sizeof ".tmp-XXXXXX";
+    *tmp = malloc(n);
+    if (!*tmp) return NULL;
+    snprintf(*tmp, n, "%s.tmp-XXXXXX", target);
+    const int fd = mkstemp(*tmp);
+    if (fd < 0) {
+        free(*tmp);
+        *tmp = NULL;
+        return NULL;
+    }
+    mode_t mode = exists ? sb->st_mode & 07777 : 0;
+    if (!exists) { /* what fopen would have made: 0666 less the umask */
+        const mode_t um = umask(0);
+        umask(um);
+        mode = 0666 & ~um;
+    }
+    FILE *f = fchmod(fd, mode) == 0 ? fdopen(fd, "wb") : NULL;
+    if (!f) {
+        const int e = errno;
+        close(fd);
+        unlink(*tmp);
+        free(*tmp);
+        *tmp = NULL;
+        errno = e;
+    }
+    return f;
+}
+
+int cli_file_open(cli_file *o, const char *sub, const char *path) {
+    memset(o, 0, sizeof *o);
+    o->name = path;
+    struct stat sb;
+    int direct = 0, exists = 0;
+    o->path = file_target(path, &direct, &sb, &exists);
+    if (o->path) o->f = direct ? fopen(o->path, "wb") : open_temp(o->path, &sb, exists, &o->tmp);
+    if (o->f) return 0;
+    fprintf(stderr, "entmaxkv %s: cannot write %s: %s\n", sub, path, strerror(errno));
+    free(o->path);
+    o->path = NULL;
+    return 1;
+}
+
+void cli_file_discard(cli_file *o) {
+    if (o->f) fclose(o->f);
+    if (o->tmp) unlink(o->tmp);
+    free(o->tmp);
+    free(o->path);
+    memset(o, 0, sizeof *o);
+}
+
+int cli_file_commit(cli_file *o, const char *sub) {
+    if (!o->f) return 0;
+    /* every byte on the disk before the rename, so that a crash cannot leave a short file
+     * in place of the old one; a write error shows at the latest here */
+    int bad = ferror(o->f) || fflush(o->f) || (o->tmp && fsync(fileno(o->f)));
+    int err = bad ? errno : 0;
+    bad = fclose(o->f) || bad;
+    err = err ? err : errno;
+    o->f = NULL;
+    if (!bad && o->tmp && rename(o->tmp, o->path)) {
+        bad = 1;
+        err = errno;
+    }
+    if (bad)
+        fprintf(stderr, "entmaxkv %s: writing %s failed: %s%s\n", sub, o->name,
+                err ? strerror(err) : "write error",
+                o->tmp ? " (the file is as it was before)" : "");
+    cli_file_discard(o); /* after a rename the temporary name no longer exists */
+    return bad;
+}
+
 int cli_out_open(cli_out *o, const char *sub, const char *path) {
-    o->json = NULL;
+    memset(o, 0, sizeof *o);
     o->text = stdout;
     if (!path) return 0;
     if (!strcmp(path, "-")) { /* stdout carries the JSON alone */
@@ -282,22 +416,39 @@ int cli_out_open(cli_out *o, const char *sub, const char *path) {
         o->text = stderr;
         return 0;
     }
-    o->json = fopen(path, "w");
-    if (!o->json) {
-        fprintf(stderr, "entmaxkv %s: cannot write %s: %s\n", sub, path, strerror(errno));
-        return 1;
-    }
+    if (cli_file_open(&o->file, sub, path)) return 1;
+    o->json = o->file.f;
     return 0;
 }
 
 int cli_out_close(cli_out *o, const char *sub) {
     if (!o->json) return 0;
-    int bad = ferror(o->json) != 0;
-    if (o->json == stdout)
-        bad = fflush(stdout) != 0 || bad;
-    else
-        bad = fclose(o->json) != 0 || bad;
+    int bad = 0;
+    if (o->json == stdout) {
+        bad = ferror(stdout) || fflush(stdout);
+        if (bad) fprintf(stderr, "entmaxkv %s: writing the JSON to stdout failed\n", sub);
+    } else
+        bad = cli_file_commit(&o->file, sub);
     o->json = NULL;
-    if (bad) fprintf(stderr, "entmaxkv %s: writing the JSON failed\n", sub);
     return bad;
+}
+
+void cli_out_discard(cli_out *o) {
+    if (o->json && o->json != stdout) cli_file_discard(&o->file);
+    o->json = NULL;
+}
+
+const char *cli_json_num(char *buf, size_t n, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    va_list cp;
+    va_copy(cp, ap);
+    const double v = va_arg(cp, double);
+    va_end(cp);
+    if (isfinite(v))
+        vsnprintf(buf, n, fmt, ap);
+    else
+        snprintf(buf, n, "null");
+    va_end(ap);
+    return buf;
 }

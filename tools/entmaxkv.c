@@ -10,6 +10,8 @@
  */
 #include "cli.h"
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -96,7 +98,21 @@ static int cmd_entmax(int argc, char **argv) {
         for (;;) {
             while (*s == ' ' || *s == '\t' || *s == '\r' || *s == '\n') s++;
             if (!*s) break;
+            errno = 0;
             double v = strtod(s, &end);
+            /* a finite number f32 cannot hold is refused as such: as a float it would become
+             * an infinity, which reads as a masked entry (-inf) or a non-finite one (+inf).
+             * One below f32's smallest rounds to the nearest float, as any decimal does. */
+            if (end != s && ((errno == ERANGE && isinf(v)) || (isfinite(v) && isinf((float)v)))) {
+                char tok[128];
+                escape_token(s, tok, sizeof tok);
+                fprintf(stderr,
+                        "entmaxkv entmax: line %lld: '%s' is outside the range of f32 (largest "
+                        "magnitude %.9g; -inf masks an entry)\n",
+                        (long long)lineno, tok, (double)FLT_MAX);
+                rc = 1;
+                goto done;
+            }
             if (end == s) {
                 char tok[128];
                 escape_token(s, tok, sizeof tok);
@@ -133,7 +149,9 @@ static int cmd_entmax(int argc, char **argv) {
         if (json) {
             printf("{\"p\":[");
             for (int64_t i = 0; i < n; i++) printf("%s%.9g", i ? "," : "", (double)p[i]);
-            printf("],\"tau\":%.17g,\"support\":%lld}\n", tau, (long long)sup);
+            char ts[40];
+            printf("],\"tau\":%s,\"support\":%lld}\n", cli_json_num(ts, sizeof ts, "%.17g", tau),
+                   (long long)sup);
         } else {
             for (int64_t i = 0; i < n; i++) printf("%s%.9g", i ? " " : "", (double)p[i]);
             printf("\n");

@@ -70,9 +70,11 @@ static const eval_variant variants[V_COUNT] = {
 };
 static const char *tau_mode_names[] = {"exact", "fixed", "corrected"}; /* by ekv_tau_mode */
 
+/* A JSON number of a row (cli_json_num: null when not finite), or null where it does not
+ * apply (valid 0). */
 static void json_num(char *buf, size_t n, double v, int valid) {
     if (valid)
-        snprintf(buf, n, "%.8g", v);
+        cli_json_num(buf, n, "%.8g", v);
     else
         snprintf(buf, n, "null");
 }
@@ -156,11 +158,11 @@ typedef struct {
 static const char *need(int argc, char **argv, int *i) { return cli_need("eval", argc, argv, i); }
 
 static void parse_methods(const char *v, eval_opts *o) {
-    char buf[256];
-    if (strlen(v) >= sizeof buf) cli_usage_error("eval", "--methods is too long");
-    strcpy(buf, v);
+    char buf[256], *items[4 * V_COUNT];
+    const int n = cli_split_list("eval", "--methods", v, buf, sizeof buf, items, 4 * V_COUNT);
     memset(o->use, 0, sizeof o->use);
-    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+    for (int k = 0; k < n; k++) {
+        const char *t = items[k];
         int found = 0;
         for (int m = 0; m < V_COUNT; m++)
             if (!strcmp(t, variants[m].name)) {
@@ -178,18 +180,13 @@ static void parse_methods(const char *v, eval_opts *o) {
 }
 
 static void parse_budgets(const char *v, eval_opts *o) {
-    char buf[512];
-    if (strlen(v) >= sizeof buf) cli_usage_error("eval", "--budgets is too long");
-    strcpy(buf, v);
-    o->nbudgets = 0;
-    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-        if (o->nbudgets == MAX_BUDGETS) cli_usage_error("eval", "at most %d budgets", MAX_BUDGETS);
-        double *b = &o->budgets[o->nbudgets];
-        if (cli_parse_fraction(t, b) || !(*b > 0 && *b <= 1))
-            cli_usage_error("eval", "budget '%s': expected a fraction in (0, 1]", t);
-        o->nbudgets++;
+    char buf[512], *items[MAX_BUDGETS];
+    o->nbudgets = cli_split_list("eval", "--budgets", v, buf, sizeof buf, items, MAX_BUDGETS);
+    for (int k = 0; k < o->nbudgets; k++) {
+        double *b = &o->budgets[k];
+        if (cli_parse_fraction(items[k], b) || !(*b > 0 && *b <= 1))
+            cli_usage_error("eval", "budget '%s': expected a fraction in (0, 1]", items[k]);
     }
-    if (!o->nbudgets) cli_usage_error("eval", "--budgets is empty");
 }
 
 /* Options whose value is a name or a list; 0 if a is none of them. */
@@ -511,7 +508,19 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
     const eval_opts *o = e->o;
     const double n = (double)a->n;
     const int cert = v->method == EKV_SELECT_CERTIFIED, gauss = v->method == EKV_SELECT_GAUSSIAN;
-    char jb[8][32];
+    char jb[8][32], mb[11][32]; /* mb: the fields of every row; jb: those that may not apply */
+    const double metric[11] = {a->kvf_sum / n,
+                               a->delta_sum / n,
+                               a->delta_max,
+                               a->recall_sum / n,
+                               a->recall_min,
+                               a->err_sum / n,
+                               a->err_max,
+                               a->cos_min,
+                               gauss ? a->tau_err_sum / n : 0.0,
+                               gauss ? a->tau_err_absmax : 0.0,
+                               o->alpha};
+    for (int k = 0; k < 11; k++) json_num(mb[k], 32, metric[k], 1);
     json_num(jb[0], 32, cert ? 0.0 : a->bar_max, a->bar_n > 0);
     json_num(jb[1], 32, a->bar_n ? (double)a->bar_zero / (double)a->bar_n : 0, a->bar_n > 0);
     json_num(jb[2], 32, a->bytes_n ? a->bytes_ratio_sum / (double)a->bytes_n : 0, a->bytes_n > 0);
@@ -521,37 +530,35 @@ static void report_json(const eval_state *e, const eval_variant *v, const agg *a
     json_num(jb[6], 32, a->frac_n ? a->bytes_frac_sum / (double)a->frac_n : 0, a->frac_n > 0);
     json_num(jb[7], 32, a->frac_n ? a->surv_sum / (double)a->frac_n : 0, v->code_bits > 0);
     fprintf(f,
-            "%s  {\"method\":\"%s\",\"budget\":%s,\"kv_fraction\":%.8g,\"delta_mean\":%.8g,"
-            "\"delta_max\":%.8g,\"recall_mean\":%.8g,\"recall_min\":%.8g,\"rel_err_mean\":%.8g,"
-            "\"rel_err_max\":%.8g,\"cosine_min\":%.8g,\"workload\":\"%s\",\"len\":%lld,\"alpha\":%g,"
+            "%s  {\"method\":\"%s\",\"budget\":%s,\"kv_fraction\":%s,\"delta_mean\":%s,"
+            "\"delta_max\":%s,\"recall_mean\":%s,\"recall_min\":%s,\"rel_err_mean\":%s,"
+            "\"rel_err_max\":%s,\"cosine_min\":%s,\"workload\":\"%s\",\"len\":%lld,\"alpha\":%s,"
             "\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"page\":%lld,\"dtype\":\"%s\",\"steps\":%lld,"
-            "\"samples\":%lld,\"tau_err_mean\":%.8g,\"tau_err_absmax\":%.8g,\"tau_mode\":\"%s\","
+            "\"samples\":%lld,\"tau_err_mean\":%s,\"tau_err_absmax\":%s,\"tau_mode\":\"%s\","
             "\"delta_bound_max\":%s,\"certified_fraction\":%s,\"bytes_vs_dense_entmax\":%s,"
             "\"round2_fraction\":%s,\"pages_bound_above_tau\":%s,\"superpages_skippable_max\":%s,"
             "\"bytes_fraction\":%s,\"code_bits\":%d,\"survivors_fraction\":%s}",
-            first ? "" : ",\n", v->name, bud, a->kvf_sum / n, a->delta_sum / n, a->delta_max,
-            a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max, a->cos_min,
-            wl_name(o->w.wl), (long long)e->s.len, o->alpha, (long long)o->w.heads,
+            first ? "" : ",\n", v->name, bud, mb[0], mb[1], mb[2], mb[3], mb[4], mb[5], mb[6],
+            mb[7], wl_name(o->w.wl), (long long)e->s.len, mb[10], (long long)o->w.heads,
             (long long)o->w.kv_heads, (long long)o->w.dim, (long long)o->w.page,
-            ekv_dtype_name(o->w.dtype), (long long)o->steps, (long long)a->n,
-            gauss ? a->tau_err_sum / n : 0.0, gauss ? a->tau_err_absmax : 0.0,
+            ekv_dtype_name(o->w.dtype), (long long)o->steps, (long long)a->n, mb[8], mb[9],
             tau_mode_names[gauss ? o->tau_mode : EKV_TAU_EXACT], jb[0], jb[1], jb[2], jb[3], jb[4],
             jb[5], jb[6], v->code_bits, jb[7]);
 }
 
-static int eval_report(const eval_state *e) {
+/* The table, and the JSON rows into out (opened before the run, so that a bad path fails
+ * before it). */
+static int eval_report(const eval_state *e, cli_out *out) {
     const eval_opts *o = e->o;
-    cli_out out;
-    if (cli_out_open(&out, "eval", o->w.json)) return 1;
-    fprintf(out.text,
+    fprintf(out->text,
             "# eval workload=%s len=%lld B=%lld H=%lld Hk=%lld D=%lld page=%lld dtype=%s alpha=%g steps=%lld\n",
             wl_name(o->w.wl), (long long)e->s.len, (long long)e->s.batch, (long long)o->w.heads,
             (long long)o->w.kv_heads, (long long)o->w.dim, (long long)o->w.page,
             ekv_dtype_name(o->w.dtype), o->alpha, (long long)o->steps);
-    fprintf(out.text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s %14s\n", "method",
+    fprintf(out->text, "%-15s %8s %11s %11s %10s %11s %10s %12s %11s %10s %14s\n", "method",
             "budget", "kv_fraction", "delta_mean", "delta_max", "recall_mean", "recall_min",
             "rel_err_mean", "rel_err_max", "cosine_min", "bytes_fraction");
-    if (out.json) fprintf(out.json, "[\n");
+    if (out->json) fprintf(out->json, "[\n");
     int first = 1;
     for (int m = 0; m < V_COUNT; m++) {
         const eval_variant *v = &variants[m];
@@ -560,18 +567,18 @@ static int eval_report(const eval_state *e) {
             const double n = (double)a->n;
             char bud[32] = "null";
             if (v->budgeted) snprintf(bud, sizeof bud, "%.8g", o->budgets[bi]);
-            fprintf(out.text,
+            fprintf(out->text,
                     "%-15s %8s %11.5f %11.3e %10.3e %11.4f %10.4f %12.3e %11.3e %10.6f %14.5f\n",
                     v->name, v->budgeted ? bud : "-", a->kvf_sum / n, a->delta_sum / n,
                     a->delta_max, a->recall_sum / n, a->recall_min, a->err_sum / n, a->err_max,
                     a->cos_min, a->frac_n ? a->bytes_frac_sum / (double)a->frac_n : 0);
-            if (out.json) report_json(e, v, a, bud, first, out.json);
-            report_notes(e, v, a, out.text);
+            if (out->json) report_json(e, v, a, bud, first, out->json);
+            report_notes(e, v, a, out->text);
             first = 0;
         }
     }
-    if (out.json) fprintf(out.json, "\n]\n");
-    return cli_out_close(&out, "eval");
+    if (out->json) fprintf(out->json, "\n]\n");
+    return cli_out_close(out, "eval");
 }
 
 static int eval_plot(const eval_opts *o) {
@@ -687,9 +694,14 @@ int cmd_eval(int argc, char **argv) {
         return 1;
     }
     e->o = &o;
-    int rc = eval_open(e);
+    cli_out out; /* before the run: a bad --json path fails now, not after it */
+    int rc = cli_out_open(&out, "eval", o.w.json);
+    if (!rc) rc = eval_open(e);
     if (!rc) rc = eval_steps(e);
-    if (!rc) rc = eval_report(e);
+    if (!rc)
+        rc = eval_report(e, &out);
+    else
+        cli_out_discard(&out);
     if (!rc && o.plot) rc = eval_plot(&o);
     eval_close(e);
     free(e);

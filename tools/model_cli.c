@@ -39,7 +39,8 @@ void model_opts_help(FILE *f) {
             "                        then the source tree's models/)\n"
             "  --method M            dense | topk | gaussian | certified | screened (default dense):\n"
             "                        how each attention step reads the KV cache (certified and\n"
-            "                        screened are exact: they equal dense)\n"
+            "                        screened are exact: they equal dense; oracle, an\n"
+            "                        evaluation method, is for eval and bench)\n"
             "  --budget F            topk: fraction of the tokens each step reads; certified: sizes\n"
             "                        its first round (default 1/16)\n"
             "  --code-bits B         screened: 4 or 8 bits per key channel in the caches' key codes\n"
@@ -60,7 +61,9 @@ void model_opts_help(FILE *f) {
             "                        gemm (cuBLAS over S and P in device memory) or auto\n"
             "                        (default: fused for f16/bf16 caches and head dim 64/128,\n"
             "                        else gemm); the prefill stats line says which ran\n"
-            "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n");
+            "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n"
+            "                        (these three are options of --backend cuda: with cpu they\n"
+            "                        are bad usage)\n");
 }
 
 static const cli_opt model_table[] = {
@@ -70,12 +73,24 @@ static const cli_opt model_table[] = {
         CLI_FLAG("--no-graphs", model_opts, no_graphs),
 };
 
+/* A method of the model subcommands: the library's (cli_method) but oracle, which needs the
+ * dense pass it is measured against (eval, and bench on the cpu; docs/cli.md). */
+static ekv_select_method model_method(const char *sub, const char *what, const char *name) {
+    const ekv_select_method m = cli_method(sub, what, name);
+    if (m == EKV_SELECT_ORACLE)
+        cli_usage_error(sub,
+                        "%s oracle: oracle is an evaluation method (eval, and bench on the cpu); "
+                        "%s takes dense, topk, gaussian, certified or screened",
+                        what, sub);
+    return m;
+}
+
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
     const char *a = argv[*i];
     if (cli_take(sub, model_table, CLI_NOPTS(model_table), argc, argv, i, o))
         return 1;
     else if (!strcmp(a, "--method"))
-        o->method = cli_need_method(sub, argc, argv, i);
+        o->method = model_method(sub, a, cli_need(sub, argc, argv, i));
     else if (!strcmp(a, "--code-bits"))
         o->code_bits = cli_need_code_bits(sub, argc, argv, i);
     else if (!strcmp(a, "--budget")) {
@@ -94,6 +109,7 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
             o->prefill_kernel = EKV_PREFILL_GEMM;
         else
             cli_usage_error(sub, "--prefill-kernel %s: expected auto, fused or gemm", v);
+        o->prefill_kernel_set = 1;
     } else if (!strcmp(a, "--kv-dtype"))
         o->kv_dtype = cli_need_dtype(sub, argc, argv, i);
     else if (!strcmp(a, "--backend")) {
@@ -124,6 +140,14 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
                  const cli_opt *table, size_t n, cli_take_fn extra, void *opts) {
     model_parse_args a = {mo, table, n, extra, opts};
     cli_parse(sub, argc, argv, help, model_take, &a);
+    /* the cpu backend has no such settings: no option is taken and then ignored */
+    const char *cuda_only = mo->prefill_kernel_set ? "--prefill-kernel"
+                            : mo->prefill_chunk    ? "--prefill-chunk"
+                            : mo->no_graphs        ? "--no-graphs"
+                                                   : NULL;
+    if (cuda_only && mo->backend != EKV_BACKEND_CUDA)
+        cli_usage_error(sub, "%s is an option of --backend cuda (this run is on the %s backend)",
+                        cuda_only, ekv_backend_name(mo->backend));
 }
 
 static int file_exists(const char *p) {
@@ -290,6 +314,12 @@ char *cli_read_file(const char *path, int64_t *len) {
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
                const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn, void *arg,
                int64_t *fed) {
+    return model_feed_seq(sub, what, ctx, m, 0, tokens, n, logits_from, fn, arg, fed);
+}
+
+int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, int32_t seq,
+                   const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
+                   void *arg, int64_t *fed) {
     /* the CPU runs 64-token blocks, so 256 keeps the progress lines frequent; the GPU's dense
      * prefill wants thousands of query rows per block (its own chunking splits further) */
     const int64_t CHUNK = ekv_model_backend(m) == EKV_BACKEND_CUDA ? 4096 : 256;
@@ -305,7 +335,7 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
     for (int64_t i = 0; i < n && !rc; i += CHUNK) {
         const int64_t c = n - i < CHUNK ? n - i : CHUNK;
         const int want = fn && i + c > logits_from;
-        ekv_status st = ekv_model_step(m, tokens + i, c, want ? logits : NULL);
+        ekv_status st = ekv_model_seq_step(m, seq, tokens + i, c, want ? logits : NULL);
         if (st) {
             fprintf(stderr, "entmaxkv %s: %s: %s\n", sub, ekv_status_string(st),
                     ekv_last_error(ctx));
@@ -340,21 +370,24 @@ void model_phases_init(model_phases *p) {
 /* --compare LIST: "method" or "method:budget" entries (budget -1: --budget's, filled in by
  * model_phases_finish, as --budget may come later on the command line). */
 static void parse_compare(const char *sub, const char *v, model_phases *p) {
-    char buf[256];
-    if (strlen(v) >= sizeof buf) cli_usage_error(sub, "--compare is too long");
-    strcpy(buf, v);
-    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-        if (p->n == MODEL_MAX_PHASES)
-            cli_usage_error(sub, "--compare takes at most %d methods", MODEL_MAX_PHASES - 1);
+    char buf[256], *items[MODEL_MAX_PHASES];
+    if (p->n == MODEL_MAX_PHASES)
+        cli_usage_error(sub, "--compare takes at most %d methods", MODEL_MAX_PHASES - 1);
+    const int n =
+            cli_split_list(sub, "--compare", v, buf, sizeof buf, items, MODEL_MAX_PHASES - p->n);
+    for (int k = 0; k < n; k++) {
+        char *t = items[k];
         model_phase ph = {EKV_SELECT_DENSE, -1.0};
         char *colon = strchr(t, ':');
-        if (colon) { /* method:budget, a budget of its own */
-            *colon = 0;
-            if (cli_parse_fraction(colon + 1, &ph.budget) || !(ph.budget > 0 && ph.budget <= 1))
-                cli_usage_error(sub, "--compare %s:%s: expected a budget in (0, 1], e.g. 1/16", t,
-                                colon + 1);
-        }
-        ph.method = cli_method(sub, "--compare", t);
+        if (colon) *colon = 0;
+        ph.method = model_method(sub, "--compare", t);
+        if (colon && !model_uses_budget(ph.method)) /* a budget it would not read */
+            cli_usage_error(sub, "--compare %s:%s: %s takes no budget (topk and certified do)", t,
+                            colon + 1, t);
+        if (colon &&
+            (cli_parse_fraction(colon + 1, &ph.budget) || !(ph.budget > 0 && ph.budget <= 1)))
+            cli_usage_error(sub, "--compare %s:%s: expected a budget in (0, 1], e.g. 1/16", t,
+                            colon + 1);
         p->list[p->n++] = ph;
     }
 }
@@ -363,7 +396,7 @@ int model_phases_opt(const char *sub, int argc, char **argv, int *i, model_phase
     if (!strcmp(argv[*i], "--compare"))
         parse_compare(sub, cli_need(sub, argc, argv, i), p);
     else if (!strcmp(argv[*i], "--prefill-method")) {
-        p->prefill = cli_method(sub, "--prefill-method", cli_need(sub, argc, argv, i));
+        p->prefill = model_method(sub, "--prefill-method", cli_need(sub, argc, argv, i));
         p->prefill_set = 1;
     } else
         return 0;

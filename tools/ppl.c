@@ -34,15 +34,19 @@ static void ppl_help(FILE *f) {
             "                        scores the rest (e.g. a dense tensor-core prefill on cuda)\n"
             "  --compare LIST        with --score-last: after --method, score the same tail with\n"
             "                        each method of the comma list in turn, after one prefix per\n"
-            "                        window (the caches truncated back to it); method:F gives one\n"
-            "                        its own budget, e.g. topk:1/64; one ppl line each, and a\n"
-            "                        \"compare\" array in the JSON (tokens/s: the tail's)\n"
+            "                        window (the caches truncated back to it); method:F gives\n"
+            "                        topk or certified its own budget, e.g. topk:1/64; one ppl\n"
+            "                        line each, and a \"compare\" array in the JSON (tokens/s:\n"
+            "                        the tail's)\n"
             "  --json FILE           write {ppl, bits_per_byte, tokens, method, budget, kv_fraction, ...};\n"
-            "                        FILE '-' = stdout, the report then goes to stderr\n"
+            "                        FILE '-' = stdout, the report then goes to stderr (the path\n"
+            "                        is checked before the run; the file is replaced only once\n"
+            "                        it is written whole)\n"
             "  --help                this text\n"
             "\n"
             "kv_fraction = bytes attention read (K, V rows and page statistics) / K+V bytes of the\n"
-            "attended tokens, over every token and layer.\n"
+            "attended tokens, over every token and layer. A perplexity beyond a double (logits\n"
+            "far out of range) prints as inf, is null in the JSON and exits 1.\n"
             "\n"
             "Long-context perplexity on the GPU: one dense prefill of 1M tokens per window, then\n"
             "the last 512 predictions scored with each method:\n"
@@ -295,8 +299,10 @@ static ppl_sums sum_layers(const ppl_phase *p, int64_t layers) {
 static void kvf_string(char *buf, size_t n, const ppl_sums *t, const model_opts *mo, int json) {
     if (mo->backend == EKV_BACKEND_CUDA)
         snprintf(buf, n, json ? "null" : "n/a");
+    else if (json)
+        cli_json_num(buf, n, "%.9g", t->kv > 0 ? t->rd / t->kv : 0);
     else
-        snprintf(buf, n, json ? "%.9g" : "%.4f", t->kv > 0 ? t->rd / t->kv : 0);
+        snprintf(buf, n, "%.4f", t->kv > 0 ? t->rd / t->kv : 0);
 }
 
 static double rate(int64_t tokens, double secs) { return secs > 0 ? (double)tokens / secs : 0; }
@@ -394,18 +400,19 @@ static void report_compare_json(FILE *f, const ppl_opts *o, const ppl_result *r)
         const model_phase *mp = &o->ph.list[p];
         const ppl_sums t = sum_layers(ph, r->layers);
         const double mean = ph->scored ? ph->nll / (double)ph->scored : 0;
-        char pps[32] = "null", bps[32] = "null", kvs[32];
+        char pps[32] = "null", bps[32] = "null", kvs[32], nls[32];
         if (ph->scored) {
-            snprintf(pps, sizeof pps, "%.9g", exp(mean));
-            snprintf(bps, sizeof bps, "%.9g", mean / log(2.0));
+            cli_json_num(pps, sizeof pps, "%.9g", exp(mean));
+            cli_json_num(bps, sizeof bps, "%.9g", mean / log(2.0));
         }
         kvf_string(kvs, sizeof kvs, &t, &o->mo, 1);
         fprintf(f,
-                "%s{\"method\":\"%s\",\"budget\":%.9g,\"ppl\":%s,\"bits_per_byte\":%s,\"nll_sum\":%.9g,"
+                "%s{\"method\":\"%s\",\"budget\":%.9g,\"ppl\":%s,\"bits_per_byte\":%s,\"nll_sum\":%s,"
                 "\"tokens\":%lld,\"tokens_per_s\":%.3f,\"seconds\":%.3f,\"kv_fraction\":%s}",
                 p > 1 ? "," : "", ekv_method_name(mp->method),
-                model_uses_budget(mp->method) ? mp->budget : 1.0, pps, bps, ph->nll,
-                (long long)ph->scored, rate(ph->fed, ph->secs), ph->secs, kvs);
+                model_uses_budget(mp->method) ? mp->budget : 1.0, pps, bps,
+                cli_json_num(nls, sizeof nls, "%.9g", ph->nll), (long long)ph->scored,
+                rate(ph->fed, ph->secs), ph->secs, kvs);
     }
     fprintf(f, "]");
 }
@@ -418,25 +425,29 @@ static void report_json(FILE *f, const ppl_opts *o, const ppl_result *r, int cod
     const model_phase *m0 = &o->ph.list[0];
     const ppl_sums t = sum_layers(&r->ph[0], r->layers);
     const double mean = r->ph[0].nll / (double)r->ph[0].scored;
-    char kvs[32], r2s[32] = "null", svs[32] = "null";
+    char kvs[32], r2s[32] = "null", svs[32] = "null", pps[32], bps[32], nls[32];
     kvf_string(kvs, sizeof kvs, &t, mo, 1);
-    if (t.nl > 0) snprintf(r2s, sizeof r2s, "%.9g", t.r2 / t.nl);
+    if (t.nl > 0) cli_json_num(r2s, sizeof r2s, "%.9g", t.r2 / t.nl);
     /* survivors per attention step and query head */
     if (codes)
-        snprintf(svs, sizeof svs, "%.9g", t.steps > 0 ? t.surv / (t.steps * (double)r->heads) : 0);
+        cli_json_num(svs, sizeof svs, "%.9g",
+                     t.steps > 0 ? t.surv / (t.steps * (double)r->heads) : 0);
     fprintf(f,
-            "{\"ppl\":%.9g,\"bits_per_byte\":%.9g,\"nll_sum\":%.9g,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
+            "{\"ppl\":%s,\"bits_per_byte\":%s,\"nll_sum\":%s,\"tokens\":%lld,\"method\":\"%s\",\"budget\":%.9g,"
             "\"kv_fraction\":%s,\"backend\":\"%s\",\"ctx\":%lld,\"windows\":%lld,\"offset\":%lld,\"score_last\":%lld,"
             "\"kv_dtype\":\"%s\",\"page\":%d,\"seconds\":%.3f,\"tokens_per_s\":%.3f,\"round2_fraction\":%s,"
             "\"code_bits\":%d,\"survivors_mean\":%s,\"interrupted\":%s,\"windows_done\":%lld,\"kv_fraction_layers\":[",
-            exp(mean), mean / log(2.0), r->ph[0].nll, (long long)r->ph[0].scored,
+            cli_json_num(pps, sizeof pps, "%.9g", exp(mean)),
+            cli_json_num(bps, sizeof bps, "%.9g", mean / log(2.0)),
+            cli_json_num(nls, sizeof nls, "%.9g", r->ph[0].nll), (long long)r->ph[0].scored,
             ekv_method_name(m0->method), model_uses_budget(m0->method) ? m0->budget : 1.0, kvs,
             ekv_backend_name(mo->backend), (long long)o->ctxlen, (long long)r->nwin,
             (long long)o->offset, (long long)o->score_last, ekv_dtype_name(mo->kv_dtype), mo->page,
             r->secs, phase0_rate(o, r), r2s, model_code_bits(mo), svs,
             r->interrupted ? "true" : "false", (long long)r->done);
     for (int64_t l = 0; l < r->layers && mo->backend != EKV_BACKEND_CUDA; l++)
-        fprintf(f, "%s%.9g", l ? "," : "", layer_kvf(&r->ph[0].lay[l]));
+        fprintf(f, "%s%s", l ? "," : "",
+                cli_json_num(kvs, sizeof kvs, "%.9g", layer_kvf(&r->ph[0].lay[l])));
     fprintf(f, "]");
     if (o->ph.prefill_set || o->ph.n > 1)
         fprintf(f, ",\"prefill_method\":\"%s\",\"tail_tokens_per_s\":%.3f",
@@ -445,7 +456,11 @@ static void report_json(FILE *f, const ppl_opts *o, const ppl_result *r, int cod
     fprintf(f, "}\n");
 }
 
-static int ppl_report(const ppl_opts *o, const ppl_result *r) {
+/* The report: the text, then the JSON into out (opened before the run, so that a bad path
+ * fails before it; a JSON that cannot be written still leaves the text report, exit 1). A
+ * perplexity beyond a double (a mean log-loss above ~709 nats: the model's logits are far out
+ * of range) prints as inf, is null in the JSON and fails the run. */
+static int ppl_report(const ppl_opts *o, const ppl_result *r, cli_out *out) {
     if (r->interrupted)
         fprintf(stderr,
                 "entmaxkv ppl: interrupted: the result below covers the %lld predictions "
@@ -454,23 +469,38 @@ static int ppl_report(const ppl_opts *o, const ppl_result *r) {
                 o->ph.n > 1 ? " (each compare line: the tokens it scored)" : "");
     if (!r->ph[0].scored) {
         fprintf(stderr, "entmaxkv ppl: no prediction was scored\n");
+        cli_out_discard(out);
         return 1;
     }
     /* phase 0's statistics hold screened steps: its own or its prefixes' */
     const int codes = cli_method_codes(o->ph.list[0].method) || cli_method_codes(o->mo.method);
-    cli_out out;
-    if (cli_out_open(&out, "ppl", o->json)) return 1;
-    report_text(out.text, o, r, codes);
-    if (!out.json) return 0;
-    report_json(out.json, o, r, codes);
-    return cli_out_close(&out, "ppl");
+    report_text(out->text, o, r, codes);
+    if (out->json) report_json(out->json, o, r, codes);
+    int rc = cli_out_close(out, "ppl");
+    for (int p = 0; p < o->ph.n; p++) {
+        const double mean = r->ph[p].scored ? r->ph[p].nll / (double)r->ph[p].scored : 0;
+        if (isfinite(exp(mean))) continue;
+        char lab[64];
+        model_method_label(lab, sizeof lab, o->ph.list[p].method, o->ph.list[p].budget);
+        fprintf(stderr,
+                "entmaxkv ppl: %s: the mean log-loss is %.6g nats per token, so the perplexity "
+                "overflows a double: the model's logits are out of any sensible range\n",
+                lab, mean);
+        rc = 1;
+    }
+    return rc;
 }
 
 int cmd_ppl(int argc, char **argv) {
     ppl_opts o;
     parse(argc, argv, &o);
+    cli_out out; /* before the run: a bad --json path fails now, not after it */
+    if (cli_out_open(&out, "ppl", o.json)) return 1;
     model_session s;
-    if (model_open_text("ppl", &o.mo, o.text_path, o.offset, o.ctxlen, &s)) return 1;
+    if (model_open_text("ppl", &o.mo, o.text_path, o.offset, o.ctxlen, &s)) {
+        cli_out_discard(&out);
+        return 1;
+    }
     ppl_result r;
     memset(&r, 0, sizeof r);
     r.layers = ekv_model_get_config(s.m)->n_layers;
@@ -483,7 +513,10 @@ int cmd_ppl(int argc, char **argv) {
     int rc = lay ? model_check_phases("ppl", s.ctx, s.m, o.ph.list, o.ph.n, &o.mo) : 1;
     if (!lay) fprintf(stderr, "entmaxkv ppl: out of memory\n");
     if (!rc) rc = ppl_windows(&o, s.text, s.ctx, s.m, &r);
-    if (!rc) rc = ppl_report(&o, &r);
+    if (!rc)
+        rc = ppl_report(&o, &r, &out);
+    else
+        cli_out_discard(&out);
     if (!rc && r.interrupted) rc = CLI_EXIT_INTERRUPTED;
     free(lay);
     model_close(&s);

@@ -46,7 +46,8 @@ static int read_lines(const char *path, prompt_lines *p) {
     return p->n ? 0 : 1;
 }
 
-/* Prefills every sequence (progress per sequence); the last logits of each into last[k]. */
+/* Prefills every sequence (a line per sequence; within a long one, the progress lines of
+ * model_feed_seq, as run --prompt prints them); the last logits of each into last[k]. */
 static int prefill_all(ekv_context *ctx, ekv_model *m, const prompt_lines *p, float *last,
                        int64_t V, double *secs) {
     const double t0 = cli_now_seconds();
@@ -58,14 +59,20 @@ static int prefill_all(ekv_context *ctx, ekv_model *m, const prompt_lines *p, fl
         }
         ekv_model_tokenize(p->line[k], p->len[k], tok);
         const double t1 = cli_now_seconds();
-        ekv_status st = p->len[k] > 1 ? ekv_model_seq_step(m, k, tok, p->len[k] - 1, NULL) : EKV_OK;
-        if (!st) st = ekv_model_seq_step(m, k, tok + p->len[k] - 1, 1, last + k * V);
+        char what[64];
+        snprintf(what, sizeof what, "prefill sequence %d/%d", k + 1, p->n);
+        /* the prompt but its last token (messages printed), then that token with its logits */
+        int rc = model_feed_seq("run", what, ctx, m, k, tok, p->len[k] - 1, p->len[k], NULL, NULL,
+                                NULL);
+        ekv_status st =
+                rc ? EKV_OK : ekv_model_seq_step(m, k, tok + p->len[k] - 1, 1, last + k * V);
         free(tok);
         if (st) {
             fprintf(stderr, "entmaxkv run: sequence %d: %s: %s\n", k, ekv_status_string(st),
                     ekv_last_error(ctx));
             return 1;
         }
+        if (rc) return 1;
         const double dt = cli_now_seconds() - t1;
         fprintf(stderr, "  prefill: sequence %d / %d, %lld tokens, %.0f tokens/s\n", k + 1, p->n,
                 (long long)p->len[k], dt > 0 ? (double)p->len[k] / dt : 0.0);

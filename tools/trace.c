@@ -22,12 +22,14 @@ static void trace_help(FILE *f) {
             "and last queries, for 'entmaxkv eval --workload trace:FILE.safetensors@l3.' (layer 3).\n"
             "\n"
             "  --text FILE           the text (bytes are tokens)\n"
-            "  --out FILE            the safetensors file to write\n"
+            "  --out FILE            the safetensors file to write (the path is checked before\n"
+            "                        the run; the file is replaced only once written whole)\n"
             "  --ctx N               tokens to run (default 8192)\n"
             "  --offset B            start at byte B of the text (default 0)\n"
             "  --queries S           query rows per layer: the queries of the last S positions\n"
             "                        (default 16; 1 = only the exact last step, see below)\n"
-            "  --layers LIST         comma list of layers to dump (default all)\n");
+            "  --layers LIST         comma list of layers to dump, each at most once (default\n"
+            "                        all)\n");
     model_opts_help(f);
     fprintf(f,
             "  --help                this text\n"
@@ -54,13 +56,13 @@ static void gather_rows(const ekv_paged_kv *kv, const void *base, const int32_t 
         }
 }
 
-/* The parsed command line; nlayers -1 means every layer of the model (up to 256), resolved
- * once the model is open. */
+/* The parsed command line; nlayers -1 means every layer of the model, resolved once the model
+ * is open (a model has at most EKV_MODEL_MAX_LAYERS: each fits). */
 typedef struct {
     model_opts mo;
     const char *text_path, *out, *layers_arg;
     int64_t N, S, offset;
-    int64_t layer_ids[256];
+    int64_t layer_ids[EKV_MODEL_MAX_LAYERS];
     int nlayers;
 } trace_opts;
 
@@ -75,8 +77,7 @@ typedef struct {
 /* --layers: a comma list without repeats (one tensor name per layer: a repeat would write
  * it twice). */
 static void parse_layers(const char *arg, trace_opts *o) {
-    if ((o->nlayers = cli_parse_i64_list(arg, o->layer_ids, 256)) <= 0)
-        cli_usage_error("trace", "--layers %s: expected a comma list of layer numbers", arg);
+    o->nlayers = cli_parse_i64_list("trace", "--layers", arg, o->layer_ids, EKV_MODEL_MAX_LAYERS);
     for (int l = 1; l < o->nlayers; l++)
         for (int k = 0; k < l; k++)
             if (o->layer_ids[k] == o->layer_ids[l])
@@ -110,7 +111,7 @@ static void trace_parse(int argc, char **argv, trace_opts *o) {
 /* Resolves "all layers" and checks the listed ones exist: CLI_USAGE if one does not. */
 static int trace_layers(trace_opts *o, const ekv_model_config *c) {
     if (o->nlayers < 0) {
-        o->nlayers = c->n_layers < 256 ? c->n_layers : 256;
+        o->nlayers = c->n_layers;
         for (int l = 0; l < o->nlayers; l++) o->layer_ids[l] = l;
     }
     for (int l = 0; l < o->nlayers; l++)
@@ -170,7 +171,7 @@ static char *trace_header(const trace_opts *o, const ekv_model_config *c, size_t
     const int64_t N = o->N, S = o->S, H = c->n_heads, Hk = c->n_kv_heads, D = c->head_dim;
     const int64_t kvb = N * Hk * D * ekv_dtype_size(o->mo.kv_dtype), qb = S * H * D * 4, sb = H * 4;
     const char *dt = st_dtype(o->mo.kv_dtype);
-    size_t cap = 4096 + (size_t)o->nlayers * 512, hl = 0;
+    size_t cap = 4096 + (size_t)o->nlayers * 1024, hl = 0; /* a layer's 4 entries: < 700 bytes */
     char *hdr = malloc(cap);
     if (!hdr) return NULL;
     hl += (size_t)snprintf(
@@ -228,26 +229,20 @@ static int trace_write_data(const trace_opts *o, ekv_model *m, trace_bufs *b, FI
     return rc;
 }
 
-/* Writes the trace file and reports it on stdout. */
-static int trace_report(const trace_opts *o, ekv_model *m, trace_bufs *b) {
+/* Writes the trace into out (opened before the run: cli_file), renames it over --out and
+ * reports it on stdout; a failed write leaves whatever file --out named before. */
+static int trace_report(const trace_opts *o, ekv_model *m, trace_bufs *b, cli_file *out) {
     size_t hl = 0;
     char *hdr = trace_header(o, ekv_model_get_config(m), &hl);
     if (!hdr) {
         fprintf(stderr, "entmaxkv trace: out of memory\n");
+        cli_file_discard(out);
         return 1;
     }
-    int rc = 0;
-    FILE *f = fopen(o->out, "wb");
-    if (!f) {
-        fprintf(stderr, "entmaxkv trace: cannot write %s\n", o->out);
-        rc = 1;
-    }
-    if (f && trace_write_data(o, m, b, f, hdr, hl)) rc = 1;
+    int rc = trace_write_data(o, m, b, out->f, hdr, hl);
     free(hdr);
-    if (f && fclose(f)) rc = 1;
-    if (rc)
-        fprintf(stderr, "entmaxkv trace: writing %s failed\n", o->out);
-    else
+    rc = cli_file_commit(out, "trace") || rc; /* a failed fwrite fails the commit too */
+    if (!rc)
         printf("wrote %s: %d layers, %lld tokens, %lld queries per layer (%s K/V)\n", o->out,
                o->nlayers, (long long)o->N, (long long)o->S, ekv_dtype_name(o->mo.kv_dtype));
     return rc;
@@ -256,14 +251,22 @@ static int trace_report(const trace_opts *o, ekv_model *m, trace_bufs *b) {
 int cmd_trace(int argc, char **argv) {
     trace_opts o;
     trace_parse(argc, argv, &o);
+    cli_file out; /* before the run: a bad --out path fails now, not after it */
+    if (cli_file_open(&out, "trace", o.out)) return 1;
     model_session s;
-    if (model_open_text("trace", &o.mo, o.text_path, o.offset, o.N, &s)) return 1;
+    if (model_open_text("trace", &o.mo, o.text_path, o.offset, o.N, &s)) {
+        cli_file_discard(&out);
+        return 1;
+    }
     trace_bufs b;
     memset(&b, 0, sizeof b);
     int rc = trace_layers(&o, ekv_model_get_config(s.m));
     if (!rc) rc = trace_alloc(&o, ekv_model_get_config(s.m), &b);
     if (!rc) rc = trace_run(&o, s.ctx, s.m, s.text, &b);
-    if (!rc) rc = trace_report(&o, s.m, &b);
+    if (!rc)
+        rc = trace_report(&o, s.m, &b, &out);
+    else
+        cli_file_discard(&out);
     trace_bufs_free(&b);
     model_close(&s);
     return rc;

@@ -69,6 +69,9 @@ typedef struct ekv_model ekv_model;
  * certified, screened; oracle is for evaluation and not a model method). screened needs
  * key codes in the caches: ekv_model_params.code_bits 4 or 8. */
 
+/* The most layers a model file may have (its n_layers metadata). */
+#define EKV_MODEL_MAX_LAYERS 1024
+
 /* Hyper-parameters, as read from the file's metadata. */
 typedef struct ekv_model_config {
     int32_t vocab, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim;
@@ -175,7 +178,10 @@ EKV_API int64_t ekv_model_position(const ekv_model *model);
  * attends over itself and every earlier token with the model's method; prefilling in blocks
  * gives the same result as one token at a time. logits, if not NULL, receives [n][vocab]
  * (the prediction after each token). Tokens must be in [0, vocab); EKV_ERR_CACHE_FULL when
- * the sequence would pass params.max_tokens. On error the model should be reset.
+ * the sequence would pass params.max_tokens. Logits that are not finite (finite weights so
+ * large that the forward pass overflows fp32) are EKV_ERR_NAN_INPUT with a message naming the
+ * position, on either backend: the tokens were run, nothing is returned as a prediction. On
+ * error the model should be reset.
  */
 EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64_t n,
                                   float *logits);
@@ -187,7 +193,7 @@ EKV_API ekv_status ekv_model_step(ekv_model *model, const int32_t *tokens, int64
  * tokens[b] appended to sequence seqs[b]; logits [n_seqs][vocab]): one batch of the decode
  * stages over their ragged page lists (docs/architecture.md, "The model on the GPU").
  * n_seqs is at most max_seqs (the decode plan's batch is sized for all of them). A refused
- * call changes nothing.
+ * call changes nothing; logits that are not finite fail as in ekv_model_step, after the step.
  */
 EKV_API ekv_status ekv_model_seq_step(ekv_model *model, int32_t seq, const int32_t *tokens,
                                       int64_t n, float *logits);

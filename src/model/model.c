@@ -122,7 +122,7 @@ static ekv_status read_config(ekv_context *ctx, const ekv_safetensors *st, ekv_m
     ekv_status s;
     if ((s = meta_int(ctx, st, "vocab", 1, 256, 256, &c->vocab)) ||
         (s = meta_int(ctx, st, "d_model", 1, 1, 65536, &c->d_model)) ||
-        (s = meta_int(ctx, st, "n_layers", 1, 1, 1024, &c->n_layers)) ||
+        (s = meta_int(ctx, st, "n_layers", 1, 1, EKV_MODEL_MAX_LAYERS, &c->n_layers)) ||
         (s = meta_int(ctx, st, "n_heads", 1, 2, 256, &c->n_heads)) ||
         (s = meta_int(ctx, st, "n_kv_heads", 1, 1, 256, &c->n_kv_heads)) ||
         (s = meta_int(ctx, st, "head_dim", 1, 1, 1024, &c->head_dim)) ||
@@ -174,6 +174,14 @@ static int all_finite(const void *data, ekv_dtype dt, int64_t n) {
         if (!isfinite(f)) return 0;
     }
     return 1;
+}
+
+/* "[384]", "[16, 32]", "[]": a shape as the messages print it (every dimension, each once). */
+static void shape_string(char *buf, size_t n, const int64_t *shape, int32_t ndim) {
+    size_t at = (size_t)snprintf(buf, n, "[");
+    for (int32_t d = 0; d < ndim && at < n; d++)
+        at += (size_t)snprintf(buf + at, n - at, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (at < n) snprintf(buf + at, n - at, "]");
 }
 
 void ekv_model_free(ekv_model *m) {
@@ -272,14 +280,15 @@ static ekv_status load_tensors(ekv_model *m, const ekv_safetensors *st) {
                          "model: tensor '%s' is %s (expected F16, BF16 or F32)", t[i].name,
                          ti->dtype_name);
         else if (ti->ndim != want_nd || ti->shape[0] != t[i].rows ||
-                 (want_nd == 2 && ti->shape[1] != t[i].cols))
-            s = ekv_fail(
-                    ctx, EKV_ERR_INVALID_ARGUMENT,
-                    "model: tensor '%s' has shape [%lld%s%lld] (ndim %d), expected [%lld%s%lld]",
-                    t[i].name, (long long)ti->shape[0], ti->ndim > 1 ? ", " : "",
-                    ti->ndim > 1 ? (long long)ti->shape[1] : 0LL, ti->ndim, (long long)t[i].rows,
-                    want_nd == 2 ? ", " : "", want_nd == 2 ? (long long)t[i].cols : 0LL);
-        else if (!all_finite(ti->data, (ekv_dtype)ti->dtype, ti->numel))
+                 (want_nd == 2 && ti->shape[1] != t[i].cols)) {
+            char have[200], want[64];
+            const int64_t want_shape[2] = {t[i].rows, t[i].cols};
+            shape_string(have, sizeof have, ti->shape, ti->ndim);
+            shape_string(want, sizeof want, want_shape, want_nd);
+            s = ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                         "model: tensor '%s' has shape %s (ndim %d), expected %s", t[i].name, have,
+                         ti->ndim, want);
+        } else if (!all_finite(ti->data, (ekv_dtype)ti->dtype, ti->numel))
             s = ekv_fail(ctx, EKV_ERR_NAN_INPUT, "model: tensor '%s' holds NaN or infinite values",
                          t[i].name);
         else if (t[i].mat)
@@ -653,6 +662,28 @@ static ekv_status check_tokens(const ekv_model *m, const int32_t *tokens, int64_
     return EKV_OK;
 }
 
+/* The logits a step returns (rows of vocab values; row r: sequence seqs[r], or seq for every
+ * row, after the token at position pos[r], or pos0 + r): all finite, else EKV_ERR_NAN_INPUT
+ * naming the first that is not. Weights pass the load's check when finite, yet huge ones can
+ * overflow fp32 in the forward pass; sampling and a log-loss must never read an infinity or a
+ * NaN. Both engines end here (the GPU's logits are copied back to the host). The tokens were
+ * run: the model should be reset (ekv_model_step). */
+static ekv_status check_logits(const ekv_model *m, const float *logits, int64_t rows,
+                               const int32_t *seqs, int32_t seq, const int64_t *pos, int64_t pos0) {
+    const int64_t V = m->cfg.vocab;
+    for (int64_t i = 0; logits && i < rows * V; i++) {
+        if (isfinite(logits[i])) continue;
+        const int64_t r = i / V;
+        return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
+                        "model: the logits after the token at position %lld of sequence %d are "
+                        "not finite (logit %lld = %g): the weights overflow fp32 in the forward "
+                        "pass (the tokens were run: reset the model)",
+                        (long long)(pos ? pos[r] : pos0 + r), seqs ? seqs[r] : seq,
+                        (long long)(i % V), (double)logits[i]);
+    }
+    return EKV_OK;
+}
+
 static ekv_status check_seq(const ekv_model *m, int32_t seq) {
     if (seq < 0 || seq >= m->prm.max_seqs)
         return ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT, "seq=%d is outside [0, max_seqs=%d)", seq,
@@ -696,8 +727,10 @@ ekv_status ekv_model_seq_step(ekv_model *m, int32_t seq, const int32_t *tokens, 
     ekv_status s = check_seq(m, seq);
     if (s) return s;
     if (seq == 0) return ekv_model_step(m, tokens, n, logits);
-    if ((s = check_tokens(m, tokens, n, ekv_model_seq_position(m, seq)))) return s;
-    return ekv_model_gpu_step(m, seq, tokens, n, logits); /* max_seqs > 1: the GPU's */
+    const int64_t pos0 = ekv_model_seq_position(m, seq);
+    if ((s = check_tokens(m, tokens, n, pos0))) return s;
+    s = ekv_model_gpu_step(m, seq, tokens, n, logits); /* max_seqs > 1: the GPU's */
+    return s ? s : check_logits(m, logits, n, NULL, seq, NULL, pos0);
 }
 
 ekv_status ekv_model_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seqs,
@@ -707,6 +740,7 @@ ekv_status ekv_model_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seq
     if (n_seqs < 1 || n_seqs > m->prm.max_seqs)
         return ekv_fail(m->ctx, EKV_ERR_INVALID_SIZE, "n_seqs=%d must be in [1, max_seqs=%d]",
                         n_seqs, m->prm.max_seqs);
+    int64_t pos[4096]; /* max_seqs <= 4096: each sequence's position before the step */
     for (int32_t b = 0; b < n_seqs; b++) {
         ekv_status s = check_seq(m, seqs[b]);
         for (int32_t c = 0; !s && c < b; c++)
@@ -714,18 +748,23 @@ ekv_status ekv_model_batch_step(ekv_model *m, const int32_t *seqs, int32_t n_seq
                 s = ekv_fail(m->ctx, EKV_ERR_INVALID_ARGUMENT,
                              "seqs[%d] = seqs[%d] = %d: a sequence takes one token per step", c, b,
                              seqs[b]);
-        if (!s) s = check_tokens(m, tokens + b, 1, ekv_model_seq_position(m, seqs[b]));
+        if (!s) s = check_tokens(m, tokens + b, 1, pos[b] = ekv_model_seq_position(m, seqs[b]));
         if (s) return s;
     }
     if (!m->gpu) return ekv_model_step(m, tokens, 1, logits); /* the one sequence, seqs[0] = 0 */
-    return ekv_model_gpu_batch_step(m, seqs, n_seqs, tokens, logits);
+    ekv_status s = ekv_model_gpu_batch_step(m, seqs, n_seqs, tokens, logits);
+    return s ? s : check_logits(m, logits, n_seqs, seqs, 0, pos, 0);
 }
 
 ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float *logits) {
     if (!m) return EKV_ERR_NULL_POINTER;
-    ekv_status s = check_tokens(m, tokens, n, m->pos);
+    const int64_t pos0 = m->pos;
+    ekv_status s = check_tokens(m, tokens, n, pos0);
     if (s) return s;
-    if (m->gpu) return ekv_model_gpu_step(m, 0, tokens, n, logits);
+    if (m->gpu) {
+        s = ekv_model_gpu_step(m, 0, tokens, n, logits);
+        return s ? s : check_logits(m, logits, n, NULL, 0, NULL, pos0);
+    }
     s = ekv_ctx_enter(m->ctx); /* the layers run on the context's pool */
     if (s) return s;
     for (int64_t i = 0; i < n && !s; i += EKV_MODEL_BLOCK) {
@@ -733,6 +772,7 @@ ekv_status ekv_model_step(ekv_model *m, const int32_t *tokens, int64_t n, float 
         s = forward_block(m, tokens + i, T, logits ? logits + i * m->cfg.vocab : NULL);
     }
     ekv_ctx_leave(m->ctx);
+    if (!s) s = check_logits(m, logits, n, NULL, 0, NULL, pos0);
     if (s) return s;
     ekv_clear_error(m->ctx);
     return EKV_OK;
