@@ -752,6 +752,38 @@ static void test_offsets_past_int64(void) {
     ekv_context_free(ctx);
 }
 
+/* 10. A value the cache's dtype cannot hold is said as such (issue 32, low): 1e6 in an f16 cache
+ * is finite but outside f16's range (it said "is NaN or infinite"); a NaN still says NaN. */
+static void test_unstorable_messages(void) {
+    ekv_context *ctx;
+    CHECK(ekv_context_create(NULL, &ctx) == EKV_OK, "context");
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.num_pages = 2;
+    cp.page_size = 4;
+    cp.num_kv_heads = 1;
+    cp.head_dim = 8;
+    cp.dtype = EKV_DTYPE_F16;
+    cp.max_seqs = 1;
+    ekv_cache *c;
+    int32_t s;
+    CHECK(ekv_cache_create(ctx, &cp, &c) == EKV_OK && ekv_cache_seq_new(c, &s) == EKV_OK, "cache");
+    float k[8] = {0}, v[8] = {0};
+    k[3] = 1e6f;
+    CHECK(ekv_cache_append(c, s, 1, k, v, EKV_DTYPE_F32) == EKV_ERR_NAN_INPUT, "1e6 in f16");
+    CHECK(strstr(ekv_last_error(ctx), "k[3] = 1e+06 is outside the range of the f16 cache") != NULL,
+          "1e6 in f16 says: %s", ekv_last_error(ctx));
+    k[3] = 0.f;
+    v[5] = NAN;
+    CHECK(ekv_cache_append(c, s, 1, k, v, EKV_DTYPE_F32) == EKV_ERR_NAN_INPUT, "NaN");
+    CHECK(strstr(ekv_last_error(ctx), "v[5] = nan is NaN or infinite") != NULL, "NaN says: %s",
+          ekv_last_error(ctx));
+    int64_t len = -1;
+    CHECK(ekv_cache_seq_length(c, s, &len) == EKV_OK && len == 0, "refused appends stored %lld",
+          (long long)len);
+    ekv_cache_free(c);
+    ekv_context_free(ctx);
+}
+
 int main(void) {
     test_entmax_scale();
     test_threads();
@@ -764,5 +796,6 @@ int main(void) {
     test_cache_threads_hammer();
     test_stats_of_another_cache();
     test_offsets_past_int64();
+    test_unstorable_messages();
     return test_finish("test_hardening");
 }

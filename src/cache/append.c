@@ -56,6 +56,18 @@ static int all_finite(const void *x, ekv_dtype dt, ekv_dtype store, int64_t n, i
     return 1;
 }
 
+/* The status of an element that the cache cannot store: NaN or infinite, or finite but beyond
+ * the cache dtype's range (1e6 in an f16 cache rounds to infinity), said as such. */
+static ekv_status not_storable(const ekv_cache *c, const char *name, float x, int64_t at) {
+    const char *dt = ekv_dtype_name(c->p.dtype);
+    if (isfinite(x))
+        return ekv_fail(c->ctx, EKV_ERR_NAN_INPUT,
+                        "%s[%lld] = %g is outside the range of the %s cache", name, (long long)at,
+                        (double)x, dt);
+    return ekv_fail(c->ctx, EKV_ERR_NAN_INPUT, "%s[%lld] = %g is NaN or infinite", name,
+                    (long long)at, (double)x);
+}
+
 static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const void *k,
                              const void *v, ekv_dtype src_dtype) {
     ekv_context *ctx = c->ctx;
@@ -84,13 +96,9 @@ static ekv_status append_run(ekv_cache *c, int32_t seq, int64_t n_tokens, const 
                         (long long)c->p.num_pages);
     int64_t bad;
     if (!all_finite(k, src_dtype, c->p.dtype, n_elems, &bad))
-        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "k[%lld] = %g is NaN or infinite in the %s cache",
-                        (long long)bad, (double)ekv_load_f32(k, src_dtype, bad),
-                        ekv_dtype_name(c->p.dtype));
+        return not_storable(c, "k", ekv_load_f32(k, src_dtype, bad), bad);
     if (!all_finite(v, src_dtype, c->p.dtype, n_elems, &bad))
-        return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "v[%lld] = %g is NaN or infinite in the %s cache",
-                        (long long)bad, (double)ekv_load_f32(v, src_dtype, bad),
-                        ekv_dtype_name(c->p.dtype));
+        return not_storable(c, "v", ekv_load_f32(v, src_dtype, bad), bad);
     if (pages_after > s->cap) {
         int64_t cap = s->cap ? s->cap : 16;
         while (cap < pages_after) cap *= 2;
