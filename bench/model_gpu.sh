@@ -47,17 +47,7 @@ cat >"$OUT/stats.awk" <<'AWK'
         }
 AWK
 
-# a prompt of N bytes from the repository's text
-prompt() {
-    local n=$1 f="$OUT/prompt_$1.txt"
-    [ -s "$f" ] && { echo "$f"; return; }
-    cat docs/*.md train/*.md src/*/*.c src/*/*.cu include/entmaxkv/*.h >"$OUT/corpus.txt"
-    while [ "$(stat -c %s "$OUT/corpus.txt")" -lt "$n" ]; do
-        cat "$OUT/corpus.txt" "$OUT/corpus.txt" >"$OUT/corpus2.txt" && mv "$OUT/corpus2.txt" "$OUT/corpus.txt"
-    done
-    head -c "$n" "$OUT/corpus.txt" >"$f"
-    echo "$f"
-}
+. bench/repo_prompt.sh # prompt N: N bytes of the repository's text
 
 # run_one CTX ARGS...: one run, its stats lines into the TSV
 run_one() {

@@ -10,7 +10,7 @@
 #   3. the model's trace at TRACE_CTX tokens (`entmaxkv trace --backend cuda`), every layer and
 #      every method through `bench --backend cuda --workload trace:FILE@lL.` (median ms per step,
 #      graph replay), with SDPA on the same layer's shape.
-# Usage: bench/real_attention.sh OUTDIR
+# Usage: bench/real_attention.sh OUTDIR   (prompts: bench/repo_prompt.sh)
 #   BIN (build-gpu/entmaxkv), CTXS ("131072 524288"), TRACE_CTX (262144, 0 = skip),
 #   DECODE (32), METHODS (topk:1/16,certified,screened,gaussian; dense runs first),
 #   TRACE_METHODS (dense topk certified screened).
@@ -34,17 +34,7 @@ printf 'part\tctx\tlayer\tmethod\tms\ttokens_per_s\n' >"$TSV"
 [ -x "$BIN" ] || { echo "real_attention.sh: $BIN is not built" >&2; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log -1 --format='commit %H' 2>/dev/null; } >>"$LOG" 2>&1
 
-# a prompt of N bytes from the repository's text (the model never trained on it)
-prompt() {
-    local n=$1 f="$OUT/prompt_$1.txt"
-    [ -s "$f" ] && { echo "$f"; return; }
-    cat docs/*.md src/*/*.c src/*/*.cu include/entmaxkv/*.h >"$OUT/corpus.txt"
-    while [ "$(stat -c %s "$OUT/corpus.txt")" -lt "$n" ]; do
-        cat "$OUT/corpus.txt" "$OUT/corpus.txt" >"$OUT/corpus2.txt" && mv "$OUT/corpus2.txt" "$OUT/corpus.txt"
-    done
-    head -c "$n" "$OUT/corpus.txt" >"$f"
-    echo "$f"
-}
+. bench/repo_prompt.sh # prompt N: N bytes of the repository's text
 
 # SDPA softmax decode on the model's attention shape: "ctx ms_per_layer" per context
 sdpa_rows() {

@@ -1811,6 +1811,29 @@ static void invalid_test(ekv_context *ctx) {
     cudaFree((void *)tab.last_page_len);
 }
 
+/* One sequence of N tokens (K and V as f32 rows) in a new cache of cp's shape, mirrored on the
+ * device, and a plan for it with max_batch sequences of up to cp->num_pages pages. */
+static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp, const float *k,
+                                   const float *v, int64_t N, int H, int max_batch,
+                                   ekv_cache **cache, mirror *m) {
+    int32_t seq = -1;
+    CHECK(ekv_cache_create(ctx, cp, cache) == EKV_OK && ekv_cache_seq_new(*cache, &seq) == EKV_OK &&
+                  ekv_cache_append(*cache, seq, N, k, v, EKV_DTYPE_F32) == EKV_OK,
+          "one-sequence cache: %s", ekv_last_error(ctx));
+    memset(m, 0, sizeof *m);
+    mirror_build(m, *cache, &seq, 1, cp->num_pages, 0);
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_batch = max_batch;
+    pp.num_heads = H;
+    pp.num_kv_heads = cp->num_kv_heads;
+    pp.head_dim = cp->head_dim;
+    pp.page_size = cp->page_size;
+    pp.max_pages_per_seq = cp->num_pages;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    return plan;
+}
+
 /* Extreme key scales (issue 32; the CPU's test_decode_scale too), f32 keys of 1e19..1e30:
  *  - a page's centre norm or radius overflows, and a zero query made the certified bound
  *    0 * inf = NaN, so pages holding support were dropped;
@@ -1834,28 +1857,14 @@ static void key_scale_test(ekv_context *ctx) {
         cp.num_pages = maxP;
         cp.superpage_pages = 4;
         cp.code_bits = 8;
-        ekv_cache *cache = NULL;
-        CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "key scale cache");
-        int32_t seq;
-        ekv_cache_seq_new(cache, &seq);
         float k[40 * 64], v[40 * 64];
         for (int i = 0; i < N * Hk * D; i++) {
             k[i] = kscales[ki] * (float)test_normal(&r);
             v[i] = (float)test_normal(&r);
         }
-        ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32);
+        ekv_cache *cache = NULL;
         mirror m;
-        memset(&m, 0, sizeof m);
-        mirror_build(&m, cache, &seq, 1, maxP, 0);
-        ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-        pp.max_batch = 1;
-        pp.num_heads = H;
-        pp.num_kv_heads = Hk;
-        pp.head_dim = D;
-        pp.page_size = ps;
-        pp.max_pages_per_seq = maxP;
-        ekv_cuda_plan *plan = NULL;
-        CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+        ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, &cache, &m);
         float sl[2] = {0.5f, 0.f}, *dsl = dev_copy(sl, sizeof sl);
         for (int qk = 0; qk < 4; qk++) {
             const int alibi = qk & 1, zero = qk < 2;
@@ -1882,12 +1891,11 @@ static void key_scale_test(ekv_context *ctx) {
                                                                      &m.dst, &m.dtab, dq, dout)
                                          : ekv_cuda_decode(plan, &dprm, &sp, &m.dkv, &m.dst,
                                                            &m.dtab, dq, dout);
-                CHECK(s == EKV_OK, "key scale %g: %s", (double)kscales[ki],
-                      ekv_last_error(ctx));
+                CHECK(s == EKV_OK, "key scale %g: %s", (double)kscales[ki], ekv_last_error(ctx));
                 CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
                 const double e = test_head_rel_err(got, ref, H, D, 1e-6);
-                CHECK(e < 3e-5, "%s, keys x %g, q %s, alibi %d: rel err %.3g vs dense",
-                      names[meth], (double)kscales[ki], zero ? "zero" : "normal", alibi, e);
+                CHECK(e < 3e-5, "%s, keys x %g, q %s, alibi %d: rel err %.3g vs dense", names[meth],
+                      (double)kscales[ki], zero ? "zero" : "normal", alibi, e);
                 steps++;
             }
             cudaFree(dq);
@@ -1916,27 +1924,13 @@ static void step_splits_test(ekv_context *ctx) {
     cp.dtype = EKV_DTYPE_F16;
     cp.max_seqs = 1;
     cp.num_pages = maxP;
-    ekv_cache *cache = NULL;
-    CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "step splits cache");
-    int32_t seq;
-    ekv_cache_seq_new(cache, &seq);
     float *dir = malloc(sizeof(float) * D), *k = malloc(sizeof(float) * N * Hk * D),
           *v = malloc(sizeof(float) * N * Hk * D);
     for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
     make_kv(&r, k, v, N, Hk, D, dir);
-    ekv_cache_append(cache, seq, N, k, v, EKV_DTYPE_F32);
+    ekv_cache *cache = NULL;
     mirror m;
-    memset(&m, 0, sizeof m);
-    mirror_build(&m, cache, &seq, 1, maxP, 0);
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = 64;
-    pp.num_heads = H;
-    pp.num_kv_heads = Hk;
-    pp.head_dim = D;
-    pp.page_size = ps;
-    pp.max_pages_per_seq = maxP;
-    ekv_cuda_plan *plan = NULL;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 64, &cache, &m);
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -1960,8 +1954,8 @@ static void step_splits_test(ekv_context *ctx) {
               meth ? "topk" : "dense", rep.score_splits, sms);
         CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
         const double e = test_head_rel_err(got, ref, H, D, 1e-6);
-        CHECK(e < 3e-5, "B = 1 in a plan for 64 (%s): rel err %.3g vs dense", meth ? "topk" : "dense",
-              e);
+        CHECK(e < 3e-5, "B = 1 in a plan for 64 (%s): rel err %.3g vs dense",
+              meth ? "topk" : "dense", e);
         printf("B = 1 in a plan for 64 (%s): %d score splits per KV head (%d SMs)\n",
                meth ? "topk" : "dense", rep.score_splits, sms);
     }
