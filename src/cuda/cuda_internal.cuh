@@ -386,7 +386,7 @@ template <typename T> __device__ __forceinline__ T ekv_warp_min(T v) {
     }
     return v;
 }
-/* Block-wide reductions (sum, max, min); every thread gets the result. scratch: >= 32
+/* Block-wide reductions (sum, max); every thread gets the result. scratch: >= 32
  * elements of shared memory; identity: the value of an empty warp slot. */
 template <typename T, typename WarpOp>
 __device__ __forceinline__ T ekv_block_reduce(T v, T *scratch, T identity, WarpOp warp_op) {
@@ -402,9 +402,6 @@ template <typename T> __device__ __forceinline__ T ekv_block_sum(T v, T *scratch
 }
 template <typename T> __device__ __forceinline__ T ekv_block_max(T v, T *scratch, T lowest) {
     return ekv_block_reduce(v, scratch, lowest, [](T x) { return ekv_warp_max(x); });
-}
-template <typename T> __device__ __forceinline__ T ekv_block_min(T v, T *scratch, T highest) {
-    return ekv_block_reduce(v, scratch, highest, [](T x) { return ekv_warp_min(x); });
 }
 
 /* Running maxima shared through device memory as ordered keys: atomicMax on the key orders
