@@ -14,7 +14,7 @@
  * issue 16), filled with the values the whole pool holds there (fill_kernel).
  */
 extern "C" {
-#include "cli.h"
+#include "../cli.h"
 #include "../src/core/stats_rules.h" /* the ball bytes the bound reads (one rule) */
 }
 #include <cuda_runtime.h>
