@@ -209,7 +209,7 @@ ekv_page_list wl_setup_list(const wl_setup *s);
 int64_t wl_setup_seq_len(const wl_setup *s, int64_t b);
 
 /* bench: the options of every backend (tools/bench.c; --backend cuda runs cli_bench_cuda,
- * tools/bench_cuda.cu, or tools/bench_cuda_stub.c without -DEKV_CUDA=ON). */
+ * tools/bench_cuda/, or tools/bench_cuda_stub.c without -DEKV_CUDA=ON). */
 typedef struct {
     wl_opts w;
     ekv_backend backend;
