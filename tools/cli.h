@@ -209,7 +209,7 @@ ekv_page_list wl_setup_list(const wl_setup *s);
 int64_t wl_setup_seq_len(const wl_setup *s, int64_t b);
 
 /* bench: the options of every backend (tools/bench.c; --backend cuda runs cli_bench_cuda,
- * tools/bench_cuda.cu, or tools/bench_cuda_stub.c without -DEKV_CUDA=ON). */
+ * tools/bench_cuda/, or tools/bench_cuda_stub.c without -DEKV_CUDA=ON). */
 typedef struct {
     wl_opts w;
     ekv_backend backend;
@@ -304,6 +304,9 @@ void model_print_prefill_kernel(const ekv_model_stats *st);
  * path (ekv_model_stats.tau_compacted_rows, tau_whole_rows), "; screen lists retried R, every
  * token kept A" when the screen did (screen_retry_rows, screen_all_rows); else nothing */
 void model_print_slow_paths(const ekv_model_stats *st);
+/* The next token from logits[V]: greedy (temp 0) or sampled at temperature temp (run and
+ * run --prompts-file). */
+int32_t model_sample(const float *logits, int64_t V, double temp, cli_rng *r);
 /* "topk 0.0625", "dense": the method as the reports name it. */
 void model_method_label(char *buf, size_t n, ekv_select_method m, double budget);
 /* What a model subcommand over a text holds: the text, the context and the model. */
@@ -337,8 +340,6 @@ int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_mode
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);
-/* The next token from logits: greedy (temp 0) or sampled at temperature temp (tools/run.c). */
-int32_t run_sample(const float *logits, int64_t V, double temp, cli_rng *r);
 /* run --prompts-file (tools/run_batch.c): every line a sequence, decoded in batched steps. */
 int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t seed, int quiet,
               const model_phase *phases, int nphases);

@@ -1,6 +1,7 @@
 /* What the model subcommands (run, ppl, trace) share: their common options, loading the
- * model with a message on failure, reading files, and progress lines. */
+ * model with a message on failure, reading files, progress lines, and sampling the next token. */
 #include "cli.h"
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -356,6 +357,27 @@ int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_mode
     }
     free(logits);
     return rc;
+}
+
+int32_t model_sample(const float *logits, int64_t V, double temp, cli_rng *r) {
+    int32_t best = 0;
+    for (int64_t i = 1; i < V; i++)
+        if (logits[i] > logits[best]) best = (int32_t)i;
+    if (temp <= 0) return best;
+    double sum = 0, *p = malloc(sizeof(double) * (size_t)V);
+    if (!p) return best;
+    for (int64_t i = 0; i < V; i++) sum += p[i] = exp(((double)logits[i] - logits[best]) / temp);
+    double u = cli_rng_uniform(r) * sum;
+    int32_t pick = (int32_t)(V - 1);
+    for (int64_t i = 0; i < V; i++) {
+        u -= p[i];
+        if (u <= 0) {
+            pick = (int32_t)i;
+            break;
+        }
+    }
+    free(p);
+    return pick;
 }
 
 int32_t model_code_bits(const model_opts *o) {

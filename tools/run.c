@@ -8,7 +8,6 @@
  * it, ekv_model_seq_truncate): every method answers the same prompt after one prefill.
  */
 #include "cli.h"
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,27 +49,6 @@ static void run_help(FILE *f) {
             "  --help                this text\n"
             "\n"
             "The prompt is echoed when it is under 4 KiB. Progress goes to stderr.\n");
-}
-
-int32_t run_sample(const float *logits, int64_t V, double temp, cli_rng *r) {
-    int32_t best = 0;
-    for (int64_t i = 1; i < V; i++)
-        if (logits[i] > logits[best]) best = (int32_t)i;
-    if (temp <= 0) return best;
-    double sum = 0, *p = malloc(sizeof(double) * (size_t)V);
-    if (!p) return best;
-    for (int64_t i = 0; i < V; i++) sum += p[i] = exp(((double)logits[i] - logits[best]) / temp);
-    double u = cli_rng_uniform(r) * sum;
-    int32_t pick = (int32_t)(V - 1);
-    for (int64_t i = 0; i < V; i++) {
-        u -= p[i];
-        if (u <= 0) {
-            pick = (int32_t)i;
-            break;
-        }
-    }
-    free(p);
-    return pick;
 }
 
 typedef struct {
@@ -196,7 +174,7 @@ static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *
     const double t1 = cli_now_seconds();
     int rc = 0;
     for (int64_t i = 0; i < o->n && !rc; i++) {
-        int32_t next = run_sample(logits, V, o->temp, rng);
+        int32_t next = model_sample(logits, V, o->temp, rng);
         if (!o->quiet) {
             putchar(next);
             fflush(stdout);

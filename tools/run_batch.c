@@ -91,7 +91,7 @@ static int decode_all(ekv_context *ctx, ekv_model *m, int32_t B, int64_t n, doub
     const double t0 = cli_now_seconds();
     for (int64_t i = 0; i < n; i++) {
         for (int32_t k = 0; k < B; k++) {
-            next[k] = run_sample(logits + k * V, V, temp, &rng);
+            next[k] = model_sample(logits + k * V, V, temp, &rng);
             out[k * n + i] = (char)next[k];
         }
         ekv_status st = ekv_model_batch_step(m, seqs, B, next, logits);

@@ -1,22 +1,15 @@
 """DecodeWrapper: one decode step of a batch over a PagedKVCache, every method of the library
 (plan once per batch shape, run per step, FlashInfer's split)."""
 import ctypes
-import itertools
 import numbers
 import threading
-import weakref
 
 import numpy as np
 
-from . import _lib
+from . import _lib, _registry
 from ._lib import METHODS, as_int, c_array, host_array, int_array, is_torch, lib, out_array
 from .cuda_cache import CudaPagedKVCache
 from .cuda_decode import CudaStep
-
-# Every wrapper by its handle, the int the custom ops (entmaxkv.ops) name it by; given at
-# construction, since torch.compile cannot trace the registration.
-_WRAPPERS = weakref.WeakValueDictionary()
-_HANDLES = itertools.count(1)
 
 
 class DecodeWrapper:
@@ -54,8 +47,7 @@ class DecodeWrapper:
         self._lock = threading.RLock()  # plan and run, one thread at a time
         self._plan = self._cuda = self._report = None
         self._retired = []  # CUDA plans a re-plan outgrew, kept for graphs captured on them
-        self.handle = next(_HANDLES)
-        _WRAPPERS[self.handle] = self
+        self.handle = _registry.register(self)  # the custom ops' name for it (entmaxkv.ops)
 
     def plan(self, cache, seqs, num_heads, max_pages_per_seq=None):
         """Fixes the batch: the cache, its sequences (ids, in batch order) and the query heads.

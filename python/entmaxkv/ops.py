@@ -9,13 +9,13 @@ the output's shape from the wrapper's plan, so tracing needs no real call. Decod
 goes through them by itself while torch.compile traces it. Imported only with torch.
 """
 from ._lib import need_torch
-from .decode import _WRAPPERS
+from ._registry import lookup
 
 torch = need_torch("entmaxkv.ops")
 
 
 def _wrapper(h):
-    w = _WRAPPERS.get(h)
+    w = lookup(h)
     if w is None:
         raise RuntimeError(f"entmaxkv::decode: no DecodeWrapper has handle {h} (collected?)")
     return w

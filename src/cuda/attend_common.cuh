@@ -16,9 +16,11 @@
  *   values:     grid (split, query head), or (split, KV head) reading each row of the group's
  *               support union once. Reads V only for the support rows and adds the partial
  *               outputs atomically (tau is global, so they simply sum).
- * When a head has more than cand_cap candidates (flat attention), tau and the support are
- * taken from the whole score row instead, and if the support itself exceeds the cap the
- * values kernel scans the score row (slow, but exact); ekv_cuda_report.slow_rows counts them.
+ * When a head has more than cand_cap candidates (flat attention), its list is rebuilt from the
+ * scores above a lower bound of tau (compact_list in attend_tau.cu; ekv_cuda_report
+ * .compacted_rows counts them); only when those overflow the list too are tau and the support
+ * taken from the whole score row (ekv_cuda_report.slow_rows counts them). If the support itself
+ * exceeds the cap, the values kernel scans the score row (slow, but exact).
  * Softmax (alpha = 1) keeps every token: scores -> log-sum-exp over the row -> values over
  * every row (tau_softmax_kernel, values_dense_kernel).
  * Lists: with use_list, entry e of list r is logical page list_pages[r*cap + e]; round 1 is

@@ -2,6 +2,7 @@
  * attend, step 1 on the GPU: the scores kernels (see attend_common.cuh for the pipeline).
  */
 #include "scores_common.cuh"
+#include "test_hooks.h" /* the read-backs defined here */
 
 namespace {
 

@@ -15,6 +15,7 @@
  */
 #include "../math/page_bound.h"
 #include "cuda_internal.cuh"
+#include "test_hooks.h" /* the read-backs defined here */
 #include <math_constants.h>
 
 namespace {

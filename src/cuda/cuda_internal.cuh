@@ -386,7 +386,7 @@ template <typename T> __device__ __forceinline__ T ekv_warp_min(T v) {
     }
     return v;
 }
-/* Block-wide reductions (sum, max, min); every thread gets the result. scratch: >= 32
+/* Block-wide reductions (sum, max); every thread gets the result. scratch: >= 32
  * elements of shared memory; identity: the value of an empty warp slot. */
 template <typename T, typename WarpOp>
 __device__ __forceinline__ T ekv_block_reduce(T v, T *scratch, T identity, WarpOp warp_op) {
@@ -402,9 +402,6 @@ template <typename T> __device__ __forceinline__ T ekv_block_sum(T v, T *scratch
 }
 template <typename T> __device__ __forceinline__ T ekv_block_max(T v, T *scratch, T lowest) {
     return ekv_block_reduce(v, scratch, lowest, [](T x) { return ekv_warp_max(x); });
-}
-template <typename T> __device__ __forceinline__ T ekv_block_min(T v, T *scratch, T highest) {
-    return ekv_block_reduce(v, scratch, highest, [](T x) { return ekv_warp_min(x); });
 }
 
 /* Running maxima shared through device memory as ordered keys: atomicMax on the key orders
@@ -669,20 +666,6 @@ ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *
 ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                       const ekv_paged_kv *kv, const ekv_page_table *t,
                                       const float *q, int batch);
-/* Rows read per KV-head list by the last screened step, copied to the host (synchronises;
- * the bench's byte count and the GPU tests; not part of the public API). */
-extern "C" EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
-/* The screen kernel of the last screened step: 0 generic, 1 fast (CUDA cores), 2 tensor cores
- * (screen.cu, screen_kind; -1 before any screened step; the GPU tests and the bench). */
-extern "C" EKV_API ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
-/* Its candidate lists (l, u, token per query head) and its row lists, copied to the host
- * (synchronise; the GPU tests). */
-extern "C" EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l,
-                                                    float *u, int32_t *tok, int64_t *n);
-extern "C" EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch,
-                                                       int32_t *rows);
-/* The last bound stage's page bounds, copied to the host (synchronises; the GPU tests). */
-extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 /* masked: the heads' scores outside their own lists are -inf (list_heads, per_query_head) */
 ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch);
 ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,

@@ -38,6 +38,7 @@
  */
 #include "screen_common.cuh"
 #include "tau_solve.cuh"
+#include "test_hooks.h" /* the read-backs defined here */
 
 namespace {
 

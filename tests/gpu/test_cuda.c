@@ -25,6 +25,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_load_f32 */
+#include "cuda/test_hooks.h" /* the plan's read-backs the checks compare */
 #include "gpu/mirror.h"
 #include <string.h>
 
@@ -67,12 +68,6 @@ static int64_t g_screen_pages = 0, g_screen_total = 0;
  * those whose retry list overflowed too (every token kept) */
 static int64_t g_screen_retry = 0, g_screen_keepall = 0;
 
-/* The rows each KV head's list read in the plan's last screened step (src/cuda/screen.cu; not
- * part of the public API). */
-ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
-/* Heads of the last screened step whose list overflowed, and whose retry list did too. */
-ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out);
-
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
  * printing the first few. Returns 1 when all lists are equal. */
@@ -114,14 +109,6 @@ static void codes_check(const mirror *m, const uint8_t *acodes, int B, const gca
           (long long)bad, m->st.code_bits, c->D, c->ps, c->dt);
     free(h);
 }
-
-/* The screen kernel of the plan's last screened step (src/cuda/screen.cu: 0 generic, 1 fast on
- * CUDA cores, 2 tensor cores), its candidate lists (l, u, token; n per query head) and its row
- * lists (not part of the public API). */
-ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
-ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float *l, float *u, int32_t *tok,
-                                 int64_t *n);
-ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, int32_t *rows);
 
 /* The screen kernel a plan must pick (docs/architecture.md, CUDA screened): the fast CUDA-core
  * kernel (pages of multiples of 16, groups up to 4, whole 16-byte code rows per lane); else
@@ -269,9 +256,6 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     free(out);
     free(cpu);
 }
-
-/* The scores of the plan's last step (src/cuda/attend_scores.cu; not part of the public API). */
-ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out);
 
 /* Dense scores of one KV layout on a plan with tensor cores on or off, into z ([H][cap]). */
 static void scores_of(ekv_context *ctx, const mirror *m, int H, int tc, const float *dq, float *z,
@@ -873,8 +857,6 @@ static void per_head_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     free(out);
     free(cpu);
 }
-
-ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 
 /* Superpage skipping with tau_lb (docs/math.md §9.6): top-k with the ball bound and tau_lb =
  * dense tau (a lower bound) gives the CPU's page bounds and lists; the pages whose bound changed
