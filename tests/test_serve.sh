@@ -177,6 +177,12 @@ check "a body past --max-body is 413 ($CODE)" $?
 CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/v1/completions" -H 'Transfer-Encoding: chunked' --data-binary @"$TMP/huge")
 [ "$CODE" = 413 ]
 check "a chunked body past --max-body is 413 ($CODE)" $?
+# the README's curl example (Serve section), run as written but for the address
+awk '/^## Serve/ { sec = 1; next } /^## / { sec = 0 } sec && /^curl/ { c = 1 } c { print } c && !/\\$/ { exit }' \
+    "$MODELS/../README.md" | sed "s|http://127.0.0.1:8080|$URL|" >"$TMP/readme.sh"
+grep -q "^curl" "$TMP/readme.sh" && bash "$TMP/readme.sh" >"$TMP/body" &&
+    [ "$(jget "$TMP/body" 'd["usage"]["completion_tokens"]')" = 40 ]
+check "the README's curl example works" $?
 post /v1/completions '{"prompt":"still here","max_tokens":2}'
 [ "$CODE" = 200 ]
 check "the server still serves after the bad inputs ($CODE)" $?

@@ -119,3 +119,16 @@ def test_concurrent_clients(server, client):
     assert len(done) == 128
     assert metric(server, "entmaxkv_kv_pages_in_use") == 0
     assert metric(server, "entmaxkv_queue_depth") == 0
+
+
+def test_readme_example(server):
+    """The README's Serve listing, run as written but for the server's address."""
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
+    listing = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8080" in listing
+    out = subprocess.run([os.environ.get("PYTHON", __import__("sys").executable), "-c",
+                          listing.replace("http://127.0.0.1:8080", server)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip(), out
