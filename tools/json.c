@@ -93,7 +93,8 @@ static int unicode_escape(parser *ps, sbuf *b) {
             return fail(ps, "high surrogate \\u escape without its low half");
         ps->p += 2;
         if (hex4(ps, &lo)) return -1;
-        if (lo < 0xDC00 || lo > 0xDFFF) return fail(ps, "high surrogate \\u escape without its low half");
+        if (lo < 0xDC00 || lo > 0xDFFF)
+            return fail(ps, "high surrogate \\u escape without its low half");
         cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
     }
     put_utf8(b, cp);
@@ -258,7 +259,8 @@ static int parse_container(parser *ps, json_value *v, int object) {
 
 static int literal(parser *ps, const char *word) {
     const size_t n = strlen(word);
-    if ((size_t)(ps->end - ps->p) < n || memcmp(ps->p, word, n)) return fail(ps, "unexpected token");
+    if ((size_t)(ps->end - ps->p) < n || memcmp(ps->p, word, n))
+        return fail(ps, "unexpected token");
     ps->p += n;
     return 0;
 }
@@ -270,8 +272,14 @@ static int parse_value(parser *ps, json_value *v) {
     switch (*ps->p) {
     case '{': ps->p++; return parse_container(ps, v, 1);
     case '[': ps->p++; return parse_container(ps, v, 0);
-    case '"': ps->p++; v->type = JSON_STRING; return parse_string(ps, &v->str, &v->len);
-    case 't': v->type = JSON_BOOL; v->boolean = 1; return literal(ps, "true");
+    case '"':
+        ps->p++;
+        v->type = JSON_STRING;
+        return parse_string(ps, &v->str, &v->len);
+    case 't':
+        v->type = JSON_BOOL;
+        v->boolean = 1;
+        return literal(ps, "true");
     case 'f': v->type = JSON_BOOL; return literal(ps, "false");
     case 'n': v->type = JSON_NULL; return literal(ps, "null");
     default: return parse_number(ps, v);
@@ -279,8 +287,13 @@ static int parse_value(parser *ps, json_value *v) {
 }
 
 int json_parse(const char *text, size_t len, json_value *out, char *err, size_t errlen) {
-    parser ps = {(const unsigned char *)text, (const unsigned char *)text,
-                 (const unsigned char *)text + len, 0, 0, err, errlen};
+    parser ps = {(const unsigned char *)text,
+                 (const unsigned char *)text,
+                 (const unsigned char *)text + len,
+                 0,
+                 0,
+                 err,
+                 errlen};
     memset(out, 0, sizeof *out);
     if (err && errlen) err[0] = 0;
     if (parse_value(&ps, out)) return -1;
@@ -307,8 +320,8 @@ const json_value *json_get(const json_value *obj, const char *key) {
 }
 
 const char *json_type_name(json_type t) {
-    static const char *names[] = {"null", "a boolean", "a number", "a string", "an array",
-                                  "an object"};
+    static const char *names[] = {"null",     "a boolean", "a number",
+                                  "a string", "an array",  "an object"};
     return names[t];
 }
 
@@ -356,8 +369,12 @@ void sb_json_str(sbuf *b, const char *s, size_t n) {
         sb_put(b, s + i - run, run);
         run = 0;
         char e[8];
-        const char *named = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\n' ? "\\n"
-                            : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
+        const char *named = c == '"'    ? "\\\""
+                            : c == '\\' ? "\\\\"
+                            : c == '\n' ? "\\n"
+                            : c == '\r' ? "\\r"
+                            : c == '\t' ? "\\t"
+                                        : NULL;
         if (!named) snprintf(e, sizeof e, "\\u%04x", c);
         sb_puts(b, named ? named : e);
     }

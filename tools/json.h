@@ -18,9 +18,9 @@ struct json_value {
     size_t key_len;
     int boolean;
     double number;
-    int is_int;     /* a number written as an integer that fits int64 (integer set) */
+    int is_int; /* a number written as an integer that fits int64 (integer set) */
     int64_t integer;
-    char *str;      /* a string's bytes (NUL-terminated; may hold NUL: use len) */
+    char *str; /* a string's bytes (NUL-terminated; may hold NUL: use len) */
     size_t len;
     json_value *kids; /* array elements or object members, n of them */
     size_t n;

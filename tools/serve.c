@@ -113,7 +113,8 @@ int cmd_serve(int argc, char **argv) {
     if (h) {
         char lab[64];
         model_method_label(lab, sizeof lab, o.mo.method, o.mo.budget);
-        fprintf(stderr, "entmaxkv serve: model '%s', method %s, %s backend, context %lld tokens%s\n",
+        fprintf(stderr,
+                "entmaxkv serve: model '%s', method %s, %s backend, context %lld tokens%s\n",
                 o.name, lab, ekv_backend_name(o.mo.backend), (long long)o.ctx,
                 o.mo.backend == EKV_BACKEND_CUDA ? " (requests in turn: no batching yet)" : "");
         int sig = 0;

@@ -11,10 +11,10 @@ static void error_vbody(sbuf *b, int status, const char *param, const char *fmt,
     vsnprintf(msg, sizeof msg, fmt, ap);
     const char *type = status >= 500 ? "server_error" : "invalid_request_error";
     const char *code = status == 404 && param && !strcmp(param, "model") ? "model_not_found"
-                       : status == 404                                 ? "not_found"
-                       : status == 413                                 ? "body_too_large"
-                       : status == 503                                 ? "overloaded"
-                                                                       : NULL;
+                       : status == 404                                   ? "not_found"
+                       : status == 413                                   ? "body_too_large"
+                       : status == 503                                   ? "overloaded"
+                                                                         : NULL;
     sb_puts(b, "{\"error\":{\"message\":");
     sb_json_str(b, msg, strlen(msg));
     sb_printf(b, ",\"type\":\"%s\",\"param\":", type);
@@ -54,8 +54,8 @@ static int get_int(const json_value *body, const char *key, int64_t lo, int64_t 
     *out = def;
     if (!v || v->type == JSON_NULL) return 0;
     if (v->type != JSON_NUMBER)
-        return bad(err, key, "'%s' must be an integer in [%lld, %lld], got %s", key,
-                   (long long)lo, (long long)hi, json_type_name(v->type));
+        return bad(err, key, "'%s' must be an integer in [%lld, %lld], got %s", key, (long long)lo,
+                   (long long)hi, json_type_name(v->type));
     if (!v->is_int || v->integer < lo || v->integer > hi)
         return bad(err, key, "'%s' must be an integer in [%lld, %lld], got %.17g", key,
                    (long long)lo, (long long)hi, v->number);
@@ -79,7 +79,8 @@ static int get_bool(const json_value *body, const char *key, int *out, sbuf *err
     const json_value *v = json_get(body, key);
     *out = 0;
     if (!v || v->type == JSON_NULL) return 0;
-    if (v->type != JSON_BOOL) return bad(err, key, "'%s' must be a boolean, got %s", key, json_type_name(v->type));
+    if (v->type != JSON_BOOL)
+        return bad(err, key, "'%s' must be a boolean, got %s", key, json_type_name(v->type));
     *out = v->boolean;
     return 0;
 }
@@ -168,7 +169,8 @@ static int put_content(const json_value *c, size_t i, sbuf *out, sbuf *err) {
         return 0;
     }
     for (size_t k = 0; c && c->type == JSON_ARRAY && k < c->n; k++) {
-        const json_value *type = json_get(&c->kids[k], "type"), *text = json_get(&c->kids[k], "text");
+        const json_value *type = json_get(&c->kids[k], "type"),
+                         *text = json_get(&c->kids[k], "text");
         if (!type || type->type != JSON_STRING || strcmp(type->str, "text") || !text ||
             text->type != JSON_STRING)
             return bad(err, "messages", "messages[%zu].content: only text parts are supported", i);
@@ -218,8 +220,10 @@ static int get_prompt(const serve_opts *o, const json_value *body, serve_params 
     if (!st && text.oom) st = bad(err, NULL, "out of memory");
     if (!st && text.len == 0) st = bad(err, "prompt", "the prompt is empty");
     if (!st && (int64_t)text.len > o->max_prompt)
-        st = bad(err, "prompt", "the prompt has %zu bytes, more than the %lld this server takes "
-                 "(--max-prompt-bytes)", text.len, (long long)o->max_prompt);
+        st = bad(err, "prompt",
+                 "the prompt has %zu bytes, more than the %lld this server takes "
+                 "(--max-prompt-bytes)",
+                 text.len, (long long)o->max_prompt);
     if (st) {
         sb_free(&text);
         return st;
@@ -234,8 +238,9 @@ static int check_model(const serve_opts *o, const json_value *body, sbuf *err) {
     if (!v || v->type == JSON_NULL) return 0;
     if (v->type != JSON_STRING) return bad(err, "model", "'model' must be a string");
     if (strcmp(v->str, o->name) && strlen(v->str) == v->len) {
-        serve_error_body(err, 404, "model", "the model '%.100s' does not exist; this server has '%s'",
-                         v->str, o->name);
+        serve_error_body(err, 404, "model",
+                         "the model '%.100s' does not exist; this server has '%s'", v->str,
+                         o->name);
         return 404;
     }
     return strlen(v->str) == v->len ? 0 : bad(err, "model", "'model' holds a NUL byte");
@@ -245,8 +250,8 @@ static int check_model(const serve_opts *o, const json_value *body, sbuf *err) {
 static int get_sampling(const serve_opts *o, const json_value *body, serve_params *p, sbuf *err) {
     int64_t seed;
     const json_value *opts = json_get(body, "stream_options");
-    const char *max_key = json_get(body, "max_completion_tokens") ? "max_completion_tokens"
-                                                                    : "max_tokens";
+    const char *max_key =
+            json_get(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     int st = get_int(body, max_key, 1, o->max_gen, 16, &p->max_tokens, err);
     if (!st) st = get_number(body, "temperature", 0, 100, 1.0, &p->temp, err);
     if (!st) st = get_int(body, "seed", 0, INT64_MAX, -1, &seed, err);
@@ -260,8 +265,8 @@ static int get_sampling(const serve_opts *o, const json_value *body, serve_param
     if (p->prompt_len + p->max_tokens > o->ctx)
         return bad(err, max_key,
                    "the prompt (%lld tokens) and %s (%lld) exceed the context of %lld tokens "
-                   "(--ctx)", (long long)p->prompt_len, max_key, (long long)p->max_tokens,
-                   (long long)o->ctx);
+                   "(--ctx)",
+                   (long long)p->prompt_len, max_key, (long long)p->max_tokens, (long long)o->ctx);
     return 0;
 }
 
@@ -305,7 +310,8 @@ static void head(sbuf *b, const serve_opts *o, const serve_req *r, const char *o
 }
 
 static void usage(sbuf *b, const serve_req *r) {
-    sb_printf(b, "\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}",
+    sb_printf(b,
+              "\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}",
               (long long)r->p.prompt_len, (long long)r->tokens,
               (long long)(r->p.prompt_len + r->tokens));
 }
@@ -334,7 +340,7 @@ void serve_chunk_event(sbuf *b, const serve_opts *o, const serve_req *r, serve_c
     }
     sb_puts(b, ",\"choices\":[{\"index\":0,");
     if (r->p.chat)
-        sb_puts(b, kind == CHUNK_ROLE ? "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}"
+        sb_puts(b, kind == CHUNK_ROLE     ? "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}"
                    : kind == CHUNK_FINISH ? "\"delta\":{}"
                                           : "\"delta\":{\"content\":");
     else

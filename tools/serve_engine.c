@@ -60,7 +60,8 @@ static int64_t kv_pages(serve_engine *e) {
     for (int32_t l = 0; l < e->layers; l++) {
         const ekv_cache *c;
         int32_t seq;
-        if (!ekv_model_layer_cache(e->m, l, &c, &seq)) n += e->base_free[l] - ekv_cache_free_pages(c);
+        if (!ekv_model_layer_cache(e->m, l, &c, &seq))
+            n += e->base_free[l] - ekv_cache_free_pages(c);
     }
     return n;
 }

@@ -30,7 +30,8 @@ static int client_gone(int fd) {
 }
 
 static int conn_fd(struct MHD_Connection *c) {
-    const union MHD_ConnectionInfo *i = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const union MHD_ConnectionInfo *i =
+            MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     return i ? i->connect_fd : -1;
 }
 
@@ -41,8 +42,9 @@ static enum MHD_Result send_body(serve_http *h, struct MHD_Connection *c, int st
     const int oom_ = b->oom;
     if (oom_) status = 500;
     struct MHD_Response *resp =
-            oom_ ? MHD_create_response_from_buffer(sizeof oom - 1, (void *)oom, MHD_RESPMEM_PERSISTENT)
-                   : MHD_create_response_from_buffer(b->len, b->p, MHD_RESPMEM_MUST_COPY);
+            oom_ ? MHD_create_response_from_buffer(sizeof oom - 1, (void *)oom,
+                                                   MHD_RESPMEM_PERSISTENT)
+                 : MHD_create_response_from_buffer(b->len, b->p, MHD_RESPMEM_MUST_COPY);
     sb_free(b);
     if (!resp) return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, oom_ ? "application/json" : type);
@@ -65,11 +67,11 @@ typedef struct {
     serve_http *h;
     serve_req *r;
     int fd;
-    sbuf ev;        /* events formatted, not yet handed to MHD from ev_off on */
+    sbuf ev; /* events formatted, not yet handed to MHD from ev_off on */
     size_t ev_off;
-    sbuf raw;       /* visible bytes not yet sent: an incomplete UTF-8 sequence at most */
-    int64_t have;   /* visible bytes received */
-    int stage;      /* 0: the role chunk is due, 1: tokens, 2: everything formatted */
+    sbuf raw;     /* visible bytes not yet sent: an incomplete UTF-8 sequence at most */
+    int64_t have; /* visible bytes received */
+    int stage;    /* 0: the role chunk is due, 1: tokens, 2: everything formatted */
 } stream_ctx;
 
 /* The events after the text: an error, or the finish chunk (and usage); then [DONE]. */
@@ -138,9 +140,9 @@ static void stream_free(void *cls) {
 
 static enum MHD_Result start_stream(serve_http *h, struct MHD_Connection *c, serve_req *r) {
     stream_ctx *s = calloc(1, sizeof *s);
-    struct MHD_Response *resp =
-            s ? MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, stream_read, s, stream_free)
-              : NULL;
+    struct MHD_Response *resp = s ? MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096,
+                                                                      stream_read, s, stream_free)
+                                  : NULL;
     if (!resp) {
         free(s);
         serve_cancel(h->e, r);
@@ -184,8 +186,7 @@ static enum MHD_Result answer(serve_http *h, struct MHD_Connection *c, serve_req
 
 static enum MHD_Result generate(serve_http *h, struct MHD_Connection *c, conn_req *cr,
                                 serve_api api) {
-    if (cr->too_big)
-        return send_error(h, c, 413, "the request body is larger than --max-body");
+    if (cr->too_big) return send_error(h, c, 413, "the request body is larger than --max-body");
     sbuf err = {0};
     serve_params p;
     int st = serve_parse_request(h->o, api, cr->body.p ? cr->body.p : "", cr->body.len, &p, &err);
@@ -209,8 +210,11 @@ static enum MHD_Result route(serve_http *h, struct MHD_Connection *c, const char
                              const char *method, conn_req *cr) {
     static const struct {
         const char *path, *method;
-    } routes[] = {{"/health", "GET"},  {"/metrics", "GET"},        {"/v1/models", "GET"},
-                  {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}};
+    } routes[] = {{"/health", "GET"},
+                  {"/metrics", "GET"},
+                  {"/v1/models", "GET"},
+                  {"/v1/completions", "POST"},
+                  {"/v1/chat/completions", "POST"}};
     int k = -1;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
         if (!strcmp(url, routes[i].path)) k = i;
@@ -247,7 +251,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         pthread_mutex_lock(&h->mu);
         h->active++;
         pthread_mutex_unlock(&h->mu);
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        const char *cl =
+                MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         int64_t n;
         if (cl && (cli_parse_i64(cl, &n) || n > h->o->max_body)) /* refused before it is sent */
             return send_error(h, c, 413, "the request body is larger than --max-body");
@@ -302,8 +307,10 @@ serve_http *serve_http_start(serve_engine *e, const serve_opts *o) {
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120,
                             MHD_OPTION_NOTIFY_COMPLETED, completed, h, MHD_OPTION_END);
     if (!h->d) {
-        fprintf(stderr, "entmaxkv serve: cannot listen on %s:%lld (in use, or not an address of "
-                        "this machine)\n", o->host, (long long)o->port);
+        fprintf(stderr,
+                "entmaxkv serve: cannot listen on %s:%lld (in use, or not an address of "
+                "this machine)\n",
+                o->host, (long long)o->port);
         free(h);
         return NULL;
     }

@@ -37,8 +37,11 @@ int serve_text_push(serve_req *r, int c) {
 static size_t valid_prefix(const unsigned char *s, size_t n, size_t *need) {
     const unsigned c = s[0];
     unsigned lo = 0x80, hi = 0xBF;
-    *need = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3
-                       : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    *need = c < 0x80                 ? 1
+            : c >= 0xC2 && c <= 0xDF ? 2
+            : c >= 0xE0 && c <= 0xEF ? 3
+            : c >= 0xF0 && c <= 0xF4 ? 4
+                                     : 0;
     if (*need <= 1) return *need;
     if (c == 0xE0) lo = 0xA0;
     if (c == 0xED) hi = 0x9F;
