@@ -345,4 +345,6 @@ int run_batch(model_opts *mo, const char *path, int64_t n, double temp, int64_t 
               const model_phase *phases, int nphases);
 int cmd_ppl(int argc, char **argv);
 int cmd_trace(int argc, char **argv);
+/* entmaxkv serve (tools/serve.c; tools/serve_stub.c in a build without libmicrohttpd). */
+int cmd_serve(int argc, char **argv);
 #endif

@@ -6,6 +6,7 @@
  *   run      generate text with the model (tools/run.c)
  *   ppl      perplexity of the model with a decode method (tools/ppl.c)
  *   trace    dump a model run's per-layer Q/K/V for eval (tools/trace.c)
+ *   serve    an OpenAI-compatible HTTP server over the model (tools/serve.c)
  * Exit codes: 0 ok, 1 runtime failure, 2 bad usage.
  */
 #include "cli.h"
@@ -26,6 +27,7 @@ static void main_help(FILE *f) {
             "  run      generate text with the entmaxkv language model, any decode method\n"
             "  ppl      perplexity of the model on a text, any decode method\n"
             "  trace    dump the per-layer queries, keys and values of a model run (for eval)\n"
+            "  serve    an OpenAI-compatible HTTP server over the model (completions, chat)\n"
             "\n"
             "'entmaxkv SUBCOMMAND --help' describes each one.\n");
 }
@@ -189,6 +191,7 @@ int main(int argc, char **argv) {
     if (!strcmp(sub, "run")) return cmd_run(argc - 1, argv + 1);
     if (!strcmp(sub, "ppl")) return cmd_ppl(argc - 1, argv + 1);
     if (!strcmp(sub, "trace")) return cmd_trace(argc - 1, argv + 1);
+    if (!strcmp(sub, "serve")) return cmd_serve(argc - 1, argv + 1);
     fprintf(stderr, "entmaxkv: unknown subcommand '%s' (see 'entmaxkv --help')\n", sub);
     return CLI_USAGE;
 }

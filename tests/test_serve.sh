@@ -1,0 +1,232 @@
+#!/usr/bin/env bash
+# entmaxkv serve (docs/cli.md, "serve") driven by curl: the server is started on 127.0.0.1 on a
+# free port, with the tiny test model (where the text does not matter) and the shipped one
+# (long enough requests to catch in flight):
+#   - --help and bad options; GET /health, /v1/models, /metrics;
+#   - completions and chat, whole and streamed (server-sent events ending with [DONE]);
+#   - exact methods (certified, screened) through the server give `entmaxkv run`'s text with the
+#     same prompt, seed and temperature;
+#   - each bad input gets its 4xx and an OpenAI error object, and the server keeps serving:
+#     malformed JSON, wrong types, invalid UTF-8, a huge body, negative and huge max_tokens, an
+#     unknown model, method or endpoint, a prompt past the context;
+#   - a full queue gets 503; a client that disconnects mid-stream cancels its request, whose
+#     pages return to the pool (/metrics: KV pages in use 0);
+#   - SIGTERM lets a streamed request in flight finish, then the server exits 0.
+# Usage: test_serve.sh PATH/TO/entmaxkv DATA_DIR MODELS_DIR
+set -u
+BIN=${1:-}
+DATA=${2:-}
+MODELS=${3:-}
+if [ -z "$BIN" ] || [ ! -x "$BIN" ] || [ ! -d "$DATA" ] || [ ! -d "$MODELS" ]; then
+    echo "usage: $0 PATH/TO/entmaxkv DATA_DIR MODELS_DIR" >&2
+    exit 1
+fi
+if "$BIN" serve --help 2>&1 | grep -q "built without libmicrohttpd"; then
+    echo "SKIP: this entmaxkv has no serve (no libmicrohttpd at configure time)"
+    exit 77
+fi
+for tool in curl python3; do
+    command -v $tool >/dev/null 2>&1 || { echo "FAIL: $tool is needed (scripts/deps.sh installs it)" >&2; exit 1; }
+done
+TINY="$DATA/tiny_model.safetensors"
+BIG="$MODELS/entmaxkv-lm.safetensors"
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_serve.XXXXXX") || exit 1
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+FAILS=0
+CHECKS=0
+check() { CHECKS=$((CHECKS + 1)); if [ "$2" -ne 0 ]; then echo "FAIL: $1" >&2; FAILS=$((FAILS + 1)); fi; }
+# a JSON field of a file: jget FILE 'python expression over d'
+jget() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1" 2>/dev/null; }
+
+"$BIN" serve --help >"$TMP/out" 2>"$TMP/err"
+[ $? -eq 0 ] && grep -q "usage: entmaxkv serve" "$TMP/out" && [ ! -s "$TMP/err" ]
+check "serve --help exits 0 with usage on stdout" $?
+"$BIN" serve --port 70000 >"$TMP/out" 2>"$TMP/err"
+[ $? -eq 2 ] && grep -q "entmaxkv serve: --port" "$TMP/err"
+check "serve --port 70000 is bad usage (exit 2)" $?
+"$BIN" serve --method oracle >"$TMP/out" 2>"$TMP/err"
+[ $? -eq 2 ]
+check "serve --method oracle is bad usage (exit 2)" $?
+
+# start MODEL ARGS...: a server in the background; sets PID and URL
+start() {
+    local log="$TMP/server.$#.$RANDOM"
+    "$BIN" serve --port 0 --threads 1 --model "$@" >"$log.out" 2>"$log.err" &
+    PID=$!
+    PIDS+=("$PID")
+    for _ in $(seq 100); do
+        URL=$(sed -n 's/^entmaxkv serve: listening on \(http:[^ ]*\)$/\1/p' "$log.out")
+        [ -n "$URL" ] && return 0
+        sleep 0.1
+    done
+    echo "FAIL: the server did not start: $(cat "$log.err")" >&2
+    exit 1
+}
+# post PATH BODY: the status in $CODE, the body in $TMP/body
+post() { CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL$1" -H 'Content-Type: application/json' --data-binary "$2"); }
+metric() { curl -s "$URL/metrics" | awk -v k="$1" '$1 == k { print $2 }'; }
+
+start "$TINY" --ctx 512 --max-body 65536 --method dense
+CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/health")
+[ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["status"]')" = ok ]
+check "GET /health is 200 ok" $?
+curl -s "$URL/v1/models" >"$TMP/body"
+[ "$(jget "$TMP/body" 'd["data"][0]["id"]')" = entmaxkv-lm ]
+check "GET /v1/models lists entmaxkv-lm" $?
+
+post /v1/completions '{"model":"entmaxkv-lm","prompt":"In the beginning","max_tokens":5,"temperature":0}'
+[ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["usage"]["completion_tokens"], d["choices"][0]["finish_reason"], d["object"]')" = "5 length text_completion" ]
+check "a completion: 200, 5 tokens, finish_reason length ($CODE $(cat "$TMP/body"))" $?
+post /v1/chat/completions '{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}],"max_tokens":3}'
+[ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["choices"][0]["message"]["role"], d["object"], d["usage"]["prompt_tokens"]')" = "assistant chat.completion 39" ]
+check "a chat completion: 200, the plain template's 39 prompt bytes ($CODE $(cat "$TMP/body"))" $?
+# a stop string ends the text before it (temperature 0: the tiny model repeats itself)
+post /v1/completions '{"prompt":"Hello","max_tokens":40,"temperature":0}'
+cp "$TMP/body" "$TMP/full"
+stop_body=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1]))["choices"][0]["text"]
+print(json.dumps({"prompt":"Hello","max_tokens":40,"temperature":0,"stop":["zzz",t[3:5]]}))' "$TMP/full")
+post /v1/completions "$stop_body"
+python3 - "$TMP/full" "$TMP/body" <<'EOF'
+import json, sys
+full = json.load(open(sys.argv[1]))["choices"][0]["text"]
+got = json.load(open(sys.argv[2]))["choices"][0]
+stop = full[3:5]
+assert len(stop) == 2 and stop.isascii() and got["finish_reason"] == "stop", (got, stop)
+assert got["text"] == full[: full.index(stop)], (got["text"], full)
+EOF
+check "stop: the text ends before the first stop string, finish_reason stop" $?
+
+# streams: every event a JSON chunk, the text of the deltas that of the whole answer, [DONE] last
+curl -sN "$URL/v1/completions" -d '{"prompt":"abc","max_tokens":12,"temperature":0,"stream":true}' >"$TMP/sse"
+post /v1/completions '{"prompt":"abc","max_tokens":12,"temperature":0}'
+python3 - "$TMP/sse" "$TMP/body" <<'EOF'
+import json, sys
+events = [l[6:] for l in open(sys.argv[1]).read().split("\n\n") if l.startswith("data: ")]
+assert events[-1] == "[DONE]", events[-1]
+chunks = [json.loads(e) for e in events[:-1]]
+text = "".join(c["choices"][0]["text"] for c in chunks)
+assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+assert text == json.load(open(sys.argv[2]))["choices"][0]["text"], text
+EOF
+check "a streamed completion: JSON chunks, the whole answer's text, then data: [DONE]" $?
+curl -sN "$URL/v1/chat/completions" -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}' >"$TMP/sse"
+python3 - "$TMP/sse" <<'EOF'
+import json, sys
+events = [l[6:] for l in open(sys.argv[1]).read().split("\n\n") if l.startswith("data: ")]
+assert events[-1] == "[DONE]"
+chunks = [json.loads(e) for e in events[:-1]]
+assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+EOF
+check "a streamed chat: the role first, the finish, the usage chunk, [DONE]" $?
+
+# exact methods through the server: run's text with the same prompt, seed and temperature
+for method in certified screened; do
+    "$BIN" run --model "$TINY" --threads 1 --method "$method" --prompt "The LORD said" -n 24 \
+        --temp 0.8 --seed 7 >"$TMP/run" 2>/dev/null
+    post /v1/completions "{\"prompt\":\"The LORD said\",\"max_tokens\":24,\"temperature\":0.8,\"seed\":7,\"entmaxkv\":{\"method\":\"$method\"}}"
+    python3 - "$TMP/run" "$TMP/body" <<'EOF'
+import json, sys
+ran = open(sys.argv[1], "rb").read()[len(b"The LORD said"):][:24].decode("utf-8", "replace")
+got = json.load(open(sys.argv[2]))["choices"][0]["text"]
+assert got == ran, (got, ran)
+EOF
+    check "$method through the server gives run's text (seed 7, temperature 0.8)" $?
+done
+
+# bad input: each its status and an error object naming the problem; the server keeps serving
+bad() { # bad STATUS WORD PATH BODY
+    post "$3" "$4"
+    [ "$CODE" = "$1" ] && grep -q "\"error\":{\"message\":\"[^\"]*$2" "$TMP/body"
+    check "bad input gets $1 mentioning '$2': $4 -> $CODE $(head -c 300 "$TMP/body")" $?
+}
+bad 400 "not valid JSON" /v1/completions '{"prompt": "a",'
+bad 400 "not valid JSON" /v1/completions '{"prompt": "a",}'
+bad 400 "not valid JSON" /v1/completions '{"prompt": "a", "prompt": "b"}'
+bad 400 "not valid JSON" /v1/completions "$(printf '{"prompt": "\xc3\x28"}')"
+bad 400 "not valid JSON" /v1/completions '{"prompt": "\ud800"}'
+bad 400 "must be a JSON object" /v1/completions '[1, 2]'
+bad 400 "prompt" /v1/completions '{"prompt": 5}'
+bad 400 "prompt is empty" /v1/completions '{"prompt": ""}'
+bad 400 "max_tokens" /v1/completions '{"prompt": "a", "max_tokens": -1}'
+bad 400 "max_tokens" /v1/completions '{"prompt": "a", "max_tokens": 100000000000000000000}'
+bad 400 "max_tokens" /v1/completions '{"prompt": "a", "max_tokens": "5"}'
+bad 400 "max_tokens" /v1/completions '{"prompt": "a", "max_tokens": 2.5}'
+bad 400 "exceed the context" /v1/completions '{"prompt": "a", "max_tokens": 512}'
+bad 400 "temperature" /v1/completions '{"prompt": "a", "temperature": -1}'
+bad 400 "stream" /v1/completions '{"prompt": "a", "stream": "yes"}'
+bad 400 "stop" /v1/completions '{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}'
+bad 400 "not supported" /v1/completions '{"prompt": "a", "n": 2}'
+bad 400 "entmaxkv.method" /v1/completions '{"prompt": "a", "entmaxkv": {"method": "fast"}}'
+bad 400 "entmaxkv.method" /v1/completions '{"prompt": "a", "entmaxkv": {"method": "oracle"}}'
+bad 400 "entmaxkv.budget" /v1/completions '{"prompt": "a", "entmaxkv": {"method": "topk", "budget": 0}}'
+bad 400 "role" /v1/chat/completions '{"messages": [{"role": "robot", "content": "a"}]}'
+bad 400 "messages" /v1/chat/completions '{"messages": []}'
+bad 404 "does not exist" /v1/completions '{"model": "gpt-4", "prompt": "a"}'
+bad 404 "no such endpoint" /v1/nothing '{}'
+CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/v1/completions")
+[ "$CODE" = 405 ]
+check "GET /v1/completions is 405 ($CODE)" $?
+head -c 100000 /dev/zero | tr '\0' ' ' >"$TMP/huge"
+CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/v1/completions" --data-binary @"$TMP/huge")
+[ "$CODE" = 413 ]
+check "a body past --max-body is 413 ($CODE)" $?
+CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/v1/completions" -H 'Transfer-Encoding: chunked' --data-binary @"$TMP/huge")
+[ "$CODE" = 413 ]
+check "a chunked body past --max-body is 413 ($CODE)" $?
+# the README's curl example (Serve section), run as written but for the address
+awk '/^## Serve/ { sec = 1; next } /^## / { sec = 0 } sec && /^curl/ { c = 1 } c { print } c && !/\\$/ { exit }' \
+    "$MODELS/../README.md" | sed "s|http://127.0.0.1:8080|$URL|" >"$TMP/readme.sh"
+grep -q "^curl" "$TMP/readme.sh" && bash "$TMP/readme.sh" >"$TMP/body" &&
+    [ "$(jget "$TMP/body" 'd["usage"]["completion_tokens"]')" = 40 ]
+check "the README's curl example works" $?
+post /v1/completions '{"prompt":"still here","max_tokens":2}'
+[ "$CODE" = 200 ]
+check "the server still serves after the bad inputs ($CODE)" $?
+[ "$(metric 'entmaxkv_requests_total{status="400"}')" -ge 20 ] && [ "$(metric entmaxkv_kv_pages_in_use)" = 0 ]
+check "/metrics counts the 400s; no KV page in use" $?
+kill -TERM "$PID"
+wait "$PID"
+check "SIGTERM on an idle server exits 0" $?
+
+# the shipped model: a request long enough to be caught in flight
+start "$BIG" --queue 1
+curl -sN "$URL/v1/completions" -d '{"prompt":"The LORD said","max_tokens":3000,"stream":true}' >"$TMP/long" &
+CURL=$!
+for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 1 ] && break; sleep 0.1; done
+post /v1/completions '{"prompt":"a","max_tokens":2}'
+[ "$CODE" = 503 ] && grep -q '"code":"overloaded"' "$TMP/body"
+check "a full queue (--queue 1) gets 503 ($CODE)" $?
+for _ in $(seq 100); do [ -s "$TMP/long" ] && break; sleep 0.1; done
+kill "$CURL"
+wait "$CURL" 2>/dev/null
+for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 0 ] && break; sleep 0.1; done
+[ "$(metric entmaxkv_requests_cancelled_total)" = 1 ] && [ "$(metric entmaxkv_kv_pages_in_use)" = 0 ] &&
+    [ "$(metric entmaxkv_generated_tokens_total)" -lt 3000 ]
+check "a client gone mid-stream: its request stops, its pages return (pages in use 0)" $?
+post /v1/completions '{"prompt":"a","max_tokens":2}'
+[ "$CODE" = 200 ]
+check "the server serves the next request ($CODE)" $?
+# SIGTERM while a stream is in flight: it ends whole, then the server exits 0
+curl -sN "$URL/v1/completions" -d '{"prompt":"The LORD said","max_tokens":400,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}' >"$TMP/drain" &
+CURL=$!
+for _ in $(seq 100); do grep -q '"text"' "$TMP/drain" && break; sleep 0.05; done
+kill -TERM "$PID"
+wait "$PID"
+RC=$?
+wait "$CURL"
+python3 - "$TMP/drain" <<'EOF'
+import json, sys
+events = [l[6:] for l in open(sys.argv[1]).read().split("\n\n") if l.startswith("data: ")]
+assert events[-1] == "[DONE]", events[-3:]
+assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+assert json.loads(events[-2])["usage"]["completion_tokens"] == 400
+EOF
+[ $? -eq 0 ] && [ "$RC" = 0 ]
+check "SIGTERM drains the stream in flight (400 tokens, [DONE]) and exits 0 (rc $RC)" $?
+
+echo "test_serve: $((CHECKS - FAILS)) passed, $FAILS failed"
+[ "$FAILS" -eq 0 ]
