@@ -1,6 +1,6 @@
 /* The server's engine (docs/cli.md, "serve"): one worker thread owns the model (its context is
  * single-threaded) and serves the queued requests in turn: prefill, then one decode step per
- * token, sampled as `entmaxkv run` samples (run_sample, the same seed), so an exact method
+ * token, sampled as `entmaxkv run` samples (model_sample, the same seed), so an exact method
  * gives run's text. Each token is published to the request under the engine's mutex for its
  * HTTP thread; a request whose client went away stops at its next token. The sequence is
  * emptied after every request, so the pages in use return to zero between requests. Batching
@@ -128,7 +128,7 @@ static int decode(serve_engine *e, serve_req *r, float *logits) {
     int64_t made = 0;
     for (int64_t i = 0; i < r->p.max_tokens && !stop && !rc; i++) {
         if (cancelled(e, r)) break;
-        int32_t next = run_sample(logits, e->V, r->p.temp, &rng);
+        int32_t next = model_sample(logits, e->V, r->p.temp, &rng);
         pthread_mutex_lock(&e->mu);
         stop = serve_text_push(r, next);
         r->tokens++;
