@@ -1,5 +1,6 @@
-/* Public row-wise entmax: validation, exact tau, probabilities. */
-#include "../core/internal.h"
+/* Public row-wise entmax: validation, exact tau (src/math/entmax_tau.c), probabilities. A public
+ * entry point with the context's messages, so it lives with the API's other ones in core/. */
+#include "internal.h"
 #include <stdlib.h>
 
 ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha) {
