@@ -1,6 +1,7 @@
 /* Public row-wise entmax: validation, exact tau (src/math/entmax_tau.c), probabilities. A public
  * entry point with the context's messages, so it lives with the API's other ones in core/. */
 #include "internal.h"
+#include "../math/entmax_tau.h"
 #include <stdlib.h>
 
 ekv_status ekv_validate_alpha(ekv_context *ctx, double alpha) {

@@ -7,6 +7,7 @@
 #ifndef EKV_CPU_ATTEND_TAIL_H
 #define EKV_CPU_ATTEND_TAIL_H
 #include "../core/internal.h"
+#include "../math/entmax_tau.h"
 #include "kernels.h"
 
 /* The first element of (physical page, KV head) in K or V. */

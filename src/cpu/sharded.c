@@ -13,6 +13,7 @@
 #include "attend.h"
 #include "attend_tail.h"
 #include "sharded.h"
+#include "../math/entmax_tau.h"
 #include <float.h>
 #include <stdlib.h>
 #include <string.h>
