@@ -16,7 +16,7 @@
 #include "../core/internal.h"
 #include "../math/page_bound.h"
 #include "bound.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "ranges.h"
 #include <stdlib.h> /* llabs */
 

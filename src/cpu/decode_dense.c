@@ -13,7 +13,7 @@
  * Workspace lives in the context and is reused across steps.
  */
 #include "../core/internal.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "support.h"
 #include "attend_tail.h"
 #include <stdlib.h>

@@ -18,7 +18,7 @@
 #include "../core/codes.h"
 #include "../cpu/attend.h"
 #include "../cpu/attend_tail.h"
-#include "../cpu/kernels.h"
+#include "../cpu/kernels/kernels.h"
 #include "../cpu/ranges.h"
 #include "../cpu/screen.h"
 #include "../cpu/support.h"

@@ -112,12 +112,3 @@ static void screen_page_scalar(const ekv_screen_page *pg, const float *qs, int64
 const ekv_cpu_kernels ekv_cpu_kernels_scalar = {
         score_scalar,       accum_scalar,         ekv_compact_gt_scalar, ekv_bound_box_scalar,
         ekv_convert_scalar, ekv_exp_shift_scalar, screen_page_scalar};
-
-const ekv_cpu_kernels *ekv_cpu_kernels_for(ekv_isa isa) {
-#if defined(__x86_64__)
-    if (isa == EKV_ISA_AVX512) return &ekv_cpu_kernels_avx512;
-    if (isa == EKV_ISA_AVX2) return &ekv_cpu_kernels_avx2;
-#endif
-    (void)isa;
-    return &ekv_cpu_kernels_scalar;
-}

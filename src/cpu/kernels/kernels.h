@@ -1,11 +1,11 @@
 /*
  * The CPU's inner loops, one implementation per ISA (kernels_scalar.c, kernels_avx2.c,
- * kernels_avx512.c), chosen at run time by ekv_cpu_kernels_for(). Every kernel has the
- * same contract, so the tests can check each ISA against the scalar one and the ref.
+ * kernels_avx512.c), chosen at run time by ekv_cpu_kernels_for() (dispatch.c). Every kernel
+ * has the same contract, so the tests can check each ISA against the scalar one and the ref.
  */
 #ifndef EKV_CPU_KERNELS_H
 #define EKV_CPU_KERNELS_H
-#include "../core/internal.h"
+#include "../../core/internal.h"
 
 struct ekv_screen_page;
 struct ekv_screen_terms;

@@ -13,8 +13,9 @@
  */
 #ifndef EKV_CPU_SCREEN_PAGE_H
 #define EKV_CPU_SCREEN_PAGE_H
-#include "screen.h"
-#include "../core/codes.h"
+#include "../../core/codes.h"
+#include "kernels.h"
+#include "screen_types.h"
 
 /* Rounded up to float: an upper bound must not fall. A bound that is not a number bounds
  * nothing: +inf, so its token survives. The next float is taken on the bits. */
