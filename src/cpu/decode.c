@@ -5,7 +5,7 @@
  * from the workspace.
  */
 #include "../core/method.h"
-#include "attend.h"
+#include "stages/attend.h"
 
 /* A page list for the list methods, in the step arena (attend.h). */
 ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,

@@ -10,8 +10,8 @@
  * multi-GPU step would need.
  */
 #include "../core/method.h"
-#include "attend.h"
-#include "attend_tail.h"
+#include "stages/attend.h"
+#include "stages/attend_tail.h"
 #include "sharded.h"
 #include "../math/entmax_tau.h"
 #include <float.h>

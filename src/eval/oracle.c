@@ -5,7 +5,7 @@
  * per call instead of taking it from the context: the oracle runs only in evaluations, and
  * keeping a buffer that size in the context would pin it for the context's lifetime.
  */
-#include "../cpu/attend.h"
+#include "../cpu/stages/attend.h"
 #include <stdlib.h>
 
 static void oracle_list(const float *pr, int64_t nmax, int64_t ps, int64_t P, int64_t h0,

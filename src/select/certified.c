@@ -13,7 +13,7 @@
  * workspace).
  */
 #include "../core/method.h"
-#include "../cpu/attend.h"
+#include "../cpu/stages/attend.h"
 
 typedef struct {
     int64_t B, H, heads, maxP, cap;

@@ -16,12 +16,12 @@
  * the longest sequence per list, touched only as far as tokens are kept.
  */
 #include "../core/codes.h"
-#include "../cpu/attend.h"
-#include "../cpu/attend_tail.h"
+#include "../cpu/stages/attend.h"
+#include "../cpu/stages/attend_tail.h"
 #include "../cpu/kernels/kernels.h"
-#include "../cpu/ranges.h"
-#include "../cpu/screen.h"
-#include "../cpu/support.h"
+#include "../cpu/stages/ranges.h"
+#include "../cpu/stages/screen.h"
+#include "../cpu/stages/support.h"
 #include "../core/method.h"
 #include <stdlib.h>
 

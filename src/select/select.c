@@ -10,8 +10,8 @@
  * max of U over the group's query heads.
  */
 #include "../core/method.h"
-#include "../cpu/attend.h"
-#include "../cpu/bound.h"
+#include "../cpu/stages/attend.h"
+#include "../cpu/stages/bound.h"
 #include "gaussian_select.h"
 #include <stdlib.h>
 

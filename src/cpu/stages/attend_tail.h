@@ -6,9 +6,9 @@
  */
 #ifndef EKV_CPU_ATTEND_TAIL_H
 #define EKV_CPU_ATTEND_TAIL_H
-#include "../core/internal.h"
-#include "../math/entmax_tau.h"
-#include "kernels/kernels.h"
+#include "../../core/internal.h"
+#include "../../math/entmax_tau.h"
+#include "../kernels/kernels.h"
 
 /* The first element of (physical page, KV head) in K or V. */
 static inline const char *ekv_cpu_page_ptr(const ekv_paged_kv *kv, const void *base, int32_t page,

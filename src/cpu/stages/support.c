@@ -5,7 +5,7 @@
  * and the weights (z - tau)_+^beta of the support.
  */
 #include "support.h"
-#include "../math/entmax_tau.h"
+#include "../../math/entmax_tau.h"
 
 int64_t ekv_cpu_support_weights(int64_t *idx, double *y, int64_t k, double tau_rel, double alpha,
                                 double *wsum) {

@@ -1,7 +1,7 @@
 /* Exact support of one head from kept scores (support.c), shared by the attention stages. */
 #ifndef EKV_CPU_SUPPORT_H
 #define EKV_CPU_SUPPORT_H
-#include "kernels/kernels.h"
+#include "../kernels/kernels.h"
 
 /*
  * From the kept z-space scores z[0..n) of one query head with maximum M: idx[0..sup) the

@@ -12,8 +12,8 @@
  *
  * Workspace lives in the context and is reused across steps.
  */
-#include "../core/internal.h"
-#include "kernels/kernels.h"
+#include "../../core/internal.h"
+#include "../kernels/kernels.h"
 #include "support.h"
 #include "attend_tail.h"
 #include <stdlib.h>

@@ -13,10 +13,10 @@
  * the page statistics stream in address order; each page summary is read once for the G
  * query heads that share it.
  */
-#include "../core/internal.h"
-#include "../math/page_bound.h"
+#include "../../core/internal.h"
+#include "../../math/page_bound.h"
 #include "bound.h"
-#include "kernels/kernels.h"
+#include "../kernels/kernels.h"
 #include "ranges.h"
 #include <stdlib.h> /* llabs */
 

@@ -2,7 +2,7 @@
  * rounded outward) converted to fp32 on the way in, exactly. */
 #ifndef EKV_CPU_RANGES_H
 #define EKV_CPU_RANGES_H
-#include "kernels/kernels.h"
+#include "../kernels/kernels.h"
 
 /* kmin/kmax of one (page, KV head) at flat offset off ((page * Hk + head) * D) as fp32: the
  * stats' own arrays when they are fp32, else buf [2 D] holding the compact ones converted. */

@@ -2,7 +2,7 @@
  * entry points validate their arguments once and then call these, which only assume. */
 #ifndef EKV_CPU_ATTEND_H
 #define EKV_CPU_ATTEND_H
-#include "../core/internal.h"
+#include "../../core/internal.h"
 
 /* What attention over lists produces (attend_pages.c). */
 typedef enum ekv_lists_mode {

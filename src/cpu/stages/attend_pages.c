@@ -8,7 +8,7 @@
  */
 #include "attend.h"
 #include "attend_tail.h"
-#include "kernels/kernels.h"
+#include "../kernels/kernels.h"
 #include "support.h"
 
 typedef struct {

@@ -2,8 +2,8 @@
  * around the per-ISA kernel (kernels/screen_page.h, its arguments in kernels/screen_types.h). */
 #ifndef EKV_CPU_SCREEN_H
 #define EKV_CPU_SCREEN_H
-#include "kernels/kernels.h"
-#include "kernels/screen_types.h"
+#include "../kernels/kernels.h"
+#include "../kernels/screen_types.h"
 
 extern const ekv_screen_terms ekv_screen_exact; /* every term: production's */
 

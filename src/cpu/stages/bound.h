@@ -1,7 +1,7 @@
 /* The CPU bound stage (bound.c), used by the selection policies (src/select). */
 #ifndef EKV_CPU_BOUND_H
 #define EKV_CPU_BOUND_H
-#include "../core/internal.h"
+#include "../../core/internal.h"
 
 /*
  * Page bounds u[(b*H + h)*ustride + p] for pages p in [0, P_b - 1) of every sequence and
