@@ -5,6 +5,7 @@
  * from the workspace.
  */
 #include "../core/method.h"
+#include "select/select.h"
 #include "stages/attend.h"
 
 /* A page list for the list methods, in the step arena (attend.h). */

@@ -17,7 +17,7 @@
 #include "../math/gaussian.h"
 #include "../math/gaussian_core.h"
 #include "../math/shard_select.h"
-#include "../select/gaussian_select.h"
+#include "select/gaussian_select.h"
 #include "stages/bound.h"
 #include "sharded.h"
 #include <stdlib.h>

@@ -13,6 +13,7 @@
  * workspace).
  */
 #include "../core/method.h"
+#include "../cpu/select/select.h"
 #include "../cpu/stages/attend.h"
 
 typedef struct {

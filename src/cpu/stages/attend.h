@@ -48,28 +48,12 @@ ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, con
 ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_table *tab, const float *q,
                                 const ekv_lists_args *args);
-/* A page-list policy: writes list for the step (arguments validated). Every list method
- * has this shape; ekv_cpu_select_run (select.c) dispatches to the one the method table
- * names. */
-typedef ekv_status ekv_list_policy(ekv_context *ctx, const ekv_decode_params *prm,
-                                   const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                   const ekv_page_stats *st, const ekv_page_table *t,
-                                   const float *q, ekv_page_list *list);
-ekv_list_policy ekv_cpu_select_run;
-ekv_list_policy ekv_select_screened; /* src/select/screened.c: pages with a token the codes keep */
 /* Screened decode (src/select/screened.c): the screen's surviving rows (in the step arena),
  * then attention over them. */
 ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q,
                                 float *out, ekv_decode_info *info);
-ekv_list_policy
-        ekv_select_oracle_run; /* src/eval/oracle.c: the dense support's pages (evaluation) */
-/* The checks ekv_select_pages makes beyond the step's (select.c): stats, budgets, list. */
-ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm,
-                               const ekv_select_params *sel, const ekv_paged_kv *kv,
-                               const ekv_page_stats *st, const ekv_page_table *t,
-                               const ekv_page_list *list);
 /* Certified decode (certified.c); its lists and bounds live in the step arena. */
 ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
                                  const ekv_select_params *sel, const ekv_paged_kv *kv,

@@ -1,4 +1,4 @@
-/* The CPU bound stage (bound.c), used by the selection policies (src/select). */
+/* The CPU bound stage (bound.c), used by the selection policies (../select). */
 #ifndef EKV_CPU_BOUND_H
 #define EKV_CPU_BOUND_H
 #include "../../core/internal.h"

@@ -5,7 +5,8 @@
  * per call instead of taking it from the context: the oracle runs only in evaluations, and
  * keeping a buffer that size in the context would pin it for the context's lifetime.
  */
-#include "../cpu/stages/attend.h"
+#include "../stages/attend.h"
+#include "select.h"
 #include <stdlib.h>
 
 static void oracle_list(const float *pr, int64_t nmax, int64_t ps, int64_t P, int64_t h0,

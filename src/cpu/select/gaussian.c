@@ -12,9 +12,9 @@
  *   mixture of page Gaussians with ALiBi-shifted means, then the page rule
  *   a (mu_p + z_page sigma_p) > tau_floor and, for the fixed/corrected modes, the clamp.
  */
-#include "../core/internal.h"
-#include "../math/gaussian.h"
-#include "../math/gaussian_core.h" /* ekv_gauss_auto_margin */
+#include "../../core/internal.h"
+#include "../../math/gaussian.h"
+#include "../../math/gaussian_core.h" /* ekv_gauss_auto_margin */
 #include "gaussian_select.h"
 #include <stdlib.h>
 

@@ -9,9 +9,9 @@
  * (m_h >= 0; a = alpha - 1, or 1 for softmax). With GQA the per-KV-head ranking uses the
  * max of U over the group's query heads.
  */
-#include "../core/method.h"
-#include "../cpu/stages/attend.h"
-#include "../cpu/stages/bound.h"
+#include "../../core/method.h"
+#include "select.h"
+#include "../stages/bound.h"
 #include "gaussian_select.h"
 #include <stdlib.h>
 
