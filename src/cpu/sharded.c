@@ -10,6 +10,7 @@
  * multi-GPU step would need.
  */
 #include "../core/method.h"
+#include "methods/methods.h"
 #include "select/select.h"
 #include "stages/attend.h"
 #include "stages/attend_tail.h"

@@ -33,7 +33,7 @@ typedef struct ekv_topk_agree {
 
 /* The order of the bounds as unsigned integers: key(a) > key(b) iff a > b, and key(a) ==
  * key(b) iff a == b, for all non-NaN floats (-0 is mapped to +0, which compares equal to it:
- * the CPU select's tie rule, src/select/select.c). */
+ * the CPU select's tie rule, src/cpu/select/select.c). */
 EKV_HD uint32_t ekv_bound_key(float u) {
     if (u == 0.0f) u = 0.0f;
 #ifdef __CUDA_ARCH__

@@ -16,6 +16,7 @@
  * the longest sequence per list, touched only as far as tokens are kept.
  */
 #include "../core/codes.h"
+#include "../cpu/methods/methods.h"
 #include "../cpu/select/select.h"
 #include "../cpu/stages/attend.h"
 #include "../cpu/stages/attend_tail.h"

@@ -1,5 +1,6 @@
-/* Attention over page lists and the validated-step runners of the CPU backend. The public
- * entry points validate their arguments once and then call these, which only assume. */
+/* The attend stage of the CPU backend: dense attention and attention over page lists or token
+ * rows. The public entry points validate their arguments once and then call these, which only
+ * assume. */
 #ifndef EKV_CPU_ATTEND_H
 #define EKV_CPU_ATTEND_H
 #include "../../core/internal.h"
@@ -36,27 +37,13 @@ typedef struct ekv_lists_args {
 ekv_status ekv_validate_list(ekv_context *ctx, const ekv_page_table *t, const ekv_page_list *list,
                              int64_t num_heads, int64_t num_kv_heads);
 
-/* A page list for the list methods (per KV head, or per query head), in the step arena. */
-ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,
-                             const ekv_select_params *sel, const ekv_paged_kv *kv,
-                             const ekv_page_table *t, ekv_page_list *list);
-
-/* Runners: arguments already validated (ekv_validate_decode, ekv_decode_supported). */
+/* The stages' runners: arguments already validated (ekv_validate_decode, ekv_decode_supported).
+ * Dense attention over every token (decode_dense.c), and attention over page lists or token
+ * rows (attend_pages.c). */
 ekv_status ekv_cpu_dense_run(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                              const ekv_page_table *tab, const float *q, float *out,
                              ekv_decode_info *info);
 ekv_status ekv_cpu_attend_lists(ekv_context *ctx, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_table *tab, const float *q,
                                 const ekv_lists_args *args);
-/* Screened decode (src/select/screened.c): the screen's surviving rows (in the step arena),
- * then attention over them. */
-ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
-                                const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
-                                float *out, ekv_decode_info *info);
-/* Certified decode (certified.c); its lists and bounds live in the step arena. */
-ekv_status ekv_cpu_certified_run(ekv_context *ctx, const ekv_decode_params *prm,
-                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q,
-                                 float *out, ekv_decode_info *info, ekv_certified_info *ci);
 #endif

@@ -7,14 +7,15 @@
  *            empty the round-1 output *is* dense entmax; otherwise attend over C + R, whose
  *            tau is again a lower bound, so every page left out still has U_p <= tau: done.
  * Round 2 scores only the added pages and solves on the round-1 scores it kept, so K is read
- * once and V once (for the final support) (src/cpu/attend_pages.c, mode CERTIFY). Bounds
- * include the rounding slack of bound.c, so the proof holds for the fp32 scores the kernel
- * computes. Lists, bounds and counters live in the step arena (the stages it runs use the
- * workspace).
+ * once and V once (for the final support) (src/cpu/stages/attend_pages.c, mode CERTIFY).
+ * Bounds include the rounding slack of stages/bound.c, so the proof holds for the fp32 scores
+ * the kernel computes. Lists, bounds and counters live in the step arena (the stages it runs
+ * use the workspace).
  */
-#include "../core/method.h"
-#include "../cpu/select/select.h"
-#include "../cpu/stages/attend.h"
+#include "../../core/method.h"
+#include "../select/select.h"
+#include "../stages/attend.h"
+#include "methods.h"
 
 typedef struct {
     int64_t B, H, heads, maxP, cap;

@@ -4,9 +4,10 @@
  * select method. Page lists live in the context's step arena; each stage takes its scratch
  * from the workspace.
  */
-#include "../core/method.h"
-#include "select/select.h"
-#include "stages/attend.h"
+#include "../../core/method.h"
+#include "../select/select.h"
+#include "../stages/attend.h"
+#include "methods.h"
 
 /* A page list for the list methods, in the step arena (attend.h). */
 ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,
