@@ -14,8 +14,8 @@ ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,
                              const ekv_select_params *sel, const ekv_paged_kv *kv,
                              const ekv_page_table *t, ekv_page_list *list);
 
-/* Screened decode (src/select/screened.c): the screen's surviving rows (in the step arena),
- * then attention over them. */
+/* Screened decode (screened.c): the screen's surviving rows (in the step arena), then
+ * attention over them. */
 ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
                                 const ekv_page_stats *st, const ekv_page_table *t, const float *q,

@@ -7,6 +7,7 @@
 #ifndef EKV_CPU_SELECT_H
 #define EKV_CPU_SELECT_H
 #include "../../core/internal.h"
+#include "../stages/screen_rows.h"
 
 /* A page-list policy: writes list for the step (arguments validated). Every list method
  * has this shape. */
@@ -15,8 +16,14 @@ typedef ekv_status ekv_list_policy(ekv_context *ctx, const ekv_decode_params *pr
                                    const ekv_page_stats *st, const ekv_page_table *t,
                                    const float *q, ekv_page_list *list);
 ekv_list_policy ekv_cpu_select_run;
-ekv_list_policy ekv_select_screened; /* src/select/screened.c: pages with a token the codes keep */
+ekv_list_policy ekv_select_screened;   /* screened.c: pages with a token the codes keep */
 ekv_list_policy ekv_select_oracle_run; /* oracle.c: the dense support's pages (evaluation) */
+/* The rows the screen keeps for the step (screened.c), in the step arena: what the screened
+ * runner attends over, and what ekv_select_screened turns into pages. */
+ekv_status ekv_select_screened_rows(ekv_context *ctx, const ekv_decode_params *prm,
+                                    const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                    const ekv_page_stats *st, const ekv_page_table *t,
+                                    const float *q, ekv_screen_rows *r);
 /* The checks ekv_select_pages makes beyond the step's (select.c): stats, budgets, list. */
 ekv_status ekv_validate_select(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_select_params *sel, const ekv_paged_kv *kv,

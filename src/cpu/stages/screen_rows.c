@@ -1,30 +1,28 @@
 /*
- * Screened decode (docs/math.md §10): the key codes of every page give per-token bounds
- * lo <= z <= hi on the scores the attention computes (src/cpu/screen_page.h); tau(lo) is a
- * lower bound of tau*, so a token with hi <= tau(lo) for every head of its list is outside
- * the support (a NaN bound keeps its token). Attention then reads K for the surviving rows
- * only and solves tau exactly on them, which is dense entmax (§10.3).
+ * The screen of screened decode (docs/math.md §10): the key codes of every page give per-token
+ * bounds lo <= z <= hi on the scores the attention computes (src/cpu/kernels/screen_page.h);
+ * tau(lo) is a lower bound of tau*, so a token with hi <= tau(lo) for every head of its list is
+ * outside the support (a NaN bound keeps its token). Attention then reads K for the surviving
+ * rows only and solves tau exactly on them, which is dense entmax (§10.3; the runner is
+ * src/cpu/methods/screened.c).
  *
  *   phase 1  the screen, page-major as dense scoring is (tasks = sequence x chunk of pages, all
  *            lists of a page together: the ranges and codes stream in address order). Each
  *            (task, list) keeps the running maximum M of its lower bounds and only the tokens
  *            with hi > M - 1 for a head: tau(lo) >= max lo - 1, so the rest cannot survive.
  *   phase 2  per list: tau(lo) per head on the kept lower bounds above max lo - 1, then the
- *            rows whose hi exceeds it, ascending, into the step arena.
+ *            rows whose hi exceeds it, ascending, into the caller's rows (screen_rows.h).
  *
  * The candidates are kept per (list, token slot): the workspace holds one slot per token of
  * the longest sequence per list, touched only as far as tokens are kept.
  */
-#include "../core/codes.h"
-#include "../cpu/methods/methods.h"
-#include "../cpu/select/select.h"
-#include "../cpu/stages/attend.h"
-#include "../cpu/stages/attend_tail.h"
-#include "../cpu/kernels/kernels.h"
-#include "../cpu/stages/ranges.h"
-#include "../cpu/stages/screen.h"
-#include "../cpu/stages/support.h"
-#include "../core/method.h"
+#include "../../core/codes.h"
+#include "../kernels/kernels.h"
+#include "attend_tail.h"
+#include "ranges.h"
+#include "screen.h"
+#include "screen_rows.h"
+#include "support.h"
 #include <stdlib.h>
 
 enum { CHUNK_TOKENS = 2048 };
@@ -50,8 +48,7 @@ typedef struct {
     float *w_range;     /* per worker [2 D]: a compact range as fp32 */
     int64_t *tskip;     /* [ntask] code bytes of the pages the page box dropped (not read) */
     int64_t skipped;    /* their sum, kept past the workspace (the attention reuses it) */
-    ekv_row_lists rl;   /* the rows (step arena) */
-    int64_t *rows, *start, *count, *pairs; /* pairs: surviving (token, head) pairs per list */
+    int64_t *rows, *start, *count, *pairs; /* the caller's rows (screen_rows.h) */
 } screen_job;
 
 static int64_t find_seq(const screen_job *j, int64_t task) {
@@ -380,8 +377,7 @@ static void screen_survivors(void *vp, int64_t li, int worker) {
     j->pairs[li] = pairs;
 }
 
-/* Phase-1 tasks per sequence, the workspace (scratch, candidates, scaled queries) and the
- * rows in the step arena. */
+/* Phase-1 tasks per sequence and the workspace (scratch, candidates, scaled queries). */
 static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) {
     const ekv_page_table *t = j->s.t;
     const int64_t B = j->s.sh.B, W = ctx->n_threads, nl = B * j->heads, nmax = j->nmax;
@@ -464,26 +460,24 @@ static ekv_status screen_setup(ekv_context *ctx, screen_job *j, const float *q) 
                              (ekv_seq_pages(t->indptr, b) + j->chunk_pages - 1) / j->chunk_pages;
     ekv_cpu_scale_queries(j->s.prm, &j->s.sh, q, qs);
     j->qs = qs;
-    const int64_t rsz[4] = {nl * nmax * 8, nl * 8, nl * 8, nl * 8};
-    int64_t roff[4];
-    char *m = ekv_step_blocks(ctx, rsz, 4, roff, "screened rows", &st);
-    if (!m) return st;
-    j->rows = (int64_t *)(m + roff[0]);
-    j->start = (int64_t *)(m + roff[1]);
-    j->count = (int64_t *)(m + roff[2]);
-    j->pairs = (int64_t *)(m + roff[3]);
-    j->rl = (ekv_row_lists){j->heads, j->start, j->count, j->rows};
     return EKV_OK;
 }
 
-/* The screen of the step: j->rl holds the surviving rows of every list. */
+/* The lists of the step (one per KV head, or per query head) and the longest sequence: what
+ * the rows are sized by. */
+static void rows_shape(const ekv_select_params *sel, const ekv_step_shape *sh,
+                       const ekv_page_table *t, int64_t *heads, int64_t *nmax) {
+    *heads = sel->per_query_head ? sh->H : sh->Hk;
+    *nmax = ekv_table_max_len(t->indptr, t->last_page_len, t->batch, sh->ps);
+}
+
+/* The screen of the step into the job's rows. */
 static ekv_status screen_rows(ekv_context *ctx, screen_job *j, const ekv_select_params *sel,
                               const float *q) {
-    j->heads = sel->per_query_head ? j->s.sh.H : j->s.sh.Hk;
+    rows_shape(sel, &j->s.sh, j->s.t, &j->heads, &j->nmax);
     j->Gl = ekv_list_nheads(j->heads, j->s.sh.H, j->s.sh.G);
     ekv_status s = ekv_cpu_check_group(ctx, j->Gl);
     if (s) return s;
-    j->nmax = ekv_table_max_len(j->s.t->indptr, j->s.t->last_page_len, j->s.t->batch, j->s.sh.ps);
     if ((s = screen_setup(ctx, j, q))) return s;
     ekv_pool_run(ctx->pool, j->ntask, screen_chunk, j);
     for (int64_t t = 0; t < j->ntask; t++) j->skipped += j->tskip[t];
@@ -504,62 +498,45 @@ static int64_t screen_bytes(const screen_job *j) {
     return bytes - j->skipped;
 }
 
-/* (page, list) pairs holding a surviving row: the pages whose K the attention touches. */
-static int64_t screen_pages(const screen_job *j) {
-    int64_t n = 0;
-    for (int64_t li = 0; li < j->s.sh.B * j->heads; li++) {
-        const int64_t *r = j->rows + j->start[li];
-        for (int64_t i = 0; i < j->count[li]; i++)
-            n += i == 0 || r[i] / j->s.sh.ps != r[i - 1] / j->s.sh.ps;
-    }
-    return n;
-}
-
 static int64_t screen_pairs(const screen_job *j) {
     int64_t n = 0;
     for (int64_t li = 0; li < j->s.sh.B * j->heads; li++) n += j->pairs[li];
     return n;
 }
 
-ekv_status ekv_cpu_screened_run(ekv_context *ctx, const ekv_decode_params *prm,
-                                const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
-                                float *out, ekv_decode_info *info) {
-    screen_job j = {.s = ekv_cpu_step_of(ctx, prm, kv, t), .st = st};
-    ekv_status s = ekv_check_stats(ctx, ekv_method_info_of(sel->method), 0, kv, st);
-    if (!s) s = screen_rows(ctx, &j, sel, q);
-    if (s) return s;
-    const ekv_lists_args a = {.mode = EKV_LISTS_OUTPUT, .rows = &j.rl, .out = out, .info = info};
-    s = ekv_cpu_attend_lists(ctx, prm, kv, t, q, &a);
-    if (!s && info) {
-        info->bytes_summary = screen_bytes(&j);
-        info->survivors = screen_pairs(&j);
-        info->pages_touched = screen_pages(&j);
-    }
-    return s;
+void ekv_cpu_screen_rows_sizes(const ekv_decode_params *prm, const ekv_select_params *sel,
+                               const ekv_paged_kv *kv, const ekv_page_table *t, int64_t *sz) {
+    const ekv_step_shape sh = ekv_step_shape_of(prm, kv, t);
+    int64_t heads, nmax;
+    rows_shape(sel, &sh, t, &heads, &nmax);
+    sz[0] = t->batch * heads * nmax * 8;          /* rows */
+    sz[1] = sz[2] = sz[3] = t->batch * heads * 8; /* start, count, pairs */
 }
 
-/* The page-list form (ekv_select_pages): every page holding a surviving row, the last page
- * always. Attention over these pages is exact too; the decode path reads the rows only. */
-ekv_status ekv_select_screened(ekv_context *ctx, const ekv_decode_params *prm,
+ekv_status ekv_cpu_screen_rows(ekv_context *ctx, const ekv_decode_params *prm,
                                const ekv_select_params *sel, const ekv_paged_kv *kv,
                                const ekv_page_stats *st, const ekv_page_table *t, const float *q,
-                               ekv_page_list *list) {
-    screen_job j = {.s = ekv_cpu_step_of(ctx, prm, kv, t), .st = st};
+                               ekv_screen_rows *r) {
+    screen_job j = {.s = ekv_cpu_step_of(ctx, prm, kv, t),
+                    .st = st,
+                    .rows = r->rows,
+                    .start = r->start,
+                    .count = r->count,
+                    .pairs = r->pairs};
     ekv_status s = screen_rows(ctx, &j, sel, q);
     if (s) return s;
-    const int64_t ps = j.s.sh.ps;
-    int64_t w = 0;
-    list->indptr[0] = 0;
-    for (int64_t li = 0; li < j.s.sh.B * j.heads; li++) {
-        const int64_t P = ekv_seq_pages(t->indptr, li / j.heads), *r = j.rows + j.start[li];
-        int64_t last = -1;
-        for (int64_t i = 0; i < j.count[li]; i++)
-            if (r[i] / ps != last) list->pages[w++] = (int32_t)(last = r[i] / ps);
-        if (last != P - 1) list->pages[w++] = (int32_t)(P - 1);
-        list->indptr[li + 1] = w;
-    }
-    list->bytes_summary = screen_bytes(&j);
-    list->survivors = screen_pairs(&j);
+    r->rl = (ekv_row_lists){j.heads, j.start, j.count, j.rows};
+    r->bytes_summary = screen_bytes(&j);
+    r->survivors = screen_pairs(&j);
     return EKV_OK;
+}
+
+int64_t ekv_cpu_screen_row_pages(const ekv_row_lists *rl, int64_t lists, int64_t page_size) {
+    int64_t n = 0;
+    for (int64_t li = 0; li < lists; li++) {
+        const int64_t *r = rl->rows + rl->start[li];
+        for (int64_t i = 0; i < rl->count[li]; i++)
+            n += i == 0 || r[i] / page_size != r[i - 1] / page_size;
+    }
+    return n;
 }
