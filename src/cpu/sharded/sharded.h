@@ -5,8 +5,8 @@
  */
 #ifndef EKV_CPU_SHARDED_H
 #define EKV_CPU_SHARDED_H
-#include "../core/internal.h"
-#include "../math/shard_agree.h"
+#include "../../core/internal.h"
+#include "../../math/shard_agree.h"
 
 enum { EKV_SHARD_MAX = 64 };
 

@@ -13,12 +13,12 @@
  * The page bounds and moments are per page, each from its page's statistics alone, so the
  * simulation computes them once for all pages: what shard j reads of them is its own pages'.
  */
-#include "../core/method.h"
-#include "../math/gaussian.h"
-#include "../math/gaussian_core.h"
-#include "../math/shard_select.h"
-#include "select/gaussian_select.h"
-#include "stages/bound.h"
+#include "../../core/method.h"
+#include "../../math/gaussian.h"
+#include "../../math/gaussian_core.h"
+#include "../../math/shard_select.h"
+#include "../select/gaussian_select.h"
+#include "../stages/bound.h"
 #include "sharded.h"
 #include <stdlib.h>
 

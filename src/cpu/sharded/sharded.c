@@ -9,13 +9,13 @@
  * The collectives count their rounds and the bytes each shard contributes: the communication a
  * multi-GPU step would need.
  */
-#include "../core/method.h"
-#include "methods/methods.h"
-#include "select/select.h"
-#include "stages/attend.h"
-#include "stages/attend_tail.h"
+#include "../../core/method.h"
+#include "../methods/methods.h"
+#include "../select/select.h"
+#include "../stages/attend.h"
+#include "../stages/attend_tail.h"
 #include "sharded.h"
-#include "../math/entmax_tau.h"
+#include "../../math/entmax_tau.h"
 #include <float.h>
 #include <stdlib.h>
 #include <string.h>
