@@ -1,7 +1,8 @@
 /*
  * Exact alpha-entmax thresholds on a set of kept scores (entmax_tau.c, docs/math.md §8, 9.8),
- * and the weight of one score given tau. math/ is the bottom of the library's layering: it
- * includes nothing of src/ above it, only the public status codes.
+ * and the weight of one score given tau. math/ is the bottom of the library's layering
+ * (docs/architecture.md, "Source layout"): it includes nothing of src/, only the public status
+ * codes.
  */
 #ifndef EKV_MATH_ENTMAX_TAU_H
 #define EKV_MATH_ENTMAX_TAU_H
