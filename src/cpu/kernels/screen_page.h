@@ -92,7 +92,7 @@ typedef void ekv_code_dots_fn(const uint8_t *block, int64_t page_size, int64_t n
 /*
  * The page's bounds, for one ISA: its code dots come in. C0 = <q', centre>, e = <|q'|, W>
  * (times 1 + 2 gamma: a sum of non-negative terms in fp32), and the code weights w' = q' s.
- * The scratch layout is that of screen.h.
+ * The scratch layout is that of screen_types.h.
  */
 static inline void ekv_screen_page_impl(ekv_code_dots_fn *dots, ekv_screen_dots2_fn *dots2,
                                         const ekv_screen_page *pg, const float *qs, int64_t ldq,

@@ -8,7 +8,7 @@
  *            tau is again a lower bound, so every page left out still has U_p <= tau: done.
  * Round 2 scores only the added pages and solves on the round-1 scores it kept, so K is read
  * once and V once (for the final support) (src/cpu/stages/attend_pages.c, mode CERTIFY).
- * Bounds include the rounding slack of stages/bound.c, so the proof holds for the fp32 scores
+ * Bounds include the rounding slack of ../stages/bound.c, so the proof holds for the fp32 scores
  * the kernel computes. Lists, bounds and counters live in the step arena (the stages it runs
  * use the workspace).
  */

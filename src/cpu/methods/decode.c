@@ -9,7 +9,7 @@
 #include "../stages/attend.h"
 #include "methods.h"
 
-/* A page list for the list methods, in the step arena (attend.h). */
+/* A page list for the list methods, in the step arena (methods.h). */
 ekv_status ekv_cpu_step_list(ekv_context *ctx, const ekv_decode_params *prm,
                              const ekv_select_params *sel, const ekv_paged_kv *kv,
                              const ekv_page_table *t, ekv_page_list *list) {

@@ -85,7 +85,7 @@ static void shard_partial(const head_job *hj, int j, double tau, double *pj) {
 }
 
 /* tau of the union of the shards' scores by the collectives of docs/math.md §11
- * (../math/shard_agree.h): a bracket that each round of moments narrows, with the closed-form
+ * (src/math/shard_agree.h): a bracket that each round of moments narrows, with the closed-form
  * root chi checked on the next round. That round also carries each shard's part of the merge
  * at chi (speculatively), so when the check passes the merge is done: *merged (D + 2 sums)
  * is then set and *merged_ok = 1. loc: S (8 + D) doubles of scratch. alpha > 1. */

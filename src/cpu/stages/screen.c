@@ -1,7 +1,8 @@
 /*
  * The screen (docs/math.md §10.2): per-token lower and upper bounds on the fp32 scores from
- * the b-bit key codes, without reading K. The page's bound is written once in screen_page.h
- * and compiled per ISA (kern->screen_page); this file holds what is done once per list.
+ * the b-bit key codes, without reading K. The page's bound is written once in
+ * ../kernels/screen_page.h and compiled per ISA (kern->screen_page); this file holds what is
+ * done once per list.
  */
 #include "screen.h"
 

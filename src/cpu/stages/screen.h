@@ -1,5 +1,5 @@
 /* Per-token score bounds from the key codes (screen.c, docs/math.md §10.2): the stage's calls
- * around the per-ISA kernel (kernels/screen_page.h, its arguments in kernels/screen_types.h). */
+ * around the per-ISA kernel (../kernels/screen_page.h, its arguments in screen_types.h there). */
 #ifndef EKV_CPU_SCREEN_H
 #define EKV_CPU_SCREEN_H
 #include "../kernels/kernels.h"
