@@ -7,11 +7,12 @@ headers are not part of the graph), then fails (exit 1) when
   * the folders include each other in a circle, or files do;
   * an arrow goes from a lower layer to a higher one, or between two rooms of one layer;
   * a folder is in no layer.
-LAYERS below is the layering, top first (docs/architecture.md, "Source layout"). A layer's entry
+LAYERS in this script is the layering, top first (docs/architecture.md, "Source layout"). A layer's entry
 names a folder and every folder inside it that has no entry of its own, so the rooms inside a
 folder (src/cuda/...) may include each other freely, without a circle.
 Usage: scripts/include_graph.py [SRC_DIR]   (default: the src/ beside this script)
 """
+import argparse
 import os
 import re
 import sys
@@ -109,8 +110,15 @@ def circles(graph):
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
-    src = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "src"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\nUsage:")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", nargs="?", default=os.path.join(here, "..", "src"),
+                    help="the source folder (default: the src/ beside this script)")
+    src = os.path.abspath(ap.parse_args().src)
     files = file_graph(src)
+    if not files:
+        print(f"include_graph: no C, CUDA or header files under {src}")
+        return 1
     folders = {}
     for f, targets in files.items():
         a = os.path.dirname(f)
