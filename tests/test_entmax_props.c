@@ -8,6 +8,7 @@
  * row API.
  */
 #include "core/internal.h"
+#include "math/entmax_tau.h"
 #include "test_util.h"
 #include <string.h>
 

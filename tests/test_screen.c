@@ -13,8 +13,8 @@
  */
 #include "entmaxkv.h"
 #include "core/codes.h"
-#include "cpu/attend_tail.h"
-#include "cpu/screen.h"
+#include "cpu/stages/attend_tail.h"
+#include "cpu/stages/screen.h"
 #include "test_util.h"
 #include <string.h>
 

@@ -1,7 +1,7 @@
 /* ekv_cache_append: validate, reserve pages, write K/V in the storage dtype, update the
  * summaries. Either everything is appended or nothing changes. */
 #include "cache_internal.h"
-#include "../cpu/kernels.h"
+#include "../cpu/kernels/kernels.h"
 #include <stdlib.h>
 
 typedef struct {

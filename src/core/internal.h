@@ -5,7 +5,6 @@
 #include "entmaxkv.h"
 #include "geometry.h"
 #include "stats_rules.h"
-#include "../math/shard_agree.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -223,29 +222,6 @@ static inline void ekv_store_f32(void *base, ekv_dtype dt, int64_t i, float v) {
 
 static inline int ekv_dtype_valid(ekv_dtype dt) {
     return dt == EKV_DTYPE_F32 || dt == EKV_DTYPE_F16 || dt == EKV_DTYPE_BF16;
-}
-
-/* ---- exact thresholds on kept scores (src/math/entmax_tau.c) ---- */
-/*
- * Solves tau for z-space scores z[0..n) (masked entries are -INFINITY) and alpha.
- * scratch must hold ekv_tau_scratch_doubles(n) doubles (the candidate values).
- * Returns EKV_OK, EKV_ERR_NAN_INPUT or EKV_ERR_EMPTY_INPUT.
- * For alpha == 1, tau is log-sum-exp and support counts finite entries.
- */
-int64_t ekv_tau_scratch_doubles(int64_t n);
-ekv_status ekv_tau_exact_f32(const float *z, int64_t n, double alpha, double *scratch,
-                             double *tau_out, int64_t *support_out);
-ekv_status ekv_tau_exact_f64(const double *z, int64_t n, double alpha, double *scratch,
-                             double *tau_out, int64_t *support_out);
-/* tau relative to the maximum, from the candidates y = z - max(z) with y > -1 (the
- * maximum itself included, y = 0). Reorders/overwrites y. alpha > 1. */
-double ekv_tau_candidates(double *y, int64_t k, double alpha);
-/* ekv_entmax_pow (d^(1/(alpha-1)), the unnormalised weight of a token d above tau) lives in
- * ../math/shard_agree.h, which the CUDA backend shares. Probability of one entry given tau (z-space). alpha == 1: exp(z - tau). */
-static inline double ekv_entmax_weight(double z, double tau, double alpha) {
-    if (alpha == 1.0) return exp(z - tau);
-    double d = z - tau;
-    return d > 0 ? ekv_entmax_pow(d, alpha) : 0.0;
 }
 
 /* ---- the sizes every decode stage derives from its (validated) arguments ---- */

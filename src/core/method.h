@@ -1,8 +1,9 @@
 /*
  * The method table (docs/architecture.md, "Methods and the stage table"): which stages each
  * select method runs, which backends serve it, and what it needs. The CPU entry point
- * (src/cpu/decode.c), the CUDA step (src/cuda/decode.cu), the model engine and the tools all
- * read this one table, and ekv_decode_supported (method.c) is the one check they all run.
+ * (src/cpu/methods/decode.c), the CUDA step (src/cuda/decode.cu), the model engine and the
+ * tools all read this one table, and ekv_decode_supported (method.c) is the one check they all
+ * run.
  */
 #ifndef EKV_METHOD_H
 #define EKV_METHOD_H

@@ -1,5 +1,5 @@
 /*
- * attend stage on the GPU, shared pieces (mirrors src/cpu/attend_pages.c and decode_dense.c;
+ * attend stage on the GPU, shared pieces (mirrors src/cpu/stages/attend_pages.c and decode_dense.c;
  * docs/math.md §9.7, docs/architecture.md, "Backends"). Per step, entmax (alpha > 1) runs four
  * kernels: scores:     grid (split, KV head), a sequence's splits by its length (ekv_seq_splits).
  *               Reads K of the listed pages once for the whole GQA group (a cp.async

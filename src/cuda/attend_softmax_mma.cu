@@ -1,6 +1,6 @@
 /*
  * Softmax (alpha = 1) in one pass over K and V on tensor cores (docs/math.md §3.9, "One-pass
- * softmax"; the CPU counterpart is src/cpu/decode_dense.c's softmax). For f16/bf16 K and V,
+ * softmax"; the CPU counterpart is src/cpu/stages/decode_dense.c's softmax). For f16/bf16 K and V,
  * head dims 64 and 128, page sizes that are multiples of 16; other shapes take the two-pass
  * path (scores, log-sum-exp, values).
  *

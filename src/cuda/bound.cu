@@ -1,5 +1,5 @@
 /*
- * bound stage on the GPU (mirrors src/cpu/bound.c; docs/math.md §2.3, 9.5): an upper bound of every
+ * bound stage on the GPU (mirrors src/cpu/stages/bound.c; docs/math.md §2.3, 9.5): an upper bound of every
  * page's z-space scores but the last, per query head, and its max over the GQA group (the
  * key that ranks pages for a KV-head list). Four lanes per (page, KV head), eight pages per
  * warp pass; the page's summaries (kmin, kmax and, with the ball, kmean and the radius) are
@@ -78,7 +78,7 @@ __device__ __forceinline__ void page_partials(const bound_args &A, const float *
     }
 }
 
-/* Superpages (docs/math.md §9.6, as src/cpu/bound.c): page p (logical, physical `phys`) takes
+/* Superpages (docs/math.md §9.6, as src/cpu/stages/bound.c): page p (logical, physical `phys`) takes
  * its superpage's bound, and its own summaries are not read, when that bound is already <=
  * tau_lb for every head of the group; spu[g] = the superpage bound of head g with p's ALiBi
  * term and slack, rounded up. Warp-collective: the pages of a pass that share a superpage

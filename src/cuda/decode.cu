@@ -1,5 +1,5 @@
 /*
- * The CUDA decode step (mirrors src/cpu/decode.c): plan creation (every buffer, once, from
+ * The CUDA decode step (mirrors src/cpu/methods/decode.c): plan creation (every buffer, once, from
  * one table), validation on the host from static shapes only (ekv_decode_supported, the
  * check every backend runs, then the plan's shapes), and the launches of the stages the
  * method table (src/core/method.c) lists for the select method:
@@ -303,7 +303,7 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     return ekv_check_kv_view(ctx, kv); /* the CPU's rules: offsets fit int64 */
 }
 
-/* Certified round 0 (docs/math.md §9.6, as src/select/certified.c): tau over the last
+/* Certified round 0 (docs/math.md §9.6, as src/cpu/methods/certified.c): tau over the last
  * recent_pages + 1 pages (4 without recent pages) is a lower bound of tau*, so the bound stage
  * can skip the summaries of every superpage already below it. 4 launches: the list (top-k with
  * no budget, only the recent pages), scores, tau. */

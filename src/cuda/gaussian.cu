@@ -1,5 +1,5 @@
 /*
- * The Gaussian-aware selector on the GPU (mirrors src/select/gaussian.c; docs/math.md §4.2-4.9,
+ * The Gaussian-aware selector on the GPU (mirrors src/cpu/select/gaussian.c; docs/math.md §4.2-4.9,
  * exact tau mode): pages whose upper score quantile a (mu_p + z_page sigma_p) clears the floor
  * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for some query head of the group.
  *   moments: one warp per (page, KV head): mu_p = <q', kmean_p>, sigma_p^2 =
@@ -120,7 +120,7 @@ __device__ double mixture_F_block(void *vp, double tau, double *F1, double *F2) 
     return m->w * f - 1;
 }
 
-/* ALiBi (as src/select/gaussian.c): shift head bh's page means to their centres' bias, then
+/* ALiBi (as src/cpu/select/gaussian.c): shift head bh's page means to their centres' bias, then
  * tau-hat of the mixture and u_avg over the shifted means. Block-wide. */
 __device__ double alibi_tau(const gr_args &A, int64_t bh, int64_t h, const ekv_seq_geom &sg,
                             int64_t Ps, int64_t n, double *scratch, double *uavg) {

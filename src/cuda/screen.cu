@@ -1,5 +1,5 @@
 /*
- * Screened decode on the GPU, on token rows (mirrors src/select/screened.c and the CPU's row
+ * Screened decode on the GPU, on token rows (mirrors src/cpu/stages/screen_rows.c and the CPU's row
  * attention; docs/math.md §10), with no host round trip:
  *   memset:  the step's counters (the running maxima as ordered keys, the candidate counts).
  *   screen:  grid (page chunk, sequence x KV head). The fast kernel (page size a multiple of 16,

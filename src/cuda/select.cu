@@ -1,5 +1,5 @@
 /*
- * select stage on the GPU (mirrors src/select/select.c and certified.c): page lists are
+ * select stage on the GPU (mirrors src/cpu/select/select.c and src/cpu/methods/certified.c): page lists are
  * written on the device, with no host round trip, into buffers sized at plan time.
  *   topk:   one block per (sequence, KV head). The k-th largest bound is found by a radix
  *           select over the fp32 bit patterns (4 passes of 8 bits, histograms in shared

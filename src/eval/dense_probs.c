@@ -4,7 +4,8 @@
  * (ekv_delta_bound, docs/math.md §9.4).
  */
 #include "../core/method.h"
-#include "../cpu/attend.h"
+#include "../cpu/stages/attend.h"
+#include "../math/entmax_tau.h"
 
 ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *prm, const ekv_paged_kv *kv,
                            const ekv_page_table *tab, const float *q, int64_t stride, float *p,

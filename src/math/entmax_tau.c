@@ -16,7 +16,7 @@
  *   other alpha safeguarded Halley/Newton with bisection in the bracket
  *               [-1, -k^(1-alpha)] until the bracket is at double precision.
  */
-#include "../core/internal.h"
+#include "entmax_tau.h"
 #include <stdlib.h>
 
 int64_t ekv_tau_scratch_doubles(int64_t n) { return n > 0 ? n : 1; }

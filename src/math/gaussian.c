@@ -10,9 +10,9 @@
  *   m3_ref = (mu^3 + 3 mu s^2) Phi + (s^3 + 2 mu^2 s) phi       (the reference's, docs/math.md §6.1-1),
  * and F(tau) = w * E[(aS - tau)_+^beta] - 1 with beta = 1/(alpha-1) in {1, 2, 3}.
  */
-#include "../core/internal.h"
 #include "gaussian.h"
 #include "gaussian_core.h"
+#include <math.h>
 
 double ekv_normal_quantile(double p) {
     if (!(p > 0 && p < 1)) return p == 0 ? -INFINITY : p == 1 ? INFINITY : NAN;

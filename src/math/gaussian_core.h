@@ -8,6 +8,7 @@
 #ifndef EKV_MATH_GAUSSIAN_CORE_H
 #define EKV_MATH_GAUSSIAN_CORE_H
 #include <math.h>
+#include <stddef.h> /* NULL */
 #include <stdint.h>
 
 #include "hd.h"

@@ -1,13 +1,13 @@
 /*
  * The page selection of context-parallel decode (docs/math.md §11), written once for the CPU
- * simulation (src/cpu/sharded_select.c) and the CUDA sharded plan (src/cuda/sharded_select.cu): the
- * agreement on a global top-k by page bound, and nothing else. Every shard holds the bounds of
- * its own pages; the k-th largest key T over all shards is found digit by digit (8 bits a
- * level, most significant first) from histograms that are sums over pages (one allreduce-sum
- * of 256 counts per list and level), every shard applying the same update to the same reduced
- * histogram. Ties at T are taken in page order: shards hold contiguous page ranges in order,
- * so an allreduce of each shard's tie count (one slot per shard) gives every shard the ties
- * before its own. C and CUDA (host and device).
+ * simulation (src/cpu/sharded/sharded_select.c) and the CUDA sharded plan
+ * (src/cuda/sharded_select.cu): the agreement on a global top-k by page bound, and nothing
+ * else. Every shard holds the bounds of its own pages; the k-th largest key T over all shards
+ * is found digit by digit (8 bits a level, most significant first) from histograms that are
+ * sums over pages (one allreduce-sum of 256 counts per list and level), every shard applying
+ * the same update to the same reduced histogram. Ties at T are taken in page order: shards
+ * hold contiguous page ranges in order, so an allreduce of each shard's tie count (one slot
+ * per shard) gives every shard the ties before its own. C and CUDA (host and device).
  */
 #ifndef EKV_SHARD_SELECT_H
 #define EKV_SHARD_SELECT_H
@@ -33,7 +33,7 @@ typedef struct ekv_topk_agree {
 
 /* The order of the bounds as unsigned integers: key(a) > key(b) iff a > b, and key(a) ==
  * key(b) iff a == b, for all non-NaN floats (-0 is mapped to +0, which compares equal to it:
- * the CPU select's tie rule, src/select/select.c). */
+ * the CPU select's tie rule, src/cpu/select/select.c). */
 EKV_HD uint32_t ekv_bound_key(float u) {
     if (u == 0.0f) u = 0.0f;
 #ifdef __CUDA_ARCH__

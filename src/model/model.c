@@ -12,7 +12,7 @@
 #include "model_internal.h"
 #include "model_gpu.h"
 #include "../core/method.h"
-#include "../cpu/kernels.h"
+#include "../cpu/kernels/kernels.h"
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
