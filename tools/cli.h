@@ -337,6 +337,13 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
 int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, int32_t seq,
                    const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
                    void *arg, int64_t *fed);
+/* A model_logits_fn (arg: a model_last_row) that copies the logits of position pos out of its
+ * chunk into out: what a prefill needs to sample the first new token. */
+typedef struct {
+    float *out;
+    int64_t pos, V;
+} model_last_row;
+void model_keep_last_row(void *arg, int64_t start, int64_t c, const float *logits);
 /* The whole file, NUL-terminated (*len excludes the NUL), or NULL. */
 char *cli_read_file(const char *path, int64_t *len);
 int cmd_run(int argc, char **argv);

@@ -478,3 +478,9 @@ void model_method_label(char *buf, size_t n, ekv_select_method m, double budget)
     else
         snprintf(buf, n, "%s", ekv_method_name(m));
 }
+
+void model_keep_last_row(void *arg, int64_t start, int64_t c, const float *logits) {
+    model_last_row *r = arg;
+    if (r->pos >= start && r->pos < start + c)
+        memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
+}

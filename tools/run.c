@@ -57,17 +57,6 @@ typedef struct {
     ekv_model_stats st;
 } phase;
 
-/* model_feed callback: copies the logits of position `pos` out of its chunk. */
-typedef struct {
-    float *out;
-    int64_t pos, V;
-} last_row;
-static void keep_last_row(void *arg, int64_t start, int64_t c, const float *logits) {
-    last_row *r = arg;
-    if (r->pos >= start && r->pos < start + c)
-        memcpy(r->out, logits + (r->pos - start) * r->V, sizeof(float) * (size_t)r->V);
-}
-
 static void print_phase(const char *what, const char *label, const phase *p, ekv_backend be) {
     printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s", what, label, (long long)p->tokens,
            p->seconds, p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0);
@@ -209,8 +198,9 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
         } else if (!o->quiet)
             fprintf(stderr, "  [a %lld-byte prompt]\n", (long long)plen);
         const double t0 = cli_now_seconds();
-        last_row lr = {logits, plen - 1, V};
-        rc = model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, keep_last_row, &lr, NULL);
+        model_last_row lr = {logits, plen - 1, V};
+        rc = model_feed("run", "prefill", ctx, m, tok, plen, plen - 1, model_keep_last_row, &lr,
+                        NULL);
         pre.seconds = cli_now_seconds() - t0;
         pre.tokens = plen;
         ekv_model_get_stats(m, -1, &pre.st);

@@ -87,16 +87,6 @@ static int cancelled(serve_engine *e, serve_req *r) {
     return c;
 }
 
-typedef struct {
-    float *out;
-    int64_t pos, V;
-} last_row;
-static void keep_last(void *arg, int64_t start, int64_t c, const float *logits) {
-    last_row *lr = arg;
-    if (lr->pos >= start && lr->pos < start + c)
-        memcpy(lr->out, logits + (lr->pos - start) * lr->V, sizeof(float) * (size_t)lr->V);
-}
-
 /* The prompt through the model (in run's chunks, so the logits are run's); 0 or 1. */
 static int prefill(serve_engine *e, serve_req *r, float *logits) {
     const int64_t n = r->p.prompt_len;
@@ -106,10 +96,10 @@ static int prefill(serve_engine *e, serve_req *r, float *logits) {
         return 1;
     }
     ekv_model_tokenize(r->p.prompt, n, tok);
-    last_row lr = {logits, n - 1, e->V};
+    model_last_row lr = {logits, n - 1, e->V};
     const double t0 = cli_now_seconds();
-    const int rc = model_feed_seq("serve", "prefill", e->ctx, e->m, 0, tok, n, n - 1, keep_last,
-                                  &lr, NULL);
+    const int rc = model_feed_seq("serve", "prefill", e->ctx, e->m, 0, tok, n, n - 1,
+                                  model_keep_last_row, &lr, NULL);
     free(tok);
     if (rc) fail_req(e, r, 500, ekv_last_error(e->ctx));
     pthread_mutex_lock(&e->metrics.mu);
