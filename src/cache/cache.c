@@ -220,8 +220,9 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     if (code_bytes) c->codes = pool_alloc((size_t)code_bytes);
     c->free_pages = malloc((size_t)params->num_pages * sizeof(int32_t));
     c->seqs = calloc((size_t)params->max_seqs, sizeof *c->seqs);
-    if (!c->k || !c->v || !c->kmin || !c->kmax || (compact && (!c->kmin16 || !c->kmax16 || !c->kmean16 || !c->radius16)) ||
-        !c->kmean || !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax || !c->in_super)) ||
+    if (!c->k || !c->v || !c->kmin || !c->kmax ||
+        (compact && (!c->kmin16 || !c->kmax16 || !c->kmean16 || !c->radius16)) || !c->kmean ||
+        !c->km2 || !c->radius || (nsp && (!c->smin || !c->smax || !c->in_super)) ||
         (code_bytes && !c->codes) || !c->count || !c->free_pages || !c->seqs) {
         ekv_cache_free(c);
         return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY,
@@ -317,22 +318,22 @@ static ekv_status seq_read_run(const ekv_cache *c, int32_t seq, int64_t *len_out
     return EKV_OK;
 }
 
-ekv_status ekv_cache_seq_length(const ekv_cache *c, int32_t seq, int64_t *len_out) {
-    if (!c || !len_out)
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
-                        !c ? "cache" : "len_out");
+/* The checks and the guard of the two sequence reads (out names the caller's output). */
+static ekv_status seq_read(const ekv_cache *c, int32_t seq, int64_t *len_out, uint64_t *version_out,
+                           const char *out) {
+    if (!c || (!len_out && !version_out))
+        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL", !c ? "cache" : out);
     ekv_status st = EKV_OK;
-    EKV_GUARDED(c->ctx, st, seq_read_run(c, seq, len_out, NULL));
+    EKV_GUARDED(c->ctx, st, seq_read_run(c, seq, len_out, version_out));
     return st;
 }
 
+ekv_status ekv_cache_seq_length(const ekv_cache *c, int32_t seq, int64_t *len_out) {
+    return seq_read(c, seq, len_out, NULL, "len_out");
+}
+
 ekv_status ekv_cache_seq_version(const ekv_cache *c, int32_t seq, uint64_t *version_out) {
-    if (!c || !version_out)
-        return ekv_fail(c ? c->ctx : NULL, EKV_ERR_NULL_POINTER, "%s is NULL",
-                        !c ? "cache" : "version_out");
-    ekv_status st = EKV_OK;
-    EKV_GUARDED(c->ctx, st, seq_read_run(c, seq, NULL, version_out));
-    return st;
+    return seq_read(c, seq, NULL, version_out, "version_out");
 }
 
 static ekv_status kv_view_run(const ekv_cache *c, ekv_paged_kv *kv, ekv_page_stats *stats) {
