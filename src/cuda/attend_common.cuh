@@ -16,10 +16,11 @@
  *   values:     grid (split, query head), or (split, KV head) reading each row of the group's
  *               support union once. Reads V only for the support rows and adds the partial
  *               outputs atomically (tau is global, so they simply sum).
- * When a head has more than cand_cap candidates (flat attention), its list is rebuilt from the
- * scores above a lower bound of tau (compact_list in attend_tau.cu; ekv_cuda_report
- * .compacted_rows counts them); only when those overflow the list too are tau and the support
- * taken from the whole score row (ekv_cuda_report.slow_rows counts them). If the support itself
+ * When a head has more than cand_cap candidates (flat attention), every split lists again the
+ * scores above a lower bound of tau from the candidates' histogram (the refine pass of
+ * cand_kernel in attend_tau.cu; ekv_cuda_report .compacted_rows counts them); when those
+ * overflow too, the tau kernel's block tries finer bounds (compact_list), and only then are tau
+ * and the support taken from the whole score row (ekv_cuda_report.slow_rows counts them). If the support itself
  * exceeds the cap, the values kernel scans the score row (slow, but exact).
  * Softmax (alpha = 1) keeps every token: scores -> log-sum-exp over the row -> values over
  * every row (tau_softmax_kernel, values_dense_kernel).

@@ -6,18 +6,28 @@
 
 namespace {
 
-/* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ---- */
+/* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ----
+ * A flat head has more of them than its list holds (real attention: most keys of a layer-0
+ * head within 1 of its max). Its list is then rebuilt by every split, not by one block: the
+ * candidates kernel also counts them into the row's histogram of y = z - M (cand_hist), the
+ * row's last block to finish turns the counts into a lower bound of tau (hist_count_bound,
+ * docs/math.md §9.1, within two bins of it), and the refine pass (the same kernel with REFINE)
+ * lists the scores above that bound: the support and a few bins more. */
 struct cand_args : ekv_cuda_shape {
     ekv_paged_kv kv;
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
     int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
     int round;             /* round 1: round 1's entries; 3: everything listed */
     int64_t ccap;
+    double alpha;
     const int32_t *list_count;
     const float *scores, *split_max;
     float *cand_z;
     int64_t *cand_slot; /* the token's score slot */
     int32_t *cand_count;
+    uint32_t *hist, *done; /* the plan's cand_hist and cand_done (zero between steps) */
+    float *thr;            /* cand_thr: written by a row's last block, read by REFINE */
+    int32_t *refine_count;
 };
 
 enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 values per thread and batch */
@@ -29,21 +39,84 @@ template <bool VEC> __device__ __forceinline__ int64_t cand_slot(int64_t base, i
     return VEC ? base + 4 * ((k >> 2) * 32 + lane) + (k & 3) : base + k * 32 + lane;
 }
 
-/* VEC: the score rows and every split boundary are multiples of 4 slots (page size a multiple
- * of 4), so a float4 lies wholly inside or outside [c0, c1). */
-template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
+/* The scores of slots [c0, c1) of row z in warp batches: x[k] of slot cand_slot(base, k, lane),
+ * -inf past c1. VEC: the score rows and every split boundary are multiples of 4 slots (page
+ * size a multiple of 4), so a float4 lies wholly inside or outside [c0, c1). */
+template <bool VEC>
+__device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t c1, int lane,
+                                          float (&x)[CAND_UNROLL]) {
+    if constexpr (VEC) {
+#pragma unroll
+        for (int j = 0; j < CAND_UNROLL / 4; j++) {
+            const int64_t i = cand_slot<true>(base, 4 * j, lane);
+            const float4 v = i < c1 ? *reinterpret_cast<const float4 *>(z + i)
+                                    : make_float4(-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F,
+                                                  -CUDART_INF_F);
+            x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const int64_t i = cand_slot<false>(base, k, lane);
+            x[k] = i < c1 ? z[i] : -CUDART_INF_F;
+        }
+    }
+}
+
+/* The row's last candidates block: the histogram (complete now) gives the refine pass its
+ * threshold, or -inf when the list held every candidate; then the histogram and the done count
+ * are reset for the next step. Block-wide. */
+__device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *hist, float *pw,
+                            double *scratch) {
+    __threadfence(); /* the other blocks' counts (they fenced before their done increment) */
+    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
+    const bool over = __ldcg(A.cand_count + row) > A.ccap;
+    if (over) {
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = __ldcg(gh + k);
+        hist_power_table(pw, A.alpha);
+        const double t0 = hist_count_bound(hist, pw, scratch);
+        /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 */
+        if (threadIdx.x == 0)
+            A.thr[row] = fmaxf(bound_f32((double)M + t0), bound_f32((double)M - 1.0));
+    } else if (threadIdx.x == 0)
+        A.thr[row] = -CUDART_INF_F;
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+    if (threadIdx.x == 0) {
+        A.refine_count[row] = 0;
+        A.done[row] = 0u;
+    }
+}
+
+/* One split of a row. Not REFINE: appends z >= M - 1 to the head's list (cand_count) and
+ * counts them in the histogram; REFINE: for a row whose list overflowed, appends z > thr
+ * (refine_count; other rows return at once). */
+template <bool VEC, bool REFINE>
+__global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     __shared__ float fscratch[32];
+    __shared__ double scratch[32];
+    __shared__ unsigned hist[REFINE ? 1 : TAU_HIST_BINS];
+    __shared__ float pw[REFINE ? 1 : TAU_HIST_BINS];
+    __shared__ bool s_last;
     const ekv_split sp = ekv_block_split(A.t, A.cbase, A.cbase * A.t.batch);
     if (sp.b < 0) return;
     const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
     const int64_t row = (int64_t)b * A.H + h;
+    float thr = -CUDART_INF_F, M = -CUDART_INF_F;
+    if constexpr (REFINE) {
+        thr = A.thr[row];
+        if (thr == -CUDART_INF_F) return; /* the row's list held every candidate */
+    } else {
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
+    }
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round, &begin, &end);
     const int64_t ntok = end * A.ps;
-    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
-                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    if constexpr (!REFINE)
+        M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                     A.split_cap, A.round == 1 ? 1 : 2, fscratch); /* its barrier ends the zeroing */
     const double lo_z = (double)M - 1.0;
+    int32_t *count = REFINE ? A.refine_count + row : A.cand_count + row;
     const int64_t per = ((ntok + sp.n - 1) / sp.n + 31) / 32 * 32;
     const int64_t c0 = (int64_t)sp.s * per, c1 = c0 + per < ntok ? c0 + per : ntok;
     const float *z = A.scores + row * A.cap_tokens;
@@ -52,34 +125,22 @@ template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(
     for (int64_t base = c0 + (threadIdx.x & ~31) * CAND_UNROLL; base < c1;
          base += (int64_t)blockDim.x * CAND_UNROLL) {
         float x[CAND_UNROLL];
-        if constexpr (VEC) {
-#pragma unroll
-            for (int j = 0; j < CAND_UNROLL / 4; j++) {
-                const int64_t i = cand_slot<true>(base, 4 * j, lane);
-                const float4 v = i < c1 ? *reinterpret_cast<const float4 *>(z + i)
-                                        : make_float4(-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F,
-                                                      -CUDART_INF_F);
-                x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < CAND_UNROLL; k++) {
-                const int64_t i = cand_slot<false>(base, k, lane);
-                x[k] = i < c1 ? z[i] : -CUDART_INF_F;
-            }
-        }
+        cand_load<VEC>(z, base, c1, lane, x);
         /* one atomic per warp and batch (a round trip per 32-token group made this kernel
          * latency-bound) */
         unsigned m[CAND_UNROLL];
         int tot = 0;
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++) {
-            m[k] = __ballot_sync(0xffffffffu, x[k] > -CUDART_INF_F && (double)x[k] >= lo_z);
+            const bool in = REFINE ? x[k] > thr
+                                   : x[k] > -CUDART_INF_F && (double)x[k] >= lo_z;
+            m[k] = __ballot_sync(0xffffffffu, in);
             tot += __popc(m[k]);
+            if (!REFINE && in) atomicAdd(hist + tau_hist_bin((double)x[k] - (double)M), 1u);
         }
         if (!tot) continue;
         int at = 0;
-        if (lane == 0) at = atomicAdd(&A.cand_count[row], tot);
+        if (lane == 0) at = atomicAdd(count, tot);
         at = __shfl_sync(0xffffffffu, at, 0);
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++) {
@@ -90,6 +151,17 @@ template <bool VEC> __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(
             }
             at += __popc(m[k]);
         }
+    }
+    if constexpr (!REFINE) {
+        __syncthreads(); /* the block's counts are complete */
+        uint32_t *gh = A.hist + row * TAU_HIST_BINS;
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
+            if (hist[k]) atomicAdd(gh + k, hist[k]);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) s_last = atomicAdd(A.done + row, 1u) == (unsigned)sp.n - 1;
+        __syncthreads();
+        if (s_last) cand_finish(A, row, M, hist, pw, scratch);
     }
 }
 
@@ -103,6 +175,8 @@ struct tau_args : ekv_cuda_shape {
     float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
     const int32_t *cand_count;
+    const float *cand_thr;        /* the refine pass's threshold of an overflowed row (NULL:  */
+    const int32_t *refine_count;  /* no refine pass, the screened rows) and its list's count */
     double *tau;
     float *tau_m; /* tau as (the head's max, tau - max): what the values kernels read */
     double *tau_t;
@@ -169,8 +243,8 @@ __device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z,
  * *t0 the best lower bound of tau - M, where the whole-row solve then starts. Two or three
  * reads of the row where the solve over the whole row takes one per iteration. */
 __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n, float M,
-                                double *t0, unsigned *hist, double *scratch, float *fscratch,
-                                unsigned long long *s_n) {
+                                double *t0, unsigned *hist, float *pw, double *scratch,
+                                float *fscratch, unsigned long long *s_n) {
     const double kept =
             subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
     __syncthreads(); /* every thread has read the kept list before it is overwritten */
@@ -179,10 +253,10 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
     float thr = fmaxf(bound_f32(kept), bound_f32((double)M - 1.0));
     int64_t nc = compact_above(A, row, z, n, thr, s_n);
     if (nc > A.ccap) {
-        thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, scratch)));
+        thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, pw, scratch)));
         nc = compact_above(A, row, z, n, thr, s_n);
     }
-    *t0 = (double)thr - (double)M > -1.0 ? (double)thr - (double)M : -1.0;
+    *t0 = fmax(*t0, (double)thr - (double)M);
     return nc;
 }
 
@@ -211,8 +285,13 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     int64_t nc = A.cand_count[row];
     double t0 = -1.0;  /* a lower bound of tau - M where the solve starts (tau_start) */
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, scratch,
-                          fscratch, &s_ncomp);
+        if (A.cand_thr) { /* every split listed the scores above the count bound (cand_kernel) */
+            nc = A.refine_count[row];
+            t0 = fmax(-1.0, (double)A.cand_thr[row] - (double)M);
+        }
+        if (nc > A.ccap) /* on one block: the list's own bound, a finer count bound */
+            nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, cand,
+                              scratch, fscratch, &s_ncomp);
         if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
             if (final_round && A.slow_paths)
@@ -358,6 +437,8 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
     A.cand_count = pl->cand_count;
+    A.cand_thr = rows ? NULL : pl->cand_thr; /* the row scores kernel has no refine pass */
+    A.refine_count = pl->refine_count;
     A.tau = pl->tau;
     A.tau_m = pl->tau_m;
     A.tau_t = pl->tau_t;
@@ -396,17 +477,29 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     C.cand_z = pl->cand_z;
     C.cand_slot = pl->cand_slot;
     C.cand_count = pl->cand_count;
-    if (pl->p.page_size % 4 == 0) {
+    C.alpha = prm->alpha;
+    C.hist = pl->cand_hist;
+    C.done = pl->cand_done;
+    C.thr = pl->cand_thr;
+    C.refine_count = pl->refine_count;
+    const bool vec = pl->p.page_size % 4 == 0;
+    if (vec) {
         static int per_sm = 0;
-        C.cbase = ekv_cuda_one_wave(cand_kernel<true>, CAND_THREADS, 0, batch * A.H, pl->sms,
-                                    &per_sm);
-        cand_kernel<true><<<dim3(ekv_cuda_split_grid(C.cbase, batch), A.H), CAND_THREADS, 0,
-                            pl->stream>>>(C);
-    } else {
+        C.cbase = ekv_cuda_one_wave(cand_kernel<true, false>, CAND_THREADS, 0, batch * A.H,
+                                    pl->sms, &per_sm);
+    } else
         C.cbase = A.nsplit;
-        cand_kernel<false><<<dim3(ekv_cuda_split_grid(C.cbase, batch), A.H), CAND_THREADS, 0,
-                             pl->stream>>>(C);
-    }
+    /* the candidates, then the refine pass of the rows that overflowed (the same splits) */
+    const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), A.H);
+    if (vec)
+        cand_kernel<true, false><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    else
+        cand_kernel<false, false><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    EKV_CUDA_LAUNCHED(pl);
+    if (vec)
+        cand_kernel<true, true><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    else
+        cand_kernel<false, true><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
     EKV_CUDA_LAUNCHED(pl);
     tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);

@@ -28,6 +28,7 @@ struct bound_args : ekv_cuda_shape {
     const float *q, *slopes;
     double qscale, a;
     int with_ball, rows;
+    int64_t chunk_pages; /* pages per block (bound_chunk_pages) */
     int shard_pos;        /* EKV_SHARD_*: a shard before the last ranks its last page too */
     const double *tau_lb; /* [B*H] lower bounds of tau (superpage skipping), or NULL */
     unsigned long long *sp_count; /* with tau_lb: [0] pages skipped, [1] superpage boxes read */
@@ -38,8 +39,20 @@ enum {
     BOUND_WARPS = EKV_CUDA_THREADS / 32,
     BOUND_LANES = 4,              /* lanes per page: 16-byte chunks of its summaries each    */
     BOUND_PPW = 32 / BOUND_LANES, /* pages per warp pass: their loads are in flight together */
-    BOUND_PAGES = 1024            /* pages per block: the q setup is amortised               */
+    BOUND_STRIDE = BOUND_WARPS * BOUND_PPW, /* pages of one pass of the block             */
+    BOUND_PAGES = 1024 /* pages per block at most: the q setup is amortised                  */
 };
+
+/* Pages per block for `rows` list rows of cap_pages pages: about four blocks per SM (one
+ * block per 1024 pages left most SMs idle at few KV heads: 32 blocks at 256K tokens and 2 KV
+ * heads), in whole passes. */
+int64_t bound_chunk_pages(int64_t cap_pages, int64_t rows, int sms) {
+    const int64_t want = 4 * (int64_t)sms;
+    int64_t c = (cap_pages * rows + want - 1) / want;
+    c = (c + BOUND_STRIDE - 1) / BOUND_STRIDE * BOUND_STRIDE;
+    const int64_t lo = BOUND_STRIDE, hi = BOUND_PAGES;
+    return c < lo ? lo : c > hi ? hi : c;
+}
 
 /* Sum over the BOUND_LANES lanes of a page (every one of them gets it). */
 template <typename T> __device__ __forceinline__ T page_sum(T v) {
@@ -207,21 +220,21 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     load_group_query(A, b, kvh, qs, qn, qn1);
-    /* every page but the sequence's last; a shard before the last ranks its own last page */
+    /* every page but the sequence's last; a shard before the last ranks its own last page;
+     * pages past the sequence's are read by no stage and not written */
     const int64_t nrank = ekv_shard_ranked_pages(sg.P, A.shard_pos);
-    const int64_t pend =
-            (chunk + 1) * BOUND_PAGES < A.cap_pages ? (chunk + 1) * BOUND_PAGES : A.cap_pages;
+    const int64_t cend = (chunk + 1) * A.chunk_pages, pend = cend < sg.P ? cend : sg.P;
     /* BOUND_PPW pages per warp pass, BOUND_LANES lanes on each: their loads are in flight
      * together, one shuffle serves every page of the pass, and the pages' final (double)
      * arithmetic runs on one lane of each page in parallel */
-    constexpr int STRIDE = BOUND_WARPS * BOUND_PPW;
+    constexpr int STRIDE = BOUND_STRIDE;
     /* the page's physical index, loaded a pass ahead (its latency would precede the loads) */
     auto phys_of = [&](int64_t p) -> int64_t {
         return p < pend && p < nrank ? A.t.indices[sg.first + p] : 0;
     };
-    int64_t next = phys_of(chunk * BOUND_PAGES + warp * BOUND_PPW + u);
+    int64_t next = phys_of(chunk * A.chunk_pages + warp * BOUND_PPW + u);
     unsigned long long n_skip = 0, n_box = 0; /* superpages: this lane's pages skipped, boxes read */
-    for (int64_t base = chunk * BOUND_PAGES + warp * BOUND_PPW; base < pend; base += STRIDE) {
+    for (int64_t base = chunk * A.chunk_pages + warp * BOUND_PPW; base < pend; base += STRIDE) {
         const int64_t p = base + u;
         const bool ranked = p < pend && p < nrank; /* the last page and beyond: not ranked */
         const int64_t phys = next;
@@ -314,7 +327,8 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     A.list_bounds = pl->list_bounds;
     A.shard_pos = pl->shard_pos;
     A.rows = batch * A.Hk;
-    const int64_t nblocks = (pl->cap_pages + BOUND_PAGES - 1) / BOUND_PAGES * A.rows;
+    A.chunk_pages = bound_chunk_pages(pl->cap_pages, A.rows, pl->sms);
+    const int64_t nblocks = (pl->cap_pages + A.chunk_pages - 1) / A.chunk_pages * A.rows;
     if (nblocks > INT32_MAX)
         return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "bound: %lld blocks exceed the grid limit",
                         (long long)nblocks);

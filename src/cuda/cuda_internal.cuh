@@ -33,7 +33,8 @@ enum {
     EKV_CUDA_CAND_CAP = 16384, /* tau candidates (and support rows) listed per query head */
     EKV_CUDA_MAX_GROUP = 16,   /* GQA group sizes the register tiles hold               */
     EKV_CUDA_MAX_DIM = 512,
-    EKV_SCREEN_GRID = 64 /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)      */
+    EKV_SCREEN_GRID = 64, /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)     */
+    EKV_CUDA_TAU_HIST_BINS = 2048 /* bins of y = z - M in [-1, 0] of tau's count bound       */
 };
 
 /* The splits of one step of `batch` sequences (decode.cu, ekv_cuda_step_splits): the plan's
@@ -87,6 +88,13 @@ struct ekv_cuda_plan {
     float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
     int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
     int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
+    /* an overflowed head's list rebuilt by every split (attend_tau.cu, cand_kernel): the
+     * candidates' histogram, the lower bound of tau from it, the refined count; the
+     * histograms and the done counts are zero between steps (the last block resets them) */
+    uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
+    uint32_t *cand_done; /* [B*H] candidate blocks of the row that have finished           */
+    float *cand_thr;     /* [B*H] the refined list's threshold (-inf: the row fit)         */
+    int32_t *refine_count; /* [B*H] scores above cand_thr (may exceed cand_cap)            */
     float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */

@@ -3,15 +3,16 @@
  * one table), validation on the host from static shapes only (ekv_decode_supported, the
  * check every backend runs, then the plan's shapes), and the launches of the stages the
  * method table (src/core/method.c) lists for the select method:
- *   dense:     scores -> tau -> values                                   (4 launches)
- *   topk:      bound -> topk -> scores -> tau -> values                  (6 launches)
- *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (7 launches)
- *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (10;
- *              with superpage boxes first round 0: recent pages -> scores -> tau, 4 more)
+ *   dense:     scores -> tau -> values                                   (5 launches)
+ *   topk:      bound -> topk -> scores -> tau -> values                  (7 launches)
+ *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (8 launches)
+ *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (12;
+ *              with superpage boxes first round 0: recent pages -> scores -> tau, 5 more)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
  *              (6 launches and a memset, screen.cu)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
- * tau is two launches for entmax (candidates, then the solve) and one for softmax;
+ * tau is three launches for entmax (candidates, the refine pass of a list that overflowed,
+ * then the solve; attend_tau.cu) and one for softmax;
  * softmax on tensor cores replaces scores -> tau -> values by one pass over K and V and the
  * merge of its splits (2 launches, attend_softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
@@ -52,7 +53,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 38 };
+enum { PLAN_BUFFERS = 42 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -77,6 +78,10 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->cand_slot, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->cand_hist, BH * EKV_CUDA_TAU_HIST_BINS * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->cand_done, BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->cand_thr, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->refine_count, BH * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
@@ -264,6 +269,11 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
                             pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess) /* the candidates' histograms and done counts (attend_tau.cu) */
+        e = cudaMemsetAsync(pl->cand_hist, 0,
+                            (size_t)(B * H * EKV_CUDA_TAU_HIST_BINS) * sizeof(uint32_t), pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->cand_done, 0, (size_t)(B * H) * sizeof(uint32_t), pl->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
     if (e != cudaSuccess) {
         ekv_cuda_plan_free(pl);

@@ -473,9 +473,10 @@ __global__ void __launch_bounds__(TAUL_THREADS) taul_kernel(taul_args A) {
         double tl = -HUGE_VAL; /* no finite l: nothing is dropped */
         if (M > -CUDART_INF_F && nv > 0) {
             /* a flat head's solve over the whole list starts from the count bound (docs/math.md
-             * §9.1), not from M - 1: each of its iterations is a pass over the list */
+             * §9.1), not from M - 1: each of its iterations is a pass over the list (cand,
+             * unused then, is the power table's room) */
             const double t0 =
-                    nk > TAUL_SMEM ? hist_lower_bound(lv, n, M, A.alpha, hist, scratch) : -1.0;
+                    nk > TAUL_SMEM ? hist_lower_bound(lv, n, M, A.alpha, hist, cand, scratch) : -1.0;
             const double tau = (double)M + solve_tau(v, nv, M, A.alpha, scratch, t0);
             tl = tau - 1e-12 * (1.0 + fabs(tau)); /* the solve's tolerance (docs/math.md §10.3) */
         }

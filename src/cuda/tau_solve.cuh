@@ -175,40 +175,58 @@ __device__ __forceinline__ float bound_f32(double lb) {
     return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
 }
 
-/* bins of y = z - M over [-1, 0] of hist_lower_bound (its caller's shared array) */
-enum { TAU_HIST_BINS = 2048 };
+/* bins of y = z - M over [-1, 0] of the histogram bounds (their callers' shared arrays) */
+enum { TAU_HIST_BINS = EKV_CUDA_TAU_HIST_BINS };
 
-/* A lower bound on tau - M from a histogram of y = z - M over [-1, 0] (one pass over the row,
- * counts in shared memory): every y of bin j is at least e_j = -1 + j / NB, so
+/* The bin of y = z - M in [-1, 0] (callers count only y >= -1). */
+__device__ __forceinline__ int tau_hist_bin(double y) {
+    const int k = (int)((y + 1.0) * TAU_HIST_BINS);
+    return k < TAU_HIST_BINS ? k : TAU_HIST_BINS - 1;
+}
+
+/* pw[d] = (d / TAU_HIST_BINS)^beta rounded down to float, for d < TAU_HIST_BINS: the bin
+ * search's terms looked up instead of a pow each (rounded down, the sums stay below F, so the
+ * bound stays one). Block-wide; a barrier follows. */
+__device__ void hist_power_table(float *pw, double alpha) {
+    const double beta = 1.0 / (alpha - 1.0);
+    for (int d = threadIdx.x; d < TAU_HIST_BINS; d += blockDim.x)
+        pw[d] = __double2float_rd(pow((double)d / TAU_HIST_BINS, beta));
+    __syncthreads();
+}
+
+/* A lower bound on tau - M from the counts hist[j] of y = z - M in bin j of [-1, 0] (shared
+ * memory; pw from hist_power_table): every y of bin j is at least e_j = -1 + j / NB, so
  * F(e_k) >= sum_{j >= k} c_j (e_j - e_k)^beta, and where that reaches 1, e_k <= tau - M (F
  * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
  * finds the largest such k (-1 when none: tau - M >= -1 always). Always within two bins of
  * tau - M (docs/math.md §9.1, "A bound from counts"); any alpha > 1. Block-wide. */
-__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
-                                   double *scratch) {
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double y = (double)z[i] - (double)M;
-        if (y >= -1.0) {
-            const int k = (int)((y + 1.0) * TAU_HIST_BINS);
-            atomicAdd(hist + (k < TAU_HIST_BINS ? k : TAU_HIST_BINS - 1), 1u);
-        }
-    }
-    __syncthreads();
-    const double beta = 1.0 / (alpha - 1.0);
+__device__ double hist_count_bound(const unsigned *hist, const float *pw, double *scratch) {
     int lo = -1, hi = TAU_HIST_BINS; /* lo: a bin whose edge is a bound (-1: e = -1) */
     while (hi - lo > 1) {            /* block-uniform */
         const int mid = (lo + hi) / 2;
         double f = 0;
         for (int j = mid + 1 + threadIdx.x; j < TAU_HIST_BINS; j += blockDim.x)
-            f += hist[j] * pow((double)(j - mid) / TAU_HIST_BINS, beta);
+            f += (double)hist[j] * (double)pw[j - mid];
         if (ekv_block_sum(f, scratch) >= 1.0 + 1e-9) /* a margin for the sum's rounding */
             lo = mid;
         else
             hi = mid;
     }
     return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
+}
+
+/* hist_count_bound over the scores z[0, n) of one row with max M: one pass counts them into
+ * hist (shared memory), pw is the power table's room. Block-wide. */
+__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
+                                   float *pw, double *scratch) {
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double y = (double)z[i] - (double)M;
+        if (y >= -1.0) atomicAdd(hist + tau_hist_bin(y), 1u);
+    }
+    hist_power_table(pw, alpha); /* its barrier also ends the counting */
+    return hist_count_bound(hist, pw, scratch);
 }
 
 } // namespace

@@ -37,7 +37,7 @@ EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, in
 EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out);
 
 /* bound.cu: the page bounds of the last step with a bound stage ([batch * num_heads][cap_pages],
- * z-space; the last page of a sequence and beyond: -inf). */
+ * z-space; the last page of a sequence: -inf; the entries past it are not written). */
 EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 
 #ifdef __cplusplus
