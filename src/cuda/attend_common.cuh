@@ -84,6 +84,27 @@ __device__ __forceinline__ int64_t row_offset(const ekv_page_table &t, const ekv
            (int64_t)(tok % ps) * kv.stride_token;
 }
 
+/* Marks score slot `slot` (where `in`) in its KV head's support bitmap `bits` and, when no
+ * head of the group marked it before, appends it to the KV head's union list (list, count):
+ * the group-union values kernel takes equal shares of that list per block (a split of the
+ * bitmap's words left one block most of a support that sits in one stretch of the row).
+ * Warp-collective: every lane of the warp calls it. */
+__device__ __forceinline__ void union_mark(uint32_t *bits, int32_t *list, int32_t *count,
+                                           int64_t slot, bool in) {
+    bool fresh = false;
+    if (in) {
+        const uint32_t bit = 1u << (slot & 31);
+        fresh = !(atomicOr(bits + (slot >> 5), bit) & bit);
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, fresh);
+    if (!m) return;
+    const int lane = threadIdx.x & 31, lead = __ffs(m) - 1;
+    int at = 0;
+    if (lane == lead) at = atomicAdd(count, __popc(m));
+    at = __shfl_sync(0xffffffffu, at, lead) + __popc(m & ((1u << lane) - 1));
+    if (fresh) list[at] = (int32_t)slot;
+}
+
 /* p = [z - tau]_+^beta as every values path computes it (double, then rounded), with
  * tau = m + t: (z - m) is exact in double for fp32 z and m, so the weights keep their precision
  * at any score scale when m is the head's max (docs/math.md §6.2) */

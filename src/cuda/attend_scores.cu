@@ -451,6 +451,7 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.split_max = pl->split_max;
     A.cand_count = pl->cand_count;
     A.v_rows = pl->v_rows;
+    A.ucount = pl->ucount;
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     cudaError_t e;
     if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
@@ -488,6 +489,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.split_max = pl->split_max;
     A.cand_count = pl->cand_count;
     A.v_rows = pl->v_rows;
+    A.ucount = pl->ucount;
     A.rows = pl->rows;
     A.row_count = pl->row_count;
     A.zkey = pl->scr_state + (int64_t)pl->p.max_batch * pl->p.num_heads;

@@ -11,22 +11,24 @@ namespace {
  * head within 1 of its max). Its list is then rebuilt by every split, not by one block: the
  * candidates kernel also counts them into the row's histogram of y = z - M (cand_hist), the
  * row's last block to finish turns the counts into a lower bound of tau (hist_count_bound,
- * docs/math.md §9.1, within two bins of it), and the refine pass (the same kernel with REFINE)
- * lists the scores above that bound: the support and a few bins more. */
+ * docs/math.md §9.1, within two bins of it), and the refine pass (the same kernel,
+ * CAND_REFINE) lists the scores above that bound: the support and a few bins more. Screened
+ * decode's row scores kernel lists its candidates itself; there the histogram is counted by
+ * a pass of its own (CAND_COUNT) for the rows whose list overflowed. */
 struct cand_args : ekv_cuda_shape {
-    ekv_paged_kv kv;
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
     int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
     int round;             /* round 1: round 1's entries; 3: everything listed */
     int64_t ccap;
     double alpha;
     const int32_t *list_count;
+    const int32_t *row_count; /* screened: the score slots are the row list's (NULL: pages) */
     const float *scores, *split_max;
     float *cand_z;
     int64_t *cand_slot; /* the token's score slot */
     int32_t *cand_count;
     uint32_t *hist, *done; /* the plan's cand_hist and cand_done (zero between steps) */
-    float *thr;            /* cand_thr: written by a row's last block, read by REFINE */
+    float *thr;            /* cand_thr: written by a row's last block, read by CAND_REFINE */
     int32_t *refine_count;
 };
 
@@ -87,11 +89,18 @@ __device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *
     }
 }
 
-/* One split of a row. Not REFINE: appends z >= M - 1 to the head's list (cand_count) and
- * counts them in the histogram; REFINE: for a row whose list overflowed, appends z > thr
- * (refine_count; other rows return at once). */
-template <bool VEC, bool REFINE>
+/* What a candidates launch does over one split of a row (cand_kernel). */
+enum cand_mode {
+    CAND_LIST,   /* append z >= M - 1 to the head's list (cand_count) and count them in the
+                  * histogram */
+    CAND_COUNT,  /* the histogram only: the row scores kernel listed the candidates (screened
+                  * rows); rows whose list fit return at once */
+    CAND_REFINE  /* a row whose list overflowed: append z > thr (refine_count); others return */
+};
+
+template <bool VEC, int MODE>
 __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
+    constexpr bool REFINE = MODE == CAND_REFINE, LIST = MODE == CAND_LIST;
     __shared__ float fscratch[32];
     __shared__ double scratch[32];
     __shared__ unsigned hist[REFINE ? 1 : TAU_HIST_BINS];
@@ -106,12 +115,16 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
         thr = A.thr[row];
         if (thr == -CUDART_INF_F) return; /* the row's list held every candidate */
     } else {
+        if (MODE == CAND_COUNT && A.cand_count[row] <= A.ccap) {
+            if (threadIdx.x == 0) A.thr[row] = -CUDART_INF_F; /* every block: the same value */
+            return;
+        }
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
     }
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round, &begin, &end);
-    const int64_t ntok = end * A.ps;
+    const int64_t ntok = A.row_count ? (int64_t)A.row_count[lrow] : end * A.ps;
     if constexpr (!REFINE)
         M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
                      A.split_cap, A.round == 1 ? 1 : 2, fscratch); /* its barrier ends the zeroing */
@@ -138,7 +151,7 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             tot += __popc(m[k]);
             if (!REFINE && in) atomicAdd(hist + tau_hist_bin((double)x[k] - (double)M), 1u);
         }
-        if (!tot) continue;
+        if (!tot || MODE == CAND_COUNT) continue;
         int at = 0;
         if (lane == 0) at = atomicAdd(count, tot);
         at = __shfl_sync(0xffffffffu, at, 0);
@@ -163,6 +176,7 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
         __syncthreads();
         if (s_last) cand_finish(A, row, M, hist, pw, scratch);
     }
+    (void)LIST;
 }
 
 struct tau_args : ekv_cuda_shape {
@@ -191,6 +205,7 @@ struct tau_args : ekv_cuda_shape {
     const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
     uint32_t *ubits; /* the final round with the group-union values kernel: the support's slots */
     int64_t cap_words; /* (marked per KV head, instead of the support lists and v_rows) */
+    int32_t *ulist, *ucount; /* and listed once per KV head (union_mark) */
 };
 
 enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
@@ -331,7 +346,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         if (!final_round) continue;
         const int64_t slot = !in ? 0 : whole_row ? i : A.cand_slot[row * A.ccap + i];
         if (mark) {
-            if (in) atomicOr(A.ubits + lrow * A.cap_words + slot / 32, 1u << (slot % 32));
+            union_mark(A.ubits + lrow * A.cap_words, A.ulist + lrow * A.cap_tokens,
+                       A.ucount + lrow, slot, in);
             continue;
         }
         const unsigned m = __ballot_sync(0xffffffffu, in);
@@ -413,6 +429,55 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
 }
 } // namespace
 
+/* The candidates of the tau launch's rows, then the refine pass of the rows whose list
+ * overflowed, over the same splits; with rows (screened: the row scores kernel listed them) a
+ * pass that counts the histogram of the overflowed rows instead of the first. */
+static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_page_table *t, const tau_args &A, int batch,
+                                    int round, int rows) {
+    cand_args C;
+    ekv_cuda_set_shape(C, pl, t);
+    C.nsplit = A.nsplit;
+    C.split_cap = pl->split_cap;
+    C.round = round == 1 ? 1 : 3;
+    C.ccap = pl->cand_cap;
+    C.alpha = prm->alpha;
+    C.list_count = A.list_count;
+    C.row_count = A.row_count;
+    C.scores = pl->scores;
+    C.split_max = pl->split_max;
+    C.cand_z = pl->cand_z;
+    C.cand_slot = pl->cand_slot;
+    C.cand_count = pl->cand_count;
+    C.hist = pl->cand_hist;
+    C.done = pl->cand_done;
+    C.thr = pl->cand_thr;
+    C.refine_count = pl->refine_count;
+    /* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
+    const bool vec = !rows && pl->p.page_size % 4 == 0;
+    if (vec) {
+        static int per_sm = 0;
+        C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_LIST>, CAND_THREADS, 0, batch * A.H,
+                                    pl->sms, &per_sm);
+    } else
+        C.cbase = A.nsplit;
+    const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), A.H);
+    if (vec) {
+        cand_kernel<true, CAND_LIST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        EKV_CUDA_LAUNCHED(pl);
+        cand_kernel<true, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    } else {
+        if (rows)
+            cand_kernel<false, CAND_COUNT><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        else
+            cand_kernel<false, CAND_LIST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        EKV_CUDA_LAUNCHED(pl);
+        cand_kernel<false, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    }
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                int use_list, int round, float *out_zero) {
@@ -437,7 +502,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
     A.cand_count = pl->cand_count;
-    A.cand_thr = rows ? NULL : pl->cand_thr; /* the row scores kernel has no refine pass */
+    A.cand_thr = pl->cand_thr;
     A.refine_count = pl->refine_count;
     A.tau = pl->tau;
     A.tau_m = pl->tau_m;
@@ -454,53 +519,15 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.row_count = rows ? pl->row_count : NULL;
     A.ubits = out_zero && ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
     A.cap_words = pl->cap_words;
-    if (rows) { /* the row scores kernel listed the candidates (screen.cu) */
-        tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
-        EKV_CUDA_LAUNCHED(pl);
-        return EKV_OK;
-    }
+    A.ulist = pl->ulist;
+    A.ucount = pl->ucount;
     if (prm->alpha == 1.0) {
         tau_softmax_kernel<<<batch * A.H, 1024, 0, pl->stream>>>(A);
         EKV_CUDA_LAUNCHED(pl);
         return EKV_OK;
     }
-    cand_args C;
-    ekv_cuda_set_shape(C, pl, t);
-    C.kv = *kv;
-    C.nsplit = A.nsplit;
-    C.split_cap = pl->split_cap;
-    C.round = round == 1 ? 1 : 3;
-    C.ccap = pl->cand_cap;
-    C.list_count = A.list_count;
-    C.scores = pl->scores;
-    C.split_max = pl->split_max;
-    C.cand_z = pl->cand_z;
-    C.cand_slot = pl->cand_slot;
-    C.cand_count = pl->cand_count;
-    C.alpha = prm->alpha;
-    C.hist = pl->cand_hist;
-    C.done = pl->cand_done;
-    C.thr = pl->cand_thr;
-    C.refine_count = pl->refine_count;
-    const bool vec = pl->p.page_size % 4 == 0;
-    if (vec) {
-        static int per_sm = 0;
-        C.cbase = ekv_cuda_one_wave(cand_kernel<true, false>, CAND_THREADS, 0, batch * A.H,
-                                    pl->sms, &per_sm);
-    } else
-        C.cbase = A.nsplit;
-    /* the candidates, then the refine pass of the rows that overflowed (the same splits) */
-    const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), A.H);
-    if (vec)
-        cand_kernel<true, false><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-    else
-        cand_kernel<false, false><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-    EKV_CUDA_LAUNCHED(pl);
-    if (vec)
-        cand_kernel<true, true><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-    else
-        cand_kernel<false, true><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-    EKV_CUDA_LAUNCHED(pl);
+    const ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
+    if (s) return s;
     tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

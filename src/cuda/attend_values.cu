@@ -23,6 +23,7 @@ struct value_args : ekv_cuda_shape {
     const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
     uint32_t *ubits; /* the group-union kernel: the support slots per KV head (tau marks them) */
     int64_t cap_words;
+    const int32_t *ulist, *ucount; /* and the same slots listed once (union_mark) */
 };
 
 /* This block's split of a grid (split, rows per sequence) with A.nsplit splits per row of a
@@ -149,41 +150,12 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
 }
 
 /* ---- entmax values for a GQA group at once (docs/architecture.md, CUDA values): the tau
- * kernel marks each head's support slots in its KV head's bitmap, so the bitmap holds the union
- * of the group's supports; each marked V row is read once, and every head g of the group adds
- * p_g V with p_g = [z_g - tau_g]_+^beta from its own score row (0 where the slot is not in its
- * support). The same products as values_support_kernel, summed in another order. The words
- * read are cleared for the next step. ---- */
-enum { UNION_WORDS = 32 }; /* bitmap words a warp takes at once (its slots staged in smem) */
-
-/* The marked slots of words [w, w + 32) (lane i: word w + i, cleared) below nslots, into the
- * warp's list in order; returns their count (every lane). Warp-uniform call. */
-__device__ __forceinline__ int union_gather(uint32_t *bits, int64_t w, int64_t w1, int64_t nslots,
-                                            int32_t *list) {
-    const int lane = threadIdx.x & 31;
-    const int64_t mw = w + lane;
-    uint32_t word = 0;
-    if (mw < w1) {
-        word = bits[mw];
-        if (word) bits[mw] = 0u;
-        const int64_t past = nslots - mw * 32; /* bits at or past nslots: an earlier step's */
-        if (past < 32) word &= past <= 0 ? 0u : (1u << past) - 1u;
-    }
-    const int cnt = __popc(word);
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += x;
-    }
-    int at = incl - cnt;
-    while (word) {
-        list[at++] = (int32_t)(mw * 32 + __ffs(word) - 1);
-        word &= word - 1;
-    }
-    __syncwarp();
-    return __shfl_sync(0xffffffffu, incl, 31);
-}
+ * kernel marks each head's support slots in its KV head's bitmap and lists each slot once
+ * (union_mark), so the list holds the union of the group's supports; each listed V row is
+ * read once, and every head g of the group adds p_g V with p_g = [z_g - tau_g]_+^beta from its
+ * own score row (0 where the slot is not in its support). The same products as
+ * values_support_kernel, summed in another order. The blocks of a KV head take equal shares
+ * of its list, and clear the bits of the slots they read for the next step. ---- */
 
 /* acc[g] summed over the block for each head g < G and added to its output row. red: [warps][D]
  * of shared memory. Block-uniform call. */
@@ -217,24 +189,22 @@ __device__ __forceinline__ void union_out(const value_args &A, float (*acc)[8], 
  * passes in flight. */
 template <typename T, int LPR, int GM, int U>
 __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A) {
-    __shared__ __align__(16) int32_t sm[VAL_WARPS * UNION_WORDS * 32]; /* slots, then red */
+    __shared__ __align__(16) float red[VAL_WARPS * 256]; /* [warps][D], D = 8 LPR <= 256 */
     constexpr int RPW = 32 / LPR;
     ekv_split sp;
     if (!value_block(A, &sp)) return;
     const int b = sp.b, kvh = blockIdx.y, lrow = b * A.Hk + kvh, G = A.G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    int64_t begin, end, w0, w1;
-    entry_range(A.list_count, sg.P, lrow, 3, &begin, &end);
-    const int64_t nslots = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
-    ekv_split_range(sp, 0, (nslots + 31) / 32, &w0, &w1);
+    int64_t r0, r1;
+    ekv_split_range(sp, 0, A.ucount[lrow], &r0, &r1);
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
     const int gm = sl < G ? sl : 0; /* the head whose p this lane forms */
     const float tm = A.tau_m[h0 + gm];
     const double tt = A.tau_t[h0 + gm], beta = 1.0 / (A.alpha - 1.0);
     const float *zm = A.scores + (h0 + gm) * A.cap_tokens;
     uint32_t *bits = A.ubits + lrow * A.cap_words;
-    int32_t *list = sm + warp * UNION_WORDS * 32;
+    const int32_t *list = A.ulist + lrow * A.cap_tokens;
     const T *V = static_cast<const T *>(A.kv.v);
     float acc[GM][8];
 #pragma unroll
@@ -242,43 +212,39 @@ __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A)
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
     int64_t rows = 0;
-    for (int64_t w = w0 + (int64_t)warp * UNION_WORDS; w < w1;
-         w += (int64_t)VAL_WARPS * UNION_WORDS) {
-        const int n = union_gather(bits, w, w1, nslots, list);
-        for (int base = 0; base < n; base += RPW * U) {
-            float p[U][GM], v8[U][8];
-            int64_t off[U];
-            bool on[U];
+    for (int64_t base = r0 + (int64_t)warp * RPW * U; base < r1;
+         base += (int64_t)VAL_WARPS * RPW * U) {
+        float p[U][GM], v8[U][8];
+        int64_t off[U];
+        bool on[U];
 #pragma unroll
-            for (int r = 0; r < U; r++) {
-                const int i = base + r * RPW + sub;
-                const int64_t s = i < n ? list[i] : 0;
-                const float pm = i < n && sl < G ? entmax_p_split(zm[s], tm, tt, beta) : 0.f;
-                on[r] = false;
+        for (int r = 0; r < U; r++) {
+            const int64_t i = base + r * RPW + sub;
+            const int64_t s = i < r1 ? list[i] : 0;
+            if (i < r1 && sl == 0) bits[s >> 5] = 0u; /* every marked slot is listed */
+            const float pm = i < r1 && sl < G ? entmax_p_split(zm[s], tm, tt, beta) : 0.f;
+            on[r] = false;
 #pragma unroll
-                for (int g = 0; g < GM; g++) {
-                    p[r][g] = __shfl_sync(0xffffffffu, pm, (lane & ~(LPR - 1)) + g);
-                    on[r] |= p[r][g] > 0.f;
-                }
-                off[r] = on[r] ? value_offset(A, lrow, sg.first, kvh, s) : 0;
-                rows += on[r] && sl == 0;
+            for (int g = 0; g < GM; g++) {
+                p[r][g] = __shfl_sync(0xffffffffu, pm, (lane & ~(LPR - 1)) + g);
+                on[r] |= p[r][g] > 0.f;
             }
-#pragma unroll
-            for (int r = 0; r < U; r++) load8_if<T>(on[r], V + off[r] + sl * 8, v8[r]);
-#pragma unroll
-            for (int r = 0; r < U; r++)
-#pragma unroll
-                for (int g = 0; g < GM; g++)
-#pragma unroll
-                    for (int i = 0; i < 8; i++) acc[g][i] += p[r][g] * v8[r][i];
+            off[r] = on[r] ? value_offset(A, lrow, sg.first, kvh, s) : 0;
+            rows += on[r] && sl == 0;
         }
-        __syncwarp(); /* the list is rewritten by the next words */
+#pragma unroll
+        for (int r = 0; r < U; r++) load8_if<T>(on[r], V + off[r] + sl * 8, v8[r]);
+#pragma unroll
+        for (int r = 0; r < U; r++)
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] += p[r][g] * v8[r][i];
     }
     rows = ekv_warp_sum(rows);
     if (lane == 0 && rows)
         atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]), (unsigned long long)rows);
-    __syncthreads(); /* every warp is done with its list: the space holds the sums */
-    union_out<LPR, GM>(A, acc, reinterpret_cast<float *>(sm), h0);
+    union_out<LPR, GM>(A, acc, red, h0);
 }
 
 /* 4 elements as fp32 (8-byte aligned for the 16-bit types, 16-byte for f32). */
@@ -554,6 +520,8 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.row_count = rows ? pl->row_count : NULL;
     A.ubits = ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
     A.cap_words = pl->cap_words;
+    A.ulist = pl->ulist;
+    A.ucount = pl->ucount;
     const int softmax = prm->alpha == 1.0;
     const int rows_dense = batch * A.Hk * A.gchunks;
     const ekv_step_splits sp = ekv_cuda_step_splits(pl, batch);

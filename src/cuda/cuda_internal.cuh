@@ -85,6 +85,8 @@ struct ekv_cuda_plan {
     unsigned long long *slow_paths; /* NULL or [EKV_SLOW_PATHS] (ekv_cuda_count_slow_paths) */
     int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
     uint32_t *ubits;     /* [B*Hk][cap_words] the group's support slots (zero between steps) */
+    int32_t *ulist;      /* [B*Hk][cap_tokens] the same slots listed once each (union_mark) */
+    int32_t *ucount;     /* [B*Hk] their count (zeroed by the step's score kernel)         */
     float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
     int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
     int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */

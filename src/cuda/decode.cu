@@ -9,7 +9,7 @@
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (12;
  *              with superpage boxes first round 0: recent pages -> scores -> tau, 5 more)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
- *              (6 launches and a memset, screen.cu)
+ *              (10 kernels and a memset, screen.cu; tau is three of them)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
  * tau is three launches for entmax (candidates, the refine pass of a list that overflowed,
  * then the solve; attend_tau.cu) and one for softmax;
@@ -53,7 +53,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 42 };
+enum { PLAN_BUFFERS = 44 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -102,6 +102,8 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->list_heads, BHk * P * (int64_t)sizeof(uint16_t)},
             {(void **)&pl->sp_count, 2 * (int64_t)sizeof(unsigned long long)},
             {(void **)&pl->ubits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->ulist, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->ucount, BHk * (int64_t)sizeof(int32_t)},
     };
     memcpy(b, t, sizeof t);
 }

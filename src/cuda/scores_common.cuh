@@ -20,6 +20,7 @@ struct score_args : ekv_cuda_shape {
     float *scores, *split_max;
     int32_t *cand_count; /* [B*H], zeroed here for the candidates kernel */
     int64_t *v_rows;     /* [B*Hk], zeroed here */
+    int32_t *ucount;     /* [B*Hk] the group's union list (union_mark), zeroed here */
 };
 
 /* This block's split (ekv_block_split over grid (split, KV head)): false when it has none (the
@@ -39,6 +40,7 @@ __device__ __forceinline__ void zero_step_counters(const score_args &A, const ek
     if (sp.s != 0) return;
     if (threadIdx.x < A.G) A.cand_count[(int64_t)b * A.H + kvh * A.G + threadIdx.x] = 0;
     if (threadIdx.x == 0) A.v_rows[row] = 0;
+    if (threadIdx.x == 0) A.ucount[row] = 0;
 }
 
 /* The entries [e0, e1) of this block's split of the list row's round. */

@@ -28,7 +28,9 @@
  *   rows:    one block per KV head: the bitmap in ascending order -> the row list (the union of
  *            the group's survivors), the bitmap cleared for the next step.
  *   then the exact scores of those rows only (attend_scores.cu, candidates z >= M' - 1 listed on
- *   the way), tau over the candidates and V of the support (attend_tau.cu, attend_values.cu).
+ *   the way), tau over the candidates (attend_tau.cu: a head whose list overflowed has it
+ *   rebuilt over every split from the candidates' histogram) and V of the support
+ *   (attend_values.cu).
  * The bound is version 1's (and the CPU's) in its terms: W_c covers the code error, the score
  * kernel's rounding in any summation order and this kernel's, 2 E_p the ALiBi terms of both,
  * and the centre z^ = (C0 + sum_c w'_c code_c) + bias is widened by E = e + 8u (|z^| + e) for
@@ -498,6 +500,7 @@ struct rows_args : ekv_cuda_shape {
     uint32_t *sbits;
     int32_t *rows, *row_count, *list_count;
     int64_t *v_rows;
+    int32_t *ucount; /* the group's union list (union_mark), zeroed here */
 };
 
 enum { ROWS_WORDS = 32 }; /* bitmap words per thread and tile, loaded at once */
@@ -535,6 +538,7 @@ __global__ void __launch_bounds__(ROWS_THREADS) rows_kernel(rows_args A) {
     if (threadIdx.x == 0) {
         A.row_count[row] = (int32_t)done;
         A.v_rows[row] = 0;
+        A.ucount[row] = 0;
         A.list_count[2 * row] = A.list_count[2 * row + 1] = 0; /* no page lists */
     }
 }
@@ -715,6 +719,7 @@ ekv_status launch_survivors(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     R.row_count = pl->row_count;
     R.list_count = pl->list_count;
     R.v_rows = pl->v_rows;
+    R.ucount = pl->ucount;
     rows_kernel<<<batch * R.Hk, ROWS_THREADS, 0, pl->stream>>>(R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
@@ -730,7 +735,9 @@ ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *
     if (!s) s = launch_survivors(pl, prm, t, batch);
     if (!s) s = ekv_cuda_launch_row_scores(pl, prm, kv, t, q, batch);
     if (!s) s = ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, 0, 1, out, 1);
-    if (!s) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1);
+    /* a shard (sharded.cu) takes its values at the agreed tau, after the agreement: its own
+     * would read the group's union list before the agreement's support is added to it */
+    if (!s && !pl->skip_values) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1);
     return s;
 }
 

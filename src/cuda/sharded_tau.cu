@@ -26,6 +26,7 @@ struct shard_args : ekv_cuda_shape {
     const int32_t *cand_count;
     uint32_t *ubits; /* the group-union values kernel's support bitmap (NULL: support lists) */
     int64_t cap_words;
+    int32_t *ulist, *ucount; /* its union list (union_mark) */
     double *tau;
     float *tau_m; /* the agreed tau as (0, tau) for the values kernels (attend_values.cu) */
     double *tau_t;
@@ -53,6 +54,8 @@ shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int m
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
     A.cap_words = pl->cap_words;
+    A.ulist = pl->ulist;
+    A.ucount = pl->ucount;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
     A.tau_m = pl->tau_m;
@@ -156,7 +159,8 @@ __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
         c += in;
         const int64_t slot = !in ? 0 : s.overflow ? i : A.cand_slot[row * A.ccap + i];
         if (A.ubits) { /* the union kernel forms p from the score rows and the agreed tau */
-            if (in) atomicOr(A.ubits + s.lrow * A.cap_words + slot / 32, 1u << (slot % 32));
+            union_mark(A.ubits + s.lrow * A.cap_words, A.ulist + s.lrow * A.cap_tokens,
+                       A.ucount + s.lrow, slot, in);
             continue;
         }
         if (s.overflow) continue;

@@ -189,8 +189,12 @@ __device__ __forceinline__ int tau_hist_bin(double y) {
  * bound stays one). Block-wide; a barrier follows. */
 __device__ void hist_power_table(float *pw, double alpha) {
     const double beta = 1.0 / (alpha - 1.0);
-    for (int d = threadIdx.x; d < TAU_HIST_BINS; d += blockDim.x)
-        pw[d] = __double2float_rd(pow((double)d / TAU_HIST_BINS, beta));
+    for (int d = threadIdx.x; d < TAU_HIST_BINS; d += blockDim.x) {
+        const double x = (double)d / TAU_HIST_BINS; /* exact: the bins are a power of two */
+        /* alpha 1.5 and 2 exactly (d^2 < 2^24), other alphas by pow (a double pow per entry
+         * was most of the cost of a row's last candidates block) */
+        pw[d] = beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : __double2float_rd(pow(x, beta));
+    }
     __syncthreads();
 }
 
