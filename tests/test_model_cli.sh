@@ -93,6 +93,15 @@ usage run --model "$MODEL" --no-graphs
 usage run --model "$MODEL" --prefill-kernel gemm
 usage ppl --model "$MODEL" --text "$TMP/text.txt" --prefill-chunk 64
 usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --prefill-kernel auto
+usage run --model "$MODEL" --prefill-candidates 4
+usage ppl --model "$MODEL" --text "$TMP/text.txt" --prefill-compact 16
+usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --decode-candidates 4
+# the cuda list sizes (ekv_model_params; they were environment variables): 1 .. their most
+usage run --model "$MODEL" --backend cuda --prefill-candidates 0
+usage run --model "$MODEL" --backend cuda --prefill-candidates 8193
+usage run --model "$MODEL" --backend cuda --prefill-compact 8193
+usage run --model "$MODEL" --backend cuda --decode-candidates 16385
+usage run --model "$MODEL" --backend cuda --decode-candidates x
 run run --model "$MODEL" --prefill-kernel fused --no-graphs --help
 [ "$RC" -eq 0 ] && grep -qi usage "$OUT"
 check "run --help with cuda options should still print the help (rc=$RC)" $?
@@ -139,6 +148,17 @@ st=$?; check "run --backend cuda should run or exit 1 naming what is missing (rc
 run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda --method gaussian
 [ "$RC" -eq 0 ] || { [ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"; }
 st=$?; check "run --backend cuda --method gaussian should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $st
+# the cuda list sizes are options of every model subcommand, taken with --backend cuda
+run run --model "$MODEL" --prompt "Hello" -n 4 --backend cuda --prefill-candidates 4 \
+    --prefill-compact 2 --decode-candidates 4
+[ "$RC" -eq 0 ] || { [ "$RC" -eq 1 ] && grep -qi "cuda" "$ERR"; }
+st=$?; check "run --backend cuda with the list sizes should run or exit 1 naming what is missing (rc=$RC: $(head -c 200 "$ERR"))" $st
+for sub in run ppl trace serve; do
+    run "$sub" --help
+    grep -q -- "--prefill-candidates N" "$OUT" && grep -q -- "--prefill-compact N" "$OUT" &&
+        grep -q -- "--decode-candidates N" "$OUT"
+    check "$sub --help should list the cuda list sizes" $?
+done
 
 # run --prompts-file: one prompt runs on the CPU too and generates what --prompt does; several
 # need --backend cuda (exit 1 saying so where there is none)

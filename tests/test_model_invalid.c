@@ -6,6 +6,7 @@
  */
 #include "entmaxkv.h"
 #include "test_util.h"
+#include <stddef.h>
 #include <string.h>
 
 static unsigned char *file;
@@ -98,6 +99,45 @@ static void huge_weights(ekv_context *ctx) {
         ekv_safetensors_free(st);
     }
     free(b);
+}
+
+/* The cuda list sizes of the params (include/entmaxkv/model.h): 0 = the default, else 1 ..
+ * their most; out of range is refused on every backend with a message naming the field (they
+ * were environment variables once; the library reads none). */
+static void list_sizes(ekv_context *ctx) {
+    static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = 10;
+    ekv_model *m = NULL;
+    static const struct {
+        size_t at;
+        const char *name;
+        int32_t most;
+    } lists[] = {
+            {offsetof(ekv_model_params, prefill_candidates), "prefill_candidates",
+             EKV_MODEL_MAX_PREFILL_CANDIDATES},
+            {offsetof(ekv_model_params, prefill_compact), "prefill_compact",
+             EKV_MODEL_MAX_PREFILL_CANDIDATES},
+            {offsetof(ekv_model_params, decode_candidates), "decode_candidates",
+             EKV_MODEL_MAX_DECODE_CANDIDATES},
+    };
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
+        const int32_t bad[2] = {-1, lists[i].most + 1}, good[2] = {1, lists[i].most};
+        ekv_model_params q = p;
+        int32_t *field = (int32_t *)((char *)&q + lists[i].at);
+        CHECK(*field == 0, "%s defaults to %d, not 0", lists[i].name, *field);
+        for (int b = 0; b < 2; b++) {
+            *field = bad[b];
+            CHECK(ekv_model_load(ctx, tiny, &q, &m) == EKV_ERR_INVALID_SIZE && !m &&
+                          strstr(ekv_last_error(ctx), lists[i].name),
+                  "%s %d: %s", lists[i].name, bad[b], ekv_last_error(ctx));
+            *field = good[b]; /* the cpu engine has no such lists: accepted, unused */
+            CHECK(ekv_model_load(ctx, tiny, &q, &m) == EKV_OK && m, "%s %d: %s", lists[i].name,
+                  good[b], ekv_last_error(ctx));
+            ekv_model_free(m);
+            m = NULL;
+        }
+    }
 }
 
 int main(void) {
@@ -268,6 +308,7 @@ int main(void) {
     p.prefill_kernel = (ekv_prefill_kernel)7;
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "prefill_kernel 7");
     p.prefill_kernel = EKV_PREFILL_AUTO;
+    list_sizes(ctx);
     p.backend = EKV_BACKEND_CUDA;
     p.method = EKV_SELECT_ORACLE; /* evaluation only: no CUDA path */
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_UNSUPPORTED && !m &&

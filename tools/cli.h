@@ -251,6 +251,9 @@ typedef struct {
     ekv_prefill_kernel prefill_kernel; /* --prefill-kernel auto|fused|gemm (cuda dense prefill) */
     int prefill_kernel_set;            /* --prefill-kernel given (cuda only, as --prefill-chunk
                                           and --no-graphs: model_parse) */
+    int64_t prefill_candidates;        /* --prefill-candidates, --prefill-compact,  */
+    int64_t prefill_compact;           /* --decode-candidates: the cuda list sizes  */
+    int64_t decode_candidates;         /* (ekv_model_params; 0 = the default)       */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);

@@ -63,8 +63,16 @@ void model_opts_help(FILE *f) {
             "                        (default: fused for f16/bf16 caches and head dim 64/128,\n"
             "                        else gemm); the prefill stats line says which ran\n"
             "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n"
-            "                        (these three are options of --backend cuda: with cpu they\n"
-            "                        are bad usage)\n");
+            "  --prefill-candidates N  cuda fused prefill: tau candidates kept per query row,\n"
+            "                        1..%d (default 4096; fewer make rows overflow and retry)\n"
+            "  --prefill-compact N   cuda fused prefill: the fill at which a row's list is\n"
+            "                        compacted inside the sweep, 1..%d (default 1024)\n"
+            "  --decode-candidates N  cuda decode stages: tau candidates listed per query head,\n"
+            "                        1..%d (default 16384; fewer take the slow paths)\n"
+            "                        (these six are options of --backend cuda: with cpu they\n"
+            "                        are bad usage)\n",
+            EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
+            EKV_MODEL_MAX_DECODE_CANDIDATES);
 }
 
 static const cli_opt model_table[] = {
@@ -72,6 +80,12 @@ static const cli_opt model_table[] = {
         CLI_INT("--threads", model_opts, threads, 0, 1024),
         CLI_INT("--prefill-chunk", model_opts, prefill_chunk, 1, 1 << 20),
         CLI_FLAG("--no-graphs", model_opts, no_graphs),
+        CLI_INT("--prefill-candidates", model_opts, prefill_candidates, 1,
+                EKV_MODEL_MAX_PREFILL_CANDIDATES),
+        CLI_INT("--prefill-compact", model_opts, prefill_compact, 1,
+                EKV_MODEL_MAX_PREFILL_CANDIDATES),
+        CLI_INT("--decode-candidates", model_opts, decode_candidates, 1,
+                EKV_MODEL_MAX_DECODE_CANDIDATES),
 };
 
 /* A method of the model subcommands: the library's (cli_method) but oracle, which needs the
@@ -142,10 +156,13 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
     model_parse_args a = {mo, table, n, extra, opts};
     cli_parse(sub, argc, argv, help, model_take, &a);
     /* the cpu backend has no such settings: no option is taken and then ignored */
-    const char *cuda_only = mo->prefill_kernel_set ? "--prefill-kernel"
-                            : mo->prefill_chunk    ? "--prefill-chunk"
-                            : mo->no_graphs        ? "--no-graphs"
-                                                   : NULL;
+    const char *cuda_only = mo->prefill_kernel_set   ? "--prefill-kernel"
+                            : mo->prefill_chunk      ? "--prefill-chunk"
+                            : mo->no_graphs          ? "--no-graphs"
+                            : mo->prefill_candidates ? "--prefill-candidates"
+                            : mo->prefill_compact    ? "--prefill-compact"
+                            : mo->decode_candidates  ? "--decode-candidates"
+                                                     : NULL;
     if (cuda_only && mo->backend != EKV_BACKEND_CUDA)
         cli_usage_error(sub, "%s is an option of --backend cuda (this run is on the %s backend)",
                         cuda_only, ekv_backend_name(mo->backend));
@@ -224,6 +241,9 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.prefill_chunk = o->prefill_chunk;
     mp.cuda_graphs = !o->no_graphs;
     mp.prefill_kernel = o->prefill_kernel;
+    mp.prefill_candidates = (int32_t)o->prefill_candidates;
+    mp.prefill_compact = (int32_t)o->prefill_compact;
+    mp.decode_candidates = (int32_t)o->decode_candidates;
     mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {

@@ -72,6 +72,11 @@ typedef struct ekv_model ekv_model;
 /* The most layers a model file may have (its n_layers metadata). */
 #define EKV_MODEL_MAX_LAYERS 1024
 
+/* The largest cuda list sizes of ekv_model_params (prefill_candidates and prefill_compact;
+ * decode_candidates). */
+#define EKV_MODEL_MAX_PREFILL_CANDIDATES 8192
+#define EKV_MODEL_MAX_DECODE_CANDIDATES  16384
+
 /* Hyper-parameters, as read from the file's metadata. */
 typedef struct ekv_model_config {
     int32_t vocab, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim;
@@ -118,6 +123,20 @@ typedef struct ekv_model_params {
     ekv_prefill_kernel prefill_kernel; /* cuda dense prefill (docs/architecture.md, "The model
                               on the GPU"): EKV_PREFILL_AUTO (default) = fused where it applies
                               (f16/bf16 caches, head_dim 64 or 128), else the GEMMs           */
+    /* cuda list sizes (docs/architecture.md, "The model on the GPU"): tests and benchmarks
+     * shrink them to drive the slow paths or tune a trade. 0 = the default; a value outside
+     * [0, most] fails the load with EKV_ERR_INVALID_SIZE on every backend. */
+    int32_t prefill_candidates; /* fused dense prefill: tau candidates kept per query row,
+                                   1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 4096); a row
+                                   with more is retried (ekv_model_stats)                      */
+    int32_t prefill_compact;    /* fused dense prefill: the fill at which a row's list is
+                                   compacted inside the sweep (docs/math.md §12),
+                                   1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 1024), at most
+                                   the candidates kept                                         */
+    int32_t decode_candidates;  /* decode stages: tau candidates listed per query head (the
+                                   plan's max_candidates, entmaxkv/cuda.h; also screened's
+                                   screen list), 1 .. EKV_MODEL_MAX_DECODE_CANDIDATES
+                                   (0 = the plan's default, 16384)                             */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */

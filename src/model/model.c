@@ -37,6 +37,9 @@ ekv_model_params ekv_model_default_params(void) {
     p.prefill_chunk = 0;
     p.max_seqs = 1;
     p.prefill_kernel = EKV_PREFILL_AUTO;
+    p.prefill_candidates = 0;
+    p.prefill_compact = 0;
+    p.decode_candidates = 0;
     return p;
 }
 
@@ -388,6 +391,14 @@ static ekv_status alloc_state(ekv_model *m) {
     return EKV_OK;
 }
 
+/* A cuda list size of the params (docs/architecture.md, "The model on the GPU"): 0 = the
+ * default, else 1 .. most. Checked on every backend, as the other cuda fields are. */
+static ekv_status check_list_size(ekv_context *ctx, const char *name, int32_t v, int32_t most) {
+    if (v >= 0 && v <= most) return EKV_OK;
+    return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "%s=%d must be in [0, %d] (0 = the default)", name,
+                    v, most);
+}
+
 ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *st,
                                       const ekv_model_params *params, ekv_model **out) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
@@ -420,8 +431,16 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
                         (long long)p.prefill_chunk);
+    ekv_status s = check_list_size(ctx, "prefill_candidates", p.prefill_candidates,
+                                   EKV_MODEL_MAX_PREFILL_CANDIDATES);
+    if (!s)
+        s = check_list_size(ctx, "prefill_compact", p.prefill_compact,
+                            EKV_MODEL_MAX_PREFILL_CANDIDATES);
+    if (!s)
+        s = check_list_size(ctx, "decode_candidates", p.decode_candidates,
+                            EKV_MODEL_MAX_DECODE_CANDIDATES);
     ekv_model_config cfg;
-    ekv_status s = read_config(ctx, st, &cfg);
+    if (!s) s = read_config(ctx, st, &cfg);
     if (s) return s;
     if ((s = check_method(ctx, &cfg, p.backend, p.method, p.budget, p.code_bits))) return s;
     ekv_model *m = calloc(1, sizeof *m);

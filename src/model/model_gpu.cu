@@ -131,29 +131,16 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     return EKV_OK;
 }
 
-/* A test's list size from the environment (docs/architecture.md): name's value in [1, most],
- * else dflt. */
-static int32_t env_list_size(const char *name, long most, int32_t dflt) {
-    const char *e = getenv(name);
-    const long v = e ? strtol(e, NULL, 10) : 0;
-    return v >= 1 && v <= most ? (int32_t)v : dflt;
-}
-
-/* The fused prefill's candidates per row: EKV_PREFILL_CANDS (1 .. 8192, a test's way to make
- * rows overflow), else 4096 (the GEMM path's row kernel keeps as many). */
-static int32_t fused_cand_cap(void) { return env_list_size("EKV_PREFILL_CANDS", 8192, 4096); }
-
-/* The fill at which the fused prefill compacts a row's list inside its sweep (capped by the
- * candidates kept): EKV_PREFILL_COMPACT (1 .. 8192, a benchmark's knob), else 1024. Each
- * compaction solves tau over that many values in one warp while its other rows wait, so a
- * small fill is cheap; a head whose support outgrows it settles and fills the whole list. */
-static int32_t fused_compact_at(void) { return env_list_size("EKV_PREFILL_COMPACT", 8192, 1024); }
-
 /* The fused prefill's buffers: per row of a block its candidates and state, per layer its
- * counters (PF_COUNTERS). */
+ * counters (PF_COUNTERS). The candidates kept per row: the params' prefill_candidates (a test's
+ * way to make rows overflow), else 4096 (the GEMM path's row kernel keeps as many). The fill
+ * at which a row's list is compacted inside the sweep (capped by the candidates kept at
+ * launch): the params' prefill_compact (a benchmark's knob), else 1024. Each compaction solves
+ * tau over that many values in one warp while its other rows wait, so a small fill is cheap;
+ * a head whose support outgrows it settles and fills the whole list. Both checked at load. */
 static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
-    g->cand_cap = fused_cand_cap();
-    g->compact_at = fused_compact_at();
+    g->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : 4096;
+    g->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : 1024;
     ekv_status s = dev_alloc(g, &g->pf_cand, rows * g->cand_cap * 4, "the prefill candidates");
     if (!s) s = dev_alloc(g, &g->pf_cidx, rows * g->cand_cap * 8, "the prefill candidates");
     if (!s) s = dev_alloc(g, &g->pf_count, rows * 4, "the prefill rows");
@@ -223,9 +210,9 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     pp.head_dim = c->head_dim;
     pp.page_size = m->prm.page_size;
     pp.max_pages_per_seq = g->pages;
-    /* EKV_DECODE_CANDS (1 .. 16384): a test's way to make the decode stages' tau lists
-     * overflow; else the plan's default */
-    pp.max_candidates = env_list_size("EKV_DECODE_CANDS", 16384, (int32_t)pp.max_candidates);
+    /* the params' decode_candidates (a test's way to make the decode stages' tau lists
+     * overflow), else 0: the plan's default */
+    pp.max_candidates = m->prm.decode_candidates;
     ekv_status s = ekv_cuda_plan_create(m->ctx, &pp, &g->plan);
     if (s) return s;
     g->views = pp.max_batch;

@@ -79,8 +79,8 @@ struct model_gpu {
     /* the fused dense prefill (model_gpu_prefill_fused.cu) instead of the GEMMs: its per-row
      * state over the H * chunk rows of a block */
     int fused;
-    int32_t cand_cap;  /* candidates kept per row (EKV_PREFILL_CANDS, docs/architecture.md) */
-    int32_t compact_at; /* the fill that compacts a list in the sweep (EKV_PREFILL_COMPACT) */
+    int32_t cand_cap;   /* candidates kept per row (prefill_candidates, docs/architecture.md) */
+    int32_t compact_at; /* the fill that compacts a list in the sweep (prefill_compact) */
     float *pf_cand;    /* [H * chunk][cand_cap] */
     int64_t *pf_cidx;  /* [H * chunk][cand_cap] the candidates' key positions */
     int32_t *pf_count; /* [H * chunk] candidates found (may exceed cand_cap) */

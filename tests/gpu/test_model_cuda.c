@@ -91,10 +91,10 @@ typedef struct {
     const char *path; /* NULL: the shipped model */
 } mcase;
 
-static ekv_model *load_kernel(ekv_context *ctx, const mcase *c, ekv_backend be,
-                              ekv_prefill_kernel kernel) {
-    ekv_model_params p = ekv_model_default_params();
-    p.prefill_kernel = kernel;
+/* The model of a case on a backend: the case's fields over p, whose prefill kernel and list
+ * sizes (prefill_candidates, prefill_compact, decode_candidates) are the caller's. */
+static ekv_model *load_params(ekv_context *ctx, const mcase *c, ekv_backend be,
+                              ekv_model_params p) {
     p.max_tokens = c->prefill + DECODE + MORE + 8;
     p.method = c->method;
     p.kv_dtype = c->kv;
@@ -110,7 +110,7 @@ static ekv_model *load_kernel(ekv_context *ctx, const mcase *c, ekv_backend be,
 }
 
 static ekv_model *load(ekv_context *ctx, const mcase *c, ekv_backend be) {
-    return load_kernel(ctx, c, be, EKV_PREFILL_AUTO);
+    return load_params(ctx, c, be, ekv_model_default_params());
 }
 
 /* The logits of a case on both engines: the prompt's rows and the decode steps'. */
@@ -364,31 +364,27 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
 /* The fused dense prefill (docs/math.md §12, "The fused kernel") against the GEMM path and the
  * CPU engine at every position: f16 and bf16 caches, lengths and blocks off the kernel's
  * 64-row tiles (a block of 100 tokens is 300 rows per KV head), and rows whose candidate buffer
- * overflows: with EKV_PREFILL_CANDS = 4 nearly every row keeps too few (the model's keys cannot
+ * overflows: with prefill_candidates = 4 nearly every row keeps too few (the model's keys cannot
  * be planted through the API, so the buffer is shrunk instead), so lists are compacted inside
  * the sweep, rows are retried and solved by Newton passes, and must still give the same logits. The
  * stats say which kernel ran. */
 typedef struct {
     ekv_dtype kv;
     int64_t n, chunk;
-    const char *cands;   /* EKV_PREFILL_CANDS, or NULL */
-    const char *compact; /* EKV_PREFILL_COMPACT (the fill that compacts a list), or NULL */
+    int32_t cands;   /* ekv_model_params.prefill_candidates, 0 = the default */
+    int32_t compact; /* prefill_compact (the fill that compacts a list), 0 = the default */
 } fcase;
-
-static void set_or_unset(const char *name, const char *value) {
-    if (value)
-        setenv(name, value, 1);
-    else
-        unsetenv(name);
-}
 
 static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *tok) {
     const mcase c = {EKV_SELECT_DENSE, f->kv, f->chunk, 1, f->n, NULL};
-    set_or_unset("EKV_PREFILL_CANDS", f->cands);
-    set_or_unset("EKV_PREFILL_COMPACT", f->compact);
-    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU),
-              *fused = load_kernel(ctx, &c, EKV_BACKEND_CUDA, EKV_PREFILL_FUSED),
-              *gemm = load_kernel(ctx, &c, EKV_BACKEND_CUDA, EKV_PREFILL_GEMM);
+    ekv_model_params t = ekv_model_default_params();
+    t.prefill_candidates = f->cands;
+    t.prefill_compact = f->compact;
+    ekv_model *cpu = load_params(ctx, &c, EKV_BACKEND_CPU, t);
+    t.prefill_kernel = EKV_PREFILL_FUSED;
+    ekv_model *fused = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
+    t.prefill_kernel = EKV_PREFILL_GEMM;
+    ekv_model *gemm = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
     float *lc = malloc(sizeof(float) * (size_t)(f->n * V)),
           *lf = malloc(sizeof(float) * (size_t)(f->n * V)),
           *lg = malloc(sizeof(float) * (size_t)(f->n * V));
@@ -397,9 +393,8 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
         CHECK(!ekv_model_step(cpu, tok, f->n, lc), "cpu prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(fused, tok, f->n, lf), "fused prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gemm, tok, f->n, lg), "gemm prefill: %s", ekv_last_error(ctx));
-        snprintf(what, sizeof what, "fused %s %lld chunk %lld cands %s compact %s vs cpu",
-                 ekv_dtype_name(f->kv), (long long)f->n, (long long)f->chunk,
-                 f->cands ? f->cands : "-", f->compact ? f->compact : "-");
+        snprintf(what, sizeof what, "fused %s %lld chunk %lld cands %d compact %d vs cpu",
+                 ekv_dtype_name(f->kv), (long long)f->n, (long long)f->chunk, f->cands, f->compact);
         compare(what, lf, lc, f->n);
         snprintf(what, sizeof what, "fused %s %lld chunk %lld vs gemm", ekv_dtype_name(f->kv),
                  (long long)f->n, (long long)f->chunk);
@@ -416,14 +411,12 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
                (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows,
                (long long)sf.prefill_compacted_rows);
         if (f->cands) /* a small buffer fills inside the sweep: its compaction must have run */
-            CHECK(sf.prefill_compacted_rows > 0, "cands %s: no list compacted", f->cands);
-        if (f->cands && atoi(f->cands) <= 4)
+            CHECK(sf.prefill_compacted_rows > 0, "cands %d: no list compacted", f->cands);
+        if (f->cands && f->cands <= 4)
             CHECK(sf.prefill_retry_rows > 0 && sf.prefill_newton_rows > 0,
-                  "cands %s: no row overflowed (retried %lld, Newton %lld)", f->cands,
+                  "cands %d: no row overflowed (retried %lld, Newton %lld)", f->cands,
                   (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
     }
-    unsetenv("EKV_PREFILL_CANDS");
-    unsetenv("EKV_PREFILL_COMPACT");
     ekv_model_free(cpu);
     ekv_model_free(fused);
     ekv_model_free(gemm);
@@ -445,7 +438,7 @@ static int64_t slow_count(const ekv_model_stats *s, int k) {
 }
 
 /* The decode stages' slow paths (docs/architecture.md, "The model on the GPU"): with
- * EKV_DECODE_CANDS = 4 the plan lists 4 candidates per query head (and screened keeps 4 per
+ * decode_candidates = 4 the plan lists 4 candidates per query head (and screened keeps 4 per
  * screen list), so tau lists are compacted or solved over the whole row and screen lists
  * retried or keep every token, and the logits must still be the CPU's; the stats count them
  * per layer, at most one of each per (token through the decode stages, query head), and the
@@ -453,9 +446,10 @@ static int64_t slow_count(const ekv_model_stats *s, int k) {
 static void check_slow_paths(ekv_context *ctx, const int32_t *tok, ekv_select_method method) {
     enum { N = 300, STEPS = 8 };
     const mcase c = {method, EKV_DTYPE_F16, 0, 1, N, NULL};
-    setenv("EKV_DECODE_CANDS", "4", 1);
-    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU), *gpu = load(ctx, &c, EKV_BACKEND_CUDA);
-    unsetenv("EKV_DECODE_CANDS");
+    ekv_model_params t = ekv_model_default_params();
+    t.decode_candidates = 4;
+    ekv_model *cpu = load_params(ctx, &c, EKV_BACKEND_CPU, t),
+              *gpu = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
     case_logits b;
     const int ok = case_logits_alloc(&b, N, STEPS);
     char what[96], what_dec[96];
@@ -500,17 +494,17 @@ static void check_slow_paths(ekv_context *ctx, const int32_t *tok, ekv_select_me
 
 static void check_fused(ekv_context *ctx, const int32_t *tok) {
     static const fcase cases[] = {
-            {EKV_DTYPE_F16, PREFILL, 0, NULL, NULL},   /* one block */
-            {EKV_DTYPE_F16, PREFILL, 100, NULL, NULL}, /* blocks of 300 rows: tiles cut mid-token */
-            {EKV_DTYPE_F16, 129, 0, NULL, NULL},
-            {EKV_DTYPE_BF16, 457, 0, NULL, NULL},
-            {EKV_DTYPE_BF16, 333, 77, NULL, NULL},
-            {EKV_DTYPE_F16, PREFILL, 256, "4", NULL}, /* overflows: retries and Newton passes */
-            {EKV_DTYPE_BF16, 457, 128, "2", NULL},
-            {EKV_DTYPE_F16, 457, 0, "24", NULL}, /* some rows overflow round 0 only */
+            {EKV_DTYPE_F16, PREFILL, 0, 0, 0},   /* one block */
+            {EKV_DTYPE_F16, PREFILL, 100, 0, 0}, /* blocks of 300 rows: tiles cut mid-token */
+            {EKV_DTYPE_F16, 129, 0, 0, 0},
+            {EKV_DTYPE_BF16, 457, 0, 0, 0},
+            {EKV_DTYPE_BF16, 333, 77, 0, 0},
+            {EKV_DTYPE_F16, PREFILL, 256, 4, 0}, /* overflows: retries and Newton passes */
+            {EKV_DTYPE_BF16, 457, 128, 2, 0},
+            {EKV_DTYPE_F16, 457, 0, 24, 0}, /* some rows overflow round 0 only */
             /* compactions below the list's size: rows settle, then fill the list */
-            {EKV_DTYPE_F16, 457, 0, "96", "16"},
-            {EKV_DTYPE_BF16, 333, 77, "64", "8"},
+            {EKV_DTYPE_F16, 457, 0, 96, 16},
+            {EKV_DTYPE_BF16, 333, 77, 64, 8},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         check_fused_case(ctx, &cases[i], tok);
