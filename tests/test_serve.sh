@@ -34,14 +34,7 @@ done
 TINY="$DATA/tiny_model.safetensors"
 BIG="$MODELS/entmaxkv-lm.safetensors"
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_serve.XXXXXX") || exit 1
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
-FAILS=0
-CHECKS=0
-check() { CHECKS=$((CHECKS + 1)); if [ "$2" -ne 0 ]; then echo "FAIL: $1" >&2; FAILS=$((FAILS + 1)); fi; }
-# a JSON field of a file: jget FILE 'python expression over d'
-jget() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1" 2>/dev/null; }
+. "$(dirname "$0")/serve_lib.sh"
 
 "$BIN" serve --help >"$TMP/out" 2>"$TMP/err"
 [ $? -eq 0 ] && grep -q "usage: entmaxkv serve" "$TMP/out" && [ ! -s "$TMP/err" ]
@@ -61,26 +54,8 @@ st=$?; check "serve --max-seqs 0 is bad usage (exit 2: $(cat "$TMP/err"))" $st
 "$BIN" serve --help | grep -q -- "--max-seqs N .*cuda: requests decoded together"
 check "serve --help documents --max-seqs" $?
 
-# start MODEL ARGS...: a server in the background; sets PID and URL
-start() {
-    local log="$TMP/server.$#.$RANDOM"
-    "$BIN" serve --port 0 --threads 1 --model "$@" >"$log.out" 2>"$log.err" &
-    PID=$!
-    LOG=$log
-    PIDS+=("$PID")
-    for _ in $(seq 100); do
-        URL=$(sed -n 's/^entmaxkv serve: listening on \(http:[^ ]*\)$/\1/p' "$log.out")
-        [ -n "$URL" ] && return 0
-        sleep 0.1
-    done
-    echo "FAIL: the server did not start: $(cat "$log.err")" >&2
-    exit 1
-}
-# post PATH BODY: the status in $CODE, the body in $TMP/body
-post() { CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL$1" -H 'Content-Type: application/json' --data-binary "$2"); }
-metric() { curl -s "$URL/metrics" | awk -v k="$1" '$1 == k { print $2 }'; }
 
-start "$TINY" --ctx 512 --max-body 65536 --method dense
+start --threads 1 --model "$TINY" --ctx 512 --max-body 65536 --method dense
 grep -q "cpu backend, context 512 tokens, requests in turn$" "$LOG.err"
 st=$?; check "the cpu server says it serves requests in turn ($(cat "$LOG.err"))" $st
 CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/health")
@@ -207,7 +182,7 @@ wait "$PID"
 check "SIGTERM on an idle server exits 0" $?
 
 # the shipped model: a request long enough to be caught in flight
-start "$BIG" --queue 1
+start --threads 1 --model "$BIG" --queue 1
 curl -sN "$URL/v1/completions" -d '{"prompt":"The LORD said","max_tokens":3000,"stream":true}' >"$TMP/long" &
 CURL=$!
 for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 1 ] && break; sleep 0.1; done
