@@ -9,8 +9,11 @@
 #   - each bad input gets its 4xx and an OpenAI error object, and the server keeps serving:
 #     malformed JSON, wrong types, invalid UTF-8, a huge body, negative and huge max_tokens, an
 #     unknown model, method or endpoint, a prompt past the context;
+#   - --max-seqs: several sequences need --backend cuda (tests/gpu/test_serve_cuda.sh batches
+#     them on the GPU); the cpu serves requests in turn;
 #   - a full queue gets 503; a client that disconnects mid-stream cancels its request, whose
-#     pages return to the pool (/metrics: KV pages in use 0);
+#     pages return to the pool (/metrics: KV pages in use 0); one that disconnects during a long
+#     prefill stops it at the next chunk;
 #   - SIGTERM lets a streamed request in flight finish, then the server exits 0.
 # Usage: test_serve.sh PATH/TO/entmaxkv DATA_DIR MODELS_DIR
 set -u
@@ -31,14 +34,7 @@ done
 TINY="$DATA/tiny_model.safetensors"
 BIG="$MODELS/entmaxkv-lm.safetensors"
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_serve.XXXXXX") || exit 1
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
-FAILS=0
-CHECKS=0
-check() { CHECKS=$((CHECKS + 1)); if [ "$2" -ne 0 ]; then echo "FAIL: $1" >&2; FAILS=$((FAILS + 1)); fi; }
-# a JSON field of a file: jget FILE 'python expression over d'
-jget() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1" 2>/dev/null; }
+. "$(dirname "$0")/serve_lib.sh"
 
 "$BIN" serve --help >"$TMP/out" 2>"$TMP/err"
 [ $? -eq 0 ] && grep -q "usage: entmaxkv serve" "$TMP/out" && [ ! -s "$TMP/err" ]
@@ -49,26 +45,19 @@ check "serve --port 70000 is bad usage (exit 2)" $?
 "$BIN" serve --method oracle >"$TMP/out" 2>"$TMP/err"
 [ $? -eq 2 ]
 check "serve --method oracle is bad usage (exit 2)" $?
+"$BIN" serve --max-seqs 4 >"$TMP/out" 2>"$TMP/err"
+[ $? -eq 2 ] && grep -q "the cpu model holds one sequence.*needs --backend cuda" "$TMP/err"
+st=$?; check "serve --max-seqs 4 on the cpu is bad usage naming cuda (exit 2: $(cat "$TMP/err"))" $st
+"$BIN" serve --max-seqs 0 --backend cuda >"$TMP/out" 2>"$TMP/err"
+[ $? -eq 2 ] && grep -q "\-\-max-seqs 0: expected an integer in \[1, 4096\]" "$TMP/err"
+st=$?; check "serve --max-seqs 0 is bad usage (exit 2: $(cat "$TMP/err"))" $st
+"$BIN" serve --help | grep -q -- "--max-seqs N .*cuda: requests decoded together"
+check "serve --help documents --max-seqs" $?
 
-# start MODEL ARGS...: a server in the background; sets PID and URL
-start() {
-    local log="$TMP/server.$#.$RANDOM"
-    "$BIN" serve --port 0 --threads 1 --model "$@" >"$log.out" 2>"$log.err" &
-    PID=$!
-    PIDS+=("$PID")
-    for _ in $(seq 100); do
-        URL=$(sed -n 's/^entmaxkv serve: listening on \(http:[^ ]*\)$/\1/p' "$log.out")
-        [ -n "$URL" ] && return 0
-        sleep 0.1
-    done
-    echo "FAIL: the server did not start: $(cat "$log.err")" >&2
-    exit 1
-}
-# post PATH BODY: the status in $CODE, the body in $TMP/body
-post() { CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL$1" -H 'Content-Type: application/json' --data-binary "$2"); }
-metric() { curl -s "$URL/metrics" | awk -v k="$1" '$1 == k { print $2 }'; }
 
-start "$TINY" --ctx 512 --max-body 65536 --method dense
+start --threads 1 --model "$TINY" --ctx 512 --max-body 65536 --method dense
+grep -q "cpu backend, context 512 tokens, requests in turn$" "$LOG.err"
+st=$?; check "the cpu server says it serves requests in turn ($(cat "$LOG.err"))" $st
 CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/health")
 [ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["status"]')" = ok ]
 check "GET /health is 200 ok" $?
@@ -78,10 +67,10 @@ check "GET /v1/models lists entmaxkv-lm" $?
 
 post /v1/completions '{"model":"entmaxkv-lm","prompt":"In the beginning","max_tokens":5,"temperature":0}'
 [ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["usage"]["completion_tokens"], d["choices"][0]["finish_reason"], d["object"]')" = "5 length text_completion" ]
-check "a completion: 200, 5 tokens, finish_reason length ($CODE $(cat "$TMP/body"))" $?
+st=$?; check "a completion: 200, 5 tokens, finish_reason length ($CODE $(cat "$TMP/body"))" $st
 post /v1/chat/completions '{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}],"max_tokens":3}'
-[ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["choices"][0]["message"]["role"], d["object"], d["usage"]["prompt_tokens"]')" = "assistant chat.completion 39" ]
-check "a chat completion: 200, the plain template's 39 prompt bytes ($CODE $(cat "$TMP/body"))" $?
+[ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["choices"][0]["message"]["role"], d["object"], d["usage"]["prompt_tokens"]')" = "assistant chat.completion 38" ]
+st=$?; check "a chat completion: 200, the plain template's 38 prompt bytes, 'System: Be brief.', 'User: Hi' and 'Assistant: ' ($CODE $(cat "$TMP/body"))" $st
 # a stop string ends the text before it (temperature 0: the tiny model repeats itself)
 post /v1/completions '{"prompt":"Hello","max_tokens":40,"temperature":0}'
 cp "$TMP/body" "$TMP/full"
@@ -141,7 +130,7 @@ done
 bad() { # bad STATUS WORD PATH BODY
     post "$3" "$4"
     [ "$CODE" = "$1" ] && grep -q "\"error\":{\"message\":\"[^\"]*$2" "$TMP/body"
-    check "bad input gets $1 mentioning '$2': $4 -> $CODE $(head -c 300 "$TMP/body")" $?
+    st=$?; check "bad input gets $1 mentioning '$2': $4 -> $CODE $(head -c 300 "$TMP/body")" $st
 }
 bad 400 "not valid JSON" /v1/completions '{"prompt": "a",'
 bad 400 "not valid JSON" /v1/completions '{"prompt": "a",}'
@@ -193,7 +182,7 @@ wait "$PID"
 check "SIGTERM on an idle server exits 0" $?
 
 # the shipped model: a request long enough to be caught in flight
-start "$BIG" --queue 1
+start --threads 1 --model "$BIG" --queue 1
 curl -sN "$URL/v1/completions" -d '{"prompt":"The LORD said","max_tokens":3000,"stream":true}' >"$TMP/long" &
 CURL=$!
 for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 1 ] && break; sleep 0.1; done
@@ -201,7 +190,7 @@ post /v1/completions '{"prompt":"a","max_tokens":2}'
 [ "$CODE" = 503 ] && grep -q '"code":"overloaded"' "$TMP/body"
 check "a full queue (--queue 1) gets 503 ($CODE)" $?
 for _ in $(seq 100); do [ -s "$TMP/long" ] && break; sleep 0.1; done
-kill "$CURL"
+kill "$CURL" 2>/dev/null
 wait "$CURL" 2>/dev/null
 for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 0 ] && break; sleep 0.1; done
 [ "$(metric entmaxkv_requests_cancelled_total)" = 1 ] && [ "$(metric entmaxkv_kv_pages_in_use)" = 0 ] &&
@@ -210,6 +199,23 @@ check "a client gone mid-stream: its request stops, its pages return (pages in u
 post /v1/completions '{"prompt":"a","max_tokens":2}'
 [ "$CODE" = 200 ]
 check "the server serves the next request ($CODE)" $?
+# a client gone during a long prefill: the prompt runs in chunks (256 tokens on the cpu), so its
+# request stops at the next chunk rather than after the whole prompt
+python3 -c 'import json; print(json.dumps({"prompt": "In the beginning " * 230, "max_tokens": 1}))' >"$TMP/longp"
+before=$(metric entmaxkv_prompt_tokens_total)
+curl -s "$URL/v1/completions" --data-binary @"$TMP/longp" >/dev/null &
+CURL=$!
+for _ in $(seq 200); do [ "$(metric entmaxkv_prompt_tokens_total)" != "$before" ] && break; sleep 0.05; done
+kill "$CURL" 2>/dev/null
+wait "$CURL" 2>/dev/null
+for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 0 ] && break; sleep 0.1; done
+ran=$(( $(metric entmaxkv_prompt_tokens_total) - before ))
+[ "$ran" -gt 0 ] && [ "$ran" -lt 3910 ] && [ "$(metric entmaxkv_requests_cancelled_total)" = 2 ] &&
+    [ "$(metric entmaxkv_kv_pages_in_use)" = 0 ] && [ "$(metric entmaxkv_requests_running)" = 0 ]
+check "a client gone mid-prefill: its 3910-byte prompt stops after $ran tokens, pages in use 0" $?
+post /v1/completions '{"prompt":"a","max_tokens":2}'
+[ "$CODE" = 200 ]
+check "the server serves the request after ($CODE)" $?
 # SIGTERM while a stream is in flight: it ends whole, then the server exits 0
 curl -sN "$URL/v1/completions" -d '{"prompt":"The LORD said","max_tokens":400,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}' >"$TMP/drain" &
 CURL=$!

@@ -336,6 +336,9 @@ typedef void (*model_logits_fn)(void *arg, int64_t start, int64_t c, const float
 int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m,
                const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn, void *arg,
                int64_t *fed);
+/* The tokens model_feed runs in one ekv_model_seq_step: a prompt fed in these chunks (as the
+ * server's prefill is, one chunk between decode steps) runs the same blocks as run's. */
+int64_t model_feed_chunk(const ekv_model *m);
 /* The same for sequence seq of the model (ekv_model_seq_step; model_feed is sequence 0). */
 int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, int32_t seq,
                    const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,

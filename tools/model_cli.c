@@ -338,12 +338,16 @@ int model_feed(const char *sub, const char *what, ekv_context *ctx, ekv_model *m
     return model_feed_seq(sub, what, ctx, m, 0, tokens, n, logits_from, fn, arg, fed);
 }
 
+int64_t model_feed_chunk(const ekv_model *m) {
+    /* the CPU runs 64-token blocks, so 256 keeps the progress lines frequent; the GPU's dense
+     * prefill wants thousands of query rows per block (its own chunking splits further) */
+    return ekv_model_backend(m) == EKV_BACKEND_CUDA ? 4096 : 256;
+}
+
 int model_feed_seq(const char *sub, const char *what, ekv_context *ctx, ekv_model *m, int32_t seq,
                    const int32_t *tokens, int64_t n, int64_t logits_from, model_logits_fn fn,
                    void *arg, int64_t *fed) {
-    /* the CPU runs 64-token blocks, so 256 keeps the progress lines frequent; the GPU's dense
-     * prefill wants thousands of query rows per block (its own chunking splits further) */
-    const int64_t CHUNK = ekv_model_backend(m) == EKV_BACKEND_CUDA ? 4096 : 256;
+    const int64_t CHUNK = model_feed_chunk(m);
     const int64_t V = ekv_model_get_config(m)->vocab;
     float *logits = fn ? malloc(sizeof(float) * (size_t)(CHUNK * V)) : NULL;
     if (fn && !logits) {

@@ -1,7 +1,8 @@
 /*
  * entmaxkv serve (docs/cli.md, "serve"): an OpenAI-compatible HTTP server over the model. Loads
- * the model as run does, starts the engine (one worker thread owning the model, a bounded
- * queue: tools/serve_engine.c) and the HTTP server (libmicrohttpd: tools/serve_http.c), then
+ * the model as run does (--max-seqs sequences on cuda), starts the engine (a bounded queue:
+ * tools/serve_engine.c; one worker thread owning the model, batching the requests over its
+ * sequences: tools/serve_batch.c) and the HTTP server (libmicrohttpd: tools/serve_http.c), then
  * waits for SIGINT or SIGTERM: no new connection is taken, the requests in flight end and are
  * answered, and the process exits 0.
  */
@@ -17,10 +18,12 @@ static void serve_help(FILE *f) {
             "\n"
             "An OpenAI-compatible HTTP server over the entmaxkv language model:\n"
             "POST /v1/completions, POST /v1/chat/completions (stream: true sends server-sent\n"
-            "events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests are\n"
-            "served one after the other by one worker that owns the model; a request may pick\n"
-            "its method with \"entmaxkv\": {\"method\": M, \"budget\": F}. SIGINT or SIGTERM\n"
-            "lets the requests in flight finish, then the server exits 0.\n"
+            "events), GET /v1/models, GET /health, GET /metrics (Prometheus text). One worker\n"
+            "owns the model: on cuda it decodes up to --max-seqs requests together, each joining\n"
+            "and leaving the batched decode step between steps (continuous batching); on the cpu\n"
+            "it serves them one after the other. A request may pick its method with\n"
+            "\"entmaxkv\": {\"method\": M, \"budget\": F}. SIGINT or SIGTERM lets the requests\n"
+            "in flight finish, then the server exits 0.\n"
             "\n"
             "  --host ADDR           IPv4 address to listen on (default 127.0.0.1)\n"
             "  --port N              TCP port; 0 = any free one (default 8080). The address is\n"
@@ -30,6 +33,9 @@ static void serve_help(FILE *f) {
             "  --max-prompt-bytes N  the longest prompt (default: --ctx)\n"
             "  --max-tokens-limit N  the largest max_tokens a request may ask (default: --ctx)\n"
             "  --queue N             requests queued or running at once; more get 503 (64)\n"
+            "  --max-seqs N          cuda: requests decoded together, a model sequence each of\n"
+            "                        --ctx tokens (default 8; at most 4096). The cpu model holds\n"
+            "                        one sequence: 1 there\n"
             "  --max-body N          request body bytes; more get 413 (default 1M)\n"
             "  --max-connections N   connections at once (default 256)\n"
             "  --drain-timeout S     seconds SIGTERM waits for the requests in flight (600)\n");
@@ -38,8 +44,8 @@ static void serve_help(FILE *f) {
             "  --help                this text\n"
             "\n"
             "--method, --budget: the default of every request. The caches hold --code-bits key\n"
-            "codes, so any request may ask for screened. --backend cuda serves requests in turn\n"
-            "as well: batching requests into one decode step on the GPU is not done yet.\n");
+            "codes, so any request may ask for screened. Requests of different methods decode in\n"
+            "one step per method.\n");
 }
 
 static const cli_opt serve_table[] = {
@@ -50,6 +56,7 @@ static const cli_opt serve_table[] = {
         CLI_INT("--max-prompt-bytes", serve_opts, max_prompt, 1, (int64_t)1 << 30),
         CLI_INT("--max-tokens-limit", serve_opts, max_gen, 1, (int64_t)1 << 30),
         CLI_INT("--queue", serve_opts, queue, 1, 1 << 20),
+        CLI_INT("--max-seqs", serve_opts, max_seqs, 1, 4096),
         CLI_INT("--max-body", serve_opts, max_body, 1, (int64_t)1 << 30),
         CLI_INT("--max-connections", serve_opts, connections, 1, 1 << 16),
         CLI_INT("--drain-timeout", serve_opts, drain_s, 0, 1 << 30),
@@ -71,6 +78,14 @@ static void parse(int argc, char **argv, serve_opts *o) {
     if (!o->max_prompt) o->max_prompt = o->ctx;
     if (!o->max_gen) o->max_gen = o->ctx;
     if (!*o->name) cli_usage_error("serve", "--model-name is empty");
+    const int cuda = o->mo.backend == EKV_BACKEND_CUDA;
+    if (o->max_seqs > 1 && !cuda)
+        cli_usage_error("serve",
+                        "--max-seqs %lld: the cpu model holds one sequence, so it serves requests "
+                        "in turn; decoding several together needs --backend cuda",
+                        (long long)o->max_seqs);
+    if (!o->max_seqs) o->max_seqs = cuda ? 8 : 1;
+    o->mo.max_seqs = (int32_t)o->max_seqs;
     o->mo.codes = 1; /* key codes in the caches: a request may choose screened */
 }
 
@@ -113,10 +128,13 @@ int cmd_serve(int argc, char **argv) {
     if (h) {
         char lab[64];
         model_method_label(lab, sizeof lab, o.mo.method, o.mo.budget);
+        char how[64] = "requests in turn";
+        if (o.max_seqs > 1)
+            snprintf(how, sizeof how, "continuous batching over %lld sequences",
+                     (long long)o.max_seqs);
         fprintf(stderr,
-                "entmaxkv serve: model '%s', method %s, %s backend, context %lld tokens%s\n",
-                o.name, lab, ekv_backend_name(o.mo.backend), (long long)o.ctx,
-                o.mo.backend == EKV_BACKEND_CUDA ? " (requests in turn: no batching yet)" : "");
+                "entmaxkv serve: model '%s', method %s, %s backend, context %lld tokens, %s\n",
+                o.name, lab, ekv_backend_name(o.mo.backend), (long long)o.ctx, how);
         int sig = 0;
         sigwait(&set, &sig);
         fprintf(stderr, "entmaxkv serve: %s: finishing the requests in flight\n",

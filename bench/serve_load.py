@@ -1,0 +1,217 @@
+"""Load benchmark of `entmaxkv serve` (docs/cli.md, "serve"; issue 31's target: on the GPU, 16
+concurrent requests of 8K-64K prompts decode at 8x or more one request's tokens/s).
+
+For each method of --methods, --clients requests, their prompts --min-bytes to --max-bytes
+bytes (evenly spaced) of the repository's docs, each streamed with --tokens greedy tokens and
+the method as its "entmaxkv" field, are sent all at once (the server batches them: continuous
+batching on --backend cuda), then the same requests one after another. Per run:
+
+  decode tok/s      tokens after each request's first / the time some request was decoding
+                    (the union of the intervals from a request's first token to its last), so
+                    one after another it is one request's rate and at once the aggregate
+  end-to-end tok/s  tokens / wall time from the first request sent to the last answered
+  TTFT p50, p99     time from a request sent to its first token (nearest rank)
+
+then a markdown table, each method's ratio of the two decode rates, and how many answers were
+the same text both ways (an exact method batched may round differently from one alone). At the
+end the server's /metrics must show no KV page in use.
+
+The server: started here (--bin, default build-gpu/entmaxkv, else build/entmaxkv; `serve
+--port 0 --backend B --max-seqs CLIENTS --ctx` fitting the longest prompt, plus each
+--server-arg) and stopped with SIGTERM at the end, or a running one (--url; it must take
+--clients requests at once and the longest prompt). Standard library only (urllib, threads),
+so it runs on the GPU machine without extra wheels.
+
+usage: python3 bench/serve_load.py [--url URL | --bin PATH [--backend cuda|cpu] [--model FILE]
+           [--server-arg ARG ...]] [--clients N] [--min-bytes B] [--max-bytes B] [--tokens T]
+           [--methods LIST] [--no-sequential]
+e.g. python3 bench/serve_load.py --bin build-gpu/entmaxkv --clients 16 --methods dense,certified
+"""
+import argparse
+import json
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 usage=__doc__[__doc__.index("usage: ") + 7:].split("\ne.g.")[0])
+    ap.add_argument("--url", help="a running server (http://HOST:PORT); else one is started")
+    ap.add_argument("--bin", help="the entmaxkv to start (build-gpu/entmaxkv, else build/)")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--model", help="--model of the server started (the shipped one)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more argument of the server started (repeatable)")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent requests (16)")
+    ap.add_argument("--min-bytes", type=int, default=8192, help="the shortest prompt (8192)")
+    ap.add_argument("--max-bytes", type=int, default=65536, help="the longest prompt (65536)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per request (128)")
+    ap.add_argument("--methods", default="dense,certified",
+                    help="comma-separated methods (dense,certified)")
+    ap.add_argument("--no-sequential", action="store_true",
+                    help="only the concurrent run of each method")
+    a = ap.parse_args()
+    if a.clients < 1 or a.tokens < 2 or not 1 <= a.min_bytes <= a.max_bytes:
+        ap.error("need --clients >= 1, --tokens >= 2 and 1 <= --min-bytes <= --max-bytes")
+    return a
+
+
+def prompts(n, lo, hi):
+    """n prompts of lo..hi bytes: slices of the docs, ASCII so a byte is a character."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench/RESULTS.md"]
+    text = "".join(f.read_text(encoding="utf-8") for f in files if f.exists())
+    text = "".join(c for c in text if 32 <= ord(c) < 127 or c == "\n") or "In the beginning "
+    while len(text) < 2 * hi:
+        text += text
+    sizes = [lo + (hi - lo) * k // max(n - 1, 1) for k in range(n)]
+    return [text[(k * 7919) % (len(text) - s):][:s] for k, s in enumerate(sizes)]
+
+
+def start_server(a):
+    exe = a.bin or next((str(ROOT / d / "entmaxkv") for d in ("build-gpu", "build")
+                         if (ROOT / d / "entmaxkv").exists()), None)
+    if not exe:
+        sys.exit("serve_load: no --url and no entmaxkv found (give --bin PATH)")
+    cmd = [exe, "serve", "--port", "0", "--backend", a.backend,
+           "--ctx", str(a.max_bytes + a.tokens + 16), "--queue", str(max(64, 2 * a.clients))]
+    if a.backend == "cuda":
+        cmd += ["--max-seqs", str(a.clients)]
+    if a.model:
+        cmd += ["--model", a.model]
+    cmd += a.server_arg
+    print("serve_load: " + " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # the model loads first; the line comes once it listens
+    m = re.match(r"entmaxkv serve: listening on (http://\S+)", line)
+    if not m:
+        proc.kill()
+        sys.exit("serve_load: the server did not start (%r)" % line)
+    return proc, m.group(1)
+
+
+def request(url, prompt, tokens, method):
+    """One streamed completion: (seconds to the first token, seconds to the end, tokens, text)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "entmaxkv": {"method": method}}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0, first, text, used = time.perf_counter(), None, [], 0
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                raise RuntimeError(d["error"]["message"])
+            if d.get("usage"):
+                used = d["usage"]["completion_tokens"]
+            if d["choices"] and d["choices"][0]["text"]:
+                first = first or time.perf_counter()
+                text.append(d["choices"][0]["text"])
+    end = time.perf_counter()
+    return first - t0 if first else end - t0, end - t0, used, "".join(text), t0
+
+
+def run_all(url, ps, tokens, method, concurrent):
+    out, errors = [None] * len(ps), []
+
+    def one(k):
+        try:
+            out[k] = request(url, ps[k], tokens, method)
+        except Exception as e:  # noqa: BLE001 - reported with the request's number
+            errors.append("request %d: %r" % (k, e))
+
+    t0 = time.perf_counter()
+    if concurrent:
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for k in range(len(ps)):
+            one(k)
+    if errors:
+        sys.exit("serve_load: %s: %s" % (method, "; ".join(errors[:3])))
+    return time.perf_counter() - t0, out
+
+
+def union(intervals):
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
+def rank(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, -(-len(xs) * q // 100) - 1))]
+
+
+def row(method, mode, wall, res):
+    """A table row: method, mode, requests, tokens, wall, decode and end-to-end tok/s, TTFT."""
+    toks = sum(r[2] for r in res)
+    window = union([(r[4] + r[0], r[4] + r[1]) for r in res])
+    decode = sum(r[2] - 1 for r in res) / window if window > 0 else float("nan")
+    ttft = [r[0] for r in res]
+    return decode, "| %s | %s | %d | %d | %.2f | %.1f | %.1f | %.3f | %.3f |" % (
+        method, mode, len(res), toks, wall, decode, toks / wall, rank(ttft, 50), rank(ttft, 99))
+
+
+def pages_in_use(url):
+    text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
+    m = re.search(r"^entmaxkv_kv_pages_in_use (\S+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def main():
+    a = parse_args()
+    proc, url = (None, a.url.rstrip("/")) if a.url else start_server(a)
+    try:
+        ps = prompts(a.clients, a.min_bytes, a.max_bytes)
+        rows, notes = [], []
+        for method in a.methods.split(","):
+            request(url, ps[0][:512], 4, method)  # warm-up: graphs, cuBLAS, first launches
+            wall, res = run_all(url, ps, a.tokens, method, True)
+            dec, line = row(method, "%d at once" % a.clients, wall, res)
+            rows.append(line)
+            if a.no_sequential:
+                continue
+            wall1, res1 = run_all(url, ps, a.tokens, method, False)
+            dec1, line1 = row(method, "one after another", wall1, res1)
+            rows.append(line1)
+            same = sum(x[3] == y[3] for x, y in zip(res, res1))
+            notes.append("%s: decode %.2fx one after another's; %d of %d answers the same text "
+                         "both ways" % (method, dec / dec1, same, len(res)))
+        left = pages_in_use(url)
+    finally:
+        if proc:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=600)
+    print("%d requests of %d-%d prompt bytes, %d tokens each (greedy, streamed); %s\n"
+          % (a.clients, a.min_bytes, a.max_bytes, a.tokens, url if a.url else "server started"))
+    print("| method | run | requests | tokens | wall s | decode tok/s | end-to-end tok/s "
+          "| TTFT p50 s | TTFT p99 s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows) + "\n")
+    for n in notes:
+        print(n)
+    print("KV pages in use after the runs: %g" % left)
+    if left != 0:
+        sys.exit("serve_load: pages are still in use after every request ended")
+
+
+if __name__ == "__main__":
+    main()
