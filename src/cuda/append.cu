@@ -12,8 +12,14 @@
  * codes then follow (docs/math.md §1.2). With superpage boxes (stats->smin/smax) a second
  * launch rebuilds the box of every touched page's superpage.
  */
-#include "cuda_internal.cuh"
+#include "launch.cuh"
+#include "loads.cuh"
+#include "plan.cuh"
+#include "ranges.cuh"
+#include "reduce.cuh"
+#include "sizes.cuh"
 #include "../core/codes.h"
+#include "../core/stats_rules.h"
 #include <math_constants.h>
 extern "C" {
 #include "../core/method.h" /* ekv_check_stats_shape, ekv_check_superpages: the decode's rules */

@@ -29,7 +29,8 @@
  * entries are the sequence's pages. Score slot of entry e, token t: e*page_size + t.
  */
 #pragma once
-#include "cuda_internal.cuh"
+#include "entmaxkv.h"
+#include "reduce.cuh"
 #include <math_constants.h>
 
 __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P, int row,
@@ -103,16 +104,4 @@ __device__ __forceinline__ void union_mark(uint32_t *bits, int32_t *list, int32_
     if (lane == lead) at = atomicAdd(count, __popc(m));
     at = __shfl_sync(0xffffffffu, at, lead) + __popc(m & ((1u << lane) - 1));
     if (fresh) list[at] = (int32_t)slot;
-}
-
-/* p = [z - tau]_+^beta as every values path computes it (double, then rounded), with
- * tau = m + t: (z - m) is exact in double for fp32 z and m, so the weights keep their precision
- * at any score scale when m is the head's max (docs/math.md §6.2) */
-__device__ __forceinline__ float entmax_p_split(float z, float m, double t, double beta) {
-    const double x = ((double)z - (double)m) - t;
-    if (!(x > 0)) return 0.f;
-    return beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : (float)pow(x, beta);
-}
-__device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
-    return entmax_p_split(z, 0.f, tau, beta);
 }

@@ -14,7 +14,15 @@
  * kernel combines the splits: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), and reports
  * tau = M + log L (the log-sum-exp) and the support (every token).
  */
-#include "mma_common.cuh"
+#include "launch.cuh"
+#include "mma.cuh"
+#include "mma_tiles.cuh"
+#include "plan.cuh"
+#include "scores_common.cuh"
+#include "softmax.cuh"
+#include "splits.cuh"
+#include "../core/geometry.h"
+#include <math_constants.h>
 
 namespace {
 

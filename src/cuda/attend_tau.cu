@@ -2,7 +2,15 @@
  * attend, step 2 on the GPU: the candidates and tau kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
+#include "launch.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
+#include "splits.cuh"
+#include "tau.cuh"
 #include "tau_solve.cuh"
+#include "values.cuh"
+#include "weights.cuh"
+#include <math_constants.h>
 
 namespace {
 

@@ -2,6 +2,15 @@
  * attend, step 3 on the GPU: the values kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
+#include "launch.cuh"
+#include "loads.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
+#include "sizes.cuh"
+#include "splits.cuh"
+#include "values.cuh"
+#include "weights.cuh"
+#include <math_constants.h>
 
 namespace {
 

@@ -13,9 +13,18 @@
  * tau_lb of tau and superpage boxes, a page whose superpage bound is already <= tau_lb for
  * every head takes that bound without reading its own summaries (docs/math.md §9.6).
  */
-#include "../math/page_bound.h"
-#include "cuda_internal.cuh"
+#include "bound.cuh"
+#include "launch.cuh"
+#include "plan.cuh"
+#include "ranges.cuh"
+#include "reduce.cuh"
+#include "sizes.cuh"
+#include "splits.cuh"
 #include "test_hooks.h" /* the read-backs defined here */
+#include "../core/geometry.h"
+#include "../core/stats_rules.h"
+#include "../math/page_bound.h"
+#include "../math/shard_select.h"
 #include <math_constants.h>
 
 namespace {

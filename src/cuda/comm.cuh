@@ -11,7 +11,9 @@
  * Each call counts its payload (bytes one shard sends) so the plan can report a step's traffic.
  */
 #pragma once
-#include "cuda_internal.cuh"
+#include "entmaxkv.h"
+#include <cuda_runtime.h>
+#include <stdint.h>
 
 enum ekv_comm_op { EKV_COMM_SUM = 0, EKV_COMM_MAX = 1 };
 enum { EKV_COMM_MAX_SHARDS = 64 };

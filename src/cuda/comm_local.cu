@@ -5,6 +5,7 @@
  * writes it back to every buffer.
  */
 #include "comm.cuh"
+#include "launch.cuh"
 #include <stdlib.h>
 
 namespace {

@@ -17,13 +17,25 @@
  * merge of its splits (2 launches, attend_softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
-#include "cuda_internal.cuh"
+#include "bound.cuh"
+#include "gaussian.cuh"
+#include "launch.cuh"
+#include "plan.cuh"
+#include "plan_defaults.h"
+#include "scores.cuh"
+#include "screen.cuh"
+#include "select.cuh"
+#include "sizes.cuh"
+#include "softmax.cuh"
+#include "splits.cuh"
+#include "step.cuh"
+#include "tau.cuh"
+#include "values.cuh"
 #include <math.h>
 #include <string.h>
 extern "C" {
 #include "../core/method.h" /* the method table and the checks every backend shares (C) */
 }
-#include "plan_defaults.h"
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>

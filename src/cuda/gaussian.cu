@@ -18,8 +18,19 @@
  * then the same finish per head (store_gstat) from the global sums; its moments and rule cover
  * its own pages, a shard before the last ranking its last page too (shard_pos).
  */
-#include "cuda_internal.cuh"
+#include "gaussian.cuh"
+#include "launch.cuh"
+#include "lists.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
+#include "sizes.cuh"
+#include "splits.cuh"
+#include "../core/geometry.h"
 #include "../math/gaussian_core.h"
+extern "C" {
+#include "../math/gaussian.h" /* ekv_normal_quantile */
+}
+#include "../math/shard_select.h"
 #include <math_constants.h>
 
 namespace {

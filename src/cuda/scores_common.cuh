@@ -6,6 +6,10 @@
  */
 #pragma once
 #include "attend_common.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
+#include "splits.cuh"
+#include <math_constants.h>
 
 struct score_args : ekv_cuda_shape {
     ekv_paged_kv kv;
@@ -88,18 +92,6 @@ __device__ __forceinline__ void write_split_max(const score_args &A, const float
         }
     }
     publish_split_max(A, red, sp, b, kvh);
-}
-
-/* ---- cp.async (sm_80+): global -> shared without registers ---- */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /* The group's running maxima (none yet) and ALiBi slopes in z-space. */

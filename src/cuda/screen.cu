@@ -38,9 +38,22 @@
  * rounded up bounds z; a page whose range is not finite, or a bound that is not, keeps its
  * tokens (l = -inf, u = +inf).
  */
+#include "launch.cuh"
+#include "plan.cuh"
+#include "ranges.cuh"
+#include "reduce.cuh"
+#include "scores.cuh"
+#include "screen.cuh"
 #include "screen_common.cuh"
+#include "sizes.cuh"
+#include "splits.cuh"
+#include "tau.cuh"
 #include "tau_solve.cuh"
 #include "test_hooks.h" /* the read-backs defined here */
+#include "values.cuh"
+#include "../core/codes.h"
+#include "../core/geometry.h"
+#include <math_constants.h>
 
 namespace {
 

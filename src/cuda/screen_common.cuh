@@ -6,8 +6,12 @@
  * one ran.
  */
 #pragma once
-#include "attend_common.cuh"
+#include "plan.cuh"
+#include "ranges.cuh"
+#include "reduce.cuh"
+#include "sizes.cuh"
 #include "../core/codes.h"
+#include <math_constants.h>
 
 /* The screen kernels' arguments (screen.cu sets them, every screen kernel reads them). */
 struct screen_args : ekv_cuda_shape {

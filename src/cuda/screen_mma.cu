@@ -16,8 +16,14 @@
  * (screen_common.cuh). Tokens are M, not heads: a group of up to 8 heads fills one N tile, where
  * heads as M would leave 12 of 16 rows empty at G = 4.
  */
+#include "launch.cuh"
+#include "mma.cuh"
+#include "ranges.cuh"
+#include "reduce.cuh"
 #include "screen_common.cuh"
-#include "mma_common.cuh"
+#include "sizes.cuh"
+#include "splits.cuh"
+#include <math_constants.h>
 
 namespace {
 

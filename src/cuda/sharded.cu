@@ -14,11 +14,20 @@
  * rescaled before the same sum. Nothing reads device memory on the host except the adaptive
  * rounds' one word per round.
  */
+#include "bound.cuh"
+#include "comm.cuh"
+#include "gaussian.cuh"
+#include "launch.cuh"
+#include "plan.cuh"
+#include "plan_defaults.h"
 #include "sharded.cuh"
+#include "step.cuh"
+#include "values.cuh"
+#include "../math/shard_agree.h"
+#include "../math/shard_select.h"
 extern "C" {
 #include "../core/method.h"
 }
-#include "plan_defaults.h"
 #include <stdlib.h>
 #include <string.h>
 

@@ -16,8 +16,14 @@
  * The sharded plan runs 4 levels and the tie round always (5 allreduce-sums), so a step reads
  * nothing on the host and stays capturable; a list that agreed early sends zeros.
  */
-#include "cuda_internal.cuh"
+#include "launch.cuh"
+#include "lists.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
 #include "sharded.cuh"
+#include "splits.cuh"
+#include "../core/geometry.h"
+#include "../math/shard_select.h"
 
 namespace {
 

@@ -9,7 +9,15 @@
  * holds the sequence's last page, so the agreed bracket is finite).
  */
 #include "attend_common.cuh"
+#include "launch.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
 #include "sharded.cuh"
+#include "splits.cuh"
+#include "values.cuh"
+#include "weights.cuh"
+#include "../math/shard_agree.h"
+#include <math_constants.h>
 
 namespace {
 

@@ -7,7 +7,8 @@
  * prefill's (model_gpu_prefill*.cu).
  */
 #pragma once
-#include "cuda_internal.cuh"
+#include "reduce.cuh"
+#include "sizes.cuh"
 
 namespace {
 

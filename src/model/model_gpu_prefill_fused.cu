@@ -4,7 +4,7 @@
  * split_queries_kernel), but S and P never reach global memory. A block owns PF_ROWS rows (16
  * per warp, their q' parts in registers) and streams the K (and V) tiles of their causal prefix
  * through shared memory (cp.async, two stages), last tile first; every pass recomputes
- * z = 2^-s (sum over parts of q'_part . k) + a m_h (j - i) on tensor cores (mma_common.cuh,
+ * z = 2^-s (sum over parts of q'_part . k) + a m_h (j - i) on tensor cores (mma.cuh,
  * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
  * by one block, so everything about a row is decided inside one block:
  *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
@@ -31,7 +31,11 @@
  * overflowing rows are spread over most blocks). Blocks past the list's count exit.
  */
 #include "model_gpu_prefill.cuh"
-#include "../cuda/mma_common.cuh"
+#include "../cuda/launch.cuh"
+#include "../cuda/loads.cuh"
+#include "../cuda/mma.cuh"
+#include "../cuda/reduce.cuh"
+#include "../cuda/weights.cuh"
 
 namespace {
 
