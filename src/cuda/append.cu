@@ -12,12 +12,12 @@
  * codes then follow (docs/math.md §1.2). With superpage boxes (stats->smin/smax) a second
  * launch rebuilds the box of every touched page's superpage.
  */
-#include "launch.cuh"
-#include "loads.cuh"
-#include "plan.cuh"
-#include "ranges.cuh"
-#include "reduce.cuh"
-#include "sizes.cuh"
+#include "common/launch.cuh"
+#include "common/loads.cuh"
+#include "common/plan.cuh"
+#include "common/ranges.cuh"
+#include "common/reduce.cuh"
+#include "common/sizes.cuh"
 #include "../core/codes.h"
 #include "../core/stats_rules.h"
 #include <math_constants.h>

@@ -30,7 +30,7 @@
  */
 #pragma once
 #include "entmaxkv.h"
-#include "reduce.cuh"
+#include "common/reduce.cuh"
 #include <math_constants.h>
 
 __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P, int row,

@@ -1,15 +1,15 @@
 /*
  * attend, step 1 on the GPU: the scores kernels (see attend_common.cuh for the pipeline).
  */
-#include "launch.cuh"
-#include "loads.cuh"
-#include "plan.cuh"
-#include "reduce.cuh"
+#include "common/launch.cuh"
+#include "common/loads.cuh"
+#include "common/plan.cuh"
+#include "common/reduce.cuh"
 #include "scores.cuh"
 #include "scores_common.cuh"
-#include "sizes.cuh"
-#include "splits.cuh"
-#include "test_hooks.h" /* the read-backs defined here */
+#include "common/sizes.cuh"
+#include "common/splits.cuh"
+#include "common/test_hooks.h" /* the read-backs defined here */
 #include "../core/geometry.h"
 #include <math_constants.h>
 

@@ -14,13 +14,13 @@
  * kernel combines the splits: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), and reports
  * tau = M + log L (the log-sum-exp) and the support (every token).
  */
-#include "launch.cuh"
-#include "mma.cuh"
+#include "common/launch.cuh"
+#include "common/mma.cuh"
 #include "mma_tiles.cuh"
-#include "plan.cuh"
+#include "common/plan.cuh"
 #include "scores_common.cuh"
 #include "softmax.cuh"
-#include "splits.cuh"
+#include "common/splits.cuh"
 #include "../core/geometry.h"
 #include <math_constants.h>
 

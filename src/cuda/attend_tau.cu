@@ -2,14 +2,14 @@
  * attend, step 2 on the GPU: the candidates and tau kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
-#include "launch.cuh"
-#include "plan.cuh"
-#include "reduce.cuh"
-#include "splits.cuh"
+#include "common/launch.cuh"
+#include "common/plan.cuh"
+#include "common/reduce.cuh"
+#include "common/splits.cuh"
 #include "tau.cuh"
-#include "tau_solve.cuh"
+#include "common/tau_solve.cuh"
 #include "values.cuh"
-#include "weights.cuh"
+#include "common/weights.cuh"
 #include <math_constants.h>
 
 namespace {

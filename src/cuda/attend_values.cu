@@ -2,14 +2,14 @@
  * attend, step 3 on the GPU: the values kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
-#include "launch.cuh"
-#include "loads.cuh"
-#include "plan.cuh"
-#include "reduce.cuh"
-#include "sizes.cuh"
-#include "splits.cuh"
+#include "common/launch.cuh"
+#include "common/loads.cuh"
+#include "common/plan.cuh"
+#include "common/reduce.cuh"
+#include "common/sizes.cuh"
+#include "common/splits.cuh"
 #include "values.cuh"
-#include "weights.cuh"
+#include "common/weights.cuh"
 #include <math_constants.h>
 
 namespace {

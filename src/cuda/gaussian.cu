@@ -19,12 +19,12 @@
  * its own pages, a shard before the last ranking its last page too (shard_pos).
  */
 #include "gaussian.cuh"
-#include "launch.cuh"
+#include "common/launch.cuh"
 #include "lists.cuh"
-#include "plan.cuh"
-#include "reduce.cuh"
-#include "sizes.cuh"
-#include "splits.cuh"
+#include "common/plan.cuh"
+#include "common/reduce.cuh"
+#include "common/sizes.cuh"
+#include "common/splits.cuh"
 #include "../core/geometry.h"
 #include "../math/gaussian_core.h"
 extern "C" {

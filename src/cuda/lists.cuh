@@ -5,7 +5,7 @@
 #pragma once
 #include "entmaxkv.h"
 #include <stdint.h>
-#include "reduce.cuh"
+#include "common/reduce.cuh"
 #include "../math/shard_select.h"
 
 /* The page lists a select kernel writes: one per KV head (the group's max decides), or with

@@ -3,8 +3,8 @@
  * a warp's 16-row tiles of its list entries through shared-memory stages, two in flight.
  */
 #pragma once
-#include "loads.cuh"
-#include "mma.cuh"
+#include "common/loads.cuh"
+#include "common/mma.cuh"
 #include "scores_common.cuh"
 
 /* A warp's 16-row tiles of its list entries (e0 + warp, e0 + warp + NW, ... below e1, ps / 16

@@ -6,9 +6,9 @@
  */
 #pragma once
 #include "attend_common.cuh"
-#include "plan.cuh"
-#include "reduce.cuh"
-#include "splits.cuh"
+#include "common/plan.cuh"
+#include "common/reduce.cuh"
+#include "common/splits.cuh"
 #include <math_constants.h>
 
 struct score_args : ekv_cuda_shape {

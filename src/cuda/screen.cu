@@ -38,18 +38,18 @@
  * rounded up bounds z; a page whose range is not finite, or a bound that is not, keeps its
  * tokens (l = -inf, u = +inf).
  */
-#include "launch.cuh"
-#include "plan.cuh"
-#include "ranges.cuh"
-#include "reduce.cuh"
+#include "common/launch.cuh"
+#include "common/plan.cuh"
+#include "common/ranges.cuh"
+#include "common/reduce.cuh"
 #include "scores.cuh"
 #include "screen.cuh"
 #include "screen_common.cuh"
-#include "sizes.cuh"
-#include "splits.cuh"
+#include "common/sizes.cuh"
+#include "common/splits.cuh"
 #include "tau.cuh"
-#include "tau_solve.cuh"
-#include "test_hooks.h" /* the read-backs defined here */
+#include "common/tau_solve.cuh"
+#include "common/test_hooks.h" /* the read-backs defined here */
 #include "values.cuh"
 #include "../core/codes.h"
 #include "../core/geometry.h"

@@ -6,10 +6,10 @@
  * one ran.
  */
 #pragma once
-#include "plan.cuh"
-#include "ranges.cuh"
-#include "reduce.cuh"
-#include "sizes.cuh"
+#include "common/plan.cuh"
+#include "common/ranges.cuh"
+#include "common/reduce.cuh"
+#include "common/sizes.cuh"
 #include "../core/codes.h"
 #include <math_constants.h>
 

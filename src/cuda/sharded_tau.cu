@@ -9,13 +9,13 @@
  * holds the sequence's last page, so the agreed bracket is finite).
  */
 #include "attend_common.cuh"
-#include "launch.cuh"
-#include "plan.cuh"
-#include "reduce.cuh"
+#include "common/launch.cuh"
+#include "common/plan.cuh"
+#include "common/reduce.cuh"
 #include "sharded.cuh"
-#include "splits.cuh"
+#include "common/splits.cuh"
 #include "values.cuh"
-#include "weights.cuh"
+#include "common/weights.cuh"
 #include "../math/shard_agree.h"
 #include <math_constants.h>
 

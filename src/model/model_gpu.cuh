@@ -16,7 +16,7 @@ extern "C" {
 }
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
-#include "../cuda/plan.cuh" /* the plan (EKV_SLOW_*, ekv_cuda_count_slow_paths) */
+#include "../cuda/common/plan.cuh" /* the plan (EKV_SLOW_*, ekv_cuda_count_slow_paths) */
 
 /* The device copy of one layer: weights (fp32, into model_gpu.weights) and its KV cache. The
  * cache holds max_seqs sequences; logical page p of sequence s is physical page s*pages + p,

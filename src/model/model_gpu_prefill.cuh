@@ -6,9 +6,9 @@
  */
 #pragma once
 #include "model_gpu.cuh"
-#include "../cuda/loads.cuh"
-#include "../cuda/reduce.cuh"
-#include "../cuda/tau_solve.cuh"
+#include "../cuda/common/loads.cuh"
+#include "../cuda/common/reduce.cuh"
+#include "../cuda/common/tau_solve.cuh"
 
 /* One block's shape and buffers (the fused kernel extends it, model_gpu_prefill_fused.cu) */
 struct prefill_args {

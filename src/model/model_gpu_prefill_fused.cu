@@ -31,11 +31,11 @@
  * overflowing rows are spread over most blocks). Blocks past the list's count exit.
  */
 #include "model_gpu_prefill.cuh"
-#include "../cuda/launch.cuh"
-#include "../cuda/loads.cuh"
-#include "../cuda/mma.cuh"
-#include "../cuda/reduce.cuh"
-#include "../cuda/weights.cuh"
+#include "../cuda/common/launch.cuh"
+#include "../cuda/common/loads.cuh"
+#include "../cuda/common/mma.cuh"
+#include "../cuda/common/reduce.cuh"
+#include "../cuda/common/weights.cuh"
 
 namespace {
 

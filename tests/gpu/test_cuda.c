@@ -25,7 +25,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_load_f32 */
-#include "cuda/test_hooks.h" /* the plan's read-backs the checks compare */
+#include "cuda/common/test_hooks.h" /* the plan's read-backs the checks compare */
 #include "gpu/mirror.h"
 #include <string.h>
 

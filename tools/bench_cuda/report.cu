@@ -6,7 +6,7 @@
 extern "C" {
 #include "core/stats_rules.h" /* the ball bytes the bound reads (one rule) */
 }
-#include "cuda/test_hooks.h" /* the screen's rows, overflows and kernel (not public API) */
+#include "cuda/common/test_hooks.h" /* the screen's rows, overflows and kernel (not public API) */
 
 /* Bytes: K of the listed tokens, V rows read, summaries read by the bound, and the score
  * traffic (written once; entmax reads it once for the candidates, two-pass softmax twice:

@@ -6,7 +6,7 @@
 #pragma once
 #include "entmaxkv.h"
 #include <stdint.h>
-#include "../core/geometry.h"
+#include "../../core/geometry.h"
 
 /* The splits of one step of `batch` sequences (decode.cu, ekv_cuda_step_splits): the plan's
  * one-wave rule at the step's batch, not the plan's max_batch, so a step of one sequence in a
