@@ -12,25 +12,25 @@
  *              (10 kernels and a memset, screen.cu; tau is three of them)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
  * tau is three launches for entmax (candidates, the refine pass of a list that overflowed,
- * then the solve; attend_tau.cu) and one for softmax;
+ * then the solve; stages/tau.cu) and one for softmax;
  * softmax on tensor cores replaces scores -> tau -> values by one pass over K and V and the
- * merge of its splits (2 launches, attend_softmax_mma.cu).
+ * merge of its splits (2 launches, stages/softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
-#include "bound.cuh"
+#include "stages/bound.cuh"
 #include "gaussian.cuh"
 #include "common/launch.cuh"
 #include "common/plan.cuh"
 #include "plan_defaults.h"
-#include "scores.cuh"
+#include "stages/scores.cuh"
 #include "screen.cuh"
 #include "select.cuh"
 #include "common/sizes.cuh"
-#include "softmax.cuh"
+#include "stages/softmax.cuh"
 #include "common/splits.cuh"
 #include "step.cuh"
-#include "tau.cuh"
-#include "values.cuh"
+#include "stages/tau.cuh"
+#include "stages/values.cuh"
 #include <math.h>
 #include <string.h>
 extern "C" {
@@ -283,7 +283,7 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
                             pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);
-    if (e == cudaSuccess) /* the candidates' histograms and done counts (attend_tau.cu) */
+    if (e == cudaSuccess) /* the candidates' histograms and done counts (stages/tau.cu) */
         e = cudaMemsetAsync(pl->cand_hist, 0,
                             (size_t)(B * H * EKV_CUDA_TAU_HIST_BINS) * sizeof(uint32_t), pl->stream);
     if (e == cudaSuccess)

@@ -27,10 +27,10 @@
  *            token (exact, slow). Overflows are marked per head (ekv_cuda_screen_overflow).
  *   rows:    one block per KV head: the bitmap in ascending order -> the row list (the union of
  *            the group's survivors), the bitmap cleared for the next step.
- *   then the exact scores of those rows only (attend_scores.cu, candidates z >= M' - 1 listed on
- *   the way), tau over the candidates (attend_tau.cu: a head whose list overflowed has it
+ *   then the exact scores of those rows only (stages/scores.cu, candidates z >= M' - 1 listed on
+ *   the way), tau over the candidates (stages/tau.cu: a head whose list overflowed has it
  *   rebuilt over every split from the candidates' histogram) and V of the support
- *   (attend_values.cu).
+ *   (stages/values.cu).
  * The bound is version 1's (and the CPU's) in its terms: W_c covers the code error, the score
  * kernel's rounding in any summation order and this kernel's, 2 E_p the ALiBi terms of both,
  * and the centre z^ = (C0 + sum_c w'_c code_c) + bias is widened by E = e + 8u (|z^| + e) for
@@ -42,15 +42,15 @@
 #include "common/plan.cuh"
 #include "common/ranges.cuh"
 #include "common/reduce.cuh"
-#include "scores.cuh"
+#include "stages/scores.cuh"
 #include "screen.cuh"
 #include "screen_common.cuh"
 #include "common/sizes.cuh"
 #include "common/splits.cuh"
-#include "tau.cuh"
+#include "stages/tau.cuh"
 #include "common/tau_solve.cuh"
 #include "common/test_hooks.h" /* the read-backs defined here */
-#include "values.cuh"
+#include "stages/values.cuh"
 #include "../core/codes.h"
 #include "../core/geometry.h"
 #include <math_constants.h>

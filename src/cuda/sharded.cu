@@ -14,7 +14,7 @@
  * rescaled before the same sum. Nothing reads device memory on the host except the adaptive
  * rounds' one word per round.
  */
-#include "bound.cuh"
+#include "stages/bound.cuh"
 #include "comm.cuh"
 #include "gaussian.cuh"
 #include "common/launch.cuh"
@@ -22,7 +22,7 @@
 #include "plan_defaults.h"
 #include "sharded.cuh"
 #include "step.cuh"
-#include "values.cuh"
+#include "stages/values.cuh"
 #include "../math/shard_agree.h"
 #include "../math/shard_select.h"
 extern "C" {

@@ -8,13 +8,13 @@
  * then -inf, and its moments, support and partial output are empty (the last shard always
  * holds the sequence's last page, so the agreed bracket is finite).
  */
-#include "attend_common.cuh"
+#include "stages/attend_common.cuh"
 #include "common/launch.cuh"
 #include "common/plan.cuh"
 #include "common/reduce.cuh"
 #include "sharded.cuh"
 #include "common/splits.cuh"
-#include "values.cuh"
+#include "stages/values.cuh"
 #include "common/weights.cuh"
 #include "../math/shard_agree.h"
 #include <math_constants.h>
@@ -30,13 +30,13 @@ struct shard_args : ekv_cuda_shape {
     double alpha;
     const int32_t *list_count, *row_count, *list_pages, *rows;
     const float *scores, *cand_z;
-    const int64_t *cand_slot; /* the candidates' score slots (attend_tau.cu) */
+    const int64_t *cand_slot; /* the candidates' score slots (stages/tau.cu) */
     const int32_t *cand_count;
     uint32_t *ubits; /* the group-union values kernel's support bitmap (NULL: support lists) */
     int64_t cap_words;
     int32_t *ulist, *ucount; /* its union list (union_mark) */
     double *tau;
-    float *tau_m; /* the agreed tau as (0, tau) for the values kernels (attend_values.cu) */
+    float *tau_m; /* the agreed tau as (0, tau) for the values kernels (stages/values.cu) */
     double *tau_t;
     int64_t *support;
     float *sup_p;
@@ -76,7 +76,7 @@ shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int m
 }
 
 /* A head's scores: the candidates, or the score row where they overflowed (the tau kernel's
- * own choice, attend_tau.cu). */
+ * own choice, stages/tau.cu). */
 struct head_scores {
     const float *v;
     int64_t n;
@@ -148,7 +148,7 @@ __global__ void update_kernel(shard_args A, int64_t n) {
  * candidates; listed with p and V offsets for the per-head values kernel, or, where the
  * candidates overflowed, counted over the row with the list marked full (the values kernel then
  * scans the row with tau); for the group-union values kernel its slots are marked in the
- * group's bitmap instead (as the tau kernel's final round marks them, attend_tau.cu). */
+ * group's bitmap instead (as the tau kernel's final round marks them, stages/tau.cu). */
 __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
     __shared__ double scratch[32];
     __shared__ int s_n;

@@ -1,6 +1,6 @@
 /*
- * Tensor-core pieces shared by the kernels that use them (attend_scores_mma.cu: the scores of a
- * GQA group; attend_softmax_mma.cu: one-pass softmax; src/model/model_gpu_prefill_fused.cu: the
+ * Tensor-core pieces shared by the kernels that use them (stages/scores_mma.cu: the scores of a
+ * GQA group; stages/softmax_mma.cu: one-pass softmax; src/model/model_gpu_prefill_fused.cu: the
  * model's fused dense prefill): the tile geometry, ldmatrix and mma, the exact three-part split
  * of the group's queries (docs/math.md §3.1), and 16 query rows against key tiles (S^T and P V).
  */
@@ -125,7 +125,7 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y
            ((uint32_t) * reinterpret_cast<const uint16_t *>(&b) << 16);
 }
 
-/* ---- 16 query rows against key tiles, the queries in registers (attend_softmax_mma.cu: a
+/* ---- 16 query rows against key tiles, the queries in registers (stages/softmax_mma.cu: a
  * GQA group's heads; the model's fused prefill: query rows of a block) ---- */
 
 /* The A fragments of 16 query rows in NP parts (part p at q + p * part_stride elements, rows

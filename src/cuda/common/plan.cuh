@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include "launch.cuh"
 
-/* The plan's flags of a query head whose tau candidates overflowed the list (attend_tau.cu sets
+/* The plan's flags of a query head whose tau candidates overflowed the list (stages/tau.cu sets
  * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
 enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2 };
 
@@ -58,7 +58,7 @@ struct ekv_cuda_plan {
     float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
     int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
     int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
-    /* an overflowed head's list rebuilt by every split (attend_tau.cu, cand_kernel): the
+    /* an overflowed head's list rebuilt by every split (stages/tau.cu, cand_kernel): the
      * candidates' histogram, the lower bound of tau from it, the refined count; the
      * histograms and the done counts are zero between steps (the last block resets them) */
     uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
@@ -99,7 +99,7 @@ struct ekv_cuda_plan {
 };
 
 /* The slower paths of a decode step that a caller may count, one per (step, query head):
- * the tau kernel's list compacted or solved over the whole row (attend_tau.cu), the screen's
+ * the tau kernel's list compacted or solved over the whole row (stages/tau.cu), the screen's
  * list overflowed and retried, or kept every token (screen.cu). */
 enum {
     EKV_SLOW_TAU_COMPACTED,

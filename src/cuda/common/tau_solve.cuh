@@ -3,7 +3,7 @@
  * of scores (candidates or a whole row) with M their max, by one block, or with WARP by one
  * warp (a set of a few thousand values: no barriers, many rows per block), and a lower bound
  * on it from a histogram of the scores for sets too large to solve fast. Shared by the attend
- * stage's tau kernel (attend_tau.cu), the screen's tau of the lower bounds (screen.cu) and the
+ * stage's tau kernel (stages/tau.cu), the screen's tau of the lower bounds (screen.cu) and the
  * prefill's (model_gpu_prefill*.cu).
  */
 #pragma once

@@ -32,12 +32,13 @@ EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t batch, float
  * ascending; ekv_cuda_screen_rows says how many). */
 EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, int32_t *rows);
 
-/* attend_scores.cu: the score rows of the last step ([batch * num_heads][cap_tokens], z-space;
+/* stages/scores.cu: the score rows of the last step ([batch * num_heads][cap_tokens], z-space;
  * slot e page_size + t of a row is entry e's token t). */
 EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out);
 
-/* bound.cu: the page bounds of the last step with a bound stage ([batch * num_heads][cap_pages],
- * z-space; the last page of a sequence: -inf; the entries past it are not written). */
+/* stages/bound.cu: the page bounds of the last step with a bound stage
+ * ([batch * num_heads][cap_pages], z-space; the last page of a sequence: -inf; the entries past
+ * it are not written). */
 EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
 
 #ifdef __cplusplus

@@ -1,16 +1,16 @@
 /*
  * attend, step 1 on the GPU: the scores kernels (see attend_common.cuh for the pipeline).
  */
-#include "common/launch.cuh"
-#include "common/loads.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
+#include "../common/launch.cuh"
+#include "../common/loads.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
 #include "scores.cuh"
 #include "scores_common.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
-#include "common/test_hooks.h" /* the read-backs defined here */
-#include "../core/geometry.h"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
+#include "../common/test_hooks.h" /* the read-backs defined here */
+#include "../../core/geometry.h"
 #include <math_constants.h>
 
 namespace {

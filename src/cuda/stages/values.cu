@@ -2,14 +2,14 @@
  * attend, step 3 on the GPU: the values kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
-#include "common/launch.cuh"
-#include "common/loads.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
+#include "../common/launch.cuh"
+#include "../common/loads.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
 #include "values.cuh"
-#include "common/weights.cuh"
+#include "../common/weights.cuh"
 #include <math_constants.h>
 
 namespace {
@@ -22,7 +22,7 @@ struct value_args : ekv_cuda_shape {
     const int32_t *list_pages, *list_count;
     double alpha;
     const float *scores;
-    const float *tau_m; /* tau = tau_m + tau_t per query head (attend_tau.cu) */
+    const float *tau_m; /* tau = tau_m + tau_t per query head (tau.cu) */
     const double *tau_t;
     const float *sup_p;
     const int64_t *sup_off;

@@ -1,4 +1,4 @@
-/* The tau stage (attend_tau.cu): candidates and the threshold. */
+/* The tau stage (tau.cu): candidates and the threshold. */
 #pragma once
 #include "entmaxkv.h"
 

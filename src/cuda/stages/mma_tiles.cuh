@@ -1,10 +1,10 @@
 /*
- * The tensor-core kernels' walk over a list's pages (attend_scores_mma.cu, attend_softmax_mma.cu):
+ * The tensor-core kernels' walk over a list's pages (scores_mma.cu, softmax_mma.cu):
  * a warp's 16-row tiles of its list entries through shared-memory stages, two in flight.
  */
 #pragma once
-#include "common/loads.cuh"
-#include "common/mma.cuh"
+#include "../common/loads.cuh"
+#include "../common/mma.cuh"
 #include "scores_common.cuh"
 
 /* A warp's 16-row tiles of its list entries (e0 + warp, e0 + warp + NW, ... below e1, ps / 16

@@ -2,14 +2,14 @@
  * attend, step 2 on the GPU: the candidates and tau kernels (see attend_common.cuh).
  */
 #include "attend_common.cuh"
-#include "common/launch.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
-#include "common/splits.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
+#include "../common/splits.cuh"
 #include "tau.cuh"
-#include "common/tau_solve.cuh"
+#include "../common/tau_solve.cuh"
 #include "values.cuh"
-#include "common/weights.cuh"
+#include "../common/weights.cuh"
 #include <math_constants.h>
 
 namespace {

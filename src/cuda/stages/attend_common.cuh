@@ -18,7 +18,7 @@
  *               outputs atomically (tau is global, so they simply sum).
  * When a head has more than cand_cap candidates (flat attention), every split lists again the
  * scores above a lower bound of tau from the candidates' histogram (the refine pass of
- * cand_kernel in attend_tau.cu; ekv_cuda_report .compacted_rows counts them); when those
+ * cand_kernel in tau.cu; ekv_cuda_report .compacted_rows counts them); when those
  * overflow too, the tau kernel's block tries finer bounds (compact_list), and only then are tau
  * and the support taken from the whole score row (ekv_cuda_report.slow_rows counts them). If the support itself
  * exceeds the cap, the values kernel scans the score row (slow, but exact).
@@ -30,7 +30,7 @@
  */
 #pragma once
 #include "entmaxkv.h"
-#include "common/reduce.cuh"
+#include "../common/reduce.cuh"
 #include <math_constants.h>
 
 __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P, int row,

@@ -5,7 +5,7 @@
  * path (scores, log-sum-exp, values).
  *
  * Grid (split, sequence x KV head), FL_NW warps per block; each warp streams 16-token tiles of
- * K and V (cp.async, swizzled as in attend_scores_mma.cu) and keeps, for the 16 rows of the
+ * K and V (cp.async, swizzled as in scores_mma.cu) and keeps, for the 16 rows of the
  * group's head tile, a running max m, sum l and output o:
  *   S^T = q' K^T   (16 heads x 16 tokens; q' in three exact parts, each mma from zero, §3.1)
  *   m' = max(m, rowmax S),  P = exp(S - m'),  l = l e^(m - m') + rowsum P,
@@ -14,14 +14,14 @@
  * kernel combines the splits: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M), and reports
  * tau = M + log L (the log-sum-exp) and the support (every token).
  */
-#include "common/launch.cuh"
-#include "common/mma.cuh"
+#include "../common/launch.cuh"
+#include "../common/mma.cuh"
 #include "mma_tiles.cuh"
-#include "common/plan.cuh"
+#include "../common/plan.cuh"
 #include "scores_common.cuh"
 #include "softmax.cuh"
-#include "common/splits.cuh"
-#include "../core/geometry.h"
+#include "../common/splits.cuh"
+#include "../../core/geometry.h"
 #include <math_constants.h>
 
 namespace {

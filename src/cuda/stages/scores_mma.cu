@@ -15,12 +15,12 @@
  * (cp.async, 2 tiles in flight); rows are stored with their 16-byte chunks XOR-swizzled by the
  * row so that ldmatrix reads the 8 rows of a matrix from 8 different bank groups.
  */
-#include "common/launch.cuh"
-#include "common/mma.cuh"
+#include "../common/launch.cuh"
+#include "../common/mma.cuh"
 #include "mma_tiles.cuh"
 #include "scores_common.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
 #include <math_constants.h>
 
 namespace {

@@ -14,17 +14,17 @@
  * every head takes that bound without reading its own summaries (docs/math.md §9.6).
  */
 #include "bound.cuh"
-#include "common/launch.cuh"
-#include "common/plan.cuh"
-#include "common/ranges.cuh"
-#include "common/reduce.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
-#include "common/test_hooks.h" /* the read-backs defined here */
-#include "../core/geometry.h"
-#include "../core/stats_rules.h"
-#include "../math/page_bound.h"
-#include "../math/shard_select.h"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/ranges.cuh"
+#include "../common/reduce.cuh"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
+#include "../common/test_hooks.h" /* the read-backs defined here */
+#include "../../core/geometry.h"
+#include "../../core/stats_rules.h"
+#include "../../math/page_bound.h"
+#include "../../math/shard_select.h"
 #include <math_constants.h>
 
 namespace {

@@ -1,14 +1,14 @@
 /*
  * The scores stage's pieces shared by its two kernel families (docs/math.md §3.1): the
- * CUDA-core kernels (attend_scores.cu) and the tensor-core kernel (attend_scores_mma.cu).
+ * CUDA-core kernels (scores.cu) and the tensor-core kernel (scores_mma.cu).
  * Both read the same arguments, write the same score rows and split maxima, and zero the same
  * per-step counters, so the later stages cannot tell which one ran.
  */
 #pragma once
 #include "attend_common.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
-#include "common/splits.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
+#include "../common/splits.cuh"
 #include <math_constants.h>
 
 struct score_args : ekv_cuda_shape {
@@ -147,7 +147,7 @@ __device__ __forceinline__ int64_t page_block(const score_args &A, const ekv_seq
     return (int64_t)A.t.indices[sg.first + lp] * A.kv.stride_page + (int64_t)kvh * A.kv.stride_head;
 }
 
-/* The tensor-core scores kernel (attend_scores_mma.cu): whether it serves this shape (16-bit K,
+/* The tensor-core scores kernel (scores_mma.cu): whether it serves this shape (16-bit K,
  * head dim 64 or 128, page size a multiple of 16, group <= 16), and its launch. */
 bool ekv_cuda_scores_mma_applies(int dtype, int head_dim, int page_size, int group);
 cudaError_t ekv_cuda_scores_mma(const score_args &A, int dtype, dim3 grid, cudaStream_t st);
