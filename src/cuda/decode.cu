@@ -18,13 +18,13 @@
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
 #include "stages/bound.cuh"
-#include "gaussian.cuh"
+#include "select/gaussian.cuh"
 #include "common/launch.cuh"
 #include "common/plan.cuh"
 #include "plan_defaults.h"
 #include "stages/scores.cuh"
 #include "screen.cuh"
-#include "select.cuh"
+#include "select/select.cuh"
 #include "common/sizes.cuh"
 #include "stages/softmax.cuh"
 #include "common/splits.cuh"

@@ -16,7 +16,7 @@
  */
 #include "stages/bound.cuh"
 #include "comm.cuh"
-#include "gaussian.cuh"
+#include "select/gaussian.cuh"
 #include "common/launch.cuh"
 #include "common/plan.cuh"
 #include "plan_defaults.h"

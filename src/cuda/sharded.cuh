@@ -4,7 +4,7 @@
  * and the collectives that make their steps one exact step: the shards' own thresholds and
  * maxima (allreduce-max), rounds of moments (allreduce-sum) until tau is agreed, the values at
  * the agreed tau on each shard, and the sum of the partial outputs. topk and gaussian agree on
- * their page lists first (sharded_select.cu, gaussian.cu's shard parts). sharded.cu
+ * their page lists first (sharded_select.cu, select/gaussian.cu's shard parts). sharded.cu
  * orchestrates; sharded_tau.cu holds the agreement's kernels (one launch per stage and shard).
  */
 #pragma once

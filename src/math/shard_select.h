@@ -95,7 +95,7 @@ EKV_HD int ekv_topk_tie_taken(const ekv_topk_agree *s, int64_t before) { return 
 
 /* The pages a top-k list ranks in, from the sequence's budget in tokens and its `ranked` pages
  * (every page but the last): the budget's whole pages, at least one when the budget is a token
- * or more, at most every ranked page (the CUDA select's rule, src/cuda/select.cu). */
+ * or more, at most every ranked page (the CUDA select's rule, src/cuda/select/select.cu). */
 EKV_HD int64_t ekv_topk_page_count(int64_t budget, int64_t page_size, int64_t ranked) {
     int64_t k = budget / page_size;
     if (k < 1 && budget >= 1 && ranked >= 1) k = 1;

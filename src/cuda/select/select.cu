@@ -11,14 +11,14 @@
  *   round2: certified decode, docs/math.md §9.3: appends every page outside round 1 whose bound
  *           exceeds round 1's tau for some query head of the group.
  */
-#include "common/launch.cuh"
+#include "../common/launch.cuh"
 #include "lists.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
 #include "select.cuh"
-#include "common/splits.cuh"
-#include "../core/geometry.h"
-#include "../math/shard_select.h"
+#include "../common/splits.cuh"
+#include "../../core/geometry.h"
+#include "../../math/shard_select.h"
 
 namespace {
 

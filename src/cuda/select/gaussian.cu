@@ -19,18 +19,18 @@
  * its own pages, a shard before the last ranking its last page too (shard_pos).
  */
 #include "gaussian.cuh"
-#include "common/launch.cuh"
+#include "../common/launch.cuh"
 #include "lists.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
-#include "../core/geometry.h"
-#include "../math/gaussian_core.h"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
+#include "../../core/geometry.h"
+#include "../../math/gaussian_core.h"
 extern "C" {
-#include "../math/gaussian.h" /* ekv_normal_quantile */
+#include "../../math/gaussian.h" /* ekv_normal_quantile */
 }
-#include "../math/shard_select.h"
+#include "../../math/shard_select.h"
 #include <math_constants.h>
 
 namespace {

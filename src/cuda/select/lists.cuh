@@ -5,8 +5,8 @@
 #pragma once
 #include "entmaxkv.h"
 #include <stdint.h>
-#include "common/reduce.cuh"
-#include "../math/shard_select.h"
+#include "../common/reduce.cuh"
+#include "../../math/shard_select.h"
 
 /* The page lists a select kernel writes: one per KV head (the group's max decides), or with
  * per_query_head one per query head (then ekv_cuda_launch_union merges them per KV head). */
