@@ -9,7 +9,7 @@
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (12;
  *              with superpage boxes first round 0: recent pages -> scores -> tau, 5 more)
  *   screened:  screen -> tau(l) + mark -> rows -> row scores -> tau -> values
- *              (10 kernels and a memset, screen.cu; tau is three of them)
+ *              (10 kernels and a memset, screen/screen.cu; tau is three of them)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
  * tau is three launches for entmax (candidates, the refine pass of a list that overflowed,
  * then the solve; stages/tau.cu) and one for softmax;
@@ -23,7 +23,7 @@
 #include "common/plan.cuh"
 #include "plan_defaults.h"
 #include "stages/scores.cuh"
-#include "screen.cuh"
+#include "screen/screen.cuh"
 #include "select/select.cuh"
 #include "common/sizes.cuh"
 #include "stages/softmax.cuh"

@@ -71,7 +71,7 @@ struct ekv_cuda_plan {
     double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
     double *gstat;       /* [B*H][3] gaussian: tau-hat, sigma_g, u_avg per query head     */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
-    /* screened decode on token rows (screen.cu) */
+    /* screened decode on token rows (screen/screen.cu) */
     uint32_t *scr_state; /* [5][B*H] per step, zeroed by one memset: max l, max z (ordered */
                          /* keys, 0 = none yet), candidates of the screen, of its retry    */
                          /* pass, overflow marks (1 retried, 2 every token kept)          */
@@ -84,7 +84,7 @@ struct ekv_cuda_plan {
     int32_t *rows;       /* [B*Hk][cap_tokens] surviving rows, ascending                   */
     int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */
-    int last_screen_kind; /* its screen kernel (screen.cu: generic, fast, tensor cores)  */
+    int last_screen_kind; /* its screen kernel (screen/screen.cu: generic, fast, tensor cores)  */
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
     int32_t last_score_splits; /* the last score pass's splits per row (ekv_cuda_report)   */
     int skip_values;     /* set by a sharded plan (sharded.cu): an entmax step stops after */
@@ -100,7 +100,7 @@ struct ekv_cuda_plan {
 
 /* The slower paths of a decode step that a caller may count, one per (step, query head):
  * the tau kernel's list compacted or solved over the whole row (stages/tau.cu), the screen's
- * list overflowed and retried, or kept every token (screen.cu). */
+ * list overflowed and retried, or kept every token (screen/screen.cu). */
 enum {
     EKV_SLOW_TAU_COMPACTED,
     EKV_SLOW_TAU_WHOLE_ROW,

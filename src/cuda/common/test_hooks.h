@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-/* screen.cu: the last screened step. */
+/* screen/screen.cu: the last screened step. */
 /* Rows each KV-head list read ([batch * num_kv_heads]; screened reads K of those rows only):
  * the bench's byte count and the GPU tests. */
 EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
@@ -22,7 +22,7 @@ EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_
  * retry list overflowed too (out[1]: every token kept). */
 EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out);
 /* The screen kernel: 0 generic, 1 fast (CUDA cores), 2 tensor cores (EKV_SCREEN_GENERIC, _FAST,
- * _MMA of screen_common.cuh); -1 before any screened step. */
+ * _MMA of screen/screen_common.cuh); -1 before any screened step. */
 EKV_API ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);
 /* The candidate lists per query head: l, u and token of the first n[h] entries
  * ([batch * num_heads][scap] each; the retry's list for a head that retried). */

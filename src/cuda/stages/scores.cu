@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_
     }
     write_split_max<GM>(A, runmax, red, sp, b, kvh);
 }
-/* ---- screened decode's rows (screen.cu, docs/math.md §10.3): the exact score of every row
+/* ---- screened decode's rows (screen/screen.cu, docs/math.md §10.3): the exact score of every row
  * of the KV head's row list for the group's heads, bit for bit the scores kernels' (the same
  * dot product and bias), into the score row at the row's slot; the split maxima; and on the way
  * the candidates z >= M' - 1, with M' the largest score any warp has seen (M' <= M, so they

@@ -16,13 +16,13 @@
  * (screen_common.cuh). Tokens are M, not heads: a group of up to 8 heads fills one N tile, where
  * heads as M would leave 12 of 16 rows empty at G = 4.
  */
-#include "common/launch.cuh"
-#include "common/mma.cuh"
-#include "common/ranges.cuh"
-#include "common/reduce.cuh"
+#include "../common/launch.cuh"
+#include "../common/mma.cuh"
+#include "../common/ranges.cuh"
+#include "../common/reduce.cuh"
 #include "screen_common.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
 #include <math_constants.h>
 
 namespace {

@@ -6,11 +6,11 @@
  * one ran.
  */
 #pragma once
-#include "common/plan.cuh"
-#include "common/ranges.cuh"
-#include "common/reduce.cuh"
-#include "common/sizes.cuh"
-#include "../core/codes.h"
+#include "../common/plan.cuh"
+#include "../common/ranges.cuh"
+#include "../common/reduce.cuh"
+#include "../common/sizes.cuh"
+#include "../../core/codes.h"
 #include <math_constants.h>
 
 /* The screen kernels' arguments (screen.cu sets them, every screen kernel reads them). */

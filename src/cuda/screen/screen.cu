@@ -38,21 +38,21 @@
  * rounded up bounds z; a page whose range is not finite, or a bound that is not, keeps its
  * tokens (l = -inf, u = +inf).
  */
-#include "common/launch.cuh"
-#include "common/plan.cuh"
-#include "common/ranges.cuh"
-#include "common/reduce.cuh"
-#include "stages/scores.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/ranges.cuh"
+#include "../common/reduce.cuh"
+#include "../stages/scores.cuh"
 #include "screen.cuh"
 #include "screen_common.cuh"
-#include "common/sizes.cuh"
-#include "common/splits.cuh"
-#include "stages/tau.cuh"
-#include "common/tau_solve.cuh"
-#include "common/test_hooks.h" /* the read-backs defined here */
-#include "stages/values.cuh"
-#include "../core/codes.h"
-#include "../core/geometry.h"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
+#include "../stages/tau.cuh"
+#include "../common/tau_solve.cuh"
+#include "../common/test_hooks.h" /* the read-backs defined here */
+#include "../stages/values.cuh"
+#include "../../core/codes.h"
+#include "../../core/geometry.h"
 #include <math_constants.h>
 
 namespace {
