@@ -12,17 +12,17 @@
  * codes then follow (docs/math.md §1.2). With superpage boxes (stats->smin/smax) a second
  * launch rebuilds the box of every touched page's superpage.
  */
-#include "common/launch.cuh"
-#include "common/loads.cuh"
-#include "common/plan.cuh"
-#include "common/ranges.cuh"
-#include "common/reduce.cuh"
-#include "common/sizes.cuh"
-#include "../core/codes.h"
-#include "../core/stats_rules.h"
+#include "../common/launch.cuh"
+#include "../common/loads.cuh"
+#include "../common/plan.cuh"
+#include "../common/ranges.cuh"
+#include "../common/reduce.cuh"
+#include "../common/sizes.cuh"
+#include "../../core/codes.h"
+#include "../../core/stats_rules.h"
 #include <math_constants.h>
 extern "C" {
-#include "../core/method.h" /* ekv_check_stats_shape, ekv_check_superpages: the decode's rules */
+#include "../../core/method.h" /* ekv_check_stats_shape, ekv_check_superpages: the decode's rules */
 }
 
 namespace {
