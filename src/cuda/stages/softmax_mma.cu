@@ -271,7 +271,7 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
     A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
     A.list_count = use_list ? pl->list_count : NULL;
-    A.list_heads = NULL; /* masked lists take the two-pass path (decode.cu) */
+    A.list_heads = NULL; /* masked lists take the two-pass path (plan/decode.cu) */
     A.round = 1;
     A.part = pl->flash_part;
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);

@@ -17,24 +17,24 @@
  * merge of its splits (2 launches, stages/softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.
  */
-#include "stages/bound.cuh"
-#include "select/gaussian.cuh"
-#include "common/launch.cuh"
-#include "common/plan.cuh"
+#include "../stages/bound.cuh"
+#include "../select/gaussian.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
 #include "plan_defaults.h"
-#include "stages/scores.cuh"
-#include "screen/screen.cuh"
-#include "select/select.cuh"
-#include "common/sizes.cuh"
-#include "stages/softmax.cuh"
-#include "common/splits.cuh"
+#include "../stages/scores.cuh"
+#include "../screen/screen.cuh"
+#include "../select/select.cuh"
+#include "../common/sizes.cuh"
+#include "../stages/softmax.cuh"
+#include "../common/splits.cuh"
 #include "step.cuh"
-#include "stages/tau.cuh"
-#include "stages/values.cuh"
+#include "../stages/tau.cuh"
+#include "../stages/values.cuh"
 #include <math.h>
 #include <string.h>
 extern "C" {
-#include "../core/method.h" /* the method table and the checks every backend shares (C) */
+#include "../../core/method.h" /* the method table and the checks every backend shares (C) */
 }
 #include <stdlib.h>
 #include <string.h>
