@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include "../../core/geometry.h"
 
-/* The splits of one step of `batch` sequences (plan/decode.cu, ekv_cuda_step_splits): the plan's
+/* The splits of one step of `batch` sequences (plan/plan.cu, ekv_cuda_step_splits): the plan's
  * one-wave rule at the step's batch, not the plan's max_batch, so a step of one sequence in a
  * plan made for 64 still fills the GPU (docs/architecture.md, CUDA split-KV). */
 struct ekv_step_splits {

@@ -1,5 +1,6 @@
-/* ekv_cuda_plan_default_params and ekv_cuda_sharded_default_params, shared by the CUDA build (decode.cu) and the stubs of a build
- * without CUDA (cuda_stub.c), so both report the same defaults. */
+/* ekv_cuda_plan_default_params and ekv_cuda_sharded_default_params, shared by the CUDA build
+ * (plan.cu, sharded/sharded.cu) and the stubs of a build without CUDA (cuda_stub.c), so both
+ * report the same defaults. */
 #ifndef EKV_CUDA_PLAN_DEFAULTS_H
 #define EKV_CUDA_PLAN_DEFAULTS_H
 #include "entmaxkv.h"
