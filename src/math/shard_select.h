@@ -1,7 +1,7 @@
 /*
  * The page selection of context-parallel decode (docs/math.md §11), written once for the CPU
  * simulation (src/cpu/sharded/sharded_select.c) and the CUDA sharded plan
- * (src/cuda/sharded_select.cu): the agreement on a global top-k by page bound, and nothing
+ * (src/cuda/sharded/sharded_select.cu): the agreement on a global top-k by page bound, and nothing
  * else. Every shard holds the bounds of its own pages; the k-th largest key T over all shards
  * is found digit by digit (8 bits a level, most significant first) from histograms that are
  * sums over pages (one allreduce-sum of 256 counts per list and level), every shard applying

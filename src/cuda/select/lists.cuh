@@ -1,5 +1,5 @@
 /*
- * The page lists the selectors write (select.cu, gaussian.cu, sharded_select.cu): the plan's
+ * The page lists the selectors write (select.cu, gaussian.cu, sharded/sharded_select.cu): the plan's
  * lists per KV head or per query head, and the device steps that write a list in page order.
  */
 #pragma once

@@ -9,8 +9,8 @@
  */
 #pragma once
 #include "comm.cuh"
-#include "../math/shard_agree.h"
-#include "../math/shard_select.h"
+#include "../../math/shard_agree.h"
+#include "../../math/shard_select.h"
 
 struct ekv_cuda_sharded_plan {
     ekv_context *ctx;

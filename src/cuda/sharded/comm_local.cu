@@ -5,7 +5,7 @@
  * writes it back to every buffer.
  */
 #include "comm.cuh"
-#include "common/launch.cuh"
+#include "../common/launch.cuh"
 #include <stdlib.h>
 
 namespace {

@@ -8,15 +8,15 @@
  * then -inf, and its moments, support and partial output are empty (the last shard always
  * holds the sequence's last page, so the agreed bracket is finite).
  */
-#include "stages/attend_common.cuh"
-#include "common/launch.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
+#include "../stages/attend_common.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
 #include "sharded.cuh"
-#include "common/splits.cuh"
-#include "stages/values.cuh"
-#include "common/weights.cuh"
-#include "../math/shard_agree.h"
+#include "../common/splits.cuh"
+#include "../stages/values.cuh"
+#include "../common/weights.cuh"
+#include "../../math/shard_agree.h"
 #include <math_constants.h>
 
 namespace {

@@ -14,19 +14,19 @@
  * rescaled before the same sum. Nothing reads device memory on the host except the adaptive
  * rounds' one word per round.
  */
-#include "stages/bound.cuh"
+#include "../stages/bound.cuh"
 #include "comm.cuh"
-#include "select/gaussian.cuh"
-#include "common/launch.cuh"
-#include "common/plan.cuh"
-#include "plan/plan_defaults.h"
+#include "../select/gaussian.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../plan/plan_defaults.h"
 #include "sharded.cuh"
-#include "plan/step.cuh"
-#include "stages/values.cuh"
-#include "../math/shard_agree.h"
-#include "../math/shard_select.h"
+#include "../plan/step.cuh"
+#include "../stages/values.cuh"
+#include "../../math/shard_agree.h"
+#include "../../math/shard_select.h"
 extern "C" {
-#include "../core/method.h"
+#include "../../core/method.h"
 }
 #include <stdlib.h>
 #include <string.h>

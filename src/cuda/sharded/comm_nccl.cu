@@ -7,7 +7,7 @@
  * the transport says the build has none.
  */
 #include "comm.cuh"
-#include "common/launch.cuh"
+#include "../common/launch.cuh"
 #include <stdlib.h>
 #ifdef EKV_NCCL
 #include <nccl.h>

@@ -16,14 +16,14 @@
  * The sharded plan runs 4 levels and the tie round always (5 allreduce-sums), so a step reads
  * nothing on the host and stays capturable; a list that agreed early sends zeros.
  */
-#include "common/launch.cuh"
-#include "select/lists.cuh"
-#include "common/plan.cuh"
-#include "common/reduce.cuh"
+#include "../common/launch.cuh"
+#include "../select/lists.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
 #include "sharded.cuh"
-#include "common/splits.cuh"
-#include "../core/geometry.h"
-#include "../math/shard_select.h"
+#include "../common/splits.cuh"
+#include "../../core/geometry.h"
+#include "../../math/shard_select.h"
 
 namespace {
 
