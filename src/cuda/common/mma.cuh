@@ -1,7 +1,7 @@
 /*
  * Tensor-core pieces shared by the kernels that use them (stages/scores_mma.cu: the scores of a
- * GQA group; stages/softmax_mma.cu: one-pass softmax; src/model/model_gpu_prefill_fused.cu: the
- * model's fused dense prefill): the tile geometry, ldmatrix and mma, the exact three-part split
+ * GQA group; stages/softmax_mma.cu: one-pass softmax; prefill/prefill_fused.cu: the model's
+ * fused dense prefill): the tile geometry, ldmatrix and mma, the exact three-part split
  * of the group's queries (docs/math.md §3.1), and 16 query rows against key tiles (S^T and P V).
  */
 #pragma once

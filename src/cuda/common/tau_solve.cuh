@@ -4,7 +4,7 @@
  * warp (a set of a few thousand values: no barriers, many rows per block), and a lower bound
  * on it from a histogram of the scores for sets too large to solve fast. Shared by the attend
  * stage's tau kernel (stages/tau.cu), the screen's tau of the lower bounds (screen.cu) and the
- * prefill's (model_gpu_prefill*.cu).
+ * prefill's (prefill/prefill*.cu).
  */
 #pragma once
 #include "reduce.cuh"

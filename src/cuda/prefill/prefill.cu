@@ -1,6 +1,6 @@
 /*
  * Dense prefill attention on tensor cores (docs/math.md §12), the entry and the GEMM path (the
- * fused kernel, model_gpu_prefill_fused.cu, takes over after step 1 when g->fused): for a
+ * fused kernel, prefill_fused.cu, takes over after step 1 when pf->fused): for a
  * block of T query tokens at positions pos0.. and each KV head g, the G query heads of g times
  * the T tokens are R = T*G rows of one GEMM against the head's keys [0, pos0 + T) in the cache:
  *   1. q' = a*scale*q split exactly into parts of K's dtype (docs/math.md §12, as §3.1 does
@@ -14,7 +14,11 @@
  *      [T][H][D] layout.
  * Each row is exact entmax over its prefix: the dense method's result, token by token.
  */
-#include "model_gpu_prefill.cuh"
+#include "prefill.cuh"
+#include "prefill_common.cuh"
+#include "../common/reduce.cuh"
+#include "../common/tau_solve.cuh"
+#include "../../core/geometry.h"
 
 namespace {
 
@@ -148,76 +152,71 @@ void launch(ekv_dtype dt, const prefill_args &A, cudaStream_t s, int split_q) {
 
 /* S = q' K^T and O = P V over the parts (beta 1 after the first part: each part's product,
  * computed from zero, is added to the fp32 result, docs/math.md §12). */
-static ekv_status prefill_gemms(model_gpu *g, const gpu_layer *L, const prefill_args &A, int scores,
-                                int64_t kv_offset) {
-    const cudaDataType_t ty = blas_type(L->kv.dtype);
-    const int64_t es = ekv_dtype_size(L->kv.dtype), kvld = A.Hk * A.D;
+static ekv_status prefill_gemms(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
+                                const prefill_args &A, int scores) {
+    const cudaDataType_t ty = blas_type(b->dtype);
+    const int64_t es = ekv_dtype_size(b->dtype), kvld = A.Hk * A.D;
     const float one = 1.f, zero = 0.f, pback = 1.f / A.pscale;
     for (int p = 0; p < A.np; p++) {
         const float *beta = p ? &one : &zero;
         if (scores)
-            BLAS_TRY(g, cublasGemmStridedBatchedEx(
-                                g->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)A.nk, (int)A.R, (int)A.D,
-                                &one, (const char *)L->kv.k + kv_offset, ty, (int)kvld, A.D,
-                                (const char *)A.qparts + p * A.Hk * A.R * A.D * es, ty, (int)A.D,
-                                A.R * A.D, beta, A.scores, CUDA_R_32F, (int)A.ld, A.R * A.ld,
-                                (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            BLAS_TRY(pf, cublasGemmStridedBatchedEx(
+                                 pf->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)A.nk, (int)A.R, (int)A.D,
+                                 &one, b->k, ty, (int)kvld, A.D,
+                                 (const char *)A.qparts + p * A.Hk * A.R * A.D * es, ty, (int)A.D,
+                                 A.R * A.D, beta, A.scores, CUDA_R_32F, (int)A.ld, A.R * A.ld,
+                                 (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         else
-            BLAS_TRY(g, cublasGemmStridedBatchedEx(
-                                g->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)A.D, (int)A.R, (int)A.nk,
-                                &pback, (const char *)L->kv.v + kv_offset, ty, (int)kvld, A.D,
-                                (const char *)A.pparts + p * A.Hk * A.R * A.ld * es, ty, (int)A.ld,
-                                A.R * A.ld, beta, A.obuf, CUDA_R_32F, (int)A.D, A.R * A.D,
-                                (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            BLAS_TRY(pf, cublasGemmStridedBatchedEx(
+                                 pf->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)A.D, (int)A.R, (int)A.nk,
+                                 &pback, b->v, ty, (int)kvld, A.D,
+                                 (const char *)A.pparts + p * A.Hk * A.R * A.ld * es, ty, (int)A.ld,
+                                 A.R * A.ld, beta, A.obuf, CUDA_R_32F, (int)A.D, A.R * A.D,
+                                 (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
     return EKV_OK;
 }
 
-ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
-    model_gpu *g = m->gpu;
-    const ekv_model_config *c = &m->cfg;
+ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b) {
     const int64_t pos0 = b->pos0, T = b->T;
-    /* the sequence's keys: its first page's rows onward (model_gpu.cuh) */
-    const int64_t kv_offset =
-            (int64_t)b->seq * g->pages * L->kv.stride_page * ekv_dtype_size(L->kv.dtype);
     prefill_args A;
     A.pos0 = pos0;
     A.T = T;
-    A.H = c->n_heads;
-    A.Hk = c->n_kv_heads;
+    A.H = b->H;
+    A.Hk = b->Hk;
     A.G = A.H / A.Hk;
     A.R = T * A.G;
-    A.D = c->head_dim;
+    A.D = b->D;
     A.nk = pos0 + T;
     A.ld = (A.nk + 15) / 16 * 16;
-    if (T > g->chunk || (!g->fused && A.ld > g->ld_cap))
-        return ekv_fail(m->ctx, EKV_ERR_INTERNAL,
+    if (T > pf->chunk || (!pf->fused && A.ld > pf->ld_cap))
+        return ekv_fail(pf->ctx, EKV_ERR_INTERNAL,
                         "model (cuda): prefill block %lld x %lld keys exceeds its buffers",
                         (long long)T, (long long)A.nk);
-    A.np = g->nparts;
-    A.a = c->alpha - 1.0;
-    A.alpha = c->alpha;
+    A.np = pf->nparts;
+    A.a = b->alpha - 1.0;
+    A.alpha = b->alpha;
     A.qf = (float)(A.a * (float)ekv_effective_scale(0.f, A.D)); /* as ekv_cpu_scale_queries */
-    A.pscale = L->kv.dtype == EKV_DTYPE_F16 ? 16384.f : 1.f;
-    A.q = g->q;
-    A.slopes = g->slopes;
-    A.scores = g->scores;
-    A.qshift = g->qshift;
-    A.rinv = g->qshift + (int64_t)c->n_heads * g->chunk; /* the second half of the buffer */
-    A.obuf = g->obuf;
-    A.att = g->att;
-    A.qparts = g->qparts;
-    A.pparts = g->pparts;
-    A.bad = g->bad;
-    launch(L->kv.dtype, A, g->stream, 1);
-    GPU_LAUNCHED(g);
-    if (g->fused) return gpu_prefill_fused(g, L, (int32_t)(L - g->layers), A, kv_offset);
-    ekv_status s = prefill_gemms(g, L, A, 1, kv_offset);
+    A.pscale = b->dtype == EKV_DTYPE_F16 ? 16384.f : 1.f;
+    A.q = b->q;
+    A.slopes = b->slopes;
+    A.scores = pf->scores;
+    A.qshift = pf->qshift;
+    A.rinv = pf->qshift + b->H * pf->chunk; /* the second half of the buffer */
+    A.obuf = pf->obuf;
+    A.att = b->att;
+    A.qparts = pf->qparts;
+    A.pparts = pf->pparts;
+    A.bad = pf->bad;
+    launch(b->dtype, A, pf->stream, 1);
+    GPU_LAUNCHED(pf);
+    if (pf->fused) return ekv_cuda_prefill_fused(pf, b, A);
+    ekv_status s = prefill_gemms(pf, b, A, 1);
     if (s) return s;
-    launch(L->kv.dtype, A, g->stream, 0);
-    GPU_LAUNCHED(g);
-    if ((s = prefill_gemms(g, L, A, 0, kv_offset))) return s;
-    gather_heads_kernel<<<dim3((unsigned)T, (unsigned)A.H), 64, 0, g->stream>>>(A);
-    GPU_LAUNCHED(g);
+    launch(b->dtype, A, pf->stream, 0);
+    GPU_LAUNCHED(pf);
+    if ((s = prefill_gemms(pf, b, A, 0))) return s;
+    gather_heads_kernel<<<dim3((unsigned)T, (unsigned)A.H), 64, 0, pf->stream>>>(A);
+    GPU_LAUNCHED(pf);
     return EKV_OK;
 }

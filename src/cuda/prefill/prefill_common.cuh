@@ -1,16 +1,15 @@
 /*
  * Dense prefill attention (docs/math.md §12), what its two kernels share: the block's arguments
- * and the split of the queries into parts of K's dtype. model_gpu_prefill.cu holds the entry
- * (gpu_prefill_attention) and the GEMM path (S and P in global memory, cuBLAS);
- * model_gpu_prefill_fused.cu the fused kernel (S and P never leave the chip).
+ * and the split of the queries into parts of K's dtype. prefill.cu holds the entry
+ * (ekv_cuda_prefill_attention) and the GEMM path (S and P in global memory, cuBLAS);
+ * prefill_fused.cu the fused kernel (S and P never leave the chip).
  */
 #pragma once
-#include "model_gpu.cuh"
-#include "../cuda/common/loads.cuh"
-#include "../cuda/common/reduce.cuh"
-#include "../cuda/common/tau_solve.cuh"
+#include "prefill.cuh"
+#include "../common/loads.cuh"
+#include "../common/reduce.cuh"
 
-/* One block's shape and buffers (the fused kernel extends it, model_gpu_prefill_fused.cu) */
+/* One block's shape and buffers (the fused kernel extends it, prefill_fused.cu) */
 struct prefill_args {
     int64_t pos0, T, R, G, Hk, H, D, ld, nk;
     int np;
@@ -59,7 +58,7 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
 
 } // namespace
 
-/* model_gpu_prefill_fused.cu: the fused kernel's passes over the block whose queries are split
- * (A.qparts, A.qshift); K and V of the sequence from its byte offset kv_offset. */
-ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, const prefill_args &A,
-                             int64_t kv_offset);
+/* prefill_fused.cu: the fused kernel's passes over the block whose queries are split
+ * (A.qparts, A.qshift). */
+ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
+                                  const prefill_args &A);

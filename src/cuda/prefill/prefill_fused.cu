@@ -30,12 +30,14 @@
  * for every block that holds one of them (a block sweeps for its slowest row, and a few
  * overflowing rows are spread over most blocks). Blocks past the list's count exit.
  */
-#include "model_gpu_prefill.cuh"
-#include "../cuda/common/launch.cuh"
-#include "../cuda/common/loads.cuh"
-#include "../cuda/common/mma.cuh"
-#include "../cuda/common/reduce.cuh"
-#include "../cuda/common/weights.cuh"
+#include "prefill.cuh"
+#include "prefill_common.cuh"
+#include "../common/launch.cuh"
+#include "../common/loads.cuh"
+#include "../common/mma.cuh"
+#include "../common/reduce.cuh"
+#include "../common/tau_solve.cuh"
+#include "../common/weights.cuh"
 
 namespace {
 
@@ -64,7 +66,7 @@ struct fused_args : prefill_args {
     int32_t *count, *state;
     float *thr, *rowm;
     double *tau;
-    unsigned long long *rows; /* this layer's [PF_COUNTERS] (model_gpu_prefill.cuh) */
+    unsigned long long *rows; /* the block's [PF_COUNTERS] (prefill.cuh) */
     /* the pass's rows: NULL = every row of the block; else per KV head g, wcount_in[g] rows
      * (their r in [0, R)) at wlist_in + g R; the tau kernel appends the rows it sends to the
      * next pass to wlist_out / wcount_out */
@@ -633,7 +635,8 @@ cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
                                : launch_pass<T, 128, NP, PF_OUT>(A, s);
 }
 
-/* f16 queries take 2 parts, bf16 3 (model_gpu.cu sets nparts, docs/math.md §12) */
+/* f16 queries take 2 parts, bf16 3 (the caller sets nparts: src/model/model_gpu.cu,
+ * docs/math.md §12) */
 cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) {
     return dt == EKV_DTYPE_F16 ? launch_mode<__half, 2>(A, mode, s)
                                : launch_mode<__nv_bfloat16, 3>(A, mode, s);
@@ -641,35 +644,35 @@ cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) 
 
 } // namespace
 
-bool gpu_prefill_fused_applies(ekv_dtype kv, int64_t head_dim) {
+bool ekv_cuda_prefill_fused_applies(ekv_dtype kv, int64_t head_dim) {
     return (kv == EKV_DTYPE_F16 || kv == EKV_DTYPE_BF16) && (head_dim == 64 || head_dim == 128);
 }
 
-ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, const prefill_args &P,
-                             int64_t kv_offset) {
+ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
+                                  const prefill_args &P) {
     fused_args A;
     static_cast<prefill_args &>(A) = P;
-    A.k = (const char *)L->kv.k + kv_offset;
-    A.v = (const char *)L->kv.v + kv_offset;
+    A.k = b->k;
+    A.v = b->v;
     A.kstride = P.Hk * P.D;
-    A.cap = g->cand_cap;
-    A.compact_at = g->compact_at < g->cand_cap ? g->compact_at : g->cand_cap;
-    A.cand = g->pf_cand;
-    A.cidx = g->pf_cidx;
-    A.count = g->pf_count;
-    A.state = g->pf_state;
-    A.thr = g->pf_thr;
-    A.rowm = g->pf_m;
-    A.tau = g->pf_tau;
-    A.rows = g->pf_rows + PF_COUNTERS * (int64_t)layer;
+    A.cap = pf->cand_cap;
+    A.compact_at = pf->compact_at < pf->cand_cap ? pf->compact_at : pf->cand_cap;
+    A.cand = pf->cand;
+    A.cidx = pf->cidx;
+    A.count = pf->count;
+    A.state = pf->state;
+    A.thr = pf->thr;
+    A.rowm = pf->m;
+    A.tau = pf->tau;
+    A.rows = b->counters;
     const int64_t rows = P.Hk * P.R;
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
-    GPU_TRY(g, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, g->stream));
-    const ekv_dtype dt = L->kv.dtype;
+    GPU_TRY(pf, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, pf->stream));
+    const ekv_dtype dt = b->dtype;
     /* the row lists, two in turn: round r's tau kernel writes list r % 2, which round r + 1's
      * candidates pass (or, after the last round, the Newton pass) reads */
-    int32_t *list[2] = {g->pf_wlist, g->pf_wlist + rows};
-    int32_t *count[2] = {g->pf_wcount, g->pf_wcount + P.Hk};
+    int32_t *list[2] = {pf->wlist, pf->wlist + rows};
+    int32_t *count[2] = {pf->wcount, pf->wcount + P.Hk};
     for (int round = 0; round < PF_ROUNDS; round++) {
         A.round = round;
         A.last = round == PF_ROUNDS - 1;
@@ -677,19 +680,19 @@ ekv_status gpu_prefill_fused(model_gpu *g, const gpu_layer *L, int32_t layer, co
         A.wcount_in = round ? count[(round - 1) % 2] : NULL;
         A.wlist_out = list[round % 2];
         A.wcount_out = count[round % 2];
-        GPU_TRY(g, launch(dt, A, PF_CANDS, g->stream));
-        GPU_TRY(g, cudaMemsetAsync(A.wcount_out, 0, (size_t)P.Hk * 4, g->stream));
+        GPU_TRY(pf, launch(dt, A, PF_CANDS, pf->stream));
+        GPU_TRY(pf, cudaMemsetAsync(A.wcount_out, 0, (size_t)P.Hk * 4, pf->stream));
         fused_tau_kernel<<<(unsigned)((rows + PF_TAU_THREADS / 32 - 1) / (PF_TAU_THREADS / 32)),
-                           PF_TAU_THREADS, 0, g->stream>>>(A);
-        GPU_LAUNCHED(g);
+                           PF_TAU_THREADS, 0, pf->stream>>>(A);
+        GPU_LAUNCHED(pf);
     }
     /* the rows left after the last round: their Newton passes, then their output by a sweep
      * (the same list); every other row's output from its candidates */
     A.wlist_in = list[(PF_ROUNDS - 1) % 2];
     A.wcount_in = count[(PF_ROUNDS - 1) % 2];
-    GPU_TRY(g, launch(dt, A, PF_NEWTON, g->stream));
-    GPU_TRY(g, launch(dt, A, PF_OUT, g->stream));
-    GPU_TRY(g, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, g->stream)
-                                   : launch_gather<__nv_bfloat16>(A, g->stream));
+    GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
+    GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
+    GPU_TRY(pf, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, pf->stream)
+                                    : launch_gather<__nv_bfloat16>(A, pf->stream));
     return EKV_OK;
 }
