@@ -118,6 +118,14 @@ __device__ __forceinline__ void mma_16816_acc(float *c, const uint32_t *a, uint3
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* N C fragments (4 fp32 values each) set to zero. */
+template <int N> __device__ __forceinline__ void mma_zero(float (*c)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[n][i] = 0.f;
+}
+
 /* Two fp32 values as one register of two T (the low half first), rounded to nearest. */
 template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y) {
     const T a = ekv_elem<T>::from(x), b = ekv_elem<T>::from(y);
@@ -149,10 +157,7 @@ template <typename T, int D, int NP>
 __device__ __forceinline__ void tile_scores_q(const unsigned char *kt,
                                               const uint32_t (*qa)[D / 16][4], float (*s)[4]) {
     const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
+    mma_zero<2>(s);
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t kb[4]; /* B fragments: tokens 0-7 (kb[0], kb[1]) and 8-15 (kb[2], kb[3]) */

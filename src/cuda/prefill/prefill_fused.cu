@@ -463,10 +463,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     for (int k = 0; k < 2; k++) /* p of a masked or padding key: [-inf - tau]_+ = 0 */
         tau[k] = L.on[k] ? (double)A.rowm[L.row[k]] + A.tau[L.row[k]] : 0.0;
     float o[D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[nt][i] = 0.f;
+    mma_zero<D / 8>(o);
     auto use = [&](int64_t, float(*s)[4], const unsigned char *vt) {
 #pragma unroll
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)

@@ -202,10 +202,7 @@ __device__ __forceinline__ void smma_dots(const unsigned char *tile, const __hal
     constexpr int NR = 8 * NT, PITCH = mma_qpitch<D>();
     const int lane = threadIdx.x & 31, mi = lane >> 3, mj = lane & 7;
     const int qrow = lane >> 2, qcol = (lane & 3) * 2;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[nt][i] = 0.f;
+    mma_zero<NT>(acc);
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         /* matrices: tokens 0-7 / 8-15 (mi & 1) by channels kk 16 + 0-7 / 8-15 (mi >> 1) */

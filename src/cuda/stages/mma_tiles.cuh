@@ -1,11 +1,24 @@
 /*
- * The tensor-core kernels' walk over a list's pages (scores_mma.cu, softmax_mma.cu):
- * a warp's 16-row tiles of its list entries through shared-memory stages, two in flight.
+ * What the tensor-core kernels over a list's pages share (scores_mma.cu, softmax_mma.cu): the
+ * group's queries split into parts, and a warp's 16-row tiles of its list entries through
+ * shared-memory stages, two in flight.
  */
 #pragma once
 #include "../common/loads.cuh"
 #include "../common/mma.cuh"
 #include "scores_common.cuh"
+
+/* The G heads' q' (load_group_q) staged at qs (memory the kernel streams tiles into later),
+ * then split into MMA_PARTS parts of T at qparts with their unscale factors (split_group_q).
+ * Block-wide. */
+template <typename T, int D>
+__device__ __forceinline__ void mma_group_q(const score_args &A, int b, int kvh, int G, float *qs,
+                                            T *qparts, float *unscale) {
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    split_group_q<T, D>(qs, G, qparts, unscale);
+    __syncthreads();
+}
 
 /* A warp's 16-row tiles of its list entries (e0 + warp, e0 + warp + NW, ... below e1, ps / 16
  * tiles each) through MMA_STAGES shared-memory stages of stage_bytes, two tiles in flight:

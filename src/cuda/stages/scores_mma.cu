@@ -42,10 +42,7 @@ __device__ __forceinline__ void tile_dots(const unsigned char *tile, const T *qp
                                           float (*acc)[4]) {
     const int lane = threadIdx.x & 31, arow = lane & 15, ahalf = lane >> 4;
     const int qrow = lane >> 2, qcol = (lane & 3) * 2;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[nt][i] = 0.f;
+    mma_zero<NT>(acc);
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t a[4];
@@ -84,11 +81,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t e0, e1;
     split_entries(A, sp, sg, row, &e0, &e1);
-    float *qs = reinterpret_cast<float *>(smem_raw); /* staged in the stages before they stream */
-    load_group_q(A, b, kvh, qs);
-    __syncthreads();
-    split_group_q<T, D>(qs, G, qparts, unscale);
-    __syncthreads();
+    mma_group_q<T, D>(A, b, kvh, G, reinterpret_cast<float *>(smem_raw), qparts, unscale);
     /* the lane's C-fragment heads: nt 8 + 2 (lane % 4) + j */
     float runmax[NT][2], slope[NT][2], uns[NT][2];
 #pragma unroll

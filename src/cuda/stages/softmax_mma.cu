@@ -162,11 +162,7 @@ __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     int64_t e0, e1;
     split_entries(A, sp, sg, row, &e0, &e1);
-    float *qs = reinterpret_cast<float *>(smem_raw); /* staged in the stages before they stream */
-    load_group_q(A, b, kvh, qs);
-    __syncthreads();
-    split_group_q<T, D>(qs, G, qparts, unscale);
-    __syncthreads();
+    mma_group_q<T, D>(A, b, kvh, G, reinterpret_cast<float *>(smem_raw), qparts, unscale);
     uint32_t qa[MMA_PARTS][D / 16][4];
     load_q_frags<T, D, MMA_PARTS>(qparts, MMA_QROWS * mma_qpitch<D>(), qa);
     float uns[2], slope[2];
@@ -179,10 +175,7 @@ __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args
         st.m[hi] = -CUDART_INF_F;
         st.l[hi] = 0.f;
     }
-#pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) st.o[nt][i] = 0.f;
+    mma_zero<D / 8>(st.o);
     st.tokens = 0;
     const T *K = static_cast<const T *>(A.kv.k), *V = static_cast<const T *>(A.kv.v);
     auto copy = [&](int64_t e, int r0,
