@@ -54,24 +54,13 @@ shard_args shard_args_of(const ekv_cuda_plan *pl, const ekv_page_table *t, int m
     ekv_cuda_set_shape(A, pl, t);
     A.ccap = pl->cand_cap;
     A.mode = mode;
-    A.list_count = mode == EKV_SHARD_LISTED ? pl->list_count : NULL;
-    A.list_pages = mode == EKV_SHARD_LISTED ? pl->list_pages : NULL;
-    A.row_count = mode == EKV_SHARD_ROWS ? pl->row_count : NULL;
-    A.rows = mode == EKV_SHARD_ROWS ? pl->rows : NULL;
-    A.scores = pl->scores;
+    /* the support lists, not the union's bitmap (which ekv_shard_launch_support sets) */
+    ekv_cuda_set_support(A, pl, mode == EKV_SHARD_LISTED, mode == EKV_SHARD_ROWS, false);
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
-    A.cap_words = pl->cap_words;
-    A.ulist = pl->ulist;
-    A.ucount = pl->ucount;
     A.cand_count = pl->cand_count;
     A.tau = pl->tau;
-    A.tau_m = pl->tau_m;
-    A.tau_t = pl->tau_t;
     A.support = pl->support;
-    A.sup_p = pl->sup_p;
-    A.sup_off = pl->sup_off;
-    A.sup_count = pl->sup_count;
     return A;
 }
 

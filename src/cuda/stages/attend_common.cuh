@@ -30,6 +30,7 @@
  */
 #pragma once
 #include "entmaxkv.h"
+#include "../common/plan.cuh"
 #include "../common/reduce.cuh"
 #include <math_constants.h>
 
@@ -104,4 +105,27 @@ __device__ __forceinline__ void union_mark(uint32_t *bits, int32_t *list, int32_
     if (lane == lead) at = atomicAdd(count, __popc(m));
     at = __shfl_sync(0xffffffffu, at, lead) + __popc(m & ((1u << lane) - 1));
     if (fresh) list[at] = (int32_t)slot;
+}
+
+/* What the tau and values kernels (and the sharded plan's agreement) read and write of the
+ * plan, set on the host: the entries (the step's lists with use_list, else the sequences'
+ * pages; screened's token rows with rows), the score rows, tau as (m, t), the support lists, and
+ * the group's support union (its bitmap only where `unions`: the union values kernel's). */
+template <typename Args>
+inline void ekv_cuda_set_support(Args &A, const ekv_cuda_plan *pl, int use_list, int rows,
+                                 bool unions) {
+    A.list_pages = use_list ? pl->list_pages : NULL;
+    A.list_count = use_list ? pl->list_count : NULL;
+    A.rows = rows ? pl->rows : NULL;
+    A.row_count = rows ? pl->row_count : NULL;
+    A.scores = pl->scores;
+    A.tau_m = pl->tau_m;
+    A.tau_t = pl->tau_t;
+    A.sup_p = pl->sup_p;
+    A.sup_off = pl->sup_off;
+    A.sup_count = pl->sup_count;
+    A.ubits = unions ? pl->ubits : NULL;
+    A.cap_words = pl->cap_words;
+    A.ulist = pl->ulist;
+    A.ucount = pl->ucount;
 }

@@ -502,10 +502,8 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.nsplit = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.round = round;
-    A.list_pages = use_list ? pl->list_pages : NULL;
-    A.list_count = use_list ? pl->list_count : NULL;
+    ekv_cuda_set_support(A, pl, use_list, rows, out_zero && ekv_cuda_values_union(pl, prm->alpha));
     A.alpha = prm->alpha;
-    A.scores = pl->scores;
     A.split_max = pl->split_max;
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
@@ -513,22 +511,11 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.cand_thr = pl->cand_thr;
     A.refine_count = pl->refine_count;
     A.tau = pl->tau;
-    A.tau_m = pl->tau_m;
-    A.tau_t = pl->tau_t;
     A.support = pl->support;
     A.v_rows = pl->v_rows;
     A.flags = pl->flags;
     A.slow_paths = pl->slow_paths;
-    A.sup_p = pl->sup_p;
-    A.sup_off = pl->sup_off;
-    A.sup_count = pl->sup_count;
     A.out_zero = out_zero;
-    A.rows = rows ? pl->rows : NULL;
-    A.row_count = rows ? pl->row_count : NULL;
-    A.ubits = out_zero && ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
-    A.cap_words = pl->cap_words;
-    A.ulist = pl->ulist;
-    A.ucount = pl->ucount;
     if (prm->alpha == 1.0) {
         tau_softmax_kernel<<<batch * A.H, 1024, 0, pl->stream>>>(A);
         EKV_CUDA_LAUNCHED(pl);

@@ -514,23 +514,10 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     A.gchunks = (A.G + VCH - 1) / VCH;
     A.ccap = pl->cand_cap;
     A.nsplit = 1; /* set by the path launch_values_t takes */
-    A.list_pages = use_list ? pl->list_pages : NULL;
-    A.list_count = use_list ? pl->list_count : NULL;
+    ekv_cuda_set_support(A, pl, use_list, rows, ekv_cuda_values_union(pl, prm->alpha));
     A.alpha = prm->alpha;
-    A.scores = pl->scores;
-    A.tau_m = pl->tau_m;
-    A.tau_t = pl->tau_t;
-    A.sup_p = pl->sup_p;
-    A.sup_off = pl->sup_off;
-    A.sup_count = pl->sup_count;
     A.v_rows = pl->v_rows;
     A.out = out;
-    A.rows = rows ? pl->rows : NULL;
-    A.row_count = rows ? pl->row_count : NULL;
-    A.ubits = ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
-    A.cap_words = pl->cap_words;
-    A.ulist = pl->ulist;
-    A.ucount = pl->ucount;
     const int softmax = prm->alpha == 1.0;
     const int rows_dense = batch * A.Hk * A.gchunks;
     const ekv_step_splits sp = ekv_cuda_step_splits(pl, batch);
