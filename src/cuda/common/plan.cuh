@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include "launch.cuh"
+#include "../../core/geometry.h"
 
 /* The plan's flags of a query head whose tau candidates overflowed the list (stages/tau.cu sets
  * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
@@ -134,6 +135,20 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
     s.ps = pl->p.page_size;
     s.cap_pages = pl->cap_pages;
     s.cap_tokens = pl->cap_tokens;
+}
+
+/* The query side of the arguments of every kernel that scores keys (bound, scores, screen,
+ * one-pass softmax): q, the ALiBi slopes, a = alpha - 1 (1 for softmax) and q' = a scale q's
+ * factor, the scale as the CPU takes it (ekv_effective_scale), so that they all form the same
+ * q' (docs/math.md §3.1). */
+template <typename Args>
+inline void ekv_cuda_set_query(Args &A, const ekv_decode_params *prm, int64_t head_dim,
+                               const float *q) {
+    const double a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
+    A.q = q;
+    A.slopes = prm->alibi_slopes;
+    A.qscale = a * ekv_effective_scale(prm->scale, head_dim);
+    A.a = a; /* double or float, as the kernel takes it */
 }
 
 /* The checks of a host readout of the plan's last step (report, rows, overflow): the plan, the

@@ -680,11 +680,7 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     ekv_cuda_set_shape(A, pl, t);
     A.rng = ekv_cuda_ranges_of(st);
     A.codes = st->codes;
-    A.q = q;
-    A.slopes = prm->alibi_slopes;
-    const double a = prm->alpha - 1.0; /* entmax only (the method table refuses alpha = 1) */
-    A.qscale = a * ekv_effective_scale(prm->scale, kv->head_dim);
-    A.a = (float)a;
+    ekv_cuda_set_query(A, prm, kv->head_dim, q); /* entmax only (the method table) */
     A.scap = pl->scap;
     A.lkey = pl->scr_state;
     A.scount = A.acount = pl->scr_state + 2 * BH;

@@ -320,11 +320,7 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     A.ctr = ekv_cuda_ranges{st->kmean, st->kmean, st->kmean16, st->kmean16,
                             cball ? (int)st->range_dtype : (int)EKV_DTYPE_F32, cball ? 2 : 4};
     A.rad = cball ? st->radius16 : st->radius;
-    A.q = q;
-    A.slopes = prm->alibi_slopes;
-    A.a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
-    A.qscale = A.a * scale;
+    ekv_cuda_set_query(A, prm, kv->head_dim, q);
     A.with_ball = with_ball;
     /* superpage skipping needs the ball bound and the boxes, as on the CPU */
     A.tau_lb = with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;

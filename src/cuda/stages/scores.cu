@@ -436,20 +436,15 @@ template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid
     return cudaGetLastError();
 }
 
-} // namespace
-
-ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                  const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
-                                  int batch, int use_list, int round, int masked) {
-    score_args A;
+/* The arguments every scores kernel reads (the page kernels', on CUDA or tensor cores, and the
+ * row kernels'): the query side, the splits, the entries of round `round` of the step's lists
+ * (use_list) or the sequences' pages, the score rows, and the counters they zero. */
+void set_score_args(score_args &A, ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                    const ekv_paged_kv *kv, const ekv_page_table *t, const float *q, int batch,
+                    int use_list, int round, int masked) {
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
-    A.q = q;
-    A.slopes = prm->alibi_slopes;
-    const double a = prm->alpha == 1.0 ? 1.0 : prm->alpha - 1.0;
-    const double scale = ekv_effective_scale(prm->scale, kv->head_dim);
-    A.qscale = a * scale;
-    A.a = (float)a;
+    ekv_cuda_set_query(A, prm, kv->head_dim, q);
     A.nsplit = pl->last_score_splits = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
@@ -461,6 +456,23 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     A.cand_count = pl->cand_count;
     A.v_rows = pl->v_rows;
     A.ucount = pl->ucount;
+}
+
+/* A scores kernel's launch as the step's status. */
+ekv_status scores_launched(ekv_cuda_plan *pl, cudaError_t e, const char *what) {
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "%s kernel: %s", what, cudaGetErrorString(e));
+    pl->launches++;
+    return EKV_OK;
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                                  int batch, int use_list, int round, int masked) {
+    score_args A;
+    set_score_args(A, pl, prm, kv, t, q, batch, use_list, round, masked);
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     cudaError_t e;
     if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
@@ -471,34 +483,14 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
         case EKV_DTYPE_BF16: e = launch_scores_t<__nv_bfloat16>(A, grid, pl->stream); break;
         default: e = launch_scores_t<float>(A, grid, pl->stream); break;
         }
-    if (e != cudaSuccess)
-        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "scores kernel: %s", cudaGetErrorString(e));
-    pl->launches++;
-    return EKV_OK;
+    return scores_launched(pl, e, "scores");
 }
 
 ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                       const ekv_paged_kv *kv, const ekv_page_table *t,
                                       const float *q, int batch) {
     row_args A;
-    ekv_cuda_set_shape(A, pl, t);
-    A.kv = *kv;
-    A.q = q;
-    A.slopes = prm->alibi_slopes;
-    const double a = prm->alpha - 1.0; /* entmax only (screened refuses alpha = 1) */
-    A.qscale = a * ekv_effective_scale(prm->scale, kv->head_dim);
-    A.a = (float)a;
-    A.nsplit = pl->last_score_splits = ekv_cuda_step_splits(pl, batch).scores;
-    A.split_cap = pl->split_cap;
-    A.list_pages = NULL;
-    A.list_count = NULL;
-    A.list_heads = NULL;
-    A.round = 1;
-    A.scores = pl->scores;
-    A.split_max = pl->split_max;
-    A.cand_count = pl->cand_count;
-    A.v_rows = pl->v_rows;
-    A.ucount = pl->ucount;
+    set_score_args(A, pl, prm, kv, t, q, batch, 0, 1, 0); /* entmax only: screened */
     A.rows = pl->rows;
     A.row_count = pl->row_count;
     A.zkey = pl->scr_state + (int64_t)pl->p.max_batch * pl->p.num_heads;
@@ -512,10 +504,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     case EKV_DTYPE_BF16: e = launch_rows_t<__nv_bfloat16>(A, grid, pl->stream); break;
     default: e = launch_rows_t<float>(A, grid, pl->stream); break;
     }
-    if (e != cudaSuccess)
-        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "row scores kernel: %s", cudaGetErrorString(e));
-    pl->launches++;
-    return EKV_OK;
+    return scores_launched(pl, e, "row scores");
 }
 
 /* The score rows of the plan's last step ([batch * num_heads][cap_tokens], z-space; slot e ps + t

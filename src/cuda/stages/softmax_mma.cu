@@ -256,10 +256,7 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
     flash_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
-    A.q = q;
-    A.slopes = prm->alibi_slopes;
-    A.qscale = ekv_effective_scale(prm->scale, kv->head_dim); /* a = 1 */
-    A.a = 1.f;
+    ekv_cuda_set_query(A, prm, kv->head_dim, q); /* alpha = 1: a = 1 */
     A.nsplit = pl->last_score_splits = ekv_cuda_step_splits(pl, batch).scores;
     A.split_cap = pl->split_cap;
     A.list_pages = use_list ? pl->list_pages : NULL;
