@@ -1,11 +1,13 @@
 /*
  * Host-side launch helpers of the CUDA backend: a failed CUDA call or launch as a status, the
- * one-wave grid rule, the opt-in to large dynamic shared memory, and the group-tile ladder
- * every kernel templated on the GQA group is launched through.
+ * one-wave grid rule, the opt-in to large dynamic shared memory, and the ladders every kernel
+ * templated on the storage type, the head dim or the GQA group is launched through.
  */
 #pragma once
 #include "sizes.cuh"
 #include "entmaxkv.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <type_traits>
@@ -68,4 +70,28 @@ template <typename F> static inline auto ekv_cuda_with_group(int G, F &&f) {
     if (G <= 4) return f(std::integral_constant<int, 4>{});
     if (G <= 8) return f(std::integral_constant<int, 8>{});
     return f(std::integral_constant<int, EKV_CUDA_MAX_GROUP>{});
+}
+
+/* Calls f(ekv_cuda_type<T>{}) with the storage type T of a K/V dtype: __half, __nv_bfloat16, or
+ * float for F32 (the caller has checked the dtype). */
+template <typename T> struct ekv_cuda_type { typedef T type; };
+template <typename F> static inline auto ekv_cuda_with_dtype(int dtype, F &&f) {
+    if (dtype == EKV_DTYPE_F16) return f(ekv_cuda_type<__half>{});
+    if (dtype == EKV_DTYPE_BF16) return f(ekv_cuda_type<__nv_bfloat16>{});
+    return f(ekv_cuda_type<float>{});
+}
+
+/* Calls fast(std::integral_constant<int, LPR>{}) for the head dims the kernels that read a row
+ * with LPR lanes specialise (64, 128, 256: 8, 16, 32 lanes of 8 elements), generic() for any
+ * other. */
+template <typename F, typename G>
+static inline void ekv_cuda_with_lanes(int D, F &&fast, G &&generic) {
+    if (D == 64)
+        fast(std::integral_constant<int, 8>{});
+    else if (D == 128)
+        fast(std::integral_constant<int, 16>{});
+    else if (D == 256)
+        fast(std::integral_constant<int, 32>{});
+    else
+        generic();
 }

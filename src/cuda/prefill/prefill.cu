@@ -140,12 +140,8 @@ template <typename T> void launch_rows(const prefill_args &A, cudaStream_t s, in
 }
 
 void launch(ekv_dtype dt, const prefill_args &A, cudaStream_t s, int split_q) {
-    if (dt == EKV_DTYPE_F16)
-        launch_rows<__half>(A, s, split_q);
-    else if (dt == EKV_DTYPE_BF16)
-        launch_rows<__nv_bfloat16>(A, s, split_q);
-    else
-        launch_rows<float>(A, s, split_q);
+    ekv_cuda_with_dtype(dt,
+                        [&](auto ty) { launch_rows<typename decltype(ty)::type>(A, s, split_q); });
 }
 
 } // namespace

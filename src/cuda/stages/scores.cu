@@ -21,9 +21,13 @@ namespace {
  * so no barrier is needed between the copy and the use. */
 enum { SCORE_STAGES = 3, SCORE_TILE_BYTES = 4096 };
 
+/* The group's q' and the warps' maxima, in every scores kernel's shared memory. */
+constexpr size_t group_smem_bytes(int G, int D) {
+    return (size_t)(G * D + (EKV_CUDA_THREADS / 32) * G) * sizeof(float);
+}
 template <typename T> constexpr size_t score_smem_bytes(int G, int D) {
     return (size_t)(EKV_CUDA_THREADS / 32) * SCORE_STAGES * SCORE_TILE_BYTES +
-           (size_t)(G * D + (EKV_CUDA_THREADS / 32) * G) * sizeof(float);
+           group_smem_bytes(G, D);
 }
 
 /* Slot t of a page: z = score + ALiBi (or -inf past the page's valid tokens, and for the heads
@@ -391,48 +395,38 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
     write_split_max<GM>(A, runmax, red, sp, b, kvh);
 }
 
-template <typename T, int LPR> void launch_rows_g(const row_args &A, dim3 grid, cudaStream_t st) {
-    const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
-    ekv_cuda_with_group(A.G, [&](auto tg) {
-        row_scores_kernel<T, LPR, decltype(tg)::value><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    });
-}
-
+/* The row kernel for T, the head dim's lanes and the group's tile, or the generic one. */
 template <typename T> cudaError_t launch_rows_t(const row_args &A, dim3 grid, cudaStream_t st) {
-    switch (A.D) {
-    case 64: launch_rows_g<T, 8>(A, grid, st); break;
-    case 128: launch_rows_g<T, 16>(A, grid, st); break;
-    case 256: launch_rows_g<T, 32>(A, grid, st); break;
-    default: {
-        const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
-        row_scores_generic_kernel<T><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-        break;
-    }
-    }
+    const size_t sm = group_smem_bytes(A.G, A.D);
+    ekv_cuda_with_lanes(
+            A.D,
+            [&](auto lpr) {
+                ekv_cuda_with_group(A.G, [&](auto tg) {
+                    row_scores_kernel<T, decltype(lpr)::value, decltype(tg)::value>
+                            <<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+                });
+            },
+            [&] { row_scores_generic_kernel<T><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); });
     return cudaGetLastError();
 }
 
-template <typename T, int LPR>
-void launch_scores_g(const score_args &A, dim3 grid, cudaStream_t st) {
-    const size_t sm = score_smem_bytes<T>(A.G, A.D);
-    ekv_cuda_with_group(A.G, [&](auto tg) {
-        constexpr auto kernel = scores_kernel<T, LPR, decltype(tg)::value>;
-        if (ekv_cuda_allow_smem<kernel>(sm) == cudaSuccess)
-            kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-    });
-}
-
+/* The page kernel for T, the head dim's lanes and the group's tile, or the generic one. */
 template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
-    switch (A.D) {
-    case 64: launch_scores_g<T, 8>(A, grid, st); break;
-    case 128: launch_scores_g<T, 16>(A, grid, st); break;
-    case 256: launch_scores_g<T, 32>(A, grid, st); break;
-    default: {
-        const size_t sm = (size_t)(A.G * A.D + (EKV_CUDA_THREADS / 32) * A.G) * sizeof(float);
-        scores_generic_kernel<T><<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
-        break;
-    }
-    }
+    const size_t sm = score_smem_bytes<T>(A.G, A.D);
+    ekv_cuda_with_lanes(
+            A.D,
+            [&](auto lpr) {
+                ekv_cuda_with_group(A.G, [&](auto tg) {
+                    constexpr auto kernel =
+                            scores_kernel<T, decltype(lpr)::value, decltype(tg)::value>;
+                    if (ekv_cuda_allow_smem<kernel>(sm) == cudaSuccess)
+                        kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+                });
+            },
+            [&] {
+                scores_generic_kernel<T>
+                        <<<grid, EKV_CUDA_THREADS, group_smem_bytes(A.G, A.D), st>>>(A);
+            });
     return cudaGetLastError();
 }
 
@@ -474,15 +468,11 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     score_args A;
     set_score_args(A, pl, prm, kv, t, q, batch, use_list, round, masked);
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
-    cudaError_t e;
     if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
-        e = ekv_cuda_scores_mma(A, kv->dtype, grid, pl->stream);
-    else
-        switch (kv->dtype) {
-        case EKV_DTYPE_F16: e = launch_scores_t<__half>(A, grid, pl->stream); break;
-        case EKV_DTYPE_BF16: e = launch_scores_t<__nv_bfloat16>(A, grid, pl->stream); break;
-        default: e = launch_scores_t<float>(A, grid, pl->stream); break;
-        }
+        return scores_launched(pl, ekv_cuda_scores_mma(A, kv->dtype, grid, pl->stream), "scores");
+    const cudaError_t e = ekv_cuda_with_dtype(kv->dtype, [&](auto ty) {
+        return launch_scores_t<typename decltype(ty)::type>(A, grid, pl->stream);
+    });
     return scores_launched(pl, e, "scores");
 }
 
@@ -498,12 +488,9 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
-    cudaError_t e;
-    switch (kv->dtype) {
-    case EKV_DTYPE_F16: e = launch_rows_t<__half>(A, grid, pl->stream); break;
-    case EKV_DTYPE_BF16: e = launch_rows_t<__nv_bfloat16>(A, grid, pl->stream); break;
-    default: e = launch_rows_t<float>(A, grid, pl->stream); break;
-    }
+    const cudaError_t e = ekv_cuda_with_dtype(kv->dtype, [&](auto ty) {
+        return launch_rows_t<typename decltype(ty)::type>(A, grid, pl->stream);
+    });
     return scores_launched(pl, e, "row scores");
 }
 

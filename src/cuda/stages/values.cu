@@ -467,12 +467,9 @@ void launch_values_t(value_args A, int softmax, int rows_dense, int sms, int usp
     if (A.ubits) { /* ekv_cuda_values_union */
         A.nsplit = usplit;
         const dim3 grid(ekv_cuda_split_grid(usplit, A.t.batch), A.Hk);
-        if (A.D == 64)
-            launch_union_d<T, 8>(A, grid, st);
-        else if (A.D == 128)
-            launch_union_d<T, 16>(A, grid, st);
-        else
-            launch_union_d<T, 32>(A, grid, st);
+        ekv_cuda_with_lanes(
+                A.D, [&](auto lpr) { launch_union_d<T, decltype(lpr)::value>(A, grid, st); },
+                [&] { launch_union_d<T, 32>(A, grid, st); }); /* not reached: D 64, 128, 256 */
         return;
     }
     A.nsplit = vsplit;
@@ -486,15 +483,16 @@ void launch_values_t(value_args A, int softmax, int rows_dense, int sms, int usp
             launch_dense_values<T, VDIM>(A, rows_dense, sms, st);
         return;
     }
-    switch (A.D) {
-    case 64: values_support_kernel<T, 8, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
-    case 128: values_support_kernel<T, 16, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
-    case 256: values_support_kernel<T, 32, 1><<<grid_support, VAL_THREADS, 0, st>>>(A); break;
-    default:
-        values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256>
-                <<<grid_support, VAL_THREADS, 0, st>>>(A);
-        break;
-    }
+    ekv_cuda_with_lanes(
+            A.D,
+            [&](auto lpr) {
+                values_support_kernel<T, decltype(lpr)::value, 1>
+                        <<<grid_support, VAL_THREADS, 0, st>>>(A);
+            },
+            [&] {
+                values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256>
+                        <<<grid_support, VAL_THREADS, 0, st>>>(A);
+            });
 }
 
 } // namespace
@@ -521,20 +519,10 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     const int softmax = prm->alpha == 1.0;
     const int rows_dense = batch * A.Hk * A.gchunks;
     const ekv_step_splits sp = ekv_cuda_step_splits(pl, batch);
-    switch (kv->dtype) {
-    case EKV_DTYPE_F16:
-        launch_values_t<__half>(A, softmax, rows_dense, pl->sms, sp.unions, sp.values,
-                                pl->stream);
-        break;
-    case EKV_DTYPE_BF16:
-        launch_values_t<__nv_bfloat16>(A, softmax, rows_dense, pl->sms, sp.unions, sp.values,
-                                       pl->stream);
-        break;
-    default:
-        launch_values_t<float>(A, softmax, rows_dense, pl->sms, sp.unions, sp.values,
-                               pl->stream);
-        break;
-    }
+    ekv_cuda_with_dtype(kv->dtype, [&](auto ty) {
+        launch_values_t<typename decltype(ty)::type>(A, softmax, rows_dense, pl->sms, sp.unions,
+                                                     sp.values, pl->stream);
+    });
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
