@@ -267,6 +267,24 @@ __device__ __forceinline__ int64_t row_place(const row_args &A, const ekv_seq_ge
            (int64_t)kvh * A.kv.stride_head + (int64_t)*t * A.kv.stride_token;
 }
 
+/* The start of a row kernel's block: its sequence, its share [e0, e1) of its list row's token
+ * rows, the group's q' in qs, and per head (GM >= G) the running max and the seen max (none yet)
+ * and the ALiBi slope. Block-wide. */
+template <int GM>
+__device__ __forceinline__ ekv_seq_geom row_start(const row_args &A, const ekv_split &sp, int b,
+                                                  int kvh, int row, float *qs, int64_t *e0,
+                                                  int64_t *e1, float *runmax, float *slope,
+                                                  float *seen) {
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    ekv_split_range(sp, 0, A.row_count[row], e0, e1);
+    load_group_q(A, b, kvh, qs);
+    __syncthreads();
+    init_group<GM>(A, kvh, runmax, slope);
+#pragma unroll
+    for (int g = 0; g < GM; g++) seen[g] = -CUDART_INF_F;
+    return sg;
+}
+
 template <typename T, int LPR, int GM>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A) {
     extern __shared__ __align__(16) float rsm[]; /* q' [G][D], red [NW][G] */
@@ -277,15 +295,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
     const int G = A.G, D = A.D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPR, sl = lane % LPR;
     float *qs = rsm, *red = rsm + G * D;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t e0, e1;
-    ekv_split_range(sp, 0, A.row_count[row], &e0, &e1);
-    load_group_q(A, b, kvh, qs);
-    __syncthreads();
     float runmax[GM], slope[GM], seen[GM];
-    init_group<GM>(A, kvh, runmax, slope);
-#pragma unroll
-    for (int g = 0; g < GM; g++) seen[g] = -CUDART_INF_F;
+    const ekv_seq_geom sg = row_start<GM>(A, sp, b, kvh, row, qs, &e0, &e1, runmax, slope, seen);
     constexpr int QR = GM <= 2 ? GM : 0;
     float qr[QR > 0 ? QR : 1][8];
     load_qr<QR>(qs + sl * 8, D, G, qr);
@@ -346,15 +358,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
     if (!score_block(A, &sp, &b, &kvh, &row)) return;
     const int G = A.G, D = A.D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t e0, e1;
-    ekv_split_range(sp, 0, A.row_count[row], &e0, &e1);
-    load_group_q(A, b, kvh, qs);
-    __syncthreads();
     float runmax[GM], slope[GM], seen[GM];
-    init_group<GM>(A, kvh, runmax, slope);
-#pragma unroll
-    for (int g = 0; g < GM; g++) seen[g] = -CUDART_INF_F;
+    const ekv_seq_geom sg = row_start<GM>(A, sp, b, kvh, row, qs, &e0, &e1, runmax, slope, seen);
     const T *K = static_cast<const T *>(A.kv.k);
     const int32_t *rl = A.rows + (int64_t)row * A.cap_tokens;
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
