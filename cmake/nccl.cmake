@@ -1,5 +1,5 @@
-# NCCL for the sharded CUDA plan's NCCL transport (src/cuda/comm_nccl.cu), -DEKV_NCCL=ON: from
-# NCCL_ROOT (a CMake or environment variable), else the folder of the pip package
+# NCCL for the sharded CUDA plan's NCCL transport (src/cuda/sharded/comm_nccl.cu), -DEKV_NCCL=ON:
+# from NCCL_ROOT (a CMake or environment variable), else the folder of the pip package
 # nvidia-nccl-cu12 (what torch installs: nvidia/nccl/{include,lib}), else the system paths.
 set(_ekv_nccl_hints)
 if(DEFINED NCCL_ROOT)
@@ -26,4 +26,4 @@ endif()
 message(STATUS "entmaxkv: NCCL ${NCCL_LIBRARY} (${NCCL_INCLUDE_DIR})")
 target_include_directories(entmaxkv PRIVATE ${NCCL_INCLUDE_DIR})
 target_link_libraries(entmaxkv PRIVATE ${NCCL_LIBRARY})
-set_source_files_properties(src/cuda/comm_nccl.cu PROPERTIES COMPILE_DEFINITIONS EKV_NCCL=1)
+set_source_files_properties(src/cuda/sharded/comm_nccl.cu PROPERTIES COMPILE_DEFINITIONS EKV_NCCL=1)

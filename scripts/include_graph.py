@@ -8,8 +8,8 @@ headers are not part of the graph), then fails (exit 1) when
   * an arrow goes from a lower layer to a higher one, or between two rooms of one layer;
   * a folder is in no layer.
 LAYERS in this script is the layering, top first (docs/architecture.md, "Source layout"). A layer's entry
-names a folder and every folder inside it that has no entry of its own, so the rooms inside a
-folder (src/cuda/...) may include each other freely, without a circle.
+names a folder and every folder inside it that has no entry of its own (the CPU and CUDA
+backends name each of their rooms, so their rooms are layered too).
 Usage: scripts/include_graph.py [SRC_DIR]   (default: the src/ beside this script)
 """
 import argparse
@@ -18,14 +18,18 @@ import re
 import sys
 
 LAYERS = [
-    ["model"],                 # the model engine: every backend, the cache
-    ["eval", "cpu/sharded"],   # evaluation entry points; the sharded simulation
-    ["cpu/methods"],           # the method runners: ekv_decode
-    ["cpu/select"],            # the selection policies
-    ["cpu/stages", "cache"],   # the CPU stages; the paged cache (converts with the kernels)
-    ["cpu/kernels", "cuda", "ref"],  # per-ISA kernels; the CUDA backend; the reference
-    ["core"],                  # context, validation, the method table, geometry
-    ["math"],                  # the math, shared with CUDA: includes nothing of src/
+    ["model"],  # the model engine: every backend, the cache
+    # evaluation entry points; the sharded simulation; the CUDA stubs (src/cuda/ itself); the
+    # sharded CUDA plan
+    ["eval", "cpu/sharded", "cuda", "cuda/sharded"],
+    ["cpu/methods", "cuda/plan"],  # the method runners: ekv_decode; the CUDA plan: ekv_cuda_decode
+    ["cpu/select", "cuda/screen"],  # the selection policies; the CUDA screen (screened decode)
+    # the CPU stages; the paged cache (converts with the kernels); the CUDA stages, selectors,
+    # device cache and prefill
+    ["cpu/stages", "cache", "cuda/stages", "cuda/select", "cuda/cache", "cuda/prefill"],
+    ["cpu/kernels", "cuda/common", "ref"],  # per-ISA kernels; CUDA's shared headers; the reference
+    ["core"],  # context, validation, the method table, geometry
+    ["math"],  # the math, shared with CUDA: includes nothing of src/
 ]
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)

@@ -1,7 +1,7 @@
 /*
  * The method table (docs/architecture.md, "Methods and the stage table"): which stages each
  * select method runs, which backends serve it, and what it needs. The CPU entry point
- * (src/cpu/methods/decode.c), the CUDA step (src/cuda/decode.cu), the model engine and the
+ * (src/cpu/methods/decode.c), the CUDA step (src/cuda/plan/decode.cu), the model engine and the
  * tools all read this one table, and ekv_decode_supported (method.c) is the one check they all
  * run.
  */

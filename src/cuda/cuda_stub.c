@@ -2,7 +2,7 @@
  * They take the real API's parameters and use few of them. */
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include "../core/internal.h"
-#include "plan_defaults.h"
+#include "plan/plan_defaults.h"
 
 #define NO_CUDA(ctx)                                                                               \
     ekv_fail((ctx), EKV_ERR_UNSUPPORTED,                                                           \

@@ -1,6 +1,6 @@
 /*
  * The scalar core of the Gaussian score model (docs/math.md §4.6-4.7), shared by the CPU selector
- * (src/math/gaussian.c) and the CUDA one (src/cuda/gaussian.cu): the normal pdf/cdf, the
+ * (src/math/gaussian.c) and the CUDA one (src/cuda/select/gaussian.cu): the normal pdf/cdf, the
  * truncated moments E[(aS - tau)_+^beta], the single-Gaussian tau-hat solver and the mixture's
  * iteration (its sums left to the caller). Functions
  * are static inline, and __host__ __device__ under nvcc.

@@ -1,6 +1,6 @@
 /*
  * Context-parallel decode's shared math (docs/math.md §11), written once for the CPU simulation
- * (src/cpu/sharded/sharded.c) and the CUDA sharded plan (src/cuda/sharded_tau.cu): the
+ * (src/cpu/sharded/sharded.c) and the CUDA sharded plan (src/cuda/sharded/sharded_tau.cu): the
  * contiguous page ranges of the shards, the moments a shard contributes to a round of the
  * agreement on tau, and the bracket update every shard applies to the reduced moments (the same
  * inputs on every shard, so the same state: no shard ever decides alone). C and CUDA (host and

@@ -1,7 +1,7 @@
 /*
  * The page selection of context-parallel decode (docs/math.md §11), written once for the CPU
  * simulation (src/cpu/sharded/sharded_select.c) and the CUDA sharded plan
- * (src/cuda/sharded_select.cu): the agreement on a global top-k by page bound, and nothing
+ * (src/cuda/sharded/sharded_select.cu): the agreement on a global top-k by page bound, and nothing
  * else. Every shard holds the bounds of its own pages; the k-th largest key T over all shards
  * is found digit by digit (8 bits a level, most significant first) from histograms that are
  * sums over pages (one allreduce-sum of 256 counts per list and level), every shard applying
@@ -95,7 +95,7 @@ EKV_HD int ekv_topk_tie_taken(const ekv_topk_agree *s, int64_t before) { return 
 
 /* The pages a top-k list ranks in, from the sequence's budget in tokens and its `ranked` pages
  * (every page but the last): the budget's whole pages, at least one when the budget is a token
- * or more, at most every ranked page (the CUDA select's rule, src/cuda/select.cu). */
+ * or more, at most every ranked page (the CUDA select's rule, src/cuda/select/select.cu). */
 EKV_HD int64_t ekv_topk_page_count(int64_t budget, int64_t page_size, int64_t ranked) {
     int64_t k = budget / page_size;
     if (k < 1 && budget >= 1 && ranked >= 1) k = 1;

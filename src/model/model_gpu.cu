@@ -3,8 +3,9 @@
  * (checked and loaded on the host by model.c) uploaded once as fp32, one device KV cache per
  * layer, one decode plan shared by the layers, and the forward pass of model.c with every
  * stage on the device:
- *   h   = x + Wo . Attn(RMSNorm(x))          attention: model_gpu_prefill.cu (a dense block)
- *   out = h + W2 . SwiGLU(W1, W3; RMSNorm(h))           or model_gpu_attention.cu (the rest)
+ *   h   = x + Wo . Attn(RMSNorm(x))          attention: model_gpu_attention.cu, a dense block
+ *   out = h + W2 . SwiGLU(W1, W3; RMSNorm(h))           by src/cuda/prefill/, the rest by the
+ *                                                       decode stages
  * A decode step (one token) is captured once as a CUDA graph and replayed: everything it
  * reads (token, position, page tables) lives in device memory, nothing is allocated and the
  * host waits only for the logits after the step.
@@ -139,19 +140,19 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
  * tau over that many values in one warp while its other rows wait, so a small fill is cheap;
  * a head whose support outgrows it settles and fills the whole list. Both checked at load. */
 static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
-    g->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : 4096;
-    g->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : 1024;
-    ekv_status s = dev_alloc(g, &g->pf_cand, rows * g->cand_cap * 4, "the prefill candidates");
-    if (!s) s = dev_alloc(g, &g->pf_cidx, rows * g->cand_cap * 8, "the prefill candidates");
-    if (!s) s = dev_alloc(g, &g->pf_count, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &g->pf_state, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &g->pf_thr, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &g->pf_m, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &g->pf_tau, rows * 8, "the prefill rows");
-    if (!s) s = dev_alloc(g, &g->pf_wlist, 2 * rows * 4, "the prefill row lists");
+    ekv_cuda_prefill *pf = &g->pf;
+    pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : 4096;
+    pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : 1024;
+    ekv_status s = dev_alloc(g, &pf->cand, rows * pf->cand_cap * 4, "the prefill candidates");
+    if (!s) s = dev_alloc(g, &pf->cidx, rows * pf->cand_cap * 8, "the prefill candidates");
+    if (!s) s = dev_alloc(g, &pf->count, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &pf->state, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &pf->thr, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &pf->m, rows * 4, "the prefill rows");
+    if (!s) s = dev_alloc(g, &pf->tau, rows * 8, "the prefill rows");
+    if (!s) s = dev_alloc(g, &pf->wlist, 2 * rows * 4, "the prefill row lists");
     if (!s)
-        s = dev_alloc(g, &g->pf_wcount, 2 * (int64_t)m->cfg.n_kv_heads * 4,
-                      "the prefill row lists");
+        s = dev_alloc(g, &pf->wcount, 2 * (int64_t)m->cfg.n_kv_heads * 4, "the prefill row lists");
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
     if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
@@ -164,16 +165,20 @@ static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
  * 60% of the free memory (at most 64 GiB), up to 4096; multiples of 16. */
 static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     const ekv_model_config *c = &m->cfg;
-    const int64_t es = ekv_dtype_size(m->prm.kv_dtype), bpe = 4 + g->nparts * es;
-    g->ld_cap = (m->prm.max_tokens + 15) / 16 * 16;
+    ekv_cuda_prefill *pf = &g->pf;
+    pf->ctx = g->ctx;
+    pf->stream = g->stream;
+    pf->blas = g->blas;
+    const int64_t es = ekv_dtype_size(m->prm.kv_dtype), bpe = 4 + pf->nparts * es;
+    pf->ld_cap = (m->prm.max_tokens + 15) / 16 * 16;
     int64_t chunk = m->prm.prefill_chunk;
-    if (!chunk && g->fused) chunk = 4096;
+    if (!chunk && pf->fused) chunk = 4096;
     if (!chunk) {
         size_t fr = 0, tot = 0;
         GPU_TRY(g, cudaMemGetInfo(&fr, &tot));
         double budget = 0.6 * (double)fr;
         if (budget > 64.0 * (1 << 30)) budget = 64.0 * (1 << 30);
-        chunk = (int64_t)(budget / ((double)c->n_heads * (double)g->ld_cap * (double)bpe));
+        chunk = (int64_t)(budget / ((double)c->n_heads * (double)pf->ld_cap * (double)bpe));
         if (chunk > 4096) chunk = 4096;
         if (chunk >= 16) chunk -= chunk % 16;
         if (chunk < 1)
@@ -182,15 +187,15 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
                             "tokens (give a smaller max_tokens)",
                             (double)fr / (1 << 30), (long long)m->prm.max_tokens);
     }
-    if (chunk > g->ld_cap) chunk = g->ld_cap;
-    g->chunk = chunk;
+    if (chunk > pf->ld_cap) chunk = pf->ld_cap;
+    pf->chunk = chunk;
     const int64_t rows = (int64_t)c->n_heads * chunk;
-    ekv_status s = dev_alloc(g, &g->qparts, g->nparts * rows * c->head_dim * es, "the prefill q");
-    if (!s) s = dev_alloc(g, &g->qshift, 2 * rows * 4, "the prefill shifts and sums");
-    if (g->fused) return s ? s : alloc_fused(m, g, rows);
-    if (!s) s = dev_alloc(g, &g->scores, rows * g->ld_cap * 4, "the prefill scores");
-    if (!s) s = dev_alloc(g, &g->pparts, g->nparts * rows * g->ld_cap * es, "the prefill P");
-    if (!s) s = dev_alloc(g, &g->obuf, rows * c->head_dim * 4, "the prefill output");
+    ekv_status s = dev_alloc(g, &pf->qparts, pf->nparts * rows * c->head_dim * es, "the prefill q");
+    if (!s) s = dev_alloc(g, &pf->qshift, 2 * rows * 4, "the prefill shifts and sums");
+    if (pf->fused) return s ? s : alloc_fused(m, g, rows);
+    if (!s) s = dev_alloc(g, &pf->scores, rows * pf->ld_cap * 4, "the prefill scores");
+    if (!s) s = dev_alloc(g, &pf->pparts, pf->nparts * rows * pf->ld_cap * es, "the prefill P");
+    if (!s) s = dev_alloc(g, &pf->obuf, rows * c->head_dim * 4, "the prefill output");
     return s;
 }
 
@@ -216,7 +221,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     ekv_status s = ekv_cuda_plan_create(m->ctx, &pp, &g->plan);
     if (s) return s;
     g->views = pp.max_batch;
-    g->block = g->chunk > g->views ? g->chunk : g->views;
+    g->block = g->pf.chunk > g->views ? g->pf.chunk : g->views;
     const int64_t B = g->block, d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
                   kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim;
     const int64_t items = B / m->prm.page_size + 2 > g->views ? B / m->prm.page_size + 2 : g->views;
@@ -234,7 +239,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
              {&g->logits, B * c->vocab * 4},
              {&g->tokens, B * 4},
              {&g->pos, 8 * g->max_seqs},
-             {&g->bad, 4},
+             {&g->pf.bad, 4},
              {&g->slow_paths, 8 * EKV_SLOW_PATHS * (int64_t)c->n_layers},
              {&g->bseqs, g->views * 4},
              {&g->vbase, g->views * 4},
@@ -246,7 +251,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
         s = dev_alloc(g, t[i].p, t[i].bytes, "the activations");
     if (s) return s;
     GPU_TRY(g, cudaMemset(g->pos, 0, 8 * (size_t)g->max_seqs));
-    GPU_TRY(g, cudaMemset(g->bad, 0, 4));
+    GPU_TRY(g, cudaMemset(g->pf.bad, 0, 4));
     GPU_TRY(g, cudaMemset(g->slow_paths, 0, 8 * EKV_SLOW_PATHS * (size_t)c->n_layers));
     g->slow_host = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
     g->slow_seen = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
@@ -275,13 +280,14 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
             free_host_mirror(L);
         }
     free(g->layers);
-    void *bufs[] = {g->weights, g->vectors,   g->slopes, g->tokens,  g->pos,      g->x,
-                    g->xn,      g->q,         g->k,      g->v,       g->att,      g->h1,
-                    g->h3,      g->logits,    g->indptr, g->indices, g->last_len, g->items,
-                    g->scores,  g->pparts,    g->qparts, g->qshift,  g->obuf,     g->bad,
-                    g->blas_ws, g->bseqs,     g->vbase,  g->pf_cand, g->pf_count, g->pf_state,
-                    g->pf_thr,  g->pf_m,      g->pf_tau, g->pf_rows, g->pf_wlist, g->pf_wcount,
-                    g->pf_cidx, g->slow_paths};
+    const ekv_cuda_prefill *pf = &g->pf;
+    void *bufs[] = {g->weights, g->vectors,   g->slopes,  g->tokens,  g->pos,      g->x,
+                    g->xn,      g->q,         g->k,       g->v,       g->att,      g->h1,
+                    g->h3,      g->logits,    g->indptr,  g->indices, g->last_len, g->items,
+                    pf->scores, pf->pparts,   pf->qparts, pf->qshift, pf->obuf,    pf->bad,
+                    g->blas_ws, g->bseqs,     g->vbase,   pf->cand,   pf->count,   pf->state,
+                    pf->thr,    pf->m,        pf->tau,    g->pf_rows, pf->wlist,   pf->wcount,
+                    pf->cidx,   g->slow_paths};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->slow_host);
@@ -325,9 +331,9 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     g->layers = (gpu_layer *)calloc((size_t)c->n_layers, sizeof *g->layers);
     g->hpos = (int64_t *)calloc((size_t)g->max_seqs, sizeof *g->hpos);
     g->pages = (m->prm.max_tokens + m->prm.page_size - 1) / m->prm.page_size;
-    g->nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
-    const bool fits = gpu_prefill_fused_applies(m->prm.kv_dtype, c->head_dim);
-    g->fused = m->prm.prefill_kernel != EKV_PREFILL_GEMM && fits;
+    g->pf.nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
+    const bool fits = ekv_cuda_prefill_fused_applies(m->prm.kv_dtype, c->head_dim);
+    g->pf.fused = m->prm.prefill_kernel != EKV_PREFILL_GEMM && fits;
     ekv_status s = g->layers && g->hpos
                            ? open_device(m, g)
                            : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
@@ -387,7 +393,7 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
     return gpu_linear(g, L->w2, d, F, g->h1, T, g->x, 1.f); /* x += W2 . swiglu */
 }
 
-/* Whether a block is a dense prefill block (model_gpu_prefill.cu) rather than prefix views
+/* Whether a block is a dense prefill block (src/cuda/prefill/) rather than prefix views
  * through the decode stages (model_gpu_attention.cu). */
 static int dense_prefill(const ekv_model *m, const gpu_block *b) {
     return !b->batch && b->T > 1 && m->prm.method == EKV_SELECT_DENSE;
@@ -456,7 +462,7 @@ static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
     model_gpu *g = m->gpu;
     const int32_t nl = m->cfg.n_layers;
     unsigned long long rows[PF_COUNTERS * 64];
-    for (int32_t l0 = 0; l0 < nl && g->fused; l0 += 64) {
+    for (int32_t l0 = 0; l0 < nl && g->pf.fused; l0 += 64) {
         const int32_t n = nl - l0 < 64 ? nl - l0 : 64;
         const size_t bytes = (size_t)n * PF_COUNTERS * sizeof rows[0];
         unsigned long long *dev = g->pf_rows + PF_COUNTERS * (int64_t)l0;
@@ -471,7 +477,8 @@ static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
         }
     }
     for (int32_t l = 0; l < nl; l++)
-        *(g->fused ? &m->layers[l].stats.prefill_fused : &m->layers[l].stats.prefill_gemm) += b->T;
+        *(g->pf.fused ? &m->layers[l].stats.prefill_fused : &m->layers[l].stats.prefill_gemm) +=
+                b->T;
     return EKV_OK;
 }
 
@@ -508,7 +515,7 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
     if (logits)
         GPU_TRY(g, cudaMemcpyAsync(logits, g->logits, (size_t)(b->T * m->cfg.vocab) * 4,
                                    cudaMemcpyDeviceToHost, g->stream));
-    GPU_TRY(g, cudaMemcpyAsync(&bad, g->bad, 4, cudaMemcpyDeviceToHost, g->stream));
+    GPU_TRY(g, cudaMemcpyAsync(&bad, g->pf.bad, 4, cudaMemcpyDeviceToHost, g->stream));
     if (!dense_prefill(m, b))
         GPU_TRY(g, cudaMemcpyAsync(g->slow_host, g->slow_paths,
                                    8 * EKV_SLOW_PATHS * (size_t)m->cfg.n_layers,
@@ -530,7 +537,7 @@ extern "C" ekv_status ekv_model_gpu_step(ekv_model *m, int32_t seq, const int32_
                                          int64_t n, float *logits) {
     model_gpu *g = m->gpu;
     const int64_t V = m->cfg.vocab;
-    const int64_t most = n == 1 ? 1 : m->prm.method == EKV_SELECT_DENSE ? g->chunk : g->views;
+    const int64_t most = n == 1 ? 1 : m->prm.method == EKV_SELECT_DENSE ? g->pf.chunk : g->views;
     for (int64_t i = 0; i < n; i += most) {
         const gpu_block b = {seq, g->hpos[seq], n - i < most ? n - i : most, 0};
         TRY(run_block(m, &b, tokens + i, logits ? logits + i * V : NULL));
@@ -573,7 +580,7 @@ extern "C" ekv_status ekv_model_gpu_reset(ekv_model *m) {
     for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
     /* the first append of a new sequence rebuilds each page's statistics from slot 0 */
     GPU_TRY(g, cudaMemsetAsync(g->pos, 0, 8 * (size_t)g->max_seqs, g->stream));
-    GPU_TRY(g, cudaMemsetAsync(g->bad, 0, 4, g->stream));
+    GPU_TRY(g, cudaMemsetAsync(g->pf.bad, 0, 4, g->stream));
     GPU_TRY(g, cudaStreamSynchronize(g->stream));
     memset(g->hpos, 0, sizeof(int64_t) * (size_t)g->max_seqs);
     return EKV_OK;

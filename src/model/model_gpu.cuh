@@ -5,10 +5,9 @@
  *                           decode step's CUDA graph, the host mirrors for traces
  *   model_gpu_kernels.cu    embedding, RMSNorm, SwiGLU, the linear layers (cuBLAS), the page
  *                           table of a block's prefix views and the append items
- *   model_gpu_prefill.cu    dense prefill attention on tensor cores (docs/math.md §12): the
- *                           entry and the GEMM path (model_gpu_prefill.cuh: what both share)
- *   model_gpu_prefill_fused.cu  the fused dense prefill kernel (S and P stay on the chip)
- *   model_gpu_attention.cu  a block's attention through the decode stages (ekv_cuda_decode)
+ *   model_gpu_attention.cu  a block's attention: a dense prefill block by the CUDA backend's
+ *                           prefill (src/cuda/prefill/, docs/math.md §12), the rest through
+ *                           the decode stages (ekv_cuda_decode)
  */
 #pragma once
 extern "C" {
@@ -16,7 +15,8 @@ extern "C" {
 }
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
-#include "../cuda/cuda_internal.cuh" /* the plan (EKV_SLOW_*, ekv_cuda_count_slow_paths) */
+#include "../cuda/common/plan.cuh" /* the plan (EKV_SLOW_*, ekv_cuda_count_slow_paths) */
+#include "../cuda/prefill/prefill.cuh" /* dense prefill; GPU_TRY, GPU_LAUNCHED, BLAS_TRY */
 
 /* The device copy of one layer: weights (fp32, into model_gpu.weights) and its KV cache. The
  * cache holds max_seqs sequences; logical page p of sequence s is physical page s*pages + p,
@@ -39,10 +39,6 @@ struct gpu_layer {
     void *host_k, *host_v;
 };
 
-/* The fused prefill's counters per layer (pf_rows [n_layers][PF_COUNTERS]): rows retried, rows
- * solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
-enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_COUNTERS };
-
 struct model_gpu {
     ekv_context *ctx;
     cudaStream_t stream;
@@ -56,8 +52,6 @@ struct model_gpu {
     int64_t *hpos;  /* [max_seqs] the host's copy of the positions */
     int32_t *bseqs; /* [views] the sequences of a batched step (device) */
     int32_t *vbase; /* [views] the first physical page of each view's sequence (device) */
-    int64_t chunk;  /* query tokens of one dense prefill block */
-    int32_t nparts; /* 16-bit parts of the prefill's fp32 GEMM inputs (docs/math.md §12) */
     float *weights, *vectors, *slopes;
     const float *tok_emb, *out_w, *norm_w;
     gpu_layer *layers;
@@ -68,29 +62,9 @@ struct model_gpu {
     int64_t *indptr; /* the prefix views of a block: [views + 1] */
     int32_t *indices, *last_len;
     ekv_cuda_append_item *items; /* [block / page_size + 2] */
-    /* dense prefill scratch (model_gpu_prefill.cu) */
-    float *scores; /* [H * chunk][ld] z, then reused */
-    void *pparts;  /* [nparts][H * chunk][ld] P in V's dtype */
-    void *qparts;  /* [nparts][H * chunk][D] q' in K's dtype */
-    float *qshift; /* [2][H * chunk]: 2^-s of each row's q' split, then 1 / sum p */
-    float *obuf;   /* [H * chunk][D] */
-    int32_t *bad;  /* set by the prefill when a row's scores are not finite */
-    int64_t ld_cap;
-    /* the fused dense prefill (model_gpu_prefill_fused.cu) instead of the GEMMs: its per-row
-     * state over the H * chunk rows of a block */
-    int fused;
-    int32_t cand_cap;   /* candidates kept per row (prefill_candidates, docs/architecture.md) */
-    int32_t compact_at; /* the fill that compacts a list in the sweep (prefill_compact) */
-    float *pf_cand;    /* [H * chunk][cand_cap] */
-    int64_t *pf_cidx;  /* [H * chunk][cand_cap] the candidates' key positions */
-    int32_t *pf_count; /* [H * chunk] candidates found (may exceed cand_cap) */
-    int32_t *pf_state; /* [H * chunk] where the row's tau stands (model_gpu_prefill_fused.cu) */
-    float *pf_thr;     /* [H * chunk] the row's candidate threshold (a lower bound of tau) */
-    float *pf_m;       /* [H * chunk] the row's max M */
-    double *pf_tau;    /* [H * chunk] tau - M */
-    unsigned long long *pf_rows; /* [n_layers][PF_COUNTERS] */
-    int32_t *pf_wlist;  /* [2][H * chunk] the rows of a retry or Newton pass, per KV head     */
-    int32_t *pf_wcount; /* [2][n_kv_heads] their counts                                      */
+    /* dense prefill: its stream and handle (the model's), sizes and scratch (size_prefill) */
+    ekv_cuda_prefill pf;
+    unsigned long long *pf_rows; /* [n_layers][PF_COUNTERS] the fused prefill's counters */
     /* the decode stages' slow paths over the blocks' views, per layer (EKV_SLOW_*,
      * docs/architecture.md, "The model on the GPU"): cumulative on the device, read after each
      * block into the layers' stats */
@@ -130,26 +104,6 @@ ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, 
 ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_t n_items,
                             int views);
 ekv_status gpu_advance(model_gpu *g, const gpu_block *b);
-/* model_gpu_prefill.cu (one sequence) */
+/* model_gpu_attention.cu: a dense prefill block (one sequence), or the block's prefix views */
 ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
-/* model_gpu_prefill_fused.cu: whether the fused kernel serves this cache (f16/bf16 K and V,
- * head dims 64 and 128) */
-bool gpu_prefill_fused_applies(ekv_dtype kv, int64_t head_dim);
-/* model_gpu_attention.cu */
 ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
-
-#define GPU_TRY(g, call)                                                                           \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return ekv_fail((g)->ctx, EKV_ERR_DEVICE, "model (cuda): %s: %s", #call,               \
-                            cudaGetErrorString(e_));                                               \
-    } while (0)
-#define GPU_LAUNCHED(g) GPU_TRY(g, cudaGetLastError())
-#define BLAS_TRY(g, call)                                                                          \
-    do {                                                                                           \
-        cublasStatus_t b_ = (call);                                                                \
-        if (b_ != CUBLAS_STATUS_SUCCESS)                                                           \
-            return ekv_fail((g)->ctx, EKV_ERR_DEVICE, "model (cuda): %s: cuBLAS status %d", #call, \
-                            (int)b_);                                                              \
-    } while (0)

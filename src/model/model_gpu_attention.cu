@@ -1,10 +1,12 @@
 /*
- * A block's attention through the decode stages on the GPU, as model_attention.c does it on
- * the CPU: token t of the block attends as the newest token of its prefix view (the pages up
- * to its own position, cut there; gpu_block_tables wrote the views from the device position),
- * the T views form one batch of ekv_cuda_decode with the model's method. A decode step is the
- * same with T = 1, which is what the CUDA graph of a step replays; a batched step is one view
- * per sequence (ragged: each its own length).
+ * A block's attention on the GPU. A dense prefill block (one sequence, method dense) runs the
+ * CUDA backend's prefill over the sequence's pages (src/cuda/prefill/, docs/math.md §12). Every
+ * other block goes through the decode stages, as model_attention.c does it on the CPU: token t
+ * of the block attends as the newest token of its prefix view (the pages up to its own
+ * position, cut there; gpu_block_tables wrote the views from the device position), the T views
+ * form one batch of ekv_cuda_decode with the model's method. A decode step is the same with
+ * T = 1, which is what the CUDA graph of a step replays; a batched step is one view per sequence
+ * (ragged: each its own length).
  */
 #include "model_gpu.cuh"
 extern "C" {
@@ -35,4 +37,28 @@ ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
     const ekv_status s = ekv_cuda_decode(g->plan, &dp, &sp, &L->kv, &L->st, &tab, g->q, g->att);
     ekv_cuda_count_slow_paths(g->plan, NULL);
     return s;
+}
+
+ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
+    model_gpu *g = m->gpu;
+    const ekv_model_config *c = &m->cfg;
+    /* the sequence's keys: its first page's rows onward (model_gpu.cuh) */
+    const int64_t kv_offset =
+            (int64_t)b->seq * g->pages * L->kv.stride_page * ekv_dtype_size(L->kv.dtype);
+    ekv_cuda_prefill_block pb;
+    pb.pos0 = b->pos0;
+    pb.T = b->T;
+    pb.H = c->n_heads;
+    pb.Hk = c->n_kv_heads;
+    pb.D = c->head_dim;
+    pb.alpha = c->alpha;
+    pb.dtype = L->kv.dtype;
+    pb.k = (const char *)L->kv.k + kv_offset;
+    pb.v = (const char *)L->kv.v + kv_offset;
+    pb.q = g->q;
+    pb.slopes = g->slopes;
+    pb.att = g->att;
+    /* the fused kernel's counters of this layer (allocated with the fused kernel's buffers) */
+    pb.counters = g->pf.fused ? g->pf_rows + PF_COUNTERS * (int64_t)(L - g->layers) : NULL;
+    return ekv_cuda_prefill_attention(&g->pf, &pb);
 }

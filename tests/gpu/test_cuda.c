@@ -25,7 +25,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_load_f32 */
-#include "cuda/test_hooks.h" /* the plan's read-backs the checks compare */
+#include "cuda/common/test_hooks.h" /* the plan's read-backs the checks compare */
 #include "gpu/mirror.h"
 #include <string.h>
 
@@ -57,7 +57,7 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
 }
 
 static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0, g_slow_rows = 0;
-static int g_compacted = 0; /* heads whose overflowed candidates were compacted (attend_tau.cu) */
+static int g_compacted = 0; /* heads whose overflowed candidates were compacted (stages/tau.cu) */
 static int64_t g_sp_skipped = 0, g_sp_pages = 0, g_sp_bound_diff = 0; /* tau_lb_check */
 static int64_t g_centre_steps = 0, g_centres = 0; /* compact ball centres one step apart */
 /* screened: steps, heads whose support differs from the GPU dense step's by one (a tie at the
@@ -146,7 +146,7 @@ typedef struct {
 
 /* Dense decode on a plan with small candidate lists (cap entries): heads with more candidates
  * than the list holds have it compacted, or take the whole score row, in the tau kernel
- * (attend_tau.cu); either way the output, tau and support equal the reference's. */
+ * (stages/tau.cu); either way the output, tau and support equal the reference's. */
 static void small_lists_dense(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
                               const double *tau_ref, const int64_t *sup_ref, int64_t cap) {
     const mirror *m = sc->m;

@@ -6,7 +6,7 @@
 extern "C" {
 #include "core/stats_rules.h" /* the ball bytes the bound reads (one rule) */
 }
-#include "cuda/test_hooks.h" /* the screen's rows, overflows and kernel (not public API) */
+#include "cuda/common/test_hooks.h" /* the screen's rows, overflows and kernel (not public API) */
 
 /* Bytes: K of the listed tokens, V rows read, summaries read by the bound, and the score
  * traffic (written once; entmax reads it once for the candidates, two-pass softmax twice:
@@ -25,7 +25,7 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
     for (int64_t l = 0; l < o->w.batch * Hk; l++) {
         const int64_t b = l / Hk, P = c->indptr[b + 1] - c->indptr[b];
         const int64_t pages = listed ? r1[l] + r2[l] : P;
-        /* screened reads K of its rows only (src/cuda/screen.cu) */
+        /* screened reads K of its rows only (src/cuda/screen/screen.cu) */
         ktok += o->method == EKV_SELECT_SCREENED ? srows[l]
                                                  : std::min(pages * o->w.page, c->lens[b]);
         vrow += vrows[l];

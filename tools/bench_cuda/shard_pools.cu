@@ -60,7 +60,7 @@ static int shard_pool_fill(ekv_context *ctx, const bench_opts *o, ekv_cuda_shard
 
 /* Each shard's bytes read in the last step: its plan's report, cuda_bytes over its pool. Its
  * V rows are the plan's count: without the group-union values, the tau kernel counts the
- * support at the shard's own tau (src/cuda/attend_tau.cu), a lower bound of the agreed tau
+ * support at the shard's own tau (src/cuda/stages/tau.cu), a lower bound of the agreed tau
  * (docs/math.md §11), so at least the rows the agreed step read. */
 static int shard_pools_bytes(ekv_context *ctx, const bench_opts *o, ekv_cuda_sharded_plan *sp,
                              const std::vector<cuda_len> &pools, std::vector<int64_t> *bytes) {

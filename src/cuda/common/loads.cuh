@@ -1,0 +1,84 @@
+/*
+ * Device-side loads of the CUDA backend: 8 consecutive K or V elements of any storage type as
+ * fp32, and cp.async (sm_80+), global to shared memory without registers.
+ */
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+/* ---- element loads: 8 consecutive elements as fp32 (16-byte aligned for 16-bit types).
+ * load8 reads global memory through the read-only path; unpack8 converts 8 elements already
+ * loaded (e.g. staged in shared memory by cp.async). ---- */
+template <typename T> struct ekv_elem;
+
+/* The two 16-bit storage types convert by pairs: __half2 and __nv_bfloat162 to float2. */
+__device__ __forceinline__ float2 ekv_pair_f32(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 ekv_pair_f32(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+template <typename T> struct ekv_pair_of;
+template <> struct ekv_pair_of<__half> { typedef __half2 type; };
+template <> struct ekv_pair_of<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+
+/* 2 N2 16-bit elements of type T held in the registers r (a uint2 or uint4), as fp32. */
+template <typename T, int N2, typename R>
+__device__ __forceinline__ void ekv_unpack_pairs(const R &r, float *o) {
+    typedef typename ekv_pair_of<T>::type P;
+    const P *h = reinterpret_cast<const P *>(&r);
+#pragma unroll
+    for (int i = 0; i < N2; i++) {
+        const float2 f = ekv_pair_f32(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+
+/* unpack8 / load8 of the 16-bit types (16-byte aligned). */
+template <typename T> struct ekv_elem16 {
+    static __device__ __forceinline__ void unpack8(const T *p, float *o) {
+        ekv_unpack_pairs<T, 4>(*reinterpret_cast<const uint4 *>(p), o);
+    }
+    static __device__ __forceinline__ void load8(const T *p, float *o) {
+        ekv_unpack_pairs<T, 4>(__ldg(reinterpret_cast<const uint4 *>(p)), o);
+    }
+};
+template <> struct ekv_elem<__half> : ekv_elem16<__half> {
+    static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ float to(__half x) { return __half2float(x); }
+};
+template <> struct ekv_elem<__nv_bfloat16> : ekv_elem16<__nv_bfloat16> {
+    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
+};
+template <> struct ekv_elem<float> {
+    static __device__ __forceinline__ void unpack8(const float *p, float *o) {
+        const float4 a = *reinterpret_cast<const float4 *>(p),
+                     b = *(reinterpret_cast<const float4 *>(p) + 1);
+        o[0] = a.x;
+        o[1] = a.y;
+        o[2] = a.z;
+        o[3] = a.w;
+        o[4] = b.x;
+        o[5] = b.y;
+        o[6] = b.z;
+        o[7] = b.w;
+    }
+    static __device__ __forceinline__ void load8(const float *p, float *o) {
+        const float4 r[2] = {__ldg(reinterpret_cast<const float4 *>(p)),
+                             __ldg(reinterpret_cast<const float4 *>(p) + 1)};
+        unpack8(reinterpret_cast<const float *>(r), o);
+    }
+    static __device__ __forceinline__ float from(float x) { return x; }
+    static __device__ __forceinline__ float to(float x) { return x; }
+};
+
+/* ---- cp.async (sm_80+): global -> shared without registers ---- */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}

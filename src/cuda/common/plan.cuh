@@ -1,0 +1,161 @@
+/*
+ * The CUDA plan (docs/architecture.md, "Backends"): every scratch buffer, sized once at plan
+ * time so a step never allocates or synchronises, what a step records for the report and the
+ * slow paths a caller may count; the step shape every kernel's arguments start with; the
+ * host readouts of the last step.
+ */
+#pragma once
+#include "entmaxkv.h"
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include "launch.cuh"
+
+/* The plan's flags of a query head whose tau candidates overflowed the list (stages/tau.cu sets
+ * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
+enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2 };
+
+struct ekv_cuda_plan {
+    ekv_context *ctx;
+    ekv_cuda_plan_params p;
+    cudaStream_t stream;
+    int own_stream;
+    int32_t split_cap;  /* the most splits a row can get: split_max, flash_part pitch   */
+    int32_t sms;        /* the device's SMs (one-wave grids, ekv_cuda_one_wave)     */
+    int64_t cap_pages;  /* max_pages_per_seq                                           */
+    int64_t cap_tokens; /* cap_pages * page_size: score row length                     */
+    /* scratch (device) */
+    float *scores;       /* [B*H][cap_tokens] z-space scores of the listed tokens       */
+    float *split_max;    /* [B*H][2][split_cap] per split, round 1 then round 2          */
+    float *bounds;       /* [B*H][cap_pages] per query head page bounds                 */
+    float *list_bounds;  /* [B*Hk][cap_pages] max over the group (ranking key)          */
+    int32_t *list_pages; /* [B*Hk][cap_pages] logical pages, round 1 then round 2      */
+    int32_t *list_count; /* [B*Hk][2] entries of round 1, round 1 + round 2            */
+    uint8_t *in_list;    /* [B*Hk][cap_pages] membership of round 1                     */
+    /* per_query_head lists (docs/architecture.md, CUDA per-query-head lists): each query
+     * head's own list, then their union per KV head with a head mask per entry, so K is read
+     * once for the group and a head's scores outside its own list are -inf */
+    int32_t *hlist_pages;  /* [B*H][cap_pages] a query head's list                        */
+    int32_t *hlist_count;  /* [B*H][2]                                                    */
+    uint8_t *hlist_in;     /* [B*H][cap_pages] its membership                             */
+    uint16_t *list_heads;  /* [B*Hk][cap_pages] per union entry: bit g = head g lists it  */
+    int last_masked;       /* the last step's heads attended their own lists (list_heads) */
+    unsigned long long *sp_count; /* [2] superpage skipping: pages skipped, boxes read      */
+    int last_sp_counted;          /* the last step's bound stage skipped against tau_lb     */
+    double *tau;         /* [B*H] in z-space (the report, the bounds, tau_lb)           */
+    /* [B*H] tau again as (m, t) with tau = m + t, m the head's max score: the weights take
+     * z - tau as (z - m) - t, exact at any score scale (docs/math.md §6.2); m = 0 where a
+     * stage knows only tau (the sharded agreement) */
+    float *tau_m;
+    double *tau_t;
+    int64_t *support;    /* [B*H]                                                       */
+    int64_t *v_rows;     /* [B*Hk]                                                      */
+    int32_t *flags;      /* [B*H] EKV_TAU_FLAG_*: how an overflowed head's tau was found  */
+    unsigned long long *slow_paths; /* NULL or [EKV_SLOW_PATHS] (ekv_cuda_count_slow_paths) */
+    int64_t cand_cap;    /* entries of a candidate / support list (per query head)      */
+    uint32_t *ubits;     /* [B*Hk][cap_words] the group's support slots (zero between steps) */
+    int32_t *ulist;      /* [B*Hk][cap_tokens] the same slots listed once each (union_mark) */
+    int32_t *ucount;     /* [B*Hk] their count (zeroed by the step's score kernel)         */
+    float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
+    int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
+    int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
+    /* an overflowed head's list rebuilt by every split (stages/tau.cu, cand_kernel): the
+     * candidates' histogram, the lower bound of tau from it, the refined count; the
+     * histograms and the done counts are zero between steps (the last block resets them) */
+    uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
+    uint32_t *cand_done; /* [B*H] candidate blocks of the row that have finished           */
+    float *cand_thr;     /* [B*H] the refined list's threshold (-inf: the row fit)         */
+    int32_t *refine_count; /* [B*H] scores above cand_thr (may exceed cand_cap)            */
+    float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
+    int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
+    int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */
+    double *gmu, *gsig;  /* [B*H][cap_pages] gaussian selector page moments             */
+    double *gstat;       /* [B*H][3] gaussian: tau-hat, sigma_g, u_avg per query head     */
+    int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
+    /* screened decode on token rows (screen/screen.cu) */
+    uint32_t *scr_state; /* [5][B*H] per step, zeroed by one memset: max l, max z (ordered */
+                         /* keys, 0 = none yet), candidates of the screen, of its retry    */
+                         /* pass, overflow marks (1 retried, 2 every token kept)          */
+    double *scr_f;       /* [B*H][EKV_SCREEN_GRID] F of the kept l at the retry grid      */
+    int64_t scap;        /* candidates of the screen kept per query head                 */
+    float *scl, *scu;    /* [B*H][scap] their lower and upper bounds                      */
+    int32_t *sct;        /* [B*H][scap] and token index                                   */
+    int64_t cap_words;   /* cap_tokens / 32, rounded up                                   */
+    uint32_t *sbits;     /* [B*Hk][cap_words] survivors of the group (zero between steps) */
+    int32_t *rows;       /* [B*Hk][cap_tokens] surviving rows, ascending                   */
+    int32_t *row_count;  /* [B*Hk]                                                         */
+    int last_screened;   /* the last step ran the screen (the report reads survivors)    */
+    int last_screen_kind; /* its screen kernel (screen/screen.cu: generic, fast, tensor cores)  */
+    int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
+    int32_t last_score_splits; /* the last score pass's splits per row (ekv_cuda_report)   */
+    int skip_values;     /* set by a sharded plan (sharded/sharded.cu): an entmax step stops after */
+                         /* tau (its shard's own), the values come at the agreed tau       */
+    int shard_pos;       /* set by a sharded plan for its topk/gaussian stages: where the */
+                         /* table stands in its sequence (EKV_SHARD_*, shard_select.h);  */
+                         /* 0 (the whole sequence) otherwise                             */
+    float *flash_part;   /* [B*H][split_cap][head_dim + 4] one-pass softmax partials       */
+    int64_t bytes;
+    int32_t launches; /* of the last step                                            */
+    int32_t last_batch;
+};
+
+/* The slower paths of a decode step that a caller may count, one per (step, query head):
+ * the tau kernel's list compacted or solved over the whole row (stages/tau.cu), the screen's
+ * list overflowed and retried, or kept every token (screen/screen.cu). */
+enum {
+    EKV_SLOW_TAU_COMPACTED,
+    EKV_SLOW_TAU_WHOLE_ROW,
+    EKV_SLOW_SCREEN_RETRIED,
+    EKV_SLOW_SCREEN_ALL,
+    EKV_SLOW_PATHS
+};
+
+/* Where the next steps' kernels count their slow paths: events[EKV_SLOW_*] on the device; NULL
+ * stops counting. Launches read the pointer, so each captured graph node keeps the one it was
+ * captured with (the model points it at each layer's counters). */
+static inline void ekv_cuda_count_slow_paths(ekv_cuda_plan *pl, unsigned long long *events) {
+    pl->slow_paths = events;
+}
+
+/* The step shape every kernel's arguments start with (they derive from it): the page table
+ * and the plan's static shapes, set on the host by ekv_cuda_set_shape. */
+struct ekv_cuda_shape {
+    ekv_page_table t;
+    int H, Hk, G, D, ps;           /* query heads, KV heads, group, head dim, page size */
+    int64_t cap_pages, cap_tokens; /* the plan's pages (and tokens) per sequence        */
+};
+template <typename Args>
+inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_table *t) {
+    ekv_cuda_shape &s = a;
+    if (t) s.t = *t; /* NULL: a kernel that reads no page table keeps it zero */
+    s.H = pl->p.num_heads;
+    s.Hk = pl->p.num_kv_heads;
+    s.G = s.H / s.Hk;
+    s.D = pl->p.head_dim;
+    s.ps = pl->p.page_size;
+    s.cap_pages = pl->cap_pages;
+    s.cap_tokens = pl->cap_tokens;
+}
+
+/* The checks of a host readout of the plan's last step (report, rows, overflow): the plan, the
+ * output pointer and the batch. */
+static inline ekv_status ekv_cuda_check_readout(const ekv_cuda_plan *pl, const void *outp,
+                                                const char *name, int32_t batch) {
+    if (!pl) return EKV_ERR_NULL_POINTER;
+    if (!outp) return ekv_fail(pl->ctx, EKV_ERR_NULL_POINTER, "%s must not be NULL", name);
+    if (batch < 1 || batch > pl->p.max_batch)
+        return ekv_fail(pl->ctx, EKV_ERR_INVALID_SIZE, "batch=%d must be in [1, %d]", batch,
+                        pl->p.max_batch);
+    return EKV_OK;
+}
+
+/* A per-query-head readout of the last step ([batch * num_heads] rows of row_bytes from src,
+ * device) into out (host), after the plan's stream: the GPU tests' score rows and bounds. */
+static inline ekv_status ekv_cuda_read_head_rows(ekv_cuda_plan *pl, int32_t batch, void *out,
+                                                 const void *src, int64_t row_bytes) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
+    if (cs) return cs;
+    EKV_CUDA_TRY(pl, cudaStreamSynchronize(pl->stream));
+    EKV_CUDA_TRY(pl, cudaMemcpy(out, src, (size_t)(batch * pl->p.num_heads * row_bytes),
+                                cudaMemcpyDeviceToHost));
+    return EKV_OK;
+}

@@ -1,0 +1,119 @@
+/*
+ * Device-side reductions of the CUDA backend: warp and block sums, maxima and minima, running
+ * maxima shared through device memory as ordered keys, a warp-aggregated append and a block
+ * scan.
+ */
+#pragma once
+#include <stdint.h>
+
+template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename T> __device__ __forceinline__ T ekv_warp_max(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        T w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+template <typename T> __device__ __forceinline__ T ekv_warp_min(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        T w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w < v ? w : v;
+    }
+    return v;
+}
+/* Block-wide reductions (sum, max); every thread gets the result. scratch: >= 32
+ * elements of shared memory; identity: the value of an empty warp slot. */
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T ekv_block_reduce(T v, T *scratch, T identity, WarpOp warp_op) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_op(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_op(lane < nw ? scratch[lane] : identity);
+}
+template <typename T> __device__ __forceinline__ T ekv_block_sum(T v, T *scratch) {
+    return ekv_block_reduce(v, scratch, T(0), [](T x) { return ekv_warp_sum(x); });
+}
+template <typename T> __device__ __forceinline__ T ekv_block_max(T v, T *scratch, T lowest) {
+    return ekv_block_reduce(v, scratch, lowest, [](T x) { return ekv_warp_max(x); });
+}
+
+/* Running maxima shared through device memory as ordered keys: atomicMax on the key orders
+ * like the float; key 0 (what a memset gives) is below every float ("none yet"). */
+__device__ __forceinline__ uint32_t ekv_float_key(float x) {
+    const uint32_t b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float ekv_key_float(uint32_t k) {
+    if (k == 0) return -__int_as_float(0x7f800000);
+    return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+
+/* The largest values published to keys[g] so far, read early by lane 0 (pre[g]) so that the
+ * load's latency hides behind the warp's work until ekv_share_max uses it. */
+template <int GM>
+__device__ __forceinline__ void ekv_peek_max(const uint32_t *keys, int G, uint32_t *pre) {
+#pragma unroll
+    for (int g = 0; g < GM; g++)
+        pre[g] = (threadIdx.x & 31) == 0 && g < G
+                         ? *reinterpret_cast<const volatile uint32_t *>(keys + g)
+                         : 0u;
+}
+
+/* The warp's maxima mine[g] (any lanes) published to keys[g] (atomicMax where they beat what
+ * the warp knows), and seen[g] (every lane) raised to the largest value known: the peeked
+ * keys pre[g] (ekv_peek_max) and the warp's own. Only ever a max of values some warp holds.
+ * Warp-uniform call. */
+template <int GM>
+__device__ __forceinline__ void ekv_share_max(const float *mine, float *seen, uint32_t *keys, int G,
+                                              const uint32_t *pre) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        const float m = ekv_warp_max(mine[g]);
+        const float s = fmaxf(seen[g], ekv_key_float(__shfl_sync(0xffffffffu, pre[g], 0)));
+        if (m > s && (threadIdx.x & 31) == 0) atomicMax(keys + g, ekv_float_key(m));
+        seen[g] = fmaxf(s, m);
+    }
+}
+
+/* Warp-aggregated append: the lanes with take get consecutive slots of a list whose length is
+ * *count (one atomic per warp); returns the lane's slot. Warp-uniform call. */
+__device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) {
+    const unsigned m = __ballot_sync(0xffffffffu, take);
+    if (!m) return 0;
+    const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
+    uint32_t at = 0;
+    if (lane == leader) at = atomicAdd(count, (uint32_t)__popc(m));
+    at = __shfl_sync(0xffffffffu, at, leader);
+    return at + (uint32_t)__popc(m & ((1u << lane) - 1));
+}
+
+/* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
+ * block's sum. wsum: 32 ints of shared memory. */
+__device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    __syncthreads();
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; w++) {
+        const int c = wsum[w];
+        before += w < warp ? c : 0;
+        all += c;
+    }
+    *total = all;
+    return before + incl - v;
+}

@@ -1,0 +1,15 @@
+/*
+ * The CUDA backend's fixed sizes: the threads of most blocks, the default length of a tau
+ * candidate list, the largest GQA group and head dim the kernels compile for, the screen's
+ * retry grid and the bins of tau's count bound.
+ */
+#pragma once
+
+enum {
+    EKV_CUDA_THREADS = 256,    /* threads of the attend/bound/select blocks              */
+    EKV_CUDA_CAND_CAP = 16384, /* tau candidates (and support rows) listed per query head */
+    EKV_CUDA_MAX_GROUP = 16,   /* GQA group sizes the register tiles hold               */
+    EKV_CUDA_MAX_DIM = 512,
+    EKV_SCREEN_GRID = 64, /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)     */
+    EKV_CUDA_TAU_HIST_BINS = 2048 /* bins of y = z - M in [-1, 0] of tau's count bound       */
+};

@@ -1,0 +1,237 @@
+/*
+ * The entmax threshold solver of the GPU backend (docs/math.md §0, §9.8): tau - M over a set
+ * of scores (candidates or a whole row) with M their max, by one block, or with WARP by one
+ * warp (a set of a few thousand values: no barriers, many rows per block), and a lower bound
+ * on it from a histogram of the scores for sets too large to solve fast. Shared by the attend
+ * stage's tau kernel (stages/tau.cu), the screen's tau of the lower bounds (screen.cu) and the
+ * prefill's (prefill/prefill*.cu).
+ */
+#pragma once
+#include "reduce.cuh"
+#include "sizes.cuh"
+
+namespace {
+
+/* Sums over the candidates y = z - M > tau' (tau' relative to M), one block reduction */
+struct tau_sums {
+    double n, s1, s2, mn;
+};
+
+/* The threads that share a solve: the block, or with WARP the calling thread's warp. */
+template <bool WARP> __device__ __forceinline__ int solver_rank() {
+    return WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+}
+template <bool WARP> __device__ __forceinline__ int solver_size() {
+    return WARP ? 32 : (int)blockDim.x;
+}
+template <bool WARP> __device__ __forceinline__ double solver_sum(double v, double *scratch) {
+    return WARP ? ekv_warp_sum(v) : ekv_block_sum(v, scratch);
+}
+
+template <bool WARP = false>
+__device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, double *scratch) {
+    double c = 0, s1 = 0, s2 = 0, mn = 1e300;
+    for (int64_t i = solver_rank<WARP>(); i < n; i += solver_size<WARP>()) {
+        const double y = (double)v[i] - (double)M;
+        if (y > t) {
+            c += 1;
+            s1 += y;
+            s2 += y * y;
+            mn = y < mn ? y : mn;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    c = ekv_warp_sum(c);
+    s1 = ekv_warp_sum(s1);
+    s2 = ekv_warp_sum(s2);
+    mn = ekv_warp_min(mn);
+    if (WARP) return tau_sums{c, s1, s2, mn};
+    __syncthreads(); /* scratch is reused by the caller's previous reduction */
+    if (lane == 0) {
+        scratch[warp] = c;
+        scratch[32 + warp] = s1;
+        scratch[64 + warp] = s2;
+        scratch[96 + warp] = mn;
+    }
+    __syncthreads();
+    tau_sums r;
+    r.n = ekv_warp_sum(lane < nw ? scratch[lane] : 0.0);
+    r.s1 = ekv_warp_sum(lane < nw ? scratch[32 + lane] : 0.0);
+    r.s2 = ekv_warp_sum(lane < nw ? scratch[64 + lane] : 0.0);
+    r.mn = ekv_warp_min(lane < nw ? scratch[96 + lane] : 1e300);
+    return r;
+}
+
+/* F = sum [y - t]_+^beta - 1 and its derivative */
+template <bool WARP = false>
+__device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta,
+                            double *scratch, double *F, double *Fp) {
+    double f = 0, fp = 0;
+    for (int64_t i = solver_rank<WARP>(); i < n; i += solver_size<WARP>()) {
+        const double y = (double)v[i] - (double)M - t;
+        if (y > 0) {
+            const double pb1 = pow(y, beta - 1.0);
+            f += pb1 * y;
+            fp += pb1;
+        }
+    }
+    *F = solver_sum<WARP>(f, scratch) - 1.0;
+    *Fp = -beta * solver_sum<WARP>(fp, scratch);
+}
+
+/* The solver's state between iterations: t = tau' (relative to M), the bracket of the generic
+ * Newton and the support size of Michelot's previous step. */
+struct tau_iter {
+    double t, lo, hi, prev_n;
+};
+
+/* The start from a lower bound t0 of tau - M (t0 = -1 always is one: F(-1) >= 1 because the
+ * max alone gives 1). */
+__device__ __forceinline__ tau_iter tau_start(double t0) { return tau_iter{t0, t0, 0.0, -1.0}; }
+
+/* One iteration of the solver for alpha from the sums at it->t (alpha 2 and 1.5: s, the
+ * candidates above t; otherwise F and Fp of cand_newton); returns 1 when it->t is tau - M.
+ * Written for one thread: every caller's lanes that hold the same sums take the same step. */
+__device__ __forceinline__ int tau_step(double alpha, const tau_sums &s, double F, double Fp,
+                                        tau_iter *it) {
+    const double t = it->t;
+    if (alpha == 2.0) {
+        /* Michelot: the closed form over a superset of the support is a lower bound of tau */
+        const double tn = (s.s1 - 1.0) / s.n;
+        if (s.n == it->prev_n || !(tn > t)) {
+            it->t = tn > t ? tn : t;
+            return 1;
+        }
+        it->prev_n = s.n;
+        it->t = tn;
+        return 0;
+    }
+    if (alpha == 1.5) {
+        /* Newton from the left (monotone, F convex) on F = sum (y-t)^2 - 1; the closed form on
+         * the current support is exact as soon as it keeps that support */
+        const double disc = s.s1 * s.s1 - s.n * (s.s2 - 1.0);
+        const double tc = (s.s1 - sqrt(disc > 0 ? disc : 0.0)) / s.n;
+        if (tc >= t && s.mn > tc) {
+            it->t = tc;
+            return 1;
+        }
+        const double F2 = s.s2 - 2.0 * t * s.s1 + s.n * t * t - 1.0, Fp2 = -2.0 * (s.s1 - s.n * t);
+        const double tn = t - F2 / Fp2;
+        if (!(tn > t)) return 1;
+        it->t = tn;
+        return 0;
+    }
+    /* safeguarded Newton inside the bracket [lo, hi] */
+    if (F > 0)
+        it->lo = t;
+    else
+        it->hi = t;
+    if (F == 0 || it->hi - it->lo <= 1e-15 * (1.0 + fabs(t))) return 1;
+    double tn = Fp < 0 ? t - F / Fp : 0.5 * (it->lo + it->hi);
+    if (!(tn > it->lo && tn < it->hi)) tn = 0.5 * (it->lo + it->hi);
+    it->t = tn;
+    return 0;
+}
+
+/* The iteration cap of the solver for alpha. */
+__device__ __forceinline__ int tau_max_iters(double alpha) { return alpha == 1.5 ? 100 : 200; }
+
+/* tau - M over the values v[0..n) (candidates or a whole score row) for entmax alpha > 1,
+ * from t0, a lower bound of it (-1 always is one); scratch: shared memory of 128 doubles
+ * (unused with WARP) */
+template <bool WARP = false>
+__device__ double solve_tau(const float *v, int64_t n, float M, double alpha, double *scratch,
+                            double t0 = -1.0) {
+    const double beta = 1.0 / (alpha - 1.0);
+    tau_iter it = tau_start(t0);
+    const int cap = tau_max_iters(alpha);
+    for (int k = 0; k < cap; k++) {
+        tau_sums s = {0, 0, 0, 0};
+        double F = 0, Fp = 0;
+        if (alpha == 2.0 || alpha == 1.5)
+            s = cand_sums<WARP>(v, n, M, it.t, scratch);
+        else
+            cand_newton<WARP>(v, n, M, it.t, beta, scratch, &F, &Fp);
+        if (tau_step(alpha, s, F, Fp, &it)) break;
+    }
+    return it.t;
+}
+
+/* The threshold (absolute, not relative to a max) of the n values at v, any subset of a row's
+ * scores: a lower bound on the row's own threshold (docs/math.md §9.1). Block-wide, or with
+ * WARP warp-wide (scratch and fscratch unused). */
+template <bool WARP = false>
+__device__ double subset_threshold(const float *v, int64_t n, double alpha, double *scratch,
+                                   float *fscratch) {
+    float ms = -INFINITY;
+    for (int64_t k = solver_rank<WARP>(); k < n; k += solver_size<WARP>()) ms = fmaxf(ms, v[k]);
+    ms = WARP ? ekv_warp_max(ms) : ekv_block_max(ms, fscratch, -INFINITY);
+    return (double)ms + solve_tau<WARP>(v, n, ms, alpha, scratch);
+}
+
+/* The fp32 threshold just below lb, a lower bound of tau from these solves (less a margin for
+ * their rounding, then rounded down to the scores' precision): every score above lb is above
+ * it, so a list of the scores above it holds the support. */
+__device__ __forceinline__ float bound_f32(double lb) {
+    return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
+}
+
+/* bins of y = z - M over [-1, 0] of the histogram bounds (their callers' shared arrays) */
+enum { TAU_HIST_BINS = EKV_CUDA_TAU_HIST_BINS };
+
+/* The bin of y = z - M in [-1, 0] (callers count only y >= -1). */
+__device__ __forceinline__ int tau_hist_bin(double y) {
+    const int k = (int)((y + 1.0) * TAU_HIST_BINS);
+    return k < TAU_HIST_BINS ? k : TAU_HIST_BINS - 1;
+}
+
+/* pw[d] = (d / TAU_HIST_BINS)^beta rounded down to float, for d < TAU_HIST_BINS: the bin
+ * search's terms looked up instead of a pow each (rounded down, the sums stay below F, so the
+ * bound stays one). Block-wide; a barrier follows. */
+__device__ void hist_power_table(float *pw, double alpha) {
+    const double beta = 1.0 / (alpha - 1.0);
+    for (int d = threadIdx.x; d < TAU_HIST_BINS; d += blockDim.x) {
+        const double x = (double)d / TAU_HIST_BINS; /* exact: the bins are a power of two */
+        /* alpha 1.5 and 2 exactly (d^2 < 2^24), other alphas by pow (a double pow per entry
+         * was most of the cost of a row's last candidates block) */
+        pw[d] = beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : __double2float_rd(pow(x, beta));
+    }
+    __syncthreads();
+}
+
+/* A lower bound on tau - M from the counts hist[j] of y = z - M in bin j of [-1, 0] (shared
+ * memory; pw from hist_power_table): every y of bin j is at least e_j = -1 + j / NB, so
+ * F(e_k) >= sum_{j >= k} c_j (e_j - e_k)^beta, and where that reaches 1, e_k <= tau - M (F
+ * falls through 1 at tau - M; docs/math.md §0). The bound falls as k grows, so a binary search
+ * finds the largest such k (-1 when none: tau - M >= -1 always). Always within two bins of
+ * tau - M (docs/math.md §9.1, "A bound from counts"); any alpha > 1. Block-wide. */
+__device__ double hist_count_bound(const unsigned *hist, const float *pw, double *scratch) {
+    int lo = -1, hi = TAU_HIST_BINS; /* lo: a bin whose edge is a bound (-1: e = -1) */
+    while (hi - lo > 1) {            /* block-uniform */
+        const int mid = (lo + hi) / 2;
+        double f = 0;
+        for (int j = mid + 1 + threadIdx.x; j < TAU_HIST_BINS; j += blockDim.x)
+            f += (double)hist[j] * (double)pw[j - mid];
+        if (ekv_block_sum(f, scratch) >= 1.0 + 1e-9) /* a margin for the sum's rounding */
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
+}
+
+/* hist_count_bound over the scores z[0, n) of one row with max M: one pass counts them into
+ * hist (shared memory), pw is the power table's room. Block-wide. */
+__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
+                                   float *pw, double *scratch) {
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double y = (double)z[i] - (double)M;
+        if (y >= -1.0) atomicAdd(hist + tau_hist_bin(y), 1u);
+    }
+    hist_power_table(pw, alpha); /* its barrier also ends the counting */
+    return hist_count_bound(hist, pw, scratch);
+}
+
+} // namespace

@@ -1,0 +1,17 @@
+/*
+ * The entmax weight of a score, p = [z - tau]_+^beta (docs/math.md §0, §6.2), as every path that
+ * forms it computes it: the values stage, the sharded plan's support, the prefill.
+ */
+#pragma once
+
+/* p = [z - tau]_+^beta as every values path computes it (double, then rounded), with
+ * tau = m + t: (z - m) is exact in double for fp32 z and m, so the weights keep their precision
+ * at any score scale when m is the head's max (docs/math.md §6.2) */
+__device__ __forceinline__ float entmax_p_split(float z, float m, double t, double beta) {
+    const double x = ((double)z - (double)m) - t;
+    if (!(x > 0)) return 0.f;
+    return beta == 2.0 ? (float)(x * x) : beta == 1.0 ? (float)x : (float)pow(x, beta);
+}
+__device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
+    return entmax_p_split(z, 0.f, tau, beta);
+}

@@ -1,0 +1,274 @@
+/*
+ * The CUDA plan (docs/architecture.md, "Backends"): its creation, every device buffer once from
+ * one table (plan_buffers) that creation allocates, ekv_cuda_plan_bytes counts and
+ * ekv_cuda_plan_free frees, sized from the plan's static shapes (checked first, on the host)
+ * and the device's SMs, so that a step never allocates or synchronises; and the splits of the
+ * split-KV kernels, the plan's (split_cap) and a step's (ekv_cuda_step_splits).
+ */
+#include "plan_defaults.h"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/sizes.cuh"
+#include "../common/splits.cuh"
+extern "C" {
+#include "../../core/internal.h" /* ekv_check_heads, ekv_check_page_size (C) */
+}
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" ekv_cuda_plan_params ekv_cuda_plan_default_params(void) {
+    return ekv_cuda_plan_defaults();
+}
+
+extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
+    if (!count)
+        return ctx ? ekv_fail(ctx, EKV_ERR_NULL_POINTER, "count must not be NULL")
+                   : EKV_ERR_NULL_POINTER;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        n = 0;
+    }
+    *count = n;
+    return EKV_OK;
+}
+
+/* Every device buffer of a plan with its size: the one list that plan creation allocates,
+ * ekv_cuda_plan_bytes counts and ekv_cuda_plan_free frees. */
+typedef struct {
+    void **ptr;
+    int64_t bytes;
+} plan_buffer;
+
+enum { PLAN_BUFFERS = 44 };
+
+static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
+    const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
+                  ns = pl->split_cap;
+    const int64_t BH = B * H, BHk = B * Hk, P = pl->cap_pages, C = pl->cand_cap;
+    const plan_buffer t[PLAN_BUFFERS] = {
+            {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
+            {(void **)&pl->split_max, BH * 2 * ns * (int64_t)sizeof(float)},
+            {(void **)&pl->bounds, BH * P * (int64_t)sizeof(float)},
+            {(void **)&pl->list_bounds, BHk * P * (int64_t)sizeof(float)},
+            {(void **)&pl->list_pages, BHk * P * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->in_list, BHk * P},
+            {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
+            {(void **)&pl->tau_m, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->tau_t, BH * (int64_t)sizeof(double)},
+            {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->v_rows, BHk * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->gmu, BH * P * (int64_t)sizeof(double)},
+            {(void **)&pl->gsig, BH * P * (int64_t)sizeof(double)},
+            {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
+            {(void **)&pl->cand_slot, BH * C * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->cand_hist, BH * EKV_CUDA_TAU_HIST_BINS * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->cand_done, BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->cand_thr, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->refine_count, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
+            {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
+            {(void **)&pl->scr_state, 5 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_f, BH * EKV_SCREEN_GRID * (int64_t)sizeof(double)},
+            {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
+            {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
+            {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->gstat, BH * 3 * (int64_t)sizeof(double)},
+            {(void **)&pl->flash_part, BH * ns * (pl->p.head_dim + 4) * (int64_t)sizeof(float)},
+            {(void **)&pl->hlist_pages, BH * P * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->hlist_count, BH * 2 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->hlist_in, BH * P},
+            {(void **)&pl->list_heads, BHk * P * (int64_t)sizeof(uint16_t)},
+            {(void **)&pl->sp_count, 2 * (int64_t)sizeof(unsigned long long)},
+            {(void **)&pl->ubits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->ulist, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->ucount, BHk * (int64_t)sizeof(int32_t)},
+    };
+    memcpy(b, t, sizeof t);
+}
+
+extern "C" void ekv_cuda_plan_free(ekv_cuda_plan *pl) {
+    if (!pl) return;
+    plan_buffer bufs[PLAN_BUFFERS];
+    plan_buffers(pl, bufs);
+    for (int i = 0; i < PLAN_BUFFERS; i++)
+        if (*bufs[i].ptr) cudaFree(*bufs[i].ptr);
+    if (pl->own_stream && pl->stream) cudaStreamDestroy(pl->stream);
+    free(pl);
+}
+
+extern "C" int64_t ekv_cuda_plan_bytes(const ekv_cuda_plan *pl) { return pl ? pl->bytes : 0; }
+
+/* The plan's static shapes, checked on the host before anything is allocated. */
+static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params *p) {
+    if (p->max_batch < 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "max_batch=%d must be >= 1", p->max_batch);
+    ekv_status st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
+    if (!st) st = ekv_check_page_size(ctx, p->page_size);
+    if (st) return st;
+    if (p->num_heads / p->num_kv_heads > EKV_CUDA_MAX_GROUP)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "GQA group %d > %d is not supported by the CUDA backend",
+                        p->num_heads / p->num_kv_heads, (int)EKV_CUDA_MAX_GROUP);
+    if (p->head_dim < 8 || p->head_dim % 8 || p->head_dim > EKV_CUDA_MAX_DIM)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "head_dim=%d must be a multiple of 8 in [8, %d] on the CUDA backend",
+                        p->head_dim, (int)EKV_CUDA_MAX_DIM);
+    if (p->max_pages_per_seq < 1 || p->max_pages_per_seq * p->page_size >= INT32_MAX)
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_SIZE,
+                "max_pages_per_seq=%lld must be >= 1 with max_pages_per_seq * page_size < 2^31 tokens",
+                (long long)p->max_pages_per_seq);
+    if (p->max_candidates < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "max_candidates=%lld must be >= 0 (0 = the default)",
+                        (long long)p->max_candidates);
+    if (p->tensor_cores != 0 && p->tensor_cores != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
+                        p->tensor_cores);
+    return EKV_OK;
+}
+
+/* The scores kernel's splits per row for `batch` sequences of Hk KV heads. The kernel (2
+ * blocks per SM) streams K best in one wave of long-lived blocks: ramping a block's pipeline
+ * up and down costs more than the tail of a single wave (the softmax values and the screen
+ * size their one wave at launch, ekv_cuda_one_wave). Never more splits than pages. */
+static int64_t score_splits(int sms, int64_t batch, int64_t Hk, int64_t pages) {
+    int64_t ns = 2 * (int64_t)sms / (batch * Hk);
+    if (ns > pages) ns = pages;
+    return ns < 1 ? 1 : ns;
+}
+
+/* The values kernels' splits per row over `rows` rows: about 2 blocks per SM, at most 64. */
+static int32_t value_splits(int sms, int64_t rows) {
+    const int64_t vs = (2 * (int64_t)sms + rows - 1) / rows;
+    return (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
+}
+
+/* Computed at every launch from the step's batch (a graph captures the batch with its
+ * arguments, so replays stay consistent); the score splits are capped by split_cap, the
+ * pitch of the per-row split buffers sized at the plan's max_batch. */
+ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
+    const int64_t H = pl->p.num_heads, Hk = pl->p.num_kv_heads;
+    int64_t ns = score_splits(pl->sms, batch, Hk, pl->cap_pages);
+    if (ns > pl->split_cap) ns = pl->split_cap;
+    ekv_step_splits s;
+    s.scores = (int32_t)ns;
+    s.values = value_splits(pl->sms, batch * H);
+    s.unions = value_splits(pl->sms, batch * Hk);
+    return s;
+}
+
+/* Buffer capacities from the plan's shapes and the device's SM count. */
+static void plan_geometry(ekv_cuda_plan *pl, int sms) {
+    const ekv_cuda_plan_params *p = &pl->p;
+    const int64_t B = p->max_batch, Hk = p->num_kv_heads;
+    const int64_t ns = score_splits(sms, B, Hk, p->max_pages_per_seq);
+    /* ragged batches (ekv_seq_splits): a row takes at most the splits that fill the GPU with
+     * its KV heads alone, and never more than T = ns B or the pages */
+    int64_t cap = 2 * (int64_t)sms / Hk;
+    if (cap < ns) cap = ns;
+    if (cap > ns * B) cap = ns * B;
+    if (cap > p->max_pages_per_seq) cap = p->max_pages_per_seq;
+    pl->split_cap = (int32_t)cap;
+    pl->sms = sms;
+    pl->cap_pages = p->max_pages_per_seq;
+    pl->cap_tokens = pl->cap_pages * p->page_size;
+    pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
+    if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
+    /* the screen's candidates (u > max l - 1, docs/math.md §10.3 Claim 3): max_candidates when
+     * given, else a quarter of the tokens per query head (at least the default list); a head
+     * with more is retried against a higher threshold (docs/architecture.md, CUDA screened) */
+    pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
+    if (p->max_candidates > 0) pl->scap = pl->cand_cap;
+    pl->cap_words = (pl->cap_tokens + 31) / 32;
+}
+
+extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
+                                           ekv_cuda_plan **out) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    if (!p || !out) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "params and out must not be NULL");
+    *out = NULL;
+    ekv_status st = check_plan_params(ctx, p);
+    if (st) return st;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        cudaGetLastError();
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "no CUDA device is available");
+    }
+    if (p->device < 0 || p->device >= ndev)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "device=%d: only %d CUDA device(s)",
+                        p->device, ndev);
+    ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
+    if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    pl->ctx = ctx;
+    pl->p = *p;
+    cudaError_t e = cudaSetDevice(p->device);
+    if (e != cudaSuccess) {
+        free(pl);
+        return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaSetDevice: %s", cudaGetErrorString(e));
+    }
+    if (p->stream)
+        pl->stream = (cudaStream_t)p->stream;
+    else {
+        /* a blocking stream: ordered after the caller's work on the legacy default stream
+         * (cudaMemcpy, cudaMemset, torch's default stream), whose pageable copies may still be
+         * in flight when cudaMemcpy returns; a non-blocking one raced them */
+        e = cudaStreamCreate(&pl->stream);
+        if (e != cudaSuccess) {
+            free(pl);
+            return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaStreamCreate: %s", cudaGetErrorString(e));
+        }
+        pl->own_stream = 1;
+    }
+    int sms = 132;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
+    plan_geometry(pl, sms);
+    const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
+    plan_buffer want[PLAN_BUFFERS];
+    plan_buffers(pl, want);
+    for (int i = 0; i < PLAN_BUFFERS; i++) {
+        e = cudaMalloc(want[i].ptr, (size_t)want[i].bytes);
+        if (e != cudaSuccess) {
+            ekv_cuda_plan_free(pl);
+            return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "cudaMalloc(%lld bytes) for the plan: %s",
+                            (long long)want[i].bytes, cudaGetErrorString(e));
+        }
+        pl->bytes += want[i].bytes;
+    }
+    /* on the plan's stream, then waited for: a caller's non-blocking stream (torch's side
+     * streams) is not ordered after the legacy stream a plain cudaMemset uses, so the first
+     * step could read the buffers before they are zero */
+    e = cudaMemsetAsync(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->sbits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
+                            pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->ubits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
+                            pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess) /* the candidates' histograms and done counts (stages/tau.cu) */
+        e = cudaMemsetAsync(pl->cand_hist, 0,
+                            (size_t)(B * H * EKV_CUDA_TAU_HIST_BINS) * sizeof(uint32_t), pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->cand_done, 0, (size_t)(B * H) * sizeof(uint32_t), pl->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
+    if (e != cudaSuccess) {
+        ekv_cuda_plan_free(pl);
+        return ekv_fail(ctx, EKV_ERR_DEVICE, "cudaMemset: %s", cudaGetErrorString(e));
+    }
+    *out = pl;
+    return EKV_OK;
+}

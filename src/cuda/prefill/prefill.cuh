@@ -1,0 +1,88 @@
+/*
+ * Dense prefill attention on the GPU (docs/math.md §12; docs/architecture.md, "The model on the
+ * GPU"): the entry the model engine calls for a dense block, what it runs on and the scratch it
+ * needs. prefill.cu holds the entry and the GEMM path (S and P in global memory, cuBLAS),
+ * prefill_fused.cu the fused kernel (S and P never leave the chip), prefill_common.cuh what
+ * both share. Internal for now (issue 30 makes a public entry point of it).
+ */
+#pragma once
+#include "entmaxkv.h"
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include "../common/launch.cuh"
+
+/* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
+ * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
+enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_COUNTERS };
+
+/* What dense prefill runs on: the stream and cuBLAS handle, the sizes its scratch was laid out
+ * for and the device scratch, which its caller sizes and allocates (the model engine,
+ * src/model/model_gpu.cu). */
+struct ekv_cuda_prefill {
+    ekv_context *ctx;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    int64_t chunk;  /* query tokens of one block at most */
+    int32_t nparts; /* 16-bit parts of the fp32 GEMM inputs (docs/math.md §12) */
+    void *qparts;   /* [nparts][H * chunk][D] q' in K's dtype */
+    float *qshift;  /* [2][H * chunk]: 2^-s of each row's q' split, then 1 / sum p */
+    int32_t *bad;   /* set when a row's scores are not finite */
+    /* the GEMM path */
+    int64_t ld_cap; /* keys per score row at most, a multiple of 16 */
+    float *scores;  /* [H * chunk][ld] z, then reused */
+    void *pparts;   /* [nparts][H * chunk][ld] P in V's dtype */
+    float *obuf;    /* [H * chunk][D] */
+    /* the fused kernel instead of the GEMMs (prefill_fused.cu): its per-row state over the
+     * H * chunk rows of a block */
+    int fused;
+    int32_t cand_cap;   /* candidates kept per row (prefill_candidates, docs/architecture.md) */
+    int32_t compact_at; /* the fill that compacts a list in the sweep (prefill_compact) */
+    float *cand;        /* [H * chunk][cand_cap] */
+    int64_t *cidx;      /* [H * chunk][cand_cap] the candidates' key positions */
+    int32_t *count;     /* [H * chunk] candidates found (may exceed cand_cap) */
+    int32_t *state;     /* [H * chunk] where the row's tau stands (prefill_fused.cu) */
+    float *thr;         /* [H * chunk] the row's candidate threshold (a lower bound of tau) */
+    float *m;           /* [H * chunk] the row's max M */
+    double *tau;        /* [H * chunk] tau - M */
+    int32_t *wlist;     /* [2][H * chunk] the rows of a retry or Newton pass, per KV head */
+    int32_t *wcount;    /* [2][n_kv_heads] their counts */
+};
+
+/* One dense block: T query tokens of one sequence at positions pos0.., each attending its
+ * causal prefix (docs/math.md §12). */
+struct ekv_cuda_prefill_block {
+    int64_t pos0, T;
+    int64_t H, Hk, D; /* query heads, KV heads, head dim */
+    double alpha;
+    ekv_dtype dtype;     /* K's and V's */
+    const void *k, *v;   /* key and value 0 of KV head 0 of the sequence, tokens Hk * D apart */
+    const float *q;      /* [T][H][D] */
+    const float *slopes; /* [H] ALiBi slopes (device), or NULL */
+    float *att;          /* [T][H][D] the output */
+    unsigned long long *counters; /* [PF_COUNTERS] the fused kernel adds to (device) */
+};
+
+/* The attention of one dense block on pf->stream: q' split into parts, then the fused kernel
+ * (pf->fused) or the GEMM path. A block larger than the scratch is EKV_ERR_INTERNAL. */
+ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b);
+/* Whether the fused kernel serves this cache (f16/bf16 K and V, head dims 64 and 128). */
+bool ekv_cuda_prefill_fused_applies(ekv_dtype kv, int64_t head_dim);
+
+/* The checks of a CUDA or cuBLAS call by the model engine and its prefill, on (g)->ctx (messages
+ * "model (cuda): ..."). */
+#define GPU_TRY(g, call)                                                                           \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return ekv_fail((g)->ctx, EKV_ERR_DEVICE, "model (cuda): %s: %s", #call,               \
+                            cudaGetErrorString(e_));                                               \
+    } while (0)
+#define GPU_LAUNCHED(g) GPU_TRY(g, cudaGetLastError())
+#define BLAS_TRY(g, call)                                                                          \
+    do {                                                                                           \
+        cublasStatus_t b_ = (call);                                                                \
+        if (b_ != CUBLAS_STATUS_SUCCESS)                                                           \
+            return ekv_fail((g)->ctx, EKV_ERR_DEVICE, "model (cuda): %s: cuBLAS status %d", #call, \
+                            (int)b_);                                                              \
+    } while (0)

@@ -1,0 +1,64 @@
+/*
+ * Dense prefill attention (docs/math.md §12), what its two kernels share: the block's arguments
+ * and the split of the queries into parts of K's dtype. prefill.cu holds the entry
+ * (ekv_cuda_prefill_attention) and the GEMM path (S and P in global memory, cuBLAS);
+ * prefill_fused.cu the fused kernel (S and P never leave the chip).
+ */
+#pragma once
+#include "prefill.cuh"
+#include "../common/loads.cuh"
+#include "../common/reduce.cuh"
+
+/* One block's shape and buffers (the fused kernel extends it, prefill_fused.cu) */
+struct prefill_args {
+    int64_t pos0, T, R, G, Hk, H, D, ld, nk;
+    int np;
+    float qf;     /* (a * scale) rounded as the CPU rounds it */
+    float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
+    double a, alpha;
+    const float *q, *slopes;
+    float *scores, *qshift, *rinv, *obuf, *att;
+    void *qparts, *pparts;
+    int32_t *bad;
+};
+
+namespace {
+
+/* x = sum of np parts of T (each the rounding of what the earlier parts left, docs/math.md §12;
+ * the conversions are the backend's, ekv_elem) */
+template <typename T>
+__device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stride) {
+    for (int p = 0; p < np; p++) {
+        const T h = ekv_elem<T>::from(x);
+        dst[p * part_stride] = h;
+        x -= ekv_elem<T>::to(h);
+    }
+}
+
+/* block (t, h): q'[t][h] split into parts, shifted by 2^s for f16 (docs/math.md §12) */
+template <typename T> __global__ void split_queries_kernel(prefill_args A) {
+    __shared__ float scratch[32];
+    const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, r = t * A.G + h % A.G;
+    const float *q = A.q + (t * A.H + h) * A.D;
+    float mx = 0.f;
+    for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) mx = fmaxf(mx, fabsf(q[d] * A.qf));
+    mx = ekv_block_max(mx, scratch, 0.f);
+    /* f16: 2^s lifts the largest into [2^14, 2^15), as split_group_q does (docs/math.md §3.1) */
+    int s = 0;
+    if (std::is_same<T, __half>::value && mx > 0.f && isfinite(mx)) {
+        s = 14 - ilogbf(mx);
+        s = s > 126 ? 126 : s;
+    }
+    const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
+    T *dst = (T *)A.qparts + row * A.D;
+    for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x)
+        split<T>(ldexpf(q[d] * A.qf, s), A.np, dst + d, pstride);
+    if (threadIdx.x == 0) A.qshift[row] = ldexpf(1.f, -s);
+}
+
+} // namespace
+
+/* prefill_fused.cu: the fused kernel's passes over the block whose queries are split
+ * (A.qparts, A.qshift). */
+ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
+                                  const prefill_args &A);

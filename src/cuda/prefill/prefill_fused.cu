@@ -1,0 +1,698 @@
+/*
+ * Dense prefill attention, fused (docs/math.md §12, "The fused kernel"): the rows of the GEMM
+ * path (R = T*G per KV head g, row r = t*G + j, its queries split into np parts of K's dtype by
+ * split_queries_kernel), but S and P never reach global memory. A block owns PF_ROWS rows (16
+ * per warp, their q' parts in registers) and streams the K (and V) tiles of their causal prefix
+ * through shared memory (cp.async, two stages), last tile first; every pass recomputes
+ * z = 2^-s (sum over parts of q'_part . k) + a m_h (j - i) on tensor cores (mma.cuh,
+ * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
+ * by one block, so everything about a row is decided inside one block:
+ *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
+ *      every z > m - 1 appended to the row's buffer (cand_cap kept, with its key): a superset
+ *      of the candidates z > M - 1 (§0), M among them; a buffer about to overflow is compacted
+ *      to the scores above its kept ones' threshold, a lower bound of tau, which becomes the
+ *      row's threshold (compact_row_list). fused_tau_kernel then solves tau on them
+ *      (tau_solve.cuh); a row with more than cand_cap takes the threshold of the kept ones, a
+ *      lower bound on tau (§9.1), as its next threshold and runs the pass again (rounds
+ *      1 .. PF_ROUNDS - 1, only such rows);
+ *   2. a row still over after PF_ROUNDS (PF_NEWTON): its exact max by one more sweep, then
+ *      the solver's own iteration (tau_step) from that lower bound, each step's sums over the
+ *      row's keys by a sweep: exact without any buffer;
+ *   3. output of a row solved from its candidates (gather_out_kernel): they hold its support,
+ *      so o = sum p v / sum p over them, p = [z - tau]_+^beta, reads only the support's V rows
+ *      (tens of keys where the prefix has up to a million): no second sweep;
+ *   4. output of a row solved by Newton passes (PF_OUT, its list): a sweep, p as above, P split
+ *      into np parts of V's dtype (times pscale, as the GEMM path does) and o += P V on tensor
+ *      cores; o / sum p. Both write the [T][H][D] output.
+ * The tau kernel is a warp per row (solve_tau<true>). The passes after round 0
+ * (retries, Newton) work on a compact list of their rows per KV head, which the tau kernel
+ * appends to (wlist/wcount), 64 to a block: a pass costs sweeps for the rows that need it, not
+ * for every block that holds one of them (a block sweeps for its slowest row, and a few
+ * overflowing rows are spread over most blocks). Blocks past the list's count exit.
+ */
+#include "prefill.cuh"
+#include "prefill_common.cuh"
+#include "../common/launch.cuh"
+#include "../common/loads.cuh"
+#include "../common/mma.cuh"
+#include "../common/reduce.cuh"
+#include "../common/tau_solve.cuh"
+#include "../common/weights.cuh"
+
+namespace {
+
+enum {
+    PF_NW = 4,
+    PF_THREADS = 32 * PF_NW,
+    PF_ROWS = 16 * PF_NW, /* query rows of a block */
+    PF_KEYS = 64,         /* keys of a tile */
+    PF_ROUNDS = 3,        /* candidate rounds before a row takes Newton passes */
+    PF_TAU_THREADS = 256, /* 8 rows of the tau kernel, a warp each */
+    PF_TAU_STAGE = 1024   /* candidates a warp of the tau kernel stages in shared memory */
+};
+enum { PF_CANDS, PF_NEWTON, PF_OUT };
+enum { PF_GATHER_THREADS = 256 }; /* a warp per row */
+/* where a row's tau stands: solved from its candidates (its output gathered) or by Newton
+ * passes (its output swept) */
+enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3, ROW_SOLVED_NEWTON = 4 };
+
+struct fused_args : prefill_args {
+    const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
+    int64_t kstride;   /* elements between tokens: Hk * D */
+    int cap, round, last;
+    int compact_at; /* a list is compacted when a tile would take it past this (<= cap) */
+    float *cand;
+    int64_t *cidx; /* the candidates' key positions (gather_out_kernel reads their V rows) */
+    int32_t *count, *state;
+    float *thr, *rowm;
+    double *tau;
+    unsigned long long *rows; /* the block's [PF_COUNTERS] (prefill.cuh) */
+    /* the pass's rows: NULL = every row of the block; else per KV head g, wcount_in[g] rows
+     * (their r in [0, R)) at wlist_in + g R; the tau kernel appends the rows it sends to the
+     * next pass to wlist_out / wcount_out */
+    const int32_t *wlist_in, *wcount_in;
+    int32_t *wlist_out, *wcount_out;
+};
+
+template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
+/* the q tile [np][PF_ROWS][pitch] is read into registers before the stages reuse its memory */
+template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused_smem_bytes() {
+    constexpr size_t q = (size_t)NP * PF_ROWS * mma_qpitch<D>() * 2,
+                     st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
+    return q > st ? q : st;
+}
+
+/* The lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): global row g R + r (-1
+ * past R), the query's position, 2^-s of its split, a m_h, and whether the pass works on it. */
+struct pf_lane {
+    int64_t row[2], pos[2], t[2], h[2];
+    float shift[2], am[2];
+    bool on[2];
+};
+
+/* Row rr of the block (0 .. PF_ROWS - 1): its r in [0, R) of KV head blockIdx.y, or -1. */
+__device__ __forceinline__ int64_t block_row(const fused_args &A, int rr) {
+    const int64_t g = blockIdx.y, i = (int64_t)blockIdx.x * PF_ROWS + rr;
+    if (!A.wlist_in) return i < A.R ? i : -1;
+    return i < A.wcount_in[g] ? (int64_t)A.wlist_in[g * A.R + i] : -1;
+}
+
+__device__ __forceinline__ pf_lane lane_rows(const fused_args &A, int want) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t g = blockIdx.y;
+    pf_lane L;
+    for (int k = 0; k < 2; k++) {
+        const int64_t r0 = block_row(A, warp * 16 + (lane >> 2) + 8 * k);
+        const bool in = r0 >= 0;
+        const int64_t r = in ? r0 : 0;
+        L.row[k] = in ? g * A.R + r : -1;
+        L.t[k] = r / A.G;
+        L.pos[k] = A.pos0 + L.t[k];
+        L.h[k] = g * A.G + r % A.G;
+        L.shift[k] = in ? A.qshift[L.row[k]] : 0.f;
+        L.am[k] = in && A.slopes ? (float)(A.a * (double)A.slopes[L.h[k]]) : 0.f;
+        L.on[k] = in && (want < 0 || A.state[L.row[k]] == want);
+    }
+    return L;
+}
+
+/* The block's query rows, np parts each, from qparts into shared memory (zero past R), then the
+ * warp's A fragments into registers. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
+                                             uint32_t (*qa)[D / 16][4]) {
+    constexpr int CH = D / 8, P = mma_qpitch<D>();
+    const int64_t g = blockIdx.y;
+    const T *src = static_cast<const T *>(A.qparts);
+    for (int i = threadIdx.x; i < NP * PF_ROWS * CH; i += PF_THREADS) {
+        const int part = i / (PF_ROWS * CH), rr = i / CH % PF_ROWS, c = i % CH;
+        const int64_t r = block_row(A, rr);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r >= 0)
+            v = *reinterpret_cast<const uint4 *>(src + part * A.Hk * A.R * A.D +
+                                                 (g * A.R + r) * A.D + c * 8);
+        *reinterpret_cast<uint4 *>(qs + (part * PF_ROWS + rr) * P + c * 8) = v;
+    }
+    __syncthreads();
+    load_q_frags<T, D, NP>(qs + (threadIdx.x >> 5) * 16 * P, PF_ROWS * P, qa);
+    __syncthreads(); /* the stages reuse qs */
+}
+
+/* The keys of the block's rows: [0, pos0 + t of its last row + 1); a listed block's rows are
+ * in the tau kernel's order, so the largest t is found by a block reduction (block-uniform:
+ * every thread calls it). */
+__device__ __forceinline__ int64_t block_keys(const fused_args &A) {
+    if (!A.wlist_in) {
+        const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
+        return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
+    }
+    __shared__ int s_last;
+    if (threadIdx.x == 0) s_last = 0;
+    __syncthreads();
+    const int64_t r = threadIdx.x < PF_ROWS ? block_row(A, threadIdx.x) : -1;
+    if (r >= 0) atomicMax(&s_last, (int)(r / A.G));
+    __syncthreads();
+    const int64_t keys = A.pos0 + s_last + 1;
+    __syncthreads(); /* s_last is read before a later call resets it */
+    return keys;
+}
+
+/* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
+ * the row's max comes early, which keeps round 0's candidates few): tile [k0, k0 + PF_KEYS) of
+ * K (and V) lands in a stage, then use(k0, kt, vt) runs in every warp (block-uniform). */
+template <typename T, int D, bool WITH_V, typename Use>
+__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *stages,
+                                      Use use) {
+    constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB, SUB = 16 * D * 2;
+    const int warp = threadIdx.x >> 5;
+    const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
+    const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
+    auto issue = [&](int64_t j) { /* each warp copies 16 rows of the tile */
+                                  const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
+                                  const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
+                                  unsigned char *st = stages + (j & 1) * SB + warp * SUB;
+                                  tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride,
+                                                         warp * 16, valid);
+                                  if (WITH_V)
+                                      tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
+                                                            warp * 16, valid);
+    };
+    issue(0);
+    cp_async_commit();
+    for (int64_t j = 0; j < ntiles; j++) {
+        if (j + 1 < ntiles) issue(j + 1);
+        cp_async_commit();
+        cp_async_wait<1>(); /* this thread's copies of tile j have landed ... */
+        __syncthreads();    /* ... and everyone's */
+        const unsigned char *st = stages + (j & 1) * SB;
+        use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
+        __syncthreads(); /* the stage is free for tile j + 2 */
+    }
+    cp_async_wait<0>();
+}
+
+/* z of the lane's scores of a 64-key tile from k0 (s[n8][i]: row k = i / 2, key k0 + 8 n8 +
+ * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked; *bad |= a z that is not
+ * finite where not masked. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
+                                       const pf_lane &L, int64_t k0, float (*s)[4], int *bad) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < PF_KEYS / 16; q++)
+        tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
+#pragma unroll
+    for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int k = i >> 1;
+            const int64_t j = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
+            const bool in = L.row[k] >= 0 && j <= L.pos[k];
+            const float z = fmaf(s[n8][i], L.shift[k], L.am[k] * (float)(j - L.pos[k]));
+            *bad |= in && !isfinite(z);
+            s[n8][i] = in ? z : -CUDART_INF_F;
+        }
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ double quad_sum(double v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ double quad_min(double v) {
+    v = fmin(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmin(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+/* A sweep whose every tile's z (the warp's rows against the tile's keys, tile_z) goes to
+ * use(k0, s, vt). A warp without a live row skips the mma but still copies its share of each
+ * tile and meets the barriers (sweep). */
+template <typename T, int D, int NP, bool WITH_V, typename Use>
+__device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
+                                        const uint32_t (*qa)[D / 16][4], int64_t nk,
+                                        unsigned char *stages, int *bad, Use use) {
+    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
+    sweep<T, D, WITH_V>(A, nk, stages,
+                        [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                            if (!warp_on) return;
+                            float s[PF_KEYS / 8][4];
+                            tile_z<T, D, NP>(kt, qa, L, k0, s, bad);
+                            use(k0, s, vt);
+                        });
+}
+
+/* The exclusive prefix sum of c over the 4 lanes of a quad (the lanes of one query row), and
+ * in *total their sum. Every lane of the warp calls it. */
+__device__ __forceinline__ int quad_exclusive(int c, int *total) {
+    const int q = threadIdx.x & 3;
+    int v = c, t = __shfl_up_sync(0xffffffffu, v, 1, 4);
+    if (q >= 1) v += t;
+    t = __shfl_up_sync(0xffffffffu, v, 2, 4);
+    if (q >= 2) v += t;
+    *total = __shfl_sync(0xffffffffu, v, 3, 4);
+    return v - c;
+}
+
+/* A row's list about to overflow, compacted in place by its warp (warp-uniform call): the
+ * threshold of its n kept candidates, a subset of the row's scores, is a lower bound of the
+ * row's tau (docs/math.md §9.1), so the ones at or below it (as fp32: bound_f32) are outside the
+ * support and leave the list, which keeps its order. Returns that bound; *n becomes the count
+ * kept. Inlined: ptxas spilled more around a call (f16, D 64: 152 bytes of spill stores in the
+ * candidate pass against 124 inlined). */
+__device__ __forceinline__ float compact_row_list(const fused_args &A, int64_t row, int *n) {
+    const int lane = threadIdx.x & 31;
+    float *cz = A.cand + row * A.cap;
+    int64_t *ck = A.cidx + row * A.cap;
+    const float floor = bound_f32(subset_threshold<true>(cz, *n, A.alpha, NULL, NULL));
+    int out = 0;
+    for (int base = 0; base < *n; base += 32) {
+        const int i = base + lane;
+        const float z = i < *n ? cz[i] : -CUDART_INF_F;
+        const int64_t key = i < *n ? ck[i] : 0;
+        const unsigned keep = __ballot_sync(0xffffffffu, z > floor);
+        __syncwarp(); /* every lane has read its entry before any writes below it */
+        if (z > floor) {
+            const int at = out + __popc(keep & ((1u << lane) - 1u));
+            cz[at] = z;
+            ck[at] = key;
+        }
+        out += __popc(keep);
+    }
+    __syncwarp();
+    *n = out;
+    return floor;
+}
+
+/* Step 1: the candidates of the rows in the round's state (round 0: every row, threshold the
+ * running max - 1, less a slack for the float subtraction; later rounds: the row's thr). A row
+ * belongs to one quad, so its count lives in the quad's registers and each tile's candidates
+ * take consecutive slots by a prefix sum over the quad (no atomics: with heads without
+ * position most keys lie within 1 of the max, one shared atomic per key was the old cost), in
+ * a fixed order. A tile that would fill a row's list past compact_at first compacts it
+ * (compact_row_list) and raises the row's threshold to the bound found: a head without position
+ * has thousands of keys within 1 of its max but a support near 100, so its list then holds the
+ * support and the row is solved without a retry sweep. A compaction that keeps more than half
+ * of compact_at settles the row (the list fills to cap, and past it the row retries as before),
+ * so compactions stay few. */
+template <typename T, int D, int NP>
+__device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                           unsigned char *stages) {
+    const int lane = threadIdx.x & 31;
+    int n[2] = {0, 0}; /* the row's candidates so far, the same in its quad's lanes */
+    float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
+    float floor[2] = {-CUDART_INF_F, -CUDART_INF_F}; /* bounds from compactions */
+    bool settled[2] = {false, false}; /* no more compactions: one kept over half the list */
+    for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
+    int bad = 0;
+    auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
+        if (!A.round) {
+            float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) mx[i >> 1] = fmaxf(mx[i >> 1], s[n8][i]);
+            for (int k = 0; k < 2; k++) {
+                run[k] = fmaxf(run[k], quad_max(mx[k]));
+                thr[k] = run[k] - 1.f - 1e-4f * (1.f + fabsf(run[k]));
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            /* the lane's candidates of row k in the tile: bit 2 n8 + b */
+            auto tile_mask = [&]() {
+                const float t = fmaxf(thr[k], floor[k]);
+                unsigned m = 0;
+#pragma unroll
+                for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                    for (int b = 0; b < 2; b++)
+                        m |= (unsigned)(L.on[k] && s[n8][2 * k + b] > t) << (2 * n8 + b);
+                return m;
+            };
+            unsigned m = tile_mask();
+            int total;
+            int at = quad_exclusive(__popc(m), &total);
+            const bool full =
+                    !settled[k] && n[k] > 0 && n[k] <= A.cap && n[k] + total > A.compact_at;
+            unsigned quads = __ballot_sync(0xffffffffu, full && (lane & 3) == 0);
+            if (quads) {
+                for (; quads; quads &= quads - 1) {
+                    const int src = __ffs(quads) - 1;
+                    int kept = __shfl_sync(0xffffffffu, n[k], src);
+                    const float f =
+                            compact_row_list(A, __shfl_sync(0xffffffffu, L.row[k], src), &kept);
+                    if ((lane >> 2) == (src >> 2)) {
+                        floor[k] = f;
+                        settled[k] = 2 * kept > A.compact_at;
+                        n[k] = kept;
+                    }
+                }
+                m = tile_mask();
+                at = quad_exclusive(__popc(m), &total);
+            }
+            at += n[k];
+            n[k] += total;
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int b = 0; b < 2; b++)
+                    if ((m >> (2 * n8 + b)) & 1u) {
+                        if (at < A.cap) { /* the key: tile_z's layout */
+                            A.cand[L.row[k] * A.cap + at] = s[n8][2 * k + b];
+                            A.cidx[L.row[k] * A.cap + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
+                        }
+                        at++;
+                    }
+        }
+    };
+    sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad, use);
+    if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
+    if ((lane & 3) == 0)
+        for (int k = 0; k < 2; k++)
+            if (L.on[k]) {
+                A.count[L.row[k]] = n[k];
+                A.thr[L.row[k]] = fmaxf(A.round ? thr[k] : -CUDART_INF_F, floor[k]);
+            }
+    if (!A.round) { /* rows compacted, one atomic per warp */
+        const unsigned c = __ballot_sync(0xffffffffu, (lane & 3) == 0 && floor[0] > -CUDART_INF_F),
+                       d = __ballot_sync(0xffffffffu, (lane & 3) == 0 && floor[1] > -CUDART_INF_F);
+        if (lane == 0 && (c | d))
+            atomicAdd(A.rows + PF_COMPACTED, (unsigned long long)(__popc(c) + __popc(d)));
+    }
+}
+
+/* Step 2: the rows in ROW_NEWTON, exactly: their max, then tau_step from their threshold, each
+ * step's sums (the solver's cand_sums / cand_newton over every key of the row) by a sweep; the
+ * four lanes of a row hold the same sums and take the same step. */
+template <typename T, int D, int NP>
+__device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                            unsigned char *stages) {
+    const int64_t nk = block_keys(A);
+    const double beta = 1.0 / (A.alpha - 1.0);
+    const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
+    int unused = 0;                                     /* round 0 checked every z */
+    float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &unused,
+                             [&](int64_t, float(*s)[4], const unsigned char *) {
+#pragma unroll
+                                 for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                                     for (int i = 0; i < 4; i++)
+                                         m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
+                             });
+    tau_iter it[2];
+    int done[2];
+    for (int k = 0; k < 2; k++) {
+        m[k] = quad_max(m[k]);
+        const double t0 = L.on[k] ? (double)A.thr[L.row[k]] - (double)m[k] : -1.0;
+        it[k] = tau_start(t0 > -1.0 ? t0 : -1.0);
+        done[k] = !L.on[k];
+    }
+    const int cap = tau_max_iters(A.alpha);
+    for (int n = 0; n < cap && __syncthreads_or(!done[0] || !done[1]); n++) {
+        double c[2] = {0, 0}, s1[2] = {0, 0}, s2[2] = {0, 0}, mn[2] = {1e300, 1e300};
+        double f[2] = {0, 0}, fp[2] = {0, 0};
+        sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &unused,
+                                 [&](int64_t, float(*s)[4], const unsigned char *) {
+#pragma unroll
+                                     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                                         for (int i = 0; i < 4; i++) {
+                                             const int k = i >> 1;
+                                             if (done[k]) continue;
+                                             const double y = (double)s[n8][i] - (double)m[k];
+                                             if (sums && y > it[k].t) {
+                                                 c[k] += 1;
+                                                 s1[k] += y;
+                                                 s2[k] += y * y;
+                                                 mn[k] = y < mn[k] ? y : mn[k];
+                                             } else if (!sums && y - it[k].t > 0) {
+                                                 const double pb1 = pow(y - it[k].t, beta - 1.0);
+                                                 f[k] += pb1 * (y - it[k].t);
+                                                 fp[k] += pb1;
+                                             }
+                                         }
+                                 });
+        for (int k = 0; k < 2; k++) {
+            const tau_sums S = {quad_sum(c[k]), quad_sum(s1[k]), quad_sum(s2[k]), quad_min(mn[k])};
+            const double F = quad_sum(f[k]) - 1.0, Fp = -beta * quad_sum(fp[k]);
+            if (!done[k]) done[k] = tau_step(A.alpha, S, F, Fp, &it[k]);
+        }
+    }
+    if (((threadIdx.x & 31) & 3) == 0)
+        for (int k = 0; k < 2; k++)
+            if (L.on[k]) {
+                A.rowm[L.row[k]] = m[k];
+                A.tau[L.row[k]] = it[k].t;
+                A.state[L.row[k]] = ROW_SOLVED_NEWTON;
+            }
+}
+
+/* Step 4, the rows solved by Newton passes: o = sum p v over the prefix, divided by sum p,
+ * into att [T][H][D]. */
+template <typename T, int D, int NP>
+__device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                         unsigned char *stages) {
+    const int lane = threadIdx.x & 31;
+    const double beta = 1.0 / (A.alpha - 1.0);
+    int unused = 0; /* round 0 checked every z */
+    double tau[2], sum[2] = {0, 0};
+    for (int k = 0; k < 2; k++) /* p of a masked or padding key: [-inf - tau]_+ = 0 */
+        tau[k] = L.on[k] ? (double)A.rowm[L.row[k]] + A.tau[L.row[k]] : 0.0;
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[nt][i] = 0.f;
+    auto use = [&](int64_t, float(*s)[4], const unsigned char *vt) {
+#pragma unroll
+        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float p = entmax_p(s[n8][i], tau[i >> 1], beta);
+                sum[i >> 1] += p;
+                s[n8][i] = p * A.pscale; /* p <= 1: within f16's range (docs/math.md §12) */
+            }
+#pragma unroll
+        for (int q = 0; q < PF_KEYS / 16; q++) tile_pv<T, D, NP>(vt + q * 16 * D * 2, s + 2 * q, o);
+    };
+    sweep_z<T, D, NP, true>(A, L, qa, block_keys(A), stages, &unused, use);
+    for (int k = 0; k < 2; k++) {
+        const double tot = quad_sum(sum[k]);
+        if (!L.on[k]) continue;
+        const float f = (float)(1.0 / (tot * (double)A.pscale));
+        float *dst = A.att + (L.t[k] * A.H + L.h[k]) * A.D + 2 * (lane & 3);
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt++)
+            *reinterpret_cast<float2 *>(dst + nt * 8) =
+                    make_float2(o[nt][2 * k] * f, o[nt][2 * k + 1] * f);
+    }
+}
+
+/* Blocks per SM the registers must allow: the sweeps are latency-bound (ncu: the tensor pipe
+ * busy 10-15 %), and without a bound ptxas took 255 registers (2 blocks of 4 warps per SM) and
+ * spilled anyway; at 3 the candidate and Newton passes take 168 (f16, D 64: 52 and 204 bytes of
+ * spill stores). The output pass keeps 2 (its P V accumulators). */
+template <int MODE> constexpr int fused_min_blocks() { return MODE == PF_OUT ? 2 : 3; }
+
+template <typename T, int D, int NP, int MODE>
+__global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_kernel(fused_args A) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
+                     : MODE == PF_NEWTON ? ROW_NEWTON
+                     : A.round           ? ROW_RETRY
+                                         : ROW_FRESH;
+    const pf_lane L = lane_rows(A, want);
+    if (!__syncthreads_or(L.on[0] || L.on[1])) return;
+    uint32_t qa[NP][D / 16][4];
+    load_queries<T, D, NP>(A, reinterpret_cast<T *>(smem_raw), qa);
+    if (MODE == PF_CANDS) pass_cands<T, D, NP>(A, L, qa, smem_raw);
+    if (MODE == PF_NEWTON) pass_newton<T, D, NP>(A, L, qa, smem_raw);
+    if (MODE == PF_OUT) pass_out<T, D, NP>(A, L, qa, smem_raw);
+}
+
+/* A warp per row: tau of a row in the round's state from its candidates (docs/math.md §12):
+ * all kept, the solve; else the kept ones' threshold (as fp32 just below it: bound_f32)
+ * becomes the row's next threshold, and after the last round the row
+ * takes Newton passes. A warp, not a block: a row has at most cap (4096) candidates, and a
+ * block per row spent its time in barriers (ncu: as long as a sweep). The candidates are staged
+ * in the warp's shared memory when they fit, else read from the buffer. Warp-uniform exits. */
+__global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A) {
+    __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
+    if (row >= A.Hk * A.R || A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
+    const int64_t n = A.count[row], kept = n < A.cap ? n : A.cap;
+    const float *cs = A.cand + row * A.cap;
+    if (kept <= PF_TAU_STAGE) {
+        for (int64_t j = lane; j < kept; j += 32) stage[warp][j] = cs[j];
+        __syncwarp();
+        cs = stage[warp];
+    }
+    if (n <= A.cap) { /* every candidate, the row's max among them */
+        float M = -CUDART_INF_F;
+        for (int64_t j = lane; j < n; j += 32) M = fmaxf(M, cs[j]);
+        M = ekv_warp_max(M);
+        const double t = solve_tau<true>(cs, n, M, A.alpha, NULL);
+        if (lane == 0) {
+            A.rowm[row] = M;
+            A.tau[row] = t;
+            A.state[row] = ROW_SOLVED;
+        }
+        return;
+    }
+    const double lb = subset_threshold<true>(cs, kept, A.alpha, NULL, NULL);
+    if (lane == 0) {
+        float thr = bound_f32(lb);
+        if (A.thr[row] > thr) thr = A.thr[row]; /* pass_cands' bound, or the last round's */
+        A.thr[row] = thr;
+        A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
+        const int64_t g = row / A.R; /* the next pass's list of head g's rows */
+        A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
+        if (!A.round) atomicAdd(A.rows + PF_RETRIED, 1ull);
+        if (A.last) atomicAdd(A.rows + PF_NEWTONED, 1ull);
+    }
+}
+
+/* Step 3, a warp per row solved from its candidates (ROW_SOLVED): the kept list holds every
+ * z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above a lower
+ * bound of tau), so o = sum p v / sum p over it reads only the support's V rows. Each support
+ * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements); p in fp32, not
+ * split into parts as the sweep's tensor cores need. Warp-uniform exits. */
+template <typename T, int D>
+__global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
+    constexpr int NPAIR = D / 64;
+    typedef typename ekv_pair_of<T>::type T2;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_GATHER_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= A.Hk * A.R || A.state[row] != ROW_SOLVED) return;
+    const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
+    const double tau = (double)A.rowm[row] + A.tau[row], beta = 1.0 / (A.alpha - 1.0);
+    const int64_t n = A.count[row]; /* <= cap: the tau kernel solved over all of them */
+    const float *cz = A.cand + row * A.cap;
+    const int64_t *ck = A.cidx + row * A.cap;
+    const T *V = static_cast<const T *>(A.v) + g * A.D;
+    float o[2 * NPAIR];
+#pragma unroll
+    for (int c = 0; c < 2 * NPAIR; c++) o[c] = 0.f;
+    double sum = 0;
+    for (int64_t base = 0; base < n; base += 32) {
+        const int64_t i = base + lane;
+        const float p = i < n ? entmax_p(cz[i], tau, beta) : 0.f;
+        const int64_t key = p > 0.f ? ck[i] : 0;
+        sum += p;
+        for (unsigned m = __ballot_sync(0xffffffffu, p > 0.f); m; m &= m - 1) {
+            const int src = __ffs(m) - 1;
+            const float pk = __shfl_sync(0xffffffffu, p, src);
+            const T *vr = V + __shfl_sync(0xffffffffu, key, src) * A.kstride;
+#pragma unroll
+            for (int c = 0; c < NPAIR; c++) {
+                const float2 v = ekv_pair_f32(*reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane));
+                o[2 * c] = fmaf(pk, v.x, o[2 * c]);
+                o[2 * c + 1] = fmaf(pk, v.y, o[2 * c + 1]);
+            }
+        }
+    }
+    const float f = (float)(1.0 / ekv_warp_sum(sum));
+    float *dst = A.att + (t * A.H + h) * A.D;
+#pragma unroll
+    for (int c = 0; c < NPAIR; c++)
+        *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) = make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+}
+
+template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
+    constexpr int per = PF_GATHER_THREADS / 32;
+    const unsigned blocks = (unsigned)((A.Hk * A.R + per - 1) / per);
+    if (A.D == 64)
+        gather_out_kernel<T, 64><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+    else
+        gather_out_kernel<T, 128><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+    return cudaGetLastError();
+}
+
+template <typename T, int D, int NP, int MODE>
+cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
+    constexpr auto kernel = fused_kernel<T, D, NP, MODE>;
+    constexpr size_t bytes = fused_smem_bytes<D, NP, MODE == PF_OUT>();
+    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+    if (e != cudaSuccess) return e;
+    kernel<<<dim3((unsigned)((A.R + PF_ROWS - 1) / PF_ROWS), (unsigned)A.Hk), PF_THREADS, bytes,
+             s>>>(A);
+    return cudaGetLastError();
+}
+
+template <typename T, int NP>
+cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
+    if (A.D == 64)
+        return mode == PF_CANDS    ? launch_pass<T, 64, NP, PF_CANDS>(A, s)
+               : mode == PF_NEWTON ? launch_pass<T, 64, NP, PF_NEWTON>(A, s)
+                                   : launch_pass<T, 64, NP, PF_OUT>(A, s);
+    return mode == PF_CANDS    ? launch_pass<T, 128, NP, PF_CANDS>(A, s)
+           : mode == PF_NEWTON ? launch_pass<T, 128, NP, PF_NEWTON>(A, s)
+                               : launch_pass<T, 128, NP, PF_OUT>(A, s);
+}
+
+/* f16 queries take 2 parts, bf16 3 (the caller sets nparts: src/model/model_gpu.cu,
+ * docs/math.md §12) */
+cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) {
+    return dt == EKV_DTYPE_F16 ? launch_mode<__half, 2>(A, mode, s)
+                               : launch_mode<__nv_bfloat16, 3>(A, mode, s);
+}
+
+} // namespace
+
+bool ekv_cuda_prefill_fused_applies(ekv_dtype kv, int64_t head_dim) {
+    return (kv == EKV_DTYPE_F16 || kv == EKV_DTYPE_BF16) && (head_dim == 64 || head_dim == 128);
+}
+
+ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
+                                  const prefill_args &P) {
+    fused_args A;
+    static_cast<prefill_args &>(A) = P;
+    A.k = b->k;
+    A.v = b->v;
+    A.kstride = P.Hk * P.D;
+    A.cap = pf->cand_cap;
+    A.compact_at = pf->compact_at < pf->cand_cap ? pf->compact_at : pf->cand_cap;
+    A.cand = pf->cand;
+    A.cidx = pf->cidx;
+    A.count = pf->count;
+    A.state = pf->state;
+    A.thr = pf->thr;
+    A.rowm = pf->m;
+    A.tau = pf->tau;
+    A.rows = b->counters;
+    const int64_t rows = P.Hk * P.R;
+    /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
+    GPU_TRY(pf, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, pf->stream));
+    const ekv_dtype dt = b->dtype;
+    /* the row lists, two in turn: round r's tau kernel writes list r % 2, which round r + 1's
+     * candidates pass (or, after the last round, the Newton pass) reads */
+    int32_t *list[2] = {pf->wlist, pf->wlist + rows};
+    int32_t *count[2] = {pf->wcount, pf->wcount + P.Hk};
+    for (int round = 0; round < PF_ROUNDS; round++) {
+        A.round = round;
+        A.last = round == PF_ROUNDS - 1;
+        A.wlist_in = round ? list[(round - 1) % 2] : NULL; /* round 0: every row */
+        A.wcount_in = round ? count[(round - 1) % 2] : NULL;
+        A.wlist_out = list[round % 2];
+        A.wcount_out = count[round % 2];
+        GPU_TRY(pf, launch(dt, A, PF_CANDS, pf->stream));
+        GPU_TRY(pf, cudaMemsetAsync(A.wcount_out, 0, (size_t)P.Hk * 4, pf->stream));
+        fused_tau_kernel<<<(unsigned)((rows + PF_TAU_THREADS / 32 - 1) / (PF_TAU_THREADS / 32)),
+                           PF_TAU_THREADS, 0, pf->stream>>>(A);
+        GPU_LAUNCHED(pf);
+    }
+    /* the rows left after the last round: their Newton passes, then their output by a sweep
+     * (the same list); every other row's output from its candidates */
+    A.wlist_in = list[(PF_ROUNDS - 1) % 2];
+    A.wcount_in = count[(PF_ROUNDS - 1) % 2];
+    GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
+    GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
+    GPU_TRY(pf, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, pf->stream)
+                                    : launch_gather<__nv_bfloat16>(A, pf->stream));
+    return EKV_OK;
+}

@@ -1,0 +1,542 @@
+/*
+ * attend, step 2 on the GPU: the candidates and tau kernels (see attend_common.cuh).
+ */
+#include "attend_common.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/reduce.cuh"
+#include "../common/splits.cuh"
+#include "tau.cuh"
+#include "../common/tau_solve.cuh"
+#include "values.cuh"
+#include "../common/weights.cuh"
+#include <math_constants.h>
+
+namespace {
+
+/* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ----
+ * A flat head has more of them than its list holds (real attention: most keys of a layer-0
+ * head within 1 of its max). Its list is then rebuilt by every split, not by one block: the
+ * candidates kernel also counts them into the row's histogram of y = z - M (cand_hist), the
+ * row's last block to finish turns the counts into a lower bound of tau (hist_count_bound,
+ * docs/math.md §9.1, within two bins of it), and the refine pass (the same kernel,
+ * CAND_REFINE) lists the scores above that bound: the support and a few bins more. Screened
+ * decode's row scores kernel lists its candidates itself; there the histogram is counted by
+ * a pass of its own (CAND_COUNT) for the rows whose list overflowed. */
+struct cand_args : ekv_cuda_shape {
+    int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
+    int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
+    int round;             /* round 1: round 1's entries; 3: everything listed */
+    int64_t ccap;
+    double alpha;
+    const int32_t *list_count;
+    const int32_t *row_count; /* screened: the score slots are the row list's (NULL: pages) */
+    const float *scores, *split_max;
+    float *cand_z;
+    int64_t *cand_slot; /* the token's score slot */
+    int32_t *cand_count;
+    uint32_t *hist, *done; /* the plan's cand_hist and cand_done (zero between steps) */
+    float *thr;            /* cand_thr: written by a row's last block, read by CAND_REFINE */
+    int32_t *refine_count;
+};
+
+enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 values per thread and batch */
+
+/* Slot of value k (< CAND_UNROLL) of this lane in a warp batch starting at base: with VEC the
+ * lane reads 4 float4 (values base + 4 (32 j + lane) + c, k = 4 j + c), else 16 floats at
+ * stride 32. Either way a warp batch covers 32 CAND_UNROLL consecutive slots. */
+template <bool VEC> __device__ __forceinline__ int64_t cand_slot(int64_t base, int k, int lane) {
+    return VEC ? base + 4 * ((k >> 2) * 32 + lane) + (k & 3) : base + k * 32 + lane;
+}
+
+/* The scores of slots [c0, c1) of row z in warp batches: x[k] of slot cand_slot(base, k, lane),
+ * -inf past c1. VEC: the score rows and every split boundary are multiples of 4 slots (page
+ * size a multiple of 4), so a float4 lies wholly inside or outside [c0, c1). */
+template <bool VEC>
+__device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t c1, int lane,
+                                          float (&x)[CAND_UNROLL]) {
+    if constexpr (VEC) {
+#pragma unroll
+        for (int j = 0; j < CAND_UNROLL / 4; j++) {
+            const int64_t i = cand_slot<true>(base, 4 * j, lane);
+            const float4 v = i < c1 ? *reinterpret_cast<const float4 *>(z + i)
+                                    : make_float4(-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F,
+                                                  -CUDART_INF_F);
+            x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const int64_t i = cand_slot<false>(base, k, lane);
+            x[k] = i < c1 ? z[i] : -CUDART_INF_F;
+        }
+    }
+}
+
+/* The row's last candidates block: the histogram (complete now) gives the refine pass its
+ * threshold, or -inf when the list held every candidate; then the histogram and the done count
+ * are reset for the next step. Block-wide. */
+__device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *hist, float *pw,
+                            double *scratch) {
+    __threadfence(); /* the other blocks' counts (they fenced before their done increment) */
+    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
+    const bool over = __ldcg(A.cand_count + row) > A.ccap;
+    if (over) {
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = __ldcg(gh + k);
+        hist_power_table(pw, A.alpha);
+        const double t0 = hist_count_bound(hist, pw, scratch);
+        /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 */
+        if (threadIdx.x == 0)
+            A.thr[row] = fmaxf(bound_f32((double)M + t0), bound_f32((double)M - 1.0));
+    } else if (threadIdx.x == 0)
+        A.thr[row] = -CUDART_INF_F;
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+    if (threadIdx.x == 0) {
+        A.refine_count[row] = 0;
+        A.done[row] = 0u;
+    }
+}
+
+/* What a candidates launch does over one split of a row (cand_kernel). */
+enum cand_mode {
+    CAND_LIST,   /* append z >= M - 1 to the head's list (cand_count) and count them in the
+                  * histogram */
+    CAND_COUNT,  /* the histogram only: the row scores kernel listed the candidates (screened
+                  * rows); rows whose list fit return at once */
+    CAND_REFINE  /* a row whose list overflowed: append z > thr (refine_count); others return */
+};
+
+template <bool VEC, int MODE>
+__global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
+    constexpr bool REFINE = MODE == CAND_REFINE, LIST = MODE == CAND_LIST;
+    __shared__ float fscratch[32];
+    __shared__ double scratch[32];
+    __shared__ unsigned hist[REFINE ? 1 : TAU_HIST_BINS];
+    __shared__ float pw[REFINE ? 1 : TAU_HIST_BINS];
+    __shared__ bool s_last;
+    const ekv_split sp = ekv_block_split(A.t, A.cbase, A.cbase * A.t.batch);
+    if (sp.b < 0) return;
+    const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const int64_t row = (int64_t)b * A.H + h;
+    float thr = -CUDART_INF_F, M = -CUDART_INF_F;
+    if constexpr (REFINE) {
+        thr = A.thr[row];
+        if (thr == -CUDART_INF_F) return; /* the row's list held every candidate */
+    } else {
+        if (MODE == CAND_COUNT && A.cand_count[row] <= A.ccap) {
+            if (threadIdx.x == 0) A.thr[row] = -CUDART_INF_F; /* every block: the same value */
+            return;
+        }
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
+    }
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, lrow, A.round, &begin, &end);
+    const int64_t ntok = A.row_count ? (int64_t)A.row_count[lrow] : end * A.ps;
+    if constexpr (!REFINE)
+        M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                     A.split_cap, A.round == 1 ? 1 : 2, fscratch); /* its barrier ends the zeroing */
+    const double lo_z = (double)M - 1.0;
+    int32_t *count = REFINE ? A.refine_count + row : A.cand_count + row;
+    const int64_t per = ((ntok + sp.n - 1) / sp.n + 31) / 32 * 32;
+    const int64_t c0 = (int64_t)sp.s * per, c1 = c0 + per < ntok ? c0 + per : ntok;
+    const float *z = A.scores + row * A.cap_tokens;
+    const int lane = threadIdx.x & 31;
+    /* warp-uniform trip count: every lane takes part in the ballots */
+    for (int64_t base = c0 + (threadIdx.x & ~31) * CAND_UNROLL; base < c1;
+         base += (int64_t)blockDim.x * CAND_UNROLL) {
+        float x[CAND_UNROLL];
+        cand_load<VEC>(z, base, c1, lane, x);
+        /* one atomic per warp and batch (a round trip per 32-token group made this kernel
+         * latency-bound) */
+        unsigned m[CAND_UNROLL];
+        int tot = 0;
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const bool in = REFINE ? x[k] > thr
+                                   : x[k] > -CUDART_INF_F && (double)x[k] >= lo_z;
+            m[k] = __ballot_sync(0xffffffffu, in);
+            tot += __popc(m[k]);
+            if (!REFINE && in) atomicAdd(hist + tau_hist_bin((double)x[k] - (double)M), 1u);
+        }
+        if (!tot || MODE == CAND_COUNT) continue;
+        int at = 0;
+        if (lane == 0) at = atomicAdd(count, tot);
+        at = __shfl_sync(0xffffffffu, at, 0);
+#pragma unroll
+        for (int k = 0; k < CAND_UNROLL; k++) {
+            const int pos = at + __popc(m[k] & ((1u << lane) - 1));
+            if (((m[k] >> lane) & 1u) && pos < A.ccap) {
+                A.cand_z[row * A.ccap + pos] = x[k];
+                A.cand_slot[row * A.ccap + pos] = cand_slot<VEC>(base, k, lane);
+            }
+            at += __popc(m[k]);
+        }
+    }
+    if constexpr (!REFINE) {
+        __syncthreads(); /* the block's counts are complete */
+        uint32_t *gh = A.hist + row * TAU_HIST_BINS;
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
+            if (hist[k]) atomicAdd(gh + k, hist[k]);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) s_last = atomicAdd(A.done + row, 1u) == (unsigned)sp.n - 1;
+        __syncthreads();
+        if (s_last) cand_finish(A, row, M, hist, pw, scratch);
+    }
+    (void)LIST;
+}
+
+struct tau_args : ekv_cuda_shape {
+    ekv_paged_kv kv;
+    int64_t ccap;
+    int nsplit, split_cap, round; /* the score splits (ekv_seq_splits) whose maxima give M */
+    const int32_t *list_pages, *list_count;
+    double alpha;
+    const float *scores, *split_max;
+    float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
+    int64_t *cand_slot;
+    const int32_t *cand_count;
+    const float *cand_thr;        /* the refine pass's threshold of an overflowed row (NULL:  */
+    const int32_t *refine_count;  /* no refine pass, the screened rows) and its list's count */
+    double *tau;
+    float *tau_m; /* tau as (the head's max, tau - max): what the values kernels read */
+    double *tau_t;
+    int64_t *support;
+    int64_t *v_rows;
+    int32_t *flags;
+    unsigned long long *slow_paths; /* the plan's (ekv_cuda_count_slow_paths) or NULL */
+    float *sup_p; /* support list of the final round: p, V row offset */
+    int64_t *sup_off;
+    int64_t *sup_count;
+    float *out_zero; /* the final round: zero the output row (the values kernel adds into it) */
+    const int32_t *rows, *row_count; /* screened: score slots are these rows (NULL: pages) */
+    uint32_t *ubits; /* the final round with the group-union values kernel: the support's slots */
+    int64_t cap_words; /* (marked per KV head, instead of the support lists and v_rows) */
+    int32_t *ulist, *ucount; /* and listed once per KV head (union_mark) */
+};
+
+enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
+
+/* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
+ * the support and the max, so tau over them is exact, as over the z >= M - 1 candidates;
+ * docs/architecture.md, "Backends") replace the head's list. Returns their count; above ccap
+ * the list holds the first ccap of them. Block-wide; the caller has read the old list. */
+__device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z, int64_t n,
+                                 float thr, unsigned long long *s_n) {
+    float *cz = A.cand_z + row * A.ccap;
+    int64_t *cs = A.cand_slot + row * A.ccap;
+    if (threadIdx.x == 0) *s_n = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
+    /* warp-uniform trip count (the ballots); TAU_UNROLL coalesced loads in flight per lane */
+    for (int64_t base = (int64_t)(threadIdx.x & ~31) * TAU_UNROLL; base < n; base += step) {
+        float x[TAU_UNROLL];
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + 32 * k + lane;
+            x[k] = i < n ? z[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const bool in = x[k] > thr;
+            const unsigned m = __ballot_sync(0xffffffffu, in);
+            if (!m) continue;
+            unsigned long long at = 0;
+            if (lane == __ffs(m) - 1) at = atomicAdd(s_n, (unsigned long long)__popc(m));
+            at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
+            if (in && at < (unsigned long long)A.ccap) {
+                cz[at] = x[k];
+                cs[at] = base + 32 * k + lane;
+            }
+        }
+    }
+    __syncthreads();
+    const int64_t count = (int64_t)*s_n;
+    __syncthreads(); /* read by all before a later pass resets it */
+    return count;
+}
+
+/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
+ * tokens): its list rebuilt from the scores above a lower bound of tau, first the kept ccap
+ * candidates' own threshold (a subset of the row: docs/math.md §9.1), and if those do not fit
+ * either, the histogram's (hist_lower_bound, or the first if higher). Returns the count, above
+ * ccap when the list never fit (a support larger than the list, or a run of equal scores);
+ * *t0 the best lower bound of tau - M, where the whole-row solve then starts. Two or three
+ * reads of the row where the solve over the whole row takes one per iteration. */
+__device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n, float M,
+                                double *t0, unsigned *hist, float *pw, double *scratch,
+                                float *fscratch, unsigned long long *s_n) {
+    const double kept =
+            subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
+    __syncthreads(); /* every thread has read the kept list before it is overwritten */
+    /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 (docs/math.md
+     * §0: the kept ones need not hold the max) */
+    float thr = fmaxf(bound_f32(kept), bound_f32((double)M - 1.0));
+    int64_t nc = compact_above(A, row, z, n, thr, s_n);
+    if (nc > A.ccap) {
+        thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, pw, scratch)));
+        nc = compact_above(A, row, z, n, thr, s_n);
+    }
+    *t0 = fmax(*t0, (double)thr - (double)M);
+    return nc;
+}
+
+/* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
+ * list. A head whose candidates overflowed the list has it rebuilt from the scores above a
+ * lower bound of tau (compact_list); only when those overflow too does it take the whole
+ * score row, the solve starting from that bound. */
+__global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
+    __shared__ float cand[TAU_SMEM_CAND];
+    __shared__ double scratch[128];
+    __shared__ float fscratch[32];
+    __shared__ int s_nsup;
+    __shared__ unsigned long long s_ncomp;
+    __shared__ unsigned hist[TAU_HIST_BINS];
+    const int64_t row = blockIdx.x;
+    const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
+    const int64_t ntok = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
+    if (final_round)
+        for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+    int64_t nc = A.cand_count[row];
+    double t0 = -1.0;  /* a lower bound of tau - M where the solve starts (tau_start) */
+    if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
+        if (A.cand_thr) { /* every split listed the scores above the count bound (cand_kernel) */
+            nc = A.refine_count[row];
+            t0 = fmax(-1.0, (double)A.cand_thr[row] - (double)M);
+        }
+        if (nc > A.ccap) /* on one block: the list's own bound, a finer count bound */
+            nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, cand,
+                              scratch, fscratch, &s_ncomp);
+        if (threadIdx.x == 0) {
+            atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
+            if (final_round && A.slow_paths)
+                atomicAdd(A.slow_paths +
+                                  (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
+                          1ull);
+        }
+    }
+    const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
+    const float *v;
+    int64_t nv;
+    if (!whole_row) {
+        const float *cz = A.cand_z + row * A.ccap;
+        if (nc <= TAU_SMEM_CAND) {
+            for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
+            __syncthreads();
+            v = cand;
+        } else
+            v = cz;
+        nv = nc;
+    } else {
+        v = A.scores + row * A.cap_tokens;
+        nv = ntok;
+    }
+    const double t = solve_tau(v, nv, M, A.alpha, scratch, t0);
+    const double tau = (double)M + t;
+    /* support: count, and on the final round the list (p, V row offset) for the values kernel */
+    if (threadIdx.x == 0) s_nsup = 0;
+    __syncthreads();
+    const double beta = 1.0 / (A.alpha - 1.0);
+    const int lane = threadIdx.x & 31;
+    double c = 0;
+    for (int64_t base = threadIdx.x & ~31; base < nv; base += blockDim.x) {
+        const int64_t i = base + lane;
+        const bool in = i < nv && (double)v[i] - (double)M > t;
+        c += in;
+        if (!final_round) continue;
+        const int64_t slot = !in ? 0 : whole_row ? i : A.cand_slot[row * A.ccap + i];
+        if (mark) {
+            union_mark(A.ubits + lrow * A.cap_words, A.ulist + lrow * A.cap_tokens,
+                       A.ucount + lrow, slot, in);
+            continue;
+        }
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        if (!m) continue;
+        int at = 0;
+        if (lane == __ffs(m) - 1) at = atomicAdd(&s_nsup, __popc(m));
+        at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
+        if (in && at < A.ccap) {
+            A.sup_p[row * A.ccap + at] = entmax_p_split(v[i], M, t, beta);
+            A.sup_off[row * A.ccap + at] =
+                    A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, sg.first, kvh, A.ps,
+                                        slot)
+                           : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh,
+                                         A.ps, slot);
+        }
+    }
+    c = ekv_block_sum(c, scratch);
+    if (threadIdx.x == 0) {
+        A.tau[row] = tau;
+        A.tau_m[row] = M;
+        A.tau_t[row] = t;
+        A.support[row] = (int64_t)c;
+        if (final_round) {
+            A.sup_count[row] = (int64_t)c;
+            if (!mark) /* the union kernel counts the rows it reads */
+                atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
+                          (unsigned long long)c);
+        }
+    }
+}
+
+/* Visits z[i] for i < n, TAU_UNROLL loads in flight per thread (the scan is latency-bound
+ * with one block per head otherwise). */
+template <typename F> __device__ __forceinline__ void scan_row(const float *z, int64_t n, F f) {
+    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
+    for (int64_t base = threadIdx.x; base < n; base += step) {
+        float x[TAU_UNROLL];
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + (int64_t)k * blockDim.x;
+            x[k] = i < n ? z[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) f(x[k]);
+    }
+}
+
+/* Softmax: tau = log-sum-exp over the whole row; every token is in the support. */
+__global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
+    __shared__ double scratch[32];
+    __shared__ float fscratch[32];
+    const int64_t row = blockIdx.x;
+    const int b = (int)(row / A.H), h = (int)(row % A.H), lrow = b * A.Hk + h / A.G;
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    int64_t begin, end;
+    entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
+    const int64_t ntok = end * A.ps;
+    const float *z = A.scores + row * A.cap_tokens;
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    if (A.out_zero)
+        for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+    double s = 0;
+    int64_t cnt = 0;
+    scan_row(z, ntok, [&](float x) {
+        if (x > -CUDART_INF_F) {
+            s += exp((double)x - (double)M);
+            cnt++;
+        }
+    });
+    s = ekv_block_sum(s, scratch);
+    const double c = ekv_block_sum((double)cnt, scratch);
+    if (threadIdx.x == 0) {
+        A.tau[row] = (double)M + log(s);
+        A.tau_m[row] = M;
+        A.tau_t[row] = log(s);
+        A.support[row] = (int64_t)c;
+    }
+}
+} // namespace
+
+/* The candidates of the tau launch's rows, then the refine pass of the rows whose list
+ * overflowed, over the same splits; with rows (screened: the row scores kernel listed them) a
+ * pass that counts the histogram of the overflowed rows instead of the first. */
+static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_page_table *t, const tau_args &A, int batch,
+                                    int round, int rows) {
+    cand_args C;
+    ekv_cuda_set_shape(C, pl, t);
+    C.nsplit = A.nsplit;
+    C.split_cap = pl->split_cap;
+    C.round = round == 1 ? 1 : 3;
+    C.ccap = pl->cand_cap;
+    C.alpha = prm->alpha;
+    C.list_count = A.list_count;
+    C.row_count = A.row_count;
+    C.scores = pl->scores;
+    C.split_max = pl->split_max;
+    C.cand_z = pl->cand_z;
+    C.cand_slot = pl->cand_slot;
+    C.cand_count = pl->cand_count;
+    C.hist = pl->cand_hist;
+    C.done = pl->cand_done;
+    C.thr = pl->cand_thr;
+    C.refine_count = pl->refine_count;
+    /* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
+    const bool vec = !rows && pl->p.page_size % 4 == 0;
+    if (vec) {
+        static int per_sm = 0;
+        C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_LIST>, CAND_THREADS, 0, batch * A.H,
+                                    pl->sms, &per_sm);
+    } else
+        C.cbase = A.nsplit;
+    const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), A.H);
+    if (vec) {
+        cand_kernel<true, CAND_LIST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        EKV_CUDA_LAUNCHED(pl);
+        cand_kernel<true, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    } else {
+        if (rows)
+            cand_kernel<false, CAND_COUNT><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        else
+            cand_kernel<false, CAND_LIST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        EKV_CUDA_LAUNCHED(pl);
+        cand_kernel<false, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    }
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
+ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                               const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                               int use_list, int round, float *out_zero) {
+    return ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, use_list, round, out_zero, 0);
+}
+
+ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
+                                    int use_list, int round, float *out_zero, int rows) {
+    tau_args A;
+    ekv_cuda_set_shape(A, pl, t);
+    A.kv = *kv;
+    A.ccap = pl->cand_cap;
+    A.nsplit = ekv_cuda_step_splits(pl, batch).scores;
+    A.split_cap = pl->split_cap;
+    A.round = round;
+    A.list_pages = use_list ? pl->list_pages : NULL;
+    A.list_count = use_list ? pl->list_count : NULL;
+    A.alpha = prm->alpha;
+    A.scores = pl->scores;
+    A.split_max = pl->split_max;
+    A.cand_z = pl->cand_z;
+    A.cand_slot = pl->cand_slot;
+    A.cand_count = pl->cand_count;
+    A.cand_thr = pl->cand_thr;
+    A.refine_count = pl->refine_count;
+    A.tau = pl->tau;
+    A.tau_m = pl->tau_m;
+    A.tau_t = pl->tau_t;
+    A.support = pl->support;
+    A.v_rows = pl->v_rows;
+    A.flags = pl->flags;
+    A.slow_paths = pl->slow_paths;
+    A.sup_p = pl->sup_p;
+    A.sup_off = pl->sup_off;
+    A.sup_count = pl->sup_count;
+    A.out_zero = out_zero;
+    A.rows = rows ? pl->rows : NULL;
+    A.row_count = rows ? pl->row_count : NULL;
+    A.ubits = out_zero && ekv_cuda_values_union(pl, prm->alpha) ? pl->ubits : NULL;
+    A.cap_words = pl->cap_words;
+    A.ulist = pl->ulist;
+    A.ucount = pl->ucount;
+    if (prm->alpha == 1.0) {
+        tau_softmax_kernel<<<batch * A.H, 1024, 0, pl->stream>>>(A);
+        EKV_CUDA_LAUNCHED(pl);
+        return EKV_OK;
+    }
+    const ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
+    if (s) return s;
+    tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
