@@ -7,13 +7,16 @@
 #   2. SDPA attention-only: torch's softmax SDPA (enable_gqa) on the model's attention shape
 #      (H 6, KV 2, D 64, f16, one query) at the same contexts, ms per layer and the tokens/s of
 #      its 8 layers' attention alone (the most a softmax engine of this shape could decode);
-#   3. the model's trace at TRACE_CTX tokens (`entmaxkv trace --backend cuda`), every layer and
-#      every method through `bench --backend cuda --workload trace:FILE@lL.` (median ms per step,
+#      (a short context such as 4096 in CTXS shows the engine's fixed cost per token);
+#   3. the model's trace at TRACE_CTX tokens (`entmaxkv trace --backend cuda`), the layers of
+#      TRACE_LAYERS and every method through `bench --backend cuda --workload trace:FILE@lL.` (median ms per step,
 #      graph replay), with SDPA on the same layer's shape.
-# Usage: bench/real_attention.sh OUTDIR   (prompts: bench/repo_prompt.sh)
-#   BIN (build-gpu/entmaxkv), CTXS ("131072 524288"), TRACE_CTX (262144, 0 = skip),
-#   DECODE (32), METHODS (topk:1/16,certified,screened,gaussian; dense runs first),
-#   TRACE_METHODS (dense topk certified screened).
+# Usage: bench/real_attention.sh OUTDIR   (prompts: bench/repo_prompt.sh; PROMPT_CORPUS=FILE
+#   there gives two trees the same bytes)
+#   BIN (build-gpu/entmaxkv), OLD_BIN (none: another tree's build run beside BIN on the same
+#   prompts and trace, its rows tagged old), CTXS ("131072 524288"), TRACE_CTX (262144, 0 =
+#   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
+#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened).
 # Writes OUTDIR/real_attention.log (commands and outputs) and OUTDIR/real_attention.tsv.
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help | "") usage; [ -n "${1:-}" ]; exit $? ;; esac
@@ -23,6 +26,8 @@ OUT=$1
 BIN=${BIN:-build-gpu/entmaxkv}
 CTXS=${CTXS:-131072 524288}
 TRACE_CTX=${TRACE_CTX:-262144}
+TRACE_LAYERS=${TRACE_LAYERS:-0 1 2 3 4 5 6 7}
+OLD_BIN=${OLD_BIN:-}
 DECODE=${DECODE:-32}
 METHODS=${METHODS:-topk:1/16,certified,screened,gaussian}
 TRACE_METHODS=${TRACE_METHODS:-dense topk certified screened}
@@ -30,8 +35,12 @@ mkdir -p "$OUT" || exit 1
 LOG="$OUT/real_attention.log"
 TSV="$OUT/real_attention.tsv"
 : >"$LOG"
-printf 'part\tctx\tlayer\tmethod\tms\ttokens_per_s\n' >"$TSV"
-[ -x "$BIN" ] || { echo "real_attention.sh: $BIN is not built" >&2; exit 1; }
+printf 'part\ttree\tctx\tlayer\tmethod\tms\tms_graph\ttokens_per_s\n' >"$TSV"
+for b in "$BIN" $OLD_BIN; do
+    [ -x "$b" ] || { echo "real_attention.sh: $b is not built" >&2; exit 1; }
+done
+# "tree binary" pairs: this tree's build, then OLD_BIN's
+trees() { echo "new $BIN"; [ -n "$OLD_BIN" ] && echo "old $OLD_BIN"; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log -1 --format='commit %H' 2>/dev/null; } >>"$LOG" 2>&1
 
 . bench/repo_prompt.sh # prompt N: N bytes of the repository's text
@@ -50,36 +59,40 @@ PY
 echo "== 1. model decode per method (dense prefill, then --compare $METHODS --rewind)" | tee -a "$LOG"
 for n in $CTXS; do
     f=$(prompt "$n")
-    echo "== $BIN run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind" >>"$LOG"
-    "$BIN" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
-        --compare "$METHODS" --rewind >"$OUT/run_$n.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
-    cat "$OUT/run_$n.out" >>"$LOG"
-    grep -h '^\[decode' "$OUT/run_$n.out" | while read -r line; do
-        method=$(echo "$line" | sed -E 's/^\[decode @?[0-9]* ?([^]]*)\].*/\1/')
-        rate=$(echo "$line" | grep -oE '[0-9.]+ tokens/s' | head -n 1 | cut -d' ' -f1)
-        [ -n "$rate" ] && printf 'model\t%s\t-\t%s\t-\t%s\n' "$n" "$method" "$rate" >>"$TSV"
+    trees | while read -r tree bin; do
+        echo "== $bin run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind" >>"$LOG"
+        "$bin" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
+            --compare "$METHODS" --rewind >"$OUT/run_${n}_$tree.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
+        cat "$OUT/run_${n}_$tree.out" >>"$LOG"
+        grep -h '^\[decode' "$OUT/run_${n}_$tree.out" | while read -r line; do
+            method=$(echo "$line" | sed -E 's/^\[decode @?[0-9]* ?([^]]*)\].*/\1/')
+            rate=$(echo "$line" | grep -oE '[0-9.]+ tokens/s' | head -n 1 | cut -d' ' -f1)
+            [ -n "$rate" ] && printf 'model\t%s\t%s\t-\t%s\t-\t-\t%s\n' "$tree" "$n" "$method" "$rate" >>"$TSV"
+        done
     done
 done
 
 echo "== 2. SDPA attention-only (H 6, KV 2, D 64, f16, one query; 8 layers)" | tee -a "$LOG"
 sdpa_rows $CTXS $([ "$TRACE_CTX" != 0 ] && echo "$TRACE_CTX") 2>>"$LOG" | while read -r n ms; do
     echo "sdpa $n tokens: $ms ms per layer" >>"$LOG"
-    printf 'sdpa\t%s\tall\tsdpa\t%s\t%s\n' "$n" "$ms" "$(awk -v m="$ms" 'BEGIN { printf "%.1f", 1000 / (8 * m) }')" >>"$TSV"
+    printf 'sdpa\t-\t%s\tall\tsdpa\t%s\t-\t%s\n' "$n" "$ms" "$(awk -v m="$ms" 'BEGIN { printf "%.1f", 1000 / (8 * m) }')" >>"$TSV"
 done
 
 if [ "$TRACE_CTX" != 0 ]; then
-    echo "== 3. the model's trace at $TRACE_CTX tokens, every layer and method" | tee -a "$LOG"
+    echo "== 3. the model's trace at $TRACE_CTX tokens, layers $TRACE_LAYERS, every method" | tee -a "$LOG"
     tr="$OUT/trace_$TRACE_CTX.safetensors"
     "$BIN" trace --backend cuda --text "$(prompt $((TRACE_CTX + 64)))" --ctx "$TRACE_CTX" \
-        --out "$tr" >>"$LOG" 2>&1 || echo "   (trace exit $?)" >>"$LOG"
-    for l in 0 1 2 3 4 5 6 7; do
+        --layers "$(echo $TRACE_LAYERS | tr ' ' ,)" --out "$tr" >>"$LOG" 2>&1 || echo "   (trace exit $?)" >>"$LOG"
+    for l in $TRACE_LAYERS; do
         for m in $TRACE_METHODS; do
-            echo "== $BIN bench --backend cuda --workload trace:$tr@l$l. --method $m" >>"$LOG"
-            "$BIN" bench --backend cuda --workload "trace:$tr@l$l." --method "$m" >"$OUT/bench.out" 2>>"$LOG" ||
-                echo "   (exit $?)" >>"$LOG"
-            cat "$OUT/bench.out" >>"$LOG"
-            ms=$(awk '$1 ~ /^[0-9]+$/ { print $2; exit }' "$OUT/bench.out")
-            [ -n "$ms" ] && printf 'trace\t%s\t%s\t%s\t%s\t-\n' "$TRACE_CTX" "$l" "$m" "$ms" >>"$TSV"
+            trees | while read -r tree bin; do
+                echo "== $bin bench --backend cuda --workload trace:$tr@l$l. --method $m" >>"$LOG"
+                "$bin" bench --backend cuda --workload "trace:$tr@l$l." --method "$m" >"$OUT/bench.out" 2>>"$LOG" ||
+                    echo "   (exit $?)" >>"$LOG"
+                cat "$OUT/bench.out" >>"$LOG"
+                row=$(awk '$1 ~ /^[0-9]+$/ { print $2 "\t" $4; exit }' "$OUT/bench.out")
+                [ -n "$row" ] && printf 'trace\t%s\t%s\t%s\t%s\t%s\t-\n' "$tree" "$TRACE_CTX" "$l" "$m" "$row" >>"$TSV"
+            done
         done
     done
     rm -f "$tr"

@@ -88,8 +88,9 @@ struct ekv_cuda_plan {
     int last_screen_kind; /* its screen kernel (screen/screen.cu: generic, fast, tensor cores)  */
     int last_one_pass;   /* the last step's softmax ran in one pass (no score rows)       */
     int32_t last_score_splits; /* the last score pass's splits per row (ekv_cuda_report)   */
-    int skip_values;     /* set by a sharded plan (sharded/sharded.cu): an entmax step stops after */
-                         /* tau (its shard's own), the values come at the agreed tau       */
+    int skip_values;     /* set by a sharded plan (sharded/sharded.cu): the values launcher */
+                         /* does nothing, so a step stops after tau (its shard's own); the */
+                         /* values come at the agreed tau                                  */
     int shard_pos;       /* set by a sharded plan for its topk/gaussian stages: where the */
                          /* table stands in its sequence (EKV_SHARD_*, shard_select.h);  */
                          /* 0 (the whole sequence) otherwise                             */

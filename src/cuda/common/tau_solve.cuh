@@ -176,6 +176,13 @@ __device__ __forceinline__ float bound_f32(double lb) {
     return __double2float_rd(lb - 1e-6 * (1.0 + fabs(lb)));
 }
 
+/* The threshold a candidate list is rebuilt above, from lb, a lower bound of tau over a row with
+ * max M: bound_f32(lb), and never below M - 1's (every support score is above M - 1, docs/math.md
+ * §0, and a subset's threshold need not be). */
+__device__ __forceinline__ float list_bound(double lb, float M) {
+    return fmaxf(bound_f32(lb), bound_f32((double)M - 1.0));
+}
+
 /* bins of y = z - M over [-1, 0] of the histogram bounds (their callers' shared arrays) */
 enum { TAU_HIST_BINS = EKV_CUDA_TAU_HIST_BINS };
 

@@ -125,8 +125,7 @@ ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
         if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
     }
-    if (pl->skip_values) return EKV_OK; /* a shard: values at the agreed tau (sharded/sharded.cu) */
-    return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out);
+    return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out); /* none on a shard */
 }
 
 /* The launches of one step, in the order the method table's stages give them. */

@@ -744,9 +744,7 @@ ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *
     if (!s) s = launch_survivors(pl, prm, t, batch);
     if (!s) s = ekv_cuda_launch_row_scores(pl, prm, kv, t, q, batch);
     if (!s) s = ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, 0, 1, out, 1);
-    /* a shard (sharded/sharded.cu) takes its values at the agreed tau, after the agreement: its own
-     * would read the group's union list before the agreement's support is added to it */
-    if (!s && !pl->skip_values) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1);
+    if (!s) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1); /* none on a shard */
     return s;
 }
 

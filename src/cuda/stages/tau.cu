@@ -85,9 +85,7 @@ __device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = __ldcg(gh + k);
         hist_power_table(pw, A.alpha);
         const double t0 = hist_count_bound(hist, pw, scratch);
-        /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 */
-        if (threadIdx.x == 0)
-            A.thr[row] = fmaxf(bound_f32((double)M + t0), bound_f32((double)M - 1.0));
+        if (threadIdx.x == 0) A.thr[row] = list_bound((double)M + t0, M);
     } else if (threadIdx.x == 0)
         A.thr[row] = -CUDART_INF_F;
     for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
@@ -108,7 +106,7 @@ enum cand_mode {
 
 template <bool VEC, int MODE>
 __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
-    constexpr bool REFINE = MODE == CAND_REFINE, LIST = MODE == CAND_LIST;
+    constexpr bool REFINE = MODE == CAND_REFINE;
     __shared__ float fscratch[32];
     __shared__ double scratch[32];
     __shared__ unsigned hist[REFINE ? 1 : TAU_HIST_BINS];
@@ -184,7 +182,6 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
         __syncthreads();
         if (s_last) cand_finish(A, row, M, hist, pw, scratch);
     }
-    (void)LIST;
 }
 
 struct tau_args : ekv_cuda_shape {
@@ -271,9 +268,7 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
     const double kept =
             subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
     __syncthreads(); /* every thread has read the kept list before it is overwritten */
-    /* the bound as the lists use it (margin and fp32 below tau), at least M - 1 (docs/math.md
-     * §0: the kept ones need not hold the max) */
-    float thr = fmaxf(bound_f32(kept), bound_f32((double)M - 1.0));
+    float thr = list_bound(kept, M);
     int64_t nc = compact_above(A, row, z, n, thr, s_n);
     if (nc > A.ccap) {
         thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, pw, scratch)));
@@ -437,6 +432,18 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
 }
 } // namespace
 
+/* The first candidates pass (FIRST: CAND_LIST or CAND_COUNT), then the refine pass, over the same
+ * splits (C.cbase per row of a uniform batch). */
+template <bool VEC, int FIRST>
+static ekv_status launch_cand_pair(ekv_cuda_plan *pl, const cand_args &C, int batch) {
+    const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), C.H);
+    cand_kernel<VEC, FIRST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    EKV_CUDA_LAUNCHED(pl);
+    cand_kernel<VEC, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
 /* The candidates of the tau launch's rows, then the refine pass of the rows whose list
  * overflowed, over the same splits; with rows (screened: the row scores kernel listed them) a
  * pass that counts the histogram of the overflowed rows instead of the first. */
@@ -462,28 +469,15 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
     C.thr = pl->cand_thr;
     C.refine_count = pl->refine_count;
     /* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
-    const bool vec = !rows && pl->p.page_size % 4 == 0;
-    if (vec) {
+    if (!rows && pl->p.page_size % 4 == 0) {
         static int per_sm = 0;
         C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_LIST>, CAND_THREADS, 0, batch * A.H,
                                     pl->sms, &per_sm);
-    } else
-        C.cbase = A.nsplit;
-    const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), A.H);
-    if (vec) {
-        cand_kernel<true, CAND_LIST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-        EKV_CUDA_LAUNCHED(pl);
-        cand_kernel<true, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-    } else {
-        if (rows)
-            cand_kernel<false, CAND_COUNT><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-        else
-            cand_kernel<false, CAND_LIST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
-        EKV_CUDA_LAUNCHED(pl);
-        cand_kernel<false, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+        return launch_cand_pair<true, CAND_LIST>(pl, C, batch);
     }
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    C.cbase = A.nsplit;
+    return rows ? launch_cand_pair<false, CAND_COUNT>(pl, C, batch)
+                : launch_cand_pair<false, CAND_LIST>(pl, C, batch);
 }
 
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,

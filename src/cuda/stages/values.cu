@@ -506,6 +506,9 @@ ekv_status ekv_cuda_launch_values(ekv_cuda_plan *pl, const ekv_decode_params *pr
 ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                        const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                        int use_list, float *out, int rows) {
+    /* a shard's step (sharded/sharded.cu) stops after its own tau: its values come at the
+     * agreed tau, and read the group's union list only once the agreement has added to it */
+    if (pl->skip_values) return EKV_OK;
     value_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.kv = *kv;
