@@ -5,7 +5,12 @@
 #   - --help and bad options; GET /health, /v1/models, /metrics;
 #   - completions and chat, whole and streamed (server-sent events ending with [DONE]);
 #   - exact methods (certified, screened) through the server give `entmaxkv run`'s text with the
-#     same prompt, seed and temperature;
+#     same prompt, seed, temperature and --prefill-method (the server's default: dense);
+#   - the prefill method (--prefill-method, the request's "prefill_method"): a sparse method's
+#     text with a dense prefill, with its own prefill, and a server prefilling with topk, each
+#     equal to run's with the same --prefill-method (run's texts of the two prefills differ);
+#   - /metrics counts the decode steps' tokens (a request's first token comes from its prefill)
+#     and the seconds inside decode steps and prefill chunks;
 #   - each bad input gets its 4xx and an OpenAI error object, and the server keeps serving:
 #     malformed JSON, wrong types, invalid UTF-8, a huge body, negative and huge max_tokens, an
 #     unknown model, method or endpoint, a prompt past the context;
@@ -45,6 +50,13 @@ check "serve --port 70000 is bad usage (exit 2)" $?
 "$BIN" serve --method oracle >"$TMP/out" 2>"$TMP/err"
 [ $? -eq 2 ]
 check "serve --method oracle is bad usage (exit 2)" $?
+for m in oracle fast; do
+    "$BIN" serve --prefill-method $m >"$TMP/out" 2>"$TMP/err"
+    [ $? -eq 2 ] && grep -q "entmaxkv serve: --prefill-method" "$TMP/err"
+    st=$?; check "serve --prefill-method $m is bad usage naming the option (exit 2: $(cat "$TMP/err"))" $st
+done
+"$BIN" serve --help | grep -q -- "--prefill-method M .*default dense"
+check "serve --help documents --prefill-method and its default" $?
 "$BIN" serve --max-seqs 4 >"$TMP/out" 2>"$TMP/err"
 [ $? -eq 2 ] && grep -q "the cpu model holds one sequence.*needs --backend cuda" "$TMP/err"
 st=$?; check "serve --max-seqs 4 on the cpu is bad usage naming cuda (exit 2: $(cat "$TMP/err"))" $st
@@ -56,8 +68,8 @@ check "serve --help documents --max-seqs" $?
 
 
 start --threads 1 --model "$TINY" --ctx 512 --max-body 65536 --method dense
-grep -q "cpu backend, context 512 tokens, requests in turn$" "$LOG.err"
-st=$?; check "the cpu server says it serves requests in turn ($(cat "$LOG.err"))" $st
+grep -q "method dense, prefill method dense, cpu backend, context 512 tokens, requests in turn$" "$LOG.err"
+st=$?; check "the cpu server names its methods and says it serves requests in turn ($(cat "$LOG.err"))" $st
 CODE=$(curl -s -o "$TMP/body" -w '%{http_code}' "$URL/health")
 [ "$CODE" = 200 ] && [ "$(jget "$TMP/body" 'd["status"]')" = ok ]
 check "GET /health is 200 ok" $?
@@ -112,18 +124,61 @@ assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] 
 EOF
 check "a streamed chat: the role first, the finish, the usage chunk, [DONE]" $?
 
-# exact methods through the server: run's text with the same prompt, seed and temperature
-for method in certified screened; do
-    "$BIN" run --model "$TINY" --threads 1 --method "$method" --prompt "The LORD said" -n 24 \
-        --temp 0.8 --seed 7 >"$TMP/run" 2>/dev/null
-    post /v1/completions "{\"prompt\":\"The LORD said\",\"max_tokens\":24,\"temperature\":0.8,\"seed\":7,\"entmaxkv\":{\"method\":\"$method\"}}"
-    python3 - "$TMP/run" "$TMP/body" <<'EOF'
+# /metrics: the decode steps' tokens are a request's tokens but its first (from its prefill's
+# logits); on the cpu, requests in turn, each decode step is one request's
+metrics_of() { curl -s "$URL/metrics" | grep -E '^entmaxkv_(generated|decode|prefill|prompt)' >"$1"; }
+metrics_of "$TMP/m0"
+post /v1/completions '{"prompt":"Metrics","max_tokens":5,"temperature":0}'
+metrics_of "$TMP/m1"
+post /v1/completions '{"prompt":"One","max_tokens":1,"temperature":0}'
+metrics_of "$TMP/m2"
+python3 - "$TMP/m0" "$TMP/m1" "$TMP/m2" <<'EOF'
+import sys
+m = [dict((l.split()[0], float(l.split()[1])) for l in open(f)) for f in sys.argv[1:]]
+d = lambda i, k: m[i][k] - m[i - 1][k]
+assert d(1, "entmaxkv_generated_tokens_total") == 5, m
+assert d(1, "entmaxkv_decode_tokens_total") == 4 and d(1, "entmaxkv_decode_steps_total") == 4, m
+assert d(1, "entmaxkv_prompt_tokens_total") == 7, m
+assert d(1, "entmaxkv_decode_seconds_total") > 0 and d(1, "entmaxkv_prefill_seconds_total") > 0, m
+assert d(2, "entmaxkv_generated_tokens_total") == 1, m
+assert d(2, "entmaxkv_decode_tokens_total") == 0 and d(2, "entmaxkv_decode_steps_total") == 0, m
+assert d(2, "entmaxkv_decode_seconds_total") == 0, m
+rate = m[2]["entmaxkv_decode_tokens_total"] / m[2]["entmaxkv_decode_seconds_total"]
+assert abs(m[2]["entmaxkv_decode_tokens_per_second"] / rate - 1) < 1e-4, (rate, m)
+rate = m[2]["entmaxkv_prompt_tokens_total"] / m[2]["entmaxkv_prefill_seconds_total"]
+assert abs(m[2]["entmaxkv_prefill_tokens_per_second"] / rate - 1) < 1e-4, (rate, m)
+EOF
+check "/metrics: 5 tokens are 4 decode steps' tokens, 1 token none; rates from the seconds inside steps and chunks" $?
+
+# as_run PROMPT_FILE EXT RUN_ARGS...: `entmaxkv run RUN_ARGS` of the prompt (24 tokens, seed 7,
+# temperature 0.8) and a completion of it with the "entmaxkv" object EXT; 0 when the texts are
+# the same. Run's text is left in $TMP/ran.
+as_run() {
+    local prompt=$1 ext=$2
+    shift 2
+    "$BIN" run --threads 1 "$@" --prompt-file "$prompt" -n 24 --temp 0.8 --seed 7 >"$TMP/run" 2>/dev/null
+    python3 - "$prompt" "$ext" >"$TMP/req" <<'EOF'
 import json, sys
-ran = open(sys.argv[1], "rb").read()[len(b"The LORD said"):][:24].decode("utf-8", "replace")
-got = json.load(open(sys.argv[2]))["choices"][0]["text"]
+print(json.dumps({"prompt": open(sys.argv[1], encoding="utf-8").read(), "max_tokens": 24,
+                  "temperature": 0.8, "seed": 7, "entmaxkv": json.loads(sys.argv[2])}))
+EOF
+    post /v1/completions "$(cat "$TMP/req")"
+    python3 - "$TMP/run" "$prompt" "$TMP/body" "$TMP/ran" <<'EOF'
+import json, sys
+prompt = open(sys.argv[2], "rb").read()  # run echoes a prompt shorter than 4096 bytes first
+ran = open(sys.argv[1], "rb").read()[len(prompt):][:24].decode("utf-8", "replace")
+open(sys.argv[4], "w").write(ran)
+got = json.load(open(sys.argv[3]))["choices"][0]["text"]
 assert got == ran, (got, ran)
 EOF
-    check "$method through the server gives run's text (seed 7, temperature 0.8)" $?
+}
+
+# exact methods through the server: run's text with the same prompt, seed, temperature and
+# --prefill-method (the server's default, dense)
+printf 'The LORD said' >"$TMP/lord"
+for method in certified screened; do
+    as_run "$TMP/lord" "{\"method\":\"$method\"}" --model "$TINY" --prefill-method dense --method "$method"
+    check "$method through the server gives run's text (prefill dense, seed 7, temperature 0.8)" $?
 done
 
 # bad input: each its status and an error object naming the problem; the server keeps serving
@@ -152,6 +207,10 @@ bad 400 "not supported" /v1/completions '{"prompt": "a", "n": 2}'
 bad 400 "entmaxkv.method" /v1/completions '{"prompt": "a", "entmaxkv": {"method": "fast"}}'
 bad 400 "entmaxkv.method" /v1/completions '{"prompt": "a", "entmaxkv": {"method": "oracle"}}'
 bad 400 "entmaxkv.budget" /v1/completions '{"prompt": "a", "entmaxkv": {"method": "topk", "budget": 0}}'
+bad 400 "entmaxkv.prefill_method" /v1/completions '{"prompt": "a", "entmaxkv": {"prefill_method": "fast"}}'
+bad 400 "entmaxkv.prefill_method" /v1/completions '{"prompt": "a", "entmaxkv": {"prefill_method": "oracle"}}'
+bad 400 "entmaxkv.prefill_method" /v1/completions '{"prompt": "a", "entmaxkv": {"prefill_method": 1}}'
+bad 400 "takes 'method', 'budget' and 'prefill_method'" /v1/completions '{"prompt": "a", "entmaxkv": {"prefill": "dense"}}'
 bad 400 "role" /v1/chat/completions '{"messages": [{"role": "robot", "content": "a"}]}'
 bad 400 "messages" /v1/chat/completions '{"messages": []}'
 bad 404 "does not exist" /v1/completions '{"model": "gpt-4", "prompt": "a"}'
@@ -181,8 +240,28 @@ kill -TERM "$PID"
 wait "$PID"
 check "SIGTERM on an idle server exits 0" $?
 
+# the prefill method, on the shipped model and a prompt of 1536 bytes, where topk 1/64's text
+# after a topk prefill differs from its text after a dense one: a server prefilling with topk
+# (--prefill-method), then the default server (dense) and a request's own prefill_method
+python3 -c 'import sys; sys.stdout.write(open(sys.argv[1]).read() * 8)' "$DATA/model_ref_prompt.txt" >"$TMP/p8"
+start --threads 1 --model "$BIG" --prefill-method topk --budget 1/64
+grep -q "method dense, prefill method topk 0.015625, cpu backend" "$LOG.err"
+st=$?; check "the server names its prefill method ($(cat "$LOG.err"))" $st
+as_run "$TMP/p8" '{"method":"certified"}' --model "$BIG" --prefill-method topk --budget 1/64 --method certified
+check "serve --prefill-method topk: certified gives run --prefill-method topk's text" $?
+kill -TERM "$PID"
+wait "$PID"
+check "SIGTERM exits 0" $?
+
 # the shipped model: a request long enough to be caught in flight
 start --threads 1 --model "$BIG" --queue 1
+as_run "$TMP/p8" '{"method":"topk","budget":"1/64"}' --model "$BIG" --prefill-method dense --method topk --budget 1/64
+check "topk 1/64 through the default server prefills dense: run --prefill-method dense's text" $?
+cp "$TMP/ran" "$TMP/ran_dense"
+as_run "$TMP/p8" '{"method":"topk","budget":"1/64","prefill_method":"topk"}' --model "$BIG" --method topk --budget 1/64
+check "a request's prefill_method topk: run --method topk's text (prefilled with topk)" $?
+! cmp -s "$TMP/ran" "$TMP/ran_dense"
+check "run's texts after a dense and after a topk prefill differ (so the checks above tell them apart)" $?
 curl -sN "$URL/v1/completions" -d '{"prompt":"The LORD said","max_tokens":3000,"stream":true}' >"$TMP/long" &
 CURL=$!
 for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 1 ] && break; sleep 0.1; done

@@ -257,6 +257,10 @@ typedef struct {
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);
+/* A method of the model subcommands (option `what` of `sub`): the library's (cli_method) but
+ * oracle, which needs the dense pass it is measured against (eval, and bench on the cpu;
+ * docs/cli.md); a usage error otherwise. */
+ekv_select_method model_method(const char *sub, const char *what, const char *name);
 /* Parses argv[*i] if it is a common model option (advancing *i); returns 1 if it was. */
 int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o);
 /* The option loop of a model subcommand (cli_parse): the shared model options into mo, the

@@ -88,9 +88,7 @@ static const cli_opt model_table[] = {
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
 };
 
-/* A method of the model subcommands: the library's (cli_method) but oracle, which needs the
- * dense pass it is measured against (eval, and bench on the cpu; docs/cli.md). */
-static ekv_select_method model_method(const char *sub, const char *what, const char *name) {
+ekv_select_method model_method(const char *sub, const char *what, const char *name) {
     const ekv_select_method m = cli_method(sub, what, name);
     if (m == EKV_SELECT_ORACLE)
         cli_usage_error(sub,

@@ -21,9 +21,9 @@ static void serve_help(FILE *f) {
             "events), GET /v1/models, GET /health, GET /metrics (Prometheus text). One worker\n"
             "owns the model: on cuda it decodes up to --max-seqs requests together, each joining\n"
             "and leaving the batched decode step between steps (continuous batching); on the cpu\n"
-            "it serves them one after the other. A request may pick its method with\n"
-            "\"entmaxkv\": {\"method\": M, \"budget\": F}. SIGINT or SIGTERM lets the requests\n"
-            "in flight finish, then the server exits 0.\n"
+            "it serves them one after the other. A request may pick its methods with\n"
+            "\"entmaxkv\": {\"method\": M, \"budget\": F, \"prefill_method\": P}. SIGINT or\n"
+            "SIGTERM lets the requests in flight finish, then the server exits 0.\n"
             "\n"
             "  --host ADDR           IPv4 address to listen on (default 127.0.0.1)\n"
             "  --port N              TCP port; 0 = any free one (default 8080). The address is\n"
@@ -38,14 +38,16 @@ static void serve_help(FILE *f) {
             "                        one sequence: 1 there\n"
             "  --max-body N          request body bytes; more get 413 (default 1M)\n"
             "  --max-connections N   connections at once (default 256)\n"
-            "  --drain-timeout S     seconds SIGTERM waits for the requests in flight (600)\n");
+            "  --drain-timeout S     seconds SIGTERM waits for the requests in flight (600)\n"
+            "  --prefill-method M    every request's prompt's method (default dense: on cuda the\n"
+            "                        tensor-core prefill; the exact methods select the same\n"
+            "                        support); --method then serves its generated tokens\n");
     model_opts_help(f);
-    fprintf(f,
-            "  --help                this text\n"
-            "\n"
-            "--method, --budget: the default of every request. The caches hold --code-bits key\n"
-            "codes, so any request may ask for screened. Requests of different methods decode in\n"
-            "one step per method.\n");
+    fprintf(f, "  --help                this text\n"
+               "\n"
+               "--method, --budget, --prefill-method: the defaults of every request (--budget is\n"
+               "both methods'). The caches hold --code-bits key codes, so any request may ask for\n"
+               "screened. Requests of different methods decode in one step per method.\n");
 }
 
 static const cli_opt serve_table[] = {
@@ -62,6 +64,14 @@ static const cli_opt serve_table[] = {
         CLI_INT("--drain-timeout", serve_opts, drain_s, 0, 1 << 30),
 };
 
+/* --prefill-method: a method as --method's (model_method). */
+static int serve_extra(const char *sub, int argc, char **argv, int *i, void *vo) {
+    if (strcmp(argv[*i], "--prefill-method")) return 0;
+    ((serve_opts *)vo)->prefill =
+            model_method(sub, "--prefill-method", cli_need(sub, argc, argv, i));
+    return 1;
+}
+
 static void parse(int argc, char **argv, serve_opts *o) {
     memset(o, 0, sizeof *o);
     model_opts_init(&o->mo);
@@ -73,8 +83,9 @@ static void parse(int argc, char **argv, serve_opts *o) {
     o->max_body = 1 << 20;
     o->connections = 256;
     o->drain_s = 600;
-    model_parse("serve", argc, argv, serve_help, &o->mo, serve_table, CLI_NOPTS(serve_table), NULL,
-                o);
+    o->prefill = EKV_SELECT_DENSE; /* docs/cli.md, "serve": prefill dense, decode sparse */
+    model_parse("serve", argc, argv, serve_help, &o->mo, serve_table, CLI_NOPTS(serve_table),
+                serve_extra, o);
     if (!o->max_prompt) o->max_prompt = o->ctx;
     if (!o->max_gen) o->max_gen = o->ctx;
     if (!*o->name) cli_usage_error("serve", "--model-name is empty");
@@ -120,21 +131,26 @@ int cmd_serve(int argc, char **argv) {
     ekv_context *ctx;
     ekv_model *m;
     if (model_open("serve", &o.mo, o.ctx, &ctx, &m)) return 1;
-    int rc = model_set_phase("serve", ctx, m, (model_phase){o.mo.method, o.mo.budget});
+    /* both default methods are taken by this model (leaving it with --method), so a request
+     * without its own fails on nothing the server could have refused at the start */
+    const model_phase pre = {o.prefill, o.mo.budget};
+    int rc = model_check_phases("serve", ctx, m, &pre, 1, &o.mo);
     serve_engine *e = rc ? NULL : serve_engine_start(&o, ctx, m);
     if (!rc && !e) fprintf(stderr, "entmaxkv serve: cannot start the worker thread\n");
     serve_http *h = e ? serve_http_start(e, serve_engine_opts(e)) : NULL;
     rc = h ? 0 : 1;
     if (h) {
-        char lab[64];
+        char lab[64], plab[64];
         model_method_label(lab, sizeof lab, o.mo.method, o.mo.budget);
+        model_method_label(plab, sizeof plab, o.prefill, o.mo.budget);
         char how[64] = "requests in turn";
         if (o.max_seqs > 1)
             snprintf(how, sizeof how, "continuous batching over %lld sequences",
                      (long long)o.max_seqs);
         fprintf(stderr,
-                "entmaxkv serve: model '%s', method %s, %s backend, context %lld tokens, %s\n",
-                o.name, lab, ekv_backend_name(o.mo.backend), (long long)o.ctx, how);
+                "entmaxkv serve: model '%s', method %s, prefill method %s, %s backend, context "
+                "%lld tokens, %s\n",
+                o.name, lab, plab, ekv_backend_name(o.mo.backend), (long long)o.ctx, how);
         int sig = 0;
         sigwait(&set, &sig);
         fprintf(stderr, "entmaxkv serve: %s: finishing the requests in flight\n",

@@ -28,6 +28,7 @@ typedef struct {
     int64_t drain_s;     /* --drain-timeout: seconds SIGTERM waits for requests (600) */
     int64_t max_seqs;    /* --max-seqs: requests decoded together, a model sequence each (cuda:
                             8; the cpu model holds one, so it serves them in turn) */
+    ekv_select_method prefill; /* --prefill-method: each request's prompt's method (dense) */
 } serve_opts;
 
 /* One request's parameters, validated (serve_api.c). */
@@ -41,8 +42,8 @@ typedef struct {
     size_t stop_len[SERVE_MAX_STOP];
     int nstop;
     int stream, include_usage;
-    ekv_select_method method;
-    double budget;
+    ekv_select_method method, prefill_method; /* its generated tokens', its prompt's */
+    double budget;                            /* both methods' (run's --budget) */
 } serve_params;
 
 typedef enum { REQ_QUEUED, REQ_RUNNING, REQ_DONE } req_state;
@@ -92,7 +93,8 @@ typedef struct serve_metrics {
     pthread_mutex_t mu;
     int64_t by_status[600];
     int64_t prompt_tokens, gen_tokens, cancelled;
-    double prefill_s, decode_s;
+    int64_t decode_steps, decode_tokens; /* model calls of decode steps; the tokens they made */
+    double prefill_s, decode_s;          /* seconds inside prefill chunks, decode steps */
     int64_t queued, running, kv_pages;
 } serve_metrics;
 void serve_metrics_init(serve_metrics *m);

@@ -136,23 +136,37 @@ static int get_stop(const json_value *body, serve_params *p, sbuf *err) {
     return 0;
 }
 
-/* "entmaxkv": {"method": NAME, "budget": F or "a/b"}: the server's --method and --budget for
- * this request, named and parsed as run's options are. */
+/* A method field of the "entmaxkv" object, named as run's --method (absent: *out unchanged). */
+static int get_method(const json_value *x, const char *key, ekv_select_method *out, sbuf *err) {
+    const json_value *m = json_get(x, key);
+    if (!m ||
+        (m->type == JSON_STRING && !ekv_method_from_name(m->str, out) && *out != EKV_SELECT_ORACLE))
+        return 0;
+    char param[32];
+    snprintf(param, sizeof param, "entmaxkv.%s", key);
+    return bad(err, param, "'%s' must be one of dense, topk, gaussian, certified, screened", param);
+}
+
+/* "entmaxkv": {"method": NAME, "budget": F or "a/b", "prefill_method": NAME}: the server's
+ * --method, --budget and --prefill-method for this request, named and parsed as run's
+ * options are (the budget is both methods', as run's --budget). */
 static int get_extension(const serve_opts *o, const json_value *body, serve_params *p, sbuf *err) {
     p->method = o->mo.method;
+    p->prefill_method = o->prefill;
     p->budget = o->mo.budget;
     const json_value *x = json_get(body, "entmaxkv");
     if (!x || x->type == JSON_NULL) return 0;
     if (x->type != JSON_OBJECT) return bad(err, "entmaxkv", "'entmaxkv' must be an object");
     for (size_t i = 0; i < x->n; i++)
-        if (strcmp(x->kids[i].key, "method") && strcmp(x->kids[i].key, "budget"))
-            return bad(err, "entmaxkv", "'entmaxkv' takes 'method' and 'budget', not '%s'",
+        if (strcmp(x->kids[i].key, "method") && strcmp(x->kids[i].key, "budget") &&
+            strcmp(x->kids[i].key, "prefill_method"))
+            return bad(err, "entmaxkv",
+                       "'entmaxkv' takes 'method', 'budget' and 'prefill_method', not '%s'",
                        x->kids[i].key);
-    const json_value *m = json_get(x, "method"), *b = json_get(x, "budget");
-    if (m && (m->type != JSON_STRING || ekv_method_from_name(m->str, &p->method) ||
-              p->method == EKV_SELECT_ORACLE))
-        return bad(err, "entmaxkv.method",
-                   "'entmaxkv.method' must be one of dense, topk, gaussian, certified, screened");
+    if (get_method(x, "method", &p->method, err) ||
+        get_method(x, "prefill_method", &p->prefill_method, err))
+        return 400;
+    const json_value *b = json_get(x, "budget");
     int ok = !b;
     if (b && b->type == JSON_NUMBER) ok = 1, p->budget = b->number;
     if (b && b->type == JSON_STRING) ok = !cli_parse_fraction(b->str, &p->budget);

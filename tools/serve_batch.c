@@ -4,13 +4,14 @@
  * in turn). Each iteration of its loop:
  *   1. queued requests join the free slots; a cancelled request is marked to leave;
  *   2. one prefill chunk (model_feed_chunk tokens, run's chunks, so the logits are run's) of the
- *      earliest admitted request still prefilling: a long prompt is interleaved with the others'
- *      decode steps instead of stalling them;
+ *      earliest admitted request still prefilling, with its prefill method (dense by default):
+ *      a long prompt is interleaved with the others' decode steps instead of stalling them;
  *   3. every decoding request samples its next token from its logits (model_sample with its own
  *      temperature and a generator seeded with its seed, as run samples, so an exact method gives
  *      run's text) and publishes it; those that go on take one decode step together: one
- *      ekv_model_batch_step per method among them (the model runs one method at a time), a lone
- *      request ekv_model_seq_step (run's step: on cuda a replayed graph);
+ *      ekv_model_batch_step per method among them (the model runs one method at a time, so it
+ *      is set before each step and each chunk), a lone request ekv_model_seq_step (run's step:
+ *      on cuda a replayed graph);
  *   4. the requests that finished, failed or were cancelled leave: their sequence is emptied
  *      (ekv_model_seq_reset), so its pages return to the pool and the slot to the next request.
  */
@@ -53,16 +54,17 @@ static void fail_slot(serve_engine *e, serve_slot *s, int status, const char *wh
     s->done = 1;
 }
 
-static int same_method(const serve_params *a, ekv_select_method m, double budget) {
-    return a->method == m && (!model_uses_budget(m) || a->budget == budget);
+static int same_method(ekv_select_method a, double a_budget, ekv_select_method b, double b_budget) {
+    return a == b && (!model_uses_budget(a) || a_budget == b_budget);
 }
 
-/* The model's method for the next step of p's request: set when it differs (on cuda a change
- * drops the captured decode graph, so it is not set again for nothing). */
-static ekv_status use_method(serve_engine *e, const serve_params *p) {
-    if (e->method_set && same_method(p, e->method, e->budget)) return EKV_OK;
-    const ekv_status st = ekv_model_set_method(e->m, p->method, p->budget);
-    if (!st) e->method = p->method, e->budget = p->budget, e->method_set = 1;
+/* The model's method for the next step (a request's prefill chunk or decode step): set when it
+ * differs (on cuda a change drops the captured decode graph, so it is not set again for
+ * nothing). */
+static ekv_status use_method(serve_engine *e, ekv_select_method method, double budget) {
+    if (e->method_set && same_method(method, budget, e->method, e->budget)) return EKV_OK;
+    const ekv_status st = ekv_model_set_method(e->m, method, budget);
+    if (!st) e->method = method, e->budget = budget, e->method_set = 1;
     return st;
 }
 
@@ -118,8 +120,9 @@ static void admit_locked(serve_engine *e) {
     }
 }
 
-/* One prefill chunk of the earliest admitted request still prefilling; after its last chunk
- * the request decodes, its generator seeded as run seeds it. */
+/* One prefill chunk of the earliest admitted request still prefilling, with its prefill method
+ * (run --prefill-method: by default dense, on cuda the tensor-core prefill; docs/cli.md,
+ * "serve"); after its last chunk the request decodes, its generator seeded as run seeds it. */
 static void prefill_step(serve_engine *e) {
     serve_slot *s = NULL;
     for (int32_t k = 0; k < e->nslots; k++) {
@@ -128,7 +131,7 @@ static void prefill_step(serve_engine *e) {
     }
     if (!s) return;
     const serve_params *p = &s->r->p;
-    if (use_method(e, p)) {
+    if (use_method(e, p->prefill_method, p->budget)) {
         fail_slot(e, s, 400, ekv_last_error(e->ctx));
         return;
     }
@@ -155,15 +158,16 @@ static void prefill_step(serve_engine *e) {
 }
 
 /* Every decoding request's next token, sampled and published (one lock for all); those that go
- * on are listed in e->seqs and e->toks for the decode step. Returns how many; *made: tokens
- * published. */
-static int32_t sample_all(serve_engine *e, int64_t *made) {
+ * on are listed in e->seqs and e->toks for the decode step. Returns how many. A request's first
+ * token comes from its prefill's logits, each next one from a decode step's. */
+static int32_t sample_all(serve_engine *e) {
     for (int32_t k = 0; k < e->nslots; k++) {
         serve_slot *s = &e->slots[k];
         if (s->r && !s->tok && !s->done)
             s->next = model_sample(s->logits, e->V, s->r->p.temp, &s->rng);
     }
     int32_t n = 0;
+    int64_t made = 0;
     pthread_mutex_lock(&e->mu);
     for (int32_t k = 0; k < e->nslots; k++) {
         serve_slot *s = &e->slots[k];
@@ -171,23 +175,37 @@ static int32_t sample_all(serve_engine *e, int64_t *made) {
         s->stopped = serve_text_push(s->r, s->next);
         s->r->tokens++;
         pthread_cond_broadcast(&s->r->cond);
-        (*made)++;
+        made++;
         if (s->stopped || ++s->made == s->r->p.max_tokens)
             s->done = 1;
         else
             e->seqs[n] = k, e->toks[n++] = s->next;
     }
     pthread_mutex_unlock(&e->mu);
+    pthread_mutex_lock(&e->metrics.mu);
+    e->metrics.gen_tokens += made;
+    pthread_mutex_unlock(&e->metrics.mu);
     return n;
 }
 
-/* One decode step of the n sequences seqs (all of one method), each one's logits into its slot. */
+/* One decode step of the n sequences seqs (all of one method), each one's logits into its slot;
+ * the metrics count the step, its n tokens (the next token of each) and its seconds, the
+ * method's change included (docs/cli.md, "serve": the decode-step rate). */
 static void step_group(serve_engine *e, const int32_t *seqs, const int32_t *toks, int32_t n) {
-    ekv_status st = use_method(e, &e->slots[seqs[0]].r->p);
+    const double t0 = cli_now_seconds();
+    const serve_params *p = &e->slots[seqs[0]].r->p;
+    ekv_status st = use_method(e, p->method, p->budget);
     if (!st)
         st = n == 1 ? ekv_model_seq_step(e->m, seqs[0], toks, 1, e->out)
                     : ekv_model_batch_step(e->m, seqs, n, toks, e->out);
     e->broken |= st != EKV_OK;
+    if (!st) {
+        pthread_mutex_lock(&e->metrics.mu);
+        e->metrics.decode_steps++;
+        e->metrics.decode_tokens += n;
+        e->metrics.decode_s += cli_now_seconds() - t0;
+        pthread_mutex_unlock(&e->metrics.mu);
+    }
     for (int32_t b = 0; b < n; b++) {
         serve_slot *s = &e->slots[seqs[b]];
         if (st)
@@ -200,14 +218,13 @@ static void step_group(serve_engine *e, const int32_t *seqs, const int32_t *toks
 /* Samples, publishes, then runs the decode step: the listed sequences gathered by method (the
  * model has one method at a time), a step per method. */
 static void decode_step(serve_engine *e) {
-    const double t0 = cli_now_seconds();
-    int64_t made = 0;
-    const int32_t n = sample_all(e, &made);
+    const int32_t n = sample_all(e);
     for (int32_t i = 0; i < n;) {
         const serve_params *p = &e->slots[e->seqs[i]].r->p;
         int32_t g = i + 1;
         for (int32_t j = i + 1; j < n; j++) {
-            if (!same_method(&e->slots[e->seqs[j]].r->p, p->method, p->budget)) continue;
+            const serve_params *q = &e->slots[e->seqs[j]].r->p;
+            if (!same_method(q->method, q->budget, p->method, p->budget)) continue;
             const int32_t sq = e->seqs[j], tk = e->toks[j];
             e->seqs[j] = e->seqs[g], e->toks[j] = e->toks[g];
             e->seqs[g] = sq, e->toks[g++] = tk;
@@ -215,11 +232,6 @@ static void decode_step(serve_engine *e) {
         step_group(e, e->seqs + i, e->toks + i, g - i);
         i = g;
     }
-    if (!made) return;
-    pthread_mutex_lock(&e->metrics.mu);
-    e->metrics.gen_tokens += made;
-    e->metrics.decode_s += cli_now_seconds() - t0;
-    pthread_mutex_unlock(&e->metrics.mu);
 }
 
 /* A model step failed: the model is reset, as ekv_model_step asks, which empties every

@@ -44,15 +44,31 @@ void serve_metrics_render(serve_metrics *m, sbuf *b) {
               "entmaxkv_requests_running %lld\n",
               (long long)c.cancelled, (long long)c.queued, (long long)c.running);
     sb_printf(b,
-              "# HELP entmaxkv_decode_tokens_per_second Generated tokens / seconds spent "
-              "decoding, since the start.\n"
+              "# HELP entmaxkv_decode_steps_total Decode steps run (a batched step of one "
+              "method, or a lone request's step).\n"
+              "# TYPE entmaxkv_decode_steps_total counter\n"
+              "entmaxkv_decode_steps_total %lld\n"
+              "# HELP entmaxkv_decode_tokens_total Tokens the decode steps made, one per "
+              "sequence of a step (a request's first token comes from its prefill).\n"
+              "# TYPE entmaxkv_decode_tokens_total counter\n"
+              "entmaxkv_decode_tokens_total %lld\n"
+              "# HELP entmaxkv_decode_seconds_total Seconds inside decode steps.\n"
+              "# TYPE entmaxkv_decode_seconds_total counter\n"
+              "entmaxkv_decode_seconds_total %.9g\n"
+              "# HELP entmaxkv_prefill_seconds_total Seconds inside prefill chunks.\n"
+              "# TYPE entmaxkv_prefill_seconds_total counter\n"
+              "entmaxkv_prefill_seconds_total %.9g\n",
+              (long long)c.decode_steps, (long long)c.decode_tokens, c.decode_s, c.prefill_s);
+    sb_printf(b,
+              "# HELP entmaxkv_decode_tokens_per_second Decode steps' tokens / seconds inside "
+              "decode steps, since the start.\n"
               "# TYPE entmaxkv_decode_tokens_per_second gauge\n"
               "entmaxkv_decode_tokens_per_second %.6g\n"
-              "# HELP entmaxkv_prefill_tokens_per_second Prompt tokens / seconds spent "
-              "prefilling, since the start.\n"
+              "# HELP entmaxkv_prefill_tokens_per_second Prompt tokens / seconds inside "
+              "prefill chunks, since the start.\n"
               "# TYPE entmaxkv_prefill_tokens_per_second gauge\n"
               "entmaxkv_prefill_tokens_per_second %.6g\n",
-              c.decode_s > 0 ? (double)c.gen_tokens / c.decode_s : 0.0,
+              c.decode_s > 0 ? (double)c.decode_tokens / c.decode_s : 0.0,
               c.prefill_s > 0 ? (double)c.prompt_tokens / c.prefill_s : 0.0);
     sb_printf(b,
               "# HELP entmaxkv_kv_pages_in_use KV cache pages held by sequences, all layers.\n"
