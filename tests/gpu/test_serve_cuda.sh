@@ -3,9 +3,12 @@
 # (not in CI). The shipped model with --max-seqs 4 serves 9 requests of 1K to 64K-byte prompts
 # (text of the repository's docs) that arrive while others decode, more than the slots, so some
 # wait in the queue and join the batch as others leave:
-#   - every answer equals `entmaxkv run --backend cuda` with the same prompt, method, seed and
-#     temperature (dense at every length, certified on short prompts, so two methods share the
-#     steps; greedy and sampled; streamed and whole);
+#   - every answer equals `entmaxkv run --backend cuda` with the same prompt, method, prefill
+#     method, seed and temperature (dense at every length, certified on short prompts, so two
+#     methods share the steps; the server's default prefill, dense, and a request's own
+#     "prefill_method" certified; greedy and sampled; streamed and whole);
+#   - /metrics: the decode steps made each request's tokens but its first, in steps of more
+#     than one sequence on average;
 #   - /metrics saw 3 or more requests running at once; after the load none runs or waits and
 #     the KV pages in use are back to 0;
 #   - a client gone mid-stream is counted cancelled and leaves the batch;
@@ -38,18 +41,19 @@ TMP=$(mktemp -d "${TMPDIR:-/tmp}/ekv_serve_cuda.XXXXXX") || exit 1
 WORK=${KEEP:-$TMP/work}
 mkdir -p "$WORK"
 
-# The requests: prompt bytes, method, temperature, seed, max_tokens, streamed, arrival (s after
-# the first). The prompts are slices of the docs (ASCII, so a byte is a character).
+# The requests: prompt bytes, method, prefill method (- : the server's, dense), temperature,
+# seed, max_tokens, streamed, arrival (s after the first). The prompts are slices of the docs
+# (ASCII, so a byte is a character).
 cat >"$WORK/plan.txt" <<'EOF'
-64000 dense 0 1 300 0 0.0
-1024 dense 0.8 2 400 1 0.0
-4096 certified 0 3 200 0 0.3
-16384 dense 0.8 4 200 1 0.6
-2048 certified 0.8 5 150 0 0.9
-32768 dense 0 6 150 0 1.2
-8192 dense 0.8 7 250 1 1.5
-1500 dense 0 8 120 0 1.8
-12000 dense 0 9 100 1 2.1
+64000 dense - 0 1 300 0 0.0
+1024 dense - 0.8 2 400 1 0.0
+4096 certified certified 0 3 200 0 0.3
+16384 dense - 0.8 4 200 1 0.6
+2048 certified - 0.8 5 150 0 0.9
+32768 dense - 0 6 150 0 1.2
+8192 dense - 0.8 7 250 1 1.5
+1500 dense - 0 8 120 0 1.8
+12000 dense - 0 9 100 1 2.1
 EOF
 python3 - "$WORK" README.md docs/*.md bench/RESULTS.md <<'EOF'
 import sys
@@ -66,16 +70,17 @@ EOF
 
 # the references: run on the GPU, one request at a time
 k=0
-while read -r bytes method temp seed ntok stream at; do
+while read -r bytes method prefill temp seed ntok stream at; do
+    [ "$prefill" = - ] && prefill=dense
     "$BIN" run --backend cuda --model "$MODEL" --prompt-file "$WORK/prompt$k.txt" --method "$method" \
-        --temp "$temp" --seed "$seed" -n "$ntok" >"$WORK/run$k.txt" 2>"$WORK/run$k.err"
-    st=$?; check "reference $k: run --backend cuda ($bytes bytes, $method) exits 0: $(tail -c 300 "$WORK/run$k.err")" $st
+        --prefill-method "$prefill" --temp "$temp" --seed "$seed" -n "$ntok" >"$WORK/run$k.txt" 2>"$WORK/run$k.err"
+    st=$?; check "reference $k: run --backend cuda ($bytes bytes, $method, prefill $prefill) exits 0: $(tail -c 300 "$WORK/run$k.err")" $st
     k=$((k + 1))
 done <"$WORK/plan.txt"
 
 START_WAIT=1200 start --backend cuda --model "$MODEL" --max-seqs 4 --ctx 66000
-grep -q "cuda backend, context 66000 tokens, continuous batching over 4 sequences" "$LOG.err"
-st=$?; check "the server says it batches over 4 sequences: $(cat "$LOG.err")" $st
+grep -q "prefill method dense, cuda backend, context 66000 tokens, continuous batching over 4 sequences" "$LOG.err"
+st=$?; check "the server says it prefills dense and batches over 4 sequences: $(cat "$LOG.err")" $st
 
 # the load: each request on its own thread at its arrival time, /metrics polled meanwhile; a
 # client that drops its stream after the first text; then every answer against run's
@@ -90,11 +95,13 @@ def post(body):
                                  {"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=600)
 
-def one(k, bytes_, method, temp, seed, ntok, stream, at):
+def one(k, bytes_, method, prefill, temp, seed, ntok, stream, at):
     time.sleep(float(at))
     body = {"prompt": open("%s/prompt%d.txt" % (work, k)).read(), "max_tokens": int(ntok),
             "temperature": float(temp), "seed": int(seed), "stream": stream == "1",
             "entmaxkv": {"method": method}}
+    if prefill != "-":
+        body["entmaxkv"]["prefill_method"] = prefill
     try:
         with post(body) as r:
             if stream == "1":
@@ -138,7 +145,7 @@ wall = time.time() - t0
 stop.set()
 poller.join()
 bad = list(errors)
-for k, (bytes_, method, temp, seed, ntok, stream, at) in enumerate(plan):
+for k, (bytes_, method, prefill, temp, seed, ntok, stream, at) in enumerate(plan):
     if k not in answers:
         continue
     out = open("%s/run%d.txt" % (work, k), "rb").read()
@@ -150,10 +157,10 @@ for k, (bytes_, method, temp, seed, ntok, stream, at) in enumerate(plan):
     if answers[k] != ran:
         i = next((j for j, (a, b) in enumerate(zip(answers[k], ran)) if a != b),
                  min(len(answers[k]), len(ran)))
-        bad.append("request %d (%s bytes, %s, temperature %s, seed %s): the text differs from "
-                   "run's at character %d: served %r, run %r" % (k, bytes_, method, temp, seed,
-                                                                 i, answers[k][i:i + 40],
-                                                                 ran[i:i + 40]))
+        bad.append("request %d (%s bytes, %s, prefill %s, temperature %s, seed %s): the text "
+                   "differs from run's at character %d: served %r, run %r"
+                   % (k, bytes_, method, prefill, temp, seed, i, answers[k][i:i + 40],
+                      ran[i:i + 40]))
 print("test_serve_cuda: %d requests in %.1f s, at most %d running at once"
       % (len(plan), wall, most[0]))
 for b in bad:
@@ -170,6 +177,13 @@ for _ in $(seq 100); do [ "$(metric entmaxkv_requests_running)" = 0 ] && break; 
 check "after the load: none running or queued, KV pages in use 0" $?
 [ "$(metric entmaxkv_requests_cancelled_total)" = 1 ]
 check "the client gone mid-stream is counted cancelled" $?
+# the decode steps made every token but each request's first (from its prefill), the one
+# cancelled included (each of its tokens was fed to a step before it left)
+gen=$(metric entmaxkv_generated_tokens_total)
+dec=$(metric entmaxkv_decode_tokens_total)
+steps=$(metric entmaxkv_decode_steps_total)
+[ "$dec" = $((gen - $(wc -l <"$WORK/plan.txt"))) ] && [ "$steps" -gt 0 ] && [ "$dec" -gt "$steps" ]
+check "/metrics: the decode steps made $dec of the $gen tokens, the 9 answered requests' first ones not, in $steps steps (more than one sequence per step on average)" $?
 # SIGTERM while two requests decode: both finish whole, then the server exits 0
 CURLS=()
 for k in 0 1; do
