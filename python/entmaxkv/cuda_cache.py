@@ -137,18 +137,18 @@ class CudaPagedKVCache:
                        ctypes.byref(self._st))
 
     def close(self):
-        """Frees the append plans and the library's cache object; the tensors go with the
+        """Frees the append plans (a later append makes them again); the tensors go with the
         last reference to them."""
         with getattr(self, "_lock", threading.RLock()):
             for plan in getattr(self, "_plans", {}).values():
                 lib.ekv_cuda_plan_free(plan)
             self._plans = {}
-            if getattr(self, "_cache", None):
-                lib.ekv_cuda_cache_free(self._cache)
-                self._cache = None
 
     def __del__(self):
         self.close()
+        if getattr(self, "_cache", None):  # the library's object over the tensors, not them
+            lib.ekv_cuda_cache_free(self._cache)
+            self._cache = None
 
     def _append_plan(self):
         """The plan ekv_cuda_cache_append launches on: one per stream the caller appended on."""
