@@ -1976,6 +1976,18 @@ static ekv_cache *host_twin(ekv_context *ctx, const ekv_cuda_cache_params *p) {
     return c;
 }
 
+/* The smallest plan of the cache's shapes, for its appends (as the Python package's). */
+static ekv_cuda_plan *append_plan(ekv_context *ctx, const ekv_cuda_cache_params *p) {
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.num_heads = pp.num_kv_heads = p->num_kv_heads;
+    pp.head_dim = p->head_dim;
+    pp.page_size = p->page_size;
+    pp.max_pages_per_seq = 1;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    return plan;
+}
+
 static void *to_host(const void *dev, int64_t bytes) {
     void *h = malloc((size_t)(bytes > 0 ? bytes : 1));
     if (dev && bytes > 0) CU(cudaMemcpy(h, dev, (size_t)bytes, cudaMemcpyDeviceToHost));
@@ -2163,13 +2175,7 @@ static void cache_object_case(ekv_context *ctx, const ekv_cuda_cache_params *p, 
     ekv_cuda_cache *dc = NULL;
     CHECK(ekv_cuda_cache_create(ctx, p, &dc) == EKV_OK && dc, "create: %s", ekv_last_error(ctx));
     ekv_cache *hc = host_twin(ctx, p);
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.num_heads = pp.num_kv_heads = p->num_kv_heads;
-    pp.head_dim = p->head_dim;
-    pp.page_size = p->page_size;
-    pp.max_pages_per_seq = 1;
-    ekv_cuda_plan *plan = NULL;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    ekv_cuda_plan *plan = append_plan(ctx, p);
     if (!dc || !hc || !plan) return;
     test_rng r = {seed};
     int32_t seq = 0, other = 0;
@@ -2230,13 +2236,7 @@ static void cache_adopt_test(ekv_context *ctx, const ekv_cuda_cache_params *p) {
     ekv_cuda_cache_view(dc, &dkv, &dst);
     CHECK(dkv.k == k && dkv.v == v && (const char *)dst.kmin == st, "adopt: the views are not "
                                                                     "over the caller's memory");
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.num_heads = pp.num_kv_heads = p->num_kv_heads;
-    pp.head_dim = p->head_dim;
-    pp.page_size = p->page_size;
-    pp.max_pages_per_seq = 1;
-    ekv_cuda_plan *plan = NULL;
-    ekv_cuda_plan_create(ctx, &pp, &plan);
+    ekv_cuda_plan *plan = append_plan(ctx, p);
     ekv_cache_page_table(hc, &seq, 1, ip, pages, 64, &lpl, &np);
     ekv_cuda_append_item items[64]; /* the stored keys as they are: first_slot = the tokens */
     for (int64_t i = 0; i < ip[1]; i++, ni++)
