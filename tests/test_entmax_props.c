@@ -139,7 +139,8 @@ static void rows_check(ekv_context *ctx, test_rng *rng) {
     CHECK(ekv_abi_sizeof("ekv_paged_kv") == (int64_t)sizeof(ekv_paged_kv) &&
                   ekv_abi_sizeof("ekv_select_params") == (int64_t)sizeof(ekv_select_params) &&
                   ekv_abi_sizeof("ekv_cuda_report") == (int64_t)sizeof(ekv_cuda_report) &&
-                  ekv_abi_sizeof("ekv_cuda_append_item") == (int64_t)sizeof(ekv_cuda_append_item),
+                  ekv_abi_sizeof("ekv_cuda_append_item") == (int64_t)sizeof(ekv_cuda_append_item) &&
+                  ekv_abi_sizeof("ekv_cuda_cache_params") == (int64_t)sizeof(ekv_cuda_cache_params),
           "ekv_abi_sizeof");
     CHECK(ekv_abi_sizeof("ekv_nothing") == -1 && ekv_abi_sizeof(NULL) == -1,
           "ekv_abi_sizeof of an unknown name");

@@ -13,7 +13,9 @@
  */
 #include "entmaxkv.h"
 #include "test_util.h"
+#include "cuda/cache/layout.h" /* the device cache's views over a block (host arithmetic) */
 #include <float.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define SENT     0xA5
@@ -1137,6 +1139,146 @@ static void test_decode(void) {
     }
 }
 
+/* ================================================================================== */
+/* The device cache: its params and layout (host arithmetic, every build), and the     */
+/* answers of a build or a machine without CUDA                                        */
+/* ================================================================================== */
+#define CUDA_CACHE_ROWS(X)                                                                         \
+    X(EKV_ERR_INVALID_SIZE, p->num_pages = 0)                                                      \
+    X(EKV_ERR_SIZE_OVERFLOW, p->num_pages = (int64_t)INT32_MAX + 1)                                \
+    X(EKV_ERR_INVALID_PAGE_SIZE, p->page_size = 257)                                               \
+    X(EKV_ERR_INVALID_SIZE, p->num_kv_heads = 0)                                                   \
+    X(EKV_ERR_INVALID_SIZE, p->head_dim = 0)                                                       \
+    X(EKV_ERR_INVALID_SIZE, p->head_dim = 12)                                                      \
+    X(EKV_ERR_INVALID_SIZE, p->head_dim = 520)                                                     \
+    X(EKV_ERR_INVALID_DTYPE, p->dtype = (ekv_dtype)3)                                              \
+    X(EKV_ERR_INVALID_DTYPE, p->range_dtype = (ekv_dtype)-1)                                       \
+    X(EKV_ERR_INVALID_ARGUMENT, p->layout = (ekv_kv_layout)2)                                      \
+    X(EKV_ERR_INVALID_ARGUMENT, p->code_bits = 2)                                                  \
+    X(EKV_ERR_INVALID_SIZE, p->superpage_pages = -1)                                               \
+    X(EKV_ERR_INVALID_ARGUMENT, p->compact_ball = 2)                                               \
+    X(EKV_ERR_INVALID_ARGUMENT, p->device = -1)
+
+static const struct {
+    const char *name;
+    ekv_status want;
+} cuda_cache_rows[] = {
+#define X(want, ...) {#__VA_ARGS__, want},
+        CUDA_CACHE_ROWS(X)
+#undef X
+};
+
+static void cuda_cache_mutate(ekv_cuda_cache_params *p, int row) {
+    int i = 0;
+#define X(want, ...)                                                                               \
+    if (row == i++) { __VA_ARGS__; }
+    CUDA_CACHE_ROWS(X)
+#undef X
+}
+
+/* 10 pages of 16 tokens, 2 KV heads of 64 dims in f16, f16 ranges with the compact ball,
+ * superpages of 4, 4-bit codes: every array of the block. */
+static ekv_cuda_cache_params cuda_cache_params_full(void) {
+    ekv_cuda_cache_params p = ekv_cuda_cache_default_params();
+    p.num_pages = 10;
+    p.num_kv_heads = 2;
+    p.head_dim = 64;
+    p.range_dtype = EKV_DTYPE_F16;
+    p.superpage_pages = 4;
+    p.code_bits = 4;
+    return p;
+}
+
+/* The views over a block: each array where the layout says (256-byte steps; its bytes: kmin
+ * 10*2*64*4 = 5120, radius 80, count 40, kmin16 2560, smin 3 superpages * 2 * 64 * 4 = 1536,
+ * codes 10*2*16 rows of 32 bytes), absent arrays NULL, the strides of each layout. */
+static void test_cuda_cache_layout(void) {
+    ekv_cuda_cache_params p = cuda_cache_params_full();
+    ekv_cuda_cache_layout lay;
+    CHECK(ekv_cuda_cache_layout_of(g_ctx, &p, &lay) == EKV_OK, "layout: %s", ekv_last_error(g_ctx));
+    char *b = aligned_alloc(256, (size_t)lay.stats_bytes);
+    if (!b) return;
+    ekv_paged_kv kv;
+    ekv_page_stats st;
+    ekv_cuda_cache_views(&p, &lay, (void *)16, (void *)32, b, &kv, &st);
+    const void *got[] = {st.kmin,  st.kmax,   st.kmean,  st.km2,     st.radius,
+                         st.count, st.kmin16, st.kmax16, st.kmean16, st.radius16,
+                         st.smin,  st.smax,   st.codes};
+    const int64_t want[] = {0,     5120,  10240, 15360, 20480, 20736, 20992,
+                            23552, 26112, 28672, 28928, 30464, 32000};
+    for (int i = 0; i < 13; i++)
+        CHECK((const char *)got[i] == b + want[i], "array %d at %lld, want %lld", i,
+              (long long)((const char *)got[i] - b), (long long)want[i]);
+    CHECK(st.code_bits == 4 && st.range_dtype == EKV_DTYPE_F16 && st.superpage_pages == 4 &&
+                  st.num_superpages == 3 && st.num_pages == 10 && st.num_kv_heads == 2 &&
+                  st.head_dim == 64 && st.page_size == 16,
+          "the statistics' counts");
+    CHECK(kv.k == (void *)16 && kv.v == (void *)32 && kv.stride_page == 2 * 16 * 64 &&
+                  kv.stride_head == 16 * 64 && kv.stride_token == 64 && kv.num_pages == 10,
+          "HND view");
+    p.layout = EKV_LAYOUT_NHD;
+    p.compact_ball = 0;
+    p.code_bits = 0;
+    p.superpage_pages = 0;
+    ekv_cuda_cache_layout_of(g_ctx, &p, &lay);
+    ekv_cuda_cache_views(&p, &lay, (void *)16, (void *)32, b, &kv, &st);
+    CHECK(kv.stride_head == 64 && kv.stride_token == 2 * 64 && st.kmin16 && !st.kmean16 &&
+                  !st.radius16 && !st.codes && st.code_bits == 0 && !st.smin && !st.smax &&
+                  st.superpage_pages == 0 && st.num_superpages == 0 && lay.stats_bytes == 26112,
+          "NHD, no ball, codes or boxes: %lld bytes", (long long)lay.stats_bytes);
+    free(b);
+}
+
+static void test_cuda_cache(void) {
+    const ekv_cuda_cache_params base = cuda_cache_params_full();
+    int64_t pool = -1, stats = -1;
+    CHECK(ekv_cuda_cache_sizes(g_ctx, &base, &pool, &stats) == EKV_OK &&
+                  pool == 10 * 2 * 16 * 64 * 2 && stats == 32000 + 10240,
+          "sizes of the baseline: %lld, %lld (%s)", (long long)pool, (long long)stats,
+          ekv_last_error(g_ctx));
+    for (int r = 0; r < (int)(sizeof cuda_cache_rows / sizeof cuda_cache_rows[0]); r++) {
+        ekv_cuda_cache_params p = base;
+        cuda_cache_mutate(&p, r);
+        clear_error(g_ctx);
+        pool = stats = -7;
+        expect("cuda cache", cuda_cache_rows[r].name,
+               ekv_cuda_cache_sizes(g_ctx, &p, &pool, &stats), cuda_cache_rows[r].want, g_ctx);
+        CHECK(pool == -7 && stats == -7, "cuda cache [%s]: sizes written", cuda_cache_rows[r].name);
+    }
+    expect("cuda cache", "params NULL", ekv_cuda_cache_sizes(g_ctx, NULL, &pool, &stats),
+           EKV_ERR_NULL_POINTER, g_ctx);
+    test_cuda_cache_layout();
+    int32_t ndev = 0;
+    ekv_cuda_device_count(g_ctx, &ndev);
+    if (ndev) return; /* a GPU machine: tests/gpu/test_cuda.c */
+#ifdef EKV_HAVE_CUDA
+    const char *why = "no CUDA device";
+#else
+    const char *why = "this build has no CUDA backend";
+#endif
+    ekv_cuda_cache *c = SENT_PTR;
+    char k[64], v[64], st[64];
+    const ekv_status got[2] = {ekv_cuda_cache_create(g_ctx, &base, &c),
+                               c == NULL ? ekv_cuda_cache_adopt(g_ctx, &base, k, v, st, &c)
+                                         : EKV_OK};
+    for (int i = 0; i < 2; i++)
+        expect("cuda cache", i ? "adopt without a device" : "create without a device", got[i],
+               EKV_ERR_UNSUPPORTED, g_ctx);
+    CHECK(c == NULL && strstr(ekv_last_error(g_ctx), why), "without a device: '%s', want '%s'",
+          ekv_last_error(g_ctx), why);
+    ekv_cuda_cache_free(NULL);
+#ifndef EKV_HAVE_CUDA
+    ekv_cuda_append_item item = {0, 0, 1, 0, 0};
+    ekv_paged_kv kv;
+    int32_t page = 0;
+    float x[64] = {0};
+    CHECK(ekv_cuda_cache_view(c, &kv, NULL) == EKV_ERR_UNSUPPORTED &&
+                  ekv_cuda_cache_append(NULL, c, &item, 1, x, x) == EKV_ERR_UNSUPPORTED &&
+                  ekv_cuda_cache_truncate(NULL, c, &page, 1, 1, 0) == EKV_ERR_UNSUPPORTED,
+          "the stubs of a build without CUDA");
+#endif
+}
+
 int main(void) {
     const char *v = getenv("EKV_TEST_VERBOSE");
     g_verbose = v && v[0] && v[0] != '0';
@@ -1153,6 +1295,7 @@ int main(void) {
     test_cache_create();
     test_cache_ops();
     test_decode();
+    test_cuda_cache();
     ekv_context_free(g_ctx);
     return test_finish("test_invalid");
 }

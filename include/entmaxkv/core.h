@@ -146,7 +146,8 @@ EKV_API ekv_status ekv_entmax_rows_f64(ekv_context *ctx, const double *x, int64_
 /* sizeof a public struct, by its name ("ekv_paged_kv", "ekv_page_stats", "ekv_page_table",
  * "ekv_cache_params", "ekv_decode_params", "ekv_decode_info", "ekv_select_params",
  * "ekv_context_params", and cuda.h's "ekv_cuda_plan_params", "ekv_cuda_report",
- * "ekv_cuda_append_item", declared in every build), or -1 for another name: bindings that mirror
+ * "ekv_cuda_append_item", "ekv_cuda_sharded_params", "ekv_cuda_sharded_report",
+ * "ekv_cuda_cache_params", declared in every build), or -1 for another name: bindings that mirror
  * the structs (the Python package) check their layouts against it when they load the library. */
 EKV_API int64_t ekv_abi_sizeof(const char *type_name);
 

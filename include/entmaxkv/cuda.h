@@ -158,6 +158,81 @@ EKV_API ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv,
                                    int32_t n_items, const float *k_new, const float *v_new);
 
 /* ---------------------------------------------------------------------------------- */
+/* The device cache: K/V pools, page statistics and key codes in device memory         */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * One object holds the layout that ekv_cuda_append writes and every ekv_cuda_decode reads:
+ * the K and V pools (ekv_paged_kv, in `layout`) and one statistics block (ekv_page_stats: kmin,
+ * kmax, kmean, km2, radius, count; with compact ranges kmin16/kmax16, and with compact_ball
+ * kmean16/radius16 too; superpage boxes; key codes), each array 256-byte aligned inside the
+ * block (docs/architecture.md, "The device cache"). It keeps no sequences: the caller's page
+ * tables say which physical pages a sequence owns (the model engine keeps them on the device,
+ * the Python package on the host). ekv_cuda_cache_create allocates the memory (cudaMalloc, on
+ * params->device, which becomes the calling thread's current device, as ekv_cuda_plan_create
+ * does); ekv_cuda_cache_adopt wraps the caller's (e.g. torch tensors) and never frees it.
+ */
+typedef struct ekv_cuda_cache ekv_cuda_cache;
+typedef struct ekv_cuda_cache_params {
+    int32_t device;          /* CUDA device ordinal (default 0)                              */
+    int64_t num_pages;       /* physical pages (required)                                    */
+    int32_t page_size;       /* tokens per page, 1..256 (default 16)                         */
+    int32_t num_kv_heads;    /* default 8                                                    */
+    int32_t head_dim;        /* a multiple of 8 up to 512, the CUDA backend's (default 128)  */
+    ekv_dtype dtype;         /* storage dtype of K and V (default f16)                       */
+    ekv_kv_layout layout;    /* of K and V within a page (default HND)                       */
+    ekv_dtype range_dtype;   /* f32 (default): no compact ranges; f16/bf16: kmin16/kmax16    */
+                             /* (docs/math.md §1.2; ekv_cache_compact_ranges)                */
+    int32_t compact_ball;    /* with compact ranges, 1 (default): kmean16/radius16 too, as the */
+                             /* host cache keeps them (docs/math.md §9.5); 0: the fp32 ball   */
+    int32_t superpage_pages; /* physical pages per superpage box, 0 = none (default)         */
+    int32_t code_bits;       /* key codes for screened decode: 0 (default), 4 or 8           */
+} ekv_cuda_cache_params;
+
+EKV_API ekv_cuda_cache_params ekv_cuda_cache_default_params(void);
+/* The bytes of one pool (K or V) and of the statistics block for these params, in every build
+ * (host arithmetic). Invalid params: their status, with a message when ctx is not NULL. */
+EKV_API ekv_status ekv_cuda_cache_sizes(ekv_context *ctx, const ekv_cuda_cache_params *params,
+                                        int64_t *pool_bytes, int64_t *stats_bytes);
+/* A cache in new device memory: K and V uninitialised, the statistics zeroed (every page
+ * counts 0 tokens). Fails with EKV_ERR_OUT_OF_MEMORY, saying how much, when the device has
+ * too little free memory. */
+EKV_API ekv_status ekv_cuda_cache_create(ekv_context *ctx, const ekv_cuda_cache_params *params,
+                                         ekv_cuda_cache **out);
+/* A cache over the caller's device memory on params->device: k_pool and v_pool of pool_bytes
+ * each, stats of stats_bytes (ekv_cuda_cache_sizes), the three not overlapping; k_pool and
+ * v_pool 16-byte aligned, stats 256-byte aligned and zeroed (a page never written must count
+ * 0 tokens). Pages the caller wrote itself get their statistics from ekv_cuda_cache_append
+ * (items with first_slot = the tokens already there and n_new = 0). The memory must outlive
+ * the cache; ekv_cuda_cache_free leaves it alone. */
+EKV_API ekv_status ekv_cuda_cache_adopt(ekv_context *ctx, const ekv_cuda_cache_params *params,
+                                        void *k_pool, void *v_pool, void *stats,
+                                        ekv_cuda_cache **out);
+EKV_API void ekv_cuda_cache_free(ekv_cuda_cache *cache);
+/* The views ekv_cuda_decode and ekv_cuda_append take (device pointers; valid until the cache is
+ * freed). kv or stats may be NULL. */
+EKV_API ekv_status ekv_cuda_cache_view(const ekv_cuda_cache *cache, ekv_paged_kv *kv,
+                                       ekv_page_stats *stats);
+/* ekv_cuda_append over the cache's views, on the plan's stream (the plan's device and shapes:
+ * KV heads, head dim and page size as the cache's). */
+EKV_API ekv_status ekv_cuda_cache_append(ekv_cuda_plan *plan, ekv_cuda_cache *cache,
+                                         const ekv_cuda_append_item *items, int32_t n_items,
+                                         const float *k_new, const float *v_new);
+/*
+ * A sequence keeps its first n_tokens tokens, as ekv_cache_truncate: pages[0..n_pages) (host)
+ * are its physical pages in order and `length` its tokens ((n_pages - 1) * page_size <
+ * length <= n_pages * page_size), 0 <= n_tokens <= length. The pages past the first
+ * ceil(n_tokens / page_size) count 0 tokens again (statistics emptied, superpage boxes rebuilt
+ * without them; the caller takes them back into its free list), and a last page kept in part
+ * gets its statistics and key codes rebuilt from the n_tokens % page_size keys it keeps, so the
+ * cache holds what appending those n_tokens tokens would have built. K and V rows are not
+ * moved. One launch of the append kernel on the plan's stream (its items copied from the host
+ * first: not capturable in a CUDA graph); nothing changes when a check fails.
+ */
+EKV_API ekv_status ekv_cuda_cache_truncate(ekv_cuda_plan *plan, ekv_cuda_cache *cache,
+                                           const int32_t *pages, int64_t n_pages, int64_t length,
+                                           int64_t n_tokens);
+
+/* ---------------------------------------------------------------------------------- */
 /* Context-parallel decode: one step over S shards (docs/math.md §11, docs/architecture.md,
  * "The sharded CUDA plan")                                                            */
 /* ---------------------------------------------------------------------------------- */

@@ -113,12 +113,19 @@ class CudaAppendItem(ctypes.Structure):
                 ("reserved", c_int32), ("src_token", c_int64)]
 
 
+class CudaCacheParams(ctypes.Structure):
+    _fields_ = [("device", c_int32), ("num_pages", c_int64), ("page_size", c_int32),
+                ("num_kv_heads", c_int32), ("head_dim", c_int32), ("dtype", c_int),
+                ("layout", c_int), ("range_dtype", c_int), ("compact_ball", c_int32),
+                ("superpage_pages", c_int32), ("code_bits", c_int32)]
+
+
 _MIRRORS = {"ekv_context_params": ContextParams, "ekv_paged_kv": PagedKV,
             "ekv_page_stats": PageStats, "ekv_page_table": PageTable,
             "ekv_cache_params": CacheParams, "ekv_decode_params": DecodeParams,
             "ekv_decode_info": DecodeInfo, "ekv_select_params": SelectParams,
             "ekv_cuda_plan_params": CudaPlanParams, "ekv_cuda_report": CudaReport,
-            "ekv_cuda_append_item": CudaAppendItem}
+            "ekv_cuda_append_item": CudaAppendItem, "ekv_cuda_cache_params": CudaCacheParams}
 
 
 def _library_path():
@@ -177,6 +184,14 @@ def _declare(lib):
         "ekv_cuda_read_report": (c_int, [c_void_p, c_int32, P(CudaReport)]),
         "ekv_cuda_append": (c_int, [c_void_p, P(PagedKV), P(PageStats), c_void_p, c_int32,
                                     c_void_p, c_void_p]),
+        "ekv_cuda_cache_default_params": (CudaCacheParams, []),
+        "ekv_cuda_cache_sizes": (c_int, [c_void_p, P(CudaCacheParams), P(c_int64), P(c_int64)]),
+        "ekv_cuda_cache_adopt": (c_int, [c_void_p, P(CudaCacheParams), c_void_p, c_void_p,
+                                         c_void_p, P(c_void_p)]),
+        "ekv_cuda_cache_free": (None, [c_void_p]),
+        "ekv_cuda_cache_view": (c_int, [c_void_p, P(PagedKV), P(PageStats)]),
+        "ekv_cuda_cache_append": (c_int, [c_void_p, c_void_p, c_void_p, c_int32, c_void_p,
+                                          c_void_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -1,7 +1,9 @@
 """CudaPagedKVCache: a paged KV cache in CUDA memory (torch tensors), filled by the library's
-append kernel (ekv_cuda_append), which also keeps the page summaries the sparse methods read.
-The page bookkeeping (free pages, each sequence's pages and length) lives on the host, so a
-decode step never has to read it back from the device."""
+append kernel (ekv_cuda_cache_append), which also keeps the page summaries the sparse methods
+read. The tensors are the library's device cache (ekv_cuda_cache_adopt): it says how many bytes
+the statistics take and where each array lies, so the layout is the C one. The page bookkeeping
+(free pages, each sequence's pages and length) lives on the host, so a decode step never has
+to read it back from the device."""
 import ctypes
 import threading
 
@@ -53,12 +55,11 @@ class CudaPagedKVCache:
         # The plans report into this context (_lib.Context); the host bookkeeping and every
         # call on the cache (and decodes over it) hold self._lock, one thread at a time.
         self._lock, self._ctx = threading.RLock(), _lib.context()
-        self._alloc_stats(compact_ranges)
-        self._kv = self._paged_kv()
+        self._plans = {}  # cudaStream_t -> the small plan ekv_cuda_cache_append launches with
+        self._open_cache(compact_ranges)
         self._free = list(range(P - 1, -1, -1))  # pop() hands out page 0 first
         self._seqs = {}  # id -> [pages (list of physical ids), length]
         self._versions_of, self._clock = {}, 0  # id -> version (_touch)
-        self._plans = {}  # cudaStream_t -> the small plan ekv_cuda_append launches with
 
     @staticmethod
     def _check_shape(num_pages, page_size, num_kv_heads, head_dim, dtype, code_bits, layout,
@@ -104,46 +105,40 @@ class CudaPagedKVCache:
                    dtype=names[k_pages.dtype], layout=layout, device=k_pages.device,
                    _pools=(k_pages, v_pages), **kw)
 
-    def _alloc_stats(self, compact_ranges):
+    def _cache_params(self, compact_ranges):
+        """The geometry as the library's device cache takes it (ekv_cuda_cache_params)."""
+        p = lib.ekv_cuda_cache_default_params()
+        p.device, p.num_pages, p.page_size = self.device.index, self.num_pages, self.page_size
+        p.num_kv_heads, p.head_dim, p.code_bits = self.num_kv_heads, self.head_dim, self.code_bits
+        p.dtype, p.layout = DTYPES[self.dtype], LAYOUTS[self.layout]
+        p.range_dtype = lib.ekv_cache_compact_ranges(p.dtype) if compact_ranges else 0
+        p.compact_ball, p.superpage_pages = 1, 0  # as the C cache's compact ranges; no boxes
+        return p
+
+    def _open_cache(self, compact_ranges):
+        """The library's device cache over self.k, self.v and a zeroed statistics block of the
+        size it asks for (ekv_cuda_cache_sizes), and its views (ekv_cuda_cache_view)."""
         import torch
 
-        P, Hk, D = self.num_pages, self.num_kv_heads, self.head_dim
-        f32 = dict(dtype=torch.float32, device=self.device)
-        t = dict(kmin=torch.zeros(P, Hk, D, **f32), kmax=torch.zeros(P, Hk, D, **f32),
-                 kmean=torch.zeros(P, Hk, D, **f32), km2=torch.zeros(P, Hk, D, **f32),
-                 radius=torch.zeros(P, Hk, **f32),
-                 count=torch.zeros(P, dtype=torch.int32, device=self.device))
-        self.range_dtype = lib.ekv_cache_compact_ranges(DTYPES[self.dtype]) if compact_ranges else 0
-        if self.range_dtype:  # 16-bit bit patterns (f16 or bf16), as the C cache keeps them
-            t["kmin16"] = torch.zeros(P, Hk, D, dtype=torch.int16, device=self.device)
-            t["kmax16"] = torch.zeros(P, Hk, D, dtype=torch.int16, device=self.device)
-            # the compact ball (docs/math.md §9.5): centres in 16 bits, radii around them
-            t["kmean16"] = torch.zeros(P, Hk, D, dtype=torch.int16, device=self.device)
-            t["radius16"] = torch.zeros(P, Hk, **f32)
-        if self.code_bits:  # docs/math.md §10.1: R bytes per token and head
-            R = (D * self.code_bits + 7) // 8
-            t["codes"] = torch.zeros(P * Hk * self.page_size * R, dtype=torch.uint8,
-                                     device=self.device)
-        self._stats_t = t
-        ptr = {n: x.data_ptr() for n, x in t.items()}
-        self._st = _lib.PageStats(kmin=ptr["kmin"], kmax=ptr["kmax"], kmean=ptr["kmean"],
-                                  km2=ptr["km2"], radius=ptr["radius"], count=ptr["count"],
-                                  superpage_pages=0, codes=ptr.get("codes"),
-                                  code_bits=self.code_bits, num_superpages=0,
-                                  range_dtype=self.range_dtype, kmin16=ptr.get("kmin16"),
-                                  kmax16=ptr.get("kmax16"), kmean16=ptr.get("kmean16"),
-                                  radius16=ptr.get("radius16"), num_pages=P, num_kv_heads=Hk,
-                                  head_dim=D, page_size=self.page_size)
-
-    def _paged_kv(self):
-        ps, Hk, D = self.page_size, self.num_kv_heads, self.head_dim
-        token, head = (D, ps * D) if self.layout == "HND" else (Hk * D, D)
-        return _lib.PagedKV(k=self.k.data_ptr(), v=self.v.data_ptr(), dtype=DTYPES[self.dtype],
-                            page_size=ps, num_kv_heads=Hk, head_dim=D, num_pages=self.num_pages,
-                            stride_page=Hk * ps * D, stride_head=head, stride_token=token)
+        p = self._cache_params(compact_ranges)
+        self.range_dtype = p.range_dtype
+        stats = ctypes.c_int64()
+        self._ctx.call(lib.ekv_cuda_cache_sizes, self._ctx.ptr, ctypes.byref(p), None,
+                       ctypes.byref(stats))
+        self._stats_t = torch.zeros(stats.value, dtype=torch.uint8, device=self.device)
+        cache = ctypes.c_void_p()
+        with device_guard(self.device):
+            self._ctx.call(lib.ekv_cuda_cache_adopt, self._ctx.ptr, ctypes.byref(p),
+                           self.k.data_ptr(), self.v.data_ptr(), self._stats_t.data_ptr(),
+                           ctypes.byref(cache))
+        self._cache = cache
+        self._kv, self._st = _lib.PagedKV(), _lib.PageStats()
+        self._ctx.call(lib.ekv_cuda_cache_view, cache, ctypes.byref(self._kv),
+                       ctypes.byref(self._st))
 
     def close(self):
-        """Frees the append plans; the tensors go with the last reference to them."""
+        """Frees the append plans (a later append makes them again); the tensors go with the
+        last reference to them."""
         with getattr(self, "_lock", threading.RLock()):
             for plan in getattr(self, "_plans", {}).values():
                 lib.ekv_cuda_plan_free(plan)
@@ -151,9 +146,12 @@ class CudaPagedKVCache:
 
     def __del__(self):
         self.close()
+        if getattr(self, "_cache", None):  # the library's object over the tensors, not them
+            lib.ekv_cuda_cache_free(self._cache)
+            self._cache = None
 
     def _append_plan(self):
-        """The plan ekv_cuda_append launches on: one per stream the caller appended on."""
+        """The plan ekv_cuda_cache_append launches on: one per stream the caller appended on."""
         stream = current_stream(self.device)
         plan = self._plans.get(stream)
         if plan is None:
@@ -290,9 +288,8 @@ class CudaPagedKVCache:
         dev_items = host.to(self.device)  # on the current stream, ahead of the kernel
         plan = self._append_plan()
         with device_guard(self.device):  # the kernel launches on the current device
-            self._ctx.call(lib.ekv_cuda_append, plan, ctypes.byref(self._kv),
-                           ctypes.byref(self._st), dev_items.data_ptr(), len(items),
-                           k.data_ptr(), v.data_ptr())
+            self._ctx.call(lib.ekv_cuda_cache_append, plan, self._cache, dev_items.data_ptr(),
+                           len(items), k.data_ptr(), v.data_ptr())
 
     def adopt(self, pages, last_page_len):
         """A new sequence over pages the caller's engine has already written (a cache made by

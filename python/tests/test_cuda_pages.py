@@ -2,12 +2,15 @@
 kernel gets, the page table, sequence ids) without a GPU: the object is made without its
 device tensors, and only the host methods are called. The device side is in
 test_torch_cuda.py."""
+import ctypes
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import entmaxkv
+from entmaxkv import _lib
 from entmaxkv.cuda_cache import CudaPagedKVCache
 
 
@@ -102,6 +105,32 @@ def test_shapes_are_checked_before_any_device_call(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         CudaPagedKVCache._check_shape(**args)
+
+
+def stats_bytes(c, compact_ranges=True):
+    """The statistics block the library's device cache asks the Python cache for
+    (ekv_cuda_cache_sizes: host arithmetic, in a build without CUDA too)."""
+    p, pool, stats, ctx = c._cache_params(compact_ranges), ctypes.c_int64(), ctypes.c_int64(), \
+        _lib.context()
+    ctx.call(_lib.lib.ekv_cuda_cache_sizes, ctx.ptr, ctypes.byref(p), ctypes.byref(pool),
+             ctypes.byref(stats))
+    return pool.value, stats.value
+
+
+def test_the_layout_is_the_librarys():
+    """The cache's geometry reaches the library through the ekv_cuda_cache_params mirror, and
+    the library lays the statistics out (256-byte aligned arrays): the pool is the tensors',
+    and the block holds kmin, kmax, kmean, km2, radius, count, the compact ranges and ball
+    (f16 K) and the 4-bit codes, and none of them without compact ranges or codes."""
+    c = host_only(num_pages=10)
+    c.device, c.num_kv_heads, c.head_dim = types.SimpleNamespace(index=0), 2, 64
+    c.dtype, c.layout, c.code_bits = "float16", "NHD", 4
+    assert stats_bytes(c) == (10 * 16 * 2 * 64 * 2, 28928 + 10 * 2 * 16 * 32)
+    c.code_bits = 0
+    assert stats_bytes(c, compact_ranges=False) == (10 * 16 * 2 * 64 * 2, 20736 + 40)
+    c.head_dim = 12  # the library's own check and message
+    with pytest.raises(entmaxkv.EntmaxKVError, match="multiple of 8"):
+        stats_bytes(c)
 
 
 def test_without_torch_the_message_says_what_to_install(monkeypatch):

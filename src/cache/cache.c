@@ -60,35 +60,8 @@ int64_t ekv_cache_code_bytes(const ekv_cache_params *p) {
 /* Computes every byte count of the pool, with overflow checks. */
 static ekv_status pool_sizes(ekv_context *ctx, const ekv_cache_params *p, int64_t *elems_per_page,
                              int64_t *kv_bytes, int64_t *stat_floats, int64_t *total) {
-    if (p->num_pages <= 0)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be >= 1",
-                        (long long)p->num_pages);
-    if (p->num_pages > INT32_MAX)
-        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
-                        "num_pages=%lld exceeds the int32 page-id range", (long long)p->num_pages);
-    ekv_status st = ekv_check_page_size(ctx, p->page_size);
+    ekv_status st = ekv_check_pool_geometry(ctx, p);
     if (st) return st;
-    if (p->num_kv_heads <= 0 || p->num_kv_heads > 4096)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]",
-                        p->num_kv_heads);
-    if (p->head_dim <= 0 || p->head_dim > 65536)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
-                        p->head_dim);
-    if (!ekv_dtype_valid(p->dtype))
-        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)",
-                        (int)p->dtype);
-    if (p->superpage_pages < 0 || p->superpage_pages > 4096)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
-    if (p->code_bits != 0 && p->code_bits != 4 && p->code_bits != 8)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "code_bits=%d must be 0 (none), 4 or 8",
-                        p->code_bits);
-    if (!ekv_dtype_valid(p->range_dtype))
-        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
-                        "range_dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->range_dtype);
-    if (p->layout != EKV_LAYOUT_HND && p->layout != EKV_LAYOUT_NHD)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "layout=%d is not HND (0) or NHD (1)",
-                        (int)p->layout);
     if (!p->k_pool != !p->v_pool)
         return ekv_fail(ctx, EKV_ERR_NULL_POINTER,
                         "k_pool and v_pool: give both (the caller's memory) or neither");
@@ -187,9 +160,8 @@ ekv_status ekv_cache_create(ekv_context *ctx, const ekv_cache_params *params, ek
     c->ctx = ctx;
     c->p = *params;
     c->elems_per_page = epp;
-    const int nhd = params->layout == EKV_LAYOUT_NHD;
-    c->stride_head = nhd ? params->head_dim : (int64_t)params->page_size * params->head_dim;
-    c->stride_token = nhd ? (int64_t)params->num_kv_heads * params->head_dim : params->head_dim;
+    ekv_layout_strides(params->layout, params->num_kv_heads, params->page_size, params->head_dim,
+                       &c->stride_head, &c->stride_token);
     /* Large blocks come from mmap and are committed lazily by the OS: a big pool costs
      * memory only as pages are written. */
     c->k = params->k_pool ? params->k_pool : pool_alloc((size_t)kvb);

@@ -20,6 +20,7 @@ int64_t ekv_abi_sizeof(const char *type_name) {
             {"ekv_cuda_append_item", sizeof(ekv_cuda_append_item)},
             {"ekv_cuda_sharded_params", sizeof(ekv_cuda_sharded_params)},
             {"ekv_cuda_sharded_report", sizeof(ekv_cuda_sharded_report)},
+            {"ekv_cuda_cache_params", sizeof(ekv_cuda_cache_params)},
     };
     if (!type_name) return -1;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)

@@ -224,6 +224,15 @@ static inline int ekv_dtype_valid(ekv_dtype dt) {
     return dt == EKV_DTYPE_F32 || dt == EKV_DTYPE_F16 || dt == EKV_DTYPE_BF16;
 }
 
+/* The head and token strides of a page in `layout` (ekv_paged_kv, include/entmaxkv/core.h): the
+ * host cache's and the device cache's, written once. */
+static inline void ekv_layout_strides(ekv_kv_layout layout, int64_t num_kv_heads, int64_t page_size,
+                                      int64_t head_dim, int64_t *head, int64_t *token) {
+    const int nhd = layout == EKV_LAYOUT_NHD;
+    *head = nhd ? head_dim : page_size * head_dim;
+    *token = nhd ? num_kv_heads * head_dim : head_dim;
+}
+
 /* ---- the sizes every decode stage derives from its (validated) arguments ---- */
 typedef struct ekv_step_shape {
     int64_t B, H, Hk, G, D, ps, esize; /* batch, heads, KV heads, group, dim, page, element bytes */
@@ -268,4 +277,8 @@ ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv);
 ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params);
 ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads);
 ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size);
+/* The geometry of a page pool (the host cache's, and the device cache's through it): pages,
+ * page size, KV heads, head dim, dtype, superpages, key code bits, range dtype, layout. Not
+ * the caller's memory or max_seqs, which only the host cache has. */
+ekv_status ekv_check_pool_geometry(ekv_context *ctx, const ekv_cache_params *p);
 #endif

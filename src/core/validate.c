@@ -43,6 +43,39 @@ ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
     return EKV_OK;
 }
 
+ekv_status ekv_check_pool_geometry(ekv_context *ctx, const ekv_cache_params *p) {
+    if (p->num_pages <= 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be >= 1",
+                        (long long)p->num_pages);
+    if (p->num_pages > INT32_MAX)
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
+                        "num_pages=%lld exceeds the int32 page-id range", (long long)p->num_pages);
+    const ekv_status st = ekv_check_page_size(ctx, p->page_size);
+    if (st) return st;
+    if (p->num_kv_heads <= 0 || p->num_kv_heads > 4096)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]",
+                        p->num_kv_heads);
+    if (p->head_dim <= 0 || p->head_dim > 65536)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
+                        p->head_dim);
+    if (!ekv_dtype_valid(p->dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)",
+                        (int)p->dtype);
+    if (p->superpage_pages < 0 || p->superpage_pages > 4096)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
+    if (p->code_bits != 0 && p->code_bits != 4 && p->code_bits != 8)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "code_bits=%d must be 0 (none), 4 or 8",
+                        p->code_bits);
+    if (!ekv_dtype_valid(p->range_dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
+                        "range_dtype=%d is not f32 (0), f16 (1) or bf16 (2)", (int)p->range_dtype);
+    if (p->layout != EKV_LAYOUT_HND && p->layout != EKV_LAYOUT_NHD)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "layout=%d is not HND (0) or NHD (1)",
+                        (int)p->layout);
+    return EKV_OK;
+}
+
 /* ALiBi slopes are finite, >= 0, and small enough that the bias over the longest sequence
  * (at most 3 * m * N in z-space) cannot overflow fp32 (docs/math.md §6.2). */
 static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params,

@@ -42,6 +42,32 @@ ekv_status ekv_cuda_append(ekv_cuda_plan *plan, const ekv_paged_kv *kv, const ek
                            const float *v_new) {
     return EKV_ERR_UNSUPPORTED;
 }
+/* The device cache: its layout (ekv_cuda_cache_default_params, ekv_cuda_cache_sizes) is host
+ * arithmetic, in every build (cache/layout.c); the rest needs device memory. */
+ekv_status ekv_cuda_cache_create(ekv_context *ctx, const ekv_cuda_cache_params *params,
+                                 ekv_cuda_cache **out) {
+    if (out) *out = NULL;
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    return NO_CUDA(ctx);
+}
+ekv_status ekv_cuda_cache_adopt(ekv_context *ctx, const ekv_cuda_cache_params *params, void *k_pool,
+                                void *v_pool, void *stats, ekv_cuda_cache **out) {
+    return ekv_cuda_cache_create(ctx, params, out);
+}
+void ekv_cuda_cache_free(ekv_cuda_cache *cache) { (void)cache; }
+ekv_status ekv_cuda_cache_view(const ekv_cuda_cache *cache, ekv_paged_kv *kv,
+                               ekv_page_stats *stats) {
+    return EKV_ERR_UNSUPPORTED;
+}
+ekv_status ekv_cuda_cache_append(ekv_cuda_plan *plan, ekv_cuda_cache *cache,
+                                 const ekv_cuda_append_item *items, int32_t n_items,
+                                 const float *k_new, const float *v_new) {
+    return EKV_ERR_UNSUPPORTED;
+}
+ekv_status ekv_cuda_cache_truncate(ekv_cuda_plan *plan, ekv_cuda_cache *cache, const int32_t *pages,
+                                   int64_t n_pages, int64_t length, int64_t n_tokens) {
+    return EKV_ERR_UNSUPPORTED;
+}
 ekv_cuda_sharded_params ekv_cuda_sharded_default_params(void) {
     return ekv_cuda_sharded_defaults();
 }

@@ -90,46 +90,26 @@ static ekv_status upload_vectors(ekv_model *m, model_gpu *g) {
     return EKV_OK;
 }
 
-/* One layer's device cache: K/V pools (NHD, model_gpu.cuh), statistics with the CPU cache's
- * compact ranges, key codes when the model has code_bits. */
+/* One layer's device cache (ekv_cuda_cache): K/V pools in NHD (model_gpu.cuh), statistics
+ * with the CPU cache's compact ranges but the fp32 ball, key codes when the model has
+ * code_bits, no superpage boxes. */
 static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     const ekv_model_config *c = &m->cfg;
-    const int64_t P = g->pages * g->max_seqs, ps = m->prm.page_size, Hk = c->n_kv_heads,
-                  D = c->head_dim;
-    const ekv_dtype dt = m->prm.kv_dtype;
-    const int64_t es = ekv_dtype_size(dt), pool = P * ps * Hk * D, stat_n = P * Hk * D;
-    const ekv_dtype rd = ekv_cache_compact_ranges(dt);
-    ekv_status s = dev_alloc(g, &L->k, pool * es, "the K cache");
-    if (!s) s = dev_alloc(g, &L->v, pool * es, "the V cache");
-    if (!s) s = dev_alloc(g, &L->stats, (4 * stat_n + P * Hk) * 4, "the page statistics");
-    if (!s) s = dev_alloc(g, &L->count, P * 4, "the page counts");
-    if (!s && rd != EKV_DTYPE_F32) s = dev_alloc(g, &L->range16, 2 * stat_n * 2, "the ranges");
-    const int64_t rb = (D * m->prm.code_bits + 7) / 8;
-    if (!s && m->prm.code_bits) s = dev_alloc(g, &L->codes, P * Hk * ps * rb, "the key codes");
-    if (!s) s = dev_alloc(g, &L->last_q, (int64_t)c->n_heads * D * 4, "the queries");
-    if (s) return s;
-    GPU_TRY(g, cudaMemset(L->count, 0, (size_t)P * 4));
-    L->kv = ekv_paged_kv{L->k,       L->v, dt,          (int32_t)ps, (int32_t)Hk,
-                         (int32_t)D, P,    ps * Hk * D, D,           Hk * D};
-    memset(&L->st, 0, sizeof L->st);
-    L->st.kmin = L->stats;
-    L->st.kmax = L->stats + stat_n;
-    L->st.kmean = L->stats + 2 * stat_n;
-    L->st.km2 = L->stats + 3 * stat_n;
-    L->st.radius = L->stats + 4 * stat_n;
-    L->st.count = L->count;
-    L->st.range_dtype = rd;
-    if (L->range16) {
-        L->st.kmin16 = L->range16;
-        L->st.kmax16 = L->range16 + stat_n;
-    }
-    L->st.codes = L->codes;
-    L->st.code_bits = m->prm.code_bits;
-    L->st.num_pages = P;
-    L->st.num_kv_heads = (int32_t)Hk;
-    L->st.head_dim = (int32_t)D;
-    L->st.page_size = (int32_t)ps;
-    return EKV_OK;
+    ekv_cuda_cache_params cp = ekv_cuda_cache_default_params();
+    cp.device = m->prm.device;
+    cp.num_pages = g->pages * g->max_seqs;
+    cp.page_size = m->prm.page_size;
+    cp.num_kv_heads = c->n_kv_heads;
+    cp.head_dim = c->head_dim;
+    cp.dtype = m->prm.kv_dtype;
+    cp.layout = EKV_LAYOUT_NHD;
+    cp.range_dtype = ekv_cache_compact_ranges(cp.dtype);
+    cp.compact_ball = 0;
+    cp.code_bits = m->prm.code_bits;
+    ekv_status s = ekv_cuda_cache_create(m->ctx, &cp, &L->cache);
+    if (!s) s = ekv_cuda_cache_view(L->cache, &L->kv, &L->st);
+    if (!s) s = dev_alloc(g, &L->last_q, (int64_t)c->n_heads * c->head_dim * 4, "the queries");
+    return s;
 }
 
 /* The fused prefill's buffers: per row of a block its candidates and state, per layer its
@@ -275,8 +255,8 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
     if (g->layers)
         for (int32_t l = 0; l < g->nlayers; l++) {
             gpu_layer *L = &g->layers[l];
-            void *bufs[] = {L->k, L->v, L->stats, L->count, L->range16, L->codes, L->last_q};
-            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+            ekv_cuda_cache_free(L->cache);
+            cudaFree(L->last_q);
             free_host_mirror(L);
         }
     free(g->layers);
@@ -381,7 +361,7 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
     TRY(gpu_linear(g, L->wq, qd, d, g->xn, T, g->q, 0.f));
     TRY(gpu_linear(g, L->wk, kvd, d, g->xn, T, g->k, 0.f));
     TRY(gpu_linear(g, L->wv, kvd, d, g->xn, T, g->v, 0.f));
-    TRY(ekv_cuda_append(g->plan, &L->kv, &L->st, g->items, n_items, g->k, g->v));
+    TRY(ekv_cuda_cache_append(g->plan, L->cache, g->items, n_items, g->k, g->v));
     TRY(views ? gpu_views_attention(m, L, b) : gpu_prefill_attention(m, L, b));
     GPU_TRY(g, cudaMemcpyAsync(L->last_q, g->q + (T - 1) * qd, (size_t)qd * 4,
                                cudaMemcpyDeviceToDevice, g->stream));
@@ -598,7 +578,7 @@ extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
 }
 
 /* The next step appends at n_tokens: the append rebuilds that page's statistics and codes from
- * its first slots (ekv_cuda_append), and the page tables come from pos, so nothing past
+ * its first slots (ekv_cuda_cache_append), and the page tables come from pos, so nothing past
  * n_tokens is read again (the engine keeps no superpage boxes). */
 extern "C" ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
     model_gpu *g = m->gpu;
@@ -643,8 +623,8 @@ extern "C" ekv_status ekv_model_gpu_layer_cache(const ekv_model *m, int32_t laye
         return ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory (host K/V copy)");
     }
     GPU_TRY(g, cudaStreamSynchronize(g->stream));
-    GPU_TRY(g, cudaMemcpy(L->host_k, L->k, (size_t)bytes, cudaMemcpyDeviceToHost));
-    GPU_TRY(g, cudaMemcpy(L->host_v, L->v, (size_t)bytes, cudaMemcpyDeviceToHost));
+    GPU_TRY(g, cudaMemcpy(L->host_k, L->kv.k, (size_t)bytes, cudaMemcpyDeviceToHost));
+    GPU_TRY(g, cudaMemcpy(L->host_v, L->kv.v, (size_t)bytes, cudaMemcpyDeviceToHost));
     ekv_cache_params cp = ekv_cache_default_params();
     cp.num_pages = P;
     cp.page_size = (int32_t)ps;

@@ -26,12 +26,8 @@ extern "C" {
 struct gpu_layer {
     const float *attn_norm, *ffn_norm;
     const float *wq, *wk, *wv, *wo, *w1, *w2, *w3;
-    void *k, *v;
-    float *stats; /* kmin | kmax | kmean | km2 (pages*Hk*D each) | radius (pages*Hk) */
-    int32_t *count;
-    uint16_t *range16; /* kmin16 | kmax16, K's dtype (compact ranges), or NULL for f32 K */
-    uint8_t *codes;    /* key codes (code_bits > 0), else NULL */
-    ekv_paged_kv kv;
+    ekv_cuda_cache *cache; /* K/V pools, statistics, key codes (src/cuda/cache/) */
+    ekv_paged_kv kv;       /* its views, taken once */
     ekv_page_stats st;
     float *last_q; /* [H*D] the last token's queries */
     /* the host mirror of ekv_model_layer_cache (built on demand) */

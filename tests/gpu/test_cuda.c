@@ -19,7 +19,10 @@
  *           bounds hold the scores of both score kernels; GQA groups 2, 4, 8 over f16/bf16,
  *           4/8-bit codes, planted/random keys and ALiBi equal dense entmax, rows hold the support.
  * Then: a CUDA graph of the step replayed after the lengths changed gives the eager result,
- * and invalid inputs give errors and leave the output untouched.
+ * and invalid inputs give errors and leave the output untouched. The device cache object
+ * (ekv_cuda_cache) holds what the host cache of its geometry holds after appends, truncations
+ * (into a page, onto a page boundary, to nothing) and appends after them, and over adopted
+ * memory; refused calls change nothing.
  * Exit 77 when no CUDA device is present. EKV_CUDA_TEST_CASES=N limits the table (memcheck).
  */
 #include "entmaxkv.h"
@@ -1951,6 +1954,349 @@ static void step_splits_test(ekv_context *ctx) {
     free(v);
 }
 
+#define SENT_PTR_CACHE ((ekv_cuda_cache *)(uintptr_t)0xA5A5A5A5A5A5A5A5ull)
+
+/* ---- the device cache (ekv_cuda_cache, docs/architecture.md, "The device cache"): create,
+ * append, truncate and adopt against the host cache of the same geometry ---- */
+
+static ekv_cache *host_twin(ekv_context *ctx, const ekv_cuda_cache_params *p) {
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.num_pages = p->num_pages;
+    cp.page_size = p->page_size;
+    cp.num_kv_heads = p->num_kv_heads;
+    cp.head_dim = p->head_dim;
+    cp.dtype = p->dtype;
+    cp.max_seqs = 2;
+    cp.superpage_pages = p->superpage_pages;
+    cp.code_bits = p->code_bits;
+    cp.range_dtype = p->range_dtype;
+    cp.layout = p->layout;
+    ekv_cache *c = NULL;
+    CHECK(ekv_cache_create(ctx, &cp, &c) == EKV_OK, "host twin: %s", ekv_last_error(ctx));
+    return c;
+}
+
+/* The smallest plan of the cache's shapes, for its appends (as the Python package's). */
+static ekv_cuda_plan *append_plan(ekv_context *ctx, const ekv_cuda_cache_params *p) {
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.num_heads = pp.num_kv_heads = p->num_kv_heads;
+    pp.head_dim = p->head_dim;
+    pp.page_size = p->page_size;
+    pp.max_pages_per_seq = 1;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    return plan;
+}
+
+static void *to_host(const void *dev, int64_t bytes) {
+    void *h = malloc((size_t)(bytes > 0 ? bytes : 1));
+    if (dev && bytes > 0) CU(cudaMemcpy(h, dev, (size_t)bytes, cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* Relative distance of a device value from the host's (rounding: fp64 sums on the device,
+ * fp32 Welford on the host). */
+static double rel(float g, float c) { return fabs((double)g - c) / (fabs((double)c) + 1e-3); }
+
+/* What differs between the device cache and the host cache for sequence seq: every page's
+ * count; the sequence's K/V rows, ranges (fp32 and compact) and key codes of its live slots
+ * exactly, means and M2 within rounding, radii never below the host's; the superpage boxes of
+ * its pages and of `also` (pages it gave back) exactly. 0 when they agree. */
+static int64_t cache_diff(const ekv_cache *host, int32_t seq, const ekv_cuda_cache *dev,
+                          const int32_t *also, int64_t n_also) {
+    ekv_paged_kv hkv, dkv;
+    ekv_page_stats hst, dst;
+    ekv_cache_kv_view(host, &hkv, &hst);
+    if (ekv_cuda_cache_view(dev, &dkv, &dst)) return 1;
+    CU(cudaDeviceSynchronize());
+    const int64_t P = hkv.num_pages, Hk = hkv.num_kv_heads, D = hkv.head_dim, ps = hkv.page_size;
+    const int64_t es = ekv_dtype_size(hkv.dtype), pool = P * hkv.stride_page * es, n = P * Hk * D;
+    const int64_t R = (D * hst.code_bits + 7) / 8;
+    int64_t bad = 0, np = 0, ip[2];
+    int32_t pages[64], lpl = 0;
+    ekv_cache_page_table(host, &seq, 1, ip, pages, 64, &lpl, &np);
+    char *k = to_host(dkv.k, pool), *v = to_host(dkv.v, pool);
+    int32_t *cnt = to_host(dst.count, P * 4);
+    float *mn = to_host(dst.kmin, n * 4), *mx = to_host(dst.kmax, n * 4),
+          *me = to_host(dst.kmean, n * 4), *m2 = to_host(dst.km2, n * 4),
+          *rad = to_host(dst.radius, P * Hk * 4);
+    uint16_t *mn16 = to_host(dst.kmin16, hst.kmin16 ? n * 2 : 0),
+             *mx16 = to_host(dst.kmax16, hst.kmin16 ? n * 2 : 0);
+    uint8_t *codes = to_host(dst.codes, hst.codes ? P * Hk * ps * R : 0);
+    for (int64_t pg = 0; pg < P; pg++) bad += cnt[pg] != hst.count[pg];
+    for (int64_t i = 0; i < ip[1]; i++) {
+        const int64_t pg = pages[i], ntok = hst.count[pg];
+        for (int64_t h = 0; h < Hk; h++) {
+            for (int64_t t = 0; t < ntok; t++) {
+                const int64_t at =
+                        (pg * hkv.stride_page + h * hkv.stride_head + t * hkv.stride_token) * es;
+                bad += memcmp(k + at, (const char *)hkv.k + at, (size_t)(D * es)) != 0;
+                bad += memcmp(v + at, (const char *)hkv.v + at, (size_t)(D * es)) != 0;
+                for (int64_t j = 0; hst.codes && j < R; j++) {
+                    const int64_t b = (pg * Hk + h) * ps * R + j * ps + t;
+                    bad += codes[b] != hst.codes[b];
+                }
+            }
+            for (int64_t d = 0, s = (pg * Hk + h) * D; d < D; d++, s++) {
+                bad += mn[s] != hst.kmin[s] || mx[s] != hst.kmax[s];
+                bad += hst.kmin16 && (mn16[s] != hst.kmin16[s] || mx16[s] != hst.kmax16[s]);
+                bad += rel(me[s], hst.kmean[s]) > 1e-4 || rel(m2[s], hst.km2[s]) > 1e-3;
+            }
+            const float rg = rad[pg * Hk + h], rc = hst.radius[pg * Hk + h];
+            bad += rg < rc * (1 - 2e-6) - 1e-6 || rg > rc * (1 + 1e-3) + 1e-5;
+        }
+    }
+    if (hst.smin) {
+        const int64_t sn = hst.num_superpages * Hk * D, S = hst.superpage_pages;
+        float *smn = to_host(dst.smin, sn * 4), *smx = to_host(dst.smax, sn * 4);
+        for (int64_t i = 0; i < ip[1] + n_also; i++) {
+            const int64_t sid = (i < ip[1] ? pages[i] : also[i - ip[1]]) / S;
+            for (int64_t j = sid * Hk * D; j < (sid + 1) * Hk * D; j++)
+                bad += smn[j] != hst.smin[j] || smx[j] != hst.smax[j];
+        }
+        free(smn);
+        free(smx);
+    }
+    void *bufs[] = {k, v, cnt, mn, mx, me, m2, rad, mn16, mx16, codes};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    return bad;
+}
+
+/* Tokens [n0, n0 + n) of the sequence whose pages are `pages` as append items (rows of k_new
+ * from 0), on the device. */
+static ekv_cuda_append_item *dev_items(const int32_t *pages, int64_t n0, int64_t n, int64_t ps,
+                                       int32_t *n_items) {
+    ekv_cuda_append_item items[64];
+    int32_t ni = 0;
+    for (int64_t t = n0; t < n0 + n;) {
+        const int64_t slot = t % ps, take = ps - slot < n0 + n - t ? ps - slot : n0 + n - t;
+        items[ni++] =
+                (ekv_cuda_append_item){pages[t / ps], (int32_t)slot, (int32_t)take, 0, t - n0};
+        t += take;
+    }
+    *n_items = ni;
+    return dev_copy(items, sizeof items[0] * (size_t)ni);
+}
+
+/* n tokens appended to both caches: the host's append, then the same rows by the device's
+ * into the pages the host took. */
+static void twin_append(ekv_context *ctx, ekv_cuda_plan *plan, ekv_cache *hc, int32_t seq,
+                        ekv_cuda_cache *dc, test_rng *r, int64_t n) {
+    ekv_paged_kv kv;
+    ekv_cache_kv_view(hc, &kv, NULL);
+    const int64_t Hk = kv.num_kv_heads, D = kv.head_dim;
+    float *k = malloc(sizeof(float) * n * Hk * D), *v = malloc(sizeof(float) * n * Hk * D);
+    float dir[512] = {0};
+    make_kv(r, k, v, n, (int)Hk, (int)D, dir);
+    int64_t n0 = 0, ip[2], np = 0;
+    int32_t pages[64], lpl = 0, ni = 0;
+    ekv_cache_seq_length(hc, seq, &n0);
+    CHECK(ekv_cache_append(hc, seq, n, k, v, EKV_DTYPE_F32) == EKV_OK, "host append: %s",
+          ekv_last_error(ctx));
+    ekv_cache_page_table(hc, &seq, 1, ip, pages, 64, &lpl, &np);
+    ekv_cuda_append_item *items = dev_items(pages, n0, n, kv.page_size, &ni);
+    float *dk = dev_copy(k, sizeof(float) * n * Hk * D),
+          *dv = dev_copy(v, sizeof(float) * n * Hk * D);
+    CHECK(ekv_cuda_cache_append(plan, dc, items, ni, dk, dv) == EKV_OK, "device append: %s",
+          ekv_last_error(ctx));
+    CU(cudaDeviceSynchronize());
+    cudaFree(items);
+    cudaFree(dk);
+    cudaFree(dv);
+    free(k);
+    free(v);
+}
+
+/* Both caches keep the first n tokens of seq; the device's truncation gets the host's pages
+ * and length from before. The pages given back are the boxes to compare. */
+static void twin_truncate(ekv_context *ctx, ekv_cuda_plan *plan, ekv_cache *hc, int32_t seq,
+                          ekv_cuda_cache *dc, int64_t n, const char *what) {
+    int64_t len = 0, ip[2], np = 0;
+    int32_t pages[64], lpl = 0;
+    ekv_cache_seq_length(hc, seq, &len);
+    ekv_cache_page_table(hc, &seq, 1, ip, pages, 64, &lpl, &np);
+    CHECK(ekv_cuda_cache_truncate(plan, dc, pages, ip[1], len, n) == EKV_OK &&
+                  ekv_cache_truncate(hc, seq, n) == EKV_OK,
+          "%s: truncate to %lld: %s", what, (long long)n, ekv_last_error(ctx));
+    CHECK(cache_diff(hc, seq, dc, pages, ip[1]) == 0,
+          "%s: truncated to %lld of %lld tokens, the "
+          "device cache differs from the host's",
+          what, (long long)n, (long long)len);
+}
+
+/* Refused truncations and appends change nothing (the caches still agree afterwards). */
+static void cache_refusals(ekv_context *ctx, ekv_cuda_plan *plan, ekv_cache *hc, int32_t seq,
+                           ekv_cuda_cache *dc) {
+    int64_t len = 0, ip[2], np = 0;
+    int32_t pages[64], lpl = 0;
+    ekv_cache_seq_length(hc, seq, &len);
+    ekv_cache_page_table(hc, &seq, 1, ip, pages, 64, &lpl, &np);
+    const int64_t n = ip[1];
+    int32_t bad[64];
+    memcpy(bad, pages, sizeof(int32_t) * (size_t)n);
+    bad[0] = 999;
+    CHECK(ekv_cuda_cache_truncate(plan, dc, bad, n, len, 1) == EKV_ERR_INVALID_ARGUMENT &&
+                  strstr(ekv_last_error(ctx), "out of range"),
+          "a page out of range: %s", ekv_last_error(ctx));
+    bad[0] = pages[n - 1];
+    CHECK(n < 2 || (ekv_cuda_cache_truncate(plan, dc, bad, n, len, 1) == EKV_ERR_INVALID_ARGUMENT &&
+                    strstr(ekv_last_error(ctx), "listed twice")),
+          "a page listed twice: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_cache_truncate(plan, dc, pages, n, n * 16 + 1, 1) == EKV_ERR_INVALID_SIZE &&
+                  ekv_cuda_cache_truncate(plan, dc, pages, n, len, len + 1) ==
+                          EKV_ERR_INVALID_SIZE &&
+                  ekv_cuda_cache_truncate(plan, dc, pages, n, len, -1) == EKV_ERR_INVALID_SIZE &&
+                  ekv_cuda_cache_truncate(plan, NULL, pages, n, len, 1) == EKV_ERR_NULL_POINTER &&
+                  ekv_cuda_cache_truncate(plan, dc, NULL, n, len, 1) == EKV_ERR_NULL_POINTER,
+          "lengths, NULLs: %s", ekv_last_error(ctx));
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params(); /* another head dim */
+    pp.num_heads = pp.num_kv_heads = 2;
+    pp.head_dim = 128;
+    pp.max_pages_per_seq = 1;
+    ekv_cuda_plan *other = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &other) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    ekv_cuda_append_item one = {pages[0], 0, 1, 0, 0};
+    void *d1 = dev_copy(&one, sizeof one);
+    float *row = dev_copy(NULL, 4 * 128 * 2);
+    CHECK(ekv_cuda_cache_append(other, dc, d1, 1, row, row) == EKV_ERR_INVALID_ARGUMENT &&
+                  ekv_cuda_cache_append(plan, NULL, d1, 1, row, row) == EKV_ERR_NULL_POINTER &&
+                  ekv_cuda_cache_append(NULL, dc, d1, 1, row, row) == EKV_ERR_NULL_POINTER,
+          "append with another plan's shapes, NULLs: %s", ekv_last_error(ctx));
+    CU(cudaDeviceSynchronize());
+    CHECK(cache_diff(hc, seq, dc, NULL, 0) == 0, "a refused call changed the device cache");
+    ekv_cuda_plan_free(other);
+    cudaFree(d1);
+    cudaFree(row);
+}
+
+/* One geometry: 150 tokens (a prefill, then single tokens), truncated into a page and onto a
+ * page boundary, to nothing, and appended again; each time the caches agree. */
+static void cache_object_case(ekv_context *ctx, const ekv_cuda_cache_params *p, uint64_t seed) {
+    ekv_cuda_cache *dc = NULL;
+    CHECK(ekv_cuda_cache_create(ctx, p, &dc) == EKV_OK && dc, "create: %s", ekv_last_error(ctx));
+    ekv_cache *hc = host_twin(ctx, p);
+    ekv_cuda_plan *plan = append_plan(ctx, p);
+    if (!dc || !hc || !plan) return;
+    test_rng r = {seed};
+    int32_t seq = 0, other = 0;
+    ekv_cache_seq_new(hc, &other); /* its pages stay free: the sequence's are not 0, 1, ... */
+    ekv_cache_seq_new(hc, &seq);
+    twin_append(ctx, plan, hc, other, dc, &r, 20);
+    twin_append(ctx, plan, hc, seq, dc, &r, 147);
+    for (int i = 0; i < 3; i++) twin_append(ctx, plan, hc, seq, dc, &r, 1);
+    CHECK(cache_diff(hc, seq, dc, NULL, 0) == 0 && cache_diff(hc, other, dc, NULL, 0) == 0,
+          "appended: the device cache differs from the host's (dtype %s, layout %d, code_bits %d)",
+          ekv_dtype_name(p->dtype), (int)p->layout, p->code_bits);
+    cache_refusals(ctx, plan, hc, seq, dc);
+    twin_truncate(ctx, plan, hc, seq, dc, 37, "into a page");
+    twin_truncate(ctx, plan, hc, seq, dc, 37, "to its length");
+    twin_truncate(ctx, plan, hc, seq, dc, 32, "onto a page boundary");
+    twin_append(ctx, plan, hc, seq, dc, &r, 21);
+    CHECK(cache_diff(hc, seq, dc, NULL, 0) == 0, "appended after a truncation: they differ");
+    twin_truncate(ctx, plan, hc, seq, dc, 0, "to nothing");
+    CHECK(cache_diff(hc, other, dc, NULL, 0) == 0, "another sequence's pages changed");
+    ekv_cuda_plan_free(plan);
+    ekv_cuda_cache_free(dc);
+    ekv_cache_free(hc);
+}
+
+/* adopt: a cache over memory the test allocated, filled with a host cache's pool, its
+ * statistics built by items that add no tokens; refusals of the caller's memory. */
+static void cache_adopt_test(ekv_context *ctx, const ekv_cuda_cache_params *p) {
+    int64_t pool = 0, stats = 0;
+    CHECK(ekv_cuda_cache_sizes(ctx, p, &pool, &stats) == EKV_OK, "sizes: %s", ekv_last_error(ctx));
+    char *k = dev_copy(NULL, pool), *v = dev_copy(NULL, pool), *st = dev_copy(NULL, stats + 256);
+    CU(cudaMemset(st, 0, stats));
+    ekv_cache *hc = host_twin(ctx, p);
+    test_rng r = {99};
+    int32_t seq = 0, pages[64], lpl = 0, ni = 0;
+    int64_t ip[2], np = 0;
+    ekv_cache_seq_new(hc, &seq);
+    float *kk = malloc(sizeof(float) * 100 * p->num_kv_heads * p->head_dim),
+          *vv = malloc(sizeof(float) * 100 * p->num_kv_heads * p->head_dim), dir[512] = {0};
+    make_kv(&r, kk, vv, 100, p->num_kv_heads, p->head_dim, dir);
+    ekv_cache_append(hc, seq, 100, kk, vv, EKV_DTYPE_F32);
+    ekv_paged_kv hkv;
+    ekv_cache_kv_view(hc, &hkv, NULL);
+    CU(cudaMemcpy(k, hkv.k, pool, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(v, hkv.v, pool, cudaMemcpyHostToDevice));
+    ekv_cuda_cache *dc = SENT_PTR_CACHE, *none = SENT_PTR_CACHE;
+    _Alignas(256) char hostmem[256];
+    CHECK(ekv_cuda_cache_adopt(ctx, p, hostmem, v, st, &none) == EKV_ERR_INVALID_ARGUMENT &&
+                  !none && strstr(ekv_last_error(ctx), "not device memory"),
+          "adopt of host memory: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_cache_adopt(ctx, p, k, v, st + 16, &none) == EKV_ERR_INVALID_ARGUMENT &&
+                  ekv_cuda_cache_adopt(ctx, p, k, k, st, &none) == EKV_ERR_INVALID_ARGUMENT &&
+                  ekv_cuda_cache_adopt(ctx, p, k, v, k + 256, &none) == EKV_ERR_INVALID_ARGUMENT &&
+                  ekv_cuda_cache_adopt(ctx, p, k, v, NULL, &none) == EKV_ERR_NULL_POINTER && !none,
+          "adopt of memory it cannot take: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_cache_adopt(ctx, p, k, v, st, &dc) == EKV_OK, "adopt: %s", ekv_last_error(ctx));
+    ekv_paged_kv dkv;
+    ekv_page_stats dst;
+    ekv_cuda_cache_view(dc, &dkv, &dst);
+    CHECK(dkv.k == k && dkv.v == v && (const char *)dst.kmin == st, "adopt: the views are not "
+                                                                    "over the caller's memory");
+    ekv_cuda_plan *plan = append_plan(ctx, p);
+    ekv_cache_page_table(hc, &seq, 1, ip, pages, 64, &lpl, &np);
+    ekv_cuda_append_item items[64]; /* the stored keys as they are: first_slot = the tokens */
+    for (int64_t i = 0; i < ip[1]; i++, ni++)
+        items[i] = (ekv_cuda_append_item){pages[i], i + 1 < ip[1] ? p->page_size : lpl, 0, 0, 0};
+    void *di = dev_copy(items, sizeof items[0] * (size_t)ni);
+    CHECK(ekv_cuda_cache_append(plan, dc, di, ni, (const float *)k, (const float *)k) == EKV_OK &&
+                  cache_diff(hc, seq, dc, NULL, 0) == 0,
+          "adopted pages: the statistics differ from the host cache's (%s)", ekv_last_error(ctx));
+    ekv_cuda_cache_free(dc);
+    CHECK(cudaMemset(st, 0, stats) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess,
+          "the caller's memory after the cache was freed");
+    ekv_cuda_plan_free(plan);
+    cudaFree(di);
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(st);
+    free(kk);
+    free(vv);
+    ekv_cache_free(hc);
+}
+
+static void cache_object_test(ekv_context *ctx) {
+    ekv_cuda_cache_params p = ekv_cuda_cache_default_params();
+    ekv_cuda_cache *dc = SENT_PTR_CACHE;
+    int32_t ndev = 0;
+    ekv_cuda_device_count(ctx, &ndev);
+    p.num_pages = 24;
+    p.head_dim = 12;
+    CHECK(ekv_cuda_cache_create(ctx, &p, &dc) == EKV_ERR_INVALID_SIZE && !dc &&
+                  strstr(ekv_last_error(ctx), "multiple of 8"),
+          "head_dim 12: %s", ekv_last_error(ctx));
+    p.head_dim = 64;
+    p.device = ndev;
+    CHECK(ekv_cuda_cache_create(ctx, &p, &dc) == EKV_ERR_INVALID_ARGUMENT && !dc, "device %d of %d",
+          ndev, ndev);
+    p.device = 0;
+    p.num_pages = 0;
+    CHECK(ekv_cuda_cache_create(ctx, &p, &dc) == EKV_ERR_INVALID_SIZE && !dc, "num_pages 0");
+    p.num_pages = 24;
+    p.num_kv_heads = 2;
+    CHECK(ekv_cuda_cache_create(ctx, &p, NULL) == EKV_ERR_NULL_POINTER, "out NULL");
+    const struct {
+        ekv_dtype dt;
+        ekv_kv_layout layout;
+        ekv_dtype rd;
+        int sp, bits;
+    } geo[] = {{EKV_DTYPE_F16, EKV_LAYOUT_HND, EKV_DTYPE_F16, 4, 8},
+               {EKV_DTYPE_BF16, EKV_LAYOUT_NHD, EKV_DTYPE_F32, 0, 4},
+               {EKV_DTYPE_F32, EKV_LAYOUT_NHD, EKV_DTYPE_BF16, 8, 0}};
+    for (int i = 0; i < 3; i++) {
+        p.dtype = geo[i].dt;
+        p.layout = geo[i].layout;
+        p.range_dtype = geo[i].rd;
+        p.superpage_pages = geo[i].sp;
+        p.code_bits = geo[i].bits;
+        cache_object_case(ctx, &p, 7 + (uint64_t)i);
+        if (i == 0) cache_adopt_test(ctx, &p);
+    }
+}
+
 int main(void) {
     ekv_context *ctx = NULL;
     ekv_context_params cpar = ekv_context_default_params();
@@ -1965,6 +2311,7 @@ int main(void) {
     const char *lim = getenv("EKV_CUDA_TEST_CASES");
     const int max_cases = lim ? atoi(lim) : 1 << 30;
     invalid_test(ctx);
+    cache_object_test(ctx);
     key_scale_test(ctx);
     step_splits_test(ctx);
     scores_precision_test(ctx);

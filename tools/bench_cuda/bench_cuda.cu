@@ -97,7 +97,7 @@ extern "C" int cli_bench_cuda(const bench_opts *opts) {
         memset(&r, 0, sizeof r);
         c.wl = trace ? &wl : NULL;
         rc = cuda_len_geometry(&c, o, o->lens[li]);
-        if (!rc) rc = cuda_len_alloc(&c, o);
+        if (!rc) rc = cuda_len_alloc(ctx, &c, o);
         if (!rc) rc = cuda_len_fill(&c, o);
         if (!rc) rc = cuda_time(ctx, o, &c, &r);
         if (!rc) cuda_report_row(o, prop, bw, json_rows++, &c, &r, &out);

@@ -37,7 +37,8 @@ static inline double median(std::vector<double> v) {
     return v.empty() ? 0 : v[v.size() / 2];
 }
 
-/* Device memory of one length: K/V pages, their statistics, the page table, q and out. */
+/* Device memory of one length: its device cache (K/V pages, their statistics), the page table,
+ * q and out. */
 struct cuda_len {
     int64_t len = 0, total_pages = 0, maxP = 0, total_tokens = 0;
     std::vector<int64_t> lens, indptr;
@@ -46,18 +47,14 @@ struct cuda_len {
     int device = 0;
     std::vector<int32_t> lpl;
     std::vector<float> dir; /* planted: the direction shared by the query and 1 in 500 keys */
-    void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *ddir = NULL;
-    uint8_t *dcodes = NULL; /* key codes (methods that read them)                  */
-    wl_state *wl = NULL;    /* trace:FILE, else NULL                               */
+    void *dq = NULL, *dout = NULL, *ddir = NULL;
+    wl_state *wl = NULL;                                 /* trace:FILE, else NULL */
     float *dknew = NULL, *dvnew = NULL, *dslopes = NULL; /* trace: fp32 rows; its slopes */
-    float *st_buf = NULL;
-    uint16_t *range16 = NULL; /* compact kmin/kmax (--ranges f16/bf16), then kmean16 */
-    float *radius16 = NULL;   /* the compact ball's radii                              */
-    float *sp_box = NULL;     /* superpage boxes (--superpage S > 0): smin, then smax  */
-    int32_t *dcount = NULL, *dindices = NULL, *dlpl = NULL;
+    ekv_cuda_cache *cache = NULL; /* pool, statistics (--ranges, --superpage), key codes */
+    int32_t *dindices = NULL, *dlpl = NULL;
     int64_t *dindptr = NULL;
     ekv_cuda_append_item *ditems = NULL;
-    ekv_paged_kv kv;
+    ekv_paged_kv kv; /* the cache's views */
     ekv_page_stats st;
     ekv_page_table tab;
 };
@@ -108,7 +105,7 @@ int cuda_len_geometry(cuda_len *c, const bench_opts *o, int64_t len);
 int shard_geometry(const cuda_len &w, const bench_opts *o, int S, int j, cuda_len *c);
 int64_t cuda_len_bytes(cuda_len *c, const bench_opts *o);
 int64_t device_free_bytes(void);
-int cuda_len_alloc(cuda_len *c, const bench_opts *o);
+int cuda_len_alloc(ekv_context *ctx, cuda_len *c, const bench_opts *o);
 void cuda_len_free(cuda_len *c);
 int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, const bench_opts *o,
                    float *build_ms);

@@ -166,9 +166,10 @@ int cuda_len_fill(cuda_len *c, const bench_opts *o) {
     fill_progress pg;
     pg.c = c;
     pg.total = 2 * c->total_pages * o->w.kv_heads * o->w.page * D * ekv_dtype_size(o->w.dtype);
-    if (fill_pages(c, o, c->dk, (uint64_t)o->w.seed * 3 + 1,
+    /* the cache's pools (the views are const: the library only reads them) */
+    if (fill_pages(c, o, const_cast<void *>(c->kv.k), (uint64_t)o->w.seed * 3 + 1,
                    planted ? (const float *)c->ddir : NULL, &pg) ||
-        fill_pages(c, o, c->dv, (uint64_t)o->w.seed * 3 + 2, NULL, &pg))
+        fill_pages(c, o, const_cast<void *>(c->kv.v), (uint64_t)o->w.seed * 3 + 2, NULL, &pg))
         return 1;
     fill_f32<<<256, 256>>>((float *)c->dq, qn, (uint64_t)o->w.seed * 3 + 3);
     if (planted) { /* every head's query leans towards the planted keys: q += dir */

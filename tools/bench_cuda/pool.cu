@@ -1,16 +1,14 @@
 /*
  * bench --backend cuda, pool building (bench_cuda.cu): the device holds the pages itself (no
- * ekv_cache, which is host memory), so a length's page table, K/V layout, page statistics and
- * their views are built here, not by wl_setup_create; then the append kernel builds the
- * summaries of the filled pages.
+ * ekv_cache, which is host memory), so a length's page table is built here, not by
+ * wl_setup_create, and its pool, page statistics and their views are a device cache
+ * (ekv_cuda_cache); then the append kernel builds the summaries of the filled pages.
  */
 #include "bench_cuda.cuh"
 
 void cuda_len_free(cuda_len *c) {
-    cudaFree(c->dk);
-    cudaFree(c->dv);
-    cudaFree(c->st_buf);
-    cudaFree(c->dcount);
+    ekv_cuda_cache_free(c->cache);
+    c->cache = NULL;
     cudaFree(c->dindptr);
     cudaFree(c->dindices);
     cudaFree(c->dlpl);
@@ -18,10 +16,6 @@ void cuda_len_free(cuda_len *c) {
     cudaFree(c->dout);
     cudaFree(c->ddir);
     cudaFree(c->ditems);
-    cudaFree(c->dcodes);
-    cudaFree(c->range16);
-    cudaFree(c->radius16);
-    cudaFree(c->sp_box);
     cudaFree(c->dknew);
     cudaFree(c->dvnew);
     cudaFree(c->dslopes);
@@ -95,38 +89,44 @@ struct dev_buf {
     int64_t bytes;
 };
 
-/* Every buffer cuda_len_alloc allocates for c (its sizes, written once for the allocation and
- * the memory check). */
-static std::vector<dev_buf> cuda_len_buffers(cuda_len *c, const bench_opts *o) {
-    const int64_t B = o->w.batch, H = o->w.heads, Hk = o->w.kv_heads, D = o->w.dim, ps = o->w.page;
-    const int64_t es = ekv_dtype_size(o->w.dtype), pool = c->total_pages * Hk * ps * D;
-    const int64_t stat_n = c->total_pages * Hk * D, P = c->total_pages;
-    std::vector<dev_buf> v = {{&c->dk, pool * es},
-                              {&c->dv, pool * es},
-                              {(void **)&c->st_buf, (4 * stat_n + P * Hk) * (int64_t)sizeof(float)},
-                              {(void **)&c->dcount, P * (int64_t)sizeof(int32_t)},
-                              {(void **)&c->dindptr, (B + 1) * (int64_t)sizeof(int64_t)},
-                              {(void **)&c->dindices, P * (int64_t)sizeof(int32_t)},
-                              {(void **)&c->dlpl, B * (int64_t)sizeof(int32_t)},
-                              {&c->dq, B * H * D * (int64_t)sizeof(float)},
-                              {&c->dout, B * H * D * (int64_t)sizeof(float)},
-                              {&c->ddir, D * (int64_t)sizeof(float)},
-                              {(void **)&c->ditems, P * (int64_t)sizeof(ekv_cuda_append_item)}};
-    if (wl_range_dtype(&o->w) != EKV_DTYPE_F32) { /* compact copies, written by the append kernel */
-        v.push_back({(void **)&c->range16, 3 * stat_n * (int64_t)sizeof(uint16_t)});
-        v.push_back({(void **)&c->radius16, P * Hk * (int64_t)sizeof(float)});
-    }
-    if (o->superpage > 0) { /* superpage boxes: smin, then smax */
-        const int64_t nsp = (P + o->superpage - 1) / o->superpage;
-        v.push_back({(void **)&c->sp_box, 2 * nsp * Hk * D * (int64_t)sizeof(float)});
-    }
-    if (cli_method_codes(o->method)) /* key codes, written by the append kernel */
-        v.push_back({(void **)&c->dcodes, P * Hk * ps * ((D * o->code_bits + 7) / 8)});
-    return v;
+/* The device cache of c (ekv_cuda_cache): the options' pool, ranges (with the compact ball),
+ * superpage boxes and key codes (methods that read them), on c's device. */
+static ekv_cuda_cache_params cuda_cache_params(const cuda_len *c, const bench_opts *o) {
+    ekv_cuda_cache_params p = ekv_cuda_cache_default_params();
+    p.device = c->device;
+    p.num_pages = c->total_pages;
+    p.page_size = (int32_t)o->w.page;
+    p.num_kv_heads = (int32_t)o->w.kv_heads;
+    p.head_dim = (int32_t)o->w.dim;
+    p.dtype = o->w.dtype;
+    p.layout = EKV_LAYOUT_HND;
+    p.range_dtype = wl_range_dtype(&o->w);
+    p.compact_ball = 1;
+    p.superpage_pages = o->superpage > 0 ? (int32_t)o->superpage : 0;
+    p.code_bits = cli_method_codes(o->method) ? (int32_t)o->code_bits : 0;
+    return p;
 }
 
+/* Every other buffer cuda_len_alloc allocates for c (its sizes, written once for the allocation
+ * and the memory check). */
+static std::vector<dev_buf> cuda_len_buffers(cuda_len *c, const bench_opts *o) {
+    const int64_t B = o->w.batch, H = o->w.heads, D = o->w.dim, P = c->total_pages;
+    return {{(void **)&c->dindptr, (B + 1) * (int64_t)sizeof(int64_t)},
+            {(void **)&c->dindices, P * (int64_t)sizeof(int32_t)},
+            {(void **)&c->dlpl, B * (int64_t)sizeof(int32_t)},
+            {&c->dq, B * H * D * (int64_t)sizeof(float)},
+            {&c->dout, B * H * D * (int64_t)sizeof(float)},
+            {&c->ddir, D * (int64_t)sizeof(float)},
+            {(void **)&c->ditems, P * (int64_t)sizeof(ekv_cuda_append_item)}};
+}
+
+/* The device bytes of c: its cache (K, V and the statistics) and the other buffers; -1 when
+ * the options make no valid cache (cuda_len_alloc says why). */
 int64_t cuda_len_bytes(cuda_len *c, const bench_opts *o) {
-    int64_t n = 0;
+    const ekv_cuda_cache_params cp = cuda_cache_params(c, o);
+    int64_t pool = 0, stats = 0, n = 0;
+    if (ekv_cuda_cache_sizes(NULL, &cp, &pool, &stats)) return -1;
+    n = 2 * pool + stats;
     for (const dev_buf &b : cuda_len_buffers(c, o)) n += b.bytes;
     return n;
 }
@@ -163,20 +163,25 @@ static int device_room(const cuda_len *c, int64_t bytes) {
     return 1;
 }
 
-/* c's buffers on the current device (c->device), the views the library reads, the page
- * table (indices local to this pool: page i of the pool is indices[i] = i). */
-int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
-    const int64_t B = o->w.batch, Hk = o->w.kv_heads, D = o->w.dim, ps = o->w.page;
-    const int64_t es = ekv_dtype_size(o->w.dtype), stride_page = Hk * ps * D;
-    const int64_t stat_n = c->total_pages * Hk * D;
+/* c's device cache and buffers on the current device (c->device), the views the library
+ * reads, the page table (indices local to this pool: page i of the pool is indices[i] = i). */
+int cuda_len_alloc(ekv_context *ctx, cuda_len *c, const bench_opts *o) {
+    const int64_t B = o->w.batch,
+                  kv_elems = 2 * c->total_pages * o->w.kv_heads * o->w.page * o->w.dim;
     const std::vector<dev_buf> bufs = cuda_len_buffers(c, o);
     const int64_t need = cuda_len_bytes(c, o);
     char who[64];
     cuda_len_name(c, who, sizeof who);
     fprintf(stderr,
             "entmaxkv bench: %s: filling %.2f GB of K/V on GPU %d (%.2f GB with the statistics)\n",
-            who, 2.0 * c->total_pages * stride_page * es / 1e9, c->device, need / 1e9);
+            who, kv_elems * ekv_dtype_size(o->w.dtype) / 1e9, c->device, need / 1e9);
     if (device_room(c, need)) return 1;
+    const ekv_cuda_cache_params cp = cuda_cache_params(c, o);
+    if (ekv_cuda_cache_create(ctx, &cp, &c->cache) ||
+        ekv_cuda_cache_view(c->cache, &c->kv, &c->st)) {
+        fprintf(stderr, "entmaxkv bench: %s: %s\n", who, ekv_last_error(ctx));
+        return 1;
+    }
     for (const dev_buf &b : bufs) BC(cudaMalloc(b.p, (size_t)b.bytes));
     std::vector<int32_t> indices(c->total_pages);
     for (int64_t i = 0; i < c->total_pages; i++) indices[i] = (int32_t)i;
@@ -184,37 +189,6 @@ int cuda_len_alloc(cuda_len *c, const bench_opts *o) {
     BC(cudaMemcpy(c->dindices, indices.data(), c->total_pages * sizeof(int32_t),
                   cudaMemcpyHostToDevice));
     BC(cudaMemcpy(c->dlpl, c->lpl.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
-    c->kv = ekv_paged_kv{c->dk,      c->dv,          o->w.dtype,  (int32_t)ps, (int32_t)Hk,
-                         (int32_t)D, c->total_pages, stride_page, ps * D,      D};
-    memset(&c->st, 0, sizeof c->st);
-    c->st.kmin = c->st_buf;
-    c->st.kmax = c->st_buf + stat_n;
-    c->st.kmean = c->st_buf + 2 * stat_n;
-    c->st.km2 = c->st_buf + 3 * stat_n;
-    c->st.radius = c->st_buf + 4 * stat_n;
-    c->st.range_dtype = wl_range_dtype(&o->w);
-    if (c->range16) {
-        c->st.kmin16 = c->range16;
-        c->st.kmax16 = c->range16 + stat_n;
-        c->st.kmean16 = c->range16 + 2 * stat_n; /* the compact ball (docs/math.md §9.5) */
-        c->st.radius16 = c->radius16;
-    }
-    c->st.count = c->dcount;
-    c->st.num_pages = c->total_pages; /* the pool the statistics cover, checked against kv */
-    c->st.num_kv_heads = (int32_t)Hk;
-    c->st.head_dim = (int32_t)D;
-    c->st.page_size = (int32_t)ps;
-    if (c->sp_box) { /* written by the append kernel; certified skips against them */
-        const int64_t S = o->superpage, nsp = (c->total_pages + S - 1) / S, n = nsp * Hk * D;
-        c->st.smin = c->sp_box;
-        c->st.smax = c->sp_box + n;
-        c->st.superpage_pages = (int32_t)S;
-        c->st.num_superpages = nsp;
-    }
-    if (c->dcodes) {
-        c->st.codes = c->dcodes;
-        c->st.code_bits = o->code_bits;
-    }
     c->tab = ekv_page_table{(int32_t)B, c->dindptr, c->dindices, c->dlpl};
     return 0;
 }
@@ -237,9 +211,9 @@ int cuda_summaries(ekv_context *ctx, ekv_cuda_plan *plan, cuda_len *c, const ben
     cudaEventCreate(&a0);
     cudaEventCreate(&a1);
     cudaEventRecord(a0, 0);
-    ekv_status st = ekv_cuda_append(plan, &c->kv, &c->st, c->ditems, (int32_t)c->total_pages,
-                                    c->wl ? c->dknew : (const float *)c->dq,
-                                    c->wl ? c->dvnew : (const float *)c->dq);
+    ekv_status st = ekv_cuda_cache_append(plan, c->cache, c->ditems, (int32_t)c->total_pages,
+                                          c->wl ? c->dknew : (const float *)c->dq,
+                                          c->wl ? c->dvnew : (const float *)c->dq);
     if (st) fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
     cudaDeviceSynchronize();
     cudaEventRecord(a1, 0);

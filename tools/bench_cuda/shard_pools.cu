@@ -28,7 +28,7 @@ static int shard_pools_reference(ekv_context *ctx, const bench_opts *o, const cu
             fr / 1e9);
     fflush(out->text);
     if (!run) return 0;
-    int rc = cuda_len_alloc(&c, o) || cuda_len_fill(&c, o) || cuda_time(ctx, o, &c, &r);
+    int rc = cuda_len_alloc(ctx, &c, o) || cuda_len_fill(&c, o) || cuda_time(ctx, o, &c, &r);
     if (!rc) {
         cuda_report_row(o, prop, bw, (*json_rows)++, &c, &r, out);
         ref->resize(o->w.batch * o->w.heads * o->w.dim);
@@ -49,7 +49,7 @@ static int shard_pool_fill(ekv_context *ctx, const bench_opts *o, ekv_cuda_shard
                            cuda_len *c) {
     BC(cudaSetDevice(c->device));
     float build_ms = 0;
-    if (cuda_len_alloc(c, o) || cuda_len_fill(c, o) ||
+    if (cuda_len_alloc(ctx, c, o) || cuda_len_fill(c, o) ||
         cuda_summaries(ctx, ekv_cuda_sharded_shard(sp, j), c, o, &build_ms))
         return 1;
     char who[64];

@@ -68,7 +68,7 @@ static int pool_on(ekv_context *ctx, const bench_opts *o, const ekv_cuda_plan_pa
     c->device = g;
     ekv_cuda_plan *plan = NULL;
     float build_ms = 0;
-    int rc = cuda_len_geometry(c, o, len) || cuda_len_alloc(c, o) || cuda_len_fill(c, o);
+    int rc = cuda_len_geometry(c, o, len) || cuda_len_alloc(ctx, c, o) || cuda_len_fill(c, o);
     if (!rc && ekv_cuda_plan_create(ctx, &gp, &plan)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         rc = 1;

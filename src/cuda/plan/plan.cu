@@ -10,6 +10,7 @@
 #include "../common/plan.cuh"
 #include "../common/sizes.cuh"
 #include "../common/splits.cuh"
+#include "../cache/layout.h" /* ekv_cuda_check_head_dim, ekv_cuda_check_device: one rule each */
 extern "C" {
 #include "../../core/internal.h" /* ekv_check_heads, ekv_check_page_size (C) */
 }
@@ -119,10 +120,8 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
                         "GQA group %d > %d is not supported by the CUDA backend",
                         p->num_heads / p->num_kv_heads, (int)EKV_CUDA_MAX_GROUP);
-    if (p->head_dim < 8 || p->head_dim % 8 || p->head_dim > EKV_CUDA_MAX_DIM)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "head_dim=%d must be a multiple of 8 in [8, %d] on the CUDA backend",
-                        p->head_dim, (int)EKV_CUDA_MAX_DIM);
+    st = ekv_cuda_check_head_dim(ctx, p->head_dim);
+    if (st) return st;
     if (p->max_pages_per_seq < 1 || p->max_pages_per_seq * p->page_size >= INT32_MAX)
         return ekv_fail(
                 ctx, EKV_ERR_INVALID_SIZE,
@@ -200,14 +199,8 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     *out = NULL;
     ekv_status st = check_plan_params(ctx, p);
     if (st) return st;
-    int ndev = 0;
-    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-        cudaGetLastError();
-        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED, "no CUDA device is available");
-    }
-    if (p->device < 0 || p->device >= ndev)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "device=%d: only %d CUDA device(s)",
-                        p->device, ndev);
+    st = ekv_cuda_check_device(ctx, p->device);
+    if (st) return st;
     ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
     if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
     pl->ctx = ctx;
