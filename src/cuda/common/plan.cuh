@@ -82,6 +82,10 @@ struct ekv_cuda_plan {
     int32_t *sct;        /* [B*H][scap] and token index                                   */
     int64_t cap_words;   /* cap_tokens / 32, rounded up                                   */
     uint32_t *sbits;     /* [B*Hk][cap_words] survivors of the group (zero between steps) */
+    float *scr_thr;      /* [B*H] the l tau(l)'s solve keeps (survivors.cu)               */
+    double *scr_tl;      /* [B*H] tau(l) less the solve's tolerance                       */
+    int64_t row_chunks;  /* cap_words / EKV_CUDA_ROW_CHUNK_WORDS, rounded up              */
+    int32_t *row_chunk_count; /* [B*Hk][row_chunks] survivors per chunk of the bitmap    */
     int32_t *rows;       /* [B*Hk][cap_tokens] surviving rows, ascending                   */
     int32_t *row_count;  /* [B*Hk]                                                         */
     int last_screened;   /* the last step ran the screen (the report reads survivors)    */

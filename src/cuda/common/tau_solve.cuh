@@ -227,6 +227,64 @@ __device__ double hist_count_bound(const unsigned *hist, const float *pw, double
     return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
 }
 
+/* The bound of hist_count_bound for beta 1 and 2 (alpha 2 and 1.5) in one pass instead of a
+ * binary search of block sums: with x_j = j / NB (e_j - e_k = x_j - x_k), sum_{j>k} c_j (x_j -
+ * x_k)^beta is S1 - x_k S0 or S2 - 2 x_k S1 + x_k^2 S0 in the suffix moments S_m = sum_{j>k} c_j
+ * x_j^m, so a block scan of the moments tests every k at once. The margin covers the sums'
+ * rounding (terms up to 4 S0 in size). Block-wide; scratch: 96 doubles; hist complete. */
+__device__ double hist_moment_bound(const unsigned *hist, int beta, double *scratch) {
+    const int per = (TAU_HIST_BINS + blockDim.x - 1) / blockDim.x, j0 = threadIdx.x * per;
+    const int j1 = j0 + per < TAU_HIST_BINS ? j0 + per : TAU_HIST_BINS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    double m[3] = {0, 0, 0}, run[3], tot[3];
+    for (int j = j0; j < j1; j++) {
+        const double c = hist[j], x = (double)j / TAU_HIST_BINS;
+        m[0] += c, m[1] += c * x, m[2] += c * x * x;
+    }
+    __syncthreads(); /* scratch is reused by the caller's previous reduction */
+    for (int r = 0; r < 3; r++) { /* inclusive warp scan, then the warps' totals */
+        double v = m[r];
+        for (int o = 1; o < 32; o <<= 1) {
+            const double y = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += y;
+        }
+        run[r] = v - m[r]; /* this warp's lanes before this thread */
+        if (lane == 31) scratch[32 * r + warp] = v;
+    }
+    __syncthreads();
+    for (int r = 0; r < 3; r++) {
+        tot[r] = 0;
+        for (int w = 0; w < nw; w++) {
+            const double c = scratch[32 * r + w];
+            run[r] += w < warp ? c : 0.0;
+            tot[r] += c;
+        }
+    }
+    double best = -1.0; /* the largest bin k whose edge is a bound */
+    for (int k = j0; k < j1; k++) {
+        const double c = hist[k], x = (double)k / TAU_HIST_BINS;
+        run[0] += c, run[1] += c * x, run[2] += c * x * x;
+        const double S0 = tot[0] - run[0], S1 = tot[1] - run[1], S2 = tot[2] - run[2];
+        const double f = beta == 2 ? S2 - 2.0 * x * S1 + x * x * S0 : S1 - x * S0;
+        if (f >= 1.0 + 1e-9 + 1e-13 * tot[0]) best = (double)k;
+    }
+    best = ekv_block_max(best, scratch, -1.0); /* its first barrier: every thread read scratch */
+    return -1.0 + (best < 0 ? 0.0 : best) / TAU_HIST_BINS;
+}
+
+/* hist_count_bound for any alpha > 1: by the moments for alpha 1.5 and 2, else by the power
+ * table (pw: TAU_HIST_BINS floats of shared memory). Block-wide; hist complete in shared memory
+ * after a barrier; scratch: 128 doubles. */
+__device__ double hist_bound(const unsigned *hist, double alpha, float *pw, double *scratch) {
+    if (alpha == 1.5 || alpha == 2.0) return hist_moment_bound(hist, alpha == 1.5 ? 2 : 1, scratch);
+    hist_power_table(pw, alpha);
+    return hist_count_bound(hist, pw, scratch);
+}
+
+/* Rows with more candidates than this start their solve from the histogram's bound (a few
+ * iterations from within two bins of tau instead of Newton's halvings from M - 1). */
+enum { TAU_BOUND_MIN = 1024 };
+
 /* hist_count_bound over the scores z[0, n) of one row with max M: one pass counts them into
  * hist (shared memory), pw is the power table's room. Block-wide. */
 __device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
@@ -237,8 +295,8 @@ __device__ double hist_lower_bound(const float *z, int64_t n, float M, double al
         const double y = (double)z[i] - (double)M;
         if (y >= -1.0) atomicAdd(hist + tau_hist_bin(y), 1u);
     }
-    hist_power_table(pw, alpha); /* its barrier also ends the counting */
-    return hist_count_bound(hist, pw, scratch);
+    __syncthreads(); /* the counting is complete */
+    return hist_bound(hist, alpha, pw, scratch);
 }
 
 } // namespace

@@ -42,7 +42,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 44 };
+enum { PLAN_BUFFERS = 47 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -81,6 +81,9 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_thr, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->scr_tl, BH * (int64_t)sizeof(double)},
+            {(void **)&pl->row_chunk_count, BHk * pl->row_chunks * (int64_t)sizeof(int32_t)},
             {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
             {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
             {(void **)&pl->gstat, BH * 3 * (int64_t)sizeof(double)},
@@ -190,6 +193,7 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
     if (p->max_candidates > 0) pl->scap = pl->cand_cap;
     pl->cap_words = (pl->cap_tokens + 31) / 32;
+    pl->row_chunks = (pl->cap_words + EKV_CUDA_ROW_CHUNK_WORDS - 1) / EKV_CUDA_ROW_CHUNK_WORDS;
 }
 
 extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,

@@ -21,12 +21,8 @@
  *            again for those heads only (the others' blocks return at once) and keeps
  *            u > max(M - 1, t_k) (lowered by the solve's tolerance, rounded down): every token
  *            with l or u above tau(l), so tau(l) and the survivors come out as before.
- *   tau(l):  one block per query head: tau of the candidates' l (a lower bound of tau*), then
- *            every candidate whose u exceeds it (lowered by the solve's tolerance) sets its bit in
- *            the KV head's survivor bitmap; a head whose retry list overflowed too keeps every
- *            token (exact, slow). Overflows are marked per head (ekv_cuda_screen_overflow).
- *   rows:    one block per KV head: the bitmap in ascending order -> the row list (the union of
- *            the group's survivors), the bitmap cleared for the next step.
+ *   tau(l), survivors, rows: survivors.cu (over splits of each head's list and of each KV
+ *            head's bitmap).
  *   then the exact scores of those rows only (stages/scores.cu, candidates z >= M' - 1 listed on
  *   the way), tau over the candidates (stages/tau.cu: a head whose list overflowed has it
  *   rebuilt over every split from the candidates' histogram) and V of the support
@@ -423,139 +419,6 @@ template <int MODE> __global__ void __launch_bounds__(RETRY_THREADS) retry_kerne
         atomicAdd(A.fsum + row * EKV_SCREEN_GRID + threadIdx.x, part[threadIdx.x]);
 }
 
-/* ---- tau(l) and the survivors ---- */
-struct taul_args : ekv_cuda_shape {
-    double alpha;
-    int64_t scap, cap_words;
-    const uint32_t *lkey, *scount, *scount2;
-    const float *scl, *scu;
-    const int32_t *sct;
-    uint32_t *marks;     /* [B*H] 1: the first list overflowed, 2: the retry's too */
-    unsigned long long *slow_paths; /* the plan's (ekv_cuda_count_slow_paths) or NULL */
-    uint32_t *sbits;     /* [B*Hk][cap_words] */
-    int64_t *survivors;  /* [B*Hk] */
-    int32_t *cand_count; /* [B*H] zeroed here for the row scores kernel */
-};
-
-enum { TAUL_THREADS = 512, TAUL_SMEM = 8192, ROWS_THREADS = 1024 };
-
-/* Bits of tokens [32 w, 32 w + 32) below N. */
-__device__ __forceinline__ uint32_t word_mask(int64_t w, int64_t N) {
-    const int64_t left = N - 32 * w;
-    return left >= 32 ? 0xffffffffu : left <= 0 ? 0u : (1u << left) - 1u;
-}
-
-__global__ void __launch_bounds__(TAUL_THREADS) taul_kernel(taul_args A) {
-    __shared__ float cand[TAUL_SMEM];
-    __shared__ double scratch[128];
-    __shared__ unsigned hist[TAU_HIST_BINS];
-    __shared__ int s_nk;
-    const int64_t row = blockIdx.x;
-    const int b = (int)(row / A.H), kvh = (int)(row % A.H) / A.G, lrow = b * A.Hk + kvh;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    if (threadIdx.x == 0) A.cand_count[row] = 0;
-    const int64_t n1 = A.scount[row], n = n1 > A.scap ? A.scount2[row] : n1; /* retry's list */
-    if (threadIdx.x == 0) {
-        A.marks[row] = (n1 > A.scap ? 1u : 0u) | (n > A.scap ? 2u : 0u);
-        if (A.slow_paths && n1 > A.scap)
-            atomicAdd(A.slow_paths + (n > A.scap ? EKV_SLOW_SCREEN_ALL : EKV_SLOW_SCREEN_RETRIED),
-                      1ull);
-    }
-    const float M = ekv_key_float(A.lkey[row]);
-    uint32_t *bits = A.sbits + (int64_t)lrow * A.cap_words;
-    double cnt = 0;
-    if (n > A.scap) { /* the retry's list overflowed too: every token survives (exact, slow) */
-        for (int64_t w = threadIdx.x; w < (sg.N + 31) / 32; w += blockDim.x)
-            atomicOr(bits + w, word_mask(w, sg.N));
-        cnt = threadIdx.x == 0 ? (double)sg.N : 0.0;
-    } else {
-        /* tau(l) needs only the l > M - 1 (docs/math.md §10.3 Claim 3): those into shared
-         * memory when they fit, else the whole list */
-        const float *lv = A.scl + row * A.scap;
-        if (threadIdx.x == 0) s_nk = 0;
-        __syncthreads();
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-            const float x = lv[i];
-            if ((double)x > (double)M - 1.0) {
-                const int at = atomicAdd(&s_nk, 1);
-                if (at < TAUL_SMEM) cand[at] = x;
-            }
-        }
-        __syncthreads();
-        const int64_t nk = s_nk;
-        const float *v = nk <= TAUL_SMEM ? cand : lv;
-        const int64_t nv = nk <= TAUL_SMEM ? nk : n;
-        double tl = -HUGE_VAL; /* no finite l: nothing is dropped */
-        if (M > -CUDART_INF_F && nv > 0) {
-            /* a flat head's solve over the whole list starts from the count bound (docs/math.md
-             * §9.1), not from M - 1: each of its iterations is a pass over the list (cand,
-             * unused then, is the power table's room) */
-            const double t0 =
-                    nk > TAUL_SMEM ? hist_lower_bound(lv, n, M, A.alpha, hist, cand, scratch) : -1.0;
-            const double tau = (double)M + solve_tau(v, nv, M, A.alpha, scratch, t0);
-            tl = tau - 1e-12 * (1.0 + fabs(tau)); /* the solve's tolerance (docs/math.md §10.3) */
-        }
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-            if ((double)A.scu[row * A.scap + i] <= tl) continue;
-            const int32_t tok = A.sct[row * A.scap + i];
-            atomicOr(bits + (tok >> 5), 1u << (tok & 31));
-            cnt += 1;
-        }
-    }
-    cnt = ekv_block_sum(cnt, scratch);
-    if (threadIdx.x == 0 && cnt > 0)
-        atomicAdd(reinterpret_cast<unsigned long long *>(&A.survivors[lrow]),
-                  (unsigned long long)cnt);
-}
-
-struct rows_args : ekv_cuda_shape {
-    int64_t cap_words;
-    uint32_t *sbits;
-    int32_t *rows, *row_count, *list_count;
-    int64_t *v_rows;
-    int32_t *ucount; /* the group's union list (union_mark), zeroed here */
-};
-
-enum { ROWS_WORDS = 32 }; /* bitmap words per thread and tile, loaded at once */
-
-/* The survivor bitmap of one KV head -> its row list in ascending order (a block scan per tile
- * of ROWS_THREADS x ROWS_WORDS words); the bitmap is cleared as it is read, the step's counters
- * of the attend kernels zeroed. */
-__global__ void __launch_bounds__(ROWS_THREADS) rows_kernel(rows_args A) {
-    __shared__ int wsum[32];
-    const int row = blockIdx.x, b = row / A.Hk;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t W = (sg.N + 31) / 32;
-    uint32_t *bits = A.sbits + (int64_t)row * A.cap_words;
-    int32_t *out = A.rows + (int64_t)row * A.cap_tokens;
-    int64_t done = 0;
-    for (int64_t base = 0; base < W; base += (int64_t)blockDim.x * ROWS_WORDS) {
-        const int64_t lo = base + (int64_t)threadIdx.x * ROWS_WORDS;
-        uint32_t x[ROWS_WORDS];
-        int cnt = 0;
-#pragma unroll
-        for (int i = 0; i < ROWS_WORDS; i++) {
-            x[i] = lo + i < W ? bits[lo + i] & word_mask(lo + i, sg.N) : 0u;
-            cnt += __popc(x[i]);
-        }
-        int total;
-        int64_t pos = done + ekv_block_exclusive_scan(cnt, wsum, &total);
-#pragma unroll
-        for (int i = 0; i < ROWS_WORDS; i++) {
-            if (lo + i < W) bits[lo + i] = 0;
-            for (uint32_t y = x[i]; y; y &= y - 1)
-                out[pos++] = (int32_t)(32 * (lo + i) + __ffs(y) - 1);
-        }
-        done += total;
-    }
-    if (threadIdx.x == 0) {
-        A.row_count[row] = (int32_t)done;
-        A.v_rows[row] = 0;
-        A.ucount[row] = 0;
-        A.list_count[2 * row] = A.list_count[2 * row + 1] = 0; /* no page lists */
-    }
-}
-
 /* Warps per generic screen block: a w' tile [D][GM] each beside q' [G][D], within 96 KB. */
 int screen_warps(int G, int D, int GM) {
     const size_t fixed = (size_t)G * D * 4, per = (size_t)D * GM * 4;
@@ -698,42 +561,6 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     return s;
 }
 
-/* tau(l) with the survivor marks, then the row lists. */
-ekv_status launch_survivors(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                            const ekv_page_table *t, int batch) {
-    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
-    taul_args T;
-    ekv_cuda_set_shape(T, pl, t);
-    T.alpha = prm->alpha;
-    T.scap = pl->scap;
-    T.cap_words = pl->cap_words;
-    T.lkey = pl->scr_state;
-    T.scount = pl->scr_state + 2 * BH;
-    T.scount2 = pl->scr_state + 3 * BH;
-    T.marks = pl->scr_state + 4 * BH;
-    T.slow_paths = pl->slow_paths;
-    T.scl = pl->scl;
-    T.scu = pl->scu;
-    T.sct = pl->sct;
-    T.sbits = pl->sbits;
-    T.survivors = pl->survivors;
-    T.cand_count = pl->cand_count;
-    taul_kernel<<<batch * T.H, TAUL_THREADS, 0, pl->stream>>>(T);
-    EKV_CUDA_LAUNCHED(pl);
-    rows_args R;
-    ekv_cuda_set_shape(R, pl, t);
-    R.cap_words = pl->cap_words;
-    R.sbits = pl->sbits;
-    R.rows = pl->rows;
-    R.row_count = pl->row_count;
-    R.list_count = pl->list_count;
-    R.v_rows = pl->v_rows;
-    R.ucount = pl->ucount;
-    rows_kernel<<<batch * R.Hk, ROWS_THREADS, 0, pl->stream>>>(R);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
-}
-
 } // namespace
 
 ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *prm,
@@ -741,7 +568,7 @@ ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *
                                     const ekv_page_table *t, const float *q, int batch,
                                     float *out) {
     ekv_status s = launch_screen_bounds(pl, prm, kv, st, t, q, batch);
-    if (!s) s = launch_survivors(pl, prm, t, batch);
+    if (!s) s = ekv_cuda_launch_survivors(pl, prm, t, batch);
     if (!s) s = ekv_cuda_launch_row_scores(pl, prm, kv, t, q, batch);
     if (!s) s = ekv_cuda_launch_tau_rows(pl, prm, kv, t, batch, 0, 1, out, 1);
     if (!s) s = ekv_cuda_launch_values_rows(pl, prm, kv, t, batch, 0, out, 1); /* none on a shard */

@@ -10,8 +10,8 @@
  *   candidates: grid (split, query head). The global max M comes from the split
  *               maxima; every support token has z > M - 1, so the tokens with z >= M - 1 are
  *               appended (score, score slot) to the head's candidate list.
- *   tau:        one block per query head solves tau exactly over the candidates (shared memory
- *               when they fit) and writes the support list (p, V row offset), or with the union
+ *   tau:        one block per query head solves tau exactly over the candidates (shared memory,
+ *               up to 128 KB of them) and writes the support list (p, V row offset), or with the union
  *               values marks the support slots in the KV head's bitmap.
  *   values:     grid (split, query head), or (split, KV head) reading each row of the group's
  *               support union once. Reads V only for the support rows and adds the partial

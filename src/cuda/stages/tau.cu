@@ -18,11 +18,12 @@ namespace {
  * A flat head has more of them than its list holds (real attention: most keys of a layer-0
  * head within 1 of its max). Its list is then rebuilt by every split, not by one block: the
  * candidates kernel also counts them into the row's histogram of y = z - M (cand_hist), the
- * row's last block to finish turns the counts into a lower bound of tau (hist_count_bound,
+ * row's last block to finish turns the counts into a lower bound of tau (hist_bound,
  * docs/math.md §9.1, within two bins of it), and the refine pass (the same kernel,
  * CAND_REFINE) lists the scores above that bound: the support and a few bins more. Screened
  * decode's row scores kernel lists its candidates itself; there the histogram is counted by
- * a pass of its own (CAND_COUNT) for the rows whose list overflowed. */
+ * a pass of its own (CAND_COUNT) for the rows whose list overflowed. A list that fit but is
+ * long (TAU_BOUND_MIN) gets the bound too, where the solve starts. */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
     int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
@@ -73,18 +74,23 @@ __device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t 
     }
 }
 
-/* The row's last candidates block: the histogram (complete now) gives the refine pass its
- * threshold, or -inf when the list held every candidate; then the histogram and the done count
- * are reset for the next step. Block-wide. */
+/* Whether a row's histogram gives a bound: its list overflowed (the refine pass lists the scores
+ * above the bound), or it is long enough that the solve should start there (TAU_BOUND_MIN). */
+__device__ __forceinline__ bool wants_bound(int64_t count, int64_t ccap) {
+    return count > ccap || count > TAU_BOUND_MIN;
+}
+
+/* The row's last candidates block: the histogram (complete now) gives the refine pass and the
+ * solve their threshold (-inf: no bound wanted); then the histogram and the done count are
+ * reset for the next step. Block-wide. */
 __device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *hist, float *pw,
                             double *scratch) {
     __threadfence(); /* the other blocks' counts (they fenced before their done increment) */
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    const bool over = __ldcg(A.cand_count + row) > A.ccap;
-    if (over) {
+    if (wants_bound(__ldcg(A.cand_count + row), A.ccap)) {
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = __ldcg(gh + k);
-        hist_power_table(pw, A.alpha);
-        const double t0 = hist_count_bound(hist, pw, scratch);
+        __syncthreads();
+        const double t0 = hist_bound(hist, A.alpha, pw, scratch);
         if (threadIdx.x == 0) A.thr[row] = list_bound((double)M + t0, M);
     } else if (threadIdx.x == 0)
         A.thr[row] = -CUDART_INF_F;
@@ -100,7 +106,7 @@ enum cand_mode {
     CAND_LIST,   /* append z >= M - 1 to the head's list (cand_count) and count them in the
                   * histogram */
     CAND_COUNT,  /* the histogram only: the row scores kernel listed the candidates (screened
-                  * rows); rows whose list fit return at once */
+                  * rows); rows that want no bound return at once */
     CAND_REFINE  /* a row whose list overflowed: append z > thr (refine_count); others return */
 };
 
@@ -108,7 +114,7 @@ template <bool VEC, int MODE>
 __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     constexpr bool REFINE = MODE == CAND_REFINE;
     __shared__ float fscratch[32];
-    __shared__ double scratch[32];
+    __shared__ double scratch[128];
     __shared__ unsigned hist[REFINE ? 1 : TAU_HIST_BINS];
     __shared__ float pw[REFINE ? 1 : TAU_HIST_BINS];
     __shared__ bool s_last;
@@ -118,10 +124,10 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
     const int64_t row = (int64_t)b * A.H + h;
     float thr = -CUDART_INF_F, M = -CUDART_INF_F;
     if constexpr (REFINE) {
+        if (A.cand_count[row] <= A.ccap) return; /* the row's list held every candidate */
         thr = A.thr[row];
-        if (thr == -CUDART_INF_F) return; /* the row's list held every candidate */
     } else {
-        if (MODE == CAND_COUNT && A.cand_count[row] <= A.ccap) {
+        if (MODE == CAND_COUNT && !wants_bound(A.cand_count[row], A.ccap)) {
             if (threadIdx.x == 0) A.thr[row] = -CUDART_INF_F; /* every block: the same value */
             return;
         }
@@ -213,7 +219,18 @@ struct tau_args : ekv_cuda_shape {
     int32_t *ulist, *ucount; /* and listed once per KV head (union_mark) */
 };
 
-enum { TAU_THREADS = 512, TAU_SMEM_CAND = 8192, TAU_UNROLL = 8 };
+/* TAU_SMEM_MAX: the candidates the solve keeps in shared memory at most (dynamic: the plan's
+ * list, up to 128 KB; a solve over a list in global memory took 69 us on the model's layer 0,
+ * bench/RESULTS.md "Real attention, round 2") */
+enum { TAU_THREADS = 512, TAU_SMEM_MAX = 32768, TAU_UNROLL = 8 };
+
+/* The floats of the tau kernel's shared candidates: the whole list when it fits, and never
+ * fewer than compact_list's power table (its room). */
+__host__ __device__ __forceinline__ int64_t tau_smem_cand(int64_t ccap) {
+    const int64_t most = TAU_SMEM_MAX, least = TAU_HIST_BINS;
+    const int64_t n = ccap < most ? ccap : most;
+    return n > least ? n : least;
+}
 
 /* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
  * the support and the max, so tau over them is exact, as over the z >= M - 1 candidates;
@@ -283,7 +300,7 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
  * lower bound of tau (compact_list); only when those overflow too does it take the whole
  * score row, the solve starting from that bound. */
 __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
-    __shared__ float cand[TAU_SMEM_CAND];
+    extern __shared__ float cand[]; /* tau_smem_cand(ccap) */
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
@@ -301,12 +318,12 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
-    double t0 = -1.0;  /* a lower bound of tau - M where the solve starts (tau_start) */
+    /* a lower bound of tau - M where the solve starts (tau_start): the candidates' histogram's
+     * for an overflowed or long list (cand_thr; -inf: none), else -1 */
+    double t0 = A.cand_thr ? fmax(-1.0, (double)A.cand_thr[row] - (double)M) : -1.0;
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        if (A.cand_thr) { /* every split listed the scores above the count bound (cand_kernel) */
+        if (A.cand_thr) /* every split listed the scores above the count bound (cand_kernel) */
             nc = A.refine_count[row];
-            t0 = fmax(-1.0, (double)A.cand_thr[row] - (double)M);
-        }
         if (nc > A.ccap) /* on one block: the list's own bound, a finer count bound */
             nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, cand,
                               scratch, fscratch, &s_ncomp);
@@ -323,7 +340,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     int64_t nv;
     if (!whole_row) {
         const float *cz = A.cand_z + row * A.ccap;
-        if (nc <= TAU_SMEM_CAND) {
+        if (nc <= tau_smem_cand(A.ccap)) {
             for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
             __syncthreads();
             v = cand;
@@ -517,7 +534,9 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     }
     const ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
     if (s) return s;
-    tau_entmax_kernel<<<batch * A.H, TAU_THREADS, 0, pl->stream>>>(A);
+    const size_t smem = (size_t)tau_smem_cand(A.ccap) * sizeof(float);
+    EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
+    tau_entmax_kernel<<<batch * A.H, TAU_THREADS, smem, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
