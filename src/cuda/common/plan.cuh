@@ -142,6 +142,16 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
     s.cap_tokens = pl->cap_tokens;
 }
 
+/* kernel<<<grid, threads, smem, the plan's stream>>>(A) and its check (EKV_CUDA_LAUNCHED): the
+ * tail of every launcher whose last act is one launch. */
+template <typename Args>
+inline ekv_status ekv_cuda_launch(ekv_cuda_plan *pl, void (*kernel)(Args), dim3 grid, int threads,
+                                  size_t smem, const Args &A) {
+    kernel<<<grid, threads, smem, pl->stream>>>(A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
+
 /* The query side of the arguments of every kernel that scores keys (bound, scores, screen,
  * one-pass softmax): q, the ALiBi slopes, a = alpha - 1 (1 for softmax) and q' = a scale q's
  * factor, the scale as the CPU takes it (ekv_effective_scale), so that they all form the same

@@ -281,6 +281,35 @@ __device__ double hist_bound(const unsigned *hist, double alpha, float *pw, doub
     return hist_count_bound(hist, pw, scratch);
 }
 
+/* A split's counts (hist, shared) added into its row's histogram (gh, global), then whether this
+ * block is the last of the row's nsplit to finish (done: the row's counter): that block sees
+ * every split's counts (hist_take). Block-wide; s_last: a shared flag. */
+__device__ bool hist_flush_last(const unsigned *hist, uint32_t *gh, uint32_t *done, int nsplit,
+                                bool *s_last) {
+    __syncthreads(); /* the block's counts are complete */
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
+        if (hist[k]) atomicAdd(gh + k, hist[k]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *s_last = atomicAdd(done, 1u) == (unsigned)nsplit - 1;
+    __syncthreads();
+    return *s_last;
+}
+
+/* The last block's view of its row's histogram: gh (complete) into hist, gh and the done count
+ * zeroed for the next step; returns the row's count. Block-wide (a barrier at the end). */
+__device__ double hist_take(uint32_t *gh, uint32_t *done, unsigned *hist, double *scratch) {
+    __threadfence(); /* the other blocks' counts (they fenced before their done increment) */
+    double total = 0;
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) {
+        hist[k] = __ldcg(gh + k);
+        total += hist[k];
+        gh[k] = 0u;
+    }
+    if (threadIdx.x == 0) *done = 0u;
+    return ekv_block_sum(total, scratch); /* its barriers: hist is complete */
+}
+
 /* Rows with more candidates than this start their solve from the histogram's bound (a few
  * iterations from within two bins of tau instead of Newton's halvings from M - 1). */
 enum { TAU_BOUND_MIN = 1024 };

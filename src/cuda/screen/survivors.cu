@@ -78,21 +78,11 @@ __device__ __forceinline__ uint32_t word_mask(int64_t w, int64_t N) {
  * -inf otherwise); the histogram reset. Block-wide. */
 __device__ void count_finish(const taul_args &A, int64_t row, float M, unsigned *hist, float *pw,
                              double *scratch) {
-    __threadfence(); /* the other blocks' counts (they fenced before their done increment) */
-    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    double total = 0;
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) {
-        hist[k] = __ldcg(gh + k);
-        total += hist[k];
-        gh[k] = 0u;
-    }
-    total = ekv_block_sum(total, scratch); /* its barriers: hist is complete */
-    if (total > A.smem_cap || total > TAU_BOUND_MIN) {
-        const double t0 = hist_bound(hist, A.alpha, pw, scratch);
-        if (threadIdx.x == 0) A.thr[row] = list_bound((double)M + t0, M);
-    } else if (threadIdx.x == 0)
-        A.thr[row] = -CUDART_INF_F;
-    if (threadIdx.x == 0) A.done[row] = 0u;
+    const double total = hist_take(A.hist + row * TAU_HIST_BINS, A.done + row, hist, scratch);
+    float thr = -CUDART_INF_F;
+    if (total > A.smem_cap || total > TAU_BOUND_MIN)
+        thr = list_bound((double)M + hist_bound(hist, A.alpha, pw, scratch), M);
+    if (threadIdx.x == 0) A.thr[row] = thr;
 }
 
 __global__ void __launch_bounds__(SPLIT_THREADS) count_kernel(taul_args A) {
@@ -113,15 +103,8 @@ __global__ void __launch_bounds__(SPLIT_THREADS) count_kernel(taul_args A) {
         const double y = (double)lv[i] - (double)M;
         if (y >= -1.0) atomicAdd(hist + tau_hist_bin(y), 1u);
     }
-    __syncthreads();
-    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
-        if (hist[k]) atomicAdd(gh + k, hist[k]);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(A.done + row, 1u) == (unsigned)A.nsplit - 1;
-    __syncthreads();
-    if (s_last) count_finish(A, row, M, hist, pw, scratch);
+    if (hist_flush_last(hist, A.hist + row * TAU_HIST_BINS, A.done + row, A.nsplit, &s_last))
+        count_finish(A, row, M, hist, pw, scratch);
 }
 
 /* Every token of the sequence survives: a head whose retry list overflowed too. Block-wide;
@@ -313,15 +296,11 @@ ekv_status launch_taul(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ek
     taul_args T;
     set_taul_args(T, pl, prm, t, batch);
     const dim3 split_grid((unsigned)T.nsplit, (unsigned)(batch * T.H));
-    count_kernel<<<split_grid, SPLIT_THREADS, 0, pl->stream>>>(T);
-    EKV_CUDA_LAUNCHED(pl);
     const size_t smem = (size_t)T.smem_cap * sizeof(float);
     EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<solve_kernel>(smem));
-    solve_kernel<<<batch * T.H, SOLVE_THREADS, smem, pl->stream>>>(T);
-    EKV_CUDA_LAUNCHED(pl);
-    mark_kernel<<<split_grid, SPLIT_THREADS, 0, pl->stream>>>(T);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    ekv_status s = ekv_cuda_launch(pl, count_kernel, split_grid, SPLIT_THREADS, 0, T);
+    if (!s) s = ekv_cuda_launch(pl, solve_kernel, batch * T.H, SOLVE_THREADS, smem, T);
+    return s ? s : ekv_cuda_launch(pl, mark_kernel, split_grid, SPLIT_THREADS, 0, T);
 }
 
 ekv_status launch_rows(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
@@ -337,11 +316,8 @@ ekv_status launch_rows(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
     R.v_rows = pl->v_rows;
     R.ucount = pl->ucount;
     const dim3 grid((unsigned)R.chunks, (unsigned)(batch * R.Hk));
-    rows_count_kernel<<<grid, ROWS_THREADS, 0, pl->stream>>>(R);
-    EKV_CUDA_LAUNCHED(pl);
-    rows_write_kernel<<<grid, ROWS_THREADS, 0, pl->stream>>>(R);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    const ekv_status s = ekv_cuda_launch(pl, rows_count_kernel, grid, ROWS_THREADS, 0, R);
+    return s ? s : ekv_cuda_launch(pl, rows_write_kernel, grid, ROWS_THREADS, 0, R);
 }
 
 } // namespace

@@ -174,8 +174,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
 struct union_args : ekv_cuda_shape {
     int shard_pos;          /* EKV_SHARD_*: a shard before the last forces no page */
     const uint8_t *head_in; /* [B*H][cap_pages] */
-    int32_t *list_pages, *list_count;
-    uint8_t *in_list;
+    ekv_cuda_lists out;     /* the KV heads' lists (ekv_cuda_lists_of(pl, 0)) */
     uint16_t *list_heads;
 };
 
@@ -185,8 +184,8 @@ __global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = ekv_shard_ranked_pages(sg.P, A.shard_pos);
     const uint8_t *hin = A.head_in + ((int64_t)b * A.H + kvh * A.G) * A.cap_pages;
-    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages;
-    uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
+    uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
     uint16_t *heads = A.list_heads + (int64_t)row * A.cap_pages;
     int written = 0;
     for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
@@ -205,15 +204,14 @@ __global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
     }
     if (threadIdx.x == 0) {
         if (A.shard_pos != EKV_SHARD_INNER) heads[written] = (uint16_t)((1u << A.G) - 1u);
-        ekv_close_shard_list(out, in, written, sg.P, A.list_count, row, A.shard_pos);
+        ekv_close_shard_list(out, in, written, sg.P, A.out.count, row, A.shard_pos);
     }
 }
 
 struct round2_args : ekv_cuda_shape {
     const float *bounds; /* [B*H][cap_pages] */
     const double *tau;   /* [B*H] round 1 */
-    int32_t *list_pages, *list_count;
-    const uint8_t *in_list;
+    ekv_cuda_lists out;  /* the KV heads' lists: round 2 appended after round 1 */
 };
 
 __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
@@ -221,9 +219,9 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = sg.P - 1;
-    const int64_t c1 = A.list_count[2 * row];
-    int32_t *out = A.list_pages + (int64_t)row * A.cap_pages + c1;
-    const uint8_t *in = A.in_list + (int64_t)row * A.cap_pages;
+    const int64_t c1 = A.out.count[2 * row];
+    int32_t *out = A.out.pages + (int64_t)row * A.cap_pages + c1;
+    const uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
     const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
     const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
     const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
@@ -234,7 +232,7 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     int pos = ekv_block_exclusive_scan(cnt, wsum, &written);
     for (int64_t p = lo; p < hi; p++)
         if (wanted(p)) out[pos++] = (int32_t)p;
-    if (threadIdx.x == 0) A.list_count[2 * row + 1] = (int32_t)(c1 + written);
+    if (threadIdx.x == 0) A.out.count[2 * row + 1] = (int32_t)(c1 + written);
 }
 
 } // namespace
@@ -262,9 +260,7 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
     A.recent = recent_pages;
     A.keys = per_head ? pl->bounds : pl->list_bounds; /* each head ranks by its own bounds */
     A.out = ekv_cuda_lists_of(pl, per_head);
-    topk_kernel<<<batch * A.out.lps, SEL_THREADS, 0, pl->stream>>>(A);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    return ekv_cuda_launch(pl, topk_kernel, batch * A.out.lps, SEL_THREADS, 0, A);
 }
 
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
@@ -272,13 +268,9 @@ ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int
     ekv_cuda_set_shape(A, pl, t);
     A.shard_pos = pl->shard_pos;
     A.head_in = pl->hlist_in;
-    A.list_pages = pl->list_pages;
-    A.list_count = pl->list_count;
-    A.in_list = pl->in_list;
+    A.out = ekv_cuda_lists_of(pl, 0);
     A.list_heads = pl->list_heads;
-    union_kernel<<<batch * A.Hk, SEL_THREADS, 0, pl->stream>>>(A);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    return ekv_cuda_launch(pl, union_kernel, batch * A.Hk, SEL_THREADS, 0, A);
 }
 
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
@@ -286,10 +278,6 @@ ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, in
     ekv_cuda_set_shape(A, pl, t);
     A.bounds = pl->bounds;
     A.tau = pl->tau;
-    A.list_pages = pl->list_pages;
-    A.list_count = pl->list_count;
-    A.in_list = pl->in_list;
-    round2_kernel<<<batch * A.Hk, SEL_THREADS, 0, pl->stream>>>(A);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    A.out = ekv_cuda_lists_of(pl, 0);
+    return ekv_cuda_launch(pl, round2_kernel, batch * A.Hk, SEL_THREADS, 0, A);
 }

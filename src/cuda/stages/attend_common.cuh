@@ -34,6 +34,14 @@
 #include "../common/reduce.cuh"
 #include <math_constants.h>
 
+/* A thread's accumulators of N groups of M values set to zero (the values kernels' rows). */
+template <int N, int M> __device__ __forceinline__ void zero_acc(float (&acc)[N][M]) {
+#pragma unroll
+    for (int c = 0; c < N; c++)
+#pragma unroll
+        for (int i = 0; i < M; i++) acc[c][i] = 0.f;
+}
+
 __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P, int row,
                                             int round, int64_t *begin, int64_t *end) {
     if (!list_count) {

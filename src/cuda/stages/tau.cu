@@ -80,24 +80,18 @@ __device__ __forceinline__ bool wants_bound(int64_t count, int64_t ccap) {
     return count > ccap || count > TAU_BOUND_MIN;
 }
 
-/* The row's last candidates block: the histogram (complete now) gives the refine pass and the
- * solve their threshold (-inf: no bound wanted); then the histogram and the done count are
- * reset for the next step. Block-wide. */
+/* The row's last candidates block: the histogram gives the refine pass and the solve their
+ * threshold (-inf: no bound wanted) and is reset with the done count for the next step.
+ * Block-wide. */
 __device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *hist, float *pw,
                             double *scratch) {
-    __threadfence(); /* the other blocks' counts (they fenced before their done increment) */
-    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    if (wants_bound(__ldcg(A.cand_count + row), A.ccap)) {
-        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = __ldcg(gh + k);
-        __syncthreads();
-        const double t0 = hist_bound(hist, A.alpha, pw, scratch);
-        if (threadIdx.x == 0) A.thr[row] = list_bound((double)M + t0, M);
-    } else if (threadIdx.x == 0)
-        A.thr[row] = -CUDART_INF_F;
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+    hist_take(A.hist + row * TAU_HIST_BINS, A.done + row, hist, scratch);
+    float thr = -CUDART_INF_F;
+    if (wants_bound(__ldcg(A.cand_count + row), A.ccap))
+        thr = list_bound((double)M + hist_bound(hist, A.alpha, pw, scratch), M);
     if (threadIdx.x == 0) {
+        A.thr[row] = thr;
         A.refine_count[row] = 0;
-        A.done[row] = 0u;
     }
 }
 
@@ -177,17 +171,9 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             at += __popc(m[k]);
         }
     }
-    if constexpr (!REFINE) {
-        __syncthreads(); /* the block's counts are complete */
-        uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
-            if (hist[k]) atomicAdd(gh + k, hist[k]);
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) s_last = atomicAdd(A.done + row, 1u) == (unsigned)sp.n - 1;
-        __syncthreads();
-        if (s_last) cand_finish(A, row, M, hist, pw, scratch);
-    }
+    if constexpr (!REFINE)
+        if (hist_flush_last(hist, A.hist + row * TAU_HIST_BINS, A.done + row, sp.n, &s_last))
+            cand_finish(A, row, M, hist, pw, scratch);
 }
 
 struct tau_args : ekv_cuda_shape {

@@ -91,10 +91,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args 
     const float *z = A.scores + row * A.cap_tokens;
     const T *V = static_cast<const T *>(A.kv.v);
     float acc[VC][8];
-#pragma unroll
-    for (int c = 0; c < VC; c++)
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[c][i] = 0.f;
+    zero_acc(acc);
     const int64_t wstride = (int64_t)sp.n * VAL_WARPS * STEP;
     bool any = false;
     for (int64_t base = ((int64_t)sp.s * VAL_WARPS + warp) * STEP; base < nitems;
@@ -216,10 +213,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A)
     const int32_t *list = A.ulist + lrow * A.cap_tokens;
     const T *V = static_cast<const T *>(A.kv.v);
     float acc[GM][8];
-#pragma unroll
-    for (int g = 0; g < GM; g++)
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+    zero_acc(acc);
     int64_t rows = 0;
     for (int64_t base = r0 + (int64_t)warp * RPW * U; base < r1;
          base += (int64_t)VAL_WARPS * RPW * U) {
