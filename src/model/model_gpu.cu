@@ -402,9 +402,9 @@ static int dense_prefill(const ekv_model *m, const gpu_block *b) {
 }
 
 /* One block (g->tokens) at the device positions, which it advances; the logits of every
- * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only
- * where a block of T > 1 tokens of one sequence needs it, so a captured step (T = 1) stays
- * valid as the position moves (model_gpu_attention.cu). */
+ * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only in a
+ * block of one sequence (a batched step's is 0), so a captured batched step stays valid as the
+ * positions move and for any sequences in g->bseqs (model_gpu_attention.cu). */
 static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     const ekv_model_config *c = &m->cfg;
     model_gpu *g = m->gpu;
