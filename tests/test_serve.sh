@@ -138,6 +138,7 @@ m = [dict((l.split()[0], float(l.split()[1])) for l in open(f)) for f in sys.arg
 d = lambda i, k: m[i][k] - m[i - 1][k]
 assert d(1, "entmaxkv_generated_tokens_total") == 5, m
 assert d(1, "entmaxkv_decode_tokens_total") == 4 and d(1, "entmaxkv_decode_steps_total") == 4, m
+assert m[2]["entmaxkv_decode_graph_tokens_total"] == 0, m  # no CUDA graphs on the cpu
 assert d(1, "entmaxkv_prompt_tokens_total") == 7, m
 assert d(1, "entmaxkv_decode_seconds_total") > 0 and d(1, "entmaxkv_prefill_seconds_total") > 0, m
 assert d(2, "entmaxkv_generated_tokens_total") == 1, m

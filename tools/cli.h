@@ -311,6 +311,9 @@ void model_print_prefill_kernel(const ekv_model_stats *st);
  * path (ekv_model_stats.tau_compacted_rows, tau_whole_rows), "; screen lists retried R, every
  * token kept A" when the screen did (screen_retry_rows, screen_all_rows); else nothing */
 void model_print_slow_paths(const ekv_model_stats *st);
+/* "; N% of the steps replayed from CUDA graphs" when any were (ekv_model_stats.graph_steps of
+ * its steps), else nothing */
+void model_print_graph_steps(const ekv_model_stats *st);
 /* The next token from logits[V]: greedy (temp 0) or sampled at temperature temp (run and
  * run --prompts-file). */
 int32_t model_sample(const float *logits, int64_t V, double temp, cli_rng *r);

@@ -485,6 +485,12 @@ void model_print_prefill_kernel(const ekv_model_stats *st) {
                (long long)st->prefill_compacted_rows);
 }
 
+void model_print_graph_steps(const ekv_model_stats *st) {
+    if (st->graph_steps && st->steps)
+        printf("; %.1f%% of the steps replayed from CUDA graphs",
+               100.0 * (double)st->graph_steps / (double)st->steps);
+}
+
 void model_print_slow_paths(const ekv_model_stats *st) {
     if (st->tau_compacted_rows || st->tau_whole_rows)
         printf("; tau lists compacted %lld, over the whole row %lld",

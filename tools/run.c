@@ -70,6 +70,7 @@ static void print_phase(const char *what, const char *label, const phase *p, ekv
                100.0 * (double)p->st.lists_round2 / (double)p->st.lists);
     model_print_prefill_kernel(&p->st);
     model_print_slow_paths(&p->st);
+    model_print_graph_steps(&p->st);
     printf("\n");
 }
 

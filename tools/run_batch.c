@@ -117,6 +117,7 @@ static void print_decode(int32_t B, const char *label, int64_t n, double secs, e
         printf("; KV read %.4f of the K+V bytes",
                st->bytes_kv ? (double)st->bytes_read / (double)st->bytes_kv : 0.0);
     model_print_slow_paths(st);
+    model_print_graph_steps(st);
     printf("\n");
 }
 

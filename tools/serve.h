@@ -94,6 +94,7 @@ typedef struct serve_metrics {
     int64_t by_status[600];
     int64_t prompt_tokens, gen_tokens, cancelled;
     int64_t decode_steps, decode_tokens; /* model calls of decode steps; the tokens they made */
+    int64_t decode_graph_tokens;         /* those made by steps replayed from CUDA graphs */
     double prefill_s, decode_s;          /* seconds inside prefill chunks, decode steps */
     int64_t queued, running, kv_pages;
 } serve_metrics;

@@ -194,15 +194,19 @@ static int32_t sample_all(serve_engine *e) {
 static void step_group(serve_engine *e, const int32_t *seqs, const int32_t *toks, int32_t n) {
     const double t0 = cli_now_seconds();
     const serve_params *p = &e->slots[seqs[0]].r->p;
+    ekv_model_stats before, after; /* graph_steps: (token, layer) steps replayed */
+    ekv_model_get_stats(e->m, -1, &before);
     ekv_status st = use_method(e, p->method, p->budget);
     if (!st)
         st = n == 1 ? ekv_model_seq_step(e->m, seqs[0], toks, 1, e->out)
                     : ekv_model_batch_step(e->m, seqs, n, toks, e->out);
     e->broken |= st != EKV_OK;
     if (!st) {
+        ekv_model_get_stats(e->m, -1, &after);
         pthread_mutex_lock(&e->metrics.mu);
         e->metrics.decode_steps++;
         e->metrics.decode_tokens += n;
+        e->metrics.decode_graph_tokens += (after.graph_steps - before.graph_steps) / e->layers;
         e->metrics.decode_s += cli_now_seconds() - t0;
         pthread_mutex_unlock(&e->metrics.mu);
     }

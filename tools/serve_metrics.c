@@ -52,13 +52,18 @@ void serve_metrics_render(serve_metrics *m, sbuf *b) {
               "sequence of a step (a request's first token comes from its prefill).\n"
               "# TYPE entmaxkv_decode_tokens_total counter\n"
               "entmaxkv_decode_tokens_total %lld\n"
+              "# HELP entmaxkv_decode_graph_tokens_total Tokens of the decode steps replayed "
+              "from captured CUDA graphs (cuda without --no-graphs).\n"
+              "# TYPE entmaxkv_decode_graph_tokens_total counter\n"
+              "entmaxkv_decode_graph_tokens_total %lld\n"
               "# HELP entmaxkv_decode_seconds_total Seconds inside decode steps.\n"
               "# TYPE entmaxkv_decode_seconds_total counter\n"
               "entmaxkv_decode_seconds_total %.9g\n"
               "# HELP entmaxkv_prefill_seconds_total Seconds inside prefill chunks.\n"
               "# TYPE entmaxkv_prefill_seconds_total counter\n"
               "entmaxkv_prefill_seconds_total %.9g\n",
-              (long long)c.decode_steps, (long long)c.decode_tokens, c.decode_s, c.prefill_s);
+              (long long)c.decode_steps, (long long)c.decode_tokens,
+              (long long)c.decode_graph_tokens, c.decode_s, c.prefill_s);
     sb_printf(b,
               "# HELP entmaxkv_decode_tokens_per_second Decode steps' tokens / seconds inside "
               "decode steps, since the start.\n"

@@ -113,8 +113,10 @@ typedef struct ekv_model_params {
      * CUDA (gaussian's ALiBi mixture solved on the device); oracle is refused. */
     ekv_backend backend;
     int32_t device;        /* cuda: device ordinal (default 0)                                   */
-    int32_t cuda_graphs;   /* cuda: 1 (default) = each decode step (n = 1) replays one captured
-                              CUDA graph; 0 = eager launches                                     */
+    int32_t cuda_graphs;   /* cuda: 1 (default) = each decode step (n = 1, or a batched step)
+                              replays a CUDA graph captured for its batch size, method and
+                              budget (a few kept, the least recently used dropped); 0 = eager
+                              launches                                                          */
     int64_t prefill_chunk; /* cuda dense prefill: query tokens per block; 0 (default) = as many
                               as fit the score buffers (docs/math.md §12)                       */
     int32_t max_seqs;      /* sequences the model holds, each of up to max_tokens tokens
@@ -164,6 +166,8 @@ typedef struct ekv_model_stats {
     int64_t prefill_compacted_rows; /* fused: rows whose candidate list was compacted inside
                                        round 0's sweep (to the scores above the threshold of
                                        the kept ones); most need no retry then            */
+    int64_t graph_steps; /* cuda: (token, layer) decode steps replayed from a captured CUDA
+                            graph (cuda_graphs 1; the others ran their launches eagerly)    */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

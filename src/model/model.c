@@ -488,7 +488,6 @@ ekv_status ekv_model_set_method(ekv_model *m, ekv_select_method method, double b
     if (s) return s;
     m->prm.method = method;
     m->prm.budget = budget;
-    ekv_model_gpu_method_changed(m->gpu);
     return EKV_OK;
 }
 
@@ -537,6 +536,7 @@ ekv_status ekv_model_get_stats(const ekv_model *m, int32_t layer, ekv_model_stat
         out->tau_whole_rows += s->tau_whole_rows;
         out->screen_retry_rows += s->screen_retry_rows;
         out->screen_all_rows += s->screen_all_rows;
+        out->graph_steps += s->graph_steps;
     }
     return EKV_OK;
 }

@@ -6,9 +6,10 @@
  *   h   = x + Wo . Attn(RMSNorm(x))          attention: model_gpu_attention.cu, a dense block
  *   out = h + W2 . SwiGLU(W1, W3; RMSNorm(h))           by src/cuda/prefill/, the rest by the
  *                                                       decode stages
- * A decode step (one token) is captured once as a CUDA graph and replayed: everything it
- * reads (token, position, page tables) lives in device memory, nothing is allocated and the
- * host waits only for the logits after the step.
+ * A decode step (one token of each of B sequences; a single sequence's step is a batch of one)
+ * is captured as a CUDA graph per key (B, method, budget: model_gpu.cuh, gpu_graph) and
+ * replayed: everything it reads (sequences, tokens, positions, page tables) lives in device
+ * memory, nothing is allocated and the host waits only for the logits after the step.
  */
 #include "model_gpu.cuh"
 #include <stdlib.h>
@@ -251,7 +252,8 @@ static void free_host_mirror(gpu_layer *L) {
 extern "C" void ekv_model_gpu_free(model_gpu *g) {
     if (!g) return;
     if (g->stream) cudaStreamSynchronize(g->stream);
-    if (g->graph_ready) cudaGraphExecDestroy(g->graph);
+    for (int i = 0; i < GPU_GRAPHS; i++)
+        if (g->graphs[i].exec) cudaGraphExecDestroy(g->graphs[i].exec);
     if (g->layers)
         for (int32_t l = 0; l < g->nlayers; l++) {
             gpu_layer *L = &g->layers[l];
@@ -380,9 +382,9 @@ static int dense_prefill(const ekv_model *m, const gpu_block *b) {
 }
 
 /* One block (g->tokens) at the device positions, which it advances; the logits of every
- * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only
- * where a block of T > 1 tokens of one sequence needs it, so a captured step (T = 1) stays
- * valid as the position moves (model_gpu_attention.cu). */
+ * token into g->logits. Host values used: b->pos0 (the host's copy of the position) only in a
+ * block of one sequence (a batched step's is 0), so a captured batched step stays valid as the
+ * positions move and for any sequences in g->bseqs (model_gpu_attention.cu). */
 static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     const ekv_model_config *c = &m->cfg;
     model_gpu *g = m->gpu;
@@ -397,42 +399,55 @@ static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     return gpu_linear(g, g->out_w, c->vocab, c->d_model, g->xn, T, g->logits, 0.f);
 }
 
-/* A decode step of sequence seq as the replay of one captured graph (captured at the second
- * step after creation or a method change, or at a step of another sequence). The first runs
- * eagerly, so that every kernel and cuBLAS's choices for these shapes are loaded before a
- * capture, which must not load modules. */
-static void drop_graph(model_gpu *g) {
-    if (!g->graph_ready) return;
-    cudaStreamSynchronize(g->stream);
-    cudaGraphExecDestroy(g->graph);
-    g->graph_ready = 0;
+/* The cache entry of a decode step of B sequences with the model's method: its own, else a free
+ * one or the least recently used, whose graph is destroyed (after the stream's work: a replay
+ * of it may still run) and which is keyed anew. */
+static gpu_graph *graph_entry(ekv_model *m, int32_t B) {
+    model_gpu *g = m->gpu;
+    gpu_graph *e = &g->graphs[0];
+    for (int i = 0; i < GPU_GRAPHS; i++) {
+        gpu_graph *c = &g->graphs[i];
+        if (c->batch == B && c->method == m->prm.method && c->budget == m->prm.budget) {
+            c->used = ++g->graph_clock;
+            return c;
+        }
+        if (c->used < e->used) e = c; /* a free entry's is 0 */
+    }
+    if (e->exec) {
+        cudaStreamSynchronize(g->stream);
+        cudaGraphExecDestroy(e->exec);
+    }
+    *e = gpu_graph{B, m->prm.method, m->prm.budget, 0, NULL, ++g->graph_clock};
+    return e;
 }
 
-static ekv_status graph_step(ekv_model *m, int32_t seq) {
+/* A batched decode step (b->batch) as the replay of its key's graph (*replayed = 1), captured
+ * at the key's second step. The first runs eagerly, so that every kernel and cuBLAS's choices
+ * for these shapes are loaded before a capture, which must not load modules. */
+static ekv_status graph_step(ekv_model *m, const gpu_block *b, int *replayed) {
     model_gpu *g = m->gpu;
-    if (g->graph_seq != seq) drop_graph(g); /* another sequence's graph */
-    const gpu_block b = {seq, g->hpos[seq], 1, 0};
-    if (!g->graph_ready && !g->graph_warm) {
-        g->graph_warm = 1;
-        return forward_block(m, &b);
+    gpu_graph *e = graph_entry(m, (int32_t)b->T);
+    if (!e->warm) {
+        e->warm = 1;
+        return forward_block(m, b);
     }
-    if (!g->graph_ready) {
+    if (!e->exec) {
         cudaGraph_t graph;
         GPU_TRY(g, cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-        ekv_status s = forward_block(m, &b);
-        cudaError_t e = cudaStreamEndCapture(g->stream, &graph);
+        ekv_status s = forward_block(m, b);
+        cudaError_t err = cudaStreamEndCapture(g->stream, &graph);
         if (s) {
-            if (e == cudaSuccess) cudaGraphDestroy(graph);
+            if (err == cudaSuccess) cudaGraphDestroy(graph);
             return s;
         }
-        GPU_TRY(g, e);
-        e = cudaGraphInstantiate(&g->graph, graph, 0);
+        GPU_TRY(g, err);
+        err = cudaGraphInstantiate(&e->exec, graph, 0);
         cudaGraphDestroy(graph);
-        GPU_TRY(g, e);
-        g->graph_ready = 1;
-        g->graph_seq = seq;
+        if (err != cudaSuccess) e->exec = NULL;
+        GPU_TRY(g, err);
     }
-    GPU_TRY(g, cudaGraphLaunch(g->graph, g->stream));
+    GPU_TRY(g, cudaGraphLaunch(e->exec, g->stream));
+    *replayed = 1;
     return EKV_OK;
 }
 
@@ -482,15 +497,16 @@ static void count_slow_paths(ekv_model *m) {
     }
 }
 
-/* One block: its tokens to the device, the forward pass (a replayed graph for one token of
- * one sequence), the logits back; the host waits here only. */
+/* One block: its tokens to the device, the forward pass (a replayed graph for a decode step),
+ * the logits back; the host waits here only. */
 static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tokens,
                             float *logits) {
     model_gpu *g = m->gpu;
     for (int32_t l = 0; l < m->cfg.n_layers; l++) free_host_mirror(&g->layers[l]);
     GPU_TRY(g, cudaMemcpyAsync(g->tokens, tokens, (size_t)b->T * 4, cudaMemcpyHostToDevice,
                                g->stream));
-    TRY(b->T == 1 && !b->batch && m->prm.cuda_graphs ? graph_step(m, b->seq) : forward_block(m, b));
+    int replayed = 0;
+    TRY(b->batch && m->prm.cuda_graphs ? graph_step(m, b, &replayed) : forward_block(m, b));
     int32_t bad = 0;
     if (logits)
         GPU_TRY(g, cudaMemcpyAsync(logits, g->logits, (size_t)(b->T * m->cfg.vocab) * 4,
@@ -505,6 +521,8 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
         TRY(count_prefill(m, b));
     else
         count_slow_paths(m);
+    for (int32_t l = 0; l < m->cfg.n_layers && replayed; l++)
+        m->layers[l].stats.graph_steps += b->T;
     if (bad)
         return ekv_fail(m->ctx, EKV_ERR_NAN_INPUT,
                         "model (cuda): attention scores overflowed (not finite) in the prefill "
@@ -515,9 +533,10 @@ static ekv_status run_block(ekv_model *m, const gpu_block *b, const int32_t *tok
 
 extern "C" ekv_status ekv_model_gpu_step(ekv_model *m, int32_t seq, const int32_t *tokens,
                                          int64_t n, float *logits) {
+    if (n == 1) return ekv_model_gpu_batch_step(m, &seq, 1, tokens, logits); /* its graph's */
     model_gpu *g = m->gpu;
     const int64_t V = m->cfg.vocab;
-    const int64_t most = n == 1 ? 1 : m->prm.method == EKV_SELECT_DENSE ? g->pf.chunk : g->views;
+    const int64_t most = m->prm.method == EKV_SELECT_DENSE ? g->pf.chunk : g->views;
     for (int64_t i = 0; i < n; i += most) {
         const gpu_block b = {seq, g->hpos[seq], n - i < most ? n - i : most, 0};
         TRY(run_block(m, &b, tokens + i, logits ? logits + i * V : NULL));
@@ -590,12 +609,6 @@ extern "C" ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int6
     m->pos = g->hpos[0];
     ekv_clear_error(m->ctx);
     return EKV_OK;
-}
-
-extern "C" void ekv_model_gpu_method_changed(model_gpu *g) {
-    if (!g) return;
-    g->graph_warm = 0; /* the next step may use other kernels */
-    drop_graph(g);
 }
 
 extern "C" ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q) {

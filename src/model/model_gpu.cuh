@@ -35,6 +35,21 @@ struct gpu_layer {
     void *host_k, *host_v;
 };
 
+/* A decode step captured as a CUDA graph, keyed by everything its launches take from the host:
+ * the step's sequences B (grids, rows, the decode stages' splits: ekv_cuda_step_splits) and the
+ * method and budget (which stages, their select params). The sequences themselves, their tokens
+ * and positions are device inputs (bseqs, tokens, pos), so one graph serves any B sequences at
+ * any lengths. At most GPU_GRAPHS, the least recently used dropped. */
+enum { GPU_GRAPHS = 8 };
+struct gpu_graph {
+    int32_t batch; /* the key; 0: a free entry */
+    ekv_select_method method;
+    double budget;
+    int warm;             /* the key's step ran eagerly once: its kernels are loaded */
+    cudaGraphExec_t exec; /* captured at the key's second step; NULL before */
+    uint64_t used;        /* model_gpu.graph_clock at its last step */
+};
+
 struct model_gpu {
     ekv_context *ctx;
     cudaStream_t stream;
@@ -67,10 +82,8 @@ struct model_gpu {
     unsigned long long *slow_paths; /* [n_layers][EKV_SLOW_PATHS] device */
     unsigned long long *slow_host;  /* [n_layers][EKV_SLOW_PATHS] this block's copy */
     unsigned long long *slow_seen;  /* [n_layers][EKV_SLOW_PATHS] those already in the stats */
-    cudaGraphExec_t graph;
-    int graph_ready;
-    int32_t graph_seq; /* the sequence the captured step advances */
-    int graph_warm;    /* a step ran eagerly since the last method change (model_gpu.cu) */
+    gpu_graph graphs[GPU_GRAPHS];   /* the captured decode steps (model_gpu.cu, graph_step) */
+    uint64_t graph_clock;           /* decode steps through the cache: its recency */
 };
 
 /* What one forward block runs: T tokens of sequence seq from its position pos0 (batch 0), or

@@ -26,8 +26,6 @@ ekv_status ekv_model_gpu_reset(ekv_model *m);
 ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq);
 /* n_tokens already checked against the position */
 ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens);
-/* The method changed: a captured decode graph is stale. NULL-safe. */
-void ekv_model_gpu_method_changed(model_gpu *g);
 ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q);
 ekv_status ekv_model_gpu_layer_cache(const ekv_model *m, int32_t layer, const ekv_cache **cache,
                                      int32_t *seq);

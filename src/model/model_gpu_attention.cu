@@ -4,9 +4,9 @@
  * other block goes through the decode stages, as model_attention.c does it on the CPU: token t
  * of the block attends as the newest token of its prefix view (the pages up to its own
  * position, cut there; gpu_block_tables wrote the views from the device position), the T views
- * form one batch of ekv_cuda_decode with the model's method. A decode step is the same with
- * T = 1, which is what the CUDA graph of a step replays; a batched step is one view per sequence
- * (ragged: each its own length).
+ * form one batch of ekv_cuda_decode with the model's method. A decode step is a batched step:
+ * one view per sequence (ragged: each its own length; a single sequence's step is a batch of
+ * one), which is what the CUDA graphs of model_gpu.cu replay.
  */
 #include "model_gpu.cuh"
 extern "C" {

@@ -22,7 +22,6 @@ ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) { return EKV_ERR_U
 ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
     return EKV_ERR_UNSUPPORTED;
 }
-void ekv_model_gpu_method_changed(model_gpu *g) { (void)g; }
 ekv_status ekv_model_gpu_last_query(const ekv_model *m, int32_t layer, float *q) {
     return EKV_ERR_UNSUPPORTED;
 }

@@ -11,8 +11,9 @@
  * split (docs/math.md §12). Also: a graph-replayed decode equals eager launches; reset then prefill
  * again gives the first run's logits; the host mirror of a layer cache and the last queries
  * match the CPU's; batched decode of sequences of different lengths (ekv_model_batch_step)
- * matches each sequence run alone on the CPU; gaussian runs (the ALiBi mixture on the GPU), oracle
- * is refused; the fused dense
+ * matches each sequence run alone on the CPU; batched steps replayed from CUDA graphs equal eager
+ * launches bitwise as batch sizes, sequences and methods change (check_graph_replay); gaussian
+ * runs (the ALiBi mixture on the GPU), oracle is refused; the fused dense
  * prefill against the GEMM path and the CPU (check_fused). Exit 77 when no CUDA device is
  * present.
  */
@@ -361,6 +362,170 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
     free(lc);
 }
 
+/* Graph replay against eager launches (docs/architecture.md, "The model on the GPU"): two
+ * models, cuda_graphs 1 and 0, make the same calls: NG sequences of different lengths, then
+ * phases of decode steps whose batch size, sequences and method change between phases (a
+ * sequence leaving, one emptied and prefilled again, one truncated, a lone sequence's step, more
+ * keys than the model keeps graphs), each fed the same tokens. The graph model's graph_steps
+ * must count exactly the steps whose key (batch size, method, budget) was among the
+ * GRAPHS_KEPT most recently used (a key's first step runs eagerly); the eager model's none.
+ * The logits: a replay runs the launches of the eager step with the same arguments, so a row
+ * differs from eager only by the decode stages' own run-to-run noise: they fill their tau
+ * candidate lists through atomics, so the order of the sums over a list varies between two
+ * eager runs as well (check_truncate's "first token again" sees it), and the two models'
+ * caches then drift by f16 roundings. The rows bitwise equal are counted; every row of the
+ * exact methods must be within check_truncate's 1e-4 of its largest |logit| (a stale capture,
+ * a wrong sequence, position or batch size gives another token's logits, far above it), those
+ * of topk and gaussian, whose pages may flip, within compare's rules. */
+enum { NG = 4, GRAPHS_KEPT = 8, GROWS = 256 };
+enum { GP_STEPS, GP_REJOIN, GP_TRUNCATE }; /* before a phase: nothing, seq 1 anew, seq 0 - 7 */
+typedef struct {
+    ekv_select_method method;
+    double budget;
+    int32_t B, seqs[NG];
+    int steps, before;
+} gphase;
+
+typedef struct {
+    int32_t B;
+    ekv_select_method method;
+    double budget;
+    int64_t used;
+} gkey;
+
+/* Whether a step of this key replays a graph: the key is among the kept ones (then it is the
+ * most recent), else it takes the least recently used place and runs eagerly. */
+static int graph_key_replays(gkey *kept, int64_t *clock, const gphase *p) {
+    gkey *lru = &kept[0];
+    for (int i = 0; i < GRAPHS_KEPT; i++) {
+        if (kept[i].B == p->B && kept[i].method == p->method && kept[i].budget == p->budget) {
+            kept[i].used = ++*clock;
+            return 1;
+        }
+        if (kept[i].used < lru->used) lru = &kept[i];
+    }
+    *lru = (gkey){p->B, p->method, p->budget, ++*clock};
+    return 0;
+}
+
+/* One step of the phase on model m: a lone sequence through ekv_model_seq_step (run's step),
+ * else one batched step; the logits into out[B][V]. */
+static ekv_status graph_phase_step(ekv_model *m, const gphase *p, const int32_t *next, float *out) {
+    int32_t t[NG];
+    for (int b = 0; b < p->B; b++) t[b] = next[p->seqs[b]];
+    return p->B == 1 ? ekv_model_seq_step(m, p->seqs[0], t, 1, out)
+                     : ekv_model_batch_step(m, p->seqs, p->B, t, out);
+}
+
+/* What comes before a phase, on both models (prefill logits into lg). */
+static void graph_phase_before(ekv_context *ctx, ekv_model *const *m, const gphase *p,
+                               const int32_t *tok, float *lg) {
+    for (int k = 0; k < 2; k++) {
+        if (p->before == GP_REJOIN)
+            CHECK(!ekv_model_seq_reset(m[k], 1) && !ekv_model_seq_step(m[k], 1, tok + 50, 91, lg),
+                  "seq 1 anew: %s", ekv_last_error(ctx));
+        if (p->before == GP_TRUNCATE)
+            CHECK(!ekv_model_seq_truncate(m[k], 0, ekv_model_seq_position(m[k], 0) - 7),
+                  "truncate seq 0: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_set_method(m[k], p->method, p->budget), "set_method %s: %s",
+              ekv_method_name(p->method), ekv_last_error(ctx));
+    }
+}
+
+static void check_graph_replay(ekv_context *ctx, const int32_t *tok) {
+    static const int64_t len[NG] = {200, 333, 77, 150}, off[NG] = {0, 210, 400, 90};
+    const double b0 = 1.0 / 16, b1 = 0.125;
+    static const ekv_select_method D = EKV_SELECT_DENSE, C = EKV_SELECT_CERTIFIED,
+                                   S = EKV_SELECT_SCREENED, K = EKV_SELECT_TOPK,
+                                   G = EKV_SELECT_GAUSSIAN;
+    const gphase ph[] = {
+            {D, b0, 4, {0, 1, 2, 3}, 5, GP_STEPS}, {C, b0, 1, {1}, 3, GP_STEPS},
+            {C, b0, 3, {0, 2, 3}, 4, GP_STEPS},    {D, b0, 4, {3, 1, 0, 2}, 4, GP_REJOIN},
+            {S, b0, 2, {2, 0}, 3, GP_STEPS},       {D, b0, 4, {0, 1, 2, 3}, 3, GP_TRUNCATE},
+            {K, b0, 2, {1, 2}, 3, GP_STEPS},       {C, b1, 3, {0, 1, 2}, 3, GP_STEPS},
+            {D, b0, 1, {2}, 2, GP_STEPS},          {D, b0, 2, {0, 3}, 2, GP_STEPS},
+            {D, b0, 3, {1, 2, 3}, 2, GP_STEPS},    {G, b0, 4, {0, 1, 2, 3}, 2, GP_STEPS},
+            {S, b0, 4, {3, 2, 1, 0}, 2, GP_STEPS}, {D, b0, 4, {0, 1, 2, 3}, 3, GP_STEPS},
+            {C, b0, 3, {0, 2, 3}, 2, GP_STEPS},    {C, b0, 1, {3}, 2, GP_STEPS},
+    };
+    const int nph = (int)(sizeof ph / sizeof ph[0]);
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = 512;
+    p.code_bits = 4;
+    p.backend = EKV_BACKEND_CUDA;
+    p.prefill_chunk = 128;
+    p.max_seqs = NG;
+    ekv_model *m[2] = {NULL, NULL}; /* graphs, eager */
+    for (int k = 0; k < 2; k++) {
+        p.cuda_graphs = k == 0;
+        CHECK(!ekv_model_load(ctx, MODEL, &p, &m[k]), "load (graphs %d): %s", p.cuda_graphs,
+              ekv_last_error(ctx));
+    }
+    float *lg = malloc(sizeof(float) * 333 * V), out[2][NG][V];
+    /* [lossy][graphs, eager]: the rows of the exact methods and those of topk and gaussian */
+    float *rows[2][2];
+    int64_t nrows[2] = {0, 0}, bitwise = 0, clock = 0, want = 0;
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 2; k++) rows[l][k] = malloc(sizeof(float) * GROWS * V);
+    int32_t next[NG];
+    gkey kept[GRAPHS_KEPT];
+    memset(kept, 0, sizeof kept);
+    const int ok = m[0] && m[1] && lg && rows[0][0] && rows[0][1] && rows[1][0] && rows[1][1];
+    for (int32_t s = 0; ok && s < NG; s++) {
+        for (int k = 0; k < 2; k++)
+            CHECK(!ekv_model_seq_step(m[k], s, tok + off[s], len[s], lg), "prefill seq %d: %s", s,
+                  ekv_last_error(ctx));
+        next[s] = argmax(lg + (len[s] - 1) * V);
+    }
+    for (int i = 0; ok && i < nph; i++) {
+        const gphase *q = &ph[i];
+        const int l = q->method == EKV_SELECT_TOPK || q->method == EKV_SELECT_GAUSSIAN;
+        graph_phase_before(ctx, m, q, tok, lg);
+        if (q->before == GP_REJOIN) next[1] = argmax(lg + 90 * V);
+        for (int st = 0; st < q->steps; st++) {
+            for (int k = 0; k < 2; k++)
+                CHECK(!graph_phase_step(m[k], q, next, out[k][0]), "phase %d step %d (%s): %s", i,
+                      st, k ? "eager" : "graphs", ekv_last_error(ctx));
+            want += graph_key_replays(kept, &clock, q) ? q->B : 0;
+            for (int b = 0; b < q->B && nrows[l] < GROWS; b++, nrows[l]++) {
+                bitwise += !memcmp(out[0][b], out[1][b], sizeof out[0][b]);
+                for (int k = 0; k < 2; k++)
+                    memcpy(rows[l][k] + nrows[l] * V, out[k][b], sizeof out[k][b]);
+                next[q->seqs[b]] = argmax(out[0][b]);
+            }
+        }
+    }
+    ekv_model_stats sg, se;
+    if (ok) {
+        ekv_model_get_stats(m[0], -1, &sg);
+        ekv_model_get_stats(m[1], -1, &se);
+        const int64_t nl = ekv_model_get_config(m[0])->n_layers;
+        printf("  graph replay against eager: %lld of %lld decode rows bitwise equal; %lld of %lld "
+               "(token, layer) steps replayed\n",
+               (long long)bitwise, (long long)(nrows[0] + nrows[1]), (long long)sg.graph_steps,
+               (long long)sg.steps);
+        g_lossy = 0;
+        const double w =
+                compare("graph against eager, exact methods", rows[0][0], rows[0][1], nrows[0]);
+        CHECK(w <= 1e-4, "graph replay: exact methods' rows %.3g from eager launches", w);
+        g_lossy = 1;
+        compare("graph against eager, topk and gaussian", rows[1][0], rows[1][1], nrows[1]);
+        g_lossy = 0;
+        CHECK(sg.graph_steps == want * nl,
+              "graph_steps %lld, expected %lld replayed rows x %lld layers",
+              (long long)sg.graph_steps, (long long)want, (long long)nl);
+        CHECK(want > 0 && se.graph_steps == 0, "eager model: graph_steps %lld",
+              (long long)se.graph_steps);
+        CHECK(sg.steps == se.steps, "steps %lld and %lld", (long long)sg.steps,
+              (long long)se.steps);
+    }
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 2; k++) free(rows[l][k]);
+    ekv_model_free(m[0]);
+    ekv_model_free(m[1]);
+    free(lg);
+}
+
 /* The fused dense prefill (docs/math.md §12, "The fused kernel") against the GEMM path and the
  * CPU engine at every position: f16 and bf16 caches, lengths and blocks off the kernel's
  * 64-row tiles (a block of 100 tokens is 300 rows per KV head), and rows whose candidate buffer
@@ -577,6 +742,7 @@ int main(void) {
     check_batch(ctx, tok, EKV_SELECT_DENSE);
     check_batch(ctx, tok, EKV_SELECT_TOPK);
     check_batch(ctx, tok, EKV_SELECT_SCREENED);
+    check_graph_replay(ctx, tok);
     check_refusals(ctx);
     check_truncate(ctx, tok, EKV_SELECT_DENSE);
     check_truncate(ctx, tok, EKV_SELECT_SCREENED);

@@ -184,6 +184,10 @@ dec=$(metric entmaxkv_decode_tokens_total)
 steps=$(metric entmaxkv_decode_steps_total)
 [ "$dec" = $((gen - $(wc -l <"$WORK/plan.txt"))) ] && [ "$steps" -gt 0 ] && [ "$dec" -gt "$steps" ]
 check "/metrics: the decode steps made $dec of the $gen tokens, the 9 answered requests' first ones not, in $steps steps (more than one sequence per step on average)" $?
+# the batched steps replay captured graphs (a key's first step runs eagerly): most tokens
+graphed=$(metric entmaxkv_decode_graph_tokens_total)
+[ "$graphed" -le "$dec" ] && [ $((2 * graphed)) -gt "$dec" ]
+check "/metrics: $graphed of the $dec decode-step tokens came from replayed CUDA graphs (more than half)" $?
 # SIGTERM while two requests decode: both finish whole, then the server exits 0
 CURLS=()
 for k in 0 1; do
