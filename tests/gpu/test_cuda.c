@@ -1475,6 +1475,20 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                 small_lists_dense(ctx, small, &sc, tau_ref, sup_ref, sp2.max_candidates);
                 ekv_cuda_plan_free(small);
             }
+            /* lists of 12200: 48800 bytes of dynamic shared memory in the tau and tau(l) solves,
+             * within 48 KB alone but not with their static arrays, so they need the opt-in too
+             * (ekv_cuda_allow_smem; a 12000-token model run failed its launch without it) */
+            if (maxN >= 12200) {
+                sp2.max_candidates = 12200;
+                small = NULL;
+                CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "12200 plan: %s",
+                      ekv_last_error(ctx));
+                if (small) {
+                    screened_check(ctx, small, &sc);
+                    small_lists_dense(ctx, small, &sc, tau_ref, sup_ref, sp2.max_candidates);
+                    ekv_cuda_plan_free(small);
+                }
+            }
         }
         cudaFree(dq);
         cudaFree(dslopes);

@@ -49,11 +49,14 @@ static inline int ekv_cuda_one_wave(K kernel, int threads, size_t smem, int rows
     return gx > 1 ? gx : 1;
 }
 
-/* A launch of Kernel with `bytes` of dynamic shared memory: above 48 KB it needs the opt-in,
- * asked once per kernel instance (the static lives in this template's instance for Kernel;
- * a static shared by several kernels would leave all but the first without it). */
+/* A launch of Kernel with `bytes` of dynamic shared memory: where dynamic and static shared
+ * memory together pass 48 KB it needs the opt-in, so it is asked for any dynamic size larger
+ * than the last granted (a kernel with static arrays and 40-48 KB dynamic failed its launch
+ * with 'invalid argument' when only sizes above 48 KB asked). Once per size increase and
+ * kernel instance (the static lives in this template's instance for Kernel; a static shared by
+ * several kernels would leave all but the first without it). */
 template <auto Kernel> static inline cudaError_t ekv_cuda_allow_smem(size_t bytes) {
-    static size_t allowed = 48 * 1024;
+    static size_t allowed = 0;
     if (bytes <= allowed) return cudaSuccess;
     const cudaError_t e =
             cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
