@@ -18,12 +18,21 @@ template <int D> __host__ __device__ constexpr size_t mma_tile_bytes() {
     return (size_t)MMA_ROWS * D * 2;
 }
 /* ---- the two tensor-core instructions ---- */
+/* Four 8x8 matrices of 16-bit elements from shared memory; with TRANS the transposed load (B
+ * operands from a row-major [k][n] tile: V rows as [token][dim]). */
+template <bool TRANS = false>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t *a, const void *smem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(s)
-                 : "memory");
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                     : "r"(s)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                     : "r"(s)
+                     : "memory");
 }
 /* c = A B from zero: A 16x16 (row), B 16x8 (col), fp32 results. */
 template <typename T>
@@ -72,15 +81,6 @@ __device__ __forceinline__ void split_group_q(const float *qs, int G, T *qparts,
 /* Byte offset of 16-byte chunk c of row r in a tile (D / 8 chunks per row), swizzled. */
 template <int D> __device__ __forceinline__ int tile_chunk(int r, int c) {
     return r * D * 2 + ((c ^ (r & 7)) << 4);
-}
-
-/* The transposed load: B operands from a row-major [k][n] tile (V rows as [token][dim]). */
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *a, const void *smem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(s)
-                 : "memory");
 }
 
 /* Rows [r0, r0 + 16) of a page's head block (`page`, `stride` elements between tokens) into a
@@ -197,7 +197,7 @@ __device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p
 #pragma unroll
     for (int dp = 0; dp < D / 16; dp++) {
         uint32_t vb[4]; /* B fragments of dims dp 16 + 0..7 (vb[0], vb[1]) and + 8..15 */
-        ldmatrix_x4_trans(vb, vt + tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
+        ldmatrix_x4<true>(vb, vt + tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
                                                  2 * dp + (lane >> 4)));
 #pragma unroll
         for (int h = 0; h < 2; h++) {

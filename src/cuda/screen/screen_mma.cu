@@ -207,7 +207,7 @@ __device__ __forceinline__ void smma_dots(const unsigned char *tile, const __hal
     for (int kk = 0; kk < D / 16; kk++) {
         /* matrices: tokens 0-7 / 8-15 (mi & 1) by channels kk 16 + 0-7 / 8-15 (mi >> 1) */
         uint32_t a[4];
-        ldmatrix_x4_trans(a, tile + ctile_off(kk * 16 + mj + 8 * (mi >> 1), mi & 1));
+        ldmatrix_x4<true>(a, tile + ctile_off(kk * 16 + mj + 8 * (mi >> 1), mi & 1));
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
