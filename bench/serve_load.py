@@ -28,10 +28,12 @@ and how many answers were the same text both ways (an exact method batched may r
 differently from one alone). At the end the server's /metrics must show no KV page in use.
 
 --tokens: the step rate counts only the steps, so it is not diluted by the prefills at any
---tokens; but a step's batch is the requests decoding at that moment. The worker runs one
-prefill chunk (4096 tokens) per decode step, so with 128 tokens a request prefilled early ends
-before the last long prompt is in (16 prompts of 8K-64K are about 150 chunks): the mean batch
-column says how full the steps were. The default 128 is fine for the target's ratio (read it
+--tokens; but a step's batch is the requests decoding at that moment. By default the worker
+runs one prefill chunk (4096 tokens) per decode step, so with 128 tokens a request prefilled
+early ends before the last long prompt is in (16 prompts of 8K-64K are about 150 chunks): the
+mean batch column says how full the steps were. `--server-arg=--prefill-tokens
+--server-arg=65536` prefills more per step and fills the batch sooner. The default 128 is
+fine for the target's ratio (read it
 beside the mean batch); a larger --tokens keeps the batch full longer and brings the client
 columns closer to the step rate.
 

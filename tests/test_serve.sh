@@ -57,6 +57,11 @@ for m in oracle fast; do
 done
 "$BIN" serve --help | grep -q -- "--prefill-method M .*default dense"
 check "serve --help documents --prefill-method and its default" $?
+"$BIN" serve --prefill-tokens 0 >"$TMP/out" 2>"$TMP/err"
+[ $? -eq 2 ] && grep -q "entmaxkv serve: --prefill-tokens" "$TMP/err"
+st=$?; check "serve --prefill-tokens 0 is bad usage naming the option (exit 2: $(cat "$TMP/err"))" $st
+"$BIN" serve --help | grep -q -- "--prefill-tokens N .*prompt tokens prefilled between two decode steps"
+check "serve --help documents --prefill-tokens" $?
 "$BIN" serve --max-seqs 4 >"$TMP/out" 2>"$TMP/err"
 [ $? -eq 2 ] && grep -q "the cpu model holds one sequence.*needs --backend cuda" "$TMP/err"
 st=$?; check "serve --max-seqs 4 on the cpu is bad usage naming cuda (exit 2: $(cat "$TMP/err"))" $st
@@ -245,11 +250,11 @@ check "SIGTERM on an idle server exits 0" $?
 # after a topk prefill differs from its text after a dense one: a server prefilling with topk
 # (--prefill-method), then the default server (dense) and a request's own prefill_method
 python3 -c 'import sys; sys.stdout.write(open(sys.argv[1]).read() * 8)' "$DATA/model_ref_prompt.txt" >"$TMP/p8"
-start --threads 1 --model "$BIG" --prefill-method topk --budget 1/64
+start --threads 1 --model "$BIG" --prefill-method topk --budget 1/64 --prefill-tokens 100000
 grep -q "method dense, prefill method topk 0.015625, cpu backend" "$LOG.err"
 st=$?; check "the server names its prefill method ($(cat "$LOG.err"))" $st
 as_run "$TMP/p8" '{"method":"certified"}' --model "$BIG" --prefill-method topk --budget 1/64 --method certified
-check "serve --prefill-method topk: certified gives run --prefill-method topk's text" $?
+check "serve --prefill-method topk (the whole prompt's chunks in one iteration: --prefill-tokens 100000): certified gives run --prefill-method topk's text" $?
 kill -TERM "$PID"
 wait "$PID"
 check "SIGTERM exits 0" $?

@@ -39,6 +39,10 @@ static void serve_help(FILE *f) {
             "  --max-body N          request body bytes; more get 413 (default 1M)\n"
             "  --max-connections N   connections at once (default 256)\n"
             "  --drain-timeout S     seconds SIGTERM waits for the requests in flight (600)\n"
+            "  --prefill-tokens N    prompt tokens prefilled between two decode steps, in whole\n"
+            "                        chunks of the prompt (default: one chunk, 4096 tokens on\n"
+            "                        cuda): more fills the batch sooner after a burst of\n"
+            "                        requests, less keeps the decoding requests' steps closer\n"
             "  --prefill-method M    every request's prompt's method (default dense: on cuda the\n"
             "                        tensor-core prefill; the exact methods select the same\n"
             "                        support); --method then serves its generated tokens\n");
@@ -62,6 +66,7 @@ static const cli_opt serve_table[] = {
         CLI_INT("--max-body", serve_opts, max_body, 1, (int64_t)1 << 30),
         CLI_INT("--max-connections", serve_opts, connections, 1, 1 << 16),
         CLI_INT("--drain-timeout", serve_opts, drain_s, 0, 1 << 30),
+        CLI_INT("--prefill-tokens", serve_opts, prefill_tokens, 1, (int64_t)1 << 30),
 };
 
 /* --prefill-method: a method as --method's (model_method). */

@@ -26,6 +26,8 @@ typedef struct {
     int64_t max_body;    /* --max-body: request body bytes (1 MiB) */
     int64_t connections; /* --max-connections (256) */
     int64_t drain_s;     /* --drain-timeout: seconds SIGTERM waits for requests (600) */
+    int64_t prefill_tokens; /* --prefill-tokens: prompt tokens prefilled between two decode
+                             * steps, whole chunks (0: one chunk) */
     int64_t max_seqs;    /* --max-seqs: requests decoded together, a model sequence each (cuda:
                             8; the cpu model holds one, so it serves them in turn) */
     ekv_select_method prefill; /* --prefill-method: each request's prompt's method (dense) */

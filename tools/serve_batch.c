@@ -3,9 +3,10 @@
  * each (--max-seqs on cuda; the cpu model holds one sequence, so there the requests are served
  * in turn). Each iteration of its loop:
  *   1. queued requests join the free slots; a cancelled request is marked to leave;
- *   2. one prefill chunk (model_feed_chunk tokens, run's chunks, so the logits are run's) of the
- *      earliest admitted request still prefilling, with its prefill method (dense by default):
- *      a long prompt is interleaved with the others' decode steps instead of stalling them;
+ *   2. prefill chunks (model_feed_chunk tokens, run's chunks, so the logits are run's) of the
+ *      earliest admitted requests still prefilling, with their prefill method (dense by
+ *      default), until --prefill-tokens are fed (default one chunk): a long prompt is
+ *      interleaved with the others' decode steps instead of stalling them;
  *   3. every decoding request samples its next token from its logits (model_sample with its own
  *      temperature and a generator seeded with its seed, as run samples, so an exact method gives
  *      run's text) and publishes it; those that go on take one decode step together: one
@@ -122,18 +123,19 @@ static void admit_locked(serve_engine *e) {
 
 /* One prefill chunk of the earliest admitted request still prefilling, with its prefill method
  * (run --prefill-method: by default dense, on cuda the tensor-core prefill; docs/cli.md,
- * "serve"); after its last chunk the request decodes, its generator seeded as run seeds it. */
-static void prefill_step(serve_engine *e) {
+ * "serve"); after its last chunk the request decodes, its generator seeded as run seeds it.
+ * Returns the tokens fed (0: none to feed, or the step failed). */
+static int64_t prefill_step(serve_engine *e) {
     serve_slot *s = NULL;
     for (int32_t k = 0; k < e->nslots; k++) {
         serve_slot *t = &e->slots[k];
         if (t->r && t->tok && !t->done && (!s || t->order < s->order)) s = t;
     }
-    if (!s) return;
+    if (!s) return 0;
     const serve_params *p = &s->r->p;
     if (use_method(e, p->prefill_method, p->budget)) {
         fail_slot(e, s, 400, ekv_last_error(e->ctx));
-        return;
+        return 0;
     }
     const int64_t left = p->prompt_len - s->fed, c = left < e->chunk ? left : e->chunk;
     const int last = c == left; /* the chunk of the prompt's last token: its logits are kept */
@@ -147,14 +149,26 @@ static void prefill_step(serve_engine *e) {
     if (st) {
         fail_slot(e, s, 500, ekv_last_error(e->ctx));
         e->broken = 1;
-        return;
+        return 0;
     }
     s->fed += c;
-    if (!last) return;
+    if (!last) return c;
     memcpy(s->logits, e->chunk_logits + (c - 1) * e->V, sizeof(float) * (size_t)e->V);
     free(s->tok);
     s->tok = NULL;
     cli_rng_seed(&s->rng, p->seed);
+    return c;
+}
+
+/* Prefill chunks until --prefill-tokens are fed (at least one chunk), nothing is left to
+ * prefill or a step failed. */
+static void prefill_steps(serve_engine *e) {
+    const int64_t want = e->o.prefill_tokens > 0 ? e->o.prefill_tokens : 1;
+    for (int64_t fed = 0; fed < want && !e->broken;) {
+        const int64_t c = prefill_step(e);
+        if (c <= 0) break;
+        fed += c;
+    }
 }
 
 /* Every decoding request's next token, sampled and published (one lock for all); those that go
@@ -284,7 +298,7 @@ void *serve_worker_main(void *arg) {
         if (!idle) admit_locked(e);
         pthread_mutex_unlock(&e->mu);
         if (idle) break;
-        prefill_step(e);
+        prefill_steps(e);
         decode_step(e);
         finish_all(e);
         set_pages(e);
