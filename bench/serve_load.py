@@ -12,6 +12,7 @@ read before and after it (counters, so the run's own share):
                     batching buys, whatever the prefills between the steps take. Each request's
                     first token comes from its prefill, so a request of T tokens counts T - 1
   mean batch        the decode steps' tokens / the decode steps (sequences per step)
+  graph %           the share of those tokens whose step was replayed from a CUDA graph
   prefill tok/s     prompt tokens / the seconds inside prefill chunks
 
 and from the clients (honest end-to-end numbers, which include the prefills):
@@ -186,7 +187,8 @@ def rank(xs, q):
 
 COUNTERS = ("entmaxkv_decode_tokens_total", "entmaxkv_decode_steps_total",
             "entmaxkv_decode_seconds_total", "entmaxkv_prompt_tokens_total",
-            "entmaxkv_prefill_seconds_total", "entmaxkv_kv_pages_in_use")
+            "entmaxkv_prefill_seconds_total", "entmaxkv_kv_pages_in_use",
+            "entmaxkv_decode_graph_tokens_total")
 
 
 def metrics(url):
@@ -211,14 +213,16 @@ def row(method, mode, wall, res, m0, m1):
     d = {k: m1[k] - m0[k] for k in COUNTERS}
     step = div(d["entmaxkv_decode_tokens_total"], d["entmaxkv_decode_seconds_total"])
     batch = div(d["entmaxkv_decode_tokens_total"], d["entmaxkv_decode_steps_total"])
+    graph = 100 * div(d["entmaxkv_decode_graph_tokens_total"], d["entmaxkv_decode_tokens_total"])
     prefill = div(d["entmaxkv_prompt_tokens_total"], d["entmaxkv_prefill_seconds_total"])
     toks = sum(r[2] for r in res)
     window = union([(r[4] + r[0], r[4] + r[1]) for r in res])
     decode = div(sum(r[2] - 1 for r in res), window)
     ttft = [r[0] for r in res]
-    return step, decode, ("| %s | %s | %d | %d | %.2f | %.1f | %.2f | %.0f | %.1f | %.1f | %.3f "
-                          "| %.3f |" % (method, mode, len(res), toks, wall, step, batch, prefill,
-                                        decode, toks / wall, rank(ttft, 50), rank(ttft, 99)))
+    return step, decode, ("| %s | %s | %d | %d | %.2f | %.1f | %.2f | %.0f | %.0f | %.1f | %.1f "
+                          "| %.3f | %.3f |" % (method, mode, len(res), toks, wall, step, batch,
+                                               graph, prefill, decode, toks / wall, rank(ttft, 50),
+                                               rank(ttft, 99)))
 
 
 def main():
@@ -250,9 +254,9 @@ def main():
             proc.wait(timeout=600)
     print("%d requests of %d-%d prompt bytes, %d tokens each (greedy, streamed); %s\n"
           % (a.clients, a.min_bytes, a.max_bytes, a.tokens, url if a.url else "server started"))
-    print("| method | run | requests | tokens | wall s | step tok/s | mean batch | prefill tok/s "
-          "| client decode tok/s | end-to-end tok/s | TTFT p50 s | TTFT p99 s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | run | requests | tokens | wall s | step tok/s | mean batch | graph % "
+          "| prefill tok/s | client decode tok/s | end-to-end tok/s | TTFT p50 s | TTFT p99 s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows) + "\n")
     for n in notes:
         print(n)
