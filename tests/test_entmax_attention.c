@@ -353,6 +353,13 @@ static void check_invalid(ekv_context *ctx) {
           "dv NULL");
     CHECK(ekv_entmax_attention_forward(NULL, &ok, x, x, x, o, NULL) == EKV_ERR_NULL_POINTER,
           "ctx NULL");
+    /* finite inputs whose scores overflow a double (the f64 entry point) */
+    double big[64], od[64], td[4];
+    for (int i = 0; i < 64; i++) big[i] = 1e200, od[i] = 7;
+    CHECK(ekv_entmax_attention_forward_f64(ctx, &ok, big, big, big, od, td) == EKV_ERR_NAN_INPUT &&
+                  strstr(ekv_last_error(ctx), "the score of row 0, head 0, key 0 overflows") &&
+                  od[0] == 7,
+          "score overflow: %s", ekv_last_error(ctx));
     CHECK(ekv_abi_sizeof("ekv_attention_params") == (int64_t)sizeof(ekv_attention_params),
           "abi size");
 }

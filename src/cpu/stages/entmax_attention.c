@@ -20,6 +20,8 @@ typedef struct att_out {
 } att_out;
 
 static inline double at(att_in t, int64_t i) { return t.f ? (double)t.f[i] : t.d[i]; }
+#define PTR(t) ((t).f ? (const void *)(t).f : (const void *)(t).d)
+#define PTR(t) ((t).f ? (const void *)(t).f : (const void *)(t).d)
 
 typedef struct att_job {
     int64_t T, N, H, Hk, G, D, nq, nk; /* nq = T*H*D, nk = N*Hk*D elements */
@@ -32,26 +34,16 @@ typedef struct att_job {
     double *tau_out; /* forward, may be NULL */
 } att_job;
 
-ekv_attention_params ekv_attention_default_params(void) {
-    ekv_attention_params p;
-    p.num_queries = 1;
-    p.num_keys = 1;
-    p.num_heads = 1;
-    p.num_kv_heads = 1;
-    p.head_dim = 64;
-    p.causal = 1;
-    p.alpha = 1.5;
-    p.scale = 0.f;
-    p.alibi_slopes = NULL;
-    return p;
-}
+static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, int backward);
 
-/* The first NULL among the call's pointers, by name. */
-static ekv_status check_null(ekv_context *ctx, const void *const *ptr, const char *const *name,
-                             int n) {
-    for (int i = 0; i < n; i++)
-        if (!ptr[i]) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", name[i]);
-    return EKV_OK;
+ekv_attention_params ekv_attention_default_params(void) {
+    return (ekv_attention_params){.num_queries = 1,
+                                  .num_keys = 1,
+                                  .num_heads = 1,
+                                  .num_kv_heads = 1,
+                                  .head_dim = 64,
+                                  .causal = 1,
+                                  .alpha = 1.5};
 }
 
 static ekv_status check_finite(ekv_context *ctx, att_in t, int64_t n, const char *name) {
@@ -173,40 +165,20 @@ static ekv_status forward_run(ekv_context *ctx, att_job *j) {
     return EKV_OK;
 }
 
-static ekv_status forward_entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j) {
-    ekv_status st = check_shape(ctx, p, j);
-    if (!st) st = check_finite(ctx, j->q, j->nq, "q");
-    if (!st) st = check_finite(ctx, j->k, j->nk, "k");
-    if (!st) st = check_finite(ctx, j->v, j->nk, "v");
-    EKV_GUARDED(ctx, st, forward_run(ctx, j));
-    if (!st) ekv_clear_error(ctx);
-    return st;
-}
-
-static const char *const fwd_names[] = {"params", "q", "k", "v", "out"};
-
 ekv_status ekv_entmax_attention_forward(ekv_context *ctx, const ekv_attention_params *params,
                                         const float *q, const float *k, const float *v, float *out,
                                         double *tau) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    const void *ptr[] = {params, q, k, v, out};
-    ekv_status st = check_null(ctx, ptr, fwd_names, 5);
-    if (st) return st;
     att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .out = {out, NULL}};
     j.tau_out = tau;
-    return forward_entry(ctx, params, &j);
+    return entry(ctx, params, &j, 0);
 }
 
 ekv_status ekv_entmax_attention_forward_f64(ekv_context *ctx, const ekv_attention_params *params,
                                             const double *q, const double *k, const double *v,
                                             double *out, double *tau) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    const void *ptr[] = {params, q, k, v, out};
-    ekv_status st = check_null(ctx, ptr, fwd_names, 5);
-    if (st) return st;
     att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .out = {NULL, out}};
     j.tau_out = tau;
-    return forward_entry(ctx, params, &j);
+    return entry(ctx, params, &j, 0);
 }
 
 /* ---- backward (docs/math.md §13) ---- */
@@ -296,44 +268,43 @@ static ekv_status backward_run(ekv_context *ctx, att_job *j) {
     return EKV_OK;
 }
 
-static ekv_status backward_entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j) {
+/* Every entry point: its pointers, the shapes, the inputs' values, then the run. */
+static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, int backward) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    static const char *const name[] = {"params", "q",    "k",  "v",  "out",
+                                       "tau",    "dout", "dq", "dk", "dv"};
+    const void *ptr[] = {p,         PTR(j->q),    PTR(j->k),  PTR(j->v),  PTR(j->out),
+                         j->tau_in, PTR(j->dout), PTR(j->dq), PTR(j->dk), PTR(j->dv)};
+    for (int i = 0; i < 10; i++) /* the forward's are 0-4, the backward's 0-3 and 5-9 */
+        if ((i < 4 || (i == 4) != backward) && !ptr[i])
+            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", name[i]);
     ekv_status st = check_shape(ctx, p, j);
     if (!st) st = check_finite(ctx, j->q, j->nq, "q");
     if (!st) st = check_finite(ctx, j->k, j->nk, "k");
     if (!st) st = check_finite(ctx, j->v, j->nk, "v");
-    if (!st) st = check_finite(ctx, j->dout, j->nq, "dout");
-    if (!st) st = check_finite(ctx, (att_in){NULL, j->tau_in}, j->T * j->H, "tau");
-    EKV_GUARDED(ctx, st, backward_run(ctx, j));
+    if (!st && backward) st = check_finite(ctx, j->dout, j->nq, "dout");
+    if (!st && backward) st = check_finite(ctx, (att_in){NULL, j->tau_in}, j->T * j->H, "tau");
+    EKV_GUARDED(ctx, st, backward ? backward_run(ctx, j) : forward_run(ctx, j));
     if (!st) ekv_clear_error(ctx);
     return st;
 }
-
-static const char *const bwd_names[] = {"params", "q", "k", "v", "tau", "dout", "dq", "dk", "dv"};
 
 ekv_status ekv_entmax_attention_backward(ekv_context *ctx, const ekv_attention_params *params,
                                          const float *q, const float *k, const float *v,
                                          const double *tau, const float *dout, float *dq, float *dk,
                                          float *dv) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    const void *ptr[] = {params, q, k, v, tau, dout, dq, dk, dv};
-    ekv_status st = check_null(ctx, ptr, bwd_names, 9);
-    if (st) return st;
     att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .dout = {dout, NULL}};
     j.tau_in = tau, j.dq = (att_out){dq, NULL}, j.dk = (att_out){dk, NULL};
     j.dv = (att_out){dv, NULL};
-    return backward_entry(ctx, params, &j);
+    return entry(ctx, params, &j, 1);
 }
 
 ekv_status ekv_entmax_attention_backward_f64(ekv_context *ctx, const ekv_attention_params *params,
                                              const double *q, const double *k, const double *v,
                                              const double *tau, const double *dout, double *dq,
                                              double *dk, double *dv) {
-    if (!ctx) return EKV_ERR_NULL_POINTER;
-    const void *ptr[] = {params, q, k, v, tau, dout, dq, dk, dv};
-    ekv_status st = check_null(ctx, ptr, bwd_names, 9);
-    if (st) return st;
     att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .dout = {NULL, dout}};
     j.tau_in = tau, j.dq = (att_out){NULL, dq}, j.dk = (att_out){NULL, dk};
     j.dv = (att_out){NULL, dv};
-    return backward_entry(ctx, params, &j);
+    return entry(ctx, params, &j, 1);
 }
