@@ -145,8 +145,8 @@ EKV_API ekv_status ekv_entmax_rows_f64(ekv_context *ctx, const double *x, int64_
 
 /* sizeof a public struct, by its name ("ekv_paged_kv", "ekv_page_stats", "ekv_page_table",
  * "ekv_cache_params", "ekv_decode_params", "ekv_decode_info", "ekv_select_params",
- * "ekv_context_params", and cuda.h's "ekv_cuda_plan_params", "ekv_cuda_report",
- * "ekv_cuda_append_item", "ekv_cuda_sharded_params", "ekv_cuda_sharded_report",
+ * "ekv_context_params", "ekv_attention_params", and cuda.h's "ekv_cuda_plan_params",
+ * "ekv_cuda_report", "ekv_cuda_append_item", "ekv_cuda_sharded_params", "ekv_cuda_sharded_report",
  * "ekv_cuda_cache_params", declared in every build), or -1 for another name: bindings that mirror
  * the structs (the Python package) check their layouts against it when they load the library. */
 EKV_API int64_t ekv_abi_sizeof(const char *type_name);
@@ -642,6 +642,62 @@ EKV_API ekv_status ekv_decode(ekv_context *ctx, const ekv_decode_params *params,
 EKV_API ekv_status ekv_dense_probs(ekv_context *ctx, const ekv_decode_params *params,
                                    const ekv_paged_kv *kv, const ekv_page_table *table,
                                    const float *q, int64_t stride, float *p, double *tau);
+
+/* ---------------------------------------------------------------------------------- */
+/* Exact entmax attention of many query rows, forward and backward (docs/math.md §13)  */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * The reference that prefill kernels and a training op are checked against: dense, exact,
+ * computed in double, single-threaded. Contiguous tensors: q [T][H][D], k and v [N][Hk][D],
+ * out, dout and dq [T][H][D], dk and dv [N][Hk][D], tau [T][H].
+ */
+typedef struct ekv_attention_params {
+    int64_t num_queries;       /* T query rows per head, >= 1                                 */
+    int64_t num_keys;          /* N keys, >= 1                                                */
+    int32_t num_heads;         /* H query heads; a multiple of num_kv_heads                    */
+    int32_t num_kv_heads;      /* Hk (query head h reads KV head h / (H / Hk))                 */
+    int32_t head_dim;          /* D, 1..65536                                                 */
+    int32_t causal;            /* 1: row t, at position i = N - T + t, sees keys j <= i (then  */
+                               /* T <= N); 0: every row sees all N keys                        */
+    double alpha;              /* 1 = softmax, (1, 4] = entmax (default 1.5)                   */
+    float scale;               /* score scale; 0 = 1/sqrt(head_dim)                            */
+    const float *alibi_slopes; /* [num_heads] slopes m_h >= 0 (bias -m_h |j - i|), or NULL     */
+} ekv_attention_params;
+
+/* T = N = 1, H = Hk = 1, D = 64, causal, alpha 1.5, scale 0, no ALiBi. */
+EKV_API ekv_attention_params ekv_attention_default_params(void);
+
+/*
+ * out = entmax attention of every (row, head): s_j = scale q.k_j - m_h |j - i| over the keys
+ * the row sees, p = alpha-entmax(s) with tau solved exactly (z-space, docs/math.md §0;
+ * softmax: log-sum-exp), out = sum_j p_j v_j / sum_j p_j. tau (may be NULL) receives each
+ * row's tau, [T][H], for the backward. q, k, v must be finite.
+ */
+EKV_API ekv_status ekv_entmax_attention_forward(ekv_context *ctx,
+                                                const ekv_attention_params *params, const float *q,
+                                                const float *k, const float *v, float *out,
+                                                double *tau);
+EKV_API ekv_status ekv_entmax_attention_forward_f64(ekv_context *ctx,
+                                                    const ekv_attention_params *params,
+                                                    const double *q, const double *k,
+                                                    const double *v, double *out, double *tau);
+/*
+ * Gradients of a loss L(out) given dout = dL/dout (docs/math.md §13): p is recomputed from the
+ * forward's tau, then with w_j = p_j^(2 - alpha) on the support (0 outside),
+ * ds_j = w_j (dout.v_j - sum_S w dout.v / sum_S w), dq = scale sum_j ds_j k_j,
+ * dk_j = scale sum over rows and the group's heads of ds_j q, dv_j = sum p_j dout. dq, dk and
+ * dv are overwritten. A tau that is not the row's threshold (its weights sum to 0 or differ from
+ * 1 by more than 1e-3) fails with EKV_ERR_INVALID_ARGUMENT; so does a gradient that overflows the
+ * output type (alpha > 2 only: the Jacobian is unbounded near the support's edge, §13).
+ */
+EKV_API ekv_status ekv_entmax_attention_backward(ekv_context *ctx,
+                                                 const ekv_attention_params *params, const float *q,
+                                                 const float *k, const float *v, const double *tau,
+                                                 const float *dout, float *dq, float *dk,
+                                                 float *dv);
+EKV_API ekv_status ekv_entmax_attention_backward_f64(
+        ekv_context *ctx, const ekv_attention_params *params, const double *q, const double *k,
+        const double *v, const double *tau, const double *dout, double *dq, double *dk, double *dv);
 
 #ifdef __cplusplus
 }

@@ -14,7 +14,8 @@ from ._lib import EntmaxKVError
 from .cache import PagedKVCache
 from .cuda_cache import CudaPagedKVCache
 from .decode import DecodeWrapper
-from .functional import entmax, entmax15, sparsemax
+from .functional import (entmax, entmax15, entmax_attention, entmax_attention_backward,
+                         sparsemax)
 
 try:
     from importlib.metadata import PackageNotFoundError, version
@@ -23,5 +24,6 @@ try:
 except PackageNotFoundError:  # run from a source tree with $ENTMAXKV_LIBRARY
     __version__ = "unknown"
 
-__all__ = ["entmax", "entmax15", "sparsemax", "PagedKVCache", "CudaPagedKVCache", "DecodeWrapper",
+__all__ = ["entmax", "entmax15", "sparsemax", "entmax_attention", "entmax_attention_backward",
+           "PagedKVCache", "CudaPagedKVCache", "DecodeWrapper",
            "EntmaxKVError", "__version__"]

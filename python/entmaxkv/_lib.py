@@ -91,6 +91,12 @@ class SelectParams(ctypes.Structure):
                 ("tau_lb", c_void_p), ("tau_hint", c_void_p)]
 
 
+class AttentionParams(ctypes.Structure):
+    _fields_ = [("num_queries", c_int64), ("num_keys", c_int64), ("num_heads", c_int32),
+                ("num_kv_heads", c_int32), ("head_dim", c_int32), ("causal", c_int32),
+                ("alpha", c_double), ("scale", c_float), ("alibi_slopes", c_void_p)]
+
+
 class CudaPlanParams(ctypes.Structure):
     _fields_ = [("device", c_int32), ("stream", c_void_p), ("max_batch", c_int32),
                 ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
@@ -124,6 +130,7 @@ _MIRRORS = {"ekv_context_params": ContextParams, "ekv_paged_kv": PagedKV,
             "ekv_page_stats": PageStats, "ekv_page_table": PageTable,
             "ekv_cache_params": CacheParams, "ekv_decode_params": DecodeParams,
             "ekv_decode_info": DecodeInfo, "ekv_select_params": SelectParams,
+            "ekv_attention_params": AttentionParams,
             "ekv_cuda_plan_params": CudaPlanParams, "ekv_cuda_report": CudaReport,
             "ekv_cuda_append_item": CudaAppendItem, "ekv_cuda_cache_params": CudaCacheParams}
 
@@ -151,6 +158,11 @@ def _declare(lib):
         "ekv_entmax_rows": (c_int, [c_void_p, c_void_p, c_int64, c_int64, c_double, c_void_p]),
         "ekv_entmax_rows_f64": (c_int, [c_void_p, c_void_p, c_int64, c_int64, c_double,
                                         c_void_p]),
+        "ekv_attention_default_params": (AttentionParams, []),
+        **{f"ekv_entmax_attention_forward{sfx}": (c_int, [c_void_p, P(AttentionParams)]
+                                                 + [c_void_p] * 5) for sfx in ("", "_f64")},
+        **{f"ekv_entmax_attention_backward{sfx}": (c_int, [c_void_p, P(AttentionParams)]
+                                                  + [c_void_p] * 8) for sfx in ("", "_f64")},
         "ekv_cache_default_params": (CacheParams, []),
         "ekv_cache_create": (c_int, [c_void_p, P(CacheParams), P(c_void_p)]),
         "ekv_cache_free": (None, [c_void_p]),

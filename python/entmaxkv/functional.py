@@ -53,3 +53,77 @@ def entmax15(x, dim=-1):
 def sparsemax(x, dim=-1):
     """Sparsemax, the Euclidean projection onto the simplex: entmax(x, 2, dim)."""
     return entmax(x, 2.0, dim)
+
+
+def _attention_args(who, q, k, v, alpha, causal, alibi_slopes, scale, extra=()):
+    """The library's parameters and C-ready arrays of an attention call; shapes and dtypes are
+    checked here, values (alpha, scale, slopes, NaN) by the library."""
+    arrays = [_lib.host_array(x, name) for x, name in [(q, "q"), (k, "k"), (v, "v"), *extra]]
+    dt = arrays[0].dtype
+    if dt not in (np.float32, np.float64) or any(a.dtype != dt for a in arrays):
+        raise TypeError(f"entmaxkv.{who}: q, k, v (and dout) must all be float32 or all "
+                        f"float64; got {[str(a.dtype) for a in arrays]}")
+    qa, ka, va = arrays[:3]
+    if qa.ndim != 3 or ka.ndim != 3 or ka.shape != va.shape or qa.shape[2] != ka.shape[2]:
+        raise ValueError(f"entmaxkv.{who}: q must be [T, H, D] and k, v [N, Hk, D] with the "
+                         f"same D; got {list(qa.shape)}, {list(ka.shape)}, {list(va.shape)}")
+    (T, H, D), N, Hk = qa.shape, ka.shape[0], ka.shape[1]
+    prm = _lib.lib.ekv_attention_default_params()
+    prm.num_queries, prm.num_keys = _lib.as_int(T, "T", 64), _lib.as_int(N, "N", 64)
+    prm.num_heads, prm.num_kv_heads, prm.head_dim = _lib.as_int(H, "H"), _lib.as_int(Hk, "Hk"), \
+        _lib.as_int(D, "D")
+    prm.causal, prm.alpha = int(bool(causal)), float(alpha)
+    prm.scale = 0.0 if scale is None else float(scale)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _lib.c_array(np.asarray(_lib.host_array(alibi_slopes, "alibi_slopes"),
+                                         np.float32).reshape(-1), np.float32)
+        if slopes.shape != (H,):
+            raise ValueError(f"entmaxkv.{who}: alibi_slopes must hold H={H} slopes; got "
+                             f"{slopes.size}")
+        prm.alibi_slopes = slopes.ctypes.data
+    return prm, [_lib.c_array(a) for a in arrays], slopes
+
+
+def entmax_attention(q, k, v, alpha=1.5, causal=True, alibi_slopes=None, scale=None):
+    """Exact entmax attention of T query rows over N keys, in double on the CPU (the reference
+    that kernels are checked against, docs/math.md §13): q [T, H, D], k and v [N, Hk, D]
+    (numpy or CPU torch, all float32 or all float64; H a multiple of Hk). Row t sits at position
+    N - T + t; causal rows see the keys up to it (T <= N). alibi_slopes: H slopes, the bias
+    -m_h |j - i|; scale None = 1/sqrt(D). Returns (out [T, H, D] in q's dtype, tau [T, H]
+    float64, each row's threshold in z-space), numpy arrays."""
+    prm, (qa, ka, va), _slopes = _attention_args("entmax_attention", q, k, v, alpha, causal,
+                                                 alibi_slopes, scale)
+    out, tau = np.empty_like(qa), np.empty(qa.shape[:2], np.float64)
+    fn = _lib.lib.ekv_entmax_attention_forward
+    if qa.dtype == np.float64:
+        fn = _lib.lib.ekv_entmax_attention_forward_f64
+    ctx = _lib.context()
+    ctx.call(fn, ctx.ptr, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data, out.ctypes.data,
+             tau.ctypes.data)
+    return out, tau
+
+
+def entmax_attention_backward(q, k, v, tau, dout, alpha=1.5, causal=True, alibi_slopes=None,
+                              scale=None):
+    """The gradients (dq, dk, dv) of entmax_attention given dout = dL/dout [T, H, D] and the
+    forward's tau [T, H]: the entmax Jacobian on the support (docs/math.md §13.2-13.3), in
+    double. A tau that is not the forward's raises EntmaxKVError."""
+    prm, (qa, ka, va, da), _slopes = _attention_args(
+            "entmax_attention_backward", q, k, v, alpha, causal, alibi_slopes, scale,
+            extra=[(dout, "dout")])
+    if da.shape != qa.shape:
+        raise ValueError(f"entmaxkv.entmax_attention_backward: dout must be {list(qa.shape)}; "
+                         f"got {list(da.shape)}")
+    ta = _lib.c_array(np.asarray(_lib.host_array(tau, "tau"), np.float64), np.float64)
+    if ta.shape != qa.shape[:2]:
+        raise ValueError(f"entmaxkv.entmax_attention_backward: tau must be "
+                         f"{list(qa.shape[:2])}; got {list(ta.shape)}")
+    dq, dk, dv = np.empty_like(qa), np.empty_like(ka), np.empty_like(va)
+    fn = _lib.lib.ekv_entmax_attention_backward
+    if qa.dtype == np.float64:
+        fn = _lib.lib.ekv_entmax_attention_backward_f64
+    ctx = _lib.context()
+    ctx.call(fn, ctx.ptr, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data, ta.ctypes.data,
+             da.ctypes.data, dq.ctypes.data, dk.ctypes.data, dv.ctypes.data)
+    return dq, dk, dv

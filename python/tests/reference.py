@@ -38,3 +38,20 @@ def attention_ref(q, k, v, alpha, scale=None, slopes=None):
             s = s + slopes[h] * (np.arange(N) - (N - 1.0))
         out[h] = _row(s, alpha) @ v[:, h // G, :]
     return out
+
+
+def attention_rows_ref(q, k, v, alpha, causal=True, slopes=None):
+    """q [T, H, D], k/v [N, Hk, D] (float64): out [T, H, D] of rows at positions N - T + t,
+    causal rows over the keys j <= their position, ALiBi bias -m_h |j - i| (docs/math.md §13)."""
+    T, H, D = q.shape
+    N, G = k.shape[0], H // k.shape[1]
+    out = np.empty((T, H, D))
+    for t in range(T):
+        i = N - T + t
+        n = i + 1 if causal else N
+        for h in range(H):
+            s = k[:n, h // G, :] @ q[t, h] / np.sqrt(D)
+            if slopes is not None:
+                s = s - slopes[h] * np.abs(np.arange(n) - i)
+            out[t, h] = _row(s, alpha) @ v[:n, h // G, :]
+    return out

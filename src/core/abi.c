@@ -15,6 +15,7 @@ int64_t ekv_abi_sizeof(const char *type_name) {
             {"ekv_decode_info", sizeof(ekv_decode_info)},
             {"ekv_select_params", sizeof(ekv_select_params)},
             {"ekv_context_params", sizeof(ekv_context_params)},
+            {"ekv_attention_params", sizeof(ekv_attention_params)},
             {"ekv_cuda_plan_params", sizeof(ekv_cuda_plan_params)},
             {"ekv_cuda_report", sizeof(ekv_cuda_report)},
             {"ekv_cuda_append_item", sizeof(ekv_cuda_append_item)},

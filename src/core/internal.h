@@ -277,6 +277,12 @@ ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv);
 ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params);
 ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads);
 ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size);
+/* head_dim in [1, 65536] (views, pools, attention shapes). */
+ekv_status ekv_check_head_dim(ekv_context *ctx, int64_t head_dim);
+/* ALiBi slopes (host memory, NULL = none): finite, >= 0, and the bias over max_len tokens of
+ * distance fits fp32 (docs/math.md §6.2). */
+ekv_status ekv_check_slopes(ekv_context *ctx, const float *slopes, int64_t num_heads,
+                            int64_t max_len);
 /* The geometry of a page pool (the host cache's, and the device cache's through it): pages,
  * page size, KV heads, head dim, dtype, superpages, key code bits, range dtype, layout. Not
  * the caller's memory or max_seqs, which only the host cache has. */

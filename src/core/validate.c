@@ -36,6 +36,13 @@ ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_h
     return EKV_OK;
 }
 
+ekv_status ekv_check_head_dim(ekv_context *ctx, int64_t head_dim) {
+    if (head_dim <= 0 || head_dim > 65536)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%lld must be in [1, 65536]",
+                        (long long)head_dim);
+    return EKV_OK;
+}
+
 ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
     if (page_size < 1 || page_size > EKV_MAX_PAGE_SIZE)
         return ekv_fail(ctx, EKV_ERR_INVALID_PAGE_SIZE, "page_size=%lld must be in [1, %d]",
@@ -50,14 +57,13 @@ ekv_status ekv_check_pool_geometry(ekv_context *ctx, const ekv_cache_params *p) 
     if (p->num_pages > INT32_MAX)
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
                         "num_pages=%lld exceeds the int32 page-id range", (long long)p->num_pages);
-    const ekv_status st = ekv_check_page_size(ctx, p->page_size);
+    ekv_status st = ekv_check_page_size(ctx, p->page_size);
     if (st) return st;
     if (p->num_kv_heads <= 0 || p->num_kv_heads > 4096)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be in [1, 4096]",
                         p->num_kv_heads);
-    if (p->head_dim <= 0 || p->head_dim > 65536)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
-                        p->head_dim);
+    st = ekv_check_head_dim(ctx, p->head_dim);
+    if (st) return st;
     if (!ekv_dtype_valid(p->dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)",
                         (int)p->dtype);
@@ -76,8 +82,27 @@ ekv_status ekv_check_pool_geometry(ekv_context *ctx, const ekv_cache_params *p) 
     return EKV_OK;
 }
 
-/* ALiBi slopes are finite, >= 0, and small enough that the bias over the longest sequence
+/* ALiBi slopes are finite, >= 0, and small enough that the bias over the longest distance
  * (at most 3 * m * N in z-space) cannot overflow fp32 (docs/math.md §6.2). */
+ekv_status ekv_check_slopes(ekv_context *ctx, const float *slopes, int64_t num_heads,
+                            int64_t max_len) {
+    if (!slopes) return EKV_OK;
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float m = slopes[h];
+        if (!(m >= 0.f) || !isfinite(m))
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "alibi_slopes[%lld]=%g must be finite and >= 0", (long long)h,
+                            (double)m);
+        if (3.0 * (double)m * (double)max_len > 1e37)
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "alibi_slopes[%lld]=%g is too large: the bias over %lld tokens "
+                            "overflows fp32",
+                            (long long)h, (double)m, (long long)max_len);
+    }
+    return EKV_OK;
+}
+
+/* The slopes against the longest sequence of the table. */
 static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *t) {
     if (!params->alibi_slopes) return EKV_OK;
@@ -86,18 +111,7 @@ static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params
         const int64_t n = ekv_seq_len(t->indptr, t->last_page_len, b, kv->page_size);
         maxN = n > maxN ? n : maxN;
     }
-    for (int32_t h = 0; h < params->num_heads; h++) {
-        const float m = params->alibi_slopes[h];
-        if (!(m >= 0.f) || !isfinite(m))
-            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                            "alibi_slopes[%d]=%g must be finite and >= 0", h, (double)m);
-        if (3.0 * (double)m * (double)maxN > 1e37)
-            return ekv_fail(
-                    ctx, EKV_ERR_INVALID_ARGUMENT,
-                    "alibi_slopes[%d]=%g is too large: the bias over %lld tokens overflows fp32", h,
-                    (double)m, (long long)maxN);
-    }
-    return EKV_OK;
+    return ekv_check_slopes(ctx, params->alibi_slopes, params->num_heads, maxN);
 }
 
 /* Every element the view addresses, as a byte offset from k or v, fits int64: the kernels form
@@ -125,9 +139,8 @@ ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv) {
                         (int)kv->dtype);
     ekv_status st = ekv_check_page_size(ctx, kv->page_size);
     if (st) return st;
-    if (kv->head_dim <= 0 || kv->head_dim > 65536)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "head_dim=%d must be in [1, 65536]",
-                        kv->head_dim);
+    st = ekv_check_head_dim(ctx, kv->head_dim);
+    if (st) return st;
     if (kv->num_kv_heads <= 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_kv_heads=%d must be >= 1",
                         kv->num_kv_heads);

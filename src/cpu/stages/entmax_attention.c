@@ -1,0 +1,310 @@
+/*
+ * Exact entmax attention of T query rows over N keys, forward and backward, in double on the
+ * CPU (docs/math.md §13): the reference that prefill kernels and a training op are checked
+ * against. One body serves the float and the double entry points (tensors are read through
+ * att_in, written through att_out); every result is built in the workspace and written out
+ * only when the whole call has succeeded, so an error leaves the outputs untouched.
+ */
+#include "../../core/internal.h"
+#include "../../math/entmax_tau.h"
+#include <float.h>
+
+/* A tensor of the call: f for the float entry points, d for the double ones. */
+typedef struct att_in {
+    const float *f;
+    const double *d;
+} att_in;
+typedef struct att_out {
+    float *f;
+    double *d;
+} att_out;
+
+static inline double at(att_in t, int64_t i) { return t.f ? (double)t.f[i] : t.d[i]; }
+#define PTR(t) ((t).f ? (const void *)(t).f : (const void *)(t).d)
+#define PTR(t) ((t).f ? (const void *)(t).f : (const void *)(t).d)
+
+typedef struct att_job {
+    int64_t T, N, H, Hk, G, D, nq, nk; /* nq = T*H*D, nk = N*Hk*D elements */
+    double alpha, a, scale;            /* a = alpha - 1, or 1 for softmax (z = s) */
+    const float *slopes;
+    int causal;
+    att_in q, k, v, dout;
+    const double *tau_in; /* backward: the forward's tau */
+    att_out out, dq, dk, dv;
+    double *tau_out; /* forward, may be NULL */
+} att_job;
+
+static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, int backward);
+
+ekv_attention_params ekv_attention_default_params(void) {
+    return (ekv_attention_params){.num_queries = 1,
+                                  .num_keys = 1,
+                                  .num_heads = 1,
+                                  .num_kv_heads = 1,
+                                  .head_dim = 64,
+                                  .causal = 1,
+                                  .alpha = 1.5};
+}
+
+static ekv_status check_finite(ekv_context *ctx, att_in t, int64_t n, const char *name) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(at(t, i)))
+            return ekv_fail(ctx, EKV_ERR_NAN_INPUT, "%s[%lld] is NaN or infinite", name,
+                            (long long)i);
+    return EKV_OK;
+}
+
+/* The parameters by the library's rules (validate.c), then the shapes this call adds. */
+static ekv_status check_shape(ekv_context *ctx, const ekv_attention_params *p, att_job *j) {
+    const ekv_decode_params dp = {.num_heads = p->num_heads,
+                                  .alpha = p->alpha,
+                                  .scale = p->scale,
+                                  .alibi_slopes = p->alibi_slopes};
+    ekv_status st = ekv_check_params(ctx, &dp);
+    if (!st) st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
+    if (!st) st = ekv_check_head_dim(ctx, p->head_dim);
+    if (st) return st;
+    if (p->num_queries < 1 || p->num_keys < 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "num_queries=%lld and num_keys=%lld must be >= 1",
+                        (long long)p->num_queries, (long long)p->num_keys);
+    if (p->causal != 0 && p->causal != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "causal=%d must be 0 or 1", p->causal);
+    if (p->causal && p->num_queries > p->num_keys)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "causal attention needs num_queries=%lld <= num_keys=%lld (row t sits at "
+                        "position num_keys - num_queries + t and sees the keys up to it)",
+                        (long long)p->num_queries, (long long)p->num_keys);
+    int64_t nq, nk, bytes;
+    if (ekv_mul_i64(p->num_queries, (int64_t)p->num_heads * p->head_dim, &nq) ||
+        ekv_mul_i64(p->num_keys, (int64_t)p->num_kv_heads * p->head_dim, &nk) ||
+        ekv_mul_i64(nq > nk ? nq : nk, 2 * (int64_t)sizeof(double), &bytes))
+        return ekv_fail(
+                ctx, EKV_ERR_SIZE_OVERFLOW,
+                "num_queries=%lld or num_keys=%lld x heads x head_dim overflows int64 bytes",
+                (long long)p->num_queries, (long long)p->num_keys);
+    /* |j - i| < max(N, T): i = N - T + t is in [N - T, N), j in [0, N) */
+    st = ekv_check_slopes(ctx, p->alibi_slopes, p->num_heads,
+                          p->num_keys > p->num_queries ? p->num_keys : p->num_queries);
+    if (st) return st;
+    j->T = p->num_queries, j->N = p->num_keys, j->H = p->num_heads, j->Hk = p->num_kv_heads;
+    j->G = j->H / j->Hk, j->D = p->head_dim, j->nq = nq, j->nk = nk;
+    j->alpha = p->alpha, j->a = p->alpha == 1.0 ? 1.0 : p->alpha - 1.0;
+    j->scale = ekv_effective_scale(p->scale, p->head_dim);
+    j->slopes = p->alibi_slopes, j->causal = p->causal;
+    return EKV_OK;
+}
+
+/* Keys row t sees: [0, n). */
+static int64_t row_len(const att_job *j, int64_t t) {
+    return j->causal ? j->N - j->T + t + 1 : j->N;
+}
+
+/* z-space scores of row (t, h) over its n keys: z_j = a (scale q.k_j - m_h |j - i|) with the
+ * row at position i = N - T + t (docs/math.md §1.6, §13). Fails when a score overflows. */
+static ekv_status row_z(ekv_context *ctx, const att_job *j, int64_t t, int64_t h, int64_t n,
+                        double *z) {
+    const int64_t qo = (t * j->H + h) * j->D, kh = h / j->G, i = j->N - j->T + t;
+    const double m = j->slopes ? (double)j->slopes[h] : 0.0;
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t ko = (c * j->Hk + kh) * j->D;
+        double dot = 0;
+        for (int64_t d = 0; d < j->D; d++) dot += at(j->q, qo + d) * at(j->k, ko + d);
+        z[c] = j->a * (j->scale * dot - m * (double)(c > i ? c - i : i - c));
+        if (!isfinite(z[c]))
+            return ekv_fail(ctx, EKV_ERR_NAN_INPUT,
+                            "the score of row %lld, head %lld, key %lld overflows a double",
+                            (long long)t, (long long)h, (long long)c);
+    }
+    return EKV_OK;
+}
+
+/* p = [z - tau]_+^beta (softmax: exp(z - tau)) in place; returns their sum. */
+static double row_weights(double *z, int64_t n, double tau, double alpha) {
+    double sum = 0;
+    for (int64_t c = 0; c < n; c++) sum += z[c] = ekv_entmax_weight(z[c], tau, alpha);
+    return sum;
+}
+
+static void write_out(att_out o, const double *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (o.f)
+            o.f[i] = (float)x[i];
+        else
+            o.d[i] = x[i];
+}
+
+static ekv_status forward_run(ekv_context *ctx, att_job *j) {
+    const int64_t S = (int64_t)sizeof(double), rows = j->T * j->H;
+    int64_t sizes[4] = {j->N * S, ekv_tau_scratch_doubles(j->N) * S, j->nq * S, rows * S}, off[4];
+    ekv_status st;
+    char *base = ekv_workspace_blocks(ctx, sizes, 4, off, "entmax attention", &st);
+    if (!base) return st;
+    double *z = (double *)(base + off[0]), *scratch = (double *)(base + off[1]);
+    double *acc = (double *)(base + off[2]), *taus = (double *)(base + off[3]);
+    for (int64_t t = 0; t < j->T; t++)
+        for (int64_t h = 0; h < j->H; h++) {
+            const int64_t n = row_len(j, t), r = t * j->H + h;
+            if ((st = row_z(ctx, j, t, h, n, z))) return st;
+            /* scores are finite and n >= 1, so the solve cannot fail */
+            if (ekv_tau_exact_f64(z, n, j->alpha, scratch, &taus[r], NULL))
+                return ekv_fail(ctx, EKV_ERR_INTERNAL, "tau solve failed on finite scores");
+            const double sum = row_weights(z, n, taus[r], j->alpha);
+            double *o = acc + r * j->D;
+            memset(o, 0, (size_t)j->D * sizeof *o);
+            for (int64_t c = 0; c < n; c++) {
+                if (z[c] == 0) continue; /* outside the support: V not read (§9.7) */
+                const int64_t vo = (c * j->Hk + h / j->G) * j->D;
+                for (int64_t d = 0; d < j->D; d++) o[d] += z[c] * at(j->v, vo + d);
+            }
+            /* the exact paths divide by the computed sum (docs/math.md §0) */
+            for (int64_t d = 0; d < j->D; d++) o[d] /= sum;
+        }
+    write_out(j->out, acc, j->nq);
+    if (j->tau_out) memcpy(j->tau_out, taus, (size_t)rows * sizeof *taus);
+    return EKV_OK;
+}
+
+ekv_status ekv_entmax_attention_forward(ekv_context *ctx, const ekv_attention_params *params,
+                                        const float *q, const float *k, const float *v, float *out,
+                                        double *tau) {
+    att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .out = {out, NULL}};
+    j.tau_out = tau;
+    return entry(ctx, params, &j, 0);
+}
+
+ekv_status ekv_entmax_attention_forward_f64(ekv_context *ctx, const ekv_attention_params *params,
+                                            const double *q, const double *k, const double *v,
+                                            double *out, double *tau) {
+    att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .out = {NULL, out}};
+    j.tau_out = tau;
+    return entry(ctx, params, &j, 0);
+}
+
+/* ---- backward (docs/math.md §13) ---- */
+
+/* Scratch of the backward: one row's p, w and g = dout.v, and the gradients' accumulators. */
+typedef struct bwd_rows {
+    double *p, *w, *g, *dq, *dk, *dv;
+} bwd_rows;
+
+/* One (row, head): p from the forward's tau, then ds_j = w_j (g_j - delta) on the support,
+ * delta = sum w g / sum w, added to dq of the row and dk, dv of its keys. */
+static ekv_status backward_row(ekv_context *ctx, const att_job *j, int64_t t, int64_t h,
+                               bwd_rows *b) {
+    const int64_t n = row_len(j, t), r = t * j->H + h, D = j->D, kh = h / j->G;
+    ekv_status st = row_z(ctx, j, t, h, n, b->p);
+    if (st) return st;
+    const double tau = j->tau_in[r], sum = row_weights(b->p, n, tau, j->alpha);
+    /* the forward's tau gives sum 1 to the rounding of its solve (§0); anything else is not it */
+    if (!(sum > 0) || fabs(sum - 1.0) > 1e-3)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "tau[%lld]=%.17g is not the threshold of row %lld, head %lld: its weights "
+                        "sum to %g, not 1 (pass the forward's tau)",
+                        (long long)r, tau, (long long)t, (long long)h, sum);
+    double sw = 0, swg = 0;
+    for (int64_t c = 0; c < n; c++) {
+        b->p[c] /= sum;
+        b->w[c] = b->g[c] = 0;
+        if (!(b->p[c] > 0)) continue; /* p = 0: outside S, w = 0 (a key at tau too, §13) */
+        const int64_t vo = (c * j->Hk + kh) * D;
+        double g = 0;
+        for (int64_t d = 0; d < D; d++) g += at(j->dout, r * D + d) * at(j->v, vo + d);
+        b->g[c] = g;
+        b->w[c] = pow(b->p[c], 2.0 - j->alpha);
+        sw += b->w[c];
+        swg += b->w[c] * g;
+    }
+    const double delta = swg / sw;
+    double *dq = b->dq + r * D;
+    for (int64_t c = 0; c < n; c++) {
+        if (!(b->p[c] > 0)) continue;
+        const double ds = j->scale * b->w[c] * (b->g[c] - delta); /* d/d(q.k_c) */
+        const int64_t ko = (c * j->Hk + kh) * D;
+        for (int64_t d = 0; d < D; d++) {
+            dq[d] += ds * at(j->k, ko + d);
+            b->dk[ko + d] += ds * at(j->q, r * D + d);
+            b->dv[ko + d] += b->p[c] * at(j->dout, r * D + d);
+        }
+    }
+    return EKV_OK;
+}
+
+/* Every gradient fits the output type (float: FLT_MAX), or the call fails naming the first. */
+static ekv_status check_fits(ekv_context *ctx, const att_job *j, const double *x, int64_t n,
+                             const char *name) {
+    const double lim = j->dq.f ? (double)FLT_MAX : DBL_MAX;
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabs(x[i]) <= lim))
+            return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                            "%s[%lld]=%g overflows the output type%s", name, (long long)i, x[i],
+                            j->alpha > 2.0 ? " (alpha > 2: the entmax Jacobian is unbounded near "
+                                             "the edge of the support, docs/math.md §13)"
+                                           : "");
+    return EKV_OK;
+}
+
+static ekv_status backward_run(ekv_context *ctx, att_job *j) {
+    const int64_t S = (int64_t)sizeof(double);
+    int64_t sizes[6] = {j->N * S, j->N * S, j->N * S, j->nq * S, j->nk * S, j->nk * S}, off[6];
+    ekv_status st;
+    char *base = ekv_workspace_blocks(ctx, sizes, 6, off, "entmax attention backward", &st);
+    if (!base) return st;
+    bwd_rows b = {(double *)(base + off[0]), (double *)(base + off[1]), (double *)(base + off[2]),
+                  (double *)(base + off[3]), (double *)(base + off[4]), (double *)(base + off[5])};
+    memset(b.dq, 0, (size_t)j->nq * sizeof(double));
+    memset(b.dk, 0, (size_t)j->nk * sizeof(double));
+    memset(b.dv, 0, (size_t)j->nk * sizeof(double));
+    for (int64_t t = 0; t < j->T; t++)
+        for (int64_t h = 0; h < j->H; h++)
+            if ((st = backward_row(ctx, j, t, h, &b))) return st;
+    if ((st = check_fits(ctx, j, b.dq, j->nq, "dq")) ||
+        (st = check_fits(ctx, j, b.dk, j->nk, "dk")) ||
+        (st = check_fits(ctx, j, b.dv, j->nk, "dv")))
+        return st;
+    write_out(j->dq, b.dq, j->nq);
+    write_out(j->dk, b.dk, j->nk);
+    write_out(j->dv, b.dv, j->nk);
+    return EKV_OK;
+}
+
+/* Every entry point: its pointers, the shapes, the inputs' values, then the run. */
+static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, int backward) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    static const char *const name[] = {"params", "q",    "k",  "v",  "out",
+                                       "tau",    "dout", "dq", "dk", "dv"};
+    const void *ptr[] = {p,         PTR(j->q),    PTR(j->k),  PTR(j->v),  PTR(j->out),
+                         j->tau_in, PTR(j->dout), PTR(j->dq), PTR(j->dk), PTR(j->dv)};
+    for (int i = 0; i < 10; i++) /* the forward's are 0-4, the backward's 0-3 and 5-9 */
+        if ((i < 4 || (i == 4) != backward) && !ptr[i])
+            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", name[i]);
+    ekv_status st = check_shape(ctx, p, j);
+    if (!st) st = check_finite(ctx, j->q, j->nq, "q");
+    if (!st) st = check_finite(ctx, j->k, j->nk, "k");
+    if (!st) st = check_finite(ctx, j->v, j->nk, "v");
+    if (!st && backward) st = check_finite(ctx, j->dout, j->nq, "dout");
+    if (!st && backward) st = check_finite(ctx, (att_in){NULL, j->tau_in}, j->T * j->H, "tau");
+    EKV_GUARDED(ctx, st, backward ? backward_run(ctx, j) : forward_run(ctx, j));
+    if (!st) ekv_clear_error(ctx);
+    return st;
+}
+
+ekv_status ekv_entmax_attention_backward(ekv_context *ctx, const ekv_attention_params *params,
+                                         const float *q, const float *k, const float *v,
+                                         const double *tau, const float *dout, float *dq, float *dk,
+                                         float *dv) {
+    att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .dout = {dout, NULL}};
+    j.tau_in = tau, j.dq = (att_out){dq, NULL}, j.dk = (att_out){dk, NULL};
+    j.dv = (att_out){dv, NULL};
+    return entry(ctx, params, &j, 1);
+}
+
+ekv_status ekv_entmax_attention_backward_f64(ekv_context *ctx, const ekv_attention_params *params,
+                                             const double *q, const double *k, const double *v,
+                                             const double *tau, const double *dout, double *dq,
+                                             double *dk, double *dv) {
+    att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .dout = {NULL, dout}};
+    j.tau_in = tau, j.dq = (att_out){NULL, dq}, j.dk = (att_out){NULL, dk};
+    j.dv = (att_out){NULL, dv};
+    return entry(ctx, params, &j, 1);
+}
