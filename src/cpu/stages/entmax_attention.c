@@ -21,7 +21,6 @@ typedef struct att_out {
 
 static inline double at(att_in t, int64_t i) { return t.f ? (double)t.f[i] : t.d[i]; }
 #define PTR(t) ((t).f ? (const void *)(t).f : (const void *)(t).d)
-#define PTR(t) ((t).f ? (const void *)(t).f : (const void *)(t).d)
 
 typedef struct att_job {
     int64_t T, N, H, Hk, G, D, nq, nk; /* nq = T*H*D, nk = N*Hk*D elements */
