@@ -388,6 +388,21 @@ static void scores_precision_test(ekv_context *ctx) {
     }
 }
 
+/* A plan of pp's shapes whose lists hold cap candidates: screened decode and dense decode on it
+ * against the references (screened_check, small_lists_dense). */
+static void lists_plan_check(ekv_context *ctx, ekv_cuda_plan_params pp, int64_t cap,
+                             const screen_case *sc, const double *tau_ref, const int64_t *sup_ref,
+                             const char *what) {
+    pp.max_candidates = cap;
+    ekv_cuda_plan *plan = NULL;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "%s plan: %s", what,
+          ekv_last_error(ctx));
+    if (!plan) return;
+    screened_check(ctx, plan, sc);
+    small_lists_dense(ctx, plan, sc, tau_ref, sup_ref, cap);
+    ekv_cuda_plan_free(plan);
+}
+
 /* A plan for one sequence batch of the mirror's shapes: H query heads, tensor cores tc, the
  * screen's lists max_candidates (0: the default). */
 static ekv_cuda_plan *screen_plan(ekv_context *ctx, const mirror *m, int B, int H, int64_t maxP,
@@ -1466,29 +1481,13 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             }
             /* screen lists of a quarter of the tokens: on these iid keys most tokens pass
              * u > M' - 1, so the lists overflow and the retry pass runs (docs/math.md §10.3) */
-            sp2.max_candidates = maxN / 4 > 8 ? maxN / 4 : 8;
-            small = NULL;
-            CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "quarter plan: %s",
-                  ekv_last_error(ctx));
-            if (small) {
-                screened_check(ctx, small, &sc);
-                small_lists_dense(ctx, small, &sc, tau_ref, sup_ref, sp2.max_candidates);
-                ekv_cuda_plan_free(small);
-            }
+            lists_plan_check(ctx, sp2, maxN / 4 > 8 ? maxN / 4 : 8, &sc, tau_ref, sup_ref,
+                             "quarter");
             /* lists of 12200: 48800 bytes of dynamic shared memory in the tau and tau(l) solves,
              * within 48 KB alone but not with their static arrays, so they need the opt-in too
              * (ekv_cuda_allow_smem; a 12000-token model run failed its launch without it) */
-            if (maxN >= 12200) {
-                sp2.max_candidates = 12200;
-                small = NULL;
-                CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "12200 plan: %s",
-                      ekv_last_error(ctx));
-                if (small) {
-                    screened_check(ctx, small, &sc);
-                    small_lists_dense(ctx, small, &sc, tau_ref, sup_ref, sp2.max_candidates);
-                    ekv_cuda_plan_free(small);
-                }
-            }
+            if (maxN >= 12200)
+                lists_plan_check(ctx, sp2, 12200, &sc, tau_ref, sup_ref, "12200");
         }
         cudaFree(dq);
         cudaFree(dslopes);
