@@ -314,6 +314,13 @@ __device__ double hist_take(uint32_t *gh, uint32_t *done, unsigned *hist, double
  * iterations from within two bins of tau instead of Newton's halvings from M - 1). */
 enum { TAU_BOUND_MIN = 1024 };
 
+/* Whether a row of count candidates takes the histogram's bound: they overflow the room they
+ * are solved in (cap: a list, or shared memory), or are many enough that the solve should start
+ * there (TAU_BOUND_MIN). The candidates kernel's and the screen's tau(l) rule. */
+__device__ __forceinline__ bool wants_bound(int64_t count, int64_t cap) {
+    return count > cap || count > TAU_BOUND_MIN;
+}
+
 /* hist_count_bound over the scores z[0, n) of one row with max M: one pass counts them into
  * hist (shared memory), pw is the power table's room. Block-wide. */
 __device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,

@@ -80,7 +80,7 @@ __device__ void count_finish(const taul_args &A, int64_t row, float M, unsigned 
                              double *scratch) {
     const double total = hist_take(A.hist + row * TAU_HIST_BINS, A.done + row, hist, scratch);
     float thr = -CUDART_INF_F;
-    if (total > A.smem_cap || total > TAU_BOUND_MIN)
+    if (wants_bound((int64_t)total, A.smem_cap))
         thr = list_bound((double)M + hist_bound(hist, A.alpha, pw, scratch), M);
     if (threadIdx.x == 0) A.thr[row] = thr;
 }
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(SPLIT_THREADS) count_kernel(taul_args A) {
 
 /* Every token of the sequence survives: a head whose retry list overflowed too. Block-wide;
  * returns this thread's share of the count. */
-__device__ double keep_every_token(const taul_args &A, uint32_t *bits, int64_t N) {
+__device__ double keep_every_token(uint32_t *bits, int64_t N) {
     for (int64_t w = threadIdx.x; w < (N + 31) / 32; w += blockDim.x)
         atomicOr(bits + w, word_mask(w, N));
     return threadIdx.x == 0 ? (double)N : 0.0;
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(SOLVE_THREADS) solve_kernel(taul_args A) {
                       1ull);
     }
     if (n > A.scap) { /* the mark kernel skips this row */
-        const double c = keep_every_token(A, A.sbits + (int64_t)lrow * A.cap_words,
+        const double c = keep_every_token(A.sbits + (int64_t)lrow * A.cap_words,
                                           ekv_seq(A.t, b, A.ps).N);
         if (threadIdx.x == 0)
             atomicAdd(reinterpret_cast<unsigned long long *>(&A.survivors[lrow]),

@@ -74,12 +74,6 @@ __device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t 
     }
 }
 
-/* Whether a row's histogram gives a bound: its list overflowed (the refine pass lists the scores
- * above the bound), or it is long enough that the solve should start there (TAU_BOUND_MIN). */
-__device__ __forceinline__ bool wants_bound(int64_t count, int64_t ccap) {
-    return count > ccap || count > TAU_BOUND_MIN;
-}
-
 /* The row's last candidates block: the histogram gives the refine pass and the solve their
  * threshold (-inf: no bound wanted) and is reset with the done count for the next step.
  * Block-wide. */
