@@ -24,6 +24,17 @@ try:
 except PackageNotFoundError:  # run from a source tree with $ENTMAXKV_LIBRARY
     __version__ = "unknown"
 
+
+
+def __getattr__(name):
+    """entmaxkv.flash_entmax, the torch op (entmaxkv.flash), imported on first use: torch is
+    needed there only."""
+    if name == "flash_entmax":
+        from .flash import flash_entmax
+        return flash_entmax
+    raise AttributeError(f"module 'entmaxkv' has no attribute {name!r}")
+
+
 __all__ = ["entmax", "entmax15", "sparsemax", "entmax_attention", "entmax_attention_backward",
            "PagedKVCache", "CudaPagedKVCache", "DecodeWrapper",
            "EntmaxKVError", "__version__"]
