@@ -28,7 +28,9 @@ static ekv_status dev_alloc(model_gpu *g, void *pp, int64_t bytes, const char *w
     return EKV_OK;
 }
 
-/* Every matrix in fp32 (the file's F16/BF16/F32 values converted exactly), in one buffer. */
+/* Every matrix in fp32 (the file's F16/BF16/F32 values converted exactly), in one buffer, a
+ * layer's in the order wq, wk, wv, wo, w1, w3, w2: the rows of wq, wk, wv (and of w1, w3) are
+ * then one matrix, so one GEMM gives a token's q | k | v (and gate | up; layer_forward). */
 static ekv_status upload_weights(ekv_model *m, model_gpu *g) {
     const ekv_model_config *c = &m->cfg;
     const int64_t per = 7, nmat = per * c->n_layers + 2;
@@ -38,7 +40,8 @@ static ekv_status upload_weights(ekv_model *m, model_gpu *g) {
     mats[1] = &m->out_w;
     for (int32_t l = 0; l < c->n_layers; l++) {
         model_layer *L = &m->layers[l];
-        const model_matrix *lm[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w1, &L->w2, &L->w3};
+        /* q, k, v consecutive and w1, w3 consecutive: one GEMM each (layer_forward) */
+        const model_matrix *lm[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w1, &L->w3, &L->w2};
         for (int k = 0; k < per; k++) mats[2 + per * l + k] = lm[k];
     }
     int64_t total = 0;
@@ -64,8 +67,15 @@ static ekv_status upload_weights(ekv_model *m, model_gpu *g) {
         g->out_w = c->tied_embeddings ? dev[0] : dev[1];
         for (int32_t l = 0; l < c->n_layers; l++) {
             gpu_layer *G = &g->layers[l];
-            const float **w[7] = {&G->wq, &G->wk, &G->wv, &G->wo, &G->w1, &G->w2, &G->w3};
+            const float **w[7] = {&G->wq, &G->wk, &G->wv, &G->wo, &G->w1, &G->w3, &G->w2};
             for (int k = 0; k < per; k++) *w[k] = dev[2 + per * l + k];
+            const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
+                          kvd = (int64_t)c->n_kv_heads * c->head_dim;
+            if (G->wk != G->wq + qd * d || G->wv != G->wk + kvd * d ||
+                G->w3 != G->w1 + c->ffn_dim * d)
+                s = ekv_fail(m->ctx, EKV_ERR_INTERNAL,
+                             "model (cuda): layer %d's q, k, v (or w1, w3) rows are not one matrix",
+                             (int)l);
         }
     }
     free(dev);
@@ -215,8 +225,9 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
              {&g->k, B * kvd * 4},
              {&g->v, B * kvd * 4},
              {&g->att, B * qd * 4},
-             {&g->h1, B * F * 4},
-             {&g->h3, B * F * 4},
+             {&g->qkv, (qd + 2 * kvd) * 4},
+             {&g->h13, B * 2 * F * 4},
+             {&g->h, B * F * 4},
              {&g->logits, B * c->vocab * 4},
              {&g->tokens, B * 4},
              {&g->pos, 8 * g->max_seqs},
@@ -264,8 +275,8 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
     free(g->layers);
     const ekv_cuda_prefill *pf = &g->pf;
     void *bufs[] = {g->weights, g->vectors,   g->slopes,  g->tokens,  g->pos,      g->x,
-                    g->xn,      g->q,         g->k,       g->v,       g->att,      g->h1,
-                    g->h3,      g->logits,    g->indptr,  g->indices, g->last_len, g->items,
+                    g->xn,      g->q,         g->k,       g->v,       g->att,      g->h13,
+                    g->h,       g->qkv,       g->logits,    g->indptr,  g->indices, g->last_len, g->items,
                     pf->scores, pf->pparts,   pf->qparts, pf->qshift, pf->obuf,    pf->bad,
                     g->blas_ws, g->bseqs,     g->vbase,   pf->cand,   pf->count,   pf->state,
                     pf->thr,    pf->m,        pf->tau,    g->pf_rows, pf->wlist,   pf->wcount,
@@ -360,19 +371,24 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
     const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
                   kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim, T = b->T;
     TRY(gpu_rmsnorm(g, g->x, L->attn_norm, g->xn, T, d, c->norm_eps));
-    TRY(gpu_linear(g, L->wq, qd, d, g->xn, T, g->q, 0.f));
-    TRY(gpu_linear(g, L->wk, kvd, d, g->xn, T, g->k, 0.f));
-    TRY(gpu_linear(g, L->wv, kvd, d, g->xn, T, g->v, 0.f));
-    TRY(ekv_cuda_cache_append(g->plan, L->cache, g->items, n_items, g->k, g->v));
-    TRY(views ? gpu_views_attention(m, L, b) : gpu_prefill_attention(m, L, b));
-    GPU_TRY(g, cudaMemcpyAsync(L->last_q, g->q + (T - 1) * qd, (size_t)qd * 4,
+    float *q = g->q, *k = g->k, *v = g->v;
+    if (T == 1) { /* one token: [wq; wk; wv] is one matrix (upload_weights), q | k | v one row */
+        TRY(gpu_linear(g, L->wq, qd + 2 * kvd, d, g->xn, 1, g->qkv, 0.f));
+        q = g->qkv, k = q + qd, v = k + kvd;
+    } else { /* a block: q, k and v each contiguous over its tokens, as the stages read them */
+        TRY(gpu_linear(g, L->wq, qd, d, g->xn, T, q, 0.f));
+        TRY(gpu_linear(g, L->wk, kvd, d, g->xn, T, k, 0.f));
+        TRY(gpu_linear(g, L->wv, kvd, d, g->xn, T, v, 0.f));
+    }
+    TRY(ekv_cuda_cache_append(g->plan, L->cache, g->items, n_items, k, v));
+    TRY(views ? gpu_views_attention(m, L, b, q) : gpu_prefill_attention(m, L, b));
+    GPU_TRY(g, cudaMemcpyAsync(L->last_q, q + (T - 1) * qd, (size_t)qd * 4,
                                cudaMemcpyDeviceToDevice, g->stream));
     TRY(gpu_linear(g, L->wo, d, qd, g->att, T, g->x, 1.f)); /* x += Wo . att */
     TRY(gpu_rmsnorm(g, g->x, L->ffn_norm, g->xn, T, d, c->norm_eps));
-    TRY(gpu_linear(g, L->w1, F, d, g->xn, T, g->h1, 0.f));
-    TRY(gpu_linear(g, L->w3, F, d, g->xn, T, g->h3, 0.f));
-    TRY(gpu_swiglu(g, g->h1, g->h3, T * F));
-    return gpu_linear(g, L->w2, d, F, g->h1, T, g->x, 1.f); /* x += W2 . swiglu */
+    TRY(gpu_linear(g, L->w1, 2 * F, d, g->xn, T, g->h13, 0.f)); /* [w1; w3]: gate | up */
+    TRY(gpu_swiglu(g, g->h13, T, F, g->h));
+    return gpu_linear(g, L->w2, d, F, g->h, T, g->x, 1.f); /* x += W2 . swiglu */
 }
 
 /* Whether a block is a dense prefill block (src/cuda/prefill/) rather than prefix views

@@ -69,7 +69,9 @@ struct model_gpu {
     int32_t nlayers;
     int32_t *tokens; /* [block] */
     int64_t *pos;    /* [max_seqs] the positions on the device: graph replays read them */
-    float *x, *xn, *q, *k, *v, *att, *h1, *h3, *logits;
+    float *x, *xn, *q, *k, *v, *att, *logits;
+    float *qkv;     /* [qd + 2 kvd]: one token's q | k | v (layer_forward) */
+    float *h13, *h; /* [block][2F] gate | up per token; [block][F] swiglu of them */
     int64_t *indptr; /* the prefix views of a block: [views + 1] */
     int32_t *indices, *last_len;
     ekv_cuda_append_item *items; /* [block / page_size + 2] */
@@ -103,7 +105,7 @@ static inline int32_t gpu_items(int64_t pos0, int64_t T, int64_t ps) {
 ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d);
 ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out, int64_t T,
                        int64_t d, double eps);
-ekv_status gpu_swiglu(model_gpu *g, float *h1, const float *h3, int64_t n);
+ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F, float *out);
 /* y[T][rows] = x[T][cols] . W^T + beta * y (beta 0 or 1: a residual add), fp32 */
 ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, const float *x,
                       int64_t T, float *y, float beta);
@@ -115,4 +117,4 @@ ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_
 ekv_status gpu_advance(model_gpu *g, const gpu_block *b);
 /* model_gpu_attention.cu: a dense prefill block (one sequence), or the block's prefix views */
 ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
-ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b);
+ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b, const float *q);

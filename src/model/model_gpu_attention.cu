@@ -25,7 +25,7 @@ static ekv_select_params gpu_select(const ekv_model *m, const gpu_block *b) {
     return sp;
 }
 
-ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
+ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b, const float *q) {
     model_gpu *g = m->gpu;
     if (b->T > g->views)
         return ekv_fail(m->ctx, EKV_ERR_INTERNAL, "model (cuda): %lld views > the plan's %d",
@@ -34,7 +34,7 @@ ekv_status gpu_views_attention(ekv_model *m, gpu_layer *L, const gpu_block *b) {
     const ekv_select_params sp = gpu_select(m, b);
     const ekv_page_table tab = {(int32_t)b->T, g->indptr, g->indices, g->last_len};
     ekv_cuda_count_slow_paths(g->plan, g->slow_paths + EKV_SLOW_PATHS * (L - g->layers));
-    const ekv_status s = ekv_cuda_decode(g->plan, &dp, &sp, &L->kv, &L->st, &tab, g->q, g->att);
+    const ekv_status s = ekv_cuda_decode(g->plan, &dp, &sp, &L->kv, &L->st, &tab, q, g->att);
     ekv_cuda_count_slow_paths(g->plan, NULL);
     return s;
 }

@@ -35,11 +35,13 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *out, int64
         out[(int64_t)blockIdx.x * d + i] = r[i] * f * w[i];
 }
 
-__global__ void swiglu_kernel(float *h1, const float *h3, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+/* out[t][f] = silu(gate) * up with gate = h13[t][f], up = h13[t][F + f] (one GEMM's rows). */
+__global__ void swiglu_kernel(const float *h13, int64_t T, int64_t F, float *out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T * F;
          i += (int64_t)gridDim.x * blockDim.x) {
-        const float gate = h1[i];
-        h1[i] = gate / (1.0f + expf(-gate)) * h3[i]; /* silu(gate) * up */
+        const int64_t t = i / F, f = i - t * F;
+        const float gate = h13[t * 2 * F + f];
+        out[i] = gate / (1.0f + expf(-gate)) * h13[t * 2 * F + F + f];
     }
 }
 
@@ -122,9 +124,10 @@ ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out,
     return EKV_OK;
 }
 
-ekv_status gpu_swiglu(model_gpu *g, float *h1, const float *h3, int64_t n) {
-    const int64_t blocks = (n + 255) / 256;
-    swiglu_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->stream>>>(h1, h3, n);
+ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F, float *out) {
+    const int64_t blocks = (T * F + 255) / 256;
+    swiglu_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->stream>>>(h13, T, F,
+                                                                                    out);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }
