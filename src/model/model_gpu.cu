@@ -370,25 +370,26 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
     gpu_layer *L = &g->layers[l];
     const int64_t d = c->d_model, qd = (int64_t)c->n_heads * c->head_dim,
                   kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim, T = b->T;
-    TRY(gpu_rmsnorm(g, g->x, L->attn_norm, g->xn, T, d, c->norm_eps));
+    const gpu_lin_in attn_in = {g->x, GPU_LIN_RMSNORM, L->attn_norm, c->norm_eps};
     float *q = g->q, *k = g->k, *v = g->v;
     if (T == 1) { /* one token: [wq; wk; wv] is one matrix (upload_weights), q | k | v one row */
-        TRY(gpu_linear(g, L->wq, qd + 2 * kvd, d, g->xn, 1, g->qkv, 0.f));
+        TRY(gpu_linear(g, L->wq, qd + 2 * kvd, d, &attn_in, 1, g->qkv, 0.f));
         q = g->qkv, k = q + qd, v = k + kvd;
     } else { /* a block: q, k and v each contiguous over its tokens, as the stages read them */
-        TRY(gpu_linear(g, L->wq, qd, d, g->xn, T, q, 0.f));
-        TRY(gpu_linear(g, L->wk, kvd, d, g->xn, T, k, 0.f));
-        TRY(gpu_linear(g, L->wv, kvd, d, g->xn, T, v, 0.f));
+        TRY(gpu_linear(g, L->wq, qd, d, &attn_in, T, q, 0.f));
+        TRY(gpu_linear(g, L->wk, kvd, d, &attn_in, T, k, 0.f));
+        TRY(gpu_linear(g, L->wv, kvd, d, &attn_in, T, v, 0.f));
     }
     TRY(ekv_cuda_cache_append(g->plan, L->cache, g->items, n_items, k, v));
     TRY(views ? gpu_views_attention(m, L, b, q) : gpu_prefill_attention(m, L, b));
     GPU_TRY(g, cudaMemcpyAsync(L->last_q, q + (T - 1) * qd, (size_t)qd * 4,
                                cudaMemcpyDeviceToDevice, g->stream));
-    TRY(gpu_linear(g, L->wo, d, qd, g->att, T, g->x, 1.f)); /* x += Wo . att */
-    TRY(gpu_rmsnorm(g, g->x, L->ffn_norm, g->xn, T, d, c->norm_eps));
-    TRY(gpu_linear(g, L->w1, 2 * F, d, g->xn, T, g->h13, 0.f)); /* [w1; w3]: gate | up */
-    TRY(gpu_swiglu(g, g->h13, T, F, g->h));
-    return gpu_linear(g, L->w2, d, F, g->h, T, g->x, 1.f); /* x += W2 . swiglu */
+    const gpu_lin_in att = {g->att, GPU_LIN_X, NULL, 0}, ffn_in = {g->x, GPU_LIN_RMSNORM,
+                                                                  L->ffn_norm, c->norm_eps},
+                     gate_up = {g->h13, GPU_LIN_SWIGLU, NULL, 0};
+    TRY(gpu_linear(g, L->wo, d, qd, &att, T, g->x, 1.f));          /* x += Wo . att */
+    TRY(gpu_linear(g, L->w1, 2 * F, d, &ffn_in, T, g->h13, 0.f)); /* [w1; w3]: gate | up */
+    return gpu_linear(g, L->w2, d, F, &gate_up, T, g->x, 1.f);    /* x += W2 . swiglu */
 }
 
 /* Whether a block is a dense prefill block (src/cuda/prefill/) rather than prefix views
@@ -411,8 +412,8 @@ static ekv_status forward_block(ekv_model *m, const gpu_block *b) {
     TRY(gpu_embed(g, T, c->d_model));
     for (int32_t l = 0; l < c->n_layers; l++) TRY(layer_forward(m, l, b, views, n_items));
     TRY(gpu_advance(g, b));
-    TRY(gpu_rmsnorm(g, g->x, g->norm_w, g->xn, T, c->d_model, c->norm_eps));
-    return gpu_linear(g, g->out_w, c->vocab, c->d_model, g->xn, T, g->logits, 0.f);
+    const gpu_lin_in out_in = {g->x, GPU_LIN_RMSNORM, g->norm_w, c->norm_eps};
+    return gpu_linear(g, g->out_w, c->vocab, c->d_model, &out_in, T, g->logits, 0.f);
 }
 
 /* The cache entry of a decode step of B sequences with the model's method: its own, else a free

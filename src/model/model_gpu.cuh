@@ -106,9 +106,18 @@ ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d);
 ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out, int64_t T,
                        int64_t d, double eps);
 ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F, float *out);
-/* y[T][rows] = x[T][cols] . W^T + beta * y (beta 0 or 1: a residual add), fp32 */
-ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, const float *x,
-                      int64_t T, float *y, float beta);
+/* A linear layer's input: x itself, RMSNorm(x) with weight norm_w, or the SwiGLU of x's rows
+ * [gate | up] (2 cols per token): model.c's steps before its matmuls. */
+typedef enum { GPU_LIN_X, GPU_LIN_RMSNORM, GPU_LIN_SWIGLU } gpu_lin_kind;
+typedef struct {
+    const float *x;
+    gpu_lin_kind kind;
+    const float *norm_w; /* GPU_LIN_RMSNORM: [cols] */
+    double eps;
+} gpu_lin_in;
+/* y[T][rows] = in[T][cols] . W^T + beta * y (beta 0 or 1: a residual add), fp32 */
+ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
+                      const gpu_lin_in *in, int64_t T, float *y, float beta);
 /* From the device positions: the append items of the block's tokens (n_items of them), and
  * with views the CSR of its T views (docs/architecture.md, "The model on the GPU"): the prefix
  * of each token of one sequence, or each batched sequence whole. */

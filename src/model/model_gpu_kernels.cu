@@ -1,9 +1,10 @@
 /*
  * The model's small GPU stages (docs/architecture.md, "The model on the GPU"): embedding,
- * RMSNorm, SwiGLU, the linear layers through cuBLAS, and the tables of a block (append items,
- * prefix views) computed on the device from the device position, so that a decode step reads
- * nothing from the host and can be replayed as a CUDA graph. Each computes what model.c's
- * CPU pass computes, in the same precision (fp32; RMSNorm's sum of squares in double).
+ * RMSNorm, SwiGLU, the linear layers (a kernel of its own for a decode step's few tokens, cuBLAS
+ * for a prefill block), and the tables of a block (append items, prefix views) computed on the
+ * device from the device position, so that a decode step reads nothing from the host and can be
+ * replayed as a CUDA graph. Each computes what model.c's CPU pass computes, in the same precision
+ * (fp32; RMSNorm's sum of squares in double).
  */
 #include "model_gpu.cuh"
 
@@ -109,6 +110,101 @@ __global__ void advance_kernel(int64_t *pos, const int32_t *bseqs, int32_t seq, 
     for (int64_t b = threadIdx.x; b < T; b += blockDim.x) pos[bseqs[b]] += 1;
 }
 
+/* y[t][r] = beta y[t][r] + <W[r], in(x)[t]> for the few tokens of a decode step (gpu_linear).
+ * The block stages LIN_TOKENS tokens' input in shared memory (so the inner loop's loads are not
+ * a chain of global-memory latencies), with the layer's RMSNorm or SwiGLU applied on the way
+ * (stage_input: 2 launches fewer per linear layer that has one); a warp per output row reads
+ * W's row in float4 loads (cols % 4 == 0) and keeps a sum per token. Each token's products are
+ * summed lane-strided, then over the warp by the same tree whatever T and the token's place in
+ * the block, so a sequence's outputs do not depend on the other sequences of a batched step.
+ * Why not cuBLAS: for these shapes (T up to 64, rows and cols of a few hundred) its heuristic
+ * picked kernels of ~50 us for a 128 x 384 product (ncu, bench/RESULTS.md "Batched decode
+ * steps"). beta is 0 (y not read) or 1 (the residual add). */
+enum {
+    LIN_WARPS = 8,
+    LIN_TOKENS = 8,   /* tokens staged at a time (<= LIN_WARPS: a warp per token's norm) */
+    LIN_SMALL_T = 64, /* tokens up to which gpu_linear runs it */
+    LIN_MAX_COLS = 48 * 1024 / 4 / LIN_TOKENS /* the stage within 48 KB of shared memory */
+};
+struct linear_args {
+    const float *W;
+    int64_t rows, cols, T;
+    gpu_lin_in in;
+    float *y;
+    float beta;
+};
+
+/* xs[t][c] = in(x)[t0 + t][c] for t < nt, as rmsnorm_kernel and swiglu_kernel compute them (the
+ * same float expressions; RMSNorm's sum of squares in double, a warp per token). */
+__device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs, double *f) {
+    const int64_t n4 = A.cols / 4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (A.in.kind == GPU_LIN_SWIGLU) { /* x is [T][2 cols]: gate | up */
+        const float4 *h = reinterpret_cast<const float4 *>(A.in.x + t0 * 2 * A.cols);
+        for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) {
+            const int64_t t = i / n4, c = i - t * n4;
+            const float4 gt = __ldg(h + t * 2 * n4 + c), up = __ldg(h + t * 2 * n4 + n4 + c);
+            xs[i] = make_float4(gt.x / (1.0f + expf(-gt.x)) * up.x,
+                                gt.y / (1.0f + expf(-gt.y)) * up.y,
+                                gt.z / (1.0f + expf(-gt.z)) * up.z,
+                                gt.w / (1.0f + expf(-gt.w)) * up.w);
+        }
+        return;
+    }
+    const float4 *xt = reinterpret_cast<const float4 *>(A.in.x + t0 * A.cols);
+    for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) xs[i] = __ldg(xt + i);
+    if (A.in.kind != GPU_LIN_RMSNORM) return;
+    __syncthreads();
+    if (warp < nt) {
+        const float *r = reinterpret_cast<const float *>(xs + warp * n4);
+        double ss = 0;
+        for (int64_t i = lane; i < A.cols; i += 32) ss += (double)r[i] * r[i];
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) f[warp] = ss;
+    }
+    __syncthreads();
+    const float4 *nw = reinterpret_cast<const float4 *>(A.in.norm_w);
+    for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) {
+        const int64_t t = i / n4;
+        const float ft = (float)(1.0 / sqrt(f[t] / (double)A.cols + A.in.eps));
+        const float4 v = xs[i], w = __ldg(nw + (i - t * n4));
+        xs[i] = make_float4(v.x * ft * w.x, v.y * ft * w.y, v.z * ft * w.z, v.w * ft * w.w);
+    }
+}
+
+__global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args A) {
+    extern __shared__ float4 xs[]; /* [LIN_TOKENS][cols / 4] */
+    __shared__ double f[LIN_TOKENS];
+    const int lane = threadIdx.x & 31;
+    const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
+    const float4 *w = reinterpret_cast<const float4 *>(A.W + (r < A.rows ? r : 0) * A.cols);
+    for (int64_t t0 = 0; t0 < A.T; t0 += LIN_TOKENS) {
+        const int nt = A.T - t0 < LIN_TOKENS ? (int)(A.T - t0) : LIN_TOKENS;
+        __syncthreads(); /* the previous tile's reads are done */
+        stage_input(A, t0, nt, xs, f);
+        __syncthreads();
+        float acc[LIN_TOKENS] = {};
+#pragma unroll 4
+        for (int64_t c = lane; c < n4; c += 32) {
+            const float4 a = __ldg(w + c);
+#pragma unroll
+            for (int t = 0; t < LIN_TOKENS; t++) {
+                const float4 b = xs[(t < nt ? t : 0) * n4 + c];
+                acc[t] = fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc[t]))));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < LIN_TOKENS; t++) {
+            float s = acc[t];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == t && t < nt && r < A.rows) {
+                float *out = A.y + (t0 + t) * A.rows + r;
+                *out = A.beta != 0.f ? *out + s : s;
+            }
+        }
+    }
+}
+
 } // namespace
 
 ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d) {
@@ -132,11 +228,33 @@ ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F, floa
     return EKV_OK;
 }
 
-/* cuBLAS is column-major: y^T (rows x T, ld rows) = W (row-major [rows][cols], i.e. cols x rows
- * column-major, transposed) times x^T (cols x T, ld cols). fp32 inputs, fp32 compute (the CPU
- * pass's precision; the linear layers are a small share of a long prefill, docs/math.md §12). */
-ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols, const float *x,
-                      int64_t T, float *y, float beta) {
+/* A decode step's few tokens (up to LIN_SMALL_T) through linear_rows_kernel, the input's norm
+ * or SwiGLU folded in; a prefill block's input made whole first (into g->xn or g->h), then
+ * cuBLAS, which is column-major: y^T (rows x T, ld rows) = W (row-major [rows][cols], i.e.
+ * cols x rows column-major, transposed) times x^T (cols x T, ld cols). fp32 inputs, fp32
+ * compute (the CPU pass's precision; the linear layers are a small share of a long prefill,
+ * docs/math.md §12). */
+ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
+                      const gpu_lin_in *in, int64_t T, float *y, float beta) {
+    const uintptr_t align = (uintptr_t)W | (uintptr_t)in->x | (uintptr_t)in->norm_w;
+    if (T <= LIN_SMALL_T && cols % 4 == 0 && cols <= LIN_MAX_COLS && align % 16 == 0) {
+        const linear_args A = {W, rows, cols, T, *in, y, beta};
+        const size_t smem = (size_t)LIN_TOKENS * (size_t)cols * 4;
+        linear_rows_kernel<<<(unsigned)((rows + LIN_WARPS - 1) / LIN_WARPS), 32 * LIN_WARPS, smem,
+                             g->stream>>>(A);
+        GPU_LAUNCHED(g);
+        return EKV_OK;
+    }
+    const float *x = in->x;
+    if (in->kind == GPU_LIN_RMSNORM) {
+        const ekv_status s = gpu_rmsnorm(g, x, in->norm_w, g->xn, T, cols, in->eps);
+        if (s) return s;
+        x = g->xn;
+    } else if (in->kind == GPU_LIN_SWIGLU) {
+        const ekv_status s = gpu_swiglu(g, x, T, cols, g->h);
+        if (s) return s;
+        x = g->h;
+    }
     const float one = 1.f;
     BLAS_TRY(g, cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)T, (int)cols, &one,
                              W, CUDA_R_32F, (int)cols, x, CUDA_R_32F, (int)cols, &beta, y,
