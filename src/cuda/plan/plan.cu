@@ -134,6 +134,10 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "max_candidates=%lld must be >= 0 (0 = the default)",
                         (long long)p->max_candidates);
+    if (p->screen_list_bytes < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "screen_list_bytes=%lld must be >= 0 (0 = the default)",
+                        (long long)p->screen_list_bytes);
     if (p->tensor_cores != 0 && p->tensor_cores != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
                         p->tensor_cores);
@@ -170,6 +174,26 @@ ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
     return s;
 }
 
+/* The default of ekv_cuda_plan_params.screen_list_bytes: every token of one sequence of 2^20
+ * tokens and 32 query heads, at SCREEN_ENTRY_BYTES each. */
+enum { SCREEN_ENTRY_BYTES = 12 }; /* a list entry: l, u (fp32) and the token (int32) */
+static const int64_t SCREEN_LIST_BYTES = (int64_t)SCREEN_ENTRY_BYTES * 32 << 20;
+
+/* The screen's candidates kept per query head (u > max l - 1, docs/math.md §10.3 Claim 3):
+ * max_candidates when given; else as many as screen_list_bytes holds over the plan's heads,
+ * between max(a quarter of the tokens, the default list) and every token. A list of every token
+ * cannot overflow, so such a plan never launches the retry (screen.cu); with a shorter one a
+ * head with more candidates is retried against a higher threshold (docs/architecture.md, CUDA
+ * screened). */
+static int64_t screen_list_cap(const ekv_cuda_plan_params *p, int64_t cap_tokens,
+                               int64_t cand_cap) {
+    if (p->max_candidates > 0) return cand_cap;
+    const int64_t budget = p->screen_list_bytes > 0 ? p->screen_list_bytes : SCREEN_LIST_BYTES;
+    const int64_t fit = budget / (SCREEN_ENTRY_BYTES * (int64_t)p->max_batch * p->num_heads);
+    const int64_t least = cap_tokens / 4 > cand_cap ? cap_tokens / 4 : cand_cap;
+    return fit < least ? least : fit > cap_tokens ? cap_tokens : fit;
+}
+
 /* Buffer capacities from the plan's shapes and the device's SM count. */
 static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     const ekv_cuda_plan_params *p = &pl->p;
@@ -187,11 +211,7 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->cap_tokens = pl->cap_pages * p->page_size;
     pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
     if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
-    /* the screen's candidates (u > max l - 1, docs/math.md §10.3 Claim 3): max_candidates when
-     * given, else a quarter of the tokens per query head (at least the default list); a head
-     * with more is retried against a higher threshold (docs/architecture.md, CUDA screened) */
-    pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
-    if (p->max_candidates > 0) pl->scap = pl->cand_cap;
+    pl->scap = screen_list_cap(p, pl->cap_tokens, pl->cand_cap);
     pl->cap_words = (pl->cap_tokens + 31) / 32;
     pl->row_chunks = (pl->cap_words + EKV_CUDA_ROW_CHUNK_WORDS - 1) / EKV_CUDA_ROW_CHUNK_WORDS;
 }

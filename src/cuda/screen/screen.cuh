@@ -2,9 +2,10 @@
 #pragma once
 #include "entmaxkv.h"
 
-/* screened (screen.cu, docs/math.md §10): the code bounds (4 launches), tau of the lower bounds,
- * the survivors and their row lists (survivors.cu, 5), then the rows' exact scores, tau and the
- * values of the support (stages/, 5): 14 launches */
+/* screened (screen.cu, docs/math.md §10): the code bounds (2 launches, 4 with the retry of a
+ * plan whose lists are shorter than its tokens), tau of the lower bounds, the survivors and their
+ * row lists (survivors.cu, 5), then the rows' exact scores, tau and the values of the support
+ * (stages/, 5): 12 launches, or 14 */
 ekv_status ekv_cuda_launch_screened(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                     const ekv_paged_kv *kv, const ekv_page_stats *st,
                                     const ekv_page_table *t, const float *q, int batch, float *out);
