@@ -74,9 +74,9 @@ static int64_t g_screen_retry = 0, g_screen_keepall = 0;
  * whole lists and no retry */
 static int g_screen_whole_spared = 0;
 
-/* The launches of a screened step (screen/screen.cuh): 12, and the retry's sums and pass in a
+/* The launches of a screened step (screen/screen.cuh): 13, and the retry's sums and pass in a
  * plan whose screen lists hold fewer entries than its tokens. */
-enum { SCREENED_LAUNCHES = 12, SCREEN_RETRY_LAUNCHES = 2 };
+enum { SCREENED_LAUNCHES = 13, SCREEN_RETRY_LAUNCHES = 2 };
 
 /* Whether a plan of pp keeps every token in its screen lists (entmaxkv/cuda.h): max_candidates
  * entries when given, else what screen_list_bytes (0: 384 MiB) holds at 12 bytes per entry and

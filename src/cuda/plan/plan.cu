@@ -42,7 +42,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 47 };
+enum { PLAN_BUFFERS = 48 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -75,13 +75,14 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
-            {(void **)&pl->scr_state, 5 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_state, 6 * BH * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->scr_f, BH * EKV_SCREEN_GRID * (int64_t)sizeof(double)},
             {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->scr_thr, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->scr_short, BH * pl->short_cap * (int64_t)sizeof(float)},
             {(void **)&pl->scr_tl, BH * (int64_t)sizeof(double)},
             {(void **)&pl->row_chunk_count, BHk * pl->row_chunks * (int64_t)sizeof(int32_t)},
             {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
@@ -212,6 +213,7 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
     if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
     pl->scap = screen_list_cap(p, pl->cap_tokens, pl->cand_cap);
+    pl->short_cap = pl->scap < EKV_SCREEN_SOLVE_MAX ? pl->scap : (int64_t)EKV_SCREEN_SOLVE_MAX;
     pl->cap_words = (pl->cap_tokens + 31) / 32;
     pl->row_chunks = (pl->cap_words + EKV_CUDA_ROW_CHUNK_WORDS - 1) / EKV_CUDA_ROW_CHUNK_WORDS;
 }

@@ -540,7 +540,7 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_page_table *t, const float *q, int batch) {
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
     EKV_CUDA_TRY(
-            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(5 * BH) * sizeof(uint32_t), pl->stream));
+            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(6 * BH) * sizeof(uint32_t), pl->stream));
     pl->launches++;
     screen_args A;
     ekv_cuda_set_shape(A, pl, t);
