@@ -48,6 +48,13 @@ typedef struct ekv_cuda_plan_params {
                                /* or 128, page_size a multiple of 16; §10.2; groups up to 4  */
                                /* take the faster CUDA-core screen);                         */
                                /* 0: CUDA cores everywhere                                   */
+    int64_t screen_list_bytes; /* screened: device bytes its candidate lists may take, 12 per */
+                               /* entry and query head; 0 = 384 MiB: every token of one     */
+                               /* sequence of up to 2^20 tokens x 32 heads. A list of every */
+                               /* token never overflows, so the screen runs once; a shorter */
+                               /* one (never below max(tokens / 4, 16384)) screens a head   */
+                               /* with more candidates again (docs/architecture.md). With   */
+                               /* max_candidates > 0 the lists hold max_candidates entries  */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

@@ -70,6 +70,40 @@ static int64_t g_screen_pages = 0, g_screen_total = 0;
 /* screened: query heads whose candidate list overflowed (they took the retry pass), and of
  * those whose retry list overflowed too (every token kept) */
 static int64_t g_screen_retry = 0, g_screen_keepall = 0;
+/* screen_group_test: random-key cases whose quarter lists retried, run by the default plan with
+ * whole lists and no retry */
+static int g_screen_whole_spared = 0;
+
+/* The launches of a screened step (screen/screen.cuh): 13, and the retry's sums and pass in a
+ * plan whose screen lists hold fewer entries than its tokens. */
+enum { SCREENED_LAUNCHES = 13, SCREEN_RETRY_LAUNCHES = 2 };
+
+/* Whether a plan of pp keeps every token in its screen lists (entmaxkv/cuda.h): max_candidates
+ * entries when given, else what screen_list_bytes (0: 384 MiB) holds at 12 bytes per entry and
+ * query head. Such a plan launches no retry. */
+static int whole_screen_lists(const ekv_cuda_plan_params *pp) {
+    const int64_t T = pp->max_pages_per_seq * pp->page_size;
+    if (pp->max_candidates > 0) return pp->max_candidates >= T;
+    const int64_t budget = pp->screen_list_bytes > 0 ? pp->screen_list_bytes : (int64_t)384 << 20;
+    return 12 * (int64_t)pp->max_batch * pp->num_heads * T <= budget;
+}
+
+/* The launches of the plan's last screened step: the retry's exactly when the plan's lists are
+ * shorter than its tokens (whole: they are not), and no head retried in a plan of whole lists
+ * (its lists cannot overflow). Returns the heads that retried. */
+static int64_t screen_retry_check(ekv_context *ctx, ekv_cuda_plan *plan, int B, int whole,
+                                  int launches, const char *what) {
+    const int want = SCREENED_LAUNCHES + (whole ? 0 : SCREEN_RETRY_LAUNCHES);
+    CHECK(launches == want, "screened %s: %d launches, expected %d (whole lists %d)", what,
+          launches, want, whole);
+    int64_t ov[2] = {0, 0};
+    CHECK(ekv_cuda_screen_overflow(plan, B, ov) == EKV_OK, "overflow: %s", ekv_last_error(ctx));
+    CHECK(!whole || ov[0] == 0, "screened %s: %lld heads retried with whole lists", what,
+          (long long)ov[0]);
+    g_screen_retry += ov[0];
+    g_screen_keepall += ov[1];
+    return ov[0];
+}
 
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
  * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
@@ -183,11 +217,13 @@ static void small_lists_dense(ekv_context *ctx, ekv_cuda_plan *plan, const scree
     free(out);
 }
 
-/* Screened decode on the plan: 14 launches (a memset and 13 kernels); the output equals dense
- * entmax and the CPU's screened decode; the support equals the GPU dense step's (a threshold
- * tie may move one token); the survivors hold every support pair; each KV head's rows hold
- * the support of each head of its group and no more than its tokens. */
-static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc) {
+/* Screened decode on the plan (whole: its screen lists hold every token): the launches of
+ * screen_retry_check; the output equals dense entmax and the CPU's screened decode; the support
+ * equals the GPU dense step's (a threshold tie may move one token); the survivors hold every
+ * support pair; each KV head's rows hold the support of each head of its group and no more
+ * than its tokens. */
+static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
+                           int whole) {
     const mirror *m = sc->m;
     const int B = sc->c->B, H = sc->prm->num_heads, Hk = m->kv.num_kv_heads, D = m->kv.head_dim;
     const int64_t nq = (int64_t)B * H * D;
@@ -203,16 +239,14 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     memset(&rep, 0, sizeof rep);
     rep.support = sup;
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
-    CHECK(rep.launches == 14, "screened: %d launches", rep.launches);
     /* the table's plans keep the default tensor_cores = 1 */
     screen_kind_check(ctx, plan, 1, sc->c->G, D, m->kv.page_size, m->st.code_bits);
     CHECK(ekv_cuda_screen_rows(plan, B, rows) == EKV_OK, "rows: %s", ekv_last_error(ctx));
-    int64_t ov[2] = {0, 0};
-    CHECK(ekv_cuda_screen_overflow(plan, B, ov) == EKV_OK, "overflow: %s", ekv_last_error(ctx));
-    CHECK(ov[1] <= ov[0] && ov[0] <= (int64_t)B * H, "screen overflow %lld, kept all %lld",
-          (long long)ov[0], (long long)ov[1]);
-    g_screen_retry += ov[0];
-    g_screen_keepall += ov[1];
+    const int64_t kept_all = g_screen_keepall;
+    const int64_t retried = screen_retry_check(ctx, plan, B, whole, rep.launches, "(table)");
+    CHECK(g_screen_keepall - kept_all <= retried && retried <= (int64_t)B * H,
+          "screen overflow %lld, kept all %lld", (long long)retried,
+          (long long)(g_screen_keepall - kept_all));
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
     double e = test_head_rel_err(out, sc->ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5,
@@ -398,15 +432,15 @@ static void lists_plan_check(ekv_context *ctx, ekv_cuda_plan_params pp, int64_t 
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "%s plan: %s", what,
           ekv_last_error(ctx));
     if (!plan) return;
-    screened_check(ctx, plan, sc);
+    screened_check(ctx, plan, sc, whole_screen_lists(&pp));
     small_lists_dense(ctx, plan, sc, tau_ref, sup_ref, cap);
     ekv_cuda_plan_free(plan);
 }
 
-/* A plan for one sequence batch of the mirror's shapes: H query heads, tensor cores tc, the
- * screen's lists max_candidates (0: the default). */
-static ekv_cuda_plan *screen_plan(ekv_context *ctx, const mirror *m, int B, int H, int64_t maxP,
-                                  int tc, int64_t max_candidates) {
+/* The params of a plan for one sequence batch of the mirror's shapes: H query heads, tensor
+ * cores tc, the screen's lists max_candidates (0: the default). */
+static ekv_cuda_plan_params screen_params(const mirror *m, int B, int H, int64_t maxP, int tc,
+                                          int64_t max_candidates) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
     pp.max_batch = B;
     pp.num_heads = H;
@@ -416,9 +450,19 @@ static ekv_cuda_plan *screen_plan(ekv_context *ctx, const mirror *m, int B, int 
     pp.max_pages_per_seq = maxP;
     pp.tensor_cores = tc;
     pp.max_candidates = max_candidates;
+    return pp;
+}
+
+static ekv_cuda_plan *plan_of(ekv_context *ctx, const ekv_cuda_plan_params *pp) {
     ekv_cuda_plan *plan = NULL;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    CHECK(ekv_cuda_plan_create(ctx, pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     return plan;
+}
+
+static ekv_cuda_plan *screen_plan(ekv_context *ctx, const mirror *m, int B, int H, int64_t maxP,
+                                  int tc, int64_t max_candidates) {
+    const ekv_cuda_plan_params pp = screen_params(m, B, H, maxP, tc, max_candidates);
+    return plan_of(ctx, &pp);
 }
 
 /* The screen's bounds against the scores (docs/math.md §10.2) on the tensor cores and the CUDA
@@ -481,7 +525,7 @@ static void screen_bounds_test(ekv_context *ctx, int ncases) {
             CHECK(ekv_cuda_decode(plan, &prm, &ss, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
                   "screened: %s", ekv_last_error(ctx));
             screen_kind_check(ctx, plan, tc, G, D, ps, bits);
-            const int64_t scap = cap; /* a quarter of the tokens or the default list: >= cap */
+            const int64_t scap = cap; /* the default budget's lists: every token */
             float *l = malloc(sizeof(float) * H * scap), *u = malloc(sizeof(float) * H * scap);
             int32_t *tok = malloc(sizeof(int32_t) * H * scap);
             int64_t *n = malloc(sizeof(int64_t) * H), listed = 0, bad = 0;
@@ -553,7 +597,8 @@ static int64_t g_gscreen_surv[2], g_gscreen_support; /* screen_group_test: CUDA 
  * dense entmax (ref); returns the survivors. */
 static int64_t screen_group_step(ekv_context *ctx, ekv_cuda_plan *plan, int tc, const mirror *m,
                                  const ekv_decode_params *dprm, const float *dq, float *dout,
-                                 const float *ref, int G, const char *what) {
+                                 const float *ref, int G, const char *what, int whole,
+                                 int64_t *retried) {
     const int B = (int)m->tab.batch, Hk = (int)m->kv.num_kv_heads, H = G * Hk,
               D = (int)m->kv.head_dim, ps = (int)m->kv.page_size;
     ekv_select_params ss = ekv_select_default_params();
@@ -570,7 +615,37 @@ static int64_t screen_group_step(ekv_context *ctx, ekv_cuda_plan *plan, int tc, 
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+    *retried = screen_retry_check(ctx, plan, B, whole, rep.launches, what);
     return rep.survivors;
+}
+
+/* The screen lists' budget (ekv_cuda_plan_params.screen_list_bytes) on plans for 2^18 tokens per
+ * sequence, the mirror's short sequences in them: by default the lists hold every token (12 B H
+ * 2^18 bytes, within 384 MiB) and no retry is launched; with a budget of 1 byte they hold a
+ * quarter of the tokens, 12 B H (3/4) 2^18 bytes fewer (the other buffers the same: tau(l)'s
+ * short lists hold EKV_SCREEN_SOLVE_MAX = 32768 entries in both), and the retry is launched
+ * (these short sequences do not overflow it). Both equal dense. */
+static void screen_budget_check(ekv_context *ctx, const mirror *m, int H,
+                                const ekv_decode_params *dprm, const float *dq, float *dout,
+                                const float *ref, int G, const char *what) {
+    const int B = (int)m->tab.batch;
+    const int64_t T = (int64_t)1 << 18;
+    int64_t bytes[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        ekv_cuda_plan_params pp = screen_params(m, B, H, T / m->kv.page_size, 1, 0);
+        pp.screen_list_bytes = k; /* 0: the default; 1: the shortest lists */
+        CHECK(whole_screen_lists(&pp) == !k, "budget %d: whole lists %d", k,
+              whole_screen_lists(&pp));
+        ekv_cuda_plan *plan = plan_of(ctx, &pp);
+        if (!plan) return;
+        bytes[k] = ekv_cuda_plan_bytes(plan);
+        int64_t retried = 0;
+        screen_group_step(ctx, plan, 1, m, dprm, dq, dout, ref, G, what, !k, &retried);
+        ekv_cuda_plan_free(plan);
+    }
+    CHECK(bytes[0] - bytes[1] == 12 * (int64_t)B * H * (T - T / 4),
+          "screen_list_bytes: plans of %lld and %lld bytes", (long long)bytes[0],
+          (long long)bytes[1]);
 }
 
 /* Every token of the support (z > tau + 1e-9 (1 + |tau|): the solve's rounding) of every head is
@@ -680,9 +755,13 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
         char what[128];
         snprintf(what, sizeof what, "(G=%d D=%d ps=%d dt=%d bits=%d %s alibi=%d B=%d)", G, D, ps,
                  dt, bits, random ? "random" : "planted", alibi, B);
+        int64_t whole_retried = 0, quarter_retried = 0, retried = 0;
+        int whole = 1;
         for (int tc = 1; tc >= 0; tc--) {
-            ekv_cuda_plan *plan = screen_plan(ctx, &m, B, H, maxP, tc, 0);
+            const ekv_cuda_plan_params pp = screen_params(&m, B, H, maxP, tc, 0);
+            ekv_cuda_plan *plan = plan_of(ctx, &pp);
             if (!plan) break;
+            whole &= whole_screen_lists(&pp);
             if (tc) { /* the dense scores the rows must cover */
                 CHECK(ekv_cuda_decode(plan, &dprm, NULL, &m.dkv, &m.dst, &m.dtab, dq, dout) ==
                               EKV_OK,
@@ -693,22 +772,24 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
                 rep.tau = tau; /* the GPU's: screened solves tau on the same scores */
                 CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
             }
-            g_gscreen_surv[tc] +=
-                    screen_group_step(ctx, plan, tc, &m, &dprm, dq, dout, ref, G, what);
+            g_gscreen_surv[tc] += screen_group_step(ctx, plan, tc, &m, &dprm, dq, dout, ref, G,
+                                                    what, whole_screen_lists(&pp), &retried);
+            whole_retried += retried;
             screen_rows_check(ctx, plan, &m, G, z, cap, tau, what);
             ekv_cuda_plan_free(plan);
         }
         if (random) { /* lists of a quarter of the tokens: the retry pass on tensor cores */
-            ekv_cuda_plan *plan = screen_plan(ctx, &m, B, H, maxP, 1, maxN / 4);
+            const ekv_cuda_plan_params pp = screen_params(&m, B, H, maxP, 1, maxN / 4);
+            ekv_cuda_plan *plan = plan_of(ctx, &pp);
             if (plan) {
-                screen_group_step(ctx, plan, 1, &m, &dprm, dq, dout, ref, G, what);
+                screen_group_step(ctx, plan, 1, &m, &dprm, dq, dout, ref, G, what,
+                                  whole_screen_lists(&pp), &quarter_retried);
                 screen_rows_check(ctx, plan, &m, G, z, cap, tau, what);
-                int64_t ov[2] = {0, 0};
-                CHECK(ekv_cuda_screen_overflow(plan, B, ov) == EKV_OK, "overflow");
-                g_screen_retry += ov[0];
-                g_screen_keepall += ov[1];
                 ekv_cuda_plan_free(plan);
             }
+            /* the heads the quarter lists retried ran once with the default plans' lists */
+            g_screen_whole_spared += whole && whole_retried == 0 && quarter_retried > 0;
+            screen_budget_check(ctx, &m, H, &dprm, dq, dout, ref, G, what);
         }
         cudaFree(dq);
         cudaFree(dslopes);
@@ -726,6 +807,11 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
            "support tokens, all in their rows\n",
            (long long)g_gscreen_surv[1], (long long)g_gscreen_surv[0],
            (long long)g_gscreen_support);
+    printf("screened GQA groups: random-key cases whose quarter lists retried, run without a "
+           "retry by whole lists: %d\n",
+           g_screen_whole_spared);
+    CHECK(ncases <= 12 || g_screen_whole_spared > 0,
+          "no case showed whole lists sparing a retry the quarter lists took");
     CHECK(g_gscreen_surv[1] <= g_gscreen_surv[0] + g_gscreen_surv[0] / 10 + 100,
           "the tensor-core screen kept %lld survivors, the CUDA cores %lld",
           (long long)g_gscreen_surv[1], (long long)g_gscreen_surv[0]);
@@ -1438,7 +1524,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                       (long long)sup_g[i], (long long)sup_ref[i]);
             certified_hint_check(ctx, plan, &sc, &sp);
         }
-        if (c->alpha > 1) screened_check(ctx, plan, &sc);
+        if (c->alpha > 1) screened_check(ctx, plan, &sc, whole_screen_lists(&pp));
         per_head_check(ctx, plan, &sc, maxN);
         tau_lb_check(ctx, plan, &sc, maxN);
         /* a plan with tiny candidate lists: heads with more candidates (or a larger support)
@@ -1476,7 +1562,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                     CHECK(llabs(sup_g[i] - sup_ref[i]) <= 1,
                           "small lists certified support %lld vs %lld (head %lld)",
                           (long long)sup_g[i], (long long)sup_ref[i], (long long)i);
-                screened_check(ctx, small, &sc); /* the screen's tau(l) too */
+                screened_check(ctx, small, &sc, whole_screen_lists(&sp2)); /* tau(l) too */
                 ekv_cuda_plan_free(small);
             }
             /* screen lists of a quarter of the tokens: on these iid keys most tokens pass
@@ -1636,6 +1722,11 @@ static void invalid_test(ekv_context *ctx) {
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan,
           "max_candidates -1");
     pp.max_candidates = 0;
+    pp.screen_list_bytes = -1;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan &&
+                  strstr(ekv_last_error(ctx), "screen_list_bytes"),
+          "screen_list_bytes -1");
+    pp.screen_list_bytes = 0;
     pp.tensor_cores = 2;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
                   strstr(ekv_last_error(ctx), "tensor_cores"),

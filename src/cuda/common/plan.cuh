@@ -73,9 +73,10 @@ struct ekv_cuda_plan {
     double *gstat;       /* [B*H][3] gaussian: tau-hat, sigma_g, u_avg per query head     */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
     /* screened decode on token rows (screen/screen.cu) */
-    uint32_t *scr_state; /* [5][B*H] per step, zeroed by one memset: max l, max z (ordered */
+    uint32_t *scr_state; /* [6][B*H] per step, zeroed by one memset: max l, max z (ordered */
                          /* keys, 0 = none yet), candidates of the screen, of its retry    */
-                         /* pass, overflow marks (1 retried, 2 every token kept)          */
+                         /* pass, overflow marks (1 retried, 2 every token kept), entries */
+                         /* of the short list (scr_short)                                 */
     double *scr_f;       /* [B*H][EKV_SCREEN_GRID] F of the kept l at the retry grid      */
     int64_t scap;        /* candidates of the screen kept per query head                 */
     float *scl, *scu;    /* [B*H][scap] their lower and upper bounds                      */
@@ -83,6 +84,8 @@ struct ekv_cuda_plan {
     int64_t cap_words;   /* cap_tokens / 32, rounded up                                   */
     uint32_t *sbits;     /* [B*Hk][cap_words] survivors of the group (zero between steps) */
     float *scr_thr;      /* [B*H] the l tau(l)'s solve keeps (survivors.cu)               */
+    int64_t short_cap;   /* min(scap, EKV_SCREEN_SOLVE_MAX)                               */
+    float *scr_short;    /* [B*H][short_cap] those l, listed over splits for the solve    */
     double *scr_tl;      /* [B*H] tau(l) less the solve's tolerance                       */
     int64_t row_chunks;  /* cap_words / EKV_CUDA_ROW_CHUNK_WORDS, rounded up              */
     int32_t *row_chunk_count; /* [B*Hk][row_chunks] survivors per chunk of the bitmap    */

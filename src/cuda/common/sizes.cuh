@@ -1,7 +1,7 @@
 /*
  * The CUDA backend's fixed sizes: the threads of most blocks, the default length of a tau
  * candidate list, the largest GQA group and head dim the kernels compile for, the screen's
- * retry grid, the bins of tau's count bound and the screen's row chunks.
+ * retry grid and tau(l)'s short list, the bins of tau's count bound and the screen's row chunks.
  */
 #pragma once
 
@@ -11,6 +11,7 @@ enum {
     EKV_CUDA_MAX_GROUP = 16,   /* GQA group sizes the register tiles hold               */
     EKV_CUDA_MAX_DIM = 512,
     EKV_SCREEN_GRID = 64, /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)     */
+    EKV_SCREEN_SOLVE_MAX = 32768, /* l values tau(l)'s solve lists and keeps in shared memory */
     EKV_CUDA_TAU_HIST_BINS = 2048, /* bins of y = z - M in [-1, 0] of tau's count bound      */
     EKV_CUDA_ROW_CHUNK_WORDS = 256 /* survivor bitmap words per block of the rows kernels   */
 };

@@ -8,7 +8,8 @@
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (12;
  *              with superpage boxes first round 0: recent pages -> scores -> tau, 5 more)
  *   screened:  screen -> tau(l) -> mark -> rows -> row scores -> tau -> values
- *              (10 kernels and a memset, screen/screen.cu; tau is three of them)
+ *              (12 kernels and a memset, 14 with the retry of lists shorter than the
+ *              tokens; screen/screen.cuh)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
  * tau is three launches for entmax (candidates, the refine pass of a list that overflowed,
  * then the solve; stages/tau.cu) and one for softmax;

@@ -42,7 +42,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 47 };
+enum { PLAN_BUFFERS = 48 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -75,13 +75,14 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
-            {(void **)&pl->scr_state, 5 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_state, 6 * BH * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->scr_f, BH * EKV_SCREEN_GRID * (int64_t)sizeof(double)},
             {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->scr_thr, BH * (int64_t)sizeof(float)},
+            {(void **)&pl->scr_short, BH * pl->short_cap * (int64_t)sizeof(float)},
             {(void **)&pl->scr_tl, BH * (int64_t)sizeof(double)},
             {(void **)&pl->row_chunk_count, BHk * pl->row_chunks * (int64_t)sizeof(int32_t)},
             {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
@@ -134,6 +135,10 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "max_candidates=%lld must be >= 0 (0 = the default)",
                         (long long)p->max_candidates);
+    if (p->screen_list_bytes < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "screen_list_bytes=%lld must be >= 0 (0 = the default)",
+                        (long long)p->screen_list_bytes);
     if (p->tensor_cores != 0 && p->tensor_cores != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
                         p->tensor_cores);
@@ -170,6 +175,26 @@ ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
     return s;
 }
 
+/* The default of ekv_cuda_plan_params.screen_list_bytes: every token of one sequence of 2^20
+ * tokens and 32 query heads, at SCREEN_ENTRY_BYTES each. */
+enum { SCREEN_ENTRY_BYTES = 12 }; /* a list entry: l, u (fp32) and the token (int32) */
+static const int64_t SCREEN_LIST_BYTES = (int64_t)SCREEN_ENTRY_BYTES * 32 << 20;
+
+/* The screen's candidates kept per query head (u > max l - 1, docs/math.md §10.3 Claim 3):
+ * max_candidates when given; else as many as screen_list_bytes holds over the plan's heads,
+ * between max(a quarter of the tokens, the default list) and every token. A list of every token
+ * cannot overflow, so such a plan never launches the retry (screen.cu); with a shorter one a
+ * head with more candidates is retried against a higher threshold (docs/architecture.md, CUDA
+ * screened). */
+static int64_t screen_list_cap(const ekv_cuda_plan_params *p, int64_t cap_tokens,
+                               int64_t cand_cap) {
+    if (p->max_candidates > 0) return cand_cap;
+    const int64_t budget = p->screen_list_bytes > 0 ? p->screen_list_bytes : SCREEN_LIST_BYTES;
+    const int64_t fit = budget / (SCREEN_ENTRY_BYTES * (int64_t)p->max_batch * p->num_heads);
+    const int64_t least = cap_tokens / 4 > cand_cap ? cap_tokens / 4 : cand_cap;
+    return fit < least ? least : fit > cap_tokens ? cap_tokens : fit;
+}
+
 /* Buffer capacities from the plan's shapes and the device's SM count. */
 static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     const ekv_cuda_plan_params *p = &pl->p;
@@ -187,11 +212,8 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->cap_tokens = pl->cap_pages * p->page_size;
     pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
     if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
-    /* the screen's candidates (u > max l - 1, docs/math.md §10.3 Claim 3): max_candidates when
-     * given, else a quarter of the tokens per query head (at least the default list); a head
-     * with more is retried against a higher threshold (docs/architecture.md, CUDA screened) */
-    pl->scap = pl->cap_tokens / 4 > pl->cand_cap ? pl->cap_tokens / 4 : pl->cand_cap;
-    if (p->max_candidates > 0) pl->scap = pl->cand_cap;
+    pl->scap = screen_list_cap(p, pl->cap_tokens, pl->cand_cap);
+    pl->short_cap = pl->scap < EKV_SCREEN_SOLVE_MAX ? pl->scap : (int64_t)EKV_SCREEN_SOLVE_MAX;
     pl->cap_words = (pl->cap_tokens + 31) / 32;
     pl->row_chunks = (pl->cap_words + EKV_CUDA_ROW_CHUNK_WORDS - 1) / EKV_CUDA_ROW_CHUNK_WORDS;
 }

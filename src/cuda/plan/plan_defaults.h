@@ -17,8 +17,9 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.head_dim = 128;
     p.page_size = 16;
     p.max_pages_per_seq = 0; /* required: the caller sets it */
-    p.max_candidates = 0;    /* EKV_CUDA_CAND_CAP */
+    p.max_candidates = 0;    /* EKV_CUDA_CAND_CAP           */
     p.tensor_cores = 1;
+    p.screen_list_bytes = 0; /* SCREEN_LIST_BYTES (plan.cu)  */
     return p;
 }
 

@@ -14,7 +14,9 @@
  *            chooses, in one place. All bound every token (l, u per head, docs/math.md
  *            §10.2) and keep only the candidates u > M' - 1, M' the largest l any warp has
  *            published (§10.3 Claim 3), appended with l, u and the token to the head's list.
- *   retry:   only for heads whose list overflowed (iid keys: most tokens pass u > M' - 1):
+ *   retry:   only in a plan whose lists hold fewer entries than its tokens (the plan's
+ *            screen_list_bytes), and there only for heads whose list overflowed (iid keys:
+ *            most tokens pass u > M' - 1):
  *            F(t) = sum [l - t]_+^beta over the kept l at t_k = M - 1 + k / 64 (grid (chunk,
  *            head), summed atomically); the largest t_k with F > 1 is below tau of the kept l,
  *            a lower bound of tau(l) (a subset's tau, docs/math.md §10.3). The screen runs
@@ -531,13 +533,14 @@ ekv_status launch_screen_pass(ekv_cuda_plan *pl, const screen_args &A, int code_
     return EKV_OK;
 }
 
-/* The memset of the step's counters, the screen kernel, the retry's sums and the retry pass. */
+/* The memset of the step's counters, the screen kernel, and where the plan's lists are shorter
+ * than the tokens, the retry's sums and the retry pass. */
 ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_stats *st,
                                 const ekv_page_table *t, const float *q, int batch) {
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
     EKV_CUDA_TRY(
-            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(5 * BH) * sizeof(uint32_t), pl->stream));
+            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(6 * BH) * sizeof(uint32_t), pl->stream));
     pl->launches++;
     screen_args A;
     ekv_cuda_set_shape(A, pl, t);
@@ -554,7 +557,10 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     A.sct = pl->sct;
     A.survivors = pl->survivors;
     ekv_status s = launch_screen_pass(pl, A, st->code_bits, batch);
-    if (!s) s = launch_retry_sums(pl, prm, batch);
+    /* a list of every token cannot overflow (a token is appended once per head): such a plan
+     * (plan.cu, screen_list_cap) never retries, decided at plan time so a graph keeps it */
+    if (s || pl->scap >= pl->cap_tokens) return s;
+    s = launch_retry_sums(pl, prm, batch);
     A.pass2 = 1;
     A.acount = pl->scr_state + 3 * BH; /* the retry's list overwrites the first one */
     if (!s) s = launch_screen_pass(pl, A, st->code_bits, batch);

@@ -9,12 +9,15 @@
  *           the row's last block turns the counts into a lower bound of tau(l) within two bins
  *           (hist_bound, docs/math.md §9.1) for a list longer than TAU_BOUND_MIN, and resets
  *           the histogram.
- *   solve:  one block per query head: the l above that bound (at most the support of tau(l)
- *           and two bins more) into shared memory and tau(l) over them from the bound, exact
- *           (docs/math.md §9.1: a value at or below a lower bound adds nothing to F there). A
- *           head whose retry list overflowed too keeps every token (exact, slow), and one
- *           whose l above the bound still overflow shared memory solves over its list in
- *           global memory.
+ *   short:  grid (split, query head): each split lists its share of the l above that bound
+ *           (and above M - 1) in the head's short list (scr_short): at most the support of
+ *           tau(l) and two bins more, where the list may hold every token (a flat head's
+ *           list of 200K l was read whole by the solve's one block).
+ *   solve:  one block per query head: the short list into shared memory and tau(l) over it
+ *           from the bound, exact (docs/math.md §9.1: a value at or below a lower bound adds
+ *           nothing to F there). A head whose retry list overflowed too keeps every token
+ *           (exact, slow), and one whose short list overflowed (more l above the bound than
+ *           shared memory holds) solves over its whole list in global memory.
  *   mark:   grid (split, query head): every candidate whose u exceeds tau(l) (lowered by the
  *           solve's tolerance) sets its bit in the KV head's survivor bitmap.
  *   rows:   grid (word chunk, KV head), two passes: each chunk's survivor count, then each
@@ -35,9 +38,11 @@ namespace {
 struct taul_args : ekv_cuda_shape {
     double alpha;
     int64_t scap, cap_words;
-    int nsplit;  /* blocks per query head of the count and mark kernels */
-    int smem_cap; /* l values the solve keeps in shared memory */
+    int nsplit;  /* blocks per query head of the count, short and mark kernels */
+    int smem_cap; /* l values the solve keeps in shared memory: the short list's length */
     const uint32_t *lkey, *scount, *scount2;
+    float *short_l;        /* scr_short [B*H][smem_cap]: short -> solve */
+    uint32_t *short_count; /* [B*H] its entries (may exceed smem_cap: overflow) */
     const float *scl, *scu;
     const int32_t *sct;
     uint32_t *hist, *done; /* the plan's cand_hist and cand_done (zero between kernels) */
@@ -50,7 +55,7 @@ struct taul_args : ekv_cuda_shape {
     int32_t *cand_count;   /* [B*H] zeroed here for the row scores kernel */
 };
 
-enum { SPLIT_THREADS = 256, SOLVE_THREADS = 512, TAUL_SMEM_MAX = 32768 };
+enum { SPLIT_THREADS = 256, SOLVE_THREADS = 512 };
 enum { ROWS_THREADS = EKV_CUDA_ROW_CHUNK_WORDS }; /* a thread per bitmap word */
 
 /* The length of query head row's list: the retry's for a head that retried; above scap when
@@ -115,30 +120,46 @@ __device__ double keep_every_token(uint32_t *bits, int64_t N) {
     return threadIdx.x == 0 ? (double)N : 0.0;
 }
 
-/* tau(l) - M over the l above lo (and above M - 1, docs/math.md §10.3 Claim 3), from lo's
- * bound: in shared memory when they fit, else over the whole list in global memory. */
-__device__ double solve_taul(const taul_args &A, const float *lv, int64_t n, float M, float lo,
-                             float *cand, double *scratch, int *s_nk) {
-    if (threadIdx.x == 0) *s_nk = 0;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const float x = lv[i];
-        if (x > lo && (double)x > (double)M - 1.0) {
-            const int at = atomicAdd(s_nk, 1);
-            if (at < A.smem_cap) cand[at] = x;
-        }
+/* grid (split, query head): this split's l above the count's bound lo and above M - 1 (only
+ * they can be in the support of entmax(l), docs/math.md §10.3 Claim 3 and §9.1) appended to
+ * the head's short list, one atomic per warp. Their order is free: the solve's sums take any
+ * order (the list was filled by atomics before too). */
+__global__ void __launch_bounds__(SPLIT_THREADS) short_kernel(taul_args A) {
+    const int64_t row = blockIdx.y;
+    const int64_t n = list_length(A, row);
+    const float M = ekv_key_float(A.lkey[row]);
+    if (n > A.scap || !(M > -CUDART_INF_F)) return; /* the solve reads no list */
+    const float lo = A.thr[row];
+    const float *lv = A.scl + row * A.scap;
+    float *out = A.short_l + row * A.smem_cap;
+    int64_t c0, c1;
+    split_range(n, A.nsplit, &c0, &c1);
+    /* warp-uniform trip count (the append's ballot): c0 is a multiple of 32 */
+    for (int64_t base = c0 + (threadIdx.x & ~31); base < c1; base += blockDim.x) {
+        const int64_t i = base + (threadIdx.x & 31);
+        const float x = i < c1 ? lv[i] : -CUDART_INF_F;
+        const bool keep = x > lo && (double)x > (double)M - 1.0;
+        const uint32_t at = ekv_warp_append(keep, A.short_count + row);
+        if (keep && at < (uint32_t)A.smem_cap) out[at] = x;
     }
+}
+
+/* tau(l) - M over the head's short list (the l above lo), from lo's bound: in shared memory,
+ * or, when the short list overflowed, over the whole list of n in global memory. */
+__device__ double solve_taul(const taul_args &A, int64_t row, int64_t n, float M, float *cand,
+                             double *scratch) {
+    const int64_t nk = A.short_count[row];
+    const double t0 = fmax(-1.0, (double)A.thr[row] - (double)M); /* -inf: from M - 1 */
+    if (nk > A.smem_cap) return solve_tau(A.scl + row * A.scap, n, M, A.alpha, scratch, t0);
+    const float *sl = A.short_l + row * A.smem_cap;
+    for (int64_t i = threadIdx.x; i < nk; i += blockDim.x) cand[i] = sl[i];
     __syncthreads();
-    const int64_t nk = *s_nk;
-    const double t0 = fmax(-1.0, (double)lo - (double)M); /* -inf: from M - 1 */
-    return nk <= A.smem_cap ? solve_tau(cand, nk, M, A.alpha, scratch, t0)
-                            : solve_tau(lv, n, M, A.alpha, scratch, t0);
+    return solve_tau(cand, nk, M, A.alpha, scratch, t0);
 }
 
 __global__ void __launch_bounds__(SOLVE_THREADS) solve_kernel(taul_args A) {
     extern __shared__ float cand[];
     __shared__ double scratch[128];
-    __shared__ int s_nk;
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), lrow = b * A.Hk + (int)(row % A.H) / A.G;
     if (threadIdx.x == 0) A.cand_count[row] = 0;
@@ -160,8 +181,7 @@ __global__ void __launch_bounds__(SOLVE_THREADS) solve_kernel(taul_args A) {
     const float M = ekv_key_float(A.lkey[row]);
     double tl = -HUGE_VAL; /* no finite l: nothing is dropped */
     if (M > -CUDART_INF_F && n > 0) {
-        const double tau =
-                (double)M + solve_taul(A, A.scl + row * A.scap, n, M, A.thr[row], cand, scratch, &s_nk);
+        const double tau = (double)M + solve_taul(A, row, n, M, cand, scratch);
         tl = tau - 1e-12 * (1.0 + fabs(tau)); /* the solve's tolerance (docs/math.md §10.3) */
     }
     if (threadIdx.x == 0) A.tl[row] = tl;
@@ -258,7 +278,7 @@ __global__ void __launch_bounds__(ROWS_THREADS) rows_write_kernel(rows_args A) {
     for (uint32_t y = x; y; y &= y - 1) out[pos++] = (int32_t)(32 * w + __ffs(y) - 1);
 }
 
-/* Blocks per query head of the count and mark kernels: about two waves over the step's heads. */
+/* Blocks per query head of the count, short and mark kernels: about two waves over the step's heads. */
 int taul_splits(const ekv_cuda_plan *pl, int heads) {
     const int s = (2 * pl->sms + heads - 1) / heads;
     return s < 1 ? 1 : s > 256 ? 256 : s;
@@ -272,12 +292,13 @@ void set_taul_args(taul_args &T, ekv_cuda_plan *pl, const ekv_decode_params *prm
     T.scap = pl->scap;
     T.cap_words = pl->cap_words;
     T.nsplit = taul_splits(pl, batch * T.H);
-    const int64_t most = TAUL_SMEM_MAX;
-    T.smem_cap = (int)(pl->scap < most ? pl->scap : most);
+    T.smem_cap = (int)pl->short_cap;
     T.lkey = pl->scr_state;
     T.scount = pl->scr_state + 2 * BH;
     T.scount2 = pl->scr_state + 3 * BH;
     T.marks = pl->scr_state + 4 * BH;
+    T.short_count = pl->scr_state + 5 * BH;
+    T.short_l = pl->scr_short;
     T.slow_paths = pl->slow_paths;
     T.scl = pl->scl;
     T.scu = pl->scu;
@@ -299,6 +320,7 @@ ekv_status launch_taul(ekv_cuda_plan *pl, const ekv_decode_params *prm, const ek
     const size_t smem = (size_t)T.smem_cap * sizeof(float);
     EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<solve_kernel>(smem));
     ekv_status s = ekv_cuda_launch(pl, count_kernel, split_grid, SPLIT_THREADS, 0, T);
+    if (!s) s = ekv_cuda_launch(pl, short_kernel, split_grid, SPLIT_THREADS, 0, T);
     if (!s) s = ekv_cuda_launch(pl, solve_kernel, batch * T.H, SOLVE_THREADS, smem, T);
     return s ? s : ekv_cuda_launch(pl, mark_kernel, split_grid, SPLIT_THREADS, 0, T);
 }
