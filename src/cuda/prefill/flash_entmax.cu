@@ -234,9 +234,9 @@ extern "C" ekv_status ekv_cuda_flash_entmax_workspace(ekv_context *ctx,
     ekv_flash_entmax_args probe;
     if (args) {
         probe = *args;
-        static const double any = 0; /* non-NULL, aligned stand-ins for the tensors */
-        probe.q = probe.k = probe.v = probe.out = (void *)&any;
-        probe.tau = (double *)&any;
+        alignas(256) static const double any[2] = {0, 0}; /* non-NULL, aligned stand-ins */
+        probe.q = probe.k = probe.v = probe.out = (void *)any;
+        probe.tau = (double *)any;
     }
     ekv_status st = flash_check(ctx, args ? &probe : NULL, NULL, 0, none, &J);
     if (st) return st;
