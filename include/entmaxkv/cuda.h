@@ -234,7 +234,7 @@ EKV_API ekv_status ekv_cuda_cache_truncate(ekv_cuda_plan *plan, ekv_cuda_cache *
 
 /* ---------------------------------------------------------------------------------- */
 /* Exact entmax attention of many query rows on the device, forward and backward        */
-/* (docs/math.md §12-13; the CPU reference is ekv_entmax_attention_forward/backward)      */
+/* (docs/math.md §12, §13; the CPU reference: ekv_entmax_attention_forward/backward)     */
 /* ---------------------------------------------------------------------------------- */
 /*
  * Flash attention's interface for exact alpha-entmax (softmax at alpha 1): B sequences of T

@@ -1,5 +1,5 @@
 /*
- * ekv_cuda_flash_entmax_forward/backward (include/entmaxkv/cuda.h, docs/math.md §12-13) against
+ * ekv_cuda_flash_entmax_forward/backward (include/entmaxkv/cuda.h, docs/math.md §12, §13) against
  * the CPU reference in double (ekv_entmax_attention_forward_f64/backward_f64) on the values the
  * device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference takes the
  * rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and 4/4,
