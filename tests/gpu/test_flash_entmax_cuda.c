@@ -113,7 +113,8 @@ static int setup(fdata *f, const fcase *c, uint64_t seed) {
     draw(&r, f->hv, f->v, f->nk, c->kvt, 1.0);
     draw(&r, f->hg, f->g, f->nq, c->ot, 1.0);
     for (int h = 0; h < c->H; h++) f->slopes[h] = 0.25f / (float)(1 << h);
-    const int64_t qes = ekv_dtype_size(c->qt), oes = ekv_dtype_size(c->ot), rows = c->B * c->T * c->H;
+    const int64_t qes = ekv_dtype_size(c->qt), oes = ekv_dtype_size(c->ot),
+                  rows = c->B * c->T * c->H;
     f->dq_ = dev(f->nq * qes), f->dk_ = dev(f->nk * 2), f->dv_ = dev(f->nk * 2);
     f->dg_ = dev(f->nq * oes), f->dout_ = dev(f->nq * oes), f->dtau_ = dev(rows * 8);
     f->dgq_ = dev(f->nq * qes), f->dgk_ = dev(f->nk * 2), f->dgv_ = dev(f->nk * 2);
@@ -137,8 +138,8 @@ static int setup(fdata *f, const fcase *c, uint64_t seed) {
 static void teardown(fdata *f) {
     void *h[] = {f->hq, f->hk, f->hv, f->hg, f->q, f->k, f->v, f->g};
     for (size_t i = 0; i < sizeof h / sizeof h[0]; i++) free(h[i]);
-    void *d[] = {f->dq_, f->dk_, f->dv_, f->dg_, f->dout_, f->dtau_, f->dgq_,
-                 f->dgk_, f->dgv_, f->dslopes, f->dws};
+    void *d[] = {f->dq_,  f->dk_,  f->dv_,  f->dg_,     f->dout_, f->dtau_,
+                 f->dgq_, f->dgk_, f->dgv_, f->dslopes, f->dws};
     for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) cudaFree(d[i]);
 }
 
@@ -247,7 +248,8 @@ static void check_passes(ekv_context *ctx, fdata *f, const void *out, const char
     void *one = host_copy(f->dout_, f->nq * ekv_dtype_size(f->c.ot));
     double diff = 0, vmax = 0;
     for (int64_t i = 0; i < f->nq; i++)
-        diff = fmax(diff, fabs((double)ekv_load_f32(one, f->c.ot, i) - ekv_load_f32(out, f->c.ot, i)));
+        diff = fmax(diff,
+                    fabs((double)ekv_load_f32(one, f->c.ot, i) - ekv_load_f32(out, f->c.ot, i)));
     for (int64_t i = 0; i < f->nk; i++) vmax = fmax(vmax, fabs(f->v[i]));
     CHECK(diff <= 1e-6 * vmax, "%s: passes of %lld tokens and one pass differ by %.3g", name,
           (long long)f->c.block, diff);
@@ -263,14 +265,15 @@ static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
              ekv_dtype_name(c->qt), ekv_dtype_name(c->ot), c->block ? " passes" : "");
     fdata f;
     const int64_t rows = c->B * c->T * c->H;
-    double *rout = malloc((size_t)(c->B * c->T * c->H * c->D) * 8), *rtau = malloc((size_t)rows * 8);
+    double *rout = malloc((size_t)(c->B * c->T * c->H * c->D) * 8),
+           *rtau = malloc((size_t)rows * 8);
     for (int tries = 0;; tries++) {
         if (setup(&f, c, seed + 7919u * (uint64_t)tries)) {
             CHECK(0, "%s: no device memory", name);
             break;
         }
-        CHECK(reference(ctx, &f, rout, rtau, NULL, NULL, NULL) == EKV_OK, "%s: reference: %s",
-              name, ekv_last_error(ctx));
+        CHECK(reference(ctx, &f, rout, rtau, NULL, NULL, NULL) == EKV_OK, "%s: reference: %s", name,
+              ekv_last_error(ctx));
         if (c->alpha != 2.0 || edge_gap(&f, rtau) >= 2e-5) break;
         CHECK(tries < 19, "%s: no draw in 20 keeps every key 2e-5 from tau", name);
         if (tries == 19) break;
@@ -307,10 +310,10 @@ static int untouched(const fdata *f) {
 
 static void try_bad(ekv_context *ctx, fdata *f, ekv_flash_entmax_args a, void *ws, int64_t bytes,
                     const void *const *g, int backward, ekv_status want, const char *what) {
-    const ekv_status s = backward ? ekv_cuda_flash_entmax_backward(ctx, &a, g[0], (void *)g[1],
-                                                                   (void *)g[2], (void *)g[3], ws,
-                                                                   bytes, NULL)
-                                  : ekv_cuda_flash_entmax_forward(ctx, &a, ws, bytes, NULL);
+    const ekv_status s =
+            backward ? ekv_cuda_flash_entmax_backward(ctx, &a, g[0], (void *)g[1], (void *)g[2],
+                                                      (void *)g[3], ws, bytes, NULL)
+                     : ekv_cuda_flash_entmax_forward(ctx, &a, ws, bytes, NULL);
     CHECK(s == want, "%s (%s): %s, want %s (%s)", what, backward ? "backward" : "forward",
           ekv_status_string(s), ekv_status_string(want), ekv_last_error(ctx));
     cudaDeviceSynchronize();
@@ -319,7 +322,8 @@ static void try_bad(ekv_context *ctx, fdata *f, ekv_flash_entmax_args a, void *w
 
 /* Each invalid argument answers its status and changes no output (forward and backward). */
 static void check_invalid(ekv_context *ctx) {
-    const fcase c = {1, 17, 17, 4, 4, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0};
+    const fcase c = {1, 17, 17, 4, 4, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16,
+                     0};
     fdata f;
     if (setup(&f, &c, 42)) {
         CHECK(0, "invalid: no device memory");
@@ -362,8 +366,8 @@ static void check_invalid(ekv_context *ctx) {
         if (!bw) BAD(a.out = NULL, EKV_ERR_NULL_POINTER, "out NULL");
         a = f.a;
         try_bad(ctx, &f, a, NULL, bytes, g, bw, EKV_ERR_NULL_POINTER, "workspace NULL");
-        try_bad(ctx, &f, a, f.dws, (bw ? f.bwd_bytes : f.fwd_bytes) - 1, g, bw, EKV_ERR_INVALID_SIZE,
-                "workspace a byte short");
+        try_bad(ctx, &f, a, f.dws, (bw ? f.bwd_bytes : f.fwd_bytes) - 1, g, bw,
+                EKV_ERR_INVALID_SIZE, "workspace a byte short");
         try_bad(ctx, &f, a, (char *)f.dws + 16, bytes, g, bw, EKV_ERR_INVALID_SIZE,
                 "workspace misaligned");
 #undef BAD
@@ -373,7 +377,10 @@ static void check_invalid(ekv_context *ctx) {
         gb[i] = i == 2 ? (const char *)g[i] + 2 : NULL;
         try_bad(ctx, &f, f.a, f.dws, bytes, gb, 1,
                 i == 2 ? EKV_ERR_INVALID_ARGUMENT : EKV_ERR_NULL_POINTER,
-                i == 0 ? "dout NULL" : i == 1 ? "dq NULL" : i == 2 ? "dk misaligned" : "dv NULL");
+                i == 0   ? "dout NULL"
+                : i == 1 ? "dq NULL"
+                : i == 2 ? "dk misaligned"
+                         : "dv NULL");
     }
     /* the backward does not read out: NULL is fine there */
     ekv_flash_entmax_args a = f.a;
@@ -393,7 +400,7 @@ int main(void) {
     }
     ekv_context *ctx = NULL;
     if (ekv_context_create(NULL, &ctx)) return 1;
-    static const int64_t TN[][2] = {{1, 1},   {1, 17},   {17, 17}, {17, 64}, {64, 64},
+    static const int64_t TN[][2] = {{1, 1},   {1, 17},   {17, 17},   {17, 64}, {64, 64},
                                     {1, 300}, {64, 300}, {300, 300}, {300, 64}};
     static const double alphas[] = {1.0, 1.5, 2.0};
     static const ekv_dtype kvs[] = {EKV_DTYPE_F16, EKV_DTYPE_BF16};

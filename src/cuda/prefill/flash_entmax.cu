@@ -74,7 +74,8 @@ ekv_status flash_check(ekv_context *ctx, const ekv_flash_entmax_args *a, void *s
     const char *names[] = {"q", "k", "v", "tau", "out", "dout", "dq", "dk", "dv"};
     const void *ptrs[] = {a->q, a->k, a->v, a->tau, a->out, extra[0], extra[1], extra[2], extra[3]};
     for (int i = 0; i < 9 && !st; i++)
-        if (i < 4 || (i == 4) != (grads != 0)) st = check_tensor(ctx, ptrs[i], names[i], i == 3 ? 8 : 16);
+        if (i < 4 || (i == 4) != (grads != 0))
+            st = check_tensor(ctx, ptrs[i], names[i], i == 3 ? 8 : 16);
     if (st) return st;
     J->a = a;
     J->B = a->batch, J->T = p->num_queries, J->N = p->num_keys, J->H = p->num_heads;
@@ -142,11 +143,11 @@ namespace {
 /* What finish_kernel reads and writes for one pass of Tc tokens. */
 struct finish_args {
     int64_t Tc, H, G, D, R;
-    const float *m;      /* [Hk][R] the rows' max M (the fused kernel's row order) */
-    const double *trel;  /* [Hk][R] tau - M */
-    double *tau;         /* [Tc][H] of the pass, z-space */
-    const float *att32;  /* [Tc][H][D] fp32 output, or NULL when out is fp32 already */
-    void *out;           /* [Tc][H][D] */
+    const float *m;     /* [Hk][R] the rows' max M (the fused kernel's row order) */
+    const double *trel; /* [Hk][R] tau - M */
+    double *tau;        /* [Tc][H] of the pass, z-space */
+    const float *att32; /* [Tc][H][D] fp32 output, or NULL when out is fp32 already */
+    void *out;          /* [Tc][H][D] */
 };
 
 /* block (t, h): tau = M + (tau - M) of row (t, h), and out converted from fp32 (TO). */
@@ -213,7 +214,14 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
     blk.counters = (unsigned long long *)(base + L.counters);
     ekv_status st = ekv_cuda_prefill_attention(&pf, &blk);
     if (st) return st;
-    finish_args F = {Tc, J.H, J.G, J.D, Tc * J.G, pf.m, pf.tau, a->tau + (b * J.T + t0) * J.H,
+    finish_args F = {Tc,
+                     J.H,
+                     J.G,
+                     J.D,
+                     Tc * J.G,
+                     pf.m,
+                     pf.tau,
+                     a->tau + (b * J.T + t0) * J.H,
                      L.att32 < 0 ? NULL : blk.att,
                      (char *)a->out + qo * ekv_dtype_size(a->out_dtype)};
     ekv_cuda_with_dtype(a->out_dtype, [&](auto ty) {

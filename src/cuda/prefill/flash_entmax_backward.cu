@@ -29,13 +29,13 @@ enum { BWD_THREADS = 256, BWD_WARPS = BWD_THREADS / 32 };
 struct bwd_args {
     int64_t B, T, N, H, Hk, G, D, pos0; /* pos0 = N - T: row t sits at pos0 + t */
     int causal;
-    float qf;    /* a * scale as the forward's scores take it */
-    float scale; /* the effective scale: ds is d/d(q.k) */
-    double alpha, beta, a; /* a: z = a s (softmax: 1) */
-    const float *slopes;     /* [H] device, or NULL */
-    const float *q, *dout;   /* [B][T][H][D] fp32 */
-    const void *k, *v;       /* [B][N][Hk][D] */
-    const double *tau;       /* [B][T][H] */
+    float qf;                     /* a * scale as the forward's scores take it */
+    float scale;                  /* the effective scale: ds is d/d(q.k) */
+    double alpha, beta, a;        /* a: z = a s (softmax: 1) */
+    const float *slopes;          /* [H] device, or NULL */
+    const float *q, *dout;        /* [B][T][H][D] fp32 */
+    const void *k, *v;            /* [B][N][Hk][D] */
+    const double *tau;            /* [B][T][H] */
     float *rinv, *wscale, *delta; /* [B][T][H]: 1 / S, S^(alpha - 2), delta */
     void *dq, *dk, *dv;
 };
@@ -49,7 +49,7 @@ __device__ __forceinline__ void bwd_weights(float z, double tau, const bwd_args 
     }
     const double x = (double)z - tau;
     *p = entmax_p(z, tau, A.beta);
-    *w = !(x > 0) ? 0.f
+    *w = !(x > 0)        ? 0.f
          : A.beta == 2.0 ? (float)x
          : A.beta == 1.0 ? 1.f
                          : (float)pow(x, A.beta - 1.0);
@@ -81,15 +81,18 @@ __device__ __forceinline__ int64_t row_keys(const bwd_args &A, int64_t t) {
     return A.causal ? A.pos0 + t + 1 : A.N;
 }
 
-/* Pass 1, a warp per row (b, t, h): the sums, then ds and dq. Warp-uniform exits. */
+/* Pass 1, a warp per row (b, t, h): the sums, then ds and dq. A block's warps take consecutive
+ * tokens of one head, which read the same keys (their K and V rows shared in L1). Warp-uniform
+ * exits. */
 template <typename TK, typename TQ, int D>
 __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     constexpr int PER = D / 32;
     __shared__ float sq[BWD_WARPS][D], sg[BWD_WARPS][D];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * BWD_WARPS + warp;
-    if (r >= A.B * A.T * A.H) return;
-    const int64_t h = r % A.H, t = r / A.H % A.T, b = r / (A.H * A.T), n = row_keys(A, t);
+    const int64_t item = (int64_t)blockIdx.x * BWD_WARPS + warp; /* [B][H][T] */
+    if (item >= A.B * A.T * A.H) return;
+    const int64_t t = item % A.T, h = item / A.T % A.H, b = item / (A.T * A.H), n = row_keys(A, t);
+    const int64_t r = (b * A.T + t) * A.H + h; /* the row of q, dout, dq: [B][T][H] */
     for (int d = lane; d < D; d += 32) {
         sq[warp][d] = A.q[r * D + d];
         sg[warp][d] = A.dout[r * D + d];
@@ -128,7 +131,8 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
             const float dsj = __shfl_sync(0xffffffffu, ds, src);
             const TK *kr = K + (base + src) * ks;
 #pragma unroll
-            for (int c = 0; c < PER; c++) dq[c] = fmaf(dsj, ekv_elem<TK>::to(kr[lane + 32 * c]), dq[c]);
+            for (int c = 0; c < PER; c++)
+                dq[c] = fmaf(dsj, ekv_elem<TK>::to(kr[lane + 32 * c]), dq[c]);
         }
     }
 #pragma unroll
@@ -137,16 +141,18 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
 }
 
 /* Pass 2, a warp per (b, key j, KV head g): the rows (t, h of g's group) that see key j, 32 at
- * a time (a lane each: ds and p), then dk_j and dv_j. Warp-uniform exits. */
+ * a time (a lane each: ds and p), then dk_j and dv_j. A block's warps take consecutive keys of
+ * one KV head, which the same rows see (their q and dout rows shared in L1). Warp-uniform
+ * exits. */
 template <typename TK, int D>
 __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
     constexpr int PER = D / 32;
     __shared__ float sk[BWD_WARPS][D], sv[BWD_WARPS][D];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t item = (int64_t)blockIdx.x * BWD_WARPS + warp;
+    const int64_t item = (int64_t)blockIdx.x * BWD_WARPS + warp; /* [B][Hk][N] */
     if (item >= A.B * A.N * A.Hk) return;
-    const int64_t g = item % A.Hk, j = item / A.Hk % A.N, b = item / (A.Hk * A.N);
-    const int64_t ko = item * D; /* [B][N][Hk][D] */
+    const int64_t j = item % A.N, g = item / A.N % A.Hk, b = item / (A.N * A.Hk);
+    const int64_t ko = ((b * A.N + j) * A.Hk + g) * D; /* k, v, dk, dv: [B][N][Hk][D] */
     for (int d = lane; d < D; d += 32) {
         sk[warp][d] = ekv_elem<TK>::to(static_cast<const TK *>(A.k)[ko + d]);
         sv[warp][d] = ekv_elem<TK>::to(static_cast<const TK *>(A.v)[ko + d]);
@@ -170,8 +176,12 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
             for (int d = 0; d < D; d += 4) {
                 const float4 x = *reinterpret_cast<const float4 *>(qr + d);
                 const float4 y = *reinterpret_cast<const float4 *>(gr + d);
-                qk = fmaf(x.x, sk[warp][d], fmaf(x.y, sk[warp][d + 1], fmaf(x.z, sk[warp][d + 2], fmaf(x.w, sk[warp][d + 3], qk))));
-                gv = fmaf(y.x, sv[warp][d], fmaf(y.y, sv[warp][d + 1], fmaf(y.z, sv[warp][d + 2], fmaf(y.w, sv[warp][d + 3], gv))));
+                qk = fmaf(x.x, sk[warp][d],
+                          fmaf(x.y, sk[warp][d + 1],
+                               fmaf(x.z, sk[warp][d + 2], fmaf(x.w, sk[warp][d + 3], qk))));
+                gv = fmaf(y.x, sv[warp][d],
+                          fmaf(y.y, sv[warp][d + 1],
+                               fmaf(y.z, sv[warp][d + 2], fmaf(y.w, sv[warp][d + 3], gv))));
             }
             bwd_weights(bwd_z(A, qk, h, t, j), A.tau[r], A, &pt, &w);
             p = pt * A.rinv[r];
@@ -179,7 +189,8 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
         }
         for (unsigned m = __ballot_sync(0xffffffffu, p != 0.f || ds != 0.f); m; m &= m - 1) {
             const int src = __ffs(m) - 1;
-            const float dsi = __shfl_sync(0xffffffffu, ds, src), pi = __shfl_sync(0xffffffffu, p, src);
+            const float dsi = __shfl_sync(0xffffffffu, ds, src),
+                        pi = __shfl_sync(0xffffffffu, p, src);
             const int64_t ri = __shfl_sync(0xffffffffu, r, src);
 #pragma unroll
             for (int c = 0; c < PER; c++) {
@@ -195,7 +206,8 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
     }
 }
 
-template <typename TK, int D> cudaError_t launch_passes(const bwd_args &A, ekv_dtype qt, cudaStream_t s) {
+template <typename TK, int D>
+cudaError_t launch_passes(const bwd_args &A, ekv_dtype qt, cudaStream_t s) {
     const int64_t rows = A.B * A.T * A.H, keys = A.B * A.N * A.Hk;
     ekv_cuda_with_dtype(qt, [&](auto ty) {
         rows_kernel<TK, typename decltype(ty)::type, D>
@@ -207,7 +219,8 @@ template <typename TK, int D> cudaError_t launch_passes(const bwd_args &A, ekv_d
 
 cudaError_t launch(const bwd_args &A, ekv_dtype kt, ekv_dtype qt, cudaStream_t s) {
     if (kt == EKV_DTYPE_F16)
-        return A.D == 64 ? launch_passes<__half, 64>(A, qt, s) : launch_passes<__half, 128>(A, qt, s);
+        return A.D == 64 ? launch_passes<__half, 64>(A, qt, s)
+                         : launch_passes<__half, 128>(A, qt, s);
     return A.D == 64 ? launch_passes<__nv_bfloat16, 64>(A, qt, s)
                      : launch_passes<__nv_bfloat16, 128>(A, qt, s);
 }
