@@ -16,7 +16,8 @@
  *         terms, then the rounding to the gradient's dtype).
  * Sparsemax (alpha 2) has no derivative where a key sits at tau (docs/math.md §13.4): a key within
  * the fp32 scores' error of tau may be in the support on one side and out on the other, so its
- * data is drawn again (next seed) until every key is at least 2e-5 from tau in double.
+ * data is drawn again (next seed) until every key is at least 5e-5 from tau in double (the fp32
+ * scores are within about 1e-5 of it at worst).
  * Also: two passes of the same rows agree; each invalid argument answers its status and leaves
  * out, tau, dq, dk and dv untouched; the workspace query is what the calls need (a byte less
  * fails) and shrinks with block_tokens. Exit 77 when no CUDA device is present.
@@ -274,9 +275,9 @@ static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
         }
         CHECK(reference(ctx, &f, rout, rtau, NULL, NULL, NULL) == EKV_OK, "%s: reference: %s", name,
               ekv_last_error(ctx));
-        if (c->alpha != 2.0 || edge_gap(&f, rtau) >= 2e-5) break;
-        CHECK(tries < 19, "%s: no draw in 20 keeps every key 2e-5 from tau", name);
-        if (tries == 19) break;
+        if (c->alpha != 2.0 || edge_gap(&f, rtau) >= 5e-5) break;
+        CHECK(tries < 39, "%s: no draw in 40 keeps every key 5e-5 from tau", name);
+        if (tries == 39) break;
         teardown(&f);
     }
     ekv_status s = ekv_cuda_flash_entmax_workspace(ctx, &f.a, &f.fwd_bytes, &f.bwd_bytes);
@@ -407,17 +408,21 @@ int main(void) {
     int i = 0;
     for (size_t p = 0; p < sizeof TN / sizeof TN[0]; p++)
         for (int ai = 0; ai < 3; ai++)
-            for (int ki = 0; ki < 2; ki++, i++) { /* the other choices rotate with the case */
+            for (int ki = 0; ki < 2; ki++, i++) {
+                /* the other choices from the bits of a hash of the case number, so that each
+                 * alpha meets each of them (a plain rotation tied them to alpha's period) */
+                uint32_t x = (uint32_t)i * 2654435761u;
+                x ^= x >> 15, x *= 2246822519u, x ^= x >> 13;
                 fcase c;
                 c.T = TN[p][0], c.N = TN[p][1], c.alpha = alphas[ai], c.kvt = kvs[ki];
-                c.D = i % 2 ? 128 : 64;
-                c.H = i / 2 % 2 ? 4 : 6, c.Hk = c.H == 4 ? 4 : 2;
-                c.causal = c.T <= c.N && i % 3 != 2;
-                c.alibi = i % 4 == 1 || i % 4 == 2;
-                c.qt = i % 3 == 0 ? EKV_DTYPE_F32 : c.kvt;
-                c.ot = i % 2 == 0 ? EKV_DTYPE_F32 : c.qt;
-                c.B = i % 7 == 3 ? 2 : 1;
-                c.block = c.T >= 64 && i % 5 < 2 ? 16 : 0;
+                c.D = x & 1 ? 128 : 64;
+                c.H = x >> 1 & 1 ? 4 : 6, c.Hk = c.H == 4 ? 4 : 2;
+                c.causal = c.T <= c.N && (x >> 2) % 3 != 2;
+                c.alibi = x >> 4 & 1;
+                c.qt = x >> 5 & 1 ? EKV_DTYPE_F32 : c.kvt;
+                c.ot = x >> 6 & 1 ? EKV_DTYPE_F32 : c.qt;
+                c.B = (x >> 7) % 7 == 3 ? 2 : 1;
+                c.block = c.T >= 64 && (x >> 10 & 1) ? 16 : 0;
                 run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
             }
     check_invalid(ctx);
