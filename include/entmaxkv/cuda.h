@@ -240,6 +240,62 @@ EKV_API ekv_status ekv_cuda_cache_truncate(ekv_cuda_plan *plan, ekv_cuda_cache *
                                            int64_t n_tokens);
 
 /* ---------------------------------------------------------------------------------- */
+/* Exact entmax attention of many query rows on the device, forward and backward        */
+/* (docs/math.md §12, §13; the CPU reference: ekv_entmax_attention_forward/backward)     */
+/* ---------------------------------------------------------------------------------- */
+/*
+ * Flash attention's interface for exact alpha-entmax (softmax at alpha 1): B sequences of T
+ * query rows over N keys each, every tensor a DEVICE pointer, contiguous:
+ *   q, out, dout, dq [B][T][H][D]; k, v, dk, dv [B][N][Hk][D]; tau [B][T][H] (double).
+ * Row t sits at position N - T + t (causal: it sees the keys j <= N - T + t), ALiBi adds
+ * -m_h |j - i|, head h reads KV head h / (H / Hk): the conventions of the reference, whose
+ * parameter struct `shape` is (its alibi_slopes a DEVICE array [H] here, or NULL; their
+ * values are not read on the host, so not checked). tau is each row's threshold in z-space
+ * (softmax: log-sum-exp), as the reference's: the forward writes it, the backward reads it.
+ * Runs on the fused prefill kernel (docs/math.md §12): head_dim 64 or 128, K and V f16 or
+ * bf16 (others: EKV_ERR_UNSUPPORTED). Scratch is the caller's `workspace` (device memory of
+ * at least the bytes ekv_cuda_flash_entmax_workspace gives, 256-byte aligned; it may be
+ * reused once the stream has passed the call): a call allocates nothing and never
+ * synchronises, and every launch goes on `stream` (a cudaStream_t; NULL: the legacy stream).
+ * The calls check every host-side field and leave the outputs untouched on an error. Non-finite
+ * inputs are not detected (that would need a synchronisation): their rows come out NaN.
+ */
+typedef struct ekv_flash_entmax_args {
+    ekv_attention_params shape; /* T, N, H, Hk, D, causal, alpha, scale, alibi_slopes (device) */
+    int32_t batch;              /* B >= 1 sequences of the same T and N                        */
+    ekv_dtype q_dtype;          /* q: f32, f16 or bf16 (dq the same)                           */
+    ekv_dtype kv_dtype;         /* k, v: f16 or bf16 (dk, dv the same)                         */
+    ekv_dtype out_dtype;        /* out (dout the same): f32 or q_dtype                         */
+    int64_t block_tokens;       /* query tokens of one pass (0: automatic, about 32768 rows of */
+                                /* H tokens): bounds the forward's workspace                   */
+    const void *q, *k, *v;      /* inputs                                                      */
+    void *out;                  /* forward: written                                            */
+    double *tau;                /* forward: written; backward: read                            */
+} ekv_flash_entmax_args;
+
+/* Workspace bytes of the forward and of the backward for these args (host arithmetic; either
+ * pointer may be NULL). Fails as the calls would on the args' shapes and dtypes. */
+EKV_API ekv_status ekv_cuda_flash_entmax_workspace(ekv_context *ctx,
+                                                   const ekv_flash_entmax_args *args,
+                                                   int64_t *forward_bytes,
+                                                   int64_t *backward_bytes);
+/* out and tau of every row (exact; out divided by the computed sum of p, docs/math.md §0). */
+EKV_API ekv_status ekv_cuda_flash_entmax_forward(ekv_context *ctx,
+                                                 const ekv_flash_entmax_args *args,
+                                                 void *workspace, int64_t workspace_bytes,
+                                                 void *stream);
+/* dq, dk, dv (overwritten) of a loss given dout = dL/dout, from the forward's tau
+ * (args->tau; args->out is not read): p recomputed from tau, w = p^(2 - alpha) on the support,
+ * ds_j = w_j (dout.v_j - delta), delta = sum w dout.v / sum w, then as the CPU reference
+ * (docs/math.md §13.2-13.3), in fp32 on CUDA cores: a row-major pass for delta and dq, a
+ * key-major pass for dk and dv over the rows that see each key (no atomics). */
+EKV_API ekv_status ekv_cuda_flash_entmax_backward(ekv_context *ctx,
+                                                  const ekv_flash_entmax_args *args,
+                                                  const void *dout, void *dq, void *dk, void *dv,
+                                                  void *workspace, int64_t workspace_bytes,
+                                                  void *stream);
+
+/* ---------------------------------------------------------------------------------- */
 /* Context-parallel decode: one step over S shards (docs/math.md §11, docs/architecture.md,
  * "The sharded CUDA plan")                                                            */
 /* ---------------------------------------------------------------------------------- */

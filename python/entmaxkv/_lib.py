@@ -97,6 +97,13 @@ class AttentionParams(ctypes.Structure):
                 ("alpha", c_double), ("scale", c_float), ("alibi_slopes", c_void_p)]
 
 
+class FlashEntmaxArgs(ctypes.Structure):
+    _fields_ = [("shape", AttentionParams), ("batch", c_int32), ("q_dtype", c_int),
+                ("kv_dtype", c_int), ("out_dtype", c_int), ("block_tokens", c_int64),
+                ("q", c_void_p), ("k", c_void_p), ("v", c_void_p), ("out", c_void_p),
+                ("tau", c_void_p)]
+
+
 class CudaPlanParams(ctypes.Structure):
     _fields_ = [("device", c_int32), ("stream", c_void_p), ("max_batch", c_int32),
                 ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
@@ -131,7 +138,7 @@ _MIRRORS = {"ekv_context_params": ContextParams, "ekv_paged_kv": PagedKV,
             "ekv_page_stats": PageStats, "ekv_page_table": PageTable,
             "ekv_cache_params": CacheParams, "ekv_decode_params": DecodeParams,
             "ekv_decode_info": DecodeInfo, "ekv_select_params": SelectParams,
-            "ekv_attention_params": AttentionParams,
+            "ekv_attention_params": AttentionParams, "ekv_flash_entmax_args": FlashEntmaxArgs,
             "ekv_cuda_plan_params": CudaPlanParams, "ekv_cuda_report": CudaReport,
             "ekv_cuda_append_item": CudaAppendItem, "ekv_cuda_cache_params": CudaCacheParams}
 
@@ -197,6 +204,12 @@ def _declare(lib):
         "ekv_cuda_read_report": (c_int, [c_void_p, c_int32, P(CudaReport)]),
         "ekv_cuda_append": (c_int, [c_void_p, P(PagedKV), P(PageStats), c_void_p, c_int32,
                                     c_void_p, c_void_p]),
+        "ekv_cuda_flash_entmax_workspace": (c_int, [c_void_p, P(FlashEntmaxArgs), P(c_int64),
+                                                    P(c_int64)]),
+        "ekv_cuda_flash_entmax_forward": (c_int, [c_void_p, P(FlashEntmaxArgs), c_void_p,
+                                                  c_int64, c_void_p]),
+        "ekv_cuda_flash_entmax_backward": (c_int, [c_void_p, P(FlashEntmaxArgs)] + [c_void_p] * 5
+                                           + [c_int64, c_void_p]),
         "ekv_cuda_cache_default_params": (CudaCacheParams, []),
         "ekv_cuda_cache_sizes": (c_int, [c_void_p, P(CudaCacheParams), P(c_int64), P(c_int64)]),
         "ekv_cuda_cache_adopt": (c_int, [c_void_p, P(CudaCacheParams), c_void_p, c_void_p,

@@ -15,15 +15,17 @@ Registered with torch.library as
     entmaxkv::flash_entmax_bwd(q, k, v, tau, dout, alpha, causal, alibi_slopes, scale)
         -> (dq, dk, dv)
 
-with fake implementations, so autograd and torch.compile see one opaque node each. Today both
+with fake implementations, so autograd and torch.compile see one opaque node each. CPU tensors
 run the library's CPU reference (ekv_entmax_attention_forward/backward: double precision, one
-thread, O(T N) per head): CPU tensors only; a CUDA tensor raises NotImplementedError naming the
-missing kernel (the tensor-core prefill is the next step of issue 30) instead of copying to the
-host behind the caller's back. Imported only with torch.
+thread, O(T N) per head); CUDA tensors run ekv_cuda_flash_entmax_forward/backward
+(flash_cuda.py: the fused prefill kernel on tensor cores for the forward, a first CUDA-core
+backward; q float32/float16/bfloat16, k and v float16 or bfloat16, D 64 or 128; on the
+caller's current stream, workspace from torch's allocator). Tensors on two devices are an error,
+never copied behind the caller's back. Imported only with torch.
 """
 from typing import Optional, Tuple
 
-from . import functional
+from . import flash_cuda, functional
 from ._lib import need_torch
 
 torch = need_torch("entmaxkv.flash")
@@ -41,13 +43,14 @@ def _batched(q, k, v):
                      f"{list(v.shape)}")
 
 
-def _host_only(*ts):
+def _on_cuda(*ts):
+    """Whether the call runs on CUDA (q on a CUDA device); every tensor must be where q is."""
+    dev = ts[0].device
     for t in ts:
-        if t is not None and t.device.type != "cpu":
-            raise NotImplementedError(
-                f"entmaxkv.flash_entmax: a tensor is on {t.device}; the op runs the CPU "
-                "reference only until the GPU prefill kernel lands (issue 30). Move the "
-                "tensors to the CPU to use the reference.")
+        if t is not None and t.device != dev:
+            raise ValueError(f"entmaxkv.flash_entmax: a tensor is on {t.device}, q on {dev}: "
+                             "move them to one device")
+    return dev.type == "cuda"
 
 
 def _slopes(alibi_slopes):
@@ -59,8 +62,11 @@ def flash_entmax_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: f
                      causal: bool, alibi_slopes: Optional[torch.Tensor],
                      scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """out (q's shape and dtype) and tau (q's shape less D, float64)."""
-    _host_only(q, k, v, alibi_slopes)
+    cuda = _on_cuda(q, k, v, alibi_slopes)
     qb, kb, vb, single = _batched(q, k, v)
+    if cuda:
+        out, tau = flash_cuda.forward(qb, kb, vb, alpha, causal, alibi_slopes, scale)
+        return (out[0], tau[0]) if single else (out, tau)
     outs, taus = [], []
     for b in range(qb.shape[0]):
         o, t = functional.entmax_attention(qb[b].contiguous(), kb[b].contiguous(),
@@ -83,9 +89,12 @@ def flash_entmax_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: tor
                      alibi_slopes: Optional[torch.Tensor],
                      scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (the shapes and dtypes of q, k, v) given the forward's tau and dL/dout."""
-    _host_only(q, k, v, tau, dout, alibi_slopes)
+    cuda = _on_cuda(q, k, v, tau, dout, alibi_slopes)
     qb, kb, vb, single = _batched(q, k, v)
     tb, db = (tau.unsqueeze(0), dout.unsqueeze(0)) if single else (tau, dout)
+    if cuda:
+        dq, dk, dv = flash_cuda.backward(qb, kb, vb, tb, db, alpha, causal, alibi_slopes, scale)
+        return (dq[0], dk[0], dv[0]) if single else (dq, dk, dv)
     grads = [[], [], []]
     for b in range(qb.shape[0]):
         g = functional.entmax_attention_backward(

@@ -1,8 +1,10 @@
 """entmaxkv.flash.flash_entmax, the torch op (issue 30): its forward against the library's
 reference (entmax_attention) and, where the entmax package is installed, against
 entmax.entmax_bisect on the scores; its gradients by torch.autograd.gradcheck in float64; the
-fake implementations by torch.library.opcheck; torch.compile keeping it whole. Skipped where
-torch is not installed (CI); run on the GPU machine."""
+fake implementations by torch.library.opcheck; torch.compile keeping it whole; on CUDA
+(ekv_cuda_flash_entmax_*) the forward and gradients against the CPU op in float64 on the same
+16-bit inputs, torch.compile and opcheck. Skipped where torch is not installed (CI), the CUDA
+tests where there is no CUDA device; run on the GPU machine."""
 import numpy as np
 import pytest
 
@@ -116,5 +118,101 @@ def test_bad_shapes_and_devices():
     with pytest.raises(ValueError, match=r"\[B, T, H, D\]"):
         flash.flash_entmax(q, k[0], v)
     if torch.cuda.is_available():
-        with pytest.raises(NotImplementedError, match="CPU reference only"):
-            flash.flash_entmax(q.cuda(), k.cuda(), v.cuda())
+        with pytest.raises(ValueError, match="one device"):
+            flash.flash_entmax(q.cuda(), k, v)
+
+
+# ---- CUDA (ekv_cuda_flash_entmax_*): skipped without a CUDA device ----
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+UNIT = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}  # the dtypes' unit roundoff
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])
+
+
+def _cuda_data(seed, dtype, B=2, T=40, N=96, H=6, Hk=2, D=64):
+    """CUDA tensors of dtype and their values in float64 on the CPU (what the reference takes:
+    the same rounded numbers)."""
+    q, k, v = _data(seed, B, T, N, H, Hk, D, dtype=torch.float32)
+    dev = [t.to(dtype).cuda() for t in (q, k, v)]
+    return dev, [t.detach().cpu().double() for t in dev]
+
+
+@cuda
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+@pytest.mark.parametrize("causal,alibi", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_forward_matches_the_cpu_op(alpha, causal, alibi, dtype):
+    """out within its own rounding (UNIT) plus 1e-4 of max|v| of the float64 reference on the
+    same 16-bit inputs (the device's scores are fp32, docs/math.md §12); tau within 1e-5."""
+    (q, k, v), (q64, k64, v64) = _cuda_data(7, dtype)
+    slopes = SLOPES if alibi else None
+    out, tau = flash.flash_entmax_fwd(q, k, v, alpha, causal,
+                                      None if slopes is None else slopes.cuda(), 0.0)
+    ref, rtau = flash.flash_entmax_fwd(q64, k64, v64, alpha, causal, slopes, 0.0)
+    assert out.dtype == dtype and out.shape == q.shape and tau.dtype == torch.float64
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=UNIT[dtype],
+                               atol=1e-4 * v64.abs().max().item())
+    torch.testing.assert_close(tau.cpu(), rtau, rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_gradients_match_the_cpu_op(alpha, dtype):
+    """dq, dk, dv of the CUDA op within their rounding plus 2e-4 of each tensor's largest
+    against the CPU op's float64 backward on the same inputs; sparsemax data keeps every score
+    2e-5 from tau (no derivative at a tie, docs/math.md §13.4)."""
+    for seed in range(20, 60):
+        (q, k, v), (q64, k64, v64) = _cuda_data(seed, dtype, B=1)
+        if alpha != 2.0 or _far_from_tau(q64, k64, alpha, True, None, margin=2e-5):
+            break
+    else:
+        pytest.fail("no seed keeps every score 2e-5 from tau")
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    for t in (q, k, v, q64, k64, v64):
+        t.requires_grad_(True)
+    flash.flash_entmax(q, k, v, alpha).backward(g.cuda())
+    flash.flash_entmax(q64, k64, v64, alpha).backward(g.double())
+    for a, b in ((q, q64), (k, k64), (v, v64)):
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.cpu().double(), b.grad, rtol=UNIT[dtype],
+                                   atol=2e-4 * b.grad.abs().max().item())
+
+
+@cuda
+def test_cuda_compile_fullgraph():
+    """torch.compile sees one opaque node each way (the fake implementations): forward and
+    gradients equal the eager op's."""
+    (q, k, v), _ = _cuda_data(8, torch.bfloat16)
+    f = torch.compile(lambda a, b, c: flash.flash_entmax(a, b, c, 1.5, True), fullgraph=True,
+                      backend="aot_eager")
+    grads = []
+    for fn in (f, lambda a, b, c: flash.flash_entmax(a, b, c, 1.5, True)):
+        ts = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*ts)
+        out.float().pow(2).sum().backward()
+        grads.append([out.detach()] + [t.grad for t in ts])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@cuda
+def test_cuda_opcheck():
+    (q, k, v), _ = _cuda_data(9, torch.float16)
+    torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd, (q, k, v, 1.5, True, None, 0.0))
+    _out, tau = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
+    torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_bwd,
+                          (q, k, v, tau, torch.randn_like(q), 1.5, True, None, 0.0))
+
+
+@cuda
+def test_cuda_refuses_what_the_kernel_does_not_serve():
+    from entmaxkv._lib import EntmaxKVError
+
+    (q, k, v), _ = _cuda_data(10, torch.float16, D=64)
+    with pytest.raises(EntmaxKVError, match="head_dim 64 or 128"):
+        flash.flash_entmax(q[..., :32], k[..., :32], v[..., :32])
+    with pytest.raises(EntmaxKVError, match="f16 or bf16"):
+        flash.flash_entmax(q, k.float(), v.float())
+    with pytest.raises(TypeError, match="must match"):
+        flash.flash_entmax(q, k, v.bfloat16())

@@ -22,6 +22,7 @@ int64_t ekv_abi_sizeof(const char *type_name) {
             {"ekv_cuda_sharded_params", sizeof(ekv_cuda_sharded_params)},
             {"ekv_cuda_sharded_report", sizeof(ekv_cuda_sharded_report)},
             {"ekv_cuda_cache_params", sizeof(ekv_cuda_cache_params)},
+            {"ekv_flash_entmax_args", sizeof(ekv_flash_entmax_args)},
     };
     if (!type_name) return -1;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)

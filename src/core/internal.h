@@ -283,6 +283,9 @@ ekv_status ekv_check_head_dim(ekv_context *ctx, int64_t head_dim);
  * distance fits fp32 (docs/math.md §6.2). */
 ekv_status ekv_check_slopes(ekv_context *ctx, const float *slopes, int64_t num_heads,
                             int64_t max_len);
+/* The shapes and parameters of exact attention of many query rows (docs/math.md §13), every
+ * host field of p; not the slopes' values (ekv_check_slopes, where they are host memory). */
+ekv_status ekv_check_attention_params(ekv_context *ctx, const ekv_attention_params *p);
 /* The geometry of a page pool (the host cache's, and the device cache's through it): pages,
  * page size, KV heads, head dim, dtype, superpages, key code bits, range dtype, layout. Not
  * the caller's memory or max_seqs, which only the host cache has. */

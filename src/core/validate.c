@@ -102,6 +102,38 @@ ekv_status ekv_check_slopes(ekv_context *ctx, const float *slopes, int64_t num_h
     return EKV_OK;
 }
 
+/* The shapes and parameters of exact attention of many query rows (the CPU reference and the
+ * CUDA flash entry, docs/math.md §13): alpha, scale, heads, head dim, T and N, causal with
+ * T <= N, and T x H x D and N x Hk x D elements, twice over in doubles, fit int64 bytes. The
+ * slopes' values are the caller's to check where they are host memory (ekv_check_slopes). */
+ekv_status ekv_check_attention_params(ekv_context *ctx, const ekv_attention_params *p) {
+    const ekv_decode_params dp = {.num_heads = p->num_heads, .alpha = p->alpha, .scale = p->scale};
+    ekv_status st = ekv_check_params(ctx, &dp);
+    if (!st) st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
+    if (!st) st = ekv_check_head_dim(ctx, p->head_dim);
+    if (st) return st;
+    if (p->num_queries < 1 || p->num_keys < 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "num_queries=%lld and num_keys=%lld must be >= 1",
+                        (long long)p->num_queries, (long long)p->num_keys);
+    if (p->causal != 0 && p->causal != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "causal=%d must be 0 or 1", p->causal);
+    if (p->causal && p->num_queries > p->num_keys)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "causal attention needs num_queries=%lld <= num_keys=%lld (row t sits at "
+                        "position num_keys - num_queries + t and sees the keys up to it)",
+                        (long long)p->num_queries, (long long)p->num_keys);
+    int64_t nq, nk, bytes;
+    if (ekv_mul_i64(p->num_queries, (int64_t)p->num_heads * p->head_dim, &nq) ||
+        ekv_mul_i64(p->num_keys, (int64_t)p->num_kv_heads * p->head_dim, &nk) ||
+        ekv_mul_i64(nq > nk ? nq : nk, 2 * (int64_t)sizeof(double), &bytes))
+        return ekv_fail(
+                ctx, EKV_ERR_SIZE_OVERFLOW,
+                "num_queries=%lld or num_keys=%lld x heads x head_dim overflows int64 bytes",
+                (long long)p->num_queries, (long long)p->num_keys);
+    return EKV_OK;
+}
+
 /* The slopes against the longest sequence of the table. */
 static ekv_status check_slopes(ekv_context *ctx, const ekv_decode_params *params,
                                const ekv_paged_kv *kv, const ekv_page_table *t) {

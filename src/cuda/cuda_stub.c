@@ -95,3 +95,17 @@ ekv_status ekv_cuda_sharded_read_report(ekv_cuda_sharded_plan *plan, int32_t bat
                                         ekv_cuda_report *report, ekv_cuda_sharded_report *sharded) {
     return EKV_ERR_UNSUPPORTED;
 }
+ekv_status ekv_cuda_flash_entmax_workspace(ekv_context *ctx, const ekv_flash_entmax_args *args,
+                                           int64_t *forward_bytes, int64_t *backward_bytes) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    return NO_CUDA(ctx);
+}
+ekv_status ekv_cuda_flash_entmax_forward(ekv_context *ctx, const ekv_flash_entmax_args *args,
+                                         void *workspace, int64_t workspace_bytes, void *stream) {
+    return ekv_cuda_flash_entmax_workspace(ctx, args, NULL, NULL);
+}
+ekv_status ekv_cuda_flash_entmax_backward(ekv_context *ctx, const ekv_flash_entmax_args *args,
+                                          const void *dout, void *dq, void *dk, void *dv,
+                                          void *workspace, int64_t workspace_bytes, void *stream) {
+    return ekv_cuda_flash_entmax_workspace(ctx, args, NULL, NULL);
+}

@@ -132,8 +132,8 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
  * a head whose support outgrows it settles and fills the whole list. Both checked at load. */
 static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
     ekv_cuda_prefill *pf = &g->pf;
-    pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : 4096;
-    pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : 1024;
+    pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : EKV_PREFILL_CANDIDATES;
+    pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
     ekv_status s = dev_alloc(g, &pf->cand, rows * pf->cand_cap * 4, "the prefill candidates");
     if (!s) s = dev_alloc(g, &pf->cidx, rows * pf->cand_cap * 8, "the prefill candidates");
     if (!s) s = dev_alloc(g, &pf->count, rows * 4, "the prefill rows");
@@ -324,7 +324,7 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     g->layers = (gpu_layer *)calloc((size_t)c->n_layers, sizeof *g->layers);
     g->hpos = (int64_t *)calloc((size_t)g->max_seqs, sizeof *g->hpos);
     g->pages = (m->prm.max_tokens + m->prm.page_size - 1) / m->prm.page_size;
-    g->pf.nparts = m->prm.kv_dtype == EKV_DTYPE_F16 ? 2 : m->prm.kv_dtype == EKV_DTYPE_BF16 ? 3 : 1;
+    g->pf.nparts = ekv_cuda_prefill_parts(m->prm.kv_dtype);
     const bool fits = ekv_cuda_prefill_fused_applies(m->prm.kv_dtype, c->head_dim);
     g->pf.fused = m->prm.prefill_kernel != EKV_PREFILL_GEMM && fits;
     ekv_status s = g->layers && g->hpos

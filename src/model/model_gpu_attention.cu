@@ -45,7 +45,7 @@ ekv_status gpu_prefill_attention(ekv_model *m, gpu_layer *L, const gpu_block *b)
     /* the sequence's keys: its first page's rows onward (model_gpu.cuh) */
     const int64_t kv_offset =
             (int64_t)b->seq * g->pages * L->kv.stride_page * ekv_dtype_size(L->kv.dtype);
-    ekv_cuda_prefill_block pb;
+    ekv_cuda_prefill_block pb = {}; /* causal, scale 1/sqrt(D) */
     pb.pos0 = b->pos0;
     pb.T = b->T;
     pb.H = c->n_heads;

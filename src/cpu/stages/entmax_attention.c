@@ -53,41 +53,19 @@ static ekv_status check_finite(ekv_context *ctx, att_in t, int64_t n, const char
     return EKV_OK;
 }
 
-/* The parameters by the library's rules (validate.c), then the shapes this call adds. */
+/* The shapes by the library's one check (ekv_check_attention_params, validate.c), the slopes
+ * (host memory here), then the job. */
 static ekv_status check_shape(ekv_context *ctx, const ekv_attention_params *p, att_job *j) {
-    const ekv_decode_params dp = {.num_heads = p->num_heads,
-                                  .alpha = p->alpha,
-                                  .scale = p->scale,
-                                  .alibi_slopes = p->alibi_slopes};
-    ekv_status st = ekv_check_params(ctx, &dp);
-    if (!st) st = ekv_check_heads(ctx, p->num_heads, p->num_kv_heads);
-    if (!st) st = ekv_check_head_dim(ctx, p->head_dim);
-    if (st) return st;
-    if (p->num_queries < 1 || p->num_keys < 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "num_queries=%lld and num_keys=%lld must be >= 1",
-                        (long long)p->num_queries, (long long)p->num_keys);
-    if (p->causal != 0 && p->causal != 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "causal=%d must be 0 or 1", p->causal);
-    if (p->causal && p->num_queries > p->num_keys)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "causal attention needs num_queries=%lld <= num_keys=%lld (row t sits at "
-                        "position num_keys - num_queries + t and sees the keys up to it)",
-                        (long long)p->num_queries, (long long)p->num_keys);
-    int64_t nq, nk, bytes;
-    if (ekv_mul_i64(p->num_queries, (int64_t)p->num_heads * p->head_dim, &nq) ||
-        ekv_mul_i64(p->num_keys, (int64_t)p->num_kv_heads * p->head_dim, &nk) ||
-        ekv_mul_i64(nq > nk ? nq : nk, 2 * (int64_t)sizeof(double), &bytes))
-        return ekv_fail(
-                ctx, EKV_ERR_SIZE_OVERFLOW,
-                "num_queries=%lld or num_keys=%lld x heads x head_dim overflows int64 bytes",
-                (long long)p->num_queries, (long long)p->num_keys);
+    ekv_status st = ekv_check_attention_params(ctx, p);
     /* |j - i| < max(N, T): i = N - T + t is in [N - T, N), j in [0, N) */
-    st = ekv_check_slopes(ctx, p->alibi_slopes, p->num_heads,
-                          p->num_keys > p->num_queries ? p->num_keys : p->num_queries);
+    if (!st)
+        st = ekv_check_slopes(ctx, p->alibi_slopes, p->num_heads,
+                              p->num_keys > p->num_queries ? p->num_keys : p->num_queries);
     if (st) return st;
     j->T = p->num_queries, j->N = p->num_keys, j->H = p->num_heads, j->Hk = p->num_kv_heads;
-    j->G = j->H / j->Hk, j->D = p->head_dim, j->nq = nq, j->nk = nk;
+    j->G = j->H / j->Hk, j->D = p->head_dim;
+    j->nq = p->num_queries * p->num_heads * p->head_dim;
+    j->nk = p->num_keys * p->num_kv_heads * p->head_dim;
     j->alpha = p->alpha, j->a = p->alpha == 1.0 ? 1.0 : p->alpha - 1.0;
     j->scale = ekv_effective_scale(p->scale, p->head_dim);
     j->slopes = p->alibi_slopes, j->causal = p->causal;

@@ -15,3 +15,8 @@ __device__ __forceinline__ float entmax_p_split(float z, float m, double t, doub
 __device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
     return entmax_p_split(z, 0.f, tau, beta);
 }
+/* p of a score given tau for any alpha: softmax's exp(z - tau) (alpha 1: tau is log-sum-exp,
+ * docs/math.md §0), else entmax_p. exp(-inf) = 0 for a masked score. */
+__device__ __forceinline__ float attn_weight(float z, double tau, double alpha, double beta) {
+    return alpha == 1.0 ? (float)exp((double)z - tau) : entmax_p(z, tau, beta);
+}

@@ -189,10 +189,14 @@ ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda
         return ekv_fail(pf->ctx, EKV_ERR_INTERNAL,
                         "model (cuda): prefill block %lld x %lld keys exceeds its buffers",
                         (long long)T, (long long)A.nk);
+    if (!pf->fused && (b->noncausal_keys || b->alpha == 1.0))
+        return ekv_fail(pf->ctx, EKV_ERR_INTERNAL,
+                        "prefill (cuda): the GEMM path is causal entmax only (the fused kernel "
+                        "serves softmax and all keys)");
     A.np = pf->nparts;
-    A.a = b->alpha - 1.0;
+    A.a = b->alpha == 1.0 ? 1.0 : b->alpha - 1.0; /* z = a s (docs/math.md §0; softmax: z = s) */
     A.alpha = b->alpha;
-    A.qf = (float)(A.a * (float)ekv_effective_scale(0.f, A.D)); /* as ekv_cpu_scale_queries */
+    A.qf = (float)(A.a * (float)ekv_effective_scale(b->scale, A.D)); /* as ekv_cpu_scale_queries */
     A.pscale = b->dtype == EKV_DTYPE_F16 ? 16384.f : 1.f;
     A.q = b->q;
     A.slopes = b->slopes;

@@ -3,7 +3,8 @@
  * GPU"): the entry the model engine calls for a dense block, what it runs on and the scratch it
  * needs. prefill.cu holds the entry and the GEMM path (S and P in global memory, cuBLAS),
  * prefill_fused.cu the fused kernel (S and P never leave the chip), prefill_common.cuh what
- * both share. Internal for now (issue 30 makes a public entry point of it).
+ * both share. The public entry over device tensors (ekv_cuda_flash_entmax_*, include/entmaxkv/
+ * cuda.h) runs the fused kernel through ekv_cuda_prefill_attention too (flash_entmax.cu).
  */
 #pragma once
 #include "entmaxkv.h"
@@ -11,6 +12,15 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include "../common/launch.cuh"
+
+/* The 16-bit parts of q' (and of P on the GEMM path) for K's dtype: 2 for f16 (after the shift),
+ * 3 for bf16, none (1) for f32 (docs/math.md §12). */
+static inline int32_t ekv_cuda_prefill_parts(ekv_dtype kv) {
+    return kv == EKV_DTYPE_F16 ? 2 : kv == EKV_DTYPE_BF16 ? 3 : 1;
+}
+/* The fused kernel's defaults: candidates kept per row (the GEMM path's row kernel keeps as
+ * many) and the fill that compacts a row's list inside the sweep (docs/math.md §12). */
+enum { EKV_PREFILL_CANDIDATES = 4096, EKV_PREFILL_COMPACT_AT = 1024 };
 
 /* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
  * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
@@ -50,14 +60,19 @@ struct ekv_cuda_prefill {
 };
 
 /* One dense block: T query tokens of one sequence at positions pos0.., each attending its
- * causal prefix (docs/math.md §12). */
+ * causal prefix (docs/math.md §12), or every key (noncausal_keys, docs/math.md §13.1). Zero
+ * in scale and noncausal_keys is the model engine's block. */
 struct ekv_cuda_prefill_block {
     int64_t pos0, T;
     int64_t H, Hk, D; /* query heads, KV heads, head dim */
-    double alpha;
+    double alpha;     /* 1 = softmax (the fused kernel only), else entmax */
+    float scale;      /* of the scores; 0 = 1/sqrt(D) */
+    /* 0: causal; else every row sees the keys [0, noncausal_keys) (the fused kernel only), and
+     * its ALiBi bias is -m_h |j - i| on both sides */
+    int64_t noncausal_keys;
     ekv_dtype dtype;     /* K's and V's */
     const void *k, *v;   /* key and value 0 of KV head 0 of the sequence, tokens Hk * D apart */
-    const float *q;      /* [T][H][D] */
+    const float *q;      /* [T][H][D]; pos0 may be negative when noncausal_keys < T */
     const float *slopes; /* [H] ALiBi slopes (device), or NULL */
     float *att;          /* [T][H][D] the output */
     unsigned long long *counters; /* [PF_COUNTERS] the fused kernel adds to (device) */

@@ -29,6 +29,10 @@
  * appends to (wlist/wcount), 64 to a block: a pass costs sweeps for the rows that need it, not
  * for every block that holds one of them (a block sweeps for its slowest row, and a few
  * overflowing rows are spread over most blocks). Blocks past the list's count exit.
+ * Two forms beside the model's causal entmax, for the flash entry (flash_entmax.cu, docs/math.md
+ * §13.1): rows that see every key (noncausal_keys; ALiBi -m_h |j - i| on both sides), and
+ * softmax (alpha 1): no candidates, every row takes step 2 as one sweep for its max and one
+ * for log-sum-exp, then step 4.
  */
 #include "prefill.cuh"
 #include "prefill_common.cuh"
@@ -59,6 +63,7 @@ enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3, ROW_SOLVED_
 struct fused_args : prefill_args {
     const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
     int64_t kstride;   /* elements between tokens: Hk * D */
+    int64_t noncausal_keys; /* 0: causal; else every row sees keys [0, noncausal_keys) */
     int cap, round, last;
     int compact_at; /* a list is compacted when a tile would take it past this (<= cap) */
     float *cand;
@@ -142,6 +147,7 @@ __device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
  * in the tau kernel's order, so the largest t is found by a block reduction (block-uniform:
  * every thread calls it). */
 __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
+    if (A.noncausal_keys) return A.noncausal_keys;
     if (!A.wlist_in) {
         const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
         return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
@@ -192,11 +198,13 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned 
 }
 
 /* z of the lane's scores of a 64-key tile from k0 (s[n8][i]: row k = i / 2, key k0 + 8 n8 +
- * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked; *bad |= a z that is not
- * finite where not masked. */
+ * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked (past the row's position, or
+ * with noncausal_keys past the last key); *bad |= a z that is not finite where not masked. The
+ * bias -a m_h |j - i| is a m_h (j - i) on the causal side, bit for bit. */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
-                                       const pf_lane &L, int64_t k0, float (*s)[4], int *bad) {
+                                       const pf_lane &L, int64_t k0, int64_t noncausal_keys,
+                                       float (*s)[4], int *bad) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int q = 0; q < PF_KEYS / 16; q++)
@@ -207,8 +215,8 @@ __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (
         for (int i = 0; i < 4; i++) {
             const int k = i >> 1;
             const int64_t j = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
-            const bool in = L.row[k] >= 0 && j <= L.pos[k];
-            const float z = fmaf(s[n8][i], L.shift[k], L.am[k] * (float)(j - L.pos[k]));
+            const bool in = L.row[k] >= 0 && j <= (noncausal_keys ? noncausal_keys - 1 : L.pos[k]);
+            const float z = fmaf(s[n8][i], L.shift[k], -L.am[k] * fabsf((float)(j - L.pos[k])));
             *bad |= in && !isfinite(z);
             s[n8][i] = in ? z : -CUDART_INF_F;
         }
@@ -239,7 +247,7 @@ __device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
                         [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
                             if (!warp_on) return;
                             float s[PF_KEYS / 8][4];
-                            tile_z<T, D, NP>(kt, qa, L, k0, s, bad);
+                            tile_z<T, D, NP>(kt, qa, L, k0, A.noncausal_keys, s, bad);
                             use(k0, s, vt);
                         });
 }
@@ -386,16 +394,19 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
 
 /* Step 2: the rows in ROW_NEWTON, exactly: their max, then tau_step from their threshold, each
  * step's sums (the solver's cand_sums / cand_newton over every key of the row) by a sweep; the
- * four lanes of a row hold the same sums and take the same step. */
+ * four lanes of a row hold the same sums and take the same step. Softmax: tau - M =
+ * log sum exp(z - M), exact after one sweep (docs/math.md §0). */
 template <typename T, int D, int NP>
 __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                             unsigned char *stages) {
     const int64_t nk = block_keys(A);
     const double beta = 1.0 / (A.alpha - 1.0);
+    const bool softmax = A.alpha == 1.0;
     const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
-    int unused = 0;                                     /* round 0 checked every z */
+    int unused = 0; /* the max sweep checked every z */
+    int bad = 0;    /* softmax has no round 0, so its max sweep checks them */
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-    sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &unused,
+    sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &bad,
                              [&](int64_t, float(*s)[4], const unsigned char *) {
 #pragma unroll
                                  for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
@@ -403,11 +414,12 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
                                      for (int i = 0; i < 4; i++)
                                          m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
                              });
+    if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed (docs/math.md §6.2) */
     tau_iter it[2];
     int done[2];
     for (int k = 0; k < 2; k++) {
         m[k] = quad_max(m[k]);
-        const double t0 = L.on[k] ? (double)A.thr[L.row[k]] - (double)m[k] : -1.0;
+        const double t0 = L.on[k] && !softmax ? (double)A.thr[L.row[k]] - (double)m[k] : -1.0;
         it[k] = tau_start(t0 > -1.0 ? t0 : -1.0);
         done[k] = !L.on[k];
     }
@@ -424,7 +436,9 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
                                              const int k = i >> 1;
                                              if (done[k]) continue;
                                              const double y = (double)s[n8][i] - (double)m[k];
-                                             if (sums && y > it[k].t) {
+                                             if (softmax) {
+                                                 f[k] += exp(y); /* masked: exp(-inf) = 0 */
+                                             } else if (sums && y > it[k].t) {
                                                  c[k] += 1;
                                                  s1[k] += y;
                                                  s2[k] += y * y;
@@ -439,7 +453,11 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
         for (int k = 0; k < 2; k++) {
             const tau_sums S = {quad_sum(c[k]), quad_sum(s1[k]), quad_sum(s2[k]), quad_min(mn[k])};
             const double F = quad_sum(f[k]) - 1.0, Fp = -beta * quad_sum(fp[k]);
-            if (!done[k]) done[k] = tau_step(A.alpha, S, F, Fp, &it[k]);
+            if (done[k]) continue;
+            if (softmax) /* F + 1 = sum exp(z - M) >= 1: the max gives 1 */
+                it[k].t = log(F + 1.0), done[k] = 1;
+            else
+                done[k] = tau_step(A.alpha, S, F, Fp, &it[k]);
         }
     }
     if (((threadIdx.x & 31) & 3) == 0)
@@ -469,7 +487,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const float p = entmax_p(s[n8][i], tau[i >> 1], beta);
+                const float p = attn_weight(s[n8][i], tau[i >> 1], A.alpha, beta);
                 sum[i >> 1] += p;
                 s[n8][i] = p * A.pscale; /* p <= 1: within f16's range (docs/math.md §12) */
             }
@@ -578,7 +596,7 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
     double sum = 0;
     for (int64_t base = 0; base < n; base += 32) {
         const int64_t i = base + lane;
-        const float p = i < n ? entmax_p(cz[i], tau, beta) : 0.f;
+        const float p = i < n ? attn_weight(cz[i], tau, A.alpha, beta) : 0.f;
         const int64_t key = p > 0.f ? ck[i] : 0;
         sum += p;
         for (unsigned m = __ballot_sync(0xffffffffu, p > 0.f); m; m &= m - 1) {
@@ -598,6 +616,12 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
 #pragma unroll
     for (int c = 0; c < NPAIR; c++)
         *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) = make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+}
+
+/* Every row of the block to state v (softmax: ROW_NEWTON, no candidate rounds). */
+__global__ void set_rows_kernel(int32_t *state, int64_t rows, int32_t v) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows) state[i] = v;
 }
 
 template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
@@ -652,6 +676,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.k = b->k;
     A.v = b->v;
     A.kstride = P.Hk * P.D;
+    A.noncausal_keys = b->noncausal_keys;
     A.cap = pf->cand_cap;
     A.compact_at = pf->compact_at < pf->cand_cap ? pf->compact_at : pf->cand_cap;
     A.cand = pf->cand;
@@ -663,9 +688,19 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.tau = pf->tau;
     A.rows = b->counters;
     const int64_t rows = P.Hk * P.R;
+    const ekv_dtype dt = b->dtype;
+    if (b->alpha == 1.0) { /* softmax: every row's max and log-sum-exp by sweeps, then its output */
+        set_rows_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, pf->stream>>>(A.state, rows,
+                                                                             ROW_NEWTON);
+        GPU_LAUNCHED(pf);
+        A.wlist_in = NULL;
+        A.wcount_in = NULL;
+        GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
+        GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
+        return EKV_OK;
+    }
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
     GPU_TRY(pf, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, pf->stream));
-    const ekv_dtype dt = b->dtype;
     /* the row lists, two in turn: round r's tau kernel writes list r % 2, which round r + 1's
      * candidates pass (or, after the last round, the Newton pass) reads */
     int32_t *list[2] = {pf->wlist, pf->wlist + rows};

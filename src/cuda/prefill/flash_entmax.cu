@@ -1,0 +1,276 @@
+/*
+ * ekv_cuda_flash_entmax_forward (include/entmaxkv/cuda.h; docs/math.md §12, §13.1): exact entmax
+ * attention of B sequences of T query rows over device tensors, on the fused prefill kernel
+ * (prefill_fused.cu, through ekv_cuda_prefill_attention, the model engine's entry). Per
+ * sequence and per pass of `chunk` query tokens:
+ *   1. q of the pass as fp32 (16-bit q: one conversion kernel; f32 q is read where it is);
+ *   2. the fused kernel on the pass's rows (positions N - T + t0.., causal or every key; its
+ *      scratch carved from the caller's workspace, sized for `chunk` tokens);
+ *   3. finish_kernel: each row's tau back in z-space (the kernel keeps tau - M and M, docs/math.md
+ *      §12) and, for a 16-bit out, the fp32 output of the pass converted.
+ * Also the checks every entry shares (flash_check) and the workspace query.
+ */
+#include "flash_entmax.cuh"
+#include "prefill.cuh"
+#include "../../core/geometry.h"
+extern "C" {
+#include "../../core/internal.h" /* ekv_check_attention_params, ekv_mul_i64 (C) */
+}
+
+/* rows of a forward pass (H x tokens) when the caller leaves it to us: enough 64-row blocks of
+ * the fused kernel to fill an H200 a few times over (132 SMs x 3 resident), with the candidates'
+ * 12 bytes x 4096 a row (about 1.6 GB) the largest part of the workspace */
+enum { FLASH_PASS_ROWS = 32768 };
+
+static ekv_status check_tensor(ekv_context *ctx, const void *p, const char *name, uintptr_t align) {
+    if (!p) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "flash entmax: %s is NULL", name);
+    if ((uintptr_t)p % align)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "flash entmax: %s must be %d-byte aligned",
+                        name, (int)align);
+    return EKV_OK;
+}
+
+/* The dtypes and the head dim the fused kernel serves (docs/math.md §12). */
+static ekv_status check_dtypes(ekv_context *ctx, const ekv_flash_entmax_args *a) {
+    if (!ekv_dtype_valid(a->q_dtype) || !ekv_dtype_valid(a->kv_dtype) ||
+        !ekv_dtype_valid(a->out_dtype))
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
+                        "flash entmax: q_dtype=%d, kv_dtype=%d and out_dtype=%d must be f32 (0), "
+                        "f16 (1) or bf16 (2)",
+                        (int)a->q_dtype, (int)a->kv_dtype, (int)a->out_dtype);
+    if (a->out_dtype != EKV_DTYPE_F32 && a->out_dtype != a->q_dtype)
+        return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE,
+                        "flash entmax: out_dtype=%d must be f32 (0) or q_dtype (%d)",
+                        (int)a->out_dtype, (int)a->q_dtype);
+    if (a->kv_dtype == EKV_DTYPE_F32 || (a->shape.head_dim != 64 && a->shape.head_dim != 128))
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "flash entmax (cuda): K and V f16 or bf16 with head_dim 64 or 128 only "
+                        "(kv_dtype=%d, head_dim=%d)",
+                        (int)a->kv_dtype, a->shape.head_dim);
+    return EKV_OK;
+}
+
+ekv_status flash_check(ekv_context *ctx, const ekv_flash_entmax_args *a, void *stream, int grads,
+                       const void *const *extra, flash_job *J) {
+    if (!ctx) return EKV_ERR_NULL_POINTER;
+    if (!a) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "flash entmax: args is NULL");
+    const ekv_attention_params *p = &a->shape;
+    ekv_status st = ekv_check_attention_params(ctx, p);
+    if (!st) st = check_dtypes(ctx, a);
+    if (st) return st;
+    if (a->batch < 1 || a->block_tokens < 0 || p->num_kv_heads > 65535)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "flash entmax: batch=%d must be >= 1, block_tokens=%lld >= 0 (0 = "
+                        "automatic) and num_kv_heads=%d <= 65535",
+                        a->batch, (long long)a->block_tokens, p->num_kv_heads);
+    int64_t nq, nk;
+    if (ekv_mul_i64(a->batch, p->num_queries * p->num_heads * p->head_dim, &nq) ||
+        ekv_mul_i64(nq, 8, &nq) ||
+        ekv_mul_i64(a->batch, p->num_keys * p->num_kv_heads * p->head_dim, &nk) ||
+        ekv_mul_i64(nk, 8, &nk))
+        return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
+                        "flash entmax: batch=%d x the shapes overflows int64 bytes", a->batch);
+    /* the tensors: q, k, v, tau, then out, or dout, dq, dk, dv */
+    const char *names[] = {"q", "k", "v", "tau", "out", "dout", "dq", "dk", "dv"};
+    const void *ptrs[] = {a->q, a->k, a->v, a->tau, a->out, extra[0], extra[1], extra[2], extra[3]};
+    for (int i = 0; i < 9 && !st; i++)
+        if (i < 4 || (i == 4) != (grads != 0))
+            st = check_tensor(ctx, ptrs[i], names[i], i == 3 ? 8 : 16);
+    if (st) return st;
+    J->a = a;
+    J->B = a->batch, J->T = p->num_queries, J->N = p->num_keys, J->H = p->num_heads;
+    J->Hk = p->num_kv_heads, J->G = J->H / J->Hk, J->D = p->head_dim, J->causal = p->causal;
+    J->alpha = p->alpha;
+    J->scale = ekv_effective_scale(p->scale, p->head_dim);
+    /* z = a s (softmax: z = s, docs/math.md §0); the factor rounded as the prefill rounds it */
+    J->qf = (float)((p->alpha == 1.0 ? 1.0 : p->alpha - 1.0) * (float)J->scale);
+    int64_t chunk = a->block_tokens ? a->block_tokens : FLASH_PASS_ROWS / J->H;
+    chunk = chunk < 1 ? 1 : chunk > J->T ? J->T : chunk;
+    if (chunk * J->H > INT32_MAX / 2) /* the fused kernel's row lists are int32 */
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "flash entmax: block_tokens=%lld x num_heads=%d passes 2^30 rows",
+                        (long long)chunk, p->num_heads);
+    J->chunk = chunk;
+    J->ctx = ctx;
+    J->stream = (cudaStream_t)stream;
+    return EKV_OK;
+}
+
+ekv_status flash_check_workspace(const flash_job &J, const void *ws, int64_t bytes, int64_t need) {
+    if (!ws || (uintptr_t)ws % 256 || bytes < need)
+        return ekv_fail(J.ctx, !ws ? EKV_ERR_NULL_POINTER : EKV_ERR_INVALID_SIZE,
+                        "flash entmax: the workspace must be 256-byte aligned device memory of "
+                        "%lld bytes (ekv_cuda_flash_entmax_workspace); got %lld bytes at %p",
+                        (long long)need, (long long)bytes, ws);
+    return EKV_OK;
+}
+
+/* The forward's pieces of the workspace: the fused kernel's scratch for one pass (prefill.cuh),
+ * its counters, and the pass's fp32 q and output when the caller's are 16-bit. */
+struct fwd_layout {
+    int64_t qparts, qshift, bad, cand, cidx, count, state, thr, m, tau, wlist, wcount, counters;
+    int64_t q32, att32, total;
+};
+
+static fwd_layout forward_layout(const flash_job &J) {
+    const int64_t rows = J.H * J.chunk, cap = EKV_PREFILL_CANDIDATES;
+    const int64_t np = ekv_cuda_prefill_parts(J.a->kv_dtype), es = ekv_dtype_size(J.a->kv_dtype);
+    ws_carver c;
+    fwd_layout L;
+    L.qparts = c.take(np * rows * J.D * es);
+    L.qshift = c.take(2 * rows * 4);
+    L.bad = c.take(4);
+    L.cand = c.take(rows * cap * 4);
+    L.cidx = c.take(rows * cap * 8);
+    L.count = c.take(rows * 4);
+    L.state = c.take(rows * 4);
+    L.thr = c.take(rows * 4);
+    L.m = c.take(rows * 4);
+    L.tau = c.take(rows * 8);
+    L.wlist = c.take(2 * rows * 4);
+    L.wcount = c.take(2 * J.Hk * 4);
+    L.counters = c.take(PF_COUNTERS * 8);
+    L.q32 = J.a->q_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
+    L.att32 = J.a->out_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
+    L.total = c.at;
+    return L;
+}
+
+int64_t flash_forward_bytes(const flash_job &J) { return forward_layout(J).total; }
+
+namespace {
+
+/* What finish_kernel reads and writes for one pass of Tc tokens. */
+struct finish_args {
+    int64_t Tc, H, G, D, R;
+    const float *m;     /* [Hk][R] the rows' max M (the fused kernel's row order) */
+    const double *trel; /* [Hk][R] tau - M */
+    double *tau;        /* [Tc][H] of the pass, z-space */
+    const float *att32; /* [Tc][H][D] fp32 output, or NULL when out is fp32 already */
+    void *out;          /* [Tc][H][D] */
+};
+
+/* block (t, h): tau = M + (tau - M) of row (t, h), and out converted from fp32 (TO). */
+template <typename TO> __global__ void finish_kernel(finish_args F) {
+    const int64_t t = blockIdx.x, h = blockIdx.y;
+    const int64_t row = (h / F.G) * F.R + t * F.G + h % F.G;
+    if (threadIdx.x == 0) F.tau[t * F.H + h] = (double)F.m[row] + F.trel[row];
+    if (!F.att32) return;
+    const int64_t o = (t * F.H + h) * F.D;
+    for (int64_t d = threadIdx.x; d < F.D; d += blockDim.x)
+        static_cast<TO *>(F.out)[o + d] = ekv_elem<TO>::from(F.att32[o + d]);
+}
+
+} // namespace
+
+/* The fused kernel's scratch (prefill.cuh) in the workspace at base. */
+static ekv_cuda_prefill prefill_scratch(const flash_job &J, const fwd_layout &L, char *base) {
+    ekv_cuda_prefill pf = {};
+    pf.ctx = J.ctx;
+    pf.stream = J.stream;
+    pf.chunk = J.chunk;
+    pf.nparts = ekv_cuda_prefill_parts(J.a->kv_dtype);
+    pf.qparts = base + L.qparts;
+    pf.qshift = (float *)(base + L.qshift);
+    pf.bad = (int32_t *)(base + L.bad);
+    pf.fused = 1;
+    pf.cand_cap = EKV_PREFILL_CANDIDATES;
+    pf.compact_at = EKV_PREFILL_COMPACT_AT;
+    pf.cand = (float *)(base + L.cand);
+    pf.cidx = (int64_t *)(base + L.cidx);
+    pf.count = (int32_t *)(base + L.count);
+    pf.state = (int32_t *)(base + L.state);
+    pf.thr = (float *)(base + L.thr);
+    pf.m = (float *)(base + L.m);
+    pf.tau = (double *)(base + L.tau);
+    pf.wlist = (int32_t *)(base + L.wlist);
+    pf.wcount = (int32_t *)(base + L.wcount);
+    return pf;
+}
+
+/* One pass: tokens [t0, t0 + Tc) of sequence b (steps 1-3 of the file's comment). */
+static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ekv_cuda_prefill &pf,
+                               char *base, int64_t b, int64_t t0, int64_t Tc) {
+    const ekv_flash_entmax_args *a = J.a;
+    const int64_t qo = ((b * J.T + t0) * J.H) * J.D, ko = b * J.N * J.Hk * J.D;
+    const int64_t kes = ekv_dtype_size(a->kv_dtype), n = Tc * J.H * J.D;
+    float *q32 = L.q32 < 0 ? (float *)a->q + qo : (float *)(base + L.q32);
+    if (L.q32 >= 0)
+        FLASH_TRY(J, flash_to_f32(J, a->q_dtype,
+                                  (const char *)a->q + qo * ekv_dtype_size(a->q_dtype), q32, n));
+    ekv_cuda_prefill_block blk = {};
+    blk.pos0 = J.N - J.T + t0;
+    blk.T = Tc;
+    blk.H = J.H, blk.Hk = J.Hk, blk.D = J.D;
+    blk.alpha = J.alpha;
+    blk.scale = (float)J.scale;
+    blk.noncausal_keys = J.causal ? 0 : J.N;
+    blk.dtype = a->kv_dtype;
+    blk.k = (const char *)a->k + ko * kes;
+    blk.v = (const char *)a->v + ko * kes;
+    blk.q = q32;
+    blk.slopes = a->shape.alibi_slopes;
+    blk.att = L.att32 < 0 ? (float *)a->out + qo : (float *)(base + L.att32);
+    blk.counters = (unsigned long long *)(base + L.counters);
+    ekv_status st = ekv_cuda_prefill_attention(&pf, &blk);
+    if (st) return st;
+    finish_args F = {Tc,
+                     J.H,
+                     J.G,
+                     J.D,
+                     Tc * J.G,
+                     pf.m,
+                     pf.tau,
+                     a->tau + (b * J.T + t0) * J.H,
+                     L.att32 < 0 ? NULL : blk.att,
+                     (char *)a->out + qo * ekv_dtype_size(a->out_dtype)};
+    ekv_cuda_with_dtype(a->out_dtype, [&](auto ty) {
+        finish_kernel<typename decltype(ty)::type>
+                <<<dim3((unsigned)Tc, (unsigned)J.H), 64, 0, J.stream>>>(F);
+    });
+    FLASH_TRY(J, cudaGetLastError());
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_cuda_flash_entmax_workspace(ekv_context *ctx,
+                                                      const ekv_flash_entmax_args *args,
+                                                      int64_t *forward_bytes,
+                                                      int64_t *backward_bytes) {
+    /* the pointers are the calls' business: the query checks the shapes and dtypes only */
+    const void *none[4] = {NULL, NULL, NULL, NULL};
+    flash_job J;
+    ekv_flash_entmax_args probe;
+    if (args) {
+        probe = *args;
+        alignas(256) static const double any[2] = {0, 0}; /* non-NULL, aligned stand-ins */
+        probe.q = probe.k = probe.v = probe.out = (void *)any;
+        probe.tau = (double *)any;
+    }
+    ekv_status st = flash_check(ctx, args ? &probe : NULL, NULL, 0, none, &J);
+    if (st) return st;
+    if (forward_bytes) *forward_bytes = flash_forward_bytes(J);
+    if (backward_bytes) *backward_bytes = flash_backward_bytes(J);
+    ekv_clear_error(ctx);
+    return EKV_OK;
+}
+
+extern "C" ekv_status ekv_cuda_flash_entmax_forward(ekv_context *ctx,
+                                                    const ekv_flash_entmax_args *args,
+                                                    void *workspace, int64_t workspace_bytes,
+                                                    void *stream) {
+    const void *none[4] = {NULL, NULL, NULL, NULL};
+    flash_job J;
+    ekv_status st = flash_check(ctx, args, stream, 0, none, &J);
+    if (st) return st;
+    const fwd_layout L = forward_layout(J);
+    if ((st = flash_check_workspace(J, workspace, workspace_bytes, L.total))) return st;
+    char *base = static_cast<char *>(workspace);
+    const ekv_cuda_prefill pf = prefill_scratch(J, L, base);
+    for (int64_t b = 0; b < J.B; b++)
+        for (int64_t t0 = 0; t0 < J.T; t0 += J.chunk) {
+            const int64_t Tc = J.T - t0 < J.chunk ? J.T - t0 : J.chunk;
+            if ((st = forward_pass(J, L, pf, base, b, t0, Tc))) return st;
+        }
+    ekv_clear_error(ctx);
+    return EKV_OK;
+}
