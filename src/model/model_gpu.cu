@@ -192,11 +192,15 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
 
 /* The decode plan (views per block: up to 64, fewer when its score rows would pass 4 GiB, but
  * every sequence in one batched step) and the activations of a block. */
+/* The device memory the decode stages' score rows of every view take at most (the views are as
+ * many as fit, up to EKV_MODEL_BLOCK). */
+static const int64_t VIEW_SCORE_BYTES = (int64_t)4 << 30;
+
 static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     const ekv_model_config *c = &m->cfg;
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
     const int64_t per_view = (int64_t)c->n_heads * g->pages * m->prm.page_size * 4;
-    int64_t views = ((int64_t)4 << 30) / per_view;
+    int64_t views = VIEW_SCORE_BYTES / per_view;
     views = views < 1 ? 1 : views > (int64_t)EKV_MODEL_BLOCK ? (int64_t)EKV_MODEL_BLOCK : views;
     pp.max_batch = (int32_t)(views > g->max_seqs ? views : g->max_seqs);
     pp.device = m->prm.device;
@@ -209,6 +213,9 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     /* the params' decode_candidates (a test's way to make the decode stages' tau lists
      * overflow), else 0: the plan's default */
     pp.max_candidates = m->prm.decode_candidates;
+    /* the screen's lists as much room as the views' scores: whole lists (no retry pass) up to
+     * about 870K tokens of context with 64 views of 6 heads */
+    pp.screen_list_bytes = VIEW_SCORE_BYTES;
     ekv_status s = ekv_cuda_plan_create(m->ctx, &pp, &g->plan);
     if (s) return s;
     g->views = pp.max_batch;
