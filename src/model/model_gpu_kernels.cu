@@ -113,7 +113,7 @@ __global__ void advance_kernel(int64_t *pos, const int32_t *bseqs, int32_t seq, 
 /* y[t][r] = beta y[t][r] + <W[r], in(x)[t]> for the few tokens of a decode step (gpu_linear).
  * The block stages LIN_TOKENS tokens' input in shared memory (so the inner loop's loads are not
  * a chain of global-memory latencies), with the layer's RMSNorm or SwiGLU applied on the way
- * (stage_input: 2 launches fewer per linear layer that has one); a warp per output row reads
+ * (stage_input: their own launches saved); a warp per output row reads
  * W's row in float4 loads (cols % 4 == 0) and keeps a sum per token. Each token's products are
  * summed lane-strided, then over the warp by the same tree whatever T and the token's place in
  * the block, so a sequence's outputs do not depend on the other sequences of a batched step.
@@ -124,7 +124,9 @@ enum {
     LIN_WARPS = 8,
     LIN_TOKENS = 8,   /* tokens staged at a time (<= LIN_WARPS: a warp per token's norm) */
     LIN_SMALL_T = 64, /* tokens up to which gpu_linear runs it */
-    LIN_MAX_COLS = 48 * 1024 / 4 / LIN_TOKENS /* the stage within 48 KB of shared memory */
+    /* the stage (dynamic) and the kernel's static array within the 48 KB a launch gets without
+     * the opt-in: 40 KB of stage, at most 1280 columns; wider layers take cuBLAS */
+    LIN_MAX_COLS = 40 * 1024 / 4 / LIN_TOKENS
 };
 struct linear_args {
     const float *W;
