@@ -103,9 +103,6 @@ static inline int32_t gpu_items(int64_t pos0, int64_t T, int64_t ps) {
 
 /* model_gpu_kernels.cu: launches on g->stream; the status of the launch. */
 ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d);
-ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out, int64_t T,
-                       int64_t d, double eps);
-ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F, float *out);
 /* A linear layer's input: x itself, RMSNorm(x) with weight norm_w, or the SwiGLU of x's rows
  * [gate | up] (2 cols per token): model.c's steps before its matmuls. */
 typedef enum { GPU_LIN_X, GPU_LIN_RMSNORM, GPU_LIN_SWIGLU } gpu_lin_kind;

@@ -16,6 +16,16 @@ __global__ void embed_kernel(const float *emb, const int32_t *tok, int64_t d, fl
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = row[i];
 }
 
+/* RMSNorm's factor 1 / sqrt(mean(x^2) + eps) from the row's sum of squares ss (in double), and
+ * SwiGLU's silu(gate) * up: model.c's expressions, written once for the norm and SwiGLU kernels
+ * and for the linear kernel that folds them in. */
+__device__ __forceinline__ float rms_factor(double ss, int64_t d, double eps) {
+    return (float)(1.0 / sqrt(ss / (double)d + eps));
+}
+__device__ __forceinline__ float swiglu(float gate, float up) {
+    return gate / (1.0f + expf(-gate)) * up;
+}
+
 /* one block per row: out = x * (1/sqrt(mean(x^2) + eps)) * w, as model.c's rmsnorm */
 __global__ void rmsnorm_kernel(const float *x, const float *w, float *out, int64_t d, double eps) {
     __shared__ double part[32];
@@ -31,7 +41,7 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *out, int64
         part[0] = s;
     }
     __syncthreads();
-    const float f = (float)(1.0 / sqrt(part[0] / (double)d + eps));
+    const float f = rms_factor(part[0], d, eps);
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
         out[(int64_t)blockIdx.x * d + i] = r[i] * f * w[i];
 }
@@ -41,8 +51,7 @@ __global__ void swiglu_kernel(const float *h13, int64_t T, int64_t F, float *out
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T * F;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = i / F, f = i - t * F;
-        const float gate = h13[t * 2 * F + f];
-        out[i] = gate / (1.0f + expf(-gate)) * h13[t * 2 * F + F + f];
+        out[i] = swiglu(h13[t * 2 * F + f], h13[t * 2 * F + F + f]);
     }
 }
 
@@ -138,7 +147,7 @@ struct linear_args {
 
 /* xs[t][c] = in(x)[t0 + t][c] for t < nt, as rmsnorm_kernel and swiglu_kernel compute them (the
  * same float expressions; RMSNorm's sum of squares in double, a warp per token). */
-__device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs, double *f) {
+__device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs, float *f) {
     const int64_t n4 = A.cols / 4;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (A.in.kind == GPU_LIN_SWIGLU) { /* x is [T][2 cols]: gate | up */
@@ -146,10 +155,8 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
         for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) {
             const int64_t t = i / n4, c = i - t * n4;
             const float4 gt = __ldg(h + t * 2 * n4 + c), up = __ldg(h + t * 2 * n4 + n4 + c);
-            xs[i] = make_float4(gt.x / (1.0f + expf(-gt.x)) * up.x,
-                                gt.y / (1.0f + expf(-gt.y)) * up.y,
-                                gt.z / (1.0f + expf(-gt.z)) * up.z,
-                                gt.w / (1.0f + expf(-gt.w)) * up.w);
+            xs[i] = make_float4(swiglu(gt.x, up.x), swiglu(gt.y, up.y), swiglu(gt.z, up.z),
+                                swiglu(gt.w, up.w));
         }
         return;
     }
@@ -162,13 +169,13 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
         double ss = 0;
         for (int64_t i = lane; i < A.cols; i += 32) ss += (double)r[i] * r[i];
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) f[warp] = ss;
+        if (lane == 0) f[warp] = rms_factor(ss, A.cols, A.in.eps); /* once per token */
     }
     __syncthreads();
     const float4 *nw = reinterpret_cast<const float4 *>(A.in.norm_w);
     for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) {
         const int64_t t = i / n4;
-        const float ft = (float)(1.0 / sqrt(f[t] / (double)A.cols + A.in.eps));
+        const float ft = f[t];
         const float4 v = xs[i], w = __ldg(nw + (i - t * n4));
         xs[i] = make_float4(v.x * ft * w.x, v.y * ft * w.y, v.z * ft * w.z, v.w * ft * w.w);
     }
@@ -176,7 +183,7 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
 
 __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args A) {
     extern __shared__ float4 xs[]; /* [LIN_TOKENS][cols / 4] */
-    __shared__ double f[LIN_TOKENS];
+    __shared__ float f[LIN_TOKENS]; /* the staged tokens' RMSNorm factors */
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
     const float4 *w = reinterpret_cast<const float4 *>(A.W + (r < A.rows ? r : 0) * A.cols);
@@ -215,14 +222,15 @@ ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d) {
     return EKV_OK;
 }
 
-ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out, int64_t T,
-                       int64_t d, double eps) {
+static ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out,
+                              int64_t T, int64_t d, double eps) {
     rmsnorm_kernel<<<(unsigned)T, 256, 0, g->stream>>>(x, w, out, d, eps);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }
 
-ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F, float *out) {
+static ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F,
+                             float *out) {
     const int64_t blocks = (T * F + 255) / 256;
     swiglu_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->stream>>>(h13, T, F,
                                                                                     out);
