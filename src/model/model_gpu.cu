@@ -190,12 +190,12 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     return s;
 }
 
-/* The decode plan (views per block: up to 64, fewer when its score rows would pass 4 GiB, but
- * every sequence in one batched step) and the activations of a block. */
 /* The device memory the decode stages' score rows of every view take at most (the views are as
  * many as fit, up to EKV_MODEL_BLOCK). */
 static const int64_t VIEW_SCORE_BYTES = (int64_t)4 << 30;
 
+/* The decode plan (views per block: up to 64, fewer when its score rows would pass
+ * VIEW_SCORE_BYTES, but every sequence in one batched step) and the activations of a block. */
 static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     const ekv_model_config *c = &m->cfg;
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
@@ -281,13 +281,14 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
         }
     free(g->layers);
     const ekv_cuda_prefill *pf = &g->pf;
-    void *bufs[] = {g->weights, g->vectors,   g->slopes,  g->tokens,  g->pos,      g->x,
-                    g->xn,      g->q,         g->k,       g->v,       g->att,      g->h13,
-                    g->h,       g->qkv,       g->logits,    g->indptr,  g->indices, g->last_len, g->items,
-                    pf->scores, pf->pparts,   pf->qparts, pf->qshift, pf->obuf,    pf->bad,
-                    g->blas_ws, g->bseqs,     g->vbase,   pf->cand,   pf->count,   pf->state,
-                    pf->thr,    pf->m,        pf->tau,    g->pf_rows, pf->wlist,   pf->wcount,
-                    pf->cidx,   g->slow_paths};
+    void *bufs[] = {g->weights,    g->vectors,    g->slopes,     g->tokens,     g->pos,
+                    g->x,          g->xn,         g->q,          g->k,          g->v,
+                    g->att,        g->h13,        g->h,          g->qkv,        g->logits,
+                    g->indptr,     g->indices,    g->last_len,   g->items,      pf->scores,
+                    pf->pparts,    pf->qparts,    pf->qshift,    pf->obuf,      pf->bad,
+                    g->blas_ws,    g->bseqs,      g->vbase,      pf->cand,      pf->count,
+                    pf->state,     pf->thr,       pf->m,         pf->tau,       g->pf_rows,
+                    pf->wlist,     pf->wcount,    pf->cidx,      g->slow_paths};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->slow_host);
@@ -391,9 +392,9 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
     TRY(views ? gpu_views_attention(m, L, b, q) : gpu_prefill_attention(m, L, b));
     GPU_TRY(g, cudaMemcpyAsync(L->last_q, q + (T - 1) * qd, (size_t)qd * 4,
                                cudaMemcpyDeviceToDevice, g->stream));
-    const gpu_lin_in att = {g->att, GPU_LIN_X, NULL, 0}, ffn_in = {g->x, GPU_LIN_RMSNORM,
-                                                                  L->ffn_norm, c->norm_eps},
-                     gate_up = {g->h13, GPU_LIN_SWIGLU, NULL, 0};
+    const gpu_lin_in att = {g->att, GPU_LIN_X, NULL, 0};
+    const gpu_lin_in ffn_in = {g->x, GPU_LIN_RMSNORM, L->ffn_norm, c->norm_eps};
+    const gpu_lin_in gate_up = {g->h13, GPU_LIN_SWIGLU, NULL, 0};
     TRY(gpu_linear(g, L->wo, d, qd, &att, T, g->x, 1.f));          /* x += Wo . att */
     TRY(gpu_linear(g, L->w1, 2 * F, d, &ffn_in, T, g->h13, 0.f)); /* [w1; w3]: gate | up */
     return gpu_linear(g, L->w2, d, F, &gate_up, T, g->x, 1.f);    /* x += W2 . swiglu */
