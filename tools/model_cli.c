@@ -120,8 +120,10 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
             o->prefill_kernel = EKV_PREFILL_FUSED;
         else if (!strcmp(v, "gemm"))
             o->prefill_kernel = EKV_PREFILL_GEMM;
+        else if (!strcmp(v, "hist"))
+            o->prefill_kernel = EKV_PREFILL_FUSED_HIST;
         else
-            cli_usage_error(sub, "--prefill-kernel %s: expected auto, fused or gemm", v);
+            cli_usage_error(sub, "--prefill-kernel %s: expected auto, fused, hist or gemm", v);
         o->prefill_kernel_set = 1;
     } else if (!strcmp(a, "--kv-dtype"))
         o->kv_dtype = cli_need_dtype(sub, argc, argv, i);

@@ -271,6 +271,12 @@ typedef struct ekv_flash_entmax_args {
     const void *q, *k, *v;      /* inputs                                                      */
     void *out;                  /* forward: written                                            */
     double *tau;                /* forward: written; backward: read                            */
+    /* How the forward finds each row's tau (docs/math.md §12, §12.1), the same result either
+     * way: 0 (default) candidate lists of z > running max - 1; 1 a histogram pass and an
+     * exact-size list per row. row_cap (scheme 1): the most list entries a row may take before
+     * it is solved by Newton passes instead (0: 1024; at most 4096); tests force that route. */
+    int32_t tau_scheme;
+    int32_t row_cap;
 } ekv_flash_entmax_args;
 
 /* Workspace bytes of the forward and of the backward for these args (host arithmetic; either

@@ -97,20 +97,21 @@ __device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) 
 }
 
 /* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
- * block's sum. wsum: 32 ints of shared memory. */
-__device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *total) {
+ * block's sum. wsum: 32 T of shared memory. */
+template <typename T>
+__device__ __forceinline__ T ekv_block_exclusive_scan(T v, T *wsum, T *total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int incl = v;
+    T incl = v;
     for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        const T x = __shfl_up_sync(0xffffffffu, incl, o);
         if (lane >= o) incl += x;
     }
     __syncthreads();
     if (lane == 31) wsum[warp] = incl;
     __syncthreads();
-    int before = 0, all = 0;
+    T before = 0, all = 0;
     for (int w = 0; w < nw; w++) {
-        const int c = wsum[w];
+        const T c = wsum[w];
         before += w < warp ? c : 0;
         all += c;
     }
