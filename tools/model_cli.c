@@ -59,6 +59,7 @@ void model_opts_help(FILE *f) {
             "  --prefill-chunk N     cuda: query tokens per dense prefill block (default: as\n"
             "                        many as fit in 60%% of the free GPU memory, up to 4096)\n"
             "  --prefill-kernel K    cuda dense prefill: fused (S and P stay on the chip),\n"
+            "                        hist (fused, histogram tau scheme: exact-size lists),\n"
             "                        gemm (cuBLAS over S and P in device memory) or auto\n"
             "                        (default: fused for f16/bf16 caches and head dim 64/128,\n"
             "                        else gemm); the prefill stats line says which ran\n"
