@@ -126,17 +126,20 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
     }
     __syncthreads();
     unsigned *ring[2];
+#pragma unroll
     for (int k = 0; k < 2; k++) ring[k] = rings + (warp * 16 + (lane >> 2) + 8 * k) * HB_SLOTS;
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F};
     int bm[2] = {INT_MIN / 2, INT_MIN / 2};
     int bad = 0;
     sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad,
                              [&](int64_t, float(*s)[4], const unsigned char *) {
+#pragma unroll
                                  for (int k = 0; k < 2; k++)
                                      hist_count_tile(s, k, L.on[k], ring[k], &run[k], &bm[k]);
                              });
     if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
     if (!__any_sync(0xffffffffu, L.on[0] || L.on[1])) return; /* sweep_z skipped this warp */
+#pragma unroll
     for (int k = 0; k < 2; k++) hist_finish(A, L, k, ring[k], pw, run[k], bm[k]);
 }
 
