@@ -566,6 +566,10 @@ static void check_hist_case(ekv_context *ctx, const fcase *f, ekv_model *hist, c
           (long long)sh.prefill_retry_rows, (long long)sh.prefill_compacted_rows);
     if (f->cands && f->cands <= 4) /* most rows' lists exceed 4 keys */
         CHECK(sh.prefill_newton_rows > 0, "hist cands %d: no row by Newton passes", f->cands);
+    if (!f->cands && f->n <= 1024) /* every list fits 1024: a Newton row means P1 and P2 differed */
+        CHECK(sh.prefill_newton_rows == 0,
+              "hist: %lld rows by Newton passes, lists of <= %lld keys",
+              (long long)sh.prefill_newton_rows, (long long)f->n);
 }
 
 static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *tok) {

@@ -13,7 +13,8 @@
  *      lb (ROW_NEWTON, on the list wlist_out), as the candidate scheme's overflowing rows.
  *   P2 (HIST_LIST, ROW_LIST rows): one more sweep appends every z >= the edge with its key to
  *      the row's slice; the same z as P1's, so the slice holds them exactly (a row that finds
- *      more, impossible but checked, goes to the Newton passes).
+ *      another count, or whose list's max is not P1's M, impossible but checked, goes to the
+ *      Newton passes).
  *   tau (a warp per row): solve_tau from lb - M over the list, which holds the support.
  * The output of the route-G rows is then gathered from their lists, the others swept
  * (prefill_fused.cu, newton_and_outputs).
@@ -144,8 +145,9 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
 }
 
 /* P2: the ROW_LIST rows' z >= their edge (A.thr) with their keys into their slices (off, room
- * n_lb = A.count): each tile's by a prefix sum over the quad, as pass_cands appends. Writes
- * the count found; a row that found more than its room goes to the Newton passes. */
+ * n_lb = A.count): each tile's by a prefix sum over the quad, as pass_cands appends (none past
+ * the room). Writes the count found; a row that found other than n_lb goes to the Newton
+ * passes, counted. */
 template <typename T, int D, int NP>
 __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                           unsigned char *stages) {
@@ -189,9 +191,10 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
         for (int k = 0; k < 2; k++) {
             if (!L.on[k]) continue;
             A.count[L.row[k]] = n[k];
-            if (n[k] <= room[k]) continue;
+            if (n[k] == room[k]) continue;
+            /* P1 counted other z than P2 saw (never, with one z function): the Newton passes */
             const int64_t g = blockIdx.y, row = L.row[k];
-            A.state[row] = ROW_NEWTON; /* P1's z differed from P2's: never seen */
+            A.state[row] = ROW_NEWTON;
             A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
             atomicAdd(A.rows + PF_NEWTONED, 1ull);
         }
@@ -248,18 +251,32 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args
 }
 
 /* A warp per ROW_LIST row: tau from its list, which holds every z >= e (e <= tau: the support),
- * from e - M (a lower bound; -1 at least), M from P1 (the list's max, the same z). */
+ * from e - M (a lower bound; -1 at least), M from P1. P1's M must be the list's max bitwise
+ * (the same z function, docs/math.md §12.1); a row whose list says otherwise is not trusted:
+ * it goes to the Newton passes, counted (tests where every row fits a list require none).
+ * Warp-uniform exits. */
 __global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) {
     __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
-    const int warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
     if (row >= A.Hk * A.R || A.state[row] != ROW_LIST) return;
     const int64_t n = A.count[row];
     const float *cs = stage_list(A.cand + A.off[row], n, stage[warp]);
     const float M = A.rowm[row];
+    float mx = -CUDART_INF_F;
+    for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, cs[j]);
+    if (ekv_warp_max(mx) != M) {
+        if (lane == 0) {
+            const int64_t g = row / A.R;
+            A.state[row] = ROW_NEWTON;
+            A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
+            atomicAdd(A.rows + PF_NEWTONED, 1ull);
+        }
+        return;
+    }
     const double t0 = fmax((double)A.thr[row] - (double)M, -1.0);
     const double t = solve_tau<true>(cs, n, M, A.alpha, NULL, t0);
-    if ((threadIdx.x & 31) == 0) {
+    if (lane == 0) {
         A.tau[row] = t;
         A.state[row] = ROW_SOLVED;
     }
