@@ -2,8 +2,9 @@
  * Dense prefill attention on the GPU (docs/math.md §12; docs/architecture.md, "The model on the
  * GPU"): the entry the model engine calls for a dense block, what it runs on and the scratch it
  * needs. prefill.cu holds the entry and the GEMM path (S and P in global memory, cuBLAS),
- * prefill_fused.cu the fused kernel (S and P never leave the chip), prefill_common.cuh what
- * both share. The public entry over device tensors (ekv_cuda_flash_entmax_*, include/entmaxkv/
+ * prefill_fused.cu the fused kernel (S and P never leave the chip; prefill_hist.cu its
+ * histogram tau scheme, prefill_fused.cuh what its passes share), prefill_common.cuh what
+ * both paths share. The public entry over device tensors (ekv_cuda_flash_entmax_*, include/entmaxkv/
  * cuda.h) runs the fused kernel through ekv_cuda_prefill_attention too (flash_entmax.cu).
  */
 #pragma once

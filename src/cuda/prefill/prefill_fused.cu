@@ -33,6 +33,9 @@
  * §13.1): rows that see every key (noncausal_keys; ALiBi -m_h |j - i| on both sides), and
  * softmax (alpha 1): no candidates, every row takes step 2 as one sweep for its max and one
  * for log-sum-exp, then step 4.
+ * The histogram scheme (pf->tau_scheme, prefill_hist.cu, docs/math.md §12.1) replaces step 1:
+ * every row's list is sized by a histogram pass and filled by one more sweep, rows too big for
+ * a list go to step 2; steps 3 and 4 as here (newton_and_outputs).
  */
 #include "prefill_fused.cuh"
 
