@@ -1,0 +1,233 @@
+/*
+ * The backward's keys pass (flash_entmax_backward.cuh, docs/math.md §13.3, "On tensor cores"),
+ * FA2's shape: a block per (64-key tile, KV head) with the tile's K and V rows in shared
+ * memory, each warp owning 16 of its keys, loops over the 16-row blocks of the KV head's rows
+ * (r = t G + j: every head of the group) that see the tile, their q and dout parts staged
+ * through two cp.async stages. Per row block, on tensor cores (mma.cuh):
+ *   S^T = K Q^T and G^T = V dO^T of the warp's keys (exact products of 16-bit parts, fp32 sums);
+ *   p = p~ / S and ds = scale S^(alpha - 2) w~ (g - delta) from the rows pass's sums;
+ *   dV += P^T dO and dK += dS^T Q in registers (P and dS as BWD_OPERAND_PARTS 16-bit parts);
+ *   dQ += dS K: dS^T's parts through shared memory, each warp 16 rows x D/4 columns over the
+ *   block's 64 keys, added to the fp32 dQ by atomics (one per element and block).
+ * The block writes dK and dV of its keys once (no atomics); dQ is converted by the entry.
+ */
+#include "flash_entmax_backward.cuh"
+
+namespace {
+
+enum { DS_PITCH = BWD_ROWS + 8 }; /* dS^T rows of 24 elements: ldmatrix free of bank conflicts */
+
+/* A row of the current row block, as the lanes read it. */
+struct bwd_row_info {
+    double tau;
+    int64_t pos;
+    float am, rinv, wscale, delta;
+    int on, pad;
+};
+
+template <int D, int NP> struct keys_layout {
+    static constexpr int KT = BWD_KEYS * D * 2, STAGE = 2 * NP * bwd_tile16<D>();
+    static constexpr int K = 0, V = KT, STAGES = 2 * KT, INFO = STAGES + 2 * STAGE;
+    static constexpr int DS = INFO + 2 * BWD_ROWS * (int)sizeof(bwd_row_info);
+    static constexpr int BYTES = DS + BWD_OPERAND_PARTS * BWD_KEYS * DS_PITCH * 2;
+};
+
+/* Row block [r0, r0 + 16) into stage st: q and dout parts by cp.async, the rows' info by
+ * threads 0-15 (seen after the barrier that precedes their use). */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t g, int64_t r0,
+                                           unsigned char *stage, bwd_row_info *info) {
+    bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, BWD_ROWS, stage);
+    bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROWS, stage + NP * bwd_tile16<D>());
+    if (threadIdx.x < BWD_ROWS) {
+        const int64_t r = r0 + threadIdx.x;
+        bwd_row_info x = {};
+        x.on = r < A.R;
+        if (x.on) {
+            const int64_t i = bwd_row_index(A, b, g, r);
+            x.tau = A.tau[i], x.rinv = A.rinv[i], x.wscale = A.wscale[i], x.delta = A.delta[i];
+            x.am = bwd_row_am(A, g, r);
+            x.pos = A.pos0 + r / A.G;
+        }
+        info[threadIdx.x] = x;
+    }
+}
+
+/* The warp's p and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of the tile, row
+ * nt 8 + 2 (lane % 4) + i % 2 of the block) from its S^T and G^T. */
+__device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_info *info,
+                                             int64_t kw, const float (*s)[4],
+                                             const float (*gv)[4], float (*p)[4], float (*ds)[4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const bwd_row_info &ri = info[8 * nt + 2 * (lane & 3) + (i & 1)];
+            const int64_t j = kw + (lane >> 2) + 8 * (i >> 1);
+            float pt, w;
+            bwd_weights(bwd_z(A, s[nt][i], ri.am, ri.pos, ri.on != 0, j), ri.tau, A, &pt, &w);
+            p[nt][i] = pt * ri.rinv;
+            ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
+        }
+}
+
+/* The warp's dS^T (16 keys x 16 rows) as BWD_OPERAND_PARTS parts of T into dst [part][key]
+ * [DS_PITCH] (x_1 = rn(ds), x_2 = rn(ds - x_1)). */
+template <typename T>
+__device__ __forceinline__ void keys_store_ds(const float (*ds)[4], T *dst) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int kh = 0; kh < 2; kh++) {
+            float x = ds[nt][2 * kh], y = ds[nt][2 * kh + 1];
+            const int key = 16 * warp + (lane >> 2) + 8 * kh, col = 8 * nt + 2 * (lane & 3);
+#pragma unroll
+            for (int part = 0; part < BWD_OPERAND_PARTS; part++) {
+                *reinterpret_cast<uint32_t *>(dst + (part * BWD_KEYS + key) * DS_PITCH + col) =
+                        pack2<T>(x, y);
+                x -= ekv_elem<T>::to(ekv_elem<T>::from(x));
+                y -= ekv_elem<T>::to(ekv_elem<T>::from(y));
+            }
+        }
+}
+
+/* dQ of the row block += dS K over the block's 64 keys, the warp's D / 4 columns: A = dS from
+ * dS^T's parts (ldmatrix.trans), B = the K tile as [key][dim] (ldmatrix.trans, as tile_pv reads
+ * V), the parts' products chained from the smallest, then fp32 atomics into dq32. */
+template <typename T, int D>
+__device__ __forceinline__ void keys_dq(const bwd_args &A, const unsigned char *kt, const T *dst,
+                                        const bwd_row_info *info, int64_t b, int64_t g,
+                                        int64_t r0) {
+    constexpr int NDP = D / 64; /* 16-column groups of the warp */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float c[2 * NDP][4];
+    mma_zero<2 * NDP>(c);
+#pragma unroll
+    for (int ks = 0; ks < BWD_KEYS / 16; ks++) {
+        uint32_t a[BWD_OPERAND_PARTS][4];
+#pragma unroll
+        for (int part = 0; part < BWD_OPERAND_PARTS; part++)
+            ldmatrix_x4<true>(a[part], dst + (part * BWD_KEYS + 16 * ks + (lane & 7) +
+                                              ((lane >> 4) << 3)) * DS_PITCH +
+                                               ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int dp = 0; dp < NDP; dp++) {
+            uint32_t vb[4];
+            ldmatrix_x4<true>(vb, kt + ks * bwd_tile16<D>() +
+                                          tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
+                                                        2 * (warp * NDP + dp) + (lane >> 4)));
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int part = BWD_OPERAND_PARTS - 1; part >= 0; part--)
+                    mma_16816_acc<T>(c[2 * dp + h], a[part], vb[2 * h], vb[2 * h + 1]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = (lane >> 2) + 8 * (i >> 1);
+        if (!info[row].on) continue;
+        float *dq = A.dq32 + bwd_row_offset(A, b, g, r0 + row);
+#pragma unroll
+        for (int n = 0; n < 2 * NDP; n++)
+            atomicAdd(dq + warp * (D / 4) + 8 * n + 2 * (lane & 3) + (i & 1), c[n][i]);
+    }
+}
+
+/* One row block against the warp's 16 keys: S^T, G^T, p, ds, dV, dK, then (after every warp's
+ * dS^T is in shared memory: a block barrier, block-uniform) dQ. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned char *smem,
+                                           const unsigned char *stage, const bwd_row_info *info,
+                                           T *dst, int64_t b, int64_t g, int64_t k0, int64_t r0,
+                                           float (*dk)[4], float (*dv)[4]) {
+    typedef keys_layout<D, NP> L;
+    constexpr int TB = bwd_tile16<D>();
+    const int warp = threadIdx.x >> 5;
+    const unsigned char *qt = stage, *gt = stage + NP * TB;
+    float s[2][4], gv[2][4], p[2][4], ds[2][4];
+    bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, TB, s);
+    bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, TB, gv);
+    keys_weights(A, info, k0 + 16 * warp, s, gv, p, ds);
+#pragma unroll
+    for (int part = 0; part < NP; part++) {
+        tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * TB, p, dv);
+        tile_pv<T, D, BWD_OPERAND_PARTS>(qt + part * TB, ds, dk);
+    }
+    keys_store_ds<T>(ds, dst);
+    __syncthreads();
+    keys_dq<T, D>(A, smem + L::K, dst, info, b, g, r0);
+}
+
+/* Block (key tile + B tiles..., KV head): dK and dV of the tile's keys, its share of dQ. */
+template <typename T, int D, int NP>
+__global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    typedef keys_layout<D, NP> L;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
+    const int64_t b = blockIdx.x / ntk, k0 = blockIdx.x % ntk * BWD_KEYS, g = blockIdx.y;
+    /* causal: the rows at positions >= k0, t >= k0 - pos0 (from a whole row block) */
+    const int64_t first = A.causal && k0 > A.pos0 ? (k0 - A.pos0) * A.G : 0;
+    const int64_t rb0 = first / BWD_ROWS * BWD_ROWS;
+    const int64_t nrb = rb0 < A.R ? (A.R - rb0 + BWD_ROWS - 1) / BWD_ROWS : 0;
+    bwd_row_info *info = reinterpret_cast<bwd_row_info *>(smem + L::INFO);
+    T *dst = reinterpret_cast<T *>(smem + L::DS);
+    bwd_load_keys<T, D>(A, A.k, b, g, k0, smem + L::K);
+    bwd_load_keys<T, D>(A, A.v, b, g, k0, smem + L::V);
+    if (nrb > 0) keys_issue<T, D, NP>(A, b, g, rb0, smem + L::STAGES, info);
+    cp_async_commit();
+    float dk[D / 8][4], dv[D / 8][4];
+    mma_zero<D / 8>(dk);
+    mma_zero<D / 8>(dv);
+    for (int64_t ib = 0; ib < nrb; ib++) {
+        const int st = (int)(ib & 1);
+        if (ib + 1 < nrb)
+            keys_issue<T, D, NP>(A, b, g, rb0 + (ib + 1) * BWD_ROWS,
+                                 smem + L::STAGES + (st ^ 1) * L::STAGE, info + (st ^ 1) * BWD_ROWS);
+        cp_async_commit();
+        cp_async_wait<1>(); /* this thread's copies of block ib (and the tiles) have landed ... */
+        __syncthreads();    /* ... and everyone's, and the info */
+        keys_block<T, D, NP>(A, smem, smem + L::STAGES + st * L::STAGE, info + st * BWD_ROWS,
+                             dst, b, g, k0, rb0 + ib * BWD_ROWS, dk, dv);
+        __syncthreads(); /* the stage, the info and dS^T are free again */
+    }
+    cp_async_wait<0>();
+    /* dk[n][i], dv[n][i]: key warp 16 + lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t key = k0 + 16 * warp + (lane >> 2) + 8 * (i >> 1);
+        if (key >= A.N) continue;
+        const int64_t o = ((b * A.N + key) * A.Hk + g) * A.D + 2 * (lane & 3) + (i & 1);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            static_cast<T *>(A.dk)[o + 8 * n] = ekv_elem<T>::from(dk[n][i]);
+            static_cast<T *>(A.dv)[o + 8 * n] = ekv_elem<T>::from(dv[n][i]);
+        }
+    }
+}
+
+template <typename T, int D, int NP> cudaError_t launch_keys(const bwd_args &A, cudaStream_t s) {
+    constexpr auto kernel = keys_kernel<T, D, NP>;
+    constexpr size_t bytes = keys_layout<D, NP>::BYTES;
+    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+    if (e != cudaSuccess) return e;
+    const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
+    kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
+    return cudaGetLastError();
+}
+
+template <typename T> cudaError_t launch_keys_t(const bwd_args &A, int np, cudaStream_t s) {
+    if (A.D == 64)
+        return np == 1 ? launch_keys<T, 64, 1>(A, s) : launch_keys<T, 64, BWD_SPLIT_PARTS>(A, s);
+    return np == 1 ? launch_keys<T, 128, 1>(A, s) : launch_keys<T, 128, BWD_SPLIT_PARTS>(A, s);
+}
+
+} // namespace
+
+cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
+    return kv == EKV_DTYPE_F16 ? launch_keys_t<__half>(A, np, s)
+                               : launch_keys_t<__nv_bfloat16>(A, np, s);
+}
