@@ -4,7 +4,8 @@
  * device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference takes the
  * rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and 4/4,
  * D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or 16-bit,
- * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens.
+ * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens; then 4 cases of
+ * up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the other 16-bit type).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
@@ -433,6 +434,16 @@ int main(void) {
                 c.block = c.T >= 64 && (x >> 10 & 1) ? 16 : 0;
                 run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
             }
+    /* beside the table: alpha 1.25 (the general power), a 16-bit q of the other 16-bit type
+     * (the backward splits it), and prefixes of many 64-key tiles and 16-row blocks (the
+     * backward's keys pass skips the row blocks before a tile; its rows pass ends mid-tile) */
+    static const fcase extra[] = {
+            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0},
+            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0},
+            {1, 700, 700, 6, 2, 128, 1, 1, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0},
+            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0}};
+    for (size_t e = 0; e < sizeof extra / sizeof extra[0]; e++, i++)
+        run_case(ctx, &extra[e], 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     check_invalid(ctx);
     ekv_context_free(ctx);
     return test_finish("test_flash_entmax_cuda");

@@ -143,8 +143,8 @@ __device__ __forceinline__ void bwd_tile_dot_parts(const unsigned char *at, int 
  * at tau gets no gradient, §13.4). */
 __device__ __forceinline__ void bwd_weights(float z, double tau, const bwd_args &A, float *p,
                                             float *w) {
-    if (A.alpha == 1.0) {
-        *p = *w = (float)exp((double)z - tau);
+    if (A.alpha == 1.0) { /* z - tau in double (tau need not be near z), exp in fp32: 2 ulp */
+        *p = *w = expf((float)((double)z - tau));
         return;
     }
     const double x = (double)z - tau;

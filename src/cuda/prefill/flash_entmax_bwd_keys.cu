@@ -151,7 +151,7 @@ __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned cha
     bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, TB, s);
     bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, TB, gv);
     keys_weights(A, info, k0 + 16 * warp, s, gv, p, ds);
-#pragma unroll
+#pragma unroll 1 /* fp32 q and dout (NP 3): the parts one at a time, fewer live registers */
     for (int part = 0; part < NP; part++) {
         tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * TB, p, dv);
         tile_pv<T, D, BWD_OPERAND_PARTS>(qt + part * TB, ds, dk);
