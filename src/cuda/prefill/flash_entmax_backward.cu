@@ -9,9 +9,8 @@
  * Steps (flash_entmax_backward.cuh):
  *   1. q and dout as 16-bit parts of K's dtype where either is not K's dtype (split_kernel;
  *      BWD_SPLIT_PARTS parts: every bit of an fp32 value), else both read where they are;
- *   2. dQ's fp32 accumulator zeroed (dq itself when q is fp32);
- *   3. the rows pass (1 / S, S^(alpha - 2), delta per row), then the keys pass (dK, dV, dQ);
- *   4. a 16-bit dq converted from the accumulator.
+ *   2. the rows pass (1 / S, S^(alpha - 2), delta per row, then dq);
+ *   3. the keys pass (dk, dv).
  */
 #include "flash_entmax_backward.cuh"
 
@@ -31,13 +30,6 @@ __global__ void split_kernel(const TS *src, T *dst, int64_t n) {
             x -= ekv_elem<T>::to(h);
         }
     }
-}
-
-/* dst[i] = src[i] rounded to T, a grid-stride loop. */
-template <typename T> __global__ void from_f32_kernel(const float *src, T *dst, int64_t n) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = ekv_elem<T>::from(src[i]);
 }
 
 unsigned grid_of(int64_t n) {
@@ -62,10 +54,10 @@ cudaError_t split_parts(const flash_job &J, ekv_dtype dt, ekv_dtype kv, const vo
 } // namespace
 
 /* The backward's pieces of the workspace: the parts of q and dout (when split), the per-row
- * sums, dq's fp32 accumulator (when q is 16-bit). */
+ * sums. */
 struct bwd_layout {
     int np;
-    int64_t qparts, gparts, rinv, wscale, delta, dq32, total;
+    int64_t qparts, gparts, rinv, wscale, delta, total;
 };
 
 static bwd_layout backward_layout(const flash_job &J) {
@@ -78,7 +70,6 @@ static bwd_layout backward_layout(const flash_job &J) {
     L.rinv = c.take(rows * 4);
     L.wscale = c.take(rows * 4);
     L.delta = c.take(rows * 4);
-    L.dq32 = J.a->q_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
     L.total = c.at;
     return L;
 }
@@ -108,7 +99,8 @@ static bwd_args backward_args(const flash_job &J, const bwd_layout &L, char *bas
     A.rinv = (float *)(base + L.rinv);
     A.wscale = (float *)(base + L.wscale);
     A.delta = (float *)(base + L.delta);
-    A.dq32 = L.dq32 < 0 ? (float *)dq : (float *)(base + L.dq32);
+    A.dq = dq;
+    A.dq_dtype = a->q_dtype;
     A.dk = dk, A.dv = dv;
     return A;
 }
@@ -138,15 +130,8 @@ extern "C" ekv_status ekv_cuda_flash_entmax_backward(ekv_context *ctx,
         FLASH_TRY(J, split_parts(J, args->q_dtype, kv, args->q, base + L.qparts, n));
         FLASH_TRY(J, split_parts(J, args->out_dtype, kv, dout, base + L.gparts, n));
     }
-    FLASH_TRY(J, cudaMemsetAsync(A.dq32, 0, (size_t)n * 4, J.stream));
     FLASH_TRY(J, flash_bwd_rows(A, kv, L.np, J.stream));
     FLASH_TRY(J, flash_bwd_keys(A, kv, L.np, J.stream));
-    if (L.dq32 >= 0)
-        ekv_cuda_with_dtype(args->q_dtype, [&](auto ty) {
-            typedef typename decltype(ty)::type T;
-            from_f32_kernel<T><<<grid_of(n), 256, 0, J.stream>>>(A.dq32, static_cast<T *>(dq), n);
-        });
-    FLASH_TRY(J, cudaGetLastError());
     ekv_clear_error(ctx);
     return EKV_OK;
 }

@@ -4,10 +4,13 @@
  * (flash_entmax_backward.cu) splits q and dout into 16-bit parts of K's dtype where they are not
  * K's dtype already, then runs
  *   1. the rows pass (flash_entmax_bwd_rows.cu): per row, S = sum p~, sum w~ and sum w~ g, so
- *      1 / S, S^(alpha - 2) and delta (§13.3: a sweep for delta, the forward keeps no o-hat);
+ *      1 / S, S^(alpha - 2) and delta (§13.3: a sweep for delta, the forward keeps no o-hat),
+ *      then a second sweep for dq = sum ds k in registers;
  *   2. the keys pass (flash_entmax_bwd_keys.cu): per (KV head, 64-key tile) a block that loops
  *      over the 16-row blocks of the group's rows that see the tile: S^T and g^T recomputed,
- *      p, ds, then dV += P^T dO, dK += dS^T Q in registers and dQ += dS K by fp32 atomics.
+ *      p, ds, then dV += P^T dO, dK += dS^T Q in registers.
+ * Each output element is summed by one thread in a fixed order: no atomics, the same bits on
+ * every call (torch's tests compare a compiled graph's gradients with eager ones bitwise).
  * A KV head's rows are r = t G + j (head g G + j, as the forward's fused kernel orders them), so
  * every row block reads the same K/V tiles whatever its head.
  */
@@ -38,7 +41,8 @@ struct bwd_args {
     const void *k, *v;            /* [B][N][Hk][D] */
     const double *tau;            /* [B][T][H] */
     float *rinv, *wscale, *delta; /* [B][T][H]: 1 / S, S^(alpha - 2), delta (the rows pass) */
-    float *dq32;                  /* [B][T][H][D] fp32, zeroed before the keys pass */
+    void *dq;                     /* [B][T][H][D] of dtype dq_dtype (q's) */
+    int dq_dtype;
     void *dk, *dv;                /* [B][N][Hk][D] K's dtype */
 };
 

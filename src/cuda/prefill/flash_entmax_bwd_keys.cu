@@ -6,16 +6,12 @@
  * through two cp.async stages. Per row block, on tensor cores (mma.cuh):
  *   S^T = K Q^T and G^T = V dO^T of the warp's keys (exact products of 16-bit parts, fp32 sums);
  *   p = p~ / S and ds = scale S^(alpha - 2) w~ (g - delta) from the rows pass's sums;
- *   dV += P^T dO and dK += dS^T Q in registers (P and dS as BWD_OPERAND_PARTS 16-bit parts);
- *   dQ += dS K: dS^T's parts through shared memory, each warp 16 rows x D/4 columns over the
- *   block's 64 keys, added to the fp32 dQ by atomics (one per element and block).
- * The block writes dK and dV of its keys once (no atomics); dQ is converted by the entry.
+ *   dV += P^T dO and dK += dS^T Q in registers (P and dS as BWD_OPERAND_PARTS 16-bit parts).
+ * The block writes dK and dV of its keys once (dq is the rows pass's).
  */
 #include "flash_entmax_backward.cuh"
 
 namespace {
-
-enum { DS_PITCH = BWD_ROWS + 8 }; /* dS^T rows of 24 elements: ldmatrix free of bank conflicts */
 
 /* A row of the current row block, as the lanes read it. */
 struct bwd_row_info {
@@ -28,8 +24,7 @@ struct bwd_row_info {
 template <int D, int NP> struct keys_layout {
     static constexpr int KT = BWD_KEYS * D * 2, STAGE = 2 * NP * bwd_tile16<D>();
     static constexpr int K = 0, V = KT, STAGES = 2 * KT, INFO = STAGES + 2 * STAGE;
-    static constexpr int DS = INFO + 2 * BWD_ROWS * (int)sizeof(bwd_row_info);
-    static constexpr int BYTES = DS + BWD_OPERAND_PARTS * BWD_KEYS * DS_PITCH * 2;
+    static constexpr int BYTES = INFO + 2 * BWD_ROWS * (int)sizeof(bwd_row_info);
 };
 
 /* Row block [r0, r0 + 16) into stage st: q and dout parts by cp.async, the rows' info by
@@ -72,77 +67,11 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
         }
 }
 
-/* The warp's dS^T (16 keys x 16 rows) as BWD_OPERAND_PARTS parts of T into dst [part][key]
- * [DS_PITCH] (x_1 = rn(ds), x_2 = rn(ds - x_1)). */
-template <typename T>
-__device__ __forceinline__ void keys_store_ds(const float (*ds)[4], T *dst) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int kh = 0; kh < 2; kh++) {
-            float x = ds[nt][2 * kh], y = ds[nt][2 * kh + 1];
-            const int key = 16 * warp + (lane >> 2) + 8 * kh, col = 8 * nt + 2 * (lane & 3);
-#pragma unroll
-            for (int part = 0; part < BWD_OPERAND_PARTS; part++) {
-                *reinterpret_cast<uint32_t *>(dst + (part * BWD_KEYS + key) * DS_PITCH + col) =
-                        pack2<T>(x, y);
-                x -= ekv_elem<T>::to(ekv_elem<T>::from(x));
-                y -= ekv_elem<T>::to(ekv_elem<T>::from(y));
-            }
-        }
-}
-
-/* dQ of the row block += dS K over the block's 64 keys, the warp's D / 4 columns: A = dS from
- * dS^T's parts (ldmatrix.trans), B = the K tile as [key][dim] (ldmatrix.trans, as tile_pv reads
- * V), the parts' products chained from the smallest, then fp32 atomics into dq32. */
-template <typename T, int D>
-__device__ __forceinline__ void keys_dq(const bwd_args &A, const unsigned char *kt, const T *dst,
-                                        const bwd_row_info *info, int64_t b, int64_t g,
-                                        int64_t r0) {
-    constexpr int NDP = D / 64; /* 16-column groups of the warp */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float c[2 * NDP][4];
-    mma_zero<2 * NDP>(c);
-#pragma unroll
-    for (int ks = 0; ks < BWD_KEYS / 16; ks++) {
-        uint32_t a[BWD_OPERAND_PARTS][4];
-#pragma unroll
-        for (int part = 0; part < BWD_OPERAND_PARTS; part++)
-            ldmatrix_x4<true>(a[part], dst + (part * BWD_KEYS + 16 * ks + (lane & 7) +
-                                              ((lane >> 4) << 3)) * DS_PITCH +
-                                               ((lane >> 3) & 1) * 8);
-#pragma unroll
-        for (int dp = 0; dp < NDP; dp++) {
-            uint32_t vb[4];
-            ldmatrix_x4<true>(vb, kt + ks * bwd_tile16<D>() +
-                                          tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
-                                                        2 * (warp * NDP + dp) + (lane >> 4)));
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int part = BWD_OPERAND_PARTS - 1; part >= 0; part--)
-                    mma_16816_acc<T>(c[2 * dp + h], a[part], vb[2 * h], vb[2 * h + 1]);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int row = (lane >> 2) + 8 * (i >> 1);
-        if (!info[row].on) continue;
-        float *dq = A.dq32 + bwd_row_offset(A, b, g, r0 + row);
-#pragma unroll
-        for (int n = 0; n < 2 * NDP; n++)
-            atomicAdd(dq + warp * (D / 4) + 8 * n + 2 * (lane & 3) + (i & 1), c[n][i]);
-    }
-}
-
-/* One row block against the warp's 16 keys: S^T, G^T, p, ds, dV, dK, then (after every warp's
- * dS^T is in shared memory: a block barrier, block-uniform) dQ. */
+/* One row block against the warp's 16 keys: S^T, G^T, p, ds, dV, dK. */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned char *smem,
                                            const unsigned char *stage, const bwd_row_info *info,
-                                           T *dst, int64_t b, int64_t g, int64_t k0, int64_t r0,
-                                           float (*dk)[4], float (*dv)[4]) {
+                                           int64_t k0, float (*dk)[4], float (*dv)[4]) {
     typedef keys_layout<D, NP> L;
     constexpr int TB = bwd_tile16<D>();
     const int warp = threadIdx.x >> 5;
@@ -156,12 +85,9 @@ __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned cha
         tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * TB, p, dv);
         tile_pv<T, D, BWD_OPERAND_PARTS>(qt + part * TB, ds, dk);
     }
-    keys_store_ds<T>(ds, dst);
-    __syncthreads();
-    keys_dq<T, D>(A, smem + L::K, dst, info, b, g, r0);
 }
 
-/* Block (key tile + B tiles..., KV head): dK and dV of the tile's keys, its share of dQ. */
+/* Block (key tile + B tiles..., KV head): dK and dV of the tile's keys. */
 template <typename T, int D, int NP>
 __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -174,7 +100,6 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
     const int64_t rb0 = first / BWD_ROWS * BWD_ROWS;
     const int64_t nrb = rb0 < A.R ? (A.R - rb0 + BWD_ROWS - 1) / BWD_ROWS : 0;
     bwd_row_info *info = reinterpret_cast<bwd_row_info *>(smem + L::INFO);
-    T *dst = reinterpret_cast<T *>(smem + L::DS);
     bwd_load_keys<T, D>(A, A.k, b, g, k0, smem + L::K);
     bwd_load_keys<T, D>(A, A.v, b, g, k0, smem + L::V);
     if (nrb > 0) keys_issue<T, D, NP>(A, b, g, rb0, smem + L::STAGES, info);
@@ -190,9 +115,9 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
         cp_async_commit();
         cp_async_wait<1>(); /* this thread's copies of block ib (and the tiles) have landed ... */
         __syncthreads();    /* ... and everyone's, and the info */
-        keys_block<T, D, NP>(A, smem, smem + L::STAGES + st * L::STAGE, info + st * BWD_ROWS,
-                             dst, b, g, k0, rb0 + ib * BWD_ROWS, dk, dv);
-        __syncthreads(); /* the stage, the info and dS^T are free again */
+        keys_block<T, D, NP>(A, smem, smem + L::STAGES + st * L::STAGE, info + st * BWD_ROWS, k0,
+                             dk, dv);
+        __syncthreads(); /* the stage and the info are free for block ib + 2 */
     }
     cp_async_wait<0>();
     /* dk[n][i], dv[n][i]: key warp 16 + lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
