@@ -10,7 +10,8 @@
  *   1. q and dout as 16-bit parts of K's dtype where either is not K's dtype (split_kernel;
  *      BWD_SPLIT_PARTS parts: every bit of an fp32 value), else both read where they are;
  *   2. the rows pass (1 / S, S^(alpha - 2), delta per row, then dq);
- *   3. the keys pass (dk, dv).
+ *   3. the keys pass (dk, dv; with splits of a tile's rows, their fp32 partial sums added in
+ *      split order by one more kernel).
  */
 #include "flash_entmax_backward.cuh"
 
@@ -18,8 +19,7 @@ namespace {
 
 /* x = src[i] as BWD_SPLIT_PARTS parts of T at dst[p n + i] (x_1 = rn(x), x_{k+1} = rn of what
  * the earlier parts left), a grid-stride loop. */
-template <typename TS, typename T>
-__global__ void split_kernel(const TS *src, T *dst, int64_t n) {
+template <typename TS, typename T> __global__ void split_kernel(const TS *src, T *dst, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float x = ekv_elem<TS>::to(src[i]);
@@ -38,14 +38,14 @@ unsigned grid_of(int64_t n) {
 }
 
 /* n elements of dtype dt at src as parts of K's dtype kv at dst. */
-cudaError_t split_parts(const flash_job &J, ekv_dtype dt, ekv_dtype kv, const void *src,
-                        void *dst, int64_t n) {
+cudaError_t split_parts(const flash_job &J, ekv_dtype dt, ekv_dtype kv, const void *src, void *dst,
+                        int64_t n) {
     ekv_cuda_with_dtype(kv, [&](auto tk) {
         typedef typename decltype(tk)::type T;
         ekv_cuda_with_dtype(dt, [&](auto ts) {
             typedef typename decltype(ts)::type TS;
             split_kernel<TS, T><<<grid_of(n), 256, 0, J.stream>>>(static_cast<const TS *>(src),
-                                                                 static_cast<T *>(dst), n);
+                                                                  static_cast<T *>(dst), n);
         });
     });
     return cudaGetLastError();
@@ -54,11 +54,23 @@ cudaError_t split_parts(const flash_job &J, ekv_dtype dt, ekv_dtype kv, const vo
 } // namespace
 
 /* The backward's pieces of the workspace: the parts of q and dout (when split), the per-row
- * sums. */
+ * sums, the keys pass's partial dk and dv (when it splits the rows). */
 struct bwd_layout {
-    int np;
-    int64_t qparts, gparts, rinv, wscale, delta, total;
+    int np, splits;
+    int64_t qparts, gparts, rinv, wscale, delta, dkv_part, total;
 };
+
+/* The keys pass's splits of a tile's rows: enough blocks to fill the device a few times over
+ * (BWD_KEY_BLOCKS), each split at least 8 row blocks; a function of the shape only, so the
+ * same shape sums in the same order on every call. */
+static int key_splits(const flash_job &J) {
+    const int64_t blocks = J.B * ((J.N + BWD_KEYS - 1) / BWD_KEYS) * J.Hk;
+    const int64_t row_blocks = (J.T * J.G + BWD_ROWS - 1) / BWD_ROWS;
+    int64_t s = blocks >= BWD_KEY_BLOCKS ? 1 : (BWD_KEY_BLOCKS + blocks - 1) / blocks;
+    s = s < BWD_MAX_SPLITS ? s : (int64_t)BWD_MAX_SPLITS;
+    s = s < row_blocks / 8 ? s : row_blocks / 8;
+    return s > 1 ? (int)s : 1;
+}
 
 static bwd_layout backward_layout(const flash_job &J) {
     const int64_t rows = J.B * J.T * J.H, kv = J.a->kv_dtype;
@@ -70,6 +82,8 @@ static bwd_layout backward_layout(const flash_job &J) {
     L.rinv = c.take(rows * 4);
     L.wscale = c.take(rows * 4);
     L.delta = c.take(rows * 4);
+    L.splits = key_splits(J);
+    L.dkv_part = L.splits > 1 ? c.take(2 * L.splits * J.B * J.N * J.Hk * J.D * 4) : -1;
     L.total = c.at;
     return L;
 }
@@ -77,8 +91,8 @@ static bwd_layout backward_layout(const flash_job &J) {
 int64_t flash_backward_bytes(const flash_job &J) { return backward_layout(J).total; }
 
 /* The kernels' arguments of a checked call over the workspace at base. */
-static bwd_args backward_args(const flash_job &J, const bwd_layout &L, char *base,
-                              const void *dout, void *dq, void *dk, void *dv) {
+static bwd_args backward_args(const flash_job &J, const bwd_layout &L, char *base, const void *dout,
+                              void *dq, void *dk, void *dv) {
     const ekv_flash_entmax_args *a = J.a;
     bwd_args A;
     A.B = J.B, A.T = J.T, A.N = J.N, A.H = J.H, A.Hk = J.Hk, A.G = J.G, A.D = J.D;
@@ -102,6 +116,9 @@ static bwd_args backward_args(const flash_job &J, const bwd_layout &L, char *bas
     A.dq = dq;
     A.dq_dtype = a->q_dtype;
     A.dk = dk, A.dv = dv;
+    A.key_splits = L.splits;
+    A.dk_part = L.splits > 1 ? (float *)(base + L.dkv_part) : NULL;
+    A.dv_part = L.splits > 1 ? A.dk_part + L.splits * J.B * J.N * J.Hk * J.D : NULL;
     return A;
 }
 

@@ -22,11 +22,13 @@
 enum {
     BWD_THREADS = 128, /* 4 warps */
     BWD_WARPS = BWD_THREADS / 32,
-    BWD_KEYS = 64,        /* keys of a tile: 16 per warp in the keys pass */
-    BWD_ROWS = 16,        /* query rows of a row block of the keys pass */
-    BWD_ROW_BLOCK = 64,   /* query rows of a block of the rows pass: 16 per warp */
-    BWD_SPLIT_PARTS = 3,  /* parts of a q or dout that is not K's dtype (24 bits and more) */
-    BWD_OPERAND_PARTS = 2 /* parts of P and dS as mma operands (docs/math.md §13.3) */
+    BWD_KEYS = 64,         /* keys of a tile: 16 per warp in the keys pass */
+    BWD_ROWS = 16,         /* query rows of a row block of the keys pass */
+    BWD_ROW_BLOCK = 64,    /* query rows of a block of the rows pass: 16 per warp */
+    BWD_SPLIT_PARTS = 3,   /* parts of a q or dout that is not K's dtype (24 bits and more) */
+    BWD_OPERAND_PARTS = 2, /* parts of P and dS as mma operands (docs/math.md §13.3) */
+    BWD_KEY_BLOCKS = 1024, /* keys pass: split each tile's rows until about this many blocks */
+    BWD_MAX_SPLITS = 8
 };
 
 struct bwd_args {
@@ -43,7 +45,9 @@ struct bwd_args {
     float *rinv, *wscale, *delta; /* [B][T][H]: 1 / S, S^(alpha - 2), delta (the rows pass) */
     void *dq;                     /* [B][T][H][D] of dtype dq_dtype (q's) */
     int dq_dtype;
-    void *dk, *dv;                /* [B][N][Hk][D] K's dtype */
+    void *dk, *dv;            /* [B][N][Hk][D] K's dtype */
+    int key_splits;           /* the keys pass's splits of each tile's rows (1: none) */
+    float *dk_part, *dv_part; /* [key_splits][B][N][Hk][D] fp32 partial sums, or NULL */
 };
 
 /* The passes (NP: parts of q and dout, 1 or BWD_SPLIT_PARTS), launched on stream s. */
@@ -51,6 +55,13 @@ cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t
 cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
 
 namespace {
+
+/* The scale of P before its split into parts: f16's 2^14, so that the parts of p <= 1 stay
+ * normal (as the forward's pscale, prefill.cu), 1 for bf16 (fp32's range); exact, undone on dV.
+ * docs/math.md §13.3, "On tensor cores". */
+template <typename T> __device__ constexpr float bwd_pscale() {
+    return std::is_same<T, __half>::value ? 16384.f : 1.f;
+}
 
 /* Bytes of a 16-row tile of D 16-bit elements (tile_chunk's swizzled layout, mma.cuh). */
 template <int D> __host__ __device__ constexpr int bwd_tile16() { return 16 * D * 2; }
@@ -119,8 +130,8 @@ __device__ __forceinline__ void bwd_tile_dot(const unsigned char *at, const unsi
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t a[4], b[4]; /* b: n 0-7 (b[0], b[1]) and n 8-15 (b[2], b[3]) */
         ldmatrix_x4(a, at + tile_chunk<D>(lane & 15, 2 * kk + (lane >> 4)));
-        ldmatrix_x4(b, bt + tile_chunk<D>((lane & 7) + ((lane >> 4) << 3),
-                                          2 * kk + ((lane >> 3) & 1)));
+        ldmatrix_x4(
+                b, bt + tile_chunk<D>((lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
             float c[4];

@@ -48,10 +48,10 @@ __device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t
     }
 }
 
-/* The warp's p and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of the tile, row
- * nt 8 + 2 (lane % 4) + i % 2 of the block) from its S^T and G^T. */
+/* The warp's p (times pscale) and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of
+ * the tile, row nt 8 + 2 (lane % 4) + i % 2 of the block) from its S^T and G^T. */
 __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_info *info,
-                                             int64_t kw, const float (*s)[4],
+                                             int64_t kw, float pscale, const float (*s)[4],
                                              const float (*gv)[4], float (*p)[4], float (*ds)[4]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -62,7 +62,7 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
             const int64_t j = kw + (lane >> 2) + 8 * (i >> 1);
             float pt, w;
             bwd_weights(bwd_z(A, s[nt][i], ri.am, ri.pos, ri.on != 0, j), ri.tau, A, &pt, &w);
-            p[nt][i] = pt * ri.rinv;
+            p[nt][i] = pt * ri.rinv * pscale;
             ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
         }
 }
@@ -79,7 +79,7 @@ __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned cha
     float s[2][4], gv[2][4], p[2][4], ds[2][4];
     bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, TB, s);
     bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, TB, gv);
-    keys_weights(A, info, k0 + 16 * warp, s, gv, p, ds);
+    keys_weights(A, info, k0 + 16 * warp, bwd_pscale<T>(), s, gv, p, ds);
 #pragma unroll 1 /* fp32 q and dout (NP 3): the parts one at a time, fewer live registers */
     for (int part = 0; part < NP; part++) {
         tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * TB, p, dv);
@@ -87,18 +87,49 @@ __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned cha
     }
 }
 
-/* Block (key tile + B tiles..., KV head): dK and dV of the tile's keys. */
+/* The warp's dK and dV (dk[n][i], dv[n][i]: key warp 16 + lane / 4 + 8 (i / 2) of the tile,
+ * dim 8 n + 2 (lane % 4) + i % 2; dv times pscale) as T into dk and dv, or with splits as fp32
+ * into the split's partial sums (keys_sum_kernel adds them up). */
+template <typename T, int D>
+__device__ __forceinline__ void keys_store(const bwd_args &A, int64_t b, int64_t g, int64_t k0,
+                                           const float (*dk)[4], const float (*dv)[4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t part = blockIdx.z * A.B * A.N * A.Hk * A.D;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t key = k0 + 16 * warp + (lane >> 2) + 8 * (i >> 1);
+        if (key >= A.N) continue;
+        const int64_t o = ((b * A.N + key) * A.Hk + g) * A.D + 2 * (lane & 3) + (i & 1);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            const float x = dk[n][i], y = dv[n][i] * (1.f / bwd_pscale<T>());
+            if (A.dk_part) {
+                A.dk_part[part + o + 8 * n] = x;
+                A.dv_part[part + o + 8 * n] = y;
+            } else {
+                static_cast<T *>(A.dk)[o + 8 * n] = ekv_elem<T>::from(x);
+                static_cast<T *>(A.dv)[o + 8 * n] = ekv_elem<T>::from(y);
+            }
+        }
+    }
+}
+
+/* Block (key tile + B tiles..., KV head, split): dK and dV of the tile's keys over the split's
+ * share of the row blocks that see the tile (gridDim.z splits: a causal prefix's first tiles
+ * see every row, so one block per tile would leave the last ones idle). */
 template <typename T, int D, int NP>
 __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
     extern __shared__ __align__(128) unsigned char smem[];
     typedef keys_layout<D, NP> L;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
     const int64_t b = blockIdx.x / ntk, k0 = blockIdx.x % ntk * BWD_KEYS, g = blockIdx.y;
     /* causal: the rows at positions >= k0, t >= k0 - pos0 (from a whole row block) */
     const int64_t first = A.causal && k0 > A.pos0 ? (k0 - A.pos0) * A.G : 0;
-    const int64_t rb0 = first / BWD_ROWS * BWD_ROWS;
-    const int64_t nrb = rb0 < A.R ? (A.R - rb0 + BWD_ROWS - 1) / BWD_ROWS : 0;
+    const int64_t all =
+            first < A.R ? (A.R - first / BWD_ROWS * BWD_ROWS + BWD_ROWS - 1) / BWD_ROWS : 0;
+    const int64_t per = (all + gridDim.z - 1) / gridDim.z, ib0 = per * blockIdx.z;
+    const int64_t rb0 = first / BWD_ROWS * BWD_ROWS + ib0 * BWD_ROWS;
+    const int64_t nrb = all - ib0 < per ? (all > ib0 ? all - ib0 : 0) : per;
     bwd_row_info *info = reinterpret_cast<bwd_row_info *>(smem + L::INFO);
     bwd_load_keys<T, D>(A, A.k, b, g, k0, smem + L::K);
     bwd_load_keys<T, D>(A, A.v, b, g, k0, smem + L::V);
@@ -111,7 +142,8 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
         const int st = (int)(ib & 1);
         if (ib + 1 < nrb)
             keys_issue<T, D, NP>(A, b, g, rb0 + (ib + 1) * BWD_ROWS,
-                                 smem + L::STAGES + (st ^ 1) * L::STAGE, info + (st ^ 1) * BWD_ROWS);
+                                 smem + L::STAGES + (st ^ 1) * L::STAGE,
+                                 info + (st ^ 1) * BWD_ROWS);
         cp_async_commit();
         cp_async_wait<1>(); /* this thread's copies of block ib (and the tiles) have landed ... */
         __syncthreads();    /* ... and everyone's, and the info */
@@ -120,17 +152,19 @@ __global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
         __syncthreads(); /* the stage and the info are free for block ib + 2 */
     }
     cp_async_wait<0>();
-    /* dk[n][i], dv[n][i]: key warp 16 + lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int64_t key = k0 + 16 * warp + (lane >> 2) + 8 * (i >> 1);
-        if (key >= A.N) continue;
-        const int64_t o = ((b * A.N + key) * A.Hk + g) * A.D + 2 * (lane & 3) + (i & 1);
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            static_cast<T *>(A.dk)[o + 8 * n] = ekv_elem<T>::from(dk[n][i]);
-            static_cast<T *>(A.dv)[o + 8 * n] = ekv_elem<T>::from(dv[n][i]);
-        }
+    keys_store<T, D>(A, b, g, k0, dk, dv);
+}
+
+/* dk and dv (K's dtype T) = the sums of the splits' fp32 parts, in split order. */
+template <typename T>
+__global__ void keys_sum_kernel(const float *dk_part, const float *dv_part, T *dk, T *dv,
+                                int splits, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float x = 0.f, y = 0.f;
+        for (int s = 0; s < splits; s++) x += dk_part[s * n + i], y += dv_part[s * n + i];
+        dk[i] = ekv_elem<T>::from(x);
+        dv[i] = ekv_elem<T>::from(y);
     }
 }
 
@@ -140,7 +174,14 @@ template <typename T, int D, int NP> cudaError_t launch_keys(const bwd_args &A, 
     const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
     if (e != cudaSuccess) return e;
     const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
-    kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
+    kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk, (unsigned)A.key_splits), BWD_THREADS,
+             bytes, s>>>(A);
+    if (A.key_splits > 1) {
+        const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;
+        keys_sum_kernel<T><<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(
+                A.dk_part, A.dv_part, static_cast<T *>(A.dk), static_cast<T *>(A.dv), A.key_splits,
+                n);
+    }
     return cudaGetLastError();
 }
 

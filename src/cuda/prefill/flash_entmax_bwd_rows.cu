@@ -59,8 +59,7 @@ __device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char
                 const int k = i >> 1;
                 const int64_t j = k0 + 16 * q + 8 * nt + 2 * (lane & 3) + (i & 1);
                 float p, w;
-                bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p,
-                            &w);
+                bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p, &w);
                 tp[k] += p;
                 if (w != 0.f) tw[k] += w, twg[k] = fmaf(w, gv[nt][i], twg[k]);
             }
@@ -86,8 +85,7 @@ __device__ __forceinline__ void rows_dq(const bwd_args &A, const unsigned char *
                 const int k = i >> 1;
                 const int64_t j = k0 + 16 * q + 8 * nt + 2 * (lane & 3) + (i & 1);
                 float p, w;
-                bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p,
-                            &w);
+                bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p, &w);
                 ds[nt][i] = w != 0.f ? A.scale * L.wscale[k] * w * (gv[nt][i] - L.delta[k]) : 0.f;
             }
         tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq);
@@ -97,8 +95,8 @@ __device__ __forceinline__ void rows_dq(const bwd_args &A, const unsigned char *
 /* The block's key tiles through two stages (K at st, V at st + KT), use(k0, kt, vt) on each
  * in every warp (block-uniform); the first commit group also holds copies issued before. */
 template <typename T, int D, typename Use>
-__device__ __forceinline__ void rows_sweep(const bwd_args &A, int64_t b, int64_t g,
-                                           int64_t ntiles, unsigned char *stages, Use use) {
+__device__ __forceinline__ void rows_sweep(const bwd_args &A, int64_t b, int64_t g, int64_t ntiles,
+                                           unsigned char *stages, Use use) {
     constexpr int KT = BWD_KEYS * D * 2;
     auto issue = [&](int64_t jt) {
         unsigned char *st = stages + (jt & 1) * 2 * KT;
@@ -117,11 +115,6 @@ __device__ __forceinline__ void rows_sweep(const bwd_args &A, int64_t b, int64_t
         __syncthreads(); /* the stage is free for tile jt + 2 */
     }
     cp_async_wait<0>();
-}
-
-__device__ __forceinline__ double quad_sum_d(double v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 /* x as element i of a tensor of dtype dt (dq: q's dtype). */
@@ -160,13 +153,13 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     }
     const unsigned char *wq = qs + warp * bwd_tile16<D>(), *wg = gs + warp * bwd_tile16<D>();
     const bool warp_on = r0 + 16 * warp < A.R;
-    rows_sweep<T, D>(A, b, g, ntiles, stages, [&](int64_t k0, const unsigned char *kt,
-                                                  const unsigned char *vt) {
-        if (warp_on) rows_sums<T, D, NP>(A, wq, wg, kt, vt, k0, L);
-    });
+    rows_sweep<T, D>(A, b, g, ntiles, stages,
+                     [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                         if (warp_on) rows_sums<T, D, NP>(A, wq, wg, kt, vt, k0, L);
+                     });
     for (int k = 0; k < 2; k++) {
-        const double S = quad_sum_d(L.sp[k]), SW = quad_sum_d(L.sw[k]),
-                     SWG = quad_sum_d(L.swg[k]);
+        const double S = ekv_quad_sum(L.sp[k]), SW = ekv_quad_sum(L.sw[k]),
+                     SWG = ekv_quad_sum(L.swg[k]);
         L.wscale[k] = (float)pow(S, A.alpha - 2.0);
         L.delta[k] = (float)(SWG / SW);
         if ((lane & 3) || !L.on[k]) continue;
@@ -175,10 +168,10 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     }
     float dq[D / 8][4];
     mma_zero<D / 8>(dq);
-    rows_sweep<T, D>(A, b, g, ntiles, stages, [&](int64_t k0, const unsigned char *kt,
-                                                  const unsigned char *vt) {
-        if (warp_on) rows_dq<T, D, NP>(A, wq, wg, kt, vt, k0, L, dq);
-    });
+    rows_sweep<T, D>(A, b, g, ntiles, stages,
+                     [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                         if (warp_on) rows_dq<T, D, NP>(A, wq, wg, kt, vt, k0, L, dq);
+                     });
     /* dq[n][i]: row lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
