@@ -20,7 +20,8 @@
  * the fp32 scores' error of tau may be in the support on one side and out on the other, so its
  * data is drawn again (next seed) until every key is at least 5e-5 from tau in double (the fp32
  * scores are within about 1e-5 of it at worst).
- * Also: two passes of the same rows agree; each invalid argument answers its status and leaves
+ * Also: two passes of the same rows agree; a second backward over a workspace of other bytes
+ * gives the same bits; each invalid argument answers its status and leaves
  * out, tau, dq, dk and dv untouched; the workspace query is what the calls need (a byte less
  * fails) and shrinks with block_tokens. Exit 77 when no CUDA device is present.
  */
@@ -224,11 +225,25 @@ static void check_backward(ekv_context *ctx, fdata *f, double *rtau, const char 
      * exactly (one key: ds = w (g - delta) = 0, so dk = dq = 0) comes out of cancelling terms
      * of the size of the others, within their rounding. */
     double e[3], mx[3], scale = 0;
+    void *h[3];
     for (int i = 0; i < 3; i++) {
-        void *h = host_copy(dev_[i], n[i] * ekv_dtype_size(dt[i]));
-        e[i] = excess(h, dt[i], ref + off[i], n[i], unit(dt[i]), &mx[i]);
+        h[i] = host_copy(dev_[i], n[i] * ekv_dtype_size(dt[i]));
+        e[i] = excess(h[i], dt[i], ref + off[i], n[i], unit(dt[i]), &mx[i]);
         scale = fmax(scale, mx[i]);
-        free(h);
+    }
+    /* A second call over a workspace of other bytes gives the same bits: every gradient is
+     * summed in an order fixed by the shape (no atomics), and nothing reads scratch that the
+     * call did not write (docs/math.md §13.3, "On tensor cores"). */
+    cudaMemset(f->dws, 0x5a, (size_t)f->bwd_bytes);
+    s = ekv_cuda_flash_entmax_backward(ctx, &f->a, f->dg_, f->dgq_, f->dgk_, f->dgv_, f->dws,
+                                       f->bwd_bytes, NULL);
+    CHECK(s == EKV_OK && cudaDeviceSynchronize() == cudaSuccess, "%s: second backward", name);
+    for (int i = 0; i < 3; i++) {
+        const size_t bytes = (size_t)(n[i] * ekv_dtype_size(dt[i]));
+        void *again = host_copy(dev_[i], (int64_t)bytes);
+        CHECK(memcmp(h[i], again, bytes) == 0, "%s: %s differs between two calls", name, what[i]);
+        free(again);
+        free(h[i]);
     }
     printf("  %-58s", "");
     for (int i = 0; i < 3; i++) {
