@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, BWD_ROW_BLOCK, qs);
     bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROW_BLOCK, gs);
     rows_lane L;
+#pragma unroll
     for (int k = 0; k < 2; k++) {
         L.r[k] = r0 + 16 * warp + (lane >> 2) + 8 * k;
         L.on[k] = L.r[k] < A.R;
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
                      [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
                          if (warp_on) rows_sums<T, D, NP>(A, wq, wg, kt, vt, k0, L);
                      });
+#pragma unroll
     for (int k = 0; k < 2; k++) {
         const double S = ekv_quad_sum(L.sp[k]), SW = ekv_quad_sum(L.sw[k]),
                      SWG = ekv_quad_sum(L.swg[k]);
