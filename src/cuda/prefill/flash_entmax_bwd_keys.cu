@@ -118,7 +118,8 @@ __device__ __forceinline__ void keys_store(const bwd_args &A, int64_t b, int64_t
  * share of the row blocks that see the tile (gridDim.z splits: a causal prefix's first tiles
  * see every row, so one block per tile would leave the last ones idle). */
 template <typename T, int D, int NP>
-__global__ void __launch_bounds__(BWD_THREADS) keys_kernel(bwd_args A) {
+/* D 64: 3 blocks an SM (168 registers, 16 bytes spilled, against 196 and 2 blocks unbounded) */
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_args A) {
     extern __shared__ __align__(128) unsigned char smem[];
     typedef keys_layout<D, NP> L;
     const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
