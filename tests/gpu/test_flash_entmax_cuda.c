@@ -4,7 +4,8 @@
  * device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference takes the
  * rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and 4/4,
  * D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or 16-bit,
- * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens.
+ * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens; then 4 cases of
+ * up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the other 16-bit type).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
@@ -25,7 +26,8 @@
  * against the reference as above, and the two schemes' tau within 1e-5 relative of each other.
  * Flat cases (every key of a KV head equal, so every row's support is its whole prefix: 1100
  * keys, past the 1024 a list takes, for the last rows) drive both routes in one call.
- * Also: two passes of the same rows agree; each invalid argument answers its status and leaves
+ * Also: two passes of the same rows agree; a second backward over a workspace of other bytes
+ * gives the same bits; each invalid argument answers its status and leaves
  * out, tau, dq, dk and dv untouched; the workspace query is what the calls need (a byte less
  * fails) and shrinks with block_tokens. Exit 77 when no CUDA device is present.
  */
@@ -259,11 +261,25 @@ static void check_backward(ekv_context *ctx, fdata *f, double *rtau, const char 
      * exactly (one key: ds = w (g - delta) = 0, so dk = dq = 0) comes out of cancelling terms
      * of the size of the others, within their rounding. */
     double e[3], mx[3], scale = 0;
+    void *h[3];
     for (int i = 0; i < 3; i++) {
-        void *h = host_copy(dev_[i], n[i] * ekv_dtype_size(dt[i]));
-        e[i] = excess(h, dt[i], ref + off[i], n[i], unit(dt[i]), &mx[i]);
+        h[i] = host_copy(dev_[i], n[i] * ekv_dtype_size(dt[i]));
+        e[i] = excess(h[i], dt[i], ref + off[i], n[i], unit(dt[i]), &mx[i]);
         scale = fmax(scale, mx[i]);
-        free(h);
+    }
+    /* A second call over a workspace of other bytes gives the same bits: every gradient is
+     * summed in an order fixed by the shape (no atomics), and nothing reads scratch that the
+     * call did not write (docs/math.md §13.3, "On tensor cores"). */
+    cudaMemset(f->dws, 0x5a, (size_t)f->bwd_bytes);
+    s = ekv_cuda_flash_entmax_backward(ctx, &f->a, f->dg_, f->dgq_, f->dgk_, f->dgv_, f->dws,
+                                       f->bwd_bytes, NULL);
+    CHECK(s == EKV_OK && cudaDeviceSynchronize() == cudaSuccess, "%s: second backward", name);
+    for (int i = 0; i < 3; i++) {
+        const size_t bytes = (size_t)(n[i] * ekv_dtype_size(dt[i]));
+        void *again = host_copy(dev_[i], (int64_t)bytes);
+        CHECK(memcmp(h[i], again, bytes) == 0, "%s: %s differs between two calls", name, what[i]);
+        free(again);
+        free(h[i]);
     }
     printf("  %-58s", "");
     for (int i = 0; i < 3; i++) {
@@ -488,6 +504,16 @@ int main(void) {
         if (ai & 1) c.qt = EKV_DTYPE_F32, c.kvt = EKV_DTYPE_F16;
         run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     }
+    /* beside the table: alpha 1.25 (the general power), a 16-bit q of the other 16-bit type
+     * (the backward splits it), and prefixes of many 64-key tiles and 16-row blocks (the
+     * backward's keys pass skips the row blocks before a tile; its rows pass ends mid-tile) */
+    static const fcase extra[] = {
+            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0},
+            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0},
+            {1, 700, 700, 6, 2, 128, 1, 1, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0},
+            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0}};
+    for (size_t e = 0; e < sizeof extra / sizeof extra[0]; e++, i++)
+        run_case(ctx, &extra[e], 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     check_invalid(ctx);
     ekv_context_free(ctx);
     return test_finish("test_flash_entmax_cuda");

@@ -11,6 +11,12 @@ template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+/* The sum over the 4 lanes of a quad (the lanes that hold one row of an mma fragment, mma.cuh),
+ * in every lane of it. */
+template <typename T> __device__ __forceinline__ T ekv_quad_sum(T v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
 template <typename T> __device__ __forceinline__ T ekv_warp_max(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
