@@ -508,10 +508,10 @@ int main(void) {
      * (the backward splits it), and prefixes of many 64-key tiles and 16-row blocks (the
      * backward's keys pass skips the row blocks before a tile; its rows pass ends mid-tile) */
     static const fcase extra[] = {
-            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0},
-            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0},
-            {1, 700, 700, 6, 2, 128, 1, 1, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0},
-            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0}};
+            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0, 0},
+            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0},
+            {1, 700, 700, 6, 2, 128, 1, 1, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0},
+            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0}};
     for (size_t e = 0; e < sizeof extra / sizeof extra[0]; e++, i++)
         run_case(ctx, &extra[e], 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     check_invalid(ctx);
