@@ -35,24 +35,7 @@ if ARGS.quick:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-
-
-def time_ms(fn, iters, warm=1):
-    """Median CUDA-event milliseconds of fn over iters calls, after warm untimed ones."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+from sdpa_common import DTYPES, time_ms  # noqa: E402  (bench/: the timing loop the peers share)
 
 
 # A peer's factory returns (fn, heads_first): fn(q, k, v) -> out, on [1, N, H, D] tensors (ours)
@@ -118,7 +101,7 @@ def measure(factory, q, k, v, npass, ref):
     if npass == "fwd":
         with torch.no_grad():
             out = fn(*args)
-            ms = time_ms(lambda: fn(*args), ARGS.iters)
+            ms = time_ms(lambda: fn(*args), warm=1, iters=ARGS.iters)
         if heads_first:
             out = out.transpose(1, 2)
         err = (out[:, -ref.shape[1]:].double().cpu() - ref).abs().max().item()
@@ -129,7 +112,7 @@ def measure(factory, q, k, v, npass, ref):
     def step():
         torch.autograd.grad(fn(*grads), grads, g)
 
-    return time_ms(step, ARGS.iters), None
+    return time_ms(step, warm=1, iters=ARGS.iters), None
 
 
 def shape_rows(n, h, kv, d, dt):

@@ -1,5 +1,6 @@
 """What the SDPA peer scripts share (bench/sdpa_ragged.py, bench/sdpa_gqa.py): the timing loop
-and the decode inputs. A module they import, not a script to run.
+and the decode inputs (bench/prefill_side_by_side.py takes the timing loop too). A module they
+import, not a script to run.
 Usage: from sdpa_common import time_ms, decode_qkv, sdpa (needs torch with CUDA)."""
 import argparse
 
