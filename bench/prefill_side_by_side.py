@@ -10,7 +10,8 @@ fails is a row that says why. Markdown table on stdout; --json PATH for the rows
 Not in CI: needs torch with CUDA, entmaxkv built with the CUDA backend (pip install . with nvcc,
 or $ENTMAXKV_LIBRARY), adasplash 0.2.2 (its wheel) for that peer.
 Usage: prefill_side_by_side.py [--lens 8192,32768] [--dims 64,128] [--heads 6/2,32/8]
-[--dtypes f16,bf16] [--passes fwd,fwdbwd] [--alpha 1.5] [--iters 5] [--quick] [--json PATH]"""
+[--dtypes f16,bf16] [--passes fwd,fwdbwd] [--alpha 1.5] [--iters 5] [--scheme cand,hist] [--quick]
+[--json PATH]"""
 import argparse
 import json
 
@@ -23,6 +24,9 @@ _ap.add_argument("--passes", default="fwd,fwdbwd", help="fwd and/or fwdbwd (both
 _ap.add_argument("--alpha", type=float, default=1.5, help="entmax alpha of ours (AdaSplash-2: 1.5)")
 _ap.add_argument("--iters", type=int, default=5, help="timed calls per row (median)")
 _ap.add_argument("--rows", type=int, default=64, help="last query rows checked against float64")
+_ap.add_argument("--scheme", default="cand",
+                 help="tau schemes of ours, comma-separated: cand (candidate lists), hist "
+                      "(histogram pass, exact-size lists; docs/math.md §12.1); one row each")
 _ap.add_argument("--quick", action="store_true", help="smoke run: 8192, D 64, 6/2, bf16")
 _ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 ARGS = _ap.parse_args()  # before the torch import: --help works without torch
@@ -36,10 +40,12 @@ from sdpa_common import DTYPES, time_ms  # noqa: E402  (bench/: the timing loop 
 
 # A peer's factory returns (fn, heads_first): fn(q, k, v) -> out, on [1, N, H, D] tensors (ours)
 # or, heads_first, on [1, H, N, D] ones (AdaSplash, SDPA).
-def ours(alpha):
+def ours(alpha, scheme):
+    from entmaxkv import flash_cuda
     from entmaxkv.flash import flash_entmax
 
     def run(q, k, v):
+        flash_cuda.tau_scheme = flash_cuda.TAU_SCHEMES[scheme]  # read by each forward call
         return flash_entmax(q, k, v, alpha, True)
 
     return run, False
@@ -73,7 +79,9 @@ def sdpa_flash():
 
 def peers(alpha):
     """(name, reference alpha, factory) of each peer; a factory returns (fn, heads_first)."""
-    return [("ours", alpha, lambda: ours(alpha)),
+    ours_rows = [("ours" if s == "cand" else f"ours-{s}", alpha, lambda s=s: ours(alpha, s))
+                 for s in ARGS.scheme.split(",")]
+    return ours_rows + [
             ("adasplash-2", 1.5, adasplash2),
             ("sdpa-flash", 1.0, sdpa_flash)]
 

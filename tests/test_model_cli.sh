@@ -91,6 +91,7 @@ usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --method orac
 # the options of the cuda backend are refused on the cpu (they were silently ignored)
 usage run --model "$MODEL" --no-graphs
 usage run --model "$MODEL" --prefill-kernel gemm
+usage run --model "$MODEL" --prefill-kernel hist
 usage ppl --model "$MODEL" --text "$TMP/text.txt" --prefill-chunk 64
 usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --prefill-kernel auto
 usage run --model "$MODEL" --prefill-candidates 4

@@ -248,7 +248,7 @@ typedef struct {
     int64_t prefill_chunk;             /* --prefill-chunk (cuda dense prefill; 0 = auto) */
     int no_graphs;                     /* --no-graphs: cuda decode steps as eager launches */
     int32_t max_seqs;                  /* sequences the model holds (run --prompts-file); 0 = 1 */
-    ekv_prefill_kernel prefill_kernel; /* --prefill-kernel auto|fused|gemm (cuda dense prefill) */
+    ekv_prefill_kernel prefill_kernel; /* --prefill-kernel auto|fused|hist|gemm (cuda) */
     int prefill_kernel_set;            /* --prefill-kernel given (cuda only, as --prefill-chunk
                                           and --no-graphs: model_parse) */
     int64_t prefill_candidates;        /* --prefill-candidates, --prefill-compact,  */

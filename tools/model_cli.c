@@ -59,6 +59,7 @@ void model_opts_help(FILE *f) {
             "  --prefill-chunk N     cuda: query tokens per dense prefill block (default: as\n"
             "                        many as fit in 60%% of the free GPU memory, up to 4096)\n"
             "  --prefill-kernel K    cuda dense prefill: fused (S and P stay on the chip),\n"
+            "                        hist (fused, histogram tau scheme: exact-size lists),\n"
             "                        gemm (cuBLAS over S and P in device memory) or auto\n"
             "                        (default: fused for f16/bf16 caches and head dim 64/128,\n"
             "                        else gemm); the prefill stats line says which ran\n"
@@ -120,8 +121,10 @@ int model_opt(const char *sub, int argc, char **argv, int *i, model_opts *o) {
             o->prefill_kernel = EKV_PREFILL_FUSED;
         else if (!strcmp(v, "gemm"))
             o->prefill_kernel = EKV_PREFILL_GEMM;
+        else if (!strcmp(v, "hist"))
+            o->prefill_kernel = EKV_PREFILL_FUSED_HIST;
         else
-            cli_usage_error(sub, "--prefill-kernel %s: expected auto, fused or gemm", v);
+            cli_usage_error(sub, "--prefill-kernel %s: expected auto, fused, hist or gemm", v);
         o->prefill_kernel_set = 1;
     } else if (!strcmp(a, "--kv-dtype"))
         o->kv_dtype = cli_need_dtype(sub, argc, argv, i);

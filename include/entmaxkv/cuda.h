@@ -271,6 +271,12 @@ typedef struct ekv_flash_entmax_args {
     const void *q, *k, *v;      /* inputs                                                      */
     void *out;                  /* forward: written                                            */
     double *tau;                /* forward: written; backward: read                            */
+    /* How the forward finds each row's tau (docs/math.md §12, §12.1), the same result either
+     * way: 0 (default) candidate lists of z > running max - 1; 1 a histogram pass and an
+     * exact-size list per row. row_cap (scheme 1): the most list entries a row may take before
+     * it is solved by Newton passes instead (0: 1024; at most 4096); tests force that route. */
+    int32_t tau_scheme;
+    int32_t row_cap;
 } ekv_flash_entmax_args;
 
 /* Workspace bytes of the forward and of the backward for these args (host arithmetic; either
@@ -287,8 +293,12 @@ EKV_API ekv_status ekv_cuda_flash_entmax_forward(ekv_context *ctx,
 /* dq, dk, dv (overwritten) of a loss given dout = dL/dout, from the forward's tau
  * (args->tau; args->out is not read): p recomputed from tau, w = p^(2 - alpha) on the support,
  * ds_j = w_j (dout.v_j - delta), delta = sum w dout.v / sum w, then as the CPU reference
- * (docs/math.md §13.2-13.3), in fp32 on CUDA cores: a row-major pass for delta and dq, a
- * key-major pass for dk and dv over the rows that see each key (no atomics). */
+ * (docs/math.md §13.2-13.3) on tensor cores: a row-major pass for delta and dq, a key-major
+ * pass for dk and dv over the rows that see each key (no atomics: the same bits on every
+ * call). P and ds enter the mma as
+ * two 16-bit parts of K's dtype, q and dout as they are or in three parts (§13.3, "On tensor
+ * cores": within 1.5e-5 of the sums' scale); with f16 K and V, q, dout and ds must stay
+ * within f16's range (|x| < 65504; the parts of smaller ones keep 2^-25 absolutely). */
 EKV_API ekv_status ekv_cuda_flash_entmax_backward(ekv_context *ctx,
                                                   const ekv_flash_entmax_args *args,
                                                   const void *dout, void *dq, void *dk, void *dv,

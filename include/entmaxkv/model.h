@@ -86,12 +86,15 @@ typedef struct ekv_model_config {
 } ekv_model_config;
 
 /* The kernel of a cuda dense prefill (docs/math.md §12): fused (S and P stay on the chip) or
- * the GEMM path (S and P in device memory, cuBLAS). EKV_PREFILL_FUSED where it does not apply
+ * the GEMM path (S and P in device memory, cuBLAS). EKV_PREFILL_FUSED_HIST is the fused kernel
+ * with the histogram tau scheme (docs/math.md §12.1: a pass for each row's max and histogram,
+ * then exact-size lists) instead of candidate rounds. A fused kernel where it does not apply
  * fails the load with EKV_ERR_UNSUPPORTED: nothing falls back silently. */
 typedef enum {
     EKV_PREFILL_AUTO = 0,
     EKV_PREFILL_FUSED = 1,
-    EKV_PREFILL_GEMM = 2
+    EKV_PREFILL_GEMM = 2,
+    EKV_PREFILL_FUSED_HIST = 3
 } ekv_prefill_kernel;
 
 typedef struct ekv_model_params {

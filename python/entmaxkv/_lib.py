@@ -101,7 +101,7 @@ class FlashEntmaxArgs(ctypes.Structure):
     _fields_ = [("shape", AttentionParams), ("batch", c_int32), ("q_dtype", c_int),
                 ("kv_dtype", c_int), ("out_dtype", c_int), ("block_tokens", c_int64),
                 ("q", c_void_p), ("k", c_void_p), ("v", c_void_p), ("out", c_void_p),
-                ("tau", c_void_p)]
+                ("tau", c_void_p), ("tau_scheme", c_int32), ("row_cap", c_int32)]
 
 
 class CudaPlanParams(ctypes.Structure):

@@ -9,6 +9,12 @@ from . import _lib
 from ._device import current_stream, device_guard
 from ._lib import lib
 
+# The forward's tau scheme (ekv_flash_entmax_args.tau_scheme; docs/math.md §12, §12.1): 0
+# candidate lists, 1 histogram pass and exact-size lists. The same result either way; a
+# benchmark's switch (bench/prefill_side_by_side.py --scheme), not part of the op's schema.
+TAU_SCHEMES = {"cand": 0, "hist": 1}
+tau_scheme = 0
+
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16",
                  "torch.bfloat16": "bfloat16"}
 
@@ -43,7 +49,7 @@ def _args(q, k, v, alpha, causal, slopes, scale):
     p.alibi_slopes = None if slopes is None else slopes.data_ptr()
     a = _lib.FlashEntmaxArgs(shape=p, batch=B, q_dtype=_dtype(q, "q"), kv_dtype=_dtype(k, "k"),
                              out_dtype=_dtype(q, "q"), block_tokens=0, q=q.data_ptr(),
-                             k=k.data_ptr(), v=v.data_ptr())
+                             k=k.data_ptr(), v=v.data_ptr(), tau_scheme=tau_scheme)
     return a, (q, k, v, slopes)
 
 

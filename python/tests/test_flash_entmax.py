@@ -156,6 +156,27 @@ def test_cuda_forward_matches_the_cpu_op(alpha, causal, alibi, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_cuda_tau_schemes_agree(alpha):
+    """The forward's histogram tau scheme (flash_cuda.tau_scheme 1, docs/math.md §12.1) gives the
+    candidate scheme's tau (1e-5) and output (the same support, fp32 sums: 1e-5 of max|v|)."""
+    from entmaxkv import flash_cuda
+
+    (q, k, v), _ = _cuda_data(11, torch.bfloat16)
+    res = []
+    try:
+        for scheme in (0, 1):
+            flash_cuda.tau_scheme = scheme
+            res.append(flash.flash_entmax_fwd(q, k, v, alpha, True, SLOPES.cuda(), 0.0))
+    finally:
+        flash_cuda.tau_scheme = 0
+    (o0, t0), (o1, t1) = res
+    torch.testing.assert_close(t1, t0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o1.float(), o0.float(), rtol=2.0 ** -8,
+                               atol=1e-5 * v.abs().max().item())
+
+
+@cuda
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_gradients_match_the_cpu_op(alpha, dtype):

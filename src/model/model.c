@@ -424,9 +424,9 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
                         "sequences are a cuda feature)",
                         p.max_seqs);
     if (p.prefill_kernel != EKV_PREFILL_AUTO && p.prefill_kernel != EKV_PREFILL_FUSED &&
-        p.prefill_kernel != EKV_PREFILL_GEMM)
+        p.prefill_kernel != EKV_PREFILL_GEMM && p.prefill_kernel != EKV_PREFILL_FUSED_HIST)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "prefill_kernel=%d: expected auto (0), fused (1) or gemm (2)",
+                        "prefill_kernel=%d: expected auto (0), fused (1), gemm (2) or hist (3)",
                         (int)p.prefill_kernel);
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",

@@ -141,6 +141,7 @@ static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
     if (!s) s = dev_alloc(g, &pf->thr, rows * 4, "the prefill rows");
     if (!s) s = dev_alloc(g, &pf->m, rows * 4, "the prefill rows");
     if (!s) s = dev_alloc(g, &pf->tau, rows * 8, "the prefill rows");
+    if (!s) s = dev_alloc(g, &pf->off, rows * 8, "the prefill rows"); /* the histogram scheme */
     if (!s) s = dev_alloc(g, &pf->wlist, 2 * rows * 4, "the prefill row lists");
     if (!s)
         s = dev_alloc(g, &pf->wcount, 2 * (int64_t)m->cfg.n_kv_heads * 4, "the prefill row lists");
@@ -335,12 +336,15 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     g->pf.nparts = ekv_cuda_prefill_parts(m->prm.kv_dtype);
     const bool fits = ekv_cuda_prefill_fused_applies(m->prm.kv_dtype, c->head_dim);
     g->pf.fused = m->prm.prefill_kernel != EKV_PREFILL_GEMM && fits;
+    g->pf.tau_scheme = m->prm.prefill_kernel == EKV_PREFILL_FUSED_HIST ? EKV_PREFILL_TAU_HIST
+                                                                       : EKV_PREFILL_TAU_CANDIDATES;
     ekv_status s = g->layers && g->hpos
                            ? open_device(m, g)
                            : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
-    if (!s && m->prm.prefill_kernel == EKV_PREFILL_FUSED && !fits)
+    if (!s && (m->prm.prefill_kernel == EKV_PREFILL_FUSED ||
+               m->prm.prefill_kernel == EKV_PREFILL_FUSED_HIST) && !fits)
         s = ekv_fail(m->ctx, EKV_ERR_UNSUPPORTED,
-                     "model (cuda): prefill_kernel fused needs an f16 or bf16 cache and head_dim "
+                     "model (cuda): prefill_kernel fused or hist needs an f16 or bf16 cache and head_dim "
                      "64 or 128 (kv_dtype %s, head_dim %d): use auto or gemm",
                      ekv_dtype_name(m->prm.kv_dtype), c->head_dim);
     if (!s) s = upload_weights(m, g);

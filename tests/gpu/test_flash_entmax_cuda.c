@@ -4,7 +4,8 @@
  * device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference takes the
  * rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and 4/4,
  * D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or 16-bit,
- * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens.
+ * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens; then 4 cases of
+ * up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the other 16-bit type).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
@@ -19,7 +20,14 @@
  * the fp32 scores' error of tau may be in the support on one side and out on the other, so its
  * data is drawn again (next seed) until every key is at least 5e-5 from tau in double (the fp32
  * scores are within about 1e-5 of it at worst).
- * Also: two passes of the same rows agree; each invalid argument answers its status and leaves
+ * Both tau schemes of the forward (ekv_flash_entmax_args.tau_scheme, docs/math.md §12.1): each
+ * case runs the candidate scheme, the histogram scheme, and the histogram scheme with row_cap 1
+ * (every row whose list would hold more than one key, nearly all, to the Newton passes), each
+ * against the reference as above, and the two schemes' tau within 1e-5 relative of each other.
+ * Flat cases (every key of a KV head equal, so every row's support is its whole prefix: 1100
+ * keys, past the 1024 a list takes, for the last rows) drive both routes in one call.
+ * Also: two passes of the same rows agree; a second backward over a workspace of other bytes
+ * gives the same bits; each invalid argument answers its status and leaves
  * out, tau, dq, dk and dv untouched; the workspace query is what the calls need (a byte less
  * fails) and shrinks with block_tokens. Exit 77 when no CUDA device is present.
  */
@@ -34,6 +42,7 @@ typedef struct {
     double alpha;
     ekv_dtype qt, kvt, ot;
     int64_t block;
+    int flat; /* every key of a KV head equal to its first: support = the whole prefix */
 } fcase;
 
 /* One case's tensors: typed host copies (what the device reads), their values in double, the
@@ -112,6 +121,13 @@ static int setup(fdata *f, const fcase *c, uint64_t seed) {
     f->k = malloc((size_t)f->nk * 8), f->v = malloc((size_t)f->nk * 8);
     draw(&r, f->hq, f->q, f->nq, c->qt, 3.0);
     draw(&r, f->hk, f->k, f->nk, c->kvt, 1.0);
+    if (c->flat) /* key j of each (sequence, KV head) := key 0 of it */
+        for (int64_t i = 0; i < f->nk; i++) {
+            const int64_t d = i % c->D, hk = i / c->D % c->Hk, b = i / (c->D * c->Hk * c->N);
+            const int64_t src = (b * c->N * c->Hk + hk) * c->D + d;
+            ekv_store_f32(f->hk, c->kvt, i, (float)f->k[src]);
+            f->k[i] = f->k[src];
+        }
     draw(&r, f->hv, f->v, f->nk, c->kvt, 1.0);
     draw(&r, f->hg, f->g, f->nq, c->ot, 1.0);
     for (int h = 0; h < c->H; h++) f->slopes[h] = 0.25f / (float)(1 << h);
@@ -181,9 +197,10 @@ static ekv_status reference(ekv_context *ctx, const fdata *f, double *out, doubl
     return s;
 }
 
-/* The device forward against the reference's out and tau; *gpu_out gets the output (host). */
+/* The device forward against the reference's out and tau; *gpu_out and *gpu_tau get its output
+ * and tau (host). */
 static void check_forward(ekv_context *ctx, fdata *f, const double *rout, const double *rtau,
-                          const char *name, void **gpu_out) {
+                          const char *name, void **gpu_out, double **gpu_tau) {
     const fcase *c = &f->c;
     const int64_t rows = c->B * c->T * c->H, ob = f->nq * ekv_dtype_size(c->ot);
     ekv_status s = ekv_cuda_flash_entmax_forward(ctx, &f->a, f->dws, f->fwd_bytes, NULL);
@@ -200,8 +217,29 @@ static void check_forward(ekv_context *ctx, fdata *f, const double *rout, const 
           e, vmax);
     CHECK(terr <= 1e-5, "%s: tau: max relative difference %.3g > 1e-5", name, terr);
     printf("  %-58s out %.1e tau %.1e\n", name, e / vmax, terr);
-    free(tau);
+    *gpu_tau = tau;
     *gpu_out = out;
+}
+
+/* The histogram scheme (row_cap 0: the default cap; 1: nearly every row by Newton passes)
+ * against the reference, and its tau against the candidate scheme's (tau0). */
+static void check_hist(ekv_context *ctx, fdata *f, const double *rout, const double *rtau,
+                       const double *tau0, const char *name, int32_t row_cap) {
+    char hname[200];
+    snprintf(hname, sizeof hname, "%s hist%s", name, row_cap ? " cap 1" : "");
+    f->a.tau_scheme = 1;
+    f->a.row_cap = row_cap;
+    void *out = NULL;
+    double *tau = NULL, diff = 0;
+    check_forward(ctx, f, rout, rtau, hname, &out, &tau);
+    const int64_t rows = f->c.B * f->c.T * f->c.H;
+    for (int64_t i = 0; i < rows; i++)
+        diff = fmax(diff, fabs(tau[i] - tau0[i]) / fmax(1.0, fabs(tau0[i])));
+    CHECK(diff <= 1e-5, "%s: tau of the two schemes differ by %.3g relative", hname, diff);
+    f->a.tau_scheme = 0;
+    f->a.row_cap = 0;
+    free(out);
+    free(tau);
 }
 
 /* The device backward (from the device forward's tau) against the reference's (from its own). */
@@ -223,11 +261,25 @@ static void check_backward(ekv_context *ctx, fdata *f, double *rtau, const char 
      * exactly (one key: ds = w (g - delta) = 0, so dk = dq = 0) comes out of cancelling terms
      * of the size of the others, within their rounding. */
     double e[3], mx[3], scale = 0;
+    void *h[3];
     for (int i = 0; i < 3; i++) {
-        void *h = host_copy(dev_[i], n[i] * ekv_dtype_size(dt[i]));
-        e[i] = excess(h, dt[i], ref + off[i], n[i], unit(dt[i]), &mx[i]);
+        h[i] = host_copy(dev_[i], n[i] * ekv_dtype_size(dt[i]));
+        e[i] = excess(h[i], dt[i], ref + off[i], n[i], unit(dt[i]), &mx[i]);
         scale = fmax(scale, mx[i]);
-        free(h);
+    }
+    /* A second call over a workspace of other bytes gives the same bits: every gradient is
+     * summed in an order fixed by the shape (no atomics), and nothing reads scratch that the
+     * call did not write (docs/math.md §13.3, "On tensor cores"). */
+    cudaMemset(f->dws, 0x5a, (size_t)f->bwd_bytes);
+    s = ekv_cuda_flash_entmax_backward(ctx, &f->a, f->dg_, f->dgq_, f->dgk_, f->dgv_, f->dws,
+                                       f->bwd_bytes, NULL);
+    CHECK(s == EKV_OK && cudaDeviceSynchronize() == cudaSuccess, "%s: second backward", name);
+    for (int i = 0; i < 3; i++) {
+        const size_t bytes = (size_t)(n[i] * ekv_dtype_size(dt[i]));
+        void *again = host_copy(dev_[i], (int64_t)bytes);
+        CHECK(memcmp(h[i], again, bytes) == 0, "%s: %s differs between two calls", name, what[i]);
+        free(again);
+        free(h[i]);
     }
     printf("  %-58s", "");
     for (int i = 0; i < 3; i++) {
@@ -268,10 +320,11 @@ static void check_passes(ekv_context *ctx, fdata *f, const void *out, const char
 
 static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
     char name[160];
-    snprintf(name, sizeof name, "B%lld T%lld N%lld H%d/%d D%d a%g %s%s kv %s q %s out %s%s",
+    snprintf(name, sizeof name, "B%lld T%lld N%lld H%d/%d D%d a%g %s%s kv %s q %s out %s%s%s",
              (long long)c->B, (long long)c->T, (long long)c->N, c->H, c->Hk, c->D, c->alpha,
              c->causal ? "causal" : "all", c->alibi ? " alibi" : "", ekv_dtype_name(c->kvt),
-             ekv_dtype_name(c->qt), ekv_dtype_name(c->ot), c->block ? " passes" : "");
+             ekv_dtype_name(c->qt), ekv_dtype_name(c->ot), c->block ? " passes" : "",
+             c->flat ? " flat" : "");
     fdata f;
     const int64_t rows = c->B * c->T * c->H;
     double *rout = malloc((size_t)(c->B * c->T * c->H * c->D) * 8),
@@ -293,10 +346,15 @@ static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
     f.dws = dev(f.fwd_bytes > f.bwd_bytes ? f.fwd_bytes : f.bwd_bytes);
     if (!s && f.dws) {
         void *out = NULL;
-        check_forward(ctx, &f, rout, rtau, name, &out);
+        double *tau0 = NULL;
+        check_forward(ctx, &f, rout, rtau, name, &out, &tau0);
+        check_hist(ctx, &f, rout, rtau, tau0, name, 0);
+        check_hist(ctx, &f, rout, rtau, tau0, name, 1);
         if (c->block) check_passes(ctx, &f, out, name);
-        check_backward(ctx, &f, rtau, name);
+        if (!c->flat) /* the flat cases are about the forward's two routes */
+            check_backward(ctx, &f, rtau, name);
         free(out);
+        free(tau0);
     }
     teardown(&f);
     free(rout);
@@ -332,7 +390,7 @@ static void try_bad(ekv_context *ctx, fdata *f, ekv_flash_entmax_args a, void *w
 /* Each invalid argument answers its status and changes no output (forward and backward). */
 static void check_invalid(ekv_context *ctx) {
     const fcase c = {1, 17, 17, 4, 4, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16,
-                     0};
+                     0, 0};
     fdata f;
     if (setup(&f, &c, 42)) {
         CHECK(0, "invalid: no device memory");
@@ -361,6 +419,9 @@ static void check_invalid(ekv_context *ctx) {
     } while (0)
         BAD(a.batch = 0, EKV_ERR_INVALID_SIZE, "batch 0");
         BAD(a.block_tokens = -1, EKV_ERR_INVALID_SIZE, "block_tokens -1");
+        BAD(a.tau_scheme = 2, EKV_ERR_INVALID_ARGUMENT, "tau_scheme 2");
+        BAD(a.row_cap = -1, EKV_ERR_INVALID_SIZE, "row_cap -1");
+        BAD(a.row_cap = 4097, EKV_ERR_INVALID_SIZE, "row_cap 4097");
         BAD(a.shape.head_dim = 96, EKV_ERR_UNSUPPORTED, "head_dim 96");
         BAD(a.kv_dtype = EKV_DTYPE_F32, EKV_ERR_UNSUPPORTED, "K/V f32");
         BAD(a.kv_dtype = (ekv_dtype)7, EKV_ERR_INVALID_DTYPE, "kv_dtype 7");
@@ -431,8 +492,28 @@ int main(void) {
                 c.ot = x >> 6 & 1 ? EKV_DTYPE_F32 : c.qt;
                 c.B = (x >> 7) % 7 == 3 ? 2 : 1;
                 c.block = c.T >= 64 && (x >> 10 & 1) ? 16 : 0;
+                c.flat = 0;
                 run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
             }
+    /* flat rows: support = the prefix, up to 1100 keys (the last 76 rows past a list's 1024),
+     * alpha 1.5 and 2, a softer alpha 1.25 and a harder 3, ALiBi off (it would tilt them) */
+    static const double flat_alphas[] = {1.5, 2.0, 1.25, 3.0};
+    for (int ai = 0; ai < 4; ai++, i++) {
+        fcase c = {1, 1100, 1100, 4, 4, 64, 1, 0, flat_alphas[ai], EKV_DTYPE_BF16, EKV_DTYPE_BF16,
+                   EKV_DTYPE_F32, 0, 1};
+        if (ai & 1) c.qt = EKV_DTYPE_F32, c.kvt = EKV_DTYPE_F16;
+        run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
+    }
+    /* beside the table: alpha 1.25 (the general power), a 16-bit q of the other 16-bit type
+     * (the backward splits it), and prefixes of many 64-key tiles and 16-row blocks (the
+     * backward's keys pass skips the row blocks before a tile; its rows pass ends mid-tile) */
+    static const fcase extra[] = {
+            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0, 0},
+            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0},
+            {1, 700, 700, 6, 2, 128, 1, 1, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0},
+            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0}};
+    for (size_t e = 0; e < sizeof extra / sizeof extra[0]; e++, i++)
+        run_case(ctx, &extra[e], 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     check_invalid(ctx);
     ekv_context_free(ctx);
     return test_finish("test_flash_entmax_cuda");

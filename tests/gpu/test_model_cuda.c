@@ -532,13 +532,45 @@ static void check_graph_replay(ekv_context *ctx, const int32_t *tok) {
  * overflows: with prefill_candidates = 4 nearly every row keeps too few (the model's keys cannot
  * be planted through the API, so the buffer is shrunk instead), so lists are compacted inside
  * the sweep, rows are retried and solved by Newton passes, and must still give the same logits. The
- * stats say which kernel ran. */
+ * stats say which kernel ran. The fused kernel's histogram scheme (EKV_PREFILL_FUSED_HIST,
+ * docs/math.md §12.1) runs each case too, against the CPU and the candidate scheme: no row
+ * retried; with prefill_candidates = 4 (its lists' cap) nearly every row by Newton passes. */
 typedef struct {
     ekv_dtype kv;
     int64_t n, chunk;
     int32_t cands;   /* ekv_model_params.prefill_candidates, 0 = the default */
     int32_t compact; /* prefill_compact (the fill that compacts a list), 0 = the default */
 } fcase;
+
+/* The histogram scheme's model (hist) of a case against the CPU's logits lc and the candidate
+ * scheme's lf; lh: room for its logits. */
+static void check_hist_case(ekv_context *ctx, const fcase *f, ekv_model *hist, const int32_t *tok,
+                            const float *lc, const float *lf, float *lh, int64_t steps) {
+    char what[96];
+    CHECK(!ekv_model_step(hist, tok, f->n, lh), "hist prefill: %s", ekv_last_error(ctx));
+    snprintf(what, sizeof what, "hist %s %lld chunk %lld cands %d vs cpu", ekv_dtype_name(f->kv),
+             (long long)f->n, (long long)f->chunk, f->cands);
+    compare(what, lh, lc, f->n);
+    snprintf(what, sizeof what, "hist %s %lld chunk %lld vs fused", ekv_dtype_name(f->kv),
+             (long long)f->n, (long long)f->chunk);
+    compare(what, lh, lf, f->n);
+    ekv_model_stats sh;
+    ekv_model_get_stats(hist, -1, &sh);
+    CHECK(sh.prefill_fused == steps && sh.prefill_gemm == 0, "hist stats %lld / %lld of %lld",
+          (long long)sh.prefill_fused, (long long)sh.prefill_gemm, (long long)steps);
+    printf("    hist: rows retried %lld, solved by Newton passes %lld, compacted %lld\n",
+           (long long)sh.prefill_retry_rows, (long long)sh.prefill_newton_rows,
+           (long long)sh.prefill_compacted_rows);
+    CHECK(sh.prefill_retry_rows == 0 && sh.prefill_compacted_rows == 0,
+          "hist: %lld rows retried, %lld compacted (its lists are sized, never retried)",
+          (long long)sh.prefill_retry_rows, (long long)sh.prefill_compacted_rows);
+    if (f->cands && f->cands <= 4) /* most rows' lists exceed 4 keys */
+        CHECK(sh.prefill_newton_rows > 0, "hist cands %d: no row by Newton passes", f->cands);
+    if (!f->cands && f->n <= 1024) /* every list fits 1024: a Newton row means P1 and P2 differed */
+        CHECK(sh.prefill_newton_rows == 0,
+              "hist: %lld rows by Newton passes, lists of <= %lld keys",
+              (long long)sh.prefill_newton_rows, (long long)f->n);
+}
 
 static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *tok) {
     const mcase c = {EKV_SELECT_DENSE, f->kv, f->chunk, 1, f->n, NULL};
@@ -550,11 +582,13 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
     ekv_model *fused = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
     t.prefill_kernel = EKV_PREFILL_GEMM;
     ekv_model *gemm = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
+    t.prefill_kernel = EKV_PREFILL_FUSED_HIST;
+    ekv_model *hist = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
     float *lc = malloc(sizeof(float) * (size_t)(f->n * V)),
           *lf = malloc(sizeof(float) * (size_t)(f->n * V)),
           *lg = malloc(sizeof(float) * (size_t)(f->n * V));
     char what[96];
-    if (cpu && fused && gemm && lc && lf && lg) {
+    if (cpu && fused && gemm && hist && lc && lf && lg) {
         CHECK(!ekv_model_step(cpu, tok, f->n, lc), "cpu prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(fused, tok, f->n, lf), "fused prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gemm, tok, f->n, lg), "gemm prefill: %s", ekv_last_error(ctx));
@@ -581,10 +615,12 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
             CHECK(sf.prefill_retry_rows > 0 && sf.prefill_newton_rows > 0,
                   "cands %d: no row overflowed (retried %lld, Newton %lld)", f->cands,
                   (long long)sf.prefill_retry_rows, (long long)sf.prefill_newton_rows);
+        check_hist_case(ctx, f, hist, tok, lc, lf, lg, steps);
     }
     ekv_model_free(cpu);
     ekv_model_free(fused);
     ekv_model_free(gemm);
+    ekv_model_free(hist);
     free(lc);
     free(lf);
     free(lg);
@@ -682,6 +718,11 @@ static void check_fused(ekv_context *ctx, const int32_t *tok) {
     ekv_model *m = NULL;
     CHECK(ekv_model_load(ctx, MODEL, &p, &m) == EKV_ERR_UNSUPPORTED && !m,
           "fused prefill on an f32 cache: %s", ekv_last_error(ctx));
+    ekv_model_free(m);
+    p.prefill_kernel = EKV_PREFILL_FUSED_HIST;
+    m = NULL;
+    CHECK(ekv_model_load(ctx, MODEL, &p, &m) == EKV_ERR_UNSUPPORTED && !m,
+          "hist prefill on an f32 cache: %s", ekv_last_error(ctx));
     ekv_model_free(m);
 }
 

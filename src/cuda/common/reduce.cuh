@@ -11,6 +11,12 @@ template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+/* The sum over the 4 lanes of a quad (the lanes that hold one row of an mma fragment, mma.cuh),
+ * in every lane of it. */
+template <typename T> __device__ __forceinline__ T ekv_quad_sum(T v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
 template <typename T> __device__ __forceinline__ T ekv_warp_max(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -97,20 +103,21 @@ __device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) 
 }
 
 /* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
- * block's sum. wsum: 32 ints of shared memory. */
-__device__ __forceinline__ int ekv_block_exclusive_scan(int v, int *wsum, int *total) {
+ * block's sum. wsum: 32 T of shared memory. */
+template <typename T>
+__device__ __forceinline__ T ekv_block_exclusive_scan(T v, T *wsum, T *total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int incl = v;
+    T incl = v;
     for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        const T x = __shfl_up_sync(0xffffffffu, incl, o);
         if (lane >= o) incl += x;
     }
     __syncthreads();
     if (lane == 31) wsum[warp] = incl;
     __syncthreads();
-    int before = 0, all = 0;
+    T before = 0, all = 0;
     for (int w = 0; w < nw; w++) {
-        const int c = wsum[w];
+        const T c = wsum[w];
         before += w < warp ? c : 0;
         all += c;
     }

@@ -58,6 +58,14 @@ ekv_status flash_check(ekv_context *ctx, const ekv_flash_entmax_args *a, void *s
     ekv_status st = ekv_check_attention_params(ctx, p);
     if (!st) st = check_dtypes(ctx, a);
     if (st) return st;
+    if (a->tau_scheme != EKV_PREFILL_TAU_CANDIDATES && a->tau_scheme != EKV_PREFILL_TAU_HIST)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "flash entmax: tau_scheme=%d must be 0 (candidates) or 1 (histogram)",
+                        a->tau_scheme);
+    if (a->row_cap < 0 || a->row_cap > EKV_PREFILL_CANDIDATES)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "flash entmax: row_cap=%d must be in [0, %d] (0 = %d)", a->row_cap,
+                        (int)EKV_PREFILL_CANDIDATES, (int)EKV_PREFILL_ROW_CAP);
     if (a->batch < 1 || a->block_tokens < 0 || p->num_kv_heads > 65535)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "flash entmax: batch=%d must be >= 1, block_tokens=%lld >= 0 (0 = "
@@ -108,7 +116,8 @@ ekv_status flash_check_workspace(const flash_job &J, const void *ws, int64_t byt
 /* The forward's pieces of the workspace: the fused kernel's scratch for one pass (prefill.cuh),
  * its counters, and the pass's fp32 q and output when the caller's are 16-bit. */
 struct fwd_layout {
-    int64_t qparts, qshift, bad, cand, cidx, count, state, thr, m, tau, wlist, wcount, counters;
+    int64_t qparts, qshift, bad, cand, cidx, count, state, thr, m, tau, off, wlist, wcount;
+    int64_t counters;
     int64_t q32, att32, total;
 };
 
@@ -127,6 +136,7 @@ static fwd_layout forward_layout(const flash_job &J) {
     L.thr = c.take(rows * 4);
     L.m = c.take(rows * 4);
     L.tau = c.take(rows * 8);
+    L.off = c.take(rows * 8);
     L.wlist = c.take(2 * rows * 4);
     L.wcount = c.take(2 * J.Hk * 4);
     L.counters = c.take(PF_COUNTERS * 8);
@@ -185,6 +195,9 @@ static ekv_cuda_prefill prefill_scratch(const flash_job &J, const fwd_layout &L,
     pf.tau = (double *)(base + L.tau);
     pf.wlist = (int32_t *)(base + L.wlist);
     pf.wcount = (int32_t *)(base + L.wcount);
+    pf.tau_scheme = J.a->tau_scheme;
+    pf.row_cap = J.a->row_cap;
+    pf.off = (int64_t *)(base + L.off);
     return pf;
 }
 

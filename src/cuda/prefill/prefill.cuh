@@ -2,8 +2,9 @@
  * Dense prefill attention on the GPU (docs/math.md §12; docs/architecture.md, "The model on the
  * GPU"): the entry the model engine calls for a dense block, what it runs on and the scratch it
  * needs. prefill.cu holds the entry and the GEMM path (S and P in global memory, cuBLAS),
- * prefill_fused.cu the fused kernel (S and P never leave the chip), prefill_common.cuh what
- * both share. The public entry over device tensors (ekv_cuda_flash_entmax_*, include/entmaxkv/
+ * prefill_fused.cu the fused kernel (S and P never leave the chip; prefill_hist.cu its
+ * histogram tau scheme, prefill_fused.cuh what its passes share), prefill_common.cuh what
+ * both paths share. The public entry over device tensors (ekv_cuda_flash_entmax_*, include/entmaxkv/
  * cuda.h) runs the fused kernel through ekv_cuda_prefill_attention too (flash_entmax.cu).
  */
 #pragma once
@@ -21,6 +22,12 @@ static inline int32_t ekv_cuda_prefill_parts(ekv_dtype kv) {
 /* The fused kernel's defaults: candidates kept per row (the GEMM path's row kernel keeps as
  * many) and the fill that compacts a row's list inside the sweep (docs/math.md §12). */
 enum { EKV_PREFILL_CANDIDATES = 4096, EKV_PREFILL_COMPACT_AT = 1024 };
+/* How the fused kernel finds each row's tau (docs/math.md §12, §12.1): candidate lists of
+ * z > running max - 1 with compaction and retries, or a histogram pass (row max and counts on
+ * the grid floor(32 z)) whose count bound sizes an exact list per row (prefill_hist.cu); rows
+ * whose list would exceed EKV_PREFILL_ROW_CAP (or row_cap) take Newton passes. */
+enum { EKV_PREFILL_TAU_CANDIDATES = 0, EKV_PREFILL_TAU_HIST = 1 };
+enum { EKV_PREFILL_ROW_CAP = 1024 };
 
 /* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
  * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
@@ -57,6 +64,11 @@ struct ekv_cuda_prefill {
     double *tau;        /* [H * chunk] tau - M */
     int32_t *wlist;     /* [2][H * chunk] the rows of a retry or Newton pass, per KV head */
     int32_t *wcount;    /* [2][n_kv_heads] their counts */
+    /* the histogram scheme (EKV_PREFILL_TAU_HIST): the pool is cand / cidx (H * chunk *
+     * cand_cap entries), a row's slice starts at off[row] */
+    int tau_scheme;  /* EKV_PREFILL_TAU_* */
+    int32_t row_cap; /* a list's entries at most (0: EKV_PREFILL_ROW_CAP; capped by cand_cap) */
+    int64_t *off;    /* [H * chunk] */
 };
 
 /* One dense block: T query tokens of one sequence at positions pos0.., each attending its

@@ -33,236 +33,13 @@
  * §13.1): rows that see every key (noncausal_keys; ALiBi -m_h |j - i| on both sides), and
  * softmax (alpha 1): no candidates, every row takes step 2 as one sweep for its max and one
  * for log-sum-exp, then step 4.
+ * The histogram scheme (pf->tau_scheme, prefill_hist.cu, docs/math.md §12.1) replaces step 1:
+ * every row's list is sized by a histogram pass and filled by one more sweep, rows too big for
+ * a list go to step 2; steps 3 and 4 as here (newton_and_outputs).
  */
-#include "prefill.cuh"
-#include "prefill_common.cuh"
-#include "../common/launch.cuh"
-#include "../common/loads.cuh"
-#include "../common/mma.cuh"
-#include "../common/reduce.cuh"
-#include "../common/tau_solve.cuh"
-#include "../common/weights.cuh"
+#include "prefill_fused.cuh"
 
 namespace {
-
-enum {
-    PF_NW = 4,
-    PF_THREADS = 32 * PF_NW,
-    PF_ROWS = 16 * PF_NW, /* query rows of a block */
-    PF_KEYS = 64,         /* keys of a tile */
-    PF_ROUNDS = 3,        /* candidate rounds before a row takes Newton passes */
-    PF_TAU_THREADS = 256, /* 8 rows of the tau kernel, a warp each */
-    PF_TAU_STAGE = 1024   /* candidates a warp of the tau kernel stages in shared memory */
-};
-enum { PF_CANDS, PF_NEWTON, PF_OUT };
-enum { PF_GATHER_THREADS = 256 }; /* a warp per row */
-/* where a row's tau stands: solved from its candidates (its output gathered) or by Newton
- * passes (its output swept) */
-enum { ROW_FRESH = 0, ROW_RETRY = 1, ROW_NEWTON = 2, ROW_SOLVED = 3, ROW_SOLVED_NEWTON = 4 };
-
-struct fused_args : prefill_args {
-    const void *k, *v; /* key and value 0 of KV head 0 of the sequence */
-    int64_t kstride;   /* elements between tokens: Hk * D */
-    int64_t noncausal_keys; /* 0: causal; else every row sees keys [0, noncausal_keys) */
-    int cap, round, last;
-    int compact_at; /* a list is compacted when a tile would take it past this (<= cap) */
-    float *cand;
-    int64_t *cidx; /* the candidates' key positions (gather_out_kernel reads their V rows) */
-    int32_t *count, *state;
-    float *thr, *rowm;
-    double *tau;
-    unsigned long long *rows; /* the block's [PF_COUNTERS] (prefill.cuh) */
-    /* the pass's rows: NULL = every row of the block; else per KV head g, wcount_in[g] rows
-     * (their r in [0, R)) at wlist_in + g R; the tau kernel appends the rows it sends to the
-     * next pass to wlist_out / wcount_out */
-    const int32_t *wlist_in, *wcount_in;
-    int32_t *wlist_out, *wcount_out;
-};
-
-template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
-/* the q tile [np][PF_ROWS][pitch] is read into registers before the stages reuse its memory */
-template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused_smem_bytes() {
-    constexpr size_t q = (size_t)NP * PF_ROWS * mma_qpitch<D>() * 2,
-                     st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
-    return q > st ? q : st;
-}
-
-/* The lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): global row g R + r (-1
- * past R), the query's position, 2^-s of its split, a m_h, and whether the pass works on it. */
-struct pf_lane {
-    int64_t row[2], pos[2], t[2], h[2];
-    float shift[2], am[2];
-    bool on[2];
-};
-
-/* Row rr of the block (0 .. PF_ROWS - 1): its r in [0, R) of KV head blockIdx.y, or -1. */
-__device__ __forceinline__ int64_t block_row(const fused_args &A, int rr) {
-    const int64_t g = blockIdx.y, i = (int64_t)blockIdx.x * PF_ROWS + rr;
-    if (!A.wlist_in) return i < A.R ? i : -1;
-    return i < A.wcount_in[g] ? (int64_t)A.wlist_in[g * A.R + i] : -1;
-}
-
-__device__ __forceinline__ pf_lane lane_rows(const fused_args &A, int want) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t g = blockIdx.y;
-    pf_lane L;
-    for (int k = 0; k < 2; k++) {
-        const int64_t r0 = block_row(A, warp * 16 + (lane >> 2) + 8 * k);
-        const bool in = r0 >= 0;
-        const int64_t r = in ? r0 : 0;
-        L.row[k] = in ? g * A.R + r : -1;
-        L.t[k] = r / A.G;
-        L.pos[k] = A.pos0 + L.t[k];
-        L.h[k] = g * A.G + r % A.G;
-        L.shift[k] = in ? A.qshift[L.row[k]] : 0.f;
-        L.am[k] = in && A.slopes ? (float)(A.a * (double)A.slopes[L.h[k]]) : 0.f;
-        L.on[k] = in && (want < 0 || A.state[L.row[k]] == want);
-    }
-    return L;
-}
-
-/* The block's query rows, np parts each, from qparts into shared memory (zero past R), then the
- * warp's A fragments into registers. */
-template <typename T, int D, int NP>
-__device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
-                                             uint32_t (*qa)[D / 16][4]) {
-    constexpr int CH = D / 8, P = mma_qpitch<D>();
-    const int64_t g = blockIdx.y;
-    const T *src = static_cast<const T *>(A.qparts);
-    for (int i = threadIdx.x; i < NP * PF_ROWS * CH; i += PF_THREADS) {
-        const int part = i / (PF_ROWS * CH), rr = i / CH % PF_ROWS, c = i % CH;
-        const int64_t r = block_row(A, rr);
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r >= 0)
-            v = *reinterpret_cast<const uint4 *>(src + part * A.Hk * A.R * A.D +
-                                                 (g * A.R + r) * A.D + c * 8);
-        *reinterpret_cast<uint4 *>(qs + (part * PF_ROWS + rr) * P + c * 8) = v;
-    }
-    __syncthreads();
-    load_q_frags<T, D, NP>(qs + (threadIdx.x >> 5) * 16 * P, PF_ROWS * P, qa);
-    __syncthreads(); /* the stages reuse qs */
-}
-
-/* The keys of the block's rows: [0, pos0 + t of its last row + 1); a listed block's rows are
- * in the tau kernel's order, so the largest t is found by a block reduction (block-uniform:
- * every thread calls it). */
-__device__ __forceinline__ int64_t block_keys(const fused_args &A) {
-    if (A.noncausal_keys) return A.noncausal_keys;
-    if (!A.wlist_in) {
-        const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
-        return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
-    }
-    __shared__ int s_last;
-    if (threadIdx.x == 0) s_last = 0;
-    __syncthreads();
-    const int64_t r = threadIdx.x < PF_ROWS ? block_row(A, threadIdx.x) : -1;
-    if (r >= 0) atomicMax(&s_last, (int)(r / A.G));
-    __syncthreads();
-    const int64_t keys = A.pos0 + s_last + 1;
-    __syncthreads(); /* s_last is read before a later call resets it */
-    return keys;
-}
-
-/* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
- * the row's max comes early, which keeps round 0's candidates few): tile [k0, k0 + PF_KEYS) of
- * K (and V) lands in a stage, then use(k0, kt, vt) runs in every warp (block-uniform). */
-template <typename T, int D, bool WITH_V, typename Use>
-__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *stages,
-                                      Use use) {
-    constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB, SUB = 16 * D * 2;
-    const int warp = threadIdx.x >> 5;
-    const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
-    const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
-    auto issue = [&](int64_t j) { /* each warp copies 16 rows of the tile */
-                                  const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
-                                  const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
-                                  unsigned char *st = stages + (j & 1) * SB + warp * SUB;
-                                  tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride,
-                                                         warp * 16, valid);
-                                  if (WITH_V)
-                                      tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
-                                                            warp * 16, valid);
-    };
-    issue(0);
-    cp_async_commit();
-    for (int64_t j = 0; j < ntiles; j++) {
-        if (j + 1 < ntiles) issue(j + 1);
-        cp_async_commit();
-        cp_async_wait<1>(); /* this thread's copies of tile j have landed ... */
-        __syncthreads();    /* ... and everyone's */
-        const unsigned char *st = stages + (j & 1) * SB;
-        use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
-        __syncthreads(); /* the stage is free for tile j + 2 */
-    }
-    cp_async_wait<0>();
-}
-
-/* z of the lane's scores of a 64-key tile from k0 (s[n8][i]: row k = i / 2, key k0 + 8 n8 +
- * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked (past the row's position, or
- * with noncausal_keys past the last key); *bad |= a z that is not finite where not masked. The
- * bias -a m_h |j - i| is a m_h (j - i) on the causal side, bit for bit. */
-template <typename T, int D, int NP>
-__device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
-                                       const pf_lane &L, int64_t k0, int64_t noncausal_keys,
-                                       float (*s)[4], int *bad) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int q = 0; q < PF_KEYS / 16; q++)
-        tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
-#pragma unroll
-    for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int k = i >> 1;
-            const int64_t j = k0 + n8 * 8 + 2 * (lane & 3) + (i & 1);
-            const bool in = L.row[k] >= 0 && j <= (noncausal_keys ? noncausal_keys - 1 : L.pos[k]);
-            const float z = fmaf(s[n8][i], L.shift[k], -L.am[k] * fabsf((float)(j - L.pos[k])));
-            *bad |= in && !isfinite(z);
-            s[n8][i] = in ? z : -CUDART_INF_F;
-        }
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ double quad_sum(double v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-__device__ __forceinline__ double quad_min(double v) {
-    v = fmin(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmin(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-/* A sweep whose every tile's z (the warp's rows against the tile's keys, tile_z) goes to
- * use(k0, s, vt). A warp without a live row skips the mma but still copies its share of each
- * tile and meets the barriers (sweep). */
-template <typename T, int D, int NP, bool WITH_V, typename Use>
-__device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
-                                        const uint32_t (*qa)[D / 16][4], int64_t nk,
-                                        unsigned char *stages, int *bad, Use use) {
-    const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
-    sweep<T, D, WITH_V>(A, nk, stages,
-                        [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-                            if (!warp_on) return;
-                            float s[PF_KEYS / 8][4];
-                            tile_z<T, D, NP>(kt, qa, L, k0, A.noncausal_keys, s, bad);
-                            use(k0, s, vt);
-                        });
-}
-
-/* The exclusive prefix sum of c over the 4 lanes of a quad (the lanes of one query row), and
- * in *total their sum. Every lane of the warp calls it. */
-__device__ __forceinline__ int quad_exclusive(int c, int *total) {
-    const int q = threadIdx.x & 3;
-    int v = c, t = __shfl_up_sync(0xffffffffu, v, 1, 4);
-    if (q >= 1) v += t;
-    t = __shfl_up_sync(0xffffffffu, v, 2, 4);
-    if (q >= 2) v += t;
-    *total = __shfl_sync(0xffffffffu, v, 3, 4);
-    return v - c;
-}
 
 /* A row's list about to overflow, compacted in place by its warp (warp-uniform call): the
  * threshold of its n kept candidates, a subset of the row's scores, is a lower bound of the
@@ -403,8 +180,8 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
     const double beta = 1.0 / (A.alpha - 1.0);
     const bool softmax = A.alpha == 1.0;
     const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
-    int unused = 0; /* the max sweep checked every z */
-    int bad = 0;    /* softmax has no round 0, so its max sweep checks them */
+    int unused = 0;                                     /* the max sweep checked every z */
+    int bad = 0; /* softmax has no round 0, so its max sweep checks them */
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
     sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &bad,
                              [&](int64_t, float(*s)[4], const unsigned char *) {
@@ -541,12 +318,7 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
     const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
     if (row >= A.Hk * A.R || A.state[row] != (A.round ? ROW_RETRY : ROW_FRESH)) return;
     const int64_t n = A.count[row], kept = n < A.cap ? n : A.cap;
-    const float *cs = A.cand + row * A.cap;
-    if (kept <= PF_TAU_STAGE) {
-        for (int64_t j = lane; j < kept; j += 32) stage[warp][j] = cs[j];
-        __syncwarp();
-        cs = stage[warp];
-    }
+    const float *cs = stage_list(A.cand + row * A.cap, kept, stage[warp]);
     if (n <= A.cap) { /* every candidate, the row's max among them */
         float M = -CUDART_INF_F;
         for (int64_t j = lane; j < n; j += 32) M = fmaxf(M, cs[j]);
@@ -587,8 +359,8 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
     const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
     const double tau = (double)A.rowm[row] + A.tau[row], beta = 1.0 / (A.alpha - 1.0);
     const int64_t n = A.count[row]; /* <= cap: the tau kernel solved over all of them */
-    const float *cz = A.cand + row * A.cap;
-    const int64_t *ck = A.cidx + row * A.cap;
+    const float *cz = A.cand + list_at(A, row);
+    const int64_t *ck = A.cidx + list_at(A, row);
     const T *V = static_cast<const T *>(A.v) + g * A.D;
     float o[2 * NPAIR];
 #pragma unroll
@@ -605,7 +377,8 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
             const T *vr = V + __shfl_sync(0xffffffffu, key, src) * A.kstride;
 #pragma unroll
             for (int c = 0; c < NPAIR; c++) {
-                const float2 v = ekv_pair_f32(*reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane));
+                const float2 v =
+                        ekv_pair_f32(*reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane));
                 o[2 * c] = fmaf(pk, v.x, o[2 * c]);
                 o[2 * c + 1] = fmaf(pk, v.y, o[2 * c + 1]);
             }
@@ -615,7 +388,8 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
     float *dst = A.att + (t * A.H + h) * A.D;
 #pragma unroll
     for (int c = 0; c < NPAIR; c++)
-        *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) = make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+        *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) =
+                make_float2(o[2 * c] * f, o[2 * c + 1] * f);
 }
 
 /* Every row of the block to state v (softmax: ROW_NEWTON, no candidate rounds). */
@@ -636,13 +410,8 @@ template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_
 
 template <typename T, int D, int NP, int MODE>
 cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
-    constexpr auto kernel = fused_kernel<T, D, NP, MODE>;
-    constexpr size_t bytes = fused_smem_bytes<D, NP, MODE == PF_OUT>();
-    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
-    if (e != cudaSuccess) return e;
-    kernel<<<dim3((unsigned)((A.R + PF_ROWS - 1) / PF_ROWS), (unsigned)A.Hk), PF_THREADS, bytes,
-             s>>>(A);
-    return cudaGetLastError();
+    return launch_row_blocks<fused_kernel<T, D, NP, MODE>>(
+            A, fused_smem_bytes<D, NP, MODE == PF_OUT>(), s);
 }
 
 template <typename T, int NP>
@@ -656,11 +425,21 @@ cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
                                : launch_pass<T, 128, NP, PF_OUT>(A, s);
 }
 
-/* f16 queries take 2 parts, bf16 3 (the caller sets nparts: src/model/model_gpu.cu,
- * docs/math.md §12) */
+/* The pass mode over the queries split for K's dtype dt. */
 cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) {
-    return dt == EKV_DTYPE_F16 ? launch_mode<__half, 2>(A, mode, s)
-                               : launch_mode<__nv_bfloat16, 3>(A, mode, s);
+    return with_query_split(dt, [&](auto q) {
+        return launch_mode<typename decltype(q)::type, decltype(q)::np>(A, mode, s);
+    });
+}
+
+/* The rows on A's list (wlist_in): their Newton passes, then their output by a sweep; every
+ * other row's output from its list (gather_out_kernel). Both schemes end so. */
+ekv_status newton_and_outputs(const ekv_cuda_prefill *pf, ekv_dtype dt, const fused_args &A) {
+    GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
+    GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
+    GPU_TRY(pf, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, pf->stream)
+                                    : launch_gather<__nv_bfloat16>(A, pf->stream));
+    return EKV_OK;
 }
 
 } // namespace
@@ -687,17 +466,35 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.rowm = pf->m;
     A.tau = pf->tau;
     A.rows = b->counters;
+    A.off = NULL; /* the candidate scheme: row * cap */
+    A.pool = 0;
+    A.row_cap = 0;
     const int64_t rows = P.Hk * P.R;
     const ekv_dtype dt = b->dtype;
     if (b->alpha == 1.0) { /* softmax: every row's max and log-sum-exp by sweeps, then its output */
         set_rows_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, pf->stream>>>(A.state, rows,
-                                                                             ROW_NEWTON);
+                                                                                ROW_NEWTON);
         GPU_LAUNCHED(pf);
         A.wlist_in = NULL;
         A.wcount_in = NULL;
         GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
         GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
         return EKV_OK;
+    }
+    if (pf->tau_scheme == EKV_PREFILL_TAU_HIST) { /* docs/math.md §12.1 */
+        A.round = A.last = 0;
+        A.off = pf->off;
+        A.pool = rows * (int64_t)pf->cand_cap;
+        A.row_cap = pf->row_cap > 0 && pf->row_cap < pf->cand_cap ? pf->row_cap : pf->cand_cap;
+        if (!pf->row_cap && A.row_cap > EKV_PREFILL_ROW_CAP) A.row_cap = EKV_PREFILL_ROW_CAP;
+        A.wlist_in = NULL;
+        A.wcount_in = NULL;
+        A.wlist_out = pf->wlist;
+        A.wcount_out = pf->wcount;
+        GPU_TRY(pf, prefill_hist_lists(dt, A, pf->stream));
+        A.wlist_in = pf->wlist;
+        A.wcount_in = pf->wcount;
+        return newton_and_outputs(pf, dt, A);
     }
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
     GPU_TRY(pf, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, pf->stream));
@@ -718,13 +515,8 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
                            PF_TAU_THREADS, 0, pf->stream>>>(A);
         GPU_LAUNCHED(pf);
     }
-    /* the rows left after the last round: their Newton passes, then their output by a sweep
-     * (the same list); every other row's output from its candidates */
+    /* the rows left after the last round */
     A.wlist_in = list[(PF_ROUNDS - 1) % 2];
     A.wcount_in = count[(PF_ROUNDS - 1) % 2];
-    GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
-    GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
-    GPU_TRY(pf, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, pf->stream)
-                                    : launch_gather<__nv_bfloat16>(A, pf->stream));
-    return EKV_OK;
+    return newton_and_outputs(pf, dt, A);
 }

@@ -1,0 +1,181 @@
+/*
+ * The tensor-core backward of exact entmax attention (ekv_cuda_flash_entmax_backward,
+ * docs/math.md §13.3, "On tensor cores"): what its two kernels share. The entry
+ * (flash_entmax_backward.cu) splits q and dout into 16-bit parts of K's dtype where they are not
+ * K's dtype already, then runs
+ *   1. the rows pass (flash_entmax_bwd_rows.cu): per row, S = sum p~, sum w~ and sum w~ g, so
+ *      1 / S, S^(alpha - 2) and delta (§13.3: a sweep for delta, the forward keeps no o-hat),
+ *      then a second sweep for dq = sum ds k in registers;
+ *   2. the keys pass (flash_entmax_bwd_keys.cu): per (KV head, 64-key tile) a block that loops
+ *      over the 16-row blocks of the group's rows that see the tile: S^T and g^T recomputed,
+ *      p, ds, then dV += P^T dO, dK += dS^T Q in registers.
+ * Each output element is summed by one thread in a fixed order: no atomics, the same bits on
+ * every call (torch's tests compare a compiled graph's gradients with eager ones bitwise).
+ * A KV head's rows are r = t G + j (head g G + j, as the forward's fused kernel orders them), so
+ * every row block reads the same K/V tiles whatever its head.
+ */
+#pragma once
+#include "flash_entmax.cuh"
+#include "../common/mma.cuh"
+#include "../common/weights.cuh"
+
+enum {
+    BWD_THREADS = 128, /* 4 warps */
+    BWD_WARPS = BWD_THREADS / 32,
+    BWD_KEYS = 64,         /* keys of a tile: 16 per warp in the keys pass */
+    BWD_ROWS = 16,         /* query rows of a row block of the keys pass */
+    BWD_ROW_BLOCK = 64,    /* query rows of a block of the rows pass: 16 per warp */
+    BWD_SPLIT_PARTS = 3,   /* parts of a q or dout that is not K's dtype (24 bits and more) */
+    BWD_OPERAND_PARTS = 2, /* parts of P and dS as mma operands (docs/math.md §13.3) */
+    BWD_KEY_BLOCKS = 1024, /* keys pass: split each tile's rows until about this many blocks */
+    BWD_MAX_SPLITS = 8
+};
+
+struct bwd_args {
+    int64_t B, T, N, H, Hk, G, D, R, pos0; /* R = T G rows per KV head; row t at pos0 + t */
+    int causal;
+    float qf;                     /* a * scale as the forward's scores take it */
+    float scale;                  /* the effective scale: ds is d/d(q.k) */
+    double alpha, beta, a;        /* a: z = a s (softmax: 1) */
+    const float *slopes;          /* [H] device, or NULL */
+    const void *q, *g;            /* [NP][B][T][H][D] parts of q and dout in K's dtype */
+    int64_t part_stride;          /* elements between parts: B T H D */
+    const void *k, *v;            /* [B][N][Hk][D] */
+    const double *tau;            /* [B][T][H] */
+    float *rinv, *wscale, *delta; /* [B][T][H]: 1 / S, S^(alpha - 2), delta (the rows pass) */
+    void *dq;                     /* [B][T][H][D] of dtype dq_dtype (q's) */
+    int dq_dtype;
+    void *dk, *dv;            /* [B][N][Hk][D] K's dtype */
+    int key_splits;           /* the keys pass's splits of each tile's rows (1: none) */
+    float *dk_part, *dv_part; /* [key_splits][B][N][Hk][D] fp32 partial sums, or NULL */
+};
+
+/* The passes (NP: parts of q and dout, 1 or BWD_SPLIT_PARTS), launched on stream s. */
+cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
+cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
+
+namespace {
+
+/* The scale of P before its split into parts: f16's 2^14, so that the parts of p <= 1 stay
+ * normal (as the forward's pscale, prefill.cu), 1 for bf16 (fp32's range); exact, undone on dV.
+ * docs/math.md §13.3, "On tensor cores". */
+template <typename T> __device__ constexpr float bwd_pscale() {
+    return std::is_same<T, __half>::value ? 16384.f : 1.f;
+}
+
+/* Bytes of a 16-row tile of D 16-bit elements (tile_chunk's swizzled layout, mma.cuh). */
+template <int D> __host__ __device__ constexpr int bwd_tile16() { return 16 * D * 2; }
+
+/* Row r (of KV head g, sequence b) as an element offset into [B][T][H][D]. */
+__device__ __forceinline__ int64_t bwd_row_offset(const bwd_args &A, int64_t b, int64_t g,
+                                                  int64_t r) {
+    return ((b * A.T + r / A.G) * A.H + g * A.G + r % A.G) * A.D;
+}
+/* The same row in [B][T][H] (tau, rinv, wscale, delta). */
+__device__ __forceinline__ int64_t bwd_row_index(const bwd_args &A, int64_t b, int64_t g,
+                                                 int64_t r) {
+    return (b * A.T + r / A.G) * A.H + g * A.G + r % A.G;
+}
+
+/* a m_h of row r's head: the ALiBi slope in z-space as the forward forms it (0 without). */
+__device__ __forceinline__ float bwd_row_am(const bwd_args &A, int64_t g, int64_t r) {
+    return A.slopes ? (float)(A.a * (double)A.slopes[g * A.G + r % A.G]) : 0.f;
+}
+
+/* Rows [r0, r0 + nrows) of a [.][T][H][D] tensor's NP parts (part p at src + p part_stride) into
+ * NP consecutive swizzled tiles of nrows rows at dst, by cp.async over the block's threads;
+ * rows at or past R are zero-filled (their scores are masked, but 0 x stale NaN is NaN). */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void bwd_load_rows(const bwd_args &A, const void *src, int64_t b,
+                                              int64_t g, int64_t r0, int nrows,
+                                              unsigned char *dst) {
+    constexpr int CH = D / 8;
+    const T *s = static_cast<const T *>(src);
+    for (int i = threadIdx.x; i < NP * nrows * CH; i += blockDim.x) {
+        const int part = i / (nrows * CH), rr = i / CH % nrows, c = i % CH;
+        unsigned char *d = dst + part * nrows * D * 2 + tile_chunk<D>(rr, c);
+        if (r0 + rr < A.R)
+            cp_async16(d, s + part * A.part_stride + bwd_row_offset(A, b, g, r0 + rr) + c * 8);
+        else
+            *reinterpret_cast<uint4 *>(d) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+/* Keys [k0, k0 + BWD_KEYS) of KV head g of K or V ([B][N][Hk][D]) into a swizzled 64-row tile,
+ * by cp.async over the block's threads; keys at or past N zero-filled (as bwd_load_rows). */
+template <typename T, int D>
+__device__ __forceinline__ void bwd_load_keys(const bwd_args &A, const void *src, int64_t b,
+                                              int64_t g, int64_t k0, unsigned char *dst) {
+    constexpr int CH = D / 8;
+    const T *s = static_cast<const T *>(src);
+    for (int i = threadIdx.x; i < BWD_KEYS * CH; i += blockDim.x) {
+        const int rr = i / CH, c = i % CH;
+        unsigned char *d = dst + tile_chunk<D>(rr, c);
+        if (k0 + rr < A.N)
+            cp_async16(d, s + ((b * A.N + k0 + rr) * A.Hk + g) * A.D + c * 8);
+        else
+            *reinterpret_cast<uint4 *>(d) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+/* s[nt][i] += <a_m, b_n> over D for m = lane / 4 + 8 (i / 2), n = nt 8 + 2 (lane % 4) + i % 2:
+ * rows m of the 16-row tile at at (the A operand) against rows n of the 16-row tile at bt (the
+ * B operand), both swizzled 16-bit tiles. Each 16-dim product starts from zero and is added in
+ * fp32, as the forward's scores (docs/math.md §3.1: the products are exact). */
+template <typename T, int D>
+__device__ __forceinline__ void bwd_tile_dot(const unsigned char *at, const unsigned char *bt,
+                                             float (*s)[4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t a[4], b[4]; /* b: n 0-7 (b[0], b[1]) and n 8-15 (b[2], b[3]) */
+        ldmatrix_x4(a, at + tile_chunk<D>(lane & 15, 2 * kk + (lane >> 4)));
+        ldmatrix_x4(
+                b, bt + tile_chunk<D>((lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            float c[4];
+            mma_16816<T>(c, a, b[2 * nt], b[2 * nt + 1]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[nt][i] += c[i];
+        }
+    }
+}
+
+/* The same over NP parts (part p of the A tile at at + p astride bytes, of the B tile at
+ * bt + p bstride; one of the strides 0): a row's scores or dout . v with q or dout in parts. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void bwd_tile_dot_parts(const unsigned char *at, int astride,
+                                                   const unsigned char *bt, int bstride,
+                                                   float (*s)[4]) {
+    mma_zero<2>(s);
+#pragma unroll
+    for (int p = 0; p < NP; p++) bwd_tile_dot<T, D>(at + p * astride, bt + p * bstride, s);
+}
+
+/* p~ and w~ of a score z given tau (docs/math.md §13.3): p~ = [z - tau]_+^beta (softmax:
+ * exp(z - tau)), w~ = p~^(2 - alpha) = (z - tau)^(beta - 1) on the support, 0 outside (a key
+ * at tau gets no gradient, §13.4). */
+__device__ __forceinline__ void bwd_weights(float z, double tau, const bwd_args &A, float *p,
+                                            float *w) {
+    if (A.alpha == 1.0) { /* z - tau in double (tau need not be near z), exp in fp32: 2 ulp */
+        *p = *w = expf((float)((double)z - tau));
+        return;
+    }
+    const double x = (double)z - tau;
+    *p = entmax_p(z, tau, A.beta);
+    *w = !(x > 0)        ? 0.f
+         : A.beta == 2.0 ? (float)x
+         : A.beta == 1.0 ? 1.f
+                         : (float)pow(x, A.beta - 1.0);
+}
+
+/* z of a (row, key) pair from s = q . k: a (scale q.k - m_h |j - i|) as the forward forms it
+ * (docs/math.md §12); -inf where the row does not see the key (causal, past N, or no row). */
+__device__ __forceinline__ float bwd_z(const bwd_args &A, float s, float am, int64_t pos,
+                                       bool row_on, int64_t j) {
+    const bool in = row_on && j < A.N && (!A.causal || j <= pos);
+    return in ? fmaf(s, A.qf, -am * fabsf((float)(j - pos))) : -CUDART_INF_F;
+}
+
+} // namespace

@@ -1,0 +1,200 @@
+/*
+ * The backward's keys pass (flash_entmax_backward.cuh, docs/math.md §13.3, "On tensor cores"),
+ * FA2's shape: a block per (64-key tile, KV head) with the tile's K and V rows in shared
+ * memory, each warp owning 16 of its keys, loops over the 16-row blocks of the KV head's rows
+ * (r = t G + j: every head of the group) that see the tile, their q and dout parts staged
+ * through two cp.async stages. Per row block, on tensor cores (mma.cuh):
+ *   S^T = K Q^T and G^T = V dO^T of the warp's keys (exact products of 16-bit parts, fp32 sums);
+ *   p = p~ / S and ds = scale S^(alpha - 2) w~ (g - delta) from the rows pass's sums;
+ *   dV += P^T dO and dK += dS^T Q in registers (P and dS as BWD_OPERAND_PARTS 16-bit parts).
+ * The block writes dK and dV of its keys once (dq is the rows pass's).
+ */
+#include "flash_entmax_backward.cuh"
+
+namespace {
+
+/* A row of the current row block, as the lanes read it. */
+struct bwd_row_info {
+    double tau;
+    int64_t pos;
+    float am, rinv, wscale, delta;
+    int on, pad;
+};
+
+template <int D, int NP> struct keys_layout {
+    static constexpr int KT = BWD_KEYS * D * 2, STAGE = 2 * NP * bwd_tile16<D>();
+    static constexpr int K = 0, V = KT, STAGES = 2 * KT, INFO = STAGES + 2 * STAGE;
+    static constexpr int BYTES = INFO + 2 * BWD_ROWS * (int)sizeof(bwd_row_info);
+};
+
+/* Row block [r0, r0 + 16) into stage st: q and dout parts by cp.async, the rows' info by
+ * threads 0-15 (seen after the barrier that precedes their use). */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t g, int64_t r0,
+                                           unsigned char *stage, bwd_row_info *info) {
+    bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, BWD_ROWS, stage);
+    bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROWS, stage + NP * bwd_tile16<D>());
+    if (threadIdx.x < BWD_ROWS) {
+        const int64_t r = r0 + threadIdx.x;
+        bwd_row_info x = {};
+        x.on = r < A.R;
+        if (x.on) {
+            const int64_t i = bwd_row_index(A, b, g, r);
+            x.tau = A.tau[i], x.rinv = A.rinv[i], x.wscale = A.wscale[i], x.delta = A.delta[i];
+            x.am = bwd_row_am(A, g, r);
+            x.pos = A.pos0 + r / A.G;
+        }
+        info[threadIdx.x] = x;
+    }
+}
+
+/* The warp's p (times pscale) and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of
+ * the tile, row nt 8 + 2 (lane % 4) + i % 2 of the block) from its S^T and G^T. */
+__device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_info *info,
+                                             int64_t kw, float pscale, const float (*s)[4],
+                                             const float (*gv)[4], float (*p)[4], float (*ds)[4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const bwd_row_info &ri = info[8 * nt + 2 * (lane & 3) + (i & 1)];
+            const int64_t j = kw + (lane >> 2) + 8 * (i >> 1);
+            float pt, w;
+            bwd_weights(bwd_z(A, s[nt][i], ri.am, ri.pos, ri.on != 0, j), ri.tau, A, &pt, &w);
+            p[nt][i] = pt * ri.rinv * pscale;
+            ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
+        }
+}
+
+/* One row block against the warp's 16 keys: S^T, G^T, p, ds, dV, dK. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned char *smem,
+                                           const unsigned char *stage, const bwd_row_info *info,
+                                           int64_t k0, float (*dk)[4], float (*dv)[4]) {
+    typedef keys_layout<D, NP> L;
+    constexpr int TB = bwd_tile16<D>();
+    const int warp = threadIdx.x >> 5;
+    const unsigned char *qt = stage, *gt = stage + NP * TB;
+    float s[2][4], gv[2][4], p[2][4], ds[2][4];
+    bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, TB, s);
+    bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, TB, gv);
+    keys_weights(A, info, k0 + 16 * warp, bwd_pscale<T>(), s, gv, p, ds);
+#pragma unroll 1 /* fp32 q and dout (NP 3): the parts one at a time, fewer live registers */
+    for (int part = 0; part < NP; part++) {
+        tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * TB, p, dv);
+        tile_pv<T, D, BWD_OPERAND_PARTS>(qt + part * TB, ds, dk);
+    }
+}
+
+/* The warp's dK and dV (dk[n][i], dv[n][i]: key warp 16 + lane / 4 + 8 (i / 2) of the tile,
+ * dim 8 n + 2 (lane % 4) + i % 2; dv times pscale) as T into dk and dv, or with splits as fp32
+ * into the split's partial sums (keys_sum_kernel adds them up). */
+template <typename T, int D>
+__device__ __forceinline__ void keys_store(const bwd_args &A, int64_t b, int64_t g, int64_t k0,
+                                           const float (*dk)[4], const float (*dv)[4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t part = blockIdx.z * A.B * A.N * A.Hk * A.D;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t key = k0 + 16 * warp + (lane >> 2) + 8 * (i >> 1);
+        if (key >= A.N) continue;
+        const int64_t o = ((b * A.N + key) * A.Hk + g) * A.D + 2 * (lane & 3) + (i & 1);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            const float x = dk[n][i], y = dv[n][i] * (1.f / bwd_pscale<T>());
+            if (A.dk_part) {
+                A.dk_part[part + o + 8 * n] = x;
+                A.dv_part[part + o + 8 * n] = y;
+            } else {
+                static_cast<T *>(A.dk)[o + 8 * n] = ekv_elem<T>::from(x);
+                static_cast<T *>(A.dv)[o + 8 * n] = ekv_elem<T>::from(y);
+            }
+        }
+    }
+}
+
+/* Block (key tile + B tiles..., KV head, split): dK and dV of the tile's keys over the split's
+ * share of the row blocks that see the tile (gridDim.z splits: a causal prefix's first tiles
+ * see every row, so one block per tile would leave the last ones idle). */
+template <typename T, int D, int NP>
+/* D 64: 3 blocks an SM (168 registers, 16 bytes spilled, against 196 and 2 blocks unbounded) */
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_args A) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    typedef keys_layout<D, NP> L;
+    const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
+    const int64_t b = blockIdx.x / ntk, k0 = blockIdx.x % ntk * BWD_KEYS, g = blockIdx.y;
+    /* causal: the rows at positions >= k0, t >= k0 - pos0 (from a whole row block) */
+    const int64_t first = A.causal && k0 > A.pos0 ? (k0 - A.pos0) * A.G : 0;
+    const int64_t all =
+            first < A.R ? (A.R - first / BWD_ROWS * BWD_ROWS + BWD_ROWS - 1) / BWD_ROWS : 0;
+    const int64_t per = (all + gridDim.z - 1) / gridDim.z, ib0 = per * blockIdx.z;
+    const int64_t rb0 = first / BWD_ROWS * BWD_ROWS + ib0 * BWD_ROWS;
+    const int64_t nrb = all - ib0 < per ? (all > ib0 ? all - ib0 : 0) : per;
+    bwd_row_info *info = reinterpret_cast<bwd_row_info *>(smem + L::INFO);
+    bwd_load_keys<T, D>(A, A.k, b, g, k0, smem + L::K);
+    bwd_load_keys<T, D>(A, A.v, b, g, k0, smem + L::V);
+    if (nrb > 0) keys_issue<T, D, NP>(A, b, g, rb0, smem + L::STAGES, info);
+    cp_async_commit();
+    float dk[D / 8][4], dv[D / 8][4];
+    mma_zero<D / 8>(dk);
+    mma_zero<D / 8>(dv);
+    for (int64_t ib = 0; ib < nrb; ib++) {
+        const int st = (int)(ib & 1);
+        if (ib + 1 < nrb)
+            keys_issue<T, D, NP>(A, b, g, rb0 + (ib + 1) * BWD_ROWS,
+                                 smem + L::STAGES + (st ^ 1) * L::STAGE,
+                                 info + (st ^ 1) * BWD_ROWS);
+        cp_async_commit();
+        cp_async_wait<1>(); /* this thread's copies of block ib (and the tiles) have landed ... */
+        __syncthreads();    /* ... and everyone's, and the info */
+        keys_block<T, D, NP>(A, smem, smem + L::STAGES + st * L::STAGE, info + st * BWD_ROWS, k0,
+                             dk, dv);
+        __syncthreads(); /* the stage and the info are free for block ib + 2 */
+    }
+    cp_async_wait<0>();
+    keys_store<T, D>(A, b, g, k0, dk, dv);
+}
+
+/* dk and dv (K's dtype T) = the sums of the splits' fp32 parts, in split order. */
+template <typename T>
+__global__ void keys_sum_kernel(const float *dk_part, const float *dv_part, T *dk, T *dv,
+                                int splits, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float x = 0.f, y = 0.f;
+        for (int s = 0; s < splits; s++) x += dk_part[s * n + i], y += dv_part[s * n + i];
+        dk[i] = ekv_elem<T>::from(x);
+        dv[i] = ekv_elem<T>::from(y);
+    }
+}
+
+template <typename T, int D, int NP> cudaError_t launch_keys(const bwd_args &A, cudaStream_t s) {
+    constexpr auto kernel = keys_kernel<T, D, NP>;
+    constexpr size_t bytes = keys_layout<D, NP>::BYTES;
+    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+    if (e != cudaSuccess) return e;
+    const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
+    kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk, (unsigned)A.key_splits), BWD_THREADS,
+             bytes, s>>>(A);
+    if (A.key_splits > 1) {
+        const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;
+        keys_sum_kernel<T><<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(
+                A.dk_part, A.dv_part, static_cast<T *>(A.dk), static_cast<T *>(A.dv), A.key_splits,
+                n);
+    }
+    return cudaGetLastError();
+}
+
+template <typename T> cudaError_t launch_keys_t(const bwd_args &A, int np, cudaStream_t s) {
+    if (A.D == 64)
+        return np == 1 ? launch_keys<T, 64, 1>(A, s) : launch_keys<T, 64, BWD_SPLIT_PARTS>(A, s);
+    return np == 1 ? launch_keys<T, 128, 1>(A, s) : launch_keys<T, 128, BWD_SPLIT_PARTS>(A, s);
+}
+
+} // namespace
+
+cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
+    return kv == EKV_DTYPE_F16 ? launch_keys_t<__half>(A, np, s)
+                               : launch_keys_t<__nv_bfloat16>(A, np, s);
+}

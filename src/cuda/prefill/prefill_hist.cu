@@ -1,0 +1,312 @@
+/*
+ * The fused prefill's histogram scheme (docs/math.md §12.1; prefill.cuh, EKV_PREFILL_TAU_HIST):
+ * each row's tau from a list sized before it is filled, instead of candidate rounds.
+ *   P1 (HIST_COUNT, every row): one sweep of the rows' z (tile_z, the kernel's one z function)
+ *      for the row max M and a histogram of z on the absolute grid b(z) = floor(32 z): a ring
+ *      of HB_SLOTS counts per row in shared memory holding the bins b(m) - HB_WIN .. b(m) of
+ *      the running max m (lower z cannot be in the support: they are below M - 1). Its
+ *      epilogue: the count bound (docs/math.md §9.1) over the bins' lower edges, a lower bound
+ *      lb of tau on the grid (or M - 1), and n_lb, the count of the bins from lb's: exactly
+ *      the number of z >= that edge.
+ *   route (one block): rows with n_lb <= row_cap get a slice of the list pool by a prefix sum
+ *      of n_lb (ROW_LIST); the others, and those past the pool, go to the Newton passes from
+ *      lb (ROW_NEWTON, on the list wlist_out), as the candidate scheme's overflowing rows.
+ *   P2 (HIST_LIST, ROW_LIST rows): one more sweep appends every z >= the edge with its key to
+ *      the row's slice; the same z as P1's, so the slice holds them exactly (a row that finds
+ *      another count, or whose list's max is not P1's M, impossible but checked, goes to the
+ *      Newton passes).
+ *   tau (a warp per row): solve_tau from lb - M over the list, which holds the support.
+ * The output of the route-G rows is then gathered from their lists, the others swept
+ * (prefill_fused.cu, newton_and_outputs).
+ */
+#include "prefill_fused.cuh"
+
+namespace {
+
+enum {
+    HB_SCALE = 32,      /* bins per unit of z: 32 z is exact in fp32, so are the bins' edges */
+    HB_SLOTS = 64,      /* the ring of a row's bins */
+    HB_WIN = 33,        /* bins counted below the running max's: every z > M - 1 is counted */
+    HB_CLAMP = 1 << 23, /* |bin| clamped here (edges j / 32 exact in fp32); rows near it swept */
+    HB_ROUTE_THREADS = 1024
+};
+enum { HIST_COUNT, HIST_LIST };
+
+/* b(z) = floor(32 z) of a finite z, clamped (monotone: the order of the bins is z's). */
+__device__ __forceinline__ int hist_bin(float z) {
+    const float x = fminf(fmaxf((float)HB_SCALE * z, -(float)HB_CLAMP), (float)HB_CLAMP);
+    return __float2int_rd(x);
+}
+/* The lower edge of bin b, exact for |b| <= HB_CLAMP. */
+__device__ __forceinline__ float hist_edge(int b) { return (float)b * (1.f / HB_SCALE); }
+
+__device__ __forceinline__ int quad_max_int(int v) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ int quad_sum_int(int v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+/* One tile's z of row k (the lane's s[n8][2 k + b]) into the row's ring (quad-uniform run, bm:
+ * the running max and its bin). When the max's bin rises, the slots of the new top bins held
+ * bins HB_SLOTS lower, which are below the window now: zeroed before anything is counted.
+ * Every z counted is <= m, so never in a slot zeroed later. Warp-uniform call. */
+__device__ __forceinline__ void hist_count_tile(const float (*s)[4], int k, bool on, unsigned *ring,
+                                                float *run, int *bm) {
+    const int q = threadIdx.x & 3;
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int n8 = 0; n8 < PF_KEYS / 8; n8++) mx = fmaxf(mx, fmaxf(s[n8][2 * k], s[n8][2 * k + 1]));
+    mx = quad_max(mx);
+    if (mx > *run) {
+        *run = mx;
+        const int nb = hist_bin(mx);
+        if (nb > *bm) {
+            const int from = nb - *bm >= HB_SLOTS ? nb - HB_SLOTS + 1 : *bm + 1;
+            for (int b = from + q; b <= nb; b += 4) ring[b & (HB_SLOTS - 1)] = 0u;
+            *bm = nb;
+        }
+    }
+    __syncwarp(); /* the zeroed slots before the counts */
+    if (on) {
+        const float lo = hist_edge(*bm - HB_WIN); /* z >= lo iff b(z) >= bm - HB_WIN */
+#pragma unroll
+        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                const float z = s[n8][2 * k + b];
+                if (z >= lo) atomicAdd(ring + (hist_bin(z) & (HB_SLOTS - 1)), 1u);
+            }
+    }
+    __syncwarp(); /* the counts before the next tile's zeroing */
+}
+
+/* P1's epilogue for row k (the quad; warp-uniform call): the largest bin c in [bm - 32, bm]
+ * whose edge e_c has sum_{j > c} count_j (e_j - e_c)^beta >= 1 (each z of bin j is >= e_j, so
+ * F(e_c) >= 1 and e_c <= tau, docs/math.md §9.1), at least bm - 32 (e <= M - 1 <= tau); then
+ * n_lb = the counts of the bins from it. pw[d] = (d / 32)^beta rounded down. A row whose bins
+ * near the clamp or with no finite z gets n_lb = INT32_MAX (swept). */
+__device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &L, int k,
+                                            const unsigned *ring, const float *pw, float M,
+                                            int bm) {
+    const int q = threadIdx.x & 3;
+    int found = INT_MIN;
+    for (int c = bm - q; c >= bm - 32 && found == INT_MIN; c -= 4) {
+        double f = 0;
+        for (int j = c + 1; j <= bm; j++) f += (double)ring[j & (HB_SLOTS - 1)] * (double)pw[j - c];
+        if (f >= 1.0 + 1e-9) found = c; /* a margin for the sum's rounding */
+    }
+    found = quad_max_int(found);
+    const int kb = found > bm - 32 ? found : bm - 32;
+    int n = 0;
+    for (int j = kb + q; j <= bm; j += 4) n += (int)ring[j & (HB_SLOTS - 1)];
+    n = quad_sum_int(n);
+    const bool safe = isfinite(M) && bm > -HB_CLAMP + 2 * HB_SLOTS && bm < HB_CLAMP - 2 * HB_SLOTS;
+    if (q == 0 && L.on[k]) {
+        A.rowm[L.row[k]] = M;
+        A.thr[L.row[k]] = safe ? hist_edge(kb) : -CUDART_INF_F; /* else Newton from M - 1 */
+        A.count[L.row[k]] = safe ? n : INT32_MAX;
+    }
+}
+
+/* P1: every row's max and histogram (ring: PF_ROWS x HB_SLOTS counts, pw: HB_WIN + 1 floats of
+ * shared memory after the stages), then hist_finish. */
+template <typename T, int D, int NP>
+__device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                          unsigned char *stages, unsigned *rings, float *pw) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const double beta = 1.0 / (A.alpha - 1.0);
+    for (int i = threadIdx.x; i < PF_ROWS * HB_SLOTS; i += PF_THREADS) rings[i] = 0u;
+    for (int d = threadIdx.x; d <= HB_WIN; d += PF_THREADS) { /* rounded down: F stays below */
+        const double x = (double)d / HB_SCALE;                /* exact */
+        pw[d] = beta == 2.0   ? (float)(x * x)                /* exact (alpha 1.5) */
+                : beta == 1.0 ? (float)x                      /* exact (alpha 2) */
+                              : __double2float_rd(pow(x, beta) * (1.0 - 1e-15));
+    }
+    __syncthreads();
+    unsigned *ring[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) ring[k] = rings + (warp * 16 + (lane >> 2) + 8 * k) * HB_SLOTS;
+    float run[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    int bm[2] = {INT_MIN / 2, INT_MIN / 2};
+    int bad = 0;
+    sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad,
+                             [&](int64_t, float(*s)[4], const unsigned char *) {
+#pragma unroll
+                                 for (int k = 0; k < 2; k++)
+                                     hist_count_tile(s, k, L.on[k], ring[k], &run[k], &bm[k]);
+                             });
+    if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
+    if (!__any_sync(0xffffffffu, L.on[0] || L.on[1])) return; /* sweep_z skipped this warp */
+#pragma unroll
+    for (int k = 0; k < 2; k++) hist_finish(A, L, k, ring[k], pw, run[k], bm[k]);
+}
+
+/* P2: the ROW_LIST rows' z >= their edge (A.thr) with their keys into their slices (off, room
+ * n_lb = A.count): each tile's by a prefix sum over the quad, as pass_cands appends (none past
+ * the room). Writes the count found; a row that found other than n_lb goes to the Newton
+ * passes, counted. */
+template <typename T, int D, int NP>
+__device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
+                          unsigned char *stages) {
+    const int lane = threadIdx.x & 31;
+    float edge[2];
+    int64_t off[2];
+    int room[2], n[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        edge[k] = L.on[k] ? A.thr[L.row[k]] : CUDART_INF_F;
+        off[k] = L.on[k] ? A.off[L.row[k]] : 0;
+        room[k] = L.on[k] ? A.count[L.row[k]] : 0;
+    }
+    int unused = 0; /* P1 checked every z */
+    auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            unsigned m = 0;
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int b = 0; b < 2; b++)
+                    m |= (unsigned)(s[n8][2 * k + b] >= edge[k]) << (2 * n8 + b);
+            int total;
+            int at = n[k] + quad_exclusive(__popc(m), &total);
+            n[k] += total;
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int b = 0; b < 2; b++)
+                    if ((m >> (2 * n8 + b)) & 1u) {
+                        if (at < room[k]) { /* the key: tile_z's layout */
+                            A.cand[off[k] + at] = s[n8][2 * k + b];
+                            A.cidx[off[k] + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
+                        }
+                        at++;
+                    }
+        }
+    };
+    sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &unused, use);
+    if ((lane & 3) == 0)
+        for (int k = 0; k < 2; k++) {
+            if (!L.on[k]) continue;
+            A.count[L.row[k]] = n[k];
+            if (n[k] == room[k]) continue;
+            /* P1 counted other z than P2 saw (never, with one z function): the Newton passes */
+            const int64_t g = blockIdx.y, row = L.row[k];
+            A.state[row] = ROW_NEWTON;
+            A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
+            atomicAdd(A.rows + PF_NEWTONED, 1ull);
+        }
+}
+
+template <int D, int NP> constexpr size_t hist_smem_bytes() {
+    return fused_smem_bytes<D, NP, false>() + (size_t)PF_ROWS * HB_SLOTS * 4 + (HB_WIN + 1) * 4;
+}
+
+/* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; 3 blocks per SM as the
+ * candidate pass (prefill_fused.cu, fused_min_blocks). */
+template <typename T, int D, int NP, int MODE>
+__global__ void __launch_bounds__(PF_THREADS, 3) hist_kernel(fused_args A) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const pf_lane L = lane_rows(A, MODE == HIST_COUNT ? -1 : ROW_LIST);
+    if (!__syncthreads_or(L.on[0] || L.on[1])) return;
+    uint32_t qa[NP][D / 16][4];
+    load_queries<T, D, NP>(A, reinterpret_cast<T *>(smem_raw), qa);
+    if (MODE == HIST_LIST) {
+        pass_list<T, D, NP>(A, L, qa, smem_raw);
+        return;
+    }
+    unsigned *rings = reinterpret_cast<unsigned *>(smem_raw + fused_smem_bytes<D, NP, false>());
+    pass_hist<T, D, NP>(A, L, qa, smem_raw, rings,
+                        reinterpret_cast<float *>(rings + PF_ROWS * HB_SLOTS));
+}
+
+/* The route (one block): each thread a run of consecutive rows; route G's slices by a block
+ * scan of their n_lb, so a slice is exactly its row's size (no overflow, no retry); the other
+ * rows, and those past the pool, to the Newton list. */
+__global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args A) {
+    __shared__ long long wsum[32];
+    const int64_t rows = A.Hk * A.R, per = (rows + blockDim.x - 1) / blockDim.x;
+    const int64_t i0 = min((int64_t)threadIdx.x * per, rows), i1 = min(i0 + per, rows);
+    long long mine = 0, total;
+    for (int64_t i = i0; i < i1; i++) {
+        const int c = A.count[i];
+        if (c <= A.row_cap) mine += c;
+    }
+    long long at = ekv_block_exclusive_scan(mine, wsum, &total);
+    for (int64_t i = i0; i < i1; i++) {
+        const int c = A.count[i];
+        if (c <= A.row_cap && at + c <= A.pool) {
+            A.off[i] = at;
+            A.state[i] = ROW_LIST;
+            at += c;
+            continue;
+        }
+        const int64_t g = i / A.R;
+        A.state[i] = ROW_NEWTON;
+        A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(i % A.R);
+        atomicAdd(A.rows + PF_NEWTONED, 1ull);
+    }
+}
+
+/* A warp per ROW_LIST row: tau from its list, which holds every z >= e (e <= tau: the support),
+ * from e - M (a lower bound; -1 at least), M from P1. P1's M must be the list's max bitwise
+ * (the same z function, docs/math.md §12.1); a row whose list says otherwise is not trusted:
+ * it goes to the Newton passes, counted (tests where every row fits a list require none).
+ * Warp-uniform exits. */
+__global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) {
+    __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
+    if (row >= A.Hk * A.R || A.state[row] != ROW_LIST) return;
+    const int64_t n = A.count[row];
+    const float *cs = stage_list(A.cand + A.off[row], n, stage[warp]);
+    const float M = A.rowm[row];
+    float mx = -CUDART_INF_F;
+    for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, cs[j]);
+    if (ekv_warp_max(mx) != M) {
+        if (lane == 0) {
+            const int64_t g = row / A.R;
+            A.state[row] = ROW_NEWTON;
+            A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
+            atomicAdd(A.rows + PF_NEWTONED, 1ull);
+        }
+        return;
+    }
+    const double t0 = fmax((double)A.thr[row] - (double)M, -1.0);
+    const double t = solve_tau<true>(cs, n, M, A.alpha, NULL, t0);
+    if (lane == 0) {
+        A.tau[row] = t;
+        A.state[row] = ROW_SOLVED;
+    }
+}
+
+template <int MODE> cudaError_t launch_hist(ekv_dtype dt, const fused_args &A, cudaStream_t s) {
+    return with_query_split(dt, [&](auto q) {
+        typedef typename decltype(q)::type T;
+        constexpr int NP = decltype(q)::np;
+        if (A.D == 64)
+            return launch_row_blocks<hist_kernel<T, 64, NP, MODE>>(A, hist_smem_bytes<64, NP>(), s);
+        return launch_row_blocks<hist_kernel<T, 128, NP, MODE>>(A, hist_smem_bytes<128, NP>(), s);
+    });
+}
+
+} // namespace
+
+cudaError_t prefill_hist_lists(ekv_dtype dt, const fused_args &A, cudaStream_t s) {
+    const int64_t rows = A.Hk * A.R;
+    cudaError_t e = cudaMemsetAsync(A.wcount_out, 0, (size_t)A.Hk * 4, s);
+    if (e == cudaSuccess) e = launch_hist<HIST_COUNT>(dt, A, s);
+    if (e == cudaSuccess) {
+        hist_route_kernel<<<1, HB_ROUTE_THREADS, 0, s>>>(A);
+        e = cudaGetLastError();
+    }
+    if (e == cudaSuccess) e = launch_hist<HIST_LIST>(dt, A, s);
+    if (e == cudaSuccess) {
+        constexpr int per = PF_TAU_THREADS / 32;
+        hist_tau_kernel<<<(unsigned)((rows + per - 1) / per), PF_TAU_THREADS, 0, s>>>(A);
+        e = cudaGetLastError();
+    }
+    return e;
+}
