@@ -3,8 +3,9 @@
  * CPU: the split-KV count of a sequence (ekv_split_count, docs/architecture.md "CUDA split-KV")
  * over random ragged batches (empty sequences, one dominant sequence, caps that bind): every
  * count in [1, cap]; the batch's counts fit the flat grid (ekv_split_grid: a block past it would
- * never run and its rows would be lost); a uniform batch gets base each; and no split holds more
- * pages than a uniform batch's split unless the cap binds (a count rounded down broke that).
+ * never run and its rows would be lost; it is base * batch, the one wave the plan sizes); a uniform
+ * batch gets base each; and no split holds more than all / (base * batch - batch + 1) pages
+ * unless the cap binds (a count rounded down broke that).
  */
 #include "test_util.h"
 #include "core/geometry.h"
@@ -19,7 +20,7 @@ static void split_batch(test_rng *r, int64_t base, int64_t batch, int64_t cap, i
         all += pages[b];
     }
     int64_t sum = 0;
-    const double uniform_split = (double)all / (double)(base * batch);
+    const double share = (double)all / (double)(base * batch - batch + 1);
     for (int64_t b = 0; b < batch; b++) {
         const int64_t n = ekv_split_count(base, batch, pages[b], all, cap);
         CHECK(n >= 1 && n <= cap, "split count %lld outside [1, %lld]", (long long)n, (long long)cap);
@@ -27,12 +28,12 @@ static void split_batch(test_rng *r, int64_t base, int64_t batch, int64_t cap, i
             CHECK(n == base, "uniform batch: %lld splits, expected base %lld", (long long)n,
                   (long long)base);
         if (n < cap)
-            CHECK((double)pages[b] / (double)n <= uniform_split * (1 + 1e-12),
-                  "sequence of %lld pages: %lld splits of %.1f pages, above a uniform split's %.1f",
-                  (long long)pages[b], (long long)n, (double)pages[b] / (double)n, uniform_split);
+            CHECK((double)pages[b] / (double)n <= share * (1 + 1e-12),
+                  "sequence of %lld pages: %lld splits of %.1f pages, above a share's %.1f",
+                  (long long)pages[b], (long long)n, (double)pages[b] / (double)n, share);
         sum += n;
     }
-    CHECK(sum <= ekv_split_grid(base, batch),
+    CHECK(sum <= ekv_split_grid(base, batch) && ekv_split_grid(base, batch) == base * batch,
           "base %lld batch %lld: %lld splits, the grid has %lld", (long long)base,
           (long long)batch, (long long)sum, (long long)ekv_split_grid(base, batch));
 }

@@ -67,17 +67,22 @@ EKV_GEOM int64_t ekv_list_nheads(int64_t heads, int64_t num_heads, int64_t group
 
 /* Split-KV (docs/architecture.md, CUDA split-KV): the splits of a sequence of `pages` pages in
  * a batch of `batch` sequences holding `all` pages, with `base` splits per sequence in a uniform
- * batch: its share of T = base * batch, ceil(T pages / all), at least 1 and at most cap. Rounded
- * up, so no split holds more pages than a uniform batch's (T pages / all >= pages / (all / T))
- * unless the cap binds. The counts of a batch sum to less than T + batch (a share rounded up
- * gains less than 1, an empty sequence's 0 raised to 1 gains 1, and not every share is 0): the
- * flat grid of ekv_split_grid splits. */
+ * batch: its share of S = base * batch - batch + 1, ceil(S pages / all), at least 1 and at most
+ * cap. Rounded up, so no split holds more than all / S pages unless the cap binds (a floor left
+ * a row of just under two splits' worth one block). The counts of a batch sum to at most
+ * base * batch, the flat grid of ekv_split_grid: a share rounded up gains less than 1, an empty
+ * sequence's 0 raised to 1 gains 1, and the shares sum to S, so the sum is below S + batch.
+ * A uniform batch gets ceil(base - 1 + 1 / batch) = base each. The grid is the plan's one wave
+ * (base is sized so base * batch blocks per KV head fill it): the old grid of T + batch - 1, with
+ * shares of T = base * batch, ran a ragged batch's extra blocks as a second wave, which cost a
+ * whole split's time (the batch of 16 from 8K to 64K: 286 scores blocks for 264 slots). */
 EKV_GEOM int64_t ekv_split_count(int64_t base, int64_t batch, int64_t pages, int64_t all,
                                  int64_t cap) {
-    int64_t n = all > 0 ? (base * batch * pages + all - 1) / all : 1;
+    const int64_t shares = base * batch - batch + 1;
+    int64_t n = all > 0 ? (shares * pages + all - 1) / all : 1;
     return n < 1 ? 1 : n > cap ? cap : n;
 }
-EKV_GEOM int64_t ekv_split_grid(int64_t base, int64_t batch) { return base * batch + batch - 1; }
+EKV_GEOM int64_t ekv_split_grid(int64_t base, int64_t batch) { return base * batch; }
 
 /* The score scale: the caller's, or 1/sqrt(head_dim) when it is 0 (in double; the CPU
  * attention kernels round it to float before use). */

@@ -155,9 +155,11 @@ static int64_t score_splits(int sms, int64_t batch, int64_t Hk, int64_t pages) {
     return ns < 1 ? 1 : ns;
 }
 
-/* The values kernels' splits per row over `rows` rows: about 2 blocks per SM, at most 64. */
+/* The values kernels' splits per row over `rows` rows: 2 blocks per SM at most (their resident
+ * blocks), at most 64. Rounded down: rounded up, 32 rows of 9 splits made 288 blocks for 264
+ * slots, a second wave of 24 blocks as long as the first. */
 static int32_t value_splits(int sms, int64_t rows) {
-    const int64_t vs = (2 * (int64_t)sms + rows - 1) / rows;
+    const int64_t vs = 2 * (int64_t)sms / rows;
     return (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
 }
 
