@@ -275,6 +275,71 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
     return nc;
 }
 
+/* The support pass's elements per lane and pass: their loads, and with the union their
+ * atomicOr round trips (union_mark), in flight together. */
+enum { SUP_UNROLL = 4 };
+
+/* The row's support, v[i] - M > t over i < nv (its candidates, or with whole_row the score row
+ * itself): this thread's share of its count, and on the final round (final_round) its listing
+ * for the values kernel: the group's union (mark), or the (p, V row offset) pairs counted in
+ * *s_nsup (zero, shared). Block-wide. */
+__device__ double support_pass(const tau_args &A, int64_t row, const float *v, int64_t nv,
+                               bool whole_row, float M, double t, bool final_round, bool mark,
+                               int64_t first, int *s_nsup) {
+    const int b = (int)(row / A.H), kvh = (int)(row % A.H) / A.G, lrow = b * A.Hk + kvh;
+    const double beta = 1.0 / (A.alpha - 1.0);
+    const int lane = threadIdx.x & 31;
+    double c = 0;
+    for (int64_t base = (int64_t)(threadIdx.x & ~31) * SUP_UNROLL; base < nv;
+         base += (int64_t)blockDim.x * SUP_UNROLL) {
+        float x[SUP_UNROLL];
+        bool in[SUP_UNROLL];
+        int64_t slot[SUP_UNROLL];
+#pragma unroll
+        for (int k = 0; k < SUP_UNROLL; k++) {
+            const int64_t i = base + 32 * k + lane;
+            x[k] = i < nv ? v[i] : 0.f;
+            in[k] = i < nv && (double)x[k] - (double)M > t;
+            c += in[k];
+        }
+        if (!final_round) continue;
+#pragma unroll
+        for (int k = 0; k < SUP_UNROLL; k++) {
+            const int64_t i = base + 32 * k + lane;
+            slot[k] = !in[k] ? 0 : whole_row ? i : A.cand_slot[row * A.ccap + i];
+        }
+        if (mark) {
+            union_mark<SUP_UNROLL>(A.ubits + lrow * A.cap_words, A.ulist + lrow * A.cap_tokens,
+                                   A.ucount + lrow, slot, in);
+            continue;
+        }
+        unsigned m[SUP_UNROLL];
+        int tot = 0;
+#pragma unroll
+        for (int k = 0; k < SUP_UNROLL; k++) {
+            m[k] = __ballot_sync(0xffffffffu, in[k]);
+            tot += __popc(m[k]);
+        }
+        if (!tot) continue;
+        int at = 0;
+        if (lane == 0) at = atomicAdd(s_nsup, tot);
+        at = __shfl_sync(0xffffffffu, at, 0);
+#pragma unroll
+        for (int k = 0; k < SUP_UNROLL; k++) {
+            const int pos = at + __popc(m[k] & ((1u << lane) - 1));
+            at += __popc(m[k]);
+            if (!in[k] || pos >= A.ccap) continue;
+            A.sup_p[row * A.ccap + pos] = entmax_p_split(x[k], M, t, beta);
+            A.sup_off[row * A.ccap + pos] =
+                    A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, first, kvh, A.ps,
+                                        slot[k])
+                           : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, first, kvh,
+                                         A.ps, slot[k]);
+        }
+    }
+    return c;
+}
+
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
  * list. A head whose candidates overflowed the list has it rebuilt from the scores above a
  * lower bound of tau (compact_list); only when those overflow too does it take the whole
@@ -336,34 +401,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     /* support: count, and on the final round the list (p, V row offset) for the values kernel */
     if (threadIdx.x == 0) s_nsup = 0;
     __syncthreads();
-    const double beta = 1.0 / (A.alpha - 1.0);
-    const int lane = threadIdx.x & 31;
-    double c = 0;
-    for (int64_t base = threadIdx.x & ~31; base < nv; base += blockDim.x) {
-        const int64_t i = base + lane;
-        const bool in = i < nv && (double)v[i] - (double)M > t;
-        c += in;
-        if (!final_round) continue;
-        const int64_t slot = !in ? 0 : whole_row ? i : A.cand_slot[row * A.ccap + i];
-        if (mark) {
-            union_mark(A.ubits + lrow * A.cap_words, A.ulist + lrow * A.cap_tokens,
-                       A.ucount + lrow, slot, in);
-            continue;
-        }
-        const unsigned m = __ballot_sync(0xffffffffu, in);
-        if (!m) continue;
-        int at = 0;
-        if (lane == __ffs(m) - 1) at = atomicAdd(&s_nsup, __popc(m));
-        at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
-        if (in && at < A.ccap) {
-            A.sup_p[row * A.ccap + at] = entmax_p_split(v[i], M, t, beta);
-            A.sup_off[row * A.ccap + at] =
-                    A.rows ? row_offset(A.t, A.kv, A.rows, A.cap_tokens, lrow, sg.first, kvh, A.ps,
-                                        slot)
-                           : slot_offset(A.t, A.kv, A.list_pages, A.cap_pages, lrow, sg.first, kvh,
-                                         A.ps, slot);
-        }
-    }
+    double c = support_pass(A, row, v, nv, whole_row, M, t, final_round, mark, sg.first, &s_nsup);
     c = ekv_block_sum(c, scratch);
     if (threadIdx.x == 0) {
         A.tau[row] = tau;
