@@ -183,25 +183,22 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     }
 }
 
-template <typename T, int D, int NP> cudaError_t launch_rows(const bwd_args &A, cudaStream_t s) {
-    constexpr auto kernel = rows_kernel<T, D, NP>;
-    constexpr size_t bytes = rows_smem_bytes<D, NP>();
-    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
-    if (e != cudaSuccess) return e;
-    const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
-    kernel<<<dim3((unsigned)(A.B * nrb), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
-    return cudaGetLastError();
-}
-
-template <typename T> cudaError_t launch_rows_t(const bwd_args &A, int np, cudaStream_t s) {
-    if (A.D == 64)
-        return np == 1 ? launch_rows<T, 64, 1>(A, s) : launch_rows<T, 64, BWD_SPLIT_PARTS>(A, s);
-    return np == 1 ? launch_rows<T, 128, 1>(A, s) : launch_rows<T, 128, BWD_SPLIT_PARTS>(A, s);
-}
+/* The rows pass's launch, for bwd_launch. */
+struct rows_pass {
+    template <typename T, int D, int NP>
+    static cudaError_t launch(const bwd_args &A, cudaStream_t s) {
+        constexpr auto kernel = rows_kernel<T, D, NP>;
+        constexpr size_t bytes = rows_smem_bytes<D, NP>();
+        const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+        if (e != cudaSuccess) return e;
+        const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
+        kernel<<<dim3((unsigned)(A.B * nrb), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
+        return cudaGetLastError();
+    }
+};
 
 } // namespace
 
 cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
-    return kv == EKV_DTYPE_F16 ? launch_rows_t<__half>(A, np, s)
-                               : launch_rows_t<__nv_bfloat16>(A, np, s);
+    return bwd_launch<rows_pass>(A, kv, np, s);
 }
