@@ -11,11 +11,14 @@ template <typename T> __device__ __forceinline__ T ekv_warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-/* The sum over the 4 lanes of a quad (the lanes that hold one row of an mma fragment, mma.cuh),
- * in every lane of it. */
+/* op folded over the 4 lanes of a quad (the lanes that hold one row of an mma fragment,
+ * mma.cuh), in every lane of it: lane ^ 1, then lane ^ 2. */
+template <typename T, typename Op> __device__ __forceinline__ T ekv_quad_fold(T v, Op op) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
 template <typename T> __device__ __forceinline__ T ekv_quad_sum(T v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+    return ekv_quad_fold(v, [](T a, T b) { return a + b; });
 }
 template <typename T> __device__ __forceinline__ T ekv_warp_max(T v) {
 #pragma unroll

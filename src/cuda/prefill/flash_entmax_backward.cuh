@@ -54,6 +54,23 @@ struct bwd_args {
 cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
 cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
 
+/* Pass::launch<T, D, NP>(A, s) with the storage type T of K's dtype kv (F16, else BF16), the
+ * head dim D = A.D (64, else 128) and the parts NP = np (1, else BWD_SPLIT_PARTS): the one
+ * ladder that both passes' kernels are launched through. */
+template <typename Pass>
+static inline cudaError_t bwd_launch(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
+    auto with_type = [&](auto ty) {
+        typedef typename decltype(ty)::type T;
+        if (A.D == 64)
+            return np == 1 ? Pass::template launch<T, 64, 1>(A, s)
+                           : Pass::template launch<T, 64, BWD_SPLIT_PARTS>(A, s);
+        return np == 1 ? Pass::template launch<T, 128, 1>(A, s)
+                       : Pass::template launch<T, 128, BWD_SPLIT_PARTS>(A, s);
+    };
+    return kv == EKV_DTYPE_F16 ? with_type(ekv_cuda_type<__half>{})
+                               : with_type(ekv_cuda_type<__nv_bfloat16>{});
+}
+
 namespace {
 
 /* The scale of P before its split into parts: f16's 2^14, so that the parts of p <= 1 stay

@@ -169,32 +169,29 @@ __global__ void keys_sum_kernel(const float *dk_part, const float *dv_part, T *d
     }
 }
 
-template <typename T, int D, int NP> cudaError_t launch_keys(const bwd_args &A, cudaStream_t s) {
-    constexpr auto kernel = keys_kernel<T, D, NP>;
-    constexpr size_t bytes = keys_layout<D, NP>::BYTES;
-    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
-    if (e != cudaSuccess) return e;
-    const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
-    kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk, (unsigned)A.key_splits), BWD_THREADS,
-             bytes, s>>>(A);
-    if (A.key_splits > 1) {
-        const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;
-        keys_sum_kernel<T><<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(
-                A.dk_part, A.dv_part, static_cast<T *>(A.dk), static_cast<T *>(A.dv), A.key_splits,
-                n);
+/* The keys pass's launch, for bwd_launch. */
+struct keys_pass {
+    template <typename T, int D, int NP>
+    static cudaError_t launch(const bwd_args &A, cudaStream_t s) {
+        constexpr auto kernel = keys_kernel<T, D, NP>;
+        constexpr size_t bytes = keys_layout<D, NP>::BYTES;
+        const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+        if (e != cudaSuccess) return e;
+        const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
+        kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk, (unsigned)A.key_splits), BWD_THREADS,
+                 bytes, s>>>(A);
+        if (A.key_splits > 1) {
+            const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;
+            keys_sum_kernel<T><<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(
+                    A.dk_part, A.dv_part, static_cast<T *>(A.dk), static_cast<T *>(A.dv),
+                    A.key_splits, n);
+        }
+        return cudaGetLastError();
     }
-    return cudaGetLastError();
-}
-
-template <typename T> cudaError_t launch_keys_t(const bwd_args &A, int np, cudaStream_t s) {
-    if (A.D == 64)
-        return np == 1 ? launch_keys<T, 64, 1>(A, s) : launch_keys<T, 64, BWD_SPLIT_PARTS>(A, s);
-    return np == 1 ? launch_keys<T, 128, 1>(A, s) : launch_keys<T, 128, BWD_SPLIT_PARTS>(A, s);
-}
+};
 
 } // namespace
 
 cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
-    return kv == EKV_DTYPE_F16 ? launch_keys_t<__half>(A, np, s)
-                               : launch_keys_t<__nv_bfloat16>(A, np, s);
+    return bwd_launch<keys_pass>(A, kv, np, s);
 }

@@ -41,13 +41,15 @@ __device__ __forceinline__ void rows_piece(const unsigned char *qs, const unsign
     bwd_tile_dot_parts<T, D, NP>(gs, PART, vt + q * SUB, 0, gv);
 }
 
-/* Sweep 1, one 64-key tile from k0: the sums of the lane's rows over the tile's keys. */
-template <typename T, int D, int NP>
-__device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char *qs,
-                                          const unsigned char *gs, const unsigned char *kt,
-                                          const unsigned char *vt, int64_t k0, rows_lane &L) {
+/* Each 16-key piece q of the tile from k0: rows_piece, each score's weights p~ and w~
+ * (bwd_weights of its z) to each(nt, i, k, p, w, g) in tile_dot's layout (row k of the lane,
+ * g its G entry), then done(q). */
+template <typename T, int D, int NP, typename Each, typename Done>
+__device__ __forceinline__ void rows_pieces(const bwd_args &A, const unsigned char *qs,
+                                            const unsigned char *gs, const unsigned char *kt,
+                                            const unsigned char *vt, int64_t k0, const rows_lane &L,
+                                            const Each &each, const Done &done) {
     const int lane = threadIdx.x & 31;
-    float tp[2] = {0.f, 0.f}, tw[2] = {0.f, 0.f}, twg[2] = {0.f, 0.f};
 #pragma unroll 1
     for (int q = 0; q < BWD_KEYS / 16; q++) {
         float s[2][4], gv[2][4];
@@ -60,10 +62,25 @@ __device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char
                 const int64_t j = k0 + 16 * q + 8 * nt + 2 * (lane & 3) + (i & 1);
                 float p, w;
                 bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p, &w);
-                tp[k] += p;
-                if (w != 0.f) tw[k] += w, twg[k] = fmaf(w, gv[nt][i], twg[k]);
+                each(nt, i, k, p, w, gv[nt][i]);
             }
+        done(q);
     }
+}
+
+/* Sweep 1, one 64-key tile from k0: the sums of the lane's rows over the tile's keys. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char *qs,
+                                          const unsigned char *gs, const unsigned char *kt,
+                                          const unsigned char *vt, int64_t k0, rows_lane &L) {
+    float tp[2] = {0.f, 0.f}, tw[2] = {0.f, 0.f}, twg[2] = {0.f, 0.f};
+    rows_pieces<T, D, NP>(
+            A, qs, gs, kt, vt, k0, L,
+            [&](int, int, int k, float p, float w, float g) {
+                tp[k] += p;
+                if (w != 0.f) tw[k] += w, twg[k] = fmaf(w, g, twg[k]);
+            },
+            [](int) {});
     for (int k = 0; k < 2; k++) L.sp[k] += tp[k], L.sw[k] += tw[k], L.swg[k] += twg[k];
 }
 
@@ -73,23 +90,13 @@ __device__ __forceinline__ void rows_dq(const bwd_args &A, const unsigned char *
                                         const unsigned char *gs, const unsigned char *kt,
                                         const unsigned char *vt, int64_t k0, const rows_lane &L,
                                         float (*dq)[4]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll 1
-    for (int q = 0; q < BWD_KEYS / 16; q++) {
-        float s[2][4], gv[2][4], ds[2][4];
-        rows_piece<T, D, NP>(qs, gs, kt, vt, q, s, gv);
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int k = i >> 1;
-                const int64_t j = k0 + 16 * q + 8 * nt + 2 * (lane & 3) + (i & 1);
-                float p, w;
-                bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p, &w);
-                ds[nt][i] = w != 0.f ? A.scale * L.wscale[k] * w * (gv[nt][i] - L.delta[k]) : 0.f;
-            }
-        tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq);
-    }
+    float ds[2][4];
+    rows_pieces<T, D, NP>(
+            A, qs, gs, kt, vt, k0, L,
+            [&](int nt, int i, int k, float, float w, float g) {
+                ds[nt][i] = w != 0.f ? A.scale * L.wscale[k] * w * (g - L.delta[k]) : 0.f;
+            },
+            [&](int q) { tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq); });
 }
 
 /* The block's key tiles through two stages (K at st, V at st + KT), use(k0, kt, vt) on each
@@ -103,18 +110,10 @@ __device__ __forceinline__ void rows_sweep(const bwd_args &A, int64_t b, int64_t
         bwd_load_keys<T, D>(A, A.k, b, g, jt * BWD_KEYS, st);
         bwd_load_keys<T, D>(A, A.v, b, g, jt * BWD_KEYS, st + KT);
     };
-    issue(0);
-    cp_async_commit();
-    for (int64_t jt = 0; jt < ntiles; jt++) {
-        if (jt + 1 < ntiles) issue(jt + 1);
-        cp_async_commit();
-        cp_async_wait<1>(); /* this thread's copies of tile jt have landed ... */
-        __syncthreads();    /* ... and everyone's */
+    cp_async_two_stages(ntiles, issue, [&](int64_t jt) {
         const unsigned char *st = stages + (jt & 1) * 2 * KT;
         use(jt * BWD_KEYS, st, st + KT);
-        __syncthreads(); /* the stage is free for tile jt + 2 */
-    }
-    cp_async_wait<0>();
+    });
 }
 
 /* x as element i of a tensor of dtype dt (dq: q's dtype). */
@@ -184,25 +183,22 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     }
 }
 
-template <typename T, int D, int NP> cudaError_t launch_rows(const bwd_args &A, cudaStream_t s) {
-    constexpr auto kernel = rows_kernel<T, D, NP>;
-    constexpr size_t bytes = rows_smem_bytes<D, NP>();
-    const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
-    if (e != cudaSuccess) return e;
-    const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
-    kernel<<<dim3((unsigned)(A.B * nrb), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
-    return cudaGetLastError();
-}
-
-template <typename T> cudaError_t launch_rows_t(const bwd_args &A, int np, cudaStream_t s) {
-    if (A.D == 64)
-        return np == 1 ? launch_rows<T, 64, 1>(A, s) : launch_rows<T, 64, BWD_SPLIT_PARTS>(A, s);
-    return np == 1 ? launch_rows<T, 128, 1>(A, s) : launch_rows<T, 128, BWD_SPLIT_PARTS>(A, s);
-}
+/* The rows pass's launch, for bwd_launch. */
+struct rows_pass {
+    template <typename T, int D, int NP>
+    static cudaError_t launch(const bwd_args &A, cudaStream_t s) {
+        constexpr auto kernel = rows_kernel<T, D, NP>;
+        constexpr size_t bytes = rows_smem_bytes<D, NP>();
+        const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
+        if (e != cudaSuccess) return e;
+        const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
+        kernel<<<dim3((unsigned)(A.B * nrb), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
+        return cudaGetLastError();
+    }
+};
 
 } // namespace
 
 cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
-    return kv == EKV_DTYPE_F16 ? launch_rows_t<__half>(A, np, s)
-                               : launch_rows_t<__nv_bfloat16>(A, np, s);
+    return bwd_launch<rows_pass>(A, kv, np, s);
 }

@@ -147,29 +147,24 @@ void launch(ekv_dtype dt, const prefill_args &A, cudaStream_t s, int split_q) {
 } // namespace
 
 /* S = q' K^T and O = P V over the parts (beta 1 after the first part: each part's product,
- * computed from zero, is added to the fp32 result, docs/math.md §12). */
+ * computed from zero, is added to the fp32 result, docs/math.md §12), batched over the KV heads:
+ * S (nk x R, ld apart) = K^T X with X q' (D x R), or O (D x R) = V X / pscale with X P (nk x R,
+ * ld apart); part p of X lies p Hk R ldx elements on. */
 static ekv_status prefill_gemms(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
                                 const prefill_args &A, int scores) {
     const cudaDataType_t ty = blas_type(b->dtype);
     const int64_t es = ekv_dtype_size(b->dtype), kvld = A.Hk * A.D;
     const float one = 1.f, zero = 0.f, pback = 1.f / A.pscale;
-    for (int p = 0; p < A.np; p++) {
-        const float *beta = p ? &one : &zero;
-        if (scores)
-            BLAS_TRY(pf, cublasGemmStridedBatchedEx(
-                                 pf->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)A.nk, (int)A.R, (int)A.D,
-                                 &one, b->k, ty, (int)kvld, A.D,
-                                 (const char *)A.qparts + p * A.Hk * A.R * A.D * es, ty, (int)A.D,
-                                 A.R * A.D, beta, A.scores, CUDA_R_32F, (int)A.ld, A.R * A.ld,
-                                 (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        else
-            BLAS_TRY(pf, cublasGemmStridedBatchedEx(
-                                 pf->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)A.D, (int)A.R, (int)A.nk,
-                                 &pback, b->v, ty, (int)kvld, A.D,
-                                 (const char *)A.pparts + p * A.Hk * A.R * A.ld * es, ty, (int)A.ld,
-                                 A.R * A.ld, beta, A.obuf, CUDA_R_32F, (int)A.D, A.R * A.D,
-                                 (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
+    const int64_t m = scores ? A.nk : A.D, k = scores ? A.D : A.nk;
+    const int64_t ldx = scores ? A.D : A.ld, ldc = scores ? A.ld : A.D;
+    const char *x = static_cast<const char *>(scores ? A.qparts : A.pparts);
+    for (int p = 0; p < A.np; p++)
+        BLAS_TRY(pf, cublasGemmStridedBatchedEx(
+                             pf->blas, scores ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, (int)m,
+                             (int)A.R, (int)k, scores ? &one : &pback, scores ? b->k : b->v, ty,
+                             (int)kvld, A.D, x + p * A.Hk * A.R * ldx * es, ty, (int)ldx, A.R * ldx,
+                             p ? &one : &zero, scores ? A.scores : A.obuf, CUDA_R_32F, (int)ldc,
+                             A.R * ldc, (int)A.Hk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return EKV_OK;
 }
 

@@ -140,17 +140,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
             }
             at += n[k];
             n[k] += total;
-#pragma unroll
-            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
-#pragma unroll
-                for (int b = 0; b < 2; b++)
-                    if ((m >> (2 * n8 + b)) & 1u) {
-                        if (at < A.cap) { /* the key: tile_z's layout */
-                            A.cand[L.row[k] * A.cap + at] = s[n8][2 * k + b];
-                            A.cidx[L.row[k] * A.cap + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
-                        }
-                        at++;
-                    }
+            store_kept(A, m, at, A.cap, L.row[k] * A.cap, k, k0, s);
         }
     };
     sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad, use);
@@ -228,8 +218,9 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
                                          }
                                  });
         for (int k = 0; k < 2; k++) {
-            const tau_sums S = {quad_sum(c[k]), quad_sum(s1[k]), quad_sum(s2[k]), quad_min(mn[k])};
-            const double F = quad_sum(f[k]) - 1.0, Fp = -beta * quad_sum(fp[k]);
+            const tau_sums S = {ekv_quad_sum(c[k]), ekv_quad_sum(s1[k]), ekv_quad_sum(s2[k]),
+                                quad_min(mn[k])};
+            const double F = ekv_quad_sum(f[k]) - 1.0, Fp = -beta * ekv_quad_sum(fp[k]);
             if (done[k]) continue;
             if (softmax) /* F + 1 = sum exp(z - M) >= 1: the max gives 1 */
                 it[k].t = log(F + 1.0), done[k] = 1;
@@ -273,7 +264,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     };
     sweep_z<T, D, NP, true>(A, L, qa, block_keys(A), stages, &unused, use);
     for (int k = 0; k < 2; k++) {
-        const double tot = quad_sum(sum[k]);
+        const double tot = ekv_quad_sum(sum[k]);
         if (!L.on[k]) continue;
         const float f = (float)(1.0 / (tot * (double)A.pscale));
         float *dst = A.att + (L.t[k] * A.H + L.h[k]) * A.D + 2 * (lane & 3);

@@ -200,18 +200,10 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned 
                                       tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
                                                             warp * 16, valid);
     };
-    issue(0);
-    cp_async_commit();
-    for (int64_t j = 0; j < ntiles; j++) {
-        if (j + 1 < ntiles) issue(j + 1);
-        cp_async_commit();
-        cp_async_wait<1>(); /* this thread's copies of tile j have landed ... */
-        __syncthreads();    /* ... and everyone's */
+    cp_async_two_stages(ntiles, issue, [&](int64_t j) {
         const unsigned char *st = stages + (j & 1) * SB;
         use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
-        __syncthreads(); /* the stage is free for tile j + 2 */
-    }
-    cp_async_wait<0>();
+    });
 }
 
 /* z of the lane's scores of a 64-key tile from k0 (s[n8][i]: row k = i / 2, key k0 + 8 n8 +
@@ -239,17 +231,12 @@ __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (
         }
 }
 
+/* A row's max and min over its quad (ekv_quad_fold); fmaxf and fmin skip a NaN operand. */
 __device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ double quad_sum(double v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+    return ekv_quad_fold(v, [](float a, float b) { return fmaxf(a, b); });
 }
 __device__ __forceinline__ double quad_min(double v) {
-    v = fmin(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmin(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    return ekv_quad_fold(v, [](double a, double b) { return fmin(a, b); });
 }
 
 /* A sweep whose every tile's z (the warp's rows against the tile's keys, tile_z) goes to
@@ -279,6 +266,25 @@ __device__ __forceinline__ int quad_exclusive(int c, int *total) {
     if (q >= 2) v += t;
     *total = __shfl_sync(0xffffffffu, v, 3, 4);
     return v - c;
+}
+
+/* The keys of row k in a tile that the lane's mask m keeps (bit 2 n8 + b: tile_z's layout),
+ * appended to the row's list at base in cand / cidx from slot at (the lane's quad_exclusive
+ * place) on; a slot at or past room is counted but not written. */
+__device__ __forceinline__ void store_kept(const fused_args &A, unsigned m, int at, int room,
+                                           int64_t base, int k, int64_t k0, float (*s)[4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+        for (int b = 0; b < 2; b++)
+            if ((m >> (2 * n8 + b)) & 1u) {
+                if (at < room) {
+                    A.cand[base + at] = s[n8][2 * k + b];
+                    A.cidx[base + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
+                }
+                at++;
+            }
 }
 
 } // namespace

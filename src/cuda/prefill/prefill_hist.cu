@@ -41,12 +41,7 @@ __device__ __forceinline__ int hist_bin(float z) {
 __device__ __forceinline__ float hist_edge(int b) { return (float)b * (1.f / HB_SCALE); }
 
 __device__ __forceinline__ int quad_max_int(int v) {
-    v = max(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ int quad_sum_int(int v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+    return ekv_quad_fold(v, [](int a, int b) { return max(a, b); });
 }
 
 /* One tile's z of row k (the lane's s[n8][2 k + b]) into the row's ring (quad-uniform run, bm:
@@ -102,7 +97,7 @@ __device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &
     const int kb = found > bm - 32 ? found : bm - 32;
     int n = 0;
     for (int j = kb + q; j <= bm; j += 4) n += (int)ring[j & (HB_SLOTS - 1)];
-    n = quad_sum_int(n);
+    n = ekv_quad_sum(n);
     const bool safe = isfinite(M) && bm > -HB_CLAMP + 2 * HB_SLOTS && bm < HB_CLAMP - 2 * HB_SLOTS;
     if (q == 0 && L.on[k]) {
         A.rowm[L.row[k]] = M;
@@ -171,19 +166,9 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
                 for (int b = 0; b < 2; b++)
                     m |= (unsigned)(s[n8][2 * k + b] >= edge[k]) << (2 * n8 + b);
             int total;
-            int at = n[k] + quad_exclusive(__popc(m), &total);
+            const int at = n[k] + quad_exclusive(__popc(m), &total);
             n[k] += total;
-#pragma unroll
-            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
-#pragma unroll
-                for (int b = 0; b < 2; b++)
-                    if ((m >> (2 * n8 + b)) & 1u) {
-                        if (at < room[k]) { /* the key: tile_z's layout */
-                            A.cand[off[k] + at] = s[n8][2 * k + b];
-                            A.cidx[off[k] + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
-                        }
-                        at++;
-                    }
+            store_kept(A, m, at, room[k], off[k], k, k0, s);
         }
     };
     sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &unused, use);

@@ -247,6 +247,15 @@ ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head) {
     return l;
 }
 
+/* A selection kernel writing the lists ekv_cuda_lists_of(pl, per_head): one block per
+ * (sequence, list), the tail of every launcher here. */
+template <typename Args>
+static ekv_status launch_lists(ekv_cuda_plan *pl, void (*kernel)(Args), int batch, int per_head,
+                               Args &A) {
+    A.out = ekv_cuda_lists_of(pl, per_head);
+    return ekv_cuda_launch(pl, kernel, batch * A.out.lps, SEL_THREADS, 0, A);
+}
+
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
                                 int32_t recent_pages, const double *hint, int per_head) {
@@ -259,8 +268,7 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
     A.sink = sink_pages;
     A.recent = recent_pages;
     A.keys = per_head ? pl->bounds : pl->list_bounds; /* each head ranks by its own bounds */
-    A.out = ekv_cuda_lists_of(pl, per_head);
-    return ekv_cuda_launch(pl, topk_kernel, batch * A.out.lps, SEL_THREADS, 0, A);
+    return launch_lists(pl, topk_kernel, batch, per_head, A);
 }
 
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
@@ -268,9 +276,8 @@ ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int
     ekv_cuda_set_shape(A, pl, t);
     A.shard_pos = pl->shard_pos;
     A.head_in = pl->hlist_in;
-    A.out = ekv_cuda_lists_of(pl, 0);
     A.list_heads = pl->list_heads;
-    return ekv_cuda_launch(pl, union_kernel, batch * A.Hk, SEL_THREADS, 0, A);
+    return launch_lists(pl, union_kernel, batch, 0, A);
 }
 
 ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
@@ -278,6 +285,5 @@ ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, in
     ekv_cuda_set_shape(A, pl, t);
     A.bounds = pl->bounds;
     A.tau = pl->tau;
-    A.out = ekv_cuda_lists_of(pl, 0);
-    return ekv_cuda_launch(pl, round2_kernel, batch * A.Hk, SEL_THREADS, 0, A);
+    return launch_lists(pl, round2_kernel, batch, 0, A);
 }
