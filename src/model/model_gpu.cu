@@ -12,6 +12,7 @@
  * memory, nothing is allocated and the host waits only for the logits after the step.
  */
 #include "model_gpu.cuh"
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -123,32 +124,41 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     return s;
 }
 
-/* The fused prefill's buffers: per row of a block its candidates and state, per layer its
- * counters (PF_COUNTERS). The candidates kept per row: the params' prefill_candidates (a test's
- * way to make rows overflow), else 4096 (the GEMM path's row kernel keeps as many). The fill
- * at which a row's list is compacted inside the sweep (capped by the candidates kept at
- * launch): the params' prefill_compact (a benchmark's knob), else 1024. Each compaction solves
- * tau over that many values in one warp while its other rows wait, so a small fill is cheap;
- * a head whose support outgrows it settles and fills the whole list. Both checked at load. */
-static ekv_status alloc_fused(ekv_model *m, model_gpu *g, int64_t rows) {
+/* The fused kernel's knobs and its counters per layer (PF_COUNTERS). The candidates kept per
+ * row: the params' prefill_candidates (a test's way to make rows overflow), else 4096 (the GEMM
+ * path's row kernel keeps as many). The fill at which a row's list is compacted inside the
+ * sweep (capped by the candidates kept at launch): the params' prefill_compact (a benchmark's
+ * knob), else 1024. Each compaction solves tau over that many values in one warp while its
+ * other rows wait, so a small fill is cheap; a head whose support outgrows it settles and fills
+ * the whole list. Both checked at load. */
+static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
     ekv_cuda_prefill *pf = &g->pf;
     pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : EKV_PREFILL_CANDIDATES;
     pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
-    ekv_status s = dev_alloc(g, &pf->cand, rows * pf->cand_cap * 4, "the prefill candidates");
-    if (!s) s = dev_alloc(g, &pf->cidx, rows * pf->cand_cap * 8, "the prefill candidates");
-    if (!s) s = dev_alloc(g, &pf->count, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &pf->state, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &pf->thr, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &pf->m, rows * 4, "the prefill rows");
-    if (!s) s = dev_alloc(g, &pf->tau, rows * 8, "the prefill rows");
-    if (!s) s = dev_alloc(g, &pf->off, rows * 8, "the prefill rows"); /* the histogram scheme */
-    if (!s) s = dev_alloc(g, &pf->wlist, 2 * rows * 4, "the prefill row lists");
-    if (!s)
-        s = dev_alloc(g, &pf->wcount, 2 * (int64_t)m->cfg.n_kv_heads * 4, "the prefill row lists");
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
-    if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
+    ekv_status s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
     return s;
+}
+
+/* The prefill's scratch for blocks of pf->chunk tokens: one device block laid out by the
+ * prefill (ekv_cuda_prefill_layout_of, which the flash entry's workspace shares), its flag of
+ * non-finite scores zeroed. */
+static ekv_status alloc_prefill(ekv_model *m, model_gpu *g) {
+    const ekv_model_config *c = &m->cfg;
+    ekv_cuda_prefill *pf = &g->pf;
+    const ekv_cuda_prefill_layout L =
+            ekv_cuda_prefill_layout_of(pf, c->n_heads, c->n_kv_heads, c->head_dim, m->prm.kv_dtype);
+    char what[160];
+    snprintf(what, sizeof what,
+             "the prefill scratch (%s, blocks of %lld tokens x %d heads: a smaller prefill_chunk "
+             "takes less)",
+             pf->fused ? "fused kernel" : "GEMM path", (long long)pf->chunk, c->n_heads);
+    ekv_status s = dev_alloc(g, &g->pf_scratch, L.total, what);
+    if (s) return s;
+    ekv_cuda_prefill_place(pf, &L, g->pf_scratch);
+    GPU_TRY(g, cudaMemset(pf->bad, 0, 4));
+    return EKV_OK;
 }
 
 /* Query tokens per dense prefill block: the caller's; or for the fused kernel up to 4096
@@ -181,14 +191,8 @@ static ekv_status size_prefill(ekv_model *m, model_gpu *g) {
     }
     if (chunk > pf->ld_cap) chunk = pf->ld_cap;
     pf->chunk = chunk;
-    const int64_t rows = (int64_t)c->n_heads * chunk;
-    ekv_status s = dev_alloc(g, &pf->qparts, pf->nparts * rows * c->head_dim * es, "the prefill q");
-    if (!s) s = dev_alloc(g, &pf->qshift, 2 * rows * 4, "the prefill shifts and sums");
-    if (pf->fused) return s ? s : alloc_fused(m, g, rows);
-    if (!s) s = dev_alloc(g, &pf->scores, rows * pf->ld_cap * 4, "the prefill scores");
-    if (!s) s = dev_alloc(g, &pf->pparts, pf->nparts * rows * pf->ld_cap * es, "the prefill P");
-    if (!s) s = dev_alloc(g, &pf->obuf, rows * c->head_dim * 4, "the prefill output");
-    return s;
+    ekv_status s = pf->fused ? set_up_fused(m, g) : EKV_OK;
+    return s ? s : alloc_prefill(m, g);
 }
 
 /* The device memory the decode stages' score rows of every view take at most (the views are as
@@ -239,7 +243,6 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
              {&g->logits, B * c->vocab * 4},
              {&g->tokens, B * 4},
              {&g->pos, 8 * g->max_seqs},
-             {&g->pf.bad, 4},
              {&g->slow_paths, 8 * EKV_SLOW_PATHS * (int64_t)c->n_layers},
              {&g->bseqs, g->views * 4},
              {&g->vbase, g->views * 4},
@@ -251,7 +254,6 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
         s = dev_alloc(g, t[i].p, t[i].bytes, "the activations");
     if (s) return s;
     GPU_TRY(g, cudaMemset(g->pos, 0, 8 * (size_t)g->max_seqs));
-    GPU_TRY(g, cudaMemset(g->pf.bad, 0, 4));
     GPU_TRY(g, cudaMemset(g->slow_paths, 0, 8 * EKV_SLOW_PATHS * (size_t)c->n_layers));
     g->slow_host = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
     g->slow_seen = (unsigned long long *)calloc(EKV_SLOW_PATHS * (size_t)c->n_layers, 8);
@@ -281,15 +283,12 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
             free_host_mirror(L);
         }
     free(g->layers);
-    const ekv_cuda_prefill *pf = &g->pf;
-    void *bufs[] = {g->weights,    g->vectors,    g->slopes,     g->tokens,     g->pos,
-                    g->x,          g->xn,         g->q,          g->k,          g->v,
-                    g->att,        g->h13,        g->h,          g->qkv,        g->logits,
-                    g->indptr,     g->indices,    g->last_len,   g->items,      pf->scores,
-                    pf->pparts,    pf->qparts,    pf->qshift,    pf->obuf,      pf->bad,
-                    g->blas_ws,    g->bseqs,      g->vbase,      pf->cand,      pf->count,
-                    pf->state,     pf->thr,       pf->m,         pf->tau,       g->pf_rows,
-                    pf->wlist,     pf->wcount,    pf->cidx,      g->slow_paths};
+    /* g->pf's buffers all lie in pf_scratch (alloc_prefill) */
+    void *bufs[] = {g->weights, g->vectors, g->slopes,     g->tokens,  g->pos,
+                    g->x,       g->xn,      g->q,          g->k,       g->v,
+                    g->att,     g->h13,     g->h,          g->qkv,     g->logits,
+                    g->indptr,  g->indices, g->last_len,   g->items,   g->blas_ws,
+                    g->bseqs,   g->vbase,   g->pf_scratch, g->pf_rows, g->slow_paths};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->slow_host);

@@ -75,8 +75,10 @@ struct model_gpu {
     int64_t *indptr; /* the prefix views of a block: [views + 1] */
     int32_t *indices, *last_len;
     ekv_cuda_append_item *items; /* [block / page_size + 2] */
-    /* dense prefill: its stream and handle (the model's), sizes and scratch (size_prefill) */
+    /* dense prefill: its stream and handle (the model's), sizes and scratch (size_prefill), its
+     * buffers in the one block pf_scratch (ekv_cuda_prefill_layout_of) */
     ekv_cuda_prefill pf;
+    void *pf_scratch;
     unsigned long long *pf_rows; /* [n_layers][PF_COUNTERS] the fused prefill's counters */
     /* the decode stages' slow paths over the blocks' views, per layer (EKV_SLOW_*,
      * docs/architecture.md, "The model on the GPU"): cumulative on the device, read after each

@@ -113,32 +113,37 @@ ekv_status flash_check_workspace(const flash_job &J, const void *ws, int64_t byt
     return EKV_OK;
 }
 
-/* The forward's pieces of the workspace: the fused kernel's scratch for one pass (prefill.cuh),
- * its counters, and the pass's fp32 q and output when the caller's are 16-bit. */
+/* The fused kernel's scratch for one pass (prefill.cuh) without its buffers: what it is laid
+ * out for and how it runs (the defaults, and the caller's tau scheme and row cap). */
+static ekv_cuda_prefill prefill_sizes(const flash_job &J) {
+    ekv_cuda_prefill pf = {};
+    pf.ctx = J.ctx;
+    pf.stream = J.stream;
+    pf.chunk = J.chunk;
+    pf.nparts = ekv_cuda_prefill_parts(J.a->kv_dtype);
+    pf.fused = 1;
+    pf.cand_cap = EKV_PREFILL_CANDIDATES;
+    pf.compact_at = EKV_PREFILL_COMPACT_AT;
+    pf.tau_scheme = J.a->tau_scheme;
+    pf.row_cap = J.a->row_cap;
+    return pf;
+}
+
+/* The forward's pieces of the workspace: the fused kernel's scratch for one pass first
+ * (ekv_cuda_prefill_layout_of), then its counters and the pass's fp32 q and output when the
+ * caller's are 16-bit. */
 struct fwd_layout {
-    int64_t qparts, qshift, bad, cand, cidx, count, state, thr, m, tau, off, wlist, wcount;
-    int64_t counters;
-    int64_t q32, att32, total;
+    ekv_cuda_prefill_layout pf;
+    int64_t counters, q32, att32, total;
 };
 
 static fwd_layout forward_layout(const flash_job &J) {
-    const int64_t rows = J.H * J.chunk, cap = EKV_PREFILL_CANDIDATES;
-    const int64_t np = ekv_cuda_prefill_parts(J.a->kv_dtype), es = ekv_dtype_size(J.a->kv_dtype);
-    ws_carver c;
+    const ekv_cuda_prefill sizes = prefill_sizes(J);
+    const int64_t rows = J.H * J.chunk;
     fwd_layout L;
-    L.qparts = c.take(np * rows * J.D * es);
-    L.qshift = c.take(2 * rows * 4);
-    L.bad = c.take(4);
-    L.cand = c.take(rows * cap * 4);
-    L.cidx = c.take(rows * cap * 8);
-    L.count = c.take(rows * 4);
-    L.state = c.take(rows * 4);
-    L.thr = c.take(rows * 4);
-    L.m = c.take(rows * 4);
-    L.tau = c.take(rows * 8);
-    L.off = c.take(rows * 8);
-    L.wlist = c.take(2 * rows * 4);
-    L.wcount = c.take(2 * J.Hk * 4);
+    L.pf = ekv_cuda_prefill_layout_of(&sizes, J.H, J.Hk, J.D, J.a->kv_dtype);
+    ws_carver c;
+    c.at = L.pf.total;
     L.counters = c.take(PF_COUNTERS * 8);
     L.q32 = J.a->q_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
     L.att32 = J.a->out_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
@@ -172,34 +177,6 @@ template <typename TO> __global__ void finish_kernel(finish_args F) {
 }
 
 } // namespace
-
-/* The fused kernel's scratch (prefill.cuh) in the workspace at base. */
-static ekv_cuda_prefill prefill_scratch(const flash_job &J, const fwd_layout &L, char *base) {
-    ekv_cuda_prefill pf = {};
-    pf.ctx = J.ctx;
-    pf.stream = J.stream;
-    pf.chunk = J.chunk;
-    pf.nparts = ekv_cuda_prefill_parts(J.a->kv_dtype);
-    pf.qparts = base + L.qparts;
-    pf.qshift = (float *)(base + L.qshift);
-    pf.bad = (int32_t *)(base + L.bad);
-    pf.fused = 1;
-    pf.cand_cap = EKV_PREFILL_CANDIDATES;
-    pf.compact_at = EKV_PREFILL_COMPACT_AT;
-    pf.cand = (float *)(base + L.cand);
-    pf.cidx = (int64_t *)(base + L.cidx);
-    pf.count = (int32_t *)(base + L.count);
-    pf.state = (int32_t *)(base + L.state);
-    pf.thr = (float *)(base + L.thr);
-    pf.m = (float *)(base + L.m);
-    pf.tau = (double *)(base + L.tau);
-    pf.wlist = (int32_t *)(base + L.wlist);
-    pf.wcount = (int32_t *)(base + L.wcount);
-    pf.tau_scheme = J.a->tau_scheme;
-    pf.row_cap = J.a->row_cap;
-    pf.off = (int64_t *)(base + L.off);
-    return pf;
-}
 
 /* One pass: tokens [t0, t0 + Tc) of sequence b (steps 1-3 of the file's comment). */
 static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ekv_cuda_prefill &pf,
@@ -278,7 +255,8 @@ extern "C" ekv_status ekv_cuda_flash_entmax_forward(ekv_context *ctx,
     const fwd_layout L = forward_layout(J);
     if ((st = flash_check_workspace(J, workspace, workspace_bytes, L.total))) return st;
     char *base = static_cast<char *>(workspace);
-    const ekv_cuda_prefill pf = prefill_scratch(J, L, base);
+    ekv_cuda_prefill pf = prefill_sizes(J);
+    ekv_cuda_prefill_place(&pf, &L.pf, base);
     for (int64_t b = 0; b < J.B; b++)
         for (int64_t t0 = 0; t0 < J.T; t0 += J.chunk) {
             const int64_t Tc = J.T - t0 < J.chunk ? J.T - t0 : J.chunk;

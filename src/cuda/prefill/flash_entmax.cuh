@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include "../common/launch.cuh"
 #include "../common/loads.cuh"
+#include "prefill.cuh" /* ws_carver: the workspace is carved as the prefill's scratch is */
 
 /* A checked call: the shapes, the scale and factor as the kernels take them, the dtypes. */
 struct flash_job {
@@ -33,16 +34,6 @@ int64_t flash_forward_bytes(const flash_job &J);
 int64_t flash_backward_bytes(const flash_job &J);
 /* The workspace given to a call: not NULL, 256-byte aligned, at least `need` bytes. */
 ekv_status flash_check_workspace(const flash_job &J, const void *ws, int64_t bytes, int64_t need);
-
-/* Consecutive 256-byte-aligned pieces of a workspace (offsets from its start). */
-struct ws_carver {
-    int64_t at = 0;
-    int64_t take(int64_t bytes) {
-        const int64_t o = at;
-        at += (bytes + 255) / 256 * 256;
-        return o;
-    }
-};
 
 namespace {
 

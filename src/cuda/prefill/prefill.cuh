@@ -34,8 +34,9 @@ enum { EKV_PREFILL_ROW_CAP = 1024 };
 enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_COUNTERS };
 
 /* What dense prefill runs on: the stream and cuBLAS handle, the sizes its scratch was laid out
- * for and the device scratch, which its caller sizes and allocates (the model engine,
- * src/model/model_gpu.cu). */
+ * for and the device scratch: one block laid out by ekv_cuda_prefill_layout_of, which its caller
+ * sizes and allocates (the model engine, src/model/model_gpu.cu) or carves from its workspace
+ * (flash_entmax.cu). */
 struct ekv_cuda_prefill {
     ekv_context *ctx;
     cudaStream_t stream;
@@ -70,6 +71,34 @@ struct ekv_cuda_prefill {
     int32_t row_cap; /* a list's entries at most (0: EKV_PREFILL_ROW_CAP; capped by cand_cap) */
     int64_t *off;    /* [H * chunk] */
 };
+
+/* Consecutive 256-byte-aligned pieces of one device block (offsets from its start): the prefill
+ * scratch's layout and the flash entry's workspace (flash_entmax.cuh) carve alike. */
+struct ws_carver {
+    int64_t at = 0;
+    int64_t take(int64_t bytes) {
+        const int64_t o = at;
+        at += (bytes + 255) / 256 * 256;
+        return o;
+    }
+};
+
+/* Where each buffer of an ekv_cuda_prefill lies in its one block of scratch (byte offsets; -1:
+ * a buffer the path does not use) and the block's bytes. */
+struct ekv_cuda_prefill_layout {
+    int64_t qparts, qshift, bad;  /* both paths */
+    int64_t scores, pparts, obuf; /* the GEMM path */
+    /* the fused kernel */
+    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount;
+    int64_t total;
+};
+/* The layout of the scratch that pf's sizes (chunk, nparts, fused; cand_cap when fused, ld_cap
+ * when not) call for, with H query heads, Hk KV heads of head dim D and K's dtype kv
+ * (prefill_layout.cu). */
+ekv_cuda_prefill_layout ekv_cuda_prefill_layout_of(const ekv_cuda_prefill *pf, int64_t H,
+                                                   int64_t Hk, int64_t D, ekv_dtype kv);
+/* pf's buffers pointed into the block at base (256-byte aligned, L->total bytes). */
+void ekv_cuda_prefill_place(ekv_cuda_prefill *pf, const ekv_cuda_prefill_layout *L, void *base);
 
 /* One dense block: T query tokens of one sequence at positions pos0.., each attending its
  * causal prefix (docs/math.md §12), or every key (noncausal_keys, docs/math.md §13.1). Zero
