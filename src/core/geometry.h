@@ -67,22 +67,30 @@ EKV_GEOM int64_t ekv_list_nheads(int64_t heads, int64_t num_heads, int64_t group
 
 /* Split-KV (docs/architecture.md, CUDA split-KV): the splits of a sequence of `pages` pages in
  * a batch of `batch` sequences holding `all` pages, with `base` splits per sequence in a uniform
- * batch: its share of S = base * batch - batch + 1, ceil(S pages / all), at least 1 and at most
+ * batch: its share of S shares (ekv_split_shares), ceil(S pages / all), at least 1 and at most
  * cap. Rounded up, so no split holds more than all / S pages unless the cap binds (a floor left
- * a row of just under two splits' worth one block). The counts of a batch sum to at most
- * base * batch, the flat grid of ekv_split_grid: a share rounded up gains less than 1, an empty
- * sequence's 0 raised to 1 gains 1, and the shares sum to S, so the sum is below S + batch.
- * A uniform batch gets ceil(base - 1 + 1 / batch) = base each. The grid is the plan's one wave
- * (base is sized so base * batch blocks per KV head fill it): the old grid of T + batch - 1, with
- * shares of T = base * batch, ran a ragged batch's extra blocks as a second wave, which cost a
- * whole split's time (the batch of 16 from 8K to 64K: 286 scores blocks for 264 slots). */
+ * a row of just under two splits' worth one block). The counts of a batch sum to less than
+ * S + batch (a share rounded up gains less than 1, an empty sequence's 0 raised to 1 gains 1,
+ * and the shares sum to S): the flat grid of ekv_split_grid. A uniform batch gets base each. */
+enum { EKV_SPLIT_ONE_WAVE_MIN = 3 };
+/* S: from base = 3 on, base * batch - batch + 1, so the grid is base * batch, the one wave the
+ * plan sized base for (shares of base * batch rounded up overflowed it by up to batch - 1
+ * blocks, a second wave as long as the first: 286 score blocks for 264 slots on a batch of 16
+ * from 8K to 64K tokens); below, base * batch: shrunk shares would make the splits up to twice
+ * (base 2) or batch times (base 1: one split a sequence) as long, where the batch's rows
+ * overfill a wave anyway (base 1: H 32, KV 32, batch 16, 19% slower). */
+EKV_GEOM int64_t ekv_split_shares(int64_t base, int64_t batch) {
+    return base >= EKV_SPLIT_ONE_WAVE_MIN ? base * batch - batch + 1 : base * batch;
+}
 EKV_GEOM int64_t ekv_split_count(int64_t base, int64_t batch, int64_t pages, int64_t all,
                                  int64_t cap) {
-    const int64_t shares = base * batch - batch + 1;
+    const int64_t shares = ekv_split_shares(base, batch);
     int64_t n = all > 0 ? (shares * pages + all - 1) / all : 1;
     return n < 1 ? 1 : n > cap ? cap : n;
 }
-EKV_GEOM int64_t ekv_split_grid(int64_t base, int64_t batch) { return base * batch; }
+EKV_GEOM int64_t ekv_split_grid(int64_t base, int64_t batch) {
+    return ekv_split_shares(base, batch) + batch - 1;
+}
 
 /* The score scale: the caller's, or 1/sqrt(head_dim) when it is 0 (in double; the CPU
  * attention kernels round it to float before use). */
