@@ -93,16 +93,22 @@ __device__ __forceinline__ void ekv_share_max(const float *mine, float *seen, ui
     }
 }
 
-/* Warp-aggregated append: the lanes with take get consecutive slots of a list whose length is
- * *count (one atomic per warp); returns the lane's slot. Warp-uniform call. */
+/* Warp-aggregated appends to a list whose length is *count: ekv_warp_reserve takes n places for
+ * the whole warp with one atomic (lane 0's) and returns the first to every lane; a lane's place
+ * among the lanes of a ballot m is ekv_lane_rank(m) after it. Warp-uniform calls. */
+template <typename C> __device__ __forceinline__ C ekv_warp_reserve(C *count, C n) {
+    C at = 0;
+    if ((threadIdx.x & 31) == 0 && n) at = atomicAdd(count, n);
+    return __shfl_sync(0xffffffffu, at, 0);
+}
+__device__ __forceinline__ int ekv_lane_rank(unsigned m) {
+    return __popc(m & ((1u << (threadIdx.x & 31)) - 1));
+}
+/* One value a lane: the lanes with take get consecutive slots; returns the lane's slot. */
 __device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) {
     const unsigned m = __ballot_sync(0xffffffffu, take);
     if (!m) return 0;
-    const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
-    uint32_t at = 0;
-    if (lane == leader) at = atomicAdd(count, (uint32_t)__popc(m));
-    at = __shfl_sync(0xffffffffu, at, leader);
-    return at + (uint32_t)__popc(m & ((1u << lane) - 1));
+    return ekv_warp_reserve(count, (uint32_t)__popc(m)) + (uint32_t)ekv_lane_rank(m);
 }
 
 /* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the

@@ -116,13 +116,10 @@ __device__ __forceinline__ void union_mark(uint32_t *bits, int32_t *list, int32_
         tot += __popc(m[k]);
     }
     if (!tot) return;
-    const int lane = threadIdx.x & 31;
-    int at = 0;
-    if (lane == 0) at = atomicAdd(count, tot);
-    at = __shfl_sync(0xffffffffu, at, 0);
+    int at = ekv_warp_reserve(count, tot);
 #pragma unroll
     for (int k = 0; k < U; k++) {
-        if ((m[k] >> lane) & 1u) list[at + __popc(m[k] & ((1u << lane) - 1))] = (int32_t)slot[k];
+        if ((m[k] >> (threadIdx.x & 31)) & 1u) list[at + ekv_lane_rank(m[k])] = (int32_t)slot[k];
         at += __popc(m[k]);
     }
 }

@@ -152,12 +152,10 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             if (!REFINE && in) atomicAdd(hist + tau_hist_bin((double)x[k] - (double)M), 1u);
         }
         if (!tot || MODE == CAND_COUNT) continue;
-        int at = 0;
-        if (lane == 0) at = atomicAdd(count, tot);
-        at = __shfl_sync(0xffffffffu, at, 0);
+        int at = ekv_warp_reserve(count, tot);
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++) {
-            const int pos = at + __popc(m[k] & ((1u << lane) - 1));
+            const int pos = at + ekv_lane_rank(m[k]);
             if (((m[k] >> lane) & 1u) && pos < A.ccap) {
                 A.cand_z[row * A.ccap + pos] = x[k];
                 A.cand_slot[row * A.ccap + pos] = cand_slot<VEC>(base, k, lane);
@@ -321,12 +319,10 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
             tot += __popc(m[k]);
         }
         if (!tot) continue;
-        int at = 0;
-        if (lane == 0) at = atomicAdd(s_nsup, tot);
-        at = __shfl_sync(0xffffffffu, at, 0);
+        int at = ekv_warp_reserve(s_nsup, tot);
 #pragma unroll
         for (int k = 0; k < SUP_UNROLL; k++) {
-            const int pos = at + __popc(m[k] & ((1u << lane) - 1));
+            const int pos = at + ekv_lane_rank(m[k]);
             at += __popc(m[k]);
             if (!in[k] || pos >= A.ccap) continue;
             A.sup_p[row * A.ccap + pos] = entmax_p_split(x[k], M, t, beta);
