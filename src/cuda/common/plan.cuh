@@ -63,9 +63,8 @@ struct ekv_cuda_plan {
      * candidates' histogram, the lower bound of tau from it, the refined count; the
      * histograms and the done counts are zero between steps (the last block resets them) */
     uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
-    uint32_t *cand_done; /* [B*H] candidate blocks of the row that have finished           */
-    float *cand_thr;     /* [B*H] the refined list's threshold (-inf: the row fit)         */
-    int32_t *refine_count; /* [B*H] scores above cand_thr (may exceed cand_cap)            */
+    uint32_t *cand_done; /* [B*H] the screen tau(l) count blocks of the row that finished   */
+    int32_t *refine_count; /* [B*H] scores above an overflowed row's bound (may exceed cap) */
     float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */

@@ -281,14 +281,20 @@ __device__ double hist_bound(const unsigned *hist, double alpha, float *pw, doub
     return hist_count_bound(hist, pw, scratch);
 }
 
-/* A split's counts (hist, shared) added into its row's histogram (gh, global), then whether this
- * block is the last of the row's nsplit to finish (done: the row's counter): that block sees
- * every split's counts (hist_take). Block-wide; s_last: a shared flag. */
-__device__ bool hist_flush_last(const unsigned *hist, uint32_t *gh, uint32_t *done, int nsplit,
-                                bool *s_last) {
-    __syncthreads(); /* the block's counts are complete */
+/* A split's counts (hist, shared) added into its row's histogram (gh, global): its nonzero bins,
+ * none when the block counted nothing (any: this thread counted some). Block-wide. */
+__device__ void hist_flush(const unsigned *hist, uint32_t *gh, bool any) {
+    if (!__syncthreads_or(any)) return; /* its barrier: the block's counts are complete */
     for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
         if (hist[k]) atomicAdd(gh + k, hist[k]);
+}
+
+/* hist_flush, then whether this block is the last of the row's nsplit to finish (done: the
+ * row's counter): that block sees every split's counts (hist_take). Block-wide; s_last: a
+ * shared flag. */
+__device__ bool hist_flush_last(const unsigned *hist, uint32_t *gh, uint32_t *done, int nsplit,
+                                bool *s_last) {
+    hist_flush(hist, gh, true);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) *s_last = atomicAdd(done, 1u) == (unsigned)nsplit - 1;
@@ -308,6 +314,15 @@ __device__ double hist_take(uint32_t *gh, uint32_t *done, unsigned *hist, double
     }
     if (threadIdx.x == 0) *done = 0u;
     return ekv_block_sum(total, scratch); /* its barriers: hist is complete */
+}
+
+/* The lower bound of tau - M (hist_bound) of a row histogram gh that a launch before completed,
+ * read into hist (shared); gh is left as it is (several blocks read it). Block-wide. */
+__device__ double hist_read_bound(const uint32_t *gh, unsigned *hist, double alpha, float *pw,
+                                  double *scratch) {
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = __ldcg(gh + k);
+    __syncthreads();
+    return hist_bound(hist, alpha, pw, scratch);
 }
 
 /* Rows with more candidates than this start their solve from the histogram's bound (a few

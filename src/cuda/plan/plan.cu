@@ -69,7 +69,6 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
             {(void **)&pl->cand_hist, BH * EKV_CUDA_TAU_HIST_BINS * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->cand_done, BH * (int64_t)sizeof(uint32_t)},
-            {(void **)&pl->cand_thr, BH * (int64_t)sizeof(float)},
             {(void **)&pl->refine_count, BH * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
@@ -280,11 +279,13 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
                             pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);
-    if (e == cudaSuccess) /* the candidates' histograms and done counts (stages/tau.cu) */
+    if (e == cudaSuccess) /* the candidates' histograms, done and refine counts (stages/tau.cu) */
         e = cudaMemsetAsync(pl->cand_hist, 0,
                             (size_t)(B * H * EKV_CUDA_TAU_HIST_BINS) * sizeof(uint32_t), pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->cand_done, 0, (size_t)(B * H) * sizeof(uint32_t), pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->refine_count, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
     if (e != cudaSuccess) {
         ekv_cuda_plan_free(pl);

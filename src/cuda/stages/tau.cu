@@ -17,13 +17,15 @@ namespace {
 /* ---- candidates: tokens with z >= M - 1 (every support token has z > M - 1) ----
  * A flat head has more of them than its list holds (real attention: most keys of a layer-0
  * head within 1 of its max). Its list is then rebuilt by every split, not by one block: the
- * candidates kernel also counts them into the row's histogram of y = z - M (cand_hist), the
- * row's last block to finish turns the counts into a lower bound of tau (hist_bound,
- * docs/math.md §9.1, within two bins of it), and the refine pass (the same kernel,
- * CAND_REFINE) lists the scores above that bound: the support and a few bins more. Screened
- * decode's row scores kernel lists its candidates itself; there the histogram is counted by
- * a pass of its own (CAND_COUNT) for the rows whose list overflowed. A list that fit but is
- * long (TAU_BOUND_MIN) gets the bound too, where the solve starts. */
+ * candidates kernel also counts them into the row's histogram of y = z - M (cand_hist), and the
+ * refine pass (the same kernel, CAND_REFINE), a launch later when every split has counted, turns
+ * the counts into a lower bound of tau (hist_bound, docs/math.md §9.1, within two bins of it) and
+ * lists the scores above it: the support and a few bins more. Screened decode's row scores
+ * kernel lists its candidates itself; there the histogram is counted by a pass of its own
+ * (CAND_COUNT) for the rows that want the bound. A list that fit but is long (TAU_BOUND_MIN)
+ * gets the bound too, from the tau kernel, where its solve starts; the tau kernel leaves the
+ * histogram and the refine count zero for the next step. No block waits for the row's others
+ * (a last-block hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
     int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
@@ -36,16 +38,17 @@ struct cand_args : ekv_cuda_shape {
     float *cand_z;
     int64_t *cand_slot; /* the token's score slot */
     int32_t *cand_count;
-    uint32_t *hist, *done; /* the plan's cand_hist and cand_done (zero between steps) */
-    float *thr;            /* cand_thr: written by a row's last block, read by CAND_REFINE */
-    int32_t *refine_count;
+    uint32_t *hist;        /* the plan's cand_hist (zero between steps: the tau kernel) */
+    int32_t *refine_count; /* zero between steps (the tau kernel) */
 };
 
-enum { CAND_THREADS = 256, CAND_UNROLL = 16 }; /* 16 values per thread and batch */
+/* 8 values per thread and batch, 4 blocks an SM: at 16 values 72 registers gave 3 (a third
+ * fewer warps hiding the loads of a latency-bound pass), and 16 within 64 registers spill */
+enum { CAND_THREADS = 256, CAND_UNROLL = 8, CAND_MIN_BLOCKS = 4 };
 
 /* Slot of value k (< CAND_UNROLL) of this lane in a warp batch starting at base: with VEC the
- * lane reads 4 float4 (values base + 4 (32 j + lane) + c, k = 4 j + c), else 16 floats at
- * stride 32. Either way a warp batch covers 32 CAND_UNROLL consecutive slots. */
+ * lane reads CAND_UNROLL / 4 float4 (values base + 4 (32 j + lane) + c, k = 4 j + c), else
+ * CAND_UNROLL floats at stride 32. Either way a warp batch covers 32 CAND_UNROLL consecutive slots. */
 template <bool VEC> __device__ __forceinline__ int64_t cand_slot(int64_t base, int k, int lane) {
     return VEC ? base + 4 * ((k >> 2) * 32 + lane) + (k & 3) : base + k * 32 + lane;
 }
@@ -74,19 +77,12 @@ __device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t 
     }
 }
 
-/* The row's last candidates block: the histogram gives the refine pass and the solve their
- * threshold (-inf: no bound wanted) and is reset with the done count for the next step.
- * Block-wide. */
-__device__ void cand_finish(const cand_args &A, int64_t row, float M, unsigned *hist, float *pw,
-                            double *scratch) {
-    hist_take(A.hist + row * TAU_HIST_BINS, A.done + row, hist, scratch);
-    float thr = -CUDART_INF_F;
-    if (wants_bound(__ldcg(A.cand_count + row), A.ccap))
-        thr = list_bound((double)M + hist_bound(hist, A.alpha, pw, scratch), M);
-    if (threadIdx.x == 0) {
-        A.thr[row] = thr;
-        A.refine_count[row] = 0;
-    }
+/* The threshold of a row that wants the histogram's bound (wants_bound): list_bound of its lower
+ * bound of tau, from the row's complete histogram gh (read, not reset: first_iterate resets it).
+ * The refine pass's list and the tau kernel's first iterate. Block-wide. */
+__device__ float row_bound_thr(const uint32_t *gh, float M, double alpha, unsigned *hist,
+                               float *pw, double *scratch) {
+    return list_bound((double)M + hist_read_bound(gh, hist, alpha, pw, scratch), M);
 }
 
 /* What a candidates launch does over one split of a row (cand_kernel). */
@@ -95,40 +91,39 @@ enum cand_mode {
                   * histogram */
     CAND_COUNT,  /* the histogram only: the row scores kernel listed the candidates (screened
                   * rows); rows that want no bound return at once */
-    CAND_REFINE  /* a row whose list overflowed: append z > thr (refine_count); others return */
+    CAND_REFINE  /* a row whose list overflowed: append z > its bound (refine_count); others
+                  * return */
 };
 
 template <bool VEC, int MODE>
-__global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
+__global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(cand_args A) {
     constexpr bool REFINE = MODE == CAND_REFINE;
     __shared__ float fscratch[32];
     __shared__ double scratch[128];
-    __shared__ unsigned hist[REFINE ? 1 : TAU_HIST_BINS];
-    __shared__ float pw[REFINE ? 1 : TAU_HIST_BINS];
-    __shared__ bool s_last;
+    __shared__ unsigned hist[TAU_HIST_BINS];
+    __shared__ float pw[TAU_HIST_BINS];
     const ekv_split sp = ekv_block_split(A.t, A.cbase, A.cbase * A.t.batch);
     if (sp.b < 0) return;
     const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
     const int64_t row = (int64_t)b * A.H + h;
-    float thr = -CUDART_INF_F, M = -CUDART_INF_F;
     if constexpr (REFINE) {
         if (A.cand_count[row] <= A.ccap) return; /* the row's list held every candidate */
-        thr = A.thr[row];
     } else {
-        if (MODE == CAND_COUNT && !wants_bound(A.cand_count[row], A.ccap)) {
-            if (threadIdx.x == 0) A.thr[row] = -CUDART_INF_F; /* every block: the same value */
-            return;
-        }
+        if (MODE == CAND_COUNT && !wants_bound(A.cand_count[row], A.ccap)) return;
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
     }
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round, &begin, &end);
     const int64_t ntok = A.row_count ? (int64_t)A.row_count[lrow] : end * A.ps;
-    if constexpr (!REFINE)
-        M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
-                     A.split_cap, A.round == 1 ? 1 : 2, fscratch); /* its barrier ends the zeroing */
+    /* its barrier ends the zeroing */
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    const float thr = REFINE ? row_bound_thr(A.hist + row * TAU_HIST_BINS, M, A.alpha, hist, pw,
+                                             scratch)
+                             : -CUDART_INF_F;
     const double lo_z = (double)M - 1.0;
+    bool counted = false;
     int32_t *count = REFINE ? A.refine_count + row : A.cand_count + row;
     const int64_t per = ((ntok + sp.n - 1) / sp.n + 31) / 32 * 32;
     const int64_t c0 = (int64_t)sp.s * per, c1 = c0 + per < ntok ? c0 + per : ntok;
@@ -149,7 +144,10 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
                                    : x[k] > -CUDART_INF_F && (double)x[k] >= lo_z;
             m[k] = __ballot_sync(0xffffffffu, in);
             tot += __popc(m[k]);
-            if (!REFINE && in) atomicAdd(hist + tau_hist_bin((double)x[k] - (double)M), 1u);
+            if (!REFINE && in) {
+                atomicAdd(hist + tau_hist_bin((double)x[k] - (double)M), 1u);
+                counted = true;
+            }
         }
         if (!tot || MODE == CAND_COUNT) continue;
         int at = ekv_warp_reserve(count, tot);
@@ -163,9 +161,7 @@ __global__ void __launch_bounds__(CAND_THREADS) cand_kernel(cand_args A) {
             at += __popc(m[k]);
         }
     }
-    if constexpr (!REFINE)
-        if (hist_flush_last(hist, A.hist + row * TAU_HIST_BINS, A.done + row, sp.n, &s_last))
-            cand_finish(A, row, M, hist, pw, scratch);
+    if constexpr (!REFINE) hist_flush(hist, A.hist + row * TAU_HIST_BINS, counted);
 }
 
 struct tau_args : ekv_cuda_shape {
@@ -178,8 +174,8 @@ struct tau_args : ekv_cuda_shape {
     float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
     const int32_t *cand_count;
-    const float *cand_thr;        /* the refine pass's threshold of an overflowed row (NULL:  */
-    const int32_t *refine_count;  /* no refine pass, the screened rows) and its list's count */
+    uint32_t *hist;        /* the candidates' histograms (cand_hist): read and reset here */
+    int32_t *refine_count; /* an overflowed row's refined list's count: read and reset here */
     double *tau;
     float *tau_m; /* tau as (the head's max, tau - max): what the values kernels read */
     double *tau_t;
@@ -336,6 +332,24 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
     return c;
 }
 
+/* The solve's first iterate, a lower bound of tau - M: for a row that wants the histogram's bound
+ * (wants_bound of its first count nc) that bound as the refine pass listed above it
+ * (row_bound_thr), else -1. The row's histogram is reset for the next step either way. pw: the
+ * candidates' shared memory (TAU_HIST_BINS floats at least), free until they are loaded.
+ * Block-wide. */
+__device__ double first_iterate(const tau_args &A, int64_t row, int64_t nc, float M,
+                                unsigned *hist, float *pw, double *scratch) {
+    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
+    if (!wants_bound(nc, A.ccap)) { /* its counts (none, screened) are not wanted */
+        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+        return -1.0;
+    }
+    const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
+    __syncthreads(); /* every thread has read gh */
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+    return fmax(-1.0, (double)thr - (double)M);
+}
+
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
  * list. A head whose candidates overflowed the list has it rebuilt from the scores above a
  * lower bound of tau (compact_list); only when those overflow too does it take the whole
@@ -359,12 +373,11 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
-    /* a lower bound of tau - M where the solve starts (tau_start): the candidates' histogram's
-     * for an overflowed or long list (cand_thr; -inf: none), else -1 */
-    double t0 = A.cand_thr ? fmax(-1.0, (double)A.cand_thr[row] - (double)M) : -1.0;
+    /* a lower bound of tau - M where the solve starts (tau_start): for an overflowed or long
+     * list the histogram's (the refine pass's threshold), else -1 */
+    double t0 = first_iterate(A, row, nc, M, hist, cand, scratch);
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        if (A.cand_thr) /* every split listed the scores above the count bound (cand_kernel) */
-            nc = A.refine_count[row];
+        nc = A.refine_count[row]; /* every split listed the scores above t0 (cand_kernel) */
         if (nc > A.ccap) /* on one block: the list's own bound, a finer count bound */
             nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, cand,
                               scratch, fscratch, &s_ncomp);
@@ -404,6 +417,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         A.tau_m[row] = M;
         A.tau_t[row] = t;
         A.support[row] = (int64_t)c;
+        A.refine_count[row] = 0; /* every thread read it before the block sum */
         if (final_round) {
             A.sup_count[row] = (int64_t)c;
             if (!mark) /* the union kernel counts the rows it reads */
@@ -496,8 +510,6 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
     C.cand_slot = pl->cand_slot;
     C.cand_count = pl->cand_count;
     C.hist = pl->cand_hist;
-    C.done = pl->cand_done;
-    C.thr = pl->cand_thr;
     C.refine_count = pl->refine_count;
     /* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
     if (!rows && pl->p.page_size % 4 == 0) {
@@ -533,7 +545,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
     A.cand_count = pl->cand_count;
-    A.cand_thr = pl->cand_thr;
+    A.hist = pl->cand_hist;
     A.refine_count = pl->refine_count;
     A.tau = pl->tau;
     A.support = pl->support;
