@@ -42,13 +42,13 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 48 };
+enum { PLAN_BUFFERS = 47 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
                   ns = pl->split_cap;
     const int64_t BH = B * H, BHk = B * Hk, P = pl->cap_pages, C = pl->cand_cap;
-    const plan_buffer t[PLAN_BUFFERS] = {
+    const plan_buffer t[] = {
             {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
             {(void **)&pl->split_max, BH * 2 * ns * (int64_t)sizeof(float)},
             {(void **)&pl->bounds, BH * P * (int64_t)sizeof(float)},
@@ -97,6 +97,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->ulist, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
             {(void **)&pl->ucount, BHk * (int64_t)sizeof(int32_t)},
     };
+    static_assert(sizeof t / sizeof t[0] == PLAN_BUFFERS, "PLAN_BUFFERS counts the table");
     memcpy(b, t, sizeof t);
 }
 
