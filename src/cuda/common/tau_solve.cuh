@@ -336,18 +336,4 @@ __device__ __forceinline__ bool wants_bound(int64_t count, int64_t cap) {
     return count > cap || count > TAU_BOUND_MIN;
 }
 
-/* hist_count_bound over the scores z[0, n) of one row with max M: one pass counts them into
- * hist (shared memory), pw is the power table's room. Block-wide. */
-__device__ double hist_lower_bound(const float *z, int64_t n, float M, double alpha, unsigned *hist,
-                                   float *pw, double *scratch) {
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double y = (double)z[i] - (double)M;
-        if (y >= -1.0) atomicAdd(hist + tau_hist_bin(y), 1u);
-    }
-    __syncthreads(); /* the counting is complete */
-    return hist_bound(hist, alpha, pw, scratch);
-}
-
 } // namespace

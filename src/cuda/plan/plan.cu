@@ -182,6 +182,23 @@ ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
 enum { SCREEN_ENTRY_BYTES = 12 }; /* a list entry: l, u (fp32) and the token (int32) */
 static const int64_t SCREEN_LIST_BYTES = (int64_t)SCREEN_ENTRY_BYTES * 32 << 20;
 
+/* The tau candidates (and support entries) listed per query head: max_candidates when given;
+ * else a quarter of the tokens (a flat head's support, real attention: thousands of tokens at
+ * 256K on the model's layer 0, is then solved from its list, not over the whole row on one
+ * block; bench/RESULTS.md), within what the list budget (screen_list_bytes, as the screen's
+ * lists) holds over the plan's heads, never below EKV_CUDA_CAND_CAP nor above every token. */
+enum { CAND_ENTRY_BYTES = 24 }; /* cand_z, sup_p (fp32), cand_slot, sup_off (int64) */
+static int64_t cand_list_cap(const ekv_cuda_plan_params *p, int64_t cap_tokens) {
+    int64_t cap = p->max_candidates;
+    if (cap <= 0) {
+        const int64_t budget = p->screen_list_bytes > 0 ? p->screen_list_bytes : SCREEN_LIST_BYTES;
+        const int64_t fit = budget / (CAND_ENTRY_BYTES * (int64_t)p->max_batch * p->num_heads);
+        cap = cap_tokens / 4 < fit ? cap_tokens / 4 : fit;
+        if (cap < EKV_CUDA_CAND_CAP) cap = EKV_CUDA_CAND_CAP;
+    }
+    return cap < cap_tokens ? cap : cap_tokens;
+}
+
 /* The screen's candidates kept per query head (u > max l - 1, docs/math.md §10.3 Claim 3):
  * max_candidates when given; else as many as screen_list_bytes holds over the plan's heads,
  * between max(a quarter of the tokens, the default list) and every token. A list of every token
@@ -212,8 +229,7 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->sms = sms;
     pl->cap_pages = p->max_pages_per_seq;
     pl->cap_tokens = pl->cap_pages * p->page_size;
-    pl->cand_cap = p->max_candidates > 0 ? p->max_candidates : (int64_t)EKV_CUDA_CAND_CAP;
-    if (pl->cand_cap > pl->cap_tokens) pl->cand_cap = pl->cap_tokens;
+    pl->cand_cap = cand_list_cap(p, pl->cap_tokens);
     pl->scap = screen_list_cap(p, pl->cap_tokens, pl->cand_cap);
     pl->short_cap = pl->scap < EKV_SCREEN_SOLVE_MAX ? pl->scap : (int64_t)EKV_SCREEN_SOLVE_MAX;
     pl->cap_words = (pl->cap_tokens + 31) / 32;

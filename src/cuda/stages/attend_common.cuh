@@ -19,8 +19,8 @@
  * When a head has more than cand_cap candidates (flat attention), every split lists again the
  * scores above a lower bound of tau from the candidates' histogram (the refine pass of
  * cand_kernel in tau.cu; ekv_cuda_report .compacted_rows counts them); when those
- * overflow too, the tau kernel's block tries finer bounds (compact_list), and only then are tau
- * and the support taken from the whole score row (ekv_cuda_report.slow_rows counts them). If the support itself
+ * overflow too, the tau kernel's block tries the kept list's bound (compact_list), and only then
+ * are tau and the support taken from the whole score row (ekv_cuda_report.slow_rows counts them). If the support itself
  * exceeds the cap, the values kernel scans the score row (slow, but exact).
  * Softmax (alpha = 1) keeps every token: scores -> log-sum-exp over the row -> values over
  * every row (tau_softmax_kernel, values_dense_kernel).

@@ -246,27 +246,23 @@ __device__ int64_t compact_above(const tau_args &A, int64_t row, const float *z,
     return count;
 }
 
-/* A head whose candidates overflowed the list (flat attention, e.g. real attention at 1M
- * tokens): its list rebuilt from the scores above a lower bound of tau, first the kept ccap
- * candidates' own threshold (a subset of the row: docs/math.md §9.1), and if those do not fit
- * either, the histogram's (hist_lower_bound, or the first if higher). Returns the count, above
- * ccap when the list never fit (a support larger than the list, or a run of equal scores);
- * *t0 the best lower bound of tau - M, where the whole-row solve then starts. Two or three
- * reads of the row where the solve over the whole row takes one per iteration. */
+/* A head whose list overflowed even above the histogram's bound hist_thr (the refine pass's nc
+ * scores above it; flat attention, e.g. real attention at 1M tokens): its list rebuilt from the
+ * scores above the kept ccap's own threshold (a subset of the row: a lower bound of tau,
+ * docs/math.md §9.1) where that is higher. Returns the count, above ccap when the list cannot
+ * fit (a support larger than the list, or a run of equal scores); *t0 the best lower bound of
+ * tau - M, where the whole-row solve then starts. One read of the row, none when the kept
+ * threshold is no higher (a count of the row's histogram again would give hist_thr). */
 __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, int64_t n, float M,
-                                double *t0, unsigned *hist, float *pw, double *scratch,
+                                float hist_thr, int64_t nc, double *t0, double *scratch,
                                 float *fscratch, unsigned long long *s_n) {
     const double kept =
             subset_threshold(A.cand_z + row * A.ccap, A.ccap, A.alpha, scratch, fscratch);
     __syncthreads(); /* every thread has read the kept list before it is overwritten */
-    float thr = list_bound(kept, M);
-    int64_t nc = compact_above(A, row, z, n, thr, s_n);
-    if (nc > A.ccap) {
-        thr = fmaxf(thr, bound_f32((double)M + hist_lower_bound(z, n, M, A.alpha, hist, pw, scratch)));
-        nc = compact_above(A, row, z, n, thr, s_n);
-    }
+    const float thr = list_bound(kept, M);
+    if (!(thr > hist_thr)) return nc; /* block-uniform */
     *t0 = fmax(*t0, (double)thr - (double)M);
-    return nc;
+    return compact_above(A, row, z, n, thr, s_n);
 }
 
 /* The support pass's elements per lane and pass: their loads, and with the union their
@@ -332,22 +328,22 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
     return c;
 }
 
-/* The solve's first iterate, a lower bound of tau - M: for a row that wants the histogram's bound
- * (wants_bound of its first count nc) that bound as the refine pass listed above it
- * (row_bound_thr), else -1. The row's histogram is reset for the next step either way. pw: the
+/* The histogram's threshold of a row that wants it (wants_bound of its first count nc): the
+ * refine pass listed the scores above it, and the solve starts there (it is a lower bound of
+ * tau); -inf for other rows. The row's histogram is reset for the next step either way. pw: the
  * candidates' shared memory (TAU_HIST_BINS floats at least), free until they are loaded.
  * Block-wide. */
-__device__ double first_iterate(const tau_args &A, int64_t row, int64_t nc, float M,
+__device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, float M,
                                 unsigned *hist, float *pw, double *scratch) {
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
     if (!wants_bound(nc, A.ccap)) { /* its counts (none, screened) are not wanted */
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
-        return -1.0;
+        return -CUDART_INF_F;
     }
     const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
     __syncthreads(); /* every thread has read gh */
     for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
-    return fmax(-1.0, (double)thr - (double)M);
+    return thr;
 }
 
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
@@ -375,11 +371,13 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     int64_t nc = A.cand_count[row];
     /* a lower bound of tau - M where the solve starts (tau_start): for an overflowed or long
      * list the histogram's (the refine pass's threshold), else -1 */
-    double t0 = first_iterate(A, row, nc, M, hist, cand, scratch);
+    const float hist_thr = hist_threshold(A, row, nc, M, hist, cand, scratch);
+    /* the solve's first iterate: a lower bound of tau - M (tau_start) */
+    double t0 = fmax(-1.0, (double)hist_thr - (double)M);
     if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
-        nc = A.refine_count[row]; /* every split listed the scores above t0 (cand_kernel) */
-        if (nc > A.ccap) /* on one block: the list's own bound, a finer count bound */
-            nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, &t0, hist, cand,
+        nc = A.refine_count[row]; /* every split listed the scores above hist_thr (cand_kernel) */
+        if (nc > A.ccap) /* on one block: the kept list's own bound */
+            nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, hist_thr, nc, &t0,
                               scratch, fscratch, &s_ncomp);
         if (threadIdx.x == 0) {
             atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
