@@ -39,9 +39,8 @@ typedef struct ekv_cuda_plan_params {
     int32_t page_size;         /* default 16                                                */
     int64_t max_pages_per_seq; /* the longest sequence the plan serves, in pages (required) */
     int64_t max_candidates;    /* entmax tau candidates (z >= max - 1) listed per query     */
-                               /* head; 0: a quarter of the tokens within what             */
-                               /* screen_list_bytes holds at 24 bytes an entry and head,    */
-                               /* never below 16384. A head whose support does not fit       */
+                               /* head; 0: an eighth of the tokens, at least 16384 (24      */
+                               /* bytes an entry and head). A head whose support does not fit*/
                                /* takes the slower whole-row path (ekv_cuda_report.slow_rows) */
     int32_t tensor_cores;      /* 1 (default): scores on tensor cores where they apply (f16 */
                                /* or bf16 K, head_dim 64 or 128, page_size a multiple of 16; */

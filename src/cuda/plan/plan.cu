@@ -183,17 +183,15 @@ enum { SCREEN_ENTRY_BYTES = 12 }; /* a list entry: l, u (fp32) and the token (in
 static const int64_t SCREEN_LIST_BYTES = (int64_t)SCREEN_ENTRY_BYTES * 32 << 20;
 
 /* The tau candidates (and support entries) listed per query head: max_candidates when given;
- * else a quarter of the tokens (a flat head's support, real attention: thousands of tokens at
- * 256K on the model's layer 0, is then solved from its list, not over the whole row on one
- * block; bench/RESULTS.md), within what the list budget (screen_list_bytes, as the screen's
- * lists) holds over the plan's heads, never below EKV_CUDA_CAND_CAP nor above every token. */
-enum { CAND_ENTRY_BYTES = 24 }; /* cand_z, sup_p (fp32), cand_slot, sup_off (int64) */
+ * else an eighth of the tokens (the lists then take 3/4 of the score rows' bytes), never below
+ * EKV_CUDA_CAND_CAP nor above every token: a flat head's support (real attention: thousands of
+ * tokens at 256K on the model's layer 0) is then solved from its list, not over the whole row on
+ * one block (0.99 ms a step with 16384, bench/RESULTS.md). */
+enum { CAND_TOKENS_PER_ENTRY = 8 };
 static int64_t cand_list_cap(const ekv_cuda_plan_params *p, int64_t cap_tokens) {
     int64_t cap = p->max_candidates;
     if (cap <= 0) {
-        const int64_t budget = p->screen_list_bytes > 0 ? p->screen_list_bytes : SCREEN_LIST_BYTES;
-        const int64_t fit = budget / (CAND_ENTRY_BYTES * (int64_t)p->max_batch * p->num_heads);
-        cap = cap_tokens / 4 < fit ? cap_tokens / 4 : fit;
+        cap = cap_tokens / CAND_TOKENS_PER_ENTRY;
         if (cap < EKV_CUDA_CAND_CAP) cap = EKV_CUDA_CAND_CAP;
     }
     return cap < cap_tokens ? cap : cap_tokens;

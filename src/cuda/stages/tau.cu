@@ -22,8 +22,9 @@ namespace {
  * the counts into a lower bound of tau (hist_bound, docs/math.md §9.1, within two bins of it) and
  * lists the scores above it: the support and a few bins more. Screened decode's row scores
  * kernel lists its candidates itself; there the histogram is counted by a pass of its own
- * (CAND_COUNT) for the rows that want the bound. A list that fit but is long (TAU_BOUND_MIN)
- * gets the bound too, from the tau kernel, where its solve starts; the tau kernel leaves the
+ * (CAND_COUNT) for the rows that want the bound. A list that fit but is long gets the bound
+ * too: its solve starts there (TAU_BOUND_MIN), and a longer one is refined as an overflowed
+ * list is (TAU_REFINE_MIN); the tau kernel leaves the
  * histogram and the refine count zero for the next step. No block waits for the row's others
  * (a last-block hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
@@ -91,8 +92,8 @@ enum cand_mode {
                   * histogram */
     CAND_COUNT,  /* the histogram only: the row scores kernel listed the candidates (screened
                   * rows); rows that want no bound return at once */
-    CAND_REFINE  /* a row whose list overflowed: append z > its bound (refine_count); others
-                  * return */
+    CAND_REFINE  /* a row whose list overflowed or is long (refines): append z > its bound
+                  * (refine_count); others return */
 };
 
 template <bool VEC, int MODE>
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
     const int64_t row = (int64_t)b * A.H + h;
     if constexpr (REFINE) {
-        if (A.cand_count[row] <= A.ccap) return; /* the row's list held every candidate */
+        if (!refines(A.cand_count[row], A.ccap)) return; /* its list is solved as it is */
     } else {
         if (MODE == CAND_COUNT && !wants_bound(A.cand_count[row], A.ccap)) return;
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
@@ -374,18 +375,17 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     const float hist_thr = hist_threshold(A, row, nc, M, hist, cand, scratch);
     /* the solve's first iterate: a lower bound of tau - M (tau_start) */
     double t0 = fmax(-1.0, (double)hist_thr - (double)M);
-    if (nc > A.ccap) { /* flat attention: more candidates than the list holds */
+    const bool overflowed = nc > A.ccap; /* flat attention: more candidates than the list holds */
+    if (refines(nc, A.ccap))
         nc = A.refine_count[row]; /* every split listed the scores above hist_thr (cand_kernel) */
-        if (nc > A.ccap) /* on one block: the kept list's own bound */
-            nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, hist_thr, nc, &t0,
-                              scratch, fscratch, &s_ncomp);
-        if (threadIdx.x == 0) {
-            atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
-            if (final_round && A.slow_paths)
-                atomicAdd(A.slow_paths +
-                                  (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
-                          1ull);
-        }
+    if (nc > A.ccap) /* on one block: the kept list's own bound */
+        nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, hist_thr, nc, &t0,
+                          scratch, fscratch, &s_ncomp);
+    if (overflowed && threadIdx.x == 0) {
+        atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
+        if (final_round && A.slow_paths)
+            atomicAdd(A.slow_paths + (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
+                      1ull);
     }
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
