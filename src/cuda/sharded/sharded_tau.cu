@@ -1,9 +1,10 @@
 /*
  * The sharded plan's kernels (sharded.cuh, docs/math.md §11): what one shard computes for the
- * agreement on tau and the merge. A head's scores are its candidate list (z >= M_j - 1 over the
- * shard's scored tokens, as the tau kernel left it) or, where that overflowed, its whole score
- * row: every score that can be in the global support is there, because the global support lies
- * above max_j tau_j >= tau_j >= M_j - 1 and the shard's method scored every token above tau_j.
+ * agreement on tau and the merge. A head's scores are its candidate list as the tau kernel left
+ * it (z >= M_j - 1 over the shard's scored tokens; for a long list the scores above a lower
+ * bound of tau_j, its count written back: stages/tau.cu) or, where that overflowed, its whole
+ * score row: every score that can be in the global support is there, because the global support
+ * lies above max_j tau_j >= tau_j and the shard's method scored every token above tau_j.
  * A head may have no score on a shard (topk/gaussian: no page of its list there): its tau_j is
  * then -inf, and its moments, support and partial output are empty (the last shard always
  * holds the sequence's last page, so the agreed bracket is finite).

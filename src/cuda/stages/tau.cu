@@ -174,7 +174,7 @@ struct tau_args : ekv_cuda_shape {
     const float *scores, *split_max;
     float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
-    const int32_t *cand_count;
+    int32_t *cand_count; /* a long list's refined count is written back (the sharded kernels) */
     uint32_t *hist;        /* the candidates' histograms (cand_hist): read and reset here */
     int32_t *refine_count; /* an overflowed row's refined list's count: read and reset here */
     double *tau;
@@ -376,8 +376,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     /* the solve's first iterate: a lower bound of tau - M (tau_start) */
     double t0 = fmax(-1.0, (double)hist_thr - (double)M);
     const bool overflowed = nc > A.ccap; /* flat attention: more candidates than the list holds */
-    if (refines(nc, A.ccap))
-        nc = A.refine_count[row]; /* every split listed the scores above hist_thr (cand_kernel) */
+    const bool refined = refines(nc, A.ccap);
+    if (refined) nc = A.refine_count[row]; /* every split listed the scores above hist_thr */
     if (nc > A.ccap) /* on one block: the kept list's own bound */
         nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, hist_thr, nc, &t0,
                           scratch, fscratch, &s_ncomp);
@@ -416,6 +416,10 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         A.tau_t[row] = t;
         A.support[row] = (int64_t)c;
         A.refine_count[row] = 0; /* every thread read it before the block sum */
+        /* a long list that fit was rewritten above hist_thr: its count, so that the sharded
+         * kernels (sharded_tau.cu) read the list as left (an overflowed one keeps its count
+         * above the cap: they read its score row) */
+        if (refined && !overflowed) A.cand_count[row] = (int32_t)nc;
         if (final_round) {
             A.sup_count[row] = (int64_t)c;
             if (!mark) /* the union kernel counts the rows it reads */
