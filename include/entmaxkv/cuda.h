@@ -39,7 +39,7 @@ typedef struct ekv_cuda_plan_params {
     int32_t page_size;         /* default 16                                                */
     int64_t max_pages_per_seq; /* the longest sequence the plan serves, in pages (required) */
     int64_t max_candidates;    /* entmax tau candidates (z >= max - 1) listed per query     */
-                               /* head; 0: an eighth of the tokens, at least 16384 (24      */
+                               /* head; 0: a quarter of the tokens, at least 16384 (24      */
                                /* bytes an entry and head). A head whose support does not fit*/
                                /* takes the slower whole-row path (ekv_cuda_report.slow_rows) */
     int32_t tensor_cores;      /* 1 (default): scores on tensor cores where they apply (f16 */

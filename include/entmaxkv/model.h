@@ -141,7 +141,7 @@ typedef struct ekv_model_params {
     int32_t decode_candidates;  /* decode stages: tau candidates listed per query head (the
                                    plan's max_candidates, entmaxkv/cuda.h; also screened's
                                    screen list), 1 .. EKV_MODEL_MAX_DECODE_CANDIDATES
-                                   (0 = the plan's default: an eighth of the context, at
+                                   (0 = the plan's default: a quarter of the context, at
                                    least 16384)                            */
 } ekv_model_params;
 

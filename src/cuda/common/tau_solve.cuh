@@ -339,7 +339,7 @@ __device__ __forceinline__ bool wants_bound(int64_t count, int64_t cap) {
 /* Rows with more candidates than this have their list rebuilt above the histogram's bound by the
  * refine pass, as an overflowed row has: the tau kernel's one block then solves and marks over
  * the support and a few bins, not over every z >= M - 1 (tens of thousands on a flat head; with
- * lists of an eighth of the tokens that made the model's layers 2-7 at 256K 1.3-1.9x slower).
+ * lists of a quarter of the tokens that made the model's layers 2-7 at 256K 1.3-1.9x slower).
  * The candidates kernel's and the tau kernel's rule. */
 enum { TAU_REFINE_MIN = 4096 };
 

@@ -183,11 +183,12 @@ enum { SCREEN_ENTRY_BYTES = 12 }; /* a list entry: l, u (fp32) and the token (in
 static const int64_t SCREEN_LIST_BYTES = (int64_t)SCREEN_ENTRY_BYTES * 32 << 20;
 
 /* The tau candidates (and support entries) listed per query head: max_candidates when given;
- * else an eighth of the tokens (the lists then take 3/4 of the score rows' bytes), never below
- * EKV_CUDA_CAND_CAP nor above every token: a flat head's support (real attention: thousands of
- * tokens at 256K on the model's layer 0) is then solved from its list, not over the whole row on
- * one block (0.99 ms a step with 16384, bench/RESULTS.md). */
-enum { CAND_TOKENS_PER_ENTRY = 8 };
+ * else a quarter of the tokens (the lists then take 1.5x the score rows' bytes), never below
+ * EKV_CUDA_CAND_CAP nor above every token: a flat head's support (real attention: tens of
+ * thousands of tokens at 256K on the model's layer 0) is then solved from its list, not over
+ * the whole row on one block (bench/RESULTS.md: the 256K trace's layer 0 took 0.99 ms a step
+ * with 16384 entries, 0.39 with an eighth of the tokens, 0.16 with a quarter). */
+enum { CAND_TOKENS_PER_ENTRY = 4 };
 static int64_t cand_list_cap(const ekv_cuda_plan_params *p, int64_t cap_tokens) {
     int64_t cap = p->max_candidates;
     if (cap <= 0) {
