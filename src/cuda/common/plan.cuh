@@ -59,12 +59,13 @@ struct ekv_cuda_plan {
     float *cand_z;       /* [B*H][cand_cap] scores z >= M - 1                           */
     int64_t *cand_slot;  /* [B*H][cand_cap] their score slots                            */
     int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
-    /* an overflowed head's list rebuilt by every split (stages/tau.cu, cand_kernel): the
-     * candidates' histogram, the lower bound of tau from it, the refined count; the
-     * histograms and the done counts are zero between steps (the last block resets them) */
+    /* an overflowed or long list rebuilt by every split (stages/tau.cu, cand_kernel): the
+     * candidates' histogram, whose lower bound of tau the refine pass lists above, and the
+     * refined count, zero between steps (the tau kernel resets them); the done counts of the
+     * screen's tau(l) count, which shares the histograms (its last block resets both) */
     uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
     uint32_t *cand_done; /* [B*H] the screen tau(l) count blocks of the row that finished   */
-    int32_t *refine_count; /* [B*H] scores above an overflowed row's bound (may exceed cap) */
+    int32_t *refine_count; /* [B*H] scores above a refined row's bound (may exceed cap)    */
     float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */

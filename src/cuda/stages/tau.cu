@@ -24,8 +24,8 @@ namespace {
  * kernel lists its candidates itself; there the histogram is counted by a pass of its own
  * (CAND_COUNT) for the rows that want the bound. A list that fit but is long gets the bound
  * too: its solve starts there (TAU_BOUND_MIN), and a longer one is refined as an overflowed
- * list is (TAU_REFINE_MIN); the tau kernel leaves the
- * histogram and the refine count zero for the next step. No block waits for the row's others
+ * list is (TAU_REFINE_MIN); the tau kernel leaves the histogram and the refine count zero for
+ * the next step. No block waits for the row's others
  * (a last-block hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
@@ -49,7 +49,8 @@ enum { CAND_THREADS = 256, CAND_UNROLL = 8, CAND_MIN_BLOCKS = 4 };
 
 /* Slot of value k (< CAND_UNROLL) of this lane in a warp batch starting at base: with VEC the
  * lane reads CAND_UNROLL / 4 float4 (values base + 4 (32 j + lane) + c, k = 4 j + c), else
- * CAND_UNROLL floats at stride 32. Either way a warp batch covers 32 CAND_UNROLL consecutive slots. */
+ * CAND_UNROLL floats at stride 32. Either way a warp batch covers 32 CAND_UNROLL consecutive
+ * slots. */
 template <bool VEC> __device__ __forceinline__ int64_t cand_slot(int64_t base, int k, int lane) {
     return VEC ? base + 4 * ((k >> 2) * 32 + lane) + (k & 3) : base + k * 32 + lane;
 }
@@ -79,7 +80,7 @@ __device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t 
 }
 
 /* The threshold of a row that wants the histogram's bound (wants_bound): list_bound of its lower
- * bound of tau, from the row's complete histogram gh (read, not reset: first_iterate resets it).
+ * bound of tau, from the row's complete histogram gh (read, not reset: hist_threshold resets it).
  * The refine pass's list and the tau kernel's first iterate. Block-wide. */
 __device__ float row_bound_thr(const uint32_t *gh, float M, double alpha, unsigned *hist,
                                float *pw, double *scratch) {
@@ -176,7 +177,7 @@ struct tau_args : ekv_cuda_shape {
     int64_t *cand_slot;
     int32_t *cand_count; /* a long list's refined count is written back (the sharded kernels) */
     uint32_t *hist;        /* the candidates' histograms (cand_hist): read and reset here */
-    int32_t *refine_count; /* an overflowed row's refined list's count: read and reset here */
+    int32_t *refine_count; /* a refined row's list's count (refines): read and reset here */
     double *tau;
     float *tau_m; /* tau as (the head's max, tau - max): what the values kernels read */
     double *tau_t;
@@ -384,7 +385,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (overflowed && threadIdx.x == 0) {
         atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
         if (final_round && A.slow_paths)
-            atomicAdd(A.slow_paths + (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
+            atomicAdd(A.slow_paths +
+                              (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
                       1ull);
     }
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
