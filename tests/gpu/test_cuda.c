@@ -2058,6 +2058,66 @@ static void step_splits_test(ekv_context *ctx) {
     free(v);
 }
 
+/* A flat head (issue 28: the model's layer 0 has heads whose support is tens of thousands of
+ * tokens): one sequence of 2^17 tokens, the first `top` of them one key along the query and
+ * the rest zero keys, so the support is exactly those `top` tokens (equal scores, y of the rest
+ * -8). With 20000 of them the support passes the old 16384-entry list but fits the default list
+ * (a quarter of the tokens: 32768), so tau comes from the refined list: no head over its whole
+ * row (0 slow rows; before, both heads took that path). With 40000 it passes the list too and
+ * both heads take the whole-row path. Either way dense equals the CPU's. */
+static void flat_support_test(ekv_context *ctx) {
+    const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
+    const int64_t N = (int64_t)1 << 17, maxP = N / ps;
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = EKV_DTYPE_F32;
+    cp.max_seqs = 1;
+    cp.num_pages = maxP;
+    float *k = malloc(sizeof(float) * N * D), *v = malloc(sizeof(float) * N * D);
+    float q[2 * 64], got[2 * 64], ref[2 * 64];
+    test_rng r = {3131};
+    for (int i = 0; i < H * D; i++) q[i] = 0.f;
+    q[0] = q[D] = 1.f; /* both heads along the first axis */
+    const int64_t tops[2] = {20000, 40000};
+    for (int c = 0; c < 2; c++) {
+        for (int64_t t = 0; t < N; t++)
+            for (int d = 0; d < D; d++) {
+                k[t * D + d] = t < tops[c] && d == 0 ? 8.f * sqrtf((float)D) : 0.f;
+                v[t * D + d] = (float)test_normal(&r);
+            }
+        ekv_cache *cache = NULL;
+        mirror m;
+        ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, &cache, &m);
+        float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
+        ekv_decode_params prm = ekv_decode_default_params();
+        prm.num_heads = H;
+        ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
+        ekv_select_params sp = ekv_select_default_params();
+        sp.method = EKV_SELECT_DENSE;
+        CHECK(ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
+              "flat head of %lld: %s", (long long)tops[c], ekv_last_error(ctx));
+        ekv_cuda_report rep;
+        memset(&rep, 0, sizeof rep);
+        CHECK(ekv_cuda_read_report(plan, 1, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+        CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+        const double e = test_head_rel_err(got, ref, H, D, 1e-6);
+        CHECK(e < 3e-5, "flat head of %lld tokens: rel err %.3g vs dense", (long long)tops[c], e);
+        CHECK(rep.slow_rows == (c ? H : 0), "flat head of %lld tokens: %lld heads over the whole "
+              "row, want %d", (long long)tops[c], (long long)rep.slow_rows, c ? H : 0);
+        printf("flat head, support %lld of %lld tokens: %lld heads over the whole row, rel err "
+               "%.2e\n", (long long)tops[c], (long long)N, (long long)rep.slow_rows, e);
+        cudaFree(dq);
+        cudaFree(dout);
+        ekv_cuda_plan_free(plan);
+        mirror_free(&m);
+        ekv_cache_free(cache);
+    }
+    free(k);
+    free(v);
+}
+
 #define SENT_PTR_CACHE ((ekv_cuda_cache *)(uintptr_t)0xA5A5A5A5A5A5A5A5ull)
 
 /* ---- the device cache (ekv_cuda_cache, docs/architecture.md, "The device cache"): create,
@@ -2418,6 +2478,7 @@ int main(void) {
     cache_object_test(ctx);
     key_scale_test(ctx);
     step_splits_test(ctx);
+    flat_support_test(ctx);
     scores_precision_test(ctx);
     /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
      * shorter tables) */
