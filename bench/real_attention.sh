@@ -16,7 +16,9 @@
 #   BIN (build-gpu/entmaxkv), OLD_BIN (none: another tree's build run beside BIN on the same
 #   prompts and trace, its rows tagged old), CTXS ("131072 524288"), TRACE_CTX (262144, 0 =
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
-#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened).
+#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened), PROFILE_LAYERS
+#   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
+#   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run).
 # Writes OUTDIR/real_attention.log (commands and outputs) and OUTDIR/real_attention.tsv.
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help | "") usage; [ -n "${1:-}" ]; exit $? ;; esac
@@ -31,6 +33,7 @@ OLD_BIN=${OLD_BIN:-}
 DECODE=${DECODE:-32}
 METHODS=${METHODS:-topk:1/16,certified,screened,gaussian}
 TRACE_METHODS=${TRACE_METHODS:-dense topk certified screened}
+PROFILE_LAYERS=${PROFILE_LAYERS:-}
 mkdir -p "$OUT" || exit 1
 LOG="$OUT/real_attention.log"
 TSV="$OUT/real_attention.tsv"
@@ -53,6 +56,33 @@ from sdpa_common import time_ms, decode_qkv, sdpa
 for n in map(int, sys.argv[1:]):
     q, k, v = decode_qkv(n, 6, 2, 64, "f16")
     print(n, "%.4f" % time_ms(lambda: sdpa(q, k, v), warm=10, iters=100))
+PY
+}
+
+# profile_step TRACE LAYER METHOD: ncu's duration of every kernel the trace bench launches
+# (eager and graph-replayed nodes), averaged per kernel name, as TSV rows
+profile_step() {
+    local steps=8
+    echo "== ncu: $BIN bench --backend cuda --workload trace:$1@l$2. --method $3 --iters $steps" >>"$LOG"
+    ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum --csv \
+        "$BIN" bench --backend cuda --workload "trace:$1@l$2." --method "$3" --iters "$steps" \
+        --warmup 1 >"$OUT/ncu.csv" 2>>"$LOG" || { echo "   (ncu exit $?)" >>"$LOG"; return; }
+    python3 - "$OUT/ncu.csv" "$TRACE_CTX" "$2" "$3" <<'PY' | tee -a "$LOG" >>"$TSV"
+import csv, sys, collections
+path, ctx, layer, method = sys.argv[1:]
+rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
+h = rows[0]
+ik, im, iv, iu = (h.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
+to_ms = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
+ns = collections.OrderedDict()
+for r in (r for r in rows[1:] if r[im] == "gpu__time_duration.sum"):
+    name = r[ik].split("(")[0].replace("void ", "").replace("<unnamed>::", "")
+    ns.setdefault(name, []).append(float(r[iv].replace(",", "")) * to_ms[r[iu]])
+# the kernel's mean ms and its launches in the whole run (setup kernels such as the fills
+# launch a few times, the step's kernels once or twice per step)
+for name, v in ns.items():
+    print("kernel\tnew\t%s\t%s\t%s/%s\t%.4f\t-\t%d" % (ctx, layer, method, name,
+          sum(v) / len(v), len(v)))
 PY
 }
 
@@ -94,6 +124,9 @@ if [ "$TRACE_CTX" != 0 ]; then
                 [ -n "$row" ] && printf 'trace\t%s\t%s\t%s\t%s\t%s\t-\n' "$tree" "$TRACE_CTX" "$l" "$m" "$row" >>"$TSV"
             done
         done
+    done
+    for l in $PROFILE_LAYERS; do
+        for m in $TRACE_METHODS; do profile_step "$tr" "$l" "$m"; done
     done
     rm -f "$tr"
 fi
