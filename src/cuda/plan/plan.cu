@@ -266,8 +266,10 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         }
         pl->own_stream = 1;
     }
-    int sms = 132;
+    int sms = 132, optin = 48 << 10;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p->device);
+    pl->smem_optin = optin;
     plan_geometry(pl, sms);
     const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
     plan_buffer want[PLAN_BUFFERS];

@@ -81,7 +81,9 @@ __device__ __forceinline__ void cand_load(const float *z, int64_t base, int64_t 
 
 /* The threshold of a row that wants the histogram's bound (wants_bound): list_bound of its lower
  * bound of tau, from the row's complete histogram gh (read, not reset: hist_threshold resets it).
- * The refine pass's list and the tau kernel's first iterate. Block-wide. */
+ * The refine pass's list and the tau kernel's first iterate: the same value for alpha 1.5 and 2
+ * (exact moments), within a bin of each other for other alphas (block sums over 256 and 512
+ * threads), each a lower bound of tau. Block-wide. */
 __device__ float row_bound_thr(const uint32_t *gh, float M, double alpha, unsigned *hist,
                                float *pw, double *scratch) {
     return list_bound((double)M + hist_read_bound(gh, hist, alpha, pw, scratch), M);
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     __shared__ float fscratch[32];
     __shared__ double scratch[128];
     __shared__ unsigned hist[TAU_HIST_BINS];
-    __shared__ float pw[TAU_HIST_BINS];
+    __shared__ float pw[REFINE ? TAU_HIST_BINS : 1]; /* the bound's power table (refine only) */
     const ekv_split sp = ekv_block_split(A.t, A.cbase, A.cbase * A.t.batch);
     if (sp.b < 0) return;
     const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
@@ -142,8 +144,9 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
         int tot = 0;
 #pragma unroll
         for (int k = 0; k < CAND_UNROLL; k++) {
-            const bool in = REFINE ? x[k] > thr
-                                   : x[k] > -CUDART_INF_F && (double)x[k] >= lo_z;
+            /* the refined scores are candidates too (thr may lie a rounding below M - 1), so a
+             * refined count never passes the first */
+            const bool in = x[k] > -CUDART_INF_F && (double)x[k] >= lo_z && (!REFINE || x[k] > thr);
             m[k] = __ballot_sync(0xffffffffu, in);
             tot += __popc(m[k]);
             if (!REFINE && in) {
@@ -169,6 +172,7 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
 struct tau_args : ekv_cuda_shape {
     ekv_paged_kv kv;
     int64_t ccap;
+    int64_t smem_cand; /* the candidates kept in shared memory at most (tau_smem_floats) */
     int nsplit, split_cap, round; /* the score splits (ekv_seq_splits) whose maxima give M */
     const int32_t *list_pages, *list_count;
     double alpha;
@@ -199,14 +203,6 @@ struct tau_args : ekv_cuda_shape {
  * list, up to 128 KB; a solve over a list in global memory took 69 us on the model's layer 0,
  * bench/RESULTS.md "Real attention, round 2") */
 enum { TAU_THREADS = 512, TAU_SMEM_MAX = 32768, TAU_UNROLL = 8 };
-
-/* The floats of the tau kernel's shared candidates: the whole list when it fits, and never
- * fewer than compact_list's power table (its room). */
-__host__ __device__ __forceinline__ int64_t tau_smem_cand(int64_t ccap) {
-    const int64_t most = TAU_SMEM_MAX, least = TAU_HIST_BINS;
-    const int64_t n = ccap < most ? ccap : most;
-    return n > least ? n : least;
-}
 
 /* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
  * the support and the max, so tau over them is exact, as over the z >= M - 1 candidates;
@@ -331,10 +327,10 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
 }
 
 /* The histogram's threshold of a row that wants it (wants_bound of its first count nc): the
- * refine pass listed the scores above it, and the solve starts there (it is a lower bound of
- * tau); -inf for other rows. The row's histogram is reset for the next step either way. pw: the
- * candidates' shared memory (TAU_HIST_BINS floats at least), free until they are loaded.
- * Block-wide. */
+ * refine pass listed the scores above it (row_bound_thr), and the solve starts there (it is a
+ * lower bound of tau); -inf for other rows. The row's histogram is reset for the next step
+ * either way. pw: the candidates' shared memory (TAU_HIST_BINS floats at least), free until
+ * they are loaded. Block-wide. */
 __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, float M,
                                 unsigned *hist, float *pw, double *scratch) {
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
@@ -342,8 +338,8 @@ __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, floa
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
         return -CUDART_INF_F;
     }
+    /* every thread's reads of gh come before hist_read_bound's barrier */
     const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
-    __syncthreads(); /* every thread has read gh */
     for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
     return thr;
 }
@@ -353,7 +349,7 @@ __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, floa
  * lower bound of tau (compact_list); only when those overflow too does it take the whole
  * score row, the solve starting from that bound. */
 __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
-    extern __shared__ float cand[]; /* tau_smem_cand(ccap) */
+    extern __shared__ float cand[]; /* A.smem_cand floats (tau_smem_floats) */
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
@@ -394,7 +390,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     int64_t nv;
     if (!whole_row) {
         const float *cz = A.cand_z + row * A.ccap;
-        if (nc <= tau_smem_cand(A.ccap)) {
+        if (nc <= A.smem_cand) {
             for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
             __syncthreads();
             v = cand;
@@ -527,6 +523,23 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
                 : launch_cand_pair<false, CAND_LIST>(pl, C, batch);
 }
 
+/* The floats of the tau kernel's shared candidates: the whole list when it fits TAU_SMEM_MAX and
+ * the device's room beside the kernel's static arrays (99 KB a block on some GPUs, 227 KB on
+ * Hopper), and never fewer than compact_list's power table (its room). */
+static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
+    static int64_t static_bytes = -1; /* the kernel's own shared arrays */
+    if (static_bytes < 0) {
+        cudaFuncAttributes fa;
+        static_bytes = cudaFuncGetAttributes(&fa, tau_entmax_kernel) == cudaSuccess
+                               ? (int64_t)fa.sharedSizeBytes
+                               : 16 << 10;
+    }
+    const int64_t room = ((int64_t)pl->smem_optin - static_bytes) / (int64_t)sizeof(float);
+    int64_t n = pl->cand_cap < TAU_SMEM_MAX ? pl->cand_cap : (int64_t)TAU_SMEM_MAX;
+    if (n > room) n = room;
+    return n > TAU_HIST_BINS ? n : (int64_t)TAU_HIST_BINS;
+}
+
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                int use_list, int round, float *out_zero) {
@@ -562,10 +575,13 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
         EKV_CUDA_LAUNCHED(pl);
         return EKV_OK;
     }
+    /* the shared memory allowed before the candidates launch: once they have counted, the tau
+     * kernel must run (it resets their histograms and counts for the next step) */
+    A.smem_cand = tau_smem_floats(pl);
+    const size_t smem = (size_t)A.smem_cand * sizeof(float);
+    EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
     const ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
     if (s) return s;
-    const size_t smem = (size_t)tau_smem_cand(A.ccap) * sizeof(float);
-    EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
     tau_entmax_kernel<<<batch * A.H, TAU_THREADS, smem, pl->stream>>>(A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
