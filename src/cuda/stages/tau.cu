@@ -329,18 +329,26 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
 /* The histogram's threshold of a row that wants it (wants_bound of its first count nc): the
  * refine pass listed the scores above it (row_bound_thr), and the solve starts there (it is a
  * lower bound of tau); -inf for other rows. The row's histogram is reset for the next step
- * either way. pw: the candidates' shared memory (TAU_HIST_BINS floats at least), free until
- * they are loaded. Block-wide. */
+ * either way, its nonzero bins only (2048 stores a row were 16 MiB a step at 64 x 32 rows): a
+ * row that wants no bound counted exactly its listed candidates (nc <= TAU_BOUND_MIN fit the
+ * list), their bins; screened rows of that kind counted none (their list's scores below
+ * M - 1 have no bin). pw: the candidates' shared memory (TAU_HIST_BINS floats at least), free
+ * until they are loaded. Block-wide. */
 __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, float M,
                                 unsigned *hist, float *pw, double *scratch) {
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    if (!wants_bound(nc, A.ccap)) { /* its counts (none, screened) are not wanted */
-        for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+    if (!wants_bound(nc, A.ccap)) {
+        const float *cz = A.cand_z + row * A.ccap;
+        for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) {
+            const double y = (double)cz[i] - (double)M;
+            if (y >= -1.0) gh[tau_hist_bin(y)] = 0u;
+        }
         return -CUDART_INF_F;
     }
     /* every thread's reads of gh come before hist_read_bound's barrier */
     const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) gh[k] = 0u;
+    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
+        if (hist[k]) gh[k] = 0u;
     return thr;
 }
 
