@@ -531,17 +531,23 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
                 : launch_cand_pair<false, CAND_LIST>(pl, C, batch);
 }
 
+/* A step that stopped after the candidates counted but before the tau kernel reset them: the
+ * histograms and refine counts zeroed (errors ignored: the step's own is reported), so that the
+ * next step's bounds count its own scores only. */
+static void reset_tau_counts(ekv_cuda_plan *pl, int batch) {
+    const size_t rows = (size_t)batch * pl->p.num_heads;
+    cudaMemsetAsync(pl->cand_hist, 0, rows * EKV_CUDA_TAU_HIST_BINS * sizeof(uint32_t), pl->stream);
+    cudaMemsetAsync(pl->refine_count, 0, rows * sizeof(int32_t), pl->stream);
+}
+
 /* The floats of the tau kernel's shared candidates: the whole list when it fits TAU_SMEM_MAX and
  * the device's room beside the kernel's static arrays (99 KB a block on some GPUs, 227 KB on
  * Hopper), and never fewer than compact_list's power table (its room). */
 static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
-    static int64_t static_bytes = -1; /* the kernel's own shared arrays */
-    if (static_bytes < 0) {
-        cudaFuncAttributes fa;
-        static_bytes = cudaFuncGetAttributes(&fa, tau_entmax_kernel) == cudaSuccess
-                               ? (int64_t)fa.sharedSizeBytes
-                               : 16 << 10;
-    }
+    cudaFuncAttributes fa; /* the kernel's own shared arrays (a failed query: 16 KB assumed) */
+    const int64_t static_bytes = cudaFuncGetAttributes(&fa, tau_entmax_kernel) == cudaSuccess
+                                         ? (int64_t)fa.sharedSizeBytes
+                                         : (cudaGetLastError(), (int64_t)16 << 10);
     const int64_t room = ((int64_t)pl->smem_optin - static_bytes) / (int64_t)sizeof(float);
     int64_t n = pl->cand_cap < TAU_SMEM_MAX ? pl->cand_cap : (int64_t)TAU_SMEM_MAX;
     if (n > room) n = room;
@@ -588,9 +594,8 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.smem_cand = tau_smem_floats(pl);
     const size_t smem = (size_t)A.smem_cand * sizeof(float);
     EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
-    const ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
-    if (s) return s;
-    tau_entmax_kernel<<<batch * A.H, TAU_THREADS, smem, pl->stream>>>(A);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
+    if (!s) s = ekv_cuda_launch(pl, tau_entmax_kernel, dim3(batch * A.H), TAU_THREADS, smem, A);
+    if (s) reset_tau_counts(pl, batch);
+    return s;
 }
