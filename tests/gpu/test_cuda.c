@@ -1902,6 +1902,18 @@ static void invalid_test(ekv_context *ctx) {
 
 /* One sequence of N tokens (K and V as f32 rows) in a new cache of cp's shape, mirrored on the
  * device, and a plan for it with max_batch sequences of up to cp->num_pages pages. */
+/* The cache of one sequence of up to `pages` pages (one_sequence's). */
+static ekv_cache_params one_sequence_params(int D, int Hk, int ps, ekv_dtype dt, int64_t pages) {
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = dt;
+    cp.max_seqs = 1;
+    cp.num_pages = pages;
+    return cp;
+}
+
 static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp, const float *k,
                                    const float *v, int64_t N, int H, int max_batch,
                                    ekv_cache **cache, mirror *m) {
@@ -1937,13 +1949,7 @@ static void key_scale_test(ekv_context *ctx) {
     test_rng r = {4242};
     int steps = 0;
     for (int ki = 0; ki < 3; ki++) {
-        ekv_cache_params cp = ekv_cache_default_params();
-        cp.page_size = ps;
-        cp.num_kv_heads = Hk;
-        cp.head_dim = D;
-        cp.dtype = EKV_DTYPE_F32;
-        cp.max_seqs = 1;
-        cp.num_pages = maxP;
+        ekv_cache_params cp = one_sequence_params(D, Hk, ps, EKV_DTYPE_F32, maxP);
         cp.superpage_pages = 4;
         cp.code_bits = 8;
         float k[40 * 64], v[40 * 64];
@@ -2006,13 +2012,7 @@ static void step_splits_test(ekv_context *ctx) {
     const int D = 64, Hk = 2, G = 3, H = Hk * G, ps = 16;
     const int64_t N = 65536, maxP = N / ps + 1;
     test_rng r = {2828};
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = EKV_DTYPE_F16;
-    cp.max_seqs = 1;
-    cp.num_pages = maxP;
+    const ekv_cache_params cp = one_sequence_params(D, Hk, ps, EKV_DTYPE_F16, maxP);
     float *dir = malloc(sizeof(float) * D), *k = malloc(sizeof(float) * N * Hk * D),
           *v = malloc(sizeof(float) * N * Hk * D);
     for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
@@ -2068,13 +2068,7 @@ static void step_splits_test(ekv_context *ctx) {
 static void flat_support_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
     const int64_t N = (int64_t)1 << 17, maxP = N / ps;
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = EKV_DTYPE_F32;
-    cp.max_seqs = 1;
-    cp.num_pages = maxP;
+    const ekv_cache_params cp = one_sequence_params(D, Hk, ps, EKV_DTYPE_F32, maxP);
     float *k = malloc(sizeof(float) * N * D), *v = malloc(sizeof(float) * N * D);
     float q[2 * 64], got[2 * 64], ref[2 * 64];
     test_rng r = {3131};
