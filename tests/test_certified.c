@@ -54,15 +54,9 @@ int main(void) {
         const int64_t N = 1 + (int64_t)test_range(&r, 0, 400);
         const int kind =
                 c % 6; /* 0 random, 1 planted, 2 heavy, 3 flat, 4 zero query, 5 duplicates */
-        ekv_cache_params cp = ekv_cache_default_params();
-        cp.page_size = ps;
-        cp.num_kv_heads = Hk;
-        cp.head_dim = D;
-        cp.dtype = dt;
-        cp.max_seqs = 1;
+        ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, 1, ekv_cache_pages_for(N, 1, ps));
         cp.superpage_pages =
                 c % 4 == 3 ? 0 : (c % 4 == 1 ? 4 : 16); /* flat, small and default superpages */
-        cp.num_pages = ekv_cache_pages_for(N, 1, ps);
         /* every fifth case: compact ranges and the compact ball (docs/math.md §1.2, §9.5) */
         cp.range_dtype = c % 5 == 2 ? (dt == EKV_DTYPE_F32 ? EKV_DTYPE_BF16 : dt) : EKV_DTYPE_F32;
         ekv_cache *cache;

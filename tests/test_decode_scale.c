@@ -18,15 +18,9 @@ enum { H = 2, D = 16, N = 40 };
 static void make(ekv_context *ctx, float kscale, int ps, int code_bits, ekv_cache **c,
                  ekv_paged_kv *kv, ekv_page_stats *st, ekv_page_table *t, int64_t *ip,
                  int32_t *idx, int32_t *lpl) {
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.num_kv_heads = 1;
-    cp.head_dim = D;
-    cp.page_size = ps;
-    cp.dtype = EKV_DTYPE_F32;
-    cp.num_pages = N;
+    ekv_cache_params cp = test_cache_params(ps, 1, D, EKV_DTYPE_F32, 1, N);
     cp.superpage_pages = 4;
     cp.code_bits = code_bits;
-    cp.max_seqs = 1;
     CHECK(ekv_cache_create(ctx, &cp, c) == EKV_OK, "cache");
     int32_t s;
     ekv_cache_seq_new(*c, &s);

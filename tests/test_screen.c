@@ -52,14 +52,8 @@ static double key_value(int kind, ekv_dtype dt, int64_t d, test_rng *r) {
 /* A cache of one sequence of n tokens, appended in random chunks. */
 static ekv_cache *make_cache(ekv_context *ctx, ekv_dtype dt, int bits, int ps, int Hk, int D,
                              int64_t n, int kind, test_rng *r, int32_t *seq) {
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = dt;
-    cp.max_seqs = 1;
+    ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, 1, ekv_cache_pages_for(n, 1, ps));
     cp.code_bits = bits;
-    cp.num_pages = ekv_cache_pages_for(n, 1, ps);
     ekv_cache *c = NULL;
     CHECK(ekv_cache_create(ctx, &cp, &c) == EKV_OK, "cache: %s", ekv_last_error(ctx));
     ekv_cache_seq_new(c, seq);

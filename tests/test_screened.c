@@ -82,15 +82,9 @@ static void run_case(ekv_context *ctx, int c, tally *t) {
     /* every twelfth case spans several of the screen's page chunks (2048 tokens each), so its
      * tasks share thresholds and tighten them (docs/math.md §10.3) */
     const int64_t N = c % 12 == 11 ? 2500 + test_range(&r, 0, 4000) : 1 + test_range(&r, 0, 700);
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = dt;
-    cp.max_seqs = 1;
+    ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, 1, ekv_cache_pages_for(N, 1, ps));
     cp.code_bits = (c / 2) % 2 ? 8 : 4;
     cp.range_dtype = (ekv_dtype)((c / 5) % 3); /* compact ranges: the codes follow them */
-    cp.num_pages = ekv_cache_pages_for(N, 1, ps);
     ekv_cache *cache;
     CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache");
     int32_t seq;

@@ -11,6 +11,20 @@
 
 static int g_failures = 0, g_checks = 0;
 
+/* A cache's geometry: the library's defaults with these pages, heads, dims, dtype, sequences and
+ * pool size (the rest, codes, ranges and superpages, as each test sets them). */
+static inline ekv_cache_params test_cache_params(int ps, int Hk, int D, ekv_dtype dt, int seqs,
+                                                 int64_t pages) {
+    ekv_cache_params cp = ekv_cache_default_params();
+    cp.page_size = ps;
+    cp.num_kv_heads = Hk;
+    cp.head_dim = D;
+    cp.dtype = dt;
+    cp.max_seqs = seqs;
+    cp.num_pages = pages;
+    return cp;
+}
+
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
         g_checks++;                                                                                \

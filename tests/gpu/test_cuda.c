@@ -359,13 +359,7 @@ static void scores_precision_test(ekv_context *ctx) {
         const int D = dims[c / 2 % 2], G = groups[c / 4], Hk = G == 16 ? 1 : 2, H = G * Hk, ps = 16;
         const int64_t N = 777 + 16 * c, P = (N + ps - 1) / ps;
         test_rng r = {1234567u + (uint64_t)c};
-        ekv_cache_params cp = ekv_cache_default_params();
-        cp.page_size = ps;
-        cp.num_kv_heads = Hk;
-        cp.head_dim = D;
-        cp.dtype = dt;
-        cp.max_seqs = 1;
-        cp.num_pages = P + 2;
+        ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, 1, P + 2);
         cp.superpage_pages = 0;
         float *q, *kscale;
         int32_t seq;
@@ -481,13 +475,7 @@ static void screen_bounds_test(ekv_context *ctx, int ncases) {
         const int Hk = 2, H = G * Hk, ps = c % 4 == 3 ? 32 : 16;
         const int64_t N = 901 + 37 * c, P = (N + ps - 1) / ps, cap = P * ps;
         test_rng r = {7654321u + (uint64_t)c};
-        ekv_cache_params cp = ekv_cache_default_params();
-        cp.page_size = ps;
-        cp.num_kv_heads = Hk;
-        cp.head_dim = D;
-        cp.dtype = dt;
-        cp.max_seqs = 1;
-        cp.num_pages = P + 2;
+        ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, 1, P + 2);
         cp.superpage_pages = 0;
         cp.code_bits = bits;
         cp.range_dtype = (ekv_dtype)(c % 3); /* compact ranges too (rounded outward) */
@@ -704,13 +692,7 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
             maxP = P > maxP ? P : maxP;
             maxN = len[b] > maxN ? len[b] : maxN;
         }
-        ekv_cache_params cp = ekv_cache_default_params();
-        cp.page_size = ps;
-        cp.num_kv_heads = Hk;
-        cp.head_dim = D;
-        cp.dtype = dt;
-        cp.max_seqs = B;
-        cp.num_pages = total_pages + 2;
+        ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, B, total_pages + 2);
         cp.superpage_pages = 0;
         cp.code_bits = bits;
         cp.range_dtype = (ekv_dtype)(c % 3);
@@ -1089,13 +1071,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
         maxP = P > maxP ? P : maxP;
         maxN = c->len[b] > maxN ? c->len[b] : maxN;
     }
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = c->dt;
-    cp.max_seqs = B;
-    cp.num_pages = total_pages + 2;
+    ekv_cache_params cp = test_cache_params(ps, Hk, D, c->dt, B, total_pages + 2);
     cp.superpage_pages = 16; /* certified's round 0 and superpage skipping, on both sides */
     cp.code_bits = seed % 2 ? 4 : 8;            /* key codes for screened decode */
     cp.range_dtype = (ekv_dtype)(seed / 2 % 3); /* compact ranges: rounded outward unless K's */
@@ -1611,13 +1587,7 @@ static void graph_test(ekv_context *ctx, int method) {
     const int certified = method == 1;
     const int D = 128, Hk = 2, G = 4, H = Hk * G, ps = 16, B = 2;
     const int64_t len0[2] = {700, 1500}, grow[2] = {333, 17}, maxP = (1517 + 333 + ps) / ps + 2;
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = EKV_DTYPE_F16;
-    cp.max_seqs = B;
-    cp.num_pages = 2 * maxP;
+    ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, B, 2 * maxP);
     cp.superpage_pages = 0;
     cp.code_bits = method == 2 ? 4 : 0;
     ekv_cache *cache = NULL;
@@ -1902,18 +1872,6 @@ static void invalid_test(ekv_context *ctx) {
 
 /* One sequence of N tokens (K and V as f32 rows) in a new cache of cp's shape, mirrored on the
  * device, and a plan for it with max_batch sequences of up to cp->num_pages pages. */
-/* The cache of one sequence of up to `pages` pages (one_sequence's). */
-static ekv_cache_params one_sequence_params(int D, int Hk, int ps, ekv_dtype dt, int64_t pages) {
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = dt;
-    cp.max_seqs = 1;
-    cp.num_pages = pages;
-    return cp;
-}
-
 static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp, const float *k,
                                    const float *v, int64_t N, int H, int max_batch,
                                    ekv_cache **cache, mirror *m) {
@@ -1949,7 +1907,7 @@ static void key_scale_test(ekv_context *ctx) {
     test_rng r = {4242};
     int steps = 0;
     for (int ki = 0; ki < 3; ki++) {
-        ekv_cache_params cp = one_sequence_params(D, Hk, ps, EKV_DTYPE_F32, maxP);
+        ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F32, 1, maxP);
         cp.superpage_pages = 4;
         cp.code_bits = 8;
         float k[40 * 64], v[40 * 64];
@@ -2012,7 +1970,7 @@ static void step_splits_test(ekv_context *ctx) {
     const int D = 64, Hk = 2, G = 3, H = Hk * G, ps = 16;
     const int64_t N = 65536, maxP = N / ps + 1;
     test_rng r = {2828};
-    const ekv_cache_params cp = one_sequence_params(D, Hk, ps, EKV_DTYPE_F16, maxP);
+    const ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, 1, maxP);
     float *dir = malloc(sizeof(float) * D), *k = malloc(sizeof(float) * N * Hk * D),
           *v = malloc(sizeof(float) * N * Hk * D);
     for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
@@ -2068,7 +2026,7 @@ static void step_splits_test(ekv_context *ctx) {
 static void flat_support_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
     const int64_t N = (int64_t)1 << 17, maxP = N / ps;
-    const ekv_cache_params cp = one_sequence_params(D, Hk, ps, EKV_DTYPE_F32, maxP);
+    const ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F32, 1, maxP);
     float *k = malloc(sizeof(float) * N * D), *v = malloc(sizeof(float) * N * D);
     float q[2 * 64], got[2 * 64], ref[2 * 64];
     test_rng r = {3131};
