@@ -544,11 +544,15 @@ static void reset_tau_counts(ekv_cuda_plan *pl, int batch) {
  * the device's room beside the kernel's static arrays (99 KB a block on some GPUs, 227 KB on
  * Hopper), and never fewer than compact_list's power table (its room). */
 static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
-    cudaFuncAttributes fa; /* the kernel's own shared arrays (a failed query: 16 KB assumed) */
-    const int64_t static_bytes = cudaFuncGetAttributes(&fa, tau_entmax_kernel) == cudaSuccess
-                                         ? (int64_t)fa.sharedSizeBytes
-                                         : (cudaGetLastError(), (int64_t)16 << 10);
-    const int64_t room = ((int64_t)pl->smem_optin - static_bytes) / (int64_t)sizeof(float);
+    /* the kernel's own shared arrays, asked once (a failed query is asked again, 16 KB assumed
+     * meanwhile, its error cleared) */
+    static int64_t static_bytes = -1;
+    cudaFuncAttributes fa;
+    if (static_bytes < 0 && cudaFuncGetAttributes(&fa, tau_entmax_kernel) == cudaSuccess)
+        static_bytes = (int64_t)fa.sharedSizeBytes;
+    if (static_bytes < 0) cudaGetLastError();
+    const int64_t taken = static_bytes < 0 ? (int64_t)16 << 10 : static_bytes;
+    const int64_t room = ((int64_t)pl->smem_optin - taken) / (int64_t)sizeof(float);
     int64_t n = pl->cand_cap < TAU_SMEM_MAX ? pl->cand_cap : (int64_t)TAU_SMEM_MAX;
     if (n > room) n = room;
     return n > TAU_HIST_BINS ? n : (int64_t)TAU_HIST_BINS;
