@@ -145,6 +145,27 @@ struct linear_args {
     float beta;
 };
 
+/* A token's RMSNorm factor from its row r (cols floats), by one warp: lane-strided squares in
+ * double, summed by an xor tree (every lane ends with the same value). Written once for the
+ * staged kernel and the one-token kernel, so that both give a token the same factor. */
+__device__ __forceinline__ float warp_rms_factor(const float *r, const linear_args &A, int lane) {
+    double ss = 0;
+    for (int64_t i = lane; i < A.cols; i += 32) ss += (double)r[i] * r[i];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    return rms_factor(ss, A.cols, A.in.eps);
+}
+
+/* acc + <a, b> in the order every linear kernel sums a float4 of products (x, y, z, w). */
+__device__ __forceinline__ float dot4_add(float4 a, float4 b, float acc) {
+    return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
+}
+
+/* A lane's products summed over the warp by the xor tree (every lane gets the same sum). */
+__device__ __forceinline__ float warp_sum_f(float s) {
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
 /* xs[t][c] = in(x)[t0 + t][c] for t < nt, as rmsnorm_kernel and swiglu_kernel compute them (the
  * same float expressions; RMSNorm's sum of squares in double, a warp per token). */
 __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs, float *f) {
@@ -165,11 +186,8 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
     if (A.in.kind != GPU_LIN_RMSNORM) return;
     __syncthreads();
     if (warp < nt) {
-        const float *r = reinterpret_cast<const float *>(xs + warp * n4);
-        double ss = 0;
-        for (int64_t i = lane; i < A.cols; i += 32) ss += (double)r[i] * r[i];
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) f[warp] = rms_factor(ss, A.cols, A.in.eps); /* once per token */
+        const float f_t = warp_rms_factor(reinterpret_cast<const float *>(xs + warp * n4), A, lane);
+        if (lane == 0) f[warp] = f_t; /* once per token */
     }
     __syncthreads();
     const float4 *nw = reinterpret_cast<const float4 *>(A.in.norm_w);
@@ -198,20 +216,51 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args
             const float4 a = __ldg(w + c);
 #pragma unroll
             for (int t = 0; t < LIN_TOKENS; t++) {
-                const float4 b = xs[(t < nt ? t : 0) * n4 + c];
-                acc[t] = fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc[t]))));
+                acc[t] = dot4_add(a, xs[(t < nt ? t : 0) * n4 + c], acc[t]);
             }
         }
 #pragma unroll
         for (int t = 0; t < LIN_TOKENS; t++) {
-            float s = acc[t];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            const float s = warp_sum_f(acc[t]);
             if (lane == t && t < nt && r < A.rows) {
                 float *out = A.y + (t0 + t) * A.rows + r;
                 *out = A.beta != 0.f ? *out + s : s;
             }
         }
     }
+}
+
+/* in(x)[c] (float4 c) of a single token for linear_row1_kernel: the expressions of stage_input
+ * (f: the token's RMSNorm factor). */
+__device__ __forceinline__ float4 token_input4(const linear_args &A, int64_t c, float f) {
+    const float4 *x = reinterpret_cast<const float4 *>(A.in.x);
+    if (A.in.kind == GPU_LIN_SWIGLU) { /* x is [2 cols]: gate | up */
+        const float4 gt = __ldg(x + c), up = __ldg(x + A.cols / 4 + c);
+        return make_float4(swiglu(gt.x, up.x), swiglu(gt.y, up.y), swiglu(gt.z, up.z),
+                           swiglu(gt.w, up.w));
+    }
+    const float4 v = __ldg(x + c);
+    if (A.in.kind != GPU_LIN_RMSNORM) return v;
+    const float4 w = __ldg(reinterpret_cast<const float4 *>(A.in.norm_w) + c);
+    return make_float4(v.x * f * w.x, v.y * f * w.y, v.z * f * w.z, v.w * f * w.w);
+}
+
+/* linear_rows_kernel for one token (a single sequence's decode step, T = 1): the same sums in
+ * the same order (a token's output does not depend on the kernel that computed it), without
+ * the shared stage and its barriers: each warp reads the token's input itself and, for RMSNorm,
+ * computes the token's factor itself (the same expression). At T = 1 the staged kernel took ~6
+ * us a launch under ncu, 33 launches a step (bench/RESULTS.md, "The model's fixed cost"). */
+__global__ void __launch_bounds__(32 * LIN_WARPS) linear_row1_kernel(linear_args A) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
+    if (r >= A.rows) return; /* a whole warp: no barrier in this kernel */
+    const float f = A.in.kind == GPU_LIN_RMSNORM ? warp_rms_factor(A.in.x, A, lane) : 1.f;
+    const float4 *w = reinterpret_cast<const float4 *>(A.W + r * A.cols);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int64_t c = lane; c < n4; c += 32) acc = dot4_add(__ldg(w + c), token_input4(A, c, f), acc);
+    const float s = warp_sum_f(acc);
+    if (lane == 0) A.y[r] = A.beta != 0.f ? A.y[r] + s : s;
 }
 
 } // namespace
@@ -250,8 +299,11 @@ ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
     if (T <= LIN_SMALL_T && cols % 4 == 0 && cols <= LIN_MAX_COLS && align % 16 == 0) {
         const linear_args A = {W, rows, cols, T, *in, y, beta};
         const size_t smem = (size_t)LIN_TOKENS * (size_t)cols * 4;
-        linear_rows_kernel<<<(unsigned)((rows + LIN_WARPS - 1) / LIN_WARPS), 32 * LIN_WARPS, smem,
-                             g->stream>>>(A);
+        const unsigned blocks = (unsigned)((rows + LIN_WARPS - 1) / LIN_WARPS);
+        if (T == 1)
+            linear_row1_kernel<<<blocks, 32 * LIN_WARPS, 0, g->stream>>>(A);
+        else
+            linear_rows_kernel<<<blocks, 32 * LIN_WARPS, smem, g->stream>>>(A);
         GPU_LAUNCHED(g);
         return EKV_OK;
     }

@@ -325,9 +325,17 @@ __device__ double hist_read_bound(const uint32_t *gh, unsigned *hist, double alp
     return hist_bound(hist, alpha, pw, scratch);
 }
 
-/* Rows with more candidates than this start their solve from the histogram's bound (a few
- * iterations from within two bins of tau instead of Newton's halvings from M - 1). */
+/* Rows with more candidates than this want the histogram's bound where it is not counted for
+ * every row: screened rows' candidates (CAND_COUNT) and the screen's tau(l), whose solves then
+ * start there (a few iterations from within two bins of tau instead of Newton's from M - 1). */
 enum { TAU_BOUND_MIN = 1024 };
+
+/* The tau kernel's rows with more candidates than this start their solve from the histogram's
+ * bound whether or not they want it (the candidates kernel counts every listed row): Newton
+ * from M - 1 takes 4-8 iterations over 32-4096 candidates, 1-2 from within two bins of tau (a
+ * model of the solver in Python, bench/RESULTS.md "The model's fixed cost"), each a block
+ * reduction on one block; reading and scanning the bound costs about one. */
+enum { TAU_START_MIN = 32 };
 
 /* Whether a row of count candidates takes the histogram's bound: they overflow the room they
  * are solved in (cap: a list, or shared memory), or are many enough that the solve should start

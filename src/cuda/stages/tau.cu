@@ -22,11 +22,11 @@ namespace {
  * the counts into a lower bound of tau (hist_bound, docs/math.md §9.1, within two bins of it) and
  * lists the scores above it: the support and a few bins more. Screened decode's row scores
  * kernel lists its candidates itself; there the histogram is counted by a pass of its own
- * (CAND_COUNT) for the rows that want the bound. A list that fit but is long gets the bound
- * too: its solve starts there (TAU_BOUND_MIN), and a longer one is refined as an overflowed
- * list is (TAU_REFINE_MIN); the tau kernel leaves the histogram and the refine count zero for
- * the next step. No block waits for the row's others
- * (a last-block hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
+ * (CAND_COUNT) for the rows that want the bound. A list that fit starts its solve at the bound
+ * too (TAU_START_MIN: the tau kernel reads it for any but a short list), and a long one is
+ * refined as an overflowed list is (TAU_REFINE_MIN); the tau kernel leaves the histogram and
+ * the refine count zero for the next step. No block waits for the row's others (a last-block
+ * hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
     int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
@@ -326,18 +326,18 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
     return c;
 }
 
-/* The histogram's threshold of a row that wants it (wants_bound of its first count nc): the
- * refine pass listed the scores above it (row_bound_thr), and the solve starts there (it is a
- * lower bound of tau); -inf for other rows. The row's histogram is reset for the next step
- * either way, its nonzero bins only (2048 stores a row were 16 MiB a step at 64 x 32 rows): a
- * row that wants no bound counted exactly its listed candidates (nc <= TAU_BOUND_MIN fit the
- * list), their bins; screened rows of that kind counted none (their list's scores below
- * M - 1 have no bin). pw: the candidates' shared memory (TAU_HIST_BINS floats at least), free
- * until they are loaded. Block-wide. */
+/* The histogram's threshold of a row (row_bound_thr, a lower bound of tau): for a row that
+ * wants it (wants_bound of its first count nc) the refine pass listed the scores above it; the
+ * solve starts there for every row of more than TAU_START_MIN candidates (the candidates kernel
+ * counted them all; screened rows that want no bound counted none, whose empty histogram gives
+ * M - 1); -inf for the others. The row's histogram is reset for the next step either way, its
+ * nonzero bins only (2048 stores a row were 16 MiB a step at 64 x 32 rows): a short row's are
+ * its listed candidates' bins (nc <= TAU_START_MIN fit the list). pw: the candidates' shared
+ * memory (TAU_HIST_BINS floats at least), free until they are loaded. Block-wide. */
 __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, float M,
                                 unsigned *hist, float *pw, double *scratch) {
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    if (!wants_bound(nc, A.ccap)) {
+    if (!wants_bound(nc, A.ccap) && nc <= TAU_START_MIN) {
         const float *cz = A.cand_z + row * A.ccap;
         for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) {
             const double y = (double)cz[i] - (double)M;
