@@ -18,7 +18,10 @@
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
 #   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
-#   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run).
+#   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
+#   (none: a context, e.g. 4096, whose model decode step ncu times kernel by kernel for dense
+#   and topk, rows "step": method/kernel, its ms in the step, its launches; the model's fixed
+#   cost per token).
 # Writes OUTDIR/real_attention.log (commands and outputs) and OUTDIR/real_attention.tsv.
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help | "") usage; [ -n "${1:-}" ]; exit $? ;; esac
@@ -34,6 +37,7 @@ DECODE=${DECODE:-32}
 METHODS=${METHODS:-topk:1/16,certified,screened,gaussian}
 TRACE_METHODS=${TRACE_METHODS:-dense topk certified screened}
 PROFILE_LAYERS=${PROFILE_LAYERS:-}
+PROFILE_STEP=${PROFILE_STEP:-}
 mkdir -p "$OUT" || exit 1
 LOG="$OUT/real_attention.log"
 TSV="$OUT/real_attention.tsv"
@@ -67,23 +71,21 @@ profile_step() {
     ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum --csv \
         "$BIN" bench --backend cuda --workload "trace:$1@l$2." --method "$3" --iters "$steps" \
         --warmup 1 >"$OUT/ncu.csv" 2>>"$LOG" || { echo "   (ncu exit $?)" >>"$LOG"; return; }
-    python3 - "$OUT/ncu.csv" "$TRACE_CTX" "$2" "$3" <<'PY' | tee -a "$LOG" >>"$TSV"
-import csv, sys, collections
-path, ctx, layer, method = sys.argv[1:]
-rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
-h = rows[0]
-ik, im, iv, iu = (h.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
-to_ms = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
-ns = collections.OrderedDict()
-for r in (r for r in rows[1:] if r[im] == "gpu__time_duration.sum"):
-    name = r[ik].split("(")[0].replace("void ", "").replace("<unnamed>::", "")
-    ns.setdefault(name, []).append(float(r[iv].replace(",", "")) * to_ms[r[iu]])
-# the kernel's mean ms and its launches in the whole run (setup kernels such as the fills
-# launch a few times, the step's kernels once or twice per step)
-for name, v in ns.items():
-    print("kernel\tnew\t%s\t%s\t%s/%s\t%.4f\t-\t%d" % (ctx, layer, method, name,
-          sum(v) / len(v), len(v)))
-PY
+    python3 bench/ncu_kernels.py "$OUT/ncu.csv" kernel "$TRACE_CTX" "$2" "$3" | tee -a "$LOG" >>"$TSV"
+}
+
+# profile_model_step CTX METHOD: ncu's duration of every kernel of the model's last decode
+# step (`run` of a CTX-byte prompt, 3 tokens; the step begins with its block tables), as TSV
+# rows "step": kernel, its ms in the step, its launches; then the step's sum
+profile_model_step() {
+    local f
+    f=$(prompt "$1")
+    echo "== ncu: $BIN run --backend cuda --prompt-file $f -n 3 --method $2 --quiet" >>"$LOG"
+    ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum --csv \
+        "$BIN" run --backend cuda --prompt-file "$f" -n 3 --method "$2" --quiet \
+        >"$OUT/ncu.csv" 2>>"$LOG" || { echo "   (ncu exit $?)" >>"$LOG"; return; }
+    python3 bench/ncu_kernels.py "$OUT/ncu.csv" step "$1" - "$2" --last-step block_tables_kernel |
+        tee -a "$LOG" >>"$TSV"
 }
 
 echo "== 1. model decode per method (dense prefill, then --compare $METHODS --rewind)" | tee -a "$LOG"
@@ -101,6 +103,8 @@ for n in $CTXS; do
         done
     done
 done
+
+for m in $([ -n "$PROFILE_STEP" ] && echo dense topk); do profile_model_step "$PROFILE_STEP" "$m"; done
 
 echo "== 2. SDPA attention-only (H 6, KV 2, D 64, f16, one query; 8 layers)" | tee -a "$LOG"
 sdpa_rows $CTXS $([ "$TRACE_CTX" != 0 ] && echo "$TRACE_CTX") 2>>"$LOG" | while read -r n ms; do
