@@ -17,11 +17,11 @@ struct ekv_cuda_lists {
 };
 ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head);
 
-/* Ordered compaction of one tile of a page list (top-k select, gaussian rule): each thread
- * holds UNROLL consecutive pages from lo, take[u] says whether page lo + u (< n) is kept. The
- * kept pages go to out[*written ...] in page order, in[] records membership, and *written
- * advances by the tile's total (the same in every thread). One block scan per tile. With
- * mask_out, each kept page's mask[u] goes to mask_out at its list position. */
+/* Ordered compaction of one tile of a page list (top-k select, gaussian rule, round 2): each
+ * thread holds UNROLL consecutive pages from lo, take[u] says whether page lo + u (< n) is kept.
+ * The kept pages go to out[*written ...] in page order, in[] (unless NULL) records membership,
+ * and *written advances by the tile's total (the same in every thread). One block scan per
+ * tile. With mask_out, each kept page's mask[u] goes to mask_out at its list position. */
 template <int UNROLL>
 __device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, int64_t n,
                                                  int32_t *out, uint8_t *in, int *written,
@@ -39,7 +39,7 @@ __device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, i
                 if (mask_out) mask_out[pos] = mask[u];
                 out[pos++] = (int32_t)(lo + u);
             }
-            in[lo + u] = take[u];
+            if (in) in[lo + u] = take[u];
         }
     }
     *written += tile_taken;

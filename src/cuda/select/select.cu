@@ -214,6 +214,10 @@ struct round2_args : ekv_cuda_shape {
     ekv_cuda_lists out;  /* the KV heads' lists: round 2 appended after round 1 */
 };
 
+/* The pages of round 2 in page order after round 1's c1 entries. A thread takes SEL_UNROLL
+ * consecutive pages a tile, their loads in flight together, as the top-k compaction does (a
+ * thread's own run of n / 1024 pages, read twice by a dependent loop, took 34 us of 16K pages
+ * on the model's trace at 256K, bench/RESULTS.md). in[] is round 1's membership: left as it is. */
 __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     __shared__ int wsum[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
@@ -222,16 +226,18 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     const int64_t c1 = A.out.count[2 * row];
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages + c1;
     const uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
-    const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
-    const int64_t lo = (int64_t)threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
     const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
-    auto wanted = [&](int64_t p) { return !in[p] && page_exceeds(A, A.bounds, A.tau, h0, A.G, p); };
-    int cnt = 0;
-    for (int64_t p = lo; p < hi; p++) cnt += wanted(p);
-    int written;
-    int pos = ekv_block_exclusive_scan(cnt, wsum, &written);
-    for (int64_t p = lo; p < hi; p++)
-        if (wanted(p)) out[pos++] = (int32_t)p;
+    int written = 0;
+    for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
+        bool take[SEL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) take[u] = lo + u < n && !in[lo + u];
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++)
+            take[u] = take[u] && page_exceeds(A, A.bounds, A.tau, h0, A.G, lo + u);
+        ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, nullptr, &written, wsum);
+    }
     if (threadIdx.x == 0) A.out.count[2 * row + 1] = (int32_t)(c1 + written);
 }
 
