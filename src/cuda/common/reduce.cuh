@@ -111,6 +111,14 @@ __device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) 
     return ekv_warp_reserve(count, (uint32_t)__popc(m)) + (uint32_t)ekv_lane_rank(m);
 }
 
+/* hist[bin] += 1 for every lane whose bin >= 0, one shared atomic per distinct bin of the warp
+ * (its lanes matched by __match_any_sync): keys whose top digits are equal do not serialise 32
+ * atomics on one bin. Warp-uniform calls. */
+__device__ __forceinline__ void ekv_warp_count_bin(int *hist, int bin) {
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    if (bin >= 0 && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(hist + bin, __popc(peers));
+}
+
 /* Exclusive block scan of per-thread counts: returns the sum over lower threads, *total the
  * block's sum. wsum: 32 T of shared memory. */
 template <typename T>

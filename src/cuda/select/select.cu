@@ -22,7 +22,7 @@
 
 namespace {
 
-enum { SEL_THREADS = 1024, SEL_WARPS = SEL_THREADS / 32, SEL_UNROLL = 8 };
+enum { SEL_THREADS = 1024, SEL_UNROLL = 8 };
 
 /* the bounds' order as integers, -0 as +0 (the CPU's tie rule; src/math/shard_select.h) */
 __device__ __forceinline__ uint32_t order_key(float f) { return ekv_bound_key(f); }
@@ -47,35 +47,30 @@ struct topk_args : ekv_cuda_shape {
     ekv_cuda_lists out;
 };
 
-/* The histogram of digit (key >> shift) & 0xFF over the keys matching prefix under mask.
- * One sub-histogram per warp: the top digits of most keys are equal, and a single shared
- * histogram would serialise on a few bins. SEL_UNROLL loads in flight per thread: one block
- * per list is latency-bound. */
+/* The histogram of digit (key >> shift) & 0xFF over the keys matching prefix under mask, into
+ * hist (shared, 256 bins). The top digits of most keys are equal: a warp's equal bins are added
+ * by one atomic (ekv_warp_count_bin), where per-warp histograms cost a zeroing and a 32-way
+ * sum every pass (a one-block select of 4096 pages took 18.5 us, bench/RESULTS.md). SEL_UNROLL
+ * coalesced loads in flight per lane: one block per list is latency-bound. */
 __device__ __forceinline__ void digit_histogram(const float *key, int64_t n, int shift,
-                                                uint32_t mask, uint32_t prefix, int *whist,
-                                                int *hist) {
-    for (int i = threadIdx.x; i < 256 * SEL_WARPS; i += blockDim.x) whist[i] = 0;
+                                                uint32_t mask, uint32_t prefix, int *hist) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    int *mine = whist + (threadIdx.x >> 5) * 256;
-    for (int64_t p0 = threadIdx.x; p0 < n; p0 += (int64_t)blockDim.x * SEL_UNROLL) {
-        float kf[SEL_UNROLL];
+    const int lane = threadIdx.x & 31;
+    /* warp-uniform trip count: every lane takes part in the matches */
+    for (int64_t base = (int64_t)(threadIdx.x & ~31) * SEL_UNROLL; base < n;
+         base += (int64_t)blockDim.x * SEL_UNROLL) {
+        uint32_t kk[SEL_UNROLL];
 #pragma unroll
         for (int u = 0; u < SEL_UNROLL; u++) {
-            const int64_t p = p0 + (int64_t)u * blockDim.x;
-            kf[u] = p < n ? key[p] : 0.f;
+            const int64_t p = base + 32 * u + lane;
+            kk[u] = p < n ? order_key(key[p]) : 0u;
         }
 #pragma unroll
         for (int u = 0; u < SEL_UNROLL; u++) {
-            const uint32_t kk = order_key(kf[u]);
-            if (p0 + (int64_t)u * blockDim.x < n && (kk & mask) == prefix)
-                atomicAdd(&mine[(kk >> shift) & 0xFF], 1);
+            const bool counted = base + 32 * u + lane < n && (kk[u] & mask) == prefix;
+            ekv_warp_count_bin(hist, counted ? (int)((kk[u] >> shift) & 0xFF) : -1);
         }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        int c = 0;
-        for (int w = 0; w < SEL_WARPS; w++) c += whist[w * 256 + i];
-        hist[i] = c;
     }
     __syncthreads();
 }
@@ -108,7 +103,6 @@ __device__ __forceinline__ void pick_digit(const int *hist, int remaining, uint3
 
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     __shared__ int hist[256];
-    __shared__ int whist[256 * SEL_WARPS];
     __shared__ int wsum[32];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
@@ -124,7 +118,7 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     int remaining = (int)k;
     if (k > 0 && k < n) {
         for (int shift = 24; shift >= 0; shift -= 8) {
-            digit_histogram(key, n, shift, mask, prefix, whist, hist);
+            digit_histogram(key, n, shift, mask, prefix, hist);
             if (threadIdx.x < 32)
                 pick_digit(hist, remaining, prefix, shift, &s_prefix, &s_remaining);
             __syncthreads();
