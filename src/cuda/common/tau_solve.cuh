@@ -331,10 +331,11 @@ __device__ double hist_read_bound(const uint32_t *gh, unsigned *hist, double alp
 enum { TAU_BOUND_MIN = 1024 };
 
 /* The tau kernel's rows with more candidates than this start their solve from the histogram's
- * bound whether or not they want it (the candidates kernel counts every listed row): Newton
- * from M - 1 takes 4-8 iterations over 32-4096 candidates, 1-2 from within two bins of tau (a
- * model of the solver in Python, bench/RESULTS.md "The model's fixed cost"), each a block
- * reduction on one block; reading and scanning the bound costs about one. */
+ * bound whether or not they want it (the candidates kernel counts every listed row; alpha 1.5
+ * and 2, tau.cu's reads_bound): Newton from M - 1 takes 4-8 iterations over 32-4096
+ * candidates, 1-2 from within two bins of tau (a model of the solver in Python, bench/RESULTS.md
+ * "The model's fixed cost"), each a block reduction on one block; reading and scanning the
+ * bound costs about one. */
 enum { TAU_START_MIN = 32 };
 
 /* Whether a row of count candidates takes the histogram's bound: they overflow the room they

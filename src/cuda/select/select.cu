@@ -23,6 +23,7 @@
 namespace {
 
 enum { SEL_THREADS = 1024, SEL_UNROLL = 8 };
+static_assert(SEL_THREADS % 32 == 0, "digit_histogram's warp tiles cover whole warps");
 
 /* the bounds' order as integers, -0 as +0 (the CPU's tie rule; src/math/shard_select.h) */
 __device__ __forceinline__ uint32_t order_key(float f) { return ekv_bound_key(f); }

@@ -326,18 +326,27 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
     return c;
 }
 
-/* The histogram's threshold of a row (row_bound_thr, a lower bound of tau): for a row that
- * wants it (wants_bound of its first count nc) the refine pass listed the scores above it; the
- * solve starts there for every row of more than TAU_START_MIN candidates (the candidates kernel
- * counted them all; screened rows that want no bound counted none, whose empty histogram gives
- * M - 1); -inf for the others. The row's histogram is reset for the next step either way, its
- * nonzero bins only (2048 stores a row were 16 MiB a step at 64 x 32 rows): a short row's are
- * its listed candidates' bins (nc <= TAU_START_MIN fit the list). pw: the candidates' shared
- * memory (TAU_HIST_BINS floats at least), free until they are loaded. Block-wide. */
+/* Whether the tau kernel reads a row's histogram bound (nc: its first count): a row that wants
+ * it (wants_bound), and for alpha 1.5 and 2 (the bound one scan of moments; other alphas'
+ * bisection of block sums costs more than the iterations it saves on a short list) any row of
+ * more than TAU_START_MIN candidates whose histogram was counted: every listed row, not a
+ * screened row that wants no bound (A.rows: the candidates kernel counted none of it). */
+__device__ __forceinline__ bool reads_bound(const tau_args &A, int64_t nc) {
+    return wants_bound(nc, A.ccap) ||
+           (nc > TAU_START_MIN && !A.rows && (A.alpha == 1.5 || A.alpha == 2.0));
+}
+
+/* The histogram's threshold of a row that reads it (reads_bound; row_bound_thr, a lower bound of
+ * tau): for a row that wants it the refine pass listed the scores above it; the solve starts
+ * there; -inf for other rows. The row's histogram is reset for the next step either way, its
+ * nonzero bins only (2048 stores a row were 16 MiB a step at 64 x 32 rows): a row that reads
+ * none counted at most its listed candidates (it wants no bound: they fit the list), their
+ * bins. pw: the candidates' shared memory (TAU_HIST_BINS floats at least), free until they are
+ * loaded. Block-wide. */
 __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, float M,
                                 unsigned *hist, float *pw, double *scratch) {
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    if (!wants_bound(nc, A.ccap) && nc <= TAU_START_MIN) {
+    if (!reads_bound(A, nc)) {
         const float *cz = A.cand_z + row * A.ccap;
         for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) {
             const double y = (double)cz[i] - (double)M;
@@ -375,8 +384,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
-    /* a lower bound of tau - M where the solve starts (tau_start): for an overflowed or long
-     * list the histogram's (the refine pass's threshold), else -1 */
+    /* a lower bound of tau - M where the solve starts (tau_start): for a row that reads it
+     * (reads_bound) the histogram's (a refined row's list threshold too), else -1 */
     const float hist_thr = hist_threshold(A, row, nc, M, hist, cand, scratch);
     /* the solve's first iterate: a lower bound of tau - M (tau_start) */
     double t0 = fmax(-1.0, (double)hist_thr - (double)M);
