@@ -160,6 +160,16 @@ __device__ __forceinline__ float dot4_add(float4 a, float4 b, float acc) {
     return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
 }
 
+/* Four inputs of a token: SwiGLU of gate and up, and RMSNorm's x * f * w (f: the token's
+ * factor), as swiglu_kernel and rmsnorm_kernel compute them; for both linear kernels. */
+__device__ __forceinline__ float4 swiglu4(float4 gt, float4 up) {
+    return make_float4(swiglu(gt.x, up.x), swiglu(gt.y, up.y), swiglu(gt.z, up.z),
+                       swiglu(gt.w, up.w));
+}
+__device__ __forceinline__ float4 rmsnorm4(float4 v, float f, float4 w) {
+    return make_float4(v.x * f * w.x, v.y * f * w.y, v.z * f * w.z, v.w * f * w.w);
+}
+
 /* A lane's products summed over the warp by the xor tree (every lane gets the same sum). */
 __device__ __forceinline__ float warp_sum_f(float s) {
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -175,9 +185,7 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
         const float4 *h = reinterpret_cast<const float4 *>(A.in.x + t0 * 2 * A.cols);
         for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) {
             const int64_t t = i / n4, c = i - t * n4;
-            const float4 gt = __ldg(h + t * 2 * n4 + c), up = __ldg(h + t * 2 * n4 + n4 + c);
-            xs[i] = make_float4(swiglu(gt.x, up.x), swiglu(gt.y, up.y), swiglu(gt.z, up.z),
-                                swiglu(gt.w, up.w));
+            xs[i] = swiglu4(__ldg(h + t * 2 * n4 + c), __ldg(h + t * 2 * n4 + n4 + c));
         }
         return;
     }
@@ -193,9 +201,7 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
     const float4 *nw = reinterpret_cast<const float4 *>(A.in.norm_w);
     for (int64_t i = threadIdx.x; i < nt * n4; i += blockDim.x) {
         const int64_t t = i / n4;
-        const float ft = f[t];
-        const float4 v = xs[i], w = __ldg(nw + (i - t * n4));
-        xs[i] = make_float4(v.x * ft * w.x, v.y * ft * w.y, v.z * ft * w.z, v.w * ft * w.w);
+        xs[i] = rmsnorm4(xs[i], f[t], __ldg(nw + (i - t * n4)));
     }
 }
 
@@ -230,19 +236,15 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args
     }
 }
 
-/* in(x)[c] (float4 c) of a single token for linear_row1_kernel: the expressions of stage_input
- * (f: the token's RMSNorm factor). */
+/* in(x)[c] (float4 c) of a single token for linear_row1_kernel, as stage_input forms it (f: the
+ * token's RMSNorm factor). */
 __device__ __forceinline__ float4 token_input4(const linear_args &A, int64_t c, float f) {
     const float4 *x = reinterpret_cast<const float4 *>(A.in.x);
-    if (A.in.kind == GPU_LIN_SWIGLU) { /* x is [2 cols]: gate | up */
-        const float4 gt = __ldg(x + c), up = __ldg(x + A.cols / 4 + c);
-        return make_float4(swiglu(gt.x, up.x), swiglu(gt.y, up.y), swiglu(gt.z, up.z),
-                           swiglu(gt.w, up.w));
-    }
+    if (A.in.kind == GPU_LIN_SWIGLU) /* x is [2 cols]: gate | up */
+        return swiglu4(__ldg(x + c), __ldg(x + A.cols / 4 + c));
     const float4 v = __ldg(x + c);
     if (A.in.kind != GPU_LIN_RMSNORM) return v;
-    const float4 w = __ldg(reinterpret_cast<const float4 *>(A.in.norm_w) + c);
-    return make_float4(v.x * f * w.x, v.y * f * w.y, v.z * f * w.z, v.w * f * w.w);
+    return rmsnorm4(v, f, __ldg(reinterpret_cast<const float4 *>(A.in.norm_w) + c));
 }
 
 /* linear_rows_kernel for one token (a single sequence's decode step, T = 1): the same sums in
