@@ -5,7 +5,7 @@ of bench/real_attention.sh.
 Usage: ncu_kernels.py CSV PART CTX LAYER METHOD [--last-step KERNEL]
   every kernel name's mean ms over the run and its launches (a trace bench's steps), or with
   --last-step the kernels from the last launch of KERNEL on (a model decode step begins with
-  its embedding kernel): each name's total ms in that step and its launches, then the step's
+  its block tables' kernel): each name's total ms in that step and its launches, then the step's
   sum ("METHOD/all kernels"). ncu serialises the kernels and flushes the caches before each, so
   a step's sum is an upper bound of its kernels' share, without the gaps between them.
 """
@@ -32,6 +32,9 @@ def kernel_times(path):
 
 
 def main(argv):
+    if len(argv) == 2 and argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if len(argv) not in (6, 8) or (len(argv) == 8 and argv[6] != "--last-step"):
         sys.exit(__doc__)
     path, part, ctx, layer, method = argv[1:6]
