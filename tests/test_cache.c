@@ -1548,12 +1548,8 @@ static void adopt_check(ekv_context *ctx, const ekv_cache_params *q, ekv_cache *
  * see a free of it); the refusals. */
 static void test_nhd_caller_pool(ekv_context *ctx, test_rng *r) {
     enum { NP = 40, PS = 16, HK = 2, D = 24, H = 4, N = 300 };
-    ekv_cache_params p = ekv_cache_default_params();
-    p.num_pages = NP;
-    p.page_size = PS;
-    p.num_kv_heads = HK;
-    p.head_dim = D;
-    p.dtype = EKV_DTYPE_F16;
+    ekv_cache_params p = test_cache_params(PS, HK, D, EKV_DTYPE_F16,
+                                           ekv_cache_default_params().max_seqs, NP);
     p.superpage_pages = 4;
     p.code_bits = 4;
     p.range_dtype = EKV_DTYPE_F16;

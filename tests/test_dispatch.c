@@ -29,15 +29,10 @@ static void setup(fixture *f) {
     ekv_context_params cpp = ekv_context_default_params();
     cpp.n_threads = 2;
     CHECK(ekv_context_create(&cpp, &f->ctx) == EKV_OK, "context");
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.page_size = PS;
-    cp.num_kv_heads = HK;
-    cp.head_dim = D;
-    cp.dtype = EKV_DTYPE_F32;
-    cp.max_seqs = B;
+    ekv_cache_params cp =
+            test_cache_params(PS, HK, D, EKV_DTYPE_F32, B, ekv_cache_pages_for(lens[0], B, PS));
     cp.superpage_pages = 4;
     cp.code_bits = 4; /* for screened */
-    cp.num_pages = ekv_cache_pages_for(lens[0], B, PS);
     CHECK(ekv_cache_create(f->ctx, &cp, &f->cache) == EKV_OK, "cache");
     test_rng r = {42};
     int32_t seqs[B];

@@ -410,13 +410,7 @@ enum { TC_HK = 2, TC_D = 8, TC_PS = 4 };
 /* A small f32 cache on ctx with one sequence of n tokens (values from the position). */
 static ekv_cache *small_cache(ekv_context *ctx, int64_t pages, int32_t hk, int32_t ps,
                               int32_t code_bits, int64_t n, int32_t *seq) {
-    ekv_cache_params p = ekv_cache_default_params();
-    p.num_pages = pages;
-    p.page_size = ps;
-    p.num_kv_heads = hk;
-    p.head_dim = TC_D;
-    p.dtype = EKV_DTYPE_F32;
-    p.max_seqs = 4;
+    ekv_cache_params p = test_cache_params(ps, hk, TC_D, EKV_DTYPE_F32, 4, pages);
     p.superpage_pages = 2;
     p.code_bits = code_bits;
     ekv_cache *c = NULL;

@@ -28,16 +28,10 @@ typedef struct {
 static void build(ekv_context *ctx, fixture *f, int B, const int64_t *lens, int Hk, int D, int ps,
                   ekv_dtype dt, ekv_dtype range_dt, test_rng *r, double kscale) {
     memset(f, 0, sizeof *f);
-    ekv_cache_params cp = ekv_cache_default_params();
-    cp.range_dtype = range_dt;
-    cp.page_size = ps;
-    cp.num_kv_heads = Hk;
-    cp.head_dim = D;
-    cp.dtype = dt;
-    cp.max_seqs = 4;
     int64_t tot = 0;
     for (int b = 0; b < B; b++) tot += lens[b];
-    cp.num_pages = ekv_cache_pages_for(tot, 1, ps) + B;
+    ekv_cache_params cp = test_cache_params(ps, Hk, D, dt, 4, ekv_cache_pages_for(tot, 1, ps) + B);
+    cp.range_dtype = range_dt;
     CHECK(ekv_cache_create(ctx, &cp, &f->cache) == EKV_OK, "cache");
     f->B = B;
     for (int b = 0; b < B; b++) {
