@@ -57,6 +57,8 @@ static void bench_help(FILE *f) {
             "                        head dim 64 or 128, page size a multiple of 16; default 1),\n"
             "                        and screened's screen for groups of 5..16 heads (up to 4\n"
             "                        take the faster CUDA-core screen)\n"
+            "  --fused-attend 0|1    cuda: dense entmax's tau and values in one cooperative launch\n"
+            "                        where it applies (the plan's fused_attend; default 0)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -104,6 +106,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         o->code_bits = cli_need_code_bits("bench", argc, argv, i);
     else if (!strcmp(a, "--tensor-cores"))
         o->tensor_cores = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
+    else if (!strcmp(a, "--fused-attend"))
+        o->fused_attend = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         if (o->nlens == 64) cli_usage_error("bench", "--len: at most 64 lengths in all");

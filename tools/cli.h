@@ -225,6 +225,7 @@ typedef struct {
     int32_t code_bits;    /* --code-bits (default 4): the cache's key codes when the method reads
                              them (cli_method_codes), else the cache has none */
     int32_t tensor_cores; /* --tensor-cores 0|1 (cuda; default 1): the plan's tensor_cores */
+    int32_t fused_attend; /* --fused-attend 0|1 (cuda; default 0): the plan's fused_attend */
 } bench_opts;
 /* The token budget of a step over len tokens: --budget-tokens, else --budget x len (>= 1). */
 int64_t bench_budget_tokens(const bench_opts *o, int64_t len);

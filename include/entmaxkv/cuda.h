@@ -56,6 +56,12 @@ typedef struct ekv_cuda_plan_params {
                                /* one (never below max(tokens / 4, 16384)) screens a head   */
                                /* with more candidates again (docs/architecture.md). With   */
                                /* max_candidates > 0 the lists hold max_candidates entries  */
+    int32_t fused_attend;      /* 1: a dense entmax step of f16/bf16 K/V, head dim 64 or    */
+                               /* 128, groups of <= 8 heads and batch x KV heads <= 8 solves */
+                               /* tau and sums the values in one cooperative launch over   */
+                               /* every SM after the scores (no candidate lists, so no slow */
+                               /* rows); 0 (default): the candidates, tau and values        */
+                               /* launches (the fused kernel measured slower so far)        */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

@@ -103,6 +103,11 @@ struct ekv_cuda_plan {
                          /* table stands in its sequence (EKV_SHARD_*, shard_select.h);  */
                          /* 0 (the whole sequence) otherwise                             */
     float *flash_part;   /* [B*H][split_cap][head_dim + 4] one-pass softmax partials       */
+    /* the fused dense attend (stages/attend_fused.cu): its blocks' sums of a solver round,
+     * [2][EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP][EKV_CUDA_FUSED_PER_SM sms][4], and the
+     * barriers of its groups, [EKV_CUDA_FUSED_GROUPS][2] (zero between steps) */
+    double *fused_part;
+    unsigned *fused_bar;
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;

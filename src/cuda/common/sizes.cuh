@@ -1,7 +1,8 @@
 /*
  * The CUDA backend's fixed sizes: the threads of most blocks, the default length of a tau
  * candidate list, the largest GQA group and head dim the kernels compile for, the screen's
- * retry grid and tau(l)'s short list, the bins of tau's count bound and the screen's row chunks.
+ * retry grid and tau(l)'s short list, the bins of tau's count bound, the screen's row chunks and
+ * the fused attend's shapes.
  */
 #pragma once
 
@@ -13,5 +14,8 @@ enum {
     EKV_SCREEN_GRID = 64, /* thresholds M - 1 + k / 64 of the screen's retry (screen.cu)     */
     EKV_SCREEN_SOLVE_MAX = 32768, /* l values tau(l)'s solve lists and keeps in shared memory */
     EKV_CUDA_TAU_HIST_BINS = 2048, /* bins of y = z - M in [-1, 0] of tau's count bound      */
-    EKV_CUDA_ROW_CHUNK_WORDS = 256 /* survivor bitmap words per block of the rows kernels   */
+    EKV_CUDA_ROW_CHUNK_WORDS = 256, /* survivor bitmap words per block of the rows kernels  */
+    EKV_CUDA_FUSED_GROUPS = 8, /* (sequence, KV head) pairs of a fused attend step at most  */
+    EKV_CUDA_FUSED_GROUP = 8,  /* and query heads a KV head (stages/attend_fused.cu)        */
+    EKV_CUDA_FUSED_PER_SM = 2  /* its blocks per SM at most: short barriers, one wave       */
 };

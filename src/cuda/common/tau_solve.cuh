@@ -227,6 +227,18 @@ __device__ double hist_count_bound(const unsigned *hist, const float *pw, double
     return -1.0 + (double)(lo < 0 ? 0 : lo) / TAU_HIST_BINS;
 }
 
+/* The moment test of bin k (count c) for the bounds below: adds bin k to the running moments
+ * run (the bins before it, then through it) and returns whether F at bin k's edge, from the
+ * suffix moments tot - run, reaches 1 with a margin for the sums' rounding (terms up to 4 S0). */
+__device__ __forceinline__ bool moment_bound_holds(double c, int k, int beta, double (&run)[3],
+                                                   const double (&tot)[3]) {
+    const double x = (double)k / TAU_HIST_BINS;
+    run[0] += c, run[1] += c * x, run[2] += c * x * x;
+    const double S0 = tot[0] - run[0], S1 = tot[1] - run[1], S2 = tot[2] - run[2];
+    const double f = beta == 2 ? S2 - 2.0 * x * S1 + x * x * S0 : S1 - x * S0;
+    return f >= 1.0 + 1e-9 + 1e-13 * tot[0];
+}
+
 /* The bound of hist_count_bound for beta 1 and 2 (alpha 2 and 1.5) in one pass instead of a
  * binary search of block sums: with x_j = j / NB (e_j - e_k = x_j - x_k), sum_{j>k} c_j (x_j -
  * x_k)^beta is S1 - x_k S0 or S2 - 2 x_k S1 + x_k^2 S0 in the suffix moments S_m = sum_{j>k} c_j
@@ -261,14 +273,57 @@ __device__ double hist_moment_bound(const unsigned *hist, int beta, double *scra
         }
     }
     double best = -1.0; /* the largest bin k whose edge is a bound */
-    for (int k = j0; k < j1; k++) {
-        const double c = hist[k], x = (double)k / TAU_HIST_BINS;
-        run[0] += c, run[1] += c * x, run[2] += c * x * x;
-        const double S0 = tot[0] - run[0], S1 = tot[1] - run[1], S2 = tot[2] - run[2];
-        const double f = beta == 2 ? S2 - 2.0 * x * S1 + x * x * S0 : S1 - x * S0;
-        if (f >= 1.0 + 1e-9 + 1e-13 * tot[0]) best = (double)k;
-    }
+    for (int k = j0; k < j1; k++)
+        if (moment_bound_holds(hist[k], k, beta, run, tot)) best = (double)k;
     best = ekv_block_max(best, scratch, -1.0); /* its first barrier: every thread read scratch */
+    return -1.0 + (best < 0 ? 0.0 : best) / TAU_HIST_BINS;
+}
+
+/* 16 counts of a histogram in global memory from gh (16-byte aligned), through L2 (other blocks
+ * counted them): four loads in flight. */
+__device__ __forceinline__ void load_bins16(const uint32_t *gh, uint32_t (&w)[16]) {
+    uint4 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) v[i] = __ldcg(reinterpret_cast<const uint4 *>(gh) + i);
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[4 * i] = v[i].x, w[4 * i + 1] = v[i].y, w[4 * i + 2] = v[i].z,
+                                 w[4 * i + 3] = v[i].w;
+}
+
+/* hist_moment_bound by one warp over a histogram in global memory (gh, complete, 16-byte
+ * aligned): a lane's run of NB / 32 bins in loads of 16 (a loop of single loads, each waiting
+ * on L2, cost ~25 us a row), the same test. */
+__device__ double warp_moment_bound(const uint32_t *gh, int beta) {
+    constexpr int PER = TAU_HIST_BINS / 32;
+    const int lane = threadIdx.x & 31, j0 = lane * PER;
+    double m[3] = {0, 0, 0}, run[3], tot[3];
+    for (int c = 0; c < PER; c += 16) {
+        uint32_t w[16];
+        load_bins16(gh + j0 + c, w);
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const double x = (double)(j0 + c + e) / TAU_HIST_BINS;
+            m[0] += w[e], m[1] += w[e] * x, m[2] += w[e] * x * x;
+        }
+    }
+    for (int r = 0; r < 3; r++) { /* exclusive warp scan and total */
+        double v = m[r];
+        for (int o = 1; o < 32; o <<= 1) {
+            const double y = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += y;
+        }
+        run[r] = v - m[r];
+        tot[r] = __shfl_sync(0xffffffffu, v, 31);
+    }
+    double best = -1.0;
+    for (int c = 0; c < PER; c += 16) {
+        uint32_t w[16];
+        load_bins16(gh + j0 + c, w);
+#pragma unroll
+        for (int e = 0; e < 16; e++)
+            if (moment_bound_holds(w[e], j0 + c + e, beta, run, tot)) best = (double)(j0 + c + e);
+    }
+    best = ekv_warp_max(best);
     return -1.0 + (best < 0 ? 0.0 : best) / TAU_HIST_BINS;
 }
 

@@ -2,7 +2,8 @@
  * The CUDA decode step (mirrors src/cpu/methods/decode.c): validation on the host from static
  * shapes only (ekv_decode_supported, the check every backend runs, then the plan's shapes), and
  * the launches of the stages the method table (src/core/method.c) lists for the select method:
- *   dense:     scores -> tau -> values                                   (5 launches)
+ *   dense:     scores -> tau -> values                                   (5 launches;
+ *              2 where the fused attend applies: scores -> fused, stages/attend_fused.cu)
  *   topk:      bound -> topk -> scores -> tau -> values                  (7 launches)
  *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (8 launches)
  *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (12;
@@ -23,6 +24,7 @@
 #include "../screen/screen.cuh"
 #include "../select/gaussian.cuh"
 #include "../select/select.cuh"
+#include "../stages/attend_fused.cuh"
 #include "../stages/bound.cuh"
 #include "../stages/scores.cuh"
 #include "../stages/softmax.cuh"
@@ -120,6 +122,8 @@ ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         return ekv_cuda_launch_softmax_one_pass(pl, prm, kv, t, q, B, listed, out);
     }
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1, masked))) return s;
+    if (!listed && ekv_cuda_fused_attend_applies(pl, prm, kv->dtype, B))
+        return ekv_cuda_launch_fused_attend(pl, prm, kv, t, B, out);
     if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
     if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
         if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;

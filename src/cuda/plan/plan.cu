@@ -42,7 +42,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 47 };
+enum { PLAN_BUFFERS = 49 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -96,6 +96,10 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->ubits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->ulist, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
             {(void **)&pl->ucount, BHk * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->fused_part, 2 * EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP *
+                                               EKV_CUDA_FUSED_PER_SM * (int64_t)pl->sms * 4 *
+                                               (int64_t)sizeof(double)},
+            {(void **)&pl->fused_bar, 2 * EKV_CUDA_FUSED_GROUPS * (int64_t)sizeof(unsigned)},
     };
     static_assert(sizeof t / sizeof t[0] == PLAN_BUFFERS, "PLAN_BUFFERS counts the table");
     memcpy(b, t, sizeof t);
@@ -142,6 +146,9 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
     if (p->tensor_cores != 0 && p->tensor_cores != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
                         p->tensor_cores);
+    if (p->fused_attend != 0 && p->fused_attend != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
+                        p->fused_attend);
     return EKV_OK;
 }
 
@@ -304,6 +311,9 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         e = cudaMemsetAsync(pl->cand_done, 0, (size_t)(B * H) * sizeof(uint32_t), pl->stream);
     if (e == cudaSuccess)
         e = cudaMemsetAsync(pl->refine_count, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
+    if (e == cudaSuccess) /* the fused attend's barriers (stages/attend_fused.cu) */
+        e = cudaMemsetAsync(pl->fused_bar, 0, 2 * EKV_CUDA_FUSED_GROUPS * sizeof(unsigned),
+                            pl->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
     if (e != cudaSuccess) {
         ekv_cuda_plan_free(pl);

@@ -20,6 +20,7 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.max_candidates = 0;    /* EKV_CUDA_CAND_CAP           */
     p.tensor_cores = 1;
     p.screen_list_bytes = 0; /* SCREEN_LIST_BYTES (plan.cu)  */
+    p.fused_attend = 0; /* measured slower than the launches it replaces (bench/RESULTS.md) */
     return p;
 }
 
