@@ -1593,7 +1593,8 @@ out:
 }
 
 /* A CUDA graph of the step, replayed after the sequences grew, equals the eager step.
- * method: 0 topk, 1 certified, 2 screened (a cache with 4-bit key codes). */
+ * method: 0 topk, 1 certified, 2 screened (a cache with 4-bit key codes), 3 dense through the
+ * fused attend (a cooperative launch in the graph). */
 static void graph_test(ekv_context *ctx, int method) {
     test_rng r = {99 + method};
     const int certified = method == 1;
@@ -1626,6 +1627,7 @@ static void graph_test(ekv_context *ctx, int method) {
     pp.page_size = ps;
     pp.max_pages_per_seq = maxP;
     pp.stream = st;
+    pp.fused_attend = method == 3;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     const int64_t nq = (int64_t)B * H * D;
@@ -1636,7 +1638,7 @@ static void graph_test(ekv_context *ctx, int method) {
     ekv_decode_params prm = ekv_decode_default_params();
     prm.num_heads = H;
     ekv_select_params sp = ekv_select_default_params();
-    sp.method = method == 2 ? EKV_SELECT_SCREENED : EKV_SELECT_TOPK;
+    sp.method = method == 2 ? EKV_SELECT_SCREENED : method == 3 ? EKV_SELECT_DENSE : EKV_SELECT_TOPK;
     sp.budget_tokens = 256;
     sp.recent_pages = 1;
     cudaGraph_t graph;
@@ -1663,6 +1665,12 @@ static void graph_test(ekv_context *ctx, int method) {
                     ? ekv_cuda_decode_certified(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout)
                     : ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout);
         CHECK(s == EKV_OK, "eager step");
+        if (method == 3) {
+            ekv_cuda_report rep;
+            memset(&rep, 0, sizeof rep);
+            CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK && rep.launches == 2,
+                  "graph: the fused attend's dense step, %d launches (want 2)", rep.launches);
+        }
         CU(cudaStreamSynchronize(st));
         CU(cudaMemcpy(eager, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         const double e = test_head_rel_err(replay, eager, (int64_t)B * H, D, 1e-6);
@@ -1676,7 +1684,7 @@ static void graph_test(ekv_context *ctx, int method) {
             free(ref);
         }
     }
-    static const char *names[] = {"topk", "certified", "screened"};
+    static const char *names[] = {"topk", "certified", "screened", "dense, fused attend"};
     printf("graph replay (%s) checked at two lengths\n", names[method]);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
@@ -1888,10 +1896,11 @@ static void invalid_test(ekv_context *ctx) {
 }
 
 /* One sequence of N tokens (K and V as f32 rows) in a new cache of cp's shape, mirrored on the
- * device, and a plan for it with max_batch sequences of up to cp->num_pages pages. */
+ * device, and a plan for it with max_batch sequences of up to cp->num_pages pages and the
+ * given fused_attend. */
 static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp, const float *k,
                                    const float *v, int64_t N, int H, int max_batch,
-                                   ekv_cache **cache, mirror *m) {
+                                   int fused_attend, ekv_cache **cache, mirror *m) {
     int32_t seq = -1;
     CHECK(ekv_cache_create(ctx, cp, cache) == EKV_OK && ekv_cache_seq_new(*cache, &seq) == EKV_OK &&
                   ekv_cache_append(*cache, seq, N, k, v, EKV_DTYPE_F32) == EKV_OK,
@@ -1905,6 +1914,7 @@ static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp,
     pp.head_dim = cp->head_dim;
     pp.page_size = cp->page_size;
     pp.max_pages_per_seq = cp->num_pages;
+    pp.fused_attend = fused_attend;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     return plan;
@@ -1934,7 +1944,7 @@ static void key_scale_test(ekv_context *ctx) {
         }
         ekv_cache *cache = NULL;
         mirror m;
-        ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, &cache, &m);
+        ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, 0, &cache, &m);
         float sl[2] = {0.5f, 0.f}, *dsl = dev_copy(sl, sizeof sl);
         for (int qk = 0; qk < 4; qk++) {
             const int alibi = qk & 1, zero = qk < 2;
@@ -1994,7 +2004,7 @@ static void step_splits_test(ekv_context *ctx) {
     make_kv(&r, k, v, N, Hk, D, dir);
     ekv_cache *cache = NULL;
     mirror m;
-    ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 64, &cache, &m);
+    ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 64, 0, &cache, &m);
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -2058,7 +2068,7 @@ static void flat_support_test(ekv_context *ctx) {
             }
         ekv_cache *cache = NULL;
         mirror m;
-        ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, &cache, &m);
+        ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, 0, &cache, &m);
         float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
         ekv_decode_params prm = ekv_decode_default_params();
         prm.num_heads = H;
@@ -2083,6 +2093,67 @@ static void flat_support_test(ekv_context *ctx) {
         mirror_free(&m);
         ekv_cache_free(cache);
     }
+    free(k);
+    free(v);
+}
+
+/* The fused attend's first round on a crowded window (docs/architecture.md, "The fused dense
+ * attend"): head 0's 32768 scores spread evenly over 0.02 below its max, so tau lies among them
+ * and about 3000 lie in the 4 bins above the count bound, more than a near list holds
+ * (EKV_CUDA_FUSED_NEAR_CAP): the rounds solve it; head 1 has 33 scores 2.5 above the rest and
+ * solves in the first round. Both equal the CPU's dense tau, support and output. */
+static void fused_near_test(ekv_context *ctx) {
+    const int D = 64, Hk = 1, H = 2, ps = 16;
+    const int64_t N = (int64_t)1 << 15, maxP = N / ps;
+    const ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, 1, maxP);
+    float *k = malloc(sizeof(float) * N * D), *v = malloc(sizeof(float) * N * D);
+    float q[2 * 64], got[2 * 64], ref[2 * 64];
+    double tau_ref[2], tau[2];
+    int64_t sup_ref[2], sup[2];
+    test_rng r = {4242};
+    for (int i = 0; i < H * D; i++) q[i] = 0.f;
+    q[0] = q[D + 1] = 1.f; /* head 0 along axis 0, head 1 along axis 1 */
+    for (int64_t t = 0; t < N; t++)
+        for (int d = 0; d < D; d++) {
+            k[t * D + d] = d == 0 ? 1.f + 0.32f * (float)t / (float)N /* z = k / 16 */
+                           : d == 1 ? (t % 1000 == 0 ? 40.f : 0.f)
+                                    : 0.f;
+            v[t * D + d] = (float)test_normal(&r);
+        }
+    ekv_cache *cache = NULL;
+    mirror m;
+    ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, 1, &cache, &m);
+    ekv_decode_params prm = ekv_decode_default_params();
+    prm.num_heads = H;
+    ekv_decode_info ri = {.tau = tau_ref, .support = sup_ref};
+    ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, &ri);
+    float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_DENSE;
+    CHECK(plan && ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
+          "fused attend, crowded window: %s", ekv_last_error(ctx));
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.tau = tau;
+    rep.support = sup;
+    CHECK(plan && ekv_cuda_read_report(plan, 1, &rep) == EKV_OK && rep.launches == 2,
+          "fused attend, crowded window: report, %d launches (want 2)", rep.launches);
+    CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+    const double e = test_head_rel_err(got, ref, H, D, 1e-6);
+    CHECK(e < 3e-5, "fused attend, crowded window: rel err %.3g vs dense", e);
+    for (int h = 0; h < H; h++) {
+        CHECK(fabs(tau[h] - tau_ref[h]) <= 2e-5 * (1 + fabs(tau_ref[h])),
+              "fused attend, crowded window: head %d tau %.9g vs %.9g", h, tau[h], tau_ref[h]);
+        CHECK(llabs(sup[h] - sup_ref[h]) <= 1, "fused attend, crowded window: head %d support "
+              "%lld vs %lld", h, (long long)sup[h], (long long)sup_ref[h]);
+    }
+    printf("fused attend, crowded window: supports %lld and %lld of %lld tokens, rel err %.2e\n",
+           (long long)sup[0], (long long)sup[1], (long long)N, e);
+    cudaFree(dq);
+    cudaFree(dout);
+    ekv_cuda_plan_free(plan);
+    mirror_free(&m);
+    ekv_cache_free(cache);
     free(k);
     free(v);
 }
@@ -2448,6 +2519,7 @@ int main(void) {
     key_scale_test(ctx);
     step_splits_test(ctx);
     flat_support_test(ctx);
+    fused_near_test(ctx);
     scores_precision_test(ctx);
     /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
      * shorter tables) */
@@ -2513,6 +2585,7 @@ int main(void) {
         graph_test(ctx, 0);
         graph_test(ctx, 1);
         graph_test(ctx, 2);
+        graph_test(ctx, 3);
     }
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);

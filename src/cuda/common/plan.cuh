@@ -23,6 +23,7 @@ struct ekv_cuda_plan {
     int32_t split_cap;  /* the most splits a row can get: split_max, flash_part pitch   */
     int32_t sms;        /* the device's SMs (one-wave grids, ekv_cuda_one_wave)     */
     int32_t smem_optin; /* the device's shared memory a block may opt in to (bytes)    */
+    int32_t cooperative; /* the device launches cooperative kernels (the fused attend)   */
     int64_t cap_pages;  /* max_pages_per_seq                                           */
     int64_t cap_tokens; /* cap_pages * page_size: score row length                     */
     /* scratch (device) */
@@ -108,6 +109,9 @@ struct ekv_cuda_plan {
      * barriers of its groups, [EKV_CUDA_FUSED_GROUPS][2] (zero between steps) */
     double *fused_part;
     unsigned *fused_bar;
+    /* and its first round's near lists, [rows][EKV_CUDA_FUSED_NEAR_CAP], and their counts */
+    float *fused_near;
+    uint32_t *fused_near_count;
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;

@@ -17,5 +17,6 @@ enum {
     EKV_CUDA_ROW_CHUNK_WORDS = 256, /* survivor bitmap words per block of the rows kernels  */
     EKV_CUDA_FUSED_GROUPS = 8, /* (sequence, KV head) pairs of a fused attend step at most  */
     EKV_CUDA_FUSED_GROUP = 8,  /* and query heads a KV head (stages/attend_fused.cu)        */
-    EKV_CUDA_FUSED_PER_SM = 2  /* its blocks per SM at most: short barriers, one wave       */
+    EKV_CUDA_FUSED_PER_SM = 2, /* its blocks per SM at most: short barriers, one wave       */
+    EKV_CUDA_FUSED_NEAR_CAP = 2048 /* its first round's scores near tau listed per row     */
 };

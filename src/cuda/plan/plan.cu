@@ -42,7 +42,7 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 49 };
+enum { PLAN_BUFFERS = 51 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -100,6 +100,10 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
                                                EKV_CUDA_FUSED_PER_SM * (int64_t)pl->sms * 4 *
                                                (int64_t)sizeof(double)},
             {(void **)&pl->fused_bar, 2 * EKV_CUDA_FUSED_GROUPS * (int64_t)sizeof(unsigned)},
+            {(void **)&pl->fused_near, EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP *
+                                               EKV_CUDA_FUSED_NEAR_CAP * (int64_t)sizeof(float)},
+            {(void **)&pl->fused_near_count,
+             EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP * (int64_t)sizeof(uint32_t)},
     };
     static_assert(sizeof t / sizeof t[0] == PLAN_BUFFERS, "PLAN_BUFFERS counts the table");
     memcpy(b, t, sizeof t);
@@ -277,6 +281,7 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p->device);
     pl->smem_optin = optin;
+    cudaDeviceGetAttribute(&pl->cooperative, cudaDevAttrCooperativeLaunch, p->device);
     plan_geometry(pl, sms);
     const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
     plan_buffer want[PLAN_BUFFERS];

@@ -4,7 +4,7 @@
 #include "entmaxkv.h"
 
 /* Whether the plan's dense entmax step of this batch takes the fused attend: the plan's
- * fused_attend on, alpha > 1, f16 or bf16 K/V, head dim 64 or 128, groups of at most
+ * fused_attend on, a device with cooperative launches, alpha > 1, f16 or bf16 K/V, head dim 64 or 128, groups of at most
  * EKV_CUDA_FUSED_GROUP heads, batch x KV heads at most EKV_CUDA_FUSED_GROUPS, not a shard. */
 bool ekv_cuda_fused_attend_applies(const ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                    int dtype, int batch);
