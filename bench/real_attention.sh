@@ -16,7 +16,8 @@
 #   BIN (build-gpu/entmaxkv), OLD_BIN (none: another tree's build run beside BIN on the same
 #   prompts and trace, its rows tagged old), CTXS ("131072 524288"), TRACE_CTX (262144, 0 =
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
-#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened), PROFILE_LAYERS
+#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+fused: M with
+#   the plan's fused attend, bench --fused-attend 1, BIN's tree only), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
 #   (none: a context, e.g. 4096, whose model decode step ncu times kernel by kernel for dense
@@ -63,13 +64,18 @@ for n in map(int, sys.argv[1:]):
 PY
 }
 
+# bench_method M: bench's method options of a trace method (M+fused: the fused attend on)
+bench_method() {
+    case "$1" in *+fused) echo "--method ${1%+fused} --fused-attend 1" ;; *) echo "--method $1" ;; esac
+}
+
 # profile_step TRACE LAYER METHOD: ncu's duration of every kernel the trace bench launches
 # (eager and graph-replayed nodes), averaged per kernel name, as TSV rows
 profile_step() {
     local steps=8
-    echo "== ncu: $BIN bench --backend cuda --workload trace:$1@l$2. --method $3 --iters $steps" >>"$LOG"
+    echo "== ncu: $BIN bench --backend cuda --workload trace:$1@l$2. $(bench_method "$3") --iters $steps" >>"$LOG"
     ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum --csv \
-        "$BIN" bench --backend cuda --workload "trace:$1@l$2." --method "$3" --iters "$steps" \
+        "$BIN" bench --backend cuda --workload "trace:$1@l$2." $(bench_method "$3") --iters "$steps" \
         --warmup 1 >"$OUT/ncu.csv" 2>>"$LOG" || { echo "   (ncu exit $?)" >>"$LOG"; return; }
     python3 bench/ncu_kernels.py "$OUT/ncu.csv" kernel "$TRACE_CTX" "$2" "$3" | tee -a "$LOG" >>"$TSV"
 }
@@ -120,8 +126,9 @@ if [ "$TRACE_CTX" != 0 ]; then
     for l in $TRACE_LAYERS; do
         for m in $TRACE_METHODS; do
             trees | while read -r tree bin; do
-                echo "== $bin bench --backend cuda --workload trace:$tr@l$l. --method $m" >>"$LOG"
-                "$bin" bench --backend cuda --workload "trace:$tr@l$l." --method "$m" >"$OUT/bench.out" 2>>"$LOG" ||
+                case "$tree $m" in "old "*+fused) continue ;; esac
+                echo "== $bin bench --backend cuda --workload trace:$tr@l$l. $(bench_method "$m")" >>"$LOG"
+                "$bin" bench --backend cuda --workload "trace:$tr@l$l." $(bench_method "$m") >"$OUT/bench.out" 2>>"$LOG" ||
                     echo "   (exit $?)" >>"$LOG"
                 cat "$OUT/bench.out" >>"$LOG"
                 row=$(awk '$1 ~ /^[0-9]+$/ { print $2 "\t" $4; exit }' "$OUT/bench.out")
