@@ -22,7 +22,8 @@
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
 #   (none: a context, e.g. 4096, whose model decode step ncu times kernel by kernel for dense
 #   and topk, rows "step": method/kernel, its ms in the step, its launches; the model's fixed
-#   cost per token).
+#   cost per token), MODEL_FUSED (0; 1: the model decode of part 1 again with BIN and `run
+#   --fused-attend 1`, rows tagged fused).
 # Writes OUTDIR/real_attention.log (commands and outputs) and OUTDIR/real_attention.tsv.
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help | "") usage; [ -n "${1:-}" ]; exit $? ;; esac
@@ -39,6 +40,7 @@ METHODS=${METHODS:-topk:1/16,certified,screened,gaussian}
 TRACE_METHODS=${TRACE_METHODS:-dense topk certified screened}
 PROFILE_LAYERS=${PROFILE_LAYERS:-}
 PROFILE_STEP=${PROFILE_STEP:-}
+MODEL_FUSED=${MODEL_FUSED:-0}
 mkdir -p "$OUT" || exit 1
 LOG="$OUT/real_attention.log"
 TSV="$OUT/real_attention.tsv"
@@ -97,10 +99,11 @@ profile_model_step() {
 echo "== 1. model decode per method (dense prefill, then --compare $METHODS --rewind)" | tee -a "$LOG"
 for n in $CTXS; do
     f=$(prompt "$n")
-    trees | while read -r tree bin; do
-        echo "== $bin run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind" >>"$LOG"
+    { trees; [ "$MODEL_FUSED" = 1 ] && echo "fused $BIN"; } | while read -r tree bin; do
+        fa=$([ "$tree" = fused ] && echo "--fused-attend 1")
+        echo "== $bin run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind $fa" >>"$LOG"
         "$bin" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
-            --compare "$METHODS" --rewind >"$OUT/run_${n}_$tree.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
+            --compare "$METHODS" --rewind $fa >"$OUT/run_${n}_$tree.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
         cat "$OUT/run_${n}_$tree.out" >>"$LOG"
         grep -h '^\[decode' "$OUT/run_${n}_$tree.out" | while read -r line; do
             method=$(echo "$line" | sed -E 's/^\[decode @?[0-9]* ?([^]]*)\].*/\1/')

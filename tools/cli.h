@@ -255,6 +255,7 @@ typedef struct {
     int64_t prefill_candidates;        /* --prefill-candidates, --prefill-compact,  */
     int64_t prefill_compact;           /* --decode-candidates: the cuda list sizes  */
     int64_t decode_candidates;         /* (ekv_model_params; 0 = the default)       */
+    int64_t fused_attend;              /* --fused-attend 0|1 (ekv_model_params)     */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);

@@ -143,6 +143,11 @@ typedef struct ekv_model_params {
                                    screen list), 1 .. EKV_MODEL_MAX_DECODE_CANDIDATES
                                    (0 = the plan's default: a quarter of the context, at
                                    least 16384)                            */
+    int32_t fused_attend;       /* cuda dense decode: 1 = tau and the values in one cooperative
+                                   launch where it applies (ekv_cuda_plan_params.fused_attend,
+                                   entmaxkv/cuda.h), 0 (default) = the candidates, tau and
+                                   values launches; another value fails the load with
+                                   EKV_ERR_INVALID_ARGUMENT on every backend                  */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */

@@ -218,6 +218,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
     /* the params' decode_candidates (a test's way to make the decode stages' tau lists
      * overflow), else 0: the plan's default */
     pp.max_candidates = m->prm.decode_candidates;
+    pp.fused_attend = m->prm.fused_attend;
     /* the screen's lists as much room as the views' scores: whole lists (no retry pass) up to
      * about 870K tokens of context with 64 views of 6 heads */
     pp.screen_list_bytes = VIEW_SCORE_BYTES;

@@ -693,6 +693,34 @@ static void check_slow_paths(ekv_context *ctx, const int32_t *tok, ekv_select_me
     case_logits_free(&b);
 }
 
+/* The fused dense attend through the model (ekv_model_params.fused_attend; docs/architecture.md,
+ * "The fused dense attend"): one sequence's dense decode, graph-replayed, gives the CPU's
+ * logits, and with 4 tau candidates no row takes a list's slow path (it keeps no list). */
+static void check_fused_attend(ekv_context *ctx, const int32_t *tok) {
+    enum { N = 300, STEPS = 8 };
+    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 0, 1, N, NULL};
+    ekv_model_params t = ekv_model_default_params();
+    t.decode_candidates = 4;
+    t.fused_attend = 1;
+    ekv_model *cpu = load_params(ctx, &c, EKV_BACKEND_CPU, t),
+              *gpu = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
+    case_logits b;
+    const int ok = case_logits_alloc(&b, N, STEPS);
+    if (cpu && gpu && ok) {
+        g_lossy = 0;
+        prefill_and_decode(ctx, cpu, gpu, tok, N, STEPS, &b, "dense, fused attend: prefill",
+                           "dense, fused attend: decode");
+        ekv_model_stats all;
+        ekv_model_get_stats(gpu, -1, &all);
+        CHECK(all.tau_compacted_rows + all.tau_whole_rows == 0,
+              "dense, fused attend: %lld tau rows took a list's slow path",
+              (long long)(all.tau_compacted_rows + all.tau_whole_rows));
+    }
+    ekv_model_free(cpu);
+    ekv_model_free(gpu);
+    case_logits_free(&b);
+}
+
 static void check_fused(ekv_context *ctx, const int32_t *tok) {
     static const fcase cases[] = {
             {EKV_DTYPE_F16, PREFILL, 0, 0, 0},   /* one block */
@@ -792,6 +820,7 @@ int main(void) {
     check_slow_paths(ctx, tok, EKV_SELECT_DENSE);
     check_slow_paths(ctx, tok, EKV_SELECT_CERTIFIED);
     check_slow_paths(ctx, tok, EKV_SELECT_SCREENED);
+    check_fused_attend(ctx, tok);
     free(graph);
     free(eager);
     ekv_context_free(ctx);
