@@ -1920,6 +1920,13 @@ static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp,
     return plan;
 }
 
+/* What one_sequence made, freed. */
+static void one_sequence_free(ekv_cuda_plan *plan, mirror *m, ekv_cache *cache) {
+    ekv_cuda_plan_free(plan);
+    mirror_free(m);
+    ekv_cache_free(cache);
+}
+
 /* Extreme key scales (issue 32; the CPU's test_decode_scale too), f32 keys of 1e19..1e30:
  *  - a page's centre norm or radius overflows, and a zero query made the certified bound
  *    0 * inf = NaN, so pages holding support were dropped;
@@ -1982,9 +1989,7 @@ static void key_scale_test(ekv_context *ctx) {
             cudaFree(dout);
         }
         cudaFree(dsl);
-        ekv_cuda_plan_free(plan);
-        mirror_free(&m);
-        ekv_cache_free(cache);
+        one_sequence_free(plan, &m, cache);
     }
     CHECK(steps == 36, "key scale: %d steps compared, want 36", steps);
     printf("extreme key scales: %d dense/certified/screened steps equal the CPU's dense\n", steps);
@@ -2035,9 +2040,7 @@ static void step_splits_test(ekv_context *ctx) {
     }
     cudaFree(dq);
     cudaFree(dout);
-    ekv_cuda_plan_free(plan);
-    mirror_free(&m);
-    ekv_cache_free(cache);
+    one_sequence_free(plan, &m, cache);
     free(dir);
     free(k);
     free(v);
@@ -2089,9 +2092,7 @@ static void flat_support_test(ekv_context *ctx) {
                "%.2e\n", (long long)tops[c], (long long)N, (long long)rep.slow_rows, e);
         cudaFree(dq);
         cudaFree(dout);
-        ekv_cuda_plan_free(plan);
-        mirror_free(&m);
-        ekv_cache_free(cache);
+        one_sequence_free(plan, &m, cache);
     }
     free(k);
     free(v);
@@ -2151,9 +2152,7 @@ static void fused_near_test(ekv_context *ctx) {
            (long long)sup[0], (long long)sup[1], (long long)N, e);
     cudaFree(dq);
     cudaFree(dout);
-    ekv_cuda_plan_free(plan);
-    mirror_free(&m);
-    ekv_cache_free(cache);
+    one_sequence_free(plan, &m, cache);
     free(k);
     free(v);
 }
