@@ -105,7 +105,8 @@ struct ekv_cuda_plan {
                          /* 0 (the whole sequence) otherwise                             */
     float *flash_part;   /* [B*H][split_cap][head_dim + 4] one-pass softmax partials       */
     /* the fused dense attend (stages/attend_fused.cu): its blocks' sums of a solver round,
-     * [2][EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP][EKV_CUDA_FUSED_PER_SM sms][4], and the
+     * [2][EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP][4][up to EKV_CUDA_FUSED_PER_SM sms]
+     * (a sum's blocks side by side), and the
      * barriers of its groups, [EKV_CUDA_FUSED_GROUPS][2] (zero between steps) */
     double *fused_part;
     unsigned *fused_bar;

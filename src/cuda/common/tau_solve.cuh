@@ -12,6 +12,13 @@
 
 namespace {
 
+/* Whether the solver works from the moments of the candidates (tau_sums: alpha 2 and 1.5, whose
+ * F is a polynomial of degree 1 or 2 on a fixed support), not from F and F' (cand_newton); and
+ * the exponent beta = 1 / (alpha - 1) of those two as an integer. The rule of every solver
+ * caller. */
+__device__ __forceinline__ bool tau_by_moments(double alpha) { return alpha == 2.0 || alpha == 1.5; }
+__device__ __forceinline__ int tau_moment_beta(double alpha) { return alpha == 1.5 ? 2 : 1; }
+
 /* Sums over the candidates y = z - M > tau' (tau' relative to M), one block reduction */
 struct tau_sums {
     double n, s1, s2, mn;
@@ -148,7 +155,7 @@ __device__ double solve_tau(const float *v, int64_t n, float M, double alpha, do
     for (int k = 0; k < cap; k++) {
         tau_sums s = {0, 0, 0, 0};
         double F = 0, Fp = 0;
-        if (alpha == 2.0 || alpha == 1.5)
+        if (tau_by_moments(alpha))
             s = cand_sums<WARP>(v, n, M, it.t, scratch);
         else
             cand_newton<WARP>(v, n, M, it.t, beta, scratch, &F, &Fp);
@@ -331,7 +338,7 @@ __device__ double warp_moment_bound(const uint32_t *gh, int beta) {
  * table (pw: TAU_HIST_BINS floats of shared memory). Block-wide; hist complete in shared memory
  * after a barrier; scratch: 128 doubles. */
 __device__ double hist_bound(const unsigned *hist, double alpha, float *pw, double *scratch) {
-    if (alpha == 1.5 || alpha == 2.0) return hist_moment_bound(hist, alpha == 1.5 ? 2 : 1, scratch);
+    if (tau_by_moments(alpha)) return hist_moment_bound(hist, tau_moment_beta(alpha), scratch);
     hist_power_table(pw, alpha);
     return hist_count_bound(hist, pw, scratch);
 }

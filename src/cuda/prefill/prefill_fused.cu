@@ -169,7 +169,7 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
     const int64_t nk = block_keys(A);
     const double beta = 1.0 / (A.alpha - 1.0);
     const bool softmax = A.alpha == 1.0;
-    const bool sums = A.alpha == 2.0 || A.alpha == 1.5; /* else F and F' (cand_newton) */
+    const bool sums = tau_by_moments(A.alpha); /* else F and F' (cand_newton) */
     int unused = 0;                                     /* the max sweep checked every z */
     int bad = 0; /* softmax has no round 0, so its max sweep checks them */
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};

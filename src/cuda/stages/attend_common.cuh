@@ -62,6 +62,12 @@ __device__ __forceinline__ void entry_range(const int32_t *list_count, int64_t P
     } /* round 3: everything listed */
 }
 
+/* The split maxima of query head row `row`: round 1's cap entries, then round 2's (a row pitch
+ * of 2 cap; the scores kernel writes them, head_max and the fused attend read them). */
+template <typename F> __device__ __forceinline__ F *split_max_row(F *split_max, int64_t row, int cap) {
+    return split_max + row * 2 * cap;
+}
+
 /* The global max of a head's scores from the n split maxima of each of its `halves` rounds
  * (block-wide; the row's split count n from ekv_seq_splits, a row pitch of 2 cap: the slots
  * past n hold an earlier step's maxima). */
@@ -69,7 +75,7 @@ __device__ __forceinline__ float head_max(const float *split_max, int64_t row, i
                                           int halves, float *fscratch) {
     float m = -CUDART_INF_F;
     for (int i = threadIdx.x; i < halves * n; i += blockDim.x)
-        m = fmaxf(m, split_max[row * 2 * cap + (i / n) * cap + i % n]);
+        m = fmaxf(m, split_max_row(split_max, row, cap)[(i / n) * cap + i % n]);
     return ekv_block_max(m, fscratch, -CUDART_INF_F);
 }
 

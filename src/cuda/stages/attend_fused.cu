@@ -50,7 +50,7 @@ struct fused_args : ekv_cuda_shape {
     float *tau_m;
     int64_t *support, *v_rows;
     float *out;
-    double *part;  /* [2][FUSED_ROWS][per_group][4] the blocks' sums of a round, by its parity */
+    double *part;  /* [2][FUSED_ROWS][4][per_group] the blocks' sums of a round, by its parity */
     unsigned *bar; /* [groups][2] the groups' barriers                                         */
     float *near;   /* [FUSED_ROWS][FUSED_NEAR_CAP] the first round's scores near the bound      */
     uint32_t *near_count; /* [FUSED_ROWS], zeroed in phase 1                                    */
@@ -85,7 +85,7 @@ __device__ void fused_maxima(const fused_args &A, const fused_block &k, float *s
     const int nsp = ekv_seq_splits(A.t, k.b, A.nsplit, A.split_cap);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int g = warp; g < A.G; g += FUSED_WARPS) {
-        const float *sm = A.split_max + (k.h0 + g) * 2 * A.split_cap;
+        const float *sm = split_max_row(A.split_max, k.h0 + g, A.split_cap);
         float m = -CUDART_INF_F;
         for (int i = lane; i < nsp; i += 32) m = fmaxf(m, sm[i]);
         m = ekv_warp_max(m);
@@ -128,10 +128,10 @@ __device__ void fused_count(const fused_args &A, const fused_block &k, float *sM
 __device__ void fused_start(const fused_args &A, const fused_block &k, const float *sM,
                             tau_iter *sit, int *sdone) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const bool moments = A.alpha == 1.5 || A.alpha == 2.0;
     for (int g = warp; g < A.G; g += FUSED_WARPS) {
         const uint32_t *gh = A.hist + (k.h0 + g) * TAU_HIST_BINS;
-        const double t0 = moments ? warp_moment_bound(gh, A.alpha == 1.5 ? 2 : 1) : -1.0;
+        const double t0 =
+                tau_by_moments(A.alpha) ? warp_moment_bound(gh, tau_moment_beta(A.alpha)) : -1.0;
         if (lane == 0) {
             sit[g] = tau_start(t0);
             sdone[g] = !(sM[g] > -CUDART_INF_F);
@@ -196,7 +196,7 @@ template <int GM> __device__ __forceinline__ void fused_zero_sums(double (&q)[GM
 template <int GM>
 __device__ void fused_sums(const fused_args &A, const fused_block &k, int parity, const float *sM,
                            const tau_iter *sit, const int *sdone, double *red) {
-    const bool moments = A.alpha == 1.5 || A.alpha == 2.0;
+    const bool moments = tau_by_moments(A.alpha);
     const double beta = 1.0 / (A.alpha - 1.0);
     double q[GM][4];
     fused_zero_sums(q);
@@ -237,6 +237,23 @@ __device__ void fused_first_sums(const fused_args &A, const fused_block &k, cons
     fused_store_sums<GM>(A, k, 0, sdone, q, red);
 }
 
+/* The sums of row `row` over the group's blocks from a round's parts (parity), in one order so
+ * that every block gets the same bits: the first three added, the fourth's minimum (for alpha
+ * other than 1.5 and 2 the first two are F + 1 and F'). Warp-collective. */
+__device__ tau_sums fused_group_sums(const fused_args &A, int parity, int64_t row) {
+    const double *p[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) p[r] = fused_part(A, parity, row, r);
+    double q[4] = {0, 0, 0, 1e300};
+#pragma unroll 2
+    for (int j = threadIdx.x & 31; j < A.per_group; j += 32) {
+        const double a = __ldcg(p[0] + j), b = __ldcg(p[1] + j), c = __ldcg(p[2] + j),
+                     d = __ldcg(p[3] + j); /* the four loads in flight together */
+        q[0] += a, q[1] += b, q[2] += c, q[3] = fmin(q[3], d);
+    }
+    return tau_sums{ekv_warp_sum(q[0]), ekv_warp_sum(q[1]), ekv_warp_sum(q[2]), ekv_warp_min(q[3])};
+}
+
 /* After the first round's barrier, one warp: row g's solve over its sure sums S (the scores
  * above U) and its n near scores (in shared memory), from t0 (sit); false where an iterate
  * passes U (tau - M above the window: S would hold scores below tau) and the rounds take
@@ -244,13 +261,8 @@ __device__ void fused_first_sums(const fused_args &A, const fused_block &k, cons
 __device__ bool fused_near_solve(const float *near, int n, float M, const tau_sums &S, double U,
                                  double alpha, tau_iter *it) {
     for (int r = 0; r < tau_max_iters(alpha); r++) {
-        double c = 0, s1 = 0, s2 = 0, mn = 1e300;
-        for (int e = threadIdx.x & 31; e < n; e += 32) {
-            const double y = (double)near[e] - (double)M;
-            if (y > it->t) c += 1, s1 += y, s2 += y * y, mn = y < mn ? y : mn;
-        }
-        const tau_sums s = {S.n + ekv_warp_sum(c), S.s1 + ekv_warp_sum(s1),
-                            S.s2 + ekv_warp_sum(s2), fmin(S.mn, ekv_warp_min(mn))};
+        const tau_sums l = cand_sums<true>(near, n, M, it->t, nullptr);
+        const tau_sums s = {S.n + l.n, S.s1 + l.s1, S.s2 + l.s2, fmin(S.mn, l.mn)};
         const int done = tau_step(alpha, s, 0.0, 0.0, it);
         if (it->t > U) return false;
         if (done) return true;
@@ -274,15 +286,7 @@ __device__ void fused_first_step(const fused_args &A, const fused_block &k, cons
             buf[e] = __ldcg(A.near + row * FUSED_NEAR_CAP + e);
         __syncthreads();
         if (warp == 0) {
-            double q[4] = {0, 0, 0, 1e300};
-            for (int j = lane; j < A.per_group; j += 32) {
-                q[0] += __ldcg(fused_part(A, 0, row, 0) + j);
-                q[1] += __ldcg(fused_part(A, 0, row, 1) + j);
-                q[2] += __ldcg(fused_part(A, 0, row, 2) + j);
-                q[3] = fmin(q[3], __ldcg(fused_part(A, 0, row, 3) + j));
-            }
-            const tau_sums S = {ekv_warp_sum(q[0]), ekv_warp_sum(q[1]), ekv_warp_sum(q[2]),
-                                ekv_warp_min(q[3])};
+            const tau_sums S = fused_group_sums(A, 0, row);
             tau_iter it = sit[g];
             const double U = it.t + (double)FUSED_NEAR_BINS / TAU_HIST_BINS;
             const bool ok = fused_near_solve(buf, (int)n, sM[g], S, U, A.alpha, &it);
@@ -293,28 +297,17 @@ __device__ void fused_first_step(const fused_args &A, const fused_block &k, cons
 }
 
 /* After the round's barrier, in every block alike: each open row's sums over the group's blocks
- * (one order, so every block gets the same bits; the four sums' loads in flight together) and
- * the solver's step; a row stays open at most tau_max_iters rounds. Warp g for row g. */
+ * (fused_group_sums) and the solver's step; a row stays open at most tau_max_iters rounds. Warp g
+ * for row g. */
 __device__ void fused_step(const fused_args &A, const fused_block &k, int parity, int round,
                            tau_iter *sit, int *sdone) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const double beta = 1.0 / (A.alpha - 1.0);
     for (int g = warp; g < A.G; g += FUSED_WARPS) {
         if (sdone[g]) continue;
-        const double *p[4];
-        for (int r = 0; r < 4; r++) p[r] = fused_part(A, parity, k.h0 + g, r);
-        double q[4] = {0, 0, 0, 1e300};
-#pragma unroll 2
-        for (int j = lane; j < A.per_group; j += 32) {
-            const double a = __ldcg(p[0] + j), b = __ldcg(p[1] + j), c = __ldcg(p[2] + j),
-                         d = __ldcg(p[3] + j);
-            q[0] += a, q[1] += b, q[2] += c, q[3] = fmin(q[3], d);
-        }
-        for (int r = 0; r < 3; r++) q[r] = ekv_warp_sum(q[r]);
-        q[3] = ekv_warp_min(q[3]);
+        const tau_sums s = fused_group_sums(A, parity, k.h0 + g);
         if (lane == 0) {
-            const tau_sums s = {q[0], q[1], q[2], q[3]};
-            sdone[g] = tau_step(A.alpha, s, q[0] - 1.0, -beta * q[1], &sit[g]) ||
+            sdone[g] = tau_step(A.alpha, s, s.n - 1.0, -beta * s.s1, &sit[g]) ||
                        round + 1 >= tau_max_iters(A.alpha);
         }
     }
@@ -327,7 +320,7 @@ template <int GM>
 __device__ void fused_solve(const fused_args &A, const fused_block &k, const float *sM,
                             tau_iter *sit, int *sdone, double *red, float *buf) {
     int round = 0;
-    if (A.alpha == 1.5 || A.alpha == 2.0) {
+    if (tau_by_moments(A.alpha)) {
         fused_first_sums<GM>(A, k, sM, sit, sdone, red);
         group_sync(A.bar + 2 * k.lrow, A.per_group);
         fused_first_step(A, k, sM, sit, sdone, buf);

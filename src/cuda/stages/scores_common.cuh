@@ -74,8 +74,8 @@ __device__ __forceinline__ void publish_split_max(const score_args &A, const flo
     if (threadIdx.x < A.G) {
         float m = -CUDART_INF_F;
         for (int w = 0; w < nw; w++) m = fmaxf(m, red[w * A.G + threadIdx.x]);
-        A.split_max[((int64_t)b * A.H + kvh * A.G + threadIdx.x) * 2 * A.split_cap + half +
-                    sp.s] = m;
+        split_max_row(A.split_max, (int64_t)b * A.H + kvh * A.G + threadIdx.x,
+                      A.split_cap)[half + sp.s] = m;
     }
 }
 

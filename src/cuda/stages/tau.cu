@@ -333,7 +333,7 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
  * screened row that wants no bound (A.rows: the candidates kernel counted none of it). */
 __device__ __forceinline__ bool reads_bound(const tau_args &A, int64_t nc) {
     return wants_bound(nc, A.ccap) ||
-           (nc > TAU_START_MIN && !A.rows && (A.alpha == 1.5 || A.alpha == 2.0));
+           (nc > TAU_START_MIN && !A.rows && tau_by_moments(A.alpha));
 }
 
 /* The histogram's threshold of a row that reads it (reads_bound; row_bound_thr, a lower bound of
