@@ -16,14 +16,15 @@
 #   BIN (build-gpu/entmaxkv), OLD_BIN (none: another tree's build run beside BIN on the same
 #   prompts and trace, its rows tagged old), CTXS ("131072 524288"), TRACE_CTX (262144, 0 =
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
-#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+fused: M with
-#   the plan's fused attend, bench --fused-attend 1, BIN's tree only), PROFILE_LAYERS
+#   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+V: M with the
+#   variant V's options, BIN's tree only: fused (bench --fused-attend 1), overlap
+#   (--overlap-launches 1), both joined by +, e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
 #   (none: a context, e.g. 4096, whose model decode step ncu times kernel by kernel for dense
 #   and topk, rows "step": method/kernel, its ms in the step, its launches; the model's fixed
-#   cost per token), MODEL_FUSED (0; 1: the model decode of part 1 again with BIN and `run
-#   --fused-attend 1`, rows tagged fused).
+#   cost per token), MODEL_VARIANTS (none: variants as above, e.g. "fused overlap": the model
+#   decode of part 1 again with BIN and each variant's options, rows tagged by the variant).
 # Writes OUTDIR/real_attention.log (commands and outputs) and OUTDIR/real_attention.tsv.
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 case "${1:-}" in -h|--help | "") usage; [ -n "${1:-}" ]; exit $? ;; esac
@@ -40,7 +41,7 @@ METHODS=${METHODS:-topk:1/16,certified,screened,gaussian}
 TRACE_METHODS=${TRACE_METHODS:-dense topk certified screened}
 PROFILE_LAYERS=${PROFILE_LAYERS:-}
 PROFILE_STEP=${PROFILE_STEP:-}
-MODEL_FUSED=${MODEL_FUSED:-0}
+MODEL_VARIANTS=${MODEL_VARIANTS:-}
 mkdir -p "$OUT" || exit 1
 LOG="$OUT/real_attention.log"
 TSV="$OUT/real_attention.tsv"
@@ -66,9 +67,22 @@ for n in map(int, sys.argv[1:]):
 PY
 }
 
-# bench_method M: bench's method options of a trace method (M+fused: the fused attend on)
+# variant_options V: the options of a variant (fused, overlap, or both joined by +)
+variant_options() {
+    local part opts=""
+    for part in $(echo "$1" | tr + ' '); do
+        case "$part" in
+        fused) opts="$opts --fused-attend 1" ;;
+        overlap) opts="$opts --overlap-launches 1" ;;
+        *) echo "real_attention.sh: unknown variant '$part'" >&2 ;;
+        esac
+    done
+    echo $opts
+}
+
+# bench_method M: bench's method options of a trace method (M+V: with the variant's options)
 bench_method() {
-    case "$1" in *+fused) echo "--method ${1%+fused} --fused-attend 1" ;; *) echo "--method $1" ;; esac
+    case "$1" in *+*) echo "--method ${1%%+*} $(variant_options "${1#*+}")" ;; *) echo "--method $1" ;; esac
 }
 
 # profile_step TRACE LAYER METHOD: ncu's duration of every kernel the trace bench launches
@@ -99,8 +113,8 @@ profile_model_step() {
 echo "== 1. model decode per method (dense prefill, then --compare $METHODS --rewind)" | tee -a "$LOG"
 for n in $CTXS; do
     f=$(prompt "$n")
-    { trees; [ "$MODEL_FUSED" = 1 ] && echo "fused $BIN"; } | while read -r tree bin; do
-        fa=$([ "$tree" = fused ] && echo "--fused-attend 1")
+    { trees; for v in $MODEL_VARIANTS; do echo "$v $BIN"; done; } | while read -r tree bin; do
+        fa=$(case "$tree" in new | old) ;; *) variant_options "$tree" ;; esac)
         echo "== $bin run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind $fa" >>"$LOG"
         "$bin" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
             --compare "$METHODS" --rewind $fa >"$OUT/run_${n}_$tree.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
@@ -129,7 +143,7 @@ if [ "$TRACE_CTX" != 0 ]; then
     for l in $TRACE_LAYERS; do
         for m in $TRACE_METHODS; do
             trees | while read -r tree bin; do
-                case "$tree $m" in "old "*+fused) continue ;; esac
+                case "$tree $m" in "old "*+*) continue ;; esac
                 echo "== $bin bench --backend cuda --workload trace:$tr@l$l. $(bench_method "$m")" >>"$LOG"
                 "$bin" bench --backend cuda --workload "trace:$tr@l$l." $(bench_method "$m") >"$OUT/bench.out" 2>>"$LOG" ||
                     echo "   (exit $?)" >>"$LOG"

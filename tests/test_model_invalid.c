@@ -140,23 +140,24 @@ static void list_sizes(ekv_context *ctx) {
     }
 }
 
-/* ekv_model_params.fused_attend: 0 (the default) or 1, another value refused on every backend
- * with a message naming it; 1 on the cpu engine is accepted and unused. */
-static void fused_attend_values(ekv_context *ctx) {
+/* A 0/1 field of ekv_model_params (name, at its offset): 0 by default, another value than 0 or 1
+ * refused on every backend with a message naming it; 1 on the cpu engine accepted and unused. */
+static void flag_values(ekv_context *ctx, const char *name, size_t at) {
     static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
     ekv_model_params p = ekv_model_default_params();
+    int32_t *flag = (int32_t *)((char *)&p + at);
     p.max_tokens = 10;
-    CHECK(p.fused_attend == 0, "fused_attend defaults to %d, not 0", p.fused_attend);
+    CHECK(*flag == 0, "%s defaults to %d, not 0", name, *flag);
     ekv_model *m = NULL;
     const int32_t bad[2] = {-1, 2};
     for (int b = 0; b < 2; b++) {
-        p.fused_attend = bad[b];
+        *flag = bad[b];
         CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m &&
-                      strstr(ekv_last_error(ctx), "fused_attend"),
-              "fused_attend %d: %s", bad[b], ekv_last_error(ctx));
+                      strstr(ekv_last_error(ctx), name),
+              "%s %d: %s", name, bad[b], ekv_last_error(ctx));
     }
-    p.fused_attend = 1;
-    CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_OK && m, "fused_attend 1: %s",
+    *flag = 1;
+    CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_OK && m, "%s 1: %s", name,
           ekv_last_error(ctx));
     ekv_model_free(m);
 }
@@ -330,7 +331,8 @@ int main(void) {
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "prefill_kernel 7");
     p.prefill_kernel = EKV_PREFILL_AUTO;
     list_sizes(ctx);
-    fused_attend_values(ctx);
+    flag_values(ctx, "fused_attend", offsetof(ekv_model_params, fused_attend));
+    flag_values(ctx, "overlap_launches", offsetof(ekv_model_params, overlap_launches));
     p.backend = EKV_BACKEND_CUDA;
     p.method = EKV_SELECT_ORACLE; /* evaluation only: no CUDA path */
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_UNSUPPORTED && !m &&

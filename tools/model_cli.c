@@ -72,7 +72,10 @@ void model_opts_help(FILE *f) {
             "                        1..%d (default 16384; fewer take the slow paths)\n"
             "  --fused-attend 0|1    cuda dense decode: tau and the values in one cooperative\n"
             "                        launch where it applies (default 0: separate launches)\n"
-            "                        (these seven are options of --backend cuda: with cpu\n"
+            "  --overlap-launches 0|1  cuda: launch each kernel of a step while the one before\n"
+            "                        it runs (programmatic dependent launch; same results;\n"
+            "                        default 0)\n"
+            "                        (these eight are options of --backend cuda: with cpu\n"
             "                        they are bad usage)\n",
             EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
             EKV_MODEL_MAX_DECODE_CANDIDATES);
@@ -90,6 +93,7 @@ static const cli_opt model_table[] = {
         CLI_INT("--decode-candidates", model_opts, decode_candidates, 1,
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
         CLI_INT("--fused-attend", model_opts, fused_attend, 0, 1),
+        CLI_INT("--overlap-launches", model_opts, overlap_launches, 0, 1),
 };
 
 ekv_select_method model_method(const char *sub, const char *what, const char *name) {
@@ -167,6 +171,7 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
                             : mo->prefill_compact    ? "--prefill-compact"
                             : mo->decode_candidates  ? "--decode-candidates"
                             : mo->fused_attend       ? "--fused-attend"
+                            : mo->overlap_launches   ? "--overlap-launches"
                                                      : NULL;
     if (cuda_only && mo->backend != EKV_BACKEND_CUDA)
         cli_usage_error(sub, "%s is an option of --backend cuda (this run is on the %s backend)",
@@ -250,6 +255,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.prefill_compact = (int32_t)o->prefill_compact;
     mp.decode_candidates = (int32_t)o->decode_candidates;
     mp.fused_attend = (int32_t)o->fused_attend;
+    mp.overlap_launches = (int32_t)o->overlap_launches;
     mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {

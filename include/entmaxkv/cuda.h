@@ -62,6 +62,11 @@ typedef struct ekv_cuda_plan_params {
                                /* every SM after the scores (no candidate lists, so no slow */
                                /* rows); 0 (default): the candidates, tau and values        */
                                /* launches (the fused kernel measured slower so far)        */
+    int32_t overlap_launches;  /* 1: each kernel of a step may be launched while the one    */
+                               /* before it still runs (programmatic dependent launch, sm_90 */
+                               /* and later; every kernel waits for its predecessor before  */
+                               /* its first memory access, so results are the same bits);   */
+                               /* 0 (default): each launch after the previous one ends      */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

@@ -109,7 +109,8 @@ class CudaPlanParams(ctypes.Structure):
                 ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
                 ("page_size", c_int32), ("max_pages_per_seq", c_int64),
                 ("max_candidates", c_int64), ("tensor_cores", c_int32),
-                ("screen_list_bytes", c_int64), ("fused_attend", c_int32)]
+                ("screen_list_bytes", c_int64), ("fused_attend", c_int32),
+                ("overlap_launches", c_int32)]
 
 
 class CudaReport(ctypes.Structure):

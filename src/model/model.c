@@ -41,6 +41,7 @@ ekv_model_params ekv_model_default_params(void) {
     p.prefill_compact = 0;
     p.decode_candidates = 0;
     p.fused_attend = 0;
+    p.overlap_launches = 0;
     return p;
 }
 
@@ -432,6 +433,9 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (p.fused_attend != 0 && p.fused_attend != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
                         (int)p.fused_attend);
+    if (p.overlap_launches != 0 && p.overlap_launches != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "overlap_launches=%d must be 0 or 1",
+                        (int)p.overlap_launches);
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
                         (long long)p.prefill_chunk);

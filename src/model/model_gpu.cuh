@@ -90,6 +90,12 @@ struct model_gpu {
     uint64_t graph_clock;           /* decode steps through the cache: its recency */
 };
 
+/* Where the model's own kernels go: its stream, overlapped as the plan's launches are
+ * (ekv_model_params.overlap_launches, common/overlap.cuh). */
+static inline ekv_launch_stream gpu_on(const model_gpu *g) {
+    return ekv_launch_stream{g->stream, g->plan ? g->plan->p.overlap_launches : 0};
+}
+
 /* What one forward block runs: T tokens of sequence seq from its position pos0 (batch 0), or
  * one token of each of T sequences, g->bseqs on the device (batch 1). */
 struct gpu_block {

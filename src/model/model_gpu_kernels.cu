@@ -11,6 +11,7 @@
 namespace {
 
 __global__ void embed_kernel(const float *emb, const int32_t *tok, int64_t d, float *x) {
+    ekv_grid_begin();
     const int64_t t = blockIdx.x;
     const float *row = emb + (int64_t)tok[t] * d;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = row[i];
@@ -28,6 +29,7 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
 
 /* one block per row: out = x * (1/sqrt(mean(x^2) + eps)) * w, as model.c's rmsnorm */
 __global__ void rmsnorm_kernel(const float *x, const float *w, float *out, int64_t d, double eps) {
+    ekv_grid_begin();
     __shared__ double part[32];
     const float *r = x + (int64_t)blockIdx.x * d;
     double ss = 0;
@@ -48,6 +50,7 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *out, int64
 
 /* out[t][f] = silu(gate) * up with gate = h13[t][f], up = h13[t][F + f] (one GEMM's rows). */
 __global__ void swiglu_kernel(const float *h13, int64_t T, int64_t F, float *out) {
+    ekv_grid_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T * F;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = i / F, f = i - t * F;
@@ -71,6 +74,7 @@ struct tables_args {
  * at position pos[seq] + t (pages 0 .. (pos + t) / ps of the sequence). Batch: row b's token
  * goes to sequence bseqs[b] at its position, whose view is the whole sequence after it. */
 __global__ void block_tables_kernel(tables_args A) {
+    ekv_grid_begin();
     if (A.batch) {
         A.indptr[0] = 0;
         for (int64_t b = 0; b < A.T; b++) {
@@ -103,6 +107,7 @@ __global__ void block_tables_kernel(tables_args A) {
 
 /* view blockIdx.y lists its sequence's physical pages vbase .. vbase + np - 1 */
 __global__ void view_pages_kernel(const int64_t *indptr, const int32_t *vbase, int32_t *indices) {
+    ekv_grid_begin();
     const int64_t t = blockIdx.y, first = indptr[t], np = indptr[t + 1] - first;
     for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < np;
          p += (int64_t)gridDim.x * blockDim.x)
@@ -112,6 +117,7 @@ __global__ void view_pages_kernel(const int64_t *indptr, const int32_t *vbase, i
 /* one sequence: pos[seq] += T; batch (bseqs distinct): pos[bseqs[b]] += 1 for each row */
 __global__ void advance_kernel(int64_t *pos, const int32_t *bseqs, int32_t seq, int64_t T,
                                int batch) {
+    ekv_grid_begin();
     if (!batch) {
         if (threadIdx.x == 0) pos[seq] += T;
         return;
@@ -206,6 +212,7 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
 }
 
 __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args A) {
+    ekv_grid_begin();
     extern __shared__ float4 xs[]; /* [LIN_TOKENS][cols / 4] */
     __shared__ float f[LIN_TOKENS]; /* the staged tokens' RMSNorm factors */
     const int lane = threadIdx.x & 31;
@@ -253,6 +260,7 @@ __device__ __forceinline__ float4 token_input4(const linear_args &A, int64_t c, 
  * computes the token's factor itself (the same expression). At T = 1 the staged kernel took ~6
  * us a launch under ncu, 33 launches a step (bench/RESULTS.md, "The model's fixed cost"). */
 __global__ void __launch_bounds__(32 * LIN_WARPS) linear_row1_kernel(linear_args A) {
+    ekv_grid_begin();
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
     if (r >= A.rows) return; /* a whole warp: no barrier in this kernel */
@@ -268,14 +276,14 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_row1_kernel(linear_args
 } // namespace
 
 ekv_status gpu_embed(model_gpu *g, int64_t T, int64_t d) {
-    embed_kernel<<<(unsigned)T, 256, 0, g->stream>>>(g->tok_emb, g->tokens, d, g->x);
+    ekv_launch(gpu_on(g), embed_kernel, (unsigned)T, 256, 0, g->tok_emb, g->tokens, d, g->x);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }
 
 static ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, float *out,
                               int64_t T, int64_t d, double eps) {
-    rmsnorm_kernel<<<(unsigned)T, 256, 0, g->stream>>>(x, w, out, d, eps);
+    ekv_launch(gpu_on(g), rmsnorm_kernel, (unsigned)T, 256, 0, x, w, out, d, eps);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }
@@ -283,8 +291,8 @@ static ekv_status gpu_rmsnorm(model_gpu *g, const float *x, const float *w, floa
 static ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t F,
                              float *out) {
     const int64_t blocks = (T * F + 255) / 256;
-    swiglu_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->stream>>>(h13, T, F,
-                                                                                    out);
+    const unsigned grid = (unsigned)(blocks < 4096 ? blocks : 4096);
+    ekv_launch(gpu_on(g), swiglu_kernel, grid, 256, 0, h13, T, F, out);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }
@@ -303,9 +311,9 @@ ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
         const size_t smem = (size_t)LIN_TOKENS * (size_t)cols * 4;
         const unsigned blocks = (unsigned)((rows + LIN_WARPS - 1) / LIN_WARPS);
         if (T == 1)
-            linear_row1_kernel<<<blocks, 32 * LIN_WARPS, 0, g->stream>>>(A);
+            ekv_launch(gpu_on(g), linear_row1_kernel, blocks, 32 * LIN_WARPS, 0, A);
         else
-            linear_rows_kernel<<<blocks, 32 * LIN_WARPS, smem, g->stream>>>(A);
+            ekv_launch(gpu_on(g), linear_rows_kernel, blocks, 32 * LIN_WARPS, smem, A);
         GPU_LAUNCHED(g);
         return EKV_OK;
     }
@@ -330,19 +338,19 @@ ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_
                             int views) {
     const tables_args A = {g->pos, g->bseqs, b->seq,   b->T,      ps,          g->pages, n_items,
                            views,  b->batch, g->items, g->indptr, g->last_len, g->vbase};
-    block_tables_kernel<<<1, 1, 0, g->stream>>>(A);
+    ekv_launch(gpu_on(g), block_tables_kernel, 1, 1, 0, A);
     GPU_LAUNCHED(g);
     if (views) {
         const int64_t bx = (g->pages + 255) / 256;
-        view_pages_kernel<<<dim3((unsigned)(bx < 1024 ? bx : 1024), (unsigned)b->T), 256, 0,
-                            g->stream>>>(g->indptr, g->vbase, g->indices);
+        const dim3 grid((unsigned)(bx < 1024 ? bx : 1024), (unsigned)b->T);
+        ekv_launch(gpu_on(g), view_pages_kernel, grid, 256, 0, g->indptr, g->vbase, g->indices);
         GPU_LAUNCHED(g);
     }
     return EKV_OK;
 }
 
 ekv_status gpu_advance(model_gpu *g, const gpu_block *b) {
-    advance_kernel<<<1, 256, 0, g->stream>>>(g->pos, g->bseqs, b->seq, b->T, b->batch);
+    ekv_launch(gpu_on(g), advance_kernel, 1, 256, 0, g->pos, g->bseqs, b->seq, b->T, b->batch);
     GPU_LAUNCHED(g);
     return EKV_OK;
 }

@@ -1112,6 +1112,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     pp.page_size = ps;
     pp.max_pages_per_seq = maxP;
     pp.fused_attend = 1; /* dense through the fused attend where it applies (fused_expected) */
+    /* every other case's launches overlapped (common/overlap.cuh): the same checks hold */
+    pp.overlap_launches = (int32_t)(g_cases_run % 2);
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     if (!plan) goto out;
@@ -1592,10 +1594,26 @@ out:
     ekv_cache_free(cache);
 }
 
+/* The edges of a captured graph that let a kernel start before the one it depends on ends
+ * (programmatic dependent launch: ekv_cuda_plan_params.overlap_launches). */
+static size_t programmatic_edges(cudaGraph_t graph) {
+    size_t n = 0, found = 0;
+    if (cudaGraphGetEdges(graph, NULL, NULL, NULL, &n) != cudaSuccess || n == 0) return 0;
+    cudaGraphNode_t *from = malloc(n * sizeof *from), *to = malloc(n * sizeof *to);
+    cudaGraphEdgeData *data = malloc(n * sizeof *data);
+    if (cudaGraphGetEdges(graph, from, to, data, &n) == cudaSuccess)
+        for (size_t i = 0; i < n; i++) found += data[i].type == cudaGraphDependencyTypeProgrammatic;
+    free(from);
+    free(to);
+    free(data);
+    return found;
+}
+
 /* A CUDA graph of the step, replayed after the sequences grew, equals the eager step.
  * method: 0 topk, 1 certified, 2 screened (a cache with 4-bit key codes), 3 dense through the
- * fused attend (a cooperative launch in the graph). */
-static void graph_test(ekv_context *ctx, int method) {
+ * fused attend (a cooperative launch in the graph); overlap: the plan's overlap_launches (the
+ * graph's edges programmatic). */
+static void graph_test(ekv_context *ctx, int method, int overlap) {
     test_rng r = {99 + method};
     const int certified = method == 1;
     const int D = 128, Hk = 2, G = 4, H = Hk * G, ps = 16, B = 2;
@@ -1628,6 +1646,7 @@ static void graph_test(ekv_context *ctx, int method) {
     pp.max_pages_per_seq = maxP;
     pp.stream = st;
     pp.fused_attend = method == 3;
+    pp.overlap_launches = overlap;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     const int64_t nq = (int64_t)B * H * D;
@@ -1649,6 +1668,11 @@ static void graph_test(ekv_context *ctx, int method) {
                              : ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout);
     CHECK(s == EKV_OK, "captured step: %s", ekv_last_error(ctx));
     CU(cudaStreamEndCapture(st, &graph));
+    int major = 0;
+    CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    if (overlap && major >= 9) /* the launches were overlapped, not silently plain */
+        CHECK(programmatic_edges(graph) > 0, "graph (method %d): no programmatic edge with "
+              "overlap_launches", method);
     CU(cudaGraphInstantiate(&exec, graph, 0));
     for (int round = 0; round < 2; round++) {
         if (round == 1) { /* the sequences grow; the same device buffers get the new table */
@@ -1674,8 +1698,8 @@ static void graph_test(ekv_context *ctx, int method) {
         CU(cudaStreamSynchronize(st));
         CU(cudaMemcpy(eager, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
         const double e = test_head_rel_err(replay, eager, (int64_t)B * H, D, 1e-6);
-        CHECK(e < 1e-6, "graph replay (round %d, method %d) differs from eager: %.3g", round,
-              method, e);
+        CHECK(e < 1e-6, "graph replay (round %d, method %d, overlap %d) differs from eager: %.3g",
+              round, method, overlap, e);
         if (method) { /* and both equal dense entmax at the new lengths */
             float *ref = malloc(sizeof(float) * nq);
             ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
@@ -1685,7 +1709,8 @@ static void graph_test(ekv_context *ctx, int method) {
         }
     }
     static const char *names[] = {"topk", "certified", "screened", "dense, fused attend"};
-    printf("graph replay (%s) checked at two lengths\n", names[method]);
+    printf("graph replay (%s%s) checked at two lengths\n", names[method],
+           overlap ? ", overlapped launches" : "");
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     ekv_cuda_plan_free(plan);
@@ -1722,6 +1747,11 @@ static void invalid_test(ekv_context *ctx) {
                   strstr(ekv_last_error(ctx), "fused_attend"),
           "fused_attend 2");
     pp.fused_attend = 0;
+    pp.overlap_launches = 2;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
+                  strstr(ekv_last_error(ctx), "overlap_launches"),
+          "overlap_launches 2");
+    pp.overlap_launches = 0;
     pp.tensor_cores = 2;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
                   strstr(ekv_last_error(ctx), "tensor_cores"),
@@ -2581,10 +2611,8 @@ int main(void) {
         run_case(ctx, &c, (uint64_t)(100 + i));
     }
     if (n < max_cases) {
-        graph_test(ctx, 0);
-        graph_test(ctx, 1);
-        graph_test(ctx, 2);
-        graph_test(ctx, 3);
+        for (int overlap = 0; overlap < 2; overlap++)
+            for (int method = 0; method < 4; method++) graph_test(ctx, method, overlap);
     }
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);

@@ -92,10 +92,15 @@ typedef struct {
     const char *path; /* NULL: the shipped model */
 } mcase;
 
+/* CUDA models loaded so far: every other one overlaps its launches (overlap_launches), so each
+ * check runs both ways and every comparison with the CPU covers the overlapped steps too. */
+static int g_cuda_loads = 0;
+
 /* The model of a case on a backend: the case's fields over p, whose prefill kernel and list
  * sizes (prefill_candidates, prefill_compact, decode_candidates) are the caller's. */
 static ekv_model *load_params(ekv_context *ctx, const mcase *c, ekv_backend be,
                               ekv_model_params p) {
+    if (be == EKV_BACKEND_CUDA) p.overlap_launches = g_cuda_loads++ % 2;
     p.max_tokens = c->prefill + DECODE + MORE + 8;
     p.method = c->method;
     p.kv_dtype = c->kv;
@@ -303,6 +308,7 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
     p.backend = EKV_BACKEND_CUDA;
     p.prefill_chunk = 128;
     p.max_seqs = NSEQ;
+    p.overlap_launches = g_cuda_loads++ % 2; /* as load_params alternates */
     ekv_model *gpu = NULL;
     CHECK(!ekv_model_load(ctx, MODEL, &p, &gpu), "load max_seqs %d: %s", NSEQ, ekv_last_error(ctx));
     float *lg = malloc(sizeof(float) * (size_t)(457 * V)),

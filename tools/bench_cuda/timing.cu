@@ -94,6 +94,7 @@ ekv_cuda_plan_params cuda_plan_params(const bench_opts *o, const cuda_len *c) {
     pp.max_pages_per_seq = c->maxP;
     pp.tensor_cores = o->tensor_cores;
     pp.fused_attend = o->fused_attend;
+    pp.overlap_launches = o->overlap_launches;
     return pp;
 }
 

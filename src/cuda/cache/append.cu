@@ -94,6 +94,7 @@ __device__ __forceinline__ bool item_ok(const ekv_cuda_append_item &it, int64_t 
 
 template <typename T>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) append_kernel(append_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     const ekv_cuda_append_item it = A.items[blockIdx.x];
     const int kvh = blockIdx.y, D = A.D;
@@ -187,6 +188,7 @@ struct superpage_args {
 };
 
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) superpage_kernel(superpage_args A) {
+    ekv_grid_begin();
     const ekv_cuda_append_item it = A.items[blockIdx.x];
     if (!item_ok(it, A.num_pages, A.ps)) return;
     const int64_t sid = it.page / A.S, p0 = sid * A.S,
@@ -216,7 +218,7 @@ ekv_status launch_superpages(ekv_cuda_plan *pl, const ekv_paged_kv *kv, const ek
     S.HD = kv->num_kv_heads * kv->head_dim;
     S.S = st->superpage_pages;
     S.ps = kv->page_size;
-    superpage_kernel<<<n_items, EKV_CUDA_THREADS, 0, pl->stream>>>(S);
+    ekv_launch(ekv_plan_stream(pl), superpage_kernel, n_items, EKV_CUDA_THREADS, 0, S);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "superpage kernel: %s", cudaGetErrorString(e));
@@ -287,11 +289,15 @@ extern "C" ekv_status ekv_cuda_append(ekv_cuda_plan *pl, const ekv_paged_kv *kv,
     A.ps = kv->page_size;
     dim3 grid(n_items, A.Hk);
     switch (kv->dtype) {
-    case EKV_DTYPE_F16: append_kernel<__half><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
-    case EKV_DTYPE_BF16:
-        append_kernel<__nv_bfloat16><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A);
+    case EKV_DTYPE_F16:
+        ekv_launch(ekv_plan_stream(pl), append_kernel<__half>, grid, EKV_CUDA_THREADS, 0, A);
         break;
-    case EKV_DTYPE_F32: append_kernel<float><<<grid, EKV_CUDA_THREADS, 0, pl->stream>>>(A); break;
+    case EKV_DTYPE_BF16:
+        ekv_launch(ekv_plan_stream(pl), append_kernel<__nv_bfloat16>, grid, EKV_CUDA_THREADS, 0, A);
+        break;
+    case EKV_DTYPE_F32:
+        ekv_launch(ekv_plan_stream(pl), append_kernel<float>, grid, EKV_CUDA_THREADS, 0, A);
+        break;
     default:
         return ekv_fail(pl->ctx, EKV_ERR_INVALID_DTYPE, "ekv_cuda_append: unknown dtype %d",
                         (int)kv->dtype);

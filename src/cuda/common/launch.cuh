@@ -4,6 +4,7 @@
  * templated on the storage type, the head dim or the GQA group is launched through.
  */
 #pragma once
+#include "overlap.cuh"
 #include "sizes.cuh"
 #include "entmaxkv.h"
 #include <cuda_bf16.h>

@@ -156,12 +156,18 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
     s.cap_tokens = pl->cap_tokens;
 }
 
-/* kernel<<<grid, threads, smem, the plan's stream>>>(A) and its check (EKV_CUDA_LAUNCHED): the
- * tail of every launcher whose last act is one launch. */
+/* The plan's stream and its overlap_launches, where every launch of its steps goes
+ * (common/overlap.cuh). */
+inline ekv_launch_stream ekv_plan_stream(const ekv_cuda_plan *pl) {
+    return ekv_launch_stream{pl->stream, pl->p.overlap_launches};
+}
+
+/* kernel<<<grid, threads, smem, the plan's stream>>>(A) (ekv_launch) and its check
+ * (EKV_CUDA_LAUNCHED): the tail of every launcher whose last act is one launch. */
 template <typename Args>
 inline ekv_status ekv_cuda_launch(ekv_cuda_plan *pl, void (*kernel)(Args), dim3 grid, int threads,
                                   size_t smem, const Args &A) {
-    kernel<<<grid, threads, smem, pl->stream>>>(A);
+    ekv_launch(ekv_plan_stream(pl), kernel, grid, threads, smem, A);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

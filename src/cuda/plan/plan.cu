@@ -153,6 +153,9 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
     if (p->fused_attend != 0 && p->fused_attend != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
                         p->fused_attend);
+    if (p->overlap_launches != 0 && p->overlap_launches != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "overlap_launches=%d must be 0 or 1",
+                        p->overlap_launches);
     return EKV_OK;
 }
 

@@ -167,6 +167,7 @@ struct finish_args {
 
 /* block (t, h): tau = M + (tau - M) of row (t, h), and out converted from fp32 (TO). */
 template <typename TO> __global__ void finish_kernel(finish_args F) {
+    ekv_grid_begin();
     const int64_t t = blockIdx.x, h = blockIdx.y;
     const int64_t row = (h / F.G) * F.R + t * F.G + h % F.G;
     if (threadIdx.x == 0) F.tau[t * F.H + h] = (double)F.m[row] + F.trel[row];

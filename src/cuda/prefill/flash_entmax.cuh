@@ -39,6 +39,7 @@ namespace {
 
 /* dst[i] = src[i] as fp32 (T: the source's storage type), a grid-stride loop. */
 template <typename T> __global__ void flash_to_f32_kernel(const T *src, float *dst, int64_t n) {
+    ekv_grid_begin();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = ekv_elem<T>::to(src[i]);

@@ -20,6 +20,7 @@ namespace {
 /* x = src[i] as BWD_SPLIT_PARTS parts of T at dst[p n + i] (x_1 = rn(x), x_{k+1} = rn of what
  * the earlier parts left), a grid-stride loop. */
 template <typename TS, typename T> __global__ void split_kernel(const TS *src, T *dst, int64_t n) {
+    ekv_grid_begin();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float x = ekv_elem<TS>::to(src[i]);

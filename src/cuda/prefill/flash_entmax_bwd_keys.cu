@@ -120,6 +120,7 @@ __device__ __forceinline__ void keys_store(const bwd_args &A, int64_t b, int64_t
 template <typename T, int D, int NP>
 /* D 64: 3 blocks an SM (168 registers, 16 bytes spilled, against 196 and 2 blocks unbounded) */
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(128) unsigned char smem[];
     typedef keys_layout<D, NP> L;
     const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_
 template <typename T>
 __global__ void keys_sum_kernel(const float *dk_part, const float *dv_part, T *dk, T *dv,
                                 int splits, int64_t n) {
+    ekv_grid_begin();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float x = 0.f, y = 0.f;

@@ -129,6 +129,7 @@ __device__ __forceinline__ void store_as(void *p, int dt, int64_t i, float x) {
 /* Block (row block + B blocks..., KV head): its 64 rows' sums, then their dq. */
 template <typename T, int D, int NP>
 __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr int PART = BWD_ROW_BLOCK * D * 2;
     unsigned char *qs = smem, *gs = smem + NP * PART, *stages = gs + NP * PART;

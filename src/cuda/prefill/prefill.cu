@@ -76,6 +76,7 @@ __device__ double row_tau(const Z &z, float *zrow, int64_t n, float M, double al
  * read three times and never written: max, candidates, P. */
 template <typename T>
 __global__ void __launch_bounds__(ROW_THREADS) row_entmax_kernel(prefill_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
     __shared__ float cand[ROW_CANDS];
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(ROW_THREADS) row_entmax_kernel(prefill_args A)
 /* att [T][H][D] = obuf [Hk][T*G][D] / sum p of the row (the exact paths divide by the
  * computed sum, docs/math.md §0) */
 __global__ void gather_heads_kernel(prefill_args A) {
+    ekv_grid_begin();
     const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, row = g * A.R + t * A.G + h % A.G;
     const float f = A.rinv[row];
     for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x)

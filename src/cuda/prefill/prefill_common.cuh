@@ -37,6 +37,7 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
 
 /* block (t, h): q'[t][h] split into parts, shifted by 2^s for f16 (docs/math.md §12) */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
+    ekv_grid_begin();
     __shared__ float scratch[32];
     const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, r = t * A.G + h % A.G;
     const float *q = A.q + (t * A.H + h) * A.D;

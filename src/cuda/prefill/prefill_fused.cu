@@ -283,6 +283,7 @@ template <int MODE> constexpr int fused_min_blocks() { return MODE == PF_OUT ? 2
 
 template <typename T, int D, int NP, int MODE>
 __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_kernel(fused_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
                      : MODE == PF_NEWTON ? ROW_NEWTON
@@ -304,6 +305,7 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_ke
  * block per row spent its time in barriers (ncu: as long as a sweep). The candidates are staged
  * in the warp's shared memory when they fit, else read from the buffer. Warp-uniform exits. */
 __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A) {
+    ekv_grid_begin();
     __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;
@@ -342,6 +344,7 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
  * split into parts as the sweep's tensor cores need. Warp-uniform exits. */
 template <typename T, int D>
 __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
+    ekv_grid_begin();
     constexpr int NPAIR = D / 64;
     typedef typename ekv_pair_of<T>::type T2;
     const int lane = threadIdx.x & 31;
@@ -385,6 +388,7 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
 
 /* Every row of the block to state v (softmax: ROW_NEWTON, no candidate rounds). */
 __global__ void set_rows_kernel(int32_t *state, int64_t rows, int32_t v) {
+    ekv_grid_begin();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < rows) state[i] = v;
 }

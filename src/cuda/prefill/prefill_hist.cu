@@ -193,6 +193,7 @@ template <int D, int NP> constexpr size_t hist_smem_bytes() {
  * candidate pass (prefill_fused.cu, fused_min_blocks). */
 template <typename T, int D, int NP, int MODE>
 __global__ void __launch_bounds__(PF_THREADS, 3) hist_kernel(fused_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const pf_lane L = lane_rows(A, MODE == HIST_COUNT ? -1 : ROW_LIST);
     if (!__syncthreads_or(L.on[0] || L.on[1])) return;
@@ -211,6 +212,7 @@ __global__ void __launch_bounds__(PF_THREADS, 3) hist_kernel(fused_args A) {
  * scan of their n_lb, so a slice is exactly its row's size (no overflow, no retry); the other
  * rows, and those past the pool, to the Newton list. */
 __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args A) {
+    ekv_grid_begin();
     __shared__ long long wsum[32];
     const int64_t rows = A.Hk * A.R, per = (rows + blockDim.x - 1) / blockDim.x;
     const int64_t i0 = min((int64_t)threadIdx.x * per, rows), i1 = min(i0 + per, rows);
@@ -241,6 +243,7 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args
  * it goes to the Newton passes, counted (tests where every row fits a list require none).
  * Warp-uniform exits. */
 __global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) {
+    ekv_grid_begin();
     __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (PF_TAU_THREADS / 32) + warp;

@@ -181,6 +181,7 @@ enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 }; /* 2 (no spills, 8 warps) meas
 
 template <int GM, int BITS, int RB, int RT>
 __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_kernel(screen_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) float smem[]; /* q' [G][D] */
     const ekv_split sp = ekv_block_split(A.t, A.sbase, A.sbase * A.t.batch);
     if (sp.b < 0) return;
@@ -338,6 +339,7 @@ constexpr int screen_min_blocks(int GM) { return GM <= 4 ? 4 : GM <= 8 ? 2 : 1; 
 template <int GM, int BITS>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, screen_min_blocks(GM))
         screen_kernel(screen_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) float smem[]; /* q' [G][D], then a w' tile [D][GM] per warp */
     const ekv_split sp = ekv_block_split(A.t, A.sbase, A.sbase * A.t.batch);
     if (sp.b < 0) return;
@@ -390,6 +392,7 @@ template <int MODE> __device__ __forceinline__ double retry_pow(double x, double
 /* grid (chunk of RETRY_CHUNK kept entries, query head); every term is >= 0, so the atomic sums
  * are within a relative 2^-30 of F at these sizes (retry_cut asks for F > 1 + 1e-6). */
 template <int MODE> __global__ void __launch_bounds__(RETRY_THREADS) retry_kernel(retry_args A) {
+    ekv_grid_begin();
     __shared__ double part[EKV_SCREEN_GRID];
     const int64_t row = blockIdx.y;
     if (A.scount[row] <= A.scap) return; /* block-uniform */
@@ -430,34 +433,34 @@ int screen_warps(int G, int D, int GM) {
 }
 
 template <int GM, int BITS>
-cudaError_t launch_generic(const screen_args &A, int gx, int rows, cudaStream_t s) {
+cudaError_t launch_generic(const screen_args &A, int gx, int rows, const ekv_launch_stream &s) {
     const int nw = screen_warps(A.G, A.D, GM);
     const size_t sm = (size_t)A.G * A.D * 4 + (size_t)nw * A.D * GM * 4;
     const cudaError_t e = ekv_cuda_allow_smem<screen_kernel<GM, BITS>>(sm);
     if (e != cudaSuccess) return e;
     screen_args B = A;
     B.sbase = gx;
-    screen_kernel<GM, BITS>
-            <<<dim3(ekv_cuda_split_grid(gx, A.t.batch), rows / A.t.batch), nw * 32, sm, s>>>(B);
+    ekv_launch(s, screen_kernel<GM, BITS>,
+               dim3(ekv_cuda_split_grid(gx, A.t.batch), rows / A.t.batch), nw * 32, sm, B);
     return cudaGetLastError();
 }
 
 template <int GM, int BITS, int RB, int RT>
-cudaError_t launch_fast(const screen_args &A, int sms, int rows, cudaStream_t s) {
+cudaError_t launch_fast(const screen_args &A, int sms, int rows, const ekv_launch_stream &s) {
     static int per_sm = 0;
     const size_t sm = (size_t)A.G * A.D * 4;
     screen_args B = A;
     B.sbase = ekv_cuda_one_wave(screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm, rows, sms,
                                 &per_sm);
-    screen_fast_kernel<GM, BITS, RB, RT>
-            <<<dim3(ekv_cuda_split_grid(B.sbase, A.t.batch), rows / A.t.batch), FAST_THREADS, sm,
-               s>>>(B);
+    ekv_launch(s, screen_fast_kernel<GM, BITS, RB, RT>,
+               dim3(ekv_cuda_split_grid(B.sbase, A.t.batch), rows / A.t.batch), FAST_THREADS, sm,
+               B);
     return cudaGetLastError();
 }
 
 /* The fast kernel for these bits and ranges (RT): its tile by the group and the row count. */
 template <int BITS, int RT>
-cudaError_t launch_fast_b(const screen_args &A, int sms, int rows, cudaStream_t s) {
+cudaError_t launch_fast_b(const screen_args &A, int sms, int rows, const ekv_launch_stream &s) {
     const bool rb8 = A.D * BITS / 8 % 64 == 0;
     if (A.G == 1)
         return rb8 ? launch_fast<1, BITS, 8, RT>(A, sms, rows, s)
@@ -470,7 +473,7 @@ cudaError_t launch_fast_b(const screen_args &A, int sms, int rows, cudaStream_t 
 
 template <int BITS>
 cudaError_t launch_screen_b(const screen_args &A, int kind, int gx, int sms, int rows,
-                            cudaStream_t s) {
+                            const ekv_launch_stream &s) {
     if (kind == EKV_SCREEN_MMA) return ekv_cuda_screen_mma(A, BITS, sms, rows, s);
     if (kind == EKV_SCREEN_FAST)
         return ekv_cuda_with_ranges(A.rng, [&](auto rt) {
@@ -509,11 +512,11 @@ ekv_status launch_retry_sums(ekv_cuda_plan *pl, const ekv_decode_params *prm, in
     const dim3 grid((unsigned)((pl->scap + RETRY_CHUNK - 1) / RETRY_CHUNK),
                     (unsigned)(batch * pl->p.num_heads));
     if (R.mode == 0)
-        retry_kernel<0><<<grid, RETRY_THREADS, 0, pl->stream>>>(R);
+        ekv_launch(ekv_plan_stream(pl), retry_kernel<0>, grid, RETRY_THREADS, 0, R);
     else if (R.mode == 1)
-        retry_kernel<1><<<grid, RETRY_THREADS, 0, pl->stream>>>(R);
+        ekv_launch(ekv_plan_stream(pl), retry_kernel<1>, grid, RETRY_THREADS, 0, R);
     else
-        retry_kernel<2><<<grid, RETRY_THREADS, 0, pl->stream>>>(R);
+        ekv_launch(ekv_plan_stream(pl), retry_kernel<2>, grid, RETRY_THREADS, 0, R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
@@ -525,8 +528,8 @@ ekv_status launch_screen_pass(ekv_cuda_plan *pl, const screen_args &A, int code_
     pl->last_screen_kind = kind;
     const int base = 2 * ekv_cuda_step_splits(pl, batch).scores;
     const cudaError_t e =
-            code_bits == 8 ? launch_screen_b<8>(A, kind, base, sms, rows, pl->stream)
-                           : launch_screen_b<4>(A, kind, base, sms, rows, pl->stream);
+            code_bits == 8 ? launch_screen_b<8>(A, kind, base, sms, rows, ekv_plan_stream(pl))
+                           : launch_screen_b<4>(A, kind, base, sms, rows, ekv_plan_stream(pl));
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen kernel: %s", cudaGetErrorString(e));
     pl->launches++;

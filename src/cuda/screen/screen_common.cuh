@@ -190,4 +190,4 @@ enum { EKV_SCREEN_GENERIC = 0, EKV_SCREEN_FAST = 1, EKV_SCREEN_MMA = 2 };
  * D and page size ps, and its launch (one pass, the first or the retry). */
 bool ekv_cuda_screen_mma_applies(int G, int D, int ps);
 cudaError_t ekv_cuda_screen_mma(const screen_args &A, int code_bits, int sms, int rows,
-                                cudaStream_t s);
+                                const ekv_launch_stream &s);

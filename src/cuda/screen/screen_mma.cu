@@ -302,6 +302,7 @@ __device__ __forceinline__ void smma_page(const screen_args &A, const float *qs,
 
 template <int D, int BITS, int GM>
 __global__ void __launch_bounds__(SMMA_THREADS) screen_mma_kernel(screen_args A) {
+    ekv_grid_begin();
     typedef smma_layout<D, BITS, (GM > 8 ? 2 : 1)> L;
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* q' [G][D], then the warps' */
     const ekv_split sp = ekv_block_split(A.t, A.sbase, A.sbase * A.t.batch);
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(SMMA_THREADS) screen_mma_kernel(screen_args A)
 }
 
 template <int D, int BITS, int GM>
-cudaError_t launch_smma(const screen_args &A, int sms, int rows, cudaStream_t s) {
+cudaError_t launch_smma(const screen_args &A, int sms, int rows, const ekv_launch_stream &s) {
     constexpr auto kernel = screen_mma_kernel<D, BITS, GM>;
     static int per_sm = 0;
     const size_t sm = (size_t)A.G * D * 4 + SMMA_NW * smma_layout<D, BITS, (GM > 8 ? 2 : 1)>::warp;
@@ -355,13 +356,13 @@ cudaError_t launch_smma(const screen_args &A, int sms, int rows, cudaStream_t s)
     if (e != cudaSuccess) return e;
     screen_args B = A; /* splits per row proportional to length (ekv_seq_splits) */
     B.sbase = ekv_cuda_one_wave(kernel, SMMA_THREADS, sm, rows, sms, &per_sm);
-    kernel<<<dim3(ekv_cuda_split_grid(B.sbase, A.t.batch), rows / A.t.batch), SMMA_THREADS, sm,
-             s>>>(B);
+    ekv_launch(s, kernel, dim3(ekv_cuda_split_grid(B.sbase, A.t.batch), rows / A.t.batch),
+               SMMA_THREADS, sm, B);
     return cudaGetLastError();
 }
 
 template <int D, int BITS>
-cudaError_t launch_smma_d(const screen_args &A, int sms, int rows, cudaStream_t s) {
+cudaError_t launch_smma_d(const screen_args &A, int sms, int rows, const ekv_launch_stream &s) {
     return ekv_cuda_with_group(A.G, [&](auto tg) {
         constexpr int GM = decltype(tg)::value;
         if constexpr (GM == 1)
@@ -378,7 +379,7 @@ bool ekv_cuda_screen_mma_applies(int G, int D, int ps) {
 }
 
 cudaError_t ekv_cuda_screen_mma(const screen_args &A, int code_bits, int sms, int rows,
-                                cudaStream_t s) {
+                                const ekv_launch_stream &s) {
     if (A.D == 64)
         return code_bits == 8 ? launch_smma_d<64, 8>(A, sms, rows, s)
                               : launch_smma_d<64, 4>(A, sms, rows, s);

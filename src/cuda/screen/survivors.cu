@@ -91,6 +91,7 @@ __device__ void count_finish(const taul_args &A, int64_t row, float M, unsigned 
 }
 
 __global__ void __launch_bounds__(SPLIT_THREADS) count_kernel(taul_args A) {
+    ekv_grid_begin();
     __shared__ unsigned hist[TAU_HIST_BINS];
     __shared__ float pw[TAU_HIST_BINS];
     __shared__ double scratch[128];
@@ -125,6 +126,7 @@ __device__ double keep_every_token(uint32_t *bits, int64_t N) {
  * the head's short list, one atomic per warp. Their order is free: the solve's sums take any
  * order (the list was filled by atomics before too). */
 __global__ void __launch_bounds__(SPLIT_THREADS) short_kernel(taul_args A) {
+    ekv_grid_begin();
     const int64_t row = blockIdx.y;
     const int64_t n = list_length(A, row);
     const float M = ekv_key_float(A.lkey[row]);
@@ -158,6 +160,7 @@ __device__ double solve_taul(const taul_args &A, int64_t row, int64_t n, float M
 }
 
 __global__ void __launch_bounds__(SOLVE_THREADS) solve_kernel(taul_args A) {
+    ekv_grid_begin();
     extern __shared__ float cand[];
     __shared__ double scratch[128];
     const int64_t row = blockIdx.x;
@@ -188,6 +191,7 @@ __global__ void __launch_bounds__(SOLVE_THREADS) solve_kernel(taul_args A) {
 }
 
 __global__ void __launch_bounds__(SPLIT_THREADS) mark_kernel(taul_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     const int64_t row = blockIdx.y;
     const int64_t n = list_length(A, row);
@@ -233,6 +237,7 @@ __device__ __forceinline__ int64_t chunks_used(int64_t N) {
 }
 
 __global__ void __launch_bounds__(ROWS_THREADS) rows_count_kernel(rows_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     const int row = blockIdx.y;
     const ekv_seq_geom sg = ekv_seq(A.t, row / A.Hk, A.ps);
@@ -252,6 +257,7 @@ __device__ int64_t chunks_before(const rows_args &A, int row, int64_t upto, doub
 }
 
 __global__ void __launch_bounds__(ROWS_THREADS) rows_write_kernel(rows_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     __shared__ int wsum[32];
     const int row = blockIdx.y;

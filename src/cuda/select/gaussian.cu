@@ -46,6 +46,7 @@ struct gm_args : ekv_cuda_shape {
 enum { GM_WARPS = EKV_CUDA_THREADS / 32, GM_PAGES = 128, GR_THREADS = 1024, GR_UNROLL = 8 };
 
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) gauss_moments_kernel(gm_args A) {
+    ekv_grid_begin();
     extern __shared__ float qs[];
     const int row = blockIdx.y, b = row / A.Hk, kvh = row % A.Hk, G = A.G, D = A.D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -202,6 +203,7 @@ __device__ void store_gstat(const gr_args &A, int64_t bh, const double *sums, do
  * global moments by block reductions, tau-hat from the single-Gaussian solver or, with ALiBi,
  * the mixture's (src/math/gaussian_core.h, the CPU's own code). */
 __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     const int64_t bh = blockIdx.x, b = bh / A.H, h = bh % A.H;
     const ekv_seq_geom sg = ekv_seq(A.t, (int)b, A.ps);
@@ -218,6 +220,7 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_stats_kernel(gr_args A) {
  * sums over its own stats pages into red[4 bh ..], and (KV head 0) its pages and tokens of each
  * sequence into red[4 B H + 2 b ..], for one allreduce-sum. One block per (sequence, KV head). */
 __global__ void __launch_bounds__(GR_THREADS) gauss_partial_kernel(gr_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -238,6 +241,7 @@ __global__ void __launch_bounds__(GR_THREADS) gauss_partial_kernel(gr_args A) {
  * pages and tokens summed over the shards (what one device reads from its table). One thread
  * per head. */
 __global__ void gauss_finish_kernel(gr_args A) {
+    ekv_grid_begin();
     const int64_t BH = (int64_t)A.batch * A.H, bh = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (bh >= BH) return;
     const int64_t b = bh / A.H;
@@ -251,6 +255,7 @@ __global__ void gauss_finish_kernel(gr_args A) {
  * tau-hat - a max(margin sigma_g, rho (theta - u_avg)) for a head of the group; then an
  * ordered compaction. */
 __global__ void __launch_bounds__(GR_THREADS) gauss_rule_kernel(gr_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     __shared__ double tfloor[EKV_CUDA_MAX_GROUP];
     __shared__ int wsum[32];
@@ -316,8 +321,8 @@ static void launch_moments(ekv_cuda_plan *pl, const ekv_decode_params *prm, cons
     M.mu = pl->gmu;
     M.sig = pl->gsig;
     dim3 grid((unsigned)((pl->cap_pages + GM_PAGES - 1) / GM_PAGES), batch * M.Hk);
-    gauss_moments_kernel<<<grid, EKV_CUDA_THREADS, (size_t)M.G * M.D * sizeof(float), pl->stream>>>(
-            M);
+    ekv_launch(ekv_plan_stream(pl), gauss_moments_kernel, grid, EKV_CUDA_THREADS,
+               (size_t)M.G * M.D * sizeof(float), M);
 }
 
 /* The stats and rule kernels' arguments. */
@@ -353,9 +358,9 @@ ekv_status ekv_cuda_launch_gaussian(ekv_cuda_plan *pl, const ekv_decode_params *
     launch_moments(pl, prm, kv, st, t, q, batch);
     EKV_CUDA_LAUNCHED(pl);
     const gr_args R = rule_args(pl, prm, sel, t, batch, per_head);
-    gauss_stats_kernel<<<batch * R.H, GR_THREADS, 0, pl->stream>>>(R);
+    ekv_launch(ekv_plan_stream(pl), gauss_stats_kernel, batch * R.H, GR_THREADS, 0, R);
     EKV_CUDA_LAUNCHED(pl);
-    gauss_rule_kernel<<<batch * R.out.lps, GR_THREADS, 0, pl->stream>>>(R);
+    ekv_launch(ekv_plan_stream(pl), gauss_rule_kernel, batch * R.out.lps, GR_THREADS, 0, R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
@@ -370,14 +375,14 @@ ekv_status ekv_cuda_launch_gaussian_shard(ekv_cuda_plan *pl, const ekv_decode_pa
     if (part == 0) {
         launch_moments(pl, prm, kv, st, t, q, batch);
         EKV_CUDA_LAUNCHED(pl);
-        gauss_partial_kernel<<<batch * R.Hk, GR_THREADS, 0, pl->stream>>>(R);
+        ekv_launch(ekv_plan_stream(pl), gauss_partial_kernel, batch * R.Hk, GR_THREADS, 0, R);
         EKV_CUDA_LAUNCHED(pl);
         return EKV_OK;
     }
     const int64_t BH = (int64_t)batch * R.H;
-    gauss_finish_kernel<<<(unsigned)((BH + 127) / 128), 128, 0, pl->stream>>>(R);
+    ekv_launch(ekv_plan_stream(pl), gauss_finish_kernel, (unsigned)((BH + 127) / 128), 128, 0, R);
     EKV_CUDA_LAUNCHED(pl);
-    gauss_rule_kernel<<<batch * R.out.lps, GR_THREADS, 0, pl->stream>>>(R);
+    ekv_launch(ekv_plan_stream(pl), gauss_rule_kernel, batch * R.out.lps, GR_THREADS, 0, R);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

@@ -103,6 +103,7 @@ __device__ __forceinline__ void pick_digit(const int *hist, int remaining, uint3
 }
 
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
+    ekv_grid_begin();
     __shared__ int hist[256];
     __shared__ int wsum[32];
     __shared__ uint32_t s_prefix;
@@ -174,6 +175,7 @@ struct union_args : ekv_cuda_shape {
 };
 
 __global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
+    ekv_grid_begin();
     __shared__ int wsum[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -214,6 +216,7 @@ struct round2_args : ekv_cuda_shape {
  * thread's own run of n / 1024 pages, read twice by a dependent loop, took 34 us of 16K pages
  * on the model's trace at 256K, bench/RESULTS.md). in[] is round 1's membership: left as it is. */
 __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
+    ekv_grid_begin();
     __shared__ int wsum[32];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);

@@ -17,6 +17,7 @@ struct local_args {
 };
 
 __global__ void local_allreduce_kernel(local_args A) {
+    ekv_grid_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < A.n;
          i += (int64_t)gridDim.x * blockDim.x) {
         double r = A.b[0][i];

@@ -60,6 +60,7 @@ __device__ __forceinline__ ekv_topk_agree state_of(const topk_shard_args &A, int
 }
 
 __global__ void __launch_bounds__(TK_THREADS) hist_kernel(topk_shard_args A) {
+    ekv_grid_begin();
     __shared__ int hist[EKV_TOPK_BINS];
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.lps);
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(TK_THREADS) hist_kernel(topk_shard_args A) {
 }
 
 __global__ void update_kernel(topk_shard_args A) {
+    ekv_grid_begin();
     const int64_t row = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (row >= A.lists) return;
     ekv_topk_agree s;
@@ -102,6 +104,7 @@ __global__ void update_kernel(topk_shard_args A) {
 }
 
 __global__ void __launch_bounds__(TK_THREADS) ties_kernel(topk_shard_args A) {
+    ekv_grid_begin();
     __shared__ int count;
     const int64_t row = blockIdx.x;
     const ekv_seq_geom sg = ekv_seq(A.t, (int)(row / A.lps), A.ps);
@@ -121,6 +124,7 @@ __global__ void __launch_bounds__(TK_THREADS) ties_kernel(topk_shard_args A) {
 }
 
 __global__ void __launch_bounds__(TW_THREADS) write_kernel(topk_shard_args A) {
+    ekv_grid_begin();
     __shared__ int wsum[32];
     const int64_t row = blockIdx.x;
     const ekv_seq_geom sg = ekv_seq(A.t, (int)(row / A.lps), A.ps);

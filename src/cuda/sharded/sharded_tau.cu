@@ -94,6 +94,7 @@ __device__ head_scores scores_of(const shard_args &A, int64_t row) {
 }
 
 __global__ void __launch_bounds__(SH_THREADS) summary_kernel(shard_args A) {
+    ekv_grid_begin();
     __shared__ float fscratch[32];
     const int64_t row = blockIdx.x;
     const head_scores s = scores_of(A, row);
@@ -107,11 +108,13 @@ __global__ void __launch_bounds__(SH_THREADS) summary_kernel(shard_args A) {
 }
 
 __global__ void start_kernel(shard_args A, int64_t n) {
+    ekv_grid_begin();
     const int64_t row = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (row < n) ekv_agree_start(&A.state[row], A.red[2 * row], A.red[2 * row + 1]);
 }
 
 __global__ void __launch_bounds__(SH_THREADS) moments_kernel(shard_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     const int64_t row = blockIdx.x;
     const ekv_agree_state st = A.cstate[row];
@@ -128,6 +131,7 @@ __global__ void __launch_bounds__(SH_THREADS) moments_kernel(shard_args A) {
 }
 
 __global__ void update_kernel(shard_args A, int64_t n) {
+    ekv_grid_begin();
     const int64_t row = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (row >= n || A.state[row].done) return;
     if (!ekv_agree_step(&A.state[row], A.red + EKV_AGREE_MOMENTS * row, A.alpha))
@@ -140,6 +144,7 @@ __global__ void update_kernel(shard_args A, int64_t n) {
  * scans the row with tau); for the group-union values kernel its slots are marked in the
  * group's bitmap instead (as the tau kernel's final round marks them, stages/tau.cu). */
 __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     __shared__ int s_n;
     const int64_t row = blockIdx.x;
@@ -190,6 +195,7 @@ __global__ void __launch_bounds__(SH_THREADS) support_kernel(shard_args A) {
 
 /* softmax's merge of log-sum-exps (state[row].lo keeps the max between the phases) */
 __global__ void __launch_bounds__(SH_THREADS) lse_kernel(shard_args A, int phase) {
+    ekv_grid_begin();
     const int64_t row = blockIdx.x;
     const double own = A.tau[row];
     if (phase == 0) {
@@ -211,6 +217,7 @@ __global__ void __launch_bounds__(SH_THREADS) lse_kernel(shard_args A, int phase
 }
 
 __global__ void pack_kernel(shard_args A, int64_t rows, int unpack) {
+    ekv_grid_begin();
     const int64_t W = A.D + 1, n = rows * W;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {

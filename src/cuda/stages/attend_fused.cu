@@ -444,6 +444,7 @@ __device__ void fused_values(const fused_args &A, const fused_block &k, const fl
 /* The kernel: grid (groups x per_group), FUSED_THREADS; D = 8 LPR, groups of G <= GM heads. */
 template <typename T, int LPR, int GM>
 __global__ void __launch_bounds__(FUSED_THREADS) fused_attend_kernel(fused_args A) {
+    ekv_grid_begin();
     constexpr int RED = FUSED_WARPS * GM * 8 * LPR;
     __shared__ __align__(16) float buf[RED > TAU_HIST_BINS ? RED : TAU_HIST_BINS];
     __shared__ double red4[FUSED_WARPS * 4 * GM];

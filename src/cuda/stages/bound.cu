@@ -218,6 +218,7 @@ __device__ __forceinline__ void flush_superpage_counts(const bound_args &A,
 
 template <int GM, int RT> /* compile-time bound of the group size; how the ranges are stored */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
+    ekv_grid_begin();
     extern __shared__ float qs[]; /* [G][D] q' */
     __shared__ double qn[GM], qn1[GM];
     /* one-dimensional grid, the list row fastest: the blocks in flight together read the same
@@ -341,8 +342,8 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
     ekv_cuda_with_group(A.G, [&](auto tg) {
         ekv_cuda_with_ranges(A.rng, [&](auto rt) {
-            bound_kernel<decltype(tg)::value, decltype(rt)::value>
-                    <<<grid, EKV_CUDA_THREADS, sm, pl->stream>>>(A);
+            ekv_launch(ekv_plan_stream(pl), bound_kernel<decltype(tg)::value, decltype(rt)::value>,
+                       grid, EKV_CUDA_THREADS, sm, A);
         });
     });
     EKV_CUDA_LAUNCHED(pl);

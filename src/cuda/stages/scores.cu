@@ -83,6 +83,7 @@ __device__ __forceinline__ void load_qr(const float *qs, int D, int G, float (*q
  * (register tiles), G <= GM at run time. */
 template <typename T, int LPR, int GM>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int NW = EKV_CUDA_THREADS / 32;
     constexpr int RPW = 32 / LPR;                   /* rows per warp pass           */
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_kernel(score_args 
  * stride over its 8-element chunks, loads straight into registers. */
 template <typename T>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) scores_generic_kernel(score_args A) {
+    ekv_grid_begin();
     extern __shared__ float smem[]; /* q' [G][D], then red [nwarps][G] */
     constexpr int GM = EKV_CUDA_MAX_GROUP;
     float *qs = smem;
@@ -287,6 +289,7 @@ __device__ __forceinline__ ekv_seq_geom row_start(const row_args &A, const ekv_s
 
 template <typename T, int LPR, int GM>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) float rsm[]; /* q' [G][D], red [NW][G] */
     constexpr int NW = EKV_CUDA_THREADS / 32, RPW = 32 / LPR, U = 4;
     ekv_split sp;
@@ -350,6 +353,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
 /* Generic head dims: one row per warp pass, as scores_generic_kernel. */
 template <typename T>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(row_args A) {
+    ekv_grid_begin();
     extern __shared__ float rsm[]; /* q' [G][D], then red [nwarps][G] */
     constexpr int GM = EKV_CUDA_MAX_GROUP;
     float *qs = rsm, *red = rsm + A.G * A.D;
@@ -402,22 +406,24 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_generic_kernel(ro
 }
 
 /* The row kernel for T, the head dim's lanes and the group's tile, or the generic one. */
-template <typename T> cudaError_t launch_rows_t(const row_args &A, dim3 grid, cudaStream_t st) {
+template <typename T>
+cudaError_t launch_rows_t(const row_args &A, dim3 grid, const ekv_launch_stream &st) {
     const size_t sm = group_smem_bytes(A.G, A.D);
     ekv_cuda_with_lanes(
             A.D,
             [&](auto lpr) {
                 ekv_cuda_with_group(A.G, [&](auto tg) {
-                    row_scores_kernel<T, decltype(lpr)::value, decltype(tg)::value>
-                            <<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+                    ekv_launch(st, row_scores_kernel<T, decltype(lpr)::value, decltype(tg)::value>,
+                               grid, EKV_CUDA_THREADS, sm, A);
                 });
             },
-            [&] { row_scores_generic_kernel<T><<<grid, EKV_CUDA_THREADS, sm, st>>>(A); });
+            [&] { ekv_launch(st, row_scores_generic_kernel<T>, grid, EKV_CUDA_THREADS, sm, A); });
     return cudaGetLastError();
 }
 
 /* The page kernel for T, the head dim's lanes and the group's tile, or the generic one. */
-template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid, cudaStream_t st) {
+template <typename T>
+cudaError_t launch_scores_t(const score_args &A, dim3 grid, const ekv_launch_stream &st) {
     const size_t sm = score_smem_bytes<T>(A.G, A.D);
     ekv_cuda_with_lanes(
             A.D,
@@ -426,12 +432,12 @@ template <typename T> cudaError_t launch_scores_t(const score_args &A, dim3 grid
                     constexpr auto kernel =
                             scores_kernel<T, decltype(lpr)::value, decltype(tg)::value>;
                     if (ekv_cuda_allow_smem<kernel>(sm) == cudaSuccess)
-                        kernel<<<grid, EKV_CUDA_THREADS, sm, st>>>(A);
+                        ekv_launch(st, kernel, grid, EKV_CUDA_THREADS, sm, A);
                 });
             },
             [&] {
-                scores_generic_kernel<T>
-                        <<<grid, EKV_CUDA_THREADS, group_smem_bytes(A.G, A.D), st>>>(A);
+                ekv_launch(st, scores_generic_kernel<T>, grid, EKV_CUDA_THREADS,
+                           group_smem_bytes(A.G, A.D), A);
             });
     return cudaGetLastError();
 }
@@ -475,9 +481,10 @@ ekv_status ekv_cuda_launch_scores(ekv_cuda_plan *pl, const ekv_decode_params *pr
     set_score_args(A, pl, prm, kv, t, q, batch, use_list, round, masked);
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     if (pl->p.tensor_cores && ekv_cuda_scores_mma_applies(kv->dtype, A.D, A.ps, A.G))
-        return scores_launched(pl, ekv_cuda_scores_mma(A, kv->dtype, grid, pl->stream), "scores");
+        return scores_launched(pl, ekv_cuda_scores_mma(A, kv->dtype, grid, ekv_plan_stream(pl)),
+                               "scores");
     const cudaError_t e = ekv_cuda_with_dtype(kv->dtype, [&](auto ty) {
-        return launch_scores_t<typename decltype(ty)::type>(A, grid, pl->stream);
+        return launch_scores_t<typename decltype(ty)::type>(A, grid, ekv_plan_stream(pl));
     });
     return scores_launched(pl, e, "scores");
 }
@@ -495,7 +502,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     A.cand_slot = pl->cand_slot;
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     const cudaError_t e = ekv_cuda_with_dtype(kv->dtype, [&](auto ty) {
-        return launch_rows_t<typename decltype(ty)::type>(A, grid, pl->stream);
+        return launch_rows_t<typename decltype(ty)::type>(A, grid, ekv_plan_stream(pl));
     });
     return scores_launched(pl, e, "row scores");
 }

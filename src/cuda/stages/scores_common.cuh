@@ -150,4 +150,5 @@ __device__ __forceinline__ int64_t page_block(const score_args &A, const ekv_seq
 /* The tensor-core scores kernel (scores_mma.cu): whether it serves this shape (16-bit K,
  * head dim 64 or 128, page size a multiple of 16, group <= 16), and its launch. */
 bool ekv_cuda_scores_mma_applies(int dtype, int head_dim, int page_size, int group);
-cudaError_t ekv_cuda_scores_mma(const score_args &A, int dtype, dim3 grid, cudaStream_t st);
+cudaError_t ekv_cuda_scores_mma(const score_args &A, int dtype, dim3 grid,
+                                const ekv_launch_stream &st);

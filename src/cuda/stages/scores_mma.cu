@@ -66,6 +66,7 @@ __device__ __forceinline__ void tile_dots(const unsigned char *tile, const T *qp
 
 template <typename T, int D, int NT>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr size_t TB = mma_tile_bytes<D>();
     ekv_split sp;
@@ -139,13 +140,14 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS, 2) scores_mma_kernel(score_a
 }
 
 template <typename T, int D, int NT>
-void launch_mma(const score_args &A, dim3 grid, cudaStream_t st) {
+void launch_mma(const score_args &A, dim3 grid, const ekv_launch_stream &st) {
     constexpr auto kernel = scores_mma_kernel<T, D, NT>;
     if (ekv_cuda_allow_smem<kernel>(scores_smem_bytes<D>()) == cudaSuccess)
-        kernel<<<grid, EKV_CUDA_THREADS, scores_smem_bytes<D>(), st>>>(A);
+        ekv_launch(st, kernel, grid, EKV_CUDA_THREADS, scores_smem_bytes<D>(), A);
 }
 
-template <typename T> void launch_mma_t(const score_args &A, dim3 grid, cudaStream_t st) {
+template <typename T>
+void launch_mma_t(const score_args &A, dim3 grid, const ekv_launch_stream &st) {
     if (A.D == 64)
         A.G <= 8 ? launch_mma<T, 64, 1>(A, grid, st) : launch_mma<T, 64, 2>(A, grid, st);
     else
@@ -159,7 +161,8 @@ bool ekv_cuda_scores_mma_applies(int dtype, int head_dim, int page_size, int gro
            (head_dim == 64 || head_dim == 128) && page_size % MMA_ROWS == 0 && group <= MMA_QROWS;
 }
 
-cudaError_t ekv_cuda_scores_mma(const score_args &A, int dtype, dim3 grid, cudaStream_t st) {
+cudaError_t ekv_cuda_scores_mma(const score_args &A, int dtype, dim3 grid,
+                                const ekv_launch_stream &st) {
     if (dtype == EKV_DTYPE_F16)
         launch_mma_t<__half>(A, grid, st);
     else

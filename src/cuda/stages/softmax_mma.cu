@@ -149,6 +149,7 @@ __device__ __forceinline__ void block_partial(const flash_args &A, flash_state<D
 
 template <typename T, int D>
 __global__ void __launch_bounds__(FL_THREADS, 2) softmax_flash_kernel(flash_args A) {
+    ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr size_t TB = mma_tile_bytes<D>();
     ekv_split sp;
@@ -209,6 +210,7 @@ struct merge_args {
 };
 
 __global__ void __launch_bounds__(128) softmax_merge_kernel(merge_args A) {
+    ekv_grid_begin();
     const int64_t row = blockIdx.x;
     const int PP = A.D + 4, ns = ekv_seq_splits(A.t, (int)(row / A.H), A.nsplit, A.split_cap);
     const float *pr = A.part + row * A.split_cap * PP;
@@ -237,10 +239,11 @@ __global__ void __launch_bounds__(128) softmax_merge_kernel(merge_args A) {
     }
 }
 
-template <typename T, int D> void launch_flash(const flash_args &A, dim3 grid, cudaStream_t st) {
+template <typename T, int D>
+void launch_flash(const flash_args &A, dim3 grid, const ekv_launch_stream &st) {
     constexpr auto kernel = softmax_flash_kernel<T, D>;
     if (ekv_cuda_allow_smem<kernel>(flash_smem_bytes<D>()) == cudaSuccess)
-        kernel<<<grid, FL_THREADS, flash_smem_bytes<D>(), st>>>(A);
+        ekv_launch(st, kernel, grid, FL_THREADS, flash_smem_bytes<D>(), A);
 }
 
 } // namespace
@@ -266,15 +269,15 @@ ekv_status ekv_cuda_launch_softmax_one_pass(ekv_cuda_plan *pl, const ekv_decode_
     A.part = pl->flash_part;
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, batch), A.Hk);
     if (kv->dtype == EKV_DTYPE_F16)
-        A.D == 64 ? launch_flash<__half, 64>(A, grid, pl->stream)
-                  : launch_flash<__half, 128>(A, grid, pl->stream);
+        A.D == 64 ? launch_flash<__half, 64>(A, grid, ekv_plan_stream(pl))
+                  : launch_flash<__half, 128>(A, grid, ekv_plan_stream(pl));
     else
-        A.D == 64 ? launch_flash<__nv_bfloat16, 64>(A, grid, pl->stream)
-                  : launch_flash<__nv_bfloat16, 128>(A, grid, pl->stream);
+        A.D == 64 ? launch_flash<__nv_bfloat16, 64>(A, grid, ekv_plan_stream(pl))
+                  : launch_flash<__nv_bfloat16, 128>(A, grid, ekv_plan_stream(pl));
     EKV_CUDA_LAUNCHED(pl);
     merge_args M = {*t,  pl->flash_part, A.nsplit, pl->split_cap, A.D,        A.H,
                     A.G, A.Hk,           out,        pl->tau,       pl->support, pl->v_rows};
-    softmax_merge_kernel<<<batch * A.H, 128, 0, pl->stream>>>(M);
+    ekv_launch(ekv_plan_stream(pl), softmax_merge_kernel, batch * A.H, 128, 0, M);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }

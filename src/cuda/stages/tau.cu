@@ -101,6 +101,7 @@ enum cand_mode {
 
 template <bool VEC, int MODE>
 __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(cand_args A) {
+    ekv_grid_begin();
     constexpr bool REFINE = MODE == CAND_REFINE;
     __shared__ float fscratch[32];
     __shared__ double scratch[128];
@@ -366,6 +367,7 @@ __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, floa
  * lower bound of tau (compact_list); only when those overflow too does it take the whole
  * score row, the solve starting from that bound. */
 __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
+    ekv_grid_begin();
     extern __shared__ float cand[]; /* A.smem_cand floats (tau_smem_floats) */
     __shared__ double scratch[128];
     __shared__ float fscratch[32];
@@ -462,6 +464,7 @@ template <typename F> __device__ __forceinline__ void scan_row(const float *z, i
 
 /* Softmax: tau = log-sum-exp over the whole row; every token is in the support. */
 __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
+    ekv_grid_begin();
     __shared__ double scratch[32];
     __shared__ float fscratch[32];
     const int64_t row = blockIdx.x;
@@ -499,9 +502,9 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
 template <bool VEC, int FIRST>
 static ekv_status launch_cand_pair(ekv_cuda_plan *pl, const cand_args &C, int batch) {
     const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), C.H);
-    cand_kernel<VEC, FIRST><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    ekv_launch(ekv_plan_stream(pl), cand_kernel<VEC, FIRST>, grid, CAND_THREADS, 0, C);
     EKV_CUDA_LAUNCHED(pl);
-    cand_kernel<VEC, CAND_REFINE><<<grid, CAND_THREADS, 0, pl->stream>>>(C);
+    ekv_launch(ekv_plan_stream(pl), cand_kernel<VEC, CAND_REFINE>, grid, CAND_THREADS, 0, C);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
 }
@@ -598,7 +601,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.slow_paths = pl->slow_paths;
     A.out_zero = out_zero;
     if (prm->alpha == 1.0) {
-        tau_softmax_kernel<<<batch * A.H, 1024, 0, pl->stream>>>(A);
+        ekv_launch(ekv_plan_stream(pl), tau_softmax_kernel, batch * A.H, 1024, 0, A);
         EKV_CUDA_LAUNCHED(pl);
         return EKV_OK;
     }

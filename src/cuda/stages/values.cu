@@ -68,6 +68,7 @@ enum { VAL_THREADS = 256, VAL_WARPS = VAL_THREADS / 32, VAL_U = 4 };
  * RPW = 32 / LPR rows per warp pass, VAL_U passes in flight. */
 template <typename T, int LPR, int VC>
 __global__ void __launch_bounds__(VAL_THREADS) values_support_kernel(value_args A) {
+    ekv_grid_begin();
     __shared__ float red[VAL_WARPS][EKV_CUDA_MAX_DIM];
     constexpr int RPW = 32 / LPR, STEP = RPW * VAL_U;
     ekv_split sp;
@@ -195,6 +196,7 @@ __device__ __forceinline__ void union_out(const value_args &A, float (*acc)[8], 
  * passes in flight. */
 template <typename T, int LPR, int GM, int U>
 __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A) {
+    ekv_grid_begin();
     __shared__ __align__(16) float red[VAL_WARPS * 256]; /* [warps][D], D = 8 LPR <= 256 */
     constexpr int RPW = 32 / LPR;
     ekv_split sp;
@@ -357,6 +359,7 @@ __device__ __forceinline__ void add_dense_out(float *out, int ng, int lane, int 
  * (D <= 128 VD); the accumulators are VCH x VD x 4 registers. */
 template <typename T, int VD>
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_args A) {
+    ekv_grid_begin();
     ekv_split sp;
     if (!value_block(A, &sp)) return;
     const int y = blockIdx.y, gc = y % A.gchunks, b = sp.b, kvh = y / A.gchunks,
@@ -437,27 +440,27 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) values_dense_kernel(value_ar
 }
 /* Softmax values over one wave (A.nsplit: its splits per row of a uniform batch). */
 template <typename T, int VD>
-void launch_dense_values(value_args A, int rows, int sms, cudaStream_t st) {
+void launch_dense_values(value_args A, int rows, int sms, const ekv_launch_stream &st) {
     static int per_sm = 0;
     A.nsplit =
             ekv_cuda_one_wave(values_dense_kernel<T, VD>, EKV_CUDA_THREADS, 0, rows, sms, &per_sm);
     const dim3 grid(ekv_cuda_split_grid(A.nsplit, A.t.batch), rows / A.t.batch);
-    values_dense_kernel<T, VD><<<grid, EKV_CUDA_THREADS, 0, st>>>(A);
+    ekv_launch(st, values_dense_kernel<T, VD>, grid, EKV_CUDA_THREADS, 0, A);
 }
 
 template <typename T, int LPR>
-void launch_union_d(const value_args &A, dim3 grid, cudaStream_t st) {
+void launch_union_d(const value_args &A, dim3 grid, const ekv_launch_stream &st) {
     if (A.G <= 2)
-        values_union_kernel<T, LPR, 2, 4><<<grid, VAL_THREADS, 0, st>>>(A);
+        ekv_launch(st, values_union_kernel<T, LPR, 2, 4>, grid, VAL_THREADS, 0, A);
     else if (A.G <= 4)
-        values_union_kernel<T, LPR, 4, 4><<<grid, VAL_THREADS, 0, st>>>(A);
+        ekv_launch(st, values_union_kernel<T, LPR, 4, 4>, grid, VAL_THREADS, 0, A);
     else
-        values_union_kernel<T, LPR, 8, 2><<<grid, VAL_THREADS, 0, st>>>(A);
+        ekv_launch(st, values_union_kernel<T, LPR, 8, 2>, grid, VAL_THREADS, 0, A);
 }
 
 template <typename T>
 void launch_values_t(value_args A, int softmax, int rows_dense, int sms, int usplit, int vsplit,
-                     cudaStream_t st) {
+                     const ekv_launch_stream &st) {
     if (A.ubits) { /* ekv_cuda_values_union */
         A.nsplit = usplit;
         const dim3 grid(ekv_cuda_split_grid(usplit, A.t.batch), A.Hk);
@@ -480,12 +483,12 @@ void launch_values_t(value_args A, int softmax, int rows_dense, int sms, int usp
     ekv_cuda_with_lanes(
             A.D,
             [&](auto lpr) {
-                values_support_kernel<T, decltype(lpr)::value, 1>
-                        <<<grid_support, VAL_THREADS, 0, st>>>(A);
+                ekv_launch(st, values_support_kernel<T, decltype(lpr)::value, 1>, grid_support,
+                           VAL_THREADS, 0, A);
             },
             [&] {
-                values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256>
-                        <<<grid_support, VAL_THREADS, 0, st>>>(A);
+                ekv_launch(st, values_support_kernel<T, 32, EKV_CUDA_MAX_DIM / 256>, grid_support,
+                           VAL_THREADS, 0, A);
             });
 }
 
@@ -518,7 +521,7 @@ ekv_status ekv_cuda_launch_values_rows(ekv_cuda_plan *pl, const ekv_decode_param
     const ekv_step_splits sp = ekv_cuda_step_splits(pl, batch);
     ekv_cuda_with_dtype(kv->dtype, [&](auto ty) {
         launch_values_t<typename decltype(ty)::type>(A, softmax, rows_dense, pl->sms, sp.unions,
-                                                     sp.values, pl->stream);
+                                                     sp.values, ekv_plan_stream(pl));
     });
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;

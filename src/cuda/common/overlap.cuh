@@ -1,0 +1,57 @@
+/*
+ * Overlapped launches (docs/architecture.md, "Overlapped launches"): a decode step is a chain of
+ * ~10 short kernels a layer, and between two of them the GPU idles while the second is launched
+ * and its blocks ramp up. With Hopper's programmatic dependent launch a kernel may be launched
+ * while the one before it in the stream still runs; its reads must then wait for that kernel's
+ * results. The two halves of that contract are written here, once:
+ *
+ *   device: every kernel of the project begins with ekv_grid_begin() (scripts/check_kernels.py
+ *           checks it): griddepcontrol.wait, which returns when every kernel this grid depends
+ *           on has completed and its writes are visible, so nothing the kernel reads or writes
+ *           can race with them; then griddepcontrol.launch_dependents, which lets the next
+ *           kernel of the stream be launched now (its blocks wait at their own
+ *           ekv_grid_begin). Both are no-ops in a launch without the attribute and below sm_90.
+ *   host:   ekv_launch(on, kernel, grid, block, smem, args...) launches with the attribute when
+ *           on.overlap is set (the plan's overlap_launches), as <<<>>> without.
+ *
+ * Why waiting first is exact: a kernel that waits before its first global access sees every
+ * write of the kernels before it (the wait is transitive: the kernel before it waited in turn),
+ * and the kernels after it wait for it. So an overlapped step computes what the plain one does,
+ * bit for bit; only the launch latency and the blocks' ramp overlap the previous kernel's tail.
+ */
+#pragma once
+#include <cuda_runtime.h>
+#include <utility>
+
+__device__ __forceinline__ void ekv_grid_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Where a kernel goes: the stream, and whether it may be launched before the previous kernel
+ * of the stream ends (the plan's overlap_launches; ekv_plan_stream in plan.cuh). */
+struct ekv_launch_stream {
+    cudaStream_t stream;
+    int overlap;
+};
+
+/* kernel<<<grid, block, smem, on.stream>>>(args...), launched early (programmatic stream
+ * serialization) when on.overlap is set; the kernel begins with ekv_grid_begin(). Returns the
+ * launch's error, which is also left for cudaGetLastError, as <<<>>> leaves it. */
+template <typename... P, typename... A>
+static inline cudaError_t ekv_launch(const ekv_launch_stream &on, void (*kernel)(P...), dim3 grid,
+                                     dim3 block, size_t smem, A &&...args) {
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = on.stream;
+    cfg.attrs = at;
+    cfg.numAttrs = on.overlap ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
