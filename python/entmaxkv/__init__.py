@@ -27,11 +27,11 @@ except PackageNotFoundError:  # run from a source tree with $ENTMAXKV_LIBRARY
 
 
 def __getattr__(name):
-    """entmaxkv.flash_entmax, the torch op (entmaxkv.flash), imported on first use: torch is
-    needed there only."""
-    if name == "flash_entmax":
-        from .flash import flash_entmax
-        return flash_entmax
+    """entmaxkv.flash_entmax and flash_entmax_varlen, the torch ops (entmaxkv.flash), imported
+    on first use: torch is needed there only."""
+    if name in ("flash_entmax", "flash_entmax_varlen"):
+        from . import flash
+        return getattr(flash, name)
     raise AttributeError(f"module 'entmaxkv' has no attribute {name!r}")
 
 

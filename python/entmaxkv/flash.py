@@ -2,6 +2,8 @@
 docs/math.md §13):
 
     out = entmaxkv.flash.flash_entmax(q, k, v, alpha=1.5, causal=True, alibi_slopes=None)
+    out = entmaxkv.flash.flash_entmax_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha=1.5,
+                                             causal=True, alibi_slopes=None)
 
 q [B, T, H, D] (or [T, H, D]), k and v [B, N, Hk, D] (or [N, Hk, D]), flash attention's layout
 and conventions: row t of T sits at position N - T + t and, when causal, sees the keys up to it;
@@ -9,11 +11,24 @@ ALiBi adds -m_h |j - i|; scale None = 1/sqrt(D); H a multiple of Hk (GQA). The f
 each row's tau (as flash attention saves the log-sum-exp) and the backward is the entmax
 Jacobian on the support (§13.2-13.3), so gradients are exact too.
 
+The varlen form packs sequences of different lengths as flash attention's varlen functions do:
+q [total_q, H, D], k and v [total_k, Hk, D], and cu_seqlens_q, cu_seqlens_k the B + 1 offsets
+of the sequences (integer tensors, 0 first, nondecreasing, the totals last); sequence i's
+queries q[cu_q[i]:cu_q[i+1]] attend its keys k[cu_k[i]:cu_k[i+1]] with the same conventions.
+It runs the op above once per non-empty sequence (one launch each on CUDA; the offsets are read
+on the host, a synchronisation where they live on the device) and writes each sequence's rows of
+one output; a sequence with no queries is skipped, one with queries but no keys is an error.
+
 Registered with torch.library as
 
     entmaxkv::flash_entmax_fwd(q, k, v, alpha, causal, alibi_slopes, scale) -> (out, tau)
     entmaxkv::flash_entmax_bwd(q, k, v, tau, dout, alpha, causal, alibi_slopes, scale)
         -> (dq, dk, dv)
+
+    entmaxkv::flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal,
+                                      alibi_slopes, scale) -> (out, tau)
+    entmaxkv::flash_entmax_varlen_bwd(q, k, v, tau, dout, cu_seqlens_q, cu_seqlens_k, alpha,
+                                      causal, alibi_slopes, scale) -> (dq, dk, dv)
 
 with fake implementations, so autograd and torch.compile see one opaque node each. CPU tensors
 run the library's CPU reference (ekv_entmax_attention_forward/backward: double precision, one
@@ -132,4 +147,104 @@ def flash_entmax(q, k, v, alpha=1.5, causal=True, alibi_slopes=None, scale=None)
     """Exact alpha-entmax attention (the module docstring); returns out, q's shape and dtype."""
     out, _tau = flash_entmax_fwd(q, k, v, float(alpha), bool(causal), alibi_slopes,
                                  0.0 if scale is None else float(scale))
+    return out
+
+
+# ---- the varlen form ----
+
+def _offsets(cu, name, total):
+    """cu_seqlens as host ints, checked: a 1-D integer tensor, 0 first, nondecreasing, total
+    last."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or \
+            cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise ValueError(f"entmaxkv.flash_entmax_varlen: {name} must be a 1-D integer tensor of "
+                         "B + 1 offsets (B >= 1)")
+    off = cu.tolist()
+    if off[0] != 0 or off[-1] != total or any(b < a for a, b in zip(off, off[1:])):
+        raise ValueError(f"entmaxkv.flash_entmax_varlen: {name} must rise from 0 to {total} "
+                         f"(the packed length) without decreasing; got {off}")
+    return off
+
+
+def _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """The (query span, key span) of each sequence, shapes and offsets checked."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0]:
+        raise ValueError("entmaxkv.flash_entmax_varlen: q must be [total_q, H, D] and k, v "
+                         f"[total_k, Hk, D]; got {list(q.shape)}, {list(k.shape)}, "
+                         f"{list(v.shape)}")
+    oq = _offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    ok = _offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if len(oq) != len(ok):
+        raise ValueError("entmaxkv.flash_entmax_varlen: cu_seqlens_q and cu_seqlens_k must list "
+                         f"the same sequences; got {len(oq) - 1} and {len(ok) - 1}")
+    return [((oq[i], oq[i + 1]), (ok[i], ok[i + 1])) for i in range(len(oq) - 1)]
+
+
+@torch.library.custom_op("entmaxkv::flash_entmax_varlen_fwd", mutates_args=())
+def flash_entmax_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, alpha: float,
+                            causal: bool, alibi_slopes: Optional[torch.Tensor],
+                            scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out (q's shape and dtype) and tau ([total_q, H], float64), sequence by sequence."""
+    _on_cuda(q, k, v, alibi_slopes)
+    out = q.new_zeros(q.shape)
+    tau = q.new_zeros(q.shape[:-1], dtype=torch.float64)
+    for (a, b), (c, d) in _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        if b > a:
+            out[a:b], tau[a:b] = flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal,
+                                                  alibi_slopes, scale)
+    return out, tau
+
+
+@flash_entmax_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64)
+
+
+@torch.library.custom_op("entmaxkv::flash_entmax_varlen_bwd", mutates_args=())
+def flash_entmax_varlen_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
+                            dout: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, alpha: float, causal: bool,
+                            alibi_slopes: Optional[torch.Tensor],
+                            scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, sequence by sequence (keys of a sequence with no queries get 0)."""
+    _on_cuda(q, k, v, tau, dout, alibi_slopes)
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for (a, b), (c, d) in _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        if b > a:
+            dq[a:b], dk[c:d], dv[c:d] = flash_entmax_bwd(q[a:b], k[c:d], v[c:d], tau[a:b],
+                                                         dout[a:b], alpha, causal, alibi_slopes,
+                                                         scale)
+    return dq, dk, dv
+
+
+@flash_entmax_varlen_bwd.register_fake
+def _(q, k, v, tau, dout, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, alpha, causal, alibi_slopes, scale = inputs
+    ctx.save_for_backward(q, k, v, output[1], cu_q, cu_k)
+    ctx.args = (alpha, causal, alibi_slopes, scale)
+
+
+def _varlen_backward(ctx, dout, dtau):
+    q, k, v, tau, cu_q, cu_k = ctx.saved_tensors
+    alpha, causal, alibi_slopes, scale = ctx.args
+    dq, dk, dv = flash_entmax_varlen_bwd(q, k, v, tau, dout, cu_q, cu_k, alpha, causal,
+                                         alibi_slopes, scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+flash_entmax_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+def flash_entmax_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha=1.5, causal=True,
+                        alibi_slopes=None, scale=None):
+    """flash_entmax over packed sequences (the module docstring); returns out, q's shape and
+    dtype."""
+    out, _tau = flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, float(alpha),
+                                        bool(causal), alibi_slopes,
+                                        0.0 if scale is None else float(scale))
     return out

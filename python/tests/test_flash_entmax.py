@@ -1,7 +1,9 @@
 """entmaxkv.flash.flash_entmax, the torch op (issue 30): its forward against the library's
 reference (entmax_attention) and, where the entmax package is installed, against
 entmax.entmax_bisect on the scores; its gradients by torch.autograd.gradcheck in float64; the
-fake implementations by torch.library.opcheck; torch.compile keeping it whole; on CUDA
+fake implementations by torch.library.opcheck; torch.compile keeping it whole; the varlen form
+against the unbatched op on each packed sequence (bit for bit), gradcheck, opcheck and its
+offsets' checks; on CUDA
 (ekv_cuda_flash_entmax_*) the forward and gradients against the CPU op in float64 on the same
 16-bit inputs, torch.compile and opcheck. Skipped where torch is not installed (CI), the CUDA
 tests where there is no CUDA device; run on the GPU machine."""
@@ -122,6 +124,87 @@ def test_bad_shapes_and_devices():
             flash.flash_entmax(q.cuda(), k, v)
 
 
+# ---- the varlen form: packed sequences, each as the batched op computes it ----
+
+def _packed(seed, tq, tk, H=4, Hk=2, D=8, dtype=torch.float64):
+    """q [sum tq, H, D], k and v [sum tk, Hk, D] and the offsets of the sequences."""
+    g = torch.Generator().manual_seed(seed)
+    q = 2 * torch.randn(sum(tq), H, D, generator=g, dtype=dtype)
+    k = torch.randn(sum(tk), Hk, D, generator=g, dtype=dtype)
+    v = torch.randn(sum(tk), Hk, D, generator=g, dtype=dtype)
+    cu = [torch.tensor([0] + list(np.cumsum(t)), dtype=torch.int32) for t in (tq, tk)]
+    return q, k, v, cu[0], cu[1]
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.0])
+@pytest.mark.parametrize("causal,alibi", [(True, False), (True, True), (False, False)])
+def test_varlen_equals_each_sequence(alpha, causal, alibi):
+    """Sequences of 3, 0 (no queries: its keys unused), 1 and 5 queries over 6, 2, 7 and 5 keys:
+    each sequence's rows of out and tau are the unbatched op's on its own slices, bit for bit."""
+    tq, tk = [3, 0, 1, 5], [6, 2, 7, 5]
+    q, k, v, cq, ck = _packed(12, tq, tk)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64) if alibi else None
+    out, tau = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, alpha, causal, slopes, 0.0)
+    assert out.shape == q.shape and tau.shape == q.shape[:-1] and tau.dtype == torch.float64
+    for i in range(len(tq)):
+        a, b, c, d = cq[i].item(), cq[i + 1].item(), ck[i].item(), ck[i + 1].item()
+        if b == a:
+            continue
+        o, t = flash.flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal, slopes, 0.0)
+        torch.testing.assert_close(out[a:b], o, rtol=0, atol=0)
+        torch.testing.assert_close(tau[a:b], t, rtol=0, atol=0)
+    whole = flash.flash_entmax_varlen(q, k, v, cq.long(), ck.long(), alpha, causal, slopes)
+    torch.testing.assert_close(whole, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_varlen_gradcheck(alpha):
+    """Gradients through the packed form in float64, the keys of the query-less sequence
+    included (their gradient is 0)."""
+    for seed in range(30, 70):
+        q, k, v, cq, ck = _packed(seed, [2, 0, 3], [4, 2, 3], D=4)
+        spans = [(0, 2, 0, 4), (2, 5, 6, 9)]
+        if all(_far_from_tau(q[a:b].unsqueeze(0), k[c:d].unsqueeze(0), alpha, True, None)
+               for a, b, c, d in spans):
+            break
+    else:
+        pytest.fail("no seed keeps every score 1e-4 from tau")
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash.flash_entmax_varlen(a, b, c, cq, ck, alpha), (q, k, v), eps=1e-6,
+        atol=1e-7, rtol=1e-5)
+    flash.flash_entmax_varlen(q, k, v, cq, ck, alpha).pow(2).sum().backward()
+    assert k.grad[4:6].abs().max() == 0 and v.grad[4:6].abs().max() == 0
+
+
+def test_varlen_opcheck_and_compile():
+    q, k, v, cq, ck = _packed(13, [2, 3], [5, 3], dtype=torch.float32)
+    torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_varlen_fwd,
+                          (q, k, v, cq, ck, 1.5, True, None, 0.0))
+    _out, tau = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, 1.5, True, None, 0.0)
+    torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_varlen_bwd,
+                          (q, k, v, tau, torch.randn_like(q), cq, ck, 1.5, True, None, 0.0))
+    f = torch.compile(lambda a, b, c: flash.flash_entmax_varlen(a, b, c, cq, ck), fullgraph=True,
+                      backend="eager")
+    torch.testing.assert_close(f(q, k, v), flash.flash_entmax_varlen(q, k, v, cq, ck), rtol=0,
+                               atol=0)
+
+
+def test_varlen_bad_offsets():
+    q, k, v, cq, ck = _packed(14, [2, 3], [5, 3])
+    bad = [(cq.float(), ck, "integer"), (cq[:-1], ck, "rise from 0 to 5"),
+           (torch.tensor([1, 2, 5]), ck, "rise from 0"), (torch.tensor([0, 3, 2, 5]),
+                                                           torch.tensor([0, 3, 4, 8]),
+                                                           "without decreasing"),
+           (cq, torch.tensor([0, 8]), "the same sequences"), (cq.view(1, 3), ck, "1-D")]
+    for a, b, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            flash.flash_entmax_varlen(q, k, v, a, b)
+    with pytest.raises(ValueError, match=r"\[total_q, H, D\]"):
+        flash.flash_entmax_varlen(q.unsqueeze(0), k, v, cq, ck)
+
+
 # ---- CUDA (ekv_cuda_flash_entmax_*): skipped without a CUDA device ----
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -237,3 +320,30 @@ def test_cuda_refuses_what_the_kernel_does_not_serve():
         flash.flash_entmax(q, k.float(), v.float())
     with pytest.raises(TypeError, match="must match"):
         flash.flash_entmax(q, k, v.bfloat16())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_varlen_matches_the_cpu_op(dtype):
+    """The packed form on CUDA (one launch a sequence) against the CPU op's float64 on the same
+    16-bit inputs: out and tau as the batched CUDA test takes them, and the gradients."""
+    tq, tk = [40, 0, 17, 64], [96, 30, 17, 200]
+    q, k, v, cq, ck = _packed(15, tq, tk, H=6, Hk=2, D=64, dtype=torch.float32)
+    dev = [t.to(dtype).cuda().requires_grad_(True) for t in (q, k, v)]
+    ref = [t.detach().cpu().double().requires_grad_(True) for t in dev]
+    slopes = SLOPES
+    out, tau = flash.flash_entmax_varlen_fwd(*dev, cq.cuda(), ck.cuda(), 1.5, True, slopes.cuda(),
+                                             0.0)
+    rout, rtau = flash.flash_entmax_varlen_fwd(*ref, cq, ck, 1.5, True, slopes, 0.0)
+    vmax = ref[2].abs().max().item()
+    torch.testing.assert_close(out.detach().cpu().double(), rout.detach(), rtol=UNIT[dtype],
+                               atol=1e-4 * vmax)
+    torch.testing.assert_close(tau.cpu(), rtau, rtol=1e-5, atol=1e-5)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(16)).to(dtype)
+    flash.flash_entmax_varlen(*dev, cq.cuda(), ck.cuda(), 1.5, True, slopes.cuda()).backward(
+        g.cuda())
+    flash.flash_entmax_varlen(*ref, cq, ck, 1.5, True, slopes).backward(g.double())
+    for a, b in zip(dev, ref):
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.cpu().double(), b.grad, rtol=UNIT[dtype],
+                                   atol=2e-4 * b.grad.abs().max().item())
