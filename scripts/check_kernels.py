@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Every CUDA kernel of the library begins with ekv_grid_begin() (src/cuda/common/overlap.cuh).
+"""Every CUDA kernel of the library begins with ekv_grid_begin() (src/cuda/common/overlap.cuh),
+or with ekv_grid_begin_with(...), whose reads touch only memory no kernel writes.
 
 A kernel launched with overlap (programmatic dependent launch) may start while the kernel before
 it still runs; it is exact only if it waits for that kernel before its first global access, and
@@ -17,7 +18,10 @@ import sys
 
 SOURCES = (".cu", ".cuh")
 KERNEL = re.compile(r"\b__global__\b")
-FIRST = re.compile(r"\s*ekv_grid_begin\s*\(\s*\)\s*;")
+# ekv_grid_begin(); or [const T x =] ekv_grid_begin_with(<reads of memory no kernel writes>);
+FIRST = re.compile(r"\s*(ekv_grid_begin\s*\(\s*\)\s*;|"
+                   r"(?:(?:const\s+)?[A-Za-z_][\w:<>]*\s+[A-Za-z_]\w*\s*=\s*)?"
+                   r"ekv_grid_begin_with\s*\()")
 
 
 def blank(text):

@@ -63,10 +63,12 @@ typedef struct ekv_cuda_plan_params {
                                /* rows); 0 (default): the candidates, tau and values        */
                                /* launches (the fused kernel measured slower so far)        */
     int32_t overlap_launches;  /* 1: each kernel of a step may be launched while the one    */
-                               /* before it still runs (programmatic dependent launch, sm_90 */
-                               /* and later; every kernel waits for its predecessor before  */
-                               /* its first memory access, so results are the same bits);   */
-                               /* 0 (default): each launch after the previous one ends      */
+                               /* before it still runs (programmatic dependent launch; every */
+                               /* kernel waits for its predecessor before its first memory  */
+                               /* access, so the results are a plain step's); needs compute */
+                               /* capability 9.0 and kernels built for it, else the plan is  */
+                               /* refused (EKV_ERR_UNSUPPORTED); 0 (default): each launch   */
+                               /* after the previous one ends                               */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

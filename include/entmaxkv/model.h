@@ -150,7 +150,8 @@ typedef struct ekv_model_params {
                                    EKV_ERR_INVALID_ARGUMENT on every backend                  */
     int32_t overlap_launches;   /* cuda: 1 = each kernel of a step may be launched while the one
                                    before it still runs (ekv_cuda_plan_params.overlap_launches;
-                                   the same results), 0 (default) = after it ends; another
+                                   the same results; refused with EKV_ERR_UNSUPPORTED below
+                                   compute capability 9.0), 0 (default) = after it ends; another
                                    value fails the load with EKV_ERR_INVALID_ARGUMENT on every
                                    backend                                                    */
 } ekv_model_params;

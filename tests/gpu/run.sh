@@ -3,7 +3,8 @@
 # (every CUDA stage against the CPU and long-double reference backends, graph replay, invalid
 # inputs), test_cuda_sharded (the sharded plan against the one-GPU plan) and test_model_cuda
 # (the model on the GPU against the CPU engine, every GPU method), test_flash_entmax_cuda
-# (ekv_cuda_flash_entmax_* against the CPU reference),
+# (ekv_cuda_flash_entmax_* against the CPU reference), test_overlap (overlapped launches overlap
+# and wait: src/cuda/common/overlap.cuh),
 # then compute-sanitizer memcheck over the first MEMCHECK_CASES cases of test_cuda's table.
 # Usage: tests/gpu/run.sh [LOGDIR]   (logs are also copied to LOGDIR when given)
 set -euo pipefail
@@ -12,10 +13,12 @@ BUILD=${BUILD:-build-gpu}
 LOG=${1:-}
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEKV_CUDA=ON -DEKV_BUILD_TESTS=ON >/dev/null
 cmake --build "$BUILD" -j"$(nproc)" --target test_cuda test_cuda_sharded test_model_cuda \
-  test_flash_entmax_cuda entmaxkv_cli >/dev/null
+  test_flash_entmax_cuda test_overlap entmaxkv_cli >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-echo "== test_cuda"
 status=0
+echo "== test_overlap"
+"$BUILD/tests/test_overlap" 2>&1 | tee ${LOG:+"$LOG/test_overlap.log"} || status=1
+echo "== test_cuda"
 "$BUILD/tests/test_cuda" 2>&1 | tee ${LOG:+"$LOG/test_cuda.log"} || status=1
 echo "== test_cuda_sharded"
 "$BUILD/tests/test_cuda_sharded" 2>&1 | tee ${LOG:+"$LOG/test_cuda_sharded.log"} || status=1

@@ -92,15 +92,15 @@ typedef struct {
     const char *path; /* NULL: the shipped model */
 } mcase;
 
-/* CUDA models loaded so far: every other one overlaps its launches (overlap_launches), so each
- * check runs both ways and every comparison with the CPU covers the overlapped steps too. */
-static int g_cuda_loads = 0;
+/* The overlap_launches of the CUDA models the checks load (main runs the method cases and the
+ * batched steps again with it set: the same CPU references hold). */
+static int32_t g_overlap = 0;
 
 /* The model of a case on a backend: the case's fields over p, whose prefill kernel and list
  * sizes (prefill_candidates, prefill_compact, decode_candidates) are the caller's. */
 static ekv_model *load_params(ekv_context *ctx, const mcase *c, ekv_backend be,
                               ekv_model_params p) {
-    if (be == EKV_BACKEND_CUDA) p.overlap_launches = g_cuda_loads++ % 2;
+    if (be == EKV_BACKEND_CUDA) p.overlap_launches = g_overlap;
     p.max_tokens = c->prefill + DECODE + MORE + 8;
     p.method = c->method;
     p.kv_dtype = c->kv;
@@ -168,8 +168,9 @@ static void run_case(ekv_context *ctx, const mcase *c, const int32_t *tok, float
     if (cpu && gpu && ok) {
         snprintf(what, sizeof what, "%s%s %s chunk %lld prefill", c->path ? "tiny " : "",
                  ekv_method_name(c->method), ekv_dtype_name(c->kv), (long long)c->chunk);
-        snprintf(what_dec, sizeof what_dec, "%s %s decode%s", ekv_method_name(c->method),
-                 ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)");
+        snprintf(what_dec, sizeof what_dec, "%s %s decode%s%s", ekv_method_name(c->method),
+                 ekv_dtype_name(c->kv), c->graphs ? " (graph)" : " (eager)",
+                 g_overlap ? ", overlapped" : "");
         prefill_and_decode(ctx, cpu, gpu, tok, c->prefill, DECODE, &b, what, what_dec);
         /* a second block after the decode steps: it starts inside a page */
         CHECK(!ekv_model_step(cpu, tok + 100, MORE, lc), "cpu block: %s", ekv_last_error(ctx));
@@ -308,7 +309,7 @@ static void check_batch(ekv_context *ctx, const int32_t *tok, ekv_select_method 
     p.backend = EKV_BACKEND_CUDA;
     p.prefill_chunk = 128;
     p.max_seqs = NSEQ;
-    p.overlap_launches = g_cuda_loads++ % 2; /* as load_params alternates */
+    p.overlap_launches = g_overlap; /* as load_params */
     ekv_model *gpu = NULL;
     CHECK(!ekv_model_load(ctx, MODEL, &p, &gpu), "load max_seqs %d: %s", NSEQ, ekv_last_error(ctx));
     float *lg = malloc(sizeof(float) * (size_t)(457 * V)),
@@ -827,6 +828,17 @@ int main(void) {
     check_slow_paths(ctx, tok, EKV_SELECT_CERTIFIED);
     check_slow_paths(ctx, tok, EKV_SELECT_SCREENED);
     check_fused_attend(ctx, tok);
+    /* overlapped launches (ekv_model_params.overlap_launches): every GPU method's case and the
+     * batched steps again, against the same CPU references */
+    g_overlap = 1;
+    printf("-- overlapped launches\n");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (i == 0 || (cases[i].method != EKV_SELECT_DENSE && cases[i].path == NULL))
+            run_case(ctx, &cases[i], tok, NULL);
+    check_batch(ctx, tok, EKV_SELECT_DENSE);
+    check_batch(ctx, tok, EKV_SELECT_TOPK);
+    check_fused_attend(ctx, tok);
+    g_overlap = 0;
     free(graph);
     free(eager);
     ekv_context_free(ctx);

@@ -11,13 +11,18 @@
  *           can race with them; then griddepcontrol.launch_dependents, which lets the next
  *           kernel of the stream be launched now (its blocks wait at their own
  *           ekv_grid_begin). Both are no-ops in a launch without the attribute and below sm_90.
- *   host:   ekv_launch(on, kernel, grid, block, smem, args...) launches with the attribute when
- *           on.overlap is set (the plan's overlap_launches), as <<<>>> without.
+ *           Or with `x = ekv_grid_begin_with(reads)`: reads() first, then the same; reads() may
+ * load only memory that no kernel writes (the model's weights, uploaded before any step), so that
+ * those loads overlap the previous kernel's tail. host:   ekv_launch(on, kernel, grid, block, smem,
+ * args...) launches with the attribute when on.overlap is set (the plan's overlap_launches), as
+ * <<<>>> without.
  *
  * Why waiting first is exact: a kernel that waits before its first global access sees every
  * write of the kernels before it (the wait is transitive: the kernel before it waited in turn),
- * and the kernels after it wait for it. So an overlapped step computes what the plain one does,
- * bit for bit; only the launch latency and the blocks' ramp overlap the previous kernel's tail.
+ * and the kernels after it wait for it. So an overlapped step computes what the plain one does;
+ * only the launch latency and the blocks' start overlap the previous kernel's tail. The wait
+ * exists only in code compiled for sm_90 or later: the plan refuses overlap_launches where the
+ * device or the build's kernels are older (check_overlap, plan/plan.cu).
  */
 #pragma once
 #include <cuda_runtime.h>
@@ -28,6 +33,14 @@ __device__ __forceinline__ void ekv_grid_begin() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+/* reads(), then ekv_grid_begin(); returns what reads() returned. reads() loads only memory no
+ * kernel writes (see above). */
+template <typename F> __device__ __forceinline__ auto ekv_grid_begin_with(F &&reads) {
+    auto held = reads();
+    ekv_grid_begin();
+    return held;
 }
 
 /* Where a kernel goes: the stream, and whether it may be launched before the previous kernel

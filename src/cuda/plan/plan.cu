@@ -249,6 +249,36 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->row_chunks = (pl->cap_words + EKV_CUDA_ROW_CHUNK_WORDS - 1) / EKV_CUDA_ROW_CHUNK_WORDS;
 }
 
+namespace {
+/* A kernel of this build, asked which PTX its loaded code came from (check_overlap). */
+__global__ void overlap_probe_kernel(int) { ekv_grid_begin(); }
+} // namespace
+
+/* overlap_launches = 1 needs what ekv_grid_begin's wait needs (common/overlap.cuh): a device of
+ * compute capability 9.0 or later running code compiled for it. A build whose kernels the driver
+ * compiles from older PTX (e.g. compute_80 on a newer GPU) has no wait in them, so the setting
+ * is refused there rather than launched without one. */
+static ekv_status check_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p) {
+    if (!p->overlap_launches) return EKV_OK;
+    int major = 0;
+    cudaFuncAttributes fa;
+    if (cudaSetDevice(p->device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p->device) !=
+                cudaSuccess ||
+        cudaFuncGetAttributes(&fa, overlap_probe_kernel) != cudaSuccess) {
+        const cudaError_t e = cudaGetLastError();
+        return ekv_fail(ctx, EKV_ERR_DEVICE, "overlap_launches: device %d: %s", p->device,
+                        cudaGetErrorString(e));
+    }
+    if (major < 9 || fa.ptxVersion < 90)
+        return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
+                        "overlap_launches=1 needs a GPU of compute capability 9.0 or later running "
+                        "kernels built for it (device %d: %d.x; this build's kernels: PTX "
+                        "compute_%d; build with CMAKE_CUDA_ARCHITECTURES 90 or later)",
+                        p->device, major, fa.ptxVersion);
+    return EKV_OK;
+}
+
 extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan_params *p,
                                            ekv_cuda_plan **out) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
@@ -257,6 +287,8 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     ekv_status st = check_plan_params(ctx, p);
     if (st) return st;
     st = ekv_cuda_check_device(ctx, p->device);
+    if (st) return st;
+    st = check_overlap(ctx, p);
     if (st) return st;
     ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
     if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
