@@ -73,6 +73,8 @@ static int64_t g_screen_retry = 0, g_screen_keepall = 0;
 /* screen_group_test: random-key cases whose quarter lists retried, run by the default plan with
  * whole lists and no retry */
 static int g_screen_whole_spared = 0;
+/* screen_group_test: pages the fast screen's page box dropped unread, [alibi] (its steps) */
+static int64_t g_screen_dropped[2], g_screen_fast_steps[2];
 
 /* The launches of a screened step (screen/screen.cuh): 13, and the retry's sums and pass in a
  * plan whose screen lists hold fewer entries than its tokens. */
@@ -595,11 +597,21 @@ static int64_t screen_group_step(ekv_context *ctx, ekv_cuda_plan *plan, int tc, 
     CHECK(ekv_cuda_decode(plan, dprm, &ss, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
           "screened %s: %s", what, ekv_last_error(ctx));
     screen_kind_check(ctx, plan, tc, G, D, ps, m->st.code_bits);
+    const int alibi = dprm->alibi_slopes != NULL;
+    int64_t dropped = 0;
+    CHECK(ekv_cuda_screen_dropped(plan, B, &dropped) == EKV_OK, "dropped: %s", ekv_last_error(ctx));
+    if (expected_screen_kind(tc, G, D, ps, m->st.code_bits) == 1) { /* the fast kernel */
+        g_screen_dropped[alibi] += dropped;
+        g_screen_fast_steps[alibi]++;
+    } else
+        CHECK(dropped == 0, "screened %s: the page box of a kernel without one dropped %lld", what,
+              (long long)dropped);
     const int64_t nq = (int64_t)B * H * D;
     float *out = malloc(sizeof(float) * nq);
     CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
     const double e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
-    CHECK(e < 3e-5, "screened %s (tensor cores %d): rel err %.3g vs dense", what, tc, e);
+    CHECK(e < 3e-5, "screened %s (tensor cores %d, %lld pages dropped): rel err %.3g vs dense",
+          what, tc, (long long)dropped, e);
     free(out);
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
@@ -676,12 +688,15 @@ static void screen_rows_check(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
  * every head of its group; on the random keys a plan with lists of a quarter of the tokens runs the
  * retry pass on tensor cores too. The two paths may keep (slightly) different supersets: the
  * survivors are summed per path and the tensor cores' may not exceed the CUDA cores' by more than
- * 10 %. The first ncases of the 48 combinations run. */
+ * 10 %. Cases 48-51 have steep ALiBi slopes on the first KV head's group (0.5 / (h + 1)), so
+ * that the fast screen's page box drops old pages unread (docs/math.md §10.4). The first ncases
+ * of the 52 combinations run. */
 static void screen_group_test(ekv_context *ctx, int ncases) {
     const int groups[3] = {2, 4, 8};
     for (int c = 0; c < ncases; c++) {
-        const int G = groups[c % 3], bits = c / 6 % 2 ? 8 : 4, random = c / 12 % 2, alibi = c / 24,
-                  Hk = 2, H = G * Hk, B = 1 + c % 2;
+        /* alibi: 0 none, 1 the model's slopes (NAPE, 2^(-8 (h + 1) / h0)), 2 steep */
+        const int G = groups[c % 3], bits = c / 6 % 2 ? 8 : 4, random = c / 12 % 2,
+                  alibi = c < 48 ? c / 24 : 2, Hk = 2, H = G * Hk, B = 1 + c % 2;
         const int D = c % 5 == 4 ? 64 : 128, ps = c % 7 == 6 ? 32 : 16;
         const ekv_dtype dt = c / 3 % 2 ? EKV_DTYPE_BF16 : EKV_DTYPE_F16;
         const int64_t len[2] = {1500 + 13 * c, 700 + 29 * c};
@@ -722,7 +737,9 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
         for (int64_t i = 0; i < nq; i++)
             q[i] = (float)(test_normal(&r) + 2.0 * dir[i % D] * sqrt((double)D) / 1.5);
         for (int h = 0; h < H; h++)
-            slopes[h] = h < H / 2 ? (float)pow(2.0, -8.0 * (h + 1) / (H / 2)) : 0.f;
+            slopes[h] = h >= H / 2  ? 0.f
+                        : alibi < 2 ? (float)pow(2.0, -8.0 * (h + 1) / (H / 2))
+                                    : 0.5f / (float)(h + 1);
         float *dq = dev_copy(q, sizeof(float) * nq), *dslopes = dev_copy(slopes, sizeof(float) * H),
               *dout = dev_copy(NULL, sizeof(float) * nq);
         float *ref = malloc(sizeof(float) * nq), *z = malloc(sizeof(float) * B * H * cap);
@@ -798,6 +815,16 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
     CHECK(g_gscreen_surv[1] <= g_gscreen_surv[0] + g_gscreen_surv[0] / 10 + 100,
           "the tensor-core screen kept %lld survivors, the CUDA cores %lld",
           (long long)g_gscreen_surv[1], (long long)g_gscreen_surv[0]);
+    /* the page box (docs/math.md §10.4) fires on ALiBi groups (the first KV head's heads all
+     * have slopes, the old pages fall below) and never without ALiBi */
+    printf("screened GQA groups: the fast screen's page box dropped %lld pages in %lld ALiBi "
+           "steps, %lld in %lld steps without\n",
+           (long long)g_screen_dropped[1], (long long)g_screen_fast_steps[1],
+           (long long)g_screen_dropped[0], (long long)g_screen_fast_steps[0]);
+    CHECK(g_screen_dropped[0] == 0, "the page box dropped %lld pages without ALiBi",
+          (long long)g_screen_dropped[0]);
+    CHECK(g_screen_fast_steps[1] == 0 || g_screen_dropped[1] > 0,
+          "the page box dropped no page in %lld ALiBi steps", (long long)g_screen_fast_steps[1]);
 }
 
 /* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
@@ -2561,7 +2588,7 @@ int main(void) {
     /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
      * shorter tables) */
     screen_bounds_test(ctx, max_cases >= 60 ? 12 : 3);
-    screen_group_test(ctx, max_cases >= 60 ? 48 : 3);
+    screen_group_test(ctx, max_cases >= 60 ? 52 : 3);
     /* the case table: every value of every axis appears, in rotating combinations */
     const int dims[] = {64, 128, 256, 72, 40};
     const int groups[] = {1, 4, 8, 16, 2, 3};

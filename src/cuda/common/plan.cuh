@@ -15,6 +15,9 @@
  * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
 enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2 };
 
+/* The arrays of ekv_cuda_plan.scr_state, each [B*H]. */
+enum { EKV_SCR_STATE_ROWS = 7 };
+
 struct ekv_cuda_plan {
     ekv_context *ctx;
     ekv_cuda_plan_params p;
@@ -75,10 +78,11 @@ struct ekv_cuda_plan {
     double *gstat;       /* [B*H][3] gaussian: tau-hat, sigma_g, u_avg per query head     */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
     /* screened decode on token rows (screen/screen.cu) */
-    uint32_t *scr_state; /* [6][B*H] per step, zeroed by one memset: max l, max z (ordered */
-                         /* keys, 0 = none yet), candidates of the screen, of its retry    */
-                         /* pass, overflow marks (1 retried, 2 every token kept), entries */
-                         /* of the short list (scr_short)                                 */
+    uint32_t *scr_state; /* [EKV_SCR_STATE_ROWS][B*H] per step, zeroed by one memset: max */
+                         /* l, max z (ordered keys, 0 = none yet), candidates of the      */
+                         /* screen, of its retry pass, overflow marks (1 retried, 2 every */
+                         /* token kept), entries of the short list (scr_short), pages the */
+                         /* page box dropped per (sequence, KV head) (its first B*Hk)     */
     double *scr_f;       /* [B*H][EKV_SCREEN_GRID] F of the kept l at the retry grid      */
     int64_t scap;        /* candidates of the screen kept per query head                 */
     float *scl, *scu;    /* [B*H][scap] their lower and upper bounds                      */

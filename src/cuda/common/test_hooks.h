@@ -21,6 +21,8 @@ EKV_API ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int64_
 /* Query heads whose candidate list overflowed (out[0]: they took the retry pass) and whose
  * retry list overflowed too (out[1]: every token kept). */
 EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out);
+/* Pages the page box dropped unread (the fast screen kernel's, docs/math.md §10.4). */
+EKV_API ekv_status ekv_cuda_screen_dropped(ekv_cuda_plan *pl, int32_t batch, int64_t *pages);
 /* The screen kernel: 0 generic, 1 fast (CUDA cores), 2 tensor cores (EKV_SCREEN_GENERIC, _FAST,
  * _MMA of screen/screen_common.cuh); -1 before any screened step. */
 EKV_API ekv_status ekv_cuda_screen_kernel(const ekv_cuda_plan *pl, int32_t *kind);

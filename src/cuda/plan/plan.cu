@@ -74,7 +74,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->survivors, BHk * (int64_t)sizeof(int64_t)},
-            {(void **)&pl->scr_state, 6 * BH * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->scr_state, EKV_SCR_STATE_ROWS * BH * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->scr_f, BH * EKV_SCREEN_GRID * (int64_t)sizeof(double)},
             {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},

@@ -176,6 +176,75 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
     }
 }
 
+/* The page box (docs/math.md §10.4, "The page box in the screen") of the quarter's page: true
+ * when no token of it can be kept by any head of the group, U_g <= max(M'_g - 1, screen_cut[g])
+ * for every head g < G, with M'_g = seen[g], a max of l the warp knows (the keep test's cut or
+ * below it, so a dropped page holds no token the screen would keep). U_g = box + (gamma +
+ * gamma_2) sum_c |q'_c| A_c (1 + 2 gamma) + D nu + the largest ALiBi term of the page's valid
+ * slots + 2 E_p: box = sum_c max(q'_c m_c, q'_c M_c) in fp32 in any order; every fp32 score of
+ * the page is at most U_g. Lane q reads the ranges of its code rows' channels, as fast_chunk
+ * does. False for a dead quarter, and where a bound is not a number. Warp-uniform call. */
+template <int GM, int BITS, int RT>
+__device__ bool fast_page_below(const screen_args &A, const float *qs, int q, bool live, int64_t p,
+                                int64_t phys, int valid, const ekv_seq_geom &sg, int kvh,
+                                const float *slope, const float *seen) {
+    const int D = A.D, G = A.G, R = D * BITS / 8;
+    const int64_t so = (phys * A.Hk + kvh) * D;
+    float box[GM], qa[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) box[g] = qa[g] = 0.f;
+    for (int k = 0; live && k < R / 8; k++) {
+        const int j = q + 8 * k;
+        float lo2[2] = {0.f, 0.f}, hi2[2] = {0.f, 0.f};
+        ekv_range_load<BITS == 4 ? 2 : 1, RT>(A.rng, false, so + (BITS == 4 ? 2 * j : j), lo2);
+        ekv_range_load<BITS == 4 ? 2 : 1, RT>(A.rng, true, so + (BITS == 4 ? 2 * j : j), hi2);
+#pragma unroll
+        for (int i = 0; i < (BITS == 4 ? 2 : 1); i++) {
+            const int c = BITS == 4 ? 2 * j + i : j;
+            const float Ac = fmaxf(fabsf(lo2[i]), fabsf(hi2[i]));
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                const float qv = g < G ? qs[g * D + c] : 0.f;
+                box[g] += fmaxf(qv * lo2[i], qv * hi2[i]);
+                qa[g] += fabsf(qv) * Ac;
+            }
+        }
+    }
+    const double u = 0x1p-24, gam = 4.0 * (D + 4) * u, gam2 = 4.0 * (2 * D + 4) * u;
+    const float jpos = (float)(p * A.ps - (sg.N - 1));
+    bool below = live;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        const float b = quarter_sum(box[g]), a = quarter_sum(qa[g]); /* every lane, every g */
+        if (g >= G) continue;
+        /* the page's largest ALiBi term: at its newest valid slot for slopes >= 0 */
+        const float bias = fmaxf(slope[g] * jpos, slope[g] * (jpos + (float)(valid - 1)));
+        const double U = (double)b + (gam + gam2) * (double)a * (1.0 + 2.0 * gam) +
+                         (double)D * 0x1p-140 + (double)bias +
+                         16.0 * u * (1.0 + 0x1p-20) * fabs((double)slope[g]) *
+                                 ((double)llabs(p * A.ps - (sg.N - 1)) + (double)A.ps);
+        below &= U <= fmax((double)seen[g] - 1.0, (double)screen_cut[g]); /* NaN: kept */
+    }
+    return below;
+}
+
+/* Whether the fast kernel's warp still tries the page box: only on a group with an ALiBi term
+ * (elsewhere old pages are not below), and, as the CPU screen, not once fewer than one page in
+ * eight of its first 64 tried fell below. Warp-uniform (counts from ballots). */
+struct page_box_state {
+    bool trying;
+    int tried, dropped;
+    __device__ void count(bool live, bool below, uint32_t *dropped_pages) {
+        const unsigned first = 0x01010101u; /* lane 0 of each quarter */
+        const int t = __popc(__ballot_sync(0xffffffffu, live) & first),
+                  d = __popc(__ballot_sync(0xffffffffu, below) & first);
+        tried += t;
+        dropped += d;
+        if ((threadIdx.x & 31) == 0 && d) atomicAdd(dropped_pages, (uint32_t)d);
+        trying = tried < 64 || 8 * dropped >= tried;
+    }
+};
+
 /* The fast kernel's blocks: 4 warps, 3 per SM (170 registers: its tiles do not spill). */
 enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 }; /* 2 (no spills, 8 warps) measured no faster */
 
@@ -195,10 +264,12 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
     const int64_t cb = (int64_t)ps * (A.D * BITS / 8);
     float slope[GM], runmax[GM], seen[GM];
+    page_box_state box = {false, 0, 0};
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         slope[g] = g < G && A.slopes ? A.a * A.slopes[kvh * G + g] : 0.f;
         runmax[g] = seen[g] = -CUDART_INF_F;
+        box.trying |= slope[g] != 0.f;
     }
     /* k = -1: a dry pass over the warp's first pages, which only publishes their maxima, so
      * that the first candidates are kept against maxima from the whole first wave (the retry
@@ -218,9 +289,17 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
         }
         const int64_t phys = live ? A.t.indices[sg.first + p] : 0;
         const int valid = !live ? 0 : p == sg.P - 1 ? (int)(sg.N - p * ps) : ps;
-        for (int ch = 0; ch < ps; ch += 16)
-            fast_chunk<GM, BITS, RB, RT>(A, smem, q, live, p, phys, valid, ch, sg, kvh, h0, slope,
-                                         runmax, seen, k >= 0);
+        bool keep = live;           /* the quarter's page screened: not dropped by the page box */
+        if (box.trying && k >= 0) { /* the dry pass publishes every first page's maxima */
+            const bool below = fast_page_below<GM, BITS, RT>(A, smem, q, live, p, phys, valid, sg,
+                                                             kvh, slope, seen);
+            box.count(live, below, A.dropped + row);
+            keep = live && !below;
+        }
+        if (__any_sync(0xffffffffu, keep))
+            for (int ch = 0; ch < ps; ch += 16)
+                fast_chunk<GM, BITS, RB, RT>(A, smem, q, keep, p, phys, valid, ch, sg, kvh, h0,
+                                             slope, runmax, seen, k >= 0);
         ekv_share_max<GM>(runmax, seen, A.lkey + h0, G, pre);
     }
 }
@@ -542,8 +621,9 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_paged_kv *kv, const ekv_page_stats *st,
                                 const ekv_page_table *t, const float *q, int batch) {
     const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
-    EKV_CUDA_TRY(
-            pl, cudaMemsetAsync(pl->scr_state, 0, (size_t)(6 * BH) * sizeof(uint32_t), pl->stream));
+    EKV_CUDA_TRY(pl,
+                 cudaMemsetAsync(pl->scr_state, 0,
+                                 (size_t)(EKV_SCR_STATE_ROWS * BH) * sizeof(uint32_t), pl->stream));
     pl->launches++;
     screen_args A;
     ekv_cuda_set_shape(A, pl, t);
@@ -559,6 +639,7 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     A.scu = pl->scu;
     A.sct = pl->sct;
     A.survivors = pl->survivors;
+    A.dropped = pl->scr_state + 6 * BH;
     ekv_status s = launch_screen_pass(pl, A, st->code_bits, batch);
     /* a list of every token cannot overflow (a token is appended once per head): such a plan
      * (plan.cu, screen_list_cap) never retries, decided at plan time so a graph keeps it */
@@ -622,6 +703,29 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_
     free(m);
     if (e != cudaSuccess)
         return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen overflow: %s", cudaGetErrorString(e));
+    return EKV_OK;
+}
+
+/* Pages the page box of the plan's last screened step dropped unread, over its batch's (sequence,
+ * KV head) rows (the fast kernel's; 0 elsewhere). Internal, for the GPU tests and the bench;
+ * synchronises the plan's stream. */
+extern "C" EKV_API ekv_status ekv_cuda_screen_dropped(ekv_cuda_plan *pl, int32_t batch,
+                                                      int64_t *pages) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, pages, "pages", batch);
+    if (cs) return cs;
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
+                  rows = (int64_t)batch * pl->p.num_kv_heads;
+    uint32_t *d = (uint32_t *)malloc((size_t)rows * sizeof(uint32_t));
+    if (!d) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    cudaError_t e = cudaStreamSynchronize(pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(d, pl->scr_state + 6 * BH, (size_t)rows * sizeof(uint32_t),
+                       cudaMemcpyDeviceToHost);
+    *pages = 0;
+    for (int64_t r = 0; pl->last_screened && e == cudaSuccess && r < rows; r++) *pages += d[r];
+    free(d);
+    if (e != cudaSuccess)
+        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen dropped: %s", cudaGetErrorString(e));
     return EKV_OK;
 }
 

@@ -29,6 +29,7 @@ struct screen_args : ekv_cuda_shape {
     float *scl, *scu;   /* [B*H][scap] */
     int32_t *sct;       /* [B*H][scap] */
     int64_t *survivors; /* [B*Hk] zeroed here for the tau(l) kernel */
+    uint32_t *dropped;  /* [B*Hk] pages the page box dropped (the fast kernel's, screen.cu) */
     int sbase;          /* splits per row of a uniform batch (ekv_seq_splits), set at launch */
 };
 
