@@ -681,28 +681,39 @@ extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int
     return EKV_OK;
 }
 
+/* n entries of row `at` of the plan's scr_state (EKV_SCR_STATE_ROWS rows of B*H) into *out, a
+ * host copy the caller frees, after the plan's stream. */
+static ekv_status scr_state_read(ekv_cuda_plan *pl, int at, int64_t n, const char *what,
+                                 uint32_t **out) {
+    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
+    *out = (uint32_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(uint32_t));
+    if (!*out) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    cudaError_t e = cudaStreamSynchronize(pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(*out, pl->scr_state + at * BH, (size_t)n * sizeof(uint32_t),
+                       cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) return EKV_OK;
+    free(*out);
+    *out = NULL;
+    return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "%s: %s", what, cudaGetErrorString(e));
+}
+
 /* Query heads of the plan's last screened step whose candidate list overflowed (out[0]: they
  * took the retry pass) and whose retry list overflowed too (out[1]: every token kept). Internal,
  * for the bench and the GPU tests; synchronises the plan's stream. */
 extern "C" EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_t batch, int64_t *out) {
     const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
     if (cs) return cs;
-    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
-                  nh = (int64_t)batch * pl->p.num_heads;
-    uint32_t *m = (uint32_t *)malloc((size_t)nh * sizeof(uint32_t));
-    if (!m) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
-    cudaError_t e = cudaStreamSynchronize(pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemcpy(m, pl->scr_state + 4 * BH, (size_t)nh * sizeof(uint32_t),
-                       cudaMemcpyDeviceToHost);
+    const int64_t nh = (int64_t)batch * pl->p.num_heads;
+    uint32_t *m = NULL;
+    const ekv_status st = scr_state_read(pl, 4, nh, "screen overflow", &m); /* overflow marks */
+    if (st) return st;
     out[0] = out[1] = 0;
-    for (int64_t h = 0; pl->last_screened && e == cudaSuccess && h < nh; h++) {
+    for (int64_t h = 0; pl->last_screened && h < nh; h++) {
         out[0] += (m[h] & 1u) != 0;
         out[1] += (m[h] & 2u) != 0;
     }
     free(m);
-    if (e != cudaSuccess)
-        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen overflow: %s", cudaGetErrorString(e));
     return EKV_OK;
 }
 
@@ -713,19 +724,13 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_dropped(ekv_cuda_plan *pl, int32_t
                                                       int64_t *pages) {
     const ekv_status cs = ekv_cuda_check_readout(pl, pages, "pages", batch);
     if (cs) return cs;
-    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads,
-                  rows = (int64_t)batch * pl->p.num_kv_heads;
-    uint32_t *d = (uint32_t *)malloc((size_t)rows * sizeof(uint32_t));
-    if (!d) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
-    cudaError_t e = cudaStreamSynchronize(pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemcpy(d, pl->scr_state + 6 * BH, (size_t)rows * sizeof(uint32_t),
-                       cudaMemcpyDeviceToHost);
+    const int64_t rows = (int64_t)batch * pl->p.num_kv_heads;
+    uint32_t *d = NULL;
+    const ekv_status st = scr_state_read(pl, 6, rows, "screen dropped", &d);
+    if (st) return st;
     *pages = 0;
-    for (int64_t r = 0; pl->last_screened && e == cudaSuccess && r < rows; r++) *pages += d[r];
+    for (int64_t r = 0; pl->last_screened && r < rows; r++) *pages += d[r];
     free(d);
-    if (e != cudaSuccess)
-        return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "screen dropped: %s", cudaGetErrorString(e));
     return EKV_OK;
 }
 
