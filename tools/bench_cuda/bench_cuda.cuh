@@ -76,6 +76,7 @@ struct cuda_result {
     float build_ms;
     int64_t kbytes, vbytes, summary, scores, round2, budget, iters;
     int64_t screen_over[2]; /* heads that retried, and that kept every token */
+    int64_t screen_dropped; /* pages the screen's page box dropped unread (their codes) */
     int32_t screen_kind;    /* the screen kernel (ekv_cuda_screen_kernel) */
     ekv_cuda_report rep;
 };

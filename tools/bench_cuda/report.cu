@@ -33,12 +33,15 @@ static void cuda_bytes(const bench_opts *o, const cuda_len *c, const std::vector
     }
     r->summary = 0;
     const int screened = o->method == EKV_SELECT_SCREENED;
-    /* screened: every page's range and codes (the candidates and row lists are small) */
-    const int64_t screen_page = 2 * D * rb + o->w.page * ((D * o->code_bits + 7) / 8);
+    /* screened: every page's range, and the codes of those its page box did not drop (the
+     * candidates and row lists are small) */
+    const int64_t page_codes = o->w.page * ((D * o->code_bits + 7) / 8);
+    const int64_t screen_page = 2 * D * rb + page_codes;
     if (listed)
         for (int64_t b = 0; b < o->w.batch; b++)
             r->summary += screened ? (c->indptr[b + 1] - c->indptr[b]) * Hk * screen_page
                                    : (c->indptr[b + 1] - c->indptr[b] - 1) * Hk * per_page;
+    if (screened) r->summary -= r->screen_dropped * page_codes;
     /* superpages: the summaries the bound skipped, the boxes it read instead, and certified's
      * round 0 (the last 4 pages' K, docs/math.md §9.6) */
     r->summary += r->rep.superpage_boxes * 2 * D * 4 - r->rep.superpage_skipped * per_page;
@@ -70,6 +73,7 @@ int cuda_read_bytes(ekv_context *ctx, ekv_cuda_plan *plan, const bench_opts *o, 
     if (ekv_cuda_read_report(plan, (int32_t)o->w.batch, &r->rep) ||
         ekv_cuda_screen_rows(plan, (int32_t)o->w.batch, srows.data()) ||
         ekv_cuda_screen_overflow(plan, (int32_t)o->w.batch, r->screen_over) ||
+        ekv_cuda_screen_dropped(plan, (int32_t)o->w.batch, &r->screen_dropped) ||
         ekv_cuda_screen_kernel(plan, &r->screen_kind)) {
         fprintf(stderr, "entmaxkv bench: %s\n", ekv_last_error(ctx));
         return 1;
@@ -110,8 +114,11 @@ void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, double bw,
                 100.0 * (double)r->rep.survivors / (double)(c->total_tokens * o->w.heads));
     if (o->method == EKV_SELECT_SCREENED) {
         static const char *kinds[] = {"generic (CUDA cores)", "fast (CUDA cores)", "tensor cores"};
-        fprintf(stderr, "entmaxkv bench: len %lld: screen kernel: %s\n", (long long)c->len,
-                r->screen_kind >= 0 && r->screen_kind < 3 ? kinds[r->screen_kind] : "none");
+        fprintf(stderr, "entmaxkv bench: len %lld: screen kernel: %s; page box dropped %lld of "
+                "%lld (page, KV head) pairs unread\n",
+                (long long)c->len,
+                r->screen_kind >= 0 && r->screen_kind < 3 ? kinds[r->screen_kind] : "none",
+                (long long)r->screen_dropped, (long long)(c->indptr[o->w.batch] * o->w.kv_heads));
     }
     if (o->method == EKV_SELECT_SCREENED && r->screen_over[0])
         fprintf(stderr,
