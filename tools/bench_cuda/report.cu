@@ -114,7 +114,8 @@ void cuda_report_row(const bench_opts *o, const cudaDeviceProp &prop, double bw,
                 100.0 * (double)r->rep.survivors / (double)(c->total_tokens * o->w.heads));
     if (o->method == EKV_SELECT_SCREENED) {
         static const char *kinds[] = {"generic (CUDA cores)", "fast (CUDA cores)", "tensor cores"};
-        fprintf(stderr, "entmaxkv bench: len %lld: screen kernel: %s; page box dropped %lld of "
+        fprintf(stderr,
+                "entmaxkv bench: len %lld: screen kernel: %s; page box dropped %lld of "
                 "%lld (page, KV head) pairs unread\n",
                 (long long)c->len,
                 r->screen_kind >= 0 && r->screen_kind < 3 ? kinds[r->screen_kind] : "none",
