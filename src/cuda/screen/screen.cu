@@ -178,16 +178,17 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
 
 /* The page box (docs/math.md §10.4, "The page box in the screen") of the quarter's page: true
  * when no token of it can be kept by any head of the group, U_g <= max(M'_g - 1, screen_cut[g])
- * for every head g < G, with M'_g = seen[g], a max of l the warp knows (the keep test's cut or
- * below it, so a dropped page holds no token the screen would keep). U_g = box + (gamma +
- * gamma_2) sum_c |q'_c| A_c (1 + 2 gamma) + D nu + the largest ALiBi term of the page's valid
- * slots + 2 E_p: box = sum_c max(q'_c m_c, q'_c M_c) in fp32 in any order; every fp32 score of
- * the page is at most U_g. Lane q reads the ranges of its code rows' channels, as fast_chunk
- * does. False for a dead quarter, and where a bound is not a number. Warp-uniform call. */
+ * for every head g < G, with M'_g a max of l the warp knows: seen[g] and the keys it peeked this
+ * round (pre, lane 0's; the keep test's cut or below it, so a dropped page holds no token the
+ * screen would keep). U_g = box + (gamma + gamma_2) sum_c |q'_c| A_c (1 + 2 gamma) + D nu + the
+ * largest ALiBi term of the page's valid slots + 2 E_p: box = sum_c max(q'_c m_c, q'_c M_c) in
+ * fp32 in any order; every fp32 score of the page is at most U_g. Lane q reads the ranges of its
+ * code rows' channels, as fast_chunk does. False for a dead quarter, and where U is not finite
+ * (token_bounds keeps such tokens). Warp-uniform call. */
 template <int GM, int BITS, int RT>
 __device__ bool fast_page_below(const screen_args &A, const float *qs, int q, bool live, int64_t p,
                                 int64_t phys, int valid, const ekv_seq_geom &sg, int kvh,
-                                const float *slope, const float *seen) {
+                                const float *slope, const float *seen, const uint32_t *pre) {
     const int D = A.D, G = A.G, R = D * BITS / 8;
     const int64_t so = (phys * A.Hk + kvh) * D;
     float box[GM], qa[GM];
@@ -216,6 +217,7 @@ __device__ bool fast_page_below(const screen_args &A, const float *qs, int q, bo
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         const float b = quarter_sum(box[g]), a = quarter_sum(qa[g]); /* every lane, every g */
+        const float known = fmaxf(seen[g], ekv_key_float(__shfl_sync(0xffffffffu, pre[g], 0)));
         if (g >= G) continue;
         /* the page's largest ALiBi term: at its newest valid slot for slopes >= 0 */
         const float bias = fmaxf(slope[g] * jpos, slope[g] * (jpos + (float)(valid - 1)));
@@ -223,14 +225,15 @@ __device__ bool fast_page_below(const screen_args &A, const float *qs, int q, bo
                          (double)D * 0x1p-140 + (double)bias +
                          16.0 * u * (1.0 + 0x1p-20) * fabs((double)slope[g]) *
                                  ((double)llabs(p * A.ps - (sg.N - 1)) + (double)A.ps);
-        below &= U <= fmax((double)seen[g] - 1.0, (double)screen_cut[g]); /* NaN: kept */
+        below &= U - U == 0.0 && U <= fmax((double)known - 1.0, (double)screen_cut[g]);
     }
     return below;
 }
 
 /* Whether the fast kernel's warp still tries the page box: only on a group with an ALiBi term
  * (elsewhere old pages are not below), and, as the CPU screen, not once fewer than one page in
- * eight of its first 64 tried fell below. Warp-uniform (counts from ballots). */
+ * eight of its first 64 tried fell below. Warp-uniform (counts from ballots). count adds the
+ * pages dropped to *dropped_pages (the first pass's only: NULL in the retry). */
 struct page_box_state {
     bool trying;
     int tried, dropped;
@@ -240,7 +243,7 @@ struct page_box_state {
                   d = __popc(__ballot_sync(0xffffffffu, below) & first);
         tried += t;
         dropped += d;
-        if ((threadIdx.x & 31) == 0 && d) atomicAdd(dropped_pages, (uint32_t)d);
+        if ((threadIdx.x & 31) == 0 && d && dropped_pages) atomicAdd(dropped_pages, (uint32_t)d);
         trying = tried < 64 || 8 * dropped >= tried;
     }
 };
@@ -292,8 +295,8 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
         bool keep = live;           /* the quarter's page screened: not dropped by the page box */
         if (box.trying && k >= 0) { /* the dry pass publishes every first page's maxima */
             const bool below = fast_page_below<GM, BITS, RT>(A, smem, q, live, p, phys, valid, sg,
-                                                             kvh, slope, seen);
-            box.count(live, below, A.dropped + row);
+                                                             kvh, slope, seen, pre);
+            box.count(live, below, A.pass2 ? nullptr : A.dropped + row); /* the first pass's */
             keep = live && !below;
         }
         if (__any_sync(0xffffffffu, keep))
@@ -705,10 +708,10 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_
     const ekv_status cs = ekv_cuda_check_readout(pl, out, "out", batch);
     if (cs) return cs;
     const int64_t nh = (int64_t)batch * pl->p.num_heads;
+    out[0] = out[1] = 0;
     uint32_t *m = NULL;
     const ekv_status st = scr_state_read(pl, 4, nh, "screen overflow", &m); /* overflow marks */
     if (st) return st;
-    out[0] = out[1] = 0;
     for (int64_t h = 0; pl->last_screened && h < nh; h++) {
         out[0] += (m[h] & 1u) != 0;
         out[1] += (m[h] & 2u) != 0;
@@ -725,10 +728,10 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_dropped(ekv_cuda_plan *pl, int32_t
     const ekv_status cs = ekv_cuda_check_readout(pl, pages, "pages", batch);
     if (cs) return cs;
     const int64_t rows = (int64_t)batch * pl->p.num_kv_heads;
+    *pages = 0;
     uint32_t *d = NULL;
     const ekv_status st = scr_state_read(pl, 6, rows, "screen dropped", &d);
     if (st) return st;
-    *pages = 0;
     for (int64_t r = 0; pl->last_screened && r < rows; r++) *pages += d[r];
     free(d);
     return EKV_OK;
