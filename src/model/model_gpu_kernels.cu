@@ -142,8 +142,8 @@ enum {
     /* the stage (dynamic) and the kernel's static array within the 48 KB a launch gets without
      * the opt-in: 40 KB of stage, at most 1280 columns; wider layers take cuBLAS */
     LIN_MAX_COLS = 40 * 1024 / 4 / LIN_TOKENS,
-    /* float4s of a W row each lane of linear_row1_kernel holds (cols <= LIN_MAX_COLS) */
-    LIN_ROW1_HELD = LIN_MAX_COLS / 4 / 32
+    /* float4s of a W row each lane of the linear kernels holds (cols <= LIN_MAX_COLS) */
+    LIN_ROW_HELD = LIN_MAX_COLS / 4 / 32
 };
 static_assert(LIN_MAX_COLS % 128 == 0, "a row of LIN_MAX_COLS is whole float4s over 32 lanes");
 struct linear_args {
@@ -214,26 +214,43 @@ __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs
     }
 }
 
+/* The float4s of W's row r = the warp's (row 0's for a warp past the last row) that lane holds
+ * in both linear kernels: c = lane + 32 k, zero past the row's end. Loaded before the kernel's
+ * wait: no kernel writes the weights (uploaded at load), so with overlapped launches these loads
+ * run during the previous kernel (common/overlap.cuh). */
+struct lin_row_weights {
+    float4 v[LIN_ROW_HELD];
+};
+__device__ __forceinline__ lin_row_weights load_lin_row_weights(const linear_args &A) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
+    const float4 *w = reinterpret_cast<const float4 *>(A.W + (r < A.rows ? r : 0) * A.cols);
+    lin_row_weights h;
+#pragma unroll
+    for (int k = 0; k < LIN_ROW_HELD; k++)
+        h.v[k] = lane + 32 * k < n4 ? __ldg(w + lane + 32 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    return h;
+}
+
 __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args A) {
-    ekv_grid_begin();
+    const lin_row_weights wv = ekv_grid_begin_with([&] { return load_lin_row_weights(A); });
     extern __shared__ float4 xs[]; /* [LIN_TOKENS][cols / 4] */
     __shared__ float f[LIN_TOKENS]; /* the staged tokens' RMSNorm factors */
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
-    const float4 *w = reinterpret_cast<const float4 *>(A.W + (r < A.rows ? r : 0) * A.cols);
     for (int64_t t0 = 0; t0 < A.T; t0 += LIN_TOKENS) {
         const int nt = A.T - t0 < LIN_TOKENS ? (int)(A.T - t0) : LIN_TOKENS;
         __syncthreads(); /* the previous tile's reads are done */
         stage_input(A, t0, nt, xs, f);
         __syncthreads();
         float acc[LIN_TOKENS] = {};
-#pragma unroll 4
-        for (int64_t c = lane; c < n4; c += 32) {
-            const float4 a = __ldg(w + c);
 #pragma unroll
-            for (int t = 0; t < LIN_TOKENS; t++) {
-                acc[t] = dot4_add(a, xs[(t < nt ? t : 0) * n4 + c], acc[t]);
-            }
+        for (int k = 0; k < LIN_ROW_HELD; k++) { /* c = lane + 32 k ascending, as before */
+            const int64_t c = lane + 32 * k;
+            if (c >= n4) break;
+#pragma unroll
+            for (int t = 0; t < LIN_TOKENS; t++)
+                acc[t] = dot4_add(wv.v[k], xs[(t < nt ? t : 0) * n4 + c], acc[t]);
         }
 #pragma unroll
         for (int t = 0; t < LIN_TOKENS; t++) {
@@ -257,38 +274,20 @@ __device__ __forceinline__ float4 token_input4(const linear_args &A, int64_t c, 
     return rmsnorm4(v, f, __ldg(reinterpret_cast<const float4 *>(A.in.norm_w) + c));
 }
 
-/* The float4s of W's row r = the warp's (row 0's for a warp past the last row) that lane holds
- * in linear_row1_kernel: c = lane + 32 k, zero past the row's end. */
-struct row1_weights {
-    float4 v[LIN_ROW1_HELD];
-};
-__device__ __forceinline__ row1_weights load_row1_weights(const linear_args &A) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
-    const float4 *w = reinterpret_cast<const float4 *>(A.W + (r < A.rows ? r : 0) * A.cols);
-    row1_weights h;
-#pragma unroll
-    for (int k = 0; k < LIN_ROW1_HELD; k++)
-        h.v[k] = lane + 32 * k < n4 ? __ldg(w + lane + 32 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    return h;
-}
-
 /* linear_rows_kernel for one token (a single sequence's decode step, T = 1): the same sums in
  * the same order (a token's output does not depend on the kernel that computed it), without
  * the shared stage and its barriers: each warp reads the token's input itself and, for RMSNorm,
  * computes the token's factor itself (the same expression). At T = 1 the staged kernel took ~6
  * us a launch under ncu, 33 launches a step (bench/RESULTS.md, "The model's fixed cost"). */
 __global__ void __launch_bounds__(32 * LIN_WARPS) linear_row1_kernel(linear_args A) {
-    /* W's row before the wait: no kernel writes the weights (uploaded at load), so with
-     * overlapped launches these loads run during the previous kernel (common/overlap.cuh) */
-    const row1_weights wv = ekv_grid_begin_with([&] { return load_row1_weights(A); });
+    const lin_row_weights wv = ekv_grid_begin_with([&] { return load_lin_row_weights(A); });
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
     if (r >= A.rows) return; /* a whole warp: no barrier in this kernel */
     const float f = A.in.kind == GPU_LIN_RMSNORM ? warp_rms_factor(A.in.x, A, lane) : 1.f;
     float acc = 0.f; /* the staged kernel's order: c = lane, lane + 32, ... */
 #pragma unroll
-    for (int k = 0; k < LIN_ROW1_HELD; k++)
+    for (int k = 0; k < LIN_ROW_HELD; k++)
         if (lane + 32 * k < n4) acc = dot4_add(wv.v[k], token_input4(A, lane + 32 * k, f), acc);
     const float s = warp_sum_f(acc);
     if (lane == 0) A.y[r] = A.beta != 0.f ? A.y[r] + s : s;
