@@ -47,6 +47,13 @@ def _far_from_tau(q, k, alpha, causal, slopes, margin=1e-4):
     return bool((gap[torch.isfinite(z)] > margin).all())
 
 
+def _gradcheck(f, q, k, v):
+    """torch.autograd.gradcheck of f(q, k, v) in float64 (q, k, v then require grad)."""
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_matches_the_reference(alpha, causal):
@@ -81,11 +88,7 @@ def test_gradcheck(alpha, causal, alibi):
             break
     else:
         pytest.fail("no seed keeps every score 1e-4 from tau")
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda a, b, c: flash.flash_entmax(a, b, c, alpha, causal, slopes), (q, k, v),
-        eps=1e-6, atol=1e-7, rtol=1e-5)
+    _gradcheck(lambda a, b, c: flash.flash_entmax(a, b, c, alpha, causal, slopes), q, k, v)
 
 
 def test_float32_gradients_follow_the_float64_ones():
@@ -169,11 +172,7 @@ def test_varlen_gradcheck(alpha):
             break
     else:
         pytest.fail("no seed keeps every score 1e-4 from tau")
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda a, b, c: flash.flash_entmax_varlen(a, b, c, cq, ck, alpha), (q, k, v), eps=1e-6,
-        atol=1e-7, rtol=1e-5)
+    _gradcheck(lambda a, b, c: flash.flash_entmax_varlen(a, b, c, cq, ck, alpha), q, k, v)
     flash.flash_entmax_varlen(q, k, v, cq, ck, alpha).pow(2).sum().backward()
     assert k.grad[4:6].abs().max() == 0 and v.grad[4:6].abs().max() == 0
 

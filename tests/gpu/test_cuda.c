@@ -1765,6 +1765,19 @@ static void graph_test(ekv_context *ctx, int method, int overlap) {
     ekv_cache_free(cache);
 }
 
+/* A 0/1 field of pp (at flag) set to 2: the plan is refused with EKV_ERR_INVALID_ARGUMENT and a
+ * message naming it; the field is restored. */
+static void flag_refused(ekv_context *ctx, ekv_cuda_plan_params *pp, int32_t *flag,
+                         const char *name) {
+    const int32_t keep = *flag;
+    ekv_cuda_plan *plan = NULL;
+    *flag = 2;
+    CHECK(ekv_cuda_plan_create(ctx, pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
+                  strstr(ekv_last_error(ctx), name),
+          "%s 2", name);
+    *flag = keep;
+}
+
 static void invalid_test(ekv_context *ctx) {
     ekv_cuda_plan *plan = NULL;
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
@@ -1780,21 +1793,9 @@ static void invalid_test(ekv_context *ctx) {
                   strstr(ekv_last_error(ctx), "screen_list_bytes"),
           "screen_list_bytes -1");
     pp.screen_list_bytes = 0;
-    pp.fused_attend = 2;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
-                  strstr(ekv_last_error(ctx), "fused_attend"),
-          "fused_attend 2");
-    pp.fused_attend = 0;
-    pp.overlap_launches = 2;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
-                  strstr(ekv_last_error(ctx), "overlap_launches"),
-          "overlap_launches 2");
-    pp.overlap_launches = 0;
-    pp.tensor_cores = 2;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
-                  strstr(ekv_last_error(ctx), "tensor_cores"),
-          "tensor_cores 2");
-    pp.tensor_cores = 1;
+    flag_refused(ctx, &pp, &pp.fused_attend, "fused_attend");
+    flag_refused(ctx, &pp, &pp.overlap_launches, "overlap_launches");
+    flag_refused(ctx, &pp, &pp.tensor_cores, "tensor_cores");
     pp.head_dim = 12;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE, "head_dim 12");
     pp.head_dim = 128;
