@@ -284,9 +284,10 @@ __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_ker
         ekv_peek_max<GM>(A.lkey + h0, G, pre);
         const int64_t p = p0 + qd, pn = p + 4 * nw;
         const bool live = p < e1;
-        if (pn < e1) { /* the warp's next pages into L2 */
+        if (pn < e1) { /* the warp's next pages into L2 (their codes only where the page box is
+                        * not tried: a dropped page's codes are never read) */
             const int64_t ph = A.t.indices[sg.first + pn], so = (ph * A.Hk + kvh) * A.D;
-            prefetch_quarter(A.codes + (ph * A.Hk + kvh) * cb, cb, q);
+            if (!box.trying) prefetch_quarter(A.codes + (ph * A.Hk + kvh) * cb, cb, q);
             prefetch_quarter(ekv_range_addr(A.rng, false, so), A.D * A.rng.elem, q);
             prefetch_quarter(ekv_range_addr(A.rng, true, so), A.D * A.rng.elem, q);
         }
