@@ -49,11 +49,13 @@ __global__ void reader_kernel(probe *p) {
     p->seen = p->marker;
 }
 
-/* One writer-reader pair on s with the given overlap. */
+/* One writer-reader pair on s with the given overlap; the launches' errors checked. */
 static void launch_pair(cudaStream_t s, int overlap, probe *p, int value) {
     const ekv_launch_stream on = {s, overlap};
-    ekv_launch(on, writer_kernel, 1, 32, 0, p, value, 200000ull);
-    ekv_launch(on, reader_kernel, 1, 32, 0, p);
+    const cudaError_t w = ekv_launch(on, writer_kernel, 1, 32, 0, p, value, 200000ull);
+    const cudaError_t r = ekv_launch(on, reader_kernel, 1, 32, 0, p);
+    CHECK(w == cudaSuccess && r == cudaSuccess, "launch (overlap %d): %s / %s", overlap,
+          cudaGetErrorString(w), cudaGetErrorString(r));
 }
 
 static void check_round(const probe &h, int value, int overlap, const char *how) {
@@ -74,9 +76,10 @@ static void run(cudaStream_t s, int overlap, int graph, probe *d, int *value) {
     cudaGraphExec_t exec = NULL;
     if (graph) {
         cudaGraph_t g;
-        cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess, "capture");
         launch_pair(s, overlap, d, 0); /* the marker is a kernel argument: rounds write 0 */
-        cudaStreamEndCapture(s, &g);
+        CHECK(cudaStreamEndCapture(s, &g) == cudaSuccess, "end capture: %s",
+              cudaGetErrorString(cudaGetLastError()));
         CHECK(cudaGraphInstantiate(&exec, g, 0) == cudaSuccess, "graph instantiate");
         cudaGraphDestroy(g);
     }
