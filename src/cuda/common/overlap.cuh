@@ -11,11 +11,12 @@
  *           can race with them; then griddepcontrol.launch_dependents, which lets the next
  *           kernel of the stream be launched now (its blocks wait at their own
  *           ekv_grid_begin). Both are no-ops in a launch without the attribute and below sm_90.
- *           Or with `x = ekv_grid_begin_with(reads)`: reads() first, then the same; reads() may
- * load only memory that no kernel writes (the model's weights, uploaded before any step), so that
- * those loads overlap the previous kernel's tail. host:   ekv_launch(on, kernel, grid, block, smem,
- * args...) launches with the attribute when on.overlap is set (the plan's overlap_launches), as
- * <<<>>> without.
+ *           Or with `x = ekv_grid_begin_with(reads)`: reads() first, then the same; reads()
+ *           may load only memory that no kernel writes (the model's weights, uploaded before
+ *           any step), so that those loads overlap the previous kernel's tail.
+ *
+ *   host:   ekv_launch(on, kernel, grid, block, smem, args...) launches with the attribute
+ *           when on.overlap is set (the plan's overlap_launches), as <<<>>> without.
  *
  * Why waiting first is exact: a kernel that waits before its first global access sees every
  * write of the kernels before it (the wait is transitive: the kernel before it waited in turn),

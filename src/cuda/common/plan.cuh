@@ -15,8 +15,17 @@
  * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
 enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2 };
 
-/* The arrays of ekv_cuda_plan.scr_state, each [B*H]. */
-enum { EKV_SCR_STATE_ROWS = 7 };
+/* The rows of ekv_cuda_plan.scr_state, each [B*H] (ekv_scr_row gives one). */
+enum {
+    EKV_SCR_LKEY = 0,    /* max l per query head (ordered keys, 0 = none yet)          */
+    EKV_SCR_ZKEY = 1,    /* max z per query head (the row scores kernel's)              */
+    EKV_SCR_COUNT = 2,   /* candidates of the screen                                   */
+    EKV_SCR_COUNT2 = 3,  /* candidates of its retry pass                               */
+    EKV_SCR_MARKS = 4,   /* overflow marks (1 retried, 2 every token kept)             */
+    EKV_SCR_SHORT = 5,   /* entries of the short list (scr_short)                      */
+    EKV_SCR_DROPPED = 6, /* pages the page box dropped, per (sequence, KV head)        */
+    EKV_SCR_STATE_ROWS = 7
+};
 
 struct ekv_cuda_plan {
     ekv_context *ctx;
@@ -158,6 +167,11 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
     s.ps = pl->p.page_size;
     s.cap_pages = pl->cap_pages;
     s.cap_tokens = pl->cap_tokens;
+}
+
+/* Row `row` (EKV_SCR_*) of the plan's screen counters. */
+inline uint32_t *ekv_scr_row(const ekv_cuda_plan *pl, int row) {
+    return pl->scr_state + (int64_t)row * pl->p.max_batch * pl->p.num_heads;
 }
 
 /* The plan's stream and its overlap_launches, where every launch of its steps goes

@@ -583,13 +583,12 @@ int screen_kind(const ekv_cuda_plan *pl, int G, int D, int ps, int code_bits) {
 /* The retry's sums over the kept l of the heads whose list overflowed (the others' blocks
  * return at once). */
 ekv_status launch_retry_sums(ekv_cuda_plan *pl, const ekv_decode_params *prm, int batch) {
-    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
     retry_args R;
     R.scap = pl->scap;
     R.beta = 1.0 / (prm->alpha - 1.0);
     R.mode = prm->alpha == 1.5 ? 0 : prm->alpha == 2.0 ? 1 : 2;
-    R.lkey = pl->scr_state;
-    R.scount = pl->scr_state + 2 * BH;
+    R.lkey = ekv_scr_row(pl, EKV_SCR_LKEY);
+    R.scount = ekv_scr_row(pl, EKV_SCR_COUNT);
     R.scl = pl->scl;
     R.fsum = pl->scr_f;
     const dim3 grid((unsigned)((pl->scap + RETRY_CHUNK - 1) / RETRY_CHUNK),
@@ -635,22 +634,22 @@ ekv_status launch_screen_bounds(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     A.codes = st->codes;
     ekv_cuda_set_query(A, prm, kv->head_dim, q); /* entmax only (the method table) */
     A.scap = pl->scap;
-    A.lkey = pl->scr_state;
-    A.scount = A.acount = pl->scr_state + 2 * BH;
+    A.lkey = ekv_scr_row(pl, EKV_SCR_LKEY);
+    A.scount = A.acount = ekv_scr_row(pl, EKV_SCR_COUNT);
     A.pass2 = 0;
     A.fsum = pl->scr_f;
     A.scl = pl->scl;
     A.scu = pl->scu;
     A.sct = pl->sct;
     A.survivors = pl->survivors;
-    A.dropped = pl->scr_state + 6 * BH;
+    A.dropped = ekv_scr_row(pl, EKV_SCR_DROPPED);
     ekv_status s = launch_screen_pass(pl, A, st->code_bits, batch);
     /* a list of every token cannot overflow (a token is appended once per head): such a plan
      * (plan.cu, screen_list_cap) never retries, decided at plan time so a graph keeps it */
     if (s || pl->scap >= pl->cap_tokens) return s;
     s = launch_retry_sums(pl, prm, batch);
     A.pass2 = 1;
-    A.acount = pl->scr_state + 3 * BH; /* the retry's list overwrites the first one */
+    A.acount = ekv_scr_row(pl, EKV_SCR_COUNT2); /* the retry's list overwrites the first one */
     if (!s) s = launch_screen_pass(pl, A, st->code_bits, batch);
     return s;
 }
@@ -685,16 +684,15 @@ extern "C" ekv_status ekv_cuda_screen_rows(ekv_cuda_plan *pl, int32_t batch, int
     return EKV_OK;
 }
 
-/* n entries of row `at` of the plan's scr_state (EKV_SCR_STATE_ROWS rows of B*H) into *out, a
+/* n entries of row `at` (EKV_SCR_*) of the plan's scr_state into *out, a
  * host copy the caller frees, after the plan's stream. */
 static ekv_status scr_state_read(ekv_cuda_plan *pl, int at, int64_t n, const char *what,
                                  uint32_t **out) {
-    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
     *out = (uint32_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(uint32_t));
     if (!*out) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     cudaError_t e = cudaStreamSynchronize(pl->stream);
     if (e == cudaSuccess)
-        e = cudaMemcpy(*out, pl->scr_state + at * BH, (size_t)n * sizeof(uint32_t),
+        e = cudaMemcpy(*out, ekv_scr_row(pl, at), (size_t)n * sizeof(uint32_t),
                        cudaMemcpyDeviceToHost);
     if (e == cudaSuccess) return EKV_OK;
     free(*out);
@@ -711,7 +709,7 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_overflow(ekv_cuda_plan *pl, int32_
     const int64_t nh = (int64_t)batch * pl->p.num_heads;
     out[0] = out[1] = 0;
     uint32_t *m = NULL;
-    const ekv_status st = scr_state_read(pl, 4, nh, "screen overflow", &m); /* overflow marks */
+    const ekv_status st = scr_state_read(pl, EKV_SCR_MARKS, nh, "screen overflow", &m);
     if (st) return st;
     for (int64_t h = 0; pl->last_screened && h < nh; h++) {
         out[0] += (m[h] & 1u) != 0;
@@ -731,7 +729,7 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_dropped(ekv_cuda_plan *pl, int32_t
     const int64_t rows = (int64_t)batch * pl->p.num_kv_heads;
     *pages = 0;
     uint32_t *d = NULL;
-    const ekv_status st = scr_state_read(pl, 6, rows, "screen dropped", &d);
+    const ekv_status st = scr_state_read(pl, EKV_SCR_DROPPED, rows, "screen dropped", &d);
     if (st) return st;
     for (int64_t r = 0; pl->last_screened && r < rows; r++) *pages += d[r];
     free(d);
@@ -762,7 +760,7 @@ extern "C" EKV_API ekv_status ekv_cuda_screen_lists(ekv_cuda_plan *pl, int32_t b
     if (!c) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
     cudaError_t e = cudaStreamSynchronize(pl->stream);
     if (e == cudaSuccess) /* the first pass's counts, then the retry's */
-        e = cudaMemcpy(c, pl->scr_state + 2 * BH, (size_t)(2 * BH) * sizeof(uint32_t),
+        e = cudaMemcpy(c, ekv_scr_row(pl, EKV_SCR_COUNT), (size_t)(2 * BH) * sizeof(uint32_t),
                        cudaMemcpyDeviceToHost);
     const size_t bytes = (size_t)(nh * pl->scap) * 4;
     if (e == cudaSuccess) e = cudaMemcpy(l, pl->scl, bytes, cudaMemcpyDeviceToHost);

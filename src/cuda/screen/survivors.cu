@@ -292,18 +292,17 @@ int taul_splits(const ekv_cuda_plan *pl, int heads) {
 
 void set_taul_args(taul_args &T, ekv_cuda_plan *pl, const ekv_decode_params *prm,
                    const ekv_page_table *t, int batch) {
-    const int64_t BH = (int64_t)pl->p.max_batch * pl->p.num_heads;
     ekv_cuda_set_shape(T, pl, t);
     T.alpha = prm->alpha;
     T.scap = pl->scap;
     T.cap_words = pl->cap_words;
     T.nsplit = taul_splits(pl, batch * T.H);
     T.smem_cap = (int)pl->short_cap;
-    T.lkey = pl->scr_state;
-    T.scount = pl->scr_state + 2 * BH;
-    T.scount2 = pl->scr_state + 3 * BH;
-    T.marks = pl->scr_state + 4 * BH;
-    T.short_count = pl->scr_state + 5 * BH;
+    T.lkey = ekv_scr_row(pl, EKV_SCR_LKEY);
+    T.scount = ekv_scr_row(pl, EKV_SCR_COUNT);
+    T.scount2 = ekv_scr_row(pl, EKV_SCR_COUNT2);
+    T.marks = ekv_scr_row(pl, EKV_SCR_MARKS);
+    T.short_count = ekv_scr_row(pl, EKV_SCR_SHORT);
     T.short_l = pl->scr_short;
     T.slow_paths = pl->slow_paths;
     T.scl = pl->scl;

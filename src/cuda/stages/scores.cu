@@ -496,7 +496,7 @@ ekv_status ekv_cuda_launch_row_scores(ekv_cuda_plan *pl, const ekv_decode_params
     set_score_args(A, pl, prm, kv, t, q, batch, 0, 1, 0); /* entmax only: screened */
     A.rows = pl->rows;
     A.row_count = pl->row_count;
-    A.zkey = pl->scr_state + (int64_t)pl->p.max_batch * pl->p.num_heads;
+    A.zkey = ekv_scr_row(pl, EKV_SCR_ZKEY);
     A.ccap = pl->cand_cap;
     A.cand_z = pl->cand_z;
     A.cand_slot = pl->cand_slot;
