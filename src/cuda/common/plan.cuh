@@ -87,11 +87,8 @@ struct ekv_cuda_plan {
     double *gstat;       /* [B*H][3] gaussian: tau-hat, sigma_g, u_avg per query head     */
     int64_t *survivors;  /* [B*Hk] screened: (token, query head) pairs the screen kept    */
     /* screened decode on token rows (screen/screen.cu) */
-    uint32_t *scr_state; /* [EKV_SCR_STATE_ROWS][B*H] per step, zeroed by one memset: max */
-                         /* l, max z (ordered keys, 0 = none yet), candidates of the      */
-                         /* screen, of its retry pass, overflow marks (1 retried, 2 every */
-                         /* token kept), entries of the short list (scr_short), pages the */
-                         /* page box dropped per (sequence, KV head) (its first B*Hk)     */
+    uint32_t *scr_state; /* [EKV_SCR_STATE_ROWS][B*H] per step, zeroed by one memset; its */
+                         /* rows are EKV_SCR_* (above), ekv_scr_row gives one             */
     double *scr_f;       /* [B*H][EKV_SCREEN_GRID] F of the kept l at the retry grid      */
     int64_t scap;        /* candidates of the screen kept per query head                 */
     float *scl, *scu;    /* [B*H][scap] their lower and upper bounds                      */
