@@ -3,7 +3,9 @@
  * attention of B sequences of T query rows over device tensors, on the fused prefill kernel
  * (prefill_fused.cu, through ekv_cuda_prefill_attention, the model engine's entry). Per
  * sequence and per pass of `chunk` query tokens:
- *   1. q of the pass as fp32 (16-bit q: one conversion kernel; f32 q is read where it is);
+ *   1. q of the pass as fp32 (16-bit q: one conversion kernel; f32 q is read where it is); a q
+ *      of K's dtype is exact there, so the scores take it as one part and a * scale after the
+ *      product, as the backward does (docs/math.md §12);
  *   2. the fused kernel on the pass's rows (positions N - T + t0.., causal or every key; its
  *      scratch carved from the caller's workspace, sized for `chunk` tokens);
  *   3. finish_kernel: each row's tau back in z-space (the kernel keeps tau - M and M, docs/math.md
@@ -200,6 +202,7 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
     blk.k = (const char *)a->k + ko * kes;
     blk.v = (const char *)a->v + ko * kes;
     blk.q = q32;
+    blk.q_in_kv_dtype = a->q_dtype == a->kv_dtype; /* q as one part (docs/math.md §12) */
     blk.slopes = a->shape.alibi_slopes;
     blk.att = L.att32 < 0 ? (float *)a->out + qo : (float *)(base + L.att32);
     blk.counters = (unsigned long long *)(base + L.counters);

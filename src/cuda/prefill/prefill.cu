@@ -4,7 +4,8 @@
  * block of T query tokens at positions pos0.. and each KV head g, the G query heads of g times
  * the T tokens are R = T*G rows of one GEMM against the head's keys [0, pos0 + T) in the cache:
  *   1. q' = a*scale*q split exactly into parts of K's dtype (docs/math.md §12, as §3.1 does
- *      for decode), rows laid out [Hk][T*G][D];
+ *      for decode), rows laid out [Hk][T*G][D]; a q exact in K's dtype is one part, q itself,
+ *      and a*scale goes to the row's factor instead of 2^-s;
  *   2. S = sum over parts of q'_part . K^T (cuBLAS, fp32 accumulation, batched over KV heads);
  *   3. per row: z = S * 2^-s + a*m_h*(j - i) over the causal prefix j <= i, the max M, the
  *      candidates z > M - 1, tau by the backend's solver (tau_solve.cuh), p = [z - tau]_+^beta
@@ -160,7 +161,7 @@ static ekv_status prefill_gemms(const ekv_cuda_prefill *pf, const ekv_cuda_prefi
     const int64_t m = scores ? A.nk : A.D, k = scores ? A.D : A.nk;
     const int64_t ldx = scores ? A.D : A.ld, ldc = scores ? A.ld : A.D;
     const char *x = static_cast<const char *>(scores ? A.qparts : A.pparts);
-    for (int p = 0; p < A.np; p++)
+    for (int p = 0; p < (scores ? A.nq : A.np); p++)
         BLAS_TRY(pf, cublasGemmStridedBatchedEx(
                              pf->blas, scores ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, (int)m,
                              (int)A.R, (int)k, scores ? &one : &pback, scores ? b->k : b->v, ty,
@@ -191,6 +192,7 @@ ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda
                         "prefill (cuda): the GEMM path is causal entmax only (the fused kernel "
                         "serves softmax and all keys)");
     A.np = pf->nparts;
+    A.nq = b->q_in_kv_dtype ? 1 : pf->nparts;
     A.a = b->alpha == 1.0 ? 1.0 : b->alpha - 1.0; /* z = a s (docs/math.md §0; softmax: z = s) */
     A.alpha = b->alpha;
     A.qf = (float)(A.a * (float)ekv_effective_scale(b->scale, A.D)); /* as ekv_cpu_scale_queries */

@@ -114,6 +114,9 @@ struct ekv_cuda_prefill_block {
     ekv_dtype dtype;     /* K's and V's */
     const void *k, *v;   /* key and value 0 of KV head 0 of the sequence, tokens Hk * D apart */
     const float *q;      /* [T][H][D]; pos0 may be negative when noncausal_keys < T */
+    /* 1: every q value is exact in K's dtype (a 16-bit q given as fp32, the flash op's): the
+     * scores take q as one part and a * scale after the product (docs/math.md §12) */
+    int q_in_kv_dtype;
     const float *slopes; /* [H] ALiBi slopes (device), or NULL */
     float *att;          /* [T][H][D] the output */
     unsigned long long *counters; /* [PF_COUNTERS] the fused kernel adds to (device) */

@@ -12,7 +12,8 @@
 /* One block's shape and buffers (the fused kernel extends it, prefill_fused.cu) */
 struct prefill_args {
     int64_t pos0, T, R, G, Hk, H, D, ld, nk;
-    int np;
+    int np;       /* parts of P (and of q' unless nq says otherwise) */
+    int nq;       /* parts of q': np, or 1 with q_in_kv_dtype (docs/math.md §12) */
     float qf;     /* (a * scale) rounded as the CPU rounds it */
     float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
     double a, alpha;
@@ -35,12 +36,20 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
     }
 }
 
-/* block (t, h): q'[t][h] split into parts, shifted by 2^s for f16 (docs/math.md §12) */
+/* block (t, h): q'[t][h] split into nq parts, shifted by 2^s for f16 (docs/math.md §12); or,
+ * with nq 1 (q exact in K's dtype), q itself and a * scale as the row's factor */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     ekv_grid_begin();
     __shared__ float scratch[32];
     const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, r = t * A.G + h % A.G;
     const float *q = A.q + (t * A.H + h) * A.D;
+    const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
+    T *dst = (T *)A.qparts + row * A.D;
+    if (A.nq == 1) { /* block-uniform */
+        for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) dst[d] = ekv_elem<T>::from(q[d]);
+        if (threadIdx.x == 0) A.qshift[row] = A.qf;
+        return;
+    }
     float mx = 0.f;
     for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) mx = fmaxf(mx, fabsf(q[d] * A.qf));
     mx = ekv_block_max(mx, scratch, 0.f);
@@ -50,10 +59,8 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
         s = 14 - ilogbf(mx);
         s = s > 126 ? 126 : s;
     }
-    const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
-    T *dst = (T *)A.qparts + row * A.D;
     for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x)
-        split<T>(ldexpf(q[d] * A.qf, s), A.np, dst + d, pstride);
+        split<T>(ldexpf(q[d] * A.qf, s), A.nq, dst + d, pstride);
     if (threadIdx.x == 0) A.qshift[row] = ldexpf(1.f, -s);
 }
 

@@ -260,7 +260,8 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
                 s[n8][i] = p * A.pscale; /* p <= 1: within f16's range (docs/math.md §12) */
             }
 #pragma unroll
-        for (int q = 0; q < PF_KEYS / 16; q++) tile_pv<T, D, NP>(vt + q * 16 * D * 2, s + 2 * q, o);
+        for (int q = 0; q < PF_KEYS / 16; q++)
+            tile_pv<T, D, split_parts<T>()>(vt + q * 16 * D * 2, s + 2 * q, o);
     };
     sweep_z<T, D, NP, true>(A, L, qa, block_keys(A), stages, &unused, use);
     for (int k = 0; k < 2; k++) {
@@ -275,14 +276,9 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     }
 }
 
-/* Blocks per SM the registers must allow: the sweeps are latency-bound (ncu: the tensor pipe
- * busy 10-15 %), and without a bound ptxas took 255 registers (2 blocks of 4 warps per SM) and
- * spilled anyway; at 3 the candidate and Newton passes take 168 (f16, D 64: 52 and 204 bytes of
- * spill stores). The output pass keeps 2 (its P V accumulators). */
-template <int MODE> constexpr int fused_min_blocks() { return MODE == PF_OUT ? 2 : 3; }
-
 template <typename T, int D, int NP, int MODE>
-__global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE>()) fused_kernel(fused_args A) {
+__global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<MODE, NP>())
+        fused_kernel(fused_args A) {
     ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int want = MODE == PF_OUT      ? ROW_SOLVED_NEWTON
@@ -422,7 +418,7 @@ cudaError_t launch_mode(const fused_args &A, int mode, cudaStream_t s) {
 
 /* The pass mode over the queries split for K's dtype dt. */
 cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) {
-    return with_query_split(dt, [&](auto q) {
+    return with_query_split(dt, A.nq, [&](auto q) {
         return launch_mode<typename decltype(q)::type, decltype(q)::np>(A, mode, s);
     });
 }

@@ -61,14 +61,32 @@ cudaError_t prefill_hist_lists(ekv_dtype dt, const fused_args &A, cudaStream_t s
 
 namespace {
 
-/* f16 queries take 2 parts, bf16 3 (the caller sets nparts: src/model/model_gpu.cu,
- * docs/math.md §12): f(query_split<T, NP>()) for K's dtype dt. */
+/* The parts of q' (NP) and of P as mma operands: f16 2, bf16 3 (docs/math.md §12); q' takes
+ * one when q is exact in K's dtype (nq 1, the flash op's 16-bit q). */
+template <typename T> __host__ __device__ constexpr int split_parts() {
+    return std::is_same<T, __half>::value ? 2 : 3;
+}
 template <typename T, int NP> struct query_split {
     typedef T type;
     static constexpr int np = NP;
 };
-template <typename F> cudaError_t with_query_split(ekv_dtype dt, F f) {
-    return dt == EKV_DTYPE_F16 ? f(query_split<__half, 2>()) : f(query_split<__nv_bfloat16, 3>());
+/* f(query_split<T, NP>()) for K's dtype dt and nq parts of q' (1, or the dtype's split_parts;
+ * the caller sets nparts: src/model/model_gpu.cu, src/cuda/prefill/flash_entmax.cu). */
+template <typename F> cudaError_t with_query_split(ekv_dtype dt, int nq, F f) {
+    if (dt == EKV_DTYPE_F16)
+        return nq == 1 ? f(query_split<__half, 1>()) : f(query_split<__half, 2>());
+    return nq == 1 ? f(query_split<__nv_bfloat16, 1>()) : f(query_split<__nv_bfloat16, 3>());
+}
+
+/* Blocks per SM the registers must allow: the sweeps are latency-bound (ncu: the tensor pipe
+ * busy 10-15 %), and without a bound ptxas took 255 registers (2 blocks of 4 warps per SM) and
+ * spilled anyway; at 3 the candidate and Newton passes take 168 (f16, D 64: 52 and 204 bytes of
+ * spill stores). The output pass keeps 2 (its P V accumulators). One part of q' holds a third
+ * (bf16) of the query fragments' registers: the candidate (and histogram) sweeps take one block
+ * more at 128 registers (40-250 bytes of spill stores); the Newton pass spilled 750 there, so it
+ * keeps 3. */
+template <int MODE, int NP> constexpr int fused_min_blocks() {
+    return (MODE == PF_OUT ? 2 : 3) + (NP == 1 && MODE == PF_CANDS ? 1 : 0);
 }
 
 /* A warp's list of n values at cs, staged in its shared memory when they fit (PF_TAU_STAGE):

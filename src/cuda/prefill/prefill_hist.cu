@@ -189,10 +189,11 @@ template <int D, int NP> constexpr size_t hist_smem_bytes() {
     return fused_smem_bytes<D, NP, false>() + (size_t)PF_ROWS * HB_SLOTS * 4 + (HB_WIN + 1) * 4;
 }
 
-/* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; 3 blocks per SM as the
- * candidate pass (prefill_fused.cu, fused_min_blocks). */
+/* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; as many blocks per SM as the
+ * candidate pass (fused_min_blocks). */
 template <typename T, int D, int NP, int MODE>
-__global__ void __launch_bounds__(PF_THREADS, 3) hist_kernel(fused_args A) {
+__global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<PF_CANDS, NP>())
+        hist_kernel(fused_args A) {
     ekv_grid_begin();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const pf_lane L = lane_rows(A, MODE == HIST_COUNT ? -1 : ROW_LIST);
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) 
 }
 
 template <int MODE> cudaError_t launch_hist(ekv_dtype dt, const fused_args &A, cudaStream_t s) {
-    return with_query_split(dt, [&](auto q) {
+    return with_query_split(dt, A.nq, [&](auto q) {
         typedef typename decltype(q)::type T;
         constexpr int NP = decltype(q)::np;
         if (A.D == 64)
