@@ -18,7 +18,8 @@
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
 #   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+V: M with the
 #   variant V's options, BIN's tree only: fused (bench --fused-attend 1), overlap
-#   (--overlap-launches 1), both joined by +, e.g. dense+fused+overlap), PROFILE_LAYERS
+#   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), joined by +,
+#   e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
 #   (none: a context, e.g. 4096, whose model decode step ncu times kernel by kernel for dense
@@ -67,13 +68,14 @@ for n in map(int, sys.argv[1:]):
 PY
 }
 
-# variant_options V: the options of a variant (fused, overlap, or both joined by +)
+# variant_options V: the options of a variant (fused, overlap, plain, or some joined by +)
 variant_options() {
     local part opts=""
     for part in $(echo "$1" | tr + ' '); do
         case "$part" in
         fused) opts="$opts --fused-attend 1" ;;
         overlap) opts="$opts --overlap-launches 1" ;;
+        plain) opts="$opts --overlap-launches 0" ;;
         *) echo "real_attention.sh: unknown variant '$part'" >&2 ;;
         esac
     done

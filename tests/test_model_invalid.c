@@ -140,26 +140,30 @@ static void list_sizes(ekv_context *ctx) {
     }
 }
 
-/* A 0/1 field of ekv_model_params (name, at its offset): 0 by default, another value than 0 or 1
- * refused on every backend with a message naming it; 1 on the cpu engine accepted and unused. */
-static void flag_values(ekv_context *ctx, const char *name, size_t at) {
+/* A flag of ekv_model_params (name, at its offset) whose values are lo .. 1: def by default, a
+ * value outside refused on every backend with a message naming it; each value accepted on the
+ * cpu engine (and unused). */
+static void flag_values(ekv_context *ctx, const char *name, size_t at, int32_t def, int32_t lo) {
     static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
     ekv_model_params p = ekv_model_default_params();
     int32_t *flag = (int32_t *)((char *)&p + at);
     p.max_tokens = 10;
-    CHECK(*flag == 0, "%s defaults to %d, not 0", name, *flag);
+    CHECK(*flag == def, "%s defaults to %d, not %d", name, *flag, def);
     ekv_model *m = NULL;
-    const int32_t bad[2] = {-1, 2};
+    const int32_t bad[2] = {lo - 1, 2};
     for (int b = 0; b < 2; b++) {
         *flag = bad[b];
         CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m &&
                       strstr(ekv_last_error(ctx), name),
               "%s %d: %s", name, bad[b], ekv_last_error(ctx));
     }
-    *flag = 1;
-    CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_OK && m, "%s 1: %s", name,
-          ekv_last_error(ctx));
-    ekv_model_free(m);
+    for (int32_t v = lo; v <= 1; v++) { /* every valid value loads (the cpu backend ignores it) */
+        *flag = v;
+        CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_OK && m, "%s %d: %s", name, v,
+              ekv_last_error(ctx));
+        ekv_model_free(m);
+        m = NULL;
+    }
 }
 
 int main(void) {
@@ -331,8 +335,9 @@ int main(void) {
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m, "prefill_kernel 7");
     p.prefill_kernel = EKV_PREFILL_AUTO;
     list_sizes(ctx);
-    flag_values(ctx, "fused_attend", offsetof(ekv_model_params, fused_attend));
-    flag_values(ctx, "overlap_launches", offsetof(ekv_model_params, overlap_launches));
+    flag_values(ctx, "fused_attend", offsetof(ekv_model_params, fused_attend), 0, 0);
+    /* -1: overlapped where the GPU supports it (the default) */
+    flag_values(ctx, "overlap_launches", offsetof(ekv_model_params, overlap_launches), -1, -1);
     p.backend = EKV_BACKEND_CUDA;
     p.method = EKV_SELECT_ORACLE; /* evaluation only: no CUDA path */
     CHECK(ekv_model_load(ctx, TINY, &p, &m) == EKV_ERR_UNSUPPORTED && !m &&

@@ -59,8 +59,9 @@ static void bench_help(FILE *f) {
             "                        take the faster CUDA-core screen)\n"
             "  --fused-attend 0|1    cuda: dense entmax's tau and values in one cooperative launch\n"
             "                        where it applies (the plan's fused_attend; default 0)\n"
-            "  --overlap-launches 0|1  cuda: each kernel launched while the one before it runs\n"
-            "                        (the plan's overlap_launches; default 0)\n"
+            "  --overlap-launches -1|0|1  cuda: each kernel launched while the one before it\n"
+            "                        runs (the plan's overlap_launches; default -1: where the\n"
+            "                        GPU supports it)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -93,6 +94,7 @@ static void parse_defaults(bench_opts *o) {
     o->budget = 1.0 / 16;
     o->code_bits = 4;
     o->tensor_cores = 1;
+    o->overlap_launches = -1; /* the plan's default: where the GPU supports it */
 }
 
 /* Options whose value is a name or a number with its own range; 0 if a is none of them. */
@@ -111,7 +113,7 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
     else if (!strcmp(a, "--fused-attend"))
         o->fused_attend = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
     else if (!strcmp(a, "--overlap-launches"))
-        o->overlap_launches = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
+        o->overlap_launches = (int32_t)cli_need_int("bench", argc, argv, i, -1, 1);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         if (o->nlens == 64) cli_usage_error("bench", "--len: at most 64 lengths in all");

@@ -226,7 +226,7 @@ typedef struct {
                              them (cli_method_codes), else the cache has none */
     int32_t tensor_cores; /* --tensor-cores 0|1 (cuda; default 1): the plan's tensor_cores */
     int32_t fused_attend; /* --fused-attend 0|1 (cuda; default 0): the plan's fused_attend */
-    int32_t overlap_launches; /* --overlap-launches 0|1 (cuda; default 0): the plan's field */
+    int32_t overlap_launches; /* --overlap-launches -1|0|1 (cuda; default -1): the plan's field */
 } bench_opts;
 /* The token budget of a step over len tokens: --budget-tokens, else --budget x len (>= 1). */
 int64_t bench_budget_tokens(const bench_opts *o, int64_t len);
@@ -257,7 +257,7 @@ typedef struct {
     int64_t prefill_compact;           /* --decode-candidates: the cuda list sizes  */
     int64_t decode_candidates;         /* (ekv_model_params; 0 = the default)       */
     int64_t fused_attend;              /* --fused-attend 0|1 (ekv_model_params)     */
-    int64_t overlap_launches;          /* --overlap-launches 0|1 (ekv_model_params) */
+    int64_t overlap_launches;          /* --overlap-launches -1|0|1 (ekv_model_params) */
 } model_opts;
 void model_opts_init(model_opts *o);
 void model_opts_help(FILE *f);

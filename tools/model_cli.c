@@ -29,6 +29,7 @@ void model_opts_init(model_opts *o) {
     o->page = 16;
     o->kv_dtype = EKV_DTYPE_F16;
     o->code_bits = 4;
+    o->overlap_launches = -1; /* where the GPU supports it (ekv_model_params) */
 }
 
 void model_opts_help(FILE *f) {
@@ -72,9 +73,10 @@ void model_opts_help(FILE *f) {
             "                        1..%d (default 16384; fewer take the slow paths)\n"
             "  --fused-attend 0|1    cuda dense decode: tau and the values in one cooperative\n"
             "                        launch where it applies (default 0: separate launches)\n"
-            "  --overlap-launches 0|1  cuda: launch each kernel of a step while the one before\n"
-            "                        it runs (programmatic dependent launch; same results;\n"
-            "                        default 0)\n"
+            "  --overlap-launches -1|0|1  cuda: launch each kernel of a step while the one\n"
+            "                        before it runs (programmatic dependent launch; same\n"
+            "                        results; 1 needs compute capability 9.0; default -1: on\n"
+            "                        where the GPU supports it)\n"
             "                        (these eight are options of --backend cuda: with cpu\n"
             "                        they are bad usage)\n",
             EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
@@ -93,7 +95,7 @@ static const cli_opt model_table[] = {
         CLI_INT("--decode-candidates", model_opts, decode_candidates, 1,
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
         CLI_INT("--fused-attend", model_opts, fused_attend, 0, 1),
-        CLI_INT("--overlap-launches", model_opts, overlap_launches, 0, 1),
+        CLI_INT("--overlap-launches", model_opts, overlap_launches, -1, 1),
 };
 
 ekv_select_method model_method(const char *sub, const char *what, const char *name) {
@@ -164,15 +166,15 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
     model_parse_args a = {mo, table, n, extra, opts};
     cli_parse(sub, argc, argv, help, model_take, &a);
     /* the cpu backend has no such settings: no option is taken and then ignored */
-    const char *cuda_only = mo->prefill_kernel_set   ? "--prefill-kernel"
-                            : mo->prefill_chunk      ? "--prefill-chunk"
-                            : mo->no_graphs          ? "--no-graphs"
-                            : mo->prefill_candidates ? "--prefill-candidates"
-                            : mo->prefill_compact    ? "--prefill-compact"
-                            : mo->decode_candidates  ? "--decode-candidates"
-                            : mo->fused_attend       ? "--fused-attend"
-                            : mo->overlap_launches   ? "--overlap-launches"
-                                                     : NULL;
+    const char *cuda_only = mo->prefill_kernel_set      ? "--prefill-kernel"
+                            : mo->prefill_chunk         ? "--prefill-chunk"
+                            : mo->no_graphs             ? "--no-graphs"
+                            : mo->prefill_candidates    ? "--prefill-candidates"
+                            : mo->prefill_compact       ? "--prefill-compact"
+                            : mo->decode_candidates     ? "--decode-candidates"
+                            : mo->fused_attend          ? "--fused-attend"
+                            : mo->overlap_launches >= 0 ? "--overlap-launches"
+                                                        : NULL;
     if (cuda_only && mo->backend != EKV_BACKEND_CUDA)
         cli_usage_error(sub, "%s is an option of --backend cuda (this run is on the %s backend)",
                         cuda_only, ekv_backend_name(mo->backend));

@@ -67,8 +67,8 @@ typedef struct ekv_cuda_plan_params {
                                /* kernel waits for its predecessor before its first memory  */
                                /* access, so the results are a plain step's); needs compute */
                                /* capability 9.0 and kernels built for it, else the plan is  */
-                               /* refused (EKV_ERR_UNSUPPORTED); 0 (default): each launch   */
-                               /* after the previous one ends                               */
+                               /* refused (EKV_ERR_UNSUPPORTED); 0: each launch after the   */
+                               /* previous one ends; -1 (default): 1 where supported, else 0 */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

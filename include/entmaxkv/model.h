@@ -151,9 +151,9 @@ typedef struct ekv_model_params {
     int32_t overlap_launches;   /* cuda: 1 = each kernel of a step may be launched while the one
                                    before it still runs (ekv_cuda_plan_params.overlap_launches;
                                    the same results; refused with EKV_ERR_UNSUPPORTED below
-                                   compute capability 9.0), 0 (default) = after it ends; another
-                                   value fails the load with EKV_ERR_INVALID_ARGUMENT on every
-                                   backend                                                    */
+                                   compute capability 9.0), 0 = after it ends, -1 (default) = 1
+                                   where the GPU supports it, else 0; another value fails the
+                                   load with EKV_ERR_INVALID_ARGUMENT on every backend        */
 } ekv_model_params;
 
 /* What attention read, summed over steps since the last reset. */

@@ -41,7 +41,7 @@ ekv_model_params ekv_model_default_params(void) {
     p.prefill_compact = 0;
     p.decode_candidates = 0;
     p.fused_attend = 0;
-    p.overlap_launches = 0;
+    p.overlap_launches = -1; /* where the GPU supports it */
     return p;
 }
 
@@ -433,8 +433,9 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
     if (p.fused_attend != 0 && p.fused_attend != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
                         (int)p.fused_attend);
-    if (p.overlap_launches != 0 && p.overlap_launches != 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "overlap_launches=%d must be 0 or 1",
+    if (p.overlap_launches < -1 || p.overlap_launches > 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
                         (int)p.overlap_launches);
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",

@@ -22,8 +22,8 @@
  * write of the kernels before it (the wait is transitive: the kernel before it waited in turn),
  * and the kernels after it wait for it. So an overlapped step computes what the plain one does;
  * only the launch latency and the blocks' start overlap the previous kernel's tail. The wait
- * exists only in code compiled for sm_90 or later: the plan refuses overlap_launches where the
- * device or the build's kernels are older (check_overlap, plan/plan.cu).
+ * exists only in code compiled for sm_90 or later: the plan refuses overlap_launches = 1 (and
+ * takes -1 as 0) where the device or the build's kernels are older (resolve_overlap, plan/plan.cu).
  */
 #pragma once
 #include <cuda_runtime.h>

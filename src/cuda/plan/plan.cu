@@ -153,8 +153,9 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
     if (p->fused_attend != 0 && p->fused_attend != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
                         p->fused_attend);
-    if (p->overlap_launches != 0 && p->overlap_launches != 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "overlap_launches=%d must be 0 or 1",
+    if (p->overlap_launches < -1 || p->overlap_launches > 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
                         p->overlap_launches);
     return EKV_OK;
 }
@@ -250,15 +251,17 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
 }
 
 namespace {
-/* A kernel of this build, asked which PTX its loaded code came from (check_overlap). */
+/* A kernel of this build, asked which PTX its loaded code came from (resolve_overlap). */
 __global__ void overlap_probe_kernel(int) { ekv_grid_begin(); }
 } // namespace
 
 /* overlap_launches = 1 needs what ekv_grid_begin's wait needs (common/overlap.cuh): a device of
  * compute capability 9.0 or later running code compiled for it. A build whose kernels the driver
- * compiles from older PTX (e.g. compute_80 on a newer GPU) has no wait in them, so the setting
- * is refused there rather than launched without one. */
-static ekv_status check_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p) {
+ * compiles from older PTX (e.g. compute_80 on a newer GPU) has no wait in them, so 1 is refused
+ * there rather than launched without one; -1 (the default: measured faster, bench/RESULTS.md)
+ * is 1 where it is supported and 0 elsewhere. *on: the setting the plan runs with. */
+static ekv_status resolve_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p, int32_t *on) {
+    *on = 0;
     if (!p->overlap_launches) return EKV_OK;
     int major = 0;
     cudaFuncAttributes fa;
@@ -270,12 +273,14 @@ static ekv_status check_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p)
         return ekv_fail(ctx, EKV_ERR_DEVICE, "overlap_launches: device %d: %s", p->device,
                         cudaGetErrorString(e));
     }
-    if (major < 9 || fa.ptxVersion < 90)
+    const bool supported = major >= 9 && fa.ptxVersion >= 90;
+    if (!supported && p->overlap_launches == 1)
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
                         "overlap_launches=1 needs a GPU of compute capability 9.0 or later running "
                         "kernels built for it (device %d: %d.x; this build's kernels: PTX "
                         "compute_%d; build with CMAKE_CUDA_ARCHITECTURES 90 or later)",
                         p->device, major, fa.ptxVersion);
+    *on = supported;
     return EKV_OK;
 }
 
@@ -288,12 +293,14 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     if (st) return st;
     st = ekv_cuda_check_device(ctx, p->device);
     if (st) return st;
-    st = check_overlap(ctx, p);
+    int32_t overlap;
+    st = resolve_overlap(ctx, p, &overlap);
     if (st) return st;
     ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
     if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
     pl->ctx = ctx;
     pl->p = *p;
+    pl->p.overlap_launches = overlap; /* -1 resolved: what the launches read */
     cudaError_t e = cudaSetDevice(p->device);
     if (e != cudaSuccess) {
         free(pl);

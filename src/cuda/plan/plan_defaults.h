@@ -21,7 +21,7 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.tensor_cores = 1;
     p.screen_list_bytes = 0; /* SCREEN_LIST_BYTES (plan.cu)  */
     p.fused_attend = 0; /* measured slower than the launches it replaces (bench/RESULTS.md) */
-    p.overlap_launches = 0; /* not yet measured on the GPU (bench/RESULTS.md) */
+    p.overlap_launches = -1; /* where supported: measured faster (bench/RESULTS.md) */
     return p;
 }
 
