@@ -224,10 +224,33 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned 
     });
 }
 
+/* Whether the warp's tile from k0 is whole for every lane: each of its rows live and seeing
+ * every key of the tile (no mask), and every distance j - pos of the lane's keys, e + c with c =
+ * 8 n8 + i % 2 in [0, 57], an integer below 2^24 in magnitude, so e + c in float is exactly the
+ * conversion of j - pos (the same z as the masked path's, whichever path a pass takes: its rows
+ * are listed in other blocks in another pass). e[k]: the lane's e of row k as float. */
+__device__ __forceinline__ bool tile_whole(const pf_lane &L, int64_t k0, int64_t noncausal_keys,
+                                           float *e) {
+    constexpr int64_t EXACT = (int64_t)1 << 24;
+    bool whole = true;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const int64_t ek = k0 + 2 * (threadIdx.x & 3) - L.pos[k];
+        const int64_t last = noncausal_keys ? noncausal_keys - 1 : L.pos[k];
+        whole = whole && L.row[k] >= 0 && k0 + PF_KEYS - 1 <= last && ek > -EXACT + PF_KEYS &&
+                ek < EXACT - PF_KEYS;
+        e[k] = (float)ek;
+    }
+    return __all_sync(0xffffffffu, whole);
+}
+
 /* z of the lane's scores of a 64-key tile from k0 (s[n8][i]: row k = i / 2, key k0 + 8 n8 +
  * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked (past the row's position, or
  * with noncausal_keys past the last key); *bad |= a z that is not finite where not masked. The
- * bias -a m_h |j - i| is a m_h (j - i) on the causal side, bit for bit. */
+ * bias -a m_h |j - i| is a m_h (j - i) on the causal side, bit for bit. A whole tile (tile_whole:
+ * most of a long sweep) takes no mask and its distances by one float add: the same z, with a
+ * third of the instructions a score (the sweeps issue-bound on this epilogue, not on the mma);
+ * rows without ALiBi (m_h 0) skip the bias, whose -0 changes no sum. Warp-uniform call. */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
                                        const pf_lane &L, int64_t k0, int64_t noncausal_keys,
@@ -236,6 +259,23 @@ __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (
 #pragma unroll
     for (int q = 0; q < PF_KEYS / 16; q++)
         tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
+    float e[2];
+    if (tile_whole(L, k0, noncausal_keys, e)) {
+        const bool biased = __any_sync(0xffffffffu, L.am[0] != 0.f || L.am[1] != 0.f);
+        bool finite = true;
+#pragma unroll
+        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int k = i >> 1;
+                const float b = biased ? -L.am[k] * fabsf(e[k] + (float)(n8 * 8 + (i & 1))) : -0.f;
+                const float z = fmaf(s[n8][i], L.shift[k], b);
+                finite = finite && fabsf(z) < CUDART_INF_F; /* false for inf and NaN */
+                s[n8][i] = z;
+            }
+        *bad |= !finite;
+        return;
+    }
 #pragma unroll
     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
@@ -292,6 +332,7 @@ __device__ __forceinline__ int quad_exclusive(int c, int *total) {
 __device__ __forceinline__ void store_kept(const fused_args &A, unsigned m, int at, int room,
                                            int64_t base, int k, int64_t k0, float (*s)[4]) {
     const int lane = threadIdx.x & 31;
+    if (!m) return; /* most tiles of most rows keep nothing */
 #pragma unroll
     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
