@@ -21,8 +21,27 @@ extern "C" {
 
 /* rows of a forward pass (H x tokens) when the caller leaves it to us: enough 64-row blocks of
  * the fused kernel to fill an H200 a few times over (132 SMs x 3 resident), with the candidates'
- * 12 bytes x 4096 a row (about 1.6 GB) the largest part of the workspace */
-enum { FLASH_PASS_ROWS = 32768 };
+ * 12 bytes x 4096 a row (about 1.6 GB) the largest part of the workspace. The histogram scheme
+ * lists at most row_cap entries a row (1024 by default), so the same bytes hold up to 4x the
+ * rows (FLASH_PASS_GROWTH): 4x the blocks a launch, so a causal pass's short and long row blocks
+ * even out over several waves (ncu at 32K: 16 % achieved occupancy of 25 % in one wave) and a
+ * quarter of the launches. */
+enum { FLASH_PASS_ROWS = 32768, FLASH_PASS_GROWTH = 4 };
+
+/* The entries a row's list may take: the candidate scheme's EKV_PREFILL_CANDIDATES, the
+ * histogram scheme's row_cap (0: EKV_PREFILL_ROW_CAP). */
+static int32_t flash_list_cap(const ekv_flash_entmax_args *a) {
+    if (a->tau_scheme != EKV_PREFILL_TAU_HIST) return EKV_PREFILL_CANDIDATES;
+    return a->row_cap ? a->row_cap : EKV_PREFILL_ROW_CAP;
+}
+
+/* Query tokens of a pass when the caller leaves it to us: FLASH_PASS_ROWS rows, times what the
+ * shorter lists save (at most FLASH_PASS_GROWTH). */
+static int64_t flash_pass_tokens(const ekv_flash_entmax_args *a, int64_t H) {
+    int64_t grow = EKV_PREFILL_CANDIDATES / flash_list_cap(a);
+    grow = grow < 1 ? 1 : grow > FLASH_PASS_GROWTH ? (int64_t)FLASH_PASS_GROWTH : grow;
+    return FLASH_PASS_ROWS * grow / H;
+}
 
 static ekv_status check_tensor(ekv_context *ctx, const void *p, const char *name, uintptr_t align) {
     if (!p) return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "flash entmax: %s is NULL", name);
@@ -94,7 +113,7 @@ ekv_status flash_check(ekv_context *ctx, const ekv_flash_entmax_args *a, void *s
     J->scale = ekv_effective_scale(p->scale, p->head_dim);
     /* z = a s (softmax: z = s, docs/math.md §0); the factor rounded as the prefill rounds it */
     J->qf = (float)((p->alpha == 1.0 ? 1.0 : p->alpha - 1.0) * (float)J->scale);
-    int64_t chunk = a->block_tokens ? a->block_tokens : FLASH_PASS_ROWS / J->H;
+    int64_t chunk = a->block_tokens ? a->block_tokens : flash_pass_tokens(a, J->H);
     chunk = chunk < 1 ? 1 : chunk > J->T ? J->T : chunk;
     if (chunk * J->H > INT32_MAX / 2) /* the fused kernel's row lists are int32 */
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
@@ -124,7 +143,7 @@ static ekv_cuda_prefill prefill_sizes(const flash_job &J) {
     pf.chunk = J.chunk;
     pf.nparts = ekv_cuda_prefill_parts(J.a->kv_dtype);
     pf.fused = 1;
-    pf.cand_cap = EKV_PREFILL_CANDIDATES;
+    pf.cand_cap = flash_list_cap(J.a); /* the histogram scheme's pool: row_cap a row */
     pf.compact_at = EKV_PREFILL_COMPACT_AT;
     pf.tau_scheme = J.a->tau_scheme;
     pf.row_cap = J.a->row_cap;

@@ -130,9 +130,16 @@ struct pf_lane {
     bool on[2];
 };
 
+/* The block's tile of PF_ROWS rows: the listed rows in the tau kernel's order, or every row,
+ * the last tile first. A causal block's later rows sweep the most keys and blocks start in
+ * index order, so the long sweeps start first and the short ones fill the SMs behind them. */
+__device__ __forceinline__ int64_t block_tile(const fused_args &A) {
+    return A.wlist_in ? (int64_t)blockIdx.x : (int64_t)(gridDim.x - 1 - blockIdx.x);
+}
+
 /* Row rr of the block (0 .. PF_ROWS - 1): its r in [0, R) of KV head blockIdx.y, or -1. */
 __device__ __forceinline__ int64_t block_row(const fused_args &A, int rr) {
-    const int64_t g = blockIdx.y, i = (int64_t)blockIdx.x * PF_ROWS + rr;
+    const int64_t g = blockIdx.y, i = block_tile(A) * PF_ROWS + rr;
     if (!A.wlist_in) return i < A.R ? i : -1;
     return i < A.wcount_in[g] ? (int64_t)A.wlist_in[g * A.R + i] : -1;
 }
@@ -184,7 +191,7 @@ __device__ __forceinline__ void load_queries(const fused_args &A, T *qs,
 __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
     if (A.noncausal_keys) return A.noncausal_keys;
     if (!A.wlist_in) {
-        const int64_t last = (int64_t)blockIdx.x * PF_ROWS + PF_ROWS - 1;
+        const int64_t last = block_tile(A) * PF_ROWS + PF_ROWS - 1;
         return A.pos0 + (last < A.R ? last : A.R - 1) / A.G + 1;
     }
     __shared__ int s_last;
