@@ -24,9 +24,10 @@ _ap.add_argument("--passes", default="fwd,fwdbwd", help="fwd and/or fwdbwd (both
 _ap.add_argument("--alpha", type=float, default=1.5, help="entmax alpha of ours (AdaSplash-2: 1.5)")
 _ap.add_argument("--iters", type=int, default=5, help="timed calls per row (median)")
 _ap.add_argument("--rows", type=int, default=64, help="last query rows checked against float64")
-_ap.add_argument("--scheme", default="cand",
+_ap.add_argument("--scheme", default="hist",
                  help="tau schemes of ours, comma-separated: cand (candidate lists), hist "
-                      "(histogram pass, exact-size lists; docs/math.md §12.1); one row each")
+                      "(histogram pass, exact-size lists; docs/math.md §12.1; the op's default); "
+                      "one row each, named ours-SCHEME")
 _ap.add_argument("--quick", action="store_true", help="smoke run: 8192, D 64, 6/2, bf16")
 _ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 ARGS = _ap.parse_args()  # before the torch import: --help works without torch
@@ -79,7 +80,7 @@ def sdpa_flash():
 
 def peers(alpha):
     """(name, reference alpha, factory) of each peer; a factory returns (fn, heads_first)."""
-    ours_rows = [("ours" if s == "cand" else f"ours-{s}", alpha, lambda s=s: ours(alpha, s))
+    ours_rows = [(f"ours-{s}", alpha, lambda s=s: ours(alpha, s))
                  for s in ARGS.scheme.split(",")]
     return ours_rows + [
             ("adasplash-2", 1.5, adasplash2),

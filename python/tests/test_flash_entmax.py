@@ -245,13 +245,13 @@ def test_cuda_tau_schemes_agree(alpha):
     from entmaxkv import flash_cuda
 
     (q, k, v), _ = _cuda_data(11, torch.bfloat16)
-    res = []
+    res, keep = [], flash_cuda.tau_scheme
     try:
         for scheme in (0, 1):
             flash_cuda.tau_scheme = scheme
             res.append(flash.flash_entmax_fwd(q, k, v, alpha, True, SLOPES.cuda(), 0.0))
     finally:
-        flash_cuda.tau_scheme = 0
+        flash_cuda.tau_scheme = keep
     (o0, t0), (o1, t1) = res
     torch.testing.assert_close(t1, t0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o1.float(), o0.float(), rtol=2.0 ** -8,
