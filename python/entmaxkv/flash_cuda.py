@@ -12,7 +12,7 @@ from ._lib import lib
 # The forward's tau scheme (ekv_flash_entmax_args.tau_scheme; docs/math.md §12, §12.1): 0
 # candidate lists, 1 histogram pass and exact-size lists. The same result either way; a
 # benchmark's switch (bench/prefill_side_by_side.py --scheme), not part of the op's schema.
-# 1 by default: 1.5x faster than the candidates on the op's benchmark shapes (8K and 32K, D 64
+# 1 by default: 1.2-1.5x faster than the candidates on the op's benchmark shapes (8K and 32K, D 64
 # and 128, bf16; bench/RESULTS.md, 2026-12-05). The model's prefill keeps the candidates (its
 # flat heads' long lists take the histogram scheme's Newton passes).
 TAU_SCHEMES = {"cand": 0, "hist": 1}
