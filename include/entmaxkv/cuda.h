@@ -281,8 +281,8 @@ typedef struct ekv_flash_entmax_args {
     ekv_dtype kv_dtype;         /* k, v: f16 or bf16 (dk, dv the same)                         */
     ekv_dtype out_dtype;        /* out (dout the same): f32 or q_dtype                         */
     int64_t block_tokens;       /* query tokens of one pass (0: automatic, about 32768 rows of */
-                                /* H tokens, 4x with tau_scheme 1's default row_cap): bounds   */
-                                /* the forward's workspace                                     */
+                                /* H tokens; tau_scheme 1: x 4096 / row_cap, at most x 4): it  */
+                                /* bounds the forward's workspace                              */
     const void *q, *k, *v;      /* inputs                                                      */
     void *out;                  /* forward: written                                            */
     double *tau;                /* forward: written; backward: read                            */

@@ -62,10 +62,15 @@ __global__ void scores_kernel(const T *q, const T *k, int which, float *mma_out,
         qs[(i / DIM) * mma_qpitch<DIM>() + i % DIM] = q[i];
     /* each warp copies its 16 key rows, as the prefill's sweep does */
     tile_copy<T, DIM, false>(tile + warp * 16 * DIM * 2, k, DIM, warp * 16, KEYS);
+    /* the other tile NaN: a descriptor pointing there fails the checks */
+    unsigned char *other =
+            reinterpret_cast<unsigned char *>(at) + (size_t)(1 - which) * KEYS * DIM * 2;
+    for (int i = threadIdx.x; i < KEYS * DIM * 2 / 16; i += THREADS)
+        reinterpret_cast<uint4 *>(other)[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
     cp_async_commit();
     cp_async_wait<0>();
+    wgmma_fence_smem(); /* each writer, before the barrier */
     __syncthreads();
-    wgmma_fence_smem();
     uint32_t qa[1][DIM / 16][4];
     load_q_frags<T, DIM, 1>(qs + warp * 16 * mma_qpitch<DIM>(), 0, qa);
     float s[KEYS / 8][4];
@@ -106,6 +111,7 @@ template <typename T> static void run_case(unsigned seed, int which, const char 
     cudaMemcpy(dq, hq, sizeof hq, cudaMemcpyHostToDevice);
     cudaMemcpy(dk, hk, sizeof hk, cudaMemcpyHostToDevice);
     cudaMemset(dw, 0xFF, ROWS * KEYS * 4); /* NaN where the kernel writes nothing */
+    cudaMemset(dm, 0xFF, ROWS * KEYS * 4);
     cudaFuncSetAttribute(scores_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          (int)smem_bytes());
     scores_kernel<T><<<1, THREADS, smem_bytes()>>>(dq, dk, which, dm, dw);

@@ -33,7 +33,8 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void *smem) {
 }
 
 /* Shared memory written through the generic proxy (stores, cp.async) made visible to the async
- * proxy that wgmma reads it through; after the writes' barrier, before the wgmma. */
+ * proxy that wgmma reads it through: each writing thread after its writes (cp.async: after its
+ * wait), before the barrier that the wgmma follow. */
 __device__ __forceinline__ void wgmma_fence_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -43,6 +44,14 @@ __device__ __forceinline__ void wgmma_fence() {
 }
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+/* The 32 accumulators pinned here for the compiler: no access to them is moved across (between
+ * wgmma_fence and the wgmma, or above the wait, an access is undefined). */
+__device__ __forceinline__ void wgmma_hold(float (*d)[4]) {
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) asm volatile("" : "+f"(d[n][i])::"memory");
 }
 /* Waits until at most N committed groups are pending. */
 template <int N> __device__ __forceinline__ void wgmma_wait() {
@@ -89,12 +98,14 @@ __device__ __forceinline__ void wgmma_tile_scores64(const unsigned char *kt,
                                                     const uint32_t (*qa)[4], float (*d)[4]) {
     const uint64_t desc = wgmma_desc_sw128(kt);
     mma_zero<8>(d); /* not read (the first step starts from zero), but defined for the asm */
+    wgmma_hold(d);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) /* 16 dims = 32 bytes further along each 128-byte row */
         wgmma_m64n64k16<T>(d, qa[kk], desc + (uint64_t)(kk * 32 >> 4), kk);
     wgmma_commit();
     wgmma_wait<0>();
+    wgmma_hold(d);
 }
 
 #endif
