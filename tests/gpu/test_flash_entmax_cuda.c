@@ -4,8 +4,10 @@
  * device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference takes the
  * rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and 4/4,
  * D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or 16-bit,
- * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens; then 4 cases of
- * up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the other 16-bit type).
+ * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens (in both tau
+ * schemes against one pass); then 4 cases of up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the
+ * other 16-bit type) and one of 2100 x 16 heads (33600 rows: the automatic passes of the two
+ * schemes differ).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
