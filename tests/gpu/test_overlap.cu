@@ -8,20 +8,9 @@
  * graph, with a new marker each round. Skipped (77) without a device of compute capability 9.0.
  */
 #include "cuda/common/overlap.cuh"
+#include "test_util.h" /* CHECK, test_finish */
 #include <stdint.h>
 #include <stdio.h>
-
-static int g_checks = 0, g_failures = 0;
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        g_checks++;                                                                                \
-        if (!(cond)) {                                                                             \
-            g_failures++;                                                                          \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                            \
-            printf(__VA_ARGS__);                                                                   \
-            printf("\n");                                                                          \
-        }                                                                                          \
-    } while (0)
 
 __device__ __forceinline__ unsigned long long now_ns() {
     unsigned long long t;
@@ -116,6 +105,5 @@ int main(void) {
         for (int overlap = 0; overlap < 2; overlap++) run(s, overlap, graph, d, &value);
     cudaFree(d);
     cudaStreamDestroy(s);
-    printf("test_overlap: %d checks, %d failures\n", g_checks, g_failures);
-    return g_failures ? 1 : 0;
+    return test_finish("test_overlap");
 }

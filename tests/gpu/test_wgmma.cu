@@ -11,25 +11,12 @@
  * differ). Built for sm_90a only; skipped (77) without a device of compute capability 9.0.
  */
 #include "cuda/common/wgmma.cuh"
+#include "test_util.h" /* CHECK, test_finish */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int g_checks = 0, g_failures = 0;
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        g_checks++;                                                                                \
-        if (!(cond)) {                                                                             \
-            g_failures++;                                                                          \
-            if (g_failures <= 20) {                                                                \
-                printf("FAIL %s:%d: ", __FILE__, __LINE__);                                        \
-                printf(__VA_ARGS__);                                                               \
-                printf("\n");                                                                      \
-            }                                                                                      \
-        }                                                                                          \
-    } while (0)
 
 enum { ROWS = 64, KEYS = 64, DIM = 64, THREADS = 128 };
 
@@ -161,6 +148,5 @@ int main(void) {
             snprintf(name, sizeof name, "f16 seed %u tile %d", seed, which);
             run_case<__half>(seed, which, name);
         }
-    printf("test_wgmma: %d checks, %d failures\n", g_checks, g_failures);
-    return g_failures ? 1 : 0;
+    return test_finish("test_wgmma");
 }
