@@ -255,9 +255,10 @@ __device__ __forceinline__ bool tile_whole(const pf_lane &L, int64_t k0, int64_t
  * 2 (lane % 4) + i % 2, tile_scores_q's layout), -inf where masked (past the row's position, or
  * with noncausal_keys past the last key); *bad |= a z that is not finite where not masked. The
  * bias -a m_h |j - i| is a m_h (j - i) on the causal side, bit for bit. A whole tile (tile_whole:
- * most of a long sweep) takes no mask and its distances by one float add: the same z, with a
- * third of the instructions a score (the sweeps issue-bound on this epilogue, not on the mma);
- * rows without ALiBi (m_h 0) skip the bias, whose -0 changes no sum. Warp-uniform call. */
+ * most of a long sweep) takes no mask and its distances by one float add: the same z without a
+ * 64-bit compare and conversion a score (the sweeps' time is in this epilogue, not in the mma:
+ * bench/RESULTS.md 2026-12-05); rows without ALiBi (m_h 0) skip the bias, whose -0 changes no
+ * sum. Warp-uniform call. */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
                                        const pf_lane &L, int64_t k0, int64_t noncausal_keys,
