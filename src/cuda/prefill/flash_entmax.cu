@@ -33,7 +33,7 @@ enum { FLASH_PASS_ROWS = 32768, FLASH_PASS_GROWTH = 4 };
  * histogram scheme's row_cap (0: EKV_PREFILL_ROW_CAP). */
 static int32_t flash_list_cap(const ekv_flash_entmax_args *a) {
     if (a->tau_scheme != EKV_PREFILL_TAU_HIST) return EKV_PREFILL_CANDIDATES;
-    return a->row_cap ? a->row_cap : EKV_PREFILL_ROW_CAP;
+    return ekv_prefill_row_cap(a->row_cap);
 }
 
 /* Query tokens of a pass when the caller leaves it to us: FLASH_PASS_ROWS rows, times what the

@@ -28,6 +28,10 @@ enum { EKV_PREFILL_CANDIDATES = 4096, EKV_PREFILL_COMPACT_AT = 1024 };
  * whose list would exceed EKV_PREFILL_ROW_CAP (or row_cap) take Newton passes. */
 enum { EKV_PREFILL_TAU_CANDIDATES = 0, EKV_PREFILL_TAU_HIST = 1 };
 enum { EKV_PREFILL_ROW_CAP = 1024 };
+/* The list entries a row of the histogram scheme may take: row_cap, 0 = EKV_PREFILL_ROW_CAP. */
+static inline int32_t ekv_prefill_row_cap(int32_t row_cap) {
+    return row_cap ? row_cap : EKV_PREFILL_ROW_CAP;
+}
 
 /* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
  * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep. */

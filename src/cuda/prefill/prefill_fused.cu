@@ -476,8 +476,8 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
         A.round = A.last = 0;
         A.off = pf->off;
         A.pool = rows * (int64_t)pf->cand_cap;
-        A.row_cap = pf->row_cap > 0 && pf->row_cap < pf->cand_cap ? pf->row_cap : pf->cand_cap;
-        if (!pf->row_cap && A.row_cap > EKV_PREFILL_ROW_CAP) A.row_cap = EKV_PREFILL_ROW_CAP;
+        const int32_t cap = ekv_prefill_row_cap(pf->row_cap);
+        A.row_cap = cap < pf->cand_cap ? cap : pf->cand_cap; /* lists within the pool's share */
         A.wlist_in = NULL;
         A.wcount_in = NULL;
         A.wlist_out = pf->wlist;
