@@ -8,7 +8,8 @@
  *   64 of them summed in the tensor core's fp32 accumulator: well inside 2^-20 of the terms);
  *   |wgmma - mma| within the same (both fp32 sums of the same exact products).
  * Prints how many scores are bitwise equal between the two paths (the accumulation order may
- * differ). Built for sm_90a only; skipped (77) without a device of compute capability 9.0.
+ * differ). Then the rows moved to other warps and lanes: every score keeps its bits. Built for
+ * sm_90a only; skipped (77) without a device of compute capability 9.0.
  */
 #include "cuda/common/wgmma.cuh"
 #include "test_util.h" /* CHECK, test_finish */
@@ -125,6 +126,22 @@ template <typename T> static void run_case(unsigned seed, int which, const char 
         }
     printf("%s: %d of %d scores bitwise the mma path's; worst |wgmma - ref| / sum|q k| %.3g\n",
            name, same, ROWS * KEYS, worst);
+    /* the same rows moved to other warps and lanes (row r now at (r + 19) % 64): the prefill's
+     * passes list rows in other places, and every pass must see the same z bit for bit */
+    uint16_t hq2[ROWS * DIM];
+    for (int r = 0; r < ROWS; r++) memcpy(hq2 + ((r + 19) % ROWS) * DIM, hq + r * DIM, DIM * 2);
+    cudaMemcpy(dq, hq2, sizeof hq2, cudaMemcpyHostToDevice);
+    cudaMemset(dw, 0xFF, ROWS * KEYS * 4);
+    scores_kernel<T><<<1, THREADS, smem_bytes()>>>(dq, dk, which, dm, dw);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: moved rows: kernel", name);
+    static float hw2[ROWS * KEYS];
+    cudaMemcpy(hw2, dw, sizeof hw2, cudaMemcpyDeviceToHost);
+    int moved = 0;
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < KEYS; t++)
+            moved += memcmp(hw2 + ((r + 19) % ROWS) * KEYS + t, hw + r * KEYS + t, 4) != 0;
+    CHECK(moved == 0, "%s: %d scores changed bits when their rows moved to other warps", name,
+          moved);
     cudaFree(dq);
     cudaFree(dk);
     cudaFree(dm);

@@ -125,9 +125,11 @@ template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused
                      st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
     return (q > st ? q : st) + PF_STAGE_ALIGN;
 }
+/* The stages' start in the block's dynamic shared memory at raw: aligned in the shared window's
+ * addresses (what the swizzle reads), static shared memory before raw included. */
 __device__ __forceinline__ unsigned char *pf_stages(unsigned char *raw) {
-    return reinterpret_cast<unsigned char *>(((uintptr_t)raw + PF_STAGE_ALIGN - 1) &
-                                             ~(uintptr_t)(PF_STAGE_ALIGN - 1));
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(raw);
+    return raw + ((PF_STAGE_ALIGN - (a & (PF_STAGE_ALIGN - 1))) & (PF_STAGE_ALIGN - 1));
 }
 
 /* Whether a sweep's scores run on Hopper's warpgroup MMA (common/wgmma.cuh): code for sm_90a,
@@ -351,7 +353,10 @@ __device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
                             [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
                                 float s[PF_KEYS / 8][4];
 #if defined(EKV_HAVE_WGMMA)
-                                if constexpr (WG) wgmma_tile_scores64<T>(kt, qa[0], s);
+                                if constexpr (WG) {
+                                    static_assert(D == 64, "wgmma_tile_scores64: head dim 64");
+                                    wgmma_tile_scores64<T>(kt, qa[0], s);
+                                }
 #endif
                                 if (!warp_on) return;
                                 if constexpr (!WG) tile_scores<T, D, NP>(kt, qa, s);
