@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU tests, run on the GPU machine: builds with -DEKV_CUDA=ON (sm_90 + PTX), runs test_cuda
+# GPU tests, run on the GPU machine: builds with -DEKV_CUDA=ON (sm_90a + PTX), runs test_cuda
 # (every CUDA stage against the CPU and long-double reference backends, graph replay, invalid
 # inputs), test_cuda_sharded (the sharded plan against the one-GPU plan) and test_model_cuda
 # (the model on the GPU against the CPU engine, every GPU method), test_flash_entmax_cuda

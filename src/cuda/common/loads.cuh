@@ -84,19 +84,27 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 /* ntiles tiles through two shared-memory stages, tile j in stage j % 2: issue(j) starts tile j's
  * cp.async copies (tile j + 1's overlap use(j)), use(j) runs once every thread's copies of tile j
- * have landed. Block-uniform call; copies issued before it join tile 0's commit group. */
-template <typename Issue, typename Use>
+ * have landed. Block-uniform call; copies issued before it join tile 0's commit group. landed()
+ * runs in each thread after its copies of a tile landed, before the barrier (a proxy fence when
+ * use reads the tile through the async proxy: wgmma). */
+template <typename Issue, typename Use, typename Landed>
 __device__ __forceinline__ void cp_async_two_stages(int64_t ntiles, const Issue &issue,
-                                                    const Use &use) {
+                                                    const Use &use, const Landed &landed) {
     issue(0);
     cp_async_commit();
     for (int64_t j = 0; j < ntiles; j++) {
         if (j + 1 < ntiles) issue(j + 1);
         cp_async_commit();
         cp_async_wait<1>(); /* this thread's copies of tile j have landed ... */
-        __syncthreads();    /* ... and everyone's */
+        landed();
+        __syncthreads(); /* ... and everyone's */
         use(j);
         __syncthreads(); /* the stage is free for tile j + 2 */
     }
     cp_async_wait<0>();
+}
+template <typename Issue, typename Use>
+__device__ __forceinline__ void cp_async_two_stages(int64_t ntiles, const Issue &issue,
+                                                    const Use &use) {
+    cp_async_two_stages(ntiles, issue, use, [] {});
 }

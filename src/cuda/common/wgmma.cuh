@@ -1,8 +1,8 @@
 /*
  * Hopper's warpgroup MMA (wgmma.mma_async, PTX ISA "Asynchronous Warpgroup Level Matrix
- * Multiply-Accumulate"): the building block of issue 30's prefill kernel for Hopper, not yet used
- * by a kernel of the library. tests/gpu/test_wgmma.cu checks it against tile_scores_q (mma.cuh)
- * and a double reference.
+ * Multiply-Accumulate"): the scores of the fused prefill's sweeps where the code is sm_90a, the
+ * head dim 64 and q one part (prefill/prefill_fused.cuh, pf_wgmma). tests/gpu/test_wgmma.cu
+ * checks it against tile_scores_q (mma.cuh) and a double reference.
  *
  * What it computes: the scores of 64 query rows (a warpgroup: 4 warps of 16 rows, each warp's A
  * fragments the same registers load_q_frags gives mma.sync) against a 64-key tile of head dim 64

@@ -5,7 +5,9 @@
  * per warp, their q' parts in registers) and streams the K (and V) tiles of their causal prefix
  * through shared memory (cp.async, two stages), last tile first; every pass recomputes
  * z = 2^-s (sum over parts of q'_part . k) + a m_h (j - i) on tensor cores (mma.cuh,
- * each part's mma from zero, as decode's scores, §3.1), z = -inf for j > i. Each row is owned
+ * each part's mma from zero, as decode's scores, §3.1; sm_90a code with one part at head dim
+ * 64: one wgmma chain of the block's 64 rows, wgmma.cuh, the sum in the tensor core's fp32
+ * accumulator), z = -inf for j > i. Each row is owned
  * by one block, so everything about a row is decided inside one block:
  *   1. candidates (PF_CANDS, round 0): the running max m of the row (so far in the sweep) and
  *      every z > m - 1 appended to the row's buffer (cand_cap kept, with its key): a superset

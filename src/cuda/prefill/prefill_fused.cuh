@@ -14,6 +14,7 @@
 #include "../common/reduce.cuh"
 #include "../common/tau_solve.cuh"
 #include "../common/weights.cuh"
+#include "../common/wgmma.cuh"
 
 enum {
     PF_NW = 4,
@@ -115,11 +116,30 @@ cudaError_t launch_row_blocks(const fused_args &A, size_t bytes, cudaStream_t s)
 }
 
 template <int D> __host__ __device__ constexpr int tile_bytes() { return PF_KEYS * D * 2; }
+/* The stages start on a 1024-byte boundary (wgmma's swizzled tiles, common/wgmma.cuh): so much
+ * slack before them. */
+enum { PF_STAGE_ALIGN = 1024 };
 /* the q tile [np][PF_ROWS][pitch] is read into registers before the stages reuse its memory */
 template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused_smem_bytes() {
     constexpr size_t q = (size_t)NP * PF_ROWS * mma_qpitch<D>() * 2,
                      st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
-    return q > st ? q : st;
+    return (q > st ? q : st) + PF_STAGE_ALIGN;
+}
+/* The stages' start in the block's dynamic shared memory at raw: aligned in the shared window's
+ * addresses (what the swizzle reads), static shared memory before raw included. */
+__device__ __forceinline__ unsigned char *pf_stages(unsigned char *raw) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(raw);
+    return raw + ((PF_STAGE_ALIGN - (a & (PF_STAGE_ALIGN - 1))) & (PF_STAGE_ALIGN - 1));
+}
+
+/* Whether a sweep's scores run on Hopper's warpgroup MMA (common/wgmma.cuh): code for sm_90a,
+ * head dim 64, one part of q' (the flash op's 16-bit q). Device code only. */
+template <int D, int NP> __device__ constexpr bool pf_wgmma() {
+#if defined(EKV_HAVE_WGMMA)
+    return D == 64 && NP == 1;
+#else
+    return false;
+#endif
 }
 
 /* The lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): global row g R + r (-1
@@ -208,10 +228,11 @@ __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
 /* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
  * the row's max comes early, which keeps round 0's candidates few): tile [k0, k0 + PF_KEYS) of
  * K (and V) lands in a stage, then use(k0, kt, vt) runs in every warp (block-uniform). */
-template <typename T, int D, bool WITH_V, typename Use>
-__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *stages,
+template <typename T, int D, bool WITH_V, bool ASYNC_READ, typename Use>
+__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *raw,
                                       Use use) {
     constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB, SUB = 16 * D * 2;
+    unsigned char *stages = pf_stages(raw);
     const int warp = threadIdx.x >> 5;
     const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
     const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
@@ -225,10 +246,18 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned 
                                       tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
                                                             warp * 16, valid);
     };
-    cp_async_two_stages(ntiles, issue, [&](int64_t j) {
-        const unsigned char *st = stages + (j & 1) * SB;
-        use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
-    });
+    auto landed = [] { /* ASYNC_READ: the tiles read by wgmma, through the async proxy */
+#if defined(EKV_HAVE_WGMMA)
+                       if (ASYNC_READ) wgmma_fence_smem();
+#endif
+    };
+    cp_async_two_stages(
+            ntiles, issue,
+            [&](int64_t j) {
+                const unsigned char *st = stages + (j & 1) * SB;
+                use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
+            },
+            landed);
 }
 
 /* Whether the warp's tile from k0 is whole for every lane: each of its rows live and seeing
@@ -259,14 +288,9 @@ __device__ __forceinline__ bool tile_whole(const pf_lane &L, int64_t k0, int64_t
  * 64-bit compare and conversion a score (the sweeps' time is in this epilogue, not in the mma:
  * bench/RESULTS.md 2026-12-05); rows without ALiBi (m_h 0) skip the bias, whose -0 changes no
  * sum. Warp-uniform call. */
-template <typename T, int D, int NP>
-__device__ __forceinline__ void tile_z(const unsigned char *kt, const uint32_t (*qa)[D / 16][4],
-                                       const pf_lane &L, int64_t k0, int64_t noncausal_keys,
+__device__ __forceinline__ void tile_z(const pf_lane &L, int64_t k0, int64_t noncausal_keys,
                                        float (*s)[4], int *bad) {
     const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int q = 0; q < PF_KEYS / 16; q++)
-        tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
     float e[2];
     if (tile_whole(L, k0, noncausal_keys, e)) {
         const bool biased = __any_sync(0xffffffffu, L.am[0] != 0.f || L.am[1] != 0.f);
@@ -305,21 +329,40 @@ __device__ __forceinline__ double quad_min(double v) {
     return ekv_quad_fold(v, [](double a, double b) { return fmin(a, b); });
 }
 
-/* A sweep whose every tile's z (the warp's rows against the tile's keys, tile_z) goes to
- * use(k0, s, vt). A warp without a live row skips the mma but still copies its share of each
+/* The scores of the warp's 16 rows against a 64-key tile (s[n8][i], tile_z's layout): 4
+ * mma.sync tiles of 16 keys. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_scores(const unsigned char *kt,
+                                            const uint32_t (*qa)[D / 16][4], float (*s)[4]) {
+#pragma unroll
+    for (int q = 0; q < PF_KEYS / 16; q++)
+        tile_scores_q<T, D, NP>(kt + q * 16 * D * 2, qa, s + 2 * q);
+}
+
+/* A sweep whose every tile's z (the warp's rows against the tile's keys: tile_scores or, where
+ * pf_wgmma, the block's 4 warps as one warpgroup; then tile_z) goes to use(k0, s, vt). A warp
+ * without a live row skips the rest (and, off wgmma, the mma) but still copies its share of each
  * tile and meets the barriers (sweep). */
 template <typename T, int D, int NP, bool WITH_V, typename Use>
 __device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
                                         const uint32_t (*qa)[D / 16][4], int64_t nk,
                                         unsigned char *stages, int *bad, Use use) {
     const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
-    sweep<T, D, WITH_V>(A, nk, stages,
-                        [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-                            if (!warp_on) return;
-                            float s[PF_KEYS / 8][4];
-                            tile_z<T, D, NP>(kt, qa, L, k0, A.noncausal_keys, s, bad);
-                            use(k0, s, vt);
-                        });
+    constexpr bool WG = pf_wgmma<D, NP>();
+    sweep<T, D, WITH_V, WG>(A, nk, stages,
+                            [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                                float s[PF_KEYS / 8][4];
+#if defined(EKV_HAVE_WGMMA)
+                                if constexpr (WG) {
+                                    static_assert(D == 64, "wgmma_tile_scores64: head dim 64");
+                                    wgmma_tile_scores64<T>(kt, qa[0], s);
+                                }
+#endif
+                                if (!warp_on) return;
+                                if constexpr (!WG) tile_scores<T, D, NP>(kt, qa, s);
+                                tile_z(L, k0, A.noncausal_keys, s, bad);
+                                use(k0, s, vt);
+                            });
 }
 
 /* The exclusive prefix sum of c over the 4 lanes of a quad (the lanes of one query row), and
