@@ -135,6 +135,8 @@ static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
     ekv_cuda_prefill *pf = &g->pf;
     pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : EKV_PREFILL_CANDIDATES;
     pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
+    pf->row_cap = pf->cand_cap; /* the histogram scheme's lists may fill the pool's share of a
+                                   row: the flat heads' lists of 1-4K take them, not sweeps */
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
     ekv_status s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));

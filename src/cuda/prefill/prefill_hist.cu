@@ -24,10 +24,12 @@
 namespace {
 
 enum {
-    HB_SCALE = 32,      /* bins per unit of z: 32 z is exact in fp32, so are the bins' edges */
-    HB_SLOTS = 64,      /* the ring of a row's bins */
-    HB_WIN = 33,        /* bins counted below the running max's: every z > M - 1 is counted */
-    HB_CLAMP = 1 << 23, /* |bin| clamped here (edges j / 32 exact in fp32); rows near it swept */
+    HB_SCALE = 32,          /* bins per unit of z: 32 z is exact in fp32, so are the bins' edges */
+    HB_SLOTS = 64,          /* the ring of a row's bins */
+    HB_WIN = 33,            /* bins counted below the running max's: every z > M - 1 is counted */
+    HB_CLAMP = 1 << 22,     /* |bin| clamped here (edges exact in fp32, hist_slot's range); rows
+                               near it swept */
+    HB_RING = HB_SLOTS + 1, /* a row's ring stride: a warp's 8 rows' same slot in 8 banks */
     HB_ROUTE_THREADS = 1024
 };
 enum { HIST_COUNT, HIST_LIST };
@@ -39,6 +41,16 @@ __device__ __forceinline__ int hist_bin(float z) {
 }
 /* The lower edge of bin b, exact for |b| <= HB_CLAMP. */
 __device__ __forceinline__ float hist_edge(int b) { return (float)b * (1.f / HB_SCALE); }
+
+/* The ring slot of a counted z, b(z) mod HB_SLOTS, by one fma rounded down onto 1.5 x 2^23:
+ * exactly 1.5 x 2^23 + floor(32 z) while |32 z| < 2^22, whose low bits are the bin's (2^22 is
+ * a multiple of HB_SLOTS). A counted z lies within HB_WIN + 1 bins of the running max's, so in
+ * range for every row that hist_finish keeps (|b(m)| < HB_CLAMP - 2 HB_SLOTS); a row counted
+ * out of range ends out of it too, or its max rises more than HB_SLOTS bins after, which zeroes
+ * every slot. Not hist_bin's conversion: a quarter-rate instruction (F2I) a counted z. */
+__device__ __forceinline__ int hist_slot(float z) {
+    return __float_as_int(__fmaf_rd(z, (float)HB_SCALE, 12582912.f)) & (HB_SLOTS - 1);
+}
 
 __device__ __forceinline__ int quad_max_int(int v) {
     return ekv_quad_fold(v, [](int a, int b) { return max(a, b); });
@@ -72,7 +84,7 @@ __device__ __forceinline__ void hist_count_tile(const float (*s)[4], int k, bool
 #pragma unroll
             for (int b = 0; b < 2; b++) {
                 const float z = s[n8][2 * k + b];
-                if (z >= lo) atomicAdd(ring + (hist_bin(z) & (HB_SLOTS - 1)), 1u);
+                if (z >= lo) atomicAdd(ring + hist_slot(z), 1u);
             }
     }
     __syncwarp(); /* the counts before the next tile's zeroing */
@@ -106,14 +118,14 @@ __device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &
     }
 }
 
-/* P1: every row's max and histogram (ring: PF_ROWS x HB_SLOTS counts, pw: HB_WIN + 1 floats of
- * shared memory after the stages), then hist_finish. */
+/* P1: every row's max and histogram (ring: PF_ROWS rings of HB_SLOTS counts, HB_RING apart; pw:
+ * HB_WIN + 1 floats of shared memory after the stages), then hist_finish. */
 template <typename T, int D, int NP>
 __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                           unsigned char *stages, unsigned *rings, float *pw) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const double beta = 1.0 / (A.alpha - 1.0);
-    for (int i = threadIdx.x; i < PF_ROWS * HB_SLOTS; i += PF_THREADS) rings[i] = 0u;
+    for (int i = threadIdx.x; i < PF_ROWS * HB_RING; i += PF_THREADS) rings[i] = 0u;
     for (int d = threadIdx.x; d <= HB_WIN; d += PF_THREADS) { /* rounded down: F stays below */
         const double x = (double)d / HB_SCALE;                /* exact */
         pw[d] = beta == 2.0   ? (float)(x * x)                /* exact (alpha 1.5) */
@@ -123,7 +135,7 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
     __syncthreads();
     unsigned *ring[2];
 #pragma unroll
-    for (int k = 0; k < 2; k++) ring[k] = rings + (warp * 16 + (lane >> 2) + 8 * k) * HB_SLOTS;
+    for (int k = 0; k < 2; k++) ring[k] = rings + (warp * 16 + (lane >> 2) + 8 * k) * HB_RING;
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F};
     int bm[2] = {INT_MIN / 2, INT_MIN / 2};
     int bad = 0;
@@ -186,7 +198,7 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
 }
 
 template <int D, int NP> constexpr size_t hist_smem_bytes() {
-    return fused_smem_bytes<D, NP, false>() + (size_t)PF_ROWS * HB_SLOTS * 4 + (HB_WIN + 1) * 4;
+    return fused_smem_bytes<D, NP, false>() + (size_t)PF_ROWS * HB_RING * 4 + (HB_WIN + 1) * 4;
 }
 
 /* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; as many blocks per SM as the
@@ -206,7 +218,7 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<PF_CANDS, NP>())
     }
     unsigned *rings = reinterpret_cast<unsigned *>(smem_raw + fused_smem_bytes<D, NP, false>());
     pass_hist<T, D, NP>(A, L, qa, smem_raw, rings,
-                        reinterpret_cast<float *>(rings + PF_ROWS * HB_SLOTS));
+                        reinterpret_cast<float *>(rings + PF_ROWS * HB_RING));
 }
 
 /* The route (one block): each thread a run of consecutive rows; route G's slices by a block
