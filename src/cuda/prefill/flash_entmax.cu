@@ -187,16 +187,23 @@ struct finish_args {
     void *out;          /* [Tc][H][D] */
 };
 
-/* block (t, h): tau = M + (tau - M) of row (t, h), and out converted from fp32 (TO). */
+/* Rows (t, h) a block of finish_kernel: a warp each (a 64-thread block a row was bound by its
+ * launches, as split_queries_kernel's were). */
+enum { FINISH_ROWS = 8 };
+
+/* warp (t, h), rows t H + h in order: tau = M + (tau - M) of row (t, h), and out converted from
+ * fp32 (TO). */
 template <typename TO> __global__ void finish_kernel(finish_args F) {
     ekv_grid_begin();
-    const int64_t t = blockIdx.x, h = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    const int64_t id = (int64_t)blockIdx.x * FINISH_ROWS + (threadIdx.x >> 5);
+    if (id >= F.Tc * F.H) return; /* warp-uniform */
+    const int64_t t = id / F.H, h = id % F.H;
     const int64_t row = (h / F.G) * F.R + t * F.G + h % F.G;
-    if (threadIdx.x == 0) F.tau[t * F.H + h] = (double)F.m[row] + F.trel[row];
+    if (lane == 0) F.tau[id] = (double)F.m[row] + F.trel[row];
     if (!F.att32) return;
-    const int64_t o = (t * F.H + h) * F.D;
-    for (int64_t d = threadIdx.x; d < F.D; d += blockDim.x)
-        static_cast<TO *>(F.out)[o + d] = ekv_elem<TO>::from(F.att32[o + d]);
+    for (int64_t d = lane; d < F.D; d += 32)
+        static_cast<TO *>(F.out)[id * F.D + d] = ekv_elem<TO>::from(F.att32[id * F.D + d]);
 }
 
 } // namespace
@@ -240,7 +247,8 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
                      (char *)a->out + qo * ekv_dtype_size(a->out_dtype)};
     ekv_cuda_with_dtype(a->out_dtype, [&](auto ty) {
         finish_kernel<typename decltype(ty)::type>
-                <<<dim3((unsigned)Tc, (unsigned)J.H), 64, 0, J.stream>>>(F);
+                <<<(unsigned)((Tc * J.H + FINISH_ROWS - 1) / FINISH_ROWS), 32 * FINISH_ROWS, 0,
+                   J.stream>>>(F);
     });
     FLASH_TRY(J, cudaGetLastError());
     return EKV_OK;

@@ -74,6 +74,7 @@ struct ekv_cuda_prefill {
     int tau_scheme;  /* EKV_PREFILL_TAU_* */
     int32_t row_cap; /* a list's entries at most (0: EKV_PREFILL_ROW_CAP; capped by cand_cap) */
     int64_t *off;    /* [H * chunk] */
+    unsigned long long *pool_used; /* [1] the pool's entries handed out (the route's cursor) */
 };
 
 /* Consecutive 256-byte-aligned pieces of one device block (offsets from its start): the prefill
@@ -93,7 +94,7 @@ struct ekv_cuda_prefill_layout {
     int64_t qparts, qshift, bad;  /* both paths */
     int64_t scores, pparts, obuf; /* the GEMM path */
     /* the fused kernel */
-    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount;
+    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount, pool_used;
     int64_t total;
 };
 /* The layout of the scratch that pf's sizes (chunk, nparts, fused; cand_cap when fused, ld_cap

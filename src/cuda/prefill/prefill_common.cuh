@@ -36,32 +36,39 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
     }
 }
 
-/* block (t, h): q'[t][h] split into nq parts, shifted by 2^s for f16 (docs/math.md §12); or,
- * with nq 1 (q exact in K's dtype), q itself and a * scale as the row's factor */
+/* Rows (t, h) a block of split_queries_kernel: a warp each (a 64-thread block a row was bound by
+ * its launches: 0.12 ms for the 131K rows of a 32K pass, bench/RESULTS.md). */
+enum { SPLIT_ROWS = 8 };
+
+/* warp (t, h), rows t H + h in order: q'[t][h] split into nq parts, shifted by 2^s for f16
+ * (docs/math.md §12); or, with nq 1 (q exact in K's dtype), q itself and a * scale as the row's
+ * factor */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     ekv_grid_begin();
-    __shared__ float scratch[32];
-    const int64_t t = blockIdx.x, h = blockIdx.y, g = h / A.G, r = t * A.G + h % A.G;
-    const float *q = A.q + (t * A.H + h) * A.D;
+    const int lane = threadIdx.x & 31;
+    const int64_t id = (int64_t)blockIdx.x * SPLIT_ROWS + (threadIdx.x >> 5);
+    if (id >= A.T * A.H) return; /* warp-uniform */
+    const int64_t t = id / A.H, h = id % A.H, g = h / A.G, r = t * A.G + h % A.G;
+    const float *q = A.q + id * A.D;
     const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
     T *dst = (T *)A.qparts + row * A.D;
-    if (A.nq == 1) { /* block-uniform */
-        for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) dst[d] = ekv_elem<T>::from(q[d]);
-        if (threadIdx.x == 0) A.qshift[row] = A.qf;
+    if (A.nq == 1) { /* warp-uniform */
+        for (int64_t d = lane; d < A.D; d += 32) dst[d] = ekv_elem<T>::from(q[d]);
+        if (lane == 0) A.qshift[row] = A.qf;
         return;
     }
     float mx = 0.f;
-    for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x) mx = fmaxf(mx, fabsf(q[d] * A.qf));
-    mx = ekv_block_max(mx, scratch, 0.f);
+    for (int64_t d = lane; d < A.D; d += 32) mx = fmaxf(mx, fabsf(q[d] * A.qf));
+    mx = ekv_warp_max(mx);
     /* f16: 2^s lifts the largest into [2^14, 2^15), as split_group_q does (docs/math.md §3.1) */
     int s = 0;
     if (std::is_same<T, __half>::value && mx > 0.f && isfinite(mx)) {
         s = 14 - ilogbf(mx);
         s = s > 126 ? 126 : s;
     }
-    for (int64_t d = threadIdx.x; d < A.D; d += blockDim.x)
+    for (int64_t d = lane; d < A.D; d += 32)
         split<T>(ldexpf(q[d] * A.qf, s), A.nq, dst + d, pstride);
-    if (threadIdx.x == 0) A.qshift[row] = ldexpf(1.f, -s);
+    if (lane == 0) A.qshift[row] = ldexpf(1.f, -s);
 }
 
 } // namespace

@@ -461,6 +461,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.rows = b->counters;
     A.off = NULL; /* the candidate scheme: row * cap */
     A.pool = 0;
+    A.pool_used = NULL;
     A.row_cap = 0;
     const int64_t rows = P.Hk * P.R;
     const ekv_dtype dt = b->dtype;
@@ -478,6 +479,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
         A.round = A.last = 0;
         A.off = pf->off;
         A.pool = rows * (int64_t)pf->cand_cap;
+        A.pool_used = pf->pool_used;
         const int32_t cap = ekv_prefill_row_cap(pf->row_cap);
         A.row_cap = cap < pf->cand_cap ? cap : pf->cand_cap; /* lists within the pool's share */
         A.wlist_in = NULL;

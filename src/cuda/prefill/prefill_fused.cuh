@@ -51,8 +51,10 @@ struct fused_args : prefill_args {
     const int32_t *wlist_in, *wcount_in;
     int32_t *wlist_out, *wcount_out;
     /* the histogram scheme (prefill_hist.cu): each route-G row's list starts at off[row] of
-     * the pool cand/cidx (pool entries); NULL in the candidate scheme (row * cap) */
+     * the pool cand/cidx (pool entries; pool_used of them handed out by the route); NULL in
+     * the candidate scheme (row * cap) */
     int64_t *off, pool;
+    unsigned long long *pool_used;
     int row_cap; /* route G takes rows of at most this many list entries */
 };
 

@@ -8,8 +8,8 @@
  *      epilogue: the count bound (docs/math.md §9.1) over the bins' lower edges, a lower bound
  *      lb of tau on the grid (or M - 1), and n_lb, the count of the bins from lb's: exactly
  *      the number of z >= that edge.
- *   route (one block): rows with n_lb <= row_cap get a slice of the list pool by a prefix sum
- *      of n_lb (ROW_LIST); the others, and those past the pool, go to the Newton passes from
+ *   route (a thread a row): rows with n_lb <= row_cap get a slice of the list pool by a prefix
+ *      sum of n_lb (ROW_LIST); the others, and those past the pool, go to the Newton passes from
  *      lb (ROW_NEWTON, on the list wlist_out), as the candidate scheme's overflowing rows.
  *   P2 (HIST_LIST, ROW_LIST rows): one more sweep appends every z >= the edge with its key to
  *      the row's slice; the same z as P1's, so the slice holds them exactly (a row that finds
@@ -221,33 +221,45 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<PF_CANDS, NP>())
                         reinterpret_cast<float *>(rings + PF_ROWS * HB_RING));
 }
 
-/* The route (one block): each thread a run of consecutive rows; route G's slices by a block
- * scan of their n_lb, so a slice is exactly its row's size (no overflow, no retry); the other
- * rows, and those past the pool, to the Newton list. */
+/* Row i (live: i < rows) onto its KV head's Newton list (the route's other rows), one atomic
+ * per warp and head: a warp's consecutive rows span at most two heads. Every lane calls. */
+__device__ __forceinline__ void route_newton(const fused_args &A, int64_t i, bool live) {
+    const int lane = threadIdx.x & 31;
+    const int64_t g = live ? i / A.R : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, (long long)g);
+    const int leader = __ffs(peers) - 1;
+    int base = 0;
+    if (live && lane == leader) base = atomicAdd(A.wcount_out + g, __popc(peers));
+    base = __shfl_sync(0xffffffffu, base, leader);
+    if (live)
+        A.wlist_out[g * A.R + base + __popc(peers & ((1u << lane) - 1u))] = (int32_t)(i % A.R);
+}
+
+/* The route, a thread per row (coalesced; was one block whose threads walked runs of rows, 0.29
+ * ms a pass at 32K): route G's slices by a block scan of their n_lb and one atomic a block on
+ * the pool's cursor, so a slice is exactly its row's size (no overflow, no retry) and the slices
+ * are disjoint (their order among blocks is the atomics', which changes nothing computed); the
+ * other rows, and those past the pool (none: the pool holds row_cap a row), to the Newton list. */
 __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args A) {
     ekv_grid_begin();
-    __shared__ long long wsum[32];
-    const int64_t rows = A.Hk * A.R, per = (rows + blockDim.x - 1) / blockDim.x;
-    const int64_t i0 = min((int64_t)threadIdx.x * per, rows), i1 = min(i0 + per, rows);
-    long long mine = 0, total;
-    for (int64_t i = i0; i < i1; i++) {
-        const int c = A.count[i];
-        if (c <= A.row_cap) mine += c;
+    __shared__ long long wsum[HB_ROUTE_THREADS / 32];
+    __shared__ long long base;
+    const int64_t rows = A.Hk * A.R, i = (int64_t)blockIdx.x * HB_ROUTE_THREADS + threadIdx.x;
+    const int c = i < rows ? A.count[i] : 0;
+    const bool fits = i < rows && c <= A.row_cap;
+    long long total;
+    const long long at = ekv_block_exclusive_scan(fits ? (long long)c : 0ll, wsum, &total);
+    if (threadIdx.x == 0) base = (long long)atomicAdd(A.pool_used, (unsigned long long)total);
+    __syncthreads();
+    const bool listed = fits && base + at + c <= A.pool, newton = i < rows && !listed;
+    if (listed) {
+        A.off[i] = base + at;
+        A.state[i] = ROW_LIST;
     }
-    long long at = ekv_block_exclusive_scan(mine, wsum, &total);
-    for (int64_t i = i0; i < i1; i++) {
-        const int c = A.count[i];
-        if (c <= A.row_cap && at + c <= A.pool) {
-            A.off[i] = at;
-            A.state[i] = ROW_LIST;
-            at += c;
-            continue;
-        }
-        const int64_t g = i / A.R;
-        A.state[i] = ROW_NEWTON;
-        A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(i % A.R);
-        atomicAdd(A.rows + PF_NEWTONED, 1ull);
-    }
+    if (newton) A.state[i] = ROW_NEWTON;
+    route_newton(A, i, newton);
+    const int n = __syncthreads_count(newton);
+    if (threadIdx.x == 0 && n) atomicAdd(A.rows + PF_NEWTONED, (unsigned long long)n);
 }
 
 /* A warp per ROW_LIST row: tau from its list, which holds every z >= e (e <= tau: the support),
@@ -298,9 +310,11 @@ template <int MODE> cudaError_t launch_hist(ekv_dtype dt, const fused_args &A, c
 cudaError_t prefill_hist_lists(ekv_dtype dt, const fused_args &A, cudaStream_t s) {
     const int64_t rows = A.Hk * A.R;
     cudaError_t e = cudaMemsetAsync(A.wcount_out, 0, (size_t)A.Hk * 4, s);
+    if (e == cudaSuccess) e = cudaMemsetAsync(A.pool_used, 0, 8, s);
     if (e == cudaSuccess) e = launch_hist<HIST_COUNT>(dt, A, s);
     if (e == cudaSuccess) {
-        hist_route_kernel<<<1, HB_ROUTE_THREADS, 0, s>>>(A);
+        const int64_t blocks = (rows + HB_ROUTE_THREADS - 1) / HB_ROUTE_THREADS;
+        hist_route_kernel<<<(unsigned)blocks, HB_ROUTE_THREADS, 0, s>>>(A);
         e = cudaGetLastError();
     }
     if (e == cudaSuccess) e = launch_hist<HIST_LIST>(dt, A, s);

@@ -32,6 +32,7 @@ ekv_cuda_prefill_layout ekv_cuda_prefill_layout_of(const ekv_cuda_prefill *pf, i
     L.off = fused ? c.take(rows * 8) : -1; /* the histogram scheme's list slices */
     L.wlist = fused ? c.take(2 * rows * 4) : -1;
     L.wcount = fused ? c.take(2 * Hk * 4) : -1;
+    L.pool_used = fused ? c.take(8) : -1;
     L.total = c.at;
     return L;
 }
@@ -58,4 +59,5 @@ void ekv_cuda_prefill_place(ekv_cuda_prefill *pf, const ekv_cuda_prefill_layout 
     pf->off = piece<int64_t>(base, L->off);
     pf->wlist = piece<int32_t>(base, L->wlist);
     pf->wcount = piece<int32_t>(base, L->wcount);
+    pf->pool_used = piece<unsigned long long>(base, L->pool_used);
 }
