@@ -335,16 +335,57 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
     }
 }
 
+/* Support keys whose V rows gather_out_kernel loads at once: one load in flight a warp left
+ * each row's latency exposed (the flat heads' lists of 1-4K keys, 10 % of the model's prefill). */
+enum { GATHER_ILP = 4 };
+
+/* o += p_k v_k over the support keys of the warp's mask m (bit: the lane holding p and key),
+ * GATHER_ILP rows loaded before their fmas; the fmas in the lanes' order, so the sum is the one
+ * a key at a time gives, bit for bit. Warp-uniform call. */
+template <typename T, int NPAIR>
+__device__ __forceinline__ void gather_rows(unsigned m, float p, int64_t key, const T *V,
+                                            int64_t kstride, float *o) {
+    typedef typename ekv_pair_of<T>::type T2;
+    const int lane = threadIdx.x & 31;
+    while (m) {
+        int src[GATHER_ILP], cnt = 0;
+#pragma unroll
+        for (int u = 0; u < GATHER_ILP; u++) {
+            src[u] = m ? __ffs(m) - 1 : 0;
+            cnt += m != 0;
+            m &= m - 1;
+        }
+        float pk[GATHER_ILP];
+        float2 v[GATHER_ILP][NPAIR];
+#pragma unroll
+        for (int u = 0; u < GATHER_ILP; u++) {
+            pk[u] = __shfl_sync(0xffffffffu, p, src[u]);
+            const T *vr = V + __shfl_sync(0xffffffffu, key, src[u]) * kstride;
+#pragma unroll
+            for (int c = 0; c < NPAIR; c++)
+                v[u][c] = u < cnt ? ekv_pair_f32(
+                                            *reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane))
+                                  : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < GATHER_ILP; u++)
+#pragma unroll
+            for (int c = 0; c < NPAIR && u < cnt; c++) {
+                o[2 * c] = fmaf(pk[u], v[u][c].x, o[2 * c]);
+                o[2 * c + 1] = fmaf(pk[u], v[u][c].y, o[2 * c + 1]);
+            }
+    }
+}
+
 /* Step 3, a warp per row solved from its candidates (ROW_SOLVED): the kept list holds every
  * z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above a lower
  * bound of tau), so o = sum p v / sum p over it reads only the support's V rows. Each support
- * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements); p in fp32, not
- * split into parts as the sweep's tensor cores need. Warp-uniform exits. */
+ * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements; gather_rows);
+ * p in fp32, not split into parts as the sweep's tensor cores need. Warp-uniform exits. */
 template <typename T, int D>
 __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
     ekv_grid_begin();
     constexpr int NPAIR = D / 64;
-    typedef typename ekv_pair_of<T>::type T2;
     const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (PF_GATHER_THREADS / 32) + (threadIdx.x >> 5);
     if (row >= A.Hk * A.R || A.state[row] != ROW_SOLVED) return;
@@ -363,18 +404,7 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
         const float p = i < n ? attn_weight(cz[i], tau, A.alpha, beta) : 0.f;
         const int64_t key = p > 0.f ? ck[i] : 0;
         sum += p;
-        for (unsigned m = __ballot_sync(0xffffffffu, p > 0.f); m; m &= m - 1) {
-            const int src = __ffs(m) - 1;
-            const float pk = __shfl_sync(0xffffffffu, p, src);
-            const T *vr = V + __shfl_sync(0xffffffffu, key, src) * A.kstride;
-#pragma unroll
-            for (int c = 0; c < NPAIR; c++) {
-                const float2 v =
-                        ekv_pair_f32(*reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane));
-                o[2 * c] = fmaf(pk, v.x, o[2 * c]);
-                o[2 * c + 1] = fmaf(pk, v.y, o[2 * c + 1]);
-            }
-        }
+        gather_rows<T, NPAIR>(__ballot_sync(0xffffffffu, p > 0.f), p, key, V, A.kstride, o);
     }
     const float f = (float)(1.0 / ekv_warp_sum(sum));
     float *dst = A.att + (t * A.H + h) * A.D;
