@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<PF_CANDS, NP>())
 }
 
 /* Row i (live: i < rows) onto its KV head's Newton list (the route's other rows), one atomic
- * per warp and head: a warp's consecutive rows span at most two heads. Every lane calls. */
+ * per warp and head (a warp's consecutive rows span two heads at most where R >= 32; any number
+ * is handled). Every lane calls. */
 __device__ __forceinline__ void route_newton(const fused_args &A, int64_t i, bool live) {
     const int lane = threadIdx.x & 31;
     const int64_t g = live ? i / A.R : -1;
@@ -238,8 +239,10 @@ __device__ __forceinline__ void route_newton(const fused_args &A, int64_t i, boo
 /* The route, a thread per row (coalesced; was one block whose threads walked runs of rows, 0.29
  * ms a pass at 32K): route G's slices by a block scan of their n_lb and one atomic a block on
  * the pool's cursor, so a slice is exactly its row's size (no overflow, no retry) and the slices
- * are disjoint (their order among blocks is the atomics', which changes nothing computed); the
- * other rows, and those past the pool (none: the pool holds row_cap a row), to the Newton list. */
+ * are disjoint (their order among blocks is the atomics', which changes nothing computed, though
+ * the pool's layout varies run to run); the other rows, and those past the pool, to the Newton
+ * list. None is past it while row_cap <= the pool's share of a row (ekv_cuda_prefill_fused caps
+ * it so); a block that crossed it would push every later block's rows to Newton. */
 __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args A) {
     ekv_grid_begin();
     __shared__ long long wsum[HB_ROUTE_THREADS / 32];
