@@ -197,8 +197,10 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
         }
 }
 
-template <int D, int NP> constexpr size_t hist_smem_bytes() {
-    return fused_smem_bytes<D, NP, false>() + (size_t)PF_ROWS * HB_RING * 4 + (HB_WIN + 1) * 4;
+/* P1's stages and rings; P2 (HIST_LIST) counts nothing: its stages alone. */
+template <int D, int NP, int MODE> constexpr size_t hist_smem_bytes() {
+    return fused_smem_bytes<D, NP, false>() +
+           (MODE == HIST_COUNT ? (size_t)PF_ROWS * HB_RING * 4 + (HB_WIN + 1) * 4 : 0);
 }
 
 /* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; as many blocks per SM as the
@@ -303,8 +305,10 @@ template <int MODE> cudaError_t launch_hist(ekv_dtype dt, const fused_args &A, c
         typedef typename decltype(q)::type T;
         constexpr int NP = decltype(q)::np;
         if (A.D == 64)
-            return launch_row_blocks<hist_kernel<T, 64, NP, MODE>>(A, hist_smem_bytes<64, NP>(), s);
-        return launch_row_blocks<hist_kernel<T, 128, NP, MODE>>(A, hist_smem_bytes<128, NP>(), s);
+            return launch_row_blocks<hist_kernel<T, 64, NP, MODE>>(
+                    A, hist_smem_bytes<64, NP, MODE>(), s);
+        return launch_row_blocks<hist_kernel<T, 128, NP, MODE>>(
+                A, hist_smem_bytes<128, NP, MODE>(), s);
     });
 }
 
