@@ -187,16 +187,12 @@ struct finish_args {
     void *out;          /* [Tc][H][D] */
 };
 
-/* Rows (t, h) a block of finish_kernel: a warp each (a 64-thread block a row was bound by its
- * launches, as split_queries_kernel's were). */
-enum { FINISH_ROWS = 8 };
-
-/* warp (t, h), rows t H + h in order: tau = M + (tau - M) of row (t, h), and out converted from
+/* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: tau = M + (tau - M) of row (t, h), and out converted from
  * fp32 (TO). */
 template <typename TO> __global__ void finish_kernel(finish_args F) {
     ekv_grid_begin();
     const int lane = threadIdx.x & 31;
-    const int64_t id = (int64_t)blockIdx.x * FINISH_ROWS + (threadIdx.x >> 5);
+    const int64_t id = ekv_prefill_warp_row();
     if (id >= F.Tc * F.H) return; /* warp-uniform */
     const int64_t t = id / F.H, h = id % F.H;
     const int64_t row = (h / F.G) * F.R + t * F.G + h % F.G;
@@ -247,7 +243,7 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
                      (char *)a->out + qo * ekv_dtype_size(a->out_dtype)};
     ekv_cuda_with_dtype(a->out_dtype, [&](auto ty) {
         finish_kernel<typename decltype(ty)::type>
-                <<<(unsigned)((Tc * J.H + FINISH_ROWS - 1) / FINISH_ROWS), 32 * FINISH_ROWS, 0,
+                <<<ekv_prefill_warp_row_blocks(Tc * J.H), 32 * EKV_PREFILL_WARP_ROWS, 0,
                    J.stream>>>(F);
     });
     FLASH_TRY(J, cudaGetLastError());

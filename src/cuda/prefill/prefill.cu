@@ -138,8 +138,7 @@ cudaDataType_t blas_type(ekv_dtype dt) {
 template <typename T> void launch_rows(const prefill_args &A, cudaStream_t s, int split_q) {
     if (split_q)
         split_queries_kernel<T>
-                <<<(unsigned)((A.T * A.H + SPLIT_ROWS - 1) / SPLIT_ROWS), 32 * SPLIT_ROWS, 0, s>>>(
-                        A);
+                <<<ekv_prefill_warp_row_blocks(A.T * A.H), 32 * EKV_PREFILL_WARP_ROWS, 0, s>>>(A);
     else
         row_entmax_kernel<T><<<dim3((unsigned)A.R, (unsigned)A.Hk), ROW_THREADS, 0, s>>>(A);
 }

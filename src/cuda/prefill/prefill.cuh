@@ -33,6 +33,19 @@ static inline int32_t ekv_prefill_row_cap(int32_t row_cap) {
     return row_cap ? row_cap : EKV_PREFILL_ROW_CAP;
 }
 
+/* The prefill's per-row elementwise kernels (split_queries_kernel, the flash entry's
+ * finish_kernel): a warp a row, EKV_PREFILL_WARP_ROWS rows a block of 32 x that many threads (a
+ * 64-thread block a row was bound by its launches: 0.12 ms for the 131K rows of a 32K pass,
+ * bench/RESULTS.md). The blocks for `rows` rows, and in the kernel the warp's row (>= rows past
+ * the last: the warp returns). */
+enum { EKV_PREFILL_WARP_ROWS = 8 };
+static inline unsigned ekv_prefill_warp_row_blocks(int64_t rows) {
+    return (unsigned)((rows + EKV_PREFILL_WARP_ROWS - 1) / EKV_PREFILL_WARP_ROWS);
+}
+__device__ __forceinline__ int64_t ekv_prefill_warp_row() {
+    return (int64_t)blockIdx.x * EKV_PREFILL_WARP_ROWS + (threadIdx.x >> 5);
+}
+
 /* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
  * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
 enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_COUNTERS };

@@ -36,17 +36,13 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
     }
 }
 
-/* Rows (t, h) a block of split_queries_kernel: a warp each (a 64-thread block a row was bound by
- * its launches: 0.12 ms for the 131K rows of a 32K pass, bench/RESULTS.md). */
-enum { SPLIT_ROWS = 8 };
-
-/* warp (t, h), rows t H + h in order: q'[t][h] split into nq parts, shifted by 2^s for f16
+/* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: q'[t][h] split into nq parts, shifted by 2^s for f16
  * (docs/math.md §12); or, with nq 1 (q exact in K's dtype), q itself and a * scale as the row's
  * factor */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     ekv_grid_begin();
     const int lane = threadIdx.x & 31;
-    const int64_t id = (int64_t)blockIdx.x * SPLIT_ROWS + (threadIdx.x >> 5);
+    const int64_t id = ekv_prefill_warp_row();
     if (id >= A.T * A.H) return; /* warp-uniform */
     const int64_t t = id / A.H, h = id % A.H, g = h / A.G, r = t * A.G + h % A.G;
     const float *q = A.q + id * A.D;
