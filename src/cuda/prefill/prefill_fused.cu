@@ -328,8 +328,7 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
         if (A.thr[row] > thr) thr = A.thr[row]; /* pass_cands' bound, or the last round's */
         A.thr[row] = thr;
         A.state[row] = A.last ? ROW_NEWTON : ROW_RETRY;
-        const int64_t g = row / A.R; /* the next pass's list of head g's rows */
-        A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
+        list_for_next_pass(A, row);
         if (!A.round) atomicAdd(A.rows + PF_RETRIED, 1ull);
         if (A.last) atomicAdd(A.rows + PF_NEWTONED, 1ull);
     }

@@ -107,6 +107,13 @@ __device__ __forceinline__ int64_t list_at(const fused_args &A, int64_t row) {
     return A.off ? A.off[row] : row * A.cap;
 }
 
+/* Row onto its KV head's list of rows for the next pass (wlist_out / wcount_out), one atomic
+ * (the histogram route appends many rows at once: route_newton, prefill_hist.cu). */
+__device__ __forceinline__ void list_for_next_pass(const fused_args &A, int64_t row) {
+    const int64_t g = row / A.R;
+    A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
+}
+
 /* A pass kernel of bytes of dynamic shared memory over the grid of row blocks x KV heads. */
 template <auto Kernel>
 cudaError_t launch_row_blocks(const fused_args &A, size_t bytes, cudaStream_t s) {

@@ -151,6 +151,14 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
     for (int k = 0; k < 2; k++) hist_finish(A, L, k, ring[k], pw, run[k], bm[k]);
 }
 
+/* A listed row that P2 or its tau found other than P1 said (never, with one z function; checked):
+ * ROW_NEWTON on the Newton passes' list, counted. */
+__device__ __forceinline__ void send_to_newton(const fused_args &A, int64_t row) {
+    A.state[row] = ROW_NEWTON;
+    list_for_next_pass(A, row);
+    atomicAdd(A.rows + PF_NEWTONED, 1ull);
+}
+
 /* P2: the ROW_LIST rows' z >= their edge (A.thr) with their keys into their slices (off, room
  * n_lb = A.count): each tile's by a prefix sum over the quad, as pass_cands appends (none past
  * the room). Writes the count found; a row that found other than n_lb goes to the Newton
@@ -190,10 +198,7 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
             A.count[L.row[k]] = n[k];
             if (n[k] == room[k]) continue;
             /* P1 counted other z than P2 saw (never, with one z function): the Newton passes */
-            const int64_t g = blockIdx.y, row = L.row[k];
-            A.state[row] = ROW_NEWTON;
-            A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
-            atomicAdd(A.rows + PF_NEWTONED, 1ull);
+            send_to_newton(A, L.row[k]);
         }
 }
 
@@ -223,9 +228,9 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<PF_CANDS, NP>())
                         reinterpret_cast<float *>(rings + PF_ROWS * HB_RING));
 }
 
-/* Row i (live: i < rows) onto its KV head's Newton list (the route's other rows), one atomic
- * per warp and head (a warp's consecutive rows span two heads at most where R >= 32; any number
- * is handled). Every lane calls. */
+/* Row i (live: i < rows) onto its KV head's Newton list (the route's other rows): the list of
+ * list_for_next_pass, one atomic per warp and head (a warp's consecutive rows span two heads at
+ * most where R >= 32; any number is handled). Every lane calls. */
 __device__ __forceinline__ void route_newton(const fused_args &A, int64_t i, bool live) {
     const int lane = threadIdx.x & 31;
     const int64_t g = live ? i / A.R : -1;
@@ -284,12 +289,7 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) 
     float mx = -CUDART_INF_F;
     for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, cs[j]);
     if (ekv_warp_max(mx) != M) {
-        if (lane == 0) {
-            const int64_t g = row / A.R;
-            A.state[row] = ROW_NEWTON;
-            A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
-            atomicAdd(A.rows + PF_NEWTONED, 1ull);
-        }
+        if (lane == 0) send_to_newton(A, row);
         return;
     }
     const double t0 = fmax((double)A.thr[row] - (double)M, -1.0);
