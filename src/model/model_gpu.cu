@@ -241,7 +241,6 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
              {&g->k, B * kvd * 4},
              {&g->v, B * kvd * 4},
              {&g->att, B * qd * 4},
-             {&g->qkv, (qd + 2 * kvd) * 4},
              {&g->h13, B * 2 * F * 4},
              {&g->h, B * F * 4},
              {&g->logits, B * c->vocab * 4},
@@ -288,11 +287,10 @@ extern "C" void ekv_model_gpu_free(model_gpu *g) {
         }
     free(g->layers);
     /* g->pf's buffers all lie in pf_scratch (alloc_prefill) */
-    void *bufs[] = {g->weights, g->vectors, g->slopes,     g->tokens,  g->pos,
-                    g->x,       g->xn,      g->q,          g->k,       g->v,
-                    g->att,     g->h13,     g->h,          g->qkv,     g->logits,
-                    g->indptr,  g->indices, g->last_len,   g->items,   g->blas_ws,
-                    g->bseqs,   g->vbase,   g->pf_scratch, g->pf_rows, g->slow_paths};
+    void *bufs[] = {g->weights, g->vectors, g->slopes, g->tokens,     g->pos,      g->x,
+                    g->xn,      g->q,       g->k,      g->v,          g->att,      g->h13,
+                    g->h,       g->logits,  g->indptr, g->indices,    g->last_len, g->items,
+                    g->blas_ws, g->bseqs,   g->vbase,  g->pf_scratch, g->pf_rows,  g->slow_paths};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     ekv_cuda_plan_free(g->plan);
     free(g->slow_host);
@@ -387,14 +385,10 @@ static ekv_status layer_forward(ekv_model *m, int32_t l, const gpu_block *b, int
                   kvd = (int64_t)c->n_kv_heads * c->head_dim, F = c->ffn_dim, T = b->T;
     const gpu_lin_in attn_in = {g->x, GPU_LIN_RMSNORM, L->attn_norm, c->norm_eps};
     float *q = g->q, *k = g->k, *v = g->v;
-    if (T == 1) { /* one token: [wq; wk; wv] is one matrix (upload_weights), q | k | v one row */
-        TRY(gpu_linear(g, L->wq, qd + 2 * kvd, d, &attn_in, 1, g->qkv, 0.f));
-        q = g->qkv, k = q + qd, v = k + kvd;
-    } else { /* a block: q, k and v each contiguous over its tokens, as the stages read them */
-        TRY(gpu_linear(g, L->wq, qd, d, &attn_in, T, q, 0.f));
-        TRY(gpu_linear(g, L->wk, kvd, d, &attn_in, T, k, 0.f));
-        TRY(gpu_linear(g, L->wv, kvd, d, &attn_in, T, v, 0.f));
-    }
+    /* [wq; wk; wv] is one matrix (upload_weights): one launch for a decode step's tokens, q, k
+     * and v each contiguous over the tokens, as the stages read them */
+    const gpu_lin_out qkv = {{q, k, v}, {qd, qd + kvd, qd + 2 * kvd}};
+    TRY(gpu_linear_parts(g, L->wq, d, &attn_in, T, &qkv, 0.f));
     TRY(ekv_cuda_cache_append(g->plan, L->cache, g->items, n_items, k, v));
     TRY(views ? gpu_views_attention(m, L, b, q) : gpu_prefill_attention(m, L, b));
     GPU_TRY(g, cudaMemcpyAsync(L->last_q, q + (T - 1) * qd, (size_t)qd * 4,

@@ -70,7 +70,6 @@ struct model_gpu {
     int32_t *tokens; /* [block] */
     int64_t *pos;    /* [max_seqs] the positions on the device: graph replays read them */
     float *x, *xn, *q, *k, *v, *att, *logits;
-    float *qkv;     /* [qd + 2 kvd]: one token's q | k | v (layer_forward) */
     float *h13, *h; /* [block][2F] gate | up per token; [block][F] swiglu of them */
     int64_t *indptr; /* the prefix views of a block: [views + 1] */
     int32_t *indices, *last_len;
@@ -123,6 +122,16 @@ typedef struct {
 /* y[T][rows] = in[T][cols] . W^T + beta * y (beta 0 or 1: a residual add), fp32 */
 ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
                       const gpu_lin_in *in, int64_t T, float *y, float beta);
+/* The same over W's rows in up to GPU_LIN_PARTS consecutive parts, part p (rows end[p - 1] to
+ * end[p], from 0; end[last] = W's rows, an unused part empty) into its own y[p] [T][its rows]:
+ * q, k and v from [wq; wk; wv] in one launch for a decode step's tokens. */
+enum { GPU_LIN_PARTS = 3 };
+typedef struct {
+    float *y[GPU_LIN_PARTS];
+    int64_t end[GPU_LIN_PARTS];
+} gpu_lin_out;
+ekv_status gpu_linear_parts(model_gpu *g, const float *W, int64_t cols, const gpu_lin_in *in,
+                            int64_t T, const gpu_lin_out *out, float beta);
 /* From the device positions: the append items of the block's tokens (n_items of them), and
  * with views the CSR of its T views (docs/architecture.md, "The model on the GPU"): the prefix
  * of each token of one sequence, or each batched sequence whole. */

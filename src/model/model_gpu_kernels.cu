@@ -150,9 +150,17 @@ struct linear_args {
     const float *W;
     int64_t rows, cols, T;
     gpu_lin_in in;
-    float *y;
+    gpu_lin_out out;
     float beta;
 };
+
+/* Where token t's output row r goes: part p of out (the rows from end[p - 1] to end[p]) holds
+ * [T][its rows]. Once per output. */
+__device__ __forceinline__ float *lin_out_at(const linear_args &A, int64_t t, int64_t r) {
+    const int p = (r >= A.out.end[0]) + (r >= A.out.end[1]);
+    const int64_t start = p ? A.out.end[p - 1] : 0;
+    return A.out.y[p] + t * (A.out.end[p] - start) + (r - start);
+}
 
 /* A token's RMSNorm factor from its row r (cols floats), by one warp: lane-strided squares in
  * double, summed by an xor tree (every lane ends with the same value). Written once for the
@@ -256,7 +264,7 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args
         for (int t = 0; t < LIN_TOKENS; t++) {
             const float s = warp_sum_f(acc[t]);
             if (lane == t && t < nt && r < A.rows) {
-                float *out = A.y + (t0 + t) * A.rows + r;
+                float *out = lin_out_at(A, t0 + t, r);
                 *out = A.beta != 0.f ? *out + s : s;
             }
         }
@@ -290,7 +298,10 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_row1_kernel(linear_args
     for (int k = 0; k < LIN_ROW_HELD; k++)
         if (lane + 32 * k < n4) acc = dot4_add(wv.v[k], token_input4(A, lane + 32 * k, f), acc);
     const float s = warp_sum_f(acc);
-    if (lane == 0) A.y[r] = A.beta != 0.f ? A.y[r] + s : s;
+    if (lane == 0) {
+        float *out = lin_out_at(A, 0, r);
+        *out = A.beta != 0.f ? *out + s : s;
+    }
 }
 
 } // namespace
@@ -318,16 +329,17 @@ static ekv_status gpu_swiglu(model_gpu *g, const float *h13, int64_t T, int64_t 
 }
 
 /* A decode step's few tokens (up to LIN_SMALL_T) through linear_rows_kernel, the input's norm
- * or SwiGLU folded in; a prefill block's input made whole first (into g->xn or g->h), then
- * cuBLAS, which is column-major: y^T (rows x T, ld rows) = W (row-major [rows][cols], i.e.
- * cols x rows column-major, transposed) times x^T (cols x T, ld cols). fp32 inputs, fp32
- * compute (the CPU pass's precision; the linear layers are a small share of a long prefill,
- * docs/math.md §12). */
-ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
-                      const gpu_lin_in *in, int64_t T, float *y, float beta) {
+ * or SwiGLU folded in, every part in one launch; a prefill block's input made whole first (into
+ * g->xn or g->h), then cuBLAS per part, which is column-major: y^T (rows x T, ld rows) = W
+ * (row-major [rows][cols], i.e. cols x rows column-major, transposed) times x^T (cols x T, ld
+ * cols). fp32 inputs, fp32 compute (the CPU pass's precision; the linear layers are a small
+ * share of a long prefill, docs/math.md §12). */
+ekv_status gpu_linear_parts(model_gpu *g, const float *W, int64_t cols, const gpu_lin_in *in,
+                            int64_t T, const gpu_lin_out *out, float beta) {
+    const int64_t rows = out->end[GPU_LIN_PARTS - 1];
     const uintptr_t align = (uintptr_t)W | (uintptr_t)in->x | (uintptr_t)in->norm_w;
     if (T <= LIN_SMALL_T && cols % 4 == 0 && cols <= LIN_MAX_COLS && align % 16 == 0) {
-        const linear_args A = {W, rows, cols, T, *in, y, beta};
+        const linear_args A = {W, rows, cols, T, *in, *out, beta};
         const size_t smem = (size_t)LIN_TOKENS * (size_t)cols * 4;
         const unsigned blocks = (unsigned)((rows + LIN_WARPS - 1) / LIN_WARPS);
         if (T == 1)
@@ -348,10 +360,21 @@ ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
         x = g->h;
     }
     const float one = 1.f;
-    BLAS_TRY(g, cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)T, (int)cols, &one,
-                             W, CUDA_R_32F, (int)cols, x, CUDA_R_32F, (int)cols, &beta, y,
-                             CUDA_R_32F, (int)rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    for (int p = 0, start = 0; p < GPU_LIN_PARTS; start = (int)out->end[p], p++) {
+        const int n = (int)out->end[p] - start;
+        if (n == 0) continue;
+        BLAS_TRY(g, cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, (int)T, (int)cols, &one,
+                                 W + (int64_t)start * cols, CUDA_R_32F, (int)cols, x, CUDA_R_32F,
+                                 (int)cols, &beta, out->y[p], CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+    }
     return EKV_OK;
+}
+
+ekv_status gpu_linear(model_gpu *g, const float *W, int64_t rows, int64_t cols,
+                      const gpu_lin_in *in, int64_t T, float *y, float beta) {
+    const gpu_lin_out out = {{y, y, y}, {rows, rows, rows}};
+    return gpu_linear_parts(g, W, cols, in, T, &out, beta);
 }
 
 ekv_status gpu_block_tables(model_gpu *g, const gpu_block *b, int64_t ps, int32_t n_items,
