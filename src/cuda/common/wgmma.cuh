@@ -1,16 +1,17 @@
 /*
  * Hopper's warpgroup MMA (wgmma.mma_async, PTX ISA "Asynchronous Warpgroup Level Matrix
- * Multiply-Accumulate"): the scores of the fused prefill's sweeps where the code is sm_90a, the
- * head dim 64 and q one part (prefill/prefill_fused.cuh, pf_wgmma). tests/gpu/test_wgmma.cu
+ * Multiply-Accumulate"): the scores of the fused prefill's sweeps where the code is sm_90a and
+ * the head dim 64 (prefill/prefill_fused.cuh, pf_wgmma). tests/gpu/test_wgmma.cu
  * checks it against tile_scores_q (mma.cuh) and a double reference.
  *
  * What it computes: the scores of 64 query rows (a warpgroup: 4 warps of 16 rows, each warp's A
- * fragments the same registers load_q_frags gives mma.sync) against a 64-key tile of head dim 64
+ * fragments the same registers load_q_frags gives mma.sync; q' in 1-3 parts) against a 64-key
+ * tile of head dim 64
  * in shared memory, laid out as tile_copy lays it (rows of 128 bytes, 16-byte chunk c of row r at
  * c ^ (r % 8)): that is wgmma's 128-byte swizzle of a K-major operand when the tile starts on a
  * 1024-byte boundary (the swizzle is a function of the address bits). The accumulators come back
  * in tile_z's layout: d[n8][i] = row 16 warp + lane / 4 + 8 (i / 2), key 8 n8 + 2 (lane % 4) +
- * i % 2, summed over the 4 k-steps of 16 dims in the tensor core's fp32 accumulator.
+ * i % 2, summed over the parts' 4 k-steps of 16 dims in the tensor core's fp32 accumulator.
  *
  * wgmma exists only in code compiled for sm_90a (CUDA_ARCHITECTURES 90a: EKV_HAVE_WGMMA), whose
  * cubin runs on compute capability 9.0 only; elsewhere the functions are not defined.
@@ -91,18 +92,23 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (*d)[4], const uint32_t *a
 
 /* The warpgroup's 64 rows against the 64-key tile kt (head dim 64, tile_copy's layout, on a
  * 1024-byte boundary, written before the caller's barrier): d[n8][i] as the file's comment says,
- * from zero. One query part (qa, load_q_frags' registers); waits for the result. Every thread of
+ * from zero. NP query parts (qa[part][16-dim step], load_q_frags' registers) in one chain of the
+ * accumulator, the smallest part first (as tile_pv chains P's parts: the small products are
+ * summed before the large ones join; docs/math.md §12); waits for the result. Every thread of
  * the 4 warps calls it. */
-template <typename T>
+template <typename T, int NP>
 __device__ __forceinline__ void wgmma_tile_scores64(const unsigned char *kt,
-                                                    const uint32_t (*qa)[4], float (*d)[4]) {
+                                                    const uint32_t (*qa)[4][4], float (*d)[4]) {
     const uint64_t desc = wgmma_desc_sw128(kt);
     mma_zero<8>(d); /* not read (the first step starts from zero), but defined for the asm */
     wgmma_hold(d);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) /* 16 dims = 32 bytes further along each 128-byte row */
-        wgmma_m64n64k16<T>(d, qa[kk], desc + (uint64_t)(kk * 32 >> 4), kk);
+    for (int part = NP - 1; part >= 0; part--)
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) /* 16 dims = 32 bytes further along each 128-byte row */
+            wgmma_m64n64k16<T>(d, qa[part][kk], desc + (uint64_t)(kk * 32 >> 4),
+                               part < NP - 1 || kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(d);

@@ -142,10 +142,11 @@ __device__ __forceinline__ unsigned char *pf_stages(unsigned char *raw) {
 }
 
 /* Whether a sweep's scores run on Hopper's warpgroup MMA (common/wgmma.cuh): code for sm_90a,
- * head dim 64, one part of q' (the flash op's 16-bit q). Device code only. */
+ * head dim 64, q' in any number of parts (the flash op's 16-bit q: one; the model's fp32 q: 2
+ * for f16 caches, 3 for bf16). Device code only. */
 template <int D, int NP> __device__ constexpr bool pf_wgmma() {
 #if defined(EKV_HAVE_WGMMA)
-    return D == 64 && NP == 1;
+    return D == 64 && NP <= 3;
 #else
     return false;
 #endif
@@ -364,7 +365,7 @@ __device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
 #if defined(EKV_HAVE_WGMMA)
                                 if constexpr (WG) {
                                     static_assert(D == 64, "wgmma_tile_scores64: head dim 64");
-                                    wgmma_tile_scores64<T>(kt, qa[0], s);
+                                    wgmma_tile_scores64<T, NP>(kt, qa, s);
                                 }
 #endif
                                 if (!warp_on) return;
