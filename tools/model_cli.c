@@ -62,7 +62,7 @@ void model_opts_help(FILE *f) {
             "  --prefill-kernel K    cuda dense prefill: fused (S and P stay on the chip),\n"
             "                        hist (fused, histogram tau scheme: exact-size lists),\n"
             "                        gemm (cuBLAS over S and P in device memory) or auto\n"
-            "                        (default: fused for f16/bf16 caches and head dim 64/128,\n"
+            "                        (default: hist for f16/bf16 caches and head dim 64/128,\n"
             "                        else gemm); the prefill stats line says which ran\n"
             "  --no-graphs           cuda: decode steps as eager launches, not a CUDA graph\n"
             "  --prefill-candidates N  cuda fused prefill: tau candidates kept per query row,\n"

@@ -126,8 +126,9 @@ typedef struct ekv_model_params {
                               (default 1, at most 4096); more than one on cuda only
                               (ekv_model_batch_step)                                            */
     ekv_prefill_kernel prefill_kernel; /* cuda dense prefill (docs/architecture.md, "The model
-                              on the GPU"): EKV_PREFILL_AUTO (default) = fused where it applies
-                              (f16/bf16 caches, head_dim 64 or 128), else the GEMMs           */
+                              on the GPU"): EKV_PREFILL_AUTO (default) = the fused kernel with
+                              the histogram scheme (as EKV_PREFILL_FUSED_HIST) where it
+                              applies (f16/bf16 caches, head_dim 64 or 128), else the GEMMs    */
     /* cuda list sizes (docs/architecture.md, "The model on the GPU"): tests and benchmarks
      * shrink them to drive the slow paths or tune a trade. 0 = the default; a value outside
      * [0, most] fails the load with EKV_ERR_INVALID_SIZE on every backend. */

@@ -337,8 +337,9 @@ extern "C" ekv_status ekv_model_gpu_create(ekv_model *m) {
     g->pf.nparts = ekv_cuda_prefill_parts(m->prm.kv_dtype);
     const bool fits = ekv_cuda_prefill_fused_applies(m->prm.kv_dtype, c->head_dim);
     g->pf.fused = m->prm.prefill_kernel != EKV_PREFILL_GEMM && fits;
-    g->pf.tau_scheme = m->prm.prefill_kernel == EKV_PREFILL_FUSED_HIST ? EKV_PREFILL_TAU_HIST
-                                                                       : EKV_PREFILL_TAU_CANDIDATES;
+    /* auto: the histogram scheme (faster at 128K and 256K: bench/RESULTS.md, 2026-12-05) */
+    g->pf.tau_scheme = m->prm.prefill_kernel == EKV_PREFILL_FUSED ? EKV_PREFILL_TAU_CANDIDATES
+                                                                  : EKV_PREFILL_TAU_HIST;
     ekv_status s = g->layers && g->hpos
                            ? open_device(m, g)
                            : ekv_fail(m->ctx, EKV_ERR_OUT_OF_MEMORY, "model: out of memory");
