@@ -187,8 +187,8 @@ struct finish_args {
     void *out;          /* [Tc][H][D] */
 };
 
-/* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: tau = M + (tau - M) of row (t, h), and out converted from
- * fp32 (TO). */
+/* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: tau = M + (tau - M) of row (t, h),
+ * and out converted from fp32 (TO). */
 template <typename TO> __global__ void finish_kernel(finish_args F) {
     ekv_grid_begin();
     const int lane = threadIdx.x & 31;

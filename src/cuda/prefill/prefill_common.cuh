@@ -36,9 +36,9 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
     }
 }
 
-/* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: q'[t][h] split into nq parts, shifted by 2^s for f16
- * (docs/math.md §12); or, with nq 1 (q exact in K's dtype), q itself and a * scale as the row's
- * factor */
+/* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: q'[t][h] split into nq parts,
+ * shifted by 2^s for f16 (docs/math.md §12); or, with nq 1 (q exact in K's dtype), q itself and
+ * a * scale as the row's factor */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     ekv_grid_begin();
     const int lane = threadIdx.x & 31;
