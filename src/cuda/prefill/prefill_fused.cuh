@@ -303,19 +303,32 @@ __device__ __forceinline__ void tile_z(const pf_lane &L, int64_t k0, int64_t non
     const int lane = threadIdx.x & 31;
     float e[2];
     if (tile_whole(L, k0, noncausal_keys, e)) {
-        const bool biased = __any_sync(0xffffffffu, L.am[0] != 0.f || L.am[1] != 0.f);
-        bool finite = true;
+        /* chk[i] = fmaf(z, 0, chk[i]) stays 0 while every z is finite and turns NaN at the first
+         * inf or NaN (inf x 0): one fma a z instead of a compare chained through a predicate, in
+         * four independent chains. The two loops are separate so that the unbiased one (most
+         * rows) is not compiled as the biased one with its bias predicated off (each such
+         * instruction still issues). */
+        float chk[4] = {0.f, 0.f, 0.f, 0.f};
+        if (__any_sync(0xffffffffu, L.am[0] != 0.f || L.am[1] != 0.f)) {
 #pragma unroll
-        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int k = i >> 1;
-                const float b = biased ? -L.am[k] * fabsf(e[k] + (float)(n8 * 8 + (i & 1))) : -0.f;
-                const float z = fmaf(s[n8][i], L.shift[k], b);
-                finite = finite && fabsf(z) < CUDART_INF_F; /* false for inf and NaN */
-                s[n8][i] = z;
-            }
-        *bad |= !finite;
+                for (int i = 0; i < 4; i++) {
+                    const int k = i >> 1;
+                    const float b = -L.am[k] * fabsf(e[k] + (float)(n8 * 8 + (i & 1)));
+                    s[n8][i] = fmaf(s[n8][i], L.shift[k], b);
+                    chk[i] = fmaf(s[n8][i], 0.f, chk[i]);
+                }
+        } else {
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    s[n8][i] = fmaf(s[n8][i], L.shift[i >> 1], -0.f);
+                    chk[i] = fmaf(s[n8][i], 0.f, chk[i]);
+                }
+        }
+        *bad |= !(chk[0] + chk[1] + chk[2] + chk[3] == 0.f); /* NaN if any is */
         return;
     }
 #pragma unroll
