@@ -243,9 +243,9 @@ __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
  * offsets and the lane's indices recomputed for every chunk: bench/RESULTS.md 2026-12-05). */
 template <int D> struct tile_lane_copy {
     static constexpr int CH = D / 8, PER = 16 * CH / 32, RS = 32 / CH; /* rows between chunks */
-    int64_t src;    /* elements from a tile's first key to the lane's first chunk */
-    int64_t step;   /* elements between the lane's chunks: RS keys */
-    int row, col;   /* the lane's first chunk: its row in the tile, its column */
+    int64_t src;  /* elements from a tile's first key to the lane's first chunk */
+    int64_t step; /* elements between the lane's chunks: RS keys */
+    int row, col; /* the lane's first chunk: its row in the tile, its column */
     __device__ __forceinline__ explicit tile_lane_copy(int64_t stride) {
         const int lane = threadIdx.x & 31;
         row = (threadIdx.x >> 5) * 16 + lane / CH;
