@@ -246,7 +246,11 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args
     __shared__ float f[LIN_TOKENS]; /* the staged tokens' RMSNorm factors */
     const int lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x * (int64_t)LIN_WARPS + (threadIdx.x >> 5), n4 = A.cols / 4;
-    for (int64_t t0 = 0; t0 < A.T; t0 += LIN_TOKENS) {
+    /* block y takes token tiles y, y + gridDim.y, ...: a batched step's tiles side by side, not
+     * one after another in each block (at 16 tokens that doubled the kernel's time: ncu, bench/
+     * RESULTS.md 2026-12-05); a token's sums are the same in whichever block */
+    for (int64_t t0 = blockIdx.y * (int64_t)LIN_TOKENS; t0 < A.T;
+         t0 += (int64_t)gridDim.y * LIN_TOKENS) {
         const int nt = A.T - t0 < LIN_TOKENS ? (int)(A.T - t0) : LIN_TOKENS;
         __syncthreads(); /* the previous tile's reads are done */
         stage_input(A, t0, nt, xs, f);
@@ -342,10 +346,11 @@ ekv_status gpu_linear_parts(model_gpu *g, const float *W, int64_t cols, const gp
         const linear_args A = {W, rows, cols, T, *in, *out, beta};
         const size_t smem = (size_t)LIN_TOKENS * (size_t)cols * 4;
         const unsigned blocks = (unsigned)((rows + LIN_WARPS - 1) / LIN_WARPS);
+        const dim3 grid(blocks, (unsigned)((T + LIN_TOKENS - 1) / LIN_TOKENS));
         if (T == 1)
             ekv_launch(gpu_on(g), linear_row1_kernel, blocks, 32 * LIN_WARPS, 0, A);
         else
-            ekv_launch(gpu_on(g), linear_rows_kernel, blocks, 32 * LIN_WARPS, smem, A);
+            ekv_launch(gpu_on(g), linear_rows_kernel, grid, 32 * LIN_WARPS, smem, A);
         GPU_LAUNCHED(g);
         return EKV_OK;
     }

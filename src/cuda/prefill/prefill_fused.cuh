@@ -235,26 +235,63 @@ __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
     return keys;
 }
 
+/* A lane's share of copying a sweep's tiles (tile_copy's chunks and swizzle: each warp 16 rows,
+ * chunk i = lane + 32 u of them at row i / CH and column lane % CH), with what depends only on
+ * the lane worked out once for the sweep: the chunks' element offset from a tile's first key
+ * and the shared byte offset of the first. Per tile that leaves a pointer add and a copy a
+ * chunk, where tile_copy's general form cost the sweep ~150 instructions a tile (its 64-bit
+ * offsets and the lane's indices recomputed for every chunk: bench/RESULTS.md 2026-12-05). */
+template <int D> struct tile_lane_copy {
+    static constexpr int CH = D / 8, PER = 16 * CH / 32, RS = 32 / CH; /* rows between chunks */
+    int64_t src;  /* elements from a tile's first key to the lane's first chunk */
+    int64_t step; /* elements between the lane's chunks: RS keys */
+    int row, col; /* the lane's first chunk: its row in the tile, its column */
+    __device__ __forceinline__ explicit tile_lane_copy(int64_t stride) {
+        const int lane = threadIdx.x & 31;
+        row = (threadIdx.x >> 5) * 16 + lane / CH;
+        col = lane % CH;
+        src = row * stride + col * 8;
+        step = RS * stride;
+    }
+    /* The tile whose first key is at `tile` into dst (the stage); rows at or past valid as
+     * tile_copy leaves them (ZERO_TAIL: zeroed). */
+    template <typename T, bool ZERO_TAIL>
+    __device__ __forceinline__ void copy(unsigned char *dst, const T *tile, int valid) const {
+        const T *from = tile + src;
+#pragma unroll
+        for (int u = 0; u < PER; u++, from += step) {
+            const int r = row + u * RS;
+            if (r < valid)
+                cp_async16(dst + tile_chunk<D>(r, col), from);
+            else if (ZERO_TAIL)
+                *reinterpret_cast<uint4 *>(dst + tile_chunk<D>(r, col)) = make_uint4(0, 0, 0, 0);
+        }
+    }
+};
+
 /* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
  * the row's max comes early, which keeps round 0's candidates few): tile [k0, k0 + PF_KEYS) of
  * K (and V) lands in a stage, then use(k0, kt, vt) runs in every warp (block-uniform). */
 template <typename T, int D, bool WITH_V, bool ASYNC_READ, typename Use>
 __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *raw,
                                       Use use) {
-    constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB, SUB = 16 * D * 2;
+    constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB;
     unsigned char *stages = pf_stages(raw);
-    const int warp = threadIdx.x >> 5;
     const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
     const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
-    auto issue = [&](int64_t j) { /* each warp copies 16 rows of the tile */
-                                  const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
-                                  const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
-                                  unsigned char *st = stages + (j & 1) * SB + warp * SUB;
-                                  tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride,
-                                                         warp * 16, valid);
-                                  if (WITH_V)
-                                      tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride,
-                                                            warp * 16, valid);
+    const tile_lane_copy<D> cp(A.kstride);
+    auto issue = [&](int64_t j) {
+        const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
+        const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
+        unsigned char *st = stages + (j & 1) * SB;
+        if constexpr (!WITH_V) {
+            cp.template copy<T, false>(st, K + k0 * A.kstride, valid);
+        } else { /* the output sweeps (255 registers) spill with cp's offsets held */
+            const int warp = threadIdx.x >> 5;
+            st += warp * 16 * D * 2;
+            tile_copy<T, D, false>(st, K + k0 * A.kstride, A.kstride, warp * 16, valid);
+            tile_copy<T, D, true>(st + TB, V + k0 * A.kstride, A.kstride, warp * 16, valid);
+        }
     };
     auto landed = [] { /* ASYNC_READ: the tiles read by wgmma, through the async proxy */
 #if defined(EKV_HAVE_WGMMA)
@@ -303,19 +340,32 @@ __device__ __forceinline__ void tile_z(const pf_lane &L, int64_t k0, int64_t non
     const int lane = threadIdx.x & 31;
     float e[2];
     if (tile_whole(L, k0, noncausal_keys, e)) {
-        const bool biased = __any_sync(0xffffffffu, L.am[0] != 0.f || L.am[1] != 0.f);
-        bool finite = true;
+        /* chk[i] = fmaf(z, 0, chk[i]) stays 0 while every z is finite and turns NaN at the first
+         * inf or NaN (inf x 0): one fma a z instead of a compare chained through a predicate, in
+         * four independent chains. The two loops are separate so that the unbiased one (most
+         * rows) is not compiled as the biased one with its bias predicated off (each such
+         * instruction still issues). */
+        float chk[4] = {0.f, 0.f, 0.f, 0.f};
+        if (__any_sync(0xffffffffu, L.am[0] != 0.f || L.am[1] != 0.f)) {
 #pragma unroll
-        for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int k = i >> 1;
-                const float b = biased ? -L.am[k] * fabsf(e[k] + (float)(n8 * 8 + (i & 1))) : -0.f;
-                const float z = fmaf(s[n8][i], L.shift[k], b);
-                finite = finite && fabsf(z) < CUDART_INF_F; /* false for inf and NaN */
-                s[n8][i] = z;
-            }
-        *bad |= !finite;
+                for (int i = 0; i < 4; i++) {
+                    const int k = i >> 1;
+                    const float b = -L.am[k] * fabsf(e[k] + (float)(n8 * 8 + (i & 1)));
+                    s[n8][i] = fmaf(s[n8][i], L.shift[k], b);
+                    chk[i] = fmaf(s[n8][i], 0.f, chk[i]);
+                }
+        } else {
+#pragma unroll
+            for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    s[n8][i] = fmaf(s[n8][i], L.shift[i >> 1], -0.f);
+                    chk[i] = fmaf(s[n8][i], 0.f, chk[i]);
+                }
+        }
+        *bad |= !(chk[0] + chk[1] + chk[2] + chk[3] == 0.f); /* NaN if any is */
         return;
     }
 #pragma unroll

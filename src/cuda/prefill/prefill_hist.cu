@@ -77,15 +77,15 @@ __device__ __forceinline__ void hist_count_tile(const float (*s)[4], int k, bool
         }
     }
     __syncwarp(); /* the zeroed slots before the counts */
-    if (on) {
-        const float lo = hist_edge(*bm - HB_WIN); /* z >= lo iff b(z) >= bm - HB_WIN */
+    const float lo = hist_edge(*bm - HB_WIN); /* z >= lo iff b(z) >= bm - HB_WIN */
+    /* a tile where no row of the warp has a z to count (a peaked row past its support) skips
+     * the per-z compares and their branches */
+    if (__any_sync(0xffffffffu, on && mx >= lo)) {
 #pragma unroll
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-            for (int b = 0; b < 2; b++) {
-                const float z = s[n8][2 * k + b];
-                if (z >= lo) atomicAdd(ring + hist_slot(z), 1u);
-            }
+            for (int b = 0; b < 2; b++)
+                if (on && s[n8][2 * k + b] >= lo) atomicAdd(ring + hist_slot(s[n8][2 * k + b]), 1u);
     }
     __syncwarp(); /* the counts before the next tile's zeroing */
 }
