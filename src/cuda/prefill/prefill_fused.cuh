@@ -237,9 +237,9 @@ __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
 
 /* A lane's share of copying a sweep's tiles (tile_copy's chunks and swizzle: each warp 16 rows,
  * chunk i = lane + 32 u of them at row i / CH and column lane % CH), with what depends only on
- * the lane worked out once for the sweep: the chunks' element offset from a tile's first key
- * and the shared byte offset of the first. Per tile that leaves a pointer add and a copy a
- * chunk, where tile_copy's general form cost the sweep ~150 instructions a tile (its 64-bit
+ * the lane worked out once for the sweep: its first chunk's row, column and element offset from
+ * a tile's first key, and the step to its next chunk. Per tile that leaves a pointer add and a
+ * copy a chunk, where tile_copy's general form cost the sweep ~150 instructions a tile (its 64-bit
  * offsets and the lane's indices recomputed for every chunk: bench/RESULTS.md 2026-12-05). */
 template <int D> struct tile_lane_copy {
     static constexpr int CH = D / 8, PER = 16 * CH / 32, RS = 32 / CH; /* rows between chunks */
