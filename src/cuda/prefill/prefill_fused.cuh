@@ -240,7 +240,10 @@ __device__ __forceinline__ int64_t block_keys(const fused_args &A) {
  * the lane worked out once for the sweep: its first chunk's row, column and element offset from
  * a tile's first key, and the step to its next chunk. Per tile that leaves a pointer add and a
  * copy a chunk, where tile_copy's general form cost the sweep ~150 instructions a tile (its 64-bit
- * offsets and the lane's indices recomputed for every chunk: bench/RESULTS.md 2026-12-05). */
+ * offsets and the lane's indices recomputed for every chunk: bench/RESULTS.md 2026-12-05). The
+ * chunk order is tile_copy's, written again here: tile_copy itself is left alone, since routing
+ * it through a helper shared with this changed the decode kernels' code (softmax_mma's spills 92
+ * to 100 bytes under ptxas), which no GPU run has measured. */
 template <int D> struct tile_lane_copy {
     static constexpr int CH = D / 8, PER = 16 * CH / 32, RS = 32 / CH; /* rows between chunks */
     int64_t src;  /* elements from a tile's first key to the lane's first chunk */
