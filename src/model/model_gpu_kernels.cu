@@ -200,6 +200,7 @@ __device__ __forceinline__ float warp_sum_f(float s) {
  * point), so each sum is bitwise warp_sum_f's. Returns the sum of value t(lane) = lane / (32 /
  * N): lane t (32 / N) holds value t's sum. */
 template <int N> __device__ __forceinline__ float warp_sums_scattered(float (&v)[N]) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N: a power of two up to 32");
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int o = 16, n = N; o > 0; o >>= 1) {
