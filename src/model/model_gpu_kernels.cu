@@ -193,6 +193,33 @@ __device__ __forceinline__ float warp_sum_f(float s) {
     return s;
 }
 
+/* The warp sums of N per-lane values at once (N a power of two, at most 32), each by warp_sum_f's
+ * xor tree, but scattered: at offset o a lane keeps the half of the values its bit o selects and
+ * adds the partner's copy of them (one shuffle a kept value), so N sums take N - 1 + log2(32 / N)
+ * shuffles instead of 5 N. The same pairs are added at every level (a + b = b + a in floating
+ * point), so each sum is bitwise warp_sum_f's. Returns the sum of value t(lane) = lane / (32 /
+ * N): lane t (32 / N) holds value t's sum. */
+template <int N> __device__ __forceinline__ float warp_sums_scattered(float (&v)[N]) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N: a power of two up to 32");
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 16, n = N; o > 0; o >>= 1) {
+        if (n > 1) { /* keep [0, n/2) or [n/2, n), re-indexed from 0 */
+            n >>= 1;
+            const bool upper = lane & o;
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) {
+                if (i >= n) break;
+                const float send = upper ? v[i] : v[i + n], keep = upper ? v[i + n] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        }
+    }
+    return v[0];
+}
+
 /* xs[t][c] = in(x)[t0 + t][c] for t < nt, as rmsnorm_kernel and swiglu_kernel compute them (the
  * same float expressions; RMSNorm's sum of squares in double, a warp per token). */
 __device__ void stage_input(const linear_args &A, int64_t t0, int nt, float4 *xs, float *f) {
@@ -264,13 +291,12 @@ __global__ void __launch_bounds__(32 * LIN_WARPS) linear_rows_kernel(linear_args
             for (int t = 0; t < LIN_TOKENS; t++)
                 acc[t] = dot4_add(wv.v[k], xs[(t < nt ? t : 0) * n4 + c], acc[t]);
         }
-#pragma unroll
-        for (int t = 0; t < LIN_TOKENS; t++) {
-            const float s = warp_sum_f(acc[t]);
-            if (lane == t && t < nt && r < A.rows) {
-                float *out = lin_out_at(A, t0 + t, r);
-                *out = A.beta != 0.f ? *out + s : s;
-            }
+        constexpr int LANES = 32 / LIN_TOKENS; /* lanes a token's sum ends in */
+        const float s = warp_sums_scattered(acc);
+        const int t = lane / LANES;
+        if (lane % LANES == 0 && t < nt && r < A.rows) {
+            float *out = lin_out_at(A, t0 + t, r);
+            *out = A.beta != 0.f ? *out + s : s;
         }
     }
 }

@@ -24,7 +24,8 @@
  * scores are within about 1e-5 of it at worst).
  * Both tau schemes of the forward (ekv_flash_entmax_args.tau_scheme, docs/math.md §12.1): each
  * case runs the candidate scheme, the histogram scheme, and the histogram scheme with row_cap 1
- * (every row whose list would hold more than one key, nearly all, to the Newton passes), each
+ * (the rows whose list would hold more than one key, nearly all, take the pool's leftover room
+ * in row order while it lasts and the Newton passes after), each
  * against the reference as above, and the two schemes' tau within 1e-5 relative of each other.
  * Flat cases (every key of a KV head equal, so every row's support is its whole prefix: 1100
  * keys, past the 1024 a list takes, for the last rows) drive both routes in one call.
@@ -223,7 +224,8 @@ static void check_forward(ekv_context *ctx, fdata *f, const double *rout, const 
     *gpu_out = out;
 }
 
-/* The histogram scheme (row_cap 0: the default cap; 1: nearly every row by Newton passes)
+/* The histogram scheme (row_cap 0: the default cap; 1: every row over one entry a list only
+ * where the pool's room lasts, the rest by Newton passes)
  * against the reference, and its tau against the candidate scheme's (tau0). */
 static void check_hist(ekv_context *ctx, fdata *f, const double *rout, const double *rtau,
                        const double *tau0, const char *name, int32_t row_cap) {

@@ -21,8 +21,8 @@ extern "C" {
 
 /* rows of a forward pass (H x tokens) when the caller leaves it to us: enough 64-row blocks of
  * the fused kernel to fill an H200 a few times over (132 SMs x 3 resident), with the candidates'
- * 12 bytes x 4096 a row (about 1.6 GB) the largest part of the workspace. The histogram scheme
- * lists at most row_cap entries a row (1024 by default), so about the same bytes hold up to 4x
+ * 12 bytes x 4096 a row (about 1.6 GB) the largest part of the workspace. The histogram scheme's
+ * pool holds row_cap entries a row (1024 by default), so about the same bytes hold up to 4x
  * the rows (FLASH_PASS_GROWTH; the per-row buffers, q and out of a pass, grow with them: +6 % at
  * D 64, +11 % at D 128): 4x the blocks a launch, so a causal pass's short and long row blocks
  * even out over several waves (ncu at 32K: 16 % achieved occupancy of 25 % in one wave) and a

@@ -25,7 +25,8 @@ enum { EKV_PREFILL_CANDIDATES = 4096, EKV_PREFILL_COMPACT_AT = 1024 };
 /* How the fused kernel finds each row's tau (docs/math.md §12, §12.1): candidate lists of
  * z > running max - 1 with compaction and retries, or a histogram pass (row max and counts on
  * the grid floor(32 z)) whose count bound sizes an exact list per row (prefill_hist.cu); rows
- * whose list would exceed EKV_PREFILL_ROW_CAP (or row_cap) take Newton passes. */
+ * whose list would exceed EKV_PREFILL_ROW_CAP (or row_cap) take the pool's room the others left,
+ * else Newton passes. */
 enum { EKV_PREFILL_TAU_CANDIDATES = 0, EKV_PREFILL_TAU_HIST = 1 };
 enum { EKV_PREFILL_ROW_CAP = 1024 };
 /* The list entries a row of the histogram scheme may take: row_cap, 0 = EKV_PREFILL_ROW_CAP. */
@@ -85,7 +86,8 @@ struct ekv_cuda_prefill {
     /* the histogram scheme (EKV_PREFILL_TAU_HIST): the pool is cand / cidx (H * chunk *
      * cand_cap entries), a row's slice starts at off[row] */
     int tau_scheme;  /* EKV_PREFILL_TAU_* */
-    int32_t row_cap; /* a list's entries at most (0: EKV_PREFILL_ROW_CAP; capped by cand_cap) */
+    int32_t row_cap; /* a list's entries sure of room (0: EKV_PREFILL_ROW_CAP; capped by
+                        cand_cap); longer lists take the room left (prefill_hist.cu, route) */
     int64_t *off;    /* [H * chunk] */
     unsigned long long *pool_used; /* [1] the pool's entries handed out (the route's cursor) */
 };

@@ -172,22 +172,28 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
     const double beta = 1.0 / (A.alpha - 1.0);
     const bool softmax = A.alpha == 1.0;
     const bool sums = tau_by_moments(A.alpha); /* else F and F' (cand_newton) */
-    int unused = 0;                                     /* the max sweep checked every z */
-    int bad = 0; /* softmax has no round 0, so its max sweep checks them */
+    int unused = 0; /* P1 (histogram scheme), round 0 or the max sweep checked every z */
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-    sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &bad,
-                             [&](int64_t, float(*s)[4], const unsigned char *) {
+    for (int k = 0; k < 2; k++)
+        if (A.max_known && L.on[k]) m[k] = A.rowm[L.row[k]];
+    /* a sweep fewer where P1 found every row's max (the same z, so the same max bitwise) */
+    if (!A.max_known || __syncthreads_or(isnan(m[0]) || isnan(m[1]))) {
+        int bad = 0; /* softmax has no round 0, so its max sweep checks them */
+        m[0] = m[1] = -CUDART_INF_F;
+        sweep_z<T, D, NP, false>(A, L, qa, nk, stages, &bad,
+                                 [&](int64_t, float(*s)[4], const unsigned char *) {
 #pragma unroll
-                                 for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
+                                     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-                                     for (int i = 0; i < 4; i++)
-                                         m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
-                             });
-    if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed (docs/math.md §6.2) */
+                                         for (int i = 0; i < 4; i++)
+                                             m[i >> 1] = fmaxf(m[i >> 1], s[n8][i]);
+                                 });
+        if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed (docs/math.md §6.2) */
+        for (int k = 0; k < 2; k++) m[k] = quad_max(m[k]);
+    }
     tau_iter it[2];
     int done[2];
     for (int k = 0; k < 2; k++) {
-        m[k] = quad_max(m[k]);
         const double t0 = L.on[k] && !softmax ? (double)A.thr[L.row[k]] - (double)m[k] : -1.0;
         it[k] = tau_start(t0 > -1.0 ? t0 : -1.0);
         done[k] = !L.on[k];
@@ -390,7 +396,7 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
     if (row >= A.Hk * A.R || A.state[row] != ROW_SOLVED) return;
     const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
     const double tau = (double)A.rowm[row] + A.tau[row], beta = 1.0 / (A.alpha - 1.0);
-    const int64_t n = A.count[row]; /* <= cap: the tau kernel solved over all of them */
+    const int64_t n = A.count[row]; /* the whole list: the tau kernel solved over all of it */
     const float *cz = A.cand + list_at(A, row);
     const int64_t *ck = A.cidx + list_at(A, row);
     const T *V = static_cast<const T *>(A.v) + g * A.D;
@@ -492,6 +498,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.pool = 0;
     A.pool_used = NULL;
     A.row_cap = 0;
+    A.max_known = 0;
     const int64_t rows = P.Hk * P.R;
     const ekv_dtype dt = b->dtype;
     if (b->alpha == 1.0) { /* softmax: every row's max and log-sum-exp by sweeps, then its output */
@@ -511,6 +518,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
         A.pool_used = pf->pool_used;
         const int32_t cap = ekv_prefill_row_cap(pf->row_cap);
         A.row_cap = cap < pf->cand_cap ? cap : pf->cand_cap; /* lists within the pool's share */
+        A.max_known = 1;                                     /* P1's (prefill_hist.cu) */
         A.wlist_in = NULL;
         A.wcount_in = NULL;
         A.wlist_out = pf->wlist;

@@ -56,6 +56,10 @@ struct fused_args : prefill_args {
     int64_t *off, pool;
     unsigned long long *pool_used;
     int row_cap; /* route G takes rows of at most this many list entries */
+    /* rowm holds the max of every row on the Newton list, found by a sweep of the same z (the
+     * histogram scheme's P1), or NaN where a row's max is to be found again: the Newton pass
+     * then skips its max sweep (0: the candidate scheme and softmax, which have no such max) */
+    int max_known;
 };
 
 /* The histogram scheme's lists, every row's P1, route, P2 and tau (prefill_hist.cu): the rows

@@ -9,8 +9,9 @@
  *      lb of tau on the grid (or M - 1), and n_lb, the count of the bins from lb's: exactly
  *      the number of z >= that edge.
  *   route (a thread a row): rows with n_lb <= row_cap get a slice of the list pool by a prefix
- *      sum of n_lb (ROW_LIST); the others, and those past the pool, go to the Newton passes from
- *      lb (ROW_NEWTON, on the list wlist_out), as the candidate scheme's overflowing rows.
+ *      sum of n_lb (ROW_LIST), then the longer rows, in row order, take what the pool has left
+ *      (one block); the others go to the Newton passes from lb (ROW_NEWTON, on the list
+ *      wlist_out), as the candidate scheme's overflowing rows.
  *   P2 (HIST_LIST, ROW_LIST rows): one more sweep appends every z >= the edge with its key to
  *      the row's slice; the same z as P1's, so the slice holds them exactly (a row that finds
  *      another count, or whose list's max is not P1's M, impossible but checked, goes to the
@@ -155,6 +156,7 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
  * ROW_NEWTON on the Newton passes' list, counted. */
 __device__ __forceinline__ void send_to_newton(const fused_args &A, int64_t row) {
     A.state[row] = ROW_NEWTON;
+    A.rowm[row] = CUDART_NAN_F; /* P1's max not trusted: the Newton pass sweeps for it */
     list_for_next_pass(A, row);
     atomicAdd(A.rows + PF_NEWTONED, 1ull);
 }
@@ -244,24 +246,26 @@ __device__ __forceinline__ void route_newton(const fused_args &A, int64_t i, boo
 }
 
 /* The route, a thread per row (coalesced; was one block whose threads walked runs of rows, 0.29
- * ms a pass at 32K): route G's slices by a block scan of their n_lb and one atomic a block on
- * the pool's cursor, so a slice is exactly its row's size (no overflow, no retry) and the slices
- * are disjoint (their order among blocks is the atomics', which changes nothing computed, though
- * the pool's layout varies run to run); the other rows, and those past the pool, to the Newton
- * list. None is past it while row_cap <= the pool's share of a row (ekv_cuda_prefill_fused caps
- * it so); a block that crossed it would push every later block's rows to Newton. */
+ * ms a pass at 32K): the rows of at most row_cap list entries get slices of the list pool by a
+ * block scan of their n_lb and one atomic a block on the pool's cursor, so a slice is exactly its
+ * row's size (no overflow, no retry) and the slices are disjoint (their order among blocks is the
+ * atomics', which changes nothing computed, though the pool's layout varies run to run); rows
+ * past the pool and rows P1 could not bound (n_lb INT32_MAX) go to the Newton list. None is past
+ * the pool while row_cap <= the pool's share of a row (ekv_cuda_prefill_fused caps it so). The
+ * longer rows are left to hist_route_long_kernel. */
 __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args A) {
     ekv_grid_begin();
     __shared__ long long wsum[HB_ROUTE_THREADS / 32];
     __shared__ long long base;
     const int64_t rows = A.Hk * A.R, i = (int64_t)blockIdx.x * HB_ROUTE_THREADS + threadIdx.x;
     const int c = i < rows ? A.count[i] : 0;
-    const bool fits = i < rows && c <= A.row_cap;
+    const bool bounded = i < rows && c != INT32_MAX, fits = bounded && c <= A.row_cap;
     long long total;
     const long long at = ekv_block_exclusive_scan(fits ? (long long)c : 0ll, wsum, &total);
     if (threadIdx.x == 0) base = (long long)atomicAdd(A.pool_used, (unsigned long long)total);
     __syncthreads();
-    const bool listed = fits && base + at + c <= A.pool, newton = i < rows && !listed;
+    const bool listed = fits && base + at + c <= A.pool;
+    const bool newton = (fits && !listed) || (i < rows && !bounded);
     if (listed) {
         A.off[i] = base + at;
         A.state[i] = ROW_LIST;
@@ -270,6 +274,46 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args
     route_newton(A, i, newton);
     const int n = __syncthreads_count(newton);
     if (threadIdx.x == 0 && n) atomicAdd(A.rows + PF_NEWTONED, (unsigned long long)n);
+}
+
+/* The rows over row_cap, after hist_route_kernel: in row order, each takes the room the short
+ * rows left in the pool while it lasts (a flat head's long list then costs a list, not Newton
+ * sweeps); from the first that does not fit on, the rest go to the Newton list. One block, so
+ * which rows get lists does not depend on timing (the same rows, and the same bits, every run). */
+__global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_long_kernel(fused_args A) {
+    ekv_grid_begin();
+    __shared__ long long wsum[HB_ROUTE_THREADS / 32];
+    __shared__ long long base;
+    __shared__ int full;
+    const int64_t rows = A.Hk * A.R;
+    if (threadIdx.x == 0) {
+        base = (long long)*A.pool_used; /* the short rows' total (may be past the pool) */
+        full = base >= A.pool;
+    }
+    for (int64_t i0 = 0; i0 < rows; i0 += HB_ROUTE_THREADS) {
+        const int64_t i = i0 + threadIdx.x;
+        const int c = i < rows ? A.count[i] : 0;
+        const bool wants = i < rows && c != INT32_MAX && c > A.row_cap;
+        long long total; /* the scan's barriers order thread 0's writes of base and full */
+        const long long at = ekv_block_exclusive_scan(wants ? (long long)c : 0ll, wsum, &total);
+        const long long b = base;
+        const bool f = full;
+        const bool listed = wants && !f && b + at + c <= A.pool;
+        if (listed) {
+            A.off[i] = b + at;
+            A.state[i] = ROW_LIST;
+        }
+        if (wants && !listed) A.state[i] = ROW_NEWTON;
+        route_newton(A, i, wants && !listed);
+        const int n = __syncthreads_count(wants && !listed); /* every thread read base, full */
+        if (threadIdx.x == 0) {
+            if (n) atomicAdd(A.rows + PF_NEWTONED, (unsigned long long)n);
+            if (b + total <= A.pool)
+                base = b + total;
+            else
+                full = 1;
+        }
+    }
 }
 
 /* A warp per ROW_LIST row: tau from its list, which holds every z >= e (e <= tau: the support),
@@ -322,6 +366,10 @@ cudaError_t prefill_hist_lists(ekv_dtype dt, const fused_args &A, cudaStream_t s
     if (e == cudaSuccess) {
         const int64_t blocks = (rows + HB_ROUTE_THREADS - 1) / HB_ROUTE_THREADS;
         hist_route_kernel<<<(unsigned)blocks, HB_ROUTE_THREADS, 0, s>>>(A);
+        e = cudaGetLastError();
+    }
+    if (e == cudaSuccess) {
+        hist_route_long_kernel<<<1, HB_ROUTE_THREADS, 0, s>>>(A);
         e = cudaGetLastError();
     }
     if (e == cudaSuccess) e = launch_hist<HIST_LIST>(dt, A, s);
