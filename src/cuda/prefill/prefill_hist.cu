@@ -245,6 +245,23 @@ __device__ __forceinline__ void route_newton(const fused_args &A, int64_t i, boo
         A.wlist_out[g * A.R + base + __popc(peers & ((1u << lane) - 1u))] = (int32_t)(i % A.R);
 }
 
+/* Row i's route, decided (every thread of the block calls it): a list slice at pool entry `at`
+ * (ROW_LIST), or the Newton list (ROW_NEWTON, route_newton); the block's Newton rows counted.
+ * Returns that count; its barrier orders the block's reads before what follows. The rule of
+ * both route kernels. */
+__device__ __forceinline__ int route_row(const fused_args &A, int64_t i, bool listed, long long at,
+                                         bool newton) {
+    if (listed) {
+        A.off[i] = at;
+        A.state[i] = ROW_LIST;
+    }
+    if (newton) A.state[i] = ROW_NEWTON;
+    route_newton(A, i, newton);
+    const int n = __syncthreads_count(newton);
+    if (threadIdx.x == 0 && n) atomicAdd(A.rows + PF_NEWTONED, (unsigned long long)n);
+    return n;
+}
+
 /* The route, a thread per row (coalesced; was one block whose threads walked runs of rows, 0.29
  * ms a pass at 32K): the rows of at most row_cap list entries get slices of the list pool by a
  * block scan of their n_lb and one atomic a block on the pool's cursor, so a slice is exactly its
@@ -265,54 +282,31 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args
     if (threadIdx.x == 0) base = (long long)atomicAdd(A.pool_used, (unsigned long long)total);
     __syncthreads();
     const bool listed = fits && base + at + c <= A.pool;
-    const bool newton = (fits && !listed) || (i < rows && !bounded);
-    if (listed) {
-        A.off[i] = base + at;
-        A.state[i] = ROW_LIST;
-    }
-    if (newton) A.state[i] = ROW_NEWTON;
-    route_newton(A, i, newton);
-    const int n = __syncthreads_count(newton);
-    if (threadIdx.x == 0 && n) atomicAdd(A.rows + PF_NEWTONED, (unsigned long long)n);
+    route_row(A, i, listed, base + at, (fits && !listed) || (i < rows && !bounded));
 }
 
 /* The rows over row_cap, after hist_route_kernel: in row order, each takes the room the short
  * rows left in the pool while it lasts (a flat head's long list then costs a list, not Newton
- * sweeps); from the first that does not fit on, the rest go to the Newton list. One block, so
- * which rows get lists does not depend on timing (the same rows, and the same bits, every run). */
+ * sweeps); from the first that does not fit on, the rest go to the Newton list (the cursor is
+ * then put past the pool). One block, so which rows get lists does not depend on timing (the
+ * same rows, and the same bits, every run). */
 __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_long_kernel(fused_args A) {
     ekv_grid_begin();
     __shared__ long long wsum[HB_ROUTE_THREADS / 32];
     __shared__ long long base;
-    __shared__ int full;
     const int64_t rows = A.Hk * A.R;
-    if (threadIdx.x == 0) {
-        base = (long long)*A.pool_used; /* the short rows' total (may be past the pool) */
-        full = base >= A.pool;
-    }
+    /* the short rows' total (may be past the pool: then no long row fits, c > row_cap >= 0) */
+    if (threadIdx.x == 0) base = (long long)*A.pool_used;
     for (int64_t i0 = 0; i0 < rows; i0 += HB_ROUTE_THREADS) {
         const int64_t i = i0 + threadIdx.x;
         const int c = i < rows ? A.count[i] : 0;
         const bool wants = i < rows && c != INT32_MAX && c > A.row_cap;
-        long long total; /* the scan's barriers order thread 0's writes of base and full */
+        long long total; /* the scan's barriers order thread 0's write of base */
         const long long at = ekv_block_exclusive_scan(wants ? (long long)c : 0ll, wsum, &total);
         const long long b = base;
-        const bool f = full;
-        const bool listed = wants && !f && b + at + c <= A.pool;
-        if (listed) {
-            A.off[i] = b + at;
-            A.state[i] = ROW_LIST;
-        }
-        if (wants && !listed) A.state[i] = ROW_NEWTON;
-        route_newton(A, i, wants && !listed);
-        const int n = __syncthreads_count(wants && !listed); /* every thread read base, full */
-        if (threadIdx.x == 0) {
-            if (n) atomicAdd(A.rows + PF_NEWTONED, (unsigned long long)n);
-            if (b + total <= A.pool)
-                base = b + total;
-            else
-                full = 1;
-        }
+        const bool listed = wants && b + at + c <= A.pool;
+        route_row(A, i, listed, b + at, wants && !listed); /* its barrier: every thread read b */
+        if (threadIdx.x == 0) base = b + total <= A.pool ? b + total : A.pool + 1; /* else full */
     }
 }
 
