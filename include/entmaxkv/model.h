@@ -184,6 +184,9 @@ typedef struct ekv_model_stats {
                                        the kept ones); most need no retry then            */
     int64_t graph_steps; /* cuda: (token, layer) decode steps replayed from a captured CUDA
                             graph (cuda_graphs 1; the others ran their launches eagerly)    */
+    int64_t prefill_tiles_skipped; /* fused, histogram scheme: (64-row block, 64-key tile)
+                                      pairs its list sweep skipped (no row counted a z there:
+                                      docs/math.md §12.1, "Tile marks")                     */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

@@ -546,6 +546,7 @@ ekv_status ekv_model_get_stats(const ekv_model *m, int32_t layer, ekv_model_stat
         out->screen_retry_rows += s->screen_retry_rows;
         out->screen_all_rows += s->screen_all_rows;
         out->graph_steps += s->graph_steps;
+        out->prefill_tiles_skipped += s->prefill_tiles_skipped;
     }
     return EKV_OK;
 }

@@ -137,6 +137,7 @@ static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
     pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
     pf->row_cap = pf->cand_cap; /* the histogram scheme's lists may fill the pool's share of a
                                    row: the flat heads' lists of 1-4K take them, not sweeps */
+    pf->key_cap = m->prm.max_tokens; /* the tile marks' room: every block's keys */
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
     ekv_status s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
@@ -479,7 +480,7 @@ static ekv_status graph_step(ekv_model *m, const gpu_block *b, int *replayed) {
 }
 
 /* The kernel of a dense prefill block into each layer's stats, and the fused kernel's counters
- * (PF_COUNTERS: rows retried, solved by Newton passes, compacted; then zeroed). */
+ * (PF_COUNTERS: rows retried, solved by Newton passes, compacted, tiles skipped; then zeroed). */
 static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
     model_gpu *g = m->gpu;
     const int32_t nl = m->cfg.n_layers;
@@ -496,6 +497,7 @@ static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
             st->prefill_retry_rows += (int64_t)c[PF_RETRIED];
             st->prefill_newton_rows += (int64_t)c[PF_NEWTONED];
             st->prefill_compacted_rows += (int64_t)c[PF_COMPACTED];
+            st->prefill_tiles_skipped += (int64_t)c[PF_SKIPPED_TILES];
         }
     }
     for (int32_t l = 0; l < nl; l++)

@@ -148,6 +148,7 @@ static ekv_cuda_prefill prefill_sizes(const flash_job &J) {
     pf.compact_at = EKV_PREFILL_COMPACT_AT;
     pf.tau_scheme = J.a->tau_scheme;
     pf.row_cap = J.a->row_cap;
+    pf.key_cap = J.N; /* the tile marks' room: a pass's keys are the keys' at most */
     return pf;
 }
 

@@ -34,6 +34,19 @@ static inline int32_t ekv_prefill_row_cap(int32_t row_cap) {
     return row_cap ? row_cap : EKV_PREFILL_ROW_CAP;
 }
 
+/* The fused kernel's geometry, which sizes the histogram scheme's tile marks (docs/math.md
+ * §12.1, "Tile marks"): blocks of EKV_PREFILL_MARK_ROWS query rows (of one KV head) sweep tiles
+ * of EKV_PREFILL_MARK_KEYS keys; a block's marks are a bit a tile, in 32-bit words. */
+enum { EKV_PREFILL_MARK_ROWS = 64, EKV_PREFILL_MARK_KEYS = 64 };
+/* The words of one block's marks for `keys` keys, and the row blocks of `rows` rows. */
+static inline int64_t ekv_prefill_mark_words(int64_t keys) {
+    const int64_t tiles = (keys + EKV_PREFILL_MARK_KEYS - 1) / EKV_PREFILL_MARK_KEYS;
+    return (tiles + 31) / 32;
+}
+static inline int64_t ekv_prefill_row_blocks(int64_t rows) {
+    return (rows + EKV_PREFILL_MARK_ROWS - 1) / EKV_PREFILL_MARK_ROWS;
+}
+
 /* The prefill's per-row elementwise kernels (split_queries_kernel, the flash entry's
  * finish_kernel): a warp a row, EKV_PREFILL_WARP_ROWS rows a block of 32 x that many threads (a
  * 64-thread block a row was bound by its launches: 0.12 ms for the 131K rows of a 32K pass,
@@ -48,8 +61,9 @@ __device__ __forceinline__ int64_t ekv_prefill_warp_row() {
 }
 
 /* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
- * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep. */
-enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_COUNTERS };
+ * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep, (row
+ * block, key tile) pairs the histogram scheme's P2 skipped (unmarked: docs/math.md §12.1). */
+enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_SKIPPED_TILES, PF_COUNTERS };
 
 /* What dense prefill runs on: the stream and cuBLAS handle, the sizes its scratch was laid out
  * for and the device scratch: one block laid out by ekv_cuda_prefill_layout_of, which its caller
@@ -90,6 +104,11 @@ struct ekv_cuda_prefill {
                         cand_cap); longer lists take the room left (prefill_hist.cu, route) */
     int64_t *off;    /* [H * chunk] */
     unsigned long long *pool_used; /* [1] the pool's entries handed out (the route's cursor) */
+    /* the keys a block sees at most (the model's max_tokens, the flash op's keys): sizes the
+     * tile marks, [Hk][row blocks of G * chunk rows][ekv_prefill_mark_words(key_cap)]; 0, or a
+     * block with more keys: no marks, P2 sweeps every tile */
+    int64_t key_cap;
+    uint32_t *marks;
 };
 
 /* Consecutive 256-byte-aligned pieces of one device block (offsets from its start): the prefill
@@ -109,7 +128,7 @@ struct ekv_cuda_prefill_layout {
     int64_t qparts, qshift, bad;  /* both paths */
     int64_t scores, pparts, obuf; /* the GEMM path */
     /* the fused kernel */
-    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount, pool_used;
+    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount, pool_used, marks;
     int64_t total;
 };
 /* The layout of the scratch that pf's sizes (chunk, nparts, fused; cand_cap when fused, ld_cap

@@ -499,6 +499,8 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.pool_used = NULL;
     A.row_cap = 0;
     A.max_known = 0;
+    A.marks = NULL; /* the histogram scheme's, below */
+    A.mark_words = 0;
     const int64_t rows = P.Hk * P.R;
     const ekv_dtype dt = b->dtype;
     if (b->alpha == 1.0) { /* softmax: every row's max and log-sum-exp by sweeps, then its output */
@@ -519,6 +521,11 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
         const int32_t cap = ekv_prefill_row_cap(pf->row_cap);
         A.row_cap = cap < pf->cand_cap ? cap : pf->cand_cap; /* lists within the pool's share */
         A.max_known = 1;                                     /* P1's (prefill_hist.cu) */
+        const int64_t keys = b->noncausal_keys ? b->noncausal_keys : P.nk;
+        if (pf->marks && keys <= pf->key_cap) { /* the layout's room: else every tile */
+            A.marks = pf->marks;
+            A.mark_words = ekv_prefill_mark_words(keys);
+        }
         A.wlist_in = NULL;
         A.wcount_in = NULL;
         A.wlist_out = pf->wlist;

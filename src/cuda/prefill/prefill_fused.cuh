@@ -19,12 +19,13 @@
 enum {
     PF_NW = 4,
     PF_THREADS = 32 * PF_NW,
-    PF_ROWS = 16 * PF_NW, /* query rows of a block */
-    PF_KEYS = 64,         /* keys of a tile */
-    PF_ROUNDS = 3,        /* candidate rounds before a row takes Newton passes */
-    PF_TAU_THREADS = 256, /* 8 rows of the tau kernel, a warp each */
-    PF_TAU_STAGE = 1024   /* candidates a warp of the tau kernel stages in shared memory */
+    PF_ROWS = EKV_PREFILL_MARK_ROWS, /* query rows of a block: 16 a warp */
+    PF_KEYS = EKV_PREFILL_MARK_KEYS, /* keys of a tile */
+    PF_ROUNDS = 3,                   /* candidate rounds before a row takes Newton passes */
+    PF_TAU_THREADS = 256,            /* 8 rows of the tau kernel, a warp each */
+    PF_TAU_STAGE = 1024 /* candidates a warp of the tau kernel stages in shared memory */
 };
+static_assert(PF_ROWS == 16 * PF_NW, "a warp's mma rows are 16");
 enum { PF_CANDS, PF_NEWTON, PF_OUT };
 enum { PF_GATHER_THREADS = 256 }; /* a warp per row */
 /* where a row's tau stands: solved from its candidates (its output gathered) or by Newton
@@ -56,6 +57,11 @@ struct fused_args : prefill_args {
     int64_t *off, pool;
     unsigned long long *pool_used;
     int row_cap; /* route G takes rows of at most this many list entries */
+    /* the histogram scheme's tile marks (prefill_hist.cu; docs/math.md §12.1, "Tile marks"):
+     * mark_words words of bits a (KV head, row block), bit t set by P1 where a row of the block
+     * counted a z in key tile t; P2 sweeps those tiles only. NULL: P2 sweeps every tile. */
+    uint32_t *marks;
+    int64_t mark_words;
     /* rowm holds the max of every row on the Newton list, found by a sweep of the same z (the
      * histogram scheme's P1), or NaN where a row's max is to be found again: the Newton pass
      * then skips its max sweep (0: the candidate scheme and softmax, which have no such max) */
@@ -276,19 +282,31 @@ template <int D> struct tile_lane_copy {
     }
 };
 
-/* The block's key tiles, last first (the diagonal tile holds each row's nearest keys: with ALiBi
- * the row's max comes early, which keeps round 0's candidates few): tile [k0, k0 + PF_KEYS) of
- * K (and V) lands in a stage, then use(k0, kt, vt) runs in every warp (block-uniform). */
-template <typename T, int D, bool WITH_V, bool ASYNC_READ, typename Use>
-__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned char *raw,
-                                      Use use) {
+/* Which of a block's key tiles a sweep visits, last first (the diagonal tile holds each row's
+ * nearest keys: with ALiBi the row's max comes early, which keeps round 0's candidates few):
+ * every tile of nk keys. issue_k0(j) and use_k0(j) give the j-th tile's first key, each called
+ * once for j = 0, 1, ... in turn (sweep's order). */
+struct every_tile {
+    int64_t n; /* tiles */
+    __device__ __forceinline__ explicit every_tile(int64_t nk) : n((nk + PF_KEYS - 1) / PF_KEYS) {}
+    __device__ __forceinline__ int64_t count() const { return n; }
+    __device__ __forceinline__ int64_t issue_k0(int64_t j) { return (n - 1 - j) * PF_KEYS; }
+    __device__ __forceinline__ int64_t use_k0(int64_t j) const { return (n - 1 - j) * PF_KEYS; }
+};
+
+/* The block's key tiles: K (and V) of each tile [k0, k0 + PF_KEYS) that `tiles` names (every_tile,
+ * or the marked tiles of prefill_hist.cu) lands in a stage, then use(k0, kt, vt) runs in every
+ * warp (block-uniform). */
+template <typename T, int D, bool WITH_V, bool ASYNC_READ, typename Tiles, typename Use>
+__device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, Tiles &tiles,
+                                      unsigned char *raw, Use use) {
     constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB;
     unsigned char *stages = pf_stages(raw);
-    const int64_t ntiles = (nk + PF_KEYS - 1) / PF_KEYS, g = blockIdx.y;
+    const int64_t ntiles = tiles.count(), g = blockIdx.y; /* >= 1 */
     const T *K = static_cast<const T *>(A.k) + g * A.D, *V = static_cast<const T *>(A.v) + g * A.D;
     const tile_lane_copy<D> cp(A.kstride);
     auto issue = [&](int64_t j) {
-        const int64_t k0 = (ntiles - 1 - j) * PF_KEYS;
+        const int64_t k0 = tiles.issue_k0(j);
         const int valid = (int)(nk - k0 < PF_KEYS ? nk - k0 : PF_KEYS);
         unsigned char *st = stages + (j & 1) * SB;
         if constexpr (!WITH_V) {
@@ -309,7 +327,7 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, unsigned 
             ntiles, issue,
             [&](int64_t j) {
                 const unsigned char *st = stages + (j & 1) * SB;
-                use((ntiles - 1 - j) * PF_KEYS, st, st + TB);
+                use(tiles.use_k0(j), st, st + TB);
             },
             landed);
 }
@@ -407,16 +425,16 @@ __device__ __forceinline__ void tile_scores(const unsigned char *kt,
 }
 
 /* A sweep whose every tile's z (the warp's rows against the tile's keys: tile_scores or, where
- * pf_wgmma, the block's 4 warps as one warpgroup; then tile_z) goes to use(k0, s, vt). A warp
- * without a live row skips the rest (and, off wgmma, the mma) but still copies its share of each
- * tile and meets the barriers (sweep). */
-template <typename T, int D, int NP, bool WITH_V, typename Use>
-__device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
-                                        const uint32_t (*qa)[D / 16][4], int64_t nk,
-                                        unsigned char *stages, int *bad, Use use) {
+ * pf_wgmma, the block's 4 warps as one warpgroup; then tile_z) goes to use(k0, s, vt), over the
+ * tiles `tiles` names. A warp without a live row skips the rest (and, off wgmma, the mma) but
+ * still copies its share of each tile and meets the barriers (sweep). */
+template <typename T, int D, int NP, bool WITH_V, typename Tiles, typename Use>
+__device__ __forceinline__ void
+sweep_z_tiles(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4], int64_t nk,
+              Tiles &tiles, unsigned char *stages, int *bad, Use use) {
     const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
     constexpr bool WG = pf_wgmma<D, NP>();
-    sweep<T, D, WITH_V, WG>(A, nk, stages,
+    sweep<T, D, WITH_V, WG>(A, nk, tiles, stages,
                             [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
                                 float s[PF_KEYS / 8][4];
 #if defined(EKV_HAVE_WGMMA)
@@ -430,6 +448,14 @@ __device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
                                 tile_z(L, k0, A.noncausal_keys, s, bad);
                                 use(k0, s, vt);
                             });
+}
+/* sweep_z_tiles over every tile of nk keys. */
+template <typename T, int D, int NP, bool WITH_V, typename Use>
+__device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
+                                        const uint32_t (*qa)[D / 16][4], int64_t nk,
+                                        unsigned char *stages, int *bad, Use use) {
+    every_tile tiles(nk);
+    sweep_z_tiles<T, D, NP, WITH_V>(A, L, qa, nk, tiles, stages, bad, use);
 }
 
 /* The exclusive prefix sum of c over the 4 lanes of a quad (the lanes of one query row), and

@@ -7,13 +7,15 @@
  *      the running max m (lower z cannot be in the support: they are below M - 1). Its
  *      epilogue: the count bound (docs/math.md §9.1) over the bins' lower edges, a lower bound
  *      lb of tau on the grid (or M - 1), and n_lb, the count of the bins from lb's: exactly
- *      the number of z >= that edge.
+ *      the number of z >= that edge. It marks the (row block, key tile) pairs where a row of
+ *      a warp counted a z (tile_marker): P2's lists come from those tiles only.
  *   route (a thread a row): rows with n_lb <= row_cap get a slice of the list pool by a prefix
  *      sum of n_lb (ROW_LIST), then the longer rows, in row order, take what the pool has left
  *      (one block); the others go to the Newton passes from lb (ROW_NEWTON, on the list
  *      wlist_out), as the candidate scheme's overflowing rows.
- *   P2 (HIST_LIST, ROW_LIST rows): one more sweep appends every z >= the edge with its key to
- *      the row's slice; the same z as P1's, so the slice holds them exactly (a row that finds
+ *   P2 (HIST_LIST, ROW_LIST rows): one more sweep, of P1's marked tiles (marked_tiles), appends
+ *      every z >= the edge with its key to the row's slice; the same z as P1's, so the slice
+ *      holds them exactly (a row that finds
  *      another count, or whose list's max is not P1's M, impossible but checked, goes to the
  *      Newton passes).
  *   tau (a warp per row): solve_tau from lb - M over the list, which holds the support.
@@ -60,8 +62,9 @@ __device__ __forceinline__ int quad_max_int(int v) {
 /* One tile's z of row k (the lane's s[n8][2 k + b]) into the row's ring (quad-uniform run, bm:
  * the running max and its bin). When the max's bin rises, the slots of the new top bins held
  * bins HB_SLOTS lower, which are below the window now: zeroed before anything is counted.
- * Every z counted is <= m, so never in a slot zeroed later. Warp-uniform call. */
-__device__ __forceinline__ void hist_count_tile(const float (*s)[4], int k, bool on, unsigned *ring,
+ * Every z counted is <= m, so never in a slot zeroed later. Returns whether a row of the warp
+ * had a z to count (the tile's mark, tile_marker). Warp-uniform call. */
+__device__ __forceinline__ bool hist_count_tile(const float (*s)[4], int k, bool on, unsigned *ring,
                                                 float *run, int *bm) {
     const int q = threadIdx.x & 3;
     float mx = -CUDART_INF_F;
@@ -81,7 +84,8 @@ __device__ __forceinline__ void hist_count_tile(const float (*s)[4], int k, bool
     const float lo = hist_edge(*bm - HB_WIN); /* z >= lo iff b(z) >= bm - HB_WIN */
     /* a tile where no row of the warp has a z to count (a peaked row past its support) skips
      * the per-z compares and their branches */
-    if (__any_sync(0xffffffffu, on && mx >= lo)) {
+    const bool counts = __any_sync(0xffffffffu, on && mx >= lo);
+    if (counts) {
 #pragma unroll
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
@@ -89,7 +93,82 @@ __device__ __forceinline__ void hist_count_tile(const float (*s)[4], int k, bool
                 if (on && s[n8][2 * k + b] >= lo) atomicAdd(ring + hist_slot(s[n8][2 * k + b]), 1u);
     }
     __syncwarp(); /* the counts before the next tile's zeroing */
+    return counts;
 }
+
+/* The block's words of tile marks (fused_args.marks): P1's and P2's blocks are the same row
+ * blocks (both over every row, block_tile). */
+__device__ __forceinline__ uint32_t *block_marks(const fused_args &A) {
+    return A.marks + ((int64_t)blockIdx.y * gridDim.x + block_tile(A)) * A.mark_words;
+}
+
+/* P1's marks (docs/math.md §12.1, "Tile marks"): a tile is marked where a row of the warp counted
+ * a z in it (hist_count_tile). Every z that P2 lists is such a z: P2's edge e_c* >= e(b(M) - 32)
+ * lies above the window's bottom e(b(m) - 33) of the running max m at every tile, so an unmarked
+ * tile adds nothing to any list. The sweep goes down the tiles, so the warp keeps the bits of the
+ * word of 32 tiles it is in and ORs them into the block's words when it leaves it (flush).
+ * Warp-uniform calls. */
+struct tile_marker {
+    int word = -1;
+    unsigned bits = 0u;
+    __device__ __forceinline__ void flush(const fused_args &A) {
+        if (bits && (threadIdx.x & 31) == 0) atomicOr(block_marks(A) + word, bits);
+        bits = 0u;
+    }
+    __device__ __forceinline__ void mark(const fused_args &A, int64_t k0, bool counted) {
+        if (!A.marks) return;
+        const int t = (int)(k0 / PF_KEYS);
+        if ((t >> 5) != word) {
+            flush(A);
+            word = t >> 5;
+        }
+        if (counted) bits |= 1u << (t & 31);
+    }
+};
+
+/* The tiles P2 sweeps (sweep's tile order, as every_tile): the block's marked tiles, last first,
+ * found one at a time as the next set bit at or below a cursor in the block's words (every
+ * thread reads the same word: a broadcast); without marks (A.marks NULL) every tile. The count
+ * is a block reduction: every thread constructs it. Tile indices in int (keys < 2^37), the
+ * block's words found again from A where read: P2's registers are full (ptxas). */
+struct marked_tiles {
+    const fused_args &A;
+    int64_t n;  /* tiles to sweep */
+    int next;   /* the highest tile not yet issued */
+    int ta, tb; /* the last two tiles issued (j even, odd): use_k0's */
+    __device__ __forceinline__ marked_tiles(const fused_args &args, int64_t nk) : A(args) {
+        __shared__ int scratch[32];
+        n = (nk + PF_KEYS - 1) / PF_KEYS;
+        next = (int)n - 1;
+        if (!A.marks) return; /* block-uniform */
+        const uint32_t *words = block_marks(A);
+        int c = 0;
+        for (int64_t i = threadIdx.x; i < A.mark_words; i += blockDim.x) c += __popc(words[i]);
+        n = ekv_block_sum(c, scratch);
+    }
+    __device__ __forceinline__ int64_t count() const { return n; }
+    __device__ __forceinline__ int64_t issue_k0(int64_t j) {
+        int t = next;
+        if (A.marks) { /* a set bit remains at or below t: j < n */
+            const uint32_t *words = block_marks(A);
+            unsigned w = words[t >> 5] & (0xffffffffu >> (31 - (t & 31)));
+            while (!w) {
+                t = (t | 31) - 32; /* the last tile of the word below */
+                w = words[t >> 5];
+            }
+            t = (t & ~31) + 31 - __clz(w);
+        }
+        next = t - 1;
+        if (j & 1)
+            tb = t;
+        else
+            ta = t;
+        return (int64_t)t * PF_KEYS;
+    }
+    __device__ __forceinline__ int64_t use_k0(int64_t j) const {
+        return (int64_t)(j & 1 ? tb : ta) * PF_KEYS;
+    }
+};
 
 /* P1's epilogue for row k (the quad; warp-uniform call): the largest bin c in [bm - 32, bm]
  * whose edge e_c has sum_{j > c} count_j (e_j - e_c)^beta >= 1 (each z of bin j is >= e_j, so
@@ -140,12 +219,17 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F};
     int bm[2] = {INT_MIN / 2, INT_MIN / 2};
     int bad = 0;
+    tile_marker marker;
     sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad,
-                             [&](int64_t, float(*s)[4], const unsigned char *) {
+                             [&](int64_t k0, float(*s)[4], const unsigned char *) {
+                                 bool counted = false;
 #pragma unroll
                                  for (int k = 0; k < 2; k++)
-                                     hist_count_tile(s, k, L.on[k], ring[k], &run[k], &bm[k]);
+                                     counted |= hist_count_tile(s, k, L.on[k], ring[k], &run[k],
+                                                                &bm[k]);
+                                 marker.mark(A, k0, counted);
                              });
+    marker.flush(A);
     if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
     if (!__any_sync(0xffffffffu, L.on[0] || L.on[1])) return; /* sweep_z skipped this warp */
 #pragma unroll
@@ -193,7 +277,13 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
             store_kept(A, m, at, room[k], off[k], k, k0, s);
         }
     };
-    sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &unused, use);
+    const int64_t nk = block_keys(A);
+    marked_tiles tiles(A, nk);
+    const int64_t skipped = (nk + PF_KEYS - 1) / PF_KEYS - tiles.count();
+    if (threadIdx.x == 0 && skipped)
+        atomicAdd(A.rows + PF_SKIPPED_TILES, (unsigned long long)skipped);
+    if (tiles.count()) /* block-uniform: none where no row of the block lists a key */
+        sweep_z_tiles<T, D, NP, false>(A, L, qa, nk, tiles, stages, &unused, use);
     if ((lane & 3) == 0)
         for (int k = 0; k < 2; k++) {
             if (!L.on[k]) continue;
@@ -356,6 +446,9 @@ cudaError_t prefill_hist_lists(ekv_dtype dt, const fused_args &A, cudaStream_t s
     const int64_t rows = A.Hk * A.R;
     cudaError_t e = cudaMemsetAsync(A.wcount_out, 0, (size_t)A.Hk * 4, s);
     if (e == cudaSuccess) e = cudaMemsetAsync(A.pool_used, 0, 8, s);
+    if (e == cudaSuccess && A.marks) /* P1 ORs its marks in */
+        e = cudaMemsetAsync(A.marks, 0,
+                            (size_t)(A.Hk * ekv_prefill_row_blocks(A.R) * A.mark_words * 4), s);
     if (e == cudaSuccess) e = launch_hist<HIST_COUNT>(dt, A, s);
     if (e == cudaSuccess) {
         const int64_t blocks = (rows + HB_ROUTE_THREADS - 1) / HB_ROUTE_THREADS;

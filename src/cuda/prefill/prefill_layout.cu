@@ -33,6 +33,9 @@ ekv_cuda_prefill_layout ekv_cuda_prefill_layout_of(const ekv_cuda_prefill *pf, i
     L.wlist = fused ? c.take(2 * rows * 4) : -1;
     L.wcount = fused ? c.take(2 * Hk * 4) : -1;
     L.pool_used = fused ? c.take(8) : -1;
+    const int64_t mark_bytes =
+            Hk * ekv_prefill_row_blocks(rows / Hk) * ekv_prefill_mark_words(pf->key_cap) * 4;
+    L.marks = fused && pf->key_cap > 0 ? c.take(mark_bytes) : -1; /* the histogram scheme's */
     L.total = c.at;
     return L;
 }
@@ -60,4 +63,5 @@ void ekv_cuda_prefill_place(ekv_cuda_prefill *pf, const ekv_cuda_prefill_layout 
     pf->wlist = piece<int32_t>(base, L->wlist);
     pf->wcount = piece<int32_t>(base, L->wcount);
     pf->pool_used = piece<unsigned long long>(base, L->pool_used);
+    pf->marks = piece<uint32_t>(base, L->marks);
 }
