@@ -71,6 +71,29 @@ template <> struct ekv_elem<float> {
     static __device__ __forceinline__ float to(float x) { return x; }
 };
 
+/* ---- predicated stores and shared-memory reductions: one predicated instruction each. The
+ * same `if (p) x[i] = v` written per element of a tile compiles to a branch region per element
+ * (BSSY, BRA, BSYNC: 28-33 % of the fused prefill's sweep samples under ncu, bench/RESULTS.md
+ * 2026-12-05, sixth session). Where p is false nothing is accessed (the address may be any). ---- */
+__device__ __forceinline__ void st_global_if(float *p, float v, bool on) {
+    asm volatile(
+            "{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n @q st.global.f32 [%0], %1;\n}\n" ::"l"(p),
+            "f"(v), "r"((unsigned)on)
+            : "memory");
+}
+__device__ __forceinline__ void st_global_if(int64_t *p, int64_t v, bool on) {
+    asm volatile(
+            "{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n @q st.global.s64 [%0], %1;\n}\n" ::"l"(p),
+            "l"(v), "r"((unsigned)on)
+            : "memory");
+}
+/* *p += on in shared memory, unpredicated: ptxas wraps even a predicated red.shared in a branch
+ * region (its warp-aggregated increment), so every lane adds, 0 where !on. */
+__device__ __forceinline__ void red_shared_add(unsigned *p, unsigned v) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("red.shared.add.u32 [%0], %1;\n" ::"r"(s), "r"(v) : "memory");
+}
+
 /* ---- cp.async (sm_80+): global -> shared without registers ---- */
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);

@@ -472,22 +472,23 @@ __device__ __forceinline__ int quad_exclusive(int c, int *total) {
 
 /* The keys of row k in a tile that the lane's mask m keeps (bit 2 n8 + b: tile_z's layout),
  * appended to the row's list at base in cand / cidx from slot at (the lane's quad_exclusive
- * place) on; a slot at or past room is counted but not written. */
+ * place) on; a slot at or past room is counted but not written. Predicated stores, no branch
+ * a key (st_global_if); every lane of the warp calls it. */
 __device__ __forceinline__ void store_kept(const fused_args &A, unsigned m, int at, int room,
                                            int64_t base, int k, int64_t k0, float (*s)[4]) {
-    const int lane = threadIdx.x & 31;
-    if (!m) return; /* most tiles of most rows keep nothing */
+    if (!__any_sync(0xffffffffu, m != 0u)) return; /* most tiles of most rows keep nothing */
+    float *cand = A.cand + base;
+    int64_t *cidx = A.cidx + base;
+    const int64_t key = k0 + 2 * (threadIdx.x & 3);
 #pragma unroll
     for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-        for (int b = 0; b < 2; b++)
-            if ((m >> (2 * n8 + b)) & 1u) {
-                if (at < room) {
-                    A.cand[base + at] = s[n8][2 * k + b];
-                    A.cidx[base + at] = k0 + n8 * 8 + 2 * (lane & 3) + b;
-                }
-                at++;
-            }
+        for (int b = 0; b < 2; b++) {
+            const unsigned kept = (m >> (2 * n8 + b)) & 1u;
+            st_global_if(cand + at, s[n8][2 * k + b], kept && at < room);
+            st_global_if(cidx + at, key + n8 * 8 + b, kept && at < room);
+            at += (int)kept;
+        }
 }
 
 } // namespace

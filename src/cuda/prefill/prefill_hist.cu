@@ -85,12 +85,14 @@ __device__ __forceinline__ bool hist_count_tile(const float (*s)[4], int k, bool
     /* a tile where no row of the warp has a z to count (a peaked row past its support) skips
      * the per-z compares and their branches */
     const bool counts = __any_sync(0xffffffffu, on && mx >= lo);
-    if (counts) {
+    if (counts) { /* every z's slot is in the ring (hist_slot's low bits), counted or not */
 #pragma unroll
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-            for (int b = 0; b < 2; b++)
-                if (on && s[n8][2 * k + b] >= lo) atomicAdd(ring + hist_slot(s[n8][2 * k + b]), 1u);
+            for (int b = 0; b < 2; b++) {
+                const float z = s[n8][2 * k + b];
+                red_shared_add(ring + hist_slot(z), on && z >= lo ? 1u : 0u);
+            }
     }
     __syncwarp(); /* the counts before the next tile's zeroing */
     return counts;
