@@ -87,8 +87,9 @@ __device__ __forceinline__ void st_global_if(int64_t *p, int64_t v, bool on) {
             "l"(v), "r"((unsigned)on)
             : "memory");
 }
-/* *p += on in shared memory, unpredicated: ptxas wraps even a predicated red.shared in a branch
- * region (its warp-aggregated increment), so every lane adds, 0 where !on. */
+/* *p += v in shared memory (a reduction: no result), unpredicated: ptxas wraps even a predicated
+ * red.shared in a branch region (its warp-aggregated increment), so a caller that would skip a
+ * lane adds 0 there instead. */
 __device__ __forceinline__ void red_shared_add(unsigned *p, unsigned v) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("red.shared.add.u32 [%0], %1;\n" ::"r"(s), "r"(v) : "memory");

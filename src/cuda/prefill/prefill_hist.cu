@@ -15,9 +15,8 @@
  *      wlist_out), as the candidate scheme's overflowing rows.
  *   P2 (HIST_LIST, ROW_LIST rows): one more sweep, of P1's marked tiles (marked_tiles), appends
  *      every z >= the edge with its key to the row's slice; the same z as P1's, so the slice
- *      holds them exactly (a row that finds
- *      another count, or whose list's max is not P1's M, impossible but checked, goes to the
- *      Newton passes).
+ *      holds them exactly (a row that finds another count, or whose list's max is not P1's M,
+ *      impossible but checked, goes to the Newton passes).
  *   tau (a warp per row): solve_tau from lb - M over the list, which holds the support.
  * The output of the route-G rows is then gathered from their lists, the others swept
  * (prefill_fused.cu, newton_and_outputs).
