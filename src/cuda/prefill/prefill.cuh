@@ -38,12 +38,15 @@ static inline int32_t ekv_prefill_row_cap(int32_t row_cap) {
  * §12.1, "Tile marks"): blocks of EKV_PREFILL_MARK_ROWS query rows (of one KV head) sweep tiles
  * of EKV_PREFILL_MARK_KEYS keys; a block's marks are a bit a tile, in 32-bit words. */
 enum { EKV_PREFILL_MARK_ROWS = 64, EKV_PREFILL_MARK_KEYS = 64 };
-/* The words of one block's marks for `keys` keys, and the row blocks of `rows` rows. */
-static inline int64_t ekv_prefill_mark_words(int64_t keys) {
-    const int64_t tiles = (keys + EKV_PREFILL_MARK_KEYS - 1) / EKV_PREFILL_MARK_KEYS;
-    return (tiles + 31) / 32;
+/* The key tiles of `keys` keys, the words of one block's marks for them, and the row blocks of
+ * `rows` rows (the fused kernel's grid). */
+__host__ __device__ static inline int64_t ekv_prefill_tiles(int64_t keys) {
+    return (keys + EKV_PREFILL_MARK_KEYS - 1) / EKV_PREFILL_MARK_KEYS;
 }
-static inline int64_t ekv_prefill_row_blocks(int64_t rows) {
+static inline int64_t ekv_prefill_mark_words(int64_t keys) {
+    return (ekv_prefill_tiles(keys) + 31) / 32;
+}
+__host__ __device__ static inline int64_t ekv_prefill_row_blocks(int64_t rows) {
     return (rows + EKV_PREFILL_MARK_ROWS - 1) / EKV_PREFILL_MARK_ROWS;
 }
 

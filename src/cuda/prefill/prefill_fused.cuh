@@ -129,7 +129,7 @@ template <auto Kernel>
 cudaError_t launch_row_blocks(const fused_args &A, size_t bytes, cudaStream_t s) {
     const cudaError_t e = ekv_cuda_allow_smem<Kernel>(bytes);
     if (e != cudaSuccess) return e;
-    Kernel<<<dim3((unsigned)((A.R + PF_ROWS - 1) / PF_ROWS), (unsigned)A.Hk), PF_THREADS, bytes,
+    Kernel<<<dim3((unsigned)ekv_prefill_row_blocks(A.R), (unsigned)A.Hk), PF_THREADS, bytes,
              s>>>(A);
     return cudaGetLastError();
 }
@@ -288,7 +288,7 @@ template <int D> struct tile_lane_copy {
  * once for j = 0, 1, ... in turn (sweep's order). */
 struct every_tile {
     int64_t n; /* tiles */
-    __device__ __forceinline__ explicit every_tile(int64_t nk) : n((nk + PF_KEYS - 1) / PF_KEYS) {}
+    __device__ __forceinline__ explicit every_tile(int64_t nk) : n(ekv_prefill_tiles(nk)) {}
     __device__ __forceinline__ int64_t count() const { return n; }
     __device__ __forceinline__ int64_t issue_k0(int64_t j) { return (n - 1 - j) * PF_KEYS; }
     __device__ __forceinline__ int64_t use_k0(int64_t j) const { return (n - 1 - j) * PF_KEYS; }

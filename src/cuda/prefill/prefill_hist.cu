@@ -139,7 +139,7 @@ struct marked_tiles {
     int ta, tb; /* the last two tiles issued (j even, odd): use_k0's */
     __device__ __forceinline__ marked_tiles(const fused_args &args, int64_t nk) : A(args) {
         __shared__ int scratch[32];
-        n = (nk + PF_KEYS - 1) / PF_KEYS;
+        n = ekv_prefill_tiles(nk);
         next = (int)n - 1;
         if (!A.marks) return; /* block-uniform */
         const uint32_t *words = block_marks(A);
@@ -280,7 +280,7 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
     };
     const int64_t nk = block_keys(A);
     marked_tiles tiles(A, nk);
-    const int64_t skipped = (nk + PF_KEYS - 1) / PF_KEYS - tiles.count();
+    const int64_t skipped = ekv_prefill_tiles(nk) - tiles.count();
     if (threadIdx.x == 0 && skipped)
         atomicAdd(A.rows + PF_SKIPPED_TILES, (unsigned long long)skipped);
     if (tiles.count()) /* block-uniform: none where no row of the block lists a key */
