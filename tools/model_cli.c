@@ -497,9 +497,10 @@ void model_print_prefill_kernel(const ekv_model_stats *st) {
                                                                         : "gemm");
     if (st->prefill_fused)
         printf(" (rows retried %lld, by Newton passes %lld, lists compacted %lld, tiles skipped "
-               "%lld)",
+               "%lld, unreached %lld)",
                (long long)st->prefill_retry_rows, (long long)st->prefill_newton_rows,
-               (long long)st->prefill_compacted_rows, (long long)st->prefill_tiles_skipped);
+               (long long)st->prefill_compacted_rows, (long long)st->prefill_tiles_skipped,
+               (long long)st->prefill_tiles_unreached);
 }
 
 void model_print_graph_steps(const ekv_model_stats *st) {

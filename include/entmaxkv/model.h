@@ -187,6 +187,9 @@ typedef struct ekv_model_stats {
     int64_t prefill_tiles_skipped; /* fused, histogram scheme: (64-row block, 64-key tile)
                                       pairs its list sweep skipped (no row counted a z there:
                                       docs/math.md §12.1, "Tile marks")                     */
+    int64_t prefill_tiles_unreached; /* fused, histogram scheme: (64-row block, 64-key tile)
+                                        pairs its first sweep stopped before (past ALiBi's
+                                        reach: docs/math.md §12.1, "ALiBi's reach")         */
 } ekv_model_stats;
 
 EKV_API ekv_model_params ekv_model_default_params(void);

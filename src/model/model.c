@@ -547,6 +547,7 @@ ekv_status ekv_model_get_stats(const ekv_model *m, int32_t layer, ekv_model_stat
         out->screen_all_rows += s->screen_all_rows;
         out->graph_steps += s->graph_steps;
         out->prefill_tiles_skipped += s->prefill_tiles_skipped;
+        out->prefill_tiles_unreached += s->prefill_tiles_unreached;
     }
     return EKV_OK;
 }

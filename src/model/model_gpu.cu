@@ -480,7 +480,8 @@ static ekv_status graph_step(ekv_model *m, const gpu_block *b, int *replayed) {
 }
 
 /* The kernel of a dense prefill block into each layer's stats, and the fused kernel's counters
- * (PF_COUNTERS: rows retried, solved by Newton passes, compacted, tiles skipped; then zeroed). */
+ * (PF_COUNTERS: rows retried, solved by Newton passes, compacted, tiles skipped and unreached;
+ * then zeroed). */
 static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
     model_gpu *g = m->gpu;
     const int32_t nl = m->cfg.n_layers;
@@ -498,6 +499,7 @@ static ekv_status count_prefill(ekv_model *m, const gpu_block *b) {
             st->prefill_newton_rows += (int64_t)c[PF_NEWTONED];
             st->prefill_compacted_rows += (int64_t)c[PF_COMPACTED];
             st->prefill_tiles_skipped += (int64_t)c[PF_SKIPPED_TILES];
+            st->prefill_tiles_unreached += (int64_t)c[PF_UNREACHED_TILES];
         }
     }
     for (int32_t l = 0; l < nl; l++)

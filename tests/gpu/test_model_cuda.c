@@ -566,9 +566,10 @@ static void check_hist_case(ekv_context *ctx, const fcase *f, ekv_model *hist, c
     CHECK(sh.prefill_fused == steps && sh.prefill_gemm == 0, "hist stats %lld / %lld of %lld",
           (long long)sh.prefill_fused, (long long)sh.prefill_gemm, (long long)steps);
     printf("    hist: rows retried %lld, solved by Newton passes %lld, compacted %lld, tiles "
-           "skipped %lld\n",
+           "skipped %lld, unreached %lld\n",
            (long long)sh.prefill_retry_rows, (long long)sh.prefill_newton_rows,
-           (long long)sh.prefill_compacted_rows, (long long)sh.prefill_tiles_skipped);
+           (long long)sh.prefill_compacted_rows, (long long)sh.prefill_tiles_skipped,
+           (long long)sh.prefill_tiles_unreached);
     CHECK(sh.prefill_retry_rows == 0 && sh.prefill_compacted_rows == 0,
           "hist: %lld rows retried, %lld compacted (its lists are sized, never retried)",
           (long long)sh.prefill_retry_rows, (long long)sh.prefill_compacted_rows);

@@ -71,27 +71,12 @@ template <> struct ekv_elem<float> {
     static __device__ __forceinline__ float to(float x) { return x; }
 };
 
-/* ---- predicated stores and shared-memory reductions: one predicated instruction each. The
- * same `if (p) x[i] = v` written per element of a tile compiles to a branch region per element
- * (BSSY, BRA, BSYNC: 28-33 % of the fused prefill's sweep samples under ncu, bench/RESULTS.md
- * 2026-12-05, sixth session). Where p is false nothing is accessed (the address may be any). ---- */
-__device__ __forceinline__ void st_global_if(float *p, float v, bool on) {
-    asm volatile(
-            "{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n @q st.global.f32 [%0], %1;\n}\n" ::"l"(p),
-            "f"(v), "r"((unsigned)on)
-            : "memory");
-}
-__device__ __forceinline__ void st_global_if(int64_t *p, int64_t v, bool on) {
-    asm volatile(
-            "{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n @q st.global.s64 [%0], %1;\n}\n" ::"l"(p),
-            "l"(v), "r"((unsigned)on)
-            : "memory");
-}
-/* *p += v in shared memory (a reduction: no result), unpredicated: ptxas wraps even a predicated
- * red.shared in a branch region (its warp-aggregated increment), so a caller that would skip a
- * lane adds 0 there instead. */
-__device__ __forceinline__ void red_shared_add(unsigned *p, unsigned v) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+/* ---- shared-memory reductions ---- */
+/* v added to the counter at shared address s (a reduction: no result), unpredicated: ptxas wraps
+ * even a predicated red.shared in a branch region (its warp-aggregated increment), so a caller
+ * that would skip a lane adds elsewhere or adds 0 instead. The address, not a pointer: a caller
+ * that forms it with integer operations spends no conversion a call. */
+__device__ __forceinline__ void red_shared_add(uint32_t s, unsigned v) {
     asm volatile("red.shared.add.u32 [%0], %1;\n" ::"r"(s), "r"(v) : "memory");
 }
 
@@ -106,14 +91,32 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+/* Which tiles a two-stage loop runs: all of them (cp_async_all), or until no thread of the block
+ * wants another (cp_async_until: more() after each tile, ORed over the block at the barrier the
+ * loop meets anyway). */
+struct cp_async_all {
+    static constexpr bool stops = false;
+    __device__ __forceinline__ bool operator()() const { return true; }
+};
+template <typename F> struct cp_async_until {
+    static constexpr bool stops = true;
+    F more;
+    __device__ __forceinline__ bool operator()() const { return more(); }
+};
+template <typename F> __device__ __forceinline__ cp_async_until<F> cp_async_until_of(F f) {
+    return cp_async_until<F>{f};
+}
+
 /* ntiles tiles through two shared-memory stages, tile j in stage j % 2: issue(j) starts tile j's
  * cp.async copies (tile j + 1's overlap use(j)), use(j) runs once every thread's copies of tile j
  * have landed. Block-uniform call; copies issued before it join tile 0's commit group. landed()
  * runs in each thread after its copies of a tile landed, before the barrier (a proxy fence when
- * use reads the tile through the async proxy: wgmma). */
-template <typename Issue, typename Use, typename Landed>
+ * use reads the tile through the async proxy: wgmma). more (cp_async_all or cp_async_until) ends
+ * the loop early: a tile already issued is waited for, not used. */
+template <typename Issue, typename Use, typename Landed, typename More = cp_async_all>
 __device__ __forceinline__ void cp_async_two_stages(int64_t ntiles, const Issue &issue,
-                                                    const Use &use, const Landed &landed) {
+                                                    const Use &use, const Landed &landed,
+                                                    const More &more = More()) {
     issue(0);
     cp_async_commit();
     for (int64_t j = 0; j < ntiles; j++) {
@@ -123,7 +126,11 @@ __device__ __forceinline__ void cp_async_two_stages(int64_t ntiles, const Issue 
         landed();
         __syncthreads(); /* ... and everyone's */
         use(j);
-        __syncthreads(); /* the stage is free for tile j + 2 */
+        if constexpr (More::stops) { /* the stage is free for tile j + 2, if one is wanted */
+            if (!__syncthreads_or(more())) break;
+        } else {
+            __syncthreads(); /* the stage is free for tile j + 2 */
+        }
     }
     cp_async_wait<0>();
 }

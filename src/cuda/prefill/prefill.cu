@@ -148,6 +148,29 @@ void launch(ekv_dtype dt, const prefill_args &A, cudaStream_t s, int split_q) {
                         [&](auto ty) { launch_rows<typename decltype(ty)::type>(A, s, split_q); });
 }
 
+/* ALiBi's reach (docs/math.md §12.1): where the histogram scheme's P1 may stop a sweep (entmax
+ * with ALiBi slopes), A.kbound gets each KV head's largest |k| over the block's keys, which
+ * split_queries_kernel turns into each row's bound A.qbound; elsewhere both stay NULL. */
+ekv_status key_bounds(const ekv_cuda_prefill *pf, const ekv_cuda_prefill_block *b,
+                      prefill_args *A) {
+    A->kbound = A->qbound = NULL;
+    if (!pf->fused || pf->tau_scheme != EKV_PREFILL_TAU_HIST || !b->slopes || b->alpha == 1.0)
+        return EKV_OK;
+    A->kbound = pf->kbound;
+    A->qbound = pf->qbound;
+    const int64_t keys = b->noncausal_keys ? b->noncausal_keys : A->nk;
+    const int64_t per = KEY_BOUND_THREADS / 32 * KEY_BOUND_KEYS;
+    GPU_TRY(pf, cudaMemsetAsync(A->kbound, 0, (size_t)A->Hk * 4, pf->stream));
+    const dim3 grid((unsigned)((keys + per - 1) / per), (unsigned)A->Hk);
+    ekv_cuda_with_dtype(b->dtype, [&](auto ty) {
+        typedef typename decltype(ty)::type T;
+        key_bound_kernel<T><<<grid, KEY_BOUND_THREADS, 0, pf->stream>>>(
+                static_cast<const T *>(b->k), A->Hk * A->D, A->D, keys, A->kbound);
+    });
+    GPU_LAUNCHED(pf);
+    return EKV_OK;
+}
+
 } // namespace
 
 /* S = q' K^T and O = P V over the parts (beta 1 after the first part: each part's product,
@@ -208,10 +231,12 @@ ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda
     A.qparts = pf->qparts;
     A.pparts = pf->pparts;
     A.bad = pf->bad;
+    ekv_status s = key_bounds(pf, b, &A);
+    if (s) return s;
     launch(b->dtype, A, pf->stream, 1);
     GPU_LAUNCHED(pf);
     if (pf->fused) return ekv_cuda_prefill_fused(pf, b, A);
-    ekv_status s = prefill_gemms(pf, b, A, 1);
+    s = prefill_gemms(pf, b, A, 1);
     if (s) return s;
     launch(b->dtype, A, pf->stream, 0);
     GPU_LAUNCHED(pf);

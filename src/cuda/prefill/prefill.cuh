@@ -65,8 +65,9 @@ __device__ __forceinline__ int64_t ekv_prefill_warp_row() {
 
 /* The fused kernel's counters of one block (ekv_cuda_prefill_block.counters): rows retried,
  * rows solved by Newton passes, rows whose list was compacted inside round 0's sweep, (row
- * block, key tile) pairs the histogram scheme's P2 skipped (unmarked: docs/math.md §12.1). */
-enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_SKIPPED_TILES, PF_COUNTERS };
+ * block, key tile) pairs the histogram scheme's P2 skipped (unmarked: docs/math.md §12.1) and
+ * that its P1 never swept (past ALiBi's reach, §12.1). */
+enum { PF_RETRIED, PF_NEWTONED, PF_COMPACTED, PF_SKIPPED_TILES, PF_UNREACHED_TILES, PF_COUNTERS };
 
 /* What dense prefill runs on: the stream and cuBLAS handle, the sizes its scratch was laid out
  * for and the device scratch: one block laid out by ekv_cuda_prefill_layout_of, which its caller
@@ -112,6 +113,10 @@ struct ekv_cuda_prefill {
      * block with more keys: no marks, P2 sweeps every tile */
     int64_t key_cap;
     uint32_t *marks;
+    /* the histogram scheme's ALiBi reach (docs/math.md §12.1): a bound on |k| of each KV head
+     * over the block's keys, and on the unbiased part of each row's z */
+    float *kbound; /* [n_kv_heads] */
+    float *qbound; /* [H * chunk] */
 };
 
 /* Consecutive 256-byte-aligned pieces of one device block (offsets from its start): the prefill
@@ -131,7 +136,8 @@ struct ekv_cuda_prefill_layout {
     int64_t qparts, qshift, bad;  /* both paths */
     int64_t scores, pparts, obuf; /* the GEMM path */
     /* the fused kernel */
-    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount, pool_used, marks;
+    int64_t cand, cidx, count, state, thr, m, tau, off, wlist, wcount, pool_used, marks, kbound,
+            qbound;
     int64_t total;
 };
 /* The layout of the scratch that pf's sizes (chunk, nparts, fused; cand_cap when fused, ld_cap

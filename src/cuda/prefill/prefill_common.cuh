@@ -21,6 +21,9 @@ struct prefill_args {
     float *scores, *qshift, *rinv, *obuf, *att;
     void *qparts, *pparts;
     int32_t *bad;
+    /* ALiBi's reach (docs/math.md §12.1), or NULL: |k| bounds per KV head (key_bound_kernel),
+     * then each row's bound on |s 2^-s| (split_queries_kernel) */
+    float *kbound, *qbound;
 };
 
 namespace {
@@ -48,6 +51,12 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     const float *q = A.q + id * A.D;
     const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
     T *dst = (T *)A.qparts + row * A.D;
+    if (A.qbound) { /* ALiBi's reach: |s 2^-s| <= |q'| max |k| (docs/math.md §12.1) */
+        float ss = 0.f;
+        for (int64_t d = lane; d < A.D; d += 32) ss = fmaf(q[d] * A.qf, q[d] * A.qf, ss);
+        ss = ekv_warp_sum(ss);
+        if (lane == 0) A.qbound[row] = __fmul_ru(__fmul_ru(__fsqrt_ru(ss), A.kbound[g]), 1.001f);
+    }
     if (A.nq == 1) { /* warp-uniform */
         for (int64_t d = lane; d < A.D; d += 32) dst[d] = ekv_elem<T>::from(q[d]);
         if (lane == 0) A.qshift[row] = A.qf;
@@ -65,6 +74,33 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     for (int64_t d = lane; d < A.D; d += 32)
         split<T>(ldexpf(q[d] * A.qf, s), A.nq, dst + d, pstride);
     if (lane == 0) A.qshift[row] = ldexpf(1.f, -s);
+}
+
+enum { KEY_BOUND_THREADS = 256, KEY_BOUND_KEYS = 16 /* a warp's */ };
+/* kbound[g] = the largest |k| of KV head g (blockIdx.y) over the keys [0, nkeys), rounded up, or
+ * +inf where one is not finite (no reach then: docs/math.md §12.1); kbound zeroed before. A warp
+ * a key at a time; the block's largest by one atomic (non-negative floats order as their bits). */
+template <typename T>
+__global__ void __launch_bounds__(KEY_BOUND_THREADS)
+        key_bound_kernel(const T *k, int64_t kstride, int64_t D, int64_t nkeys, float *kbound) {
+    ekv_grid_begin();
+    __shared__ float scratch[32];
+    const int lane = threadIdx.x & 31;
+    const int64_t g = blockIdx.y,
+                  j0 = ((int64_t)blockIdx.x * (KEY_BOUND_THREADS / 32) + (threadIdx.x >> 5)) *
+                       KEY_BOUND_KEYS;
+    float mx = 0.f;
+    for (int64_t j = j0; j < j0 + KEY_BOUND_KEYS && j < nkeys; j++) {
+        float ss = 0.f;
+        for (int64_t d = lane; d < D; d += 32) {
+            const float x = ekv_elem<T>::to(k[j * kstride + g * D + d]);
+            ss = fmaf(x, x, ss);
+        }
+        ss = ekv_warp_sum(ss);
+        mx = isfinite(ss) ? fmaxf(mx, __fsqrt_ru(ss)) : __int_as_float(0x7f800000); /* inf */
+    }
+    mx = ekv_block_max(mx, scratch, 0.f);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int *>(kbound + g), __float_as_int(mx));
 }
 
 } // namespace

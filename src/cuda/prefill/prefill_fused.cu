@@ -92,6 +92,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
     float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, thr[2];
     float floor[2] = {-CUDART_INF_F, -CUDART_INF_F}; /* bounds from compactions */
     bool settled[2] = {false, false}; /* no more compactions: one kept over half the list */
+    float *stage = kept_stage<D, NP>(stages);
     for (int k = 0; k < 2; k++) thr[k] = A.round && L.on[k] ? A.thr[L.row[k]] : -CUDART_INF_F;
     int bad = 0;
     auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
@@ -142,7 +143,7 @@ __device__ void pass_cands(const fused_args &A, const pf_lane &L, const uint32_t
             }
             at += n[k];
             n[k] += total;
-            store_kept(A, m, at, A.cap, L.row[k] * A.cap, k, k0, s);
+            store_kept(A, m, at, A.cap, L.row[k] * A.cap, k, k0, s, stage);
         }
     };
     sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad, use);
@@ -439,7 +440,8 @@ template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_
 template <typename T, int D, int NP, int MODE>
 cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
     return launch_row_blocks<fused_kernel<T, D, NP, MODE>>(
-            A, fused_smem_bytes<D, NP, MODE == PF_OUT>(), s);
+            A, fused_smem_bytes<D, NP, MODE == PF_OUT>() + (MODE == PF_CANDS ? PF_KEPT_BYTES : 0),
+            s);
 }
 
 template <typename T, int NP>

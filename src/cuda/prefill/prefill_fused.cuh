@@ -144,11 +144,25 @@ template <int D, int NP, bool WITH_V> __host__ __device__ constexpr size_t fused
                      st = (size_t)2 * (WITH_V ? 2 : 1) * tile_bytes<D>();
     return (q > st ? q : st) + PF_STAGE_ALIGN;
 }
-/* The stages' start in the block's dynamic shared memory at raw: aligned in the shared window's
- * addresses (what the swizzle reads), static shared memory before raw included. */
+/* p moved up to the next ALIGN boundary (a power of two) of the shared window's addresses, static
+ * shared memory before the dynamic included: the caller leaves ALIGN - 1 bytes of slack. */
+template <uint32_t ALIGN> __device__ __forceinline__ unsigned char *smem_aligned(unsigned char *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    return p + ((ALIGN - (a & (ALIGN - 1))) & (ALIGN - 1));
+}
+/* The stages' start in the block's dynamic shared memory at raw: aligned where the swizzle reads
+ * it. */
 __device__ __forceinline__ unsigned char *pf_stages(unsigned char *raw) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(raw);
-    return raw + ((PF_STAGE_ALIGN - (a & (PF_STAGE_ALIGN - 1))) & (PF_STAGE_ALIGN - 1));
+    return smem_aligned<PF_STAGE_ALIGN>(raw);
+}
+
+/* Each lane's stage of one row's z of a tile for store_kept, after a K-only sweep's stages
+ * (fused_smem_bytes<D, NP, false>): PF_KEPT_PITCH floats a lane, 16 used. The pitch of 20 puts
+ * the 8 lanes of a quarter warp's 16-byte stores in distinct banks. */
+enum { PF_KEPT_PITCH = 20, PF_KEPT_BYTES = PF_THREADS * PF_KEPT_PITCH * 4 };
+template <int D, int NP> __device__ __forceinline__ float *kept_stage(unsigned char *raw) {
+    return reinterpret_cast<float *>(raw + fused_smem_bytes<D, NP, false>()) +
+           threadIdx.x * PF_KEPT_PITCH;
 }
 
 /* Whether a sweep's scores run on Hopper's warpgroup MMA (common/wgmma.cuh): code for sm_90a,
@@ -296,10 +310,11 @@ struct every_tile {
 
 /* The block's key tiles: K (and V) of each tile [k0, k0 + PF_KEYS) that `tiles` names (every_tile,
  * or the marked tiles of prefill_hist.cu) lands in a stage, then use(k0, kt, vt) runs in every
- * warp (block-uniform). */
-template <typename T, int D, bool WITH_V, bool ASYNC_READ, typename Tiles, typename Use>
+ * warp (block-uniform); `more` may end the sweep early (cp_async_two_stages). */
+template <typename T, int D, bool WITH_V, bool ASYNC_READ, typename Tiles, typename Use,
+          typename More>
 __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, Tiles &tiles,
-                                      unsigned char *raw, Use use) {
+                                      unsigned char *raw, Use use, const More &more) {
     constexpr int TB = tile_bytes<D>(), SB = (WITH_V ? 2 : 1) * TB;
     unsigned char *stages = pf_stages(raw);
     const int64_t ntiles = tiles.count(), g = blockIdx.y; /* >= 1 */
@@ -329,7 +344,7 @@ __device__ __forceinline__ void sweep(const fused_args &A, int64_t nk, Tiles &ti
                 const unsigned char *st = stages + (j & 1) * SB;
                 use(tiles.use_k0(j), st, st + TB);
             },
-            landed);
+            landed, more);
 }
 
 /* Whether the warp's tile from k0 is whole for every lane: each of its rows live and seeing
@@ -426,36 +441,40 @@ __device__ __forceinline__ void tile_scores(const unsigned char *kt,
 
 /* A sweep whose every tile's z (the warp's rows against the tile's keys: tile_scores or, where
  * pf_wgmma, the block's 4 warps as one warpgroup; then tile_z) goes to use(k0, s, vt), over the
- * tiles `tiles` names. A warp without a live row skips the rest (and, off wgmma, the mma) but
- * still copies its share of each tile and meets the barriers (sweep). */
-template <typename T, int D, int NP, bool WITH_V, typename Tiles, typename Use>
+ * tiles `tiles` names, until `more` ends it (cp_async_all: every tile). A warp without a live
+ * row skips the rest (and, off wgmma, the mma) but still copies its share of each tile and meets
+ * the barriers (sweep). */
+template <typename T, int D, int NP, bool WITH_V, typename Tiles, typename Use,
+          typename More = cp_async_all>
 __device__ __forceinline__ void
 sweep_z_tiles(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4], int64_t nk,
-              Tiles &tiles, unsigned char *stages, int *bad, Use use) {
+              Tiles &tiles, unsigned char *stages, int *bad, Use use, const More &more = More()) {
     const bool warp_on = __any_sync(0xffffffffu, L.on[0] || L.on[1]);
     constexpr bool WG = pf_wgmma<D, NP>();
-    sweep<T, D, WITH_V, WG>(A, nk, tiles, stages,
-                            [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-                                float s[PF_KEYS / 8][4];
+    sweep<T, D, WITH_V, WG>(
+            A, nk, tiles, stages,
+            [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                float s[PF_KEYS / 8][4];
 #if defined(EKV_HAVE_WGMMA)
-                                if constexpr (WG) {
-                                    static_assert(D == 64, "wgmma_tile_scores64: head dim 64");
-                                    wgmma_tile_scores64<T, NP>(kt, qa, s);
-                                }
+                if constexpr (WG) {
+                    static_assert(D == 64, "wgmma_tile_scores64: head dim 64");
+                    wgmma_tile_scores64<T, NP>(kt, qa, s);
+                }
 #endif
-                                if (!warp_on) return;
-                                if constexpr (!WG) tile_scores<T, D, NP>(kt, qa, s);
-                                tile_z(L, k0, A.noncausal_keys, s, bad);
-                                use(k0, s, vt);
-                            });
+                if (!warp_on) return;
+                if constexpr (!WG) tile_scores<T, D, NP>(kt, qa, s);
+                tile_z(L, k0, A.noncausal_keys, s, bad);
+                use(k0, s, vt);
+            },
+            more);
 }
-/* sweep_z_tiles over every tile of nk keys. */
-template <typename T, int D, int NP, bool WITH_V, typename Use>
-__device__ __forceinline__ void sweep_z(const fused_args &A, const pf_lane &L,
-                                        const uint32_t (*qa)[D / 16][4], int64_t nk,
-                                        unsigned char *stages, int *bad, Use use) {
+/* sweep_z_tiles over the tiles of nk keys, last first (every_tile). */
+template <typename T, int D, int NP, bool WITH_V, typename Use, typename More = cp_async_all>
+__device__ __forceinline__ void
+sweep_z(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4], int64_t nk,
+        unsigned char *stages, int *bad, Use use, const More &more = More()) {
     every_tile tiles(nk);
-    sweep_z_tiles<T, D, NP, WITH_V>(A, L, qa, nk, tiles, stages, bad, use);
+    sweep_z_tiles<T, D, NP, WITH_V>(A, L, qa, nk, tiles, stages, bad, use, more);
 }
 
 /* The exclusive prefix sum of c over the 4 lanes of a quad (the lanes of one query row), and
@@ -472,23 +491,27 @@ __device__ __forceinline__ int quad_exclusive(int c, int *total) {
 
 /* The keys of row k in a tile that the lane's mask m keeps (bit 2 n8 + b: tile_z's layout),
  * appended to the row's list at base in cand / cidx from slot at (the lane's quad_exclusive
- * place) on; a slot at or past room is counted but not written. Predicated stores, no branch
- * a key (st_global_if); every lane of the warp calls it. */
+ * place) on; a slot at or past room is counted but not written. The lane's 16 z go to its stage
+ * (kept_stage: read back by this lane only), then the lane visits its kept bits alone: the warp
+ * takes as many rounds as its busiest lane keeps keys, where stores predicated on every bit took
+ * ~12 instructions a z for any tile with one kept key in the warp (P2 of a flat head keeps a few
+ * keys of most tiles). Every lane of the warp calls it. */
 __device__ __forceinline__ void store_kept(const fused_args &A, unsigned m, int at, int room,
-                                           int64_t base, int k, int64_t k0, float (*s)[4]) {
+                                           int64_t base, int k, int64_t k0, float (*s)[4],
+                                           float *stage) {
     if (!__any_sync(0xffffffffu, m != 0u)) return; /* most tiles of most rows keep nothing */
-    float *cand = A.cand + base;
-    int64_t *cidx = A.cidx + base;
+#pragma unroll
+    for (int n8 = 0; n8 < PF_KEYS / 8; n8 += 2)
+        *reinterpret_cast<float4 *>(stage + 2 * n8) =
+                make_float4(s[n8][2 * k], s[n8][2 * k + 1], s[n8 + 1][2 * k], s[n8 + 1][2 * k + 1]);
     const int64_t key = k0 + 2 * (threadIdx.x & 3);
-#pragma unroll
-    for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
-#pragma unroll
-        for (int b = 0; b < 2; b++) {
-            const unsigned kept = (m >> (2 * n8 + b)) & 1u;
-            st_global_if(cand + at, s[n8][2 * k + b], kept && at < room);
-            st_global_if(cidx + at, key + n8 * 8 + b, kept && at < room);
-            at += (int)kept;
+    for (; m; m &= m - 1, at++) {
+        const int j = __ffs(m) - 1; /* bit j: key 8 (j / 2) + j % 2 of the lane's */
+        if (at < room) {
+            A.cand[base + at] = stage[j];
+            A.cidx[base + at] = key + (j >> 1) * 8 + (j & 1);
         }
+    }
 }
 
 } // namespace

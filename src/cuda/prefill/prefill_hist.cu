@@ -26,12 +26,12 @@
 namespace {
 
 enum {
-    HB_SCALE = 32,          /* bins per unit of z: 32 z is exact in fp32, so are the bins' edges */
-    HB_SLOTS = 64,          /* the ring of a row's bins */
-    HB_WIN = 33,            /* bins counted below the running max's: every z > M - 1 is counted */
-    HB_CLAMP = 1 << 22,     /* |bin| clamped here (edges exact in fp32, hist_slot's range); rows
-                               near it swept */
-    HB_RING = HB_SLOTS + 1, /* a row's ring stride: a warp's 8 rows' same slot in 8 banks */
+    HB_SCALE = 32,      /* bins per unit of z: 32 z is exact in fp32, so are the bins' edges */
+    HB_SLOTS = 64,      /* the ring of a row's bins */
+    HB_WIN = 33,        /* bins counted below the running max's: every z > M - 1 is counted */
+    HB_CLAMP = 1 << 20, /* |bin| clamped here (edges exact in fp32, hist_slot_byte's range); rows
+                           near it swept */
+    HB_RING_ALIGN = HB_SLOTS * 4, /* rings on this boundary: a slot's byte offset ORs in */
     HB_ROUTE_THREADS = 1024
 };
 enum { HIST_COUNT, HIST_LIST };
@@ -44,14 +44,30 @@ __device__ __forceinline__ int hist_bin(float z) {
 /* The lower edge of bin b, exact for |b| <= HB_CLAMP. */
 __device__ __forceinline__ float hist_edge(int b) { return (float)b * (1.f / HB_SCALE); }
 
-/* The ring slot of a counted z, b(z) mod HB_SLOTS, by one fma rounded down onto 1.5 x 2^23:
- * exactly 1.5 x 2^23 + floor(32 z) while |32 z| < 2^22, whose low bits are the bin's (2^22 is
- * a multiple of HB_SLOTS). A counted z lies within HB_WIN + 1 bins of the running max's, so in
- * range for every row that hist_finish keeps (|b(m)| < HB_CLAMP - 2 HB_SLOTS); a row counted
- * out of range ends out of it too, or its max rises more than HB_SLOTS bins after, which zeroes
- * every slot. Not hist_bin's conversion: a quarter-rate instruction (F2I) a counted z. */
-__device__ __forceinline__ int hist_slot(float z) {
-    return __float_as_int(__fmaf_rd(z, (float)HB_SCALE, 12582912.f)) & (HB_SLOTS - 1);
+/* A row's ring: HB_SLOTS counters from a shared address on an HB_RING_ALIGN boundary, slot s of
+ * bin b (s = b mod HB_SLOTS) stored at s ^ swz. swz is the row's place among the 8 rows of a
+ * warp's counting instruction (lane / 4), so those rows' same slot lies in 8 banks where their z
+ * fall in the same bin (near rows of a flat head do). `at` is the ring's address with swz in its
+ * slot bits: a slot's byte offset XORs into it (hist_count_tile's one LOP3 a z). */
+struct hist_ring {
+    unsigned *base;
+    uint32_t at;
+    int swz;
+    __device__ __forceinline__ unsigned &slot(int b) const {
+        return base[(b & (HB_SLOTS - 1)) ^ swz];
+    }
+};
+
+/* The byte offset of a z's slot in a ring, 4 (b(z) mod HB_SLOTS), by one fma rounded down onto
+ * 1.5 x 2^23: exactly 1.5 x 2^23 + floor(128 z) while |128 z| < 2^22, and floor(128 z) =
+ * 4 floor(32 z) + r with r in 0..3, so its bits 2..7 are the bin's low bits (the float's low
+ * bits are the integer's: its spacing there is 1). A z given here lies within HB_WIN + 5 bins of
+ * the running max's, so in range for every row that hist_finish keeps (|b(m)| < HB_CLAMP - 2
+ * HB_SLOTS); a row counted out of range ends out of it too, or its max rises more than HB_SLOTS
+ * bins after, which zeroes every slot. Not hist_bin's conversion: a quarter-rate instruction
+ * (F2I) a z. */
+__device__ __forceinline__ uint32_t hist_slot_byte(float z) {
+    return __float_as_uint(__fmaf_rd(z, 4.f * HB_SCALE, 12582912.f)) & ((HB_SLOTS - 1) << 2);
 }
 
 __device__ __forceinline__ int quad_max_int(int v) {
@@ -63,8 +79,8 @@ __device__ __forceinline__ int quad_max_int(int v) {
  * bins HB_SLOTS lower, which are below the window now: zeroed before anything is counted.
  * Every z counted is <= m, so never in a slot zeroed later. Returns whether a row of the warp
  * had a z to count (the tile's mark, tile_marker). Warp-uniform call. */
-__device__ __forceinline__ bool hist_count_tile(const float (*s)[4], int k, bool on, unsigned *ring,
-                                                float *run, int *bm) {
+__device__ __forceinline__ bool hist_count_tile(const float (*s)[4], int k, bool on,
+                                                const hist_ring &ring, float *run, int *bm) {
     const int q = threadIdx.x & 3;
     float mx = -CUDART_INF_F;
 #pragma unroll
@@ -75,23 +91,29 @@ __device__ __forceinline__ bool hist_count_tile(const float (*s)[4], int k, bool
         const int nb = hist_bin(mx);
         if (nb > *bm) {
             const int from = nb - *bm >= HB_SLOTS ? nb - HB_SLOTS + 1 : *bm + 1;
-            for (int b = from + q; b <= nb; b += 4) ring[b & (HB_SLOTS - 1)] = 0u;
+            for (int b = from + q; b <= nb; b += 4) ring.slot(b) = 0u;
             *bm = nb;
         }
     }
     __syncwarp(); /* the zeroed slots before the counts */
     const float lo = hist_edge(*bm - HB_WIN); /* z >= lo iff b(z) >= bm - HB_WIN */
     /* a tile where no row of the warp has a z to count (a peaked row past its support) skips
-     * the per-z compares and their branches */
+     * the per-z work */
     const bool counts = __any_sync(0xffffffffu, on && mx >= lo);
-    if (counts) { /* every z's slot is in the ring (hist_slot's low bits), counted or not */
+    if (counts) {
+        /* Every z is added to a slot: a z below the window (or masked, -inf) as max(z, g), in a
+         * bin from bm - HB_WIN - 4 - q to bm - HB_WIN - 1 (q: the lane's place in its quad, so
+         * the quad's lanes add to four words there). Those bins are never read (hist_finish reads
+         * from bm - 32 up) and their slots are zeroed before any bin read could take them: that
+         * needs the max to rise at least HB_SLOTS - HB_WIN - 4 bins, and a rise zeroes the slots
+         * of the bins it passes. So a z costs a max, an fma, a LOP3 and the add: no compare, no
+         * select. A row the pass does not work on (padding) counts into its own ring, unread. */
+        const float g = hist_edge(*bm - HB_WIN - 1 - q);
 #pragma unroll
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
-            for (int b = 0; b < 2; b++) {
-                const float z = s[n8][2 * k + b];
-                red_shared_add(ring + hist_slot(z), on && z >= lo ? 1u : 0u);
-            }
+            for (int b = 0; b < 2; b++)
+                red_shared_add(hist_slot_byte(fmaxf(s[n8][2 * k + b], g)) ^ ring.at, 1u);
     }
     __syncwarp(); /* the counts before the next tile's zeroing */
     return counts;
@@ -177,19 +199,19 @@ struct marked_tiles {
  * n_lb = the counts of the bins from it. pw[d] = (d / 32)^beta rounded down. A row whose bins
  * near the clamp or with no finite z gets n_lb = INT32_MAX (swept). */
 __device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &L, int k,
-                                            const unsigned *ring, const float *pw, float M,
+                                            const hist_ring &ring, const float *pw, float M,
                                             int bm) {
     const int q = threadIdx.x & 3;
     int found = INT_MIN;
     for (int c = bm - q; c >= bm - 32 && found == INT_MIN; c -= 4) {
         double f = 0;
-        for (int j = c + 1; j <= bm; j++) f += (double)ring[j & (HB_SLOTS - 1)] * (double)pw[j - c];
+        for (int j = c + 1; j <= bm; j++) f += (double)ring.slot(j) * (double)pw[j - c];
         if (f >= 1.0 + 1e-9) found = c; /* a margin for the sum's rounding */
     }
     found = quad_max_int(found);
     const int kb = found > bm - 32 ? found : bm - 32;
     int n = 0;
-    for (int j = kb + q; j <= bm; j += 4) n += (int)ring[j & (HB_SLOTS - 1)];
+    for (int j = kb + q; j <= bm; j += 4) n += (int)ring.slot(j);
     n = ekv_quad_sum(n);
     const bool safe = isfinite(M) && bm > -HB_CLAMP + 2 * HB_SLOTS && bm < HB_CLAMP - 2 * HB_SLOTS;
     if (q == 0 && L.on[k]) {
@@ -199,14 +221,28 @@ __device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &
     }
 }
 
-/* P1: every row's max and histogram (ring: PF_ROWS rings of HB_SLOTS counts, HB_RING apart; pw:
- * HB_WIN + 1 floats of shared memory after the stages), then hist_finish. */
+/* ALiBi's reach (docs/math.md §12.1): whether no key below k0 can give row k a z that P1 counts.
+ * Every such key lies d = pos - (k0 - 1) or more from the row, so its z is at most sb - a m_h d
+ * (sb: the row's bound on |s 2^-s|, A.qbound), which lies below the window's bottom e(bm -
+ * HB_WIN) with room for the bias's and the fma's roundings (relative 2^-22 at most; the margins
+ * are 10^-3). A row the pass does not work on has none to count; a row with a slope of 0, or
+ * with sb infinite (no bound), is never done. */
+__device__ __forceinline__ bool row_reached(const pf_lane &L, int k, float sb, int64_t k0, int bm) {
+    if (!L.on[k]) return true;
+    const int64_t d = L.pos[k] - (k0 - 1);
+    const float lo = hist_edge(bm - HB_WIN);
+    return L.am[k] > 0.f && d >= 0 &&
+           sb - L.am[k] * (float)d * 0.999f < lo - 1e-3f * (fabsf(lo) + sb);
+}
+
+/* P1: every row's max and histogram (rings: PF_ROWS rings of HB_SLOTS counts, on an HB_RING_ALIGN
+ * boundary; pw: HB_WIN + 1 floats of shared memory after them), then hist_finish. */
 template <typename T, int D, int NP>
 __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                           unsigned char *stages, unsigned *rings, float *pw) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const double beta = 1.0 / (A.alpha - 1.0);
-    for (int i = threadIdx.x; i < PF_ROWS * HB_RING; i += PF_THREADS) rings[i] = 0u;
+    for (int i = threadIdx.x; i < PF_ROWS * HB_SLOTS; i += PF_THREADS) rings[i] = 0u;
     for (int d = threadIdx.x; d <= HB_WIN; d += PF_THREADS) { /* rounded down: F stays below */
         const double x = (double)d / HB_SCALE;                /* exact */
         pw[d] = beta == 2.0   ? (float)(x * x)                /* exact (alpha 1.5) */
@@ -214,23 +250,41 @@ __device__ void pass_hist(const fused_args &A, const pf_lane &L, const uint32_t 
                               : __double2float_rd(pow(x, beta) * (1.0 - 1e-15));
     }
     __syncthreads();
-    unsigned *ring[2];
+    hist_ring ring[2];
 #pragma unroll
-    for (int k = 0; k < 2; k++) ring[k] = rings + (warp * 16 + (lane >> 2) + 8 * k) * HB_RING;
-    float run[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    for (int k = 0; k < 2; k++) {
+        ring[k].base = rings + (warp * 16 + (lane >> 2) + 8 * k) * HB_SLOTS;
+        ring[k].swz = lane >> 2;
+        ring[k].at =
+                (uint32_t)__cvta_generic_to_shared(ring[k].base) | (uint32_t)(ring[k].swz << 2);
+    }
+    float run[2] = {-CUDART_INF_F, -CUDART_INF_F}, sb[2];
     int bm[2] = {INT_MIN / 2, INT_MIN / 2};
+    for (int k = 0; k < 2; k++) sb[k] = A.qbound && L.on[k] ? A.qbound[L.row[k]] : CUDART_INF_F;
     int bad = 0;
     tile_marker marker;
-    sweep_z<T, D, NP, false>(A, L, qa, block_keys(A), stages, &bad,
-                             [&](int64_t k0, float(*s)[4], const unsigned char *) {
-                                 bool counted = false;
+    /* last_k0: the tile just used, where the warp has a live row (its use runs: sweep_z_tiles;
+     * a warp without one is done); swept: the tiles used, counted by every thread */
+    int64_t last_k0 = 0, swept = 0;
+    const int64_t nk = block_keys(A);
+    sweep_z<T, D, NP, false>(
+            A, L, qa, nk, stages, &bad,
+            [&](int64_t k0, float(*s)[4], const unsigned char *) {
+                bool counted = false;
 #pragma unroll
-                                 for (int k = 0; k < 2; k++)
-                                     counted |= hist_count_tile(s, k, L.on[k], ring[k], &run[k],
-                                                                &bm[k]);
-                                 marker.mark(A, k0, counted);
-                             });
+                for (int k = 0; k < 2; k++)
+                    counted |= hist_count_tile(s, k, L.on[k], ring[k], &run[k], &bm[k]);
+                marker.mark(A, k0, counted);
+                last_k0 = k0;
+            },
+            cp_async_until_of([&] {
+                swept++;
+                return !(row_reached(L, 0, sb[0], last_k0, bm[0]) &&
+                         row_reached(L, 1, sb[1], last_k0, bm[1]));
+            }));
     marker.flush(A);
+    if (threadIdx.x == 0 && swept < ekv_prefill_tiles(nk))
+        atomicAdd(A.rows + PF_UNREACHED_TILES, (unsigned long long)(ekv_prefill_tiles(nk) - swept));
     if (bad) atomicExch(A.bad, 1); /* |scale q.k| overflowed: the step fails (docs/math.md §6.2) */
     if (!__any_sync(0xffffffffu, L.on[0] || L.on[1])) return; /* sweep_z skipped this warp */
 #pragma unroll
@@ -262,6 +316,7 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
         off[k] = L.on[k] ? A.off[L.row[k]] : 0;
         room[k] = L.on[k] ? A.count[L.row[k]] : 0;
     }
+    float *stage = kept_stage<D, NP>(stages);
     int unused = 0; /* P1 checked every z */
     auto use = [&](int64_t k0, float(*s)[4], const unsigned char *) {
 #pragma unroll
@@ -275,7 +330,7 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
             int total;
             const int at = n[k] + quad_exclusive(__popc(m), &total);
             n[k] += total;
-            store_kept(A, m, at, room[k], off[k], k, k0, s);
+            store_kept(A, m, at, room[k], off[k], k, k0, s, stage);
         }
     };
     const int64_t nk = block_keys(A);
@@ -295,10 +350,11 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
         }
 }
 
-/* P1's stages and rings; P2 (HIST_LIST) counts nothing: its stages alone. */
+/* P1's stages, rings (aligned: the slack) and pw; P2 (HIST_LIST) its stages and kept_stage. */
 template <int D, int NP, int MODE> constexpr size_t hist_smem_bytes() {
     return fused_smem_bytes<D, NP, false>() +
-           (MODE == HIST_COUNT ? (size_t)PF_ROWS * HB_RING * 4 + (HB_WIN + 1) * 4 : 0);
+           (MODE == HIST_COUNT ? HB_RING_ALIGN + (size_t)PF_ROWS * HB_SLOTS * 4 + (HB_WIN + 1) * 4
+                               : PF_KEPT_BYTES);
 }
 
 /* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; as many blocks per SM as the
@@ -316,9 +372,10 @@ __global__ void __launch_bounds__(PF_THREADS, fused_min_blocks<PF_CANDS, NP>())
         pass_list<T, D, NP>(A, L, qa, smem_raw);
         return;
     }
-    unsigned *rings = reinterpret_cast<unsigned *>(smem_raw + fused_smem_bytes<D, NP, false>());
+    unsigned *rings = reinterpret_cast<unsigned *>(
+            smem_aligned<HB_RING_ALIGN>(smem_raw + fused_smem_bytes<D, NP, false>()));
     pass_hist<T, D, NP>(A, L, qa, smem_raw, rings,
-                        reinterpret_cast<float *>(rings + PF_ROWS * HB_RING));
+                        reinterpret_cast<float *>(rings + PF_ROWS * HB_SLOTS));
 }
 
 /* Row i (live: i < rows) onto its KV head's Newton list (the route's other rows): the list of

@@ -36,6 +36,8 @@ ekv_cuda_prefill_layout ekv_cuda_prefill_layout_of(const ekv_cuda_prefill *pf, i
     const int64_t mark_bytes =
             Hk * ekv_prefill_row_blocks(rows / Hk) * ekv_prefill_mark_words(pf->key_cap) * 4;
     L.marks = fused && pf->key_cap > 0 ? c.take(mark_bytes) : -1; /* the histogram scheme's */
+    L.kbound = fused ? c.take(Hk * 4) : -1;                       /* its ALiBi reach */
+    L.qbound = fused ? c.take(rows * 4) : -1;
     L.total = c.at;
     return L;
 }
@@ -64,4 +66,6 @@ void ekv_cuda_prefill_place(ekv_cuda_prefill *pf, const ekv_cuda_prefill_layout 
     pf->wcount = piece<int32_t>(base, L->wcount);
     pf->pool_used = piece<unsigned long long>(base, L->pool_used);
     pf->marks = piece<uint32_t>(base, L->marks);
+    pf->kbound = piece<float>(base, L->kbound);
+    pf->qbound = piece<float>(base, L->qbound);
 }
