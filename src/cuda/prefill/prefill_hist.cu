@@ -70,6 +70,12 @@ __device__ __forceinline__ uint32_t hist_slot_byte(float z) {
     return __float_as_uint(__fmaf_rd(z, 4.f * HB_SCALE, 12582912.f)) & ((HB_SLOTS - 1) << 2);
 }
 
+/* Whether a row whose max lies in bin bm is far enough from the clamp for its counts and edges
+ * (else its bins are not z's: the row takes the Newton passes, and P1 sweeps all its keys). */
+__device__ __forceinline__ bool hist_in_range(int bm) {
+    return bm > -HB_CLAMP + 2 * HB_SLOTS && bm < HB_CLAMP - 2 * HB_SLOTS;
+}
+
 __device__ __forceinline__ int quad_max_int(int v) {
     return ekv_quad_fold(v, [](int a, int b) { return max(a, b); });
 }
@@ -102,7 +108,7 @@ __device__ __forceinline__ bool hist_count_tile(const float (*s)[4], int k, bool
     const bool counts = __any_sync(0xffffffffu, on && mx >= lo);
     if (counts) {
         /* Every z is added to a slot: a z below the window (or masked, -inf) as max(z, g), in a
-         * bin from bm - HB_WIN - 4 - q to bm - HB_WIN - 1 (q: the lane's place in its quad, so
+         * bin from bm - HB_WIN - 1 - q to bm - HB_WIN - 1 (q: the lane's place in its quad, so
          * the quad's lanes add to four words there). Those bins are never read (hist_finish reads
          * from bm - 32 up) and their slots are zeroed before any bin read could take them: that
          * needs the max to rise at least HB_SLOTS - HB_WIN - 4 bins, and a rise zeroes the slots
@@ -213,7 +219,7 @@ __device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &
     int n = 0;
     for (int j = kb + q; j <= bm; j += 4) n += (int)ring.slot(j);
     n = ekv_quad_sum(n);
-    const bool safe = isfinite(M) && bm > -HB_CLAMP + 2 * HB_SLOTS && bm < HB_CLAMP - 2 * HB_SLOTS;
+    const bool safe = isfinite(M) && hist_in_range(bm);
     if (q == 0 && L.on[k]) {
         A.rowm[L.row[k]] = M;
         A.thr[L.row[k]] = safe ? hist_edge(kb) : -CUDART_INF_F; /* else Newton from M - 1 */
@@ -225,13 +231,14 @@ __device__ __forceinline__ void hist_finish(const fused_args &A, const pf_lane &
  * Every such key lies d = pos - (k0 - 1) or more from the row, so its z is at most sb - a m_h d
  * (sb: the row's bound on |s 2^-s|, A.qbound), which lies below the window's bottom e(bm -
  * HB_WIN) with room for the bias's and the fma's roundings (relative 2^-22 at most; the margins
- * are 10^-3). A row the pass does not work on has none to count; a row with a slope of 0, or
- * with sb infinite (no bound), is never done. */
+ * are 10^-3). A row the pass does not work on has none to count; a row with a slope of 0, with
+ * sb infinite (no bound) or with its max's bin clamped (its window's bottom is not below its
+ * max then, and the Newton passes trust P1's max) is never done. */
 __device__ __forceinline__ bool row_reached(const pf_lane &L, int k, float sb, int64_t k0, int bm) {
     if (!L.on[k]) return true;
     const int64_t d = L.pos[k] - (k0 - 1);
     const float lo = hist_edge(bm - HB_WIN);
-    return L.am[k] > 0.f && d >= 0 &&
+    return L.am[k] > 0.f && d >= 0 && hist_in_range(bm) &&
            sb - L.am[k] * (float)d * 0.999f < lo - 1e-3f * (fabsf(lo) + sb);
 }
 
