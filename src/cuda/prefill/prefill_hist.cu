@@ -8,7 +8,8 @@
  *      epilogue: the count bound (docs/math.md §9.1) over the bins' lower edges, a lower bound
  *      lb of tau on the grid (or M - 1), and n_lb, the count of the bins from lb's: exactly
  *      the number of z >= that edge. It marks the (row block, key tile) pairs where a row of
- *      a warp counted a z (tile_marker): P2's lists come from those tiles only.
+ *      a warp counted a z (tile_marker): P2's lists come from those tiles only. With ALiBi
+ *      slopes the sweep stops where no key left can reach a row's window (row_reached).
  *   route (a thread a row): rows with n_lb <= row_cap get a slice of the list pool by a prefix
  *      sum of n_lb (ROW_LIST), then the longer rows, in row order, take what the pool has left
  *      (one block); the others go to the Newton passes from lb (ROW_NEWTON, on the list
@@ -31,7 +32,7 @@ enum {
     HB_WIN = 33,        /* bins counted below the running max's: every z > M - 1 is counted */
     HB_CLAMP = 1 << 20, /* |bin| clamped here (edges exact in fp32, hist_slot_byte's range); rows
                            near it swept */
-    HB_RING_ALIGN = HB_SLOTS * 4, /* rings on this boundary: a slot's byte offset ORs in */
+    HB_RING_ALIGN = HB_SLOTS * 4, /* rings on this boundary: a slot's byte offset XORs in */
     HB_ROUTE_THREADS = 1024
 };
 enum { HIST_COUNT, HIST_LIST };
