@@ -440,7 +440,7 @@ template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_
 template <typename T, int D, int NP, int MODE>
 cudaError_t launch_pass(const fused_args &A, cudaStream_t s) {
     return launch_row_blocks<fused_kernel<T, D, NP, MODE>>(
-            A, fused_smem_bytes<D, NP, MODE == PF_OUT>() + (MODE == PF_CANDS ? PF_KEPT_BYTES : 0),
+            A, fused_smem_bytes<D, NP, MODE == PF_OUT>() + (MODE == PF_CANDS ? (size_t)PF_KEPT_BYTES : 0),
             s);
 }
 

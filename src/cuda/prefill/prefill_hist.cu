@@ -362,7 +362,7 @@ __device__ void pass_list(const fused_args &A, const pf_lane &L, const uint32_t 
 template <int D, int NP, int MODE> constexpr size_t hist_smem_bytes() {
     return fused_smem_bytes<D, NP, false>() +
            (MODE == HIST_COUNT ? HB_RING_ALIGN + (size_t)PF_ROWS * HB_SLOTS * 4 + (HB_WIN + 1) * 4
-                               : PF_KEPT_BYTES);
+                               : (size_t)PF_KEPT_BYTES);
 }
 
 /* P1 (every row) or P2 (the ROW_LIST rows) over a block's rows; as many blocks per SM as the
