@@ -79,7 +79,9 @@ template <typename T> __global__ void split_queries_kernel(prefill_args A) {
 enum { KEY_BOUND_THREADS = 256, KEY_BOUND_KEYS = 16 /* a warp's */ };
 /* kbound[g] = the largest |k| of KV head g (blockIdx.y) over the keys [0, nkeys), rounded up, or
  * +inf where one is not finite (no reach then: docs/math.md §12.1); kbound zeroed before. A warp
- * a key at a time; the block's largest by one atomic (non-negative floats order as their bits). */
+ * a key at a time; the block's largest by one atomic on the float's bits (non-negative floats
+ * order as their bits, so reduce.cuh's ekv_float_key, which orders negative ones too, is not
+ * needed and kbound stays a float the split reads directly). */
 template <typename T>
 __global__ void __launch_bounds__(KEY_BOUND_THREADS)
         key_bound_kernel(const T *k, int64_t kstride, int64_t D, int64_t nkeys, float *kbound) {

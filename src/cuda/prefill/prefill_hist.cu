@@ -62,7 +62,7 @@ struct hist_ring {
 /* The byte offset of a z's slot in a ring, 4 (b(z) mod HB_SLOTS), by one fma rounded down onto
  * 1.5 x 2^23: exactly 1.5 x 2^23 + floor(128 z) while |128 z| < 2^22, and floor(128 z) =
  * 4 floor(32 z) + r with r in 0..3, so its bits 2..7 are the bin's low bits (the float's low
- * bits are the integer's: its spacing there is 1). A z given here lies within HB_WIN + 5 bins of
+ * bits are the integer's: its spacing there is 1). A z given here lies within HB_WIN + 4 bins of
  * the running max's, so in range for every row that hist_finish keeps (|b(m)| < HB_CLAMP - 2
  * HB_SLOTS); a row counted out of range ends out of it too, or its max rises more than HB_SLOTS
  * bins after, which zeroes every slot. Not hist_bin's conversion: a quarter-rate instruction
