@@ -62,6 +62,10 @@ static void bench_help(FILE *f) {
             "  --overlap-launches -1|0|1  cuda: each kernel launched while the one before it\n"
             "                        runs (the plan's overlap_launches; default -1: where the\n"
             "                        GPU supports it)\n"
+            "  --select-part-pages N cuda topk/certified: pages of a list one block of the\n"
+            "                        top-k select ranks; a longer list is ranked by several\n"
+            "                        blocks of one cooperative launch (the plan's\n"
+            "                        select_part_pages; default 0 = 2048)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -114,6 +118,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         o->fused_attend = (int32_t)cli_need_int("bench", argc, argv, i, 0, 1);
     else if (!strcmp(a, "--overlap-launches"))
         o->overlap_launches = (int32_t)cli_need_int("bench", argc, argv, i, -1, 1);
+    else if (!strcmp(a, "--select-part-pages"))
+        o->select_part_pages = cli_need_int("bench", argc, argv, i, 0, INT64_MAX);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         if (o->nlens == 64) cli_usage_error("bench", "--len: at most 64 lengths in all");

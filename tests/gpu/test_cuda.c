@@ -1144,6 +1144,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     pp.fused_attend = 1; /* dense through the fused attend where it applies (fused_expected) */
     /* every other case's launches overlapped (common/overlap.cuh): the same checks hold */
     pp.overlap_launches = (int32_t)(g_cases_run % 2);
+    /* every third case's top-k lists ranked by several blocks (select/select_parts.cuh) */
+    pp.select_part_pages = g_cases_run % 3 == 1 ? 5 : 0;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     if (!plan) goto out;
@@ -1683,6 +1685,7 @@ static void graph_test(ekv_context *ctx, int method, int overlap) {
     pp.stream = st;
     pp.fused_attend = method == 3;
     pp.overlap_launches = overlap;
+    pp.select_part_pages = 9; /* topk and certified: the split select's cooperative launch */
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
     const int64_t nq = (int64_t)B * H * D;
@@ -1766,6 +1769,148 @@ static void graph_test(ekv_context *ctx, int method, int overlap) {
     ekv_cache_free(cache);
 }
 
+/* One decode step of `plan` (topk, or certified with or without a hint); its lists
+ * ([B*Hk][maxP]), round counts and output into the arrays given. */
+static void split_select_step(ekv_context *ctx, ekv_cuda_plan *plan, const mirror *m,
+                              const ekv_decode_params *prm, const ekv_select_params *sp, int B,
+                              const float *dq, float *dout, int64_t nq, int32_t *lists, int32_t *r1,
+                              int32_t *r2, float *out) {
+    const int certified = sp->method == EKV_SELECT_CERTIFIED;
+    ekv_status s = certified ? ekv_cuda_decode_certified(plan, prm, sp, &m->dkv, &m->dst, &m->dtab,
+                                                         dq, dout)
+                             : ekv_cuda_decode(plan, prm, sp, &m->dkv, &m->dst, &m->dtab, dq, dout);
+    CHECK(s == EKV_OK, "split select step: %s", ekv_last_error(ctx));
+    ekv_cuda_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.list_pages = lists;
+    rep.pages_round1 = r1;
+    rep.pages_round2 = r2;
+    CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+    CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+}
+
+/* The split top-k select (select/select_parts.cuh; ekv_cuda_plan_params.select_part_pages): a
+ * list ranked by several blocks of one cooperative launch writes the same list as one block
+ * (ties at the k-th bound taken in page order across parts), certified's round 2 in parts the
+ * same pages, and the step the same output. Sequences of 1, 3000 and 20011 tokens
+ * whose middle pages repeat one page's keys (so thousands of bounds are equal and the k-th falls
+ * among them), budgets below, among and above the ties, a share of each sequence, certified (sink
+ * and recent pages, round 2) and certified with a hint (no ranking, only the hint's pages); parts
+ * of 7 pages (parts end inside tiles), 300, and the default. */
+static void split_select_test(ekv_context *ctx) {
+    test_rng r = {4242};
+    const int D = 64, Hk = 2, G = 3, H = Hk * G, ps = 16, B = 3;
+    const int64_t len[3] = {1, 3000, 20011}, maxP = (20011 + ps - 1) / ps + 1;
+    ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, B, B * maxP);
+    ekv_cache *cache = NULL;
+    CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
+    float *dir = malloc(sizeof(float) * D);
+    for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
+    float *k = malloc(sizeof(float) * 20011 * Hk * D), *v = malloc(sizeof(float) * 20011 * Hk * D);
+    int32_t seqs[3];
+    for (int b = 0; b < B; b++) {
+        ekv_cache_seq_new(cache, &seqs[b]);
+        make_kv(&r, k, v, len[b], Hk, D, dir);
+        for (int64_t t = 32 * ps; t < len[b] * 3 / 4; t++) /* pages 32.. repeat page 31's keys */
+            memcpy(k + t * Hk * D, k + (31 * ps + t % ps) * Hk * D, sizeof(float) * Hk * D);
+        CHECK(ekv_cache_append(cache, seqs[b], len[b], k, v, EKV_DTYPE_F32) == EKV_OK, "append");
+    }
+    mirror m;
+    memset(&m, 0, sizeof m);
+    mirror_build(&m, cache, seqs, B, B * maxP, 0);
+    const int64_t nq = (int64_t)B * H * D, parts[4] = {INT64_C(1) << 40, 7, 300, 0};
+    ekv_cuda_plan *plans[4] = {NULL, NULL, NULL, NULL};
+    for (int i = 0; i < 4; i++) {
+        ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+        pp.max_batch = B;
+        pp.num_heads = H;
+        pp.num_kv_heads = Hk;
+        pp.head_dim = D;
+        pp.page_size = ps;
+        pp.max_pages_per_seq = maxP;
+        pp.select_part_pages = parts[i];
+        CHECK(ekv_cuda_plan_create(ctx, &pp, &plans[i]) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+    }
+    float *q = malloc(sizeof(float) * nq);
+    for (int64_t i = 0; i < nq; i++) q[i] = (float)test_normal(&r);
+    double *hint = malloc(sizeof(double) * B * H);
+    for (int64_t i = 0; i < (int64_t)B * H; i++) hint[i] = 0.5 + 0.1 * (double)(i % 3);
+    float *dq = dev_copy(q, sizeof(float) * nq), *dout = dev_copy(NULL, sizeof(float) * nq);
+    double *dhint = dev_copy(hint, sizeof(double) * B * H);
+    const int64_t nl = (int64_t)B * Hk;
+    int32_t *lists[2], *r1[2], *r2[2];
+    float *out[2];
+    for (int i = 0; i < 2; i++) {
+        lists[i] = calloc((size_t)(nl * maxP), sizeof(int32_t));
+        r1[i] = calloc((size_t)nl, sizeof(int32_t));
+        r2[i] = calloc((size_t)nl, sizeof(int32_t));
+        out[i] = malloc(sizeof(float) * nq);
+    }
+    ekv_decode_params prm = ekv_decode_default_params();
+    prm.num_heads = H;
+    const int64_t budgets[] = {64 * ps, 600 * ps, 1100 * ps, 1 << 20, 0};
+    int steps = 0, round2_lists = 0;
+    for (int bi = 0; bi < 5; bi++)
+        for (int meth = 0; meth < 3; meth++) {
+            if (meth && bi > 1) continue; /* certified: two budgets */
+            ekv_select_params sp = ekv_select_default_params();
+            sp.method = meth ? EKV_SELECT_CERTIFIED : EKV_SELECT_TOPK;
+            sp.budget_tokens = budgets[bi];
+            sp.budget_fraction = bi == 4 ? 0.3 : 0.0;
+            sp.sink_pages = meth ? 2 : 0;
+            sp.recent_pages = meth ? 3 : 0;
+            sp.tau_hint = meth == 2 ? dhint : NULL;
+            split_select_step(ctx, plans[0], &m, &prm, &sp, B, dq, dout, nq, lists[0], r1[0], r2[0],
+                              out[0]);
+            for (int i = 1; i < 4; i++) {
+                split_select_step(ctx, plans[i], &m, &prm, &sp, B, dq, dout, nq, lists[1], r1[1],
+                                  r2[1], out[1]);
+                for (int64_t l = 0; l < nl; l++) {
+                    CHECK(r1[0][l] == r1[1][l] && r2[0][l] == r2[1][l],
+                          "split select (parts of %lld, method %d, budget %d): list %lld has "
+                          "%d + %d pages, one block %d + %d",
+                          (long long)parts[i], meth, bi, (long long)l, r1[1][l], r2[1][l], r1[0][l],
+                          r2[0][l]);
+                    const int64_t n = r1[0][l] + r2[0][l];
+                    CHECK(n <= maxP && !memcmp(lists[0] + l * maxP, lists[1] + l * maxP,
+                                               sizeof(int32_t) * (size_t)(n <= maxP ? n : 0)),
+                          "split select (parts of %lld, method %d, budget %d): list %lld differs",
+                          (long long)parts[i], meth, bi, (long long)l);
+                }
+                /* the same lists; the step's sums may differ in their last bits from plan to
+                 * plan (its atomics), not more */
+                const double e = test_head_rel_err(out[1], out[0], (int64_t)B * H, D, 1e-6);
+                CHECK(e < 1e-6,
+                      "split select (parts of %lld, method %d, budget %d): output rel err %.3g",
+                      (long long)parts[i], meth, bi, e);
+                steps++;
+            }
+            for (int64_t l = 0; l < nl; l++) round2_lists += r2[0][l] > 0;
+        }
+    /* certified's round 2 (parted as the top-k) must have had pages to write */
+    CHECK(round2_lists > 0, "split select: no certified list needed round 2");
+    printf("split top-k select: %d steps equal to one block's lists and output (%d lists with "
+           "round 2 pages)\n",
+           steps, round2_lists);
+    for (int i = 0; i < 4; i++) ekv_cuda_plan_free(plans[i]);
+    for (int i = 0; i < 2; i++) {
+        free(lists[i]);
+        free(r1[i]);
+        free(r2[i]);
+        free(out[i]);
+    }
+    mirror_free(&m);
+    cudaFree(dq);
+    cudaFree(dout);
+    cudaFree(dhint);
+    free(q);
+    free(hint);
+    free(k);
+    free(v);
+    free(dir);
+    ekv_cache_free(cache);
+}
+
 /* A 0/1 field of pp (at flag) set to 2: the plan is refused with EKV_ERR_INVALID_ARGUMENT and a
  * message naming it; the field is restored. */
 static void flag_refused(ekv_context *ctx, ekv_cuda_plan_params *pp, int32_t *flag,
@@ -1794,6 +1939,11 @@ static void invalid_test(ekv_context *ctx) {
                   strstr(ekv_last_error(ctx), "screen_list_bytes"),
           "screen_list_bytes -1");
     pp.screen_list_bytes = 0;
+    pp.select_part_pages = -1;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan &&
+                  strstr(ekv_last_error(ctx), "select_part_pages"),
+          "select_part_pages -1");
+    pp.select_part_pages = 0;
     flag_refused(ctx, &pp, &pp.fused_attend, "fused_attend");
     flag_refused(ctx, &pp, &pp.overlap_launches, "overlap_launches");
     flag_refused(ctx, &pp, &pp.tensor_cores, "tensor_cores");
@@ -2589,6 +2739,7 @@ int main(void) {
     step_splits_test(ctx);
     flat_support_test(ctx);
     fused_near_test(ctx);
+    split_select_test(ctx);
     scores_precision_test(ctx);
     /* the screen on tensor cores: bounds, then GQA workloads (a few of each under memcheck's
      * shorter tables) */

@@ -95,6 +95,7 @@ ekv_cuda_plan_params cuda_plan_params(const bench_opts *o, const cuda_len *c) {
     pp.tensor_cores = o->tensor_cores;
     pp.fused_attend = o->fused_attend;
     pp.overlap_launches = o->overlap_launches;
+    pp.select_part_pages = o->select_part_pages;
     return pp;
 }
 

@@ -1,7 +1,8 @@
 /*
  * A barrier among n blocks of one cooperative launch (docs/architecture.md, "The fused dense
- * attend"): the fused attend kernel's blocks of one (sequence, KV head) meet here between its
- * phases, without the whole grid (other groups run their own rounds). A cooperative launch
+ * attend" and "The split top-k select"): the fused attend kernel's blocks of one (sequence, KV
+ * head), or the split select's parts of one list, meet here between their phases, without the
+ * whole grid (other groups run their own rounds). A cooperative launch
  * makes every block resident, so a spinning block never waits on one that cannot start.
  * bar[0] counts arrivals and bar[1] is the generation; both start at zero (the plan clears
  * them) and the count is zero again after every barrier.

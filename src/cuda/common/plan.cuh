@@ -123,6 +123,16 @@ struct ekv_cuda_plan {
     /* and its first round's near lists, [rows][EKV_CUDA_FUSED_NEAR_CAP], and their counts */
     float *fused_near;
     uint32_t *fused_near_count;
+    /* the split top-k select (select/select_parts.cuh): a long list ranked by several blocks of
+     * one cooperative launch, at most sel_blocks blocks (the resident ones) over at most
+     * sel_blocks / 2 lists; per list its barrier [2] and digit histograms
+     * [EKV_CUDA_SEL_DIGITS][256] (both zero between launches), per block its histogram of the
+     * last digit [256] and its count of pages taken */
+    int32_t sel_blocks;
+    unsigned *sel_bar;
+    int32_t *sel_hist;
+    int32_t *sel_last;
+    int32_t *sel_count;
     int64_t bytes;
     int32_t launches; /* of the last step                                            */
     int32_t last_batch;
@@ -165,6 +175,10 @@ inline void ekv_cuda_set_shape(Args &a, const ekv_cuda_plan *pl, const ekv_page_
     s.cap_pages = pl->cap_pages;
     s.cap_tokens = pl->cap_tokens;
 }
+
+/* The most lists a split top-k launch ranks with several blocks each (two blocks a list or
+ * more within the plan's sel_blocks): the pitch of its barriers and digit histograms. */
+inline int64_t ekv_sel_lists(const ekv_cuda_plan *pl) { return pl->sel_blocks / 2; }
 
 /* Row `row` (EKV_SCR_*) of the plan's screen counters. */
 inline uint32_t *ekv_scr_row(const ekv_cuda_plan *pl, int row) {

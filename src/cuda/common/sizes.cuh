@@ -2,7 +2,7 @@
  * The CUDA backend's fixed sizes: the threads of most blocks, the default length of a tau
  * candidate list, the largest GQA group and head dim the kernels compile for, the screen's
  * retry grid and tau(l)'s short list, the bins of tau's count bound, the screen's row chunks and
- * the fused attend's shapes.
+ * the fused attend's shapes, the select kernels' blocks and the split top-k's digits.
  */
 #pragma once
 
@@ -19,4 +19,13 @@ enum {
     EKV_CUDA_FUSED_GROUP = 8,  /* and query heads a KV head (stages/attend_fused.cu)        */
     EKV_CUDA_FUSED_PER_SM = 2, /* its blocks per SM at most: short barriers, one wave       */
     EKV_CUDA_FUSED_NEAR_CAP = 2048 /* its first round's scores near tau listed per row     */
+};
+
+/* The select kernels (select/select.cu) and the split top-k (select/select_parts.cuh). */
+enum {
+    EKV_CUDA_SEL_THREADS = 1024,    /* threads of a select block                           */
+    EKV_CUDA_SEL_BLOCKS_PER_SM = 2, /* of them resident at most (2048 threads an SM; each
+                                       kernel's occupancy decides, select/select.cu)     */
+    EKV_CUDA_SEL_DIGITS = 4,        /* radix digits of 8 bits of the fp32 ranking keys     */
+    EKV_CUDA_SEL_PART_PAGES = 2048  /* default pages of a list one top-k block ranks       */
 };

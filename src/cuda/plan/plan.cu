@@ -42,12 +42,13 @@ typedef struct {
     int64_t bytes;
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 51 };
+enum { PLAN_BUFFERS = 55 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
                   ns = pl->split_cap;
     const int64_t BH = B * H, BHk = B * Hk, P = pl->cap_pages, C = pl->cand_cap;
+    const int64_t sel_lists = ekv_sel_lists(pl);
     const plan_buffer t[] = {
             {(void **)&pl->scores, BH * pl->cap_tokens * (int64_t)sizeof(float)},
             {(void **)&pl->split_max, BH * 2 * ns * (int64_t)sizeof(float)},
@@ -104,6 +105,11 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
                                                EKV_CUDA_FUSED_NEAR_CAP * (int64_t)sizeof(float)},
             {(void **)&pl->fused_near_count,
              EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->sel_bar, sel_lists * 2 * (int64_t)sizeof(unsigned)},
+            {(void **)&pl->sel_hist,
+             sel_lists * EKV_CUDA_SEL_DIGITS * 256 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sel_last, pl->sel_blocks * 256 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sel_count, pl->sel_blocks * (int64_t)sizeof(int32_t)},
     };
     static_assert(sizeof t / sizeof t[0] == PLAN_BUFFERS, "PLAN_BUFFERS counts the table");
     memcpy(b, t, sizeof t);
@@ -147,6 +153,10 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "screen_list_bytes=%lld must be >= 0 (0 = the default)",
                         (long long)p->screen_list_bytes);
+    if (p->select_part_pages < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "select_part_pages=%lld must be >= 0 (0 = the default)",
+                        (long long)p->select_part_pages);
     if (p->tensor_cores != 0 && p->tensor_cores != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
                         p->tensor_cores);
@@ -248,6 +258,7 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
     pl->short_cap = pl->scap < EKV_SCREEN_SOLVE_MAX ? pl->scap : (int64_t)EKV_SCREEN_SOLVE_MAX;
     pl->cap_words = (pl->cap_tokens + 31) / 32;
     pl->row_chunks = (pl->cap_words + EKV_CUDA_ROW_CHUNK_WORDS - 1) / EKV_CUDA_ROW_CHUNK_WORDS;
+    pl->sel_blocks = EKV_CUDA_SEL_BLOCKS_PER_SM * sms;
 }
 
 namespace {
@@ -360,6 +371,13 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
         e = cudaMemsetAsync(pl->refine_count, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
     if (e == cudaSuccess) /* the fused attend's barriers (stages/attend_fused.cu) */
         e = cudaMemsetAsync(pl->fused_bar, 0, 2 * EKV_CUDA_FUSED_GROUPS * sizeof(unsigned),
+                            pl->stream);
+    if (e == cudaSuccess) /* the split top-k's barriers and histograms (select/select_parts.cuh) */
+        e = cudaMemsetAsync(pl->sel_bar, 0, (size_t)ekv_sel_lists(pl) * 2 * sizeof(unsigned),
+                            pl->stream);
+    if (e == cudaSuccess)
+        e = cudaMemsetAsync(pl->sel_hist, 0,
+                            (size_t)ekv_sel_lists(pl) * EKV_CUDA_SEL_DIGITS * 256 * sizeof(int32_t),
                             pl->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
     if (e != cudaSuccess) {

@@ -22,6 +22,7 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.screen_list_bytes = 0; /* SCREEN_LIST_BYTES (plan.cu)  */
     p.fused_attend = 0; /* measured slower than the launches it replaces (bench/RESULTS.md) */
     p.overlap_launches = -1; /* where supported: measured faster (bench/RESULTS.md) */
+    p.select_part_pages = 0; /* EKV_CUDA_SEL_PART_PAGES (src/cuda/common/sizes.cuh) */
     return p;
 }
 

@@ -45,6 +45,17 @@ __device__ __forceinline__ void ekv_compact_tile(const bool *take, int64_t lo, i
     *written += tile_taken;
 }
 
+/* ekv_compact_tile's count alone: *written advances by the tile's pages taken (take[u] false
+ * past the end), nothing is written (a part's count before its pages, select_parts.cuh). */
+template <int UNROLL>
+__device__ __forceinline__ void ekv_count_tile(const bool *take, int *written, int *wsum) {
+    int cnt = 0, tile_taken;
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) cnt += take[u];
+    ekv_block_exclusive_scan(cnt, wsum, &tile_taken);
+    *written += tile_taken;
+}
+
 /* Closes a round-1 page list of `written` pages: the last page (P - 1) is always read and
  * always last. One thread. */
 __device__ __forceinline__ void ekv_close_list(int32_t *out, uint8_t *in, int written, int64_t P,

@@ -1,28 +1,33 @@
 /*
- * select stage on the GPU (mirrors src/cpu/select/select.c and src/cpu/methods/certified.c): page lists are
- * written on the device, with no host round trip, into buffers sized at plan time.
- *   topk:   one block per (sequence, KV head). The k-th largest bound is found by a radix
- *           select over the fp32 bit patterns (4 passes of 8 bits, histograms in shared
- *           memory), then one ordered compaction writes the pages above it (ties at the k-th
- *           value: the lowest page numbers), the sink/recent pages and the last page. The
- *           list is in ascending page order (the CPU lists are in bound order: same sets).
- *           With per_query_head, one block per query head ranks by that head's own bounds.
+ * select stage on the GPU (mirrors src/cpu/select/select.c and src/cpu/methods/certified.c):
+ * page lists are written on the device, with no host round trip, into buffers sized at plan
+ * time.
+ *   topk:   one block per part of a (sequence, KV head) list: a long list is cut into parts
+ *           ranked together by the blocks of one cooperative launch (select_parts.cuh,
+ *           docs/architecture.md "The split top-k select"). The k-th largest bound is found by
+ *           a radix select over the fp32 bit patterns (4 passes of 8 bits, histograms in
+ *           shared memory, summed over the parts), then an ordered compaction writes the pages
+ *           above it (ties at the k-th value: the lowest page numbers), the sink/recent pages
+ *           and the last page. The list is in ascending page order (the CPU lists are in bound
+ *           order: same sets). With per_query_head, the lists are per query head, each ranked
+ *           by that head's own bounds.
  *   union:  per_query_head: the heads' lists merged per KV head, with a head mask per entry.
  *   round2: certified decode, docs/math.md §9.3: appends every page outside round 1 whose bound
- *           exceeds round 1's tau for some query head of the group.
+ *           exceeds round 1's tau for some query head of the group (in parts as topk).
  */
 #include "../common/launch.cuh"
 #include "lists.cuh"
 #include "../common/plan.cuh"
 #include "../common/reduce.cuh"
 #include "select.cuh"
+#include "select_parts.cuh"
 #include "../common/splits.cuh"
 #include "../../core/geometry.h"
 #include "../../math/shard_select.h"
 
 namespace {
 
-enum { SEL_THREADS = 1024, SEL_UNROLL = 8 };
+enum { SEL_THREADS = EKV_CUDA_SEL_THREADS, SEL_UNROLL = 8 };
 static_assert(SEL_THREADS % 32 == 0, "digit_histogram's warp tiles cover whole warps");
 
 /* the bounds' order as integers, -0 as +0 (the CPU's tie rule; src/math/shard_select.h) */
@@ -46,6 +51,7 @@ struct topk_args : ekv_cuda_shape {
     int sink, recent;
     const float *keys; /* [lists][cap_pages]: the group's max, or each head's own bounds */
     ekv_cuda_lists out;
+    ekv_sel_parts parts; /* the blocks of a list (select_parts.cuh) */
 };
 
 /* The histogram of digit (key >> shift) & 0xFF over the keys matching prefix under mask, into
@@ -102,66 +108,111 @@ __device__ __forceinline__ void pick_digit(const int *hist, int remaining, uint3
     }
 }
 
+/* What decides whether page p of a top-k list is taken (topk_kernel): the k-th key `prefix`
+ * and the ties at it still to take, or no ranking (take_all, or certified's hint), plus the
+ * sink, recent and hinted pages. */
+struct topk_rule {
+    uint32_t prefix;
+    int remaining;
+    bool ranked, take_all;
+    int64_t P, h0;
+};
+
+/* take[] of one tile: this thread's SEL_UNROLL consecutive pages from lo (those >= hi are not
+ * the part's). *ties_seen counts the ties at the k-th key in page order before the tile (the
+ * first `remaining` are taken) and advances by the tile's. Block-wide (one scan). */
+__device__ __forceinline__ void topk_tile(const topk_args &A, const float *key, const topk_rule &r,
+                                          int64_t lo, int64_t hi, int *ties_seen, int *wsum,
+                                          bool *take) {
+    uint32_t kk[SEL_UNROLL];
+    int nties = 0;
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; u++) {
+        kk[u] = lo + u < hi && r.ranked ? order_key(key[lo + u]) : 0u;
+        nties += lo + u < hi && r.ranked && kk[u] == r.prefix;
+    }
+    int tile_ties;
+    int tie_i = *ties_seen + ekv_block_exclusive_scan(nties, wsum, &tile_ties);
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; u++) {
+        const int64_t p = lo + u;
+        bool t = p < hi && (r.take_all || p < A.sink || p >= r.P - 1 - A.recent);
+        if (p < hi && r.ranked)
+            t |= kk[u] > r.prefix || (kk[u] == r.prefix && tie_i++ < r.remaining);
+        if (p < hi && A.hint && !t) t = page_exceeds(A, A.bounds, A.hint, r.h0, A.out.lh, p);
+        take[u] = t;
+    }
+    *ties_seen += tile_ties;
+}
+
+/* The ordered compaction of part pt (tiles of SEL_THREADS x SEL_UNROLL pages, each thread
+ * SEL_UNROLL consecutive ones): the pages taken go to out[*written ...] in page order and
+ * in[] records every page's membership; with out NULL they are only counted into *written. */
+__device__ __forceinline__ void topk_compact(const topk_args &A, const float *key,
+                                             const topk_rule &r, const ekv_sel_part &pt,
+                                             int ties_seen, int32_t *out, uint8_t *in, int *written,
+                                             int *wsum) {
+    for (int64_t t0 = pt.p0; t0 < pt.p1; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
+        bool take[SEL_UNROLL];
+        topk_tile(A, key, r, lo, pt.p1, &ties_seen, wsum, take);
+        if (out)
+            ekv_compact_tile<SEL_UNROLL>(take, lo, pt.p1, out, in, written, wsum);
+        else
+            ekv_count_tile<SEL_UNROLL>(take, written, wsum);
+    }
+}
+
+/* One block per part of a (sequence, list) (select_parts.cuh; one part = one block per list).
+ * The k-th largest key is found by a radix select over the fp32 bit patterns (a digit of 8
+ * bits a pass, the parts' histograms summed), then each part compacts its pages in order. */
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     ekv_grid_begin();
-    __shared__ int hist[256];
-    __shared__ int wsum[32];
+    __shared__ int hist[256], sum[256];
+    __shared__ int wsum[32], s_parts[2];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
-    const int row = blockIdx.x, b = row / A.out.lps;
-    const int64_t h0 = (int64_t)b * A.H + (row % A.out.lps) * A.out.lh; /* the list's heads */
+    const int row = blockIdx.x / A.parts.splits, b = row / A.out.lps;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = sg.P - 1; /* scored pages */
+    const ekv_sel_part pt = ekv_sel_part_of(A.parts, n);
+    if (pt.s >= pt.n) return; /* the list has fewer parts than the launch's splits */
     const int64_t budget = ekv_seq_budget_tokens(A.budget_fraction, A.budget_tokens, sg.N);
     int64_t k = ekv_topk_page_count(budget, A.ps, n);
     if (A.hint) k = 0; /* no ranking: the hint picks the pages */
     const float *key = A.keys + (int64_t)row * A.cap_pages;
-    uint32_t prefix = 0, mask = 0;
-    int remaining = (int)k;
-    if (k > 0 && k < n) {
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            digit_histogram(key, n, shift, mask, prefix, hist);
+    topk_rule r;
+    r.prefix = 0;
+    r.remaining = (int)k;
+    r.take_all = k >= n && !A.hint;
+    r.ranked = !r.take_all && k > 0;
+    r.P = sg.P;
+    r.h0 = (int64_t)b * A.H + (row % A.out.lps) * A.out.lh; /* the list's heads */
+    uint32_t mask = 0;
+    if (r.ranked) {
+        for (int digit = 0; digit < EKV_CUDA_SEL_DIGITS; digit++) {
+            const int shift = 24 - 8 * digit;
+            digit_histogram(key + pt.p0, pt.p1 - pt.p0, shift, mask, r.prefix, hist);
+            const int *h = ekv_sel_digit_sum(A.parts, pt, digit, hist, sum);
             if (threadIdx.x < 32)
-                pick_digit(hist, remaining, prefix, shift, &s_prefix, &s_remaining);
+                pick_digit(h, r.remaining, r.prefix, shift, &s_prefix, &s_remaining);
             __syncthreads();
-            prefix = s_prefix;
-            remaining = s_remaining;
+            r.prefix = s_prefix;
+            r.remaining = s_remaining;
             mask |= 0xFFu << shift;
             __syncthreads();
         }
     }
-    /* ordered compaction: key > T, the first `remaining` keys == T (in page order), sink and
-     * recent pages. Tiles of SEL_THREADS x SEL_UNROLL pages, each thread SEL_UNROLL consecutive
-     * ones, two block scans per tile (ties, then pages taken) keep the page order. */
-    const bool take_all = k >= n && !A.hint;
-    const bool ranked = !take_all && k > 0;
+    const int ties = r.ranked ? ekv_sel_ties_before(A.parts, pt, r.prefix & 0xFFu, s_parts) : 0;
+    int mine = 0, total;
+    if (pt.n > 1) topk_compact(A, key, r, pt, ties, nullptr, nullptr, &mine, wsum);
+    int written = ekv_sel_part_offset(A.parts, pt, mine, &total, s_parts);
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
-    int written = 0, ties_seen = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
-        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
-        uint32_t kk[SEL_UNROLL];
-        int nties = 0;
-#pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++) {
-            kk[u] = lo + u < n && ranked ? order_key(key[lo + u]) : 0u;
-            nties += lo + u < n && ranked && kk[u] == prefix;
-        }
-        int tile_ties;
-        int tie_i = ties_seen + ekv_block_exclusive_scan(nties, wsum, &tile_ties);
-        bool take[SEL_UNROLL];
-#pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++) {
-            const int64_t p = lo + u;
-            bool t = p < n && (take_all || p < A.sink || p >= sg.P - 1 - A.recent);
-            if (p < n && ranked) t |= kk[u] > prefix || (kk[u] == prefix && tie_i++ < remaining);
-            if (p < n && A.hint && !t) t = page_exceeds(A, A.bounds, A.hint, h0, A.out.lh, p);
-            take[u] = t;
-        }
-        ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, in, &written, wsum);
-        ties_seen += tile_ties;
-    }
-    if (threadIdx.x == 0) ekv_close_list(out, in, written, sg.P, A.out.count, row);
+    topk_compact(A, key, r, pt, ties, out, in, &written, wsum);
+    if (pt.n == 1) total = written;
+    if (pt.s == pt.n - 1 && threadIdx.x == 0)
+        ekv_close_list(out, in, total, sg.P, A.out.count, row);
 }
 
 /* per_query_head: the union per KV head of its query heads' lists (each head's membership
@@ -209,34 +260,51 @@ struct round2_args : ekv_cuda_shape {
     const float *bounds; /* [B*H][cap_pages] */
     const double *tau;   /* [B*H] round 1 */
     ekv_cuda_lists out;  /* the KV heads' lists: round 2 appended after round 1 */
+    ekv_sel_parts parts; /* the blocks of a list (select_parts.cuh) */
 };
 
-/* The pages of round 2 in page order after round 1's c1 entries. A thread takes SEL_UNROLL
- * consecutive pages a tile, their loads in flight together, as the top-k compaction does (a
- * thread's own run of n / 1024 pages, read twice by a dependent loop, took 34 us of 16K pages
- * on the model's trace at 256K, bench/RESULTS.md). in[] is round 1's membership: left as it is. */
+/* Round 2's pages of part pt in page order: to out[*written ...], or with out NULL only
+ * counted into *written. A thread takes SEL_UNROLL consecutive pages a tile, their loads in
+ * flight together, as the top-k compaction does (a thread's own run of n / 1024 pages, read
+ * twice by a dependent loop, took 34 us of 16K pages on the model's trace at 256K,
+ * bench/RESULTS.md). in[] is round 1's membership: left as it is. */
+__device__ __forceinline__ void round2_compact(const round2_args &A, const ekv_sel_part &pt,
+                                               const uint8_t *in, int64_t h0, int32_t *out,
+                                               int *written, int *wsum) {
+    for (int64_t t0 = pt.p0; t0 < pt.p1; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
+        bool take[SEL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++) take[u] = lo + u < pt.p1 && !in[lo + u];
+#pragma unroll
+        for (int u = 0; u < SEL_UNROLL; u++)
+            take[u] = take[u] && page_exceeds(A, A.bounds, A.tau, h0, A.G, lo + u);
+        if (out)
+            ekv_compact_tile<SEL_UNROLL>(take, lo, pt.p1, out, nullptr, written, wsum);
+        else
+            ekv_count_tile<SEL_UNROLL>(take, written, wsum);
+    }
+}
+
+/* The pages of round 2 after round 1's c1 entries, one block per part of a list
+ * (select_parts.cuh): each part counts its pages, then writes them after the parts before it. */
 __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     ekv_grid_begin();
-    __shared__ int wsum[32];
-    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    __shared__ int wsum[32], s_parts[2];
+    const int row = blockIdx.x / A.parts.splits, b = row / A.Hk, kvh = row % A.Hk;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t n = sg.P - 1;
+    const ekv_sel_part pt = ekv_sel_part_of(A.parts, sg.P - 1);
+    if (pt.s >= pt.n) return; /* the list has fewer parts than the launch's splits */
     const int64_t c1 = A.out.count[2 * row];
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages + c1;
     const uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
     const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
-    int written = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
-        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
-        bool take[SEL_UNROLL];
-#pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++) take[u] = lo + u < n && !in[lo + u];
-#pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++)
-            take[u] = take[u] && page_exceeds(A, A.bounds, A.tau, h0, A.G, lo + u);
-        ekv_compact_tile<SEL_UNROLL>(take, lo, n, out, nullptr, &written, wsum);
-    }
-    if (threadIdx.x == 0) A.out.count[2 * row + 1] = (int32_t)(c1 + written);
+    int mine = 0, total;
+    if (pt.n > 1) round2_compact(A, pt, in, h0, nullptr, &mine, wsum);
+    int written = ekv_sel_part_offset(A.parts, pt, mine, &total, s_parts);
+    round2_compact(A, pt, in, h0, out, &written, wsum);
+    if (pt.n == 1) total = written;
+    if (pt.s == pt.n - 1 && threadIdx.x == 0) A.out.count[2 * row + 1] = (int32_t)(c1 + total);
 }
 
 } // namespace
@@ -260,6 +328,62 @@ static ekv_status launch_lists(ekv_cuda_plan *pl, void (*kernel)(Args), int batc
     return ekv_cuda_launch(pl, kernel, batch * A.out.lps, SEL_THREADS, 0, A);
 }
 
+/* The blocks a list of a parted select kernel for `lists` lists (select_parts.cuh): as many as
+ * the GPU holds at once over the lists, no more than the plan's longest list has parts; 1 (one
+ * block a list, a plain launch) without cooperative launches or with too many lists to split.
+ * Kernel's resident blocks an SM are asked once per instance. */
+template <auto Kernel> static ekv_sel_parts sel_parts_of(ekv_cuda_plan *pl, int lists) {
+    ekv_sel_parts X;
+    X.bar = pl->sel_bar;
+    X.hist = pl->sel_hist;
+    X.last = pl->sel_last;
+    X.count = pl->sel_count;
+    X.part_pages = pl->p.select_part_pages > 0 ? pl->p.select_part_pages
+                                               : (int64_t)EKV_CUDA_SEL_PART_PAGES;
+    X.splits = 1;
+    static int per_sm = 0;
+    if (!per_sm && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, SEL_THREADS,
+                                                                  0) != cudaSuccess ||
+                    per_sm < 1)) {
+        cudaGetLastError(); /* not the step's error: one block a list serves every list */
+        per_sm = -1;
+    }
+    if (!pl->cooperative || per_sm < 1 || lists > ekv_sel_lists(pl)) return X;
+    int64_t resident = (int64_t)per_sm * pl->sms;
+    if (resident > pl->sel_blocks) resident = pl->sel_blocks;
+    int64_t s = resident / lists;
+    const int64_t parts = ekv_sel_part_count(pl->cap_pages - 1, X.part_pages);
+    if (s > parts) s = parts;
+    X.splits = s > 1 ? (int)s : 1;
+    return X;
+}
+
+/* A parted select kernel writing the lists ekv_cuda_lists_of(pl, per_head): A.parts.splits
+ * blocks a (sequence, list), one cooperative launch when that is more than one. */
+template <auto Kernel, typename Args>
+static ekv_status launch_parted(ekv_cuda_plan *pl, int batch, int per_head, Args &A) {
+    A.out = ekv_cuda_lists_of(pl, per_head);
+    const int lists = batch * A.out.lps;
+    A.parts = sel_parts_of<Kernel>(pl, lists);
+    if (A.parts.splits > 1) {
+        void *args[] = {&A};
+        const cudaError_t e =
+                cudaLaunchCooperativeKernel((const void *)Kernel, dim3(lists * A.parts.splits),
+                                            dim3(SEL_THREADS), args, 0, pl->stream);
+        if (e == cudaSuccess) {
+            pl->launches++;
+            return EKV_OK;
+        }
+        /* fewer SMs than the device has (MPS limits): the same lists, one block each */
+        if (e != cudaErrorCooperativeLaunchTooLarge)
+            return ekv_fail(pl->ctx, EKV_ERR_DEVICE, "cudaLaunchCooperativeKernel: %s",
+                            cudaGetErrorString(e));
+        cudaGetLastError();
+        A.parts.splits = 1;
+    }
+    return launch_lists(pl, Kernel, batch, per_head, A);
+}
+
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
                                 int32_t recent_pages, const double *hint, int per_head) {
@@ -272,7 +396,7 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
     A.sink = sink_pages;
     A.recent = recent_pages;
     A.keys = per_head ? pl->bounds : pl->list_bounds; /* each head ranks by its own bounds */
-    return launch_lists(pl, topk_kernel, batch, per_head, A);
+    return launch_parted<topk_kernel>(pl, batch, per_head, A);
 }
 
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {
@@ -289,5 +413,5 @@ ekv_status ekv_cuda_launch_round2(ekv_cuda_plan *pl, const ekv_page_table *t, in
     ekv_cuda_set_shape(A, pl, t);
     A.bounds = pl->bounds;
     A.tau = pl->tau;
-    return launch_lists(pl, round2_kernel, batch, 0, A);
+    return launch_parted<round2_kernel>(pl, batch, 0, A);
 }

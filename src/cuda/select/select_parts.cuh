@@ -1,0 +1,130 @@
+/*
+ * A page list ranked by several blocks (docs/architecture.md, "The split top-k select"): one
+ * block per list left all but a few SMs idle at few KV heads, and a list of 2^16 pages (1M
+ * tokens) took ~130 us a layer in one block. The list's pages are cut into contiguous parts, one
+ * block each, in one cooperative launch (every block resident, so a waiting block never waits
+ * on one that cannot start). The parts of a list meet at a barrier (common/group_sync.cuh):
+ *   - once per radix digit: each part's digit histogram is added into the list's histogram
+ *     of that digit, and every part picks the same digit from the sum;
+ *   - once for the ordered compaction: each part's count of pages taken, so a part knows where
+ *     its pages start in the list. The ties at the k-th key are taken in page order, so a part
+ *     also needs the ties of the parts before it: its histogram of the last digit, kept per
+ *     part, holds them (the last digit's bins count keys equal to the prefix in all but it).
+ * A list of one part (short, or no cooperative launch) meets nobody and touches no global
+ * state. The list histograms are zero between launches: part 0 clears its list's after the
+ * last barrier, when every part has read them.
+ */
+#pragma once
+#include "../common/group_sync.cuh"
+#include "../common/sizes.cuh"
+#include <stdint.h>
+
+namespace { /* as group_sync: each including file has its own copy */
+
+/* Parts of `pages` pages at `part_pages` a part, at least 1 (no overflow at any part_pages). */
+__host__ __device__ __forceinline__ int64_t ekv_sel_part_count(int64_t pages, int64_t part_pages) {
+    return pages < 1 ? 1 : 1 + (pages - 1) / part_pages;
+}
+
+/* The plan's state of the split select (ekv_cuda_plan.sel_*) and the launch's blocks a list. */
+struct ekv_sel_parts {
+    unsigned *bar;  /* [lists][2] */
+    int32_t *hist;  /* [lists][EKV_CUDA_SEL_DIGITS][256] */
+    int32_t *last;  /* [blocks][256] each part's histogram of the last digit */
+    int32_t *count; /* [blocks] each part's pages taken */
+    int splits;     /* blocks a list in the launch (1: the one-block select) */
+    int64_t part_pages;
+};
+
+/* Block blockIdx.x's part of its list: part s of n over pages [p0, p1). A list of n pages takes
+ * ceil(n / part_pages) parts, at most the launch's splits; blocks past them have no part. */
+struct ekv_sel_part {
+    int row, s, n;
+    int64_t p0, p1;
+};
+__device__ __forceinline__ ekv_sel_part ekv_sel_part_of(const ekv_sel_parts &X, int64_t pages) {
+    ekv_sel_part pt;
+    pt.row = blockIdx.x / X.splits;
+    pt.s = blockIdx.x % X.splits;
+    const int64_t want = ekv_sel_part_count(pages, X.part_pages);
+    pt.n = want > X.splits ? X.splits : (int)want;
+    pt.p0 = pages * pt.s / pt.n;
+    pt.p1 = pages * (pt.s + 1) / pt.n;
+    return pt;
+}
+
+/* Digit `digit` of the list's ranking: this part's histogram `hist` (shared, complete) summed
+ * over the list's parts into `sum` (shared), which is returned; `hist` itself for one part. The
+ * last digit's histogram is also kept per part (ekv_sel_ties_before). Block-wide. */
+__device__ __forceinline__ const int *ekv_sel_digit_sum(const ekv_sel_parts &X,
+                                                        const ekv_sel_part &pt, int digit,
+                                                        const int *hist, int *sum) {
+    if (pt.n == 1) return hist;
+    int32_t *g = X.hist + ((int64_t)pt.row * EKV_CUDA_SEL_DIGITS + digit) * 256;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        if (hist[i]) atomicAdd(g + i, hist[i]);
+        if (digit == EKV_CUDA_SEL_DIGITS - 1) X.last[(int64_t)blockIdx.x * 256 + i] = hist[i];
+    }
+    group_sync(X.bar + 2 * (int64_t)pt.row, (unsigned)pt.n);
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sum[i] = __ldcg(g + i);
+    __syncthreads();
+    return sum;
+}
+
+/* Warp-wide (every lane gets it): the sum of v[first + i] over the parts i < n, loaded through
+ * L2 (other blocks wrote them before a barrier). */
+__device__ __forceinline__ int ekv_sel_parts_sum(const int32_t *v, int64_t first, int64_t stride,
+                                                 int n) {
+    int s = 0;
+    for (int i = threadIdx.x & 31; i < n; i += 32) s += __ldcg(v + (first + i) * stride);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+/* The keys equal to the k-th (the ties) in the parts before this one: their last-digit bin
+ * `bin` (after ekv_sel_digit_sum of the last digit). Block-wide; 0 for one part or part 0. */
+__device__ __forceinline__ int ekv_sel_ties_before(const ekv_sel_parts &X, const ekv_sel_part &pt,
+                                                   int bin, int *s_out) {
+    if (pt.n == 1 || pt.s == 0) return 0;
+    if (threadIdx.x < 32) {
+        const int t = ekv_sel_parts_sum(X.last + bin, (int64_t)blockIdx.x - pt.s, 256, pt.s);
+        if (threadIdx.x == 0) *s_out = t;
+    }
+    __syncthreads();
+    const int t = *s_out;
+    __syncthreads();
+    return t;
+}
+
+/* Where this part's `mine` pages start in the list (the parts before it), and the list's total
+ * in *total; part 0 then clears the list's digit histograms (every part has read them). Every
+ * part of the list must call it. Block-wide; one part: 0 and mine. */
+__device__ __forceinline__ int ekv_sel_part_offset(const ekv_sel_parts &X, const ekv_sel_part &pt,
+                                                   int mine, int *total, int *s_out) {
+    if (pt.n == 1) {
+        *total = mine;
+        return 0;
+    }
+    const int64_t first = (int64_t)blockIdx.x - pt.s;
+    if (threadIdx.x == 0) X.count[blockIdx.x] = mine;
+    group_sync(X.bar + 2 * (int64_t)pt.row, (unsigned)pt.n);
+    if (threadIdx.x < 32) {
+        const int before = ekv_sel_parts_sum(X.count, first, 1, pt.s);
+        const int all = ekv_sel_parts_sum(X.count, first, 1, pt.n);
+        if (threadIdx.x == 0) {
+            s_out[0] = before;
+            s_out[1] = all;
+        }
+    }
+    if (pt.s == 0) {
+        int32_t *g = X.hist + (int64_t)pt.row * EKV_CUDA_SEL_DIGITS * 256;
+        for (int i = threadIdx.x; i < EKV_CUDA_SEL_DIGITS * 256; i += blockDim.x) g[i] = 0;
+    }
+    __syncthreads();
+    const int before = s_out[0];
+    *total = s_out[1];
+    __syncthreads();
+    return before;
+}
+
+} // namespace
