@@ -145,22 +145,18 @@ __device__ __forceinline__ void topk_tile(const topk_args &A, const float *key, 
     *ties_seen += tile_ties;
 }
 
-/* The ordered compaction of part pt (tiles of SEL_THREADS x SEL_UNROLL pages, each thread
- * SEL_UNROLL consecutive ones): the pages taken go to out[*written ...] in page order and
- * in[] records every page's membership; with out NULL they are only counted into *written. */
+/* Part pt's pages of the list in page order (ekv_sel_compact_part: written, or with out NULL
+ * counted); ties_seen: the ties at the k-th key in the parts before it. */
 __device__ __forceinline__ void topk_compact(const topk_args &A, const float *key,
                                              const topk_rule &r, const ekv_sel_part &pt,
                                              int ties_seen, int32_t *out, uint8_t *in, int *written,
                                              int *wsum) {
-    for (int64_t t0 = pt.p0; t0 < pt.p1; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
-        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
-        bool take[SEL_UNROLL];
-        topk_tile(A, key, r, lo, pt.p1, &ties_seen, wsum, take);
-        if (out)
-            ekv_compact_tile<SEL_UNROLL>(take, lo, pt.p1, out, in, written, wsum);
-        else
-            ekv_count_tile<SEL_UNROLL>(take, written, wsum);
-    }
+    ekv_sel_compact_part<SEL_UNROLL>(
+            pt,
+            [&](int64_t lo, bool *take) {
+                topk_tile(A, key, r, lo, pt.p1, &ties_seen, wsum, take);
+            },
+            out, in, written, wsum);
 }
 
 /* One block per part of a (sequence, list) (select_parts.cuh; one part = one block per list).
@@ -263,27 +259,24 @@ struct round2_args : ekv_cuda_shape {
     ekv_sel_parts parts; /* the blocks of a list (select_parts.cuh) */
 };
 
-/* Round 2's pages of part pt in page order: to out[*written ...], or with out NULL only
- * counted into *written. A thread takes SEL_UNROLL consecutive pages a tile, their loads in
- * flight together, as the top-k compaction does (a thread's own run of n / 1024 pages, read
- * twice by a dependent loop, took 34 us of 16K pages on the model's trace at 256K,
- * bench/RESULTS.md). in[] is round 1's membership: left as it is. */
+/* Round 2's pages of part pt in page order (ekv_sel_compact_part: written, or with out NULL
+ * counted): those outside round 1 (in[], left as it is) whose bound exceeds round 1's tau for a
+ * head of the group. SEL_UNROLL loads a thread in flight together, as the top-k compaction (a
+ * thread's own run of n / 1024 pages, read twice by a dependent loop, took 34 us of 16K pages on
+ * the model's trace at 256K, bench/RESULTS.md). */
 __device__ __forceinline__ void round2_compact(const round2_args &A, const ekv_sel_part &pt,
                                                const uint8_t *in, int64_t h0, int32_t *out,
                                                int *written, int *wsum) {
-    for (int64_t t0 = pt.p0; t0 < pt.p1; t0 += (int64_t)blockDim.x * SEL_UNROLL) {
-        const int64_t lo = t0 + (int64_t)threadIdx.x * SEL_UNROLL;
-        bool take[SEL_UNROLL];
+    ekv_sel_compact_part<SEL_UNROLL>(
+            pt,
+            [&](int64_t lo, bool *take) {
 #pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++) take[u] = lo + u < pt.p1 && !in[lo + u];
+                for (int u = 0; u < SEL_UNROLL; u++) take[u] = lo + u < pt.p1 && !in[lo + u];
 #pragma unroll
-        for (int u = 0; u < SEL_UNROLL; u++)
-            take[u] = take[u] && page_exceeds(A, A.bounds, A.tau, h0, A.G, lo + u);
-        if (out)
-            ekv_compact_tile<SEL_UNROLL>(take, lo, pt.p1, out, nullptr, written, wsum);
-        else
-            ekv_count_tile<SEL_UNROLL>(take, written, wsum);
-    }
+                for (int u = 0; u < SEL_UNROLL; u++)
+                    take[u] = take[u] && page_exceeds(A, A.bounds, A.tau, h0, A.G, lo + u);
+            },
+            out, nullptr, written, wsum);
 }
 
 /* The pages of round 2 after round 1's c1 entries, one block per part of a list

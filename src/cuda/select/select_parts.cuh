@@ -15,6 +15,7 @@
  * last barrier, when every part has read them.
  */
 #pragma once
+#include "lists.cuh"
 #include "../common/group_sync.cuh"
 #include "../common/sizes.cuh"
 #include <stdint.h>
@@ -94,6 +95,25 @@ __device__ __forceinline__ int ekv_sel_ties_before(const ekv_sel_parts &X, const
     const int t = *s_out;
     __syncthreads();
     return t;
+}
+
+/* The ordered compaction of part pt in tiles of blockDim.x x UNROLL pages, each thread UNROLL
+ * consecutive ones from lo: take_tile(lo, take) decides them (take[u] false at and past pt.p1).
+ * The pages taken go to out[*written ...] in page order and in[] (unless NULL) records each
+ * page's membership; with out NULL they are only counted into *written. Block-wide. */
+template <int UNROLL, typename TakeTile>
+__device__ __forceinline__ void ekv_sel_compact_part(const ekv_sel_part &pt, TakeTile &&take_tile,
+                                                     int32_t *out, uint8_t *in, int *written,
+                                                     int *wsum) {
+    for (int64_t t0 = pt.p0; t0 < pt.p1; t0 += (int64_t)blockDim.x * UNROLL) {
+        const int64_t lo = t0 + (int64_t)threadIdx.x * UNROLL;
+        bool take[UNROLL];
+        take_tile(lo, take);
+        if (out)
+            ekv_compact_tile<UNROLL>(take, lo, pt.p1, out, in, written, wsum);
+        else
+            ekv_count_tile<UNROLL>(take, written, wsum);
+    }
 }
 
 /* Where this part's `mine` pages start in the list (the parts before it), and the list's total
