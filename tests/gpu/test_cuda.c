@@ -297,15 +297,23 @@ static void screened_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_c
     free(cpu);
 }
 
-/* Dense scores of one KV layout on a plan with tensor cores on or off, into z ([H][cap]). */
-static void scores_of(ekv_context *ctx, const mirror *m, int H, int tc, const float *dq, float *z,
-                      int64_t cap_pages) {
+/* The params of a plan over the mirror's geometry (KV heads, head dim, page size): B sequences
+ * of at most maxP pages, H query heads; the library's defaults otherwise. */
+static ekv_cuda_plan_params mirror_plan_params(const mirror *m, int B, int H, int64_t maxP) {
     ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_batch = B;
     pp.num_heads = H;
     pp.num_kv_heads = (int32_t)m->kv.num_kv_heads;
     pp.head_dim = (int32_t)m->kv.head_dim;
     pp.page_size = (int32_t)m->kv.page_size;
-    pp.max_pages_per_seq = cap_pages;
+    pp.max_pages_per_seq = maxP;
+    return pp;
+}
+
+/* Dense scores of one KV layout on a plan with tensor cores on or off, into z ([H][cap]). */
+static void scores_of(ekv_context *ctx, const mirror *m, int H, int tc, const float *dq, float *z,
+                      int64_t cap_pages) {
+    ekv_cuda_plan_params pp = mirror_plan_params(m, 1, H, cap_pages);
     pp.tensor_cores = tc;
     ekv_cuda_plan *plan = NULL;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
@@ -439,13 +447,7 @@ static void lists_plan_check(ekv_context *ctx, ekv_cuda_plan_params pp, int64_t 
  * cores tc, the screen's lists max_candidates (0: the default). */
 static ekv_cuda_plan_params screen_params(const mirror *m, int B, int H, int64_t maxP, int tc,
                                           int64_t max_candidates) {
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = B;
-    pp.num_heads = H;
-    pp.num_kv_heads = (int32_t)m->kv.num_kv_heads;
-    pp.head_dim = (int32_t)m->kv.head_dim;
-    pp.page_size = (int32_t)m->kv.page_size;
-    pp.max_pages_per_seq = maxP;
+    ekv_cuda_plan_params pp = mirror_plan_params(m, B, H, maxP);
     pp.tensor_cores = tc;
     pp.max_candidates = max_candidates;
     return pp;
@@ -1134,13 +1136,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
     memset(&m, 0, sizeof m);
     mirror_build(&m, cache, seqs, B, total_pages, 0);
 
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = B;
-    pp.num_heads = H;
-    pp.num_kv_heads = Hk;
-    pp.head_dim = D;
-    pp.page_size = ps;
-    pp.max_pages_per_seq = maxP;
+    ekv_cuda_plan_params pp = mirror_plan_params(&m, B, H, maxP);
     pp.fused_attend = 1; /* dense through the fused attend where it applies (fused_expected) */
     /* every other case's launches overlapped (common/overlap.cuh): the same checks hold */
     pp.overlap_launches = (int32_t)(g_cases_run % 2);
@@ -1675,13 +1671,7 @@ static void graph_test(ekv_context *ctx, int method, int overlap) {
     mirror_build(&m, cache, seqs, B, 2 * maxP, 0);
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = B;
-    pp.num_heads = H;
-    pp.num_kv_heads = Hk;
-    pp.head_dim = D;
-    pp.page_size = ps;
-    pp.max_pages_per_seq = maxP;
+    ekv_cuda_plan_params pp = mirror_plan_params(&m, B, H, maxP);
     pp.stream = st;
     pp.fused_attend = method == 3;
     pp.overlap_launches = overlap;
@@ -1821,15 +1811,9 @@ static void split_select_test(ekv_context *ctx) {
     const int64_t nq = (int64_t)B * H * D, parts[4] = {INT64_C(1) << 40, 7, 300, 0};
     ekv_cuda_plan *plans[4] = {NULL, NULL, NULL, NULL};
     for (int i = 0; i < 4; i++) {
-        ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-        pp.max_batch = B;
-        pp.num_heads = H;
-        pp.num_kv_heads = Hk;
-        pp.head_dim = D;
-        pp.page_size = ps;
-        pp.max_pages_per_seq = maxP;
+        ekv_cuda_plan_params pp = mirror_plan_params(&m, B, H, maxP);
         pp.select_part_pages = parts[i];
-        CHECK(ekv_cuda_plan_create(ctx, &pp, &plans[i]) == EKV_OK, "plan: %s", ekv_last_error(ctx));
+        plans[i] = plan_of(ctx, &pp);
     }
     float *q = malloc(sizeof(float) * nq);
     for (int64_t i = 0; i < nq; i++) q[i] = (float)test_normal(&r);
@@ -2127,17 +2111,9 @@ static ekv_cuda_plan *one_sequence(ekv_context *ctx, const ekv_cache_params *cp,
           "one-sequence cache: %s", ekv_last_error(ctx));
     memset(m, 0, sizeof *m);
     mirror_build(m, *cache, &seq, 1, cp->num_pages, 0);
-    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
-    pp.max_batch = max_batch;
-    pp.num_heads = H;
-    pp.num_kv_heads = cp->num_kv_heads;
-    pp.head_dim = cp->head_dim;
-    pp.page_size = cp->page_size;
-    pp.max_pages_per_seq = cp->num_pages;
+    ekv_cuda_plan_params pp = mirror_plan_params(m, max_batch, H, cp->num_pages);
     pp.fused_attend = fused_attend;
-    ekv_cuda_plan *plan = NULL;
-    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_OK, "plan: %s", ekv_last_error(ctx));
-    return plan;
+    return plan_of(ctx, &pp);
 }
 
 /* What one_sequence made, freed. */
