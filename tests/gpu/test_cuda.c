@@ -1766,9 +1766,11 @@ static void split_select_step(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
                               const float *dq, float *dout, int64_t nq, int32_t *lists, int32_t *r1,
                               int32_t *r2, float *out) {
     const int certified = sp->method == EKV_SELECT_CERTIFIED;
-    ekv_status s = certified ? ekv_cuda_decode_certified(plan, prm, sp, &m->dkv, &m->dst, &m->dtab,
-                                                         dq, dout)
-                             : ekv_cuda_decode(plan, prm, sp, &m->dkv, &m->dst, &m->dtab, dq, dout);
+    ekv_page_table t = m->dtab; /* the mirror's first B sequences */
+    t.batch = B;
+    ekv_status s =
+            certified ? ekv_cuda_decode_certified(plan, prm, sp, &m->dkv, &m->dst, &t, dq, dout)
+                      : ekv_cuda_decode(plan, prm, sp, &m->dkv, &m->dst, &t, dq, dout);
     CHECK(s == EKV_OK, "split select step: %s", ekv_last_error(ctx));
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
@@ -1782,15 +1784,17 @@ static void split_select_step(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
 /* The split top-k select (select/select_parts.cuh; ekv_cuda_plan_params.select_part_pages): a
  * list ranked by several blocks of one cooperative launch writes the same list as one block
  * (ties at the k-th bound taken in page order across parts), certified's round 2 in parts the
- * same pages, and the step the same output. Sequences of 1, 3000 and 20011 tokens
+ * same pages, and the step the same output. Every other step takes the first two sequences only
+ * (the same plans: the launch's lists and their state rows change between steps). Sequences of
+ * 3000, 20011 and 1 tokens
  * whose middle pages repeat one page's keys (so thousands of bounds are equal and the k-th falls
  * among them), budgets below, among and above the ties, a share of each sequence, certified (sink
- * and recent pages, round 2) and certified with a hint (no ranking, only the hint's pages); parts
- * of 7 pages (parts end inside tiles), 300, and the default. */
-static void split_select_test(ekv_context *ctx) {
+ * and recent pages, round 2) and certified with a hint (no ranking, only the hint's pages); the
+ * parts of parts[1..3] against one block (parts[0]). */
+static void split_select_case(ekv_context *ctx, int ps, const int64_t parts[4]) {
     test_rng r = {4242};
-    const int D = 64, Hk = 2, G = 3, H = Hk * G, ps = 16, B = 3;
-    const int64_t len[3] = {1, 3000, 20011}, maxP = (20011 + ps - 1) / ps + 1;
+    const int D = 64, Hk = 2, G = 3, H = Hk * G, B = 3;
+    const int64_t len[3] = {3000, 20011, 1}, maxP = (20011 + ps - 1) / ps + 1;
     ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, B, B * maxP);
     ekv_cache *cache = NULL;
     CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
@@ -1808,7 +1812,7 @@ static void split_select_test(ekv_context *ctx) {
     mirror m;
     memset(&m, 0, sizeof m);
     mirror_build(&m, cache, seqs, B, B * maxP, 0);
-    const int64_t nq = (int64_t)B * H * D, parts[4] = {INT64_C(1) << 40, 7, 300, 0};
+    const int64_t nq = (int64_t)B * H * D;
     ekv_cuda_plan *plans[4] = {NULL, NULL, NULL, NULL};
     for (int i = 0; i < 4; i++) {
         ekv_cuda_plan_params pp = mirror_plan_params(&m, B, H, maxP);
@@ -1844,12 +1848,14 @@ static void split_select_test(ekv_context *ctx) {
             sp.sink_pages = meth ? 2 : 0;
             sp.recent_pages = meth ? 3 : 0;
             sp.tau_hint = meth == 2 ? dhint : NULL;
-            split_select_step(ctx, plans[0], &m, &prm, &sp, B, dq, dout, nq, lists[0], r1[0], r2[0],
-                              out[0]);
+            const int Bs = (bi + meth) % 2 ? B - 1 : B;
+            const int64_t nqs = (int64_t)Bs * H * D, nls = (int64_t)Bs * Hk;
+            split_select_step(ctx, plans[0], &m, &prm, &sp, Bs, dq, dout, nqs, lists[0], r1[0],
+                              r2[0], out[0]);
             for (int i = 1; i < 4; i++) {
-                split_select_step(ctx, plans[i], &m, &prm, &sp, B, dq, dout, nq, lists[1], r1[1],
+                split_select_step(ctx, plans[i], &m, &prm, &sp, Bs, dq, dout, nqs, lists[1], r1[1],
                                   r2[1], out[1]);
-                for (int64_t l = 0; l < nl; l++) {
+                for (int64_t l = 0; l < nls; l++) {
                     CHECK(r1[0][l] == r1[1][l] && r2[0][l] == r2[1][l],
                           "split select (parts of %lld, method %d, budget %d): list %lld has "
                           "%d + %d pages, one block %d + %d",
@@ -1863,19 +1869,19 @@ static void split_select_test(ekv_context *ctx) {
                 }
                 /* the same lists; the step's sums may differ in their last bits from plan to
                  * plan (its atomics), not more */
-                const double e = test_head_rel_err(out[1], out[0], (int64_t)B * H, D, 1e-6);
+                const double e = test_head_rel_err(out[1], out[0], (int64_t)Bs * H, D, 1e-6);
                 CHECK(e < 1e-6,
                       "split select (parts of %lld, method %d, budget %d): output rel err %.3g",
                       (long long)parts[i], meth, bi, e);
                 steps++;
             }
-            for (int64_t l = 0; l < nl; l++) round2_lists += r2[0][l] > 0;
+            for (int64_t l = 0; l < nls; l++) round2_lists += r2[0][l] > 0;
         }
     /* certified's round 2 (parted as the top-k) must have had pages to write */
     CHECK(round2_lists > 0, "split select: no certified list needed round 2");
-    printf("split top-k select: %d steps equal to one block's lists and output (%d lists with "
-           "round 2 pages)\n",
-           steps, round2_lists);
+    printf("split top-k select, page %d: %d steps equal to one block's lists and output (%d "
+           "lists with round 2 pages)\n",
+           ps, steps, round2_lists);
     for (int i = 0; i < 4; i++) ekv_cuda_plan_free(plans[i]);
     for (int i = 0; i < 2; i++) {
         free(lists[i]);
@@ -1893,6 +1899,16 @@ static void split_select_test(ekv_context *ctx) {
     free(v);
     free(dir);
     ekv_cache_free(cache);
+}
+
+/* Pages of 16 with parts of 7 pages (parts end inside tiles), 300 and the default; pages of one
+ * token (20011 pages a list) with parts of 12000 pages (two parts of more than one compaction
+ * tile each, the ties counted across tiles), 300 and the default. */
+static void split_select_test(ekv_context *ctx) {
+    const int64_t one_block = INT64_C(1) << 40;
+    const int64_t parts16[4] = {one_block, 7, 300, 0}, parts1[4] = {one_block, 12000, 300, 0};
+    split_select_case(ctx, 16, parts16);
+    split_select_case(ctx, 1, parts1);
 }
 
 /* A 0/1 field of pp (at flag) set to 2: the plan is refused with EKV_ERR_INVALID_ARGUMENT and a

@@ -200,13 +200,14 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
         }
     }
     const int ties = r.ranked ? ekv_sel_ties_before(A.parts, pt, r.prefix & 0xFFu, s_parts) : 0;
-    int mine = 0, total;
-    if (pt.n > 1) topk_compact(A, key, r, pt, ties, nullptr, nullptr, &mine, wsum);
-    int written = ekv_sel_part_offset(A.parts, pt, mine, &total, s_parts);
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
-    topk_compact(A, key, r, pt, ties, out, in, &written, wsum);
-    if (pt.n == 1) total = written;
+    const int total = ekv_sel_write_part(
+            A.parts, pt,
+            [&](int32_t *o, uint8_t *i, int *w) {
+                topk_compact(A, key, r, pt, ties, o, i, w, wsum);
+            },
+            out, in, s_parts);
     if (pt.s == pt.n - 1 && threadIdx.x == 0)
         ekv_close_list(out, in, total, sg.P, A.out.count, row);
 }
@@ -292,11 +293,10 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages + c1;
     const uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
     const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
-    int mine = 0, total;
-    if (pt.n > 1) round2_compact(A, pt, in, h0, nullptr, &mine, wsum);
-    int written = ekv_sel_part_offset(A.parts, pt, mine, &total, s_parts);
-    round2_compact(A, pt, in, h0, out, &written, wsum);
-    if (pt.n == 1) total = written;
+    const int total = ekv_sel_write_part(
+            A.parts, pt,
+            [&](int32_t *o, uint8_t *, int *w) { round2_compact(A, pt, in, h0, o, w, wsum); }, out,
+            nullptr, s_parts);
     if (pt.s == pt.n - 1 && threadIdx.x == 0) A.out.count[2 * row + 1] = (int32_t)(c1 + total);
 }
 

@@ -147,4 +147,19 @@ __device__ __forceinline__ int ekv_sel_part_offset(const ekv_sel_parts &X, const
     return before;
 }
 
+/* Part pt's pages written into its list after the parts before it: compact(out, in, written)
+ * runs one ordered compaction of the part (ekv_sel_compact_part: written, or with out NULL
+ * counted); with several parts each counts first and they meet at ekv_sel_part_offset. Returns
+ * the list's total pages. Every part of the list calls it. Block-wide. */
+template <typename Compact>
+__device__ __forceinline__ int ekv_sel_write_part(const ekv_sel_parts &X, const ekv_sel_part &pt,
+                                                  Compact &&compact, int32_t *out, uint8_t *in,
+                                                  int *s_out) {
+    int mine = 0, total;
+    if (pt.n > 1) compact(nullptr, nullptr, &mine);
+    int written = ekv_sel_part_offset(X, pt, mine, &total, s_out);
+    compact(out, in, &written);
+    return pt.n == 1 ? written : total;
+}
+
 } // namespace
