@@ -70,9 +70,10 @@ typedef struct ekv_cuda_plan_params {
                                /* refused (EKV_ERR_UNSUPPORTED); 0: each launch after the   */
                                /* previous one ends; -1 (default): 1 where supported, else 0 */
     int64_t select_part_pages; /* top-k select (topk, certified): pages of a list one block   */
-                               /* ranks; a longer list is split over several blocks of one  */
-                               /* cooperative launch (as many as the GPU holds at once), on */
-                               /* a device with cooperative launches. 0 = 2048              */
+                               /* ranks; a list of 6 such parts or more is split over       */
+                               /* several blocks of one cooperative launch (as many as the  */
+                               /* GPU holds at once), on a device with cooperative          */
+                               /* launches; a shorter one takes one block. 0 = 2048         */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

@@ -1786,21 +1786,22 @@ static void split_select_step(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
  * (ties at the k-th bound taken in page order across parts), certified's round 2 in parts the
  * same pages, and the step the same output. Every other step takes the first two sequences only
  * (the same plans: the launch's lists and their state rows change between steps). Sequences of
- * 3000, 20011 and 1 tokens
+ * 3000, long_len and 1 tokens
  * whose middle pages repeat one page's keys (so thousands of bounds are equal and the k-th falls
  * among them), budgets below, among and above the ties, a share of each sequence, certified (sink
  * and recent pages, round 2) and certified with a hint (no ranking, only the hint's pages); the
  * parts of parts[1..3] against one block (parts[0]). */
-static void split_select_case(ekv_context *ctx, int ps, const int64_t parts[4]) {
+static void split_select_case(ekv_context *ctx, int ps, int64_t long_len, const int64_t parts[4]) {
     test_rng r = {4242};
     const int D = 64, Hk = 2, G = 3, H = Hk * G, B = 3;
-    const int64_t len[3] = {3000, 20011, 1}, maxP = (20011 + ps - 1) / ps + 1;
+    const int64_t len[3] = {3000, long_len, 1}, maxP = (long_len + ps - 1) / ps + 1;
     ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, B, B * maxP);
     ekv_cache *cache = NULL;
     CHECK(ekv_cache_create(ctx, &cp, &cache) == EKV_OK, "cache: %s", ekv_last_error(ctx));
     float *dir = malloc(sizeof(float) * D);
     for (int d = 0; d < D; d++) dir[d] = (float)(test_normal(&r) / sqrt((double)D) * 1.5);
-    float *k = malloc(sizeof(float) * 20011 * Hk * D), *v = malloc(sizeof(float) * 20011 * Hk * D);
+    float *k = malloc(sizeof(float) * long_len * Hk * D),
+          *v = malloc(sizeof(float) * long_len * Hk * D);
     int32_t seqs[3];
     for (int b = 0; b < B; b++) {
         ekv_cache_seq_new(cache, &seqs[b]);
@@ -1901,14 +1902,16 @@ static void split_select_case(ekv_context *ctx, int ps, const int64_t parts[4]) 
     ekv_cache_free(cache);
 }
 
-/* Pages of 16 with parts of 7 pages (parts end inside tiles), 300 and the default; pages of one
- * token (20011 pages a list) with parts of 12000 pages (two parts of more than one compaction
- * tile each, the ties counted across tiles), 300 and the default. */
+/* Pages of 16 (a list of 20011 tokens: 1250 scored pages) with parts of 7 pages (parts end
+ * inside tiles), 200 (7 parts) and the default (one block: fewer than EKV_CUDA_SEL_MIN_PARTS);
+ * pages of one token (49800 scored pages) with parts of 8300 pages (6 parts of more than one
+ * compaction tile each, the ties counted across tiles), 300 (capped at the launch's blocks a
+ * list) and the default (25 parts). */
 static void split_select_test(ekv_context *ctx) {
     const int64_t one_block = INT64_C(1) << 40;
-    const int64_t parts16[4] = {one_block, 7, 300, 0}, parts1[4] = {one_block, 12000, 300, 0};
-    split_select_case(ctx, 16, parts16);
-    split_select_case(ctx, 1, parts1);
+    const int64_t parts16[4] = {one_block, 7, 200, 0}, parts1[4] = {one_block, 8300, 300, 0};
+    split_select_case(ctx, 16, 20011, parts16);
+    split_select_case(ctx, 1, 49801, parts1);
 }
 
 /* A 0/1 field of pp (at flag) set to 2: the plan is refused with EKV_ERR_INVALID_ARGUMENT and a

@@ -22,9 +22,11 @@
 
 namespace { /* as group_sync: each including file has its own copy */
 
-/* Parts of `pages` pages at `part_pages` a part, at least 1 (no overflow at any part_pages). */
+/* Parts of `pages` pages at `part_pages` a part: 1 below EKV_CUDA_SEL_MIN_PARTS (no overflow
+ * at any part_pages). */
 __host__ __device__ __forceinline__ int64_t ekv_sel_part_count(int64_t pages, int64_t part_pages) {
-    return pages < 1 ? 1 : 1 + (pages - 1) / part_pages;
+    const int64_t n = pages < 1 ? 1 : 1 + (pages - 1) / part_pages;
+    return n < EKV_CUDA_SEL_MIN_PARTS ? 1 : n;
 }
 
 /* The plan's state of the split select (ekv_cuda_plan.sel_*) and the launch's blocks a list. */
