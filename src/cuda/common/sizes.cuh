@@ -30,6 +30,6 @@ enum {
     EKV_CUDA_SEL_PART_PAGES = 2048, /* default pages of a list one top-k block ranks       */
     EKV_CUDA_SEL_MIN_PARTS = 6      /* a list of fewer parts takes one block: the parts'
                                        barriers cost more than they save (bench/RESULTS.md,
-                                       2026-12-06 third session: 2 and 4 parts lost 8-13 us
+                                       2026-12-06 third session: 2 and 4 parts lost 8-23 us
                                        at 64K and 128K tokens, 8 parts won at 256K)       */
 };
