@@ -1905,8 +1905,8 @@ static void split_select_case(ekv_context *ctx, int ps, int64_t long_len, const 
 /* Pages of 16 (a list of 20011 tokens: 1250 scored pages) with parts of 7 pages (parts end
  * inside tiles), 200 (7 parts) and the default (one block: fewer than EKV_CUDA_SEL_MIN_PARTS);
  * pages of one token (49800 scored pages) with parts of 8300 pages (6 parts of more than one
- * compaction tile each, the ties counted across tiles), 300 (capped at the launch's blocks a
- * list) and the default (25 parts). */
+ * compaction tile each, the ties counted across tiles), 300 and the default (both capped at the
+ * launch's blocks a list: 22-33 on an H100). */
 static void split_select_test(ekv_context *ctx) {
     const int64_t one_block = INT64_C(1) << 40;
     const int64_t parts16[4] = {one_block, 7, 200, 0}, parts1[4] = {one_block, 8300, 300, 0};
