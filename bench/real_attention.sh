@@ -14,11 +14,13 @@
 # Usage: bench/real_attention.sh OUTDIR   (prompts: bench/repo_prompt.sh; PROMPT_CORPUS=FILE
 #   there gives two trees the same bytes)
 #   BIN (build-gpu/entmaxkv), OLD_BIN (none: another tree's build run beside BIN on the same
-#   prompts and trace, its rows tagged old), CTXS ("131072 524288"), TRACE_CTX (262144, 0 =
+#   prompts and trace, its rows tagged old), CTXS ("131072 524288"; set and empty: no model
+#   decode), TRACE_CTX (262144, 0 =
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
 #   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+V: M with the
 #   variant V's options, BIN's tree only: fused (bench --fused-attend 1), overlap
-#   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), joined by +,
+#   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), flat
+#   (--superpage 0: no superpages, so certified runs no round 0), joined by +,
 #   e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
@@ -33,7 +35,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=$1
 BIN=${BIN:-build-gpu/entmaxkv}
-CTXS=${CTXS:-131072 524288}
+CTXS=${CTXS-131072 524288} # set and empty: no model decode
 TRACE_CTX=${TRACE_CTX:-262144}
 TRACE_LAYERS=${TRACE_LAYERS:-0 1 2 3 4 5 6 7}
 OLD_BIN=${OLD_BIN:-}
@@ -68,7 +70,7 @@ for n in map(int, sys.argv[1:]):
 PY
 }
 
-# variant_options V: the options of a variant (fused, overlap, plain, or some joined by +)
+# variant_options V: the options of a variant (fused, overlap, plain, flat, or some joined by +)
 variant_options() {
     local part opts=""
     for part in $(echo "$1" | tr + ' '); do
@@ -76,6 +78,7 @@ variant_options() {
         fused) opts="$opts --fused-attend 1" ;;
         overlap) opts="$opts --overlap-launches 1" ;;
         plain) opts="$opts --overlap-launches 0" ;;
+        flat) opts="$opts --superpage 0" ;;
         *) echo "real_attention.sh: unknown variant '$part'" >&2 ;;
         esac
     done

@@ -205,6 +205,12 @@ txt=$(head -c 25 "$TMP/run1" | tail -c 20)
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 4 ] &&
   [ "$(grep -c -F -- "$txt" "$OUT")" -ge 3 ] && grep -q -- "--- from the prompt with screened ---" "$OUT"
 st=$?; check "run --compare --rewind: every method from the prompt, exact ones with dense's text (rc=$RC: $(head -c 200 "$ERR"))" $st
+# --superpage 0: caches without superpages (certified without its round 0), the same text
+run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1 --method dense --compare certified --budget 1/4 --rewind --superpage 0
+[ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 2 ] && [ "$(grep -c -F -- "$txt" "$OUT")" -ge 2 ]
+st=$?; check "run --superpage 0: certified writes dense's text (rc=$RC: $(head -c 200 "$ERR"))" $st
+usage run --model "$MODEL" --superpage -1
+usage run --model "$MODEL" --superpage 4097
 run run --model "$MODEL" --prompt "Hello" -n 4 --method topk --budget 1/2 --compare topk:1/64,dense,topk --rewind --quiet
 [ "$RC" -eq 0 ] && grep -q '^\[decode @5 topk 0.5\]' "$OUT" && grep -q '^\[decode @5 topk 0.015625\]' "$OUT" &&
   [ "$(grep -c '^\[decode @5 topk 0.5\]' "$OUT")" -eq 2 ]

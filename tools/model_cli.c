@@ -30,6 +30,7 @@ void model_opts_init(model_opts *o) {
     o->kv_dtype = EKV_DTYPE_F16;
     o->code_bits = 4;
     o->overlap_launches = -1; /* where the GPU supports it (ekv_model_params) */
+    o->superpage = 16;        /* ekv_model_params' default */
 }
 
 void model_opts_help(FILE *f) {
@@ -49,6 +50,10 @@ void model_opts_help(FILE *f) {
             "                        (default 4; the other methods' caches hold no codes)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --page P              KV cache page size, 1..256 (default 16)\n"
+            "  --superpage S         pages per superpage summary of the KV caches, 0..4096;\n"
+            "                        certified decode skips the summaries of superpages below\n"
+            "                        the tau of the recent pages (round 0); 0 = none: no round\n"
+            "                        0 (default 16)\n"
             "  --kv-dtype f16|f32|bf16  KV cache storage (default f16)\n"
             "  --backend cpu|cuda    where the model runs (default cpu). cuda: weights and KV\n"
             "                        caches on the GPU; a dense prefill runs on tensor cores\n"
@@ -96,6 +101,7 @@ static const cli_opt model_table[] = {
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
         CLI_INT("--fused-attend", model_opts, fused_attend, 0, 1),
         CLI_INT("--overlap-launches", model_opts, overlap_launches, -1, 1),
+        CLI_INT("--superpage", model_opts, superpage, 0, 4096),
 };
 
 ekv_select_method model_method(const char *sub, const char *what, const char *name) {
@@ -258,6 +264,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.decode_candidates = (int32_t)o->decode_candidates;
     mp.fused_attend = (int32_t)o->fused_attend;
     mp.overlap_launches = (int32_t)o->overlap_launches;
+    mp.superpage_pages = (int32_t)o->superpage;
     mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     ekv_status st = ekv_model_load(*ctx, path, &mp, m);
     if (st) {
