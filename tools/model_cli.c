@@ -30,7 +30,7 @@ void model_opts_init(model_opts *o) {
     o->kv_dtype = EKV_DTYPE_F16;
     o->code_bits = 4;
     o->overlap_launches = -1; /* where the GPU supports it (ekv_model_params) */
-    o->superpage = 16;        /* ekv_model_params' default */
+    o->superpage = ekv_model_default_params().superpage_pages;
 }
 
 void model_opts_help(FILE *f) {

@@ -29,7 +29,8 @@ enum {
     EKV_CUDA_SEL_DIGITS = 4,        /* radix digits of 8 bits of the fp32 ranking keys     */
     EKV_CUDA_SEL_PART_PAGES = 2048, /* default pages of a list one top-k block ranks       */
     EKV_CUDA_SEL_MIN_PARTS = 6      /* a list shorter than this many parts takes one block:
-                                       the parts' barriers cost more than they save (bench/RESULTS.md,
-                                       2026-12-06 third session: 2 and 4 parts lost 8-23 us
-                                       at 64K and 128K tokens, 8 parts won at 256K)       */
+                                       the parts' barriers cost more than they save
+                                       (bench/RESULTS.md, 2026-12-06 third session: 2 and 4
+                                       parts lost 8-23 us at 64K and 128K tokens, 8 parts
+                                       won at 256K)                                       */
 };
