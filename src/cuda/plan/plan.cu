@@ -35,11 +35,13 @@ extern "C" ekv_status ekv_cuda_device_count(ekv_context *ctx, int32_t *count) {
     return EKV_OK;
 }
 
-/* Every device buffer of a plan with its size: the one list that plan creation allocates,
- * ekv_cuda_plan_bytes counts and ekv_cuda_plan_free frees. */
+/* Every device buffer of a plan with its size: the one list that plan creation allocates (and
+ * zeroes where `zero` says so), ekv_cuda_plan_bytes counts and ekv_cuda_plan_free frees. */
 typedef struct {
     void **ptr;
     int64_t bytes;
+    int zero = 0; /* zero at creation: a step reads it before writing it (counters, flags,
+                     bits, histograms and barriers that the steps leave zero again) */
 } plan_buffer;
 
 enum { PLAN_BUFFERS = 55 };
@@ -55,22 +57,22 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->bounds, BH * P * (int64_t)sizeof(float)},
             {(void **)&pl->list_bounds, BHk * P * (int64_t)sizeof(float)},
             {(void **)&pl->list_pages, BHk * P * (int64_t)sizeof(int32_t)},
-            {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->in_list, BHk * P},
             {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
             {(void **)&pl->tau_m, BH * (int64_t)sizeof(float)},
             {(void **)&pl->tau_t, BH * (int64_t)sizeof(double)},
             {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},
             {(void **)&pl->v_rows, BHk * (int64_t)sizeof(int64_t)},
-            {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->flags, BH * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->gmu, BH * P * (int64_t)sizeof(double)},
             {(void **)&pl->gsig, BH * P * (int64_t)sizeof(double)},
             {(void **)&pl->cand_z, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->cand_slot, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->cand_count, BH * (int64_t)sizeof(int32_t)},
-            {(void **)&pl->cand_hist, BH * EKV_CUDA_TAU_HIST_BINS * (int64_t)sizeof(uint32_t)},
-            {(void **)&pl->cand_done, BH * (int64_t)sizeof(uint32_t)},
-            {(void **)&pl->refine_count, BH * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->cand_hist, BH * EKV_CUDA_TAU_HIST_BINS * (int64_t)sizeof(uint32_t), 1},
+            {(void **)&pl->cand_done, BH * (int64_t)sizeof(uint32_t), 1},
+            {(void **)&pl->refine_count, BH * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},
@@ -80,13 +82,13 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->scl, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->scu, BH * pl->scap * (int64_t)sizeof(float)},
             {(void **)&pl->sct, BH * pl->scap * (int64_t)sizeof(int32_t)},
-            {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->sbits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t), 1},
             {(void **)&pl->scr_thr, BH * (int64_t)sizeof(float)},
             {(void **)&pl->scr_short, BH * pl->short_cap * (int64_t)sizeof(float)},
             {(void **)&pl->scr_tl, BH * (int64_t)sizeof(double)},
             {(void **)&pl->row_chunk_count, BHk * pl->row_chunks * (int64_t)sizeof(int32_t)},
             {(void **)&pl->rows, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
-            {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->row_count, BHk * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->gstat, BH * 3 * (int64_t)sizeof(double)},
             {(void **)&pl->flash_part, BH * ns * (pl->p.head_dim + 4) * (int64_t)sizeof(float)},
             {(void **)&pl->hlist_pages, BH * P * (int64_t)sizeof(int32_t)},
@@ -94,20 +96,20 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->hlist_in, BH * P},
             {(void **)&pl->list_heads, BHk * P * (int64_t)sizeof(uint16_t)},
             {(void **)&pl->sp_count, 2 * (int64_t)sizeof(unsigned long long)},
-            {(void **)&pl->ubits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t)},
+            {(void **)&pl->ubits, BHk * pl->cap_words * (int64_t)sizeof(uint32_t), 1},
             {(void **)&pl->ulist, BHk * pl->cap_tokens * (int64_t)sizeof(int32_t)},
             {(void **)&pl->ucount, BHk * (int64_t)sizeof(int32_t)},
             {(void **)&pl->fused_part, 2 * EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP *
                                                EKV_CUDA_FUSED_PER_SM * (int64_t)pl->sms * 4 *
                                                (int64_t)sizeof(double)},
-            {(void **)&pl->fused_bar, 2 * EKV_CUDA_FUSED_GROUPS * (int64_t)sizeof(unsigned)},
+            {(void **)&pl->fused_bar, 2 * EKV_CUDA_FUSED_GROUPS * (int64_t)sizeof(unsigned), 1},
             {(void **)&pl->fused_near, EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP *
                                                EKV_CUDA_FUSED_NEAR_CAP * (int64_t)sizeof(float)},
             {(void **)&pl->fused_near_count,
              EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP * (int64_t)sizeof(uint32_t)},
-            {(void **)&pl->sel_bar, sel_lists * 2 * (int64_t)sizeof(unsigned)},
+            {(void **)&pl->sel_bar, sel_lists * 2 * (int64_t)sizeof(unsigned), 1},
             {(void **)&pl->sel_hist,
-             sel_lists * EKV_CUDA_SEL_DIGITS * 256 * (int64_t)sizeof(int32_t)},
+             sel_lists * EKV_CUDA_SEL_DIGITS * 256 * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->sel_last, pl->sel_blocks * 256 * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sel_count, pl->sel_blocks * (int64_t)sizeof(int32_t)},
     };
@@ -336,7 +338,6 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     pl->smem_optin = optin;
     cudaDeviceGetAttribute(&pl->cooperative, cudaDevAttrCooperativeLaunch, p->device);
     plan_geometry(pl, sms);
-    const int64_t B = p->max_batch, H = p->num_heads, Hk = p->num_kv_heads;
     plan_buffer want[PLAN_BUFFERS];
     plan_buffers(pl, want);
     for (int i = 0; i < PLAN_BUFFERS; i++) {
@@ -351,34 +352,9 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     /* on the plan's stream, then waited for: a caller's non-blocking stream (torch's side
      * streams) is not ordered after the legacy stream a plain cudaMemset uses, so the first
      * step could read the buffers before they are zero */
-    e = cudaMemsetAsync(pl->flags, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->list_count, 0, (size_t)(B * Hk * 2) * sizeof(int32_t), pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->sbits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
-                            pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->ubits, 0, (size_t)(B * Hk * pl->cap_words) * sizeof(uint32_t),
-                            pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->row_count, 0, (size_t)(B * Hk) * sizeof(int32_t), pl->stream);
-    if (e == cudaSuccess) /* the candidates' histograms, done and refine counts (stages/tau.cu) */
-        e = cudaMemsetAsync(pl->cand_hist, 0,
-                            (size_t)(B * H * EKV_CUDA_TAU_HIST_BINS) * sizeof(uint32_t), pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->cand_done, 0, (size_t)(B * H) * sizeof(uint32_t), pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->refine_count, 0, (size_t)(B * H) * sizeof(int32_t), pl->stream);
-    if (e == cudaSuccess) /* the fused attend's barriers (stages/attend_fused.cu) */
-        e = cudaMemsetAsync(pl->fused_bar, 0, 2 * EKV_CUDA_FUSED_GROUPS * sizeof(unsigned),
-                            pl->stream);
-    if (e == cudaSuccess) /* the split top-k's barriers and histograms (select/select_parts.cuh) */
-        e = cudaMemsetAsync(pl->sel_bar, 0, (size_t)ekv_sel_lists(pl) * 2 * sizeof(unsigned),
-                            pl->stream);
-    if (e == cudaSuccess)
-        e = cudaMemsetAsync(pl->sel_hist, 0,
-                            (size_t)ekv_sel_lists(pl) * EKV_CUDA_SEL_DIGITS * 256 * sizeof(int32_t),
-                            pl->stream);
+    e = cudaSuccess;
+    for (int i = 0; i < PLAN_BUFFERS && e == cudaSuccess; i++)
+        if (want[i].zero) e = cudaMemsetAsync(*want[i].ptr, 0, (size_t)want[i].bytes, pl->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(pl->stream);
     if (e != cudaSuccess) {
         ekv_cuda_plan_free(pl);

@@ -80,8 +80,7 @@ __device__ __forceinline__ int ekv_sel_parts_sum(const int32_t *v, int64_t first
                                                  int n) {
     int s = 0;
     for (int i = threadIdx.x & 31; i < n; i += 32) s += __ldcg(v + (first + i) * stride);
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    return s;
+    return ekv_warp_sum(s);
 }
 
 /* The keys equal to the k-th (the ties) in the parts before this one: their last-digit bin
