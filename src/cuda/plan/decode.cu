@@ -66,13 +66,13 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
 
 /* Certified round 0 (docs/math.md §9.6, as src/cpu/methods/certified.c): tau over the last
  * recent_pages + 1 pages (4 without recent pages) is a lower bound of tau*, so the bound stage
- * can skip the summaries of every superpage already below it. 4 launches: the list (top-k with
- * no budget, only the recent pages), scores, tau. */
+ * can skip the summaries of every superpage already below it. 4 launches: the list (the recent
+ * pages, select.cu's recent_kernel), scores, tau. */
 static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
                                 const ekv_page_table *t, const float *q, int B) {
     const int32_t recent = sel->recent_pages > 0 ? sel->recent_pages : 3; /* + the last page */
-    ekv_status s = ekv_cuda_launch_topk(pl, t, B, 0, 0.0, 0, recent, NULL, 0);
+    ekv_status s = ekv_cuda_launch_recent(pl, t, B, recent);
     if (!s) s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1, 0);
     if (!s) s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, NULL);
     return s;
