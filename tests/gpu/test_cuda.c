@@ -1825,6 +1825,10 @@ static void split_select_case(ekv_context *ctx, int ps, int64_t long_len, const 
     double *hint = malloc(sizeof(double) * B * H);
     for (int64_t i = 0; i < (int64_t)B * H; i++) hint[i] = 0.5 + 0.1 * (double)(i % 3);
     float *dq = dev_copy(q, sizeof(float) * nq), *dout = dev_copy(NULL, sizeof(float) * nq);
+    /* 4q: every bound's exponent moves by two, so the select's guess of the first digit (the
+     * last step's) fails on the steps that switch between q and 4q and holds on the others */
+    for (int64_t i = 0; i < nq; i++) q[i] *= 4.0f;
+    float *dq4 = dev_copy(q, sizeof(float) * nq);
     double *dhint = dev_copy(hint, sizeof(double) * B * H);
     const int64_t nl = (int64_t)B * Hk;
     int32_t *lists[2], *r1[2], *r2[2];
@@ -1851,10 +1855,11 @@ static void split_select_case(ekv_context *ctx, int ps, int64_t long_len, const 
             sp.tau_hint = meth == 2 ? dhint : NULL;
             const int Bs = (bi + meth) % 2 ? B - 1 : B;
             const int64_t nqs = (int64_t)Bs * H * D, nls = (int64_t)Bs * Hk;
-            split_select_step(ctx, plans[0], &m, &prm, &sp, Bs, dq, dout, nqs, lists[0], r1[0],
+            const float *qs = bi % 2 ? dq4 : dq;
+            split_select_step(ctx, plans[0], &m, &prm, &sp, Bs, qs, dout, nqs, lists[0], r1[0],
                               r2[0], out[0]);
             for (int i = 1; i < 4; i++) {
-                split_select_step(ctx, plans[i], &m, &prm, &sp, Bs, dq, dout, nqs, lists[1], r1[1],
+                split_select_step(ctx, plans[i], &m, &prm, &sp, Bs, qs, dout, nqs, lists[1], r1[1],
                                   r2[1], out[1]);
                 for (int64_t l = 0; l < nls; l++) {
                     CHECK(r1[0][l] == r1[1][l] && r2[0][l] == r2[1][l],
@@ -1892,6 +1897,7 @@ static void split_select_case(ekv_context *ctx, int ps, int64_t long_len, const 
     }
     mirror_free(&m);
     cudaFree(dq);
+    cudaFree(dq4);
     cudaFree(dout);
     cudaFree(dhint);
     free(q);

@@ -27,6 +27,8 @@ enum {
     EKV_CUDA_SEL_BLOCKS_PER_SM = 2, /* of them resident at most (2048 threads an SM; each
                                        kernel's occupancy decides, select/select.cu)     */
     EKV_CUDA_SEL_DIGITS = 4,        /* radix digits of 8 bits of the fp32 ranking keys     */
+    EKV_CUDA_SEL_HISTS = 5,         /* a list's summed histograms: the digits', and the second
+                                       digit's counted with the first under its guess     */
     EKV_CUDA_SEL_PART_PAGES = 2048, /* default pages of a list one top-k block ranks       */
     EKV_CUDA_SEL_MIN_PARTS = 6      /* a list shorter than this many parts takes one block:
                                        the parts' barriers cost more than they save

@@ -44,7 +44,7 @@ typedef struct {
                      bits, histograms and barriers that the steps leave zero again) */
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 55 };
+enum { PLAN_BUFFERS = 56 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -109,9 +109,11 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
              EKV_CUDA_FUSED_GROUPS * EKV_CUDA_FUSED_GROUP * (int64_t)sizeof(uint32_t)},
             {(void **)&pl->sel_bar, sel_lists * 2 * (int64_t)sizeof(unsigned), 1},
             {(void **)&pl->sel_hist,
-             sel_lists * EKV_CUDA_SEL_DIGITS * 256 * (int64_t)sizeof(int32_t), 1},
+             sel_lists * EKV_CUDA_SEL_HISTS * 256 * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->sel_last, pl->sel_blocks * 256 * (int64_t)sizeof(int32_t)},
             {(void **)&pl->sel_count, pl->sel_blocks * (int64_t)sizeof(int32_t)},
+            {(void **)&pl->sel_guess, BH, 1}, /* any guess is exact (select.cu): zero for
+                                                 memcheck's initcheck */
     };
     static_assert(sizeof t / sizeof t[0] == PLAN_BUFFERS, "PLAN_BUFFERS counts the table");
     memcpy(b, t, sizeof t);

@@ -5,12 +5,13 @@
  *   topk:   one block per part of a (sequence, KV head) list: a long list is cut into parts
  *           ranked together by the blocks of one cooperative launch (select_parts.cuh,
  *           docs/architecture.md "The split top-k select"). The k-th largest bound is found by
- *           a radix select over the fp32 bit patterns (4 passes of 8 bits, histograms in
- *           shared memory, summed over the parts), then an ordered compaction writes the pages
- *           above it (ties at the k-th value: the lowest page numbers), the sink/recent pages
- *           and the last page. The list is in ascending page order (the CPU lists are in bound
- *           order: same sets). With per_query_head, the lists are per query head, each ranked
- *           by that head's own bounds.
+ *           a radix select over the fp32 bit patterns (4 digits of 8 bits, histograms in
+ *           shared memory, summed over the parts; the second digit counted in the first
+ *           one's pass when the list's last first digit holds), then an ordered compaction
+ *           writes the pages above it (ties at the k-th value: the lowest page numbers), the
+ *           sink/recent pages and the last page. The list is in ascending page order (the CPU
+ *           lists are in bound order: same sets). With per_query_head, the lists are per
+ *           query head, each ranked by that head's own bounds.
  *   union:  per_query_head: the heads' lists merged per KV head, with a head mask per entry.
  *   round2: certified decode, docs/math.md §9.3: appends every page outside round 1 whose bound
  *           exceeds round 1's tau for some query head of the group (in parts as topk).
@@ -60,8 +61,12 @@ struct topk_args : ekv_cuda_shape {
  * sum every pass (a one-block select of 4096 pages took 18.5 us, bench/RESULTS.md). SEL_UNROLL
  * coalesced loads in flight per lane: one block per list is latency-bound. */
 __device__ __forceinline__ void digit_histogram(const float *key, int64_t n, int shift,
-                                                uint32_t mask, uint32_t prefix, int *hist) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+                                                uint32_t mask, uint32_t prefix, int *hist,
+                                                int *spec = nullptr, uint32_t guess = 0) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        hist[i] = 0;
+        if (spec) spec[i] = 0;
+    }
     __syncthreads();
     const int lane = threadIdx.x & 31;
     /* warp-uniform trip count: every lane takes part in the matches */
@@ -77,6 +82,10 @@ __device__ __forceinline__ void digit_histogram(const float *key, int64_t n, int
         for (int u = 0; u < SEL_UNROLL; u++) {
             const bool counted = base + 32 * u + lane < n && (kk[u] & mask) == prefix;
             ekv_warp_count_bin(hist, counted ? (int)((kk[u] >> shift) & 0xFF) : -1);
+            if (spec) /* the first digit's round: the second digit under the guess */
+                ekv_warp_count_bin(spec, base + 32 * u + lane < n && (kk[u] >> 24) == guess
+                                                 ? (int)((kk[u] >> 16) & 0xFF)
+                                                 : -1);
         }
     }
     __syncthreads();
@@ -164,7 +173,7 @@ __device__ __forceinline__ void topk_compact(const topk_args &A, const float *ke
  * bits a pass, the parts' histograms summed), then each part compacts its pages in order. */
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     ekv_grid_begin();
-    __shared__ int hist[256], sum[256];
+    __shared__ int hist[256], sum[256], spec[256], spec_sum[256];
     __shared__ int wsum[32], s_parts[2];
     __shared__ uint32_t s_prefix;
     __shared__ int s_remaining;
@@ -186,16 +195,32 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     r.h0 = (int64_t)b * A.H + (row % A.out.lps) * A.out.lh; /* the list's heads */
     uint32_t mask = 0;
     if (r.ranked) {
+        /* the first digit rarely moves from step to step: its round also counts the second
+         * digit under the list's last first digit (the guess), and when the guess holds the
+         * second digit needs no pass and no barrier of its own. Exact either way. Every part
+         * reads the guess before the first barrier, part 0 writes the new one after it. */
+        const uint32_t guess = A.parts.guess[row];
+        const int *next = nullptr; /* the second digit's histogram when the guess held */
         for (int digit = 0; digit < EKV_CUDA_SEL_DIGITS; digit++) {
             const int shift = 24 - 8 * digit;
-            digit_histogram(key + pt.p0, pt.p1 - pt.p0, shift, mask, r.prefix, hist);
-            const int *h = ekv_sel_digit_sum(A.parts, pt, digit, hist, sum);
+            const int *h = next;
+            if (!h) {
+                const bool first = digit == 0;
+                digit_histogram(key + pt.p0, pt.p1 - pt.p0, shift, mask, r.prefix, hist,
+                                first ? spec : nullptr, guess);
+                h = ekv_sel_digit_sum(A.parts, pt, digit, hist, sum, first ? spec : nullptr,
+                                      spec_sum);
+            }
             if (threadIdx.x < 32)
                 pick_digit(h, r.remaining, r.prefix, shift, &s_prefix, &s_remaining);
             __syncthreads();
             r.prefix = s_prefix;
             r.remaining = s_remaining;
             mask |= 0xFFu << shift;
+            next = digit == 0 && (r.prefix >> 24) == guess ? (pt.n == 1 ? spec : spec_sum)
+                                                           : nullptr;
+            if (digit == 0 && pt.s == 0 && threadIdx.x == 0)
+                A.parts.guess[row] = (uint8_t)(r.prefix >> 24);
             __syncthreads();
         }
     }
@@ -357,6 +382,7 @@ template <auto Kernel> static ekv_sel_parts sel_parts_of(ekv_cuda_plan *pl, int 
     X.hist = pl->sel_hist;
     X.last = pl->sel_last;
     X.count = pl->sel_count;
+    X.guess = pl->sel_guess;
     X.part_pages = pl->p.select_part_pages > 0 ? pl->p.select_part_pages
                                                : (int64_t)EKV_CUDA_SEL_PART_PAGES;
     X.splits = 1;

@@ -32,9 +32,10 @@ __host__ __device__ __forceinline__ int64_t ekv_sel_part_count(int64_t pages, in
 /* The plan's state of the split select (ekv_cuda_plan.sel_*) and the launch's blocks a list. */
 struct ekv_sel_parts {
     unsigned *bar;  /* [lists][2] */
-    int32_t *hist;  /* [lists][EKV_CUDA_SEL_DIGITS][256] */
+    int32_t *hist;  /* [lists][EKV_CUDA_SEL_HISTS][256]: the digits', then the speculative one */
     int32_t *last;  /* [blocks][256] each part's histogram of the last digit */
     int32_t *count; /* [blocks] each part's pages taken */
+    uint8_t *guess; /* [lists of any select] the first digit at the list's last ranking */
     int splits;     /* blocks a list in the launch (1: the one-block select) */
     int64_t part_pages;
 };
@@ -58,18 +59,25 @@ __device__ __forceinline__ ekv_sel_part ekv_sel_part_of(const ekv_sel_parts &X, 
 
 /* Digit `digit` of the list's ranking: this part's histogram `hist` (shared, complete) summed
  * over the list's parts into `sum` (shared), which is returned; `hist` itself for one part. The
- * last digit's histogram is also kept per part (ekv_sel_ties_before). Block-wide. */
-__device__ __forceinline__ const int *ekv_sel_digit_sum(const ekv_sel_parts &X,
-                                                        const ekv_sel_part &pt, int digit,
-                                                        const int *hist, int *sum) {
+ * last digit's histogram is also kept per part (ekv_sel_ties_before). With `spec` (the first
+ * digit's round), the part's speculative histogram of the second digit is summed at the same
+ * barrier into spec_sum (for one part spec_sum is not written: spec is the sum). Block-wide. */
+__device__ __forceinline__ const int *
+ekv_sel_digit_sum(const ekv_sel_parts &X, const ekv_sel_part &pt, int digit, const int *hist,
+                  int *sum, const int *spec = nullptr, int *spec_sum = nullptr) {
     if (pt.n == 1) return hist;
-    int32_t *g = X.hist + ((int64_t)pt.row * EKV_CUDA_SEL_DIGITS + digit) * 256;
+    int32_t *g = X.hist + ((int64_t)pt.row * EKV_CUDA_SEL_HISTS + digit) * 256,
+            *gs = X.hist + ((int64_t)pt.row * EKV_CUDA_SEL_HISTS + EKV_CUDA_SEL_DIGITS) * 256;
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         if (hist[i]) atomicAdd(g + i, hist[i]);
+        if (spec && spec[i]) atomicAdd(gs + i, spec[i]);
         if (digit == EKV_CUDA_SEL_DIGITS - 1) X.last[(int64_t)blockIdx.x * 256 + i] = hist[i];
     }
     group_sync(X.bar + 2 * (int64_t)pt.row, (unsigned)pt.n);
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) sum[i] = __ldcg(g + i);
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        sum[i] = __ldcg(g + i);
+        if (spec) spec_sum[i] = __ldcg(gs + i);
+    }
     __syncthreads();
     return sum;
 }
@@ -138,8 +146,8 @@ __device__ __forceinline__ int ekv_sel_part_offset(const ekv_sel_parts &X, const
         }
     }
     if (pt.s == 0) {
-        int32_t *g = X.hist + (int64_t)pt.row * EKV_CUDA_SEL_DIGITS * 256;
-        for (int i = threadIdx.x; i < EKV_CUDA_SEL_DIGITS * 256; i += blockDim.x) g[i] = 0;
+        int32_t *g = X.hist + (int64_t)pt.row * EKV_CUDA_SEL_HISTS * 256;
+        for (int i = threadIdx.x; i < EKV_CUDA_SEL_HISTS * 256; i += blockDim.x) g[i] = 0;
     }
     __syncthreads();
     const int before = s_out[0];
