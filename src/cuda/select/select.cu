@@ -168,15 +168,75 @@ __device__ __forceinline__ void topk_compact(const topk_args &A, const float *ke
             out, in, written, wsum);
 }
 
+/* The shared memory of a top-k block. */
+struct topk_smem {
+    int hist[256], sum[256], spec[256], spec_sum[256];
+    int wsum[32], parts[2];
+    uint32_t prefix;
+    int remaining;
+};
+
+/* Warp 0 (every lane gets it): the keys of histogram h in bins above d. */
+__device__ __forceinline__ int bins_above(const int *h, int d) {
+    int s = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int bin = 8 * (int)(threadIdx.x & 31) + k;
+        if (bin > d) s += h[bin];
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+/* Part pt's share of its list's radix select: r.prefix (the k-th key T) and r.remaining (the
+ * ties at T still to take) after the four digits, the parts' histograms summed at each
+ * (ekv_sel_digit_sum). The first digit rarely moves from step to step: its round also counts
+ * the second digit under the list's last first digit (the guess), and when the guess holds the
+ * second digit needs no pass and no barrier of its own; exact either way. Every part reads the
+ * guess before the first barrier, part 0 writes the new one after it. With `direct`, the part's
+ * keys above T's first three digits go to X.count before the last digit's barrier
+ * (ekv_sel_ranked_offset). Block-wide. */
+__device__ void rank_part(const topk_args &A, const float *key, const ekv_sel_part &pt, int row,
+                          bool direct, topk_rule &r, topk_smem &S) {
+    const int last = EKV_CUDA_SEL_DIGITS - 1;
+    const uint32_t guess = A.parts.guess[row];
+    const int *next = nullptr; /* the second digit's histogram when the guess held */
+    uint32_t mask = 0;
+    int above = 0; /* warp 0: this part's keys above T's digits picked so far */
+    for (int digit = 0; digit <= last; digit++) {
+        const int shift = 24 - 8 * digit;
+        const int *h = next, *own = next ? S.spec : S.hist;
+        if (!h) {
+            const bool first = digit == 0;
+            digit_histogram(key + pt.p0, pt.p1 - pt.p0, shift, mask, r.prefix, S.hist,
+                            first ? S.spec : nullptr, guess);
+            if (direct && digit == last && threadIdx.x == 0) A.parts.count[blockIdx.x] = above;
+            h = ekv_sel_digit_sum(A.parts, pt, digit, S.hist, S.sum, first ? S.spec : nullptr,
+                                  S.spec_sum);
+        }
+        if (threadIdx.x < 32) pick_digit(h, r.remaining, r.prefix, shift, &S.prefix, &S.remaining);
+        __syncthreads();
+        r.prefix = S.prefix;
+        r.remaining = S.remaining;
+        mask |= 0xFFu << shift;
+        if (direct && digit < last && threadIdx.x < 32)
+            above += bins_above(own, (int)((r.prefix >> shift) & 0xFFu));
+        next = digit == 0 && (r.prefix >> 24) == guess ? (pt.n == 1 ? S.spec : S.spec_sum)
+                                                       : nullptr;
+        if (digit == 0 && pt.s == 0 && threadIdx.x == 0)
+            A.parts.guess[row] = (uint8_t)(r.prefix >> 24);
+        __syncthreads();
+    }
+}
+
 /* One block per part of a (sequence, list) (select_parts.cuh; one part = one block per list).
  * The k-th largest key is found by a radix select over the fp32 bit patterns (a digit of 8
- * bits a pass, the parts' histograms summed), then each part compacts its pages in order. */
+ * bits a pass, the parts' histograms summed: rank_part), then each part compacts its pages in
+ * order: where they start is known from the ranking itself when no page is forced in (sink,
+ * recent; a hint ranks nothing), else from the parts' counts at one more meeting. */
 __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     ekv_grid_begin();
-    __shared__ int hist[256], sum[256], spec[256], spec_sum[256];
-    __shared__ int wsum[32], s_parts[2];
-    __shared__ uint32_t s_prefix;
-    __shared__ int s_remaining;
+    __shared__ topk_smem S;
     const int row = blockIdx.x / A.parts.splits, b = row / A.out.lps;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = sg.P - 1; /* scored pages */
@@ -193,46 +253,26 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
     r.ranked = !r.take_all && k > 0;
     r.P = sg.P;
     r.h0 = (int64_t)b * A.H + (row % A.out.lps) * A.out.lh; /* the list's heads */
-    uint32_t mask = 0;
-    if (r.ranked) {
-        /* the first digit rarely moves from step to step: its round also counts the second
-         * digit under the list's last first digit (the guess), and when the guess holds the
-         * second digit needs no pass and no barrier of its own. Exact either way. Every part
-         * reads the guess before the first barrier, part 0 writes the new one after it. */
-        const uint32_t guess = A.parts.guess[row];
-        const int *next = nullptr; /* the second digit's histogram when the guess held */
-        for (int digit = 0; digit < EKV_CUDA_SEL_DIGITS; digit++) {
-            const int shift = 24 - 8 * digit;
-            const int *h = next;
-            if (!h) {
-                const bool first = digit == 0;
-                digit_histogram(key + pt.p0, pt.p1 - pt.p0, shift, mask, r.prefix, hist,
-                                first ? spec : nullptr, guess);
-                h = ekv_sel_digit_sum(A.parts, pt, digit, hist, sum, first ? spec : nullptr,
-                                      spec_sum);
-            }
-            if (threadIdx.x < 32)
-                pick_digit(h, r.remaining, r.prefix, shift, &s_prefix, &s_remaining);
-            __syncthreads();
-            r.prefix = s_prefix;
-            r.remaining = s_remaining;
-            mask |= 0xFFu << shift;
-            next = digit == 0 && (r.prefix >> 24) == guess ? (pt.n == 1 ? spec : spec_sum)
-                                                           : nullptr;
-            if (digit == 0 && pt.s == 0 && threadIdx.x == 0)
-                A.parts.guess[row] = (uint8_t)(r.prefix >> 24);
-            __syncthreads();
-        }
-    }
-    const int ties = r.ranked ? ekv_sel_ties_before(A.parts, pt, r.prefix & 0xFFu, s_parts) : 0;
+    const bool direct = pt.n > 1 && r.ranked && !A.sink && !A.recent;
+    if (r.ranked) rank_part(A, key, pt, row, direct, r, S);
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
     uint8_t *in = A.out.in + (int64_t)row * A.cap_pages;
-    const int total = ekv_sel_write_part(
-            A.parts, pt,
-            [&](int32_t *o, uint8_t *i, int *w) {
-                topk_compact(A, key, r, pt, ties, o, i, w, wsum);
-            },
-            out, in, s_parts);
+    int total;
+    if (direct) { /* the last part's pages end where the list does */
+        int ties;
+        total = ekv_sel_ranked_offset(A.parts, pt, (int)(r.prefix & 0xFFu), r.remaining, &ties,
+                                      S.parts);
+        topk_compact(A, key, r, pt, ties, out, in, &total, S.wsum);
+    } else {
+        const int ties =
+                r.ranked ? ekv_sel_ties_before(A.parts, pt, (int)(r.prefix & 0xFFu), S.parts) : 0;
+        total = ekv_sel_write_part(
+                A.parts, pt,
+                [&](int32_t *o, uint8_t *i, int *w) {
+                    topk_compact(A, key, r, pt, ties, o, i, w, S.wsum);
+                },
+                out, in, S.parts);
+    }
     if (pt.s == pt.n - 1 && threadIdx.x == 0)
         ekv_close_list(out, in, total, sg.P, A.out.count, row);
 }

@@ -9,10 +9,16 @@
  *   - once for the ordered compaction: each part's count of pages taken, so a part knows where
  *     its pages start in the list. The ties at the k-th key are taken in page order, so a part
  *     also needs the ties of the parts before it: its histogram of the last digit, kept per
- *     part, holds them (the last digit's bins count keys equal to the prefix in all but it).
+ *     part as suffix sums, holds them (the last digit's bins count keys equal to the prefix in
+ *     all but it). A ranked list with no page forced in (no sink, recent or hinted pages) skips
+ *     this meeting: a part's pages are its keys above the k-th, which it counts over the first
+ *     three digits (published before the last digit's barrier) and its suffix sums give above
+ *     the last digit, plus its share of the ties (ekv_sel_ranked_offset).
  * A list of one part (short, or no cooperative launch) meets nobody and touches no global
- * state. The list histograms are zero between launches: part 0 clears its list's after the
- * last barrier, when every part has read them.
+ * state. The list histograms of the first three digits and the speculative one are zero
+ * between launches (part 0 clears them after the last digit's barrier, when every part has
+ * read them); the last digit's, read by every part after that barrier, is cleared by part 0 of
+ * the next ranking before its first barrier.
  */
 #pragma once
 #include "lists.cuh"
@@ -57,27 +63,53 @@ __device__ __forceinline__ ekv_sel_part ekv_sel_part_of(const ekv_sel_parts &X, 
     return pt;
 }
 
+/* dst[i] = the sum of hist[i..255] (a part's last-digit histogram as suffix sums: its keys at
+ * and above a bin in two loads). Warp 0. */
+__device__ __forceinline__ void ekv_sel_store_suffix(const int *hist, int32_t *dst) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    int v[8], s = 0;
+#pragma unroll
+    for (int k = 7; k >= 0; k--) v[k] = s += hist[8 * lane + k];
+    int incl = s; /* the lanes' sums from this lane up */
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_down_sync(0xffffffffu, incl, o);
+        if (lane + o < 32) incl += x;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) dst[8 * lane + k] = v[k] + incl - s;
+}
+
 /* Digit `digit` of the list's ranking: this part's histogram `hist` (shared, complete) summed
  * over the list's parts into `sum` (shared), which is returned; `hist` itself for one part. The
- * last digit's histogram is also kept per part (ekv_sel_ties_before). With `spec` (the first
- * digit's round), the part's speculative histogram of the second digit is summed at the same
- * barrier into spec_sum (for one part spec_sum is not written: spec is the sum). Block-wide. */
+ * last digit's histogram is also kept per part, as suffix sums (ekv_sel_store_suffix). With `spec`
+ * (the first digit's round), the part's speculative histogram of the second digit is summed at the
+ * same barrier into spec_sum (for one part spec_sum is not written: spec is the sum). Block-wide.
+ */
 __device__ __forceinline__ const int *
 ekv_sel_digit_sum(const ekv_sel_parts &X, const ekv_sel_part &pt, int digit, const int *hist,
                   int *sum, const int *spec = nullptr, int *spec_sum = nullptr) {
     if (pt.n == 1) return hist;
     int32_t *g = X.hist + ((int64_t)pt.row * EKV_CUDA_SEL_HISTS + digit) * 256,
             *gs = X.hist + ((int64_t)pt.row * EKV_CUDA_SEL_HISTS + EKV_CUDA_SEL_DIGITS) * 256;
+    const bool last = digit == EKV_CUDA_SEL_DIGITS - 1;
+    int32_t *list = X.hist + (int64_t)pt.row * EKV_CUDA_SEL_HISTS * 256;
+    if (digit == 0 && pt.s == 0) /* the last ranking's last digit (see the file's comment) */
+        for (int i = threadIdx.x; i < 256; i += blockDim.x)
+            list[(EKV_CUDA_SEL_DIGITS - 1) * 256 + i] = 0;
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         if (hist[i]) atomicAdd(g + i, hist[i]);
         if (spec && spec[i]) atomicAdd(gs + i, spec[i]);
-        if (digit == EKV_CUDA_SEL_DIGITS - 1) X.last[(int64_t)blockIdx.x * 256 + i] = hist[i];
     }
+    if (last) ekv_sel_store_suffix(hist, X.last + (int64_t)blockIdx.x * 256);
     group_sync(X.bar + 2 * (int64_t)pt.row, (unsigned)pt.n);
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         sum[i] = __ldcg(g + i);
         if (spec) spec_sum[i] = __ldcg(gs + i);
     }
+    if (last && pt.s == 0) /* every part read them before this barrier */
+        for (int i = threadIdx.x; i < EKV_CUDA_SEL_HISTS * 256; i += blockDim.x)
+            if (i / 256 != EKV_CUDA_SEL_DIGITS - 1) list[i] = 0;
     __syncthreads();
     return sum;
 }
@@ -91,19 +123,65 @@ __device__ __forceinline__ int ekv_sel_parts_sum(const int32_t *v, int64_t first
     return ekv_warp_sum(s);
 }
 
-/* The keys equal to the k-th (the ties) in the parts before this one: their last-digit bin
- * `bin` (after ekv_sel_digit_sum of the last digit). Block-wide; 0 for one part or part 0. */
+/* Warp-wide (every lane gets them): over the parts before this one, their keys above the
+ * k-th key T (with `counted`, their counts above T's first three digits in X.count, plus their
+ * last digit's suffix sums above `bin`, T's last digit; else 0) and their keys equal to T (the
+ * ties: bin's own count), from their suffix rows (after ekv_sel_digit_sum of the last digit). */
+__device__ __forceinline__ void ekv_sel_parts_before(const ekv_sel_parts &X, const ekv_sel_part &pt,
+                                                     int bin, bool counted, int *above, int *ties) {
+    const int64_t first = (int64_t)blockIdx.x - pt.s;
+    int a = 0, t = 0;
+    for (int j = threadIdx.x & 31; j < pt.s; j += 32) {
+        const int32_t *suf = X.last + (first + j) * 256;
+        const int at = __ldcg(suf + bin), up = bin < 255 ? __ldcg(suf + bin + 1) : 0;
+        t += at - up;
+        if (counted) a += __ldcg(X.count + first + j) + up;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        t += __shfl_xor_sync(0xffffffffu, t, o);
+    }
+    *above = a;
+    *ties = t;
+}
+
+/* The keys equal to the k-th (the ties) in the parts before this one (T's last digit `bin`).
+ * Block-wide; 0 for one part or part 0. */
 __device__ __forceinline__ int ekv_sel_ties_before(const ekv_sel_parts &X, const ekv_sel_part &pt,
                                                    int bin, int *s_out) {
     if (pt.n == 1 || pt.s == 0) return 0;
     if (threadIdx.x < 32) {
-        const int t = ekv_sel_parts_sum(X.last + bin, (int64_t)blockIdx.x - pt.s, 256, pt.s);
+        int a, t;
+        ekv_sel_parts_before(X, pt, bin, false, &a, &t);
         if (threadIdx.x == 0) *s_out = t;
     }
     __syncthreads();
     const int t = *s_out;
     __syncthreads();
     return t;
+}
+
+/* Where part pt's pages start in a ranked list with no page forced in, without a meeting of its
+ * own (the file's comment): the keys above T of the parts before it, and of the `remaining`
+ * ties at T still to take (after the last digit's pick) those of the parts before it, in page
+ * order; *ties_before: the ties before it. The parts' counts above T's first three digits must
+ * be in X.count before the last digit's barrier. Block-wide. */
+__device__ __forceinline__ int ekv_sel_ranked_offset(const ekv_sel_parts &X, const ekv_sel_part &pt,
+                                                     int bin, int remaining, int *ties_before,
+                                                     int *s_out) {
+    if (threadIdx.x < 32) {
+        int a, t;
+        ekv_sel_parts_before(X, pt, bin, true, &a, &t);
+        if (threadIdx.x == 0) {
+            s_out[0] = a + (t < remaining ? t : remaining);
+            s_out[1] = t;
+        }
+    }
+    __syncthreads();
+    const int before = s_out[0];
+    *ties_before = s_out[1];
+    __syncthreads();
+    return before;
 }
 
 /* The ordered compaction of part pt in tiles of blockDim.x x UNROLL pages, each thread UNROLL
@@ -126,8 +204,7 @@ __device__ __forceinline__ void ekv_sel_compact_part(const ekv_sel_part &pt, Tak
 }
 
 /* Where this part's `mine` pages start in the list (the parts before it), and the list's total
- * in *total; part 0 then clears the list's digit histograms (every part has read them). Every
- * part of the list must call it. Block-wide; one part: 0 and mine. */
+ * in *total. Every part of the list must call it. Block-wide; one part: 0 and mine. */
 __device__ __forceinline__ int ekv_sel_part_offset(const ekv_sel_parts &X, const ekv_sel_part &pt,
                                                    int mine, int *total, int *s_out) {
     if (pt.n == 1) {
@@ -144,10 +221,6 @@ __device__ __forceinline__ int ekv_sel_part_offset(const ekv_sel_parts &X, const
             s_out[0] = before;
             s_out[1] = all;
         }
-    }
-    if (pt.s == 0) {
-        int32_t *g = X.hist + (int64_t)pt.row * EKV_CUDA_SEL_HISTS * 256;
-        for (int i = threadIdx.x; i < EKV_CUDA_SEL_HISTS * 256; i += blockDim.x) g[i] = 0;
     }
     __syncthreads();
     const int before = s_out[0];
