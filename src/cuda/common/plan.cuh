@@ -126,8 +126,10 @@ struct ekv_cuda_plan {
     /* the split top-k select (select/select_parts.cuh): a long list ranked by several blocks of
      * one cooperative launch, at most sel_blocks blocks (the resident ones) over at most
      * sel_blocks / 2 lists; per list its barrier [2] and digit histograms
-     * [EKV_CUDA_SEL_HISTS][256] (both zero between launches), per block its histogram of the
-     * last digit [256] and its count of pages taken; per list of any select (up to
+     * [EKV_CUDA_SEL_HISTS][256] (zero between launches but the last digit's, cleared at the
+     * next ranking's start), per block its last digit's histogram as suffix sums [256] and its
+     * count (pages taken, or keys above the k-th key's first three digits); per list of any
+     * select (up to
      * max_batch x num_heads) its first digit at its last ranking, the guess under which the
      * second digit is counted with the first */
     int32_t sel_blocks;

@@ -39,8 +39,9 @@ __host__ __device__ __forceinline__ int64_t ekv_sel_part_count(int64_t pages, in
 struct ekv_sel_parts {
     unsigned *bar;  /* [lists][2] */
     int32_t *hist;  /* [lists][EKV_CUDA_SEL_HISTS][256]: the digits', then the speculative one */
-    int32_t *last;  /* [blocks][256] each part's histogram of the last digit */
-    int32_t *count; /* [blocks] each part's pages taken */
+    int32_t *last;  /* [blocks][256] each part's last-digit histogram as suffix sums */
+    int32_t *count; /* [blocks] each part's pages taken, or (a list placed without its offsets
+                       barrier) its keys above the k-th key's first three digits */
     uint8_t *guess; /* [lists of any select] the first digit at the list's last ranking */
     int splits;     /* blocks a list in the launch (1: the one-block select) */
     int64_t part_pages;
