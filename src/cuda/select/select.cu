@@ -184,8 +184,7 @@ __device__ __forceinline__ int bins_above(const int *h, int d) {
         const int bin = 8 * (int)(threadIdx.x & 31) + k;
         if (bin > d) s += h[bin];
     }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    return s;
+    return ekv_warp_sum(s);
 }
 
 /* Part pt's share of its list's radix select: r.prefix (the k-th key T) and r.remaining (the

@@ -138,12 +138,8 @@ __device__ __forceinline__ void ekv_sel_parts_before(const ekv_sel_parts &X, con
         t += at - up;
         if (counted) a += __ldcg(X.count + first + j) + up;
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, o);
-        t += __shfl_xor_sync(0xffffffffu, t, o);
-    }
-    *above = a;
-    *ties = t;
+    *above = ekv_warp_sum(a);
+    *ties = ekv_warp_sum(t);
 }
 
 /* The keys equal to the k-th (the ties) in the parts before this one (T's last digit `bin`).
