@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     constexpr bool REFINE = MODE == CAND_REFINE;
     __shared__ float fscratch[32];
     __shared__ double scratch[128];
-    __shared__ unsigned hist[TAU_HIST_BINS];
+    __shared__ __align__(16) unsigned hist[TAU_HIST_BINS]; /* hist_read_bound: 16-byte loads */
     __shared__ float pw[REFINE ? TAU_HIST_BINS : 1]; /* the bound's power table (refine only) */
     const ekv_split sp = ekv_block_split(A.t, A.cbase, A.cbase * A.t.batch);
     if (sp.b < 0) return;
@@ -264,6 +264,27 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
     return compact_above(A, row, z, n, thr, s_n);
 }
 
+/* dst[0, n) = src[0, n) (shared from global), TAU_UNROLL loads in flight a thread: one at a
+ * time, each a store to shared memory apart (which the compiler cannot move a load past), the
+ * copy of a flat head's list of ~10K candidates waited on L2 tens of times a thread.
+ * Block-wide; the caller's barrier ends it. */
+__device__ __forceinline__ void load_list(float *dst, const float *src, int64_t n) {
+    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
+    for (int64_t base = threadIdx.x; base < n; base += step) {
+        float x[TAU_UNROLL];
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + (int64_t)k * blockDim.x;
+            x[k] = i < n ? __ldcg(src + i) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < TAU_UNROLL; k++) {
+            const int64_t i = base + (int64_t)k * blockDim.x;
+            if (i < n) dst[i] = x[k];
+        }
+    }
+}
+
 /* The support pass's elements per lane and pass: their loads, and with the union their
  * atomicOr round trips (union_mark), in flight together. */
 enum { SUP_UNROLL = 4 };
@@ -373,7 +394,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
     __shared__ unsigned long long s_ncomp;
-    __shared__ unsigned hist[TAU_HIST_BINS];
+    __shared__ __align__(16) unsigned hist[TAU_HIST_BINS]; /* hist_read_bound: 16-byte loads */
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -410,7 +431,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (!whole_row) {
         const float *cz = A.cand_z + row * A.ccap;
         if (nc <= A.smem_cand) {
-            for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) cand[i] = cz[i];
+            load_list(cand, cz, nc);
             __syncthreads();
             v = cand;
         } else
