@@ -80,6 +80,8 @@ struct ekv_cuda_plan {
     uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
     uint32_t *cand_done; /* [B*H] the screen tau(l) count blocks of the row that finished   */
     int32_t *refine_count; /* [B*H] scores above a refined row's bound (may exceed cap)    */
+    float *cand_start;     /* [B*H][2] a row's max M and its histogram bound of tau (or -inf),
+                            * from the refine pass for the tau kernel (tau.cu)             */
     float *sup_p;        /* [B*H][cand_cap] support list of the final round: p          */
     int64_t *sup_off;    /* [B*H][cand_cap] and V row offset                            */
     int64_t *sup_count;  /* [B*H] support size (> cand_cap: values scan the row)        */

@@ -421,4 +421,17 @@ __device__ __forceinline__ bool refines(int64_t count, int64_t cap) {
     return count > cap || count > TAU_REFINE_MIN;
 }
 
+/* Whether the tau kernel starts a row of count candidates (listed in a list of cap) from the
+ * histogram's bound: a row that wants it (wants_bound), and for alpha 1.5 and 2 (the bound one
+ * scan of moments; other alphas' bisection of block sums costs more than the iterations it
+ * saves on a short list) any row of more than TAU_START_MIN candidates whose histogram was
+ * counted: every listed row, not a screened row (`screened`: the candidates kernel counted none
+ * of a row that wants no bound). Every refined row reads it (refines implies wants_bound). The
+ * refine pass computes the bound of these rows, the tau kernel reads it. */
+__device__ __forceinline__ bool reads_bound(int64_t count, int64_t cap, double alpha,
+                                            bool screened) {
+    return wants_bound(count, cap) ||
+           (count > TAU_START_MIN && !screened && tau_by_moments(alpha));
+}
+
 } // namespace

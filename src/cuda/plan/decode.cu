@@ -12,8 +12,9 @@
  *              (12 kernels and a memset, 14 with the retry of lists shorter than the
  *              tokens; screen/screen.cuh)
  * (per_query_head lists: one more, the union of the heads' lists after the select), where
- * tau is three launches for entmax (candidates, the refine pass of a list that overflowed,
- * then the solve; stages/tau.cu) and one for softmax;
+ * tau is three launches for entmax (candidates, the refine pass of a long list, which also
+ * hands each row's max and bound to the solve, then the solve; stages/tau.cu) and one for
+ * softmax;
  * softmax on tensor cores replaces scores -> tau -> values by one pass over K and V and the
  * merge of its splits (2 launches, stages/softmax_mma.cu).
  * Nothing here reads device memory or synchronises, so a step can be captured in a graph.

@@ -44,7 +44,7 @@ typedef struct {
                      bits, histograms and barriers that the steps leave zero again) */
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 56 };
+enum { PLAN_BUFFERS = 57 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -73,6 +73,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->cand_hist, BH * EKV_CUDA_TAU_HIST_BINS * (int64_t)sizeof(uint32_t), 1},
             {(void **)&pl->cand_done, BH * (int64_t)sizeof(uint32_t), 1},
             {(void **)&pl->refine_count, BH * (int64_t)sizeof(int32_t), 1},
+            {(void **)&pl->cand_start, BH * 2 * (int64_t)sizeof(float)},
             {(void **)&pl->sup_p, BH * C * (int64_t)sizeof(float)},
             {(void **)&pl->sup_off, BH * C * (int64_t)sizeof(int64_t)},
             {(void **)&pl->sup_count, BH * (int64_t)sizeof(int64_t)},

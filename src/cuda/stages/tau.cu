@@ -23,9 +23,11 @@ namespace {
  * lists the scores above it: the support and a few bins more. Screened decode's row scores
  * kernel lists its candidates itself; there the histogram is counted by a pass of its own
  * (CAND_COUNT) for the rows that want the bound. A list that fit starts its solve at the bound
- * too (TAU_START_MIN: the tau kernel reads it for any but a short list), and a long one is
- * refined as an overflowed list is (TAU_REFINE_MIN); the tau kernel leaves the histogram and
- * the refine count zero for the next step. No block waits for the row's others (a last-block
+ * too (reads_bound: any but a short list), and a long one is refined as an overflowed list is
+ * (TAU_REFINE_MIN). The refine pass's first split of every row hands the row's M and that bound
+ * to the tau kernel (cand_start): its one block spent ~5 us on them (head_max, and the bins read
+ * and scanned), the refine pass's splits run beside the refined rows' own. The tau kernel
+ * leaves the histogram and the refine count zero for the next step. No block waits for the row's others (a last-block
  * hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
@@ -41,6 +43,7 @@ struct cand_args : ekv_cuda_shape {
     int32_t *cand_count;
     uint32_t *hist;        /* the plan's cand_hist (zero between steps: the tau kernel) */
     int32_t *refine_count; /* zero between steps (the tau kernel) */
+    float *start;          /* the refine pass: each row's M and bound (the plan's cand_start) */
 };
 
 /* 8 values per thread and batch, 4 blocks an SM: at 16 values 72 registers gave 3 (a third
@@ -111,8 +114,14 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     if (sp.b < 0) return;
     const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
     const int64_t row = (int64_t)b * A.H + h;
+    /* the refine pass: a row's first split hands its M and bound to the tau kernel (start_row),
+     * its other splits work only where the row refines */
+    bool refine = false, reads = false;
     if constexpr (REFINE) {
-        if (!refines(A.cand_count[row], A.ccap)) return; /* its list is solved as it is */
+        const int64_t nc = A.cand_count[row];
+        refine = refines(nc, A.ccap);
+        reads = reads_bound(nc, A.ccap, A.alpha, A.row_count != NULL);
+        if (!refine && sp.s != 0) return; /* its list is solved as it is */
     } else {
         if (MODE == CAND_COUNT && !wants_bound(A.cand_count[row], A.ccap)) return;
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
@@ -124,9 +133,11 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     /* its barrier ends the zeroing */
     const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
                              A.split_cap, A.round == 1 ? 1 : 2, fscratch);
-    const float thr = REFINE ? row_bound_thr(A.hist + row * TAU_HIST_BINS, M, A.alpha, hist, pw,
-                                             scratch)
-                             : -CUDART_INF_F;
+    const float thr = reads ? row_bound_thr(A.hist + row * TAU_HIST_BINS, M, A.alpha, hist, pw,
+                                            scratch)
+                            : -CUDART_INF_F;
+    if (REFINE && sp.s == 0 && threadIdx.x == 0) A.start[2 * row] = M, A.start[2 * row + 1] = thr;
+    if (REFINE && !refine) return; /* block-uniform */
     const double lo_z = (double)M - 1.0;
     bool counted = false;
     int32_t *count = REFINE ? A.refine_count + row : A.cand_count + row;
@@ -181,8 +192,9 @@ struct tau_args : ekv_cuda_shape {
     float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
     int32_t *cand_count; /* a long list's refined count is written back (the sharded kernels) */
-    uint32_t *hist;        /* the candidates' histograms (cand_hist): read and reset here */
+    uint32_t *hist;        /* the candidates' histograms (cand_hist): reset here */
     int32_t *refine_count; /* a refined row's list's count (refines): read and reset here */
+    const float *start;    /* each row's M and bound from the refine pass (cand_start) */
     double *tau;
     float *tau_m; /* tau as (the head's max, tau - max): what the values kernels read */
     double *tau_t;
@@ -348,27 +360,15 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
     return c;
 }
 
-/* Whether the tau kernel reads a row's histogram bound (nc: its first count): a row that wants
- * it (wants_bound), and for alpha 1.5 and 2 (the bound one scan of moments; other alphas'
- * bisection of block sums costs more than the iterations it saves on a short list) any row of
- * more than TAU_START_MIN candidates whose histogram was counted: every listed row, not a
- * screened row that wants no bound (A.rows: the candidates kernel counted none of it). */
-__device__ __forceinline__ bool reads_bound(const tau_args &A, int64_t nc) {
-    return wants_bound(nc, A.ccap) ||
-           (nc > TAU_START_MIN && !A.rows && tau_by_moments(A.alpha));
-}
-
-/* The histogram's threshold of a row that reads it (reads_bound; row_bound_thr, a lower bound of
- * tau): for a row that wants it the refine pass listed the scores above it; the solve starts
- * there; -inf for other rows. The row's histogram is reset for the next step either way, its
- * nonzero bins only (2048 stores a row were 16 MiB a step at 64 x 32 rows): a row that reads
- * none counted at most its listed candidates (it wants no bound: they fit the list), their
- * bins. pw: the candidates' shared memory (TAU_HIST_BINS floats at least), free until they are
- * loaded. Block-wide. */
-__device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, float M,
-                                unsigned *hist, float *pw, double *scratch) {
+/* The lower bound of tau where the tau kernel starts row (nc: its first count): the refine
+ * pass's histogram bound for a row that reads one (reads_bound; row_bound_thr: for a row that
+ * wants it the refine pass listed the scores above it), else -inf. The row's histogram is reset
+ * for the next step either way: every bin of a row that read the bound, in 16-byte stores (no
+ * read: the refine pass read it), else the bins of its listed candidates, all it counted (a row
+ * that reads no bound wants none: its candidates fit the list). Block-wide. */
+__device__ float start_bound(const tau_args &A, int64_t row, int64_t nc, float M) {
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
-    if (!reads_bound(A, nc)) {
+    if (!reads_bound(nc, A.ccap, A.alpha, A.rows != NULL)) {
         const float *cz = A.cand_z + row * A.ccap;
         for (int64_t i = threadIdx.x; i < nc; i += blockDim.x) {
             const double y = (double)cz[i] - (double)M;
@@ -376,11 +376,9 @@ __device__ float hist_threshold(const tau_args &A, int64_t row, int64_t nc, floa
         }
         return -CUDART_INF_F;
     }
-    /* every thread's reads of gh come before hist_read_bound's barrier */
-    const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
-    for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x)
-        if (hist[k]) gh[k] = 0u;
-    return thr;
+    for (int k = threadIdx.x; k < TAU_HIST_BINS / 4; k += blockDim.x)
+        reinterpret_cast<uint4 *>(gh)[k] = make_uint4(0u, 0u, 0u, 0u);
+    return A.start[2 * row + 1];
 }
 
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
@@ -394,22 +392,20 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
     __shared__ unsigned long long s_ncomp;
-    __shared__ __align__(16) unsigned hist[TAU_HIST_BINS]; /* hist_read_bound: 16-byte loads */
     const int64_t row = blockIdx.x;
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
     const int64_t ntok = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
-    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
-                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    const float M = A.start[2 * row]; /* the refine pass's head_max: the candidates' own M */
     const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     int64_t nc = A.cand_count[row];
     /* a lower bound of tau - M where the solve starts (tau_start): for a row that reads it
      * (reads_bound) the histogram's (a refined row's list threshold too), else -1 */
-    const float hist_thr = hist_threshold(A, row, nc, M, hist, cand, scratch);
+    const float hist_thr = start_bound(A, row, nc, M);
     /* the solve's first iterate: a lower bound of tau - M (tau_start) */
     double t0 = fmax(-1.0, (double)hist_thr - (double)M);
     const bool overflowed = nc > A.ccap; /* flat attention: more candidates than the list holds */
@@ -552,6 +548,7 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
     C.cand_count = pl->cand_count;
     C.hist = pl->cand_hist;
     C.refine_count = pl->refine_count;
+    C.start = pl->cand_start;
     /* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
     if (!rows && pl->p.page_size % 4 == 0) {
         static int per_sm = 0;
@@ -575,7 +572,7 @@ static void reset_tau_counts(ekv_cuda_plan *pl, int batch) {
 
 /* The floats of the tau kernel's shared candidates: the whole list when it fits TAU_SMEM_MAX and
  * the device's room beside the kernel's static arrays (99 KB a block on some GPUs, 227 KB on
- * Hopper), and never fewer than compact_list's power table (its room). */
+ * Hopper). */
 static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
     /* the kernel's own shared arrays, asked once (a failed query is asked again, 16 KB assumed
      * meanwhile, its error cleared) */
@@ -588,7 +585,7 @@ static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
     const int64_t room = ((int64_t)pl->smem_optin - taken) / (int64_t)sizeof(float);
     int64_t n = pl->cand_cap < TAU_SMEM_MAX ? pl->cand_cap : (int64_t)TAU_SMEM_MAX;
     if (n > room) n = room;
-    return n > TAU_HIST_BINS ? n : (int64_t)TAU_HIST_BINS;
+    return n > 0 ? n : 0;
 }
 
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
@@ -615,6 +612,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.cand_count = pl->cand_count;
     A.hist = pl->cand_hist;
     A.refine_count = pl->refine_count;
+    A.start = pl->cand_start;
     A.tau = pl->tau;
     A.support = pl->support;
     A.v_rows = pl->v_rows;
