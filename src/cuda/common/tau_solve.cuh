@@ -430,8 +430,7 @@ __device__ __forceinline__ bool refines(int64_t count, int64_t cap) {
  * refine pass computes the bound of these rows, the tau kernel reads it. */
 __device__ __forceinline__ bool reads_bound(int64_t count, int64_t cap, double alpha,
                                             bool screened) {
-    return wants_bound(count, cap) ||
-           (count > TAU_START_MIN && !screened && tau_by_moments(alpha));
+    return wants_bound(count, cap) || (count > TAU_START_MIN && !screened && tau_by_moments(alpha));
 }
 
 } // namespace

@@ -27,8 +27,8 @@ namespace {
  * (TAU_REFINE_MIN). The refine pass's first split of every row hands the row's M and that bound
  * to the tau kernel (cand_start): its one block spent ~5 us on them (head_max, and the bins read
  * and scanned), the refine pass's splits run beside the refined rows' own. The tau kernel
- * leaves the histogram and the refine count zero for the next step. No block waits for the row's others (a last-block
- * hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
+ * leaves the histogram and the refine count zero for the next step. No block waits for the
+ * row's others (a last-block hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
     int cbase;             /* this kernel's splits per row of a uniform batch (its grid) */
@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     /* its barrier ends the zeroing */
     const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
                              A.split_cap, A.round == 1 ? 1 : 2, fscratch);
-    const float thr = reads ? row_bound_thr(A.hist + row * TAU_HIST_BINS, M, A.alpha, hist, pw,
-                                            scratch)
-                            : -CUDART_INF_F;
+    const float thr =
+            reads ? row_bound_thr(A.hist + row * TAU_HIST_BINS, M, A.alpha, hist, pw, scratch)
+                  : -CUDART_INF_F;
     if (REFINE && sp.s == 0 && threadIdx.x == 0) A.start[2 * row] = M, A.start[2 * row + 1] = thr;
     if (REFINE && !refine) return; /* block-uniform */
     const double lo_z = (double)M - 1.0;
@@ -192,7 +192,7 @@ struct tau_args : ekv_cuda_shape {
     float *cand_z; /* an overflowed head's list is rewritten (compact_list) */
     int64_t *cand_slot;
     int32_t *cand_count; /* a long list's refined count is written back (the sharded kernels) */
-    uint32_t *hist;        /* the candidates' histograms (cand_hist): reset here */
+    uint32_t *hist;      /* the candidates' histograms (cand_hist): reset here */
     int32_t *refine_count; /* a refined row's list's count (refines): read and reset here */
     const float *start;    /* each row's M and bound from the refine pass (cand_start) */
     double *tau;
