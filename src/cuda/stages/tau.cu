@@ -276,23 +276,23 @@ __device__ int64_t compact_list(const tau_args &A, int64_t row, const float *z, 
     return compact_above(A, row, z, n, thr, s_n);
 }
 
-/* dst[0, n) = src[0, n) (shared from global), TAU_UNROLL loads in flight a thread: one at a
- * time, each a store to shared memory apart (which the compiler cannot move a load past), the
- * copy of a flat head's list of ~10K candidates waited on L2 tens of times a thread.
- * Block-wide; the caller's barrier ends it. */
-__device__ __forceinline__ void load_list(float *dst, const float *src, int64_t n) {
+/* Visits (i, z[i]) for i < n, TAU_UNROLL loads in flight a thread: one block per head is
+ * latency-bound otherwise (a load at a time behind a store to shared memory, which the compiler
+ * cannot move a load past, made the copy of a flat head's list of ~10K candidates wait on L2
+ * tens of times a thread). */
+template <typename F> __device__ __forceinline__ void scan_row(const float *z, int64_t n, F f) {
     const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
     for (int64_t base = threadIdx.x; base < n; base += step) {
         float x[TAU_UNROLL];
 #pragma unroll
         for (int k = 0; k < TAU_UNROLL; k++) {
             const int64_t i = base + (int64_t)k * blockDim.x;
-            x[k] = i < n ? __ldcg(src + i) : 0.f;
+            x[k] = i < n ? z[i] : 0.f;
         }
 #pragma unroll
         for (int k = 0; k < TAU_UNROLL; k++) {
             const int64_t i = base + (int64_t)k * blockDim.x;
-            if (i < n) dst[i] = x[k];
+            if (i < n) f(i, x[k]);
         }
     }
 }
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (!whole_row) {
         const float *cz = A.cand_z + row * A.ccap;
         if (nc <= A.smem_cand) {
-            load_list(cand, cz, nc);
+            scan_row(cz, nc, [&](int64_t i, float x) { cand[i] = x; });
             __syncthreads();
             v = cand;
         } else
@@ -463,22 +463,6 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     }
 }
 
-/* Visits z[i] for i < n, TAU_UNROLL loads in flight per thread (the scan is latency-bound
- * with one block per head otherwise). */
-template <typename F> __device__ __forceinline__ void scan_row(const float *z, int64_t n, F f) {
-    const int64_t step = (int64_t)blockDim.x * TAU_UNROLL;
-    for (int64_t base = threadIdx.x; base < n; base += step) {
-        float x[TAU_UNROLL];
-#pragma unroll
-        for (int k = 0; k < TAU_UNROLL; k++) {
-            const int64_t i = base + (int64_t)k * blockDim.x;
-            x[k] = i < n ? z[i] : -CUDART_INF_F;
-        }
-#pragma unroll
-        for (int k = 0; k < TAU_UNROLL; k++) f(x[k]);
-    }
-}
-
 /* Softmax: tau = log-sum-exp over the whole row; every token is in the support. */
 __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
     ekv_grid_begin();
@@ -497,7 +481,7 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
     double s = 0;
     int64_t cnt = 0;
-    scan_row(z, ntok, [&](float x) {
+    scan_row(z, ntok, [&](int64_t, float x) {
         if (x > -CUDART_INF_F) {
             s += exp((double)x - (double)M);
             cnt++;
