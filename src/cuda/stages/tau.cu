@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     if (sp.b < 0) return;
     const int b = sp.b, h = blockIdx.y, kvh = h / A.G, lrow = b * A.Hk + kvh;
     const int64_t row = (int64_t)b * A.H + h;
-    /* the refine pass: a row's first split hands its M and bound to the tau kernel (start_row),
+    /* the refine pass: a row's first split hands its M and bound to the tau kernel (cand_start),
      * its other splits work only where the row refines */
     bool refine = false, reads = false;
     if constexpr (REFINE) {
