@@ -178,7 +178,7 @@ static const cli_opt bench_table[] = {
         CLI_INT("--shards", bench_opts, shards, 1, 64),
         CLI_INT("--gpus", bench_opts, gpus, 1, 64),
         CLI_FLAG("--shard-pools", bench_opts, shard_pools),
-        CLI_INT("--superpage", bench_opts, superpage, 0, 4096),
+        CLI_INT("--superpage", bench_opts, superpage, 0, EKV_MAX_SUPERPAGE_PAGES),
         CLI_INT("--iters", bench_opts, iters, 1, 1000000),
         CLI_INT("--warmup", bench_opts, warmup, 0, 1000000),
         CLI_INT("--budget-tokens", bench_opts, budget_tokens, 1, INT64_MAX),

@@ -102,7 +102,7 @@ static const cli_opt model_table[] = {
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
         CLI_INT("--fused-attend", model_opts, fused_attend, 0, 1),
         CLI_INT("--overlap-launches", model_opts, overlap_launches, -1, 1),
-        CLI_INT("--superpage", model_opts, superpage, 0, 4096),
+        CLI_INT("--superpage", model_opts, superpage, 0, EKV_MAX_SUPERPAGE_PAGES),
 };
 
 ekv_select_method model_method(const char *sub, const char *what, const char *name) {

@@ -246,6 +246,9 @@ typedef struct ekv_cache ekv_cache;
  * head's keys contiguous), or NHD [page][slot][kv head][dim] (FlashInfer's and vLLM's). */
 typedef enum ekv_kv_layout { EKV_LAYOUT_HND = 0, EKV_LAYOUT_NHD = 1 } ekv_kv_layout;
 
+/* The largest superpage_pages a cache takes (ekv_cache_params; the tools' --superpage). */
+#define EKV_MAX_SUPERPAGE_PAGES 4096
+
 typedef struct ekv_cache_params {
     int64_t num_pages;       /* pages in the pool (capacity = num_pages * page_size tokens) */
     int32_t page_size;       /* tokens per page, 1..256 (default 16)                       */

@@ -67,9 +67,10 @@ ekv_status ekv_check_pool_geometry(ekv_context *ctx, const ekv_cache_params *p) 
     if (!ekv_dtype_valid(p->dtype))
         return ekv_fail(ctx, EKV_ERR_INVALID_DTYPE, "dtype=%d is not f32 (0), f16 (1) or bf16 (2)",
                         (int)p->dtype);
-    if (p->superpage_pages < 0 || p->superpage_pages > 4096)
+    if (p->superpage_pages < 0 || p->superpage_pages > EKV_MAX_SUPERPAGE_PAGES)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "superpage_pages=%d must be in [0, 4096] (0 = none)", p->superpage_pages);
+                        "superpage_pages=%d must be in [0, %d] (0 = none)", p->superpage_pages,
+                        EKV_MAX_SUPERPAGE_PAGES);
     if (p->code_bits != 0 && p->code_bits != 4 && p->code_bits != 8)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "code_bits=%d must be 0 (none), 4 or 8",
                         p->code_bits);
