@@ -67,8 +67,8 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
 
 /* Certified round 0 (docs/math.md §9.6, as src/cpu/methods/certified.c): tau over the last
  * recent_pages + 1 pages (4 without recent pages) is a lower bound of tau*, so the bound stage
- * can skip the summaries of every superpage already below it. 4 launches: the list (the recent
- * pages, select.cu's recent_kernel), scores, tau. */
+ * can skip the summaries of every superpage already below it. 5 launches: the list (the recent
+ * pages, select.cu's recent_kernel), scores, tau (3). */
 static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
                                 const ekv_page_table *t, const float *q, int B) {

@@ -295,11 +295,7 @@ __global__ void __launch_bounds__(32) recent_kernel(recent_args A) {
     const int written = n > first ? (int)(n - first) : 0;
     int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
     for (int i = threadIdx.x; i < written; i += 32) out[i] = (int32_t)(first + i);
-    if (threadIdx.x == 0) { /* ekv_close_list's list: the last page last */
-        out[written] = (int32_t)(sg.P - 1);
-        A.out.count[2 * row] = written + 1;
-        A.out.count[2 * row + 1] = written + 1;
-    }
+    if (threadIdx.x == 0) ekv_close_list(out, nullptr, written, sg.P, A.out.count, row);
 }
 
 /* per_query_head: the union per KV head of its query heads' lists (each head's membership
