@@ -395,14 +395,6 @@ __device__ double hist_read_bound(const uint32_t *gh, unsigned *hist, double alp
  * start there (a few iterations from within two bins of tau instead of Newton's from M - 1). */
 enum { TAU_BOUND_MIN = 1024 };
 
-/* The tau kernel's rows with more candidates than this start their solve from the histogram's
- * bound whether or not they want it (the candidates kernel counts every listed row; alpha 1.5
- * and 2, tau.cu's reads_bound): Newton from M - 1 takes 4-8 iterations over 32-4096
- * candidates, 1-2 from within two bins of tau (a model of the solver in Python, bench/RESULTS.md
- * "The model's fixed cost"), each a block reduction on one block; reading and scanning the
- * bound costs about one. */
-enum { TAU_START_MIN = 32 };
-
 /* Whether a row of count candidates takes the histogram's bound: they overflow the room they
  * are solved in (cap: a list, or shared memory), or are many enough that the solve should start
  * there (TAU_BOUND_MIN). The candidates kernel's and the screen's tau(l) rule. */
@@ -424,13 +416,15 @@ __device__ __forceinline__ bool refines(int64_t count, int64_t cap) {
 /* Whether the tau kernel starts a row of count candidates (listed in a list of cap) from the
  * histogram's bound: a row that wants it (wants_bound), and for alpha 1.5 and 2 (the bound one
  * scan of moments; other alphas' bisection of block sums costs more than the iterations it
- * saves on a short list) any row of more than TAU_START_MIN candidates whose histogram was
- * counted: every listed row, not a screened row (`screened`: the candidates kernel counted none
- * of a row that wants no bound). Every refined row reads it (refines implies wants_bound). The
- * refine pass computes the bound of these rows, the tau kernel reads it. */
+ * saves on a short list) every row whose histogram was counted: every listed row, not a
+ * screened row (`screened`: the candidates kernel counted none of a row that wants no bound).
+ * Newton from M - 1 takes 4-8 iterations over 32-4096 candidates and 5 us on a row of 12 (the
+ * model's trace, bench/RESULTS.md "the tau kernel's fixed cost"), 1-2 from within two bins of
+ * tau, each a block reduction; the refine pass computes the bound, beside the rows it refines,
+ * so the tau kernel only reads it. Every refined row reads it (refines implies wants_bound). */
 __device__ __forceinline__ bool reads_bound(int64_t count, int64_t cap, double alpha,
                                             bool screened) {
-    return wants_bound(count, cap) || (count > TAU_START_MIN && !screened && tau_by_moments(alpha));
+    return wants_bound(count, cap) || (!screened && tau_by_moments(alpha));
 }
 
 } // namespace

@@ -23,11 +23,11 @@ namespace {
  * lists the scores above it: the support and a few bins more. Screened decode's row scores
  * kernel lists its candidates itself; there the histogram is counted by a pass of its own
  * (CAND_COUNT) for the rows that want the bound. A list that fit starts its solve at the bound
- * too (reads_bound: any but a short list), and a long one is refined as an overflowed list is
- * (TAU_REFINE_MIN). The refine pass's first split of every row hands the row's M and that bound
- * to the tau kernel (cand_start): its one block spent ~5 us on them (head_max, and the bins read
- * and scanned), the refine pass's splits run beside the refined rows' own. The tau kernel
- * leaves the histogram and the refine count zero for the next step. No block waits for the
+ * too (reads_bound: every listed row, alpha 1.5 and 2), and a long one is refined as an
+ * overflowed list is (TAU_REFINE_MIN). The refine pass's first split of every row hands the row's M
+ * and that bound to the tau kernel (cand_start): its one block spent ~5 us on them (head_max, and
+ * the bins read and scanned), the refine pass's splits run beside the refined rows' own. The tau
+ * kernel leaves the histogram and the refine count zero for the next step. No block waits for the
  * row's others (a last-block hand-over cost the B = 1 dense step 12 us, bench/RESULTS.md). */
 struct cand_args : ekv_cuda_shape {
     int nsplit, split_cap; /* the score splits (ekv_seq_splits) whose maxima give M */
@@ -298,8 +298,10 @@ template <typename F> __device__ __forceinline__ void scan_row(const float *z, i
 }
 
 /* The support pass's elements per lane and pass: their loads, and with the union their
- * atomicOr round trips (union_mark), in flight together. */
-enum { SUP_UNROLL = 4 };
+ * atomicOr round trips (union_mark), in flight together. A pass is three round trips (the
+ * slots, the marks, the list's reservation): at 4 a flat head's final support of ~10K tokens
+ * took five passes, 9 us of its one block (bench/RESULTS.md, "the tau kernel's fixed cost"). */
+enum { SUP_UNROLL = 8 };
 
 /* The row's support, v[i] - M > t over i < nv (its candidates, or with whole_row the score row
  * itself): this thread's share of its count, and on the final round (final_round) its listing
