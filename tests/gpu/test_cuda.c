@@ -835,8 +835,10 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
 /* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
  * whose bound exceeds the hint for a head of the list. Hints below the true tau (round 2
  * empty) and above it for every other head (round 2 adds what the hint ruled out): the output
- * equals dense entmax, and each list's round 1 and round 2 page counts equal the CPU's on the
- * same hint (a bound that rounds differently on the two sides may move a tie: counted). */
+ * equals dense entmax, each list's round 1 page count equals the CPU's on the same hint, and its
+ * round 2 count is at least the CPU's: the GPU's round 2 reads the pages above round 1's
+ * histogram bound, at most two bins below the CPU's exact tau (docs/math.md §9.3, "On the GPU"),
+ * a superset (a bound that rounds differently on the two sides may move a tie: counted). */
 static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
                                  const ekv_select_params *base) {
     const mirror *m = sc->m;
@@ -868,9 +870,18 @@ static void certified_hint_check(ekv_context *ctx, ekv_cuda_plan *plan, const sc
     CHECK(ekv_decode_certified(ctx, sc->prm, &sp, &m->kv, &m->st, &m->tab, sc->q, cpu, NULL, &ci) ==
                   EKV_OK,
           "cpu certified with a hint: %s", ekv_last_error(ctx));
+    const int G = H / Hk;
     for (int64_t l = 0; l < (int64_t)B * Hk; l++) {
         g_lists_cmp++;
-        g_lists_tie += r1[l] != c1[l] || r2[l] != c2[l];
+        g_lists_tie += r1[l] != c1[l] || r2[l] < c2[l];
+        /* one head, its hint 0.5 below tau: round 1 holds the support, and round 2 is empty on
+         * the GPU too (its bound of round 1's tau is within two bins of it, far above the
+         * pages outside round 1) */
+        if (G == 1 && l % 2 == 0)
+            CHECK(r2[l] == 0 && c2[l] == 0,
+                  "certified with a hint below tau: round 2 of %d "
+                  "pages (CPU %d)",
+                  r2[l], c2[l]);
     }
     e = test_head_rel_err(out, cpu, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "certified with a hint: rel err %.3g vs the CPU's", e);
@@ -1051,7 +1062,7 @@ static void tau_lb_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_cas
           "cuda certified with tau_lb: %s", ekv_last_error(ctx));
     memset(&rep, 0, sizeof rep);
     CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-    CHECK(rep.launches == 12, "certified with tau_lb (no round 0): %d launches", rep.launches);
+    CHECK(rep.launches == 11, "certified with tau_lb (no round 0): %d launches", rep.launches);
     CU(cudaMemcpy(out, sc->dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
     const double e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
     CHECK(e < 3e-5, "certified with tau_lb: rel err %.3g vs dense", e);
@@ -1529,7 +1540,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             rep.pages_round1 = r1;
             rep.pages_round2 = r2;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            CHECK(rep.launches == 17, "certified (round 0 for the superpages): %d launches",
+            CHECK(rep.launches == 15, "certified (round 0 for the superpages): %d launches",
                   rep.launches);
             g_cert_round2 += rep.lists_round2 > 0;
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));

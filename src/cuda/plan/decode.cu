@@ -6,8 +6,10 @@
  *              2 where the fused attend applies: scores -> fused, stages/attend_fused.cu)
  *   topk:      bound -> topk -> scores -> tau -> values                  (7 launches)
  *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (8 launches)
- *   certified: bound -> topk -> scores -> tau -> round2 -> scores -> tau -> values (12;
- *              with superpage boxes first round 0: recent pages -> scores -> tau, 5 more)
+ *   certified: bound -> topk -> scores -> tau bound -> round2 -> scores -> tau -> values
+ *              (11; with superpage boxes first round 0: recent pages -> scores -> tau bound,
+ *              4 more; a tau bound is 2 launches, the histogram bound of tau the round gives,
+ *              docs/math.md §9.3)
  *   screened:  screen -> tau(l) -> mark -> rows -> row scores -> tau -> values
  *              (12 kernels and a memset, 14 with the retry of lists shorter than the
  *              tokens; screen/screen.cuh)
@@ -67,15 +69,16 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
 
 /* Certified round 0 (docs/math.md §9.6, as src/cpu/methods/certified.c): tau over the last
  * recent_pages + 1 pages (4 without recent pages) is a lower bound of tau*, so the bound stage
- * can skip the summaries of every superpage already below it. 5 launches: the list (the recent
- * pages, select.cu's recent_kernel), scores, tau (3). */
+ * can skip the summaries of every superpage already below it; its histogram bound, at most two
+ * bins below it, is one too (docs/math.md §9.3, "On the GPU"). 4 launches: the list (the recent
+ * pages, select.cu's recent_kernel), scores, the histogram and its bound. */
 static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                 const ekv_select_params *sel, const ekv_paged_kv *kv,
                                 const ekv_page_table *t, const float *q, int B) {
     const int32_t recent = sel->recent_pages > 0 ? sel->recent_pages : 3; /* + the last page */
     ekv_status s = ekv_cuda_launch_recent(pl, t, B, recent);
     if (!s) s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1, 0);
-    if (!s) s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 1, NULL);
+    if (!s) s = ekv_cuda_launch_tau_bound(pl, prm, t, B);
     return s;
 }
 
@@ -125,12 +128,13 @@ ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1, masked))) return s;
     if (!listed && ekv_cuda_fused_attend_applies(pl, prm, kv->dtype, B))
         return ekv_cuda_launch_fused_attend(pl, prm, kv, t, B, out);
-    if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, certified ? NULL : out))) return s;
-    if (certified) { /* round 2 on the kept scores (docs/math.md §9.3) */
+    if (certified) { /* round 1's bound of tau, round 2 on the kept scores (docs/math.md §9.3) */
+        if ((s = ekv_cuda_launch_tau_bound(pl, prm, t, B))) return s;
         if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
         if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, 1, 2, out))) return s;
-    }
+    } else if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, out)))
+        return s;
     return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out); /* none on a shard */
 }
 

@@ -44,6 +44,9 @@ struct cand_args : ekv_cuda_shape {
     uint32_t *hist;        /* the plan's cand_hist (zero between steps: the tau kernel) */
     int32_t *refine_count; /* zero between steps (the tau kernel) */
     float *start;          /* the refine pass: each row's M and bound (the plan's cand_start) */
+    int count_all;         /* CAND_COUNT: every row's histogram (a bound round, tau_bound_kernel),
+                            * not only the rows that want the bound */
+    double *tau;           /* tau_bound_kernel: each row's lower bound of tau (the plan's tau) */
 };
 
 /* 8 values per thread and batch, 4 blocks an SM: at 16 values 72 registers gave 3 (a third
@@ -94,12 +97,13 @@ __device__ float row_bound_thr(const uint32_t *gh, float M, double alpha, unsign
 
 /* What a candidates launch does over one split of a row (cand_kernel). */
 enum cand_mode {
-    CAND_LIST,   /* append z >= M - 1 to the head's list (cand_count) and count them in the
-                  * histogram */
-    CAND_COUNT,  /* the histogram only: the row scores kernel listed the candidates (screened
-                  * rows); rows that want no bound return at once */
-    CAND_REFINE  /* a row whose list overflowed or is long (refines): append z > its bound
-                  * (refine_count); others return */
+    CAND_LIST,  /* append z >= M - 1 to the head's list (cand_count) and count them in the
+                 * histogram */
+    CAND_COUNT, /* the histogram only: the row scores kernel listed the candidates (screened
+                 * rows; rows that want no bound return at once), or every row's for a bound
+                 * round (count_all) */
+    CAND_REFINE /* a row whose list overflowed or is long (refines): append z > its bound
+                 * (refine_count); others return */
 };
 
 template <bool VEC, int MODE>
@@ -123,7 +127,7 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
         reads = reads_bound(nc, A.ccap, A.alpha, A.row_count != NULL);
         if (!refine && sp.s != 0) return; /* its list is solved as it is */
     } else {
-        if (MODE == CAND_COUNT && !wants_bound(A.cand_count[row], A.ccap)) return;
+        if (MODE == CAND_COUNT && !A.count_all && !wants_bound(A.cand_count[row], A.ccap)) return;
         for (int k = threadIdx.x; k < TAU_HIST_BINS; k += blockDim.x) hist[k] = 0u;
     }
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
@@ -179,6 +183,29 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
         }
     }
     if constexpr (!REFINE) hist_flush(hist, A.hist + row * TAU_HIST_BINS, counted);
+}
+
+/* A bound round (certified's rounds 0 and 1, whose tau is read only as a lower bound of tau*:
+ * the bound stage's superpage skip, round 2's pages, docs/math.md §9.3): the row's histogram
+ * bound (row_bound_thr, at most two bins below the round's own tau, docs/math.md §9.1) from
+ * every split's counts (CAND_COUNT with count_all) is its tau, instead of the list, its refine
+ * pass and the solve. The histogram is left zero for the next count. One block a row. */
+__global__ void __launch_bounds__(CAND_THREADS) tau_bound_kernel(cand_args A) {
+    ekv_grid_begin();
+    __shared__ float fscratch[32];
+    __shared__ double scratch[128];
+    __shared__ __align__(16) unsigned hist[TAU_HIST_BINS]; /* hist_read_bound: 16-byte loads */
+    __shared__ float pw[TAU_HIST_BINS]; /* the bound's power table (alphas other than 1.5, 2) */
+    const int64_t row = blockIdx.x;
+    const int b = (int)(row / A.H);
+    const float M = head_max(A.split_max, row, ekv_seq_splits(A.t, b, A.nsplit, A.split_cap),
+                             A.split_cap, A.round == 1 ? 1 : 2, fscratch);
+    uint32_t *gh = A.hist + row * TAU_HIST_BINS;
+    const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
+    /* every thread's reads of gh came before hist_read_bound's barrier */
+    for (int k = threadIdx.x; k < TAU_HIST_BINS / 4; k += blockDim.x)
+        reinterpret_cast<uint4 *>(gh)[k] = make_uint4(0u, 0u, 0u, 0u);
+    if (threadIdx.x == 0) A.tau[row] = (double)thr;
 }
 
 struct tau_args : ekv_cuda_shape {
@@ -512,21 +539,20 @@ static ekv_status launch_cand_pair(ekv_cuda_plan *pl, const cand_args &C, int ba
     return EKV_OK;
 }
 
-/* The candidates of the tau launch's rows, then the refine pass of the rows whose list
- * overflowed, over the same splits; with rows (screened: the row scores kernel listed them) a
- * pass that counts the histogram of the overflowed rows instead of the first. */
-static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                    const ekv_page_table *t, const tau_args &A, int batch,
-                                    int round, int rows) {
+/* The candidates kernels' arguments over a launch's rows: their entries (list_count, or the
+ * sequences' pages), screened's token rows (row_count) or NULL, round 1 or the final. */
+static cand_args cand_setup(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                            const ekv_page_table *t, int nsplit, const int32_t *list_count,
+                            const int32_t *row_count, int round) {
     cand_args C;
     ekv_cuda_set_shape(C, pl, t);
-    C.nsplit = A.nsplit;
+    C.nsplit = nsplit;
     C.split_cap = pl->split_cap;
     C.round = round == 1 ? 1 : 3;
     C.ccap = pl->cand_cap;
     C.alpha = prm->alpha;
-    C.list_count = A.list_count;
-    C.row_count = A.row_count;
+    C.list_count = list_count;
+    C.row_count = row_count;
     C.scores = pl->scores;
     C.split_max = pl->split_max;
     C.cand_z = pl->cand_z;
@@ -535,8 +561,24 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
     C.hist = pl->cand_hist;
     C.refine_count = pl->refine_count;
     C.start = pl->cand_start;
-    /* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
-    if (!rows && pl->p.page_size % 4 == 0) {
+    C.count_all = 0;
+    C.tau = pl->tau;
+    return C;
+}
+
+/* float4 loads need every split boundary at a multiple of 4 slots: pages of 4k, not rows */
+static bool cand_vec(const ekv_cuda_plan *pl, int rows) {
+    return !rows && pl->p.page_size % 4 == 0;
+}
+
+/* The candidates of the tau launch's rows, then the refine pass of the rows whose list
+ * overflowed, over the same splits; with rows (screened: the row scores kernel listed them) a
+ * pass that counts the histogram of the overflowed rows instead of the first. */
+static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                    const ekv_page_table *t, const tau_args &A, int batch,
+                                    int round, int rows) {
+    cand_args C = cand_setup(pl, prm, t, A.nsplit, A.list_count, A.row_count, round);
+    if (cand_vec(pl, rows)) {
         static int per_sm = 0;
         C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_LIST>, CAND_THREADS, 0, batch * A.H,
                                     pl->sms, &per_sm);
@@ -554,6 +596,29 @@ static void reset_tau_counts(ekv_cuda_plan *pl, int batch) {
     const size_t rows = (size_t)batch * pl->p.num_heads;
     cudaMemsetAsync(pl->cand_hist, 0, rows * EKV_CUDA_TAU_HIST_BINS * sizeof(uint32_t), pl->stream);
     cudaMemsetAsync(pl->refine_count, 0, rows * sizeof(int32_t), pl->stream);
+}
+
+ekv_status ekv_cuda_launch_tau_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                     const ekv_page_table *t, int batch) {
+    cand_args C =
+            cand_setup(pl, prm, t, ekv_cuda_step_splits(pl, batch).scores, pl->list_count, NULL, 1);
+    C.count_all = 1;
+    if (cand_vec(pl, 0)) {
+        static int per_sm = 0;
+        C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_COUNT>, CAND_THREADS, 0, batch * C.H,
+                                    pl->sms, &per_sm);
+        ekv_launch(ekv_plan_stream(pl), cand_kernel<true, CAND_COUNT>,
+                   dim3(ekv_cuda_split_grid(C.cbase, batch), C.H), CAND_THREADS, 0, C);
+    } else {
+        C.cbase = C.nsplit;
+        ekv_launch(ekv_plan_stream(pl), cand_kernel<false, CAND_COUNT>,
+                   dim3(ekv_cuda_split_grid(C.cbase, batch), C.H), CAND_THREADS, 0, C);
+    }
+    EKV_CUDA_LAUNCHED(pl);
+    const ekv_status s =
+            ekv_cuda_launch(pl, tau_bound_kernel, dim3(batch * C.H), CAND_THREADS, 0, C);
+    if (s) reset_tau_counts(pl, batch);
+    return s;
 }
 
 /* The floats of the tau kernel's shared candidates: the whole list when it fits TAU_SMEM_MAX and
