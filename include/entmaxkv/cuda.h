@@ -102,9 +102,11 @@ EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params 
 /* Certified decode (docs/math.md §9.3) on the device: round 1 = the top pages by certified bound
  * within select->budget_tokens (or, with select->tau_hint, a DEVICE array [batch*num_heads],
  * every page whose bound exceeds the hint for a head of the list) plus the last, sink and
- * recent pages; round 2 = every other page whose bound exceeds round 1's tau; K and V each
- * read once. Output equals dense entmax. With superpage boxes in stats (smin/smax, as
- * ekv_cuda_append keeps them) a round 0 over the recent pages first gives a lower bound of tau
+ * recent pages; round 2 = every other page whose bound exceeds a lower bound of round 1's tau
+ * (its histogram bound, at most 2/2048 below it: docs/math.md §9.3, "On the GPU"; the CPU uses
+ * the exact tau, so round 2 may read a few pages more here); K and V each read once. Output
+ * equals dense entmax. With superpage boxes in stats (smin/smax, as ekv_cuda_append keeps them)
+ * a round 0 over the recent pages first gives a lower bound of tau (the same histogram bound)
  * that lets the bound stage skip the summaries of superpages below it (docs/math.md §9.6), as on
  * the CPU; select->tau_lb, a DEVICE array [batch*num_heads], replaces that round 0 (and serves
  * topk with use_ball the same way). */

@@ -75,8 +75,9 @@ struct ekv_cuda_plan {
     int32_t *cand_count; /* [B*H] candidates found (may exceed cand_cap: overflow)      */
     /* an overflowed or long list rebuilt by every split (stages/tau.cu, cand_kernel): the
      * candidates' histogram, whose lower bound of tau the refine pass lists above, and the
-     * refined count, zero between steps (the tau kernel resets them); the done counts of the
-     * screen's tau(l) count, which shares the histograms (its last block resets both) */
+     * refined count, zero between steps (the tau kernel resets them; a bound round's
+     * histograms, tau_bound_kernel); the done counts of the screen's tau(l) count, which
+     * shares the histograms (its last block resets both) */
     uint32_t *cand_hist; /* [B*H][EKV_CUDA_TAU_HIST_BINS] counts of y = z - M in [-1, 0]   */
     uint32_t *cand_done; /* [B*H] the screen tau(l) count blocks of the row that finished   */
     int32_t *refine_count; /* [B*H] scores above a refined row's bound (may exceed cap)    */

@@ -14,7 +14,8 @@
  *           query head, each ranked by that head's own bounds.
  *   union:  per_query_head: the heads' lists merged per KV head, with a head mask per entry.
  *   round2: certified decode, docs/math.md §9.3: appends every page outside round 1 whose bound
- *           exceeds round 1's tau for some query head of the group (in parts as topk).
+ *           exceeds round 1's lower bound of tau (its histogram bound, "On the GPU") for some
+ *           query head of the group (in parts as topk).
  */
 #include "../common/launch.cuh"
 #include "lists.cuh"
@@ -35,8 +36,8 @@ static_assert(SEL_THREADS % 32 == 0, "digit_histogram's warp tiles cover whole w
 __device__ __forceinline__ uint32_t order_key(float f) { return ekv_bound_key(f); }
 
 /* Whether page p's bound exceeds tau[h] for a query head h in [h0, h0 + nh) (the heads of a
- * list): a page certified decode must read (docs/math.md §9.3; round 2 with round 1's tau,
- * round 1 with a hint). */
+ * list): a page certified decode must read (docs/math.md §9.3; round 2 with round 1's lower
+ * bound of tau, round 1 with a hint). */
 __device__ __forceinline__ bool page_exceeds(const ekv_cuda_shape &S, const float *bounds,
                                              const double *tau, int64_t h0, int nh, int64_t p) {
     for (int64_t h = h0; h < h0 + nh; h++)
@@ -341,16 +342,16 @@ __global__ void __launch_bounds__(SEL_THREADS) union_kernel(union_args A) {
 
 struct round2_args : ekv_cuda_shape {
     const float *bounds; /* [B*H][cap_pages] */
-    const double *tau;   /* [B*H] round 1 */
+    const double *tau;   /* [B*H] round 1's lower bound of tau (tau_bound_kernel) */
     ekv_cuda_lists out;  /* the KV heads' lists: round 2 appended after round 1 */
     ekv_sel_parts parts; /* the blocks of a list (select_parts.cuh) */
 };
 
 /* Round 2's pages of part pt in page order (ekv_sel_compact_part: written, or with out NULL
- * counted): those outside round 1 (in[], left as it is) whose bound exceeds round 1's tau for a
- * head of the group. SEL_UNROLL loads a thread in flight together, as the top-k compaction (a
- * thread's own run of n / 1024 pages, read twice by a dependent loop, took 34 us of 16K pages on
- * the model's trace at 256K, bench/RESULTS.md). */
+ * counted): those outside round 1 (in[], left as it is) whose bound exceeds round 1's lower
+ * bound of tau for a head of the group. SEL_UNROLL loads a thread in flight together, as the top-k
+ * compaction (a thread's own run of n / 1024 pages, read twice by a dependent loop, took 34 us of
+ * 16K pages on the model's trace at 256K, bench/RESULTS.md). */
 __device__ __forceinline__ void round2_compact(const round2_args &A, const ekv_sel_part &pt,
                                                const uint8_t *in, int64_t h0, int32_t *out,
                                                int *written, int *wsum) {

@@ -41,7 +41,8 @@ struct cand_args : ekv_cuda_shape {
     float *cand_z;
     int64_t *cand_slot; /* the token's score slot */
     int32_t *cand_count;
-    uint32_t *hist;        /* the plan's cand_hist (zero between steps: the tau kernel) */
+    uint32_t *hist;        /* the plan's cand_hist (zero between passes: the tau kernel or
+                            * tau_bound_kernel resets it) */
     int32_t *refine_count; /* zero between steps (the tau kernel) */
     float *start;          /* the refine pass: each row's M and bound (the plan's cand_start) */
     int count_all;         /* CAND_COUNT: every row's histogram (a bound round, tau_bound_kernel),
