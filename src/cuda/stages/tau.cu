@@ -528,16 +528,22 @@ __global__ void __launch_bounds__(1024) tau_softmax_kernel(tau_args A) {
 }
 } // namespace
 
-/* The first candidates pass (FIRST: CAND_LIST or CAND_COUNT), then the refine pass, over the same
- * splits (C.cbase per row of a uniform batch). */
-template <bool VEC, int FIRST>
-static ekv_status launch_cand_pair(ekv_cuda_plan *pl, const cand_args &C, int batch) {
+/* One candidates pass (cand_mode MODE) over the splits of its rows (C.cbase per row of a uniform
+ * batch). */
+template <bool VEC, int MODE>
+static ekv_status launch_cand_pass(ekv_cuda_plan *pl, const cand_args &C, int batch) {
     const dim3 grid(ekv_cuda_split_grid(C.cbase, batch), C.H);
-    ekv_launch(ekv_plan_stream(pl), cand_kernel<VEC, FIRST>, grid, CAND_THREADS, 0, C);
-    EKV_CUDA_LAUNCHED(pl);
-    ekv_launch(ekv_plan_stream(pl), cand_kernel<VEC, CAND_REFINE>, grid, CAND_THREADS, 0, C);
+    ekv_launch(ekv_plan_stream(pl), cand_kernel<VEC, MODE>, grid, CAND_THREADS, 0, C);
     EKV_CUDA_LAUNCHED(pl);
     return EKV_OK;
+}
+
+/* The first candidates pass (FIRST: CAND_LIST or CAND_COUNT), then the refine pass, over the same
+ * splits. */
+template <bool VEC, int FIRST>
+static ekv_status launch_cand_pair(ekv_cuda_plan *pl, const cand_args &C, int batch) {
+    const ekv_status s = launch_cand_pass<VEC, FIRST>(pl, C, batch);
+    return s ? s : launch_cand_pass<VEC, CAND_REFINE>(pl, C, batch);
 }
 
 /* The candidates kernels' arguments over a launch's rows: their entries (list_count, or the
@@ -572,6 +578,16 @@ static bool cand_vec(const ekv_cuda_plan *pl, int rows) {
     return !rows && pl->p.page_size % 4 == 0;
 }
 
+/* The candidates passes' splits a row (cand_args.cbase): with float4 loads one wave of the
+ * first pass's kernel (MODE) over the launch's rows, else the score splits. */
+template <int MODE>
+static int cand_base(ekv_cuda_plan *pl, const cand_args &C, int batch, bool vec) {
+    static int per_sm = 0; /* asked once for this instance */
+    return vec ? ekv_cuda_one_wave(cand_kernel<true, MODE>, CAND_THREADS, 0, batch * C.H, pl->sms,
+                                   &per_sm)
+               : C.nsplit;
+}
+
 /* The candidates of the tau launch's rows, then the refine pass of the rows whose list
  * overflowed, over the same splits; with rows (screened: the row scores kernel listed them) a
  * pass that counts the histogram of the overflowed rows instead of the first. */
@@ -579,13 +595,9 @@ static ekv_status launch_candidates(ekv_cuda_plan *pl, const ekv_decode_params *
                                     const ekv_page_table *t, const tau_args &A, int batch,
                                     int round, int rows) {
     cand_args C = cand_setup(pl, prm, t, A.nsplit, A.list_count, A.row_count, round);
-    if (cand_vec(pl, rows)) {
-        static int per_sm = 0;
-        C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_LIST>, CAND_THREADS, 0, batch * A.H,
-                                    pl->sms, &per_sm);
-        return launch_cand_pair<true, CAND_LIST>(pl, C, batch);
-    }
-    C.cbase = A.nsplit;
+    const bool vec = cand_vec(pl, rows);
+    C.cbase = cand_base<CAND_LIST>(pl, C, batch, vec);
+    if (vec) return launch_cand_pair<true, CAND_LIST>(pl, C, batch);
     return rows ? launch_cand_pair<false, CAND_COUNT>(pl, C, batch)
                 : launch_cand_pair<false, CAND_LIST>(pl, C, batch);
 }
@@ -604,20 +616,11 @@ ekv_status ekv_cuda_launch_tau_bound(ekv_cuda_plan *pl, const ekv_decode_params 
     cand_args C =
             cand_setup(pl, prm, t, ekv_cuda_step_splits(pl, batch).scores, pl->list_count, NULL, 1);
     C.count_all = 1;
-    if (cand_vec(pl, 0)) {
-        static int per_sm = 0;
-        C.cbase = ekv_cuda_one_wave(cand_kernel<true, CAND_COUNT>, CAND_THREADS, 0, batch * C.H,
-                                    pl->sms, &per_sm);
-        ekv_launch(ekv_plan_stream(pl), cand_kernel<true, CAND_COUNT>,
-                   dim3(ekv_cuda_split_grid(C.cbase, batch), C.H), CAND_THREADS, 0, C);
-    } else {
-        C.cbase = C.nsplit;
-        ekv_launch(ekv_plan_stream(pl), cand_kernel<false, CAND_COUNT>,
-                   dim3(ekv_cuda_split_grid(C.cbase, batch), C.H), CAND_THREADS, 0, C);
-    }
-    EKV_CUDA_LAUNCHED(pl);
-    const ekv_status s =
-            ekv_cuda_launch(pl, tau_bound_kernel, dim3(batch * C.H), CAND_THREADS, 0, C);
+    const bool vec = cand_vec(pl, 0);
+    C.cbase = cand_base<CAND_COUNT>(pl, C, batch, vec);
+    ekv_status s = vec ? launch_cand_pass<true, CAND_COUNT>(pl, C, batch)
+                       : launch_cand_pass<false, CAND_COUNT>(pl, C, batch);
+    if (!s) s = ekv_cuda_launch(pl, tau_bound_kernel, dim3(batch * C.H), CAND_THREADS, 0, C);
     if (s) reset_tau_counts(pl, batch);
     return s;
 }
