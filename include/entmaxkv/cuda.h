@@ -108,7 +108,10 @@ EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params 
  * equals dense entmax. With superpage boxes in stats (smin/smax, as ekv_cuda_append keeps them)
  * a round 0 over the recent pages first gives a lower bound of tau (the same histogram bound)
  * that lets the bound stage skip the summaries of superpages below it (docs/math.md §9.6), as on
- * the CPU; select->tau_lb, a DEVICE array [batch*num_heads], replaces that round 0 (and serves
+ * the CPU, and unless select->tau_hint is given, round 1 is then every page whose bound exceeds
+ * it for a head of the list (plus the last, sink and recent pages) and there is no round 2
+ * (docs/math.md §9.3, "Round 1 from round 0's bound"; budget_tokens sizes nothing then);
+ * select->tau_lb, a DEVICE array [batch*num_heads], replaces that round 0 (and serves
  * topk with use_ball the same way). */
 EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,
                                              const ekv_select_params *select,

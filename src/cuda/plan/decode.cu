@@ -7,9 +7,10 @@
  *   topk:      bound -> topk -> scores -> tau -> values                  (7 launches)
  *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (8 launches)
  *   certified: bound -> topk -> scores -> tau bound -> round2 -> scores -> tau -> values
- *              (11; with superpage boxes first round 0: recent pages -> scores -> tau bound,
- *              4 more; a tau bound is 2 launches, the histogram bound of tau the round gives,
- *              docs/math.md §9.3)
+ *              (11; a tau bound is 2 launches, the histogram bound of tau the round gives,
+ *              docs/math.md §9.3 "On the GPU"); with superpage boxes, round 0 (recent pages
+ *              -> scores -> tau bound) -> bound -> select of every page its bound cannot rule
+ *              out -> scores -> tau -> values (11), no round 2
  *   screened:  screen -> tau(l) -> mark -> rows -> row scores -> tau -> values
  *              (12 kernels and a memset, 14 with the retry of lists shorter than the
  *              tokens; screen/screen.cuh)
@@ -111,9 +112,11 @@ ekv_status ekv_cuda_step_begin(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     return EKV_OK;
 }
 
-ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                const ekv_page_table *t, const float *q, float *out) {
+/* ekv_cuda_step_attend; round2: certified's round 2 follows round 1 (not when round 1 already
+ * holds every page round 0's bound cannot rule out, run_step). */
+static ekv_status attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                         const ekv_select_params *sel, const ekv_paged_kv *kv,
+                         const ekv_page_table *t, const float *q, float *out, int round2) {
     const unsigned stg = ekv_method_info_of(ekv_step_method(sel))->stages;
     const int listed = (stg & EKV_STAGES_LIST) != 0, certified = (stg & EKV_STAGE_ROUND2) != 0;
     const int B = t->batch;
@@ -128,7 +131,7 @@ ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, listed, 1, masked))) return s;
     if (!listed && ekv_cuda_fused_attend_applies(pl, prm, kv->dtype, B))
         return ekv_cuda_launch_fused_attend(pl, prm, kv, t, B, out);
-    if (certified) { /* round 1's bound of tau, round 2 on the kept scores (docs/math.md §9.3) */
+    if (round2) { /* round 1's bound of tau, round 2 on the kept scores (docs/math.md §9.3) */
         if ((s = ekv_cuda_launch_tau_bound(pl, prm, t, B))) return s;
         if ((s = ekv_cuda_launch_round2(pl, t, B))) return s;
         if ((s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 2, 0))) return s;
@@ -136,6 +139,13 @@ ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     } else if ((s = ekv_cuda_launch_tau(pl, prm, kv, t, B, listed, 1, out)))
         return s;
     return ekv_cuda_launch_values(pl, prm, kv, t, B, listed, out); /* none on a shard */
+}
+
+ekv_status ekv_cuda_step_attend(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                const ekv_select_params *sel, const ekv_paged_kv *kv,
+                                const ekv_page_table *t, const float *q, float *out) {
+    const unsigned stg = ekv_method_info_of(ekv_step_method(sel))->stages;
+    return attend(pl, prm, sel, kv, t, q, out, (stg & EKV_STAGE_ROUND2) != 0);
 }
 
 /* The launches of one step, in the order the method table's stages give them. */
@@ -154,10 +164,15 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((stg & EKV_STAGE_GAUSS) &&
         (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B, per_head)))
         return s;
-    const double *tau_lb = sel ? sel->tau_lb : NULL;
+    const double *tau_lb = sel ? sel->tau_lb : NULL, *hint = certified ? sel->tau_hint : NULL;
+    int round2 = certified;
     if (certified && !tau_lb && st->smin && st->superpage_pages > 0) {
         if ((s = launch_round0(pl, prm, sel, kv, t, q, B))) return s;
-        tau_lb = pl->tau; /* read by the bound stage before round 1 writes tau again */
+        tau_lb = pl->tau; /* read by the bound and select stages before the solve writes tau */
+        if (!hint) {
+            hint = pl->tau; /* round 1: every page round 0's bound cannot rule out; no round 2 */
+            round2 = 0;
+        }
     }
     if ((stg & EKV_STAGE_BOUND) &&
         (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, B)))
@@ -165,10 +180,9 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if ((stg & EKV_STAGE_TOPK) &&
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,
                                   certified ? sel->sink_pages : 0,
-                                  certified ? sel->recent_pages : 0,
-                                  certified ? sel->tau_hint : NULL, per_head)))
+                                  certified ? sel->recent_pages : 0, hint, per_head)))
         return s;
-    return ekv_cuda_step_attend(pl, prm, sel, kv, t, q, out);
+    return attend(pl, prm, sel, kv, t, q, out, round2);
 }
 
 extern "C" ekv_status ekv_cuda_decode(ekv_cuda_plan *pl, const ekv_decode_params *prm,
