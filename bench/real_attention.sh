@@ -20,8 +20,7 @@
 #   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+V: M with the
 #   variant V's options, BIN's tree only: fused (bench --fused-attend 1), overlap
 #   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), flat
-#   (--superpage 0: no superpages, so certified runs no round 0; a trace bench's option: the
-#   model's CUDA caches keep no superpage boxes, so as a MODEL_VARIANTS it changes nothing), joined by +,
+#   (--superpage 0: no superpages, so certified runs no round 0), joined by +,
 #   e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP

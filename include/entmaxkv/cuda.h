@@ -110,7 +110,8 @@ EKV_API ekv_status ekv_cuda_decode(ekv_cuda_plan *plan, const ekv_decode_params 
  * that lets the bound stage skip the summaries of superpages below it (docs/math.md §9.6), as on
  * the CPU, and unless select->tau_hint is given, round 1 is then every page whose bound exceeds
  * it for a head of the list (plus the last, sink and recent pages) and there is no round 2
- * (docs/math.md §9.3, "Round 1 from round 0's bound"; budget_tokens sizes nothing then);
+ * (docs/math.md §9.3, "Round 1 from round 0's bound"; the budget is still checked but sizes
+ * nothing then);
  * select->tau_lb, a DEVICE array [batch*num_heads], replaces that round 0 (and serves
  * topk with use_ball the same way). */
 EKV_API ekv_status ekv_cuda_decode_certified(ekv_cuda_plan *plan, const ekv_decode_params *params,

@@ -104,7 +104,8 @@ static ekv_status upload_vectors(ekv_model *m, model_gpu *g) {
 
 /* One layer's device cache (ekv_cuda_cache): K/V pools in NHD (model_gpu.cuh), statistics
  * with the CPU cache's compact ranges but the fp32 ball, key codes when the model has
- * code_bits, no superpage boxes. */
+ * code_bits, superpage boxes when it has superpage_pages (certified's round 0, which then also
+ * picks its round 1: docs/math.md §9.3; every append rebuilds the boxes it touches). */
 static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     const ekv_model_config *c = &m->cfg;
     ekv_cuda_cache_params cp = ekv_cuda_cache_default_params();
@@ -118,6 +119,7 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
     cp.range_dtype = ekv_cache_compact_ranges(cp.dtype);
     cp.compact_ball = 0;
     cp.code_bits = m->prm.code_bits;
+    cp.superpage_pages = m->prm.superpage_pages;
     ekv_status s = ekv_cuda_cache_create(m->ctx, &cp, &L->cache);
     if (!s) s = ekv_cuda_cache_view(L->cache, &L->kv, &L->st);
     if (!s) s = dev_alloc(g, &L->last_q, (int64_t)c->n_heads * c->head_dim * 4, "the queries");
@@ -629,7 +631,8 @@ extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
 
 /* The next step appends at n_tokens: the append rebuilds that page's statistics and codes from
  * its first slots (ekv_cuda_cache_append), and the page tables come from pos, so nothing past
- * n_tokens is read again (the engine keeps no superpage boxes). */
+ * n_tokens is read again. A superpage box may still hold keys past n_tokens until an append
+ * rebuilds it: a box over more keys is still an upper bound, so certified stays exact. */
 extern "C" ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
     model_gpu *g = m->gpu;
     if (seq == 0)

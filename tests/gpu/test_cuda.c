@@ -832,6 +832,17 @@ static void screen_group_test(ekv_context *ctx, int ncases) {
            (long long)g_screen_fast_steps[0]);
 }
 
+/* The statistics without superpage boxes: certified then runs no round 0, so its round 1 is the
+ * top-k and round 2 follows (with the boxes, round 0's bound picks round 1 and leaves no round 2,
+ * docs/math.md §9.3 "Round 1 from round 0's bound"). */
+static ekv_page_stats stats_without_boxes(const ekv_page_stats *st) {
+    ekv_page_stats s = *st;
+    s.smin = s.smax = NULL;
+    s.superpage_pages = 0;
+    s.num_superpages = 0;
+    return s;
+}
+
 /* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
  * whose bound exceeds the hint for a head of the list. Hints below the true tau (round 2
  * empty) and above it for every other head (round 2 adds what the hint ruled out): the output
@@ -1533,8 +1544,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             sp.budget_tokens = maxN / 16;
             sp.sink_pages = 1;
             sp.recent_pages = 1;
-            ekv_page_stats st = m.dst;
-            if (!boxes) st.smin = st.smax = NULL, st.superpage_pages = 0, st.num_superpages = 0;
+            const ekv_page_stats st = boxes ? m.dst : stats_without_boxes(&m.dst);
             CHECK(ekv_cuda_decode_certified(plan, &dprm, &sp, &m.dkv, &st, &m.dtab, dq, dout) ==
                           EKV_OK,
                   "cuda certified (boxes %d): %s", boxes, ekv_last_error(ctx));
@@ -1775,8 +1785,9 @@ static void graph_test(ekv_context *ctx, int method, int overlap) {
     ekv_cache_free(cache);
 }
 
-/* One decode step of `plan` (topk, or certified with or without a hint); its lists
- * ([B*Hk][maxP]), round counts and output into the arrays given. */
+/* One decode step of `plan` (topk, or certified with or without a hint: without one, on the
+ * statistics without superpage boxes, so that its top-k round 1 and round 2 run in parts too);
+ * its lists ([B*Hk][maxP]), round counts and output into the arrays given. */
 static void split_select_step(ekv_context *ctx, ekv_cuda_plan *plan, const mirror *m,
                               const ekv_decode_params *prm, const ekv_select_params *sp, int B,
                               const float *dq, float *dout, int64_t nq, int32_t *lists, int32_t *r1,
@@ -1784,9 +1795,9 @@ static void split_select_step(ekv_context *ctx, ekv_cuda_plan *plan, const mirro
     const int certified = sp->method == EKV_SELECT_CERTIFIED;
     ekv_page_table t = m->dtab; /* the mirror's first B sequences */
     t.batch = B;
-    ekv_status s =
-            certified ? ekv_cuda_decode_certified(plan, prm, sp, &m->dkv, &m->dst, &t, dq, dout)
-                      : ekv_cuda_decode(plan, prm, sp, &m->dkv, &m->dst, &t, dq, dout);
+    const ekv_page_stats st = certified && !sp->tau_hint ? stats_without_boxes(&m->dst) : m->dst;
+    ekv_status s = certified ? ekv_cuda_decode_certified(plan, prm, sp, &m->dkv, &st, &t, dq, dout)
+                             : ekv_cuda_decode(plan, prm, sp, &m->dkv, &st, &t, dq, dout);
     CHECK(s == EKV_OK, "split select step: %s", ekv_last_error(ctx));
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
