@@ -631,8 +631,9 @@ extern "C" ekv_status ekv_model_gpu_seq_reset(ekv_model *m, int32_t seq) {
 
 /* The next step appends at n_tokens: the append rebuilds that page's statistics and codes from
  * its first slots (ekv_cuda_cache_append), and the page tables come from pos, so nothing past
- * n_tokens is read again. A superpage box may still hold keys past n_tokens until an append
- * rebuilds it: a box over more keys is still an upper bound, so certified stays exact. */
+ * n_tokens is read again. A superpage box keeps the keys past n_tokens (their pages' counts stay
+ * positive, so a rebuild takes them too): a box over more keys still bounds the live ones, so
+ * certified stays exact, only looser. */
 extern "C" ekv_status ekv_model_gpu_seq_truncate(ekv_model *m, int32_t seq, int64_t n_tokens) {
     model_gpu *g = m->gpu;
     if (seq == 0)

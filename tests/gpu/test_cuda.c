@@ -60,6 +60,9 @@ static void make_kv(test_rng *r, float *k, float *v, int64_t n, int Hk, int D, c
 }
 
 static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0, g_slow_rows = 0;
+/* certified steps without superpage boxes, and the boxes round 0's bound read in those with them */
+static int g_cert_steps = 0;
+static long long g_cert_boxes = 0;
 static int g_compacted = 0; /* heads whose overflowed candidates were compacted (stages/tau.cu) */
 static int64_t g_sp_skipped = 0, g_sp_pages = 0, g_sp_bound_diff = 0; /* tau_lb_check */
 static int64_t g_centre_steps = 0, g_centres = 0; /* compact ball centres one step apart */
@@ -1556,7 +1559,12 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             CHECK(rep.launches == 11, "certified (boxes %d): %d launches", boxes, rep.launches);
             CHECK(!boxes || rep.lists_round2 == 0, "certified after round 0: %lld round 2 lists",
                   (long long)rep.lists_round2);
-            if (!boxes) g_cert_round2 += rep.lists_round2 > 0;
+            if (boxes) {
+                g_cert_boxes += rep.superpage_boxes;
+            } else {
+                g_cert_round2 += rep.lists_round2 > 0;
+                g_cert_steps++;
+            }
             CU(cudaMemcpy(out, dout, sizeof(float) * nq, cudaMemcpyDeviceToHost));
             e = test_head_rel_err(out, ref, (int64_t)B * H, D, 1e-6);
             CHECK(e < tol,
@@ -1679,7 +1687,8 @@ static void graph_test(ekv_context *ctx, int method, int overlap) {
     const int D = 128, Hk = 2, G = 4, H = Hk * G, ps = 16, B = 2;
     const int64_t len0[2] = {700, 1500}, grow[2] = {333, 17}, maxP = (1517 + 333 + ps) / ps + 2;
     ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F16, B, 2 * maxP);
-    cp.superpage_pages = 0;
+    /* certified: round 0 and its bound as round 1's hint in the graph (the model's path) */
+    cp.superpage_pages = certified ? 16 : 0;
     cp.code_bits = method == 2 ? 4 : 0;
     ekv_cache *cache = NULL;
     ekv_cache_create(ctx, &cp, &cache);
@@ -2836,6 +2845,11 @@ int main(void) {
     }
     printf("cases %d, lists compared %d (differing from the CPU: %d), certified steps that needed round 2: %d\n",
            g_cases_run, g_lists_cmp, g_lists_tie, g_cert_round2);
+    /* both of certified's paths ran: the top-k round 1 with a round 2, and round 0 (its bound
+     * read superpage boxes) */
+    CHECK(g_cert_steps == 0 || (g_cert_round2 > 0 && g_cert_boxes > 0),
+          "certified: %d of %d steps without boxes needed round 2; %lld superpage boxes read",
+          g_cert_round2, g_cert_steps, g_cert_boxes);
     printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
     printf("screened: %d steps, rows read %lld of %lld tokens, heads whose support differs from the GPU dense step's by one: %d of %d\n",
            g_screen_steps, (long long)g_screen_pages, (long long)g_screen_total, g_screen_sup_diff,

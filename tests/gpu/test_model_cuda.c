@@ -825,6 +825,7 @@ int main(void) {
     check_truncate(ctx, tok, EKV_SELECT_DENSE);
     check_truncate(ctx, tok, EKV_SELECT_SCREENED);
     check_truncate(ctx, tok, EKV_SELECT_TOPK);
+    check_truncate(ctx, tok, EKV_SELECT_CERTIFIED); /* stale superpage boxes after the truncate */
     check_fused(ctx, tok);
     check_slow_paths(ctx, tok, EKV_SELECT_DENSE);
     check_slow_paths(ctx, tok, EKV_SELECT_CERTIFIED);
