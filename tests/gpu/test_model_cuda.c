@@ -213,7 +213,7 @@ static void check_truncate(ekv_context *ctx, const int32_t *tok, ekv_select_meth
      * rounding may differ by an ulp (the same hidden state to fp32 reordering): 1e-4, still
      * ten times tighter than the CPU comparison. Top-k's first token too: that reordering (the
      * values' atomic sums) moves the next layer's q and so its page bounds, and a near-tie at
-     * the k-th page can flip (9.3e-6 and 1.07e-5 in two of six H100 runs, 1.5e-7 in the others,
+     * the k-th page can flip (9.3e-6 and 1.07e-5 in two of four H100 runs, 1.5e-7 in the others,
      * bench/RESULTS.md 2026-12-06). */
     const double first = method == EKV_SELECT_TOPK ? 1e-4 : 1e-5;
     snprintf(what, sizeof what, "%s: truncated, first token again", ekv_method_name(method));
