@@ -51,7 +51,7 @@ void model_opts_help(FILE *f) {
             "                        (default 4; the other methods' caches hold no codes)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --page P              KV cache page size, 1..256 (default 16)\n"
-            "  --superpage S         pages per superpage summary of the KV caches, 0..4096;\n"
+            "  --superpage S         pages per superpage summary of the KV caches, 0..%d;\n"
             "                        certified decode skips the summaries of superpages below\n"
             "                        the tau of the recent pages (round 0); 0 = none: no round\n"
             "                        0 (default 16; with --backend cuda every append also\n"
@@ -86,8 +86,8 @@ void model_opts_help(FILE *f) {
             "                        where the GPU supports it)\n"
             "                        (these eight are options of --backend cuda: with cpu\n"
             "                        they are bad usage)\n",
-            EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
-            EKV_MODEL_MAX_DECODE_CANDIDATES);
+            EKV_MAX_SUPERPAGE_PAGES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
+            EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_DECODE_CANDIDATES);
 }
 
 static const cli_opt model_table[] = {

@@ -378,6 +378,13 @@ __device__ double hist_take(uint32_t *gh, uint32_t *done, unsigned *hist, double
     return ekv_block_sum(total, scratch); /* its barriers: hist is complete */
 }
 
+/* Zeroes a row histogram gh for the next count, in 16-byte stores (its reader already read it:
+ * no read here). Block-wide; the caller orders the block's reads of gh before it. */
+__device__ __forceinline__ void hist_zero_row(uint32_t *gh) {
+    for (int k = threadIdx.x; k < TAU_HIST_BINS / 4; k += blockDim.x)
+        reinterpret_cast<uint4 *>(gh)[k] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 /* The lower bound of tau - M (hist_bound) of a row histogram gh that a launch before completed,
  * read into hist (shared, 16-byte aligned); gh is left as it is (several blocks read it).
  * Block-wide. */

@@ -203,9 +203,7 @@ __global__ void __launch_bounds__(CAND_THREADS) tau_bound_kernel(cand_args A) {
                              A.split_cap, A.round == 1 ? 1 : 2, fscratch);
     uint32_t *gh = A.hist + row * TAU_HIST_BINS;
     const float thr = row_bound_thr(gh, M, A.alpha, hist, pw, scratch);
-    /* every thread's reads of gh came before hist_read_bound's barrier */
-    for (int k = threadIdx.x; k < TAU_HIST_BINS / 4; k += blockDim.x)
-        reinterpret_cast<uint4 *>(gh)[k] = make_uint4(0u, 0u, 0u, 0u);
+    hist_zero_row(gh); /* every thread's reads of gh came before hist_read_bound's barrier */
     if (threadIdx.x == 0) A.tau[row] = (double)thr;
 }
 
@@ -406,8 +404,7 @@ __device__ float start_bound(const tau_args &A, int64_t row, int64_t nc, float M
         }
         return -CUDART_INF_F;
     }
-    for (int k = threadIdx.x; k < TAU_HIST_BINS / 4; k += blockDim.x)
-        reinterpret_cast<uint4 *>(gh)[k] = make_uint4(0u, 0u, 0u, 0u);
+    hist_zero_row(gh);
     return A.start[2 * row + 1];
 }
 
