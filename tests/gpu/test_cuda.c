@@ -64,6 +64,9 @@ static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0,
 static int g_cert_steps = 0;
 static long long g_cert_boxes = 0;
 static int g_compacted = 0; /* heads whose overflowed candidates were compacted (stages/tau.cu) */
+/* certified round 0 (stages/recent_bound.cuh): heads checked, and the sum of tau - L0 */
+static int64_t g_round0_heads = 0;
+static double g_round0_gap = 0;
 static int64_t g_sp_skipped = 0, g_sp_pages = 0, g_sp_bound_diff = 0; /* tau_lb_check */
 static int64_t g_centre_steps = 0, g_centres = 0; /* compact ball centres one step apart */
 /* screened: steps, heads whose support differs from the GPU dense step's by one (a tie at the
@@ -846,6 +849,22 @@ static ekv_page_stats stats_without_boxes(const ekv_page_stats *st) {
     return s;
 }
 
+/* Certified round 0's lower bounds L0 of the step just run (with superpage boxes): each at most
+ * the GPU's own tau of that head (the exactness of the skipped pages rests on it, docs/math.md
+ * §9.3), and finite (every test sequence has a token). */
+static void round0_check(ekv_cuda_plan *plan, int B, int H, const double *tau) {
+    double *lb = malloc(sizeof(double) * B * H);
+    CHECK(ekv_cuda_round0_bounds(plan, B, lb) == EKV_OK, "round 0 bounds");
+    for (int64_t i = 0; i < (int64_t)B * H; i++) {
+        CHECK(lb[i] <= tau[i], "round 0: L0 %.9g above tau %.9g (head %lld)", lb[i], tau[i],
+              (long long)i);
+        CHECK(isfinite(lb[i]), "round 0: L0 %g (head %lld)", lb[i], (long long)i);
+        g_round0_heads++;
+        g_round0_gap += tau[i] - lb[i];
+    }
+    free(lb);
+}
+
 /* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
  * whose bound exceeds the hint for a head of the list. Hints below the true tau (round 2
  * empty) and above it for every other head (round 2 adds what the hint ruled out): the output
@@ -1552,11 +1571,15 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
                           EKV_OK,
                   "cuda certified (boxes %d): %s", boxes, ekv_last_error(ctx));
             memset(&rep, 0, sizeof rep);
+            rep.tau = tau_g;
             rep.support = sup_g;
             rep.pages_round1 = r1;
             rep.pages_round2 = r2;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            CHECK(rep.launches == 11, "certified (boxes %d): %d launches", boxes, rep.launches);
+            if (boxes) round0_check(plan, B, H, tau_g);
+            /* with the boxes, round 0 runs inside the bound stage (stages/recent_bound.cuh) */
+            CHECK(rep.launches == (boxes ? 7 : 11), "certified (boxes %d): %d launches", boxes,
+                  rep.launches);
             CHECK(!boxes || rep.lists_round2 == 0, "certified after round 0: %lld round 2 lists",
                   (long long)rep.lists_round2);
             if (boxes) {
@@ -2850,6 +2873,8 @@ int main(void) {
     CHECK(g_cert_steps == 0 || (g_cert_round2 > 0 && g_cert_boxes > 0),
           "certified: %d of %d steps without boxes needed round 2; %lld superpage boxes read",
           g_cert_round2, g_cert_steps, g_cert_boxes);
+    printf("certified round 0: %lld heads, tau - L0 %.3g on average\n", (long long)g_round0_heads,
+           g_round0_heads ? g_round0_gap / (double)g_round0_heads : 0.0);
     printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
     printf("screened: %d steps, rows read %lld of %lld tokens, heads whose support differs from the GPU dense step's by one: %d of %d\n",
            g_screen_steps, (long long)g_screen_pages, (long long)g_screen_total, g_screen_sup_diff,

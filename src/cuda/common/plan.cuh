@@ -57,6 +57,7 @@ struct ekv_cuda_plan {
     unsigned long long *sp_count; /* [2] superpage skipping: pages skipped, boxes read      */
     int last_sp_counted;          /* the last step's bound stage skipped against tau_lb     */
     double *tau;         /* [B*H] in z-space (the report, the bounds, tau_lb)           */
+    double *round0_tau;  /* [B*H] certified round 0's lower bounds of tau (round 1's hint) */
     /* [B*H] tau again as (m, t) with tau = m + t, m the head's max score: the weights take
      * z - tau as (z - m) - t, exact at any score scale (docs/math.md §6.2); m = 0 where a
      * stage knows only tau (the sharded agreement) */

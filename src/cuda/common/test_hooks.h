@@ -42,6 +42,9 @@ EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *
  * ([batch * num_heads][cap_pages], z-space; the last page of a sequence: -inf; the entries past
  * it are not written). */
 EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
+/* The lower bounds of tau certified's round 0 gave in the last step with superpage boxes
+ * ([batch * num_heads], z-space; stages/recent_bound.cuh). */
+EKV_API ekv_status ekv_cuda_round0_bounds(ekv_cuda_plan *pl, int32_t batch, double *out);
 
 #ifdef __cplusplus
 }

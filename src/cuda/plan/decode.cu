@@ -8,9 +8,9 @@
  *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (8 launches)
  *   certified: bound -> topk -> scores -> tau bound -> round2 -> scores -> tau -> values
  *              (11; a tau bound is 2 launches, the histogram bound of tau the round gives,
- *              docs/math.md §9.3 "On the GPU"); with superpage boxes, round 0 (recent pages
- *              -> scores -> tau bound) -> bound -> select of every page its bound cannot rule
- *              out -> scores -> tau -> values (11), no round 2
+ *              docs/math.md §9.3 "On the GPU"); with superpage boxes, bound (with round 0 over
+ *              the recent tokens in each block, stages/recent_bound.cuh) -> select of every
+ *              page round 0's bound cannot rule out -> scores -> tau -> values (7), no round 2
  *   screened:  screen -> tau(l) -> mark -> rows -> row scores -> tau -> values
  *              (12 kernels and a memset, 14 with the retry of lists shorter than the
  *              tokens; screen/screen.cuh)
@@ -66,21 +66,6 @@ static ekv_status check_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     if (((uintptr_t)kv->k | (uintptr_t)kv->v) % 16)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "K and V must be 16-byte aligned");
     return ekv_check_kv_view(ctx, kv); /* the CPU's rules: offsets fit int64 */
-}
-
-/* Certified round 0 (docs/math.md §9.6, as src/cpu/methods/certified.c): tau over the last
- * recent_pages + 1 pages (4 without recent pages) is a lower bound of tau*, so the bound stage
- * can skip the summaries of every superpage already below it; its histogram bound, at most two
- * bins below it, is one too (docs/math.md §9.3, "On the GPU"). 4 launches: the list (the recent
- * pages, select.cu's recent_kernel), scores, the histogram and its bound. */
-static ekv_status launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
-                                const ekv_select_params *sel, const ekv_paged_kv *kv,
-                                const ekv_page_table *t, const float *q, int B) {
-    const int32_t recent = sel->recent_pages > 0 ? sel->recent_pages : 3; /* + the last page */
-    ekv_status s = ekv_cuda_launch_recent(pl, t, B, recent);
-    if (!s) s = ekv_cuda_launch_scores(pl, prm, kv, t, q, B, 1, 1, 0);
-    if (!s) s = ekv_cuda_launch_tau_bound(pl, prm, t, B);
-    return s;
 }
 
 /* Whether a step's lists are per query head (topk, gaussian, certified's round 1): each
@@ -165,17 +150,18 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B, per_head)))
         return s;
     const double *tau_lb = sel ? sel->tau_lb : NULL, *hint = certified ? sel->tau_hint : NULL;
-    int round2 = certified;
+    int round2 = certified, recent = 0;
     if (certified && !tau_lb && st->smin && st->superpage_pages > 0) {
-        if ((s = launch_round0(pl, prm, sel, kv, t, q, B))) return s;
-        tau_lb = pl->tau; /* read by the bound and select stages before the solve writes tau */
+        /* round 0 in the bound stage (docs/math.md §9.3): tau over the last recent + 1 pages (4
+         * without recent pages) bounds tau*; the bound stage writes it to round0_tau */
+        recent = sel->recent_pages > 0 ? sel->recent_pages : 3;
         if (!hint) {
-            hint = pl->tau; /* round 1: every page round 0's bound cannot rule out; no round 2 */
+            hint = pl->round0_tau; /* round 1: every page round 0 cannot rule out; no round 2 */
             round2 = 0;
         }
     }
     if ((stg & EKV_STAGE_BOUND) &&
-        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, B)))
+        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, recent, B)))
         return s;
     if ((stg & EKV_STAGE_TOPK) &&
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,

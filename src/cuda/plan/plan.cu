@@ -44,7 +44,7 @@ typedef struct {
                      bits, histograms and barriers that the steps leave zero again) */
 } plan_buffer;
 
-enum { PLAN_BUFFERS = 57 };
+enum { PLAN_BUFFERS = 58 };
 
 static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
     const int64_t B = pl->p.max_batch, H = pl->p.num_heads, Hk = pl->p.num_kv_heads,
@@ -60,6 +60,7 @@ static void plan_buffers(ekv_cuda_plan *pl, plan_buffer *b) {
             {(void **)&pl->list_count, BHk * 2 * (int64_t)sizeof(int32_t), 1},
             {(void **)&pl->in_list, BHk * P},
             {(void **)&pl->tau, BH * (int64_t)sizeof(double)},
+            {(void **)&pl->round0_tau, BH * (int64_t)sizeof(double)},
             {(void **)&pl->tau_m, BH * (int64_t)sizeof(float)},
             {(void **)&pl->tau_t, BH * (int64_t)sizeof(double)},
             {(void **)&pl->support, BH * (int64_t)sizeof(int64_t)},

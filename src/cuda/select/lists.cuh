@@ -57,12 +57,11 @@ __device__ __forceinline__ void ekv_count_tile(const bool *take, int *written, i
 }
 
 /* Closes a round-1 page list of `written` pages: the last page (P - 1) is always read and
- * always last (its membership flag in in[], unless in is NULL: certified round 0's lists keep
- * none). One thread. */
+ * always last (its membership flag in in[]). One thread. */
 __device__ __forceinline__ void ekv_close_list(int32_t *out, uint8_t *in, int written, int64_t P,
                                                int32_t *list_count, int row) {
     out[written] = (int32_t)(P - 1);
-    if (in && P >= 1) in[P - 1] = 1;
+    if (P >= 1) in[P - 1] = 1;
     list_count[2 * row] = written + 1;
     list_count[2 * row + 1] = written + 1;
 }

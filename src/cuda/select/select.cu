@@ -277,28 +277,6 @@ __global__ void __launch_bounds__(SEL_THREADS) topk_kernel(topk_args A) {
         ekv_close_list(out, in, total, sg.P, A.out.count, row);
 }
 
-/* Certified round 0's lists (docs/math.md §9.6): each (sequence, KV head) list its last
- * `recent` + 1 pages in page order, as topk_kernel with no budget, no sink and only recent pages
- * writes it; ranking nothing, that kernel still scanned every page of the list (~20 us a layer of
- * the model's trace at 256K tokens, bench/RESULTS.md). The membership flags are not written:
- * their one reader, round 2, comes after round 1's select, which writes every page's. One warp
- * a list. */
-struct recent_args : ekv_cuda_shape {
-    int recent;
-    ekv_cuda_lists out;
-};
-
-__global__ void __launch_bounds__(32) recent_kernel(recent_args A) {
-    ekv_grid_begin();
-    const int row = blockIdx.x, b = row / A.out.lps;
-    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
-    const int64_t n = sg.P - 1, first = n - A.recent > 0 ? n - A.recent : 0; /* scored pages */
-    const int written = n > first ? (int)(n - first) : 0;
-    int32_t *out = A.out.pages + (int64_t)row * A.cap_pages;
-    for (int i = threadIdx.x; i < written; i += 32) out[i] = (int32_t)(first + i);
-    if (threadIdx.x == 0) ekv_close_list(out, nullptr, written, sg.P, A.out.count, row);
-}
-
 /* per_query_head: the union per KV head of its query heads' lists (each head's membership
  * flags hlist_in), in page order, with each entry's head mask. The last page is every head's
  * (a shard before the last: no page is forced, docs/math.md §11). */
@@ -478,15 +456,6 @@ ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int 
     A.recent = recent_pages;
     A.keys = per_head ? pl->bounds : pl->list_bounds; /* each head ranks by its own bounds */
     return launch_parted<topk_kernel>(pl, batch, per_head, A);
-}
-
-ekv_status ekv_cuda_launch_recent(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
-                                  int32_t recent_pages) {
-    recent_args A;
-    ekv_cuda_set_shape(A, pl, t);
-    A.recent = recent_pages;
-    A.out = ekv_cuda_lists_of(pl, 0);
-    return ekv_cuda_launch(pl, recent_kernel, batch * A.out.lps, 32, 0, A);
 }
 
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch) {

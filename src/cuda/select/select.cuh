@@ -6,10 +6,6 @@
 ekv_status ekv_cuda_launch_topk(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
                                 int64_t budget_tokens, double budget_fraction, int32_t sink_pages,
                                 int32_t recent_pages, const double *hint, int per_head);
-/* Certified round 0's lists: each (sequence, KV head) list the sequence's last recent_pages + 1
- * pages, the top-k select's list with no budget and only recent pages, written directly. */
-ekv_status ekv_cuda_launch_recent(ekv_cuda_plan *pl, const ekv_page_table *t, int batch,
-                                  int32_t recent_pages);
 /* The union per KV head of the query heads' lists, in page order, with each entry's head mask
  * (list_heads); round 2 (certified) extends it as any KV-head list. */
 ekv_status ekv_cuda_launch_union(ekv_cuda_plan *pl, const ekv_page_table *t, int batch);

@@ -186,8 +186,8 @@ __global__ void __launch_bounds__(CAND_THREADS, CAND_MIN_BLOCKS) cand_kernel(can
     if constexpr (!REFINE) hist_flush(hist, A.hist + row * TAU_HIST_BINS, counted);
 }
 
-/* A bound round (certified's rounds 0 and 1, whose tau is read only as a lower bound of tau*:
- * the bound stage's superpage skip, round 2's pages, docs/math.md §9.3): the row's histogram
+/* A bound round (certified's round 1 without superpage boxes, whose tau is read only as a lower
+ * bound of tau*: round 2's pages, docs/math.md §9.3): the row's histogram
  * bound (row_bound_thr, at most two bins below the round's own tau, docs/math.md §9.1) from
  * every split's counts (CAND_COUNT with count_all) is its tau, instead of the list, its refine
  * pass and the solve. The histogram is left zero for the next count. One block a row. */
