@@ -38,13 +38,14 @@ EKV_API ekv_status ekv_cuda_screen_row_list(ekv_cuda_plan *pl, int32_t batch, in
  * slot e page_size + t of a row is entry e's token t). */
 EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *out);
 
+/* stages/round0.cu: the lower bounds of tau certified's round 0 gave in the last step with
+ * superpage boxes ([batch * num_heads], z-space). */
+EKV_API ekv_status ekv_cuda_round0_bounds(ekv_cuda_plan *pl, int32_t batch, double *out);
+
 /* stages/bound.cu: the page bounds of the last step with a bound stage
  * ([batch * num_heads][cap_pages], z-space; the last page of a sequence: -inf; the entries past
  * it are not written). */
 EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out);
-/* The lower bounds of tau certified's round 0 gave in the last step with superpage boxes
- * ([batch * num_heads], z-space; stages/recent_bound.cuh). */
-EKV_API ekv_status ekv_cuda_round0_bounds(ekv_cuda_plan *pl, int32_t batch, double *out);
 
 #ifdef __cplusplus
 }

@@ -8,9 +8,9 @@
  *   gaussian:  moments -> stats -> rule -> scores -> tau -> values       (8 launches)
  *   certified: bound -> topk -> scores -> tau bound -> round2 -> scores -> tau -> values
  *              (11; a tau bound is 2 launches, the histogram bound of tau the round gives,
- *              docs/math.md §9.3 "On the GPU"); with superpage boxes, bound (with round 0 over
- *              the recent tokens in each block, stages/recent_bound.cuh) -> select of every
- *              page round 0's bound cannot rule out -> scores -> tau -> values (7), no round 2
+ *              docs/math.md §9.3 "On the GPU"); with superpage boxes, round 0 (a lower bound
+ *              of tau from the recent tokens, stages/round0.cu) -> bound -> select of every
+ *              page round 0's bound cannot rule out -> scores -> tau -> values (8), no round 2
  *   screened:  screen -> tau(l) -> mark -> rows -> row scores -> tau -> values
  *              (12 kernels and a memset, 14 with the retry of lists shorter than the
  *              tokens; screen/screen.cuh)
@@ -30,6 +30,7 @@
 #include "../select/select.cuh"
 #include "../stages/attend_fused.cuh"
 #include "../stages/bound.cuh"
+#include "../stages/round0.cuh"
 #include "../stages/scores.cuh"
 #include "../stages/softmax.cuh"
 #include "../stages/tau.cuh"
@@ -150,18 +151,20 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         (s = ekv_cuda_launch_gaussian(pl, prm, sel, kv, st, t, q, B, per_head)))
         return s;
     const double *tau_lb = sel ? sel->tau_lb : NULL, *hint = certified ? sel->tau_hint : NULL;
-    int round2 = certified, recent = 0;
+    int round2 = certified;
     if (certified && !tau_lb && st->smin && st->superpage_pages > 0) {
-        /* round 0 in the bound stage (docs/math.md §9.3): tau over the last recent + 1 pages (4
-         * without recent pages) bounds tau*; the bound stage writes it to round0_tau */
-        recent = sel->recent_pages > 0 ? sel->recent_pages : 3;
+        /* round 0 (docs/math.md §9.3, "Round 0 on the GPU"): tau over the last recent + 1 pages
+         * (4 without recent pages) bounds tau*, for the bound stage's superpage skip */
+        const int recent = sel->recent_pages > 0 ? sel->recent_pages : 3;
+        if ((s = ekv_cuda_launch_round0(pl, prm, kv, t, q, B, recent))) return s;
+        tau_lb = pl->round0_tau;
         if (!hint) {
             hint = pl->round0_tau; /* round 1: every page round 0 cannot rule out; no round 2 */
             round2 = 0;
         }
     }
     if ((stg & EKV_STAGE_BOUND) &&
-        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, recent, B)))
+        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, B)))
         return s;
     if ((stg & EKV_STAGE_TOPK) &&
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,

@@ -10,12 +10,10 @@
  * The slack is the CPU's: 4 (D + 4) 2^-24 ||q'|| (||c|| + r) + 8 2^-24 |a m_h| (|p ps - i| + ps),
  * which covers the rounding of this pass and of the score kernel in any summation order,
  * so U bounds the *computed* scores and certified decode stays exact. With a lower bound
- * of tau (the caller's tau_lb, or certified round 0's, computed by each block first:
- * recent_bound.cuh) and superpage boxes, a page whose superpage bound is already <= it for
+ * tau_lb of tau and superpage boxes, a page whose superpage bound is already <= tau_lb for
  * every head takes that bound without reading its own summaries (docs/math.md §9.6).
  */
 #include "bound.cuh"
-#include "recent_bound.cuh"
 #include "../common/launch.cuh"
 #include "../common/plan.cuh"
 #include "../common/ranges.cuh"
@@ -42,11 +40,7 @@ struct bound_args : ekv_cuda_shape {
     int64_t chunk_pages; /* pages per block (bound_chunk_pages) */
     int shard_pos;        /* EKV_SHARD_*: a shard before the last ranks its last page too */
     const double *tau_lb; /* [B*H] lower bounds of tau (superpage skipping), or NULL */
-    ekv_paged_kv kv;      /* round 0 (recent > 0): the keys of the recent tokens          */
-    int recent;           /* certified round 0's pages before the last (recent_bound.cuh), */
-    double *tau_out;      /* or 0; its bounds L0 are written here (the plan's round0_tau) */
-    int skip;             /* superpage skipping: with tau_lb or round 0's bounds          */
-    unsigned long long *sp_count; /* with skip: [0] pages skipped, [1] superpage boxes read */
+    unsigned long long *sp_count; /* with tau_lb: [0] pages skipped, [1] superpage boxes read */
     float *bounds, *list_bounds;
 };
 
@@ -108,15 +102,14 @@ __device__ __forceinline__ void page_partials(const bound_args &A, const float *
 
 /* Superpages (docs/math.md §9.6, as src/cpu/stages/bound.c): page p (logical, physical `phys`)
  * takes its superpage's bound, and its own summaries are not read, when that bound is already <=
- * lb[g] (the lower bound of tau of the group's head g) for every head of the group; spu[g] = the
- * superpage bound of head g with p's ALiBi term and slack, rounded up. Warp-collective: the pages
- * of a pass that share a superpage (__match_any_sync) read its box once, on the lanes of the
- * first of them. */
+ * tau_lb for every head of the group; spu[g] = the superpage bound of head g with p's ALiBi
+ * term and slack, rounded up. Warp-collective: the pages of a pass that share a superpage
+ * (__match_any_sync) read its box once, on the lanes of the first of them. */
 template <int GM>
-__device__ __forceinline__ bool
-superpage_skip(const bound_args &A, const float *qs, const double *qn1, const double *lb,
-               const ekv_seq_geom &sg, int kvh, int64_t p, int64_t phys, bool ranked, int sl,
-               float *spu, bool *read_box) {
+__device__ __forceinline__ bool superpage_skip(const bound_args &A, const float *qs,
+                                               const double *qn1, const ekv_seq_geom &sg, int b,
+                                               int kvh, int64_t p, int64_t phys, bool ranked,
+                                               int sl, float *spu, bool *read_box) {
     const int lane = threadIdx.x & 31, D = A.D;
     const long long sid = ranked ? (long long)(phys / A.st.superpage_pages) : -1;
     const int leader = __ffs(__match_any_sync(0xffffffffu, sid)) - 1; /* lane 0 of a page */
@@ -165,7 +158,7 @@ superpage_skip(const bound_args &A, const float *qs, const double *qn1, const do
         float uf = (float)ub;
         if ((double)uf < ub) uf = nextafterf(uf, CUDART_INF_F);
         spu[g] = uf;
-        all = all && (double)uf <= lb[g];
+        all = all && (double)uf <= A.tau_lb[(int64_t)b * A.H + kvh * A.G + g];
     }
     return all;
 }
@@ -192,31 +185,6 @@ __device__ __forceinline__ void load_group_query(const bound_args &A, int b, int
             qn[g] = sqrt(s) * (1 + 1e-12);
             qn1[g] = s1 * (1 + 1e-12);
         }
-    }
-    __syncthreads();
-}
-
-/* The group's lower bounds of tau for superpage skipping into lb (shared, [G]): certified round
- * 0's L0 from the recent tokens (recent_bound.cuh; the list's first block also writes them as
- * round 1's hint), or the caller's tau_lb. Round 0 is skipped by a block with no page of the
- * sequence (a plan's capacity beyond it), but for the first. Block-wide, ends with a barrier. */
-__device__ __forceinline__ void group_lower_bounds(const bound_args &A, const float *qs,
-                                                   const ekv_seq_geom &sg, int b, int kvh,
-                                                   int64_t chunk, double *lb) {
-    const int64_t h0 = (int64_t)b * A.H + kvh * A.G;
-    if (A.recent > 0 && (chunk == 0 || chunk * A.chunk_pages < sg.P)) {
-        const int64_t n = recent_tokens(sg, A.ps, A.recent);
-        for (int g = threadIdx.x >> 5; g < A.G; g += BOUND_WARPS) {
-            const float slope = A.slopes ? (float)A.a * A.slopes[kvh * A.G + g] : 0.f;
-            const double l = recent_head_bound(A.kv, sg, A.t.indices, kvh, A.D, A.ps, qs + g * A.D,
-                                               slope, 1.0 / A.a, n);
-            if ((threadIdx.x & 31) == 0) {
-                lb[g] = l;
-                if (chunk == 0) A.tau_out[h0 + g] = l;
-            }
-        }
-    } else if (A.tau_lb) {
-        for (int g = threadIdx.x; g < A.G; g += blockDim.x) lb[g] = A.tau_lb[h0 + g];
     }
     __syncthreads();
 }
@@ -252,7 +220,7 @@ template <int GM, int RT> /* compile-time bound of the group size; how the range
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     ekv_grid_begin();
     extern __shared__ float qs[]; /* [G][D] q' */
-    __shared__ double qn[GM], qn1[GM], lb[GM];
+    __shared__ double qn[GM], qn1[GM];
     /* one-dimensional grid, the list row fastest: the blocks in flight together read the same
      * pages for every KV head, which are adjacent in the summary arrays ([page][kv head][D]) */
     const int nrows = A.rows, row = (int)(blockIdx.x % nrows), b = row / A.Hk, kvh = row % A.Hk,
@@ -262,7 +230,6 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
     load_group_query(A, b, kvh, qs, qn, qn1);
-    if (A.skip) group_lower_bounds(A, qs, sg, b, kvh, chunk, lb);
     /* every page but the sequence's last; a shard before the last ranks its own last page;
      * pages past the sequence's are read by no stage and not written */
     const int64_t nrank = ekv_shard_ranked_pages(sg.P, A.shard_pos);
@@ -286,8 +253,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
 #pragma unroll
         for (int g = 0; g < GM; g++) box[g] = dot[g] = 0.f;
         bool read_box = false;
-        const bool skip = A.skip && superpage_skip<GM>(A, qs, qn1, lb, sg, kvh, p, phys, ranked, sl,
-                                                       spu, &read_box);
+        const bool skip = A.tau_lb && superpage_skip<GM>(A, qs, qn1, sg, b, kvh, p, phys, ranked,
+                                                         sl, spu, &read_box);
         if (sl == 0) {
             n_skip += skip;
             n_box += read_box;
@@ -336,7 +303,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
     }
-    if (A.skip) flush_superpage_counts(A, n_skip, n_box);
+    if (A.tau_lb) flush_superpage_counts(A, n_skip, n_box);
 }
 
 } // namespace
@@ -344,7 +311,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
 ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
                                  const ekv_page_table *t, const float *q, int with_ball,
-                                 const double *tau_lb, int recent, int batch) {
+                                 const double *tau_lb, int batch) {
     bound_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.st = *st;
@@ -357,15 +324,10 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
     ekv_cuda_set_query(A, prm, kv->head_dim, q);
     A.with_ball = with_ball;
     /* superpage skipping needs the ball bound and the boxes, as on the CPU */
-    const int boxes = with_ball && st->smin && st->superpage_pages > 0;
-    A.kv = *kv;
-    A.recent = boxes && recent > 0 ? recent : 0;
-    A.tau_out = pl->round0_tau;
-    A.tau_lb = boxes && !A.recent ? tau_lb : NULL;
-    A.skip = A.recent > 0 || A.tau_lb != NULL;
+    A.tau_lb = with_ball && st->smin && st->superpage_pages > 0 ? tau_lb : NULL;
     A.sp_count = pl->sp_count;
-    pl->last_sp_counted = A.skip;
-    if (A.skip)
+    pl->last_sp_counted = A.tau_lb != NULL;
+    if (A.tau_lb)
         EKV_CUDA_TRY(pl, cudaMemsetAsync(pl->sp_count, 0, 2 * sizeof(unsigned long long), pl->stream));
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
@@ -394,13 +356,4 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
 extern "C" EKV_API ekv_status ekv_cuda_page_bounds(ekv_cuda_plan *pl, int32_t batch, float *out) {
     return ekv_cuda_read_head_rows(pl, batch, out, pl ? pl->bounds : NULL,
                                    pl ? pl->cap_pages * (int64_t)sizeof(float) : 0);
-}
-
-/* Certified round 0's lower bounds of tau of the plan's last step with superpage boxes
- * ([batch * num_heads], z-space), copied to the host. Internal, for the GPU tests (each at
- * most the step's tau); synchronises the plan's stream. */
-extern "C" EKV_API ekv_status ekv_cuda_round0_bounds(ekv_cuda_plan *pl, int32_t batch,
-                                                     double *out) {
-    return ekv_cuda_read_head_rows(pl, batch, out, pl ? pl->round0_tau : NULL,
-                                   (int64_t)sizeof(double));
 }

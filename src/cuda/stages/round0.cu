@@ -1,25 +1,31 @@
 /*
- * Certified round 0 inside the bound stage (docs/math.md §9.3, "Round 0 on the GPU"): before its
- * pages' bounds, each block of a (sequence, KV head) list computes for every head of the group
+ * Certified round 0 on the GPU (docs/math.md §9.3, "Round 0 on the GPU"): for each query head,
  * a lower bound L0 of tau* from the scores of the sequence's last tokens (the last page and the
  * `recent` pages before it, at most RECENT_CAP tokens: any token set's threshold bounds tau*,
- * §9.1). One warp a head: each lane scores up to RECENT_PER_LANE tokens, then a bisection keeps
- * the largest t with F(t) = sum_j [z_j - t]_+^beta >= 1 it has checked, and L0 is that t less
- * the scores' rounding bound, so L0 bounds the tau the scores kernel's own scores give.
- * Every block of a list computes the same L0 (the same loads and sums in the same order), so the
- * blocks agree without a meeting, and the list's first block writes it as round 1's hint. A
- * separate round 0 took four launches (its list, scores, histogram and bound).
+ * §9.1), for the bound stage's superpage skip and the select's round 1 (the plan's round0_tau).
+ * One block a (sequence, KV head), one warp a head: each lane scores up to RECENT_PER_LANE
+ * tokens, then a bisection keeps the largest t it has checked with F(t) = sum_j [z_j - t]_+^beta
+ * >= 1, and L0 is that t less the scores' rounding bound, so that L0 bounds the tau of the
+ * scores kernel's own scores. One launch, where round 0 took four (its page list, scores,
+ * histogram and bound); computed instead by every block of the bound stage it made that stage
+ * 25 us slower at 256K tokens (bench/RESULTS.md).
  */
-#pragma once
+#include "round0.cuh"
+#include "../common/launch.cuh"
+#include "../common/plan.cuh"
+#include "../common/splits.cuh"
 #include "scores_common.cuh"
 #include "../common/loads.cuh"
 #include "../common/reduce.cuh"
 #include <math_constants.h>
 
+namespace {
+
 enum {
-    RECENT_PER_LANE = 8,               /* tokens a lane scores at most       */
-    RECENT_CAP = 32 * RECENT_PER_LANE, /* tokens of round 0 at most          */
-    RECENT_STEPS = 20                  /* bisection steps: within 2^-20 of tau */
+    RECENT_PER_LANE = 8,               /* tokens a lane scores at most         */
+    RECENT_CAP = 32 * RECENT_PER_LANE, /* tokens of round 0 at most            */
+    RECENT_STEPS = 14,                 /* bisection steps: within 2^-14 of tau */
+    ROUND0_THREADS = 256
 };
 
 /* The tokens round 0 scores: the last page's and `recent` full pages' before it, at most
@@ -107,4 +113,55 @@ __device__ double recent_head_bound(const ekv_paged_kv &kv, const ekv_seq_geom &
             hi = mid;
     }
     return lo - err;
+}
+
+struct round0_args : ekv_cuda_shape {
+    ekv_paged_kv kv;
+    const float *q, *slopes;
+    double qscale, a;
+    int recent; /* pages before the last */
+    double *lb; /* [B*H] the bounds (the plan's round0_tau) */
+};
+
+__global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
+    ekv_grid_begin();
+    extern __shared__ float qs[]; /* [G][D] q' = a scale q, as the scores kernel forms it */
+    const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
+    const int64_t h0 = (int64_t)b * A.H + (int64_t)kvh * A.G;
+    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
+        qs[i] = (float)(A.qscale * A.q[h0 * A.D + i]);
+    __syncthreads();
+    const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
+    const int64_t n = recent_tokens(sg, A.ps, A.recent);
+    for (int g = threadIdx.x >> 5; g < A.G; g += ROUND0_THREADS / 32) {
+        const float slope = A.slopes ? (float)A.a * A.slopes[kvh * A.G + g] : 0.f;
+        const double l = recent_head_bound(A.kv, sg, A.t.indices, kvh, A.D, A.ps, qs + g * A.D,
+                                           slope, 1.0 / A.a, n);
+        if ((threadIdx.x & 31) == 0) A.lb[h0 + g] = l;
+    }
+}
+
+} // namespace
+
+ekv_status ekv_cuda_launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
+                                  const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
+                                  int batch, int recent) {
+    round0_args A;
+    ekv_cuda_set_shape(A, pl, t);
+    ekv_cuda_set_query(A, prm, kv->head_dim, q);
+    A.kv = *kv;
+    A.recent = recent;
+    A.lb = pl->round0_tau;
+    const size_t sm = (size_t)A.G * A.D * sizeof(float);
+    return ekv_cuda_launch(pl, round0_kernel, dim3((unsigned)(batch * A.Hk)), ROUND0_THREADS, sm,
+                           A);
+}
+
+/* Certified round 0's lower bounds of tau of the plan's last step with superpage boxes
+ * ([batch * num_heads], z-space), copied to the host. Internal, for the GPU tests (each at
+ * most the step's tau); synchronises the plan's stream. */
+extern "C" EKV_API ekv_status ekv_cuda_round0_bounds(ekv_cuda_plan *pl, int32_t batch,
+                                                     double *out) {
+    return ekv_cuda_read_head_rows(pl, batch, out, pl ? pl->round0_tau : NULL,
+                                   (int64_t)sizeof(double));
 }
