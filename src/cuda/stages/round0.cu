@@ -3,10 +3,10 @@
  * a lower bound L0 of tau* from the scores of the sequence's last tokens (the last page and the
  * `recent` pages before it, at most RECENT_CAP tokens: any token set's threshold bounds tau*,
  * §9.1), for the bound stage's superpage skip and the select's round 1 (the plan's round0_tau).
- * One block a (sequence, KV head), one warp a head: each lane scores up to RECENT_PER_LANE
- * tokens, then a bisection keeps the largest t it has checked with F(t) = sum_j [z_j - t]_+^beta
- * >= 1, and L0 is that t less the scores' rounding bound, so that L0 bounds the tau of the
- * scores kernel's own scores. One launch, where round 0 took four (its page list, scores,
+ * One block a (sequence, KV head), one warp a head: the warp scores the tokens (recent_scores),
+ * then a bisection keeps the largest t it has checked with F(t) = sum_j [z_j - t]_+^beta >= 1,
+ * and L0 is that t less the scores' rounding bound, so that L0 bounds the tau of the scores
+ * kernel's own scores (recent_bisect). One launch, where round 0 took four (its page list, scores,
  * histogram and bound); computed instead by every block of the bound stage it made that stage
  * 25 us slower at 256K tokens (bench/RESULTS.md).
  */
@@ -22,9 +22,10 @@
 namespace {
 
 enum {
-    RECENT_PER_LANE = 8,               /* tokens a lane scores at most         */
+    RECENT_PER_LANE = 8,               /* scores a lane sums in the bisection  */
     RECENT_CAP = 32 * RECENT_PER_LANE, /* tokens of round 0 at most            */
     RECENT_STEPS = 14,                 /* bisection steps: within 2^-14 of tau */
+    RECENT_PASSES = 8,                 /* warp passes whose loads are in flight together */
     ROUND0_THREADS = 256
 };
 
@@ -60,50 +61,79 @@ __device__ __forceinline__ double recent_mass(const float (&z)[RECENT_PER_LANE],
     return ekv_warp_sum(f);
 }
 
-/* Warp-collective: L0 for the query head whose q' (a scale q) is qg (shared, [D]) and whose
- * z-space ALiBi slope is `slope`, from the last n <= RECENT_CAP tokens of sequence sg in KV
- * head kvh. The score is the scores kernel's expression (score_z); its difference from that
- * kernel's own is at most twice the rounding bound of docs/math.md §9.5 (4 (D + 4) u sum_d
- * |q'_d k_d| + 8 u |a m| (|position| + ps)), and tau moves by at most the largest shift of the
- * scores, so L0 = t - that bound. -inf when there is no token. */
-__device__ double recent_head_bound(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
-                                    const int32_t *indices, int kvh, int D, int ps, const float *qg,
-                                    float slope, double beta, int64_t n) {
-    const int lane = threadIdx.x & 31;
+/* Warp-collective: the scores of the last n <= RECENT_CAP tokens of sequence sg in KV head kvh
+ * for the query head whose q' (a scale q) is qg (shared, [D]) and whose z-space ALiBi slope is
+ * `slope`, into zs (the warp's, [RECENT_CAP]; -inf past n), their max into *m and the largest
+ * bound of a score's difference from the scores kernel's into *err (every lane the same). The
+ * score is that kernel's expression (score_z); the difference is at most twice the rounding
+ * bound of docs/math.md §9.5 (4 (D + 4) u sum_d |q'_d k_d| + 8 u |a m| (|position| + ps)).
+ * A key is split over `lpt` lanes (its 16-byte chunks), so a pass of the warp scores 32 / lpt
+ * tokens, and RECENT_PASSES passes' loads are in flight together: with a lane's tokens one
+ * after another the loads waited on each other (15 us a launch on the model's trace). */
+__device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
+                              const int32_t *indices, int kvh, int D, int ps, const float *qg,
+                              float slope, int64_t n, float *zs, float *m, double *err) {
+    const int lane = threadIdx.x & 31, C = D / 8;
+    int lpt = 1;
+    while (lpt * 2 <= C && lpt < 32) lpt *= 2;
+    const int tpp = 32 / lpt, sub = lane % lpt, grp = lane / lpt;
+    const int64_t passes = (n + tpp - 1) / tpp;
     const double u24 = 5.9604644775390625e-8;
-    float z[RECENT_PER_LANE], m = -CUDART_INF_F;
-    double err = 0; /* this lane's largest bound of a score's difference */
+    float lm = -CUDART_INF_F;
+    double lerr = 0;
+    for (int64_t p0 = 0; p0 < passes; p0 += RECENT_PASSES) {
+        float dot[RECENT_PASSES], mag[RECENT_PASSES];
 #pragma unroll
-    for (int i = 0; i < RECENT_PER_LANE; i++) {
-        const int64_t j = sg.N - n + lane + 32 * i; /* the token's position */
-        z[i] = -CUDART_INF_F;
-        if (j >= sg.N) continue;
-        const int64_t lp = j / ps;
-        const int tt = (int)(j - lp * ps);
-        const int64_t off = (int64_t)indices[sg.first + lp] * kv.stride_page +
-                            kvh * kv.stride_head + tt * kv.stride_token;
-        float dot = 0.f, mag = 0.f;
-        for (int c = 0; c < D; c += 8) {
-            float k8[8];
-            recent_load8(kv, off + c, k8);
+        for (int u = 0; u < RECENT_PASSES; u++) {
+            dot[u] = mag[u] = 0.f;
+            const int64_t jl = (p0 + u) * tpp + grp; /* the token, counted from N - n */
+            if (jl >= n) continue;
+            const int64_t j = sg.N - n + jl, lp = j / ps;
+            const int64_t off = (int64_t)indices[sg.first + lp] * kv.stride_page +
+                                kvh * kv.stride_head + (j - lp * ps) * kv.stride_token;
+            for (int c = sub; c < C; c += lpt) {
+                float k8[8];
+                recent_load8(kv, off + 8 * c, k8);
 #pragma unroll
-            for (int e = 0; e < 8; e++) {
-                dot = fmaf(qg[c + e], k8[e], dot);
-                mag += fabsf(qg[c + e] * k8[e]);
+                for (int e = 0; e < 8; e++) {
+                    dot[u] = fmaf(qg[8 * c + e], k8[e], dot[u]);
+                    mag[u] += fabsf(qg[8 * c + e] * k8[e]);
+                }
             }
         }
-        const int64_t dist = lp * ps - (sg.N - 1);
-        z[i] = score_z(dot, slope, (float)dist, tt, true);
-        m = fmaxf(m, z[i]);
-        /* mag's own rounding: at most D u of it, inside the factor 1 + 1e-5 */
-        const double e = 4.0 * (D + 4) * u24 * (double)mag * (1 + 1e-5) +
-                         8.0 * u24 * fabs((double)slope) * ((double)llabs(dist) + ps);
-        err = fmax(err, 2 * e);
+#pragma unroll
+        for (int u = 0; u < RECENT_PASSES; u++) {
+            for (int o = 1; o < lpt; o <<= 1) { /* within the token's lanes */
+                dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+                mag[u] += __shfl_xor_sync(0xffffffffu, mag[u], o);
+            }
+            const int64_t jl = (p0 + u) * tpp + grp;
+            if (sub != 0 || jl >= n) continue;
+            const int64_t j = sg.N - n + jl, lp = j / ps, dist = lp * ps - (sg.N - 1);
+            const float z = score_z(dot[u], slope, (float)dist, (int)(j - lp * ps), true);
+            zs[jl] = z;
+            lm = fmaxf(lm, z);
+            /* mag's own rounding: at most D u of it, inside the factor 1 + 1e-5 */
+            const double e = 4.0 * (D + 4) * u24 * (double)mag[u] * (1 + 1e-5) +
+                             8.0 * u24 * fabs((double)slope) * ((double)llabs(dist) + ps);
+            lerr = fmax(lerr, 2 * e);
+        }
     }
-    m = ekv_warp_max(m);
-    err = ekv_warp_max(err);
+    for (int64_t i = n + lane; i < RECENT_CAP; i += 32) zs[i] = -CUDART_INF_F;
+    __syncwarp();
+    *m = ekv_warp_max(lm);
+    *err = ekv_warp_max(lerr);
+}
+
+/* Warp-collective: L0 from the warp's scores zs (recent_scores: max m, difference bound err):
+ * tau >= M - 1 always (docs/math.md §9.1), a t the bisection checked has F(t) >= 1 beyond F's
+ * rounding, and tau moves by at most the largest shift of the scores, so L0 = t - err. -inf
+ * when there is no token. */
+__device__ double recent_bisect(const float *zs, float m, double err, double beta, int64_t n) {
     if (n <= 0) return -CUDART_INF;
-    /* tau >= M - 1 always (docs/math.md §9.1); a checked t has F(t) >= 1 beyond F's rounding */
+    float z[RECENT_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < RECENT_PER_LANE; i++) z[i] = zs[(threadIdx.x & 31) + 32 * i];
     double lo = (double)m - 1.0, hi = (double)m;
     for (int s = 0; s < RECENT_STEPS; s++) {
         const double mid = 0.5 * (lo + hi);
@@ -126,6 +156,7 @@ struct round0_args : ekv_cuda_shape {
 __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     ekv_grid_begin();
     extern __shared__ float qs[]; /* [G][D] q' = a scale q, as the scores kernel forms it */
+    __shared__ float zbuf[ROUND0_THREADS / 32][RECENT_CAP]; /* each warp's scores */
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const int64_t h0 = (int64_t)b * A.H + (int64_t)kvh * A.G;
     for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
@@ -133,11 +164,15 @@ __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     __syncthreads();
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = recent_tokens(sg, A.ps, A.recent);
+    float *zs = zbuf[threadIdx.x >> 5];
     for (int g = threadIdx.x >> 5; g < A.G; g += ROUND0_THREADS / 32) {
         const float slope = A.slopes ? (float)A.a * A.slopes[kvh * A.G + g] : 0.f;
-        const double l = recent_head_bound(A.kv, sg, A.t.indices, kvh, A.D, A.ps, qs + g * A.D,
-                                           slope, 1.0 / A.a, n);
+        float m;
+        double err;
+        recent_scores(A.kv, sg, A.t.indices, kvh, A.D, A.ps, qs + g * A.D, slope, n, zs, &m, &err);
+        const double l = recent_bisect(zs, m, err, 1.0 / A.a, n);
         if ((threadIdx.x & 31) == 0) A.lb[h0 + g] = l;
+        __syncwarp(); /* zs read before the next head's scores */
     }
 }
 
