@@ -69,7 +69,8 @@ __device__ __forceinline__ double recent_mass(const float (&z)[RECENT_PER_LANE],
  * bound of docs/math.md §9.5 (4 (D + 4) u sum_d |q'_d k_d| + 8 u |a m| (|position| + ps)).
  * A key is split over `lpt` lanes (its 16-byte chunks), so a pass of the warp scores 32 / lpt
  * tokens, and RECENT_PASSES passes' loads are in flight together: with a lane's tokens one
- * after another the loads waited on each other (15 us a launch on the model's trace). */
+ * after another (15 us a launch on the model's trace under ncu), or the passes' loads each
+ * behind its page's index (25 us), the loads waited on each other (bench/RESULTS.md). */
 __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
                               const int32_t *indices, int kvh, int D, int ps, const float *qg,
                               float slope, int64_t n, float *zs, float *m, double *err) {
@@ -82,22 +83,33 @@ __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
     float lm = -CUDART_INF_F;
     double lerr = 0;
     for (int64_t p0 = 0; p0 < passes; p0 += RECENT_PASSES) {
+        /* the passes' key offsets, then their first chunks' loads, all in flight before any
+         * sum (sub < lpt <= C: every lane has a first chunk) */
+        int64_t off[RECENT_PASSES];
+#pragma unroll
+        for (int u = 0; u < RECENT_PASSES; u++) {
+            const int64_t jl = (p0 + u) * tpp + grp; /* the token, counted from N - n */
+            off[u] = -1;
+            if (jl >= n) continue;
+            const int64_t j = sg.N - n + jl, lp = j / ps;
+            off[u] = (int64_t)indices[sg.first + lp] * kv.stride_page + kvh * kv.stride_head +
+                     (j - lp * ps) * kv.stride_token;
+        }
+        float k8[RECENT_PASSES][8];
+#pragma unroll
+        for (int u = 0; u < RECENT_PASSES; u++)
+            if (off[u] >= 0) recent_load8(kv, off[u] + 8 * sub, k8[u]);
         float dot[RECENT_PASSES], mag[RECENT_PASSES];
 #pragma unroll
         for (int u = 0; u < RECENT_PASSES; u++) {
             dot[u] = mag[u] = 0.f;
-            const int64_t jl = (p0 + u) * tpp + grp; /* the token, counted from N - n */
-            if (jl >= n) continue;
-            const int64_t j = sg.N - n + jl, lp = j / ps;
-            const int64_t off = (int64_t)indices[sg.first + lp] * kv.stride_page +
-                                kvh * kv.stride_head + (j - lp * ps) * kv.stride_token;
-            for (int c = sub; c < C; c += lpt) {
-                float k8[8];
-                recent_load8(kv, off + 8 * c, k8);
+            if (off[u] < 0) continue;
+            for (int c = sub; c < C; c += lpt) { /* beyond the first: D > 256 or C not 2^k */
+                if (c != sub) recent_load8(kv, off[u] + 8 * c, k8[u]);
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    dot[u] = fmaf(qg[8 * c + e], k8[e], dot[u]);
-                    mag[u] += fabsf(qg[8 * c + e] * k8[e]);
+                    dot[u] = fmaf(qg[8 * c + e], k8[u][e], dot[u]);
+                    mag[u] += fabsf(qg[8 * c + e] * k8[u][e]);
                 }
             }
         }
