@@ -865,6 +865,44 @@ static void round0_check(ekv_cuda_plan *plan, int B, int H, const double *tau) {
     free(lb);
 }
 
+/* The round-1 lists the bound stage wrote from round 0's bound (certified with superpage boxes
+ * and no caller's hint, docs/math.md §9.3 "Round 1 from round 0's bound"), in no particular
+ * order: as a set, each KV head's list is its pages whose bound exceeds L0 for a head of the
+ * group, the sink and recent pages and the last page, from the GPU's own bounds and L0 (lists:
+ * the report's list_pages, r1 its counts, [B*Hk][maxP]). */
+static void hinted_list_check(ekv_cuda_plan *plan, const gcase *c, int64_t maxP,
+                              const ekv_select_params *sp, int32_t *lists, const int32_t *r1) {
+    const int H = c->G * c->Hk, B = c->B;
+    float *bd = malloc(sizeof(float) * B * H * maxP);
+    double *lb = malloc(sizeof(double) * B * H);
+    int32_t *want = malloc(sizeof(int32_t) * maxP);
+    CHECK(ekv_cuda_page_bounds(plan, B, bd) == EKV_OK &&
+                  ekv_cuda_round0_bounds(plan, B, lb) == EKV_OK,
+          "hinted lists: bounds");
+    for (int l = 0; l < B * c->Hk; l++) {
+        const int b = l / c->Hk, kvh = l % c->Hk;
+        const int64_t P = (c->len[b] + c->ps - 1) / c->ps;
+        int32_t n = 0;
+        for (int64_t p = 0; p < P; p++) {
+            int take = p == P - 1 || p < sp->sink_pages || p >= P - 1 - sp->recent_pages;
+            for (int g = 0; g < c->G && !take; g++) {
+                const int64_t h = (int64_t)b * H + kvh * c->G + g;
+                take = (double)bd[h * maxP + p] > lb[h];
+            }
+            if (take) want[n++] = (int32_t)p;
+        }
+        int32_t *got = lists + (int64_t)l * maxP;
+        qsort(got, (size_t)r1[l], sizeof(int32_t), cmp_i32);
+        int same = r1[l] == n;
+        for (int32_t i = 0; same && i < n; i++) same = got[i] == want[i];
+        CHECK(same, "hinted list %d: %d pages, want %d (the pages above round 0's bound)", l, r1[l],
+              n);
+    }
+    free(bd);
+    free(lb);
+    free(want);
+}
+
 /* Certified decode with a tau hint (adaptive round 1, docs/math.md §9.3): round 1 is every page
  * whose bound exceeds the hint for a head of the list. Hints below the true tau (round 2
  * empty) and above it for every other head (round 2 adds what the hint ruled out): the output
@@ -1575,10 +1613,14 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             rep.support = sup_g;
             rep.pages_round1 = r1;
             rep.pages_round2 = r2;
+            rep.list_pages = lists;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
-            if (boxes) round0_check(plan, B, H, tau_g);
-            /* with the boxes, round 0 (stages/round0.cu) and the hinted round 1, no round 2 */
-            CHECK(rep.launches == (boxes ? 8 : 11), "certified (boxes %d): %d launches", boxes,
+            if (boxes) {
+                round0_check(plan, B, H, tau_g);
+                hinted_list_check(plan, c, maxP, &sp, lists, r1);
+            }
+            /* with the boxes, round 0 (stages/round0.cu), then the bound stage lists round 1 */
+            CHECK(rep.launches == (boxes ? 7 : 11), "certified (boxes %d): %d launches", boxes,
                   rep.launches);
             CHECK(!boxes || rep.lists_round2 == 0, "certified after round 0: %lld round 2 lists",
                   (long long)rep.lists_round2);

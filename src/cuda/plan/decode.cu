@@ -9,8 +9,9 @@
  *   certified: bound -> topk -> scores -> tau bound -> round2 -> scores -> tau -> values
  *              (11; a tau bound is 2 launches, the histogram bound of tau the round gives,
  *              docs/math.md §9.3 "On the GPU"); with superpage boxes, round 0 (a lower bound
- *              of tau from the recent tokens, stages/round0.cu) -> bound -> select of every
- *              page round 0's bound cannot rule out -> scores -> tau -> values (8), no round 2
+ *              of tau from the recent tokens, stages/round0.cu) -> bound, which also lists
+ *              every page round 0's bound cannot rule out -> scores -> tau -> values (7), no
+ *              round 2
  *   screened:  screen -> tau(l) -> mark -> rows -> row scores -> tau -> values
  *              (12 kernels and a memset, 14 with the retry of lists shorter than the
  *              tokens; screen/screen.cuh)
@@ -152,21 +153,25 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
         return s;
     const double *tau_lb = sel ? sel->tau_lb : NULL, *hint = certified ? sel->tau_hint : NULL;
     int round2 = certified;
+    const ekv_select_params *hinted = NULL; /* the bound stage lists round 1 */
     if (certified && !tau_lb && st->smin && st->superpage_pages > 0) {
         /* round 0 (docs/math.md §9.3, "Round 0 on the GPU"): tau over the last recent + 1 pages
-         * (4 without recent pages) bounds tau*, for the bound stage's superpage skip */
+         * (4 without recent pages) bounds tau*, for the bound stage's superpage skip; without a
+         * caller's hint, round 1 is every page it cannot rule out, listed by the bound stage, and
+         * there is no round 2 ("Round 1 from round 0's bound") */
         const int recent = sel->recent_pages > 0 ? sel->recent_pages : 3;
-        if ((s = ekv_cuda_launch_round0(pl, prm, kv, t, q, B, recent))) return s;
+        hinted = !hint && !per_head ? sel : NULL;
+        if ((s = ekv_cuda_launch_round0(pl, prm, kv, t, q, B, recent, hinted != NULL))) return s;
         tau_lb = pl->round0_tau;
         if (!hint) {
-            hint = pl->round0_tau; /* round 1: every page round 0 cannot rule out; no round 2 */
+            hint = pl->round0_tau;
             round2 = 0;
         }
     }
     if ((stg & EKV_STAGE_BOUND) &&
-        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, B)))
+        (s = ekv_cuda_launch_bound(pl, prm, kv, st, t, q, with_ball, tau_lb, hinted, B)))
         return s;
-    if ((stg & EKV_STAGE_TOPK) &&
+    if ((stg & EKV_STAGE_TOPK) && !hinted &&
         (s = ekv_cuda_launch_topk(pl, t, B, sel->budget_tokens, sel->budget_fraction,
                                   certified ? sel->sink_pages : 0,
                                   certified ? sel->recent_pages : 0, hint, per_head)))

@@ -281,7 +281,7 @@ static ekv_status select_topk(ekv_cuda_sharded_plan *sp, const ekv_decode_params
     const int lps = ph ? sp->p.plan.num_heads : sp->p.plan.num_kv_heads;
     ekv_status s = each_shard(sp, [&](int j) {
         return ekv_cuda_launch_bound(sp->shard[j], prm, &kv[j], &st[j], &tables[j], q[j],
-                                     sel->use_ball, sel->tau_lb, B);
+                                     sel->use_ball, sel->tau_lb, NULL, B);
     });
     for (int level = 0; level < EKV_TOPK_LEVELS && !s; level++) {
         s = each_shard(sp, [&](int j) {

@@ -21,6 +21,7 @@
 #include "../common/sizes.cuh"
 #include "../common/splits.cuh"
 #include "../common/test_hooks.h" /* the read-backs defined here */
+#include "../select/lists.cuh"
 #include "../../core/geometry.h"
 #include "../../core/stats_rules.h"
 #include "../../math/page_bound.h"
@@ -42,6 +43,12 @@ struct bound_args : ekv_cuda_shape {
     const double *tau_lb; /* [B*H] lower bounds of tau (superpage skipping), or NULL */
     unsigned long long *sp_count; /* with tau_lb: [0] pages skipped, [1] superpage boxes read */
     float *bounds, *list_bounds;
+    /* certified's round 1 from round 0's bound (docs/math.md §9.3), listed here: with
+     * list.pages, every page whose bound exceeds tau_lb for a head of the group, the sink and
+     * recent pages and the last page, appended to the KV-head lists in no particular order
+     * (their counts zero before the launch: stages/round0.cu) */
+    ekv_cuda_lists list;
+    int sink, recent;
 };
 
 enum {
@@ -216,6 +223,36 @@ __device__ __forceinline__ void flush_superpage_counts(const bound_args &A,
     }
 }
 
+/* Appends the pages whose lanes have take set to list `row` (A.list; warp-collective: one
+ * atomic a warp pass, the pages in lane order after the ones already there). */
+__device__ __forceinline__ void append_pages(const bound_args &A, int row, bool take, int64_t p) {
+    const unsigned m = __ballot_sync(0xffffffffu, take);
+    if (!m) return;
+    const int lane = threadIdx.x & 31;
+    int at = 0;
+    if (lane == __ffs(m) - 1) {
+        at = atomicAdd(A.list.count + 2 * row, __popc(m));
+        atomicAdd(A.list.count + 2 * row + 1, __popc(m));
+    }
+    at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1);
+    if (take)
+        A.list.pages[(int64_t)row * A.cap_pages + at + __popc(m & ((1u << lane) - 1))] = (int32_t)p;
+}
+
+/* Appends page p to list `row` (A.list) alone: one thread. */
+__device__ __forceinline__ void append_pages_one(const bound_args &A, int row, int64_t p) {
+    const int at = atomicAdd(A.list.count + 2 * row, 1);
+    atomicAdd(A.list.count + 2 * row + 1, 1);
+    A.list.pages[(int64_t)row * A.cap_pages + at] = (int32_t)p;
+}
+
+/* Whether ranked page p is forced into the hinted list: the sink and recent pages (as the top-k
+ * select forces them, select.cu). */
+__device__ __forceinline__ bool forced_page(const bound_args &A, const ekv_seq_geom &sg,
+                                            int64_t p) {
+    return p < A.sink || p >= sg.P - 1 - A.recent;
+}
+
 template <int GM, int RT> /* compile-time bound of the group size; how the ranges are stored */
 __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     ekv_grid_begin();
@@ -229,6 +266,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
+    if (A.list.pages && chunk == 0 && threadIdx.x == 0 && sg.P >= 1) /* the last page */
+        append_pages_one(A, row, sg.P - 1);
     load_group_query(A, b, kvh, qs, qn, qn1);
     /* every page but the sequence's last; a shard before the last ranks its own last page;
      * pages past the sequence's are read by no stage and not written */
@@ -269,20 +308,23 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
             }
         }
         if (A.with_ball) c2 = page_sum(c2);
-        if (sl != 0 || p >= pend) continue;
-        if (!ranked || skip) { /* no bound (-inf), or the superpage's stands for the page */
-            store_given_bounds(A, b, kvh, row, p, ranked ? spu : nullptr);
-            continue;
-        }
-        /* page p's bound for each head, min(box, ball) + the rounding slack (docs/math.md §9.5)
-         * + ALiBi, rounded up to stay a bound; with the box alone (paper-faithful top-k) a
-         * ranking key without slack, as on the CPU. The list's key is the max over the group.
-         * (Kept inline: as a helper taking the arguments by reference it ran 7% slower.) */
-        const double u24 = 5.9604644775390625e-8;
-        const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
-        const double cn = sqrt((double)c2) * (1 + 1e-5);
-        const double rr = A.with_ball ? (double)A.rad[phys * A.Hk + kvh] : 0.0;
-        float best = -CUDART_INF_F;
+        bool take = false; /* the hinted list's pages (A.list), on each page's lane 0 */
+        if (A.list.pages && sl == 0 && ranked) take = forced_page(A, sg, p);
+        do { /* left by break, so that every lane reaches append_pages */
+            if (sl != 0 || p >= pend) break;
+            if (!ranked || skip) { /* no bound (-inf), or the superpage's stands for the page */
+                store_given_bounds(A, b, kvh, row, p, ranked ? spu : nullptr);
+                break;
+            }
+            /* page p's bound for each head, min(box, ball) + the rounding slack (docs/math.md §9.5)
+             * + ALiBi, rounded up to stay a bound; with the box alone (paper-faithful top-k) a
+             * ranking key without slack, as on the CPU. The list's key is the max over the group.
+             * (Kept inline: as a helper taking the arguments by reference it ran 7% slower.) */
+            const double u24 = 5.9604644775390625e-8;
+            const int64_t last = (p + 1) * ps - 1 < sg.N - 1 ? (p + 1) * ps - 1 : sg.N - 1;
+            const double cn = sqrt((double)c2) * (1 + 1e-5);
+            const double rr = A.with_ball ? (double)A.rad[phys * A.Hk + kvh] : 0.0;
+            float best = -CUDART_INF_F;
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             if (g >= G) break;
@@ -300,8 +342,11 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
             if (A.with_ball && (double)uf < ub) uf = nextafterf(uf, CUDART_INF_F);
             A.bounds[((int64_t)b * A.H + kvh * G + g) * A.cap_pages + p] = uf;
             best = fmaxf(best, uf);
+            take = take || (A.list.pages && (double)uf > A.tau_lb[(int64_t)b * A.H + kvh * G + g]);
         }
         A.list_bounds[(int64_t)row * A.cap_pages + p] = best;
+        } while (0);
+        if (A.list.pages) append_pages(A, row, take, p);
     }
     if (A.tau_lb) flush_superpage_counts(A, n_skip, n_box);
 }
@@ -311,7 +356,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
 ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                  const ekv_paged_kv *kv, const ekv_page_stats *st,
                                  const ekv_page_table *t, const float *q, int with_ball,
-                                 const double *tau_lb, int batch) {
+                                 const double *tau_lb, const ekv_select_params *hinted, int batch) {
     bound_args A;
     ekv_cuda_set_shape(A, pl, t);
     A.st = *st;
@@ -331,6 +376,10 @@ ekv_status ekv_cuda_launch_bound(ekv_cuda_plan *pl, const ekv_decode_params *prm
         EKV_CUDA_TRY(pl, cudaMemsetAsync(pl->sp_count, 0, 2 * sizeof(unsigned long long), pl->stream));
     A.bounds = pl->bounds;
     A.list_bounds = pl->list_bounds;
+    A.list = ekv_cuda_lists_of(pl, 0);
+    if (!hinted || !A.tau_lb) A.list.pages = NULL; /* no hinted list: the select writes one */
+    A.sink = hinted ? hinted->sink_pages : 0;
+    A.recent = hinted ? hinted->recent_pages : 0;
     A.shard_pos = pl->shard_pos;
     A.rows = batch * A.Hk;
     A.chunk_pages = bound_chunk_pages(pl->cap_pages, A.rows, pl->sms);

@@ -14,6 +14,7 @@
 #include "../common/launch.cuh"
 #include "../common/plan.cuh"
 #include "../common/splits.cuh"
+#include "../select/lists.cuh"
 #include "scores_common.cuh"
 #include "../common/loads.cuh"
 #include "../common/reduce.cuh"
@@ -163,6 +164,8 @@ struct round0_args : ekv_cuda_shape {
     double qscale, a;
     int recent; /* pages before the last */
     double *lb; /* [B*H] the bounds (the plan's round0_tau) */
+    int32_t *counts; /* the KV-head lists' counts [B*Hk][2], zeroed for the bound stage's
+                        hinted lists, or NULL */
 };
 
 __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
@@ -171,6 +174,7 @@ __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     __shared__ float zbuf[ROUND0_THREADS / 32][RECENT_CAP]; /* each warp's scores */
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const int64_t h0 = (int64_t)b * A.H + (int64_t)kvh * A.G;
+    if (A.counts && threadIdx.x < 2) A.counts[2 * row + threadIdx.x] = 0;
     for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
         qs[i] = (float)(A.qscale * A.q[h0 * A.D + i]);
     __syncthreads();
@@ -192,13 +196,14 @@ __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
 
 ekv_status ekv_cuda_launch_round0(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                   const ekv_paged_kv *kv, const ekv_page_table *t, const float *q,
-                                  int batch, int recent) {
+                                  int batch, int recent, int zero_lists) {
     round0_args A;
     ekv_cuda_set_shape(A, pl, t);
     ekv_cuda_set_query(A, prm, kv->head_dim, q);
     A.kv = *kv;
     A.recent = recent;
     A.lb = pl->round0_tau;
+    A.counts = zero_lists ? ekv_cuda_lists_of(pl, 0).count : NULL;
     const size_t sm = (size_t)A.G * A.D * sizeof(float);
     return ekv_cuda_launch(pl, round0_kernel, dim3((unsigned)(batch * A.Hk)), ROUND0_THREADS, sm,
                            A);
