@@ -133,7 +133,8 @@ typedef struct ekv_cuda_report {
                               /* over the group's heads; softmax, per 4-head chunk            */
     int32_t *list_pages;      /* [batch*num_kv_heads][max_pages_per_seq]: the page lists'     */
                               /* logical pages, round 1 then round 2 (first pages_round1 +    */
-                              /* pages_round2 of each row are valid)                          */
+                              /* pages_round2 of each row are valid); ascending, but for      */
+                              /* certified's round 1 from round 0's bound (unordered)         */
     int64_t lists_round2;     /* output: lists that needed round 2                            */
     int64_t slow_rows;        /* output: query heads whose tau candidates (z >= max - 1)      */
                               /* overflowed the plan's list since the last report, and so did */

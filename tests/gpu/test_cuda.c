@@ -64,9 +64,11 @@ static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0,
 static int g_cert_steps = 0;
 static long long g_cert_boxes = 0;
 static int g_compacted = 0; /* heads whose overflowed candidates were compacted (stages/tau.cu) */
-/* certified round 0 (stages/round0.cu): heads checked, and the sum of tau - L0 */
+/* certified round 0 (stages/round0.cu): heads checked against the CPU's tau over the same
+ * tokens, and the sum of that tau - L0; pages the hinted round-1 lists left out */
 static int64_t g_round0_heads = 0;
 static double g_round0_gap = 0;
+static int64_t g_hinted_out = 0;
 static int64_t g_sp_skipped = 0, g_sp_pages = 0, g_sp_bound_diff = 0; /* tau_lb_check */
 static int64_t g_centre_steps = 0, g_centres = 0; /* compact ball centres one step apart */
 /* screened: steps, heads whose support differs from the GPU dense step's by one (a tie at the
@@ -115,8 +117,9 @@ static int64_t screen_retry_check(ekv_context *ctx, ekv_cuda_plan *plan, int B, 
 }
 
 /* Compares the CPU's page lists (CSR lip/lpg, any order) with the GPU's (ascending, maxP per
- * row, r1 entries): counts every list in g_lists_cmp and the differing ones in g_lists_tie,
- * printing the first few. Returns 1 when all lists are equal. */
+ * row, r1 entries; certified's hinted round 1 is unordered: hinted_list_check): counts every
+ * list in g_lists_cmp and the differing ones in g_lists_tie, printing the first few. Returns 1
+ * when all lists are equal. */
 static int lists_equal(const int64_t *lip, const int32_t *lpg, const int32_t *gpu,
                        const int32_t *r1, int nl, int64_t maxP, const char *what) {
     int all_same = 1;
@@ -849,20 +852,64 @@ static ekv_page_stats stats_without_boxes(const ekv_page_stats *st) {
     return s;
 }
 
+/* The host page table of each sequence's last R + 1 pages (the tokens certified's round 0
+ * scores, stages/round0.cu), into ip/idx/lpl; returns whether every sequence's are at most the
+ * 256 tokens round 0 takes (else it takes only the last of them). */
+static int recent_table(const mirror *m, int B, int64_t R, int ps, int64_t *ip, int32_t *idx,
+                        int32_t *lpl, ekv_page_table *sub) {
+    int all = 1;
+    ip[0] = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t P = m->tab.indptr[b + 1] - m->tab.indptr[b],
+                      first = P - 1 - R > 0 ? P - 1 - R : 0;
+        for (int64_t p = first; p < P; p++)
+            idx[ip[b] + p - first] = m->tab.indices[m->tab.indptr[b] + p];
+        ip[b + 1] = ip[b] + (P - first);
+        lpl[b] = m->tab.last_page_len[b];
+        all = all && (P - 1 - first) * ps + lpl[b] <= 256;
+    }
+    *sub = (ekv_page_table){B, ip, idx, lpl};
+    return all;
+}
+
 /* Certified round 0's lower bounds L0 of the step just run (with superpage boxes): each at most
  * the GPU's own tau of that head (the exactness of the skipped pages rests on it, docs/math.md
- * §9.3), and finite (every test sequence has a token). */
-static void round0_check(ekv_cuda_plan *plan, int B, int H, const double *tau) {
-    double *lb = malloc(sizeof(double) * B * H);
+ * §9.3), finite, and, where round 0 scored exactly the last R + 1 pages, below the CPU's exact
+ * tau over those tokens by at most 0.01 (1 + |tau|): its bisection's 2^-14 and the scores'
+ * rounding bound, so a bound loose enough to skip nothing fails. */
+static void round0_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_case *sc,
+                         const ekv_select_params *sp, const double *tau) {
+    const mirror *m = sc->m;
+    const int B = sc->c->B, H = sc->prm->num_heads, D = m->kv.head_dim;
+    const int64_t R = sp->recent_pages > 0 ? sp->recent_pages : 3;
+    double *lb = malloc(sizeof(double) * B * H), *ts = malloc(sizeof(double) * B * H);
+    int64_t *ip = malloc(sizeof(int64_t) * (B + 1));
+    int32_t *idx = malloc(sizeof(int32_t) * B * (R + 1)), *lpl = malloc(sizeof(int32_t) * B);
+    float *o = malloc(sizeof(float) * B * H * D);
+    ekv_page_table sub;
+    const int tight = recent_table(m, B, R, sc->c->ps, ip, idx, lpl, &sub);
+    ekv_decode_info ri = {.tau = ts};
     CHECK(ekv_cuda_round0_bounds(plan, B, lb) == EKV_OK, "round 0 bounds");
+    CHECK(ekv_decode_dense_ref(ctx, sc->prm, &m->kv, &sub, sc->q, o, &ri) == EKV_OK,
+          "recent pages' tau: %s", ekv_last_error(ctx));
     for (int64_t i = 0; i < (int64_t)B * H; i++) {
         CHECK(lb[i] <= tau[i], "round 0: L0 %.9g above tau %.9g (head %lld)", lb[i], tau[i],
               (long long)i);
         CHECK(isfinite(lb[i]), "round 0: L0 %g (head %lld)", lb[i], (long long)i);
-        g_round0_heads++;
-        g_round0_gap += tau[i] - lb[i];
+        CHECK(lb[i] <= ts[i], "round 0: L0 %.9g above the recent tokens' tau %.9g", lb[i], ts[i]);
+        if (tight) {
+            CHECK(lb[i] >= ts[i] - 0.01 * (1 + fabs(ts[i])),
+                  "round 0: L0 %.9g far below the recent tokens' tau %.9g", lb[i], ts[i]);
+            g_round0_heads++;
+            g_round0_gap += ts[i] - lb[i];
+        }
     }
     free(lb);
+    free(ts);
+    free(ip);
+    free(idx);
+    free(lpl);
+    free(o);
 }
 
 /* The round-1 lists the bound stage wrote from round 0's bound (certified with superpage boxes
@@ -889,7 +936,10 @@ static void hinted_list_check(ekv_cuda_plan *plan, const gcase *c, int64_t maxP,
                 const int64_t h = (int64_t)b * H + kvh * c->G + g;
                 take = (double)bd[h * maxP + p] > lb[h];
             }
-            if (take) want[n++] = (int32_t)p;
+            if (take)
+                want[n++] = (int32_t)p;
+            else
+                g_hinted_out++;
         }
         int32_t *got = lists + (int64_t)l * maxP;
         qsort(got, (size_t)r1[l], sizeof(int32_t), cmp_i32);
@@ -1616,7 +1666,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             rep.list_pages = lists;
             CHECK(ekv_cuda_read_report(plan, B, &rep) == EKV_OK, "report");
             if (boxes) {
-                round0_check(plan, B, H, tau_g);
+                round0_check(ctx, plan, &sc, &sp, tau_g);
                 hinted_list_check(plan, c, maxP, &sp, lists, r1);
             }
             /* with the boxes, round 0 (stages/round0.cu), then the bound stage lists round 1 */
@@ -2915,8 +2965,13 @@ int main(void) {
     CHECK(g_cert_steps == 0 || (g_cert_round2 > 0 && g_cert_boxes > 0),
           "certified: %d of %d steps without boxes needed round 2; %lld superpage boxes read",
           g_cert_round2, g_cert_steps, g_cert_boxes);
-    printf("certified round 0: %lld heads, tau - L0 %.3g on average\n", (long long)g_round0_heads,
-           g_round0_heads ? g_round0_gap / (double)g_round0_heads : 0.0);
+    printf("certified round 0: %lld heads, the recent tokens' tau - L0 %.3g on average; pages "
+           "its bound left out of the hinted lists: %lld\n",
+           (long long)g_round0_heads, g_round0_heads ? g_round0_gap / (double)g_round0_heads : 0.0,
+           (long long)g_hinted_out);
+    CHECK(g_cert_boxes == 0 || (g_round0_heads > 0 && g_hinted_out > 0),
+          "certified round 0: %lld heads checked, %lld pages left out", (long long)g_round0_heads,
+          (long long)g_hinted_out);
     printf("heads that took the whole-row tau path with small candidate lists: %d\n", g_slow_rows);
     printf("screened: %d steps, rows read %lld of %lld tokens, heads whose support differs from the GPU dense step's by one: %d of %d\n",
            g_screen_steps, (long long)g_screen_pages, (long long)g_screen_total, g_screen_sup_diff,

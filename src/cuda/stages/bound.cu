@@ -266,7 +266,9 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int u = lane / BOUND_LANES, sl = lane % BOUND_LANES;
     const ekv_seq_geom sg = ekv_seq(A.t, b, ps);
-    if (A.list.pages && chunk == 0 && threadIdx.x == 0 && sg.P >= 1) /* the last page */
+    /* the last page, unless ranked as any other (a shard before the last, docs/math.md §11) */
+    if (A.list.pages && chunk == 0 && threadIdx.x == 0 && sg.P >= 1 &&
+        ekv_shard_ranked_pages(sg.P, A.shard_pos) < sg.P)
         append_pages_one(A, row, sg.P - 1);
     load_group_query(A, b, kvh, qs, qn, qn1);
     /* every page but the sequence's last; a shard before the last ranks its own last page;

@@ -126,7 +126,8 @@ __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
             const float z = score_z(dot[u], slope, (float)dist, (int)(j - lp * ps), true);
             zs[jl] = z;
             lm = fmaxf(lm, z);
-            /* mag's own rounding: at most D u of it, inside the factor 1 + 1e-5 */
+            /* mag's own rounding: a few dozen u of it (the lanes' sums, then their tree),
+             * inside the factor 1 + 1e-5 */
             const double e = 4.0 * (D + 4) * u24 * (double)mag[u] * (1 + 1e-5) +
                              8.0 * u24 * fabs((double)slope) * ((double)llabs(dist) + ps);
             lerr = fmax(lerr, 2 * e);
@@ -155,7 +156,8 @@ __device__ double recent_bisect(const float *zs, float m, double err, double bet
         else
             hi = mid;
     }
-    return lo - err;
+    /* a score that overflowed makes M or err infinite: no bound then (nothing skipped) */
+    return isfinite(m) && isfinite(err) ? lo - err : -CUDART_INF;
 }
 
 struct round0_args : ekv_cuda_shape {
