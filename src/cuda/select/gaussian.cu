@@ -20,7 +20,7 @@
  */
 #include "gaussian.cuh"
 #include "../common/launch.cuh"
-#include "lists.cuh"
+#include "../common/lists.cuh"
 #include "../common/plan.cuh"
 #include "../common/reduce.cuh"
 #include "../common/sizes.cuh"

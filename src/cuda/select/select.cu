@@ -18,7 +18,7 @@
  *           query head of the group (in parts as topk).
  */
 #include "../common/launch.cuh"
-#include "lists.cuh"
+#include "../common/lists.cuh"
 #include "../common/plan.cuh"
 #include "../common/reduce.cuh"
 #include "select.cuh"
@@ -366,16 +366,6 @@ __global__ void __launch_bounds__(SEL_THREADS) round2_kernel(round2_args A) {
 }
 
 } // namespace
-
-ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head) {
-    ekv_cuda_lists l;
-    l.lps = per_head ? pl->p.num_heads : pl->p.num_kv_heads;
-    l.lh = per_head ? 1 : pl->p.num_heads / pl->p.num_kv_heads;
-    l.pages = per_head ? pl->hlist_pages : pl->list_pages;
-    l.count = per_head ? pl->hlist_count : pl->list_count;
-    l.in = per_head ? pl->hlist_in : pl->in_list;
-    return l;
-}
 
 /* A selection kernel writing the lists ekv_cuda_lists_of(pl, per_head): one block per
  * (sequence, list), the tail of every launcher here. */

@@ -21,7 +21,7 @@
  * the next ranking before its first barrier.
  */
 #pragma once
-#include "lists.cuh"
+#include "../common/lists.cuh"
 #include "../common/group_sync.cuh"
 #include "../common/sizes.cuh"
 #include <stdint.h>

@@ -17,7 +17,7 @@
  * nothing on the host and stays capturable; a list that agreed early sends zeros.
  */
 #include "../common/launch.cuh"
-#include "../select/lists.cuh"
+#include "../common/lists.cuh"
 #include "../common/plan.cuh"
 #include "../common/reduce.cuh"
 #include "sharded.cuh"

@@ -21,7 +21,7 @@
 #include "../common/sizes.cuh"
 #include "../common/splits.cuh"
 #include "../common/test_hooks.h" /* the read-backs defined here */
-#include "../select/lists.cuh"
+#include "../common/lists.cuh"
 #include "../../core/geometry.h"
 #include "../../core/stats_rules.h"
 #include "../../math/page_bound.h"

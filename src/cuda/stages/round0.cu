@@ -14,7 +14,7 @@
 #include "../common/launch.cuh"
 #include "../common/plan.cuh"
 #include "../common/splits.cuh"
-#include "../select/lists.cuh"
+#include "../common/lists.cuh"
 #include "scores_common.cuh"
 #include "../common/loads.cuh"
 #include "../common/reduce.cuh"

@@ -1,11 +1,13 @@
 /*
- * The page lists the selectors write (select.cu, gaussian.cu, sharded/sharded_select.cu): the plan's
+ * The page lists the selectors write (select/select.cu, select/gaussian.cu,
+ * sharded/sharded_select.cu, and certified's hinted round 1 in stages/bound.cu): the plan's
  * lists per KV head or per query head, and the device steps that write a list in page order.
  */
 #pragma once
 #include "entmaxkv.h"
 #include <stdint.h>
-#include "../common/reduce.cuh"
+#include "plan.cuh"
+#include "reduce.cuh"
 #include "../../math/shard_select.h"
 
 /* The page lists a select kernel writes: one per KV head (the group's max decides), or with
@@ -15,7 +17,15 @@ struct ekv_cuda_lists {
     int32_t *pages, *count;
     uint8_t *in;
 };
-ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head);
+inline ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head) {
+    ekv_cuda_lists l;
+    l.lps = per_head ? pl->p.num_heads : pl->p.num_kv_heads;
+    l.lh = per_head ? 1 : pl->p.num_heads / pl->p.num_kv_heads;
+    l.pages = per_head ? pl->hlist_pages : pl->list_pages;
+    l.count = per_head ? pl->hlist_count : pl->list_count;
+    l.in = per_head ? pl->hlist_in : pl->in_list;
+    return l;
+}
 
 /* Ordered compaction of one tile of a page list (top-k select, gaussian rule, round 2): each
  * thread holds UNROLL consecutive pages from lo, take[u] says whether page lo + u (< n) is kept.
