@@ -41,6 +41,11 @@ const ekv_method_info *ekv_method_info_of(ekv_select_method method);
 static inline ekv_select_method ekv_step_method(const ekv_select_params *select) {
     return select ? select->method : EKV_SELECT_DENSE;
 }
+/* Certified round 0's pages (docs/math.md §9.6): the last page and the recent_pages before it,
+ * 4 without recent pages; int64: recent_pages + 1 overflows int32 at INT32_MAX. */
+static inline int64_t ekv_round0_pages(const ekv_select_params *s) {
+    return s->recent_pages > 0 ? (int64_t)s->recent_pages + 1 : 4;
+}
 /* The token budget of a sequence of n tokens (the rule is ekv_seq_budget_tokens's). */
 static inline int64_t ekv_seq_budget(const ekv_select_params *s, int64_t n) {
     return ekv_seq_budget_tokens(s->budget_fraction, s->budget_tokens, n);

@@ -62,8 +62,7 @@ static ekv_status cert_alloc(ekv_context *ctx, const ekv_select_params *sel,
 static ekv_status round0(ekv_context *ctx, const ekv_decode_params *prm,
                          const ekv_select_params *sel, const ekv_paged_kv *kv,
                          const ekv_page_table *t, const float *q, cert_bufs *c) {
-    /* in int64: recent_pages + 1 overflows int32 at INT32_MAX, a valid (if large) count */
-    const int64_t R0 = sel->recent_pages > 0 ? (int64_t)sel->recent_pages + 1 : 4;
+    const int64_t R0 = ekv_round0_pages(sel);
     int64_t w = 0;
     c->ip1[0] = 0;
     for (int64_t b = 0; b < c->B; b++) {

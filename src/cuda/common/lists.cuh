@@ -27,6 +27,13 @@ inline ekv_cuda_lists ekv_cuda_lists_of(const ekv_cuda_plan *pl, int per_head) {
     return l;
 }
 
+/* Whether a round-1 list must hold page p of a sequence of P pages whatever its rank: one of the
+ * first `sink` pages or of the `recent` before the last (the last page itself is closed in by
+ * the list's writer: ekv_close_list, or the bound stage's hinted list). */
+__device__ __forceinline__ bool ekv_list_forces_page(int64_t p, int64_t P, int sink, int recent) {
+    return p < sink || p >= P - 1 - recent;
+}
+
 /* Ordered compaction of one tile of a page list (top-k select, gaussian rule, round 2): each
  * thread holds UNROLL consecutive pages from lo, take[u] says whether page lo + u (< n) is kept.
  * The kept pages go to out[*written ...] in page order, in[] (unless NULL) records membership,

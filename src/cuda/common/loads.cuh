@@ -139,3 +139,11 @@ __device__ __forceinline__ void cp_async_two_stages(int64_t ntiles, const Issue 
                                                     const Use &use) {
     cp_async_two_stages(ntiles, issue, use, [] {});
 }
+
+/* q' = qscale q of a GQA group's heads (their n = G D contiguous query elements from qg) into
+ * shared memory, as every stage that scores, bounds or screens keys forms it: the bounds of the
+ * bound stage, the screen and round 0 are of the scores kernel's own scores only if their q' is
+ * that kernel's bit for bit (docs/math.md §9.5). Block-strided; no barrier. */
+__device__ __forceinline__ void ekv_group_query(const float *qg, double qscale, int n, float *qs) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) qs[i] = (float)(qscale * qg[i]);
+}

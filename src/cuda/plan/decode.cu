@@ -155,11 +155,11 @@ static ekv_status run_step(ekv_cuda_plan *pl, const ekv_decode_params *prm,
     int round2 = certified;
     const ekv_select_params *hinted = NULL; /* the bound stage lists round 1 */
     if (certified && !tau_lb && st->smin && st->superpage_pages > 0) {
-        /* round 0 (docs/math.md §9.3, "Round 0 on the GPU"): tau over the last recent + 1 pages
-         * (4 without recent pages) bounds tau*, for the bound stage's superpage skip; without a
-         * caller's hint, round 1 is every page it cannot rule out, listed by the bound stage, and
-         * there is no round 2 ("Round 1 from round 0's bound") */
-        const int recent = sel->recent_pages > 0 ? sel->recent_pages : 3;
+        /* round 0 (docs/math.md §9.3, "Round 0 on the GPU"): tau over its last pages bounds
+         * tau*, for the bound stage's superpage skip; without a caller's hint, round 1 is every
+         * page it cannot rule out, listed by the bound stage, and there is no round 2 ("Round 1
+         * from round 0's bound") */
+        const int recent = (int)(ekv_round0_pages(sel) - 1);
         hinted = !hint && !per_head ? sel : NULL;
         if ((s = ekv_cuda_launch_round0(pl, prm, kv, t, q, B, recent, hinted != NULL))) return s;
         tau_lb = pl->round0_tau;

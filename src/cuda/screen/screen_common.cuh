@@ -6,6 +6,7 @@
  * one ran.
  */
 #pragma once
+#include "../common/loads.cuh"
 #include "../common/plan.cuh"
 #include "../common/ranges.cuh"
 #include "../common/reduce.cuh"
@@ -173,8 +174,7 @@ __device__ __forceinline__ bool screen_prologue(const screen_args &A, int split,
             A.fsum[h0 * EKV_SCREEN_GRID + i] = 0.0;
     if (threadIdx.x < A.G)
         screen_cut[threadIdx.x] = A.pass2 ? retry_cut(A, h0 + threadIdx.x) : -CUDART_INF_F;
-    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
-        qs[i] = (float)(A.qscale * A.q[h0 * A.D + i]); /* as scores */
+    ekv_group_query(A.q + h0 * A.D, A.qscale, A.G * A.D, qs);
     __syncthreads();
     bool any = !A.pass2;
     for (int g = 0; g < A.G; g++) any |= screen_cut[g] < CUDART_INF_F;

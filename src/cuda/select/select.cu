@@ -146,7 +146,7 @@ __device__ __forceinline__ void topk_tile(const topk_args &A, const float *key, 
 #pragma unroll
     for (int u = 0; u < SEL_UNROLL; u++) {
         const int64_t p = lo + u;
-        bool t = p < hi && (r.take_all || p < A.sink || p >= r.P - 1 - A.recent);
+        bool t = p < hi && (r.take_all || ekv_list_forces_page(p, r.P, A.sink, A.recent));
         if (p < hi && r.ranked)
             t |= kk[u] > r.prefix || (kk[u] == r.prefix && tie_i++ < r.remaining);
         if (p < hi && A.hint && !t) t = page_exceeds(A, A.bounds, A.hint, r.h0, A.out.lh, p);

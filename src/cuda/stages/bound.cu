@@ -15,6 +15,7 @@
  */
 #include "bound.cuh"
 #include "../common/launch.cuh"
+#include "../common/loads.cuh"
 #include "../common/plan.cuh"
 #include "../common/ranges.cuh"
 #include "../common/reduce.cuh"
@@ -175,10 +176,7 @@ __device__ __forceinline__ bool superpage_skip(const bound_args &A, const float 
 __device__ __forceinline__ void load_group_query(const bound_args &A, int b, int kvh, float *qs,
                                                  double *qn, double *qn1) {
     const int G = A.G, D = A.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        qs[i] = (float)(A.qscale * A.q[((int64_t)b * A.H + kvh * G + g) * D + d]);
-    }
+    ekv_group_query(A.q + ((int64_t)b * A.H + kvh * G) * D, A.qscale, G * D, qs);
     __syncthreads();
     for (int g = warp; g < G; g += BOUND_WARPS) {
         double s = 0, s1 = 0;
@@ -223,6 +221,13 @@ __device__ __forceinline__ void flush_superpage_counts(const bound_args &A,
     }
 }
 
+/* Reserves n entries at the end of list `row` (A.list: its round-1 and total counts move
+ * together); returns the first. One thread. */
+__device__ __forceinline__ int reserve_list(const bound_args &A, int row, int n) {
+    atomicAdd(A.list.count + 2 * row + 1, n);
+    return atomicAdd(A.list.count + 2 * row, n);
+}
+
 /* Appends the pages whose lanes have take set to list `row` (A.list; warp-collective: one
  * atomic a warp pass, the pages in lane order after the ones already there). */
 __device__ __forceinline__ void append_pages(const bound_args &A, int row, bool take, int64_t p) {
@@ -230,10 +235,7 @@ __device__ __forceinline__ void append_pages(const bound_args &A, int row, bool 
     if (!m) return;
     const int lane = threadIdx.x & 31;
     int at = 0;
-    if (lane == __ffs(m) - 1) {
-        at = atomicAdd(A.list.count + 2 * row, __popc(m));
-        atomicAdd(A.list.count + 2 * row + 1, __popc(m));
-    }
+    if (lane == __ffs(m) - 1) at = reserve_list(A, row, __popc(m));
     at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1);
     if (take)
         A.list.pages[(int64_t)row * A.cap_pages + at + __popc(m & ((1u << lane) - 1))] = (int32_t)p;
@@ -241,16 +243,8 @@ __device__ __forceinline__ void append_pages(const bound_args &A, int row, bool 
 
 /* Appends page p to list `row` (A.list) alone: one thread. */
 __device__ __forceinline__ void append_pages_one(const bound_args &A, int row, int64_t p) {
-    const int at = atomicAdd(A.list.count + 2 * row, 1);
-    atomicAdd(A.list.count + 2 * row + 1, 1);
+    const int at = reserve_list(A, row, 1);
     A.list.pages[(int64_t)row * A.cap_pages + at] = (int32_t)p;
-}
-
-/* Whether ranked page p is forced into the hinted list: the sink and recent pages (as the top-k
- * select forces them, select.cu). */
-__device__ __forceinline__ bool forced_page(const bound_args &A, const ekv_seq_geom &sg,
-                                            int64_t p) {
-    return p < A.sink || p >= sg.P - 1 - A.recent;
 }
 
 template <int GM, int RT> /* compile-time bound of the group size; how the ranges are stored */
@@ -311,7 +305,7 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         if (A.with_ball) c2 = page_sum(c2);
         bool take = false; /* the hinted list's pages (A.list), on each page's lane 0 */
-        if (A.list.pages && sl == 0 && ranked) take = forced_page(A, sg, p);
+        if (A.list.pages && sl == 0 && ranked) take = ekv_list_forces_page(p, sg.P, A.sink, A.recent);
         do { /* left by break, so that every lane reaches append_pages */
             if (sl != 0 || p >= pend) break;
             if (!ranked || skip) { /* no bound (-inf), or the superpage's stands for the page */

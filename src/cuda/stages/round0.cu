@@ -177,8 +177,7 @@ __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const int64_t h0 = (int64_t)b * A.H + (int64_t)kvh * A.G;
     if (A.counts && threadIdx.x < 2) A.counts[2 * row + threadIdx.x] = 0;
-    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x)
-        qs[i] = (float)(A.qscale * A.q[h0 * A.D + i]);
+    ekv_group_query(A.q + h0 * A.D, A.qscale, A.G * A.D, qs);
     __syncthreads();
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = recent_tokens(sg, A.ps, A.recent);

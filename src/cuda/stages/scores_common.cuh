@@ -6,6 +6,7 @@
  */
 #pragma once
 #include "attend_common.cuh"
+#include "../common/loads.cuh"
 #include "../common/plan.cuh"
 #include "../common/reduce.cuh"
 #include "../common/splits.cuh"
@@ -58,11 +59,7 @@ __device__ __forceinline__ void split_entries(const score_args &A, const ekv_spl
 
 /* q' = a scale q of the group's heads into shared memory ([G][D]) */
 __device__ __forceinline__ void load_group_q(const score_args &A, int b, int kvh, float *qs) {
-    for (int i = threadIdx.x; i < A.G * A.D; i += blockDim.x) {
-        const int g = i / A.D, d = i % A.D;
-        qs[i] = (float)(A.qscale *
-                        A.q[((int64_t)b * A.H + kvh * A.G + g) * A.D + d]); /* as bound.cu */
-    }
+    ekv_group_query(A.q + ((int64_t)b * A.H + kvh * A.G) * A.D, A.qscale, A.G * A.D, qs);
 }
 
 /* The block's max per query head from every warp's maxima red[warp][g], written as this
