@@ -3,10 +3,10 @@
  * a lower bound L0 of tau* from the scores of the sequence's last tokens (the last page and the
  * `recent` pages before it, at most RECENT_CAP tokens: any token set's threshold bounds tau*,
  * §9.1), for the bound stage's superpage skip and the select's round 1 (the plan's round0_tau).
- * One block a (sequence, KV head), one warp a head: the warp scores the tokens (recent_scores),
- * then a bisection keeps the largest t it has checked with F(t) = sum_j [z_j - t]_+^beta >= 1,
- * and L0 is that t less the scores' rounding bound, so that L0 bounds the tau of the scores
- * kernel's own scores (recent_bisect). One launch, where round 0 took four (its page list, scores,
+ * One block a (sequence, KV head): the block scores the tokens for the group's heads
+ * (recent_scores, each key loaded once), then one warp a head bisects, keeping the largest t it
+ * has checked with F(t) = sum_j [z_j - t]_+^beta >= 1, and L0 is that t less the scores'
+ * rounding bound, so that L0 bounds the tau of the scores kernel's own scores (recent_bisect). One launch, where round 0 took four (its page list, scores,
  * histogram and bound); computed instead by every block of the bound stage it made that stage
  * 25 us slower at 256K tokens (bench/RESULTS.md).
  */
@@ -26,8 +26,9 @@ enum {
     RECENT_PER_LANE = 8,               /* scores a lane sums in the bisection  */
     RECENT_CAP = 32 * RECENT_PER_LANE, /* tokens of round 0 at most            */
     RECENT_STEPS = 14,                 /* bisection steps: within 2^-14 of tau */
-    RECENT_PASSES = 8,                 /* warp passes whose loads are in flight together */
-    ROUND0_THREADS = 256
+    RECENT_PASSES = 8,                 /* block passes whose loads are in flight together */
+    ROUND0_THREADS = 256,
+    ROUND0_HEADS = ROUND0_THREADS / 32 /* heads scored together: one warp a head bisects */
 };
 
 /* The tokens round 0 scores: the last page's and `recent` full pages' before it, at most
@@ -62,92 +63,101 @@ __device__ __forceinline__ double recent_mass(const float (&z)[RECENT_PER_LANE],
     return ekv_warp_sum(f);
 }
 
-/* Warp-collective: the scores of the last n <= RECENT_CAP tokens of sequence sg in KV head kvh
- * for the query head whose q' (a scale q) is qg (shared, [D]) and whose z-space ALiBi slope is
- * `slope`, into zs (the warp's, [RECENT_CAP]; -inf past n), their max into *m and the largest
- * bound of a score's difference from the scores kernel's into *err (every lane the same). The
- * score is that kernel's expression (score_z); the difference is at most twice the rounding
- * bound of docs/math.md §9.5 (4 (D + 4) u sum_d |q'_d k_d| + 8 u |a m| (|position| + ps)).
- * A key is split over `lpt` lanes (its 16-byte chunks), so a pass of the warp scores 32 / lpt
- * tokens, and RECENT_PASSES passes' loads are in flight together: with a lane's tokens one
- * after another (15 us a launch on the model's trace under ncu), or the passes' loads each
- * behind its page's index (25 us), the loads waited on each other (bench/RESULTS.md). */
+/* The block's scores of the last n <= RECENT_CAP tokens of sequence sg in KV head kvh for the
+ * gc <= ROUND0_HEADS query heads whose q' (a scale q) are qg (shared, [gc][D]) and whose z-space
+ * ALiBi slopes are a slopes[g] (0 without slopes), into zs[g][token] (shared), and each score's bound of its
+ * difference from the scores kernel's, rounded up to float, into es[g][token]. The score is that
+ * kernel's expression (score_z); the difference is at most twice the rounding bound of
+ * docs/math.md §9.5 (4 (D + 4) u sum_d |q'_d k_d| + 8 u |a m| (|position| + ps)). A key is split
+ * over `lpt` lanes (its 16-byte chunks) and loaded once for every head; the block's
+ * RECENT_PASSES passes' page indices, then their keys' first chunks, are all in flight before
+ * any sum: with one warp a head, each scoring its tokens in turn, the dependent loads (index,
+ * then key) waited on each other (15-28 us a launch under ncu on the model's trace,
+ * bench/RESULTS.md). */
 __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
                               const int32_t *indices, int kvh, int D, int ps, const float *qg,
-                              float slope, int64_t n, float *zs, float *m, double *err) {
-    const int lane = threadIdx.x & 31, C = D / 8;
+                              const float *slopes, float a, int gc, int64_t n, float (*zs)[RECENT_CAP],
+                              float (*es)[RECENT_CAP]) {
+    const int C = D / 8;
     int lpt = 1;
     while (lpt * 2 <= C && lpt < 32) lpt *= 2;
-    const int tpp = 32 / lpt, sub = lane % lpt, grp = lane / lpt;
-    const int64_t passes = (n + tpp - 1) / tpp;
+    const int tpb = ROUND0_THREADS / lpt, sub = threadIdx.x % lpt, grp = threadIdx.x / lpt;
     const double u24 = 5.9604644775390625e-8;
-    float lm = -CUDART_INF_F;
-    double lerr = 0;
-    for (int64_t p0 = 0; p0 < passes; p0 += RECENT_PASSES) {
-        /* the passes' key offsets, then their first chunks' loads, all in flight before any
-         * sum (sub < lpt <= C: every lane has a first chunk) */
+    for (int64_t p0 = 0; p0 * tpb < n; p0 += RECENT_PASSES) {
         int64_t off[RECENT_PASSES];
 #pragma unroll
         for (int u = 0; u < RECENT_PASSES; u++) {
-            const int64_t jl = (p0 + u) * tpp + grp; /* the token, counted from N - n */
+            const int64_t jl = (p0 + u) * tpb + grp; /* the token, counted from N - n */
             off[u] = -1;
             if (jl >= n) continue;
             const int64_t j = sg.N - n + jl, lp = j / ps;
             off[u] = (int64_t)indices[sg.first + lp] * kv.stride_page + kvh * kv.stride_head +
                      (j - lp * ps) * kv.stride_token;
         }
-        float k8[RECENT_PASSES][8];
+        float k8[RECENT_PASSES][8]; /* each pass's first chunk (sub < lpt <= C: every lane has one) */
 #pragma unroll
         for (int u = 0; u < RECENT_PASSES; u++)
             if (off[u] >= 0) recent_load8(kv, off[u] + 8 * sub, k8[u]);
-        float dot[RECENT_PASSES], mag[RECENT_PASSES];
+        for (int g = 0; g < gc; g++) {
+            const float *qh = qg + g * D;
+            const float sl = slopes ? a * slopes[g] : 0.f;
 #pragma unroll
-        for (int u = 0; u < RECENT_PASSES; u++) {
-            dot[u] = mag[u] = 0.f;
-            if (off[u] < 0) continue;
-            for (int c = sub; c < C; c += lpt) { /* beyond the first: D > 256 or C not 2^k */
-                if (c != sub) recent_load8(kv, off[u] + 8 * c, k8[u]);
+            for (int u = 0; u < RECENT_PASSES; u++) {
+                float dot = 0.f, mag = 0.f;
+                if (off[u] >= 0) {
 #pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    dot[u] = fmaf(qg[8 * c + e], k8[u][e], dot[u]);
-                    mag[u] += fabsf(qg[8 * c + e] * k8[u][e]);
+                    for (int e = 0; e < 8; e++) {
+                        dot = fmaf(qh[8 * sub + e], k8[u][e], dot);
+                        mag += fabsf(qh[8 * sub + e] * k8[u][e]);
+                    }
+                    for (int c = sub + lpt; c < C; c += lpt) { /* D > 256 or C not 2^k */
+                        float kx[8];
+                        recent_load8(kv, off[u] + 8 * c, kx);
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            dot = fmaf(qh[8 * c + e], kx[e], dot);
+                            mag += fabsf(qh[8 * c + e] * kx[e]);
+                        }
+                    }
                 }
+                for (int o = 1; o < lpt; o <<= 1) { /* within the token's lanes */
+                    dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    mag += __shfl_xor_sync(0xffffffffu, mag, o);
+                }
+                const int64_t jl = (p0 + u) * tpb + grp;
+                if (sub != 0 || jl >= n) continue;
+                const int64_t j = sg.N - n + jl, lp = j / ps, dist = lp * ps - (sg.N - 1);
+                zs[g][jl] = score_z(dot, sl, (float)dist, (int)(j - lp * ps), true);
+                /* mag's own rounding: a few dozen u of it (the lanes' sums, then their tree),
+                 * inside the factor 1 + 1e-5 */
+                const double e = 4.0 * (D + 4) * u24 * (double)mag * (1 + 1e-5) +
+                                 8.0 * u24 * fabs((double)sl) * ((double)llabs(dist) + ps);
+                es[g][jl] = __double2float_ru(2 * e);
             }
-        }
-#pragma unroll
-        for (int u = 0; u < RECENT_PASSES; u++) {
-            for (int o = 1; o < lpt; o <<= 1) { /* within the token's lanes */
-                dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-                mag[u] += __shfl_xor_sync(0xffffffffu, mag[u], o);
-            }
-            const int64_t jl = (p0 + u) * tpp + grp;
-            if (sub != 0 || jl >= n) continue;
-            const int64_t j = sg.N - n + jl, lp = j / ps, dist = lp * ps - (sg.N - 1);
-            const float z = score_z(dot[u], slope, (float)dist, (int)(j - lp * ps), true);
-            zs[jl] = z;
-            lm = fmaxf(lm, z);
-            /* mag's own rounding: a few dozen u of it (the lanes' sums, then their tree),
-             * inside the factor 1 + 1e-5 */
-            const double e = 4.0 * (D + 4) * u24 * (double)mag[u] * (1 + 1e-5) +
-                             8.0 * u24 * fabs((double)slope) * ((double)llabs(dist) + ps);
-            lerr = fmax(lerr, 2 * e);
         }
     }
-    for (int64_t i = n + lane; i < RECENT_CAP; i += 32) zs[i] = -CUDART_INF_F;
-    __syncwarp();
-    *m = ekv_warp_max(lm);
-    *err = ekv_warp_max(lerr);
+    for (int i = threadIdx.x; i < gc * RECENT_CAP; i += ROUND0_THREADS)
+        if (i % RECENT_CAP >= n) {
+            zs[i / RECENT_CAP][i % RECENT_CAP] = -CUDART_INF_F;
+            es[i / RECENT_CAP][i % RECENT_CAP] = 0.f;
+        }
 }
 
-/* Warp-collective: L0 from the warp's scores zs (recent_scores: max m, difference bound err):
+/* Warp-collective: L0 from one head's scores z (recent_scores; e their difference bounds):
  * tau >= M - 1 always (docs/math.md §9.1), a t the bisection checked has F(t) >= 1 beyond F's
- * rounding, and tau moves by at most the largest shift of the scores, so L0 = t - err. -inf
+ * rounding, and tau moves by at most the largest shift of the scores, so L0 = t - max e. -inf
  * when there is no token. */
-__device__ double recent_bisect(const float *zs, float m, double err, double beta, int64_t n) {
+__device__ double recent_bisect(const float *zs, const float *es, double beta, int64_t n) {
     if (n <= 0) return -CUDART_INF;
-    float z[RECENT_PER_LANE];
+    float z[RECENT_PER_LANE], m = -CUDART_INF_F, err = 0.f;
 #pragma unroll
-    for (int i = 0; i < RECENT_PER_LANE; i++) z[i] = zs[(threadIdx.x & 31) + 32 * i];
+    for (int i = 0; i < RECENT_PER_LANE; i++) {
+        z[i] = zs[(threadIdx.x & 31) + 32 * i];
+        m = fmaxf(m, z[i]);
+        err = fmaxf(err, es[(threadIdx.x & 31) + 32 * i]);
+    }
+    m = ekv_warp_max(m);
+    err = ekv_warp_max(err);
     double lo = (double)m - 1.0, hi = (double)m;
     for (int s = 0; s < RECENT_STEPS; s++) {
         const double mid = 0.5 * (lo + hi);
@@ -157,7 +167,7 @@ __device__ double recent_bisect(const float *zs, float m, double err, double bet
             hi = mid;
     }
     /* a score that overflowed makes M or err infinite: no bound then (nothing skipped) */
-    return isfinite(m) && isfinite(err) ? lo - err : -CUDART_INF;
+    return isfinite(m) && isfinite(err) ? lo - (double)err : -CUDART_INF;
 }
 
 struct round0_args : ekv_cuda_shape {
@@ -170,10 +180,12 @@ struct round0_args : ekv_cuda_shape {
                         hinted lists, or NULL */
 };
 
+/* One block a (sequence, KV head): the block scores the recent tokens for up to ROUND0_HEADS
+ * heads of the group at once, then one warp a head bisects. */
 __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     ekv_grid_begin();
     extern __shared__ float qs[]; /* [G][D] q' = a scale q, as the scores kernel forms it */
-    __shared__ float zbuf[ROUND0_THREADS / 32][RECENT_CAP]; /* each warp's scores */
+    __shared__ float zbuf[ROUND0_HEADS][RECENT_CAP], ebuf[ROUND0_HEADS][RECENT_CAP];
     const int row = blockIdx.x, b = row / A.Hk, kvh = row % A.Hk;
     const int64_t h0 = (int64_t)b * A.H + (int64_t)kvh * A.G;
     if (A.counts && threadIdx.x < 2) A.counts[2 * row + threadIdx.x] = 0;
@@ -181,15 +193,18 @@ __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     __syncthreads();
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     const int64_t n = recent_tokens(sg, A.ps, A.recent);
-    float *zs = zbuf[threadIdx.x >> 5];
-    for (int g = threadIdx.x >> 5; g < A.G; g += ROUND0_THREADS / 32) {
-        const float slope = A.slopes ? (float)A.a * A.slopes[kvh * A.G + g] : 0.f;
-        float m;
-        double err;
-        recent_scores(A.kv, sg, A.t.indices, kvh, A.D, A.ps, qs + g * A.D, slope, n, zs, &m, &err);
-        const double l = recent_bisect(zs, m, err, 1.0 / A.a, n);
-        if ((threadIdx.x & 31) == 0) A.lb[h0 + g] = l;
-        __syncwarp(); /* zs read before the next head's scores */
+    const int w = threadIdx.x >> 5;
+    for (int g0 = 0; g0 < A.G; g0 += ROUND0_HEADS) {
+        const int gc = A.G - g0 < ROUND0_HEADS ? A.G - g0 : ROUND0_HEADS;
+        const float *slopes = A.slopes ? A.slopes + kvh * A.G + g0 : NULL;
+        recent_scores(A.kv, sg, A.t.indices, kvh, A.D, A.ps, qs + g0 * A.D, slopes, (float)A.a, gc,
+                      n, zbuf, ebuf);
+        __syncthreads();
+        if (w < gc) {
+            const double l = recent_bisect(zbuf[w], ebuf[w], 1.0 / A.a, n);
+            if ((threadIdx.x & 31) == 0) A.lb[h0 + g0 + w] = l;
+        }
+        __syncthreads(); /* the scores read before the next heads' */
     }
 }
 
