@@ -28,6 +28,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_load_f32 */
+#include "core/method.h"   /* ekv_round0_pages */
 #include "cuda/common/test_hooks.h" /* the plan's read-backs the checks compare */
 #include "gpu/mirror.h"
 #include <string.h>
@@ -881,7 +882,7 @@ static void round0_check(ekv_context *ctx, ekv_cuda_plan *plan, const screen_cas
                          const ekv_select_params *sp, const double *tau) {
     const mirror *m = sc->m;
     const int B = sc->c->B, H = sc->prm->num_heads, D = m->kv.head_dim;
-    const int64_t R = sp->recent_pages > 0 ? sp->recent_pages : 3;
+    const int64_t R = ekv_round0_pages(sp) - 1; /* the pages before the last */
     double *lb = malloc(sizeof(double) * B * H), *ts = malloc(sizeof(double) * B * H);
     int64_t *ip = malloc(sizeof(int64_t) * (B + 1));
     int32_t *idx = malloc(sizeof(int32_t) * B * (R + 1)), *lpl = malloc(sizeof(int32_t) * B);

@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) bound_kernel(bound_args A) {
         }
         if (A.with_ball) c2 = page_sum(c2);
         bool take = false; /* the hinted list's pages (A.list), on each page's lane 0 */
-        if (A.list.pages && sl == 0 && ranked) take = ekv_list_forces_page(p, sg.P, A.sink, A.recent);
+        if (A.list.pages && sl == 0 && ranked)
+            take = ekv_list_forces_page(p, sg.P, A.sink, A.recent);
         do { /* left by break, so that every lane reaches append_pages */
             if (sl != 0 || p >= pend) break;
             if (!ranked || skip) { /* no bound (-inf), or the superpage's stands for the page */

@@ -6,9 +6,9 @@
  * One block a (sequence, KV head): the block scores the tokens for the group's heads
  * (recent_scores, each key loaded once), then one warp a head bisects, keeping the largest t it
  * has checked with F(t) = sum_j [z_j - t]_+^beta >= 1, and L0 is that t less the scores'
- * rounding bound, so that L0 bounds the tau of the scores kernel's own scores (recent_bisect). One launch, where round 0 took four (its page list, scores,
- * histogram and bound); computed instead by every block of the bound stage it made that stage
- * 25 us slower at 256K tokens (bench/RESULTS.md).
+ * rounding bound, so that L0 bounds the tau of the scores kernel's own scores (recent_bisect). One
+ * launch, where round 0 took four (its page list, scores, histogram and bound); computed instead by
+ * every block of the bound stage it made that stage 25 us slower at 256K tokens (bench/RESULTS.md).
  */
 #include "round0.cuh"
 #include "../common/launch.cuh"
@@ -65,10 +65,10 @@ __device__ __forceinline__ double recent_mass(const float (&z)[RECENT_PER_LANE],
 
 /* The block's scores of the last n <= RECENT_CAP tokens of sequence sg in KV head kvh for the
  * gc <= ROUND0_HEADS query heads whose q' (a scale q) are qg (shared, [gc][D]) and whose z-space
- * ALiBi slopes are a slopes[g] (0 without slopes), into zs[g][token] (shared), and each score's bound of its
- * difference from the scores kernel's, rounded up to float, into es[g][token]. The score is that
- * kernel's expression (score_z); the difference is at most twice the rounding bound of
- * docs/math.md §9.5 (4 (D + 4) u sum_d |q'_d k_d| + 8 u |a m| (|position| + ps)). A key is split
+ * ALiBi slopes are a slopes[g] (0 without slopes), into zs[g][token] (shared), and each score's
+ * bound of its difference from the scores kernel's, rounded up to float, into es[g][token]. The
+ * score is that kernel's expression (score_z); the difference is at most twice the rounding bound
+ * of docs/math.md §9.5 (4 (D + 4) u sum_d |q'_d k_d| + 8 u |a m| (|position| + ps)). A key is split
  * over `lpt` lanes (its 16-byte chunks) and loaded once for every head; the block's
  * RECENT_PASSES passes' page indices, then their keys' first chunks, are all in flight before
  * any sum: with one warp a head, each scoring its tokens in turn, the dependent loads (index,
@@ -76,8 +76,8 @@ __device__ __forceinline__ double recent_mass(const float (&z)[RECENT_PER_LANE],
  * bench/RESULTS.md). */
 __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
                               const int32_t *indices, int kvh, int D, int ps, const float *qg,
-                              const float *slopes, float a, int gc, int64_t n, float (*zs)[RECENT_CAP],
-                              float (*es)[RECENT_CAP]) {
+                              const float *slopes, float a, int gc, int64_t n,
+                              float (*zs)[RECENT_CAP], float (*es)[RECENT_CAP]) {
     const int C = D / 8;
     int lpt = 1;
     while (lpt * 2 <= C && lpt < 32) lpt *= 2;
@@ -94,7 +94,8 @@ __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
             off[u] = (int64_t)indices[sg.first + lp] * kv.stride_page + kvh * kv.stride_head +
                      (j - lp * ps) * kv.stride_token;
         }
-        float k8[RECENT_PASSES][8]; /* each pass's first chunk (sub < lpt <= C: every lane has one) */
+        float k8[RECENT_PASSES]
+                [8]; /* each pass's first chunk (sub < lpt <= C: every lane has one) */
 #pragma unroll
         for (int u = 0; u < RECENT_PASSES; u++)
             if (off[u] >= 0) recent_load8(kv, off[u] + 8 * sub, k8[u]);
