@@ -4,9 +4,9 @@
  * `recent` pages before it, at most RECENT_CAP tokens: any token set's threshold bounds tau*,
  * §9.1), for the bound stage's superpage skip and the select's round 1 (the plan's round0_tau).
  * One block a (sequence, KV head): the block scores the tokens for the group's heads
- * (recent_scores, each key loaded once), then one warp a head bisects, keeping the largest t it
- * has checked with F(t) = sum_j [z_j - t]_+^beta >= 1, and L0 is that t less the scores'
- * rounding bound, so that L0 bounds the tau of the scores kernel's own scores (recent_bisect). One
+ * (recent_scores, each key loaded once), then one warp a head solves for the largest t it can
+ * check with F(t) = sum_j [z_j - t]_+^beta >= 1, and L0 is that t less the scores' rounding
+ * bound, so that L0 bounds the tau of the scores kernel's own scores (recent_bound). One
  * launch, where round 0 took four (its page list, scores, histogram and bound); computed instead by
  * every block of the bound stage it made that stage 25 us slower at 256K tokens (bench/RESULTS.md).
  */
@@ -23,12 +23,13 @@
 namespace {
 
 enum {
-    RECENT_PER_LANE = 8,               /* scores a lane sums in the bisection  */
+    RECENT_PER_LANE = 8,               /* scores a lane sums in the solve       */
     RECENT_CAP = 32 * RECENT_PER_LANE, /* tokens of round 0 at most            */
-    RECENT_STEPS = 14,                 /* bisection steps: within 2^-14 of tau */
+    RECENT_STEPS = 14,                 /* bisection steps (beta < 1): within 2^-14 of tau */
+    RECENT_NEWTON = 12,                /* Newton steps at most (beta >= 1)      */
     RECENT_PASSES = 8,                 /* block passes whose loads are in flight together */
     ROUND0_THREADS = 256,
-    ROUND0_HEADS = ROUND0_THREADS / 32 /* heads scored together: one warp a head bisects */
+    ROUND0_HEADS = ROUND0_THREADS / 32 /* heads scored together: one warp a head solves */
 };
 
 /* The tokens round 0 scores: the last page's and `recent` full pages' before it, at most
@@ -50,17 +51,23 @@ __device__ __forceinline__ void recent_load8(const ekv_paged_kv &kv, int64_t off
         ekv_elem<float>::load8(static_cast<const float *>(kv.k) + off, o);
 }
 
-/* F(t) over the lane's scores, summed over the warp: every lane gets the same sum (the xor
- * butterfly adds each pair alike in both of its lanes), so the lanes' bisections agree. */
-__device__ __forceinline__ double recent_mass(const float (&z)[RECENT_PER_LANE], double t,
-                                              double beta) {
-    double f = 0;
+/* F(t) = sum_j [z_j - t]_+^beta and -F'(t) over the lane's scores, each summed over the warp:
+ * every lane gets the same sums (the xor butterfly adds each pair alike in both of its lanes),
+ * so the lanes' solves agree. */
+__device__ __forceinline__ void recent_mass(const float (&z)[RECENT_PER_LANE], double t,
+                                            double beta, double *f, double *slope) {
+    double fs = 0, ds = 0;
 #pragma unroll
     for (int i = 0; i < RECENT_PER_LANE; i++) {
         const double y = (double)z[i] - t; /* -inf for no token */
-        if (y > 0) f += beta == 2.0 ? y * y : beta == 1.0 ? y : pow(y, beta);
+        if (y > 0) {
+            const double p = beta == 2.0 ? y : beta == 1.0 ? 1.0 : pow(y, beta - 1.0);
+            fs += p * y;
+            ds += beta * p;
+        }
     }
-    return ekv_warp_sum(f);
+    *f = ekv_warp_sum(fs);
+    *slope = ekv_warp_sum(ds);
 }
 
 /* The block's scores of the last n <= RECENT_CAP tokens of sequence sg in KV head kvh for the
@@ -84,6 +91,10 @@ __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
     const int tpb = ROUND0_THREADS / lpt, sub = threadIdx.x % lpt, grp = threadIdx.x / lpt;
     const double u24 = 5.9604644775390625e-8;
     for (int64_t p0 = 0; p0 * tpb < n; p0 += RECENT_PASSES) {
+        /* passes holding a token (block-uniform): the others' sums and shuffles were most of
+         * the kernel's instructions at the model's 64 tokens (2 of 8 passes) */
+        const int64_t left = (n - p0 * tpb + tpb - 1) / tpb;
+        const int np = left < RECENT_PASSES ? (int)left : RECENT_PASSES;
         int64_t off[RECENT_PASSES];
 #pragma unroll
         for (int u = 0; u < RECENT_PASSES; u++) {
@@ -104,6 +115,7 @@ __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
             const float sl = slopes ? a * slopes[g] : 0.f;
 #pragma unroll
             for (int u = 0; u < RECENT_PASSES; u++) {
+                if (u >= np) break;
                 float dot = 0.f, mag = 0.f;
                 if (off[u] >= 0) {
 #pragma unroll
@@ -144,11 +156,42 @@ __device__ void recent_scores(const ekv_paged_kv &kv, const ekv_seq_geom &sg,
         }
 }
 
-/* Warp-collective: L0 from one head's scores z (recent_scores; e their difference bounds):
- * tau >= M - 1 always (docs/math.md §9.1), a t the bisection checked has F(t) >= 1 beyond F's
- * rounding, and tau moves by at most the largest shift of the scores, so L0 = t - max e. -inf
- * when there is no token. */
-__device__ double recent_bisect(const float *zs, const float *es, double beta, int64_t n) {
+/* The largest t the solve checks with F(t) >= 1 beyond F's rounding, from t = M - 1 (tau >=
+ * M - 1 always, docs/math.md §9.1, so it needs no check). For beta >= 1 F is convex and
+ * decreasing on [M - 1, M], so Newton's steps towards F = 1 + 2e-9 from the left never pass
+ * that root: 4-9 steps, each checked, stop when a step is below 1e-12 (the bisection took 14
+ * steps to come within 2^-14). For beta < 1 F is concave there and Newton's steps can pass
+ * tau: those bisect. */
+__device__ double recent_solve(const float (&z)[RECENT_PER_LANE], double m, double beta) {
+    double lo = m - 1.0, f, slope;
+    if (beta >= 1.0) {
+        double t = lo;
+        for (int s = 0; s < RECENT_NEWTON; s++) {
+            recent_mass(z, t, beta, &f, &slope);
+            if (!(f >= 1.0 + 1e-9)) break; /* t not checked: lo stays */
+            lo = t;
+            const double step = (f - (1.0 + 2e-9)) / slope;
+            if (!(step > 1e-12)) break;
+            t += step;
+        }
+        return lo;
+    }
+    double hi = m;
+    for (int s = 0; s < RECENT_STEPS; s++) {
+        const double mid = 0.5 * (lo + hi);
+        recent_mass(z, mid, beta, &f, &slope);
+        if (f >= 1.0 + 1e-9)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Warp-collective: L0 from one head's scores z (recent_scores; e their difference bounds): a t
+ * recent_solve checked is at most tau of these scores, and tau moves by at most the largest
+ * shift of the scores, so L0 = t - max e. -inf when there is no token. */
+__device__ double recent_bound(const float *zs, const float *es, double beta, int64_t n) {
     if (n <= 0) return -CUDART_INF;
     float z[RECENT_PER_LANE], m = -CUDART_INF_F, err = 0.f;
 #pragma unroll
@@ -159,16 +202,9 @@ __device__ double recent_bisect(const float *zs, const float *es, double beta, i
     }
     m = ekv_warp_max(m);
     err = ekv_warp_max(err);
-    double lo = (double)m - 1.0, hi = (double)m;
-    for (int s = 0; s < RECENT_STEPS; s++) {
-        const double mid = 0.5 * (lo + hi);
-        if (recent_mass(z, mid, beta) >= 1.0 + 1e-9)
-            lo = mid;
-        else
-            hi = mid;
-    }
     /* a score that overflowed makes M or err infinite: no bound then (nothing skipped) */
-    return isfinite(m) && isfinite(err) ? lo - (double)err : -CUDART_INF;
+    if (!isfinite(m) || !isfinite(err)) return -CUDART_INF;
+    return recent_solve(z, (double)m, beta) - (double)err;
 }
 
 struct round0_args : ekv_cuda_shape {
@@ -182,7 +218,7 @@ struct round0_args : ekv_cuda_shape {
 };
 
 /* One block a (sequence, KV head): the block scores the recent tokens for up to ROUND0_HEADS
- * heads of the group at once, then one warp a head bisects. */
+ * heads of the group at once, then one warp a head solves (recent_bound). */
 __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
     ekv_grid_begin();
     extern __shared__ float qs[]; /* [G][D] q' = a scale q, as the scores kernel forms it */
@@ -202,7 +238,7 @@ __global__ void __launch_bounds__(ROUND0_THREADS) round0_kernel(round0_args A) {
                       n, zbuf, ebuf);
         __syncthreads();
         if (w < gc) {
-            const double l = recent_bisect(zbuf[w], ebuf[w], 1.0 / A.a, n);
+            const double l = recent_bound(zbuf[w], ebuf[w], 1.0 / A.a, n);
             if ((threadIdx.x & 31) == 0) A.lb[h0 + g0 + w] = l;
         }
         __syncthreads(); /* the scores read before the next heads' */
