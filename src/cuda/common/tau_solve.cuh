@@ -35,18 +35,49 @@ template <bool WARP> __device__ __forceinline__ double solver_sum(double v, doub
     return WARP ? ekv_warp_sum(v) : ekv_block_sum(v, scratch);
 }
 
+/* Visits v[i] for the solver's share of i < n (rank, rank + size, ... in that order, so the
+ * sums do not depend on the unrolling). A block over a list in global memory (one longer than
+ * the tau kernel's shared copy) keeps U loads in flight a thread: one L2 load at a time, the tau
+ * kernel took 74 us a step on the model's 256K layer 0 (this text's flat heads), 51 with 8
+ * (bench/RESULTS.md, "2026-12-06 (eighth session)"); over shared memory 8 made the short lists
+ * of the other layers 1.6 us slower, and a warp's solves (the prefill's, the fused attend's)
+ * keep one: their kernels are sized by registers. */
+enum { SOLVER_UNROLL = 8 };
+template <int U, bool WARP, typename F>
+__device__ __forceinline__ void solver_scan_u(const float *v, int64_t n, F f) {
+    const int64_t size = solver_size<WARP>();
+    for (int64_t base = solver_rank<WARP>(); base < n; base += size * U) {
+        float x[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            const int64_t i = base + k * size;
+            x[k] = i < n ? v[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++)
+            if (base + k * size < n) f(x[k]);
+    }
+}
+template <bool WARP, typename F>
+__device__ __forceinline__ void solver_scan(const float *v, int64_t n, F f) {
+    if (!WARP && !__isShared(v)) /* block-uniform */
+        solver_scan_u<SOLVER_UNROLL, WARP>(v, n, f);
+    else
+        solver_scan_u<1, WARP>(v, n, f);
+}
+
 template <bool WARP = false>
 __device__ tau_sums cand_sums(const float *v, int64_t n, float M, double t, double *scratch) {
     double c = 0, s1 = 0, s2 = 0, mn = 1e300;
-    for (int64_t i = solver_rank<WARP>(); i < n; i += solver_size<WARP>()) {
-        const double y = (double)v[i] - (double)M;
+    solver_scan<WARP>(v, n, [&](float x) {
+        const double y = (double)x - (double)M;
         if (y > t) {
             c += 1;
             s1 += y;
             s2 += y * y;
             mn = y < mn ? y : mn;
         }
-    }
+    });
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     c = ekv_warp_sum(c);
     s1 = ekv_warp_sum(s1);
@@ -74,14 +105,14 @@ template <bool WARP = false>
 __device__ void cand_newton(const float *v, int64_t n, float M, double t, double beta,
                             double *scratch, double *F, double *Fp) {
     double f = 0, fp = 0;
-    for (int64_t i = solver_rank<WARP>(); i < n; i += solver_size<WARP>()) {
-        const double y = (double)v[i] - (double)M - t;
+    solver_scan<WARP>(v, n, [&](float x) {
+        const double y = (double)x - (double)M - t;
         if (y > 0) {
             const double pb1 = pow(y, beta - 1.0);
             f += pb1 * y;
             fp += pb1;
         }
-    }
+    });
     *F = solver_sum<WARP>(f, scratch) - 1.0;
     *Fp = -beta * solver_sum<WARP>(fp, scratch);
 }
@@ -171,7 +202,7 @@ template <bool WARP = false>
 __device__ double subset_threshold(const float *v, int64_t n, double alpha, double *scratch,
                                    float *fscratch) {
     float ms = -INFINITY;
-    for (int64_t k = solver_rank<WARP>(); k < n; k += solver_size<WARP>()) ms = fmaxf(ms, v[k]);
+    solver_scan<WARP>(v, n, [&](float x) { ms = fmaxf(ms, x); });
     ms = WARP ? ekv_warp_max(ms) : ekv_block_max(ms, fscratch, -INFINITY);
     return (double)ms + solve_tau<WARP>(v, n, ms, alpha, scratch);
 }

@@ -240,7 +240,8 @@ struct tau_args : ekv_cuda_shape {
 
 /* TAU_SMEM_MAX: the candidates the solve keeps in shared memory at most (dynamic: the plan's
  * list, up to 128 KB; a solve over a list in global memory took 69 us on the model's layer 0,
- * bench/RESULTS.md "Real attention, round 2") */
+ * bench/RESULTS.md "Real attention, round 2"; with up to the device's 227 KB screened's layer-0
+ * step was 50 us slower and dense's no faster, "2026-12-06 (eighth session)") */
 enum { TAU_THREADS = 512, TAU_SMEM_MAX = 32768, TAU_UNROLL = 8 };
 
 /* One pass over the score row z[0, n): the scores above thr (a lower bound of tau: they hold
