@@ -110,7 +110,8 @@ class CudaPlanParams(ctypes.Structure):
                 ("page_size", c_int32), ("max_pages_per_seq", c_int64),
                 ("max_candidates", c_int64), ("tensor_cores", c_int32),
                 ("screen_list_bytes", c_int64), ("fused_attend", c_int32),
-                ("overlap_launches", c_int32), ("select_part_pages", c_int64)]
+                ("overlap_launches", c_int32), ("select_part_pages", c_int64),
+                ("tau_cluster", c_int32)]
 
 
 class CudaReport(ctypes.Structure):

@@ -65,6 +65,15 @@ static int g_cases_run = 0, g_lists_cmp = 0, g_lists_tie = 0, g_cert_round2 = 0,
 static int g_cert_steps = 0;
 static long long g_cert_boxes = 0;
 static int g_compacted = 0; /* heads whose overflowed candidates were compacted (stages/tau.cu) */
+/* heads whose tau a cluster of blocks solved (ekv_cuda_plan_params.tau_cluster, stages/tau.cu) */
+static int64_t g_cluster_rows = 0;
+
+/* The device runs compute capability 9.0 code (thread block clusters, overlapped launches). */
+static int device_sm90(void) {
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
+           major >= 9;
+}
 /* certified round 0 (stages/round0.cu): heads checked against the CPU's tau over the same
  * tokens, and the sum of that tau - L0; pages the hinted round-1 lists left out */
 static int64_t g_round0_heads = 0;
@@ -208,6 +217,10 @@ static void small_lists_dense(ekv_context *ctx, ekv_cuda_plan *plan, const scree
     CHECK(ekv_cuda_decode(plan, sc->dprm, NULL, &m->dkv, &m->dst, &m->dtab, sc->dq, sc->dout) ==
                   EKV_OK,
           "small lists dense: %s", ekv_last_error(ctx));
+    int64_t crows = 0; /* before the report, which clears the flags this reads */
+    CHECK(ekv_cuda_tau_cluster_rows(plan, B, &crows) == EKV_OK, "cluster rows: %s",
+          ekv_last_error(ctx));
+    g_cluster_rows += crows;
     ekv_cuda_report rep;
     memset(&rep, 0, sizeof rep);
     rep.tau = tau;
@@ -1702,6 +1715,8 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             ekv_cuda_plan_params sp2 = pp;
             sp2.max_candidates = seed % 3 ? 8 * (int64_t)(seed % 3) : 1;
             sp2.fused_attend = 0; /* the lists' paths: the fused attend keeps no list */
+            /* every other case's overflowed heads solved by clusters of blocks (stages/tau.cu) */
+            sp2.tau_cluster = seed % 2 && device_sm90() ? 8 : 0;
             ekv_cuda_plan *small = NULL;
             CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "small plan: %s",
                   ekv_last_error(ctx));
@@ -2108,6 +2123,14 @@ static void invalid_test(ekv_context *ctx) {
     flag_refused(ctx, &pp, &pp.fused_attend, "fused_attend");
     flag_refused(ctx, &pp, &pp.overlap_launches, "overlap_launches");
     flag_refused(ctx, &pp, &pp.tensor_cores, "tensor_cores");
+    for (int i = 0; i < 3; i++) { /* tau_cluster takes 0, 2, 4 or 8 */
+        const int32_t bad[3] = {1, 3, 16};
+        pp.tau_cluster = bad[i];
+        CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_ARGUMENT && !plan &&
+                      strstr(ekv_last_error(ctx), "tau_cluster"),
+              "tau_cluster %d", bad[i]);
+    }
+    pp.tau_cluster = 0;
     pp.head_dim = 12;
     CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE, "head_dim 12");
     pp.head_dim = 128;
@@ -2426,6 +2449,34 @@ static void step_splits_test(ekv_context *ctx) {
  * (a quarter of the tokens: 32768), so tau comes from the refined list: no head over its whole
  * row (0 slow rows; before, both heads took that path). With 40000 it passes the list too and
  * both heads take the whole-row path. Either way dense equals the CPU's. */
+/* flat_support_test's step again on a plan with tau_cluster 8 (stages/tau.cu): the same output,
+ * and the heads that took the whole row (want) solved by clusters of blocks. */
+static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pages, float *dq,
+                                 const float *ref, int want) {
+    ekv_cuda_plan_params pp = mirror_plan_params(m, 1, H, pages);
+    pp.tau_cluster = 8;
+    ekv_cuda_plan *plan = plan_of(ctx, &pp);
+    if (!plan) return;
+    float got[2 * 64], *dout = dev_copy(NULL, sizeof got);
+    ekv_decode_params prm = ekv_decode_default_params();
+    prm.num_heads = H;
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_DENSE;
+    CHECK(ekv_cuda_decode(plan, &prm, &sp, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
+          "flat head, clusters: %s", ekv_last_error(ctx));
+    int64_t crows = 0;
+    CHECK(ekv_cuda_tau_cluster_rows(plan, 1, &crows) == EKV_OK, "cluster rows: %s",
+          ekv_last_error(ctx));
+    CU(cudaMemcpy(got, dout, sizeof(float) * H * m->kv.head_dim, cudaMemcpyDeviceToHost));
+    const double e = test_head_rel_err(got, ref, H, m->kv.head_dim, 1e-6);
+    CHECK(e < 3e-5, "flat head, clusters: rel err %.3g vs dense", e);
+    CHECK(crows == want, "flat head: %lld heads solved by clusters, want %d", (long long)crows,
+          want);
+    printf("flat head, tau_cluster 8: %lld heads by clusters, rel err %.2e\n", (long long)crows, e);
+    cudaFree(dout);
+    ekv_cuda_plan_free(plan);
+}
+
 static void flat_support_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
     const int64_t N = (int64_t)1 << 17, maxP = N / ps;
@@ -2463,6 +2514,7 @@ static void flat_support_test(ekv_context *ctx) {
               "row, want %d", (long long)tops[c], (long long)rep.slow_rows, c ? H : 0);
         printf("flat head, support %lld of %lld tokens: %lld heads over the whole row, rel err "
                "%.2e\n", (long long)tops[c], (long long)N, (long long)rep.slow_rows, e);
+        if (device_sm90()) flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, c ? H : 0);
         cudaFree(dq);
         cudaFree(dout);
         one_sequence_free(plan, &m, cache);
@@ -2996,6 +3048,10 @@ int main(void) {
            g_compacted);
     CHECK(n < 8 || g_compacted > 0,
           "no overflowed candidate list was compacted: the tau kernel's compaction went untested");
+    printf("heads whose overflowed tau a cluster of blocks solved: %lld\n",
+           (long long)g_cluster_rows);
+    CHECK(n < 8 || !device_sm90() || g_cluster_rows > 0,
+          "no head's tau was solved by a cluster: tau_cluster went untested");
     CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)",
           g_lists_tie, g_lists_cmp);
     printf("compact ball: %lld of %lld centres one 16-bit step from the CPU's\n",

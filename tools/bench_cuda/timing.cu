@@ -96,6 +96,7 @@ ekv_cuda_plan_params cuda_plan_params(const bench_opts *o, const cuda_len *c) {
     pp.fused_attend = o->fused_attend;
     pp.overlap_launches = o->overlap_launches;
     pp.select_part_pages = o->select_part_pages;
+    pp.tau_cluster = o->tau_cluster;
     return pp;
 }
 

@@ -52,20 +52,39 @@ struct ekv_launch_stream {
 };
 
 /* kernel<<<grid, block, smem, on.stream>>>(args...), launched early (programmatic stream
- * serialization) when on.overlap is set; the kernel begins with ekv_grid_begin(). Returns the
- * launch's error, which is also left for cudaGetLastError, as <<<>>> leaves it. */
+ * serialization) when on.overlap is set, in clusters of cluster_x consecutive blocks of x when
+ * cluster_x > 1 (thread block clusters: compute capability 9.0; their blocks run at once and
+ * share their shared memory); the kernel begins with ekv_grid_begin(). Returns the launch's
+ * error, which is also left for cudaGetLastError, as <<<>>> leaves it. */
 template <typename... P, typename... A>
-static inline cudaError_t ekv_launch(const ekv_launch_stream &on, void (*kernel)(P...), dim3 grid,
-                                     dim3 block, size_t smem, A &&...args) {
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
+static inline cudaError_t ekv_launch_clusters(const ekv_launch_stream &on, void (*kernel)(P...),
+                                              dim3 grid, dim3 block, size_t smem,
+                                              unsigned cluster_x, A &&...args) {
+    cudaLaunchAttribute at[2];
+    unsigned n = 0;
+    if (on.overlap) {
+        at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster_x > 1) {
+        at[n].id = cudaLaunchAttributeClusterDimension;
+        at[n].val.clusterDim.x = cluster_x;
+        at[n].val.clusterDim.y = 1;
+        at[n++].val.clusterDim.z = 1;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = on.stream;
     cfg.attrs = at;
-    cfg.numAttrs = on.overlap ? 1 : 0;
+    cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+/* The same without clusters: every kernel's launch. */
+template <typename... P, typename... A>
+static inline cudaError_t ekv_launch(const ekv_launch_stream &on, void (*kernel)(P...), dim3 grid,
+                                     dim3 block, size_t smem, A &&...args) {
+    return ekv_launch_clusters(on, kernel, grid, block, smem, 1u, std::forward<A>(args)...);
 }

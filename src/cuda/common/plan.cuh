@@ -13,7 +13,7 @@
 
 /* The plan's flags of a query head whose tau candidates overflowed the list (stages/tau.cu sets
  * them, ekv_cuda_read_report counts them as slow_rows and compacted_rows). */
-enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2 };
+enum { EKV_TAU_FLAG_WHOLE_ROW = 1, EKV_TAU_FLAG_COMPACTED = 2, EKV_TAU_FLAG_CLUSTER = 4 };
 
 /* The rows of ekv_cuda_plan.scr_state, each [B*H] (ekv_scr_row gives one). */
 enum {

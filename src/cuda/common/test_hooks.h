@@ -42,6 +42,10 @@ EKV_API ekv_status ekv_cuda_score_rows(ekv_cuda_plan *pl, int32_t batch, float *
  * superpage boxes ([batch * num_heads], z-space). */
 EKV_API ekv_status ekv_cuda_round0_bounds(ekv_cuda_plan *pl, int32_t batch, double *out);
 
+/* stages/tau.cu: the query heads whose tau the steps since the last ekv_cuda_read_report (which
+ * clears what this reads) solved over a cluster of blocks (ekv_cuda_plan_params.tau_cluster). */
+EKV_API ekv_status ekv_cuda_tau_cluster_rows(ekv_cuda_plan *pl, int32_t batch, int64_t *rows);
+
 /* stages/bound.cu: the page bounds of the last step with a bound stage
  * ([batch * num_heads][cap_pages], z-space; the last page of a sequence: -inf; the entries past
  * it are not written). */

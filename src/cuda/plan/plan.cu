@@ -173,6 +173,9 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
                         "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
                         p->overlap_launches);
+    if (p->tau_cluster != 0 && p->tau_cluster != 2 && p->tau_cluster != 4 && p->tau_cluster != 8)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tau_cluster=%d must be 0, 2, 4 or 8",
+                        p->tau_cluster);
     return EKV_OK;
 }
 
@@ -272,32 +275,47 @@ namespace {
 __global__ void overlap_probe_kernel(int) { ekv_grid_begin(); }
 } // namespace
 
-/* overlap_launches = 1 needs what ekv_grid_begin's wait needs (common/overlap.cuh): a device of
- * compute capability 9.0 or later running code compiled for it. A build whose kernels the driver
- * compiles from older PTX (e.g. compute_80 on a newer GPU) has no wait in them, so 1 is refused
- * there rather than launched without one; -1 (the default: measured faster, bench/RESULTS.md)
- * is 1 where it is supported and 0 elsewhere. *on: the setting the plan runs with. */
-static ekv_status resolve_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p, int32_t *on) {
-    *on = 0;
-    if (!p->overlap_launches) return EKV_OK;
-    int major = 0;
+/* Whether device p->device runs this build's kernels as compute capability 9.0 code (what
+ * ekv_grid_begin's wait and thread block clusters need): a build whose kernels the driver
+ * compiles from older PTX (e.g. compute_80 on a newer GPU) has neither. *major and *ptx: what
+ * was found, for the messages. */
+static ekv_status sm90_kernels(ekv_context *ctx, const ekv_cuda_plan_params *p, bool *ok,
+                               int *major, int *ptx) {
     cudaFuncAttributes fa;
+    *major = 0;
     if (cudaSetDevice(p->device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p->device) !=
+        cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, p->device) !=
                 cudaSuccess ||
         cudaFuncGetAttributes(&fa, overlap_probe_kernel) != cudaSuccess) {
         const cudaError_t e = cudaGetLastError();
-        return ekv_fail(ctx, EKV_ERR_DEVICE, "overlap_launches: device %d: %s", p->device,
-                        cudaGetErrorString(e));
+        return ekv_fail(ctx, EKV_ERR_DEVICE, "device %d: %s", p->device, cudaGetErrorString(e));
     }
-    const bool supported = major >= 9 && fa.ptxVersion >= 90;
-    if (!supported && p->overlap_launches == 1)
+    *ptx = fa.ptxVersion;
+    *ok = *major >= 9 && fa.ptxVersion >= 90;
+    return EKV_OK;
+}
+
+/* overlap_launches = 1 needs compute capability 9.0 code (sm90_kernels): refused elsewhere, not
+ * launched without the wait; -1 (the default: measured faster, bench/RESULTS.md) is 1 where it
+ * is supported and 0 elsewhere. tau_cluster > 0 needs the same (clusters). *on: the overlap
+ * setting the plan runs with. */
+static ekv_status resolve_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p, int32_t *on) {
+    *on = 0;
+    if (!p->overlap_launches && !p->tau_cluster) return EKV_OK;
+    bool ok = false;
+    int major = 0, ptx = 0;
+    const ekv_status st = sm90_kernels(ctx, p, &ok, &major, &ptx);
+    if (st) return st;
+    const char *what = p->overlap_launches == 1 ? "overlap_launches=1"
+                       : p->tau_cluster         ? "tau_cluster > 0"
+                                                : NULL;
+    if (!ok && what)
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
-                        "overlap_launches=1 needs a GPU of compute capability 9.0 or later running "
-                        "kernels built for it (device %d: %d.x; this build's kernels: PTX "
-                        "compute_%d; build with CMAKE_CUDA_ARCHITECTURES 90 or later)",
-                        p->device, major, fa.ptxVersion);
-    *on = supported;
+                        "%s needs a GPU of compute capability 9.0 or later running kernels built "
+                        "for it (device %d: %d.x; this build's kernels: PTX compute_%d; build "
+                        "with CMAKE_CUDA_ARCHITECTURES 90 or later)",
+                        what, p->device, major, ptx);
+    *on = ok && p->overlap_launches != 0;
     return EKV_OK;
 }
 

@@ -8,9 +8,14 @@
 #include "../common/splits.cuh"
 #include "tau.cuh"
 #include "../common/tau_solve.cuh"
+#include "../common/test_hooks.h" /* ekv_cuda_tau_cluster_rows, defined here */
 #include "values.cuh"
 #include "../common/weights.cuh"
+#include <cooperative_groups.h>
+#include <stdlib.h>
 #include <math_constants.h>
+
+namespace cg = cooperative_groups;
 
 namespace {
 
@@ -236,6 +241,7 @@ struct tau_args : ekv_cuda_shape {
     uint32_t *ubits; /* the final round with the group-union values kernel: the support's slots */
     int64_t cap_words; /* (marked per KV head, instead of the support lists and v_rows) */
     int32_t *ulist, *ucount; /* and listed once per KV head (union_mark) */
+    int cluster;             /* blocks a row (tau_cluster_blocks): > 1 in clusters (tau_spread) */
 };
 
 /* TAU_SMEM_MAX: the candidates the solve keeps in shared memory at most (dynamic: the plan's
@@ -330,18 +336,19 @@ template <typename F> __device__ __forceinline__ void scan_row(const float *z, i
  * took five passes, 9 us of its one block (bench/RESULTS.md, "the tau kernel's fixed cost"). */
 enum { SUP_UNROLL = 8 };
 
-/* The row's support, v[i] - M > t over i < nv (its candidates, or with whole_row the score row
- * itself): this thread's share of its count, and on the final round (final_round) its listing
- * for the values kernel: the group's union (mark), or the (p, V row offset) pairs counted in
- * *s_nsup (zero, shared). Block-wide. */
-__device__ double support_pass(const tau_args &A, int64_t row, const float *v, int64_t nv,
-                               bool whole_row, float M, double t, bool final_round, bool mark,
-                               int64_t first, int *s_nsup) {
+/* The row's support, v[i] - M > t over i0 <= i < nv (its candidates, or with whole_row the score
+ * row itself): this thread's share of its count, and on the final round (final_round) its
+ * listing for the values kernel: the group's union (mark), or the (p, V row offset) pairs
+ * counted in *s_nsup (zero; shared memory of this block or, in a cluster, of its first).
+ * Block-wide. */
+__device__ double support_pass(const tau_args &A, int64_t row, const float *v, int64_t i0,
+                               int64_t nv, bool whole_row, float M, double t, bool final_round,
+                               bool mark, int64_t first, int *s_nsup) {
     const int b = (int)(row / A.H), kvh = (int)(row % A.H) / A.G, lrow = b * A.Hk + kvh;
     const double beta = 1.0 / (A.alpha - 1.0);
     const int lane = threadIdx.x & 31;
     double c = 0;
-    for (int64_t base = (int64_t)(threadIdx.x & ~31) * SUP_UNROLL; base < nv;
+    for (int64_t base = i0 + (int64_t)(threadIdx.x & ~31) * SUP_UNROLL; base < nv;
          base += (int64_t)blockDim.x * SUP_UNROLL) {
         float x[SUP_UNROLL];
         bool in[SUP_UNROLL];
@@ -409,6 +416,125 @@ __device__ float start_bound(const tau_args &A, int64_t row, int64_t nc, float M
     return A.start[2 * row + 1];
 }
 
+/* ---- A flat head's tau over a cluster of blocks (ekv_cuda_plan_params.tau_cluster;
+ * docs/architecture.md, "Backends", CUDA tau over a cluster). One block per head compacts and
+ * solves an overflowed list alone: 74 us of the model's 256K layer-0 step under ncu, one SM of 132
+ * busy (bench/RESULTS.md, "2026-12-06 (eighth session)"). ---- */
+
+/* The cluster's barrier, and p (in this block's shared memory) in its first block's. Clusters
+ * exist from compute capability 9.0; an older build never launches them (the plan refuses
+ * tau_cluster there), so these are the block's own there. */
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cg::this_cluster().sync();
+#endif
+}
+__device__ __forceinline__ int *in_first_block(int *p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return cg::this_cluster().map_shared_rank(p, 0);
+#else
+    return p;
+#endif
+}
+
+/* v[0..2] summed and v[3] minimised over the blocks of the cluster, each block's in rank order,
+ * so every block gets the same values. part: two [4] buffers of this block's shared memory,
+ * taken by turns (*turn): a buffer is written again only after the barrier that follows every
+ * block's read of it. One cluster barrier; cluster-wide. */
+__device__ void cluster_combine(double (&v)[4], double (*part)[4], int *turn) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cg::cluster_group cl = cg::this_cluster();
+    double *mine = part[*turn];
+    if (threadIdx.x == 0)
+        for (int j = 0; j < 4; j++) mine[j] = v[j];
+    cl.sync();
+    double r[4] = {0.0, 0.0, 0.0, 1e300};
+    for (unsigned k = 0; k < cl.num_blocks(); k++) {
+        const double *o = cl.map_shared_rank(mine, k);
+        r[0] += o[0];
+        r[1] += o[1];
+        r[2] += o[2];
+        r[3] = fmin(r[3], o[3]);
+    }
+    for (int j = 0; j < 4; j++) v[j] = r[j];
+    *turn ^= 1;
+#endif
+}
+
+/* tau - M of the score row z over the cluster: solve_tau's steps from t0, each step's sums over
+ * this block's tokens [i0, i1) combined over the cluster (the same sums in another order, so the
+ * same exact tau, docs/math.md §0). Cluster-wide. */
+__device__ double spread_solve(const tau_args &A, const float *z, int64_t i0, int64_t i1, float M,
+                               double t0, double *scratch, double (*part)[4], int *turn) {
+    const double beta = 1.0 / (A.alpha - 1.0);
+    tau_iter it = tau_start(t0);
+    const int cap = tau_max_iters(A.alpha);
+    for (int k = 0; k < cap; k++) {
+        double v[4] = {0.0, 0.0, 0.0, 1e300};
+        if (tau_by_moments(A.alpha)) {
+            const tau_sums s = cand_sums(z + i0, i1 - i0, M, it.t, scratch);
+            v[0] = s.n, v[1] = s.s1, v[2] = s.s2, v[3] = s.mn;
+        } else {
+            double F, Fp;
+            cand_newton(z + i0, i1 - i0, M, it.t, beta, scratch, &F, &Fp);
+            v[0] = F + 1.0, v[1] = Fp; /* this block's sum of [y - t]_+^beta, and its F' */
+        }
+        cluster_combine(v, part, turn);
+        const tau_sums s = {v[0], v[1], v[2], v[3]};
+        if (tau_step(A.alpha, s, v[0] - 1.0, v[1], &it)) break;
+    }
+    return it.t;
+}
+
+/* A row whose candidates overflow the list even above the histogram's bound, on a cluster of
+ * A.cluster blocks (rank: this block's), instead of one block's compaction and whole-row solve:
+ * block r takes the score row's slots [ntok r / K, ntok (r + 1) / K), the solve runs over the
+ * cluster from the histogram's bound (an overflowed row reads it: wants_bound), and each block
+ * counts and lists (or marks) its slots' support; the first block does what the one block does
+ * for any row (the output row zeroed, the histogram and refine count reset, the flags, the
+ * results; nc: the row's first count). Cluster-wide. */
+__device__ void tau_spread(const tau_args &A, int64_t row, int rank, int64_t nc, int64_t ntok,
+                           float M, int64_t first, double *scratch, double (*part)[4],
+                           int *s_nsup) {
+    const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
+    const int lrow = (int)(row / A.H) * A.Hk + (int)(row % A.H) / A.G;
+    const double t0 = fmax(-1.0, (double)A.start[2 * row + 1] - (double)M);
+    if (rank == 0) {
+        if (final_round)
+            for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+        start_bound(A, row, nc, M); /* for its histogram's reset */
+        if (threadIdx.x == 0) {
+            *s_nsup = 0; /* before the solve's first barrier: the support pass comes after it */
+            atomicOr(&A.flags[row], EKV_TAU_FLAG_WHOLE_ROW | EKV_TAU_FLAG_CLUSTER);
+            if (final_round && A.slow_paths) atomicAdd(A.slow_paths + EKV_SLOW_TAU_WHOLE_ROW, 1ull);
+        }
+    }
+    int turn = 0;
+    const float *z = A.scores + row * A.cap_tokens;
+    const int64_t i0 = ntok * rank / A.cluster, i1 = ntok * (rank + 1) / A.cluster;
+    const double t = spread_solve(A, z, i0, i1, M, t0, scratch, part, &turn);
+    int *nsup = in_first_block(s_nsup);
+    double v[4] = {support_pass(A, row, z, i0, i1, true, M, t, final_round, mark, first, nsup), 0.0,
+                   0.0, 1e300};
+    v[0] = ekv_block_sum(v[0], scratch);
+    cluster_combine(v, part, &turn);
+    if (rank == 0 && threadIdx.x == 0) {
+        const int64_t c = (int64_t)v[0];
+        A.tau[row] = (double)M + t;
+        A.tau_m[row] = M;
+        A.tau_t[row] = t;
+        A.support[row] = c;
+        A.refine_count[row] = 0; /* every block read it before the solve's barriers */
+        if (final_round) {
+            A.sup_count[row] = c;
+            if (!mark)
+                atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
+                          (unsigned long long)c);
+        }
+    }
+    cluster_barrier(); /* no block leaves while another reads its shared memory */
+}
+
 /* Entmax: tau over the head's candidates (in shared memory when they fit), then the support
  * list. A head whose candidates overflowed the list has it rebuilt from the scores above a
  * lower bound of tau (compact_list); only when those overflow too does it take the whole
@@ -420,17 +546,24 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     __shared__ float fscratch[32];
     __shared__ int s_nsup;
     __shared__ unsigned long long s_ncomp;
-    const int64_t row = blockIdx.x;
+    __shared__ double cpart[2][4];              /* tau_spread's sums */
+    const int64_t row = blockIdx.x / A.cluster; /* a cluster of A.cluster blocks a row */
+    const int rank = (int)(blockIdx.x % A.cluster);
     const int b = (int)(row / A.H), h = (int)(row % A.H), kvh = h / A.G, lrow = b * A.Hk + kvh;
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t begin, end;
     entry_range(A.list_count, sg.P, lrow, A.round == 1 ? 1 : 3, &begin, &end);
     const int64_t ntok = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
     const float M = A.start[2 * row]; /* the refine pass's head_max: the candidates' own M */
+    int64_t nc = A.cand_count[row];
+    if (A.cluster > 1 && (refines(nc, A.ccap) ? (int64_t)A.refine_count[row] : nc) > A.ccap) {
+        tau_spread(A, row, rank, nc, ntok, M, sg.first, scratch, cpart, &s_nsup);
+        return;
+    }
+    if (rank) return; /* block-uniform: the row is the first block's alone */
     const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
     if (final_round)
         for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
-    int64_t nc = A.cand_count[row];
     /* a lower bound of tau - M where the solve starts (tau_start): for a row that reads it
      * (reads_bound) the histogram's (a refined row's list threshold too), else -1 */
     const float hist_thr = start_bound(A, row, nc, M);
@@ -470,7 +603,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     /* support: count, and on the final round the list (p, V row offset) for the values kernel */
     if (threadIdx.x == 0) s_nsup = 0;
     __syncthreads();
-    double c = support_pass(A, row, v, nv, whole_row, M, t, final_round, mark, sg.first, &s_nsup);
+    double c =
+            support_pass(A, row, v, 0, nv, whole_row, M, t, final_round, mark, sg.first, &s_nsup);
     c = ekv_block_sum(c, scratch);
     if (threadIdx.x == 0) {
         A.tau[row] = tau;
@@ -641,6 +775,31 @@ static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
     return n > 0 ? n : 0;
 }
 
+/* Blocks a row of the tau kernel: the plan's tau_cluster, halved until the launch's rows fit one
+ * wave of clusters that the device can place (cudaOccupancyMaxActiveClusters), else 1: no
+ * cluster, one block a row (a batch of many heads fills the GPU with them anyway). */
+static int tau_cluster_blocks(const ekv_cuda_plan *pl, int64_t rows, size_t smem) {
+    for (int k = pl->p.tau_cluster; k > 1; k /= 2) {
+        if (rows * k > pl->sms) continue;
+        cudaLaunchAttribute at;
+        at.id = cudaLaunchAttributeClusterDimension;
+        at.val.clusterDim.x = (unsigned)k;
+        at.val.clusterDim.y = 1;
+        at.val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)(rows * k));
+        cfg.blockDim = dim3(TAU_THREADS);
+        cfg.dynamicSmemBytes = smem;
+        cfg.attrs = &at;
+        cfg.numAttrs = 1;
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, tau_entmax_kernel, &cfg) == cudaSuccess && n >= 1)
+            return k;
+        cudaGetLastError(); /* not placeable at this size: a smaller cluster */
+    }
+    return 1;
+}
+
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
                                const ekv_paged_kv *kv, const ekv_page_table *t, int batch,
                                int use_list, int round, float *out_zero) {
@@ -682,8 +841,35 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.smem_cand = tau_smem_floats(pl);
     const size_t smem = (size_t)A.smem_cand * sizeof(float);
     EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
+    A.cluster = tau_cluster_blocks(pl, (int64_t)batch * A.H, smem);
     ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
-    if (!s) s = ekv_cuda_launch(pl, tau_entmax_kernel, dim3(batch * A.H), TAU_THREADS, smem, A);
+    if (!s) {
+        ekv_launch_clusters(ekv_plan_stream(pl), tau_entmax_kernel,
+                            dim3((unsigned)(batch * A.H * A.cluster)), TAU_THREADS, smem,
+                            (unsigned)A.cluster, A);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            s = ekv_fail(pl->ctx, EKV_ERR_DEVICE, "tau kernel launch (clusters of %d): %s",
+                         A.cluster, cudaGetErrorString(e));
+        else
+            pl->launches++;
+    }
     if (s) reset_tau_counts(pl, batch);
+    return s;
+}
+
+/* Query heads flagged EKV_TAU_FLAG_CLUSTER by the steps since the last report (test_hooks.h). */
+extern "C" EKV_API ekv_status ekv_cuda_tau_cluster_rows(ekv_cuda_plan *pl, int32_t batch,
+                                                        int64_t *rows) {
+    const ekv_status cs = ekv_cuda_check_readout(pl, rows, "rows", batch);
+    if (cs) return cs;
+    const int64_t n = (int64_t)batch * pl->p.num_heads;
+    int32_t *fl = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+    if (!fl) return ekv_fail(pl->ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
+    const ekv_status s =
+            ekv_cuda_read_head_rows(pl, batch, fl, pl->flags, (int64_t)sizeof(int32_t));
+    *rows = 0;
+    for (int64_t i = 0; !s && i < n; i++) *rows += (fl[i] & EKV_TAU_FLAG_CLUSTER) != 0;
+    free(fl);
     return s;
 }
