@@ -66,7 +66,7 @@ static void bench_help(FILE *f) {
             "                        top-k select ranks; a list of 6 such parts or more is\n"
             "                        ranked by several blocks of one cooperative launch (the\n"
             "                        plan's select_part_pages; default 0 = 2048)\n"
-            "  --tau-cluster K       cuda entmax: a head whose support overflows its tau list\n"
+            "  --tau-cluster K       cuda entmax: a head whose candidates overflow its tau list\n"
             "                        solved by a cluster of K blocks (2, 4 or 8; the plan's\n"
             "                        tau_cluster; default 0: one block compacts and solves)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"

@@ -74,8 +74,9 @@ typedef struct ekv_cuda_plan_params {
                                /* several blocks of one cooperative launch (as many as the  */
                                /* GPU holds at once), on a device with cooperative          */
                                /* launches; a shorter one takes one block. 0 = 2048         */
-    int32_t tau_cluster;       /* entmax tau of a head whose support overflows its candidate */
-                               /* list (a flat head): 0 (default) one block compacts the    */
+    int32_t tau_cluster;       /* entmax tau of a head whose scores above the histogram's   */
+                               /* bound (its support and a few bins: a flat head) overflow  */
+                               /* its candidate list: 0 (default) one block compacts the    */
                                /* list and solves; 2, 4 or 8: a cluster of that many blocks  */
                                /* (fewer where the step's heads would not fit one wave)    */
                                /* solves over the score row, each block a share of it; needs*/

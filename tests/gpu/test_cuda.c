@@ -68,11 +68,20 @@ static int g_compacted = 0; /* heads whose overflowed candidates were compacted 
 /* heads whose tau a cluster of blocks solved (ekv_cuda_plan_params.tau_cluster, stages/tau.cu) */
 static int64_t g_cluster_rows = 0;
 
-/* The device runs compute capability 9.0 code (thread block clusters, overlapped launches). */
-static int device_sm90(void) {
-    int major = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
-           major >= 9;
+/* Whether plans take tau_cluster on this device and build (compute capability 9.0 code: a
+ * device of 10.x running the build's compute_80 PTX refuses it), asked once by a small plan. */
+static int clusters_supported(ekv_context *ctx) {
+    static int known = -1;
+    if (known >= 0) return known;
+    ekv_cuda_plan_params pp = ekv_cuda_plan_default_params();
+    pp.max_pages_per_seq = 4;
+    pp.tau_cluster = 8;
+    ekv_cuda_plan *plan = NULL;
+    const ekv_status s = ekv_cuda_plan_create(ctx, &pp, &plan);
+    CHECK(s == EKV_OK || s == EKV_ERR_UNSUPPORTED, "tau_cluster 8: %s", ekv_last_error(ctx));
+    ekv_cuda_plan_free(plan);
+    known = s == EKV_OK;
+    return known;
 }
 /* certified round 0 (stages/round0.cu): heads checked against the CPU's tau over the same
  * tokens, and the sum of that tau - L0; pages the hinted round-1 lists left out */
@@ -1716,7 +1725,7 @@ static void run_case(ekv_context *ctx, const gcase *c, uint64_t seed) {
             sp2.max_candidates = seed % 3 ? 8 * (int64_t)(seed % 3) : 1;
             sp2.fused_attend = 0; /* the lists' paths: the fused attend keeps no list */
             /* every other case's overflowed heads solved by clusters of blocks (stages/tau.cu) */
-            sp2.tau_cluster = seed % 2 && device_sm90() ? 8 : 0;
+            sp2.tau_cluster = seed % 2 && clusters_supported(ctx) ? 8 : 0;
             ekv_cuda_plan *small = NULL;
             CHECK(ekv_cuda_plan_create(ctx, &sp2, &small) == EKV_OK, "small plan: %s",
                   ekv_last_error(ctx));
@@ -2442,13 +2451,6 @@ static void step_splits_test(ekv_context *ctx) {
     free(v);
 }
 
-/* A flat head (issue 28: the model's layer 0 has heads whose support is tens of thousands of
- * tokens): one sequence of 2^17 tokens, the first `top` of them one key along the query and
- * the rest zero keys, so the support is exactly those `top` tokens (equal scores, y of the rest
- * -8). With 20000 of them the support passes the old 16384-entry list but fits the default list
- * (a quarter of the tokens: 32768), so tau comes from the refined list: no head over its whole
- * row (0 slow rows; before, both heads took that path). With 40000 it passes the list too and
- * both heads take the whole-row path. Either way dense equals the CPU's. */
 /* flat_support_test's step again on a plan with tau_cluster 8 (stages/tau.cu): the same output,
  * and the heads that took the whole row (want) solved by clusters of blocks. */
 static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pages, float *dq,
@@ -2477,6 +2479,13 @@ static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pag
     ekv_cuda_plan_free(plan);
 }
 
+/* A flat head (issue 28: the model's layer 0 has heads whose support is tens of thousands of
+ * tokens): one sequence of 2^17 tokens, the first `top` of them one key along the query and
+ * the rest zero keys, so the support is exactly those `top` tokens (equal scores, y of the rest
+ * -8). With 20000 of them the support passes the old 16384-entry list but fits the default list
+ * (a quarter of the tokens: 32768), so tau comes from the refined list: no head over its whole
+ * row (0 slow rows; before, both heads took that path). With 40000 it passes the list too and
+ * both heads take the whole-row path. Either way dense equals the CPU's. */
 static void flat_support_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
     const int64_t N = (int64_t)1 << 17, maxP = N / ps;
@@ -2514,7 +2523,8 @@ static void flat_support_test(ekv_context *ctx) {
               "row, want %d", (long long)tops[c], (long long)rep.slow_rows, c ? H : 0);
         printf("flat head, support %lld of %lld tokens: %lld heads over the whole row, rel err "
                "%.2e\n", (long long)tops[c], (long long)N, (long long)rep.slow_rows, e);
-        if (device_sm90()) flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, c ? H : 0);
+        if (clusters_supported(ctx))
+            flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, c ? H : 0);
         cudaFree(dq);
         cudaFree(dout);
         one_sequence_free(plan, &m, cache);
@@ -3050,7 +3060,7 @@ int main(void) {
           "no overflowed candidate list was compacted: the tau kernel's compaction went untested");
     printf("heads whose overflowed tau a cluster of blocks solved: %lld\n",
            (long long)g_cluster_rows);
-    CHECK(n < 8 || !device_sm90() || g_cluster_rows > 0,
+    CHECK(n < 8 || !clusters_supported(ctx) || g_cluster_rows > 0,
           "no head's tau was solved by a cluster: tau_cluster went untested");
     CHECK(g_lists_tie * 50 <= g_lists_cmp, "too many page lists differ from the CPU's (%d of %d)",
           g_lists_tie, g_lists_cmp);

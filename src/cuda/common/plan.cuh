@@ -35,6 +35,8 @@ struct ekv_cuda_plan {
     int32_t split_cap;  /* the most splits a row can get: split_max, flash_part pitch   */
     int32_t sms;        /* the device's SMs (one-wave grids, ekv_cuda_one_wave)     */
     int32_t smem_optin; /* the device's shared memory a block may opt in to (bytes)    */
+    int64_t tau_k_rows; /* the tau kernel's rows a launch for which tau_k was found, 0 none */
+    int32_t tau_k;      /* its blocks a row (stages/tau.cu, tau_cluster_blocks)          */
     int32_t cooperative; /* the device launches cooperative kernels (the fused attend)   */
     int64_t cap_pages;  /* max_pages_per_seq                                           */
     int64_t cap_tokens; /* cap_pages * page_size: score row length                     */

@@ -462,8 +462,9 @@ __device__ void cluster_combine(double (&v)[4], double (*part)[4], int *turn) {
 }
 
 /* tau - M of the score row z over the cluster: solve_tau's steps from t0, each step's sums over
- * this block's tokens [i0, i1) combined over the cluster (the same sums in another order, so the
- * same exact tau, docs/math.md §0). Cluster-wide. */
+ * this block's tokens [i0, i1) combined over the cluster (the same sums in another order, less
+ * F's 1 taken off and put back a block, so the same exact tau to the last bits of a double,
+ * docs/math.md §0). Cluster-wide. */
 __device__ double spread_solve(const tau_args &A, const float *z, int64_t i0, int64_t i1, float M,
                                double t0, double *scratch, double (*part)[4], int *turn) {
     const double beta = 1.0 / (A.alpha - 1.0);
@@ -486,8 +487,9 @@ __device__ double spread_solve(const tau_args &A, const float *z, int64_t i0, in
     return it.t;
 }
 
-/* A row whose candidates overflow the list even above the histogram's bound, on a cluster of
- * A.cluster blocks (rank: this block's), instead of one block's compaction and whole-row solve:
+/* A row whose refined list (its scores above the histogram's bound) overflows the list, on a
+ * cluster of A.cluster blocks (rank: this block's), instead of one block's compaction (which
+ * might have made it fit) and whole-row solve:
  * block r takes the score row's slots [ntok r / K, ntok (r + 1) / K), the solve runs over the
  * cluster from the histogram's bound (an overflowed row reads it: wants_bound), and each block
  * counts and lists (or marks) its slots' support; the first block does what the one block does
@@ -776,10 +778,17 @@ static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
 }
 
 /* Blocks a row of the tau kernel: the plan's tau_cluster, halved until the launch's rows fit one
- * wave of clusters that the device can place (cudaOccupancyMaxActiveClusters), else 1: no
- * cluster, one block a row (a batch of many heads fills the GPU with them anyway). */
-static int tau_cluster_blocks(const ekv_cuda_plan *pl, int64_t rows, size_t smem) {
-    for (int k = pl->p.tau_cluster; k > 1; k /= 2) {
+ * wave of clusters the device can hold at once (cudaOccupancyMaxActiveClusters >= rows: a GPC's
+ * SMs bound how many clusters of 4 or 8 fit), else 1: no cluster, one block a row (a batch of
+ * many heads fills the GPU with them anyway). Asked once for each launch size (the plan keeps the
+ * last: a step's rounds launch the same rows), and not while an earlier launch's error waits
+ * (the launch reports it; the query's own failures are cleared). */
+static int tau_cluster_blocks(ekv_cuda_plan *pl, int64_t rows, size_t smem) {
+    if (pl->p.tau_cluster < 2) return 1;
+    if (pl->tau_k_rows == rows) return pl->tau_k;
+    if (cudaPeekAtLastError() != cudaSuccess) return 1;
+    int found = 1;
+    for (int k = pl->p.tau_cluster; k > 1 && found == 1; k /= 2) {
         if (rows * k > pl->sms) continue;
         cudaLaunchAttribute at;
         at.id = cudaLaunchAttributeClusterDimension;
@@ -790,14 +799,18 @@ static int tau_cluster_blocks(const ekv_cuda_plan *pl, int64_t rows, size_t smem
         cfg.gridDim = dim3((unsigned)(rows * k));
         cfg.blockDim = dim3(TAU_THREADS);
         cfg.dynamicSmemBytes = smem;
+        cfg.stream = pl->stream;
         cfg.attrs = &at;
         cfg.numAttrs = 1;
         int n = 0;
-        if (cudaOccupancyMaxActiveClusters(&n, tau_entmax_kernel, &cfg) == cudaSuccess && n >= 1)
-            return k;
-        cudaGetLastError(); /* not placeable at this size: a smaller cluster */
+        if (cudaOccupancyMaxActiveClusters(&n, tau_entmax_kernel, &cfg) != cudaSuccess)
+            cudaGetLastError(); /* this size cannot be placed at all: a smaller one */
+        else if (n >= rows)
+            found = k;
     }
-    return 1;
+    pl->tau_k_rows = rows;
+    pl->tau_k = found;
+    return found;
 }
 
 ekv_status ekv_cuda_launch_tau(ekv_cuda_plan *pl, const ekv_decode_params *prm,
@@ -831,6 +844,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     A.flags = pl->flags;
     A.slow_paths = pl->slow_paths;
     A.out_zero = out_zero;
+    A.cluster = 1;
     if (prm->alpha == 1.0) {
         ekv_launch(ekv_plan_stream(pl), tau_softmax_kernel, batch * A.H, 1024, 0, A);
         EKV_CUDA_LAUNCHED(pl);
