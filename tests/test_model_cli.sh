@@ -108,6 +108,8 @@ usage run --model "$MODEL" --backend cuda --fused-attend 2
 usage run --model "$MODEL" --overlap-launches 1
 usage run --model "$MODEL" --backend cuda --overlap-launches 2
 usage run --model "$MODEL" --backend cuda --overlap-launches -2
+usage run --model "$MODEL" --tau-cluster 2
+usage run --model "$MODEL" --backend cuda --tau-cluster 16
 run run --model "$MODEL" --prefill-kernel fused --no-graphs --help
 [ "$RC" -eq 0 ] && grep -qi usage "$OUT"
 check "run --help with cuda options should still print the help (rc=$RC)" $?
@@ -163,8 +165,8 @@ for sub in run ppl trace serve; do
     run "$sub" --help
     grep -q -- "--prefill-candidates N" "$OUT" && grep -q -- "--prefill-compact N" "$OUT" &&
         grep -q -- "--decode-candidates N" "$OUT" && grep -q -- "--fused-attend 0|1" "$OUT" &&
-        grep -q -- "--overlap-launches -1|0|1" "$OUT"
-    check "$sub --help should list the cuda list sizes, --fused-attend and --overlap-launches" $?
+        grep -q -- "--overlap-launches -1|0|1" "$OUT" && grep -q -- "--tau-cluster K" "$OUT"
+    check "$sub --help should list the cuda list sizes, --fused-attend, --overlap-launches and --tau-cluster" $?
 done
 
 # run --prompts-file: one prompt runs on the CPU too and generates what --prompt does; several

@@ -143,6 +143,26 @@ static void list_sizes(ekv_context *ctx) {
 /* A flag of ekv_model_params (name, at its offset) whose values are lo .. 1: def by default, a
  * value outside refused on every backend with a message naming it; each value accepted on the
  * cpu engine (and unused). */
+/* tau_cluster: 0 by default, 2, 4 and 8 load (the cpu backend ignores it), others fail */
+static void tau_cluster_values(ekv_context *ctx) {
+    static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
+    ekv_model_params p = ekv_model_default_params();
+    p.max_tokens = 10;
+    CHECK(p.tau_cluster == 0, "tau_cluster defaults to %d, not 0", p.tau_cluster);
+    const int32_t vals[8] = {-1, 1, 3, 16, 0, 2, 4, 8};
+    for (int i = 0; i < 8; i++) {
+        ekv_model *m = NULL;
+        p.tau_cluster = vals[i];
+        const ekv_status s = ekv_model_load(ctx, tiny, &p, &m);
+        if (i < 4)
+            CHECK(s == EKV_ERR_INVALID_ARGUMENT && !m && strstr(ekv_last_error(ctx), "tau_cluster"),
+                  "tau_cluster %d: %s", vals[i], ekv_last_error(ctx));
+        else
+            CHECK(s == EKV_OK && m, "tau_cluster %d: %s", vals[i], ekv_last_error(ctx));
+        ekv_model_free(m);
+    }
+}
+
 static void flag_values(ekv_context *ctx, const char *name, size_t at, int32_t def, int32_t lo) {
     static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
     ekv_model_params p = ekv_model_default_params();
@@ -336,6 +356,7 @@ int main(void) {
     p.prefill_kernel = EKV_PREFILL_AUTO;
     list_sizes(ctx);
     flag_values(ctx, "fused_attend", offsetof(ekv_model_params, fused_attend), 0, 0);
+    tau_cluster_values(ctx);
     /* -1: overlapped where the GPU supports it (the default) */
     flag_values(ctx, "overlap_launches", offsetof(ekv_model_params, overlap_launches), -1, -1);
     p.backend = EKV_BACKEND_CUDA;

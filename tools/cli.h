@@ -259,6 +259,7 @@ typedef struct {
     int64_t prefill_compact;           /* --decode-candidates: the cuda list sizes  */
     int64_t decode_candidates;         /* (ekv_model_params; 0 = the default)       */
     int64_t fused_attend;              /* --fused-attend 0|1 (ekv_model_params)     */
+    int64_t tau_cluster;               /* --tau-cluster K (ekv_model_params)        */
     int64_t overlap_launches;          /* --overlap-launches -1|0|1 (ekv_model_params) */
     int64_t superpage;                 /* --superpage S (ekv_model_params.superpage_pages) */
 } model_opts;

@@ -80,11 +80,14 @@ void model_opts_help(FILE *f) {
             "                        1..%d (default 16384; fewer take the slow paths)\n"
             "  --fused-attend 0|1    cuda dense decode: tau and the values in one cooperative\n"
             "                        launch where it applies (default 0: separate launches)\n"
+            "  --tau-cluster K       cuda entmax decode: a head whose candidates overflow its\n"
+            "                        tau list solved by a cluster of K blocks (2, 4 or 8;\n"
+            "                        compute capability 9.0; default 0: one block)\n"
             "  --overlap-launches -1|0|1  cuda: launch each kernel of a step while the one\n"
             "                        before it runs (programmatic dependent launch; same\n"
             "                        results; 1 needs compute capability 9.0; default -1: on\n"
             "                        where the GPU supports it)\n"
-            "                        (these eight are options of --backend cuda: with cpu\n"
+            "                        (these nine are options of --backend cuda: with cpu\n"
             "                        they are bad usage)\n",
             EKV_MAX_SUPERPAGE_PAGES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
             EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_DECODE_CANDIDATES);
@@ -102,6 +105,7 @@ static const cli_opt model_table[] = {
         CLI_INT("--decode-candidates", model_opts, decode_candidates, 1,
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
         CLI_INT("--fused-attend", model_opts, fused_attend, 0, 1),
+        CLI_INT("--tau-cluster", model_opts, tau_cluster, 0, 8),
         CLI_INT("--overlap-launches", model_opts, overlap_launches, -1, 1),
         CLI_INT("--superpage", model_opts, superpage, 0, EKV_MAX_SUPERPAGE_PAGES),
 };
@@ -181,6 +185,7 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
                             : mo->prefill_compact       ? "--prefill-compact"
                             : mo->decode_candidates     ? "--decode-candidates"
                             : mo->fused_attend          ? "--fused-attend"
+                            : mo->tau_cluster           ? "--tau-cluster"
                             : mo->overlap_launches >= 0 ? "--overlap-launches"
                                                         : NULL;
     if (cuda_only && mo->backend != EKV_BACKEND_CUDA)
@@ -265,6 +270,7 @@ int model_open(const char *sub, const model_opts *o, int64_t max_tokens, ekv_con
     mp.prefill_compact = (int32_t)o->prefill_compact;
     mp.decode_candidates = (int32_t)o->decode_candidates;
     mp.fused_attend = (int32_t)o->fused_attend;
+    mp.tau_cluster = (int32_t)o->tau_cluster;
     mp.overlap_launches = (int32_t)o->overlap_launches;
     mp.superpage_pages = (int32_t)o->superpage;
     mp.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;

@@ -50,6 +50,13 @@ ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
     return EKV_OK;
 }
 
+ekv_status ekv_check_tau_cluster(ekv_context *ctx, int64_t tau_cluster) {
+    if (tau_cluster != 0 && tau_cluster != 2 && tau_cluster != 4 && tau_cluster != 8)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tau_cluster=%lld must be 0, 2, 4 or 8",
+                        (long long)tau_cluster);
+    return EKV_OK;
+}
+
 ekv_status ekv_check_pool_geometry(ekv_context *ctx, const ekv_cache_params *p) {
     if (p->num_pages <= 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "num_pages=%lld must be >= 1",

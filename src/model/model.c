@@ -41,6 +41,7 @@ ekv_model_params ekv_model_default_params(void) {
     p.prefill_compact = 0;
     p.decode_candidates = 0;
     p.fused_attend = 0;
+    p.tau_cluster = 0;       /* not yet measured on the GPU (bench/RESULTS.md) */
     p.overlap_launches = -1; /* where the GPU supports it */
     return p;
 }
@@ -437,6 +438,7 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
                         "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
                         (int)p.overlap_launches);
+    if (ekv_check_tau_cluster(ctx, p.tau_cluster)) return EKV_ERR_INVALID_ARGUMENT;
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
                         (long long)p.prefill_chunk);

@@ -224,6 +224,7 @@ static ekv_status alloc_state(ekv_model *m, model_gpu *g) {
      * overflow), else 0: the plan's default */
     pp.max_candidates = m->prm.decode_candidates;
     pp.fused_attend = m->prm.fused_attend;
+    pp.tau_cluster = m->prm.tau_cluster;
     pp.overlap_launches = m->prm.overlap_launches; /* also the model's own kernels' */
     /* the screen's lists as much room as the views' scores: whole lists (no retry pass) up to
      * about 870K tokens of context with 64 views of 6 heads */

@@ -12,7 +12,7 @@
 #include "../common/splits.cuh"
 #include "../cache/layout.h" /* ekv_cuda_check_head_dim, ekv_cuda_check_device: one rule each */
 extern "C" {
-#include "../../core/internal.h" /* ekv_check_heads, ekv_check_page_size (C) */
+#include "../../core/internal.h" /* ekv_check_heads, _page_size, _tau_cluster (C) */
 }
 #include <stdlib.h>
 #include <string.h>
@@ -173,10 +173,7 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
                         "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
                         p->overlap_launches);
-    if (p->tau_cluster != 0 && p->tau_cluster != 2 && p->tau_cluster != 4 && p->tau_cluster != 8)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tau_cluster=%d must be 0, 2, 4 or 8",
-                        p->tau_cluster);
-    return EKV_OK;
+    return ekv_check_tau_cluster(ctx, p->tau_cluster);
 }
 
 /* The scores kernel's splits per row for `batch` sequences of Hk KV heads. The kernel (2
