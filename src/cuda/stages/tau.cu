@@ -781,13 +781,15 @@ static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
  * wave of clusters the device can hold at once (cudaOccupancyMaxActiveClusters >= rows: a GPC's
  * SMs bound how many clusters of 4 or 8 fit), else 1: no cluster, one block a row (a batch of
  * many heads fills the GPU with them anyway). Asked once for each launch size (the plan keeps the
- * last: a step's rounds launch the same rows), and not while an earlier launch's error waits
- * (the launch reports it; the query's own failures are cleared). */
+ * last: a step's rounds launch the same rows; a size whose query failed, e.g. inside a stream
+ * capture, is asked again), and not while an earlier launch's error waits (the launch reports
+ * it; the query's own failures are cleared). */
 static int tau_cluster_blocks(ekv_cuda_plan *pl, int64_t rows, size_t smem) {
     if (pl->p.tau_cluster < 2) return 1;
     if (pl->tau_k_rows == rows) return pl->tau_k;
     if (cudaPeekAtLastError() != cudaSuccess) return 1;
     int found = 1;
+    bool failed = false;
     for (int k = pl->p.tau_cluster; k > 1 && found == 1; k /= 2) {
         if (rows * k > pl->sms) continue;
         cudaLaunchAttribute at;
@@ -803,13 +805,16 @@ static int tau_cluster_blocks(ekv_cuda_plan *pl, int64_t rows, size_t smem) {
         cfg.attrs = &at;
         cfg.numAttrs = 1;
         int n = 0;
-        if (cudaOccupancyMaxActiveClusters(&n, tau_entmax_kernel, &cfg) != cudaSuccess)
-            cudaGetLastError(); /* this size cannot be placed at all: a smaller one */
-        else if (n >= rows)
+        if (cudaOccupancyMaxActiveClusters(&n, tau_entmax_kernel, &cfg) != cudaSuccess) {
+            cudaGetLastError(); /* this size cannot be placed, or not asked now: a smaller one */
+            failed = true;
+        } else if (n >= rows)
             found = k;
     }
-    pl->tau_k_rows = rows;
-    pl->tau_k = found;
+    if (found > 1 || !failed) { /* a failed query is asked again at the next launch */
+        pl->tau_k_rows = rows;
+        pl->tau_k = found;
+    }
     return found;
 }
 
