@@ -143,47 +143,42 @@ static void list_sizes(ekv_context *ctx) {
 /* A flag of ekv_model_params (name, at its offset) whose values are lo .. 1: def by default, a
  * value outside refused on every backend with a message naming it; each value accepted on the
  * cpu engine (and unused). */
-/* tau_cluster: 0 by default, 2, 4 and 8 load (the cpu backend ignores it), others fail */
-static void tau_cluster_values(ekv_context *ctx) {
-    static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
-    ekv_model_params p = ekv_model_default_params();
-    p.max_tokens = 10;
-    CHECK(p.tau_cluster == 0, "tau_cluster defaults to %d, not 0", p.tau_cluster);
-    const int32_t vals[8] = {-1, 1, 3, 16, 0, 2, 4, 8};
-    for (int i = 0; i < 8; i++) {
-        ekv_model *m = NULL;
-        p.tau_cluster = vals[i];
-        const ekv_status s = ekv_model_load(ctx, tiny, &p, &m);
-        if (i < 4)
-            CHECK(s == EKV_ERR_INVALID_ARGUMENT && !m && strstr(ekv_last_error(ctx), "tau_cluster"),
-                  "tau_cluster %d: %s", vals[i], ekv_last_error(ctx));
-        else
-            CHECK(s == EKV_OK && m, "tau_cluster %d: %s", vals[i], ekv_last_error(ctx));
-        ekv_model_free(m);
-    }
-}
-
-static void flag_values(ekv_context *ctx, const char *name, size_t at, int32_t def, int32_t lo) {
+/* An int32 field of ekv_model_params at offset `at`: `def` by default, each of the nbad values of
+ * bad fails the load with EKV_ERR_INVALID_ARGUMENT naming it, each of the ngood values of good
+ * loads (the cpu backend ignores them). */
+static void field_values(ekv_context *ctx, const char *name, size_t at, int32_t def,
+                         const int32_t *bad, int nbad, const int32_t *good, int ngood) {
     static const char *const tiny = EKV_TEST_DATA_DIR "/tiny_model.safetensors";
     ekv_model_params p = ekv_model_default_params();
     int32_t *flag = (int32_t *)((char *)&p + at);
     p.max_tokens = 10;
     CHECK(*flag == def, "%s defaults to %d, not %d", name, *flag, def);
     ekv_model *m = NULL;
-    const int32_t bad[2] = {lo - 1, 2};
-    for (int b = 0; b < 2; b++) {
+    for (int b = 0; b < nbad; b++) {
         *flag = bad[b];
         CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_ERR_INVALID_ARGUMENT && !m &&
                       strstr(ekv_last_error(ctx), name),
               "%s %d: %s", name, bad[b], ekv_last_error(ctx));
     }
-    for (int32_t v = lo; v <= 1; v++) { /* every valid value loads (the cpu backend ignores it) */
-        *flag = v;
-        CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_OK && m, "%s %d: %s", name, v,
+    for (int g = 0; g < ngood; g++) {
+        *flag = good[g];
+        CHECK(ekv_model_load(ctx, tiny, &p, &m) == EKV_OK && m, "%s %d: %s", name, good[g],
               ekv_last_error(ctx));
         ekv_model_free(m);
         m = NULL;
     }
+}
+
+/* A flag of values lo..1 (lo 0 or -1): lo - 1 and 2 fail, lo..1 load. */
+static void flag_values(ekv_context *ctx, const char *name, size_t at, int32_t def, int32_t lo) {
+    const int32_t bad[2] = {lo - 1, 2}, good[3] = {lo, lo + 1, lo + 2};
+    field_values(ctx, name, at, def, bad, 2, good, 2 - lo);
+}
+
+/* tau_cluster: 0 by default; 2, 4 and 8 load, others fail */
+static void tau_cluster_values(ekv_context *ctx) {
+    const int32_t bad[4] = {-1, 1, 3, 16}, good[4] = {0, 2, 4, 8};
+    field_values(ctx, "tau_cluster", offsetof(ekv_model_params, tau_cluster), 0, bad, 4, good, 4);
 }
 
 int main(void) {

@@ -2451,6 +2451,23 @@ static void step_splits_test(ekv_context *ctx) {
     free(v);
 }
 
+/* flat_support_test's dense step of H heads (query dq) on plan over m: the output's relative
+ * error against ref (nan when the step failed: `what` names it). */
+static double flat_decode(ekv_context *ctx, ekv_cuda_plan *plan, mirror *m, int H, float *dq,
+                          const float *ref, const char *what) {
+    const int D = (int)m->kv.head_dim;
+    float got[2 * 64], *dout = dev_copy(NULL, sizeof got);
+    ekv_decode_params prm = ekv_decode_default_params();
+    prm.num_heads = H;
+    ekv_select_params sp = ekv_select_default_params();
+    sp.method = EKV_SELECT_DENSE;
+    const ekv_status s = ekv_cuda_decode(plan, &prm, &sp, &m->dkv, &m->dst, &m->dtab, dq, dout);
+    CHECK(s == EKV_OK, "%s: %s", what, ekv_last_error(ctx));
+    CU(cudaMemcpy(got, dout, sizeof(float) * H * D, cudaMemcpyDeviceToHost));
+    cudaFree(dout);
+    return s == EKV_OK ? test_head_rel_err(got, ref, H, D, 1e-6) : NAN;
+}
+
 /* flat_support_test's step again on a plan with tau_cluster 8 (stages/tau.cu): the same output,
  * and the heads that took the whole row (want) solved by clusters of blocks. */
 static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pages, float *dq,
@@ -2459,23 +2476,14 @@ static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pag
     pp.tau_cluster = 8;
     ekv_cuda_plan *plan = plan_of(ctx, &pp);
     if (!plan) return;
-    float got[2 * 64], *dout = dev_copy(NULL, sizeof got);
-    ekv_decode_params prm = ekv_decode_default_params();
-    prm.num_heads = H;
-    ekv_select_params sp = ekv_select_default_params();
-    sp.method = EKV_SELECT_DENSE;
-    CHECK(ekv_cuda_decode(plan, &prm, &sp, &m->dkv, &m->dst, &m->dtab, dq, dout) == EKV_OK,
-          "flat head, clusters: %s", ekv_last_error(ctx));
+    const double e = flat_decode(ctx, plan, m, H, dq, ref, "flat head, clusters");
     int64_t crows = 0;
     CHECK(ekv_cuda_tau_cluster_rows(plan, 1, &crows) == EKV_OK, "cluster rows: %s",
           ekv_last_error(ctx));
-    CU(cudaMemcpy(got, dout, sizeof(float) * H * m->kv.head_dim, cudaMemcpyDeviceToHost));
-    const double e = test_head_rel_err(got, ref, H, m->kv.head_dim, 1e-6);
     CHECK(e < 3e-5, "flat head, clusters: rel err %.3g vs dense", e);
     CHECK(crows == want, "flat head: %lld heads solved by clusters, want %d", (long long)crows,
           want);
     printf("flat head, tau_cluster 8: %lld heads by clusters, rel err %.2e\n", (long long)crows, e);
-    cudaFree(dout);
     ekv_cuda_plan_free(plan);
 }
 
@@ -2491,7 +2499,7 @@ static void flat_support_test(ekv_context *ctx) {
     const int64_t N = (int64_t)1 << 17, maxP = N / ps;
     const ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F32, 1, maxP);
     float *k = malloc(sizeof(float) * N * D), *v = malloc(sizeof(float) * N * D);
-    float q[2 * 64], got[2 * 64], ref[2 * 64];
+    float q[2 * 64], ref[2 * 64];
     test_rng r = {3131};
     for (int i = 0; i < H * D; i++) q[i] = 0.f;
     q[0] = q[D] = 1.f; /* both heads along the first axis */
@@ -2505,19 +2513,14 @@ static void flat_support_test(ekv_context *ctx) {
         ekv_cache *cache = NULL;
         mirror m;
         ekv_cuda_plan *plan = one_sequence(ctx, &cp, k, v, N, H, 1, 0, &cache, &m);
-        float *dq = dev_copy(q, sizeof q), *dout = dev_copy(NULL, sizeof q);
+        float *dq = dev_copy(q, sizeof q);
         ekv_decode_params prm = ekv_decode_default_params();
         prm.num_heads = H;
         ekv_decode_dense_ref(ctx, &prm, &m.kv, &m.tab, q, ref, NULL);
-        ekv_select_params sp = ekv_select_default_params();
-        sp.method = EKV_SELECT_DENSE;
-        CHECK(ekv_cuda_decode(plan, &prm, &sp, &m.dkv, &m.dst, &m.dtab, dq, dout) == EKV_OK,
-              "flat head of %lld: %s", (long long)tops[c], ekv_last_error(ctx));
+        const double e = flat_decode(ctx, plan, &m, H, dq, ref, "flat head");
         ekv_cuda_report rep;
         memset(&rep, 0, sizeof rep);
         CHECK(ekv_cuda_read_report(plan, 1, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
-        CU(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
-        const double e = test_head_rel_err(got, ref, H, D, 1e-6);
         CHECK(e < 3e-5, "flat head of %lld tokens: rel err %.3g vs dense", (long long)tops[c], e);
         CHECK(rep.slow_rows == (c ? H : 0), "flat head of %lld tokens: %lld heads over the whole "
               "row, want %d", (long long)tops[c], (long long)rep.slow_rows, c ? H : 0);
@@ -2526,7 +2529,6 @@ static void flat_support_test(ekv_context *ctx) {
         if (clusters_supported(ctx))
             flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, c ? H : 0);
         cudaFree(dq);
-        cudaFree(dout);
         one_sequence_free(plan, &m, cache);
     }
     free(k);

@@ -23,7 +23,8 @@
  * and the kernels after it wait for it. So an overlapped step computes what the plain one does;
  * only the launch latency and the blocks' start overlap the previous kernel's tail. The wait
  * exists only in code compiled for sm_90 or later: the plan refuses overlap_launches = 1 (and
- * takes -1 as 0) where the device or the build's kernels are older (resolve_overlap, plan/plan.cu).
+ * takes -1 as 0) where the device or the build's kernels are older (resolve_sm90_options,
+ * plan/plan.cu).
  */
 #pragma once
 #include <cuda_runtime.h>
@@ -56,6 +57,17 @@ struct ekv_launch_stream {
  * cluster_x > 1 (thread block clusters: compute capability 9.0; their blocks run at once and
  * share their shared memory); the kernel begins with ekv_grid_begin(). Returns the launch's
  * error, which is also left for cudaGetLastError, as <<<>>> leaves it. */
+/* The launch attribute of clusters of x consecutive blocks of x (ekv_launch_clusters, and the
+ * occupancy queries of such launches). */
+static inline cudaLaunchAttribute ekv_cluster_attr(unsigned x) {
+    cudaLaunchAttribute at;
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = x;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    return at;
+}
+
 template <typename... P, typename... A>
 static inline cudaError_t ekv_launch_clusters(const ekv_launch_stream &on, void (*kernel)(P...),
                                               dim3 grid, dim3 block, size_t smem,
@@ -66,12 +78,7 @@ static inline cudaError_t ekv_launch_clusters(const ekv_launch_stream &on, void 
         at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         at[n++].val.programmaticStreamSerializationAllowed = 1;
     }
-    if (cluster_x > 1) {
-        at[n].id = cudaLaunchAttributeClusterDimension;
-        at[n].val.clusterDim.x = cluster_x;
-        at[n].val.clusterDim.y = 1;
-        at[n++].val.clusterDim.z = 1;
-    }
+    if (cluster_x > 1) at[n++] = ekv_cluster_attr(cluster_x);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;

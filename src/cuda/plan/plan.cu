@@ -268,7 +268,7 @@ static void plan_geometry(ekv_cuda_plan *pl, int sms) {
 }
 
 namespace {
-/* A kernel of this build, asked which PTX its loaded code came from (resolve_overlap). */
+/* A kernel of this build, asked which PTX its loaded code came from (sm90_kernels). */
 __global__ void overlap_probe_kernel(int) { ekv_grid_begin(); }
 } // namespace
 
@@ -296,7 +296,8 @@ static ekv_status sm90_kernels(ekv_context *ctx, const ekv_cuda_plan_params *p, 
  * launched without the wait; -1 (the default: measured faster, bench/RESULTS.md) is 1 where it
  * is supported and 0 elsewhere. tau_cluster > 0 needs the same (clusters). *on: the overlap
  * setting the plan runs with. */
-static ekv_status resolve_overlap(ekv_context *ctx, const ekv_cuda_plan_params *p, int32_t *on) {
+static ekv_status resolve_sm90_options(ekv_context *ctx, const ekv_cuda_plan_params *p,
+                                       int32_t *on) {
     *on = 0;
     if (!p->overlap_launches && !p->tau_cluster) return EKV_OK;
     bool ok = false;
@@ -326,7 +327,7 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     st = ekv_cuda_check_device(ctx, p->device);
     if (st) return st;
     int32_t overlap;
-    st = resolve_overlap(ctx, p, &overlap);
+    st = resolve_sm90_options(ctx, p, &overlap);
     if (st) return st;
     ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
     if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");

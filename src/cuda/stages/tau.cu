@@ -416,6 +416,37 @@ __device__ float start_bound(const tau_args &A, int64_t row, int64_t nc, float M
     return A.start[2 * row + 1];
 }
 
+/* The final round's output row of `row` zeroed (the values kernels add into it). Block-wide. */
+__device__ __forceinline__ void zero_out_row(const tau_args &A, int64_t row) {
+    if (A.out_zero)
+        for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+}
+
+/* An overflowed row's path: its EKV_TAU_FLAG_* bits (the report's) and, on the final round, its
+ * EKV_SLOW_TAU_* count. One thread. */
+__device__ __forceinline__ void flag_row(const tau_args &A, int64_t row, int32_t flags, int slow) {
+    atomicOr(&A.flags[row], flags);
+    if (A.out_zero && A.slow_paths) atomicAdd(A.slow_paths + slow, 1ull);
+}
+
+/* What the tau kernel leaves for row (list row lrow) with tau = M + t and c support tokens: tau,
+ * (M, t) for the values kernels, the support, the refine count reset for the next step, and on
+ * the final round the support's count (and, without the group's union, its V rows). One
+ * thread, after every thread of the row has read the refine count. */
+__device__ void put_row(const tau_args &A, int64_t row, int lrow, float M, double t, int64_t c) {
+    A.tau[row] = (double)M + t;
+    A.tau_m[row] = M;
+    A.tau_t[row] = t;
+    A.support[row] = c;
+    A.refine_count[row] = 0;
+    if (A.out_zero) {
+        A.sup_count[row] = c;
+        if (!A.ubits) /* the union kernel counts the rows it reads */
+            atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
+                      (unsigned long long)c);
+    }
+}
+
 /* ---- A flat head's tau over a cluster of blocks (ekv_cuda_plan_params.tau_cluster;
  * docs/architecture.md, "Backends", CUDA tau over a cluster). One block per head compacts and
  * solves an overflowed list alone: 74 us of the model's 256K layer-0 step under ncu, one SM of 132
@@ -502,13 +533,11 @@ __device__ void tau_spread(const tau_args &A, int64_t row, int rank, int64_t nc,
     const int lrow = (int)(row / A.H) * A.Hk + (int)(row % A.H) / A.G;
     const double t0 = fmax(-1.0, (double)A.start[2 * row + 1] - (double)M);
     if (rank == 0) {
-        if (final_round)
-            for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+        zero_out_row(A, row);
         start_bound(A, row, nc, M); /* for its histogram's reset */
         if (threadIdx.x == 0) {
             *s_nsup = 0; /* before the solve's first barrier: the support pass comes after it */
-            atomicOr(&A.flags[row], EKV_TAU_FLAG_WHOLE_ROW | EKV_TAU_FLAG_CLUSTER);
-            if (final_round && A.slow_paths) atomicAdd(A.slow_paths + EKV_SLOW_TAU_WHOLE_ROW, 1ull);
+            flag_row(A, row, EKV_TAU_FLAG_WHOLE_ROW | EKV_TAU_FLAG_CLUSTER, EKV_SLOW_TAU_WHOLE_ROW);
         }
     }
     int turn = 0;
@@ -520,20 +549,8 @@ __device__ void tau_spread(const tau_args &A, int64_t row, int rank, int64_t nc,
                    0.0, 1e300};
     v[0] = ekv_block_sum(v[0], scratch);
     cluster_combine(v, part, &turn);
-    if (rank == 0 && threadIdx.x == 0) {
-        const int64_t c = (int64_t)v[0];
-        A.tau[row] = (double)M + t;
-        A.tau_m[row] = M;
-        A.tau_t[row] = t;
-        A.support[row] = c;
-        A.refine_count[row] = 0; /* every block read it before the solve's barriers */
-        if (final_round) {
-            A.sup_count[row] = c;
-            if (!mark)
-                atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
-                          (unsigned long long)c);
-        }
-    }
+    /* every block read the refine count before the solve's barriers */
+    if (rank == 0 && threadIdx.x == 0) put_row(A, row, lrow, M, t, (int64_t)v[0]);
     cluster_barrier(); /* no block leaves while another reads its shared memory */
 }
 
@@ -564,8 +581,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     }
     if (rank) return; /* block-uniform: the row is the first block's alone */
     const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
-    if (final_round)
-        for (int d = threadIdx.x; d < A.D; d += blockDim.x) A.out_zero[row * A.D + d] = 0.f;
+    zero_out_row(A, row);
     /* a lower bound of tau - M where the solve starts (tau_start): for a row that reads it
      * (reads_bound) the histogram's (a refined row's list threshold too), else -1 */
     const float hist_thr = start_bound(A, row, nc, M);
@@ -577,13 +593,9 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     if (nc > A.ccap) /* on one block: the kept list's own bound */
         nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, hist_thr, nc, &t0,
                           scratch, fscratch, &s_ncomp);
-    if (overflowed && threadIdx.x == 0) {
-        atomicOr(&A.flags[row], nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED);
-        if (final_round && A.slow_paths)
-            atomicAdd(A.slow_paths +
-                              (nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED),
-                      1ull);
-    }
+    if (overflowed && threadIdx.x == 0)
+        flag_row(A, row, nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED,
+                 nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED);
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
     int64_t nv;
@@ -601,7 +613,6 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
         nv = ntok;
     }
     const double t = solve_tau(v, nv, M, A.alpha, scratch, t0);
-    const double tau = (double)M + t;
     /* support: count, and on the final round the list (p, V row offset) for the values kernel */
     if (threadIdx.x == 0) s_nsup = 0;
     __syncthreads();
@@ -609,21 +620,11 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
             support_pass(A, row, v, 0, nv, whole_row, M, t, final_round, mark, sg.first, &s_nsup);
     c = ekv_block_sum(c, scratch);
     if (threadIdx.x == 0) {
-        A.tau[row] = tau;
-        A.tau_m[row] = M;
-        A.tau_t[row] = t;
-        A.support[row] = (int64_t)c;
-        A.refine_count[row] = 0; /* every thread read it before the block sum */
+        put_row(A, row, lrow, M, t, (int64_t)c); /* every thread read the refine count before */
         /* a long list that fit was rewritten above hist_thr: its count, so that the sharded
          * kernels (sharded_tau.cu) read the list as left (an overflowed one keeps its count
          * above the cap: they read its score row) */
         if (refined && !overflowed) A.cand_count[row] = (int32_t)nc;
-        if (final_round) {
-            A.sup_count[row] = (int64_t)c;
-            if (!mark) /* the union kernel counts the rows it reads */
-                atomicAdd(reinterpret_cast<unsigned long long *>(&A.v_rows[lrow]),
-                          (unsigned long long)c);
-        }
     }
 }
 
@@ -792,11 +793,7 @@ static int tau_cluster_blocks(ekv_cuda_plan *pl, int64_t rows, size_t smem) {
     bool failed = false;
     for (int k = pl->p.tau_cluster; k > 1 && found == 1; k /= 2) {
         if (rows * k > pl->sms) continue;
-        cudaLaunchAttribute at;
-        at.id = cudaLaunchAttributeClusterDimension;
-        at.val.clusterDim.x = (unsigned)k;
-        at.val.clusterDim.y = 1;
-        at.val.clusterDim.z = 1;
+        cudaLaunchAttribute at = ekv_cluster_attr((unsigned)k);
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3((unsigned)(rows * k));
         cfg.blockDim = dim3(TAU_THREADS);
