@@ -81,7 +81,8 @@ def parse_args():
                     help="tokens per request (128; fine for the target's ratio, read beside "
                          "the mean batch: see --tokens above)")
     ap.add_argument("--methods", default="dense,certified",
-                    help="comma-separated methods (dense,certified)")
+                    help="comma-separated methods as run's --compare names them, "
+                         "METHOD[:BUDGET] (dense,certified,topk:1/16)")
     ap.add_argument("--no-sequential", action="store_true",
                     help="only the concurrent run of each method")
     a = ap.parse_args()
@@ -123,10 +124,16 @@ def start_server(a):
     return proc, m.group(1)
 
 
+def method_field(method):
+    """run's METHOD[:BUDGET] (e.g. topk:1/16) as the request's "entmaxkv" object."""
+    name, _, budget = method.partition(":")
+    return {"method": name, "budget": budget} if budget else {"method": name}
+
+
 def request(url, prompt, tokens, method):
     """One streamed completion: (seconds to the first token, seconds to the end, tokens, text)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "entmaxkv": {"method": method}}
+            "stream_options": {"include_usage": True}, "entmaxkv": method_field(method)}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0, first, text, used = time.perf_counter(), None, [], 0
