@@ -336,11 +336,11 @@ template <typename F> __device__ __forceinline__ void scan_row(const float *z, i
  * took five passes, 9 us of its one block (bench/RESULTS.md, "the tau kernel's fixed cost"). */
 enum { SUP_UNROLL = 8 };
 
-/* The row's support, v[i] - M > t over i0 <= i < nv (its candidates, or with whole_row the score
- * row itself): this thread's share of its count, and on the final round (final_round) its
- * listing for the values kernel: the group's union (mark), or the (p, V row offset) pairs
- * counted in *s_nsup (zero; shared memory of this block or, in a cluster, of its first).
- * Block-wide. */
+/* The row's support, v[i - i0] - M > t over i0 <= i < nv (v: element i0 of its candidates, or
+ * with whole_row of the score row itself): this thread's share of its count, and on the final round
+ * (final_round) its listing for the values kernel: the group's union (mark), or the (p, V row
+ * offset) pairs counted in *s_nsup (zero; shared memory of this block or, in a cluster, of its
+ * first). Block-wide. */
 __device__ double support_pass(const tau_args &A, int64_t row, const float *v, int64_t i0,
                                int64_t nv, bool whole_row, float M, double t, bool final_round,
                                bool mark, int64_t first, int *s_nsup) {
@@ -356,7 +356,7 @@ __device__ double support_pass(const tau_args &A, int64_t row, const float *v, i
 #pragma unroll
         for (int k = 0; k < SUP_UNROLL; k++) {
             const int64_t i = base + 32 * k + lane;
-            x[k] = i < nv ? v[i] : 0.f;
+            x[k] = i < nv ? v[i - i0] : 0.f;
             in[k] = i < nv && (double)x[k] - (double)M > t;
             c += in[k];
         }
@@ -429,11 +429,29 @@ __device__ __forceinline__ void flag_row(const tau_args &A, int64_t row, int32_t
     if (A.out_zero && A.slow_paths) atomicAdd(A.slow_paths + slow, 1ull);
 }
 
+/* The row's path in its flags: a row whose candidates overflowed the list (overflowed) solved
+ * over its compacted list or its whole score row (whole_row), and `extra` (EKV_TAU_FLAG_CLUSTER
+ * for a cluster's row, which need not have overflowed: a long list in global memory). One
+ * thread. */
+__device__ __forceinline__ void flag_path(const tau_args &A, int64_t row, bool overflowed,
+                                          bool whole_row, int32_t extra) {
+    if (overflowed)
+        flag_row(A, row, extra | (whole_row ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED),
+                 whole_row ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED);
+    else if (extra)
+        atomicOr(&A.flags[row], extra);
+}
+
 /* What the tau kernel leaves for row (list row lrow) with tau = M + t and c support tokens: tau,
  * (M, t) for the values kernels, the support, the refine count reset for the next step, and on
- * the final round the support's count (and, without the group's union, its V rows). One
- * thread, after every thread of the row has read the refine count. */
-__device__ void put_row(const tau_args &A, int64_t row, int lrow, float M, double t, int64_t c) {
+ * the final round the support's count (and, without the group's union, its V rows). relisted
+ * >= 0: the count of a long list that fit and was rewritten above the histogram's bound, so that
+ * the sharded kernels (sharded_tau.cu) read the list as left (an overflowed one keeps its count
+ * above the cap: they read its score row). One thread, after every thread of the row (every
+ * block of its cluster) has read the refine count and the candidates' count. */
+__device__ void put_row(const tau_args &A, int64_t row, int lrow, float M, double t, int64_t c,
+                        int64_t relisted) {
+    if (relisted >= 0) A.cand_count[row] = (int32_t)relisted;
     A.tau[row] = (double)M + t;
     A.tau_m[row] = M;
     A.tau_t[row] = t;
@@ -492,23 +510,23 @@ __device__ void cluster_combine(double (&v)[4], double (*part)[4], int *turn) {
 #endif
 }
 
-/* tau - M of the score row z over the cluster: solve_tau's steps from t0, each step's sums over
- * this block's tokens [i0, i1) combined over the cluster (the same sums in another order, less
- * F's 1 taken off and put back a block, so the same exact tau to the last bits of a double,
- * docs/math.md §0). Cluster-wide. */
-__device__ double spread_solve(const tau_args &A, const float *z, int64_t i0, int64_t i1, float M,
-                               double t0, double *scratch, double (*part)[4], int *turn) {
+/* tau - M of a row over the cluster: solve_tau's steps from t0, each step's sums over this
+ * block's share x[0, n) of the row's values combined over the cluster (the same sums in another
+ * order, less F's 1 taken off and put back a block, so the same exact tau to the last bits of a
+ * double, docs/math.md §0). Cluster-wide. */
+__device__ double spread_solve(const tau_args &A, const float *x, int64_t n, float M, double t0,
+                               double *scratch, double (*part)[4], int *turn) {
     const double beta = 1.0 / (A.alpha - 1.0);
     tau_iter it = tau_start(t0);
     const int cap = tau_max_iters(A.alpha);
     for (int k = 0; k < cap; k++) {
         double v[4] = {0.0, 0.0, 0.0, 1e300};
         if (tau_by_moments(A.alpha)) {
-            const tau_sums s = cand_sums(z + i0, i1 - i0, M, it.t, scratch);
+            const tau_sums s = cand_sums(x, n, M, it.t, scratch);
             v[0] = s.n, v[1] = s.s1, v[2] = s.s2, v[3] = s.mn;
         } else {
             double F, Fp;
-            cand_newton(z + i0, i1 - i0, M, it.t, beta, scratch, &F, &Fp);
+            cand_newton(x, n, M, it.t, beta, scratch, &F, &Fp);
             v[0] = F + 1.0, v[1] = Fp; /* this block's sum of [y - t]_+^beta, and its F' */
         }
         cluster_combine(v, part, turn);
@@ -518,39 +536,53 @@ __device__ double spread_solve(const tau_args &A, const float *z, int64_t i0, in
     return it.t;
 }
 
-/* A row whose refined list (its scores above the histogram's bound) overflows the list, on a
- * cluster of A.cluster blocks (rank: this block's), instead of one block's compaction (which
- * might have made it fit) and whole-row solve:
- * block r takes the score row's slots [ntok r / K, ntok (r + 1) / K), the solve runs over the
- * cluster from the histogram's bound (an overflowed row reads it: wants_bound), and each block
- * counts and lists (or marks) its slots' support; the first block does what the one block does
+/* A row whose list would lie in global memory (listed: its refined list's count, or its
+ * candidates' when not refined, above the shared list), on a cluster of A.cluster blocks (rank:
+ * this block's), instead of one block's solve over global memory (69 us on a flat head of the
+ * model's layer 0) or, for a list that overflowed (listed > ccap), its compaction and
+ * whole-row solve. The row's values (its list, or its score row when the list overflowed) are
+ * shared out: block r takes [n r / K, n (r + 1) / K), in its shared memory cand when the share
+ * fits (the solve reads it every iteration); the solve runs over the cluster from the
+ * histogram's bound (a list this long reads it: refines implies reads_bound), and each block
+ * counts and lists (or marks) its share's support; the first block does what the one block does
  * for any row (the output row zeroed, the histogram and refine count reset, the flags, the
  * results; nc: the row's first count). Cluster-wide. */
-__device__ void tau_spread(const tau_args &A, int64_t row, int rank, int64_t nc, int64_t ntok,
-                           float M, int64_t first, double *scratch, double (*part)[4],
-                           int *s_nsup) {
+__device__ void tau_spread(const tau_args &A, int64_t row, int rank, int64_t nc, int64_t listed,
+                           int64_t ntok, float M, int64_t first, float *cand, double *scratch,
+                           double (*part)[4], int *s_nsup) {
     const bool final_round = A.out_zero != NULL, mark = final_round && A.ubits;
+    const bool overflowed = nc > A.ccap, whole_row = listed > A.ccap;
     const int lrow = (int)(row / A.H) * A.Hk + (int)(row % A.H) / A.G;
-    const double t0 = fmax(-1.0, (double)A.start[2 * row + 1] - (double)M);
+    const bool bound = reads_bound(nc, A.ccap, A.alpha, A.rows != NULL);
+    const double t0 = bound ? fmax(-1.0, (double)A.start[2 * row + 1] - (double)M) : -1.0;
     if (rank == 0) {
         zero_out_row(A, row);
         start_bound(A, row, nc, M); /* for its histogram's reset */
         if (threadIdx.x == 0) {
             *s_nsup = 0; /* before the solve's first barrier: the support pass comes after it */
-            flag_row(A, row, EKV_TAU_FLAG_WHOLE_ROW | EKV_TAU_FLAG_CLUSTER, EKV_SLOW_TAU_WHOLE_ROW);
+            flag_path(A, row, overflowed, whole_row, EKV_TAU_FLAG_CLUSTER);
         }
     }
+    const float *v = whole_row ? A.scores + row * A.cap_tokens : A.cand_z + row * A.ccap;
+    const int64_t n = whole_row ? ntok : listed;
+    const int64_t i0 = n * rank / A.cluster, i1 = n * (rank + 1) / A.cluster;
+    const float *x = v + i0;
+    if (i1 - i0 <= A.smem_cand) {
+        scan_row(x, i1 - i0, [&](int64_t i, float z) { cand[i] = z; });
+        __syncthreads();
+        x = cand;
+    }
     int turn = 0;
-    const float *z = A.scores + row * A.cap_tokens;
-    const int64_t i0 = ntok * rank / A.cluster, i1 = ntok * (rank + 1) / A.cluster;
-    const double t = spread_solve(A, z, i0, i1, M, t0, scratch, part, &turn);
+    const double t = spread_solve(A, x, i1 - i0, M, t0, scratch, part, &turn);
     int *nsup = in_first_block(s_nsup);
-    double v[4] = {support_pass(A, row, z, i0, i1, true, M, t, final_round, mark, first, nsup), 0.0,
-                   0.0, 1e300};
-    v[0] = ekv_block_sum(v[0], scratch);
-    cluster_combine(v, part, &turn);
-    /* every block read the refine count before the solve's barriers */
-    if (rank == 0 && threadIdx.x == 0) put_row(A, row, lrow, M, t, (int64_t)v[0]);
+    double c[4] = {support_pass(A, row, x, i0, i1, whole_row, M, t, final_round, mark, first, nsup),
+                   0.0, 0.0, 1e300};
+    c[0] = ekv_block_sum(c[0], scratch);
+    cluster_combine(c, part, &turn);
+    /* every block read the refine count and the candidates' count before the solve's barriers */
+    if (rank == 0 && threadIdx.x == 0)
+        put_row(A, row, lrow, M, t, (int64_t)c[0],
+                refines(nc, A.ccap) && !overflowed ? listed : -1);
     cluster_barrier(); /* no block leaves while another reads its shared memory */
 }
 
@@ -575,8 +607,9 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     const int64_t ntok = A.rows ? (int64_t)A.row_count[lrow] : end * A.ps;
     const float M = A.start[2 * row]; /* the refine pass's head_max: the candidates' own M */
     int64_t nc = A.cand_count[row];
-    if (A.cluster > 1 && (refines(nc, A.ccap) ? (int64_t)A.refine_count[row] : nc) > A.ccap) {
-        tau_spread(A, row, rank, nc, ntok, M, sg.first, scratch, cpart, &s_nsup);
+    const int64_t listed = refines(nc, A.ccap) ? (int64_t)A.refine_count[row] : nc;
+    if (A.cluster > 1 && listed > A.smem_cand) { /* block-uniform */
+        tau_spread(A, row, rank, nc, listed, ntok, M, sg.first, cand, scratch, cpart, &s_nsup);
         return;
     }
     if (rank) return; /* block-uniform: the row is the first block's alone */
@@ -589,13 +622,11 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     double t0 = fmax(-1.0, (double)hist_thr - (double)M);
     const bool overflowed = nc > A.ccap; /* flat attention: more candidates than the list holds */
     const bool refined = refines(nc, A.ccap);
-    if (refined) nc = A.refine_count[row]; /* every split listed the scores above hist_thr */
+    if (refined) nc = listed; /* every split listed the scores above hist_thr */
     if (nc > A.ccap) /* on one block: the kept list's own bound */
         nc = compact_list(A, row, A.scores + row * A.cap_tokens, ntok, M, hist_thr, nc, &t0,
                           scratch, fscratch, &s_ncomp);
-    if (overflowed && threadIdx.x == 0)
-        flag_row(A, row, nc > A.ccap ? EKV_TAU_FLAG_WHOLE_ROW : EKV_TAU_FLAG_COMPACTED,
-                 nc > A.ccap ? EKV_SLOW_TAU_WHOLE_ROW : EKV_SLOW_TAU_COMPACTED);
+    if (threadIdx.x == 0) flag_path(A, row, overflowed, nc > A.ccap, 0);
     const bool whole_row = nc > A.ccap; /* the compacted list overflowed too */
     const float *v;
     int64_t nv;
@@ -619,13 +650,8 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     double c =
             support_pass(A, row, v, 0, nv, whole_row, M, t, final_round, mark, sg.first, &s_nsup);
     c = ekv_block_sum(c, scratch);
-    if (threadIdx.x == 0) {
-        put_row(A, row, lrow, M, t, (int64_t)c); /* every thread read the refine count before */
-        /* a long list that fit was rewritten above hist_thr: its count, so that the sharded
-         * kernels (sharded_tau.cu) read the list as left (an overflowed one keeps its count
-         * above the cap: they read its score row) */
-        if (refined && !overflowed) A.cand_count[row] = (int32_t)nc;
-    }
+    if (threadIdx.x == 0) /* every thread read the refine count before */
+        put_row(A, row, lrow, M, t, (int64_t)c, refined && !overflowed ? nc : -1);
 }
 
 /* Softmax: tau = log-sum-exp over the whole row; every token is in the support. */
