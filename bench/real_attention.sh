@@ -20,8 +20,9 @@
 #   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+V: M with the
 #   variant V's options, BIN's tree only: fused (bench --fused-attend 1), overlap
 #   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), flat
-#   (--superpage 0: no superpages, so certified runs no round 0), cluster (--tau-cluster 8: an
-#   overflowed head's tau by a cluster of 8 blocks), joined by +,
+#   (--superpage 0: no superpages, so certified runs no round 0), cluster (--tau-cluster 8: a
+#   long list's tau by a cluster of 8 blocks, the default on sm_90), oneblock (--tau-cluster 0:
+#   one block a head), joined by +,
 #   e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
@@ -81,6 +82,7 @@ variant_options() {
         plain) opts="$opts --overlap-launches 0" ;;
         flat) opts="$opts --superpage 0" ;;
         cluster) opts="$opts --tau-cluster 8" ;;
+        oneblock) opts="$opts --tau-cluster 0" ;;
         *) echo "real_attention.sh: unknown variant '$part'" >&2 ;;
         esac
     done

@@ -175,10 +175,10 @@ static void flag_values(ekv_context *ctx, const char *name, size_t at, int32_t d
     field_values(ctx, name, at, def, bad, 2, good, 2 - lo);
 }
 
-/* tau_cluster: 0 by default; 2, 4 and 8 load, others fail */
+/* tau_cluster: -1 by default; -1, 0, 2, 4 and 8 load, others fail */
 static void tau_cluster_values(ekv_context *ctx) {
-    const int32_t bad[4] = {-1, 1, 3, 16}, good[4] = {0, 2, 4, 8};
-    field_values(ctx, "tau_cluster", offsetof(ekv_model_params, tau_cluster), 0, bad, 4, good, 4);
+    const int32_t bad[4] = {-2, 1, 3, 16}, good[5] = {-1, 0, 2, 4, 8};
+    field_values(ctx, "tau_cluster", offsetof(ekv_model_params, tau_cluster), -1, bad, 4, good, 5);
 }
 
 int main(void) {

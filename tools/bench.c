@@ -66,9 +66,10 @@ static void bench_help(FILE *f) {
             "                        top-k select ranks; a list of 6 such parts or more is\n"
             "                        ranked by several blocks of one cooperative launch (the\n"
             "                        plan's select_part_pages; default 0 = 2048)\n"
-            "  --tau-cluster K       cuda entmax: a head whose candidates overflow its tau list\n"
-            "                        solved by a cluster of K blocks (2, 4 or 8; the plan's\n"
-            "                        tau_cluster; default 0: one block compacts and solves)\n"
+            "  --tau-cluster K       cuda entmax: a head whose candidates do not fit the tau\n"
+            "                        kernel's shared memory solved by a cluster of K blocks\n"
+            "                        (2, 4 or 8; 0: one block; the plan's tau_cluster; default\n"
+            "                        -1: 8 where the GPU supports clusters)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -102,6 +103,7 @@ static void parse_defaults(bench_opts *o) {
     o->code_bits = 4;
     o->tensor_cores = 1;
     o->overlap_launches = -1; /* the plan's default: where the GPU supports it */
+    o->tau_cluster = -1;      /* likewise */
 }
 
 /* Options whose value is a name or a number with its own range; 0 if a is none of them. */
@@ -123,8 +125,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         o->overlap_launches = (int32_t)cli_need_int("bench", argc, argv, i, -1, 1);
     else if (!strcmp(a, "--select-part-pages"))
         o->select_part_pages = cli_need_int("bench", argc, argv, i, 0, INT64_MAX);
-    else if (!strcmp(a, "--tau-cluster")) /* 2, 4 or 8: the plan says which are refused */
-        o->tau_cluster = (int32_t)cli_need_int("bench", argc, argv, i, 0, 8);
+    else if (!strcmp(a, "--tau-cluster")) /* -1, 0, 2, 4 or 8: the plan says which are refused */
+        o->tau_cluster = (int32_t)cli_need_int("bench", argc, argv, i, -1, 8);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         if (o->nlens == 64) cli_usage_error("bench", "--len: at most 64 lengths in all");

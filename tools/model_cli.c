@@ -30,6 +30,7 @@ void model_opts_init(model_opts *o) {
     o->kv_dtype = EKV_DTYPE_F16;
     o->code_bits = 4;
     o->overlap_launches = -1; /* where the GPU supports it (ekv_model_params) */
+    o->tau_cluster = -1;      /* likewise */
     o->superpage = ekv_model_default_params().superpage_pages;
 }
 
@@ -80,9 +81,10 @@ void model_opts_help(FILE *f) {
             "                        1..%d (default 16384; fewer take the slow paths)\n"
             "  --fused-attend 0|1    cuda dense decode: tau and the values in one cooperative\n"
             "                        launch where it applies (default 0: separate launches)\n"
-            "  --tau-cluster K       cuda entmax decode: a head whose candidates overflow its\n"
-            "                        tau list solved by a cluster of K blocks (2, 4 or 8;\n"
-            "                        compute capability 9.0; default 0: one block)\n"
+            "  --tau-cluster K       cuda entmax decode: a head whose candidates do not fit\n"
+            "                        the tau kernel's shared memory solved by a cluster of K\n"
+            "                        blocks (2, 4 or 8; compute capability 9.0; 0: one block;\n"
+            "                        default -1: 8 where the GPU supports clusters)\n"
             "  --overlap-launches -1|0|1  cuda: launch each kernel of a step while the one\n"
             "                        before it runs (programmatic dependent launch; same\n"
             "                        results; 1 needs compute capability 9.0; default -1: on\n"
@@ -105,7 +107,7 @@ static const cli_opt model_table[] = {
         CLI_INT("--decode-candidates", model_opts, decode_candidates, 1,
                 EKV_MODEL_MAX_DECODE_CANDIDATES),
         CLI_INT("--fused-attend", model_opts, fused_attend, 0, 1),
-        CLI_INT("--tau-cluster", model_opts, tau_cluster, 0, 8),
+        CLI_INT("--tau-cluster", model_opts, tau_cluster, -1, 8),
         CLI_INT("--overlap-launches", model_opts, overlap_launches, -1, 1),
         CLI_INT("--superpage", model_opts, superpage, 0, EKV_MAX_SUPERPAGE_PAGES),
 };
@@ -185,7 +187,7 @@ void model_parse(const char *sub, int argc, char **argv, void (*help)(FILE *), m
                             : mo->prefill_compact       ? "--prefill-compact"
                             : mo->decode_candidates     ? "--decode-candidates"
                             : mo->fused_attend          ? "--fused-attend"
-                            : mo->tau_cluster           ? "--tau-cluster"
+                            : mo->tau_cluster >= 0      ? "--tau-cluster"
                             : mo->overlap_launches >= 0 ? "--overlap-launches"
                                                         : NULL;
     if (cuda_only && mo->backend != EKV_BACKEND_CUDA)

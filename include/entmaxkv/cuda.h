@@ -75,14 +75,15 @@ typedef struct ekv_cuda_plan_params {
                                /* GPU holds at once), on a device with cooperative          */
                                /* launches; a shorter one takes one block. 0 = 2048         */
     int32_t tau_cluster;       /* entmax tau of a head whose candidates do not fit the tau */
-                               /* kernel's shared memory (a flat head): 0 (default) one    */
+                               /* kernel's shared memory (a flat head): 0 = one            */
                                /* block solves over the list in global memory (or compacts */
                                /* an overflowed list); 2, 4 or 8: a cluster of that many   */
                                /* blocks (fewer where the step's heads would not fit one   */
                                /* wave) solves over the list (an overflowed one: the score */
                                /* row), each block a share of it; needs                    */
                                /* compute capability 9.0 and kernels built for it, else the */
-                               /* plan is refused (EKV_ERR_UNSUPPORTED)                     */
+                               /* plan is refused (EKV_ERR_UNSUPPORTED); -1 (default) = 8   */
+                               /* where supported, else 0 (measured faster: bench/RESULTS)  */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

@@ -277,7 +277,7 @@ ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv);
 ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params);
 ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads);
 ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size);
-/* ekv_cuda_plan_params.tau_cluster and ekv_model_params.tau_cluster: 0, 2, 4 or 8 */
+/* ekv_cuda_plan_params.tau_cluster and ekv_model_params.tau_cluster: -1, 0, 2, 4 or 8 */
 ekv_status ekv_check_tau_cluster(ekv_context *ctx, int64_t tau_cluster);
 /* head_dim in [1, 65536] (views, pools, attention shapes). */
 ekv_status ekv_check_head_dim(ekv_context *ctx, int64_t head_dim);

@@ -51,8 +51,11 @@ ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
 }
 
 ekv_status ekv_check_tau_cluster(ekv_context *ctx, int64_t tau_cluster) {
-    if (tau_cluster != 0 && tau_cluster != 2 && tau_cluster != 4 && tau_cluster != 8)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tau_cluster=%lld must be 0, 2, 4 or 8",
+    if (tau_cluster != -1 && tau_cluster != 0 && tau_cluster != 2 && tau_cluster != 4 &&
+        tau_cluster != 8)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "tau_cluster=%lld must be -1 (8 where the GPU supports clusters), 0, 2, 4 "
+                        "or 8",
                         (long long)tau_cluster);
     return EKV_OK;
 }

@@ -41,7 +41,7 @@ ekv_model_params ekv_model_default_params(void) {
     p.prefill_compact = 0;
     p.decode_candidates = 0;
     p.fused_attend = 0;
-    p.tau_cluster = 0;       /* not yet measured on the GPU (bench/RESULTS.md) */
+    p.tau_cluster = -1;      /* where the GPU supports it: measured faster (bench/RESULTS.md) */
     p.overlap_launches = -1; /* where the GPU supports it */
     return p;
 }

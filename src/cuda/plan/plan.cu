@@ -294,18 +294,19 @@ static ekv_status sm90_kernels(ekv_context *ctx, const ekv_cuda_plan_params *p, 
 
 /* overlap_launches = 1 needs compute capability 9.0 code (sm90_kernels): refused elsewhere, not
  * launched without the wait; -1 (the default: measured faster, bench/RESULTS.md) is 1 where it
- * is supported and 0 elsewhere. tau_cluster > 0 needs the same (clusters). *on: the overlap
- * setting the plan runs with. */
-static ekv_status resolve_sm90_options(ekv_context *ctx, const ekv_cuda_plan_params *p,
-                                       int32_t *on) {
+ * is supported and 0 elsewhere. tau_cluster > 0 needs the same (clusters); its -1 (the default,
+ * likewise) is 8 where supported, else 0. *on, *cluster: the settings the plan runs with. */
+static ekv_status resolve_sm90_options(ekv_context *ctx, const ekv_cuda_plan_params *p, int32_t *on,
+                                       int32_t *cluster) {
     *on = 0;
+    *cluster = 0;
     if (!p->overlap_launches && !p->tau_cluster) return EKV_OK;
     bool ok = false;
     int major = 0, ptx = 0;
     const ekv_status st = sm90_kernels(ctx, p, &ok, &major, &ptx);
     if (st) return st;
     const char *what = p->overlap_launches == 1 ? "overlap_launches=1"
-                       : p->tau_cluster         ? "tau_cluster > 0"
+                       : p->tau_cluster > 0     ? "tau_cluster > 0"
                                                 : NULL;
     if (!ok && what)
         return ekv_fail(ctx, EKV_ERR_UNSUPPORTED,
@@ -314,6 +315,7 @@ static ekv_status resolve_sm90_options(ekv_context *ctx, const ekv_cuda_plan_par
                         "with CMAKE_CUDA_ARCHITECTURES 90 or later)",
                         what, p->device, major, ptx);
     *on = ok && p->overlap_launches != 0;
+    *cluster = !ok ? 0 : p->tau_cluster < 0 ? 8 : p->tau_cluster;
     return EKV_OK;
 }
 
@@ -326,14 +328,15 @@ extern "C" ekv_status ekv_cuda_plan_create(ekv_context *ctx, const ekv_cuda_plan
     if (st) return st;
     st = ekv_cuda_check_device(ctx, p->device);
     if (st) return st;
-    int32_t overlap;
-    st = resolve_sm90_options(ctx, p, &overlap);
+    int32_t overlap, cluster;
+    st = resolve_sm90_options(ctx, p, &overlap, &cluster);
     if (st) return st;
     ekv_cuda_plan *pl = (ekv_cuda_plan *)calloc(1, sizeof *pl);
     if (!pl) return ekv_fail(ctx, EKV_ERR_OUT_OF_MEMORY, "out of memory");
     pl->ctx = ctx;
     pl->p = *p;
     pl->p.overlap_launches = overlap; /* -1 resolved: what the launches read */
+    pl->p.tau_cluster = cluster;
     cudaError_t e = cudaSetDevice(p->device);
     if (e != cudaSuccess) {
         free(pl);

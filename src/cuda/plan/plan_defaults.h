@@ -23,7 +23,7 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.fused_attend = 0; /* measured slower than the launches it replaces (bench/RESULTS.md) */
     p.overlap_launches = -1; /* where supported: measured faster (bench/RESULTS.md) */
     p.select_part_pages = 0; /* EKV_CUDA_SEL_PART_PAGES (src/cuda/common/sizes.cuh) */
-    p.tau_cluster = 0;       /* not yet measured on the GPU (bench/RESULTS.md) */
+    p.tau_cluster = -1;      /* where supported: measured faster (bench/RESULTS.md) */
     return p;
 }
 
