@@ -2468,43 +2468,49 @@ static double flat_decode(ekv_context *ctx, ekv_cuda_plan *plan, mirror *m, int 
     return s == EKV_OK ? test_head_rel_err(got, ref, H, D, 1e-6) : NAN;
 }
 
-/* flat_support_test's step again on a plan with tau_cluster 8 (stages/tau.cu): the same output,
- * and the heads that took the whole row (want) solved by clusters of blocks. */
+/* flat_support_test's step again on a plan with tau_cluster K (stages/tau.cu): the same output,
+ * and want heads solved by clusters of blocks (those whose list passes the tau kernel's shared
+ * memory, with K > 1; none with K = 0). */
 static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pages, float *dq,
-                                 const float *ref, int want) {
+                                 const float *ref, int K, int want) {
     ekv_cuda_plan_params pp = mirror_plan_params(m, 1, H, pages);
-    pp.tau_cluster = 8;
+    pp.tau_cluster = K;
     ekv_cuda_plan *plan = plan_of(ctx, &pp);
     if (!plan) return;
     const double e = flat_decode(ctx, plan, m, H, dq, ref, "flat head, clusters");
     int64_t crows = 0;
     CHECK(ekv_cuda_tau_cluster_rows(plan, 1, &crows) == EKV_OK, "cluster rows: %s",
           ekv_last_error(ctx));
-    CHECK(e < 3e-5, "flat head, clusters: rel err %.3g vs dense", e);
-    CHECK(crows == want, "flat head: %lld heads solved by clusters, want %d", (long long)crows,
-          want);
-    printf("flat head, tau_cluster 8: %lld heads by clusters, rel err %.2e\n", (long long)crows, e);
+    CHECK(e < 3e-5, "flat head, tau_cluster %d: rel err %.3g vs dense", K, e);
+    CHECK(crows == want, "flat head, tau_cluster %d: %lld heads solved by clusters, want %d", K,
+          (long long)crows, want);
+    printf("flat head, tau_cluster %d: %lld heads by clusters, rel err %.2e\n", K, (long long)crows,
+           e);
     ekv_cuda_plan_free(plan);
 }
 
 /* A flat head (issue 28: the model's layer 0 has heads whose support is tens of thousands of
- * tokens): one sequence of 2^17 tokens, the first `top` of them one key along the query and
+ * tokens): one sequence of 2^18 tokens, the first `top` of them one key along the query and
  * the rest zero keys, so the support is exactly those `top` tokens (equal scores, y of the rest
- * -8). With 20000 of them the support passes the old 16384-entry list but fits the default list
- * (a quarter of the tokens: 32768), so tau comes from the refined list: no head over its whole
- * row (0 slow rows; before, both heads took that path). With 40000 it passes the list too and
- * both heads take the whole-row path. Either way dense equals the CPU's. */
+ * -8). The default list holds a quarter of the tokens (65536) and the tau kernel's shared
+ * memory 32768 scores. With 20000 the list fits shared memory (one block, no head over its
+ * whole row); with 50000 it fits the list but not shared memory (one block over the list in
+ * global memory, or a cluster over it); with 80000 it passes the list too and both heads take
+ * the whole-row path (compaction cannot make a run of equal scores fit; with clusters, over
+ * shares of the score row). Every way dense equals the CPU's: the plan's default, one block
+ * (tau_cluster 0) and clusters of 8 where the device takes them. */
 static void flat_support_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
-    const int64_t N = (int64_t)1 << 17, maxP = N / ps;
+    const int64_t N = (int64_t)1 << 18, maxP = N / ps, list = N / 4, shared = 32768;
     const ekv_cache_params cp = test_cache_params(ps, Hk, D, EKV_DTYPE_F32, 1, maxP);
     float *k = malloc(sizeof(float) * N * D), *v = malloc(sizeof(float) * N * D);
     float q[2 * 64], ref[2 * 64];
     test_rng r = {3131};
     for (int i = 0; i < H * D; i++) q[i] = 0.f;
     q[0] = q[D] = 1.f; /* both heads along the first axis */
-    const int64_t tops[2] = {20000, 40000};
-    for (int c = 0; c < 2; c++) {
+    const int64_t tops[3] = {20000, 50000, 80000};
+    const int clusters = clusters_supported(ctx);
+    for (int c = 0; c < 3; c++) {
         for (int64_t t = 0; t < N; t++)
             for (int d = 0; d < D; d++) {
                 k[t * D + d] = t < tops[c] && d == 0 ? 8.f * sqrtf((float)D) : 0.f;
@@ -2521,13 +2527,17 @@ static void flat_support_test(ekv_context *ctx) {
         ekv_cuda_report rep;
         memset(&rep, 0, sizeof rep);
         CHECK(ekv_cuda_read_report(plan, 1, &rep) == EKV_OK, "report: %s", ekv_last_error(ctx));
+        const int slow = tops[c] > list ? H : 0;
         CHECK(e < 3e-5, "flat head of %lld tokens: rel err %.3g vs dense", (long long)tops[c], e);
-        CHECK(rep.slow_rows == (c ? H : 0), "flat head of %lld tokens: %lld heads over the whole "
-              "row, want %d", (long long)tops[c], (long long)rep.slow_rows, c ? H : 0);
+        CHECK(rep.slow_rows == slow,
+              "flat head of %lld tokens: %lld heads over the whole row, "
+              "want %d",
+              (long long)tops[c], (long long)rep.slow_rows, slow);
         printf("flat head, support %lld of %lld tokens: %lld heads over the whole row, rel err "
                "%.2e\n", (long long)tops[c], (long long)N, (long long)rep.slow_rows, e);
-        if (clusters_supported(ctx))
-            flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, c ? H : 0);
+        flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 0, 0);
+        if (clusters)
+            flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 8, tops[c] > shared ? H : 0);
         cudaFree(dq);
         one_sequence_free(plan, &m, cache);
     }
