@@ -13,8 +13,9 @@
 #      graph replay), with SDPA on the same layer's shape.
 # Usage: bench/real_attention.sh OUTDIR   (prompts: bench/repo_prompt.sh; PROMPT_CORPUS=FILE
 #   there gives two trees the same bytes)
-#   BIN (build-gpu/entmaxkv), OLD_BIN (none: another tree's build run beside BIN on the same
-#   prompts and trace, its rows tagged old), CTXS ("131072 524288"; set and empty: no model
+#   BIN (build-gpu/entmaxkv), OLD_BIN (none: other trees' builds run beside BIN on the same
+#   prompts and trace: a path, its rows tagged old, or several NAME=PATH, tagged NAME; a tree
+#   from `git archive`: bench/build_tree.sh), CTXS ("131072 524288"; set and empty: no model
 #   decode), TRACE_CTX (262144, 0 =
 #   skip), TRACE_LAYERS ("0 1 2 3 4 5 6 7"), DECODE (32), METHODS (topk:1/16,certified,screened,
 #   gaussian; dense runs first), TRACE_METHODS (dense topk certified screened; M+V: M with the
@@ -52,11 +53,15 @@ LOG="$OUT/real_attention.log"
 TSV="$OUT/real_attention.tsv"
 : >"$LOG"
 printf 'part\ttree\tctx\tlayer\tmethod\tms\tms_graph\ttokens_per_s\n' >"$TSV"
-for b in "$BIN" $OLD_BIN; do
+for b in "$BIN" $(for o in $OLD_BIN; do echo "${o#*=}"; done); do
     [ -x "$b" ] || { echo "real_attention.sh: $b is not built" >&2; exit 1; }
 done
-# "tree binary" pairs: this tree's build, then OLD_BIN's
-trees() { echo "new $BIN"; [ -n "$OLD_BIN" ] && echo "old $OLD_BIN"; }
+# "tree binary" pairs: this tree's build (new), then OLD_BIN's (old, or each NAME=PATH's NAME)
+trees() {
+    local o
+    echo "new $BIN"
+    for o in $OLD_BIN; do case "$o" in *=*) echo "${o%%=*} ${o#*=}" ;; *) echo "old $o" ;; esac; done
+}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log -1 --format='commit %H' 2>/dev/null; } >>"$LOG" 2>&1
 
 . bench/repo_prompt.sh # prompt N: N bytes of the repository's text
@@ -122,8 +127,8 @@ profile_model_step() {
 echo "== 1. model decode per method (dense prefill, then --compare $METHODS --rewind)" | tee -a "$LOG"
 for n in $CTXS; do
     f=$(prompt "$n")
-    { trees; for v in $MODEL_VARIANTS; do echo "$v $BIN"; done; } | while read -r tree bin; do
-        fa=$(case "$tree" in new | old) ;; *) variant_options "$tree" ;; esac)
+    { trees | sed 's/$/ -/'; for v in $MODEL_VARIANTS; do echo "$v $BIN $v"; done; } | while read -r tree bin variant; do
+        fa=$([ "$variant" = - ] || variant_options "$variant")
         echo "== $bin run --backend cuda --prompt-file $f -n $DECODE --method dense --quiet --compare $METHODS --rewind $fa" >>"$LOG"
         "$bin" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
             --compare "$METHODS" --rewind $fa >"$OUT/run_${n}_$tree.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
@@ -152,7 +157,7 @@ if [ "$TRACE_CTX" != 0 ]; then
     for l in $TRACE_LAYERS; do
         for m in $TRACE_METHODS; do
             trees | while read -r tree bin; do
-                case "$tree $m" in "old "*+*) continue ;; esac
+                case "$tree $m" in "new "*) ;; *+*) continue ;; esac # variants: BIN's tree only
                 echo "== $bin bench --backend cuda --workload trace:$tr@l$l. $(bench_method "$m")" >>"$LOG"
                 "$bin" bench --backend cuda --workload "trace:$tr@l$l." $(bench_method "$m") >"$OUT/bench.out" 2>>"$LOG" ||
                     echo "   (exit $?)" >>"$LOG"
