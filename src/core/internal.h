@@ -277,8 +277,11 @@ ekv_status ekv_check_kv_view(ekv_context *ctx, const ekv_paged_kv *kv);
 ekv_status ekv_check_params(ekv_context *ctx, const ekv_decode_params *params);
 ekv_status ekv_check_heads(ekv_context *ctx, int64_t num_heads, int64_t num_kv_heads);
 ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size);
-/* ekv_cuda_plan_params.tau_cluster and ekv_model_params.tau_cluster: -1, 0, 2, 4 or 8 */
-ekv_status ekv_check_tau_cluster(ekv_context *ctx, int64_t tau_cluster);
+/* The CUDA launch options a plan takes and the model passes on to its plan (ekv_cuda_plan_params,
+ * ekv_model_params): fused_attend 0 or 1, overlap_launches -1, 0 or 1, tau_cluster -1, 0, 2, 4
+ * or 8 (EKV_ERR_INVALID_ARGUMENT otherwise; what the device supports is the plan's check). */
+ekv_status ekv_check_cuda_options(ekv_context *ctx, int64_t fused_attend, int64_t overlap_launches,
+                                  int64_t tau_cluster);
 /* head_dim in [1, 65536] (views, pools, attention shapes). */
 ekv_status ekv_check_head_dim(ekv_context *ctx, int64_t head_dim);
 /* ALiBi slopes (host memory, NULL = none): finite, >= 0, and the bias over max_len tokens of

@@ -50,7 +50,15 @@ ekv_status ekv_check_page_size(ekv_context *ctx, int64_t page_size) {
     return EKV_OK;
 }
 
-ekv_status ekv_check_tau_cluster(ekv_context *ctx, int64_t tau_cluster) {
+ekv_status ekv_check_cuda_options(ekv_context *ctx, int64_t fused_attend, int64_t overlap_launches,
+                                  int64_t tau_cluster) {
+    if (fused_attend != 0 && fused_attend != 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
+                        (int)fused_attend);
+    if (overlap_launches < -1 || overlap_launches > 1)
+        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
+                        "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
+                        (int)overlap_launches);
     if (tau_cluster != -1 && tau_cluster != 0 && tau_cluster != 2 && tau_cluster != 4 &&
         tau_cluster != 8)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,

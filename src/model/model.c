@@ -431,14 +431,9 @@ ekv_status ekv_model_from_safetensors(ekv_context *ctx, const ekv_safetensors *s
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
                         "prefill_kernel=%d: expected auto (0), fused (1), gemm (2) or hist (3)",
                         (int)p.prefill_kernel);
-    if (p.fused_attend != 0 && p.fused_attend != 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
-                        (int)p.fused_attend);
-    if (p.overlap_launches < -1 || p.overlap_launches > 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
-                        (int)p.overlap_launches);
-    if (ekv_check_tau_cluster(ctx, p.tau_cluster)) return EKV_ERR_INVALID_ARGUMENT;
+    const ekv_status opts =
+            ekv_check_cuda_options(ctx, p.fused_attend, p.overlap_launches, p.tau_cluster);
+    if (opts) return opts;
     if (p.prefill_chunk < 0)
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE, "prefill_chunk=%lld must be >= 0 (0 = auto)",
                         (long long)p.prefill_chunk);

@@ -52,11 +52,6 @@ struct ekv_launch_stream {
     int overlap;
 };
 
-/* kernel<<<grid, block, smem, on.stream>>>(args...), launched early (programmatic stream
- * serialization) when on.overlap is set, in clusters of cluster_x consecutive blocks of x when
- * cluster_x > 1 (thread block clusters: compute capability 9.0; their blocks run at once and
- * share their shared memory); the kernel begins with ekv_grid_begin(). Returns the launch's
- * error, which is also left for cudaGetLastError, as <<<>>> leaves it. */
 /* The launch attribute of clusters of x consecutive blocks of x (ekv_launch_clusters, and the
  * occupancy queries of such launches). */
 static inline cudaLaunchAttribute ekv_cluster_attr(unsigned x) {
@@ -68,6 +63,26 @@ static inline cudaLaunchAttribute ekv_cluster_attr(unsigned x) {
     return at;
 }
 
+/* A launch's configuration with its n attributes at (for cudaLaunchKernelEx and the occupancy
+ * queries of the same launch). */
+static inline cudaLaunchConfig_t ekv_launch_config(dim3 grid, dim3 block, size_t smem,
+                                                   cudaStream_t stream, cudaLaunchAttribute *at,
+                                                   unsigned n) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = at;
+    cfg.numAttrs = n;
+    return cfg;
+}
+
+/* kernel<<<grid, block, smem, on.stream>>>(args...), launched early (programmatic stream
+ * serialization) when on.overlap is set, in clusters of cluster_x consecutive blocks of x when
+ * cluster_x > 1 (thread block clusters: compute capability 9.0; their blocks run at once and
+ * share their shared memory); the kernel begins with ekv_grid_begin(). Returns the launch's
+ * error, which is also left for cudaGetLastError, as <<<>>> leaves it. */
 template <typename... P, typename... A>
 static inline cudaError_t ekv_launch_clusters(const ekv_launch_stream &on, void (*kernel)(P...),
                                               dim3 grid, dim3 block, size_t smem,
@@ -79,13 +94,7 @@ static inline cudaError_t ekv_launch_clusters(const ekv_launch_stream &on, void 
         at[n++].val.programmaticStreamSerializationAllowed = 1;
     }
     if (cluster_x > 1) at[n++] = ekv_cluster_attr(cluster_x);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = on.stream;
-    cfg.attrs = at;
-    cfg.numAttrs = n;
+    const cudaLaunchConfig_t cfg = ekv_launch_config(grid, block, smem, on.stream, at, n);
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 

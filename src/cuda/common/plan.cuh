@@ -202,14 +202,21 @@ inline ekv_launch_stream ekv_plan_stream(const ekv_cuda_plan *pl) {
     return ekv_launch_stream{pl->stream, pl->p.overlap_launches};
 }
 
-/* kernel<<<grid, threads, smem, the plan's stream>>>(A) (ekv_launch) and its check
- * (EKV_CUDA_LAUNCHED): the tail of every launcher whose last act is one launch. */
+/* kernel<<<grid, threads, smem, the plan's stream>>>(A) in clusters of cluster_x blocks
+ * (ekv_launch_clusters; 1: none) and its check (EKV_CUDA_LAUNCHED): the tail of every launcher
+ * whose last act is one launch. */
+template <typename Args>
+inline ekv_status ekv_cuda_launch_clusters(ekv_cuda_plan *pl, void (*kernel)(Args), dim3 grid,
+                                           int threads, size_t smem, unsigned cluster_x,
+                                           const Args &A) {
+    ekv_launch_clusters(ekv_plan_stream(pl), kernel, grid, threads, smem, cluster_x, A);
+    EKV_CUDA_LAUNCHED(pl);
+    return EKV_OK;
+}
 template <typename Args>
 inline ekv_status ekv_cuda_launch(ekv_cuda_plan *pl, void (*kernel)(Args), dim3 grid, int threads,
                                   size_t smem, const Args &A) {
-    ekv_launch(ekv_plan_stream(pl), kernel, grid, threads, smem, A);
-    EKV_CUDA_LAUNCHED(pl);
-    return EKV_OK;
+    return ekv_cuda_launch_clusters(pl, kernel, grid, threads, smem, 1u, A);
 }
 
 /* The query side of the arguments of every kernel that scores keys (bound, scores, screen,

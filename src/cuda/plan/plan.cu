@@ -12,7 +12,7 @@
 #include "../common/splits.cuh"
 #include "../cache/layout.h" /* ekv_cuda_check_head_dim, ekv_cuda_check_device: one rule each */
 extern "C" {
-#include "../../core/internal.h" /* ekv_check_heads, _page_size, _tau_cluster (C) */
+#include "../../core/internal.h" /* ekv_check_heads, _page_size, _cuda_options (C) */
 }
 #include <stdlib.h>
 #include <string.h>
@@ -166,14 +166,7 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
     if (p->tensor_cores != 0 && p->tensor_cores != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
                         p->tensor_cores);
-    if (p->fused_attend != 0 && p->fused_attend != 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "fused_attend=%d must be 0 or 1",
-                        p->fused_attend);
-    if (p->overlap_launches < -1 || p->overlap_launches > 1)
-        return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
-                        "overlap_launches=%d must be -1 (where the GPU supports it), 0 or 1",
-                        p->overlap_launches);
-    return ekv_check_tau_cluster(ctx, p->tau_cluster);
+    return ekv_check_cuda_options(ctx, p->fused_attend, p->overlap_launches, p->tau_cluster);
 }
 
 /* The scores kernel's splits per row for `batch` sequences of Hk KV heads. The kernel (2

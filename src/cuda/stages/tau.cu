@@ -466,9 +466,10 @@ __device__ void put_row(const tau_args &A, int64_t row, int lrow, float M, doubl
 }
 
 /* ---- A flat head's tau over a cluster of blocks (ekv_cuda_plan_params.tau_cluster;
- * docs/architecture.md, "Backends", CUDA tau over a cluster). One block per head compacts and
- * solves an overflowed list alone: 74 us of the model's 256K layer-0 step under ncu, one SM of 132
- * busy (bench/RESULTS.md, "2026-12-06 (eighth session)"). ---- */
+ * docs/architecture.md, "Backends", CUDA tau over a cluster). One block per head solves a list
+ * too long for its shared memory (or compacts an overflowed one) alone: 51-74 us of the model's
+ * 256K layer-0 step under ncu, one SM of 132 busy (bench/RESULTS.md, "2026-12-06 (eighth
+ * session)" and "(ninth session)"). ---- */
 
 /* The cluster's barrier, and p (in this block's shared memory) in its first block's. Clusters
  * exist from compute capability 9.0; an older build never launches them (the plan refuses
@@ -820,13 +821,8 @@ static int tau_cluster_blocks(ekv_cuda_plan *pl, int64_t rows, size_t smem) {
     for (int k = pl->p.tau_cluster; k > 1 && found == 1; k /= 2) {
         if (rows * k > pl->sms) continue;
         cudaLaunchAttribute at = ekv_cluster_attr((unsigned)k);
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((unsigned)(rows * k));
-        cfg.blockDim = dim3(TAU_THREADS);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = pl->stream;
-        cfg.attrs = &at;
-        cfg.numAttrs = 1;
+        const cudaLaunchConfig_t cfg = ekv_launch_config(
+                dim3((unsigned)(rows * k)), dim3(TAU_THREADS), smem, pl->stream, &at, 1);
         int n = 0;
         if (cudaOccupancyMaxActiveClusters(&n, tau_entmax_kernel, &cfg) != cudaSuccess) {
             cudaGetLastError(); /* this size cannot be placed, or not asked now: a smaller one */
@@ -885,17 +881,10 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
     A.cluster = tau_cluster_blocks(pl, (int64_t)batch * A.H, smem);
     ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
-    if (!s) {
-        ekv_launch_clusters(ekv_plan_stream(pl), tau_entmax_kernel,
-                            dim3((unsigned)(batch * A.H * A.cluster)), TAU_THREADS, smem,
-                            (unsigned)A.cluster, A);
-        const cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
-            s = ekv_fail(pl->ctx, EKV_ERR_DEVICE, "tau kernel launch (clusters of %d): %s",
-                         A.cluster, cudaGetErrorString(e));
-        else
-            pl->launches++;
-    }
+    if (!s)
+        s = ekv_cuda_launch_clusters(pl, tau_entmax_kernel,
+                                     dim3((unsigned)(batch * A.H * A.cluster)), TAU_THREADS, smem,
+                                     (unsigned)A.cluster, A);
     if (s) reset_tau_counts(pl, batch);
     return s;
 }
