@@ -217,28 +217,42 @@ __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A)
     float acc[GM][8];
     zero_acc(acc);
     int64_t rows = 0;
+    /* A pass's loads in stages, each stage's U rows in flight together: the slots, then their
+     * scores and V row offsets, then the V rows; the bits are cleared after them. With the
+     * clearing store between one row's slot and the next row's (the compiler cannot move a load
+     * past a store that may alias it), each row of a pass waited on its own chain of loads. */
     for (int64_t base = r0 + (int64_t)warp * RPW * U; base < r1;
          base += (int64_t)VAL_WARPS * RPW * U) {
-        float p[U][GM], v8[U][8];
-        int64_t off[U];
-        bool on[U];
+        int64_t s[U], off[U];
+        float zs[U], p[U][GM], v8[U][8];
+        bool in[U], on[U];
 #pragma unroll
         for (int r = 0; r < U; r++) {
             const int64_t i = base + r * RPW + sub;
-            const int64_t s = i < r1 ? list[i] : 0;
-            if (i < r1 && sl == 0) bits[s >> 5] = 0u; /* every marked slot is listed */
-            const float pm = i < r1 && sl < G ? entmax_p_split(zm[s], tm, tt, beta) : 0.f;
+            in[r] = i < r1;
+            s[r] = in[r] ? list[i] : 0;
+        }
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            zs[r] = in[r] && sl < G ? zm[s[r]] : 0.f;
+            off[r] = in[r] ? value_offset(A, lrow, sg.first, kvh, s[r]) : 0;
+        }
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const float pm = in[r] && sl < G ? entmax_p_split(zs[r], tm, tt, beta) : 0.f;
             on[r] = false;
 #pragma unroll
             for (int g = 0; g < GM; g++) {
                 p[r][g] = __shfl_sync(0xffffffffu, pm, (lane & ~(LPR - 1)) + g);
                 on[r] |= p[r][g] > 0.f;
             }
-            off[r] = on[r] ? value_offset(A, lrow, sg.first, kvh, s) : 0;
             rows += on[r] && sl == 0;
         }
 #pragma unroll
         for (int r = 0; r < U; r++) load8_if<T>(on[r], V + off[r] + sl * 8, v8[r]);
+#pragma unroll
+        for (int r = 0; r < U; r++)
+            if (in[r] && sl == 0) bits[s[r] >> 5] = 0u; /* every marked slot is listed */
 #pragma unroll
         for (int r = 0; r < U; r++)
 #pragma unroll
