@@ -206,6 +206,7 @@ __global__ void __launch_bounds__(VAL_THREADS) values_union_kernel(value_args A)
     const ekv_seq_geom sg = ekv_seq(A.t, b, A.ps);
     int64_t r0, r1;
     ekv_split_range(sp, 0, A.ucount[lrow], &r0, &r1);
+    if (r0 >= r1) return; /* block-uniform: a short union's blocks past its end add nothing */
     const int64_t h0 = (int64_t)b * A.H + kvh * G;
     const int gm = sl < G ? sl : 0; /* the head whose p this lane forms */
     const float tm = A.tau_m[h0 + gm];
