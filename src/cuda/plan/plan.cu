@@ -197,7 +197,11 @@ ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
     ekv_step_splits s;
     s.scores = (int32_t)ns;
     s.values = value_splits(pl->sms, batch * H);
-    s.unions = value_splits(pl->sms, batch * Hk);
+    /* the union kernel's: a flat KV head's union of tens of thousands of rows took 40 us on 64
+     * blocks (the model's layer 0 at 256K, bench/RESULTS.md "ninth session"); a block past its
+     * list's end returns at once */
+    const int64_t us = 2 * (int64_t)pl->sms / (batch * Hk);
+    s.unions = (int32_t)(us < 1 ? 1 : us > 256 ? 256 : us);
     return s;
 }
 
