@@ -247,15 +247,56 @@ struct row_args : score_args {
     int64_t *cand_slot;
 };
 
-/* Row slot e holding score z (where on) of head hrow: kept when z >= M' - 1 (M' = seen or
- * this lane's own max). Warp-uniform call. */
+/* Whether a row slot's score z (where on) is a candidate: z >= M' - 1 (M' = seen or this lane's
+ * own max). */
+__device__ __forceinline__ bool row_takes(bool on, float z, float Mp) {
+    return on && z > -CUDART_INF_F && (double)z >= (double)Mp - 1.0;
+}
+
+/* Row slot e holding score z (where on) of head hrow: kept when row_takes. Warp-uniform call. */
 __device__ __forceinline__ void row_candidate(const row_args &A, int64_t hrow, bool on, float z,
                                               float Mp, int64_t e) {
-    const bool take = on && z > -CUDART_INF_F && (double)z >= (double)Mp - 1.0;
+    const bool take = row_takes(on, z, Mp);
     const uint32_t at = ekv_warp_append(take, reinterpret_cast<uint32_t *>(A.cand_count) + hrow);
     if (take && at < A.ccap) {
         A.cand_z[hrow * A.ccap + at] = z;
         A.cand_slot[hrow * A.ccap + at] = e;
+    }
+}
+
+/* A warp pass's candidates (m[r][g]: the ballot of row_takes for row r of the pass, slot
+ * base + r RPW + sub of this lane, and head g < G; z: this lane's scores) appended to the heads'
+ * lists in row order, each head's places taken by one atomic, the heads' atomics in flight
+ * together: one round trip a row and head (row_candidate's) made the pass wait on U G of them.
+ * Warp-uniform call. */
+template <int U, int GM, int RPW>
+__device__ __forceinline__ void append_pass(const row_args &A, int64_t h0, int G, int64_t base,
+                                            int sub, const unsigned (&m)[U][GM],
+                                            const float (&z)[U][GM]) {
+    const int lane = threadIdx.x & 31;
+    uint32_t got[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        uint32_t tot = 0;
+#pragma unroll
+        for (int r = 0; r < U; r++) tot += (uint32_t)__popc(m[r][g]);
+        got[g] = 0;
+        if (lane == 0 && g < G && tot)
+            got[g] = atomicAdd(reinterpret_cast<uint32_t *>(A.cand_count) + h0 + g, tot);
+    }
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        uint32_t at = __shfl_sync(0xffffffffu, got[g], 0);
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const uint32_t pos = at + (uint32_t)ekv_lane_rank(m[r][g]);
+            if (((m[r][g] >> lane) & 1u) && pos < A.ccap) {
+                A.cand_z[(h0 + g) * A.ccap + pos] = z[r][g];
+                A.cand_slot[(h0 + g) * A.ccap + pos] = base + r * RPW + sub;
+            }
+            at += (uint32_t)__popc(m[r][g]);
+        }
     }
 }
 
@@ -314,13 +355,19 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
         float k8[U][8], jb[U];
         int64_t off[U];
         int tk[U];
+        int32_t tok[U]; /* the rows' tokens, then their pages: each stage's loads in flight */
+#pragma unroll
+        for (int r = 0; r < U; r++) {
+            const int64_t e = base + r * RPW + sub;
+            tok[r] = e < e1 ? rl[e] : 0;
+        }
 #pragma unroll
         for (int r = 0; r < U; r++) {
             const int64_t e = base + r * RPW + sub;
             off[r] = 0;
             tk[r] = 0;
             jb[r] = 0.f;
-            if (e < e1) off[r] = row_place(A, sg, kvh, rl[e], &tk[r], &jb[r]);
+            if (e < e1) off[r] = row_place(A, sg, kvh, tok[r], &tk[r], &jb[r]);
         }
 #pragma unroll
         for (int r = 0; r < U; r++) {
@@ -330,6 +377,8 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
 #pragma unroll
                 for (int i = 0; i < 8; i++) k8[r][i] = 0.f;
         }
+        unsigned m[U][GM]; /* the candidates, appended after the pass's scores (append_pass) */
+        float zk[U][GM];
 #pragma unroll
         for (int r = 0; r < U; r++) {
             const int64_t e = base + r * RPW + sub;
@@ -338,13 +387,17 @@ __global__ void __launch_bounds__(EKV_CUDA_THREADS) row_scores_kernel(row_args A
             group_dot<LPR, GM, QR>(k8[r], qr, qs + sl * 8, D, G, acc);
 #pragma unroll
             for (int g = 0; g < GM; g++) {
-                if (g >= G) break;
+                m[r][g] = 0u;
+                zk[r][g] = 0.f;
+                if (g >= G) continue;
                 const float z = score_z(acc[g], slope[g], jb[r], tk[r], on);
                 if (on) srow[(int64_t)g * A.cap_tokens + e] = z;
                 runmax[g] = fmaxf(runmax[g], z);
-                row_candidate(A, h0 + g, on, z, fmaxf(runmax[g], seen[g]), e);
+                zk[r][g] = z;
+                m[r][g] = __ballot_sync(0xffffffffu, row_takes(on, z, fmaxf(runmax[g], seen[g])));
             }
         }
+        append_pass<U, GM, RPW>(A, h0, G, base, sub, m, zk);
         ekv_share_max<GM>(runmax, seen, A.zkey + h0, G, pre);
     }
     write_split_max<GM>(A, runmax, red, sp, b, kvh);
