@@ -104,6 +104,21 @@ template <typename C> __device__ __forceinline__ C ekv_warp_reserve(C *count, C 
 __device__ __forceinline__ int ekv_lane_rank(unsigned m) {
     return __popc(m & ((1u << (threadIdx.x & 31)) - 1));
 }
+/* ekv_warp_reserve for the lists g < G of lengths counts[g] at once: at[g] the first of n[g]
+ * places (0 where n[g] = 0), every list's atomic in flight before any is waited on (one round
+ * trip for all, not one a list). GM >= G. */
+template <int GM>
+__device__ __forceinline__ void
+ekv_warp_reserve_lists(uint32_t *counts, int G, const uint32_t (&n)[GM], uint32_t (&at)[GM]) {
+    uint32_t got[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        got[g] = 0;
+        if ((threadIdx.x & 31) == 0 && g < G && n[g]) got[g] = atomicAdd(counts + g, n[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < GM; g++) at[g] = __shfl_sync(0xffffffffu, got[g], 0);
+}
 /* One value a lane: the lanes with take get consecutive slots; returns the lane's slot. */
 __device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) {
     const unsigned m = __ballot_sync(0xffffffffu, take);

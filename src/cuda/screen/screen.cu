@@ -160,20 +160,27 @@ __device__ __forceinline__ void fast_chunk(const screen_args &A, const float *qs
     const unsigned okm = __ballot_sync(0xffffffffu, ok); /* every channel of this page */
     ok = ((okm >> ((threadIdx.x & 31) & ~7)) & 0xffu) == 0xffu;
     const float jpos = (float)(p * ps - (sg.N - 1));
+    unsigned m[2][GM]; /* this lane's two tokens, kept (screen_keeps) after every head's bounds */
+    float lb[2][GM], ub[2][GM];
+    const int64_t tok[2] = {p * ps + ch + 2 * q, p * ps + ch + 2 * q + 1};
 #pragma unroll
     for (int g = 0; g < GM; g++) {
-        if (g >= G) break;
+        m[0][g] = m[1][g] = 0u;
+        lb[0][g] = lb[1][g] = ub[0][g] = ub[1][g] = 0.f;
+        if (g >= G) continue;
         const float e = page_e(ep[g], D, slope[g], p, ps, sg.N);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const int ts = ch + 2 * q + i;
             const bool on = live && ts < valid;
-            float l, u;
-            token_bounds(c0[g] + acc[i * GM + g], e, slope[g], jpos, ts, ok, &l, &u);
-            if (on) runmax[g] = fmaxf(runmax[g], l);
-            if (emit) screen_emit(A, h0 + g, g, on, l, u, fmaxf(runmax[g], seen[g]), p * ps + ts);
+            token_bounds(c0[g] + acc[i * GM + g], e, slope[g], jpos, ts, ok, &lb[i][g], &ub[i][g]);
+            if (on) runmax[g] = fmaxf(runmax[g], lb[i][g]);
+            if (emit)
+                m[i][g] = __ballot_sync(0xffffffffu,
+                                        screen_keeps(g, on, ub[i][g], fmaxf(runmax[g], seen[g])));
         }
     }
+    if (emit) screen_append_pass<2, GM>(A, h0, G, m, lb, ub, tok);
 }
 
 /* The page box (docs/math.md §10.4, "The page box in the screen") of the quarter's page: true

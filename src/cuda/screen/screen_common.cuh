@@ -92,12 +92,53 @@ __device__ __forceinline__ void screen_append(const screen_args &A, int64_t hrow
     }
 }
 
-/* Keeps token tok of head hrow (head g of the block's group) when on and u > M' - 1 and u >
- * screen_cut[g] (a bound that is not a number keeps it). Warp-uniform call. */
+/* Whether a token (where on) of head g of the block's group with upper bound u is kept: u > M' -
+ * 1 and u > screen_cut[g] (a bound that is not a number keeps it). */
+__device__ __forceinline__ bool screen_keeps(int g, bool on, float u, float Mp) {
+    const double cut = fmax((double)Mp - 1.0, (double)screen_cut[g]);
+    return on && !((double)u <= cut);
+}
+
+/* Keeps token tok of head hrow (head g of the block's group) where screen_keeps. Warp-uniform
+ * call. */
 __device__ __forceinline__ void screen_emit(const screen_args &A, int64_t hrow, int g, bool on,
                                             float l, float u, float Mp, int64_t tok) {
-    const double cut = fmax((double)Mp - 1.0, (double)screen_cut[g]);
-    screen_append(A, hrow, on && !((double)u <= cut), l, u, tok);
+    screen_append(A, hrow, screen_keeps(g, on, u, Mp), l, u, tok);
+}
+
+/* N tokens a lane (tok[i]) of the G heads h0 + g: those kept (m[i][g], the ballots of
+ * screen_keeps) appended with their bounds (l, u) to the heads' lists in token order, each
+ * head's places by one atomic, the heads' atomics in flight together (screen_emit a token and
+ * head made a chunk wait on N G round trips). Warp-uniform call. */
+template <int N, int GM>
+__device__ __forceinline__ void
+screen_append_pass(const screen_args &A, int64_t h0, int G, const unsigned (&m)[N][GM],
+                   const float (&l)[N][GM], const float (&u)[N][GM], const int64_t (&tok)[N]) {
+    const int lane = threadIdx.x & 31;
+    uint32_t tot[GM], first[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        tot[g] = 0;
+#pragma unroll
+        for (int i = 0; i < N; i++) tot[g] += (uint32_t)__popc(m[i][g]);
+    }
+    ekv_warp_reserve_lists<GM>(A.acount + h0, G, tot, first);
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        uint32_t at = first[g];
+        const int64_t hrow = h0 + g;
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            const uint32_t pos = at + (uint32_t)ekv_lane_rank(m[i][g]);
+            if (((m[i][g] >> lane) & 1u) && pos < A.scap) {
+                A.scl[hrow * A.scap + pos] = l[i][g];
+                A.scu[hrow * A.scap + pos] = u[i][g];
+                A.sct[hrow * A.scap + pos] = (int32_t)tok[i];
+            }
+            at += (uint32_t)__popc(m[i][g]);
+        }
+    }
 }
 
 /* One level of the reduce-scatter: lanes with up keep the upper H values, the others the lower

@@ -274,20 +274,18 @@ __device__ __forceinline__ void append_pass(const row_args &A, int64_t h0, int G
                                             int sub, const unsigned (&m)[U][GM],
                                             const float (&z)[U][GM]) {
     const int lane = threadIdx.x & 31;
-    uint32_t got[GM];
+    uint32_t tot[GM], first[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
-        uint32_t tot = 0;
+        tot[g] = 0;
 #pragma unroll
-        for (int r = 0; r < U; r++) tot += (uint32_t)__popc(m[r][g]);
-        got[g] = 0;
-        if (lane == 0 && g < G && tot)
-            got[g] = atomicAdd(reinterpret_cast<uint32_t *>(A.cand_count) + h0 + g, tot);
+        for (int r = 0; r < U; r++) tot[g] += (uint32_t)__popc(m[r][g]);
     }
+    ekv_warp_reserve_lists<GM>(reinterpret_cast<uint32_t *>(A.cand_count) + h0, G, tot, first);
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g >= G) break;
-        uint32_t at = __shfl_sync(0xffffffffu, got[g], 0);
+        uint32_t at = first[g];
 #pragma unroll
         for (int r = 0; r < U; r++) {
             const uint32_t pos = at + (uint32_t)ekv_lane_rank(m[r][g]);
