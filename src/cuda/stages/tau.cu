@@ -487,10 +487,13 @@ __device__ __forceinline__ int *in_first_block(int *p) {
 #endif
 }
 
-/* v[0..2] summed and v[3] minimised over the blocks of the cluster, each block's in rank order,
- * so every block gets the same values. part: two [4] buffers of this block's shared memory,
- * taken by turns (*turn): a buffer is written again only after the barrier that follows every
- * block's read of it. One cluster barrier; cluster-wide. */
+/* v[0..2] summed and v[3] minimised over the blocks of the cluster, so every block gets the same
+ * values: lane k of every warp reads block k's four (the reads in flight together, not one block
+ * after another), then the warp's butterfly, which leaves the same bits in every lane of every
+ * warp and block (each step adds the same two values in either order). part: two [4] buffers of
+ * this block's shared memory, taken by turns (*turn): a buffer is written again only after the
+ * barrier that follows every block's read of it. One cluster barrier; cluster-wide; at most 32
+ * blocks (tau_cluster is 2, 4 or 8: ekv_check_cuda_options). */
 __device__ void cluster_combine(double (&v)[4], double (*part)[4], int *turn) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cg::cluster_group cl = cg::this_cluster();
@@ -498,15 +501,16 @@ __device__ void cluster_combine(double (&v)[4], double (*part)[4], int *turn) {
     if (threadIdx.x == 0)
         for (int j = 0; j < 4; j++) mine[j] = v[j];
     cl.sync();
+    const unsigned lane = threadIdx.x & 31;
     double r[4] = {0.0, 0.0, 0.0, 1e300};
-    for (unsigned k = 0; k < cl.num_blocks(); k++) {
-        const double *o = cl.map_shared_rank(mine, k);
-        r[0] += o[0];
-        r[1] += o[1];
-        r[2] += o[2];
-        r[3] = fmin(r[3], o[3]);
+    if (lane < cl.num_blocks()) {
+        const double *o = cl.map_shared_rank(mine, lane);
+        for (int j = 0; j < 4; j++) r[j] = o[j];
     }
-    for (int j = 0; j < 4; j++) v[j] = r[j];
+    v[0] = ekv_warp_sum(r[0]);
+    v[1] = ekv_warp_sum(r[1]);
+    v[2] = ekv_warp_sum(r[2]);
+    v[3] = ekv_warp_min(r[3]);
     *turn ^= 1;
 #endif
 }
