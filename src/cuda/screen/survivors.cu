@@ -123,8 +123,10 @@ __device__ double keep_every_token(uint32_t *bits, int64_t N) {
 
 /* grid (split, query head): this split's l above the count's bound lo and above M - 1 (only
  * they can be in the support of entmax(l), docs/math.md §10.3 Claim 3 and §9.1) appended to
- * the head's short list, one atomic per warp. Their order is free: the solve's sums take any
- * order (the list was filled by atomics before too). */
+ * the head's short list, SHORT_UNROLL loads a lane in flight and one atomic a warp for them (a
+ * load and a round trip a 32 of them made a long list wait on both in turn). Their order is
+ * free: the solve's sums take any order (the list was filled by atomics before too). */
+enum { SHORT_UNROLL = 4 };
 __global__ void __launch_bounds__(SPLIT_THREADS) short_kernel(taul_args A) {
     ekv_grid_begin();
     const int64_t row = blockIdx.y;
@@ -136,13 +138,31 @@ __global__ void __launch_bounds__(SPLIT_THREADS) short_kernel(taul_args A) {
     float *out = A.short_l + row * A.smem_cap;
     int64_t c0, c1;
     split_range(n, A.nsplit, &c0, &c1);
-    /* warp-uniform trip count (the append's ballot): c0 is a multiple of 32 */
-    for (int64_t base = c0 + (threadIdx.x & ~31); base < c1; base += blockDim.x) {
-        const int64_t i = base + (threadIdx.x & 31);
-        const float x = i < c1 ? lv[i] : -CUDART_INF_F;
-        const bool keep = x > lo && (double)x > (double)M - 1.0;
-        const uint32_t at = ekv_warp_append(keep, A.short_count + row);
-        if (keep && at < (uint32_t)A.smem_cap) out[at] = x;
+    /* warp-uniform trip count (the append's ballots): c0 is a multiple of 32 */
+    const int lane = threadIdx.x & 31;
+    for (int64_t base = c0 + (int64_t)(threadIdx.x & ~31) * SHORT_UNROLL; base < c1;
+         base += (int64_t)blockDim.x * SHORT_UNROLL) {
+        float x[SHORT_UNROLL];
+        unsigned m[SHORT_UNROLL];
+        uint32_t tot = 0;
+#pragma unroll
+        for (int k = 0; k < SHORT_UNROLL; k++) {
+            const int64_t i = base + 32 * k + lane;
+            x[k] = i < c1 ? lv[i] : -CUDART_INF_F;
+        }
+#pragma unroll
+        for (int k = 0; k < SHORT_UNROLL; k++) {
+            m[k] = __ballot_sync(0xffffffffu, x[k] > lo && (double)x[k] > (double)M - 1.0);
+            tot += (uint32_t)__popc(m[k]);
+        }
+        if (!tot) continue;
+        uint32_t at = ekv_warp_reserve(A.short_count + row, tot);
+#pragma unroll
+        for (int k = 0; k < SHORT_UNROLL; k++) {
+            const uint32_t pos = at + (uint32_t)ekv_lane_rank(m[k]);
+            if (((m[k] >> lane) & 1u) && pos < (uint32_t)A.smem_cap) out[pos] = x[k];
+            at += (uint32_t)__popc(m[k]);
+        }
     }
 }
 
