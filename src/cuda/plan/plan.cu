@@ -180,11 +180,11 @@ static int64_t score_splits(int sms, int64_t batch, int64_t Hk, int64_t pages) {
 }
 
 /* The values kernels' splits per row over `rows` rows: 2 blocks per SM at most (their resident
- * blocks), at most 64. Rounded down: rounded up, 32 rows of 9 splits made 288 blocks for 264
+ * blocks), at most cap. Rounded down: rounded up, 32 rows of 9 splits made 288 blocks for 264
  * slots, a second wave of 24 blocks as long as the first. */
-static int32_t value_splits(int sms, int64_t rows) {
+static int32_t value_splits(int sms, int64_t rows, int64_t cap) {
     const int64_t vs = 2 * (int64_t)sms / rows;
-    return (int32_t)(vs < 1 ? 1 : vs > 64 ? 64 : vs);
+    return (int32_t)(vs < 1 ? 1 : vs > cap ? cap : vs);
 }
 
 /* Computed at every launch from the step's batch (a graph captures the batch with its
@@ -196,12 +196,11 @@ ekv_step_splits ekv_cuda_step_splits(const ekv_cuda_plan *pl, int batch) {
     if (ns > pl->split_cap) ns = pl->split_cap;
     ekv_step_splits s;
     s.scores = (int32_t)ns;
-    s.values = value_splits(pl->sms, batch * H);
-    /* the union kernel's: a flat KV head's union of tens of thousands of rows took 40 us on 64
-     * blocks (the model's layer 0 at 256K, bench/RESULTS.md "ninth session"); a block past its
-     * list's end returns at once */
-    const int64_t us = 2 * (int64_t)pl->sms / (batch * Hk);
-    s.unions = (int32_t)(us < 1 ? 1 : us > 256 ? 256 : us);
+    s.values = value_splits(pl->sms, batch * H, 64);
+    /* the union kernel's, up to 256 a KV head: a flat KV head's union of thousands of rows
+     * spreads over the device (the model's layer 0 at 256K: 15.8 -> 9.9 us with the kernel's
+     * staged loads, bench/RESULTS.md "tenth session"); a block past its list's end returns */
+    s.unions = value_splits(pl->sms, batch * Hk, 256);
     return s;
 }
 
