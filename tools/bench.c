@@ -70,6 +70,9 @@ static void bench_help(FILE *f) {
             "                        kernel's shared memory solved by a cluster of K blocks\n"
             "                        (2, 4 or 8; 0: one block; the plan's tau_cluster; default\n"
             "                        -1: 8 where the GPU supports clusters)\n"
+            "  --tau-spread-min N    cuda entmax with tau clusters: a head listing more tau\n"
+            "                        candidates than N is solved by its cluster, fewer by one\n"
+            "                        block (the plan's tau_spread_min; default 0 = 4096)\n"
             "  --workload W          random | planted | heavy | alibi | trace:FILE[@PREFIX]\n"
             "                        (default random; a trace sets the shapes and the length)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
@@ -127,6 +130,8 @@ static int parse_named(int argc, char **argv, int *i, bench_opts *o) {
         o->select_part_pages = cli_need_int("bench", argc, argv, i, 0, INT64_MAX);
     else if (!strcmp(a, "--tau-cluster")) /* -1, 0, 2, 4 or 8: the plan says which are refused */
         o->tau_cluster = (int32_t)cli_need_int("bench", argc, argv, i, -1, 8);
+    else if (!strcmp(a, "--tau-spread-min"))
+        o->tau_spread_min = cli_need_int("bench", argc, argv, i, 0, INT64_MAX);
     else if (!strcmp(a, "--len")) {
         const char *v = need(argc, argv, i);
         if (o->nlens == 64) cli_usage_error("bench", "--len: at most 64 lengths in all");

@@ -229,6 +229,7 @@ typedef struct {
     int32_t overlap_launches; /* --overlap-launches -1|0|1 (cuda; default -1): the plan's field */
     int64_t select_part_pages; /* --select-part-pages N (cuda; default 0): the plan's field */
     int32_t tau_cluster;       /* --tau-cluster -1|0|2|4|8 (cuda; default -1): the plan's   */
+    int64_t tau_spread_min;    /* --tau-spread-min N (cuda; default 0): the plan's field     */
 } bench_opts;
 /* The token budget of a step over len tokens: --budget-tokens, else --budget x len (>= 1). */
 int64_t bench_budget_tokens(const bench_opts *o, int64_t len);

@@ -84,6 +84,11 @@ typedef struct ekv_cuda_plan_params {
                                /* compute capability 9.0 and kernels built for it, else the */
                                /* plan is refused (EKV_ERR_UNSUPPORTED); -1 (default) = 8   */
                                /* where supported, else 0 (measured faster: bench/RESULTS)  */
+    int64_t tau_spread_min;    /* with tau_cluster's clusters: a head listing more tau      */
+                               /* candidates than this is solved by its cluster even where  */
+                               /* the list fits one block's shared memory (one block's solve */
+                               /* of a flat head's list kept the step waiting on one SM);   */
+                               /* fewer, one block. 0 = 4096                                */
 } ekv_cuda_plan_params;
 
 EKV_API ekv_cuda_plan_params ekv_cuda_plan_default_params(void);

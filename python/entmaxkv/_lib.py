@@ -111,7 +111,7 @@ class CudaPlanParams(ctypes.Structure):
                 ("max_candidates", c_int64), ("tensor_cores", c_int32),
                 ("screen_list_bytes", c_int64), ("fused_attend", c_int32),
                 ("overlap_launches", c_int32), ("select_part_pages", c_int64),
-                ("tau_cluster", c_int32)]
+                ("tau_cluster", c_int32), ("tau_spread_min", c_int64)]
 
 
 class CudaReport(ctypes.Structure):

@@ -2129,6 +2129,11 @@ static void invalid_test(ekv_context *ctx) {
                   strstr(ekv_last_error(ctx), "select_part_pages"),
           "select_part_pages -1");
     pp.select_part_pages = 0;
+    pp.tau_spread_min = -1;
+    CHECK(ekv_cuda_plan_create(ctx, &pp, &plan) == EKV_ERR_INVALID_SIZE && !plan &&
+                  strstr(ekv_last_error(ctx), "tau_spread_min"),
+          "tau_spread_min -1");
+    pp.tau_spread_min = 0;
     flag_refused(ctx, &pp, &pp.fused_attend, "fused_attend");
     flag_refused(ctx, &pp, &pp.overlap_launches, "overlap_launches");
     flag_refused(ctx, &pp, &pp.tensor_cores, "tensor_cores");
@@ -2468,24 +2473,27 @@ static double flat_decode(ekv_context *ctx, ekv_cuda_plan *plan, mirror *m, int 
     return s == EKV_OK ? test_head_rel_err(got, ref, H, D, 1e-6) : NAN;
 }
 
-/* flat_support_test's step again on a plan with tau_cluster K (stages/tau.cu): the same output,
- * and want heads solved by clusters of blocks (those whose list passes the tau kernel's shared
- * memory, with K > 1; none with K = 0). */
+/* flat_support_test's step again on a plan with tau_cluster K and tau_spread_min S
+ * (stages/tau.cu): the same output, and want heads solved by clusters of blocks (those whose list
+ * passes S or the tau kernel's shared memory, with K > 1; none with K = 0). */
 static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pages, float *dq,
-                                 const float *ref, int K, int want) {
+                                 const float *ref, int K, int64_t S, int want) {
     ekv_cuda_plan_params pp = mirror_plan_params(m, 1, H, pages);
     pp.tau_cluster = K;
+    pp.tau_spread_min = S;
     ekv_cuda_plan *plan = plan_of(ctx, &pp);
     if (!plan) return;
     const double e = flat_decode(ctx, plan, m, H, dq, ref, "flat head, clusters");
     int64_t crows = 0;
     CHECK(ekv_cuda_tau_cluster_rows(plan, 1, &crows) == EKV_OK, "cluster rows: %s",
           ekv_last_error(ctx));
-    CHECK(e < 3e-5, "flat head, tau_cluster %d: rel err %.3g vs dense", K, e);
-    CHECK(crows == want, "flat head, tau_cluster %d: %lld heads solved by clusters, want %d", K,
-          (long long)crows, want);
-    printf("flat head, tau_cluster %d: %lld heads by clusters, rel err %.2e\n", K, (long long)crows,
-           e);
+    CHECK(e < 3e-5, "flat head, tau_cluster %d, spread %lld: rel err %.3g vs dense", K,
+          (long long)S, e);
+    CHECK(crows == want,
+          "flat head, tau_cluster %d, spread %lld: %lld heads solved by clusters, want %d", K,
+          (long long)S, (long long)crows, want);
+    printf("flat head, tau_cluster %d, spread %lld: %lld heads by clusters, rel err %.2e\n", K,
+           (long long)S, (long long)crows, e);
     ekv_cuda_plan_free(plan);
 }
 
@@ -2494,11 +2502,12 @@ static void flat_support_cluster(ekv_context *ctx, mirror *m, int H, int64_t pag
  * the rest zero keys, so the support is exactly those `top` tokens (equal scores, y of the rest
  * -8). The default list holds a quarter of the tokens (65536) and the tau kernel's shared
  * memory 32768 scores. With 20000 the list fits shared memory (one block, no head over its
- * whole row); with 50000 it fits the list but not shared memory (one block over the list in
- * global memory, or a cluster over it); with 80000 it passes the list too and both heads take
- * the whole-row path (compaction cannot make a run of equal scores fit; with clusters, over
- * shares of the score row). Every way dense equals the CPU's: the plan's default, one block
- * (tau_cluster 0) and clusters of 8 where the device takes them. */
+ * whole row; a cluster where tau_spread_min is below it); with 50000 it fits the list but not
+ * shared memory (one block over the list in global memory, or a cluster over it); with 80000 it
+ * passes the list too and both heads take the whole-row path (compaction cannot make a run of equal
+ * scores fit; with clusters, over shares of the score row). Every way dense equals the CPU's: the
+ * plan's default, one block (tau_cluster 0) and clusters of 8 where the device takes them, spread
+ * past 4096 candidates and only past shared memory. */
 static void flat_support_test(ekv_context *ctx) {
     const int D = 64, Hk = 1, G = 2, H = Hk * G, ps = 16;
     const int64_t N = (int64_t)1 << 18, maxP = N / ps, list = N / 4, shared = 32768;
@@ -2535,9 +2544,12 @@ static void flat_support_test(ekv_context *ctx) {
               (long long)tops[c], (long long)rep.slow_rows, slow);
         printf("flat head, support %lld of %lld tokens: %lld heads over the whole row, rel err "
                "%.2e\n", (long long)tops[c], (long long)N, (long long)rep.slow_rows, e);
-        flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 0, 0);
-        if (clusters)
-            flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 8, tops[c] > shared ? H : 0);
+        flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 0, 0, 0);
+        if (clusters) {
+            flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 8, 4096, H);
+            flat_support_cluster(ctx, &m, H, cp.num_pages, dq, ref, 8, shared + 1,
+                                 tops[c] > shared ? H : 0);
+        }
         cudaFree(dq);
         one_sequence_free(plan, &m, cache);
     }

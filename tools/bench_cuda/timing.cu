@@ -97,6 +97,7 @@ ekv_cuda_plan_params cuda_plan_params(const bench_opts *o, const cuda_len *c) {
     pp.overlap_launches = o->overlap_launches;
     pp.select_part_pages = o->select_part_pages;
     pp.tau_cluster = o->tau_cluster;
+    pp.tau_spread_min = o->tau_spread_min;
     return pp;
 }
 

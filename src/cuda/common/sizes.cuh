@@ -30,6 +30,8 @@ enum {
     EKV_CUDA_SEL_HISTS = 5,         /* a list's summed histograms: the digits', and the second
                                        digit's counted with the first under its guess     */
     EKV_CUDA_SEL_PART_PAGES = 2048, /* default pages of a list one top-k block ranks       */
+    EKV_CUDA_TAU_SPREAD_MIN = 4096, /* default candidates past which a tau cluster solves a
+                                       head (ekv_cuda_plan_params.tau_spread_min)         */
     EKV_CUDA_SEL_MIN_PARTS = 6      /* a list shorter than this many parts takes one block:
                                        the parts' barriers cost more than they save
                                        (bench/RESULTS.md, 2026-12-06 third session: 2 and 4

@@ -163,6 +163,10 @@ static ekv_status check_plan_params(ekv_context *ctx, const ekv_cuda_plan_params
         return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
                         "select_part_pages=%lld must be >= 0 (0 = the default)",
                         (long long)p->select_part_pages);
+    if (p->tau_spread_min < 0)
+        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
+                        "tau_spread_min=%lld must be >= 0 (0 = the default)",
+                        (long long)p->tau_spread_min);
     if (p->tensor_cores != 0 && p->tensor_cores != 1)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT, "tensor_cores=%d must be 0 or 1",
                         p->tensor_cores);

@@ -24,6 +24,7 @@ static inline ekv_cuda_plan_params ekv_cuda_plan_defaults(void) {
     p.overlap_launches = -1; /* where supported: measured faster (bench/RESULTS.md) */
     p.select_part_pages = 0; /* EKV_CUDA_SEL_PART_PAGES (src/cuda/common/sizes.cuh) */
     p.tau_cluster = -1;      /* where supported: measured faster (bench/RESULTS.md) */
+    p.tau_spread_min = 0;    /* EKV_CUDA_TAU_SPREAD_MIN (src/cuda/common/sizes.cuh) */
     return p;
 }
 

@@ -216,6 +216,7 @@ struct tau_args : ekv_cuda_shape {
     ekv_paged_kv kv;
     int64_t ccap;
     int64_t smem_cand; /* the candidates kept in shared memory at most (tau_smem_floats) */
+    int64_t spread_at; /* a row listing more goes to its cluster (tau_spread_at)           */
     int nsplit, split_cap, round; /* the score splits (ekv_seq_splits) whose maxima give M */
     const int32_t *list_pages, *list_count;
     double alpha;
@@ -613,7 +614,7 @@ __global__ void __launch_bounds__(TAU_THREADS) tau_entmax_kernel(tau_args A) {
     const float M = A.start[2 * row]; /* the refine pass's head_max: the candidates' own M */
     int64_t nc = A.cand_count[row];
     const int64_t listed = refines(nc, A.ccap) ? (int64_t)A.refine_count[row] : nc;
-    if (A.cluster > 1 && listed > A.smem_cand) { /* block-uniform */
+    if (A.cluster > 1 && listed > A.spread_at) { /* block-uniform */
         tau_spread(A, row, rank, nc, listed, ntok, M, sg.first, cand, scratch, cpart, &s_nsup);
         return;
     }
@@ -809,6 +810,17 @@ static int64_t tau_smem_floats(const ekv_cuda_plan *pl) {
     return n > 0 ? n : 0;
 }
 
+/* The listed candidates past which a row goes to its cluster (tau_spread): the plan's
+ * tau_spread_min (0: EKV_CUDA_TAU_SPREAD_MIN), and at most what the kernel's shared memory holds
+ * (a longer list would be one block's solve over global memory). A list of thousands of
+ * candidates (a flat head's) left one block solving and listing it while the launch's other
+ * SMs waited: bench/RESULTS.md, "2026-12-07 (eleventh session)". */
+static int64_t tau_spread_at(const ekv_cuda_plan *pl, int64_t smem_cand) {
+    const int64_t m =
+            pl->p.tau_spread_min > 0 ? pl->p.tau_spread_min : (int64_t)EKV_CUDA_TAU_SPREAD_MIN;
+    return m < smem_cand ? m : smem_cand;
+}
+
 /* Blocks a row of the tau kernel: the plan's tau_cluster, halved until the launch's rows fit one
  * wave of clusters the device can hold at once (cudaOccupancyMaxActiveClusters >= rows: a GPC's
  * SMs bound how many clusters of 4 or 8 fit), else 1: no cluster, one block a row (a batch of
@@ -884,6 +896,7 @@ ekv_status ekv_cuda_launch_tau_rows(ekv_cuda_plan *pl, const ekv_decode_params *
     const size_t smem = (size_t)A.smem_cand * sizeof(float);
     EKV_CUDA_TRY(pl, ekv_cuda_allow_smem<tau_entmax_kernel>(smem));
     A.cluster = tau_cluster_blocks(pl, (int64_t)batch * A.H, smem);
+    A.spread_at = tau_spread_at(pl, A.smem_cand);
     ekv_status s = launch_candidates(pl, prm, t, A, batch, round, rows);
     if (!s)
         s = ekv_cuda_launch_clusters(pl, tau_entmax_kernel,
