@@ -133,8 +133,10 @@ typedef struct ekv_model_params {
      * shrink them to drive the slow paths or tune a trade. 0 = the default; a value outside
      * [0, most] fails the load with EKV_ERR_INVALID_SIZE on every backend. */
     int32_t prefill_candidates; /* fused dense prefill: tau candidates kept per query row,
-                                   1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 4096); a row
-                                   with more is retried (ekv_model_stats)                      */
+                                   1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 8192 with the
+                                   histogram scheme, 4096 with the candidate scheme); a row
+                                   with more is retried or solved by Newton passes
+                                   (ekv_model_stats)                                           */
     int32_t prefill_compact;    /* fused dense prefill: the fill at which a row's list is
                                    compacted inside the sweep (docs/math.md §12),
                                    1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 1024), at most
