@@ -132,7 +132,7 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
  * steps) in 20.24 s; at 8192, 57287 rows in 17.05 s, the same text (H100, bench/RESULTS.md
  * "2026-12-07 (eleventh session)"). The pool is 12 bytes an entry: 2.4 GB at 6 heads x 4096
  * tokens a block. */
-enum { MODEL_HIST_CANDIDATES = EKV_MODEL_MAX_PREFILL_CANDIDATES };
+enum { MODEL_HIST_CANDIDATES = 8192 }; /* within EKV_MODEL_MAX_PREFILL_CANDIDATES */
 
 /* The fused kernel's knobs and its counters per layer (PF_COUNTERS). The candidates kept per
  * row: the params' prefill_candidates (a test's way to make rows overflow), else
