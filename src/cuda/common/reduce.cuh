@@ -119,6 +119,22 @@ ekv_warp_reserve_lists(uint32_t *counts, int G, const uint32_t (&n)[GM], uint32_
 #pragma unroll
     for (int g = 0; g < GM; g++) at[g] = __shfl_sync(0xffffffffu, got[g], 0);
 }
+/* ekv_warp_reserve_lists for the lanes set in ballots: list g takes as many places as the bits
+ * of m[0..N)[g], at[g] the first of them (a lane's place in ballot i is at[g] plus the bits of
+ * the ballots before it plus ekv_lane_rank(m[i][g])). GM >= G. */
+template <int N, int GM>
+__device__ __forceinline__ void ekv_warp_reserve_ballots(uint32_t *counts, int G,
+                                                         const unsigned (&m)[N][GM],
+                                                         uint32_t (&at)[GM]) {
+    uint32_t n[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        n[g] = 0;
+#pragma unroll
+        for (int i = 0; i < N; i++) n[g] += (uint32_t)__popc(m[i][g]);
+    }
+    ekv_warp_reserve_lists<GM>(counts, G, n, at);
+}
 /* One value a lane: the lanes with take get consecutive slots; returns the lane's slot. */
 __device__ __forceinline__ uint32_t ekv_warp_append(bool take, uint32_t *count) {
     const unsigned m = __ballot_sync(0xffffffffu, take);

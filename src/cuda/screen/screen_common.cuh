@@ -115,14 +115,8 @@ __device__ __forceinline__ void
 screen_append_pass(const screen_args &A, int64_t h0, int G, const unsigned (&m)[N][GM],
                    const float (&l)[N][GM], const float (&u)[N][GM], const int64_t (&tok)[N]) {
     const int lane = threadIdx.x & 31;
-    uint32_t tot[GM], first[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        tot[g] = 0;
-#pragma unroll
-        for (int i = 0; i < N; i++) tot[g] += (uint32_t)__popc(m[i][g]);
-    }
-    ekv_warp_reserve_lists<GM>(A.acount + h0, G, tot, first);
+    uint32_t first[GM];
+    ekv_warp_reserve_ballots<N, GM>(A.acount + h0, G, m, first);
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g >= G) break;

@@ -274,14 +274,8 @@ __device__ __forceinline__ void append_pass(const row_args &A, int64_t h0, int G
                                             int sub, const unsigned (&m)[U][GM],
                                             const float (&z)[U][GM]) {
     const int lane = threadIdx.x & 31;
-    uint32_t tot[GM], first[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        tot[g] = 0;
-#pragma unroll
-        for (int r = 0; r < U; r++) tot[g] += (uint32_t)__popc(m[r][g]);
-    }
-    ekv_warp_reserve_lists<GM>(reinterpret_cast<uint32_t *>(A.cand_count) + h0, G, tot, first);
+    uint32_t first[GM];
+    ekv_warp_reserve_ballots<U, GM>(reinterpret_cast<uint32_t *>(A.cand_count) + h0, G, m, first);
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         if (g >= G) break;
