@@ -134,8 +134,8 @@ typedef struct ekv_model_params {
      * [0, most] fails the load with EKV_ERR_INVALID_SIZE on every backend. */
     int32_t prefill_candidates; /* fused dense prefill: tau candidates kept per query row,
                                    1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 8192 with the
-                                   histogram scheme, 4096 with the candidate scheme, at most
-                                   max_tokens rounded up to 16); a row
+                                   histogram scheme, at most max_tokens rounded up to 16;
+                                   4096 with the candidate scheme); a row
                                    with more is retried or solved by Newton passes
                                    (ekv_model_stats)                                           */
     int32_t prefill_compact;    /* fused dense prefill: the fill at which a row's list is

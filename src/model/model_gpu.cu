@@ -135,19 +135,19 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
 enum { MODEL_HIST_CANDIDATES = 8192 }; /* within EKV_MODEL_MAX_PREFILL_CANDIDATES */
 
 /* The fused kernel's knobs and its counters per layer (PF_COUNTERS). The candidates kept per
- * row: the params' prefill_candidates (a test's way to make rows overflow), else
- * MODEL_HIST_CANDIDATES for the histogram scheme and 4096 for the candidate scheme (the GEMM
- * path's row kernel keeps as many), at most the keys a row has (ld_cap: a short context's
- * model does not hold a pool for keys it never sees). The fill at which a row's list is compacted
+ * row: the params' prefill_candidates (a test's way to make rows overflow), else for the
+ * histogram scheme MODEL_HIST_CANDIDATES, at most the keys a row has (ld_cap: a short context's
+ * model holds no pool for keys it never sees), and 4096 for the candidate scheme (the GEMM
+ * path's row kernel keeps as many). The fill at which a row's list is compacted
  * inside the sweep (capped by the candidates kept at launch): the params' prefill_compact (a
  * benchmark's knob), else 1024. Each compaction solves tau over that many values in one warp while
  * its other rows wait, so a small fill is cheap; a head whose support outgrows it settles and fills
  * the whole list. Both checked at load. */
 static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
     ekv_cuda_prefill *pf = &g->pf;
-    int64_t fallback = pf->tau_scheme == EKV_PREFILL_TAU_HIST ? (int64_t)MODEL_HIST_CANDIDATES
-                                                              : (int64_t)EKV_PREFILL_CANDIDATES;
-    if (fallback > pf->ld_cap) fallback = pf->ld_cap; /* a row lists at most its keys */
+    int64_t fallback = EKV_PREFILL_CANDIDATES;
+    if (pf->tau_scheme == EKV_PREFILL_TAU_HIST) /* a row lists at most its keys */
+        fallback = pf->ld_cap < MODEL_HIST_CANDIDATES ? pf->ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
     pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : (int32_t)fallback;
     pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
     pf->row_cap = pf->cand_cap; /* the histogram scheme's lists may fill the pool's share of a
