@@ -74,8 +74,9 @@ typedef struct ekv_cuda_plan_params {
                                /* several blocks of one cooperative launch (as many as the  */
                                /* GPU holds at once), on a device with cooperative          */
                                /* launches; a shorter one takes one block. 0 = 2048         */
-    int32_t tau_cluster;       /* entmax tau of a head whose candidates do not fit the tau */
-                               /* kernel's shared memory (a flat head): 0 = one            */
+    int32_t tau_cluster;       /* entmax tau of a head listing more candidates than        */
+                               /* tau_spread_min or the tau kernel's shared memory holds  */
+                               /* (a flat head): 0 = one                                  */
                                /* block solves over the list in global memory (or compacts */
                                /* an overflowed list); 2, 4 or 8: a cluster of that many   */
                                /* blocks (fewer where the step's heads would not fit one   */

@@ -158,9 +158,9 @@ typedef struct ekv_model_params {
                                    compute capability 9.0), 0 = after it ends, -1 (default) = 1
                                    where the GPU supports it, else 0; another value fails the
                                    load with EKV_ERR_INVALID_ARGUMENT on every backend        */
-    int32_t tau_cluster;        /* cuda entmax decode: 2, 4 or 8 = a head whose candidates do
-                                   not fit the tau kernel's shared memory solved by a cluster
-                                   of that many blocks (ekv_cuda_plan_params.tau_cluster;
+    int32_t tau_cluster;        /* cuda entmax decode: 2, 4 or 8 = a head listing more than
+                                   4096 tau candidates (the plan's tau_spread_min) solved by a
+                                   cluster of that many blocks (ekv_cuda_plan_params.tau_cluster;
                                    refused below compute capability 9.0), 0 = one block, -1
                                    (default) = 8 where the GPU supports clusters, else 0;
                                    another value fails the load with EKV_ERR_INVALID_ARGUMENT

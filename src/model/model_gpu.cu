@@ -132,7 +132,9 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
  * steps) in 20.24 s; at 8192, 57287 rows in 17.05 s, the same text (H100, bench/RESULTS.md
  * "2026-12-07 (eleventh session)"). The pool is 12 bytes an entry: 2.4 GB at 6 heads x 4096
  * tokens a block. */
-enum { MODEL_HIST_CANDIDATES = 8192 }; /* within EKV_MODEL_MAX_PREFILL_CANDIDATES */
+enum { MODEL_HIST_CANDIDATES = 8192 };
+static_assert(MODEL_HIST_CANDIDATES <= EKV_MODEL_MAX_PREFILL_CANDIDATES,
+              "the default is a value prefill_candidates may take");
 
 /* The fused kernel's knobs and its counters per layer (PF_COUNTERS). The candidates kept per
  * row: the params' prefill_candidates (a test's way to make rows overflow), else for the
@@ -150,8 +152,8 @@ static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
         fallback = pf->ld_cap < MODEL_HIST_CANDIDATES ? pf->ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
     pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : (int32_t)fallback;
     pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
-    pf->row_cap = pf->cand_cap; /* the histogram scheme's lists may fill the pool's share of a
-                                   row: the flat heads' lists of 1-4K take them, not sweeps */
+    pf->row_cap = pf->cand_cap;      /* the histogram scheme's lists may fill the pool's share of a
+                                        row: the flat heads' lists of thousands take them, not sweeps */
     pf->key_cap = m->prm.max_tokens; /* the tile marks' room: every block's keys */
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
     ekv_status s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");

@@ -470,7 +470,8 @@ __device__ void put_row(const tau_args &A, int64_t row, int lrow, float M, doubl
  * docs/architecture.md, "Backends", CUDA tau over a cluster). One block per head solves a list
  * too long for its shared memory (or compacts an overflowed one) alone: 51-74 us of the model's
  * 256K layer-0 step under ncu, one SM of 132 busy (bench/RESULTS.md, "2026-12-06 (eighth
- * session)" and "(ninth session)"). ---- */
+ * session)" and "(ninth session)"); one that fits it, past tau_spread_at, still 21.7 us
+ * ("2026-12-07 (eleventh session)"). ---- */
 
 /* The cluster's barrier, and p (in this block's shared memory) in its first block's. Clusters
  * exist from compute capability 9.0; an older build never launches them (the plan refuses
@@ -542,17 +543,17 @@ __device__ double spread_solve(const tau_args &A, const float *x, int64_t n, flo
     return it.t;
 }
 
-/* A row whose list would lie in global memory (listed: its refined list's count, or its
- * candidates' when not refined, above the shared list), on a cluster of A.cluster blocks (rank:
- * this block's), instead of one block's solve over global memory (69 us on a flat head of the
- * model's layer 0) or, for a list that overflowed (listed > ccap), its compaction and
- * whole-row solve. The row's values (its list, or its score row when the list overflowed) are
- * shared out: block r takes [n r / K, n (r + 1) / K), in its shared memory cand when the share
- * fits (the solve reads it every iteration); the solve runs over the cluster from the
- * histogram's bound (a list this long reads it: refines implies reads_bound), and each block
- * counts and lists (or marks) its share's support; the first block does what the one block does
- * for any row (the output row zeroed, the histogram and refine count reset, the flags, the
- * results; nc: the row's first count). Cluster-wide. */
+/* A row with a long list (listed: its refined list's count, or its candidates' when not
+ * refined, above A.spread_at, tau_spread_at), on a cluster of A.cluster blocks (rank: this
+ * block's), instead of one block's solve (over global memory where the list passes the shared
+ * list: 69 us on a flat head of the model's layer 0) or, for a list that overflowed (listed >
+ * ccap), its compaction and whole-row solve. The row's values (its list, or its score row when the
+ * list overflowed) are shared out: block r takes [n r / K, n (r + 1) / K), in its shared memory
+ * cand when the share fits (the solve reads it every iteration); the solve runs over the cluster
+ * from the histogram's bound where the row reads it (a refined row does: refines implies
+ * reads_bound), else from -1, and each block counts and lists (or marks) its share's support; the
+ * first block does what the one block does for any row (the output row zeroed, the histogram and
+ * refine count reset, the flags, the results; nc: the row's first count). Cluster-wide. */
 __device__ void tau_spread(const tau_args &A, int64_t row, int rank, int64_t nc, int64_t listed,
                            int64_t ntok, float M, int64_t first, float *cand, double *scratch,
                            double (*part)[4], int *s_nsup) {
