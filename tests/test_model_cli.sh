@@ -99,8 +99,8 @@ usage ppl --model "$MODEL" --text "$TMP/text.txt" --prefill-compact 16
 usage trace --model "$MODEL" --text "$TMP/text.txt" --out "$TMP/x" --decode-candidates 4
 # the cuda list sizes (ekv_model_params; they were environment variables): 1 .. their most
 usage run --model "$MODEL" --backend cuda --prefill-candidates 0
-usage run --model "$MODEL" --backend cuda --prefill-candidates 8193
-usage run --model "$MODEL" --backend cuda --prefill-compact 8193
+usage run --model "$MODEL" --backend cuda --prefill-candidates 65537
+usage run --model "$MODEL" --backend cuda --prefill-compact 65537
 usage run --model "$MODEL" --backend cuda --decode-candidates 16385
 usage run --model "$MODEL" --backend cuda --decode-candidates x
 usage run --model "$MODEL" --fused-attend 1

@@ -74,7 +74,7 @@ typedef struct ekv_model ekv_model;
 
 /* The largest cuda list sizes of ekv_model_params (prefill_candidates and prefill_compact;
  * decode_candidates). */
-#define EKV_MODEL_MAX_PREFILL_CANDIDATES 8192
+#define EKV_MODEL_MAX_PREFILL_CANDIDATES 65536
 #define EKV_MODEL_MAX_DECODE_CANDIDATES  16384
 
 /* Hyper-parameters, as read from the file's metadata. */
@@ -133,9 +133,10 @@ typedef struct ekv_model_params {
      * shrink them to drive the slow paths or tune a trade. 0 = the default; a value outside
      * [0, most] fails the load with EKV_ERR_INVALID_SIZE on every backend. */
     int32_t prefill_candidates; /* fused dense prefill: tau candidates kept per query row,
-                                   1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 8192 with the
-                                   histogram scheme, at most max_tokens rounded up to 16;
-                                   4096 with the candidate scheme); a row
+                                   1 .. EKV_MODEL_MAX_PREFILL_CANDIDATES (0 = 32768 with the
+                                   histogram scheme, at most max_tokens rounded up to 16,
+                                   halved down to 4096 while its scratch passes a quarter of
+                                   the free device memory; 4096 with the candidate scheme); a row
                                    with more is retried or solved by Newton passes
                                    (ekv_model_stats)                                           */
     int32_t prefill_compact;    /* fused dense prefill: the fill at which a row's list is

@@ -127,19 +127,41 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
 }
 
 /* The candidates a row of the model's histogram scheme may list by default: its pool holds as
- * many a row, so the flat heads' long lists take the room the short rows leave. At 4096 the 512K
- * prefill solved 205563 rows by Newton passes (a sweep of the prefix for each of their solver's
- * steps) in 20.24 s; at 8192, 57287 rows in 17.05 s, the same text (H100, bench/RESULTS.md
- * "2026-12-07 (eleventh session)"). The pool is 12 bytes an entry: 2.4 GB at 6 heads x 4096
- * tokens a block. */
-enum { MODEL_HIST_CANDIDATES = 8192 };
+ * many a row, so the flat heads' long lists take the room the short rows leave; a row that finds
+ * none is solved by Newton passes (a sweep of its prefix for each of its solver's steps). The 1M
+ * prefill (H200, bench/RESULTS.md "2026-12-07 (twelfth session)"): 8192 a row 82.68 s (425065
+ * rows by Newton passes), 16384 65.30 s (73610), 32768 53.01 s (none), the same text; at 512K
+ * 17.64 / 13.66 / 13.69 s; at 128K no row needs the room (1.10 / 1.13 s at 8192 / 32768). The
+ * pool is 12 bytes an entry: 9.7 GB at 6 heads x 4096 tokens a block. */
+enum { MODEL_HIST_CANDIDATES = 32768 };
 static_assert(MODEL_HIST_CANDIDATES <= EKV_MODEL_MAX_PREFILL_CANDIDATES,
               "the default is a value prefill_candidates may take");
 
+/* The histogram scheme's default candidates a row: MODEL_HIST_CANDIDATES, at most the keys a row
+ * has (ld_cap: a short context's model holds no pool for keys it never sees), halved while the
+ * prefill's scratch (its layout's total, so the sizes stay written once) would take more than a
+ * quarter of the device's free memory (a model of many heads has as many more rows), but not
+ * below the candidate scheme's EKV_PREFILL_CANDIDATES. pf's other sizes are set. */
+static ekv_status hist_default_candidates(ekv_model *m, model_gpu *g, int64_t *cap) {
+    const ekv_model_config *c = &m->cfg;
+    size_t fr = 0, tot = 0;
+    GPU_TRY(g, cudaMemGetInfo(&fr, &tot));
+    ekv_cuda_prefill probe = g->pf;
+    int64_t k = g->pf.ld_cap < MODEL_HIST_CANDIDATES ? g->pf.ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
+    while (k > EKV_PREFILL_CANDIDATES) {
+        probe.cand_cap = probe.row_cap = (int32_t)k;
+        const ekv_cuda_prefill_layout L = ekv_cuda_prefill_layout_of(
+                &probe, c->n_heads, c->n_kv_heads, c->head_dim, m->prm.kv_dtype);
+        if ((double)L.total <= 0.25 * (double)fr) break;
+        k = k / 2 > EKV_PREFILL_CANDIDATES ? k / 2 : (int64_t)EKV_PREFILL_CANDIDATES;
+    }
+    *cap = k;
+    return EKV_OK;
+}
+
 /* The fused kernel's knobs and its counters per layer (PF_COUNTERS). The candidates kept per
- * row: the params' prefill_candidates (a test's way to make rows overflow), else for the
- * histogram scheme MODEL_HIST_CANDIDATES, at most the keys a row has (ld_cap: a short context's
- * model holds no pool for keys it never sees), and 4096 for the candidate scheme (the GEMM
+ * row: the params' prefill_candidates (a test's way to make rows overflow, or a benchmark's), else
+ * for the histogram scheme hist_default_candidates, and 4096 for the candidate scheme (the GEMM
  * path's row kernel keeps as many). The fill at which a row's list is compacted
  * inside the sweep (capped by the candidates kept at launch): the params' prefill_compact (a
  * benchmark's knob), else 1024. Each compaction solves tau over that many values in one warp while
@@ -147,16 +169,19 @@ static_assert(MODEL_HIST_CANDIDATES <= EKV_MODEL_MAX_PREFILL_CANDIDATES,
  * the whole list. Both checked at load. */
 static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
     ekv_cuda_prefill *pf = &g->pf;
-    int64_t fallback = EKV_PREFILL_CANDIDATES;
-    if (pf->tau_scheme == EKV_PREFILL_TAU_HIST) /* a row lists at most its keys */
-        fallback = pf->ld_cap < MODEL_HIST_CANDIDATES ? pf->ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
-    pf->cand_cap = m->prm.prefill_candidates ? m->prm.prefill_candidates : (int32_t)fallback;
+    pf->key_cap = m->prm.max_tokens; /* the tile marks' room: every block's keys */
     pf->compact_at = m->prm.prefill_compact ? m->prm.prefill_compact : EKV_PREFILL_COMPACT_AT;
+    int64_t cap = m->prm.prefill_candidates;
+    ekv_status s = EKV_OK;
+    if (!cap && pf->tau_scheme == EKV_PREFILL_TAU_HIST)
+        s = hist_default_candidates(m, g, &cap);
+    else if (!cap)
+        cap = EKV_PREFILL_CANDIDATES;
+    pf->cand_cap = (int32_t)cap;
     pf->row_cap = pf->cand_cap;      /* the histogram scheme's lists may fill the pool's share of a
                                         row: the flat heads' lists of thousands take them, not sweeps */
-    pf->key_cap = m->prm.max_tokens; /* the tile marks' room: every block's keys */
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
-    ekv_status s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
+    if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
     return s;
 }
