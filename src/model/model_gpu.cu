@@ -147,7 +147,8 @@ static ekv_status hist_default_candidates(ekv_model *m, model_gpu *g, int64_t *c
     size_t fr = 0, tot = 0;
     GPU_TRY(g, cudaMemGetInfo(&fr, &tot));
     ekv_cuda_prefill probe = g->pf;
-    int64_t k = g->pf.ld_cap < MODEL_HIST_CANDIDATES ? g->pf.ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
+    int64_t k =
+            g->pf.ld_cap < MODEL_HIST_CANDIDATES ? g->pf.ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
     while (k > EKV_PREFILL_CANDIDATES) {
         probe.cand_cap = probe.row_cap = (int32_t)k;
         const ekv_cuda_prefill_layout L = ekv_cuda_prefill_layout_of(
@@ -178,8 +179,8 @@ static ekv_status set_up_fused(ekv_model *m, model_gpu *g) {
     else if (!cap)
         cap = EKV_PREFILL_CANDIDATES;
     pf->cand_cap = (int32_t)cap;
-    pf->row_cap = pf->cand_cap;      /* the histogram scheme's lists may fill the pool's share of a
-                                        row: the flat heads' lists of thousands take them, not sweeps */
+    pf->row_cap = pf->cand_cap; /* the histogram scheme's lists may fill the pool's share of a
+                                   row: the flat heads' lists of thousands take them, not sweeps */
     const int64_t nc = PF_COUNTERS * (int64_t)m->cfg.n_layers;
     if (!s) s = dev_alloc(g, &g->pf_rows, nc * 8, "the prefill counters");
     if (!s) GPU_TRY(g, cudaMemset(g->pf_rows, 0, (size_t)nc * 8));
