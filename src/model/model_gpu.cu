@@ -136,12 +136,15 @@ static ekv_status alloc_layer_cache(ekv_model *m, model_gpu *g, gpu_layer *L) {
 enum { MODEL_HIST_CANDIDATES = 32768 };
 static_assert(MODEL_HIST_CANDIDATES <= EKV_MODEL_MAX_PREFILL_CANDIDATES,
               "the default is a value prefill_candidates may take");
+/* The share of the device's free memory the default's prefill scratch may take: the decode plan
+ * and the activations are allocated after it. */
+static const double MODEL_HIST_FREE_SHARE = 0.25;
 
 /* The histogram scheme's default candidates a row: MODEL_HIST_CANDIDATES, at most the keys a row
  * has (ld_cap: a short context's model holds no pool for keys it never sees), halved while the
- * prefill's scratch (its layout's total, so the sizes stay written once) would take more than a
- * quarter of the device's free memory (a model of many heads has as many more rows), but not
- * below the candidate scheme's EKV_PREFILL_CANDIDATES. pf's other sizes are set. */
+ * prefill's scratch (its layout's total, so the sizes stay written once) would take more than
+ * MODEL_HIST_FREE_SHARE of the device's free memory (a model of many heads has as many more
+ * rows), but not below the candidate scheme's EKV_PREFILL_CANDIDATES. pf's other sizes are set. */
 static ekv_status hist_default_candidates(ekv_model *m, model_gpu *g, int64_t *cap) {
     const ekv_model_config *c = &m->cfg;
     size_t fr = 0, tot = 0;
@@ -150,10 +153,10 @@ static ekv_status hist_default_candidates(ekv_model *m, model_gpu *g, int64_t *c
     int64_t k =
             g->pf.ld_cap < MODEL_HIST_CANDIDATES ? g->pf.ld_cap : (int64_t)MODEL_HIST_CANDIDATES;
     while (k > EKV_PREFILL_CANDIDATES) {
-        probe.cand_cap = probe.row_cap = (int32_t)k;
+        probe.cand_cap = (int32_t)k; /* the layout's sizes read cand_cap, not row_cap */
         const ekv_cuda_prefill_layout L = ekv_cuda_prefill_layout_of(
                 &probe, c->n_heads, c->n_kv_heads, c->head_dim, m->prm.kv_dtype);
-        if ((double)L.total <= 0.25 * (double)fr) break;
+        if ((double)L.total <= MODEL_HIST_FREE_SHARE * (double)fr) break;
         k = k / 2 > EKV_PREFILL_CANDIDATES ? k / 2 : (int64_t)EKV_PREFILL_CANDIDATES;
     }
     *cap = k;
