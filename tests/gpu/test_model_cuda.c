@@ -20,6 +20,7 @@
 #include "entmaxkv.h"
 #include "test_util.h"
 #include "core/internal.h" /* ekv_f16_to_f32 */
+#include <cuda_runtime.h>  /* the small device of check_pool_on_small_device */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -639,6 +640,49 @@ static void check_fused_case(ekv_context *ctx, const fcase *f, const int32_t *to
     free(lg);
 }
 
+/* The histogram scheme's default pool (ekv_model_params.prefill_candidates = 0,
+ * include/entmaxkv/model.h): 32768 candidates a row, halved down to 4096 while the prefill's
+ * scratch passes a quarter of the free device memory. With POOL_FREE bytes left free (this test
+ * holds the rest), the shipped model's 32768 pool (blocks of 4096 tokens x 6 heads = 24576 rows
+ * of 12 bytes a candidate: ~9.7 GB) cannot be allocated, as an explicit prefill_candidates =
+ * 32768 shows; the default must halve (to 4096: ~1.2 GB) and load, and its prefill give the
+ * CPU's logits. A device with less free memory skips the check. */
+static const double POOL_FREE = 4e9;
+static void check_pool_on_small_device(ekv_context *ctx, const int32_t *tok) {
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess || (double)fr < POOL_FREE + 1e9) {
+        printf("  default prefill pool on a small device: %.1f GB free, skipped\n", fr / 1e9);
+        return;
+    }
+    const mcase c = {EKV_SELECT_DENSE, EKV_DTYPE_F16, 0, 0, 32768, NULL}; /* its lists' cap */
+    ekv_model *cpu = load(ctx, &c, EKV_BACKEND_CPU);
+    void *hold = NULL;
+    CHECK(cudaMalloc(&hold, fr - (size_t)POOL_FREE) == cudaSuccess, "holding %.1f GB",
+          (fr - POOL_FREE) / 1e9);
+    ekv_model_params t = ekv_model_default_params();
+    t.prefill_kernel = EKV_PREFILL_FUSED_HIST;
+    t.prefill_candidates = 32768; /* asked for, it does not fit: refused, nothing held */
+    t.backend = EKV_BACKEND_CUDA;
+    t.max_tokens = 32768; /* a row's keys: at least the pool asked for */
+    ekv_model *big = NULL;
+    CHECK(ekv_model_load(ctx, MODEL, &t, &big) == EKV_ERR_OUT_OF_MEMORY && !big,
+          "a 32768 pool loaded with %.1f GB free: the check below proves nothing", POOL_FREE / 1e9);
+    ekv_model_free(big);
+    t.prefill_candidates = 0;
+    ekv_model *gpu = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
+    float *lc = malloc(sizeof(float) * PREFILL * V), *lg = malloc(sizeof(float) * PREFILL * V);
+    if (cpu && gpu && lc && lg) {
+        CHECK(!ekv_model_step(cpu, tok, PREFILL, lc), "cpu prefill: %s", ekv_last_error(ctx));
+        CHECK(!ekv_model_step(gpu, tok, PREFILL, lg), "gpu prefill: %s", ekv_last_error(ctx));
+        compare("default pool, 4 GB free, vs cpu", lg, lc, PREFILL);
+    }
+    free(lc);
+    free(lg);
+    ekv_model_free(gpu);
+    ekv_model_free(cpu);
+    cudaFree(hold);
+}
+
 /* A model's slow-path counters (ekv_model_stats), by name, for check_slow_paths. */
 static const struct {
     const char *name;
@@ -831,6 +875,7 @@ int main(void) {
     check_truncate(ctx, tok, EKV_SELECT_TOPK);
     check_truncate(ctx, tok, EKV_SELECT_CERTIFIED); /* stale superpage boxes after the truncate */
     check_fused(ctx, tok);
+    check_pool_on_small_device(ctx, tok);
     check_slow_paths(ctx, tok, EKV_SELECT_DENSE);
     check_slow_paths(ctx, tok, EKV_SELECT_CERTIFIED);
     check_slow_paths(ctx, tok, EKV_SELECT_SCREENED);
