@@ -97,10 +97,9 @@ typedef struct {
  * batched steps again with it set: the same CPU references hold). */
 static int32_t g_overlap = 0;
 
-/* The model of a case on a backend: the case's fields over p, whose prefill kernel and list
+/* The params of a case on a backend: the case's fields over p, whose prefill kernel and list
  * sizes (prefill_candidates, prefill_compact, decode_candidates) are the caller's. */
-static ekv_model *load_params(ekv_context *ctx, const mcase *c, ekv_backend be,
-                              ekv_model_params p) {
+static ekv_model_params case_params(const mcase *c, ekv_backend be, ekv_model_params p) {
     if (be == EKV_BACKEND_CUDA) p.overlap_launches = g_overlap;
     p.max_tokens = c->prefill + DECODE + MORE + 8;
     p.method = c->method;
@@ -109,6 +108,13 @@ static ekv_model *load_params(ekv_context *ctx, const mcase *c, ekv_backend be,
     p.backend = be;
     p.prefill_chunk = c->chunk;
     p.cuda_graphs = c->graphs;
+    return p;
+}
+
+/* The model of a case on a backend (case_params), its load checked. */
+static ekv_model *load_params(ekv_context *ctx, const mcase *c, ekv_backend be,
+                              ekv_model_params p) {
+    p = case_params(c, be, p);
     ekv_model *m = NULL;
     ekv_status s = ekv_model_load(ctx, c->path ? c->path : MODEL, &p, &m);
     CHECK(s == EKV_OK, "load (%s, %s): %s", ekv_backend_name(be), ekv_method_name(c->method),
@@ -662,19 +668,20 @@ static void check_pool_on_small_device(ekv_context *ctx, const int32_t *tok) {
     ekv_model_params t = ekv_model_default_params();
     t.prefill_kernel = EKV_PREFILL_FUSED_HIST;
     t.prefill_candidates = 32768; /* asked for, it does not fit: refused, nothing held */
-    t.backend = EKV_BACKEND_CUDA;
-    t.max_tokens = 32768; /* a row's keys: at least the pool asked for */
+    const ekv_model_params big_params = case_params(&c, EKV_BACKEND_CUDA, t);
     ekv_model *big = NULL;
-    CHECK(ekv_model_load(ctx, MODEL, &t, &big) == EKV_ERR_OUT_OF_MEMORY && !big,
+    CHECK(ekv_model_load(ctx, MODEL, &big_params, &big) == EKV_ERR_OUT_OF_MEMORY && !big,
           "a 32768 pool loaded with %.1f GB free: the check below proves nothing", POOL_FREE / 1e9);
     ekv_model_free(big);
-    t.prefill_candidates = 0;
+    t.prefill_candidates = 0; /* the same params less the pool asked for */
     ekv_model *gpu = load_params(ctx, &c, EKV_BACKEND_CUDA, t);
     float *lc = malloc(sizeof(float) * PREFILL * V), *lg = malloc(sizeof(float) * PREFILL * V);
     if (cpu && gpu && lc && lg) {
+        char what[64];
+        snprintf(what, sizeof what, "default pool, %.1f GB free, vs cpu", POOL_FREE / 1e9);
         CHECK(!ekv_model_step(cpu, tok, PREFILL, lc), "cpu prefill: %s", ekv_last_error(ctx));
         CHECK(!ekv_model_step(gpu, tok, PREFILL, lg), "gpu prefill: %s", ekv_last_error(ctx));
-        compare("default pool, 4 GB free, vs cpu", lg, lc, PREFILL);
+        compare(what, lg, lc, PREFILL);
     }
     free(lc);
     free(lg);
