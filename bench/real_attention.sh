@@ -3,7 +3,8 @@
 # and measurement"): the shipped model's own attention, not synthetic keys.
 #   1. model decode: for each context of CTXS, one dense prefill of the repository's text, then
 #      `run --compare METHODS --rewind` (every method decodes the same DECODE tokens after the
-#      same prefill); the [decode ...] stats lines give tokens/s per method;
+#      same prefill); the [decode ...] stats lines give tokens/s per method, and an exact method
+#      (certified, screened) whose line says it left dense's tokens is flagged on stdout and in the log;
 #   2. SDPA attention-only: torch's softmax SDPA (enable_gqa) on the model's attention shape
 #      (H 6, KV 2, D 64, f16, one query) at the same contexts, ms per layer and the tokens/s of
 #      its 8 layers' attention alone (the most a softmax engine of this shape could decode);
@@ -133,6 +134,8 @@ for n in $CTXS; do
         "$bin" run --backend cuda --prompt-file "$f" -n "$DECODE" --method dense --quiet \
             --compare "$METHODS" --rewind $fa >"$OUT/run_${n}_$tree.out" 2>>"$LOG" || echo "   (exit $?)" >>"$LOG"
         cat "$OUT/run_${n}_$tree.out" >>"$LOG"
+        grep -E '^\[decode @[0-9]+ (certified|screened)[] ].*; differs from' "$OUT/run_${n}_$tree.out" |
+            sed 's/^/   EXACT METHOD LEFT THE DENSE TEXT: /' | tee -a "$LOG"
         grep -h '^\[decode' "$OUT/run_${n}_$tree.out" | while read -r line; do
             method=$(echo "$line" | sed -E 's/^\[decode @?[0-9]* ?([^]]*)\].*/\1/')
             rate=$(echo "$line" | grep -oE '[0-9.]+ tokens/s' | head -n 1 | cut -d' ' -f1)

@@ -207,6 +207,16 @@ txt=$(head -c 25 "$TMP/run1" | tail -c 20)
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 4 ] &&
   [ "$(grep -c -F -- "$txt" "$OUT")" -ge 3 ] && grep -q -- "--- from the prompt with screened ---" "$OUT"
 st=$?; check "run --compare --rewind: every method from the prompt, exact ones with dense's text (rc=$RC: $(head -c 200 "$ERR"))" $st
+# ... and each stats line after the first says whether it wrote the first method's tokens
+[ "$RC" -eq 0 ] && grep -q '^\[decode @5 certified 0.25\] .*; the same 20 tokens as dense$' "$OUT" &&
+  grep -q '^\[decode @5 screened\] .*; the same 20 tokens as dense$' "$OUT" &&
+  ! grep -q '^\[decode @5 dense\] .*tokens as' "$OUT"
+st=$?; check "run --rewind: the exact methods' stats lines say they wrote dense's 20 tokens (rc=$RC)" $st
+# a top-k budget of 1/256 over 4-token pages of a 3000-byte prompt reads too little to follow dense
+head -c 3000 "$TMP/text.txt" >"$TMP/p3k.txt"
+run run --model "$MODEL" --prompt-file "$TMP/p3k.txt" -n 16 --threads 1 --page 4 --method dense --compare topk:1/256 --rewind --quiet
+[ "$RC" -eq 0 ] && grep -q '^\[decode @3000 topk 0.00390625\] .*; differs from dense at token [0-9]*$' "$OUT"
+st=$?; check "run --rewind: a method that leaves dense's text is named with the first token that differs (rc=$RC: $(head -c 200 "$ERR"))" $st
 # --superpage 0: caches without superpages (certified without its round 0), the same text
 run run --model "$MODEL" --prompt "Hello" -n 20 --threads 1 --method dense --compare certified --budget 1/4 --rewind --superpage 0
 [ "$RC" -eq 0 ] && [ "$(grep -c '^\[decode @5 ' "$OUT")" -eq 2 ] && [ "$(grep -c -F -- "$txt" "$OUT")" -ge 2 ]

@@ -5,7 +5,8 @@
  * attention read. --compare decodes further tokens with other methods after the same prefill,
  * one stats line each: sparse against dense decode speed at one context length in one run;
  * with --rewind each of them starts again from the prompt's end (the caches truncated back to
- * it, ekv_model_seq_truncate): every method answers the same prompt after one prefill.
+ * it, ekv_model_seq_truncate): every method answers the same prompt after one prefill, and each
+ * stats line after the first says whether it wrote the first method's tokens.
  */
 #include "cli.h"
 #include <stdlib.h>
@@ -55,8 +56,24 @@ typedef struct {
     double seconds;
     int64_t tokens;
     ekv_model_stats st;
+    int32_t *text; /* --rewind: the tokens it generated (NULL otherwise) */
 } phase;
 
+/* --rewind: whether a method wrote the first method's tokens (every method continued the same
+ * prompt with the same sampler, so an exact method must: docs/cli.md, `run`), ending its stats
+ * line. */
+static void print_text_match(const phase *p, const phase *first, const char *first_label) {
+    if (!p->text || !first->text || p == first) return;
+    const int64_t n = p->tokens < first->tokens ? p->tokens : first->tokens;
+    int64_t i = 0;
+    while (i < n && p->text[i] == first->text[i]) i++;
+    if (i == n && p->tokens == first->tokens)
+        printf("; the same %lld tokens as %s", (long long)n, first_label);
+    else
+        printf("; differs from %s at token %lld", first_label, (long long)i);
+}
+
+/* One stats line, without its end of line. */
 static void print_phase(const char *what, const char *label, const phase *p, ekv_backend be) {
     printf("[%s %s] %lld tokens in %.2f s: %.2f tokens/s", what, label, (long long)p->tokens,
            p->seconds, p->seconds > 0 ? (double)p->tokens / p->seconds : 0.0);
@@ -71,7 +88,6 @@ static void print_phase(const char *what, const char *label, const phase *p, ekv
     model_print_prefill_kernel(&p->st);
     model_print_slow_paths(&p->st);
     model_print_graph_steps(&p->st);
-    printf("\n");
 }
 
 typedef struct {
@@ -160,7 +176,9 @@ static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *
                lab);
     }
     ekv_model_reset_stats(m);
+    int32_t *text = p->text;
     memset(p, 0, sizeof *p);
+    p->text = text;
     const double t1 = cli_now_seconds();
     int rc = 0;
     for (int64_t i = 0; i < o->n && !rc; i++) {
@@ -169,6 +187,7 @@ static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *
             putchar(next);
             fflush(stdout);
         }
+        if (p->text) p->text[i] = next;
         ekv_status st = ekv_model_step(m, &next, 1, logits);
         if (st) {
             fprintf(stderr, "\nentmaxkv run: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
@@ -188,8 +207,11 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)plen);
     float *logits = malloc(sizeof(float) * (size_t)V), *prompt_logits = NULL;
     if (o->rewind) prompt_logits = malloc(sizeof(float) * (size_t)V);
-    phase pre = {0}, dec[MODEL_MAX_PHASES];
-    int rc = tok && logits && (prompt_logits || !o->rewind) ? 0 : 1, ran = 0;
+    phase pre = {0}, dec[MODEL_MAX_PHASES] = {{0}};
+    int32_t *texts = o->rewind ? malloc(sizeof(int32_t) * (size_t)(o->n * o->ph.n + 1)) : NULL;
+    for (int ph = 0; texts && ph < o->ph.n; ph++) dec[ph].text = texts + ph * o->n;
+    int rc = tok && logits && (prompt_logits || !o->rewind) && (texts || !o->rewind) ? 0 : 1,
+        ran = 0;
     if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
     if (!rc) {
         ekv_model_tokenize(text, plen, tok);
@@ -220,12 +242,17 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     model_method_label(lab, sizeof lab, o->mo.method, o->mo.budget);
     printf("\n");
     print_phase("prefill", lab, &pre, o->mo.backend);
+    printf("\n");
     for (int ph = 0; ph < ran; ph++) {
         model_method_label(lab, sizeof lab, o->ph.list[ph].method, o->ph.list[ph].budget);
         snprintf(what, sizeof what, "decode @%lld",
                  (long long)(plen + (o->rewind ? 0 : ph) * o->n));
         print_phase(what, lab, &dec[ph], o->mo.backend);
+        model_method_label(what, sizeof what, o->ph.list[0].method, o->ph.list[0].budget);
+        print_text_match(&dec[ph], &dec[0], what);
+        printf("\n");
     }
+    free(texts);
     free(tok);
     free(logits);
     free(prompt_logits);
