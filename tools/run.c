@@ -56,7 +56,7 @@ typedef struct {
     double seconds;
     int64_t tokens;
     ekv_model_stats st;
-    int32_t *text; /* --rewind: the tokens it generated (NULL otherwise) */
+    const int32_t *text; /* --rewind: the tokens it generated (NULL otherwise) */
 } phase;
 
 /* --rewind: whether a method wrote the first method's tokens (every method continued the same
@@ -164,9 +164,10 @@ static int rewind_to_prompt(const run_opts *o, ekv_context *ctx, ekv_model *m, i
     return 0;
 }
 
-/* Decodes o->n tokens with method ph, from the logits of the previous token. */
+/* Decodes o->n tokens with method ph, from the logits of the previous token (into text where
+ * given). */
 static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *m, float *logits,
-                        cli_rng *rng, phase *p) {
+                        cli_rng *rng, int32_t *text, phase *p) {
     const int64_t V = ekv_model_get_config(m)->vocab;
     if (model_set_phase("run", ctx, m, o->ph.list[ph])) return 1;
     if (ph > 0 && !o->quiet) {
@@ -176,9 +177,7 @@ static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *
                lab);
     }
     ekv_model_reset_stats(m);
-    int32_t *text = p->text;
     memset(p, 0, sizeof *p);
-    p->text = text;
     const double t1 = cli_now_seconds();
     int rc = 0;
     for (int64_t i = 0; i < o->n && !rc; i++) {
@@ -187,7 +186,7 @@ static int decode_phase(const run_opts *o, int ph, ekv_context *ctx, ekv_model *
             putchar(next);
             fflush(stdout);
         }
-        if (p->text) p->text[i] = next;
+        if (text) text[i] = next;
         ekv_status st = ekv_model_step(m, &next, 1, logits);
         if (st) {
             fprintf(stderr, "\nentmaxkv run: %s: %s\n", ekv_status_string(st), ekv_last_error(ctx));
@@ -209,7 +208,6 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     if (o->rewind) prompt_logits = malloc(sizeof(float) * (size_t)V);
     phase pre = {0}, dec[MODEL_MAX_PHASES] = {{0}};
     int32_t *texts = o->rewind ? malloc(sizeof(int32_t) * (size_t)(o->n * o->ph.n + 1)) : NULL;
-    for (int ph = 0; texts && ph < o->ph.n; ph++) dec[ph].text = texts + ph * o->n;
     int rc = tok && logits && (prompt_logits || !o->rewind) && (texts || !o->rewind) ? 0 : 1,
         ran = 0;
     if (rc) fprintf(stderr, "entmaxkv run: out of memory\n");
@@ -234,7 +232,9 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     for (int ph = 0; ph < o->ph.n && !rc; ph++) {
         if (ph > 0 && o->rewind)
             rc = rewind_to_prompt(o, ctx, m, plen, prompt_logits, logits, &rng);
-        if (!rc) rc = decode_phase(o, ph, ctx, m, logits, &rng, &dec[ph]);
+        int32_t *text = texts ? texts + ph * o->n : NULL;
+        if (!rc) rc = decode_phase(o, ph, ctx, m, logits, &rng, text, &dec[ph]);
+        dec[ph].text = text;
         ran = ph + 1;
     }
     if (!o->quiet) printf("\n");
