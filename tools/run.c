@@ -239,7 +239,9 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
     }
     if (!o->quiet) printf("\n");
     char lab[64], what[64];
+    char first[64]; /* the method the others' tokens are checked against */
     model_method_label(lab, sizeof lab, o->mo.method, o->mo.budget);
+    model_method_label(first, sizeof first, o->ph.list[0].method, o->ph.list[0].budget);
     printf("\n");
     print_phase("prefill", lab, &pre, o->mo.backend);
     printf("\n");
@@ -248,8 +250,7 @@ static int generate(const run_opts *o, const char *text, int64_t plen, ekv_conte
         snprintf(what, sizeof what, "decode @%lld",
                  (long long)(plen + (o->rewind ? 0 : ph) * o->n));
         print_phase(what, lab, &dec[ph], o->mo.backend);
-        model_method_label(what, sizeof what, o->ph.list[0].method, o->ph.list[0].budget);
-        print_text_match(&dec[ph], &dec[0], what);
+        print_text_match(&dec[ph], &dec[0], first);
         printf("\n");
     }
     free(texts);
