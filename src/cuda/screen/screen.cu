@@ -257,6 +257,12 @@ struct page_box_state {
 
 /* The fast kernel's blocks: 4 warps, 3 per SM (170 registers: its tiles do not spill). */
 enum { FAST_THREADS = 128, FAST_MIN_BLOCKS = 3 }; /* 2 (no spills, 8 warps) measured no faster */
+/* Blocks a row: two waves' worth, so that where the page box drops most of one KV head's pages
+ * (layer 0 of the model's trace drops 16335 of 32768 (page, KV head) pairs) the block scheduler
+ * hands the idle SMs the other head's blocks. Layer 0 / layer 7 of the 256K trace: screened
+ * 2.2 % / 2.6 % faster than one wave on an H100; 4 and 8 waves were slower (bench/RESULTS.md,
+ * fifteenth session). */
+enum { FAST_WAVES = 2 };
 
 template <int GM, int BITS, int RB, int RT>
 __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS) screen_fast_kernel(screen_args A) {
@@ -540,8 +546,8 @@ cudaError_t launch_fast(const screen_args &A, int sms, int rows, const ekv_launc
     static int per_sm = 0;
     const size_t sm = (size_t)A.G * A.D * 4;
     screen_args B = A;
-    B.sbase = ekv_cuda_one_wave(screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm, rows, sms,
-                                &per_sm);
+    B.sbase = FAST_WAVES * ekv_cuda_one_wave(screen_fast_kernel<GM, BITS, RB, RT>, FAST_THREADS, sm,
+                                             rows, sms, &per_sm);
     ekv_launch(s, screen_fast_kernel<GM, BITS, RB, RT>,
                dim3(ekv_cuda_split_grid(B.sbase, A.t.batch), rows / A.t.batch), FAST_THREADS, sm,
                B);
