@@ -24,7 +24,7 @@
 #   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), flat
 #   (--superpage 0: no superpages, so certified runs no round 0), cluster (--tau-cluster 8: a
 #   long list's tau by a cluster of 8 blocks, the default on sm_90), oneblock (--tau-cluster 0:
-#   one block a head), bits8 (--code-bits 8: screened's 8-bit key codes), joined by +,
+#   one block a head), bits4 (--code-bits 4: screened's 4-bit key codes; 8 is the default), joined by +,
 #   e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
@@ -79,7 +79,7 @@ PY
 }
 
 # variant_options V: the options of a variant (fused, overlap, plain, flat, cluster, oneblock,
-# bits8, or some joined by +)
+# bits4, or some joined by +)
 variant_options() {
     local part opts=""
     for part in $(echo "$1" | tr + ' '); do
@@ -90,7 +90,7 @@ variant_options() {
         flat) opts="$opts --superpage 0" ;;
         cluster) opts="$opts --tau-cluster 8" ;;
         oneblock) opts="$opts --tau-cluster 0" ;;
-        bits8) opts="$opts --code-bits 8" ;;
+        bits4) opts="$opts --code-bits 4" ;;
         *) echo "real_attention.sh: unknown variant '$part'" >&2 ;;
         esac
     done

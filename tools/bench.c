@@ -52,7 +52,7 @@ static void bench_help(FILE *f) {
             "  --budget F            top-k: fraction of the tokens to read (default 1/16)\n"
             "  --budget-tokens T     top-k: token budget (overrides --budget)\n"
             "  --code-bits B         screened: 4 or 8 bits per key channel in the cache's key codes\n"
-            "                        (default 4; the other methods' caches hold no codes)\n"
+            "                        (default %d; the other methods' caches hold no codes)\n"
             "  --tensor-cores 0|1    cuda: scores on tensor cores where they apply (f16/bf16 K,\n"
             "                        head dim 64 or 128, page size a multiple of 16; default 1),\n"
             "                        and screened's screen for groups of 5..16 heads (up to 4\n"
@@ -87,7 +87,8 @@ static void bench_help(FILE *f) {
             "bytes_read = page statistics read by the bound (top-k) or the screen (page ranges\n"
             "and key codes) + K bytes of the attended tokens + V bytes actually read (entmax:\n"
             "support rows only);\n"
-            "kv_fraction = bytes_read / (K + V bytes of the sequences).\n");
+            "kv_fraction = bytes_read / (K + V bytes of the sequences).\n",
+            CLI_CODE_BITS_DEFAULT);
 }
 
 static const char *need(int argc, char **argv, int *i) { return cli_need("bench", argc, argv, i); }
@@ -103,7 +104,7 @@ static void parse_defaults(bench_opts *o) {
     o->alpha = 1.5;
     o->isa = EKV_ISA_AUTO;
     o->budget = 1.0 / 16;
-    o->code_bits = 4;
+    o->code_bits = CLI_CODE_BITS_DEFAULT;
     o->tensor_cores = 1;
     o->overlap_launches = -1; /* the plan's default: where the GPU supports it */
     o->tau_cluster = -1;      /* likewise */

@@ -49,6 +49,13 @@ ekv_select_method cli_method(const char *sub, const char *what, const char *name
 ekv_select_method cli_need_method(const char *sub, int argc, char **argv, int *i);
 /* Whether a method reads per-token key codes (screened): its cache needs --code-bits. */
 int cli_method_codes(ekv_select_method m);
+/* The default of --code-bits: 8. On the shipped model's attention the 8-bit codes' tighter bounds
+ * keep nearly only the support where 4-bit ones keep ~10x more at its sharp layers (layer 7 of a
+ * 32K trace: 36 survivors a head against 320, for a support of 31), and screened decode is faster
+ * with them on both backends (H100: the 256K trace 8 % / 5 % faster at layers 0 / 7, the model's
+ * decode 3 % at 512K and 15 % at 1M), for D bytes of codes a token and KV head instead of D / 2
+ * (K and V take 4 D in f16). bench/RESULTS.md, sixteenth session. */
+enum { CLI_CODE_BITS_DEFAULT = 8 };
 /* The value of --code-bits: 4 or 8, or a usage error. */
 int32_t cli_need_code_bits(const char *sub, int argc, char **argv, int *i);
 /* Parses a non-negative integer with optional k/K (1024) or M (1048576) suffix. */
@@ -222,8 +229,8 @@ typedef struct {
     int64_t shards, gpus; /* --shards N (local transport) / --gpus N (nccl), cuda; 0 = none */
     int shard_pools;      /* --shard-pools: each shard's GPU holds only its pages (issue 16) */
     ekv_isa isa;
-    int32_t code_bits;    /* --code-bits (default 4): the cache's key codes when the method reads
-                             them (cli_method_codes), else the cache has none */
+    int32_t code_bits; /* --code-bits (CLI_CODE_BITS_DEFAULT): the cache's key codes when the method
+                          reads them (cli_method_codes), else the cache has none */
     int32_t tensor_cores; /* --tensor-cores 0|1 (cuda; default 1): the plan's tensor_cores */
     int32_t fused_attend; /* --fused-attend 0|1 (cuda; default 0): the plan's fused_attend */
     int32_t overlap_launches; /* --overlap-launches -1|0|1 (cuda; default -1): the plan's field */
@@ -246,8 +253,8 @@ typedef struct {
     int64_t threads;
     int32_t page;
     ekv_dtype kv_dtype;
-    int32_t code_bits; /* --code-bits (default 4): the caches' key codes when a method the
-                          subcommand runs reads them (cli_method_codes), else none */
+    int32_t code_bits; /* --code-bits (CLI_CODE_BITS_DEFAULT): the caches' key codes when a method
+                          the subcommand runs reads them (cli_method_codes), else none */
     int codes; /* set when the subcommand switches to such a method later (model_phases) */
     ekv_backend backend;               /* --backend cpu|cuda (default cpu) */
     int64_t prefill_chunk;             /* --prefill-chunk (cuda dense prefill; 0 = auto) */

@@ -28,7 +28,7 @@ void model_opts_init(model_opts *o) {
     o->threads = 0;
     o->page = 16;
     o->kv_dtype = EKV_DTYPE_F16;
-    o->code_bits = 4;
+    o->code_bits = CLI_CODE_BITS_DEFAULT;
     o->overlap_launches = -1; /* where the GPU supports it (ekv_model_params) */
     o->tau_cluster = -1;      /* likewise */
     o->superpage = ekv_model_default_params().superpage_pages;
@@ -49,7 +49,7 @@ void model_opts_help(FILE *f) {
             "                        its first round (default 1/16; with --backend cuda and\n"
             "                        superpages, round 0's bound picks the first round instead)\n"
             "  --code-bits B         screened: 4 or 8 bits per key channel in the caches' key codes\n"
-            "                        (default 4; the other methods' caches hold no codes)\n"
+            "                        (default %d; the other methods' caches hold no codes)\n"
             "  --threads T           worker threads (default: all CPUs)\n"
             "  --page P              KV cache page size, 1..256 (default 16)\n"
             "  --superpage S         pages per superpage summary of the KV caches, 0..%d;\n"
@@ -93,7 +93,7 @@ void model_opts_help(FILE *f) {
             "                        where the GPU supports it)\n"
             "                        (these nine are options of --backend cuda: with cpu\n"
             "                        they are bad usage)\n",
-            EKV_MAX_SUPERPAGE_PAGES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
+            CLI_CODE_BITS_DEFAULT, EKV_MAX_SUPERPAGE_PAGES, EKV_MODEL_MAX_PREFILL_CANDIDATES,
             EKV_MODEL_MAX_PREFILL_CANDIDATES, EKV_MODEL_MAX_DECODE_CANDIDATES);
 }
 

@@ -41,7 +41,8 @@ class EntmaxKVLayer(CacheLayerMixin):
     def __init__(self, method="dense", budget=1 / 16, **cache_kw):
         super().__init__()
         if method == "screened":
-            cache_kw.setdefault("code_bits", 4)  # the screen reads per-token key codes
+            # the screen reads per-token key codes; 8 bits as the CLI's default (docs/cli.md)
+            cache_kw.setdefault("code_bits", 8)
         self.method, self.budget, self.cache_kw = method, budget, cache_kw
         self.cache, self.seqs, self.wrapper, self.length = None, [], None, 0
         DecodeWrapper(method, budget)  # bad method or budget: refused now, not at the first step
