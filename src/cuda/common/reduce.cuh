@@ -65,15 +65,24 @@ __device__ __forceinline__ float ekv_key_float(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
 }
 
+/* *p as a relaxed load at GPU scope: some value of *p's atomics (every writer is a kernel on this
+ * GPU), read from L2. A volatile load is a relaxed load at system scope (LDG.E.STRONG.SYS), which
+ * the screen's warps waited on longer; the 256K trace's screened step was 2.3 % / 2.7 % faster at
+ * layers 0 / 7 with this one (H100, bench/RESULTS.md, sixteenth session). */
+__device__ __forceinline__ uint32_t ekv_load_relaxed_gpu(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 /* The largest values published to keys[g] so far, read early by lane 0 (pre[g]) so that the
- * load's latency hides behind the warp's work until ekv_share_max uses it. */
+ * load's latency hides behind the warp's work until ekv_share_max uses it. Any value read is
+ * a max some warp held, so a stale one only keeps more candidates (docs/math.md §10.3). */
 template <int GM>
 __device__ __forceinline__ void ekv_peek_max(const uint32_t *keys, int G, uint32_t *pre) {
 #pragma unroll
     for (int g = 0; g < GM; g++)
-        pre[g] = (threadIdx.x & 31) == 0 && g < G
-                         ? *reinterpret_cast<const volatile uint32_t *>(keys + g)
-                         : 0u;
+        pre[g] = (threadIdx.x & 31) == 0 && g < G ? ekv_load_relaxed_gpu(keys + g) : 0u;
 }
 
 /* The warp's maxima mine[g] (any lanes) published to keys[g] (atomicMax where they beat what
