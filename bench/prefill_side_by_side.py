@@ -10,8 +10,8 @@ fails is a row that says why. Markdown table on stdout; --json PATH for the rows
 Not in CI: needs torch with CUDA, entmaxkv built with the CUDA backend (pip install . with nvcc,
 or $ENTMAXKV_LIBRARY), adasplash 0.2.2 (its wheel) for that peer.
 Usage: prefill_side_by_side.py [--lens 8192,32768] [--dims 64,128] [--heads 6/2,32/8]
-[--dtypes f16,bf16] [--passes fwd,fwdbwd] [--alpha 1.5] [--iters 5] [--scheme cand,hist] [--quick]
-[--json PATH]"""
+[--dtypes f16,bf16] [--passes fwd,fwdbwd] [--alpha 1.5] [--iters 5] [--scheme cand,hist]
+[--peers ours,adasplash-2,sdpa-flash] [--quick] [--json PATH]"""
 import argparse
 import json
 
@@ -28,9 +28,16 @@ _ap.add_argument("--scheme", default="hist",
                  help="tau schemes of ours, comma-separated: cand (candidate lists), hist "
                       "(histogram pass, exact-size lists; docs/math.md §12.1; the op's default); "
                       "one row each, named ours-SCHEME")
+_ap.add_argument("--peers", default="ours,adasplash-2,sdpa-flash",
+                 help="which peers run, comma-separated (ours = every --scheme row), so that each "
+                      "can run in a call (and a time limit) of its own")
 _ap.add_argument("--quick", action="store_true", help="smoke run: 8192, D 64, 6/2, bf16")
 _ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 ARGS = _ap.parse_args()  # before the torch import: --help works without torch
+PEERS = ("ours", "adasplash-2", "sdpa-flash")
+_bad = set(ARGS.peers.split(",")) - set(PEERS)
+if _bad:
+    _ap.error(f"--peers: unknown {', '.join(sorted(_bad))} (known: {', '.join(PEERS)})")
 if ARGS.quick:
     ARGS.lens, ARGS.dims, ARGS.heads, ARGS.dtypes = "8192", "64", "6/2", "bf16"
 
@@ -80,11 +87,11 @@ def sdpa_flash():
 
 def peers(alpha):
     """(name, reference alpha, factory) of each peer; a factory returns (fn, heads_first)."""
+    chosen = ARGS.peers.split(",")
     ours_rows = [(f"ours-{s}", alpha, lambda s=s: ours(alpha, s))
-                 for s in ARGS.scheme.split(",")]
-    return ours_rows + [
-            ("adasplash-2", 1.5, adasplash2),
-            ("sdpa-flash", 1.0, sdpa_flash)]
+                 for s in ARGS.scheme.split(",") if "ours" in chosen]
+    return ours_rows + [row for row in (("adasplash-2", 1.5, adasplash2),
+                                        ("sdpa-flash", 1.0, sdpa_flash)) if row[0] in chosen]
 
 
 def exact_last_rows(q, k, v, alpha, rows):
