@@ -419,14 +419,17 @@ for wl in random planted heavy alibi; do
 done
 
 # screened (CPU): the contract fields plus code_bits and survivors_mean; bytes_read counts the
-# screen's page ranges (f16 by default with f16 K, f32 with --ranges f32) and codes
-for bits in 4 8 f32; do
+# screen's page ranges (f16 by default with f16 K, f32 with --ranges f32) and codes; without
+# --code-bits the codes are 8 bits (CLI_CODE_BITS_DEFAULT)
+for bits in 4 8 f32 default; do
     J3="$TMP/bench_screened_$bits.json"
     ranges=f16
     if [ "$bits" = f32 ]; then bits=4; ranges=f32; fi
-    run "" bench --method screened --code-bits $bits --ranges $ranges --workload planted --len 512,700 \
+    opt="--code-bits $bits"
+    if [ "$bits" = default ]; then bits=8; opt=""; fi
+    run "" bench --method screened $opt --ranges $ranges --workload planted --len 512,700 \
         --heads 4 --kv-heads 2 --dim 32 --iters 2 --warmup 1 --threads 1 --json "$J3"
-    check "bench --method screened --code-bits $bits should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
+    check "bench --method screened ${opt:-(default code bits)} should exit 0 (rc=$RC, stderr '$(head -c 300 "$ERR")')" $([ "$RC" -eq 0 ]; echo $?)
     check_bench_json "$J3" 2 "{\"backend\":\"cpu\",\"method\":\"screened\",\"len\":[512,700],\"code_bits\":$bits}"
     if [ -n "$PY" ] && [ -s "$J3" ]; then
         $PY - "$J3" "$ranges" <<'EOF'
@@ -439,7 +442,7 @@ for r in json.load(open(sys.argv[1])):
     assert r["bytes_summary"] == screen and r["bytes_read"] > screen, r
     assert 0 < r["survivors_mean"] <= r["len"] and r["support_mean"] <= r["survivors_mean"], r
 EOF
-        check "bench --method screened --code-bits $bits --ranges $ranges: survivors_mean and the screen's bytes" $?
+        check "bench --method screened ${opt:-(default code bits)} --ranges $ranges: survivors_mean and the screen's bytes" $?
     fi
 done
 J3="$TMP/bench_dense_codes.json"
