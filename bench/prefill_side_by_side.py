@@ -28,13 +28,13 @@ _ap.add_argument("--scheme", default="hist",
                  help="tau schemes of ours, comma-separated: cand (candidate lists), hist "
                       "(histogram pass, exact-size lists; docs/math.md §12.1; the op's default); "
                       "one row each, named ours-SCHEME")
-_ap.add_argument("--peers", default="ours,adasplash-2,sdpa-flash",
+PEERS = ("ours", "adasplash-2", "sdpa-flash")  # the names peers() gives its rows (ours: each scheme)
+_ap.add_argument("--peers", default=",".join(PEERS),
                  help="which peers run, comma-separated (ours = every --scheme row), so that each "
                       "can run in a call (and a time limit) of its own")
 _ap.add_argument("--quick", action="store_true", help="smoke run: 8192, D 64, 6/2, bf16")
 _ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 ARGS = _ap.parse_args()  # before the torch import: --help works without torch
-PEERS = ("ours", "adasplash-2", "sdpa-flash")
 _bad = set(ARGS.peers.split(",")) - set(PEERS)
 if _bad:
     _ap.error(f"--peers: unknown {', '.join(sorted(_bad))} (known: {', '.join(PEERS)})")
