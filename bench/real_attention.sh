@@ -24,8 +24,8 @@
 #   (--overlap-launches 1, the default on sm_90), plain (--overlap-launches 0), flat
 #   (--superpage 0: no superpages, so certified runs no round 0), cluster (--tau-cluster 8: a
 #   long list's tau by a cluster of 8 blocks, the default on sm_90), oneblock (--tau-cluster 0:
-#   one block a head), bits4 (--code-bits 4: screened's 4-bit key codes; 8 is the default), joined by +,
-#   e.g. dense+fused+overlap), PROFILE_LAYERS
+#   one block a head), bits4 (--code-bits 4: screened's 4-bit key codes; 8 is the default),
+#   joined by +, e.g. dense+fused+overlap), PROFILE_LAYERS
 #   (none: the trace layers whose steps ncu times kernel by kernel, every trace method, rows
 #   "kernel" of the TSV: method/kernel, its mean ms, its launches in the run), PROFILE_STEP
 #   (none: a context, e.g. 4096, whose model decode step ncu times kernel by kernel for dense
