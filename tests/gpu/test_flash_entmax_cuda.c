@@ -6,8 +6,9 @@
  * D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or 16-bit,
  * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens (in both tau
  * schemes against one pass); then 4 cases of up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the
- * other 16-bit type) and one of 2100 x 16 heads (33600 rows: the automatic passes of the two
- * schemes differ).
+ * other 16-bit type), one of 2100 x 16 heads (33600 rows: the automatic passes of the two
+ * schemes differ), and three with every V element offset by 4 (the backward's one sweep for
+ * dq at D 64 and its two at D 128, on g that share a large common part).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
@@ -46,6 +47,9 @@ typedef struct {
     ekv_dtype qt, kvt, ot;
     int64_t block;
     int flat; /* every key of a KV head equal to its first: support = the whole prefix */
+    double voff; /* added to every element of V: a row's g = dout . v share dout . voff, the
+                  * cancellation the backward's one sweep for dq shifts out (docs/math.md
+                  * §13.3, "One sweep for dq") */
 } fcase;
 
 /* One case's tensors: typed host copies (what the device reads), their values in double, the
@@ -132,6 +136,11 @@ static int setup(fdata *f, const fcase *c, uint64_t seed) {
             f->k[i] = f->k[src];
         }
     draw(&r, f->hv, f->v, f->nk, c->kvt, 1.0);
+    if (c->voff != 0)
+        for (int64_t i = 0; i < f->nk; i++) {
+            ekv_store_f32(f->hv, c->kvt, i, (float)(f->v[i] + c->voff));
+            f->v[i] = ekv_load_f32(f->hv, c->kvt, i);
+        }
     draw(&r, f->hg, f->g, f->nq, c->ot, 1.0);
     for (int h = 0; h < c->H; h++) f->slopes[h] = 0.25f / (float)(1 << h);
     const int64_t qes = ekv_dtype_size(c->qt), oes = ekv_dtype_size(c->ot),
@@ -336,11 +345,11 @@ static void check_passes(ekv_context *ctx, fdata *f, const char *name, int32_t s
 
 static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
     char name[160];
-    snprintf(name, sizeof name, "B%lld T%lld N%lld H%d/%d D%d a%g %s%s kv %s q %s out %s%s%s",
+    snprintf(name, sizeof name, "B%lld T%lld N%lld H%d/%d D%d a%g %s%s kv %s q %s out %s%s%s%s",
              (long long)c->B, (long long)c->T, (long long)c->N, c->H, c->Hk, c->D, c->alpha,
              c->causal ? "causal" : "all", c->alibi ? " alibi" : "", ekv_dtype_name(c->kvt),
              ekv_dtype_name(c->qt), ekv_dtype_name(c->ot), c->block ? " passes" : "",
-             c->flat ? " flat" : "");
+             c->flat ? " flat" : "", c->voff != 0 ? " v offset" : "");
     fdata f;
     const int64_t rows = c->B * c->T * c->H;
     double *rout = malloc((size_t)(c->B * c->T * c->H * c->D) * 8),
@@ -407,7 +416,7 @@ static void try_bad(ekv_context *ctx, fdata *f, ekv_flash_entmax_args a, void *w
 /* Each invalid argument answers its status and changes no output (forward and backward). */
 static void check_invalid(ekv_context *ctx) {
     const fcase c = {1, 17, 17, 4, 4, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16,
-                     0, 0};
+                     0, 0,  0};
     fdata f;
     if (setup(&f, &c, 42)) {
         CHECK(0, "invalid: no device memory");
@@ -509,15 +518,28 @@ int main(void) {
                 c.ot = x >> 6 & 1 ? EKV_DTYPE_F32 : c.qt;
                 c.B = (x >> 7) % 7 == 3 ? 2 : 1;
                 c.block = c.T >= 64 && (x >> 10 & 1) ? 16 : 0;
-                c.flat = 0;
+                c.flat = 0, c.voff = 0;
                 run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
             }
     /* flat rows: support = the prefix, up to 1100 keys (the last 76 rows past a list's 1024),
      * alpha 1.5 and 2, a softer alpha 1.25 and a harder 3, ALiBi off (it would tilt them) */
     static const double flat_alphas[] = {1.5, 2.0, 1.25, 3.0};
     for (int ai = 0; ai < 4; ai++, i++) {
-        fcase c = {1, 1100, 1100, 4, 4, 64, 1, 0, flat_alphas[ai], EKV_DTYPE_BF16, EKV_DTYPE_BF16,
-                   EKV_DTYPE_F32, 0, 1};
+        fcase c = {1,
+                   1100,
+                   1100,
+                   4,
+                   4,
+                   64,
+                   1,
+                   0,
+                   flat_alphas[ai],
+                   EKV_DTYPE_BF16,
+                   EKV_DTYPE_BF16,
+                   EKV_DTYPE_F32,
+                   0,
+                   1,
+                   0};
         if (ai & 1) c.qt = EKV_DTYPE_F32, c.kvt = EKV_DTYPE_F16;
         run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     }
@@ -525,17 +547,26 @@ int main(void) {
      * (the backward splits it), and prefixes of many 64-key tiles and 16-row blocks (the
      * backward's keys pass skips the row blocks before a tile; its rows pass ends mid-tile) */
     static const fcase extra[] = {
-            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0,
+            {1, 200, 1100, 6, 2, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_BF16, EKV_DTYPE_F16, 0, 0,
              0},
-            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0,
+            {2, 130, 700, 4, 4, 128, 0, 0, 1.25, EKV_DTYPE_BF16, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0,
              0},
             {1, 700, 700, 6, 2, 128, 1, 1, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0,
+             0, 0},
+            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0,
              0},
-            {1, 333, 1000, 8, 1, 64, 1, 0, 1.0, EKV_DTYPE_F32, EKV_DTYPE_F16, EKV_DTYPE_F32, 0, 0},
             /* 33600 rows: two automatic passes of the candidate scheme, one of the histogram
              * scheme's (4x the rows: flash_entmax.cu, FLASH_PASS_GROWTH) */
             {1, 2100, 2100, 16, 2, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0,
-             0}};
+             0, 0},
+            /* V offset by 4 in every dim at D 64 with q and dout in K's dtype: the backward's
+             * one sweep for dq on g that share a large common part (and at D 128: two sweeps) */
+            {1, 700, 700, 6, 2, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0,
+             4.0},
+            {1, 300, 300, 4, 4, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_F16, EKV_DTYPE_F16, 0, 0,
+             4.0},
+            {1, 300, 300, 6, 2, 128, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0,
+             0, 4.0}};
     for (size_t e = 0; e < sizeof extra / sizeof extra[0]; e++, i++)
         run_case(ctx, &extra[e], 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     check_invalid(ctx);

@@ -175,14 +175,10 @@ __device__ __forceinline__ void tile_scores_q(const unsigned char *kt,
     }
 }
 
-/* o += P V over a 16-key tile: P (16 rows x 16 keys, the A fragments from s as tile_scores_q
- * lays them out) split into NP parts of T (x_1 = rn(p), x_{k+1} = rn(p - x_1 - .. - x_k)),
- * the parts' products chained in one accumulator from the smallest, then added to o. */
-template <typename T, int D, int NP>
-__device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p)[4],
-                                        float (*o)[4]) {
-    const int lane = threadIdx.x & 31;
-    uint32_t pa[NP][4]; /* [part][A register] */
+/* P (16 rows x 16 keys, the A fragments from s as tile_scores_q lays them out) as NP parts of T
+ * (x_1 = rn(p), x_{k+1} = rn(p - x_1 - .. - x_k)), the A registers of each part. */
+template <typename T, int NP>
+__device__ __forceinline__ void pv_pack(const float (*p)[4], uint32_t (*pa)[4]) {
 #pragma unroll
     for (int r = 0; r < 4; r++) { /* a0..a3: rows g0, g0 + 8, tokens 0-7 then 8-15 */
         const int nt = r >> 1, i = (r & 1) * 2;
@@ -194,20 +190,60 @@ __device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p
             y -= ekv_elem<T>::to(ekv_elem<T>::from(y));
         }
     }
+}
+
+/* The B fragments of dims dp 16 + 0..7 (vb[0], vb[1]) and + 8..15 (vb[2], vb[3]) of a 16-key
+ * tile of V. */
+template <int D>
+__device__ __forceinline__ void pv_load_b(const unsigned char *vt, int dp, uint32_t *vb) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4<true>(
+            vb, vt + tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3), 2 * dp + (lane >> 4)));
+}
+
+/* o (4 accumulators of one 8-dim n tile) += the parts' products with B (b0, b1), chained in
+ * one accumulator from the smallest part. */
+template <typename T, int NP>
+__device__ __forceinline__ void pv_mma(const uint32_t (*pa)[4], uint32_t b0, uint32_t b1,
+                                       float *o) {
+    float c[4];
+    mma_16816<T>(c, pa[NP - 1], b0, b1);
+#pragma unroll
+    for (int part = NP - 2; part >= 0; part--) mma_16816_acc<T>(c, pa[part], b0, b1);
+#pragma unroll
+    for (int i = 0; i < 4; i++) o[i] += c[i];
+}
+
+/* o += P V over a 16-key tile, P as NP parts (pv_pack). */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p)[4],
+                                        float (*o)[4]) {
+    uint32_t pa[NP][4]; /* [part][A register] */
+    pv_pack<T, NP>(p, pa);
 #pragma unroll
     for (int dp = 0; dp < D / 16; dp++) {
-        uint32_t vb[4]; /* B fragments of dims dp 16 + 0..7 (vb[0], vb[1]) and + 8..15 */
-        ldmatrix_x4<true>(vb, vt + tile_chunk<D>((lane & 7) + (((lane >> 3) & 1) << 3),
-                                                 2 * dp + (lane >> 4)));
+        uint32_t vb[4];
+        pv_load_b<D>(vt, dp, vb);
+#pragma unroll
+        for (int h = 0; h < 2; h++) pv_mma<T, NP>(pa, vb[2 * h], vb[2 * h + 1], o[2 * dp + h]);
+    }
+}
+
+/* o += P V and o2 += P2 V over the same 16-key tile: its B fragments loaded once. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void tile_pv2(const unsigned char *vt, const float (*p)[4],
+                                         float (*o)[4], const float (*p2)[4], float (*o2)[4]) {
+    uint32_t pa[NP][4], pa2[NP][4];
+    pv_pack<T, NP>(p, pa);
+    pv_pack<T, NP>(p2, pa2);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; dp++) {
+        uint32_t vb[4];
+        pv_load_b<D>(vt, dp, vb);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            float c[4];
-            mma_16816<T>(c, pa[NP - 1], vb[2 * h], vb[2 * h + 1]);
-#pragma unroll
-            for (int part = NP - 2; part >= 0; part--)
-                mma_16816_acc<T>(c, pa[part], vb[2 * h], vb[2 * h + 1]);
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[2 * dp + h][i] += c[i];
+            pv_mma<T, NP>(pa, vb[2 * h], vb[2 * h + 1], o[2 * dp + h]);
+            pv_mma<T, NP>(pa2, vb[2 * h], vb[2 * h + 1], o2[2 * dp + h]);
         }
     }
 }

@@ -105,6 +105,11 @@ static bwd_args backward_args(const flash_job &J, const bwd_layout &L, char *bas
     A.alpha = J.alpha;
     A.beta = J.alpha == 1.0 ? 1.0 : 1.0 / (J.alpha - 1.0);
     A.a = J.alpha == 1.0 ? 1.0 : J.alpha - 1.0;
+    A.wkind = J.alpha == 1.0  ? BWD_W_SOFTMAX
+              : A.beta == 2.0 ? BWD_W_SQUARE
+              : A.beta == 1.0 ? BWD_W_LINEAR
+                              : BWD_W_POWER;
+    A.bm1 = (float)(A.beta - 1.0);
     A.slopes = a->shape.alibi_slopes;
     A.q = L.np > 1 ? (const void *)(base + L.qparts) : a->q;
     A.g = L.np > 1 ? (const void *)(base + L.gparts) : dout;

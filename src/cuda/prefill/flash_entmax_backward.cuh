@@ -31,12 +31,22 @@ enum {
     BWD_MAX_SPLITS = 8
 };
 
+/* The formula of p~ and w~ of a call (bwd_weights), chosen once from alpha. */
+enum bwd_wkind {
+    BWD_W_SOFTMAX, /* alpha 1: exp */
+    BWD_W_SQUARE,  /* beta 2 (alpha 1.5): p~ = x^2, w~ = x */
+    BWD_W_LINEAR,  /* beta 1 (alpha 2): p~ = x, w~ = 1 */
+    BWD_W_POWER    /* any other beta: w~ = x^(beta - 1), p~ = w~ x */
+};
+
 struct bwd_args {
     int64_t B, T, N, H, Hk, G, D, R, pos0; /* R = T G rows per KV head; row t at pos0 + t */
     int causal;
     float qf;                     /* a * scale as the forward's scores take it */
     float scale;                  /* the effective scale: ds is d/d(q.k) */
     double alpha, beta, a;        /* a: z = a s (softmax: 1) */
+    int wkind;                    /* bwd_weights' formula: a bwd_wkind */
+    float bm1;                    /* beta - 1 (BWD_W_POWER) */
     const float *slopes;          /* [H] device, or NULL */
     const void *q, *g;            /* [NP][B][T][H][D] parts of q and dout in K's dtype */
     int64_t part_stride;          /* elements between parts: B T H D */
@@ -170,29 +180,52 @@ __device__ __forceinline__ void bwd_tile_dot_parts(const unsigned char *at, int 
     for (int p = 0; p < NP; p++) bwd_tile_dot<T, D>(at + p * astride, bt + p * bstride, s);
 }
 
-/* p~ and w~ of a score z given tau (docs/math.md §13.3): p~ = [z - tau]_+^beta (softmax:
- * exp(z - tau)), w~ = p~^(2 - alpha) = (z - tau)^(beta - 1) on the support, 0 outside (a key
- * at tau gets no gradient, §13.4). */
-__device__ __forceinline__ void bwd_weights(float z, double tau, const bwd_args &A, float *p,
+/* tau as two floats, hi + lo (hi = rn(tau), lo = rn(tau - hi)): z - tau in fp32 as
+ * (z - hi) - lo, within an ulp or two of x = z - tau (docs/math.md §13.3, "On tensor cores") */
+struct bwd_tau {
+    float hi, lo;
+};
+__device__ __forceinline__ bwd_tau bwd_tau_of(double tau) {
+    const float hi = (float)tau;
+    return {hi, (float)(tau - (double)hi)};
+}
+
+/* p~ and w~ of a score z (-inf: a key the row does not see) given tau, in fp32 (docs/math.md
+ * §13.3): p~ = [z - tau]_+^beta (softmax: exp(z - tau)), w~ = p~^(2 - alpha) = x^(beta - 1) on
+ * the support, 0 outside (a key at tau gets no gradient, §13.4); A.wkind picks the formula. */
+__device__ __forceinline__ void bwd_weights(const bwd_args &A, float z, bwd_tau t, float *p,
                                             float *w) {
-    if (A.alpha == 1.0) { /* z - tau in double (tau need not be near z), exp in fp32: 2 ulp */
-        *p = *w = expf((float)((double)z - tau));
+    const float x = (z - t.hi) - t.lo;
+    if (A.wkind == BWD_W_SOFTMAX) {
+        *p = *w = expf(x);
         return;
     }
-    const double x = (double)z - tau;
-    *p = entmax_p(z, tau, A.beta);
-    *w = !(x > 0)        ? 0.f
-         : A.beta == 2.0 ? (float)x
-         : A.beta == 1.0 ? 1.f
-                         : (float)pow(x, A.beta - 1.0);
+    if (!(x > 0.f)) {
+        *p = *w = 0.f;
+        return;
+    }
+    if (A.wkind == BWD_W_SQUARE)
+        *p = x * x, *w = x;
+    else if (A.wkind == BWD_W_LINEAR)
+        *p = x, *w = 1.f;
+    else
+        *w = powf(x, A.bm1), *p = *w * x;
 }
 
 /* z of a (row, key) pair from s = q . k: a (scale q.k - m_h |j - i|) as the forward forms it
- * (docs/math.md §12); -inf where the row does not see the key (causal, past N, or no row). */
-__device__ __forceinline__ float bwd_z(const bwd_args &A, float s, float am, int64_t pos,
-                                       bool row_on, int64_t j) {
-    const bool in = row_on && j < A.N && (!A.causal || j <= pos);
-    return in ? fmaf(s, A.qf, -am * fabsf((float)(j - pos))) : -CUDART_INF_F;
+ * (docs/math.md §12), with rel = j - i as a float (exact below 2^24, and within z's own
+ * rounding past it); -inf where the row does not see the key (in false: causal, past N, or no
+ * row). am is 0 without ALiBi. */
+__device__ __forceinline__ float bwd_z(const bwd_args &A, float s, float am, float rel, bool in) {
+    return in ? fmaf(s, A.qf, -am * fabsf(rel)) : -CUDART_INF_F;
+}
+
+/* The keys row r of KV head g sees from key k0 on, of the 64 of a tile (0 to 64): those before
+ * N and, causal, at or before its position pos. */
+__device__ __forceinline__ int bwd_visible(const bwd_args &A, int64_t pos, bool on, int64_t k0) {
+    const int64_t end = A.causal && pos + 1 < A.N ? pos + 1 : A.N;
+    const int64_t n = on ? end - k0 : 0;
+    return n <= 0 ? 0 : n >= BWD_KEYS ? BWD_KEYS : (int)n;
 }
 
 } // namespace

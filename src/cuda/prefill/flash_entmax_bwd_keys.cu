@@ -13,77 +13,90 @@
 
 namespace {
 
-/* A row of the current row block, as the lanes read it. */
+/* A row of the current row block against the block's tile, as the lanes read it. */
 struct bwd_row_info {
-    double tau;
-    int64_t pos;
-    float am, rinv, wscale, delta;
-    int on, pad;
+    bwd_tau tau;
+    float am, rel; /* rel: k0 - the row's position, as a float (bwd_z) */
+    float rinv, wscale, delta;
+    int vis; /* the tile's keys the row sees (bwd_visible) */
 };
 
+/* Shared memory: the tile's K and V, then two stages of SR query rows (q and dout parts and
+ * the rows' info). SR is 64 rows (four 16-row blocks between two barriers) where the parts are
+ * one, 16 where they are BWD_SPLIT_PARTS (a 64-row stage would not fit beside the others). */
 template <int D, int NP> struct keys_layout {
-    static constexpr int KT = BWD_KEYS * D * 2, STAGE = 2 * NP * bwd_tile16<D>();
+    static constexpr int SR = NP == 1 ? 64 : BWD_ROWS, SUB = SR / BWD_ROWS;
+    static constexpr int PART = SR * D * 2; /* bytes of a part of SR rows */
+    static constexpr int KT = BWD_KEYS * D * 2, STAGE = 2 * NP * PART;
     static constexpr int K = 0, V = KT, STAGES = 2 * KT, INFO = STAGES + 2 * STAGE;
-    static constexpr int BYTES = INFO + 2 * BWD_ROWS * (int)sizeof(bwd_row_info);
+    static constexpr int BYTES = INFO + 2 * SR * (int)sizeof(bwd_row_info);
 };
 
-/* Row block [r0, r0 + 16) into stage st: q and dout parts by cp.async, the rows' info by
- * threads 0-15 (seen after the barrier that precedes their use). */
+/* Rows [r0, r0 + SR) into stage st: q and dout parts by cp.async, the rows' info against the
+ * tile from k0 by threads 0 to SR - 1 (seen after the barrier that precedes their use). */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t g, int64_t r0,
-                                           unsigned char *stage, bwd_row_info *info) {
-    bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, BWD_ROWS, stage);
-    bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROWS, stage + NP * bwd_tile16<D>());
-    if (threadIdx.x < BWD_ROWS) {
+                                           int64_t k0, unsigned char *stage, bwd_row_info *info) {
+    typedef keys_layout<D, NP> L;
+    bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, L::SR, stage);
+    bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, L::SR, stage + NP * L::PART);
+    if (threadIdx.x < L::SR) {
         const int64_t r = r0 + threadIdx.x;
         bwd_row_info x = {};
-        x.on = r < A.R;
-        if (x.on) {
-            const int64_t i = bwd_row_index(A, b, g, r);
-            x.tau = A.tau[i], x.rinv = A.rinv[i], x.wscale = A.wscale[i], x.delta = A.delta[i];
+        if (r < A.R) {
+            const int64_t i = bwd_row_index(A, b, g, r), pos = A.pos0 + r / A.G;
+            x.tau = bwd_tau_of(A.tau[i]);
+            x.rinv = A.rinv[i], x.wscale = A.wscale[i], x.delta = A.delta[i];
             x.am = bwd_row_am(A, g, r);
-            x.pos = A.pos0 + r / A.G;
+            x.rel = (float)(k0 - pos);
+            x.vis = bwd_visible(A, pos, true, k0);
         }
         info[threadIdx.x] = x;
     }
 }
 
 /* The warp's p (times pscale) and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of
- * the tile, row nt 8 + 2 (lane % 4) + i % 2 of the block) from its S^T and G^T. */
+ * the tile, row nt 8 + 2 (lane % 4) + i % 2 of the 16-row block) from its S^T and G^T. */
 __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_info *info,
-                                             int64_t kw, float pscale, const float (*s)[4],
+                                             float pscale, const float (*s)[4],
                                              const float (*gv)[4], float (*p)[4], float (*ds)[4]) {
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, key = 16 * (threadIdx.x >> 5) + (lane >> 2);
+    const float keyf = (float)key;
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const bwd_row_info &ri = info[8 * nt + 2 * (lane & 3) + (i & 1)];
-            const int64_t j = kw + (lane >> 2) + 8 * (i >> 1);
-            float pt, w;
-            bwd_weights(bwd_z(A, s[nt][i], ri.am, ri.pos, ri.on != 0, j), ri.tau, A, &pt, &w);
-            p[nt][i] = pt * ri.rinv * pscale;
-            ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
+        for (int k = 0; k < 2; k++) { /* row nt 8 + 2 (lane % 4) + k */
+            const bwd_row_info ri = info[8 * nt + 2 * (lane & 3) + k];
+#pragma unroll
+            for (int h = 0; h < 2; h++) { /* key + 8 h */
+                const int i = 2 * h + k, j = key + 8 * h;
+                float pt, w;
+                bwd_weights(A, bwd_z(A, s[nt][i], ri.am, ri.rel + (keyf + 8.f * h), j < ri.vis),
+                            ri.tau, &pt, &w);
+                p[nt][i] = pt * ri.rinv * pscale;
+                ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
+            }
         }
 }
 
-/* One row block against the warp's 16 keys: S^T, G^T, p, ds, dV, dK. */
+/* One 16-row block (at qt: NP parts PART bytes apart, then dout's) against the warp's 16 keys:
+ * S^T, G^T, p, ds, dV, dK. */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned char *smem,
-                                           const unsigned char *stage, const bwd_row_info *info,
-                                           int64_t k0, float (*dk)[4], float (*dv)[4]) {
+                                           const unsigned char *qt, const bwd_row_info *info,
+                                           float (*dk)[4], float (*dv)[4]) {
     typedef keys_layout<D, NP> L;
     constexpr int TB = bwd_tile16<D>();
     const int warp = threadIdx.x >> 5;
-    const unsigned char *qt = stage, *gt = stage + NP * TB;
+    const unsigned char *gt = qt + NP * L::PART;
     float s[2][4], gv[2][4], p[2][4], ds[2][4];
-    bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, TB, s);
-    bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, TB, gv);
-    keys_weights(A, info, k0 + 16 * warp, bwd_pscale<T>(), s, gv, p, ds);
+    bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, L::PART, s);
+    bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, L::PART, gv);
+    keys_weights(A, info, bwd_pscale<T>(), s, gv, p, ds);
 #pragma unroll 1 /* fp32 q and dout (NP 3): the parts one at a time, fewer live registers */
     for (int part = 0; part < NP; part++) {
-        tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * TB, p, dv);
-        tile_pv<T, D, BWD_OPERAND_PARTS>(qt + part * TB, ds, dk);
+        tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * L::PART, p, dv);
+        tile_pv<T, D, BWD_OPERAND_PARTS>(qt + part * L::PART, ds, dk);
     }
 }
 
@@ -132,26 +145,32 @@ __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_
     const int64_t per = (all + gridDim.z - 1) / gridDim.z, ib0 = per * blockIdx.z;
     const int64_t rb0 = first / BWD_ROWS * BWD_ROWS + ib0 * BWD_ROWS;
     const int64_t nrb = all - ib0 < per ? (all > ib0 ? all - ib0 : 0) : per;
+    const int64_t nch = (nrb + L::SUB - 1) / L::SUB; /* stages of SR rows */
     bwd_row_info *info = reinterpret_cast<bwd_row_info *>(smem + L::INFO);
     bwd_load_keys<T, D>(A, A.k, b, g, k0, smem + L::K);
     bwd_load_keys<T, D>(A, A.v, b, g, k0, smem + L::V);
-    if (nrb > 0) keys_issue<T, D, NP>(A, b, g, rb0, smem + L::STAGES, info);
+    if (nch > 0) keys_issue<T, D, NP>(A, b, g, rb0, k0, smem + L::STAGES, info);
     cp_async_commit();
     float dk[D / 8][4], dv[D / 8][4];
     mma_zero<D / 8>(dk);
     mma_zero<D / 8>(dv);
-    for (int64_t ib = 0; ib < nrb; ib++) {
-        const int st = (int)(ib & 1);
-        if (ib + 1 < nrb)
-            keys_issue<T, D, NP>(A, b, g, rb0 + (ib + 1) * BWD_ROWS,
-                                 smem + L::STAGES + (st ^ 1) * L::STAGE,
-                                 info + (st ^ 1) * BWD_ROWS);
+    for (int64_t ic = 0; ic < nch; ic++) {
+        const int st = (int)(ic & 1);
+        if (ic + 1 < nch)
+            keys_issue<T, D, NP>(A, b, g, rb0 + (ic + 1) * L::SR, k0,
+                                 smem + L::STAGES + (st ^ 1) * L::STAGE, info + (st ^ 1) * L::SR);
         cp_async_commit();
-        cp_async_wait<1>(); /* this thread's copies of block ib (and the tiles) have landed ... */
+        cp_async_wait<1>(); /* this thread's copies of stage ic (and the tiles) have landed ... */
         __syncthreads();    /* ... and everyone's, and the info */
-        keys_block<T, D, NP>(A, smem, smem + L::STAGES + st * L::STAGE, info + st * BWD_ROWS, k0,
-                             dk, dv);
-        __syncthreads(); /* the stage and the info are free for block ib + 2 */
+        /* the split's own row blocks of the stage (its last may hold rows of the next split) */
+        const int64_t left = nrb - ic * L::SUB;
+        const int nsub = left < L::SUB ? (int)left : L::SUB;
+        const unsigned char *stage = smem + L::STAGES + st * L::STAGE;
+#pragma unroll 1
+        for (int sb = 0; sb < nsub; sb++)
+            keys_block<T, D, NP>(A, smem, stage + sb * bwd_tile16<D>(),
+                                 info + st * L::SR + sb * BWD_ROWS, dk, dv);
+        __syncthreads(); /* the stage and the info are free for stage ic + 2 */
     }
     cp_async_wait<0>();
     keys_store<T, D>(A, b, g, k0, dk, dv);

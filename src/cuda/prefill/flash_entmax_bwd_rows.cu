@@ -1,16 +1,20 @@
 /*
  * The backward's rows pass (flash_entmax_backward.cuh, docs/math.md §13.3, "On tensor cores"):
  * per query row, S = sum p~ (the forward's normaliser, recomputed from tau), sum w~ and
- * sum w~ g (g_j = dout . v_j), written as 1 / S, S^(alpha - 2) and delta = sum w~ g / sum w~
- * (the scale of w cancels in delta) for the keys pass, then dq = sum_j ds_j k_j. A block owns
- * 64 rows of one KV head (16 per warp, their q and dout parts staged in shared memory once)
- * and sweeps the K and V tiles of their keys twice through two cp.async stages:
- *   1. S = Q K^T and G = dO V^T of each 16-key piece (the products of 16-bit parts are exact,
- *      fp32 sums: z within the forward's own rounding, docs/math.md §12), the sums;
- *   2. S and G again, ds = scale S^(alpha - 2) w~ (g - delta), dQ += dS K (dS as
- *      BWD_OPERAND_PARTS 16-bit parts, tile_pv) in registers.
+ * sum w~ (g - r) (g_j = dout . v_j, r a shift of the row), written as 1 / S, S^(alpha - 2) and
+ * delta = r + sum w~ (g - r) / sum w~ (the scale of w cancels) for the keys pass, and
+ * dq = sum_j ds_j k_j. A block owns 64 rows of one KV head (16 per warp, their q and dout parts
+ * staged in shared memory once) and sweeps the K and V tiles of their keys through two cp.async
+ * stages, computing S = Q K^T and G = dO V^T of each 16-key piece (the products of 16-bit parts
+ * are exact, fp32 sums: z within the forward's own rounding, docs/math.md §12):
+ *   - head dim 64, q and dout in K's dtype (rows_one_sweep): one sweep, with r = g of the row's
+ *     own key, for the sums and A = sum w~ (g - r) k, B = sum w~ k (w~ (g - r) and w~ as
+ *     BWD_OPERAND_PARTS 16-bit parts, tile_pv2); then dq = scale S^(alpha - 2) (A - (delta - r) B)
+ *     (§13.3, "One sweep for dq");
+ *   - else (the registers of two D-wide sums would not fit) two sweeps, r = 0: the sums, then S
+ *     and G again, ds = scale S^(alpha - 2) w~ (g - delta), dQ += dS K.
  * dq is the block's alone: no atomics, and the same bits on every call (the keys pass owns dk
- * and dv the same way), at the price of recomputing S and G once more.
+ * and dv the same way).
  */
 #include "flash_entmax_backward.cuh"
 
@@ -21,12 +25,21 @@ template <int D, int NP> constexpr size_t rows_smem_bytes() {
            (size_t)2 * 2 * BWD_KEYS * D * 2; /* two stages of K and V */
 }
 
-/* The lane's two query rows (k = 0: lane / 4 of the warp's 16, k = 1: lane / 4 + 8) and
- * their sums: sweep 1 accumulates sp, sw, swg; sweep 2 reads rinv... from them. */
+/* One sweep for dq (rows_one_sweep) at this head dim and these parts: the registers of two
+ * D-wide sums fit at D 64 with one part. */
+template <int D, int NP> __host__ __device__ constexpr bool rows_one_sweep() {
+    return D == 64 && NP == 1;
+}
+
+/* The lane's two query rows (k = 0: lane / 4 of the warp's 16, k = 1: lane / 4 + 8), their
+ * sums (sp, sw, swg: sum w~ (g - shift)), and per tile the keys they see (vis) and rel0 =
+ * k0 - pos as a float (bwd_z). */
 struct rows_lane {
     int64_t r[2], pos[2];
-    double tau[2], sp[2], sw[2], swg[2];
-    float am[2], wscale[2], delta[2];
+    bwd_tau tau[2];
+    double sp[2], sw[2], swg[2];
+    float am[2], shift[2], wscale[2], delta[2], rel0[2];
+    int vis[2];
     bool on[2];
 };
 
@@ -43,60 +56,112 @@ __device__ __forceinline__ void rows_piece(const unsigned char *qs, const unsign
 
 /* Each 16-key piece q of the tile from k0: rows_piece, each score's weights p~ and w~
  * (bwd_weights of its z) to each(nt, i, k, p, w, g) in tile_dot's layout (row k of the lane,
- * g its G entry), then done(q). */
+ * g its G entry), then done(q). L.vis and L.rel0 are the tile's. */
 template <typename T, int D, int NP, typename Each, typename Done>
 __device__ __forceinline__ void rows_pieces(const bwd_args &A, const unsigned char *qs,
                                             const unsigned char *gs, const unsigned char *kt,
-                                            const unsigned char *vt, int64_t k0, const rows_lane &L,
+                                            const unsigned char *vt, const rows_lane &L,
                                             const Each &each, const Done &done) {
     const int lane = threadIdx.x & 31;
 #pragma unroll 1
     for (int q = 0; q < BWD_KEYS / 16; q++) {
         float s[2][4], gv[2][4];
         rows_piece<T, D, NP>(qs, gs, kt, vt, q, s, gv);
+        const int j0 = 16 * q + 2 * (lane & 3); /* the lane's first key of the piece */
+        const float j0f = (float)j0;
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int k = i >> 1;
-                const int64_t j = k0 + 16 * q + 8 * nt + 2 * (lane & 3) + (i & 1);
+                const int k = i >> 1, dj = 8 * nt + (i & 1);
+                const float z = bwd_z(A, s[nt][i], L.am[k], L.rel0[k] + (j0f + (float)dj),
+                                      j0 + dj < L.vis[k]);
                 float p, w;
-                bwd_weights(bwd_z(A, s[nt][i], L.am[k], L.pos[k], L.on[k], j), L.tau[k], A, &p, &w);
+                bwd_weights(A, z, L.tau[k], &p, &w);
                 each(nt, i, k, p, w, gv[nt][i]);
             }
         done(q);
     }
 }
 
-/* Sweep 1, one 64-key tile from k0: the sums of the lane's rows over the tile's keys. */
+/* The sums of one tile's keys into the lane's (sw, swg and sp: fp32 over the tile, double
+ * across tiles). */
+struct rows_tile_sums {
+    float p[2] = {0.f, 0.f}, w[2] = {0.f, 0.f}, wg[2] = {0.f, 0.f};
+    __device__ void add_to(rows_lane &L) const {
+        for (int k = 0; k < 2; k++) L.sp[k] += p[k], L.sw[k] += w[k], L.swg[k] += wg[k];
+    }
+};
+
+/* Two sweeps, sweep 1, one 64-key tile: the sums of the lane's rows over the tile's keys. */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char *qs,
                                           const unsigned char *gs, const unsigned char *kt,
-                                          const unsigned char *vt, int64_t k0, rows_lane &L) {
-    float tp[2] = {0.f, 0.f}, tw[2] = {0.f, 0.f}, twg[2] = {0.f, 0.f};
+                                          const unsigned char *vt, rows_lane &L) {
+    rows_tile_sums t;
     rows_pieces<T, D, NP>(
-            A, qs, gs, kt, vt, k0, L,
+            A, qs, gs, kt, vt, L,
             [&](int, int, int k, float p, float w, float g) {
-                tp[k] += p;
-                if (w != 0.f) tw[k] += w, twg[k] = fmaf(w, g, twg[k]);
+                t.p[k] += p;
+                if (w != 0.f) t.w[k] += w, t.wg[k] = fmaf(w, g - L.shift[k], t.wg[k]);
             },
             [](int) {});
-    for (int k = 0; k < 2; k++) L.sp[k] += tp[k], L.sw[k] += tw[k], L.swg[k] += twg[k];
+    t.add_to(L);
 }
 
-/* Sweep 2, one 64-key tile from k0: dq (16 rows x D, tile_pv's layout) += dS K. */
+/* Two sweeps, sweep 2, one 64-key tile: dq (16 rows x D, tile_pv's layout) += dS K. */
 template <typename T, int D, int NP>
-__device__ __forceinline__ void rows_dq(const bwd_args &A, const unsigned char *qs,
-                                        const unsigned char *gs, const unsigned char *kt,
-                                        const unsigned char *vt, int64_t k0, const rows_lane &L,
-                                        float (*dq)[4]) {
+__device__ __forceinline__ void
+rows_dq(const bwd_args &A, const unsigned char *qs, const unsigned char *gs,
+        const unsigned char *kt, const unsigned char *vt, const rows_lane &L, float (*dq)[4]) {
     float ds[2][4];
     rows_pieces<T, D, NP>(
-            A, qs, gs, kt, vt, k0, L,
+            A, qs, gs, kt, vt, L,
             [&](int nt, int i, int k, float, float w, float g) {
                 ds[nt][i] = w != 0.f ? A.scale * L.wscale[k] * w * (g - L.delta[k]) : 0.f;
             },
             [&](int q) { tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq); });
+}
+
+/* One sweep, one 64-key tile: the sums, and sa += w~ (g - shift) K, sb += w~ K. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void rows_sums_dq(const bwd_args &A, const unsigned char *qs,
+                                             const unsigned char *gs, const unsigned char *kt,
+                                             const unsigned char *vt, rows_lane &L, float (*sa)[4],
+                                             float (*sb)[4]) {
+    rows_tile_sums t;
+    float wg[2][4], w1[2][4];
+    rows_pieces<T, D, NP>(
+            A, qs, gs, kt, vt, L,
+            [&](int nt, int i, int k, float p, float w, float g) {
+                t.p[k] += p;
+                wg[nt][i] = w != 0.f ? w * (g - L.shift[k]) : 0.f;
+                w1[nt][i] = w;
+                t.w[k] += w, t.wg[k] += wg[nt][i];
+            },
+            [&](int q) {
+                tile_pv2<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), wg, sa, w1, sb);
+            });
+    t.add_to(L);
+}
+
+/* The shift of the lane's row k for one sweep: g of its own key (the one at its position,
+ * clamped to [0, N)), dout . v in fp32 over the 4 lanes of the row. Any r is exact in
+ * arithmetic; this one keeps A and (delta - r) B small where the g of a row's support are
+ * close (docs/math.md §13.3, "One sweep for dq"). Every lane of the warp calls it. */
+template <typename T, int D>
+__device__ __forceinline__ float rows_shift(const bwd_args &A, int64_t b, int64_t g,
+                                            const rows_lane &L, int k) {
+    const int lane = threadIdx.x & 31;
+    const int64_t j = L.pos[k] < 0 ? 0 : L.pos[k] >= A.N ? A.N - 1 : L.pos[k];
+    const T *dout = static_cast<const T *>(A.g) + bwd_row_offset(A, b, g, L.on[k] ? L.r[k] : 0);
+    const T *v = static_cast<const T *>(A.v) + ((b * A.N + j) * A.Hk + g) * A.D;
+    float x = 0.f;
+    for (int d = (lane & 3) * (D / 4); d < ((lane & 3) + 1) * (D / 4); d++)
+        x = fmaf(ekv_elem<T>::to(dout[d]), ekv_elem<T>::to(v[d]), x);
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return L.on[k] ? x : 0.f;
 }
 
 /* The block's key tiles through two stages (K at st, V at st + KT), use(k0, kt, vt) on each
@@ -126,12 +191,57 @@ __device__ __forceinline__ void store_as(void *p, int dt, int64_t i, float x) {
         static_cast<float *>(p)[i] = x;
 }
 
-/* Block (row block + B blocks..., KV head): its 64 rows' sums, then their dq. */
+/* The lane's rows of the row block from r0: index, position, tau, slope, shift (0 here). */
+__device__ __forceinline__ void rows_lane_init(const bwd_args &A, int64_t b, int64_t g, int64_t r0,
+                                               rows_lane &L) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        L.r[k] = r0 + 16 * warp + (lane >> 2) + 8 * k;
+        L.on[k] = L.r[k] < A.R;
+        const int64_t rr = L.on[k] ? L.r[k] : 0;
+        L.tau[k] = bwd_tau_of(L.on[k] ? A.tau[bwd_row_index(A, b, g, rr)] : 0.0);
+        L.am[k] = bwd_row_am(A, g, rr);
+        L.pos[k] = A.pos0 + rr / A.G;
+        L.sp[k] = L.sw[k] = L.swg[k] = 0.0;
+        L.shift[k] = 0.f;
+    }
+}
+
+/* The tile from k0 as the lane's rows see it (L.vis, L.rel0). */
+__device__ __forceinline__ void rows_lane_tile(const bwd_args &A, int64_t k0, rows_lane &L) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        L.vis[k] = bwd_visible(A, L.pos[k], L.on[k], k0);
+        L.rel0[k] = (float)(k0 - L.pos[k]);
+    }
+}
+
+/* After the sums: S^(alpha - 2) and delta into L, and 1 / S, S^(alpha - 2), delta into the
+ * keys pass's arrays (a lane per row); dr[k] = delta - shift of the lane's row k. */
+__device__ __forceinline__ void rows_finish(const bwd_args &A, int64_t b, int64_t g, rows_lane &L,
+                                            float *dr) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const double S = ekv_quad_sum(L.sp[k]), SW = ekv_quad_sum(L.sw[k]),
+                     SWG = ekv_quad_sum(L.swg[k]);
+        L.wscale[k] = (float)pow(S, A.alpha - 2.0);
+        L.delta[k] = (float)((double)L.shift[k] + SWG / SW);
+        dr[k] = (float)(SWG / SW);
+        if ((lane & 3) || !L.on[k]) continue;
+        const int64_t i = bwd_row_index(A, b, g, L.r[k]);
+        A.rinv[i] = (float)(1.0 / S), A.wscale[i] = L.wscale[k], A.delta[i] = L.delta[k];
+    }
+}
+
+/* Block (row block + B blocks..., KV head): its 64 rows' sums and dq. */
 template <typename T, int D, int NP>
 __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     ekv_grid_begin();
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr int PART = BWD_ROW_BLOCK * D * 2;
+    constexpr bool ONE = rows_one_sweep<D, NP>();
     unsigned char *qs = smem, *gs = smem + NP * PART, *stages = gs + NP * PART;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
@@ -142,38 +252,39 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, BWD_ROW_BLOCK, qs);
     bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROW_BLOCK, gs);
     rows_lane L;
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        L.r[k] = r0 + 16 * warp + (lane >> 2) + 8 * k;
-        L.on[k] = L.r[k] < A.R;
-        const int64_t rr = L.on[k] ? L.r[k] : 0;
-        L.tau[k] = L.on[k] ? A.tau[bwd_row_index(A, b, g, rr)] : 0.0;
-        L.am[k] = bwd_row_am(A, g, rr);
-        L.pos[k] = A.pos0 + rr / A.G;
-        L.sp[k] = L.sw[k] = L.swg[k] = 0.0;
-    }
+    rows_lane_init(A, b, g, r0, L);
+    if (ONE)
+        for (int k = 0; k < 2; k++) L.shift[k] = rows_shift<T, D>(A, b, g, L, k);
     const unsigned char *wq = qs + warp * bwd_tile16<D>(), *wg = gs + warp * bwd_tile16<D>();
     const bool warp_on = r0 + 16 * warp < A.R;
-    rows_sweep<T, D>(A, b, g, ntiles, stages,
-                     [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-                         if (warp_on) rows_sums<T, D, NP>(A, wq, wg, kt, vt, k0, L);
-                     });
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        const double S = ekv_quad_sum(L.sp[k]), SW = ekv_quad_sum(L.sw[k]),
-                     SWG = ekv_quad_sum(L.swg[k]);
-        L.wscale[k] = (float)pow(S, A.alpha - 2.0);
-        L.delta[k] = (float)(SWG / SW);
-        if ((lane & 3) || !L.on[k]) continue;
-        const int64_t i = bwd_row_index(A, b, g, L.r[k]);
-        A.rinv[i] = (float)(1.0 / S), A.wscale[i] = L.wscale[k], A.delta[i] = L.delta[k];
-    }
-    float dq[D / 8][4];
+    float dq[D / 8][4], dqb[D / 8][4], dr[2];
     mma_zero<D / 8>(dq);
+    if (ONE) mma_zero<D / 8>(dqb);
     rows_sweep<T, D>(A, b, g, ntiles, stages,
                      [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-                         if (warp_on) rows_dq<T, D, NP>(A, wq, wg, kt, vt, k0, L, dq);
+                         rows_lane_tile(A, k0, L);
+                         if (!warp_on) return;
+                         if (ONE)
+                             rows_sums_dq<T, D, NP>(A, wq, wg, kt, vt, L, dq, dqb);
+                         else
+                             rows_sums<T, D, NP>(A, wq, wg, kt, vt, L);
                      });
+    rows_finish(A, b, g, L, dr);
+    if (ONE) { /* dq = scale S^(alpha - 2) (A - (delta - shift) B) */
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int k = i >> 1;
+                dq[n][i] = A.scale * L.wscale[k] * fmaf(-dr[k], dqb[n][i], dq[n][i]);
+            }
+    } else {
+        rows_sweep<T, D>(A, b, g, ntiles, stages,
+                         [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
+                             rows_lane_tile(A, k0, L);
+                             if (warp_on) rows_dq<T, D, NP>(A, wq, wg, kt, vt, L, dq);
+                         });
+    }
     /* dq[n][i]: row lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
