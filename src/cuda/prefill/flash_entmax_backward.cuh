@@ -64,18 +64,29 @@ struct bwd_args {
 cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
 cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
 
-/* Pass::launch<T, D, NP>(A, s) with the storage type T of K's dtype kv (F16, else BF16), the
- * head dim D = A.D (64, else 128) and the parts NP = np (1, else BWD_SPLIT_PARTS): the one
- * ladder that both passes' kernels are launched through. */
+/* Pass::launch<T, D, NP, W>(A, s) with the storage type T of K's dtype kv (F16, else BF16), the
+ * head dim D = A.D (64, else 128), the parts NP = np (1, else BWD_SPLIT_PARTS) and the weights'
+ * formula W = A.wkind (a bwd_wkind: no branch on it a score): the one ladder that both passes'
+ * kernels are launched through. */
 template <typename Pass>
 static inline cudaError_t bwd_launch(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s) {
-    auto with_type = [&](auto ty) {
+    auto with_kind = [&](auto ty, auto d, auto p) {
         typedef typename decltype(ty)::type T;
-        if (A.D == 64)
-            return np == 1 ? Pass::template launch<T, 64, 1>(A, s)
-                           : Pass::template launch<T, 64, BWD_SPLIT_PARTS>(A, s);
-        return np == 1 ? Pass::template launch<T, 128, 1>(A, s)
-                       : Pass::template launch<T, 128, BWD_SPLIT_PARTS>(A, s);
+        constexpr int D = decltype(d)::value, NP = decltype(p)::value;
+        switch (A.wkind) {
+        case BWD_W_SOFTMAX: return Pass::template launch<T, D, NP, BWD_W_SOFTMAX>(A, s);
+        case BWD_W_SQUARE: return Pass::template launch<T, D, NP, BWD_W_SQUARE>(A, s);
+        case BWD_W_LINEAR: return Pass::template launch<T, D, NP, BWD_W_LINEAR>(A, s);
+        default: return Pass::template launch<T, D, NP, BWD_W_POWER>(A, s);
+        }
+    };
+    auto with_type = [&](auto ty) {
+        typedef std::integral_constant<int, 1> one;
+        typedef std::integral_constant<int, BWD_SPLIT_PARTS> split;
+        typedef std::integral_constant<int, 64> d64;
+        typedef std::integral_constant<int, 128> d128;
+        if (A.D == 64) return np == 1 ? with_kind(ty, d64{}, one{}) : with_kind(ty, d64{}, split{});
+        return np == 1 ? with_kind(ty, d128{}, one{}) : with_kind(ty, d128{}, split{});
     };
     return kv == EKV_DTYPE_F16 ? with_type(ekv_cuda_type<__half>{})
                                : with_type(ekv_cuda_type<__nv_bfloat16>{});
@@ -192,24 +203,24 @@ __device__ __forceinline__ bwd_tau bwd_tau_of(double tau) {
 
 /* p~ and w~ of a score z (-inf: a key the row does not see) given tau, in fp32 (docs/math.md
  * §13.3): p~ = [z - tau]_+^beta (softmax: exp(z - tau)), w~ = p~^(2 - alpha) = x^(beta - 1) on
- * the support, 0 outside (a key at tau gets no gradient, §13.4); A.wkind picks the formula. */
+ * the support, 0 outside (a key at tau gets no gradient, §13.4); W = A.wkind picks the formula. */
+template <int W>
 __device__ __forceinline__ void bwd_weights(const bwd_args &A, float z, bwd_tau t, float *p,
                                             float *w) {
     const float x = (z - t.hi) - t.lo;
-    if (A.wkind == BWD_W_SOFTMAX) {
+    if (W == BWD_W_SOFTMAX) {
         *p = *w = expf(x);
         return;
     }
-    if (!(x > 0.f)) {
-        *p = *w = 0.f;
-        return;
+    const bool in = x > 0.f; /* false for NaN and -inf too */
+    if (W == BWD_W_SQUARE) {
+        *p = in ? x * x : 0.f, *w = in ? x : 0.f;
+    } else if (W == BWD_W_LINEAR) {
+        *p = in ? x : 0.f, *w = in ? 1.f : 0.f;
+    } else {
+        *w = in ? powf(x, A.bm1) : 0.f;
+        *p = in ? *w * x : 0.f; /* x may be -inf */
     }
-    if (A.wkind == BWD_W_SQUARE)
-        *p = x * x, *w = x;
-    else if (A.wkind == BWD_W_LINEAR)
-        *p = x, *w = 1.f;
-    else
-        *w = powf(x, A.bm1), *p = *w * x;
 }
 
 /* z of a (row, key) pair from s = q . k: a (scale q.k - m_h |j - i|) as the forward forms it

@@ -57,6 +57,7 @@ __device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t
 
 /* The warp's p (times pscale) and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of
  * the tile, row nt 8 + 2 (lane % 4) + i % 2 of the 16-row block) from its S^T and G^T. */
+template <int W>
 __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_info *info,
                                              float pscale, const float (*s)[4],
                                              const float (*gv)[4], float (*p)[4], float (*ds)[4]) {
@@ -71,7 +72,7 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
             for (int h = 0; h < 2; h++) { /* key + 8 h */
                 const int i = 2 * h + k, j = key + 8 * h;
                 float pt, w;
-                bwd_weights(A, bwd_z(A, s[nt][i], ri.am, ri.rel + (keyf + 8.f * h), j < ri.vis),
+                bwd_weights<W>(A, bwd_z(A, s[nt][i], ri.am, ri.rel + (keyf + 8.f * h), j < ri.vis),
                             ri.tau, &pt, &w);
                 p[nt][i] = pt * ri.rinv * pscale;
                 ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
@@ -81,7 +82,7 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
 
 /* One 16-row block (at qt: NP parts PART bytes apart, then dout's) against the warp's 16 keys:
  * S^T, G^T, p, ds, dV, dK. */
-template <typename T, int D, int NP>
+template <typename T, int D, int NP, int W>
 __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned char *smem,
                                            const unsigned char *qt, const bwd_row_info *info,
                                            float (*dk)[4], float (*dv)[4]) {
@@ -92,7 +93,7 @@ __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned cha
     float s[2][4], gv[2][4], p[2][4], ds[2][4];
     bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, L::PART, s);
     bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, L::PART, gv);
-    keys_weights(A, info, bwd_pscale<T>(), s, gv, p, ds);
+    keys_weights<W>(A, info, bwd_pscale<T>(), s, gv, p, ds);
 #pragma unroll 1 /* fp32 q and dout (NP 3): the parts one at a time, fewer live registers */
     for (int part = 0; part < NP; part++) {
         tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * L::PART, p, dv);
@@ -107,7 +108,7 @@ template <typename T, int D>
 __device__ __forceinline__ void keys_store(const bwd_args &A, int64_t b, int64_t g, int64_t k0,
                                            const float (*dk)[4], const float (*dv)[4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t part = blockIdx.z * A.B * A.N * A.Hk * A.D;
+    const int64_t part = (int64_t)(blockIdx.x % A.key_splits) * A.B * A.N * A.Hk * A.D;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int64_t key = k0 + 16 * warp + (lane >> 2) + 8 * (i >> 1);
@@ -127,22 +128,24 @@ __device__ __forceinline__ void keys_store(const bwd_args &A, int64_t b, int64_t
     }
 }
 
-/* Block (key tile + B tiles..., KV head, split): dK and dV of the tile's keys over the split's
- * share of the row blocks that see the tile (gridDim.z splits: a causal prefix's first tiles
+/* Block (key tile, sequence, KV head, split): dK and dV of the tile's keys over the split's
+ * share of the row blocks that see the tile (A.key_splits splits: a causal prefix's first tiles
  * see every row, so one block per tile would leave the last ones idle). */
-template <typename T, int D, int NP>
+template <typename T, int D, int NP, int W>
 /* D 64: 3 blocks an SM (168 registers, 16 bytes spilled, against 196 and 2 blocks unbounded) */
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_args A) {
     ekv_grid_begin();
     extern __shared__ __align__(128) unsigned char smem[];
     typedef keys_layout<D, NP> L;
-    const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
-    const int64_t b = blockIdx.x / ntk, k0 = blockIdx.x % ntk * BWD_KEYS, g = blockIdx.y;
+    /* x = (key tile, sequence, KV head, split), the tiles in order: causal, the first see the
+     * most rows, so the grid's last wave holds the short ones */
+    const int64_t split = blockIdx.x % A.key_splits, rest = blockIdx.x / A.key_splits;
+    const int64_t g = rest % A.Hk, b = rest / A.Hk % A.B, k0 = rest / A.Hk / A.B * BWD_KEYS;
     /* causal: the rows at positions >= k0, t >= k0 - pos0 (from a whole row block) */
     const int64_t first = A.causal && k0 > A.pos0 ? (k0 - A.pos0) * A.G : 0;
     const int64_t all =
             first < A.R ? (A.R - first / BWD_ROWS * BWD_ROWS + BWD_ROWS - 1) / BWD_ROWS : 0;
-    const int64_t per = (all + gridDim.z - 1) / gridDim.z, ib0 = per * blockIdx.z;
+    const int64_t per = (all + A.key_splits - 1) / A.key_splits, ib0 = per * split;
     const int64_t rb0 = first / BWD_ROWS * BWD_ROWS + ib0 * BWD_ROWS;
     const int64_t nrb = all - ib0 < per ? (all > ib0 ? all - ib0 : 0) : per;
     const int64_t nch = (nrb + L::SUB - 1) / L::SUB; /* stages of SR rows */
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_
         const unsigned char *stage = smem + L::STAGES + st * L::STAGE;
 #pragma unroll 1
         for (int sb = 0; sb < nsub; sb++)
-            keys_block<T, D, NP>(A, smem, stage + sb * bwd_tile16<D>(),
+            keys_block<T, D, NP, W>(A, smem, stage + sb * bwd_tile16<D>(),
                                  info + st * L::SR + sb * BWD_ROWS, dk, dv);
         __syncthreads(); /* the stage and the info are free for stage ic + 2 */
     }
@@ -192,14 +195,14 @@ __global__ void keys_sum_kernel(const float *dk_part, const float *dv_part, T *d
 
 /* The keys pass's launch, for bwd_launch. */
 struct keys_pass {
-    template <typename T, int D, int NP>
+    template <typename T, int D, int NP, int W>
     static cudaError_t launch(const bwd_args &A, cudaStream_t s) {
-        constexpr auto kernel = keys_kernel<T, D, NP>;
+        constexpr auto kernel = keys_kernel<T, D, NP, W>;
         constexpr size_t bytes = keys_layout<D, NP>::BYTES;
         const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
         if (e != cudaSuccess) return e;
         const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
-        kernel<<<dim3((unsigned)(A.B * ntk), (unsigned)A.Hk, (unsigned)A.key_splits), BWD_THREADS,
+        kernel<<<(unsigned)(A.B * ntk * A.Hk * A.key_splits), BWD_THREADS,
                  bytes, s>>>(A);
         if (A.key_splits > 1) {
             const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;

@@ -57,7 +57,7 @@ __device__ __forceinline__ void rows_piece(const unsigned char *qs, const unsign
 /* Each 16-key piece q of the tile from k0: rows_piece, each score's weights p~ and w~
  * (bwd_weights of its z) to each(nt, i, k, p, w, g) in tile_dot's layout (row k of the lane,
  * g its G entry), then done(q). L.vis and L.rel0 are the tile's. */
-template <typename T, int D, int NP, typename Each, typename Done>
+template <typename T, int D, int NP, int W, typename Each, typename Done>
 __device__ __forceinline__ void rows_pieces(const bwd_args &A, const unsigned char *qs,
                                             const unsigned char *gs, const unsigned char *kt,
                                             const unsigned char *vt, const rows_lane &L,
@@ -77,7 +77,7 @@ __device__ __forceinline__ void rows_pieces(const bwd_args &A, const unsigned ch
                 const float z = bwd_z(A, s[nt][i], L.am[k], L.rel0[k] + (j0f + (float)dj),
                                       j0 + dj < L.vis[k]);
                 float p, w;
-                bwd_weights(A, z, L.tau[k], &p, &w);
+                bwd_weights<W>(A, z, L.tau[k], &p, &w);
                 each(nt, i, k, p, w, gv[nt][i]);
             }
         done(q);
@@ -94,12 +94,12 @@ struct rows_tile_sums {
 };
 
 /* Two sweeps, sweep 1, one 64-key tile: the sums of the lane's rows over the tile's keys. */
-template <typename T, int D, int NP>
+template <typename T, int D, int NP, int W>
 __device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char *qs,
                                           const unsigned char *gs, const unsigned char *kt,
                                           const unsigned char *vt, rows_lane &L) {
     rows_tile_sums t;
-    rows_pieces<T, D, NP>(
+    rows_pieces<T, D, NP, W>(
             A, qs, gs, kt, vt, L,
             [&](int, int, int k, float p, float w, float g) {
                 t.p[k] += p;
@@ -110,12 +110,12 @@ __device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char
 }
 
 /* Two sweeps, sweep 2, one 64-key tile: dq (16 rows x D, tile_pv's layout) += dS K. */
-template <typename T, int D, int NP>
+template <typename T, int D, int NP, int W>
 __device__ __forceinline__ void
 rows_dq(const bwd_args &A, const unsigned char *qs, const unsigned char *gs,
         const unsigned char *kt, const unsigned char *vt, const rows_lane &L, float (*dq)[4]) {
     float ds[2][4];
-    rows_pieces<T, D, NP>(
+    rows_pieces<T, D, NP, W>(
             A, qs, gs, kt, vt, L,
             [&](int nt, int i, int k, float, float w, float g) {
                 ds[nt][i] = w != 0.f ? A.scale * L.wscale[k] * w * (g - L.delta[k]) : 0.f;
@@ -124,14 +124,14 @@ rows_dq(const bwd_args &A, const unsigned char *qs, const unsigned char *gs,
 }
 
 /* One sweep, one 64-key tile: the sums, and sa += w~ (g - shift) K, sb += w~ K. */
-template <typename T, int D, int NP>
+template <typename T, int D, int NP, int W>
 __device__ __forceinline__ void rows_sums_dq(const bwd_args &A, const unsigned char *qs,
                                              const unsigned char *gs, const unsigned char *kt,
                                              const unsigned char *vt, rows_lane &L, float (*sa)[4],
                                              float (*sb)[4]) {
     rows_tile_sums t;
     float wg[2][4], w1[2][4];
-    rows_pieces<T, D, NP>(
+    rows_pieces<T, D, NP, W>(
             A, qs, gs, kt, vt, L,
             [&](int nt, int i, int k, float p, float w, float g) {
                 t.p[k] += p;
@@ -235,8 +235,8 @@ __device__ __forceinline__ void rows_finish(const bwd_args &A, int64_t b, int64_
     }
 }
 
-/* Block (row block + B blocks..., KV head): its 64 rows' sums and dq. */
-template <typename T, int D, int NP>
+/* Block (reversed row block, sequence, KV head): its 64 rows' sums and dq. */
+template <typename T, int D, int NP, int W>
 __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     ekv_grid_begin();
     extern __shared__ __align__(128) unsigned char smem[];
@@ -245,7 +245,10 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     unsigned char *qs = smem, *gs = smem + NP * PART, *stages = gs + NP * PART;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
-    const int64_t b = blockIdx.x / nrb, r0 = blockIdx.x % nrb * BWD_ROW_BLOCK, g = blockIdx.y;
+    /* x = (reversed row block, sequence, KV head), the longest rows first (causal: the last
+     * row blocks see the most keys), so the grid's last wave holds the short ones */
+    const int64_t g = blockIdx.x % A.Hk, rest = blockIdx.x / A.Hk, b = rest % A.B;
+    const int64_t r0 = (nrb - 1 - rest / A.B) * BWD_ROW_BLOCK;
     const int64_t rlast = (r0 + BWD_ROW_BLOCK < A.R ? r0 + BWD_ROW_BLOCK : A.R) - 1;
     const int64_t nk = A.causal ? A.pos0 + rlast / A.G + 1 : A.N;
     const int64_t ntiles = (nk + BWD_KEYS - 1) / BWD_KEYS;
@@ -265,9 +268,9 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
                          rows_lane_tile(A, k0, L);
                          if (!warp_on) return;
                          if (ONE)
-                             rows_sums_dq<T, D, NP>(A, wq, wg, kt, vt, L, dq, dqb);
+                             rows_sums_dq<T, D, NP, W>(A, wq, wg, kt, vt, L, dq, dqb);
                          else
-                             rows_sums<T, D, NP>(A, wq, wg, kt, vt, L);
+                             rows_sums<T, D, NP, W>(A, wq, wg, kt, vt, L);
                      });
     rows_finish(A, b, g, L, dr);
     if (ONE) { /* dq = scale S^(alpha - 2) (A - (delta - shift) B) */
@@ -282,7 +285,7 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
         rows_sweep<T, D>(A, b, g, ntiles, stages,
                          [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
                              rows_lane_tile(A, k0, L);
-                             if (warp_on) rows_dq<T, D, NP>(A, wq, wg, kt, vt, L, dq);
+                             if (warp_on) rows_dq<T, D, NP, W>(A, wq, wg, kt, vt, L, dq);
                          });
     }
     /* dq[n][i]: row lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
@@ -297,14 +300,14 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
 
 /* The rows pass's launch, for bwd_launch. */
 struct rows_pass {
-    template <typename T, int D, int NP>
+    template <typename T, int D, int NP, int W>
     static cudaError_t launch(const bwd_args &A, cudaStream_t s) {
-        constexpr auto kernel = rows_kernel<T, D, NP>;
+        constexpr auto kernel = rows_kernel<T, D, NP, W>;
         constexpr size_t bytes = rows_smem_bytes<D, NP>();
         const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
         if (e != cudaSuccess) return e;
         const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
-        kernel<<<dim3((unsigned)(A.B * nrb), (unsigned)A.Hk), BWD_THREADS, bytes, s>>>(A);
+        kernel<<<(unsigned)(A.B * nrb * A.Hk), BWD_THREADS, bytes, s>>>(A);
         return cudaGetLastError();
     }
 };
