@@ -142,10 +142,11 @@ extern "C" ekv_status ekv_cuda_flash_entmax_backward(ekv_context *ctx,
     /* the grids, in x alone: B x row blocks x KV heads, B x key tiles x KV heads x splits */
     if (J.B * ((J.T * J.G + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK) * J.Hk > INT32_MAX ||
         J.B * ((J.N + BWD_KEYS - 1) / BWD_KEYS) * J.Hk * L.splits > INT32_MAX)
-        return ekv_fail(ctx, EKV_ERR_INVALID_SIZE,
-                        "flash entmax backward: batch=%d x the rows' or keys' blocks x num_kv_heads=%d "
-                        "passes 2^31",
-                        args->batch, args->shape.num_kv_heads);
+        return ekv_fail(
+                ctx, EKV_ERR_INVALID_SIZE,
+                "flash entmax backward: batch=%d x the rows' or keys' blocks x num_kv_heads=%d "
+                "passes 2^31",
+                args->batch, args->shape.num_kv_heads);
     char *base = static_cast<char *>(workspace);
     const bwd_args A = backward_args(J, L, base, dout, dq, dk, dv);
     const int64_t n = J.B * J.T * J.H * J.D;

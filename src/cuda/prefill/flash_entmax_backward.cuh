@@ -17,7 +17,6 @@
 #pragma once
 #include "flash_entmax.cuh"
 #include "../common/mma.cuh"
-#include "../common/weights.cuh"
 
 enum {
     BWD_THREADS = 128, /* 4 warps */
@@ -231,8 +230,8 @@ __device__ __forceinline__ float bwd_z(const bwd_args &A, float s, float am, flo
     return in ? fmaf(s, A.qf, -am * fabsf(rel)) : -CUDART_INF_F;
 }
 
-/* The keys row r of KV head g sees from key k0 on, of the 64 of a tile (0 to 64): those before
- * N and, causal, at or before its position pos. */
+/* How many of the 64 keys of the tile from k0 a row at position pos sees (0 for no row, !on):
+ * those before N and, causal, at or before pos; a row sees a prefix of every tile. */
 __device__ __forceinline__ int bwd_visible(const bwd_args &A, int64_t pos, bool on, int64_t k0) {
     const int64_t end = A.causal && pos + 1 < A.N ? pos + 1 : A.N;
     const int64_t n = on ? end - k0 : 0;

@@ -73,7 +73,7 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
                 const int i = 2 * h + k, j = key + 8 * h;
                 float pt, w;
                 bwd_weights<W>(A, bwd_z(A, s[nt][i], ri.am, ri.rel + (keyf + 8.f * h), j < ri.vis),
-                            ri.tau, &pt, &w);
+                               ri.tau, &pt, &w);
                 p[nt][i] = pt * ri.rinv * pscale;
                 ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
             }
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_
 #pragma unroll 1
         for (int sb = 0; sb < nsub; sb++)
             keys_block<T, D, NP, W>(A, smem, stage + sb * bwd_tile16<D>(),
-                                 info + st * L::SR + sb * BWD_ROWS, dk, dv);
+                                    info + st * L::SR + sb * BWD_ROWS, dk, dv);
         __syncthreads(); /* the stage and the info are free for stage ic + 2 */
     }
     cp_async_wait<0>();
@@ -202,8 +202,7 @@ struct keys_pass {
         const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
         if (e != cudaSuccess) return e;
         const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
-        kernel<<<(unsigned)(A.B * ntk * A.Hk * A.key_splits), BWD_THREADS,
-                 bytes, s>>>(A);
+        kernel<<<(unsigned)(A.B * ntk * A.Hk * A.key_splits), BWD_THREADS, bytes, s>>>(A);
         if (A.key_splits > 1) {
             const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;
             keys_sum_kernel<T><<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(
