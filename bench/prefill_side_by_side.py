@@ -8,7 +8,10 @@ the forward, x3.5 with the backward: 2.5 for it), and the forward's max |out - e
 ours and AdaSplash, softmax for SDPA), on the same 16-bit inputs. A peer that is missing or
 fails is a row that says why. Markdown table on stdout; --json PATH for the rows.
 Not in CI: needs torch with CUDA, entmaxkv built with the CUDA backend (pip install . with nvcc,
-or $ENTMAXKV_LIBRARY), adasplash 0.2.2 (its wheel) for that peer.
+or $ENTMAXKV_LIBRARY), adasplash 0.2.2 (its wheel) for that peer. On a machine whose Triton cache
+is empty, AdaSplash-2's first rows compile its kernels first (an 8K, D 64 call of the three
+peers passed 100 s on a fresh H100, and took 44 s right after): leave a time limit around this
+script room for that, or run --peers adasplash-2 once before.
 Usage: prefill_side_by_side.py [--lens 8192,32768] [--dims 64,128] [--heads 6/2,32/8]
 [--dtypes f16,bf16] [--passes fwd,fwdbwd] [--alpha 1.5] [--iters 5] [--scheme cand,hist]
 [--peers ours,adasplash-2,sdpa-flash] [--quick] [--json PATH]"""
