@@ -157,8 +157,8 @@ __device__ __forceinline__ void bwd_load_keys(const bwd_args &A, const void *src
 
 /* s[nt][i] += <a_m, b_n> over D for m = lane / 4 + 8 (i / 2), n = nt 8 + 2 (lane % 4) + i % 2:
  * rows m of the 16-row tile at at (the A operand) against rows n of the 16-row tile at bt (the
- * B operand), both swizzled 16-bit tiles. Each 16-dim product starts from zero and is added in
- * fp32, as the forward's scores (docs/math.md §3.1: the products are exact). */
+ * B operand), both swizzled 16-bit tiles, summed in the tensor cores' fp32 accumulator (the
+ * products are exact, docs/math.md §3.1; the sums' rounding: §13.3, "On tensor cores"). */
 template <typename T, int D>
 __device__ __forceinline__ void bwd_tile_dot(const unsigned char *at, const unsigned char *bt,
                                              float (*s)[4]) {
@@ -170,12 +170,7 @@ __device__ __forceinline__ void bwd_tile_dot(const unsigned char *at, const unsi
         ldmatrix_x4(
                 b, bt + tile_chunk<D>((lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-            float c[4];
-            mma_16816<T>(c, a, b[2 * nt], b[2 * nt + 1]);
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[nt][i] += c[i];
-        }
+        for (int nt = 0; nt < 2; nt++) mma_16816_acc<T>(s[nt], a, b[2 * nt], b[2 * nt + 1]);
     }
 }
 

@@ -17,7 +17,9 @@ namespace {
 struct bwd_row_info {
     bwd_tau tau;
     float am, rel; /* rel: k0 - the row's position, as a float (bwd_z) */
-    float rinv, wscale, delta;
+    float pmul;    /* p = p~ pmul: pscale / S (P's scale before its split, bwd_pscale) */
+    float dsmul;   /* ds = w~ (g - delta) dsmul: scale S^(alpha - 2) */
+    float delta;
     int vis; /* the tile's keys the row sees (bwd_visible) */
 };
 
@@ -46,7 +48,8 @@ __device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t
         if (r < A.R) {
             const int64_t i = bwd_row_index(A, b, g, r), pos = A.pos0 + r / A.G;
             x.tau = bwd_tau_of(A.tau[i]);
-            x.rinv = A.rinv[i], x.wscale = A.wscale[i], x.delta = A.delta[i];
+            x.pmul = A.rinv[i] * bwd_pscale<T>(), x.dsmul = A.scale * A.wscale[i];
+            x.delta = A.delta[i];
             x.am = bwd_row_am(A, g, r);
             x.rel = (float)(k0 - pos);
             x.vis = bwd_visible(A, pos, true, k0);
@@ -55,12 +58,12 @@ __device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t
     }
 }
 
-/* The warp's p (times pscale) and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of
+/* The warp's p (times bwd_pscale) and ds (element [nt][i]: key warp 16 + lane / 4 + 8 (i / 2) of
  * the tile, row nt 8 + 2 (lane % 4) + i % 2 of the 16-row block) from its S^T and G^T. */
 template <int W>
 __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_info *info,
-                                             float pscale, const float (*s)[4],
-                                             const float (*gv)[4], float (*p)[4], float (*ds)[4]) {
+                                             const float (*s)[4], const float (*gv)[4],
+                                             float (*p)[4], float (*ds)[4]) {
     const int lane = threadIdx.x & 31, key = 16 * (threadIdx.x >> 5) + (lane >> 2);
     const float keyf = (float)key;
 #pragma unroll
@@ -74,8 +77,8 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
                 float pt, w;
                 bwd_weights<W>(A, bwd_z(A, s[nt][i], ri.am, ri.rel + (keyf + 8.f * h), j < ri.vis),
                                ri.tau, &pt, &w);
-                p[nt][i] = pt * ri.rinv * pscale;
-                ds[nt][i] = w != 0.f ? A.scale * ri.wscale * w * (gv[nt][i] - ri.delta) : 0.f;
+                p[nt][i] = pt * ri.pmul;
+                ds[nt][i] = w != 0.f ? ri.dsmul * w * (gv[nt][i] - ri.delta) : 0.f;
             }
         }
 }
@@ -93,7 +96,7 @@ __device__ __forceinline__ void keys_block(const bwd_args &A, const unsigned cha
     float s[2][4], gv[2][4], p[2][4], ds[2][4];
     bwd_tile_dot_parts<T, D, NP>(smem + L::K + warp * TB, 0, qt, L::PART, s);
     bwd_tile_dot_parts<T, D, NP>(smem + L::V + warp * TB, 0, gt, L::PART, gv);
-    keys_weights<W>(A, info, bwd_pscale<T>(), s, gv, p, ds);
+    keys_weights<W>(A, info, s, gv, p, ds);
 #pragma unroll 1 /* fp32 q and dout (NP 3): the parts one at a time, fewer live registers */
     for (int part = 0; part < NP; part++) {
         tile_pv<T, D, BWD_OPERAND_PARTS>(gt + part * L::PART, p, dv);
