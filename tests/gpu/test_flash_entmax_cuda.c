@@ -7,8 +7,9 @@
  * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens (in both tau
  * schemes against one pass); then 4 cases of up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the
  * other 16-bit type), one of 2100 x 16 heads (33600 rows: the automatic passes of the two
- * schemes differ), and three with every V element offset by 4 (the backward's one sweep for
- * dq at D 64 and its two at D 128, on g that share a large common part).
+ * schemes differ), three with every V element offset by 4 (the backward's one sweep for dq at
+ * D 64 and its two at D 128, on g that share a large common part), and three more of the one
+ * sweep (no causal mask with T > N and with T < N, softmax over 700 keys).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
@@ -566,7 +567,15 @@ int main(void) {
             {1, 300, 300, 4, 4, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_F16, EKV_DTYPE_F16, 0, 0,
              4.0},
             {1, 300, 300, 6, 2, 128, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0,
-             0, 4.0}};
+             0, 4.0},
+            /* the one sweep without a causal mask (T > N: the rows' own keys clamped to [0, N);
+             * T < N with ALiBi and sparsemax) and for softmax over long rows */
+            {1, 300, 64, 4, 4, 64, 0, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0,
+             4.0},
+            {1, 200, 300, 6, 2, 64, 0, 1, 2.0, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0,
+             0},
+            {1, 700, 700, 6, 2, 64, 1, 0, 1.0, EKV_DTYPE_F16, EKV_DTYPE_F16, EKV_DTYPE_F16, 0, 0,
+             4.0}};
     for (size_t e = 0; e < sizeof extra / sizeof extra[0]; e++, i++)
         run_case(ctx, &extra[e], 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     check_invalid(ctx);

@@ -8,8 +8,8 @@
  * stages, computing S = Q K^T and G = dO V^T of each 16-key piece (the products of 16-bit parts
  * are exact, fp32 sums: z within the forward's own rounding, docs/math.md §12):
  *   - head dim 64, q and dout in K's dtype (rows_one_sweep): one sweep, with r = g of the row's
- *     own key, for the sums and A = sum w~ (g - r) k, B = sum w~ k (w~ (g - r) and w~ as
- *     BWD_OPERAND_PARTS 16-bit parts, tile_pv2); then dq = scale S^(alpha - 2) (A - (delta - r) B)
+ *     own key, for the sums and A = scale sum w~ (g - r) k, B = scale sum w~ k (their terms as
+ *     BWD_OPERAND_PARTS 16-bit parts, tile_pv2); then dq = S^(alpha - 2) (A - (delta - r) B)
  *     (§13.3, "One sweep for dq");
  *   - else (the registers of two D-wide sums would not fit) two sweeps, r = 0: the sums, then S
  *     and G again, ds = scale S^(alpha - 2) w~ (g - delta), dQ += dS K.
@@ -123,7 +123,9 @@ rows_dq(const bwd_args &A, const unsigned char *qs, const unsigned char *gs,
             [&](int q) { tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq); });
 }
 
-/* One sweep, one 64-key tile: the sums, and sa += w~ (g - shift) K, sb += w~ K. */
+/* One sweep, one 64-key tile: the sums, and sa += c w~ (g - shift) K, sb += c w~ K with
+ * c = A.scale (as ds carries it: the 16-bit parts of these operands keep ds's range, which
+ * matters in f16, docs/math.md §13.3; the sums of w~ take c too, and their ratio drops it). */
 template <typename T, int D, int NP, int W>
 __device__ __forceinline__ void rows_sums_dq(const bwd_args &A, const unsigned char *qs,
                                              const unsigned char *gs, const unsigned char *kt,
@@ -135,9 +137,9 @@ __device__ __forceinline__ void rows_sums_dq(const bwd_args &A, const unsigned c
             A, qs, gs, kt, vt, L,
             [&](int nt, int i, int k, float p, float w, float g) {
                 t.p[k] += p;
-                wg[nt][i] = w != 0.f ? w * (g - L.shift[k]) : 0.f;
-                w1[nt][i] = w;
-                t.w[k] += w, t.wg[k] += wg[nt][i];
+                w1[nt][i] = A.scale * w;
+                wg[nt][i] = w != 0.f ? w1[nt][i] * (g - L.shift[k]) : 0.f;
+                t.w[k] += w1[nt][i], t.wg[k] += wg[nt][i];
             },
             [&](int q) {
                 tile_pv2<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), wg, sa, w1, sb);
@@ -273,13 +275,13 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
                              rows_sums<T, D, NP, W>(A, wq, wg, kt, vt, L);
                      });
     rows_finish(A, b, g, L, dr);
-    if (ONE) { /* dq = scale S^(alpha - 2) (A - (delta - shift) B) */
+    if (ONE) { /* dq = S^(alpha - 2) (A - (delta - shift) B), scale inside A and B */
 #pragma unroll
         for (int n = 0; n < D / 8; n++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int k = i >> 1;
-                dq[n][i] = A.scale * L.wscale[k] * fmaf(-dr[k], dqb[n][i], dq[n][i]);
+                dq[n][i] = L.wscale[k] * fmaf(-dr[k], dqb[n][i], dq[n][i]);
             }
     } else {
         rows_sweep<T, D>(A, b, g, ntiles, stages,
