@@ -103,39 +103,94 @@ template <typename T> __device__ constexpr float bwd_pscale() {
 /* Bytes of a 16-row tile of D 16-bit elements (tile_chunk's swizzled layout, mma.cuh). */
 template <int D> __host__ __device__ constexpr int bwd_tile16() { return 16 * D * 2; }
 
-/* Row r (of KV head g, sequence b) as an element offset into [B][T][H][D]. */
-__device__ __forceinline__ int64_t bwd_row_offset(const bwd_args &A, int64_t b, int64_t g,
-                                                  int64_t r) {
-    return ((b * A.T + r / A.G) * A.H + g * A.G + r % A.G) * A.D;
+/* Row r of a KV head's R rows as its query position t = r / G and its head j = r % G in the
+ * group. A thread that visits rows a fixed stride apart steps (t, j) by the stride's
+ * bwd_rowstep instead of dividing by G at each row (the keys pass copies its rows anew for
+ * every stage). */
+struct bwd_rowpos {
+    int64_t t;
+    int j;
+};
+struct bwd_rowstep { /* a stride of n rows: n / G, n % G */
+    int64_t dt;
+    int dj;
+};
+__device__ __forceinline__ bwd_rowpos bwd_rowpos_of(const bwd_args &A, int64_t r) {
+    const int64_t t = r / A.G;
+    return {t, (int)(r - t * A.G)};
 }
-/* The same row in [B][T][H] (tau, rinv, wscale, delta). */
-__device__ __forceinline__ int64_t bwd_row_index(const bwd_args &A, int64_t b, int64_t g,
-                                                 int64_t r) {
-    return (b * A.T + r / A.G) * A.H + g * A.G + r % A.G;
+__device__ __forceinline__ bwd_rowstep bwd_rowstep_of(const bwd_args &A, int64_t n) {
+    const int64_t dt = n / A.G;
+    return {dt, (int)(n - dt * A.G)};
+}
+__device__ __forceinline__ void bwd_rowpos_add(const bwd_args &A, bwd_rowpos &p, bwd_rowstep s) {
+    p.t += s.dt, p.j += s.dj;
+    if (p.j >= A.G) p.t++, p.j -= (int)A.G;
 }
 
-/* a m_h of row r's head: the ALiBi slope in z-space as the forward forms it (0 without). */
-__device__ __forceinline__ float bwd_row_am(const bwd_args &A, int64_t g, int64_t r) {
-    return A.slopes ? (float)(A.a * (double)A.slopes[g * A.G + r % A.G]) : 0.f;
+/* The row at p (of KV head g, sequence b) in [B][T][H] (tau, rinv, wscale, delta). */
+__device__ __forceinline__ int64_t bwd_rowpos_index(const bwd_args &A, int64_t b, int64_t g,
+                                                    bwd_rowpos p) {
+    return (b * A.T + p.t) * A.H + g * A.G + p.j;
+}
+/* Row r the same way, and as an element offset into [B][T][H][D]. */
+__device__ __forceinline__ int64_t bwd_row_index(const bwd_args &A, int64_t b, int64_t g,
+                                                 int64_t r) {
+    return bwd_rowpos_index(A, b, g, bwd_rowpos_of(A, r));
+}
+__device__ __forceinline__ int64_t bwd_row_offset(const bwd_args &A, int64_t b, int64_t g,
+                                                  int64_t r) {
+    return bwd_row_index(A, b, g, r) * A.D;
+}
+
+/* a m_h of head j of KV head g's group: the ALiBi slope in z-space as the forward forms it (0
+ * without). */
+__device__ __forceinline__ float bwd_row_am(const bwd_args &A, int64_t g, int j) {
+    return A.slopes ? (float)(A.a * (double)A.slopes[g * A.G + j]) : 0.f;
+}
+
+/* The rows a thread of a block of BWD_THREADS copies in bwd_load_rows: from r0 + threadIdx.x / CH
+ * (its first), bwd_load_stride<D>() apart, chunk threadIdx.x % CH of each (CH = D / 8). */
+template <int D> __host__ __device__ constexpr int bwd_load_stride() {
+    return BWD_THREADS / (D / 8);
+}
+template <int D> __device__ __forceinline__ int bwd_load_first() {
+    return (int)threadIdx.x / (D / 8);
 }
 
 /* Rows [r0, r0 + nrows) of a [.][T][H][D] tensor's NP parts (part p at src + p part_stride) into
- * NP consecutive swizzled tiles of nrows rows at dst, by cp.async over the block's threads;
- * rows at or past R are zero-filled (their scores are masked, but 0 x stale NaN is NaN). */
+ * NP consecutive swizzled tiles of nrows rows at dst, by cp.async over the block's BWD_THREADS
+ * threads; rows at or past R are zero-filled (their scores are masked, but 0 x stale NaN is
+ * NaN). first: the position of the thread's first row (bwd_load_first), step: of
+ * bwd_load_stride rows. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ void bwd_load_rows(const bwd_args &A, const void *src, int64_t b,
+                                              int64_t g, int64_t r0, int nrows, bwd_rowpos first,
+                                              bwd_rowstep step, unsigned char *dst) {
+    constexpr int CH = D / 8;
+    const T *s = static_cast<const T *>(src);
+    const int c = threadIdx.x % CH;
+    bwd_rowpos p = first;
+    for (int rr = bwd_load_first<D>(); rr < nrows;
+         rr += bwd_load_stride<D>(), bwd_rowpos_add(A, p, step)) {
+        const int64_t o = bwd_rowpos_index(A, b, g, p) * D + c * 8;
+#pragma unroll
+        for (int part = 0; part < NP; part++) {
+            unsigned char *d = dst + part * nrows * D * 2 + tile_chunk<D>(rr, c);
+            if (r0 + rr < A.R)
+                cp_async16(d, s + part * A.part_stride + o);
+            else
+                *reinterpret_cast<uint4 *>(d) = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+/* The same, the thread's first row and the step found here (two divisions by G). */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void bwd_load_rows(const bwd_args &A, const void *src, int64_t b,
                                               int64_t g, int64_t r0, int nrows,
                                               unsigned char *dst) {
-    constexpr int CH = D / 8;
-    const T *s = static_cast<const T *>(src);
-    for (int i = threadIdx.x; i < NP * nrows * CH; i += blockDim.x) {
-        const int part = i / (nrows * CH), rr = i / CH % nrows, c = i % CH;
-        unsigned char *d = dst + part * nrows * D * 2 + tile_chunk<D>(rr, c);
-        if (r0 + rr < A.R)
-            cp_async16(d, s + part * A.part_stride + bwd_row_offset(A, b, g, r0 + rr) + c * 8);
-        else
-            *reinterpret_cast<uint4 *>(d) = make_uint4(0, 0, 0, 0);
-    }
+    bwd_load_rows<T, D, NP>(A, src, b, g, r0, nrows, bwd_rowpos_of(A, r0 + bwd_load_first<D>()),
+                            bwd_rowstep_of(A, bwd_load_stride<D>()), dst);
 }
 
 /* Keys [k0, k0 + BWD_KEYS) of KV head g of K or V ([B][N][Hk][D]) into a swizzled 64-row tile,

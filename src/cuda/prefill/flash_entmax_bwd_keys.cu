@@ -34,23 +34,40 @@ template <int D, int NP> struct keys_layout {
     static constexpr int BYTES = INFO + 2 * SR * (int)sizeof(bwd_row_info);
 };
 
-/* Rows [r0, r0 + SR) into stage st: q and dout parts by cp.async, the rows' info against the
- * tile from k0 by threads 0 to SR - 1 (seen after the barrier that precedes their use). */
+/* The thread's rows in the stages of a block: its first row to copy (bwd_load_rows) and its
+ * info row (threads below SR), both stepped by SR rows from a stage to the next. */
+struct keys_rows {
+    bwd_rowpos load, info;
+    bwd_rowstep load_step, stage_step;
+};
+template <int D, int NP>
+__device__ __forceinline__ keys_rows keys_rows_at(const bwd_args &A, int64_t r0) {
+    return {bwd_rowpos_of(A, r0 + bwd_load_first<D>()), bwd_rowpos_of(A, r0 + threadIdx.x),
+            bwd_rowstep_of(A, bwd_load_stride<D>()), bwd_rowstep_of(A, keys_layout<D, NP>::SR)};
+}
+__device__ __forceinline__ void keys_rows_next(const bwd_args &A, keys_rows &c) {
+    bwd_rowpos_add(A, c.load, c.stage_step);
+    bwd_rowpos_add(A, c.info, c.stage_step);
+}
+
+/* Rows [r0, r0 + SR) (the thread's at c) into stage st: q and dout parts by cp.async, the rows'
+ * info against the tile from k0 by threads 0 to SR - 1 (seen after the barrier that precedes
+ * their use). */
 template <typename T, int D, int NP>
 __device__ __forceinline__ void keys_issue(const bwd_args &A, int64_t b, int64_t g, int64_t r0,
-                                           int64_t k0, unsigned char *stage, bwd_row_info *info) {
+                                           int64_t k0, const keys_rows &c, unsigned char *stage,
+                                           bwd_row_info *info) {
     typedef keys_layout<D, NP> L;
-    bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, L::SR, stage);
-    bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, L::SR, stage + NP * L::PART);
+    bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, L::SR, c.load, c.load_step, stage);
+    bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, L::SR, c.load, c.load_step, stage + NP * L::PART);
     if (threadIdx.x < L::SR) {
-        const int64_t r = r0 + threadIdx.x;
         bwd_row_info x = {};
-        if (r < A.R) {
-            const int64_t i = bwd_row_index(A, b, g, r), pos = A.pos0 + r / A.G;
+        if (r0 + threadIdx.x < A.R) {
+            const int64_t i = bwd_rowpos_index(A, b, g, c.info), pos = A.pos0 + c.info.t;
             x.tau = bwd_tau_of(A.tau[i]);
             x.pmul = A.rinv[i] * bwd_pscale<T>(), x.dsmul = A.scale * A.wscale[i];
             x.delta = A.delta[i];
-            x.am = bwd_row_am(A, g, r);
+            x.am = bwd_row_am(A, g, c.info.j);
             x.rel = (float)(k0 - pos);
             x.vis = bwd_visible(A, pos, true, k0);
         }
@@ -155,16 +172,19 @@ __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? 3 : 1) keys_kernel(bwd_
     bwd_row_info *info = reinterpret_cast<bwd_row_info *>(smem + L::INFO);
     bwd_load_keys<T, D>(A, A.k, b, g, k0, smem + L::K);
     bwd_load_keys<T, D>(A, A.v, b, g, k0, smem + L::V);
-    if (nch > 0) keys_issue<T, D, NP>(A, b, g, rb0, k0, smem + L::STAGES, info);
+    keys_rows rows = keys_rows_at<D, NP>(A, rb0);
+    if (nch > 0) keys_issue<T, D, NP>(A, b, g, rb0, k0, rows, smem + L::STAGES, info);
     cp_async_commit();
     float dk[D / 8][4], dv[D / 8][4];
     mma_zero<D / 8>(dk);
     mma_zero<D / 8>(dv);
     for (int64_t ic = 0; ic < nch; ic++) {
         const int st = (int)(ic & 1);
-        if (ic + 1 < nch)
-            keys_issue<T, D, NP>(A, b, g, rb0 + (ic + 1) * L::SR, k0,
+        if (ic + 1 < nch) {
+            keys_rows_next(A, rows);
+            keys_issue<T, D, NP>(A, b, g, rb0 + (ic + 1) * L::SR, k0, rows,
                                  smem + L::STAGES + (st ^ 1) * L::STAGE, info + (st ^ 1) * L::SR);
+        }
         cp_async_commit();
         cp_async_wait<1>(); /* this thread's copies of stage ic (and the tiles) have landed ... */
         __syncthreads();    /* ... and everyone's, and the info */

@@ -203,7 +203,7 @@ __device__ __forceinline__ void rows_lane_init(const bwd_args &A, int64_t b, int
         L.on[k] = L.r[k] < A.R;
         const int64_t rr = L.on[k] ? L.r[k] : 0;
         L.tau[k] = bwd_tau_of(L.on[k] ? A.tau[bwd_row_index(A, b, g, rr)] : 0.0);
-        L.am[k] = bwd_row_am(A, g, rr);
+        L.am[k] = bwd_row_am(A, g, (int)(rr % A.G));
         L.pos[k] = A.pos0 + rr / A.G;
         L.sp[k] = L.sw[k] = L.swg[k] = 0.0;
         L.shift[k] = 0.f;
