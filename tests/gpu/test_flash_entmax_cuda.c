@@ -526,21 +526,11 @@ int main(void) {
      * alpha 1.5 and 2, a softer alpha 1.25 and a harder 3, ALiBi off (it would tilt them) */
     static const double flat_alphas[] = {1.5, 2.0, 1.25, 3.0};
     for (int ai = 0; ai < 4; ai++, i++) {
-        fcase c = {1,
-                   1100,
-                   1100,
-                   4,
-                   4,
-                   64,
-                   1,
-                   0,
-                   flat_alphas[ai],
-                   EKV_DTYPE_BF16,
-                   EKV_DTYPE_BF16,
-                   EKV_DTYPE_F32,
-                   0,
-                   1,
-                   0};
+        static const fcase flat = {
+                1, 1100, 1100, 4, 4, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_F32,
+                0, 1,    0};
+        fcase c = flat;
+        c.alpha = flat_alphas[ai];
         if (ai & 1) c.qt = EKV_DTYPE_F32, c.kvt = EKV_DTYPE_F16;
         run_case(ctx, &c, 0x9e3779b97f4a7c15ull + 1000003ull * (uint64_t)i);
     }

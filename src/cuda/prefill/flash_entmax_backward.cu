@@ -65,7 +65,7 @@ struct bwd_layout {
  * (BWD_KEY_BLOCKS), each split at least 8 row blocks; a function of the shape only, so the
  * same shape sums in the same order on every call. */
 static int key_splits(const flash_job &J) {
-    const int64_t blocks = J.B * ((J.N + BWD_KEYS - 1) / BWD_KEYS) * J.Hk;
+    const int64_t blocks = bwd_keys_grid(J.B, J.N, J.Hk, 1);
     const int64_t row_blocks = (J.T * J.G + BWD_ROWS - 1) / BWD_ROWS;
     int64_t s = blocks >= BWD_KEY_BLOCKS ? 1 : (BWD_KEY_BLOCKS + blocks - 1) / blocks;
     s = s < BWD_MAX_SPLITS ? s : (int64_t)BWD_MAX_SPLITS;
@@ -140,8 +140,8 @@ extern "C" ekv_status ekv_cuda_flash_entmax_backward(ekv_context *ctx,
     const bwd_layout L = backward_layout(J);
     if ((st = flash_check_workspace(J, workspace, workspace_bytes, L.total))) return st;
     /* the grids, in x alone: B x row blocks x KV heads, B x key tiles x KV heads x splits */
-    if (J.B * ((J.T * J.G + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK) * J.Hk > INT32_MAX ||
-        J.B * ((J.N + BWD_KEYS - 1) / BWD_KEYS) * J.Hk * L.splits > INT32_MAX)
+    if (bwd_rows_grid(J.B, J.T * J.G, J.Hk) > INT32_MAX ||
+        bwd_keys_grid(J.B, J.N, J.Hk, L.splits) > INT32_MAX)
         return ekv_fail(
                 ctx, EKV_ERR_INVALID_SIZE,
                 "flash entmax backward: batch=%d x the rows' or keys' blocks x num_kv_heads=%d "

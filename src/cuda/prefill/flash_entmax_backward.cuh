@@ -59,6 +59,22 @@ struct bwd_args {
     float *dk_part, *dv_part; /* [key_splits][B][N][Hk][D] fp32 partial sums, or NULL */
 };
 
+/* The passes' grids, one-dimensional: the rows pass a block per (64-row block, sequence, KV
+ * head), the keys pass per (64-key tile, sequence, KV head, split). The entry checks them
+ * against 2^31; the launches use them. */
+__host__ __device__ inline int64_t bwd_row_blocks(int64_t R) {
+    return (R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
+}
+__host__ __device__ inline int64_t bwd_key_tiles(int64_t N) {
+    return (N + BWD_KEYS - 1) / BWD_KEYS;
+}
+inline int64_t bwd_rows_grid(int64_t B, int64_t R, int64_t Hk) {
+    return B * bwd_row_blocks(R) * Hk;
+}
+inline int64_t bwd_keys_grid(int64_t B, int64_t N, int64_t Hk, int64_t splits) {
+    return B * bwd_key_tiles(N) * Hk * splits;
+}
+
 /* The passes (NP: parts of q and dout, 1 or BWD_SPLIT_PARTS), launched on stream s. */
 cudaError_t flash_bwd_rows(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
 cudaError_t flash_bwd_keys(const bwd_args &A, ekv_dtype kv, int np, cudaStream_t s);
@@ -270,6 +286,12 @@ __device__ __forceinline__ void bwd_weights(const bwd_args &A, float z, bwd_tau 
         *w = in ? powf(x, A.bm1) : 0.f;
         *p = in ? *w * x : 0.f; /* x may be -inf */
     }
+}
+
+/* ds of a score from its w~ and g: dsmul = scale S^(alpha - 2) of its row (docs/math.md §13.3);
+ * 0 off the support (w~ = 0), whatever g is. */
+__device__ __forceinline__ float bwd_ds(float dsmul, float w, float g, float delta) {
+    return w != 0.f ? dsmul * w * (g - delta) : 0.f;
 }
 
 /* z of a (row, key) pair from s = q . k: a (scale q.k - m_h |j - i|) as the forward forms it

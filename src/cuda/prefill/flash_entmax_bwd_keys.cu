@@ -95,7 +95,7 @@ __device__ __forceinline__ void keys_weights(const bwd_args &A, const bwd_row_in
                 bwd_weights<W>(A, bwd_z(A, s[nt][i], ri.am, ri.rel + (keyf + 8.f * h), j < ri.vis),
                                ri.tau, &pt, &w);
                 p[nt][i] = pt * ri.pmul;
-                ds[nt][i] = w != 0.f ? ri.dsmul * w * (gv[nt][i] - ri.delta) : 0.f;
+                ds[nt][i] = bwd_ds(ri.dsmul, w, gv[nt][i], ri.delta);
             }
         }
 }
@@ -224,8 +224,7 @@ struct keys_pass {
         constexpr size_t bytes = keys_layout<D, NP>::BYTES;
         const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
         if (e != cudaSuccess) return e;
-        const int64_t ntk = (A.N + BWD_KEYS - 1) / BWD_KEYS;
-        kernel<<<(unsigned)(A.B * ntk * A.Hk * A.key_splits), BWD_THREADS, bytes, s>>>(A);
+        kernel<<<(unsigned)bwd_keys_grid(A.B, A.N, A.Hk, A.key_splits), BWD_THREADS, bytes, s>>>(A);
         if (A.key_splits > 1) {
             const int64_t n = A.B * A.N * A.Hk * A.D, blocks = (n + 255) / 256;
             keys_sum_kernel<T><<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, s>>>(

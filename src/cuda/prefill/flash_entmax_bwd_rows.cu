@@ -118,7 +118,7 @@ rows_dq(const bwd_args &A, const unsigned char *qs, const unsigned char *gs,
     rows_pieces<T, D, NP, W>(
             A, qs, gs, kt, vt, L,
             [&](int nt, int i, int k, float, float w, float g) {
-                ds[nt][i] = w != 0.f ? A.scale * L.wscale[k] * w * (g - L.delta[k]) : 0.f;
+                ds[nt][i] = bwd_ds(A.scale * L.wscale[k], w, g, L.delta[k]);
             },
             [&](int q) { tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq); });
 }
@@ -246,14 +246,14 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     constexpr bool ONE = rows_one_sweep<D, NP>();
     unsigned char *qs = smem, *gs = smem + NP * PART, *stages = gs + NP * PART;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
+    const int64_t nrb = bwd_row_blocks(A.R);
     /* x = (reversed row block, sequence, KV head), the longest rows first (causal: the last
      * row blocks see the most keys), so the grid's last wave holds the short ones */
     const int64_t g = blockIdx.x % A.Hk, rest = blockIdx.x / A.Hk, b = rest % A.B;
     const int64_t r0 = (nrb - 1 - rest / A.B) * BWD_ROW_BLOCK;
     const int64_t rlast = (r0 + BWD_ROW_BLOCK < A.R ? r0 + BWD_ROW_BLOCK : A.R) - 1;
     const int64_t nk = A.causal ? A.pos0 + rlast / A.G + 1 : A.N;
-    const int64_t ntiles = (nk + BWD_KEYS - 1) / BWD_KEYS;
+    const int64_t ntiles = bwd_key_tiles(nk);
     bwd_load_rows<T, D, NP>(A, A.q, b, g, r0, BWD_ROW_BLOCK, qs);
     bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROW_BLOCK, gs);
     rows_lane L;
@@ -308,8 +308,7 @@ struct rows_pass {
         constexpr size_t bytes = rows_smem_bytes<D, NP>();
         const cudaError_t e = ekv_cuda_allow_smem<kernel>(bytes);
         if (e != cudaSuccess) return e;
-        const int64_t nrb = (A.R + BWD_ROW_BLOCK - 1) / BWD_ROW_BLOCK;
-        kernel<<<(unsigned)(A.B * nrb * A.Hk), BWD_THREADS, bytes, s>>>(A);
+        kernel<<<(unsigned)bwd_rows_grid(A.B, A.R, A.Hk), BWD_THREADS, bytes, s>>>(A);
         return cudaGetLastError();
     }
 };
