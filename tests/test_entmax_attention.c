@@ -51,16 +51,19 @@ static int64_t row_scores(const shape *s, const double *q, const double *k, int6
     return n;
 }
 
-/* Forward (double) against the row API on the same scores: out and tau. */
+/* Forward (double) against the row API on the same scores: out and tau; and o-hat (from the
+ * forward's tau) against sum w v / sum w of the row API's p, w = p^(2 - alpha) where p > 0. */
 static void check_row_api(ekv_context *ctx, const shape *s, uint64_t seed) {
     test_rng r = {seed};
-    double q[MAXE], k[MAXE], v[MAXE], out[MAXE], tau[256], x[MAXN], p[MAXN];
+    double q[MAXE], k[MAXE], v[MAXE], out[MAXE], oh[MAXE], tau[256], x[MAXN], p[MAXN];
     fill(&r, q, s->T * s->H * s->D, 3), fill(&r, k, s->N * s->Hk * s->D, 1);
     fill(&r, v, s->N * s->Hk * s->D, 1);
     const ekv_attention_params prm = params_of(s);
     ekv_status st = ekv_entmax_attention_forward_f64(ctx, &prm, q, k, v, out, tau);
     CHECK(st == EKV_OK, "forward_f64: %s", ekv_last_error(ctx));
-    double worst = 0, worst_tau = 0;
+    st = ekv_entmax_attention_ohat_f64(ctx, &prm, q, k, v, tau, oh);
+    CHECK(st == EKV_OK, "ohat_f64: %s", ekv_last_error(ctx));
+    double worst = 0, worst_tau = 0, worst_oh = 0;
     for (int64_t t = 0; t < s->T; t++)
         for (int64_t h = 0; h < s->H; h++) {
             const int64_t n = row_scores(s, q, k, t, h, x), r0 = t * s->H + h;
@@ -68,15 +71,20 @@ static void check_row_api(ekv_context *ctx, const shape *s, uint64_t seed) {
             CHECK(ekv_entmax_f64(ctx, x, n, s->alpha, p, &tr, NULL) == EKV_OK, "row api");
             worst_tau = fmax(worst_tau, fabs(tr - tau[r0]) / (1 + fabs(tr)));
             for (int64_t d = 0; d < s->D; d++) {
-                double o = 0;
-                for (int64_t j = 0; j < n; j++)
-                    o += p[j] * v[(j * s->Hk + h / (s->H / s->Hk)) * s->D + d];
+                double o = 0, ow = 0, sw = 0;
+                for (int64_t j = 0; j < n; j++) {
+                    const double vj = v[(j * s->Hk + h / (s->H / s->Hk)) * s->D + d];
+                    const double w = p[j] > 0 ? pow(p[j], 2.0 - s->alpha) : 0;
+                    o += p[j] * vj, ow += w * vj, sw += w;
+                }
                 worst = fmax(worst, fabs(o - out[r0 * s->D + d]));
+                worst_oh = fmax(worst_oh, fabs(ow / sw - oh[r0 * s->D + d]));
             }
         }
-    CHECK(worst < 1e-12 && worst_tau < 1e-12,
-          "alpha %g causal %d alibi %d T %lld N %lld: |out - row api| %g, tau %g", s->alpha,
-          s->causal, s->alibi, (long long)s->T, (long long)s->N, worst, worst_tau);
+    CHECK(worst < 1e-12 && worst_tau < 1e-12 && worst_oh < 1e-10,
+          "alpha %g causal %d alibi %d T %lld N %lld: |out - row api| %g, tau %g, ohat %g",
+          s->alpha, s->causal, s->alibi, (long long)s->T, (long long)s->N, worst, worst_tau,
+          worst_oh);
 }
 
 /* A cache of page size 1 holding k, v (f32): the prefix of n tokens is the table's first n
@@ -329,6 +337,15 @@ static void check_invalid(ekv_context *ctx) {
     expect_fail(ctx, &p, q, bad_tau, EKV_ERR_NAN_INPUT, "tau[2] is NaN or infinite");
     expect_fail(ctx, &p, q, far_tau, EKV_ERR_INVALID_ARGUMENT,
                 "tau[2]=-5 is not the threshold of row 1, head 0");
+    /* o-hat takes the backward's check of tau, and writes nothing on failure */
+    float oh[64];
+    for (int i = 0; i < 64; i++) oh[i] = 7;
+    CHECK(ekv_entmax_attention_ohat(ctx, &p, q, kk, vv, far_tau, oh) == EKV_ERR_INVALID_ARGUMENT &&
+                  strstr(ekv_last_error(ctx), "tau[2]=-5 is not the threshold") && oh[0] == 7,
+          "ohat, far tau: %s", ekv_last_error(ctx));
+    CHECK(ekv_entmax_attention_ohat(ctx, &p, q, kk, vv, far_tau, NULL) == EKV_ERR_NULL_POINTER &&
+                  strstr(ekv_last_error(ctx), "ohat is NULL"),
+          "ohat NULL: %s", ekv_last_error(ctx));
     /* NULL pointers, each by name */
     float o[64], g[64];
     const float x[64] = {0};

@@ -702,6 +702,21 @@ EKV_API ekv_status ekv_entmax_attention_backward_f64(
         ekv_context *ctx, const ekv_attention_params *params, const double *q, const double *k,
         const double *v, const double *tau, const double *dout, double *dq, double *dk, double *dv);
 
+/*
+ * o-hat = sum_S w_j v_j / sum_S w_j of every (row, head), [T][H][D], with w_j = p_j^(2 - alpha)
+ * on the support from the forward's tau (as the backward recomputes them): the w-weighted mean
+ * of the support's V rows, so that the backward's delta = dout . o-hat (docs/math.md §13.3);
+ * the reference for the CUDA forward's (ekv_flash_entmax_args.ohat). Softmax: o-hat = out. A tau
+ * that is not the forward's fails as in the backward.
+ */
+EKV_API ekv_status ekv_entmax_attention_ohat(ekv_context *ctx, const ekv_attention_params *params,
+                                             const float *q, const float *k, const float *v,
+                                             const double *tau, float *ohat);
+EKV_API ekv_status ekv_entmax_attention_ohat_f64(ekv_context *ctx,
+                                                 const ekv_attention_params *params,
+                                                 const double *q, const double *k, const double *v,
+                                                 const double *tau, double *ohat);
+
 #ifdef __cplusplus
 }
 #endif

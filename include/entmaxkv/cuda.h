@@ -320,6 +320,12 @@ typedef struct ekv_flash_entmax_args {
      * it is solved by Newton passes instead (0: 1024; at most 4096); tests force that route. */
     int32_t tau_scheme;
     int32_t row_cap;
+    /* o-hat = sum w v / sum w of every row, [B][T][H][D] fp32, w = p^(2 - alpha) on the support
+     * (softmax: o-hat = out): the w-weighted mean of the support's V rows, so that the backward's
+     * delta = dout . o-hat needs no sweep of its own (docs/math.md §13.3). Forward: written when
+     * not NULL (the rows solved by Newton passes take one more sweep for it); backward: read,
+     * and required (as flash attention's backward takes out). 16-byte aligned. */
+    float *ohat;
 } ekv_flash_entmax_args;
 
 /* Workspace bytes of the forward and of the backward for these args (host arithmetic; either

@@ -15,7 +15,7 @@ from .cache import PagedKVCache
 from .cuda_cache import CudaPagedKVCache
 from .decode import DecodeWrapper
 from .functional import (entmax, entmax15, entmax_attention, entmax_attention_backward,
-                         sparsemax)
+                         entmax_attention_ohat, sparsemax)
 
 try:
     from importlib.metadata import PackageNotFoundError, version
@@ -36,5 +36,6 @@ def __getattr__(name):
 
 
 __all__ = ["entmax", "entmax15", "sparsemax", "entmax_attention", "entmax_attention_backward",
+           "entmax_attention_ohat",
            "PagedKVCache", "CudaPagedKVCache", "DecodeWrapper",
            "EntmaxKVError", "__version__"]

@@ -101,7 +101,8 @@ class FlashEntmaxArgs(ctypes.Structure):
     _fields_ = [("shape", AttentionParams), ("batch", c_int32), ("q_dtype", c_int),
                 ("kv_dtype", c_int), ("out_dtype", c_int), ("block_tokens", c_int64),
                 ("q", c_void_p), ("k", c_void_p), ("v", c_void_p), ("out", c_void_p),
-                ("tau", c_void_p), ("tau_scheme", c_int32), ("row_cap", c_int32)]
+                ("tau", c_void_p), ("tau_scheme", c_int32), ("row_cap", c_int32),
+                ("ohat", c_void_p)]
 
 
 class CudaPlanParams(ctypes.Structure):
@@ -173,6 +174,8 @@ def _declare(lib):
                                                  + [c_void_p] * 5) for sfx in ("", "_f64")},
         **{f"ekv_entmax_attention_backward{sfx}": (c_int, [c_void_p, P(AttentionParams)]
                                                   + [c_void_p] * 8) for sfx in ("", "_f64")},
+        **{f"ekv_entmax_attention_ohat{sfx}": (c_int, [c_void_p, P(AttentionParams)]
+                                              + [c_void_p] * 5) for sfx in ("", "_f64")},
         "ekv_cache_default_params": (CacheParams, []),
         "ekv_cache_create": (c_int, [c_void_p, P(CacheParams), P(c_void_p)]),
         "ekv_cache_free": (None, [c_void_p]),

@@ -8,8 +8,10 @@ docs/math.md §13):
 q [B, T, H, D] (or [T, H, D]), k and v [B, N, Hk, D] (or [N, Hk, D]), flash attention's layout
 and conventions: row t of T sits at position N - T + t and, when causal, sees the keys up to it;
 ALiBi adds -m_h |j - i|; scale None = 1/sqrt(D); H a multiple of Hk (GQA). The forward saves
-each row's tau (as flash attention saves the log-sum-exp) and the backward is the entmax
-Jacobian on the support (§13.2-13.3), so gradients are exact too.
+each row's tau (as flash attention saves the log-sum-exp) and o-hat, the w-weighted mean of the
+support's V rows (float32, q's shape; as flash attention's backward takes out for
+D = dout . out, this backward's delta = dout . o-hat), and the backward is the entmax Jacobian
+on the support (§13.2-13.3), so gradients are exact too.
 
 The varlen form packs sequences of different lengths as flash attention's varlen functions do:
 q [total_q, H, D], k and v [total_k, Hk, D], and cu_seqlens_q, cu_seqlens_k the B + 1 offsets
@@ -21,18 +23,18 @@ one output; a sequence with no queries is skipped, one with queries but no keys 
 
 Registered with torch.library as
 
-    entmaxkv::flash_entmax_fwd(q, k, v, alpha, causal, alibi_slopes, scale) -> (out, tau)
-    entmaxkv::flash_entmax_bwd(q, k, v, tau, dout, alpha, causal, alibi_slopes, scale)
+    entmaxkv::flash_entmax_fwd(q, k, v, alpha, causal, alibi_slopes, scale) -> (out, tau, ohat)
+    entmaxkv::flash_entmax_bwd(q, k, v, tau, ohat, dout, alpha, causal, alibi_slopes, scale)
         -> (dq, dk, dv)
 
     entmaxkv::flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal,
-                                      alibi_slopes, scale) -> (out, tau)
-    entmaxkv::flash_entmax_varlen_bwd(q, k, v, tau, dout, cu_seqlens_q, cu_seqlens_k, alpha,
-                                      causal, alibi_slopes, scale) -> (dq, dk, dv)
+                                      alibi_slopes, scale) -> (out, tau, ohat)
+    entmaxkv::flash_entmax_varlen_bwd(q, k, v, tau, ohat, dout, cu_seqlens_q, cu_seqlens_k,
+                                      alpha, causal, alibi_slopes, scale) -> (dq, dk, dv)
 
 with fake implementations, so autograd and torch.compile see one opaque node each. CPU tensors
-run the library's CPU reference (ekv_entmax_attention_forward/backward: double precision, one
-thread, O(T N) per head); CUDA tensors run ekv_cuda_flash_entmax_forward/backward
+run the library's CPU reference (ekv_entmax_attention_forward/ohat/backward: double precision,
+one thread, O(T N) per head); CUDA tensors run ekv_cuda_flash_entmax_forward/backward
 (flash_cuda.py: the fused prefill kernel on tensor cores for the forward, a first CUDA-core
 backward; q float32/float16/bfloat16, k and v float16 or bfloat16, D 64 or 128; on the
 caller's current stream, workspace from torch's allocator). Tensors on two devices are an error,
@@ -75,40 +77,47 @@ def _slopes(alibi_slopes):
 @torch.library.custom_op("entmaxkv::flash_entmax_fwd", mutates_args=())
 def flash_entmax_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: float,
                      causal: bool, alibi_slopes: Optional[torch.Tensor],
-                     scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out (q's shape and dtype) and tau (q's shape less D, float64)."""
+                     scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (q's shape and dtype), tau (q's shape less D, float64) and o-hat (q's shape,
+    float32)."""
     cuda = _on_cuda(q, k, v, alibi_slopes)
     qb, kb, vb, single = _batched(q, k, v)
     if cuda:
-        out, tau = flash_cuda.forward(qb, kb, vb, alpha, causal, alibi_slopes, scale)
-        return (out[0], tau[0]) if single else (out, tau)
-    outs, taus = [], []
-    for b in range(qb.shape[0]):
-        o, t = functional.entmax_attention(qb[b].contiguous(), kb[b].contiguous(),
-                                           vb[b].contiguous(), alpha, causal,
-                                           _slopes(alibi_slopes), scale or None)
-        outs.append(torch.from_numpy(o))
-        taus.append(torch.from_numpy(t))
-    out, tau = torch.stack(outs), torch.stack(taus)
-    return (out[0], tau[0]) if single else (out, tau)
+        res = flash_cuda.forward(qb, kb, vb, alpha, causal, alibi_slopes, scale)
+    else:
+        res = [[], [], []]
+        for b in range(qb.shape[0]):
+            args = (qb[b].contiguous(), kb[b].contiguous(), vb[b].contiguous())
+            o, t = functional.entmax_attention(*args, alpha, causal, _slopes(alibi_slopes),
+                                               scale or None)
+            oh = functional.entmax_attention_ohat(*args, t, alpha, causal,
+                                                  _slopes(alibi_slopes), scale or None)
+            for i, x in enumerate((o, t, oh)):
+                res[i].append(torch.from_numpy(x))
+        res = [torch.stack(x) for x in res]
+        res[2] = res[2].to(torch.float32)
+    return tuple(x[0] for x in res) if single else tuple(res)
 
 
 @flash_entmax_fwd.register_fake
 def _(q, k, v, alpha, causal, alibi_slopes, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64)
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64),
+            q.new_empty(q.shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("entmaxkv::flash_entmax_bwd", mutates_args=())
 def flash_entmax_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
-                     dout: torch.Tensor, alpha: float, causal: bool,
+                     ohat: torch.Tensor, dout: torch.Tensor, alpha: float, causal: bool,
                      alibi_slopes: Optional[torch.Tensor],
                      scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (the shapes and dtypes of q, k, v) given the forward's tau and dL/dout."""
-    cuda = _on_cuda(q, k, v, tau, dout, alibi_slopes)
+    """dq, dk, dv (the shapes and dtypes of q, k, v) given the forward's tau and o-hat and
+    dL/dout (the CPU reference recomputes o-hat's part itself and does not read it)."""
+    cuda = _on_cuda(q, k, v, tau, ohat, dout, alibi_slopes)
     qb, kb, vb, single = _batched(q, k, v)
-    tb, db = (tau.unsqueeze(0), dout.unsqueeze(0)) if single else (tau, dout)
+    tb, ob, db = (x.unsqueeze(0) for x in (tau, ohat, dout)) if single else (tau, ohat, dout)
     if cuda:
-        dq, dk, dv = flash_cuda.backward(qb, kb, vb, tb, db, alpha, causal, alibi_slopes, scale)
+        dq, dk, dv = flash_cuda.backward(qb, kb, vb, tb, ob, db, alpha, causal, alibi_slopes,
+                                         scale)
         return (dq[0], dk[0], dv[0]) if single else (dq, dk, dv)
     grads = [[], [], []]
     for b in range(qb.shape[0]):
@@ -123,21 +132,21 @@ def flash_entmax_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: tor
 
 
 @flash_entmax_bwd.register_fake
-def _(q, k, v, tau, dout, alpha, causal, alibi_slopes, scale):
+def _(q, k, v, tau, ohat, dout, alpha, causal, alibi_slopes, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, alpha, causal, alibi_slopes, scale = inputs
-    ctx.save_for_backward(q, k, v, output[1])
+    ctx.save_for_backward(q, k, v, output[1], output[2])
     ctx.args = (alpha, causal, alibi_slopes, scale)
 
 
-def _backward(ctx, dout, dtau):
-    q, k, v, tau = ctx.saved_tensors
+def _backward(ctx, dout, dtau, dohat):
+    q, k, v, tau, ohat = ctx.saved_tensors
     alpha, causal, alibi_slopes, scale = ctx.args
-    dq, dk, dv = flash_entmax_bwd(q, k, v, tau, dout, alpha, causal, alibi_slopes, scale)
-    return dq, dk, dv, None, None, None, None  # tau is not differentiated (dtau unused)
+    dq, dk, dv = flash_entmax_bwd(q, k, v, tau, ohat, dout, alpha, causal, alibi_slopes, scale)
+    return dq, dk, dv, None, None, None, None  # tau, o-hat: not differentiated (unused)
 
 
 flash_entmax_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -145,8 +154,8 @@ flash_entmax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_entmax(q, k, v, alpha=1.5, causal=True, alibi_slopes=None, scale=None):
     """Exact alpha-entmax attention (the module docstring); returns out, q's shape and dtype."""
-    out, _tau = flash_entmax_fwd(q, k, v, float(alpha), bool(causal), alibi_slopes,
-                                 0.0 if scale is None else float(scale))
+    out, _tau, _ohat = flash_entmax_fwd(q, k, v, float(alpha), bool(causal), alibi_slopes,
+                                        0.0 if scale is None else float(scale))
     return out
 
 
@@ -184,55 +193,58 @@ def _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
 def flash_entmax_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, alpha: float,
                             causal: bool, alibi_slopes: Optional[torch.Tensor],
-                            scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out (q's shape and dtype) and tau ([total_q, H], float64), sequence by sequence."""
+                            scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (q's shape and dtype), tau ([total_q, H], float64) and o-hat (q's shape, float32),
+    sequence by sequence."""
     _on_cuda(q, k, v, alibi_slopes)
     out = q.new_zeros(q.shape)
     tau = q.new_zeros(q.shape[:-1], dtype=torch.float64)
+    ohat = q.new_zeros(q.shape, dtype=torch.float32)
     for (a, b), (c, d) in _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
         if b > a:
-            out[a:b], tau[a:b] = flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal,
-                                                  alibi_slopes, scale)
-    return out, tau
+            out[a:b], tau[a:b], ohat[a:b] = flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha,
+                                                             causal, alibi_slopes, scale)
+    return out, tau, ohat
 
 
 @flash_entmax_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64)
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64),
+            q.new_empty(q.shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("entmaxkv::flash_entmax_varlen_bwd", mutates_args=())
 def flash_entmax_varlen_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
-                            dout: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            ohat: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, alpha: float, causal: bool,
                             alibi_slopes: Optional[torch.Tensor],
                             scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv, sequence by sequence (keys of a sequence with no queries get 0)."""
-    _on_cuda(q, k, v, tau, dout, alibi_slopes)
+    _on_cuda(q, k, v, tau, ohat, dout, alibi_slopes)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for (a, b), (c, d) in _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
         if b > a:
             dq[a:b], dk[c:d], dv[c:d] = flash_entmax_bwd(q[a:b], k[c:d], v[c:d], tau[a:b],
-                                                         dout[a:b], alpha, causal, alibi_slopes,
-                                                         scale)
+                                                         ohat[a:b], dout[a:b], alpha, causal,
+                                                         alibi_slopes, scale)
     return dq, dk, dv
 
 
 @flash_entmax_varlen_bwd.register_fake
-def _(q, k, v, tau, dout, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale):
+def _(q, k, v, tau, ohat, dout, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_varlen_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, alpha, causal, alibi_slopes, scale = inputs
-    ctx.save_for_backward(q, k, v, output[1], cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, output[1], output[2], cu_q, cu_k)
     ctx.args = (alpha, causal, alibi_slopes, scale)
 
 
-def _varlen_backward(ctx, dout, dtau):
-    q, k, v, tau, cu_q, cu_k = ctx.saved_tensors
+def _varlen_backward(ctx, dout, dtau, dohat):
+    q, k, v, tau, ohat, cu_q, cu_k = ctx.saved_tensors
     alpha, causal, alibi_slopes, scale = ctx.args
-    dq, dk, dv = flash_entmax_varlen_bwd(q, k, v, tau, dout, cu_q, cu_k, alpha, causal,
+    dq, dk, dv = flash_entmax_varlen_bwd(q, k, v, tau, ohat, dout, cu_q, cu_k, alpha, causal,
                                          alibi_slopes, scale)
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -244,7 +256,7 @@ def flash_entmax_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha=1.5, causal=T
                         alibi_slopes=None, scale=None):
     """flash_entmax over packed sequences (the module docstring); returns out, q's shape and
     dtype."""
-    out, _tau = flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, float(alpha),
-                                        bool(causal), alibi_slopes,
-                                        0.0 if scale is None else float(scale))
+    out, _tau, _ohat = flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                               float(alpha), bool(causal), alibi_slopes,
+                                               0.0 if scale is None else float(scale))
     return out

@@ -68,30 +68,33 @@ def _workspace(a, dev, backward):
 
 
 def forward(q, k, v, alpha, causal, slopes, scale):
-    """out (q's dtype) and tau (float64 [B, T, H]) of batched [B, ...] CUDA tensors."""
+    """out (q's dtype), tau (float64 [B, T, H]) and o-hat (float32, q's shape) of batched
+    [B, ...] CUDA tensors."""
     import torch
 
     with device_guard(q.device):
         a, _keep = _args(q, k, v, alpha, causal, slopes, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tau = torch.empty(q.shape[:-1], dtype=torch.float64, device=q.device)
-        a.out, a.tau = out.data_ptr(), tau.data_ptr()
+        ohat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        a.out, a.tau, a.ohat = out.data_ptr(), tau.data_ptr(), ohat.data_ptr()
         ws = _workspace(a, q.device, False)
         ctx = _lib.context()
         ctx.call(lib.ekv_cuda_flash_entmax_forward, ctx.ptr, ctypes.byref(a), ws.data_ptr(),
                  ws.numel(), current_stream(q.device))
-    return out, tau
+    return out, tau, ohat
 
 
-def backward(q, k, v, tau, dout, alpha, causal, slopes, scale):
-    """dq, dk, dv (the dtypes of q, k, v) from the forward's tau and dL/dout."""
+def backward(q, k, v, tau, ohat, dout, alpha, causal, slopes, scale):
+    """dq, dk, dv (the dtypes of q, k, v) from the forward's tau and o-hat and dL/dout."""
     import torch
 
     with device_guard(q.device):
         a, keep = _args(q, k, v, alpha, causal, slopes, scale)
         tau = tau.to(torch.float64).contiguous()
+        ohat = ohat.to(torch.float32).contiguous()
         dout = dout.to(q.dtype).contiguous()
-        a.tau, a.out = tau.data_ptr(), None  # the backward reads tau, not out
+        a.tau, a.ohat, a.out = tau.data_ptr(), ohat.data_ptr(), None  # out is not read
         dq, dk, dv = (torch.empty_like(t) for t in keep[:3])
         ws = _workspace(a, q.device, True)
         ctx = _lib.context()

@@ -85,6 +85,15 @@ def _attention_args(who, q, k, v, alpha, causal, alibi_slopes, scale, extra=()):
     return prm, [_lib.c_array(a) for a in arrays], slopes
 
 
+def _call_attention(stage, qa, *args):
+    """ekv_entmax_attention_<stage> (float32 arrays) or its _f64 form (float64), on the
+    thread's context."""
+    fn = getattr(_lib.lib, f"ekv_entmax_attention_{stage}"
+                 + ("_f64" if qa.dtype == np.float64 else ""))
+    ctx = _lib.context()
+    ctx.call(fn, ctx.ptr, *args)
+
+
 def entmax_attention(q, k, v, alpha=1.5, causal=True, alibi_slopes=None, scale=None):
     """Exact entmax attention of T query rows over N keys, in double on the CPU (the reference
     that kernels are checked against, docs/math.md §13): q [T, H, D], k and v [N, Hk, D]
@@ -95,13 +104,32 @@ def entmax_attention(q, k, v, alpha=1.5, causal=True, alibi_slopes=None, scale=N
     prm, (qa, ka, va), _slopes = _attention_args("entmax_attention", q, k, v, alpha, causal,
                                                  alibi_slopes, scale)
     out, tau = np.empty_like(qa), np.empty(qa.shape[:2], np.float64)
-    fn = _lib.lib.ekv_entmax_attention_forward
-    if qa.dtype == np.float64:
-        fn = _lib.lib.ekv_entmax_attention_forward_f64
-    ctx = _lib.context()
-    ctx.call(fn, ctx.ptr, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data, out.ctypes.data,
-             tau.ctypes.data)
+    _call_attention("forward", qa, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data,
+                    out.ctypes.data, tau.ctypes.data)
     return out, tau
+
+
+def entmax_attention_ohat(q, k, v, tau, alpha=1.5, causal=True, alibi_slopes=None, scale=None):
+    """o-hat [T, H, D] (q's dtype, numpy) of entmax_attention's rows given its tau [T, H]: the
+    w-weighted mean of the support's V rows, w = p^(2 - alpha), which the backward's
+    delta = dout . o-hat needs (docs/math.md §13.3); softmax: out. A tau that is not the
+    forward's raises EntmaxKVError."""
+    prm, (qa, ka, va), _slopes = _attention_args("entmax_attention_ohat", q, k, v, alpha, causal,
+                                                 alibi_slopes, scale)
+    ta = _tau_array("entmax_attention_ohat", tau, qa)
+    ohat = np.empty_like(qa)
+    _call_attention("ohat", qa, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data,
+                    ta.ctypes.data, ohat.ctypes.data)
+    return ohat
+
+
+def _tau_array(fname, tau, qa):
+    """tau as a C float64 array of shape [T, H] (q's first two dims), or ValueError."""
+    ta = _lib.c_array(np.asarray(_lib.host_array(tau, "tau"), np.float64), np.float64)
+    if ta.shape != qa.shape[:2]:
+        raise ValueError(f"entmaxkv.{fname}: tau must be {list(qa.shape[:2])}; got "
+                         f"{list(ta.shape)}")
+    return ta
 
 
 def entmax_attention_backward(q, k, v, tau, dout, alpha=1.5, causal=True, alibi_slopes=None,
@@ -115,15 +143,9 @@ def entmax_attention_backward(q, k, v, tau, dout, alpha=1.5, causal=True, alibi_
     if da.shape != qa.shape:
         raise ValueError(f"entmaxkv.entmax_attention_backward: dout must be {list(qa.shape)}; "
                          f"got {list(da.shape)}")
-    ta = _lib.c_array(np.asarray(_lib.host_array(tau, "tau"), np.float64), np.float64)
-    if ta.shape != qa.shape[:2]:
-        raise ValueError(f"entmaxkv.entmax_attention_backward: tau must be "
-                         f"{list(qa.shape[:2])}; got {list(ta.shape)}")
+    ta = _tau_array("entmax_attention_backward", tau, qa)
     dq, dk, dv = np.empty_like(qa), np.empty_like(ka), np.empty_like(va)
-    fn = _lib.lib.ekv_entmax_attention_backward
-    if qa.dtype == np.float64:
-        fn = _lib.lib.ekv_entmax_attention_backward_f64
-    ctx = _lib.context()
-    ctx.call(fn, ctx.ptr, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data, ta.ctypes.data,
-             da.ctypes.data, dq.ctypes.data, dk.ctypes.data, dv.ctypes.data)
+    _call_attention("backward", qa, prm, qa.ctypes.data, ka.ctypes.data, va.ctypes.data,
+                    ta.ctypes.data, da.ctypes.data, dq.ctypes.data, dk.ctypes.data,
+                    dv.ctypes.data)
     return dq, dk, dv

@@ -40,7 +40,7 @@ def _scores(q, k, causal, slopes):
 def _far_from_tau(q, k, alpha, causal, slopes, margin=1e-4):
     """Every visible score at least margin from its row's tau (finite differences never cross
     the edge of the support)."""
-    _out, tau = flash.flash_entmax_fwd(q, k, k, alpha, causal, slopes, 0.0)
+    _out, tau, _ohat = flash.flash_entmax_fwd(q, k, k, alpha, causal, slopes, 0.0)
     a = 1.0 if alpha == 1 else alpha - 1
     z = a * _scores(q, k, causal, slopes)
     gap = (z - tau.unsqueeze(-1)).abs()
@@ -106,9 +106,9 @@ def test_float32_gradients_follow_the_float64_ones():
 def test_opcheck():
     q, k, v = _data(4, dtype=torch.float32)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd, (q, k, v, 1.5, True, None, 0.0))
-    _out, tau = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
+    _out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_bwd,
-                          (q, k, v, tau, torch.randn_like(q), 1.5, True, None, 0.0))
+                          (q, k, v, tau, ohat, torch.randn_like(q), 1.5, True, None, 0.0))
 
 
 def test_compile_keeps_one_node():
@@ -147,15 +147,17 @@ def test_varlen_equals_each_sequence(alpha, causal, alibi):
     tq, tk = [3, 0, 1, 5], [6, 2, 7, 5]
     q, k, v, cq, ck = _packed(12, tq, tk)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64) if alibi else None
-    out, tau = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, alpha, causal, slopes, 0.0)
+    out, tau, ohat = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, alpha, causal, slopes, 0.0)
     assert out.shape == q.shape and tau.shape == q.shape[:-1] and tau.dtype == torch.float64
+    assert ohat.shape == q.shape and ohat.dtype == torch.float32
     for i in range(len(tq)):
         a, b, c, d = cq[i].item(), cq[i + 1].item(), ck[i].item(), ck[i + 1].item()
         if b == a:
             continue
-        o, t = flash.flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal, slopes, 0.0)
+        o, t, oh = flash.flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal, slopes, 0.0)
         torch.testing.assert_close(out[a:b], o, rtol=0, atol=0)
         torch.testing.assert_close(tau[a:b], t, rtol=0, atol=0)
+        torch.testing.assert_close(ohat[a:b], oh, rtol=0, atol=0)
     whole = flash.flash_entmax_varlen(q, k, v, cq.long(), ck.long(), alpha, causal, slopes)
     torch.testing.assert_close(whole, out, rtol=0, atol=0)
 
@@ -181,9 +183,10 @@ def test_varlen_opcheck_and_compile():
     q, k, v, cq, ck = _packed(13, [2, 3], [5, 3], dtype=torch.float32)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_varlen_fwd,
                           (q, k, v, cq, ck, 1.5, True, None, 0.0))
-    _out, tau = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, 1.5, True, None, 0.0)
+    _out, tau, ohat = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, 1.5, True, None, 0.0)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_varlen_bwd,
-                          (q, k, v, tau, torch.randn_like(q), cq, ck, 1.5, True, None, 0.0))
+                          (q, k, v, tau, ohat, torch.randn_like(q), cq, ck, 1.5, True, None,
+                           0.0))
     f = torch.compile(lambda a, b, c: flash.flash_entmax_varlen(a, b, c, cq, ck), fullgraph=True,
                       backend="eager")
     torch.testing.assert_close(f(q, k, v), flash.flash_entmax_varlen(q, k, v, cq, ck), rtol=0,
@@ -228,13 +231,17 @@ def test_cuda_forward_matches_the_cpu_op(alpha, causal, alibi, dtype):
     same 16-bit inputs (the device's scores are fp32, docs/math.md §12); tau within 1e-5."""
     (q, k, v), (q64, k64, v64) = _cuda_data(7, dtype)
     slopes = SLOPES if alibi else None
-    out, tau = flash.flash_entmax_fwd(q, k, v, alpha, causal,
-                                      None if slopes is None else slopes.cuda(), 0.0)
-    ref, rtau = flash.flash_entmax_fwd(q64, k64, v64, alpha, causal, slopes, 0.0)
+    out, tau, ohat = flash.flash_entmax_fwd(q, k, v, alpha, causal,
+                                            None if slopes is None else slopes.cuda(), 0.0)
+    ref, rtau, rohat = flash.flash_entmax_fwd(q64, k64, v64, alpha, causal, slopes, 0.0)
     assert out.dtype == dtype and out.shape == q.shape and tau.dtype == torch.float64
+    assert ohat.dtype == torch.float32 and ohat.shape == q.shape
     torch.testing.assert_close(out.cpu().double(), ref, rtol=UNIT[dtype],
                                atol=1e-4 * v64.abs().max().item())
     torch.testing.assert_close(tau.cpu(), rtau, rtol=1e-5, atol=1e-5)
+    # o-hat is fp32 on the device (no 16-bit rounding), a w-weighted mean as out is p-weighted
+    torch.testing.assert_close(ohat.cpu().double(), rohat.double(), rtol=1e-5,
+                               atol=1e-4 * v64.abs().max().item())
 
 
 @cuda
@@ -252,7 +259,7 @@ def test_cuda_tau_schemes_agree(alpha):
             res.append(flash.flash_entmax_fwd(q, k, v, alpha, True, SLOPES.cuda(), 0.0))
     finally:
         flash_cuda.tau_scheme = keep
-    (o0, t0), (o1, t1) = res
+    (o0, t0, _h0), (o1, t1, _h1) = res
     torch.testing.assert_close(t1, t0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o1.float(), o0.float(), rtol=2.0 ** -8,
                                atol=1e-5 * v.abs().max().item())
@@ -303,9 +310,9 @@ def test_cuda_compile_fullgraph():
 def test_cuda_opcheck():
     (q, k, v), _ = _cuda_data(9, torch.float16)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd, (q, k, v, 1.5, True, None, 0.0))
-    _out, tau = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
+    _out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_bwd,
-                          (q, k, v, tau, torch.randn_like(q), 1.5, True, None, 0.0))
+                          (q, k, v, tau, ohat, torch.randn_like(q), 1.5, True, None, 0.0))
 
 
 @cuda
@@ -331,9 +338,9 @@ def test_cuda_varlen_matches_the_cpu_op(dtype):
     dev = [t.to(dtype).cuda().requires_grad_(True) for t in (q, k, v)]
     ref = [t.detach().cpu().double().requires_grad_(True) for t in dev]
     slopes = SLOPES
-    out, tau = flash.flash_entmax_varlen_fwd(*dev, cq.cuda(), ck.cuda(), 1.5, True, slopes.cuda(),
-                                             0.0)
-    rout, rtau = flash.flash_entmax_varlen_fwd(*ref, cq, ck, 1.5, True, slopes, 0.0)
+    out, tau, _ohat = flash.flash_entmax_varlen_fwd(*dev, cq.cuda(), ck.cuda(), 1.5, True,
+                                                    slopes.cuda(), 0.0)
+    rout, rtau, _rohat = flash.flash_entmax_varlen_fwd(*ref, cq, ck, 1.5, True, slopes, 0.0)
     vmax = ref[2].abs().max().item()
     torch.testing.assert_close(out.detach().cpu().double(), rout.detach(), rtol=UNIT[dtype],
                                atol=1e-4 * vmax)

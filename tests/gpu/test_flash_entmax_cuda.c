@@ -1,15 +1,15 @@
 /*
  * ekv_cuda_flash_entmax_forward/backward (include/entmaxkv/cuda.h, docs/math.md §12, §13) against
- * the CPU reference in double (ekv_entmax_attention_forward_f64/backward_f64) on the values the
- * device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference takes the
- * rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and 4/4,
- * D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or 16-bit,
- * out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens (in both tau
+ * the CPU reference in double (ekv_entmax_attention_forward_f64/ohat_f64/backward_f64) on the
+ * values the device reads: q, k, v and dout are drawn, rounded to their dtypes, and the reference
+ * takes the rounded values. Shapes T, N in {1, 17, 64, 300} (causal needs T <= N), H/Hk 6/2 and
+ * 4/4, D 64 and 128, alpha 1, 1.5, 2, causal or not, ALiBi or not, K/V f16 and bf16, q f32 or
+ * 16-bit, out f32 or q's dtype, one sequence or two, one pass or passes of 16 tokens (in both tau
  * schemes against one pass); then 4 cases of up to 1100 keys (alpha 1.25, H/Hk 8/1, q of the
  * other 16-bit type), one of 2100 x 16 heads (33600 rows: the automatic passes of the two
- * schemes differ), three with every V element offset by 4 (the backward's one sweep for dq at
- * D 64 and its two at D 128, on g that share a large common part), and three more of the one
- * sweep (no causal mask with T > N and with T < N, softmax over 700 keys).
+ * schemes differ), three with every V element offset by 4 (g and delta = dout . o-hat share a
+ * large common part, D 64 and 128), and three more (no causal mask with T > N and with T < N,
+ * softmax over 700 keys).
  * Tolerances (why): the device forms the scores in fp32 (exact 16-bit products, fp32 sums,
  * docs/math.md §12), so z differs from the double reference by about 1e-6; that moves tau by as
  * much, p by beta (z - tau)^(beta - 1) times it, and the output, a p-weighted mean of V rows,
@@ -17,6 +17,8 @@
  *   out:  |gpu - ref| <= u_out |ref| + 1e-4 max|v|   (u_out: the output dtype's unit roundoff,
  *         2^-8 bf16, 2^-11 f16, 0 f32: the rounding of the result itself);
  *   tau:  |gpu - ref| <= 1e-5 max(1, |ref|);
+ *   o-hat (fp32, from the reference's tau): |gpu - ref| <= 1e-4 max|v| (a w-weighted mean of V
+ *         rows, as out is a p-weighted one; w = p^(2 - alpha) moves as p does);
  *   dq, dk, dv: |gpu - ref| <= u |ref| + 2e-4 G, G the largest |ref| of the three (fp32 sums of
  *         up to 300 terms, then the rounding to the gradient's dtype; a gradient that is 0
  *         exactly is a cancellation of terms of that size).
@@ -33,8 +35,9 @@
  * keys, past the 1024 a list takes, for the last rows) drive both routes in one call.
  * Also: two passes of the same rows agree; a second backward over a workspace of other bytes
  * gives the same bits; each invalid argument answers its status and leaves
- * out, tau, dq, dk and dv untouched; the workspace query is what the calls need (a byte less
- * fails) and shrinks with block_tokens. Exit 77 when no CUDA device is present.
+ * out, tau, o-hat, dq, dk and dv untouched (the backward needs o-hat, the forward may skip it); the
+ * workspace query is what the calls need (a byte less fails) and shrinks with block_tokens. Exit 77
+ * when no CUDA device is present.
  */
 #include "entmaxkv.h"
 #include "test_util.h"
@@ -48,9 +51,8 @@ typedef struct {
     ekv_dtype qt, kvt, ot;
     int64_t block;
     int flat; /* every key of a KV head equal to its first: support = the whole prefix */
-    double voff; /* added to every element of V: a row's g = dout . v share dout . voff, the
-                  * cancellation the backward's one sweep for dq shifts out (docs/math.md
-                  * §13.3, "One sweep for dq") */
+    double voff; /* added to every element of V: a row's g = dout . v share dout . voff, and
+                  * delta = dout . o-hat with them (docs/math.md §13.3): g - delta cancels it */
 } fcase;
 
 /* One case's tensors: typed host copies (what the device reads), their values in double, the
@@ -63,6 +65,7 @@ typedef struct {
     float slopes[16];
     void *dq_, *dk_, *dv_, *dg_, *dout_, *dgq_, *dgk_, *dgv_, *dws;
     double *dtau_;
+    float *dohat_; /* the forward's o-hat, the backward's input */
     float *dslopes;
     int64_t fwd_bytes, bwd_bytes;
     ekv_flash_entmax_args a;
@@ -149,9 +152,9 @@ static int setup(fdata *f, const fcase *c, uint64_t seed) {
     f->dq_ = dev(f->nq * qes), f->dk_ = dev(f->nk * 2), f->dv_ = dev(f->nk * 2);
     f->dg_ = dev(f->nq * oes), f->dout_ = dev(f->nq * oes), f->dtau_ = dev(rows * 8);
     f->dgq_ = dev(f->nq * qes), f->dgk_ = dev(f->nk * 2), f->dgv_ = dev(f->nk * 2);
-    f->dslopes = dev(64);
+    f->dslopes = dev(64), f->dohat_ = dev(f->nq * 4);
     if (!f->dq_ || !f->dk_ || !f->dv_ || !f->dg_ || !f->dout_ || !f->dtau_ || !f->dgq_ ||
-        !f->dgk_ || !f->dgv_ || !f->dslopes)
+        !f->dgk_ || !f->dgv_ || !f->dslopes || !f->dohat_)
         return 1;
     cudaMemcpy(f->dq_, f->hq, (size_t)(f->nq * qes), cudaMemcpyHostToDevice);
     cudaMemcpy(f->dk_, f->hk, (size_t)(f->nk * 2), cudaMemcpyHostToDevice);
@@ -163,6 +166,7 @@ static int setup(fdata *f, const fcase *c, uint64_t seed) {
     a->batch = (int32_t)c->B, a->q_dtype = c->qt, a->kv_dtype = c->kvt, a->out_dtype = c->ot;
     a->block_tokens = c->block;
     a->q = f->dq_, a->k = f->dk_, a->v = f->dv_, a->out = f->dout_, a->tau = f->dtau_;
+    a->ohat = f->dohat_;
     return 0;
 }
 
@@ -170,7 +174,7 @@ static void teardown(fdata *f) {
     void *h[] = {f->hq, f->hk, f->hv, f->hg, f->q, f->k, f->v, f->g};
     for (size_t i = 0; i < sizeof h / sizeof h[0]; i++) free(h[i]);
     void *d[] = {f->dq_,  f->dk_,  f->dv_,  f->dg_,     f->dout_, f->dtau_,
-                 f->dgq_, f->dgk_, f->dgv_, f->dslopes, f->dws};
+                 f->dgq_, f->dgk_, f->dgv_, f->dslopes, f->dws,   f->dohat_};
     for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) cudaFree(d[i]);
 }
 
@@ -210,10 +214,24 @@ static ekv_status reference(ekv_context *ctx, const fdata *f, double *out, doubl
     return s;
 }
 
-/* The device forward against the reference's out and tau; *gpu_out and *gpu_tau get its output
- * and tau (host). */
+/* The reference's o-hat from its tau, every sequence on its own. */
+static ekv_status reference_ohat(ekv_context *ctx, const fdata *f, const double *tau,
+                                 double *ohat) {
+    const fcase *c = &f->c;
+    const ekv_attention_params p = shape_of(c, f->slopes);
+    const int64_t sq = c->T * c->H * c->D, sk = c->N * c->Hk * c->D, st = c->T * c->H;
+    ekv_status s = EKV_OK;
+    for (int64_t b = 0; b < c->B && !s; b++)
+        s = ekv_entmax_attention_ohat_f64(ctx, &p, f->q + b * sq, f->k + b * sk, f->v + b * sk,
+                                          tau + b * st, ohat + b * sq);
+    return s;
+}
+
+/* The device forward against the reference's out, tau and o-hat (fp32 on the device: within
+ * 1e-4 max|v|, as out less its own rounding); *gpu_out and *gpu_tau get its output and tau
+ * (host). */
 static void check_forward(ekv_context *ctx, fdata *f, const double *rout, const double *rtau,
-                          const char *name, void **gpu_out, double **gpu_tau) {
+                          const double *rohat, const char *name, void **gpu_out, double **gpu_tau) {
     const fcase *c = &f->c;
     const int64_t rows = c->B * c->T * c->H, ob = f->nq * ekv_dtype_size(c->ot);
     ekv_status s = ekv_cuda_flash_entmax_forward(ctx, &f->a, f->dws, f->fwd_bytes, NULL);
@@ -229,7 +247,12 @@ static void check_forward(ekv_context *ctx, fdata *f, const double *rout, const 
     CHECK(e <= 1e-4 * vmax, "%s: out: max |gpu - ref| - u|ref| = %.3g > 1e-4 max|v| (%.3g)", name,
           e, vmax);
     CHECK(terr <= 1e-5, "%s: tau: max relative difference %.3g > 1e-5", name, terr);
-    printf("  %-58s out %.1e tau %.1e\n", name, e / vmax, terr);
+    float *ohat = host_copy(f->dohat_, f->nq * 4);
+    const double eh = excess(ohat, EKV_DTYPE_F32, rohat, f->nq, 0.0, &mx);
+    CHECK(eh <= 1e-4 * vmax, "%s: ohat: max |gpu - ref| = %.3g > 1e-4 max|v| (%.3g)", name, eh,
+          vmax);
+    free(ohat);
+    printf("  %-58s out %.1e tau %.1e ohat %.1e\n", name, e / vmax, terr, eh / vmax);
     *gpu_tau = tau;
     *gpu_out = out;
 }
@@ -238,14 +261,14 @@ static void check_forward(ekv_context *ctx, fdata *f, const double *rout, const 
  * where the pool's room lasts, the rest by Newton passes)
  * against the reference, and its tau against the candidate scheme's (tau0). */
 static void check_hist(ekv_context *ctx, fdata *f, const double *rout, const double *rtau,
-                       const double *tau0, const char *name, int32_t row_cap) {
+                       const double *rohat, const double *tau0, const char *name, int32_t row_cap) {
     char hname[200];
     snprintf(hname, sizeof hname, "%s hist%s", name, row_cap ? " cap 1" : "");
     f->a.tau_scheme = 1;
     f->a.row_cap = row_cap;
     void *out = NULL;
     double *tau = NULL, diff = 0;
-    check_forward(ctx, f, rout, rtau, hname, &out, &tau);
+    check_forward(ctx, f, rout, rtau, rohat, hname, &out, &tau);
     const int64_t rows = f->c.B * f->c.T * f->c.H;
     for (int64_t i = 0; i < rows; i++)
         diff = fmax(diff, fabs(tau[i] - tau0[i]) / fmax(1.0, fabs(tau0[i])));
@@ -256,7 +279,8 @@ static void check_hist(ekv_context *ctx, fdata *f, const double *rout, const dou
     free(tau);
 }
 
-/* The device backward (from the device forward's tau) against the reference's (from its own). */
+/* The device backward (from the device forward's tau and o-hat) against the reference's (from
+ * its own tau). */
 static void check_backward(ekv_context *ctx, fdata *f, double *rtau, const char *name) {
     const fcase *c = &f->c;
     double *ref = calloc((size_t)(f->nq + 2 * f->nk), 8);
@@ -354,6 +378,7 @@ static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
     fdata f;
     const int64_t rows = c->B * c->T * c->H;
     double *rout = malloc((size_t)(c->B * c->T * c->H * c->D) * 8),
+           *rohat = malloc((size_t)(c->B * c->T * c->H * c->D) * 8),
            *rtau = malloc((size_t)rows * 8);
     for (int tries = 0;; tries++) {
         if (setup(&f, c, seed + 7919u * (uint64_t)tries)) {
@@ -367,15 +392,17 @@ static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
         if (tries == 39) break;
         teardown(&f);
     }
+    CHECK(reference_ohat(ctx, &f, rtau, rohat) == EKV_OK, "%s: reference o-hat: %s", name,
+          ekv_last_error(ctx));
     ekv_status s = ekv_cuda_flash_entmax_workspace(ctx, &f.a, &f.fwd_bytes, &f.bwd_bytes);
     CHECK(s == EKV_OK, "%s: workspace: %s", name, ekv_last_error(ctx));
     f.dws = dev(f.fwd_bytes > f.bwd_bytes ? f.fwd_bytes : f.bwd_bytes);
     if (!s && f.dws) {
         void *out = NULL;
         double *tau0 = NULL;
-        check_forward(ctx, &f, rout, rtau, name, &out, &tau0);
-        check_hist(ctx, &f, rout, rtau, tau0, name, 0);
-        check_hist(ctx, &f, rout, rtau, tau0, name, 1);
+        check_forward(ctx, &f, rout, rtau, rohat, name, &out, &tau0);
+        check_hist(ctx, &f, rout, rtau, rohat, tau0, name, 0);
+        check_hist(ctx, &f, rout, rtau, rohat, tau0, name, 1);
         if (c->block)
             for (int32_t scheme = 0; scheme < 2; scheme++) check_passes(ctx, &f, name, scheme);
         if (!c->flat) /* the flat cases are about the forward's two routes */
@@ -385,16 +412,21 @@ static void run_case(ekv_context *ctx, const fcase *c, uint64_t seed) {
     }
     teardown(&f);
     free(rout);
+    free(rohat);
     free(rtau);
 }
 
 /* Every output byte still 0x5a (the sentinel check_invalid writes). */
 static int untouched(const fdata *f) {
-    const void *d[5] = {f->dout_, f->dtau_, f->dgq_, f->dgk_, f->dgv_};
-    const int64_t n[5] = {f->nq * ekv_dtype_size(f->c.ot), f->c.B * f->c.T * f->c.H * 8,
-                          f->nq * ekv_dtype_size(f->c.qt), f->nk * 2, f->nk * 2};
+    const void *d[6] = {f->dout_, f->dtau_, f->dgq_, f->dgk_, f->dgv_, f->dohat_};
+    const int64_t n[6] = {f->nq * ekv_dtype_size(f->c.ot),
+                          f->c.B * f->c.T * f->c.H * 8,
+                          f->nq * ekv_dtype_size(f->c.qt),
+                          f->nk * 2,
+                          f->nk * 2,
+                          f->nq * 4};
     int ok = 1;
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < 6; i++) {
         unsigned char *h = host_copy(d[i], n[i]);
         for (int64_t j = 0; j < n[i]; j++) ok &= h[j] == 0x5a;
         free(h);
@@ -428,9 +460,9 @@ static void check_invalid(ekv_context *ctx) {
           "invalid: query: %s", ekv_last_error(ctx));
     const int64_t bytes = f.fwd_bytes > f.bwd_bytes ? f.fwd_bytes : f.bwd_bytes;
     f.dws = dev(bytes + 256);
-    const void *d[5] = {f.dout_, f.dtau_, f.dgq_, f.dgk_, f.dgv_};
-    const int64_t n[5] = {f.nq * 2, c.T * c.H * 8, f.nq * 2, f.nk * 2, f.nk * 2};
-    for (int i = 0; i < 5; i++) cudaMemset((void *)d[i], 0x5a, (size_t)n[i]);
+    const void *d[6] = {f.dout_, f.dtau_, f.dgq_, f.dgk_, f.dgv_, f.dohat_};
+    const int64_t n[6] = {f.nq * 2, c.T * c.H * 8, f.nq * 2, f.nk * 2, f.nk * 2, f.nq * 4};
+    for (int i = 0; i < 6; i++) cudaMemset((void *)d[i], 0x5a, (size_t)n[i]);
     const void *g[4] = {f.dg_, f.dgq_, f.dgk_, f.dgv_};
     CHECK(ekv_cuda_flash_entmax_forward(NULL, &f.a, f.dws, bytes, NULL) == EKV_ERR_NULL_POINTER,
           "ctx NULL");
@@ -460,7 +492,9 @@ static void check_invalid(ekv_context *ctx) {
         BAD(a.q = NULL, EKV_ERR_NULL_POINTER, "q NULL");
         BAD(a.k = (const char *)a.k + 2, EKV_ERR_INVALID_ARGUMENT, "k misaligned");
         BAD(a.tau = NULL, EKV_ERR_NULL_POINTER, "tau NULL");
+        BAD(a.ohat = (float *)a.ohat + 1, EKV_ERR_INVALID_ARGUMENT, "ohat misaligned");
         if (!bw) BAD(a.out = NULL, EKV_ERR_NULL_POINTER, "out NULL");
+        if (bw) BAD(a.ohat = NULL, EKV_ERR_NULL_POINTER, "ohat NULL");
         a = f.a;
         try_bad(ctx, &f, a, NULL, bytes, g, bw, EKV_ERR_NULL_POINTER, "workspace NULL");
         try_bad(ctx, &f, a, f.dws, (bw ? f.bwd_bytes : f.fwd_bytes) - 1, g, bw,
@@ -479,12 +513,16 @@ static void check_invalid(ekv_context *ctx) {
                 : i == 2 ? "dk misaligned"
                          : "dv NULL");
     }
-    /* the backward does not read out: NULL is fine there */
+    /* the backward does not read out, nor the forward need o-hat: NULL is fine there */
     ekv_flash_entmax_args a = f.a;
     a.out = NULL;
     CHECK(ekv_cuda_flash_entmax_backward(ctx, &a, g[0], (void *)g[1], (void *)g[2], (void *)g[3],
                                          f.dws, f.bwd_bytes, NULL) == EKV_OK,
           "backward with out NULL: %s", ekv_last_error(ctx));
+    a = f.a;
+    a.ohat = NULL;
+    CHECK(ekv_cuda_flash_entmax_forward(ctx, &a, f.dws, f.fwd_bytes, NULL) == EKV_OK,
+          "forward with ohat NULL: %s", ekv_last_error(ctx));
     teardown(&f);
     printf("  invalid arguments: statuses and untouched outputs checked\n");
 }
@@ -550,16 +588,16 @@ int main(void) {
              * scheme's (4x the rows: flash_entmax.cu, FLASH_PASS_GROWTH) */
             {1, 2100, 2100, 16, 2, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0,
              0, 0},
-            /* V offset by 4 in every dim at D 64 with q and dout in K's dtype: the backward's
-             * one sweep for dq on g that share a large common part (and at D 128: two sweeps) */
+            /* V offset by 4 in every dim: g and delta = dout . o-hat share a large common part
+             * that g - delta cancels (D 64 and 128, 16-bit q and dout) */
             {1, 700, 700, 6, 2, 64, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0,
              4.0},
             {1, 300, 300, 4, 4, 64, 1, 1, 1.25, EKV_DTYPE_F16, EKV_DTYPE_F16, EKV_DTYPE_F16, 0, 0,
              4.0},
             {1, 300, 300, 6, 2, 128, 1, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0,
              0, 4.0},
-            /* the one sweep without a causal mask (T > N: the rows' own keys clamped to [0, N);
-             * T < N with ALiBi and sparsemax) and for softmax over long rows */
+            /* the same without a causal mask (T > N; T < N with ALiBi and sparsemax) and for
+             * softmax over long rows */
             {1, 300, 64, 4, 4, 64, 0, 0, 1.5, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0,
              4.0},
             {1, 200, 300, 6, 2, 64, 0, 1, 2.0, EKV_DTYPE_BF16, EKV_DTYPE_BF16, EKV_DTYPE_BF16, 0, 0,

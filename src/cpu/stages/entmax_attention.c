@@ -29,11 +29,14 @@ typedef struct att_job {
     int causal;
     att_in q, k, v, dout;
     const double *tau_in; /* backward: the forward's tau */
-    att_out out, dq, dk, dv;
-    double *tau_out; /* forward, may be NULL */
+    att_out out, dq, dk, dv; /* out: the forward's output, or o-hat */
+    double *tau_out;         /* forward, may be NULL */
 } att_job;
 
-static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, int backward);
+/* What an entry point computes. */
+typedef enum att_mode { ATT_FORWARD, ATT_BACKWARD, ATT_OHAT } att_mode;
+
+static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, att_mode mode);
 
 ekv_attention_params ekv_attention_default_params(void) {
     return (ekv_attention_params){.num_queries = 1,
@@ -147,7 +150,7 @@ ekv_status ekv_entmax_attention_forward(ekv_context *ctx, const ekv_attention_pa
                                         double *tau) {
     att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .out = {out, NULL}};
     j.tau_out = tau;
-    return entry(ctx, params, &j, 0);
+    return entry(ctx, params, &j, ATT_FORWARD);
 }
 
 ekv_status ekv_entmax_attention_forward_f64(ekv_context *ctx, const ekv_attention_params *params,
@@ -155,7 +158,7 @@ ekv_status ekv_entmax_attention_forward_f64(ekv_context *ctx, const ekv_attentio
                                             double *out, double *tau) {
     att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .out = {NULL, out}};
     j.tau_out = tau;
-    return entry(ctx, params, &j, 0);
+    return entry(ctx, params, &j, ATT_FORWARD);
 }
 
 /* ---- backward (docs/math.md §13) ---- */
@@ -165,30 +168,43 @@ typedef struct bwd_rows {
     double *p, *w, *g, *dq, *dk, *dv;
 } bwd_rows;
 
-/* One (row, head): p from the forward's tau, then ds_j = w_j (g_j - delta) on the support,
- * delta = sum w g / sum w, added to dq of the row and dk, dv of its keys. */
-static ekv_status backward_row(ekv_context *ctx, const att_job *j, int64_t t, int64_t h,
-                               bwd_rows *b) {
-    const int64_t n = row_len(j, t), r = t * j->H + h, D = j->D, kh = h / j->G;
-    ekv_status st = row_z(ctx, j, t, h, n, b->p);
+/* Row (t, h)'s n weights from the forward's tau into p (p = p~ / sum p~, as the forward
+ * normalises them) and w = p^(2 - alpha) on the support, 0 outside (a key at tau too, §13).
+ * Fails on a tau that is not the row's threshold. */
+static ekv_status row_support(ekv_context *ctx, const att_job *j, int64_t t, int64_t h, int64_t n,
+                              double *p, double *w) {
+    const int64_t r = t * j->H + h;
+    ekv_status st = row_z(ctx, j, t, h, n, p);
     if (st) return st;
-    const double tau = j->tau_in[r], sum = row_weights(b->p, n, tau, j->alpha);
+    const double tau = j->tau_in[r], sum = row_weights(p, n, tau, j->alpha);
     /* the forward's tau gives sum 1 to the rounding of its solve (§0); anything else is not it */
     if (!(sum > 0) || fabs(sum - 1.0) > 1e-3)
         return ekv_fail(ctx, EKV_ERR_INVALID_ARGUMENT,
                         "tau[%lld]=%.17g is not the threshold of row %lld, head %lld: its weights "
                         "sum to %g, not 1 (pass the forward's tau)",
                         (long long)r, tau, (long long)t, (long long)h, sum);
+    for (int64_t c = 0; c < n; c++) {
+        p[c] /= sum;
+        w[c] = p[c] > 0 ? pow(p[c], 2.0 - j->alpha) : 0;
+    }
+    return EKV_OK;
+}
+
+/* One (row, head): p and w from the forward's tau, then ds_j = w_j (g_j - delta) on the
+ * support, delta = sum w g / sum w, added to dq of the row and dk, dv of its keys. */
+static ekv_status backward_row(ekv_context *ctx, const att_job *j, int64_t t, int64_t h,
+                               bwd_rows *b) {
+    const int64_t n = row_len(j, t), r = t * j->H + h, D = j->D, kh = h / j->G;
+    ekv_status st = row_support(ctx, j, t, h, n, b->p, b->w);
+    if (st) return st;
     double sw = 0, swg = 0;
     for (int64_t c = 0; c < n; c++) {
-        b->p[c] /= sum;
-        b->w[c] = b->g[c] = 0;
-        if (!(b->p[c] > 0)) continue; /* p = 0: outside S, w = 0 (a key at tau too, §13) */
+        b->g[c] = 0;
+        if (!(b->w[c] > 0)) continue; /* outside S */
         const int64_t vo = (c * j->Hk + kh) * D;
         double g = 0;
         for (int64_t d = 0; d < D; d++) g += at(j->dout, r * D + d) * at(j->v, vo + d);
         b->g[c] = g;
-        b->w[c] = pow(b->p[c], 2.0 - j->alpha);
         sw += b->w[c];
         swg += b->w[c] * g;
     }
@@ -245,25 +261,78 @@ static ekv_status backward_run(ekv_context *ctx, att_job *j) {
     return EKV_OK;
 }
 
+/* ---- o-hat (docs/math.md §13.3: the backward's delta = dout . o-hat) ---- */
+
+/* o-hat = sum w v / sum w of every row, w from the forward's tau (row_support). */
+static ekv_status ohat_run(ekv_context *ctx, att_job *j) {
+    const int64_t S = (int64_t)sizeof(double);
+    int64_t sizes[3] = {j->N * S, j->N * S, j->nq * S}, off[3];
+    ekv_status st;
+    char *base = ekv_workspace_blocks(ctx, sizes, 3, off, "entmax attention o-hat", &st);
+    if (!base) return st;
+    double *p = (double *)(base + off[0]), *w = (double *)(base + off[1]);
+    double *acc = (double *)(base + off[2]);
+    for (int64_t t = 0; t < j->T; t++)
+        for (int64_t h = 0; h < j->H; h++) {
+            const int64_t n = row_len(j, t), r = t * j->H + h;
+            if ((st = row_support(ctx, j, t, h, n, p, w))) return st;
+            double *o = acc + r * j->D, sw = 0;
+            memset(o, 0, (size_t)j->D * sizeof *o);
+            for (int64_t c = 0; c < n; c++) {
+                if (!(w[c] > 0)) continue; /* outside S */
+                const int64_t vo = (c * j->Hk + h / j->G) * j->D;
+                for (int64_t d = 0; d < j->D; d++) o[d] += w[c] * at(j->v, vo + d);
+                sw += w[c];
+            }
+            for (int64_t d = 0; d < j->D; d++) o[d] /= sw;
+        }
+    write_out(j->out, acc, j->nq);
+    return EKV_OK;
+}
+
 /* Every entry point: its pointers, the shapes, the inputs' values, then the run. */
-static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j, int backward) {
+static ekv_status entry(ekv_context *ctx, const ekv_attention_params *p, att_job *j,
+                        att_mode mode) {
     if (!ctx) return EKV_ERR_NULL_POINTER;
     static const char *const name[] = {"params", "q",    "k",  "v",  "out",
                                        "tau",    "dout", "dq", "dk", "dv"};
     const void *ptr[] = {p,         PTR(j->q),    PTR(j->k),  PTR(j->v),  PTR(j->out),
                          j->tau_in, PTR(j->dout), PTR(j->dq), PTR(j->dk), PTR(j->dv)};
-    for (int i = 0; i < 10; i++) /* the forward's are 0-4, the backward's 0-3 and 5-9 */
-        if ((i < 4 || (i == 4) != backward) && !ptr[i])
-            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL", name[i]);
+    /* the pointers each mode needs: the forward 0-4, the backward 0-3 and 5-9, o-hat 0-5 */
+    static const unsigned need[] = {0x1f, 0x3ef, 0x3f};
+    for (int i = 0; i < 10; i++)
+        if ((need[mode] >> i & 1) && !ptr[i])
+            return ekv_fail(ctx, EKV_ERR_NULL_POINTER, "%s is NULL",
+                            i == 4 && mode == ATT_OHAT ? "ohat" : name[i]);
     ekv_status st = check_shape(ctx, p, j);
     if (!st) st = check_finite(ctx, j->q, j->nq, "q");
     if (!st) st = check_finite(ctx, j->k, j->nk, "k");
     if (!st) st = check_finite(ctx, j->v, j->nk, "v");
-    if (!st && backward) st = check_finite(ctx, j->dout, j->nq, "dout");
-    if (!st && backward) st = check_finite(ctx, (att_in){NULL, j->tau_in}, j->T * j->H, "tau");
-    EKV_GUARDED(ctx, st, backward ? backward_run(ctx, j) : forward_run(ctx, j));
+    if (!st && mode == ATT_BACKWARD) st = check_finite(ctx, j->dout, j->nq, "dout");
+    if (!st && mode != ATT_FORWARD)
+        st = check_finite(ctx, (att_in){NULL, j->tau_in}, j->T * j->H, "tau");
+    EKV_GUARDED(ctx, st,
+                mode == ATT_FORWARD    ? forward_run(ctx, j)
+                : mode == ATT_BACKWARD ? backward_run(ctx, j)
+                                       : ohat_run(ctx, j));
     if (!st) ekv_clear_error(ctx);
     return st;
+}
+
+ekv_status ekv_entmax_attention_ohat(ekv_context *ctx, const ekv_attention_params *params,
+                                     const float *q, const float *k, const float *v,
+                                     const double *tau, float *ohat) {
+    att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .out = {ohat, NULL}};
+    j.tau_in = tau;
+    return entry(ctx, params, &j, ATT_OHAT);
+}
+
+ekv_status ekv_entmax_attention_ohat_f64(ekv_context *ctx, const ekv_attention_params *params,
+                                         const double *q, const double *k, const double *v,
+                                         const double *tau, double *ohat) {
+    att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .out = {NULL, ohat}};
+    j.tau_in = tau;
+    return entry(ctx, params, &j, ATT_OHAT);
 }
 
 ekv_status ekv_entmax_attention_backward(ekv_context *ctx, const ekv_attention_params *params,
@@ -273,7 +342,7 @@ ekv_status ekv_entmax_attention_backward(ekv_context *ctx, const ekv_attention_p
     att_job j = {.q = {q, NULL}, .k = {k, NULL}, .v = {v, NULL}, .dout = {dout, NULL}};
     j.tau_in = tau, j.dq = (att_out){dq, NULL}, j.dk = (att_out){dk, NULL};
     j.dv = (att_out){dv, NULL};
-    return entry(ctx, params, &j, 1);
+    return entry(ctx, params, &j, ATT_BACKWARD);
 }
 
 ekv_status ekv_entmax_attention_backward_f64(ekv_context *ctx, const ekv_attention_params *params,
@@ -283,5 +352,5 @@ ekv_status ekv_entmax_attention_backward_f64(ekv_context *ctx, const ekv_attenti
     att_job j = {.q = {NULL, q}, .k = {NULL, k}, .v = {NULL, v}, .dout = {NULL, dout}};
     j.tau_in = tau, j.dq = (att_out){NULL, dq}, j.dk = (att_out){NULL, dk};
     j.dv = (att_out){NULL, dv};
-    return entry(ctx, params, &j, 1);
+    return entry(ctx, params, &j, ATT_BACKWARD);
 }

@@ -228,22 +228,3 @@ __device__ __forceinline__ void tile_pv(const unsigned char *vt, const float (*p
         for (int h = 0; h < 2; h++) pv_mma<T, NP>(pa, vb[2 * h], vb[2 * h + 1], o[2 * dp + h]);
     }
 }
-
-/* o += P V and o2 += P2 V over the same 16-key tile: its B fragments loaded once. */
-template <typename T, int D, int NP>
-__device__ __forceinline__ void tile_pv2(const unsigned char *vt, const float (*p)[4],
-                                         float (*o)[4], const float (*p2)[4], float (*o2)[4]) {
-    uint32_t pa[NP][4], pa2[NP][4];
-    pv_pack<T, NP>(p, pa);
-    pv_pack<T, NP>(p2, pa2);
-#pragma unroll
-    for (int dp = 0; dp < D / 16; dp++) {
-        uint32_t vb[4];
-        pv_load_b<D>(vt, dp, vb);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            pv_mma<T, NP>(pa, vb[2 * h], vb[2 * h + 1], o[2 * dp + h]);
-            pv_mma<T, NP>(pa2, vb[2 * h], vb[2 * h + 1], o2[2 * dp + h]);
-        }
-    }
-}

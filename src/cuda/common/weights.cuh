@@ -20,3 +20,12 @@ __device__ __forceinline__ float entmax_p(float z, double tau, double beta) {
 __device__ __forceinline__ float attn_weight(float z, double tau, double alpha, double beta) {
     return alpha == 1.0 ? (float)exp((double)z - tau) : entmax_p(z, tau, beta);
 }
+/* w~ = p~^(2 - alpha) of a score given tau: the weight of the entmax Jacobian (docs/math.md
+ * §13.2), x^(beta - 1) on the support (x = z - tau, computed as entmax_p's), 0 outside; softmax
+ * (alpha 1): w = p. The forward's o-hat = sum w v / sum w takes it (§13.3). */
+__device__ __forceinline__ float attn_jweight(float z, double tau, double alpha, double beta) {
+    if (alpha == 1.0) return (float)exp((double)z - tau);
+    const double x = (double)z - tau;
+    if (!(x > 0)) return 0.f;
+    return beta == 2.0 ? (float)x : beta == 1.0 ? 1.f : (float)pow(x, beta - 1.0);
+}

@@ -100,12 +100,16 @@ ekv_status flash_check(ekv_context *ctx, const ekv_flash_entmax_args *a, void *s
         ekv_mul_i64(nk, 8, &nk))
         return ekv_fail(ctx, EKV_ERR_SIZE_OVERFLOW,
                         "flash entmax: batch=%d x the shapes overflows int64 bytes", a->batch);
-    /* the tensors: q, k, v, tau, then out, or dout, dq, dk, dv */
-    const char *names[] = {"q", "k", "v", "tau", "out", "dout", "dq", "dk", "dv"};
-    const void *ptrs[] = {a->q, a->k, a->v, a->tau, a->out, extra[0], extra[1], extra[2], extra[3]};
-    for (int i = 0; i < 9 && !st; i++)
-        if (i < 4 || (i == 4) != (grads != 0))
-            st = check_tensor(ctx, ptrs[i], names[i], i == 3 ? 8 : 16);
+    /* the tensors: q, k, v, tau, then out, or dout, dq, dk, dv and ohat; the forward's ohat
+     * may be NULL */
+    const char *names[] = {"q", "k", "v", "tau", "out", "dout", "dq", "dk", "dv", "ohat"};
+    const void *ptrs[] = {a->q,     a->k,     a->v,     a->tau,   a->out,
+                          extra[0], extra[1], extra[2], extra[3], a->ohat};
+    for (int i = 0; i < 10 && !st; i++) {
+        const bool need = i < 4 || (i == 4 && !grads) || (i > 4 && i < 9 && grads) ||
+                          (i == 9 && (grads || a->ohat));
+        if (need) st = check_tensor(ctx, ptrs[i], names[i], i == 3 ? 8 : 16);
+    }
     if (st) return st;
     J->a = a;
     J->B = a->batch, J->T = p->num_queries, J->N = p->num_keys, J->H = p->num_heads;
@@ -229,6 +233,7 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
     blk.q_in_kv_dtype = a->q_dtype == a->kv_dtype; /* q as one part (docs/math.md §12) */
     blk.slopes = a->shape.alibi_slopes;
     blk.att = L.att32 < 0 ? (float *)a->out + qo : (float *)(base + L.att32);
+    blk.ohat = a->ohat ? a->ohat + qo : NULL; /* fp32 already: written where it is */
     blk.counters = (unsigned long long *)(base + L.counters);
     ekv_status st = ekv_cuda_prefill_attention(&pf, &blk);
     if (st) return st;
@@ -264,6 +269,7 @@ extern "C" ekv_status ekv_cuda_flash_entmax_workspace(ekv_context *ctx,
         alignas(256) static const double any[2] = {0, 0}; /* non-NULL, aligned stand-ins */
         probe.q = probe.k = probe.v = probe.out = (void *)any;
         probe.tau = (double *)any;
+        probe.ohat = NULL; /* optional in the forward's check */
     }
     ekv_status st = flash_check(ctx, args ? &probe : NULL, NULL, 0, none, &J);
     if (st) return st;

@@ -3,13 +3,13 @@
  * cores"): the gradients of exact entmax attention from the forward's tau, on tensor cores. With
  * p~_j = [z_j - tau]_+^beta (softmax: exp(z_j - tau)) recomputed from the saved tau, S = sum p~,
  * p = p~ / S as the forward normalises it, and w~_j = p~_j^(2 - alpha) on the support:
- *   w_j = S^(alpha - 2) w~_j,  delta = sum w~ g / sum w~ (the scale of w cancels),
+ *   w_j = S^(alpha - 2) w~_j,  delta = sum w~ g / sum w~ = dout . o-hat (the forward's),
  *   ds_j = scale w_j (g_j - delta),  g_j = dout . v_j,
  *   dq = sum_j ds_j k_j,  dk_j = sum over rows ds_j q,  dv_j = sum over rows p_j dout.
  * Steps (flash_entmax_backward.cuh):
  *   1. q and dout as 16-bit parts of K's dtype where either is not K's dtype (split_kernel;
  *      BWD_SPLIT_PARTS parts: every bit of an fp32 value), else both read where they are;
- *   2. the rows pass (1 / S, S^(alpha - 2), delta per row, then dq);
+ *   2. the rows pass (delta, 1 / S and S^(alpha - 2) per row, and dq);
  *   3. the keys pass (dk, dv; with splits of a tile's rows, their fp32 partial sums added in
  *      split order by one more kernel).
  */
@@ -116,6 +116,7 @@ static bwd_args backward_args(const flash_job &J, const bwd_layout &L, char *bas
     A.part_stride = J.B * J.T * J.H * J.D;
     A.k = a->k, A.v = a->v;
     A.tau = a->tau;
+    A.ohat = a->ohat;
     A.rinv = (float *)(base + L.rinv);
     A.wscale = (float *)(base + L.wscale);
     A.delta = (float *)(base + L.delta);

@@ -3,9 +3,9 @@
  * docs/math.md §13.3, "On tensor cores"): what its two kernels share. The entry
  * (flash_entmax_backward.cu) splits q and dout into 16-bit parts of K's dtype where they are not
  * K's dtype already, then runs
- *   1. the rows pass (flash_entmax_bwd_rows.cu): per row, S = sum p~, sum w~ and sum w~ g, so
- *      1 / S, S^(alpha - 2) and delta (§13.3: a sweep for delta, the forward keeps no o-hat),
- *      then a second sweep for dq = sum ds k in registers;
+ *   1. the rows pass (flash_entmax_bwd_rows.cu): per row, delta = dout . o-hat (the forward's
+ *      o-hat, §13.3), then one sweep for S = sum p~ (so 1 / S and S^(alpha - 2)) and
+ *      dq = sum ds k in registers;
  *   2. the keys pass (flash_entmax_bwd_keys.cu): per (KV head, 64-key tile) a block that loops
  *      over the 16-row blocks of the group's rows that see the tile: S^T and g^T recomputed,
  *      p, ds, then dV += P^T dO, dK += dS^T Q in registers.
@@ -51,6 +51,7 @@ struct bwd_args {
     int64_t part_stride;          /* elements between parts: B T H D */
     const void *k, *v;            /* [B][N][Hk][D] */
     const double *tau;            /* [B][T][H] */
+    const float *ohat;            /* [B][T][H][D] the forward's o-hat: delta = dout . o-hat */
     float *rinv, *wscale, *delta; /* [B][T][H]: 1 / S, S^(alpha - 2), delta (the rows pass) */
     void *dq;                     /* [B][T][H][D] of dtype dq_dtype (q's) */
     int dq_dtype;

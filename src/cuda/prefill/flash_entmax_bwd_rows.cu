@@ -1,18 +1,14 @@
 /*
  * The backward's rows pass (flash_entmax_backward.cuh, docs/math.md §13.3, "On tensor cores"):
- * per query row, S = sum p~ (the forward's normaliser, recomputed from tau), sum w~ and
- * sum w~ (g - r) (g_j = dout . v_j, r a shift of the row), written as 1 / S, S^(alpha - 2) and
- * delta = r + sum w~ (g - r) / sum w~ (the scale of w cancels) for the keys pass, and
- * dq = sum_j ds_j k_j. A block owns 64 rows of one KV head (16 per warp, their q and dout parts
- * staged in shared memory once) and sweeps the K and V tiles of their keys through two cp.async
- * stages, computing S = Q K^T and G = dO V^T of each 16-key piece (the products of 16-bit parts
- * are exact, fp32 sums: z within the forward's own rounding, docs/math.md §12):
- *   - head dim 64, q and dout in K's dtype (rows_one_sweep): one sweep, with r = g of the row's
- *     own key, for the sums and A = scale sum w~ (g - r) k, B = scale sum w~ k (their terms as
- *     BWD_OPERAND_PARTS 16-bit parts, tile_pv2); then dq = S^(alpha - 2) (A - (delta - r) B)
- *     (§13.3, "One sweep for dq");
- *   - else (the registers of two D-wide sums would not fit) two sweeps, r = 0: the sums, then S
- *     and G again, ds = scale S^(alpha - 2) w~ (g - delta), dQ += dS K.
+ * per query row, delta = dout . o-hat from the forward's o-hat (before the sweep), then one sweep
+ * for S = sum p~ (the forward's normaliser, recomputed from tau) and dq = sum_j ds_j k_j, with
+ * ds = scale S^(alpha - 2) w~ (g - delta) (g_j = dout . v_j): the sweep sums
+ * scale w~ (g - delta) k and the row's factor S^(alpha - 2) is applied at its end. 1 / S,
+ * S^(alpha - 2) and delta are written for the keys pass. A block owns 64 rows of one KV head (16
+ * per warp, their q and dout parts staged in shared memory once) and sweeps the K and V tiles of
+ * their keys through two cp.async stages, computing S = Q K^T and G = dO V^T of each 16-key piece
+ * (the products of 16-bit parts are exact, fp32 sums: z within the forward's own rounding,
+ * docs/math.md §12) and dQ += dS K (dS as BWD_OPERAND_PARTS 16-bit parts, tile_pv).
  * dq is the block's alone: no atomics, and the same bits on every call (the keys pass owns dk
  * and dv the same way).
  */
@@ -25,20 +21,14 @@ template <int D, int NP> constexpr size_t rows_smem_bytes() {
            (size_t)2 * 2 * BWD_KEYS * D * 2; /* two stages of K and V */
 }
 
-/* One sweep for dq (rows_one_sweep) at this head dim and these parts: the registers of two
- * D-wide sums fit at D 64 with one part. */
-template <int D, int NP> __host__ __device__ constexpr bool rows_one_sweep() {
-    return D == 64 && NP == 1;
-}
-
 /* The lane's two query rows (k = 0: lane / 4 of the warp's 16, k = 1: lane / 4 + 8), their
- * sums (sp, sw, swg: sum w~ (g - shift)), and per tile the keys they see (vis) and rel0 =
- * k0 - pos as a float (bwd_z). */
+ * delta and sum of p~ (sp), and per tile the keys they see (vis) and rel0 = k0 - pos as a float
+ * (bwd_z). */
 struct rows_lane {
     int64_t r[2], pos[2];
     bwd_tau tau[2];
-    double sp[2], sw[2], swg[2];
-    float am[2], shift[2], wscale[2], delta[2], rel0[2];
+    double sp[2];
+    float am[2], delta[2], rel0[2];
     int vis[2];
     bool on[2];
 };
@@ -84,86 +74,44 @@ __device__ __forceinline__ void rows_pieces(const bwd_args &A, const unsigned ch
     }
 }
 
-/* The sums of one tile's keys into the lane's (sw, swg and sp: fp32 over the tile, double
- * across tiles). */
-struct rows_tile_sums {
-    float p[2] = {0.f, 0.f}, w[2] = {0.f, 0.f}, wg[2] = {0.f, 0.f};
-    __device__ void add_to(rows_lane &L) const {
-        for (int k = 0; k < 2; k++) L.sp[k] += p[k], L.sw[k] += w[k], L.swg[k] += wg[k];
-    }
-};
-
-/* Two sweeps, sweep 1, one 64-key tile: the sums of the lane's rows over the tile's keys. */
+/* One 64-key tile: sp += p~ of the lane's rows (fp32 over the tile, double across tiles), and
+ * dq (16 rows x D, tile_pv's layout) += dS' K with ds' = scale w~ (g - delta): ds without its
+ * row's factor S^(alpha - 2), which the sweep finds (rows_kernel applies it at the end). */
 template <typename T, int D, int NP, int W>
-__device__ __forceinline__ void rows_sums(const bwd_args &A, const unsigned char *qs,
+__device__ __forceinline__ void rows_tile(const bwd_args &A, const unsigned char *qs,
                                           const unsigned char *gs, const unsigned char *kt,
-                                          const unsigned char *vt, rows_lane &L) {
-    rows_tile_sums t;
-    rows_pieces<T, D, NP, W>(
-            A, qs, gs, kt, vt, L,
-            [&](int, int, int k, float p, float w, float g) {
-                t.p[k] += p;
-                if (w != 0.f) t.w[k] += w, t.wg[k] = fmaf(w, g - L.shift[k], t.wg[k]);
-            },
-            [](int) {});
-    t.add_to(L);
-}
-
-/* Two sweeps, sweep 2, one 64-key tile: dq (16 rows x D, tile_pv's layout) += dS K. */
-template <typename T, int D, int NP, int W>
-__device__ __forceinline__ void
-rows_dq(const bwd_args &A, const unsigned char *qs, const unsigned char *gs,
-        const unsigned char *kt, const unsigned char *vt, const rows_lane &L, float (*dq)[4]) {
-    float ds[2][4];
-    rows_pieces<T, D, NP, W>(
-            A, qs, gs, kt, vt, L,
-            [&](int nt, int i, int k, float, float w, float g) {
-                ds[nt][i] = bwd_ds(A.scale * L.wscale[k], w, g, L.delta[k]);
-            },
-            [&](int q) { tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq); });
-}
-
-/* One sweep, one 64-key tile: the sums, and sa += c w~ (g - shift) K, sb += c w~ K with
- * c = A.scale (as ds carries it: the 16-bit parts of these operands keep ds's range, which
- * matters in f16, docs/math.md §13.3; the sums of w~ take c too, and their ratio drops it). */
-template <typename T, int D, int NP, int W>
-__device__ __forceinline__ void rows_sums_dq(const bwd_args &A, const unsigned char *qs,
-                                             const unsigned char *gs, const unsigned char *kt,
-                                             const unsigned char *vt, rows_lane &L, float (*sa)[4],
-                                             float (*sb)[4]) {
-    rows_tile_sums t;
-    float wg[2][4], w1[2][4];
+                                          const unsigned char *vt, rows_lane &L, float (*dq)[4]) {
+    float ds[2][4], sp[2] = {0.f, 0.f};
     rows_pieces<T, D, NP, W>(
             A, qs, gs, kt, vt, L,
             [&](int nt, int i, int k, float p, float w, float g) {
-                t.p[k] += p;
-                w1[nt][i] = A.scale * w;
-                wg[nt][i] = w != 0.f ? w1[nt][i] * (g - L.shift[k]) : 0.f;
-                t.w[k] += w1[nt][i], t.wg[k] += wg[nt][i];
+                sp[k] += p;
+                ds[nt][i] = bwd_ds(A.scale, w, g, L.delta[k]);
             },
-            [&](int q) {
-                tile_pv2<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), wg, sa, w1, sb);
-            });
-    t.add_to(L);
+            [&](int q) { tile_pv<T, D, BWD_OPERAND_PARTS>(kt + q * bwd_tile16<D>(), ds, dq); });
+    for (int k = 0; k < 2; k++) L.sp[k] += sp[k];
 }
 
-/* The shift of the lane's row k for one sweep: g of its own key (the one at its position,
- * clamped to [0, N)), dout . v in fp32 over the 4 lanes of the row. Any r is exact in
- * arithmetic; this one keeps A and (delta - r) B small where the g of a row's support are
- * close (docs/math.md §13.3, "One sweep for dq"). Every lane of the warp calls it. */
-template <typename T, int D>
-__device__ __forceinline__ float rows_shift(const bwd_args &A, int64_t b, int64_t g,
+/* delta = dout . o-hat of the lane's row k (docs/math.md §13.3), in double over the 4 lanes of
+ * the row (each a quarter of D; dout as the sum of its NP parts). Every lane of the warp calls
+ * it; 0 for no row. */
+template <typename T, int D, int NP>
+__device__ __forceinline__ float rows_delta(const bwd_args &A, int64_t b, int64_t g,
                                             const rows_lane &L, int k) {
     const int lane = threadIdx.x & 31;
-    const int64_t j = L.pos[k] < 0 ? 0 : L.pos[k] >= A.N ? A.N - 1 : L.pos[k];
-    const T *dout = static_cast<const T *>(A.g) + bwd_row_offset(A, b, g, L.on[k] ? L.r[k] : 0);
-    const T *v = static_cast<const T *>(A.v) + ((b * A.N + j) * A.Hk + g) * A.D;
-    float x = 0.f;
-    for (int d = (lane & 3) * (D / 4); d < ((lane & 3) + 1) * (D / 4); d++)
-        x = fmaf(ekv_elem<T>::to(dout[d]), ekv_elem<T>::to(v[d]), x);
+    const int64_t o = bwd_row_offset(A, b, g, L.on[k] ? L.r[k] : 0);
+    const T *dout = static_cast<const T *>(A.g) + o;
+    const float *oh = A.ohat + o;
+    double x = 0;
+    for (int d = (lane & 3) * (D / 4); d < ((lane & 3) + 1) * (D / 4); d++) {
+        float gd = 0.f;
+#pragma unroll
+        for (int p = 0; p < NP; p++) gd += ekv_elem<T>::to(dout[p * A.part_stride + d]);
+        x += (double)gd * (double)oh[d];
+    }
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return L.on[k] ? x : 0.f;
+    return L.on[k] ? (float)x : 0.f;
 }
 
 /* The block's key tiles through two stages (K at st, V at st + KT), use(k0, kt, vt) on each
@@ -193,7 +141,7 @@ __device__ __forceinline__ void store_as(void *p, int dt, int64_t i, float x) {
         static_cast<float *>(p)[i] = x;
 }
 
-/* The lane's rows of the row block from r0: index, position, tau, slope, shift (0 here). */
+/* The lane's rows of the row block from r0: index, position, tau, slope; delta and sp 0. */
 __device__ __forceinline__ void rows_lane_init(const bwd_args &A, int64_t b, int64_t g, int64_t r0,
                                                rows_lane &L) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -205,8 +153,8 @@ __device__ __forceinline__ void rows_lane_init(const bwd_args &A, int64_t b, int
         L.tau[k] = bwd_tau_of(L.on[k] ? A.tau[bwd_row_index(A, b, g, rr)] : 0.0);
         L.am[k] = bwd_row_am(A, g, (int)(rr % A.G));
         L.pos[k] = A.pos0 + rr / A.G;
-        L.sp[k] = L.sw[k] = L.swg[k] = 0.0;
-        L.shift[k] = 0.f;
+        L.sp[k] = 0.0;
+        L.delta[k] = 0.f;
     }
 }
 
@@ -219,31 +167,27 @@ __device__ __forceinline__ void rows_lane_tile(const bwd_args &A, int64_t k0, ro
     }
 }
 
-/* After the sums: S^(alpha - 2) and delta into L, and 1 / S, S^(alpha - 2), delta into the
- * keys pass's arrays (a lane per row); dr[k] = delta - shift of the lane's row k. */
-__device__ __forceinline__ void rows_finish(const bwd_args &A, int64_t b, int64_t g, rows_lane &L,
-                                            float *dr) {
+/* After the sweep: each row's S^(alpha - 2) into wscale[k], and 1 / S, S^(alpha - 2) and delta
+ * into the keys pass's arrays (a lane per row). */
+__device__ __forceinline__ void rows_finish(const bwd_args &A, int64_t b, int64_t g,
+                                            const rows_lane &L, float *wscale) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int k = 0; k < 2; k++) {
-        const double S = ekv_quad_sum(L.sp[k]), SW = ekv_quad_sum(L.sw[k]),
-                     SWG = ekv_quad_sum(L.swg[k]);
-        L.wscale[k] = (float)pow(S, A.alpha - 2.0);
-        L.delta[k] = (float)((double)L.shift[k] + SWG / SW);
-        dr[k] = (float)(SWG / SW);
+        const double S = ekv_quad_sum(L.sp[k]);
+        wscale[k] = (float)pow(S, A.alpha - 2.0);
         if ((lane & 3) || !L.on[k]) continue;
         const int64_t i = bwd_row_index(A, b, g, L.r[k]);
-        A.rinv[i] = (float)(1.0 / S), A.wscale[i] = L.wscale[k], A.delta[i] = L.delta[k];
+        A.rinv[i] = (float)(1.0 / S), A.wscale[i] = wscale[k], A.delta[i] = L.delta[k];
     }
 }
 
-/* Block (reversed row block, sequence, KV head): its 64 rows' sums and dq. */
+/* Block (reversed row block, sequence, KV head): its 64 rows' delta, sums and dq. */
 template <typename T, int D, int NP, int W>
 __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     ekv_grid_begin();
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr int PART = BWD_ROW_BLOCK * D * 2;
-    constexpr bool ONE = rows_one_sweep<D, NP>();
     unsigned char *qs = smem, *gs = smem + NP * PART, *stages = gs + NP * PART;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t nrb = bwd_row_blocks(A.R);
@@ -258,45 +202,25 @@ __global__ void __launch_bounds__(BWD_THREADS) rows_kernel(bwd_args A) {
     bwd_load_rows<T, D, NP>(A, A.g, b, g, r0, BWD_ROW_BLOCK, gs);
     rows_lane L;
     rows_lane_init(A, b, g, r0, L);
-    if (ONE)
-        for (int k = 0; k < 2; k++) L.shift[k] = rows_shift<T, D>(A, b, g, L, k);
+    for (int k = 0; k < 2; k++) L.delta[k] = rows_delta<T, D, NP>(A, b, g, L, k);
     const unsigned char *wq = qs + warp * bwd_tile16<D>(), *wg = gs + warp * bwd_tile16<D>();
     const bool warp_on = r0 + 16 * warp < A.R;
-    float dq[D / 8][4], dqb[D / 8][4], dr[2];
+    float dq[D / 8][4], wscale[2];
     mma_zero<D / 8>(dq);
-    if (ONE) mma_zero<D / 8>(dqb);
     rows_sweep<T, D>(A, b, g, ntiles, stages,
                      [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
                          rows_lane_tile(A, k0, L);
-                         if (!warp_on) return;
-                         if (ONE)
-                             rows_sums_dq<T, D, NP, W>(A, wq, wg, kt, vt, L, dq, dqb);
-                         else
-                             rows_sums<T, D, NP, W>(A, wq, wg, kt, vt, L);
+                         if (warp_on) rows_tile<T, D, NP, W>(A, wq, wg, kt, vt, L, dq);
                      });
-    rows_finish(A, b, g, L, dr);
-    if (ONE) { /* dq = S^(alpha - 2) (A - (delta - shift) B), scale inside A and B */
-#pragma unroll
-        for (int n = 0; n < D / 8; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int k = i >> 1;
-                dq[n][i] = L.wscale[k] * fmaf(-dr[k], dqb[n][i], dq[n][i]);
-            }
-    } else {
-        rows_sweep<T, D>(A, b, g, ntiles, stages,
-                         [&](int64_t k0, const unsigned char *kt, const unsigned char *vt) {
-                             rows_lane_tile(A, k0, L);
-                             if (warp_on) rows_dq<T, D, NP, W>(A, wq, wg, kt, vt, L, dq);
-                         });
-    }
-    /* dq[n][i]: row lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2 */
+    rows_finish(A, b, g, L, wscale);
+    /* dq[n][i]: row lane / 4 + 8 (i / 2), dim 8 n + 2 (lane % 4) + i % 2; times S^(alpha - 2) */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         if (!L.on[i >> 1]) continue;
         const int64_t o = bwd_row_offset(A, b, g, L.r[i >> 1]) + 2 * (lane & 3) + (i & 1);
 #pragma unroll
-        for (int n = 0; n < D / 8; n++) store_as(A.dq, A.dq_dtype, o + 8 * n, dq[n][i]);
+        for (int n = 0; n < D / 8; n++)
+            store_as(A.dq, A.dq_dtype, o + 8 * n, wscale[i >> 1] * dq[n][i]);
     }
 }
 

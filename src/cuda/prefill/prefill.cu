@@ -211,10 +211,10 @@ ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda
         return ekv_fail(pf->ctx, EKV_ERR_INTERNAL,
                         "model (cuda): prefill block %lld x %lld keys exceeds its buffers",
                         (long long)T, (long long)A.nk);
-    if (!pf->fused && (b->noncausal_keys || b->alpha == 1.0))
+    if (!pf->fused && (b->noncausal_keys || b->alpha == 1.0 || b->ohat))
         return ekv_fail(pf->ctx, EKV_ERR_INTERNAL,
-                        "prefill (cuda): the GEMM path is causal entmax only (the fused kernel "
-                        "serves softmax and all keys)");
+                        "prefill (cuda): the GEMM path is causal entmax without o-hat only (the "
+                        "fused kernel serves softmax, all keys and o-hat)");
     A.np = pf->nparts;
     A.nq = b->q_in_kv_dtype ? 1 : pf->nparts;
     A.a = b->alpha == 1.0 ? 1.0 : b->alpha - 1.0; /* z = a s (docs/math.md §0; softmax: z = s) */
@@ -228,6 +228,7 @@ ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda
     A.rinv = pf->qshift + b->H * pf->chunk; /* the second half of the buffer */
     A.obuf = pf->obuf;
     A.att = b->att;
+    A.ohat = b->ohat;
     A.qparts = pf->qparts;
     A.pparts = pf->pparts;
     A.bad = pf->bad;

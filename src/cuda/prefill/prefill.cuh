@@ -167,6 +167,9 @@ struct ekv_cuda_prefill_block {
     int q_in_kv_dtype;
     const float *slopes; /* [H] ALiBi slopes (device), or NULL */
     float *att;          /* [T][H][D] the output */
+    /* [T][H][D] o-hat = sum w v / sum w, w = p^(2 - alpha) on the support (docs/math.md §13.3:
+     * the flash backward's delta), or NULL (the model engine); the fused kernel only */
+    float *ohat;
     unsigned long long *counters; /* [PF_COUNTERS] the fused kernel adds to (device) */
 };
 

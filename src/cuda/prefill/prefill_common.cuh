@@ -19,6 +19,7 @@ struct prefill_args {
     double a, alpha;
     const float *q, *slopes;
     float *scores, *qshift, *rinv, *obuf, *att;
+    float *ohat; /* [T][H][D] or NULL (ekv_cuda_prefill_block.ohat) */
     void *qparts, *pparts;
     int32_t *bad;
     /* ALiBi's reach (docs/math.md §12.1), or NULL: |k| bounds per KV head (key_bound_kernel),

@@ -247,12 +247,17 @@ __device__ void pass_newton(const fused_args &A, const pf_lane &L, const uint32_
 }
 
 /* Step 4, the rows solved by Newton passes: o = sum p v over the prefix, divided by sum p,
- * into att [T][H][D]. */
+ * into att [T][H][D] (softmax: into ohat too, o-hat = o); with A.ohat_pass, o-hat =
+ * sum w~ v / sum w~ into ohat instead (docs/math.md §13.3). w~ <= 1 where alpha <= 2 (as p, it
+ * takes pscale); alpha > 2 has w~ >= 1 on the support, so no scale (f16: a w~ past 65504, a key
+ * within ~1e-10 of tau, overflows, as the backward's ds does, §13.3 "f16's range"). */
 template <typename T, int D, int NP>
 __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (*qa)[D / 16][4],
                          unsigned char *stages) {
     const int lane = threadIdx.x & 31;
     const double beta = 1.0 / (A.alpha - 1.0);
+    const bool jw = A.ohat_pass;
+    const float wscale = jw && A.alpha > 2.0 ? 1.f : A.pscale;
     int unused = 0; /* round 0 checked every z */
     double tau[2], sum[2] = {0, 0};
     for (int k = 0; k < 2; k++) /* p of a masked or padding key: [-inf - tau]_+ = 0 */
@@ -264,9 +269,10 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
         for (int n8 = 0; n8 < PF_KEYS / 8; n8++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const float p = attn_weight(s[n8][i], tau[i >> 1], A.alpha, beta);
+                const float p = jw ? attn_jweight(s[n8][i], tau[i >> 1], A.alpha, beta)
+                                   : attn_weight(s[n8][i], tau[i >> 1], A.alpha, beta);
                 sum[i >> 1] += p;
-                s[n8][i] = p * A.pscale; /* p <= 1: within f16's range (docs/math.md §12) */
+                s[n8][i] = p * wscale; /* p <= 1: within f16's range (docs/math.md §12) */
             }
 #pragma unroll
         for (int q = 0; q < PF_KEYS / 16; q++)
@@ -276,12 +282,16 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
     for (int k = 0; k < 2; k++) {
         const double tot = ekv_quad_sum(sum[k]);
         if (!L.on[k]) continue;
-        const float f = (float)(1.0 / (tot * (double)A.pscale));
-        float *dst = A.att + (L.t[k] * A.H + L.h[k]) * A.D + 2 * (lane & 3);
+        const float f = (float)(1.0 / (tot * (double)wscale));
+        const int64_t at = (L.t[k] * A.H + L.h[k]) * A.D + 2 * (lane & 3);
+        float *dst = (jw ? A.ohat : A.att) + at;
+        float *also = !jw && A.ohat && A.alpha == 1.0 ? A.ohat + at : NULL;
 #pragma unroll
-        for (int nt = 0; nt < D / 8; nt++)
-            *reinterpret_cast<float2 *>(dst + nt * 8) =
-                    make_float2(o[nt][2 * k] * f, o[nt][2 * k + 1] * f);
+        for (int nt = 0; nt < D / 8; nt++) {
+            const float2 x = make_float2(o[nt][2 * k] * f, o[nt][2 * k + 1] * f);
+            *reinterpret_cast<float2 *>(dst + nt * 8) = x;
+            if (also) *reinterpret_cast<float2 *>(also + nt * 8) = x;
+        }
     }
 }
 
@@ -347,10 +357,11 @@ enum { GATHER_ILP = 4 };
 
 /* o += p_k v_k over the support keys of the warp's mask m (bit: the lane holding p and key),
  * GATHER_ILP rows loaded before their fmas; the fmas in the lanes' order, so the sum is the one
- * a key at a time gives, bit for bit. Warp-uniform call. */
-template <typename T, int NPAIR>
-__device__ __forceinline__ void gather_rows(unsigned m, float p, int64_t key, const T *V,
-                                            int64_t kstride, float *o) {
+ * a key at a time gives, bit for bit. OHAT: oh += w_k v_k too, from the same loads. Warp-uniform
+ * call. */
+template <typename T, int NPAIR, bool OHAT>
+__device__ __forceinline__ void gather_rows(unsigned m, float p, float w, int64_t key, const T *V,
+                                            int64_t kstride, float *o, float *oh) {
     typedef typename ekv_pair_of<T>::type T2;
     const int lane = threadIdx.x & 31;
     while (m) {
@@ -361,11 +372,12 @@ __device__ __forceinline__ void gather_rows(unsigned m, float p, int64_t key, co
             cnt += m != 0;
             m &= m - 1;
         }
-        float pk[GATHER_ILP];
+        float pk[GATHER_ILP], wk[GATHER_ILP];
         float2 v[GATHER_ILP][NPAIR];
 #pragma unroll
         for (int u = 0; u < GATHER_ILP; u++) {
             pk[u] = __shfl_sync(0xffffffffu, p, src[u]);
+            if (OHAT) wk[u] = __shfl_sync(0xffffffffu, w, src[u]);
             const T *vr = V + __shfl_sync(0xffffffffu, key, src[u]) * kstride;
 #pragma unroll
             for (int c = 0; c < NPAIR; c++)
@@ -379,6 +391,10 @@ __device__ __forceinline__ void gather_rows(unsigned m, float p, int64_t key, co
             for (int c = 0; c < NPAIR && u < cnt; c++) {
                 o[2 * c] = fmaf(pk[u], v[u][c].x, o[2 * c]);
                 o[2 * c + 1] = fmaf(pk[u], v[u][c].y, o[2 * c + 1]);
+                if (OHAT) {
+                    oh[2 * c] = fmaf(wk[u], v[u][c].x, oh[2 * c]);
+                    oh[2 * c + 1] = fmaf(wk[u], v[u][c].y, oh[2 * c + 1]);
+                }
             }
     }
 }
@@ -387,8 +403,9 @@ __device__ __forceinline__ void gather_rows(unsigned m, float p, int64_t key, co
  * z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above a lower
  * bound of tau), so o = sum p v / sum p over it reads only the support's V rows. Each support
  * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements; gather_rows);
- * p in fp32, not split into parts as the sweep's tensor cores need. Warp-uniform exits. */
-template <typename T, int D>
+ * p in fp32, not split into parts as the sweep's tensor cores need. OHAT: o-hat =
+ * sum w~ v / sum w~ from the same rows into A.ohat (docs/math.md §13.3). Warp-uniform exits. */
+template <typename T, int D, bool OHAT>
 __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
     ekv_grid_begin();
     constexpr int NPAIR = D / 64;
@@ -401,23 +418,31 @@ __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_arg
     const float *cz = A.cand + list_at(A, row);
     const int64_t *ck = A.cidx + list_at(A, row);
     const T *V = static_cast<const T *>(A.v) + g * A.D;
-    float o[2 * NPAIR];
+    float o[2 * NPAIR], oh[2 * NPAIR];
 #pragma unroll
-    for (int c = 0; c < 2 * NPAIR; c++) o[c] = 0.f;
-    double sum = 0;
+    for (int c = 0; c < 2 * NPAIR; c++) o[c] = oh[c] = 0.f;
+    double sum = 0, wsum = 0;
     for (int64_t base = 0; base < n; base += 32) {
         const int64_t i = base + lane;
         const float p = i < n ? attn_weight(cz[i], tau, A.alpha, beta) : 0.f;
+        /* w~ where p > 0: the support as the output takes it */
+        const float w = OHAT && p > 0.f ? attn_jweight(cz[i], tau, A.alpha, beta) : 0.f;
         const int64_t key = p > 0.f ? ck[i] : 0;
-        sum += p;
-        gather_rows<T, NPAIR>(__ballot_sync(0xffffffffu, p > 0.f), p, key, V, A.kstride, o);
+        sum += p, wsum += w;
+        gather_rows<T, NPAIR, OHAT>(__ballot_sync(0xffffffffu, p > 0.f), p, w, key, V, A.kstride, o,
+                                    oh);
     }
     const float f = (float)(1.0 / ekv_warp_sum(sum));
-    float *dst = A.att + (t * A.H + h) * A.D;
+    const int64_t at = (t * A.H + h) * A.D;
+    const float fw = OHAT ? (float)(1.0 / ekv_warp_sum(wsum)) : 0.f;
 #pragma unroll
-    for (int c = 0; c < NPAIR; c++)
-        *reinterpret_cast<float2 *>(dst + 64 * c + 2 * lane) =
+    for (int c = 0; c < NPAIR; c++) {
+        *reinterpret_cast<float2 *>(A.att + at + 64 * c + 2 * lane) =
                 make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+        if (OHAT)
+            *reinterpret_cast<float2 *>(A.ohat + at + 64 * c + 2 * lane) =
+                    make_float2(oh[2 * c] * fw, oh[2 * c + 1] * fw);
+    }
 }
 
 /* Every row of the block to state v (softmax: ROW_NEWTON, no candidate rounds). */
@@ -427,14 +452,17 @@ __global__ void set_rows_kernel(int32_t *state, int64_t rows, int32_t v) {
     if (i < rows) state[i] = v;
 }
 
-template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
+template <typename T, bool OHAT> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
     constexpr int per = PF_GATHER_THREADS / 32;
     const unsigned blocks = (unsigned)((A.Hk * A.R + per - 1) / per);
     if (A.D == 64)
-        gather_out_kernel<T, 64><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+        gather_out_kernel<T, 64, OHAT><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
     else
-        gather_out_kernel<T, 128><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+        gather_out_kernel<T, 128, OHAT><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
     return cudaGetLastError();
+}
+template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
+    return A.ohat ? launch_gather<T, true>(A, s) : launch_gather<T, false>(A, s);
 }
 
 template <typename T, int D, int NP, int MODE>
@@ -462,11 +490,23 @@ cudaError_t launch(ekv_dtype dt, const fused_args &A, int mode, cudaStream_t s) 
     });
 }
 
-/* The rows on A's list (wlist_in): their Newton passes, then their output by a sweep; every
- * other row's output from its list (gather_out_kernel). Both schemes end so. */
+/* The Newton rows' output sweep, then (entmax with o-hat asked for) their o-hat sweep. */
+ekv_status newton_outputs(const ekv_cuda_prefill *pf, ekv_dtype dt, const fused_args &A) {
+    GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
+    if (!A.ohat || A.alpha == 1.0) return EKV_OK; /* softmax: the output sweep wrote o-hat = o */
+    fused_args W = A;
+    W.ohat_pass = 1;
+    GPU_TRY(pf, launch(dt, W, PF_OUT, pf->stream));
+    return EKV_OK;
+}
+
+/* The rows on A's list (wlist_in): their Newton passes, then their output (and o-hat) by a
+ * sweep; every other row's output (and o-hat) from its list (gather_out_kernel). Both schemes
+ * end so. */
 ekv_status newton_and_outputs(const ekv_cuda_prefill *pf, ekv_dtype dt, const fused_args &A) {
     GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
-    GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
+    ekv_status st = newton_outputs(pf, dt, A);
+    if (st) return st;
     GPU_TRY(pf, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, pf->stream)
                                     : launch_gather<__nv_bfloat16>(A, pf->stream));
     return EKV_OK;
@@ -501,6 +541,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     A.pool_used = NULL;
     A.row_cap = 0;
     A.max_known = 0;
+    A.ohat_pass = 0;
     A.marks = NULL; /* the histogram scheme's, below */
     A.mark_words = 0;
     const int64_t rows = P.Hk * P.R;
@@ -512,8 +553,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
         A.wlist_in = NULL;
         A.wcount_in = NULL;
         GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
-        GPU_TRY(pf, launch(dt, A, PF_OUT, pf->stream));
-        return EKV_OK;
+        return newton_outputs(pf, dt, A);
     }
     if (pf->tau_scheme == EKV_PREFILL_TAU_HIST) { /* docs/math.md §12.1 */
         A.round = A.last = 0;

@@ -66,6 +66,9 @@ struct fused_args : prefill_args {
      * histogram scheme's P1), or NaN where a row's max is to be found again: the Newton pass
      * then skips its max sweep (0: the candidate scheme and softmax, which have no such max) */
     int max_known;
+    /* PF_OUT forms o-hat (w~ weights, into ohat) instead of the output (p~, into att): the
+     * Newton rows' o-hat by a second output sweep (docs/math.md §13.3) */
+    int ohat_pass;
 };
 
 /* The histogram scheme's lists, every row's P1, route, P2 and tau (prefill_hist.cu): the rows
