@@ -23,20 +23,23 @@ one output; a sequence with no queries is skipped, one with queries but no keys 
 
 Registered with torch.library as
 
-    entmaxkv::flash_entmax_fwd(q, k, v, alpha, causal, alibi_slopes, scale) -> (out, tau, ohat)
+    entmaxkv::flash_entmax_fwd(q, k, v, alpha, causal, alibi_slopes, scale, with_ohat)
+        -> (out, tau, ohat)
     entmaxkv::flash_entmax_bwd(q, k, v, tau, ohat, dout, alpha, causal, alibi_slopes, scale)
         -> (dq, dk, dv)
 
     entmaxkv::flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal,
-                                      alibi_slopes, scale) -> (out, tau, ohat)
+                                      alibi_slopes, scale, with_ohat) -> (out, tau, ohat)
     entmaxkv::flash_entmax_varlen_bwd(q, k, v, tau, ohat, dout, cu_seqlens_q, cu_seqlens_k,
                                       alpha, causal, alibi_slopes, scale) -> (dq, dk, dv)
 
-with fake implementations, so autograd and torch.compile see one opaque node each. CPU tensors
-run the library's CPU reference (ekv_entmax_attention_forward/ohat/backward: double precision,
-one thread, O(T N) per head); CUDA tensors run ekv_cuda_flash_entmax_forward/backward
-(flash_cuda.py: the fused prefill kernel on tensor cores for the forward, a first CUDA-core
-backward; q float32/float16/bfloat16, k and v float16 or bfloat16, D 64 or 128; on the
+with fake implementations, so autograd and torch.compile see one opaque node each. with_ohat
+False (flash_entmax's choice when no input requires grad: inference) returns an empty o-hat,
+and the CUDA forward skips forming it. CPU tensors run the library's CPU reference
+(ekv_entmax_attention_forward/ohat/backward: double precision, one thread, O(T N) per head);
+CUDA tensors run ekv_cuda_flash_entmax_forward/backward (flash_cuda.py: the fused prefill
+kernel on tensor cores for the forward, the backward's rows and keys passes on tensor cores;
+q float32/float16/bfloat16, k and v float16 or bfloat16, D 64 or 128; on the
 caller's current stream, workspace from torch's allocator). Tensors on two devices are an error,
 never copied behind the caller's back. Imported only with torch.
 """
@@ -76,33 +79,42 @@ def _slopes(alibi_slopes):
 
 @torch.library.custom_op("entmaxkv::flash_entmax_fwd", mutates_args=())
 def flash_entmax_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: float,
-                     causal: bool, alibi_slopes: Optional[torch.Tensor],
-                     scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     causal: bool, alibi_slopes: Optional[torch.Tensor], scale: float,
+                     with_ohat: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (q's shape and dtype), tau (q's shape less D, float64) and o-hat (q's shape,
-    float32)."""
+    float32; empty without with_ohat)."""
     cuda = _on_cuda(q, k, v, alibi_slopes)
     qb, kb, vb, single = _batched(q, k, v)
     if cuda:
-        res = flash_cuda.forward(qb, kb, vb, alpha, causal, alibi_slopes, scale)
+        out, tau, ohat = flash_cuda.forward(qb, kb, vb, alpha, causal, alibi_slopes, scale,
+                                            with_ohat)
     else:
         res = [[], [], []]
         for b in range(qb.shape[0]):
             args = (qb[b].contiguous(), kb[b].contiguous(), vb[b].contiguous())
             o, t = functional.entmax_attention(*args, alpha, causal, _slopes(alibi_slopes),
                                                scale or None)
-            oh = functional.entmax_attention_ohat(*args, t, alpha, causal,
-                                                  _slopes(alibi_slopes), scale or None)
-            for i, x in enumerate((o, t, oh)):
-                res[i].append(torch.from_numpy(x))
-        res = [torch.stack(x) for x in res]
-        res[2] = res[2].to(torch.float32)
-    return tuple(x[0] for x in res) if single else tuple(res)
+            res[0].append(torch.from_numpy(o))
+            res[1].append(torch.from_numpy(t))
+            if with_ohat:
+                res[2].append(torch.from_numpy(functional.entmax_attention_ohat(
+                        *args, t, alpha, causal, _slopes(alibi_slopes), scale or None)))
+        out, tau = torch.stack(res[0]), torch.stack(res[1])
+        ohat = torch.stack(res[2]).to(torch.float32) if with_ohat else _no_ohat(q)
+    if single:
+        out, tau, ohat = out[0], tau[0], ohat[0] if with_ohat else ohat
+    return out, tau, ohat
+
+
+def _no_ohat(q):
+    """The o-hat of a forward without with_ohat: empty."""
+    return q.new_empty((0,), dtype=torch.float32)
 
 
 @flash_entmax_fwd.register_fake
-def _(q, k, v, alpha, causal, alibi_slopes, scale):
+def _(q, k, v, alpha, causal, alibi_slopes, scale, with_ohat):
     return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64),
-            q.new_empty(q.shape, dtype=torch.float32))
+            q.new_empty(q.shape, dtype=torch.float32) if with_ohat else _no_ohat(q))
 
 
 @torch.library.custom_op("entmaxkv::flash_entmax_bwd", mutates_args=())
@@ -137,25 +149,41 @@ def _(q, k, v, tau, ohat, dout, alpha, causal, alibi_slopes, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alpha, causal, alibi_slopes, scale = inputs
+    q, k, v, alpha, causal, alibi_slopes, scale, _with_ohat = inputs
     ctx.save_for_backward(q, k, v, output[1], output[2])
     ctx.args = (alpha, causal, alibi_slopes, scale)
+
+
+def _saved_ohat(ohat, q):
+    """The saved o-hat, or RuntimeError where the forward ran without it."""
+    if ohat.numel() == 0 and q.numel() != 0:
+        raise RuntimeError("entmaxkv.flash_entmax: the forward ran with with_ohat=False (no "
+                           "input required grad), so it kept no o-hat for a backward")
+    return ohat
 
 
 def _backward(ctx, dout, dtau, dohat):
     q, k, v, tau, ohat = ctx.saved_tensors
     alpha, causal, alibi_slopes, scale = ctx.args
-    dq, dk, dv = flash_entmax_bwd(q, k, v, tau, ohat, dout, alpha, causal, alibi_slopes, scale)
-    return dq, dk, dv, None, None, None, None  # tau, o-hat: not differentiated (unused)
+    dq, dk, dv = flash_entmax_bwd(q, k, v, tau, _saved_ohat(ohat, q), dout, alpha, causal,
+                                  alibi_slopes, scale)
+    # tau, o-hat: not differentiated (unused); alpha ... with_ohat: not tensors
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_entmax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _wants_grad(*ts):
+    """Whether autograd will need the backward of an op on these tensors (o-hat is kept then)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
 def flash_entmax(q, k, v, alpha=1.5, causal=True, alibi_slopes=None, scale=None):
     """Exact alpha-entmax attention (the module docstring); returns out, q's shape and dtype."""
     out, _tau, _ohat = flash_entmax_fwd(q, k, v, float(alpha), bool(causal), alibi_slopes,
-                                        0.0 if scale is None else float(scale))
+                                        0.0 if scale is None else float(scale),
+                                        _wants_grad(q, k, v))
     return out
 
 
@@ -192,25 +220,28 @@ def _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
 @torch.library.custom_op("entmaxkv::flash_entmax_varlen_fwd", mutates_args=())
 def flash_entmax_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, alpha: float,
-                            causal: bool, alibi_slopes: Optional[torch.Tensor],
-                            scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (q's shape and dtype), tau ([total_q, H], float64) and o-hat (q's shape, float32),
-    sequence by sequence."""
+                            causal: bool, alibi_slopes: Optional[torch.Tensor], scale: float,
+                            with_ohat: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (q's shape and dtype), tau ([total_q, H], float64) and o-hat (q's shape, float32;
+    empty without with_ohat), sequence by sequence."""
     _on_cuda(q, k, v, alibi_slopes)
     out = q.new_zeros(q.shape)
     tau = q.new_zeros(q.shape[:-1], dtype=torch.float64)
-    ohat = q.new_zeros(q.shape, dtype=torch.float32)
+    ohat = q.new_zeros(q.shape, dtype=torch.float32) if with_ohat else _no_ohat(q)
     for (a, b), (c, d) in _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k):
         if b > a:
-            out[a:b], tau[a:b], ohat[a:b] = flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha,
-                                                             causal, alibi_slopes, scale)
+            o, t, oh = flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal, alibi_slopes,
+                                        scale, with_ohat)
+            out[a:b], tau[a:b] = o, t
+            if with_ohat:
+                ohat[a:b] = oh
     return out, tau, ohat
 
 
 @flash_entmax_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale, with_ohat):
     return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64),
-            q.new_empty(q.shape, dtype=torch.float32))
+            q.new_empty(q.shape, dtype=torch.float32) if with_ohat else _no_ohat(q))
 
 
 @torch.library.custom_op("entmaxkv::flash_entmax_varlen_bwd", mutates_args=())
@@ -236,7 +267,7 @@ def _(q, k, v, tau, ohat, dout, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi
 
 
 def _setup_varlen_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, alpha, causal, alibi_slopes, scale = inputs
+    q, k, v, cu_q, cu_k, alpha, causal, alibi_slopes, scale, _with_ohat = inputs
     ctx.save_for_backward(q, k, v, output[1], output[2], cu_q, cu_k)
     ctx.args = (alpha, causal, alibi_slopes, scale)
 
@@ -244,9 +275,9 @@ def _setup_varlen_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, dtau, dohat):
     q, k, v, tau, ohat, cu_q, cu_k = ctx.saved_tensors
     alpha, causal, alibi_slopes, scale = ctx.args
-    dq, dk, dv = flash_entmax_varlen_bwd(q, k, v, tau, ohat, dout, cu_q, cu_k, alpha, causal,
-                                         alibi_slopes, scale)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = flash_entmax_varlen_bwd(q, k, v, tau, _saved_ohat(ohat, q), dout, cu_q, cu_k,
+                                         alpha, causal, alibi_slopes, scale)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 flash_entmax_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
@@ -258,5 +289,6 @@ def flash_entmax_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha=1.5, causal=T
     dtype."""
     out, _tau, _ohat = flash_entmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                float(alpha), bool(causal), alibi_slopes,
-                                               0.0 if scale is None else float(scale))
+                                               0.0 if scale is None else float(scale),
+                                               _wants_grad(q, k, v))
     return out

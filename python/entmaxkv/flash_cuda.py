@@ -67,17 +67,18 @@ def _workspace(a, dev, backward):
     return torch.empty(max(n, 1), dtype=torch.uint8, device=dev)  # 512-byte aligned blocks
 
 
-def forward(q, k, v, alpha, causal, slopes, scale):
-    """out (q's dtype), tau (float64 [B, T, H]) and o-hat (float32, q's shape) of batched
-    [B, ...] CUDA tensors."""
+def forward(q, k, v, alpha, causal, slopes, scale, with_ohat):
+    """out (q's dtype), tau (float64 [B, T, H]) and o-hat (float32, q's shape; empty without
+    with_ohat: the kernel then skips it) of batched [B, ...] CUDA tensors."""
     import torch
 
     with device_guard(q.device):
         a, _keep = _args(q, k, v, alpha, causal, slopes, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tau = torch.empty(q.shape[:-1], dtype=torch.float64, device=q.device)
-        ohat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        a.out, a.tau, a.ohat = out.data_ptr(), tau.data_ptr(), ohat.data_ptr()
+        ohat = torch.empty(q.shape if with_ohat else (0,), dtype=torch.float32, device=q.device)
+        a.out, a.tau = out.data_ptr(), tau.data_ptr()
+        a.ohat = ohat.data_ptr() if with_ohat else None
         ws = _workspace(a, q.device, False)
         ctx = _lib.context()
         ctx.call(lib.ekv_cuda_flash_entmax_forward, ctx.ptr, ctypes.byref(a), ws.data_ptr(),
@@ -89,6 +90,10 @@ def backward(q, k, v, tau, ohat, dout, alpha, causal, slopes, scale):
     """dq, dk, dv (the dtypes of q, k, v) from the forward's tau and o-hat and dL/dout."""
     import torch
 
+    if tau.shape != q.shape[:-1] or ohat.shape != q.shape:
+        raise ValueError(f"entmaxkv.flash_entmax: tau must be {list(q.shape[:-1])} and ohat "
+                         f"{list(q.shape)} (the forward's, with_ohat=True); got "
+                         f"{list(tau.shape)} and {list(ohat.shape)}")
     with device_guard(q.device):
         a, keep = _args(q, k, v, alpha, causal, slopes, scale)
         tau = tau.to(torch.float64).contiguous()

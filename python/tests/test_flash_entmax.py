@@ -40,11 +40,21 @@ def _scores(q, k, causal, slopes):
 def _far_from_tau(q, k, alpha, causal, slopes, margin=1e-4):
     """Every visible score at least margin from its row's tau (finite differences never cross
     the edge of the support)."""
-    _out, tau, _ohat = flash.flash_entmax_fwd(q, k, k, alpha, causal, slopes, 0.0)
+    _out, tau, _ohat = flash.flash_entmax_fwd(q, k, k, alpha, causal, slopes, 0.0, False)
     a = 1.0 if alpha == 1 else alpha - 1
     z = a * _scores(q, k, causal, slopes)
     gap = (z - tau.unsqueeze(-1)).abs()
     return bool((gap[torch.isfinite(z)] > margin).all())
+
+
+def _rows_far_from_tau(q, k, tau, alpha, causal, slopes, margin):
+    """[B, T, H] bool: the rows whose visible scores all keep margin from their tau (alpha 2
+    only; every row otherwise)."""
+    if alpha != 2.0:
+        return torch.ones(tau.shape, dtype=torch.bool)
+    z = _scores(q, k, causal, slopes)  # alpha 2: z = s
+    gap = (z - tau.unsqueeze(-1)).abs().masked_fill(~torch.isfinite(z), float("inf"))
+    return gap.amin(dim=-1) > margin
 
 
 def _gradcheck(f, q, k, v):
@@ -105,10 +115,29 @@ def test_float32_gradients_follow_the_float64_ones():
 
 def test_opcheck():
     q, k, v = _data(4, dtype=torch.float32)
-    torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd, (q, k, v, 1.5, True, None, 0.0))
-    _out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
+    for with_ohat in (True, False):
+        torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd,
+                              (q, k, v, 1.5, True, None, 0.0, with_ohat))
+    _out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0, True)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_bwd,
                           (q, k, v, tau, ohat, torch.randn_like(q), 1.5, True, None, 0.0))
+
+
+def test_ohat_only_when_grad_is_needed():
+    """with_ohat False returns an empty o-hat and the same out and tau; flash_entmax asks for it
+    only when an input requires grad, and a backward through a forward without it is refused."""
+    q, k, v = _data(17)
+    out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0, False)
+    ref, rtau, rohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0, True)
+    assert ohat.numel() == 0 and rohat.shape == q.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(tau, rtau, rtol=0, atol=0)
+    q.requires_grad_(True)
+    with torch.no_grad():
+        torch.testing.assert_close(flash.flash_entmax(q, k, v), ref, rtol=0, atol=0)
+    bare, _, _ = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0, False)
+    with pytest.raises(RuntimeError, match="with_ohat=False"):
+        bare.sum().backward()
 
 
 def test_compile_keeps_one_node():
@@ -147,14 +176,16 @@ def test_varlen_equals_each_sequence(alpha, causal, alibi):
     tq, tk = [3, 0, 1, 5], [6, 2, 7, 5]
     q, k, v, cq, ck = _packed(12, tq, tk)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64) if alibi else None
-    out, tau, ohat = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, alpha, causal, slopes, 0.0)
+    out, tau, ohat = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, alpha, causal, slopes, 0.0,
+                                                   True)
     assert out.shape == q.shape and tau.shape == q.shape[:-1] and tau.dtype == torch.float64
     assert ohat.shape == q.shape and ohat.dtype == torch.float32
     for i in range(len(tq)):
         a, b, c, d = cq[i].item(), cq[i + 1].item(), ck[i].item(), ck[i + 1].item()
         if b == a:
             continue
-        o, t, oh = flash.flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal, slopes, 0.0)
+        o, t, oh = flash.flash_entmax_fwd(q[a:b], k[c:d], v[c:d], alpha, causal, slopes, 0.0,
+                                          True)
         torch.testing.assert_close(out[a:b], o, rtol=0, atol=0)
         torch.testing.assert_close(tau[a:b], t, rtol=0, atol=0)
         torch.testing.assert_close(ohat[a:b], oh, rtol=0, atol=0)
@@ -182,8 +213,8 @@ def test_varlen_gradcheck(alpha):
 def test_varlen_opcheck_and_compile():
     q, k, v, cq, ck = _packed(13, [2, 3], [5, 3], dtype=torch.float32)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_varlen_fwd,
-                          (q, k, v, cq, ck, 1.5, True, None, 0.0))
-    _out, tau, ohat = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, 1.5, True, None, 0.0)
+                          (q, k, v, cq, ck, 1.5, True, None, 0.0, True))
+    _out, tau, ohat = flash.flash_entmax_varlen_fwd(q, k, v, cq, ck, 1.5, True, None, 0.0, True)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_varlen_bwd,
                           (q, k, v, tau, ohat, torch.randn_like(q), cq, ck, 1.5, True, None,
                            0.0))
@@ -232,15 +263,19 @@ def test_cuda_forward_matches_the_cpu_op(alpha, causal, alibi, dtype):
     (q, k, v), (q64, k64, v64) = _cuda_data(7, dtype)
     slopes = SLOPES if alibi else None
     out, tau, ohat = flash.flash_entmax_fwd(q, k, v, alpha, causal,
-                                            None if slopes is None else slopes.cuda(), 0.0)
-    ref, rtau, rohat = flash.flash_entmax_fwd(q64, k64, v64, alpha, causal, slopes, 0.0)
+                                            None if slopes is None else slopes.cuda(), 0.0, True)
+    ref, rtau, rohat = flash.flash_entmax_fwd(q64, k64, v64, alpha, causal, slopes, 0.0, True)
     assert out.dtype == dtype and out.shape == q.shape and tau.dtype == torch.float64
     assert ohat.dtype == torch.float32 and ohat.shape == q.shape
     torch.testing.assert_close(out.cpu().double(), ref, rtol=UNIT[dtype],
                                atol=1e-4 * v64.abs().max().item())
     torch.testing.assert_close(tau.cpu(), rtau, rtol=1e-5, atol=1e-5)
-    # o-hat is fp32 on the device (no 16-bit rounding), a w-weighted mean as out is p-weighted
-    torch.testing.assert_close(ohat.cpu().double(), rohat.double(), rtol=1e-5,
+    # o-hat is fp32 on the device (no 16-bit rounding), a w-weighted mean as out is p-weighted;
+    # sparsemax's w = 1 jumps at the support's edge, so there only the rows whose scores all
+    # keep 2e-5 from tau (docs/math.md §13.4)
+    rows = _rows_far_from_tau(q64, k64, rtau, alpha, causal, slopes, 2e-5)
+    assert rows.any()
+    torch.testing.assert_close(ohat.cpu().double()[rows], rohat.double()[rows], rtol=1e-5,
                                atol=1e-4 * v64.abs().max().item())
 
 
@@ -256,7 +291,7 @@ def test_cuda_tau_schemes_agree(alpha):
     try:
         for scheme in (0, 1):
             flash_cuda.tau_scheme = scheme
-            res.append(flash.flash_entmax_fwd(q, k, v, alpha, True, SLOPES.cuda(), 0.0))
+            res.append(flash.flash_entmax_fwd(q, k, v, alpha, True, SLOPES.cuda(), 0.0, False))
     finally:
         flash_cuda.tau_scheme = keep
     (o0, t0, _h0), (o1, t1, _h1) = res
@@ -309,8 +344,10 @@ def test_cuda_compile_fullgraph():
 @cuda
 def test_cuda_opcheck():
     (q, k, v), _ = _cuda_data(9, torch.float16)
-    torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd, (q, k, v, 1.5, True, None, 0.0))
-    _out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0)
+    for with_ohat in (True, False):
+        torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_fwd,
+                              (q, k, v, 1.5, True, None, 0.0, with_ohat))
+    _out, tau, ohat = flash.flash_entmax_fwd(q, k, v, 1.5, True, None, 0.0, True)
     torch.library.opcheck(torch.ops.entmaxkv.flash_entmax_bwd,
                           (q, k, v, tau, ohat, torch.randn_like(q), 1.5, True, None, 0.0))
 
@@ -339,8 +376,9 @@ def test_cuda_varlen_matches_the_cpu_op(dtype):
     ref = [t.detach().cpu().double().requires_grad_(True) for t in dev]
     slopes = SLOPES
     out, tau, _ohat = flash.flash_entmax_varlen_fwd(*dev, cq.cuda(), ck.cuda(), 1.5, True,
-                                                    slopes.cuda(), 0.0)
-    rout, rtau, _rohat = flash.flash_entmax_varlen_fwd(*ref, cq, ck, 1.5, True, slopes, 0.0)
+                                                    slopes.cuda(), 0.0, False)
+    rout, rtau, _rohat = flash.flash_entmax_varlen_fwd(*ref, cq, ck, 1.5, True, slopes, 0.0,
+                                                       False)
     vmax = ref[2].abs().max().item()
     torch.testing.assert_close(out.detach().cpu().double(), rout.detach(), rtol=UNIT[dtype],
                                atol=1e-4 * vmax)
