@@ -272,7 +272,7 @@ __device__ void pass_out(const fused_args &A, const pf_lane &L, const uint32_t (
                 const float p = jw ? attn_jweight(s[n8][i], tau[i >> 1], A.alpha, beta)
                                    : attn_weight(s[n8][i], tau[i >> 1], A.alpha, beta);
                 sum[i >> 1] += p;
-                s[n8][i] = p * wscale; /* p <= 1: within f16's range (docs/math.md §12) */
+                s[n8][i] = p * wscale; /* within f16's range (above; docs/math.md §12) */
             }
 #pragma unroll
         for (int q = 0; q < PF_KEYS / 16; q++)
