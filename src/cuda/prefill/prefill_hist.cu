@@ -441,10 +441,11 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_kernel(fused_args
     route_row(A, i, listed, base + at, (fits && !listed) || (i < rows && !bounded));
 }
 
-/* Whether row i (< rows) is one of hist_route_long_kernel's: bounded, over row_cap. */
-__device__ __forceinline__ bool route_is_long(const fused_args &A, int64_t i) {
-    const int c = A.count[i];
-    return c != INT32_MAX && c > A.row_cap;
+/* Row i's list size where it is one of hist_route_long_kernel's (bounded, over row_cap, so at
+ * least 1), else 0 (also for i past the rows). */
+__device__ __forceinline__ int route_long_count(const fused_args &A, int64_t i, int64_t rows) {
+    const int c = i < rows ? A.count[i] : 0;
+    return c != INT32_MAX && c > A.row_cap ? c : 0;
 }
 
 /* hist_route_long_kernel's chunk of HB_ROUTE_THREADS rows from i0, a thread a row: its long rows
@@ -453,8 +454,8 @@ __device__ __forceinline__ bool route_is_long(const fused_args &A, int64_t i) {
 __device__ __forceinline__ void route_long_chunk(const fused_args &A, int64_t i0, int64_t rows,
                                                  long long *wsum, long long *base) {
     const int64_t i = i0 + threadIdx.x;
-    const bool wants = i < rows && route_is_long(A, i);
-    const int c = wants ? A.count[i] : 0;
+    const int c = route_long_count(A, i, rows);
+    const bool wants = c > 0;
     long long total; /* the scan's barriers order the last write of *base */
     const long long at = ekv_block_exclusive_scan((long long)c, wsum, &total);
     const long long b = *base;
@@ -486,7 +487,7 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_long_kernel(fused
 #pragma unroll
         for (int k = 0; k < 32; k++) {
             const int64_t i = s0 + (int64_t)k * HB_ROUTE_THREADS + threadIdx.x;
-            if (i < rows && route_is_long(A, i)) mine |= 1u << k;
+            if (route_long_count(A, i, rows) > 0) mine |= 1u << k;
         }
         if (mine) atomicOr(&chunks, mine);
         __syncthreads();
