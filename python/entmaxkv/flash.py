@@ -111,10 +111,15 @@ def _no_ohat(q):
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@flash_entmax_fwd.register_fake
-def _(q, k, v, alpha, causal, alibi_slopes, scale, with_ohat):
+def _fwd_fake(q, with_ohat):
+    """Both forwards' outputs as their fake implementations give them: out, tau, o-hat."""
     return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64),
             q.new_empty(q.shape, dtype=torch.float32) if with_ohat else _no_ohat(q))
+
+
+@flash_entmax_fwd.register_fake
+def _(q, k, v, alpha, causal, alibi_slopes, scale, with_ohat):
+    return _fwd_fake(q, with_ohat)
 
 
 @torch.library.custom_op("entmaxkv::flash_entmax_bwd", mutates_args=())
@@ -240,8 +245,7 @@ def flash_entmax_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @flash_entmax_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, causal, alibi_slopes, scale, with_ohat):
-    return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float64),
-            q.new_empty(q.shape, dtype=torch.float32) if with_ohat else _no_ohat(q))
+    return _fwd_fake(q, with_ohat)
 
 
 @torch.library.custom_op("entmaxkv::flash_entmax_varlen_bwd", mutates_args=())
