@@ -3,9 +3,9 @@
  * attention of B sequences of T query rows over device tensors, on the fused prefill kernel
  * (prefill_fused.cu, through ekv_cuda_prefill_attention, the model engine's entry). Per
  * sequence and per pass of `chunk` query tokens:
- *   1. q of the pass as fp32 (16-bit q: one conversion kernel; f32 q is read where it is); a q
- *      of K's dtype is exact there, so the scores take it as one part and a * scale after the
- *      product, as the backward does (docs/math.md §12);
+ *   1. q of the pass is read where it is, in its dtype (the split of the queries converts it);
+ *      a q of K's dtype is exact there, so the scores take it as one part and a * scale after
+ *      the product, as the backward does (docs/math.md §12);
  *   2. the fused kernel on the pass's rows (positions N - T + t0.., causal or every key; its
  *      scratch carved from the caller's workspace, sized for `chunk` tokens);
  *   3. finish_kernel: each row's tau back in z-space (the kernel keeps tau - M and M, docs/math.md
@@ -157,11 +157,11 @@ static ekv_cuda_prefill prefill_sizes(const flash_job &J) {
 }
 
 /* The forward's pieces of the workspace: the fused kernel's scratch for one pass first
- * (ekv_cuda_prefill_layout_of), then its counters and the pass's fp32 q and output when the
- * caller's are 16-bit. */
+ * (ekv_cuda_prefill_layout_of), then its counters and the pass's fp32 output when the caller's
+ * is 16-bit. */
 struct fwd_layout {
     ekv_cuda_prefill_layout pf;
-    int64_t counters, q32, att32, total;
+    int64_t counters, att32, total;
 };
 
 static fwd_layout forward_layout(const flash_job &J) {
@@ -172,7 +172,6 @@ static fwd_layout forward_layout(const flash_job &J) {
     ws_carver c;
     c.at = L.pf.total;
     L.counters = c.take(PF_COUNTERS * 8);
-    L.q32 = J.a->q_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
     L.att32 = J.a->out_dtype != EKV_DTYPE_F32 ? c.take(rows * J.D * 4) : -1;
     L.total = c.at;
     return L;
@@ -214,11 +213,7 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
                                char *base, int64_t b, int64_t t0, int64_t Tc) {
     const ekv_flash_entmax_args *a = J.a;
     const int64_t qo = ((b * J.T + t0) * J.H) * J.D, ko = b * J.N * J.Hk * J.D;
-    const int64_t kes = ekv_dtype_size(a->kv_dtype), n = Tc * J.H * J.D;
-    float *q32 = L.q32 < 0 ? (float *)a->q + qo : (float *)(base + L.q32);
-    if (L.q32 >= 0)
-        FLASH_TRY(J, flash_to_f32(J, a->q_dtype,
-                                  (const char *)a->q + qo * ekv_dtype_size(a->q_dtype), q32, n));
+    const int64_t kes = ekv_dtype_size(a->kv_dtype);
     ekv_cuda_prefill_block blk = {};
     blk.pos0 = J.N - J.T + t0;
     blk.T = Tc;
@@ -229,7 +224,8 @@ static ekv_status forward_pass(const flash_job &J, const fwd_layout &L, const ek
     blk.dtype = a->kv_dtype;
     blk.k = (const char *)a->k + ko * kes;
     blk.v = (const char *)a->v + ko * kes;
-    blk.q = q32;
+    blk.q = (const char *)a->q + qo * ekv_dtype_size(a->q_dtype);
+    blk.q_dtype = a->q_dtype;
     blk.q_in_kv_dtype = a->q_dtype == a->kv_dtype; /* q as one part (docs/math.md §12) */
     blk.slopes = a->shape.alibi_slopes;
     blk.att = L.att32 < 0 ? (float *)a->out + qo : (float *)(base + L.att32);

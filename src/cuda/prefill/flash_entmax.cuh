@@ -35,30 +35,6 @@ int64_t flash_backward_bytes(const flash_job &J);
 /* The workspace given to a call: not NULL, 256-byte aligned, at least `need` bytes. */
 ekv_status flash_check_workspace(const flash_job &J, const void *ws, int64_t bytes, int64_t need);
 
-namespace {
-
-/* dst[i] = src[i] as fp32 (T: the source's storage type), a grid-stride loop. */
-template <typename T> __global__ void flash_to_f32_kernel(const T *src, float *dst, int64_t n) {
-    ekv_grid_begin();
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = ekv_elem<T>::to(src[i]);
-}
-
-/* n elements of dtype dt at src as fp32 at dst, on the job's stream. */
-inline cudaError_t flash_to_f32(const flash_job &J, ekv_dtype dt, const void *src, float *dst,
-                                int64_t n) {
-    const int64_t blocks = (n + 255) / 256;
-    const unsigned grid = (unsigned)(blocks < 65536 ? blocks : 65536);
-    ekv_cuda_with_dtype(dt, [&](auto ty) {
-        typedef typename decltype(ty)::type T;
-        flash_to_f32_kernel<T><<<grid, 256, 0, J.stream>>>(static_cast<const T *>(src), dst, n);
-    });
-    return cudaGetLastError();
-}
-
-} // namespace
-
 #define FLASH_TRY(J, call)                                                                         \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \

@@ -222,6 +222,7 @@ ekv_status ekv_cuda_prefill_attention(const ekv_cuda_prefill *pf, const ekv_cuda
     A.qf = (float)(A.a * (float)ekv_effective_scale(b->scale, A.D)); /* as ekv_cpu_scale_queries */
     A.pscale = b->dtype == EKV_DTYPE_F16 ? 16384.f : 1.f;
     A.q = b->q;
+    A.q_dtype = b->q_dtype;
     A.slopes = b->slopes;
     A.scores = pf->scores;
     A.qshift = pf->qshift;

@@ -161,9 +161,10 @@ struct ekv_cuda_prefill_block {
     int64_t noncausal_keys;
     ekv_dtype dtype;     /* K's and V's */
     const void *k, *v;   /* key and value 0 of KV head 0 of the sequence, tokens Hk * D apart */
-    const float *q;      /* [T][H][D]; pos0 may be negative when noncausal_keys < T */
-    /* 1: every q value is exact in K's dtype (a 16-bit q given as fp32, the flash op's): the
-     * scores take q as one part and a * scale after the product (docs/math.md §12) */
+    const void *q;       /* [T][H][D] of q_dtype; pos0 may be negative when noncausal_keys < T */
+    ekv_dtype q_dtype;   /* f32 (zero: the model engine's), f16 or bf16 (the flash op's) */
+    /* 1: q_dtype is K's: every q value is exact there, so the scores take q as one part and
+     * a * scale after the product (docs/math.md §12) */
     int q_in_kv_dtype;
     const float *slopes; /* [H] ALiBi slopes (device), or NULL */
     float *att;          /* [T][H][D] the output */

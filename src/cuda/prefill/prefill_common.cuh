@@ -17,7 +17,10 @@ struct prefill_args {
     float qf;     /* (a * scale) rounded as the CPU rounds it */
     float pscale; /* p is split as p * pscale (f16: 2^14, so that its parts stay normal) */
     double a, alpha;
-    const float *q, *slopes;
+    /* [T][H][D] of q_dtype (ekv_cuda_prefill_block.q), read by split_queries_kernel */
+    const void *q;
+    ekv_dtype q_dtype;
+    const float *slopes;
     float *scores, *qshift, *rinv, *obuf, *att;
     float *ohat; /* [T][H][D] or NULL (ekv_cuda_prefill_block.ohat) */
     void *qparts, *pparts;
@@ -40,16 +43,32 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
     }
 }
 
+/* Element i of q as fp32 (exact: each dtype's values are fp32 values); the dtype is
+ * launch-uniform. */
+__device__ __forceinline__ float query_value(const prefill_args &A, int64_t i) {
+    if (A.q_dtype == EKV_DTYPE_F16) return __half2float(static_cast<const __half *>(A.q)[i]);
+    if (A.q_dtype == EKV_DTYPE_BF16)
+        return __bfloat162float(static_cast<const __nv_bfloat16 *>(A.q)[i]);
+    return static_cast<const float *>(A.q)[i];
+}
+
+/* A row's D values of q in fp32 as the split reads them: the lane's elements d = lane + 32 j. */
+struct query_row {
+    const prefill_args &A;
+    int64_t at;
+    __device__ __forceinline__ float operator[](int64_t d) const { return query_value(A, at + d); }
+};
+
 /* warp (t, h) (ekv_prefill_warp_row), rows t H + h in order: q'[t][h] split into nq parts,
  * shifted by 2^s for f16 (docs/math.md §12); or, with nq 1 (q exact in K's dtype), q itself and
- * a * scale as the row's factor */
+ * a * scale as the row's factor. q is read in its own dtype (query_value). */
 template <typename T> __global__ void split_queries_kernel(prefill_args A) {
     ekv_grid_begin();
     const int lane = threadIdx.x & 31;
     const int64_t id = ekv_prefill_warp_row();
     if (id >= A.T * A.H) return; /* warp-uniform */
     const int64_t t = id / A.H, h = id % A.H, g = h / A.G, r = t * A.G + h % A.G;
-    const float *q = A.q + id * A.D;
+    const query_row q{A, id * A.D};
     const int64_t row = g * A.R + r, pstride = A.Hk * A.R * A.D;
     T *dst = (T *)A.qparts + row * A.D;
     if (A.qbound) { /* ALiBi's reach: |s 2^-s| <= |q'| max |k| (docs/math.md §12.1) */

@@ -351,98 +351,15 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) fused_tau_kernel(fused_args A)
     }
 }
 
-/* Support keys whose V rows gather_out_kernel loads at once: one load in flight a warp left
- * each row's latency exposed (the flat heads' lists of 1-4K keys, 10 % of the model's prefill). */
-enum { GATHER_ILP = 4 };
-
-/* o += p_k v_k over the support keys of the warp's mask m (bit: the lane holding p and key),
- * GATHER_ILP rows loaded before their fmas; the fmas in the lanes' order, so the sum is the one
- * a key at a time gives, bit for bit. OHAT: oh += w_k v_k too, from the same loads. Warp-uniform
- * call. */
-template <typename T, int NPAIR, bool OHAT>
-__device__ __forceinline__ void gather_rows(unsigned m, float p, float w, int64_t key, const T *V,
-                                            int64_t kstride, float *o, float *oh) {
-    typedef typename ekv_pair_of<T>::type T2;
-    const int lane = threadIdx.x & 31;
-    while (m) {
-        int src[GATHER_ILP], cnt = 0;
-#pragma unroll
-        for (int u = 0; u < GATHER_ILP; u++) {
-            src[u] = m ? __ffs(m) - 1 : 0;
-            cnt += m != 0;
-            m &= m - 1;
-        }
-        float pk[GATHER_ILP], wk[GATHER_ILP];
-        float2 v[GATHER_ILP][NPAIR];
-#pragma unroll
-        for (int u = 0; u < GATHER_ILP; u++) {
-            pk[u] = __shfl_sync(0xffffffffu, p, src[u]);
-            if (OHAT) wk[u] = __shfl_sync(0xffffffffu, w, src[u]);
-            const T *vr = V + __shfl_sync(0xffffffffu, key, src[u]) * kstride;
-#pragma unroll
-            for (int c = 0; c < NPAIR; c++)
-                v[u][c] = u < cnt ? ekv_pair_f32(
-                                            *reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane))
-                                  : make_float2(0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < GATHER_ILP; u++)
-#pragma unroll
-            for (int c = 0; c < NPAIR && u < cnt; c++) {
-                o[2 * c] = fmaf(pk[u], v[u][c].x, o[2 * c]);
-                o[2 * c + 1] = fmaf(pk[u], v[u][c].y, o[2 * c + 1]);
-                if (OHAT) {
-                    oh[2 * c] = fmaf(wk[u], v[u][c].x, oh[2 * c]);
-                    oh[2 * c + 1] = fmaf(wk[u], v[u][c].y, oh[2 * c + 1]);
-                }
-            }
-    }
-}
-
-/* Step 3, a warp per row solved from its candidates (ROW_SOLVED): the kept list holds every
- * z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above a lower
- * bound of tau), so o = sum p v / sum p over it reads only the support's V rows. Each support
- * key's row is one coalesced load by the warp (lane: D / 64 pairs of elements; gather_rows);
- * p in fp32, not split into parts as the sweep's tensor cores need. OHAT: o-hat =
- * sum w~ v / sum w~ from the same rows into A.ohat (docs/math.md §13.3). Warp-uniform exits. */
+/* Step 3, a warp per row solved from its candidates (ROW_SOLVED): gather_row_output over its
+ * whole list (the tau kernel solved over all of it). Warp-uniform exits. */
 template <typename T, int D, bool OHAT>
 __global__ void __launch_bounds__(PF_GATHER_THREADS) gather_out_kernel(fused_args A) {
     ekv_grid_begin();
-    constexpr int NPAIR = D / 64;
-    const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (PF_GATHER_THREADS / 32) + (threadIdx.x >> 5);
     if (row >= A.Hk * A.R || A.state[row] != ROW_SOLVED) return;
-    const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
-    const double tau = (double)A.rowm[row] + A.tau[row], beta = 1.0 / (A.alpha - 1.0);
-    const int64_t n = A.count[row]; /* the whole list: the tau kernel solved over all of it */
-    const float *cz = A.cand + list_at(A, row);
-    const int64_t *ck = A.cidx + list_at(A, row);
-    const T *V = static_cast<const T *>(A.v) + g * A.D;
-    float o[2 * NPAIR], oh[2 * NPAIR];
-#pragma unroll
-    for (int c = 0; c < 2 * NPAIR; c++) o[c] = oh[c] = 0.f;
-    double sum = 0, wsum = 0;
-    for (int64_t base = 0; base < n; base += 32) {
-        const int64_t i = base + lane;
-        const float p = i < n ? attn_weight(cz[i], tau, A.alpha, beta) : 0.f;
-        /* w~ where p > 0: the support as the output takes it */
-        const float w = OHAT && p > 0.f ? attn_jweight(cz[i], tau, A.alpha, beta) : 0.f;
-        const int64_t key = p > 0.f ? ck[i] : 0;
-        sum += p, wsum += w;
-        gather_rows<T, NPAIR, OHAT>(__ballot_sync(0xffffffffu, p > 0.f), p, w, key, V, A.kstride, o,
-                                    oh);
-    }
-    const float f = (float)(1.0 / ekv_warp_sum(sum));
-    const int64_t at = (t * A.H + h) * A.D;
-    const float fw = OHAT ? (float)(1.0 / ekv_warp_sum(wsum)) : 0.f;
-#pragma unroll
-    for (int c = 0; c < NPAIR; c++) {
-        *reinterpret_cast<float2 *>(A.att + at + 64 * c + 2 * lane) =
-                make_float2(o[2 * c] * f, o[2 * c + 1] * f);
-        if (OHAT)
-            *reinterpret_cast<float2 *>(A.ohat + at + 64 * c + 2 * lane) =
-                    make_float2(oh[2 * c] * fw, oh[2 * c + 1] * fw);
-    }
+    gather_row_output<T, D, OHAT>(A, row, A.cand + list_at(A, row), A.cidx + list_at(A, row),
+                                  A.count[row], (double)A.rowm[row] + A.tau[row]);
 }
 
 /* Every row of the block to state v (softmax: ROW_NEWTON, no candidate rounds). */
@@ -452,17 +369,14 @@ __global__ void set_rows_kernel(int32_t *state, int64_t rows, int32_t v) {
     if (i < rows) state[i] = v;
 }
 
-template <typename T, bool OHAT> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
+cudaError_t launch_gather(ekv_dtype dt, const fused_args &A, cudaStream_t s) {
     constexpr int per = PF_GATHER_THREADS / 32;
     const unsigned blocks = (unsigned)((A.Hk * A.R + per - 1) / per);
-    if (A.D == 64)
-        gather_out_kernel<T, 64, OHAT><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
-    else
-        gather_out_kernel<T, 128, OHAT><<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
-    return cudaGetLastError();
-}
-template <typename T> cudaError_t launch_gather(const fused_args &A, cudaStream_t s) {
-    return A.ohat ? launch_gather<T, true>(A, s) : launch_gather<T, false>(A, s);
+    return with_gather_kernel(dt, A, [&](auto ty, auto d, auto ohat) {
+        gather_out_kernel<typename decltype(ty)::type, decltype(d)::value, decltype(ohat)::value>
+                <<<blocks, PF_GATHER_THREADS, 0, s>>>(A);
+        return cudaGetLastError();
+    });
 }
 
 template <typename T, int D, int NP, int MODE>
@@ -501,14 +415,15 @@ ekv_status newton_outputs(const ekv_cuda_prefill *pf, ekv_dtype dt, const fused_
 }
 
 /* The rows on A's list (wlist_in): their Newton passes, then their output (and o-hat) by a
- * sweep; every other row's output (and o-hat) from its list (gather_out_kernel). Both schemes
- * end so. */
-ekv_status newton_and_outputs(const ekv_cuda_prefill *pf, ekv_dtype dt, const fused_args &A) {
+ * sweep; every other row's output (and o-hat) from its list (gather_out_kernel), unless the
+ * scheme's tau kernel gathered them already (`gathered`: the histogram scheme's hist_tau_kernel
+ * outputs each row it solves). Both schemes end so. */
+ekv_status newton_and_outputs(const ekv_cuda_prefill *pf, ekv_dtype dt, const fused_args &A,
+                              bool gathered) {
     GPU_TRY(pf, launch(dt, A, PF_NEWTON, pf->stream));
     ekv_status st = newton_outputs(pf, dt, A);
     if (st) return st;
-    GPU_TRY(pf, dt == EKV_DTYPE_F16 ? launch_gather<__half>(A, pf->stream)
-                                    : launch_gather<__nv_bfloat16>(A, pf->stream));
+    if (!gathered) GPU_TRY(pf, launch_gather(dt, A, pf->stream));
     return EKV_OK;
 }
 
@@ -575,7 +490,7 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
         GPU_TRY(pf, prefill_hist_lists(dt, A, pf->stream));
         A.wlist_in = pf->wlist;
         A.wcount_in = pf->wcount;
-        return newton_and_outputs(pf, dt, A);
+        return newton_and_outputs(pf, dt, A, true);
     }
     /* every row ROW_FRESH; a pass writes the counts of the rows it works on */
     GPU_TRY(pf, cudaMemsetAsync(A.state, 0, (size_t)rows * 4, pf->stream));
@@ -599,5 +514,5 @@ ekv_status ekv_cuda_prefill_fused(const ekv_cuda_prefill *pf, const ekv_cuda_pre
     /* the rows left after the last round */
     A.wlist_in = list[(PF_ROUNDS - 1) % 2];
     A.wcount_in = count[(PF_ROUNDS - 1) % 2];
-    return newton_and_outputs(pf, dt, A);
+    return newton_and_outputs(pf, dt, A, false);
 }

@@ -127,6 +127,111 @@ __device__ __forceinline__ void list_for_next_pass(const fused_args &A, int64_t 
     A.wlist_out[g * A.R + atomicAdd(A.wcount_out + g, 1)] = (int32_t)(row % A.R);
 }
 
+/* Support keys whose V rows gather_row_output loads at once: one load in flight a warp left
+ * each row's latency exposed (the flat heads' lists of 1-4K keys, 10 % of the model's prefill). */
+enum { GATHER_ILP = 4 };
+
+/* o += p_k v_k over the support keys of the warp's mask m (bit: the lane holding p and key),
+ * GATHER_ILP rows loaded before their fmas; the fmas in the lanes' order, so the sum is the one
+ * a key at a time gives, bit for bit. OHAT: oh += w_k v_k too, from the same loads. Warp-uniform
+ * call. */
+template <typename T, int NPAIR, bool OHAT>
+__device__ __forceinline__ void gather_rows(unsigned m, float p, float w, int64_t key, const T *V,
+                                            int64_t kstride, float *o, float *oh) {
+    typedef typename ekv_pair_of<T>::type T2;
+    const int lane = threadIdx.x & 31;
+    while (m) {
+        int src[GATHER_ILP], cnt = 0;
+#pragma unroll
+        for (int u = 0; u < GATHER_ILP; u++) {
+            src[u] = m ? __ffs(m) - 1 : 0;
+            cnt += m != 0;
+            m &= m - 1;
+        }
+        float pk[GATHER_ILP], wk[GATHER_ILP];
+        float2 v[GATHER_ILP][NPAIR];
+#pragma unroll
+        for (int u = 0; u < GATHER_ILP; u++) {
+            pk[u] = __shfl_sync(0xffffffffu, p, src[u]);
+            if (OHAT) wk[u] = __shfl_sync(0xffffffffu, w, src[u]);
+            const T *vr = V + __shfl_sync(0xffffffffu, key, src[u]) * kstride;
+#pragma unroll
+            for (int c = 0; c < NPAIR; c++)
+                v[u][c] = u < cnt ? ekv_pair_f32(
+                                            *reinterpret_cast<const T2 *>(vr + 64 * c + 2 * lane))
+                                  : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < GATHER_ILP; u++)
+#pragma unroll
+            for (int c = 0; c < NPAIR && u < cnt; c++) {
+                o[2 * c] = fmaf(pk[u], v[u][c].x, o[2 * c]);
+                o[2 * c + 1] = fmaf(pk[u], v[u][c].y, o[2 * c + 1]);
+                if (OHAT) {
+                    oh[2 * c] = fmaf(wk[u], v[u][c].x, oh[2 * c]);
+                    oh[2 * c + 1] = fmaf(wk[u], v[u][c].y, oh[2 * c + 1]);
+                }
+            }
+    }
+}
+
+/* Step 3 for one row solved from its list (warp-uniform call): the list (cz, ck: n entries)
+ * holds every z > tau with its key (round 0's candidates z > m - 1 with m <= M, a retry's above
+ * a lower bound of tau; the histogram scheme's z >= an edge <= tau), so o = sum p v / sum p over
+ * it reads only the support's V rows. Each support key's row is one coalesced load by the warp
+ * (lane: D / 64 pairs of elements; gather_rows); p in fp32, not split into parts as the sweep's
+ * tensor cores need. OHAT: o-hat = sum w~ v / sum w~ from the same rows into A.ohat
+ * (docs/math.md §13.3). tau in z-space. */
+template <typename T, int D, bool OHAT>
+__device__ __forceinline__ void gather_row_output(const fused_args &A, int64_t row, const float *cz,
+                                                  const int64_t *ck, int64_t n, double tau) {
+    constexpr int NPAIR = D / 64;
+    const int lane = threadIdx.x & 31;
+    const int64_t g = row / A.R, r = row % A.R, t = r / A.G, h = g * A.G + r % A.G;
+    const double beta = 1.0 / (A.alpha - 1.0);
+    const T *V = static_cast<const T *>(A.v) + g * A.D;
+    float o[2 * NPAIR], oh[2 * NPAIR];
+#pragma unroll
+    for (int c = 0; c < 2 * NPAIR; c++) o[c] = oh[c] = 0.f;
+    double sum = 0, wsum = 0;
+    for (int64_t base = 0; base < n; base += 32) {
+        const int64_t i = base + lane;
+        const float p = i < n ? attn_weight(cz[i], tau, A.alpha, beta) : 0.f;
+        /* w~ where p > 0: the support as the output takes it */
+        const float w = OHAT && p > 0.f ? attn_jweight(cz[i], tau, A.alpha, beta) : 0.f;
+        const int64_t key = p > 0.f ? ck[i] : 0;
+        sum += p, wsum += w;
+        gather_rows<T, NPAIR, OHAT>(__ballot_sync(0xffffffffu, p > 0.f), p, w, key, V, A.kstride, o,
+                                    oh);
+    }
+    const float f = (float)(1.0 / ekv_warp_sum(sum));
+    const int64_t at = (t * A.H + h) * A.D;
+    const float fw = OHAT ? (float)(1.0 / ekv_warp_sum(wsum)) : 0.f;
+#pragma unroll
+    for (int c = 0; c < NPAIR; c++) {
+        *reinterpret_cast<float2 *>(A.att + at + 64 * c + 2 * lane) =
+                make_float2(o[2 * c] * f, o[2 * c + 1] * f);
+        if (OHAT)
+            *reinterpret_cast<float2 *>(A.ohat + at + 64 * c + 2 * lane) =
+                    make_float2(oh[2 * c] * fw, oh[2 * c + 1] * fw);
+    }
+}
+
+/* Calls f(ekv_cuda_type<T>, D, OHAT) (the integral constants of the head dim, 64 or 128, and of
+ * whether o-hat is asked for) for V's 16-bit dtype dt: the launches of the kernels that end in
+ * gather_row_output. */
+template <typename F> cudaError_t with_gather_kernel(ekv_dtype dt, const fused_args &A, F f) {
+    auto by_dim = [&](auto ty) {
+        auto by_ohat = [&](auto d) {
+            return A.ohat ? f(ty, d, std::true_type{}) : f(ty, d, std::false_type{});
+        };
+        return A.D == 64 ? by_ohat(std::integral_constant<int, 64>{})
+                         : by_ohat(std::integral_constant<int, 128>{});
+    };
+    return dt == EKV_DTYPE_F16 ? by_dim(ekv_cuda_type<__half>{})
+                               : by_dim(ekv_cuda_type<__nv_bfloat16>{});
+}
+
 /* A pass kernel of bytes of dynamic shared memory over the grid of row blocks x KV heads. */
 template <auto Kernel>
 cudaError_t launch_row_blocks(const fused_args &A, size_t bytes, cudaStream_t s) {

@@ -18,9 +18,9 @@
  *      every z >= the edge with its key to the row's slice; the same z as P1's, so the slice
  *      holds them exactly (a row that finds another count, or whose list's max is not P1's M,
  *      impossible but checked, goes to the Newton passes).
- *   tau (a warp per row): solve_tau from lb - M over the list, which holds the support.
- * The output of the route-G rows is then gathered from their lists, the others swept
- * (prefill_fused.cu, newton_and_outputs).
+ *   tau (a warp per row): solve_tau from lb - M over the list, which holds the support, then
+ *      the row's output gathered from the same list by the same warp (gather_row_output).
+ * The other rows' outputs are swept (prefill_fused.cu, newton_and_outputs).
  */
 #include "prefill_fused.cuh"
 
@@ -499,10 +499,12 @@ __global__ void __launch_bounds__(HB_ROUTE_THREADS) hist_route_long_kernel(fused
 }
 
 /* A warp per ROW_LIST row: tau from its list, which holds every z >= e (e <= tau: the support),
- * from e - M (a lower bound; -1 at least), M from P1. P1's M must be the list's max bitwise
- * (the same z function, docs/math.md §12.1); a row whose list says otherwise is not trusted:
- * it goes to the Newton passes, counted (tests where every row fits a list require none).
- * Warp-uniform exits. */
+ * from e - M (a lower bound; -1 at least), M from P1; then the row's output (and o-hat) from the
+ * same list (gather_row_output: its z staged, its keys), so no later kernel reads the list again.
+ * P1's M must be the list's max bitwise (the same z function, docs/math.md §12.1); a row whose
+ * list says otherwise is not trusted: it goes to the Newton passes, counted (tests where every
+ * row fits a list require none). Warp-uniform exits. */
+template <typename T, int D, bool OHAT>
 __global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) {
     ekv_grid_begin();
     __shared__ float stage[PF_TAU_THREADS / 32][PF_TAU_STAGE];
@@ -524,6 +526,7 @@ __global__ void __launch_bounds__(PF_TAU_THREADS) hist_tau_kernel(fused_args A) 
         A.tau[row] = t;
         A.state[row] = ROW_SOLVED;
     }
+    gather_row_output<T, D, OHAT>(A, row, cs, A.cidx + A.off[row], n, (double)M + t);
 }
 
 template <int MODE> cudaError_t launch_hist(ekv_dtype dt, const fused_args &A, cudaStream_t s) {
@@ -560,8 +563,12 @@ cudaError_t prefill_hist_lists(ekv_dtype dt, const fused_args &A, cudaStream_t s
     if (e == cudaSuccess) e = launch_hist<HIST_LIST>(dt, A, s);
     if (e == cudaSuccess) {
         constexpr int per = PF_TAU_THREADS / 32;
-        hist_tau_kernel<<<(unsigned)((rows + per - 1) / per), PF_TAU_THREADS, 0, s>>>(A);
-        e = cudaGetLastError();
+        const unsigned blocks = (unsigned)((rows + per - 1) / per);
+        e = with_gather_kernel(dt, A, [&](auto ty, auto d, auto ohat) {
+            hist_tau_kernel<typename decltype(ty)::type, decltype(d)::value, decltype(ohat)::value>
+                    <<<blocks, PF_TAU_THREADS, 0, s>>>(A);
+            return cudaGetLastError();
+        });
     }
     return e;
 }
