@@ -43,12 +43,13 @@ __device__ __forceinline__ void split(float x, int np, T *dst, int64_t part_stri
     }
 }
 
-/* Element i of q as fp32 (exact: each dtype's values are fp32 values); the dtype is
- * launch-uniform. */
+/* Element i of q as fp32 by the backend's conversions (ekv_elem: exact, each dtype's values
+ * are fp32 values); the dtype is launch-uniform. */
 __device__ __forceinline__ float query_value(const prefill_args &A, int64_t i) {
-    if (A.q_dtype == EKV_DTYPE_F16) return __half2float(static_cast<const __half *>(A.q)[i]);
+    if (A.q_dtype == EKV_DTYPE_F16)
+        return ekv_elem<__half>::to(static_cast<const __half *>(A.q)[i]);
     if (A.q_dtype == EKV_DTYPE_BF16)
-        return __bfloat162float(static_cast<const __nv_bfloat16 *>(A.q)[i]);
+        return ekv_elem<__nv_bfloat16>::to(static_cast<const __nv_bfloat16 *>(A.q)[i]);
     return static_cast<const float *>(A.q)[i];
 }
 
